@@ -1,0 +1,1 @@
+"""The llmrun command line: everything that touches the terminal."""

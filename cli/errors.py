@@ -1,0 +1,107 @@
+"""The one place where errors become messages and exit codes.
+
+Engine code raises domain errors; this table adds a hint to each. Every message is one line on
+stderr. Exit codes: 1 for errors, 2 for usage (Click's own), 130 for Ctrl-C, 141 for a closed
+stdout (as if killed by SIGPIPE, but quietly). LLMRUN_DEBUG=1 shows tracebacks instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+import typer
+
+from llmrun.runners.errors import (
+    AmbiguousModelError,
+    BadRequestError,
+    EmptyPromptError,
+    EngineError,
+    HubError,
+    InvalidModelFileError,
+    LlmrunError,
+    ModelLoadError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from llmrun.runners.models import DEFAULT_MODEL_INSTALL, DefaultModelMissingError
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+
+def _too_long(e: LlmrunError) -> str:
+    assert isinstance(e, PromptTooLongError)
+    return f"raise -c/--ctx above {e.prompt_tokens} or shorten the prompt"
+
+
+HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
+    ModelNotFoundError: lambda e: "give a .gguf path or a Hub reference such as owner/repo:Q4_K_M",
+    InvalidModelFileError: lambda e: "download the file again; llmrun loads GGUF v2/v3 files",
+    ModelLoadError: lambda e: "the file may be for a newer llama.cpp, or damaged",
+    DefaultModelMissingError: lambda e: f"run 'make demo' or '{DEFAULT_MODEL_INSTALL}'",
+    AmbiguousModelError: lambda e: "name one with owner/repo:QUANT or owner/repo/file.gguf",
+    HubError: lambda e: "check the reference; 'llmrun models' lists what is cached",
+    PromptTooLongError: _too_long,
+    EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
+    BadRequestError: lambda e: "",
+    EngineError: lambda e: "",
+}
+
+
+def message(e: LlmrunError) -> str:
+    """The one-line text for an error: what happened, then how to fix it."""
+    hint = ""
+    for cls in type(e).__mro__:
+        if cls in HINTS:
+            hint = HINTS[cls](e)
+            break
+    text = " ".join(str(e).split())
+    return f"llmrun: error: {text}" + (f" ({hint})" if hint else "")
+
+
+def print_error(e: LlmrunError) -> None:
+    print(message(e), file=sys.stderr, flush=True)
+
+
+def debug() -> bool:
+    return os.environ.get("LLMRUN_DEBUG", "") not in ("", "0")
+
+
+def quiet_broken_pipe() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot complain again."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """Run a command body, turning every failure into one line and an exit code."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except LlmrunError as e:
+        if debug():
+            raise
+        print_error(e)
+        raise typer.Exit(EXIT_ERROR) from None
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
+    except KeyboardInterrupt:
+        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:
+        if debug():
+            raise
+        print(
+            f"llmrun: internal error: {type(e).__name__}: {e} (LLMRUN_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise typer.Exit(EXIT_ERROR) from None

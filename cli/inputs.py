@@ -1,0 +1,159 @@
+"""Where `llmrun run` gets its prompts: arguments, stdin, -f files, --jsonl requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmrun.runners.base import ChatMessage, Request, SamplingParams
+from llmrun.runners.errors import BadRequestError, EmptyPromptError
+
+JSONL_SAMPLING_KEYS = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "seed": "seed",
+    "stop": "stop",
+}
+JSONL_KEYS = {"id", "prompt", "messages", "system", "raw", *JSONL_SAMPLING_KEYS}
+ROLES = {"system", "user", "assistant"}
+
+
+@dataclass(frozen=True)
+class Job:
+    label: str  # how results and errors name this request: "prompt", "FILE", "FILE:LINE"
+    request: Request | None
+    error: str | None = None  # a line that could not be read; reported, then skipped
+
+
+def make_request(
+    text: str, *, system: str | None, raw: bool, sampling: SamplingParams
+) -> Request:
+    if not text.strip():
+        raise EmptyPromptError()
+    if raw:
+        prompt = f"{system}\n\n{text}" if system else text
+        return Request(prompt=prompt, sampling=sampling)
+    return Request.chat(text, system=system, sampling=sampling)
+
+
+def combine(instruction: str, material: str) -> str:
+    """An argument and piped material together: the material, then the instruction."""
+    if not instruction:
+        return material
+    if not material.strip():
+        return instruction
+    return f"{material.rstrip()}\n\n{instruction}"
+
+
+def read_stdin_if_piped() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        return ""
+    try:
+        return sys.stdin.read()
+    except (OSError, ValueError):
+        return ""
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadRequestError(f"prompt file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"cannot read prompt file {path}: {e}") from None
+
+
+def collect_jobs(
+    *,
+    words: list[str],
+    files: list[Path],
+    jsonl: Path | None,
+    system: str | None,
+    raw: bool,
+    sampling: SamplingParams,
+) -> list[Job]:
+    """Every request a `run` invocation asks for, in order."""
+    instruction = " ".join(words).strip()
+    jobs: list[Job] = []
+    for path in files:
+        text = combine(instruction, read_text(path))
+        if not text.strip():
+            raise EmptyPromptError(f"prompt file {path}")
+        jobs.append(Job(str(path), make_request(text, system=system, raw=raw, sampling=sampling)))
+    if jsonl is not None:
+        jobs.extend(read_jsonl(jsonl, system=system, raw=raw, sampling=sampling))
+    if not files and jsonl is None:
+        text = combine(instruction, read_stdin_if_piped())
+        jobs.append(Job("prompt", make_request(text, system=system, raw=raw, sampling=sampling)))
+    return jobs
+
+
+def read_jsonl(
+    path: Path, *, system: str | None, raw: bool, sampling: SamplingParams
+) -> list[Job]:
+    jobs = []
+    for n, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        label = f"{path}:{n}"
+        try:
+            jobs.append(Job(label, parse_jsonl_line(line, system=system, raw=raw, sampling=sampling)))
+        except (BadRequestError, EmptyPromptError) as e:
+            jobs.append(Job(label, None, error=str(e)))
+    return jobs
+
+
+def parse_jsonl_line(
+    line: str, *, system: str | None, raw: bool, sampling: SamplingParams
+) -> Request:
+    try:
+        obj: Any = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadRequestError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise BadRequestError("a line must be a JSON object with 'prompt' or 'messages'")
+    unknown = sorted(set(obj) - JSONL_KEYS)
+    if unknown:
+        raise BadRequestError(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(JSONL_KEYS))}")
+    overrides: dict[str, Any] = {}
+    for key, field in JSONL_SAMPLING_KEYS.items():
+        if key in obj:
+            value = obj[key]
+            if field == "stop":
+                value = (value,) if isinstance(value, str) else tuple(value or ())
+            elif not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise BadRequestError(f"{key!r} must be a number")
+            overrides[field] = value
+    line_sampling = dataclasses.replace(sampling, **overrides)
+    line_system = obj.get("system", system)
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise BadRequestError("'messages' must be a non-empty list")
+        parsed = []
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(
+                m.get("content"), str
+            ):
+                raise BadRequestError(
+                    "each message needs a 'role' (system, user, assistant) and a 'content' string"
+                )
+            parsed.append(ChatMessage(m["role"], m["content"]))
+        if line_system and parsed[0].role != "system":
+            parsed.insert(0, ChatMessage("system", line_system))
+        return Request(messages=tuple(parsed), sampling=line_sampling)
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequestError("a line needs a 'prompt' string or a 'messages' list")
+    return make_request(
+        prompt, system=line_system, raw=bool(obj.get("raw", raw)), sampling=line_sampling
+    )

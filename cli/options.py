@@ -1,0 +1,177 @@
+"""Options shared by every command that runs a model, defined once.
+
+Names follow llama.cpp's (`-n`, `--temp`, `-c`, `-b`, `-t`, `-ngl`, ...) so users' habits carry
+over. `engine_config` and `sampling_params` turn the parsed values into the runner's types.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.llamacpp import EngineConfig
+
+MODEL_PANEL = "Model and engine"
+SAMPLING_PANEL = "Sampling"
+
+
+class FlashAttn(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+Model = Annotated[
+    Optional[str],
+    typer.Option(
+        "-m",
+        "--model",
+        envvar="LLMRUN_MODEL",
+        help="A .gguf path, a Hub reference (owner/repo:QUANT or owner/repo/file.gguf); "
+        "default: the embedded SmolLM2-135M.",
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
+    ),
+]
+Ctx = Annotated[
+    Optional[int],
+    typer.Option(
+        "-c", "--ctx", envvar="LLMRUN_CTX", min=0,
+        help="Context size in tokens; 0 = the model's training context. [default: 4096 or less]",
+        rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+Batch = Annotated[
+    int,
+    typer.Option(
+        "-b", "--batch", min=1,
+        help="Prefill chunk size (n_batch): prompt tokens per llama_decode call.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]  # fmt: skip
+Ubatch = Annotated[
+    int,
+    typer.Option(
+        "--ubatch", min=1, help="Physical micro-batch size (n_ubatch), at most --batch.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]  # fmt: skip
+Threads = Annotated[
+    Optional[int],
+    typer.Option(
+        "-t", "--threads", envvar="LLMRUN_THREADS", min=1,
+        help="CPU threads. [default: physical cores]", rich_help_panel=MODEL_PANEL,
+        show_default=False,
+    ),
+]  # fmt: skip
+GpuLayers = Annotated[
+    int,
+    typer.Option(
+        "-ngl", "--gpu-layers", envvar="LLMRUN_GPU_LAYERS",
+        help="Layers to offload to the GPU (-1 = all); reported as 0 on a CPU-only build.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]  # fmt: skip
+FlashAttnOpt = Annotated[
+    Optional[FlashAttn],
+    typer.Option(
+        "--flash-attn", case_sensitive=False,
+        help="Flash attention. [default: off on the CPU, where it slows decode; auto with a GPU]",
+        rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+Repack = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--repack/--no-repack",
+        help="Repack weights for faster CPU kernels. [default: on, except on AMX CPUs]",
+        rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+
+MaxTokens = Annotated[
+    int,
+    typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.",
+                 rich_help_panel=SAMPLING_PANEL),
+]  # fmt: skip
+Temp = Annotated[
+    float,
+    typer.Option("--temp", min=0.0, help="Temperature; 0 = greedy.", rich_help_panel=SAMPLING_PANEL),
+]
+TopK = Annotated[
+    int, typer.Option("--top-k", min=0, help="Top-k; 0 = off.", rich_help_panel=SAMPLING_PANEL)
+]
+TopP = Annotated[
+    float,
+    typer.Option("--top-p", min=0.0, max=1.0, help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL),
+]
+MinP = Annotated[
+    float,
+    typer.Option("--min-p", min=0.0, max=1.0, help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL),
+]
+RepeatPenalty = Annotated[
+    float,
+    typer.Option("--repeat-penalty", min=0.0, help="Repeat penalty over the last 64 tokens; 1 = off.",
+                 rich_help_panel=SAMPLING_PANEL),
+]  # fmt: skip
+Seed = Annotated[
+    Optional[int],
+    typer.Option("--seed", min=0, help="Sampling seed. [default: random, reported in the stats]",
+                 rich_help_panel=SAMPLING_PANEL, show_default=False),
+]  # fmt: skip
+Stop = Annotated[
+    Optional[list[str]],
+    typer.Option("--stop", help="Stop when this text appears (repeatable).",
+                 rich_help_panel=SAMPLING_PANEL, show_default=False),
+]  # fmt: skip
+System = Annotated[
+    Optional[str],
+    typer.Option("-s", "--system", help="System prompt.", show_default=False),
+]
+
+
+def engine_config(
+    *,
+    ctx: int | None,
+    batch: int,
+    ubatch: int,
+    threads: int | None,
+    gpu_layers: int,
+    flash_attn: FlashAttn | None,
+    repack: bool | None,
+) -> EngineConfig:
+    return EngineConfig(
+        n_ctx=ctx,
+        n_batch=batch,
+        n_ubatch=min(ubatch, batch),
+        n_threads=threads,
+        n_gpu_layers=gpu_layers,
+        flash_attn=flash_attn.value if flash_attn else None,
+        repack=repack,
+    )
+
+
+def sampling_params(
+    *,
+    max_tokens: int,
+    temp: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repeat_penalty: float,
+    seed: int | None,
+    stop: list[str] | None,
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )

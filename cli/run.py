@@ -1,0 +1,183 @@
+"""`llmrun run`: one-shot generation from arguments, stdin, files or JSONL, for pipelines."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from llmrun.runners.base import Runner
+from llmrun.runners.errors import LlmrunError
+from llmrun.runners.stats import Aggregate, GenerationStats
+
+from . import options as o
+from .engine import make_runner
+from .errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, handled, message, quiet_broken_pipe
+from .inputs import Job, collect_jobs
+from .report import aggregate_table, append_stats_file, stats_json, stats_record, summary_lines
+from .session import EventView, TextOut, ctrl_c_cancels, drive
+from .status import StatusLine
+
+
+class StatsFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+def run(
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Argument(help="The prompt; with piped stdin, the instruction for that material.",
+                       show_default=False),
+    ] = None,
+    file: Annotated[
+        Optional[list[Path]],
+        typer.Option("-f", "--file", help="Read a prompt from FILE (repeatable: one request each).",
+                     show_default=False),
+    ] = None,
+    jsonl: Annotated[
+        Optional[Path],
+        typer.Option("--jsonl", help="One request per line: {\"prompt\": ...} or "
+                     "{\"messages\": [...]}, with optional per-line options.", show_default=False),
+    ] = None,
+    system: o.System = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the text as a plain completion, no chat template.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False,
+    stats: Annotated[
+        StatsFormat,
+        typer.Option("--stats", help="Stats on stderr as a text summary or one JSON object per request."),
+    ] = StatsFormat.text,
+    stats_file: Annotated[
+        Optional[Path],
+        typer.Option("--stats-file", help="Append every request's stats to PATH as JSON lines.",
+                     metavar="PATH", show_default=False),
+    ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON object per request (text and stats) on stdout "
+                     "instead of streaming the text."),
+    ] = False,
+    model: o.Model = None,
+    max_tokens: o.MaxTokens = 512,
+    temp: o.Temp = 0.8,
+    top_k: o.TopK = 40,
+    top_p: o.TopP = 0.95,
+    min_p: o.MinP = 0.05,
+    repeat_penalty: o.RepeatPenalty = 1.0,
+    seed: o.Seed = None,
+    stop: o.Stop = None,
+    ctx: o.Ctx = None,
+    batch: o.Batch = 512,
+    ubatch: o.Ubatch = 512,
+    threads: o.Threads = None,
+    gpu_layers: o.GpuLayers = 0,
+    flash_attn: o.FlashAttnOpt = None,
+    repack: o.Repack = None,
+) -> None:
+    """Generate text for a prompt and report load, prefill and decode separately.
+
+    The text streams to stdout; stats go to stderr. Examples:
+
+      llmrun run "Why is the sky blue?"
+
+      cat notes.txt | llmrun run "Summarize this" -n 200
+
+      llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
+    """
+    with handled():
+        sampling = o.sampling_params(
+            max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+        )  # fmt: skip
+        config = o.engine_config(
+            ctx=ctx, batch=batch, ubatch=ubatch, threads=threads, gpu_layers=gpu_layers,
+            flash_attn=flash_attn, repack=repack,
+        )  # fmt: skip
+        jobs = collect_jobs(
+            words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
+            sampling=sampling,
+        )  # fmt: skip
+        runner = make_runner(model, config)
+        try:
+            code = _run_jobs(
+                runner, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
+                json_out=json_out,
+            )  # fmt: skip
+        finally:
+            runner.close()
+        if code == EXIT_BROKEN_PIPE:
+            quiet_broken_pipe()
+        raise typer.Exit(code)
+
+
+def _run_jobs(
+    runner: Runner,
+    jobs: list[Job],
+    *,
+    quiet: bool,
+    stats_format: StatsFormat,
+    stats_file: Path | None,
+    json_out: bool,
+) -> int:
+    cancel = threading.Event()
+    out = TextOut(cancel=cancel)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    view: EventView | None = StatusLine() if sys.stderr.isatty() and not quiet else None
+    many = len(jobs) > 1
+    done: list[GenerationStats] = []
+    failed = False
+    with ctrl_c_cancels(cancel):
+        for job in jobs:
+            if job.error is not None or job.request is None:
+                print(f"llmrun: error: {job.label}: {job.error}", file=sys.stderr, flush=True)
+                failed = True
+                continue
+            try:
+                finished = drive(
+                    runner, job.request, out=None if json_out else out, view=view, cancel=cancel
+                )
+            except LlmrunError as e:
+                if not many or runner.loaded is None:
+                    raise
+                print(message(e).replace("error: ", f"error: {job.label}: ", 1), file=sys.stderr)
+                failed = True
+                continue
+            finally:
+                if view is not None:
+                    view.close()
+            s = finished.stats
+            done.append(s)
+            if json_out:
+                record = {"id": job.label, "text": finished.text, "stats": stats_record(s, job.label)}
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                out.end_line()
+                if many:
+                    out.write("\n")
+            if not quiet:
+                if stats_format is StatsFormat.json:
+                    print(stats_json(s, job.label), file=sys.stderr, flush=True)
+                else:
+                    if many:
+                        err.print(f"[bold]{job.label}[/bold]")
+                    for line in summary_lines(s):
+                        err.print(line, markup=False)
+            if stats_file is not None:
+                append_stats_file(stats_file, [stats_json(s, job.label)])
+            if out.closed or s.interrupted:
+                break
+    if len(done) > 1 and not quiet and not out.closed:
+        err.print(aggregate_table(Aggregate.of(done)))
+    if out.closed:
+        return EXIT_BROKEN_PIPE
+    if cancel.is_set():
+        return EXIT_INTERRUPTED
+    return EXIT_ERROR if failed else 0

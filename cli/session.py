@@ -1,0 +1,91 @@
+"""Driving a runner from the terminal: text to stdout, status to stderr, Ctrl-C, closed pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Protocol, TextIO
+
+from llmrun.runners.base import Event, Finished, Request, Runner, Token
+
+
+class EventView(Protocol):
+    """Anything that shows the event stream (a status line, the dashboard)."""
+
+    def update(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TextOut:
+    """Generated text to stdout, flushed per write; a closed pipe cancels instead of raising."""
+
+    def __init__(self, stream: TextIO | None = None, cancel: threading.Event | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.cancel = cancel
+        self.closed = False
+        self.ends_with_newline = True
+
+    def write(self, text: str) -> None:
+        if not text or self.closed:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+            self.ends_with_newline = text.endswith("\n")
+        except BrokenPipeError:
+            self.closed = True
+            if self.cancel is not None:
+                self.cancel.set()
+
+    def end_line(self) -> None:
+        if not self.ends_with_newline:
+            self.write("\n")
+
+
+@contextlib.contextmanager
+def ctrl_c_cancels(cancel: threading.Event) -> Iterator[None]:
+    """First Ctrl-C sets `cancel` (the runner stops at the next token); a second one raises."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def drive(
+    runner: Runner,
+    request: Request,
+    *,
+    out: TextOut | None,
+    view: EventView | None,
+    cancel: threading.Event,
+) -> Finished:
+    """Run one request, streaming its text to `out` and every event to `view`."""
+    finished: Finished | None = None
+    for event in runner.stream(request, cancel=cancel):
+        if view is not None:
+            view.update(event)
+        if isinstance(event, Token):
+            if out is not None:
+                out.write(event.text)
+        elif isinstance(event, Finished):
+            if out is not None:
+                out.write(event.tail)
+            finished = event
+    if finished is None:
+        raise RuntimeError("the runner ended without a result")
+    return finished

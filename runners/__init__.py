@@ -1,0 +1,1 @@
+"""Engines, measurement and model resolution. No terminal code lives here."""

@@ -1,0 +1,140 @@
+"""The runner interface: one generator of events per request, and what is built on it.
+
+Every engine (llama.cpp in-process today, an OpenAI-compatible server later) implements
+`Runner.stream`. `run`, `chat` and `bench` consume the same events, so a dashboard, a plain
+status line or a benchmark loop are all just different consumers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol, Union
+
+from .stats import EngineSettings, GenerationStats, ModelInfo
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options, named after llama.cpp's. temperature <= 0 means greedy."""
+
+    max_tokens: int = 512
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None  # None: a random seed, reported in the stats
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks generate exactly max_tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: chat messages rendered with the model's template, or a raw prompt.
+
+    `prompt_tokens`, when given, is fed to the engine as is (benchmarks use random tokens).
+    """
+
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    keep_cache: bool = True  # reuse the KV cache of a shared prefix with the previous request
+
+    @classmethod
+    def chat(cls, user: str, *, system: str | None = None, **kw: object) -> Request:
+        messages = ((ChatMessage("system", system),) if system else ()) + (
+            ChatMessage("user", user),
+        )
+        return cls(messages=messages, **kw)  # type: ignore[arg-type]
+
+
+# ---- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadStarted:
+    path: str
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    model: ModelInfo
+    settings: EngineSettings
+    load_s: float
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Emitted once before the first chunk (done == reused) and after every chunk."""
+
+    done_tokens: int  # includes reused tokens
+    total_tokens: int
+    reused_tokens: int
+    elapsed_s: float  # prefill time so far
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int  # 0 for the first output token
+    text: str  # text released with this token (may be "" while a character or stop is pending)
+    t_s: float  # seconds since the request was handed to the runner
+
+
+@dataclass(frozen=True)
+class Finished:
+    stats: GenerationStats
+    text: str  # the whole output text
+    tail: str = ""  # text held back until the end (not yet sent in a Token event)
+
+
+Event = Union[LoadStarted, ModelLoaded, PrefillProgress, Token, Finished]
+
+
+class Runner(Protocol):
+    """An engine. `stream` loads the model on first use (yielding the load events)."""
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Run one request, yielding events; the last one is always `Finished`.
+
+        Setting `cancel` stops the request at the next chunk or token: it still ends with
+        `Finished`, its stats marked interrupted.
+        """
+        ...
+
+    def count_tokens(self, request: Request) -> int:
+        """How many prompt tokens the request renders to."""
+        ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        """The load event once the model is loaded, else None."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the KV cache, so the next request prefills from scratch."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def generate(
+    runner: Runner, request: Request, *, cancel: threading.Event | None = None
+) -> Finished:
+    """Run a request to the end and return its text and stats."""
+    for event in runner.stream(request, cancel=cancel):
+        if isinstance(event, Finished):
+            return event
+    raise RuntimeError("runner ended without a Finished event")

@@ -1,0 +1,69 @@
+"""Domain errors raised by engines and model resolution.
+
+Each carries the facts needed for a one-line message; the CLI's error table turns them into
+text and exit codes. Nothing here knows about the terminal.
+"""
+
+from __future__ import annotations
+
+
+class LlmrunError(Exception):
+    """Base class of every error llmrun reports to its users without a traceback."""
+
+
+class ModelNotFoundError(LlmrunError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"model file not found: {path}")
+        self.path = path
+
+
+class InvalidModelFileError(LlmrunError):
+    """The file exists but is not a GGUF file llama.cpp can load (wrong magic, truncated, ...)."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class ModelLoadError(LlmrunError):
+    """llama.cpp refused the file; `detail` is the last thing its log said."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"llama.cpp could not load {path}: {detail}")
+        self.path = path
+        self.detail = detail
+
+
+class HubError(LlmrunError):
+    """A Hugging Face Hub reference could not be resolved to a local file."""
+
+
+class AmbiguousModelError(HubError):
+    def __init__(self, ref: str, candidates: list[str]) -> None:
+        super().__init__(f"{ref} matches several files: {', '.join(candidates)}")
+        self.ref = ref
+        self.candidates = candidates
+
+
+class EmptyPromptError(LlmrunError):
+    def __init__(self, where: str = "the prompt") -> None:
+        super().__init__(f"{where} is empty")
+        self.where = where
+
+
+class PromptTooLongError(LlmrunError):
+    def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+class BadRequestError(LlmrunError):
+    """A request line or option that cannot be run (malformed JSONL, unknown role, ...)."""
+
+
+class EngineError(LlmrunError):
+    """llama.cpp failed in the middle of a request."""

