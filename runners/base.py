@@ -88,6 +88,7 @@ class Token:
     index: int  # 0 for the first output token
     text: str  # text released with this token (may be "" while a character or stop is pending)
     t_s: float  # seconds since the request was handed to the runner
+    token_id: int = -1
 
 
 @dataclass(frozen=True)

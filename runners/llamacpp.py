@@ -209,6 +209,7 @@ class LlamaCppRunner:
     # ---- tokens and text ---------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        self.load()
         lib = llama_lib()
         data = text.encode("utf-8")
         n_max = len(data) + 8
@@ -398,7 +399,7 @@ class LlamaCppRunner:
                     piece = text.feed(self.piece(token))
                     text_parts.append(piece)
                     t = time.perf_counter()
-                    yield Token(len(times) - 1, piece, stamp)
+                    yield Token(len(times) - 1, piece, stamp, token)
                     paused += time.perf_counter() - t
                     if text.stopped:
                         finish = FINISH_STOP
@@ -446,6 +447,37 @@ class LlamaCppRunner:
             lib.llama_sampler_free(chain)
             # KV entries beyond what we recorded (an aborted chunk) must not survive.
             self._truncate_cache(len(self._cache))
+
+    # ---- direct access for checks and benchmarks ---------------------------------------
+
+    def eval_tokens(self, tokens: list[int]) -> None:
+        """Append tokens to the cache in chunks of n_batch (no sampling, no timing)."""
+        n_batch = self.load().settings.n_batch
+        lib = llama_lib()
+        arr = (lib.llama_token * len(tokens))(*tokens)
+        size = ctypes.sizeof(lib.llama_token)
+        for off in range(0, len(tokens), n_batch):
+            n = min(n_batch, len(tokens) - off)
+            ptr = ctypes.cast(ctypes.addressof(arr) + off * size, lib.llama_token_p)
+            rc = lib.llama_decode(self._ctx, lib.llama_batch_get_one(ptr, n))
+            if rc != 0:
+                raise EngineError(f"llama_decode failed (code {rc})")
+            self._cache.extend(tokens[off : off + n])
+        lib.llama_synchronize(self._ctx)
+
+    def last_logits(self) -> list[float]:
+        """The next-token logits after the last evaluated position."""
+        if not self._cache:
+            raise EngineError("nothing has been evaluated yet")
+        lib = llama_lib()
+        n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+        ptr = lib.llama_get_logits_ith(self._ctx, -1)
+        return list(ptr[:n_vocab])
+
+    def forget_positions(self, p0: int, p1: int) -> bool:
+        """Drop the KV entries of positions [p0, p1) while keeping later ones (a control)."""
+        lib = llama_lib()
+        return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, p0, p1))
 
     def close(self) -> None:
         lib = _lib

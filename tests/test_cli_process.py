@@ -1,0 +1,109 @@
+"""The real CLI in real processes: pipes, a pseudo-terminal, Ctrl-C, import cost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from .conftest import which_llmrun
+
+
+def sh(cmd: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-o", "pipefail", "-c", cmd], env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_help_does_not_import_llama_cpp() -> None:
+    code = (
+        "import sys, llmrun.cli.app as a\n"
+        "from typer.testing import CliRunner\n"
+        "r = CliRunner().invoke(a.app, ['run', '--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "heavy = [m for m in ('llama_cpp', 'numpy', 'huggingface_hub') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_runners_never_import_the_terminal() -> None:
+    code = (
+        "import sys, llmrun.runners.llamacpp, llmrun.runners.models, llmrun.runners.base\n"
+        "print([m for m in ('rich', 'typer') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_closed_stdout_ends_quietly(llmrun_env: dict[str, str]) -> None:
+    cmd = f"{which_llmrun()} run 'Count from 1 to 100.' -n 200 --temp 0 -q | head -c 20"
+    result = sh(cmd, llmrun_env)
+    assert len(result.stdout) == 20
+    assert result.stderr == ""
+    check = sh(f"{which_llmrun()} run 'Count to 100' -n 200 --temp 0 | head -c 5; "
+               "echo \"status=${PIPESTATUS[0]}\"", llmrun_env)  # fmt: skip
+    assert "status=141" in check.stdout
+    assert "Traceback" not in check.stderr and "[interrupted]" in check.stderr
+
+
+def test_piped_text_in_any_language_and_no_escape_codes(llmrun_env: dict[str, str]) -> None:
+    cmd = f"printf 'Grüße 🎉 日本' | {which_llmrun()} run --raw -n 12 --temp 0"
+    result = sh(cmd, llmrun_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "\x1b" not in result.stdout and "\x1b" not in result.stderr
+    assert "[length]" in result.stderr or "[stop]" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("", "llmrun: error: model file not found: {p}"),
+        ("echo 'not a model at all, just text padding it out' > {p}",
+         "llmrun: error: {p}: not a GGUF file (bad magic bytes)"),
+        ("head -c 3000000 {m} > {p}", "llmrun: error: {p}: truncated GGUF file"),
+    ],
+)  # fmt: skip
+def test_bad_model_files(
+    llmrun_env: dict[str, str], tmp_path: Path, model_path: str, setup: str, expected: str
+) -> None:
+    p = tmp_path / "m.gguf"
+    if setup:
+        sh(setup.format(p=p, m=model_path), llmrun_env)
+    result = sh(f"{which_llmrun()} run hi -m {p}", llmrun_env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected.format(p=p))
+
+
+def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "out.txt"
+    stats = tmp_path / "stats.jsonl"
+    # stdout to a file, stderr on the terminal: what a user sees while redirecting output
+    child = pexpect.spawn(
+        "bash",
+        ["-c", f"{which_llmrun()} run 'Write a very long story.' -n 2000 --temp 0 "
+               f"--stats-file {stats} > {out}"],  # fmt: skip
+        env=llmrun_env, encoding="utf-8", timeout=60, dimensions=(40, 100),
+    )  # fmt: skip
+    deadline_text = ""
+    for _ in range(200):
+        child.expect([pexpect.TIMEOUT], timeout=0.1)
+        deadline_text = out.read_text() if out.exists() else ""
+        if len(deadline_text) > 40:
+            break
+    assert len(deadline_text) > 40, "no text was generated"
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+    assert "[interrupted]" in child.before
+    assert "Traceback" not in child.before
+    kept = out.read_text()
+    assert kept.startswith(deadline_text)
+    assert '"finish_reason": "interrupted"' in stats.read_text()

@@ -1,0 +1,126 @@
+"""`llmrun run` shapes with a fake runner: inputs, outputs, stats, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+
+from .fake import FakeRunner
+
+
+def test_argument_prompt_streams_text_and_stats(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "hello", "there"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "hello there\n"
+    assert "prompt   " in result.stderr and "ttft" in result.stderr and "tok/s" in result.stderr
+    assert "\x1b[" not in result.stdout
+    assert fake.closed
+
+
+def test_stdin_is_material_and_argument_the_instruction(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "Summarize", "-s", "Be brief"], input="the material\n")
+    assert result.exit_code == 0, result.stderr
+    messages = fake.requests[0].messages
+    assert [m.role for m in messages] == ["system", "user"]
+    assert messages[0].content == "Be brief"
+    assert messages[1].content == "the material\n\nSummarize"
+
+
+def test_raw_sends_plain_completion(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "--raw", "Once upon"])
+    assert result.exit_code == 0
+    assert fake.requests[0].prompt == "Once upon" and not fake.requests[0].messages
+
+
+def test_sampling_and_engine_options_reach_the_runner(cli: CliRunner, fake: FakeRunner) -> None:
+    args = ["run", "x", "-n", "3", "--temp", "0.2", "--top-k", "5", "--top-p", "0.5",
+            "--min-p", "0.1", "--repeat-penalty", "1.1", "--seed", "7", "--stop", "END",
+            "--stop", "STOP"]  # fmt: skip
+    result = cli.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    sp = fake.requests[0].sampling
+    assert (sp.max_tokens, sp.temperature, sp.top_k, sp.top_p, sp.min_p) == (3, 0.2, 5, 0.5, 0.1)
+    assert (sp.repeat_penalty, sp.seed, sp.stop) == (1.1, 7, ("END", "STOP"))
+
+
+def test_several_files_one_load_and_an_aggregate(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    for name in "abc":
+        (tmp_path / f"{name}.txt").write_text(f"prompt {name}")
+    files = [arg for n in "abc" for arg in ("-f", str(tmp_path / f"{n}.txt"))]
+    result = cli.invoke(app, ["run", *files])
+    assert result.exit_code == 0, result.stderr
+    assert len(fake.requests) == 3
+    assert "prompt a" in result.stdout and "prompt c" in result.stdout
+    assert "3 requests" in result.stderr and "TTFT" in result.stderr and "p90" in result.stderr
+
+
+def test_stats_json_and_stats_file(cli: CliRunner, fake: FakeRunner, tmp_path: Path) -> None:
+    stats_file = tmp_path / "stats.jsonl"
+    stats_file.write_text('{"earlier": true}\n')
+    result = cli.invoke(app, ["run", "one two three", "--stats", "json", "--stats-file",
+                              str(stats_file)])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stderr.strip().splitlines()[-1])
+    for key in ("prompt_tokens", "reused_tokens", "prefill_s", "prompt_tps", "ttft_s",
+                "template_tokenize_s", "first_sample_s", "output_tokens", "output_tps",
+                "itl_p50_s", "itl_p99_s", "e2e_s", "load_s", "finish_reason", "model",
+                "settings"):  # fmt: skip
+        assert key in record, key
+    assert record["output_tokens"] == 3 and record["finish_reason"] == "stop"
+    lines = stats_file.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["id"] == "prompt"
+
+
+def test_json_output_on_stdout(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "alpha beta", "--json", "-q"])
+    assert result.exit_code == 0
+    record = json.loads(result.stdout)
+    assert record["text"] == "alpha beta" and record["stats"]["output_tokens"] == 2
+    assert result.stderr == ""
+
+
+def test_jsonl_bad_line_is_named_good_lines_answered(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    path = tmp_path / "reqs.jsonl"
+    path.write_text(
+        '{"prompt": "first one", "max_tokens": 1}\n'
+        "{not json\n"
+        '{"messages": [{"role": "user", "content": "third here"}], "temperature": 0}\n'
+        '{"prompt": "x", "colour": 1}\n'
+    )
+    result = cli.invoke(app, ["run", "--jsonl", str(path), "--stats", "json"])
+    assert result.exit_code == 1
+    assert result.stdout.split() == ["first", "third", "here"]
+    assert f"llmrun: error: {path}:2: not valid JSON" in result.stderr
+    assert f"{path}:4: unknown key 'colour'" in result.stderr
+    assert fake.requests[0].sampling.max_tokens == 1
+    assert fake.requests[1].sampling.temperature == 0
+
+
+def test_empty_prompt_and_usage_errors(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run"], input="")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("llmrun: error: the prompt is empty")
+    assert cli.invoke(app, ["run", "x", "--temp", "hot"]).exit_code == 2
+    assert cli.invoke(app, ["run", "x", "--no-such-flag"]).exit_code == 2
+
+
+def test_prompt_too_long_names_the_option(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "word " * 300])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        "llmrun: error: the prompt is 301 tokens long but the context holds 256 "
+        "(raise -c/--ctx above 301 or shorten the prompt)"
+    )
+
+
+def test_quiet(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "-q", "hi"])
+    assert result.exit_code == 0 and result.stderr == "" and result.stdout == "hi\n"

@@ -1,0 +1,158 @@
+"""The real engine on the real embedded model: events, timing consistency, cache, UTF-8."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from llmrun.runners.base import (
+    Finished,
+    LoadStarted,
+    ModelLoaded,
+    PrefillProgress,
+    Request,
+    SamplingParams,
+    Token,
+    generate,
+)
+from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def test_events_in_order_and_stats_consistent(model_path: str) -> None:
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=1024, n_batch=32)) as r:
+        request = Request.chat("Tell me about the sea. " * 10, sampling=GREEDY)
+        events = list(r.stream(request))
+    assert isinstance(events[0], LoadStarted)
+    loaded = events[1]
+    assert isinstance(loaded, ModelLoaded) and loaded.load_s > 0
+    assert loaded.settings.n_batch == 32 and loaded.settings.n_threads >= 1
+    assert loaded.model.quantization == "Q4_1"
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    tokens = [e for e in events if isinstance(e, Token)]
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    s = finished.stats
+    # one progress event before the first chunk, then one per chunk of 32
+    assert len(progress) == 1 + math.ceil(s.prompt_tokens / 32)
+    assert [p.done_tokens for p in progress][-1] == s.prompt_tokens
+    assert s.output_tokens == len(tokens) and len(s.itl_s) == len(tokens) - 1
+    assert s.finish_reason in ("stop", "length")
+    assert s.ttft_s == pytest.approx(s.template_tokenize_s + s.prefill_s + s.first_sample_s)
+    assert tokens[0].t_s == pytest.approx(s.ttft_s, abs=2e-3)
+    assert s.e2e_s >= s.ttft_s + s.decode_s
+    # llama.cpp's own counters saw exactly the tokens we say we evaluated
+    assert s.engine_n_prompt_eval == s.prompt_tokens
+    assert s.engine_n_eval == s.output_tokens - (1 if s.finish_reason == "length" else 0)
+    assert s.prefill_s * 1000 >= s.engine_prompt_eval_ms * 0.98
+    assert "".join(t.text for t in tokens) + finished.tail == finished.text
+
+
+def test_kv_cache_reuse_between_requests(runner: LlamaCppRunner) -> None:
+    runner.reset()
+    system = "You are a terse assistant who answers in one sentence. " * 5
+    first = generate(runner, Request.chat("What is rain?", system=system, sampling=GREEDY))
+    assert first.stats.reused_tokens == 0
+    second = generate(runner, Request.chat("What is snow?", system=system, sampling=GREEDY))
+    s = second.stats
+    assert s.reused_tokens > 40  # the system prompt stayed in the cache
+    assert s.engine_n_prompt_eval == s.new_prompt_tokens
+    same = generate(runner, Request.chat("What is snow?", system=system, sampling=GREEDY))
+    assert same.stats.new_prompt_tokens == 1  # all but the last token reused
+    assert same.text == second.text  # reuse does not change a greedy answer
+    fresh = generate(
+        runner, Request.chat("What is snow?", system=system, sampling=GREEDY, keep_cache=False)
+    )
+    assert fresh.stats.reused_tokens == 0 and fresh.text == second.text
+
+
+def test_seeded_sampling_is_reproducible(runner: LlamaCppRunner) -> None:
+    sp = SamplingParams(max_tokens=16, temperature=0.9, seed=1234)
+    a = generate(runner, Request.chat("Invent a word.", sampling=sp, keep_cache=False))
+    b = generate(runner, Request.chat("Invent a word.", sampling=sp, keep_cache=False))
+    assert a.text == b.text and a.stats.seed == 1234
+
+
+@pytest.mark.parametrize(
+    ("prompt", "lowest"),
+    [
+        ("Emoji list: 🎉🚀🔥😀", 0x1F000),  # 4-byte characters, split over byte tokens
+        ("Japanese: 日本語のテキスト。東京は", 0x3000),
+        ("Deutsch: Grüße aus München, schöne Bären, Äpfel und Öl, süß", 0xC0),
+    ],
+)
+def test_stream_equals_detokenized_output_in_any_language(
+    runner: LlamaCppRunner, prompt: str, lowest: int
+) -> None:
+    sp = SamplingParams(max_tokens=30, temperature=0)
+    events = list(runner.stream(Request(prompt=prompt, sampling=sp)))
+    tokens = [e for e in events if isinstance(e, Token)]
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    streamed = "".join(t.text for t in tokens) + finished.tail
+    detok = b"".join(runner.piece(t.token_id) for t in tokens).decode("utf-8", errors="replace")
+    assert streamed == detok == finished.text
+    assert "\ufffd" not in streamed
+    assert any(ord(ch) >= lowest for ch in streamed)  # such characters did come out
+    assert any(t.text == "" for t in tokens) or lowest < 0x1F000  # a character spanned tokens
+
+
+def test_stop_string(runner: LlamaCppRunner) -> None:
+    sp = SamplingParams(max_tokens=60, temperature=0, stop=("3",))
+    result = generate(runner, Request.chat("Count from 1 to 10, comma separated.", sampling=sp))
+    assert result.stats.finish_reason == "stop"
+    assert "3" not in result.text and "2" in result.text
+
+
+def test_max_tokens_and_ignore_eos(runner: LlamaCppRunner) -> None:
+    sp = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    result = generate(runner, Request(prompt_tokens=tuple(range(500, 540)), sampling=sp))
+    assert result.stats.output_tokens == 7 and result.stats.finish_reason == "length"
+
+
+def test_cancel_during_decode_keeps_partial_result(runner: LlamaCppRunner) -> None:
+    cancel = threading.Event()
+    sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    seen = 0
+    finished = None
+    for event in runner.stream(Request.chat("Write a long story.", sampling=sp), cancel=cancel):
+        if isinstance(event, Token):
+            seen += 1
+            if seen == 5:
+                cancel.set()
+        if isinstance(event, Finished):
+            finished = event
+    assert finished is not None
+    assert finished.stats.finish_reason == "interrupted" and finished.stats.output_tokens == 5
+    # the engine is usable afterwards and its cache is consistent
+    again = generate(runner, Request.chat("Say yes.", sampling=GREEDY))
+    assert again.stats.output_tokens > 0
+
+
+def test_cancel_during_prefill_aborts_the_chunk(model_path: str) -> None:
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, n_batch=1024)) as r:
+        r.load()
+        cancel = threading.Event()
+        timer = threading.Timer(0.3, cancel.set)  # long before a 1024-token chunk finishes
+        timer.start()
+        tokens = tuple(range(1000, 2900))
+        result = generate(r, Request(prompt_tokens=tokens, sampling=GREEDY), cancel=cancel)
+        timer.cancel()
+        s = result.stats
+        assert s.finish_reason == "interrupted" and s.output_tokens == 0
+        assert s.prefill_s < 2.0  # stopped inside the first chunk, not after both
+        assert r.cached_tokens == 0
+        ok = generate(r, Request(prompt_tokens=tokens[:50], sampling=GREEDY))
+        assert ok.stats.reused_tokens == 0 and ok.stats.output_tokens > 0
+
+
+def test_bad_prompts(runner: LlamaCppRunner) -> None:
+    with pytest.raises(EmptyPromptError):
+        generate(runner, Request(prompt="   "))
+    with pytest.raises(PromptTooLongError) as e:
+        generate(runner, Request(prompt="word " * 3000))
+    assert e.value.n_ctx == 2048 and e.value.prompt_tokens > 2048

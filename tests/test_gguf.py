@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from llmrun.runners.errors import InvalidModelFileError, ModelNotFoundError
+from llmrun.runners.gguf import GGML_BLOCKS, read_gguf
+from llmrun.runners.llamacpp import llama_lib
+
+
+def test_reads_the_embedded_model(model_path: str) -> None:
+    info = read_gguf(model_path)
+    assert info.version == 3
+    assert info.architecture == "llama"
+    assert info.quantization == "Q4_1"
+    assert 130e6 < info.n_params < 140e6
+    assert info.n_ctx_train == 8192
+    assert info.chat_template and "im_start" in info.chat_template
+    assert info.data_size_bytes <= info.file_size_bytes
+
+
+def test_block_sizes_agree_with_ggml() -> None:
+    import ctypes
+
+    lib = llama_lib()
+    ggml = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_blck_size.restype = ctypes.c_int64
+    ggml.ggml_type_size.restype = ctypes.c_size_t
+    for type_id, (per_block, block_bytes) in GGML_BLOCKS.items():
+        assert ggml.ggml_blck_size(type_id) == per_block, type_id
+        assert ggml.ggml_type_size(type_id) == block_bytes, type_id
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ModelNotFoundError):
+        read_gguf("/no/such/model.gguf")
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"PK\x03\x04" + b"\0" * 64, "not a GGUF file"),
+        (b"GGUF" + struct.pack("<IQQ", 99, 0, 0), "unsupported GGUF version 99"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 10) + b"abc", "truncated"),
+        (b"short", "not a GGUF file"),
+    ],
+)
+def test_bad_files(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(InvalidModelFileError, match=problem):
+        read_gguf(path)
+
+
+def test_truncated_tensor_data(tmp_path: Path, model_path: str) -> None:
+    data = Path(model_path).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InvalidModelFileError, match="truncated GGUF file: tensor data needs"):
+        read_gguf(cut)
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(InvalidModelFileError, match="directory"):
+        read_gguf(tmp_path)

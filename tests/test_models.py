@@ -1,0 +1,117 @@
+"""Model resolution, and the Hub path against a populated local cache in offline mode."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmrun.runners.errors import AmbiguousModelError, HubError
+from llmrun.runners.models import choose_gguf, is_hub_ref, quant_matches
+
+from .conftest import which_llmrun
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_quant_tags_match_whole_names() -> None:
+    assert quant_matches("SmolLM2-135M-Instruct.Q4_1.gguf", "q4_1")
+    assert quant_matches("model-Q4_K_M.gguf", "Q4_K_M")
+    assert not quant_matches("model-Q4_K_M.gguf", "Q4_K")
+    assert not quant_matches("model-IQ4_XS.gguf", "Q4_XS")
+
+
+def test_reference_kinds(tmp_path: Path) -> None:
+    assert is_hub_ref("owner/repo")
+    assert is_hub_ref("owner/repo:Q4_K_M")
+    assert is_hub_ref("owner/repo/sub/file.gguf")
+    assert not is_hub_ref("models/file.gguf")  # a missing local file, not a repo
+    assert not is_hub_ref("./owner/repo")
+    (tmp_path / "owner").mkdir()
+    assert not is_hub_ref(str(tmp_path / "owner"))
+
+
+def test_choose_gguf() -> None:
+    files = ["README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "big-Q8_0-00001-of-00002.gguf",
+             "big-Q8_0-00002-of-00002.gguf"]  # fmt: skip
+    assert choose_gguf("o/r", files, None) == ["m-Q4_K_M.gguf"]  # preferred when unnamed
+    with pytest.raises(AmbiguousModelError) as e:
+        choose_gguf("o/r", files, "Q8_0")
+    assert e.value.candidates == ["o/r/big-Q8_0.gguf", "o/r/m-Q8_0.gguf"]
+    assert choose_gguf("o/r", files[3:], "Q8_0") == files[3:]
+    with pytest.raises(HubError, match="no Q2_K file; it has: .*m-Q4_K_M.gguf"):
+        choose_gguf("o/r", files, "Q2_K")
+
+
+def add_repo(hub: Path, repo: str, files: dict[str, Path]) -> None:
+    """Lay out a repo the way huggingface-hub caches it: blobs, a snapshot, refs/main."""
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    snapshot = folder / "snapshots" / COMMIT
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(COMMIT)
+    for i, (name, source) in enumerate(files.items()):
+        blob = folder / "blobs" / f"{i:064x}"
+        blob.symlink_to(source)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+
+
+@pytest.fixture
+def hub_env(llmrun_env: dict[str, str], tmp_path: Path, model_path: str) -> dict[str, str]:
+    hub = Path(llmrun_env["HF_HOME"]) / "hub"
+    readme = tmp_path / "README.md"
+    readme.write_text("# tiny\n")
+    model = Path(model_path)
+    add_repo(hub, "acme/tiny-GGUF", {"tiny-Q4_1.gguf": model, "tiny-Q8_0.gguf": model,
+                                     "README.md": readme})  # fmt: skip
+    add_repo(hub, "acme/two-GGUF", {"a-Q4_K_M.gguf": model, "b/b-Q4_K_M.gguf": model})
+    return llmrun_env
+
+
+def llmrun(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [which_llmrun(), *args], env=env, capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_pull_resolves_quant_from_cache(hub_env: dict[str, str]) -> None:
+    result = llmrun(hub_env, "pull", "acme/tiny-GGUF:Q8_0")
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    assert path.name == "tiny-Q8_0.gguf" and COMMIT in str(path)
+    result = llmrun(hub_env, "pull", "acme/tiny-GGUF/tiny-Q4_1.gguf")
+    assert result.returncode == 0 and result.stdout.strip().endswith("tiny-Q4_1.gguf")
+
+
+def test_hub_errors_are_one_line(hub_env: dict[str, str]) -> None:
+    cases = {
+        ("pull", "acme/tiny-GGUF:Q2_K"): "acme/tiny-GGUF has no Q2_K file; it has: tiny-Q4_1.gguf, tiny-Q8_0.gguf",
+        ("pull", "acme/two-GGUF"): "acme/two-GGUF matches several files: acme/two-GGUF/a-Q4_K_M.gguf, acme/two-GGUF/b/b-Q4_K_M.gguf",
+        ("pull", "nobody/missing"): "nobody/missing is not in the local Hugging Face cache (offline mode is on)",
+        ("pull", "acme/tiny-GGUF/nope.gguf"): "acme/tiny-GGUF/nope.gguf is not in the local cache and offline mode is on",
+    }  # fmt: skip
+    for args, expected in cases.items():
+        result = llmrun(hub_env, *args)
+        assert result.returncode == 1, args
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_run_with_a_hub_model_and_models_listing(hub_env: dict[str, str]) -> None:
+    result = llmrun(hub_env, "run", "-m", "acme/tiny-GGUF:Q4_1", "Say hi", "-n", "4", "--temp", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tiny-Q4_1" in result.stderr
+    listing = llmrun(hub_env, "models")
+    assert listing.returncode == 0, listing.stderr
+    out = listing.stdout
+    for ref in ("(default)", "acme/tiny-GGUF/tiny-Q4_1.gguf", "acme/tiny-GGUF/tiny-Q8_0.gguf",
+                "acme/two-GGUF/b/b-Q4_K_M.gguf"):  # fmt: skip
+        assert ref in out
+    assert "134.5M" in out and "Q4_1" in out
+    assert "README" not in out
