@@ -34,9 +34,7 @@ class Job:
     error: str | None = None  # a line that could not be read; reported, then skipped
 
 
-def make_request(
-    text: str, *, system: str | None, raw: bool, sampling: SamplingParams
-) -> Request:
+def make_request(text: str, *, system: str | None, raw: bool, sampling: SamplingParams) -> Request:
     if not text.strip():
         raise EmptyPromptError()
     if raw:
@@ -97,16 +95,16 @@ def collect_jobs(
     return jobs
 
 
-def read_jsonl(
-    path: Path, *, system: str | None, raw: bool, sampling: SamplingParams
-) -> list[Job]:
+def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingParams) -> list[Job]:
     jobs = []
     for n, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         label = f"{path}:{n}"
         try:
-            jobs.append(Job(label, parse_jsonl_line(line, system=system, raw=raw, sampling=sampling)))
+            jobs.append(
+                Job(label, parse_jsonl_line(line, system=system, raw=raw, sampling=sampling))
+            )
         except (BadRequestError, EmptyPromptError) as e:
             jobs.append(Job(label, None, error=str(e)))
     return jobs
@@ -141,8 +139,10 @@ def parse_jsonl_line(
             raise BadRequestError("'messages' must be a non-empty list")
         parsed = []
         for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(
-                m.get("content"), str
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ROLES
+                or not isinstance(m.get("content"), str)
             ):
                 raise BadRequestError(
                     "each message needs a 'role' (system, user, assistant) and a 'content' string"

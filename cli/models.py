@@ -31,7 +31,9 @@ def human_count(n: int) -> str:
 
 
 def pull(
-    ref: Annotated[str, typer.Argument(help="owner/repo, owner/repo:QUANT or owner/repo/file.gguf")],
+    ref: Annotated[
+        str, typer.Argument(help="owner/repo, owner/repo:QUANT or owner/repo/file.gguf")
+    ],
 ) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache, without running it."""
     with handled():

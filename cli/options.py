@@ -7,7 +7,7 @@ over. `engine_config` and `sampling_params` turn the parsed values into the runn
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,7 +25,7 @@ class FlashAttn(str, Enum):
 
 
 Model = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "-m",
         "--model",
@@ -37,7 +37,7 @@ Model = Annotated[
     ),
 ]
 Ctx = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(
         "-c", "--ctx", envvar="LLMRUN_CTX", min=0,
         help="Context size in tokens; 0 = the model's training context. [default: 4096 or less]",
@@ -60,7 +60,7 @@ Ubatch = Annotated[
     ),
 ]  # fmt: skip
 Threads = Annotated[
-    Optional[int],
+    int | None,
     typer.Option(
         "-t", "--threads", envvar="LLMRUN_THREADS", min=1,
         help="CPU threads. [default: physical cores]", rich_help_panel=MODEL_PANEL,
@@ -76,7 +76,7 @@ GpuLayers = Annotated[
     ),
 ]  # fmt: skip
 FlashAttnOpt = Annotated[
-    Optional[FlashAttn],
+    FlashAttn | None,
     typer.Option(
         "--flash-attn", case_sensitive=False,
         help="Flash attention. [default: off on the CPU, where it slows decode; auto with a GPU]",
@@ -84,7 +84,7 @@ FlashAttnOpt = Annotated[
     ),
 ]  # fmt: skip
 Repack = Annotated[
-    Optional[bool],
+    bool | None,
     typer.Option(
         "--repack/--no-repack",
         help="Repack weights for faster CPU kernels. [default: on, except on AMX CPUs]",
@@ -99,36 +99,42 @@ MaxTokens = Annotated[
 ]  # fmt: skip
 Temp = Annotated[
     float,
-    typer.Option("--temp", min=0.0, help="Temperature; 0 = greedy.", rich_help_panel=SAMPLING_PANEL),
+    typer.Option(
+        "--temp", min=0.0, help="Temperature; 0 = greedy.", rich_help_panel=SAMPLING_PANEL
+    ),
 ]
 TopK = Annotated[
     int, typer.Option("--top-k", min=0, help="Top-k; 0 = off.", rich_help_panel=SAMPLING_PANEL)
 ]
 TopP = Annotated[
     float,
-    typer.Option("--top-p", min=0.0, max=1.0, help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL),
+    typer.Option(
+        "--top-p", min=0.0, max=1.0, help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL
+    ),
 ]
 MinP = Annotated[
     float,
-    typer.Option("--min-p", min=0.0, max=1.0, help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL),
+    typer.Option(
+        "--min-p", min=0.0, max=1.0, help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL
+    ),
 ]
 RepeatPenalty = Annotated[
     float,
-    typer.Option("--repeat-penalty", min=0.0, help="Repeat penalty over the last 64 tokens; 1 = off.",
+    typer.Option("--repeat-penalty", min=0.0, help="Penalty on the last 64 tokens; 1 = off.",
                  rich_help_panel=SAMPLING_PANEL),
 ]  # fmt: skip
 Seed = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--seed", min=0, help="Sampling seed. [default: random, reported in the stats]",
                  rich_help_panel=SAMPLING_PANEL, show_default=False),
 ]  # fmt: skip
 Stop = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--stop", help="Stop when this text appears (repeatable).",
                  rich_help_panel=SAMPLING_PANEL, show_default=False),
 ]  # fmt: skip
 System = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("-s", "--system", help="System prompt.", show_default=False),
 ]
 

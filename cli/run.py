@@ -7,7 +7,7 @@ import sys
 import threading
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,7 +18,14 @@ from llmrun.runners.stats import Aggregate, GenerationStats
 
 from . import options as o
 from .engine import make_runner
-from .errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, handled, message, quiet_broken_pipe
+from .errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    handled,
+    message,
+    quiet_broken_pipe,
+)
 from .inputs import Job, collect_jobs
 from .report import aggregate_table, append_stats_file, stats_json, stats_record, summary_lines
 from .session import EventView, TextOut, ctrl_c_cancels, drive
@@ -32,19 +39,29 @@ class StatsFormat(str, Enum):
 
 def run(
     prompt: Annotated[
-        Optional[list[str]],
-        typer.Argument(help="The prompt; with piped stdin, the instruction for that material.",
-                       show_default=False),
+        list[str] | None,
+        typer.Argument(
+            help="The prompt; with piped stdin, the instruction for that material.",
+            show_default=False,
+        ),
     ] = None,
     file: Annotated[
-        Optional[list[Path]],
-        typer.Option("-f", "--file", help="Read a prompt from FILE (repeatable: one request each).",
-                     show_default=False),
+        list[Path] | None,
+        typer.Option(
+            "-f",
+            "--file",
+            help="Read a prompt from FILE (repeatable: one request each).",
+            show_default=False,
+        ),
     ] = None,
     jsonl: Annotated[
-        Optional[Path],
-        typer.Option("--jsonl", help="One request per line: {\"prompt\": ...} or "
-                     "{\"messages\": [...]}, with optional per-line options.", show_default=False),
+        Path | None,
+        typer.Option(
+            "--jsonl",
+            help='One request per line: {"prompt": ...} or '
+            '{"messages": [...]}, with optional per-line options.',
+            show_default=False,
+        ),
     ] = None,
     system: o.System = None,
     raw: Annotated[
@@ -53,17 +70,26 @@ def run(
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False,
     stats: Annotated[
         StatsFormat,
-        typer.Option("--stats", help="Stats on stderr as a text summary or one JSON object per request."),
+        typer.Option(
+            "--stats", help="Stats on stderr as a text summary or one JSON object per request."
+        ),
     ] = StatsFormat.text,
     stats_file: Annotated[
-        Optional[Path],
-        typer.Option("--stats-file", help="Append every request's stats to PATH as JSON lines.",
-                     metavar="PATH", show_default=False),
+        Path | None,
+        typer.Option(
+            "--stats-file",
+            help="Append every request's stats to PATH as JSON lines.",
+            metavar="PATH",
+            show_default=False,
+        ),
     ] = None,
     json_out: Annotated[
         bool,
-        typer.Option("--json", help="Print one JSON object per request (text and stats) on stdout "
-                     "instead of streaming the text."),
+        typer.Option(
+            "--json",
+            help="Print one JSON object per request (text and stats) on stdout "
+            "instead of streaming the text.",
+        ),
     ] = False,
     model: o.Model = None,
     max_tokens: o.MaxTokens = 512,
@@ -156,7 +182,11 @@ def _run_jobs(
             s = finished.stats
             done.append(s)
             if json_out:
-                record = {"id": job.label, "text": finished.text, "stats": stats_record(s, job.label)}
+                record = {
+                    "id": job.label,
+                    "text": finished.text,
+                    "stats": stats_record(s, job.label),
+                }
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 out.end_line()

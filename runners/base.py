@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Protocol
 
 from .stats import EngineSettings, GenerationStats, ModelInfo
 
@@ -98,7 +98,7 @@ class Finished:
     tail: str = ""  # text held back until the end (not yet sent in a Token event)
 
 
-Event = Union[LoadStarted, ModelLoaded, PrefillProgress, Token, Finished]
+Event = LoadStarted | ModelLoaded | PrefillProgress | Token | Finished
 
 
 class Runner(Protocol):

@@ -54,9 +54,7 @@ class EmptyPromptError(LlmrunError):
 
 class PromptTooLongError(LlmrunError):
     def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
-        super().__init__(
-            f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}"
-        )
+        super().__init__(f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}")
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import secrets
 import threading
 import time
@@ -62,7 +63,7 @@ def llama_lib() -> Any:
     if _lib is None:
         import llama_cpp
 
-        @llama_cpp.llama_log_callback  # type: ignore[misc]
+        @llama_cpp.llama_log_callback
         def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             LOG_LINES.append(text.decode("utf-8", errors="replace"))
 
@@ -154,7 +155,9 @@ class LlamaCppRunner:
         cparams.n_seq_max = 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
-        flash_attn = cfg.flash_attn or ("auto" if cfg.n_gpu_layers and lib.llama_supports_gpu_offload() else "off")
+        flash_attn = cfg.flash_attn or (
+            "auto" if cfg.n_gpu_layers and lib.llama_supports_gpu_offload() else "off"
+        )
         cparams.flash_attn_type = {
             "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -277,10 +280,9 @@ class LlamaCppRunner:
         """Keep the KV entries of the first n cached tokens; returns how many were kept."""
         lib = _lib
         mem = lib.llama_get_memory(self._ctx)
-        if n < len(self._cache) or n == 0:
-            if not lib.llama_memory_seq_rm(mem, 0, n, -1):
-                lib.llama_memory_clear(mem, True)
-                n = 0
+        if not lib.llama_memory_seq_rm(mem, 0, n, -1):  # e.g. recurrent models: all or nothing
+            lib.llama_memory_clear(mem, True)
+            n = 0
         del self._cache[n:]
         return n
 
@@ -303,7 +305,10 @@ class LlamaCppRunner:
         chain = lib.llama_sampler_chain_init(params)
         add = lib.llama_sampler_chain_add
         if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
-            add(chain, lib.llama_sampler_init_penalties(sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0))
+            add(
+                chain,
+                lib.llama_sampler_init_penalties(sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0),
+            )
         if sp.temperature <= 0:
             add(chain, lib.llama_sampler_init_greedy())
             return chain
@@ -429,7 +434,7 @@ class LlamaCppRunner:
                 template_tokenize_s=t_tok,
                 prefill_s=prefill_s,
                 first_sample_s=first_sample_s,
-                itl_s=tuple(b - a for a, b in zip(times, times[1:])),
+                itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
                 e2e_s=e2e,
                 load_s=loaded.load_s,
                 engine_prompt_eval_ms=float(perf.t_p_eval_ms),

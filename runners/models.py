@@ -57,7 +57,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DefaultModelMissingError()
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
     if not os.path.exists(path):
         raise DefaultModelMissingError()
     return path
@@ -148,9 +148,7 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
     if quant:
         chosen = [f for f in ggufs if quant_matches(f, quant)]
         if not chosen:
-            raise HubError(
-                f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}"
-            )
+            raise HubError(f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}")
     else:
         preferred = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)]
         chosen = preferred if preferred else ggufs
@@ -196,7 +194,10 @@ def _resolve_hub(ref: str, *, download: bool) -> str:
         split = _SPLIT.search(files[0])
         if split:  # a split model: every part must be there, llama.cpp opens the rest itself
             n_parts = int(split[2])
-            files = [_SPLIT.sub(f"-{i:05d}-of-{n_parts:05d}.gguf", files[0]) for i in range(1, n_parts + 1)]
+            files = [
+                _SPLIT.sub(f"-{i:05d}-of-{n_parts:05d}.gguf", files[0])
+                for i in range(1, n_parts + 1)
+            ]
     else:
         m = _HUB_REPO.match(ref)
         assert m is not None

@@ -28,9 +28,7 @@ class TextStream:
             return text
         self._pending += text
         # A stop string can only start inside the last (pending + longest) characters.
-        cut = min(
-            (i for s in self._stop if (i := self._pending.find(s)) >= 0), default=-1
-        )
+        cut = min((i for s in self._stop if (i := self._pending.find(s)) >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             out, self._pending = self._pending[:cut], ""

@@ -57,8 +57,10 @@ class FakeRunner:
         return self._loaded
 
     def _words(self, request: Request) -> list[str]:
-        text = request.prompt if request.prompt is not None else " ".join(
-            f"<{m.role}> {m.content}" for m in request.messages
+        text = (
+            request.prompt
+            if request.prompt is not None
+            else " ".join(f"<{m.role}> {m.content}" for m in request.messages)
         )
         return text.split()
 
@@ -84,7 +86,9 @@ class FakeRunner:
         if len(words) + 1 > self._n_ctx:
             raise PromptTooLongError(len(words), self._n_ctx)
         reused = 0
-        while reused < min(len(words) - 1, len(self._cache)) and self._cache[reused] == words[reused]:
+        while (
+            reused < min(len(words) - 1, len(self._cache)) and self._cache[reused] == words[reused]
+        ):
             reused += 1
         self._cache = list(words)
         yield PrefillProgress(reused, len(words), reused, 0.0)

@@ -18,7 +18,7 @@ def softmax(logits: list[float]) -> list[float]:
 
 
 def kl(p: list[float], q: list[float]) -> float:
-    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0 and b > 0)
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0 and b > 0)
 
 
 def logits_after(model_path: str, n_batch: int, tokens: list[int], forget: int = 0) -> list[float]:

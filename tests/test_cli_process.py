@@ -85,11 +85,10 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
     out = tmp_path / "out.txt"
     stats = tmp_path / "stats.jsonl"
     # stdout to a file, stderr on the terminal: what a user sees while redirecting output
+    cmd = f"{which_llmrun()} run 'Write a very long story.' -n 2000 --temp 0 --stats-file {stats}"
     child = pexpect.spawn(
-        "bash",
-        ["-c", f"{which_llmrun()} run 'Write a very long story.' -n 2000 --temp 0 "
-               f"--stats-file {stats} > {out}"],  # fmt: skip
-        env=llmrun_env, encoding="utf-8", timeout=60, dimensions=(40, 100),
+        "bash", ["-c", f"{cmd} > {out}"], env=llmrun_env, encoding="utf-8", timeout=60,
+        dimensions=(40, 100),
     )  # fmt: skip
     deadline_text = ""
     for _ in range(200):

@@ -40,7 +40,7 @@ def test_choose_gguf() -> None:
         choose_gguf("o/r", files, "Q8_0")
     assert e.value.candidates == ["o/r/big-Q8_0.gguf", "o/r/m-Q8_0.gguf"]
     assert choose_gguf("o/r", files[3:], "Q8_0") == files[3:]
-    with pytest.raises(HubError, match="no Q2_K file; it has: .*m-Q4_K_M.gguf"):
+    with pytest.raises(HubError, match=r"no Q2_K file; it has: .*m-Q4_K_M\.gguf"):
         choose_gguf("o/r", files, "Q2_K")
 
 
@@ -71,7 +71,9 @@ def hub_env(llmrun_env: dict[str, str], tmp_path: Path, model_path: str) -> dict
     return llmrun_env
 
 
-def llmrun(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def llmrun(
+    env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [which_llmrun(), *args], env=env, capture_output=True, text=True, timeout=timeout,
         stdin=subprocess.DEVNULL,
