@@ -40,7 +40,7 @@ Ctx = Annotated[
     int | None,
     typer.Option(
         "-c", "--ctx", envvar="LLMRUN_CTX", min=0,
-        help="Context size in tokens; 0 = the model's training context. [default: 4096 or less]",
+        help="Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
@@ -63,7 +63,7 @@ Threads = Annotated[
     int | None,
     typer.Option(
         "-t", "--threads", envvar="LLMRUN_THREADS", min=1,
-        help="CPU threads. [default: physical cores]", rich_help_panel=MODEL_PANEL,
+        help="CPU threads. (default: physical cores)", rich_help_panel=MODEL_PANEL,
         show_default=False,
     ),
 ]  # fmt: skip
@@ -79,7 +79,7 @@ FlashAttnOpt = Annotated[
     FlashAttn | None,
     typer.Option(
         "--flash-attn", case_sensitive=False,
-        help="Flash attention. [default: off on the CPU, where it slows decode; auto with a GPU]",
+        help="Flash attention. (default: off on the CPU, where it slows decode; auto with a GPU)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
@@ -87,7 +87,7 @@ Repack = Annotated[
     bool | None,
     typer.Option(
         "--repack/--no-repack",
-        help="Repack weights for faster CPU kernels. [default: on, except on AMX CPUs]",
+        help="Repack weights for faster CPU kernels. (default: on, except on AMX CPUs)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
@@ -125,7 +125,7 @@ RepeatPenalty = Annotated[
 ]  # fmt: skip
 Seed = Annotated[
     int | None,
-    typer.Option("--seed", min=0, help="Sampling seed. [default: random, reported in the stats]",
+    typer.Option("--seed", min=0, help="Sampling seed. (default: random, reported in the stats)",
                  rich_help_panel=SAMPLING_PANEL, show_default=False),
 ]  # fmt: skip
 Stop = Annotated[

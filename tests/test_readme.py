@@ -1,0 +1,31 @@
+"""The README's commands and flags exist as shown."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_every_flag_in_the_readme_is_accepted_by_run() -> None:
+    help_text = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "300"}).stdout
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+|-[a-z]{1,3})\b", README))
+    flags -= {"--reps", "--prompt", "--gen", "-o", "-c20", "-m"}  # benchmark script / other tools
+    flags -= {"-00001-of-00003"}
+    for flag in sorted(flags):
+        if flag in {"-c", "-n", "-b", "-t", "-f", "-s", "-q", "-ngl", "-h"}:
+            assert re.search(rf"\s{flag}\s", help_text), flag
+        elif flag.startswith("--"):
+            assert flag in help_text, flag
+
+
+def test_every_command_in_the_readme_exists() -> None:
+    commands = set(re.findall(r"^llmrun (\w+)", README, flags=re.MULTILINE))
+    assert commands >= {"run", "pull", "models"}
+    for command in commands:
+        assert CliRunner().invoke(app, [command, "--help"]).exit_code == 0, command
