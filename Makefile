@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/llmrun run -f examples/long_prompt.txt -n 200 --temp 0
+	$(BIN)/llmrun run -f examples/long_prompt.txt -n 200 --temp 0.7 --seed 42 --repeat-penalty 1.15
 
 test: setup
 	$(BIN)/python -m pytest

@@ -102,6 +102,7 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
     child.close()
     assert child.exitstatus == 130
     assert "[interrupted]" in child.before
+    assert "prefill" in child.before and "tokens" in child.before  # the live status was drawn
     assert "Traceback" not in child.before
     kept = out.read_text()
     assert kept.startswith(deadline_text)
