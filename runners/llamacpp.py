@@ -305,10 +305,11 @@ class LlamaCppRunner:
         chain = lib.llama_sampler_chain_init(params)
         add = lib.llama_sampler_chain_add
         if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
-            add(
-                chain,
-                lib.llama_sampler_init_penalties(sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0),
+            n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+            penalties = lib.llama_sampler_init_penalties(
+                n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
             )
+            add(chain, penalties)
         if sp.temperature <= 0:
             add(chain, lib.llama_sampler_init_greedy())
             return chain
@@ -348,6 +349,9 @@ class LlamaCppRunner:
 
         seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
         chain = self._sampler(sp, seed)
+        if sp.repeat_penalty != 1.0 and sp.repeat_last_n > 0:
+            for t in tokens[-sp.repeat_last_n :]:  # as llama-cli: the window covers the prompt
+                lib.llama_sampler_accept(chain, t)
         finish = FINISH_STOP
         prefill_s = first_sample_s = 0.0
         times: list[float] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,11 +52,19 @@ def test_closed_stdout_ends_quietly(llmrun_env: dict[str, str]) -> None:
 
 
 def test_piped_text_in_any_language_and_no_escape_codes(llmrun_env: dict[str, str]) -> None:
-    cmd = f"printf 'Grüße 🎉 日本' | {which_llmrun()} run --raw -n 12 --temp 0"
+    cmd = (
+        f"printf 'Grüße 🎉 日本' | {which_llmrun()} run --raw -n 12 --temp 0.7 --seed 3"
+        " --top-k 20 --top-p 0.9 --min-p 0.1 --repeat-penalty 1.2 --stop QQQ -c 512 -b 64"
+        " --ubatch 32 -t 1 -ngl 0 --flash-attn on --no-repack --stats json"
+    )
     result = sh(cmd, llmrun_env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() and "\x1b" not in result.stdout and "\x1b" not in result.stderr
-    assert "[length]" in result.stderr or "[stop]" in result.stderr
+    record = json.loads(result.stderr.strip().splitlines()[-1])
+    settings = record["settings"]
+    assert (settings["n_ctx"], settings["n_batch"], settings["n_ubatch"]) == (512, 64, 32)
+    assert (settings["n_threads"], settings["flash_attn"], settings["repack"]) == (1, "on", False)
+    assert record["seed"] == 3 and record["output_tokens"] > 0
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,18 @@ def test_stream_equals_detokenized_output_in_any_language(
     assert any(t.text == "" for t in tokens) or lowest < 0x1F000  # a character spanned tokens
 
 
+def test_repeat_penalty_applies_to_the_last_n_tokens(runner: LlamaCppRunner) -> None:
+    def answer(penalty: float, last_n: int = 64) -> str:
+        sp = SamplingParams(
+            max_tokens=8, temperature=0, repeat_penalty=penalty, repeat_last_n=last_n
+        )
+        return generate(runner, Request(prompt="1 1 1 1 1 1 1 1", sampling=sp)).text
+
+    plain = answer(1.0)
+    assert answer(3.0) != plain
+    assert answer(3.0, last_n=0) == plain  # a window of 0 switches the penalty off
+
+
 def test_stop_string(runner: LlamaCppRunner) -> None:
     sp = SamplingParams(max_tokens=60, temperature=0, stop=("3",))
     result = generate(runner, Request.chat("Count from 1 to 10, comma separated.", sampling=sp))
