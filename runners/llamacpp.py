@@ -350,8 +350,8 @@ class LlamaCppRunner:
         seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
         chain = self._sampler(sp, seed)
         if sp.repeat_penalty != 1.0 and sp.repeat_last_n > 0:
-            for t in tokens[-sp.repeat_last_n :]:  # as llama-cli: the window covers the prompt
-                lib.llama_sampler_accept(chain, t)
+            for prompt_token in tokens[-sp.repeat_last_n :]:  # as llama-cli, the prompt counts
+                lib.llama_sampler_accept(chain, prompt_token)
         finish = FINISH_STOP
         prefill_s = first_sample_s = 0.0
         times: list[float] = []
