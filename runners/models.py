@@ -73,7 +73,7 @@ def is_hub_ref(ref: str) -> bool:
     return bool(m) and not ref.lower().endswith(".gguf")
 
 
-def resolve_model(ref: str | None, *, download: bool = True) -> ResolvedModel:
+def resolve_model(ref: str | None) -> ResolvedModel:
     """Find (and if needed download) the GGUF file a model reference names."""
     if not ref:
         return ResolvedModel(default_model_path(), "default", "")
@@ -82,7 +82,7 @@ def resolve_model(ref: str | None, *, download: bool = True) -> ResolvedModel:
         if not os.path.exists(path):
             raise ModelNotFoundError(ref)
         return ResolvedModel(os.path.abspath(path), "local", ref)
-    return ResolvedModel(_resolve_hub(ref, download=download), "hub", ref)
+    return ResolvedModel(_resolve_hub(ref), "hub", ref)
 
 
 def _offline() -> bool:
@@ -187,7 +187,7 @@ def _download(repo: str, filename: str) -> str:
         raise HubError(f"download of {repo}/{filename} failed: {e}") from None
 
 
-def _resolve_hub(ref: str, *, download: bool) -> str:
+def _resolve_hub(ref: str) -> str:
     m = _HUB_FILE.match(ref)
     if m:
         repo, files = m["repo"], [m["file"]]
@@ -203,8 +203,6 @@ def _resolve_hub(ref: str, *, download: bool) -> str:
         assert m is not None
         repo = m["repo"]
         files = choose_gguf(repo, _repo_files(repo), m["quant"])
-    if not download:
-        return f"{repo}/{files[0]}"
     paths = [_download(repo, f) for f in files]
     return paths[0]
 
