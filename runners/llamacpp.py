@@ -361,7 +361,6 @@ class LlamaCppRunner:
             # -- prefill, chunk by chunk --
             new = tokens[reused:]
             arr = (lib.llama_token * len(new))(*new)
-            size = ctypes.sizeof(lib.llama_token)
             t = time.perf_counter()
             yield PrefillProgress(reused, len(tokens), reused, 0.0)
             paused += time.perf_counter() - t
@@ -374,9 +373,8 @@ class LlamaCppRunner:
                         aborted = True
                         break
                     n = min(n_batch, len(new) - off)
-                    ptr = ctypes.cast(ctypes.addressof(arr) + off * size, lib.llama_token_p)
                     t_chunk = time.perf_counter()
-                    rc = lib.llama_decode(ctx, lib.llama_batch_get_one(ptr, n))
+                    rc = self._decode_slice(arr, off, n)
                     lib.llama_synchronize(ctx)
                     prefill_s += time.perf_counter() - t_chunk
                     if rc == 2 or (rc != 0 and cancel.is_set()):
@@ -457,6 +455,14 @@ class LlamaCppRunner:
             # KV entries beyond what we recorded (an aborted chunk) must not survive.
             self._truncate_cache(len(self._cache))
 
+    def _decode_slice(self, arr: Any, off: int, n: int) -> int:
+        """llama_decode of tokens arr[off:off + n], without copying them."""
+        lib = _lib
+        ptr = ctypes.cast(
+            ctypes.addressof(arr) + off * ctypes.sizeof(lib.llama_token), lib.llama_token_p
+        )
+        return int(lib.llama_decode(self._ctx, lib.llama_batch_get_one(ptr, n)))
+
     # ---- direct access for checks and benchmarks ---------------------------------------
 
     def eval_tokens(self, tokens: list[int]) -> None:
@@ -464,11 +470,9 @@ class LlamaCppRunner:
         n_batch = self.load().settings.n_batch
         lib = llama_lib()
         arr = (lib.llama_token * len(tokens))(*tokens)
-        size = ctypes.sizeof(lib.llama_token)
         for off in range(0, len(tokens), n_batch):
             n = min(n_batch, len(tokens) - off)
-            ptr = ctypes.cast(ctypes.addressof(arr) + off * size, lib.llama_token_p)
-            rc = lib.llama_decode(self._ctx, lib.llama_batch_get_one(ptr, n))
+            rc = self._decode_slice(arr, off, n)
             if rc != 0:
                 raise EngineError(f"llama_decode failed (code {rc})")
             self._cache.extend(tokens[off : off + n])
