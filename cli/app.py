@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import models, run
+from . import chat, models, run
 
 app = typer.Typer(
     name="llmrun",
@@ -15,6 +15,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("run")(run.run)
+app.command("chat")(chat.chat)
 app.command("pull")(models.pull)
 app.command("models")(models.models)
 

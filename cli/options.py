@@ -133,6 +133,13 @@ Stop = Annotated[
     typer.Option("--stop", help="Stop when this text appears (repeatable).",
                  rich_help_panel=SAMPLING_PANEL, show_default=False),
 ]  # fmt: skip
+NoDashboard = Annotated[
+    bool,
+    typer.Option(
+        "--no-dashboard", envvar="LLMRUN_NO_DASHBOARD",
+        help="No live dashboard on a terminal: plain lines, as when stderr is not a terminal.",
+    ),
+]  # fmt: skip
 System = Annotated[
     str | None,
     typer.Option("-s", "--system", help="System prompt.", show_default=False),

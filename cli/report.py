@@ -27,28 +27,79 @@ def tps(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f} tok/s"
 
 
-def summary_lines(stats: GenerationStats) -> list[str]:
-    """The compact closing summary, in the words llama.cpp and Ollama users know."""
+def human_count(n: float, unit: str = "") -> str:
+    """135M params, 138.9 MB: counts in k/M/G (decimal), one decimal place above 1000."""
+    for size, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            value = n / size
+            text = f"{value:.0f}" if value >= 100 or not unit else f"{value:.1f}"
+            return f"{text} {prefix}{unit}" if unit else f"{text}{prefix}"
+    return f"{n:.0f} {unit}" if unit else f"{n:.0f}"
+
+
+def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
+    """The closing summary as (label, value) rows, in the words llama.cpp and Ollama users know."""
     s = stats
-    head = f"[{s.finish_reason}]"
-    model = ""
+    rows: list[tuple[str, str]] = []
     if s.model and s.settings:
         m, st = s.model, s.settings
-        model = (
-            f" {m.name} {m.quantization} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
-            f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else "")
+        rows.append((
+            "model",
+            f"{m.name} {m.quantization} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
+            f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""),
+        ))  # fmt: skip
+    facts = ""
+    if s.model:
+        m = s.model
+        facts = (f" · {m.architecture} · {human_count(m.n_params)} params"
+                 f" · {human_count(m.size_bytes, 'B')}")  # fmt: skip
+    rows += [
+        ("load", secs(s.load_s) + facts),
+        ("prompt", f"{s.prompt_tokens} tokens"
+                   f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"),
+        ("prefill", f"{secs(s.prefill_s)} · {tps(s.prompt_tps)}"),
+        ("ttft", f"{secs(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
+                 f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}"),
+        ("output", f"{s.output_tokens} tokens [{s.finish_reason}]"),
+        ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
+        ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
+                f" · max {ms(s.itl_max_s)}"),
+        ("total", secs(s.e2e_s) + (f" · seed {s.seed}" if s.seed is not None else "")),
+    ]  # fmt: skip
+    return rows
+
+
+def ratio_text(stats: GenerationStats) -> str:
+    """How many times faster prompt tokens were processed than output tokens were produced."""
+    prompt, output = stats.prompt_tps, stats.output_tps
+    return f"prompt is {prompt / output:,.1f}x output" if prompt and output else "no ratio"
+
+
+def rate_ratio(stats: GenerationStats) -> str:
+    return f"prompt {tps(stats.prompt_tps)} vs output {tps(stats.output_tps)}: {ratio_text(stats)}"
+
+
+def phase_sentence(stats: GenerationStats) -> str:
+    """Which phase this request's wait went to, in one sentence."""
+    s = stats
+    wait = s.ttft_s + s.decode_s
+    if s.output_tokens == 0 or wait <= 0:
+        return f"No output; the prompt phase took {secs(s.ttft_s)}."
+    if s.ttft_s >= s.decode_s:
+        return (
+            f"Prefill dominated the wait: {secs(s.ttft_s)} ({s.ttft_s / wait:.0%}) before the"
+            f" first token against {secs(s.decode_s)} of decode."
         )
-    return [
-        f"{head}{model} · load {secs(s.load_s)}",
-        f"prompt   {s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
-        f" · prefill {secs(s.prefill_s)} · {tps(s.prompt_tps)}",
-        f"ttft     {secs(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
-        f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}",
-        f"output   {s.output_tokens} tokens · decode {secs(s.decode_s)} · {tps(s.output_tps)}"
-        f" · itl p50 {ms(s.itl_p50_s)} p90 {ms(s.itl_p90_s)} p99 {ms(s.itl_p99_s)}"
-        f" max {ms(s.itl_max_s)}",
-        f"total    {secs(s.e2e_s)}" + (f" · seed {s.seed}" if s.seed is not None else ""),
-    ]
+    return (
+        f"Decode dominated the wait: {secs(s.decode_s)} ({s.decode_s / wait:.0%}) generating"
+        f" {s.output_tokens} tokens against {secs(s.ttft_s)} to the first token."
+    )
+
+
+def summary_lines(stats: GenerationStats) -> list[str]:
+    """The closing summary as plain lines, for a stderr that is not a terminal."""
+    lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
+    return [*lines, f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
 
 
 def stats_record(stats: GenerationStats, label: str) -> dict[str, Any]:

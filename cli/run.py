@@ -17,6 +17,7 @@ from llmrun.runners.errors import LlmrunError
 from llmrun.runners.stats import Aggregate, GenerationStats
 
 from . import options as o
+from .dashboard import Dashboard, render
 from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
@@ -28,8 +29,7 @@ from .errors import (
 )
 from .inputs import Job, collect_jobs
 from .report import aggregate_table, append_stats_file, stats_json, stats_record, summary_lines
-from .session import EventView, TextOut, ctrl_c_cancels, drive
-from .status import StatusLine
+from .session import EventView, TextOut, TextSink, ctrl_c_cancels, drive
 
 
 class StatsFormat(str, Enum):
@@ -68,6 +68,7 @@ def run(
         bool, typer.Option("--raw", help="Send the text as a plain completion, no chat template.")
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False,
+    no_dashboard: o.NoDashboard = False,
     stats: Annotated[
         StatsFormat,
         typer.Option(
@@ -135,7 +136,7 @@ def run(
         try:
             code = _run_jobs(
                 runner, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
-                json_out=json_out,
+                json_out=json_out, dashboard=not no_dashboard,
             )  # fmt: skip
         finally:
             runner.close()
@@ -152,11 +153,18 @@ def _run_jobs(
     stats_format: StatsFormat,
     stats_file: Path | None,
     json_out: bool,
+    dashboard: bool,
 ) -> int:
     cancel = threading.Event()
-    out = TextOut(cancel=cancel)
+    out: TextSink = TextOut(cancel=cancel)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    view: EventView | None = StatusLine() if sys.stderr.isatty() and not quiet else None
+    dash: Dashboard | None = None
+    if dashboard and not quiet and sys.stderr.isatty():
+        dash = Dashboard(Console(stderr=True, highlight=False),
+                         show_text=sys.stdout.isatty() and not json_out)  # fmt: skip
+        if dash.show_text:
+            out = dash
+    view: EventView | None = dash
     many = len(jobs) > 1
     done: list[GenerationStats] = []
     failed = False
@@ -198,8 +206,11 @@ def _run_jobs(
                 else:
                     if many:
                         err.print(f"[bold]{job.label}[/bold]")
-                    for line in summary_lines(s):
-                        err.print(line, markup=False)
+                    if dash is not None:
+                        dash.console.print(render(s))
+                    else:
+                        for line in summary_lines(s):
+                            err.print(line, markup=False)
             if stats_file is not None:
                 append_stats_file(stats_file, [stats_json(s, job.label)])
             if out.closed or s.interrupted:

@@ -21,6 +21,17 @@ class EventView(Protocol):
     def close(self) -> None: ...
 
 
+class TextSink(Protocol):
+    """Where generated text goes: stdout (`TextOut`) or the dashboard when it owns the terminal."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def write(self, text: str) -> None: ...
+
+    def end_line(self) -> None: ...
+
+
 class TextOut:
     """Generated text to stdout, flushed per write; a closed pipe cancels instead of raising."""
 
@@ -70,7 +81,7 @@ def drive(
     runner: Runner,
     request: Request,
     *,
-    out: TextOut | None,
+    out: TextSink | None,
     view: EventView | None,
     cancel: threading.Event,
 ) -> Finished:

@@ -124,6 +124,10 @@ class Runner(Protocol):
         """The load event once the model is loaded, else None."""
         ...
 
+    def load(self) -> ModelLoaded:
+        """Load the model now (`stream` does it on first use); loading twice is a no-op."""
+        ...
+
     def reset(self) -> None:
         """Forget the KV cache, so the next request prefills from scratch."""
         ...

@@ -56,6 +56,11 @@ class FakeRunner:
     def loaded(self) -> ModelLoaded | None:
         return self._loaded
 
+    def load(self) -> ModelLoaded:
+        if self._loaded is None:
+            self._loaded = ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5)
+        return self._loaded
+
     def _words(self, request: Request) -> list[str]:
         text = (
             request.prompt
@@ -78,8 +83,7 @@ class FakeRunner:
         self.requests.append(request)
         if self._loaded is None:
             yield LoadStarted("/fake/model.gguf")
-            self._loaded = ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5)
-            yield self._loaded
+            yield self.load()
         words = self._words(request)
         if not words:
             raise EmptyPromptError()

@@ -1,0 +1,369 @@
+"""`llmrun chat`: a conversation in which each turn prefills only what is new.
+
+On a terminal: a `>>> ` prompt with line editing and history, replies streamed under the live
+dashboard, and after each reply one stats line and a context meter. With stdin not a terminal,
+every line is one user turn and only the replies are printed, so a conversation can be scripted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import typer
+from rich.console import Console, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from llmrun.runners.conversation import Conversation, Turn
+from llmrun.runners.errors import LlmrunError
+from llmrun.runners.paths import state_dir
+from llmrun.runners.stats import FINISH_INTERRUPTED, GenerationStats
+
+from . import options as o
+from .dashboard import Dashboard, model_facts, render
+from .engine import make_runner
+from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, handled, message, quiet_broken_pipe
+from .report import ms, secs
+from .session import TextOut, TextSink, ctrl_c_cancels, drive
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+BLOCK = '"""'
+METER_CELLS = 24
+HELP = f"""\
+/help             this list
+/stats            the full summary of the last reply; /stats all: a table of every turn
+/reset            forget the conversation (the system prompt stays)
+/system [TEXT]    show or set the system prompt
+/save FILE        save the transcript with per-turn stats (FILE.json or FILE.md)
+/exit             leave (also Ctrl-D, or Ctrl-C on an empty prompt)
+{BLOCK}               start and end a message of several lines
+Ctrl-C during a reply stops it; what was said stays in the conversation."""
+
+
+def turn_line(stats: GenerationStats) -> str:
+    """The compact per-turn stats line."""
+    s = stats
+    return (
+        f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {secs(s.ttft_s)}"
+        f" · prompt {s.prompt_tps or 0:,.0f} tok/s · output {s.output_tps or 0:,.0f} tok/s"
+    )
+
+
+def context_meter(used: int, n_ctx: int) -> Text:
+    share = used / n_ctx if n_ctx else 0.0
+    cells = min(METER_CELLS, round(share * METER_CELLS))
+    style = "red" if share >= 0.9 else "yellow" if share >= 0.75 else "green"
+    return Text.assemble(
+        "context ",
+        ("█" * cells, style),
+        ("░" * (METER_CELLS - cells), "dim"),
+        f" {used}/{n_ctx} tokens ({share:.0%})",
+    )
+
+
+def turns_table(turns: list[Turn]) -> Table:
+    table = Table(title="turns", title_justify="left")
+    for name in ("#", "new+reused", "TTFT", "prompt tok/s", "out", "output tok/s", "end"):
+        table.add_column(name, justify="left" if name in ("#", "end") else "right")
+    for i, turn in enumerate(turns, 1):
+        s = turn.stats
+        if s is None:
+            table.add_row(str(i), "-", "-", "-", "-", "-", FINISH_INTERRUPTED)
+            continue
+        end = s.finish_reason + ("" if turn.in_context else ", dropped")
+        table.add_row(
+            str(i), f"{s.new_prompt_tokens}+{s.reused_tokens}", ms(s.ttft_s),
+            f"{s.prompt_tps or 0:,.1f}", str(s.output_tokens), f"{s.output_tps or 0:,.1f}", end,
+        )  # fmt: skip
+    return table
+
+
+class Recorder:
+    """Passes text on and keeps a copy: a reply cut short by a second Ctrl-C is not lost."""
+
+    def __init__(self, sink: TextSink) -> None:
+        self.sink = sink
+        self.parts: list[str] = []
+
+    @property
+    def closed(self) -> bool:
+        return self.sink.closed
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+        self.sink.write(text)
+
+    def end_line(self) -> None:
+        self.sink.end_line()
+
+
+def _readline() -> ModuleType | None:
+    """Line editing and a history kept across sessions, where the platform has readline."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    path = state_dir() / "chat_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+
+    import atexit
+
+    atexit.register(save)
+    return readline
+
+
+class ChatUI:
+    def __init__(self, conv: Conversation, *, interactive: bool, dashboard: bool) -> None:
+        self.conv = conv
+        self.interactive = interactive
+        self.err = Console(stderr=True, highlight=False)
+        self.cancel = threading.Event()
+        self.stdout = TextOut(cancel=self.cancel)
+        self.dash: Dashboard | None = None
+        if interactive and dashboard and sys.stderr.isatty():
+            self.dash = Dashboard(self.err, show_text=sys.stdout.isatty())
+        self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
+        self.readline = _readline() if interactive else None
+
+    # ---- output ------------------------------------------------------------------------
+
+    def show(self, renderable: RenderableType | str, style: str | None = None) -> None:
+        """Messages for the person at the terminal (on stderr; silent when scripted)."""
+        if self.interactive:
+            text = (
+                Text(renderable, style=style or "") if isinstance(renderable, str) else renderable
+            )
+            self.err.print(text)
+
+    def warn(self, text: str) -> None:
+        self.err.print(Text(text, style="yellow"))
+
+    def error(self, e: LlmrunError) -> None:
+        self.err.print(Text(message(e), style="red"))
+
+    # ---- input -------------------------------------------------------------------------
+
+    def _read_line(self, prompt: str) -> str | None:
+        """One line, or None at the end of input."""
+        if not self.interactive:
+            line = sys.stdin.readline()
+            return line.rstrip("\n") if line else None
+        try:
+            return input(prompt)
+        except EOFError:
+            print()
+            return None
+
+    def read_message(self) -> str | None:
+        """The next message (a line, or a block between triple quotes); None means leave."""
+        while True:
+            try:
+                line = self._read_line(PROMPT)
+                if line is None or not line.lstrip().startswith(BLOCK):
+                    return line
+                first = line.lstrip()[len(BLOCK) :]
+                if first.rstrip().endswith(BLOCK):
+                    return first.rstrip()[: -len(BLOCK)]
+                lines = [first] if first else []
+                while (more := self._read_line(CONTINUATION)) is not None:
+                    if more.rstrip().endswith(BLOCK):
+                        lines.append(more.rstrip()[: -len(BLOCK)])
+                        break
+                    lines.append(more)
+                return "\n".join(lines).strip("\n")
+            except KeyboardInterrupt:
+                if not self.interactive:
+                    raise
+                pending = self.readline.get_line_buffer() if self.readline else ""
+                print()
+                if not pending:
+                    return None
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def loop(self) -> int:
+        if self.interactive:
+            with self.err.status("loading the model ..."):
+                loaded = self.conv.runner.load()
+            self.show(
+                f"{loaded.model.name} · {model_facts(loaded.model)}\nload {secs(loaded.load_s)}"
+                f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
+                "dim",
+            )
+        while True:
+            text = self.read_message()
+            if text is None:
+                return 0
+            if not text.strip():
+                continue
+            if text.startswith("/") and not text.startswith("//"):
+                if self.command(text):
+                    return 0
+                continue
+            self.turn(text[1:] if text.startswith("//") else text)
+            if self.stdout.closed:
+                return EXIT_BROKEN_PIPE
+            if self.cancel.is_set() and not self.interactive:
+                return EXIT_INTERRUPTED
+
+    def turn(self, user: str) -> None:
+        conv = self.conv
+        try:
+            dropped = conv.make_room(user)
+        except LlmrunError as e:
+            self.error(e)
+            return
+        if dropped:
+            self.warn(
+                f"context: dropped the {dropped} oldest turn(s) so this one fits"
+                " (policy: the oldest turns go first; the system prompt stays)"
+            )
+        request = conv.request(user)
+        turn = Turn(user)
+        self.cancel.clear()
+        recorder = Recorder(self.out)
+        try:
+            with ctrl_c_cancels(self.cancel):
+                finished = drive(
+                    conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel
+                )
+            turn.reply, turn.stats = finished.text, finished.stats
+        except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
+            if self.dash is not None:
+                self.dash.close()
+            turn.reply = "".join(recorder.parts)
+            conv.runner.reset()
+        except LlmrunError as e:
+            if self.dash is not None:
+                self.dash.close()
+            self.out.end_line()
+            self.error(e)
+            return
+        conv.turns.append(turn)
+        self.out.end_line()
+        if turn.stats is not None:
+            self.show(turn_line(turn.stats), "dim")
+            self.show(context_meter(conv.used_tokens, conv.n_ctx))
+        if turn.interrupted or turn.stats is None:
+            self.show("[interrupted] the reply so far stays in the conversation", "yellow")
+        if conv.nearly_full:
+            self.warn(
+                f"context {conv.used_tokens}/{conv.n_ctx} tokens: when a turn does not fit, the"
+                " oldest turns are dropped (the system prompt stays)"
+            )
+
+    # ---- slash commands ----------------------------------------------------------------
+
+    def command(self, text: str) -> bool:
+        """Run a slash command; True means leave."""
+        name, _, arg = text.strip().partition(" ")
+        arg = arg.strip()
+        actions: dict[str, Callable[[str], bool | None]] = {
+            "/help": lambda a: self.err.print(Text(HELP)),
+            "/stats": self._stats,
+            "/reset": self._reset,
+            "/system": self._system,
+            "/save": self._save,
+            "/exit": lambda a: True,
+            "/quit": lambda a: True,
+            "/bye": lambda a: True,
+        }
+        action = actions.get(name.lower())
+        if action is None:
+            self.err.print(Text(f"unknown command {name}; /help lists them", style="red"))
+            return False
+        return bool(action(arg))
+
+    def _stats(self, arg: str) -> None:
+        done = [t for t in self.conv.turns if t.stats is not None]
+        if not done:
+            self.err.print("no reply yet")
+        elif arg == "all":
+            self.err.print(turns_table(self.conv.turns))
+        else:
+            last = done[-1].stats
+            assert last is not None
+            self.err.print(render(last))
+
+    def _reset(self, arg: str) -> None:
+        self.conv.reset()
+        self.err.print(Text("conversation cleared (the system prompt stays)", style="dim"))
+
+    def _system(self, arg: str) -> None:
+        if arg:
+            self.conv.system = arg
+            self.err.print(Text("system prompt set", style="dim"))
+        else:
+            self.err.print(Text(f"system prompt: {self.conv.system or '(none)'}", style="dim"))
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            self.err.print(Text("usage: /save FILE.json or /save FILE.md", style="red"))
+            return
+        path = Path(arg).expanduser()
+        try:
+            self.conv.save(path)
+        except LlmrunError as e:
+            self.error(e)
+            return
+        self.err.print(Text(f"saved {len(self.conv.turns)} turns to {path}", style="dim"))
+
+
+def chat(
+    system: o.System = None,
+    no_dashboard: o.NoDashboard = False,
+    model: o.Model = None,
+    max_tokens: o.MaxTokens = 512,
+    temp: o.Temp = 0.8,
+    top_k: o.TopK = 40,
+    top_p: o.TopP = 0.95,
+    min_p: o.MinP = 0.05,
+    repeat_penalty: o.RepeatPenalty = 1.0,
+    seed: o.Seed = None,
+    stop: o.Stop = None,
+    ctx: o.Ctx = None,
+    batch: o.Batch = 512,
+    ubatch: o.Ubatch = 512,
+    threads: o.Threads = None,
+    gpu_layers: o.GpuLayers = 0,
+    flash_attn: o.FlashAttnOpt = None,
+    repack: o.Repack = None,
+) -> None:
+    """Chat with a model; each turn prefills only what is new since the last one.
+
+    On a terminal, /help lists the commands. Piped, every line is a turn:
+
+      printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
+    """
+    with handled():
+        sampling = o.sampling_params(
+            max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+        )  # fmt: skip
+        config = o.engine_config(
+            ctx=ctx, batch=batch, ubatch=ubatch, threads=threads, gpu_layers=gpu_layers,
+            flash_attn=flash_attn, repack=repack,
+        )  # fmt: skip
+        runner = make_runner(model, config)
+        try:
+            conv = Conversation(runner, sampling, system)
+            ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard)
+            code = ui.loop()
+        finally:
+            runner.close()
+        if code == EXIT_BROKEN_PIPE:
+            quiet_broken_pipe()
+        raise typer.Exit(code)

@@ -1,0 +1,234 @@
+"""The live dashboard on a terminal's stderr: load, prefill and decode as they happen.
+
+Two pure functions draw it: `render_live(state)` while a request runs and `render(stats)` for the
+closing summary. `Dashboard` only feeds events into a `LiveState` and lets rich's `Live` redraw
+from its own thread at a bounded rate, so the token loop never waits for drawing.
+
+When stdout is the same terminal, the generated text goes through the dashboard too: finished
+lines scroll above the live panel and the line being written is shown at its top, so text and
+figures never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
+from llmrun.runners.stats import GenerationStats, ModelInfo, rate
+
+from .report import human_count, ms, phase_sentence, ratio_text, secs, summary_rows, tps
+
+REFRESH_PER_SECOND = 8
+CHART_POINTS = 24  # inter-token gaps in the live chart
+BAR_CELLS = 34
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def model_facts(model: ModelInfo) -> str:
+    return (
+        f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
+        f" · {human_count(model.size_bytes, 'B')}"
+    )
+
+
+@dataclass
+class LiveState:
+    """What the events of the running request have shown so far (written by one thread)."""
+
+    path: str = ""
+    loading: bool = False
+    load_seen: bool = False  # this request loaded the model
+    loaded: ModelLoaded | None = None
+    prefill: PrefillProgress | None = None
+    tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float = 0.0
+    gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+    line: str = ""  # the text line being written (when the text goes through the dashboard)
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, LoadStarted):
+            self.path, self.loading, self.load_seen = event.path, True, True
+        elif isinstance(event, ModelLoaded):
+            self.loaded, self.loading = event, False
+        elif isinstance(event, PrefillProgress):
+            self.prefill = event
+        elif isinstance(event, Token):
+            if self.first_token_s is None:
+                self.first_token_s = event.t_s
+            else:
+                self.gaps_s.append(event.t_s - self.last_token_s)
+            self.last_token_s = event.t_s
+            self.tokens = event.index + 1
+
+    @property
+    def output_tps(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return rate(self.tokens - 1, self.last_token_s - self.first_token_s)
+
+
+def sparkline(values: list[float]) -> str:
+    """One block character per value, scaled between the smallest and largest."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = high - low
+    top = len(SPARK) - 1
+    return "".join(SPARK[round((v - low) / span * top) if span > 0 else 0] for v in values)
+
+
+def render_live(state: LiveState) -> RenderableType:
+    """The panel for a running request: one row per phase reached so far."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=8, style="bold")
+    grid.add_column()
+    if state.loading:
+        name = os.path.basename(state.path)
+        grid.add_row("load", Spinner("dots", Text(f"loading {name} ...")))
+    elif state.loaded is not None and state.load_seen:
+        ld, st = state.loaded, state.loaded.settings
+        engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
+                  f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
+        facts = f"{secs(ld.load_s)} · {ld.model.name}\n{model_facts(ld.model)} · {engine}"
+        grid.add_row("load", Text(facts))
+    p = state.prefill
+    if p is not None:
+        new_done = p.done_tokens - p.reused_tokens
+        speed = rate(new_done, p.elapsed_s)
+        cached = f" ({p.reused_tokens} cached)" if p.reused_tokens else ""
+        row = Table.grid(padding=(0, 1))
+        row.add_column(width=20)
+        row.add_column()
+        row.add_row(
+            ProgressBar(total=max(p.total_tokens, 1), completed=p.done_tokens, width=20),
+            Text(f"{p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}"),
+        )
+        grid.add_row("prefill", row)
+    if state.first_token_s is not None:
+        gaps = list(state.gaps_s)
+        chart = Text(sparkline(gaps), style="magenta")
+        latest = f" {ms(gaps[-1])}" if gaps else ""
+        grid.add_row(
+            "decode",
+            Text.assemble(f"{state.tokens} tokens · {tps(state.output_tps)} · itl ", chart, latest),
+        )
+    parts: list[RenderableType] = []
+    if state.line:
+        parts.append(Text(state.line))
+    # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
+    # wrap a line and leave a stale row behind when the panel is cleared.
+    parts += [grid, Text("")]
+    return Group(*parts)
+
+
+def rate_bars(stats: GenerationStats) -> RenderableType:
+    """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
+    prompt, output = stats.prompt_tps, stats.output_tps
+    top = max(prompt or 0.0, output or 0.0)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=13)
+    grid.add_column(width=BAR_CELLS)
+    grid.add_column(justify="right")
+    bars = (("prompt tok/s", prompt, "cyan"), ("output tok/s", output, "magenta"))
+    for name, value, style in bars:
+        cells = round((value or 0.0) / top * BAR_CELLS) if top > 0 else 0
+        grid.add_row(name, Text("█" * max(cells, 1 if value else 0), style=style),
+                     f"{value:,.1f}" if value is not None else "-")  # fmt: skip
+    if prompt and output:
+        grid.add_row("", Text(ratio_text(stats), style="bold"), "")
+    return grid
+
+
+def render(stats: GenerationStats) -> RenderableType:
+    """The closing summary of one request, in llama.cpp's and Ollama's terms."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=8, style="bold")
+    grid.add_column()
+    for label, value in summary_rows(stats):
+        grid.add_row(label, Text(value))
+    return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
+
+
+class Dashboard:
+    """An EventView that shows `render_live` under `Live` and, if asked, the streamed text."""
+
+    def __init__(self, console: Console, *, show_text: bool = False) -> None:
+        self.console = console
+        self.show_text = show_text
+        self.state = LiveState()
+        self.live: Live | None = None
+        self.closed = False  # the text sink never closes: the terminal is not a pipe
+        self._lock = threading.Lock()
+
+    # -- EventView --
+
+    def update(self, event: Event) -> None:
+        if self.live is None and not isinstance(event, Finished):
+            self._start()
+        self.state.apply(event)
+        if isinstance(event, Finished):
+            self._stop()
+
+    def close(self) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        loaded = self.state.loaded
+        self.state = LiveState(loaded=loaded)
+        self.live = Live(
+            console=self.console,
+            get_renderable=self._renderable,
+            refresh_per_second=REFRESH_PER_SECOND,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        self.live.start()
+
+    def _renderable(self) -> RenderableType:
+        with self._lock:
+            return render_live(self.state)
+
+    def _stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+            if self.state.line:
+                self.console.print(Text(self.state.line), end="")
+                self.state.line = ""
+
+    # -- text sink (used in place of TextOut when stdout is this terminal) --
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if self.live is None:
+            self.console.print(Text(text), end="")
+            self.ends_with_newline = text.endswith("\n")
+            return
+        self.ends_with_newline = text.endswith("\n")
+        with self._lock:
+            *done, self.state.line = (self.state.line + text).split("\n")
+            rows = Text(self.state.line).wrap(self.console, self.console.width)
+            if len(rows) > 3:  # keep the live panel short: scroll wrapped rows out early
+                done.extend(row.plain for row in rows[:-1])
+                self.state.line = rows[-1].plain
+        for line in done:
+            self.console.print(Text(line))
+
+    ends_with_newline = True
+
+    def end_line(self) -> None:
+        if self.state.line or not self.ends_with_newline:
+            self.write("\n")

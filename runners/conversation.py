@@ -1,0 +1,155 @@
+"""A multi-turn conversation on one runner: history, the context-overflow policy, transcripts.
+
+The runner keeps the KV cache of the previous request, so each turn is sent as the whole
+conversation and only what is new gets prefilled. When a turn would not fit the context, the
+oldest turns are dropped (the system prompt stays): the policy is stated here and in the README.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .base import ChatMessage, Request, Runner, SamplingParams
+from .errors import BadRequestError, PromptTooLongError
+from .stats import GenerationStats
+
+WARN_FRACTION = 0.75  # warn once the context is this full
+
+
+@dataclass
+class Turn:
+    user: str
+    reply: str = ""
+    stats: GenerationStats | None = None
+    in_context: bool = True  # False once dropped by the overflow policy
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stats is not None and self.stats.interrupted
+
+
+@dataclass
+class Conversation:
+    runner: Runner
+    sampling: SamplingParams
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    @property
+    def reply_reserve(self) -> int:
+        """Tokens kept free for the reply: --max-tokens, at most a quarter of the context."""
+        return min(self.sampling.max_tokens, self.n_ctx // 4)
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens in the context after the last turn (its prompt plus its reply)."""
+        for turn in reversed(self.turns):
+            if turn.stats is not None:
+                return turn.stats.prompt_tokens + turn.stats.output_tokens
+        return 0
+
+    @property
+    def nearly_full(self) -> bool:
+        return self.used_tokens >= WARN_FRACTION * self.n_ctx
+
+    def messages(self, user: str | None = None) -> tuple[ChatMessage, ...]:
+        out: list[ChatMessage] = []
+        if self.system:
+            out.append(ChatMessage("system", self.system))
+        for turn in self.turns:
+            if turn.in_context:
+                out += [ChatMessage("user", turn.user), ChatMessage("assistant", turn.reply)]
+        if user is not None:
+            out.append(ChatMessage("user", user))
+        return tuple(out)
+
+    def request(self, user: str) -> Request:
+        return Request(messages=self.messages(user), sampling=self.sampling)
+
+    def make_room(self, user: str) -> int:
+        """Drop the oldest turns until `user` plus the reply reserve fits; returns how many.
+
+        Raises PromptTooLongError when even the system prompt and this message alone do not fit.
+        """
+        dropped = 0
+        limit = self.n_ctx - self.reply_reserve
+        while True:
+            needed = self.runner.count_tokens(self.request(user))
+            if needed <= limit:
+                return dropped
+            kept = [t for t in self.turns if t.in_context]
+            if not kept:
+                if needed + 1 > self.n_ctx:
+                    raise PromptTooLongError(needed, self.n_ctx)
+                return dropped  # fits, with less room for the reply than reserved
+            kept[0].in_context = False
+            dropped += 1
+
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays) and the KV cache."""
+        self.turns.clear()
+        self.runner.reset()
+
+    # ---- transcripts -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        loaded = self.runner.loaded
+        return {
+            "model": loaded.model.name if loaded else None,
+            "system": self.system,
+            "n_ctx": self.n_ctx,
+            "turns": [
+                {
+                    "user": t.user,
+                    "assistant": t.reply,
+                    "in_context": t.in_context,
+                    "stats": t.stats.to_dict() if t.stats else None,
+                }
+                for t in self.turns
+            ],
+        }
+
+    def to_markdown(self) -> str:
+        data = self.to_dict()
+        lines = [f"# Chat with {data['model'] or 'a model'}", ""]
+        if self.system:
+            lines += [f"**System:** {self.system}", ""]
+        for i, t in enumerate(self.turns, 1):
+            lines += [f"## Turn {i}", "", f"**User:** {t.user}", "", "**Assistant:**", "",
+                      t.reply, ""]  # fmt: skip
+            if t.stats is not None:
+                s = t.stats
+                flags = ("" if t.in_context else ", dropped from the context") + (
+                    ", interrupted" if t.interrupted else ""
+                )
+                lines += [
+                    f"*{s.prompt_tokens} prompt tokens ({s.new_prompt_tokens} new,"
+                    f" {s.reused_tokens} reused), TTFT {s.ttft_s * 1000:.1f} ms,"
+                    f" prompt {s.prompt_tps or 0:.1f} tok/s, {s.output_tokens} output tokens,"
+                    f" output {s.output_tps or 0:.1f} tok/s{flags}*",
+                    "",
+                ]
+        return "\n".join(lines)
+
+    def save(self, path: Path) -> None:
+        """Write the transcript with per-turn stats: JSON for .json, Markdown for .md."""
+        suffix = path.suffix.lower()
+        if suffix == ".json":
+            text = json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n"
+        elif suffix in (".md", ".markdown"):
+            text = self.to_markdown()
+        else:
+            raise BadRequestError(
+                f"cannot save as '{suffix or path.name}': use a .json or .md file"
+            )
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
