@@ -220,6 +220,11 @@ class ChatUI:
                 return EXIT_INTERRUPTED
 
     def turn(self, user: str) -> None:
+        self.cancel.clear()
+        with ctrl_c_cancels(self.cancel):  # from here on, Ctrl-C ends this turn, not the chat
+            self._turn(user)
+
+    def _turn(self, user: str) -> None:
         conv = self.conv
         try:
             dropped = conv.make_room(user)
@@ -233,13 +238,9 @@ class ChatUI:
             )
         request = conv.request(user)
         turn = Turn(user)
-        self.cancel.clear()
         recorder = Recorder(self.out)
         try:
-            with ctrl_c_cancels(self.cancel):
-                finished = drive(
-                    conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel
-                )
+            finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel)
             turn.reply, turn.stats = finished.text, finished.stats
         except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
             if self.dash is not None:

@@ -16,9 +16,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.progress_bar import ProgressBar
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
@@ -28,7 +28,7 @@ from llmrun.runners.stats import GenerationStats, ModelInfo, rate
 
 from .report import human_count, ms, phase_sentence, ratio_text, secs, summary_rows, tps
 
-REFRESH_PER_SECOND = 8
+REFRESH_PER_SECOND = 5
 CHART_POINTS = 24  # inter-token gaps in the live chart
 BAR_CELLS = 34
 SPARK = "▁▂▃▄▅▆▇█"
@@ -88,47 +88,51 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[round((v - low) / span * top) if span > 0 else 0] for v in values)
 
 
+def _row(label: str, *content: str | tuple[str, str] | Text) -> Text:
+    return Text.assemble((f"{label:<8} ", "bold"), *content)
+
+
+def _bar(done: int, total: int, cells: int = 20) -> Text:
+    filled = min(cells, round(done / total * cells)) if total > 0 else 0
+    return Text.assemble(("━" * filled, "bar.complete"), ("━" * (cells - filled), "bar.back"))
+
+
 def render_live(state: LiveState) -> RenderableType:
-    """The panel for a running request: one row per phase reached so far."""
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(width=8, style="bold")
-    grid.add_column()
+    """The panel for a running request: one row per phase reached so far.
+
+    Plain Text rows rather than tables: `Live` redraws this several times a second from its
+    own thread, which competes with the token loop for the interpreter, so it must be cheap.
+    """
+    parts: list[RenderableType] = []
+    if state.line:
+        parts.append(Text(state.line))
     if state.loading:
         name = os.path.basename(state.path)
-        grid.add_row("load", Spinner("dots", Text(f"loading {name} ...")))
+        parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
         engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
                   f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
-        facts = f"{secs(ld.load_s)} · {ld.model.name}\n{model_facts(ld.model)} · {engine}"
-        grid.add_row("load", Text(facts))
+        parts.append(_row("load", f"{secs(ld.load_s)} · {ld.model.name}"))
+        parts.append(_row("", f"{model_facts(ld.model)} · {engine}"))
     p = state.prefill
     if p is not None:
-        new_done = p.done_tokens - p.reused_tokens
-        speed = rate(new_done, p.elapsed_s)
+        speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
         cached = f" ({p.reused_tokens} cached)" if p.reused_tokens else ""
-        row = Table.grid(padding=(0, 1))
-        row.add_column(width=20)
-        row.add_column()
-        row.add_row(
-            ProgressBar(total=max(p.total_tokens, 1), completed=p.done_tokens, width=20),
-            Text(f"{p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}"),
-        )
-        grid.add_row("prefill", row)
+        parts.append(_row(
+            "prefill", _bar(p.done_tokens, p.total_tokens),
+            f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}",
+        ))  # fmt: skip
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
-        chart = Text(sparkline(gaps), style="magenta")
         latest = f" {ms(gaps[-1])}" if gaps else ""
-        grid.add_row(
-            "decode",
-            Text.assemble(f"{state.tokens} tokens · {tps(state.output_tps)} · itl ", chart, latest),
-        )
-    parts: list[RenderableType] = []
-    if state.line:
-        parts.append(Text(state.line))
+        parts.append(_row(
+            "decode", f"{state.tokens} tokens · {tps(state.output_tps)} · itl ",
+            (sparkline(gaps), "magenta"), latest,
+        ))  # fmt: skip
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
     # wrap a line and leave a stale row behind when the panel is cleared.
-    parts += [grid, Text("")]
+    parts.append(Text(""))
     return Group(*parts)
 
 
@@ -220,8 +224,9 @@ class Dashboard:
         self.ends_with_newline = text.endswith("\n")
         with self._lock:
             *done, self.state.line = (self.state.line + text).split("\n")
-            rows = Text(self.state.line).wrap(self.console, self.console.width)
-            if len(rows) > 3:  # keep the live panel short: scroll wrapped rows out early
+            width = self.console.width
+            if cell_len(self.state.line) > 3 * width:  # keep the panel short: scroll rows out
+                rows = Text(self.state.line).wrap(self.console, width)
                 done.extend(row.plain for row in rows[:-1])
                 self.state.line = rows[-1].plain
         for line in done:

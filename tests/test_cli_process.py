@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,21 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
     kept = out.read_text()
     assert kept.startswith(deadline_text)
     assert '"finish_reason": "interrupted"' in stats.read_text()
+
+
+@pytest.mark.parametrize("flag", ["", "--no-dashboard"])
+def test_run_on_a_terminal_dashboard_or_plain_lines(llmrun_env: dict[str, str], flag: str) -> None:
+    cmd = f"{which_llmrun()} run 'Name three colors.' -n 30 --temp 0 {flag}"
+    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=60,
+                          dimensions=(40, 80))  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    out = child.before
+    assert child.exitstatus == 0 and "Traceback" not in out
+    assert "ttft" in out and ("output tok/s" in out or "vs output" in out)
+    if flag:
+        assert "rates    prompt" in out and "█" not in out and "━" not in out
+    else:
+        assert "prompt tok/s  █" in out and "prompt is" in out
+        assert "━" in out  # the prefill progress bar was drawn live
+    assert not re.search(r"\x1b\[(3[0-8]|9[0-7])[;m]", out)  # NO_COLOR is set: no colors

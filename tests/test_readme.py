@@ -12,8 +12,14 @@ from llmrun.cli.app import app
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
-def test_every_flag_in_the_readme_is_accepted_by_run() -> None:
-    help_text = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "300"}).stdout
+COMMANDS = ("run", "chat", "pull", "models")
+
+
+def test_every_flag_in_the_readme_is_accepted_by_a_command() -> None:
+    help_text = "".join(
+        CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).stdout
+        for command in COMMANDS
+    )
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+|-[a-z]{1,3})\b", README))
     flags -= {"--reps", "--prompt", "--gen", "-o", "-c20", "-m"}  # benchmark script / other tools
     flags -= {"-00001-of-00003"}
@@ -26,6 +32,6 @@ def test_every_flag_in_the_readme_is_accepted_by_run() -> None:
 
 def test_every_command_in_the_readme_exists() -> None:
     commands = set(re.findall(r"^llmrun (\w+)", README, flags=re.MULTILINE))
-    assert commands >= {"run", "pull", "models"}
+    assert commands >= set(COMMANDS)
     for command in commands:
         assert CliRunner().invoke(app, [command, "--help"]).exit_code == 0, command

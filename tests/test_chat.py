@@ -1,0 +1,90 @@
+"""Chat's conversation logic and its scripted (piped) form, with a fake runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners.base import SamplingParams, generate
+from llmrun.runners.conversation import Conversation, Turn
+from llmrun.runners.errors import BadRequestError, PromptTooLongError
+
+from .fake import FakeRunner
+
+
+def converse(conv: Conversation, user: str) -> Turn:
+    conv.make_room(user)
+    finished = generate(conv.runner, conv.request(user))
+    turn = Turn(user, finished.text, finished.stats)
+    conv.turns.append(turn)
+    return turn
+
+
+def test_turns_reuse_the_cache_and_the_oldest_are_dropped_first() -> None:
+    runner = FakeRunner(reply="ok fine", n_ctx=60)
+    conv = Conversation(runner, SamplingParams(max_tokens=10), system="be brief")
+    first = converse(conv, "one two three four five")
+    second = converse(conv, "six seven eight nine ten")
+    assert first.stats and second.stats
+    assert second.stats.reused_tokens == first.stats.prompt_tokens
+    assert conv.used_tokens == second.stats.prompt_tokens + second.stats.output_tokens
+    for _ in range(4):
+        converse(conv, "a b c d e f g h")
+    assert [t.in_context for t in conv.turns][:2] == [False, False]
+    messages = conv.messages()
+    assert messages[0].role == "system" and messages[0].content == "be brief"
+    conv.make_room("next")
+    assert runner.count_tokens(conv.request("next")) <= 60 - conv.reply_reserve
+    with pytest.raises(PromptTooLongError):
+        conv.make_room("word " * 80)
+
+
+def test_save_as_json_and_markdown(tmp_path: Path) -> None:
+    conv = Conversation(FakeRunner(reply="hello back"), SamplingParams(), system="sys")
+    converse(conv, "hello")
+    conv.save(tmp_path / "t.json")
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["system"] == "sys" and data["turns"][0]["assistant"] == "hello back"
+    assert data["turns"][0]["stats"]["prompt_tokens"] > 0
+    conv.save(tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "## Turn 1" in md and "**User:** hello" in md and "prompt tokens" in md
+    with pytest.raises(BadRequestError, match=r"use a \.json or \.md file"):
+        conv.save(tmp_path / "t.txt")
+
+
+def test_piped_chat_prints_only_replies(cli: CliRunner, fake: FakeRunner, tmp_path: Path) -> None:
+    script = (
+        "first message\n"
+        "second one\n"
+        f"/save {tmp_path}/c.json\n"
+        '"""\nline a\nline b\n"""\n'
+        "/reset\n"
+        "after reset\n"
+    )
+    result = cli.invoke(app, ["chat", "-s", "sys"], input=script)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "first message",
+        "first message second one",
+        "first message second one line a line b",
+        "after reset",
+    ]
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert [t["user"] for t in saved["turns"]] == ["first message", "second one"]
+    assert saved["turns"][1]["stats"]["reused_tokens"] > 0
+    assert [m.content for m in fake.requests[-1].messages] == ["sys", "after reset"]
+
+
+def test_piped_chat_reports_bad_commands_and_goes_on(cli: CliRunner, fake: FakeRunner) -> None:
+    fake._n_ctx = 20
+    result = cli.invoke(app, ["chat"], input="/nope\n" + "w " * 40 + "\n/save x.txt\nhi\n")
+    assert result.exit_code == 0
+    assert result.stdout == "hi\n"
+    assert "unknown command /nope" in result.stderr
+    assert "the prompt is 41 tokens long but the context holds 20" in result.stderr
+    assert "use a .json or .md file" in result.stderr

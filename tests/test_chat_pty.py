@@ -1,0 +1,96 @@
+"""`llmrun chat` on a real pseudo-terminal with the embedded model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pexpect
+
+from .conftest import which_llmrun
+
+TURN = re.compile(r"prompt (\d+) new \+ (\d+) reused · TTFT")
+PROMPT = ">>> "
+
+
+def spawn(env: dict[str, str], tmp_path: Path, *args: str) -> pexpect.spawn:
+    env = dict(env, LLMRUN_HOME=str(tmp_path / "home"))
+    return pexpect.spawn(
+        which_llmrun(), ["chat", "--temp", "0", "-c", "2048", *args], env=env,
+        encoding="utf-8", timeout=60, dimensions=(50, 200),
+    )  # fmt: skip
+
+
+def turn(child: pexpect.spawn, text: str) -> tuple[int, int]:
+    """Send one message and return the reply's (new, reused) prompt tokens."""
+    child.sendline(text)
+    child.expect(TURN)
+    new, reused = int(child.match.group(1)), int(child.match.group(2))
+    child.expect("context .* (\\d+)/2048 tokens")
+    child.expect_exact(PROMPT)
+    return new, reused
+
+
+def test_three_turns_prefill_only_what_is_new_then_save_and_ctrl_d(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    child = spawn(llmrun_env, tmp_path, "-n", "24", "-s", "You are terse.")
+    child.expect_exact(PROMPT)
+    first = turn(child, "My name is Ann. Say hello.")
+    second = turn(child, "What is my name?")
+    third = turn(child, "Thank you!")
+    assert first[1] == 0
+    for new, reused in (second, third):
+        assert reused > 0 and new < reused  # only the new message was prefilled
+    assert third[1] > second[1]
+    child.sendline(f"/save {tmp_path}/chat.json")
+    child.expect_exact("saved 3 turns")
+    child.sendline("/stats all")
+    child.expect("turns.*3 .*stop|length")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in (child.before or "")
+    saved = json.loads((tmp_path / "chat.json").read_text())
+    assert saved["system"] == "You are terse."
+    assert [t["user"] for t in saved["turns"]] == [
+        "My name is Ann. Say hello.", "What is my name?", "Thank you!",
+    ]  # fmt: skip
+    stats = [t["stats"] for t in saved["turns"]]
+    assert [(s["new_prompt_tokens"], s["reused_tokens"]) for s in stats] == [first, second, third]
+    assert all(t["assistant"] for t in saved["turns"])
+
+
+def test_ctrl_c_stops_a_reply_keeps_it_and_chat_goes_on(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    child = spawn(llmrun_env, tmp_path, "-n", "1500")
+    child.expect_exact(PROMPT)
+    child.sendline("Write a very long story about a dragon and a knight.")
+    child.expect_exact("knight.\r\n")  # the echo of the message
+    child.expect(r"\w+ \w+ \w+ \w+ \w+ \w+")  # the reply is streaming
+    child.sendintr()
+    child.expect_exact("[interrupted]")
+    child.expect_exact(PROMPT)
+    _, reused = turn(child, "Give the story a title.")
+    assert reused > 0  # the interrupted reply is part of the conversation
+    child.sendline("/stats")
+    child.expect("prompt tok/s .*output tok/s")
+    child.expect_exact(PROMPT)
+    child.sendline("/reset")
+    child.expect_exact("conversation cleared")
+    child.expect_exact(PROMPT)
+    _, reused_after = turn(child, "Hello")
+    assert reused_after == 0
+    child.sendline(f"/save {tmp_path}/chat.md")
+    child.expect_exact("saved 1 turns")
+    child.expect_exact(PROMPT)
+    child.sendintr()  # Ctrl-C on an empty prompt leaves
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    md = (tmp_path / "chat.md").read_text()
+    assert "## Turn 1" in md and "**User:** Hello" in md and "## Turn 2" not in md

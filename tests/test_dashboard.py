@@ -1,0 +1,105 @@
+"""The dashboard renders from fixed measurements into a captured console."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from rich.console import Console, RenderableType
+
+from llmrun.cli.dashboard import Dashboard, LiveState, render, render_live, sparkline
+from llmrun.cli.report import phase_sentence, summary_lines
+from llmrun.runners.base import LoadStarted, ModelLoaded, PrefillProgress, Token
+from llmrun.runners.stats import GenerationStats
+
+from .fake import FAKE_MODEL, FAKE_SETTINGS
+
+STATS = GenerationStats(
+    finish_reason="length", prompt_tokens=1000, reused_tokens=200, output_tokens=101,
+    template_tokenize_s=0.004, prefill_s=2.0, first_sample_s=0.001,
+    itl_s=tuple([0.01] * 90 + [0.02] * 10), e2e_s=3.2, load_s=0.25, seed=42,
+    model=FAKE_MODEL, settings=FAKE_SETTINGS,
+)  # fmt: skip
+
+
+def text_of(renderable: RenderableType, width: int = 80) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(renderable)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert isinstance(out, str)
+    return out
+
+
+def test_summary_has_every_figure_and_fits_80_columns() -> None:
+    out = text_of(render(STATS))
+    assert all(len(line) <= 80 for line in out.splitlines())
+    for expected in [
+        "load     0.250 s", "1000 tokens (800 new, 200 reused)", "prefill  2.000 s · 400.0 tok/s",
+        "ttft     2.005 s = template+tokenize 4.0 ms + prefill 2,000.0 ms + first sample 1.0 ms",
+        "101 tokens [length]", "decode   1.100 s · 90.9 tok/s",
+        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3.200 s · seed 42",
+        "prompt is 4.4x output",
+    ]:  # fmt: skip
+        assert " ".join(expected.split()) in " ".join(out.split()), expected
+    bars = {m.group(1): len(m.group(2)) for m in re.finditer(r"(prompt|output) tok/s\s+(█+)", out)}
+    assert bars["prompt"] > bars["output"] * 4  # one scale for both bars
+    assert "Prefill dominated the wait: 2.005 s (65%)" in out.replace("\n", " ")
+
+
+def test_phase_sentence_names_decode_when_it_dominates() -> None:
+    long_decode = GenerationStats(
+        finish_reason="stop", prompt_tokens=10, reused_tokens=0, output_tokens=3,
+        template_tokenize_s=0.0, prefill_s=0.1, first_sample_s=0.0, itl_s=(0.5, 0.5),
+        e2e_s=1.1, load_s=0.1,
+    )  # fmt: skip
+    assert phase_sentence(long_decode).startswith("Decode dominated the wait: 1.000 s (91%)")
+    plain = summary_lines(long_decode)
+    assert plain[-2] == "rates    prompt 100.0 tok/s vs output 2.0 tok/s: prompt is 50.0x output"
+
+
+def test_live_panel_through_the_phases() -> None:
+    state = LiveState()
+    state.apply(LoadStarted("/models/tiny.gguf"))
+    assert "loading tiny.gguf" in text_of(render_live(state))
+    state.apply(ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5))
+    state.apply(PrefillProgress(600, 1000, 200, 1.0))
+    out = text_of(render_live(state))
+    assert "0.500 s · fake-model" in out and "1 threads · batch 4 · ngl 0" in out
+    assert "600/1000 tokens (200 cached) · 400.0 tok/s" in out
+    for i, t in enumerate([1.0, 1.01, 1.03, 1.04]):
+        state.apply(Token(i, "x", t))
+    out = text_of(render_live(state))
+    assert "4 tokens · 75.0 tok/s · itl" in out and "10.0 ms" in out
+
+
+def test_sparkline_scales_between_extremes() -> None:
+    assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▁▁" and sparkline([]) == ""
+
+
+def test_no_color_drops_colors_but_keeps_the_bars(monkeypatch: pytest.MonkeyPatch) -> None:
+    def raw() -> str:
+        console = Console(file=io.StringIO(), width=80, force_terminal=True)
+        console.print(render(STATS))
+        return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+    assert "\x1b[36m" in raw()  # cyan prompt bar
+    monkeypatch.setenv("NO_COLOR", "1")
+    out = raw()
+    assert "\x1b[36m" not in out and "\x1b[35m" not in out and "█" in out
+
+
+def test_text_through_the_dashboard_keeps_every_character() -> None:
+    console = Console(file=io.StringIO(), width=40, color_system=None)
+    dash = Dashboard(console, show_text=True)
+    dash.update(ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5))  # starts the live panel
+    words = ("The quick brown fox jumps over the lazy dog. " * 12 + "\nSecond line.\n\nEnd").split(
+        " "
+    )
+    for i, word in enumerate(words):
+        dash.write(word if i == 0 else " " + word)
+        assert len(dash.state.line) <= 3 * 40  # the live part stays a few rows high
+    dash.close()
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert " ".join(out.split()) == " ".join(" ".join(words).split())
