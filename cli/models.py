@@ -10,24 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from llmrun.runners.models import list_models, resolve_model
+from llmrun.runners.stats import human_count
 
 from .errors import handled
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
-
-
-def human_count(n: int) -> str:
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{unit}"
-    return str(n)
 
 
 def pull(
@@ -49,13 +34,15 @@ def models() -> None:
             table.add_column(name, justify="right" if name in ("params", "size") else "left")
         for m in list_models():
             if m.info is None:
-                table.add_row(m.ref, "?", "?", human_bytes(m.size_bytes), m.problem or "", m.path)
+                table.add_row(
+                    m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path
+                )
                 continue
             table.add_row(
                 m.ref,
                 m.info.quantization,
                 human_count(m.info.n_params),
-                human_bytes(m.size_bytes),
+                human_count(m.size_bytes, "B"),
                 m.info.architecture,
                 os.path.relpath(m.path) if m.source == "default" else m.path,
             )

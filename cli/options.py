@@ -45,25 +45,28 @@ Ctx = Annotated[
     ),
 ]  # fmt: skip
 Batch = Annotated[
-    int,
+    int | None,
     typer.Option(
         "-b", "--batch", min=1,
-        help="Prefill chunk size (n_batch): prompt tokens per llama_decode call.",
-        rich_help_panel=MODEL_PANEL,
+        help="Prefill chunk size (n_batch): prompt tokens per llama_decode call."
+        " (default: 512, or the value `bench --tune` found)",
+        rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
 Ubatch = Annotated[
-    int,
+    int | None,
     typer.Option(
-        "--ubatch", min=1, help="Physical micro-batch size (n_ubatch), at most --batch.",
-        rich_help_panel=MODEL_PANEL,
+        "--ubatch", min=1, help="Physical micro-batch size (n_ubatch), at most --batch."
+        " (default: 512, or the tuned value)",
+        rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
 Threads = Annotated[
     int | None,
     typer.Option(
         "-t", "--threads", envvar="LLMRUN_THREADS", min=1,
-        help="CPU threads. (default: physical cores)", rich_help_panel=MODEL_PANEL,
+        help="CPU threads. (default: physical cores, or the tuned value)",
+        rich_help_panel=MODEL_PANEL,
         show_default=False,
     ),
 ]  # fmt: skip
@@ -79,7 +82,8 @@ FlashAttnOpt = Annotated[
     FlashAttn | None,
     typer.Option(
         "--flash-attn", case_sensitive=False,
-        help="Flash attention. (default: off on the CPU, where it slows decode; auto with a GPU)",
+        help="Flash attention. (default: the tuned value; else off on the CPU, where it slows"
+        " decode, and auto with a GPU)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
@@ -149,8 +153,8 @@ System = Annotated[
 def engine_config(
     *,
     ctx: int | None,
-    batch: int,
-    ubatch: int,
+    batch: int | None,
+    ubatch: int | None,
     threads: int | None,
     gpu_layers: int,
     flash_attn: FlashAttn | None,
@@ -159,7 +163,7 @@ def engine_config(
     return EngineConfig(
         n_ctx=ctx,
         n_batch=batch,
-        n_ubatch=min(ubatch, batch),
+        n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
         n_threads=threads,
         n_gpu_layers=gpu_layers,
         flash_attn=flash_attn.value if flash_attn else None,

@@ -10,7 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.stats import Aggregate, GenerationStats
+from llmrun.runners.stats import Aggregate, GenerationStats, human_count
 
 
 def ms(seconds: float | None) -> str:
@@ -25,16 +25,6 @@ def secs(seconds: float | None) -> str:
 
 def tps(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f} tok/s"
-
-
-def human_count(n: float, unit: str = "") -> str:
-    """135M params, 138.9 MB: counts in k/M/G (decimal), one decimal place above 1000."""
-    for size, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= size:
-            value = n / size
-            text = f"{value:.0f}" if value >= 100 or not unit else f"{value:.1f}"
-            return f"{text} {prefix}{unit}" if unit else f"{text}{prefix}"
-    return f"{n:.0f} {unit}" if unit else f"{n:.0f}"
 
 
 def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:

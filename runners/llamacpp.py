@@ -49,7 +49,9 @@ from .system import physical_cores, repack_is_safe
 from .text import TextStream
 
 DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 512
 FLASH_ATTN = ("auto", "on", "off")
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 # What llama.cpp logged last: the reason a model failed to load is only there.
 LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
@@ -89,14 +91,20 @@ class EngineConfig:
     """Load-time settings, named as llama.cpp names them. None means: choose for this machine."""
 
     n_ctx: int | None = None  # None: min(4096, training context); 0: the training context
-    n_batch: int = 512  # prefill chunk size
-    n_ubatch: int = 512
+    n_batch: int | None = None  # prefill chunk size; None: 512
+    n_ubatch: int | None = None  # None: 512 (at most n_batch)
     n_threads: int | None = None  # None: physical cores
     n_threads_batch: int | None = None
     n_gpu_layers: int = 0  # -1: all
     flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
     repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
+    cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
+    cache_type_v: str = "f16"
     tuned: bool = False
+
+    def same_model(self, other: EngineConfig) -> bool:
+        """Whether `other` can reuse the loaded weights (only the context differs)."""
+        return (self.n_gpu_layers, self.repack) == (other.n_gpu_layers, other.repack)
 
 
 class LlamaCppRunner:
@@ -117,6 +125,8 @@ class LlamaCppRunner:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._cancel = threading.Event()  # the running request's; read by the abort callback
         self._abort_cb: Any = None
+        self._repack = False
+        self._weights_s = 0.0
 
     # ---- loading ----------------------------------------------------------------------
 
@@ -128,19 +138,47 @@ class LlamaCppRunner:
         """Check the file, load the weights and create the context (once)."""
         if self._loaded is not None:
             return self._loaded
+        if self._model is None:
+            self._load_model()
+        self._new_context()
+        assert self._loaded is not None
+        return self._loaded
+
+    def reconfigure(self, config: EngineConfig) -> ModelLoaded:
+        """Switch to other settings, reloading the weights only if they need it.
+
+        A failure leaves the runner unloaded (the error says why); the next call starts afresh.
+        """
+        if self._model is not None and config.same_model(self.config):
+            self._free_context()
+        else:
+            self.close()
+        self.config = config
+        return self.load()
+
+    def _load_model(self) -> None:
         t0 = time.perf_counter()
         info = read_gguf(self.model_path)
         lib = llama_lib()
         cfg = self.config
         mparams = lib.llama_model_default_params()
-        n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
         mparams.n_gpu_layers = 0x7FFFFFFF if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
-        repack = repack_is_safe() if cfg.repack is None else cfg.repack
-        mparams.use_extra_bufts = repack
+        self._repack = repack_is_safe() if cfg.repack is None else cfg.repack
+        mparams.use_extra_bufts = self._repack
         LOG_LINES.clear()
         model = lib.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
             raise ModelLoadError(self.model_path, last_log_error())
+        self._model, self._info = model, info
+        self._vocab = lib.llama_model_get_vocab(model)
+        self._weights_s = time.perf_counter() - t0
+
+    def _new_context(self) -> None:
+        """Create the context; load time is the weights' load plus this context's creation."""
+        t0 = time.perf_counter()
+        lib = llama_lib()
+        cfg, info, model = self.config, self._info, self._model
+        assert info is not None
         n_ctx_train = info.n_ctx_train or lib.llama_model_n_ctx_train(model)
         n_ctx = cfg.n_ctx
         if n_ctx is None:
@@ -148,10 +186,11 @@ class LlamaCppRunner:
         elif n_ctx == 0:
             n_ctx = n_ctx_train or DEFAULT_N_CTX
         n_threads = cfg.n_threads or physical_cores()
+        n_batch = cfg.n_batch or DEFAULT_N_BATCH
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = max(1, min(cfg.n_batch, n_ctx))
-        cparams.n_ubatch = max(1, min(cfg.n_ubatch, cparams.n_batch))
+        cparams.n_batch = max(1, min(n_batch, n_ctx))
+        cparams.n_ubatch = max(1, min(cfg.n_ubatch or DEFAULT_N_BATCH, cparams.n_batch))
         cparams.n_seq_max = 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
@@ -163,16 +202,21 @@ class LlamaCppRunner:
             "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
+        for name, value in (("type_k", cfg.cache_type_k), ("type_v", cfg.cache_type_v)):
+            ggml_type = getattr(lib, f"GGML_TYPE_{value.upper()}", None)
+            if value not in CACHE_TYPES or ggml_type is None:
+                raise ModelLoadError(self.model_path, f"unknown KV cache type '{value}'")
+            setattr(cparams, name, ggml_type)
         cparams.no_perf = False
+        LOG_LINES.clear()
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
-            lib.llama_model_free(model)
             raise ModelLoadError(self.model_path, last_log_error())
-        load_s = time.perf_counter() - t0
-        self._model, self._ctx, self._info = model, ctx, info
-        self._vocab = lib.llama_model_get_vocab(model)
+        load_s = self._weights_s + time.perf_counter() - t0
+        self._ctx = ctx
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
+        n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
         n_layer = lib.llama_model_n_layer(model) or n_layer_meta
         gpu_layers = 0
         if gpu:
@@ -198,16 +242,29 @@ class LlamaCppRunner:
                 n_gpu_layers=gpu_layers,
                 gpu_offload=gpu,
                 flash_attn=flash_attn,
-                repack=repack,
+                repack=self._repack,
+                type_k=cfg.cache_type_k,
+                type_v=cfg.cache_type_v,
                 tuned=cfg.tuned,
             ),
             load_s=load_s,
         )
-        return self._loaded
 
     @property
     def n_ctx(self) -> int:
         return self.load().settings.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        self.load()
+        return int(_lib.llama_vocab_n_tokens(self._vocab))
+
+    @property
+    def gguf(self) -> GGUFInfo:
+        """The model file's header (architecture facts for bandwidth estimates)."""
+        self.load()
+        assert self._info is not None
+        return self._info
 
     # ---- tokens and text ---------------------------------------------------------------
 
@@ -492,11 +549,16 @@ class LlamaCppRunner:
         lib = llama_lib()
         return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, p0, p1))
 
+    def _free_context(self) -> None:
+        if self._ctx is not None:
+            _lib.llama_free(self._ctx)
+            self._ctx = None
+        self._loaded = None
+        self._cache.clear()
+
     def close(self) -> None:
         lib = _lib
-        if self._ctx is not None:
-            lib.llama_free(self._ctx)
-            self._ctx = None
+        self._free_context()
         if self._model is not None:
             lib.llama_model_free(self._model)
             self._model = None

@@ -27,6 +27,17 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def human_count(n: float, unit: str = "") -> str:
+    """135M (parameters, as llama-bench and the Hub write them), or 96.6 MB with a unit."""
+    prefixes = ((1e12, "T"), (1e9, "G" if unit else "B"), (1e6, "M"), (1e3, "k" if unit else "K"))
+    for size, prefix in prefixes:
+        if n >= size:
+            value = n / size
+            text = f"{value:.0f}" if value >= 100 or not unit else f"{value:.1f}"
+            return f"{text} {prefix}{unit}" if unit else f"{text}{prefix}"
+    return f"{n:.0f} {unit}" if unit else f"{n:.0f}"
+
+
 def rate(count: int, seconds: float) -> float | None:
     return count / seconds if count > 0 and seconds > 0 else None
 
@@ -59,7 +70,9 @@ class EngineSettings:
     gpu_offload: bool  # whether this llama.cpp build can offload at all
     flash_attn: str
     repack: bool = True  # llama.cpp's weight repacking into extra CPU buffer types
-    tuned: bool = False
+    type_k: str = "f16"  # KV cache element types
+    type_v: str = "f16"
+    tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,64 @@ def repack_is_safe() -> bool:
     machines), so repacking is off by default there; `--repack` turns it back on.
     """
     return "amx_int8" not in cpu_flags()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.partition(":")[2].split())
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def logical_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def ram_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_bandwidth(
+    *, size_bytes: int = 256 << 20, threads: int | None = None, reps: int = 5
+) -> float:
+    """Bytes per second a streaming copy moves (read + write), best of `reps`.
+
+    The copy is split over `threads` threads (numpy releases the GIL while copying), as decode
+    reads the weights from every core at once. Arrays far larger than any cache measure RAM.
+    """
+    import threading
+    import time
+
+    import numpy as np
+
+    n = threads or physical_cores()
+    src = np.ones(size_bytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, src.size, n + 1, dtype=np.int64)
+
+    def copy(i: int) -> None:
+        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+
+    best = float("inf")
+    for _ in range(reps):
+        workers = [threading.Thread(target=copy, args=(i,)) for i in range(n)]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best

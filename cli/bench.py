@@ -1,0 +1,500 @@
+"""`llmrun bench`: llama-bench's tests and sweeps, with TTFT, ITL, load time and efficiency.
+
+Also `llmrun history`. The measuring is in runners/bench.py; this module parses the sweep,
+shows progress, prints the results in the format asked for, and stores them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from llmrun.runners import bench as b
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.history import History
+from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner
+from llmrun.runners.models import resolve_model
+from llmrun.runners.stats import human_count
+from llmrun.runners.system import logical_cpus, physical_cores
+from llmrun.runners.tuning import apply_tuning, save_tuned
+
+from . import bench_output as out
+from . import options as o
+from .errors import EXIT_INTERRUPTED, handled
+from .session import ctrl_c_cancels
+
+PANEL = "Tests (llama-bench's)"
+SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
+
+
+def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False)
+
+
+def system_lines(system: b.SystemInfo, model: str) -> list[str]:
+    ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
+    bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
+    return [
+        f"cpu      {system.cpu} · {system.physical_cores} physical cores,"
+        f" {system.logical_cpus} logical · RAM {ram} · memory bandwidth {bw}",
+        f"gpu      {system.gpu}",
+        f"build    {system.build} · {system.features}",
+        f"model    {model}",
+    ]
+
+
+def _shapes(
+    n_prompt: str, n_gen: str, pg: Sequence[str], depth: str, scenarios: bool, scale: float
+) -> list[b.Shape]:
+    depths = b.parse_values(depth, name="-d/--n-depth")
+    if scenarios:
+        return b.scenario_shapes(scale)
+    shapes = [b.Shape(p, 0, d) for d in depths for p in b.parse_values(n_prompt, name="-p") if p]
+    shapes += [b.Shape(0, n, d) for d in depths for n in b.parse_values(n_gen, name="-n") if n]
+    for pair in pg:
+        values = b.parse_values(pair, name="--pg")
+        if len(values) != 2:
+            raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
+        shapes += [b.Shape(values[0], values[1], d) for d in depths]
+    if not shapes:
+        raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
+    return shapes
+
+
+def _optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
+    return [default] if text is None else list(b.parse_values(text, name=name))
+
+
+def _plot(records: Sequence[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadRequestError(
+            "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
+        ) from None
+    pp = [r for r in records if r["n_prompt"] and not r["n_gen"]]
+    tg = [r for r in records if r["n_gen"] and not r["n_prompt"]]
+    depths = sorted({r["n_depth"] for r in tg})
+    batches = sorted({r["n_batch"] for r in pp})
+    n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)
+    fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]
+    values = [r["avg_ts"] for r in pp + tg]
+    errors = [r["stddev_ts"] for r in pp + tg]
+    colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
+    ax.bar(range(len(values)), values, yerr=errors, color=colors)
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("prompt tok/s (cyan) vs output tok/s (purple)")
+    panel = 1
+    if len(depths) > 1:
+        ax = axes[0][panel]
+        panel += 1
+        means = [statistics.fmean(r["avg_ts"] for r in tg if r["n_depth"] == d) for d in depths]
+        ax.plot(depths, means, marker="o", color="tab:purple")
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("output tok/s by context depth")
+    if len(batches) > 1:
+        ax = axes[0][panel]
+        rates = [statistics.fmean(r["avg_ts"] for r in pp if r["n_batch"] == x) for x in batches]
+        ttft = [statistics.fmean(r["ttft_ms"] or 0 for r in pp if r["n_batch"] == x)
+                for x in batches]  # fmt: skip
+        ax.plot(batches, rates, marker="o", color="tab:cyan")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prefill chunk size (n_batch)")
+        ax.set_ylabel("prompt tokens/s (cyan)")
+        twin = ax.twinx()
+        twin.plot(batches, ttft, marker="s", color="tab:orange")
+        twin.set_ylabel("TTFT ms (orange)")
+        ax.set_title("prefill rate and TTFT by chunk size")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def tune(
+    runner: LlamaCppRunner, base: EngineConfig, err: Console, cancel: threading.Event
+) -> dict[str, Any] | None:
+    """A short staged search: threads, then flash attention, then batch/ubatch."""
+    phys, logical = physical_cores(), logical_cpus()
+    threads = sorted({phys, logical, max(1, logical // 2), max(1, phys - 1)})
+    # Decode at some depth: flash attention and threads behave differently once the KV cache
+    # holds a few hundred tokens, which is where chat and long prompts spend their time.
+    shapes = [b.Shape(512, 0), b.Shape(0, 64, 512)]
+    best: dict[str, Any] = {"n_threads": phys, "n_batch": 512, "n_ubatch": 512,
+                            "flash_attn": "off"}  # fmt: skip
+    tried: list[tuple[str, float, float, float]] = []
+
+    def score(combos: list[b.Combo], shape_list: list[b.Shape]) -> list[tuple[b.Combo, float]]:
+        rates: dict[b.Combo, dict[str, float]] = {}
+        for event in b.run_bench(runner, combos=combos, shapes=shape_list, reps=2, base=base,
+                                 cancel=cancel):  # fmt: skip
+            if isinstance(event, b.Result):
+                kind = "pp" if event.shape.n_prompt else "tg"
+                rates.setdefault(event.combo, {})[kind] = event.avg_ts
+        scored = []
+        for combo, r in rates.items():
+            value = math.sqrt(r.get("pp", 1) * r.get("tg", 1)) if len(r) == 2 else next(
+                iter(r.values()))  # fmt: skip
+            tried.append((combo.describe(), r.get("pp", 0.0), r.get("tg", 0.0), value))
+            scored.append((combo, value))
+        return scored
+
+    stages = [
+        ("threads", lambda: [b.Combo(n_threads=t, n_batch=512, n_ubatch=512, flash_attn="off")
+                             for t in threads], shapes),
+        ("flash attention", lambda: [b.Combo(best["n_threads"], 512, 512, 0, fa)
+                                     for fa in ("off", "on")], shapes),
+        ("batch/ubatch", lambda: [b.Combo(best["n_threads"], bb, ub, 0, best["flash_attn"])
+                                  for bb, ub in ((256, 256), (512, 256), (512, 512), (1024, 512))],
+         [b.Shape(512, 0)]),
+    ]  # fmt: skip
+    for name, combos, stage_shapes in stages:
+        err.print(f"tuning {name} ...")
+        scored = score(combos(), stage_shapes)
+        if cancel.is_set() or not scored:
+            return None
+        winner = max(scored, key=lambda x: x[1])[0]
+        best.update(n_threads=winner.n_threads, flash_attn=winner.flash_attn,
+                    n_batch=winner.n_batch, n_ubatch=winner.n_ubatch)  # fmt: skip
+    table = Table(title="tuning: every setting tried", title_justify="left")
+    for col in ("settings", "pp t/s", "tg t/s", "score"):
+        table.add_column(col, justify="left" if col == "settings" else "right")
+    for desc, pp, tg, value in tried:
+        table.add_row(desc, f"{pp:,.1f}" if pp else "-", f"{tg:,.1f}" if tg else "-",
+                      f"{value:,.1f}")  # fmt: skip
+    err.print(table)
+    default = next((x for x in tried if x[0].startswith(f"t={phys} b=512 ub=512 ")), None)
+    if default is not None:
+        err.print(f"score = sqrt(pp t/s x tg t/s); llama.cpp's default threads ({phys}), batch"
+                  f" 512 and no flash attention scored {default[3]:,.1f}")  # fmt: skip
+    return best
+
+
+def bench(
+    model: o.Model = None,
+    n_prompt: Annotated[
+        str,
+        _list(
+            "Prompt sizes of pp tests (0: none). (default: 512)", "-p", "--n-prompt", panel=PANEL
+        ),
+    ] = "512",
+    n_gen: Annotated[
+        str,
+        _list(
+            "Generation lengths of tg tests (0: none). (default: 128)", "-n", "--n-gen", panel=PANEL
+        ),
+    ] = "128",
+    pg: Annotated[
+        list[str] | None,
+        _list("A pp+tg test PROMPT,GEN such as 512,128 (repeatable).", "--pg", panel=PANEL),
+    ] = None,
+    depth: Annotated[
+        str,
+        _list(
+            "Run each test after N tokens already in the KV cache. (default: 0)",
+            "-d",
+            "--n-depth",
+            panel=PANEL,
+        ),
+    ] = "0",
+    reps: Annotated[
+        int,
+        typer.Option(
+            "-r",
+            "--repetitions",
+            min=1,
+            rich_help_panel=PANEL,
+            help="Timed repetitions per test, after one warm-up.",
+        ),
+    ] = 5,
+    threads: Annotated[
+        str | None, _list("CPU threads. (default: physical cores, or tuned)", "-t", "--threads")
+    ] = None,
+    batch: Annotated[
+        str | None,
+        _list("Prefill chunk sizes (n_batch). (default: 512, or tuned)", "-b", "--batch"),
+    ] = None,
+    ubatch: Annotated[
+        str | None,
+        _list("Micro-batch sizes (n_ubatch). (default: 512, or tuned)", "-ub", "--ubatch"),
+    ] = None,
+    gpu_layers: Annotated[str, _list("GPU layers. (default: 0)", "-ngl", "--gpu-layers")] = "0",
+    flash_attn: Annotated[
+        str | None,
+        _list("on, off, auto. (default: off on the CPU, or tuned)", "-fa", "--flash-attn"),
+    ] = None,
+    cache_type_k: Annotated[
+        str,
+        _list(
+            f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)", "-ctk", "--cache-type-k"
+        ),
+    ] = "f16",
+    cache_type_v: Annotated[
+        str,
+        _list(
+            "KV cache V types (quantized V needs flash attention). (default: f16)",
+            "-ctv",
+            "--cache-type-v",
+        ),
+    ] = "f16",
+    ctx: Annotated[
+        int | None,
+        typer.Option(
+            "-c",
+            "--ctx",
+            min=1,
+            show_default=False,
+            help="Context size. (default: what the tests need)",
+            rich_help_panel=SWEEP,
+        ),
+    ] = None,
+    scenarios: Annotated[
+        bool,
+        typer.Option(
+            "--scenarios",
+            rich_help_panel=PANEL,
+            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
+        ),
+    ] = False,
+    scenario_scale: Annotated[
+        float,
+        typer.Option(
+            "--scenario-scale",
+            min=0.001,
+            max=1.0,
+            rich_help_panel=PANEL,
+            help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
+        ),
+    ] = b.DEFAULT_SCENARIO_SCALE,
+    tune_: Annotated[
+        bool,
+        typer.Option(
+            "--tune",
+            help="Search threads, batch/ubatch and flash"
+            " attention for this model; save the fastest as the"
+            " defaults of run, chat and bench.",
+        ),
+    ] = False,
+    output: Annotated[
+        out.OutputFormat | None,
+        typer.Option(
+            "-o",
+            "--output",
+            show_default=False,
+            help="Print the results on stdout as"
+            " md, csv, json, jsonl or sql. (default:"
+            " a table on a terminal, else md)",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE.png",
+            show_default=False,
+            help="Also draw the charts into a PNG file.",
+        ),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare", help="Show the change against the last run of the same model and settings."
+        ),
+    ] = False,
+    no_history: Annotated[
+        bool, typer.Option("--no-history", help="Do not store this run in the history.")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
+) -> None:
+    """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
+
+    llmrun bench                          # pp512 and tg128, 5 repetitions
+
+    llmrun bench -t 1,2 -b 64-512*2 -o csv
+
+    llmrun bench -p 0 -n 64 -d 0,512,1024 # decode rate against context depth
+    """
+    with handled():
+        shapes = _shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale)
+        resolved = resolve_model(model)
+        base = apply_tuning(EngineConfig(), resolved.path)
+        flash = (None if flash_attn is None and base.flash_attn is None
+                 else b.parse_words(flash_attn or str(base.flash_attn), name="--flash-attn",
+                                    allowed=FLASH_ATTN))  # fmt: skip
+        combos = b.sweep(
+            threads=_optional_ints(threads, "-t", base.n_threads),
+            batch=_optional_ints(batch, "-b", base.n_batch),
+            ubatch=_optional_ints(ubatch, "--ubatch", base.n_ubatch),
+            gpu_layers=b.parse_values(gpu_layers, name="-ngl"),
+            flash_attn=flash if flash is not None else [None],
+            type_k=b.parse_words(cache_type_k, name="-ctk", allowed=CACHE_TYPES),
+            type_v=b.parse_words(cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+        )
+        err = Console(stderr=True, highlight=False)
+        show = Console(highlight=False) if output is None and sys.stdout.isatty() else err
+        runner = LlamaCppRunner(resolved.path, base)
+        cancel = threading.Event()
+        try:
+            with ctrl_c_cancels(cancel):
+                code = _bench(runner, base, combos, shapes, reps, ctx, seed, cancel, err, show,
+                              output=output, plot=plot, compare=compare, store=not no_history,
+                              tune_=tune_, scenarios=scenarios)  # fmt: skip
+        finally:
+            runner.close()
+        raise typer.Exit(code)
+
+
+def _bench(
+    runner: LlamaCppRunner,
+    base: EngineConfig,
+    combos: list[b.Combo],
+    shapes: list[b.Shape],
+    reps: int,
+    ctx: int | None,
+    seed: int,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    *,
+    output: out.OutputFormat | None,
+    plot: Path | None,
+    compare: bool,
+    store: bool,
+    tune_: bool,
+    scenarios: bool,
+) -> int:
+    with err.status("loading the model and measuring memory bandwidth ..."):
+        loaded = runner.load()
+        system = b.SystemInfo.collect()
+    m = loaded.model
+    model_line = (
+        f"{m.name} · {m.architecture} {m.quantization} · {human_count(m.n_params)} params"
+        f" · {human_count(m.size_bytes, 'B')} · load {loaded.load_s:.3f} s"
+    )
+    for line in system_lines(system, model_line):
+        err.print(line, markup=False)
+    if tune_:
+        best = tune(runner, base, err, cancel)
+        if best is None:
+            err.print("tuning interrupted; nothing saved")
+            return EXIT_INTERRUPTED
+        path = save_tuned(runner.model_path, best)
+        err.print(f"fastest: {best['n_threads']} threads, batch {best['n_batch']}, ubatch"
+                  f" {best['n_ubatch']}, flash attention {best['flash_attn']}; saved to {path}."
+                  " run, chat and bench now start from these (shown as 'tuned').")  # fmt: skip
+        return 0
+
+    results: list[b.Result] = []
+    skipped: list[b.Skipped] = []
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=err, transient=True, disable=not err.is_terminal,
+    )  # fmt: skip
+    with progress:
+        task = progress.add_task("bench", total=1)
+        for event in b.run_bench(runner, combos=combos, shapes=shapes, reps=reps, base=base,
+                                 n_ctx=ctx, seed=seed, cancel=cancel):  # fmt: skip
+            if isinstance(event, b.Progress):
+                progress.update(task, completed=event.done, total=event.total,
+                                description=event.label[:40])  # fmt: skip
+            elif isinstance(event, b.Result):
+                results.append(event)
+            else:
+                skipped.append(event)
+    for s in skipped:
+        what = f"{s.shape.name} " if s.shape else ""
+        err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
+    records = [r.record(system) for r in results]
+    interrupted = cancel.is_set()
+    if interrupted:
+        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+    if output is not None:
+        sys.stdout.write(out.format_records(records, output))
+        sys.stdout.flush()
+    elif sys.stdout.isatty():
+        show.print(out.results_table(records))
+    else:
+        sys.stdout.write(out.format_records(records, out.OutputFormat.md))
+    _extras(records, results, show, scenarios=scenarios)
+    if plot is not None and records:
+        _plot(records, plot)
+        err.print(f"charts written to {plot}")
+    if store and records:
+        with History() as history:
+            run_id = history.store(records, kind="local", model=m.name, system=vars(system))
+            if compare:
+                show.print(out.compare_table(history.compare(records, before_run=run_id)))
+    elif compare and records:
+        with History() as history:
+            show.print(out.compare_table(history.compare(records, before_run=None)))
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _extras(
+    records: list[dict[str, Any]], results: list[b.Result], show: Console, *, scenarios: bool
+) -> None:
+    for line in out.efficiency_lines(records):
+        show.print(line, markup=False)
+    for chart in (out.sweep_chart(records), out.depth_chart(records)):
+        if chart is not None:
+            show.print(chart)
+    chunks = out.chunk_report(records)
+    if chunks is not None:
+        table, notes = chunks
+        show.print(table)
+        for note in notes:
+            show.print(note, markup=False)
+    if scenarios:
+        score = b.localscore(results)
+        if score is not None:
+            show.print(
+                f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
+                " · mean output tok/s · 1000 / mean TTFT ms), scenarios scaled)"
+            )
+
+
+def history(
+    limit: Annotated[int, typer.Option("-n", "--limit", min=1, help="How many runs.")] = 10,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            show_default=False,
+            help="Only runs of models whose name contains this.",
+        ),
+    ] = None,
+) -> None:
+    """The stored bench runs, newest first, each against the run before it."""
+    with handled(), History() as h:
+        console = Console(highlight=False)
+        runs = h.runs(limit=limit, model=model)
+        if not runs:
+            console.print(f"no bench runs stored yet (in {h.path})")
+            return
+        for run in runs:
+            changes = h.compare(run["records"], before_run=run["id"])
+            table = out.compare_table(changes)
+            table.title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
+            console.print(table)

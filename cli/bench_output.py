@@ -1,0 +1,253 @@
+"""Bench results as llama-bench writes them (md, csv, json, jsonl, sql) and as rich tables.
+
+Records carry llama-bench's field names first, then llmrun's own, so a script that reads
+llama-bench output reads ours.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from llmrun.runners.history import Change
+from llmrun.runners.stats import human_count
+
+
+class OutputFormat(str, Enum):
+    md = "md"
+    csv = "csv"
+    json = "json"
+    jsonl = "jsonl"
+    sql = "sql"
+
+
+SWEPT_COLUMNS = (
+    ("n_batch", "n_batch"), ("n_ubatch", "n_ubatch"), ("n_gpu_layers", "ngl"),
+    ("flash_attn", "fa"), ("type_k", "type_k"), ("type_v", "type_v"),
+)  # fmt: skip
+
+
+def _flat(value: Any) -> Any:
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return value
+
+
+def _varying(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.get(k)) for r in records}) > 1]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def to_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """llama-bench's table (model | size | params | backend | threads | test | t/s), plus TTFT
+    and ITL columns."""
+    varying = _varying(records)
+    head = ["model", "size", "params", "backend", "threads", *(h for _, h in varying), "test",
+            "t/s", "TTFT ms", "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+    rows = []
+    for r in records:
+        rows.append([
+            r["model_type"], human_count(r["model_size"], "B"), human_count(r["model_n_params"]),
+            r["backends"], str(r["n_threads"]), *(str(r.get(k)) for k, _ in varying), r["test"],
+            f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", _ms(r.get("ttft_ms")),
+            _ms(r.get("itl_p50_ms")), _ms(r.get("itl_p99_ms")),
+        ])  # fmt: skip
+    numeric = {"threads", "t/s", "TTFT ms", "ITL p50 ms", "ITL p99 ms", "size", "params"}
+    lines = ["| " + " | ".join(head) + " |",
+             "| " + " | ".join("---:" if h in numeric else "---" for h in head) + " |"]  # fmt: skip
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(records: Sequence[dict[str, Any]]) -> str:
+    if not records:
+        return ""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(records[0]), lineterminator="\n")
+    writer.writeheader()
+    for r in records:
+        writer.writerow({k: _flat(v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def _sql_value(value: Any) -> str:
+    value = _flat(value)
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _sql_type(value: Any) -> str:
+    if isinstance(value, (bool, int)):
+        return "INTEGER"
+    if isinstance(value, float):
+        return "REAL"
+    return "TEXT"
+
+
+def to_sql(records: Sequence[dict[str, Any]]) -> str:
+    """CREATE TABLE test (...) and one INSERT per result: pipes into sqlite3, as llama-bench's."""
+    if not records:
+        return ""
+    fields = list(records[0])
+    types = {f: next((_sql_type(r[f]) for r in records if r.get(f) is not None), "TEXT")
+             for f in fields}  # fmt: skip
+    lines = ["CREATE TABLE IF NOT EXISTS test ("]
+    lines += [f"  {f} {types[f]}{',' if i < len(fields) - 1 else ''}" for i, f in enumerate(fields)]
+    lines.append(");")
+    for r in records:
+        values = ", ".join(_sql_value(r.get(f)) for f in fields)
+        lines.append(f"INSERT INTO test ({', '.join(fields)}) VALUES ({values});")
+    return "\n".join(lines) + "\n"
+
+
+def format_records(records: Sequence[dict[str, Any]], fmt: OutputFormat) -> str:
+    if fmt is OutputFormat.md:
+        return to_markdown(records)
+    if fmt is OutputFormat.csv:
+        return to_csv(records)
+    if fmt is OutputFormat.json:
+        return json.dumps(list(records), indent=2, ensure_ascii=False) + "\n"
+    if fmt is OutputFormat.jsonl:
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return to_sql(records)
+
+
+# ---- on a terminal --------------------------------------------------------------------------
+
+
+def results_table(records: Sequence[dict[str, Any]], title: str = "results") -> Table:
+    varying = _varying(records)
+    table = Table(title=title, title_justify="left")
+    for name in ("test", "threads", *(h for _, h in varying), "t/s", "TTFT ms", "ITL p50/p99 ms"):
+        table.add_column(name, justify="left" if name == "test" else "right")
+    for r in records:
+        itl = "-" if r.get("itl_p50_ms") is None else f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}"
+        table.add_row(
+            r["test"], str(r["n_threads"]), *(str(r.get(k)) for k, _ in varying),
+            f"{r['avg_ts']:,.1f} ± {r['stddev_ts']:,.1f}", _ms(r.get("ttft_ms")), itl,
+        )  # fmt: skip
+    return table
+
+
+def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in records:
+        if r.get("bw_util") is not None:
+            lines.append(
+                f"{r['test']}: decode moves {r['decode_bw_gbs']:.1f} GB/s (weights + KV cache per"
+                f" token) = {r['bw_util']:.0%} of the measured {r['mem_bw_gbs']:.1f} GB/s"
+            )
+        if r.get("prefill_gflops") is not None:
+            lines.append(f"{r['test']}: prefill runs at {r['prefill_gflops']:,.1f} GFLOP/s"
+                         " (2 x parameters x tok/s)")  # fmt: skip
+    return lines
+
+
+def bars(rows: Sequence[tuple[str, float, str]], *, width: int = 36) -> Table:
+    """Horizontal bars on one scale: (label, value, style)."""
+    top = max((v for _, v, _ in rows), default=0.0)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column()
+    grid.add_column(width=width)
+    grid.add_column(justify="right")
+    for label, value, style in rows:
+        cells = max(1, round(value / top * width)) if top > 0 and value > 0 else 0
+        grid.add_row(label, Text("█" * cells, style=style), f"{value:,.1f}")
+    return grid
+
+
+def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+    """Prompt tok/s against output tok/s for every configuration of the sweep."""
+    varying = _varying(records)
+    by_config: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r["n_depth"]:
+            continue
+        label = " ".join(f"{h}={r.get(k)}" for k, h in [("n_threads", "t"), *varying]) or "default"
+        kind = "pp" if r["n_prompt"] and not r["n_gen"] else "tg" if r["n_gen"] and not r[
+            "n_prompt"] else None  # fmt: skip
+        if kind:
+            by_config.setdefault(label, {})[kind] = r["avg_ts"]
+    rows = []
+    for label, v in by_config.items():
+        if "pp" in v:
+            rows.append((f"{label} prompt", v["pp"], "cyan"))
+        if "tg" in v:
+            rows.append((f"{label} output", v["tg"], "magenta"))
+    if not rows:
+        return None
+    return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(rows))
+
+
+def depth_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+    """Decode rate against context depth, when several depths ran."""
+    points = [(r["n_depth"], r["avg_ts"]) for r in records if r["n_gen"] and not r["n_prompt"]]
+    if len({d for d, _ in points}) < 2:
+        return None
+    rows = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
+    return Group(Text("output tok/s by context depth", style="bold"), bars(rows))
+
+
+def chunk_report(records: Sequence[dict[str, Any]]) -> tuple[Table, list[str]] | None:
+    """Prefill tok/s and TTFT per chunk size; whether the chunk sizes agree on the next token."""
+    pp = [r for r in records if r["n_prompt"] and not r["n_gen"]]
+    if len({r["n_batch"] for r in pp}) < 2:
+        return None
+    table = Table(title="chunked prefill: the chunk size trade-off", title_justify="left")
+    for name in ("test", "n_batch", "n_ubatch", "prompt tok/s", "TTFT ms", "next token"):
+        table.add_column(name, justify="left" if name == "test" else "right")
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in pp:
+        key = (r["test"], r["n_threads"], r["flash_attn"], r["type_k"], r["type_v"],
+               r["n_gpu_layers"])  # fmt: skip
+        groups.setdefault(key, []).append(r)
+    notes = []
+    for key, rows in groups.items():
+        for r in sorted(rows, key=lambda r: r["n_batch"]):
+            table.add_row(
+                r["test"], str(r["n_batch"]), str(r["n_ubatch"]), f"{r['avg_ts']:,.1f}",
+                _ms(r.get("ttft_ms")), str(r.get("next_token")),
+            )  # fmt: skip
+        tokens = {r.get("next_token") for r in rows}
+        if len(rows) > 1:
+            if len(tokens) == 1:
+                notes.append(f"{key[0]}: all {len(rows)} chunk sizes agree on the next token"
+                             f" ({tokens.pop()})")  # fmt: skip
+            else:
+                notes.append(f"{key[0]}: the chunk sizes DISAGREE on the next token: "
+                             + ", ".join(f"batch {r['n_batch']} -> {r.get('next_token')}"
+                                         for r in rows))  # fmt: skip
+    return table, notes
+
+
+def compare_table(changes: Sequence[Change]) -> Table:
+    table = Table(title="against the previous run", title_justify="left")
+    for name in ("test", "threads", "t/s now", "t/s before", "change", "verdict"):
+        table.add_column(name, justify="left" if name in ("test", "verdict") else "right")
+    styles = {"regression": "red", "improvement": "green"}
+    for c in changes:
+        r, p = c.record, c.previous
+        table.add_row(
+            c.test, str(r.get("n_threads")), f"{r['avg_ts']:,.1f} ± {r.get('stddev_ts', 0):,.1f}",
+            "-" if p is None else f"{p['avg_ts']:,.1f} ± {p.get('stddev_ts', 0):,.1f}",
+            "-" if c.change is None else f"{c.change:+.1%}",
+            Text(c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
+                 style=styles.get(c.verdict, "")),
+        )  # fmt: skip
+    return table
