@@ -34,6 +34,9 @@ from .errors import EXIT_INTERRUPTED, handled
 from .session import ctrl_c_cancels
 
 PANEL = "Tests (llama-bench's)"
+# --tune measures prefill, and decode at some depth: flash attention and threads behave
+# differently once the KV cache holds a few hundred tokens, where chat spends its time.
+TUNE_SHAPES = (b.Shape(512, 0), b.Shape(0, 64, 512))
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 
 
@@ -137,9 +140,7 @@ def tune(
     """A short staged search: threads, then flash attention, then batch/ubatch."""
     phys, logical = physical_cores(), logical_cpus()
     threads = sorted({phys, logical, max(1, logical // 2), max(1, phys - 1)})
-    # Decode at some depth: flash attention and threads behave differently once the KV cache
-    # holds a few hundred tokens, which is where chat and long prompts spend their time.
-    shapes = [b.Shape(512, 0), b.Shape(0, 64, 512)]
+    shapes = list(TUNE_SHAPES)
     best: dict[str, Any] = {"n_threads": phys, "n_batch": 512, "n_ubatch": 512,
                             "flash_attn": "off"}  # fmt: skip
     tried: list[tuple[str, float, float, float]] = []
@@ -166,7 +167,7 @@ def tune(
                                      for fa in ("off", "on")], shapes),
         ("batch/ubatch", lambda: [b.Combo(best["n_threads"], bb, ub, 0, best["flash_attn"])
                                   for bb, ub in ((256, 256), (512, 256), (512, 512), (1024, 512))],
-         [b.Shape(512, 0)]),
+         [TUNE_SHAPES[0]]),
     ]  # fmt: skip
     for name, combos, stage_shapes in stages:
         err.print(f"tuning {name} ...")

@@ -115,5 +115,5 @@ def test_run_with_a_hub_model_and_models_listing(hub_env: dict[str, str]) -> Non
     for ref in ("(default)", "acme/tiny-GGUF/tiny-Q4_1.gguf", "acme/tiny-GGUF/tiny-Q8_0.gguf",
                 "acme/two-GGUF/b/b-Q4_K_M.gguf"):  # fmt: skip
         assert ref in out
-    assert "134.5M" in out and "Q4_1" in out
+    assert "135M" in out and "Q4_1" in out
     assert "README" not in out

@@ -1,0 +1,191 @@
+"""`llmrun bench` with the embedded model and tiny sizes."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pexpect
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli import bench as bench_cli
+from llmrun.cli.app import app
+from llmrun.runners import bench as b
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import EngineConfig
+from llmrun.runners.tuning import apply_tuning, save_tuned
+
+from .conftest import which_llmrun
+
+LLAMA_BENCH_FIELDS = {
+    "build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
+    "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v",
+    "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
+    "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
+}  # fmt: skip
+OURS = {"ttft_ms", "load_ms", "itl_p50_ms", "itl_p99_ms", "engine_avg_ts", "bw_util",
+        "prefill_gflops", "mem_bw_gbs"}  # fmt: skip
+TINY = ["bench", "-r", "2", "-p", "16", "-n", "4", "-t", "1,2"]
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"
+
+
+def test_lists_and_ranges_as_llama_bench_reads_them() -> None:
+    assert b.parse_values("1,2", name="-t") == [1, 2]
+    assert b.parse_values("8-512*4", name="-b") == [8, 32, 128, 512]
+    assert b.parse_values("0-24+8", name="-d") == [0, 8, 16, 24]
+    for bad in ("x", "4-1", "1-8*1"):
+        with pytest.raises(BadRequestError):
+            b.parse_values(bad, name="-b")
+
+
+def parse(fmt: str, text: str) -> list[dict[str, object]]:
+    if fmt == "json":
+        return list(json.loads(text))
+    if fmt == "jsonl":
+        return [json.loads(line) for line in text.splitlines()]
+    if fmt == "csv":
+        return list(csv.DictReader(io.StringIO(text)))
+    if fmt == "sql":
+        db = sqlite3.connect(":memory:")
+        db.row_factory = sqlite3.Row
+        db.executescript(text)
+        return [dict(row) for row in db.execute("SELECT * FROM test")]
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True))
+            for ln in lines[2:]]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "sql", "md"])
+def test_every_format_parses_back_with_both_sweep_values(
+    cli: CliRunner, home: Path, fmt: str
+) -> None:
+    result = cli.invoke(app, [*TINY, "-o", fmt, "--no-history"])
+    assert result.exit_code == 0, result.stderr
+    rows = parse(fmt, result.stdout)
+    assert len(rows) == 4  # pp16 and tg4, at 1 and 2 threads
+    if fmt == "md":
+        assert {r["test"] for r in rows} == {"pp16", "tg4"}
+        assert {r["threads"] for r in rows} == {"1", "2"}
+        assert all(re.fullmatch(r"[\d.]+ ± [\d.]+", r["t/s"]) for r in rows)
+        return
+    assert set(rows[0]) >= LLAMA_BENCH_FIELDS | OURS
+    assert {(str(r["n_threads"]), str(r["n_prompt"]), str(r["n_gen"])) for r in rows} == {
+        (t, p, g) for t in "12" for p, g in (("16", "0"), ("0", "4"))
+    }
+    pp = next(r for r in rows if str(r["n_gen"]) == "0")
+    tg = next(r for r in rows if str(r["n_prompt"]) == "0")
+    assert float(pp["ttft_ms"]) > 0 and float(pp["prefill_gflops"]) > 0  # type: ignore[arg-type]
+    assert float(tg["itl_p50_ms"]) > 0 and 0 < float(tg["bw_util"]) < 1.5  # type: ignore[arg-type]
+    assert float(pp["avg_ts"]) > 0 and float(pp["load_ms"]) > 0  # type: ignore[arg-type]
+
+
+def test_skipped_values_are_reported_and_the_rest_runs(cli: CliRunner, home: Path) -> None:
+    result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "0", "-ctk", "f16,q9",
+                              "-b", "32,128", "-c", "64", "-ngl", "0,999", "-o", "jsonl",
+                              "--no-history"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["n_batch"], r["type_k"], r["n_gpu_layers"]) for r in rows] == [(32, "f16", 0)]
+    err = " ".join(result.stderr.split())
+    assert "unknown cache-type-k 'q9'" in err
+    assert "batch 128 is larger than the context (64 tokens)" in err
+    assert "999 GPU layers, but the model has" in err
+
+
+def test_compare_finds_the_previous_run_and_history_lists_both(cli: CliRunner, home: Path) -> None:
+    first = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json"])
+    assert first.exit_code == 0, first.stderr
+    second = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json",
+                              "--compare"])  # fmt: skip
+    assert second.exit_code == 0, second.stderr
+    err = " ".join(second.stderr.split())
+    assert "against the previous run" in err and "(run 1)" in err
+    assert re.search(r"(within spread|regression|improvement) \(run 1\)", err)
+    assert (home / "data" / "history.sqlite").exists()
+    listing = cli.invoke(app, ["history", "-n", "5"], env={"COLUMNS": "200"})
+    assert listing.exit_code == 0
+    assert "run 2" in listing.stdout and "run 1" in listing.stdout
+
+
+def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path) -> None:
+    result = cli.invoke(app, ["bench", "-r", "1", "-p", "48", "-n", "0", "--pg", "16,4",
+                              "-d", "0,32", "-b", "16,48", "--no-history", "-o", "json"],
+                        env={"COLUMNS": "120"})  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    tests = {(r["test"], r["n_batch"]) for r in rows}
+    assert ("pp48 @ d32", 16) in tests and ("pp16+tg4", 48) in tests
+    pg = next(r for r in rows if r["test"] == "pp16+tg4")
+    assert pg["pp_ts"] > 0 and pg["tg_ts"] > 0  # the two phases of a pg test, kept apart
+    err = " ".join(result.stderr.split())
+    assert "chunked prefill" in err
+    assert "pp48: all 2 chunk sizes agree on the next token" in err
+
+
+def test_scenarios_give_a_score(cli: CliRunner, home: Path) -> None:
+    result = cli.invoke(app, ["bench", "--scenarios", "--scenario-scale", "0.004", "-r", "1",
+                              "--no-history", "-o", "jsonl"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert len(result.stdout.splitlines()) == len(b.LOCALSCORE_SCENARIOS)
+    assert re.search(r"score\s+[\d,.]+\s+\(LocalScore's formula", result.stderr)
+
+
+def test_tune_saves_settings_that_run_then_uses(
+    cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch, model_path: str
+) -> None:
+    monkeypatch.setattr(bench_cli, "TUNE_SHAPES", (b.Shape(32, 0), b.Shape(0, 8, 16)))
+    result = cli.invoke(app, ["bench", "--tune"])
+    assert result.exit_code == 0, result.stderr
+    saved = json.loads((home / "config" / "tuned.json").read_text())
+    (entry,) = saved.values()
+    assert set(entry) == {"n_threads", "n_batch", "n_ubatch", "flash_attn"}
+    config = apply_tuning(EngineConfig(n_batch=64), model_path)
+    assert config.tuned and config.n_batch == 64 and config.n_ubatch == entry["n_ubatch"]
+    assert apply_tuning(EngineConfig(), "/elsewhere.gguf") == EngineConfig()
+
+
+def test_run_reports_tuned_settings(
+    llmrun_env: dict[str, str], home: Path, model_path: str
+) -> None:
+    save_tuned(model_path, {"n_threads": 1, "n_batch": 128, "n_ubatch": 64, "flash_attn": "off"})
+    env = dict(llmrun_env, LLMRUN_HOME=str(home))
+    result = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json"], env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    settings = json.loads(result.stderr.strip().splitlines()[-1])["settings"]
+    assert settings["tuned"] is True
+    assert (settings["n_threads"], settings["n_batch"], settings["n_ubatch"]) == (1, 128, 64)
+    explicit = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json", "-t",
+                               "2"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert json.loads(explicit.stderr.strip().splitlines()[-1])["settings"]["n_threads"] == 2
+
+
+def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Path) -> None:
+    env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
+    out = tmp_path / "out.jsonl"
+    cmd = f"{which_llmrun()} bench -r 3 -p 16 -n 300 -t 1,2 -o jsonl > {out}"
+    child = pexpect.spawn("bash", ["-c", cmd], env=env, encoding="utf-8", timeout=90,
+                          dimensions=(40, 120))  # fmt: skip
+    child.expect(r"tg300")  # the progress bar has moved past pp16 to the generation test
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130
+    assert "interrupted: keeping the 1 finished results" in child.before
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["test"] for r in rows] == ["pp16"]
+    db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")
+    assert db.execute("SELECT count(*) FROM results").fetchone() == (1,)
