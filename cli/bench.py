@@ -30,6 +30,7 @@ from llmrun.runners.tuning import apply_tuning, save_tuned
 
 from . import bench_output as out
 from . import options as o
+from .bench_serving import run_serving
 from .errors import EXIT_INTERRUPTED, handled
 from .session import ctrl_c_cancels
 
@@ -38,6 +39,7 @@ PANEL = "Tests (llama-bench's)"
 # differently once the KV cache holds a few hundred tokens, where chat spends its time.
 TUNE_SHAPES = (b.Shape(512, 0), b.Shape(0, 64, 512))
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
+SERVING = "Serving benchmark (with --endpoint)"
 
 
 def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
@@ -326,6 +328,101 @@ def bench(
         bool, typer.Option("--no-history", help="Do not store this run in the history.")
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
+    endpoint: o.Endpoint = None,
+    api_key: o.ApiKey = None,
+    timeout: o.Timeout = 60.0,
+    concurrency: Annotated[
+        str,
+        _list(
+            "Requests in flight (serving): a list such as 1,4,16. (default: 1,4)",
+            "--concurrency",
+            panel=SERVING,
+        ),
+    ] = "1,4",
+    request_rate: Annotated[
+        str,
+        _list(
+            "Poisson arrival rate in requests/s; inf sends all at once. (default: inf)",
+            "--request-rate",
+            panel=SERVING,
+        ),
+    ] = "inf",
+    num_prompts: Annotated[
+        int,
+        typer.Option(
+            "--num-prompts", min=1, rich_help_panel=SERVING, help="Requests per concurrency level."
+        ),
+    ] = 16,
+    input_len: Annotated[
+        int,
+        typer.Option(
+            "--input-len", min=1, rich_help_panel=SERVING, help="Mean prompt length in tokens."
+        ),
+    ] = 128,
+    output_len: Annotated[
+        int,
+        typer.Option(
+            "--output-len", min=1, rich_help_panel=SERVING, help="Mean output length in tokens."
+        ),
+    ] = 64,
+    range_ratio: Annotated[
+        float,
+        typer.Option(
+            "--range-ratio",
+            min=0.0,
+            max=0.99,
+            rich_help_panel=SERVING,
+            help="Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
+        ),
+    ] = 0.0,
+    warmup: Annotated[
+        int,
+        typer.Option(
+            "--warmup", min=0, rich_help_panel=SERVING, help="Warm-up requests before each level."
+        ),
+    ] = 1,
+    percentiles: Annotated[
+        str,
+        _list(
+            "Percentiles of each latency metric. (default: 50,90,99)",
+            "--percentiles",
+            panel=SERVING,
+        ),
+    ] = "50,90,99",
+    slo: Annotated[
+        str | None,
+        _list(
+            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).",
+            "--slo",
+            panel=SERVING,
+        ),
+    ] = None,
+    interference: Annotated[
+        bool,
+        typer.Option(
+            "--interference",
+            rich_help_panel=SERVING,
+            help="One client decodes while others send long prompts: its ITL alone vs under load.",
+        ),
+    ] = False,
+    interference_rate: Annotated[
+        float,
+        typer.Option(
+            "--interference-rate",
+            min=0.01,
+            rich_help_panel=SERVING,
+            help="Long prompts per second.",
+        ),
+    ] = 2.0,
+    interference_prompt_len: Annotated[
+        int,
+        typer.Option(
+            "--interference-prompt-len",
+            min=1,
+            rich_help_panel=SERVING,
+            help="Tokens per long prompt.",
+        ),
+    ] = 512,
 ) -> None:
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 
@@ -334,8 +431,32 @@ def bench(
     llmrun bench -t 1,2 -b 64-512*2 -o csv
 
     llmrun bench -p 0 -n 64 -d 0,512,1024 # decode rate against context depth
+
+    llmrun bench --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
     """
     with handled():
+        if endpoint:
+            local = {"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn,
+                     "--tune": tune_ or None, "--scenarios": scenarios or None,
+                     "-ngl": None if gpu_layers == "0" else gpu_layers}  # fmt: skip
+            given = [name for name, value in local.items() if value is not None]
+            if given:
+                raise BadRequestError(f"{', '.join(given)}: local-engine options; with --endpoint"
+                                      " the server's own settings decide")  # fmt: skip
+            cancel = threading.Event()
+            err = Console(stderr=True, highlight=False)
+            show = Console(highlight=False) if output is None and sys.stdout.isatty() else err
+            with ctrl_c_cancels(cancel):
+                code = run_serving(
+                    endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,
+                    concurrency=concurrency, request_rate=request_rate, num_prompts=num_prompts,
+                    input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                    warmup=warmup, percentiles=percentiles, slo=slo, interference=interference,
+                    interference_rate=interference_rate,
+                    interference_prompt_len=interference_prompt_len, seed=seed, output=output,
+                    compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
+                )  # fmt: skip
+            raise typer.Exit(code)
         shapes = _shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale)
         resolved = resolve_model(model)
         base = apply_tuning(EngineConfig(), resolved.path)

@@ -116,8 +116,39 @@ def to_sql(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SERVING_COLUMNS = (
+    "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
+    "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+    "p99_itl_ms", "mean_e2el_ms", "goodput",
+)  # fmt: skip
+
+
+def serving_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """Serving results as a markdown table (interference rows list their own figures)."""
+    lines = ["| " + " | ".join(SERVING_COLUMNS) + " |",
+             "| " + " | ".join("---" for _ in SERVING_COLUMNS) + " |"]  # fmt: skip
+    other = []
+    for r in records:
+        if str(r.get("test", "")).startswith("serve"):
+            cells = [_cell(r.get(c)) for c in SERVING_COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
+        else:
+            figures = [f"{k} {_cell(v)}" for k, v in r.items()
+                       if k.startswith(("itl_", "background"))]  # fmt: skip
+            other.append(f"{r['test']}: " + ", ".join(figures))
+    return "\n".join(lines) + "\n" + "".join(f"\n{line}\n" for line in other)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+
 def format_records(records: Sequence[dict[str, Any]], fmt: OutputFormat) -> str:
     if fmt is OutputFormat.md:
+        if records and "concurrency" in records[0]:
+            return serving_markdown(records)
         return to_markdown(records)
     if fmt is OutputFormat.csv:
         return to_csv(records)
@@ -236,6 +267,12 @@ def chunk_report(records: Sequence[dict[str, Any]]) -> tuple[Table, list[str]] |
     return table, notes
 
 
+def _rate(r: dict[str, Any]) -> str:
+    if r.get("avg_ts") is None:
+        return "-"
+    return f"{r['avg_ts']:,.1f} ± {r.get('stddev_ts') or 0:,.1f}"
+
+
 def compare_table(changes: Sequence[Change]) -> Table:
     table = Table(title="against the previous run", title_justify="left")
     for name in ("test", "threads", "t/s now", "t/s before", "change", "verdict"):
@@ -244,8 +281,7 @@ def compare_table(changes: Sequence[Change]) -> Table:
     for c in changes:
         r, p = c.record, c.previous
         table.add_row(
-            c.test, str(r.get("n_threads")), f"{r['avg_ts']:,.1f} ± {r.get('stddev_ts', 0):,.1f}",
-            "-" if p is None else f"{p['avg_ts']:,.1f} ± {p.get('stddev_ts', 0):,.1f}",
+            c.test, str(r.get("n_threads", "-")), _rate(r), "-" if p is None else _rate(p),
             "-" if c.change is None else f"{c.change:+.1%}",
             Text(c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
                  style=styles.get(c.verdict, "")),

@@ -22,7 +22,7 @@ from rich.text import Text
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.paths import state_dir
-from llmrun.runners.stats import FINISH_INTERRUPTED, GenerationStats
+from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, GenerationStats
 
 from . import options as o
 from .dashboard import Dashboard, model_facts, render
@@ -56,6 +56,8 @@ def turn_line(stats: GenerationStats) -> str:
 
 
 def context_meter(used: int, n_ctx: int) -> Text:
+    if n_ctx <= 0:
+        return Text(f"context {used} tokens (the server does not say its context size)")
     share = used / n_ctx if n_ctx else 0.0
     cells = min(METER_CELLS, round(share * METER_CELLS))
     style = "red" if share >= 0.9 else "yellow" if share >= 0.75 else "green"
@@ -260,6 +262,10 @@ class ChatUI:
             self.show(context_meter(conv.used_tokens, conv.n_ctx))
         if turn.interrupted or turn.stats is None:
             self.show("[interrupted] the reply so far stays in the conversation", "yellow")
+        elif turn.stats.finish_reason == FINISH_INCOMPLETE:
+            problem = turn.stats.extra.get("error")
+            self.err.print(Text(f"llmrun: error: {problem} (the reply so far stays in the"
+                                " conversation, marked incomplete)", style="red"))  # fmt: skip
         if conv.nearly_full:
             self.warn(
                 f"context {conv.used_tokens}/{conv.n_ctx} tokens: when a turn does not fit, the"
@@ -327,6 +333,9 @@ def chat(
     system: o.System = None,
     no_dashboard: o.NoDashboard = False,
     model: o.Model = None,
+    endpoint: o.Endpoint = None,
+    api_key: o.ApiKey = None,
+    timeout: o.Timeout = 60.0,
     max_tokens: o.MaxTokens = 512,
     temp: o.Temp = 0.8,
     top_k: o.TopK = 40,
@@ -358,7 +367,7 @@ def chat(
             ctx=ctx, batch=batch, ubatch=ubatch, threads=threads, gpu_layers=gpu_layers,
             flash_attn=flash_attn, repack=repack,
         )  # fmt: skip
-        runner = make_runner(model, config)
+        runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)
             ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard)

@@ -18,5 +18,18 @@ def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
 RUNNER_FACTORY: Callable[[str | None, EngineConfig], Runner] = _llamacpp
 
 
-def make_runner(model: str | None, config: EngineConfig) -> Runner:
+def make_runner(
+    model: str | None,
+    config: EngineConfig,
+    *,
+    endpoint: str | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 60.0,
+) -> Runner:
+    """The local engine, or with an endpoint the OpenAI-compatible server there."""
+    if endpoint:
+        from llmrun.runners.remote import OpenAIRunner
+
+        return OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
+                            n_ctx=config.n_ctx)  # fmt: skip
     return RUNNER_FACTORY(model, config)

@@ -25,6 +25,8 @@ from llmrun.runners.errors import (
     ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
+    ServerError,
+    ServerUnreachableError,
 )
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL, DefaultModelMissingError
 
@@ -48,6 +50,8 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     PromptTooLongError: _too_long,
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
     BadRequestError: lambda e: "",
+    ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
+    ServerError: lambda e: "",
     EngineError: lambda e: "",
 }
 

@@ -96,6 +96,31 @@ Repack = Annotated[
     ),
 ]  # fmt: skip
 
+REMOTE_PANEL = "Remote server (OpenAI-compatible)"
+Endpoint = Annotated[
+    str | None,
+    typer.Option(
+        "--endpoint", envvar="LLMRUN_ENDPOINT", metavar="URL",
+        help="Use an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1) instead"
+        " of a local model; -m then names the server's model (default: its first).",
+        rich_help_panel=REMOTE_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key", envvar="LLMRUN_API_KEY", help="API key for --endpoint (never printed).",
+        rich_help_panel=REMOTE_PANEL, show_default=False, show_envvar=True,
+    ),
+]  # fmt: skip
+Timeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout", min=0.1, help="Seconds to wait for the server before giving up on a read.",
+        rich_help_panel=REMOTE_PANEL,
+    ),
+]  # fmt: skip
+
 MaxTokens = Annotated[
     int,
     typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.",

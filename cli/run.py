@@ -14,7 +14,7 @@ from rich.console import Console
 
 from llmrun.runners.base import Runner
 from llmrun.runners.errors import LlmrunError
-from llmrun.runners.stats import Aggregate, GenerationStats
+from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats
 
 from . import options as o
 from .dashboard import Dashboard, render
@@ -93,6 +93,9 @@ def run(
         ),
     ] = False,
     model: o.Model = None,
+    endpoint: o.Endpoint = None,
+    api_key: o.ApiKey = None,
+    timeout: o.Timeout = 60.0,
     max_tokens: o.MaxTokens = 512,
     temp: o.Temp = 0.8,
     top_k: o.TopK = 40,
@@ -132,7 +135,7 @@ def run(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,
         )  # fmt: skip
-        runner = make_runner(model, config)
+        runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             code = _run_jobs(
                 runner, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
@@ -213,6 +216,11 @@ def _run_jobs(
                             err.print(line, markup=False)
             if stats_file is not None:
                 append_stats_file(stats_file, [stats_json(s, job.label)])
+            if s.finish_reason == FINISH_INCOMPLETE:
+                print(f"llmrun: error: {s.extra.get('endpoint')}: {s.extra.get('error')}"
+                      " (the text so far is kept, marked incomplete)", file=sys.stderr)  # fmt: skip
+                failed = True
+                break
             if out.closed or s.interrupted:
                 break
     if len(done) > 1 and not quiet and not out.closed:

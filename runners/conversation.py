@@ -57,7 +57,7 @@ class Conversation:
 
     @property
     def nearly_full(self) -> bool:
-        return self.used_tokens >= WARN_FRACTION * self.n_ctx
+        return self.n_ctx > 0 and self.used_tokens >= WARN_FRACTION * self.n_ctx
 
     def messages(self, user: str | None = None) -> tuple[ChatMessage, ...]:
         out: list[ChatMessage] = []
@@ -78,6 +78,8 @@ class Conversation:
 
         Raises PromptTooLongError when even the system prompt and this message alone do not fit.
         """
+        if self.n_ctx <= 0:  # a server that does not say its context size enforces it itself
+            return 0
         dropped = 0
         limit = self.n_ctx - self.reply_reserve
         while True:

@@ -65,3 +65,16 @@ class BadRequestError(LlmrunError):
 
 class EngineError(LlmrunError):
     """llama.cpp failed in the middle of a request."""
+
+
+class ServerError(LlmrunError):
+    """An OpenAI-compatible server could not be reached or answered with an error."""
+
+    def __init__(self, endpoint: str, problem: str) -> None:
+        super().__init__(f"{endpoint}: {problem}")
+        self.endpoint = endpoint
+        self.problem = problem
+
+
+class ServerUnreachableError(ServerError):
+    """Nothing answered: connection refused, unknown host, or a connect timeout."""

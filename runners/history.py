@@ -72,6 +72,8 @@ class Change:
         """regression / improvement beyond both runs' spread, else 'within spread' or 'new'."""
         if self.previous is None:
             return "new"
+        if self.record.get("avg_ts") is None or self.previous.get("avg_ts") is None:
+            return "no rate"
         new_low = self.record["avg_ts"] - (self.record.get("stddev_ts") or 0)
         new_high = self.record["avg_ts"] + (self.record.get("stddev_ts") or 0)
         old_low = self.previous["avg_ts"] - (self.previous.get("stddev_ts") or 0)

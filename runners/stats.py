@@ -14,6 +14,7 @@ from typing import Any
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # --max-tokens reached or the context is full
 FINISH_INTERRUPTED = "interrupted"  # Ctrl-C or a closed output
+FINISH_INCOMPLETE = "incomplete"  # a server's stream broke off (killed, malformed, timed out)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -1,0 +1,292 @@
+"""`llmrun bench --endpoint URL`: serving load with vLLM's metrics, and prefill interference."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from llmrun.runners import serving as sv
+from llmrun.runners.bench import parse_values
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.history import History
+from llmrun.runners.remote import Connection, OpenAIRunner
+
+from . import bench_output as out
+from .errors import EXIT_INTERRUPTED
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
+    if rate <= 0:
+        raise BadRequestError("--request-rate must be above 0 (inf: all requests at once)")
+    return rate
+
+
+def serving_table(records: list[dict[str, Any]], percentiles: list[float]) -> Table:
+    table = Table(title="serving benchmark (vLLM's definitions)", title_justify="left")
+    table.add_column("metric")
+    for r in records:
+        table.add_column(f"c={r['concurrency']} rate={r['request_rate']}", justify="right")
+    rows: list[tuple[str, str]] = [
+        ("requests completed / failed", "{completed} / {failed}"),
+        ("duration s", "{duration_s:.2f}"),
+        ("request throughput req/s", "{request_throughput:.2f}"),
+        ("output tokens/s", "{output_throughput:.1f}"),
+        ("total tokens/s", "{total_token_throughput:.1f}"),
+    ]
+    if any(r.get("goodput") is not None for r in records):
+        rows.append(("goodput req/s (met --slo)", "{goodput:.2f}"))
+    for m in METRICS:
+        for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
+            rows.append((f"{m.upper()} {stat} ms", f"{{{stat}_{m}_ms:,.1f}}"))
+    for label, fmt in rows:
+        cells = []
+        for r in records:
+            try:
+                cells.append(fmt.format(**r))
+            except (TypeError, ValueError, KeyError):
+                cells.append("-")
+        table.add_row(label, *cells)
+    return table
+
+
+def run_serving(
+    *,
+    endpoint: str,
+    api_key: str | None,
+    timeout_s: float,
+    model: str | None,
+    concurrency: str,
+    request_rate: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    warmup: int,
+    percentiles: str,
+    slo: str | None,
+    interference: bool,
+    interference_rate: float,
+    interference_prompt_len: int,
+    seed: int,
+    output: out.OutputFormat | None,
+    compare: bool,
+    store: bool,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+) -> int:
+    levels = parse_values(concurrency, name="--concurrency")
+    if any(c < 1 for c in levels):
+        raise BadRequestError("--concurrency values must be at least 1")
+    rate = parse_rate(request_rate)
+    pcts = [float(p) for p in percentiles.split(",") if p.strip()]
+    slos = sv.parse_slo(slo)
+    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s)
+    conn = Connection(
+        endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max(levels) + 8
+    )
+    try:
+        loaded = runner.load()
+        name = runner.model_name or loaded.model.name
+        err.print(
+            f"server   {endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
+            markup=False,
+        )
+        with err.status("preparing prompts (counting tokens with the server's tokenizer) ..."):
+            prompts = sv.make_prompts(
+                conn,
+                name,
+                count=num_prompts,
+                input_len=input_len,
+                output_len=output_len,
+                range_ratio=range_ratio,
+                seed=seed,
+            )
+            warm = sv.make_prompts(
+                conn,
+                name,
+                count=warmup,
+                input_len=input_len,
+                output_len=min(output_len, 16),
+                range_ratio=0.0,
+                seed=seed + 1,
+            )
+        records: list[dict[str, Any]] = []
+        for level in levels:
+            if cancel.is_set():
+                break
+            with err.status(f"concurrency {level}: {warmup} warm-up, {num_prompts} requests ..."):
+                for prompt in warm:
+                    sv.send(conn, name, prompt, cancel)
+                results, duration = sv.run_load(
+                    conn,
+                    name,
+                    prompts,
+                    concurrency=level,
+                    request_rate=rate,
+                    seed=seed,
+                    cancel=cancel,
+                )
+            rec = _record(
+                endpoint,
+                name,
+                level,
+                rate,
+                num_prompts,
+                input_len,
+                output_len,
+                sv.metrics(results, duration, percentiles=pcts, slo=slos),
+            )
+            records.append(rec)
+            for e in rec["errors"]:
+                err.print(f"c={level}: failed requests: {e}", markup=False, style="yellow")
+        if interference and not cancel.is_set():
+            records.append(
+                _interference(
+                    conn,
+                    name,
+                    endpoint,
+                    input_len,
+                    output_len,
+                    interference_rate,
+                    interference_prompt_len,
+                    seed,
+                    cancel,
+                    err,
+                    show,
+                )
+            )
+    finally:
+        runner.close()
+        conn.close()
+    interrupted = cancel.is_set()
+    if interrupted:
+        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+    serving = [r for r in records if r["test"].startswith("serve")]
+    if output is not None:
+        sys.stdout.write(out.format_records(records, output))
+        sys.stdout.flush()
+    elif sys.stdout.isatty():
+        if serving:
+            show.print(serving_table(serving, pcts))
+    else:
+        sys.stdout.write(out.format_records(records, out.OutputFormat.md))
+    if store and records:
+        with History() as history:
+            run_id = history.store(
+                records, kind="serving", model=name, system={"endpoint": endpoint}
+            )
+            if compare:
+                show.print(out.compare_table(history.compare(records, before_run=run_id)))
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _record(
+    endpoint: str,
+    model: str,
+    level: int,
+    rate: float,
+    num: int,
+    input_len: int,
+    output_len: int,
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
+    throughput = metrics.get("output_throughput") or 0.0
+    # The spread of a throughput: the standard error of the requests' mean latency, relative.
+    mean, std = metrics.get("mean_e2el_ms") or 0.0, metrics.get("std_e2el_ms") or 0.0
+    done = max(metrics.get("completed") or 1, 1)
+    spread = throughput * (std / mean) / math.sqrt(done) if mean else 0.0
+    return {
+        "test": f"serve c{level} r{rate_text}",
+        "endpoint": endpoint,
+        "model_filename": model,
+        "concurrency": level,
+        "request_rate": rate_text,
+        "num_prompts": num,
+        "input_len": input_len,
+        "output_len": output_len,
+        "avg_ts": throughput,
+        "stddev_ts": round(spread, 4),
+        **metrics,
+    }
+
+
+def _interference(
+    conn: Connection,
+    name: str,
+    endpoint: str,
+    input_len: int,
+    output_len: int,
+    rate: float,
+    prompt_len: int,
+    seed: int,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+) -> dict[str, Any]:
+    steady = sv.make_prompts(
+        conn,
+        name,
+        count=1,
+        input_len=min(input_len, 64),
+        output_len=max(output_len, 64),
+        range_ratio=0.0,
+        seed=seed,
+    )[0]
+    count = max(2, math.ceil(rate * 8))
+    long_prompts = [
+        sv.PromptSpec(p.text, p.input_tokens, 1)
+        for p in sv.make_prompts(
+            conn,
+            name,
+            count=count,
+            input_len=prompt_len,
+            output_len=1,
+            range_ratio=0.0,
+            seed=seed + 2,
+        )
+    ]
+    with err.status(
+        f"interference: one client decodes {steady.max_tokens} tokens, alone and"
+        f" while {prompt_len}-token prompts arrive at {rate:g}/s ..."
+    ):
+        result = sv.interference(
+            conn,
+            name,
+            steady=steady,
+            long_prompts=long_prompts,
+            rate=rate,
+            seed=seed,
+            cancel=cancel,
+        )
+    rec = result.record()
+    show.print(
+        f"interference: the steady client's ITL p50 {rec['itl_p50_alone_ms']} ms alone,"
+        f" {rec['itl_p50_loaded_ms']} ms under prefill load (x{rec['itl_p50_ratio']});"
+        f" p99 {rec['itl_p99_alone_ms']} -> {rec['itl_p99_loaded_ms']} ms"
+        f" (x{rec['itl_p99_ratio']}); its TTFT {rec['ttft_alone_ms']} -> {rec['ttft_loaded_ms']}"
+        f" ms; {rec['background_requests']} long prompts sent",
+        markup=False,
+    )
+    return {
+        "test": f"interference pp{prompt_len} r{rate:g}",
+        "endpoint": endpoint,
+        "model_filename": name,
+        "concurrency": 1,
+        "request_rate": f"{rate:g}",
+        "avg_ts": None,
+        "stddev_ts": None,
+        **rec,
+    }

@@ -1,0 +1,458 @@
+"""The remote engine: an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1).
+
+Everything is measured on the client from the stream: the time to the first content chunk and
+every gap after it. Token counts come from the server's `usage` when it sends one; where the
+server reports its own timings (llama.cpp's `timings`: prompt_n, prompt_ms, predicted_n,
+predicted_ms, cache_n) they are kept beside the client's figures, so the difference — network
+and queueing — becomes visible.
+
+A stream that breaks off (server killed, malformed line, read timeout) ends the request with the
+text received so far and the stats marked `incomplete`, with the reason in `extra["error"]`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx2 as httpx
+
+from .base import Event, Finished, LoadStarted, ModelLoaded, Request, SamplingParams, Token
+from .errors import BadRequestError, ServerError, ServerUnreachableError
+from .stats import (
+    FINISH_INCOMPLETE,
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineSettings,
+    GenerationStats,
+    ModelInfo,
+)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def api_base(endpoint: str) -> str:
+    """http://host:8080, http://host:8080/ or http://host:8080/v1 -> http://host:8080/v1."""
+    url = endpoint.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BadRequestError(
+            f"--endpoint must be an http(s) URL such as http://127.0.0.1:8080, not '{endpoint}'"
+        )
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The error text a server put in its body (OpenAI's {"error": {"message"}} and others)."""
+    try:
+        body = response.read().decode("utf-8", errors="replace")
+    except httpx.HTTPError:
+        return ""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return " ".join(body.split())[:200]
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail", data.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if isinstance(err, list) and err and isinstance(err[0], dict):
+            err = err[0].get("msg", err[0])
+        if err:
+            return " ".join(str(err).split())[:300]
+    return " ".join(body.split())[:200]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One parsed stream event: new text, or the end (finish reason, usage, timings, error)."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    error: str | None = None  # the stream broke off; the text so far stands
+
+
+class Connection:
+    """An HTTP client for one server: auth, timeouts, and errors turned into ServerError."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_connections: int = 100,
+    ) -> None:
+        self.endpoint = endpoint
+        self.api = api_base(endpoint)
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _fail(self, e: Exception) -> ServerError:
+        if isinstance(e, httpx.ConnectError):
+            reason = str(e) or "connection failed"
+            if "refused" in reason.lower() or "errno 111" in reason.lower():
+                reason = "connection refused"
+            return ServerUnreachableError(self.endpoint, f"cannot connect ({reason})")
+        if isinstance(e, httpx.ConnectTimeout):
+            return ServerUnreachableError(self.endpoint, "cannot connect (timed out)")
+        if isinstance(e, httpx.TimeoutException):
+            return ServerError(self.endpoint, f"no answer within {self.timeout_s:g} s (--timeout)")
+        return ServerError(self.endpoint, f"{type(e).__name__}: {e}")
+
+    def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
+        try:
+            response = self.client.get(self.api + path, timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as e:
+            raise self._fail(e) from None
+        if response.status_code >= 400:
+            raise ServerError(
+                self.endpoint,
+                f"HTTP {response.status_code} on {path}:"
+                f" {_server_message(response) or response.reason_phrase}",
+            )
+        try:
+            return response.json()
+        except ValueError:
+            raise ServerError(self.endpoint, f"{path} did not answer with JSON") from None
+
+    def post_json(self, url: str, body: dict[str, Any], *, timeout_s: float = 5.0) -> Any | None:
+        """A best-effort side request (tokenize, props): None if the server has no such route."""
+        try:
+            response = self.client.post(url, json=body, timeout=timeout_s)
+            return response.json() if response.status_code < 400 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def stream(
+        self, path: str, body: dict[str, Any], cancel: threading.Event | None = None
+    ) -> Iterator[Chunk]:
+        """POST a streaming request and yield its chunks.
+
+        Raises ServerError before the first chunk (unreachable, HTTP error status); a failure
+        after that is yielded as a final Chunk with `error`, so callers keep the partial text.
+        """
+        request = self.client.build_request("POST", self.api + path, json=body)
+        try:
+            response = self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise self._fail(e) from None
+        try:
+            if response.status_code >= 400:
+                message = _server_message(response) or response.reason_phrase
+                raise ServerError(self.endpoint, f"HTTP {response.status_code}: {message}")
+            finished = False
+            try:
+                for line in response.iter_lines():
+                    if cancel is not None and cancel.is_set():
+                        return
+                    line = line.strip()
+                    if not line or line.startswith(":"):
+                        continue
+                    if not line.startswith("data:"):
+                        yield Chunk(error=f"malformed stream line: {line[:80]!r}")
+                        return
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        finished = True
+                        break
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        yield Chunk(error=f"malformed stream line: {line[:80]!r}")
+                        return
+                    chunk = _parse(event)
+                    if chunk.error:
+                        yield chunk
+                        return
+                    finished = finished or chunk.finish_reason is not None
+                    yield chunk
+            except httpx.HTTPError as e:
+                problem = self._fail(e).problem
+                if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)):
+                    problem = "the server closed the stream in the middle of the reply"
+                yield Chunk(error=problem)
+                return
+            if not finished:
+                yield Chunk(error="the stream ended before the server finished the reply")
+        finally:
+            response.close()
+
+
+def _parse(event: Any) -> Chunk:
+    if not isinstance(event, dict):
+        return Chunk(error="malformed stream event")
+    if "error" in event:
+        err = event["error"]
+        message = err.get("message", err) if isinstance(err, dict) else err
+        return Chunk(error=f"the server reported an error mid-stream: {message}")
+    text, finish = "", None
+    choices = event.get("choices") or []
+    if choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        delta = choice.get("delta")
+        source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
+        text = source.get("content") or ""
+        finish = choice.get("finish_reason")
+    usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
+    timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
+    return Chunk(text=str(text), finish_reason=finish, usage=usage, timings=timings)
+
+
+def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
+    """The route and JSON body for a request: chat messages, or a plain completion."""
+    sp: SamplingParams = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "min_p": sp.min_p,
+    }
+    if sp.repeat_penalty != 1.0:
+        body["repeat_penalty"] = sp.repeat_penalty  # llama.cpp's name
+        body["repetition_penalty"] = sp.repeat_penalty  # vLLM's name
+    if sp.seed is not None:
+        body["seed"] = sp.seed
+    if sp.stop:
+        body["stop"] = list(sp.stop)
+    if sp.ignore_eos:
+        body["ignore_eos"] = True
+    if request.prompt_tokens is not None:
+        return "/completions", {**body, "prompt": list(request.prompt_tokens)}
+    if request.prompt is not None:
+        return "/completions", {**body, "prompt": request.prompt}
+    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    return "/chat/completions", {**body, "messages": messages}
+
+
+def _finish(reason: str | None) -> str:
+    return FINISH_LENGTH if reason == "length" else FINISH_STOP
+
+
+class OpenAIRunner:
+    """A Runner over an OpenAI-compatible HTTP server; the server keeps its own caches."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        n_ctx: int | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.conn = Connection(endpoint, api_key=api_key, timeout_s=timeout_s)
+        self.model_name = model
+        self._n_ctx = n_ctx or 0
+        self._loaded: ModelLoaded | None = None
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        return self._loaded
+
+    def load(self) -> ModelLoaded:
+        """Ask the server for its models (the connection check); load_s is that round trip."""
+        if self._loaded is not None:
+            return self._loaded
+        t0 = time.perf_counter()
+        listing = self.conn.get_json("/models")
+        load_s = time.perf_counter() - t0
+        ids = [m.get("id") for m in (listing or {}).get("data", []) if isinstance(m, dict)]
+        name = self.model_name or (ids[0] if ids else None)
+        if not name:
+            raise ServerError(self.endpoint, "/v1/models lists no model; give one with --model")
+        self.model_name = str(name)
+        if not self._n_ctx:
+            self._n_ctx = self._server_n_ctx()
+        host = urlsplit(self.conn.api).netloc
+        self._loaded = ModelLoaded(
+            model=ModelInfo(
+                path=self.endpoint,
+                name=self.model_name.rsplit("/", 1)[-1],
+                architecture="remote",
+                quantization="-",
+                n_params=0,
+                size_bytes=0,
+                n_ctx_train=None,
+                has_chat_template=True,
+            ),
+            settings=EngineSettings(
+                backend=f"remote {host}",
+                n_ctx=self._n_ctx,
+                n_batch=0,
+                n_ubatch=0,
+                n_threads=0,
+                n_threads_batch=0,
+                n_gpu_layers=0,
+                gpu_offload=False,
+                flash_attn="-",
+                repack=False,
+            ),
+            load_s=load_s,
+        )
+        return self._loaded
+
+    def _server_n_ctx(self) -> int:
+        """llama.cpp's server tells its context size at /props; others do not (0: unknown)."""
+        root = self.conn.api.removesuffix("/v1")
+        try:
+            response = self.conn.client.get(root + "/props", timeout=5.0)
+            props = response.json() if response.status_code < 400 else {}
+        except (httpx.HTTPError, ValueError):
+            return 0
+        settings = props.get("default_generation_settings", {}) if isinstance(props, dict) else {}
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        return int(n_ctx) if isinstance(n_ctx, int) else 0
+
+    @property
+    def n_ctx(self) -> int:
+        """The server's context size, or 0 when it does not say (the server then decides)."""
+        return self.load().settings.n_ctx
+
+    def count_tokens(self, request: Request) -> int:
+        """The prompt's tokens by the server's tokenizer where it offers one (estimate: words)."""
+        self.load()
+        if request.prompt_tokens is not None:
+            return len(request.prompt_tokens)
+        text = (
+            request.prompt
+            if request.prompt is not None
+            else "\n".join(m.content for m in request.messages)
+        )
+        return count_text_tokens(self.conn, text, self.model_name)
+
+    def reset(self) -> None:
+        """Nothing to do: the server manages its own KV cache."""
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        cancel = cancel or threading.Event()
+        if self._loaded is None:
+            yield LoadStarted(self.endpoint)
+            yield self.load()
+        loaded = self._loaded
+        assert loaded is not None and self.model_name is not None
+        path, body = request_body(request, self.model_name)
+        wall0 = time.perf_counter()
+        paused = 0.0
+        times: list[float] = []
+        parts: list[str] = []
+        last: Chunk | None = None
+        usage: dict[str, Any] | None = None
+        timings: dict[str, Any] | None = None
+        error: str | None = None
+        for chunk in self.conn.stream(path, body, cancel):
+            stamp = time.perf_counter() - wall0 - paused
+            usage = chunk.usage or usage
+            timings = chunk.timings or timings
+            if chunk.error:
+                error = chunk.error
+                break
+            last = chunk
+            if chunk.text:
+                times.append(stamp)
+                parts.append(chunk.text)
+                t = time.perf_counter()
+                yield Token(len(times) - 1, chunk.text, stamp)
+                paused += time.perf_counter() - t
+        if error is not None:
+            finish = FINISH_INCOMPLETE
+        elif cancel.is_set():
+            finish = FINISH_INTERRUPTED
+        else:
+            finish = _finish(last.finish_reason if last else None)
+        e2e = time.perf_counter() - wall0
+        yield Finished(
+            self._stats(finish, times, usage, timings, error, e2e, request, loaded), "".join(parts)
+        )
+
+    def _stats(
+        self,
+        finish: str,
+        times: list[float],
+        usage: dict[str, Any] | None,
+        timings: dict[str, Any] | None,
+        error: str | None,
+        e2e: float,
+        request: Request,
+        loaded: ModelLoaded,
+    ) -> GenerationStats:
+        usage = usage or {}
+        timings = timings or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = timings.get("cache_n", details.get("cached_tokens") if details else None)
+        prompt = usage.get("prompt_tokens")
+        if prompt is None and "prompt_n" in timings:
+            prompt = int(timings["prompt_n"]) + int(cached or 0)
+        extra: dict[str, Any] = {
+            "endpoint": self.endpoint,
+            "server_model": self.model_name,
+            "usage_reported": bool(usage),
+            "output_chunks": len(times),
+        }
+        if error:
+            extra["error"] = error
+        if timings:
+            extra.update(
+                {
+                    f"server_{k}": timings.get(k)
+                    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n")
+                }
+            )
+            if times and timings.get("prompt_ms") is not None:
+                extra["network_queue_ms"] = times[0] * 1000 - float(timings["prompt_ms"])
+        return GenerationStats(
+            finish_reason=finish,
+            prompt_tokens=int(prompt or 0),
+            reused_tokens=int(cached or 0),
+            output_tokens=int(usage.get("completion_tokens") or len(times)),
+            template_tokenize_s=0.0,
+            prefill_s=times[0] if times else e2e,  # the client's wait for the first token
+            first_sample_s=0.0,
+            itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
+            e2e_s=e2e,
+            load_s=loaded.load_s,
+            seed=request.sampling.seed,
+            model=loaded.model,
+            settings=loaded.settings,
+            extra=extra,
+        )
+
+
+def count_text_tokens(conn: Connection, text: str, model: str | None) -> int:
+    """Tokens in `text` by the server's tokenizer (llama.cpp's /tokenize, llama-cpp-python's
+    /extras/tokenize/count); a word count when the server offers neither."""
+    root = conn.api.removesuffix("/v1")
+    data = conn.post_json(root + "/tokenize", {"content": text})
+    if isinstance(data, dict) and isinstance(data.get("tokens"), list):
+        return len(data["tokens"])
+    data = conn.post_json(root + "/extras/tokenize/count", {"input": text, "model": model})
+    if isinstance(data, dict) and isinstance(data.get("count"), int):
+        return int(data["count"])
+    return len(text.split())

@@ -1,0 +1,279 @@
+"""Serving load against an OpenAI-compatible server, with vLLM's benchmark definitions.
+
+- TTFT: request sent -> first content chunk.
+- TPOT: (latency - TTFT) / (output tokens - 1), per request.
+- ITL: every gap between content chunks, the first token excluded.
+- E2EL: request sent -> last byte.
+- Throughput: completed requests and output tokens per second of the whole run; goodput counts
+  only the requests that met every `--slo`.
+
+Arrivals are a Poisson process at `request_rate` (inf: all at once), with at most
+`concurrency` requests in flight. A failed request is counted and reported, never fatal.
+`interference` measures one steady decoding client's inter-token latency alone, then while
+other clients send long prompts: the prefill-decode interference chunked prefill exists for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BadRequestError, LlmrunError
+from .remote import Connection, count_text_tokens
+from .stats import percentile
+
+WORDS = (
+    "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
+    "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company",
+    "number", "group", "problem", "fact", "water", "room", "mother", "area", "money", "story",
+    "month", "lot", "right", "study", "book", "word", "business", "issue", "side", "kind",
+    "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end",
+    "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea",
+    "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door",
+    "health", "art", "war", "history", "party", "result", "change", "morning", "reason",
+    "research", "girl", "guy", "moment", "air", "teacher", "force", "education",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    text: str
+    input_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    input_tokens: int
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
+    slo: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition(":")
+        name = name.strip().lower()
+        if name not in ("ttft", "tpot", "e2el") or not value.strip():
+            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
+        try:
+            slo[name] = float(value) / 1000
+        except ValueError:
+            raise BadRequestError(f"--slo: '{value}' is not a number of milliseconds") from None
+    return slo
+
+
+def make_prompts(conn: Connection, model: str, *, count: int, input_len: int, output_len: int,
+                 range_ratio: float, seed: int) -> list[PromptSpec]:  # fmt: skip
+    """Random-word prompts of about `input_len` tokens (counted by the server's tokenizer where
+    it has one), lengths uniform within ±range_ratio, as vLLM's random dataset."""
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        low, high = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
+        return rng.randint(low, high)
+
+    prompts = []
+    for _ in range(count):
+        n_in = length(input_len)
+        text = " ".join(rng.choice(WORDS) for _ in range(n_in))
+        prompts.append(PromptSpec(text, count_text_tokens(conn, text, model), length(output_len)))
+    return prompts
+
+
+def send(
+    conn: Connection, model: str, prompt: PromptSpec, cancel: threading.Event
+) -> RequestResult:
+    """One streamed completion; failures are returned, not raised."""
+    body = {
+        "model": model, "prompt": prompt.text, "max_tokens": prompt.max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
+    }  # fmt: skip
+    result = RequestResult(ok=False, input_tokens=prompt.input_tokens)
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage: dict[str, Any] | None = None
+    parts: list[str] = []
+    try:
+        for chunk in conn.stream("/completions", body, cancel):
+            if chunk.error:
+                result.error = chunk.error
+                break
+            usage = chunk.usage or usage
+            if chunk.text:
+                times.append(time.perf_counter() - t0)
+                parts.append(chunk.text)
+    except LlmrunError as e:
+        result.error = str(e)
+    result.latency_s = time.perf_counter() - t0
+    result.text = "".join(parts)
+    if cancel.is_set() and result.error is None:
+        result.error = "cancelled"
+    if times:
+        result.ttft_s = times[0]
+        result.itl_s = [b - a for a, b in itertools.pairwise(times)]
+    if usage and usage.get("prompt_tokens"):
+        result.input_tokens = int(usage["prompt_tokens"])
+    result.output_tokens = int((usage or {}).get("completion_tokens") or len(times))
+    result.ok = result.error is None and bool(times)
+    if not times and result.error is None:
+        result.error = "no output"
+    return result
+
+
+def run_load(
+    conn: Connection,
+    model: str,
+    prompts: Sequence[PromptSpec],
+    *,
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+    cancel: threading.Event,
+) -> tuple[list[RequestResult], float]:
+    """Send every prompt (Poisson arrivals, bounded concurrency); returns results and duration."""
+    rng = random.Random(seed)
+    slots = threading.Semaphore(concurrency)
+    futures: list[Future[RequestResult]] = []
+
+    def task(prompt: PromptSpec) -> RequestResult:
+        try:
+            return send(conn, model, prompt, cancel)
+        finally:
+            slots.release()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for i, prompt in enumerate(prompts):
+            if cancel.is_set():
+                break
+            if i and math.isfinite(request_rate):
+                cancel.wait(rng.expovariate(request_rate))
+            while not slots.acquire(timeout=0.1):
+                if cancel.is_set():
+                    break
+            else:
+                futures.append(pool.submit(task, prompt))
+                continue
+            break
+    duration = time.perf_counter() - t0
+    return [f.result() for f in futures], duration
+
+
+def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, Any]:
+    values = [v * 1000 for v in values_s]
+    out: dict[str, Any] = {
+        f"mean_{name}_ms": round(statistics.fmean(values), 3) if values else None,
+        f"median_{name}_ms": round(statistics.median(values), 3) if values else None,
+        f"std_{name}_ms": round(statistics.pstdev(values), 3) if len(values) > 1 else 0.0,
+    }
+    for p in percentiles:
+        value = percentile(values, p)
+        out[f"p{p:g}_{name}_ms"] = round(value, 3) if value is not None else None
+    return out
+
+
+def metrics(results: Sequence[RequestResult], duration_s: float, *, percentiles: Sequence[float],
+            slo: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    done = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok and r.error != "cancelled"]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.input_tokens for r in done)
+
+    def meets(r: RequestResult) -> bool:
+        checks = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2el": r.latency_s}
+        return all(checks[k] is not None and checks[k] <= v for k, v in slo.items())  # type: ignore[operator]
+
+    good = [r for r in done if meets(r)] if slo else done
+    rec: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(failed),
+        "errors": sorted({r.error for r in failed if r.error})[:5],
+        "duration_s": round(duration_s, 4),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(done) / duration_s, 4) if duration_s > 0 else None,
+        "output_throughput": round(out_tokens / duration_s, 4) if duration_s > 0 else None,
+        "total_token_throughput": round((in_tokens + out_tokens) / duration_s, 4)
+        if duration_s > 0 else None,
+        "goodput": round(len(good) / duration_s, 4) if duration_s > 0 and slo else None,
+    }  # fmt: skip
+    rec.update(_summary("ttft", [r.ttft_s for r in done if r.ttft_s is not None], percentiles))
+    rec.update(_summary("tpot", [t for r in done if (t := r.tpot_s) is not None], percentiles))
+    rec.update(_summary("itl", [g for r in done for g in r.itl_s], percentiles))
+    rec.update(_summary("e2el", [r.latency_s for r in done], percentiles))
+    return rec
+
+
+@dataclass(frozen=True)
+class Interference:
+    alone: RequestResult
+    loaded: RequestResult
+    background: list[RequestResult]
+
+    def record(self) -> dict[str, Any]:
+        def p(result: RequestResult, q: float) -> float | None:
+            value = percentile(result.itl_s, q)
+            return round(value * 1000, 3) if value is not None else None
+
+        rec = {
+            "itl_p50_alone_ms": p(self.alone, 50), "itl_p99_alone_ms": p(self.alone, 99),
+            "itl_p50_loaded_ms": p(self.loaded, 50), "itl_p99_loaded_ms": p(self.loaded, 99),
+            "ttft_alone_ms": round(self.alone.ttft_s * 1000, 3) if self.alone.ttft_s else None,
+            "ttft_loaded_ms": round(self.loaded.ttft_s * 1000, 3) if self.loaded.ttft_s else None,
+            "background_requests": len(self.background),
+            "background_failed": sum(not r.ok for r in self.background),
+        }  # fmt: skip
+        for q in ("p50", "p99"):
+            alone, loaded = rec[f"itl_{q}_alone_ms"], rec[f"itl_{q}_loaded_ms"]
+            rec[f"itl_{q}_ratio"] = round(loaded / alone, 3) if alone and loaded else None
+        return rec
+
+
+def interference(conn: Connection, model: str, *, steady: PromptSpec,
+                 long_prompts: Sequence[PromptSpec], rate: float, seed: int,
+                 cancel: threading.Event) -> Interference:  # fmt: skip
+    """The steady client's decode alone, then again while long prompts arrive at `rate`/s."""
+    alone = send(conn, model, steady, cancel)
+    stop = threading.Event()
+    background: list[RequestResult] = []
+    rng = random.Random(seed)
+
+    def flood() -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(long_prompts))) as pool:
+            pending = []
+            for prompt in long_prompts:
+                if stop.is_set() or cancel.is_set():
+                    break
+                pending.append(pool.submit(send, conn, model, prompt, cancel))
+                stop.wait(rng.expovariate(rate) if math.isfinite(rate) else 0)
+            background.extend(f.result() for f in pending)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    loaded = send(conn, model, steady, cancel)
+    stop.set()
+    flooder.join()
+    return Interference(alone, loaded, background)
