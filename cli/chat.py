@@ -27,7 +27,14 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, Generati
 from . import options as o
 from .dashboard import Dashboard, model_facts, render
 from .engine import make_runner
-from .errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, handled, message, quiet_broken_pipe
+from .errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    handled,
+    message,
+    quiet_broken_pipe,
+)
 from .report import ms, secs
 from .session import TextOut, TextSink, ctrl_c_cancels, drive
 
@@ -139,6 +146,7 @@ class ChatUI:
             self.dash = Dashboard(self.err, show_text=sys.stdout.isatty())
         self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
         self.readline = _readline() if interactive else None
+        self.failed = False  # a turn failed: a scripted chat exits 1 at the end
 
     # ---- output ------------------------------------------------------------------------
 
@@ -197,7 +205,9 @@ class ChatUI:
     # ---- the loop ----------------------------------------------------------------------
 
     def loop(self) -> int:
-        if self.interactive:
+        if not self.interactive:
+            self.conv.runner.load()  # an unusable model or server ends a script at once
+        else:
             with self.err.status("loading the model ..."):
                 loaded = self.conv.runner.load()
             self.show(
@@ -208,7 +218,7 @@ class ChatUI:
         while True:
             text = self.read_message()
             if text is None:
-                return 0
+                return EXIT_ERROR if self.failed and not self.interactive else 0
             if not text.strip():
                 continue
             if text.startswith("/") and not text.startswith("//"):
@@ -232,6 +242,7 @@ class ChatUI:
             dropped = conv.make_room(user)
         except LlmrunError as e:
             self.error(e)
+            self.failed = True
             return
         if dropped:
             self.warn(
@@ -254,6 +265,7 @@ class ChatUI:
                 self.dash.close()
             self.out.end_line()
             self.error(e)
+            self.failed = True
             return
         conv.turns.append(turn)
         self.out.end_line()
@@ -263,6 +275,7 @@ class ChatUI:
         if turn.interrupted or turn.stats is None:
             self.show("[interrupted] the reply so far stays in the conversation", "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:
+            self.failed = True
             problem = turn.stats.extra.get("error")
             self.err.print(Text(f"llmrun: error: {problem} (the reply so far stays in the"
                                 " conversation, marked incomplete)", style="red"))  # fmt: skip

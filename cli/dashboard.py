@@ -35,6 +35,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def model_facts(model: ModelInfo) -> str:
+    if model.architecture == "remote":
+        return f"served at {model.path}"
     return (
         f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
         f" · {human_count(model.size_bytes, 'B')}"

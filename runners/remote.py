@@ -127,7 +127,7 @@ class Connection:
         if response.status_code >= 400:
             raise ServerError(
                 self.endpoint,
-                f"HTTP {response.status_code} on {path}:"
+                f"HTTP {response.status_code} from /v1{path}:"
                 f" {_server_message(response) or response.reason_phrase}",
             )
         try:
@@ -159,7 +159,9 @@ class Connection:
         try:
             if response.status_code >= 400:
                 message = _server_message(response) or response.reason_phrase
-                raise ServerError(self.endpoint, f"HTTP {response.status_code}: {message}")
+                raise ServerError(
+                    self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}"
+                )
             finished = False
             try:
                 for line in response.iter_lines():

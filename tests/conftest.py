@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,3 +63,45 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
 
 def which_llmrun() -> str:
     return LLMRUN if os.path.exists(LLMRUN) else shutil.which("llmrun") or "llmrun"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real llama-cpp-python OpenAI-compatible server on loopback, with the embedded model."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path,
+         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--verbose", "False",
+         "--interrupt_requests", "False"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the llama-cpp-python server did not start") from None
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(model_path: str) -> Iterator[str]:
+    with llama_server(model_path) as (url, _):
+        yield url

@@ -1,0 +1,101 @@
+"""A loopback OpenAI-compatible stub that misbehaves on request, for the fault tests.
+
+The model named in a request chooses the behaviour: "stub" streams a reply with usage and
+llama.cpp-style timings; "missing" answers 404, "boom" 500, "malformed" sends a broken line,
+"slow" waits before answering, "cut" drops the connection mid-stream. With an API key set,
+every request without it gets 401. Not a stand-in for llama.cpp: the real server is tested too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+WORDS = ["Hello", " from", " the", " stub", " server", "."]
+
+
+class Handler(BaseHTTPRequestHandler):
+    api_key: str | None = None
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _json(self, status: int, data: Any) -> None:
+        body = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        if self.api_key and self.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self._json(401, {"error": {"message": "Invalid API key", "code": 401}})
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": f"no route {self.path}"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"{}")
+        if not self._authorized():
+            return
+        model = body.get("model")
+        if model == "missing":
+            return self._json(404, {"error": {"message": "The model `missing` does not exist."}})
+        if model == "boom":
+            return self._json(500, {"error": {"message": "internal failure in the stub"}})
+        if model == "slow":
+            time.sleep(3)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chat = self.path.endswith("/chat/completions")
+        for i, word in enumerate(WORDS):
+            choice = {"index": 0, "finish_reason": None}
+            choice.update({"delta": {"content": word}} if chat else {"text": word})
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.01)
+            if model == "malformed" and i == 1:
+                self.wfile.write(b"data: {this is not json\n\n")
+                self.wfile.flush()
+                return
+            if model == "cut" and i == 2:
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+        final = {
+            "choices": [{"index": 0, "finish_reason": "stop", "delta": {}, "text": ""}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": len(WORDS), "total_tokens": 18},
+            "timings": {"prompt_n": 8, "prompt_ms": 4.0, "predicted_n": len(WORDS),
+                        "predicted_ms": 50.0, "cache_n": 4},
+        }  # fmt: skip
+        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+
+
+@contextmanager
+def stub_server(api_key: str | None = None) -> Iterator[str]:
+    handler = type("KeyedHandler", (Handler,), {"api_key": api_key})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
