@@ -372,14 +372,7 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        sampling = o.sampling_params(
-            max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-            repeat_penalty=repeat_penalty, seed=seed, stop=stop,
-        )  # fmt: skip
-        config = o.engine_config(
-            ctx=ctx, batch=batch, ubatch=ubatch, threads=threads, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack,
-        )  # fmt: skip
+        sampling, config = o.from_command(locals())
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)

@@ -7,7 +7,7 @@ over. `engine_config` and `sampling_params` turn the parsed values into the runn
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -217,3 +217,33 @@ def sampling_params(
         seed=seed,
         stop=tuple(stop or ()),
     )
+
+
+def from_command(values: dict[str, Any]) -> tuple[SamplingParams, EngineConfig]:
+    """Sampling and engine settings from a command's parsed options (its `locals()`).
+
+    `run` and `chat` take the same model and sampling options; this keeps their mapping onto
+    the runner's types in one place.
+    """
+    sampling = sampling_params(
+        **{
+            k: values[k]
+            for k in (
+                "max_tokens",
+                "temp",
+                "top_k",
+                "top_p",
+                "min_p",
+                "repeat_penalty",
+                "seed",
+                "stop",
+            )
+        }
+    )
+    config = engine_config(
+        **{
+            k: values[k]
+            for k in ("ctx", "batch", "ubatch", "threads", "gpu_layers", "flash_attn", "repack")
+        }
+    )
+    return sampling, config

@@ -123,14 +123,7 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        sampling = o.sampling_params(
-            max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-            repeat_penalty=repeat_penalty, seed=seed, stop=stop,
-        )  # fmt: skip
-        config = o.engine_config(
-            ctx=ctx, batch=batch, ubatch=ubatch, threads=threads, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack,
-        )  # fmt: skip
+        sampling, config = o.from_command(locals())
         jobs = collect_jobs(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,
