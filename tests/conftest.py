@@ -24,6 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
 
 
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or writes the user's own config, history or tuned settings."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "llmrun-home"))
+    for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()
@@ -55,7 +63,8 @@ def cli() -> CliRunner:
 def llmrun_env(tmp_path: Path) -> dict[str, str]:
     """Environment for subprocess runs: isolated HF cache, offline, no debug."""
     env = dict(os.environ)
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1")
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1",
+               LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip
     env.pop("LLMRUN_DEBUG", None)
     env.pop("LLMRUN_MODEL", None)
     return env
