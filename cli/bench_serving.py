@@ -5,19 +5,20 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from llmrun.runners import serving as sv
 from llmrun.runners.bench import parse_values
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import History
-from llmrun.runners.remote import Connection, OpenAIRunner
 
 from . import bench_output as out
 from .errors import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:
+    from llmrun.runners.remote import Connection
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -86,6 +87,9 @@ def run_serving(
     err: Console,
     show: Console,
 ) -> int:
+    from llmrun.runners import serving as sv  # httpx: only when a server is measured
+    from llmrun.runners.remote import Connection, OpenAIRunner
+
     levels = parse_values(concurrency, name="--concurrency")
     if any(c < 1 for c in levels):
         raise BadRequestError("--concurrency values must be at least 1")
@@ -236,6 +240,8 @@ def _interference(
     err: Console,
     show: Console,
 ) -> dict[str, Any]:
+    from llmrun.runners import serving as sv
+
     steady = sv.make_prompts(
         conn,
         name,

@@ -18,7 +18,7 @@ from llmrun.cli import bench as bench_cli
 from llmrun.cli.app import app
 from llmrun.runners import bench as b
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.tuning import apply_tuning, save_tuned
 
 from .conftest import which_llmrun
@@ -189,3 +189,30 @@ def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Pat
     assert [r["test"] for r in rows] == ["pp16"]
     db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")
     assert db.execute("SELECT count(*) FROM results").fetchone() == (1,)
+
+
+def test_plot_and_system_report(cli: CliRunner, home: Path, tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "4", "-b", "8,16", "-d", "0,8",
+                              "--plot", str(png), "--no-history", "-o", "csv"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    err = " ".join(result.stderr.split())
+    for expected in ("physical cores", "logical", "RAM", "memory bandwidth", "llama-cpp-python",
+                     "llama Q4_1", "135M params", "GB/s"):  # fmt: skip
+        assert expected in err, expected
+    bad = cli.invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "--no-history",
+                           "--plot", str(tmp_path / "no" / "dir.png")])  # fmt: skip
+    assert bad.exit_code == 1 and "cannot write" in bad.stderr
+
+
+def test_sweeps_reload_the_weights_only_for_gpu_layers(runner: LlamaCppRunner) -> None:
+    weights = runner._model
+    try:
+        runner.reconfigure(EngineConfig(n_ctx=512, n_threads=1, n_batch=64))
+        assert runner._model is weights and runner.loaded is not None
+        assert (runner.loaded.settings.n_threads, runner.loaded.settings.n_batch) == (1, 64)
+        runner.reconfigure(EngineConfig(n_ctx=512, repack=False, n_gpu_layers=1))
+        assert runner.loaded is not None  # a load-affecting change loads the weights again
+    finally:
+        runner.reconfigure(EngineConfig(n_ctx=2048))

@@ -88,3 +88,19 @@ def test_piped_chat_reports_failures_goes_on_and_exits_1(cli: CliRunner, fake: F
     assert "unknown command /nope" in result.stderr
     assert "the prompt is 41 tokens long but the context holds 20" in result.stderr
     assert "use a .json or .md file" in result.stderr
+
+
+def test_piped_chat_warns_before_the_context_overflows_and_drops_oldest(
+    cli: CliRunner, fake: FakeRunner
+) -> None:
+    fake._n_ctx = 60
+    fake.reply = "fine thanks"
+    lines = [f"message number {i} with some words" for i in range(6)]
+    result = cli.invoke(app, ["chat", "-s", "keep me", "-n", "5"], input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.stderr
+    err = " ".join(result.stderr.split())
+    warned = err.index("when a turn does not fit, the oldest turns are dropped")
+    dropped = err.index("dropped the 1 oldest turn(s) so this one fits")
+    assert warned < dropped  # said before it happened
+    assert fake.requests[-1].messages[0].content == "keep me"
+    assert len(result.stdout.splitlines()) == 6

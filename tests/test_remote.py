@@ -136,6 +136,13 @@ def test_stream_with_usage_and_server_timings(cli: CliRunner, home: Path) -> Non
     assert stats["output_tokens"] == 6 and stats["reused_tokens"] == 4
 
 
+def test_raw_prompts_use_the_completions_route(cli: CliRunner, home: Path) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--raw", "Once upon", "--endpoint", url, "-q"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "".join(WORDS) + "\n"
+
+
 @pytest.mark.parametrize(
     ("model", "args", "expected"),
     [
