@@ -7,7 +7,7 @@ terminal-style console (escape codes and all) written to /dev/null. Neighbouring
 machine's load, so the on/off ratio within each pair is the estimate; its median must be at
 least 0.98. The CPU time `Live` spends redrawing is measured as well, a figure noise cannot move.
 
-    .venv/bin/python benchmarks/dashboard.py [--model PATH] [--reps 8] [--gen 512]
+    .venv/bin/python benchmarks/dashboard.py [--model PATH] [--reps 12] [--gen 256]
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def decode_rate(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--gen", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument("--gen", type=int, default=256)
     args = parser.parse_args()
 
     Live.refresh = _timed_refresh(Live.refresh)  # type: ignore[method-assign]

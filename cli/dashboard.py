@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
@@ -28,7 +30,7 @@ from llmrun.runners.stats import GenerationStats, ModelInfo, human_count, rate
 
 from .report import ms, phase_sentence, ratio_text, secs, summary_rows, tps
 
-REFRESH_PER_SECOND = 5
+REFRESH_PER_SECOND = 4
 CHART_POINTS = 24  # inter-token gaps in the live chart
 BAR_CELLS = 34
 SPARK = "▁▂▃▄▅▆▇█"
@@ -56,22 +58,23 @@ class LiveState:
     first_token_s: float | None = None
     last_token_s: float = 0.0
     gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+    pending: list[str] = field(default_factory=list)  # finished lines not yet scrolled out
     line: str = ""  # the text line being written (when the text goes through the dashboard)
 
     def apply(self, event: Event) -> None:
-        if isinstance(event, LoadStarted):
-            self.path, self.loading, self.load_seen = event.path, True, True
-        elif isinstance(event, ModelLoaded):
-            self.loaded, self.loading = event, False
-        elif isinstance(event, PrefillProgress):
-            self.prefill = event
-        elif isinstance(event, Token):
+        if isinstance(event, Token):  # by far the most frequent: checked first
             if self.first_token_s is None:
                 self.first_token_s = event.t_s
             else:
                 self.gaps_s.append(event.t_s - self.last_token_s)
             self.last_token_s = event.t_s
             self.tokens = event.index + 1
+        elif isinstance(event, PrefillProgress):
+            self.prefill = event
+        elif isinstance(event, LoadStarted):
+            self.path, self.loading, self.load_seen = event.path, True, True
+        elif isinstance(event, ModelLoaded):
+            self.loaded, self.loading = event, False
 
     @property
     def output_tps(self) -> float | None:
@@ -105,7 +108,7 @@ def render_live(state: LiveState) -> RenderableType:
     Plain Text rows rather than tables: `Live` redraws this several times a second from its
     own thread, which competes with the token loop for the interpreter, so it must be cheap.
     """
-    parts: list[RenderableType] = []
+    parts: list[RenderableType] = [Text(line) for line in state.pending]
     if state.line:
         parts.append(Text(state.line))
     if state.loading:
@@ -166,6 +169,29 @@ def render(stats: GenerationStats) -> RenderableType:
     return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
 
 
+class _TextLive(Live):
+    """`Live` that, on each of its refreshes, scrolls finished text lines out above the panel.
+
+    Printing above a live display redraws it; doing that from the token loop for every line
+    measurably slowed decoding, so the refresh thread does it, a few times a second.
+    """
+
+    def __init__(self, take_lines: Callable[[], list[str]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._take_lines = take_lines
+
+    def refresh(self) -> None:
+        lines = self._take_lines()
+        if not lines or not self.console.is_terminal:
+            if lines:
+                self.console.print(Text("\n".join(lines)))
+            super().refresh()
+            return
+        with self._lock:  # one redraw: the lines above, then the panel as it is now
+            self._live_render.set_renderable(self.renderable)
+            self.console.print(Text("\n".join(lines)))
+
+
 class Dashboard:
     """An EventView that shows `render_live` under `Live` and, if asked, the streamed text."""
 
@@ -176,6 +202,8 @@ class Dashboard:
         self.live: Live | None = None
         self.closed = False  # the text sink never closes: the terminal is not a pipe
         self._lock = threading.Lock()
+        self._line_cells = 0
+        self._width = console.width
 
     # -- EventView --
 
@@ -192,7 +220,10 @@ class Dashboard:
     def _start(self) -> None:
         loaded = self.state.loaded
         self.state = LiveState(loaded=loaded)
-        self.live = Live(
+        self._line_cells = 0
+        self._width = self.console.width
+        self.live = _TextLive(
+            self._take_pending,
             console=self.console,
             get_renderable=self._renderable,
             refresh_per_second=REFRESH_PER_SECOND,
@@ -208,7 +239,7 @@ class Dashboard:
 
     def _stop(self) -> None:
         if self.live is not None:
-            self.live.stop()
+            self.live.stop()  # its last refresh scrolls out the finished lines
             self.live = None
             if self.state.line:
                 self.console.print(Text(self.state.line), end="")
@@ -217,22 +248,33 @@ class Dashboard:
     # -- text sink (used in place of TextOut when stdout is this terminal) --
 
     def write(self, text: str) -> None:
+        """Called once per token: the common case (no newline, short line) stays tiny."""
         if not text:
             return
+        self.ends_with_newline = text[-1] == "\n"
         if self.live is None:
             self.console.print(Text(text), end="")
-            self.ends_with_newline = text.endswith("\n")
             return
-        self.ends_with_newline = text.endswith("\n")
+        state = self.state
+        cells = self._line_cells + cell_len(text)
+        if "\n" not in text and cells <= 3 * self._width:
+            state.line += text  # one assignment: the refresh thread sees the old or new line
+            self._line_cells = cells
+            return
         with self._lock:
-            *done, self.state.line = (self.state.line + text).split("\n")
-            width = self.console.width
-            if cell_len(self.state.line) > 3 * width:  # keep the panel short: scroll rows out
-                rows = Text(self.state.line).wrap(self.console, width)
+            *done, state.line = (state.line + text).split("\n")
+            self._line_cells = cell_len(state.line)
+            if self._line_cells > 3 * self._width:  # keep the panel short: scroll rows out
+                rows = Text(state.line).wrap(self.console, self._width)
                 done.extend(row.plain for row in rows[:-1])
-                self.state.line = rows[-1].plain
-        for line in done:
-            self.console.print(Text(line))
+                state.line = rows[-1].plain
+                self._line_cells = cell_len(state.line)
+            state.pending.extend(done)
+
+    def _take_pending(self) -> list[str]:
+        with self._lock:
+            lines, self.state.pending = self.state.pending, []
+        return lines
 
     ends_with_newline = True
 
