@@ -172,10 +172,20 @@ class ChatUI:
             line = sys.stdin.readline()
             return line.rstrip("\n") if line else None
         try:
-            return input(prompt)
+            if sys.stdout.isatty():
+                return input(prompt)
+            sys.stderr.write(prompt)  # stdout is a file or pipe: it gets the replies alone
+            sys.stderr.flush()
+            return input()
         except EOFError:
-            print()
+            self._end_prompt_line()
             return None
+
+    def _end_prompt_line(self) -> None:
+        """Finish the prompt's line where the prompt was written (never into piped replies)."""
+        stream = sys.stdout if sys.stdout.isatty() else sys.stderr
+        stream.write("\n")
+        stream.flush()
 
     def read_message(self) -> str | None:
         """The next message (a line, or a block between triple quotes); None means leave."""
@@ -198,7 +208,7 @@ class ChatUI:
                 if not self.interactive:
                     raise
                 pending = self.readline.get_line_buffer() if self.readline else ""
-                print()
+                self._end_prompt_line()
                 if not pending:
                     return None
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .base import Finished, Request, SamplingParams, Token
-from .errors import BadRequestError, LlmrunError
+from .errors import BadRequestError, LlmrunError, ModelLoadError
 from .llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner, llama_lib
 from .stats import EngineSettings, ModelInfo, human_count, percentile
 
@@ -334,7 +334,8 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
 def _gpu_layers_problem(runner: LlamaCppRunner, combo: Combo) -> str | None:
     n_layer = int(runner.gguf.metadata.get(f"{runner.gguf.architecture}.block_count", 0) or 0)
     if combo.n_gpu_layers > n_layer + 1:
-        return f"{combo.n_gpu_layers} GPU layers, but the model has {n_layer + 1} (layers + output)"
+        return (f"{combo.n_gpu_layers} GPU layers, but the model has {n_layer + 1} (layers +"
+                " output; -1 offloads all)")  # fmt: skip
     return None
 
 
@@ -417,6 +418,8 @@ def run_bench(
             try:
                 loaded = runner.reconfigure(combo.config(base, ctx))
                 problem = _gpu_layers_problem(runner, combo)
+            except ModelLoadError as e:
+                problem = f"llama.cpp refused it: {e.detail}"
             except LlmrunError as e:
                 problem = str(e)
         if problem is not None:

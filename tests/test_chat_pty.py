@@ -94,3 +94,23 @@ def test_ctrl_c_stops_a_reply_keeps_it_and_chat_goes_on(
     assert child.exitstatus == 0
     md = (tmp_path / "chat.md").read_text()
     assert "## Turn 1" in md and "**User:** Hello" in md and "## Turn 2" not in md
+
+
+def test_stdout_to_a_file_gets_the_replies_alone(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "replies.txt"
+    env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
+    child = pexpect.spawn("bash", ["-c", f"{which_llmrun()} chat --temp 0 -n 12 > {out}"],
+                          env=env, encoding="utf-8", timeout=60, dimensions=(50, 200))  # fmt: skip
+    child.expect_exact(PROMPT)  # the prompt is on the terminal (stderr)
+    child.sendline("Say hello.")
+    child.expect(TURN)
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    replies = out.read_text()
+    assert replies.strip() and ">>>" not in replies and "TTFT" not in replies
+    assert replies.endswith("\n") and not replies.endswith("\n\n")
