@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class LiveState:
     first_token_s: float | None = None
     last_token_s: float = 0.0
     gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+    started_s: float | None = None  # perf_counter() when the request was handed over
     pending: list[str] = field(default_factory=list)  # finished lines not yet scrolled out
     line: str = ""  # the text line being written (when the text goes through the dashboard)
 
@@ -102,7 +104,7 @@ def _bar(done: int, total: int, cells: int = 20) -> Text:
     return Text.assemble(("━" * filled, "bar.complete"), ("━" * (cells - filled), "bar.back"))
 
 
-def render_live(state: LiveState) -> RenderableType:
+def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     """The panel for a running request: one row per phase reached so far.
 
     Plain Text rows rather than tables: `Live` redraws this several times a second from its
@@ -128,6 +130,10 @@ def render_live(state: LiveState) -> RenderableType:
             "prefill", _bar(p.done_tokens, p.total_tokens),
             f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}",
         ))  # fmt: skip
+    waiting = p is None and state.first_token_s is None and not state.loading
+    if waiting and state.started_s is not None and now_s is not None:
+        # A server shows no prefill progress: the wait itself is what there is to see.
+        parts.append(_row("wait", f"{now_s - state.started_s:.1f} s for the first token"))
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
@@ -219,7 +225,7 @@ class Dashboard:
 
     def _start(self) -> None:
         loaded = self.state.loaded
-        self.state = LiveState(loaded=loaded)
+        self.state = LiveState(loaded=loaded, started_s=time.perf_counter())
         self._line_cells = 0
         self._width = self.console.width
         self.live = _TextLive(
@@ -235,7 +241,7 @@ class Dashboard:
 
     def _renderable(self) -> RenderableType:
         with self._lock:
-            return render_live(self.state)
+            return render_live(self.state, time.perf_counter())
 
     def _stop(self) -> None:
         if self.live is not None:

@@ -73,6 +73,13 @@ def test_live_panel_through_the_phases() -> None:
     assert "4 tokens · 75.0 tok/s · itl" in out and "10.0 ms" in out
 
 
+def test_waiting_for_a_server_shows_the_wait() -> None:
+    state = LiveState(loaded=ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5), started_s=10.0)
+    assert "wait     1.5 s for the first token" in text_of(render_live(state, 11.5))
+    state.apply(Token(0, "x", 1.6))
+    assert "for the first token" not in text_of(render_live(state, 12.0))
+
+
 def test_sparkline_scales_between_extremes() -> None:
     assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁" and sparkline([]) == ""
