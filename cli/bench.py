@@ -31,7 +31,7 @@ from llmrun.runners.tuning import apply_tuning, save_tuned
 from . import bench_output as out
 from . import options as o
 from .bench_serving import run_serving
-from .errors import EXIT_INTERRUPTED, handled
+from .errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from .session import ctrl_c_cancels
 
 PANEL = "Tests (llama-bench's)"
@@ -445,7 +445,7 @@ def bench(
                                       " the server's own settings decide")  # fmt: skip
             cancel = threading.Event()
             err = Console(stderr=True, highlight=False)
-            show = Console(highlight=False) if output is None and sys.stdout.isatty() else err
+            show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
             with ctrl_c_cancels(cancel):
                 code = run_serving(
                     endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,
@@ -473,7 +473,7 @@ def bench(
             type_v=b.parse_words(cache_type_v, name="-ctv", allowed=CACHE_TYPES),
         )
         err = Console(stderr=True, highlight=False)
-        show = Console(highlight=False) if output is None and sys.stdout.isatty() else err
+        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         runner = LlamaCppRunner(resolved.path, base)
         cancel = threading.Event()
         try:
@@ -551,25 +551,16 @@ def _bench(
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
-    if output is not None:
-        sys.stdout.write(out.format_records(records, output))
-        sys.stdout.flush()
-    elif sys.stdout.isatty():
-        show.print(out.results_table(records))
-    else:
-        sys.stdout.write(out.format_records(records, out.OutputFormat.md))
+    changes = out.store_and_print(
+        records, kind="local", model=m.name, system=vars(system), output=output, show=show,
+        table=out.results_table(records), store=store, compare=compare,
+    )  # fmt: skip
     _extras(records, results, show, scenarios=scenarios)
     if plot is not None and records:
         _plot(records, plot)
         err.print(f"charts written to {plot}")
-    if store and records:
-        with History() as history:
-            run_id = history.store(records, kind="local", model=m.name, system=vars(system))
-            if compare:
-                show.print(out.compare_table(history.compare(records, before_run=run_id)))
-    elif compare and records:
-        with History() as history:
-            show.print(out.compare_table(history.compare(records, before_run=None)))
+    if changes is not None:
+        show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
 
 
@@ -610,7 +601,7 @@ def history(
 ) -> None:
     """The stored bench runs, newest first, each against the run before it."""
     with handled(), History() as h:
-        console = Console(highlight=False)
+        console = StdoutConsole(highlight=False)
         runs = h.runs(limit=limit, model=model)
         if not runs:
             console.print(f"no bench runs stored yet (in {h.path})")

@@ -9,15 +9,16 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.history import Change
+from llmrun.runners.history import Change, History
 from llmrun.runners.stats import human_count
 
 
@@ -287,3 +288,38 @@ def compare_table(changes: Sequence[Change]) -> Table:
                  style=styles.get(c.verdict, "")),
         )  # fmt: skip
     return table
+
+
+def store_and_print(
+    records: Sequence[dict[str, Any]],
+    *,
+    kind: str,
+    model: str,
+    system: dict[str, Any],
+    output: OutputFormat | None,
+    show: Console,
+    table: Table,
+    store: bool,
+    compare: bool,
+) -> list[Change] | None:
+    """Store the run, then print the results: a closed pipe while printing loses nothing.
+
+    Returns the comparison with earlier runs when asked for, to be shown after the results.
+    """
+    changes = None
+    if records and (store or compare):
+        with History() as history:
+            run_id = (
+                history.store(records, kind=kind, model=model, system=system) if store else None
+            )
+            if compare:
+                changes = history.compare(records, before_run=run_id)
+    if output is not None:
+        sys.stdout.write(format_records(records, output))
+        sys.stdout.flush()
+    elif sys.stdout.isatty():
+        show.print(table)
+    else:
+        sys.stdout.write(format_records(records, OutputFormat.md))
+        sys.stdout.flush()
+    return changes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +11,6 @@ from rich.table import Table
 
 from llmrun.runners.bench import parse_values
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.history import History
 
 from . import bench_output as out
 from .errors import EXIT_INTERRUPTED
@@ -178,21 +176,12 @@ def run_serving(
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
     serving = [r for r in records if r["test"].startswith("serve")]
-    if output is not None:
-        sys.stdout.write(out.format_records(records, output))
-        sys.stdout.flush()
-    elif sys.stdout.isatty():
-        if serving:
-            show.print(serving_table(serving, pcts))
-    else:
-        sys.stdout.write(out.format_records(records, out.OutputFormat.md))
-    if store and records:
-        with History() as history:
-            run_id = history.store(
-                records, kind="serving", model=name, system={"endpoint": endpoint}
-            )
-            if compare:
-                show.print(out.compare_table(history.compare(records, before_run=run_id)))
+    changes = out.store_and_print(
+        records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
+        show=show, table=serving_table(serving, pcts), store=store, compare=compare,
+    )  # fmt: skip
+    if changes is not None:
+        show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
 
 

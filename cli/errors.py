@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import typer
+from rich.console import Console
 
 from llmrun.runners.errors import (
     AmbiguousModelError,
@@ -73,6 +74,17 @@ def print_error(e: LlmrunError) -> None:
 
 def debug() -> bool:
     return os.environ.get("LLMRUN_DEBUG", "") not in ("", "0")
+
+
+class StdoutConsole(Console):
+    """A console on stdout whose closed pipe ends the command like `run`'s: quietly, 141.
+
+    (rich's own reaction is exit code 1.)
+    """
+
+    def on_broken_pipe(self) -> None:
+        quiet_broken_pipe()
+        raise typer.Exit(EXIT_BROKEN_PIPE)
 
 
 def quiet_broken_pipe() -> None:

@@ -6,13 +6,12 @@ import os
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from llmrun.runners.models import list_models, resolve_model
 from llmrun.runners.stats import human_count
 
-from .errors import handled
+from .errors import StdoutConsole, handled
 
 
 def pull(
@@ -46,4 +45,4 @@ def models() -> None:
                 m.info.architecture,
                 os.path.relpath(m.path) if m.source == "default" else m.path,
             )
-        Console(width=None if os.isatty(1) else 200).print(table)
+        StdoutConsole(width=None if os.isatty(1) else 200).print(table)

@@ -216,3 +216,15 @@ def test_sweeps_reload_the_weights_only_for_gpu_layers(runner: LlamaCppRunner) -
         assert runner.loaded is not None  # a load-affecting change loads the weights again
     finally:
         runner.reconfigure(EngineConfig(n_ctx=2048))
+
+
+def test_a_closed_stdout_loses_no_result(llmrun_env: dict[str, str], tmp_path: Path) -> None:
+    env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
+    cmd = (f"{which_llmrun()} bench -r 1 -p 8 -n 4 -o json | true; "
+           "echo \"status=${PIPESTATUS[0]}\"")  # fmt: skip
+    result = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert "status=141" in result.stdout
+    assert "Traceback" not in result.stderr and "error" not in result.stderr
+    db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")
+    assert db.execute("SELECT count(*) FROM results").fetchone() == (2,)
