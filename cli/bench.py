@@ -457,6 +457,11 @@ def bench(
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
                 )  # fmt: skip
             raise typer.Exit(code)
+        if tune_:
+            swept = {"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn}
+            given = [name for name, value in swept.items() if value is not None]
+            if given:
+                raise BadRequestError(f"{', '.join(given)}: --tune searches these itself")
         shapes = _shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale)
         resolved = resolve_model(model)
         base = apply_tuning(EngineConfig(), resolved.path)

@@ -228,3 +228,9 @@ def test_a_closed_stdout_loses_no_result(llmrun_env: dict[str, str], tmp_path: P
     assert "Traceback" not in result.stderr and "error" not in result.stderr
     db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")
     assert db.execute("SELECT count(*) FROM results").fetchone() == (2,)
+
+
+def test_tune_refuses_the_options_it_searches(cli: CliRunner, home: Path) -> None:
+    result = cli.invoke(app, ["bench", "--tune", "-t", "2", "-b", "64"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "llmrun: error: -t, -b: --tune searches these itself"
