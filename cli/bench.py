@@ -50,8 +50,9 @@ def system_lines(system: b.SystemInfo, model: str) -> list[str]:
     ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
     return [
-        f"cpu      {system.cpu} · {system.physical_cores} physical cores,"
-        f" {system.logical_cpus} logical · RAM {ram} · memory bandwidth {bw}",
+        f"cpu      {system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
+        f" · RAM {ram}",
+        f"memory   {bw} (streaming copy)",
         f"gpu      {system.gpu}",
         f"build    {system.build} · {system.features}",
         f"model    {model}",

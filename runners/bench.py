@@ -161,10 +161,26 @@ class SystemInfo:
             logical_cpus=system.logical_cpus(),
             ram_bytes=system.ram_bytes(),
             build=f"llama-cpp-python {getattr(lib, '__version__', '?')}",
-            features=" ".join(features.replace("|", " ").split()),
+            features=_features(features),
             gpu=gpu,
             mem_bw_bytes_s=system.memory_bandwidth() if bandwidth else None,
         )
+
+
+def _features(info: str) -> str:
+    """llama.cpp's 'CPU : SSE3 = 1 | AVX = 1 | ...' as 'CPU: SSE3 AVX ...' (the ones it has)."""
+    out: list[str] = []
+    for part in info.split("|"):
+        backend, sep, rest = part.partition(" : ")
+        if sep:
+            out.append(f"{backend.strip()}:")
+            part = rest
+        name, eq, value = part.partition("=")
+        if eq and value.strip() not in ("0", ""):
+            out.append(name.strip())
+        elif not eq and part.strip():
+            out.append(part.strip())
+    return " ".join(out)
 
 
 @dataclass(frozen=True)

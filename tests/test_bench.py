@@ -198,7 +198,7 @@ def test_plot_and_system_report(cli: CliRunner, home: Path, tmp_path: Path) -> N
     assert result.exit_code == 0, result.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     err = " ".join(result.stderr.split())
-    for expected in ("physical cores", "logical", "RAM", "memory bandwidth", "llama-cpp-python",
+    for expected in ("cores", "logical", "RAM", "(streaming copy)", "llama-cpp-python",
                      "llama Q4_1", "135M params", "GB/s"):  # fmt: skip
         assert expected in err, expected
     bad = cli.invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "--no-history",
