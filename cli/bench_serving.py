@@ -150,6 +150,8 @@ def run_serving(
                 output_len,
                 sv.metrics(results, duration, percentiles=pcts, slo=slos),
             )
+            # Ctrl-C mid-level: the requests that finished stand, marked as a partial level.
+            rec["interrupted"] = cancel.is_set()
             records.append(rec)
             for e in rec["errors"]:
                 err.print(f"c={level}: failed requests: {e}", markup=False, style="yellow")
