@@ -207,3 +207,22 @@ def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) 
     result = cli.invoke(app, ["bench", "--endpoint", "http://127.0.0.1:9", "-t", "2"])
     assert result.exit_code == 1
     assert "-t: local-engine options" in one_line_error(result.stderr)
+
+
+def test_ctrl_c_keeps_the_serving_level_in_progress(
+    llmrun_env: dict[str, str], server: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.json"
+    cmd = (f"{which_llmrun()} bench --endpoint {server} --concurrency 1,2 --num-prompts 40"
+           f" --input-len 16 --output-len 32 --warmup 0 -o json > {out}")  # fmt: skip
+    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=60,
+                          dimensions=(30, 120))  # fmt: skip
+    child.expect("concurrency 1: 0 warm-up, 40 requests")
+    time.sleep(2)
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130 and "Traceback" not in child.before
+    (row,) = json.loads(out.read_text())
+    assert row["interrupted"] is True and row["concurrency"] == 1
+    assert 0 < row["completed"] < 40 and row["failed"] == 0
