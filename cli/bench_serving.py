@@ -16,7 +16,7 @@ from . import bench_output as out
 from .errors import EXIT_INTERRUPTED
 
 if TYPE_CHECKING:
-    from llmrun.runners.remote import Connection
+    from llmrun.runners.remote import OpenAIRunner
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -86,18 +86,16 @@ def run_serving(
     show: Console,
 ) -> int:
     from llmrun.runners import serving as sv  # httpx: only when a server is measured
-    from llmrun.runners.remote import Connection, OpenAIRunner
+    from llmrun.runners.remote import OpenAIRunner
 
     levels = parse_values(concurrency, name="--concurrency")
     if any(c < 1 for c in levels):
         raise BadRequestError("--concurrency values must be at least 1")
     rate = parse_rate(request_rate)
-    pcts = [float(p) for p in percentiles.split(",") if p.strip()]
+    pcts = sv.parse_percentiles(percentiles)
     slos = sv.parse_slo(slo)
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s)
-    conn = Connection(
-        endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max(levels) + 8
-    )
+    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
+                          max_connections=max(levels) + 8)  # fmt: skip
     try:
         loaded = runner.load()
         name = runner.model_name or loaded.model.name
@@ -107,8 +105,7 @@ def run_serving(
         )
         with err.status("preparing prompts (counting tokens with the server's tokenizer) ..."):
             prompts = sv.make_prompts(
-                conn,
-                name,
+                runner,
                 count=num_prompts,
                 input_len=input_len,
                 output_len=output_len,
@@ -116,8 +113,7 @@ def run_serving(
                 seed=seed,
             )
             warm = sv.make_prompts(
-                conn,
-                name,
+                runner,
                 count=warmup,
                 input_len=input_len,
                 output_len=min(output_len, 16),
@@ -130,10 +126,9 @@ def run_serving(
                 break
             with err.status(f"concurrency {level}: {warmup} warm-up, {num_prompts} requests ..."):
                 for prompt in warm:
-                    sv.send(conn, name, prompt, cancel)
+                    sv.send(runner, prompt, cancel)
                 results, duration = sv.run_load(
-                    conn,
-                    name,
+                    runner,
                     prompts,
                     concurrency=level,
                     request_rate=rate,
@@ -158,8 +153,7 @@ def run_serving(
         if interference and not cancel.is_set():
             records.append(
                 _interference(
-                    conn,
-                    name,
+                    runner,
                     endpoint,
                     input_len,
                     output_len,
@@ -173,7 +167,6 @@ def run_serving(
             )
     finally:
         runner.close()
-        conn.close()
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
@@ -219,8 +212,7 @@ def _record(
 
 
 def _interference(
-    conn: Connection,
-    name: str,
+    runner: OpenAIRunner,
     endpoint: str,
     input_len: int,
     output_len: int,
@@ -233,9 +225,9 @@ def _interference(
 ) -> dict[str, Any]:
     from llmrun.runners import serving as sv
 
+    name = runner.model_name or ""
     steady = sv.make_prompts(
-        conn,
-        name,
+        runner,
         count=1,
         input_len=min(input_len, 64),
         output_len=max(output_len, 64),
@@ -246,8 +238,7 @@ def _interference(
     long_prompts = [
         sv.PromptSpec(p.text, p.input_tokens, 1)
         for p in sv.make_prompts(
-            conn,
-            name,
+            runner,
             count=count,
             input_len=prompt_len,
             output_len=1,
@@ -260,8 +251,7 @@ def _interference(
         f" while {prompt_len}-token prompts arrive at {rate:g}/s ..."
     ):
         result = sv.interference(
-            conn,
-            name,
+            runner,
             steady=steady,
             long_prompts=long_prompts,
             rate=rate,

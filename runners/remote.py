@@ -265,9 +265,14 @@ class OpenAIRunner:
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         n_ctx: int | None = None,
+        max_connections: int = 100,
     ) -> None:
+        """`max_connections` bounds requests in flight when several threads share the runner
+        (the serving benchmark); one request at a time needs one."""
         self.endpoint = endpoint
-        self.conn = Connection(endpoint, api_key=api_key, timeout_s=timeout_s)
+        self.conn = Connection(
+            endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections
+        )
         self.model_name = model
         self._n_ctx = n_ctx or 0
         self._loaded: ModelLoaded | None = None

@@ -15,7 +15,6 @@ other clients send long prompts: the prefill-decode interference chunked prefill
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import statistics
@@ -26,9 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .base import Request, SamplingParams, generate
 from .errors import BadRequestError, LlmrunError
-from .remote import Connection, count_text_tokens
-from .stats import percentile
+from .remote import OpenAIRunner
+from .stats import FINISH_INCOMPLETE, percentile
 
 WORDS = (
     "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
@@ -68,6 +68,19 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+def parse_percentiles(text: str) -> list[float]:
+    """`50,90,99` -> [50.0, 90.0, 99.0]."""
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise BadRequestError(
+            f"--percentiles: '{text}' should be numbers such as 50,90,99"
+        ) from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
+    return values
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
     slo: dict[str, float] = {}
@@ -85,7 +98,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def make_prompts(conn: Connection, model: str, *, count: int, input_len: int, output_len: int,
+def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len: int,
                  range_ratio: float, seed: int) -> list[PromptSpec]:  # fmt: skip
     """Random-word prompts of about `input_len` tokens (counted by the server's tokenizer where
     it has one), lengths uniform within ±range_ratio, as vLLM's random dataset."""
@@ -99,53 +112,39 @@ def make_prompts(conn: Connection, model: str, *, count: int, input_len: int, ou
     for _ in range(count):
         n_in = length(input_len)
         text = " ".join(rng.choice(WORDS) for _ in range(n_in))
-        prompts.append(PromptSpec(text, count_text_tokens(conn, text, model), length(output_len)))
+        n_tokens = runner.count_tokens(Request(prompt=text))
+        prompts.append(PromptSpec(text, n_tokens, length(output_len)))
     return prompts
 
 
-def send(
-    conn: Connection, model: str, prompt: PromptSpec, cancel: threading.Event
-) -> RequestResult:
-    """One streamed completion; failures are returned, not raised."""
-    body = {
-        "model": model, "prompt": prompt.text, "max_tokens": prompt.max_tokens, "stream": True,
-        "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
-    }  # fmt: skip
+def send(runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event) -> RequestResult:
+    """One streamed completion through the remote runner; failures are returned, not raised."""
+    sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
     result = RequestResult(ok=False, input_tokens=prompt.input_tokens)
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage: dict[str, Any] | None = None
-    parts: list[str] = []
     try:
-        for chunk in conn.stream("/completions", body, cancel):
-            if chunk.error:
-                result.error = chunk.error
-                break
-            usage = chunk.usage or usage
-            if chunk.text:
-                times.append(time.perf_counter() - t0)
-                parts.append(chunk.text)
+        finished = generate(runner, Request(prompt=prompt.text, sampling=sampling), cancel=cancel)
     except LlmrunError as e:
         result.error = str(e)
-    result.latency_s = time.perf_counter() - t0
-    result.text = "".join(parts)
-    if cancel.is_set() and result.error is None:
+        return result
+    s = finished.stats
+    result.latency_s, result.text, result.itl_s = s.e2e_s, finished.text, list(s.itl_s)
+    if s.extra.get("output_chunks"):
+        result.ttft_s = s.ttft_s
+    if s.extra.get("usage_reported") and s.prompt_tokens:
+        result.input_tokens = s.prompt_tokens
+    result.output_tokens = s.output_tokens
+    if s.finish_reason == FINISH_INCOMPLETE:
+        result.error = str(s.extra.get("error"))
+    elif s.interrupted:
         result.error = "cancelled"
-    if times:
-        result.ttft_s = times[0]
-        result.itl_s = [b - a for a, b in itertools.pairwise(times)]
-    if usage and usage.get("prompt_tokens"):
-        result.input_tokens = int(usage["prompt_tokens"])
-    result.output_tokens = int((usage or {}).get("completion_tokens") or len(times))
-    result.ok = result.error is None and bool(times)
-    if not times and result.error is None:
+    elif result.ttft_s is None:
         result.error = "no output"
+    result.ok = result.error is None
     return result
 
 
 def run_load(
-    conn: Connection,
-    model: str,
+    runner: OpenAIRunner,
     prompts: Sequence[PromptSpec],
     *,
     concurrency: int,
@@ -160,7 +159,7 @@ def run_load(
 
     def task(prompt: PromptSpec) -> RequestResult:
         try:
-            return send(conn, model, prompt, cancel)
+            return send(runner, prompt, cancel)
         finally:
             slots.release()
 
@@ -252,11 +251,11 @@ class Interference:
         return rec
 
 
-def interference(conn: Connection, model: str, *, steady: PromptSpec,
+def interference(runner: OpenAIRunner, *, steady: PromptSpec,
                  long_prompts: Sequence[PromptSpec], rate: float, seed: int,
                  cancel: threading.Event) -> Interference:  # fmt: skip
     """The steady client's decode alone, then again while long prompts arrive at `rate`/s."""
-    alone = send(conn, model, steady, cancel)
+    alone = send(runner, steady, cancel)
     stop = threading.Event()
     background: list[RequestResult] = []
     rng = random.Random(seed)
@@ -267,13 +266,13 @@ def interference(conn: Connection, model: str, *, steady: PromptSpec,
             for prompt in long_prompts:
                 if stop.is_set() or cancel.is_set():
                     break
-                pending.append(pool.submit(send, conn, model, prompt, cancel))
+                pending.append(pool.submit(send, runner, prompt, cancel))
                 stop.wait(rng.expovariate(rate) if math.isfinite(rate) else 0)
             background.extend(f.result() for f in pending)
 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()
-    loaded = send(conn, model, steady, cancel)
+    loaded = send(runner, steady, cancel)
     stop.set()
     flooder.join()
     return Interference(alone, loaded, background)
