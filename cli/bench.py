@@ -6,11 +6,10 @@ shows progress, prints the results in the format asked for, and stores them.
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,24 +19,25 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from llmrun.runners import bench as b
+from llmrun.runners import tuning
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import History
 from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.stats import human_count
-from llmrun.runners.system import logical_cpus, physical_cores
-from llmrun.runners.tuning import apply_tuning, save_tuned
+from llmrun.runners.system import physical_cores
+from llmrun.runners.tuning import apply_tuning, save_tuned, search
 
 from . import bench_output as out
 from . import options as o
 from .bench_serving import run_serving
+from .dashboard import model_facts
 from .errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from .report import secs
 from .session import ctrl_c_cancels
 
 PANEL = "Tests (llama-bench's)"
-# --tune measures prefill, and decode at some depth: flash attention and threads behave
-# differently once the KV cache holds a few hundred tokens, where chat spends its time.
-TUNE_SHAPES = (b.Shape(512, 0), b.Shape(0, 64, 512))
+TUNE_SHAPES = tuning.SHAPES  # tests shrink these
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 SERVING = "Serving benchmark (with --endpoint)"
 
@@ -75,6 +75,13 @@ def _shapes(
     if not shapes:
         raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
     return shapes
+
+
+def _refuse(options: Mapping[str, object], why: str) -> None:
+    """A usage error naming every given option of those that do not apply."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise BadRequestError(f"{', '.join(given)}: {why}")
 
 
 def _optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
@@ -140,57 +147,24 @@ def _plot(records: Sequence[dict[str, Any]], path: Path) -> None:
 def tune(
     runner: LlamaCppRunner, base: EngineConfig, err: Console, cancel: threading.Event
 ) -> dict[str, Any] | None:
-    """A short staged search: threads, then flash attention, then batch/ubatch."""
-    phys, logical = physical_cores(), logical_cpus()
-    threads = sorted({phys, logical, max(1, logical // 2), max(1, phys - 1)})
-    shapes = list(TUNE_SHAPES)
-    best: dict[str, Any] = {"n_threads": phys, "n_batch": 512, "n_ubatch": 512,
-                            "flash_attn": "off"}  # fmt: skip
-    tried: list[tuple[str, float, float, float]] = []
-
-    def score(combos: list[b.Combo], shape_list: list[b.Shape]) -> list[tuple[b.Combo, float]]:
-        rates: dict[b.Combo, dict[str, float]] = {}
-        for event in b.run_bench(runner, combos=combos, shapes=shape_list, reps=2, base=base,
-                                 cancel=cancel):  # fmt: skip
-            if isinstance(event, b.Result):
-                kind = "pp" if event.shape.n_prompt else "tg"
-                rates.setdefault(event.combo, {})[kind] = event.avg_ts
-        scored = []
-        for combo, r in rates.items():
-            value = math.sqrt(r.get("pp", 1) * r.get("tg", 1)) if len(r) == 2 else next(
-                iter(r.values()))  # fmt: skip
-            tried.append((combo.describe(), r.get("pp", 0.0), r.get("tg", 0.0), value))
-            scored.append((combo, value))
-        return scored
-
-    stages = [
-        ("threads", lambda: [b.Combo(n_threads=t, n_batch=512, n_ubatch=512, flash_attn="off")
-                             for t in threads], shapes),
-        ("flash attention", lambda: [b.Combo(best["n_threads"], 512, 512, 0, fa)
-                                     for fa in ("off", "on")], shapes),
-        ("batch/ubatch", lambda: [b.Combo(best["n_threads"], bb, ub, 0, best["flash_attn"])
-                                  for bb, ub in ((256, 256), (512, 256), (512, 512), (1024, 512))],
-         [TUNE_SHAPES[0]]),
-    ]  # fmt: skip
-    for name, combos, stage_shapes in stages:
-        err.print(f"tuning {name} ...")
-        scored = score(combos(), stage_shapes)
-        if cancel.is_set() or not scored:
-            return None
-        winner = max(scored, key=lambda x: x[1])[0]
-        best.update(n_threads=winner.n_threads, flash_attn=winner.flash_attn,
-                    n_batch=winner.n_batch, n_ubatch=winner.n_ubatch)  # fmt: skip
+    """Run the tuning search and show every setting it tried."""
+    found = search(runner, base, shapes=TUNE_SHAPES, cancel=cancel,
+                   on_stage=lambda name: err.print(f"tuning {name} ..."))  # fmt: skip
+    if found is None:
+        return None
+    best, tried = found
     table = Table(title="tuning: every setting tried", title_justify="left")
     for col in ("settings", "pp t/s", "tg t/s", "score"):
         table.add_column(col, justify="left" if col == "settings" else "right")
-    for desc, pp, tg, value in tried:
-        table.add_row(desc, f"{pp:,.1f}" if pp else "-", f"{tg:,.1f}" if tg else "-",
-                      f"{value:,.1f}")  # fmt: skip
+    for t in tried:
+        table.add_row(t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
+                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-", f"{t.score:,.1f}")  # fmt: skip
     err.print(table)
-    default = next((x for x in tried if x[0].startswith(f"t={phys} b=512 ub=512 ")), None)
+    phys = physical_cores()
+    default = next((t for t in tried if t.combo == b.Combo(phys, 512, 512, 0, "off")), None)
     if default is not None:
         err.print(f"score = sqrt(pp t/s x tg t/s); llama.cpp's default threads ({phys}), batch"
-                  f" 512 and no flash attention scored {default[3]:,.1f}")  # fmt: skip
+                  f" 512 and no flash attention scored {default.score:,.1f}")  # fmt: skip
     return best
 
 
@@ -436,17 +410,14 @@ def bench(
     llmrun bench --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
     """
     with handled():
+        err = Console(stderr=True, highlight=False)
+        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        cancel = threading.Event()
         if endpoint:
             local = {"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn,
                      "--tune": tune_ or None, "--scenarios": scenarios or None,
                      "-ngl": None if gpu_layers == "0" else gpu_layers}  # fmt: skip
-            given = [name for name, value in local.items() if value is not None]
-            if given:
-                raise BadRequestError(f"{', '.join(given)}: local-engine options; with --endpoint"
-                                      " the server's own settings decide")  # fmt: skip
-            cancel = threading.Event()
-            err = Console(stderr=True, highlight=False)
-            show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+            _refuse(local, "local-engine options; with --endpoint the server's own settings decide")
             with ctrl_c_cancels(cancel):
                 code = run_serving(
                     endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,
@@ -459,29 +430,23 @@ def bench(
                 )  # fmt: skip
             raise typer.Exit(code)
         if tune_:
-            swept = {"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn}
-            given = [name for name, value in swept.items() if value is not None]
-            if given:
-                raise BadRequestError(f"{', '.join(given)}: --tune searches these itself")
+            _refuse({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn},
+                    "--tune searches these itself")  # fmt: skip
         shapes = _shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale)
         resolved = resolve_model(model)
         base = apply_tuning(EngineConfig(), resolved.path)
-        flash = (None if flash_attn is None and base.flash_attn is None
-                 else b.parse_words(flash_attn or str(base.flash_attn), name="--flash-attn",
-                                    allowed=FLASH_ATTN))  # fmt: skip
+        flash = (b.parse_words(flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
+                 if flash_attn else [base.flash_attn])  # fmt: skip
         combos = b.sweep(
             threads=_optional_ints(threads, "-t", base.n_threads),
             batch=_optional_ints(batch, "-b", base.n_batch),
             ubatch=_optional_ints(ubatch, "--ubatch", base.n_ubatch),
             gpu_layers=b.parse_values(gpu_layers, name="-ngl"),
-            flash_attn=flash if flash is not None else [None],
+            flash_attn=flash,
             type_k=b.parse_words(cache_type_k, name="-ctk", allowed=CACHE_TYPES),
             type_v=b.parse_words(cache_type_v, name="-ctv", allowed=CACHE_TYPES),
         )
-        err = Console(stderr=True, highlight=False)
-        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         runner = LlamaCppRunner(resolved.path, base)
-        cancel = threading.Event()
         try:
             with ctrl_c_cancels(cancel):
                 code = _bench(runner, base, combos, shapes, reps, ctx, seed, cancel, err, show,
@@ -513,12 +478,9 @@ def _bench(
 ) -> int:
     with err.status("loading the model and measuring memory bandwidth ..."):
         loaded = runner.load()
-        system = b.SystemInfo.collect()
+        system = b.SystemInfo.collect(bandwidth=not tune_)  # tuning reports no efficiency
     m = loaded.model
-    model_line = (
-        f"{m.name} · {m.architecture} {m.quantization} · {human_count(m.n_params)} params"
-        f" · {human_count(m.size_bytes, 'B')} · load {loaded.load_s:.3f} s"
-    )
+    model_line = f"{m.name} · {model_facts(m)} · load {secs(loaded.load_s)}"
     for line in system_lines(system, model_line):
         err.print(line, markup=False)
     if tune_:

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .llamacpp import EngineConfig
+from .bench import Combo, Result, Shape, run_bench
+from .llamacpp import EngineConfig, LlamaCppRunner
 from .paths import config_dir
+from .system import logical_cpus, physical_cores
 
 TUNED_FIELDS = ("n_threads", "n_batch", "n_ubatch", "flash_attn")
 
@@ -69,3 +75,65 @@ def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
     if not changes:
         return config
     return dataclasses.replace(config, **changes, tuned=True)
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+# Prefill, and decode at some depth: flash attention and threads behave differently once the
+# KV cache holds a few hundred tokens, where chat spends its time.
+SHAPES = (Shape(512, 0), Shape(0, 64, 512))
+BATCH_PAIRS = ((256, 256), (512, 256), (512, 512), (1024, 512))
+
+
+@dataclass(frozen=True)
+class Tried:
+    combo: Combo
+    pp_ts: float | None
+    tg_ts: float | None
+
+    @property
+    def score(self) -> float:
+        """The geometric mean of the rates measured (prefill and decode, or one of them)."""
+        rates = [r for r in (self.pp_ts, self.tg_ts) if r]
+        return math.prod(rates) ** (1 / len(rates)) if rates else 0.0
+
+
+def search(
+    runner: LlamaCppRunner,
+    base: EngineConfig,
+    *,
+    shapes: Sequence[Shape] = SHAPES,
+    cancel: threading.Event | None = None,
+    on_stage: Callable[[str], None] = lambda name: None,
+) -> tuple[dict[str, Any], list[Tried]] | None:
+    """A short staged search: threads, then flash attention, then batch/ubatch (prefill only).
+
+    Returns the fastest settings (the TUNED_FIELDS) and every setting tried; None if cancelled.
+    """
+    phys, logical = physical_cores(), logical_cpus()
+    tried: list[Tried] = []
+    best = Combo(phys, 512, 512, 0, "off")
+    stages: list[tuple[str, Callable[[Combo], list[Combo]], Sequence[Shape]]] = [
+        ("threads", lambda c: [dataclasses.replace(c, n_threads=t)
+                               for t in sorted({phys, logical, max(1, logical // 2),
+                                                max(1, phys - 1)})], shapes),
+        ("flash attention", lambda c: [dataclasses.replace(c, flash_attn=fa)
+                                       for fa in ("off", "on")], shapes),
+        ("batch/ubatch", lambda c: [dataclasses.replace(c, n_batch=bb, n_ubatch=ub)
+                                    for bb, ub in BATCH_PAIRS], shapes[:1]),
+    ]  # fmt: skip
+    for name, candidates, stage_shapes in stages:
+        on_stage(name)
+        rates: dict[Combo, dict[int, float]] = {}
+        for event in run_bench(runner, combos=candidates(best), shapes=stage_shapes, reps=2,
+                               base=base, cancel=cancel):  # fmt: skip
+            if isinstance(event, Result):
+                rates.setdefault(event.combo, {})[event.shape.n_gen] = event.avg_ts
+        if (cancel is not None and cancel.is_set()) or not rates:
+            return None
+        stage = [Tried(c, r.get(0), next((v for k, v in r.items() if k), None))
+                 for c, r in rates.items()]  # fmt: skip
+        tried += stage
+        best = max(stage, key=lambda t: t.score).combo
+    settings = {name: getattr(best, name) for name in TUNED_FIELDS}
+    return settings, tried
