@@ -21,6 +21,8 @@ from rich.text import Text
 from llmrun.runners.history import Change, History
 from llmrun.runners.stats import human_count
 
+from .dashboard import bars
+
 
 class OutputFormat(str, Enum):
     md = "md"
@@ -189,19 +191,6 @@ def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             lines.append(f"{r['test']}: prefill runs at {r['prefill_gflops']:,.1f} GFLOP/s"
                          " (2 x parameters x tok/s)")  # fmt: skip
     return lines
-
-
-def bars(rows: Sequence[tuple[str, float, str]], *, width: int = 36) -> Table:
-    """Horizontal bars on one scale: (label, value, style)."""
-    top = max((v for _, v, _ in rows), default=0.0)
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column()
-    grid.add_column(width=width)
-    grid.add_column(justify="right")
-    for label, value, style in rows:
-        cells = max(1, round(value / top * width)) if top > 0 and value > 0 else 0
-        grid.add_row(label, Text("█" * cells, style=style), f"{value:,.1f}")
-    return grid
 
 
 def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,22 +147,28 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     return Group(*parts)
 
 
+def bars(rows: Sequence[tuple[str, float | None, str]], *, width: int = BAR_CELLS) -> Table:
+    """Horizontal bars on one scale: (label, value, style); a missing value shows as "-"."""
+    top = max((v or 0.0 for _, v, _ in rows), default=0.0)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column()
+    grid.add_column(width=width)
+    grid.add_column(justify="right")
+    for label, value, style in rows:
+        cells = max(1, round(value / top * width)) if value and top > 0 else 0
+        grid.add_row(label, Text("█" * cells, style=style),
+                     "-" if value is None else f"{value:,.1f}")  # fmt: skip
+    return grid
+
+
 def rate_bars(stats: GenerationStats) -> RenderableType:
     """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
-    prompt, output = stats.prompt_tps, stats.output_tps
-    top = max(prompt or 0.0, output or 0.0)
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(width=13)
-    grid.add_column(width=BAR_CELLS)
-    grid.add_column(justify="right")
-    bars = (("prompt tok/s", prompt, "cyan"), ("output tok/s", output, "magenta"))
-    for name, value, style in bars:
-        cells = round((value or 0.0) / top * BAR_CELLS) if top > 0 else 0
-        grid.add_row(name, Text("█" * max(cells, 1 if value else 0), style=style),
-                     f"{value:,.1f}" if value is not None else "-")  # fmt: skip
-    if prompt and output:
-        grid.add_row("", Text(ratio_text(stats), style="bold"), "")
-    return grid
+    pair = bars([("prompt tok/s", stats.prompt_tps, "cyan"),
+                 ("output tok/s", stats.output_tps, "magenta")])  # fmt: skip
+    if stats.prompt_tps and stats.output_tps:
+        indent = " " * (len("prompt tok/s") + 1)  # under the bars
+        return Group(pair, Text(indent + ratio_text(stats), style="bold"))
+    return pair
 
 
 def render(stats: GenerationStats) -> RenderableType:
