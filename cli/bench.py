@@ -98,8 +98,8 @@ def _plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         raise BadRequestError(
             "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
         ) from None
-    pp = [r for r in records if r["n_prompt"] and not r["n_gen"]]
-    tg = [r for r in records if r["n_gen"] and not r["n_prompt"]]
+    pp = [r for r in records if out.is_pp(r)]
+    tg = [r for r in records if out.is_tg(r)]
     depths = sorted({r["n_depth"] for r in tg})
     batches = sorted({r["n_batch"] for r in pp})
     n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)

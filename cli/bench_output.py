@@ -44,6 +44,16 @@ def _flat(value: Any) -> Any:
     return value
 
 
+def is_pp(record: dict[str, Any]) -> bool:
+    """A prompt-processing test alone (no generation)."""
+    return bool(record["n_prompt"]) and not record["n_gen"]
+
+
+def is_tg(record: dict[str, Any]) -> bool:
+    """A generation test alone (no prompt)."""
+    return bool(record["n_gen"]) and not record["n_prompt"]
+
+
 def _varying(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.get(k)) for r in records}) > 1]
 
@@ -201,8 +211,7 @@ def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
         if r["n_depth"]:
             continue
         label = " ".join(f"{h}={r.get(k)}" for k, h in [("n_threads", "t"), *varying]) or "default"
-        kind = "pp" if r["n_prompt"] and not r["n_gen"] else "tg" if r["n_gen"] and not r[
-            "n_prompt"] else None  # fmt: skip
+        kind = "pp" if is_pp(r) else "tg" if is_tg(r) else None
         if kind:
             by_config.setdefault(label, {})[kind] = r["avg_ts"]
     rows = []
@@ -218,7 +227,7 @@ def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
 
 def depth_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
     """Decode rate against context depth, when several depths ran."""
-    points = [(r["n_depth"], r["avg_ts"]) for r in records if r["n_gen"] and not r["n_prompt"]]
+    points = [(r["n_depth"], r["avg_ts"]) for r in records if is_tg(r)]
     if len({d for d, _ in points}) < 2:
         return None
     rows = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
@@ -227,7 +236,7 @@ def depth_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
 
 def chunk_report(records: Sequence[dict[str, Any]]) -> tuple[Table, list[str]] | None:
     """Prefill tok/s and TTFT per chunk size; whether the chunk sizes agree on the next token."""
-    pp = [r for r in records if r["n_prompt"] and not r["n_gen"]]
+    pp = [r for r in records if is_pp(r)]
     if len({r["n_batch"] for r in pp}) < 2:
         return None
     table = Table(title="chunked prefill: the chunk size trade-off", title_justify="left")

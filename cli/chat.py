@@ -32,6 +32,7 @@ from .errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     handled,
+    incomplete_message,
     message,
     quiet_broken_pipe,
 )
@@ -286,9 +287,7 @@ class ChatUI:
             self.show("[interrupted] the reply so far stays in the conversation", "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:
             self.failed = True
-            problem = turn.stats.extra.get("error")
-            self.err.print(Text(f"llmrun: error: {problem} (the reply so far stays in the"
-                                " conversation, marked incomplete)", style="red"))  # fmt: skip
+            self.err.print(Text(incomplete_message(turn.stats), style="red"))
         if conv.nearly_full:
             self.warn(
                 f"context {conv.used_tokens}/{conv.n_ctx} tokens: when a turn does not fit, the"

@@ -147,11 +147,16 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     return Group(*parts)
 
 
-def bars(rows: Sequence[tuple[str, float | None, str]], *, width: int = BAR_CELLS) -> Table:
+def bars(
+    rows: Sequence[tuple[str, float | None, str]],
+    *,
+    width: int = BAR_CELLS,
+    label_cells: int | None = None,
+) -> Table:
     """Horizontal bars on one scale: (label, value, style); a missing value shows as "-"."""
     top = max((v or 0.0 for _, v, _ in rows), default=0.0)
     grid = Table.grid(padding=(0, 1))
-    grid.add_column()
+    grid.add_column(width=label_cells)
     grid.add_column(width=width)
     grid.add_column(justify="right")
     for label, value, style in rows:
@@ -164,10 +169,9 @@ def bars(rows: Sequence[tuple[str, float | None, str]], *, width: int = BAR_CELL
 def rate_bars(stats: GenerationStats) -> RenderableType:
     """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
     pair = bars([("prompt tok/s", stats.prompt_tps, "cyan"),
-                 ("output tok/s", stats.output_tps, "magenta")])  # fmt: skip
+                 ("output tok/s", stats.output_tps, "magenta")], label_cells=13)  # fmt: skip
     if stats.prompt_tps and stats.output_tps:
-        indent = " " * (len("prompt tok/s") + 1)  # under the bars
-        return Group(pair, Text(indent + ratio_text(stats), style="bold"))
+        return Group(pair, Text(" " * 14 + ratio_text(stats), style="bold"))  # under the bars
     return pair
 
 
@@ -213,6 +217,7 @@ class Dashboard:
         self.state = LiveState()
         self.live: Live | None = None
         self.closed = False  # the text sink never closes: the terminal is not a pipe
+        self.ends_with_newline = True
         self._lock = threading.Lock()
         self._line_cells = 0
         self._width = console.width
@@ -287,8 +292,6 @@ class Dashboard:
         with self._lock:
             lines, self.state.pending = self.state.pending, []
         return lines
-
-    ends_with_newline = True
 
     def end_line(self) -> None:
         if self.state.line or not self.ends_with_newline:

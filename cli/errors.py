@@ -30,6 +30,7 @@ from llmrun.runners.errors import (
     ServerUnreachableError,
 )
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL, DefaultModelMissingError
+from llmrun.runners.stats import GenerationStats
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -66,6 +67,13 @@ def message(e: LlmrunError) -> str:
             break
     text = " ".join(str(e).split())
     return f"llmrun: error: {text}" + (f" ({hint})" if hint else "")
+
+
+def incomplete_message(stats: GenerationStats) -> str:
+    """The one line for a server's stream that broke off (its text was kept)."""
+    x = stats.extra
+    return (f"llmrun: error: {x.get('endpoint')}: {x.get('error')}"
+            " (the text so far is kept, marked incomplete)")  # fmt: skip
 
 
 def print_error(e: LlmrunError) -> None:

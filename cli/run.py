@@ -24,6 +24,7 @@ from .errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     handled,
+    incomplete_message,
     message,
     quiet_broken_pipe,
 )
@@ -210,8 +211,7 @@ def _run_jobs(
             if stats_file is not None:
                 append_stats_file(stats_file, [stats_json(s, job.label)])
             if s.finish_reason == FINISH_INCOMPLETE:
-                print(f"llmrun: error: {s.extra.get('endpoint')}: {s.extra.get('error')}"
-                      " (the text so far is kept, marked incomplete)", file=sys.stderr)  # fmt: skip
+                print(incomplete_message(s), file=sys.stderr)
                 failed = True
                 break
             if out.closed or s.interrupted:

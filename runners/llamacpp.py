@@ -292,9 +292,6 @@ class LlamaCppRunner:
             return big.raw[:n]
         return self._piece_buf.raw[:n]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
     def render(self, request: Request) -> str:
         """The prompt text a request stands for: raw, or its messages through the chat template."""
         if request.prompt is not None:

@@ -52,14 +52,16 @@ class PromptSpec:
 
 @dataclass
 class RequestResult:
-    ok: bool
     input_tokens: int
     output_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
-    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def tpot_s(self) -> float | None:
@@ -120,14 +122,14 @@ def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len
 def send(runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event) -> RequestResult:
     """One streamed completion through the remote runner; failures are returned, not raised."""
     sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
-    result = RequestResult(ok=False, input_tokens=prompt.input_tokens)
+    result = RequestResult(input_tokens=prompt.input_tokens)
     try:
         finished = generate(runner, Request(prompt=prompt.text, sampling=sampling), cancel=cancel)
     except LlmrunError as e:
         result.error = str(e)
         return result
     s = finished.stats
-    result.latency_s, result.text, result.itl_s = s.e2e_s, finished.text, list(s.itl_s)
+    result.latency_s, result.itl_s = s.e2e_s, list(s.itl_s)
     if s.extra.get("output_chunks"):
         result.ttft_s = s.ttft_s
     if s.extra.get("usage_reported") and s.prompt_tokens:
@@ -139,7 +141,6 @@ def send(runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event) -> R
         result.error = "cancelled"
     elif result.ttft_s is None:
         result.error = "no output"
-    result.ok = result.error is None
     return result
 
 
