@@ -36,6 +36,8 @@ from .stats import (
 )
 
 DEFAULT_TIMEOUT_S = 60.0
+# (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
+TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
 
 def api_base(endpoint: str) -> str:
@@ -276,6 +278,7 @@ class OpenAIRunner:
         self.model_name = model
         self._n_ctx = n_ctx or 0
         self._loaded: ModelLoaded | None = None
+        self._tokenize_routes = list(TOKENIZE_ROUTES)  # narrowed to the one that answers
 
     @property
     def loaded(self) -> ModelLoaded | None:
@@ -350,7 +353,21 @@ class OpenAIRunner:
             if request.prompt is not None
             else "\n".join(m.content for m in request.messages)
         )
-        return count_text_tokens(self.conn, text, self.model_name)
+        return self._count_text_tokens(text)
+
+    def _count_text_tokens(self, text: str) -> int:
+        """Tokens in `text` by the server's tokenizer (llama.cpp's /tokenize, llama-cpp-python's
+        /extras/tokenize/count); a word count when it has neither. The route that answered is
+        remembered, so later counts cost one request (or none)."""
+        root = self.conn.api.removesuffix("/v1")
+        for route, field, answer in self._tokenize_routes:
+            data = self.conn.post_json(root + route, {field: text, "model": self.model_name})
+            value = data.get(answer) if isinstance(data, dict) else None
+            if isinstance(value, (list, int)):
+                self._tokenize_routes = [(route, field, answer)]
+                return len(value) if isinstance(value, list) else value
+        self._tokenize_routes = []
+        return len(text.split())
 
     def reset(self) -> None:
         """Nothing to do: the server manages its own KV cache."""
@@ -450,16 +467,3 @@ class OpenAIRunner:
             settings=loaded.settings,
             extra=extra,
         )
-
-
-def count_text_tokens(conn: Connection, text: str, model: str | None) -> int:
-    """Tokens in `text` by the server's tokenizer (llama.cpp's /tokenize, llama-cpp-python's
-    /extras/tokenize/count); a word count when the server offers neither."""
-    root = conn.api.removesuffix("/v1")
-    data = conn.post_json(root + "/tokenize", {"content": text})
-    if isinstance(data, dict) and isinstance(data.get("tokens"), list):
-        return len(data["tokens"])
-    data = conn.post_json(root + "/extras/tokenize/count", {"input": text, "model": model})
-    if isinstance(data, dict) and isinstance(data.get("count"), int):
-        return int(data["count"])
-    return len(text.split())
