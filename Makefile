@@ -27,13 +27,14 @@ demo: setup
 bench: setup
 	$(BIN)/llmrun bench
 
-test: setup
+# The lint runs first: a ruff or mypy error fails `make test`, and so CI.
+test: lint
 	$(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check cli runners tests benchmarks
 	$(BIN)/ruff format --check cli runners tests benchmarks
-	$(BIN)/mypy cli runners
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

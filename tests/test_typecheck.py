@@ -1,0 +1,35 @@
+"""mypy must see llmrun.runners from cli/: a deliberate type error in a scratch copy fails it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import ROOT
+
+BROKEN = '''
+
+def _deliberate(runner: Runner, finished: GenerationStats) -> None:
+    runner.closee()
+    print(finished.statz)
+'''
+
+
+def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path) -> None:
+    copy = tmp_path / "repo"
+    for name in ("cli", "runners", "typecheck"):
+        shutil.copytree(ROOT / name, copy / name, symlinks=True)
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    run_py = copy / "cli" / "run.py"
+    run_py.write_text(run_py.read_text(encoding="utf-8") + BROKEN, encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
+        cwd=copy, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert '"Runner" has no attribute "closee"' in out, out
+    assert '"GenerationStats" has no attribute "statz"' in out, out
+    assert "Found 2 errors in 1 file" in out, out  # nothing else: the real tree is clean
