@@ -20,7 +20,3 @@ app.command("bench")(bench.bench)
 app.command("history")(bench.history)
 app.command("pull")(models.pull)
 app.command("models")(models.models)
-
-
-def main() -> None:
-    app()

@@ -441,7 +441,7 @@ def bench(
             threads=_optional_ints(threads, "-t", base.n_threads),
             batch=_optional_ints(batch, "-b", base.n_batch),
             ubatch=_optional_ints(ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=b.parse_values(gpu_layers, name="-ngl"),
+            gpu_layers=b.parse_values(gpu_layers, name="-ngl", minimum=-1),
             flash_attn=flash,
             type_k=b.parse_words(cache_type_k, name="-ctk", allowed=CACHE_TYPES),
             type_v=b.parse_words(cache_type_v, name="-ctv", allowed=CACHE_TYPES),

@@ -18,7 +18,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.history import Change, History
+from llmrun.runners.history import Change, History, HistoryError
 from llmrun.runners.stats import human_count
 
 from .dashboard import bars
@@ -306,12 +306,16 @@ def store_and_print(
     """
     changes = None
     if records and (store or compare):
-        with History() as history:
-            run_id = (
-                history.store(records, kind=kind, model=model, system=system) if store else None
-            )
-            if compare:
-                changes = history.compare(records, before_run=run_id)
+        try:
+            with History() as history:
+                run_id = (
+                    history.store(records, kind=kind, model=model, system=system)
+                    if store else None
+                )  # fmt: skip
+                if compare:
+                    changes = history.compare(records, before_run=run_id)
+        except HistoryError as e:  # the results still reach stdout
+            print(f"llmrun: warning: {e}; this run was not stored", file=sys.stderr, flush=True)
     if output is not None:
         sys.stdout.write(format_records(records, output))
         sys.stdout.flush()

@@ -96,6 +96,7 @@ def run_serving(
     slos = sv.parse_slo(slo)
     runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
                           max_connections=max(levels) + 8)  # fmt: skip
+    endpoint = runner.endpoint  # from here on: credentials redacted
     try:
         loaded = runner.load()
         name = runner.model_name or loaded.model.name

@@ -19,6 +19,7 @@ from llmrun.runners.errors import (
     AmbiguousModelError,
     BadRequestError,
     EmptyPromptError,
+    EngineAbortError,
     EngineError,
     HubError,
     InvalidModelFileError,
@@ -29,6 +30,7 @@ from llmrun.runners.errors import (
     ServerError,
     ServerUnreachableError,
 )
+from llmrun.runners.limits import MemoryNeedError, SettingError
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL, DefaultModelMissingError
 from llmrun.runners.stats import GenerationStats
 
@@ -50,6 +52,9 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     AmbiguousModelError: lambda e: "name one with owner/repo:QUANT or owner/repo/file.gguf",
     HubError: lambda e: "check the reference; 'llmrun models' lists what is cached",
     PromptTooLongError: _too_long,
+    MemoryNeedError: lambda e: "lower -c/--ctx, or use a smaller cache type such as q8_0",
+    SettingError: lambda e: "",
+    EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",

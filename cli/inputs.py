@@ -11,6 +11,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
+from llmrun.runners.limits import check_sampling
 
 JSONL_SAMPLING_KEYS = {
     "max_tokens": "max_tokens",
@@ -127,12 +128,26 @@ def parse_jsonl_line(
         if key in obj:
             value = obj[key]
             if field == "stop":
-                value = (value,) if isinstance(value, str) else tuple(value or ())
+                if isinstance(value, str):
+                    value = (value,)
+                elif isinstance(value, list):
+                    value = tuple(value)
+                elif value is not None:
+                    raise BadRequestError("'stop' must be a string or a list of strings")
+                else:
+                    value = ()
             elif not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise BadRequestError(f"{key!r} must be a number")
             overrides[field] = value
     line_sampling = dataclasses.replace(sampling, **overrides)
+    check_sampling(line_sampling)
     line_system = obj.get("system", system)
+    if line_system is not None and not isinstance(line_system, str):
+        raise BadRequestError("'system' must be a string")
+    if "raw" in obj and not isinstance(obj["raw"], bool):
+        raise BadRequestError("'raw' must be true or false")
+    if "id" in obj and not isinstance(obj["id"], (str, int)):
+        raise BadRequestError("'id' must be a string or a number")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:

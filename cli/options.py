@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from llmrun.runners.base import SamplingParams
+from llmrun.runners.limits import check_sampling
 from llmrun.runners.llamacpp import EngineConfig
 
 MODEL_PANEL = "Model and engine"
@@ -116,7 +117,8 @@ ApiKey = Annotated[
 Timeout = Annotated[
     float,
     typer.Option(
-        "--timeout", min=0.1, help="Seconds to wait for the server before giving up on a read.",
+        "--timeout", min=0.1, max=86400.0,
+        help="Seconds to wait for the server before giving up on a read.",
         rich_help_panel=REMOTE_PANEL,
     ),
 ]  # fmt: skip
@@ -246,4 +248,5 @@ def from_command(values: dict[str, Any]) -> tuple[SamplingParams, EngineConfig]:
             for k in ("ctx", "batch", "ubatch", "threads", "gpu_layers", "flash_attn", "repack")
         }
     )
+    check_sampling(sampling)
     return sampling, config

@@ -48,7 +48,9 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     rows += [
         ("load", secs(s.load_s) + facts),
         ("prompt", f"{s.prompt_tokens} tokens"
-                   f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"),
+                   f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
+                   + (f"; {s.prefilled_tokens} evaluated before the interrupt"
+                      if s.prefilled_tokens is not None else "")),
         ("prefill", f"{secs(s.prefill_s)} · {tps(s.prompt_tps)}"),
         ("ttft", f"{secs(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
                  f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}"),
@@ -58,7 +60,8 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
-        ("output", f"{s.output_tokens} tokens [{s.finish_reason}]"),
+        ("output", f"{s.output_tokens} {s.extra.get('output_counted_as', 'tokens')}"
+                   f" [{s.finish_reason}]"),
         ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
                 f" · max {ms(s.itl_max_s)}"),
@@ -108,17 +111,20 @@ def rate_ratio(stats: GenerationStats) -> str:
 def phase_sentence(stats: GenerationStats) -> str:
     """Which phase this request's wait went to, in one sentence."""
     s = stats
-    wait = s.ttft_s + s.decode_s
+    ttft = s.ttft_s
+    if ttft is None:
+        return f"No first token: the request ended after {secs(s.e2e_s)}."
+    wait = ttft + s.decode_s
     if s.output_tokens == 0 or wait <= 0:
-        return f"No output; the prompt phase took {secs(s.ttft_s)}."
-    if s.ttft_s >= s.decode_s:
+        return f"No output; the prompt phase took {secs(ttft)}."
+    if ttft >= s.decode_s:
         return (
-            f"Prefill dominated the wait: {secs(s.ttft_s)} ({s.ttft_s / wait:.0%}) before the"
+            f"Prefill dominated the wait: {secs(ttft)} ({ttft / wait:.0%}) before the"
             f" first token against {secs(s.decode_s)} of decode."
         )
     return (
         f"Decode dominated the wait: {secs(s.decode_s)} ({s.decode_s / wait:.0%}) generating"
-        f" {s.output_tokens} tokens against {secs(s.ttft_s)} to the first token."
+        f" {s.output_tokens} tokens against {secs(ttft)} to the first token."
     )
 
 

@@ -43,8 +43,13 @@ LOCALSCORE_SCENARIOS = (
 DEFAULT_SCENARIO_SCALE = 1 / 16
 
 
-def parse_values(text: str, *, name: str) -> list[int]:
-    """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus)."""
+MAX_SWEEP_VALUES = 1000
+
+
+def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+    """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus).
+
+    Every value must lie in minimum..maximum (sizes are never negative; -ngl allows -1)."""
     values: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -59,9 +64,14 @@ def parse_values(text: str, *, name: str) -> list[int]:
         if (op == "*" and (step < 2 or first < 1)) or (op == "+" and step < 1) or last < first:
             raise BadRequestError(f"{name}: the range '{part}' never ends or is empty")
         value = first
-        while value <= last:
+        while value <= last and len(values) <= MAX_SWEEP_VALUES:
             values.append(value)
             value = value * step if op == "*" else value + step
+        if len(values) > MAX_SWEEP_VALUES:
+            raise BadRequestError(f"{name}: '{part}' gives more than {MAX_SWEEP_VALUES} values")
+    for value in values:
+        if not minimum <= value <= maximum:
+            raise BadRequestError(f"{name}: {value} is out of range {minimum}..{maximum}")
     return list(dict.fromkeys(values))
 
 
@@ -363,7 +373,9 @@ def _one_run(
     runner.reset()
     depth = [rng.randrange(n_vocab) for _ in range(shape.n_depth)]
     if depth:
-        runner.eval_tokens(depth)  # untimed; the request below shares this prefix
+        runner.eval_tokens(depth, cancel=cancel)  # untimed; the request below shares this prefix
+        if cancel.is_set():
+            raise Interrupted
     prompt = [rng.randrange(n_vocab) for _ in range(max(shape.n_prompt, 1))]
     if shape.n_gen == 0:
         max_tokens = 1  # the first sample gives TTFT and the next token
@@ -470,7 +482,8 @@ def run_bench(
                     samples.append(ours)
                     engine.append(theirs)
                     if shape.n_prompt:
-                        ttft.append(finished.stats.ttft_s)
+                        if finished.stats.ttft_s is not None:
+                            ttft.append(finished.stats.ttft_s)
                         next_token = first
                     if shape.n_gen:
                         gaps.extend(finished.stats.itl_s)

@@ -133,7 +133,7 @@ class Conversation:
                 )
                 lines += [
                     f"*{s.prompt_tokens} prompt tokens ({s.new_prompt_tokens} new,"
-                    f" {s.reused_tokens} reused), TTFT {s.ttft_s * 1000:.1f} ms,"
+                    f" {s.reused_tokens} reused), TTFT {_ms(s.ttft_s)},"
                     f" prompt {s.prompt_tps or 0:.1f} tok/s, {s.output_tokens} output tokens,"
                     f" output {s.output_tps or 0:.1f} tok/s{flags}*",
                     "",
@@ -155,3 +155,7 @@ class Conversation:
             path.write_text(text, encoding="utf-8")
         except OSError as e:
             raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"

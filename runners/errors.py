@@ -67,6 +67,14 @@ class EngineError(LlmrunError):
     """llama.cpp failed in the middle of a request."""
 
 
+class EngineAbortError(EngineError):
+    """llama.cpp hit one of its own assertions (GGML_ASSERT): the process cannot go on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"llama.cpp aborted: {reason}")
+        self.reason = reason
+
+
 class ServerError(LlmrunError):
     """An OpenAI-compatible server could not be reached or answered with an error."""
 

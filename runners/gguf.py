@@ -8,6 +8,7 @@ parameter count) without loading any weights.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -74,6 +75,8 @@ _STRING, _ARRAY = 8, 9
 # Arrays longer than this (token lists, merges) are skipped, not materialised.
 _KEEP_ARRAY_MAX = 64
 _MAX_STRING = 64 * 1024 * 1024
+_MAX_NESTING = 8  # arrays of arrays: llama.cpp itself reads no deeper than 2
+LLAMA_MAX_LAYERS = 512  # llama.cpp asserts on block_count beyond this
 
 
 @dataclass(frozen=True)
@@ -151,16 +154,22 @@ class _Reader:
             self.pos += 8 + unpack("<Q", buf, self.pos)[0]
         self._need(0)
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise InvalidModelFileError(
+                    self.path, "corrupt GGUF header (arrays nested too deep)"
+                )
             itype = self.scalar("<I")
             n = self.scalar("<Q")
+            if n > len(self.buf):
+                raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
             if n <= _KEEP_ARRAY_MAX:
-                return [self.value(itype) for _ in range(n)]
+                return [self.value(itype, depth + 1) for _ in range(n)]
             if itype in _SCALARS:
                 self.pos += n * struct.calcsize(_SCALARS[itype])
                 self._need(0)
@@ -168,9 +177,59 @@ class _Reader:
                 self.skip_strings(n)
             else:
                 for _ in range(n):
-                    self.value(itype)
+                    self.value(itype, depth + 1)
             return None
         raise InvalidModelFileError(self.path, f"corrupt GGUF header (unknown value type {vtype})")
+
+
+def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
+    """The header fields llama.cpp asserts on (and then aborts) rather than rejects."""
+    arch = metadata.get("general.architecture")
+    if arch is None:
+        return  # not a model (a vocabulary, a LoRA): llama.cpp says what it thinks
+    if not isinstance(arch, str) or not arch:
+        raise InvalidModelFileError(path, "corrupt GGUF header (general.architecture)")
+    count_fields = (
+        ("block_count", 1, LLAMA_MAX_LAYERS),
+        ("embedding_length", 1, 1 << 20),
+        ("context_length", 1, 1 << 30),
+        ("attention.head_count", 0, 1 << 16),
+        ("attention.head_count_kv", 0, 1 << 16),
+        ("feed_forward_length", 0, 1 << 24),
+        ("attention.key_length", 1, 1 << 16),
+        ("attention.value_length", 1, 1 << 16),
+    )
+    for name, low, high in count_fields:
+        key = f"{arch}.{name}"
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        values = value if isinstance(value, list) else [value]
+        if (
+            value is None
+            or not values
+            or not all(
+                isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
+            )
+        ):
+            shown = value if not isinstance(value, list) else f"array of {len(value)}"
+            raise InvalidModelFileError(
+                path, f"corrupt GGUF header ({key} = {shown!r}; llama.cpp needs {low}..{high})"
+            )
+    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
+                 "rope.freq_base", "rope.freq_scale"):  # fmt: skip
+        key = f"{arch}.{name}"
+        value = metadata.get(key)
+        if key in metadata and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0
+        ):  # fmt: skip
+            raise InvalidModelFileError(
+                path, f"corrupt GGUF header ({key} = {value!r}; llama.cpp needs a number >= 0)"
+            )
+    file_type = metadata.get("general.file_type")
+    if file_type is not None and (not isinstance(file_type, int) or isinstance(file_type, bool)):
+        raise InvalidModelFileError(path, f"corrupt GGUF header (general.file_type {file_type!r})")
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
@@ -209,7 +268,13 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
             header_end = r.pos
     except OSError as e:
         raise InvalidModelFileError(path, f"cannot be read ({e.strerror or e})") from None
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT)) or DEFAULT_ALIGNMENT
+    _check_model_fields(path, metadata)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+            or alignment & (alignment - 1)):  # fmt: skip
+        raise InvalidModelFileError(
+            path, f"corrupt GGUF header (general.alignment {alignment!r} is not a power of two)"
+        )
     data_start = -(-header_end // alignment) * alignment
     n_params = 0
     data_end = data_start

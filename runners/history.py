@@ -7,6 +7,7 @@ improvement only when the two runs' spreads (mean ± stddev) do not overlap.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import sqlite3
@@ -85,15 +86,42 @@ class Change:
         return "within spread"
 
 
+class HistoryError(BadRequestError):
+    """The history database cannot be opened, read or written (corrupt, locked, read-only)."""
+
+    def __init__(self, path: Path, problem: object) -> None:
+        super().__init__(f"bench history {path}: {problem}")
+        self.path = path
+
+
+# Another llmrun storing a run at the same moment holds the lock briefly: wait for it.
+BUSY_TIMEOUT_S = 10.0
+
+
 class History:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or history_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(self.path)
+            self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
             self.db.executescript(SCHEMA)
+            self._check_schema()
         except (OSError, sqlite3.Error) as e:
-            raise BadRequestError(f"cannot open the bench history {self.path}: {e}") from None
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self.db.close()
+            raise HistoryError(self.path, e) from None
+
+    def _check_schema(self) -> None:
+        """A database from another program or an older llmrun is refused, not half-used."""
+        for table, needed in (("runs", {"id", "time", "kind", "model", "system"}),
+                              ("results", {"run_id", "key", "test", "avg_ts", "stddev_ts",
+                                           "record"})):  # fmt: skip
+            columns = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            missing = needed - columns
+            if missing:
+                raise sqlite3.DatabaseError(
+                    f"table {table} lacks {', '.join(sorted(missing))} (another schema)"
+                )
 
     def close(self) -> None:
         self.db.close()
@@ -108,6 +136,14 @@ class History:
         self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
     ) -> int:
         """Store one run's records; returns the run's id."""
+        try:
+            return self._store(records, kind=kind, model=model, system=system)
+        except (sqlite3.Error, OSError) as e:
+            raise HistoryError(self.path, e) from None
+
+    def _store(
+        self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
+    ) -> int:
         with self.db:
             cur = self.db.execute(
                 "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
@@ -124,16 +160,25 @@ class History:
         return run_id
 
     def compare(self, records: Sequence[dict[str, Any]], *, before_run: int | None) -> list[Change]:
-        """Each record against the newest earlier result with the same key."""
+        """Each record against the newest earlier readable result with the same key."""
         changes = []
         for r in records:
-            row = self.db.execute(
-                "SELECT run_id, record FROM results WHERE key = ? AND run_id < ?"
-                " ORDER BY run_id DESC LIMIT 1",
-                (result_key(r), before_run if before_run is not None else 2**62),
-            ).fetchone()
-            previous = json.loads(row[1]) if row else None
-            changes.append(Change(str(r.get("test", "")), r, previous, row[0] if row else None))
+            try:
+                rows = self.db.execute(
+                    "SELECT run_id, record FROM results WHERE key = ? AND run_id < ?"
+                    " ORDER BY run_id DESC LIMIT 20",
+                    (result_key(r), before_run if before_run is not None else 2**62),
+                ).fetchall()
+            except sqlite3.Error as e:
+                raise HistoryError(self.path, e) from None
+            previous: dict[str, Any] | None = None
+            previous_run: int | None = None
+            for run_id, text in rows:
+                previous = _record(text)
+                if previous is not None:
+                    previous_run = int(run_id)
+                    break
+            changes.append(Change(str(r.get("test", "")), r, previous, previous_run))
         return changes
 
     def runs(self, *, limit: int = 20, model: str | None = None) -> list[dict[str, Any]]:
@@ -146,10 +191,30 @@ class History:
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         out = []
-        for run_id, time, kind, name in self.db.execute(query, args).fetchall():
-            records = [json.loads(rec) for (rec,) in self.db.execute(
-                "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
-            )]  # fmt: skip
-            out.append({"id": run_id, "time": time, "kind": kind, "model": name,
-                        "records": records})  # fmt: skip
+        try:
+            for run_id, time, kind, name in self.db.execute(query, args).fetchall():
+                stored = self.db.execute(
+                    "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
+                ).fetchall()
+                records = [rec for (text,) in stored if (rec := _record(text)) is not None]
+                out.append({"id": run_id, "time": str(time), "kind": str(kind),
+                            "model": str(name), "records": records,
+                            "unreadable": len(stored) - len(records)})  # fmt: skip
+        except sqlite3.Error as e:
+            raise HistoryError(self.path, e) from None
         return out
+
+
+def _record(text: object) -> dict[str, Any] | None:
+    """A stored result, or None for a row that is not one (damaged by hand or by a crash)."""
+    try:
+        record = json.loads(text) if isinstance(text, (str, bytes)) else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    for name in ("avg_ts", "stddev_ts"):
+        value = record.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return None
+    return record

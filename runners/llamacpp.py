@@ -16,13 +16,17 @@ phase figure; `e2e_s` is the wall time including it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
+import os
 import secrets
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .base import (
@@ -35,8 +39,15 @@ from .base import (
     SamplingParams,
     Token,
 )
-from .errors import EmptyPromptError, EngineError, ModelLoadError, PromptTooLongError
+from .errors import (
+    EmptyPromptError,
+    EngineAbortError,
+    EngineError,
+    ModelLoadError,
+    PromptTooLongError,
+)
 from .gguf import GGUFInfo, read_gguf
+from .limits import MAX_CTX, SettingError, check_engine, check_memory, estimate_memory
 from .stats import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -57,12 +68,70 @@ CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "
 LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
 _lib: Any = None
 _log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
+_abort_callback: Any = None  # likewise
+
+
+def _default_on_abort(error: EngineAbortError) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, f"{error}\n".encode(errors="replace"))
+
+
+# What to do with a llama.cpp abort (GGML_ASSERT/GGML_ABORT) before the process exits with 1;
+# the CLI sets its own, which prints the one-line error. It must not return into llama.cpp.
+on_abort: Callable[[EngineAbortError], None] = _default_on_abort
+
+
+_aborting = threading.Lock()
+
+
+def _fatal(message: bytes | None) -> None:
+    """ggml's abort callback: report one line and exit 1 instead of abort() and a backtrace.
+
+    Several compute threads can fail the same assertion at once: the first reports, the others
+    wait for the exit."""
+    if not _aborting.acquire(blocking=False):
+        time.sleep(3600)
+    text = (message or b"").decode("utf-8", errors="replace")
+    # "/tmp/pip-…/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp:4132: GGML_ASSERT(…) failed"
+    where, sep, what = text.partition(": ")
+    if sep and "/" in where:
+        text = f"{what} ({where.rsplit('/', 1)[-1]})"
+    reason = " ".join(text.split()) or "no reason given"
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()  # generated text already written is kept
+    except (OSError, ValueError):
+        pass
+    try:
+        on_abort(EngineAbortError(reason))
+    finally:
+        os._exit(1)
+
+
+def _install_abort_callback(llama_cpp: Any) -> None:
+    """Route ggml's aborts through `_fatal`. ggml_set_abort_callback lives in libggml-base, which
+    can be mapped twice (llama_cpp opens libggml-base.so, libllama links libggml-base.so.0):
+    the callback is set in every copy, so whichever one the compute threads call has it."""
+    global _abort_callback
+    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    _abort_callback = callback_type(_fatal)
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for path in sorted(lib_dir.glob("*ggml-base*")):
+        try:
+            setter = ctypes.CDLL(str(path)).ggml_set_abort_callback
+        except (OSError, AttributeError):
+            continue
+        setter.restype = ctypes.c_void_p
+        setter.argtypes = [callback_type]
+        setter(_abort_callback)
 
 
 def llama_lib() -> Any:
-    """Import llama_cpp once, route its log into LOG_LINES, and initialise the backend."""
+    """Import llama_cpp once, route its log into LOG_LINES and its aborts into one-line errors,
+    and initialise the backend."""
     global _lib, _log_callback
     if _lib is None:
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # no gdb backtrace on stdout, ever
         import llama_cpp
 
         @llama_cpp.llama_log_callback
@@ -71,19 +140,41 @@ def llama_lib() -> Any:
 
         _log_callback = _log
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _install_abort_callback(llama_cpp)
         llama_cpp.llama_backend_init()
         _lib = llama_cpp
     return _lib
 
 
-def last_log_error() -> str:
-    """The most telling recent llama.cpp log line (errors first)."""
-    lines = [ln.strip() for ln in LOG_LINES if ln.strip()]
+def last_log_error(default: str = "no reason given") -> str:
+    """The reason llama.cpp logged for a failure: the telling line before its generic
+    "failed to load model" / "failed to initialize" conclusion, with llama.cpp's prefixes cut."""
+    lines = [" ".join(ln.split()) for ln in list(LOG_LINES) if ln.strip()]
+    generic = ("failed to load model", "failed to initialize", "llama_model_load_from_file")
+    telling = ("error", "failed", "invalid", "not within", "unknown", "not found", "missing",
+               "unsupported", "wrong", "exceed", "cannot", "could not")  # fmt: skip
     for ln in reversed(lines):
         low = ln.lower()
-        if "error" in low or "failed" in low or "invalid" in low or "not within" in low:
-            return ln
-    return lines[-1] if lines else "no reason given"
+        if any(w in low for w in telling) and not any(g in low for g in generic):
+            return _strip_log_prefix(ln)
+    for ln in reversed(lines):
+        if any(w in ln.lower() for w in telling):
+            return _strip_log_prefix(ln)
+    return _strip_log_prefix(lines[-1]) if lines else default
+
+
+def _strip_log_prefix(line: str) -> str:
+    """'llama_model_load: error loading model: X' -> 'X' (the function names mean nothing to
+    users; the last 'error ...:' clause is the reason)."""
+    for marker in ("error loading model: ", "error loading model architecture: ", "error: "):
+        if marker in line:
+            line = line.rsplit(marker, 1)[1]
+            break
+    else:
+        head, sep, rest = line.partition(": ")
+        if sep and head.replace("_", "").isalnum() and "_" in head:
+            line = rest
+    return line.strip() or "no reason given"
 
 
 @dataclass(frozen=True)
@@ -113,8 +204,7 @@ class LlamaCppRunner:
     def __init__(self, model_path: str, config: EngineConfig | None = None) -> None:
         self.model_path = model_path
         self.config = config or EngineConfig()
-        if self.config.flash_attn not in (None, *FLASH_ATTN):
-            raise ValueError(f"flash_attn must be one of {FLASH_ATTN}")
+        check_engine(self.config)
         self._model: Any = None
         self._ctx: Any = None
         self._vocab: Any = None
@@ -149,6 +239,7 @@ class LlamaCppRunner:
 
         A failure leaves the runner unloaded (the error says why); the next call starts afresh.
         """
+        check_engine(config)
         if self._model is not None and config.same_model(self.config):
             self._free_context()
         else:
@@ -185,6 +276,8 @@ class LlamaCppRunner:
             n_ctx = min(DEFAULT_N_CTX, n_ctx_train) if n_ctx_train else DEFAULT_N_CTX
         elif n_ctx == 0:
             n_ctx = n_ctx_train or DEFAULT_N_CTX
+        if not 1 <= n_ctx <= MAX_CTX:
+            raise SettingError(self.model_path, f"n_ctx {n_ctx} is out of range 1..{MAX_CTX}")
         n_threads = cfg.n_threads or physical_cores()
         n_batch = cfg.n_batch or DEFAULT_N_BATCH
         cparams = lib.llama_context_default_params()
@@ -208,6 +301,12 @@ class LlamaCppRunner:
                 raise ModelLoadError(self.model_path, f"unknown KV cache type '{value}'")
             setattr(cparams, name, ggml_type)
         cparams.no_perf = False
+        check_memory(
+            estimate_memory(info, n_ctx=n_ctx, n_ubatch=cparams.n_ubatch, type_k=cfg.cache_type_k,
+                            type_v=cfg.cache_type_v,
+                            n_vocab=int(lib.llama_vocab_n_tokens(self._vocab))),
+            n_ctx,
+        )  # fmt: skip
         LOG_LINES.clear()
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
@@ -430,10 +529,10 @@ class LlamaCppRunner:
                     t_chunk = time.perf_counter()
                     rc = self._decode_slice(arr, off, n)
                     lib.llama_synchronize(ctx)
-                    prefill_s += time.perf_counter() - t_chunk
                     if rc == 2 or (rc != 0 and cancel.is_set()):
-                        aborted = True
+                        aborted = True  # this chunk's time and tokens count nowhere
                         break
+                    prefill_s += time.perf_counter() - t_chunk
                     if rc != 0:
                         raise EngineError(f"llama_decode failed during prefill (code {rc})")
                     self._cache.extend(new[off : off + n])
@@ -500,6 +599,7 @@ class LlamaCppRunner:
                 engine_sample_ms=float(sperf.t_sample_ms),
                 engine_n_sample=int(sperf.n_sample),
                 seed=seed if sp.temperature > 0 else None,
+                prefilled_tokens=len(self._cache) - reused if aborted else None,
                 model=loaded.model,
                 settings=loaded.settings,
             )
@@ -519,18 +619,31 @@ class LlamaCppRunner:
 
     # ---- direct access for checks and benchmarks ---------------------------------------
 
-    def eval_tokens(self, tokens: list[int]) -> None:
-        """Append tokens to the cache in chunks of n_batch (no sampling, no timing)."""
+    def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:
+        """Append tokens to the cache in chunks of n_batch (no sampling, no timing).
+
+        Setting `cancel` stops within the running chunk; the cache then holds what completed."""
         n_batch = self.load().settings.n_batch
         lib = llama_lib()
         arr = (lib.llama_token * len(tokens))(*tokens)
-        for off in range(0, len(tokens), n_batch):
-            n = min(n_batch, len(tokens) - off)
-            rc = self._decode_slice(arr, off, n)
-            if rc != 0:
-                raise EngineError(f"llama_decode failed (code {rc})")
-            self._cache.extend(tokens[off : off + n])
-        lib.llama_synchronize(self._ctx)
+        cancel = cancel or threading.Event()
+        self._cancel = cancel
+        lib.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        try:
+            for off in range(0, len(tokens), n_batch):
+                if cancel.is_set():
+                    break
+                n = min(n_batch, len(tokens) - off)
+                rc = self._decode_slice(arr, off, n)
+                if rc != 0 and cancel.is_set():
+                    break
+                if rc != 0:
+                    raise EngineError(f"llama_decode failed (code {rc})")
+                self._cache.extend(tokens[off : off + n])
+            lib.llama_synchronize(self._ctx)
+        finally:
+            lib.llama_set_abort_callback(self._ctx, lib.ggml_abort_callback(), None)
+            self._truncate_cache(len(self._cache))
 
     def last_logits(self) -> list[float]:
         """The next-token logits after the last evaluated position."""

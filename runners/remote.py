@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import re
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx2 as httpx
 
@@ -40,15 +42,59 @@ DEFAULT_TIMEOUT_S = 60.0
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A server URL split into what may be shown and what must not.
+
+    `shown` has any user:password@ replaced by ***@ and is what every message, stats record,
+    history row and transcript carries; `api` is the /v1 base without credentials; the
+    credentials travel as HTTP Basic auth. Rule: when --api-key is given too, the key is sent
+    (as a Bearer token) and the URL's credentials are not.
+    """
+
+    shown: str
+    api: str
+    username: str | None
+    password: str | None
+
+
+def parse_endpoint(endpoint: str) -> Endpoint:
+    """http://host:8080, http://u:p@host:8080/ or http://host:8080/v1 -> its parts."""
+    url = endpoint.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok or any(c.isspace() or ord(c) < 32 for c in url):
+        raise BadRequestError(
+            "--endpoint must be an http(s) URL such as http://127.0.0.1:8080,"
+            f" not '{redact_url(endpoint)}'"
+        )
+    host = parts.netloc.rpartition("@")[2]
+    bare = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    shown = urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host,
+                        parts.path, parts.query, parts.fragment))  # fmt: skip
+    return Endpoint(
+        shown=shown,
+        api=bare if bare.endswith("/v1") else bare + "/v1",
+        username=unquote(parts.username) if parts.username is not None else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
+
+
 def api_base(endpoint: str) -> str:
     """http://host:8080, http://host:8080/ or http://host:8080/v1 -> http://host:8080/v1."""
-    url = endpoint.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise BadRequestError(
-            f"--endpoint must be an http(s) URL such as http://127.0.0.1:8080, not '{endpoint}'"
-        )
-    return url if url.endswith("/v1") else url + "/v1"
+    return parse_endpoint(endpoint).api
+
+
+def redact_url(text: str) -> str:
+    """Every user:password@ in a text (URLs in messages too) replaced by ***@."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -94,12 +140,18 @@ class Connection:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_connections: int = 100,
     ) -> None:
-        self.endpoint = endpoint
-        self.api = api_base(endpoint)
+        parsed = parse_endpoint(endpoint)
+        self.endpoint = parsed.shown
+        self.api = parsed.api
         self.timeout_s = timeout_s
+        self._secrets = [x for x in (api_key, parsed.password, parsed.username) if x]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        auth = None
+        if not api_key and (parsed.username or parsed.password):
+            auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
         self.client = httpx.Client(
             headers=headers,
+            auth=auth,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
@@ -119,7 +171,14 @@ class Connection:
             return ServerUnreachableError(self.endpoint, "cannot connect (timed out)")
         if isinstance(e, httpx.TimeoutException):
             return ServerError(self.endpoint, f"no answer within {self.timeout_s:g} s (--timeout)")
-        return ServerError(self.endpoint, f"{type(e).__name__}: {e}")
+        return ServerError(self.endpoint, self.scrub(f"{type(e).__name__}: {e}"))
+
+    def scrub(self, text: str) -> str:
+        """A server's or a library's words with our credentials taken out, should they echo."""
+        text = redact_url(text)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
         try:
@@ -130,7 +189,7 @@ class Connection:
             raise ServerError(
                 self.endpoint,
                 f"HTTP {response.status_code} from /v1{path}:"
-                f" {_server_message(response) or response.reason_phrase}",
+                f" {self.scrub(_server_message(response)) or response.reason_phrase}",
             )
         try:
             return response.json()
@@ -160,7 +219,7 @@ class Connection:
             raise self._fail(e) from None
         try:
             if response.status_code >= 400:
-                message = _server_message(response) or response.reason_phrase
+                message = self.scrub(_server_message(response)) or response.reason_phrase
                 raise ServerError(
                     self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}"
                 )
@@ -210,16 +269,18 @@ def _parse(event: Any) -> Chunk:
         message = err.get("message", err) if isinstance(err, dict) else err
         return Chunk(error=f"the server reported an error mid-stream: {message}")
     text, finish = "", None
-    choices = event.get("choices") or []
-    if choices and isinstance(choices[0], dict):
+    choices = event.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]
         delta = choice.get("delta")
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
-        text = source.get("content") or ""
-        finish = choice.get("finish_reason")
+        content = source.get("content")
+        text = content if isinstance(content, str) else ""
+        reason = choice.get("finish_reason")
+        finish = reason if isinstance(reason, str) else None
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
-    return Chunk(text=str(text), finish_reason=finish, usage=usage, timings=timings)
+    return Chunk(text=text, finish_reason=finish, usage=usage, timings=timings)
 
 
 def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -271,10 +332,10 @@ class OpenAIRunner:
     ) -> None:
         """`max_connections` bounds requests in flight when several threads share the runner
         (the serving benchmark); one request at a time needs one."""
-        self.endpoint = endpoint
         self.conn = Connection(
             endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections
         )
+        self.endpoint = self.conn.endpoint  # credentials redacted
         self.model_name = model
         self._n_ctx = n_ctx or 0
         self._loaded: ModelLoaded | None = None
@@ -396,7 +457,7 @@ class OpenAIRunner:
             usage = chunk.usage or usage
             timings = chunk.timings or timings
             if chunk.error:
-                error = chunk.error
+                error = self.conn.scrub(chunk.error)
                 break
             last = chunk
             if chunk.text:
@@ -429,41 +490,62 @@ class OpenAIRunner:
     ) -> GenerationStats:
         usage = usage or {}
         timings = timings or {}
-        details = usage.get("prompt_tokens_details") or {}
-        cached = timings.get("cache_n", details.get("cached_tokens") if details else None)
-        prompt = usage.get("prompt_tokens")
-        if prompt is None and "prompt_n" in timings:
-            prompt = int(timings["prompt_n"]) + int(cached or 0)
+        details = usage.get("prompt_tokens_details")
+        details = details if isinstance(details, dict) else {}
+        cached = _count(timings.get("cache_n"))
+        if cached is None:
+            cached = _count(details.get("cached_tokens"))
+        prompt = _count(usage.get("prompt_tokens"))
+        server_prompt_n = _count(timings.get("prompt_n"))
+        if prompt is None and server_prompt_n is not None:
+            prompt = server_prompt_n + (cached or 0)
+        completion = _count(usage.get("completion_tokens"))
+        names = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n")
+        server = {k: (_count if k.endswith("_n") else _number)(timings.get(k)) for k in names}
         extra: dict[str, Any] = {
             "endpoint": self.endpoint,
             "server_model": self.model_name,
-            "usage_reported": bool(usage),
+            "usage_reported": completion is not None or prompt is not None,
             "output_chunks": len(times),
+            # Without usage, the output count is of stream chunks, which are not always tokens.
+            "output_counted_as": "tokens" if completion is not None else "chunks",
         }
         if error:
             extra["error"] = error
-        if timings:
-            extra.update(
-                {
-                    f"server_{k}": timings.get(k)
-                    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n")
-                }
-            )
-            if times and timings.get("prompt_ms") is not None:
-                extra["network_queue_ms"] = times[0] * 1000 - float(timings["prompt_ms"])
+        if any(v is not None for v in server.values()):
+            extra.update({f"server_{k}": v for k, v in server.items()})
+        prompt_ms = server["prompt_ms"]
+        if times and prompt_ms is not None:
+            extra["network_queue_ms"] = times[0] * 1000 - prompt_ms
         return GenerationStats(
             finish_reason=finish,
-            prompt_tokens=int(prompt or 0),
-            reused_tokens=int(cached or 0),
-            output_tokens=int(usage.get("completion_tokens") or len(times)),
+            prompt_tokens=prompt or 0,
+            reused_tokens=min(cached or 0, prompt or 0),
+            output_tokens=completion if completion is not None else len(times),
             template_tokenize_s=0.0,
-            prefill_s=times[0] if times else e2e,  # the client's wait for the first token
+            # The server's own prefill time where it reports one; else unknown (0: no rate).
+            prefill_s=prompt_ms / 1000 if prompt_ms is not None else 0.0,
             first_sample_s=0.0,
             itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
             e2e_s=e2e,
             load_s=loaded.load_s,
             seed=request.sampling.seed,
+            # The client's wait: network, queue and the server's tokenization included.
+            first_token_s=times[0] if times else None,
+            prefilled_tokens=server_prompt_n if prompt_ms is not None else None,
             model=loaded.model,
             settings=loaded.settings,
             extra=extra,
         )
+
+
+def _number(value: Any) -> float | None:
+    """A figure from a server's JSON: a finite non-negative number, else None (not trusted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _count(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number < 2**53 else None

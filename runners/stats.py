@@ -90,7 +90,7 @@ class GenerationStats:
     reused_tokens: int  # prompt tokens whose KV cache was kept from the previous request
     output_tokens: int
     template_tokenize_s: float
-    prefill_s: float
+    prefill_s: float  # completed prefill chunks only (an interrupted chunk's time is not in it)
     first_sample_s: float
     itl_s: tuple[float, ...]  # each gap between consecutive output tokens
     e2e_s: float  # request handed over -> generation finished
@@ -102,6 +102,12 @@ class GenerationStats:
     engine_sample_ms: float | None = None
     engine_n_sample: int | None = None
     seed: int | None = None
+    # Measured directly where the first token's wait is not the sum of the phases above (a
+    # server: network, queue and its tokenization are in it); None: their sum.
+    first_token_s: float | None = None
+    # Prompt tokens this request's prefill evaluated, where that is fewer than the new ones
+    # (interrupted before the prompt was in); None: all of them.
+    prefilled_tokens: int | None = None
     model: ModelInfo | None = None
     settings: EngineSettings | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -112,11 +118,18 @@ class GenerationStats:
 
     @property
     def prompt_tps(self) -> float | None:
-        """Prompt tokens per second over the prefill alone (new tokens only)."""
-        return rate(self.new_prompt_tokens, self.prefill_s)
+        """Prompt tokens per second over the prefill alone (tokens actually evaluated)."""
+        done = self.new_prompt_tokens if self.prefilled_tokens is None else self.prefilled_tokens
+        return rate(done, self.prefill_s)
 
     @property
-    def ttft_s(self) -> float:
+    def ttft_s(self) -> float | None:
+        """Time to the first output token; None when the request ended before one came."""
+        if self.output_tokens == 0 and self.finish_reason in (FINISH_INTERRUPTED,
+                                                              FINISH_INCOMPLETE):  # fmt: skip
+            return None
+        if self.first_token_s is not None:
+            return self.first_token_s
         return self.template_tokenize_s + self.prefill_s + self.first_sample_s
 
     @property

@@ -80,6 +80,18 @@ def ram_bytes() -> int | None:
     return None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory that new allocations can get without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def memory_bandwidth(
     *, size_bytes: int = 256 << 20, threads: int | None = None, reps: int = 5
 ) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench import Combo, Result, Shape, run_bench
+from .limits import check_engine
 from .llamacpp import EngineConfig, LlamaCppRunner
 from .paths import config_dir
 from .system import logical_cpus, physical_cores
@@ -74,6 +75,7 @@ def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
     }
     if not changes:
         return config
+    check_engine(dataclasses.replace(EngineConfig(), **changes), where=str(tuned_file()))
     return dataclasses.replace(config, **changes, tuned=True)
 
 

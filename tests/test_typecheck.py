@@ -9,12 +9,12 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-BROKEN = '''
+BROKEN = """
 
 def _deliberate(runner: Runner, finished: GenerationStats) -> None:
     runner.closee()
     print(finished.statz)
-'''
+"""
 
 
 def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path) -> None:

@@ -1,0 +1,76 @@
+"""The console entry point: what must hold before the app and its libraries are imported.
+
+- A standard stream that the caller closed (`2>&-`) is reopened on /dev/null, so nothing meant
+  for stderr lands on stdout through a file that took its descriptor.
+- Ctrl-C while the libraries load ends quietly with 130, not with an import traceback.
+- SIGTERM behaves like Ctrl-C (results so far are kept) and the exit code is 143.
+- A llama.cpp abort (GGML_ASSERT) becomes the one-line error and exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+_terminated = False
+
+
+def _reopen_closed_std_streams() -> None:
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))  # noqa: SIM115
+
+
+def _interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
+    os.write(2, b"llmrun: interrupted\n")
+    os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM: do what Ctrl-C does now (cancel the request, or raise KeyboardInterrupt)."""
+    global _terminated
+    _terminated = True
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not _terminate:
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
+
+
+def main() -> None:
+    _reopen_closed_std_streams()
+    signal.signal(signal.SIGINT, _interrupted_at_startup)
+    signal.signal(signal.SIGTERM, _interrupted_at_startup)
+    from llmrun.runners import llamacpp
+    from llmrun.runners.errors import EngineAbortError
+
+    from .app import app
+    from .errors import print_error
+
+    def on_abort(error: EngineAbortError) -> None:
+        print_error(error)
+
+    llamacpp.on_abort = on_abort
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        app()
+    except SystemExit as e:
+        if _terminated and e.code in (EXIT_INTERRUPTED, None, 0, 1):
+            raise SystemExit(EXIT_TERMINATED) from None
+        raise
+    except KeyboardInterrupt:
+        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED) from None

@@ -1,0 +1,165 @@
+"""Ranges for every setting, checked before llama.cpp sees it, whatever its source.
+
+Options on the command line, `LLMRUN_*` variables, `tuned.json` and JSONL lines all end up in an
+`EngineConfig` or `SamplingParams`; llama.cpp wraps, segfaults or aborts on values outside what
+it handles (a context of 99,999,999,999 tokens, 100,000 threads), so both are checked here, and
+the memory a context needs is estimated before it is created.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import BadRequestError, LlmrunError
+from .system import available_memory_bytes, logical_cpus
+
+if TYPE_CHECKING:
+    from .base import SamplingParams
+    from .gguf import GGUFInfo
+
+MAX_CTX = 1 << 24  # llama.cpp keeps positions in 32-bit fields; no model is trained beyond this
+MAX_BATCH = 1 << 20
+MAX_TOKENS = 1 << 24
+MAX_SEED = 2**32 - 1
+GGML_MAX_THREADS = 512
+
+# Bytes per KV cache element, by llama.cpp's cache type names.
+CACHE_TYPE_BYTES = {
+    "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+    "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
+}  # fmt: skip
+
+
+class SettingError(BadRequestError):
+    """A setting outside the range llama.cpp handles; `where` names its source."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.where = where
+        self.problem = problem
+
+
+class MemoryNeedError(LlmrunError):
+    """A context that would not fit in the memory available now."""
+
+    def __init__(self, n_ctx: int, need: int, kv: int, available: int) -> None:
+        super().__init__(
+            f"a context of {n_ctx} tokens needs about {gib(need)} (KV cache {gib(kv)}), "
+            f"but {gib(available)} of memory is available"
+        )
+        self.n_ctx = n_ctx
+        self.need = need
+        self.available = available
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.0f} MiB"
+
+
+def max_threads() -> int:
+    """More threads than 4 per logical CPU only spin (llama.cpp's workers busy-wait)."""
+    return min(GGML_MAX_THREADS, 4 * logical_cpus())
+
+
+def _int_in(where: str, name: str, value: Any, low: int, high: int, why: str = "") -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SettingError(where, f"{name} must be a whole number, not {value!r}")
+    if not low <= value <= high:
+        extra = f" ({why})" if why else ""
+        raise SettingError(where, f"{name} {value} is out of range {low}..{high}{extra}")
+
+
+def _float_in(where: str, name: str, value: Any, low: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise SettingError(where, f"{name} must be a number, not {value!r}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise SettingError(where, f"{name} {value} is out of range {low:g}..{high:g}")
+
+
+def check_engine(config: Any, where: str = "") -> None:
+    """Raise SettingError for any engine setting llama.cpp would not survive."""
+    threads_why = f"this machine has {logical_cpus()} logical CPUs"
+    _int_in(where, "n_ctx", config.n_ctx, 0, MAX_CTX)
+    _int_in(where, "n_batch", config.n_batch, 1, MAX_BATCH)
+    _int_in(where, "n_ubatch", config.n_ubatch, 1, MAX_BATCH)
+    _int_in(where, "n_threads", config.n_threads, 1, max_threads(), threads_why)
+    _int_in(where, "n_threads_batch", config.n_threads_batch, 1, max_threads(), threads_why)
+    _int_in(where, "n_gpu_layers", config.n_gpu_layers, -1, 1 << 16)
+    if config.flash_attn is not None and config.flash_attn not in ("auto", "on", "off"):
+        raise SettingError(where, f"flash_attn must be auto, on or off, not {config.flash_attn!r}")
+    if config.repack is not None and not isinstance(config.repack, bool):
+        raise SettingError(where, f"repack must be true or false, not {config.repack!r}")
+    for name in ("cache_type_k", "cache_type_v"):
+        value = getattr(config, name)
+        if value not in CACHE_TYPE_BYTES:
+            raise SettingError(
+                where, f"{name} {value!r} is not one of {', '.join(CACHE_TYPE_BYTES)}"
+            )
+
+
+def check_sampling(sp: SamplingParams, where: str = "") -> None:
+    """Raise SettingError for sampling values that are not meaningful."""
+    _int_in(where, "max_tokens", sp.max_tokens, 1, MAX_TOKENS)
+    _float_in(where, "temperature", sp.temperature, 0.0, 100.0)
+    _int_in(where, "top_k", sp.top_k, 0, 1 << 24)
+    _float_in(where, "top_p", sp.top_p, 0.0, 1.0)
+    _float_in(where, "min_p", sp.min_p, 0.0, 1.0)
+    _float_in(where, "repeat_penalty", sp.repeat_penalty, 0.0, 100.0)
+    _int_in(where, "repeat_last_n", sp.repeat_last_n, -1, MAX_CTX)
+    _int_in(where, "seed", sp.seed, 0, MAX_SEED)
+    if not isinstance(sp.stop, tuple) or not all(isinstance(s, str) and s for s in sp.stop):
+        raise SettingError(where, "stop must be a string or a list of non-empty strings")
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What a context will take beside the weights, estimated from the GGUF header."""
+
+    kv_bytes: int
+    compute_bytes: int
+    weights_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_bytes + self.compute_bytes + self.weights_bytes
+
+
+def _first(value: Any) -> int:
+    """A per-layer array (some models vary head counts by layer) or one value: the largest."""
+    if isinstance(value, list):
+        value = max((v for v in value if isinstance(v, (int, float))), default=0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def estimate_memory(
+    info: GGUFInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str, n_vocab: int
+) -> MemoryNeed:
+    meta, arch = info.metadata, info.architecture
+    n_layer = _first(meta.get(f"{arch}.block_count"))
+    n_embd = _first(meta.get(f"{arch}.embedding_length"))
+    n_head = _first(meta.get(f"{arch}.attention.head_count")) or 1
+    n_head_kv = _first(meta.get(f"{arch}.attention.head_count_kv")) or n_head
+    head_k = _first(meta.get(f"{arch}.attention.key_length")) or n_embd // n_head
+    head_v = _first(meta.get(f"{arch}.attention.value_length")) or n_embd // n_head
+    per_token = (
+        n_layer
+        * n_head_kv
+        * (head_k * CACHE_TYPE_BYTES[type_k] + head_v * CACHE_TYPE_BYTES[type_v])
+    )
+    kv = int(per_token * n_ctx)
+    # The largest compute buffers: attention scores of one micro-batch against the whole
+    # context (f32, per head) and the output logits.
+    ubatch = min(n_ubatch, n_ctx)
+    compute = 4 * ubatch * (n_ctx * n_head + n_vocab + 8 * n_embd)
+    return MemoryNeed(kv, compute, info.data_size_bytes)
+
+
+def check_memory(need: MemoryNeed, n_ctx: int) -> None:
+    """Refuse what cannot fit in the memory available now (RAM plus free swap is not counted)."""
+    available = available_memory_bytes()
+    if available is not None and need.total > available:
+        raise MemoryNeedError(n_ctx, need.total, need.kv_bytes, available)
