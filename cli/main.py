@@ -14,8 +14,8 @@ import signal
 import sys
 from types import FrameType
 
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
+from . import EXIT_INTERRUPTED, EXIT_TERMINATED, interrupted_at_startup
+
 _terminated = False
 
 
@@ -33,9 +33,21 @@ def _reopen_closed_std_streams() -> None:
         setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))  # noqa: SIM115
 
 
-def _interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
-    os.write(2, b"llmrun: interrupted\n")
-    os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+def _same_text_in_every_locale() -> None:
+    """stdin is read as UTF-8 under C, C.UTF-8 and en_US.UTF-8 alike; bytes that are not UTF-8
+    survive as escapes until `inputs.repair_utf8` replaces them (with a warning). Text that the
+    locale cannot show is replaced on output instead of ending the run."""
+    for stream, errors in ((sys.stdin, "surrogateescape"), (sys.stdout, "replace"),
+                           (sys.stderr, "replace")):  # fmt: skip
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                if stream is sys.stdin:
+                    reconfigure(encoding="utf-8", errors=errors)
+                else:
+                    reconfigure(errors=errors)
+            except (ValueError, OSError):
+                pass
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
@@ -51,8 +63,9 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def main() -> None:
     _reopen_closed_std_streams()
-    signal.signal(signal.SIGINT, _interrupted_at_startup)
-    signal.signal(signal.SIGTERM, _interrupted_at_startup)
+    _same_text_in_every_locale()
+    signal.signal(signal.SIGINT, interrupted_at_startup)
+    signal.signal(signal.SIGTERM, interrupted_at_startup)
     from llmrun.runners import llamacpp
     from llmrun.runners.errors import EngineAbortError
 

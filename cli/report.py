@@ -11,6 +11,7 @@ from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.stats import Aggregate, GenerationStats, human_count, rate
+from llmrun.runners.system import busy_machine, logical_cpus
 
 
 def ms(seconds: float | None) -> str:
@@ -38,7 +39,8 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         rows.append((
             "model",
             f"{m.name} {m.quantization} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
-            f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""),
+            f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else "")
+            + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
         ))  # fmt: skip
     facts = ""
     if s.model:
@@ -46,6 +48,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         facts = (f" · {m.architecture} · {human_count(m.n_params)} params"
                  f" · {human_count(m.size_bytes, 'B')}")  # fmt: skip
     rows += [
+        *busy_rows(s),
         ("load", secs(s.load_s) + facts),
         ("prompt", f"{s.prompt_tokens} tokens"
                    f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
@@ -67,6 +70,16 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
                 f" · max {ms(s.itl_max_s)}"),
         ("total", secs(s.e2e_s) + (f" · seed {s.seed}" if s.seed is not None else "")),
     ]  # fmt: skip
+
+
+def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    """A warning row when other processes took the CPU time these figures needed."""
+    threads = s.settings.n_threads if s.settings else 1
+    if not busy_machine(s.background_cpus, threads):
+        return []
+    return [("warning", f"other processes kept {s.background_cpus:.1f} CPUs busy during this run"
+                        f" ({logical_cpus()} in all, {threads} for llama.cpp): these figures"
+                        " are unreliable")]  # fmt: skip
 
 
 def _remote_rows(s: GenerationStats) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ from .base import Finished, Request, SamplingParams, Token
 from .errors import BadRequestError, LlmrunError, ModelLoadError
 from .llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner, llama_lib
 from .stats import EngineSettings, ModelInfo, human_count, percentile
+from .system import background_cpus, busy_machine, cpu_sample
 
 # Bytes per element of each KV cache type (blocks of 32 for the quantized ones).
 CACHE_TYPE_BYTES = {
@@ -209,6 +210,7 @@ class Result:
     next_token: int | None = None  # the greedy token after the prompt (pp tests)
     test_time: str = ""
     kv_bytes_per_pos: float = 0.0
+    background_cpus: float | None = None  # other processes' load over the test's repetitions
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -283,6 +285,8 @@ class Result:
             "decode_bw_gbs": None,
             "bw_util": None,
             "prefill_gflops": None,
+            "background_cpus": _round(self.background_cpus, 3),
+            "busy": busy_machine(self.background_cpus, st.n_threads),
         }
         if s.n_gen and not s.n_prompt and self.avg_ts:
             moved = self.bytes_per_token() * self.avg_ts
@@ -293,6 +297,10 @@ class Result:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
         rec.update(self.extra)
         return rec
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -471,6 +479,7 @@ def run_bench(
             next_token: int | None = None
             start = done
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            cpu0 = cpu_sample()
             try:
                 for rep in range(per_test):
                     finished, first = _one_run(runner, shape, rng, cancel)
@@ -507,7 +516,8 @@ def run_bench(
                 load_s=loaded.load_s, samples_s=tuple(samples), engine_samples_s=tuple(engine),
                 ttft_s=tuple(ttft), itl_s=tuple(gaps),
                 next_token=next_token if shape.n_gen == 0 else None, test_time=when,
-                kv_bytes_per_pos=kv, extra=extra,
+                kv_bytes_per_pos=kv, background_cpus=background_cpus(cpu0, cpu_sample()),
+                extra=extra,
             )  # fmt: skip
 
 

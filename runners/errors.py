@@ -52,6 +52,14 @@ class EmptyPromptError(LlmrunError):
         self.where = where
 
 
+class ChatTemplateError(LlmrunError):
+    """The model's chat template fails to render the conversation."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"the model's chat template fails: {problem}")
+        self.problem = problem
+
+
 class PromptTooLongError(LlmrunError):
     def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
         super().__init__(f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import BadRequestError
 from .paths import data_dir
+from .system import busy_machine
 
 KEY_FIELDS = (
     "model_filename", "model_size", "backends", "n_threads", "n_batch", "n_ubatch", "type_k",
@@ -79,10 +80,14 @@ class Change:
         new_high = self.record["avg_ts"] + (self.record.get("stddev_ts") or 0)
         old_low = self.previous["avg_ts"] - (self.previous.get("stddev_ts") or 0)
         old_high = self.previous["avg_ts"] + (self.previous.get("stddev_ts") or 0)
-        if new_high < old_low:
-            return "regression"
-        if new_low > old_high:
-            return "improvement"
+        if new_high < old_low or new_low > old_high:
+            if (
+                _busy(self.record)
+                or _busy(self.previous)
+                or _load_differs(self.record, self.previous)
+            ):
+                return "noise (busy machine)"
+            return "regression" if new_high < old_low else "improvement"
         return "within spread"
 
 
@@ -203,6 +208,22 @@ class History:
         except sqlite3.Error as e:
             raise HistoryError(self.path, e) from None
         return out
+
+
+def _background(record: dict[str, Any]) -> float:
+    value = record.get("background_cpus")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _busy(record: dict[str, Any]) -> bool:
+    threads = record.get("n_threads")
+    return busy_machine(_background(record), threads if isinstance(threads, int) else 1)
+
+
+def _load_differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Runs measured under different background load are not comparable (llama.cpp's threads
+    spin-wait, so a fraction of a CPU taken by others changes the figures)."""
+    return abs(_background(a) - _background(b)) > 0.25
 
 
 def _record(text: object) -> dict[str, Any] | None:

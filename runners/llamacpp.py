@@ -40,6 +40,7 @@ from .base import (
     Token,
 )
 from .errors import (
+    ChatTemplateError,
     EmptyPromptError,
     EngineAbortError,
     EngineError,
@@ -48,6 +49,7 @@ from .errors import (
 )
 from .gguf import GGUFInfo, read_gguf
 from .limits import MAX_CTX, SettingError, check_engine, check_memory, estimate_memory
+from .probe import repack_verdict
 from .stats import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -56,7 +58,7 @@ from .stats import (
     GenerationStats,
     ModelInfo,
 )
-from .system import physical_cores, repack_is_safe
+from .system import background_cpus, cpu_sample, physical_cores
 from .text import TextStream
 
 DEFAULT_N_CTX = 4096
@@ -216,6 +218,7 @@ class LlamaCppRunner:
         self._cancel = threading.Event()  # the running request's; read by the abort callback
         self._abort_cb: Any = None
         self._repack = False
+        self._repack_note = ""
         self._weights_s = 0.0
 
     # ---- loading ----------------------------------------------------------------------
@@ -254,7 +257,7 @@ class LlamaCppRunner:
         cfg = self.config
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0x7FFFFFFF if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
-        self._repack = repack_is_safe() if cfg.repack is None else cfg.repack
+        self._repack, self._repack_note = self._choose_repack(info)
         mparams.use_extra_bufts = self._repack
         LOG_LINES.clear()
         model = lib.llama_model_load_from_file(self.model_path.encode(), mparams)
@@ -263,6 +266,15 @@ class LlamaCppRunner:
         self._model, self._info = model, info
         self._vocab = lib.llama_model_get_vocab(model)
         self._weights_s = time.perf_counter() - t0
+
+    def _choose_repack(self, info: GGUFInfo) -> tuple[bool, str]:
+        """Repacking as asked, or by default, but never where a probe saw it crash."""
+        if self.config.repack is False:
+            return False, "off (asked)"
+        verdict = repack_verdict(self.model_path, info.quantization)
+        if not verdict.safe:
+            return False, f"off: {verdict.why}"
+        return True, "on (asked)" if self.config.repack else "on (probed safe)"
 
     def _new_context(self) -> None:
         """Create the context; load time is the weights' load plus this context's creation."""
@@ -342,6 +354,7 @@ class LlamaCppRunner:
                 gpu_offload=gpu,
                 flash_attn=flash_attn,
                 repack=self._repack,
+                repack_note=self._repack_note,
                 type_k=cfg.cache_type_k,
                 type_v=cfg.cache_type_v,
                 tuned=cfg.tuned,
@@ -396,9 +409,13 @@ class LlamaCppRunner:
         if request.prompt is not None:
             return request.prompt
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        if self._formatter is None:
-            self._formatter = self._make_formatter()
-        return str(self._formatter(messages=messages).prompt)
+        try:
+            if self._formatter is None:
+                self._formatter = self._make_formatter()
+            return str(self._formatter(messages=messages).prompt)
+        except Exception as e:  # jinja2's TemplateError and whatever a template raises
+            first = (str(e).splitlines() or [""])[0]
+            raise ChatTemplateError(f"{type(e).__name__}: {first}") from None
 
     def _make_formatter(self) -> Any:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -489,6 +506,7 @@ class LlamaCppRunner:
             return time.perf_counter() - wall0 - paused
 
         lib.llama_perf_context_reset(ctx)
+        cpu0 = cpu_sample()
         tokens = self.prompt_tokens(request)
         if len(tokens) + 1 > n_ctx:
             raise PromptTooLongError(len(tokens), n_ctx)
@@ -600,6 +618,7 @@ class LlamaCppRunner:
                 engine_n_sample=int(sperf.n_sample),
                 seed=seed if sp.temperature > 0 else None,
                 prefilled_tokens=len(self._cache) - reused if aborted else None,
+                background_cpus=background_cpus(cpu0, cpu_sample()),
                 model=loaded.model,
                 settings=loaded.settings,
             )

@@ -9,6 +9,7 @@ Downloads go through huggingface-hub (its cache, its progress bars, HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -112,7 +113,49 @@ def _cached_repo_files(repo: str) -> list[str] | None:
     return None
 
 
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (DNS or TCP, within a few seconds), or None if it can.
+
+    huggingface_hub itself retries five times with growing pauses and logs every try; a user
+    without a network wants one line now, and the local cache where it has the file."""
+    import logging
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    parts = urlsplit(constants.ENDPOINT)
+    host = parts.hostname or "huggingface.co"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S):
+                outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{host}: {e.strerror or e}")
+
+    worker = threading.Thread(target=attempt, daemon=True)  # getaddrinfo has no timeout
+    worker.start()
+    worker.join(HUB_CONNECT_TIMEOUT_S + 0.5)
+    return outcome[0] if outcome else f"{host}: no answer within {HUB_CONNECT_TIMEOUT_S:g} s"
+
+
 def _repo_files(repo: str) -> list[str]:
+    if not _offline():
+        reason = _hub_unreachable()
+        if reason is not None:
+            files = _cached_repo_files(repo)
+            if files is None:
+                raise HubError(f"cannot reach the Hugging Face Hub for {repo} ({reason})")
+            return files
     if _offline():
         files = _cached_repo_files(repo)
         if files is None:
@@ -174,8 +217,10 @@ def _download(repo: str, filename: str) -> str:
         RepositoryNotFoundError,
     )
 
+    # Without a network, only the cache can answer; asking the Hub would retry for ~25 s.
+    local_only = not _offline() and _hub_unreachable() is not None
     try:
-        return str(hf_hub_download(repo, filename))
+        return str(hf_hub_download(repo, filename, local_files_only=local_only))
     except RepositoryNotFoundError:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except LocalEntryNotFoundError:

@@ -71,6 +71,7 @@ class EngineSettings:
     gpu_offload: bool  # whether this llama.cpp build can offload at all
     flash_attn: str
     repack: bool = True  # llama.cpp's weight repacking into extra CPU buffer types
+    repack_note: str = ""  # why repacking is on or off (asked, probed safe, crashed a probe)
     type_k: str = "f16"  # KV cache element types
     type_v: str = "f16"
     tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
@@ -108,6 +109,8 @@ class GenerationStats:
     # Prompt tokens this request's prefill evaluated, where that is fewer than the new ones
     # (interrupted before the prompt was in); None: all of them.
     prefilled_tokens: int | None = None
+    # CPUs' worth of work other processes did during the request (None: not measured).
+    background_cpus: float | None = None
     model: ModelInfo | None = None
     settings: EngineSettings | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 
 
 def physical_cores() -> int:
@@ -40,16 +42,6 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-def repack_is_safe() -> bool:
-    """Whether llama.cpp's weight repacking (extra CPU buffer types) is safe to use here.
-
-    On CPUs with AMX, llama-cpp-python 0.3.36's AMX kernels crash the process with a
-    segmentation fault on the first batch of more than one token (seen on this project's
-    machines), so repacking is off by default there; `--repack` turns it back on.
-    """
-    return "amx_int8" not in cpu_flags()
 
 
 def cpu_model() -> str:
@@ -123,3 +115,50 @@ def memory_bandwidth(
             w.join()
         best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best
+
+
+# ---- other processes' load during a measurement -------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    wall_s: float
+    busy_s: float  # CPU time all processes spent, summed over CPUs (/proc/stat)
+    own_s: float  # CPU time this process spent (all its threads)
+
+
+def cpu_sample() -> CpuSample | None:
+    """The machine's and this process's CPU time now; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+    ticks = [int(x) for x in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    t = os.times()
+    return CpuSample(time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system)
+
+
+# Below this, /proc/stat's 10 ms ticks make the figure meaningless.
+MIN_SAMPLE_S = 0.2
+
+
+def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | None:
+    """CPUs' worth of work other processes did between two samples (0.0 on a quiet machine)."""
+    if start is None or end is None or end.wall_s - start.wall_s < MIN_SAMPLE_S:
+        return None
+    others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
+    return max(0.0, others / (end.wall_s - start.wall_s))
+
+
+def busy_machine(background: float | None, n_threads: int) -> bool:
+    """Whether other processes took CPU time llama.cpp's threads needed (they spin-wait, so even
+    a little contention on a fully used machine ruins prefill figures)."""
+    if background is None:
+        return False
+    spare = logical_cpus() - n_threads
+    return background > max(0.25, spare - 0.25)

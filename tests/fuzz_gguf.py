@@ -1,7 +1,8 @@
 """Seeded fuzzing of GGUF headers: every damaged model must end in exit 0 or 1, one short error.
 
-One parent process imports llmrun and llama_cpp once, then forks a child per case (the parent
-runs no computation, so no OpenMP or ggml threads exist at fork time). The cases mutate one
+One parent process imports llmrun and llama_cpp once, then forks a child per case. The parent
+must never have run llama.cpp (OpenMP's worker threads do not survive a fork: a child would
+hang), so run it as its own process, as `tests/test_trust.py` does. The cases mutate one
 copy of the real model in place and put the original bytes back afterwards, so a case costs a
 model load, not a 96 MB copy. Two kinds of cases:
 
@@ -18,14 +19,20 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import struct
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # fmt: skip
+
+
+CASE_TIMEOUT_S = 60.0
+HUNG = 999  # the status of a case whose child had to be killed
 
 
 @dataclass(frozen=True)
@@ -153,8 +160,18 @@ def run_case(
             except BaseException:
                 code = 99
             os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:  # a hang is a failure too
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = HUNG
+                break
+            time.sleep(0.005)
     finally:
         with open(path, "r+b") as f:
             for offset, old in reversed(originals):

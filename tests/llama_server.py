@@ -2,8 +2,8 @@
 
 Same arguments as the server. One change, where it is needed: on CPUs with AMX, llama.cpp's
 weight repacking in llama-cpp-python 0.3.36 crashes on the first batch of more than one token
-(see runners/system.py), and the server has no option to turn it off, so it is turned off here
-the way llmrun's own engine does it.
+(see runners/probe.py), and the server has no option to turn it off, so it is turned off here
+where llmrun's own probe finds it unsafe for the model given with --model.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama
 
-from llmrun.runners.system import repack_is_safe
+from llmrun.runners.gguf import read_gguf
+from llmrun.runners.probe import repack_verdict
 
-if not repack_is_safe():
+_model = sys.argv[sys.argv.index("--model") + 1]
+if not repack_verdict(_model, read_gguf(_model).quantization).safe:
     _default_params = llama_cpp.llama_model_default_params
 
     def _params() -> Any:

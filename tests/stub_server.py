@@ -2,12 +2,15 @@
 
 The model named in a request chooses the behaviour: "stub" streams a reply with usage and
 llama.cpp-style timings; "missing" answers 404, "boom" 500, "malformed" sends a broken line,
-"slow" waits before answering, "cut" drops the connection mid-stream. With an API key set,
-every request without it gets 401. Not a stand-in for llama.cpp: the real server is tested too.
+"slow" waits before answering, "cut" drops the connection mid-stream, "badnumbers" sends strings
+and lists where usage and timings hold numbers, "listusage" sends lists for the objects,
+"nousage" sends neither. With an API key (or Basic credentials) set, every request without
+it gets 401. Not a stand-in for llama.cpp: the real server is tested too.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -21,6 +24,7 @@ WORDS = ["Hello", " from", " the", " stub", " server", "."]
 
 class Handler(BaseHTTPRequestHandler):
     api_key: str | None = None
+    basic: str | None = None  # "user:password"
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: Any) -> None:
@@ -35,6 +39,11 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _authorized(self) -> bool:
+        if self.basic:
+            expected = "Basic " + base64.b64encode(self.basic.encode()).decode()
+            if self.headers.get("Authorization") != expected:
+                self._json(401, {"error": {"message": "Basic auth required", "code": 401}})
+                return False
         if self.api_key and self.headers.get("Authorization") != f"Bearer {self.api_key}":
             self._json(401, {"error": {"message": "Invalid API key", "code": 401}})
             return False
@@ -53,6 +62,8 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length) or b"{}")
         if not self._authorized():
             return
+        if not self.path.endswith(("/chat/completions", "/completions")):
+            return self._json(404, {"error": {"message": f"no route {self.path}"}})
         model = body.get("model")
         if model == "missing":
             return self._json(404, {"error": {"message": "The model `missing` does not exist."}})
@@ -84,13 +95,24 @@ class Handler(BaseHTTPRequestHandler):
             "timings": {"prompt_n": 8, "prompt_ms": 4.0, "predicted_n": len(WORDS),
                         "predicted_ms": 50.0, "cache_n": 4},
         }  # fmt: skip
+        if model == "badnumbers":
+            final["usage"] = {
+                "prompt_tokens": "twelve",
+                "completion_tokens": [6],
+                "total_tokens": None,
+            }
+            final["timings"] = {"prompt_n": "8", "prompt_ms": "fast", "predicted_ms": float("nan")}
+        elif model == "listusage":
+            final["usage"], final["timings"] = [1, 2], []
+        elif model == "nousage":
+            del final["usage"], final["timings"]
         self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
 
 
 @contextmanager
-def stub_server(api_key: str | None = None) -> Iterator[str]:
-    handler = type("KeyedHandler", (Handler,), {"api_key": api_key})
+def stub_server(api_key: str | None = None, basic: str | None = None) -> Iterator[str]:
+    handler = type("KeyedHandler", (Handler,), {"api_key": api_key, "basic": basic})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -1,0 +1,542 @@
+"""Trust at the edges: no crash, no lost result, no false figure, no leaked secret.
+
+Each test stands for a class of hostile input (damaged model files, odd settings from every
+source, signals, broken state files, misbehaving servers, secrets, odd bytes and locales).
+Behaviour that depends on llama.cpp or on the process runs the real model in real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners import probe
+from llmrun.runners.base import PrefillProgress, Request, SamplingParams
+from llmrun.runners.gguf import read_gguf
+from llmrun.runners.history import History
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.stats import GenerationStats
+from llmrun.runners.system import CpuSample, background_cpus
+
+from .conftest import ROOT, free_port, which_llmrun
+from .stub_server import WORDS, stub_server
+
+pytestmark = pytest.mark.model
+
+
+def llmrun(
+    args: list[str],
+    env: dict[str, str],
+    *,
+    stdin: bytes | None = None,
+    timeout: float = 120,
+    shell_suffix: str = "",
+) -> subprocess.CompletedProcess[bytes]:
+    """The installed command in its own process (bytes in, bytes out)."""
+    if shell_suffix:
+        quoted = " ".join(_quote(a) for a in [which_llmrun(), *args])
+        return subprocess.run(["bash", "-c", quoted + " " + shell_suffix], env=env,
+                              input=stdin, capture_output=True, timeout=timeout)  # fmt: skip
+    return subprocess.run([which_llmrun(), *args], env=env, input=stdin if stdin is not None
+                          else b"", capture_output=True, timeout=timeout)  # fmt: skip
+
+
+def _quote(arg: str) -> str:
+    return "'" + arg.replace("'", "'\\''") + "'"
+
+
+def error_lines(stderr: bytes) -> list[str]:
+    text = stderr.decode("utf-8", "replace")
+    assert "Traceback" not in text and "internal error" not in text, text
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def one_error(result: subprocess.CompletedProcess[bytes], code: int = 1) -> str:
+    assert result.returncode == code, result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("llmrun: error:"), lines
+    return lines[0]
+
+
+def patched_model(model_path: str, tmp: Path, edits: list[tuple[bytes, bytes]]) -> str:
+    """A copy of the real model with same-length byte replacements in its header."""
+    dst = tmp / "patched.gguf"
+    shutil.copyfile(model_path, dst)
+    head = dst.read_bytes()[: 8 << 20]
+    with open(dst, "r+b") as f:
+        for old, new in edits:
+            assert len(old) == len(new)
+            f.seek(head.index(old))
+            f.write(new)
+    return str(dst)
+
+
+# ---- 1. the process never dies under the user ----------------------------------------------
+
+
+def test_fuzzed_headers_end_in_exit_0_or_1_with_one_line(llmrun_env: dict[str, str]) -> None:
+    # Its own process: the campaign forks a child per case, which is only safe in a process
+    # that has not run llama.cpp yet (OpenMP's threads do not survive a fork).
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz_gguf", "--cases", "200", "--seed", "2026"],
+        cwd=ROOT, env=llmrun_env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert summary.startswith("200 cases, exit codes {0: ") and ", 1: " in summary, summary
+    assert summary.endswith(", 0 failed"), summary
+
+
+def duplicate_token_model(model_path: str, tmp: Path) -> str:
+    """Two identical vocabulary entries: passes every header check, then GGML_ASSERT fails."""
+    data = Path(model_path).read_bytes()[: 8 << 20]
+    a = data.index(struct.pack("<Q", 5) + b"hello")  # a 5-byte token
+    b = data.index(struct.pack("<Q", 5) + b"world")
+    dst = tmp / "dup.gguf"
+    shutil.copyfile(model_path, dst)
+    with open(dst, "r+b") as f:
+        f.seek(b)
+        f.write(data[a : a + 13])
+    return str(dst)
+
+
+def test_a_llama_cpp_abort_is_one_line_and_exit_1(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    bad = duplicate_token_model(model_path, tmp_path)
+    for args in (["run", "-m", bad, "hi"], ["run", "-m", bad, "--json", "hi"],
+                 ["bench", "-m", bad, "-p", "8", "-n", "0", "-r", "1", "-o", "json"]):  # fmt: skip
+        result = llmrun(args, llmrun_env)
+        assert result.returncode == 1, result.stderr
+        lines = error_lines(result.stderr)
+        assert lines[-1].startswith("llmrun: error: llama.cpp aborted: GGML_ASSERT("), lines
+        assert "gdb" not in result.stderr.decode() and result.stdout == b"", args
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["-t", "100000"], {}, "n_threads 100000 is out of range"),
+        (["-t", "2000000000"], {}, "n_threads 2000000000 is out of range"),
+        ([], {"LLMRUN_THREADS": "5000"}, "n_threads 5000 is out of range"),
+        (["--ctx", "99999999999"], {}, "n_ctx 99999999999 is out of range"),
+        (["--ctx", "16000000"], {}, "of memory is available"),
+        (["-b", "99999999"], {}, "n_batch 99999999 is out of range"),
+        (["--seed", "99999999999"], {}, "seed 99999999999 is out of range"),
+    ],
+)
+def test_out_of_range_settings_never_reach_llama_cpp(
+    args: list[str], env: dict[str, str], needle: str, llmrun_env: dict[str, str]
+) -> None:
+    result = llmrun(["run", "-n", "2", *args, "hi"], {**llmrun_env, **env})
+    assert needle in one_error(result)
+
+
+def test_a_bad_tuned_file_names_itself(model_path: str, llmrun_env: dict[str, str]) -> None:
+    home = Path(llmrun_env["LLMRUN_HOME"])
+    key = f"{os.path.abspath(model_path)}:{os.path.getsize(model_path)}"
+    tuned = home / "config" / "tuned.json"
+    tuned.parent.mkdir(parents=True)
+    for entry in ({"n_threads": 100000}, {"n_batch": "big"}, {"flash_attn": 3}):
+        tuned.write_text(json.dumps({key: entry}))
+        line = one_error(llmrun(["run", "-n", "2", "hi"], llmrun_env))
+        assert str(tuned) in line, line
+
+
+def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
+    verdict = probe.run_probe(model_path, command=crash)
+    assert not verdict.safe and "SIGILL" in verdict.why
+    info = read_gguf(model_path)
+    probe._write_cache(probe.probe_key(info.quantization), verdict)
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, repack=True))
+    try:
+        settings = runner.load().settings
+    finally:
+        runner.close()
+    assert settings.repack is False and "SIGILL" in settings.repack_note
+    # This CPU's real verdict: safe exactly when the probe ran through.
+    real = probe.run_probe(model_path)
+    assert real.safe == (real.why == "probed"), real
+
+
+def test_sigterm_behaves_like_ctrl_c_and_exits_143(llmrun_env: dict[str, str]) -> None:
+    proc = subprocess.Popen(
+        [which_llmrun(), "run", "--raw", "-n", "2000", "--temp", "0", "--no-dashboard",
+         "Count from one to a thousand:"],
+        env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.read(8)  # text is flowing
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 143, err
+    assert len(first + out) > 8 and b"[interrupted]" in err and b"Traceback" not in err
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.1, 0.2, 0.4])
+def test_ctrl_c_during_startup_is_quiet(delay: float, llmrun_env: dict[str, str]) -> None:
+    proc = subprocess.Popen([which_llmrun(), "run", "-n", "2", "hi"], env=llmrun_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert b"Traceback" not in err, err
+    assert proc.returncode in (0, 130), err  # 0 only if it had already finished
+
+
+def test_ctrl_c_stops_a_long_depth_fill_within_a_second(llmrun_env: dict[str, str]) -> None:
+    proc = subprocess.Popen(
+        [which_llmrun(), "bench", "-d", "30000", "-c", "31000", "-p", "1", "-n", "0", "-r", "1",
+         "--no-history", "-o", "json"],
+        env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(8)  # past the start-up and the bandwidth probe: filling 30,000 tokens of depth
+    assert proc.poll() is None
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 3, "Ctrl-C waited for the depth fill"
+    assert proc.returncode == 130 and b"Traceback" not in err, err
+
+
+# ---- 2. no result is ever lost ---------------------------------------------------------------
+
+
+def _damage(kind: str, home: Path) -> None:
+    data = home / "data"
+    db = data / "history.sqlite"
+    data.mkdir(parents=True, exist_ok=True)
+    if kind == "garbage":
+        db.write_bytes(b"this is not a database" * 100)
+    elif kind == "truncated":
+        with History(db) as h:
+            h.store([{"test": "pp8", "avg_ts": 1.0}], kind="bench", model="m", system={})
+        db.write_bytes(db.read_bytes()[:1500])
+    elif kind == "other schema":
+        con = sqlite3.connect(db)
+        con.executescript("CREATE TABLE runs (id INTEGER PRIMARY KEY, time TEXT);"
+                          "CREATE TABLE results (run_id INTEGER, record TEXT);")  # fmt: skip
+        con.commit()
+        con.close()
+    elif kind == "home is a file":
+        shutil.rmtree(home)
+        home.write_text("not a directory")
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "other schema", "read-only",
+                                  "home is a file"])  # fmt: skip
+def test_bench_results_reach_stdout_whatever_the_history(
+    kind: str, llmrun_env: dict[str, str]
+) -> None:
+    home = Path(llmrun_env["LLMRUN_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(llmrun_env)
+    if kind == "read-only":  # a place nobody, root included, can create folders in
+        env["LLMRUN_HOME"] = "/proc/llmrun-home"
+    else:
+        _damage(kind, home)
+    result = llmrun(["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "json"], env)
+    assert result.returncode == 0, result.stderr
+    records = json.loads(result.stdout)
+    assert records and records[0]["n_prompt"] == 8
+    warning = [ln for ln in result.stderr.decode().splitlines() if "llmrun: warning:" in ln]
+    assert len(warning) == 1 and "bench history" in warning[0] and "not stored" in warning[0]
+
+
+def test_history_lists_runs_around_a_damaged_row(tmp_path: Path, cli: CliRunner) -> None:
+    with History() as h:
+        for rate in (10.0, 12.0, 11.0):
+            h.store([{"test": "pp8", "avg_ts": rate, "stddev_ts": 0.1}], kind="bench",
+                    model="m", system={})  # fmt: skip
+        h.db.execute("UPDATE results SET record = '{broken' WHERE run_id = 2")
+        h.db.execute("UPDATE results SET record = '[1, 2]' WHERE run_id = 1")
+        h.db.commit()
+    result = cli.invoke(app, ["history"])
+    assert result.exit_code == 0, result.stderr
+    assert "run 3" in result.stdout and "run 2" in result.stdout
+
+
+def test_concurrent_writers_wait_for_the_lock(tmp_path: Path) -> None:
+    db = tmp_path / "h.sqlite"
+    History(db).close()
+    holder = sqlite3.connect(db, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    threading.Timer(1.0, holder.commit).start()
+    with History(db) as h:
+        run_id = h.store([{"test": "tg8", "avg_ts": 5.0}], kind="bench", model="m", system={})
+    assert run_id == 1
+    holder.close()
+
+
+def test_bad_jsonl_lines_are_named_and_the_good_ones_answered(
+    fake: object, cli: CliRunner, tmp_path: Path
+) -> None:
+    lines = [
+        '{"prompt": "one two"}',
+        '{"prompt": "x", "stop": 5}',
+        '{"prompt": "x", "stop": [1, 2]}',
+        '{"prompt": "x", "system": 5}',
+        '{"prompt": "x", "temperature": -1}',
+        '{"prompt": "x", "max_tokens": -3}',
+        '{"prompt": "x", "top_p": 7}',
+        '{"prompt": "x", "seed": 1e30}',
+        '{"prompt": "three four"}',
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = cli.invoke(app, ["run", "--jsonl", str(path), "-q"])
+    assert result.exit_code == 1
+    assert "two" in result.stdout and "four" in result.stdout
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: error:")]
+    assert [e.split(":")[3] for e in errors] == [str(n) for n in range(2, 9)], errors
+
+
+@pytest.mark.parametrize("model", ["badnumbers", "listusage", "nousage"])
+def test_a_server_with_garbage_figures_keeps_text_and_stats(
+    model: str, cli: CliRunner, home: Path
+) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", model, "--stats", "json"])
+        bench = cli.invoke(app, ["bench", "--endpoint", url, "-m", model, "--num-prompts", "2",
+                                 "--concurrency", "1", "-o", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "".join(WORDS) + "\n"
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert stats["output_tokens"] == len(WORDS)
+    assert stats["output_counted_as"] == "chunks"  # no trustworthy usage: chunks, said so
+    assert stats["prompt_tps"] is None  # no trustworthy server prefill time, so no rate
+    assert bench.exit_code == 0, bench.stderr
+    level = json.loads(bench.stdout)[0]
+    assert level["completed"] == 2 and level["failed"] == 0
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+# ---- 3. no figure is false ---------------------------------------------------------------
+
+
+def test_an_interrupted_prefill_rates_only_what_it_evaluated(model_path: str) -> None:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, n_batch=64, n_ubatch=64))
+    cancel = threading.Event()
+    prompt = " ".join(f"word{i}" for i in range(400))
+    finished = None
+    try:
+        for event in runner.stream(Request(prompt=prompt, sampling=SamplingParams(max_tokens=4)),
+                                   cancel=cancel):  # fmt: skip
+            if isinstance(event, PrefillProgress) and event.done_tokens >= 64:
+                cancel.set()
+            finished = event
+    finally:
+        runner.close()
+    s: GenerationStats = finished.stats  # type: ignore[union-attr]
+    assert s.interrupted and s.new_prompt_tokens > 500
+    assert s.prefilled_tokens == 64
+    assert s.prompt_tps == pytest.approx(64 / s.prefill_s)
+    assert s.ttft_s is None and s.output_tokens == 0
+
+
+def test_bench_refuses_negative_and_endless_sizes(cli: CliRunner) -> None:
+    for args in (["-p", "-5"], ["-n", "-1"], ["-d", "-3"], ["-p", "1-100000000+1"]):
+        result = cli.invoke(app, ["bench", *args, "-r", "1"])
+        assert result.exit_code == 1, args
+        assert "out of range" in result.stderr or "more than" in result.stderr
+
+
+def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "hi", "--endpoint", url, "--stats", "json"])
+        plain = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", "nousage",
+                                 "--no-dashboard"])  # fmt: skip
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert stats["prefill_s"] == pytest.approx(0.004)
+    assert stats["prompt_tps"] == pytest.approx(8 / 0.004)
+    assert stats["ttft_s"] == stats["first_token_s"] > stats["prefill_s"]
+    assert "output   6 chunks" in plain.stderr
+
+
+def test_other_processes_load_is_measured_and_warned(llmrun_env: dict[str, str]) -> None:
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 2)]  # fmt: skip
+    try:
+        time.sleep(0.3)
+        result = llmrun(["run", "--raw", "-n", "60", "--temp", "0", "-t", "1", "--no-dashboard",
+                         "Count:"], llmrun_env)  # fmt: skip
+    finally:
+        for p in spinners:
+            p.kill()
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    assert "warning  other processes kept" in err and "unreliable" in err
+
+
+def test_background_cpus_and_the_busy_verdict() -> None:
+    a, b = CpuSample(0.0, 100.0, 10.0), CpuSample(1.0, 102.5, 11.0)
+    assert background_cpus(a, b) == pytest.approx(1.5)
+    assert background_cpus(a, CpuSample(0.1, 100.0, 10.0)) is None  # too short to tell
+    from llmrun.runners.history import Change
+
+    quiet = {"test": "pp8", "avg_ts": 100.0, "stddev_ts": 1.0, "n_threads": 2,
+             "background_cpus": 0.0}  # fmt: skip
+    busy = {**quiet, "avg_ts": 24.0, "background_cpus": 1.5}
+    assert Change("pp8", busy, quiet, 1).verdict == "noise (busy machine)"
+    assert Change("pp8", {**quiet, "avg_ts": 24.0}, quiet, 1).verdict == "regression"
+
+
+# ---- 4. no secret leaks ------------------------------------------------------------------
+
+
+def test_a_url_password_is_never_written(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
+    secret = "s3cret-PW"
+    with stub_server(basic=f"alice:{secret}") as url:
+        endpoint = url.replace("http://", f"http://alice:{secret}@")
+        stats_file = tmp_path / "stats.jsonl"
+        outputs = [
+            llmrun(["run", "hi", "--endpoint", endpoint, "--stats", "json",
+                    "--stats-file", str(stats_file)], llmrun_env),
+            llmrun(["run", "hi", "--endpoint", endpoint, "--json"], llmrun_env),
+            llmrun(["run", "hi", "--endpoint", endpoint, "--no-dashboard"], llmrun_env),
+            llmrun(["chat", "--endpoint", endpoint], llmrun_env,
+                   stdin=f"hi\n/save {tmp_path / 't.md'}\n/save {tmp_path / 't.json'}\n".encode()),
+            llmrun(["bench", "--endpoint", endpoint, "--num-prompts", "2", "-o", "json"],
+                   llmrun_env),
+            llmrun(["bench", "--endpoint", endpoint, "--num-prompts", "1", "--interference",
+                    "--input-len", "8", "--output-len", "4"], llmrun_env),
+        ]  # fmt: skip
+        wrong = llmrun(["run", "hi", "--endpoint", url.replace("http://", "http://alice:nope@")],
+                       llmrun_env)  # fmt: skip
+    closed = f"http://alice:{secret}@127.0.0.1:{free_port()}"
+    outputs.append(llmrun(["run", "hi", "--endpoint", closed], llmrun_env))
+    assert outputs[0].returncode == 0 and b"Hello from" in outputs[2].stdout, outputs[0].stderr
+    assert wrong.returncode == 1 and b"401" in wrong.stderr
+    for result in [*outputs, wrong]:
+        assert secret.encode() not in result.stdout + result.stderr
+    home = Path(llmrun_env["LLMRUN_HOME"])
+    for path in [stats_file, tmp_path / "t.md", tmp_path / "t.json", *home.rglob("*")]:
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    assert b"***@" in outputs[-1].stderr
+
+
+def test_api_key_wins_over_url_credentials(cli: CliRunner) -> None:
+    with stub_server(api_key="the-key") as url:
+        endpoint = url.replace("http://", "http://alice:pw@")
+        result = cli.invoke(app, ["run", "hi", "--endpoint", endpoint, "--api-key", "the-key"])
+    assert result.exit_code == 0, result.stderr
+
+
+# ---- 5. every error is the one-line kind -------------------------------------------------
+
+
+def _gguf(tmp: Path, kvs: bytes, n_kv: int) -> str:
+    path = tmp / "crafted.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n_kv) + kvs + b"\0" * 64)
+    return str(path)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def test_crafted_headers_are_one_line_errors(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
+    string_alignment = _gguf(tmp_path, _key("general.alignment") + struct.pack("<I", 8)
+                             + _key("thirty-two"), 1)  # fmt: skip
+    nested = _key("deep") + struct.pack("<I", 9) + (struct.pack("<IQ", 9, 1)) * 2000
+    deep = str(tmp_path / "deep.gguf")
+    Path(deep).write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + nested + b"\0" * 64)
+    for path, needle in ((string_alignment, "general.alignment"), (deep, "nested too deep")):
+        assert needle in one_error(llmrun(["run", "-m", path, "hi"], llmrun_env))
+
+
+def test_llama_cpp_gives_its_own_reason(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    bad = patched_model(
+        model_path,
+        tmp_path,
+        [(b"\x04\x00\x00\x00\x00\x00\x00\x00gpt2", b"\x04\x00\x00\x00\x00\x00\x00\x00gpt3")],
+    )
+    line = one_error(llmrun(["run", "-m", bad, "hi"], llmrun_env))
+    assert "unknown tokenizer: 'gpt3'" in line, line
+
+
+def test_a_broken_chat_template_is_one_line(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    bad = patched_model(
+        model_path, tmp_path, [(b"{% for message in messages %}", b"{{ for message in messages %}")]
+    )
+    for args, stdin in ((["run", "-m", bad, "hi"], b""), (["chat", "-m", bad], b"hi\n")):
+        line = one_error(llmrun(args, llmrun_env, stdin=stdin))
+        assert "chat template fails" in line and "--raw" in line
+    raw = llmrun(["run", "-m", bad, "--raw", "-n", "2", "hi"], llmrun_env)
+    assert raw.returncode == 0
+
+
+@pytest.mark.parametrize(("args", "code"), [
+    (["--endpoint", "http://[::1"], 1),
+    (["--endpoint", "http://h:1 x"], 1),
+    (["--endpoint", "ftp://host"], 1),
+    (["--endpoint", "http://127.0.0.1:1", "--timeout", "inf"], 2),
+    (["--endpoint", "http://127.0.0.1:1", "--timeout", "nan"], 2),
+])  # fmt: skip
+def test_odd_endpoints_and_timeouts(args: list[str], code: int, cli: CliRunner) -> None:
+    result = cli.invoke(app, ["run", "hi", *args])
+    assert result.exit_code == code, result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_full_disk_on_stdout_is_one_line(llmrun_env: dict[str, str]) -> None:
+    for args in (["run", "--raw", "-n", "3", "hi"], ["run", "--json", "-n", "3", "hi"],
+                 ["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "json"]):  # fmt: skip
+        result = llmrun(args, llmrun_env, shell_suffix="> /dev/full")
+        assert result.returncode == 1, result.stderr
+        last = error_lines(result.stderr)[-1]
+        assert last == "llmrun: error: No space left on device (writing the output)"
+
+
+@pytest.mark.parametrize("locale", ["C", "C.UTF-8", "en_US.UTF-8"])
+def test_invalid_utf8_on_stdin_is_replaced_with_a_warning(
+    locale: str, llmrun_env: dict[str, str]
+) -> None:
+    env = {**llmrun_env, "LANG": locale, "LC_ALL": locale}
+    for args in (["run", "--raw", "-n", "3", "--temp", "0", "-q"], ["chat", "-n", "3"]):
+        result = llmrun(args, env, stdin=b"Gr\xff\xfe \xc3 hi\n")
+        assert result.returncode == 0, result.stderr
+        lines = error_lines(result.stderr)
+        warnings = [ln for ln in lines if "not valid UTF-8" in ln]
+        assert len(warnings) == 1 and "U+FFFD" in warnings[0], lines
+
+
+def test_with_stderr_closed_nothing_lands_on_stdout(llmrun_env: dict[str, str]) -> None:
+    for args in (["run", "-m", "/no/such/model.gguf", "hi"], ["run", "-t", "100000", "hi"],
+                 ["run", "--raw", "-n", "3", "--temp", "0", "hi"]):  # fmt: skip
+        result = llmrun(args, llmrun_env, shell_suffix="2>&-")
+        assert b"llmrun:" not in result.stdout and b"prompt" not in result.stdout, result.stdout
+
+
+def test_a_hub_reference_without_network_fails_fast(llmrun_env: dict[str, str]) -> None:
+    env = {**llmrun_env, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env.pop("HF_HUB_OFFLINE")
+    for ref in ("owner/repo:Q4_K_M", "owner/repo/file.Q4_K_M.gguf"):
+        started = time.monotonic()
+        line = one_error(llmrun(["run", "-m", ref, "hi"], env))
+        assert time.monotonic() - started < 8
+        assert "Hugging Face Hub" in line or "cannot be reached" in line, line
