@@ -35,7 +35,7 @@ def main() -> int:
     print(f"model {loaded.model.name} · {loaded.settings.n_threads} threads", file=sys.stderr)
     tokens = tuple(1000 + (i * 7919) % 20000 for i in range(args.prompt))
     sampling = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
-    request = Request(prompt_tokens=tokens, sampling=sampling, keep_cache=False)
+    request = Request(token_ids=tokens, sampling=sampling, keep_cache=False)
     generate(runner, request)  # warm-up
     prefill, step_vs_eval, step_vs_eval_sample = [], [], []
     for _ in range(args.reps):

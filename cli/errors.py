@@ -25,6 +25,7 @@ from llmrun.runners.errors import (
     HubError,
     InvalidModelFileError,
     LlmrunError,
+    LoadCancelledError,
     ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -116,6 +117,9 @@ def handled() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
+    except LoadCancelledError:
+        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except LlmrunError as e:
         if debug():
             raise

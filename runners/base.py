@@ -41,12 +41,12 @@ class SamplingParams:
 class Request:
     """One generation: chat messages rendered with the model's template, or a raw prompt.
 
-    `prompt_tokens`, when given, is fed to the engine as is (benchmarks use random tokens).
+    `token_ids`, when given, are fed to the engine as is (benchmarks use random tokens).
     """
 
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
-    prompt_tokens: tuple[int, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     keep_cache: bool = True  # reuse the KV cache of a shared prefix with the previous request
 

@@ -392,7 +392,7 @@ def _one_run(
     else:
         max_tokens = shape.n_gen
     request = Request(
-        prompt_tokens=tuple(depth + prompt),
+        token_ids=tuple(depth + prompt),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         keep_cache=True,
     )

@@ -35,6 +35,14 @@ class ModelLoadError(LlmrunError):
         self.detail = detail
 
 
+class LoadCancelledError(LlmrunError):
+    """Ctrl-C (or SIGTERM) while the weights were loading."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"loading {path} was interrupted")
+        self.path = path
+
+
 class HubError(LlmrunError):
     """A Hugging Face Hub reference could not be resolved to a local file."""
 

@@ -24,8 +24,8 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from .errors import (
     EmptyPromptError,
     EngineAbortError,
     EngineError,
+    LoadCancelledError,
     ModelLoadError,
     PromptTooLongError,
 )
@@ -57,6 +58,7 @@ from .stats import (
     EngineSettings,
     GenerationStats,
     ModelInfo,
+    PausedClock,
 )
 from .system import background_cpus, cpu_sample, physical_cores
 from .text import TextStream
@@ -200,6 +202,22 @@ class EngineConfig:
         return (self.n_gpu_layers, self.repack) == (other.n_gpu_layers, other.repack)
 
 
+@dataclass
+class _Prefilled:
+    seconds: float = 0.0  # completed chunks only
+    evaluated: int = 0
+    aborted: bool = False
+
+
+@dataclass
+class _Decoded:
+    finish: str = FINISH_STOP
+    times: list[float] = field(default_factory=list)  # each output token's time stamp
+    first_sample_s: float = 0.0
+    text: str = ""
+    tail: str = ""  # text held back until the end
+
+
 class LlamaCppRunner:
     """Runs requests on one loaded GGUF model, keeping its KV cache between requests."""
 
@@ -259,9 +277,15 @@ class LlamaCppRunner:
         mparams.n_gpu_layers = 0x7FFFFFFF if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
         self._repack, self._repack_note = self._choose_repack(info)
         mparams.use_extra_bufts = self._repack
+        # Called as the tensors load: returning False stops a long load at Ctrl-C.
+        cancel = self._cancel
+        progress = lib.llama_progress_callback(lambda _p, _data: not cancel.is_set())
+        mparams.progress_callback = progress
         LOG_LINES.clear()
         model = lib.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
+            if cancel.is_set():
+                raise LoadCancelledError(self.model_path)
             raise ModelLoadError(self.model_path, last_log_error())
         self._model, self._info = model, info
         self._vocab = lib.llama_model_get_vocab(model)
@@ -427,10 +451,10 @@ class LlamaCppRunner:
         eos = self.piece(lib.llama_vocab_eos(self._vocab), special=True).decode(errors="replace")
         return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
 
-    def prompt_tokens(self, request: Request) -> list[int]:
+    def request_tokens(self, request: Request) -> list[int]:
         self.load()
-        if request.prompt_tokens is not None:
-            return list(request.prompt_tokens)
+        if request.token_ids is not None:
+            return list(request.token_ids)
         text = self.render(request)
         if not text.strip():
             raise EmptyPromptError()
@@ -438,7 +462,7 @@ class LlamaCppRunner:
         return self.tokenize(text, add_special=request.prompt is not None)
 
     def count_tokens(self, request: Request) -> int:
-        return len(self.prompt_tokens(request))
+        return len(self.request_tokens(request))
 
     # ---- cache -------------------------------------------------------------------------
 
@@ -463,13 +487,17 @@ class LlamaCppRunner:
     # ---- generation --------------------------------------------------------------------
 
     def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        cancel = cancel or threading.Event()
         if self._loaded is None:
+            self._cancel = cancel  # a load stops at the next tensor when it is set
             yield LoadStarted(self.model_path)
             yield self.load()
-        yield from self._generate(request, cancel or threading.Event())
+        yield from self._generate(request, cancel)
 
-    def _sampler(self, sp: SamplingParams, seed: int) -> Any:
-        lib = _lib
+    def _sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Any:
+        """A C sampler chain for these settings; the repeat penalty sees the prompt, as in
+        llama-cli."""
+        lib = llama_lib()
         params = lib.llama_sampler_chain_default_params()
         params.no_perf = False
         chain = lib.llama_sampler_chain_init(params)
@@ -480,6 +508,8 @@ class LlamaCppRunner:
                 n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
             )
             add(chain, penalties)
+            for prompt_token in prompt[-sp.repeat_last_n :] if sp.repeat_last_n > 0 else ():
+                lib.llama_sampler_accept(chain, prompt_token)
         if sp.temperature <= 0:
             add(chain, lib.llama_sampler_init_greedy())
             return chain
@@ -494,121 +524,37 @@ class LlamaCppRunner:
         return chain
 
     def _generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
-        lib = _lib
+        """Prefill, then decode, then the stats; the three steps below do the work."""
+        lib = llama_lib()
         loaded = self.load()
-        ctx, vocab = self._ctx, self._vocab
-        n_ctx, n_batch = loaded.settings.n_ctx, loaded.settings.n_batch
-        sp = request.sampling
-        wall0 = time.perf_counter()
-        paused = 0.0  # time the consumer spent between our yields
-
-        def now() -> float:
-            return time.perf_counter() - wall0 - paused
-
-        lib.llama_perf_context_reset(ctx)
+        clock = PausedClock()
+        lib.llama_perf_context_reset(self._ctx)
         cpu0 = cpu_sample()
-        tokens = self.prompt_tokens(request)
-        if len(tokens) + 1 > n_ctx:
-            raise PromptTooLongError(len(tokens), n_ctx)
-        reused = 0
-        if request.keep_cache:
-            limit = min(len(tokens) - 1, len(self._cache))  # at least one token must be evaluated
-            while reused < limit and self._cache[reused] == tokens[reused]:
-                reused += 1
-        reused = self._truncate_cache(reused)
-        t_tok = now()
-
+        tokens = self.request_tokens(request)
+        if len(tokens) + 1 > loaded.settings.n_ctx:
+            raise PromptTooLongError(len(tokens), loaded.settings.n_ctx)
+        reused = self._reuse_prefix(tokens) if request.keep_cache else self._truncate_cache(0)
+        t_tok = clock.now()
+        sp = request.sampling
         seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
-        chain = self._sampler(sp, seed)
-        if sp.repeat_penalty != 1.0 and sp.repeat_last_n > 0:
-            for prompt_token in tokens[-sp.repeat_last_n :]:  # as llama-cli, the prompt counts
-                lib.llama_sampler_accept(chain, prompt_token)
-        finish = FINISH_STOP
-        prefill_s = first_sample_s = 0.0
-        times: list[float] = []
-        text_parts: list[str] = []
-        text = TextStream(sp.stop)
+        chain = self._sampler(sp, seed, prompt=tokens)
         try:
-            # -- prefill, chunk by chunk --
-            new = tokens[reused:]
-            arr = (lib.llama_token * len(new))(*new)
-            t = time.perf_counter()
-            yield PrefillProgress(reused, len(tokens), reused, 0.0)
-            paused += time.perf_counter() - t
-            self._cancel = cancel
-            lib.llama_set_abort_callback(ctx, self._abort_cb, None)
-            aborted = False
-            try:
-                for off in range(0, len(new), n_batch):
-                    if cancel.is_set():
-                        aborted = True
-                        break
-                    n = min(n_batch, len(new) - off)
-                    t_chunk = time.perf_counter()
-                    rc = self._decode_slice(arr, off, n)
-                    lib.llama_synchronize(ctx)
-                    if rc == 2 or (rc != 0 and cancel.is_set()):
-                        aborted = True  # this chunk's time and tokens count nowhere
-                        break
-                    prefill_s += time.perf_counter() - t_chunk
-                    if rc != 0:
-                        raise EngineError(f"llama_decode failed during prefill (code {rc})")
-                    self._cache.extend(new[off : off + n])
-                    t = time.perf_counter()
-                    yield PrefillProgress(reused + off + n, len(tokens), reused, prefill_s)
-                    paused += time.perf_counter() - t
-            finally:
-                lib.llama_set_abort_callback(ctx, lib.ggml_abort_callback(), None)
-            if aborted:
-                finish = FINISH_INTERRUPTED
-            else:
-                # -- first token, then decode one token at a time --
-                t_sample = time.perf_counter()
-                token = lib.llama_sampler_sample(chain, ctx, -1)
-                first_sample_s = time.perf_counter() - t_sample
-                one = (lib.llama_token * 1)()
-                batch_one = lib.llama_batch_get_one(one, 1)
-                while True:
-                    stamp = now()
-                    if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
-                        finish = FINISH_STOP
-                        break
-                    times.append(stamp)
-                    piece = text.feed(self.piece(token))
-                    text_parts.append(piece)
-                    t = time.perf_counter()
-                    yield Token(len(times) - 1, piece, stamp, token)
-                    paused += time.perf_counter() - t
-                    if text.stopped:
-                        finish = FINISH_STOP
-                        break
-                    if len(times) >= sp.max_tokens or len(self._cache) >= n_ctx:
-                        finish = FINISH_LENGTH
-                        break
-                    if cancel.is_set():
-                        finish = FINISH_INTERRUPTED
-                        break
-                    one[0] = token
-                    rc = lib.llama_decode(ctx, batch_one)
-                    if rc != 0:
-                        raise EngineError(f"llama_decode failed during generation (code {rc})")
-                    self._cache.append(token)
-                    token = lib.llama_sampler_sample(chain, ctx, -1)
-            tail = text.flush()
-            text_parts.append(tail)
-            e2e = time.perf_counter() - wall0
-            perf = lib.llama_perf_context(ctx)
+            prefill = yield from self._prefill(tokens, reused, cancel, clock)
+            decode = _Decoded()
+            if not prefill.aborted:
+                decode = yield from self._decode(chain, sp, cancel, clock)
+            perf = lib.llama_perf_context(self._ctx)
             sperf = lib.llama_perf_sampler(chain)
             stats = GenerationStats(
-                finish_reason=finish,
+                finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
                 prompt_tokens=len(tokens),
                 reused_tokens=reused,
-                output_tokens=len(times),
+                output_tokens=len(decode.times),
                 template_tokenize_s=t_tok,
-                prefill_s=prefill_s,
-                first_sample_s=first_sample_s,
-                itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
-                e2e_s=e2e,
+                prefill_s=prefill.seconds,
+                first_sample_s=decode.first_sample_s,
+                itl_s=tuple(b - a for a, b in itertools.pairwise(decode.times)),
+                e2e_s=clock.wall(),
                 load_s=loaded.load_s,
                 engine_prompt_eval_ms=float(perf.t_p_eval_ms),
                 engine_eval_ms=float(perf.t_eval_ms),
@@ -617,16 +563,104 @@ class LlamaCppRunner:
                 engine_sample_ms=float(sperf.t_sample_ms),
                 engine_n_sample=int(sperf.n_sample),
                 seed=seed if sp.temperature > 0 else None,
-                prefilled_tokens=len(self._cache) - reused if aborted else None,
+                prefilled_tokens=prefill.evaluated if prefill.aborted else None,
                 background_cpus=background_cpus(cpu0, cpu_sample()),
                 model=loaded.model,
                 settings=loaded.settings,
             )
-            yield Finished(stats=stats, text="".join(text_parts), tail=tail)
+            yield Finished(stats=stats, text=decode.text, tail=decode.tail)
         finally:
             lib.llama_sampler_free(chain)
             # KV entries beyond what we recorded (an aborted chunk) must not survive.
             self._truncate_cache(len(self._cache))
+
+    def _reuse_prefix(self, tokens: list[int]) -> int:
+        """Keep the cached KV entries of the prompt's longest cached prefix (at least one token
+        is always evaluated, for the logits); returns how many were kept."""
+        limit = min(len(tokens) - 1, len(self._cache))
+        n = 0
+        while n < limit and self._cache[n] == tokens[n]:
+            n += 1
+        return self._truncate_cache(n)
+
+    def _prefill(
+        self, tokens: list[int], reused: int, cancel: threading.Event, clock: PausedClock
+    ) -> Generator[Event, None, _Prefilled]:
+        """llama_decode per chunk of n_batch new tokens, each timed up to a synchronize."""
+        lib = llama_lib()
+        n_batch = self.load().settings.n_batch
+        new = tokens[reused:]
+        arr = (lib.llama_token * len(new))(*new)
+        done = _Prefilled()
+        with clock.paused():
+            yield PrefillProgress(reused, len(tokens), reused, 0.0)
+        self._cancel = cancel
+        lib.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        try:
+            for off in range(0, len(new), n_batch):
+                if cancel.is_set():
+                    done.aborted = True
+                    break
+                n = min(n_batch, len(new) - off)
+                t_chunk = time.perf_counter()
+                rc = self._decode_slice(arr, off, n)
+                lib.llama_synchronize(self._ctx)
+                if rc == 2 or (rc != 0 and cancel.is_set()):
+                    done.aborted = True  # this chunk's time and tokens count nowhere
+                    break
+                if rc != 0:
+                    raise EngineError(f"llama_decode failed during prefill (code {rc})")
+                done.seconds += time.perf_counter() - t_chunk
+                done.evaluated += n
+                self._cache.extend(new[off : off + n])
+                with clock.paused():
+                    yield PrefillProgress(reused + off + n, len(tokens), reused, done.seconds)
+        finally:
+            lib.llama_set_abort_callback(self._ctx, lib.ggml_abort_callback(), None)
+        return done
+
+    def _decode(
+        self, chain: Any, sp: SamplingParams, cancel: threading.Event, clock: PausedClock
+    ) -> Generator[Event, None, _Decoded]:
+        """The first token from the prefill's logits, then one llama_decode per token."""
+        lib = llama_lib()
+        n_ctx = self.load().settings.n_ctx
+        out = _Decoded()
+        text = TextStream(sp.stop)
+        parts: list[str] = []
+        t_sample = time.perf_counter()
+        token = lib.llama_sampler_sample(chain, self._ctx, -1)
+        out.first_sample_s = time.perf_counter() - t_sample
+        one = (lib.llama_token * 1)()
+        batch_one = lib.llama_batch_get_one(one, 1)
+        while True:
+            stamp = clock.now()
+            if not sp.ignore_eos and lib.llama_vocab_is_eog(self._vocab, token):
+                out.finish = FINISH_STOP
+                break
+            out.times.append(stamp)
+            piece = text.feed(self.piece(token))
+            parts.append(piece)
+            with clock.paused():
+                yield Token(len(out.times) - 1, piece, stamp, token)
+            if text.stopped:
+                out.finish = FINISH_STOP
+                break
+            if len(out.times) >= sp.max_tokens or len(self._cache) >= n_ctx:
+                out.finish = FINISH_LENGTH
+                break
+            if cancel.is_set():
+                out.finish = FINISH_INTERRUPTED
+                break
+            one[0] = token
+            rc = lib.llama_decode(self._ctx, batch_one)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed during generation (code {rc})")
+            self._cache.append(token)
+            token = lib.llama_sampler_sample(chain, self._ctx, -1)
+        out.tail = text.flush()
+        out.text = "".join(parts) + out.tail
+        return out
 
     def _decode_slice(self, arr: Any, off: int, n: int) -> int:
         """llama_decode of tokens arr[off:off + n], without copying them."""

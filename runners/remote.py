@@ -305,8 +305,8 @@ def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
         body["stop"] = list(sp.stop)
     if sp.ignore_eos:
         body["ignore_eos"] = True
-    if request.prompt_tokens is not None:
-        return "/completions", {**body, "prompt": list(request.prompt_tokens)}
+    if request.token_ids is not None:
+        return "/completions", {**body, "prompt": list(request.token_ids)}
     if request.prompt is not None:
         return "/completions", {**body, "prompt": request.prompt}
     messages = [{"role": m.role, "content": m.content} for m in request.messages]
@@ -407,8 +407,8 @@ class OpenAIRunner:
     def count_tokens(self, request: Request) -> int:
         """The prompt's tokens by the server's tokenizer where it offers one (estimate: words)."""
         self.load()
-        if request.prompt_tokens is not None:
-            return len(request.prompt_tokens)
+        if request.token_ids is not None:
+            return len(request.token_ids)
         text = (
             request.prompt
             if request.prompt is not None

@@ -6,8 +6,10 @@ them, so no figure is kept twice.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -214,3 +216,29 @@ class Aggregate:
             values = [v for s in stats if (v := getattr(s, name)) is not None]
             figures[name] = {"p50": percentile(values, 50), "p90": percentile(values, 90)}
         return cls(count=len(stats), figures=figures)
+
+
+class PausedClock:
+    """Seconds since a request started, not counting the time its consumer held an event.
+
+    A runner yields inside `with clock.paused():`; whatever the consumer does before asking for
+    the next event (printing, drawing) is left out of `now()` and so out of every phase figure,
+    while `wall()` keeps the whole wall time (e2e)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.paused_s = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start - self.paused_s
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t

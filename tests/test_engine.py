@@ -122,7 +122,7 @@ def test_stop_string(runner: LlamaCppRunner) -> None:
 
 def test_max_tokens_and_ignore_eos(runner: LlamaCppRunner) -> None:
     sp = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
-    result = generate(runner, Request(prompt_tokens=tuple(range(500, 540)), sampling=sp))
+    result = generate(runner, Request(token_ids=tuple(range(500, 540)), sampling=sp))
     assert result.stats.output_tokens == 7 and result.stats.finish_reason == "length"
 
 
@@ -152,13 +152,13 @@ def test_cancel_during_prefill_aborts_the_chunk(model_path: str) -> None:
         timer = threading.Timer(0.3, cancel.set)  # long before a 1024-token chunk finishes
         timer.start()
         tokens = tuple(range(1000, 2900))
-        result = generate(r, Request(prompt_tokens=tokens, sampling=GREEDY), cancel=cancel)
+        result = generate(r, Request(token_ids=tokens, sampling=GREEDY), cancel=cancel)
         timer.cancel()
         s = result.stats
         assert s.finish_reason == "interrupted" and s.output_tokens == 0
         assert s.prefill_s < 2.0  # stopped inside the first chunk, not after both
         assert r.cached_tokens == 0
-        ok = generate(r, Request(prompt_tokens=tokens[:50], sampling=GREEDY))
+        ok = generate(r, Request(token_ids=tokens[:50], sampling=GREEDY))
         assert ok.stats.reused_tokens == 0 and ok.stats.output_tokens > 0
 
 

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners import probe
 from llmrun.runners.base import PrefillProgress, Request, SamplingParams
+from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
@@ -212,6 +213,20 @@ def test_ctrl_c_stops_a_long_depth_fill_within_a_second(llmrun_env: dict[str, st
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - sent < 3, "Ctrl-C waited for the depth fill"
     assert proc.returncode == 130 and b"Traceback" not in err, err
+
+
+def test_ctrl_c_stops_a_model_load_at_the_next_tensor(model_path: str) -> None:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256))
+    cancel = threading.Event()
+    cancel.set()  # as if Ctrl-C came while the weights were loading
+    try:
+        with pytest.raises(LoadCancelledError):
+            list(runner.stream(Request(prompt="hi"), cancel=cancel))
+        assert runner.loaded is None
+        finished = list(runner.stream(Request(prompt="hi", sampling=SamplingParams(max_tokens=2))))
+        assert finished[-1].stats.output_tokens == 2  # type: ignore[union-attr]
+    finally:
+        runner.close()
 
 
 # ---- 2. no result is ever lost ---------------------------------------------------------------
