@@ -19,7 +19,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from llmrun.runners import bench as b
-from llmrun.runners import tuning
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import History
 from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner
@@ -37,7 +36,6 @@ from .report import secs
 from .session import ctrl_c_cancels
 
 PANEL = "Tests (llama-bench's)"
-TUNE_SHAPES = tuning.SHAPES  # tests shrink these
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 SERVING = "Serving benchmark (with --endpoint)"
 
@@ -148,7 +146,7 @@ def tune(
     runner: LlamaCppRunner, base: EngineConfig, err: Console, cancel: threading.Event
 ) -> dict[str, Any] | None:
     """Run the tuning search and show every setting it tried."""
-    found = search(runner, base, shapes=TUNE_SHAPES, cancel=cancel,
+    found = search(runner, base, cancel=cancel,
                    on_stage=lambda name: err.print(f"tuning {name} ..."))  # fmt: skip
     if found is None:
         return None

@@ -218,6 +218,54 @@ class _Decoded:
     tail: str = ""  # text held back until the end
 
 
+class _Model:
+    """A loaded llama_model and its vocabulary; `close` frees it once (as llama-cpp-python's
+    _internals.LlamaModel does)."""
+
+    def __init__(self, lib: Any, ptr: Any) -> None:
+        self.lib, self.ptr = lib, ptr
+        self.vocab = lib.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def to_tokens(self, text: str, *, add_special: bool) -> list[int]:
+        lib, data = self.lib, text.encode("utf-8")
+        n_max = len(data) + 8
+        for _ in range(2):
+            buf = (lib.llama_token * n_max)()
+            n = lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n
+        raise EngineError("tokenization failed")
+
+    def to_piece(self, token: int, *, special: bool = False) -> bytes:
+        lib = self.lib
+        n = lib.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = lib.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.lib.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class _Context:
+    """A llama_context on a model; `close` frees it once."""
+
+    def __init__(self, lib: Any, ptr: Any) -> None:
+        self.lib, self.ptr = lib, ptr
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.lib.llama_free(self.ptr)
+            self.ptr = None
+
+
 class LlamaCppRunner:
     """Runs requests on one loaded GGUF model, keeping its KV cache between requests."""
 
@@ -225,14 +273,12 @@ class LlamaCppRunner:
         self.model_path = model_path
         self.config = config or EngineConfig()
         check_engine(self.config)
-        self._model: Any = None
-        self._ctx: Any = None
-        self._vocab: Any = None
+        self._model: _Model | None = None
+        self._ctx: _Context | None = None
         self._info: GGUFInfo | None = None
         self._loaded: ModelLoaded | None = None
         self._formatter: Any = None
         self._cache: list[int] = []  # tokens whose KV entries are in the context (sequence 0)
-        self._piece_buf = ctypes.create_string_buffer(256)
         self._cancel = threading.Event()  # the running request's; read by the abort callback
         self._abort_cb: Any = None
         self._repack = False
@@ -287,8 +333,7 @@ class LlamaCppRunner:
             if cancel.is_set():
                 raise LoadCancelledError(self.model_path)
             raise ModelLoadError(self.model_path, last_log_error())
-        self._model, self._info = model, info
-        self._vocab = lib.llama_model_get_vocab(model)
+        self._model, self._info = _Model(lib, model), info
         self._weights_s = time.perf_counter() - t0
 
     def _choose_repack(self, info: GGUFInfo) -> tuple[bool, str]:
@@ -304,8 +349,9 @@ class LlamaCppRunner:
         """Create the context; load time is the weights' load plus this context's creation."""
         t0 = time.perf_counter()
         lib = llama_lib()
-        cfg, info, model = self.config, self._info, self._model
-        assert info is not None
+        cfg, info = self.config, self._info
+        assert info is not None and self._model is not None
+        model = self._model.ptr
         n_ctx_train = info.n_ctx_train or lib.llama_model_n_ctx_train(model)
         n_ctx = cfg.n_ctx
         if n_ctx is None:
@@ -340,7 +386,7 @@ class LlamaCppRunner:
         check_memory(
             estimate_memory(info, n_ctx=n_ctx, n_ubatch=cparams.n_ubatch, type_k=cfg.cache_type_k,
                             type_v=cfg.cache_type_v,
-                            n_vocab=int(lib.llama_vocab_n_tokens(self._vocab))),
+                            n_vocab=self._model.n_vocab),
             n_ctx,
         )  # fmt: skip
         LOG_LINES.clear()
@@ -348,7 +394,7 @@ class LlamaCppRunner:
         if not ctx:
             raise ModelLoadError(self.model_path, last_log_error())
         load_s = self._weights_s + time.perf_counter() - t0
-        self._ctx = ctx
+        self._ctx = _Context(lib, ctx)
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
@@ -393,7 +439,8 @@ class LlamaCppRunner:
     @property
     def n_vocab(self) -> int:
         self.load()
-        return int(_lib.llama_vocab_n_tokens(self._vocab))
+        assert self._model is not None
+        return self._model.n_vocab
 
     @property
     def gguf(self) -> GGUFInfo:
@@ -406,27 +453,12 @@ class LlamaCppRunner:
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         self.load()
-        lib = llama_lib()
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (lib.llama_token * n_max)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, True)
-        if n < 0:
-            n_max = -n
-            buf = (lib.llama_token * n_max)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, True)
-            if n < 0:
-                raise EngineError("tokenization failed")
-        return list(buf[:n])
+        assert self._model is not None
+        return self._model.to_tokens(text, add_special=add_special)
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
-        lib = _lib
-        n = lib.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, special)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = lib.llama_token_to_piece(self._vocab, token, big, -n, 0, special)
-            return big.raw[:n]
-        return self._piece_buf.raw[:n]
+        assert self._model is not None
+        return self._model.to_piece(token, special=special)
 
     def render(self, request: Request) -> str:
         """The prompt text a request stands for: raw, or its messages through the chat template."""
@@ -447,8 +479,10 @@ class LlamaCppRunner:
         assert self._info is not None
         lib = llama_lib()
         template = self._info.chat_template or CHATML_TEMPLATE
-        bos = self.piece(lib.llama_vocab_bos(self._vocab), special=True).decode(errors="replace")
-        eos = self.piece(lib.llama_vocab_eos(self._vocab), special=True).decode(errors="replace")
+        assert self._model is not None
+        vocab = self._model.vocab
+        bos = self.piece(lib.llama_vocab_bos(vocab), special=True).decode(errors="replace")
+        eos = self.piece(lib.llama_vocab_eos(vocab), special=True).decode(errors="replace")
         return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
 
     def request_tokens(self, request: Request) -> list[int]:
@@ -472,8 +506,8 @@ class LlamaCppRunner:
 
     def _truncate_cache(self, n: int) -> int:
         """Keep the KV entries of the first n cached tokens; returns how many were kept."""
-        lib = _lib
-        mem = lib.llama_get_memory(self._ctx)
+        lib = llama_lib()
+        mem = lib.llama_get_memory(self._ctx_ptr)
         if not lib.llama_memory_seq_rm(mem, 0, n, -1):  # e.g. recurrent models: all or nothing
             lib.llama_memory_clear(mem, True)
             n = 0
@@ -503,7 +537,8 @@ class LlamaCppRunner:
         chain = lib.llama_sampler_chain_init(params)
         add = lib.llama_sampler_chain_add
         if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
-            n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+            assert self._model is not None
+            n_vocab = self._model.n_vocab
             penalties = lib.llama_sampler_init_penalties(
                 n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
             )
@@ -528,7 +563,7 @@ class LlamaCppRunner:
         lib = llama_lib()
         loaded = self.load()
         clock = PausedClock()
-        lib.llama_perf_context_reset(self._ctx)
+        lib.llama_perf_context_reset(self._ctx_ptr)
         cpu0 = cpu_sample()
         tokens = self.request_tokens(request)
         if len(tokens) + 1 > loaded.settings.n_ctx:
@@ -543,7 +578,7 @@ class LlamaCppRunner:
             decode = _Decoded()
             if not prefill.aborted:
                 decode = yield from self._decode(chain, sp, cancel, clock)
-            perf = lib.llama_perf_context(self._ctx)
+            perf = lib.llama_perf_context(self._ctx_ptr)
             sperf = lib.llama_perf_sampler(chain)
             stats = GenerationStats(
                 finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
@@ -595,7 +630,7 @@ class LlamaCppRunner:
         with clock.paused():
             yield PrefillProgress(reused, len(tokens), reused, 0.0)
         self._cancel = cancel
-        lib.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        lib.llama_set_abort_callback(self._ctx_ptr, self._abort_cb, None)
         try:
             for off in range(0, len(new), n_batch):
                 if cancel.is_set():
@@ -604,7 +639,7 @@ class LlamaCppRunner:
                 n = min(n_batch, len(new) - off)
                 t_chunk = time.perf_counter()
                 rc = self._decode_slice(arr, off, n)
-                lib.llama_synchronize(self._ctx)
+                lib.llama_synchronize(self._ctx_ptr)
                 if rc == 2 or (rc != 0 and cancel.is_set()):
                     done.aborted = True  # this chunk's time and tokens count nowhere
                     break
@@ -616,7 +651,7 @@ class LlamaCppRunner:
                 with clock.paused():
                     yield PrefillProgress(reused + off + n, len(tokens), reused, done.seconds)
         finally:
-            lib.llama_set_abort_callback(self._ctx, lib.ggml_abort_callback(), None)
+            lib.llama_set_abort_callback(self._ctx_ptr, lib.ggml_abort_callback(), None)
         return done
 
     def _decode(
@@ -625,17 +660,19 @@ class LlamaCppRunner:
         """The first token from the prefill's logits, then one llama_decode per token."""
         lib = llama_lib()
         n_ctx = self.load().settings.n_ctx
+        assert self._model is not None
+        vocab = self._model.vocab
         out = _Decoded()
         text = TextStream(sp.stop)
         parts: list[str] = []
         t_sample = time.perf_counter()
-        token = lib.llama_sampler_sample(chain, self._ctx, -1)
+        token = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
         out.first_sample_s = time.perf_counter() - t_sample
         one = (lib.llama_token * 1)()
         batch_one = lib.llama_batch_get_one(one, 1)
         while True:
             stamp = clock.now()
-            if not sp.ignore_eos and lib.llama_vocab_is_eog(self._vocab, token):
+            if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
                 out.finish = FINISH_STOP
                 break
             out.times.append(stamp)
@@ -653,22 +690,22 @@ class LlamaCppRunner:
                 out.finish = FINISH_INTERRUPTED
                 break
             one[0] = token
-            rc = lib.llama_decode(self._ctx, batch_one)
+            rc = lib.llama_decode(self._ctx_ptr, batch_one)
             if rc != 0:
                 raise EngineError(f"llama_decode failed during generation (code {rc})")
             self._cache.append(token)
-            token = lib.llama_sampler_sample(chain, self._ctx, -1)
+            token = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
         out.tail = text.flush()
         out.text = "".join(parts) + out.tail
         return out
 
     def _decode_slice(self, arr: Any, off: int, n: int) -> int:
         """llama_decode of tokens arr[off:off + n], without copying them."""
-        lib = _lib
+        lib = llama_lib()
         ptr = ctypes.cast(
             ctypes.addressof(arr) + off * ctypes.sizeof(lib.llama_token), lib.llama_token_p
         )
-        return int(lib.llama_decode(self._ctx, lib.llama_batch_get_one(ptr, n)))
+        return int(lib.llama_decode(self._ctx_ptr, lib.llama_batch_get_one(ptr, n)))
 
     # ---- direct access for checks and benchmarks ---------------------------------------
 
@@ -681,7 +718,7 @@ class LlamaCppRunner:
         arr = (lib.llama_token * len(tokens))(*tokens)
         cancel = cancel or threading.Event()
         self._cancel = cancel
-        lib.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        lib.llama_set_abort_callback(self._ctx_ptr, self._abort_cb, None)
         try:
             for off in range(0, len(tokens), n_batch):
                 if cancel.is_set():
@@ -693,40 +730,28 @@ class LlamaCppRunner:
                 if rc != 0:
                     raise EngineError(f"llama_decode failed (code {rc})")
                 self._cache.extend(tokens[off : off + n])
-            lib.llama_synchronize(self._ctx)
+            lib.llama_synchronize(self._ctx_ptr)
         finally:
-            lib.llama_set_abort_callback(self._ctx, lib.ggml_abort_callback(), None)
+            lib.llama_set_abort_callback(self._ctx_ptr, lib.ggml_abort_callback(), None)
             self._truncate_cache(len(self._cache))
 
-    def last_logits(self) -> list[float]:
-        """The next-token logits after the last evaluated position."""
-        if not self._cache:
-            raise EngineError("nothing has been evaluated yet")
-        lib = llama_lib()
-        n_vocab = lib.llama_vocab_n_tokens(self._vocab)
-        ptr = lib.llama_get_logits_ith(self._ctx, -1)
-        return list(ptr[:n_vocab])
-
-    def forget_positions(self, p0: int, p1: int) -> bool:
-        """Drop the KV entries of positions [p0, p1) while keeping later ones (a control)."""
-        lib = llama_lib()
-        return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(self._ctx), 0, p0, p1))
+    @property
+    def _ctx_ptr(self) -> Any:
+        assert self._ctx is not None, "no context: load() first"
+        return self._ctx.ptr
 
     def _free_context(self) -> None:
         if self._ctx is not None:
-            _lib.llama_free(self._ctx)
+            self._ctx.close()
             self._ctx = None
         self._loaded = None
         self._cache.clear()
 
     def close(self) -> None:
-        lib = _lib
         self._free_context()
         if self._model is not None:
-            lib.llama_model_free(self._model)
+            self._model.close()
             self._model = None
-        self._loaded = None
-        self._cache.clear()
 
     def __enter__(self) -> LlamaCppRunner:
         return self

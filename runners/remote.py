@@ -35,6 +35,7 @@ from .stats import (
     EngineSettings,
     GenerationStats,
     ModelInfo,
+    PausedClock,
 )
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -444,8 +445,7 @@ class OpenAIRunner:
         loaded = self._loaded
         assert loaded is not None and self.model_name is not None
         path, body = request_body(request, self.model_name)
-        wall0 = time.perf_counter()
-        paused = 0.0
+        clock = PausedClock()
         times: list[float] = []
         parts: list[str] = []
         last: Chunk | None = None
@@ -453,7 +453,7 @@ class OpenAIRunner:
         timings: dict[str, Any] | None = None
         error: str | None = None
         for chunk in self.conn.stream(path, body, cancel):
-            stamp = time.perf_counter() - wall0 - paused
+            stamp = clock.now()
             usage = chunk.usage or usage
             timings = chunk.timings or timings
             if chunk.error:
@@ -463,16 +463,15 @@ class OpenAIRunner:
             if chunk.text:
                 times.append(stamp)
                 parts.append(chunk.text)
-                t = time.perf_counter()
-                yield Token(len(times) - 1, chunk.text, stamp)
-                paused += time.perf_counter() - t
+                with clock.paused():
+                    yield Token(len(times) - 1, chunk.text, stamp)
         if error is not None:
             finish = FINISH_INCOMPLETE
         elif cancel.is_set():
             finish = FINISH_INTERRUPTED
         else:
             finish = _finish(last.finish_reason if last else None)
-        e2e = time.perf_counter() - wall0
+        e2e = clock.wall()
         yield Finished(
             self._stats(finish, times, usage, timings, error, e2e, request, loaded), "".join(parts)
         )

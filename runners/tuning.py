@@ -104,7 +104,7 @@ def search(
     runner: LlamaCppRunner,
     base: EngineConfig,
     *,
-    shapes: Sequence[Shape] = SHAPES,
+    shapes: Sequence[Shape] | None = None,
     cancel: threading.Event | None = None,
     on_stage: Callable[[str], None] = lambda name: None,
 ) -> tuple[dict[str, Any], list[Tried]] | None:
@@ -112,6 +112,7 @@ def search(
 
     Returns the fastest settings (the TUNED_FIELDS) and every setting tried; None if cancelled.
     """
+    shapes = shapes or SHAPES
     phys, logical = physical_cores(), logical_cpus()
     tried: list[Tried] = []
     best = Combo(phys, 512, 512, 0, "off")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, llama_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,15 +21,27 @@ def kl(p: list[float], q: list[float]) -> float:
     return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0 and b > 0)
 
 
+def last_logits(r: LlamaCppRunner) -> list[float]:
+    """The next-token logits after the last evaluated position (llama.cpp's own buffer)."""
+    ptr = llama_lib().llama_get_logits_ith(r._ctx_ptr, -1)
+    return list(ptr[: r.n_vocab])
+
+
+def forget_positions(r: LlamaCppRunner, p0: int, p1: int) -> bool:
+    """Drop the KV entries of positions [p0, p1) while keeping later ones (the control)."""
+    lib = llama_lib()
+    return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(r._ctx_ptr), 0, p0, p1))
+
+
 def logits_after(model_path: str, n_batch: int, tokens: list[int], forget: int = 0) -> list[float]:
     with LlamaCppRunner(model_path, EngineConfig(n_ctx=1024, n_batch=n_batch)) as r:
         if forget:
             r.eval_tokens(tokens[:-1])
-            assert r.forget_positions(0, forget)
+            assert forget_positions(r, 0, forget)
             r.eval_tokens(tokens[-1:])
         else:
             r.eval_tokens(tokens)
-        return r.last_logits()
+        return last_logits(r)
 
 
 def test_chunk_size_does_not_change_the_next_token(model_path: str) -> None:
