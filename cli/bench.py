@@ -303,7 +303,7 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
     endpoint: o.Endpoint = None,
     api_key: o.ApiKey = None,
-    timeout: o.Timeout = 60.0,
+    timeout: o.Timeout = o.TIMEOUT_S,
     concurrency: Annotated[
         str,
         _list(
@@ -412,10 +412,16 @@ def bench(
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         cancel = threading.Event()
         if endpoint:
-            local = {"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn,
-                     "--tune": tune_ or None, "--scenarios": scenarios or None,
-                     "-ngl": None if gpu_layers == "0" else gpu_layers}  # fmt: skip
-            _refuse(local, "local-engine options; with --endpoint the server's own settings decide")
+            local = {
+                "-t": threads,
+                "-b": batch,
+                "-ub": ubatch,
+                "-fa": flash_attn,
+                "--tune": tune_,
+                "--scenarios": scenarios,
+                "-ngl": gpu_layers,
+            }
+            o.refuse_for_endpoint(endpoint, local)
             with ctrl_c_cancels(cancel):
                 code = run_serving(
                     endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,

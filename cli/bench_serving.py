@@ -59,6 +59,38 @@ def serving_table(records: list[dict[str, Any]], percentiles: list[float]) -> Ta
     return table
 
 
+def parse_percentiles(text: str) -> list[float]:
+    """`50,90,99` -> [50.0, 90.0, 99.0]."""
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise BadRequestError(
+            f"--percentiles: '{text}' should be numbers such as 50,90,99"
+        ) from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
+    return values
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
+    slo: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition(":")
+        name = name.strip().lower()
+        if name not in ("ttft", "tpot", "e2el") or not value.strip():
+            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
+        try:
+            slo[name] = float(value) / 1000
+        except ValueError:
+            slo[name] = math.nan
+        if not math.isfinite(slo[name]) or slo[name] <= 0:
+            raise BadRequestError(f"--slo: '{value}' is not a positive number of milliseconds")
+    return slo
+
+
 def run_serving(
     *,
     endpoint: str,
@@ -92,8 +124,8 @@ def run_serving(
     if any(c < 1 for c in levels):
         raise BadRequestError("--concurrency values must be at least 1")
     rate = parse_rate(request_rate)
-    pcts = sv.parse_percentiles(percentiles)
-    slos = sv.parse_slo(slo)
+    pcts = parse_percentiles(percentiles)
+    slos = parse_slo(slo)
     runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
                           max_connections=max(levels) + 8)  # fmt: skip
     endpoint = runner.endpoint  # from here on: credentials redacted

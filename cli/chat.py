@@ -358,13 +358,13 @@ def chat(
     model: o.Model = None,
     endpoint: o.Endpoint = None,
     api_key: o.ApiKey = None,
-    timeout: o.Timeout = 60.0,
-    max_tokens: o.MaxTokens = 512,
-    temp: o.Temp = 0.8,
-    top_k: o.TopK = 40,
-    top_p: o.TopP = 0.95,
-    min_p: o.MinP = 0.05,
-    repeat_penalty: o.RepeatPenalty = 1.0,
+    timeout: o.Timeout = o.TIMEOUT_S,
+    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
+    temp: o.Temp = o.DEFAULTS.temperature,
+    top_k: o.TopK = o.DEFAULTS.top_k,
+    top_p: o.TopP = o.DEFAULTS.top_p,
+    min_p: o.MinP = o.DEFAULTS.min_p,
+    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
     seed: o.Seed = None,
     stop: o.Stop = None,
     ctx: o.Ctx = None,
@@ -382,7 +382,20 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        sampling, config = o.from_command(locals())
+        sampling = o.sampling_params(
+            max_tokens=max_tokens,
+            temp=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop,
+        )
+        config = o.local_engine(
+            endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
+            gpu_layers=gpu_layers, flash_attn=flash_attn, repack=repack,
+        )  # fmt: skip
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)

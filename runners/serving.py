@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import Request, SamplingParams, generate
-from .errors import BadRequestError, LlmrunError
+from .errors import LlmrunError
 from .remote import OpenAIRunner
 from .stats import FINISH_INCOMPLETE, percentile
 
@@ -68,36 +68,6 @@ class RequestResult:
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def parse_percentiles(text: str) -> list[float]:
-    """`50,90,99` -> [50.0, 90.0, 99.0]."""
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise BadRequestError(
-            f"--percentiles: '{text}' should be numbers such as 50,90,99"
-        ) from None
-    if not values or any(not 0 <= v <= 100 for v in values):
-        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
-    return values
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
-    slo: dict[str, float] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, _, value = part.partition(":")
-        name = name.strip().lower()
-        if name not in ("ttft", "tpot", "e2el") or not value.strip():
-            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
-        try:
-            slo[name] = float(value) / 1000
-        except ValueError:
-            raise BadRequestError(f"--slo: '{value}' is not a number of milliseconds") from None
-    return slo
 
 
 def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len: int,

@@ -148,7 +148,7 @@ def test_raw_prompts_use_the_completions_route(cli: CliRunner, home: Path) -> No
     [
         ("missing", [], "HTTP 404 from /v1/chat/completions: The model `missing` does not exist."),
         ("boom", [], "HTTP 500 from /v1/chat/completions: internal failure in the stub"),
-        ("slow", ["--timeout", "0.5"], "no answer within 0.5 s (--timeout)"),
+        ("slow", ["--timeout", "0.5"], "no answer within 0.5 s (raise --timeout"),
     ],
 )
 def test_http_errors_and_timeouts_are_one_line(
@@ -207,6 +207,13 @@ def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) 
     result = cli.invoke(app, ["bench", "--endpoint", "http://127.0.0.1:9", "-t", "2"])
     assert result.exit_code == 1
     assert "-t: local-engine options" in one_line_error(result.stderr)
+    for command in (["run", "hi"], ["chat"]):  # one rule for every command, not ignored
+        for flags, expected in ((["-t", "4"], "-t/--threads"), (["-b", "64", "--no-repack"],
+                                "-b/--batch, --repack/--no-repack")):  # fmt: skip
+            result = cli.invoke(app, [*command, "--endpoint", "http://127.0.0.1:9", *flags],
+                                input="hi\n")  # fmt: skip
+            assert result.exit_code == 1, (command, flags)
+            assert f"{expected}: local-engine options" in one_line_error(result.stderr)
 
 
 def test_ctrl_c_keeps_the_serving_level_in_progress(
