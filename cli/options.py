@@ -6,6 +6,7 @@ over. `engine_config` and `sampling_params` turn the parsed values into the runn
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated
 
@@ -228,7 +229,7 @@ def sampling_params(
     return sampling
 
 
-def refuse_for_endpoint(endpoint: str | None, given: dict[str, object]) -> None:
+def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
     """One rule for every command: with --endpoint the server's own settings decide, so a
     local-engine option that was given (not None, False, 0 or "0") is a usage error, not
     silently ignored. `given` maps each option's flags to its value."""
