@@ -119,9 +119,6 @@ class Runner(Protocol):
         ...
 
     @property
-    def n_ctx(self) -> int: ...
-
-    @property
     def loaded(self) -> ModelLoaded | None:
         """The load event once the model is loaded, else None."""
         ...

@@ -327,7 +327,8 @@ class Interrupted(Exception):
 
 def kv_bytes_per_position(runner: LlamaCppRunner, type_k: str, type_v: str) -> float:
     """Bytes of K and V one context position takes, over all layers (from the GGUF header)."""
-    meta, arch = runner.gguf.metadata, runner.gguf.architecture
+    header = runner.header()
+    meta, arch = header.metadata, header.architecture
 
     def get(key: str, default: int = 0) -> int:
         value = meta.get(f"{arch}.{key}", default)
@@ -366,7 +367,8 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
 
 
 def _gpu_layers_problem(runner: LlamaCppRunner, combo: Combo) -> str | None:
-    n_layer = int(runner.gguf.metadata.get(f"{runner.gguf.architecture}.block_count", 0) or 0)
+    header = runner.header()
+    n_layer = int(header.metadata.get(f"{header.architecture}.block_count", 0) or 0)
     if combo.n_gpu_layers > n_layer + 1:
         return (f"{combo.n_gpu_layers} GPU layers, but the model has {n_layer + 1} (layers +"
                 " output; -1 offloads all)")  # fmt: skip
@@ -377,7 +379,7 @@ def _one_run(
     runner: LlamaCppRunner, shape: Shape, rng: random.Random, cancel: threading.Event
 ) -> tuple[Finished, int | None]:
     """One repetition from a cleared cache; returns the result and the first output token."""
-    n_vocab = runner.n_vocab
+    n_vocab = runner.vocab_size()
     runner.reset()
     depth = [rng.randrange(n_vocab) for _ in range(shape.n_depth)]
     if depth:

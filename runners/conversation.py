@@ -40,7 +40,8 @@ class Conversation:
 
     @property
     def n_ctx(self) -> int:
-        return self.runner.n_ctx
+        """The context size that ran (a server that does not say: 0, and it decides)."""
+        return self.runner.load().settings.n_ctx
 
     @property
     def reply_reserve(self) -> int:

@@ -432,21 +432,16 @@ class LlamaCppRunner:
             load_s=load_s,
         )
 
-    @property
-    def n_ctx(self) -> int:
-        return self.load().settings.n_ctx
-
-    @property
-    def n_vocab(self) -> int:
+    def vocab_size(self) -> int:
+        """Tokens in the model's vocabulary (loads the model if it is not loaded)."""
         self.load()
         assert self._model is not None
         return self._model.n_vocab
 
-    @property
-    def gguf(self) -> GGUFInfo:
-        """The model file's header (architecture facts for bandwidth estimates)."""
-        self.load()
-        assert self._info is not None
+    def header(self) -> GGUFInfo:
+        """The model file's GGUF header (read once; the weights need not be loaded)."""
+        if self._info is None:
+            self._info = read_gguf(self.model_path)
         return self._info
 
     # ---- tokens and text ---------------------------------------------------------------

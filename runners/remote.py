@@ -410,11 +410,6 @@ class OpenAIRunner:
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         return int(n_ctx) if isinstance(n_ctx, int) else 0
 
-    @property
-    def n_ctx(self) -> int:
-        """The server's context size, or 0 when it does not say (the server then decides)."""
-        return self.load().settings.n_ctx
-
     def count_tokens(self, request: Request) -> int:
         """The prompt's tokens by the server's tokenizer where it offers one (estimate: words)."""
         self.load()

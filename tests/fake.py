@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -49,16 +50,13 @@ class FakeRunner:
         self._cache: list[str] = []
 
     @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
     def loaded(self) -> ModelLoaded | None:
         return self._loaded
 
     def load(self) -> ModelLoaded:
         if self._loaded is None:
-            self._loaded = ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5)
+            settings = dataclasses.replace(FAKE_SETTINGS, n_ctx=self._n_ctx)
+            self._loaded = ModelLoaded(FAKE_MODEL, settings, 0.5)
         return self._loaded
 
     def _words(self, request: Request) -> list[str]:

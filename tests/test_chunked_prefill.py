@@ -24,7 +24,7 @@ def kl(p: list[float], q: list[float]) -> float:
 def last_logits(r: LlamaCppRunner) -> list[float]:
     """The next-token logits after the last evaluated position (llama.cpp's own buffer)."""
     ptr = llama_lib().llama_get_logits_ith(r._ctx_ptr, -1)
-    return list(ptr[: r.n_vocab])
+    return list(ptr[: r.vocab_size()])
 
 
 def forget_positions(r: LlamaCppRunner, p0: int, p1: int) -> bool:
