@@ -251,7 +251,7 @@ class ChatUI:
     def _turn(self, user: str) -> None:
         conv = self.conv
         try:
-            dropped = conv.make_room(user)
+            request, dropped = conv.begin(user)
         except LlmrunError as e:
             self.error(e)
             self.failed = True
@@ -261,16 +261,14 @@ class ChatUI:
                 f"context: dropped the {dropped} oldest turn(s) so this one fits"
                 " (policy: the oldest turns go first; the system prompt stays)"
             )
-        request = conv.request(user)
-        turn = Turn(user)
         recorder = Recorder(self.out)
         try:
             finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel)
-            turn.reply, turn.stats = finished.text, finished.stats
+            turn = conv.record(user, finished.text, finished.stats)
         except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
             if self.dash is not None:
                 self.dash.close()
-            turn.reply = "".join(recorder.parts)
+            turn = conv.record(user, "".join(recorder.parts), None)
             conv.runner.reset()
         except LlmrunError as e:
             if self.dash is not None:
@@ -279,7 +277,6 @@ class ChatUI:
             self.error(e)
             self.failed = True
             return
-        conv.turns.append(turn)
         self.out.end_line()
         if turn.stats is not None:
             self.show(turn_line(turn.stats), "dim")

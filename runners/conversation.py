@@ -8,11 +8,12 @@ oldest turns are dropped (the system prompt stays): the policy is stated here an
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .base import ChatMessage, Request, Runner, SamplingParams
+from .base import ChatMessage, Request, Runner, SamplingParams, generate
 from .errors import BadRequestError, PromptTooLongError
 from .stats import GenerationStats
 
@@ -94,6 +95,26 @@ class Conversation:
                 return dropped  # fits, with less room for the reply than reserved
             kept[0].in_context = False
             dropped += 1
+
+    # ---- a turn -----------------------------------------------------------------------
+
+    def begin(self, user: str) -> tuple[Request, int]:
+        """Room for a new message (the oldest turns dropped as the policy says) and the request
+        that sends the conversation with it; also how many turns were dropped."""
+        dropped = self.make_room(user)
+        return self.request(user), dropped
+
+    def record(self, user: str, reply: str, stats: GenerationStats | None) -> Turn:
+        """Keep a finished (or interrupted: stats None or marked so) turn in the history."""
+        turn = Turn(user, reply, stats)
+        self.turns.append(turn)
+        return turn
+
+    def say(self, user: str, *, cancel: threading.Event | None = None) -> Turn:
+        """One whole turn without a terminal: begin, run to the end, record."""
+        request, _ = self.begin(user)
+        finished = generate(self.runner, request, cancel=cancel)
+        return self.record(user, finished.text, finished.stats)
 
     def reset(self) -> None:
         """Forget every turn (the system prompt stays) and the KV cache."""

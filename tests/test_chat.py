@@ -9,31 +9,23 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.runners.base import SamplingParams, generate
-from llmrun.runners.conversation import Conversation, Turn
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.conversation import Conversation
 from llmrun.runners.errors import BadRequestError, PromptTooLongError
 
 from .fake import FakeRunner
 
 
-def converse(conv: Conversation, user: str) -> Turn:
-    conv.make_room(user)
-    finished = generate(conv.runner, conv.request(user))
-    turn = Turn(user, finished.text, finished.stats)
-    conv.turns.append(turn)
-    return turn
-
-
 def test_turns_reuse_the_cache_and_the_oldest_are_dropped_first() -> None:
     runner = FakeRunner(reply="ok fine", n_ctx=60)
     conv = Conversation(runner, SamplingParams(max_tokens=10), system="be brief")
-    first = converse(conv, "one two three four five")
-    second = converse(conv, "six seven eight nine ten")
+    first = conv.say("one two three four five")
+    second = conv.say("six seven eight nine ten")
     assert first.stats and second.stats
     assert second.stats.reused_tokens == first.stats.prompt_tokens
     assert conv.used_tokens == second.stats.prompt_tokens + second.stats.output_tokens
     for _ in range(4):
-        converse(conv, "a b c d e f g h")
+        conv.say("a b c d e f g h")
     assert [t.in_context for t in conv.turns][:2] == [False, False]
     messages = conv.messages()
     assert messages[0].role == "system" and messages[0].content == "be brief"
@@ -45,7 +37,7 @@ def test_turns_reuse_the_cache_and_the_oldest_are_dropped_first() -> None:
 
 def test_save_as_json_and_markdown(tmp_path: Path) -> None:
     conv = Conversation(FakeRunner(reply="hello back"), SamplingParams(), system="sys")
-    converse(conv, "hello")
+    conv.say("hello")
     conv.save(tmp_path / "t.json")
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["system"] == "sys" and data["turns"][0]["assistant"] == "hello back"
