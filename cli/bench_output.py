@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -129,40 +129,21 @@ def to_sql(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SERVING_COLUMNS = (
-    "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
-    "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
-    "p99_itl_ms", "mean_e2el_ms", "goodput",
-)  # fmt: skip
-
-
-def serving_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """Serving results as a markdown table (interference rows list their own figures)."""
-    lines = ["| " + " | ".join(SERVING_COLUMNS) + " |",
-             "| " + " | ".join("---" for _ in SERVING_COLUMNS) + " |"]  # fmt: skip
-    other = []
-    for r in records:
-        if str(r.get("test", "")).startswith("serve"):
-            cells = [_cell(r.get(c)) for c in SERVING_COLUMNS]
-            lines.append("| " + " | ".join(cells) + " |")
-        else:
-            figures = [f"{k} {_cell(v)}" for k, v in r.items()
-                       if k.startswith(("itl_", "background"))]  # fmt: skip
-            other.append(f"{r['test']}: " + ", ".join(figures))
-    return "\n".join(lines) + "\n" + "".join(f"\n{line}\n" for line in other)
-
-
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
     if value is None:
         return "-"
     return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
-def format_records(records: Sequence[dict[str, Any]], fmt: OutputFormat) -> str:
+def format_records(
+    records: Sequence[dict[str, Any]],
+    fmt: OutputFormat,
+    markdown: Callable[[], str] | None = None,
+) -> str:
+    """The records in a machine format; md is llama-bench's table unless the caller, which
+    knows what it measured, gives its own (the serving benchmark does)."""
     if fmt is OutputFormat.md:
-        if records and "concurrency" in records[0]:
-            return serving_markdown(records)
-        return to_markdown(records)
+        return markdown() if markdown is not None else to_markdown(records)
     if fmt is OutputFormat.csv:
         return to_csv(records)
     if fmt is OutputFormat.json:
@@ -299,6 +280,7 @@ def store_and_print(
     table: Table,
     store: bool,
     compare: bool,
+    markdown: Callable[[], str] | None = None,
 ) -> list[Change] | None:
     """Store the run, then print the results: a closed pipe while printing loses nothing.
 
@@ -323,11 +305,11 @@ def store_and_print(
               f" {len(busy)} of {len(records)} tests: their figures are unreliable",
               file=sys.stderr, flush=True)  # fmt: skip
     if output is not None:
-        sys.stdout.write(format_records(records, output))
+        sys.stdout.write(format_records(records, output, markdown))
         sys.stdout.flush()
     elif sys.stdout.isatty():
         show.print(table)
     else:
-        sys.stdout.write(format_records(records, OutputFormat.md))
+        sys.stdout.write(format_records(records, OutputFormat.md, markdown))
         sys.stdout.flush()
     return changes

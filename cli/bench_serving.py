@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -16,7 +16,7 @@ from . import bench_output as out
 from .errors import EXIT_INTERRUPTED
 
 if TYPE_CHECKING:
-    from llmrun.runners.remote import OpenAIRunner
+    from llmrun.runners import serving as sv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -31,11 +31,12 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def serving_table(records: list[dict[str, Any]], percentiles: list[float]) -> Table:
+def serving_table(levels: list[sv.ServingLevel], percentiles: list[float]) -> Table:
     table = Table(title="serving benchmark (vLLM's definitions)", title_justify="left")
     table.add_column("metric")
-    for r in records:
-        table.add_column(f"c={r['concurrency']} rate={r['request_rate']}", justify="right")
+    records = [level.record() for level in levels]
+    for level in levels:
+        table.add_column(f"c={level.concurrency} rate={level.rate_text}", justify="right")
     rows: list[tuple[str, str]] = [
         ("requests completed / failed", "{completed} / {failed}"),
         ("duration s", "{duration_s:.2f}"),
@@ -129,6 +130,8 @@ def run_serving(
     runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
                           max_connections=max(levels) + 8)  # fmt: skip
     endpoint = runner.endpoint  # from here on: credentials redacted
+    done: list[sv.ServingLevel] = []
+    found: sv.InterferenceResult | None = None
     try:
         loaded = runner.load()
         name = runner.model_name or loaded.model.name
@@ -153,160 +156,70 @@ def run_serving(
                 range_ratio=0.0,
                 seed=seed + 1,
             )
-        records: list[dict[str, Any]] = []
+        measured = sv.run_levels(runner, levels=levels, prompts=prompts, warm=warm,
+                                 request_rate=rate, input_len=input_len, output_len=output_len,
+                                 seed=seed, percentiles=pcts, slo=slos, cancel=cancel)  # fmt: skip
         for level in levels:
-            if cancel.is_set():
-                break
             with err.status(f"concurrency {level}: {warmup} warm-up, {num_prompts} requests ..."):
-                for prompt in warm:
-                    sv.send(runner, prompt, cancel)
-                results, duration = sv.run_load(
-                    runner,
-                    prompts,
-                    concurrency=level,
-                    request_rate=rate,
-                    seed=seed,
-                    cancel=cancel,
-                )
-            rec = _record(
-                endpoint,
-                name,
-                level,
-                rate,
-                num_prompts,
-                input_len,
-                output_len,
-                sv.metrics(results, duration, percentiles=pcts, slo=slos),
-            )
-            # Ctrl-C mid-level: the requests that finished stand, marked as a partial level.
-            rec["interrupted"] = cancel.is_set()
-            records.append(rec)
-            for e in rec["errors"]:
+                result = next(measured, None)
+            if result is None:
+                break
+            done.append(result)
+            for e in result.metrics.get("errors") or []:
                 err.print(f"c={level}: failed requests: {e}", markup=False, style="yellow")
         if interference and not cancel.is_set():
-            records.append(
-                _interference(
-                    runner,
-                    endpoint,
-                    input_len,
-                    output_len,
-                    interference_rate,
-                    interference_prompt_len,
-                    seed,
-                    cancel,
-                    err,
-                    show,
-                )
-            )
+            with err.status(f"interference: one client decodes alone and while"
+                            f" {interference_prompt_len}-token prompts arrive at"
+                            f" {interference_rate:g}/s ..."):  # fmt: skip
+                found = sv.run_interference(
+                    runner, input_len=input_len, output_len=output_len, rate=interference_rate,
+                    prompt_len=interference_prompt_len, seed=seed, cancel=cancel,
+                )  # fmt: skip
+            show.print(interference_sentence(found), markup=False)
     finally:
         runner.close()
     interrupted = cancel.is_set()
+    records = [r.record() for r in done] + ([found.record()] if found else [])
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
-    serving = [r for r in records if r["test"].startswith("serve")]
     changes = out.store_and_print(
         records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
-        show=show, table=serving_table(serving, pcts), store=store, compare=compare,
+        show=show, table=serving_table(done, pcts), store=store, compare=compare,
+        markdown=lambda: serving_markdown(done, found),
     )  # fmt: skip
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _record(
-    endpoint: str,
-    model: str,
-    level: int,
-    rate: float,
-    num: int,
-    input_len: int,
-    output_len: int,
-    metrics: dict[str, Any],
-) -> dict[str, Any]:
-    rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
-    throughput = metrics.get("output_throughput") or 0.0
-    # The spread of a throughput: the standard error of the requests' mean latency, relative.
-    mean, std = metrics.get("mean_e2el_ms") or 0.0, metrics.get("std_e2el_ms") or 0.0
-    done = max(metrics.get("completed") or 1, 1)
-    spread = throughput * (std / mean) / math.sqrt(done) if mean else 0.0
-    return {
-        "test": f"serve c{level} r{rate_text}",
-        "endpoint": endpoint,
-        "model_filename": model,
-        "concurrency": level,
-        "request_rate": rate_text,
-        "num_prompts": num,
-        "input_len": input_len,
-        "output_len": output_len,
-        "avg_ts": throughput,
-        "stddev_ts": round(spread, 4),
-        **metrics,
-    }
-
-
-def _interference(
-    runner: OpenAIRunner,
-    endpoint: str,
-    input_len: int,
-    output_len: int,
-    rate: float,
-    prompt_len: int,
-    seed: int,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-) -> dict[str, Any]:
-    from llmrun.runners import serving as sv
-
-    name = runner.model_name or ""
-    steady = sv.make_prompts(
-        runner,
-        count=1,
-        input_len=min(input_len, 64),
-        output_len=max(output_len, 64),
-        range_ratio=0.0,
-        seed=seed,
-    )[0]
-    count = max(2, math.ceil(rate * 8))
-    long_prompts = [
-        sv.PromptSpec(p.text, p.input_tokens, 1)
-        for p in sv.make_prompts(
-            runner,
-            count=count,
-            input_len=prompt_len,
-            output_len=1,
-            range_ratio=0.0,
-            seed=seed + 2,
-        )
-    ]
-    with err.status(
-        f"interference: one client decodes {steady.max_tokens} tokens, alone and"
-        f" while {prompt_len}-token prompts arrive at {rate:g}/s ..."
-    ):
-        result = sv.interference(
-            runner,
-            steady=steady,
-            long_prompts=long_prompts,
-            rate=rate,
-            seed=seed,
-            cancel=cancel,
-        )
-    rec = result.record()
-    show.print(
+def interference_sentence(result: sv.InterferenceResult) -> str:
+    rec = result.measured.record()
+    return (
         f"interference: the steady client's ITL p50 {rec['itl_p50_alone_ms']} ms alone,"
         f" {rec['itl_p50_loaded_ms']} ms under prefill load (x{rec['itl_p50_ratio']});"
         f" p99 {rec['itl_p99_alone_ms']} -> {rec['itl_p99_loaded_ms']} ms"
         f" (x{rec['itl_p99_ratio']}); its TTFT {rec['ttft_alone_ms']} -> {rec['ttft_loaded_ms']}"
-        f" ms; {rec['background_requests']} long prompts sent",
-        markup=False,
+        f" ms; {rec['background_requests']} long prompts sent"
     )
-    return {
-        "test": f"interference pp{prompt_len} r{rate:g}",
-        "endpoint": endpoint,
-        "model_filename": name,
-        "concurrency": 1,
-        "request_rate": f"{rate:g}",
-        "avg_ts": None,
-        "stddev_ts": None,
-        **rec,
-    }
+
+
+SERVING_COLUMNS = (
+    "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
+    "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+    "p99_itl_ms", "mean_e2el_ms", "goodput",
+)  # fmt: skip
+
+
+def serving_markdown(levels: list[sv.ServingLevel], found: sv.InterferenceResult | None) -> str:
+    """The levels as a markdown table; the interference result as a line of its own figures."""
+    lines = ["| " + " | ".join(SERVING_COLUMNS) + " |",
+             "| " + " | ".join("---" for _ in SERVING_COLUMNS) + " |"]  # fmt: skip
+    for level in levels:
+        record = level.record()
+        lines.append("| " + " | ".join(out.cell(record.get(c)) for c in SERVING_COLUMNS) + " |")
+    text = "\n".join(lines) + "\n"
+    if found is not None:
+        figures = [f"{k} {out.cell(v)}" for k, v in found.measured.record().items()
+                   if k.startswith(("itl_", "background"))]  # fmt: skip
+        text += f"\n{found.test}: " + ", ".join(figures) + "\n"
+    return text

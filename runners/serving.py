@@ -20,7 +20,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,3 +247,139 @@ def interference(runner: OpenAIRunner, *, steady: PromptSpec,
     stop.set()
     flooder.join()
     return Interference(alone, loaded, background)
+
+
+# ---- a whole serving run, as typed results ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingLevel:
+    """One concurrency level of the serving benchmark, as measured (vLLM's metrics)."""
+
+    endpoint: str
+    model: str
+    concurrency: int
+    request_rate: float  # inf: all at once
+    num_prompts: int
+    input_len: int
+    output_len: int
+    metrics: dict[str, Any]
+    interrupted: bool = False  # Ctrl-C mid-level: the requests that finished stand
+
+    @property
+    def rate_text(self) -> str:
+        return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+
+    @property
+    def test(self) -> str:
+        return f"serve c{self.concurrency} r{self.rate_text}"
+
+    @property
+    def spread(self) -> float:
+        """The output throughput's spread: the standard error of the requests' mean latency,
+        relative, applied to the throughput (how history tells a change from noise)."""
+        throughput = self.metrics.get("output_throughput") or 0.0
+        mean, std = self.metrics.get("mean_e2el_ms") or 0.0, self.metrics.get("std_e2el_ms") or 0.0
+        done = max(self.metrics.get("completed") or 1, 1)
+        return throughput * (std / mean) / math.sqrt(done) if mean else 0.0
+
+    def record(self) -> dict[str, Any]:
+        """The flat record for output formats and the history."""
+        return {
+            "test": self.test, "endpoint": self.endpoint, "model_filename": self.model,
+            "concurrency": self.concurrency, "request_rate": self.rate_text,
+            "num_prompts": self.num_prompts, "input_len": self.input_len,
+            "output_len": self.output_len,
+            "avg_ts": self.metrics.get("output_throughput") or 0.0,
+            "stddev_ts": round(self.spread, 4),
+            **self.metrics, "interrupted": self.interrupted,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InterferenceResult:
+    """The steady client's decode alone and under a stream of long prompts."""
+
+    endpoint: str
+    model: str
+    prompt_len: int
+    rate: float
+    measured: Interference
+
+    @property
+    def test(self) -> str:
+        return f"interference pp{self.prompt_len} r{self.rate:g}"
+
+    def record(self) -> dict[str, Any]:
+        """Its own figures only: no rate or concurrency it does not have."""
+        return {"test": self.test, "endpoint": self.endpoint, "model_filename": self.model,
+                "interference_rate": self.rate, "interference_prompt_len": self.prompt_len,
+                **self.measured.record()}  # fmt: skip
+
+
+def run_levels(
+    runner: OpenAIRunner,
+    *,
+    levels: Sequence[int],
+    prompts: Sequence[PromptSpec],
+    warm: Sequence[PromptSpec],
+    request_rate: float,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    percentiles: Sequence[float],
+    slo: dict[str, float],
+    cancel: threading.Event,
+) -> Iterator[ServingLevel]:
+    """Each concurrency level after its warm-up requests; stops after the level Ctrl-C cut."""
+    name = runner.model_name or ""
+    for level in levels:
+        if cancel.is_set():
+            return
+        for prompt in warm:
+            send(runner, prompt, cancel)
+        results, duration = run_load(
+            runner, prompts, concurrency=level, request_rate=request_rate, seed=seed, cancel=cancel
+        )
+        yield ServingLevel(
+            endpoint=runner.endpoint, model=name, concurrency=level, request_rate=request_rate,
+            num_prompts=len(prompts), input_len=input_len, output_len=output_len,
+            metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
+            interrupted=cancel.is_set(),
+        )  # fmt: skip
+
+
+def run_interference(
+    runner: OpenAIRunner,
+    *,
+    input_len: int,
+    output_len: int,
+    rate: float,
+    prompt_len: int,
+    seed: int,
+    cancel: threading.Event,
+) -> InterferenceResult:
+    """One steady client (a short prompt, at least 64 tokens out) against `rate` long prompts
+    per second for about eight seconds' worth of arrivals."""
+    steady = make_prompts(
+        runner,
+        count=1,
+        input_len=min(input_len, 64),
+        output_len=max(output_len, 64),
+        range_ratio=0.0,
+        seed=seed,
+    )[0]
+    long_prompts = [
+        PromptSpec(p.text, p.input_tokens, 1)
+        for p in make_prompts(
+            runner,
+            count=max(2, math.ceil(rate * 8)),
+            input_len=prompt_len,
+            output_len=1,
+            range_ratio=0.0,
+            seed=seed + 2,
+        )
+    ]
+    measured = interference(runner, steady=steady, long_prompts=long_prompts, rate=rate,
+                            seed=seed, cancel=cancel)  # fmt: skip
+    return InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)

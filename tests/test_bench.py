@@ -112,9 +112,9 @@ def test_compare_finds_the_previous_run_and_history_lists_both(cli: CliRunner, h
                               "--compare"])  # fmt: skip
     assert second.exit_code == 0, second.stderr
     err = " ".join(second.stderr.split())
-    assert "against the previous run" in err and "(run 1)" in err
+    assert "against the previous run" in err and "(run 1)" in err, err
     verdicts = r"(within spread|regression|improvement|noise \(busy machine\))"
-    assert re.search(verdicts + r" \(run 1\)", err)
+    assert re.search(verdicts + r" \(run 1\)", err), err
     assert (home / "data" / "history.sqlite").exists()
     listing = cli.invoke(app, ["history", "-n", "5"], env={"COLUMNS": "200"})
     assert listing.exit_code == 0
