@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, chat, models, run
+from . import bench, chat, history, models, run
 
 app = typer.Typer(
     name="llmrun",
@@ -17,6 +17,6 @@ app = typer.Typer(
 app.command("run")(run.run)
 app.command("chat")(chat.chat)
 app.command("bench")(bench.bench)
-app.command("history")(bench.history)
+app.command("history")(history.history)
 app.command("pull")(models.pull)
 app.command("models")(models.models)

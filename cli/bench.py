@@ -6,10 +6,10 @@ shows progress, prints the results in the format asked for, and stores them.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,18 +19,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from llmrun.runners import bench as b
+from llmrun.runners.base import BenchRunner
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.history import History
-from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner
-from llmrun.runners.models import resolve_model
+from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig
 from llmrun.runners.stats import human_count
 from llmrun.runners.system import physical_cores
-from llmrun.runners.tuning import apply_tuning, save_tuned, search
+from llmrun.runners.tuning import save_tuned, search
 
 from . import bench_output as out
+from . import bench_plot
 from . import options as o
 from .bench_serving import run_serving
 from .dashboard import model_facts
+from .engine import make_bench_runner
 from .errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from .report import secs
 from .session import ctrl_c_cancels
@@ -75,75 +76,12 @@ def _shapes(
     return shapes
 
 
-def _refuse(options: Mapping[str, object], why: str) -> None:
-    """A usage error naming every given option of those that do not apply."""
-    given = [name for name, value in options.items() if value is not None]
-    if given:
-        raise BadRequestError(f"{', '.join(given)}: {why}")
-
-
 def _optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
     return [default] if text is None else list(b.parse_values(text, name=name))
 
 
-def _plot(records: Sequence[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BadRequestError(
-            "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
-        ) from None
-    pp = [r for r in records if out.is_pp(r)]
-    tg = [r for r in records if out.is_tg(r)]
-    depths = sorted({r["n_depth"] for r in tg})
-    batches = sorted({r["n_batch"] for r in pp})
-    n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)
-    fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
-    ax = axes[0][0]
-    labels = [f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]
-    values = [r["avg_ts"] for r in pp + tg]
-    errors = [r["stddev_ts"] for r in pp + tg]
-    colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
-    ax.bar(range(len(values)), values, yerr=errors, color=colors)
-    ax.set_xticks(range(len(values)), labels, fontsize=7)
-    ax.set_ylabel("tokens/s")
-    ax.set_title("prompt tok/s (cyan) vs output tok/s (purple)")
-    panel = 1
-    if len(depths) > 1:
-        ax = axes[0][panel]
-        panel += 1
-        means = [statistics.fmean(r["avg_ts"] for r in tg if r["n_depth"] == d) for d in depths]
-        ax.plot(depths, means, marker="o", color="tab:purple")
-        ax.set_xlabel("context depth (tokens)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title("output tok/s by context depth")
-    if len(batches) > 1:
-        ax = axes[0][panel]
-        rates = [statistics.fmean(r["avg_ts"] for r in pp if r["n_batch"] == x) for x in batches]
-        ttft = [statistics.fmean(r["ttft_ms"] or 0 for r in pp if r["n_batch"] == x)
-                for x in batches]  # fmt: skip
-        ax.plot(batches, rates, marker="o", color="tab:cyan")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prefill chunk size (n_batch)")
-        ax.set_ylabel("prompt tokens/s (cyan)")
-        twin = ax.twinx()
-        twin.plot(batches, ttft, marker="s", color="tab:orange")
-        twin.set_ylabel("TTFT ms (orange)")
-        ax.set_title("prefill rate and TTFT by chunk size")
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
-
-
 def tune(
-    runner: LlamaCppRunner, base: EngineConfig, err: Console, cancel: threading.Event
+    runner: BenchRunner, base: EngineConfig, err: Console, cancel: threading.Event
 ) -> dict[str, Any] | None:
     """Run the tuning search and show every setting it tried."""
     found = search(runner, base, cancel=cancel,
@@ -411,18 +349,18 @@ def bench(
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         cancel = threading.Event()
-        if endpoint:
-            local = {
-                "-t": threads,
-                "-b": batch,
-                "-ub": ubatch,
-                "-fa": flash_attn,
-                "--tune": tune_,
-                "--scenarios": scenarios,
-                "-ngl": gpu_layers,
-            }
-            o.refuse_for_endpoint(endpoint, local)
-            with ctrl_c_cancels(cancel):
+        with ctrl_c_cancels(cancel):
+            if endpoint:
+                local = {
+                    "-t": threads,
+                    "-b": batch,
+                    "-ub": ubatch,
+                    "-fa": flash_attn,
+                    "--tune": tune_,
+                    "--scenarios": scenarios,
+                    "-ngl": gpu_layers,
+                }
+                o.refuse_for_endpoint(endpoint, local)
                 code = run_serving(
                     endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,
                     concurrency=concurrency, request_rate=request_rate, num_prompts=num_prompts,
@@ -432,43 +370,86 @@ def bench(
                     interference_prompt_len=interference_prompt_len, seed=seed, output=output,
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
                 )  # fmt: skip
-            raise typer.Exit(code)
-        if tune_:
-            _refuse({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn},
-                    "--tune searches these itself")  # fmt: skip
-        shapes = _shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale)
-        resolved = resolve_model(model)
-        base = apply_tuning(EngineConfig(), resolved.path)
-        flash = (b.parse_words(flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
-                 if flash_attn else [base.flash_attn])  # fmt: skip
-        combos = b.sweep(
-            threads=_optional_ints(threads, "-t", base.n_threads),
-            batch=_optional_ints(batch, "-b", base.n_batch),
-            ubatch=_optional_ints(ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=b.parse_values(gpu_layers, name="-ngl", minimum=-1),
-            flash_attn=flash,
-            type_k=b.parse_words(cache_type_k, name="-ctk", allowed=CACHE_TYPES),
-            type_v=b.parse_words(cache_type_v, name="-ctv", allowed=CACHE_TYPES),
-        )
-        runner = LlamaCppRunner(resolved.path, base)
-        try:
-            with ctrl_c_cancels(cancel):
-                code = _bench(runner, base, combos, shapes, reps, ctx, seed, cancel, err, show,
-                              output=output, plot=plot, compare=compare, store=not no_history,
-                              tune_=tune_, scenarios=scenarios)  # fmt: skip
-        finally:
-            runner.close()
+            elif tune_:
+                o.refuse_given({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn},
+                               "--tune searches these itself")  # fmt: skip
+                code = _tune(model, cancel, err)
+            else:
+                sweep = Sweep(
+                    shapes=_shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale),
+                    threads=threads, batch=batch, ubatch=ubatch, gpu_layers=gpu_layers,
+                    flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                    reps=reps, ctx=ctx, seed=seed, scenarios=scenarios,
+                )  # fmt: skip
+                code = _sweep(model, sweep, cancel, err, show, output=output, plot=plot,
+                              compare=compare, store=not no_history)  # fmt: skip
         raise typer.Exit(code)
 
 
-def _bench(
-    runner: LlamaCppRunner,
-    base: EngineConfig,
-    combos: list[b.Combo],
-    shapes: list[b.Shape],
-    reps: int,
-    ctx: int | None,
-    seed: int,
+@dataclass(frozen=True)
+class Sweep:
+    """What a llama-bench-style run measures, as the options gave it."""
+
+    shapes: list[b.Shape]
+    threads: str | None
+    batch: str | None
+    ubatch: str | None
+    gpu_layers: str
+    flash_attn: str | None
+    cache_type_k: str
+    cache_type_v: str
+    reps: int
+    ctx: int | None
+    seed: int
+    scenarios: bool
+
+    def combos(self, base: EngineConfig) -> list[b.Combo]:
+        """Every engine setting to test; unset options take the (tuned) defaults."""
+        flash = (b.parse_words(self.flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
+                 if self.flash_attn else [base.flash_attn])  # fmt: skip
+        return b.sweep(
+            threads=_optional_ints(self.threads, "-t", base.n_threads),
+            batch=_optional_ints(self.batch, "-b", base.n_batch),
+            ubatch=_optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
+            gpu_layers=b.parse_values(self.gpu_layers, name="-ngl", minimum=-1),
+            flash_attn=flash,
+            type_k=b.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
+            type_v=b.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+        )
+
+
+def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> b.SystemInfo:
+    """Load the model and print the machine's report (with the bandwidth probe if asked)."""
+    with err.status("loading the model and measuring memory bandwidth ..."):
+        loaded = runner.load()
+        system = b.SystemInfo.collect(bandwidth=bandwidth)
+    m = loaded.model
+    for line in system_lines(system, f"{m.name} · {model_facts(m)} · load {secs(loaded.load_s)}"):
+        err.print(line, markup=False)
+    return system
+
+
+def _tune(model: str | None, cancel: threading.Event, err: Console) -> int:
+    """`bench --tune`: the staged search, saved as the model's defaults."""
+    runner = make_bench_runner(model, EngineConfig())
+    try:
+        _load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
+        best = tune(runner, runner.config, err, cancel)
+    finally:
+        runner.close()
+    if best is None:
+        err.print("tuning interrupted; nothing saved")
+        return EXIT_INTERRUPTED
+    path = save_tuned(runner.model_path, best)
+    err.print(f"fastest: {best['n_threads']} threads, batch {best['n_batch']}, ubatch"
+              f" {best['n_ubatch']}, flash attention {best['flash_attn']}; saved to {path}."
+              " run, chat and bench now start from these (shown as 'tuned').")  # fmt: skip
+    return 0
+
+
+def _sweep(
+    model: str | None,
+    sweep: Sweep,
     cancel: threading.Event,
     err: Console,
     show: Console,
@@ -477,27 +458,28 @@ def _bench(
     plot: Path | None,
     compare: bool,
     store: bool,
-    tune_: bool,
-    scenarios: bool,
 ) -> int:
-    with err.status("loading the model and measuring memory bandwidth ..."):
-        loaded = runner.load()
-        system = b.SystemInfo.collect(bandwidth=not tune_)  # tuning reports no efficiency
-    m = loaded.model
-    model_line = f"{m.name} · {model_facts(m)} · load {secs(loaded.load_s)}"
-    for line in system_lines(system, model_line):
-        err.print(line, markup=False)
-    if tune_:
-        best = tune(runner, base, err, cancel)
-        if best is None:
-            err.print("tuning interrupted; nothing saved")
-            return EXIT_INTERRUPTED
-        path = save_tuned(runner.model_path, best)
-        err.print(f"fastest: {best['n_threads']} threads, batch {best['n_batch']}, ubatch"
-                  f" {best['n_ubatch']}, flash attention {best['flash_attn']}; saved to {path}."
-                  " run, chat and bench now start from these (shown as 'tuned').")  # fmt: skip
-        return 0
+    """llama-bench's tests over every combination of settings; results printed and stored."""
+    runner = make_bench_runner(model, EngineConfig())
+    try:
+        base = runner.config
+        combos = sweep.combos(base)
+        system = _load_and_report(runner, err, bandwidth=True)
+        results, skipped = _measure(runner, base, combos, sweep, cancel, err)
+    finally:
+        runner.close()
+    return _report(results, skipped, system, sweep, cancel, err, show, output=output, plot=plot,
+                   compare=compare, store=store)  # fmt: skip
 
+
+def _measure(
+    runner: BenchRunner,
+    base: EngineConfig,
+    combos: list[b.Combo],
+    sweep: Sweep,
+    cancel: threading.Event,
+    err: Console,
+) -> tuple[list[b.Result], list[b.Skipped]]:
     results: list[b.Result] = []
     skipped: list[b.Skipped] = []
     progress = Progress(
@@ -507,8 +489,9 @@ def _bench(
     )  # fmt: skip
     with progress:
         task = progress.add_task("bench", total=1)
-        for event in b.run_bench(runner, combos=combos, shapes=shapes, reps=reps, base=base,
-                                 n_ctx=ctx, seed=seed, cancel=cancel):  # fmt: skip
+        for event in b.run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
+                                 base=base, n_ctx=sweep.ctx, seed=sweep.seed,
+                                 cancel=cancel):  # fmt: skip
             if isinstance(event, b.Progress):
                 progress.update(task, completed=event.done, total=event.total,
                                 description=event.label[:40])  # fmt: skip
@@ -516,6 +499,24 @@ def _bench(
                 results.append(event)
             else:
                 skipped.append(event)
+    return results, skipped
+
+
+def _report(
+    results: list[b.Result],
+    skipped: list[b.Skipped],
+    system: b.SystemInfo,
+    sweep: Sweep,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    *,
+    output: out.OutputFormat | None,
+    plot: Path | None,
+    compare: bool,
+    store: bool,
+) -> int:
+    """Skips, results (stored before printing), extras, chart file and comparison."""
     for s in skipped:
         what = f"{s.shape.name} " if s.shape else ""
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
@@ -523,13 +524,14 @@ def _bench(
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+    model = results[0].model.name if results else ""
     changes = out.store_and_print(
-        records, kind="local", model=m.name, system=vars(system), output=output, show=show,
+        records, kind="local", model=model, system=vars(system), output=output, show=show,
         table=out.results_table(records), store=store, compare=compare,
     )  # fmt: skip
-    _extras(records, results, show, scenarios=scenarios)
+    _extras(records, results, show, scenarios=sweep.scenarios)
     if plot is not None and records:
-        _plot(records, plot)
+        bench_plot.plot(records, plot)
         err.print(f"charts written to {plot}")
     if changes is not None:
         show.print(out.compare_table(changes))
@@ -557,29 +559,3 @@ def _extras(
                 f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
                 " · mean output tok/s · 1000 / mean TTFT ms), scenarios scaled)"
             )
-
-
-def history(
-    limit: Annotated[int, typer.Option("-n", "--limit", min=1, help="How many runs.")] = 10,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "-m",
-            "--model",
-            show_default=False,
-            help="Only runs of models whose name contains this.",
-        ),
-    ] = None,
-) -> None:
-    """The stored bench runs, newest first, each against the run before it."""
-    with handled(), History() as h:
-        console = StdoutConsole(highlight=False)
-        runs = h.runs(limit=limit, model=model)
-        if not runs:
-            console.print(f"no bench runs stored yet (in {h.path})")
-            return
-        for run in runs:
-            changes = h.compare(run["records"], before_run=run["id"])
-            table = out.compare_table(changes)
-            table.title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
-            console.print(table)

@@ -1,10 +1,11 @@
-"""Build the runner a command uses. Tests swap `RUNNER_FACTORY` for a fake runner."""
+"""Build the runner a command uses: the one place runners are made. Tests swap the factories
+for fakes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmrun.runners.base import Runner
+from llmrun.runners.base import BenchRunner, Runner
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.tuning import apply_tuning
@@ -15,7 +16,19 @@ def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
     return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
 
 
+def _llamacpp_bench(model: str | None, config: EngineConfig) -> BenchRunner:
+    """bench's runner: tuned settings fill only what the sweep does not set."""
+    resolved = resolve_model(model)
+    return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
+
+
 RUNNER_FACTORY: Callable[[str | None, EngineConfig], Runner] = _llamacpp
+BENCH_RUNNER_FACTORY: Callable[[str | None, EngineConfig], BenchRunner] = _llamacpp_bench
+
+
+def make_bench_runner(model: str | None, config: EngineConfig) -> BenchRunner:
+    """A local runner whose settings a sweep can change between tests."""
+    return BENCH_RUNNER_FACTORY(model, config)
 
 
 def make_runner(

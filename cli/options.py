@@ -229,18 +229,19 @@ def sampling_params(
     return sampling
 
 
-def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
-    """One rule for every command: with --endpoint the server's own settings decide, so a
-    local-engine option that was given (not None, False, 0 or "0") is a usage error, not
-    silently ignored. `given` maps each option's flags to its value."""
-    if not endpoint:
-        return
+def refuse_given(given: Mapping[str, object], why: str) -> None:
+    """A usage error naming every option in `given` (flags -> value) that was given, i.e. is
+    not None, False, 0 or "0" (their defaults): options that do not apply are never ignored."""
     named = [flags for flags, value in given.items() if value not in (None, False, 0, "0")]
     if named:
-        raise BadRequestError(
-            f"{', '.join(named)}: local-engine options; with --endpoint the server's own"
-            " settings decide"
-        )
+        raise BadRequestError(f"{', '.join(named)}: {why}")
+
+
+def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
+    """One rule for every command: with --endpoint the server's own settings decide."""
+    if endpoint:
+        refuse_given(given, "local-engine options; with --endpoint the server's own settings"
+                            " decide")  # fmt: skip
 
 
 def local_engine(

@@ -10,9 +10,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .stats import EngineSettings, GenerationStats, ModelInfo
+
+if TYPE_CHECKING:
+    from .gguf import GGUFInfo
+    from .llamacpp import EngineConfig
 
 DEFAULT_TIMEOUT_S = 60.0  # a remote server's read timeout
 
@@ -132,6 +136,28 @@ class Runner(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BenchRunner(Runner, Protocol):
+    """What `bench` and `--tune` need beyond `Runner`: a local model whose settings can change
+    between tests, raw token evaluation for the depth fill, and the model's facts."""
+
+    model_path: str
+    config: EngineConfig  # the settings it runs with (tuned values filled in)
+
+    def reconfigure(self, config: EngineConfig) -> ModelLoaded:
+        """Switch to other engine settings, reloading the weights only where they change."""
+        ...
+
+    def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:
+        """Append tokens to the KV cache, untimed (a test's depth)."""
+        ...
+
+    def header(self) -> GGUFInfo:
+        """The model file's GGUF header."""
+        ...
+
+    def vocab_size(self) -> int: ...
 
 
 def generate(

@@ -24,9 +24,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .base import Finished, Request, SamplingParams, Token
+from .base import BenchRunner, Finished, Request, SamplingParams, Token
 from .errors import BadRequestError, LlmrunError, ModelLoadError
-from .llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, LlamaCppRunner, llama_lib
+from .llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig, llama_lib
 from .stats import EngineSettings, ModelInfo, human_count, percentile
 from .system import background_cpus, busy_machine, cpu_sample
 
@@ -325,7 +325,7 @@ class Interrupted(Exception):
     """The user stopped the benchmark; the results so far stand."""
 
 
-def kv_bytes_per_position(runner: LlamaCppRunner, type_k: str, type_v: str) -> float:
+def kv_bytes_per_position(runner: BenchRunner, type_k: str, type_v: str) -> float:
     """Bytes of K and V one context position takes, over all layers (from the GGUF header)."""
     header = runner.header()
     meta, arch = header.metadata, header.architecture
@@ -366,7 +366,7 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
     return None
 
 
-def _gpu_layers_problem(runner: LlamaCppRunner, combo: Combo) -> str | None:
+def _gpu_layers_problem(runner: BenchRunner, combo: Combo) -> str | None:
     header = runner.header()
     n_layer = int(header.metadata.get(f"{header.architecture}.block_count", 0) or 0)
     if combo.n_gpu_layers > n_layer + 1:
@@ -376,7 +376,7 @@ def _gpu_layers_problem(runner: LlamaCppRunner, combo: Combo) -> str | None:
 
 
 def _one_run(
-    runner: LlamaCppRunner, shape: Shape, rng: random.Random, cancel: threading.Event
+    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event
 ) -> tuple[Finished, int | None]:
     """One repetition from a cleared cache; returns the result and the first output token."""
     n_vocab = runner.vocab_size()
@@ -426,7 +426,7 @@ def _timed(shape: Shape, finished: Finished) -> tuple[float, float]:
 
 
 def run_bench(
-    runner: LlamaCppRunner,
+    runner: BenchRunner,
     *,
     combos: Sequence[Combo],
     shapes: Sequence[Shape],

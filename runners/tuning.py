@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .base import BenchRunner
 from .bench import Combo, Result, Shape, run_bench
 from .limits import check_engine
-from .llamacpp import EngineConfig, LlamaCppRunner
+from .llamacpp import EngineConfig
 from .paths import config_dir
 from .system import logical_cpus, physical_cores
 
@@ -101,7 +102,7 @@ class Tried:
 
 
 def search(
-    runner: LlamaCppRunner,
+    runner: BenchRunner,
     base: EngineConfig,
     *,
     shapes: Sequence[Shape] | None = None,

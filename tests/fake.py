@@ -16,6 +16,8 @@ from llmrun.runners.base import (
     Token,
 )
 from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
+from llmrun.runners.gguf import GGUFInfo
+from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.stats import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -120,3 +122,37 @@ class FakeRunner:
             model=FAKE_MODEL, settings=FAKE_SETTINGS,
         )  # fmt: skip
         yield Finished(stats, "".join(out))
+
+
+class FakeBenchRunner(FakeRunner):
+    """A FakeRunner with what `bench` needs: settings that change, token-id prompts, a header."""
+
+    model_path = "/fake/model.gguf"
+
+    def __init__(self) -> None:
+        super().__init__(reply="w " * 4096, n_ctx=4096)
+        self.config = EngineConfig()
+        self.configs: list[EngineConfig] = []
+
+    def reconfigure(self, config: EngineConfig) -> ModelLoaded:
+        self.config = config
+        self.configs.append(config)
+        self._loaded = None
+        self._cache = []
+        return self.load()
+
+    def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:
+        self._cache = [str(t) for t in tokens]
+
+    def header(self) -> GGUFInfo:
+        return GGUFInfo(path=self.model_path, version=3, file_size_bytes=500,
+                        metadata={"general.architecture": "fake"}, n_tensors=0, n_params=1000,
+                        data_size_bytes=500)  # fmt: skip
+
+    def vocab_size(self) -> int:
+        return 100
+
+    def _words(self, request: Request) -> list[str]:
+        if request.token_ids is not None:
+            return [str(t) for t in request.token_ids]
+        return super()._words(request)

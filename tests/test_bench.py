@@ -14,6 +14,7 @@ import pexpect
 import pytest
 from typer.testing import CliRunner
 
+from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.runners import bench as b
 from llmrun.runners import tuning
@@ -22,6 +23,7 @@ from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.tuning import apply_tuning, save_tuned
 
 from .conftest import which_llmrun
+from .fake import FakeBenchRunner
 
 LLAMA_BENCH_FIELDS = {
     "build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
@@ -235,3 +237,17 @@ def test_tune_refuses_the_options_it_searches(cli: CliRunner, home: Path) -> Non
     result = cli.invoke(app, ["bench", "--tune", "-t", "2", "-b", "64"])
     assert result.exit_code == 1
     assert result.stderr.strip() == "llmrun: error: -t, -b: --tune searches these itself"
+
+
+def test_bench_measures_any_bench_runner_from_the_factory(
+    cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeBenchRunner()
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config: fake)
+    result = cli.invoke(app, ["bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1,2",
+                              "--no-history", "-o", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert sorted(r["test"] for r in rows) == ["pp8", "pp8", "tg4", "tg4"]
+    assert {c.n_threads for c in fake.configs} == {1, 2}  # the sweep reached the runner
+    assert all(r["avg_ts"] > 0 and len(r["samples_ts"]) == 2 for r in rows)

@@ -1,0 +1,68 @@
+"""`bench --plot FILE.png`: the charts as a picture (matplotlib, the [plot] extra)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from llmrun.runners.errors import BadRequestError
+
+from . import bench_output as out
+
+
+def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadRequestError(
+            "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
+        ) from None
+    pp = [r for r in records if out.is_pp(r)]
+    tg = [r for r in records if out.is_tg(r)]
+    depths = sorted({r["n_depth"] for r in tg})
+    batches = sorted({r["n_batch"] for r in pp})
+    n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)
+    fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]
+    values = [r["avg_ts"] for r in pp + tg]
+    errors = [r["stddev_ts"] for r in pp + tg]
+    colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
+    ax.bar(range(len(values)), values, yerr=errors, color=colors)
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("prompt tok/s (cyan) vs output tok/s (purple)")
+    panel = 1
+    if len(depths) > 1:
+        ax = axes[0][panel]
+        panel += 1
+        means = [statistics.fmean(r["avg_ts"] for r in tg if r["n_depth"] == d) for d in depths]
+        ax.plot(depths, means, marker="o", color="tab:purple")
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("output tok/s by context depth")
+    if len(batches) > 1:
+        ax = axes[0][panel]
+        rates = [statistics.fmean(r["avg_ts"] for r in pp if r["n_batch"] == x) for x in batches]
+        ttft = [statistics.fmean(r["ttft_ms"] or 0 for r in pp if r["n_batch"] == x)
+                for x in batches]  # fmt: skip
+        ax.plot(batches, rates, marker="o", color="tab:cyan")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prefill chunk size (n_batch)")
+        ax.set_ylabel("prompt tokens/s (cyan)")
+        twin = ax.twinx()
+        twin.plot(batches, ttft, marker="s", color="tab:orange")
+        twin.set_ylabel("TTFT ms (orange)")
+        ax.set_title("prefill rate and TTFT by chunk size")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
