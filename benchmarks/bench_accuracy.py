@@ -14,6 +14,8 @@ import argparse
 import sys
 
 from llmrun.runners import bench as b
+from llmrun.runners import results as res
+from llmrun.runners import sweep as sw
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
 
@@ -27,12 +29,12 @@ def main() -> int:
     args = parser.parse_args()
 
     runner = LlamaCppRunner(resolve_model(args.model).path)
-    shapes = [b.Shape(args.p, 0), b.Shape(0, args.n), b.Shape(args.p, args.n)]
+    shapes = [sw.Shape(args.p, 0), sw.Shape(0, args.n), sw.Shape(args.p, args.n)]
     worst = 0.0
     print(f"{'test':<14} {'llmrun t/s':>12} {'llama.cpp t/s':>14} {'difference':>11}")
-    for event in b.run_bench(runner, combos=[b.Combo()], shapes=shapes, reps=args.reps,
+    for event in b.run_bench(runner, combos=[sw.Combo()], shapes=shapes, reps=args.reps,
                              base=EngineConfig()):  # fmt: skip
-        if isinstance(event, b.Result):
+        if isinstance(event, res.Result):
             ours, theirs = event.avg_ts, event.engine_avg_ts or 0.0
             diff = ours / theirs - 1 if theirs else float("inf")
             worst = max(worst, abs(diff))

@@ -19,11 +19,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from llmrun.runners import bench as b
+from llmrun.runners import localscore as ls
+from llmrun.runners import results as res
+from llmrun.runners import sweep as sw
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig
 from llmrun.runners.stats import human_count
-from llmrun.runners.system import physical_cores
+from llmrun.runners.system import SystemInfo, physical_cores
 from llmrun.runners.tuning import save_tuned, search
 
 from . import bench_output as out
@@ -45,7 +48,7 @@ def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
     return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False)
 
 
-def system_lines(system: b.SystemInfo, model: str) -> list[str]:
+def system_lines(system: SystemInfo, model: str) -> list[str]:
     ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
     return [
@@ -60,24 +63,24 @@ def system_lines(system: b.SystemInfo, model: str) -> list[str]:
 
 def _shapes(
     n_prompt: str, n_gen: str, pg: Sequence[str], depth: str, scenarios: bool, scale: float
-) -> list[b.Shape]:
-    depths = b.parse_values(depth, name="-d/--n-depth")
+) -> list[sw.Shape]:
+    depths = sw.parse_values(depth, name="-d/--n-depth")
     if scenarios:
-        return b.scenario_shapes(scale)
-    shapes = [b.Shape(p, 0, d) for d in depths for p in b.parse_values(n_prompt, name="-p") if p]
-    shapes += [b.Shape(0, n, d) for d in depths for n in b.parse_values(n_gen, name="-n") if n]
+        return ls.scenario_shapes(scale)
+    shapes = [sw.Shape(p, 0, d) for d in depths for p in sw.parse_values(n_prompt, name="-p") if p]
+    shapes += [sw.Shape(0, n, d) for d in depths for n in sw.parse_values(n_gen, name="-n") if n]
     for pair in pg:
-        values = b.parse_values(pair, name="--pg")
+        values = sw.parse_values(pair, name="--pg")
         if len(values) != 2:
             raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
-        shapes += [b.Shape(values[0], values[1], d) for d in depths]
+        shapes += [sw.Shape(values[0], values[1], d) for d in depths]
     if not shapes:
         raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
     return shapes
 
 
 def _optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
-    return [default] if text is None else list(b.parse_values(text, name=name))
+    return [default] if text is None else list(sw.parse_values(text, name=name))
 
 
 def tune(
@@ -97,7 +100,7 @@ def tune(
                       f"{t.tg_ts:,.1f}" if t.tg_ts else "-", f"{t.score:,.1f}")  # fmt: skip
     err.print(table)
     phys = physical_cores()
-    default = next((t for t in tried if t.combo == b.Combo(phys, 512, 512, 0, "off")), None)
+    default = next((t for t in tried if t.combo == sw.Combo(phys, 512, 512, 0, "off")), None)
     if default is not None:
         err.print(f"score = sqrt(pp t/s x tg t/s); llama.cpp's default threads ({phys}), batch"
                   f" 512 and no flash attention scored {default.score:,.1f}")  # fmt: skip
@@ -199,7 +202,7 @@ def bench(
             rich_help_panel=PANEL,
             help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
         ),
-    ] = b.DEFAULT_SCENARIO_SCALE,
+    ] = ls.DEFAULT_SCENARIO_SCALE,
     tune_: Annotated[
         bool,
         typer.Option(
@@ -390,7 +393,7 @@ def bench(
 class Sweep:
     """What a llama-bench-style run measures, as the options gave it."""
 
-    shapes: list[b.Shape]
+    shapes: list[sw.Shape]
     threads: str | None
     batch: str | None
     ubatch: str | None
@@ -403,26 +406,26 @@ class Sweep:
     seed: int
     scenarios: bool
 
-    def combos(self, base: EngineConfig) -> list[b.Combo]:
+    def combos(self, base: EngineConfig) -> list[sw.Combo]:
         """Every engine setting to test; unset options take the (tuned) defaults."""
-        flash = (b.parse_words(self.flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
+        flash = (sw.parse_words(self.flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
                  if self.flash_attn else [base.flash_attn])  # fmt: skip
-        return b.sweep(
+        return sw.sweep(
             threads=_optional_ints(self.threads, "-t", base.n_threads),
             batch=_optional_ints(self.batch, "-b", base.n_batch),
             ubatch=_optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=b.parse_values(self.gpu_layers, name="-ngl", minimum=-1),
+            gpu_layers=sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1),
             flash_attn=flash,
-            type_k=b.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
-            type_v=b.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+            type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
+            type_v=sw.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
         )
 
 
-def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> b.SystemInfo:
+def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked)."""
     with err.status("loading the model and measuring memory bandwidth ..."):
         loaded = runner.load()
-        system = b.SystemInfo.collect(bandwidth=bandwidth)
+        system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
     for line in system_lines(system, f"{m.name} · {model_facts(m)} · load {secs(loaded.load_s)}"):
         err.print(line, markup=False)
@@ -475,12 +478,12 @@ def _sweep(
 def _measure(
     runner: BenchRunner,
     base: EngineConfig,
-    combos: list[b.Combo],
+    combos: list[sw.Combo],
     sweep: Sweep,
     cancel: threading.Event,
     err: Console,
-) -> tuple[list[b.Result], list[b.Skipped]]:
-    results: list[b.Result] = []
+) -> tuple[list[res.Result], list[b.Skipped]]:
+    results: list[res.Result] = []
     skipped: list[b.Skipped] = []
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -495,7 +498,7 @@ def _measure(
             if isinstance(event, b.Progress):
                 progress.update(task, completed=event.done, total=event.total,
                                 description=event.label[:40])  # fmt: skip
-            elif isinstance(event, b.Result):
+            elif isinstance(event, res.Result):
                 results.append(event)
             else:
                 skipped.append(event)
@@ -503,9 +506,9 @@ def _measure(
 
 
 def _report(
-    results: list[b.Result],
+    results: list[res.Result],
     skipped: list[b.Skipped],
-    system: b.SystemInfo,
+    system: SystemInfo,
     sweep: Sweep,
     cancel: threading.Event,
     err: Console,
@@ -539,7 +542,7 @@ def _report(
 
 
 def _extras(
-    records: list[dict[str, Any]], results: list[b.Result], show: Console, *, scenarios: bool
+    records: list[dict[str, Any]], results: list[res.Result], show: Console, *, scenarios: bool
 ) -> None:
     for line in out.efficiency_lines(records):
         show.print(line, markup=False)
@@ -553,7 +556,7 @@ def _extras(
         for note in notes:
             show.print(note, markup=False)
     if scenarios:
-        score = b.localscore(results)
+        score = ls.localscore(results)
         if score is not None:
             show.print(
                 f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"

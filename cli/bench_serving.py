@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from llmrun.runners.bench import parse_values
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.sweep import parse_values
 
 from . import bench_output as out
 from .errors import EXIT_INTERRUPTED

@@ -162,3 +162,53 @@ def busy_machine(background: float | None, n_threads: int) -> bool:
         return False
     spare = logical_cpus() - n_threads
     return background > max(0.25, spare - 0.25)
+
+
+# ---- the machine report of bench ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SystemInfo:
+    cpu: str
+    physical_cores: int
+    logical_cpus: int
+    ram_bytes: int | None
+    build: str  # llama-cpp-python version
+    features: str  # llama.cpp's system info line (backends and CPU features)
+    gpu: str
+    mem_bw_bytes_s: float | None
+
+    @classmethod
+    def collect(cls, *, bandwidth: bool = True) -> SystemInfo:
+        from .llamacpp import llama_lib  # only when a report is asked for
+
+        lib = llama_lib()
+        info = lib.llama_print_system_info()
+        features = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+        gpu = "offload supported" if lib.llama_supports_gpu_offload() else "none (CPU-only build)"
+        return cls(
+            cpu=cpu_model(),
+            physical_cores=physical_cores(),
+            logical_cpus=logical_cpus(),
+            ram_bytes=ram_bytes(),
+            build=f"llama-cpp-python {getattr(lib, '__version__', '?')}",
+            features=_features(features),
+            gpu=gpu,
+            mem_bw_bytes_s=memory_bandwidth() if bandwidth else None,
+        )
+
+
+def _features(info: str) -> str:
+    """llama.cpp's 'CPU : SSE3 = 1 | AVX = 1 | ...' as 'CPU: SSE3 AVX ...' (the ones it has)."""
+    out: list[str] = []
+    for part in info.split("|"):
+        backend, sep, rest = part.partition(" : ")
+        if sep:
+            out.append(f"{backend.strip()}:")
+            part = rest
+        name, eq, value = part.partition("=")
+        if eq and value.strip() not in ("0", ""):
+            out.append(name.strip())
+        elif not eq and part.strip():
+            out.append(part.strip())
+    return " ".join(out)

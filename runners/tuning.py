@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from .base import BenchRunner
-from .bench import Combo, Result, Shape, run_bench
+from .bench import run_bench
 from .limits import check_engine
 from .llamacpp import EngineConfig
 from .paths import config_dir
+from .results import Result
+from .sweep import Combo, Shape
 from .system import logical_cpus, physical_cores
 
 TUNED_FIELDS = ("n_threads", "n_batch", "n_ubatch", "flash_attn")

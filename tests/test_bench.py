@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app
-from llmrun.runners import bench as b
+from llmrun.runners import localscore as ls
+from llmrun.runners import sweep as sw
 from llmrun.runners import tuning
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
@@ -44,12 +45,12 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_lists_and_ranges_as_llama_bench_reads_them() -> None:
-    assert b.parse_values("1,2", name="-t") == [1, 2]
-    assert b.parse_values("8-512*4", name="-b") == [8, 32, 128, 512]
-    assert b.parse_values("0-24+8", name="-d") == [0, 8, 16, 24]
+    assert sw.parse_values("1,2", name="-t") == [1, 2]
+    assert sw.parse_values("8-512*4", name="-b") == [8, 32, 128, 512]
+    assert sw.parse_values("0-24+8", name="-d") == [0, 8, 16, 24]
     for bad in ("x", "4-1", "1-8*1"):
         with pytest.raises(BadRequestError):
-            b.parse_values(bad, name="-b")
+            sw.parse_values(bad, name="-b")
 
 
 def parse(fmt: str, text: str) -> list[dict[str, object]]:
@@ -142,14 +143,14 @@ def test_scenarios_give_a_score(cli: CliRunner, home: Path) -> None:
     result = cli.invoke(app, ["bench", "--scenarios", "--scenario-scale", "0.004", "-r", "1",
                               "--no-history", "-o", "jsonl"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
-    assert len(result.stdout.splitlines()) == len(b.LOCALSCORE_SCENARIOS)
+    assert len(result.stdout.splitlines()) == len(ls.LOCALSCORE_SCENARIOS)
     assert re.search(r"score\s+[\d,.]+\s+\(LocalScore's formula", result.stderr)
 
 
 def test_tune_saves_settings_that_run_then_uses(
     cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch, model_path: str
 ) -> None:
-    monkeypatch.setattr(tuning, "SHAPES", (b.Shape(32, 0), b.Shape(0, 8, 16)))
+    monkeypatch.setattr(tuning, "SHAPES", (sw.Shape(32, 0), sw.Shape(0, 8, 16)))
     result = cli.invoke(app, ["bench", "--tune"])
     assert result.exit_code == 0, result.stderr
     saved = json.loads((home / "config" / "tuned.json").read_text())

@@ -1,0 +1,113 @@
+"""llama-bench's test shapes and option sweeps: `8-512*4` lists, and every combination of them."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from .errors import BadRequestError
+from .llamacpp import EngineConfig
+
+MAX_SWEEP_VALUES = 1000
+
+
+def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+    """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus).
+
+    Every value must lie in minimum..maximum (sizes are never negative; -ngl allows -1)."""
+    values: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(-?\d+)(?:-(\d+)(?:([*+])(\d+))?)?", part)
+        if not m:
+            raise BadRequestError(f"{name}: '{part}' is not a number, list or range like 8-512*4")
+        first = int(m.group(1))
+        if m.group(2) is None:
+            values.append(first)
+            continue
+        last, op, step = int(m.group(2)), m.group(3) or "+", int(m.group(4) or 1)
+        if (op == "*" and (step < 2 or first < 1)) or (op == "+" and step < 1) or last < first:
+            raise BadRequestError(f"{name}: the range '{part}' never ends or is empty")
+        value = first
+        while value <= last and len(values) <= MAX_SWEEP_VALUES:
+            values.append(value)
+            value = value * step if op == "*" else value + step
+        if len(values) > MAX_SWEEP_VALUES:
+            raise BadRequestError(f"{name}: '{part}' gives more than {MAX_SWEEP_VALUES} values")
+    for value in values:
+        if not minimum <= value <= maximum:
+            raise BadRequestError(f"{name}: {value} is out of range {minimum}..{maximum}")
+    return list(dict.fromkeys(values))
+
+
+def parse_words(text: str, *, name: str, allowed: Sequence[str]) -> list[str]:
+    """A comma list of names. Unknown names are kept: the run reports them as skipped."""
+    words = [w.strip().lower() for w in text.split(",") if w.strip()]
+    if not words:
+        raise BadRequestError(f"{name}: give one or more of {', '.join(allowed)}")
+    return list(dict.fromkeys(words))
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_prompt: int
+    n_gen: int
+    n_depth: int = 0
+
+    @property
+    def name(self) -> str:
+        parts = ([f"pp{self.n_prompt}"] if self.n_prompt else []) + (
+            [f"tg{self.n_gen}"] if self.n_gen else []
+        )
+        return "+".join(parts) + (f" @ d{self.n_depth}" if self.n_depth else "")
+
+    @property
+    def n_ctx_needed(self) -> int:
+        return self.n_depth + max(self.n_prompt, 1) + self.n_gen + 1
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One engine configuration of a sweep (None: the engine's default for this machine)."""
+
+    n_threads: int | None = None
+    n_batch: int | None = None
+    n_ubatch: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: str | None = None
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+    def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
+        return replace(
+            base, n_ctx=n_ctx, n_threads=self.n_threads, n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch, n_gpu_layers=self.n_gpu_layers, flash_attn=self.flash_attn,
+            cache_type_k=self.type_k, cache_type_v=self.type_v,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        """Compact, in llama-bench's short option names: t=2 b=512 ub=512 ngl=0 fa=off."""
+        names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
+                 "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv"}  # fmt: skip
+        return " ".join(f"{names[k]}={v}" for k, v in vars(self).items() if v is not None)
+
+
+def sweep(
+    *,
+    threads: Sequence[int | None],
+    batch: Sequence[int | None],
+    ubatch: Sequence[int | None],
+    gpu_layers: Sequence[int],
+    flash_attn: Sequence[str | None],
+    type_k: Sequence[str],
+    type_v: Sequence[str],
+) -> list[Combo]:
+    """Every combination, ordered so those sharing loaded weights (GPU layers) run together."""
+    return [
+        Combo(t, b, u, g, f, k, v)
+        for g, t, b, u, f, k, v in itertools.product(
+            gpu_layers, threads, batch, ubatch, flash_attn, type_k, type_v
+        )
+    ]
