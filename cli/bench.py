@@ -427,7 +427,8 @@ def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> S
         loaded = runner.load()
         system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
-    for line in system_lines(system, f"{m.name} · {model_facts(m)} · load {secs(loaded.load_s)}"):
+    facts = f"{m.name} · {model_facts(loaded)} · load {secs(loaded.load_s)}"
+    for line in system_lines(system, facts):
         err.print(line, markup=False)
     return system
 

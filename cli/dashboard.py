@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
-from llmrun.runners.stats import GenerationStats, ModelInfo, human_count, rate
+from llmrun.runners.stats import GenerationStats, human_count, rate
 
 from .report import ms, phase_sentence, ratio_text, secs, summary_rows, tps
 
@@ -37,9 +37,10 @@ BAR_CELLS = 34
 SPARK = "▁▂▃▄▅▆▇█"
 
 
-def model_facts(model: ModelInfo) -> str:
-    if model.architecture == "remote":
-        return f"served at {model.path}"
+def model_facts(loaded: ModelLoaded) -> str:
+    model = loaded.model
+    if loaded.endpoint is not None:
+        return f"served at {loaded.endpoint}"
     return (
         f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
         f" · {human_count(model.size_bytes, 'B')}"
@@ -121,7 +122,7 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
                   f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
         parts.append(_row("load", f"{secs(ld.load_s)} · {ld.model.name}"))
-        parts.append(_row("", f"{model_facts(ld.model)} · {engine}"))
+        parts.append(_row("", f"{model_facts(ld)} · {engine}"))
     p = state.prefill
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)

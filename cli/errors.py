@@ -84,9 +84,9 @@ def message(e: LlmrunError) -> str:
 
 def incomplete_message(stats: GenerationStats) -> str:
     """The one line for a server's stream that broke off (its text was kept)."""
-    x = stats.extra
-    return (f"llmrun: error: {x.get('endpoint')}: {x.get('error')}"
-            " (the text so far is kept, marked incomplete)")  # fmt: skip
+    where, what = ((stats.server.endpoint, stats.server.error) if stats.server is not None
+                   else ("llmrun", "the reply was cut off"))  # fmt: skip
+    return f"llmrun: error: {where}: {what} (the text so far is kept, marked incomplete)"
 
 
 def print_error(e: LlmrunError) -> None:

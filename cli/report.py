@@ -10,7 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.stats import Aggregate, GenerationStats, human_count, rate
+from llmrun.runners.stats import Aggregate, GenerationStats, ServerReport, human_count, rate
 from llmrun.runners.system import busy_machine, logical_cpus
 
 
@@ -31,8 +31,8 @@ def tps(value: float | None) -> str:
 def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     """The closing summary as (label, value) rows, in the words llama.cpp and Ollama users know."""
     s = stats
-    if s.extra.get("endpoint"):
-        return _remote_rows(s)
+    if s.server is not None:
+        return _remote_rows(s, s.server)
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
         m, st = s.model, s.settings
@@ -63,7 +63,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
-        ("output", f"{s.output_tokens} {s.extra.get('output_counted_as', 'tokens')}"
+        ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
                    f" [{s.finish_reason}]"),
         ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
@@ -82,32 +82,32 @@ def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
                         " are unreliable")]  # fmt: skip
 
 
-def _remote_rows(s: GenerationStats) -> list[tuple[str, str]]:
+def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:
     """A server's request: the client's view, and the server's own timings beside it."""
-    x = s.extra
     host = s.settings.backend if s.settings else "remote"
     prompt = (f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
               if s.prompt_tokens else "not reported by the server")  # fmt: skip
     rows = [
-        ("model", f"{x.get('server_model')} · {host}"),
+        ("model", f"{server.model} · {host}"),
         ("connect", f"{secs(s.load_s)} (GET /v1/models)"),
         ("prompt", prompt),
         ("ttft", f"{secs(s.ttft_s)} on the client: network, queueing and the server's prefill"),
     ]
-    if x.get("server_prompt_ms") is not None:
-        p_ms, p_n = float(x["server_prompt_ms"]), int(x.get("server_prompt_n") or 0)
-        d_ms, d_n = float(x.get("server_predicted_ms") or 0), int(x.get("server_predicted_n") or 0)
+    t = server.timings
+    if t is not None and t.prompt_ms is not None:
+        p_ms, p_n = t.prompt_ms, t.prompt_n or 0
+        d_ms, d_n = t.predicted_ms or 0.0, t.predicted_n or 0
         rows += [
             ("server", f"prefill {ms(p_ms / 1000)} for {p_n} tokens"
-                       f" ({x.get('server_cache_n') or 0} cached) · {tps(rate(p_n, p_ms / 1000))}"
+                       f" ({t.cache_n or 0} cached) · {tps(rate(p_n, p_ms / 1000))}"
                        f" · decode {ms(d_ms / 1000)} for {d_n} tokens"
                        f" · {tps(rate(d_n, d_ms / 1000))}"),
-            ("network", f"{ms(x.get('network_queue_ms', 0) / 1000)} of the TTFT was network and"
+            ("network", f"{ms((server.network_queue_ms or 0) / 1000)} of the TTFT was network and"
                         " queueing (client TTFT minus the server's prefill)"),
         ]  # fmt: skip
     rows += _output_rows(s)
-    if x.get("error"):
-        rows.append(("error", f"{x['error']}; the text so far is kept"))
+    if server.error:
+        rows.append(("error", f"{server.error}; the text so far is kept"))
     return rows
 
 

@@ -77,6 +77,7 @@ class ModelLoaded:
     model: ModelInfo
     settings: EngineSettings
     load_s: float
+    endpoint: str | None = None  # a remote server's (credentials redacted); None: in-process
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ from .stats import (
     GenerationStats,
     ModelInfo,
     PausedClock,
+    ServerReport,
+    ServerTimings,
 )
 
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
@@ -375,7 +377,7 @@ class OpenAIRunner:
             model=ModelInfo(
                 path=self.endpoint,
                 name=self.model_name.rsplit("/", 1)[-1],
-                architecture="remote",
+                architecture="",  # not known: the server does not say
                 quantization="-",
                 n_params=0,
                 size_bytes=0,
@@ -395,6 +397,7 @@ class OpenAIRunner:
                 repack=False,
             ),
             load_s=load_s,
+            endpoint=self.endpoint,
         )
         return self._loaded
 
@@ -504,23 +507,26 @@ class OpenAIRunner:
         if prompt is None and server_prompt_n is not None:
             prompt = server_prompt_n + (cached or 0)
         completion = _count(usage.get("completion_tokens"))
-        names = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "cache_n")
-        server = {k: (_count if k.endswith("_n") else _number)(timings.get(k)) for k in names}
-        extra: dict[str, Any] = {
-            "endpoint": self.endpoint,
-            "server_model": self.model_name,
-            "usage_reported": completion is not None or prompt is not None,
-            "output_chunks": len(times),
+        reported = ServerTimings(
+            prompt_n=server_prompt_n,
+            prompt_ms=_number(timings.get("prompt_ms")),
+            predicted_n=_count(timings.get("predicted_n")),
+            predicted_ms=_number(timings.get("predicted_ms")),
+            cache_n=_count(timings.get("cache_n")),
+        )
+        prompt_ms = reported.prompt_ms
+        report = ServerReport(
+            endpoint=self.endpoint,
+            model=self.model_name or "",
+            usage_reported=completion is not None or prompt is not None,
+            output_chunks=len(times),
             # Without usage, the output count is of stream chunks, which are not always tokens.
-            "output_counted_as": "tokens" if completion is not None else "chunks",
-        }
-        if error:
-            extra["error"] = error
-        if any(v is not None for v in server.values()):
-            extra.update({f"server_{k}": v for k, v in server.items()})
-        prompt_ms = server["prompt_ms"]
-        if times and prompt_ms is not None:
-            extra["network_queue_ms"] = times[0] * 1000 - prompt_ms
+            output_counted_as="tokens" if completion is not None else "chunks",
+            timings=reported if reported != ServerTimings() else None,
+            network_queue_ms=times[0] * 1000 - prompt_ms if times and prompt_ms is not None
+            else None,
+            error=error,
+        )  # fmt: skip
         return GenerationStats(
             finish_reason=finish,
             prompt_tokens=prompt or 0,
@@ -539,7 +545,7 @@ class OpenAIRunner:
             prefilled_tokens=server_prompt_n if prompt_ms is not None else None,
             model=loaded.model,
             settings=loaded.settings,
-            extra=extra,
+            server=report,
         )
 
 

@@ -100,13 +100,14 @@ def send(runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event) -> R
         return result
     s = finished.stats
     result.latency_s, result.itl_s = s.e2e_s, list(s.itl_s)
-    if s.extra.get("output_chunks"):
+    server = s.server
+    if server is not None and server.output_chunks:
         result.ttft_s = s.ttft_s
-    if s.extra.get("usage_reported") and s.prompt_tokens:
+    if server is not None and server.usage_reported and s.prompt_tokens:
         result.input_tokens = s.prompt_tokens
     result.output_tokens = s.output_tokens
     if s.finish_reason == FINISH_INCOMPLETE:
-        result.error = str(s.extra.get("error"))
+        result.error = str(server.error if server is not None else "incomplete")
     elif s.interrupted:
         result.error = "cancelled"
     elif result.ttft_s is None:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
@@ -80,6 +80,47 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class ServerTimings:
+    """A llama.cpp-style server's own account of a request (`timings`); None: not sent or not
+    a number."""
+
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    predicted_n: int | None = None
+    predicted_ms: float | None = None
+    cache_n: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """A request served by a remote server: where, which model, and what it reported."""
+
+    endpoint: str  # credentials redacted
+    model: str
+    usage_reported: bool
+    output_chunks: int
+    output_counted_as: str  # "tokens" (usage) or "chunks" (no usage: stream chunks counted)
+    timings: ServerTimings | None = None
+    network_queue_ms: float | None = None  # client TTFT minus the server's prefill
+    error: str | None = None  # the stream broke off; the text so far stands
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat fields llmrun's stats JSON has always carried for a server."""
+        data: dict[str, Any] = {
+            "endpoint": self.endpoint, "server_model": self.model,
+            "usage_reported": self.usage_reported, "output_chunks": self.output_chunks,
+            "output_counted_as": self.output_counted_as,
+        }  # fmt: skip
+        if self.error:
+            data["error"] = self.error
+        if self.timings is not None:
+            data.update({f"server_{k}": v for k, v in asdict(self.timings).items()})
+        if self.network_queue_ms is not None:
+            data["network_queue_ms"] = self.network_queue_ms
+        return data
+
+
+@dataclass(frozen=True)
 class GenerationStats:
     """Everything measured about one request. Times in seconds from the request's start.
 
@@ -115,7 +156,7 @@ class GenerationStats:
     background_cpus: float | None = None
     model: ModelInfo | None = None
     settings: EngineSettings | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    server: ServerReport | None = None  # set when a remote server ran the request
 
     @property
     def new_prompt_tokens(self) -> int:
@@ -180,7 +221,7 @@ class GenerationStats:
         """A flat JSON-ready record: measured fields, computed figures, model and settings."""
         data = asdict(self)
         data.pop("itl_s")
-        data.pop("extra")
+        data.pop("server")
         data["itl_ms"] = [round(x * 1000, 4) for x in self.itl_s]
         for name in (
             "new_prompt_tokens",
@@ -195,7 +236,8 @@ class GenerationStats:
             "python_overhead_per_token_ms",
         ):
             data[name] = getattr(self, name)
-        data.update(self.extra)
+        if self.server is not None:
+            data.update(self.server.to_dict())
         return data
 
 
