@@ -30,6 +30,7 @@ from llmrun.runners.errors import (
     LoadCancelledError,
     ModelLoadError,
     ModelNotFoundError,
+    NoServerModelError,
     PromptTooLongError,
     ServerError,
     ServerTimeoutError,
@@ -66,6 +67,7 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
     ServerTimeoutError: lambda e: "raise --timeout for slow servers",
+    NoServerModelError: lambda e: "name the server's model with -m/--model",
     ServerError: lambda e: "",
     EngineError: lambda e: "",
 }

@@ -123,3 +123,10 @@ class ServerTimeoutError(ServerError):
 class DefaultModelMissingError(LlmrunError):
     def __init__(self) -> None:
         super().__init__("the embedded default model is not installed")
+
+
+class NoServerModelError(ServerError):
+    """The server lists no model and none was named."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint, "/v1/models lists no model")

@@ -37,6 +37,7 @@ from .base import (
 )
 from .errors import (
     BadEndpointError,
+    NoServerModelError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -368,7 +369,7 @@ class OpenAIRunner:
         ids = [m.get("id") for m in (listing or {}).get("data", []) if isinstance(m, dict)]
         name = self.model_name or (ids[0] if ids else None)
         if not name:
-            raise ServerError(self.endpoint, "/v1/models lists no model; give one with --model")
+            raise NoServerModelError(self.endpoint)
         self.model_name = str(name)
         if not self._n_ctx:
             self._n_ctx = self._server_n_ctx()
