@@ -134,7 +134,7 @@ def run_serving(
     found: sv.InterferenceResult | None = None
     try:
         loaded = runner.load()
-        name = runner.model_name or loaded.model.name
+        name = runner.model_name or loaded.name
         err.print(
             f"server   {endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
             markup=False,

@@ -223,7 +223,7 @@ class ChatUI:
             with self.err.status("loading the model ..."):
                 loaded = self.conv.runner.load()
             self.show(
-                f"{loaded.model.name} · {model_facts(loaded)}\nload {secs(loaded.load_s)}"
+                f"{loaded.name} · {model_facts(loaded)}\nload {secs(loaded.load_s)}"
                 f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
                 "dim",
             )

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
-from llmrun.runners.stats import GenerationStats, human_count, rate
+from llmrun.runners.stats import EngineSettings, GenerationStats, ServerSettings, human_count, rate
 
 from .report import ms, phase_sentence, ratio_text, secs, summary_rows, tps
 
@@ -39,8 +39,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 def model_facts(loaded: ModelLoaded) -> str:
     model = loaded.model
-    if loaded.endpoint is not None:
-        return f"served at {loaded.endpoint}"
+    if isinstance(loaded.settings, ServerSettings) or model is None:
+        return f"served at {getattr(loaded.settings, 'endpoint', '?')}"
     return (
         f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
         f" · {human_count(model.size_bytes, 'B')}"
@@ -119,10 +119,13 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
-        engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
-                  f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
-        parts.append(_row("load", f"{secs(ld.load_s)} · {ld.model.name}"))
-        parts.append(_row("", f"{model_facts(ld)} · {engine}"))
+        parts.append(_row("load", f"{secs(ld.load_s)} · {ld.name}"))
+        if isinstance(st, EngineSettings):
+            engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
+                      f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
+            parts.append(_row("", f"{model_facts(ld)} · {engine}"))
+        else:
+            parts.append(_row("", model_facts(ld)))
     p = state.prefill
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)

@@ -84,7 +84,7 @@ def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
 
 def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:
     """A server's request: the client's view, and the server's own timings beside it."""
-    host = s.settings.backend if s.settings else "remote"
+    host = f"remote {server.host}"
     prompt = (f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
               if s.prompt_tokens else "not reported by the server")  # fmt: skip
     rows = [

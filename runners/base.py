@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from .stats import EngineSettings, GenerationStats, ModelInfo
+from .stats import EngineSettings, GenerationStats, ModelInfo, ServerSettings
 
 if TYPE_CHECKING:
     from .gguf import GGUFInfo
@@ -74,10 +74,29 @@ class LoadStarted:
 
 @dataclass(frozen=True)
 class ModelLoaded:
+    """The engine is ready: a local model's facts and settings, or a server's."""
+
+    model: ModelInfo | None  # None for a server: nothing is known about its weights
+    settings: EngineSettings | ServerSettings
+    load_s: float
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.settings, ServerSettings):
+            return self.settings.model
+        return self.model.name if self.model is not None else ""
+
+    @property
+    def n_ctx(self) -> int:
+        return self.settings.n_ctx
+
+
+@dataclass(frozen=True)
+class LocalLoaded(ModelLoaded):
+    """A model loaded in this process: its facts and the engine settings that run."""
+
     model: ModelInfo
     settings: EngineSettings
-    load_s: float
-    endpoint: str | None = None  # a remote server's (credentials redacted); None: in-process
 
 
 @dataclass(frozen=True)
@@ -105,7 +124,7 @@ class Finished:
     tail: str = ""  # text held back until the end (not yet sent in a Token event)
 
 
-Event = LoadStarted | ModelLoaded | PrefillProgress | Token | Finished
+Event = LoadStarted | ModelLoaded | LocalLoaded | PrefillProgress | Token | Finished
 
 
 class Runner(Protocol):
@@ -146,7 +165,9 @@ class BenchRunner(Runner, Protocol):
     model_path: str
     config: EngineConfig  # the settings it runs with (tuned values filled in)
 
-    def reconfigure(self, config: EngineConfig) -> ModelLoaded:
+    def load(self) -> LocalLoaded: ...
+
+    def reconfigure(self, config: EngineConfig) -> LocalLoaded:
         """Switch to other engine settings, reloading the weights only where they change."""
         ...
 

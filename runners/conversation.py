@@ -126,7 +126,7 @@ class Conversation:
     def to_dict(self) -> dict[str, Any]:
         loaded = self.runner.loaded
         return {
-            "model": loaded.model.name if loaded else None,
+            "model": loaded.name if loaded else None,
             "system": self.system,
             "n_ctx": self.n_ctx,
             "turns": [

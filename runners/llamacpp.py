@@ -33,7 +33,7 @@ from .base import (
     Event,
     Finished,
     LoadStarted,
-    ModelLoaded,
+    LocalLoaded,
     PrefillProgress,
     Request,
     SamplingParams,
@@ -276,7 +276,7 @@ class LlamaCppRunner:
         self._model: _Model | None = None
         self._ctx: _Context | None = None
         self._info: GGUFInfo | None = None
-        self._loaded: ModelLoaded | None = None
+        self._loaded: LocalLoaded | None = None
         self._formatter: Any = None
         self._cache: list[int] = []  # tokens whose KV entries are in the context (sequence 0)
         self._cancel = threading.Event()  # the running request's; read by the abort callback
@@ -288,10 +288,10 @@ class LlamaCppRunner:
     # ---- loading ----------------------------------------------------------------------
 
     @property
-    def loaded(self) -> ModelLoaded | None:
+    def loaded(self) -> LocalLoaded | None:
         return self._loaded
 
-    def load(self) -> ModelLoaded:
+    def load(self) -> LocalLoaded:
         """Check the file, load the weights and create the context (once)."""
         if self._loaded is not None:
             return self._loaded
@@ -301,7 +301,7 @@ class LlamaCppRunner:
         assert self._loaded is not None
         return self._loaded
 
-    def reconfigure(self, config: EngineConfig) -> ModelLoaded:
+    def reconfigure(self, config: EngineConfig) -> LocalLoaded:
         """Switch to other settings, reloading the weights only if they need it.
 
         A failure leaves the runner unloaded (the error says why); the next call starts afresh.
@@ -402,7 +402,7 @@ class LlamaCppRunner:
         gpu_layers = 0
         if gpu:
             gpu_layers = n_layer + 1 if cfg.n_gpu_layers < 0 else min(cfg.n_gpu_layers, n_layer + 1)
-        self._loaded = ModelLoaded(
+        self._loaded = LocalLoaded(
             model=ModelInfo(
                 path=self.model_path,
                 name=info.name,

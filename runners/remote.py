@@ -47,11 +47,10 @@ from .stats import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
     FINISH_STOP,
-    EngineSettings,
     GenerationStats,
-    ModelInfo,
     PausedClock,
     ServerReport,
+    ServerSettings,
     ServerTimings,
 )
 
@@ -375,30 +374,11 @@ class OpenAIRunner:
             self._n_ctx = self._server_n_ctx()
         host = urlsplit(self.conn.api).netloc
         self._loaded = ModelLoaded(
-            model=ModelInfo(
-                path=self.endpoint,
-                name=self.model_name.rsplit("/", 1)[-1],
-                architecture="",  # not known: the server does not say
-                quantization="-",
-                n_params=0,
-                size_bytes=0,
-                n_ctx_train=None,
-                has_chat_template=True,
-            ),
-            settings=EngineSettings(
-                backend=f"remote {host}",
-                n_ctx=self._n_ctx,
-                n_batch=0,
-                n_ubatch=0,
-                n_threads=0,
-                n_threads_batch=0,
-                n_gpu_layers=0,
-                gpu_offload=False,
-                flash_attn="-",
-                repack=False,
+            model=None,
+            settings=ServerSettings(
+                endpoint=self.endpoint, host=host, model=self.model_name, n_ctx=self._n_ctx
             ),
             load_s=load_s,
-            endpoint=self.endpoint,
         )
         return self._loaded
 
@@ -519,6 +499,7 @@ class OpenAIRunner:
         report = ServerReport(
             endpoint=self.endpoint,
             model=self.model_name or "",
+            host=urlsplit(self.conn.api).netloc,
             usage_reported=completion is not None or prompt is not None,
             output_chunks=len(times),
             # Without usage, the output count is of stream chunks, which are not always tokens.
@@ -544,8 +525,6 @@ class OpenAIRunner:
             # The client's wait: network, queue and the server's tokenization included.
             first_token_s=times[0] if times else None,
             prefilled_tokens=server_prompt_n if prompt_ms is not None else None,
-            model=loaded.model,
-            settings=loaded.settings,
             server=report,
         )
 

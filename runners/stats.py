@@ -80,6 +80,17 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class ServerSettings:
+    """What is known of a remote engine: where it is, which model, its context (0: unknown).
+    Nothing about weights, threads or batches: the server does not say."""
+
+    endpoint: str  # credentials redacted
+    host: str
+    model: str
+    n_ctx: int
+
+
+@dataclass(frozen=True)
 class ServerTimings:
     """A llama.cpp-style server's own account of a request (`timings`); None: not sent or not
     a number."""
@@ -97,6 +108,7 @@ class ServerReport:
 
     endpoint: str  # credentials redacted
     model: str
+    host: str
     usage_reported: bool
     output_chunks: int
     output_counted_as: str  # "tokens" (usage) or "chunks" (no usage: stream chunks counted)
