@@ -269,8 +269,9 @@ def test_bench_results_reach_stdout_whatever_the_history(
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
     assert records and records[0]["n_prompt"] == 8
-    warning = [ln for ln in result.stderr.decode().splitlines() if "llmrun: warning:" in ln]
-    assert len(warning) == 1 and "bench history" in warning[0] and "not stored" in warning[0]
+    # (a busy machine may add its own warning: only the history's is counted)
+    warning = [ln for ln in result.stderr.decode().splitlines() if "llmrun: warning: bench" in ln]
+    assert len(warning) == 1 and "not stored" in warning[0], result.stderr
 
 
 def test_history_lists_runs_around_a_damaged_row(tmp_path: Path, cli: CliRunner) -> None:
