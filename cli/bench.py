@@ -384,8 +384,8 @@ def bench(
                     flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                     reps=reps, ctx=ctx, seed=seed, scenarios=scenarios,
                 )  # fmt: skip
-                code = _sweep(model, sweep, cancel, err, show, output=output, plot=plot,
-                              compare=compare, store=not no_history)  # fmt: skip
+                to = Output(format=output, plot=plot, compare=compare, store=not no_history)
+                code = _sweep(model, sweep, cancel, err, show, to)
         raise typer.Exit(code)
 
 
@@ -451,17 +451,23 @@ def _tune(model: str | None, cancel: threading.Event, err: Console) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Output:
+    """Where a run's results go: stdout's format, a chart file, the history, a comparison."""
+
+    format: out.OutputFormat | None
+    plot: Path | None
+    compare: bool
+    store: bool
+
+
 def _sweep(
     model: str | None,
     sweep: Sweep,
     cancel: threading.Event,
     err: Console,
     show: Console,
-    *,
-    output: out.OutputFormat | None,
-    plot: Path | None,
-    compare: bool,
-    store: bool,
+    output: Output,
 ) -> int:
     """llama-bench's tests over every combination of settings; results printed and stored."""
     runner = make_bench_runner(model, EngineConfig())
@@ -472,8 +478,7 @@ def _sweep(
         results, skipped = _measure(runner, base, combos, sweep, cancel, err)
     finally:
         runner.close()
-    return _report(results, skipped, system, sweep, cancel, err, show, output=output, plot=plot,
-                   compare=compare, store=store)  # fmt: skip
+    return _report(results, skipped, system, sweep, cancel, err, show, output)
 
 
 def _measure(
@@ -514,11 +519,7 @@ def _report(
     cancel: threading.Event,
     err: Console,
     show: Console,
-    *,
-    output: out.OutputFormat | None,
-    plot: Path | None,
-    compare: bool,
-    store: bool,
+    output: Output,
 ) -> int:
     """Skips, results (stored before printing), extras, chart file and comparison."""
     for s in skipped:
@@ -530,13 +531,13 @@ def _report(
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
     model = results[0].model.name if results else ""
     changes = out.store_and_print(
-        records, kind="local", model=model, system=vars(system), output=output, show=show,
-        table=out.results_table(records), store=store, compare=compare,
+        records, kind="local", model=model, system=vars(system), output=output.format,
+        show=show, table=out.results_table(records), store=output.store, compare=output.compare,
     )  # fmt: skip
     _extras(records, results, show, scenarios=sweep.scenarios)
-    if plot is not None and records:
-        bench_plot.plot(records, plot)
-        err.print(f"charts written to {plot}")
+    if output.plot is not None and records:
+        bench_plot.plot(records, output.plot)
+        err.print(f"charts written to {output.plot}")
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0

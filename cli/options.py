@@ -183,27 +183,6 @@ System = Annotated[
 ]
 
 
-def engine_config(
-    *,
-    ctx: int | None,
-    batch: int | None,
-    ubatch: int | None,
-    threads: int | None,
-    gpu_layers: int,
-    flash_attn: FlashAttn | None,
-    repack: bool | None,
-) -> EngineConfig:
-    return EngineConfig(
-        n_ctx=ctx,
-        n_batch=batch,
-        n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
-        n_threads=threads,
-        n_gpu_layers=gpu_layers,
-        flash_attn=flash_attn.value if flash_attn else None,
-        repack=repack,
-    )
-
-
 def sampling_params(
     *,
     max_tokens: int,
@@ -263,5 +242,12 @@ def local_engine(
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
     }  # fmt: skip
     refuse_for_endpoint(endpoint, local)
-    return engine_config(ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
-                         gpu_layers=gpu_layers, flash_attn=flash_attn, repack=repack)  # fmt: skip
+    return EngineConfig(
+        n_ctx=ctx,
+        n_batch=batch,
+        n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
+        n_threads=threads,
+        n_gpu_layers=gpu_layers,
+        flash_attn=flash_attn.value if flash_attn else None,
+        repack=repack,
+    )
