@@ -158,6 +158,9 @@ def run_case(
                 sys.stdout.flush()
                 sys.stderr.flush()
             except BaseException:
+                import traceback
+
+                traceback.print_exc()  # judged a failure, with the reason in stderr
                 code = 99
             os._exit(code)
         deadline = time.monotonic() + CASE_TIMEOUT_S
@@ -185,6 +188,7 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
     shutil.copyfile(model, copy)
     fields, header_end = scan(copy)
     # Load everything the child needs once, here (fork shares it); no computation in the parent.
+    import llmrun.cli.app  # noqa: F401 (main() imports it; import it before any fork)
     import llmrun.cli.main  # noqa: F401
     from llmrun.runners.llamacpp import llama_lib
 
