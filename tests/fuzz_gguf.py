@@ -188,7 +188,7 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
     shutil.copyfile(model, copy)
     fields, header_end = scan(copy)
     # Load everything the child needs once, here (fork shares it); no computation in the parent.
-    import llmrun.cli.app  # noqa: F401 (main() imports it; import it before any fork)
+    import llmrun.cli.app  # main() imports it; it must be imported before any fork
     import llmrun.cli.main  # noqa: F401
     from llmrun.runners.llamacpp import llama_lib
 
