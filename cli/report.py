@@ -10,7 +10,14 @@ from typing import Any
 from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.stats import Aggregate, GenerationStats, ServerReport, human_count, rate
+from llmrun.runners.stats import (
+    FINISH_CONTEXT,
+    Aggregate,
+    GenerationStats,
+    ServerReport,
+    human_count,
+    rate,
+)
 from llmrun.runners.system import busy_machine, logical_cpus
 
 
@@ -64,12 +71,20 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
         ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
-                   f" [{s.finish_reason}]"),
+                   f" [{s.finish_reason}]" + _context_hint(s)),
         ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
                 f" · max {ms(s.itl_max_s)}"),
         ("total", secs(s.e2e_s) + (f" · seed {s.seed}" if s.seed is not None else "")),
     ]  # fmt: skip
+
+
+def _context_hint(s: GenerationStats) -> str:
+    """Output cut by a full context is not -n's doing: say so, and what to change."""
+    if s.finish_reason != FINISH_CONTEXT:
+        return ""
+    n_ctx = s.settings.n_ctx if s.settings else 0
+    return f": the {n_ctx}-token context is full (raise -c/--ctx or shorten the prompt)"
 
 
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:

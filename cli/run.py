@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import threading
 from enum import Enum
@@ -155,6 +157,20 @@ def run(
         raise typer.Exit(code)
 
 
+def stdout_may_reach_this_terminal() -> bool:
+    """Whether text on stdout may land on the terminal that stderr draws on without being the
+    terminal itself: a pipe or socket (`| cat`, `| tee out.txt`, `| less`), whose reader prints
+    it there. A live panel on stderr would redraw over those lines. A regular file or
+    /dev/null cannot."""
+    if sys.stdout is None or sys.stdout.isatty():
+        return False
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
 def _run_jobs(
     runner: Runner,
     jobs: list[Job],
@@ -169,11 +185,15 @@ def _run_jobs(
     out: TextSink = TextOut(cancel=cancel)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     dash: Dashboard | None = None
+    final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and sys.stderr.isatty():
-        dash = Dashboard(Console(stderr=True, highlight=False),
-                         show_text=sys.stdout.isatty() and not json_out)  # fmt: skip
-        if dash.show_text:
-            out = dash
+        if stdout_may_reach_this_terminal():
+            final_panel = True  # `| cat`, `| tee`: live redraws would erase the piped text
+        else:
+            dash = Dashboard(Console(stderr=True, highlight=False),
+                             show_text=sys.stdout.isatty() and not json_out)  # fmt: skip
+            if dash.show_text:
+                out = dash
     view: EventView | None = dash
     many = len(jobs) > 1
     done: list[GenerationStats] = []
@@ -218,6 +238,8 @@ def _run_jobs(
                         err.print(f"[bold]{job.label}[/bold]")
                     if dash is not None:
                         dash.console.print(render(s))
+                    elif final_panel:
+                        err.print(render(s))
                     else:
                         for line in summary_lines(s):
                             err.print(line, markup=False)

@@ -52,6 +52,7 @@ from .gguf import GGUFInfo, read_gguf
 from .limits import MAX_CTX, SettingError, check_engine, check_memory, estimate_memory
 from .probe import repack_verdict
 from .stats import (
+    FINISH_CONTEXT,
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -678,8 +679,11 @@ class LlamaCppRunner:
             if text.stopped:
                 out.finish = FINISH_STOP
                 break
-            if len(out.times) >= sp.max_tokens or len(self._cache) >= n_ctx:
+            if len(out.times) >= sp.max_tokens:
                 out.finish = FINISH_LENGTH
+                break
+            if len(self._cache) >= n_ctx:  # no room for the next token's KV entry
+                out.finish = FINISH_CONTEXT
                 break
             if cancel.is_set():
                 out.finish = FINISH_INTERRUPTED

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
-FINISH_LENGTH = "length"  # --max-tokens reached or the context is full
+FINISH_LENGTH = "length"  # --max-tokens reached
+FINISH_CONTEXT = "context"  # the context filled up before --max-tokens
 FINISH_INTERRUPTED = "interrupted"  # Ctrl-C or a closed output
 FINISH_INCOMPLETE = "incomplete"  # a server's stream broke off (killed, malformed, timed out)
 

@@ -1,0 +1,66 @@
+"""The dashboard and chat as people use a terminal (pipes on a terminal, full contexts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from .conftest import which_llmrun
+
+pytestmark = pytest.mark.model
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([which_llmrun(), *args], env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str]) -> None:
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counting does not stop by itself
+    cut = run(["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--no-dashboard", prompt],
+              llmrun_env)  # fmt: skip
+    assert cut.returncode == 0, cut.stderr
+    assert "[context]: the 256-token context is full (raise -c/--ctx" in cut.stderr
+    stats = run(["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--stats", "json",
+                 prompt], llmrun_env)  # fmt: skip
+    record = json.loads(stats.stderr.strip().splitlines()[-1])
+    assert record["finish_reason"] == "context"
+    assert record["prompt_tokens"] + record["output_tokens"] == record["settings"]["n_ctx"] + 1
+    # -n reached first is still "length", with no hint
+    short = run(["run", "--raw", "-c", "256", "-n", "5", "--temp", "0", "--no-dashboard", prompt],
+                llmrun_env)  # fmt: skip
+    assert "5 tokens [length]" in short.stderr and "context is full" not in short.stderr
+
+
+REDRAW = ("\x1b[1A", "\x1b[2K", "\x1b[A")  # cursor up / erase line: how a live panel redraws
+
+
+@pytest.mark.pty
+@pytest.mark.parametrize("columns", [60, 100])
+def test_piping_on_a_terminal_keeps_the_answer(
+    llmrun_env: dict[str, str], tmp_path: Path, columns: int
+) -> None:
+    env = {**llmrun_env, "COLUMNS": str(columns), "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    base = f"{which_llmrun()} run --raw -n 40 --temp 0 '1, 2, 3, 4,'"
+
+    def screen(command: str) -> str:
+        child = pexpect.spawn("bash", ["-c", command], env=env, dimensions=(40, columns),
+                              encoding="utf-8", timeout=120)  # fmt: skip
+        child.expect(pexpect.EOF)
+        child.close()
+        return str(child.before)
+
+    piped = screen(base + " | cat")
+    assert "5, 6, 7" in piped  # the answer, as cat printed it, is there ...
+    assert not any(code in piped for code in REDRAW), repr(piped[-400:])  # ... and never redrawn
+    assert "prefill" in piped and "tok/s" in piped  # the closing summary still comes
+    # Control: into a file, the live panel runs (and the file gets the text).
+    out = tmp_path / "out.txt"
+    filed = screen(f"{base} > {out}")
+    assert any(code in filed for code in REDRAW)
+    assert "5, 6, 7" in out.read_text()
