@@ -8,11 +8,13 @@ every line is one user turn and only the replies are printed, so a conversation 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import typer
 from rich.console import Console, RenderableType
@@ -21,6 +23,7 @@ from rich.text import Text
 
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import LlmrunError
+from llmrun.runners.limits import check_sampling
 from llmrun.runners.paths import state_dir
 from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, GenerationStats
 
@@ -44,13 +47,22 @@ PROMPT = ">>> "
 CONTINUATION = "... "
 BLOCK = '"""'
 METER_CELLS = 24
+# Ollama's parameter names -> llmrun's sampling fields.
+OLLAMA_PARAMETERS = {
+    "temperature": "temperature", "num_predict": "max_tokens", "top_k": "top_k",
+    "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed",
+    "stop": "stop",
+}  # fmt: skip
 HELP = f"""\
 /help             this list
 /stats            the full summary of the last reply; /stats all: a table of every turn
 /reset            forget the conversation (the system prompt stays)
 /system [TEXT]    show or set the system prompt
 /save FILE        save the transcript with per-turn stats (FILE.json or FILE.md)
-/exit             leave (also Ctrl-D, or Ctrl-C on an empty prompt)
+/set parameter NAME VALUE   change a sampling setting for the next turns, as in Ollama
+                  (temperature, num_predict, top_k, top_p, min_p, repeat_penalty, seed, stop)
+/show info        the model and the engine settings
+/exit             leave (also /bye, Ctrl-D, or Ctrl-C on an empty prompt)
 {BLOCK}               start and end a message of several lines
 Ctrl-C during a reply stops it; what was said stays in the conversation."""
 
@@ -60,8 +72,17 @@ def turn_line(stats: GenerationStats) -> str:
     s = stats
     return (
         f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {secs(s.ttft_s)}"
-        f" · prompt {s.prompt_tps or 0:,.0f} tok/s · output {s.output_tps or 0:,.0f} tok/s"
+        f" · prompt {significant(s.prompt_tps)} tok/s · output {significant(s.output_tps)} tok/s"
     )
+
+
+def significant(value: float | None) -> str:
+    """A rate with three significant digits at most: 153, 24.6, 2.4, 0.42 (not 2 or 0)."""
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if value >= 1 else f"{value:.2g}"
 
 
 def context_meter(used: int, n_ctx: int) -> Text:
@@ -304,6 +325,8 @@ class ChatUI:
             "/reset": self._reset,
             "/system": self._system,
             "/save": self._save,
+            "/set": self._set,
+            "/show": self._show,
             "/exit": lambda a: True,
             "/quit": lambda a: True,
             "/bye": lambda a: True,
@@ -311,6 +334,7 @@ class ChatUI:
         action = actions.get(name.lower())
         if action is None:
             self.err.print(Text(f"unknown command {name}; /help lists them", style="red"))
+            self.failed = True  # a script that says it wrongly exits 1
             return False
         return bool(action(arg))
 
@@ -324,6 +348,47 @@ class ChatUI:
             last = done[-1].stats
             assert last is not None
             self.err.print(render(last))
+
+    def _set(self, arg: str) -> None:
+        """Ollama's `/set parameter NAME VALUE`, checked like the command-line options."""
+        words = arg.split(maxsplit=2)
+        if len(words) != 3 or words[0] != "parameter":
+            self._usage("usage: /set parameter NAME VALUE")
+            return
+        name, value = words[1].lower(), words[2]
+        field = OLLAMA_PARAMETERS.get(name)
+        if field is None:
+            self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
+            return
+        try:
+            parsed: object = (tuple(v for v in value.split("|") if v) if field == "stop"
+                              else int(value) if field in ("max_tokens", "top_k", "seed")
+                              else float(value))  # fmt: skip
+            changes: dict[str, Any] = {field: parsed}
+            sampling = dataclasses.replace(self.conv.sampling, **changes)
+            check_sampling(sampling)
+        except (ValueError, LlmrunError) as e:
+            self._usage(f"/set parameter {name}: {e}")
+            return
+        self.conv.sampling = sampling
+        self.err.print(Text(f"{name} = {value} for the next turns", style="dim"))
+
+    def _usage(self, text: str) -> None:
+        self.err.print(Text(text, style="red"), soft_wrap=True)
+        self.failed = True
+
+    def _show(self, arg: str) -> None:
+        if arg.strip() != "info":
+            self._usage("usage: /show info")
+            return
+        loaded = self.conv.runner.load()
+        sp = self.conv.sampling
+        self.err.print(Text(f"{loaded.name} · {model_facts(loaded)}", style="dim"), soft_wrap=True)
+        self.err.print(Text(
+            f"context {self.conv.n_ctx} · temperature {sp.temperature:g} · num_predict"
+            f" {sp.max_tokens} · top_k {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g}"
+            f" · repeat_penalty {sp.repeat_penalty:g} · seed {sp.seed}", style="dim"),
+            soft_wrap=True)  # fmt: skip
 
     def _reset(self, arg: str) -> None:
         self.conv.reset()
@@ -345,6 +410,7 @@ class ChatUI:
             self.conv.save(path)
         except LlmrunError as e:
             self.error(e)
+            self.failed = True
             return
         self.err.print(Text(f"saved {len(self.conv.turns)} turns to {path}", style="dim"))
 
@@ -368,6 +434,7 @@ def chat(
     batch: o.Batch = None,
     ubatch: o.Ubatch = None,
     threads: o.Threads = None,
+    threads_batch: o.ThreadsBatch = None,
     gpu_layers: o.GpuLayers = 0,
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
@@ -379,6 +446,7 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
+        o.warn_if_seed(system)
         sampling = o.sampling_params(
             max_tokens=max_tokens,
             temp=temp,
@@ -391,7 +459,8 @@ def chat(
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
-            gpu_layers=gpu_layers, flash_attn=flash_attn, repack=repack,
+            threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
+            repack=repack,
         )  # fmt: skip
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:

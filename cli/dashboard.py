@@ -87,13 +87,13 @@ class LiveState:
 
 
 def sparkline(values: list[float]) -> str:
-    """One block character per value, scaled between the smallest and largest."""
+    """One block character per value, on a scale from zero to the largest: ordinary 14-28 ms
+    gaps are bars of half height, not spikes, and a real stall stands out."""
     if not values:
         return ""
-    low, high = min(values), max(values)
-    span = high - low
+    high = max(values)
     top = len(SPARK) - 1
-    return "".join(SPARK[round((v - low) / span * top) if span > 0 else 0] for v in values)
+    return "".join(SPARK[round(max(v, 0.0) / high * top) if high > 0 else 0] for v in values)
 
 
 def _row(label: str, *content: str | tuple[str, str] | Text) -> Text:
@@ -129,7 +129,7 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     p = state.prefill
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
-        cached = f" ({p.reused_tokens} cached)" if p.reused_tokens else ""
+        cached = f" ({p.reused_tokens} reused)" if p.reused_tokens else ""
         parts.append(_row(
             "prefill", _bar(p.done_tokens, p.total_tokens),
             f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}",

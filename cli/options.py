@@ -6,6 +6,7 @@ over. `engine_config` and `sampling_params` turn the parsed values into the runn
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from enum import Enum
 from typing import Annotated
@@ -46,7 +47,7 @@ Model = Annotated[
 Ctx = Annotated[
     int | None,
     typer.Option(
-        "-c", "--ctx", envvar="LLMRUN_CTX", min=0,
+        "-c", "--ctx", "--ctx-size", envvar="LLMRUN_CTX", min=0,
         help="Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
@@ -75,6 +76,14 @@ Threads = Annotated[
         help="CPU threads. (default: physical cores, or the tuned value)",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
+    ),
+]  # fmt: skip
+ThreadsBatch = Annotated[
+    int | None,
+    typer.Option(
+        "-tb", "--threads-batch", min=1,
+        help="CPU threads for prefill (llama.cpp's n_threads_batch). (default: --threads)",
+        rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip
 GpuLayers = Annotated[
@@ -131,7 +140,7 @@ Timeout = Annotated[
 
 MaxTokens = Annotated[
     int,
-    typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.",
+    typer.Option("-n", "--max-tokens", "--n-predict", min=1, help="Most tokens to generate.",
                  rich_help_panel=SAMPLING_PANEL),
 ]  # fmt: skip
 Temp = Annotated[
@@ -179,8 +188,16 @@ NoDashboard = Annotated[
 ]  # fmt: skip
 System = Annotated[
     str | None,
-    typer.Option("-s", "--system", help="System prompt.", show_default=False),
-]
+    typer.Option("-s", "--system", help="System prompt (in llama.cpp, -s is the seed: that is"
+                 " --seed here).", show_default=False),
+]  # fmt: skip
+
+
+def warn_if_seed(system: str | None) -> None:
+    """`-s 42` is the seed in llama.cpp; here it is the system prompt. Keep it, but say so."""
+    if system is not None and system.strip().lstrip("+-").isdigit():
+        print(f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
+              " seed is --seed", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def sampling_params(
@@ -230,6 +247,7 @@ def local_engine(
     batch: int | None,
     ubatch: int | None,
     threads: int | None,
+    threads_batch: int | None,
     gpu_layers: int,
     flash_attn: FlashAttn | None,
     repack: bool | None,
@@ -238,6 +256,7 @@ def local_engine(
     (the context size does: it sizes chat's context meter and the overflow policy)."""
     local: dict[str, object] = {
         "-b/--batch": batch, "--ubatch": ubatch, "-t/--threads": threads,
+        "-tb/--threads-batch": threads_batch,
         "-ngl/--gpu-layers": gpu_layers, "--flash-attn": flash_attn,
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
     }  # fmt: skip
@@ -247,6 +266,7 @@ def local_engine(
         n_batch=batch,
         n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
         n_threads=threads,
+        n_threads_batch=threads_batch,
         n_gpu_layers=gpu_layers,
         flash_attn=flash_attn.value if flash_attn else None,
         repack=repack,

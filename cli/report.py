@@ -14,6 +14,7 @@ from llmrun.runners.stats import (
     FINISH_CONTEXT,
     Aggregate,
     GenerationStats,
+    ModelInfo,
     ServerReport,
     human_count,
     rate,
@@ -45,7 +46,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         m, st = s.model, s.settings
         rows.append((
             "model",
-            f"{m.name} {m.quantization} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
+            f"{display_name(m)} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
             f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else "")
             + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
         ))  # fmt: skip
@@ -75,8 +76,16 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
         ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
                 f" · max {ms(s.itl_max_s)}"),
-        ("total", secs(s.e2e_s) + (f" · seed {s.seed}" if s.seed is not None else "")),
+        ("total", secs(s.e2e_s) + " (from the request: load not included)"
+                  + (f" · seed {s.seed}" if s.seed is not None else "")),
     ]  # fmt: skip
+
+
+def display_name(m: ModelInfo) -> str:
+    """The file name with its quantization, once (SmolLM2-135M-Instruct.Q4_1, not ... Q4_1)."""
+    if m.quantization and m.quantization.lower() not in m.name.lower():
+        return f"{m.name} {m.quantization}"
+    return m.name
 
 
 def _context_hint(s: GenerationStats) -> str:
@@ -147,11 +156,12 @@ def phase_sentence(stats: GenerationStats) -> str:
         return f"No output; the prompt phase took {secs(ttft)}."
     if ttft >= s.decode_s:
         return (
-            f"Prefill dominated the wait: {secs(ttft)} ({ttft / wait:.0%}) before the"
-            f" first token against {secs(s.decode_s)} of decode."
+            f"Prefill dominated the wait: {secs(ttft)} ({ttft / wait:.0%} of TTFT + decode)"
+            f" before the first token against {secs(s.decode_s)} of decode."
         )
     return (
-        f"Decode dominated the wait: {secs(s.decode_s)} ({s.decode_s / wait:.0%}) generating"
+        f"Decode dominated the wait: {secs(s.decode_s)} ({s.decode_s / wait:.0%} of TTFT + decode)"
+        " generating"
         f" {s.output_tokens} tokens against {secs(ttft)} to the first token."
     )
 

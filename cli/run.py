@@ -111,6 +111,7 @@ def run(
     batch: o.Batch = None,
     ubatch: o.Ubatch = None,
     threads: o.Threads = None,
+    threads_batch: o.ThreadsBatch = None,
     gpu_layers: o.GpuLayers = 0,
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
@@ -126,6 +127,7 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
+        o.warn_if_seed(system)
         sampling = o.sampling_params(
             max_tokens=max_tokens,
             temp=temp,
@@ -138,7 +140,8 @@ def run(
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
-            gpu_layers=gpu_layers, flash_attn=flash_attn, repack=repack,
+            threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
+            repack=repack,
         )  # fmt: skip
         jobs = collect_jobs(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,

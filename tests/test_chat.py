@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.conversation import Conversation
 from llmrun.runners.errors import BadRequestError, PromptTooLongError
+from llmrun.runners.llamacpp import EngineConfig
 
 from .fake import FakeRunner
 
@@ -96,3 +98,37 @@ def test_piped_chat_warns_before_the_context_overflows_and_drops_oldest(
     assert warned < dropped  # said before it happened
     assert fake.requests[-1].messages[0].content == "keep me"
     assert len(result.stdout.splitlines()) == 6
+
+
+def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
+    script = ("/set parameter temperature 0.2\n/set parameter num_predict 7\n"
+              "/set parameter stop END|STOP\n/show info\nhello\n/bye\nnot sent\n")  # fmt: skip
+    result = cli.invoke(app, ["chat"], input=script)
+    assert result.exit_code == 0, result.stderr
+    sp = fake.requests[-1].sampling
+    assert (sp.temperature, sp.max_tokens, sp.stop) == (0.2, 7, ("END", "STOP"))
+    assert "temperature 0.2 · num_predict 7" in " ".join(result.stderr.split())
+    assert [r.messages[-1].content for r in fake.requests] == ["hello"]  # /bye left
+
+
+@pytest.mark.parametrize("line", ["/set parameter temperature -1", "/set parameter bogus 1",
+                                  "/set temperature 1", "/show nothing", "/unknown"])  # fmt: skip
+def test_a_bad_command_in_a_script_exits_1(cli: CliRunner, fake: FakeRunner, line: str) -> None:
+    result = cli.invoke(app, ["chat"], input=f"{line}\nhi\n")
+    assert result.exit_code == 1, result.stderr
+    assert result.stdout == "hi\n"  # the rest of the script still ran
+
+
+def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
+    cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[EngineConfig] = []
+    monkeypatch.setattr(engine, "RUNNER_FACTORY", lambda m, c: seen.append(c) or fake)
+    result = cli.invoke(app, ["run", "--n-predict", "2", "--ctx-size", "128", "-tb", "2",
+                              "-s", "42", "one two three"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert fake.requests[-1].sampling.max_tokens == 2
+    assert (seen[0].n_ctx, seen[0].n_threads_batch) == (128, 2)
+    assert "-s 42 sets the system prompt here; llama.cpp's seed is --seed" in result.stderr
+    quiet = cli.invoke(app, ["run", "-s", "be brief", "hi"])
+    assert "seed" not in quiet.stderr

@@ -38,13 +38,13 @@ def test_summary_has_every_figure_and_fits_80_columns() -> None:
         "load     0.250 s", "1000 tokens (800 new, 200 reused)", "prefill  2.000 s · 400.0 tok/s",
         "ttft     2.005 s = template+tokenize 4.0 ms + prefill 2,000.0 ms + first sample 1.0 ms",
         "101 tokens [length]", "decode   1.100 s · 90.9 tok/s",
-        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3.200 s · seed 42",
+        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3.200 s (from the request: load not included) · seed 42",
         "prompt is 4.4x output",
     ]:  # fmt: skip
         assert " ".join(expected.split()) in " ".join(out.split()), expected
     bars = {m.group(1): len(m.group(2)) for m in re.finditer(r"(prompt|output) tok/s\s+(█+)", out)}
     assert bars["prompt"] > bars["output"] * 4  # one scale for both bars
-    assert "Prefill dominated the wait: 2.005 s (65%)" in out.replace("\n", " ")
+    assert "Prefill dominated the wait: 2.005 s (65% of TTFT + decode)" in out.replace("\n", " ")
 
 
 def test_phase_sentence_names_decode_when_it_dominates() -> None:
@@ -53,7 +53,9 @@ def test_phase_sentence_names_decode_when_it_dominates() -> None:
         template_tokenize_s=0.0, prefill_s=0.1, first_sample_s=0.0, itl_s=(0.5, 0.5),
         e2e_s=1.1, load_s=0.1,
     )  # fmt: skip
-    assert phase_sentence(long_decode).startswith("Decode dominated the wait: 1.000 s (91%)")
+    assert phase_sentence(long_decode).startswith(
+        "Decode dominated the wait: 1.000 s (91% of TTFT + decode)"
+    )
     plain = summary_lines(long_decode)
     assert plain[-2] == "rates    prompt 100.0 tok/s vs output 2.0 tok/s: prompt is 50.0x output"
 
@@ -66,7 +68,7 @@ def test_live_panel_through_the_phases() -> None:
     state.apply(PrefillProgress(600, 1000, 200, 1.0))
     out = text_of(render_live(state))
     assert "0.500 s · fake-model" in out and "1 threads · batch 4 · ngl 0" in out
-    assert "600/1000 tokens (200 cached) · 400.0 tok/s" in out
+    assert "600/1000 tokens (200 reused) · 400.0 tok/s" in out  # the summary's word
     for i, t in enumerate([1.0, 1.01, 1.03, 1.04]):
         state.apply(Token(i, "x", t))
     out = text_of(render_live(state))
@@ -80,9 +82,10 @@ def test_waiting_for_a_server_shows_the_wait() -> None:
     assert "for the first token" not in text_of(render_live(state, 12.0))
 
 
-def test_sparkline_scales_between_extremes() -> None:
-    assert sparkline([1.0, 2.0, 3.0]) == "▁▅█"
-    assert sparkline([2.0, 2.0]) == "▁▁" and sparkline([]) == ""
+def test_sparkline_is_anchored_at_zero() -> None:
+    assert sparkline([1.0, 2.0, 4.0]) == "▃▅█"
+    assert sparkline([14.0, 28.0, 20.0]) == "▅█▆"  # ordinary gaps: not "▁█▄", not spikes
+    assert sparkline([2.0, 2.0]) == "██" and sparkline([]) == "" and sparkline([0.0]) == "▁"
 
 
 def test_no_color_drops_colors_but_keeps_the_bars(monkeypatch: pytest.MonkeyPatch) -> None:
