@@ -61,6 +61,9 @@ class LiveState:
     last_token_s: float = 0.0
     gaps_s: deque[float] = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
     started_s: float | None = None  # perf_counter() when the request was handed over
+    prefill_started_s: float | None = None  # perf_counter() at the first prefill event
+    prefill_at_s: float | None = None  # ... and at the latest one
+    prefill_rate: float | None = None  # prompt tok/s measured last (here or in an earlier request)
     pending: list[str] = field(default_factory=list)  # finished lines not yet scrolled out
     line: str = ""  # the text line being written (when the text goes through the dashboard)
 
@@ -72,8 +75,13 @@ class LiveState:
                 self.gaps_s.append(event.t_s - self.last_token_s)
             self.last_token_s = event.t_s
             self.tokens = event.index + 1
-        elif isinstance(event, PrefillProgress):
-            self.prefill = event
+        elif isinstance(event, PrefillProgress):  # once per chunk: a clock read is cheap here
+            now = time.perf_counter()
+            if self.prefill is None:
+                self.prefill_started_s = now
+            self.prefill, self.prefill_at_s = event, now
+            if event.elapsed_s > 0 and event.done_tokens > event.reused_tokens:
+                self.prefill_rate = (event.done_tokens - event.reused_tokens) / event.elapsed_s
         elif isinstance(event, LoadStarted):
             self.path, self.loading, self.load_seen = event.path, True, True
         elif isinstance(event, ModelLoaded):
@@ -101,8 +109,22 @@ def _row(label: str, *content: str | tuple[str, str] | Text) -> Text:
 
 
 def _bar(done: int, total: int, cells: int = 20) -> Text:
+    """Done and to do differ by glyph, not by colour alone (NO_COLOR keeps them apart)."""
     filled = min(cells, round(done / total * cells)) if total > 0 else 0
-    return Text.assemble(("━" * filled, "bar.complete"), ("━" * (cells - filled), "bar.back"))
+    return Text.assemble(("━" * filled, "bar.complete"), ("╌" * (cells - filled), "bar.back"))
+
+
+def _prefill_estimate(state: LiveState, p: PrefillProgress, now_s: float | None) -> tuple[int, str]:
+    """Between chunks (seconds each on a slow machine) the counts stand still: show the time
+    so far and, from the last measured prefill rate, an estimate of the tokens done."""
+    if p.done_tokens >= p.total_tokens or now_s is None or state.prefill_started_s is None:
+        return p.done_tokens, ""
+    text = f" · {max(0.0, now_s - state.prefill_started_s):.1f} s"
+    if not state.prefill_rate or state.prefill_at_s is None:
+        return p.done_tokens, text
+    since = max(0.0, now_s - state.prefill_at_s)
+    estimate = min(p.total_tokens - 1, p.done_tokens + int(state.prefill_rate * since))
+    return estimate, text + f" · ~{estimate} est."
 
 
 def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
@@ -130,9 +152,10 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
         cached = f" ({p.reused_tokens} reused)" if p.reused_tokens else ""
+        shown, moving = _prefill_estimate(state, p, now_s)
         parts.append(_row(
-            "prefill", _bar(p.done_tokens, p.total_tokens),
-            f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}",
+            "prefill", _bar(shown, p.total_tokens),
+            f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}{moving}",
         ))  # fmt: skip
     waiting = p is None and state.first_token_s is None and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
@@ -239,8 +262,9 @@ class Dashboard:
         self._stop()
 
     def _start(self) -> None:
-        loaded = self.state.loaded
-        self.state = LiveState(loaded=loaded, started_s=time.perf_counter())
+        old = self.state  # the model and its last prefill rate carry over to the next request
+        self.state = LiveState(loaded=old.loaded, started_s=time.perf_counter(),
+                               prefill_rate=old.prefill_rate)  # fmt: skip
         self._line_cells = 0
         self._width = self.console.width
         self.live = _TextLive(

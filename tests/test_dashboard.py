@@ -113,3 +113,25 @@ def test_text_through_the_dashboard_keeps_every_character() -> None:
     dash.close()
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert " ".join(out.split()) == " ".join(" ".join(words).split())
+
+
+def test_prefill_shows_time_and_a_moving_estimate_between_chunks() -> None:
+    state = LiveState(prefill=PrefillProgress(0, 994, 0, 0.0), prefill_started_s=10.0,
+                      prefill_at_s=10.0, prefill_rate=100.0)  # fmt: skip
+    at_2s = text_of(render_live(state, now_s=12.0))
+    at_3s = text_of(render_live(state, now_s=13.0))
+    assert "0/994 tokens" in at_2s and "2.0 s" in at_2s and "~200 est." in at_2s
+    assert "3.0 s" in at_3s and "~300 est." in at_3s  # it moves with no event in between
+    unknown = text_of(render_live(LiveState(prefill=PrefillProgress(0, 994, 0, 0.0),
+                                            prefill_started_s=10.0), now_s=14.5))  # fmt: skip
+    assert "4.5 s" in unknown and "est." not in unknown  # no rate yet: the clock alone
+    done = text_of(render_live(LiveState(prefill=PrefillProgress(994, 994, 0, 2.0),
+                                         prefill_started_s=10.0), now_s=20.0))  # fmt: skip
+    assert "est." not in done and "994/994" in done
+
+
+def test_the_prefill_bar_tells_done_from_to_do_without_colour() -> None:
+    empty = text_of(render_live(LiveState(prefill=PrefillProgress(0, 41, 0, 0.0))))
+    full = text_of(render_live(LiveState(prefill=PrefillProgress(41, 41, 0, 0.1))))
+    assert "╌" * 20 in empty and "━" not in empty  # text_of renders without colour
+    assert "━" * 20 in full and "╌" not in full
