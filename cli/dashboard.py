@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.cells import cell_len
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.spinner import Spinner
 from rich.table import Table
@@ -179,18 +179,34 @@ def bars(
     *,
     width: int = BAR_CELLS,
     label_cells: int | None = None,
-) -> Table:
-    """Horizontal bars on one scale: (label, value, style); a missing value shows as "-"."""
-    top = max((v or 0.0 for _, v, _ in rows), default=0.0)
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(width=label_cells)
-    grid.add_column(width=width)
-    grid.add_column(justify="right")
-    for label, value, style in rows:
-        cells = max(1, round(value / top * width)) if value and top > 0 else 0
-        grid.add_row(label, Text("█" * cells, style=style),
-                     "-" if value is None else f"{value:,.1f}")  # fmt: skip
-    return grid
+) -> RenderableType:
+    """Horizontal bars on one scale: (label, value, style); a missing value shows as "-".
+
+    The bars get what the terminal leaves after the labels and the numbers: on a narrow one
+    the decoration shrinks, never the figures."""
+    return _Bars(list(rows), width, label_cells)
+
+
+@dataclass(frozen=True)
+class _Bars:
+    rows: list[tuple[str, float | None, str]]
+    width: int
+    label_cells: int | None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        numbers = ["-" if v is None else f"{v:,.1f}" for _, v, _ in self.rows]
+        label = self.label_cells or max((len(lb) for lb, _, _ in self.rows), default=0)
+        room = options.max_width - label - max((len(n) for n in numbers), default=1) - 2
+        width = max(1, min(self.width, room))
+        top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(width=label, no_wrap=True)
+        grid.add_column(width=width, no_wrap=True)
+        grid.add_column(justify="right", no_wrap=True)
+        for (name, value, style), number in zip(self.rows, numbers, strict=True):
+            cells = max(1, round(value / top * width)) if value and top > 0 else 0
+            grid.add_row(name, Text("█" * cells, style=style), number)
+        yield grid
 
 
 def rate_bars(stats: GenerationStats) -> RenderableType:

@@ -135,3 +135,17 @@ def test_the_prefill_bar_tells_done_from_to_do_without_colour() -> None:
     full = text_of(render_live(LiveState(prefill=PrefillProgress(41, 41, 0, 0.1))))
     assert "╌" * 20 in empty and "━" not in empty  # text_of renders without colour
     assert "━" * 20 in full and "╌" not in full
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_every_view_keeps_its_numbers_at_any_width(width: int) -> None:
+    summary = text_of(render(STATS), width=width)
+    assert all(len(line) <= width for line in summary.splitlines())
+    flat = " ".join(summary.split())
+    for figure in ("400.0", "90.9", "4.4x output", "101 tokens", "2.005 s", "seed 42"):
+        assert figure in flat, (width, figure)
+    live = LiveState(prefill=PrefillProgress(600, 1000, 200, 1.0), prefill_started_s=1.0,
+                     prefill_at_s=1.0, prefill_rate=400.0)  # fmt: skip
+    panel = text_of(render_live(live, now_s=1.5), width=width)
+    assert all(len(line) <= width for line in panel.splitlines())
+    assert "600/1000" in " ".join(panel.split()) and "400.0 tok/s" in " ".join(panel.split())
