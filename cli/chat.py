@@ -108,7 +108,8 @@ def turns_table(turns: list[Turn]) -> Table:
         if s is None:
             table.add_row(str(i), "-", "-", "-", "-", "-", FINISH_INTERRUPTED)
             continue
-        end = s.finish_reason + ("" if turn.in_context else ", dropped")
+        end = s.finish_reason + (", cleared" if turn.cleared else
+                                 "" if turn.in_context else ", dropped")  # fmt: skip
         table.add_row(
             str(i), f"{s.new_prompt_tokens}+{s.reused_tokens}", ms(s.ttft_s),
             f"{s.prompt_tps or 0:,.1f}", str(s.output_tokens), f"{s.output_tps or 0:,.1f}", end,
@@ -301,6 +302,8 @@ class ChatUI:
         self.out.end_line()
         if turn.stats is not None:
             self.show(turn_line(turn.stats), "dim")
+            if turn.note:
+                self.show(f"note: {turn.note}", "dim")
             self.show(context_meter(conv.used_tokens, conv.n_ctx))
         if turn.interrupted or turn.stats is None:
             self.show("[interrupted] the reply so far stays in the conversation", "yellow")

@@ -25,7 +25,10 @@ class Turn:
     user: str
     reply: str = ""
     stats: GenerationStats | None = None
-    in_context: bool = True  # False once dropped by the overflow policy
+    in_context: bool = True  # False once dropped by the overflow policy or cleared by /reset
+    system: str | None = None  # the system prompt this turn ran with
+    cleared: bool = False  # before a /reset: kept for transcripts and /stats, not in context
+    note: str = ""  # why the KV cache prefix broke, where it did
 
     @property
     def interrupted(self) -> bool:
@@ -53,6 +56,8 @@ class Conversation:
     def used_tokens(self) -> int:
         """Tokens in the context after the last turn (its prompt plus its reply)."""
         for turn in reversed(self.turns):
+            if turn.cleared:
+                return 0  # /reset emptied the context
             if turn.stats is not None:
                 return turn.stats.prompt_tokens + turn.stats.output_tokens
         return 0
@@ -106,9 +111,25 @@ class Conversation:
 
     def record(self, user: str, reply: str, stats: GenerationStats | None) -> Turn:
         """Keep a finished (or interrupted: stats None or marked so) turn in the history."""
-        turn = Turn(user, reply, stats)
+        turn = Turn(user, reply, stats, system=self.system, note=self._prefix_note(stats))
         self.turns.append(turn)
         return turn
+
+    def _prefix_note(self, stats: GenerationStats | None) -> str:
+        """Why fewer tokens were reused than the cache held after the last turn: the template
+        renders the last reply with other tokens than were generated (emoji, odd spacing), so
+        everything from there on is prefilled again. Said rather than left as a mystery."""
+        last = next((t for t in reversed(self.turns) if t.in_context and t.stats), None)
+        if stats is None or last is None or last.stats is None or stats.reused_tokens == 0:
+            return ""
+        held = last.stats.prompt_tokens + last.stats.output_tokens
+        lost = held - stats.reused_tokens
+        if lost <= 2:  # the end-of-turn markers are rendered anew by design
+            return ""
+        return (
+            f"{lost} of the {held} cached tokens were prefilled again: the chat template"
+            " renders the previous reply with other tokens than were generated"
+        )
 
     def say(self, user: str, *, cancel: threading.Event | None = None) -> Turn:
         """One whole turn without a terminal: begin, run to the end, record."""
@@ -117,8 +138,10 @@ class Conversation:
         return self.record(user, finished.text, finished.stats)
 
     def reset(self) -> None:
-        """Forget every turn (the system prompt stays) and the KV cache."""
-        self.turns.clear()
+        """Take every turn out of the context (the system prompt stays) and clear the KV cache.
+        The turns stay in transcripts and /stats, marked as cleared."""
+        for turn in self.turns:
+            turn.in_context, turn.cleared = False, True
         self.runner.reset()
 
     # ---- transcripts -------------------------------------------------------------------
@@ -134,6 +157,9 @@ class Conversation:
                     "user": t.user,
                     "assistant": t.reply,
                     "in_context": t.in_context,
+                    "cleared_by_reset": t.cleared,
+                    "system": t.system,
+                    "note": t.note or None,
                     "stats": t.stats.to_dict() if t.stats else None,
                 }
                 for t in self.turns
@@ -143,14 +169,19 @@ class Conversation:
     def to_markdown(self) -> str:
         data = self.to_dict()
         lines = [f"# Chat with {data['model'] or 'a model'}", ""]
-        if self.system:
-            lines += [f"**System:** {self.system}", ""]
+        system: str | None = None
         for i, t in enumerate(self.turns, 1):
-            lines += [f"## Turn {i}", "", f"**User:** {t.user}", "", "**Assistant:**", "",
-                      t.reply, ""]  # fmt: skip
+            if t.system != system:  # where it changed, not the current one on top
+                system = t.system
+                lines += [f"**System:** {system or '(none from here on)'}", ""]
+            cleared = " (before /reset)" if t.cleared else ""
+            lines += [f"## Turn {i}{cleared}", "", f"**User:** {t.user}", "", "**Assistant:**",
+                      "", t.reply, ""]  # fmt: skip
+            if t.note:
+                lines += [f"*Note: {t.note}.*", ""]
             if t.stats is not None:
                 s = t.stats
-                flags = ("" if t.in_context else ", dropped from the context") + (
+                flags = ("" if t.in_context or t.cleared else ", dropped from the context") + (
                     ", interrupted" if t.interrupted else ""
                 )
                 lines += [

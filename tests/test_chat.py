@@ -132,3 +132,33 @@ def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
     assert "-s 42 sets the system prompt here; llama.cpp's seed is --seed" in result.stderr
     quiet = cli.invoke(app, ["run", "-s", "be brief", "hi"])
     assert "seed" not in quiet.stderr
+
+
+def test_reset_and_system_changes_stay_in_the_record(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    script = (f"first\n/reset\n/system be brief\nsecond\n/stats all\n"
+              f"/save {tmp_path / 't.json'}\n/save {tmp_path / 't.md'}\n")  # fmt: skip
+    result = cli.invoke(app, ["chat"], input=script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.stderr
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert [t["user"] for t in saved["turns"]] == ["first", "second"]  # /reset erased nothing
+    assert [t["cleared_by_reset"] for t in saved["turns"]] == [True, False]
+    assert [t["system"] for t in saved["turns"]] == [None, "be brief"]
+    md = (tmp_path / "t.md").read_text()
+    assert md.index("## Turn 1 (before /reset)") < md.index("**System:** be brief")
+    assert md.index("**System:** be brief") < md.index("## Turn 2")  # where it changed
+    assert "cleared" in result.stderr  # /stats all shows the cleared turn
+    assert [m.content for m in fake.requests[-1].messages] == ["be brief", "second"]
+
+
+def test_a_broken_cache_prefix_is_explained() -> None:
+    from llmrun.runners.stats import GenerationStats
+
+    conv = Conversation(FakeRunner(), SamplingParams())
+    base = dict(template_tokenize_s=0, prefill_s=0, first_sample_s=0, itl_s=(), e2e_s=0, load_s=0)
+    conv.record("a", "x", GenerationStats("stop", 20, 0, 10, **base))  # type: ignore[arg-type]
+    kept = conv.record("b", "y", GenerationStats("stop", 40, 29, 5, **base))  # type: ignore[arg-type]
+    broke = conv.record("c", "z", GenerationStats("stop", 60, 20, 5, **base))  # type: ignore[arg-type]
+    assert kept.note == ""  # 30 held, 29 reused: the end-of-turn markers, as designed
+    assert broke.note.startswith("25 of the 45 cached tokens were prefilled again")
