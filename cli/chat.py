@@ -47,6 +47,7 @@ PROMPT = ">>> "
 CONTINUATION = "... "
 BLOCK = '"""'
 METER_CELLS = 24
+LEAVE_HINT = "(to leave, press Ctrl-D or type /exit)"
 # Ollama's parameter names -> llmrun's sampling fields.
 OLLAMA_PARAMETERS = {
     "temperature": "temperature", "num_predict": "max_tokens", "top_k": "top_k",
@@ -62,7 +63,7 @@ HELP = f"""\
 /set parameter NAME VALUE   change a sampling setting for the next turns, as in Ollama
                   (temperature, num_predict, top_k, top_p, min_p, repeat_penalty, seed, stop)
 /show info        the model and the engine settings
-/exit             leave (also /bye, Ctrl-D, or Ctrl-C on an empty prompt)
+/exit             leave (also /bye or Ctrl-D; Ctrl-C only clears the line)
 {BLOCK}               start and end a message of several lines
 Ctrl-C during a reply stops it; what was said stays in the conversation."""
 
@@ -146,6 +147,8 @@ def _readline() -> ModuleType | None:
     with contextlib.suppress(OSError):
         readline.read_history_file(path)
     readline.set_history_length(1000)
+    # A paste of several lines is one message (as in Ollama and IPython), not one per line.
+    readline.parse_and_bind("set enable-bracketed-paste on")
 
     def save() -> None:
         with contextlib.suppress(OSError):
@@ -231,10 +234,10 @@ class ChatUI:
             except KeyboardInterrupt:
                 if not self.interactive:
                     raise
-                pending = self.readline.get_line_buffer() if self.readline else ""
+                # Ctrl-C clears the line; at an empty prompt it may have been meant for a reply
+                # that just ended, so it never ends the conversation: say how to leave.
                 self._end_prompt_line()
-                if not pending:
-                    return None
+                self.show(LEAVE_HINT, "dim")
 
     # ---- the loop ----------------------------------------------------------------------
 

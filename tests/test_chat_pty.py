@@ -86,14 +86,36 @@ def test_ctrl_c_stops_a_reply_keeps_it_and_chat_goes_on(
     _, reused_after = turn(child, "Hello")
     assert reused_after == 0
     child.sendline(f"/save {tmp_path}/chat.md")
-    child.expect_exact("saved 1 turns")
+    child.expect_exact("saved 3 turns")  # /reset cleared the context, not the record
     child.expect_exact(PROMPT)
-    child.sendintr()  # Ctrl-C on an empty prompt leaves
+    child.sendintr()  # Ctrl-C on an empty prompt (meant for a reply just ended) stays
+    child.expect_exact("(to leave, press Ctrl-D or type /exit)")
+    child.expect_exact(PROMPT)
+    child.sendeof()
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
     md = (tmp_path / "chat.md").read_text()
-    assert "## Turn 1" in md and "**User:** Hello" in md and "## Turn 2" not in md
+    assert "## Turn 1 (before /reset)" in md and "## Turn 3" in md and "**User:** Hello" in md
+
+
+def test_a_paste_of_several_lines_is_one_message(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    child = spawn(llmrun_env, tmp_path, "-n", "4")
+    child.expect_exact(PROMPT)
+    # What a terminal sends for a bracketed paste of three lines, then Enter.
+    child.send("\x1b[200~first line\nsecond line\nthird line\x1b[201~")
+    child.send("\r")
+    child.expect(TURN)
+    child.expect_exact(PROMPT)
+    child.sendline(f"/save {tmp_path}/paste.json")
+    child.expect_exact("saved 1 turns")  # one turn, not three
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    turns = json.loads((tmp_path / "paste.json").read_text())["turns"]
+    assert [t["user"] for t in turns] == ["first line\nsecond line\nthird line"]
 
 
 def test_stdout_to_a_file_gets_the_replies_alone(
