@@ -17,7 +17,8 @@ from types import ModuleType
 from typing import Any
 
 import typer
-from rich.console import Console, RenderableType
+from rich import box
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -40,7 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
-from .report import ms, secs
+from .report import secs
 from .session import TextOut, TextSink, ctrl_c_cancels, drive
 
 PROMPT = ">>> "
@@ -100,20 +101,49 @@ def context_meter(used: int, n_ctx: int) -> Text:
     )
 
 
-def turns_table(turns: list[Turn]) -> Table:
-    table = Table(title="turns", title_justify="left")
-    for name in ("#", "new+reused", "TTFT", "prompt tok/s", "out", "output tok/s", "end"):
-        table.add_column(name, justify="left" if name in ("#", "end") else "right")
+def turns_view(turns: list[Turn], width: int) -> RenderableType:
+    """The /stats all view: a table where it fits; below 60 columns one line per turn, which
+    wraps but never crops a figure."""
+    if width >= 60:
+        return turns_table(turns)
+    lines = []
     for i, turn in enumerate(turns, 1):
+        state = " (cleared)" if turn.cleared else "" if turn.in_context else " (dropped)"
         s = turn.stats
         if s is None:
-            table.add_row(str(i), "-", "-", "-", "-", "-", FINISH_INTERRUPTED)
+            lines.append(Text(f"{i}{state}: interrupted before its stats"))
             continue
-        end = s.finish_reason + (", cleared" if turn.cleared else
-                                 "" if turn.in_context else ", dropped")  # fmt: skip
+        ttft = "-" if s.ttft_s is None else significant(s.ttft_s * 1000)
+        lines.append(Text(
+            f"{i}{state}: {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ttft} ms"
+            f" · prompt {significant(s.prompt_tps)} tok/s · {s.output_tokens} out"
+            f" · output {significant(s.output_tps)} tok/s · {s.finish_reason}"))  # fmt: skip
+    return Group(Text("turns", style="bold"), *lines)
+
+
+def turns_table(turns: list[Turn]) -> Table:
+    """Every turn's figures; no vertical rules, units in the headers and the context status as
+    a mark on the turn's number, so that the numbers fit whole on a 40-column terminal."""
+    marks = {"cleared": "c", "dropped": "d"}
+    table = Table(title="turns", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True, caption="c: cleared by /reset, d: dropped",
+                  caption_justify="left")  # fmt: skip
+    for name in ("#", "new+\nreused", "TTFT\nms", "prompt\ntok/s", "out", "output\ntok/s",
+                 "end"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("#", "end") else "right",
+                         no_wrap=name != "end", overflow="fold")  # fmt: skip
+    for i, turn in enumerate(turns, 1):
+        state = "cleared" if turn.cleared else "" if turn.in_context else "dropped"
+        number = f"{i}{marks.get(state, '')}"
+        s = turn.stats
+        if s is None:
+            table.add_row(number, "-", "-", "-", "-", "-", FINISH_INTERRUPTED)
+            continue
+        ttft = "-" if s.ttft_s is None else significant(s.ttft_s * 1000)
         table.add_row(
-            str(i), f"{s.new_prompt_tokens}+{s.reused_tokens}", ms(s.ttft_s),
-            f"{s.prompt_tps or 0:,.1f}", str(s.output_tokens), f"{s.output_tps or 0:,.1f}", end,
+            number, f"{s.new_prompt_tokens}+{s.reused_tokens}", ttft,
+            significant(s.prompt_tps), str(s.output_tokens), significant(s.output_tps),
+            s.finish_reason,
         )  # fmt: skip
     return table
 
@@ -349,7 +379,7 @@ class ChatUI:
         if not done:
             self.err.print("no reply yet")
         elif arg == "all":
-            self.err.print(turns_table(self.conv.turns))
+            self.err.print(turns_view(self.conv.turns, self.err.width))
         else:
             last = done[-1].stats
             assert last is not None

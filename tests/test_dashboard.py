@@ -149,3 +149,18 @@ def test_every_view_keeps_its_numbers_at_any_width(width: int) -> None:
     panel = text_of(render_live(live, now_s=1.5), width=width)
     assert all(len(line) <= width for line in panel.splitlines())
     assert "600/1000" in " ".join(panel.split()) and "400.0 tok/s" in " ".join(panel.split())
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_stats_all_never_crops_a_figure(width: int) -> None:
+    from llmrun.cli.chat import turns_view
+    from llmrun.runners.conversation import Turn
+
+    turns = [Turn("a", "x", STATS), Turn("b", "y", STATS, in_context=False),
+             Turn("c", "z", STATS, in_context=False, cleared=True)]  # fmt: skip
+    out = text_of(turns_view(turns, width), width=width)
+    assert all(len(line) <= width for line in out.splitlines())
+    flat = " ".join(out.split())
+    assert "…" not in out and flat.count("800+200") + flat.count("800 new + 200") == 3
+    for figure in ("2,005", "400", "90.9", "101"):
+        assert figure in flat, (width, figure)

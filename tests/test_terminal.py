@@ -9,7 +9,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from .conftest import which_llmrun
+from .conftest import ROOT, which_llmrun
 
 pytestmark = pytest.mark.model
 
@@ -64,3 +64,17 @@ def test_piping_on_a_terminal_keeps_the_answer(
     filed = screen(f"{base} > {out}")
     assert any(code in filed for code in REDRAW)
     assert "5, 6, 7" in out.read_text()
+
+
+@pytest.mark.pty
+def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[str, str]) -> None:
+    env = {**llmrun_env, "COLUMNS": "100", "TERM": "xterm-256color"}
+    child = pexpect.spawn(which_llmrun(), ["run", "-f", str(ROOT / "examples" / "long_prompt.txt"), "-n", "2",
+                                          "--temp", "0", "-b", "512"],
+                          env=env, dimensions=(40, 100), encoding="utf-8", timeout=120)  # fmt: skip
+    # While the first 512-token chunk runs the count is 0/N, yet the clock moves: 0.x s ...
+    child.expect(r"0/(\d+) tokens[^\n]*· (\d+\.\d) s")
+    total, first = child.match.group(1), float(child.match.group(2))
+    child.expect(rf"0/{total} tokens[^\n]*· (\d+\.\d) s")
+    assert float(child.match.group(1)) > first  # ... and again, later, with the same count
+    child.expect(pexpect.EOF)
