@@ -61,27 +61,25 @@ def logical_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def ram_bytes() -> int | None:
+def _meminfo_bytes(key: str) -> int | None:
+    """One /proc/meminfo figure ("MemTotal", "MemAvailable") in bytes, or None."""
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def ram_bytes() -> int | None:
+    return _meminfo_bytes("MemTotal")
 
 
 def available_memory_bytes() -> int | None:
     """Memory that new allocations can get without swapping (MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _meminfo_bytes("MemAvailable")
 
 
 def memory_bandwidth(
