@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pexpect
+import pyte
 import pytest
 
 from .conftest import ROOT, which_llmrun
@@ -78,3 +80,33 @@ def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[st
     child.expect(rf"0/{total} tokens[^\n]*· (\d+\.\d) s")
     assert float(child.match.group(1)) > first  # ... and again, later, with the same count
     child.expect(pexpect.EOF)
+
+
+def final_screen(args: list[str], env: dict[str, str], columns: int) -> list[str]:
+    """Everything a terminal of this width shows at the end, scrollback included (pyte)."""
+    screen = pyte.HistoryScreen(columns, 40, history=2000, ratio=0.5)
+    stream = pyte.ByteStream(screen)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(40, columns), timeout=120)
+    while True:
+        try:
+            stream.feed(child.read_nonblocking(4096, timeout=120))
+        except pexpect.EOF:
+            break
+    child.close()
+    history = ["".join(ch.data for ch in row.values()).rstrip() for row in screen.history.top]
+    return history + [line.rstrip() for line in screen.display]
+
+
+@pytest.mark.pty
+@pytest.mark.parametrize("columns", [40, 60, 80, 120])
+def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: int) -> None:
+    env = {**llmrun_env, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    prompt = ", ".join(str(i) for i in range(1, 40)) + ","
+    lines = final_screen(["run", "--raw", "-n", "40", "--temp", "0", "-b", "16", prompt],
+                         env, columns)  # fmt: skip
+    text = "\n".join(lines)
+    assert not any(re.search(r"\d+/\d+ tokens", ln) for ln in lines), text  # no live prefill row
+    assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
+    assert sum(ln.startswith("decode ") for ln in lines) == 1, text
+    assert "40, 41, 42" in " ".join(text.split())  # the answer, whole
