@@ -24,7 +24,8 @@ from llmrun.runners import results as res
 from llmrun.runners import sweep as sw
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig
+from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.stats import human_count
 from llmrun.runners.system import SystemInfo, physical_cores
 from llmrun.runners.tuning import save_tuned, search

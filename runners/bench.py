@@ -24,8 +24,8 @@ from typing import Any
 
 from .base import BenchRunner, Finished, Request, SamplingParams, Token
 from .errors import LlmrunError, ModelLoadError
-from .limits import CACHE_TYPE_BYTES
-from .llamacpp import CACHE_TYPES, FLASH_ATTN, EngineConfig
+from .limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
+from .llamacpp import EngineConfig
 from .results import Result
 from .sweep import Combo, Shape
 from .system import background_cpus, cpu_sample

@@ -25,11 +25,13 @@ MAX_TOKENS = 1 << 24
 MAX_SEED = 2**32 - 1
 GGML_MAX_THREADS = 512
 
-# Bytes per KV cache element, by llama.cpp's cache type names.
+FLASH_ATTN = ("auto", "on", "off")
+# Bytes per KV cache element, by llama.cpp's cache type names (also the types llmrun accepts).
 CACHE_TYPE_BYTES = {
     "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
     "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
 }  # fmt: skip
+CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 
 
 class SettingError(BadRequestError):
@@ -89,13 +91,13 @@ def check_engine(config: Any, where: str = "") -> None:
     _int_in(where, "n_threads", config.n_threads, 1, max_threads(), threads_why)
     _int_in(where, "n_threads_batch", config.n_threads_batch, 1, max_threads(), threads_why)
     _int_in(where, "n_gpu_layers", config.n_gpu_layers, -1, 1 << 16)
-    if config.flash_attn is not None and config.flash_attn not in ("auto", "on", "off"):
+    if config.flash_attn is not None and config.flash_attn not in FLASH_ATTN:
         raise SettingError(where, f"flash_attn must be auto, on or off, not {config.flash_attn!r}")
     if config.repack is not None and not isinstance(config.repack, bool):
         raise SettingError(where, f"repack must be true or false, not {config.repack!r}")
     for name in ("cache_type_k", "cache_type_v"):
         value = getattr(config, name)
-        if value not in CACHE_TYPE_BYTES:
+        if value not in CACHE_TYPES:
             raise SettingError(
                 where, f"{name} {value!r} is not one of {', '.join(CACHE_TYPE_BYTES)}"
             )

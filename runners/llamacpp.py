@@ -49,7 +49,13 @@ from .errors import (
     PromptTooLongError,
 )
 from .gguf import GGUFInfo, read_gguf
-from .limits import MAX_CTX, SettingError, check_engine, check_memory, estimate_memory
+from .limits import (
+    MAX_CTX,
+    SettingError,
+    check_engine,
+    check_memory,
+    estimate_memory,
+)
 from .probe import repack_verdict
 from .stats import (
     FINISH_CONTEXT,
@@ -66,8 +72,6 @@ from .text import TextStream
 
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
-FLASH_ATTN = ("auto", "on", "off")
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 # What llama.cpp logged last: the reason a model failed to load is only there.
 LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
@@ -151,7 +155,7 @@ def llama_lib() -> Any:
     return _lib
 
 
-def last_log_error(default: str = "no reason given") -> str:
+def last_log_error() -> str:
     """The reason llama.cpp logged for a failure: the telling line before its generic
     "failed to load model" / "failed to initialize" conclusion, with llama.cpp's prefixes cut."""
     lines = [" ".join(ln.split()) for ln in list(LOG_LINES) if ln.strip()]
@@ -165,7 +169,7 @@ def last_log_error(default: str = "no reason given") -> str:
     for ln in reversed(lines):
         if any(w in ln.lower() for w in telling):
             return _strip_log_prefix(ln)
-    return _strip_log_prefix(lines[-1]) if lines else default
+    return _strip_log_prefix(lines[-1]) if lines else "no reason given"
 
 
 def _strip_log_prefix(line: str) -> str:
@@ -380,7 +384,7 @@ class LlamaCppRunner:
         }[flash_attn]
         for name, value in (("type_k", cfg.cache_type_k), ("type_v", cfg.cache_type_v)):
             ggml_type = getattr(lib, f"GGML_TYPE_{value.upper()}", None)
-            if value not in CACHE_TYPES or ggml_type is None:
+            if ggml_type is None:  # a type check_engine accepts but this llama.cpp lacks
                 raise ModelLoadError(self.model_path, f"unknown KV cache type '{value}'")
             setattr(cparams, name, ggml_type)
         cparams.no_perf = False
