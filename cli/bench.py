@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from llmrun.runners import bench as b
 from llmrun.runners import localscore as ls
@@ -37,7 +38,7 @@ from .bench_serving import run_serving
 from .dashboard import model_facts
 from .engine import make_bench_runner
 from .errors import EXIT_INTERRUPTED, StdoutConsole, handled
-from .report import secs
+from .report import ms
 from .session import ctrl_c_cancels
 
 PANEL = "Tests (llama-bench's)"
@@ -49,17 +50,27 @@ def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
     return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False)
 
 
-def system_lines(system: SystemInfo, model: str) -> list[str]:
+def system_rows(system: SystemInfo, model: str) -> list[tuple[str, str]]:
     ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
     return [
-        f"cpu      {system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
-        f" · RAM {ram}",
-        f"memory   {bw} (streaming copy)",
-        f"gpu      {system.gpu}",
-        f"build    {system.build} · {system.features}",
-        f"model    {model}",
-    ]
+        ("cpu", f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
+                f" · RAM {ram}"),
+        ("memory", f"{bw} (streaming copy)"),
+        ("gpu", system.gpu),
+        ("build", f"{system.build} · {system.features}"),
+        ("model", model),
+    ]  # fmt: skip
+
+
+def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
+    """Label and value in two columns: a narrow terminal wraps the value under itself."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=8, no_wrap=True)
+    grid.add_column()
+    for label, value in rows:
+        grid.add_row(label, Text(value))
+    return grid
 
 
 def _shapes(
@@ -428,9 +439,8 @@ def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> S
         loaded = runner.load()
         system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
-    facts = f"{m.name} · {model_facts(loaded)} · load {secs(loaded.load_s)}"
-    for line in system_lines(system, facts):
-        err.print(line, markup=False)
+    facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
+    err.print(label_grid(system_rows(system, facts)))
     return system
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -29,7 +29,7 @@ from llmrun.runners.paths import state_dir
 from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, GenerationStats
 
 from . import options as o
-from .dashboard import Dashboard, model_facts, render
+from .dashboard import Dashboard, TerminalConsole, model_facts, render
 from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
@@ -41,7 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
-from .report import secs
+from .report import ms
 from .session import TextOut, TextSink, ctrl_c_cancels, drive
 
 PROMPT = ">>> "
@@ -73,7 +73,7 @@ def turn_line(stats: GenerationStats) -> str:
     """The compact per-turn stats line."""
     s = stats
     return (
-        f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {secs(s.ttft_s)}"
+        f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ms(s.ttft_s)}"
         f" · prompt {significant(s.prompt_tps)} tok/s · output {significant(s.output_tps)} tok/s"
     )
 
@@ -195,7 +195,7 @@ class ChatUI:
     def __init__(self, conv: Conversation, *, interactive: bool, dashboard: bool) -> None:
         self.conv = conv
         self.interactive = interactive
-        self.err = Console(stderr=True, highlight=False)
+        self.err = TerminalConsole(stderr=True, highlight=False)
         self.cancel = threading.Event()
         self.stdout = TextOut(cancel=self.cancel)
         self.dash: Dashboard | None = None
@@ -278,7 +278,7 @@ class ChatUI:
             with self.err.status("loading the model ..."):
                 loaded = self.conv.runner.load()
             self.show(
-                f"{loaded.name} · {model_facts(loaded)}\nload {secs(loaded.load_s)}"
+                f"{loaded.name} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
                 f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
                 "dim",
             )

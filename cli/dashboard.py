@@ -11,6 +11,7 @@ figures never overwrite each other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -20,8 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.cells import cell_len
-from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.console import (
+    Console,
+    ConsoleDimensions,
+    ConsoleOptions,
+    Group,
+    RenderableType,
+    RenderResult,
+)
+from rich.control import Control
 from rich.live import Live
+from rich.live_render import LiveRender
+from rich.segment import ControlType, Segment
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
@@ -29,7 +40,7 @@ from rich.text import Text
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
 from llmrun.runners.stats import EngineSettings, GenerationStats, ServerSettings, human_count, rate
 
-from .report import ms, phase_sentence, ratio_text, secs, summary_rows, tps
+from .report import ms, phase_sentence, ratio_text, summary_rows, tps
 
 REFRESH_PER_SECOND = 4
 CHART_POINTS = 24  # inter-token gaps in the live chart
@@ -119,7 +130,7 @@ def _prefill_estimate(state: LiveState, p: PrefillProgress, now_s: float | None)
     so far and, from the last measured prefill rate, an estimate of the tokens done."""
     if p.done_tokens >= p.total_tokens or now_s is None or state.prefill_started_s is None:
         return p.done_tokens, ""
-    text = f" · {max(0.0, now_s - state.prefill_started_s):.1f} s"
+    text = f" · {ms(max(0.0, now_s - state.prefill_started_s))}"
     if not state.prefill_rate or state.prefill_at_s is None:
         return p.done_tokens, text
     since = max(0.0, now_s - state.prefill_at_s)
@@ -141,7 +152,7 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
-        parts.append(_row("load", f"{secs(ld.load_s)} · {ld.name}"))
+        parts.append(_row("load", f"{ms(ld.load_s)} · {ld.name}"))
         if isinstance(st, EngineSettings):
             engine = (f"{st.backend} {st.n_threads} threads · batch {st.n_batch}"
                       f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else ""))  # fmt: skip
@@ -160,7 +171,7 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     waiting = p is None and state.first_token_s is None and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
         # A server shows no prefill progress: the wait itself is what there is to see.
-        parts.append(_row("wait", f"{now_s - state.started_s:.1f} s for the first token"))
+        parts.append(_row("wait", f"{ms(now_s - state.started_s)} for the first token"))
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
@@ -228,6 +239,67 @@ def render(stats: GenerationStats) -> RenderableType:
     return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
 
 
+class TerminalConsole(Console):
+    """A console whose width is the terminal's as it is now.
+
+    rich freezes the width when `COLUMNS` is in the environment (some shells export it), so a
+    live panel would go on drawing at the old width after a resize and leave wrapped rows
+    behind. A live view asks the terminal itself on every redraw.
+    """
+
+    def _size(self) -> ConsoleDimensions:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            columns, lines = os.get_terminal_size(self.file.fileno())
+            if columns > 0 and lines > 0:
+                return ConsoleDimensions(columns, lines)
+        return Console.size.fget(self)  # type: ignore[attr-defined]
+
+    size = property(_size, Console.size.fset)  # type: ignore[attr-defined]
+
+
+class _ReflowRender(LiveRender):
+    """rich's live region, cleared right after the terminal narrowed.
+
+    rich moves the cursor up as many rows as it drew. A terminal that re-wraps lines when it
+    narrows (tmux, VTE, iTerm2, kitty, Windows Terminal) turns each drawn row longer than the
+    new width into several, so rich's count falls short and the top of the old panel stays on
+    the screen as debris, once per resize step. The rows are counted at the width of now.
+    """
+
+    def __init__(self, renderable: RenderableType, **kwargs: Any) -> None:
+        super().__init__(renderable, **kwargs)
+        self._cells: list[int] = []  # the cell length of each row drawn last
+        self._console: Console | None = None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        segments = [s for s in super().__rich_console__(console, options) if isinstance(s, Segment)]
+        self._console = console
+        self._cells = [Segment.get_line_length(line) for line in Segment.split_lines(segments)]
+        yield from segments
+
+    def _rows(self) -> int:
+        if self._shape is None:
+            return 0
+        if self._console is None or not self._cells:
+            return self._shape[1]
+        width = max(1, self._console.width)
+        return sum(max(1, -(-cells // width)) for cells in self._cells)
+
+    def position_cursor(self) -> Control:
+        rows = self._rows()
+        if not rows:
+            return Control()
+        up = ((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)) * (rows - 1)
+        return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2), *up)
+
+    def restore_cursor(self) -> Control:
+        rows = self._rows()
+        if not rows:
+            return Control()
+        up = ((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)) * rows
+        return Control(ControlType.CARRIAGE_RETURN, *up)
+
+
 class _TextLive(Live):
     """`Live` that, on each of its refreshes, scrolls finished text lines out above the panel.
 
@@ -238,6 +310,9 @@ class _TextLive(Live):
     def __init__(self, take_lines: Callable[[], list[str]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._take_lines = take_lines
+        self._live_render = _ReflowRender(
+            self._live_render.renderable, vertical_overflow=self.vertical_overflow
+        )
 
     def refresh(self) -> None:
         lines = self._take_lines()

@@ -23,13 +23,8 @@ from llmrun.runners.system import busy_machine, logical_cpus
 
 
 def ms(seconds: float | None) -> str:
+    """Every duration a view shows, in one unit: milliseconds, as llama.cpp's own timings."""
     return "-" if seconds is None else f"{seconds * 1000:,.1f} ms"
-
-
-def secs(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.3f} s" if seconds < 10 else f"{seconds:,.1f} s"
 
 
 def tps(value: float | None) -> str:
@@ -57,13 +52,13 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
                  f" · {human_count(m.size_bytes, 'B')}")  # fmt: skip
     rows += [
         *busy_rows(s),
-        ("load", secs(s.load_s) + facts),
+        ("load", ms(s.load_s) + facts),
         ("prompt", f"{s.prompt_tokens} tokens"
                    f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
                    + (f"; {s.prefilled_tokens} evaluated before the interrupt"
                       if s.prefilled_tokens is not None else "")),
-        ("prefill", f"{secs(s.prefill_s)} · {tps(s.prompt_tps)}"),
-        ("ttft", f"{secs(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
+        ("prefill", f"{ms(s.prefill_s)} · {tps(s.prompt_tps)}"),
+        ("ttft", f"{ms(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
                  f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}"),
     ]  # fmt: skip
     return rows + _output_rows(s)
@@ -73,10 +68,10 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
         ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
                    f" [{s.finish_reason}]" + _context_hint(s)),
-        ("decode", f"{secs(s.decode_s)} · {tps(s.output_tps)}"),
+        ("decode", f"{ms(s.decode_s)} · {tps(s.output_tps)}"),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
                 f" · max {ms(s.itl_max_s)}"),
-        ("total", secs(s.e2e_s) + " (from the request: load not included)"
+        ("total", ms(s.e2e_s) + " (from the request: load not included)"
                   + (f" · seed {s.seed}" if s.seed is not None else "")),
     ]  # fmt: skip
 
@@ -113,9 +108,9 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
               if s.prompt_tokens else "not reported by the server")  # fmt: skip
     rows = [
         ("model", f"{server.model} · {host}"),
-        ("connect", f"{secs(s.load_s)} (GET /v1/models)"),
+        ("connect", f"{ms(s.load_s)} (GET /v1/models)"),
         ("prompt", prompt),
-        ("ttft", f"{secs(s.ttft_s)} on the client: network, queueing and the server's prefill"),
+        ("ttft", f"{ms(s.ttft_s)} on the client: network, queueing and the server's prefill"),
     ]
     t = server.timings
     if t is not None and t.prompt_ms is not None:
@@ -150,19 +145,19 @@ def phase_sentence(stats: GenerationStats) -> str:
     s = stats
     ttft = s.ttft_s
     if ttft is None:
-        return f"No first token: the request ended after {secs(s.e2e_s)}."
+        return f"No first token: the request ended after {ms(s.e2e_s)}."
     wait = ttft + s.decode_s
     if s.output_tokens == 0 or wait <= 0:
-        return f"No output; the prompt phase took {secs(ttft)}."
+        return f"No output; the prompt phase took {ms(ttft)}."
     if ttft >= s.decode_s:
         return (
-            f"Prefill dominated the wait: {secs(ttft)} ({ttft / wait:.0%} of TTFT + decode)"
-            f" before the first token against {secs(s.decode_s)} of decode."
+            f"Prefill dominated the wait: {ms(ttft)} ({ttft / wait:.0%} of TTFT + decode)"
+            f" before the first token against {ms(s.decode_s)} of decode."
         )
     return (
-        f"Decode dominated the wait: {secs(s.decode_s)} ({s.decode_s / wait:.0%} of TTFT + decode)"
+        f"Decode dominated the wait: {ms(s.decode_s)} ({s.decode_s / wait:.0%} of TTFT + decode)"
         " generating"
-        f" {s.output_tokens} tokens against {secs(ttft)} to the first token."
+        f" {s.output_tokens} tokens against {ms(ttft)} to the first token."
     )
 
 
@@ -194,7 +189,7 @@ def aggregate_table(agg: Aggregate) -> Table:
     table.add_column("figure")
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")
-    formats = {"ttft_s": ("TTFT", secs), "prompt_tps": ("prompt tok/s", tps),
+    formats = {"ttft_s": ("TTFT", ms), "prompt_tps": ("prompt tok/s", tps),
                "output_tps": ("output tok/s", tps)}  # fmt: skip
     for key, (name, fmt) in formats.items():
         figures = agg.figures[key]

@@ -19,7 +19,7 @@ from llmrun.runners.errors import LlmrunError
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats
 
 from . import options as o
-from .dashboard import Dashboard, render
+from .dashboard import Dashboard, TerminalConsole, render
 from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
@@ -193,7 +193,7 @@ def _run_jobs(
         if stdout_may_reach_this_terminal():
             final_panel = True  # `| cat`, `| tee`: live redraws would erase the piped text
         else:
-            dash = Dashboard(Console(stderr=True, highlight=False),
+            dash = Dashboard(TerminalConsole(stderr=True, highlight=False),
                              show_text=sys.stdout.isatty() and not json_out)  # fmt: skip
             if dash.show_text:
                 out = dash

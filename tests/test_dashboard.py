@@ -35,16 +35,16 @@ def test_summary_has_every_figure_and_fits_80_columns() -> None:
     out = text_of(render(STATS))
     assert all(len(line) <= 80 for line in out.splitlines())
     for expected in [
-        "load     0.250 s", "1000 tokens (800 new, 200 reused)", "prefill  2.000 s · 400.0 tok/s",
-        "ttft     2.005 s = template+tokenize 4.0 ms + prefill 2,000.0 ms + first sample 1.0 ms",
-        "101 tokens [length]", "decode   1.100 s · 90.9 tok/s",
-        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3.200 s (from the request: load not included) · seed 42",
+        "load     250.0 ms", "1000 tokens (800 new, 200 reused)", "prefill  2,000.0 ms · 400.0 tok/s",
+        "ttft     2,005.0 ms = template+tokenize 4.0 ms + prefill 2,000.0 ms + first sample 1.0 ms",
+        "101 tokens [length]", "decode   1,100.0 ms · 90.9 tok/s",
+        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3,200.0 ms (from the request: load not included) · seed 42",
         "prompt is 4.4x output",
     ]:  # fmt: skip
         assert " ".join(expected.split()) in " ".join(out.split()), expected
     bars = {m.group(1): len(m.group(2)) for m in re.finditer(r"(prompt|output) tok/s\s+(█+)", out)}
     assert bars["prompt"] > bars["output"] * 4  # one scale for both bars
-    assert "Prefill dominated the wait: 2.005 s (65% of TTFT + decode)" in out.replace("\n", " ")
+    assert "Prefill dominated the wait: 2,005.0 ms (65% of TTFT + decode)" in out.replace("\n", " ")
 
 
 def test_phase_sentence_names_decode_when_it_dominates() -> None:
@@ -54,7 +54,7 @@ def test_phase_sentence_names_decode_when_it_dominates() -> None:
         e2e_s=1.1, load_s=0.1,
     )  # fmt: skip
     assert phase_sentence(long_decode).startswith(
-        "Decode dominated the wait: 1.000 s (91% of TTFT + decode)"
+        "Decode dominated the wait: 1,000.0 ms (91% of TTFT + decode)"
     )
     plain = summary_lines(long_decode)
     assert plain[-2] == "rates    prompt 100.0 tok/s vs output 2.0 tok/s: prompt is 50.0x output"
@@ -67,7 +67,7 @@ def test_live_panel_through_the_phases() -> None:
     state.apply(ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5))
     state.apply(PrefillProgress(600, 1000, 200, 1.0))
     out = text_of(render_live(state))
-    assert "0.500 s · fake-model" in out and "1 threads · batch 4 · ngl 0" in out
+    assert "500.0 ms · fake-model" in out and "1 threads · batch 4 · ngl 0" in out
     assert "600/1000 tokens (200 reused) · 400.0 tok/s" in out  # the summary's word
     for i, t in enumerate([1.0, 1.01, 1.03, 1.04]):
         state.apply(Token(i, "x", t))
@@ -77,7 +77,7 @@ def test_live_panel_through_the_phases() -> None:
 
 def test_waiting_for_a_server_shows_the_wait() -> None:
     state = LiveState(loaded=ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5), started_s=10.0)
-    assert "wait     1.5 s for the first token" in text_of(render_live(state, 11.5))
+    assert "wait     1,500.0 ms for the first token" in text_of(render_live(state, 11.5))
     state.apply(Token(0, "x", 1.6))
     assert "for the first token" not in text_of(render_live(state, 12.0))
 
@@ -120,11 +120,11 @@ def test_prefill_shows_time_and_a_moving_estimate_between_chunks() -> None:
                       prefill_at_s=10.0, prefill_rate=100.0)  # fmt: skip
     at_2s = text_of(render_live(state, now_s=12.0))
     at_3s = text_of(render_live(state, now_s=13.0))
-    assert "0/994 tokens" in at_2s and "2.0 s" in at_2s and "~200 est." in at_2s
-    assert "3.0 s" in at_3s and "~300 est." in at_3s  # it moves with no event in between
+    assert "0/994 tokens" in at_2s and "2,000.0 ms" in at_2s and "~200 est." in at_2s
+    assert "3,000.0 ms" in at_3s and "~300 est." in at_3s  # it moves with no event in between
     unknown = text_of(render_live(LiveState(prefill=PrefillProgress(0, 994, 0, 0.0),
                                             prefill_started_s=10.0), now_s=14.5))  # fmt: skip
-    assert "4.5 s" in unknown and "est." not in unknown  # no rate yet: the clock alone
+    assert "4,500.0 ms" in unknown and "est." not in unknown  # no rate yet: the clock alone
     done = text_of(render_live(LiveState(prefill=PrefillProgress(994, 994, 0, 2.0),
                                          prefill_started_s=10.0), now_s=20.0))  # fmt: skip
     assert "est." not in done and "994/994" in done
@@ -142,13 +142,17 @@ def test_every_view_keeps_its_numbers_at_any_width(width: int) -> None:
     summary = text_of(render(STATS), width=width)
     assert all(len(line) <= width for line in summary.splitlines())
     flat = " ".join(summary.split())
-    for figure in ("400.0", "90.9", "4.4x output", "101 tokens", "2.005 s", "seed 42"):
+    for figure in ("400.0", "90.9", "4.4x output", "101 tokens", "2,005.0 ms", "seed 42"):
         assert figure in flat, (width, figure)
     live = LiveState(prefill=PrefillProgress(600, 1000, 200, 1.0), prefill_started_s=1.0,
                      prefill_at_s=1.0, prefill_rate=400.0)  # fmt: skip
     panel = text_of(render_live(live, now_s=1.5), width=width)
     assert all(len(line) <= width for line in panel.splitlines())
     assert "600/1000" in " ".join(panel.split()) and "400.0 tok/s" in " ".join(panel.split())
+    # one time format per view: every duration in milliseconds, none in seconds
+    for view in (flat, " ".join(panel.split())):
+        assert not re.search(r"\d s\b", view), view
+        assert re.search(r"\d ms\b", view), view
 
 
 @pytest.mark.parametrize("width", [40, 60, 80, 120])

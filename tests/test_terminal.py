@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pexpect
@@ -74,11 +76,11 @@ def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[st
     child = pexpect.spawn(which_llmrun(), ["run", "-f", str(ROOT / "examples" / "long_prompt.txt"), "-n", "2",
                                           "--temp", "0", "-b", "512"],
                           env=env, dimensions=(40, 100), encoding="utf-8", timeout=120)  # fmt: skip
-    # While the first 512-token chunk runs the count is 0/N, yet the clock moves: 0.x s ...
-    child.expect(r"0/(\d+) tokens[^\n]*· (\d+\.\d) s")
-    total, first = child.match.group(1), float(child.match.group(2))
-    child.expect(rf"0/{total} tokens[^\n]*· (\d+\.\d) s")
-    assert float(child.match.group(1)) > first  # ... and again, later, with the same count
+    # While the first 512-token chunk runs the count is 0/N, yet the clock moves ...
+    child.expect(r"0/(\d+) tokens[^\n]*· ([\d,]+)\.\d ms")
+    total, first = child.match.group(1), int(child.match.group(2).replace(",", ""))
+    child.expect(rf"0/{total} tokens[^\n]*· ([\d,]+)\.\d ms")
+    assert int(child.match.group(1).replace(",", "")) > first  # ... again, with the same count
     child.expect(pexpect.EOF)
 
 
@@ -110,3 +112,48 @@ def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: in
     assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
     assert sum(ln.startswith("decode ") for ln in lines) == 1, text
     assert "40, 41, 42" in " ".join(text.split())  # the answer, whole
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", "-L", "llmrun-test", *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout  # fmt: skip
+
+
+@pytest.mark.pty
+@pytest.mark.parametrize(("wide", "narrow"), [(120, 60), (80, 40)])
+def test_resizing_mid_run_leaves_no_debris(
+    llmrun_env: dict[str, str], tmp_path: Path, wide: int, narrow: int
+) -> None:
+    """tmux re-wraps lines when its window narrows, as most terminals do: the panel drawn at
+    the old width takes more rows afterwards, and all of them must be cleared. The screen is
+    full first, as a terminal in use is (on an empty one, tmux itself pushes the re-wrapped top
+    rows into the scrollback, where no redraw reaches)."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    env = {**llmrun_env, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    done = tmp_path / "done"
+    command = (f"seq 100; {which_llmrun()} run --raw -n 300 --temp 0 -t 1 '1, 2, 3, 4, 5,' > {tmp_path / 'out'}"
+               f"; touch {done}")  # fmt: skip
+    tmux("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", str(wide), "-y", "30",
+         "env", *(f"{k}={v}" for k, v in env.items()), "bash", "--norc", "-i")  # fmt: skip
+    try:
+        tmux("send-keys", "-t", "t", command, "Enter")
+        deadline = time.monotonic() + 60
+        while "tok/s" not in tmux("capture-pane", "-p", "-t", "t"):  # decoding, panel up
+            assert time.monotonic() < deadline, tmux("capture-pane", "-p", "-t", "t")
+            time.sleep(0.1)
+        tmux("resize-window", "-t", "t", "-x", str(narrow), "-y", "30")
+        while not done.exists():
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.2)
+        time.sleep(0.3)
+        lines = tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t").splitlines()
+    finally:
+        subprocess.run(["tmux", "-L", "llmrun-test", "kill-server"], capture_output=True)
+    text = "\n".join(lines)
+    assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
+    assert sum(ln.startswith("decode ") for ln in lines) == 1, text
+    assert not any(re.search(r"\d+/\d+ tokens", ln) for ln in lines), text
