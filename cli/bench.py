@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,11 +26,12 @@ from llmrun.runners import sweep as sw
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
-from llmrun.runners.llamacpp import EngineConfig
-from llmrun.runners.stats import human_count
+from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
+from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo, physical_cores
 from llmrun.runners.tuning import save_tuned, search
 
+from . import bench_flags as lb
 from . import bench_output as out
 from . import bench_plot
 from . import options as o
@@ -53,6 +54,8 @@ def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
 def system_rows(system: SystemInfo, model: str) -> list[tuple[str, str]]:
     ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
+    if system.mem_bw_spread is not None:
+        bw += f" median, runs spread over {system.mem_bw_spread:.0%} of it"
     return [
         ("cpu", f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
                 f" · RAM {ram}"),
@@ -119,136 +122,204 @@ def tune(
     return best
 
 
+LB = "llama-bench's other options"
+
+
+def _lists(help_text: str, *names: str, panel: str = SWEEP, metavar: str = "LIST") -> Any:
+    """A sweep option that, as in llama-bench, takes a comma list and may be repeated."""
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False,
+                        metavar=metavar)  # fmt: skip
+
+
+def _joined(values: list[str] | None) -> str | None:
+    return ",".join(values) if values else None
+
+
 def bench(
-    model: o.Model = None,
+    models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "-m", "--model", envvar="LLMRUN_MODEL", show_default=False, rich_help_panel=PANEL,
+            help="A .gguf path or Hub reference; repeat for several models, compared side by side."
+            " (default: the embedded SmolLM2-135M)",
+        ),
+    ] = None,
     n_prompt: Annotated[
-        str,
-        _list(
-            "Prompt sizes of pp tests (0: none). (default: 512)", "-p", "--n-prompt", panel=PANEL
-        ),
-    ] = "512",
+        list[str] | None, _lists("Prompt sizes of pp tests (0: none). (default: 512)", "-p",
+                                 "--n-prompt", panel=PANEL),
+    ] = None,
     n_gen: Annotated[
-        str,
-        _list(
-            "Generation lengths of tg tests (0: none). (default: 128)", "-n", "--n-gen", panel=PANEL
-        ),
-    ] = "128",
+        list[str] | None, _lists("Generation lengths of tg tests (0: none). (default: 128)",
+                                 "-n", "--n-gen", panel=PANEL),
+    ] = None,
     pg: Annotated[
         list[str] | None,
-        _list("A pp+tg test PROMPT,GEN such as 512,128 (repeatable).", "--pg", panel=PANEL),
+        _lists("A pp+tg test PROMPT,GEN such as 512,128 (repeatable).", "-pg", "--pg",
+               panel=PANEL, metavar="PP,TG"),
     ] = None,
     depth: Annotated[
-        str,
-        _list(
-            "Run each test after N tokens already in the KV cache. (default: 0)",
-            "-d",
-            "--n-depth",
-            panel=PANEL,
-        ),
-    ] = "0",
+        list[str] | None, _lists("Run each test after N tokens already in the KV cache."
+                                 " (default: 0)", "-d", "--n-depth", panel=PANEL),
+    ] = None,
     reps: Annotated[
-        int,
-        typer.Option(
-            "-r",
-            "--repetitions",
-            min=1,
-            rich_help_panel=PANEL,
-            help="Timed repetitions per test, after one warm-up.",
-        ),
+        int, typer.Option("-r", "--repetitions", min=1, rich_help_panel=PANEL,
+                          help="Timed repetitions per test, after one warm-up."),
     ] = 5,
     threads: Annotated[
-        str | None, _list("CPU threads. (default: physical cores, or tuned)", "-t", "--threads")
+        list[str] | None, _lists("CPU threads. (default: physical cores, or tuned)", "-t",
+                                 "--threads"),
     ] = None,
     batch: Annotated[
-        str | None,
-        _list("Prefill chunk sizes (n_batch). (default: 512, or tuned)", "-b", "--batch"),
+        list[str] | None, _lists("Prefill chunk sizes (n_batch). (default: 512, or tuned;"
+                                 " llama-bench: 2048)", "-b", "--batch", "--batch-size"),
     ] = None,
     ubatch: Annotated[
-        str | None,
-        _list("Micro-batch sizes (n_ubatch). (default: 512, or tuned)", "-ub", "--ubatch"),
+        list[str] | None, _lists("Micro-batch sizes (n_ubatch). (default: 512, or tuned)",
+                                 "-ub", "--ubatch", "--ubatch-size"),
     ] = None,
-    gpu_layers: Annotated[str, _list("GPU layers. (default: 0)", "-ngl", "--gpu-layers")] = "0",
+    gpu_layers: Annotated[
+        list[str] | None, _lists("GPU layers; -1, or more than the model has (99), is all."
+                                 " (default: all where this build can offload, else 0)",
+                                 "-ngl", "--gpu-layers", "--n-gpu-layers"),
+    ] = None,
     flash_attn: Annotated[
-        str | None,
-        _list("on, off, auto. (default: off on the CPU, or tuned)", "-fa", "--flash-attn"),
+        list[str] | None, _lists("on, off, auto (or 1, 0, -1). (default: off on the CPU,"
+                                 " auto with GPU layers, or tuned; llama-bench: auto)",
+                                 "-fa", "--flash-attn"),
     ] = None,
     cache_type_k: Annotated[
-        str,
-        _list(
-            f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)", "-ctk", "--cache-type-k"
-        ),
-    ] = "f16",
+        list[str] | None, _lists(f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)",
+                                 "-ctk", "--cache-type-k"),
+    ] = None,
     cache_type_v: Annotated[
-        str,
-        _list(
-            "KV cache V types (quantized V needs flash attention). (default: f16)",
-            "-ctv",
-            "--cache-type-v",
-        ),
-    ] = "f16",
+        list[str] | None, _lists("KV cache V types (quantized V needs flash attention)."
+                                 " (default: f16)", "-ctv", "--cache-type-v"),
+    ] = None,
+    repack: Annotated[
+        list[str] | None, _lists("Weight repacking for faster CPU kernels, 0 or 1. (default: 1"
+                                 " where a probe found it safe on this CPU)", "--repack"),
+    ] = None,
+    mmap: Annotated[
+        list[str] | None, _lists("Memory-map the model file, 0 or 1 (older llama-bench's -mmp;"
+                                 " same as -lm none/mmap).", "-mmp", "--mmap"),
+    ] = None,
+    load_mode: Annotated[
+        list[str] | None, _lists(f"How weights load: {', '.join(LOAD_MODES)}. (default: auto)",
+                                 "-lm", "--load-mode"),
+    ] = None,
+    no_kv_offload: Annotated[
+        list[str] | None, _lists("Keep the KV cache in host memory, 0 or 1 (GPU builds).",
+                                 "-nkvo", "--no-kv-offload"),
+    ] = None,
+    split_mode: Annotated[
+        list[str] | None, _lists("Split across GPUs: none, layer, row, tensor. (default: layer)",
+                                 "-sm", "--split-mode", panel=LB),
+    ] = None,
+    main_gpu: Annotated[
+        list[str] | None, _lists("The GPU for -sm none. (default: 0)", "-mg", "--main-gpu",
+                                 panel=LB),
+    ] = None,
+    tensor_split: Annotated[
+        list[str] | None, _lists("Share of the model per GPU, such as 3/1.", "-ts",
+                                 "--tensor-split", panel=LB),
+    ] = None,
+    device: Annotated[
+        list[str] | None, _lists("Devices to use, such as CUDA0/CUDA1. (default: auto)",
+                                 "-dev", "--device", panel=LB),
+    ] = None,
+    n_cpu_moe: Annotated[
+        list[str] | None, _lists("Keep the MoE experts of the first N layers on the CPU.",
+                                 "-ncmoe", "--n-cpu-moe", panel=LB),
+    ] = None,
+    override_tensor: Annotated[
+        list[str] | None, _lists("Tensor name pattern=buffer type (llama.cpp's -ot).", "-ot",
+                                 "--override-tensor", panel=LB),
+    ] = None,
+    cpu_mask: Annotated[
+        list[str] | None, _lists("CPU affinity mask in hex. (default: 0x0, none)", "-C",
+                                 "--cpu-mask", panel=LB),
+    ] = None,
+    cpu_strict: Annotated[
+        list[str] | None, _lists("Strict CPU placement, 0 or 1. (default: 0)", "--cpu-strict",
+                                 panel=LB),
+    ] = None,
+    poll: Annotated[
+        list[str] | None, _lists("Worker threads' busy-wait level 0..100. (default: 50)",
+                                 "--poll", panel=LB),
+    ] = None,
+    numa: Annotated[
+        str | None, typer.Option("--numa", metavar="distribute|isolate|numactl",
+                                 show_default=False, rich_help_panel=LB,
+                                 help="NUMA placement, as llama.cpp's. (default: disabled)"),
+    ] = None,
+    prio: Annotated[
+        int, typer.Option("--prio", min=-1, max=3, rich_help_panel=LB,
+                          help="Process priority: -1 low, 0 normal, 1 medium, 2 high, 3 realtime"
+                          " (raising it may need privileges)."),
+    ] = 0,
+    delay: Annotated[
+        float, typer.Option("--delay", min=0.0, max=3600.0, rich_help_panel=LB,
+                            help="Seconds to wait between tests (lets a hot machine cool)."),
+    ] = 0.0,
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", rich_help_panel=LB,
+                           help="Skip the untimed warm-up run before each test."),
+    ] = False,
+    progress_lines: Annotated[
+        bool, typer.Option("--progress", rich_help_panel=LB,
+                           help="One line per test on stderr (a terminal shows a bar anyway)."),
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("-v", "--verbose", rich_help_panel=LB,
+                           help="Show llama.cpp's own log on stderr."),
+    ] = False,
+    output_err: Annotated[
+        out.OutputFormat | None, typer.Option("-oe", "--output-err", show_default=False,
+                                              rich_help_panel=LB,
+                                              help="Also print the results on stderr in this"
+                                              " format."),
+    ] = None,
+    list_devices: Annotated[
+        bool, typer.Option("--list-devices", rich_help_panel=LB,
+                           help="List the devices this llama.cpp can use, and exit."),
+    ] = False,
     ctx: Annotated[
-        int | None,
-        typer.Option(
-            "-c",
-            "--ctx",
-            min=1,
-            show_default=False,
-            help="Context size. (default: what the tests need)",
-            rich_help_panel=SWEEP,
-        ),
+        int | None, typer.Option("-c", "--ctx", min=1, show_default=False,
+                                 help="Context size. (default: what the tests need)",
+                                 rich_help_panel=SWEEP),
     ] = None,
     scenarios: Annotated[
-        bool,
-        typer.Option(
-            "--scenarios",
-            rich_help_panel=PANEL,
-            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
-        ),
+        bool, typer.Option("--scenarios", rich_help_panel=PANEL,
+                           help="LocalScore's prompt/output matrix, scaled, with its overall"
+                           " score."),
     ] = False,
     scenario_scale: Annotated[
-        float,
-        typer.Option(
-            "--scenario-scale",
-            min=0.001,
-            max=1.0,
-            rich_help_panel=PANEL,
-            help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
-        ),
+        float, typer.Option("--scenario-scale", min=0.001, max=1.0, rich_help_panel=PANEL,
+                            help="Token counts of --scenarios relative to LocalScore's (1 = as"
+                            " LocalScore)."),
     ] = ls.DEFAULT_SCENARIO_SCALE,
     tune_: Annotated[
-        bool,
-        typer.Option(
-            "--tune",
-            help="Search threads, batch/ubatch and flash"
-            " attention for this model; save the fastest as the"
-            " defaults of run, chat and bench.",
-        ),
+        bool, typer.Option("--tune", help="Search threads, batch/ubatch and flash attention for"
+                           " this model; save the fastest as the defaults of run, chat and"
+                           " bench."),
+    ] = False,
+    no_tuned: Annotated[
+        bool, typer.Option("--no-tuned", help="Ignore the settings --tune saved: measure"
+                           " llmrun's plain defaults."),
     ] = False,
     output: Annotated[
-        out.OutputFormat | None,
-        typer.Option(
-            "-o",
-            "--output",
-            show_default=False,
-            help="Print the results on stdout as"
-            " md, csv, json, jsonl or sql. (default:"
-            " a table on a terminal, else md)",
-        ),
+        out.OutputFormat | None, typer.Option("-o", "--output", show_default=False,
+                                              help="Print the results on stdout as md, csv,"
+                                              " json, jsonl or sql (llama-bench's table)."
+                                              " (default: a table on a terminal, else md)"),
     ] = None,
     plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE.png",
-            show_default=False,
-            help="Also draw the charts into a PNG file.",
-        ),
+        Path | None, typer.Option("--plot", metavar="FILE.png", show_default=False,
+                                  help="Also draw the charts into a PNG file."),
     ] = None,
     compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare", help="Show the change against the last run of the same model and settings."
-        ),
+        bool, typer.Option("--compare", help="Show the change against the last run of the same"
+                           " model and settings."),
     ] = False,
     no_history: Annotated[
         bool, typer.Option("--no-history", help="Do not store this run in the history.")
@@ -258,98 +329,56 @@ def bench(
     api_key: o.ApiKey = None,
     timeout: o.Timeout = o.TIMEOUT_S,
     concurrency: Annotated[
-        str,
-        _list(
-            "Requests in flight (serving): a list such as 1,4,16. (default: 1,4)",
-            "--concurrency",
-            panel=SERVING,
-        ),
+        str, _list("Requests in flight (serving): a list such as 1,4,16. (default: 1,4)",
+                   "--concurrency", panel=SERVING),
     ] = "1,4",
     request_rate: Annotated[
-        str,
-        _list(
-            "Poisson arrival rate in requests/s; inf sends all at once. (default: inf)",
-            "--request-rate",
-            panel=SERVING,
-        ),
+        str, _list("Poisson arrival rate in requests/s; inf sends all at once. (default: inf)",
+                   "--request-rate", panel=SERVING),
     ] = "inf",
     num_prompts: Annotated[
-        int,
-        typer.Option(
-            "--num-prompts", min=1, rich_help_panel=SERVING, help="Requests per concurrency level."
-        ),
+        int, typer.Option("--num-prompts", min=1, rich_help_panel=SERVING,
+                          help="Requests per concurrency level."),
     ] = 16,
     input_len: Annotated[
-        int,
-        typer.Option(
-            "--input-len", min=1, rich_help_panel=SERVING, help="Mean prompt length in tokens."
-        ),
+        int, typer.Option("--input-len", min=1, rich_help_panel=SERVING,
+                          help="Mean prompt length in tokens."),
     ] = 128,
     output_len: Annotated[
-        int,
-        typer.Option(
-            "--output-len", min=1, rich_help_panel=SERVING, help="Mean output length in tokens."
-        ),
+        int, typer.Option("--output-len", min=1, rich_help_panel=SERVING,
+                          help="Mean output length in tokens."),
     ] = 64,
     range_ratio: Annotated[
-        float,
-        typer.Option(
-            "--range-ratio",
-            min=0.0,
-            max=0.99,
-            rich_help_panel=SERVING,
-            help="Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
-        ),
+        float, typer.Option("--range-ratio", min=0.0, max=0.99, rich_help_panel=SERVING,
+                            help="Lengths uniform within ±this share of the mean (vLLM's"
+                            " random-range-ratio)."),
     ] = 0.0,
     warmup: Annotated[
-        int,
-        typer.Option(
-            "--warmup", min=0, rich_help_panel=SERVING, help="Warm-up requests before each level."
-        ),
+        int, typer.Option("--warmup", min=0, rich_help_panel=SERVING,
+                          help="Warm-up requests before each level."),
     ] = 1,
     percentiles: Annotated[
-        str,
-        _list(
-            "Percentiles of each latency metric. (default: 50,90,99)",
-            "--percentiles",
-            panel=SERVING,
-        ),
+        str, _list("Percentiles of each latency metric. (default: 50,90,99)", "--percentiles",
+                   panel=SERVING),
     ] = "50,90,99",
     slo: Annotated[
-        str | None,
-        _list(
-            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).",
-            "--slo",
-            panel=SERVING,
-        ),
+        str | None, _list("Goodput counts requests meeting these, in ms: ttft:500,tpot:50"
+                          " (e2el too).", "--slo", panel=SERVING),
     ] = None,
     interference: Annotated[
-        bool,
-        typer.Option(
-            "--interference",
-            rich_help_panel=SERVING,
-            help="One client decodes while others send long prompts: its ITL alone vs under load.",
-        ),
+        bool, typer.Option("--interference", rich_help_panel=SERVING,
+                           help="One client decodes while others send long prompts: its ITL"
+                           " alone vs under load."),
     ] = False,
     interference_rate: Annotated[
-        float,
-        typer.Option(
-            "--interference-rate",
-            min=0.01,
-            rich_help_panel=SERVING,
-            help="Long prompts per second.",
-        ),
+        float, typer.Option("--interference-rate", min=0.01, rich_help_panel=SERVING,
+                            help="Long prompts per second."),
     ] = 2.0,
     interference_prompt_len: Annotated[
-        int,
-        typer.Option(
-            "--interference-prompt-len",
-            min=1,
-            rich_help_panel=SERVING,
-            help="Tokens per long prompt.",
-        ),
+        int, typer.Option("--interference-prompt-len", min=1, rich_help_panel=SERVING,
+                          help="Tokens per long prompt."),
     ] = 512,
-) -> None:
+) -> None:  # fmt: skip
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 
     llmrun bench                          # pp512 and tg128, 5 repetitions
@@ -358,26 +387,30 @@ def bench(
 
     llmrun bench -p 0 -n 64 -d 0,512,1024 # decode rate against context depth
 
+    llmrun bench -m a.gguf -m b.gguf      # two models side by side
+
     llmrun bench --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
     """
     with handled():
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        if list_devices:
+            raise typer.Exit(_list_devices())
+        set_verbose(verbose)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             if endpoint:
                 local = {
-                    "-t": threads,
-                    "-b": batch,
-                    "-ub": ubatch,
-                    "-fa": flash_attn,
-                    "--tune": tune_,
-                    "--scenarios": scenarios,
-                    "-ngl": gpu_layers,
-                }
+                    "-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn, "--tune": tune_,
+                    "--scenarios": scenarios, "-ngl": gpu_layers, "--repack": repack,
+                    "-mmp": mmap, "-lm": load_mode, "-nkvo": no_kv_offload,
+                }  # fmt: skip
                 o.refuse_for_endpoint(endpoint, local)
+                if models and len(models) > 1:
+                    raise BadRequestError("--endpoint serves one model: give -m once")
                 code = run_serving(
-                    endpoint=endpoint, api_key=api_key, timeout_s=timeout, model=model,
+                    endpoint=endpoint, api_key=api_key, timeout_s=timeout,
+                    model=models[0] if models else None,
                     concurrency=concurrency, request_rate=request_rate, num_prompts=num_prompts,
                     input_len=input_len, output_len=output_len, range_ratio=range_ratio,
                     warmup=warmup, percentiles=percentiles, slo=slo, interference=interference,
@@ -385,19 +418,37 @@ def bench(
                     interference_prompt_len=interference_prompt_len, seed=seed, output=output,
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
                 )  # fmt: skip
-            elif tune_:
-                o.refuse_given({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn},
-                               "--tune searches these itself")  # fmt: skip
-                code = _tune(model, cancel, err)
+                raise typer.Exit(code)
+            lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
+                               tensor_split=_joined(tensor_split), device=_joined(device),
+                               n_cpu_moe=_joined(n_cpu_moe),
+                               override_tensor=_joined(override_tensor),
+                               cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict),
+                               poll=_joined(poll))  # fmt: skip
+            lb.apply_process_settings(numa=numa, prio=prio)
+            if tune_:
+                o.refuse_given({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn,
+                                "--repack": repack}, "--tune searches these itself")  # fmt: skip
+                if models and len(models) > 1:
+                    raise BadRequestError("--tune tunes one model at a time: give -m once")
+                code = _tune(models[0] if models else None, cancel, err)
             else:
                 sweep = Sweep(
-                    shapes=_shapes(n_prompt, n_gen, pg or [], depth, scenarios, scenario_scale),
-                    threads=threads, batch=batch, ubatch=ubatch, gpu_layers=gpu_layers,
-                    flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                    reps=reps, ctx=ctx, seed=seed, scenarios=scenarios,
+                    shapes=_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128", pg or [],
+                                   _joined(depth) or "0", scenarios, scenario_scale),
+                    threads=_joined(threads), batch=_joined(batch), ubatch=_joined(ubatch),
+                    gpu_layers=_joined(gpu_layers), flash_attn=_joined(flash_attn),
+                    cache_type_k=_joined(cache_type_k) or "f16",
+                    cache_type_v=_joined(cache_type_v) or "f16",
+                    repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
+                    no_kv_offload=_joined(no_kv_offload),
+                    reps=reps, ctx=ctx, seed=seed, scenarios=scenarios, warmup=not no_warmup,
+                    delay_s=delay, tuned=not no_tuned,
                 )  # fmt: skip
-                to = Output(format=output, plot=plot, compare=compare, store=not no_history)
-                code = _sweep(model, sweep, cancel, err, show, to)
+                to = Output(format=output, plot=plot, compare=compare, store=not no_history,
+                            format_err=output_err, progress_lines=progress_lines)  # fmt: skip
+                chosen: list[str | None] = list(models) if models else [None]
+                code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
 
 
@@ -409,7 +460,7 @@ class Sweep:
     threads: str | None
     batch: str | None
     ubatch: str | None
-    gpu_layers: str
+    gpu_layers: str | None
     flash_attn: str | None
     cache_type_k: str
     cache_type_v: str
@@ -417,36 +468,100 @@ class Sweep:
     ctx: int | None
     seed: int
     scenarios: bool
+    repack: str | None = None
+    mmap: str | None = None
+    load_mode: str | None = None
+    no_kv_offload: str | None = None
+    warmup: bool = True
+    delay_s: float = 0.0
+    tuned: bool = True  # start from the settings --tune saved
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
-        """Every engine setting to test; unset options take the (tuned) defaults."""
-        flash = (sw.parse_words(self.flash_attn, name="--flash-attn", allowed=FLASH_ATTN)
+        """Every engine setting to test; unset options take the (tuned) defaults. A tuned
+        ubatch never costs a requested batch size: it is capped at each batch."""
+        flash = (sw.parse_words(self.flash_attn, name="-fa/--flash-attn", allowed=FLASH_ATTN,
+                                aliases=sw.FLASH_ATTN_ALIASES)
                  if self.flash_attn else [base.flash_attn])  # fmt: skip
-        return sw.sweep(
+        modes: list[str | None] = [None]
+        if self.mmap or self.load_mode:
+            modes = [("mmap" if on else "none") for on in
+                     sw.parse_bools(self.mmap, name="-mmp")] if self.mmap else []  # fmt: skip
+            if self.load_mode:
+                modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
+            modes = list(dict.fromkeys(modes))
+        combos = sw.sweep(
             threads=_optional_ints(self.threads, "-t", base.n_threads),
             batch=_optional_ints(self.batch, "-b", base.n_batch),
             ubatch=_optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1),
+            gpu_layers=(
+                sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
+                if self.gpu_layers
+                else [None]
+            ),
             flash_attn=flash,
             type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
             type_v=sw.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+            repack=sw.parse_bools(self.repack, name="--repack") if self.repack else [None],
+            no_kv_offload=(
+                sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]
+            ),
+            load_mode=modes,
         )
+        if self.ubatch is None:
+            combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
+                      if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
+            combos = list(dict.fromkeys(combos))
+        return combos
 
 
-def _load_and_report(runner: BenchRunner, err: Console, *, bandwidth: bool) -> SystemInfo:
-    """Load the model and print the machine's report (with the bandwidth probe if asked)."""
+def _load_and_report(
+    runner: BenchRunner, err: Console, *, bandwidth: bool, system: SystemInfo | None = None
+) -> SystemInfo:
+    """Load the model and print the machine's report (with the bandwidth probe if asked; a
+    later model of the same run reuses the first one's report of the machine)."""
     with err.status("loading the model and measuring memory bandwidth ..."):
         loaded = runner.load()
-        system = SystemInfo.collect(bandwidth=bandwidth)
+        if system is None:
+            system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
     facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
-    err.print(label_grid(system_rows(system, facts)))
+    rows = system_rows(system, facts) if system is not None else []
+    err.print(label_grid(rows if len(rows) else [("model", facts)]))
+    st = loaded.settings
+    if isinstance(st, EngineSettings):
+        err.print(label_grid([("settings", settings_line(st))]))
     return system
+
+
+def settings_line(st: EngineSettings) -> str:
+    """What runs and where it differs from llama-bench's defaults, and why."""
+    source = "tuned by `bench --tune` (--no-tuned: defaults)" if st.tuned else "llmrun's defaults"
+    return (
+        f"{st.n_threads} threads, batch {st.n_batch}, ubatch {st.n_ubatch}, flash attention"
+        f" {st.flash_attn}, repacking {st.repack_note or ('on' if st.repack else 'off')},"
+        f" ngl {st.n_gpu_layers_asked} ({st.n_gpu_layers} offloaded): {source}. llama-bench"
+        " defaults to -b 2048 (llmrun: 512, its prefill chunk, so TTFT shows chunking),"
+        " -fa auto (llmrun: off on the CPU, where decode is faster without it here) and"
+        " -ngl -1; repacking is on in both, but llmrun first probes that it is safe."
+    )
+
+
+def _list_devices() -> int:
+    """llama-bench's --list-devices: what this llama.cpp can compute on."""
+    from llmrun.runners import devices as dv
+
+    print("Available devices:")
+    for d in dv.query().devices():
+        memory = ""
+        if d.total_bytes:
+            memory = f" ({d.total_bytes // 2**20} MiB, {(d.free_bytes or 0) // 2**20} MiB free)"
+        print(f"  {d.name}: {d.description}{memory} [{d.kind}, {d.backend}]")
+    return 0
 
 
 def _tune(model: str | None, cancel: threading.Event, err: Console) -> int:
     """`bench --tune`: the staged search, saved as the model's defaults."""
-    runner = make_bench_runner(model, EngineConfig())
+    runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
         _load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
         best = tune(runner, runner.config, err, cancel)
@@ -470,25 +585,37 @@ class Output:
     plot: Path | None
     compare: bool
     store: bool
+    format_err: out.OutputFormat | None = None  # llama-bench's -oe: also on stderr
+    progress_lines: bool = False  # llama-bench's --progress: a line per test on stderr
 
 
 def _sweep(
-    model: str | None,
+    models: list[str | None],
     sweep: Sweep,
     cancel: threading.Event,
     err: Console,
     show: Console,
     output: Output,
 ) -> int:
-    """llama-bench's tests over every combination of settings; results printed and stored."""
-    runner = make_bench_runner(model, EngineConfig())
-    try:
-        base = runner.config
-        combos = sweep.combos(base)
-        system = _load_and_report(runner, err, bandwidth=True)
-        results, skipped = _measure(runner, base, combos, sweep, cancel, err)
-    finally:
-        runner.close()
+    """llama-bench's tests over every combination of settings, for each model in turn; results
+    printed and stored."""
+    results: list[res.Result] = []
+    skipped: list[b.Skipped] = []
+    system: SystemInfo | None = None
+    for model in models:
+        if cancel.is_set():
+            break
+        runner = make_bench_runner(model, EngineConfig(), tuned=sweep.tuned)
+        try:
+            base = runner.config
+            combos = sweep.combos(base)
+            system = _load_and_report(runner, err, bandwidth=True, system=system)
+            done, skips = _measure(runner, base, combos, sweep, cancel, err, output)
+            results += done
+            skipped += skips
+        finally:
+            runner.close()
+    assert system is not None
     return _report(results, skipped, system, sweep, cancel, err, show, output)
 
 
@@ -499,6 +626,7 @@ def _measure(
     sweep: Sweep,
     cancel: threading.Event,
     err: Console,
+    output: Output,
 ) -> tuple[list[res.Result], list[b.Skipped]]:
     results: list[res.Result] = []
     skipped: list[b.Skipped] = []
@@ -507,14 +635,18 @@ def _measure(
         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal,
     )  # fmt: skip
+    lines = output.progress_lines and not err.is_terminal
     with progress:
         task = progress.add_task("bench", total=1)
         for event in b.run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
                                  base=base, n_ctx=sweep.ctx, seed=sweep.seed,
+                                 warmup=sweep.warmup, delay_s=sweep.delay_s,
                                  cancel=cancel):  # fmt: skip
             if isinstance(event, b.Progress):
                 progress.update(task, completed=event.done, total=event.total,
                                 description=event.label[:40])  # fmt: skip
+                if lines:
+                    err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
             elif isinstance(event, res.Result):
                 results.append(event)
             else:
@@ -532,20 +664,32 @@ def _report(
     show: Console,
     output: Output,
 ) -> int:
-    """Skips, results (stored before printing), extras, chart file and comparison."""
+    """Skips, results (stored before printing), extras, chart file and comparison. Exit 1 when
+    every test was skipped: a run that measured nothing did not succeed."""
     for s in skipped:
         what = f"{s.shape.name} " if s.shape else ""
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
     records = [r.record(system) for r in results]
+    if sweep.scenarios:
+        score = ls.localscore(results)
+        for r in records:
+            r["localscore"] = round(score, 3) if score is not None else None
+    out.add_relative_speed(records)
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
-    model = results[0].model.name if results else ""
+    elif not records and skipped:
+        err.print("llmrun: error: every test was skipped; nothing was measured", markup=False)
+        return 1
     changes = out.store_and_print(
-        records, kind="local", model=model, system=vars(system), output=output.format,
-        show=show, table=out.results_table(records), store=output.store, compare=output.compare,
+        records, kind="local", model=", ".join(dict.fromkeys(r.model.name for r in results)),
+        system=vars(system), output=output.format, show=show, table=out.results_table(records),
+        store=output.store, compare=output.compare,
     )  # fmt: skip
-    _extras(records, results, show, scenarios=sweep.scenarios)
+    if output.format_err is not None and records:
+        sys.stderr.write(out.format_records(records, output.format_err))
+        sys.stderr.flush()
+    _extras(records, show, scenarios=sweep.scenarios)
     if output.plot is not None and records:
         bench_plot.plot(records, output.plot)
         err.print(f"charts written to {output.plot}")
@@ -554,12 +698,10 @@ def _report(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _extras(
-    records: list[dict[str, Any]], results: list[res.Result], show: Console, *, scenarios: bool
-) -> None:
+def _extras(records: list[dict[str, Any]], show: Console, *, scenarios: bool) -> None:
     for line in out.efficiency_lines(records):
         show.print(line, markup=False)
-    for chart in (out.sweep_chart(records), out.depth_chart(records)):
+    for chart in (out.sweep_chart(records), out.depth_chart(records), out.model_chart(records)):
         if chart is not None:
             show.print(chart)
     chunks = out.chunk_report(records)
@@ -568,10 +710,9 @@ def _extras(
         show.print(table)
         for note in notes:
             show.print(note, markup=False)
-    if scenarios:
-        score = ls.localscore(results)
-        if score is not None:
-            show.print(
-                f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
-                " · mean output tok/s · 1000 / mean TTFT ms), scenarios scaled)"
-            )
+    score = next((r["localscore"] for r in records if r.get("localscore") is not None), None)
+    if scenarios and score is not None:
+        show.print(
+            f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
+            " · mean output tok/s · 1000 / mean TTFT ms), scenarios scaled)"
+        )

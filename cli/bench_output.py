@@ -19,7 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.history import Change, History, HistoryError
-from llmrun.runners.stats import human_count
+from llmrun.runners.results import (
+    LLAMA_BENCH_BOOL,
+    LLAMA_BENCH_FIELDS,
+    LLAMA_BENCH_INT,
+    LLAMA_BENCH_REAL,
+)
 
 from .dashboard import bars
 
@@ -34,13 +39,16 @@ class OutputFormat(str, Enum):
 
 SWEPT_COLUMNS = (
     ("n_batch", "n_batch"), ("n_ubatch", "n_ubatch"), ("n_gpu_layers", "ngl"),
-    ("flash_attn", "fa"), ("type_k", "type_k"), ("type_v", "type_v"),
+    ("flash_attn_mode", "fa"), ("type_k", "type_k"), ("type_v", "type_v"), ("repack", "repack"),
+    ("no_kv_offload", "nkvo"), ("load_mode", "lm"),
 )  # fmt: skip
 
 
 def _flat(value: Any) -> Any:
     if isinstance(value, list):
         return " ".join(str(v) for v in value)
+    if isinstance(value, bool):  # as llama-bench writes them outside JSON
+        return int(value)
     return value
 
 
@@ -62,25 +70,82 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
 
+# llama-bench's markdown: (field, header, width; negative = left-aligned), and its defaults: a
+# column shows when a value differs from llama-bench's default or varies, as in llama-bench.
+_MD_OPTIONAL = (
+    ("n_cpu_moe", "n_cpu_moe", 10, 0), ("cpu_mask", "cpu_mask", -10, "0x0"),
+    ("cpu_strict", "cpu_strict", 10, False), ("poll", "poll", 10, 50),
+    ("n_batch", "n_batch", 7, 2048), ("n_ubatch", "n_ubatch", 8, 512),
+    ("type_k", "type_k", 6, "f16"), ("type_v", "type_v", 6, "f16"), ("main_gpu", "main_gpu", 10, 0),
+    ("split_mode", "sm", 6, "layer"), ("no_kv_offload", "nkvo", 10, False),
+    ("flash_attn", "fa", 3, -1), ("devices", "dev", -12, "auto"),
+    ("tensor_split", "ts", -12, "0.00"), ("tensor_buft_overrides", "ot", -10, "none"),
+    ("load_mode", "lm", 10, "auto"), ("lazy_mode", "lazy_mode", -10, "auto"),
+    ("embeddings", "embd", 10, False), ("no_op_offload", "nopo", 4, 0),
+    ("no_host", "noh", 4, False), ("repack", "rpk", 3, True),
+)  # fmt: skip
+
+
+def _mib(size: int) -> str:
+    gib = 1024**3
+    return f"{size / 1024**2:.2f} MiB" if size < gib else f"{size / gib:.2f} GiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+def _md_value(value: Any) -> str:
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
 def to_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """llama-bench's table (model | size | params | backend | threads | test | t/s), plus TTFT
-    and ITL columns."""
-    varying = _varying(records)
-    head = ["model", "size", "params", "backend", "threads", *(h for _, h in varying), "test",
-            "t/s", "TTFT ms", "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
-    rows = []
-    for r in records:
-        rows.append([
-            r["model_type"], human_count(r["model_size"], "B"), human_count(r["model_n_params"]),
-            r["backends"], str(r["n_threads"]), *(str(r.get(k)) for k, _ in varying), r["test"],
-            f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", _ms(r.get("ttft_ms")),
-            _ms(r.get("itl_p50_ms")), _ms(r.get("itl_p99_ms")),
-        ])  # fmt: skip
-    numeric = {"threads", "t/s", "TTFT ms", "ITL p50 ms", "ITL p99 ms", "size", "params"}
-    lines = ["| " + " | ".join(head) + " |",
-             "| " + " | ".join("---:" if h in numeric else "---" for h in head) + " |"]  # fmt: skip
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    """llama-bench's table, column for column (its widths, units and `build:` footer), with
+    llmrun's TTFT and ITL columns after t/s."""
+    if not records:
+        return ""
+    cpu = all(str(r.get("backends", "CPU")) in ("CPU", "BLAS") for r in records)
+    cols: list[tuple[str, str, int]] = [
+        ("model", "model", -30), ("size", "size", 10), ("params", "params", 10),
+        ("backend", "backend", -10),
+    ]  # fmt: skip
+    if not cpu:
+        cols.append(("n_gpu_layers", "ngl", 3))
+    cols.append(("n_threads", "threads", 7))
+    for key, head, width, default in _MD_OPTIONAL:
+        values = {_md_value(r.get(key)) for r in records}
+        if len(values) > 1 or values != {_md_value(default)}:
+            cols.append((key, head, width))
+    cols += [("test", "test", 15), ("t/s", "t/s", 20)]
+    if len(_models(records)) > 1:
+        cols.append(("rel", "vs first", 8))
+    cols += [("ttft", "TTFT ms", 10),
+             ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]  # fmt: skip
+
+    def value(r: dict[str, Any], key: str) -> str:
+        special = {
+            "model": lambda: str(r["model_type"]), "size": lambda: _mib(r["model_size"]),
+            "params": lambda: _params(r["model_n_params"]), "backend": lambda: str(r["backends"]),
+            "test": lambda: str(r["test"]),
+            "t/s": lambda: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
+            "ttft": lambda: _ms(r.get("ttft_ms")), "itl50": lambda: _ms(r.get("itl_p50_ms")),
+            "itl99": lambda: _ms(r.get("itl_p99_ms")),
+            "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
+        }  # fmt: skip
+        return special[key]() if key in special else _md_value(r.get(key))
+
+    def row(cells: Sequence[str]) -> str:
+        out = []
+        for text, (_, _, width) in zip(cells, cols, strict=True):
+            out.append(text.ljust(-width) if width < 0 else text.rjust(width))
+        return "| " + " | ".join(out) + " |"
+
+    lines = [row([head for _, head, _ in cols]),
+             "| " + " | ".join("-" * (abs(w) - 1) + (":" if w > 0 else "-") for _, _, w in cols)
+             + " |"]  # fmt: skip
+    lines += [row([value(r, key) for key, _, _ in cols]) for r in records]
+    builds = dict.fromkeys(f"{r.get('build_commit')} ({r.get('build_number')})" for r in records)
+    return "\n".join(lines) + "\n\nbuild: " + ", ".join(builds) + "\n"
 
 
 def to_csv(records: Sequence[dict[str, Any]]) -> str:
@@ -98,34 +163,37 @@ def _sql_value(value: Any) -> str:
     value = _flat(value)
     if value is None:
         return "NULL"
-    if isinstance(value, bool):
-        return "1" if value else "0"
     if isinstance(value, (int, float)):
         return repr(value)
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def _sql_type(value: Any) -> str:
+def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
+    if field in LLAMA_BENCH_REAL:
+        return "REAL"
+    if field in LLAMA_BENCH_INT or field in LLAMA_BENCH_BOOL:
+        return "INTEGER"
+    if field in LLAMA_BENCH_FIELDS:
+        return "TEXT"
+    value = next((r[field] for r in records if r.get(field) is not None), None)
     if isinstance(value, (bool, int)):
         return "INTEGER"
-    if isinstance(value, float):
-        return "REAL"
-    return "TEXT"
+    return "REAL" if isinstance(value, float) else "TEXT"
 
 
-def to_sql(records: Sequence[dict[str, Any]]) -> str:
-    """CREATE TABLE test (...) and one INSERT per result: pipes into sqlite3, as llama-bench's."""
+def to_sql(records: Sequence[dict[str, Any]], table: str = "llama_bench") -> str:
+    """llama-bench's `CREATE TABLE llama_bench` (its columns and types first, llmrun's after) and
+    one INSERT per result: `| sqlite3 file` makes a database compare-llama-bench.py reads."""
     if not records:
         return ""
     fields = list(records[0])
-    types = {f: next((_sql_type(r[f]) for r in records if r.get(f) is not None), "TEXT")
-             for f in fields}  # fmt: skip
-    lines = ["CREATE TABLE IF NOT EXISTS test ("]
-    lines += [f"  {f} {types[f]}{',' if i < len(fields) - 1 else ''}" for i, f in enumerate(fields)]
-    lines.append(");")
+    lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
+    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(fields) - 1 else ''}"
+              for i, f in enumerate(fields)]  # fmt: skip
+    lines += [");", ""]
     for r in records:
         values = ", ".join(_sql_value(r.get(f)) for f in fields)
-        lines.append(f"INSERT INTO test ({', '.join(fields)}) VALUES ({values});")
+        lines.append(f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({values});")
     return "\n".join(lines) + "\n"
 
 
@@ -139,9 +207,10 @@ def format_records(
     records: Sequence[dict[str, Any]],
     fmt: OutputFormat,
     markdown: Callable[[], str] | None = None,
+    sql_table: str = "llama_bench",
 ) -> str:
     """The records in a machine format; md is llama-bench's table unless the caller, which
-    knows what it measured, gives its own (the serving benchmark does)."""
+    knows what it measured, gives its own (the serving benchmark does, with its own table)."""
     if fmt is OutputFormat.md:
         return markdown() if markdown is not None else to_markdown(records)
     if fmt is OutputFormat.csv:
@@ -150,24 +219,70 @@ def format_records(
         return json.dumps(list(records), indent=2, ensure_ascii=False) + "\n"
     if fmt is OutputFormat.jsonl:
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    return to_sql(records)
+    return to_sql(records, sql_table)
 
 
 # ---- on a terminal --------------------------------------------------------------------------
 
 
+def _models(records: Sequence[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(str(r.get("model_name", "")) for r in records))
+
+
 def results_table(records: Sequence[dict[str, Any]], title: str = "results") -> Table:
     varying = _varying(records)
+    several = len(_models(records)) > 1
+    if any(r.get("tuned") for r in records):
+        title += " (tuned settings from `bench --tune`; --no-tuned measures the defaults)"
     table = Table(title=title, title_justify="left")
-    for name in ("test", "threads", *(h for _, h in varying), "t/s", "TTFT ms", "ITL p50/p99 ms"):
-        table.add_column(name, justify="left" if name == "test" else "right")
+    heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
+    heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]
+    for name in heads:
+        table.add_column(name, justify="left" if name in ("test", "model") else "right")
     for r in records:
         itl = "-" if r.get("itl_p50_ms") is None else f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}"
+        rel = r.get("relative_ts")
         table.add_row(
-            r["test"], str(r["n_threads"]), *(str(r.get(k)) for k, _ in varying),
-            f"{r['avg_ts']:,.1f} ± {r['stddev_ts']:,.1f}", _ms(r.get("ttft_ms")), itl,
+            *([str(r.get("model_name"))] if several else []), r["test"], str(r["n_threads"]),
+            *(str(r.get(k)) for k, _ in varying), f"{r['avg_ts']:,.1f} ± {r['stddev_ts']:,.1f}",
+            *([f"x{rel:.2f}" if rel is not None else "-"] if several else []),
+            _ms(r.get("ttft_ms")), itl,
         )  # fmt: skip
     return table
+
+
+# The settings that make two results comparable across models
+_SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch",
+              "flash_attn", "type_k", "type_v", "n_gpu_layers", "repack", "load_mode")  # fmt: skip
+
+
+def add_relative_speed(records: Sequence[dict[str, Any]]) -> None:
+    """With several models, each result's t/s relative to the first model's same test."""
+    models = _models(records)
+    if len(models) < 2:
+        return
+    first = {tuple(r.get(k) for k in _SAME_TEST): r["avg_ts"]
+             for r in records if r.get("model_name") == models[0]}  # fmt: skip
+    for r in records:
+        base = first.get(tuple(r.get(k) for k in _SAME_TEST))
+        r["relative_ts"] = round(r["avg_ts"] / base, 4) if base else None
+
+
+def model_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+    """Prompt and output tok/s of each model, on one scale."""
+    models = _models(records)
+    if len(models) < 2:
+        return None
+    rows: list[tuple[str, float | None, str]] = []
+    for name in models:
+        mine = [r for r in records if r.get("model_name") == name and not r["n_depth"]]
+        for kind, pick, style in (("prompt", is_pp, "cyan"), ("output", is_tg, "magenta")):
+            rates = [r["avg_ts"] for r in mine if pick(r)]
+            if rates:
+                rows.append((f"{name} {kind}", max(rates), style))
+    if not rows:
+        return None
+    return Group(Text("models side by side (best tok/s of each)", style="bold"), bars(rows))
 
 
 def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -187,11 +302,14 @@ def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
     """Prompt tok/s against output tok/s for every configuration of the sweep."""
     varying = _varying(records)
+    several = len(_models(records)) > 1
     by_config: dict[str, dict[str, float]] = {}
     for r in records:
         if r["n_depth"]:
             continue
         label = " ".join(f"{h}={r.get(k)}" for k, h in [("n_threads", "t"), *varying]) or "default"
+        if several:
+            label = f"{r.get('model_name')} {label}"
         kind = "pp" if is_pp(r) else "tg" if is_tg(r) else None
         if kind:
             by_config.setdefault(label, {})[kind] = r["avg_ts"]
@@ -225,7 +343,7 @@ def chunk_report(records: Sequence[dict[str, Any]]) -> tuple[Table, list[str]] |
         table.add_column(name, justify="left" if name == "test" else "right")
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in pp:
-        key = (r["test"], r["n_threads"], r["flash_attn"], r["type_k"], r["type_v"],
+        key = (r["test"], r["n_threads"], r.get("flash_attn_mode"), r["type_k"], r["type_v"],
                r["n_gpu_layers"])  # fmt: skip
         groups.setdefault(key, []).append(r)
     notes = []
@@ -281,21 +399,28 @@ def store_and_print(
     store: bool,
     compare: bool,
     markdown: Callable[[], str] | None = None,
+    sql_table: str = "llama_bench",
 ) -> list[Change] | None:
     """Store the run, then print the results: a closed pipe while printing loses nothing.
 
     Returns the comparison with earlier runs when asked for, to be shown after the results.
     """
-    changes = None
+    changes: list[Change] | None = None
     if records and (store or compare):
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in records:  # several models: one run in the history for each
+            groups.setdefault(str(r.get("model_name", model)), []).append(r)
         try:
             with History() as history:
-                run_id = (
-                    history.store(records, kind=kind, model=model, system=system)
-                    if store else None
-                )  # fmt: skip
-                if compare:
-                    changes = history.compare(records, before_run=run_id)
+                found: list[Change] = []
+                for name, mine in groups.items():
+                    run_id = (
+                        history.store(mine, kind=kind, model=name, system=system)
+                        if store else None
+                    )  # fmt: skip
+                    if compare:
+                        found += history.compare(mine, before_run=run_id)
+                changes = found if compare else None
         except HistoryError as e:  # the results still reach stdout
             print(f"llmrun: warning: {e}; this run was not stored", file=sys.stderr, flush=True)
     busy = [r for r in records if r.get("busy")]
@@ -305,11 +430,11 @@ def store_and_print(
               f" {len(busy)} of {len(records)} tests: their figures are unreliable",
               file=sys.stderr, flush=True)  # fmt: skip
     if output is not None:
-        sys.stdout.write(format_records(records, output, markdown))
+        sys.stdout.write(format_records(records, output, markdown, sql_table))
         sys.stdout.flush()
     elif sys.stdout.isatty():
         show.print(table)
     else:
-        sys.stdout.write(format_records(records, OutputFormat.md, markdown))
+        sys.stdout.write(format_records(records, OutputFormat.md, markdown, sql_table))
         sys.stdout.flush()
     return changes

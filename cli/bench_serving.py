@@ -185,7 +185,7 @@ def run_serving(
     changes = out.store_and_print(
         records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
         show=show, table=serving_table(done, pcts), store=store, compare=compare,
-        markdown=lambda: serving_markdown(done, found),
+        markdown=lambda: serving_markdown(done, found), sql_table="llmrun_serving",
     )  # fmt: skip
     if changes is not None:
         show.print(out.compare_table(changes))

@@ -16,19 +16,21 @@ def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
     return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
 
 
-def _llamacpp_bench(model: str | None, config: EngineConfig) -> BenchRunner:
-    """bench's runner: tuned settings fill only what the sweep does not set."""
+def _llamacpp_bench(model: str | None, config: EngineConfig, tuned: bool) -> BenchRunner:
+    """bench's runner: tuned settings (unless --no-tuned) fill only what the sweep does not set."""
     resolved = resolve_model(model)
-    return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
+    return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path) if tuned else config)
 
 
 RUNNER_FACTORY: Callable[[str | None, EngineConfig], Runner] = _llamacpp
-BENCH_RUNNER_FACTORY: Callable[[str | None, EngineConfig], BenchRunner] = _llamacpp_bench
+BENCH_RUNNER_FACTORY: Callable[[str | None, EngineConfig, bool], BenchRunner] = _llamacpp_bench
 
 
-def make_bench_runner(model: str | None, config: EngineConfig) -> BenchRunner:
+def make_bench_runner(
+    model: str | None, config: EngineConfig, *, tuned: bool = True
+) -> BenchRunner:
     """A local runner whose settings a sweep can change between tests."""
-    return BENCH_RUNNER_FACTORY(model, config)
+    return BENCH_RUNNER_FACTORY(model, config, tuned)
 
 
 def make_runner(

@@ -90,15 +90,6 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
     return None
 
 
-def _gpu_layers_problem(runner: BenchRunner, combo: Combo) -> str | None:
-    header = runner.header()
-    n_layer = int(header.metadata.get(f"{header.architecture}.block_count", 0) or 0)
-    if combo.n_gpu_layers > n_layer + 1:
-        return (f"{combo.n_gpu_layers} GPU layers, but the model has {n_layer + 1} (layers +"
-                " output; -1 offloads all)")  # fmt: skip
-    return None
-
-
 def _one_run(
     runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event
 ) -> tuple[Finished, int | None]:
@@ -159,6 +150,7 @@ def run_bench(
     n_ctx: int | None = None,
     seed: int = 1234,
     warmup: bool = True,
+    delay_s: float = 0.0,
     cancel: threading.Event | None = None,
 ) -> Iterator[Result | Skipped | Progress]:
     """Run every shape on every configuration; yields results as they finish.
@@ -179,7 +171,6 @@ def run_bench(
         if problem is None:
             try:
                 loaded = runner.reconfigure(combo.config(base, ctx))
-                problem = _gpu_layers_problem(runner, combo)
             except ModelLoadError as e:
                 problem = f"llama.cpp refused it: {e.detail}"
             except LlmrunError as e:
@@ -196,6 +187,8 @@ def run_bench(
                 need, have = shape.n_ctx_needed, loaded.settings.n_ctx
                 yield Skipped(combo, shape, f"needs {need} tokens of context, it holds {have}")
                 continue
+            if delay_s and (cancel or threading.Event()).wait(delay_s):  # llama-bench's --delay
+                return
             rng = random.Random(seed)
             samples: list[float] = []
             engine: list[float] = []

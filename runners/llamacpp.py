@@ -78,6 +78,12 @@ LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
 _lib: Any = None
 _log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
 _abort_callback: Any = None  # likewise
+_verbose = False  # also echo llama.cpp's log to stderr (bench -v)
+
+
+def set_verbose(on: bool) -> None:
+    global _verbose
+    _verbose = on
 
 
 def _default_on_abort(error: EngineAbortError) -> None:
@@ -146,6 +152,9 @@ def llama_lib() -> Any:
         @llama_cpp.llama_log_callback
         def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             LOG_LINES.append(text.decode("utf-8", errors="replace"))
+            if _verbose:
+                with contextlib.suppress(OSError):
+                    os.write(2, text)
 
         _log_callback = _log
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -186,6 +195,49 @@ def _strip_log_prefix(line: str) -> str:
     return line.strip() or "no reason given"
 
 
+# llama.cpp's load modes by the names llama-bench's -lm takes (-mmp 0/1 are none/mmap)
+LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
+_SPLIT_MODES = {0: "none", 1: "layer", 2: "row", 3: "tensor"}
+_LAZY_MODES = {0: "off", 1: "auto", 2: "on"}
+
+
+def gpu_layers_asked(cfg: EngineConfig, can_offload: bool) -> int:
+    """-ngl as given, or by default all layers where the build can offload (llama-bench's -1)."""
+    if cfg.n_gpu_layers is not None:
+        return cfg.n_gpu_layers
+    return -1 if can_offload else 0
+
+
+def offloaded_layers(asked: int, n_layer: int) -> int:
+    """The layers llama.cpp puts on the GPU: -1, or any count above the model's (99, as
+    llama.cpp's users write it), means all of them and the output layer."""
+    return n_layer + 1 if asked < 0 else min(asked, n_layer + 1)
+
+
+def model_params(p: Any) -> dict[str, Any]:
+    """llama-bench's model-side fields, read back from the llama_model_params handed over."""
+    load_mode = {v: k for k, v in LOAD_MODES.items()}.get(int(p.load_mode), str(p.load_mode))
+    return {
+        "split_mode": _SPLIT_MODES.get(int(p.split_mode), str(p.split_mode)),
+        "main_gpu": int(p.main_gpu),
+        "devices": "auto" if not p.devices else "custom",
+        "tensor_split": "0.00" if not p.tensor_split else "custom",
+        "tensor_buft_overrides": "none" if not p.tensor_buft_overrides else "custom",
+        "load_mode": load_mode,
+        "lazy_mode": _LAZY_MODES.get(int(p.lazy_mode), str(p.lazy_mode)),
+        "no_host": bool(p.no_host),
+    }
+
+
+def context_params(p: Any) -> dict[str, Any]:
+    """llama-bench's context-side fields, read back from the llama_context_params handed over."""
+    return {
+        "no_kv_offload": not bool(p.offload_kqv),
+        "embeddings": bool(p.embeddings),
+        "no_op_offload": int(not bool(p.op_offload)),
+    }
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Load-time settings, named as llama.cpp names them. None means: choose for this machine."""
@@ -195,16 +247,20 @@ class EngineConfig:
     n_ubatch: int | None = None  # None: 512 (at most n_batch)
     n_threads: int | None = None  # None: physical cores
     n_threads_batch: int | None = None
-    n_gpu_layers: int = 0  # -1: all
+    n_gpu_layers: int | None = None  # -1 or more than the model has: all; None: all where
+    # this llama.cpp build can offload (as llama-bench and Ollama), else 0
     flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
     repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
     cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
     cache_type_v: str = "f16"
     tuned: bool = False
+    load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
+    no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""
-        return (self.n_gpu_layers, self.repack) == (other.n_gpu_layers, other.repack)
+        mine = (self.n_gpu_layers, self.repack, self.load_mode)
+        return mine == (other.n_gpu_layers, other.repack, other.load_mode)
 
 
 @dataclass
@@ -253,6 +309,12 @@ class _Model:
             return big.raw[:n]
         return self._piece_buf.raw[:n]
 
+    def desc(self) -> str:
+        """llama.cpp's description of the model, as llama-bench's model_type ('llama 256M Q4_1')."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
+
     def close(self) -> None:
         if self.ptr is not None:
             self.lib.llama_model_free(self.ptr)
@@ -289,6 +351,7 @@ class LlamaCppRunner:
         self._repack = False
         self._repack_note = ""
         self._weights_s = 0.0
+        self._model_params: dict[str, Any] = {}
 
     # ---- loading ----------------------------------------------------------------------
 
@@ -325,9 +388,13 @@ class LlamaCppRunner:
         lib = llama_lib()
         cfg = self.config
         mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = 0x7FFFFFFF if cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+        asked = gpu_layers_asked(cfg, bool(lib.llama_supports_gpu_offload()))
+        mparams.n_gpu_layers = 0x7FFFFFFF if asked < 0 else asked
         self._repack, self._repack_note = self._choose_repack(info)
         mparams.use_extra_bufts = self._repack
+        if cfg.load_mode is not None:
+            mparams.load_mode = LOAD_MODES[cfg.load_mode]
+        self._model_params = model_params(mparams)
         # Called as the tensors load: returning False stops a long load at Ctrl-C.
         cancel = self._cancel
         progress = lib.llama_progress_callback(lambda _p, _data: not cancel.is_set())
@@ -375,7 +442,7 @@ class LlamaCppRunner:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
         flash_attn = cfg.flash_attn or (
-            "auto" if cfg.n_gpu_layers and lib.llama_supports_gpu_offload() else "off"
+            "auto" if gpu_layers_asked(cfg, bool(lib.llama_supports_gpu_offload())) else "off"
         )
         cparams.flash_attn_type = {
             "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -388,6 +455,7 @@ class LlamaCppRunner:
                 raise ModelLoadError(self.model_path, f"unknown KV cache type '{value}'")
             setattr(cparams, name, ggml_type)
         cparams.no_perf = False
+        cparams.offload_kqv = not cfg.no_kv_offload
         check_memory(
             estimate_memory(info, n_ctx=n_ctx, n_ubatch=cparams.n_ubatch, type_k=cfg.cache_type_k,
                             type_v=cfg.cache_type_v,
@@ -406,7 +474,7 @@ class LlamaCppRunner:
         n_layer = lib.llama_model_n_layer(model) or n_layer_meta
         gpu_layers = 0
         if gpu:
-            gpu_layers = n_layer + 1 if cfg.n_gpu_layers < 0 else min(cfg.n_gpu_layers, n_layer + 1)
+            gpu_layers = offloaded_layers(gpu_layers_asked(cfg, gpu), n_layer)
         self._loaded = LocalLoaded(
             model=ModelInfo(
                 path=self.model_path,
@@ -417,6 +485,7 @@ class LlamaCppRunner:
                 size_bytes=int(lib.llama_model_size(model)),
                 n_ctx_train=n_ctx_train or None,
                 has_chat_template=info.chat_template is not None,
+                desc=self._model.desc(),
             ),
             settings=EngineSettings(
                 backend="CPU+GPU" if gpu_layers else "CPU",
@@ -433,6 +502,8 @@ class LlamaCppRunner:
                 type_k=cfg.cache_type_k,
                 type_v=cfg.cache_type_v,
                 tuned=cfg.tuned,
+                n_gpu_layers_asked=gpu_layers_asked(cfg, gpu),
+                params={**self._model_params, **context_params(cparams)},
             ),
             load_s=load_s,
         )

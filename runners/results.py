@@ -10,6 +10,38 @@ from .stats import EngineSettings, ModelInfo, human_count, percentile
 from .sweep import Combo, Shape
 from .system import SystemInfo, busy_machine
 
+# llama-bench's record: its fields in its order, and the SQL type of each (llama-bench.cpp,
+# test::get_fields and get_field_type; BOOL is an INTEGER in SQL and true/false in JSON).
+LLAMA_BENCH_FIELDS = (
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
+    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask",
+    "cpu_strict", "poll", "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode",
+    "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split", "tensor_buft_overrides",
+    "load_mode", "lazy_mode", "embeddings", "no_op_offload", "no_host", "repack", "fit_target",
+    "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
+    "stddev_ts",
+)  # fmt: skip
+LLAMA_BENCH_INT = frozenset((
+    "build_number", "n_batch", "n_ubatch", "n_threads", "poll", "model_size", "model_n_params",
+    "n_gpu_layers", "main_gpu", "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns",
+    "no_op_offload", "n_cpu_moe", "fit_target", "fit_min_ctx", "flash_attn",
+))  # fmt: skip
+LLAMA_BENCH_BOOL = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host", "repack"))
+LLAMA_BENCH_REAL = frozenset(("avg_ts", "stddev_ts"))
+
+# llama-bench's flash_attn encoding (llama_flash_attn_type): -1 auto, 0 off, 1 on
+FLASH_ATTN_CODES = {"auto": -1, "off": 0, "on": 1}
+
+# What llmrun never changes, so llama.cpp's defaults ran: no CPU mask or strict placement, the
+# threadpool's default polling, no MoE experts kept on the CPU, no memory fitting.
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "fit_target": 0,
+    "fit_min_ctx": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False,
+    "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none",
+    "load_mode": "auto", "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0,
+    "no_host": False,
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Result:
@@ -58,28 +90,47 @@ class Result:
         return self.model.size_bytes + self.kv_bytes_per_pos * avg_context
 
     def record(self, system: SystemInfo) -> dict[str, Any]:
-        """llama-bench's fields, then llmrun's own."""
+        """llama-bench's fields in its order and terms, then llmrun's own."""
         m, st, s = self.model, self.settings, self.shape
         samples_ns = [round(x * 1e9) for x in self.samples_s]
         avg_ns = statistics.fmean(samples_ns) if samples_ns else 0.0
         std_ns = statistics.stdev(samples_ns) if len(samples_ns) > 1 else 0.0
+        p = {**LLAMA_DEFAULTS, **st.params}
         rec: dict[str, Any] = {
-            "build_commit": system.build,
-            "build_number": 0,
+            "build_commit": system.build_commit,
+            "build_number": system.build_number,
             "cpu_info": system.cpu,
-            "gpu_info": system.gpu,
-            "backends": st.backend,
+            "gpu_info": system.gpu_info,
+            "backends": system.backends,
             "model_filename": m.path,
-            "model_type": f"{m.architecture} {human_count(m.n_params)} {m.quantization}",
+            "model_type": m.desc or f"{m.architecture} {human_count(m.n_params)} {m.quantization}",
             "model_size": m.size_bytes,
             "model_n_params": m.n_params,
             "n_batch": st.n_batch,
             "n_ubatch": st.n_ubatch,
             "n_threads": st.n_threads,
+            "cpu_mask": p["cpu_mask"],
+            "cpu_strict": p["cpu_strict"],
+            "poll": p["poll"],
             "type_k": st.type_k,
             "type_v": st.type_v,
-            "n_gpu_layers": st.n_gpu_layers,
-            "flash_attn": st.flash_attn,
+            "n_gpu_layers": st.n_gpu_layers_asked,
+            "n_cpu_moe": p["n_cpu_moe"],
+            "split_mode": p["split_mode"],
+            "main_gpu": p["main_gpu"],
+            "no_kv_offload": p["no_kv_offload"],
+            "flash_attn": FLASH_ATTN_CODES.get(st.flash_attn, -1),
+            "devices": p["devices"],
+            "tensor_split": p["tensor_split"],
+            "tensor_buft_overrides": p["tensor_buft_overrides"],
+            "load_mode": p["load_mode"],
+            "lazy_mode": p["lazy_mode"],
+            "embeddings": p["embeddings"],
+            "no_op_offload": p["no_op_offload"],
+            "no_host": p["no_host"],
+            "repack": st.repack,
+            "fit_target": p["fit_target"],
+            "fit_min_ctx": p["fit_min_ctx"],
             "n_prompt": s.n_prompt,
             "n_gen": s.n_gen,
             "n_depth": s.n_depth,
@@ -92,6 +143,13 @@ class Result:
             "samples_ts": [round(x, 6) for x in self.samples_ts],
             # llmrun's own
             "test": s.name,
+            "model_name": m.name,
+            "n_gpu_layers_offloaded": st.n_gpu_layers,
+            "n_threads_batch": st.n_threads_batch,
+            "flash_attn_mode": st.flash_attn,
+            "repack_note": st.repack_note,
+            "tuned": st.tuned,
+            "llama_cpp_python": system.build,
             "load_ms": round(self.load_s * 1000, 3),
             "ttft_ms": round(statistics.fmean(self.ttft_s) * 1000, 3) if self.ttft_s else None,
             "itl_p50_ms": _ms(percentile(self.itl_s, 50)),
@@ -99,6 +157,7 @@ class Result:
             "engine_avg_ts": round(self.engine_avg_ts, 6) if self.engine_avg_ts else None,
             "next_token": self.next_token,
             "mem_bw_gbs": round(system.mem_bw_bytes_s / 1e9, 3) if system.mem_bw_bytes_s else None,
+            "mem_bw_spread": _round(system.mem_bw_spread, 3),
             "decode_bw_gbs": None,
             "bw_util": None,
             "prefill_gflops": None,

@@ -10,7 +10,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
@@ -58,6 +58,7 @@ class ModelInfo:
     size_bytes: int  # bytes of weights
     n_ctx_train: int | None
     has_chat_template: bool
+    desc: str = ""  # llama.cpp's own description (llama_model_desc): 'llama 256M Q4_1'
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class EngineSettings:
     type_k: str = "f16"  # KV cache element types
     type_v: str = "f16"
     tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
+    n_gpu_layers_asked: int = 0  # as given (-1 or more than the model has: all)
+    # llama-bench's other parameters, as read back from the structs handed to llama.cpp
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,32 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
     return list(dict.fromkeys(values))
 
 
-def parse_words(text: str, *, name: str, allowed: Sequence[str]) -> list[str]:
-    """A comma list of names. Unknown names are kept: the run reports them as skipped."""
+def parse_words(
+    text: str, *, name: str, allowed: Sequence[str], aliases: dict[str, str] | None = None
+) -> list[str]:
+    """A comma list of names (also repeated options, joined). Unknown names are kept: the run
+    reports them as skipped. `aliases` maps other spellings: llama-bench's `-fa 0,1`."""
     words = [w.strip().lower() for w in text.split(",") if w.strip()]
     if not words:
         raise BadRequestError(f"{name}: give one or more of {', '.join(allowed)}")
+    words = [(aliases or {}).get(w, w) for w in words]
     return list(dict.fromkeys(words))
+
+
+# llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
+FLASH_ATTN_ALIASES = {"0": "off", "1": "on", "-1": "auto", "false": "off", "true": "on",
+                      "no": "off", "yes": "on"}  # fmt: skip
+BOOL_ALIASES = {"0": "0", "1": "1", "off": "0", "on": "1", "false": "0", "true": "1",
+                "no": "0", "yes": "1"}  # fmt: skip
+
+
+def parse_bools(text: str, *, name: str) -> list[bool]:
+    """llama-bench's 0/1 lists (`--repack 0,1`, `-nkvo 1`)."""
+    words = parse_words(text, name=name, allowed=("0", "1"), aliases=BOOL_ALIASES)
+    bad = [w for w in words if w not in ("0", "1")]
+    if bad:
+        raise BadRequestError(f"{name}: '{bad[0]}' is not 0 or 1")
+    return [w == "1" for w in words]
 
 
 @dataclass(frozen=True)
@@ -75,23 +95,34 @@ class Combo:
     n_threads: int | None = None
     n_batch: int | None = None
     n_ubatch: int | None = None
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = None
     flash_attn: str | None = None
     type_k: str = "f16"
     type_v: str = "f16"
+    repack: bool | None = None
+    no_kv_offload: bool = False
+    load_mode: str | None = None
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
             base, n_ctx=n_ctx, n_threads=self.n_threads, n_batch=self.n_batch,
             n_ubatch=self.n_ubatch, n_gpu_layers=self.n_gpu_layers, flash_attn=self.flash_attn,
             cache_type_k=self.type_k, cache_type_v=self.type_v,
+            repack=base.repack if self.repack is None else self.repack,
+            no_kv_offload=self.no_kv_offload,
+            load_mode=base.load_mode if self.load_mode is None else self.load_mode,
         )  # fmt: skip
 
     def describe(self) -> str:
         """Compact, in llama-bench's short option names: t=2 b=512 ub=512 ngl=0 fa=off."""
         names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
-                 "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv"}  # fmt: skip
-        return " ".join(f"{names[k]}={v}" for k, v in vars(self).items() if v is not None)
+                 "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
+                 "no_kv_offload": "nkvo", "load_mode": "lm"}  # fmt: skip
+        defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16"}
+        return " ".join(
+            f"{names[k]}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items()
+            if v is not None and defaults.get(k) != v
+        )  # fmt: skip
 
 
 def sweep(
@@ -99,15 +130,28 @@ def sweep(
     threads: Sequence[int | None],
     batch: Sequence[int | None],
     ubatch: Sequence[int | None],
-    gpu_layers: Sequence[int],
+    gpu_layers: Sequence[int | None],
     flash_attn: Sequence[str | None],
     type_k: Sequence[str],
     type_v: Sequence[str],
+    repack: Sequence[bool | None] = (None,),
+    no_kv_offload: Sequence[bool] = (False,),
+    load_mode: Sequence[str | None] = (None,),
 ) -> list[Combo]:
-    """Every combination, ordered so those sharing loaded weights (GPU layers) run together."""
+    """Every combination, ordered so those sharing loaded weights (GPU layers, repacking, load
+    mode) run together."""
     return [
-        Combo(t, b, u, g, f, k, v)
-        for g, t, b, u, f, k, v in itertools.product(
-            gpu_layers, threads, batch, ubatch, flash_attn, type_k, type_v
+        Combo(t, b, u, g, f, k, v, r, o, lm)
+        for g, r, lm, t, b, u, f, k, v, o in itertools.product(
+            gpu_layers,
+            repack,
+            load_mode,
+            threads,
+            batch,
+            ubatch,
+            flash_attn,
+            type_k,
+            type_v,
+            no_kv_offload,
         )
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -82,13 +83,15 @@ def available_memory_bytes() -> int | None:
     return _meminfo_bytes("MemAvailable")
 
 
-def memory_bandwidth(
-    *, size_bytes: int = 256 << 20, threads: int | None = None, reps: int = 5
-) -> float:
-    """Bytes per second a streaming copy moves (read + write), best of `reps`.
+def memory_bandwidth_runs(
+    *, size_bytes: int = 256 << 20, threads: int | None = None, reps: int = 7
+) -> list[float]:
+    """Bytes per second a streaming copy moves (read + write), one figure per repetition.
 
     The copy is split over `threads` threads (numpy releases the GIL while copying), as decode
     reads the weights from every core at once. Arrays far larger than any cache measure RAM.
+    One copy is a noisy figure on a shared machine (17.6 to 38.7 GB/s were seen): the caller
+    takes the median and reports the spread.
     """
     import threading
     import time
@@ -103,7 +106,8 @@ def memory_bandwidth(
     def copy(i: int) -> None:
         np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
 
-    best = float("inf")
+    np.copyto(dst, src)  # fault the pages in once, outside the timed copies
+    rates = []
     for _ in range(reps):
         workers = [threading.Thread(target=copy, args=(i,)) for i in range(n)]
         t = time.perf_counter()
@@ -111,8 +115,8 @@ def memory_bandwidth(
             w.start()
         for w in workers:
             w.join()
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
+        rates.append(2 * src.nbytes / max(time.perf_counter() - t, 1e-9))
+    return rates
 
 
 # ---- other processes' load during a measurement -------------------------------------------
@@ -173,26 +177,40 @@ class SystemInfo:
     ram_bytes: int | None
     build: str  # llama-cpp-python version
     features: str  # llama.cpp's system info line (backends and CPU features)
-    gpu: str
+    gpu: str  # for people: the GPUs llama.cpp can use, or why none
     mem_bw_bytes_s: float | None
+    build_commit: str = "unknown"  # the loaded llama.cpp's commit (ggml_commit), as llama-bench's
+    build_number: int = 0  # llama.cpp's "unknown": the shared libraries do not carry it
+    gpu_info: str = ""  # llama-bench's gpu_info: GPU descriptions, empty without one
+    backends: str = "CPU"  # llama-bench's backends: the accelerator registries, else CPU
+    ggml_version: str = ""
+    mem_bw_spread: float | None = None  # (max - min) / median of the bandwidth probe's runs
 
     @classmethod
     def collect(cls, *, bandwidth: bool = True) -> SystemInfo:
+        from . import devices as dv
         from .llamacpp import llama_lib  # only when a report is asked for
 
         lib = llama_lib()
         info = lib.llama_print_system_info()
         features = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-        gpu = "offload supported" if lib.llama_supports_gpu_offload() else "none (CPU-only build)"
+        q = dv.query()
+        found = q.devices()
+        bw = memory_bandwidth_runs() if bandwidth else []
         return cls(
-            cpu=cpu_model(),
+            cpu=dv.cpu_info(found) or cpu_model(),
             physical_cores=physical_cores(),
             logical_cpus=logical_cpus(),
             ram_bytes=ram_bytes(),
             build=f"llama-cpp-python {getattr(lib, '__version__', '?')}",
             features=_features(features),
-            gpu=gpu,
-            mem_bw_bytes_s=memory_bandwidth() if bandwidth else None,
+            gpu=dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload())),
+            mem_bw_bytes_s=statistics.median(bw) if bw else None,
+            build_commit=dv.build_commit(q.commit()),
+            gpu_info=dv.gpu_info(found),
+            backends=dv.backends(found),
+            ggml_version=q.version(),
+            mem_bw_spread=(max(bw) - min(bw)) / statistics.median(bw) if len(bw) > 1 else None,
         )
 
 

@@ -1,0 +1,74 @@
+"""llmrun bench against llama-bench, side by side, in B A B order (target: ratios >= 0.98).
+
+llama-bench is built from the sources of the llama-cpp-python that is installed (the same
+llama.cpp commit llmrun loads; about 5 minutes once, on 2 cores), or taken from $LLAMA_BENCH.
+Each round runs llama-bench, then `llmrun bench`, then llama-bench again with the same model,
+threads, batch sizes, flash attention and repacking, and divides llmrun's pp and tg rates by
+the mean of the two llama-bench runs around it, so a machine that drifts moves both sides.
+
+    .venv/bin/python benchmarks/vs_llama_bench.py [--rounds 3] [--threads 2] [--repack 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmrun.runners.models import default_model_path  # noqa: E402
+from tests import llama_tools  # noqa: E402
+
+LLMRUN = str(Path(sys.executable).parent / "llmrun")
+
+
+def rates(command: list[str]) -> dict[str, float]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    rows = json.loads(done.stdout)
+    return {("pp" if r["n_prompt"] else "tg"): float(r["avg_ts"]) for r in rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--repack", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    model = args.model or default_model_path()
+    same = ["-m", model, "-t", str(args.threads), "-b", str(args.batch), "-ub", str(args.batch),
+            "-fa", "0", "-ngl", "0", "--repack", str(args.repack), "-p", "512", "-n", "128",
+            "-r", str(args.reps), "-o", "json"]  # fmt: skip
+    llama_bench = [str(llama_tools.llama_bench()), *same]
+    ours = [LLMRUN, "bench", *same, "--no-history", "--no-tuned"]
+    print(f"model {Path(model).name}, {args.threads} threads, batch {args.batch}, repack"
+          f" {args.repack}, {args.reps} repetitions; llama-bench: {llama_bench[0]}")  # fmt: skip
+    ratios: dict[str, list[float]] = {"pp": [], "tg": []}
+    before = rates(llama_bench)
+    for i in range(args.rounds):
+        mine = rates(ours)
+        after = rates(llama_bench)
+        cells = []
+        for kind in ("pp", "tg"):
+            reference = (before[kind] + after[kind]) / 2
+            ratios[kind].append(mine[kind] / reference)
+            cells.append(f"{kind} llama-bench {before[kind]:.1f}/{after[kind]:.1f}, llmrun"
+                         f" {mine[kind]:.1f} -> x{ratios[kind][-1]:.3f}")  # fmt: skip
+        print(f"round {i + 1}: " + "; ".join(cells))
+        before = after
+    for kind, label in (("pp", "pp512"), ("tg", "tg128")):
+        values = ratios[kind]
+        print(f"{label}: llmrun / llama-bench median x{statistics.median(values):.3f}"
+              f" (range {min(values):.3f}-{max(values):.3f}, {len(values)} rounds)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""llama-bench's options that llmrun's engine cannot honour, or that act on the whole process.
+
+A llama-bench command line must never fail with a misleading parse error, nor silently measure
+something else: each such option is accepted at llama-bench's default, applied where it means
+something for this process, and otherwise refused in one line that says why.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import llama_lib
+from llmrun.runners.sweep import BOOL_ALIASES
+
+# llama-bench's default for each: given at this value (or a list of only it), it changes nothing
+_THREADPOOL = {"-C/--cpu-mask": {"0x0", "0"}, "--cpu-strict": {"0"}, "--poll": {"50"}}
+_GPU = {
+    "-sm/--split-mode": {"layer"}, "-mg/--main-gpu": {"0"}, "-ts/--tensor-split": {"0", "0.00"},
+    "-dev/--device": {"auto"}, "-ncmoe/--n-cpu-moe": {"0"}, "-ot/--override-tensor": set(),
+}  # fmt: skip
+NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
+PRIORITY_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}  # llama.cpp's set_process_priority
+
+
+def _non_default(text: str | None, defaults: set[str]) -> list[str]:
+    if text is None:
+        return []
+    words = [BOOL_ALIASES.get(w.strip().lower(), w.strip().lower()) for w in text.split(",")]
+    return [w for w in words if w and w not in defaults]
+
+
+def refuse_unusable(
+    *,
+    split_mode: str | None,
+    main_gpu: str | None,
+    tensor_split: str | None,
+    device: str | None,
+    n_cpu_moe: str | None,
+    override_tensor: str | None,
+    cpu_mask: str | None,
+    cpu_strict: str | None,
+    poll: str | None,
+) -> None:
+    """One line for the first option whose value this engine cannot apply."""
+    threadpool = {"-C/--cpu-mask": cpu_mask, "--cpu-strict": cpu_strict, "--poll": poll}
+    for flag, text in threadpool.items():
+        odd = _non_default(text, _THREADPOOL[flag])
+        if odd:
+            raise BadRequestError(
+                f"{flag} {odd[0]}: llmrun runs llama.cpp's own threadpool (no CPU mask, poll"
+                " 50), as llama-cpp-python creates it; pin the process instead, e.g."
+                " `taskset -c 0-3 llmrun bench ...`"
+            )
+    gpu = {"-sm/--split-mode": split_mode, "-mg/--main-gpu": main_gpu,
+           "-ts/--tensor-split": tensor_split, "-dev/--device": device,
+           "-ncmoe/--n-cpu-moe": n_cpu_moe, "-ot/--override-tensor": override_tensor}  # fmt: skip
+    for flag, text in gpu.items():
+        odd = _non_default(text, _GPU[flag])
+        if not odd:
+            continue
+        if not llama_lib().llama_supports_gpu_offload():
+            raise BadRequestError(
+                f"{flag} {odd[0]}: this llama.cpp build has no GPU backend, so there is nothing"
+                " to place on a device; rebuild with one (README, 'Hardware': make GPU=cuda)"
+            )
+        raise BadRequestError(f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp yet;"
+                              " only the default is measured")  # fmt: skip
+
+
+def apply_process_settings(*, numa: str | None, prio: int) -> None:
+    """--numa and --prio act on the process, as in llama-bench."""
+    if numa is not None:
+        strategy = NUMA.get(numa.strip().lower())
+        if strategy is None:
+            raise BadRequestError(f"--numa: '{numa}' is not one of {', '.join(NUMA)}")
+        llama_lib().llama_numa_init(strategy)
+    if prio:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, PRIORITY_NICE[prio])
+        except PermissionError:
+            raise BadRequestError(
+                f"--prio {prio}: raising the priority needs privileges (CAP_SYS_NICE) this"
+                " process lacks; run without --prio or with -1 (lower)"
+            ) from None

@@ -1,0 +1,159 @@
+"""What the loaded llama.cpp can compute on: its backends and devices, as ggml lists them.
+
+ggml's device registry (`ggml_backend_dev_*` in libggml) is not wrapped by llama-cpp-python; it
+is reached through ctypes. The queries sit behind `DeviceQuery` so that tests can hand in a
+machine with GPUs that this one does not have.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+# enum ggml_backend_dev_type
+DEV_CPU, DEV_GPU, DEV_ACCEL, DEV_IGPU = 0, 1, 2, 3
+_KINDS = {DEV_CPU: "CPU", DEV_GPU: "GPU", DEV_ACCEL: "ACCEL", DEV_IGPU: "iGPU"}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # CUDA0, Metal, CPU
+    description: str  # NVIDIA H200, Apple M3 Max, AMD EPYC
+    kind: str  # CPU, GPU, iGPU, ACCEL
+    backend: str  # the registry the device belongs to: CUDA, Metal, CPU
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("GPU", "iGPU")
+
+
+class DeviceQuery(Protocol):
+    def devices(self) -> list[Device]: ...
+    def commit(self) -> str: ...
+    def version(self) -> str: ...
+
+
+class GgmlDevices:
+    """The devices of the libggml that llama_cpp loaded."""
+
+    def __init__(self) -> None:
+        import llama_cpp
+
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        self._ggml = _open(lib_dir, "libggml.so")
+        self._base = _open(lib_dir, "libggml-base.so")
+
+    def devices(self) -> list[Device]:
+        g = self._ggml
+        if g is None:
+            return []
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        g.ggml_backend_dev_count.restype = sz
+        g.ggml_backend_dev_get.restype, g.ggml_backend_dev_get.argtypes = vp, [sz]
+        for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+            getattr(g, fn).restype, getattr(g, fn).argtypes = ctypes.c_char_p, [vp]
+        g.ggml_backend_dev_type.restype, g.ggml_backend_dev_type.argtypes = ctypes.c_int, [vp]
+        g.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        g.ggml_backend_dev_backend_reg.restype = vp
+        g.ggml_backend_dev_backend_reg.argtypes = [vp]
+        g.ggml_backend_reg_name.restype, g.ggml_backend_reg_name.argtypes = ctypes.c_char_p, [vp]
+        out = []
+        for i in range(int(g.ggml_backend_dev_count())):
+            dev = g.ggml_backend_dev_get(i)
+            free, total = sz(0), sz(0)
+            g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+            reg = g.ggml_backend_dev_backend_reg(dev)
+            out.append(Device(
+                name=_text(g.ggml_backend_dev_name(dev)),
+                description=_text(g.ggml_backend_dev_description(dev)),
+                kind=_KINDS.get(int(g.ggml_backend_dev_type(dev)), "?"),
+                backend=_text(g.ggml_backend_reg_name(reg)) if reg else "?",
+                free_bytes=free.value or None,
+                total_bytes=total.value or None,
+            ))  # fmt: skip
+        return out
+
+    def commit(self) -> str:
+        return _call_text(self._base, "ggml_commit")
+
+    def version(self) -> str:
+        return _call_text(self._base, "ggml_version")
+
+
+def _open(lib_dir: Path, name: str) -> ctypes.CDLL | None:
+    for path in (lib_dir / name, *sorted(lib_dir.glob(name + ".*"))):
+        if path.exists():
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError:
+                continue
+    return None
+
+
+def _text(value: bytes | None) -> str:
+    return (value or b"").decode("utf-8", errors="replace").strip()
+
+
+def _call_text(lib: ctypes.CDLL | None, name: str) -> str:
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is None:
+        return ""
+    fn.restype, fn.argtypes = ctypes.c_char_p, []
+    return _text(fn())
+
+
+QUERY: DeviceQuery | None = None  # tests put a fake machine here
+
+
+def query() -> DeviceQuery:
+    return QUERY if QUERY is not None else _ggml_devices()
+
+
+@functools.cache
+def _ggml_devices() -> GgmlDevices:
+    return GgmlDevices()
+
+
+# ---- what llama-bench reports ---------------------------------------------------------------
+
+
+def gpu_info(devices: list[Device]) -> str:
+    """llama-bench's gpu_info: the GPUs' descriptions, ', '-joined; empty without one."""
+    return ", ".join(d.description for d in devices if d.is_gpu)
+
+
+def cpu_info(devices: list[Device]) -> str:
+    return ", ".join(d.description for d in devices if d.kind == "CPU")
+
+
+def backends(devices: list[Device]) -> str:
+    """llama-bench's backends: the accelerator registries in use, then CPU (e.g. 'CUDA', 'CPU')."""
+    names = [d.backend for d in devices if d.kind != "CPU"]
+    unique = list(dict.fromkeys(names))
+    return ",".join(unique) if unique else "CPU"
+
+
+def build_commit(commit: str) -> str:
+    """ggml's commit as llama-bench records it: a pip build's tree is 'dirty' (its patches),
+    llama-bench's own build_commit of the same sources is the bare hash."""
+    return commit.removesuffix("-dirty") or "unknown"
+
+
+def describe_gpus(devices: list[Device], offload: bool) -> str:
+    """For people: each GPU llama.cpp can use with its free memory, or why there is none."""
+    gpus = [d for d in devices if d.is_gpu]
+    if gpus:
+        return ", ".join(f"{d.name} {d.description}" + _memory(d) for d in gpus)
+    return "none usable (this llama.cpp build can offload)" if offload else "none (CPU-only build)"
+
+
+def _memory(d: Device) -> str:
+    if not d.total_bytes:
+        return ""
+    gib = 1024**3
+    return f" ({(d.free_bytes or 0) / gib:.1f} of {d.total_bytes / gib:.1f} GiB free)"

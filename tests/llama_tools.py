@@ -1,0 +1,80 @@
+"""llama.cpp's own tools, from the sources of the llama-cpp-python that is installed.
+
+PyPI ships llama-cpp-python as a source distribution whose `vendor/llama.cpp/` holds the very
+llama.cpp that llmrun loads, with llama-bench and `scripts/compare-llama-bench.py` (MIT, as is
+llama.cpp). They serve as references in tests and benchmarks and are never vendored: the sdist
+is fetched from the package registry into `.venv/llama-tools/` on first use.
+
+    python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
+    python -m tests.llama_tools llama-bench  # also build llama-bench (about 5 minutes, 2 cores)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "llama-cpp-python"
+
+
+def version() -> str:
+    return importlib.metadata.version(PACKAGE)
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get("LLMRUN_TOOLS_DIR", ROOT / ".venv" / "llama-tools")) / version()
+
+
+def llama_cpp_dir() -> Path:
+    """The unpacked `vendor/llama.cpp` of the installed version's sdist (fetched once)."""
+    target = tools_dir() / "llama.cpp"
+    if (target / "scripts" / "compare-llama-bench.py").exists():
+        return target
+    downloads = tools_dir() / "download"
+    downloads.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", "--no-binary", ":all:",
+                    f"{PACKAGE}=={version()}", "-d", str(downloads)], check=True)  # fmt: skip
+    archive = next(downloads.glob("*.tar.gz"))
+    prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
+    staging = tools_dir() / "staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            m.name = m.name[len(prefix) :]
+        tar.extractall(staging, members=[m for m in members if m.name], filter="data")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def compare_script() -> Path:
+    return llama_cpp_dir() / "scripts" / "compare-llama-bench.py"
+
+
+def llama_bench() -> Path:
+    """llama-bench built from the same sources (CPU, as llmrun's build); LLAMA_BENCH overrides."""
+    given = os.environ.get("LLAMA_BENCH")
+    if given:
+        return Path(given)
+    src = llama_cpp_dir()
+    binary = src / "build" / "bin" / "llama-bench"
+    if not binary.exists():
+        subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DLLAMA_CURL=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF"],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2),
+                        "--target", "llama-bench"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    return binary
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "scripts"
+    print(llama_bench() if what == "llama-bench" else compare_script())

@@ -1,0 +1,183 @@
+"""`llmrun bench` for llama-bench users: their tools read its results, their flags work."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmrun.runners import devices as dv
+from llmrun.runners.results import LLAMA_BENCH_FIELDS
+from llmrun.runners.tuning import save_tuned
+
+from . import llama_tools
+from .conftest import which_llmrun
+
+pytestmark = pytest.mark.model
+TINY = ["bench", "-r", "1", "--no-history"]
+SHAPES = ["-p", "8", "-n", "2"]  # repeated options add values, as in llama-bench: given once
+
+
+def bench(*args: str, env: dict[str, str], shapes: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([which_llmrun(), *TINY, *(SHAPES if shapes else []), *args], env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def records(*args: str, env: dict[str, str], shapes: bool = True) -> list[dict[str, Any]]:
+    done = bench("-o", "json", *args, env=env, shapes=shapes)
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout))
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
+    """A Q8_0 copy of the embedded model, made with llama.cpp's own quantize API (its log goes
+    to stdout from C, so it runs in a child process)."""
+    path = tmp_path_factory.mktemp("quant") / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    code = (
+        "import ctypes, llama_cpp, sys\n"
+        "p = llama_cpp.llama_model_quantize_default_params()\n"
+        "p.ftype = 7\n"
+        "p.allow_requantize = True\n"
+        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),"
+        " ctypes.byref(p)))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    return str(path)
+
+
+def test_records_are_llama_bench_records_in_its_terms(llmrun_env: dict[str, str]) -> None:
+    rows = records("-ngl", "99", "-fa", "0,1", env=llmrun_env)
+    assert [r["test"] for r in rows] == ["pp8", "tg2", "pp8", "tg2"]
+    for r in rows:
+        assert tuple(r)[: len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS  # its order, first
+        assert r["build_commit"] == dv.build_commit(dv.query().commit())  # the loaded llama.cpp
+        assert not r["build_commit"].startswith("llama-cpp-python")
+        assert r["model_type"] == "llama 256M Q4_1"  # llama_model_desc, as llama-bench says
+        assert r["gpu_info"] == "" and r["backends"] == "CPU"
+        assert r["n_gpu_layers"] == 99 and r["n_gpu_layers_offloaded"] == 0  # CPU-only build
+        assert r["cpu_strict"] is False and r["no_kv_offload"] is False and r["repack"] is True
+        assert (r["poll"], r["load_mode"], r["split_mode"]) == (50, "auto", "layer")
+    assert [r["flash_attn"] for r in rows] == [0, 0, 1, 1]  # llama-bench's encoding
+    assert [r["flash_attn_mode"] for r in rows] == ["off", "off", "on", "on"]
+
+
+def _script_schema(script: Path) -> dict[str, str]:
+    """LLAMA_BENCH_DB_FIELDS and _TYPES as compare-llama-bench.py declares them."""
+    tree = ast.parse(script.read_text())
+    found: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name in ("LLAMA_BENCH_DB_FIELDS", "LLAMA_BENCH_DB_TYPES"):
+                found[name] = ast.literal_eval(node.value)
+    return dict(zip(found["LLAMA_BENCH_DB_FIELDS"], found["LLAMA_BENCH_DB_TYPES"], strict=True))
+
+
+def test_compare_llama_bench_reads_and_compares_two_runs(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = llama_tools.compare_script()
+    db = tmp_path / "llama-bench.sqlite"
+    runs = []
+    for _ in range(2):
+        done = bench("-o", "sql", env=llmrun_env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("CREATE TABLE IF NOT EXISTS llama_bench (")
+        runs.append(done.stdout)
+    with sqlite3.connect(db) as con:
+        con.executescript(runs[0])
+        columns = {row[1]: row[2] for row in con.execute("PRAGMA table_info(llama_bench)")}
+        for field, kind in _script_schema(script).items():  # every column, the same type
+            assert columns.get(field) == kind, field
+        # The first run stands for an older llama.cpp build: the script compares builds.
+        con.execute("UPDATE llama_bench SET build_commit = 'b1a2c3d'")
+        con.executescript(runs[1])
+        commit = con.execute("SELECT DISTINCT build_commit FROM llama_bench"
+                             " WHERE build_commit != 'b1a2c3d'").fetchone()[0]  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c",
+                           commit], capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if "llama 256M Q4_1" in ln]
+    assert [ln.split("|")[3].strip() for ln in lines] == ["pp8", "tg2"], done.stdout
+    for ln in lines:
+        assert float(ln.split("|")[-2]) > 0  # the speedup column
+
+
+def test_markdown_is_llama_bench_table_with_its_footer(llmrun_env: dict[str, str]) -> None:
+    done = bench("-o", "md", env=llmrun_env)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(
+        "| model                          |       size |     params | backend    | threads |"
+    )
+    assert "|  92.10 MiB |   134.52 M | CPU        |" in lines[2]
+    assert lines[-1] == f"build: {dv.build_commit(dv.query().commit())} (0)"
+
+
+def test_several_models_run_the_same_tests(llmrun_env: dict[str, str], q8_model: str,
+                                           model_path: str) -> None:  # fmt: skip
+    rows = records("-m", model_path, "-m", q8_model, env=llmrun_env)
+    assert [(r["model_type"], r["test"]) for r in rows] == [
+        ("llama 256M Q4_1", "pp8"), ("llama 256M Q4_1", "tg2"),
+        ("llama 256M Q8_0", "pp8"), ("llama 256M Q8_0", "tg2"),
+    ]  # fmt: skip
+    assert [r["relative_ts"] for r in rows[:2]] == [1.0, 1.0]
+    assert all(r["relative_ts"] > 0 for r in rows[2:])
+    done = bench("-m", model_path, "-m", q8_model, "-o", "md", env=llmrun_env)
+    assert "vs first" in done.stdout.splitlines()[0]
+
+
+def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None:
+    rows = records("-pg", "8,2", "-p", "0", "-n", "0", "-mmp", "0", "-nkvo", "1", "--repack",
+                   "0", "--delay", "0", "--no-warmup", "--numa", "distribute", env=llmrun_env,
+                   shapes=False)  # fmt: skip
+    assert [r["test"] for r in rows] == ["pp8+tg2"]
+    r = rows[0]
+    assert (r["load_mode"], r["no_kv_offload"], r["repack"]) == ("none", True, False)
+    done = bench("-o", "csv", "-oe", "json", "--progress", "-v", env=llmrun_env)
+    assert done.returncode == 0
+    assert done.stdout.startswith("build_commit,build_number,cpu_info,")
+    assert '"build_commit":' in done.stderr and "llama_model_loader" in done.stderr  # -oe, -v
+    listing = subprocess.run([which_llmrun(), "bench", "--list-devices"], env=llmrun_env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert listing.returncode == 0 and "CPU: " in listing.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["-C", "0xff"], "pin the process instead"),
+        (["--poll", "10"], "llama.cpp's own threadpool"),
+        (["-sm", "row"], "no GPU backend"),
+        (["-ts", "3/1"], "no GPU backend"),
+        (["--numa", "everywhere"], "is not one of distribute"),
+        (["-fa", "sometimes"], "every test was skipped"),
+        (["-b", "4096", "-c", "256"], "every test was skipped"),
+    ],
+)
+def test_what_cannot_run_says_why_and_fails(
+    llmrun_env: dict[str, str], args: list[str], says: str
+) -> None:
+    done = bench("-o", "json", *args, env=llmrun_env)
+    assert done.returncode == 1
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_tuned_settings_are_named_and_never_cost_a_requested_value(
+    llmrun_env: dict[str, str], model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMRUN_HOME", llmrun_env["LLMRUN_HOME"])
+    save_tuned(model_path, {"n_threads": 1, "n_batch": 512, "n_ubatch": 256, "flash_attn": "off"})
+    rows = records("-b", "64,128", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
+    assert [(r["n_batch"], r["n_ubatch"]) for r in rows] == [(64, 64), (128, 128)]
+    assert all(r["tuned"] and r["n_threads"] == 1 for r in rows)
+    plain = records("--no-tuned", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
+    assert not plain[0]["tuned"] and plain[0]["n_ubatch"] == 512
