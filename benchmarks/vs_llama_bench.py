@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmrun.runners.models import default_model_path  # noqa: E402
-from tests import llama_tools  # noqa: E402
+from llmrun.runners.models import default_model_path
+from tests import llama_tools
 
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
 

@@ -23,13 +23,14 @@ from llmrun.runners import bench as b
 from llmrun.runners import localscore as ls
 from llmrun.runners import results as res
 from llmrun.runners import sweep as sw
+from llmrun.runners import tuning as tn
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
 from llmrun.runners.stats import EngineSettings, human_count
-from llmrun.runners.system import SystemInfo, physical_cores
-from llmrun.runners.tuning import save_tuned, search
+from llmrun.runners.system import SystemInfo
+from llmrun.runners.tuning import REPS, save_tuned, search
 
 from . import bench_flags as lb
 from . import bench_output as out
@@ -101,24 +102,28 @@ def _optional_ints(text: str | None, name: str, default: int | None) -> list[int
 def tune(
     runner: BenchRunner, base: EngineConfig, err: Console, cancel: threading.Event
 ) -> dict[str, Any] | None:
-    """Run the tuning search and show every setting it tried."""
+    """Run the tuning search and show every setting it tried, each once, with its noise."""
     found = search(runner, base, cancel=cancel,
-                   on_stage=lambda name: err.print(f"tuning {name} ..."))  # fmt: skip
+                   on_stage=lambda name: err.print(f"tuning {name} ...", markup=False))  # fmt: skip
     if found is None:
         return None
     best, tried = found
     table = Table(title="tuning: every setting tried", title_justify="left")
-    for col in ("settings", "pp t/s", "tg t/s", "score"):
-        table.add_column(col, justify="left" if col == "settings" else "right")
+    for col in ("stage", "settings", "pp t/s", "tg t/s", "score", "spread", "verdict"):
+        left = col in ("stage", "settings", "verdict")
+        table.add_column(col, justify="left" if left else "right")
     for t in tried:
-        table.add_row(t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
-                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-", f"{t.score:,.1f}")  # fmt: skip
+        table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
+                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-", f"{t.score:,.1f}",
+                      f"±{t.spread / 2:.0%}", t.note)  # fmt: skip
     err.print(table)
-    phys = physical_cores()
-    default = next((t for t in tried if t.combo == sw.Combo(phys, 512, 512, 0, "off")), None)
-    if default is not None:
-        err.print(f"score = sqrt(pp t/s x tg t/s); llama.cpp's default threads ({phys}), batch"
-                  f" 512 and no flash attention scored {default.score:,.1f}")  # fmt: skip
+    shapes = " and ".join(s.name for s in tn.SHAPES)
+    err.print(f"score = sqrt(pp t/s x tg t/s) on {shapes}, {REPS} repetitions per setting;"
+              " an alternative replaces the setting before it only when its median score is"
+              " above that setting's best (else: within the noise, and the earlier setting"
+              " stays). The first row is llmrun's defaults (physical cores, batch 512, no flash"
+              " attention); llama.cpp's own defaults are batch 2048 and flash attention auto.",
+              markup=False)  # fmt: skip
     return best
 
 

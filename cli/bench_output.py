@@ -373,13 +373,18 @@ def _rate(r: dict[str, Any]) -> str:
 
 def compare_table(changes: Sequence[Change]) -> Table:
     table = Table(title="against the previous run", title_justify="left")
-    for name in ("test", "threads", "t/s now", "t/s before", "change", "verdict"):
-        table.add_column(name, justify="left" if name in ("test", "verdict") else "right")
+    varying = _varying([c.record for c in changes])  # every setting that tells rows apart
+    several = len(_models([c.record for c in changes])) > 1
+    heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying)]
+    for name in (*heads, "t/s now", "t/s before", "change", "verdict"):
+        table.add_column(name, justify="left" if name in ("test", "verdict", "model") else "right")
     styles = {"regression": "red", "improvement": "green"}
     for c in changes:
         r, p = c.record, c.previous
         table.add_row(
-            c.test, str(r.get("n_threads", "-")), _rate(r), "-" if p is None else _rate(p),
+            *([str(r.get("model_name"))] if several else []),
+            c.test, str(r.get("n_threads", "-")), *(str(r.get(k)) for k, _ in varying),
+            _rate(r), "-" if p is None else _rate(p),
             "-" if c.change is None else f"{c.change:+.1%}",
             Text(c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
                  style=styles.get(c.verdict, "")),

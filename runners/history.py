@@ -23,7 +23,7 @@ from .system import busy_machine
 KEY_FIELDS = (
     "model_filename", "model_size", "backends", "n_threads", "n_batch", "n_ubatch", "type_k",
     "type_v", "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "n_depth", "endpoint",
-    "concurrency", "request_rate",
+    "concurrency", "request_rate", "repack", "no_kv_offload", "load_mode",
 )  # fmt: skip
 
 SCHEMA = """
