@@ -29,7 +29,9 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
     n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)
     fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
     ax = axes[0][0]
-    labels = [f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]
+    several = len({r.get("model_name") for r in records}) > 1
+    labels = [(f"{r.get('model_name')}\n" if several else "")
+              + f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]  # fmt: skip
     values = [r["avg_ts"] for r in pp + tg]
     errors = [r["stddev_ts"] for r in pp + tg]
     colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
@@ -45,7 +47,8 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         ax.plot(depths, means, marker="o", color="tab:purple")
         ax.set_xlabel("context depth (tokens)")
         ax.set_ylabel("tokens/s")
-        ax.set_title("output tok/s by context depth")
+        ax.set_ylim(bottom=0)  # from zero: a gentle slope must not look like a collapse
+        ax.set_title("output tok/s by context depth (y from 0)")
     if len(batches) > 1:
         ax = axes[0][panel]
         rates = [statistics.fmean(r["avg_ts"] for r in pp if r["n_batch"] == x) for x in batches]
@@ -58,6 +61,8 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         twin = ax.twinx()
         twin.plot(batches, ttft, marker="s", color="tab:orange")
         twin.set_ylabel("TTFT ms (orange)")
+        ax.set_ylim(bottom=0)
+        twin.set_ylim(bottom=0)
         ax.set_title("prefill rate and TTFT by chunk size")
     fig.tight_layout()
     try:

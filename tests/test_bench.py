@@ -145,6 +145,8 @@ def test_scenarios_give_a_score(cli: CliRunner, home: Path) -> None:
                               "--no-history", "-o", "jsonl"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == len(ls.LOCALSCORE_SCENARIOS)
+    scores = {json.loads(line)["localscore"] for line in result.stdout.splitlines()}
+    assert len(scores) == 1 and scores.pop() > 0  # the score is in the structured output too
     assert re.search(r"score\s+[\d,.]+\s+\(LocalScore's formula", result.stderr)
 
 
