@@ -544,7 +544,9 @@ def settings_line(st: EngineSettings) -> str:
     return (
         f"{st.n_threads} threads, batch {st.n_batch}, ubatch {st.n_ubatch}, flash attention"
         f" {st.flash_attn}, repacking {st.repack_note or ('on' if st.repack else 'off')},"
-        f" ngl {st.n_gpu_layers_asked} ({st.n_gpu_layers} offloaded): {source}. llama-bench"
+        f" ngl {st.n_gpu_layers_asked} ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
+        + (f": {st.offload_note}" if st.offload_note else "")
+        + f"): {source}. llama-bench"
         " defaults to -b 2048 (llmrun: 512, its prefill chunk, so TTFT shows chunking),"
         " -fa auto (llmrun: off on the CPU, where decode is faster without it here) and"
         " -ngl -1; repacking is on in both, but llmrun first probes that it is safe."

@@ -3,6 +3,7 @@ for fakes."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from llmrun.runners.base import BenchRunner, Runner
@@ -26,10 +27,29 @@ RUNNER_FACTORY: Callable[[str | None, EngineConfig], Runner] = _llamacpp
 BENCH_RUNNER_FACTORY: Callable[[str | None, EngineConfig, bool], BenchRunner] = _llamacpp_bench
 
 
+_noted = False
+
+
+def note_unused_gpu() -> None:
+    """Once per process: a GPU this CPU-only build cannot use is named, with the rebuild."""
+    global _noted
+    if _noted:
+        return
+    _noted = True
+    from llmrun.runners import devices
+    from llmrun.runners.llamacpp import llama_lib
+
+    note = devices.unused_gpu_note(devices.host_gpus(),
+                                   bool(llama_lib().llama_supports_gpu_offload()))  # fmt: skip
+    if note:
+        print(f"llmrun: note: {note}", file=sys.stderr, flush=True)
+
+
 def make_bench_runner(
     model: str | None, config: EngineConfig, *, tuned: bool = True
 ) -> BenchRunner:
     """A local runner whose settings a sweep can change between tests."""
+    note_unused_gpu()
     return BENCH_RUNNER_FACTORY(model, config, tuned)
 
 
@@ -47,4 +67,5 @@ def make_runner(
 
         return OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
                             n_ctx=config.n_ctx)  # fmt: skip
+    note_unused_gpu()
     return RUNNER_FACTORY(model, config)

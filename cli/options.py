@@ -87,10 +87,11 @@ ThreadsBatch = Annotated[
     ),
 ]  # fmt: skip
 GpuLayers = Annotated[
-    int,
+    int | None,
     typer.Option(
-        "-ngl", "--gpu-layers", envvar="LLMRUN_GPU_LAYERS",
-        help="Layers to offload to the GPU (-1 = all); reported as 0 on a CPU-only build.",
+        "-ngl", "--gpu-layers", "--n-gpu-layers", envvar="LLMRUN_GPU_LAYERS", show_default=False,
+        help="Layers to offload to the GPU; -1, or more than the model has, is all. (default: all"
+        " that fit where this build can offload, else 0)",
         rich_help_panel=MODEL_PANEL,
     ),
 ]  # fmt: skip
@@ -248,7 +249,7 @@ def local_engine(
     ubatch: int | None,
     threads: int | None,
     threads_batch: int | None,
-    gpu_layers: int,
+    gpu_layers: int | None,
     flash_attn: FlashAttn | None,
     repack: bool | None,
 ) -> EngineConfig:

@@ -10,9 +10,11 @@ from typing import Any
 from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import gib
 from llmrun.runners.stats import (
     FINISH_CONTEXT,
     Aggregate,
+    EngineSettings,
     GenerationStats,
     ModelInfo,
     ServerReport,
@@ -41,8 +43,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         m, st = s.model, s.settings
         rows.append((
             "model",
-            f"{display_name(m)} · {st.backend} {st.n_threads}t · batch {st.n_batch}"
-            f" · ngl {st.n_gpu_layers}" + (" · tuned" if st.tuned else "")
+            f"{display_name(m)} · {engine_text(st)}" + (" · tuned" if st.tuned else "")
             + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
         ))  # fmt: skip
     facts = ""
@@ -74,6 +75,18 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
         ("total", ms(s.e2e_s) + " (from the request: load not included)"
                   + (f" · seed {s.seed}" if s.seed is not None else "")),
     ]  # fmt: skip
+
+
+def engine_text(st: EngineSettings) -> str:
+    """Where the model runs: the device and the layers on it, then the CPU's threads and batch
+    ('CUDA0 NVIDIA H200 · ngl 31/31 · 0.21 GiB on the device · CPU 2t · batch 512')."""
+    layers = f"ngl {st.n_gpu_layers}/{st.n_layer_total}" if st.n_layer_total else (
+        f"ngl {st.n_gpu_layers}")  # fmt: skip
+    cpu = f"CPU {st.n_threads}t · batch {st.n_batch}"
+    if not st.n_gpu_layers:
+        return f"{cpu} · {layers}"
+    used = f" · {gib(st.device_memory_bytes)} on the device" if st.device_memory_bytes else ""
+    return f"{st.device} · {layers}{used} · {cpu}"
 
 
 def display_name(m: ModelInfo) -> str:

@@ -112,7 +112,7 @@ def run(
     ubatch: o.Ubatch = None,
     threads: o.Threads = None,
     threads_batch: o.ThreadsBatch = None,
-    gpu_layers: o.GpuLayers = 0,
+    gpu_layers: o.GpuLayers = None,
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
 ) -> None:

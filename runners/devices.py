@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -144,12 +147,17 @@ def build_commit(commit: str) -> str:
     return commit.removesuffix("-dirty") or "unknown"
 
 
-def describe_gpus(devices: list[Device], offload: bool) -> str:
+def describe_gpus(
+    devices: list[Device], offload: bool, host: list[tuple[str, str]] | None = None
+) -> str:
     """For people: each GPU llama.cpp can use with its free memory, or why there is none."""
     gpus = [d for d in devices if d.is_gpu]
     if gpus:
         return ", ".join(f"{d.name} {d.description}" + _memory(d) for d in gpus)
-    return "none usable (this llama.cpp build can offload)" if offload else "none (CPU-only build)"
+    if offload:
+        return "none usable (this llama.cpp build can offload)"
+    unused = unused_gpu_note(host or [], offload)
+    return "none (CPU-only build)" + (f": {unused}" if unused else "")
 
 
 def _memory(d: Device) -> str:
@@ -157,3 +165,62 @@ def _memory(d: Device) -> str:
         return ""
     gib = 1024**3
     return f" ({(d.free_bytes or 0) / gib:.1f} of {d.total_bytes / gib:.1f} GiB free)"
+
+
+# ---- GPUs the machine has, whatever this build can use ---------------------------------------
+
+
+def host_gpus(
+    *,
+    read: Callable[[str], str | None] | None = None,
+    listdir: Callable[[str], list[str]] | None = None,
+    exists: Callable[[str], bool] = os.path.exists,
+    system: str | None = None,
+    machine: str | None = None,
+) -> list[tuple[str, str]]:
+    """(GPU, the `make GPU=` value that builds for it), from the drivers' files: no process is
+    started, so every run can ask. The arguments are for tests."""
+    read = read or _read_text
+    listdir = listdir or _listdir
+    found: list[tuple[str, str]] = []
+    for gpu in sorted(listdir("/proc/driver/nvidia/gpus")):
+        info = read(f"/proc/driver/nvidia/gpus/{gpu}/information") or ""
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                      if ln.startswith("Model:")), "NVIDIA GPU")  # fmt: skip
+        found.append((model, "cuda"))
+    if exists("/dev/kfd"):  # ROCm's compute device
+        for card in sorted(listdir("/sys/class/drm")):
+            if card.startswith("card") and card[4:].isdigit():
+                vendor = (read(f"/sys/class/drm/{card}/device/vendor") or "").strip()
+                if vendor == "0x1002":
+                    found.append(("AMD GPU", "hip"))
+    system = system or platform.system()
+    machine = machine or platform.machine()
+    if system == "Darwin" and machine in ("arm64", "aarch64"):
+        found.append(("Apple Silicon GPU", "metal"))
+    return found
+
+
+def unused_gpu_note(gpus: list[tuple[str, str]], offload: bool) -> str | None:
+    """One line when the machine has a GPU that this CPU-only build cannot use."""
+    if offload or not gpus:
+        return None
+    names = ", ".join(dict.fromkeys(name for name, _ in gpus))
+    backend = gpus[0][1]
+    return (f"this machine has {names}, but this llama.cpp build is CPU-only, so every figure"
+            f" is the CPU's; rebuild with it: make clean && make GPU={backend}")  # fmt: skip
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(65536)
+    except OSError:
+        return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

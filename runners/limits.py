@@ -165,3 +165,50 @@ def check_memory(need: MemoryNeed, n_ctx: int) -> None:
     available = available_memory_bytes()
     if available is not None and need.total > available:
         raise MemoryNeedError(n_ctx, need.total, need.kv_bytes, available)
+
+
+# ---- offloading to a GPU ----------------------------------------------------------------------
+
+GPU_MEMORY_SHARE = 0.9  # of the free device memory: the backend's own buffers need the rest
+
+
+def fit_gpu_layers(need: MemoryNeed, n_layer: int, free_bytes: int) -> int:
+    """How many of the model's n_layer + 1 offloadable layers (the repeating ones and the
+    output) fit in `free_bytes`: the weights spread evenly over them, each repeating layer's
+    share of the KV cache, and the compute buffer once."""
+    total = n_layer + 1
+    per_layer = need.weights_bytes / total + need.kv_bytes / max(n_layer, 1)
+    room = free_bytes * GPU_MEMORY_SHARE - need.compute_bytes
+    if room <= 0 or per_layer <= 0:
+        return 0
+    return max(0, min(total, int(room // per_layer)))
+
+
+def plan_offload(
+    asked: int, *, can_offload: bool, n_layer: int, need: MemoryNeed | None,
+    gpus: list[tuple[str, int | None]],
+) -> tuple[int, str]:  # fmt: skip
+    """The layers to hand llama.cpp (-1: all) and a note saying what was done and why.
+
+    `asked` is -ngl (-1 or more than the model has: all); `gpus` are (name, free bytes). An
+    explicit count is kept as given; "all" becomes as many layers as fit when the model and its
+    KV cache would not fit the free device memory."""
+    total = n_layer + 1
+    if not can_offload:
+        return 0, "CPU-only build" if asked else ""
+    if asked == 0:
+        return 0, "no layers asked for (-ngl 0)"
+    if not gpus:
+        return 0, "no GPU device found"
+    names = ", ".join(name for name, _ in gpus)
+    if 0 < asked <= n_layer:
+        return asked, f"{asked} of {total} layers on {names}, as asked"
+    free = sum(f for _, f in gpus if f) if all(f for _, f in gpus) else None
+    if need is None or free is None:
+        return -1, f"all {total} layers on {names}"
+    fit = fit_gpu_layers(need, n_layer, free)
+    if fit >= total:
+        return -1, f"all {total} layers on {names}"
+    return fit, (f"{fit} of {total} layers fit in the {gib(free)} free on {names} (model"
+                 f" {gib(need.weights_bytes)} + KV cache {gib(need.kv_bytes)}); the rest run"
+                 " on the CPU")  # fmt: skip

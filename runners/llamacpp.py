@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import devices as dv
 from .base import (
     Event,
     Finished,
@@ -55,6 +56,7 @@ from .limits import (
     check_engine,
     check_memory,
     estimate_memory,
+    plan_offload,
 )
 from .probe import repack_verdict
 from .stats import (
@@ -352,6 +354,10 @@ class LlamaCppRunner:
         self._repack_note = ""
         self._weights_s = 0.0
         self._model_params: dict[str, Any] = {}
+        self._offload_note = ""
+        self._gpus: list[dv.Device] = []
+        self._planned_layers = 0
+        self._gpu_free_before = 0
 
     # ---- loading ----------------------------------------------------------------------
 
@@ -388,8 +394,23 @@ class LlamaCppRunner:
         lib = llama_lib()
         cfg = self.config
         mparams = lib.llama_model_default_params()
-        asked = gpu_layers_asked(cfg, bool(lib.llama_supports_gpu_offload()))
-        mparams.n_gpu_layers = 0x7FFFFFFF if asked < 0 else asked
+        can_offload = bool(lib.llama_supports_gpu_offload())
+        gpus = [d for d in dv.query().devices() if d.is_gpu] if can_offload else []
+        n_layer = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
+        need = None
+        if gpus:  # the estimate that decides how many layers fit
+            n_ctx = self._context_size(cfg, info.n_ctx_train)
+            ubatch = min(cfg.n_ubatch or DEFAULT_N_BATCH, cfg.n_batch or DEFAULT_N_BATCH)
+            n_vocab = len(info.metadata.get("tokenizer.ggml.tokens") or ()) or 32000
+            need = estimate_memory(info, n_ctx=n_ctx, n_ubatch=ubatch, type_k=cfg.cache_type_k,
+                                   type_v=cfg.cache_type_v, n_vocab=n_vocab)  # fmt: skip
+        layers, self._offload_note = plan_offload(
+            gpu_layers_asked(cfg, can_offload), can_offload=can_offload, n_layer=n_layer,
+            need=need, gpus=[(d.name, d.free_bytes) for d in gpus],
+        )  # fmt: skip
+        self._gpus, self._planned_layers = gpus, layers
+        self._gpu_free_before = sum(d.free_bytes or 0 for d in gpus)
+        mparams.n_gpu_layers = 0x7FFFFFFF if layers < 0 else layers
         self._repack, self._repack_note = self._choose_repack(info)
         mparams.use_extra_bufts = self._repack
         if cfg.load_mode is not None:
@@ -408,6 +429,15 @@ class LlamaCppRunner:
         self._model, self._info = _Model(lib, model), info
         self._weights_s = time.perf_counter() - t0
 
+    @staticmethod
+    def _context_size(cfg: EngineConfig, n_ctx_train: int | None) -> int:
+        """-c as given; None: min(4096, the training context); 0: the training context."""
+        if cfg.n_ctx is None:
+            return min(DEFAULT_N_CTX, n_ctx_train) if n_ctx_train else DEFAULT_N_CTX
+        if cfg.n_ctx == 0:
+            return n_ctx_train or DEFAULT_N_CTX
+        return cfg.n_ctx
+
     def _choose_repack(self, info: GGUFInfo) -> tuple[bool, str]:
         """Repacking as asked, or by default, but never where a probe saw it crash."""
         if self.config.repack is False:
@@ -425,11 +455,7 @@ class LlamaCppRunner:
         assert info is not None and self._model is not None
         model = self._model.ptr
         n_ctx_train = info.n_ctx_train or lib.llama_model_n_ctx_train(model)
-        n_ctx = cfg.n_ctx
-        if n_ctx is None:
-            n_ctx = min(DEFAULT_N_CTX, n_ctx_train) if n_ctx_train else DEFAULT_N_CTX
-        elif n_ctx == 0:
-            n_ctx = n_ctx_train or DEFAULT_N_CTX
+        n_ctx = self._context_size(cfg, n_ctx_train)
         if not 1 <= n_ctx <= MAX_CTX:
             raise SettingError(self.model_path, f"n_ctx {n_ctx} is out of range 1..{MAX_CTX}")
         n_threads = cfg.n_threads or physical_cores()
@@ -472,9 +498,12 @@ class LlamaCppRunner:
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
         n_layer = lib.llama_model_n_layer(model) or n_layer_meta
-        gpu_layers = 0
-        if gpu:
-            gpu_layers = offloaded_layers(gpu_layers_asked(cfg, gpu), n_layer)
+        gpu_layers = offloaded_layers(self._planned_layers, n_layer) if self._gpus else 0
+        used = None
+        if gpu_layers:
+            free_after = sum(d.free_bytes or 0 for d in dv.query().devices() if d.is_gpu)
+            used = max(0, self._gpu_free_before - free_after) or None
+        gpu_names = ", ".join(f"{d.name} {d.description}" for d in self._gpus)
         self._loaded = LocalLoaded(
             model=ModelInfo(
                 path=self.model_path,
@@ -488,7 +517,7 @@ class LlamaCppRunner:
                 desc=self._model.desc(),
             ),
             settings=EngineSettings(
-                backend="CPU+GPU" if gpu_layers else "CPU",
+                backend=", ".join(d.name for d in self._gpus) if gpu_layers else "CPU",
                 n_ctx=int(lib.llama_n_ctx(ctx)),
                 n_batch=int(lib.llama_n_batch(ctx)),
                 n_ubatch=int(lib.llama_n_ubatch(ctx)),
@@ -504,6 +533,10 @@ class LlamaCppRunner:
                 tuned=cfg.tuned,
                 n_gpu_layers_asked=gpu_layers_asked(cfg, gpu),
                 params={**self._model_params, **context_params(cparams)},
+                device=gpu_names if gpu_layers else "CPU",
+                n_layer_total=n_layer + 1,
+                offload_note=self._offload_note,
+                device_memory_bytes=used,
             ),
             load_s=load_s,
         )

@@ -145,6 +145,8 @@ class Result:
             "test": s.name,
             "model_name": m.name,
             "n_gpu_layers_offloaded": st.n_gpu_layers,
+            "device": st.device,
+            "device_memory_bytes": st.device_memory_bytes,
             "n_threads_batch": st.n_threads_batch,
             "flash_attn_mode": st.flash_attn,
             "repack_note": st.repack_note,

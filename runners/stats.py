@@ -82,6 +82,10 @@ class EngineSettings:
     n_gpu_layers_asked: int = 0  # as given (-1 or more than the model has: all)
     # llama-bench's other parameters, as read back from the structs handed to llama.cpp
     params: dict[str, Any] = field(default_factory=dict)
+    device: str = "CPU"  # where the offloaded layers run: "CUDA0 NVIDIA H200", or the CPU
+    n_layer_total: int = 0  # offloadable layers (the repeating ones and the output)
+    offload_note: str = ""  # what was offloaded and why (asked, fitted, CPU-only build)
+    device_memory_bytes: int | None = None  # device memory the load took (free before - after)
 
 
 @dataclass(frozen=True)

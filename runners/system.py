@@ -204,7 +204,7 @@ class SystemInfo:
             ram_bytes=ram_bytes(),
             build=f"llama-cpp-python {getattr(lib, '__version__', '?')}",
             features=_features(features),
-            gpu=dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload())),
+            gpu=dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus()),
             mem_bw_bytes_s=statistics.median(bw) if bw else None,
             build_commit=dv.build_commit(q.commit()),
             gpu_info=dv.gpu_info(found),

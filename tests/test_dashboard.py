@@ -67,7 +67,7 @@ def test_live_panel_through_the_phases() -> None:
     state.apply(ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5))
     state.apply(PrefillProgress(600, 1000, 200, 1.0))
     out = text_of(render_live(state))
-    assert "500.0 ms · fake-model" in out and "1 threads · batch 4 · ngl 0" in out
+    assert "500.0 ms · fake-model" in out and "CPU 1t · batch 4 · ngl 0" in out
     assert "600/1000 tokens (200 reused) · 400.0 tok/s" in out  # the summary's word
     for i, t in enumerate([1.0, 1.01, 1.03, 1.04]):
         state.apply(Token(i, "x", t))
