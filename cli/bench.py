@@ -100,29 +100,40 @@ def _optional_ints(text: str | None, name: str, default: int | None) -> list[int
 
 
 def tune(
-    runner: BenchRunner, base: EngineConfig, err: Console, cancel: threading.Event
-) -> dict[str, Any] | None:
+    runner: BenchRunner,
+    base: EngineConfig,
+    err: Console,
+    cancel: threading.Event,
+    workloads: Sequence[str] = tuple(tn.WORKLOADS),
+) -> dict[str, dict[str, Any]] | None:
     """Run the tuning search and show every setting it tried, each once, with its noise."""
-    found = search(runner, base, cancel=cancel,
+    found = search(runner, base, cancel=cancel, workloads=workloads,
                    on_stage=lambda name: err.print(f"tuning {name} ...", markup=False))  # fmt: skip
     if found is None:
         return None
     best, tried = found
     table = Table(title="tuning: every setting tried", title_justify="left")
-    for col in ("stage", "settings", "pp t/s", "tg t/s", "score", "spread", "verdict"):
+    heads = ["stage", "settings", "pp t/s", "tg t/s", *(f"{w} score" for w in workloads),
+             "spread", "verdict"]  # fmt: skip
+    for col in heads:
         left = col in ("stage", "settings", "verdict")
         table.add_column(col, justify="left" if left else "right")
     for t in tried:
         table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
-                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-", f"{t.score:,.1f}",
-                      f"±{t.spread / 2:.0%}", t.note)  # fmt: skip
+                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
+                      *(f"{t.score(w):,.1f}" for w in workloads),
+                      f"±{t.spread(workloads[0]) / 2:.0%}", t.note)  # fmt: skip
     err.print(table)
     shapes = " and ".join(s.name for s in tn.SHAPES)
-    err.print(f"score = sqrt(pp t/s x tg t/s) on {shapes}, {REPS} repetitions per setting;"
-              " an alternative replaces the setting before it only when its median score is"
-              " above that setting's best (else: within the noise, and the earlier setting"
-              " stays). The first row is llmrun's defaults (physical cores, batch 512, no flash"
-              " attention); llama.cpp's own defaults are batch 2048 and flash attention auto.",
+    kinds = "; ".join(f"{w}: a {p}-token prompt and a {g}-token answer"
+                      for w, (p, g) in tn.WORKLOADS.items() if w in workloads)  # fmt: skip
+    err.print(f"Measured: {shapes}, {REPS} repetitions per setting. A workload's score is its"
+              f" request's tokens per second of its time ({kinds}), from each repetition's"
+              " prompt and output rates. An alternative replaces the setting before it only"
+              " when its median score is above that setting's best (else: within the noise, and"
+              " the earlier setting stays). The first row is llmrun's defaults (physical or"
+              " performance cores, batch 512, no flash attention, repacking where probed safe);"
+              " llama.cpp's own defaults are batch 2048 and flash attention auto.",
               markup=False)  # fmt: skip
     return best
 
@@ -304,10 +315,21 @@ def bench(
                             " LocalScore)."),
     ] = ls.DEFAULT_SCENARIO_SCALE,
     tune_: Annotated[
-        bool, typer.Option("--tune", help="Search threads, batch/ubatch and flash attention for"
-                           " this model; save the fastest as the defaults of run, chat and"
-                           " bench."),
+        bool, typer.Option("--tune", help="Search threads, flash attention, repacking,"
+                           " batch/ubatch and prefill threads for this model; save the fastest"
+                           " for each --workload as the defaults of run, chat and bench."),
     ] = False,
+    workload: Annotated[
+        str, typer.Option("--workload", metavar="chat|document|both",
+                          help="What --tune optimises: chat (64-token prompt, 256-token answer),"
+                          " document (1024-token prompt, 16-token answer) or both, each saved."),
+    ] = "both",
+    ppl: Annotated[
+        Path | None, typer.Option("--ppl", metavar="FILE", show_default=False,
+                                  help="Also measure each model's perplexity on this text"
+                                  " (llama-perplexity's method; windows of -c tokens, default"
+                                  " 512), e.g. examples/declaration_of_independence.txt."),
+    ] = None,
     no_tuned: Annotated[
         bool, typer.Option("--no-tuned", help="Ignore the settings --tune saved: measure"
                            " llmrun's plain defaults."),
@@ -436,7 +458,9 @@ def bench(
                                 "--repack": repack}, "--tune searches these itself")  # fmt: skip
                 if models and len(models) > 1:
                     raise BadRequestError("--tune tunes one model at a time: give -m once")
-                code = _tune(models[0] if models else None, cancel, err)
+                if workload not in ("chat", "document", "both"):
+                    raise BadRequestError(f"--workload: '{workload}' is not chat, document or both")
+                code = _tune(models[0] if models else None, workload, cancel, err)
             else:
                 sweep = Sweep(
                     shapes=_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128", pg or [],
@@ -448,7 +472,7 @@ def bench(
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
                     no_kv_offload=_joined(no_kv_offload),
                     reps=reps, ctx=ctx, seed=seed, scenarios=scenarios, warmup=not no_warmup,
-                    delay_s=delay, tuned=not no_tuned,
+                    delay_s=delay, tuned=not no_tuned, ppl=ppl,
                 )  # fmt: skip
                 to = Output(format=output, plot=plot, compare=compare, store=not no_history,
                             format_err=output_err, progress_lines=progress_lines)  # fmt: skip
@@ -480,6 +504,7 @@ class Sweep:
     warmup: bool = True
     delay_s: float = 0.0
     tuned: bool = True  # start from the settings --tune saved
+    ppl: Path | None = None  # a text to measure each model's perplexity on
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
         """Every engine setting to test; unset options take the (tuned) defaults. A tuned
@@ -566,21 +591,27 @@ def _list_devices() -> int:
     return 0
 
 
-def _tune(model: str | None, cancel: threading.Event, err: Console) -> int:
-    """`bench --tune`: the staged search, saved as the model's defaults."""
+def _tune(model: str | None, workload: str, cancel: threading.Event, err: Console) -> int:
+    """`bench --tune [chat|document|both]`: the staged search, saved as the model's defaults
+    for each workload tuned (the others stay as they were)."""
+    workloads = tuple(tn.WORKLOADS) if workload == "both" else (workload,)
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
         _load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
-        best = tune(runner, runner.config, err, cancel)
+        best = tune(runner, runner.config, err, cancel, workloads)
     finally:
         runner.close()
     if best is None:
         err.print("tuning interrupted; nothing saved")
         return EXIT_INTERRUPTED
     path = save_tuned(runner.model_path, best)
-    err.print(f"fastest: {best['n_threads']} threads, batch {best['n_batch']}, ubatch"
-              f" {best['n_ubatch']}, flash attention {best['flash_attn']}; saved to {path}."
-              " run, chat and bench now start from these (shown as 'tuned').")  # fmt: skip
+    for name, found in best.items():
+        err.print(f"fastest for {name}: {found['n_threads']} threads ({found['n_threads_batch']}"
+                  f" for prefill), batch {found['n_batch']}, ubatch {found['n_ubatch']}, flash"
+                  f" attention {found['flash_attn']}, repacking"
+                  f" {'on' if found['repack'] else 'off'}", markup=False)  # fmt: skip
+    err.print(f"saved to {path}. chat and run start from the chat settings, `run -f FILE` from"
+              " the document ones (shown as 'tuned for ...').", markup=False)  # fmt: skip
     return 0
 
 
@@ -609,6 +640,8 @@ def _sweep(
     results: list[res.Result] = []
     skipped: list[b.Skipped] = []
     system: SystemInfo | None = None
+    scores: dict[str, tuple[float, int]] = {}  # model -> (perplexity, tokens scored)
+    text = _read_text(sweep.ppl) if sweep.ppl is not None else None
     for model in models:
         if cancel.is_set():
             break
@@ -620,10 +653,51 @@ def _sweep(
             done, skips = _measure(runner, base, combos, sweep, cancel, err, output)
             results += done
             skipped += skips
+            if sweep.ppl is not None and not cancel.is_set():
+                scores[runner.load().model.name] = _perplexity(runner, sweep, cancel, err)
         finally:
             runner.close()
     assert system is not None
-    return _report(results, skipped, system, sweep, cancel, err, show, output)
+    if text is not None:
+        _add_perplexity(results, scores, sweep, show)
+    return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
+
+
+PPL_CTX = 512  # llama-perplexity's windows when -c is not given
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
+
+
+def _perplexity(
+    runner: BenchRunner, sweep: Sweep, cancel: threading.Event, err: Console
+) -> tuple[float, int]:
+    """The model's perplexity on --ppl's text, in windows of -c (or 512) tokens."""
+    assert sweep.ppl is not None
+    n_ctx = sweep.ctx or PPL_CTX
+    with err.status(f"perplexity on {sweep.ppl.name} ..."):
+        runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
+        tokens = runner.tokenize(_read_text(sweep.ppl), add_special=False)
+        return runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
+
+
+def _add_perplexity(
+    results: list[res.Result], scores: dict[str, tuple[float, int]], sweep: Sweep,
+    show: Console,
+) -> None:  # fmt: skip
+    """Each model's perplexity into its records, with the change against the first model."""
+    first = next(iter(scores.values()), None)
+    for result in results:
+        found = scores.get(result.model.name)
+        if found is None:
+            continue
+        ppl, n = found
+        result.extra.update(ppl=round(ppl, 4), ppl_tokens=n, ppl_ctx=sweep.ctx or PPL_CTX,
+                            ppl_change=round(ppl / first[0] - 1, 4) if first else None)  # fmt: skip
 
 
 def _measure(
@@ -670,6 +744,7 @@ def _report(
     err: Console,
     show: Console,
     output: Output,
+    scores: dict[str, tuple[float, int]] | None = None,
 ) -> int:
     """Skips, results (stored before printing), extras, chart file and comparison. Exit 1 when
     every test was skipped: a run that measured nothing did not succeed."""
@@ -700,6 +775,12 @@ def _report(
     if output.plot is not None and records:
         bench_plot.plot(records, output.plot)
         err.print(f"charts written to {output.plot}")
+    if scores and sweep.ppl is not None:
+        first = next(iter(scores.values()))[0]
+        for name, (ppl, n) in scores.items():
+            change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
+            show.print(f"perplexity {name}: {ppl:,.3f}{change} on {sweep.ppl.name}, {n} tokens"
+                       f" scored in windows of {sweep.ctx or PPL_CTX}", markup=False)  # fmt: skip
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0

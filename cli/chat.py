@@ -41,7 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
-from .report import ms
+from .report import mib, ms
 from .session import TextOut, TextSink, ctrl_c_cancels, drive
 
 PROMPT = ">>> "
@@ -87,7 +87,8 @@ def significant(value: float | None) -> str:
     return f"{value:.3g}" if value >= 1 else f"{value:.2g}"
 
 
-def context_meter(used: int, n_ctx: int) -> Text:
+def context_meter(used: int, n_ctx: int, kv_per_token: float = 0.0) -> Text:
+    """How full the context is; with a local model also the KV cache bytes those tokens hold."""
     if n_ctx <= 0:
         return Text(f"context {used} tokens (the server does not say its context size)")
     share = used / n_ctx if n_ctx else 0.0
@@ -97,7 +98,8 @@ def context_meter(used: int, n_ctx: int) -> Text:
         "context ",
         ("█" * cells, style),
         ("░" * (METER_CELLS - cells), "dim"),
-        f" {used}/{n_ctx} tokens ({share:.0%})",
+        f" {used}/{n_ctx} tokens ({share:.0%})"
+        + (f" · KV {mib(used * kv_per_token)} in use" if kv_per_token else ""),
     )
 
 
@@ -337,7 +339,9 @@ class ChatUI:
             self.show(turn_line(turn.stats), "dim")
             if turn.note:
                 self.show(f"note: {turn.note}", "dim")
-            self.show(context_meter(conv.used_tokens, conv.n_ctx))
+            memory = turn.stats.settings.memory if turn.stats.settings else None
+            per_token = memory.kv_bytes_per_token if memory else 0.0
+            self.show(context_meter(conv.used_tokens, conv.n_ctx, per_token))
         if turn.interrupted or turn.stats is None:
             self.show("[interrupted] the reply so far stays in the conversation", "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:

@@ -40,7 +40,16 @@ from rich.text import Text
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
 from llmrun.runners.stats import EngineSettings, GenerationStats, ServerSettings, human_count, rate
 
-from .report import engine_text, ms, phase_sentence, ratio_text, summary_rows, tps
+from .report import (
+    engine_text,
+    memory_text,
+    ms,
+    phase_sentence,
+    ratio_text,
+    summary_rows,
+    tps,
+    tuned_text,
+)
 
 REFRESH_PER_SECOND = 4
 CHART_POINTS = 24  # inter-token gaps in the live chart
@@ -154,8 +163,10 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         ld, st = state.loaded, state.loaded.settings
         parts.append(_row("load", f"{ms(ld.load_s)} · {ld.name}"))
         if isinstance(st, EngineSettings):
-            engine = engine_text(st) + (" · tuned" if st.tuned else "")
+            engine = engine_text(st) + tuned_text(st)
             parts.append(_row("", f"{model_facts(ld)} · {engine}"))
+            if st.memory is not None:
+                parts.append(_row("memory", memory_text(st)))
         else:
             parts.append(_row("", model_facts(ld)))
     p = state.prefill

@@ -43,7 +43,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         m, st = s.model, s.settings
         rows.append((
             "model",
-            f"{display_name(m)} · {engine_text(st)}" + (" · tuned" if st.tuned else "")
+            f"{display_name(m)} · {engine_text(st)}" + tuned_text(st)
             + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
         ))  # fmt: skip
     facts = ""
@@ -51,9 +51,11 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         m = s.model
         facts = (f" · {m.architecture} · {human_count(m.n_params)} params"
                  f" · {human_count(m.size_bytes, 'B')}")  # fmt: skip
+    memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
         ("load", ms(s.load_s) + facts),
+        *([("memory", memory)] if memory else []),
         ("prompt", f"{s.prompt_tokens} tokens"
                    f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
                    + (f"; {s.prefilled_tokens} evaluated before the interrupt"
@@ -87,6 +89,28 @@ def engine_text(st: EngineSettings) -> str:
         return f"{cpu} · {layers}"
     used = f" · {gib(st.device_memory_bytes)} on the device" if st.device_memory_bytes else ""
     return f"{st.device} · {layers}{used} · {cpu}"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_text(st: EngineSettings) -> str:
+    """What the load took, by llama.cpp's account: weights per buffer, KV cache (and per
+    token), compute buffers, and the process's peak resident memory."""
+    m = st.memory
+    if m is None:
+        return ""
+    weights = " + ".join(f"{mib(n)} {name}" for name, n in m.weights.items()) or "-"
+    per_token = f"{m.kv_bytes_per_token / 1024:.1f} KiB/token"
+    kv = f"KV {mib(m.kv_bytes)} ({per_token}, {st.type_k}/{st.type_v})"
+    rss = f" · peak RSS {mib(m.peak_rss_bytes)}" if m.peak_rss_bytes else ""
+    return f"weights {weights} · {kv} · compute {mib(m.compute_bytes)}{rss}"
+
+
+def tuned_text(st: EngineSettings) -> str:
+    """Why the settings are what they are, when `bench --tune` chose them."""
+    return f" · tuned for {st.tuned_for or 'chat'}" if st.tuned else ""
 
 
 def display_name(m: ModelInfo) -> str:

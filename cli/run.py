@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -147,6 +148,8 @@ def run(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,
         )  # fmt: skip
+        if file:  # a document: the settings --tune found for long prompts, where it saved them
+            config = dataclasses.replace(config, workload="document")
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             code = _run_jobs(

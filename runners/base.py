@@ -181,6 +181,14 @@ class BenchRunner(Runner, Protocol):
 
     def vocab_size(self) -> int: ...
 
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    def perplexity(
+        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+    ) -> tuple[float, int]:
+        """llama-perplexity's figure for these tokens: (perplexity, tokens scored)."""
+        ...
+
 
 def generate(
     runner: Runner, request: Request, *, cancel: threading.Event | None = None

@@ -19,7 +19,9 @@ import collections
 import contextlib
 import ctypes
 import itertools
+import math
 import os
+import re
 import secrets
 import sys
 import threading
@@ -41,6 +43,7 @@ from .base import (
     Token,
 )
 from .errors import (
+    BadRequestError,
     ChatTemplateError,
     EmptyPromptError,
     EngineAbortError,
@@ -66,17 +69,19 @@ from .stats import (
     FINISH_STOP,
     EngineSettings,
     GenerationStats,
+    MemoryReport,
     ModelInfo,
     PausedClock,
+    peak_rss_bytes,
 )
-from .system import background_cpus, cpu_sample, physical_cores
+from .system import background_cpus, cpu_sample, default_threads
 from .text import TextStream
 
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
 
 # What llama.cpp logged last: the reason a model failed to load is only there.
-LOG_LINES: collections.deque[str] = collections.deque(maxlen=200)
+LOG_LINES: collections.deque[str] = collections.deque(maxlen=2000)
 _lib: Any = None
 _log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
 _abort_callback: Any = None  # likewise
@@ -203,6 +208,25 @@ _SPLIT_MODES = {0: "none", 1: "layer", 2: "row", 3: "tensor"}
 _LAZY_MODES = {0: "off", 1: "auto", 2: "on"}
 
 
+_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+
+
+def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
+    """llama.cpp's own account of its buffers (`CPU_Mapped model buffer size = 92.10 MiB`,
+    `CPU KV buffer size`, `CPU compute buffer size`), read from its log of this load."""
+    weights: dict[str, int] = {}
+    sizes = {"KV": 0, "compute": 0, "output": 0}
+    for line in log:
+        for name, kind, mib in _BUFFER.findall(line):
+            size = round(float(mib) * 2**20)
+            if kind == "model":
+                weights[name] = weights.get(name, 0) + size
+            else:
+                sizes[kind] += size
+    return MemoryReport(weights, sizes["KV"], sizes["compute"], sizes["output"], n_ctx,
+                        peak_rss_bytes())  # fmt: skip
+
+
 def gpu_layers_asked(cfg: EngineConfig, can_offload: bool) -> int:
     """-ngl as given, or by default all layers where the build can offload (llama-bench's -1)."""
     if cfg.n_gpu_layers is not None:
@@ -256,6 +280,7 @@ class EngineConfig:
     cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
     cache_type_v: str = "f16"
     tuned: bool = False
+    workload: str = "chat"  # which tuned settings apply: chat (short prompt) or document
     load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
@@ -355,6 +380,7 @@ class LlamaCppRunner:
         self._weights_s = 0.0
         self._model_params: dict[str, Any] = {}
         self._offload_note = ""
+        self._model_log: list[str] = []
         self._gpus: list[dv.Device] = []
         self._planned_layers = 0
         self._gpu_free_before = 0
@@ -428,6 +454,7 @@ class LlamaCppRunner:
             raise ModelLoadError(self.model_path, last_log_error())
         self._model, self._info = _Model(lib, model), info
         self._weights_s = time.perf_counter() - t0
+        self._model_log = list(LOG_LINES)  # the weights' buffer sizes are reported here
 
     @staticmethod
     def _context_size(cfg: EngineConfig, n_ctx_train: int | None) -> int:
@@ -458,7 +485,7 @@ class LlamaCppRunner:
         n_ctx = self._context_size(cfg, n_ctx_train)
         if not 1 <= n_ctx <= MAX_CTX:
             raise SettingError(self.model_path, f"n_ctx {n_ctx} is out of range 1..{MAX_CTX}")
-        n_threads = cfg.n_threads or physical_cores()
+        n_threads = cfg.n_threads or default_threads()
         n_batch = cfg.n_batch or DEFAULT_N_BATCH
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -531,12 +558,14 @@ class LlamaCppRunner:
                 type_k=cfg.cache_type_k,
                 type_v=cfg.cache_type_v,
                 tuned=cfg.tuned,
+                tuned_for=cfg.workload if cfg.tuned else "",
                 n_gpu_layers_asked=gpu_layers_asked(cfg, gpu),
                 params={**self._model_params, **context_params(cparams)},
                 device=gpu_names if gpu_layers else "CPU",
                 n_layer_total=n_layer + 1,
                 offload_note=self._offload_note,
                 device_memory_bytes=used,
+                memory=memory_report([*self._model_log, *LOG_LINES], int(lib.llama_n_ctx(ctx))),
             ),
             load_s=load_s,
         )
@@ -815,6 +844,61 @@ class LlamaCppRunner:
         return int(lib.llama_decode(self._ctx_ptr, lib.llama_batch_get_one(ptr, n)))
 
     # ---- direct access for checks and benchmarks ---------------------------------------
+
+    def perplexity(
+        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+    ) -> tuple[float, int]:
+        """llama-perplexity's method: the text in non-overlapping windows of n_ctx tokens, each
+        evaluated from an empty cache, and in each window the second half's predictions of
+        their next token scored (the first half only gives them context). Returns the
+        perplexity, exp(mean negative log-likelihood), and the number of tokens scored."""
+        import numpy as np
+
+        loaded = self.load()
+        if loaded.settings.n_ctx < n_ctx:
+            raise BadRequestError(f"perplexity windows of {n_ctx} tokens need a context that"
+                                  f" large; this one holds {loaded.settings.n_ctx}")  # fmt: skip
+        if n_ctx < 4 or len(tokens) < n_ctx:
+            raise BadRequestError(f"perplexity needs at least one window of {n_ctx} tokens;"
+                                  f" the text has {len(tokens)}")  # fmt: skip
+        lib = llama_lib()
+        assert self._model is not None
+        n_vocab, n_batch = self._model.n_vocab, loaded.settings.n_batch
+        first = n_ctx // 2
+        nll, scored = 0.0, 0
+        batch = lib.llama_batch_init(n_batch, 0, 1)
+        try:
+            for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+                window = tokens[start : start + n_ctx]
+                self.reset()
+                for off in range(0, n_ctx, n_batch):
+                    if cancel is not None and cancel.is_set():
+                        raise BadRequestError("perplexity interrupted")
+                    n = min(n_batch, n_ctx - off)
+                    for i in range(n):
+                        pos = off + i
+                        batch.token[i] = window[pos]
+                        batch.pos[i] = pos
+                        batch.n_seq_id[i] = 1
+                        batch.seq_id[i][0] = 0
+                        batch.logits[i] = first <= pos < n_ctx - 1
+                    batch.n_tokens = n
+                    if lib.llama_decode(self._ctx_ptr, batch) != 0:
+                        raise EngineError("llama_decode failed while scoring perplexity")
+                    for i in range(n):
+                        pos = off + i
+                        if not first <= pos < n_ctx - 1:
+                            continue
+                        ptr = lib.llama_get_logits_ith(self._ctx_ptr, i)
+                        logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float64)
+                        top = logits.max()
+                        log_z = top + math.log(float(np.exp(logits - top).sum()))
+                        nll += log_z - logits[window[pos + 1]]
+                        scored += 1
+        finally:
+            lib.llama_batch_free(batch)
+            self.reset()
+        return math.exp(nll / scored), scored
 
     def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:
         """Append tokens to the cache in chunks of n_batch (no sampling, no timing).

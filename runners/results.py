@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .stats import EngineSettings, ModelInfo, human_count, percentile
+from .stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from .sweep import Combo, Shape
 from .system import SystemInfo, busy_machine
 
@@ -153,6 +153,8 @@ class Result:
             "tuned": st.tuned,
             "llama_cpp_python": system.build,
             "load_ms": round(self.load_s * 1000, 3),
+            "n_ctx": st.n_ctx,
+            **_memory_fields(st),
             "ttft_ms": round(statistics.fmean(self.ttft_s) * 1000, 3) if self.ttft_s else None,
             "itl_p50_ms": _ms(percentile(self.itl_s, 50)),
             "itl_p99_ms": _ms(percentile(self.itl_s, 99)),
@@ -175,6 +177,20 @@ class Result:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
         rec.update(self.extra)
         return rec
+
+
+def _memory_fields(st: EngineSettings) -> dict[str, Any]:
+    """llama.cpp's own account of the load's buffers, and the process's peak resident memory
+    when this test ended (process-wide: with several models, the largest so far)."""
+    m = st.memory
+    return {
+        "weights_bytes": m.weights_bytes if m else None,
+        "weights_buffers": " ".join(m.weights) if m else None,
+        "kv_bytes": m.kv_bytes if m else None,
+        "kv_bytes_per_token": round(m.kv_bytes_per_token, 1) if m else None,
+        "compute_bytes": m.compute_bytes if m else None,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def _round(value: float | None, digits: int) -> float | None:

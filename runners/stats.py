@@ -62,6 +62,38 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class MemoryReport:
+    """What llama.cpp allocated for a load, from its own buffer reports, and the process peak."""
+
+    weights: dict[str, int] = field(default_factory=dict)  # bytes per buffer: CPU_Mapped, CUDA0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+    output_bytes: int = 0
+    n_ctx: int = 0
+    peak_rss_bytes: int | None = None  # the process's peak resident memory after the load
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_bytes / self.n_ctx if self.n_ctx else 0.0
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return None
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """The settings that actually ran (after defaults and clamping), reported with every result."""
 
@@ -79,6 +111,7 @@ class EngineSettings:
     type_k: str = "f16"  # KV cache element types
     type_v: str = "f16"
     tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
+    tuned_for: str = ""  # the workload whose tuned settings these are (chat, document)
     n_gpu_layers_asked: int = 0  # as given (-1 or more than the model has: all)
     # llama-bench's other parameters, as read back from the structs handed to llama.cpp
     params: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +119,7 @@ class EngineSettings:
     n_layer_total: int = 0  # offloadable layers (the repeating ones and the output)
     offload_note: str = ""  # what was offloaded and why (asked, fitted, CPU-only build)
     device_memory_bytes: int | None = None  # device memory the load took (free before - after)
+    memory: MemoryReport | None = None
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ class Combo:
     repack: bool | None = None
     no_kv_offload: bool = False
     load_mode: str | None = None
+    n_threads_batch: int | None = None  # None: as n_threads
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -111,14 +112,17 @@ class Combo:
             repack=base.repack if self.repack is None else self.repack,
             no_kv_offload=self.no_kv_offload,
             load_mode=base.load_mode if self.load_mode is None else self.load_mode,
+            n_threads_batch=self.n_threads_batch,
         )  # fmt: skip
 
     def describe(self) -> str:
         """Compact, in llama-bench's short option names: t=2 b=512 ub=512 ngl=0 fa=off."""
         names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
                  "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
-                 "no_kv_offload": "nkvo", "load_mode": "lm"}  # fmt: skip
+                 "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16"}
+        if self.n_threads_batch == self.n_threads:
+            defaults["n_threads_batch"] = self.n_threads
         return " ".join(
             f"{names[k]}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items()
             if v is not None and defaults.get(k) != v

@@ -8,6 +8,46 @@ import time
 from dataclasses import dataclass
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """Linux's CPU list syntax: '0-3,8,10-11'."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        if first.strip().isdigit():
+            end = last.strip() if last.strip().isdigit() else first.strip()
+            cpus += range(int(first), int(end) + 1)
+    return cpus
+
+
+def performance_cores(root: str = "/sys") -> int | None:
+    """Physical performance cores of a hybrid CPU (Intel's P-cores beside E-cores), or None
+    when the CPU is not hybrid. The kernel lists them in /sys/devices/cpu_core/cpus."""
+    try:
+        with open(f"{root}/devices/cpu_core/cpus", encoding="utf-8") as f:
+            cpus = parse_cpu_list(f.read())
+    except OSError:
+        return None
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topo = f"{root}/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/core_id", encoding="utf-8") as f:
+                core = f.read().strip()
+            with open(f"{topo}/physical_package_id", encoding="utf-8") as f:
+                package = f.read().strip()
+        except OSError:
+            core, package = str(cpu), "0"
+        cores.add((package, core))
+    return len(cores) or None
+
+
+def default_threads() -> int:
+    """llmrun's thread count: the physical cores, or on a hybrid CPU its performance cores
+    (decode is paced by the slowest thread, and an efficiency core is that thread)."""
+    p_cores = performance_cores()
+    return min(p_cores, physical_cores()) if p_cores else physical_cores()
+
+
 def physical_cores() -> int:
     """Physical CPU cores (not hyper-threads), from /proc/cpuinfo; logical CPUs if unknown."""
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import threading
@@ -24,9 +23,11 @@ from .llamacpp import EngineConfig
 from .paths import config_dir
 from .results import Result
 from .sweep import Combo, Shape
-from .system import logical_cpus, physical_cores
+from .system import default_threads, logical_cpus
 
-TUNED_FIELDS = ("n_threads", "n_batch", "n_ubatch", "flash_attn")
+TUNED_FIELDS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn", "repack")
+# What each workload asks of the engine: (prompt tokens, output tokens) of a typical request.
+WORKLOADS = {"chat": (64, 256), "document": (1024, 16)}
 
 
 def tuned_file() -> Path:
@@ -58,7 +59,11 @@ def load_tuned(model_path: str) -> dict[str, Any] | None:
 def save_tuned(model_path: str, settings: dict[str, Any]) -> Path:
     """Store the tuned settings (plus what they measured) for this model file."""
     data = _read_all()
-    data[model_key(model_path)] = settings
+    key = model_key(model_path)
+    old = data.get(key)
+    if set(settings) <= set(WORKLOADS) and isinstance(old, dict) and set(old) <= set(WORKLOADS):
+        settings = {**old, **settings}  # a workload tuned again; the others stay as they were
+    data[key] = settings
     path = tuned_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -68,8 +73,14 @@ def save_tuned(model_path: str, settings: dict[str, Any]) -> Path:
 
 
 def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
-    """Fill the options left unset with the tuned values; marks the config tuned if any were."""
-    tuned = load_tuned(model_path)
+    """Fill the options left unset with the values tuned for the config's workload (chat, or
+    document for a long prompt); marks the config tuned if any were."""
+    entry = load_tuned(model_path)
+    if not entry:
+        return config
+    tuned = entry.get(config.workload) if isinstance(entry.get(config.workload), dict) else None
+    if tuned is None and not any(isinstance(v, dict) for v in entry.values()):
+        tuned = entry  # saved before workloads existed: one set for all
     if not tuned:
         return config
     changes = {
@@ -99,23 +110,27 @@ class Tried:
     combo: Combo
     pp_ts: float | None
     tg_ts: float | None
-    scores: tuple[float, ...] = ()  # one score per repetition (prefill and decode paired)
+    samples: tuple[tuple[float, float], ...] = ()  # (pp, tg) tok/s of each repetition
     stage: str = ""
-    note: str = ""  # "llmrun's defaults", "kept: within the noise", "faster beyond the noise"
+    note: str = ""  # per workload: "chat: chosen ...; document: not chosen ..."
 
-    @property
-    def score(self) -> float:
-        """The geometric mean of the rates measured (prefill and decode, or one of them)."""
-        rates = [r for r in (self.pp_ts, self.tg_ts) if r]
-        return math.prod(rates) ** (1 / len(rates)) if rates else 0.0
+    def scores(self, workload: str) -> tuple[float, ...]:
+        """Per repetition: the tokens of the workload's request per second of its time."""
+        prompt, output = WORKLOADS[workload]
+        return tuple((prompt + output) / (prompt / pp + output / tg)
+                     for pp, tg in self.samples if pp > 0 and tg > 0)  # fmt: skip
 
-    @property
-    def spread(self) -> float:
+    def score(self, workload: str = "chat") -> float:
+        values = self.scores(workload)
+        return statistics.median(values) if values else 0.0
+
+    def spread(self, workload: str = "chat") -> float:
         """(max - min) / median of the repetitions' scores: the noise this setting showed."""
-        if len(self.scores) < 2:
+        values = self.scores(workload)
+        if len(values) < 2:
             return 0.0
-        mid = statistics.median(self.scores)
-        return (max(self.scores) - min(self.scores)) / mid if mid else 0.0
+        mid = statistics.median(values)
+        return (max(values) - min(values)) / mid if mid else 0.0
 
 
 def beats(challenger: Sequence[float], incumbent: Sequence[float]) -> bool:
@@ -126,94 +141,106 @@ def beats(challenger: Sequence[float], incumbent: Sequence[float]) -> bool:
     return statistics.median(challenger) > max(incumbent)
 
 
-def _measure(
-    runner: BenchRunner,
-    base: EngineConfig,
-    combos: Sequence[Combo],
-    shapes: Sequence[Shape],
-    cancel: threading.Event | None,
-    stage: str,
-) -> dict[Combo, Tried] | None:
-    """Each combo's rates and per-repetition scores (combos may repeat: paired rounds)."""
-    found: dict[Combo, dict[int, list[float]]] = {}
-    for event in run_bench(runner, combos=combos, shapes=shapes, reps=REPS, base=base,
-                           cancel=cancel):  # fmt: skip
-        if isinstance(event, Result):
-            found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
-                event.samples_ts
-            )
-    if (cancel is not None and cancel.is_set()) or not found:
-        return None
-    out = {}
-    for combo, by_shape in found.items():
-        pp, tg = by_shape.get(0, []), next((v for k, v in by_shape.items() if k), [])
-        pairs = list(zip(pp, tg, strict=False)) if pp and tg else [(x,) for x in pp or tg]
-        scores = tuple(math.prod(p) ** (1 / len(p)) for p in pairs)
-        out[combo] = Tried(combo, statistics.fmean(pp) if pp else None,
-                           statistics.fmean(tg) if tg else None, scores, stage)  # fmt: skip
-    return out
+class _Measured:
+    """Every combo's (pp, tg) samples so far; a combo is measured once unless asked again."""
+
+    def __init__(
+        self, runner: BenchRunner, base: EngineConfig, shapes: Sequence[Shape],
+        cancel: threading.Event | None,
+    ) -> None:  # fmt: skip
+        self.runner, self.base, self.shapes, self.cancel = runner, base, shapes, cancel
+        self.samples: dict[Combo, list[tuple[float, float]]] = {}
+        self.stage: dict[Combo, str] = {}
+
+    def run(self, combos: Sequence[Combo], stage: str, *, again: bool = False) -> bool:
+        todo = [c for c in combos if again or c not in self.samples]
+        if not todo:
+            return True
+        found: dict[Combo, dict[int, list[float]]] = {}
+        for event in run_bench(self.runner, combos=todo, shapes=self.shapes, reps=REPS,
+                               base=self.base, cancel=self.cancel):  # fmt: skip
+            if isinstance(event, Result):
+                found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
+                    event.samples_ts
+                )
+        if self.cancel is not None and self.cancel.is_set():
+            return False
+        for combo, by_shape in found.items():
+            pp = by_shape.get(0, [])
+            tg = next((v for k, v in by_shape.items() if k), [])
+            self.samples.setdefault(combo, []).extend(zip(pp, tg, strict=False))
+            self.stage.setdefault(combo, stage)
+        return True
+
+    def tried(self, combo: Combo, note: str = "") -> Tried:
+        pairs = tuple(self.samples.get(combo, ()))
+        pp = statistics.fmean(p for p, _ in pairs) if pairs else None
+        tg = statistics.fmean(t for _, t in pairs) if pairs else None
+        return Tried(combo, pp, tg, pairs, self.stage.get(combo, ""), note)
 
 
 def search(
     runner: BenchRunner,
     base: EngineConfig,
     *,
+    workloads: Sequence[str] = tuple(WORKLOADS),
     shapes: Sequence[Shape] | None = None,
     cancel: threading.Event | None = None,
     on_stage: Callable[[str], None] = lambda name: None,
-) -> tuple[dict[str, Any], list[Tried]] | None:
-    """A short staged search from llmrun's defaults: threads, flash attention, batch/ubatch.
+) -> tuple[dict[str, dict[str, Any]], list[Tried]] | None:
+    """A staged search from llmrun's defaults, for each workload: threads, flash attention,
+    repacking, batch/ubatch, prefill threads.
 
-    Each stage measures the incumbent beside its alternatives on the same workload; the fastest
-    alternative replaces it only when faster beyond the noise (`beats`), and a close call is
-    measured again in paired A B A B rounds first. Returns the chosen settings (TUNED_FIELDS)
-    and every setting tried, each listed once; None if cancelled.
+    Each stage compares the incumbent with its alternatives on the same measurements; the best
+    alternative for the workload replaces it only when faster beyond the noise (`beats`), and a
+    close call is measured again in paired A B A B rounds first. The workloads share every
+    measurement, so tuning for both costs little more than for one. Returns the chosen settings
+    per workload (TUNED_FIELDS) and every setting tried, each listed once; None if cancelled.
     """
     shapes = shapes or SHAPES
-    phys, logical = physical_cores(), logical_cpus()
-    best = Combo(phys, 512, 512, None, "off")
-    tried: dict[Combo, Tried] = {}
+    phys, logical = default_threads(), logical_cpus()
+    measured = _Measured(runner, base, shapes, cancel)
+    baseline = Combo(phys, 512, 512, None, "off", n_threads_batch=phys)
+    notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
     stages: list[tuple[str, Callable[[Combo], list[Combo]]]] = [
-        ("threads", lambda c: [dataclasses.replace(c, n_threads=t)
+        ("threads", lambda c: [dataclasses.replace(c, n_threads=t, n_threads_batch=t)
                                for t in sorted({phys, logical, max(1, logical // 2),
                                                 max(1, phys - 1)})]),
         ("flash attention", lambda c: [dataclasses.replace(c, flash_attn=fa)
                                        for fa in ("off", "on")]),
+        ("repacking", lambda c: [dataclasses.replace(c, repack=r) for r in (True, False)]),
         ("batch/ubatch", lambda c: [dataclasses.replace(c, n_batch=bb, n_ubatch=ub)
                                     for bb, ub in BATCH_PAIRS]),
+        ("prefill threads", lambda c: [dataclasses.replace(c, n_threads_batch=t)
+                                       for t in sorted({c.n_threads or phys, logical})]),
     ]  # fmt: skip
-    for name, candidates in stages:
-        on_stage(name)
-        combos = list(dict.fromkeys([best, *candidates(best)]))
-        stage = _measure(runner, base, combos, shapes, cancel, name)
-        if stage is None or best not in stage:
-            return None
-        incumbent = stage[best]
-        challenger = max((t for c, t in stage.items() if c != best), key=lambda t: t.score,
-                         default=None)  # fmt: skip
-        if challenger is not None and challenger.score > incumbent.score:
-            if not beats(challenger.scores, incumbent.scores):  # close: measure again, paired
-                on_stage(f"{name}: re-measuring {challenger.combo.describe()} against"
+    chosen: dict[str, dict[str, Any]] = {}
+    for workload in workloads:
+        best = baseline
+        for name, candidates in stages:
+            on_stage(f"{name} ({workload})")
+            combos = list(dict.fromkeys([best, *candidates(best)]))
+            if not measured.run(combos, name) or best not in measured.samples:
+                return None
+            rivals = [measured.tried(c) for c in combos if c != best and c in measured.samples]
+            if not rivals:
+                continue
+            rival = max(rivals, key=lambda t: t.score(workload))
+            incumbent = measured.tried(best)
+            if rival.score(workload) <= incumbent.score(workload):
+                continue
+            if not beats(rival.scores(workload), incumbent.scores(workload)):
+                on_stage(f"{name} ({workload}): re-measuring {rival.combo.describe()} against"
                          f" {best.describe()} in A B order")  # fmt: skip
-                again = _measure(runner, base, [best, challenger.combo] * PAIRED_ROUNDS, shapes,
-                                 cancel, name)  # fmt: skip
-                if again is None:
+                if not measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True):
                     return None
-                incumbent, challenger = again[best], again[challenger.combo]
-            if beats(challenger.scores, incumbent.scores):
-                stage[challenger.combo] = dataclasses.replace(
-                    challenger, note="chosen: faster beyond the noise"
-                )
-                best = challenger.combo
+                rival, incumbent = measured.tried(rival.combo), measured.tried(best)
+            if beats(rival.scores(workload), incumbent.scores(workload)):
+                notes.setdefault(rival.combo, []).append(f"{workload}: faster beyond the noise")
+                best = rival.combo
             else:
-                stage[challenger.combo] = dataclasses.replace(
-                    challenger, note="not chosen: within the noise"
-                )
-        for combo, t in stage.items():
-            if combo not in tried:  # the baseline and each setting are listed once
-                note = t.note or ("llmrun's defaults" if not tried else "")
-                tried[combo] = dataclasses.replace(t, note=note)
-            elif t.note:
-                tried[combo] = dataclasses.replace(tried[combo], note=t.note)
-    settings = {name: getattr(best, name) for name in TUNED_FIELDS}
-    return settings, list(tried.values())
+                notes.setdefault(rival.combo, []).append(f"{workload}: within the noise")
+        chosen[workload] = {field: getattr(best, field) for field in TUNED_FIELDS}
+        notes.setdefault(best, []).append(f"chosen for {workload}")
+    tried = [measured.tried(c, "; ".join(notes.get(c, []))) for c in measured.samples]
+    return chosen, tried

@@ -150,18 +150,35 @@ def test_scenarios_give_a_score(cli: CliRunner, home: Path) -> None:
     assert re.search(r"score\s+[\d,.]+\s+\(LocalScore's formula", result.stderr)
 
 
-def test_tune_saves_settings_that_run_then_uses(
+def test_tune_saves_settings_for_each_workload_that_run_then_uses(
     cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch, model_path: str
 ) -> None:
     monkeypatch.setattr(tuning, "SHAPES", (sw.Shape(32, 0), sw.Shape(0, 8, 16)))
+    monkeypatch.setattr(tuning, "REPS", 2)
     result = cli.invoke(app, ["bench", "--tune"])
     assert result.exit_code == 0, result.stderr
     saved = json.loads((home / "config" / "tuned.json").read_text())
     (entry,) = saved.values()
-    assert set(entry) == {"n_threads", "n_batch", "n_ubatch", "flash_attn"}
+    assert set(entry) == {"chat", "document"}
+    for found in entry.values():
+        assert set(found) == set(tuning.TUNED_FIELDS)
+    assert "fastest for chat:" in result.stderr and "fastest for document:" in result.stderr
+    assert "llmrun's defaults" in result.stderr  # the baseline row, once
     config = apply_tuning(EngineConfig(n_batch=64), model_path)
-    assert config.tuned and config.n_batch == 64 and config.n_ubatch == entry["n_ubatch"]
+    assert config.tuned and config.n_batch == 64 and config.n_ubatch == entry["chat"]["n_ubatch"]
+    document = apply_tuning(EngineConfig(workload="document"), model_path)
+    assert document.n_threads_batch == entry["document"]["n_threads_batch"]
     assert apply_tuning(EngineConfig(), "/elsewhere.gguf") == EngineConfig()
+    only_chat = cli.invoke(app, ["bench", "--tune", "--workload", "chat"])
+    assert only_chat.exit_code == 0 and "fastest for document" not in only_chat.stderr
+    (kept,) = json.loads((home / "config" / "tuned.json").read_text()).values()
+    assert kept["document"] == entry["document"]  # tuning chat again kept the document entry
+
+
+def test_the_noise_rule_keeps_the_incumbent_on_a_tie() -> None:
+    assert tuning.beats([110, 111, 112], [100, 101, 102])
+    assert not tuning.beats([110, 111, 112], [100, 101, 111])  # overlaps its best: a tie
+    assert not tuning.beats([], [100])
 
 
 def test_run_reports_tuned_settings(
