@@ -114,3 +114,21 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
 def server(model_path: str) -> Iterator[str]:
     with llama_server(model_path) as (url, _):
         yield url
+
+
+@pytest.fixture(scope="session")
+def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
+    """A Q8_0 copy of the embedded model, made with llama.cpp's own quantize API (its log goes
+    to stdout from C, so it runs in a child process)."""
+    path = tmp_path_factory.mktemp("quant") / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    code = (
+        "import ctypes, llama_cpp, sys\n"
+        "p = llama_cpp.llama_model_quantize_default_params()\n"
+        "p.ftype = 7\n"
+        "p.allow_requantize = True\n"
+        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),"
+        " ctypes.byref(p)))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    return str(path)

@@ -35,24 +35,6 @@ def records(*args: str, env: dict[str, str], shapes: bool = True) -> list[dict[s
     return list(json.loads(done.stdout))
 
 
-@pytest.fixture(scope="module")
-def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
-    """A Q8_0 copy of the embedded model, made with llama.cpp's own quantize API (its log goes
-    to stdout from C, so it runs in a child process)."""
-    path = tmp_path_factory.mktemp("quant") / "SmolLM2-135M-Instruct.Q8_0.gguf"
-    code = (
-        "import ctypes, llama_cpp, sys\n"
-        "p = llama_cpp.llama_model_quantize_default_params()\n"
-        "p.ftype = 7\n"
-        "p.allow_requantize = True\n"
-        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),"
-        " ctypes.byref(p)))\n"
-    )
-    subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
-    return str(path)
-
-
 def test_records_are_llama_bench_records_in_its_terms(llmrun_env: dict[str, str]) -> None:
     rows = records("-ngl", "99", "-fa", "0,1", env=llmrun_env)
     assert [r["test"] for r in rows] == ["pp8", "tg2", "pp8", "tg2"]
