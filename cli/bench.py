@@ -324,6 +324,11 @@ def bench(
                           help="What --tune optimises: chat (64-token prompt, 256-token answer),"
                           " document (1024-token prompt, 16-token answer) or both, each saved."),
     ] = "both",
+    cold: Annotated[
+        bool, typer.Option("--cold", help="Drop the model file from the page cache before each"
+                           " load (posix_fadvise, no root needed), so load time is measured"
+                           " from disk; every row records how much of the file was cached."),
+    ] = False,
     ppl: Annotated[
         Path | None, typer.Option("--ppl", metavar="FILE", show_default=False,
                                   help="Also measure each model's perplexity on this text"
@@ -472,7 +477,7 @@ def bench(
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
                     no_kv_offload=_joined(no_kv_offload),
                     reps=reps, ctx=ctx, seed=seed, scenarios=scenarios, warmup=not no_warmup,
-                    delay_s=delay, tuned=not no_tuned, ppl=ppl,
+                    delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
                 )  # fmt: skip
                 to = Output(format=output, plot=plot, compare=compare, store=not no_history,
                             format_err=output_err, progress_lines=progress_lines)  # fmt: skip
@@ -505,6 +510,7 @@ class Sweep:
     delay_s: float = 0.0
     tuned: bool = True  # start from the settings --tune saved
     ppl: Path | None = None  # a text to measure each model's perplexity on
+    cold: bool = False  # evict the model file from the page cache before each load
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
         """Every engine setting to test; unset options take the (tuned) defaults. A tuned
@@ -645,7 +651,7 @@ def _sweep(
     for model in models:
         if cancel.is_set():
             break
-        runner = make_bench_runner(model, EngineConfig(), tuned=sweep.tuned)
+        runner = make_bench_runner(model, EngineConfig(cold=sweep.cold), tuned=sweep.tuned)
         try:
             base = runner.config
             combos = sweep.combos(base)

@@ -54,7 +54,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
-        ("load", ms(s.load_s) + facts),
+        ("load", ms(s.load_s) + cache_text(s.settings) + facts),
         *([("memory", memory)] if memory else []),
         ("prompt", f"{s.prompt_tokens} tokens"
                    f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
@@ -106,6 +106,15 @@ def memory_text(st: EngineSettings) -> str:
     kv = f"KV {mib(m.kv_bytes)} ({per_token}, {st.type_k}/{st.type_v})"
     rss = f" · peak RSS {mib(m.peak_rss_bytes)}" if m.peak_rss_bytes else ""
     return f"weights {weights} · {kv} · compute {mib(m.compute_bytes)}{rss}"
+
+
+def cache_text(st: EngineSettings | None) -> str:
+    """Whether the load read the file from disk or from the page cache (orders of magnitude
+    apart for a large model)."""
+    share = st.memory.file_resident_before if st and st.memory else None
+    if share is None:
+        return ""
+    return " (cold: from disk)" if share < 0.05 else f" ({share:.0%} of the file in page cache)"
 
 
 def tuned_text(st: EngineSettings) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import math
 import os
@@ -74,7 +75,13 @@ from .stats import (
     PausedClock,
     peak_rss_bytes,
 )
-from .system import background_cpus, cpu_sample, default_threads
+from .system import (
+    background_cpus,
+    cpu_sample,
+    default_threads,
+    evict_from_page_cache,
+    resident_fraction,
+)
 from .text import TextStream
 
 DEFAULT_N_CTX = 4096
@@ -282,6 +289,7 @@ class EngineConfig:
     tuned: bool = False
     workload: str = "chat"  # which tuned settings apply: chat (short prompt) or document
     load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
+    cold: bool = False  # drop the file from the page cache before loading (bench --cold)
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
     def same_model(self, other: EngineConfig) -> bool:
@@ -381,6 +389,7 @@ class LlamaCppRunner:
         self._model_params: dict[str, Any] = {}
         self._offload_note = ""
         self._model_log: list[str] = []
+        self._resident: float | None = None
         self._gpus: list[dv.Device] = []
         self._planned_layers = 0
         self._gpu_free_before = 0
@@ -446,6 +455,9 @@ class LlamaCppRunner:
         cancel = self._cancel
         progress = lib.llama_progress_callback(lambda _p, _data: not cancel.is_set())
         mparams.progress_callback = progress
+        if cfg.cold:
+            evict_from_page_cache(self.model_path)
+        self._resident = resident_fraction(self.model_path)
         LOG_LINES.clear()
         model = lib.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not model:
@@ -565,7 +577,10 @@ class LlamaCppRunner:
                 n_layer_total=n_layer + 1,
                 offload_note=self._offload_note,
                 device_memory_bytes=used,
-                memory=memory_report([*self._model_log, *LOG_LINES], int(lib.llama_n_ctx(ctx))),
+                memory=dataclasses.replace(
+                    memory_report([*self._model_log, *LOG_LINES], int(lib.llama_n_ctx(ctx))),
+                    file_resident_before=self._resident,
+                ),
             ),
             load_s=load_s,
         )

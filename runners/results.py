@@ -190,6 +190,7 @@ def _memory_fields(st: EngineSettings) -> dict[str, Any]:
         "kv_bytes_per_token": round(m.kv_bytes_per_token, 1) if m else None,
         "compute_bytes": m.compute_bytes if m else None,
         "peak_rss_bytes": peak_rss_bytes(),
+        "file_resident_before": _round(m.file_resident_before, 4) if m else None,
     }
 
 

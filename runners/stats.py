@@ -71,6 +71,7 @@ class MemoryReport:
     output_bytes: int = 0
     n_ctx: int = 0
     peak_rss_bytes: int | None = None  # the process's peak resident memory after the load
+    file_resident_before: float | None = None  # the model file's share in the page cache
 
     @property
     def weights_bytes(self) -> int:

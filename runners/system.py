@@ -268,3 +268,56 @@ def _features(info: str) -> str:
         elif not eq and part.strip():
             out.append(part.strip())
     return " ".join(out)
+
+
+# ---- the model file in the page cache -------------------------------------------------------
+
+
+def resident_fraction(path: str) -> float | None:
+    """The share of the file's pages in the page cache now (mincore on a mapping of it): a
+    load from the cache takes a fraction of one from disk."""
+    import ctypes
+    import mmap
+
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return None
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            rc = libc.mincore(address, size, vec)  # reads no page: only asks where they are
+        finally:
+            libc.munmap(address, size)
+        return sum(v & 1 for v in vec) / pages if rc == 0 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def evict_from_page_cache(path: str) -> bool:
+    """Ask the kernel to drop the file's cached pages (posix_fadvise DONTNEED; no root needed;
+    pages another process has mapped stay). True when the advice was given."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)

@@ -12,7 +12,12 @@ import pytest
 from llmrun.cli.chat import context_meter
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, memory_report
-from llmrun.runners.system import parse_cpu_list, performance_cores
+from llmrun.runners.system import (
+    evict_from_page_cache,
+    parse_cpu_list,
+    performance_cores,
+    resident_fraction,
+)
 
 from .conftest import ROOT, which_llmrun
 
@@ -117,3 +122,24 @@ def test_the_chat_meter_shows_the_kv_cache_in_use() -> None:
     meter = context_meter(1000, 4096, 23040.0).plain
     assert "1000/4096 tokens (24%) · KV 22.0 MiB in use" in meter
     assert "KV" not in context_meter(1000, 4096).plain  # a server: unknown
+
+
+@pytest.mark.model
+def test_cold_loads_read_the_file_from_disk(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path
+) -> None:
+    copy = tmp_path / "model.gguf"  # a file of its own: no other test has it mapped
+    copy.write_bytes(Path(model_path).read_bytes())
+    rows = {}
+    for flag in ("", "--cold"):
+        done = subprocess.run(
+            [which_llmrun(), "bench", "-m", str(copy), "-p", "8", "-n", "0", "-r", "1",
+             "--no-history", "-o", "json", *([flag] if flag else [])],
+            env=llmrun_env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        rows[flag] = json.loads(done.stdout)[0]
+    assert rows[""]["file_resident_before"] > 0.9  # just written: in the page cache
+    if evict_from_page_cache(str(copy)) and (resident_fraction(str(copy)) or 1.0) < 0.5:
+        assert rows["--cold"]["file_resident_before"] < 0.05  # this filesystem drops pages
+    assert rows["--cold"]["load_ms"] > 0
