@@ -194,8 +194,11 @@ def _readline() -> ModuleType | None:
 
 
 class ChatUI:
-    def __init__(self, conv: Conversation, *, interactive: bool, dashboard: bool) -> None:
+    def __init__(
+        self, conv: Conversation, *, interactive: bool, dashboard: bool, hide_thinking: bool = False
+    ) -> None:
         self.conv = conv
+        self.hide_thinking = hide_thinking
         self.interactive = interactive
         self.err = TerminalConsole(stderr=True, highlight=False)
         self.cancel = threading.Event()
@@ -320,7 +323,8 @@ class ChatUI:
             )
         recorder = Recorder(self.out)
         try:
-            finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel)
+            finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel,
+                             hide_thinking=self.hide_thinking)  # fmt: skip
             turn = conv.record(user, finished.text, finished.stats)
         except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
             if self.dash is not None:
@@ -470,6 +474,9 @@ def chat(
     repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
     seed: o.Seed = None,
     stop: o.Stop = None,
+    think: o.Think = None,
+    hide_thinking: o.HideThinking = False,
+    chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
     batch: o.Batch = None,
     ubatch: o.Ubatch = None,
@@ -496,16 +503,18 @@ def chat(
             repeat_penalty=repeat_penalty,
             seed=seed,
             stop=stop,
+            think=think,
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
             threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
-            repack=repack,
+            repack=repack, chat_template_file=chat_template_file,
         )  # fmt: skip
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)
-            ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard)
+            ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard,
+                        hide_thinking=hide_thinking)  # fmt: skip
             code = ui.loop()
         finally:
             runner.close()

@@ -84,6 +84,7 @@ class LiveState:
     prefill_started_s: float | None = None  # perf_counter() at the first prefill event
     prefill_at_s: float | None = None  # ... and at the latest one
     prefill_rate: float | None = None  # prompt tok/s measured last (here or in an earlier request)
+    thinking: int = 0  # output tokens of the model's thinking so far
     pending: list[str] = field(default_factory=list)  # finished lines not yet scrolled out
     line: str = ""  # the text line being written (when the text goes through the dashboard)
 
@@ -95,6 +96,7 @@ class LiveState:
                 self.gaps_s.append(event.t_s - self.last_token_s)
             self.last_token_s = event.t_s
             self.tokens = event.index + 1
+            self.thinking += event.thinking
         elif isinstance(event, PrefillProgress):  # once per chunk: a clock read is cheap here
             now = time.perf_counter()
             if self.prefill is None:
@@ -186,7 +188,9 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
         parts.append(_row(
-            "decode", f"{state.tokens} tokens · {tps(state.output_tps)} · itl ",
+            "decode", f"{state.tokens} tokens"
+            + (f" ({state.thinking} thinking)" if state.thinking else "")
+            + f" · {tps(state.output_tps)} · itl ",
             (sparkline(gaps), "magenta"), latest,
         ))  # fmt: skip
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -180,6 +181,23 @@ Stop = Annotated[
     typer.Option("--stop", help="Stop when this text appears (repeatable).",
                  rich_help_panel=SAMPLING_PANEL, show_default=False),
 ]  # fmt: skip
+Think = Annotated[
+    bool | None,
+    typer.Option("--think/--no-think", show_default=False, rich_help_panel=SAMPLING_PANEL,
+                 help="Turn the model's thinking on or off where its chat template has the"
+                 " switch (enable_thinking; sent to servers as chat_template_kwargs)."),
+]  # fmt: skip
+HideThinking = Annotated[
+    bool,
+    typer.Option("--hide-thinking", rich_help_panel=SAMPLING_PANEL,
+                 help="Print only the answer; the thinking is still counted in the stats."),
+]  # fmt: skip
+ChatTemplateFile = Annotated[
+    Path | None,
+    typer.Option("--chat-template-file", metavar="FILE", show_default=False,
+                 rich_help_panel=MODEL_PANEL,
+                 help="A Jinja chat template to use in place of the model's own."),
+]  # fmt: skip
 NoDashboard = Annotated[
     bool,
     typer.Option(
@@ -211,8 +229,10 @@ def sampling_params(
     repeat_penalty: float,
     seed: int | None,
     stop: list[str] | None,
+    think: bool | None = None,
 ) -> SamplingParams:
     sampling = SamplingParams(
+        think=think,
         max_tokens=max_tokens,
         temperature=temp,
         top_k=top_k,
@@ -252,6 +272,7 @@ def local_engine(
     gpu_layers: int | None,
     flash_attn: FlashAttn | None,
     repack: bool | None,
+    chat_template_file: Path | None = None,
 ) -> EngineConfig:
     """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
     (the context size does: it sizes chat's context meter and the overflow policy)."""
@@ -260,8 +281,17 @@ def local_engine(
         "-tb/--threads-batch": threads_batch,
         "-ngl/--gpu-layers": gpu_layers, "--flash-attn": flash_attn,
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
+        "--chat-template-file": chat_template_file,
     }  # fmt: skip
     refuse_for_endpoint(endpoint, local)
+    template = None
+    if chat_template_file is not None:
+        try:
+            template = chat_template_file.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise BadRequestError(
+                f"--chat-template-file: cannot read {chat_template_file}: {e.strerror or e}"
+            ) from None
     return EngineConfig(
         n_ctx=ctx,
         n_batch=batch,
@@ -271,4 +301,5 @@ def local_engine(
         n_gpu_layers=gpu_layers,
         flash_attn=flash_attn.value if flash_attn else None,
         repack=repack,
+        chat_template=template,
     )

@@ -69,6 +69,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
+        *thinking_rows(s),
         ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
                    f" [{s.finish_reason}]" + _context_hint(s)),
         ("decode", f"{ms(s.decode_s)} · {tps(s.output_tps)}"),
@@ -120,6 +121,17 @@ def cache_text(st: EngineSettings | None) -> str:
 def tuned_text(st: EngineSettings) -> str:
     """Why the settings are what they are, when `bench --tune` chose them."""
     return f" · tuned for {st.tuned_for or 'chat'}" if st.tuned else ""
+
+
+def thinking_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    """For a model that thought before answering: the thinking, and the answer on its own."""
+    if not s.thinking_tokens:
+        return []
+    answer = (f"first answer token at {ms(s.first_answer_s)} (TTFT {ms(s.ttft_s)}) ·"
+              f" {s.answer_tokens} answer tokens · {tps(s.answer_tps)}"
+              if s.first_answer_s is not None else "no answer after the thinking")  # fmt: skip
+    return [("thinking", f"{s.thinking_tokens} tokens · {ms(s.thinking_s)}"),
+            ("answer", answer)]  # fmt: skip
 
 
 def display_name(m: ModelInfo) -> str:

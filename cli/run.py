@@ -108,6 +108,9 @@ def run(
     repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
     seed: o.Seed = None,
     stop: o.Stop = None,
+    think: o.Think = None,
+    hide_thinking: o.HideThinking = False,
+    chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
     batch: o.Batch = None,
     ubatch: o.Ubatch = None,
@@ -138,11 +141,12 @@ def run(
             repeat_penalty=repeat_penalty,
             seed=seed,
             stop=stop,
+            think=think,
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
             threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
-            repack=repack,
+            repack=repack, chat_template_file=chat_template_file,
         )  # fmt: skip
         jobs = collect_jobs(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
@@ -154,7 +158,7 @@ def run(
         try:
             code = _run_jobs(
                 runner, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
-                json_out=json_out, dashboard=not no_dashboard,
+                json_out=json_out, dashboard=not no_dashboard, hide_thinking=hide_thinking,
             )  # fmt: skip
         finally:
             runner.close()
@@ -182,6 +186,7 @@ def _run_jobs(
     jobs: list[Job],
     *,
     quiet: bool,
+    hide_thinking: bool = False,
     stats_format: StatsFormat,
     stats_file: Path | None,
     json_out: bool,
@@ -212,7 +217,12 @@ def _run_jobs(
                 continue
             try:
                 finished = drive(
-                    runner, job.request, out=None if json_out else out, view=view, cancel=cancel
+                    runner,
+                    job.request,
+                    out=None if json_out else out,
+                    view=view,
+                    cancel=cancel,
+                    hide_thinking=hide_thinking,
                 )
             except LlmrunError as e:
                 if not many or runner.loaded is None:

@@ -84,14 +84,16 @@ def drive(
     out: TextSink | None,
     view: EventView | None,
     cancel: threading.Event,
+    hide_thinking: bool = False,
 ) -> Finished:
-    """Run one request, streaming its text to `out` and every event to `view`."""
+    """Run one request, streaming its text to `out` (the thinking too, unless hidden) and
+    every event to `view`."""
     finished: Finished | None = None
     for event in runner.stream(request, cancel=cancel):
         if view is not None:
             view.update(event)
         if isinstance(event, Token):
-            if out is not None:
+            if out is not None and not (hide_thinking and event.thinking):
                 out.write(event.text)
         elif isinstance(event, Finished):
             if out is not None:

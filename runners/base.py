@@ -41,6 +41,9 @@ class SamplingParams:
     seed: int | None = None  # None: a random seed, reported in the stats
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
+    think: bool | None = (
+        None  # the chat template's thinking switch (enable_thinking); None: its default
+    )
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class Token:
     text: str  # text released with this token (may be "" while a character or stop is pending)
     t_s: float  # seconds since the request was handed to the runner
     token_id: int = -1
+    thinking: bool = False  # part of the model's thinking, not of its answer
 
 
 @dataclass(frozen=True)

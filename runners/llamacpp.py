@@ -63,6 +63,7 @@ from .limits import (
     plan_offload,
 )
 from .probe import repack_verdict
+from .reasoning import TokenTagger, opens_thinking
 from .stats import (
     FINISH_CONTEXT,
     FINISH_INTERRUPTED,
@@ -290,6 +291,7 @@ class EngineConfig:
     workload: str = "chat"  # which tuned settings apply: chat (short prompt) or document
     load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
     cold: bool = False  # drop the file from the page cache before loading (bench --cold)
+    chat_template: str | None = None  # a Jinja chat template in place of the model's own
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
     def same_model(self, other: EngineConfig) -> bool:
@@ -312,6 +314,8 @@ class _Decoded:
     first_sample_s: float = 0.0
     text: str = ""
     tail: str = ""  # text held back until the end
+    thinking_tokens: int = 0
+    first_answer_s: float | None = None
 
 
 class _Model:
@@ -616,7 +620,9 @@ class LlamaCppRunner:
         try:
             if self._formatter is None:
                 self._formatter = self._make_formatter()
-            return str(self._formatter(messages=messages).prompt)
+            switch = {} if request.sampling.think is None else {
+                "enable_thinking": request.sampling.think}  # fmt: skip
+            return str(self._formatter(messages=messages, **switch).prompt)
         except Exception as e:  # jinja2's TemplateError and whatever a template raises
             first = (str(e).splitlines() or [""])[0]
             raise ChatTemplateError(f"{type(e).__name__}: {first}") from None
@@ -626,7 +632,7 @@ class LlamaCppRunner:
 
         assert self._info is not None
         lib = llama_lib()
-        template = self._info.chat_template or CHATML_TEMPLATE
+        template = self.config.chat_template or self._info.chat_template or CHATML_TEMPLATE
         assert self._model is not None
         vocab = self._model.vocab
         bos = self.piece(lib.llama_vocab_bos(vocab), special=True).decode(errors="replace")
@@ -634,14 +640,18 @@ class LlamaCppRunner:
         return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
 
     def request_tokens(self, request: Request) -> list[int]:
+        return self._text_and_tokens(request)[1]
+
+    def _text_and_tokens(self, request: Request) -> tuple[str, list[int]]:
+        """The rendered prompt (empty for token ids) and its tokens."""
         self.load()
         if request.token_ids is not None:
-            return list(request.token_ids)
+            return "", list(request.token_ids)
         text = self.render(request)
         if not text.strip():
             raise EmptyPromptError()
         # A chat template writes its own BOS; a raw prompt gets the model's usual specials.
-        return self.tokenize(text, add_special=request.prompt is not None)
+        return text, self.tokenize(text, add_special=request.prompt is not None)
 
     def count_tokens(self, request: Request) -> int:
         return len(self.request_tokens(request))
@@ -713,7 +723,7 @@ class LlamaCppRunner:
         clock = PausedClock()
         lib.llama_perf_context_reset(self._ctx_ptr)
         cpu0 = cpu_sample()
-        tokens = self.request_tokens(request)
+        prompt_text, tokens = self._text_and_tokens(request)
         if len(tokens) + 1 > loaded.settings.n_ctx:
             raise PromptTooLongError(len(tokens), loaded.settings.n_ctx)
         reused = self._reuse_prefix(tokens) if request.keep_cache else self._truncate_cache(0)
@@ -725,7 +735,10 @@ class LlamaCppRunner:
             prefill = yield from self._prefill(tokens, reused, cancel, clock)
             decode = _Decoded()
             if not prefill.aborted:
-                decode = yield from self._decode(chain, sp, cancel, clock)
+                tagger = None  # random benchmark tokens have no thinking to tell apart
+                if request.token_ids is None:
+                    tagger = TokenTagger(thinking=opens_thinking(prompt_text))
+                decode = yield from self._decode(chain, sp, cancel, clock, tagger)
             perf = lib.llama_perf_context(self._ctx_ptr)
             sperf = lib.llama_perf_sampler(chain)
             stats = GenerationStats(
@@ -748,6 +761,8 @@ class LlamaCppRunner:
                 seed=seed if sp.temperature > 0 else None,
                 prefilled_tokens=prefill.evaluated if prefill.aborted else None,
                 background_cpus=background_cpus(cpu0, cpu_sample()),
+                thinking_tokens=decode.thinking_tokens,
+                first_answer_s=decode.first_answer_s,
                 model=loaded.model,
                 settings=loaded.settings,
             )
@@ -803,7 +818,12 @@ class LlamaCppRunner:
         return done
 
     def _decode(
-        self, chain: Any, sp: SamplingParams, cancel: threading.Event, clock: PausedClock
+        self,
+        chain: Any,
+        sp: SamplingParams,
+        cancel: threading.Event,
+        clock: PausedClock,
+        tagger: TokenTagger | None = None,
     ) -> Generator[Event, None, _Decoded]:
         """The first token from the prefill's logits, then one llama_decode per token."""
         lib = llama_lib()
@@ -826,8 +846,9 @@ class LlamaCppRunner:
             out.times.append(stamp)
             piece = text.feed(self.piece(token))
             parts.append(piece)
+            thinking = tagger.tag(piece) if tagger is not None else False
             with clock.paused():
-                yield Token(len(out.times) - 1, piece, stamp, token)
+                yield Token(len(out.times) - 1, piece, stamp, token, thinking)
             if text.stopped:
                 out.finish = FINISH_STOP
                 break
@@ -848,6 +869,10 @@ class LlamaCppRunner:
             token = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
         out.tail = text.flush()
         out.text = "".join(parts) + out.tail
+        if tagger is not None and tagger.seen_thinking:
+            out.thinking_tokens = tagger.thinking_tokens
+            if tagger.first_answer is not None:
+                out.first_answer_s = out.times[tagger.first_answer]
         return out
 
     def _decode_slice(self, arr: Any, off: int, n: int) -> int:

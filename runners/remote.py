@@ -12,6 +12,7 @@ text received so far and the stats marked `incomplete`, with the reason in `extr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -42,6 +43,7 @@ from .errors import (
     ServerTimeoutError,
     ServerUnreachableError,
 )
+from .reasoning import TokenTagger
 from .stats import (
     FINISH_INCOMPLETE,
     FINISH_INTERRUPTED,
@@ -136,6 +138,7 @@ class Chunk:
     """One parsed stream event: new text, or the end (finish reason, usage, timings, error)."""
 
     text: str = ""
+    reasoning: str = ""  # the server's separate thinking text (reasoning_content / reasoning)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
@@ -289,11 +292,16 @@ def _parse(event: Any) -> Chunk:
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
         content = source.get("content")
         text = content if isinstance(content, str) else ""
+        thought = source.get("reasoning_content", source.get("reasoning"))
+        reasoning = thought if isinstance(thought, str) else ""
         reason = choice.get("finish_reason")
         finish = reason if isinstance(reason, str) else None
+    else:
+        reasoning = ""
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
-    return Chunk(text=text, finish_reason=finish, usage=usage, timings=timings)
+    return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage,
+                 timings=timings)  # fmt: skip
 
 
 def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -323,6 +331,8 @@ def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
     if request.prompt is not None:
         return "/completions", {**body, "prompt": request.prompt}
     messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    if sp.think is not None:  # the template's switch, where the server passes it on
+        body["chat_template_kwargs"] = {"enable_thinking": sp.think}
     return "/chat/completions", {**body, "messages": messages}
 
 
@@ -441,6 +451,8 @@ class OpenAIRunner:
         usage: dict[str, Any] | None = None
         timings: dict[str, Any] | None = None
         error: str | None = None
+        tagger = TokenTagger()  # thinking inside the content (<think> ... </think>)
+        thinking_chunks, first_answer = 0, None
         for chunk in self.conn.stream(path, body, cancel):
             stamp = clock.now()
             usage = chunk.usage or usage
@@ -449,11 +461,21 @@ class OpenAIRunner:
                 error = self.conn.scrub(chunk.error)
                 break
             last = chunk
+            if chunk.reasoning:  # the server split the thinking off itself
+                times.append(stamp)
+                thinking_chunks += 1
+                with clock.paused():
+                    yield Token(len(times) - 1, chunk.reasoning, stamp, thinking=True)
             if chunk.text:
                 times.append(stamp)
                 parts.append(chunk.text)
+                thinking = tagger.tag(chunk.text)
+                if (first_answer is None and (thinking_chunks or tagger.seen_thinking)
+                        and not thinking and chunk.text.strip()):  # fmt: skip
+                    first_answer = stamp
                 with clock.paused():
-                    yield Token(len(times) - 1, chunk.text, stamp)
+                    yield Token(len(times) - 1, chunk.text, stamp, thinking=thinking)
+        thinking_count = thinking_chunks + (tagger.thinking_tokens if tagger.seen_thinking else 0)
         if error is not None:
             finish = FINISH_INCOMPLETE
         elif cancel.is_set():
@@ -461,9 +483,13 @@ class OpenAIRunner:
         else:
             finish = _finish(last.finish_reason if last else None)
         e2e = clock.wall()
-        yield Finished(
-            self._stats(finish, times, usage, timings, error, e2e, request, loaded), "".join(parts)
-        )
+        stats = self._stats(finish, times, usage, timings, error, e2e, request, loaded)
+        if thinking_count:
+            details = (usage or {}).get("completion_tokens_details")
+            counted = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+            stats = dataclasses.replace(stats, thinking_tokens=counted or thinking_count,
+                                        first_answer_s=first_answer)  # fmt: skip
+        yield Finished(stats, "".join(parts))
 
     def _stats(
         self,

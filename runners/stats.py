@@ -212,6 +212,8 @@ class GenerationStats:
     background_cpus: float | None = None
     model: ModelInfo | None = None
     settings: EngineSettings | None = None
+    thinking_tokens: int = 0  # output tokens that were the model's thinking
+    first_answer_s: float | None = None  # time to the first token of the answer proper
     server: ServerReport | None = None  # set when a remote server ran the request
 
     @property
@@ -243,6 +245,27 @@ class GenerationStats:
     def output_tps(self) -> float | None:
         """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
         return rate(len(self.itl_s), self.decode_s)
+
+    @property
+    def answer_tokens(self) -> int:
+        return max(0, self.output_tokens - self.thinking_tokens)
+
+    @property
+    def thinking_s(self) -> float | None:
+        """From the first token to the first answer token (or the end, if it never answered)."""
+        if not self.thinking_tokens or self.first_token_s is None:
+            return None
+        end = self.first_answer_s if self.first_answer_s is not None else (
+            self.first_token_s + sum(self.itl_s))  # fmt: skip
+        return max(0.0, end - self.first_token_s)
+
+    @property
+    def answer_tps(self) -> float | None:
+        """Answer tokens per second, from the first answer token to the last token."""
+        if self.first_answer_s is None or self.first_token_s is None:
+            return None
+        last = self.first_token_s + sum(self.itl_s)
+        return rate(self.answer_tokens - 1, last - self.first_answer_s)
 
     @property
     def itl_p50_s(self) -> float | None:
@@ -290,6 +313,9 @@ class GenerationStats:
             "itl_p99_s",
             "itl_max_s",
             "python_overhead_per_token_ms",
+            "answer_tokens",
+            "thinking_s",
+            "answer_tps",
         ):
             data[name] = getattr(self, name)
         if self.server is not None:

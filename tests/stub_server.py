@@ -4,7 +4,9 @@ The model named in a request chooses the behaviour: "stub" streams a reply with 
 llama.cpp-style timings; "missing" answers 404, "boom" 500, "malformed" sends a broken line,
 "slow" waits before answering, "cut" drops the connection mid-stream, "badnumbers" sends strings
 and lists where usage and timings hold numbers, "listusage" sends lists for the objects,
-"nousage" sends neither. With an API key (or Basic credentials) set, every request without
+"nousage" sends neither, "thinker" streams reasoning_content deltas before the answer (and
+"thinktags" <think> tags inside the content); both end their answer with the
+chat_template_kwargs they were sent. With an API key (or Basic credentials) set, every request without
 it gets 401. Not a stand-in for llama.cpp: the real server is tested too.
 """
 
@@ -75,6 +77,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         chat = self.path.endswith("/chat/completions")
+        if model in ("thinker", "thinktags"):
+            return self._think(model, body)
         for i, word in enumerate(WORDS):
             choice = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": word}} if chat else {"text": word})
@@ -106,6 +110,27 @@ class Handler(BaseHTTPRequestHandler):
             final["usage"], final["timings"] = [1, 2], []
         elif model == "nousage":
             del final["usage"], final["timings"]
+        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+
+    def _think(self, model: str, body: dict[str, Any]) -> None:
+        kwargs = json.dumps(body.get("chat_template_kwargs"))
+        thoughts = ["Let", " me", " think", "."]
+        answer = ["It", " is", " 42", f" {kwargs}"]
+        deltas: list[dict[str, Any]]
+        if model == "thinker":
+            deltas = [{"reasoning_content": w} for w in thoughts]
+        else:
+            deltas = [{"content": w} for w in ["<think>", *thoughts, "</think>"]]
+        deltas += [{"content": w} for w in answer]
+        for delta in deltas:
+            choice = {"index": 0, "finish_reason": None, "delta": delta}
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.01)
+        final = {"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
+                           "completion_tokens_details": {"reasoning_tokens": len(thoughts)}}}  # fmt: skip
         self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
 

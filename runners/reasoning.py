@@ -1,0 +1,132 @@
+"""Thinking and answer, told apart in a model's output as it streams.
+
+Reasoning models write their thinking before the answer: between `<think>` and `</think>`
+(DeepSeek-R1, Qwen3, SmolLM3), or in gpt-oss's channels (`<|channel|>analysis<|message|>` ...
+`<|end|>`, then `<|channel|>final<|message|>`). Some chat templates open the thinking block in the
+prompt itself, so the output starts inside it and only the closing tag appears. A tag can be
+split over several tokens (`</th` + `ink>`), so the splitter holds back text that could still
+become one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (opening, closing) markers of a thinking block
+MARKERS = (
+    ("<think>", "</think>"),
+    ("<|channel|>analysis<|message|>", "<|end|>"),
+)
+# Text between thinking and answer that belongs to neither (gpt-oss's answer header)
+ANSWER_HEADERS = ("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an open thinking block (the template opened it)."""
+    tail = prompt.rstrip()
+    return any(tail.endswith(opening) for opening, _ in MARKERS)
+
+
+@dataclass
+class Piece:
+    thinking: str = ""
+    answer: str = ""
+
+
+class ReasoningSplitter:
+    """Feed text as it streams; each call returns the thinking and answer text now certain."""
+
+    def __init__(self, *, thinking: bool = False) -> None:
+        self.thinking = thinking  # inside a thinking block now
+        self.closing = MARKERS[0][1]
+        self.seen_thinking = thinking
+        self._pending = ""
+
+    def feed(self, text: str) -> Piece:
+        self._pending += text
+        out = Piece()
+        while self._pending:
+            if self.thinking:
+                cut = self._pending.find(self.closing)
+                if cut >= 0:
+                    out.thinking += self._pending[:cut]
+                    self._pending = self._pending[cut + len(self.closing) :]
+                    self.thinking = False
+                    continue
+                keep = _partial_suffix(self._pending, (self.closing,))
+                out.thinking += self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            found = [(self._pending.find(o), o, c) for o, c in MARKERS if o in self._pending]
+            headers = [(self._pending.find(h), h) for h in ANSWER_HEADERS if h in self._pending]
+            if headers and (not found or min(headers)[0] < min(found)[0]):
+                at, header = min(headers)
+                out.answer += self._pending[:at]
+                self._pending = self._pending[at + len(header) :]
+                continue
+            if found:
+                at, opening, closing = min(found)
+                out.answer += self._pending[:at]
+                self._pending = self._pending[at + len(opening) :]
+                self.thinking, self.closing, self.seen_thinking = True, closing, True
+                continue
+            keep = _partial_suffix(self._pending,
+                                   tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)  # fmt: skip
+            out.answer += self._pending[: len(self._pending) - keep]
+            self._pending = self._pending[len(self._pending) - keep :]
+            break
+        return out
+
+    def flush(self) -> Piece:
+        """The held-back rest at the end: a tag that never completed is plain text."""
+        rest, self._pending = self._pending, ""
+        return Piece(thinking=rest) if self.thinking else Piece(answer=rest)
+
+
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that begins one of the tags."""
+    longest = max(len(t) for t in tags)
+    for n in range(min(len(text), longest - 1), 0, -1):
+        suffix = text[-n:]
+        if any(t.startswith(suffix) for t in tags):
+            return n
+    return 0
+
+
+class TokenTagger:
+    """Tags each output token as thinking or answer as it streams, and keeps the counts.
+
+    `tag(text)` gives the live tag (a token carrying a tag counts with the block it opens or
+    closes). Tokens whose text is held back as a possible tag are settled by what follows: with
+    the thinking if they turn out to open it, with the answer otherwise."""
+
+    def __init__(self, *, thinking: bool = False) -> None:
+        self.splitter = ReasoningSplitter(thinking=thinking)
+        self.thinking_tokens = 0
+        self.first_answer: int | None = None  # index of the first token with answer text
+        self._limbo = 0  # tokens with no visible text yet, outside thinking
+        self._index = 0
+
+    def tag(self, text: str) -> bool:
+        before = self.splitter.thinking
+        part = self.splitter.feed(text)
+        after = self.splitter.thinking
+        index, self._index = self._index, self._index + 1
+        if before or after or part.thinking:
+            self.thinking_tokens += 1 + (self._limbo if not before else 0)
+            self._limbo = 0
+            thinking = not part.answer.strip() or before
+        else:
+            thinking = False
+            if part.answer.strip():
+                self._limbo = 0
+            else:
+                self._limbo += 1
+        if (part.answer.strip() and self.splitter.seen_thinking and self.first_answer is None
+                and not after):  # fmt: skip
+            self.first_answer = index
+        return thinking
+
+    @property
+    def seen_thinking(self) -> bool:
+        return self.splitter.seen_thinking

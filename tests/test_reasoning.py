@@ -1,0 +1,91 @@
+"""Thinking told apart from the answer: the parser, the remote path and the local one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.reasoning import ReasoningSplitter, TokenTagger, opens_thinking
+from llmrun.runners.remote import OpenAIRunner
+
+from .conftest import which_llmrun
+from .stub_server import stub_server
+
+# recorded token streams: a tag split over tokens, gpt-oss's channels, a template-opened block
+QWEN = ["<", "think", ">\n", "The", " user", " asks", ".", "\n</", "think", ">\n\n", "Hi", "!"]
+GPT_OSS = ["<|channel|>analysis<|message|>", "User", " greets", ".", "<|end|>",
+           "<|start|>assistant<|channel|>final<|message|>", "Hello", "."]  # fmt: skip
+OPENED = ["Let", " me", " see", ".", "</think>", "\n", "Yes", "."]
+
+
+def tagged(pieces: list[str], *, thinking: bool = False) -> tuple[int, int | None, str, str]:
+    tagger = TokenTagger(thinking=thinking)
+    for piece in pieces:
+        tagger.tag(piece)
+    splitter = ReasoningSplitter(thinking=thinking)
+    parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
+    return (tagger.thinking_tokens, tagger.first_answer, "".join(p.thinking for p in parts),
+            "".join(p.answer for p in parts))  # fmt: skip
+
+
+def test_the_parser_splits_recorded_streams() -> None:
+    assert tagged(QWEN) == (10, 10, "\nThe user asks.\n", "\n\nHi!")
+    assert tagged(GPT_OSS) == (5, 6, "User greets.", "Hello.")
+    assert tagged(OPENED, thinking=True) == (5, 6, "Let me see.", "\nYes.")
+    assert tagged(["Just", " an", " answer", " <b>"]) == (0, None, "", "Just an answer <b>")
+    assert opens_thinking("<|im_start|>assistant\n<think>\n") and not opens_thinking("Hi")
+
+
+@pytest.mark.parametrize("model", ["thinker", "thinktags"])
+def test_a_server_that_thinks_gets_the_split(model: str) -> None:
+    with stub_server() as url:
+        runner = OpenAIRunner(url, model=model)
+        request = Request.chat("Why?", sampling=SamplingParams(max_tokens=20, think=True))
+        done = generate(runner, request)
+        runner.close()
+    s = done.stats
+    assert s.thinking_tokens == 4  # the server's reasoning_tokens, or the tagged chunks
+    assert s.first_answer_s is not None and s.first_answer_s > s.ttft_s  # type: ignore[operator]
+    assert s.answer_tokens == s.output_tokens - 4 and (s.answer_tps or 0) > 0
+    assert done.text.endswith('{"enable_thinking": true}')  # --think reached the template
+
+
+def test_the_cli_hides_thinking_and_reports_time_to_first_answer(
+    llmrun_env: dict[str, str],
+) -> None:
+    with stub_server() as url:
+        done = subprocess.run(
+            [which_llmrun(), "run", "--endpoint", url, "-m", "thinker", "--hide-thinking",
+             "--no-think", "--stats", "json", "Why?"],
+            env=llmrun_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("It is 42") and "think" not in done.stdout.split("{")[0]
+    assert '{"enable_thinking": false}' in done.stdout
+    stats = json.loads(done.stderr.strip().splitlines()[-1])
+    assert stats["thinking_tokens"] == 4 and stats["first_answer_s"] > stats["ttft_s"]
+
+
+@pytest.mark.model
+def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parser(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    template = tmp_path / "think.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    done = subprocess.run(
+        [which_llmrun(), "run", "--chat-template-file", str(template), "-n", "12", "--temp", "0",
+         "--no-dashboard", "--stats", "json", "Count to five."],
+        env=llmrun_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stderr.strip().splitlines()[-1])
+    # The embedded model never closes the block the template opened: all of it is thinking.
+    assert stats["thinking_tokens"] == stats["output_tokens"] > 0
+    assert stats["first_answer_s"] is None and stats["answer_tokens"] == 0
