@@ -118,7 +118,9 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
             cols.append((key, head, width))
     cols += [("test", "test", 15), ("t/s", "t/s", 20)]
     if len(_models(records)) > 1:
-        cols.append(("rel", "vs first", 8))
+        cols += [("rel", "vs first", 8), ("weights", "weights", 10), ("kv", "KV", 10)]
+    if any(r.get("ppl") is not None for r in records):
+        cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
     cols += [("ttft", "TTFT ms", 10),
              ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]  # fmt: skip
 
@@ -131,6 +133,10 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
             "ttft": lambda: _ms(r.get("ttft_ms")), "itl50": lambda: _ms(r.get("itl_p50_ms")),
             "itl99": lambda: _ms(r.get("itl_p99_ms")),
             "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
+            "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
+            "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
+            "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
+            "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
         }  # fmt: skip
         return special[key]() if key in special else _md_value(r.get(key))
 

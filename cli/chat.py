@@ -475,6 +475,7 @@ def chat(
     seed: o.Seed = None,
     stop: o.Stop = None,
     think: o.Think = None,
+    draft: o.Draft = None,
     hide_thinking: o.HideThinking = False,
     chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
@@ -494,6 +495,7 @@ def chat(
     """
     with handled():
         o.warn_if_seed(system)
+        o.refuse_for_endpoint(endpoint, {"--draft": draft})
         sampling = o.sampling_params(
             max_tokens=max_tokens,
             temp=temp,
@@ -504,6 +506,7 @@ def chat(
             seed=seed,
             stop=stop,
             think=think,
+            draft=draft,
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,

@@ -187,6 +187,14 @@ Think = Annotated[
                  help="Turn the model's thinking on or off where its chat template has the"
                  " switch (enable_thinking; sent to servers as chat_template_kwargs)."),
 ]  # fmt: skip
+Draft = Annotated[
+    str | None,
+    typer.Option("--draft", metavar="lookup[:N]", show_default=False,
+                 rich_help_panel=SAMPLING_PANEL,
+                 help="Speculative decoding by prompt lookup: up to N tokens (default 8) that"
+                 " followed the last few tokens earlier in the context are checked in one batch."
+                 " Greedy only (--temp 0)."),
+]  # fmt: skip
 HideThinking = Annotated[
     bool,
     typer.Option("--hide-thinking", rich_help_panel=SAMPLING_PANEL,
@@ -230,9 +238,11 @@ def sampling_params(
     seed: int | None,
     stop: list[str] | None,
     think: bool | None = None,
+    draft: str | None = None,
 ) -> SamplingParams:
     sampling = SamplingParams(
         think=think,
+        draft=parse_draft(draft, temp),
         max_tokens=max_tokens,
         temperature=temp,
         top_k=top_k,
@@ -244,6 +254,25 @@ def sampling_params(
     )
     check_sampling(sampling)
     return sampling
+
+
+DEFAULT_DRAFT = 8
+
+
+def parse_draft(text: str | None, temp: float) -> int:
+    """`lookup` or `lookup:N` -> N drafted tokens at most; 0 without --draft."""
+    if text is None:
+        return 0
+    kind, _, count = text.strip().lower().partition(":")
+    if kind != "lookup":
+        raise BadRequestError(f"--draft: '{text}' is not lookup or lookup:N (a draft model is"
+                              " not supported yet)")  # fmt: skip
+    if count and not (count.isdigit() and 1 <= int(count) <= 64):
+        raise BadRequestError(f"--draft: '{count}' is not a count from 1 to 64")
+    if temp > 0:
+        raise BadRequestError("--draft: speculative decoding here checks drafts greedily; add"
+                              " --temp 0")  # fmt: skip
+    return int(count) if count else DEFAULT_DRAFT
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:

@@ -73,6 +73,7 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
         ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
                    f" [{s.finish_reason}]" + _context_hint(s)),
         ("decode", f"{ms(s.decode_s)} · {tps(s.output_tps)}"),
+        *speculation_rows(s),
         ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
                 f" · max {ms(s.itl_max_s)}"),
         ("total", ms(s.e2e_s) + " (from the request: load not included)"
@@ -121,6 +122,15 @@ def cache_text(st: EngineSettings | None) -> str:
 def tuned_text(st: EngineSettings) -> str:
     """Why the settings are what they are, when `bench --tune` chose them."""
     return f" · tuned for {st.tuned_for or 'chat'}" if st.tuned else ""
+
+
+def speculation_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    if not s.decode_steps:
+        return []
+    rate_text = f" ({s.acceptance_rate:.0%})" if s.acceptance_rate is not None else ""
+    per_step = f"{s.tokens_per_step:.2f}" if s.tokens_per_step is not None else "-"
+    return [("draft", f"{s.draft_tokens} drafted · {s.accepted_tokens} accepted{rate_text} ·"
+                      f" {per_step} tokens per decode step")]  # fmt: skip
 
 
 def thinking_rows(s: GenerationStats) -> list[tuple[str, str]]:

@@ -41,9 +41,8 @@ class SamplingParams:
     seed: int | None = None  # None: a random seed, reported in the stats
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
-    think: bool | None = (
-        None  # the chat template's thinking switch (enable_thinking); None: its default
-    )
+    think: bool | None = None  # the template's thinking switch (enable_thinking); None: default
+    draft: int = 0  # prompt-lookup speculative decoding: at most this many drafts (greedy only)
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,68 @@ class _Decoded:
     tail: str = ""  # text held back until the end
     thinking_tokens: int = 0
     first_answer_s: float | None = None
+    drafted: int = 0  # speculative decoding: tokens proposed, accepted, verification steps
+    accepted: int = 0
+    steps: int = 0
+
+
+class _Drafter:
+    """Prompt-lookup speculative decoding (greedy): the last few tokens are looked up earlier in
+    the context, the tokens that followed there are proposed, and the model checks them all in
+    one batch; the longest agreeing prefix is kept, plus the model's own next token."""
+
+    NGRAMS = (3, 2, 1)  # the longest match first
+
+    def __init__(self, lib: Any, n_draft: int, cache: list[int]) -> None:
+        self.lib, self.n_draft, self.cache = lib, n_draft, cache
+        self.batch = lib.llama_batch_init(n_draft + 1, 0, 1)
+        self.drafted = self.accepted = self.steps = 0
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        for n in self.NGRAMS:
+            if len(history) <= n:
+                continue
+            tail = history[-n:]
+            for start in range(len(history) - n - 1, max(-1, len(history) - 4097), -1):
+                if history[start : start + n] == tail:
+                    return history[start + n : start + n + min(limit, self.n_draft)]
+        return []
+
+    def step(self, ctx: Any, chain: Any, token: int, room: int) -> tuple[list[int], int]:
+        """Decode `token` and its drafts in one batch; returns (accepted drafts, next token)."""
+        lib, batch = self.lib, self.batch
+        drafts = self.propose([*self.cache, token], room) if room > 0 else []
+        base = len(self.cache)
+        for i, t in enumerate([token, *drafts]):
+            batch.token[i] = t
+            batch.pos[i] = base + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = True
+        batch.n_tokens = 1 + len(drafts)
+        rc = lib.llama_decode(ctx, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed during generation (code {rc})")
+        self.steps += 1
+        self.drafted += len(drafts)
+        accepted: list[int] = []
+        following = lib.llama_sampler_sample(chain, ctx, 0)
+        for i, draft in enumerate(drafts):
+            if following != draft:
+                break
+            accepted.append(draft)
+            following = lib.llama_sampler_sample(chain, ctx, i + 1)
+        self.accepted += len(accepted)
+        self.cache.extend([token, *accepted])
+        if len(accepted) < len(drafts):  # the rejected drafts' KV entries go
+            mem = lib.llama_get_memory(ctx)
+            lib.llama_memory_seq_rm(mem, 0, len(self.cache), -1)
+        return accepted, following
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
 
 
 class _Model:
@@ -763,6 +825,9 @@ class LlamaCppRunner:
                 background_cpus=background_cpus(cpu0, cpu_sample()),
                 thinking_tokens=decode.thinking_tokens,
                 first_answer_s=decode.first_answer_s,
+                draft_tokens=decode.drafted,
+                accepted_tokens=decode.accepted,
+                decode_steps=decode.steps,
                 model=loaded.model,
                 settings=loaded.settings,
             )
@@ -838,35 +903,55 @@ class LlamaCppRunner:
         out.first_sample_s = time.perf_counter() - t_sample
         one = (lib.llama_token * 1)()
         batch_one = lib.llama_batch_get_one(one, 1)
-        while True:
-            stamp = clock.now()
-            if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
-                out.finish = FINISH_STOP
-                break
-            out.times.append(stamp)
-            piece = text.feed(self.piece(token))
-            parts.append(piece)
-            thinking = tagger.tag(piece) if tagger is not None else False
-            with clock.paused():
-                yield Token(len(out.times) - 1, piece, stamp, token, thinking)
-            if text.stopped:
-                out.finish = FINISH_STOP
-                break
-            if len(out.times) >= sp.max_tokens:
-                out.finish = FINISH_LENGTH
-                break
-            if len(self._cache) >= n_ctx:  # no room for the next token's KV entry
-                out.finish = FINISH_CONTEXT
-                break
-            if cancel.is_set():
-                out.finish = FINISH_INTERRUPTED
-                break
-            one[0] = token
-            rc = lib.llama_decode(self._ctx_ptr, batch_one)
-            if rc != 0:
-                raise EngineError(f"llama_decode failed during generation (code {rc})")
-            self._cache.append(token)
-            token = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
+        drafter = _Drafter(lib, sp.draft, self._cache) if sp.draft else None
+        queued: list[int] = []  # accepted draft tokens: in the KV cache, not yet emitted
+        pending = token  # the next token not yet in the KV cache
+        try:
+            while True:
+                in_kv = bool(queued)
+                token = queued.pop(0) if in_kv else pending
+                stamp = clock.now()
+                if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
+                    out.finish = FINISH_STOP
+                    break
+                out.times.append(stamp)
+                piece = text.feed(self.piece(token))
+                parts.append(piece)
+                thinking = tagger.tag(piece) if tagger is not None else False
+                with clock.paused():
+                    yield Token(len(out.times) - 1, piece, stamp, token, thinking)
+                if text.stopped:
+                    out.finish = FINISH_STOP
+                    break
+                if len(out.times) >= sp.max_tokens:
+                    out.finish = FINISH_LENGTH
+                    break
+                if len(self._cache) >= n_ctx:  # no room for the next token's KV entry
+                    out.finish = FINISH_CONTEXT
+                    break
+                if cancel.is_set():
+                    out.finish = FINISH_INTERRUPTED
+                    break
+                if in_kv:
+                    continue
+                if drafter is not None:
+                    room = min(n_ctx - len(self._cache) - 1, sp.max_tokens - len(out.times))
+                    queued, pending = drafter.step(self._ctx_ptr, chain, token, max(0, room))
+                    continue
+                one[0] = token
+                rc = lib.llama_decode(self._ctx_ptr, batch_one)
+                if rc != 0:
+                    raise EngineError(f"llama_decode failed during generation (code {rc})")
+                self._cache.append(token)
+                pending = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
+        finally:
+            if drafter is not None:
+                drafter.close()
+                out.drafted, out.accepted, out.steps = (
+                    drafter.drafted,
+                    drafter.accepted,
+                    drafter.steps,
+                )
         out.tail = text.flush()
         out.text = "".join(parts) + out.tail
         if tagger is not None and tagger.seen_thinking:

@@ -214,6 +214,9 @@ class GenerationStats:
     settings: EngineSettings | None = None
     thinking_tokens: int = 0  # output tokens that were the model's thinking
     first_answer_s: float | None = None  # time to the first token of the answer proper
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, accepted, verification steps
+    accepted_tokens: int = 0
+    decode_steps: int = 0
     server: ServerReport | None = None  # set when a remote server ran the request
 
     @property
@@ -245,6 +248,15 @@ class GenerationStats:
     def output_tps(self) -> float | None:
         """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
         return rate(len(self.itl_s), self.decode_s)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Output tokens per decode step after the first (1 without speculation)."""
+        return (self.output_tokens - 1) / self.decode_steps if self.decode_steps else None
 
     @property
     def answer_tokens(self) -> int:
@@ -316,6 +328,8 @@ class GenerationStats:
             "answer_tokens",
             "thinking_s",
             "answer_tps",
+            "acceptance_rate",
+            "tokens_per_step",
         ):
             data[name] = getattr(self, name)
         if self.server is not None:

@@ -1,0 +1,102 @@
+"""Prompt-lookup speculative decoding: the same greedy text, fewer decode steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners import llamacpp
+from llmrun.runners.base import Request, SamplingParams, Token
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, llama_lib
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.model
+TEXT = (ROOT / "examples" / "declaration_of_independence.txt").read_text()[:1200]
+NEAR_TIE = 0.5  # logits: llama.cpp's batch and single-token kernels differ by up to about 0.9
+
+
+@pytest.fixture(scope="module")
+def runner(model_path: str) -> LlamaCppRunner:
+    return LlamaCppRunner(model_path, EngineConfig(n_ctx=2048))
+
+
+def token_ids(runner: LlamaCppRunner, prompt: str, draft: int, n: int = 80) -> list[int]:
+    request = Request.chat(prompt, sampling=SamplingParams(max_tokens=n, temperature=0,
+                                                           draft=draft))  # fmt: skip
+    return [e.token_id for e in runner.stream(request) if isinstance(e, Token)]
+
+
+def margin_at_divergence(runner: LlamaCppRunner, prompt: str, a: list[int], b: list[int]) -> float:
+    """Where two greedy outputs first differ: how far apart the two chosen tokens' logits are
+    when the common prefix is decoded a token at a time. 0.0 when they never differ."""
+    k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if k is None:
+        return 0.0
+    lib = llama_lib()
+    runner.reset()
+    prompt_tokens = runner.request_tokens(Request.chat(prompt))
+    runner.eval_tokens(prompt_tokens)
+    for t in a[:k]:
+        runner.eval_tokens([t])
+    assert runner._model is not None
+    logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(runner._ctx_ptr, -1),
+                                   shape=(runner._model.n_vocab,))  # fmt: skip
+    runner.reset()
+    return abs(float(logits[a[k]] - logits[b[k]]))
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["List the numbers from 1 to 40, separated by commas.",
+     f"Repeat this text exactly:\n\n{TEXT}",
+     "Write a short poem about the sea."],
+)  # fmt: skip
+def test_speculation_keeps_the_greedy_text(runner: LlamaCppRunner, prompt: str) -> None:
+    """Identical, except where the top two tokens are a near-tie that kernel rounding (a batch
+    of tokens against one at a time) can flip; then the two choices' logits are that close."""
+    plain, fast = token_ids(runner, prompt, 0), token_ids(runner, prompt, 8)
+    assert margin_at_divergence(runner, prompt, plain, fast) < NEAR_TIE
+
+
+def test_lookup_drafts_are_accepted_where_the_text_repeats(runner: LlamaCppRunner) -> None:
+    request = Request.chat(f"Repeat this text exactly:\n\n{TEXT}",
+                           sampling=SamplingParams(max_tokens=80, temperature=0, draft=8))  # fmt: skip
+    finished = [e for e in runner.stream(request) if not isinstance(e, Token)][-1]
+    s = finished.stats  # type: ignore[attr-defined]
+    assert s.draft_tokens > 0 and s.accepted_tokens > 10
+    assert s.tokens_per_step > 1.3  # fewer decode steps than tokens
+    assert s.decode_steps < s.output_tokens - 1
+
+
+def test_negative_control_unchecked_drafts_change_the_text(
+    runner: LlamaCppRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accepting drafts without checking them breaks the text far from any near-tie."""
+    prompt = "Write a short poem about the sea, then repeat its first line."
+    plain = token_ids(runner, prompt, 0)
+    original = llamacpp._Drafter.step
+
+    def unchecked(self, ctx, chain, token, room):  # type: ignore[no-untyped-def]
+        accepted, following = original(self, ctx, chain, token, room)
+        history = [*self.cache[: -len(accepted) - 1], token]
+        drafts = self.propose(history, room) if room else []
+        return (drafts or accepted), following
+
+    monkeypatch.setattr(llamacpp._Drafter, "step", unchecked)
+    broken = token_ids(runner, prompt, 8)
+    assert broken != plain
+    assert margin_at_divergence(runner, prompt, plain, broken) >= NEAR_TIE
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--draft", "lookup"], "add --temp 0"), (["--temp", "0", "--draft", "model:x.gguf"],
+      "is not lookup"), (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
+     (["--temp", "0", "--draft", "lookup", "--endpoint", "http://127.0.0.1:9"], "--draft")],
+)  # fmt: skip
+def test_draft_options_are_checked(args: list[str], says: str) -> None:
+    result = CliRunner().invoke(app, ["run", "hi", *args])
+    assert result.exit_code == 1 and says in result.stderr
