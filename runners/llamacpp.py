@@ -326,12 +326,13 @@ class _Drafter:
     the context, the tokens that followed there are proposed, and the model checks them all in
     one batch; the longest agreeing prefix is kept, plus the model's own next token."""
 
-    NGRAMS = (3, 2, 1)  # the longest match first
+    NGRAMS = (4, 3, 2)  # the longest match first; one token alone predicts too little
 
     def __init__(self, lib: Any, n_draft: int, cache: list[int]) -> None:
         self.lib, self.n_draft, self.cache = lib, n_draft, cache
         self.batch = lib.llama_batch_init(n_draft + 1, 0, 1)
         self.drafted = self.accepted = self.steps = 0
+        self.length = n_draft  # adapts: doubled after a full acceptance, halved after a miss
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         for n in self.NGRAMS:
@@ -340,7 +341,7 @@ class _Drafter:
             tail = history[-n:]
             for start in range(len(history) - n - 1, max(-1, len(history) - 4097), -1):
                 if history[start : start + n] == tail:
-                    return history[start + n : start + n + min(limit, self.n_draft)]
+                    return history[start + n : start + n + min(limit, self.length)]
         return []
 
     def step(self, ctx: Any, chain: Any, token: int, room: int) -> tuple[list[int], int]:
@@ -368,6 +369,9 @@ class _Drafter:
             accepted.append(draft)
             following = lib.llama_sampler_sample(chain, ctx, i + 1)
         self.accepted += len(accepted)
+        if drafts:
+            full = len(accepted) == len(drafts)
+            self.length = min(self.n_draft, self.length * 2) if full else max(1, self.length // 2)
         self.cache.extend([token, *accepted])
         if len(accepted) < len(drafts):  # the rejected drafts' KV entries go
             mem = lib.llama_get_memory(ctx)
