@@ -300,9 +300,9 @@ def bench(
                            help="List the devices this llama.cpp can use, and exit."),
     ] = False,
     ctx: Annotated[
-        int | None, typer.Option("-c", "--ctx", min=1, show_default=False,
-                                 help="Context size. (default: what the tests need)",
-                                 rich_help_panel=SWEEP),
+        list[str] | None, _lists("Context sizes: each runs every test, so the KV cache's"
+                                 " memory shows against the context. (default: what the tests"
+                                 " need)", "-c", "--ctx"),
     ] = None,
     scenarios: Annotated[
         bool, typer.Option("--scenarios", rich_help_panel=PANEL,
@@ -476,7 +476,8 @@ def bench(
                     cache_type_v=_joined(cache_type_v) or "f16",
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
                     no_kv_offload=_joined(no_kv_offload),
-                    reps=reps, ctx=ctx, seed=seed, scenarios=scenarios, warmup=not no_warmup,
+                    reps=reps, ctx=_joined(ctx), seed=seed, scenarios=scenarios,
+                    warmup=not no_warmup,
                     delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
                 )  # fmt: skip
                 to = Output(format=output, plot=plot, compare=compare, store=not no_history,
@@ -499,7 +500,7 @@ class Sweep:
     cache_type_k: str
     cache_type_v: str
     reps: int
-    ctx: int | None
+    ctx: str | None  # context sizes, a list
     seed: int
     scenarios: bool
     repack: str | None = None
@@ -511,6 +512,9 @@ class Sweep:
     tuned: bool = True  # start from the settings --tune saved
     ppl: Path | None = None  # a text to measure each model's perplexity on
     cold: bool = False  # evict the model file from the page cache before each load
+
+    def contexts(self) -> list[int | None]:
+        return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
         """Every engine setting to test; unset options take the (tuned) defaults. A tuned
@@ -656,9 +660,10 @@ def _sweep(
             base = runner.config
             combos = sweep.combos(base)
             system = _load_and_report(runner, err, bandwidth=True, system=system)
-            done, skips = _measure(runner, base, combos, sweep, cancel, err, output)
-            results += done
-            skipped += skips
+            for n_ctx in sweep.contexts():
+                done, skips = _measure(runner, base, combos, sweep, n_ctx, cancel, err, output)
+                results += done
+                skipped += skips
             if sweep.ppl is not None and not cancel.is_set():
                 scores[runner.load().model.name] = _perplexity(runner, sweep, cancel, err)
         finally:
@@ -684,7 +689,7 @@ def _perplexity(
 ) -> tuple[float, int]:
     """The model's perplexity on --ppl's text, in windows of -c (or 512) tokens."""
     assert sweep.ppl is not None
-    n_ctx = sweep.ctx or PPL_CTX
+    n_ctx = sweep.contexts()[0] or PPL_CTX
     with err.status(f"perplexity on {sweep.ppl.name} ..."):
         runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
         tokens = runner.tokenize(_read_text(sweep.ppl), add_special=False)
@@ -702,7 +707,7 @@ def _add_perplexity(
         if found is None:
             continue
         ppl, n = found
-        result.extra.update(ppl=round(ppl, 4), ppl_tokens=n, ppl_ctx=sweep.ctx or PPL_CTX,
+        result.extra.update(ppl=round(ppl, 4), ppl_tokens=n, ppl_ctx=sweep.contexts()[0] or PPL_CTX,
                             ppl_change=round(ppl / first[0] - 1, 4) if first else None)  # fmt: skip
 
 
@@ -711,6 +716,7 @@ def _measure(
     base: EngineConfig,
     combos: list[sw.Combo],
     sweep: Sweep,
+    n_ctx: int | None,
     cancel: threading.Event,
     err: Console,
     output: Output,
@@ -726,7 +732,7 @@ def _measure(
     with progress:
         task = progress.add_task("bench", total=1)
         for event in b.run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
-                                 base=base, n_ctx=sweep.ctx, seed=sweep.seed,
+                                 base=base, n_ctx=n_ctx, seed=sweep.seed,
                                  warmup=sweep.warmup, delay_s=sweep.delay_s,
                                  cancel=cancel):  # fmt: skip
             if isinstance(event, b.Progress):
@@ -786,7 +792,8 @@ def _report(
         for name, (ppl, n) in scores.items():
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
             show.print(f"perplexity {name}: {ppl:,.3f}{change} on {sweep.ppl.name}, {n} tokens"
-                       f" scored in windows of {sweep.ctx or PPL_CTX}", markup=False)  # fmt: skip
+                       f" scored in windows of {sweep.contexts()[0] or PPL_CTX}",
+                       markup=False)  # fmt: skip
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0

@@ -40,7 +40,7 @@ class OutputFormat(str, Enum):
 SWEPT_COLUMNS = (
     ("n_batch", "n_batch"), ("n_ubatch", "n_ubatch"), ("n_gpu_layers", "ngl"),
     ("flash_attn_mode", "fa"), ("type_k", "type_k"), ("type_v", "type_v"), ("repack", "repack"),
-    ("no_kv_offload", "nkvo"), ("load_mode", "lm"),
+    ("no_kv_offload", "nkvo"), ("load_mode", "lm"), ("n_ctx", "ctx"), ("kv_bytes", "KV bytes"),
 )  # fmt: skip
 
 
@@ -119,6 +119,8 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
     cols += [("test", "test", 15), ("t/s", "t/s", 20)]
     if len(_models(records)) > 1:
         cols += [("rel", "vs first", 8), ("weights", "weights", 10), ("kv", "KV", 10)]
+    elif len({r.get("n_ctx") for r in records}) > 1:  # -c sweeps: memory against context
+        cols += [("n_ctx", "ctx", 6), ("kv", "KV", 10)]
     if any(r.get("ppl") is not None for r in records):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
     cols += [("ttft", "TTFT ms", 10),

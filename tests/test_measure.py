@@ -143,3 +143,16 @@ def test_cold_loads_read_the_file_from_disk(
     if evict_from_page_cache(str(copy)) and (resident_fraction(str(copy)) or 1.0) < 0.5:
         assert rows["--cold"]["file_resident_before"] < 0.05  # this filesystem drops pages
     assert rows["--cold"]["load_ms"] > 0
+
+
+@pytest.mark.model
+def test_a_context_sweep_shows_the_kv_cache_growing(llmrun_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [which_llmrun(), "bench", "-p", "0", "-n", "4", "-r", "1", "-c", "256,1024",
+         "--no-history", "-o", "json"],
+        env=llmrun_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    small, large = json.loads(done.stdout)
+    assert (small["n_ctx"], large["n_ctx"]) == (256, 1024)
+    assert large["kv_bytes"] == 4 * small["kv_bytes"] == 1024 * 23040
