@@ -36,6 +36,7 @@ from . import bench_flags as lb
 from . import bench_output as out
 from . import bench_plot
 from . import options as o
+from .bench_local import run_local_interference
 from .bench_serving import run_serving
 from .dashboard import model_facts
 from .engine import make_bench_runner
@@ -400,8 +401,14 @@ def bench(
     interference: Annotated[
         bool, typer.Option("--interference", rich_help_panel=SERVING,
                            help="One client decodes while others send long prompts: its ITL"
-                           " alone vs under load."),
+                           " alone vs under load. Without --endpoint: in-process, under each"
+                           " --policy."),
     ] = False,
+    policy: Annotated[
+        str, _list("Scheduling policies for a local --interference run: prefill-first,"
+                   " chunked:B (at most B tokens a step), decode-first. (default: all three)",
+                   "--policy", panel=SERVING),
+    ] = "prefill-first,chunked:64,decode-first",
     interference_rate: Annotated[
         float, typer.Option("--interference-rate", min=0.01, rich_help_panel=SERVING,
                             help="Long prompts per second."),
@@ -449,6 +456,16 @@ def bench(
                     interference_rate=interference_rate,
                     interference_prompt_len=interference_prompt_len, seed=seed, output=output,
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
+                )  # fmt: skip
+                raise typer.Exit(code)
+            if interference:  # the serving lab on this machine, in-process
+                if models and len(models) > 1:
+                    raise BadRequestError("--interference measures one model: give -m once")
+                code = run_local_interference(
+                    models[0] if models else None, policies=policy, rate=interference_rate,
+                    prompt_len=interference_prompt_len, num_prompts=num_prompts,
+                    output_len=output_len, seed=seed, output=output, cancel=cancel, err=err,
+                    show=show,
                 )  # fmt: skip
                 raise typer.Exit(code)
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),

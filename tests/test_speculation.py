@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners import llamacpp
 from llmrun.runners.base import Request, SamplingParams, Token
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, llama_lib
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 
 from .conftest import ROOT
+from .greedy import NEAR_TIE, margin_at_divergence
 
 pytestmark = pytest.mark.model
 TEXT = (ROOT / "examples" / "declaration_of_independence.txt").read_text()[:1200]
-NEAR_TIE = 0.5  # logits: llama.cpp's batch and single-token kernels differ by up to about 0.9
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +28,8 @@ def token_ids(runner: LlamaCppRunner, prompt: str, draft: int, n: int = 80) -> l
     return [e.token_id for e in runner.stream(request) if isinstance(e, Token)]
 
 
-def margin_at_divergence(runner: LlamaCppRunner, prompt: str, a: list[int], b: list[int]) -> float:
-    """Where two greedy outputs first differ: how far apart the two chosen tokens' logits are
-    when the common prefix is decoded a token at a time. 0.0 when they never differ."""
-    k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if k is None:
-        return 0.0
-    lib = llama_lib()
-    runner.reset()
-    prompt_tokens = runner.request_tokens(Request.chat(prompt))
-    runner.eval_tokens(prompt_tokens)
-    for t in a[:k]:
-        runner.eval_tokens([t])
-    assert runner._model is not None
-    logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(runner._ctx_ptr, -1),
-                                   shape=(runner._model.n_vocab,))  # fmt: skip
-    runner.reset()
-    return abs(float(logits[a[k]] - logits[b[k]]))
+def margin(runner: LlamaCppRunner, prompt: str, a: list[int], b: list[int]) -> float:
+    return margin_at_divergence(runner, runner.request_tokens(Request.chat(prompt)), a, b)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +42,7 @@ def test_speculation_keeps_the_greedy_text(runner: LlamaCppRunner, prompt: str) 
     """Identical, except where the top two tokens are a near-tie that kernel rounding (a batch
     of tokens against one at a time) can flip; then the two choices' logits are that close."""
     plain, fast = token_ids(runner, prompt, 0), token_ids(runner, prompt, 8)
-    assert margin_at_divergence(runner, prompt, plain, fast) < NEAR_TIE
+    assert margin(runner, prompt, plain, fast) < NEAR_TIE
 
 
 def test_lookup_drafts_are_accepted_where_the_text_repeats(runner: LlamaCppRunner) -> None:
@@ -88,7 +72,7 @@ def test_negative_control_unchecked_drafts_change_the_text(
     monkeypatch.setattr(llamacpp._Drafter, "step", unchecked)
     broken = token_ids(runner, prompt, 8)
     assert broken != plain
-    assert margin_at_divergence(runner, prompt, plain, broken) >= NEAR_TIE
+    assert margin(runner, prompt, plain, broken) >= NEAR_TIE
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,297 @@
+"""Several sequences in one llama.cpp context: continuous batching with a scheduling policy.
+
+Each step builds one `llama_decode` batch from one decode token of every running sequence and
+prefill chunks of waiting ones, as the policy allows:
+
+- `prefill-first`: a waiting prompt is prefilled whole (up to n_batch tokens a step) before the
+  running sequences decode again; those steps carry no decode tokens.
+- `chunked:B` (Sarathi-Serve): every step carries all running decodes and at most B tokens in
+  all, topped up with prefill chunks.
+- `decode-first`: prompts are prefilled only when no sequence is decoding.
+
+Sequences share the KV cache (unified) under their own sequence ids, so they never see each
+other's entries; a finished sequence's entries are removed. Sampling is greedy, per sequence.
+Every step is timed; every token is time-stamped, so each request gets vLLM's figures (queue
+wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import BadRequestError, EngineError
+from .llamacpp import LlamaCppRunner, llama_lib
+from .stats import percentile
+
+POLICIES = ("prefill-first", "decode-first", "chunked")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str  # prefill-first, decode-first, chunked
+    budget: int = 0  # chunked: tokens per step in all
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        name, _, value = text.strip().lower().partition(":")
+        if name not in POLICIES:
+            raise BadRequestError(f"--policy: '{text}' is not prefill-first, decode-first or"
+                                  " chunked:B")  # fmt: skip
+        if name == "chunked":
+            if not value.isdigit() or not 1 <= int(value) <= 65536:
+                raise BadRequestError(f"--policy: chunked needs a token budget, chunked:64, not"
+                                      f" '{text}'")  # fmt: skip
+            return cls(name, int(value))
+        if value:
+            raise BadRequestError(f"--policy: '{name}' takes no value")
+        return cls(name)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.budget}" if self.name == "chunked" else self.name
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float  # seconds after the start
+    tokens: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass
+class SeqResult:
+    arrival_s: float
+    prompt_tokens: int
+    output: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # each output token's time stamp
+    started_s: float | None = None  # the first step that carried its prompt
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.started_s is None else self.started_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.times[0] - self.arrival_s if self.times else None
+
+    @property
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        gaps = self.gaps_s
+        return statistics.fmean(gaps) if gaps else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.times[-1] - self.arrival_s if self.times else None
+
+
+@dataclass(frozen=True)
+class Step:
+    start_s: float
+    duration_s: float
+    n_decode: int
+    n_prefill: int
+
+
+@dataclass
+class _Seq:
+    sid: int
+    result: SeqResult
+    tokens: tuple[int, ...]
+    max_tokens: int
+    prefilled: int = 0
+    pending: int | None = None  # sampled, not yet decoded
+    done: bool = False
+
+
+class BatchedEngine:
+    """A context of its own with `n_seq` sequences, over the runner's loaded weights."""
+
+    def __init__(self, runner: LlamaCppRunner, *, n_seq: int, n_ctx_per_seq: int, n_batch: int
+                 = 512) -> None:  # fmt: skip
+        lib = llama_lib()
+        loaded = runner.load()
+        assert runner._model is not None
+        self.lib, self.runner, self.n_seq, self.n_batch = lib, runner, n_seq, n_batch
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_seq * n_ctx_per_seq
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True
+        cparams.n_threads = loaded.settings.n_threads
+        cparams.n_threads_batch = loaded.settings.n_threads_batch
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        self.ctx = lib.llama_init_from_model(runner._model.ptr, cparams)
+        if not self.ctx:
+            raise EngineError("llama.cpp could not create a context for several sequences")
+        self.vocab = runner._model.vocab
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(self.chain, lib.llama_sampler_init_greedy())
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.llama_sampler_free(self.chain)
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+
+    def run(
+        self,
+        arrivals: Sequence[Arrival],
+        policy: Policy,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> tuple[list[SeqResult], list[Step]]:
+        """Serve the arrivals (at most n_seq at once; later ones queue) under the policy."""
+        lib = self.lib
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        queue = sorted(arrivals, key=lambda a: a.at_s)
+        results = [SeqResult(a.at_s, len(a.tokens)) for a in queue]
+        waiting: list[_Seq] = []
+        running: list[_Seq] = []
+        free = list(range(self.n_seq))
+        steps: list[Step] = []
+        t0 = time.perf_counter()
+        nxt = 0
+        while nxt < len(queue) or waiting or running:
+            if cancel is not None and cancel.is_set():
+                break
+            now = time.perf_counter() - t0
+            while nxt < len(queue) and queue[nxt].at_s <= now and free:
+                a = queue[nxt]
+                waiting.append(_Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens))
+                nxt += 1
+            if not waiting and not running:
+                time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
+                continue
+            entries, prefilling = self._plan(waiting, running, policy)
+            if not entries:
+                time.sleep(0.001)
+                continue
+            start = time.perf_counter()
+            self._decode(entries)
+            end = time.perf_counter()
+            steps.append(Step(start - t0, end - start, sum(1 for e in entries if e[3] == "d"),
+                              sum(1 for e in entries if e[3] == "p")))  # fmt: skip
+            stamp = end - t0
+            for index, (seq, _, _, kind, last) in enumerate(entries):
+                if seq.result.started_s is None:
+                    seq.result.started_s = start - t0
+                if kind == "d" or last:
+                    token = lib.llama_sampler_sample(self.chain, self.ctx, index)
+                    self._emit(seq, token, stamp)
+            for seq in prefilling:
+                if seq.prefilled == len(seq.tokens) and seq in waiting:
+                    waiting.remove(seq)
+                    if not seq.done:
+                        running.append(seq)
+            for seq in [s for s in running if s.done]:
+                running.remove(seq)
+                lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), seq.sid, -1, -1)
+                free.append(seq.sid)
+        return results, steps
+
+    def _plan(
+        self, waiting: list[_Seq], running: list[_Seq], policy: Policy
+    ) -> tuple[list[tuple[_Seq, int, int, str, bool]], list[_Seq]]:
+        """(seq, token, position, 'd' or 'p', logits wanted) for each batch entry."""
+        decodes = [(s, s.pending, s.prefilled + len(s.result.output) - 1, "d", True)
+                   for s in running if s.pending is not None]  # fmt: skip
+        room = self.n_batch
+        if policy.name == "chunked":
+            room = max(0, min(self.n_batch, policy.budget) - len(decodes))
+        elif policy.name == "prefill-first" and waiting:
+            decodes, room = [], self.n_batch  # the prompt first, whole
+        elif policy.name == "decode-first" and decodes:
+            room = 0
+        else:
+            room = self.n_batch - len(decodes)
+        entries: list[tuple[_Seq, int, int, str, bool]] = [
+            (s, int(t), p, k, w) for s, t, p, k, w in decodes if t is not None
+        ]
+        prefilling: list[_Seq] = []
+        for seq in waiting:
+            if room <= 0:
+                break
+            take = min(room, len(seq.tokens) - seq.prefilled)
+            for i in range(take):
+                pos = seq.prefilled + i
+                entries.append((seq, seq.tokens[pos], pos, "p", pos == len(seq.tokens) - 1))
+            seq.prefilled += take
+            room -= take
+            prefilling.append(seq)
+        return entries, prefilling
+
+    def _decode(self, entries: list[tuple[_Seq, int, int, str, bool]]) -> None:
+        b = self.batch
+        for i, (seq, token, pos, _, logits) in enumerate(entries):
+            b.token[i] = token
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq.sid
+            b.logits[i] = logits
+        b.n_tokens = len(entries)
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed in a batched step (code {rc})")
+
+    def _emit(self, seq: _Seq, token: int, stamp: float) -> None:
+        seq.result.output.append(token)
+        seq.result.times.append(stamp)
+        seq.pending = token
+        ended = self.lib.llama_vocab_is_eog(self.vocab, token)
+        if len(seq.result.output) >= seq.max_tokens or ended:
+            seq.done, seq.pending = True, None
+
+
+@dataclass(frozen=True)
+class InterferenceReport:
+    """One decoding stream's gaps, alone and under each policy, while long prompts arrive."""
+
+    policy: str
+    stream_itl_ms: tuple[float, ...]
+    long_ttft_ms: tuple[float, ...]
+    steps: tuple[Step, ...]
+    throughput_tps: float
+
+    def itl(self, q: float) -> float | None:
+        return percentile(list(self.stream_itl_ms), q)
+
+
+def interference(
+    engine: BatchedEngine,
+    policy: Policy | None,
+    *,
+    stream: Sequence[int],
+    stream_tokens: int,
+    long_prompts: Sequence[Sequence[int]],
+    every_s: float,
+    start_s: float = 0.2,
+) -> InterferenceReport:
+    """The stream decodes while the long prompts arrive every `every_s` from `start_s`; with
+    policy None the stream runs alone (the baseline)."""
+    arrivals = [Arrival(0.0, tuple(stream), stream_tokens)]
+    if policy is not None:
+        arrivals += [
+            Arrival(start_s + i * every_s, tuple(p), 4) for i, p in enumerate(long_prompts)
+        ]
+    results, steps = engine.run(arrivals, policy or Policy("chunked", engine.n_batch))
+    first, *others = results
+    tokens = sum(len(r.output) for r in results)
+    span = max((r.times[-1] for r in results if r.times), default=0.0)
+    return InterferenceReport(
+        policy=str(policy) if policy else "alone",
+        stream_itl_ms=tuple(g * 1000 for g in first.gaps_s),
+        long_ttft_ms=tuple((r.ttft_s or 0) * 1000 for r in others),
+        steps=tuple(steps),
+        throughput_tps=tokens / span if span else 0.0,
+    )

@@ -1,0 +1,91 @@
+"""Several sequences in one context: isolation, equivalence, each policy's batches, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+
+import pytest
+
+from llmrun.runners.batched import Arrival, BatchedEngine, Policy
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+
+from .conftest import which_llmrun
+from .greedy import NEAR_TIE, margin_at_divergence
+
+pytestmark = pytest.mark.model
+POLICIES = ["prefill-first", "chunked:32", "decode-first"]
+
+
+@pytest.fixture(scope="module")
+def setup(model_path: str):  # type: ignore[no-untyped-def]
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=1024))
+    engine = BatchedEngine(runner, n_seq=3, n_ctx_per_seq=512, n_batch=256)
+    stream = runner.tokenize("<|im_start|>user\nList the numbers from 1 to 30.<|im_end|>\n"
+                             "<|im_start|>assistant\n", add_special=False)  # fmt: skip
+    rng = random.Random(3)
+    longs = [tuple(rng.randrange(49152) for _ in range(200)) for _ in range(2)]
+    yield runner, engine, tuple(stream), longs
+    engine.close()
+    runner.close()
+
+
+def alone(engine: BatchedEngine, stream: tuple[int, ...]) -> list[int]:
+    results, _ = engine.run([Arrival(0.0, stream, 40)], Policy("chunked", 256))
+    return results[0].output
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup, policy: str) -> None:  # type: ignore[no-untyped-def]
+    runner, engine, stream, longs = setup
+    solo = alone(engine, stream)
+    arrivals = [Arrival(0.0, stream, 40), *(Arrival(0.02 * (i + 1), p, 6) for i, p in
+                                             enumerate(longs))]  # fmt: skip
+    results, steps = engine.run(arrivals, Policy.parse(policy))
+    together = results[0].output
+    assert len(together) == 40 and all(len(r.output) == 6 for r in results[1:])
+    assert margin_at_divergence(runner, list(stream), solo, together) < NEAR_TIE
+    for r, p in zip(results[1:], longs, strict=True):  # the long prompts too
+        plain = engine.run([Arrival(0.0, p, 6)], Policy("chunked", 256))[0][0].output
+        assert margin_at_divergence(runner, list(p), plain, r.output) < NEAR_TIE
+    budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256}[policy]
+    assert max(s.n_decode + s.n_prefill for s in steps) <= budget
+    mixed = [s for s in steps if s.n_prefill and s.n_decode]
+    if policy == "chunked:32":
+        assert mixed  # decodes ride along with prefill chunks
+    else:
+        assert not mixed  # a prompt alone in its steps
+
+
+def test_negative_control_another_prompt_in_view_changes_the_output(setup) -> None:  # type: ignore[no-untyped-def]
+    """What a leak between sequences would look like: the stream's own prompt with another
+    prompt's tokens in front of it gives a different text, far from any near-tie, so the
+    equivalence above would catch a sequence seeing another's KV entries."""
+    runner, engine, stream, longs = setup
+    solo = alone(engine, stream)
+    seen, _ = engine.run([Arrival(0.0, longs[0] + stream, 40)], Policy("chunked", 256))
+    assert margin_at_divergence(runner, list(stream), solo, seen[0].output) >= NEAR_TIE
+
+
+def test_policies_parse() -> None:
+    assert str(Policy.parse("chunked:64")) == "chunked:64"
+    for bad in ("chunked", "chunked:x", "fastest", "prefill-first:3"):
+        with pytest.raises(BadRequestError):
+            Policy.parse(bad)
+
+
+def test_bench_measures_interference_locally(llmrun_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [which_llmrun(), "bench", "--interference", "--policy", "prefill-first,chunked:32",
+         "--num-prompts", "2", "--interference-prompt-len", "128", "--interference-rate", "10",
+         "--output-len", "24", "-o", "json"],
+        env=llmrun_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [r["policy"] for r in rows] == ["alone", "prefill-first", "chunked:32"]
+    assert all(r["stream_tokens"] == 24 and r["itl_p99_ms"] > 0 for r in rows)
+    assert rows[2]["max_prefill_tokens_per_step"] <= 32 and rows[1]["mixed_steps"] == 0
+    assert "chunked:32 against prefill-first: the stream's ITL p99" in done.stderr
