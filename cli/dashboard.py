@@ -155,9 +155,9 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
     Plain Text rows rather than tables: `Live` redraws this several times a second from its
     own thread, which competes with the token loop for the interpreter, so it must be cheap.
     """
-    parts: list[RenderableType] = [Text(line) for line in state.pending]
+    parts: list[RenderableType] = [Text.from_ansi(line) for line in state.pending]
     if state.line:
-        parts.append(Text(state.line))
+        parts.append(Text.from_ansi(state.line))
     if state.loading:
         name = os.path.basename(state.path)
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
@@ -332,16 +332,18 @@ class _TextLive(Live):
         lines = self._take_lines()
         if not lines or not self.console.is_terminal:
             if lines:
-                self.console.print(Text("\n".join(lines)))
+                self.console.print(Text.from_ansi("\n".join(lines)))
             super().refresh()
             return
         with self._lock:  # one redraw: the lines above, then the panel as it is now
             self._live_render.set_renderable(self.renderable)
-            self.console.print(Text("\n".join(lines)))
+            self.console.print(Text.from_ansi("\n".join(lines)))
 
 
 class Dashboard:
     """An EventView that shows `render_live` under `Live` and, if asked, the streamed text."""
+
+    styled = True  # thinking may come dimmed (ANSI, read back by Text.from_ansi)
 
     def __init__(self, console: Console, *, show_text: bool = False) -> None:
         self.console = console
@@ -392,7 +394,7 @@ class Dashboard:
             self.live.stop()  # its last refresh scrolls out the finished lines
             self.live = None
             if self.state.line:
-                self.console.print(Text(self.state.line), end="")
+                self.console.print(Text.from_ansi(self.state.line), end="")
                 self.state.line = ""
 
     # -- text sink (used in place of TextOut when stdout is this terminal) --
@@ -415,7 +417,7 @@ class Dashboard:
             *done, state.line = (state.line + text).split("\n")
             self._line_cells = cell_len(state.line)
             if self._line_cells > 3 * self._width:  # keep the panel short: scroll rows out
-                rows = Text(state.line).wrap(self.console, self._width)
+                rows = Text.from_ansi(state.line).wrap(self.console, self._width)
                 done.extend(row.plain for row in rows[:-1])
                 state.line = rows[-1].plain
                 self._line_cells = cell_len(state.line)

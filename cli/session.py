@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ class TextOut:
         self.cancel = cancel
         self.closed = False
         self.ends_with_newline = True
+        self.styled = _isatty(self.stream)  # a terminal shows the thinking dimmed
 
     def write(self, text: str) -> None:
         if not text or self.closed:
@@ -56,6 +58,21 @@ class TextOut:
     def end_line(self) -> None:
         if not self.ends_with_newline:
             self.write("\n")
+
+
+DIM, UNDIM = "\x1b[2m", "\x1b[22m"
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _dims(out: TextSink) -> bool:
+    """Whether the sink is a terminal that takes the thinking dimmed (NO_COLOR: never)."""
+    return bool(getattr(out, "styled", False)) and not os.environ.get("NO_COLOR")
 
 
 @contextlib.contextmanager
@@ -94,7 +111,8 @@ def drive(
             view.update(event)
         if isinstance(event, Token):
             if out is not None and not (hide_thinking and event.thinking):
-                out.write(event.text)
+                dim = event.thinking and event.text and _dims(out)
+                out.write(f"{DIM}{event.text}{UNDIM}" if dim else event.text)
         elif isinstance(event, Finished):
             if out is not None:
                 out.write(event.tail)

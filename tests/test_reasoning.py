@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
-from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.cli.session import TextOut, drive
+from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
 from llmrun.runners.reasoning import ReasoningSplitter, TokenTagger, opens_thinking
 from llmrun.runners.remote import OpenAIRunner
 
@@ -89,3 +92,30 @@ def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parse
     # The embedded model never closes the block the template opened: all of it is thinking.
     assert stats["thinking_tokens"] == stats["output_tokens"] > 0
     assert stats["first_answer_s"] is None and stats["answer_tokens"] == 0
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class _Thinker:
+    def stream(self, request: Request, *, cancel: object = None):  # type: ignore[no-untyped-def]
+        yield Token(0, "hmm", 0.0, thinking=True)
+        yield Token(1, "yes", 0.1)
+        yield Finished(stats=None, text="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("no_color", "hide", "expected"), [
+    (False, False, "\x1b[2mhmm\x1b[22myes"), (True, False, "hmmyes"), (False, True, "yes")])  # fmt: skip
+def test_thinking_is_dimmed_on_a_terminal_or_hidden(
+    monkeypatch: pytest.MonkeyPatch, no_color: bool, hide: bool, expected: str
+) -> None:
+    if no_color:
+        monkeypatch.setenv("NO_COLOR", "1")
+    else:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    tty = _Tty()
+    drive(_Thinker(), Request(prompt="x"), out=TextOut(tty), view=None,  # type: ignore[arg-type]
+          cancel=threading.Event(), hide_thinking=hide)  # fmt: skip
+    assert tty.getvalue() == expected
