@@ -492,6 +492,8 @@ def bench(
                     cache_type_k=_joined(cache_type_k) or "f16",
                     cache_type_v=_joined(cache_type_v) or "f16",
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
+                    split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
+                    tensor_split=_joined(tensor_split),
                     no_kv_offload=_joined(no_kv_offload),
                     reps=reps, ctx=_joined(ctx), seed=seed, scenarios=scenarios,
                     warmup=not no_warmup,
@@ -529,6 +531,31 @@ class Sweep:
     tuned: bool = True  # start from the settings --tune saved
     ppl: Path | None = None  # a text to measure each model's perplexity on
     cold: bool = False  # evict the model file from the page cache before each load
+    split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
+    main_gpu: str | None = None
+    tensor_split: str | None = None
+
+    def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
+        """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
+        modes: list[str | None] = [None]
+        if self.split_mode:
+            modes = list(sw.parse_words(self.split_mode, name="-sm",
+                                        allowed=("none", "layer", "row", "tensor")))  # fmt: skip
+            bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
+            if bad:
+                raise BadRequestError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
+        gpus: list[int | None] = (list(sw.parse_values(self.main_gpu, name="-mg"))
+                                  if self.main_gpu else [None])  # fmt: skip
+        splits: list[str | None] = [None]
+        if self.tensor_split:
+            splits = []
+            for part in self.tensor_split.split(","):
+                values = part.strip().split("/")
+                if not all(v.replace(".", "", 1).isdigit() for v in values):
+                    raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
+                splits.append(part.strip())
+        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t)
+                for c in combos for m in modes for g in gpus for t in splits]  # fmt: skip
 
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
@@ -564,6 +591,7 @@ class Sweep:
             ),
             load_mode=modes,
         )
+        combos = self._gpu_placements(combos)
         if self.ubatch is None:
             combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
                       if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip

@@ -19,6 +19,7 @@ _GPU = {
     "-sm/--split-mode": {"layer"}, "-mg/--main-gpu": {"0"}, "-ts/--tensor-split": {"0", "0.00"},
     "-dev/--device": {"auto"}, "-ncmoe/--n-cpu-moe": {"0"}, "-ot/--override-tensor": set(),
 }  # fmt: skip
+PASSED_ON = ("-sm/--split-mode", "-mg/--main-gpu", "-ts/--tensor-split")  # swept on GPU builds
 NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
 PRIORITY_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}  # llama.cpp's set_process_priority
 
@@ -64,8 +65,9 @@ def refuse_unusable(
                 f"{flag} {odd[0]}: this llama.cpp build has no GPU backend, so there is nothing"
                 " to place on a device; rebuild with one (README, 'Hardware': make GPU=cuda)"
             )
-        raise BadRequestError(f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp yet;"
-                              " only the default is measured")  # fmt: skip
+        if flag not in PASSED_ON:
+            raise BadRequestError(f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp"
+                                  " yet; only the default is measured")  # fmt: skip
 
 
 def apply_process_settings(*, numa: str | None, prio: int) -> None:

@@ -292,12 +292,17 @@ class EngineConfig:
     load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
     cold: bool = False  # drop the file from the page cache before loading (bench --cold)
     chat_template: str | None = None  # a Jinja chat template in place of the model's own
+    split_mode: str | None = None  # across GPUs: none, layer, row, tensor (GPU builds)
+    main_gpu: int | None = None
+    tensor_split: str | None = None  # shares per GPU, "3/1"
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""
-        mine = (self.n_gpu_layers, self.repack, self.load_mode)
-        return mine == (other.n_gpu_layers, other.repack, other.load_mode)
+        mine = (self.n_gpu_layers, self.repack, self.load_mode, self.split_mode, self.main_gpu,
+                self.tensor_split)  # fmt: skip
+        return mine == (other.n_gpu_layers, other.repack, other.load_mode, other.split_mode,
+                        other.main_gpu, other.tensor_split)  # fmt: skip
 
 
 @dataclass
@@ -520,7 +525,17 @@ class LlamaCppRunner:
         mparams.use_extra_bufts = self._repack
         if cfg.load_mode is not None:
             mparams.load_mode = LOAD_MODES[cfg.load_mode]
+        if cfg.split_mode is not None:
+            mparams.split_mode = {v: k for k, v in _SPLIT_MODES.items()}[cfg.split_mode]
+        if cfg.main_gpu is not None:
+            mparams.main_gpu = cfg.main_gpu
+        split, shares = None, [float(x) for x in (cfg.tensor_split or "").split("/") if x]
+        if shares:
+            split = (ctypes.c_float * max(len(shares), int(lib.llama_max_devices())))(*shares)
+            mparams.tensor_split = split  # kept alive by `split` until the load returns
         self._model_params = model_params(mparams)
+        if shares:  # as llama-bench writes it: 3.00/1.00
+            self._model_params["tensor_split"] = "/".join(f"{x:.2f}" for x in shares)
         # Called as the tensors load: returning False stops a long load at Ctrl-C.
         cancel = self._cancel
         progress = lib.llama_progress_callback(lambda _p, _data: not cancel.is_set())

@@ -103,6 +103,9 @@ class Combo:
     no_kv_offload: bool = False
     load_mode: str | None = None
     n_threads_batch: int | None = None  # None: as n_threads
+    split_mode: str | None = None  # GPU builds: how layers spread over GPUs
+    main_gpu: int | None = None
+    tensor_split: str | None = None
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -113,13 +116,15 @@ class Combo:
             no_kv_offload=self.no_kv_offload,
             load_mode=base.load_mode if self.load_mode is None else self.load_mode,
             n_threads_batch=self.n_threads_batch,
+            split_mode=self.split_mode, main_gpu=self.main_gpu, tensor_split=self.tensor_split,
         )  # fmt: skip
 
     def describe(self) -> str:
         """Compact, in llama-bench's short option names: t=2 b=512 ub=512 ngl=0 fa=off."""
         names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
                  "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
-                 "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb"}  # fmt: skip
+                 "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb",
+                 "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16"}
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads

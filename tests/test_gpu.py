@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -132,3 +134,24 @@ def test_the_summary_names_the_device_and_the_layers_on_it() -> None:
         == "CUDA0 NVIDIA H200 · ngl 31/31 · 1.00 GiB on the device · CPU 2t · batch 512"
     )
     assert engine_text(FAKE_SETTINGS) == "CPU 1t · batch 4 · ngl 0"
+
+
+@pytest.mark.model
+def test_gpu_split_options_reach_llama_cpp_on_a_gpu_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A build that says it can offload (faked) takes -sm, -mg and -ts into the model
+    parameters, read back into the records as llama-bench writes them."""
+    import llama_cpp
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    result = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
+                                      "-sm", "row,layer", "-mg", "0", "-ts", "3/1", "-o", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["split_mode"], r["main_gpu"], r["tensor_split"]) for r in rows] == [
+        ("row", 0, "3.00/1.00"), ("layer", 0, "3.00/1.00")]  # fmt: skip
+    assert all(r["n_gpu_layers_offloaded"] == 0 for r in rows)  # no device to put them on
+    refused = CliRunner().invoke(app, ["bench", "-dev", "CUDA1", "-o", "json"])
+    assert refused.exit_code == 1 and "does not pass this to llama.cpp yet" in refused.stderr
