@@ -36,7 +36,7 @@ from . import bench_flags as lb
 from . import bench_output as out
 from . import bench_plot
 from . import options as o
-from .bench_local import run_local_interference
+from .bench_local import run_local_interference, run_local_serving
 from .bench_serving import run_serving
 from .dashboard import model_facts
 from .engine import make_bench_runner
@@ -362,13 +362,15 @@ def bench(
     api_key: o.ApiKey = None,
     timeout: o.Timeout = o.TIMEOUT_S,
     concurrency: Annotated[
-        str, _list("Requests in flight (serving): a list such as 1,4,16. (default: 1,4)",
-                   "--concurrency", panel=SERVING),
-    ] = "1,4",
+        str | None, _list("Requests in flight (serving): a list such as 1,4,16. (default: 1,4)."
+                          " Without --endpoint, this or --request-rate runs the serving"
+                          " benchmark on the local engine, under each --policy.",
+                          "--concurrency", panel=SERVING),
+    ] = None,
     request_rate: Annotated[
-        str, _list("Poisson arrival rate in requests/s; inf sends all at once. (default: inf)",
-                   "--request-rate", panel=SERVING),
-    ] = "inf",
+        str | None, _list("Poisson arrival rate in requests/s; inf sends all at once."
+                          " (default: inf)", "--request-rate", panel=SERVING),
+    ] = None,
     num_prompts: Annotated[
         int, typer.Option("--num-prompts", min=1, rich_help_panel=SERVING,
                           help="Requests per concurrency level."),
@@ -450,12 +452,25 @@ def bench(
                 code = run_serving(
                     endpoint=endpoint, api_key=api_key, timeout_s=timeout,
                     model=models[0] if models else None,
-                    concurrency=concurrency, request_rate=request_rate, num_prompts=num_prompts,
+                    concurrency=concurrency or "1,4", request_rate=request_rate or "inf",
+                    num_prompts=num_prompts,
                     input_len=input_len, output_len=output_len, range_ratio=range_ratio,
                     warmup=warmup, percentiles=percentiles, slo=slo, interference=interference,
                     interference_rate=interference_rate,
                     interference_prompt_len=interference_prompt_len, seed=seed, output=output,
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
+                )  # fmt: skip
+                raise typer.Exit(code)
+            if concurrency is not None or request_rate is not None:  # serving, on this engine
+                if models and len(models) > 1:
+                    raise BadRequestError("the serving benchmark measures one model: give -m once")
+                code = run_local_serving(
+                    models[0] if models else None, policies=policy,
+                    concurrency=concurrency or "1,4", request_rate=request_rate or "inf",
+                    num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                    range_ratio=range_ratio, percentiles=percentiles, slo=slo, seed=seed,
+                    output=output, compare=compare, store=not no_history, cancel=cancel, err=err,
+                    show=show,
                 )  # fmt: skip
                 raise typer.Exit(code)
             if interference:  # the serving lab on this machine, in-process

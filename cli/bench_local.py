@@ -141,3 +141,96 @@ def verdict(reports: list[InterferenceReport]) -> list[str]:
             f" {r.throughput_tps:,.1f} against {whole.throughput_tps:,.1f} tok/s"
         )
     return lines
+
+
+def run_local_serving(
+    model: str | None,
+    *,
+    policies: str,
+    concurrency: str,
+    request_rate: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    percentiles: str,
+    slo: str | None,
+    seed: int,
+    output: out.OutputFormat | None,
+    compare: bool,
+    store: bool,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+) -> int:
+    """The serving benchmark (vLLM's metrics) on this machine's engine, for every concurrency
+    level and policy: the same records and tables as against a server."""
+    from llmrun.runners import serving as sv
+    from llmrun.runners.batched import serve
+    from llmrun.runners.sweep import parse_values
+
+    from .bench_serving import (
+        parse_percentiles,
+        parse_rate,
+        parse_slo,
+        serving_markdown,
+        serving_table,
+    )
+
+    levels = parse_values(concurrency, name="--concurrency")
+    if any(c < 1 for c in levels):
+        raise BadRequestError("--concurrency values must be at least 1")
+    rate, pcts, slos = parse_rate(request_rate), parse_percentiles(percentiles), parse_slo(slo)
+    chosen = [Policy.parse(p) for p in policies.split(",") if p.strip()]
+    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError("the local serving benchmark needs a local model")
+    done: list[sv.ServingLevel] = []
+    try:
+        loaded = runner.load()
+        name = loaded.model.name if loaded.model else ""
+        rng = random.Random(seed)
+        n_vocab = runner.vocab_size()
+
+        def length(mean: int) -> int:
+            low = max(1, round(mean * (1 - range_ratio)))
+            return rng.randint(low, max(low, round(mean * (1 + range_ratio))))
+
+        prompts = [(tuple(rng.randrange(n_vocab) for _ in range(length(input_len))),
+                    length(output_len)) for _ in range(num_prompts)]  # fmt: skip
+        per_seq = max(len(p) + n for p, n in prompts) + 8
+        for level in levels:
+            engine = BatchedEngine(runner, n_seq=level, n_ctx_per_seq=per_seq)
+            try:
+                for policy in chosen:
+                    if cancel.is_set():
+                        break
+                    with err.status(f"local engine, {policy}, concurrency {level}:"
+                                    f" {num_prompts} requests ..."):  # fmt: skip
+                        results, duration = serve(engine, policy, prompts, request_rate=rate,
+                                                  seed=seed, cancel=cancel)  # fmt: skip
+                    measured = [sv.RequestResult(
+                        input_tokens=r.prompt_tokens, output_tokens=len(r.output),
+                        ttft_s=r.ttft_s, latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
+                        error=None if r.times else "cancelled",
+                    ) for r in results]  # fmt: skip
+                    done.append(sv.ServingLevel(
+                        endpoint=f"local {policy}", model=name, concurrency=level,
+                        request_rate=rate, num_prompts=num_prompts, input_len=input_len,
+                        output_len=output_len,
+                        metrics=sv.metrics(measured, duration, percentiles=pcts, slo=slos),
+                        interrupted=cancel.is_set(),
+                    ))  # fmt: skip
+            finally:
+                engine.close()
+    finally:
+        runner.close()
+    records = [{**r.record(), "policy": r.policy} for r in done]
+    changes = out.store_and_print(
+        records, kind="serving", model=name, system={"endpoint": "local"}, output=output,
+        show=show, table=serving_table(done, pcts), store=store, compare=compare,
+        markdown=lambda: serving_markdown(done, None), sql_table="llmrun_serving",
+    )  # fmt: skip
+    if changes is not None:
+        show.print(out.compare_table(changes))
+    return 130 if cancel.is_set() else 0

@@ -36,7 +36,8 @@ def serving_table(levels: list[sv.ServingLevel], percentiles: list[float]) -> Ta
     table.add_column("metric")
     records = [level.record() for level in levels]
     for level in levels:
-        table.add_column(f"c={level.concurrency} rate={level.rate_text}", justify="right")
+        policy = f" {level.policy}" if level.policy else ""
+        table.add_column(f"c={level.concurrency} rate={level.rate_text}{policy}", justify="right")
     rows: list[tuple[str, str]] = [
         ("requests completed / failed", "{completed} / {failed}"),
         ("duration s", "{duration_s:.2f}"),

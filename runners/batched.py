@@ -59,6 +59,7 @@ class Arrival:
     at_s: float  # seconds after the start
     tokens: tuple[int, ...]
     max_tokens: int
+    ignore_eos: bool = False  # benchmarks generate exactly max_tokens
 
 
 @dataclass
@@ -105,6 +106,7 @@ class _Seq:
     result: SeqResult
     tokens: tuple[int, ...]
     max_tokens: int
+    ignore_eos: bool = False
     prefilled: int = 0
     pending: int | None = None  # sampled, not yet decoded
     done: bool = False
@@ -168,7 +170,8 @@ class BatchedEngine:
             now = time.perf_counter() - t0
             while nxt < len(queue) and queue[nxt].at_s <= now and free:
                 a = queue[nxt]
-                waiting.append(_Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens))
+                waiting.append(_Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens,
+                                    a.ignore_eos))  # fmt: skip
                 nxt += 1
             if not waiting and not running:
                 time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
@@ -248,7 +251,7 @@ class BatchedEngine:
         seq.result.output.append(token)
         seq.result.times.append(stamp)
         seq.pending = token
-        ended = self.lib.llama_vocab_is_eog(self.vocab, token)
+        ended = not seq.ignore_eos and self.lib.llama_vocab_is_eog(self.vocab, token)
         if len(seq.result.output) >= seq.max_tokens or ended:
             seq.done, seq.pending = True, None
 
@@ -265,6 +268,32 @@ class InterferenceReport:
 
     def itl(self, q: float) -> float | None:
         return percentile(list(self.stream_itl_ms), q)
+
+
+def serve(
+    engine: BatchedEngine,
+    policy: Policy,
+    prompts: Sequence[tuple[tuple[int, ...], int]],
+    *,
+    request_rate: float,
+    seed: int,
+    cancel: threading.Event | None = None,
+) -> tuple[list[SeqResult], float]:
+    """The serving benchmark's load on the local engine: the prompts arrive as a Poisson process
+    at `request_rate` (inf: all at once), at most engine.n_seq in flight (the rest queue).
+    Returns each request's result and the run's duration."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    at, arrivals = 0.0, []
+    for i, (tokens, max_tokens) in enumerate(prompts):
+        if i and math.isfinite(request_rate):
+            at += rng.expovariate(request_rate)
+        arrivals.append(Arrival(at, tokens, max_tokens, ignore_eos=True))
+    results, _ = engine.run(arrivals, policy, cancel=cancel)
+    end = max((r.times[-1] for r in results if r.times), default=0.0)
+    return results, end
 
 
 def interference(

@@ -272,8 +272,14 @@ class ServingLevel:
         return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
 
     @property
+    def policy(self) -> str:
+        """The local engine's scheduling policy ('' against a server)."""
+        return self.endpoint.removeprefix("local ") if self.endpoint.startswith("local ") else ""
+
+    @property
     def test(self) -> str:
-        return f"serve c{self.concurrency} r{self.rate_text}"
+        return f"serve c{self.concurrency} r{self.rate_text}" + (
+            f" {self.policy}" if self.policy else "")  # fmt: skip
 
     @property
     def spread(self) -> float:

@@ -89,3 +89,17 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str]) -> None
     assert all(r["stream_tokens"] == 24 and r["itl_p99_ms"] > 0 for r in rows)
     assert rows[2]["max_prefill_tokens_per_step"] <= 32 and rows[1]["mixed_steps"] == 0
     assert "chunked:32 against prefill-first: the stream's ITL p99" in done.stderr
+
+
+def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [which_llmrun(), "bench", "--concurrency", "1,2", "--num-prompts", "3", "--input-len",
+         "16", "--output-len", "4", "--policy", "chunked:32", "-o", "json", "--no-history"],
+        env=llmrun_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["concurrency"], r["policy"]) for r in rows] == [(1, "chunked:32"), (2, "chunked:32")]
+    for r in rows:
+        assert (r["completed"], r["failed"], r["total_output_tokens"]) == (3, 0, 12)
+        assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] > 0 and r["test"].endswith("chunked:32")
