@@ -16,8 +16,8 @@ import typer
 from rich.console import Console
 
 from llmrun.runners.base import Runner
-from llmrun.runners.errors import LlmrunError
-from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats
+from llmrun.runners.errors import BadRequestError, LlmrunError
+from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
 from . import options as o
 from .dashboard import Dashboard, TerminalConsole, render
@@ -32,7 +32,15 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
-from .report import aggregate_table, append_stats_file, stats_json, stats_record, summary_lines
+from .report import (
+    aggregate_table,
+    append_stats_file,
+    ms,
+    stats_json,
+    stats_record,
+    summary_lines,
+    tps,
+)
 from .session import EventView, TextOut, TextSink, ctrl_c_cancels, drive
 
 
@@ -96,6 +104,17 @@ def run(
             "instead of streaming the text.",
         ),
     ] = False,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "--parallel",
+            min=1,
+            max=64,
+            help="Serve the prompts (--jsonl, several -f) N at a time in one llama.cpp context"
+            " (continuous batching); each keeps its own stats, and the total throughput is"
+            " printed. (default: 1, one after another)",
+        ),
+    ] = 1,
     model: o.Model = None,
     endpoint: o.Endpoint = None,
     api_key: o.ApiKey = None,
@@ -157,17 +176,45 @@ def run(
         )  # fmt: skip
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
+        o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None})
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
+            served: Runner = runner
+            if parallel > 1:
+                served = _serve_in_parallel(runner, jobs, parallel, quiet=quiet)
             code = _run_jobs(
-                runner, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
-                json_out=json_out, dashboard=not no_dashboard, hide_thinking=hide_thinking,
+                served, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
+                json_out=json_out, dashboard=not no_dashboard and parallel == 1,
+                hide_thinking=hide_thinking,
             )  # fmt: skip
         finally:
             runner.close()
         if code == EXIT_BROKEN_PIPE:
             quiet_broken_pipe()
         raise typer.Exit(code)
+
+
+def _serve_in_parallel(runner: Runner, jobs: list[Job], parallel: int, *, quiet: bool) -> Runner:
+    """Every job's request served at once, `parallel` at a time; returns a runner that replays
+    them to the usual printing, and says the total throughput."""
+    from llmrun.runners.batched import Replay, serve_requests
+    from llmrun.runners.llamacpp import LlamaCppRunner
+
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError("--parallel needs a local model")
+    requests = [job.request for job in jobs if job.error is None and job.request is not None]
+    if not requests:
+        return runner
+    cancel = threading.Event()
+    with ctrl_c_cancels(cancel):
+        finished, seconds = serve_requests(runner, requests, n_seq=parallel, cancel=cancel)
+    if not quiet:
+        tokens = sum(f.stats.output_tokens for f in finished)
+        prompt = sum(f.stats.prompt_tokens for f in finished)
+        print(f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
+              f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
+              " (prompt and output tokens)", file=sys.stderr, flush=True)  # fmt: skip
+    return Replay(runner, finished)
 
 
 def stdout_may_reach_this_terminal() -> bool:

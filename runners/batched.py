@@ -17,15 +17,19 @@ wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from .base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
 from .errors import BadRequestError, EngineError
 from .llamacpp import LlamaCppRunner, llama_lib
-from .stats import percentile
+from .stats import FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, GenerationStats, percentile
+from .text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
 
@@ -60,6 +64,7 @@ class Arrival:
     tokens: tuple[int, ...]
     max_tokens: int
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
+    sampling: SamplingParams | None = None  # None: greedy, no stop strings
 
 
 @dataclass
@@ -69,6 +74,9 @@ class SeqResult:
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each output token's time stamp
     started_s: float | None = None  # the first step that carried its prompt
+    pieces: list[str] = field(default_factory=list)  # each token's text (stop strings applied)
+    tail: str = ""
+    finish: str = FINISH_LENGTH
 
     @property
     def queue_s(self) -> float | None:
@@ -107,6 +115,8 @@ class _Seq:
     tokens: tuple[int, ...]
     max_tokens: int
     ignore_eos: bool = False
+    chain: Any = None  # its own sampler chain (None: the engine's greedy one)
+    text: TextStream | None = None
     prefilled: int = 0
     pending: int | None = None  # sampled, not yet decoded
     done: bool = False
@@ -170,8 +180,13 @@ class BatchedEngine:
             now = time.perf_counter() - t0
             while nxt < len(queue) and queue[nxt].at_s <= now and free:
                 a = queue[nxt]
-                waiting.append(_Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens,
-                                    a.ignore_eos))  # fmt: skip
+                seq = _Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens, a.ignore_eos)
+                if a.sampling is not None:
+                    sp = a.sampling
+                    seed = sp.seed if sp.seed is not None else random.randrange(2**31)
+                    seq.chain = self.runner._sampler(sp, seed, prompt=a.tokens)
+                    seq.text = TextStream(sp.stop)
+                waiting.append(seq)
                 nxt += 1
             if not waiting and not running:
                 time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
@@ -190,14 +205,15 @@ class BatchedEngine:
                 if seq.result.started_s is None:
                     seq.result.started_s = start - t0
                 if kind == "d" or last:
-                    token = lib.llama_sampler_sample(self.chain, self.ctx, index)
+                    chain = seq.chain if seq.chain is not None else self.chain
+                    token = lib.llama_sampler_sample(chain, self.ctx, index)
                     self._emit(seq, token, stamp)
             for seq in prefilling:
                 if seq.prefilled == len(seq.tokens) and seq in waiting:
                     waiting.remove(seq)
-                    if not seq.done:
-                        running.append(seq)
+                    running.append(seq)  # a sequence done at once leaves with the others
             for seq in [s for s in running if s.done]:
+                self._finish(seq)
                 running.remove(seq)
                 lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), seq.sid, -1, -1)
                 free.append(seq.sid)
@@ -248,12 +264,26 @@ class BatchedEngine:
             raise EngineError(f"llama_decode failed in a batched step (code {rc})")
 
     def _emit(self, seq: _Seq, token: int, stamp: float) -> None:
+        if not seq.ignore_eos and self.lib.llama_vocab_is_eog(self.vocab, token):
+            seq.done, seq.pending, seq.result.finish = True, None, FINISH_STOP
+            return
         seq.result.output.append(token)
         seq.result.times.append(stamp)
         seq.pending = token
-        ended = not seq.ignore_eos and self.lib.llama_vocab_is_eog(self.vocab, token)
-        if len(seq.result.output) >= seq.max_tokens or ended:
+        if seq.text is not None:
+            seq.result.pieces.append(seq.text.feed(self.runner.piece(token)))
+            if seq.text.stopped:
+                seq.done, seq.pending, seq.result.finish = True, None, FINISH_STOP
+                return
+        if len(seq.result.output) >= seq.max_tokens:
             seq.done, seq.pending = True, None
+
+    def _finish(self, seq: _Seq) -> None:
+        if seq.text is not None:
+            seq.result.tail = seq.text.flush()
+        if seq.chain is not None:
+            self.lib.llama_sampler_free(seq.chain)
+            seq.chain = None
 
 
 @dataclass(frozen=True)
@@ -324,3 +354,76 @@ def interference(
         steps=tuple(steps),
         throughput_tps=tokens / span if span else 0.0,
     )
+
+
+def serve_requests(
+    runner: LlamaCppRunner,
+    requests: Sequence[Request],
+    *,
+    n_seq: int,
+    policy: Policy | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[list[Finished], float]:
+    """Requests served concurrently (at most n_seq at once), each with its own sampling and
+    stop strings: a Finished per request, in order, and the run's seconds."""
+    loaded = runner.load()
+    prompts = [runner.request_tokens(r) for r in requests]
+    need = max(len(p) + r.sampling.max_tokens for p, r in zip(prompts, requests, strict=True))
+    engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=need + 8,
+                           n_batch=loaded.settings.n_batch)  # fmt: skip
+    try:
+        arrivals = [Arrival(0.0, tuple(p), r.sampling.max_tokens, r.sampling.ignore_eos,
+                            r.sampling)
+                    for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
+        results, _ = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
+                                cancel=cancel)  # fmt: skip
+    finally:
+        engine.close()
+    finished = []
+    for request, prompt, r in zip(requests, prompts, results, strict=True):
+        first = r.times[0] if r.times else None
+        stats = GenerationStats(
+            finish_reason=r.finish if r.times or r.finish == FINISH_STOP else FINISH_INTERRUPTED,
+            prompt_tokens=len(prompt), reused_tokens=0, output_tokens=len(r.output),
+            template_tokenize_s=0.0,
+            prefill_s=(first - r.started_s) if first is not None and r.started_s is not None
+            else 0.0,
+            first_sample_s=0.0, itl_s=tuple(r.gaps_s),
+            e2e_s=r.times[-1] if r.times else 0.0, load_s=loaded.load_s,
+            seed=request.sampling.seed, model=loaded.model, settings=loaded.settings,
+            first_token_s=first,
+        )  # fmt: skip
+        finished.append(Finished(stats, "".join(r.pieces) + r.tail, r.tail))
+    end = max((r.times[-1] for r in results if r.times), default=0.0)
+    return finished, end
+
+
+class Replay:
+    """A Runner that replays requests already served (by `serve_requests`): their tokens as
+    events with the times they had, then their stats, so `run` prints them as it does any."""
+
+    def __init__(self, runner: LlamaCppRunner, finished: Sequence[Finished]) -> None:
+        self.runner, self._finished = runner, list(finished)
+
+    @property
+    def loaded(self) -> ModelLoaded | None:
+        return self.runner.loaded
+
+    def load(self) -> ModelLoaded:
+        return self.runner.load()
+
+    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
+        done = self._finished.pop(0)
+        body = done.text[: len(done.text) - len(done.tail)] if done.tail else done.text
+        if body:
+            yield Token(0, body, done.stats.first_token_s or 0.0)
+        yield done
+
+    def count_tokens(self, request: Request) -> int:
+        return self.runner.count_tokens(request)
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def close(self) -> None:
+        self.runner.close()

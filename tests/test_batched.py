@@ -103,3 +103,23 @@ def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, st
     for r in rows:
         assert (r["completed"], r["failed"], r["total_output_tokens"]) == (3, 0, 12)
         assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] > 0 and r["test"].endswith("chunked:32")
+
+
+def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n'
+                       '{"messages": [{"role": "user", "content": "Name a color"}]}\n')  # fmt: skip
+    done = subprocess.run(
+        [which_llmrun(), "run", "--jsonl", str(prompts), "--parallel", "3", "-n", "12",
+         "--temp", "0", "--json", "--stats", "json"],
+        env=llmrun_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["id"].rsplit(":", 1)[-1] for r in rows] == ["1", "2", "3"]
+    assert all(r["text"] and r["stats"]["output_tokens"] <= 12 for r in rows)
+    assert "parallel 3: 3 requests in" in done.stderr
+    refused = subprocess.run([which_llmrun(), "run", "hi", "--parallel", "2", "--endpoint",
+                              "http://127.0.0.1:9"], env=llmrun_env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 1 and "--parallel" in refused.stderr
