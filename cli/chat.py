@@ -476,6 +476,7 @@ def chat(
     stop: o.Stop = None,
     think: o.Think = None,
     draft: o.Draft = None,
+    draft_model: o.DraftModel = None,
     hide_thinking: o.HideThinking = False,
     chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
@@ -507,11 +508,12 @@ def chat(
             stop=stop,
             think=think,
             draft=draft,
+            draft_model=draft_model is not None,
         )
         config = o.local_engine(
             endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
             threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
-            repack=repack, chat_template_file=chat_template_file,
+            repack=repack, chat_template_file=chat_template_file, draft_model=draft_model,
         )  # fmt: skip
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:

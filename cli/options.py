@@ -195,6 +195,13 @@ Draft = Annotated[
                  " followed the last few tokens earlier in the context are checked in one batch."
                  " Greedy only (--temp 0)."),
 ]  # fmt: skip
+DraftModel = Annotated[
+    Path | None,
+    typer.Option("--draft-model", metavar="PATH", show_default=False,
+                 rich_help_panel=SAMPLING_PANEL,
+                 help="Speculative decoding with a small model of the same vocabulary as the"
+                 " drafter (up to --draft model:N tokens, default 8). Greedy only (--temp 0)."),
+]  # fmt: skip
 HideThinking = Annotated[
     bool,
     typer.Option("--hide-thinking", rich_help_panel=SAMPLING_PANEL,
@@ -239,10 +246,11 @@ def sampling_params(
     stop: list[str] | None,
     think: bool | None = None,
     draft: str | None = None,
+    draft_model: bool = False,
 ) -> SamplingParams:
     sampling = SamplingParams(
         think=think,
-        draft=parse_draft(draft, temp),
+        draft=parse_draft(draft, temp, draft_model=draft_model),
         max_tokens=max_tokens,
         temperature=temp,
         top_k=top_k,
@@ -259,14 +267,16 @@ def sampling_params(
 DEFAULT_DRAFT = 8
 
 
-def parse_draft(text: str | None, temp: float) -> int:
-    """`lookup` or `lookup:N` -> N drafted tokens at most; 0 without --draft."""
-    if text is None:
+def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> int:
+    """`lookup[:N]`, or `model[:N]` with --draft-model -> N drafted tokens at most; 0 without
+    either."""
+    if text is None and not draft_model:
         return 0
-    kind, _, count = text.strip().lower().partition(":")
-    if kind != "lookup":
-        raise BadRequestError(f"--draft: '{text}' is not lookup or lookup:N (a draft model is"
-                              " not supported yet)")  # fmt: skip
+    kind, _, count = (text or "model").strip().lower().partition(":")
+    if kind not in ("lookup", "model"):
+        raise BadRequestError(f"--draft: '{text}' is not lookup[:N] or model[:N]")
+    if (kind == "model") != draft_model:
+        raise BadRequestError("--draft model[:N] goes with --draft-model PATH, lookup without it")
     if count and not (count.isdigit() and 1 <= int(count) <= 64):
         raise BadRequestError(f"--draft: '{count}' is not a count from 1 to 64")
     if temp > 0:
@@ -302,6 +312,7 @@ def local_engine(
     flash_attn: FlashAttn | None,
     repack: bool | None,
     chat_template_file: Path | None = None,
+    draft_model: Path | None = None,
 ) -> EngineConfig:
     """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
     (the context size does: it sizes chat's context meter and the overflow policy)."""
@@ -311,6 +322,7 @@ def local_engine(
         "-ngl/--gpu-layers": gpu_layers, "--flash-attn": flash_attn,
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
         "--chat-template-file": chat_template_file,
+        "--draft-model": draft_model,
     }  # fmt: skip
     refuse_for_endpoint(endpoint, local)
     template = None
@@ -331,4 +343,5 @@ def local_engine(
         flash_attn=flash_attn.value if flash_attn else None,
         repack=repack,
         chat_template=template,
+        draft_model=str(draft_model) if draft_model is not None else None,
     )

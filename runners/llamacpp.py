@@ -292,6 +292,7 @@ class EngineConfig:
     load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
     cold: bool = False  # drop the file from the page cache before loading (bench --cold)
     chat_template: str | None = None  # a Jinja chat template in place of the model's own
+    draft_model: str | None = None  # a small model with the same vocabulary that drafts
     split_mode: str | None = None  # across GPUs: none, layer, row, tensor (GPU builds)
     main_gpu: int | None = None
     tensor_split: str | None = None  # shares per GPU, "3/1"
@@ -352,7 +353,7 @@ class _Drafter:
     def step(self, ctx: Any, chain: Any, token: int, room: int) -> tuple[list[int], int]:
         """Decode `token` and its drafts in one batch; returns (accepted drafts, next token)."""
         lib, batch = self.lib, self.batch
-        drafts = self.propose([*self.cache, token], room) if room > 0 else []
+        drafts = self.propose([*self.cache, token], min(room, self.length)) if room > 0 else []
         base = len(self.cache)
         for i, t in enumerate([token, *drafts]):
             batch.token[i] = t
@@ -387,6 +388,42 @@ class _Drafter:
         if self.batch is not None:
             self.lib.llama_batch_free(self.batch)
             self.batch = None
+
+
+class _ModelDrafter(_Drafter):
+    """Drafts from a small model with the same vocabulary: it follows the accepted text in a
+    context of its own (its rejected guesses cut off by prefix reuse) and guesses greedily."""
+
+    def __init__(self, lib: Any, n_draft: int, cache: list[int], draft: LlamaCppRunner) -> None:
+        super().__init__(lib, n_draft, cache)
+        self.draft = draft
+        self.greedy = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(self.greedy, lib.llama_sampler_init_greedy())
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        d, lib = self.draft, self.lib
+        kept = d._reuse_prefix(history)
+        d.eval_tokens(history[kept:])  # the new accepted text, then guess on from it
+        guesses: list[int] = []
+        one = (lib.llama_token * 1)()
+        while len(guesses) < limit:
+            guess = lib.llama_sampler_sample(self.greedy, d._ctx_ptr, -1)
+            if lib.llama_vocab_is_eog(d._vocab_ptr(), guess):
+                break
+            guesses.append(guess)
+            if len(guesses) == limit:
+                break
+            one[0] = guess
+            if lib.llama_decode(d._ctx_ptr, lib.llama_batch_get_one(one, 1)) != 0:
+                break
+            d._cache.append(guess)
+        return guesses
+
+    def close(self) -> None:
+        super().close()
+        if self.greedy is not None:
+            self.lib.llama_sampler_free(self.greedy)
+            self.greedy = None
 
 
 class _Model:
@@ -465,6 +502,7 @@ class LlamaCppRunner:
         self._offload_note = ""
         self._model_log: list[str] = []
         self._resident: float | None = None
+        self._draft: LlamaCppRunner | None = None
         self._gpus: list[dv.Device] = []
         self._planned_layers = 0
         self._gpu_free_before = 0
@@ -552,6 +590,26 @@ class LlamaCppRunner:
         self._model, self._info = _Model(lib, model), info
         self._weights_s = time.perf_counter() - t0
         self._model_log = list(LOG_LINES)  # the weights' buffer sizes are reported here
+
+    def _draft_runner(self) -> LlamaCppRunner:
+        """The draft model (--draft-model), loaded once, checked to share the vocabulary."""
+        if self._draft is None:
+            assert self.config.draft_model is not None and self._model is not None
+            settings = self.load().settings
+            draft = LlamaCppRunner(self.config.draft_model, EngineConfig(
+                n_ctx=settings.n_ctx, n_threads=settings.n_threads, n_gpu_layers=0))  # fmt: skip
+            if draft.vocab_size() != self._model.n_vocab:
+                draft.close()
+                raise BadRequestError(
+                    f"--draft-model: its vocabulary ({draft.vocab_size()} tokens) is not this"
+                    f" model's ({self._model.n_vocab})"
+                )
+            self._draft = draft
+        return self._draft
+
+    def _vocab_ptr(self) -> Any:
+        assert self._model is not None
+        return self._model.vocab
 
     @staticmethod
     def _context_size(cfg: EngineConfig, n_ctx_train: int | None) -> int:
@@ -801,6 +859,8 @@ class LlamaCppRunner:
         """Prefill, then decode, then the stats; the three steps below do the work."""
         lib = llama_lib()
         loaded = self.load()
+        if self.config.draft_model and request.sampling.draft:
+            self._draft_runner()  # loaded before the clock starts: not a decode cost
         clock = PausedClock()
         lib.llama_perf_context_reset(self._ctx_ptr)
         cpu0 = cpu_sample()
@@ -922,7 +982,11 @@ class LlamaCppRunner:
         out.first_sample_s = time.perf_counter() - t_sample
         one = (lib.llama_token * 1)()
         batch_one = lib.llama_batch_get_one(one, 1)
-        drafter = _Drafter(lib, sp.draft, self._cache) if sp.draft else None
+        drafter: _Drafter | None = None
+        if sp.draft and self.config.draft_model:
+            drafter = _ModelDrafter(lib, sp.draft, self._cache, self._draft_runner())
+        elif sp.draft:
+            drafter = _Drafter(lib, sp.draft, self._cache)
         queued: list[int] = []  # accepted draft tokens: in the KV cache, not yet emitted
         pending = token  # the next token not yet in the KV cache
         try:
@@ -1087,6 +1151,9 @@ class LlamaCppRunner:
         if self._model is not None:
             self._model.close()
             self._model = None
+        if self._draft is not None:
+            self._draft.close()
+            self._draft = None
 
     def __enter__(self) -> LlamaCppRunner:
         return self

@@ -77,10 +77,26 @@ def test_negative_control_unchecked_drafts_change_the_text(
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(["--draft", "lookup"], "add --temp 0"), (["--temp", "0", "--draft", "model:x.gguf"],
-      "is not lookup"), (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
+    [(["--draft", "lookup"], "add --temp 0"), (["--temp", "0", "--draft", "tree:3"],
+      "is not lookup"), (["--temp", "0", "--draft", "model:4"], "goes with --draft-model"), (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
      (["--temp", "0", "--draft", "lookup", "--endpoint", "http://127.0.0.1:9"], "--draft")],
 )  # fmt: skip
 def test_draft_options_are_checked(args: list[str], says: str) -> None:
     result = CliRunner().invoke(app, ["run", "hi", *args])
     assert result.exit_code == 1 and says in result.stderr
+
+
+def test_a_draft_model_drafts_and_keeps_the_greedy_text(model_path: str, q8_model: str) -> None:
+    plain_runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048))
+    drafted = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, draft_model=q8_model))
+    try:
+        prompt = "Write a short poem about the sea."
+        plain, fast = token_ids(plain_runner, prompt, 0), token_ids(drafted, prompt, 6)
+        assert margin(plain_runner, prompt, plain, fast) < NEAR_TIE
+        request = Request.chat(prompt, sampling=SamplingParams(max_tokens=60, temperature=0,
+                                                               draft=6))  # fmt: skip
+        s = [e for e in drafted.stream(request) if not isinstance(e, Token)][-1].stats  # type: ignore[attr-defined]
+        assert s.acceptance_rate > 0.5 and s.tokens_per_step > 2  # the same model, requantized
+    finally:
+        plain_runner.close()
+        drafted.close()
