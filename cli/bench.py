@@ -480,7 +480,7 @@ def bench(
                     models[0] if models else None, policies=policy, rate=interference_rate,
                     prompt_len=interference_prompt_len, num_prompts=num_prompts,
                     output_len=output_len, seed=seed, output=output, cancel=cancel, err=err,
-                    show=show,
+                    show=show, plot=plot,
                 )  # fmt: skip
                 raise typer.Exit(code)
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -37,6 +38,7 @@ def run_local_interference(
     cancel: threading.Event,
     err: Console,
     show: Console,
+    plot: Path | None = None,
 ) -> int:
     chosen = [Policy.parse(p) for p in policies.split(",") if p.strip()]
     if not chosen:
@@ -86,6 +88,11 @@ def run_local_interference(
                                                           "magenta")))  # fmt: skip
     for line in verdict(reports):
         err.print(line, markup=False)
+    if plot is not None and reports:
+        from .bench_plot import plot_timeline
+
+        plot_timeline(reports, plot)
+        err.print(f"timeline written to {plot}", markup=False)
     return 130 if cancel.is_set() else 0
 
 

@@ -71,3 +71,46 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)
+
+
+def plot_timeline(reports: Sequence[Any], path: Path) -> None:
+    """Per policy: each step's batch (decode and prefill tokens, stacked, over time) and the
+    decoding stream's gaps, so a whole-prompt stall and its smoothing by chunking show."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadRequestError(
+            "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
+        ) from None
+    fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.6 * len(reports)), squeeze=False,
+                             sharex=True)  # fmt: skip
+    for ax, report in zip((row[0] for row in axes), reports, strict=True):
+        starts = [s.start_s for s in report.steps]
+        widths = [max(s.duration_s, 1e-4) for s in report.steps]
+        decode = [s.n_decode for s in report.steps]
+        prefill = [s.n_prefill for s in report.steps]
+        ax.bar(starts, decode, width=widths, align="edge", color="tab:purple", label="decode")
+        ax.bar(starts, prefill, width=widths, align="edge", bottom=decode, color="tab:cyan",
+               label="prefill")  # fmt: skip
+        ax.set_ylabel("tokens / step")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{report.policy}: batch composition per step, and the stream's gaps",
+                     fontsize=9)  # fmt: skip
+        twin = ax.twinx()
+        gaps = list(report.stream_itl_ms)
+        times = report.stream_times_s[1:] if report.stream_times_s else []
+        twin.plot(times[: len(gaps)], gaps, color="tab:red", marker=".", linewidth=1)
+        twin.set_ylabel("stream gap ms", color="tab:red")
+        twin.set_ylim(bottom=0)
+    axes[-1][0].set_xlabel("seconds")
+    axes[0][0].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

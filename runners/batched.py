@@ -295,6 +295,7 @@ class InterferenceReport:
     long_ttft_ms: tuple[float, ...]
     steps: tuple[Step, ...]
     throughput_tps: float
+    stream_times_s: tuple[float, ...] = ()  # when each of the stream's tokens landed
 
     def itl(self, q: float) -> float | None:
         return percentile(list(self.stream_itl_ms), q)
@@ -353,6 +354,7 @@ def interference(
         long_ttft_ms=tuple((r.ttft_s or 0) * 1000 for r in others),
         steps=tuple(steps),
         throughput_tps=tokens / span if span else 0.0,
+        stream_times_s=tuple(first.times),
     )
 
 

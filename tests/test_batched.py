@@ -76,11 +76,12 @@ def test_policies_parse() -> None:
             Policy.parse(bad)
 
 
-def test_bench_measures_interference_locally(llmrun_env: dict[str, str]) -> None:
+def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "timeline.png"
     done = subprocess.run(
         [which_llmrun(), "bench", "--interference", "--policy", "prefill-first,chunked:32",
          "--num-prompts", "2", "--interference-prompt-len", "128", "--interference-rate", "10",
-         "--output-len", "24", "-o", "json"],
+         "--output-len", "24", "-o", "json", "--plot", str(png)],
         env=llmrun_env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -89,6 +90,7 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str]) -> None
     assert all(r["stream_tokens"] == 24 and r["itl_p99_ms"] > 0 for r in rows)
     assert rows[2]["max_prefill_tokens_per_step"] <= 32 and rows[1]["mixed_steps"] == 0
     assert "chunked:32 against prefill-first: the stream's ITL p99" in done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the timeline
 
 
 def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, str]) -> None:
