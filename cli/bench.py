@@ -508,7 +508,8 @@ def bench(
                     cache_type_v=_joined(cache_type_v) or "f16",
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
                     split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
-                    tensor_split=_joined(tensor_split),
+                    tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
+                    n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device),
                     no_kv_offload=_joined(no_kv_offload),
                     reps=reps, ctx=_joined(ctx), seed=seed, scenarios=scenarios,
                     warmup=not no_warmup,
@@ -549,6 +550,9 @@ class Sweep:
     split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
     main_gpu: str | None = None
     tensor_split: str | None = None
+    tensor_overrides: str | None = None  # -ot sets, ","-separated; ";" within a set
+    n_cpu_moe: str | None = None
+    devices: str | None = None
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -569,8 +573,15 @@ class Sweep:
                 if not all(v.replace(".", "", 1).isdigit() for v in values):
                     raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
                 splits.append(part.strip())
-        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t)
-                for c in combos for m in modes for g in gpus for t in splits]  # fmt: skip
+        overrides: list[str | None] = ([o.strip() for o in self.tensor_overrides.split(",")]
+                                       if self.tensor_overrides else [None])  # fmt: skip
+        moes = list(sw.parse_values(self.n_cpu_moe, name="-ncmoe")) if self.n_cpu_moe else [0]
+        devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
+                                     if self.devices else [None])  # fmt: skip
+        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
+                        n_cpu_moe=n, devices=d)
+                for c in combos for m in modes for g in gpus for t in splits for o in overrides
+                for n in moes for d in devices]  # fmt: skip
 
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]

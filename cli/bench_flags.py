@@ -19,7 +19,8 @@ _GPU = {
     "-sm/--split-mode": {"layer"}, "-mg/--main-gpu": {"0"}, "-ts/--tensor-split": {"0", "0.00"},
     "-dev/--device": {"auto"}, "-ncmoe/--n-cpu-moe": {"0"}, "-ot/--override-tensor": set(),
 }  # fmt: skip
-PASSED_ON = ("-sm/--split-mode", "-mg/--main-gpu", "-ts/--tensor-split")  # swept on GPU builds
+PASSED_ON = ("-sm/--split-mode", "-mg/--main-gpu", "-ts/--tensor-split", "-dev/--device")
+ANY_BUILD = ("-ncmoe/--n-cpu-moe", "-ot/--override-tensor")  # tensors placed on the CPU too
 NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
 PRIORITY_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}  # llama.cpp's set_process_priority
 
@@ -58,7 +59,7 @@ def refuse_unusable(
            "-ncmoe/--n-cpu-moe": n_cpu_moe, "-ot/--override-tensor": override_tensor}  # fmt: skip
     for flag, text in gpu.items():
         odd = _non_default(text, _GPU[flag])
-        if not odd:
+        if not odd or flag in ANY_BUILD:
             continue
         if not llama_lib().llama_supports_gpu_offload():
             raise BadRequestError(

@@ -224,3 +224,49 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+# ---- placing tensors and choosing devices (llama-bench's -ot, -ncmoe, -dev) ----------------
+
+
+class BuftOverride(ctypes.Structure):
+    """llama_model_tensor_buft_override: a tensor-name pattern and the buffer type to use."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def buffer_type(name: str) -> int | None:
+    """A ggml buffer type by llama-bench's name: CPU, or a device's (CUDA0, Metal)."""
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    if name.upper() == "CPU":
+        cpu = _open(lib_dir, "libggml-cpu.so")
+        if cpu is None:
+            return None
+        cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        return cpu.ggml_backend_cpu_buffer_type()
+    dev = device_by_name(name)
+    ggml = _open(lib_dir, "libggml.so")
+    if dev is None or ggml is None:
+        return None
+    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    return ggml.ggml_backend_dev_buffer_type(dev)
+
+
+def device_by_name(name: str) -> int | None:
+    import llama_cpp
+
+    ggml = _open(Path(llama_cpp.__file__).parent / "lib", "libggml.so")
+    if ggml is None:
+        return None
+    ggml.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    found = ggml.ggml_backend_dev_by_name(name.encode())
+    return int(found) if found else None
+
+
+def moe_cpu_patterns(n_layers: int) -> list[str]:
+    """llama.cpp's --n-cpu-moe: the expert tensors of the first N layers stay on the CPU."""
+    return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(n_layers)]

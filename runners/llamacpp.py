@@ -235,6 +235,52 @@ def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
                         peak_rss_bytes())  # fmt: skip
 
 
+@dataclass
+class _Placement:
+    overrides: Any = None  # a NULL-terminated array of BuftOverride
+    devices: Any = None  # a NULL-terminated array of ggml_backend_dev_t
+    record: dict[str, Any] = field(default_factory=dict)
+    keep: list[Any] = field(default_factory=list)
+
+
+def _placement(cfg: EngineConfig) -> _Placement:
+    """llama-bench's -ot, -ncmoe and -dev as the structs llama_model_params points to."""
+    out = _Placement()
+    pairs: list[tuple[str, str]] = []  # -ot's, recorded as given; -ncmoe's count on its own
+    for part in (cfg.tensor_overrides or "").split(";"):
+        if part.strip():
+            pattern, sep, buffer = part.strip().rpartition("=")
+            if not sep or not pattern or not buffer:
+                raise BadRequestError(f"-ot: '{part}' is not PATTERN=BUFFER (e.g. ffn_.*=CPU)")
+            pairs.append((pattern, buffer))
+    given = ";".join(f"{p}={b}" for p, b in pairs)
+    pairs += [(p, "CPU") for p in dv.moe_cpu_patterns(cfg.n_cpu_moe)]
+    if pairs:
+        arr = (dv.BuftOverride * (len(pairs) + 1))()
+        for i, (pattern, buffer) in enumerate(pairs):
+            buft = dv.buffer_type(buffer)
+            if buft is None:
+                raise BadRequestError(f"-ot: no buffer type '{buffer}' in this llama.cpp build")
+            encoded = pattern.encode()
+            out.keep.append(encoded)
+            arr[i].pattern, arr[i].buft = encoded, buft
+        out.overrides = arr
+        out.record["tensor_buft_overrides"] = given or "none"
+    out.record["n_cpu_moe"] = cfg.n_cpu_moe
+    if cfg.devices is not None:
+        names = [] if cfg.devices.strip().lower() == "none" else [
+            n for n in cfg.devices.split("/") if n.strip()]  # fmt: skip
+        devs = (ctypes.c_void_p * (len(names) + 1))()
+        for i, name in enumerate(names):
+            dev = dv.device_by_name(name.strip())
+            if dev is None:
+                raise BadRequestError(f"-dev: no device '{name}' (llmrun bench --list-devices)")
+            devs[i] = dev
+        out.devices = devs
+        out.record["devices"] = cfg.devices
+    return out
+
+
 def gpu_layers_asked(cfg: EngineConfig, can_offload: bool) -> int:
     """-ngl as given, or by default all layers where the build can offload (llama-bench's -1)."""
     if cfg.n_gpu_layers is not None:
@@ -296,14 +342,16 @@ class EngineConfig:
     split_mode: str | None = None  # across GPUs: none, layer, row, tensor (GPU builds)
     main_gpu: int | None = None
     tensor_split: str | None = None  # shares per GPU, "3/1"
+    tensor_overrides: str | None = None  # llama-bench's -ot: "pattern=BUFFER;pattern=BUFFER"
+    n_cpu_moe: int = 0  # the expert tensors of the first N layers stay on the CPU
+    devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""
-        mine = (self.n_gpu_layers, self.repack, self.load_mode, self.split_mode, self.main_gpu,
-                self.tensor_split)  # fmt: skip
-        return mine == (other.n_gpu_layers, other.repack, other.load_mode, other.split_mode,
-                        other.main_gpu, other.tensor_split)  # fmt: skip
+        fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
+                  "tensor_overrides", "n_cpu_moe", "devices")  # fmt: skip
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
 
 
 @dataclass
@@ -571,7 +619,13 @@ class LlamaCppRunner:
         if shares:
             split = (ctypes.c_float * max(len(shares), int(lib.llama_max_devices())))(*shares)
             mparams.tensor_split = split  # kept alive by `split` until the load returns
+        placement = _placement(cfg)  # kept alive until the load returns
+        if placement.overrides is not None:
+            mparams.tensor_buft_overrides = ctypes.cast(placement.overrides, ctypes.c_void_p)
+        if placement.devices is not None:
+            mparams.devices = ctypes.cast(placement.devices, ctypes.c_void_p)
         self._model_params = model_params(mparams)
+        self._model_params.update(placement.record)
         if shares:  # as llama-bench writes it: 3.00/1.00
             self._model_params["tensor_split"] = "/".join(f"{x:.2f}" for x in shares)
         # Called as the tensors load: returning False stops a long load at Ctrl-C.

@@ -106,6 +106,9 @@ class Combo:
     split_mode: str | None = None  # GPU builds: how layers spread over GPUs
     main_gpu: int | None = None
     tensor_split: str | None = None
+    tensor_overrides: str | None = None
+    n_cpu_moe: int = 0
+    devices: str | None = None
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -117,6 +120,8 @@ class Combo:
             load_mode=base.load_mode if self.load_mode is None else self.load_mode,
             n_threads_batch=self.n_threads_batch,
             split_mode=self.split_mode, main_gpu=self.main_gpu, tensor_split=self.tensor_split,
+            tensor_overrides=self.tensor_overrides, n_cpu_moe=self.n_cpu_moe,
+            devices=self.devices,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -124,8 +129,10 @@ class Combo:
         names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
                  "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
                  "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb",
-                 "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts"}  # fmt: skip
-        defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16"}
+                 "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
+                 "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev"}  # fmt: skip
+        defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
+                                       "n_cpu_moe": 0}  # fmt: skip
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(

@@ -153,5 +153,24 @@ def test_gpu_split_options_reach_llama_cpp_on_a_gpu_build(
     assert [(r["split_mode"], r["main_gpu"], r["tensor_split"]) for r in rows] == [
         ("row", 0, "3.00/1.00"), ("layer", 0, "3.00/1.00")]  # fmt: skip
     assert all(r["n_gpu_layers_offloaded"] == 0 for r in rows)  # no device to put them on
-    refused = CliRunner().invoke(app, ["bench", "-dev", "CUDA1", "-o", "json"])
-    assert refused.exit_code == 1 and "does not pass this to llama.cpp yet" in refused.stderr
+    missing = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
+                                       "-dev", "CUDA1", "-o", "json"])  # fmt: skip
+    assert missing.exit_code == 1 and "no device 'CUDA1'" in missing.stderr
+
+
+@pytest.mark.model
+def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
+                                      "-ot", "ffn_.*=CPU", "-ncmoe", "0,2", "-o", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["tensor_buft_overrides"], r["n_cpu_moe"]) for r in rows] == [
+        ("ffn_.*=CPU", 0), ("ffn_.*=CPU", 2)]  # fmt: skip
+    for bad, says in ((["-ot", "ffn_.*"], "is not PATTERN=BUFFER"), (["-ot", "x=NOPE"],
+                      "no buffer type 'NOPE'"), (["-dev", "CUDA0"], "no GPU backend")):  # fmt: skip
+        refused = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1",
+                                           "--no-history", *bad, "-o", "json"])  # fmt: skip
+        assert refused.exit_code == 1 and says in refused.stderr, refused.stderr
