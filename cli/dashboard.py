@@ -85,6 +85,8 @@ class LiveState:
     prefill_at_s: float | None = None  # ... and at the latest one
     prefill_rate: float | None = None  # prompt tok/s measured last (here or in an earlier request)
     thinking: int = 0  # output tokens of the model's thinking so far
+    drafted: int = 0  # tokens that landed in a run with the one before (speculative decoding)
+    run: int = 1  # the length of the latest such run
     pending: list[str] = field(default_factory=list)  # finished lines not yet scrolled out
     line: str = ""  # the text line being written (when the text goes through the dashboard)
 
@@ -92,8 +94,12 @@ class LiveState:
         if isinstance(event, Token):  # by far the most frequent: checked first
             if self.first_token_s is None:
                 self.first_token_s = event.t_s
+            elif event.t_s == self.last_token_s:  # landed with the one before: a drafted run
+                self.drafted += 1
+                self.run += 1
             else:
                 self.gaps_s.append(event.t_s - self.last_token_s)
+                self.run = 1
             self.last_token_s = event.t_s
             self.tokens = event.index + 1
             self.thinking += event.thinking
@@ -190,6 +196,8 @@ def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
         parts.append(_row(
             "decode", f"{state.tokens} tokens"
             + (f" ({state.thinking} thinking)" if state.thinking else "")
+            + (f" · {state.drafted} landed in drafted runs (last {state.run})"
+               if state.drafted else "")
             + f" · {tps(state.output_tps)} · itl ",
             (sparkline(gaps), "magenta"), latest,
         ))  # fmt: skip

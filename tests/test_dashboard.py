@@ -168,3 +168,12 @@ def test_stats_all_never_crops_a_figure(width: int) -> None:
     assert "…" not in out and flat.count("800+200") + flat.count("800 new + 200") == 3
     for figure in ("2,005", "400", "90.9", "101"):
         assert figure in flat, (width, figure)
+
+
+def test_the_live_panel_shows_drafted_runs_landing() -> None:
+    state = LiveState()
+    for i, t in enumerate([1.0, 1.01, 1.01, 1.01, 1.02]):  # three tokens land together
+        state.apply(Token(i, "x", t))
+    panel = text_of(render_live(state, now_s=1.03))
+    assert "2 landed in drafted runs (last 1)" in " ".join(panel.split())
+    assert list(state.gaps_s) == pytest.approx([0.01, 0.01])  # a run's tokens are no gaps
