@@ -107,6 +107,8 @@ def _record(r: InterferenceReport, model: str) -> dict[str, Any]:
         "throughput_tps": round(r.throughput_tps, 3), "steps": len(r.steps),
         "max_prefill_tokens_per_step": max((s.n_prefill for s in r.steps), default=0),
         "mixed_steps": sum(1 for s in prefill_steps if s.n_decode),
+        "prefill_ms": round(r.prefill_ms, 3), "prefill_in_stream_gaps_ms": round(
+            r.prefill_in_gaps_ms, 3),
     }  # fmt: skip
 
 
@@ -117,13 +119,14 @@ def _round(value: float | None) -> float | None:
 def _table(reports: list[InterferenceReport]) -> Table:
     table = Table(title="a decoding stream while long prompts arrive", title_justify="left")
     for col in ("policy", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "long TTFT ms", "tok/s",
-                "steps"):  # fmt: skip
+                "steps", "prefill in gaps"):  # fmt: skip
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in reports:
         ttft = sum(r.long_ttft_ms) / len(r.long_ttft_ms) if r.long_ttft_ms else None
         table.add_row(r.policy, out.cell(r.itl(50)), out.cell(r.itl(99)),
                       out.cell(max(r.stream_itl_ms, default=0.0)), out.cell(ttft),
-                      f"{r.throughput_tps:,.1f}", str(len(r.steps)))  # fmt: skip
+                      f"{r.throughput_tps:,.1f}", str(len(r.steps)),
+                      f"{r.prefill_in_gaps_ms:,.0f} of {r.prefill_ms:,.0f} ms")  # fmt: skip
     return table
 
 

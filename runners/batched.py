@@ -300,6 +300,19 @@ class InterferenceReport:
     def itl(self, q: float) -> float | None:
         return percentile(list(self.stream_itl_ms), q)
 
+    @property
+    def prefill_in_gaps_ms(self) -> float:
+        """Time of the steps that carried prefill while the stream was between two tokens."""
+        if len(self.stream_times_s) < 2:
+            return 0.0
+        first, last = self.stream_times_s[0], self.stream_times_s[-1]
+        return 1000 * sum(s.duration_s for s in self.steps
+                          if s.n_prefill and first <= s.start_s < last)  # fmt: skip
+
+    @property
+    def prefill_ms(self) -> float:
+        return 1000 * sum(s.duration_s for s in self.steps if s.n_prefill)
+
 
 def serve(
     engine: BatchedEngine,

@@ -89,6 +89,8 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
     assert [r["policy"] for r in rows] == ["alone", "prefill-first", "chunked:32"]
     assert all(r["stream_tokens"] == 24 and r["itl_p99_ms"] > 0 for r in rows)
     assert rows[2]["max_prefill_tokens_per_step"] <= 32 and rows[1]["mixed_steps"] == 0
+    assert 0 <= rows[1]["prefill_in_stream_gaps_ms"] <= rows[1]["prefill_ms"]
+    assert rows[0]["prefill_in_stream_gaps_ms"] == 0  # alone: no prompt lands mid-stream
     assert "chunked:32 against prefill-first: the stream's ITL p99" in done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the timeline
 
