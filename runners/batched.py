@@ -7,7 +7,8 @@ prefill chunks of waiting ones, as the policy allows:
   running sequences decode again; those steps carry no decode tokens.
 - `chunked:B` (Sarathi-Serve): every step carries all running decodes and at most B tokens in
   all, topped up with prefill chunks.
-- `decode-first`: prompts are prefilled only when no sequence is decoding.
+- `decode-first`: prompts are prefilled only when no sequence is decoding; `decode-first:K`
+  also lets a prefill in after K decode-only steps.
 
 Sequences share the KV cache (unified) under their own sequence ids, so they never see each
 other's entries; a finished sequence's entries are removed. Sampling is greedy, per sequence.
@@ -50,12 +51,16 @@ class Policy:
                 raise BadRequestError(f"--policy: chunked needs a token budget, chunked:64, not"
                                       f" '{text}'")  # fmt: skip
             return cls(name, int(value))
+        if name == "decode-first" and value:  # decode-first:K: prefill at least every K steps
+            if not value.isdigit() or not 1 <= int(value) <= 65536:
+                raise BadRequestError(f"--policy: decode-first:K needs a step count, not '{text}'")
+            return cls(name, int(value))
         if value:
             raise BadRequestError(f"--policy: '{name}' takes no value")
         return cls(name)
 
     def __str__(self) -> str:
-        return f"{self.name}:{self.budget}" if self.name == "chunked" else self.name
+        return f"{self.name}:{self.budget}" if self.budget else self.name
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class BatchedEngine:
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
         self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         lib.llama_sampler_chain_add(self.chain, lib.llama_sampler_init_greedy())
+        self._held = 0  # decode-only steps since the last prefill (decode-first:K)
 
     def close(self) -> None:
         if self.ctx:
@@ -231,7 +237,11 @@ class BatchedEngine:
         elif policy.name == "prefill-first" and waiting:
             decodes, room = [], self.n_batch  # the prompt first, whole
         elif policy.name == "decode-first" and decodes:
-            room = 0
+            self._held += 1  # decode-first:K lets a prefill in after K decode-only steps
+            room = 0 if not policy.budget or self._held < policy.budget else self.n_batch
+            if room:
+                self._held = 0
+            room = max(0, room - len(decodes))
         else:
             room = self.n_batch - len(decodes)
         entries: list[tuple[_Seq, int, int, str, bool]] = [

@@ -16,7 +16,7 @@ from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
 pytestmark = pytest.mark.model
-POLICIES = ["prefill-first", "chunked:32", "decode-first"]
+POLICIES = ["prefill-first", "chunked:32", "decode-first", "decode-first:4"]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +50,11 @@ def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup, policy: s
     for r, p in zip(results[1:], longs, strict=True):  # the long prompts too
         plain = engine.run([Arrival(0.0, p, 6)], Policy("chunked", 256))[0][0].output
         assert margin_at_divergence(runner, list(p), plain, r.output) < NEAR_TIE
-    budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256}[policy]
+    budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256,
+              "decode-first:4": 256}[policy]  # fmt: skip
     assert max(s.n_decode + s.n_prefill for s in steps) <= budget
     mixed = [s for s in steps if s.n_prefill and s.n_decode]
-    if policy == "chunked:32":
+    if policy in ("chunked:32", "decode-first:4"):
         assert mixed  # decodes ride along with prefill chunks
     else:
         assert not mixed  # a prompt alone in its steps
@@ -71,6 +72,7 @@ def test_negative_control_another_prompt_in_view_changes_the_output(setup) -> No
 
 def test_policies_parse() -> None:
     assert str(Policy.parse("chunked:64")) == "chunked:64"
+    assert str(Policy.parse("decode-first:8")) == "decode-first:8"
     for bad in ("chunked", "chunked:x", "fastest", "prefill-first:3"):
         with pytest.raises(BadRequestError):
             Policy.parse(bad)
