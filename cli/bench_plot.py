@@ -12,7 +12,8 @@ from llmrun.runners.errors import BadRequestError
 from . import bench_output as out
 
 
-def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only; one line when it is not installed."""
     try:
         import matplotlib
 
@@ -22,6 +23,20 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         raise BadRequestError(
             "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
         ) from None
+    return plt
+
+
+def _save(fig: Any, plt: Any, path: Path, dpi: int) -> None:
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
     pp = [r for r in records if out.is_pp(r)]
     tg = [r for r in records if out.is_tg(r)]
     depths = sorted({r["n_depth"] for r in tg})
@@ -65,26 +80,13 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         twin.set_ylim(bottom=0)
         ax.set_title("prefill rate and TTFT by chunk size")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    _save(fig, plt, path, 110)
 
 
 def plot_timeline(reports: Sequence[Any], path: Path) -> None:
     """Per policy: each step's batch (decode and prefill tokens, stacked, over time) and the
     decoding stream's gaps, so a whole-prompt stall and its smoothing by chunking show."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BadRequestError(
-            "--plot needs matplotlib: pip install 'llmrun[plot]' (make installs it)"
-        ) from None
+    plt = _pyplot()
     fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.6 * len(reports)), squeeze=False,
                              sharex=True)  # fmt: skip
     for ax, report in zip((row[0] for row in axes), reports, strict=True):
@@ -108,9 +110,4 @@ def plot_timeline(reports: Sequence[Any], path: Path) -> None:
     axes[-1][0].set_xlabel("seconds")
     axes[0][0].legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    _save(fig, plt, path, 100)
