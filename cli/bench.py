@@ -330,6 +330,11 @@ def bench(
                            " load (posix_fadvise, no root needed), so load time is measured"
                            " from disk; every row records how much of the file was cached."),
     ] = False,
+    draft: Annotated[
+        list[str] | None, _lists("Prompt-lookup speculative decoding in the generation tests:"
+                                 " at most N drafted tokens a step, a list such as 0,8 (0: off)"
+                                 " to measure with and without in one run.", "--draft"),
+    ] = None,
     ppl: Annotated[
         Path | None, typer.Option("--ppl", metavar="FILE", show_default=False,
                                   help="Also measure each model's perplexity on this text"
@@ -509,7 +514,7 @@ def bench(
                     repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
                     split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                     tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
-                    n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device),
+                    n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
                     no_kv_offload=_joined(no_kv_offload),
                     reps=reps, ctx=_joined(ctx), seed=seed, scenarios=scenarios,
                     warmup=not no_warmup,
@@ -553,6 +558,7 @@ class Sweep:
     tensor_overrides: str | None = None  # -ot sets, ","-separated; ";" within a set
     n_cpu_moe: str | None = None
     devices: str | None = None
+    draft: str | None = None  # speculative decoding in the tg tests: a list of draft lengths
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -578,10 +584,12 @@ class Sweep:
         moes = list(sw.parse_values(self.n_cpu_moe, name="-ncmoe")) if self.n_cpu_moe else [0]
         devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
                                      if self.devices else [None])  # fmt: skip
+        drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
+                  if self.draft else [0])  # fmt: skip
         return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
-                        n_cpu_moe=n, devices=d)
+                        n_cpu_moe=n, devices=d, draft=k)
                 for c in combos for m in modes for g in gpus for t in splits for o in overrides
-                for n in moes for d in devices]  # fmt: skip
+                for n in moes for d in devices for k in drafts]  # fmt: skip
 
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]

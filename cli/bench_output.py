@@ -41,6 +41,7 @@ SWEPT_COLUMNS = (
     ("n_batch", "n_batch"), ("n_ubatch", "n_ubatch"), ("n_gpu_layers", "ngl"),
     ("flash_attn_mode", "fa"), ("type_k", "type_k"), ("type_v", "type_v"), ("repack", "repack"),
     ("no_kv_offload", "nkvo"), ("load_mode", "lm"), ("n_ctx", "ctx"), ("kv_bytes", "KV bytes"),
+    ("draft", "draft"),
 )  # fmt: skip
 
 
@@ -121,6 +122,8 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
         cols += [("rel", "vs first", 8), ("weights", "weights", 10), ("kv", "KV", 10)]
     elif len({r.get("n_ctx") for r in records}) > 1:  # -c sweeps: memory against context
         cols += [("n_ctx", "ctx", 6), ("kv", "KV", 10)]
+    if any(r.get("draft") for r in records):  # speculation: with and without, side by side
+        cols += [("draft", "draft", 5), ("accept", "accepted", 8), ("tps", "tok/step", 8)]
     if any(r.get("ppl") is not None for r in records):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
     cols += [("ttft", "TTFT ms", 10),
@@ -138,6 +141,11 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
             "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
             "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
             "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
+            "draft": lambda: str(r.get("draft") or 0),
+            "accept": lambda: "-" if r.get("acceptance_rate") is None
+            else f"{r['acceptance_rate']:.0%}",
+            "tps": lambda: "-" if r.get("tokens_per_step") is None
+            else f"{r['tokens_per_step']:.2f}",
             "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
         }  # fmt: skip
         return special[key]() if key in special else _md_value(r.get(key))

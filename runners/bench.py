@@ -91,7 +91,7 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
 
 
 def _one_run(
-    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event
+    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event, draft: int = 0
 ) -> tuple[Finished, int | None]:
     """One repetition from a cleared cache; returns the result and the first output token."""
     n_vocab = runner.vocab_size()
@@ -110,7 +110,7 @@ def _one_run(
         max_tokens = shape.n_gen
     request = Request(
         token_ids=tuple(depth + prompt),
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, draft=draft),
         keep_cache=True,
     )
     finished: Finished | None = None
@@ -196,12 +196,13 @@ def run_bench(
             gaps: list[float] = []
             phase_tps: list[tuple[float | None, float | None]] = []  # pg: (prompt, gen)
             next_token: int | None = None
+            drafted = accepted = steps = 0  # speculative decoding (bench --draft)
             start = done
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             cpu0 = cpu_sample()
             try:
                 for rep in range(per_test):
-                    finished, first = _one_run(runner, shape, rng, cancel)
+                    finished, first = _one_run(runner, shape, rng, cancel, combo.draft)
                     done += 1
                     yield Progress(done, total, f"{shape.name} {combo.describe()}".strip())
                     if warmup and rep == 0:
@@ -215,6 +216,9 @@ def run_bench(
                         next_token = first
                     if shape.n_gen:
                         gaps.extend(finished.stats.itl_s)
+                        drafted += finished.stats.draft_tokens
+                        accepted += finished.stats.accepted_tokens
+                        steps += finished.stats.decode_steps
                     if shape.n_prompt and shape.n_gen:
                         st = finished.stats
                         phase_tps.append((st.prompt_tps, st.output_tps))
@@ -225,6 +229,10 @@ def run_bench(
                 yield Skipped(combo, shape, str(e))
                 continue
             extra: dict[str, Any] = {}
+            if combo.draft:
+                extra["draft"] = combo.draft
+                extra["acceptance_rate"] = round(accepted / drafted, 4) if drafted else None
+                extra["tokens_per_step"] = round(len(gaps) / steps, 4) if steps else None
             if phase_tps:  # pg blends two phases; keep each one's own rate as well
                 pp = [p for p, _ in phase_tps if p]
                 tg = [g for _, g in phase_tps if g]

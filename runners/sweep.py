@@ -109,6 +109,7 @@ class Combo:
     tensor_overrides: str | None = None
     n_cpu_moe: int = 0
     devices: str | None = None
+    draft: int = 0  # prompt-lookup speculative decoding in the generation tests
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -130,9 +131,10 @@ class Combo:
                  "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
                  "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb",
                  "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
-                 "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev"}  # fmt: skip
+                 "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev",
+                 "draft": "draft"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
-                                       "n_cpu_moe": 0}  # fmt: skip
+                                       "n_cpu_moe": 0, "draft": 0}  # fmt: skip
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(

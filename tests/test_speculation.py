@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 from typer.testing import CliRunner
 
@@ -10,7 +13,7 @@ from llmrun.runners import llamacpp
 from llmrun.runners.base import Request, SamplingParams, Token
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 
-from .conftest import ROOT
+from .conftest import ROOT, which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
 pytestmark = pytest.mark.model
@@ -100,3 +103,19 @@ def test_a_draft_model_drafts_and_keeps_the_greedy_text(model_path: str, q8_mode
     finally:
         plain_runner.close()
         drafted.close()
+
+
+def test_bench_measures_decode_with_and_without_speculation_in_one_run(
+    llmrun_env: dict[str, str],
+) -> None:
+    done = subprocess.run(
+        [which_llmrun(), "bench", "-p", "0", "-n", "32", "-r", "1", "--draft", "0,4",
+         "--no-history", "-o", "json"],
+        env=llmrun_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plain, fast = json.loads(done.stdout)
+    assert "draft" not in plain and fast["draft"] == 4
+    assert fast["tokens_per_step"] >= 1.0  # every decode step counted, drafts found or not
+    assert fast["acceptance_rate"] is None or 0 <= fast["acceptance_rate"] <= 1
+    assert plain["avg_ts"] > 0 and fast["avg_ts"] > 0
