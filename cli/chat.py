@@ -495,26 +495,7 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        o.warn_if_seed(system)
-        o.refuse_for_endpoint(endpoint, {"--draft": draft})
-        sampling = o.sampling_params(
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            think=think,
-            draft=draft,
-            draft_model=draft_model is not None,
-        )
-        config = o.local_engine(
-            endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
-            threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
-            repack=repack, chat_template_file=chat_template_file, draft_model=draft_model,
-        )  # fmt: skip
+        sampling, config = o.generation_settings(locals())
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -283,6 +283,27 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
         raise BadRequestError("--draft: speculative decoding here checks drafts greedily; add"
                               " --temp 0")  # fmt: skip
     return int(count) if count else DEFAULT_DRAFT
+
+
+def generation_settings(given: Mapping[str, Any]) -> tuple[SamplingParams, EngineConfig]:
+    """The sampling and engine settings of `run` and `chat`, from their options by name (the
+    two commands share them): checked, warned about, refused with --endpoint where they do
+    not apply."""
+    g = given
+    warn_if_seed(g["system"])
+    refuse_for_endpoint(g["endpoint"], {"--draft": g["draft"]})
+    sampling = sampling_params(
+        max_tokens=g["max_tokens"], temp=g["temp"], top_k=g["top_k"], top_p=g["top_p"],
+        min_p=g["min_p"], repeat_penalty=g["repeat_penalty"], seed=g["seed"], stop=g["stop"],
+        think=g["think"], draft=g["draft"], draft_model=g["draft_model"] is not None,
+    )  # fmt: skip
+    config = local_engine(
+        endpoint=g["endpoint"], ctx=g["ctx"], batch=g["batch"], ubatch=g["ubatch"],
+        threads=g["threads"], threads_batch=g["threads_batch"], gpu_layers=g["gpu_layers"],
+        flash_attn=g["flash_attn"], repack=g["repack"],
+        chat_template_file=g["chat_template_file"], draft_model=g["draft_model"],
+    )  # fmt: skip
+    return sampling, config
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:

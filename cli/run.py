@@ -152,26 +152,7 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        o.warn_if_seed(system)
-        o.refuse_for_endpoint(endpoint, {"--draft": draft})
-        sampling = o.sampling_params(
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            think=think,
-            draft=draft,
-            draft_model=draft_model is not None,
-        )
-        config = o.local_engine(
-            endpoint=endpoint, ctx=ctx, batch=batch, ubatch=ubatch, threads=threads,
-            threads_batch=threads_batch, gpu_layers=gpu_layers, flash_attn=flash_attn,
-            repack=repack, chat_template_file=chat_template_file, draft_model=draft_model,
-        )  # fmt: skip
+        sampling, config = o.generation_settings(locals())
         jobs = collect_jobs(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,

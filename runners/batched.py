@@ -18,6 +18,7 @@ wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
@@ -336,9 +337,6 @@ def serve(
     """The serving benchmark's load on the local engine: the prompts arrive as a Poisson process
     at `request_rate` (inf: all at once), at most engine.n_seq in flight (the rest queue).
     Returns each request's result and the run's duration."""
-    import math
-    import random
-
     rng = random.Random(seed)
     at, arrivals = 0.0, []
     for i, (tokens, max_tokens) in enumerate(prompts):
