@@ -296,6 +296,44 @@ def bench(
                                               help="Also print the results on stderr in this"
                                               " format."),
     ] = None,
+    embeddings: Annotated[
+        list[str] | None, _lists("0 only: generation is what is measured.", "-embd",
+                                 "--embeddings", panel=LB),
+    ] = None,
+    no_op_offload: Annotated[
+        list[str] | None, _lists("0 only (llama.cpp's default).", "-nopo", "--no-op-offload",
+                                 panel=LB),
+    ] = None,
+    no_host: Annotated[
+        list[str] | None, _lists("0 only (llama.cpp's default).", "--no-host", panel=LB),
+    ] = None,
+    lazy_mode: Annotated[
+        list[str] | None, _lists("auto only (llama.cpp's default).", "-lzm", "--lazy-mode",
+                                 panel=LB),
+    ] = None,
+    fit_target: Annotated[
+        list[str] | None, _lists("0 only: llmrun fits GPU layers to free memory itself.",
+                                 "-fitt", "--fit-target", panel=LB),
+    ] = None,
+    fit_ctx: Annotated[
+        list[str] | None, _lists("Only with --fit-target.", "-fitc", "--fit-ctx", panel=LB),
+    ] = None,
+    hf_repo: Annotated[
+        list[str] | None, _lists("A Hub model, owner/repo[:QUANT] (the same as -m).", "-hf",
+                                 "-hfr", "--hf-repo", panel=LB, metavar="REPO"),
+    ] = None,
+    hf_file: Annotated[
+        str | None, typer.Option("-hff", "--hf-file", show_default=False, rich_help_panel=LB,
+                                 help="The file in --hf-repo (owner/repo/FILE.gguf)."),
+    ] = None,
+    hf_token: Annotated[
+        str | None, typer.Option("-hft", "--hf-token", show_default=False, rich_help_panel=LB,
+                                 help="Hub token (default: HF_TOKEN; never printed)."),
+    ] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", rich_help_panel=LB,
+                           help="Use the Hub cache only (HF_HUB_OFFLINE)."),
+    ] = False,
     list_devices: Annotated[
         bool, typer.Option("--list-devices", rich_help_panel=LB,
                            help="List the devices this llama.cpp can use, and exit."),
@@ -466,6 +504,13 @@ def bench(
                     compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
                 )  # fmt: skip
                 raise typer.Exit(code)
+            models = lb.hub_models(models, hf_repo, hf_file, hf_token, offline)
+            lb.refuse_defaults_only({"-embd/--embeddings": (embeddings, {"0"}),
+                                     "-nopo/--no-op-offload": (no_op_offload, {"0"}),
+                                     "--no-host": (no_host, {"0"}),
+                                     "-lzm/--lazy-mode": (lazy_mode, {"auto"}),
+                                     "-fitt/--fit-target": (fit_target, {"0"}),
+                                     "-fitc/--fit-ctx": (fit_ctx, {"0", "4096"})})  # fmt: skip
             if concurrency is not None or request_rate is not None:  # serving, on this engine
                 if models and len(models) > 1:
                     raise BadRequestError("the serving benchmark measures one model: give -m once")
@@ -749,7 +794,7 @@ def _sweep(
             runner.close()
     assert system is not None
     if text is not None:
-        _add_perplexity(results, scores, sweep, show)
+        _add_perplexity(results, scores, sweep)
     return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
 
 
@@ -776,9 +821,8 @@ def _perplexity(
 
 
 def _add_perplexity(
-    results: list[res.Result], scores: dict[str, tuple[float, int]], sweep: Sweep,
-    show: Console,
-) -> None:  # fmt: skip
+    results: list[res.Result], scores: dict[str, tuple[float, int]], sweep: Sweep
+) -> None:
     """Each model's perplexity into its records, with the change against the first model."""
     first = next(iter(scores.values()), None)
     for result in results:

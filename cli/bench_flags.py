@@ -28,8 +28,8 @@ PRIORITY_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}  # llama.cpp's set_process_
 def _non_default(text: str | None, defaults: set[str]) -> list[str]:
     if text is None:
         return []
-    words = [BOOL_ALIASES.get(w.strip().lower(), w.strip().lower()) for w in text.split(",")]
-    return [w for w in words if w and w not in defaults]
+    words = [w.strip().lower() for w in text.split(",")]
+    return [w for w in words if w and BOOL_ALIASES.get(w, w) not in defaults]
 
 
 def refuse_unusable(
@@ -69,6 +69,32 @@ def refuse_unusable(
         if flag not in PASSED_ON:
             raise BadRequestError(f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp"
                                   " yet; only the default is measured")  # fmt: skip
+
+
+def refuse_defaults_only(given: dict[str, tuple[list[str] | None, set[str]]]) -> None:
+    """llama-bench options whose defaults are what llmrun runs: accepted there, else one line."""
+    for flag, (values, defaults) in given.items():
+        odd = _non_default(",".join(values) if values else None, defaults)
+        if odd:
+            raise BadRequestError(f"{flag} {odd[0]}: llmrun runs llama.cpp's default here"
+                                  f" ({'/'.join(sorted(defaults))}) and does not pass other"
+                                  " values on")  # fmt: skip
+
+
+def hub_models(
+    models: list[str] | None, repos: list[str] | None, hf_file: str | None,
+    token: str | None, offline: bool,
+) -> list[str] | None:  # fmt: skip
+    """llama-bench's -hf REPO[:QUANT] and -hff FILE as llmrun's Hub references (-m takes
+    them too); -hft and --offline through the Hub library's own variables."""
+    if token:
+        os.environ["HF_TOKEN"] = token
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    if hf_file and not repos:
+        raise BadRequestError("-hff/--hf-file names a file in -hf/--hf-repo: give the repository")
+    refs = [f"{r.split(':')[0]}/{hf_file}" if hf_file else r for r in repos or []]
+    return [*(models or []), *refs] or None
 
 
 def apply_process_settings(*, numa: str | None, prio: int) -> None:

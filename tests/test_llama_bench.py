@@ -127,6 +127,9 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
     assert done.returncode == 0
     assert done.stdout.startswith("build_commit,build_number,cpu_info,")
     assert '"build_commit":' in done.stderr and "llama_model_loader" in done.stderr  # -oe, -v
+    defaults = bench("-o", "json", "-embd", "0", "-nopo", "0", "--no-host", "0", "-lzm", "auto",
+                     "-fitt", "0", "--offline", env=llmrun_env)  # fmt: skip
+    assert defaults.returncode == 0, defaults.stderr  # llama-bench's defaults: accepted
     listing = subprocess.run([which_llmrun(), "bench", "--list-devices"], env=llmrun_env,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert listing.returncode == 0 and "CPU: " in listing.stdout
@@ -142,6 +145,10 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
         (["--numa", "everywhere"], "is not one of distribute"),
         (["-fa", "sometimes"], "every test was skipped"),
         (["-b", "4096", "-c", "256"], "every test was skipped"),
+        (["-embd", "1"], "runs llama.cpp's default here (0)"),
+        (["-lzm", "on"], "--lazy-mode on"),
+        (["-fitt", "512"], "--fit-target 512"),
+        (["-hff", "model.gguf"], "give the repository"),
     ],
 )
 def test_what_cannot_run_says_why_and_fails(
