@@ -1,8 +1,8 @@
 """The llmrun command line: everything that touches the terminal.
 
-When the program itself is `llmrun`, Ctrl-C (or SIGTERM) while Python is still importing the
-command's libraries ends it quietly; this is the first llmrun code that runs, so the handler
-goes here. `main.main` replaces it once the app is ready.
+When the program itself is `llmrun`, Ctrl-C (or SIGTERM, or SIGHUP) while Python is still
+importing the command's libraries ends it quietly; this is the first llmrun code that runs, so
+the handler goes here. `main.main` replaces it once the app is ready.
 """
 
 from __future__ import annotations
@@ -14,13 +14,21 @@ from types import FrameType
 
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_HANGUP = 129  # 128 + SIGHUP: the terminal or SSH session closed
+# The signals that end a command the way Ctrl-C does (results so far kept), and their exit codes.
+STOP_SIGNALS: dict[signal.Signals, int] = {
+    signal.SIGTERM: EXIT_TERMINATED,
+    signal.SIGINT: EXIT_INTERRUPTED,
+}
+if hasattr(signal, "SIGHUP"):
+    STOP_SIGNALS[signal.SIGHUP] = EXIT_HANGUP
 
 
 def interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
     os.write(2, b"llmrun: interrupted\n")
-    os._exit(EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED)
+    os._exit(STOP_SIGNALS.get(signal.Signals(signum), EXIT_INTERRUPTED))
 
 
 if os.path.basename(sys.argv[0] if sys.argv else "") == "llmrun":
-    signal.signal(signal.SIGINT, interrupted_at_startup)
-    signal.signal(signal.SIGTERM, interrupted_at_startup)
+    for _signum in STOP_SIGNALS:
+        signal.signal(_signum, interrupted_at_startup)

@@ -404,10 +404,15 @@ class ChatUI:
         if field is None:
             self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
             return
+        integer = field in ("max_tokens", "top_k", "seed")
         try:
             parsed: object = (tuple(v for v in value.split("|") if v) if field == "stop"
-                              else int(value) if field in ("max_tokens", "top_k", "seed")
-                              else float(value))  # fmt: skip
+                              else int(value) if integer else float(value))  # fmt: skip
+        except ValueError:  # Python's own words ("could not convert string...") stay inside
+            kind = "an integer" if integer else "a number"
+            self._usage(f"/set parameter {name}: {value!r} is not {kind}")
+            return
+        try:
             changes: dict[str, Any] = {field: parsed}
             sampling = dataclasses.replace(self.conv.sampling, **changes)
             check_sampling(sampling)

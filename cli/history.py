@@ -29,7 +29,11 @@ def history(
         console = StdoutConsole(highlight=False)
         runs = h.runs(limit=limit, model=model)
         if not runs:
-            console.print(f"no bench runs stored yet (in {h.path})")
+            if model and h.runs(limit=1):
+                console.print(f"no stored run's model name contains {model!r} (in {h.path})",
+                              markup=False)  # fmt: skip
+            else:
+                console.print(f"no bench runs stored yet (in {h.path})", markup=False)
             return
         for run in runs:
             changes = h.compare(run["records"], before_run=run["id"])

@@ -30,9 +30,15 @@ ROLES = {"system", "user", "assistant"}
 
 @dataclass(frozen=True)
 class Job:
-    label: str  # how results and errors name this request: "prompt", "FILE", "FILE:LINE"
+    label: str  # how errors name this request: "prompt", "FILE", "FILE:LINE"
     request: Request | None
     error: str | None = None  # a line that could not be read; reported, then skipped
+    given_id: str | int | None = None  # a JSONL line's own "id", returned as it was given
+
+    @property
+    def id(self) -> str | int:
+        """How results name this request: the line's "id" where it has one, else the label."""
+        return self.label if self.given_id is None else self.given_id
 
 
 def make_request(text: str, *, system: str | None, raw: bool, sampling: SamplingParams) -> Request:
@@ -100,7 +106,9 @@ def collect_jobs(
     sampling: SamplingParams,
 ) -> list[Job]:
     """Every request a `run` invocation asks for, in order."""
-    instruction = " ".join(words).strip()
+    instruction = repair_utf8(" ".join(words), "the prompt argument").strip()
+    if system is not None:
+        system = repair_utf8(system, "-s/--system")
     jobs: list[Job] = []
     for path in files:
         text = combine(instruction, read_text(path))
@@ -122,9 +130,8 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
             continue
         label = f"{path}:{n}"
         try:
-            jobs.append(
-                Job(label, parse_jsonl_line(line, system=system, raw=raw, sampling=sampling))
-            )
+            request, given_id = parse_jsonl_line(line, system=system, raw=raw, sampling=sampling)
+            jobs.append(Job(label, request, given_id=given_id))
         except (BadRequestError, EmptyPromptError) as e:
             jobs.append(Job(label, None, error=str(e)))
     return jobs
@@ -132,11 +139,21 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
 
 def parse_jsonl_line(
     line: str, *, system: str | None, raw: bool, sampling: SamplingParams
-) -> Request:
+) -> tuple[Request, str | int | None]:
+    """One JSON Lines request and its "id" (None without one)."""
     try:
         obj: Any = json.loads(line)
     except json.JSONDecodeError as e:
         raise BadRequestError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise BadRequestError("not valid JSON (nested too deeply)") from None
+    try:  # RFC 8259 8.2: a \\uD800 escape without its pair decodes to no character
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequestError(
+            "a \\u escape is half of a surrogate pair (not a character); send the pair or the"
+            " character itself"
+        ) from None
     if not isinstance(obj, dict):
         raise BadRequestError("a line must be a JSON object with 'prompt' or 'messages'")
     unknown = sorted(set(obj) - JSONL_KEYS)
@@ -165,8 +182,10 @@ def parse_jsonl_line(
         raise BadRequestError("'system' must be a string")
     if "raw" in obj and not isinstance(obj["raw"], bool):
         raise BadRequestError("'raw' must be true or false")
-    if "id" in obj and not isinstance(obj["id"], (str, int)):
-        raise BadRequestError("'id' must be a string or a number")
+    given_id = obj.get("id")
+    if given_id is not None and (not isinstance(given_id, (str, int))
+                                 or isinstance(given_id, bool)):  # fmt: skip
+        raise BadRequestError("'id' must be a string or an integer")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
@@ -184,10 +203,11 @@ def parse_jsonl_line(
             parsed.append(ChatMessage(m["role"], m["content"]))
         if line_system and parsed[0].role != "system":
             parsed.insert(0, ChatMessage("system", line_system))
-        return Request(messages=tuple(parsed), sampling=line_sampling)
+        return Request(messages=tuple(parsed), sampling=line_sampling), given_id
     prompt = obj.get("prompt")
     if not isinstance(prompt, str):
         raise BadRequestError("a line needs a 'prompt' string or a 'messages' list")
-    return make_request(
+    request = make_request(
         prompt, system=line_system, raw=bool(obj.get("raw", raw)), sampling=line_sampling
     )
+    return request, given_id

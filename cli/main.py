@@ -3,7 +3,9 @@
 - A standard stream that the caller closed (`2>&-`) is reopened on /dev/null, so nothing meant
   for stderr lands on stdout through a file that took its descriptor.
 - Ctrl-C while the libraries load ends quietly with 130, not with an import traceback.
-- SIGTERM behaves like Ctrl-C (results so far are kept) and the exit code is 143.
+- SIGTERM and SIGHUP (a closed terminal or SSH session) behave like Ctrl-C: results so far are
+  kept (printed, stored in the history, appended to --stats-file). The exit code says which
+  signal it was, as a shell would: 143 for SIGTERM, 129 for SIGHUP.
 - A llama.cpp abort (GGML_ASSERT) becomes the one-line error and exit 1.
 """
 
@@ -14,9 +16,9 @@ import signal
 import sys
 from types import FrameType
 
-from . import EXIT_INTERRUPTED, EXIT_TERMINATED, interrupted_at_startup
+from . import EXIT_INTERRUPTED, STOP_SIGNALS, interrupted_at_startup
 
-_terminated = False
+_terminated_by: int | None = None  # the exit code of the SIGTERM/SIGHUP that ended the command
 
 
 def _reopen_closed_std_streams() -> None:
@@ -51,9 +53,10 @@ def _same_text_in_every_locale() -> None:
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM: do what Ctrl-C does now (cancel the request, or raise KeyboardInterrupt)."""
-    global _terminated
-    _terminated = True
+    """SIGTERM, SIGHUP: do what Ctrl-C does now (cancel the request, or raise
+    KeyboardInterrupt)."""
+    global _terminated_by
+    _terminated_by = STOP_SIGNALS[signal.Signals(signum)]
     handler = signal.getsignal(signal.SIGINT)
     if callable(handler) and handler is not _terminate:
         handler(signal.SIGINT, frame)
@@ -64,8 +67,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def main() -> None:
     _reopen_closed_std_streams()
     _same_text_in_every_locale()
-    signal.signal(signal.SIGINT, interrupted_at_startup)
-    signal.signal(signal.SIGTERM, interrupted_at_startup)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, interrupted_at_startup)
     from llmrun.runners import llamacpp
     from llmrun.runners.errors import EngineAbortError
 
@@ -77,13 +80,15 @@ def main() -> None:
 
     llamacpp.on_abort = on_abort
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminate)
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGINT:
+            signal.signal(signum, _terminate)
     try:
         app()
     except SystemExit as e:
-        if _terminated and e.code in (EXIT_INTERRUPTED, None, 0, 1):
-            raise SystemExit(EXIT_TERMINATED) from None
+        if _terminated_by is not None and e.code in (EXIT_INTERRUPTED, None, 0, 1):
+            raise SystemExit(_terminated_by) from None
         raise
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED) from None
+        raise SystemExit(_terminated_by or EXIT_INTERRUPTED) from None

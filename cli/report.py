@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.files import append_line
 from llmrun.runners.limits import gib
 from llmrun.runners.stats import (
     FINISH_CONTEXT,
@@ -235,19 +236,18 @@ def summary_lines(stats: GenerationStats) -> list[str]:
     return [*lines, f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
 
 
-def stats_record(stats: GenerationStats, label: str) -> dict[str, Any]:
+def stats_record(stats: GenerationStats, label: str | int) -> dict[str, Any]:
     return {"id": label, **stats.to_dict()}
 
 
-def stats_json(stats: GenerationStats, label: str) -> str:
+def stats_json(stats: GenerationStats, label: str | int) -> str:
     return json.dumps(stats_record(stats, label), ensure_ascii=False)
 
 
 def append_stats_file(path: Path, lines: Sequence[str]) -> None:
     try:
-        with path.open("a", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
+        for line in lines:
+            append_line(path, line)  # whole lines only, even on a full disk
     except OSError as e:
         raise BadRequestError(f"cannot write the stats file {path}: {e.strerror or e}") from None
 

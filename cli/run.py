@@ -270,18 +270,20 @@ def _run_jobs(
             done.append(s)
             if json_out:
                 record = {
-                    "id": job.label,
+                    "id": job.id,
                     "text": finished.text,
-                    "stats": stats_record(s, job.label),
+                    "stats": stats_record(s, job.id),
                 }
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 out.end_line()
                 if many:
                     out.write("\n")
+            if stats_file is not None:  # before stderr, which a closed terminal (SIGHUP) fails
+                append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:
                 if stats_format is StatsFormat.json:
-                    print(stats_json(s, job.label), file=sys.stderr, flush=True)
+                    print(stats_json(s, job.id), file=sys.stderr, flush=True)
                 else:
                     if many:
                         err.print(f"[bold]{job.label}[/bold]")
@@ -292,8 +294,6 @@ def _run_jobs(
                     else:
                         for line in summary_lines(s):
                             err.print(line, markup=False)
-            if stats_file is not None:
-                append_stats_file(stats_file, [stats_json(s, job.label)])
             if s.finish_reason == FINISH_INCOMPLETE:
                 print(incomplete_message(s), file=sys.stderr)
                 failed = True

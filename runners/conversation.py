@@ -15,6 +15,7 @@ from typing import Any
 
 from .base import ChatMessage, Request, Runner, SamplingParams, generate
 from .errors import BadRequestError, PromptTooLongError
+from .files import atomic_write
 from .stats import GenerationStats
 
 WARN_FRACTION = 0.75  # warn once the context is this full
@@ -205,7 +206,7 @@ class Conversation:
                 f"cannot save as '{suffix or path.name}': use a .json or .md file"
             )
         try:
-            path.write_text(text, encoding="utf-8")
+            atomic_write(path, text)  # a full disk leaves the old transcript whole
         except OSError as e:
             raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
 

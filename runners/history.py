@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import re
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,8 +192,8 @@ class History:
         query = "SELECT id, time, kind, model FROM runs"
         args: list[Any] = []
         if model:
-            query += " WHERE model LIKE ?"
-            args.append(f"%{model}%")
+            query += " WHERE model LIKE ? ESCAPE '\\'"  # a name's % _ \ match themselves
+            args.append("%" + re.sub(r"([%_\\])", r"\\\1", model) + "%")
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         out = []

@@ -18,7 +18,8 @@ from typing import Any
 
 from .base import BenchRunner
 from .bench import run_bench
-from .limits import check_engine
+from .files import FileTooLargeError, atomic_write, read_capped
+from .limits import SettingError, check_engine
 from .llamacpp import EngineConfig
 from .paths import config_dir
 from .results import Result
@@ -44,11 +45,28 @@ def model_key(model_path: str) -> str:
 
 
 def _read_all() -> dict[str, Any]:
+    """Every model's tuning; {} when nothing was saved yet. A file that is not a JSON object
+    (RFC 8259: no trailing commas, no comments) is an error naming it, never read as empty,
+    so that a later save cannot replace the other models' settings with one entry."""
+    path = tuned_file()
     try:
-        data = json.loads(tuned_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = read_capped(path, max_bytes=16 * 2**20, what="tuning file").decode("utf-8")
+        data = json.loads(text)
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except OSError as e:
+        raise SettingError(str(path), f"cannot read it: {e.strerror or e}") from None
+    except (FileTooLargeError, UnicodeDecodeError) as e:
+        raise SettingError(str(path), f"{e}; fix or delete it") from None
+    except json.JSONDecodeError as e:
+        raise SettingError(
+            str(path),
+            f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or"
+            " delete it (it holds --tune's settings for every model)",
+        ) from None
+    if not isinstance(data, dict):
+        raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")
+    return data
 
 
 def load_tuned(model_path: str) -> dict[str, Any] | None:
@@ -66,9 +84,7 @@ def save_tuned(model_path: str, settings: dict[str, Any]) -> Path:
     data[key] = settings
     path = tuned_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write(path, json.dumps(data, indent=2) + "\n")
     return path
 
 

@@ -1,0 +1,86 @@
+"""Files written so that a full disk, a crash or a signal never leaves half of one.
+
+`atomic_write` writes a temporary file in the same folder, fsyncs it and renames it over the
+target (POSIX rename is atomic within a file system): a reader sees the old file or the new one.
+`append_line` appends one whole line with a single write(2) on an O_APPEND descriptor; if the
+disk fills part-way, the partial bytes are cut off again, so the file stays whole lines.
+`read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
+40 GB file given by mistake ends in one error instead of exhausting memory; a FIFO
+(`<(command)`, /dev/stdin) is read like a file, within the same cap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) in one step; on failure the old file is untouched.
+
+    Raises OSError (ENOSPC, EACCES...) with the temporary file removed.
+    """
+    data = text.encode("utf-8")
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+            with contextlib.suppress(OSError):  # keep the old file's permissions where there is one
+                os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` plus a newline as one write; a failed write leaves no partial line."""
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # a short write: the disk filled in the middle
+                raise OSError(28, os.strerror(28), str(path))
+        except OSError:
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+class FileTooLargeError(ValueError):
+    """A file over the size its reader accepts (or one that never ends)."""
+
+
+def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a file of at most `max_bytes`. Raises OSError for what cannot be opened or
+    read (a folder: IsADirectoryError) and FileTooLargeError for more than `max_bytes`."""
+    with open(path, "rb") as f:
+        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
+            raise IsADirectoryError(21, os.strerror(21), str(path))
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        limit = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+        raise FileTooLargeError(f"the {what} is larger than {limit}, or does not end")
+    return data

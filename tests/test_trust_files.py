@@ -1,0 +1,206 @@
+"""Trust, round two (issue 22), for what is written and read: whole files or none, whole lines,
+every input read by its specification (JSON RFC 8259 and JSON Lines, UTF-8), signals.
+
+A full disk is made with RLIMIT_FSIZE in a child process (writes past the limit fail with EFBIG,
+as they fail with ENOSPC on a full file system); the child runs the CLI on the fake runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
+from llmrun.runners.history import History
+
+from .conftest import ROOT
+from .fake import FakeRunner
+
+CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from llmrun.cli import engine
+    from tests.fake import FakeRunner
+    engine.RUNNER_FACTORY = lambda model, config: FakeRunner()
+    limit = int(sys.argv[1])
+    if limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    from llmrun.cli.main import main
+    sys.argv = ["llmrun", *sys.argv[2:]]
+    main()
+""")
+
+
+def fake_llmrun(
+    args: list[str], *, file_limit: int = 0, stdin: bytes = b"", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """The CLI on the fake runner in its own process, writes capped at `file_limit` bytes."""
+    return subprocess.run([sys.executable, "-c", CHILD, str(file_limit), *args], cwd=ROOT,
+                          input=stdin, capture_output=True, timeout=60,
+                          env=env or dict(os.environ))  # fmt: skip
+
+
+def test_save_on_a_full_disk_keeps_the_old_transcript(tmp_path: Path) -> None:
+    transcript = tmp_path / "t.json"
+    old = json.dumps({"turns": ["an earlier, complete transcript"]}) + "\n"
+    transcript.write_text(old)
+    script = f"{'many words in a long question ' * 20}\n/save {transcript}\n".encode()
+    result = fake_llmrun(["chat"], file_limit=len(old) + 10, stdin=script)
+    assert transcript.read_text() == old  # whole, and still the old one
+    assert b"cannot write" in result.stderr, result.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name != "t.json"]  # no temporary left over
+    ok = fake_llmrun(["chat"], stdin=script)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(transcript.read_text())["turns"]
+
+
+def test_a_stats_file_on_a_full_disk_keeps_whole_lines(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.jsonl"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    one = fake_llmrun(["run", "-q", "--jsonl", str(prompts), "--stats-file", str(stats)])
+    assert one.returncode == 0, one.stderr
+    line = len(stats.read_bytes()) // 6
+    stats.unlink()
+    result = fake_llmrun(["run", "-q", "--jsonl", str(prompts), "--stats-file", str(stats)],
+                         file_limit=int(line * 2.5))  # fmt: skip
+    assert result.returncode == 1
+    assert b"cannot write the stats file" in result.stderr
+    text = stats.read_text()
+    assert text.endswith("\n") and len(text.splitlines()) == 2
+    assert all(json.loads(x)["id"] for x in text.splitlines())
+
+
+def test_atomic_write_and_append_line_leave_nothing_half_done(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+    atomic_write(path, "one\n")
+    os.chmod(path, 0o600)
+    atomic_write(path, "two\n")
+    assert path.read_text() == "two\n" and (path.stat().st_mode & 0o777) == 0o600
+    append_line(tmp_path / "l.jsonl", "a")
+    append_line(tmp_path / "l.jsonl", "b\n")
+    assert (tmp_path / "l.jsonl").read_text() == "a\nb\n"
+    with pytest.raises(FileTooLargeError):
+        read_capped("/dev/zero", max_bytes=1000)
+    with pytest.raises(IsADirectoryError):
+        read_capped(tmp_path, max_bytes=1000)
+
+
+@pytest.mark.parametrize("text", ['{"/m.gguf:1": {"chat": {}},}', "[1, 2]", "{'a': 1}"])
+def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
+    text: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    from llmrun.runners.limits import SettingError
+    from llmrun.runners.tuning import load_tuned, save_tuned, tuned_file
+
+    path = tuned_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(SettingError, match=r"tuned\.json"):
+        load_tuned("/m.gguf")
+    with pytest.raises(SettingError, match="fix or delete it"):
+        save_tuned("/m.gguf", {"chat": {"n_threads": 1}})
+    assert path.read_text() == text
+
+
+def test_history_model_patterns_match_literally(tmp_path: Path) -> None:
+    with History(tmp_path / "h.db") as h:
+        for name in ("a_\\b", "ax\\b", "axb", "100%"):
+            h.store([{"test": "pp8", "avg_ts": 1.0}], kind="bench", model=name, system={})
+        assert [r["model"] for r in h.runs(model="_\\")] == ["a_\\b"]
+        assert [r["model"] for r in h.runs(model="a_")] == ["a_\\b"]
+        assert [r["model"] for r in h.runs(model="%")] == ["100%"]
+        assert len(h.runs(model="b")) == 3
+
+
+def test_jsonl_ids_come_back_as_given(tmp_path: Path, cli: CliRunner, fake: FakeRunner) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "q1", "prompt": "hi"}\n{"id": 7, "prompt": "yo"}\n{"prompt": "x"}\n')
+    stats = tmp_path / "s.jsonl"
+    result = cli.invoke(app, ["run", "-q", "--json", "--jsonl", str(prompts),
+                              "--stats-file", str(stats)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    ids = [json.loads(x)["id"] for x in result.stdout.splitlines()]
+    assert ids == ["q1", 7, f"{prompts}:3"]
+    assert [json.loads(x)["id"] for x in stats.read_text().splitlines()] == ids
+
+
+def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
+    tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "bad \\ud800 half"}\n{"prompt": "good \\ud83d\\ude00"}\n'
+                       + "[" * 100000 + "\n")  # fmt: skip
+    result = cli.invoke(app, ["run", "-q", "--jsonl", str(prompts)])
+    assert result.exit_code == 1
+    assert "good 😀" in result.stdout
+    errors = [x for x in result.stderr.splitlines() if x.startswith("llmrun: error")]
+    assert len(errors) == 2 and "surrogate" in errors[0] and "nested" in errors[1], result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+
+
+def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-c", CHILD, "0", "run", "-s", b"sys\xff".decode(
+        "utf-8", "surrogateescape"), b"hi \xc3\x28 there".decode("utf-8", "surrogateescape")],
+        cwd=ROOT, capture_output=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "hi \ufffd( there" in result.stdout.decode()
+    assert b"not valid UTF-8" in result.stderr and b"internal error" not in result.stderr
+
+
+def test_set_parameter_speaks_for_itself(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["chat"], input="/set parameter temperature abc\n")
+    assert "'abc' is not a number" in result.stderr
+    assert "could not convert" not in result.output
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGHUP, 129), (signal.SIGTERM, 143)])
+def test_sighup_keeps_the_results_like_sigterm(signum: int, code: int, tmp_path: Path) -> None:
+    """A closed terminal or SSH session: the finished requests' stats are kept, exit 129."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "w " * 50}) + "\n" for _ in range(400)))
+    stats = tmp_path / "s.jsonl"
+    slow = CHILD.replace("FakeRunner()", "Slow()").replace(
+        "from tests.fake import FakeRunner", textwrap.dedent("""
+        import time
+        from tests.fake import FakeRunner
+        class Slow(FakeRunner):
+            def stream(self, request, *, cancel=None):
+                for event in super().stream(request, cancel=cancel):
+                    time.sleep(0.002)
+                    yield event
+        """))  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", slow, "0", "run", "-q", "--jsonl",
+                              str(prompts), "--stats-file", str(stats)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (stats.exists() and stats.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.05)
+    child.send_signal(signum)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == code, err
+    lines = stats.read_text().splitlines()
+    assert 2 <= len(lines) < 400 and all(json.loads(x) for x in lines)
+    assert b"Traceback" not in err
+
+
+def test_a_history_pattern_from_the_command_line(cli: CliRunner) -> None:
+    with History() as h:
+        h.store([{"test": "pp8", "avg_ts": 1.0}], kind="bench", model="m_\\", system={})
+        h.store([{"test": "pp8", "avg_ts": 1.0}], kind="bench", model="mx\\", system={})
+    result = cli.invoke(app, ["history", "-m", "_\\"])
+    assert result.exit_code == 0, result.output
+    assert "m_\\" in result.output and "mx" not in result.output
+    result = cli.invoke(app, ["history", "-m", "[nothing]"])
+    assert "no stored run's model name contains '[nothing]'" in result.output
