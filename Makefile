@@ -13,7 +13,7 @@ LLAMA_BACKEND := $(shell $(BACKEND_TOOL) name $(GPU))
 LLAMA_CMAKE_ARGS := $(shell $(BACKEND_TOOL) cmake-args $(GPU))
 STAMP := $(VENV)/.llmrun-installed-$(shell $(BACKEND_TOOL) key $(GPU))
 
-.PHONY: setup demo test lint bench fuzz clean llama-bench vs-llama-bench
+.PHONY: setup demo test test-quick lint bench fuzz clean llama-bench vs-llama-bench
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ bench: setup
 # The lint runs first: a ruff or mypy error fails `make test`, and so CI.
 test: lint
 	$(BIN)/python -m pytest
+
+# The quick subset to run while working: no test that loads the real model or starts a process
+# (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py). About 30 s on
+# 2 cores.
+test-quick: setup
+	$(BIN)/python -m pytest -m "not model and not pty"
 
 # The GGUF header fuzzer at length (the test suite runs 200 of these cases).
 fuzz: setup

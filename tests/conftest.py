@@ -19,9 +19,29 @@ from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
 from .fake import FakeRunner
+from .guard import quick_guard  # noqa: F401  (an autouse fixture: registered by being here)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
+
+# The markers follow the fixtures a test uses, directly or through another fixture, so nobody
+# marks a test by hand and `pytest -m "not model and not pty"` (make test-quick) is the quick
+# subset; tests/guard.py fails a quick test that loads the model or starts a process anyway.
+#   model: loads the real embedded model in the test's process (or names it to a child process).
+#   pty:   starts a child process: the CLI through pipes, a pseudo-terminal (pexpect) or tmux, a
+#          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
+MARKER_FIXTURES = {
+    "model": {"model_path", "runner", "q8_model", "server"},
+    "pty": {"llmrun_env", "server", "q8_model"},
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in MARKER_FIXTURES.items():
+            if used & fixtures:
+                item.add_marker(marker)
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +53,16 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def model_path() -> str:
+def model_file() -> str:
+    """The embedded model's file, for tests that read its bytes or header and never load it."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model_path(model_file: str) -> str:
+    """The embedded model, for tests that load it (in-process, or through the CLI's default
+    model with CliRunner): requesting it marks the test `model`."""
+    return model_file
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +89,8 @@ def cli() -> CliRunner:
 
 @pytest.fixture
 def llmrun_env(tmp_path: Path) -> dict[str, str]:
-    """Environment for subprocess runs: isolated HF cache, offline, no debug."""
+    """Environment for child processes (isolated HF cache, offline, no debug): every test that
+    starts a process requests it, which marks the test `pty`."""
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1",
                LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip

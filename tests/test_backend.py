@@ -134,13 +134,17 @@ def make_n(env: dict[str, str], tmp_path: Path, *args: str) -> str:
     ],
 )  # fmt: skip
 def test_make_n_shows_the_cmake_args_of_each_case(
-    tmp_path: Path, scripts: dict[str, str], args: tuple[str, ...], expected: str
+    tmp_path: Path,
+    scripts: dict[str, str],
+    args: tuple[str, ...],
+    expected: str,
+    llmrun_env: dict[str, str],
 ) -> None:
     env = fake_tools(tmp_path / "bin", scripts)
     assert expected in make_n(env, tmp_path, *args)
 
 
-def test_llmrun_cmake_args_reach_the_build(tmp_path: Path) -> None:
+def test_llmrun_cmake_args_reach_the_build(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
     env = fake_tools(tmp_path / "bin", {})
     env["LLMRUN_CMAKE_ARGS"] = "-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"
     assert 'CMAKE_ARGS="-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"' in make_n(env, tmp_path)

@@ -15,7 +15,6 @@ from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
-pytestmark = pytest.mark.model
 POLICIES = ["prefill-first", "chunked:32", "decode-first", "decode-first:4"]
 
 

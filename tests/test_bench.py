@@ -73,7 +73,7 @@ def parse(fmt: str, text: str) -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "sql", "md"])
 def test_every_format_parses_back_with_both_sweep_values(
-    cli: CliRunner, home: Path, fmt: str
+    cli: CliRunner, home: Path, fmt: str, model_path: str
 ) -> None:
     result = cli.invoke(app, [*TINY, "-o", fmt, "--no-history"])
     assert result.exit_code == 0, result.stderr
@@ -95,7 +95,9 @@ def test_every_format_parses_back_with_both_sweep_values(
     assert float(pp["avg_ts"]) > 0 and float(pp["load_ms"]) > 0  # type: ignore[arg-type]
 
 
-def test_skipped_values_are_reported_and_the_rest_runs(cli: CliRunner, home: Path) -> None:
+def test_skipped_values_are_reported_and_the_rest_runs(
+    cli: CliRunner, home: Path, model_path: str
+) -> None:
     result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "0", "-ctk", "f16,q9",
                               "-b", "32,128", "-c", "64", "-ngl", "0,999", "-o", "jsonl",
                               "--no-history"])  # fmt: skip
@@ -109,7 +111,9 @@ def test_skipped_values_are_reported_and_the_rest_runs(cli: CliRunner, home: Pat
     assert "batch 128 is larger than the context (64 tokens)" in err
 
 
-def test_compare_finds_the_previous_run_and_history_lists_both(cli: CliRunner, home: Path) -> None:
+def test_compare_finds_the_previous_run_and_history_lists_both(
+    cli: CliRunner, home: Path, model_path: str
+) -> None:
     first = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json"])
     assert first.exit_code == 0, first.stderr
     second = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json",
@@ -125,7 +129,7 @@ def test_compare_finds_the_previous_run_and_history_lists_both(cli: CliRunner, h
     assert "run 2" in listing.stdout and "run 1" in listing.stdout
 
 
-def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path) -> None:
+def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path, model_path: str) -> None:
     result = cli.invoke(app, ["bench", "-r", "1", "-p", "48", "-n", "0", "--pg", "16,4",
                               "-d", "0,32", "-b", "16,48", "--no-history", "-o", "json"],
                         env={"COLUMNS": "120"})  # fmt: skip
@@ -140,7 +144,7 @@ def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path) -> None:
     assert "pp48: all 2 chunk sizes agree on the next token" in err
 
 
-def test_scenarios_give_a_score(cli: CliRunner, home: Path) -> None:
+def test_scenarios_give_a_score(cli: CliRunner, home: Path, model_path: str) -> None:
     result = cli.invoke(app, ["bench", "--scenarios", "--scenario-scale", "0.004", "-r", "1",
                               "--no-history", "-o", "jsonl"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
@@ -215,7 +219,9 @@ def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Pat
     assert db.execute("SELECT count(*) FROM results").fetchone() == (1,)
 
 
-def test_plot_and_system_report(cli: CliRunner, home: Path, tmp_path: Path) -> None:
+def test_plot_and_system_report(
+    cli: CliRunner, home: Path, tmp_path: Path, model_path: str
+) -> None:
     png = tmp_path / "bench.png"
     result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "4", "-b", "8,16", "-d", "0,8",
                               "--plot", str(png), "--no-history", "-o", "csv"])  # fmt: skip

@@ -19,7 +19,7 @@ def sh(cmd: str, env: dict[str, str], timeout: float = 120) -> subprocess.Comple
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
-def test_help_imports_nothing_heavy() -> None:
+def test_help_imports_nothing_heavy(llmrun_env: dict[str, str]) -> None:
     code = (
         "import sys, llmrun.cli.app as a\n"
         "from typer.testing import CliRunner\n"
@@ -30,17 +30,19 @@ def test_help_imports_nothing_heavy() -> None:
         "heavy = [m for m in heavy if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=llmrun_env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == ""
 
 
-def test_runners_never_import_the_terminal() -> None:
+def test_runners_never_import_the_terminal(llmrun_env: dict[str, str]) -> None:
     code = (
         "import sys, pkgutil, importlib, llmrun.runners as r\n"
         "for m in pkgutil.iter_modules(r.__path__): importlib.import_module(f'{r.__name__}.{m.name}')\n"
         "print([m for m in ('rich', 'typer') if m in sys.modules])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=llmrun_env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"
 
 

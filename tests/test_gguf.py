@@ -10,8 +10,8 @@ from llmrun.runners.gguf import GGML_BLOCKS, read_gguf
 from llmrun.runners.llamacpp import llama_lib
 
 
-def test_reads_the_embedded_model(model_path: str) -> None:
-    info = read_gguf(model_path)
+def test_reads_the_embedded_model(model_file: str) -> None:
+    info = read_gguf(model_file)
     assert info.version == 3
     assert info.architecture == "llama"
     assert info.quantization == "Q4_1"
@@ -54,8 +54,8 @@ def test_bad_files(tmp_path: Path, content: bytes, problem: str) -> None:
         read_gguf(path)
 
 
-def test_truncated_tensor_data(tmp_path: Path, model_path: str) -> None:
-    data = Path(model_path).read_bytes()
+def test_truncated_tensor_data(tmp_path: Path, model_file: str) -> None:
+    data = Path(model_file).read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(InvalidModelFileError, match="truncated GGUF file: tensor data needs"):

@@ -136,9 +136,8 @@ def test_the_summary_names_the_device_and_the_layers_on_it() -> None:
     assert engine_text(FAKE_SETTINGS) == "CPU 1t · batch 4 · ngl 0"
 
 
-@pytest.mark.model
 def test_gpu_split_options_reach_llama_cpp_on_a_gpu_build(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_path: str
 ) -> None:
     """A build that says it can offload (faked) takes -sm, -mg and -ts into the model
     parameters, read back into the records as llama-bench writes them."""
@@ -158,9 +157,8 @@ def test_gpu_split_options_reach_llama_cpp_on_a_gpu_build(
     assert missing.exit_code == 1 and "no device 'CUDA1'" in missing.stderr
 
 
-@pytest.mark.model
 def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_path: str
 ) -> None:
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     result = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",

@@ -19,7 +19,6 @@ from llmrun.runners.tuning import save_tuned
 from . import llama_tools
 from .conftest import which_llmrun
 
-pytestmark = pytest.mark.model
 TINY = ["bench", "-r", "1", "--no-history"]
 SHAPES = ["-p", "8", "-n", "2"]  # repeated options add values, as in llama-bench: given once
 

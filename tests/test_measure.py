@@ -39,7 +39,6 @@ def test_llama_cpp_buffer_reports_become_memory_figures() -> None:
     assert m.kv_bytes_per_token == 512 * 2**20 / 4096
 
 
-@pytest.mark.model
 def test_a_load_reports_its_memory(model_path: str) -> None:
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=1024))
     try:
@@ -60,7 +59,6 @@ def ppl_runner(model_path: str) -> LlamaCppRunner:
     return LlamaCppRunner(model_path, EngineConfig(n_ctx=256))
 
 
-@pytest.mark.model
 def test_perplexity_is_repeatable_and_shuffled_text_scores_worse(
     ppl_runner: LlamaCppRunner,
 ) -> None:
@@ -81,7 +79,6 @@ def test_perplexity_is_repeatable_and_shuffled_text_scores_worse(
         ppl_runner.perplexity(tokens[:100], n_ctx=256)  # not one whole window
 
 
-@pytest.mark.model
 def test_bench_compares_quantizations_by_speed_memory_and_perplexity(
     llmrun_env: dict[str, str], model_path: str, q8_model: str
 ) -> None:
@@ -124,7 +121,6 @@ def test_the_chat_meter_shows_the_kv_cache_in_use() -> None:
     assert "KV" not in context_meter(1000, 4096).plain  # a server: unknown
 
 
-@pytest.mark.model
 def test_cold_loads_read_the_file_from_disk(
     llmrun_env: dict[str, str], model_path: str, tmp_path: Path
 ) -> None:
@@ -145,7 +141,6 @@ def test_cold_loads_read_the_file_from_disk(
     assert rows["--cold"]["load_ms"] > 0
 
 
-@pytest.mark.model
 def test_a_context_sweep_shows_the_kv_cache_growing(llmrun_env: dict[str, str]) -> None:
     done = subprocess.run(
         [which_llmrun(), "bench", "-p", "0", "-n", "4", "-r", "1", "-c", "256,1024",

@@ -73,7 +73,6 @@ def test_the_cli_hides_thinking_and_reports_time_to_first_answer(
     assert stats["thinking_tokens"] == 4 and stats["first_answer_s"] > stats["ttft_s"]
 
 
-@pytest.mark.model
 def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parser(
     llmrun_env: dict[str, str], tmp_path: Path
 ) -> None:

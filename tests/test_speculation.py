@@ -16,7 +16,6 @@ from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from .conftest import ROOT, which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
-pytestmark = pytest.mark.model
 TEXT = (ROOT / "examples" / "declaration_of_independence.txt").read_text()[:1200]
 
 

@@ -15,8 +15,6 @@ import pytest
 
 from .conftest import ROOT, which_llmrun
 
-pytestmark = pytest.mark.model
-
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([which_llmrun(), *args], env=env, capture_output=True, text=True,
@@ -43,7 +41,6 @@ def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str]) -> None:
 REDRAW = ("\x1b[1A", "\x1b[2K", "\x1b[A")  # cursor up / erase line: how a live panel redraws
 
 
-@pytest.mark.pty
 @pytest.mark.parametrize("columns", [60, 100])
 def test_piping_on_a_terminal_keeps_the_answer(
     llmrun_env: dict[str, str], tmp_path: Path, columns: int
@@ -70,7 +67,6 @@ def test_piping_on_a_terminal_keeps_the_answer(
     assert "5, 6, 7" in out.read_text()
 
 
-@pytest.mark.pty
 def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[str, str]) -> None:
     env = {**llmrun_env, "COLUMNS": "100", "TERM": "xterm-256color"}
     child = pexpect.spawn(which_llmrun(), ["run", "-f", str(ROOT / "examples" / "long_prompt.txt"), "-n", "2",
@@ -99,7 +95,6 @@ def final_screen(args: list[str], env: dict[str, str], columns: int) -> list[str
     return history + [line.rstrip() for line in screen.display]
 
 
-@pytest.mark.pty
 @pytest.mark.parametrize("columns", [40, 60, 80, 120])
 def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: int) -> None:
     env = {**llmrun_env, "TERM": "xterm-256color"}
@@ -119,7 +114,6 @@ def tmux(*args: str) -> str:
                           check=True, timeout=30).stdout  # fmt: skip
 
 
-@pytest.mark.pty
 @pytest.mark.parametrize(("wide", "narrow"), [(120, 60), (80, 40)])
 def test_resizing_mid_run_leaves_no_debris(
     llmrun_env: dict[str, str], tmp_path: Path, wide: int, narrow: int

@@ -35,8 +35,6 @@ from llmrun.runners.system import CpuSample, background_cpus
 from .conftest import ROOT, free_port, which_llmrun
 from .stub_server import WORDS, stub_server
 
-pytestmark = pytest.mark.model
-
 
 def llmrun(
     args: list[str],

@@ -17,7 +17,7 @@ def _deliberate(runner: Runner, finished: GenerationStats) -> None:
 """
 
 
-def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path) -> None:
+def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
     copy = tmp_path / "repo"
     for name in ("cli", "runners", "typecheck"):
         shutil.copytree(ROOT / name, copy / name, symlinks=True)
@@ -26,7 +26,7 @@ def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path) -> None:
     run_py.write_text(run_py.read_text(encoding="utf-8") + BROKEN, encoding="utf-8")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
-        cwd=copy, capture_output=True, text=True, timeout=300,
+        cwd=copy, env=llmrun_env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
