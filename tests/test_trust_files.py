@@ -50,7 +50,9 @@ def fake_llmrun(
                           env=env or dict(os.environ))  # fmt: skip
 
 
-def test_save_on_a_full_disk_keeps_the_old_transcript(tmp_path: Path) -> None:
+def test_save_on_a_full_disk_keeps_the_old_transcript(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
     transcript = tmp_path / "t.json"
     old = json.dumps({"turns": ["an earlier, complete transcript"]}) + "\n"
     transcript.write_text(old)
@@ -64,7 +66,9 @@ def test_save_on_a_full_disk_keeps_the_old_transcript(tmp_path: Path) -> None:
     assert json.loads(transcript.read_text())["turns"]
 
 
-def test_a_stats_file_on_a_full_disk_keeps_whole_lines(tmp_path: Path) -> None:
+def test_a_stats_file_on_a_full_disk_keeps_whole_lines(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
     stats = tmp_path / "stats.jsonl"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
@@ -149,7 +153,9 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
 
 
-def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(tmp_path: Path) -> None:
+def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
     result = subprocess.run([sys.executable, "-c", CHILD, "0", "run", "-s", b"sys\xff".decode(
         "utf-8", "surrogateescape"), b"hi \xc3\x28 there".decode("utf-8", "surrogateescape")],
         cwd=ROOT, capture_output=True, timeout=60)  # fmt: skip
@@ -165,7 +171,9 @@ def test_set_parameter_speaks_for_itself(cli: CliRunner, fake: FakeRunner) -> No
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGHUP, 129), (signal.SIGTERM, 143)])
-def test_sighup_keeps_the_results_like_sigterm(signum: int, code: int, tmp_path: Path) -> None:
+def test_sighup_keeps_the_results_like_sigterm(
+    signum: int, code: int, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
     """A closed terminal or SSH session: the finished requests' stats are kept, exit 129."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "w " * 50}) + "\n" for _ in range(400)))
