@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmrun.runners import bench as b
-from llmrun.runners import results as res
-from llmrun.runners import sweep as sw
+from llmrun.runners.bench import measure as b
+from llmrun.runners.bench import results as res
+from llmrun.runners.bench import sweep as sw
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
 

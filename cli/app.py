@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from . import bench, chat, history, models, run
+from . import chat, history, models, run
+from .bench import sweep as bench
 
 app = typer.Typer(
     name="llmrun",

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable
 
 from llmrun.runners.base import BenchRunner, Runner
+from llmrun.runners.bench.tuning import apply_tuning
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.models import resolve_model
-from llmrun.runners.tuning import apply_tuning
 
 
 def _llamacpp(model: str | None, config: EngineConfig) -> Runner:

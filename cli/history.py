@@ -8,7 +8,7 @@ import typer
 
 from llmrun.runners.history import History
 
-from . import bench_output as out
+from .bench import output as out
 from .errors import StdoutConsole, handled
 
 

@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app
-from llmrun.runners import localscore as ls
-from llmrun.runners import sweep as sw
-from llmrun.runners import tuning
+from llmrun.runners.bench import localscore as ls
+from llmrun.runners.bench import sweep as sw
+from llmrun.runners.bench import tuning
+from llmrun.runners.bench.tuning import apply_tuning, save_tuned
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
-from llmrun.runners.tuning import apply_tuning, save_tuned
 
 from .conftest import which_llmrun
 from .fake import FakeBenchRunner

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from llmrun.runners import devices as dv
-from llmrun.runners.results import LLAMA_BENCH_FIELDS
-from llmrun.runners.tuning import save_tuned
+from llmrun.runners.bench.results import LLAMA_BENCH_FIELDS
+from llmrun.runners.bench.tuning import save_tuned
 
 from . import llama_tools
 from .conftest import which_llmrun

@@ -13,13 +13,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmrun.cli.dashboard import sparkline
+from llmrun.cli.engine import make_bench_runner
 from llmrun.runners.batched import BatchedEngine, InterferenceReport, Policy, interference
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 
-from . import bench_output as out
-from .dashboard import sparkline
-from .engine import make_bench_runner
+from . import output as out
 
 STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_LONG_PROMPTS = 8
@@ -89,7 +89,7 @@ def run_local_interference(
     for line in verdict(reports):
         err.print(line, markup=False)
     if plot is not None and reports:
-        from .bench_plot import plot_timeline
+        from .plot import plot_timeline
 
         plot_timeline(reports, plot)
         err.print(f"timeline written to {plot}", markup=False)
@@ -175,11 +175,11 @@ def run_local_serving(
 ) -> int:
     """The serving benchmark (vLLM's metrics) on this machine's engine, for every concurrency
     level and policy: the same records and tables as against a server."""
-    from llmrun.runners import serving as sv
     from llmrun.runners.batched import serve
-    from llmrun.runners.sweep import parse_values
+    from llmrun.runners.bench.sweep import parse_values
+    from llmrun.runners.serving import load as sv
 
-    from .bench_serving import (
+    from .serve import (
         parse_percentiles,
         parse_rate,
         parse_slo,

@@ -1,6 +1,6 @@
 """`llmrun bench`: llama-bench's tests and sweeps, with TTFT, ITL, load time and efficiency.
 
-Also `llmrun history`. The measuring is in runners/bench.py; this module parses the sweep,
+Also `llmrun history`. The measuring is in runners/bench/measure.py; this module parses the sweep,
 shows progress, prints the results in the format asked for, and stores them.
 """
 
@@ -19,30 +19,30 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners import bench as b
-from llmrun.runners import localscore as ls
-from llmrun.runners import results as res
-from llmrun.runners import sweep as sw
-from llmrun.runners import tuning as tn
+from llmrun.cli import options as o
+from llmrun.cli.dashboard import model_facts
+from llmrun.cli.engine import make_bench_runner
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.report import ms
+from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
+from llmrun.runners.bench import localscore as ls
+from llmrun.runners.bench import measure as b
+from llmrun.runners.bench import results as res
+from llmrun.runners.bench import sweep as sw
+from llmrun.runners.bench import tuning as tn
+from llmrun.runners.bench.tuning import REPS, save_tuned, search
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
-from llmrun.runners.tuning import REPS, save_tuned, search
 
-from . import bench_flags as lb
-from . import bench_output as out
-from . import bench_plot
-from . import options as o
-from .bench_local import run_local_interference, run_local_serving
-from .bench_serving import run_serving
-from .dashboard import model_facts
-from .engine import make_bench_runner
-from .errors import EXIT_INTERRUPTED, StdoutConsole, handled
-from .report import ms
-from .session import ctrl_c_cancels
+from . import flags as lb
+from . import output as out
+from . import plot as bench_plot
+from .interference import run_local_interference, run_local_serving
+from .serve import run_serving
 
 PANEL = "Tests (llama-bench's)"
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"

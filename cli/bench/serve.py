@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from llmrun.cli.errors import EXIT_INTERRUPTED
+from llmrun.runners.bench.sweep import parse_values
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.sweep import parse_values
 
-from . import bench_output as out
-from .errors import EXIT_INTERRUPTED
+from . import output as out
 
 if TYPE_CHECKING:
-    from llmrun.runners import serving as sv
+    from llmrun.runners.serving import load as sv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -119,8 +119,8 @@ def run_serving(
     err: Console,
     show: Console,
 ) -> int:
-    from llmrun.runners import serving as sv  # httpx: only when a server is measured
     from llmrun.runners.remote import OpenAIRunner
+    from llmrun.runners.serving import load as sv  # httpx: only when a server is measured
 
     levels = parse_values(concurrency, name="--concurrency")
     if any(c < 1 for c in levels):

@@ -18,15 +18,14 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.history import Change, History, HistoryError
-from llmrun.runners.results import (
+from llmrun.cli.dashboard import bars
+from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
     LLAMA_BENCH_INT,
     LLAMA_BENCH_REAL,
 )
-
-from .dashboard import bars
+from llmrun.runners.history import Change, History, HistoryError
 
 
 class OutputFormat(str, Enum):

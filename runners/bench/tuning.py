@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import BenchRunner
-from .bench import run_bench
-from .files import FileTooLargeError, atomic_write, read_capped
-from .limits import SettingError, check_engine
-from .llamacpp import EngineConfig
-from .paths import config_dir
+from llmrun.runners.base import BenchRunner
+from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
+from llmrun.runners.limits import SettingError, check_engine
+from llmrun.runners.llamacpp import EngineConfig
+from llmrun.runners.paths import config_dir
+from llmrun.runners.system import default_threads, logical_cpus
+
+from .measure import run_bench
 from .results import Result
 from .sweep import Combo, Shape
-from .system import default_threads, logical_cpus
 
 TUNED_FIELDS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn", "repack")
 # What each workload asks of the engine: (prompt tokens, output tokens) of a typical request.

@@ -25,10 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import Request, SamplingParams, generate
-from .errors import LlmrunError
-from .remote import OpenAIRunner
-from .stats import FINISH_INCOMPLETE, percentile
+from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.errors import LlmrunError
+from llmrun.runners.remote import OpenAIRunner
+from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
 
 WORDS = (
     "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",

@@ -9,7 +9,7 @@ from typing import Any
 
 from llmrun.runners.errors import BadRequestError
 
-from . import bench_output as out
+from . import output as out
 
 
 def _pyplot() -> Any:

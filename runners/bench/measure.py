@@ -22,13 +22,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base import BenchRunner, Finished, Request, SamplingParams, Token
-from .errors import LlmrunError, ModelLoadError
-from .limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
-from .llamacpp import EngineConfig
+from llmrun.runners.base import BenchRunner, Finished, Request, SamplingParams, Token
+from llmrun.runners.errors import LlmrunError, ModelLoadError
+from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.llamacpp import EngineConfig
+from llmrun.runners.system import background_cpus, cpu_sample
+
 from .results import Result
 from .sweep import Combo, Shape
-from .system import background_cpus, cpu_sample
 
 
 @dataclass(frozen=True)

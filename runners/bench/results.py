@@ -6,9 +6,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
+from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
+from llmrun.runners.system import SystemInfo, busy_machine
+
 from .sweep import Combo, Shape
-from .system import SystemInfo, busy_machine
 
 # llama-bench's record: its fields in its order, and the SQL type of each (llama-bench.cpp,
 # test::get_fields and get_field_type; BOOL is an INTEGER in SQL and true/false in JSON).
