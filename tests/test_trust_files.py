@@ -105,7 +105,7 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
     text: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
 ) -> None:
     from llmrun.runners.limits import SettingError
-    from llmrun.runners.tuning import load_tuned, save_tuned, tuned_file
+    from llmrun.runners.bench.tuning import load_tuned, save_tuned, tuned_file
 
     path = tuned_file()
     path.parent.mkdir(parents=True)
