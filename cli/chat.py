@@ -42,7 +42,16 @@ from .errors import (
 )
 from .inputs import repair_utf8
 from .report import mib, ms
-from .session import TextOut, TextSink, ctrl_c_cancels, drive
+from .session import (
+    KeysHeld,
+    TextOut,
+    TextSink,
+    ctrl_c_cancels,
+    drive,
+    live_terminal,
+    redrawn_after_fg,
+    terminal_modes,
+)
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -204,10 +213,12 @@ class ChatUI:
         self.cancel = threading.Event()
         self.stdout = TextOut(cancel=self.cancel)
         self.dash: Dashboard | None = None
-        if interactive and dashboard and sys.stderr.isatty():
-            self.dash = Dashboard(self.err, show_text=sys.stdout.isatty())
+        if interactive and dashboard and live_terminal(sys.stderr):
+            self.dash = Dashboard(self.err, show_text=live_terminal(sys.stdout))
         self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
+        self.shell_modes = terminal_modes() if interactive else None
         self.readline = _readline() if interactive else None
+        self.typed_ahead = ""  # keys typed during a reply: the start of the next message
         self.failed = False  # a turn failed: a scripted chat exits 1 at the end
 
     # ---- output ------------------------------------------------------------------------
@@ -233,15 +244,34 @@ class ChatUI:
         if not self.interactive:
             line = sys.stdin.readline()
             return repair_utf8(line.rstrip("\n")) if line else None
+        self._type_ahead()
+        rl = self.readline
+        stream = sys.stdout if sys.stdout.isatty() else sys.stderr
         try:
-            if sys.stdout.isatty():
-                return repair_utf8(input(prompt))
-            sys.stderr.write(prompt)  # stdout is a file or pipe: it gets the replies alone
-            sys.stderr.flush()
-            return repair_utf8(input())
+            with redrawn_after_fg(stream, lambda: prompt + (rl.get_line_buffer() if rl else ""),
+                                  self.shell_modes):  # fmt: skip
+                if sys.stdout.isatty():
+                    return repair_utf8(input(prompt))
+                sys.stderr.write(prompt)  # stdout is a file or pipe: it gets the replies alone
+                sys.stderr.flush()
+                return repair_utf8(input())
         except EOFError:
             self._end_prompt_line()
             return None
+
+    def _type_ahead(self) -> None:
+        """What was typed during the reply starts the next line, editable, not yet sent."""
+        text, self.typed_ahead = self.typed_ahead, ""
+        rl = self.readline
+        if not text or rl is None:
+            return
+
+        def insert() -> None:
+            rl.insert_text(text)
+            rl.redisplay()
+            rl.set_pre_input_hook(None)
+
+        rl.set_pre_input_hook(insert)
 
     def _end_prompt_line(self) -> None:
         """Finish the prompt's line where the prompt was written (never into piped replies)."""
@@ -305,8 +335,11 @@ class ChatUI:
 
     def turn(self, user: str) -> None:
         self.cancel.clear()
-        with ctrl_c_cancels(self.cancel):  # from here on, Ctrl-C ends this turn, not the chat
+        keys = KeysHeld(self.dash, keep=True) if self.interactive else contextlib.nullcontext()
+        with ctrl_c_cancels(self.cancel), keys:  # from here on, Ctrl-C ends this turn only
             self._turn(user)
+        if isinstance(keys, KeysHeld):
+            self.typed_ahead = keys.typed
 
     def _turn(self, user: str) -> None:
         conv = self.conv

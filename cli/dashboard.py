@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.cells import cell_len
+from rich.cells import cell_len, chop_cells
 from rich.console import (
     Console,
     ConsoleDimensions,
@@ -53,6 +53,7 @@ from .report import (
 
 REFRESH_PER_SECOND = 4
 CHART_POINTS = 24  # inter-token gaps in the live chart
+LINE_ROWS = 3  # rows of the line being written that the live panel shows
 BAR_CELLS = 34
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -132,8 +133,50 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[round(max(v, 0.0) / high * top) if high > 0 else 0] for v in values)
 
 
-def _row(label: str, *content: str | tuple[str, str] | Text) -> Text:
-    return Text.assemble((f"{label:<8} ", "bold"), *content)
+LABEL_CELLS = 8  # the label column of the live rows and the closing summary
+
+
+@dataclass(frozen=True)
+class Hanging:
+    """A labelled row whose wrapped lines start under its value, never at column 0 (the live
+    panel's rows, like the closing summary's grid; cheap enough for every redraw)."""
+
+    label: str
+    value: Text
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        indent = LABEL_CELLS + 1
+        width = options.max_width
+        if width <= indent + 8:  # too narrow for a column: the label on its own line
+            yield Text(self.label, style="bold")
+            yield from self.value.wrap(console, max(1, width))
+            return
+        lines = self.value.wrap(console, width - indent, overflow="fold")
+        for i, line in enumerate(lines):
+            yield Segment(f"{self.label:<{LABEL_CELLS}} " if i == 0 else " " * indent,
+                          console.get_style("bold") if i == 0 else None)  # fmt: skip
+            yield from line.render(console)
+            yield Segment.line()
+
+
+def _row(label: str, *content: str | tuple[str, str] | Text) -> Hanging:
+    return Hanging(label, Text.assemble(*content))
+
+
+def folded(line: str, width: int, rows: int) -> list[Text]:
+    """The line being written as the terminal will show it once it is printed: cut every
+    `width` cells, not at words; only its last `rows` rows (a long paragraph stays whole
+    in the text and scrolls out whole when it ends)."""
+    text = Text.from_ansi(line)
+    plain = text.plain
+    if cell_len(plain) <= width:
+        return [text]
+    offsets, at = [], 0
+    for piece in chop_cells(plain, max(1, width)):
+        at += len(piece)
+        offsets.append(at)
+    parts = list(text.divide(offsets[:-1]))
+    return parts[-rows:]
 
 
 def _bar(done: int, total: int, cells: int = 20) -> Text:
@@ -155,15 +198,15 @@ def _prefill_estimate(state: LiveState, p: PrefillProgress, now_s: float | None)
     return estimate, text + f" · ~{estimate} est."
 
 
-def render_live(state: LiveState, now_s: float | None = None) -> RenderableType:
+def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80) -> RenderableType:
     """The panel for a running request: one row per phase reached so far.
 
     Plain Text rows rather than tables: `Live` redraws this several times a second from its
     own thread, which competes with the token loop for the interpreter, so it must be cheap.
     """
-    parts: list[RenderableType] = [Text.from_ansi(line) for line in state.pending]
+    parts: list[RenderableType] = []
     if state.line:
-        parts.append(Text.from_ansi(state.line))
+        parts.extend(folded(state.line, width, LINE_ROWS))
     if state.loading:
         name = os.path.basename(state.path)
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
@@ -340,12 +383,12 @@ class _TextLive(Live):
         lines = self._take_lines()
         if not lines or not self.console.is_terminal:
             if lines:
-                self.console.print(Text.from_ansi("\n".join(lines)))
+                self.console.print(Text.from_ansi("\n".join(lines)), soft_wrap=True)
             super().refresh()
             return
         with self._lock:  # one redraw: the lines above, then the panel as it is now
             self._live_render.set_renderable(self.renderable)
-            self.console.print(Text.from_ansi("\n".join(lines)))
+            self.console.print(Text.from_ansi("\n".join(lines)), soft_wrap=True)
 
 
 class Dashboard:
@@ -361,8 +404,6 @@ class Dashboard:
         self.closed = False  # the text sink never closes: the terminal is not a pipe
         self.ends_with_newline = True
         self._lock = threading.Lock()
-        self._line_cells = 0
-        self._width = console.width
 
     # -- EventView --
 
@@ -376,12 +417,29 @@ class Dashboard:
     def close(self) -> None:
         self._stop()
 
+    def suspend(self) -> None:
+        """Ctrl-Z: the panel off the screen and the cursor shown, for the shell."""
+        live = self.live
+        if live is None:
+            return
+        live._lock.acquire()  # no redraw until resume(): the refresh thread waits
+        render = live._live_render
+        self.console.control(render.restore_cursor())
+        render._shape = None  # drawn afresh where the cursor is after `fg`
+        self.console.show_cursor(True)
+
+    def resume(self) -> None:
+        live = self.live
+        if live is None:
+            return
+        self.console.show_cursor(False)
+        live._lock.release()
+        live.refresh()
+
     def _start(self) -> None:
         old = self.state  # the model and its last prefill rate carry over to the next request
         self.state = LiveState(loaded=old.loaded, started_s=time.perf_counter(),
                                prefill_rate=old.prefill_rate)  # fmt: skip
-        self._line_cells = 0
-        self._width = self.console.width
         self.live = _TextLive(
             self._take_pending,
             console=self.console,
@@ -395,40 +453,34 @@ class Dashboard:
 
     def _renderable(self) -> RenderableType:
         with self._lock:
-            return render_live(self.state, time.perf_counter())
+            return render_live(self.state, time.perf_counter(), width=self.console.width)
 
     def _stop(self) -> None:
         if self.live is not None:
             self.live.stop()  # its last refresh scrolls out the finished lines
             self.live = None
             if self.state.line:
-                self.console.print(Text.from_ansi(self.state.line), end="")
+                self.console.print(Text.from_ansi(self.state.line), end="", soft_wrap=True)
                 self.state.line = ""
 
     # -- text sink (used in place of TextOut when stdout is this terminal) --
 
     def write(self, text: str) -> None:
-        """Called once per token: the common case (no newline, short line) stays tiny."""
+        """Called once per token: the common case (no newline) stays tiny. Lines reach the
+        terminal whole, as the model wrote them, and the terminal wraps them (so text copied
+        from the screen is the text, and reflows on a resize)."""
         if not text:
             return
         self.ends_with_newline = text[-1] == "\n"
         if self.live is None:
-            self.console.print(Text(text), end="")
+            self.console.print(Text.from_ansi(text), end="", soft_wrap=True)
             return
         state = self.state
-        cells = self._line_cells + cell_len(text)
-        if "\n" not in text and cells <= 3 * self._width:
+        if "\n" not in text:
             state.line += text  # one assignment: the refresh thread sees the old or new line
-            self._line_cells = cells
             return
         with self._lock:
             *done, state.line = (state.line + text).split("\n")
-            self._line_cells = cell_len(state.line)
-            if self._line_cells > 3 * self._width:  # keep the panel short: scroll rows out
-                rows = Text.from_ansi(state.line).wrap(self.console, self._width)
-                done.extend(row.plain for row in rows[:-1])
-                state.line = rows[-1].plain
-                self._line_cells = cell_len(state.line)
             state.pending.extend(done)
 
     def _take_pending(self) -> list[str]:

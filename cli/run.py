@@ -41,7 +41,15 @@ from .report import (
     summary_lines,
     tps,
 )
-from .session import EventView, TextOut, TextSink, ctrl_c_cancels, drive
+from .session import (
+    EventView,
+    KeysHeld,
+    TextOut,
+    TextSink,
+    ctrl_c_cancels,
+    drive,
+    live_terminal,
+)
 
 
 class StatsFormat(str, Enum):
@@ -230,19 +238,19 @@ def _run_jobs(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
-    if dashboard and not quiet and sys.stderr.isatty():
+    if dashboard and not quiet and live_terminal(sys.stderr):
         if stdout_may_reach_this_terminal():
             final_panel = True  # `| cat`, `| tee`: live redraws would erase the piped text
         else:
             dash = Dashboard(TerminalConsole(stderr=True, highlight=False),
-                             show_text=sys.stdout.isatty() and not json_out)  # fmt: skip
+                             show_text=live_terminal(sys.stdout) and not json_out)  # fmt: skip
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
     many = len(jobs) > 1
     done: list[GenerationStats] = []
     failed = False
-    with ctrl_c_cancels(cancel):
+    with ctrl_c_cancels(cancel), KeysHeld(dash):
         for job in jobs:
             if job.error is not None or job.request is None:
                 print(f"llmrun: error: {job.label}: {job.error}", file=sys.stderr, flush=True)

@@ -7,9 +7,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from llmrun.runners.base import Event, Finished, Request, Runner, Token
 
@@ -20,6 +20,14 @@ class EventView(Protocol):
     def update(self, event: Event) -> None: ...
 
     def close(self) -> None: ...
+
+
+class Suspendable(Protocol):
+    """A view that takes itself off the screen for Ctrl-Z and draws itself again after `fg`."""
+
+    def suspend(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 class TextSink(Protocol):
@@ -41,7 +49,7 @@ class TextOut:
         self.cancel = cancel
         self.closed = False
         self.ends_with_newline = True
-        self.styled = _isatty(self.stream)  # a terminal shows the thinking dimmed
+        self.styled = live_terminal(self.stream)  # a terminal shows the thinking dimmed
 
     def write(self, text: str) -> None:
         if not text or self.closed:
@@ -68,6 +76,14 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def live_terminal(stream: TextIO | None) -> bool:
+    """A terminal that can redraw (move the cursor, erase): not a file or pipe, and not
+    TERM=dumb (Emacs' shell, some IDE consoles), where text streams plainly instead."""
+    if stream is None or not _isatty(stream):
+        return False
+    return os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
 
 
 def _dims(out: TextSink) -> bool:
@@ -120,3 +136,173 @@ def drive(
     if finished is None:
         raise RuntimeError("the runner ended without a result")
     return finished
+
+
+def _terminal_fd() -> int | None:
+    """The terminal the person types into: stdin's, or stderr's when stdin is a pipe."""
+    for stream in (sys.stdin, sys.stderr, sys.stdout):
+        if stream is not None and _isatty(stream):
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                return stream.fileno()
+    return None
+
+
+SHOW_CURSOR = "\x1b[?25h"
+
+
+class KeysHeld:
+    """While a reply streams, keys typed are neither echoed nor edited by the terminal, so an
+    Enter pressed to "wake" a slow reply cannot move the cursor under the live panel. What was
+    typed is drained afterwards (`typed` holds it for the next prompt, or it is discarded).
+    Ctrl-Z puts the terminal back as it was (echo, cursor) before stopping, and takes it
+    again after `fg`. The terminal's modes are restored on every way out, exceptions and
+    signals (Ctrl-C, SIGTERM) included, as those unwind through `__exit__`."""
+
+    def __init__(self, view: object = None, *, keep: bool = False) -> None:
+        self.view = view
+        self.keep = keep
+        self.typed = ""
+        self._fd: int | None = None
+        self._saved: list[Any] | None = None
+        self._previous_tstp: Any = None
+
+    def __enter__(self) -> KeysHeld:
+        if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+            return self
+        fd = _terminal_fd()
+        if fd is None:
+            return self
+        import termios
+
+        try:
+            self._saved = termios.tcgetattr(fd)
+        except termios.error:
+            return self
+        self._fd = fd
+        self._hold()
+        self._previous_tstp = signal.signal(signal.SIGTSTP, self._stop)
+        return self
+
+    def _hold(self) -> None:
+        import termios
+
+        assert self._fd is not None and self._saved is not None
+        quiet = [*self._saved]
+        quiet[3] = quiet[3] & ~(termios.ECHO | termios.ICANON)  # ISIG stays: Ctrl-C, Ctrl-Z
+        quiet[6] = [*quiet[6]]
+        quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 1, 0
+        with contextlib.suppress(termios.error):
+            termios.tcsetattr(self._fd, termios.TCSANOW, quiet)
+
+    def _release(self) -> None:
+        import termios
+
+        assert self._fd is not None and self._saved is not None
+        with contextlib.suppress(termios.error):
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved)
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        """Ctrl-Z: the screen and the terminal as the shell expects them, then stop; on `fg`,
+        take the terminal again and redraw."""
+        suspend = getattr(self.view, "suspend", None)
+        if suspend is not None:
+            suspend()
+        else:
+            _write_stderr(SHOW_CURSOR)
+        self._release()
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+        signal.signal(signal.SIGTSTP, self._stop)
+        self._hold()
+        resume = getattr(self.view, "resume", None)
+        if resume is not None:
+            resume()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None:
+            return
+        import termios
+
+        try:
+            if self.keep:
+                typed = _drain(self._fd)
+                typed = typed.replace("\r", " ").replace("\n", " ")
+                self.typed = "".join(c for c in typed if c.isprintable()).strip()
+            else:
+                with contextlib.suppress(termios.error):
+                    termios.tcflush(self._fd, termios.TCIFLUSH)
+        finally:
+            self._release()
+            signal.signal(signal.SIGTSTP, self._previous_tstp or signal.SIG_DFL)
+            self._fd = None
+
+
+def _drain(fd: int) -> str:
+    """Whatever was typed and not yet read, taken off the terminal's input queue."""
+    import select
+
+    chunks = []
+    with contextlib.suppress(OSError, ValueError):
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def _write_stderr(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if _isatty(sys.stderr):
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def redrawn_after_fg(
+    stream: TextIO, prompt: Callable[[], str], shell_modes: list[Any] | None
+) -> Iterator[None]:
+    """Around a line-editing prompt: Ctrl-Z gives the shell back its terminal modes (readline's
+    no-echo mode left in place made the next line echo twice after `fg`), and after `fg` the
+    prompt and the line typed so far are drawn again, in readline's modes."""
+    fd = _terminal_fd()
+    if (fd is None or shell_modes is None or os.name != "posix"
+            or threading.current_thread() is not threading.main_thread()):  # fmt: skip
+        yield
+        return
+    import termios
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        try:
+            editing = termios.tcgetattr(fd)
+            termios.tcsetattr(fd, termios.TCSANOW, shell_modes)
+        except termios.error:
+            editing = None
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+        signal.signal(signal.SIGTSTP, stop)
+        if editing is not None:
+            with contextlib.suppress(termios.error):
+                termios.tcsetattr(fd, termios.TCSANOW, editing)
+        with contextlib.suppress(OSError, ValueError):
+            stream.write("\r\x1b[K" + prompt())
+            stream.flush()
+
+    previous = signal.signal(signal.SIGTSTP, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTSTP, previous)
+
+
+def terminal_modes() -> list[Any] | None:
+    """The terminal's modes as the shell handed them over (None: not a terminal)."""
+    fd = _terminal_fd()
+    if fd is None or os.name != "posix":
+        return None
+    import termios
+
+    try:
+        return termios.tcgetattr(fd)
+    except termios.error:
+        return None

@@ -8,7 +8,15 @@ import re
 import pytest
 from rich.console import Console, RenderableType
 
-from llmrun.cli.dashboard import Dashboard, LiveState, render, render_live, sparkline
+from llmrun.cli.dashboard import (
+    LINE_ROWS,
+    Dashboard,
+    LiveState,
+    folded,
+    render,
+    render_live,
+    sparkline,
+)
 from llmrun.cli.report import phase_sentence, summary_lines
 from llmrun.runners.base import LoadStarted, ModelLoaded, PrefillProgress, Token
 from llmrun.runners.stats import GenerationStats
@@ -100,19 +108,31 @@ def test_no_color_drops_colors_but_keeps_the_bars(monkeypatch: pytest.MonkeyPatc
     assert "\x1b[36m" not in out and "\x1b[35m" not in out and "█" in out
 
 
-def test_text_through_the_dashboard_keeps_every_character() -> None:
+def test_text_through_the_dashboard_keeps_every_line_whole() -> None:
+    """The terminal wraps the answer, not llmrun: each line of the text reaches it as one line
+    (no break inserted at the width), so what is copied from the screen is the text."""
     console = Console(file=io.StringIO(), width=40, color_system=None)
     dash = Dashboard(console, show_text=True)
     dash.update(ModelLoaded(FAKE_MODEL, FAKE_SETTINGS, 0.5))  # starts the live panel
-    words = ("The quick brown fox jumps over the lazy dog. " * 12 + "\nSecond line.\n\nEnd").split(
-        " "
-    )
+    text = "The quick brown fox jumps over the lazy dog. " * 12 + "\n    x = [1, 2]\n\nEnd"
+    words = text.split(" ")
     for i, word in enumerate(words):
         dash.write(word if i == 0 else " " + word)
-        assert len(dash.state.line) <= 3 * 40  # the live part stays a few rows high
+        rows = [
+            ln for ln in text_of(render_live(dash.state, width=40), width=40).splitlines() if ln
+        ]
+        assert len(rows) <= LINE_ROWS + 2  # the live part stays a few rows high
     dash.close()
     out = console.file.getvalue()  # type: ignore[attr-defined]
-    assert " ".join(out.split()) == " ".join(" ".join(words).split())
+    assert out.splitlines() == text.splitlines()
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_the_line_being_written_is_cut_where_the_terminal_will_wrap_it(width: int) -> None:
+    line = "0123456789" * 30
+    rows = folded(line, width, rows=100)
+    assert [r.plain for r in rows] == [line[i : i + width] for i in range(0, len(line), width)]
+    assert [r.plain for r in folded(line, width, rows=2)] == [r.plain for r in rows[-2:]]
 
 
 def test_prefill_shows_time_and_a_moving_estimate_between_chunks() -> None:
@@ -177,3 +197,29 @@ def test_the_live_panel_shows_drafted_runs_landing() -> None:
     panel = text_of(render_live(state, now_s=1.03))
     assert "2 landed in drafted runs (last 1)" in " ".join(panel.split())
     assert list(state.gaps_s) == pytest.approx([0.01, 0.01])  # a run's tokens are no gaps
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_live_rows_hang_under_their_value_at_any_width(width: int) -> None:
+    """A wrapped live row continues under its value, as the closing summary does: nothing but
+    a label starts at column 0."""
+    import dataclasses
+
+    from llmrun.runners.stats import MemoryReport
+
+    memory = MemoryReport(weights={"CPU_Mapped": 96 << 20, "CPU_REPACK": 40 << 20},
+                          kv_bytes=48 << 20, compute_bytes=9 << 20, n_ctx=2048,
+                          peak_rss_bytes=300 << 20)  # fmt: skip
+    settings = dataclasses.replace(FAKE_SETTINGS, memory=memory)
+    state = LiveState(load_seen=True, loaded=ModelLoaded(FAKE_MODEL, settings, 0.5),
+                      prefill=PrefillProgress(600, 100000, 200, 1.0), prefill_started_s=1.0,
+                      prefill_at_s=1.0, prefill_rate=400.0)  # fmt: skip
+    for i, t in enumerate([1.0, 1.01, 1.03]):
+        state.apply(Token(i, "x", t, thinking=True))
+    panel = text_of(render_live(state, now_s=2.5, width=width), width=width)
+    labels = ("load", "memory", "prefill", "decode")
+    for line in panel.splitlines():
+        assert len(line) <= width
+        assert not line or line.startswith(labels) or line.startswith(" " * 9), (width, panel)
+    flat = " ".join(panel.split())
+    assert "compute 9.0 MiB" in flat and "~1200 est." in flat and "(3 thinking)" in flat

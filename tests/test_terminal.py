@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pexpect
@@ -151,3 +152,114 @@ def test_resizing_mid_run_leaves_no_debris(
     assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
     assert sum(ln.startswith("decode ") for ln in lines) == 1, text
     assert not any(re.search(r"\d+/\d+ tokens", ln) for ln in lines), text
+
+
+class Tmux:
+    """A shell in a tmux window of a given width, driven as a person does: keys in, the
+    screen (wrapped lines joined, as a copy from the terminal gives them) out."""
+
+    def __init__(self, env: dict[str, str], columns: int, rows: int = 30) -> None:
+        if shutil.which("tmux") is None:
+            pytest.skip("tmux is not installed")
+        self.socket = f"llmrun-test-{columns}-{time.monotonic_ns()}"
+        env = {k: v for k, v in env.items() if k not in ("NO_COLOR", "COLUMNS", "LINES")}
+        env["TERM"] = "xterm-256color"
+        self("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", str(columns), "-y",
+             str(rows), "env", *(f"{k}={v}" for k, v in env.items()), "bash", "--norc",
+             "-i")  # fmt: skip
+        self.keys("PS1='$ '", "Enter")
+
+    def __call__(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True,
+                              text=True, check=True, timeout=30).stdout  # fmt: skip
+
+    def keys(self, *keys: str) -> None:
+        self("send-keys", "-t", "t", *keys)
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "t")
+
+    def history(self) -> list[str]:
+        joined = self("capture-pane", "-p", "-J", "-S", "-", "-t", "t")
+        return [ln.rstrip() for ln in joined.rstrip("\n").splitlines()]
+
+    def wait(self, seen: Callable[[str], bool], deadline_s: float = 180) -> str:
+        """Wait for the screen to show something; only a hang reaches the deadline."""
+        end = time.monotonic() + deadline_s
+        while not seen(screen := self.screen()):
+            assert time.monotonic() < end, screen
+            time.sleep(0.1)
+        return screen
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+
+
+COUNT = "run --raw -n 160 --temp 0 -t 1 '1, 2, 3, 4, 5,'"
+
+
+@pytest.mark.pty
+@pytest.mark.parametrize("columns", [40, 60, 80, 120])
+def test_enter_during_a_reply_and_text_copied_from_the_screen(
+    llmrun_env: dict[str, str], tmp_path: Path, columns: int
+) -> None:
+    """Enter pressed while the reply streams does not move or repeat anything, and the answer
+    on the screen is the answer in a file, line for line (the terminal wraps it, llmrun
+    inserts no line break at the width)."""
+    out = tmp_path / "out.txt"
+    term = Tmux(llmrun_env, columns)
+    try:
+        term.keys(f"{which_llmrun()} {COUNT} -q > {out}; echo FILE''D", "Enter")
+        term.wait(lambda s: "FILED" in s)
+        term.keys("clear", "Enter")
+        term.keys(f"{which_llmrun()} {COUNT}; echo END''ED", "Enter")
+        term.wait(lambda s: "tok/s" in s)  # the panel is up: decoding
+        for _ in range(3):
+            term.keys("Enter")
+            time.sleep(0.2)
+        term.wait(lambda s: "ENDED" in s)
+        lines = term.history()
+    finally:
+        term.close()
+    text = "\n".join(lines)
+    answer = out.read_text().rstrip("\n").splitlines()
+    assert answer and len(answer[0]) > columns  # a line the terminal has to wrap
+    at = lines.index(answer[0])  # whole: no break inserted
+    assert lines[at : at + len(answer)] == answer, text
+    assert text.count(answer[0][:30]) == 1, text  # once, not twice
+    assert sum(ln.startswith("decode ") for ln in lines) == 1, text
+    assert not any(re.search(r"\d+/\d+ tokens", ln) for ln in lines), text  # no stale row
+    assert [ln for ln in lines if ln][-1] == "$", text  # the typed Enters were drained
+
+
+@pytest.mark.pty
+def test_ctrl_z_during_a_reply_and_at_the_prompt_then_fg(llmrun_env: dict[str, str]) -> None:
+    term = Tmux(llmrun_env, 80)
+    try:
+        term.keys(f"{which_llmrun()} chat --temp 0 -n 300 -t 1 -c 2048", "Enter")
+        term.wait(lambda s: s.rstrip().endswith(">>>"))
+        term.keys("Count from one to one hundred in words, one per line.", "Enter")
+        term.wait(lambda s: "tok/s" in s)
+        term.keys("C-z")
+        screen = term.wait(lambda s: "Stopped" in s)
+        assert term("display", "-p", "-t", "t", "#{cursor_flag}").strip() == "1", screen
+        assert "tok/s · itl" not in screen  # the live panel left with the cursor
+        term.keys("fg", "Enter")
+        term.wait(lambda s: "context" in s and s.rstrip().endswith(">>>"))
+        term.keys("C-z")
+        term.wait(lambda s: "Stopped" in s and s.rstrip().endswith("$"))
+        term.keys("fg", "Enter")
+        term.wait(lambda s: s.rstrip().endswith(">>>"))  # the prompt is drawn again
+        term.keys("/sh")
+        term.wait(lambda s: s.rstrip().endswith(">>> /sh"))
+        term.keys("ow info", "Enter")
+        term.wait(lambda s: "context 2048" in s and s.rstrip().endswith(">>>"))
+        term.keys("/bye", "Enter")
+        term.wait(lambda s: s.rstrip().endswith("$"))
+        lines = term.history()
+    finally:
+        term.close()
+    text = "\n".join(lines)
+    assert ">>> /show info" in lines, text  # typed once, echoed once
+    assert "/sh/sh" not in text and "ow infoow info" not in text, text
+    assert sum(ln.startswith("decode ") for ln in lines) == 0, text  # chat: no summary
