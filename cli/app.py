@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import chat, history, models, run
+from . import chat, history, models, run, serve
 from .bench import sweep as bench
 
 app = typer.Typer(
@@ -21,3 +21,4 @@ app.command("bench")(bench.bench)
 app.command("history")(history.history)
 app.command("pull")(models.pull)
 app.command("models")(models.models)
+app.command("serve")(serve.serve)

@@ -1,0 +1,307 @@
+"""`llmrun serve`: an OpenAI-compatible server on the local engine, with a live view.
+
+On a terminal, a panel shows what the engine does (sequences decoding, prompts queued or
+prefilling, tokens per step split into prefill and decode, throughput, the decoding sequences'
+inter-token gaps) with one line per answered request scrolling above it; without one, the
+same lines are printed plain. SIGTERM drains the requests in flight then exits 143; Ctrl-C 130.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Annotated
+
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from llmrun.runners.base import Request, SamplingParams
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import EngineConfig
+from llmrun.runners.serving.api_engine import Answered, Snapshot
+from llmrun.runners.stats import percentile
+
+from . import EXIT_INTERRUPTED, EXIT_TERMINATED
+from . import options as o
+from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
+from .engine import make_runner
+from .errors import handled
+
+SERVER_PANEL = "Server"
+
+
+def serve(
+    model: o.Model = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on.", rich_help_panel=SERVER_PANEL)
+    ] = "127.0.0.1",
+    port: Annotated[
+        int,
+        typer.Option(
+            "--port",
+            min=0,
+            max=65535,
+            rich_help_panel=SERVER_PANEL,
+            help="Port to listen on; 0 = any free port (printed).",
+        ),
+    ] = 8080,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "-np",
+            "--parallel",
+            min=1,
+            max=256,
+            rich_help_panel=SERVER_PANEL,
+            help="Sequences decoded together (llama-server's"
+            " slots); more requests wait in the queue.",
+        ),
+    ] = 4,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            metavar="POLICY",
+            rich_help_panel=SERVER_PANEL,
+            show_default=False,
+            help="How prefill and decode share each step: prefill-first, chunked:B (every step"
+            " carries all decodes and at most B tokens), decode-first[:K]. (default: chunked:"
+            "<batch>, as llama-server)",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue",
+            min=0,
+            max=1_000_000,
+            rich_help_panel=SERVER_PANEL,
+            help="Requests that may wait for a sequence; more get 503 with Retry-After.",
+        ),
+    ] = 64,
+    drain: Annotated[
+        float,
+        typer.Option(
+            "--drain-timeout",
+            min=1.0,
+            max=3600.0,
+            rich_help_panel=SERVER_PANEL,
+            help="Seconds SIGTERM waits for the requests in flight before closing them.",
+        ),
+    ] = 30.0,
+    alias: Annotated[
+        str | None,
+        typer.Option(
+            "--alias",
+            rich_help_panel=SERVER_PANEL,
+            show_default=False,
+            help="The model's name in /v1/models. (default: the file's name)",
+        ),
+    ] = None,
+    no_dashboard: o.NoDashboard = False,
+    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
+    temp: o.Temp = o.DEFAULTS.temperature,
+    top_k: o.TopK = o.DEFAULTS.top_k,
+    top_p: o.TopP = o.DEFAULTS.top_p,
+    min_p: o.MinP = o.DEFAULTS.min_p,
+    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
+    seed: o.Seed = None,
+    stop: o.Stop = None,
+    chat_template_file: o.ChatTemplateFile = None,
+    ctx: Annotated[
+        int | None,
+        typer.Option(
+            "-c",
+            "--ctx",
+            "--ctx-size",
+            envvar="LLMRUN_CTX",
+            min=1,
+            max=1 << 24,
+            rich_help_panel=o.MODEL_PANEL,
+            show_default=False,
+            help="Context size of each sequence in tokens. (default: 4096 or the model's"
+            " training context, if smaller)",
+        ),
+    ] = None,
+    batch: o.Batch = None,
+    threads: o.Threads = None,
+    threads_batch: o.ThreadsBatch = None,
+    gpu_layers: o.GpuLayers = None,
+    repack: o.Repack = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.
+
+    Requests' own sampling values override these defaults. Each answer carries its phases
+    (`timings`); /metrics has Prometheus' histograms. Examples:
+
+      llmrun serve -np 4 --policy chunked:64
+
+      curl 127.0.0.1:8080/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}]}'
+    """
+    with handled():
+        defaults = o.sampling_params(max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p,
+                                     min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                                     stop=stop)  # fmt: skip
+        config = o.local_engine(endpoint=None, ctx=ctx, batch=batch, ubatch=batch,
+                                threads=threads, threads_batch=threads_batch,
+                                gpu_layers=gpu_layers, flash_attn=None, repack=repack,
+                                chat_template_file=chat_template_file)  # fmt: skip
+        code = _serve(model, config, defaults, host=host, port=port, parallel=parallel,
+                      policy_text=policy, max_queue=max_queue, drain_s=drain, alias=alias,
+                      dashboard=not no_dashboard and sys.stderr.isatty())  # fmt: skip
+        raise typer.Exit(code)
+
+
+def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *, host: str,
+           port: int, parallel: int, policy_text: str | None, max_queue: int, drain_s: float,
+           alias: str | None, dashboard: bool) -> int:  # fmt: skip
+    import signal
+
+    from llmrun.runners.batched import Policy
+    from llmrun.runners.llamacpp import LlamaCppRunner
+    from llmrun.runners.serving import server as srv
+    from llmrun.runners.serving.api_engine import EngineThread
+    from llmrun.runners.serving.api_metrics import ServerMetrics
+
+    runner = make_runner(model, config)
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError("serve needs a local model")
+    try:
+        sock = srv.listen(host, port)
+    except OSError as e:
+        raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        loaded = runner.load()
+        policy = Policy.parse(policy_text or f"chunked:{loaded.settings.n_batch}")
+        runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
+        box: dict[str, EngineThread] = {}
+        metrics = ServerMetrics(running=lambda: box["e"].busy, queued=lambda: box["e"].queued)
+        engine = EngineThread(runner, n_seq=parallel, n_ctx_per_seq=loaded.settings.n_ctx,
+                              policy=policy, max_queue=max_queue, observer=metrics)  # fmt: skip
+        box["e"] = engine
+        served = srv.Served(runner, engine, alias or srv.model_id(runner.model_path), defaults,
+                            metrics)  # fmt: skip
+        bound = sock.getsockname()
+        shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        url = f"http://{shown_host}:{bound[1]}"
+        err = TerminalConsole(stderr=True, highlight=False) if dashboard else None
+        view = _View(served, err)
+
+        def ready() -> None:
+            print(f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
+                  f" {loaded.settings.n_ctx} tokens, policy {policy}, queue {max_queue})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            view.start()
+
+        try:
+            stopped_by = srv.run(served, sock, drain_s=drain_s, on_ready=ready)
+        finally:
+            view.stop()
+    finally:
+        runner.close()
+    if stopped_by == signal.SIGTERM:
+        print("llmrun serve: stopped (SIGTERM)", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
+    if stopped_by is not None:
+        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+# ---- the live view and the log ---------------------------------------------------------------
+
+
+def answered_line(a: Answered) -> str:
+    """One answered request, as the log prints it."""
+    t = a.timings
+    if t is None:
+        return f"{a.route} {a.status} {a.note}".rstrip()
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    return (f"{a.route} {a.status} {t.finish_reason}: prompt {t.prompt_tokens} (reused"
+            f" {t.reused_tokens}) out {t.output_tokens} | queue {f(t.queue_ms)} template"
+            f" {f(t.template_tokenize_ms)} prefill {f(t.prefill_ms)} ({len(t.prefill_chunks)}"
+            f" chunks) ttft {f(t.ttft_ms)} decode {f(t.decode_ms)} itl p50 {f(t.itl_p(50))}"
+            f" p99 {f(t.itl_p(99))} ms")  # fmt: skip
+
+
+def render_serve(snap: Snapshot, width_s: float = 5.0) -> RenderableType:
+    """The live panel, a pure function of the engine's snapshot."""
+    steps = snap.steps
+    span = (steps[-1].end_s - steps[0].end_s + steps[0].duration_s) if steps else 0.0
+    decode = sum(s.n_decode for s in steps)
+    prefill = sum(s.n_prefill for s in steps)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("sequences", f"{snap.decoding} decoding · {snap.prefilling} prefilling ·"
+                 f" {snap.queued} queued · {snap.n_seq} in all · policy {snap.policy}")  # fmt: skip
+    if steps:
+        n = len(steps)
+        grid.add_row("per step", f"{prefill / n:.1f} prefill + {decode / n:.1f} decode tokens"
+                     f" ({n} steps in the last {width_s:g} s)")  # fmt: skip
+        grid.add_row("throughput", f"{decode / span:.1f} tok/s generated · {prefill / span:.1f}"
+                     " tok/s prefilled" if span > 0 else "-")  # fmt: skip
+    else:
+        grid.add_row("per step", "idle")
+    itl = list(snap.recent_itl_ms)
+    if itl:
+        p50, p99 = percentile(itl, 50), percentile(itl, 99)
+        grid.add_row("ITL", Text(f"p50 {p50:.1f} ms · p99 {p99:.1f} ms  {sparkline(itl[-24:])}"))
+    grid.add_row("served", f"{snap.served} requests · {snap.output_tokens} tokens generated")
+    return Group(Text("llmrun serve", style="bold"), grid)
+
+
+class _View:
+    """The live panel on a terminal (log lines scrolling above it), or plain log lines; either
+    way drawn by a thread of its own, never by the engine or the event loop."""
+
+    def __init__(self, served: object, console: Console | None) -> None:
+        from llmrun.runners.serving.server import Served
+
+        assert isinstance(served, Served)
+        self.served, self.console = served, console
+        self.live: _TextLive | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _lines(self) -> list[str]:
+        log = self.served.log
+        lines = []
+        while log:
+            lines.append(answered_line(log.popleft()))
+        return lines
+
+    def start(self) -> None:
+        if self.console is not None:
+            self.live = _TextLive(
+                self._lines, console=self.console,
+                get_renderable=lambda: render_serve(self.served.engine.snapshot()),
+                refresh_per_second=REFRESH_PER_SECOND, transient=True, redirect_stdout=False,
+                redirect_stderr=False,
+            )  # fmt: skip
+            self.live.start()
+            return
+        self._thread = threading.Thread(target=self._plain, name="llmrun-log", daemon=True)
+        self._thread.start()
+
+    def _plain(self) -> None:
+        while not self._stop.wait(0.25):
+            self._flush()
+
+    def _flush(self) -> None:
+        for line in self._lines():
+            print(f"llmrun serve: {line}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self._flush()

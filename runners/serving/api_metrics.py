@@ -1,0 +1,86 @@
+"""`/metrics` of `llmrun serve` in Prometheus' text format, through prometheus-client.
+
+Beyond llama-server's token totals: the phases as histograms (queue wait, TTFT, prefill, every
+inter-token gap) and each engine step's batch composition (prefill tokens vs decode tokens), the
+figure a scheduling policy changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from .api_engine import FINISH_CANCELLED, RequestTimings, StepRecord
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GAP_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
+TOKENS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class ServerMetrics:
+    """The server's counters, gauges and histograms in a registry of its own."""
+
+    def __init__(self, *, running: Callable[[], float], queued: Callable[[], float]) -> None:
+        disable_created_metrics()  # the *_created series say nothing a scrape needs
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("llmrun_requests", "Requests answered, by route and outcome.",
+                                ["route", "outcome"], registry=r)  # fmt: skip
+        Gauge("llmrun_requests_in_flight", "Requests holding a sequence (prefilling or"
+              " decoding).", registry=r).set_function(running)  # fmt: skip
+        Gauge("llmrun_requests_queued", "Requests waiting for a free sequence.",
+              registry=r).set_function(queued)  # fmt: skip
+        self.queue = Histogram("llmrun_queue_wait_seconds", "From the request's tokens to its"
+                               " first engine step.", buckets=LATENCY_S, registry=r)  # fmt: skip
+        self.ttft = Histogram("llmrun_ttft_seconds", "From the request's arrival to its first"
+                              " token.", buckets=LATENCY_S, registry=r)  # fmt: skip
+        self.prefill = Histogram("llmrun_prefill_seconds", "From the first to the last step"
+                                 " carrying the request's prompt.", buckets=LATENCY_S,
+                                 registry=r)  # fmt: skip
+        self.itl = Histogram("llmrun_itl_seconds", "Every gap between two generated tokens of a"
+                             " request.", buckets=GAP_S, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("llmrun_prompt_tokens", "Prompt tokens received.",
+                                     registry=r)  # fmt: skip
+        self.reused_tokens = Counter("llmrun_reused_tokens", "Prompt tokens found in a"
+                                     " sequence's cache (not prefilled).", registry=r)  # fmt: skip
+        self.generated = Counter("llmrun_generated_tokens", "Tokens generated.", registry=r)
+        self.step_prefill = Histogram("llmrun_step_prefill_tokens", "Prompt tokens in each"
+                                      " engine step.", buckets=TOKENS, registry=r)  # fmt: skip
+        self.step_decode = Histogram("llmrun_step_decode_tokens", "Decode tokens in each engine"
+                                     " step.", buckets=TOKENS, registry=r)  # fmt: skip
+        self.step_seconds = Histogram("llmrun_step_seconds", "Each engine step's llama_decode.",
+                                      buckets=LATENCY_S, registry=r)  # fmt: skip
+
+    def on_step(self, step: StepRecord) -> None:
+        self.step_prefill.observe(step.n_prefill)
+        self.step_decode.observe(step.n_decode)
+        self.step_seconds.observe(step.duration_s)
+
+    def on_done(self, t: RequestTimings) -> None:
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.reused_tokens.inc(t.reused_tokens)
+        self.generated.inc(t.output_tokens)
+        if t.finish_reason == FINISH_CANCELLED and t.ttft_ms is None and not t.prefill_chunks:
+            return  # gone before its first step: no phase to count
+        self.queue.observe(t.queue_ms / 1000)
+        self.prefill.observe(t.prefill_ms / 1000)
+        if t.ttft_ms is not None:
+            self.ttft.observe(t.ttft_ms / 1000)
+        for gap in t.itl_ms:
+            self.itl.observe(gap / 1000)
+
+    def answered(self, route: str, outcome: str) -> None:
+        self.requests.labels(route, outcome).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,137 @@
+"""The OpenAI request bodies `llmrun serve` accepts, and their translation into llmrun's types.
+
+pydantic checks the shapes and types (strictly: "5" is not a number, true is not a count);
+the ranges are checked by `limits.check_sampling`, the gate every other source of sampling
+values goes through, so a value `llmrun run` refuses is refused here with the same words.
+Fields other servers take and llmrun does not have are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmrun.runners.base import ChatMessage, Request, SamplingParams
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import check_sampling
+
+WHERE = "request"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None  # llama.cpp's name
+    repetition_penalty: float | None = None  # vLLM's
+    repeat_last_n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, defaults: SamplingParams, think: bool | None = None) -> SamplingParams:
+        """The request's sampling: its own values over the server's defaults, checked."""
+        if self.n != 1:
+            raise BadRequestError(f"n: only one choice per request is served, not {self.n}")
+        if self.logprobs not in (None, False, 0):
+            raise BadRequestError("logprobs: not available from this server")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise BadRequestError(f"{name}: not available here; use repeat_penalty")
+        given: dict[str, Any] = {
+            "max_tokens": self._limit(), "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p,
+            "repeat_penalty": self.repeat_penalty if self.repeat_penalty is not None
+            else self.repetition_penalty,
+            "repeat_last_n": self.repeat_last_n, "seed": self.seed,
+            "stop": (self.stop,) if isinstance(self.stop, str) else
+            tuple(self.stop) if self.stop is not None else None,
+            "think": think,
+        }  # fmt: skip
+        sp = dataclasses.replace(defaults, ignore_eos=self.ignore_eos,
+                                 **{k: v for k, v in given.items() if v is not None})  # fmt: skip
+        check_sampling(sp, WHERE)
+        return sp
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise BadRequestError(f"messages: content of type '{part.type}' is not served"
+                                      " here (text only)")  # fmt: skip
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens  # fmt: skip
+
+    def request(self, defaults: SamplingParams) -> Request:
+        think = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if think is not None and not isinstance(think, bool):
+            raise BadRequestError("chat_template_kwargs.enable_thinking must be true or false")
+        messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+        return Request(messages=messages, sampling=self.sampling(defaults, think))
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str]
+
+    def request(self, defaults: SamplingParams) -> Request:
+        sampling = self.sampling(defaults)
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise BadRequestError("prompt: one prompt per request is served, not a list of"
+                                      f" {len(prompt)}")  # fmt: skip
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return Request(prompt=prompt, sampling=sampling)
+        if not prompt:
+            raise BadRequestError("prompt is empty")
+        return Request(token_ids=tuple(int(t) for t in prompt), sampling=sampling)
