@@ -165,6 +165,13 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
     from llmrun.runners.serving.api_engine import EngineThread
     from llmrun.runners.serving.api_metrics import ServerMetrics
 
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise BadRequestError(f"serve needs the server extra ({e.name} is missing): pip install"
+                              " 'llmrun[server]'") from None  # fmt: skip
     runner = make_runner(model, config)
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("serve needs a local model")

@@ -56,6 +56,11 @@ from .stats import (
     ServerTimings,
 )
 
+# `llmrun serve`'s timings (runners/serving/api_engine.RequestTimings) under llama-server's names.
+LLMRUN_TIMINGS = {"prefill_tokens": "prompt_n", "prefill_ms": "prompt_ms",
+                  "output_tokens": "predicted_n", "decode_ms": "predicted_ms",
+                  "reused_tokens": "cache_n"}  # fmt: skip
+
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
@@ -506,6 +511,8 @@ class OpenAIRunner:
         timings = timings or {}
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
+        timings = {**{ours: timings[theirs] for theirs, ours in LLMRUN_TIMINGS.items()
+                      if theirs in timings}, **timings}  # fmt: skip
         cached = _count(timings.get("cache_n"))
         if cached is None:
             cached = _count(details.get("cached_tokens"))

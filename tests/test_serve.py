@@ -1,0 +1,458 @@
+"""`llmrun serve` against the real engine: the OpenAI shapes, the phases in each answer, the
+metrics, the faults (each request ends alone), the signals, and OpenAI's own Python client.
+
+Every server here is a real `llmrun serve` process on 127.0.0.1 with the embedded model, on a
+port it picks itself (--port 0) and names on its readiness line; waits are bounded and driven by
+what the server says (its lines, /health), never by sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.cli.serve import answered_line, render_serve
+from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot, StepRecord
+
+from .conftest import which_llmrun
+
+START_S = 180.0  # a loaded 2-core machine can take this long to load and bind
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+    def get(self, path: str) -> Any:
+        return httpx.get(self.url + path, timeout=60).json()
+
+    def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=120, **kw)
+
+    def metric(self, name: str) -> float:
+        """The sum of a metric's samples whose line starts with `name` (labels included)."""
+        text = httpx.get(self.url + "/metrics", timeout=60).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name))  # fmt: skip
+
+    def wait_for(self, check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            assert time.monotonic() < deadline, f"the server never reached: {what}"
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def llmrun_serve(env: dict[str, str], *args: str) -> Iterator[Server]:
+    proc = subprocess.Popen(
+        [which_llmrun(), "serve", "--port", "0", "-t", "1", "-c", "512", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+    ready: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line:
+                ready.put(line)
+        ready.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        line = ready.get(timeout=START_S)
+        assert line is not None, "".join(lines)
+        url = line.split("listening on ", 1)[1].split()[0]
+        yield Server(proc, url, lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("serve")
+    env = dict(os.environ, NO_COLOR="1", HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"),
+               LLMRUN_HOME=str(home / "llmrun"))  # fmt: skip
+    for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_ENDPOINT", "LLMRUN_THREADS"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, str]) -> Iterator[Server]:
+    with llmrun_serve(env, "-np", "2", "--max-queue", "1", "--no-dashboard") as s:
+        yield s
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], **kw}
+
+
+def open_stream(url: str, body: dict[str, Any], *, wait_for_data: bool = True) -> socket.socket:
+    """A streaming request on a raw socket (so the test decides when the client goes away);
+    returns once the first token's event arrived, or at once."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(payload)).encode()
+                 + b"\r\n\r\n" + payload)  # fmt: skip
+    seen = b""
+    while wait_for_data and b'"content":"' not in seen.replace(b'"content":""', b""):
+        chunk = sock.recv(65536)
+        assert chunk, seen
+        seen += chunk
+    return sock
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- the OpenAI shapes and the phases ------------------------------------------------------
+
+
+@pytest.mark.model
+def test_chat_answer_has_openai_shape_and_its_phases(server: Server) -> None:
+    r = server.post("/v1/chat/completions", chat("Name a color.", max_tokens=8, temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert isinstance(body["created"], int) and body["model"] == server.get("/v1/models")[
+        "data"][0]["id"]  # fmt: skip
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage, t = body["usage"], body["timings"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert t["prompt_tokens"] == usage["prompt_tokens"]
+    assert t["output_tokens"] == usage["completion_tokens"]
+    assert t["prefill_tokens"] == t["prompt_tokens"] - t["reused_tokens"]
+    assert sum(c["tokens"] for c in t["prefill_chunks"]) == t["prefill_tokens"]
+    # TTFT holds its parts: template+tokenize, queue, prefill (and the first sample).
+    parts = t["template_tokenize_ms"] + t["queue_ms"] + t["prefill_ms"]
+    assert t["ttft_ms"] >= parts - 0.01
+    assert t["itl_p99_ms"] >= t["itl_p50_ms"] > 0
+    assert "seed" in t
+
+
+@pytest.mark.model
+def test_streaming_with_include_usage_ends_with_usage_and_timings(server: Server) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage_chunk, final = events[-2], events[-3]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    assert usage_chunk["timings"]["output_tokens"] == 6
+    assert final["choices"][0]["finish_reason"] == "length" and "timings" in final
+    assert all(e["object"] == "text_completion" and e["id"] == final["id"] for e in events[:-1])
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text.strip()
+
+
+@pytest.mark.model
+def test_a_shared_prefix_is_reused_and_changes_nothing(server: Server) -> None:
+    body = chat("Write one sentence about the sea.", max_tokens=10, temperature=0)
+    first = server.post("/v1/chat/completions", body).json()
+    second = server.post("/v1/chat/completions", body).json()
+    assert second["timings"]["reused_tokens"] == second["timings"]["prompt_tokens"] - 1
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+
+
+@pytest.mark.model
+def test_seeds_and_stop_strings_per_request(server: Server) -> None:
+    sampled = chat("Tell me a short story.", max_tokens=12, temperature=1.0, seed=7)
+    a = server.post("/v1/chat/completions", sampled).json()
+    b = server.post("/v1/chat/completions", sampled).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["timings"]["seed"] == 7
+    greedy = chat("Count from one to ten in words.", max_tokens=24, temperature=0)
+    full = server.post("/v1/chat/completions", greedy).json()["choices"][0]["message"]["content"]
+    words = full.split()
+    assert len(words) > 3, full
+    stop = words[2]
+    cut = server.post("/v1/chat/completions", {**greedy, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["message"]["content"] == full[: full.index(stop)]
+
+
+@pytest.mark.model
+def test_models_health_tokenize_and_metrics(server: Server) -> None:
+    models = server.get("/v1/models")
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["meta"]["n_seq"] == 2
+    health = server.get("/health")
+    assert health["status"] == "ok" and health["slots_idle"] + health["slots_processing"] == 2
+    tokens = server.post("/tokenize", {"content": "hello world"}).json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    server.post("/v1/completions", {"prompt": tokens, "max_tokens": 3, "temperature": 0})
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    for name in (
+        "llmrun_requests_total",
+        "llmrun_requests_in_flight",
+        "llmrun_requests_queued",
+        "llmrun_queue_wait_seconds_bucket",
+        "llmrun_ttft_seconds_bucket",
+        "llmrun_prefill_seconds_bucket",
+        "llmrun_itl_seconds_bucket",
+        "llmrun_prompt_tokens_total",
+        "llmrun_generated_tokens_total",
+        "llmrun_step_prefill_tokens_bucket",
+        "llmrun_step_decode_tokens_bucket",
+    ):
+        assert f"\n{name}" in text, name
+    assert server.metric("llmrun_ttft_seconds_count") > 0
+    assert server.metric("llmrun_step_prefill_tokens_sum") > 0
+    assert server.metric("llmrun_step_decode_tokens_sum") > 0
+
+
+# ---- faults: each request ends with its own error --------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (b'{"messages": [', "malformed JSON"),
+        (json.dumps(chat("hi", temperature="hot")).encode(), "temperature"),
+        (json.dumps(chat("hi", max_tokens=True)).encode(), "max_tokens"),
+        (
+            json.dumps(chat("hi", temperature=500)).encode(),
+            "temperature 500.0 is out of range 0..100",
+        ),
+        (json.dumps({"messages": []}).encode(), "messages"),
+        (json.dumps({"prompt": [10**9]}).encode(), "not in the vocabulary"),
+    ],
+)
+def test_bad_requests_get_400_with_the_reason(server: Server, payload: bytes, words: str) -> None:
+    route = "/v1/completions" if b'"prompt"' in payload else "/v1/chat/completions"
+    r = httpx.post(server.url + route, content=payload, timeout=60,
+                   headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400
+    assert words in r.json()["error"]["message"]
+    assert server.get("/health")["status"] == "ok"
+
+
+@pytest.mark.model
+def test_a_prompt_longer_than_the_context_gets_400(server: Server) -> None:
+    r = server.post("/v1/chat/completions", chat("word " * 700, max_tokens=4))
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "tokens long but the context holds 512" in message
+
+
+@pytest.mark.model
+def test_a_disconnected_client_frees_its_sequence_and_the_rest_carry_on(server: Server) -> None:
+    cancelled = server.metric('llmrun_requests_total{outcome="cancelled"')
+    generated = server.metric("llmrun_generated_tokens_total")
+    gone = open_stream(server.url, chat("Tell me about rivers.", **LONG))
+    gone.close()
+    server.wait_for(lambda: server.metric('llmrun_requests_total{outcome="cancelled"')
+                    > cancelled, "the request counted as cancelled")  # fmt: skip
+    server.wait_for(lambda: server.get("/health")["slots_processing"] == 0, "both slots free")
+    # The engine stopped it long before its 400 tokens.
+    assert server.metric("llmrun_generated_tokens_total") - generated < 400
+    after = server.post("/v1/chat/completions", chat("Name a fruit.", max_tokens=4))
+    assert after.status_code == 200
+
+
+@pytest.mark.model
+def test_a_full_queue_gets_503_with_retry_after(server: Server) -> None:
+    running = [open_stream(server.url, chat(f"Story number {i}.", **LONG)) for i in range(2)]
+    waiting = open_stream(server.url, chat("Story number 3.", **LONG), wait_for_data=False)
+    try:
+        server.wait_for(lambda: server.get("/health")["queued"] == 1, "one request queued")
+        r = server.post("/v1/chat/completions", chat("One more.", max_tokens=2))
+        assert r.status_code == 503
+        assert r.headers["Retry-After"].isdigit()
+        assert "busy" in r.json()["error"]["message"]
+    finally:
+        for sock in (*running, waiting):
+            sock.close()
+    server.wait_for(lambda: (h := server.get("/health"))["slots_processing"] == 0
+                    and h["queued"] == 0, "the slots and the queue empty")  # fmt: skip
+    assert server.post("/v1/chat/completions", chat("Hi.", max_tokens=2)).status_code == 200
+
+
+# ---- clients ---------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_openai_python_client(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
+        temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.content and reply.usage is not None
+    assert reply.usage.completion_tokens <= 6
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    ):  # fmt: skip
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == reply.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == reply.usage.completion_tokens
+    done = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)
+    assert done.choices[0].text and done.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                       temperature=500)  # fmt: skip
+
+
+@pytest.mark.model
+def test_run_endpoint_shows_the_servers_own_prefill(server: Server) -> None:
+    result = CliRunner().invoke(app, ["run", "Name a color.", "--endpoint", server.url, "-n",
+                                      "6", "--temp", "0", "--stats", "json"])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert stats["server_prompt_ms"] is not None and stats["server_prompt_ms"] > 0
+    assert stats["server_prompt_n"] + (stats["server_cache_n"] or 0) == stats["prompt_tokens"]
+    assert stats["server_predicted_n"] == stats["output_tokens"]
+
+
+# ---- signals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_sigterm_drains_the_requests_in_flight_then_exits_143(env: dict[str, str]) -> None:
+    with llmrun_serve(env, "-np", "1") as s:
+        body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 16,
+                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        sock = open_stream(s.url, body)
+        s.proc.send_signal(signal.SIGTERM)
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        sock.close()
+        assert b"data: [DONE]" in received
+        assert b'"finish_reason":"length"' in received
+        assert s.proc.wait(120) == 143
+        assert any("stopped (SIGTERM)" in line for line in s.lines)
+
+
+@pytest.mark.model
+def test_ctrl_c_exits_130(env: dict[str, str]) -> None:
+    with llmrun_serve(env, "-np", "1") as s:
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(60) == 130
+
+
+@pytest.mark.model
+def test_a_port_in_use_is_one_line(env: dict[str, str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run([which_llmrun(), "serve", "--port", str(port)], env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"llmrun: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+# ---- the live view and the log (pure functions) -----------------------------------------------
+
+
+def _timings() -> RequestTimings:
+    return RequestTimings(prompt_tokens=40, reused_tokens=8, output_tokens=3,
+                          template_tokenize_ms=1.0, queue_ms=2.0, prefill_ms=30.0,
+                          prefill_chunks=((16, 15.0), (16, 15.0)), ttft_ms=34.0, decode_ms=20.0,
+                          itl_ms=(9.0, 11.0), finish_reason="stop", seed=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [100, 48])
+def test_live_view_renders_the_engine_state(width: int) -> None:
+    steps = tuple(StepRecord(end_s=1.0 + i * 0.01, duration_s=0.01, n_decode=3, n_prefill=16)
+                  for i in range(10))  # fmt: skip
+    snap = Snapshot(decoding=3, prefilling=1, queued=2, n_seq=4, policy="chunked:64",
+                    steps=steps, recent_itl_ms=(9.0, 10.0, 12.0), served=5,
+                    output_tokens=70)  # fmt: skip
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(render_serve(snap))
+    text = " ".join(out.getvalue().split())
+    assert "3 decoding" in text and "1 prefilling" in text and "2 queued" in text
+    assert "16.0 prefill + 3.0 decode tokens" in text
+    assert "tok/s generated" in text and "p99" in text
+    assert all(len(line) <= width for line in out.getvalue().splitlines())
+    idle = Snapshot(decoding=0, prefilling=0, queued=0, n_seq=4, policy="chunked:64", steps=(),
+                    recent_itl_ms=(), served=0, output_tokens=0)  # fmt: skip
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(render_serve(idle))
+    assert "idle" in out.getvalue() and "ITL" not in out.getvalue()
+
+
+def test_log_line_names_every_phase() -> None:
+    line = answered_line(Answered("chat", 200, _timings()))
+    for words in (
+        "chat 200 stop",
+        "prompt 40 (reused 8)",
+        "out 3",
+        "queue 2.0",
+        "template 1.0",
+        "prefill 30.0 (2 chunks)",
+        "ttft 34.0",
+        "decode 20.0",
+        "itl p50 10.0",
+    ):
+        assert words in line, words
+    assert answered_line(Answered("chat", 503, None, "busy")) == "chat 503 busy"
+
+
+def test_timings_json_names() -> None:
+    t = _timings().to_dict()
+    assert t["prefill_tokens"] == 32 and t["prefill_chunks"] == [
+        {"tokens": 16, "ms": 15.0}, {"tokens": 16, "ms": 15.0}]  # fmt: skip
+    assert t["itl_p50_ms"] == 10.0 and t["decode_tps"] == 100.0
+    assert json.loads(json.dumps(t)) == t
+
+
+def test_help_lists_the_server_options(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in ("--host", "--port", "-np", "--policy", "--max-queue", "--drain-timeout"):
+        assert option in result.stdout
