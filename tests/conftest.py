@@ -32,7 +32,7 @@ LLMRUN = str(Path(sys.executable).parent / "llmrun")
 #          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
 MARKER_FIXTURES = {
     "model": {"model_path", "runner", "q8_model", "server"},
-    "pty": {"llmrun_env", "server", "q8_model"},
+    "pty": {"llmrun_env", "server", "q8_model", "serve_env"},
 }
 
 

@@ -94,7 +94,8 @@ def llmrun_serve(env: dict[str, str], *args: str) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def serve_env(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> dict[str, str]:
+    """The servers' environment; requesting it marks a test `model` and `pty` (conftest)."""
     home = tmp_path_factory.mktemp("serve")
     env = dict(os.environ, NO_COLOR="1", HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"),
                LLMRUN_HOME=str(home / "llmrun"))  # fmt: skip
@@ -104,8 +105,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(env: dict[str, str]) -> Iterator[Server]:
-    with llmrun_serve(env, "-np", "2", "--max-queue", "1", "--no-dashboard") as s:
+def llmrun_server(serve_env: dict[str, str]) -> Iterator[Server]:
+    with llmrun_serve(serve_env, "-np", "2", "--max-queue", "1", "--no-dashboard") as s:
         yield s
 
 
@@ -142,13 +143,14 @@ def sse_events(response: httpx.Response) -> list[Any]:
 # ---- the OpenAI shapes and the phases ------------------------------------------------------
 
 
-@pytest.mark.model
-def test_chat_answer_has_openai_shape_and_its_phases(server: Server) -> None:
-    r = server.post("/v1/chat/completions", chat("Name a color.", max_tokens=8, temperature=0))
+def test_chat_answer_has_openai_shape_and_its_phases(llmrun_server: Server) -> None:
+    r = llmrun_server.post(
+        "/v1/chat/completions", chat("Name a color.", max_tokens=8, temperature=0)
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert isinstance(body["created"], int) and body["model"] == server.get("/v1/models")[
+    assert isinstance(body["created"], int) and body["model"] == llmrun_server.get("/v1/models")[
         "data"][0]["id"]  # fmt: skip
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
@@ -166,11 +168,10 @@ def test_chat_answer_has_openai_shape_and_its_phases(server: Server) -> None:
     assert "seed" in t
 
 
-@pytest.mark.model
-def test_streaming_with_include_usage_ends_with_usage_and_timings(server: Server) -> None:
+def test_streaming_with_include_usage_ends_with_usage_and_timings(llmrun_server: Server) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", llmrun_server.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -184,44 +185,45 @@ def test_streaming_with_include_usage_ends_with_usage_and_timings(server: Server
     assert text.strip()
 
 
-@pytest.mark.model
-def test_a_shared_prefix_is_reused_and_changes_nothing(server: Server) -> None:
+def test_a_shared_prefix_is_reused_and_changes_nothing(llmrun_server: Server) -> None:
     body = chat("Write one sentence about the sea.", max_tokens=10, temperature=0)
-    first = server.post("/v1/chat/completions", body).json()
-    second = server.post("/v1/chat/completions", body).json()
+    first = llmrun_server.post("/v1/chat/completions", body).json()
+    second = llmrun_server.post("/v1/chat/completions", body).json()
     assert second["timings"]["reused_tokens"] == second["timings"]["prompt_tokens"] - 1
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
 
 
-@pytest.mark.model
-def test_seeds_and_stop_strings_per_request(server: Server) -> None:
+def test_seeds_and_stop_strings_per_request(llmrun_server: Server) -> None:
     sampled = chat("Tell me a short story.", max_tokens=12, temperature=1.0, seed=7)
-    a = server.post("/v1/chat/completions", sampled).json()
-    b = server.post("/v1/chat/completions", sampled).json()
+    a = llmrun_server.post("/v1/chat/completions", sampled).json()
+    b = llmrun_server.post("/v1/chat/completions", sampled).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert a["timings"]["seed"] == 7
     greedy = chat("Count from one to ten in words.", max_tokens=24, temperature=0)
-    full = server.post("/v1/chat/completions", greedy).json()["choices"][0]["message"]["content"]
+    full = llmrun_server.post("/v1/chat/completions", greedy).json()["choices"][0]["message"][
+        "content"
+    ]
     words = full.split()
     assert len(words) > 3, full
     stop = words[2]
-    cut = server.post("/v1/chat/completions", {**greedy, "stop": [stop]}).json()["choices"][0]
+    cut = llmrun_server.post("/v1/chat/completions", {**greedy, "stop": [stop]}).json()["choices"][
+        0
+    ]
     assert cut["finish_reason"] == "stop"
     assert cut["message"]["content"] == full[: full.index(stop)]
 
 
-@pytest.mark.model
-def test_models_health_tokenize_and_metrics(server: Server) -> None:
-    models = server.get("/v1/models")
+def test_models_health_tokenize_and_metrics(llmrun_server: Server) -> None:
+    models = llmrun_server.get("/v1/models")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
     assert models["data"][0]["meta"]["n_seq"] == 2
-    health = server.get("/health")
+    health = llmrun_server.get("/health")
     assert health["status"] == "ok" and health["slots_idle"] + health["slots_processing"] == 2
-    tokens = server.post("/tokenize", {"content": "hello world"}).json()["tokens"]
+    tokens = llmrun_server.post("/tokenize", {"content": "hello world"}).json()["tokens"]
     assert tokens and all(isinstance(t, int) for t in tokens)
-    server.post("/v1/completions", {"prompt": tokens, "max_tokens": 3, "temperature": 0})
-    text = httpx.get(server.url + "/metrics", timeout=60).text
+    llmrun_server.post("/v1/completions", {"prompt": tokens, "max_tokens": 3, "temperature": 0})
+    text = httpx.get(llmrun_server.url + "/metrics", timeout=60).text
     for name in (
         "llmrun_requests_total",
         "llmrun_requests_in_flight",
@@ -236,15 +238,14 @@ def test_models_health_tokenize_and_metrics(server: Server) -> None:
         "llmrun_step_decode_tokens_bucket",
     ):
         assert f"\n{name}" in text, name
-    assert server.metric("llmrun_ttft_seconds_count") > 0
-    assert server.metric("llmrun_step_prefill_tokens_sum") > 0
-    assert server.metric("llmrun_step_decode_tokens_sum") > 0
+    assert llmrun_server.metric("llmrun_ttft_seconds_count") > 0
+    assert llmrun_server.metric("llmrun_step_prefill_tokens_sum") > 0
+    assert llmrun_server.metric("llmrun_step_decode_tokens_sum") > 0
 
 
 # ---- faults: each request ends with its own error --------------------------------------------
 
 
-@pytest.mark.model
 @pytest.mark.parametrize(
     ("payload", "words"),
     [
@@ -259,63 +260,67 @@ def test_models_health_tokenize_and_metrics(server: Server) -> None:
         (json.dumps({"prompt": [10**9]}).encode(), "not in the vocabulary"),
     ],
 )
-def test_bad_requests_get_400_with_the_reason(server: Server, payload: bytes, words: str) -> None:
+def test_bad_requests_get_400_with_the_reason(
+    llmrun_server: Server, payload: bytes, words: str
+) -> None:
     route = "/v1/completions" if b'"prompt"' in payload else "/v1/chat/completions"
-    r = httpx.post(server.url + route, content=payload, timeout=60,
+    r = httpx.post(llmrun_server.url + route, content=payload, timeout=60,
                    headers={"Content-Type": "application/json"})  # fmt: skip
     assert r.status_code == 400
     assert words in r.json()["error"]["message"]
-    assert server.get("/health")["status"] == "ok"
+    assert llmrun_server.get("/health")["status"] == "ok"
 
 
-@pytest.mark.model
-def test_a_prompt_longer_than_the_context_gets_400(server: Server) -> None:
-    r = server.post("/v1/chat/completions", chat("word " * 700, max_tokens=4))
+def test_a_prompt_longer_than_the_context_gets_400(llmrun_server: Server) -> None:
+    r = llmrun_server.post("/v1/chat/completions", chat("word " * 700, max_tokens=4))
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "tokens long but the context holds 512" in message
 
 
-@pytest.mark.model
-def test_a_disconnected_client_frees_its_sequence_and_the_rest_carry_on(server: Server) -> None:
-    cancelled = server.metric('llmrun_requests_total{outcome="cancelled"')
-    generated = server.metric("llmrun_generated_tokens_total")
-    gone = open_stream(server.url, chat("Tell me about rivers.", **LONG))
+def test_a_disconnected_client_frees_its_sequence_and_the_rest_carry_on(
+    llmrun_server: Server,
+) -> None:
+    cancelled = llmrun_server.metric('llmrun_requests_total{outcome="cancelled"')
+    generated = llmrun_server.metric("llmrun_generated_tokens_total")
+    gone = open_stream(llmrun_server.url, chat("Tell me about rivers.", **LONG))
     gone.close()
-    server.wait_for(lambda: server.metric('llmrun_requests_total{outcome="cancelled"')
+    llmrun_server.wait_for(lambda: llmrun_server.metric('llmrun_requests_total{outcome="cancelled"')
                     > cancelled, "the request counted as cancelled")  # fmt: skip
-    server.wait_for(lambda: server.get("/health")["slots_processing"] == 0, "both slots free")
+    llmrun_server.wait_for(
+        lambda: llmrun_server.get("/health")["slots_processing"] == 0, "both slots free"
+    )
     # The engine stopped it long before its 400 tokens.
-    assert server.metric("llmrun_generated_tokens_total") - generated < 400
-    after = server.post("/v1/chat/completions", chat("Name a fruit.", max_tokens=4))
+    assert llmrun_server.metric("llmrun_generated_tokens_total") - generated < 400
+    after = llmrun_server.post("/v1/chat/completions", chat("Name a fruit.", max_tokens=4))
     assert after.status_code == 200
 
 
-@pytest.mark.model
-def test_a_full_queue_gets_503_with_retry_after(server: Server) -> None:
-    running = [open_stream(server.url, chat(f"Story number {i}.", **LONG)) for i in range(2)]
-    waiting = open_stream(server.url, chat("Story number 3.", **LONG), wait_for_data=False)
+def test_a_full_queue_gets_503_with_retry_after(llmrun_server: Server) -> None:
+    running = [open_stream(llmrun_server.url, chat(f"Story number {i}.", **LONG)) for i in range(2)]
+    waiting = open_stream(llmrun_server.url, chat("Story number 3.", **LONG), wait_for_data=False)
     try:
-        server.wait_for(lambda: server.get("/health")["queued"] == 1, "one request queued")
-        r = server.post("/v1/chat/completions", chat("One more.", max_tokens=2))
+        llmrun_server.wait_for(
+            lambda: llmrun_server.get("/health")["queued"] == 1, "one request queued"
+        )
+        r = llmrun_server.post("/v1/chat/completions", chat("One more.", max_tokens=2))
         assert r.status_code == 503
         assert r.headers["Retry-After"].isdigit()
         assert "busy" in r.json()["error"]["message"]
     finally:
         for sock in (*running, waiting):
             sock.close()
-    server.wait_for(lambda: (h := server.get("/health"))["slots_processing"] == 0
+    llmrun_server.wait_for(lambda: (h := llmrun_server.get("/health"))["slots_processing"] == 0
                     and h["queued"] == 0, "the slots and the queue empty")  # fmt: skip
-    assert server.post("/v1/chat/completions", chat("Hi.", max_tokens=2)).status_code == 200
+    assert llmrun_server.post("/v1/chat/completions", chat("Hi.", max_tokens=2)).status_code == 200
 
 
 # ---- clients ---------------------------------------------------------------------------------
 
 
-@pytest.mark.model
-def test_openai_python_client(server: Server) -> None:
+def test_openai_python_client(llmrun_server: Server) -> None:
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=llmrun_server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
@@ -340,9 +345,8 @@ def test_openai_python_client(server: Server) -> None:
                                        temperature=500)  # fmt: skip
 
 
-@pytest.mark.model
-def test_run_endpoint_shows_the_servers_own_prefill(server: Server) -> None:
-    result = CliRunner().invoke(app, ["run", "Name a color.", "--endpoint", server.url, "-n",
+def test_run_endpoint_shows_the_servers_own_prefill(llmrun_server: Server) -> None:
+    result = CliRunner().invoke(app, ["run", "Name a color.", "--endpoint", llmrun_server.url, "-n",
                                       "6", "--temp", "0", "--stats", "json"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
     stats = json.loads(result.stderr.strip().splitlines()[-1])
@@ -354,9 +358,8 @@ def test_run_endpoint_shows_the_servers_own_prefill(server: Server) -> None:
 # ---- signals ---------------------------------------------------------------------------------
 
 
-@pytest.mark.model
-def test_sigterm_drains_the_requests_in_flight_then_exits_143(env: dict[str, str]) -> None:
-    with llmrun_serve(env, "-np", "1") as s:
+def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[str, str]) -> None:
+    with llmrun_serve(serve_env, "-np", "1") as s:
         body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 16,
                 "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
         sock = open_stream(s.url, body)
@@ -374,20 +377,18 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_143(env: dict[str, str
         assert any("stopped (SIGTERM)" in line for line in s.lines)
 
 
-@pytest.mark.model
-def test_ctrl_c_exits_130(env: dict[str, str]) -> None:
-    with llmrun_serve(env, "-np", "1") as s:
+def test_ctrl_c_exits_130(serve_env: dict[str, str]) -> None:
+    with llmrun_serve(serve_env, "-np", "1") as s:
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(60) == 130
 
 
-@pytest.mark.model
-def test_a_port_in_use_is_one_line(env: dict[str, str]) -> None:
+def test_a_port_in_use_is_one_line(serve_env: dict[str, str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = subprocess.run([which_llmrun(), "serve", "--port", str(port)], env=env,
+        result = subprocess.run([which_llmrun(), "serve", "--port", str(port)], env=serve_env,
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
