@@ -29,8 +29,19 @@ FILE_TYPE_Q4_0 = 2  # llama_ftype MOSTLY_Q4_0
 Q4_0_BLOCK = (32, 18)  # elements, bytes: a float16 scale and 16 bytes of 4-bit values
 
 # GGUF value types: fixed-size scalars, then string (8) and array (9)
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-           10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY, _UINT32, _FLOAT32 = 8, 9, 4, 6
 
 
@@ -211,8 +222,13 @@ def model_metadata(tokenizer: list[KeyValue], shape_name: str) -> list[KeyValue]
         _kv(a + "vocab_size", _UINT32, n_vocab),
     ]
     replaced = {kv.key for kv in own}
-    kept = [kv for kv in tokenizer if kv.key not in replaced and kv.key != "general.alignment"
-            and not (source_arch and kv.key.startswith(source_arch + "."))]  # fmt: skip
+    kept = [
+        kv
+        for kv in tokenizer
+        if kv.key not in replaced
+        and kv.key != "general.alignment"
+        and not (source_arch and kv.key.startswith(source_arch + "."))
+    ]
     return own + kept
 
 
@@ -231,11 +247,17 @@ def tensors(shape: Shape, n_vocab: int) -> list[Tensor]:
         out.append(q("output.weight", e, n_vocab))
     for i in range(shape.n_layer):
         p = f"blk.{i}."
-        out += [norm(p + "attn_norm.weight"), q(p + "attn_q.weight", e, e),
-                q(p + "attn_k.weight", e, kv), q(p + "attn_v.weight", e, kv),
-                q(p + "attn_output.weight", e, e), norm(p + "ffn_norm.weight"),
-                q(p + "ffn_gate.weight", e, shape.n_ff), q(p + "ffn_up.weight", e, shape.n_ff),
-                q(p + "ffn_down.weight", shape.n_ff, e)]  # fmt: skip
+        out += [
+            norm(p + "attn_norm.weight"),
+            q(p + "attn_q.weight", e, e),
+            q(p + "attn_k.weight", e, kv),
+            q(p + "attn_v.weight", e, kv),
+            q(p + "attn_output.weight", e, e),
+            norm(p + "ffn_norm.weight"),
+            q(p + "ffn_gate.weight", e, shape.n_ff),
+            q(p + "ffn_up.weight", e, shape.n_ff),
+            q(p + "ffn_down.weight", shape.n_ff, e),
+        ]
     return out
 
 

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
+import io
 import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -13,9 +22,13 @@ from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.report import engine_text
 from llmrun.runners import devices as dv
+from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.gguf import read_gguf
 from llmrun.runners.limits import MemoryNeed, fit_gpu_layers, plan_offload
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 from llmrun.runners.system import SystemInfo
 
+from .conftest import ROOT
 from .fake import FAKE_SETTINGS, FakeRunner
 
 GIB = 2**30
@@ -172,3 +185,330 @@ def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
         refused = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1",
                                            "--no-history", *bad, "-o", "json"])  # fmt: skip
         assert refused.exit_code == 1 and says in refused.stderr, refused.stderr
+
+
+# ---- benchmarks/gpu.py and benchmarks/synth_gguf.py: the check for a GPU machine -----------
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+synth = _load("synth_gguf")
+gpu = _load("gpu")
+
+
+def test_the_shapes_have_the_real_models_parameter_counts() -> None:
+    """SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B as published (their vocabularies)."""
+    for shape, n_vocab, n_params in (("135m", 49152, 134_515_008), ("1b", 128256, 1_235_814_400),
+                                     ("8b", 128256, 8_030_261_248)):  # fmt: skip
+        plan = synth.tensors(synth.SHAPES[shape], n_vocab)
+        assert sum(math.prod(t.dims) for t in plan) == n_params, shape
+    # tied embeddings: no output.weight; an 8B has one
+    assert "output.weight" not in {t.name for t in synth.tensors(synth.SHAPES["1b"], 10)}
+    assert "output.weight" in {t.name for t in synth.tensors(synth.SHAPES["8b"], 10)}
+
+
+def test_strip_keeps_the_tokenizer_and_template_and_drops_the_tensors(
+    model_path: str, tmp_path: Path
+) -> None:
+    tok = tmp_path / "tok.gguf"
+    size = synth.strip(Path(model_path), tok)
+    assert size == tok.stat().st_size < 4 << 20  # the 93 MB model's header alone
+    assert synth.read_metadata(tok) == synth.read_metadata(Path(model_path))
+    info = read_gguf(tok)
+    assert info.n_tensors == 0 and info.chat_template == read_gguf(model_path).chat_template
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        synth.read_metadata(ROOT / "README.md")
+    with pytest.raises(ValueError, match="unknown shape"):
+        synth.write_model(tok, "3b", tmp_path / "x.gguf")
+
+
+@pytest.mark.model
+def test_a_synthetic_135m_model_loads_and_generates(model_path: str, tmp_path: Path) -> None:
+    """The real engine (CPU build) loads the file and samples tokens with its chat template."""
+    tok, out = tmp_path / "tok.gguf", tmp_path / "135m.gguf"
+    synth.strip(Path(model_path), tok)
+    assert synth.main(["make", str(tok), "135m", str(out)]) == 0
+    info = read_gguf(out)  # llmrun's own checks: every tensor inside the file
+    assert (info.architecture, info.quantization, info.n_params) == ("llama", "Q4_0", 134_515_008)
+    assert info.metadata["general.name"] == "synthetic-135m"
+    assert info.chat_template == read_gguf(model_path).chat_template
+    runner = LlamaCppRunner(str(out), EngineConfig(n_ctx=128))
+    try:
+        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        result = generate(runner, Request.chat("Hello", sampling=sp))
+    finally:
+        runner.close()
+    assert result.stats.output_tokens == 6 and result.stats.prompt_tokens > 5
+
+
+def _fake_sdist(folder: Path) -> Path:
+    """A small llama-cpp-python sdist: what the bundle keeps and what it trims."""
+    top = "llama_cpp_python-9.9.9/"
+    long_name = (
+        "ggml/src/ggml-cuda/template-instances/" + "fattn-vec-instance-" + "f16" * 30 + ".cu"
+    )
+    files = {
+        "vendor/llama.cpp/CMakeLists.txt": "project(llama)\n",
+        "vendor/llama.cpp/tools/llama-bench/llama-bench.cpp": "int main() {}\n",
+        "vendor/llama.cpp/tools/batched-bench/batched-bench.cpp": "int main() {}\n",
+        "vendor/llama.cpp/" + long_name: "// over tar's 100-character names\n",
+        "vendor/llama.cpp/scripts/compare-llama-bench.py": "\n",
+        "vendor/llama.cpp/models/ggml-vocab-llama.gguf": "x" * 5000,
+        "vendor/llama.cpp/docs/build.md": "\n",
+        "vendor/llama.cpp/tests/test-backend-ops.cpp": "\n",
+        "vendor/llama.cpp/examples/simple/simple.cpp": "\n",
+        "vendor/llama.cpp/tools/ui/index.html": "\n",
+        "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp": "\n",
+        "vendor/llama.cpp/convert_hf_to_gguf.py": "\n",
+        "llama_cpp/llama.py": "\n",
+        "llama_cpp/server/app.py": "\n",
+        "llama_cpp/lib/libllama.so": "ELF",
+        "tests/test_llama.py": "\n",
+        "pyproject.toml": "\n",
+    }
+    path = folder / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(top + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _names(archive: Path) -> set[str]:
+    with tarfile.open(archive) as tar:
+        return set(tar.getnames())
+
+
+def _bundle_sources(model_path: str, tmp_path: Path) -> Any:
+    (tmp_path / "sdist").mkdir()
+    sdist = _fake_sdist(tmp_path / "sdist")
+    fetched: list[list[str]] = []
+
+    def wheels(pins: list[str], folder: Path) -> None:
+        fetched.append(list(pins))
+        for pin in pins:
+            name, version = pin.split("==")
+            (folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"PK")
+
+    sources = gpu.Sources(version="9.9.9", tokenizer_model=Path(model_path),
+                          sdist=lambda version, folder: sdist, pins=gpu.installed_pins,
+                          wheels=wheels)  # fmt: skip
+    return sources, fetched
+
+
+def test_prepare_bundles_a_trimmed_source_the_bindings_wheels_and_the_project(
+    model_path: str, tmp_path: Path
+) -> None:
+    sources, fetched = _bundle_sources(model_path, tmp_path)
+    bundle = tmp_path / "bundle"
+    log = io.StringIO()
+    total = gpu.prepare(bundle, sources, log=log)
+    files = [p for p in bundle.rglob("*") if p.is_file()]
+    assert total == sum(p.stat().st_size for p in files)
+    assert f"bundle: {total / 2**20:,.1f} MiB in all" in log.getvalue()
+    long_name = "llama.cpp/ggml/src/ggml-cuda/template-instances/fattn-vec-instance-" + "f16" * 30
+    assert _names(bundle / "llama.cpp.tgz") == {
+        "llama.cpp/CMakeLists.txt", "llama.cpp/tools/llama-bench/llama-bench.cpp",
+        "llama.cpp/tools/batched-bench/batched-bench.cpp", long_name + ".cu",
+        "llama.cpp/scripts/compare-llama-bench.py"}  # fmt: skip
+    assert _names(bundle / "llama_cpp.tgz") == {"llama_cpp/llama.py", "llama_cpp/server/app.py"}
+    project = _names(bundle / "project.tgz")
+    assert {"project/benchmarks/gpu.py", "project/benchmarks/synth_gguf.py",
+            "project/runners/system.py", "project/pyproject.toml"} <= project  # fmt: skip
+    assert not any("/.venv/" in n or "/.git/" in n or n.startswith("project/.gpu") for n in project)
+    # the wheels llmrun needs at run time, pinned to what runs here; not what the image has
+    pins = dict(p.split("==") for p in fetched[0])
+    assert pins["typer"] == importlib.metadata.version("typer") and "pydantic" in pins
+    assert not {"numpy", "llama-cpp-python", "huggingface-hub"} & set(pins)
+    assert len(list((bundle / "wheels").glob("*.whl"))) == len(pins)
+    assert synth.read_metadata(bundle / "tokenizer.gguf") == synth.read_metadata(Path(model_path))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["llama_cpp_python"] == "9.9.9" and manifest["wheels"] == fetched[0]
+
+
+def test_prepare_refuses_a_bundle_over_its_limit_and_a_wrong_archive(
+    model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources, _ = _bundle_sources(model_path, tmp_path)
+    monkeypatch.setattr(gpu, "BUNDLE_LIMIT_BYTES", 1 << 20)  # the tokenizer alone is 1.7 MiB
+    with pytest.raises(ValueError, match="over its 1 MiB limit"):
+        gpu.prepare(tmp_path / "b1", sources, log=io.StringIO())
+    other = tmp_path / "other.tar.gz"
+    with tarfile.open(other, "w:gz") as tar:
+        tar.add(ROOT / "README.md", arcname="x-1/README.md")
+    with pytest.raises(ValueError, match="not a llama-cpp-python source distribution"):
+        gpu.split_sdist(other, tmp_path)
+
+
+def test_prepare_prints_the_bundle_folder_last(
+    model_path: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "s").mkdir()
+    sdist = _fake_sdist(tmp_path / "s")
+    monkeypatch.setattr(gpu, "download_wheels", lambda pins, folder: None)
+    bundle = tmp_path / "b"
+    assert gpu.main(["--prepare", "--bundle", str(bundle), "--sdist", str(sdist)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(bundle)
+    assert (bundle / "llama.cpp.tgz").exists()
+
+
+def test_the_trimmed_tree_keeps_what_the_build_reads() -> None:
+    keep = ["CMakeLists.txt", "ggml/src/ggml-cuda/fattn.cu", "ggml/src/ggml-cpu/ops.cpp",
+            "tools/llama-bench/llama-bench.cpp", "tools/batched-bench/batched-bench.cpp",
+            "common/arg.cpp", "src/llama.cpp", "vendor/nlohmann/json.hpp", "cmake/common.cmake",
+            "tools/mtmd/CMakeLists.txt", "scripts/compare-llama-bench.py", "models-readme.txt"]  # fmt: skip
+    drop = ["models/ggml-vocab-llama-bpe.gguf", "docs/build.md", "tests/CMakeLists.txt",
+            "examples/simple/simple.cpp", "tools/ui/package.json", "ggml/src/ggml-vulkan/x.cpp",
+            "ggml/src/ggml-metal/ggml-metal.m", "convert_hf_to_gguf.py", "gguf-py/gguf/gguf.py"]  # fmt: skip
+    assert all(gpu.keep_llama_cpp(p) for p in keep)
+    assert not any(gpu.keep_llama_cpp(p) for p in drop)
+    assert gpu.keep_binding("llama_cpp/llama_cpp.py") and not gpu.keep_binding(
+        "llama_cpp/lib/libllama.so"
+    )
+
+
+def test_wheel_pins_follow_requirements_for_linux_cpython_312() -> None:
+    graph = {
+        "llmrun": ["typer>=0.12", "llama-cpp-python>=0.3", "numpy"],
+        "typer": ["pydantic>=2", "colorama; platform_system == 'Windows'",
+                  "rich>=13; python_version < '3.13'", "pytest; extra == 'test'"],
+        "pydantic": ["typing-extensions>=4"], "rich": [], "typing-extensions": None,
+        "llama-cpp-python": ["diskcache"],
+    }  # fmt: skip
+    versions = {"llmrun": "0.1", "typer": "0.29", "pydantic": "2.14", "rich": "15",
+                "typing-extensions": "4.16", "colorama": "0.4", "pytest": "9"}  # fmt: skip
+    pins = gpu.wheel_pins(["llmrun"], graph.get, versions.get)
+    assert pins == ["llmrun==0.1", "pydantic==2.14", "rich==15", "typer==0.29",
+                    "typing-extensions==4.16"]  # fmt: skip
+    with pytest.raises(ValueError, match="rich is needed on the GPU machine"):
+        gpu.wheel_pins(["typer"], graph.get, {"typer": "1", "pydantic": "2",
+                                               "typing-extensions": "4"}.get)  # fmt: skip
+
+
+def test_the_gpu_is_read_from_nvidia_smi() -> None:
+    found = gpu.parse_gpus("NVIDIA H200, 9.0, 143771\nNVIDIA GeForce RTX 4090, 8.9, 24564\n")
+    assert found == [gpu.Gpu("NVIDIA H200", "9.0", 143771),
+                     gpu.Gpu("NVIDIA GeForce RTX 4090", "8.9", 24564)]  # fmt: skip
+    assert [g.cuda_arch for g in found] == ["90-real", "89-real"]
+    assert gpu.parse_gpus("No devices were found\n") == []
+
+
+LAYOUT = gpu.Layout(Path("/b"), Path("/w"))
+
+
+def test_the_plan_builds_for_the_gpu_then_measures_both_tools_with_the_same_flags() -> None:
+    wheels = ["/b/wheels/typer-0.29.2-py3-none-any.whl"]
+    steps = gpu.plan("90-real", LAYOUT, gpu.Options(python="py", jobs=16), wheels)
+    by_label = {s.label: s for s in steps}
+    configure = by_label["configure llama.cpp"].argv
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in configure and "-DGGML_CUDA_FA=ON" in configure
+    assert "-DGGML_CUDA=ON" in configure and "-DBUILD_SHARED_LIBS=ON" in configure
+    build = by_label["build llama.cpp"].argv
+    assert build[-3:] == ("--target", "llama-bench", "llama-batched-bench")
+    assert by_label["install the wheels"].argv[-1] == wheels[0]
+    labels = [s.label for s in steps]
+    # set-up before use: the libraries after the build, each model before its first run
+    assert labels.index("build llama.cpp") < labels.index("put the libraries under the bindings")
+    for shape in ("135m", "1b", "8b"):
+        made = labels.index(f"write the {shape} model")
+        runs = [i for i, s in enumerate(steps) if s.reads and f"/w/models/{shape}.gguf" in s.argv]
+        assert runs and made < min(runs) and made > labels.index("link the bindings and llmrun")
+        # B A B, and llmrun gets llama-bench's very flags (pp512, tg128, all layers, FA on)
+        trio = [
+            s
+            for s in steps
+            if s.key == shape and s.reads.endswith("bench") and "batched" not in s.reads
+        ]
+        assert [s.reads for s in trio] == ["llama-bench", "llmrun-bench", "llama-bench"]
+        lb, lr = trio[0].argv, trio[1].argv
+        assert lb[0] == "/w/llama.cpp/build/bin/llama-bench"
+        assert lr[lr.index("bench") + 1 :] == (*lb[1:], "--no-history", "--no-tuned")
+        assert (
+            lb[3:7] == ("-p", "512", "-n", "128") and "-fa" in lb and lb[lb.index("-fa") + 1] == "1"
+        )
+    cpu = [s for s in steps if s.key == "cpu-1b"]
+    assert [s.argv[s.argv.index("-ngl") + 1] for s in cpu] == ["0", "0", "0"]
+    batched = next(s for s in steps if s.reads == "batched-bench").argv
+    assert batched[batched.index("-npl") + 1] == "1,8,32"
+    assert int(batched[batched.index("-c") + 1]) >= 32 * (256 + 64)
+    serve = next(s for s in steps if s.reads == "llmrun-serve").argv
+    assert serve[serve.index("--concurrency") + 1] == "1,8,32"
+    assert (
+        serve[serve.index("--input-len") + 1] == "256"
+        and serve[serve.index("--output-len") + 1] == "64"
+    )
+    off = gpu.plan(
+        "90-real", LAYOUT, gpu.Options(python="py", flash_attn=False, cpu_shape=None), []
+    )
+    assert "-DGGML_CUDA_FA=OFF" in next(s for s in off if s.label == "configure llama.cpp").argv
+    assert all(s.argv[s.argv.index("-fa") + 1] in ("0", "off") for s in off if "-fa" in s.argv)
+    assert not any(s.key.startswith("cpu") for s in off)
+
+
+def _jsonl(*rows: dict[str, Any]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_the_ratios_come_from_the_tools_output() -> None:
+    opts = gpu.Options(shapes=("8b",), cpu_shape=None)
+    steps = {s.label: s for s in gpu.plan("90-real", LAYOUT, opts, [])}
+    res = gpu.Results()
+    lb, lr = steps["8b: llama-bench"], steps["8b: llmrun bench"]
+    res.read(lb, _jsonl({"n_prompt": 512, "n_gen": 0, "avg_ts": 11000.0},
+                        {"n_prompt": 0, "n_gen": 128, "avg_ts": 356.0}))  # fmt: skip
+    res.read(lr, "[" + ",".join(json.dumps(r) for r in (
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 11110.0, "engine_avg_ts": 11200.0},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 335.0, "engine_avg_ts": 348.0, "bw_util": 0.31,
+         "decode_bw_gbs": 1500.0, "weights_bw_gbs": 4915.2, "mem_bw_source": "driver"})) + "]")  # fmt: skip
+    res.read(lb, _jsonl({"n_prompt": 0, "n_gen": 128, "avg_ts": 355.0}))
+    res.read(steps["8b: llama-batched-bench"], "main: n_kv_max = 20736\n" + _jsonl(
+        {"pl": 1, "tg": 64, "t_tg": 0.19, "speed": 1390.0},
+        {"pl": 32, "tg": 64, "t_tg": 0.563, "speed": 8225.0}))  # fmt: skip
+    res.read(steps["8b: llmrun's serving lab"], json.dumps([
+        {"concurrency": 1, "total_token_throughput": 1139.0, "itl_p50_ms": 3.9},
+        {"concurrency": 32, "total_token_throughput": 4636.0, "itl_p50_ms": 16.8}]))  # fmt: skip
+    lines = gpu.ratio_lines(res, opts)
+    assert lines[0] == ("8b shape, FA on, pp512: llmrun 11,110.0 / llama-bench 11,000.0 tok/s ="
+                        " x1.010; llama.cpp's counter in llmrun 11,200.0 (x1.018)")  # fmt: skip
+    assert lines[1] == ("8b shape, FA on, tg128: llmrun 335.0 / llama-bench 355.0-356.0 tok/s ="
+                        " x0.942; llama.cpp's counter in llmrun 348.0 (x0.979); target ≥ 0.98:"
+                        " MISSED")  # fmt: skip
+    assert lines[2] == "  bandwidth share 31%: 1500.0 GB/s of 4915.2 GB/s (driver)"
+    assert lines[3].startswith("8b serving, 1 at a time, 256 in / 64 out: llmrun 1,139 /"
+                               " llama-batched-bench 1,390 total tok/s = x0.819; ITL p50 3.90 ms"
+                               " against a decode step of 2.97 ms")  # fmt: skip
+    assert (
+        lines[4] == "  at 1: ITL / plain decode (llama-bench tg128) = x1.386; target ≤ 1.05: MISSED"
+    )
+    assert lines[5].endswith("= x0.564; ITL p50 16.80 ms against a decode step of 8.80 ms; target"
+                             " ≥ 0.90: MISSED")  # fmt: skip
+
+
+def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(tmp_path: Path) -> None:
+    script = str(ROOT / "benchmarks" / "gpu.py")
+    env = {**os.environ, "PATH": str(tmp_path)}  # no nvidia-smi
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
+                          check=False)  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == ("gpu.py: no NVIDIA GPU here (nvidia-smi is not installed): this check"
+                           " runs on the GPU machine; `--prepare` makes its bundle here\n")  # fmt: skip
+    dry = subprocess.run([sys.executable, script, "--dry-run", "--cuda-arch", "90", "--fa", "off"],
+                         capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in dry.stdout and "-DGGML_CUDA_FA=OFF" in dry.stdout
+    nobundle = subprocess.run([sys.executable, script, "--cuda-arch", "90", "--bundle",
+                               str(tmp_path / "none")], capture_output=True, text=True, env=env,
+                              check=False)  # fmt: skip
+    assert nobundle.returncode == 1 and "no bundle at" in nobundle.stderr
