@@ -8,7 +8,6 @@ import importlib.util
 import io
 import json
 import math
-import os
 import subprocess
 import sys
 import tarfile
@@ -496,9 +495,11 @@ def test_the_ratios_come_from_the_tools_output() -> None:
                              " ≥ 0.90: MISSED")  # fmt: skip
 
 
-def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(tmp_path: Path) -> None:
+def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
     script = str(ROOT / "benchmarks" / "gpu.py")
-    env = {**os.environ, "PATH": str(tmp_path)}  # no nvidia-smi
+    env = {**llmrun_env, "PATH": str(tmp_path)}  # no nvidia-smi
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
                           check=False)  # fmt: skip
     assert done.returncode == 1 and done.stdout == ""
