@@ -23,13 +23,13 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.conversation import Conversation, Turn
-from llmrun.runners.errors import LlmrunError
+from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.limits import check_sampling
 from llmrun.runners.paths import state_dir
 from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, GenerationStats
 
 from . import options as o
-from .dashboard import Dashboard, TerminalConsole, model_facts, render
+from .dashboard import Dashboard, Hanging, TerminalConsole, model_facts, render
 from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
@@ -64,18 +64,46 @@ OLLAMA_PARAMETERS = {
     "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed",
     "stop": "stop",
 }  # fmt: skip
-HELP = f"""\
-/help             this list
-/stats            the full summary of the last reply; /stats all: a table of every turn
-/reset            forget the conversation (the system prompt stays)
-/system [TEXT]    show or set the system prompt
-/save FILE        save the transcript with per-turn stats (FILE.json or FILE.md)
-/set parameter NAME VALUE   change a sampling setting for the next turns, as in Ollama
-                  (temperature, num_predict, top_k, top_p, min_p, repeat_penalty, seed, stop)
-/show info        the model and the engine settings
-/exit             leave (also /bye or Ctrl-D; Ctrl-C only clears the line)
-{BLOCK}               start and end a message of several lines
-Ctrl-C during a reply stops it; what was said stays in the conversation."""
+HELP = (
+    ("/? or /help", "this list; /? shortcuts: the keys"),
+    ("/show info", "the model and the engine settings"),
+    ("/show parameters", "the sampling settings of the next turns"),
+    ("/show system", "the system prompt; also /show template, license, modelfile"),
+    ("/set parameter NAME VALUE", "a sampling setting for the next turns, with Ollama's names:"
+     " " + ", ".join(OLLAMA_PARAMETERS)),
+    ("/set system TEXT", "the system prompt (also /system [TEXT])"),
+    ("/set verbose", "the full summary after each reply; /set quiet: no stats at all"),
+    ("/set think", "let a thinking model think; /set nothink: ask it not to"),
+    ("/set history", "keep the lines typed here across sessions; /set nohistory: stop"),
+    ("/stats", "the full summary of the last reply; /stats all: every turn"),
+    ("/clear", "forget the conversation, the system prompt stays (also /reset)"),
+    ("/save FILE", "the transcript with per-turn stats (FILE.json or FILE.md)"),
+    ("/bye", "leave (also /exit or Ctrl-D; Ctrl-C only clears the line)"),
+    (BLOCK, "start and end a message of several lines"),
+    ("Ctrl-C", "during a reply: stop it; what was said stays in the conversation"),
+)  # fmt: skip
+SHORTCUTS = (
+    ("Ctrl-D", "leave (at an empty prompt)"),
+    ("Ctrl-C", "stop the reply, or clear the line"),
+    ("Ctrl-Z", "suspend; `fg` comes back to the same line"),
+    ("Ctrl-A / Ctrl-E", "start / end of the line"),
+    ("Ctrl-U / Ctrl-K", "delete to the start / end of the line"),
+    ("Ctrl-W", "delete the word before the cursor"),
+    ("Ctrl-L", "clear the screen"),
+    ("Up / Down", "earlier lines (kept across sessions unless /set nohistory)"),
+)
+# Ollama's /set words that mean nothing here, with what to do instead.
+NOT_HERE = {
+    "format": "replies are plain text here; ask for JSON in the message",
+    "noformat": "replies are plain text already",
+}
+
+
+def help_view(entries: tuple[tuple[str, str], ...]) -> RenderableType:
+    """Commands and what they do, the descriptions hanging under each other at any width."""
+    cells = max(len(name) for name, _ in entries if len(name) <= 18)
+    return Group(*(Hanging(name, Text(what), label_cells=cells, label_style="")
+                   for name, what in entries))  # fmt: skip
 
 
 def turn_line(stats: GenerationStats) -> str:
@@ -220,6 +248,9 @@ class ChatUI:
         self.readline = _readline() if interactive else None
         self.typed_ahead = ""  # keys typed during a reply: the start of the next message
         self.failed = False  # a turn failed: a scripted chat exits 1 at the end
+        self.verbose = False  # /set verbose: the full summary after each reply
+        self.quiet = False  # /set quiet: no stats after a reply
+        self.history = True  # /set nohistory: lines typed are not kept
 
     # ---- output ------------------------------------------------------------------------
 
@@ -355,6 +386,7 @@ class ChatUI:
                 " (policy: the oldest turns go first; the system prompt stays)"
             )
         recorder = Recorder(self.out)
+        cleared_cache = False
         try:
             finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel,
                              hide_thinking=self.hide_thinking)  # fmt: skip
@@ -364,6 +396,7 @@ class ChatUI:
                 self.dash.close()
             turn = conv.record(user, "".join(recorder.parts), None)
             conv.runner.reset()
+            cleared_cache = True
         except LlmrunError as e:
             if self.dash is not None:
                 self.dash.close()
@@ -372,15 +405,31 @@ class ChatUI:
             self.failed = True
             return
         self.out.end_line()
-        if turn.stats is not None:
-            self.show(turn_line(turn.stats), "dim")
+        unanswered = not turn.reply and (turn.stats is None or turn.stats.output_tokens == 0)
+        if unanswered and (turn.stats is None or turn.interrupted):
+            # Stopped before the first token (a long paste's prefill): the message leaves the
+            # conversation, so the next turn reuses the cache as it was before this one.
+            turn.in_context = False
+        if turn.stats is not None and not self.quiet:
+            if self.verbose:
+                self.show(render(turn.stats))
+            else:
+                self.show(turn_line(turn.stats), "dim")
             if turn.note:
                 self.show(f"note: {turn.note}", "dim")
             memory = turn.stats.settings.memory if turn.stats.settings else None
             per_token = memory.kv_bytes_per_token if memory else 0.0
             self.show(context_meter(conv.used_tokens, conv.n_ctx, per_token))
-        if turn.interrupted or turn.stats is None:
-            self.show("[interrupted] the reply so far stays in the conversation", "yellow")
+        if not turn.in_context and (turn.stats is None or turn.interrupted):
+            cost = (" The KV cache was cleared to stop at once: the next turn prefills the"
+                    " whole conversation again." if cleared_cache else
+                    " The cache still holds the conversation before it.")  # fmt: skip
+            self.show("[interrupted] before the reply began: the message is not in the"
+                      " conversation." + cost, "yellow")  # fmt: skip
+        elif turn.interrupted or turn.stats is None:
+            cost = (" (the KV cache was cleared to stop at once: the next turn prefills the"
+                    " whole conversation again)" if cleared_cache else "")  # fmt: skip
+            self.show("[interrupted] the reply so far stays in the conversation" + cost, "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:
             self.failed = True
             self.err.print(Text(incomplete_message(turn.stats), style="red"))
@@ -397,9 +446,12 @@ class ChatUI:
         name, _, arg = text.strip().partition(" ")
         arg = arg.strip()
         actions: dict[str, Callable[[str], bool | None]] = {
-            "/help": lambda a: self.err.print(Text(HELP)),
+            "/help": self._help,
+            "/?": self._help,
             "/stats": self._stats,
             "/reset": self._reset,
+            "/clear": self._reset,
+            "/load": self._load,
             "/system": self._system,
             "/save": self._save,
             "/set": self._set,
@@ -426,13 +478,64 @@ class ChatUI:
             assert last is not None
             self.err.print(render(last))
 
+    def _help(self, arg: str) -> None:
+        if arg.strip().lower() in ("shortcuts", "shortcut"):
+            self.err.print(help_view(SHORTCUTS))
+        else:
+            self.err.print(help_view(HELP))
+
+    def _load(self, arg: str) -> None:
+        self._usage("/load: one model per chat here; leave (/bye) and start"
+                    f" `llmrun chat -m {arg or 'MODEL'}`")  # fmt: skip
+
     def _set(self, arg: str) -> None:
+        """Ollama's /set: parameter, system, verbose/quiet, think/nothink, history/nohistory,
+        wordwrap/nowordwrap; the rest of its words are answered, not guessed."""
+        word, _, rest = arg.partition(" ")
+        word = word.lower()
+        simple = {
+            "verbose": ("verbose", True, "the full summary after each reply"),
+            "quiet": ("verbose", False, "no stats after each reply"),
+            "history": ("history", True, "lines typed here are kept across sessions"),
+            "nohistory": ("history", False, "lines typed from now on are not kept"),
+        }
+        if word in simple:
+            attr, value, said = simple[word]
+            if word == "quiet":
+                self.quiet = True
+            if word == "verbose":
+                self.quiet = False
+            setattr(self, attr, value)
+            if attr == "history" and self.readline is not None:
+                self.readline.set_auto_history(value)
+            self.err.print(Text(f"/set {word}: {said}", style="dim"))
+        elif word in ("think", "nothink"):
+            self.conv.sampling = dataclasses.replace(self.conv.sampling, think=word == "think")
+            self.err.print(Text(f"/set {word}: the template's thinking switch is"
+                                f" {'on' if word == 'think' else 'off'} for the next turns"
+                                " (a model without one ignores it)", style="dim"),
+                           soft_wrap=True)  # fmt: skip
+        elif word in ("wordwrap", "nowordwrap"):
+            self.err.print(Text("/set wordwrap: the terminal wraps replies here; llmrun inserts"
+                                " no line breaks, so copied text stays as written", style="dim"),
+                           soft_wrap=True)  # fmt: skip
+        elif word == "system":
+            self._system(rest.strip())
+        elif word in NOT_HERE:
+            self._usage(f"/set {word}: {NOT_HERE[word]}")
+        elif word == "parameter":
+            self._parameter(rest)
+        else:
+            self._usage("usage: /set parameter NAME VALUE, /set system TEXT, /set verbose|quiet,"
+                        " /set think|nothink, /set history|nohistory")  # fmt: skip
+
+    def _parameter(self, arg: str) -> None:
         """Ollama's `/set parameter NAME VALUE`, checked like the command-line options."""
-        words = arg.split(maxsplit=2)
-        if len(words) != 3 or words[0] != "parameter":
+        words = arg.split(maxsplit=1)
+        if len(words) != 2:
             self._usage("usage: /set parameter NAME VALUE")
             return
-        name, value = words[1].lower(), words[2]
+        name, value = words[0].lower(), words[1]
         field = OLLAMA_PARAMETERS.get(name)
         if field is None:
             self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
@@ -460,17 +563,68 @@ class ChatUI:
         self.failed = True
 
     def _show(self, arg: str) -> None:
-        if arg.strip() != "info":
-            self._usage("usage: /show info")
+        what = arg.strip().lower()
+        shows: dict[str, Callable[[], str]] = {
+            "info": self._info_text,
+            "parameters": self._parameters_text,
+            "system": lambda: f"system prompt: {self.conv.system or '(none)'}",
+            "template": lambda: self._gguf_text("tokenizer.chat_template", "chat template"),
+            "license": lambda: self._gguf_text("general.license", "license"),
+            "modelfile": self._modelfile_text,
+        }
+        show = shows.get(what)
+        if show is None:
+            self._usage(f"usage: /show {'|'.join(shows)}")
             return
+        try:
+            text = show()
+        except LlmrunError as e:
+            self.error(e)
+            return
+        self.err.print(Text(text, style="dim"), soft_wrap=True)
+
+    def _info_text(self) -> str:
+        loaded = self.conv.runner.load()
+        return (f"{loaded.name} · {model_facts(loaded)}\ncontext {self.conv.n_ctx} tokens\n"
+                + self._parameters_text())  # fmt: skip
+
+    def _parameters_text(self) -> str:
+        sp = self.conv.sampling
+        seed = "random each reply" if sp.seed is None else str(sp.seed)
+        think = {None: "the template's default", True: "on", False: "off"}[sp.think]
+        stop = " ".join(repr(s) for s in sp.stop) or "(the model's own end)"
+        return (f"temperature {sp.temperature:g} · num_predict {sp.max_tokens} · top_k"
+                f" {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g} · repeat_penalty"
+                f" {sp.repeat_penalty:g} · seed {seed} · stop {stop} · think {think}")  # fmt: skip
+
+    def _gguf_value(self, key: str) -> object:
+        loaded = self.conv.runner.load()
+        if loaded.model is None:
+            raise BadRequestError("the server does not say; /show works on a local model")
+        from llmrun.runners.gguf import read_gguf
+
+        return read_gguf(loaded.model.path).metadata.get(key)
+
+    def _gguf_text(self, key: str, what: str) -> str:
+        value = self._gguf_value(key)
+        return str(value) if value else f"the model file has no {what}"
+
+    def _modelfile_text(self) -> str:
+        """The session as an Ollama Modelfile: the model, its parameters, the system prompt."""
         loaded = self.conv.runner.load()
         sp = self.conv.sampling
-        self.err.print(Text(f"{loaded.name} · {model_facts(loaded)}", style="dim"), soft_wrap=True)
-        self.err.print(Text(
-            f"context {self.conv.n_ctx} · temperature {sp.temperature:g} · num_predict"
-            f" {sp.max_tokens} · top_k {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g}"
-            f" · repeat_penalty {sp.repeat_penalty:g} · seed {sp.seed}", style="dim"),
-            soft_wrap=True)  # fmt: skip
+        lines = [f"FROM {loaded.model.path if loaded.model else loaded.name}",
+                 f"PARAMETER temperature {sp.temperature:g}",
+                 f"PARAMETER num_predict {sp.max_tokens}", f"PARAMETER top_k {sp.top_k}",
+                 f"PARAMETER top_p {sp.top_p:g}", f"PARAMETER min_p {sp.min_p:g}",
+                 f"PARAMETER repeat_penalty {sp.repeat_penalty:g}",
+                 f"PARAMETER num_ctx {self.conv.n_ctx}"]  # fmt: skip
+        if sp.seed is not None:
+            lines.append(f"PARAMETER seed {sp.seed}")
+        lines += [f'PARAMETER stop "{s}"' for s in sp.stop]
+        if self.conv.system:
+            lines.append(f'SYSTEM """{self.conv.system}"""')
+        return "\n".join(lines)
 
     def _reset(self, arg: str) -> None:
         self.conv.reset()

@@ -143,18 +143,24 @@ class Hanging:
 
     label: str
     value: Text
+    label_cells: int = LABEL_CELLS
+    label_style: str = "bold"
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        indent = LABEL_CELLS + 1
+        indent = self.label_cells + 1
         width = options.max_width
-        if width <= indent + 8:  # too narrow for a column: the label on its own line
-            yield Text(self.label, style="bold")
-            yield from self.value.wrap(console, max(1, width))
+        if width <= indent + 16 or cell_len(self.label) > self.label_cells:
+            # too narrow for a column (or a long label): the label on a line of its own
+            yield Text(self.label, style=self.label_style)
+            for line in self.value.wrap(console, max(1, width - 2), overflow="fold"):
+                yield Segment("  ")
+                yield from line.render(console)
+                yield Segment.line()
             return
         lines = self.value.wrap(console, width - indent, overflow="fold")
         for i, line in enumerate(lines):
-            yield Segment(f"{self.label:<{LABEL_CELLS}} " if i == 0 else " " * indent,
-                          console.get_style("bold") if i == 0 else None)  # fmt: skip
+            yield Segment(f"{self.label:<{self.label_cells}} " if i == 0 else " " * indent,
+                          console.get_style(self.label_style) if i == 0 else None)  # fmt: skip
             yield from line.render(console)
             yield Segment.line()
 

@@ -59,7 +59,7 @@ class Conversation:
         for turn in reversed(self.turns):
             if turn.cleared:
                 return 0  # /reset emptied the context
-            if turn.stats is not None:
+            if turn.stats is not None and turn.in_context:
                 return turn.stats.prompt_tokens + turn.stats.output_tokens
         return 0
 

@@ -162,3 +162,50 @@ def test_a_broken_cache_prefix_is_explained() -> None:
     broke = conv.record("c", "z", GenerationStats("stop", 60, 20, 5, **base))  # type: ignore[arg-type]
     assert kept.note == ""  # 30 held, 29 reused: the end-of-turn markers, as designed
     assert broke.note.startswith("25 of the 45 cached tokens were prefilled again")
+
+
+def test_the_rest_of_ollamas_chat_commands(cli: CliRunner, fake: FakeRunner) -> None:
+    script = ('/?\n/? shortcuts\n/set system Be brief.\n/show system\n/set verbose\nhello\n'
+              '/set quiet\n/set nothink\n/set parameter seed 7\n/show parameters\n'
+              '/show modelfile\n/set wordwrap\n/clear\nagain\n/bye\n')  # fmt: skip
+    result = cli.invoke(app, ["chat"], input=script)
+    assert result.exit_code == 0, result.stderr
+    err = " ".join(result.stderr.split())
+    assert "/show parameters the sampling settings" in err and "Ctrl-Z suspend" in err
+    assert "system prompt: Be brief." in err
+    assert "seed 7" in err and "think off" in err
+    assert "FROM /fake/model.gguf" in err and "PARAMETER seed 7" in err
+    assert 'SYSTEM """Be brief."""' in err
+    first, second = fake.requests
+    assert first.messages[0].content == "Be brief." and first.sampling.think is None
+    assert second.sampling.think is False and second.sampling.seed == 7
+    assert [m.content for m in second.messages] == ["Be brief.", "again"]  # /clear forgot
+
+
+def test_load_and_set_format_say_what_to_do_instead(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["chat"], input="/load llama3\n/set format json\nhi\n")
+    assert result.exit_code == 1
+    assert "llmrun chat -m llama3" in result.stderr and "ask for JSON" in result.stderr
+    assert result.stdout == "hi\n"
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_help_fits_the_width_with_hanging_descriptions(width: int) -> None:
+    import io
+
+    from rich.console import Console
+
+    from llmrun.cli.chat import HELP, SHORTCUTS, help_view
+
+    for entries in (HELP, SHORTCUTS):
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        console.print(help_view(entries))
+        out = console.file.getvalue()  # type: ignore[attr-defined]
+        for line in out.splitlines():
+            assert len(line) <= width
+            assert line.startswith(("/", " ", '"""', "Ctrl", "Up")), (width, out)
+        flat = " ".join(out.split())
+        for name, what in entries:
+            assert " ".join(f"{name} {what}".split()) in flat or (
+                name in flat and " ".join(what.split()) in flat
+            )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pexpect
 
-from .conftest import which_llmrun
+from .conftest import ROOT, which_llmrun
 
 TURN = re.compile(r"prompt (\d+) new \+ (\d+) reused · TTFT")
 PROMPT = ">>> "
@@ -136,3 +136,26 @@ def test_stdout_to_a_file_gets_the_replies_alone(
     replies = out.read_text()
     assert replies.strip() and ">>>" not in replies and "TTFT" not in replies
     assert replies.endswith("\n") and not replies.endswith("\n\n")
+
+
+def test_ctrl_c_during_a_long_prefill_leaves_the_conversation_as_it_was(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The paste's cost is not paid again by the next question: it left the conversation,
+    and the cache still holds what came before it."""
+    child = spawn(llmrun_env, tmp_path, "-n", "8", "-b", "16", "-t", "1")
+    child.expect_exact(PROMPT)
+    first = turn(child, "Hi, my name is Ann.")
+    paste = (ROOT / "examples" / "long_prompt.txt").read_text()
+    child.send(f"\x1b[200~{paste}\x1b[201~")
+    child.send("\r")
+    child.expect(r"(\d+)/(\d{3,}) tokens")  # prefilling the paste, chunk by chunk
+    child.sendintr()
+    child.expect_exact("[interrupted] before the reply began")
+    child.expect_exact(PROMPT)
+    new, reused = turn(child, "What is my name?")
+    assert reused >= sum(first) and new < 40, (first, new, reused)
+    child.sendline(f"/save {tmp_path}/chat.json")
+    child.expect_exact("saved 3 turns")  # the stopped message stays in the record
+    child.sendeof()
+    child.expect(pexpect.EOF)
