@@ -51,6 +51,7 @@ from .session import (
     live_terminal,
     redrawn_after_fg,
     terminal_modes,
+    thinking_route,
 )
 
 PROMPT = ">>> "
@@ -232,7 +233,13 @@ def _readline() -> ModuleType | None:
 
 class ChatUI:
     def __init__(
-        self, conv: Conversation, *, interactive: bool, dashboard: bool, hide_thinking: bool = False
+        self,
+        conv: Conversation,
+        *,
+        interactive: bool,
+        dashboard: bool,
+        hide_thinking: bool = False,
+        thinking_stdout: bool = False,
     ) -> None:
         self.conv = conv
         self.hide_thinking = hide_thinking
@@ -244,6 +251,7 @@ class ChatUI:
         if interactive and dashboard and live_terminal(sys.stderr):
             self.dash = Dashboard(self.err, show_text=live_terminal(sys.stdout))
         self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
+        self.thinking_stdout = thinking_stdout
         self.shell_modes = terminal_modes() if interactive else None
         self.readline = _readline() if interactive else None
         self.typed_ahead = ""  # keys typed during a reply: the start of the next message
@@ -389,7 +397,8 @@ class ChatUI:
         cleared_cache = False
         try:
             finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel,
-                             hide_thinking=self.hide_thinking)  # fmt: skip
+                             thinking=thinking_route(hide=self.hide_thinking, dash=self.dash,
+                                                     on_stdout=self.thinking_stdout))  # fmt: skip
             turn = conv.record(user, finished.text, finished.stats)
         except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
             if self.dash is not None:
@@ -670,6 +679,7 @@ def chat(
     draft: o.Draft = None,
     draft_model: o.DraftModel = None,
     hide_thinking: o.HideThinking = False,
+    thinking_stdout: o.ThinkingStdout = False,
     chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
     batch: o.Batch = None,
@@ -692,7 +702,7 @@ def chat(
         try:
             conv = Conversation(runner, sampling, system)
             ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard,
-                        hide_thinking=hide_thinking)  # fmt: skip
+                        hide_thinking=hide_thinking, thinking_stdout=thinking_stdout)  # fmt: skip
             code = ui.loop()
         finally:
             runner.close()

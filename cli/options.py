@@ -207,6 +207,13 @@ HideThinking = Annotated[
     typer.Option("--hide-thinking", rich_help_panel=SAMPLING_PANEL,
                  help="Print only the answer; the thinking is still counted in the stats."),
 ]  # fmt: skip
+ThinkingStdout = Annotated[
+    bool,
+    typer.Option("--thinking-stdout", rich_help_panel=SAMPLING_PANEL,
+                 help="When stdout is not a terminal, keep the thinking there between <think>"
+                 " and </think> lines (by default it goes to stderr, so stdout gets the answer"
+                 " alone)."),
+]  # fmt: skip
 ChatTemplateFile = Annotated[
     Path | None,
     typer.Option("--chat-template-file", metavar="FILE", show_default=False,

@@ -49,6 +49,7 @@ from .session import (
     ctrl_c_cancels,
     drive,
     live_terminal,
+    thinking_route,
 )
 
 
@@ -139,6 +140,7 @@ def run(
     draft: o.Draft = None,
     draft_model: o.DraftModel = None,
     hide_thinking: o.HideThinking = False,
+    thinking_stdout: o.ThinkingStdout = False,
     chat_template_file: o.ChatTemplateFile = None,
     ctx: o.Ctx = None,
     batch: o.Batch = None,
@@ -176,7 +178,7 @@ def run(
             code = _run_jobs(
                 served, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
                 json_out=json_out, dashboard=not no_dashboard and parallel == 1,
-                hide_thinking=hide_thinking,
+                hide_thinking=hide_thinking, thinking_stdout=thinking_stdout,
             )  # fmt: skip
         finally:
             runner.close()
@@ -228,6 +230,7 @@ def _run_jobs(
     *,
     quiet: bool,
     hide_thinking: bool = False,
+    thinking_stdout: bool = False,
     stats_format: StatsFormat,
     stats_file: Path | None,
     json_out: bool,
@@ -247,6 +250,7 @@ def _run_jobs(
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
+    thinking = thinking_route(hide=hide_thinking, on_stdout=thinking_stdout, dash=dash)
     many = len(jobs) > 1
     done: list[GenerationStats] = []
     failed = False
@@ -263,7 +267,7 @@ def _run_jobs(
                     out=None if json_out else out,
                     view=view,
                     cancel=cancel,
-                    hide_thinking=hide_thinking,
+                    thinking=thinking,
                 )
             except LlmrunError as e:
                 if not many or runner.loaded is None:

@@ -110,6 +110,62 @@ def ctrl_c_cancels(cancel: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+class Thinking:
+    """Where a thinking model's thinking goes: with the answer (a terminal shows it dimmed),
+    to another sink (stderr, when stdout is a file or pipe that should get the answer alone),
+    kept on stdout between `<think>` and `</think>` lines, or nowhere."""
+
+    def __init__(self, *, hide: bool = False, sink: TextSink | None = None,
+                 delimit: bool = False) -> None:  # fmt: skip
+        self.hide = hide
+        self.sink = sink
+        self.delimit = delimit
+        self._open = False
+        self._text: list[str] = []
+
+    def write(self, text: str, out: TextSink) -> None:
+        if self.hide or not text:
+            return
+        if self.sink is not None:
+            dim = _dims(self.sink)
+            self.sink.write(f"{DIM}{text}{UNDIM}" if dim else text)
+            self._open = True
+            return
+        if self.delimit:
+            if not self._open and not text.lstrip().startswith("<"):
+                out.write("<think>\n")
+            self._open = True
+            self._text.append(text)
+            out.write(text)
+            return
+        out.write(f"{DIM}{text}{UNDIM}" if _dims(out) else text)
+
+    def close(self, out: TextSink) -> None:
+        """The answer begins (or the reply ended): the thinking's block ends here."""
+        if not self._open:
+            return
+        self._open = False
+        if self.sink is not None:
+            self.sink.end_line()
+        elif self.delimit:
+            said = "".join(self._text)
+            self._text = []
+            out.end_line()  # the answer starts on a line of its own
+            if "</think>" not in said and "<|end|>" not in said:
+                out.write("</think>\n")
+
+
+def thinking_route(*, hide: bool, on_stdout: bool, dash: TextSink | None) -> Thinking:
+    """A program reading stdout gets the answer alone: when stdout is not a terminal, the
+    thinking goes to the terminal's live view or stderr, or stays on stdout between <think>
+    and </think> lines with --thinking-stdout. On a terminal it is shown dimmed in place."""
+    if hide or sys.stdout is None or sys.stdout.isatty():
+        return Thinking(hide=hide)
+    if on_stdout:
+        return Thinking(delimit=True)
+    return Thinking(sink=dash if dash is not None else TextOut(sys.stderr))
+
+
 def drive(
     runner: Runner,
     request: Request,
@@ -118,19 +174,26 @@ def drive(
     view: EventView | None,
     cancel: threading.Event,
     hide_thinking: bool = False,
+    thinking: Thinking | None = None,
 ) -> Finished:
-    """Run one request, streaming its text to `out` (the thinking too, unless hidden) and
-    every event to `view`."""
+    """Run one request, streaming its text to `out` (the thinking as `thinking` says: by
+    default with the text, unless hidden) and every event to `view`."""
+    think = thinking or Thinking(hide=hide_thinking)
     finished: Finished | None = None
     for event in runner.stream(request, cancel=cancel):
         if view is not None:
             view.update(event)
         if isinstance(event, Token):
-            if out is not None and not (hide_thinking and event.thinking):
-                dim = event.thinking and event.text and _dims(out)
-                out.write(f"{DIM}{event.text}{UNDIM}" if dim else event.text)
+            if out is None:
+                continue
+            if event.thinking:
+                think.write(event.text, out)
+            else:
+                think.close(out)
+                out.write(event.text)
         elif isinstance(event, Finished):
             if out is not None:
+                think.close(out)
                 out.write(event.tail)
             finished = event
     if finished is None:

@@ -264,19 +264,21 @@ class GenerationStats:
 
     @property
     def thinking_s(self) -> float | None:
-        """From the first token to the first answer token (or the end, if it never answered)."""
-        if not self.thinking_tokens or self.first_token_s is None:
+        """From the first token to the first answer token (or the end, if it never answered).
+        The first token's time is the measured one (a server) or the phases' sum (locally)."""
+        first = self.ttft_s
+        if not self.thinking_tokens or first is None:
             return None
-        end = self.first_answer_s if self.first_answer_s is not None else (
-            self.first_token_s + sum(self.itl_s))  # fmt: skip
-        return max(0.0, end - self.first_token_s)
+        end = self.first_answer_s if self.first_answer_s is not None else first + sum(self.itl_s)
+        return max(0.0, end - first)
 
     @property
     def answer_tps(self) -> float | None:
         """Answer tokens per second, from the first answer token to the last token."""
-        if self.first_answer_s is None or self.first_token_s is None:
+        first = self.ttft_s
+        if self.first_answer_s is None or first is None:
             return None
-        last = self.first_token_s + sum(self.itl_s)
+        last = first + sum(self.itl_s)
         return rate(self.answer_tokens - 1, last - self.first_answer_s)
 
     @property

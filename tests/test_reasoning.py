@@ -91,6 +91,7 @@ def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parse
     # The embedded model never closes the block the template opened: all of it is thinking.
     assert stats["thinking_tokens"] == stats["output_tokens"] > 0
     assert stats["first_answer_s"] is None and stats["answer_tokens"] == 0
+    assert stats["thinking_s"] is not None and stats["thinking_s"] > 0  # timed locally too
 
 
 class _Tty(io.StringIO):
@@ -118,3 +119,25 @@ def test_thinking_is_dimmed_on_a_terminal_or_hidden(
     drive(_Thinker(), Request(prompt="x"), out=TextOut(tty), view=None,  # type: ignore[arg-type]
           cancel=threading.Event(), hide_thinking=hide)  # fmt: skip
     assert tty.getvalue() == expected
+
+
+@pytest.mark.parametrize("model", ["thinker", "thinktags"])
+def test_a_pipe_gets_the_answer_alone_and_the_thinking_on_stderr_or_delimited(
+    llmrun_env: dict[str, str], model: str
+) -> None:
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [which_llmrun(), "run", "--endpoint", url, "-m", model, "-q", *extra, "Why?"],
+            env=llmrun_env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    with stub_server() as url:
+        plain, kept = run(), run("--thinking-stdout")
+    assert plain.returncode == 0 and kept.returncode == 0, plain.stderr + kept.stderr
+    assert plain.stdout.lstrip().startswith("It is 42"), plain.stdout  # the answer alone
+    thought = plain.stderr.strip()
+    assert thought and thought not in plain.stdout  # the thinking went to stderr
+    assert kept.stdout.startswith("<think>"), kept.stdout
+    after = kept.stdout.split("</think>", 1)[1]
+    assert after.startswith("\nIt is 42"), kept.stdout  # the answer on a line of its own
+    assert "Let me think." in kept.stdout.split("</think>", 1)[0] and "Let me think." in thought
