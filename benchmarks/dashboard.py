@@ -92,11 +92,11 @@ def main() -> int:
     rates: dict[bool, list[float]] = {True: [], False: []}
     decode_on_s = 0.0
     for rep in range(args.reps):
-        for on in (rep % 2 == 0, rep % 2 == 1):
-            value, seconds = decode_rate(runner, request, dashboard=on)
-            rates[on].append(value)
-            decode_on_s += seconds if on else 0.0
-            print(f"rep {rep} dashboard {'on ' if on else 'off'} {value:7.1f} tok/s",
+        for shown in (rep % 2 == 0, rep % 2 == 1):
+            value, seconds = decode_rate(runner, request, dashboard=shown)
+            rates[shown].append(value)
+            decode_on_s += seconds if shown else 0.0
+            print(f"rep {rep} dashboard {'on ' if shown else 'off'} {value:7.1f} tok/s",
                   file=sys.stderr)  # fmt: skip
     runner.close()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])

@@ -80,7 +80,7 @@ class Handler(BaseHTTPRequestHandler):
         if model in ("thinker", "thinktags"):
             return self._think(model, body)
         for i, word in enumerate(WORDS):
-            choice = {"index": 0, "finish_reason": None}
+            choice: dict[str, object] = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": word}} if chat else {"text": word})
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             self.wfile.flush()
@@ -93,7 +93,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
-        final = {
+        final: dict[str, object] = {
             "choices": [{"index": 0, "finish_reason": "stop", "delta": {}, "text": ""}],
             "usage": {"prompt_tokens": 12, "completion_tokens": len(WORDS), "total_tokens": 18},
             "timings": {"prompt_n": 8, "prompt_ms": 4.0, "predicted_n": len(WORDS),

@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from .conftest import ROOT
+
+if TYPE_CHECKING:  # for the types alone: the module is loaded from its path, as make runs it
+    from tools.backend import Choice, Run, Which
 
 spec = importlib.util.spec_from_file_location("backend", ROOT / "tools" / "backend.py")
 assert spec is not None and spec.loader is not None
@@ -21,7 +25,9 @@ spec.loader.exec_module(backend)
 H200 = "GPU 0: NVIDIA H200 (UUID: GPU-1234)\n"
 
 
-def machine(tools: dict[str, str] | None = None, outputs: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def machine(
+    tools: dict[str, str] | None = None, outputs: dict[str, str] | None = None
+) -> tuple[Which, Run]:
     """which() and run() of a machine with these tools and these command outputs."""
     tools, outputs = tools or {}, outputs or {}
 
@@ -40,7 +46,7 @@ def nvidia(compute_cap: str = "9.0") -> dict[str, str]:
 
 
 def choose(requested: str = "auto", *, system: str = "Linux", machine_: str = "x86_64",
-           env: dict[str, str] | None = None, **kw: dict[str, str]):  # type: ignore[no-untyped-def]  # fmt: skip
+           env: dict[str, str] | None = None, **kw: dict[str, str]) -> Choice:  # fmt: skip
     which, run = machine(kw.get("tools"), kw.get("outputs"))
     return backend.choose(requested, which=which, run=run, system=system, machine=machine_,
                           env=env or {}, executable=lambda path: False)  # fmt: skip

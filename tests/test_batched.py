@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +18,12 @@ from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
 POLICIES = ["prefill-first", "chunked:32", "decode-first", "decode-first:4"]
+# the runner, its batched engine, one chat prompt's tokens and two long random prompts
+Setup = tuple[LlamaCppRunner, BatchedEngine, tuple[int, ...], list[tuple[int, ...]]]
 
 
 @pytest.fixture(scope="module")
-def setup(model_path: str):  # type: ignore[no-untyped-def]
+def setup(model_path: str) -> Iterator[Setup]:
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=1024))
     engine = BatchedEngine(runner, n_seq=3, n_ctx_per_seq=512, n_batch=256)
     stream = runner.tokenize("<|im_start|>user\nList the numbers from 1 to 30.<|im_end|>\n"
@@ -37,7 +41,7 @@ def alone(engine: BatchedEngine, stream: tuple[int, ...]) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup, policy: str) -> None:  # type: ignore[no-untyped-def]
+def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, policy: str) -> None:
     runner, engine, stream, longs = setup
     solo = alone(engine, stream)
     arrivals = [Arrival(0.0, stream, 40), *(Arrival(0.02 * (i + 1), p, 6) for i, p in
@@ -59,7 +63,7 @@ def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup, policy: s
         assert not mixed  # a prompt alone in its steps
 
 
-def test_negative_control_another_prompt_in_view_changes_the_output(setup) -> None:  # type: ignore[no-untyped-def]
+def test_negative_control_another_prompt_in_view_changes_the_output(setup: Setup) -> None:
     """What a leak between sequences would look like: the stream's own prompt with another
     prompt's tokens in front of it gives a different text, far from any near-tie, so the
     equivalence above would catch a sequence seeing another's KV entries."""
@@ -77,7 +81,7 @@ def test_policies_parse() -> None:
             Policy.parse(bad)
 
 
-def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     png = tmp_path / "timeline.png"
     done = subprocess.run(
         [which_llmrun(), "bench", "--interference", "--policy", "prefill-first,chunked:32",
@@ -110,7 +114,7 @@ def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, st
         assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] > 0 and r["test"].endswith("chunked:32")
 
 
-def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n'
                        '{"messages": [{"role": "user", "content": "Name a color"}]}\n')  # fmt: skip

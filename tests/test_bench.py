@@ -82,7 +82,7 @@ def test_every_format_parses_back_with_both_sweep_values(
     if fmt == "md":
         assert {r["test"] for r in rows} == {"pp16", "tg4"}
         assert {r["threads"] for r in rows} == {"1", "2"}
-        assert all(re.fullmatch(r"[\d.]+ ± [\d.]+", r["t/s"]) for r in rows)
+        assert all(re.fullmatch(r"[\d.]+ ± [\d.]+", str(r["t/s"])) for r in rows)
         return
     assert set(rows[0]) >= LLAMA_BENCH_FIELDS | OURS
     assert {(str(r["n_threads"]), str(r["n_prompt"]), str(r["n_gen"])) for r in rows} == {

@@ -123,7 +123,12 @@ def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
     cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[EngineConfig] = []
-    monkeypatch.setattr(engine, "RUNNER_FACTORY", lambda m, c: seen.append(c) or fake)
+
+    def factory(model: str, config: EngineConfig) -> FakeRunner:
+        seen.append(config)
+        return fake
+
+    monkeypatch.setattr(engine, "RUNNER_FACTORY", factory)
     result = cli.invoke(app, ["run", "--n-predict", "2", "--ctx-size", "128", "-tb", "2",
                               "-s", "42", "one two three"])  # fmt: skip
     assert result.exit_code == 0, result.stderr

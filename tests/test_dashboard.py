@@ -98,9 +98,9 @@ def test_sparkline_is_anchored_at_zero() -> None:
 
 def test_no_color_drops_colors_but_keeps_the_bars(monkeypatch: pytest.MonkeyPatch) -> None:
     def raw() -> str:
-        console = Console(file=io.StringIO(), width=80, force_terminal=True)
-        console.print(render(STATS))
-        return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+        out = io.StringIO()
+        Console(file=out, width=80, force_terminal=True).print(render(STATS))
+        return out.getvalue()
 
     assert "\x1b[36m" in raw()  # cyan prompt bar
     monkeypatch.setenv("NO_COLOR", "1")

@@ -19,6 +19,7 @@ from llmrun.runners.base import (
 )
 from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.stats import EngineSettings
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -30,8 +31,9 @@ def test_events_in_order_and_stats_consistent(model_path: str) -> None:
     assert isinstance(events[0], LoadStarted)
     loaded = events[1]
     assert isinstance(loaded, ModelLoaded) and loaded.load_s > 0
+    assert isinstance(loaded.settings, EngineSettings)  # a local load, not a server's
     assert loaded.settings.n_batch == 32 and loaded.settings.n_threads >= 1
-    assert loaded.model.quantization == "Q4_1"
+    assert loaded.model is not None and loaded.model.quantization == "Q4_1"
     progress = [e for e in events if isinstance(e, PrefillProgress)]
     tokens = [e for e in events if isinstance(e, Token)]
     finished = events[-1]
@@ -43,11 +45,14 @@ def test_events_in_order_and_stats_consistent(model_path: str) -> None:
     assert s.output_tokens == len(tokens) and len(s.itl_s) == len(tokens) - 1
     assert s.finish_reason in ("stop", "length")
     assert s.ttft_s == pytest.approx(s.template_tokenize_s + s.prefill_s + s.first_sample_s)
-    assert tokens[0].t_s == pytest.approx(s.ttft_s, abs=2e-3)
-    assert s.e2e_s >= s.ttft_s + s.decode_s
+    # the phases account for the first token's time; what is left is Python between them:
+    # microseconds on a quiet machine, a scheduler slice or more (~4 ms each) on a busy one
+    assert tokens[0].t_s == pytest.approx(s.ttft_s, rel=0.02, abs=0.05)
+    assert s.ttft_s is not None and s.e2e_s >= s.ttft_s + s.decode_s
     # llama.cpp's own counters saw exactly the tokens we say we evaluated
     assert s.engine_n_prompt_eval == s.prompt_tokens
     assert s.engine_n_eval == s.output_tokens - (1 if s.finish_reason == "length" else 0)
+    assert s.engine_prompt_eval_ms is not None
     assert s.prefill_s * 1000 >= s.engine_prompt_eval_ms * 0.98
     assert "".join(t.text for t in tokens) + finished.tail == finished.text
 

@@ -6,12 +6,13 @@ import io
 import json
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from llmrun.cli.session import TextOut, drive
-from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
+from llmrun.runners.base import Event, Finished, Request, SamplingParams, Token, generate
 from llmrun.runners.reasoning import ReasoningSplitter, TokenTagger, opens_thinking
 from llmrun.runners.remote import OpenAIRunner
 
@@ -100,7 +101,7 @@ class _Tty(io.StringIO):
 
 
 class _Thinker:
-    def stream(self, request: Request, *, cancel: object = None):  # type: ignore[no-untyped-def]
+    def stream(self, request: Request, *, cancel: object = None) -> Iterator[Event]:
         yield Token(0, "hmm", 0.0, thinking=True)
         yield Token(1, "yes", 0.1)
         yield Finished(stats=None, text="yes")  # type: ignore[arg-type]

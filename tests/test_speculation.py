@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners import llamacpp
-from llmrun.runners.base import Request, SamplingParams, Token
+from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 
 from .conftest import ROOT, which_llmrun
@@ -50,10 +51,12 @@ def test_speculation_keeps_the_greedy_text(runner: LlamaCppRunner, prompt: str) 
 def test_lookup_drafts_are_accepted_where_the_text_repeats(runner: LlamaCppRunner) -> None:
     request = Request.chat(f"Repeat this text exactly:\n\n{TEXT}",
                            sampling=SamplingParams(max_tokens=80, temperature=0, draft=8))  # fmt: skip
-    finished = [e for e in runner.stream(request) if not isinstance(e, Token)][-1]
-    s = finished.stats  # type: ignore[attr-defined]
+    finished = [e for e in runner.stream(request) if isinstance(e, Finished)][-1]
+    s = finished.stats
     assert s.draft_tokens > 0 and s.accepted_tokens > 10
-    assert s.tokens_per_step > 1.3  # fewer decode steps than tokens
+    assert (
+        s.tokens_per_step is not None and s.tokens_per_step > 1.3
+    )  # fewer decode steps than tokens
     assert s.decode_steps < s.output_tokens - 1
 
 
@@ -65,7 +68,9 @@ def test_negative_control_unchecked_drafts_change_the_text(
     plain = token_ids(runner, prompt, 0)
     original = llamacpp._Drafter.step
 
-    def unchecked(self, ctx, chain, token, room):  # type: ignore[no-untyped-def]
+    def unchecked(
+        self: llamacpp._Drafter, ctx: Any, chain: Any, token: int, room: int
+    ) -> tuple[list[int], int]:
         accepted, following = original(self, ctx, chain, token, room)
         history = [*self.cache[: -len(accepted) - 1], token]
         drafts = self.propose(history, room) if room else []
@@ -97,7 +102,8 @@ def test_a_draft_model_drafts_and_keeps_the_greedy_text(model_path: str, q8_mode
         assert margin(plain_runner, prompt, plain, fast) < NEAR_TIE
         request = Request.chat(prompt, sampling=SamplingParams(max_tokens=60, temperature=0,
                                                                draft=6))  # fmt: skip
-        s = [e for e in drafted.stream(request) if not isinstance(e, Token)][-1].stats  # type: ignore[attr-defined]
+        s = [e for e in drafted.stream(request) if isinstance(e, Finished)][-1].stats
+        assert s.acceptance_rate is not None and s.tokens_per_step is not None
         assert s.acceptance_rate > 0.5 and s.tokens_per_step > 2  # the same model, requantized
     finally:
         plain_runner.close()
