@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import shutil
+import signal
 import stat
 import sys
 import threading
+import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console
@@ -224,6 +229,58 @@ def stdout_may_reach_this_terminal() -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
+PAGERS = ("less", "more", "most", "pg", "moar", "ov", "bat")
+
+
+def pager_reading_stdout() -> int | None:
+    """The process id of a pager reading our stdout through a pipe (`| less`), on Linux."""
+    if not stdout_may_reach_this_terminal() or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        pipe = f"pipe:[{os.fstat(sys.stdout.fileno()).st_ino}]"
+        group = os.getpgrp()
+    except (OSError, ValueError):
+        return None
+    names = {*PAGERS, os.path.basename(os.environ.get("PAGER", "").split(" ")[0])} - {""}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat_line = Path(f"/proc/{entry.name}/stat").read_text()
+            fields = stat_line.rsplit(")", 1)[1].split()
+            if int(fields[2]) != group:  # a pipeline is one process group
+                continue
+            if os.readlink(f"/proc/{entry.name}/fd/0") != pipe:
+                continue
+            comm = stat_line[stat_line.index("(") + 1 : stat_line.rindex(")")]
+        except (OSError, ValueError, IndexError):
+            continue
+        return int(entry.name) if comm in names else None
+    return None
+
+
+def _after_the_pager(pid: int, text: str) -> None:
+    """End our stdout (the pager shows its end), wait for the pager to quit, then print what
+    was held for stderr, so it stays on the screen."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the pager is its own
+    try:
+        while os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state == "Z":
+                    break
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def _run_jobs(
     runner: Runner,
     jobs: list[Job],
@@ -238,7 +295,14 @@ def _run_jobs(
 ) -> int:
     cancel = threading.Event()
     out: TextSink = TextOut(cancel=cancel)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    pager = pager_reading_stdout() if not quiet else None
+    # Behind a pager, stderr would draw over its screen and be gone after `q`: the stats are
+    # held and printed once the pager has quit.
+    held = io.StringIO() if pager is not None else None
+    errfile: TextIO = held or sys.stderr
+    err = Console(file=errfile, highlight=False, soft_wrap=True,
+                  force_terminal=live_terminal(sys.stderr) if held else None,
+                  width=shutil.get_terminal_size().columns if held else None)  # fmt: skip
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and live_terminal(sys.stderr):
@@ -257,7 +321,7 @@ def _run_jobs(
     with ctrl_c_cancels(cancel), KeysHeld(dash):
         for job in jobs:
             if job.error is not None or job.request is None:
-                print(f"llmrun: error: {job.label}: {job.error}", file=sys.stderr, flush=True)
+                print(f"llmrun: error: {job.label}: {job.error}", file=errfile, flush=True)
                 failed = True
                 continue
             try:
@@ -272,7 +336,7 @@ def _run_jobs(
             except LlmrunError as e:
                 if not many or runner.loaded is None:
                     raise
-                print(message(e).replace("error: ", f"error: {job.label}: ", 1), file=sys.stderr)
+                print(message(e).replace("error: ", f"error: {job.label}: ", 1), file=errfile)
                 failed = True
                 continue
             finally:
@@ -295,7 +359,7 @@ def _run_jobs(
                 append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:
                 if stats_format is StatsFormat.json:
-                    print(stats_json(s, job.id), file=sys.stderr, flush=True)
+                    print(stats_json(s, job.id), file=errfile, flush=True)
                 else:
                     if many:
                         err.print(f"[bold]{job.label}[/bold]")
@@ -307,13 +371,15 @@ def _run_jobs(
                         for line in summary_lines(s):
                             err.print(line, markup=False)
             if s.finish_reason == FINISH_INCOMPLETE:
-                print(incomplete_message(s), file=sys.stderr)
+                print(incomplete_message(s), file=errfile)
                 failed = True
                 break
             if out.closed or s.interrupted:
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done)))
+    if held is not None and pager is not None:
+        _after_the_pager(pager, held.getvalue())
     if out.closed:
         return EXIT_BROKEN_PIPE
     if cancel.is_set():

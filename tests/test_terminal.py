@@ -263,3 +263,39 @@ def test_ctrl_z_during_a_reply_and_at_the_prompt_then_fg(llmrun_env: dict[str, s
     assert ">>> /show info" in lines, text  # typed once, echoed once
     assert "/sh/sh" not in text and "ow infoow info" not in text, text
     assert sum(ln.startswith("decode ") for ln in lines) == 0, text  # chat: no summary
+
+
+@pytest.mark.pty
+def test_the_summary_survives_a_pipe_into_less(llmrun_env: dict[str, str]) -> None:
+    """`| less -R`: nothing is drawn over less's screen; the stats come once it has quit."""
+    env = {**llmrun_env, "TERM": "xterm-256color", "LESS": ""}
+    env.pop("PAGER", None)
+    if shutil.which("less") is None:
+        pytest.skip("less is not installed")
+    child = pexpect.spawn("bash", ["-c", f"{which_llmrun()} {COUNT} | less -R"], env=env,
+                          dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
+    child.expect(r"\(END\)")  # less has all of stdout
+    shown = str(child.before)
+    assert "6, 7, 8" in shown and "tok/s" not in shown and "decode " not in shown
+    child.send("q")
+    child.expect(pexpect.EOF)
+    child.close()
+    after = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", str(child.before))
+    assert re.search(r"decode +[\d,.]+ ms", after), after  # after less quit, on the screen
+    assert child.exitstatus == 0
+
+
+@pytest.mark.pty
+def test_term_dumb_streams_plain_text_and_plain_stats(llmrun_env: dict[str, str]) -> None:
+    """Emacs' shell and some IDE consoles: no live panel (rich would hold everything back
+    until the end there), the text as it comes, the stats as plain lines."""
+    env = {**llmrun_env, "TERM": "dumb"}
+    child = pexpect.spawn(which_llmrun(), COUNT.replace("'", "").split()[:-5] + ["1, 2, 3, 4, 5,"],
+                          env=env, dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    out = str(child.before)
+    assert child.exitstatus == 0, out
+    assert "\x1b" not in out, repr(out[:400])  # no cursor movement, no colour
+    assert " 6, 7, 8, 9" in out
+    assert re.search(r"^decode +[\d,.]+ ms", out, re.M) and "prompt is" in out
