@@ -290,8 +290,8 @@ def test_term_dumb_streams_plain_text_and_plain_stats(llmrun_env: dict[str, str]
     """Emacs' shell and some IDE consoles: no live panel (rich would hold everything back
     until the end there), the text as it comes, the stats as plain lines."""
     env = {**llmrun_env, "TERM": "dumb"}
-    child = pexpect.spawn(which_llmrun(), COUNT.replace("'", "").split()[:-5] + ["1, 2, 3, 4, 5,"],
-                          env=env, dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
+    args = ["run", "--raw", "-n", "160", "--temp", "0", "-t", "1", "1, 2, 3, 4, 5,"]
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
     child.expect(pexpect.EOF)
     child.close()
     out = str(child.before)
