@@ -50,6 +50,7 @@ from .report import (
     tps,
     tuned_text,
 )
+from .terminal import terminal_line
 
 REFRESH_PER_SECOND = 4
 CHART_POINTS = 24  # inter-token gaps in the live chart
@@ -214,11 +215,11 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
     if state.line:
         parts.extend(folded(state.line, width, LINE_ROWS))
     if state.loading:
-        name = os.path.basename(state.path)
+        name = terminal_line(os.path.basename(state.path))
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
-        parts.append(_row("load", f"{ms(ld.load_s)} · {ld.name}"))
+        parts.append(_row("load", f"{ms(ld.load_s)} · {terminal_line(ld.name)}"))
         if isinstance(st, EngineSettings):
             engine = engine_text(st) + tuned_text(st)
             parts.append(_row("", f"{model_facts(ld)} · {engine}"))

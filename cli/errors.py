@@ -40,6 +40,8 @@ from llmrun.runners.limits import MemoryNeedError, SettingError
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL
 from llmrun.runners.stats import GenerationStats
 
+from .terminal import terminal_line
+
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
@@ -80,7 +82,8 @@ def message(e: LlmrunError) -> str:
         if cls in HINTS:
             hint = HINTS[cls](e)
             break
-    text = " ".join(str(e).split())
+    text = terminal_line(str(e))  # a file name or a server's words may hold escape sequences
+    hint = terminal_line(hint)
     return f"llmrun: error: {text}" + (f" ({hint})" if hint else "")
 
 
@@ -88,7 +91,9 @@ def incomplete_message(stats: GenerationStats) -> str:
     """The one line for a server's stream that broke off (its text was kept)."""
     where, what = ((stats.server.endpoint, stats.server.error) if stats.server is not None
                    else ("llmrun", "the reply was cut off"))  # fmt: skip
-    return f"llmrun: error: {where}: {what} (the text so far is kept, marked incomplete)"
+    return terminal_line(
+        f"llmrun: error: {where}: {what} (the text so far is kept, marked incomplete)"
+    )
 
 
 def print_error(e: LlmrunError) -> None:
@@ -140,7 +145,8 @@ def handled() -> Iterator[None]:
             raise
         quiet_broken_pipe()  # what is still buffered for stdout cannot be written either
         where = f": {e.filename}" if e.filename else " (writing the output)"
-        print(f"llmrun: error: {e.strerror or e}{where}", file=sys.stderr, flush=True)
+        print(terminal_line(f"llmrun: error: {e.strerror or e}{where}"), file=sys.stderr,
+              flush=True)  # fmt: skip
         raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
@@ -149,8 +155,9 @@ def handled() -> Iterator[None]:
         if debug():
             raise
         print(
-            f"llmrun: internal error: {type(e).__name__}: {e} (LLMRUN_DEBUG=1 shows the traceback)",
+            terminal_line(f"llmrun: internal error: {type(e).__name__}: {e}"
+                          " (LLMRUN_DEBUG=1 shows the traceback)"),
             file=sys.stderr,
             flush=True,
-        )
+        )  # fmt: skip
         raise typer.Exit(EXIT_ERROR) from None

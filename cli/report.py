@@ -24,6 +24,8 @@ from llmrun.runners.stats import (
 )
 from llmrun.runners.system import busy_machine, logical_cpus
 
+from .terminal import terminal_line
+
 
 def ms(seconds: float | None) -> str:
     """Every duration a view shows, in one unit: milliseconds, as llama.cpp's own timings."""
@@ -35,10 +37,14 @@ def tps(value: float | None) -> str:
 
 
 def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
-    """The closing summary as (label, value) rows, in the words llama.cpp and Ollama users know."""
+    """The closing summary as (label, value) rows, in the words llama.cpp and Ollama users know.
+    A model's name, a path or a server's words inside are made safe for a terminal."""
+    rows = _remote_rows(stats, stats.server) if stats.server is not None else _local_rows(stats)
+    return [(label, terminal_line(value)) for label, value in rows]
+
+
+def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     s = stats
-    if s.server is not None:
-        return _remote_rows(s, s.server)
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
         m, st = s.model, s.settings
@@ -194,6 +200,9 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
                         " queueing (client TTFT minus the server's prefill)"),
         ]  # fmt: skip
     rows += _output_rows(s)
+    if server.implausible:
+        rows.append(("warning", "the server's figures that cannot be true were left out: "
+                                + "; ".join(server.implausible)))  # fmt: skip
     if server.error:
         rows.append(("error", f"{server.error}; the text so far is kept"))
     return rows

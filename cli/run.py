@@ -19,6 +19,7 @@ from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from llmrun.runners.base import Runner
 from llmrun.runners.errors import BadRequestError, LlmrunError
@@ -56,6 +57,7 @@ from .session import (
     live_terminal,
     thinking_route,
 )
+from .terminal import terminal_line
 
 
 class StatsFormat(str, Enum):
@@ -321,7 +323,8 @@ def _run_jobs(
     with ctrl_c_cancels(cancel), KeysHeld(dash):
         for job in jobs:
             if job.error is not None or job.request is None:
-                print(f"llmrun: error: {job.label}: {job.error}", file=errfile, flush=True)
+                print(terminal_line(f"llmrun: error: {job.label}: {job.error}"), file=errfile,
+                      flush=True)  # fmt: skip
                 failed = True
                 continue
             try:
@@ -362,7 +365,7 @@ def _run_jobs(
                     print(stats_json(s, job.id), file=errfile, flush=True)
                 else:
                     if many:
-                        err.print(f"[bold]{job.label}[/bold]")
+                        err.print(Text(terminal_line(job.label), style="bold"))
                     if dash is not None:
                         dash.console.print(render(s))
                     elif final_panel:

@@ -13,6 +13,8 @@ from typing import Any, Protocol, TextIO
 
 from llmrun.runners.base import Event, Finished, Request, Runner, Token
 
+from .terminal import terminal_text
+
 
 class EventView(Protocol):
     """Anything that shows the event stream (a status line, the dashboard)."""
@@ -84,6 +86,15 @@ def live_terminal(stream: TextIO | None) -> bool:
     if stream is None or not _isatty(stream):
         return False
     return os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
+
+
+def _to_terminal(out: TextSink | None) -> bool:
+    """Whether the sink (or the sink a recorder passes text on to) writes on a terminal."""
+    while out is not None:
+        if getattr(out, "styled", False) or getattr(out, "to_terminal", False):
+            return True
+        out = getattr(out, "sink", None)
+    return False
 
 
 def _dims(out: TextSink) -> bool:
@@ -180,6 +191,8 @@ def drive(
     default with the text, unless hidden) and every event to `view`."""
     think = thinking or Thinking(hide=hide_thinking)
     finished: Finished | None = None
+    safe = _to_terminal(out)  # a model's or a server's escape sequences never reach a terminal
+    safe_thinking = _to_terminal(think.sink or out)
     for event in runner.stream(request, cancel=cancel):
         if view is not None:
             view.update(event)
@@ -187,14 +200,14 @@ def drive(
             if out is None:
                 continue
             if event.thinking:
-                think.write(event.text, out)
+                think.write(terminal_text(event.text) if safe_thinking else event.text, out)
             else:
                 think.close(out)
-                out.write(event.text)
+                out.write(terminal_text(event.text) if safe else event.text)
         elif isinstance(event, Finished):
             if out is not None:
                 think.close(out)
-                out.write(event.tail)
+                out.write(terminal_text(event.tail) if safe else event.tail)
             finished = event
     if finished is None:
         raise RuntimeError("the runner ended without a result")

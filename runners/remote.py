@@ -12,6 +12,8 @@ text received so far and the stats marked `incomplete`, with the reason in `extr
 
 from __future__ import annotations
 
+import base64
+import codecs
 import dataclasses
 import itertools
 import json
@@ -19,10 +21,10 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import httpx2 as httpx
 
@@ -69,20 +71,32 @@ TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count"
 class Endpoint:
     """A server URL split into what may be shown and what must not.
 
-    `shown` has any user:password@ replaced by ***@ and is what every message, stats record,
-    history row and transcript carries; `api` is the /v1 base without credentials; the
-    credentials travel as HTTP Basic auth. Rule: when --api-key is given too, the key is sent
-    (as a Bearer token) and the URL's credentials are not.
+    `shown` has any user:password@ replaced by ***@, and the value of every credential-like
+    query parameter (?api_key=, ?key=, ?token=, ?sig=...) by ***; it is what every message,
+    stats record, history row and transcript carries. `api` is the /v1 base without
+    credentials or query; the query travels as `params` on every request, the credentials as
+    HTTP Basic auth. Rule: when --api-key is given too, the key is sent (as a Bearer token) and
+    the URL's credentials are not.
     """
 
     shown: str
     api: str
     username: str | None
     password: str | None
+    params: tuple[tuple[str, str], ...] = ()
+    secrets: tuple[str, ...] = ()  # the values that must never be shown (query credentials)
+
+
+# Query parameters whose value is a credential: api_key, api-key, key, token, access_token,
+# secret, password, sig(nature), auth, credential, session... (Google's ?key=, Azure's ?sig=).
+_SECRET_PARAM = re.compile(
+    r"(?i)^(?:.*(?:key|token|secret|passw|pwd|auth|credential|session|cookie|signature)"
+    r".*|sig|pass|jwt)$"
+)
 
 
 def parse_endpoint(endpoint: str) -> Endpoint:
-    """http://host:8080, http://u:p@host:8080/ or http://host:8080/v1 -> its parts."""
+    """http://host:8080, http://u:p@host:8080/ or http://host:8080/v1?key=K -> its parts."""
     url = endpoint.strip().rstrip("/")
     try:
         parts = urlsplit(url)
@@ -93,14 +107,21 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     if not ok or any(c.isspace() or ord(c) < 32 for c in url):
         raise BadEndpointError(redact_url(endpoint))
     host = parts.netloc.rpartition("@")[2]
-    bare = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    path = parts.path.rstrip("/")
+    params = tuple(parse_qsl(parts.query, keep_blank_values=True))
+    secrets = tuple(v for k, v in params if v and _SECRET_PARAM.match(k))
+    shown_query = urlencode([(k, "***" if v and _SECRET_PARAM.match(k) else v)
+                             for k, v in params], safe="*")  # fmt: skip
     shown = urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host,
-                        parts.path, parts.query, parts.fragment))  # fmt: skip
+                        path, shown_query, ""))  # fmt: skip
+    base = urlunsplit((parts.scheme, host, path, "", ""))
     return Endpoint(
         shown=shown,
-        api=bare if bare.endswith("/v1") else bare + "/v1",
+        api=base if base.endswith("/v1") else base + "/v1",
         username=unquote(parts.username) if parts.username is not None else None,
         password=unquote(parts.password) if parts.password is not None else None,
+        params=params,
+        secrets=secrets,
     )
 
 
@@ -110,22 +131,36 @@ def api_base(endpoint: str) -> str:
 
 
 def redact_url(text: str) -> str:
-    """Every user:password@ in a text (URLs in messages too) replaced by ***@."""
-    return _USERINFO.sub(r"\1***@", text)
+    """Every user:password@ in a text (URLs in messages too) replaced by ***@, every
+    credential-like query value by ***, and every Authorization header's value by ***."""
+    text = _USERINFO.sub(r"\1***@", text)
+    text = _QUERY_SECRET.sub(lambda m: m.group(1) + ("***" if _SECRET_PARAM.match(
+        unquote(m.group(2))) else m.group(3)), text)  # fmt: skip
+    return _AUTH_VALUE.sub(r"\1***", text)
 
 
 _USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+_QUERY_SECRET = re.compile(r"([?&;]([^=&;#\s?]+)=)([^&;#\s'\"]*)")
+_AUTH_VALUE = re.compile(
+    r"(?i)((?:authorization|proxy-authorization|x-api-key|api-key)[\"']?\s*[:=]\s*[\"']?"
+    r"(?:(?:basic|bearer|token|digest)\s+)?)[^\s\"',;}]+"
+)
 
 
 def _server_message(response: httpx.Response) -> str:
     """The error text a server put in its body (OpenAI's {"error": {"message"}} and others)."""
     try:
-        body = response.read().decode("utf-8", errors="replace")
-    except httpx.HTTPError:
+        raw = b""
+        for piece in response.iter_bytes():
+            raw += piece
+            if len(raw) > 65536:  # an error body is short; a longer one is cut, not read on
+                break
+        body = raw[:65536].decode("utf-8", errors="replace")
+    except (httpx.HTTPError, httpx.StreamError):
         return ""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return " ".join(body.split())[:200]
     if isinstance(data, dict):
         err = data.get("error", data.get("detail", data.get("message")))
@@ -165,14 +200,24 @@ class Connection:
         self.endpoint = parsed.shown
         self.api = parsed.api
         self.timeout_s = timeout_s
-        self._secrets = [x for x in (api_key, parsed.password, parsed.username) if x]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         auth = None
-        if not api_key and (parsed.username or parsed.password):
-            auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
+        secrets = [api_key, parsed.password, *parsed.secrets]
+        if parsed.username or parsed.password:
+            basic = f"{parsed.username or ''}:{parsed.password or ''}".encode()
+            # A server that echoes the Authorization header gives the credentials back encoded.
+            secrets += [base64.b64encode(basic).decode(), base64.urlsafe_b64encode(basic).decode(),
+                        base64.b64encode(basic).decode().rstrip("=")]  # fmt: skip
+            if not api_key:
+                auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
+        # Longest first, so a secret that contains another is taken out whole; the user name
+        # last (it is not secret, but may be part of one).
+        self._secrets = sorted({x for x in secrets if x and len(x) >= 3}, key=len, reverse=True)
+        self._secrets += [parsed.username] if parsed.username and len(parsed.username) >= 3 else []
         self.client = httpx.Client(
             headers=headers,
             auth=auth,
+            params=list(parsed.params),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
@@ -184,7 +229,7 @@ class Connection:
 
     def _fail(self, e: Exception) -> ServerError:
         if isinstance(e, httpx.ConnectError):
-            reason = str(e) or "connection failed"
+            reason = self.scrub(str(e)) or "connection failed"
             if "refused" in reason.lower() or "errno 111" in reason.lower():
                 reason = "connection refused"
             return ServerUnreachableError(self.endpoint, f"cannot connect ({reason})")
@@ -195,10 +240,19 @@ class Connection:
         return ServerError(self.endpoint, self.scrub(f"{type(e).__name__}: {e}"))
 
     def scrub(self, text: str) -> str:
-        """A server's or a library's words with our credentials taken out, should they echo."""
+        """A server's or a library's words with our credentials taken out, should they echo
+        them: URL credentials and query keys, Authorization values, and the secrets themselves
+        (plain or as the base64 of Basic auth)."""
         text = redact_url(text)
         for secret in self._secrets:
             text = text.replace(secret, "***")
+        return text
+
+    def scrub_secrets(self, text: str) -> str:
+        """Generated text with only our own secrets taken out (a URL in it stays as written)."""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, "***")
         return text
 
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
@@ -214,15 +268,15 @@ class Connection:
             )
         try:
             return response.json()
-        except ValueError:
-            raise ServerError(self.endpoint, f"{path} did not answer with JSON") from None
+        except (ValueError, RecursionError):
+            raise ServerError(self.endpoint, f"/v1{path} did not answer with JSON") from None
 
     def post_json(self, url: str, body: dict[str, Any], *, timeout_s: float = 5.0) -> Any | None:
         """A best-effort side request (tokenize, props): None if the server has no such route."""
         try:
             response = self.client.post(url, json=body, timeout=timeout_s)
             return response.json() if response.status_code < 400 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, RecursionError):
             return None
 
     def stream(
@@ -232,6 +286,9 @@ class Connection:
 
         Raises ServerError before the first chunk (unreachable, HTTP error status); a failure
         after that is yielded as a final Chunk with `error`, so callers keep the partial text.
+        The stream is read as the WHATWG HTML standard defines server-sent events (see
+        `sse_events`); `timeout_s` bounds the wait for the next event, and comments
+        (": keep-alive") do not reset it, so a server that only keeps the line open times out.
         """
         request = self.client.build_request("POST", self.api + path, json=body)
         try:
@@ -245,24 +302,25 @@ class Connection:
                     self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}"
                 )
             finished = False
+            deadline = time.monotonic() + self.timeout_s
             try:
-                for line in response.iter_lines():
+                for data in sse_events(response.iter_bytes()):
                     if cancel is not None and cancel.is_set():
                         return
-                    line = line.strip()
-                    if not line or line.startswith(":"):
+                    if not data or data.isspace():  # a comment, a partial or an empty event
+                        if time.monotonic() > deadline:
+                            yield Chunk(error=f"no reply for {self.timeout_s:g} s (the server"
+                                              " sent only keep-alive comments)")  # fmt: skip
+                            return
                         continue
-                    if not line.startswith("data:"):
-                        yield Chunk(error=f"malformed stream line: {line[:80]!r}")
-                        return
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    deadline = time.monotonic() + self.timeout_s
+                    if data.strip() == "[DONE]":
                         finished = True
                         break
                     try:
                         event = json.loads(data)
-                    except ValueError:
-                        yield Chunk(error=f"malformed stream line: {line[:80]!r}")
+                    except (ValueError, RecursionError):
+                        yield Chunk(error=f"malformed stream line: {data[:80]!r}")
                         return
                     chunk = _parse(event)
                     if chunk.error:
@@ -270,6 +328,9 @@ class Connection:
                         return
                     finished = finished or chunk.finish_reason is not None
                     yield chunk
+            except SSELineTooLongError as e:
+                yield Chunk(error=str(e))
+                return
             except httpx.HTTPError as e:
                 problem = self._fail(e).problem
                 if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)):
@@ -280,6 +341,67 @@ class Connection:
                 yield Chunk(error="the stream ended before the server finished the reply")
         finally:
             response.close()
+
+
+MAX_SSE_LINE = 16 * 2**20  # bytes in one line of the stream before it is refused
+
+
+class SSELineTooLongError(ValueError):
+    pass
+
+
+def sse_events(raw: Iterable[bytes]) -> Iterator[str | None]:
+    """The `data` of each event in a server-sent event stream, as the WHATWG HTML standard
+    (9.2.6) parses it; None for every comment or partial read, so the caller can check its
+    deadline while a server only keeps the connection open.
+
+    Lines end with CRLF, LF or CR; one leading BOM is dropped; a line starting with ':' is a
+    comment; `field: value` drops one space after the colon; several `data` lines make one
+    event joined by LF, dispatched at a blank line; `event`, `id`, `retry` and unknown fields
+    are ignored. Bytes are UTF-8 with errors replaced. One departure: data still pending when
+    the stream ends is dispatched (the standard discards it), so a server that leaves out the
+    final blank line loses nothing.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buffer, started, pending_cr = "", False, False
+    data: list[str] = []
+    for piece in itertools.chain(raw, [None]):
+        final = piece is None
+        text = decoder.decode(b"" if piece is None else piece, final=final)
+        if not started and text:
+            text, started = text.removeprefix("\ufeff"), True
+        if pending_cr and text.startswith("\n"):
+            text = text[1:]  # the LF of a CRLF split across reads
+        pending_cr = text.endswith("\r")
+        buffer += text
+        lines = re.split(r"\r\n|\r|\n", buffer)
+        buffer = lines.pop()
+        if len(buffer) > MAX_SSE_LINE:
+            raise SSELineTooLongError(f"a stream line longer than {MAX_SSE_LINE // 2**20} MiB")
+        dispatched = False
+        for line in lines:
+            if not line:
+                if data:
+                    yield "\n".join(data)
+                    dispatched = True
+                data = []
+                continue
+            if line.startswith(":"):
+                continue
+            name, colon, value = line.partition(":")
+            if colon and value.startswith(" "):
+                value = value[1:]
+            if name == "data":
+                data.append(value)
+        if final:
+            name, _, value = buffer.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+            if data:
+                yield "\n".join(data)
+            return
+        if not dispatched:
+            yield None
 
 
 def _parse(event: Any) -> Chunk:
@@ -380,7 +502,15 @@ class OpenAIRunner:
         t0 = time.perf_counter()
         listing = self.conn.get_json("/models")
         load_s = time.perf_counter() - t0
-        ids = [m.get("id") for m in (listing or {}).get("data", []) if isinstance(m, dict)]
+        models = listing.get("data", []) if isinstance(listing, dict) else None
+        if not isinstance(models, list):
+            kind: dict[type, str] = {list: "a JSON list", str: "a string",
+                                     dict: "an object whose 'data' is not a list"}  # fmt: skip
+            raise ServerError(self.endpoint, "/v1/models answered with"
+                              f" {kind.get(type(listing), 'JSON ' + type(listing).__name__)},"
+                              " not OpenAI's {\"data\": [...]} list of models")  # fmt: skip
+        ids = [m.get("id") for m in models if isinstance(m, dict)]
+        ids = [i for i in ids if isinstance(i, str) and i]
         name = self.model_name or (ids[0] if ids else None)
         if not name:
             raise NoServerModelError(self.endpoint)
@@ -407,7 +537,7 @@ class OpenAIRunner:
             return 0
         settings = props.get("default_generation_settings", {}) if isinstance(props, dict) else {}
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-        return int(n_ctx) if isinstance(n_ctx, int) else 0
+        return min(_count(n_ctx) or 0, 2**31 - 1)
 
     def count_tokens(self, request: Request) -> int:
         """The prompt's tokens by the server's tokenizer where it offers one (estimate: words)."""
@@ -470,16 +600,18 @@ class OpenAIRunner:
                 times.append(stamp)
                 thinking_chunks += 1
                 with clock.paused():
-                    yield Token(len(times) - 1, chunk.reasoning, stamp, thinking=True)
+                    yield Token(len(times) - 1, self.conn.scrub_secrets(chunk.reasoning), stamp,
+                                thinking=True)  # fmt: skip
             if chunk.text:
                 times.append(stamp)
-                parts.append(chunk.text)
-                thinking = tagger.tag(chunk.text)
+                text = self.conn.scrub_secrets(chunk.text)  # a server that echoes our headers
+                parts.append(text)
+                thinking = tagger.tag(text)
                 if (first_answer is None and (thinking_chunks or tagger.seen_thinking)
-                        and not thinking and chunk.text.strip()):  # fmt: skip
+                        and not thinking and text.strip()):  # fmt: skip
                     first_answer = stamp
                 with clock.paused():
-                    yield Token(len(times) - 1, chunk.text, stamp, thinking=thinking)
+                    yield Token(len(times) - 1, text, stamp, thinking=thinking)
         thinking_count = thinking_chunks + (tagger.thinking_tokens if tagger.seen_thinking else 0)
         if error is not None:
             finish = FINISH_INCOMPLETE
@@ -492,8 +624,14 @@ class OpenAIRunner:
         if thinking_count:
             details = (usage or {}).get("completion_tokens_details")
             counted = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
-            stats = dataclasses.replace(stats, thinking_tokens=counted or thinking_count,
-                                        first_answer_s=first_answer)  # fmt: skip
+            if counted is not None and counted > stats.output_tokens and stats.server:
+                note = f"reasoning_tokens {counted} > the {stats.output_tokens} output tokens"
+                server = dataclasses.replace(
+                    stats.server, implausible=(*stats.server.implausible, note)
+                )
+                stats, counted = dataclasses.replace(stats, server=server), None
+            thought = min(counted or thinking_count, stats.output_tokens)
+            stats = dataclasses.replace(stats, thinking_tokens=thought, first_answer_s=first_answer)
         yield Finished(stats, "".join(parts))
 
     def _stats(
@@ -528,6 +666,10 @@ class OpenAIRunner:
             predicted_ms=_number(timings.get("predicted_ms")),
             cache_n=_count(timings.get("cache_n")),
         )
+        reported, completion, implausible = check_server_figures(
+            reported, completion, chunks=len(times), ttft_s=times[0] if times else None,
+            arrival_span_s=times[-1] - times[0] if times else 0.0, e2e_s=e2e,
+        )  # fmt: skip
         prompt_ms = reported.prompt_ms
         report = ServerReport(
             endpoint=self.endpoint,
@@ -541,6 +683,7 @@ class OpenAIRunner:
             network_queue_ms=times[0] * 1000 - prompt_ms if times and prompt_ms is not None
             else None,
             error=error,
+            implausible=implausible,
         )  # fmt: skip
         return GenerationStats(
             finish_reason=finish,
@@ -560,6 +703,66 @@ class OpenAIRunner:
             prefilled_tokens=server_prompt_n if prompt_ms is not None else None,
             server=report,
         )
+
+
+# No machine decodes one request at more than this, or prefills at more than this (tokens/s):
+# a figure above is a server's bug or a lie, not a measurement.
+MAX_DECODE_TPS = 1e6
+MAX_PREFILL_TPS = 1e8
+SLACK_S = 0.05  # clock granularity and rounding between the server's clock and the client's
+
+
+def check_server_figures(
+    t: ServerTimings,
+    completion: int | None,
+    *,
+    chunks: int,
+    ttft_s: float | None,
+    arrival_span_s: float,
+    e2e_s: float,
+) -> tuple[ServerTimings, int | None, tuple[str, ...]]:
+    """A server's own figures checked against what the client saw; what cannot be true is
+    dropped (None) and named, so it is never shown or stored as a measurement.
+
+    - Its prefill ended before the first token reached the client: prompt_ms <= client TTFT.
+    - Its decode took place within the request: predicted_ms <= the client's end-to-end time.
+    - Tokens it produced over predicted_ms cannot reach the client spread over 100 times longer
+      (the client saw them arrive over `arrival_span_s`), nor faster than any machine decodes.
+    - Every content chunk carries at least one token: completion_tokens >= chunks.
+    """
+    notes: list[str] = []
+    prompt_ms, predicted_ms, prompt_n, predicted_n = t.prompt_ms, t.predicted_ms, t.prompt_n, (
+        t.predicted_n)  # fmt: skip
+    if prompt_ms is not None and ttft_s is not None and prompt_ms / 1000 > ttft_s * 1.05 + SLACK_S:
+        notes.append(f"prompt_ms {prompt_ms:g} > the client's TTFT {ttft_s * 1000:.1f} ms")
+        prompt_ms = None
+    elif prompt_ms is not None and prompt_n and prompt_n / max(prompt_ms / 1000, 1e-12) > (
+            MAX_PREFILL_TPS):  # fmt: skip
+        notes.append(f"prefill of {prompt_n} tokens in {prompt_ms:g} ms")
+        prompt_ms = None
+    if predicted_ms is not None and predicted_ms / 1000 > e2e_s * 1.05 + SLACK_S:
+        notes.append(f"predicted_ms {predicted_ms:g} > the client's {e2e_s * 1000:.1f} ms")
+        predicted_ms = None
+    elif (
+        predicted_ms is not None
+        and predicted_n
+        and (
+            predicted_n / max(predicted_ms / 1000, 1e-12) > MAX_DECODE_TPS
+            or (arrival_span_s > 0.01 and predicted_ms / 1000 * 100 < arrival_span_s)
+        )
+    ):
+        notes.append(f"decode of {predicted_n} tokens in {predicted_ms:g} ms (the client saw them"
+                     f" arrive over {arrival_span_s * 1000:.1f} ms)")  # fmt: skip
+        predicted_ms = None
+    if completion is not None and completion < chunks:
+        notes.append(f"completion_tokens {completion} < the {chunks} chunks received")
+        completion = None
+    if predicted_n is not None and completion is not None and predicted_n > completion + 1:
+        notes.append(f"predicted_n {predicted_n} > completion_tokens {completion}")
+        predicted_n = None
+    checked = ServerTimings(prompt_n=prompt_n, prompt_ms=prompt_ms, predicted_n=predicted_n,
+                            predicted_ms=predicted_ms, cache_n=t.cache_n)  # fmt: skip
+    return checked, completion, tuple(notes)
 
 
 def _number(value: Any) -> float | None:

@@ -159,6 +159,8 @@ class ServerReport:
     timings: ServerTimings | None = None
     network_queue_ms: float | None = None  # client TTFT minus the server's prefill
     error: str | None = None  # the stream broke off; the text so far stands
+    # The server's figures that contradicted what the client saw, each dropped and named here.
+    implausible: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The flat fields llmrun's stats JSON has always carried for a server."""
@@ -173,6 +175,8 @@ class ServerReport:
             data.update({f"server_{k}": v for k, v in asdict(self.timings).items()})
         if self.network_queue_ms is not None:
             data["network_queue_ms"] = self.network_queue_ms
+        if self.implausible:
+            data["server_implausible"] = list(self.implausible)
         return data
 
 

@@ -8,6 +8,14 @@ and lists where usage and timings hold numbers, "listusage" sends lists for the 
 "thinktags" <think> tags inside the content); both end their answer with the
 chat_template_kwargs they were sent. With an API key (or Basic credentials) set, every request without
 it gets 401. Not a stand-in for llama.cpp: the real server is tested too.
+
+Hostile servers (issue 22): "escapes" streams clear-screen, window-title and colour sequences
+in the content and the reasoning; "keepalive" sends only SSE comments, forever; "liar" reports
+10^24 tok/s, a prefill longer than the request and 500 thinking tokens of 2; "echo" sends the
+request's Authorization header back in its reply, and "echo401" in a 401's message; "whatwg"
+writes the stream as the WHATWG standard allows but few servers do (CR and CRLF line ends, a
+BOM, `event:`/`id:`/`retry:` fields, one JSON split over two `data:` lines, no space after the
+colon, no blank line at the end). `models_answer` replaces the /v1/models answer.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ WORDS = ["Hello", " from", " the", " stub", " server", "."]
 class Handler(BaseHTTPRequestHandler):
     api_key: str | None = None
     basic: str | None = None  # "user:password"
+    models_answer: Any = None  # what /v1/models answers instead of the usual listing
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: Any) -> None:
@@ -55,8 +64,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+        if self.path.split("?")[0] == "/v1/models":
+            listing = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+            self._json(200, listing if self.models_answer is None else self.models_answer)
         else:
             self._json(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -65,7 +75,8 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length) or b"{}")
         if not self._authorized():
             return
-        if not self.path.endswith(("/chat/completions", "/completions")):
+        route = self.path.split("?")[0]
+        if not route.endswith(("/chat/completions", "/completions")):
             return self._json(404, {"error": {"message": f"no route {self.path}"}})
         model = body.get("model")
         if model == "missing":
@@ -74,12 +85,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(500, {"error": {"message": "internal failure in the stub"}})
         if model == "slow":
             time.sleep(3)
+        if model == "echo401":
+            auth = self.headers.get("Authorization")
+            return self._json(401, {"error": {"message": f"bad header Authorization: {auth}"
+                                                         f" for {self.path}"}})  # fmt: skip
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        chat = self.path.endswith("/chat/completions")
+        chat = route.endswith("/chat/completions")
         if model in ("thinker", "thinktags"):
             return self._think(model, body)
+        if model in HOSTILE:
+            return HOSTILE[model](self)
         for i, word in enumerate(WORDS):
             choice: dict[str, object] = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": word}} if chat else {"text": word})
@@ -136,6 +153,67 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+def _send(handler: Handler, *events: dict[str, Any], done: bool = True) -> None:
+    for event in events:
+        handler.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        handler.wfile.flush()
+        time.sleep(0.01)
+    if done:
+        handler.wfile.write(b"data: [DONE]\n\n")
+        handler.wfile.flush()
+
+
+def _delta(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "finish_reason": None, "delta": delta}]}
+
+
+FINAL: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}]}
+ESCAPES = "\x1b[2J\x1b[H\x1b]0;pwned\x07\x1b[31mred\x9b1m\r\x08"
+
+
+def _escapes(h: Handler) -> None:
+    _send(h, _delta(reasoning_content=f"think{ESCAPES}ing"), _delta(content=f"Hi{ESCAPES}"),
+          _delta(content=" there\x1b"), _delta(content="[2J!"), FINAL)  # fmt: skip
+
+
+def _keepalive(h: Handler) -> None:
+    _send(h, _delta(content="Hi"), done=False)
+    try:
+        for _ in range(600):
+            h.wfile.write(b": keep-alive\n\n")
+            h.wfile.flush()
+            time.sleep(0.2)
+    except OSError:  # the client gave up, as it should
+        h.close_connection = True
+
+
+def _liar(h: Handler) -> None:
+    final = {**FINAL, "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                "completion_tokens_details": {"reasoning_tokens": 500}},
+             "timings": {"prompt_n": 5, "prompt_ms": 1e9, "predicted_n": 2,
+                         "predicted_ms": 2e-21}}  # fmt: skip
+    _send(h, _delta(reasoning_content="hmm"), _delta(content="ok"), final)
+
+
+def _echo(h: Handler) -> None:
+    auth = h.headers.get("Authorization")
+    _send(h, _delta(content=f"you sent {auth} to {h.path}"), FINAL)
+
+
+def _whatwg(h: Handler) -> None:
+    event = json.dumps(_delta(content="Hello, world"))
+    cut = event.index('"delta"')
+    h.wfile.write(b"\xef\xbb\xbf: comment\r\nevent: message\r\nid: 1\r\nretry: 100\r\n")
+    h.wfile.write(f"data:{event[:cut]}\rdata: {event[cut:]}\r\r".encode())
+    h.wfile.write(f"data: {json.dumps(FINAL)}\n\ndata: [DONE]".encode())
+    h.wfile.flush()
+    h.close_connection = True  # the end of the stream is the end of the connection
+
+
+HOSTILE = {"escapes": _escapes, "keepalive": _keepalive, "liar": _liar, "echo": _echo,
+           "whatwg": _whatwg}  # fmt: skip
+
+
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request: object, client_address: object) -> None:
         """A client that hung up mid-reply is what the broken-stream tests do on purpose: not
@@ -145,8 +223,11 @@ class _Server(ThreadingHTTPServer):
 
 
 @contextmanager
-def stub_server(api_key: str | None = None, basic: str | None = None) -> Iterator[str]:
-    handler = type("KeyedHandler", (Handler,), {"api_key": api_key, "basic": basic})
+def stub_server(
+    api_key: str | None = None, basic: str | None = None, models_answer: Any = None
+) -> Iterator[str]:
+    handler = type("KeyedHandler", (Handler,), {"api_key": api_key, "basic": basic,
+                                                "models_answer": models_answer})  # fmt: skip
     server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

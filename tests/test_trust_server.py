@@ -1,0 +1,147 @@
+"""Trust, round two (issue 22), for what a server sends: server-sent events as the WHATWG HTML
+standard defines them, answers of the wrong JSON shape, keep-alive comments, figures that cannot
+be true, escape sequences, and our own credentials echoed back. The stub (tests/stub_server.py)
+plays each hostile server; the CLI runs in-process with CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners.history import History
+from llmrun.runners.remote import parse_endpoint, redact_url, sse_events
+
+from .stub_server import stub_server
+
+ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
+
+
+def test_sse_is_parsed_as_the_whatwg_standard_says() -> None:
+    def events(*pieces: bytes) -> list[str]:
+        return [e for e in sse_events(pieces) if e is not None]
+
+    # The standard's own examples (HTML 9.2.6): comments, multi-line data, a space kept.
+    assert events(b": test stream\n\ndata: first event\nid: 1\n\ndata:second event\nid\n\n"
+                  b"data:  third event\n\n") == ["first event", "second event", " third event"]  # fmt: skip
+    assert events(b"data: YHOO\ndata: +2\ndata: 10\n\n") == ["YHOO\n+2\n10"]
+    # Its example of empty data: "", then one newline; the unterminated last block is kept here
+    # (the standard discards it), since servers that leave out the last blank line exist.
+    assert events(b"data\n\ndata\ndata\n\ndata:") == ["", "\n", ""]
+    # Line ends of every kind, split anywhere, a BOM once, UTF-8 split across reads.
+    assert events(b"\xef\xbb", b"\xbfdata: a\r", b"\n\r\ndata: \xc3", b"\xa9\r\rdata: b") == [
+        "a", "\u00e9", "b"]  # fmt: skip
+    assert events(b"event: x\nretry: 5\nfoo: bar\ndata: c\n\n") == ["c"]
+
+
+def test_a_stream_in_the_whatwg_forms_servers_rarely_use(cli: CliRunner) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "whatwg", "hi"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "Hello, world\n"
+
+
+@pytest.mark.parametrize("answer", [["stub"], "stub", {"data": {"id": "x"}}, 7])
+def test_a_models_answer_of_the_wrong_shape_is_one_line(answer: object, cli: CliRunner) -> None:
+    with stub_server(models_answer=answer) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "/v1/models answered with" in result.stderr
+    assert "internal error" not in result.stderr
+
+
+def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "keepalive", "--timeout", "1",
+                                  "hi"])  # fmt: skip
+    assert result.exit_code == 1
+    assert result.stdout == "Hi\n"  # the text so far is kept
+    assert "no reply for 1 s (the server sent only keep-alive comments)" in result.stderr
+
+
+def test_a_servers_escape_sequences_never_reach_the_terminal(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmrun.cli.session as session
+
+    monkeypatch.setattr(session, "_isatty", lambda stream: True)  # stdout is a terminal
+    with stub_server() as url:
+        result = cli.invoke(app, ["chat", "--endpoint", url, "-m", "escapes"], input="Hi\n")
+        piped = cli.invoke(app, ["run", "--endpoint", url, "-m", "escapes", "--json", "hi"])
+    assert result.exit_code == 0, result.output
+    assert "Hi" in result.stdout and "there[2J!" in result.stdout
+    assert not [c for c in result.stdout.replace(session.DIM, "").replace(session.UNDIM, "")
+                if c in ESC_OR_CONTROL], repr(result.stdout)  # fmt: skip
+    assert "\x1b[2J" in json.loads(piped.stdout)["text"]  # data for a program stays as sent
+
+
+def test_escape_sequences_in_a_file_name_are_not_shown(tmp_path: Path, cli: CliRunner) -> None:
+    name = tmp_path / "evil\x1b]0;pwned\x07\x1b[2J.gguf"
+    for args in (["run", "-m", str(name), "hi"], ["run", "-f", str(name), "hi"],
+                 ["run", "--jsonl", str(name)]):  # fmt: skip
+        result = cli.invoke(app, args)
+        assert result.exit_code == 1
+        assert "evil" in result.stderr and not set(result.stderr) & set(ESC_OR_CONTROL[:-1]), (
+            repr(result.stderr))  # fmt: skip
+
+
+def test_a_servers_impossible_figures_are_left_out_and_named(cli: CliRunner) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "--stats", "json",
+                                  "hi"])  # fmt: skip
+        text = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "hi"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stderr)
+    assert stats["thinking_tokens"] <= stats["output_tokens"] == 2
+    assert stats["server_prompt_ms"] is None and stats["server_predicted_ms"] is None
+    notes = " ".join(stats["server_implausible"])
+    assert "reasoning_tokens 500" in notes and "prompt_ms" in notes and "decode of 2" in notes
+    assert "e+2" not in text.stderr and "warning  the server's figures" in text.stderr
+
+
+@pytest.mark.parametrize("query", ["api_key", "key", "token", "access_token", "sig", "X-Api-Key"])
+def test_a_key_in_the_url_query_is_never_shown(query: str, tmp_path: Path, cli: CliRunner) -> None:
+    secret = "s3cr3tvalue"
+    stats_file = tmp_path / "s.jsonl"
+    with stub_server() as url:
+        endpoint = f"{url}/v1?{query}={secret}&api-version=2024"
+        shown = [cli.invoke(app, ["run", "--endpoint", endpoint, "--stats-file", str(stats_file),
+                                  *args, "hi"]) for args in ([], ["--json"], ["--stats", "json"],
+                                                             ["-m", "boom"], ["-m", "echo"])]  # fmt: skip
+        bench = cli.invoke(app, ["bench", "--endpoint", endpoint, "--num-prompts", "2",
+                                 "--input-len", "4", "--output-len", "4", "--warmup", "0",
+                                 "-o", "json"])  # fmt: skip
+    assert shown[0].exit_code == 0, shown[0].output
+    assert "api-version=2024" in shown[2].stderr and f"{query}=***" in shown[2].stderr
+    for result in [*shown, bench]:
+        assert secret not in result.stdout + result.stderr
+    assert secret not in stats_file.read_text()
+    with History() as h:
+        assert secret not in json.dumps(h.runs())
+
+
+def test_echoed_credentials_come_back_redacted(cli: CliRunner) -> None:
+    import base64
+
+    password = "hunter2pass"
+    basic = base64.b64encode(f"alice:{password}".encode()).decode()
+    with stub_server(basic=f"alice:{password}") as url:
+        endpoint = url.replace("http://", f"http://alice:{password}@")
+        results = [cli.invoke(app, ["run", "--endpoint", endpoint, "-m", m, "--json", "hi"])
+                   for m in ("echo", "echo401")]  # fmt: skip
+    assert "you sent Basic ***" in json.loads(results[0].stdout)["text"]
+    assert results[1].exit_code == 1 and "Authorization: Basic ***" in results[1].stderr
+    for result in results:
+        assert password not in result.output and basic not in result.output
+        assert basic.rstrip("=") not in result.output
+
+
+def test_redaction_of_free_text() -> None:
+    text = redact_url("GET http://u:p@h/v1?api_key=K&model=m: 401 {'authorization': 'Bearer T'}")
+    assert text == "GET http://***@h/v1?api_key=***&model=m: 401 {'authorization': 'Bearer ***'}"
+    ep = parse_endpoint("https://h/v1/?key=K&x=1")
+    assert ep.api == "https://h/v1" and ep.params == (("key", "K"), ("x", "1"))
+    assert ep.shown == "https://h/v1?key=***&x=1" and ep.secrets == ("K",)
