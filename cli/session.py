@@ -52,6 +52,7 @@ class TextOut:
         self.closed = False
         self.ends_with_newline = True
         self.styled = live_terminal(self.stream)  # a terminal shows the thinking dimmed
+        self.to_terminal = _isatty(self.stream)  # a dumb one too: its text is sanitized
 
     def write(self, text: str) -> None:
         if not text or self.closed:
