@@ -94,7 +94,7 @@ def test_a_servers_impossible_figures_are_left_out_and_named(cli: CliRunner) -> 
                                   "hi"])  # fmt: skip
         text = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "hi"])
     assert result.exit_code == 0, result.output
-    stats = json.loads(result.stderr)
+    stats = json.loads(result.stderr.splitlines()[-1])  # after the thinking (on stderr)
     assert stats["thinking_tokens"] <= stats["output_tokens"] == 2
     assert stats["server_prompt_ms"] is None and stats["server_predicted_ms"] is None
     notes = " ".join(stats["server_implausible"])
