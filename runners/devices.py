@@ -11,6 +11,8 @@ import ctypes
 import functools
 import os
 import platform
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +37,20 @@ class Device:
         return self.kind in ("GPU", "iGPU")
 
 
+@dataclass(frozen=True)
+class DeviceBandwidth:
+    """How fast a device's own memory is, and how that was found out."""
+
+    device: str  # CUDA0
+    bytes_s: float
+    source: str  # "timed copy through ggml", "driver: ..."
+
+
 class DeviceQuery(Protocol):
     def devices(self) -> list[Device]: ...
     def commit(self) -> str: ...
     def version(self) -> str: ...
+    def bandwidth(self, device: Device) -> DeviceBandwidth | None: ...
 
 
 class GgmlDevices:
@@ -87,6 +99,20 @@ class GgmlDevices:
     def version(self) -> str:
         return _call_text(self._base, "ggml_version")
 
+    def bandwidth(self, device: Device) -> DeviceBandwidth | None:
+        """A GPU's memory bandwidth: a timed device-to-device copy through ggml, else (CUDA)
+        the driver's memory clock and bus width."""
+        if not device.is_gpu:
+            return None
+        runs = copy_bandwidth_runs(device.name)
+        if runs:
+            median = statistics.median(runs)
+            return DeviceBandwidth(device.name, median, f"timed copy on {device.name} through"
+                                   f" ggml, read + write, median of {len(runs)}")  # fmt: skip
+        if device.backend == "CUDA" and device.name[4:].isdigit():
+            return nvml_bandwidth(device.name, int(device.name[4:]))
+        return None
+
 
 def _open(lib_dir: Path, name: str) -> ctypes.CDLL | None:
     for path in (lib_dir / name, *sorted(lib_dir.glob(name + ".*"))):
@@ -108,6 +134,110 @@ def _call_text(lib: ctypes.CDLL | None, name: str) -> str:
         return ""
     fn.restype, fn.argtypes = ctypes.c_char_p, []
     return _text(fn())
+
+
+# ---- memory bandwidth of a device ----------------------------------------------------------
+
+GGML_TYPE_I8 = 24
+
+
+class _GgmlInitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p),
+                ("no_alloc", ctypes.c_bool)]  # fmt: skip
+
+
+def copy_bandwidth_runs(name: str, *, size_bytes: int = 1 << 30, reps: int = 5) -> list[float]:
+    """Bytes per second (read + write) of copies between two buffers in a device's memory,
+    through ggml's own copy (on CUDA a device-to-device cudaMemcpy it waits for); [] when
+    the device or the memory is not there. On the CPU device it times a memcpy."""
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    g, base = _open(lib_dir, "libggml.so"), _open(lib_dir, "libggml-base.so")
+    if g is None or base is None:
+        return []
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    g.ggml_backend_dev_by_name.restype, g.ggml_backend_dev_by_name.argtypes = vp, [ctypes.c_char_p]
+    signatures = {
+        "ggml_backend_dev_buffer_type": (vp, [vp]),
+        "ggml_backend_buft_alloc_buffer": (vp, [vp, sz]),
+        "ggml_backend_buffer_get_base": (vp, [vp]),
+        "ggml_backend_buffer_free": (None, [vp]),
+        "ggml_init": (vp, [_GgmlInitParams]),
+        "ggml_free": (None, [vp]),
+        "ggml_new_tensor_1d": (vp, [vp, ctypes.c_int, ctypes.c_int64]),
+        "ggml_backend_tensor_alloc": (ctypes.c_int, [vp, vp, vp]),
+        "ggml_backend_tensor_copy": (None, [vp, vp]),
+    }
+    for fn, (restype, argtypes) in signatures.items():
+        f = getattr(base, fn, None) or getattr(g, fn, None)
+        if f is None:
+            return []
+        f.restype, f.argtypes = restype, argtypes
+        setattr(base, fn, f)
+    dev = g.ggml_backend_dev_by_name(name.encode())
+    if not dev:
+        return []
+    buft = base.ggml_backend_dev_buffer_type(dev)
+    ctx = base.ggml_init(_GgmlInitParams(1 << 20, None, True))
+    buffers = [base.ggml_backend_buft_alloc_buffer(buft, size_bytes) for _ in range(2)]
+    try:
+        if not ctx or not all(buffers):
+            return []
+        tensors = []
+        for buf in buffers:
+            t = base.ggml_new_tensor_1d(ctx, GGML_TYPE_I8, size_bytes)
+            if base.ggml_backend_tensor_alloc(buf, t, base.ggml_backend_buffer_get_base(buf)):
+                return []
+            tensors.append(t)
+        base.ggml_backend_tensor_copy(tensors[0], tensors[1])  # first touch, outside the timing
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            base.ggml_backend_tensor_copy(tensors[0], tensors[1])
+            runs.append(2 * size_bytes / max(time.perf_counter() - t0, 1e-9))
+        return runs
+    finally:
+        for buf in buffers:
+            if buf:
+                base.ggml_backend_buffer_free(buf)
+        if ctx:
+            base.ggml_free(ctx)
+
+
+def driver_bandwidth(clock_mhz: int, bus_width_bits: int) -> float:
+    """Peak bytes per second from the memory's clock and bus width: two transfers per clock
+    (DDR, and HBM likewise)."""
+    return clock_mhz * 1e6 * 2 * bus_width_bits / 8
+
+
+def nvml_bandwidth(name: str, index: int) -> DeviceBandwidth | None:
+    """The driver's figures for an NVIDIA GPU (NVML, the library nvidia-smi reads): its
+    maximum memory clock and bus width. The CUDA index is taken as NVML's, which holds unless
+    CUDA_DEVICE_ORDER reorders the GPUs of a machine with several."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    clock, bus, handle = ctypes.c_uint(0), ctypes.c_uint(0), ctypes.c_void_p()
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        nvml_clock_mem = 2
+        if (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle))
+                or nvml.nvmlDeviceGetMaxClockInfo(handle, nvml_clock_mem, ctypes.byref(clock))
+                or nvml.nvmlDeviceGetMemoryBusWidth(handle, ctypes.byref(bus))):  # fmt: skip
+            return None
+    finally:
+        nvml.nvmlShutdown()
+    if not clock.value or not bus.value:
+        return None
+    return driver_figures(name, clock.value, bus.value)
+
+
+def driver_figures(name: str, clock_mhz: int, bus_width_bits: int) -> DeviceBandwidth:
+    source = f"driver: {clock_mhz:,} MHz x {bus_width_bits:,}-bit bus x 2"
+    return DeviceBandwidth(name, driver_bandwidth(clock_mhz, bus_width_bits), source)
 
 
 QUERY: DeviceQuery | None = None  # tests put a fake machine here

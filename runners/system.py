@@ -6,6 +6,10 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .devices import DeviceBandwidth
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -225,6 +229,7 @@ class SystemInfo:
     backends: str = "CPU"  # llama-bench's backends: the accelerator registries, else CPU
     ggml_version: str = ""
     mem_bw_spread: float | None = None  # (max - min) / median of the bandwidth probe's runs
+    device_bandwidths: tuple[DeviceBandwidth, ...] = ()  # each GPU's memory, when probed
 
     @classmethod
     def collect(cls, *, bandwidth: bool = True) -> SystemInfo:
@@ -237,6 +242,7 @@ class SystemInfo:
         q = dv.query()
         found = q.devices()
         bw = memory_bandwidth_runs() if bandwidth else []
+        gpu_bw = [q.bandwidth(d) for d in found if d.is_gpu] if bandwidth else []
         return cls(
             cpu=dv.cpu_info(found) or cpu_model(),
             physical_cores=physical_cores(),
@@ -251,7 +257,78 @@ class SystemInfo:
             backends=dv.backends(found),
             ggml_version=q.version(),
             mem_bw_spread=(max(bw) - min(bw)) / statistics.median(bw) if len(bw) > 1 else None,
+            device_bandwidths=tuple(b for b in gpu_bw if b is not None),
         )
+
+
+# ---- the memory decode reads the weights from ----------------------------------------------
+
+HOST_SOURCE = "streaming copy on the CPU, read + write"
+
+
+@dataclass(frozen=True)
+class WeightsMemory:
+    """One memory that decode streams weights from: its share of them and its bandwidth."""
+
+    name: str  # "RAM" (the host's) or a device: "CUDA0"
+    share: float  # of the weights decode reads per token
+    bytes_s: float | None  # None: not measured
+    source: str  # how bytes_s was found
+
+
+def weights_memories(
+    system: SystemInfo, *, devices: str, n_offloaded: int, n_layers: int
+) -> tuple[WeightsMemory, ...]:
+    """Where decode reads the weights: the offloaded layers' share from the GPUs' memory
+    (split evenly between several), the rest from the host's RAM.
+
+    Shares count offloadable layers (the repeating ones and the output), as llama.cpp
+    offloads them: each is read once per token. The input embedding is left out: llama.cpp
+    keeps it on the CPU and decode reads one row of it per token.
+    """
+    on_device = min(1.0, n_offloaded / n_layers) if n_layers and n_offloaded > 0 else 0.0
+    names = [n.strip() for n in devices.split(",") if n.strip() and n.strip() != "CPU"]
+    if not names:
+        on_device = 0.0
+    out = []
+    if on_device < 1:
+        host = system.mem_bw_bytes_s
+        out.append(
+            WeightsMemory("RAM", 1 - on_device, host, HOST_SOURCE if host else "not measured")
+        )
+    for name in names if on_device > 0 else []:
+        bw = next((b for b in system.device_bandwidths if b.device == name), None)
+        out.append(WeightsMemory(name, on_device / len(names), bw.bytes_s if bw else None,
+                                 bw.source if bw else "not measured"))  # fmt: skip
+    return tuple(out)
+
+
+def decode_bandwidth(
+    memories: tuple[WeightsMemory, ...], bytes_per_token: float, tok_s: float
+) -> dict[str, Any]:
+    """A decode test's bandwidth figures against the memories its weights are in.
+
+    The roofline is the decode rate if every memory delivered its bandwidth: a token takes
+    the sum over memories of (its share of the bytes / its bandwidth), since the layers run
+    one after another. `bw_util` is the measured rate's share of it; `weights_bw_gbs` the
+    bandwidth that roofline amounts to (a single memory's own, or the split's combination).
+    """
+    where = "; ".join(
+        f"{m.name} {m.share:.0%} of the weights, "
+        + (f"{m.bytes_s / 1e9:,.1f} GB/s ({m.source})" if m.bytes_s else "not measured")
+        for m in memories
+    )
+    fields: dict[str, Any] = {"bw_util": None, "weights_bw_gbs": None, "decode_roofline_ts": None,
+                              "mem_bw_source": where or None}  # fmt: skip
+    if not memories or any(m.share > 0 and not m.bytes_s for m in memories) or bytes_per_token <= 0:
+        return fields
+    roofline_s = sum(m.share * bytes_per_token / m.bytes_s for m in memories if m.bytes_s)
+    if roofline_s <= 0:
+        return fields
+    fields.update(bw_util=round(tok_s * roofline_s, 4),
+                  weights_bw_gbs=round(bytes_per_token / roofline_s / 1e9, 3),
+                  decode_roofline_ts=round(1 / roofline_s, 3))  # fmt: skip
+    return fields
 
 
 def _features(info: str) -> str:

@@ -19,13 +19,19 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app
+from llmrun.cli.bench.output import efficiency_lines
+from llmrun.cli.bench.sweep import system_rows
 from llmrun.cli.report import engine_text
 from llmrun.runners import devices as dv
+from llmrun.runners import system as system_module
 from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.bench.results import Result
+from llmrun.runners.bench.sweep import Combo, Shape
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.limits import MemoryNeed, fit_gpu_layers, plan_offload
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
-from llmrun.runners.system import SystemInfo
+from llmrun.runners.stats import ModelInfo
+from llmrun.runners.system import SystemInfo, decode_bandwidth, weights_memories
 
 from .conftest import ROOT
 from .fake import FAKE_SETTINGS, FakeRunner
@@ -49,6 +55,9 @@ class FakeQuery:
 
     def version(self) -> str:
         return "0.0.1"
+
+    def bandwidth(self, device: dv.Device) -> dv.DeviceBandwidth | None:
+        return dv.driver_figures(device.name, 3201, 6144) if device.is_gpu else None
 
 
 def test_all_layers_go_to_a_gpu_with_room() -> None:
@@ -184,6 +193,96 @@ def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
         refused = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1",
                                            "--no-history", *bad, "-o", "json"])  # fmt: skip
         assert refused.exit_code == 1 and says in refused.stderr, refused.stderr
+
+
+# ---- bandwidth: the memory the weights are in (issue 20: a false 2,100 %) ------------------
+
+HOST_BW = 66e9  # the H200 host's RAM, as the issue measured it
+H200_BW = dv.driver_figures("CUDA0", 3201, 6144)
+MACHINE = SystemInfo(cpu="Xeon", physical_cores=16, logical_cpus=32, ram_bytes=None, build="",
+                     features="", gpu="", mem_bw_bytes_s=HOST_BW, device_bandwidths=(H200_BW,))  # fmt: skip
+BYTES_PER_TOKEN = 4.0e9  # an 8B Q4_0's weights and KV cache
+
+
+def test_the_driver_figure_is_clock_times_bus_width_times_two() -> None:
+    assert dv.driver_bandwidth(3201, 6144) == 3201e6 * 2 * 768 == H200_BW.bytes_s
+    assert H200_BW.source == "driver: 3,201 MHz x 6,144-bit bus x 2"
+
+
+def test_all_layers_on_the_gpu_measure_decode_against_its_memory() -> None:
+    """The issue's case: decode moved 1,393 GB/s; against the host's 66 GB/s that read 21.03."""
+    where = weights_memories(MACHINE, devices="CUDA0", n_offloaded=33, n_layers=33)
+    assert [(m.name, m.share) for m in where] == [("CUDA0", 1.0)]
+    fields = decode_bandwidth(where, BYTES_PER_TOKEN, 1393e9 / BYTES_PER_TOKEN)
+    assert fields == {
+        "bw_util": round(1393e9 / H200_BW.bytes_s, 4),  # 0.2833, not 21.03
+        "weights_bw_gbs": round(H200_BW.bytes_s / 1e9, 3),
+        "decode_roofline_ts": round(H200_BW.bytes_s / BYTES_PER_TOKEN, 3),
+        "mem_bw_source": "CUDA0 100% of the weights, 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit"
+                         " bus x 2)",
+    }  # fmt: skip
+
+
+def test_weights_on_the_cpu_keep_the_host_figure_and_a_split_names_both() -> None:
+    cpu = weights_memories(MACHINE, devices="CPU", n_offloaded=0, n_layers=33)
+    assert [(m.name, m.share, m.bytes_s) for m in cpu] == [("RAM", 1.0, HOST_BW)]
+    assert decode_bandwidth(cpu, BYTES_PER_TOKEN, 10.0)["bw_util"] == round(
+        10 * BYTES_PER_TOKEN / HOST_BW, 4)  # fmt: skip
+    split = weights_memories(MACHINE, devices="CUDA0", n_offloaded=11, n_layers=33)
+    assert [(m.name, round(m.share, 4)) for m in split] == [("RAM", 0.6667), ("CUDA0", 0.3333)]
+    fields = decode_bandwidth(split, BYTES_PER_TOKEN, 20.0)
+    per_token_s = (2 / 3) * BYTES_PER_TOKEN / HOST_BW + (1 / 3) * BYTES_PER_TOKEN / H200_BW.bytes_s
+    assert fields["bw_util"] == round(20 * per_token_s, 4)
+    assert fields["decode_roofline_ts"] == round(1 / per_token_s, 3)
+    assert HOST_BW / 1e9 < fields["weights_bw_gbs"] < 1.5 * HOST_BW / 1e9  # the RAM dominates
+    assert fields["mem_bw_source"] == (
+        "RAM 67% of the weights, 66.0 GB/s (streaming copy on the CPU, read + write); CUDA0 33% of"
+        " the weights, 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit bus x 2)")  # fmt: skip
+    two = weights_memories(MACHINE, devices="CUDA0, CUDA1", n_offloaded=33, n_layers=33)
+    assert [(m.name, m.share) for m in two] == [("CUDA0", 0.5), ("CUDA1", 0.5)]
+
+
+def test_an_unmeasured_device_gives_no_share_rather_than_the_hosts() -> None:
+    bare = dataclasses.replace(MACHINE, device_bandwidths=())
+    where = weights_memories(bare, devices="CUDA0", n_offloaded=33, n_layers=33)
+    fields = decode_bandwidth(where, BYTES_PER_TOKEN, 348.0)
+    assert fields["bw_util"] is None and fields["decode_roofline_ts"] is None
+    assert fields["mem_bw_source"] == "CUDA0 100% of the weights, not measured"
+
+
+def test_the_report_probes_each_gpu_and_the_record_uses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dv, "QUERY", FakeQuery([CPU, H200]))
+    monkeypatch.setattr(system_module, "memory_bandwidth_runs", lambda: [HOST_BW] * 3)
+    system = SystemInfo.collect(bandwidth=True)
+    assert system.device_bandwidths == (H200_BW,) and system.mem_bw_bytes_s == HOST_BW
+    assert SystemInfo.collect(bandwidth=False).device_bandwidths == ()
+    st = dataclasses.replace(FAKE_SETTINGS, backend="CUDA0", device="CUDA0 NVIDIA H200",
+                             n_gpu_layers=33, n_layer_total=33)  # fmt: skip
+    model = ModelInfo(path="8b.gguf", name="8b", architecture="llama", quantization="Q4_0",
+                      n_params=8_030_261_248, size_bytes=int(BYTES_PER_TOKEN), n_ctx_train=None,
+                      has_chat_template=True)  # fmt: skip
+    tg = Result(shape=Shape(0, 128), combo=Combo(), model=model, settings=st, load_s=1.0,
+                samples_s=(128 / 348.0,), engine_samples_s=())  # fmt: skip
+    rec = tg.record(system)
+    assert rec["bw_util"] == round(rec["decode_bw_gbs"] * 1e9 / H200_BW.bytes_s, 4) < 1
+    assert rec["mem_bw_source"].startswith("CUDA0 100% of the weights, 4,916.7 GB/s (driver:")
+    line = efficiency_lines([rec])[0]
+    assert line.startswith(f"tg128: decode moves {rec['decode_bw_gbs']:.1f} GB/s")
+    assert f"= {rec['bw_util']:.0%} of 4,916.7 GB/s, the memory the weights are in (CUDA0" in line
+    rows = dict(system_rows(system, "8b"))
+    assert rows["memory"].endswith("(streaming copy) · CUDA0 4,916.7 GB/s (driver: 3,201 MHz x"
+                                   " 6,144-bit bus x 2)")  # fmt: skip
+    pp = dataclasses.replace(tg, shape=Shape(512, 0)).record(system)
+    assert pp["bw_util"] is None and "mem_bw_source" in pp  # the same columns in every record
+
+
+def test_a_timed_copy_through_ggml_runs_on_a_real_device() -> None:
+    """The probe's ctypes path, on the CPU device here (on a GPU: a device-to-device copy)."""
+    runs = dv.copy_bandwidth_runs("CPU", size_bytes=8 << 20, reps=2)
+    assert len(runs) == 2 and all(r > 0 for r in runs)
+    assert dv.copy_bandwidth_runs("CUDA7", size_bytes=1 << 20) == []
+    cpu = next(d for d in dv.query().devices() if d.kind == "CPU")
+    assert dv.query().bandwidth(cpu) is None  # the host's RAM has its own probe
 
 
 # ---- benchmarks/gpu.py and benchmarks/synth_gguf.py: the check for a GPU machine -----------

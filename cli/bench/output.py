@@ -306,7 +306,8 @@ def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         if r.get("bw_util") is not None:
             lines.append(
                 f"{r['test']}: decode moves {r['decode_bw_gbs']:.1f} GB/s (weights + KV cache per"
-                f" token) = {r['bw_util']:.0%} of the measured {r['mem_bw_gbs']:.1f} GB/s"
+                f" token) = {r['bw_util']:.0%} of {r['weights_bw_gbs']:,.1f} GB/s, the memory the"
+                f" weights are in ({r['mem_bw_source']})"
             )
         if r.get("prefill_gflops") is not None:
             lines.append(f"{r['test']}: prefill runs at {r['prefill_gflops']:,.1f} GFLOP/s"

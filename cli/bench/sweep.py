@@ -58,10 +58,12 @@ def system_rows(system: SystemInfo, model: str) -> list[tuple[str, str]]:
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
     if system.mem_bw_spread is not None:
         bw += f" median, runs spread over {system.mem_bw_spread:.0%} of it"
+    bw += " (streaming copy)" + "".join(f" · {b.device} {b.bytes_s / 1e9:,.1f} GB/s ({b.source})"
+                                        for b in system.device_bandwidths)  # fmt: skip
     return [
         ("cpu", f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
                 f" · RAM {ram}"),
-        ("memory", f"{bw} (streaming copy)"),
+        ("memory", bw),
         ("gpu", system.gpu),
         ("build", f"{system.build} · {system.features}"),
         ("model", model),

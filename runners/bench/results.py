@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
-from llmrun.runners.system import SystemInfo, busy_machine
+from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
 
 from .sweep import Combo, Shape
 
@@ -165,6 +165,9 @@ class Result:
             "mem_bw_spread": _round(system.mem_bw_spread, 3),
             "decode_bw_gbs": None,
             "bw_util": None,
+            "weights_bw_gbs": None,
+            "decode_roofline_ts": None,
+            "mem_bw_source": None,
             "prefill_gflops": None,
             "background_cpus": _round(self.background_cpus, 3),
             "busy": busy_machine(self.background_cpus, st.n_threads),
@@ -172,8 +175,9 @@ class Result:
         if s.n_gen and not s.n_prompt and self.avg_ts:
             moved = self.bytes_per_token() * self.avg_ts
             rec["decode_bw_gbs"] = round(moved / 1e9, 3)
-            if system.mem_bw_bytes_s:
-                rec["bw_util"] = round(moved / system.mem_bw_bytes_s, 4)
+            where = weights_memories(system, devices=st.backend, n_offloaded=st.n_gpu_layers,
+                                     n_layers=st.n_layer_total)  # fmt: skip
+            rec.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
         if s.n_prompt and not s.n_gen and self.avg_ts:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
         rec.update(self.extra)
