@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from . import chat, history, models, run, serve
-from .bench import sweep as bench
+from .bench import interference, sweep, tune
+from .bench import serve as bench_serve
 
 app = typer.Typer(
     name="llmrun",
@@ -17,7 +18,17 @@ app = typer.Typer(
 )
 app.command("run")(run.run)
 app.command("chat")(chat.chat)
-app.command("bench")(bench.bench)
+bench = typer.Typer(
+    cls=sweep.BenchGroup,
+    invoke_without_command=True,
+    no_args_is_help=False,
+    help="Measure this machine: llama-bench's tests and sweeps, serving load, interference.",
+)
+bench.callback(invoke_without_command=True)(sweep.bench)
+bench.command("serve")(bench_serve.serve)
+bench.command("interference")(interference.interference)
+app.add_typer(bench, name="bench")
+app.command("tune")(tune.tune)
 app.command("history")(history.history)
 app.command("pull")(models.pull)
 app.command("models")(models.models)

@@ -84,8 +84,8 @@ def test_policies_parse() -> None:
 def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     png = tmp_path / "timeline.png"
     done = subprocess.run(
-        [which_llmrun(), "bench", "--interference", "--policy", "prefill-first,chunked:32",
-         "--num-prompts", "2", "--interference-prompt-len", "128", "--interference-rate", "10",
+        [which_llmrun(), "bench", "interference", "--policy", "prefill-first,chunked:32",
+         "--num-prompts", "2", "--prompt-len", "128", "--rate", "10",
          "--output-len", "24", "-o", "json", "--plot", str(png)],
         env=llmrun_env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -102,7 +102,7 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
 
 def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, str]) -> None:
     done = subprocess.run(
-        [which_llmrun(), "bench", "--concurrency", "1,2", "--num-prompts", "3", "--input-len",
+        [which_llmrun(), "bench", "serve", "--concurrency", "1,2", "--num-prompts", "3", "--input-len",
          "16", "--output-len", "4", "--policy", "chunked:32", "-o", "json", "--no-history"],
         env=llmrun_env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -159,7 +159,7 @@ def test_tune_saves_settings_for_each_workload_that_run_then_uses(
 ) -> None:
     monkeypatch.setattr(tuning, "SHAPES", (sw.Shape(32, 0), sw.Shape(0, 8, 16)))
     monkeypatch.setattr(tuning, "REPS", 2)
-    result = cli.invoke(app, ["bench", "--tune"])
+    result = cli.invoke(app, ["tune"])
     assert result.exit_code == 0, result.stderr
     saved = json.loads((home / "config" / "tuned.json").read_text())
     (entry,) = saved.values()
@@ -173,7 +173,7 @@ def test_tune_saves_settings_for_each_workload_that_run_then_uses(
     document = apply_tuning(EngineConfig(workload="document"), model_path)
     assert document.n_threads_batch == entry["document"]["n_threads_batch"]
     assert apply_tuning(EngineConfig(), "/elsewhere.gguf") == EngineConfig()
-    only_chat = cli.invoke(app, ["bench", "--tune", "--workload", "chat"])
+    only_chat = cli.invoke(app, ["tune", "--workload", "chat"])
     assert only_chat.exit_code == 0 and "fastest for document" not in only_chat.stderr
     (kept,) = json.loads((home / "config" / "tuned.json").read_text()).values()
     assert kept["document"] == entry["document"]  # tuning chat again kept the document entry
@@ -260,10 +260,9 @@ def test_a_closed_stdout_loses_no_result(llmrun_env: dict[str, str], tmp_path: P
     assert db.execute("SELECT count(*) FROM results").fetchone() == (2,)
 
 
-def test_tune_refuses_the_options_it_searches(cli: CliRunner, home: Path) -> None:
-    result = cli.invoke(app, ["bench", "--tune", "-t", "2", "-b", "64"])
-    assert result.exit_code == 1
-    assert result.stderr.strip() == "llmrun: error: -t, -b: --tune searches these itself"
+def test_tune_has_no_options_for_what_it_searches(cli: CliRunner, home: Path) -> None:
+    result = cli.invoke(app, ["tune", "-t", "2"])
+    assert result.exit_code == 2 and "No such option" in result.stderr
 
 
 def test_bench_measures_any_bench_runner_from_the_factory(

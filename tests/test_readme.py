@@ -12,7 +12,8 @@ from llmrun.cli.app import app
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
-COMMANDS = ("run", "chat", "bench", "history", "pull", "models")
+COMMANDS = ("run", "chat", "bench", "tune", "history", "pull", "models")
+SUBCOMMANDS = (["bench", "serve"], ["bench", "interference"])
 
 
 def llmrun_text() -> str:
@@ -24,11 +25,11 @@ def llmrun_text() -> str:
 
 def test_every_flag_in_the_readme_is_accepted_by_a_command() -> None:
     help_text = "".join(
-        CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).stdout
-        for command in COMMANDS
+        CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "300"}).stdout
+        for command in [[c] for c in COMMANDS] + list(SUBCOMMANDS)
     )
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+|-[a-z]{1,3})\b", llmrun_text()))
-    assert {"--endpoint", "--concurrency", "--tune", "--no-dashboard", "--jsonl"} <= flags
+    assert {"--endpoint", "--concurrency", "--prompt-len", "--no-dashboard", "--jsonl"} <= flags
     for flag in sorted(flags):
         if not flag.startswith("--"):
             assert re.search(rf"[\s,]{flag}[\s,]", help_text), flag  # aliases: -hf,-hfr

@@ -326,7 +326,7 @@ def test_a_server_with_garbage_figures_keeps_text_and_stats(
 ) -> None:
     with stub_server() as url:
         result = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", model, "--stats", "json"])
-        bench = cli.invoke(app, ["bench", "--endpoint", url, "-m", model, "--num-prompts", "2",
+        bench = cli.invoke(app, ["bench", "serve", "--endpoint", url, "-m", model, "--num-prompts", "2",
                                  "--concurrency", "1", "-o", "json"])  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "".join(WORDS) + "\n"
@@ -429,9 +429,9 @@ def test_a_url_password_is_never_written(tmp_path: Path, llmrun_env: dict[str, s
             llmrun(["run", "hi", "--endpoint", endpoint, "--no-dashboard"], llmrun_env),
             llmrun(["chat", "--endpoint", endpoint], llmrun_env,
                    stdin=f"hi\n/save {tmp_path / 't.md'}\n/save {tmp_path / 't.json'}\n".encode()),
-            llmrun(["bench", "--endpoint", endpoint, "--num-prompts", "2", "-o", "json"],
+            llmrun(["bench", "serve", "--endpoint", endpoint, "--num-prompts", "2", "-o", "json"],
                    llmrun_env),
-            llmrun(["bench", "--endpoint", endpoint, "--num-prompts", "1", "--interference",
+            llmrun(["bench", "interference", "--endpoint", endpoint,
                     "--input-len", "8", "--output-len", "4"], llmrun_env),
         ]  # fmt: skip
         wrong = llmrun(["run", "hi", "--endpoint", url.replace("http://", "http://alice:nope@")],

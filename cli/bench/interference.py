@@ -1,85 +1,190 @@
-"""`llmrun bench --interference` without --endpoint: the seeds' prefill-decode interference,
-measured in-process on llama.cpp's multi-sequence batches under each scheduling policy."""
+"""`llmrun bench interference`: one decoding stream alone, then while long prompts arrive: in
+process under each scheduling policy, or against a server (--endpoint). The measuring is in
+runners/serving/; this module shows it."""
 
 from __future__ import annotations
 
-import random
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
 from llmrun.cli.engine import make_bench_runner
-from llmrun.runners.batched import BatchedEngine, InterferenceReport, Policy, interference
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.session import ctrl_c_cancels
+from llmrun.runners.batched import InterferenceReport
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
 
 from . import output as out
+from .serve import LOCAL, Model1, Output, Policies, Seed, _opt, run_stages
 
-STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
-MAX_LONG_PROMPTS = 8
+if TYPE_CHECKING:
+    from llmrun.runners.serving import load as sv
+
+LAB = "The long prompts"
 
 
-def run_local_interference(
+def interference(
+    model: Model1 = None,
+    endpoint: o.Endpoint = None,
+    api_key: o.ApiKey = None,
+    timeout: o.Timeout = o.TIMEOUT_S,
+    rate: Annotated[
+        float, _opt("Long prompts per second.", "--rate", "--interference-rate", min=0.01,
+                    panel=LAB)
+    ] = 2.0,
+    prompt_len: Annotated[
+        int, _opt("Tokens per long prompt.", "--prompt-len", "--interference-prompt-len", min=1,
+                  panel=LAB)
+    ] = 512,
+    output_len: Annotated[
+        int, _opt("Tokens the stream decodes (a server's: at least 64).", "--output-len", min=1,
+                  panel=LAB)
+    ] = 64,
+    input_len: Annotated[
+        int, _opt("A server's steady client: its prompt length (at most 64 tokens).",
+                  "--input-len", min=1, panel="Against a server (--endpoint)")
+    ] = 128,
+    num_prompts: Annotated[
+        int, _opt("Long prompts (at most 8).", "--num-prompts", min=1, panel=LOCAL)
+    ] = 16,
+    policy: Policies = DEFAULT_POLICIES,
+    plot: Annotated[
+        Path | None, _opt("Also draw the stream's timeline into a PNG file.", "--plot",
+                          metavar="FILE.png", show_default=False, panel=LOCAL)
+    ] = None,
+    seed: Seed = 1234,
+    output: Output = None,
+) -> None:  # fmt: skip
+    """Prefill-decode interference: a decoding stream's gaps alone and while long prompts arrive.
+
+    llmrun bench interference --policy prefill-first,chunked:64   # this machine, in process
+
+    llmrun bench interference --endpoint http://127.0.0.1:8080
+    """
+    with handled():
+        err = Console(stderr=True, highlight=False)
+        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        options = InterferenceOptions(
+            rate=rate, prompt_len=prompt_len, output_len=output_len, seed=seed,
+            input_len=input_len, num_prompts=num_prompts,
+            policies=() if endpoint else parse_policies(policy),
+        )  # fmt: skip
+        cancel = threading.Event()
+        with ctrl_c_cancels(cancel):
+            if endpoint:
+                o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
+                                num_prompts != 16, "--plot": plot},
+                               "the local engine's; not with --endpoint")  # fmt: skip
+                code = _remote(endpoint, api_key, timeout, model, options, cancel, err, show,
+                               output)  # fmt: skip
+            else:
+                o.refuse_given(
+                    {
+                        "--api-key": api_key,
+                        "--timeout": timeout != o.TIMEOUT_S,
+                        "--input-len": input_len != 128,
+                    },
+                    "only with --endpoint",
+                )
+                code = _local(model, options, cancel, err, show, output, plot)
+        raise typer.Exit(code)
+
+
+def _remote(
+    endpoint: str,
+    api_key: str | None,
+    timeout_s: float,
     model: str | None,
-    *,
-    policies: str,
-    rate: float,
-    prompt_len: int,
-    num_prompts: int,
-    output_len: int,
-    seed: int,
-    output: out.OutputFormat | None,
+    options: InterferenceOptions,
     cancel: threading.Event,
     err: Console,
     show: Console,
-    plot: Path | None = None,
+    output: out.OutputFormat | None,
 ) -> int:
-    chosen = [Policy.parse(p) for p in policies.split(",") if p.strip()]
-    if not chosen:
-        raise BadRequestError(
-            "--policy: give one or more of prefill-first, chunked:B, decode-first"
-        )
-    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError("--interference without --endpoint needs a local model")
+    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
+    from llmrun.runners.serving import load as sv
+
+    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s)
+    found: list[sv.InterferenceResult] = []
     try:
         loaded = runner.load()
-        rng = random.Random(seed)
-        n_vocab = runner.vocab_size()
-        count = min(num_prompts, MAX_LONG_PROMPTS)
-        longs = [[rng.randrange(n_vocab) for _ in range(prompt_len)] for _ in range(count)]
-        stream = runner.tokenize(
-            f"<|im_start|>user\n{STREAM_PROMPT}<|im_end|>\n<|im_start|>assistant\n",
-            add_special=False,
-        )
-        per_seq = max(prompt_len, len(stream) + output_len) + 16
-        engine = BatchedEngine(runner, n_seq=count + 1, n_ctx_per_seq=per_seq)
-        reports: list[InterferenceReport] = []
-        try:
-            with err.status("the stream alone ..."):
-                reports.append(interference(engine, None, stream=stream, stream_tokens=output_len,
-                                            long_prompts=longs, every_s=1 / rate))  # fmt: skip
-            for policy in chosen:
-                if cancel.is_set():
-                    break
-                with err.status(f"{policy}: the stream while {count} prompts of {prompt_len}"
-                                f" tokens arrive, {rate:g}/s ..."):  # fmt: skip
-                    reports.append(interference(engine, policy, stream=stream,
-                                                stream_tokens=output_len, long_prompts=longs,
-                                                every_s=1 / rate))  # fmt: skip
-        finally:
-            engine.close()
+        err.print(f"server   {runner.endpoint} · model {runner.model_name or loaded.name} ·"
+                  f" connect {loaded.load_s * 1000:.1f} ms", markup=False)  # fmt: skip
+        found += run_stages(sv.interfere_remote(runner, options, cancel=cancel), err,
+                            "interference ...")  # fmt: skip
     finally:
         runner.close()
-    records = [_record(r, loaded.model.name if loaded.model else "") for r in reports]
+    for f in found:
+        show.print(interference_sentence(f), markup=False)
+    if output is None and not sys.stdout.isatty():
+        output = out.OutputFormat.md
     if output is not None:
-        sys.stdout.write(out.format_records(records, output, sql_table="llmrun_interference"))
+        records = [f.record() for f in found]
+        sys.stdout.write(out.format_records(records, output, lambda: _markdown(records),
+                                            sql_table="llmrun_interference"))  # fmt: skip
+        sys.stdout.flush()
+    return EXIT_INTERRUPTED if cancel.is_set() else 0
+
+
+def _markdown(records: Sequence[dict[str, Any]]) -> str:
+    """Each record as a markdown table of its own columns."""
+    text = ""
+    for columns in dict.fromkeys(tuple(r) for r in records):
+        rows = [r for r in records if tuple(r) == columns]
+        text += "| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns)
+        text += " |\n" + "".join("| " + " | ".join(out.cell(r[c]) for c in columns) + " |\n"
+                                 for r in rows)  # fmt: skip
+    return text
+
+
+def interference_sentence(result: sv.InterferenceResult) -> str:
+    rec = result.measured.record()
+    return (
+        f"interference: the steady client's ITL p50 {rec['itl_p50_alone_ms']} ms alone,"
+        f" {rec['itl_p50_loaded_ms']} ms under prefill load (x{rec['itl_p50_ratio']});"
+        f" p99 {rec['itl_p99_alone_ms']} -> {rec['itl_p99_loaded_ms']} ms"
+        f" (x{rec['itl_p99_ratio']}); its TTFT {rec['ttft_alone_ms']} -> {rec['ttft_loaded_ms']}"
+        f" ms; {rec['background_requests']} long prompts sent"
+    )
+
+
+def _local(
+    model: str | None,
+    options: InterferenceOptions,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    output: out.OutputFormat | None,
+    plot: Path | None,
+) -> int:
+    from llmrun.runners.serving.local import interfere_local
+
+    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError("bench interference without --endpoint needs a local model")
+    try:
+        loaded = runner.load()
+        name = loaded.model.name if loaded.model else ""
+        reports: list[InterferenceReport] = list(
+            run_stages(interfere_local(runner, options, cancel=cancel), err, "loading ...")
+        )
+    finally:
+        runner.close()
+    if output is not None:
+        records = [interference_record(r, name) for r in reports]
+        sys.stdout.write(out.format_records(records, output, lambda: _markdown(records),
+                                            sql_table="llmrun_interference"))  # fmt: skip
         sys.stdout.flush()
     else:
         show.print(_table(reports))
@@ -93,10 +198,11 @@ def run_local_interference(
 
         plot_timeline(reports, plot)
         err.print(f"timeline written to {plot}", markup=False)
-    return 130 if cancel.is_set() else 0
+    return EXIT_INTERRUPTED if cancel.is_set() else 0
 
 
-def _record(r: InterferenceReport, model: str) -> dict[str, Any]:
+def interference_record(r: InterferenceReport, model: str) -> dict[str, Any]:
+    """The report as a row for the output formats."""
     prefill_steps = [s for s in r.steps if s.n_prefill]
     return {
         "model": model, "policy": r.policy, "stream_tokens": len(r.stream_itl_ms) + 1,
@@ -116,7 +222,7 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _table(reports: list[InterferenceReport]) -> Table:
+def _table(reports: Sequence[InterferenceReport]) -> Table:
     table = Table(title="a decoding stream while long prompts arrive", title_justify="left")
     for col in ("policy", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "long TTFT ms", "tok/s",
                 "steps", "prefill in gaps"):  # fmt: skip
@@ -130,7 +236,7 @@ def _table(reports: list[InterferenceReport]) -> Table:
     return table
 
 
-def verdict(reports: list[InterferenceReport]) -> list[str]:
+def verdict(reports: Sequence[InterferenceReport]) -> list[str]:
     """The seeds' claim, as measured: does chunking lower the stream's p99 gap against
     prefill-first, and what does it cost in the long prompts' TTFT and in throughput?"""
     by = {r.policy: r for r in reports}
@@ -151,96 +257,3 @@ def verdict(reports: list[InterferenceReport]) -> list[str]:
             f" {r.throughput_tps:,.1f} against {whole.throughput_tps:,.1f} tok/s"
         )
     return lines
-
-
-def run_local_serving(
-    model: str | None,
-    *,
-    policies: str,
-    concurrency: str,
-    request_rate: str,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    percentiles: str,
-    slo: str | None,
-    seed: int,
-    output: out.OutputFormat | None,
-    compare: bool,
-    store: bool,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-) -> int:
-    """The serving benchmark (vLLM's metrics) on this machine's engine, for every concurrency
-    level and policy: the same records and tables as against a server."""
-    from llmrun.runners.batched import serve
-    from llmrun.runners.bench.sweep import parse_values
-    from llmrun.runners.serving import load as sv
-
-    from .serve import (
-        parse_percentiles,
-        parse_rate,
-        parse_slo,
-        serving_markdown,
-        serving_table,
-    )
-
-    levels = parse_values(concurrency, name="--concurrency")
-    if any(c < 1 for c in levels):
-        raise BadRequestError("--concurrency values must be at least 1")
-    rate, pcts, slos = parse_rate(request_rate), parse_percentiles(percentiles), parse_slo(slo)
-    chosen = [Policy.parse(p) for p in policies.split(",") if p.strip()]
-    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError("the local serving benchmark needs a local model")
-    done: list[sv.ServingLevel] = []
-    try:
-        loaded = runner.load()
-        name = loaded.model.name if loaded.model else ""
-        rng = random.Random(seed)
-        n_vocab = runner.vocab_size()
-
-        def length(mean: int) -> int:
-            low = max(1, round(mean * (1 - range_ratio)))
-            return rng.randint(low, max(low, round(mean * (1 + range_ratio))))
-
-        prompts = [(tuple(rng.randrange(n_vocab) for _ in range(length(input_len))),
-                    length(output_len)) for _ in range(num_prompts)]  # fmt: skip
-        per_seq = max(len(p) + n for p, n in prompts) + 8
-        for level in levels:
-            engine = BatchedEngine(runner, n_seq=level, n_ctx_per_seq=per_seq)
-            try:
-                for policy in chosen:
-                    if cancel.is_set():
-                        break
-                    with err.status(f"local engine, {policy}, concurrency {level}:"
-                                    f" {num_prompts} requests ..."):  # fmt: skip
-                        results, duration = serve(engine, policy, prompts, request_rate=rate,
-                                                  seed=seed, cancel=cancel)  # fmt: skip
-                    measured = [sv.RequestResult(
-                        input_tokens=r.prompt_tokens, output_tokens=len(r.output),
-                        ttft_s=r.ttft_s, latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
-                        error=None if r.times else "cancelled",
-                    ) for r in results]  # fmt: skip
-                    done.append(sv.ServingLevel(
-                        endpoint=f"local {policy}", model=name, concurrency=level,
-                        request_rate=rate, num_prompts=num_prompts, input_len=input_len,
-                        output_len=output_len,
-                        metrics=sv.metrics(measured, duration, percentiles=pcts, slo=slos),
-                        interrupted=cancel.is_set(),
-                    ))  # fmt: skip
-            finally:
-                engine.close()
-    finally:
-        runner.close()
-    records = [{**r.record(), "policy": r.policy} for r in done]
-    changes = out.store_and_print(
-        records, kind="serving", model=name, system={"endpoint": "local"}, output=output,
-        show=show, table=serving_table(done, pcts), store=store, compare=compare,
-        markdown=lambda: serving_markdown(done, None), sql_table="llmrun_serving",
-    )  # fmt: skip
-    if changes is not None:
-        show.print(out.compare_table(changes))
-    return 130 if cancel.is_set() else 0

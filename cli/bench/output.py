@@ -248,7 +248,7 @@ def results_table(records: Sequence[dict[str, Any]], title: str = "results") -> 
     varying = _varying(records)
     several = len(_models(records)) > 1
     if any(r.get("tuned") for r in records):
-        title += " (tuned settings from `bench --tune`; --no-tuned measures the defaults)"
+        title += " (tuned settings from `llmrun tune`; --no-tuned measures the defaults)"
     table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
     heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]

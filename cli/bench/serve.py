@@ -1,17 +1,33 @@
-"""`llmrun bench --endpoint URL`: serving load with vLLM's metrics, and prefill interference."""
+"""`llmrun bench serve`: serving load with vLLM's metrics, against a server (--endpoint) or this
+machine's engine under each scheduling policy. The measuring is in runners/serving/."""
 
 from __future__ import annotations
 
-import math
+import sys
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from llmrun.cli.errors import EXIT_INTERRUPTED
-from llmrun.runners.bench.sweep import parse_values
+from llmrun.cli import options as o
+from llmrun.cli.engine import make_bench_runner
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.serving.options import (
+    DEFAULT_POLICIES,
+    ServeOptions,
+    Stage,
+    parse_concurrency,
+    parse_percentiles,
+    parse_policies,
+    parse_rate,
+    parse_slo,
+)
 
 from . import output as out
 
@@ -19,19 +35,219 @@ if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+LOAD = "Load (vLLM's random dataset)"
+LOCAL = "This machine's engine (without --endpoint)"
 
 
-def parse_rate(text: str) -> float:
+def _opt(help_text: str, *names: str, panel: str = LOAD, **kw: Any) -> Any:
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
+
+
+Model1 = Annotated[
+    str | None,
+    typer.Option("-m", "--model", envvar="LLMRUN_MODEL", show_default=False,
+                 help="A .gguf path or Hub reference; with --endpoint, the server's model"
+                 " (default: the embedded SmolLM2-135M, or the server's first)."),
+]  # fmt: skip
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
+Output = Annotated[
+    out.OutputFormat | None,
+    typer.Option("-o", "--output", show_default=False,
+                 help="Print the results on stdout as md, csv, json, jsonl or sql."
+                 " (default: a table on a terminal, else md)"),
+]  # fmt: skip
+OutputLen = Annotated[int, _opt("Mean output length in tokens.", "--output-len", min=1)]
+Policies = Annotated[
+    str,
+    _opt("Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
+         " decode-first. (default: all three)", "--policy", panel=LOCAL, show_default=False),
+]  # fmt: skip
+
+
+def run_stages(events: Iterator[Any], err: Console, first: str) -> Iterator[Any]:
+    """The runner's results, with its stages shown as one spinner line on stderr."""
+    with err.status(first) as status:
+        for event in events:
+            if isinstance(event, Stage):
+                status.update(event.text)
+            else:
+                yield event
+
+
+def serve(
+    model: Model1 = None,
+    endpoint: o.Endpoint = None,
+    api_key: o.ApiKey = None,
+    timeout: o.Timeout = o.TIMEOUT_S,
+    concurrency: Annotated[
+        str, _opt("Requests in flight: a list such as 1,4,16.", "--concurrency")
+    ] = "1,4",
+    request_rate: Annotated[
+        str, _opt("Poisson arrival rate in requests/s; inf sends all at once.", "--request-rate")
+    ] = "inf",
+    num_prompts: Annotated[
+        int, _opt("Requests per concurrency level.", "--num-prompts", min=1)
+    ] = 16,
+    input_len: Annotated[int, _opt("Mean prompt length in tokens.", "--input-len", min=1)] = 128,
+    output_len: OutputLen = 64,
+    range_ratio: Annotated[
+        float, _opt("Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
+                    "--range-ratio", min=0.0, max=0.99)
+    ] = 0.0,
+    warmup: Annotated[
+        int | None, _opt("Untimed warm-up requests before each level. (default: 1 against a"
+                         " server, 0 on this machine's engine)", "--warmup", min=0,
+                         show_default=False)
+    ] = None,
+    percentiles: Annotated[
+        str, _opt("Percentiles of each latency metric.", "--percentiles")
+    ] = "50,90,99",
+    slo: Annotated[
+        str | None, _opt("Goodput counts requests meeting these, in ms: ttft:500,tpot:50"
+                         " (e2el too).", "--slo", show_default=False)
+    ] = None,
+    policy: Policies = DEFAULT_POLICIES,
+    seed: Seed = 1234,
+    output: Output = None,
+    compare: Annotated[
+        bool, typer.Option("--compare", help="Show the change against the last run of the same"
+                           " settings.")
+    ] = False,
+    no_history: Annotated[
+        bool, typer.Option("--no-history", help="Do not store this run in the history.")
+    ] = False,
+) -> None:  # fmt: skip
+    """Serving load with vLLM's metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput).
+
+    llmrun bench serve --concurrency 1,4 --policy chunked:64   # this machine's engine
+
+    llmrun bench serve --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
+    """
+    with handled():
+        err = Console(stderr=True, highlight=False)
+        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        given_policy = policy != DEFAULT_POLICIES
+        options = ServeOptions(
+            concurrency=parse_concurrency(concurrency), request_rate=parse_rate(request_rate),
+            num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+            range_ratio=range_ratio, warmup=(1 if endpoint else 0) if warmup is None else warmup,
+            percentiles=parse_percentiles(percentiles), slo=parse_slo(slo), seed=seed,
+            policies=() if endpoint else parse_policies(policy),
+        )  # fmt: skip
+        cancel = threading.Event()
+        with ctrl_c_cancels(cancel):
+            if endpoint:
+                if given_policy:
+                    raise BadRequestError("--policy: the server schedules its own requests;"
+                                          " policies apply without --endpoint")  # fmt: skip
+                code = _remote(endpoint, api_key, timeout, model, options, cancel, err, show,
+                               output=output, compare=compare, store=not no_history)  # fmt: skip
+            else:
+                o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
+                               "only with --endpoint")  # fmt: skip
+                code = _local(model, options, cancel, err, show, output=output, compare=compare,
+                              store=not no_history)  # fmt: skip
+        raise typer.Exit(code)
+
+
+def _remote(
+    endpoint: str,
+    api_key: str | None,
+    timeout_s: float,
+    model: str | None,
+    options: ServeOptions,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    *,
+    output: out.OutputFormat | None,
+    compare: bool,
+    store: bool,
+) -> int:
+    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
+    from llmrun.runners.serving import load as sv
+
+    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
+                          max_connections=max(options.concurrency) + 8)  # fmt: skip
+    endpoint = runner.endpoint  # from here on: credentials redacted
+    done: list[sv.ServingLevel] = []
     try:
-        rate = float(text)
-    except ValueError:
-        raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
-    if rate <= 0:
-        raise BadRequestError("--request-rate must be above 0 (inf: all requests at once)")
-    return rate
+        loaded = runner.load()
+        name = runner.model_name or loaded.name
+        err.print(
+            f"server   {endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
+            markup=False,
+        )
+        for level in run_stages(sv.serve_remote(runner, options, cancel=cancel), err,
+                                "preparing prompts ..."):  # fmt: skip
+            done.append(level)
+            for e in level.metrics.get("errors") or []:
+                err.print(f"c={level.concurrency}: failed requests: {e}", markup=False,
+                          style="yellow")  # fmt: skip
+    finally:
+        runner.close()
+    return _report(done, options, cancel, err, show, name=name, endpoint=endpoint,
+                   output=output, compare=compare, store=store)  # fmt: skip
 
 
-def serving_table(levels: list[sv.ServingLevel], percentiles: list[float]) -> Table:
+def _local(
+    model: str | None,
+    options: ServeOptions,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    *,
+    output: out.OutputFormat | None,
+    compare: bool,
+    store: bool,
+) -> int:
+    from llmrun.runners.serving.local import LOCAL, serve_local
+
+    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError("the local serving benchmark needs a local model")
+    try:
+        name = ""
+        done = []
+        for level in run_stages(serve_local(runner, options, cancel=cancel), err,
+                                "loading the model ..."):  # fmt: skip
+            done.append(level)
+            name = level.model
+    finally:
+        runner.close()
+    return _report(done, options, cancel, err, show, name=name, endpoint=LOCAL, output=output,
+                   compare=compare, store=store)  # fmt: skip
+
+
+def _report(
+    done: Sequence[sv.ServingLevel],
+    options: ServeOptions,
+    cancel: threading.Event,
+    err: Console,
+    show: Console,
+    *,
+    name: str,
+    endpoint: str,
+    output: out.OutputFormat | None,
+    compare: bool,
+    store: bool,
+) -> int:
+    """The levels stored, then printed; the comparison with earlier runs after them."""
+    interrupted = cancel.is_set()
+    records = [r.record() for r in done]
+    if interrupted:
+        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+    changes = out.store_and_print(
+        records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
+        show=show, table=serving_table(done, options.percentiles), store=store, compare=compare,
+        markdown=lambda: serving_markdown(done), sql_table="llmrun_serving",
+    )  # fmt: skip
+    if changes is not None:
+        show.print(out.compare_table(changes))
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float]) -> Table:
     table = Table(title="serving benchmark (vLLM's definitions)", title_justify="left")
     table.add_column("metric")
     records = [level.record() for level in levels]
@@ -61,149 +277,6 @@ def serving_table(levels: list[sv.ServingLevel], percentiles: list[float]) -> Ta
     return table
 
 
-def parse_percentiles(text: str) -> list[float]:
-    """`50,90,99` -> [50.0, 90.0, 99.0]."""
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise BadRequestError(
-            f"--percentiles: '{text}' should be numbers such as 50,90,99"
-        ) from None
-    if not values or any(not 0 <= v <= 100 for v in values):
-        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
-    return values
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
-    slo: dict[str, float] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, _, value = part.partition(":")
-        name = name.strip().lower()
-        if name not in ("ttft", "tpot", "e2el") or not value.strip():
-            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
-        try:
-            slo[name] = float(value) / 1000
-        except ValueError:
-            slo[name] = math.nan
-        if not math.isfinite(slo[name]) or slo[name] <= 0:
-            raise BadRequestError(f"--slo: '{value}' is not a positive number of milliseconds")
-    return slo
-
-
-def run_serving(
-    *,
-    endpoint: str,
-    api_key: str | None,
-    timeout_s: float,
-    model: str | None,
-    concurrency: str,
-    request_rate: str,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    warmup: int,
-    percentiles: str,
-    slo: str | None,
-    interference: bool,
-    interference_rate: float,
-    interference_prompt_len: int,
-    seed: int,
-    output: out.OutputFormat | None,
-    compare: bool,
-    store: bool,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-) -> int:
-    from llmrun.runners.remote import OpenAIRunner
-    from llmrun.runners.serving import load as sv  # httpx: only when a server is measured
-
-    levels = parse_values(concurrency, name="--concurrency")
-    if any(c < 1 for c in levels):
-        raise BadRequestError("--concurrency values must be at least 1")
-    rate = parse_rate(request_rate)
-    pcts = parse_percentiles(percentiles)
-    slos = parse_slo(slo)
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
-                          max_connections=max(levels) + 8)  # fmt: skip
-    endpoint = runner.endpoint  # from here on: credentials redacted
-    done: list[sv.ServingLevel] = []
-    found: sv.InterferenceResult | None = None
-    try:
-        loaded = runner.load()
-        name = runner.model_name or loaded.name
-        err.print(
-            f"server   {endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
-            markup=False,
-        )
-        with err.status("preparing prompts (counting tokens with the server's tokenizer) ..."):
-            prompts = sv.make_prompts(
-                runner,
-                count=num_prompts,
-                input_len=input_len,
-                output_len=output_len,
-                range_ratio=range_ratio,
-                seed=seed,
-            )
-            warm = sv.make_prompts(
-                runner,
-                count=warmup,
-                input_len=input_len,
-                output_len=min(output_len, 16),
-                range_ratio=0.0,
-                seed=seed + 1,
-            )
-        measured = sv.run_levels(runner, levels=levels, prompts=prompts, warm=warm,
-                                 request_rate=rate, input_len=input_len, output_len=output_len,
-                                 seed=seed, percentiles=pcts, slo=slos, cancel=cancel)  # fmt: skip
-        for level in levels:
-            with err.status(f"concurrency {level}: {warmup} warm-up, {num_prompts} requests ..."):
-                result = next(measured, None)
-            if result is None:
-                break
-            done.append(result)
-            for e in result.metrics.get("errors") or []:
-                err.print(f"c={level}: failed requests: {e}", markup=False, style="yellow")
-        if interference and not cancel.is_set():
-            with err.status(f"interference: one client decodes alone and while"
-                            f" {interference_prompt_len}-token prompts arrive at"
-                            f" {interference_rate:g}/s ..."):  # fmt: skip
-                found = sv.run_interference(
-                    runner, input_len=input_len, output_len=output_len, rate=interference_rate,
-                    prompt_len=interference_prompt_len, seed=seed, cancel=cancel,
-                )  # fmt: skip
-            show.print(interference_sentence(found), markup=False)
-    finally:
-        runner.close()
-    interrupted = cancel.is_set()
-    records = [r.record() for r in done] + ([found.record()] if found else [])
-    if interrupted:
-        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
-    changes = out.store_and_print(
-        records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
-        show=show, table=serving_table(done, pcts), store=store, compare=compare,
-        markdown=lambda: serving_markdown(done, found), sql_table="llmrun_serving",
-    )  # fmt: skip
-    if changes is not None:
-        show.print(out.compare_table(changes))
-    return EXIT_INTERRUPTED if interrupted else 0
-
-
-def interference_sentence(result: sv.InterferenceResult) -> str:
-    rec = result.measured.record()
-    return (
-        f"interference: the steady client's ITL p50 {rec['itl_p50_alone_ms']} ms alone,"
-        f" {rec['itl_p50_loaded_ms']} ms under prefill load (x{rec['itl_p50_ratio']});"
-        f" p99 {rec['itl_p99_alone_ms']} -> {rec['itl_p99_loaded_ms']} ms"
-        f" (x{rec['itl_p99_ratio']}); its TTFT {rec['ttft_alone_ms']} -> {rec['ttft_loaded_ms']}"
-        f" ms; {rec['background_requests']} long prompts sent"
-    )
-
-
 SERVING_COLUMNS = (
     "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
     "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
@@ -211,16 +284,11 @@ SERVING_COLUMNS = (
 )  # fmt: skip
 
 
-def serving_markdown(levels: list[sv.ServingLevel], found: sv.InterferenceResult | None) -> str:
-    """The levels as a markdown table; the interference result as a line of its own figures."""
+def serving_markdown(levels: Sequence[sv.ServingLevel]) -> str:
+    """The levels as a markdown table."""
     lines = ["| " + " | ".join(SERVING_COLUMNS) + " |",
              "| " + " | ".join("---" for _ in SERVING_COLUMNS) + " |"]  # fmt: skip
     for level in levels:
         record = level.record()
         lines.append("| " + " | ".join(out.cell(record.get(c)) for c in SERVING_COLUMNS) + " |")
-    text = "\n".join(lines) + "\n"
-    if found is not None:
-        figures = [f"{k} {out.cell(v)}" for k, v in found.measured.record().items()
-                   if k.startswith(("itl_", "background"))]  # fmt: skip
-        text += f"\n{found.test}: " + ", ".join(figures) + "\n"
-    return text
+    return "\n".join(lines) + "\n"

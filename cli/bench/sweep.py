@@ -11,15 +11,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
-from llmrun.cli import options as o
 from llmrun.cli.dashboard import model_facts
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
@@ -30,8 +30,6 @@ from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import sweep as sw
-from llmrun.runners.bench import tuning as tn
-from llmrun.runners.bench.tuning import REPS, save_tuned, search
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
@@ -41,10 +39,44 @@ from llmrun.runners.system import SystemInfo
 from . import flags as lb
 from . import output as out
 from . import plot as bench_plot
-from .interference import run_local_interference, run_local_serving
-from .serve import run_serving
 
 PANEL = "Tests (llama-bench's)"
+
+# Options that left `bench` for a command of their own: the command a user should run now.
+SERVE, INTERFERENCE = "llmrun bench serve", "llmrun bench interference"
+MOVED = {
+    **dict.fromkeys(("--concurrency", "--request-rate", "--range-ratio", "--warmup",
+                     "--percentiles", "--slo", "--api-key", "--timeout"), SERVE),
+    **dict.fromkeys(("--endpoint", "--num-prompts", "--input-len", "--output-len", "--policy"),
+                    f"{SERVE} (or {INTERFERENCE})"),
+    "--interference": INTERFERENCE,
+    "--interference-rate": f"{INTERFERENCE} --rate",
+    "--interference-prompt-len": f"{INTERFERENCE} --prompt-len",
+    "--tune": "llmrun tune",
+    "--workload": "llmrun tune --workload",
+}  # fmt: skip
+
+
+def usage_error(text: str) -> NoReturn:
+    """One line on stderr and exit 2, as Click's usage errors."""
+    print(f"llmrun: error: {text}", file=sys.stderr, flush=True)
+    raise typer.Exit(2)
+
+
+class BenchGroup(TyperGroup):
+    """`bench` runs the sweep itself; its subcommands are the other benchmarks. An option that
+    moved to one of them is named with its new command, in one line."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored Context
+        for arg in args:
+            if arg == "--" or arg in self.commands:
+                break
+            name = arg.split("=", 1)[0]
+            if name in MOVED:
+                usage_error(f"`bench {name}` is now `{MOVED[name]}`; see its --help")
+        return super().parse_args(ctx, args)
+
+
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 SERVING = "Serving benchmark (with --endpoint)"
 
@@ -102,45 +134,6 @@ def _optional_ints(text: str | None, name: str, default: int | None) -> list[int
     return [default] if text is None else list(sw.parse_values(text, name=name))
 
 
-def tune(
-    runner: BenchRunner,
-    base: EngineConfig,
-    err: Console,
-    cancel: threading.Event,
-    workloads: Sequence[str] = tuple(tn.WORKLOADS),
-) -> dict[str, dict[str, Any]] | None:
-    """Run the tuning search and show every setting it tried, each once, with its noise."""
-    found = search(runner, base, cancel=cancel, workloads=workloads,
-                   on_stage=lambda name: err.print(f"tuning {name} ...", markup=False))  # fmt: skip
-    if found is None:
-        return None
-    best, tried = found
-    table = Table(title="tuning: every setting tried", title_justify="left")
-    heads = ["stage", "settings", "pp t/s", "tg t/s", *(f"{w} score" for w in workloads),
-             "spread", "verdict"]  # fmt: skip
-    for col in heads:
-        left = col in ("stage", "settings", "verdict")
-        table.add_column(col, justify="left" if left else "right")
-    for t in tried:
-        table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
-                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
-                      *(f"{t.score(w):,.1f}" for w in workloads),
-                      f"±{t.spread(workloads[0]) / 2:.0%}", t.note)  # fmt: skip
-    err.print(table)
-    shapes = " and ".join(s.name for s in tn.SHAPES)
-    kinds = "; ".join(f"{w}: a {p}-token prompt and a {g}-token answer"
-                      for w, (p, g) in tn.WORKLOADS.items() if w in workloads)  # fmt: skip
-    err.print(f"Measured: {shapes}, {REPS} repetitions per setting. A workload's score is its"
-              f" request's tokens per second of its time ({kinds}), from each repetition's"
-              " prompt and output rates. An alternative replaces the setting before it only"
-              " when its median score is above that setting's best (else: within the noise, and"
-              " the earlier setting stays). The first row is llmrun's defaults (physical or"
-              " performance cores, batch 512, no flash attention, repacking where probed safe);"
-              " llama.cpp's own defaults are batch 2048 and flash attention auto.",
-              markup=False)  # fmt: skip
-    return best
-
-
 LB = "llama-bench's other options"
 
 
@@ -155,6 +148,7 @@ def _joined(values: list[str] | None) -> str | None:
 
 
 def bench(
+    ctx: typer.Context,
     models: Annotated[
         list[str] | None,
         typer.Option(
@@ -340,7 +334,7 @@ def bench(
         bool, typer.Option("--list-devices", rich_help_panel=LB,
                            help="List the devices this llama.cpp can use, and exit."),
     ] = False,
-    ctx: Annotated[
+    ctx_sizes: Annotated[
         list[str] | None, _lists("Context sizes: each runs every test, so the KV cache's"
                                  " memory shows against the context. (default: what the tests"
                                  " need)", "-c", "--ctx"),
@@ -355,16 +349,6 @@ def bench(
                             help="Token counts of --scenarios relative to LocalScore's (1 = as"
                             " LocalScore)."),
     ] = ls.DEFAULT_SCENARIO_SCALE,
-    tune_: Annotated[
-        bool, typer.Option("--tune", help="Search threads, flash attention, repacking,"
-                           " batch/ubatch and prefill threads for this model; save the fastest"
-                           " for each --workload as the defaults of run, chat and bench."),
-    ] = False,
-    workload: Annotated[
-        str, typer.Option("--workload", metavar="chat|document|both",
-                          help="What --tune optimises: chat (64-token prompt, 256-token answer),"
-                          " document (1024-token prompt, 16-token answer) or both, each saved."),
-    ] = "both",
     cold: Annotated[
         bool, typer.Option("--cold", help="Drop the model file from the page cache before each"
                            " load (posix_fadvise, no root needed), so load time is measured"
@@ -382,7 +366,7 @@ def bench(
                                   " 512), e.g. examples/declaration_of_independence.txt."),
     ] = None,
     no_tuned: Annotated[
-        bool, typer.Option("--no-tuned", help="Ignore the settings --tune saved: measure"
+        bool, typer.Option("--no-tuned", help="Ignore the settings `llmrun tune` saved: measure"
                            " llmrun's plain defaults."),
     ] = False,
     output: Annotated[
@@ -403,67 +387,6 @@ def bench(
         bool, typer.Option("--no-history", help="Do not store this run in the history.")
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
-    concurrency: Annotated[
-        str | None, _list("Requests in flight (serving): a list such as 1,4,16. (default: 1,4)."
-                          " Without --endpoint, this or --request-rate runs the serving"
-                          " benchmark on the local engine, under each --policy.",
-                          "--concurrency", panel=SERVING),
-    ] = None,
-    request_rate: Annotated[
-        str | None, _list("Poisson arrival rate in requests/s; inf sends all at once."
-                          " (default: inf)", "--request-rate", panel=SERVING),
-    ] = None,
-    num_prompts: Annotated[
-        int, typer.Option("--num-prompts", min=1, rich_help_panel=SERVING,
-                          help="Requests per concurrency level."),
-    ] = 16,
-    input_len: Annotated[
-        int, typer.Option("--input-len", min=1, rich_help_panel=SERVING,
-                          help="Mean prompt length in tokens."),
-    ] = 128,
-    output_len: Annotated[
-        int, typer.Option("--output-len", min=1, rich_help_panel=SERVING,
-                          help="Mean output length in tokens."),
-    ] = 64,
-    range_ratio: Annotated[
-        float, typer.Option("--range-ratio", min=0.0, max=0.99, rich_help_panel=SERVING,
-                            help="Lengths uniform within ±this share of the mean (vLLM's"
-                            " random-range-ratio)."),
-    ] = 0.0,
-    warmup: Annotated[
-        int, typer.Option("--warmup", min=0, rich_help_panel=SERVING,
-                          help="Warm-up requests before each level."),
-    ] = 1,
-    percentiles: Annotated[
-        str, _list("Percentiles of each latency metric. (default: 50,90,99)", "--percentiles",
-                   panel=SERVING),
-    ] = "50,90,99",
-    slo: Annotated[
-        str | None, _list("Goodput counts requests meeting these, in ms: ttft:500,tpot:50"
-                          " (e2el too).", "--slo", panel=SERVING),
-    ] = None,
-    interference: Annotated[
-        bool, typer.Option("--interference", rich_help_panel=SERVING,
-                           help="One client decodes while others send long prompts: its ITL"
-                           " alone vs under load. Without --endpoint: in-process, under each"
-                           " --policy."),
-    ] = False,
-    policy: Annotated[
-        str, _list("Scheduling policies for a local --interference run: prefill-first,"
-                   " chunked:B (at most B tokens a step), decode-first. (default: all three)",
-                   "--policy", panel=SERVING),
-    ] = "prefill-first,chunked:64,decode-first",
-    interference_rate: Annotated[
-        float, typer.Option("--interference-rate", min=0.01, rich_help_panel=SERVING,
-                            help="Long prompts per second."),
-    ] = 2.0,
-    interference_prompt_len: Annotated[
-        int, typer.Option("--interference-prompt-len", min=1, rich_help_panel=SERVING,
-                          help="Tokens per long prompt."),
-    ] = 512,
 ) -> None:  # fmt: skip
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 
@@ -475,8 +398,17 @@ def bench(
 
     llmrun bench -m a.gguf -m b.gguf      # two models side by side
 
-    llmrun bench --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
+    Serving load: `llmrun bench serve`; prefill-decode interference: `llmrun bench
+    interference`; tuning: `llmrun tune`.
     """
+    if ctx.invoked_subcommand is not None:
+        unset: tuple[object, ...] = (None, False, (), [])
+        given = [p.opts[0] for p in ctx.command.params
+                 if ctx.params.get(p.name or "") not in (*unset, p.default)]  # fmt: skip
+        if given:
+            usage_error(f"{', '.join(given)}: bench's own options; give them after no"
+                        f" subcommand, not before `{ctx.invoked_subcommand}`")  # fmt: skip
+        return
     with handled():
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
@@ -485,27 +417,6 @@ def bench(
         set_verbose(verbose)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
-            if endpoint:
-                local = {
-                    "-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn, "--tune": tune_,
-                    "--scenarios": scenarios, "-ngl": gpu_layers, "--repack": repack,
-                    "-mmp": mmap, "-lm": load_mode, "-nkvo": no_kv_offload,
-                }  # fmt: skip
-                o.refuse_for_endpoint(endpoint, local)
-                if models and len(models) > 1:
-                    raise BadRequestError("--endpoint serves one model: give -m once")
-                code = run_serving(
-                    endpoint=endpoint, api_key=api_key, timeout_s=timeout,
-                    model=models[0] if models else None,
-                    concurrency=concurrency or "1,4", request_rate=request_rate or "inf",
-                    num_prompts=num_prompts,
-                    input_len=input_len, output_len=output_len, range_ratio=range_ratio,
-                    warmup=warmup, percentiles=percentiles, slo=slo, interference=interference,
-                    interference_rate=interference_rate,
-                    interference_prompt_len=interference_prompt_len, seed=seed, output=output,
-                    compare=compare, store=not no_history, cancel=cancel, err=err, show=show,
-                )  # fmt: skip
-                raise typer.Exit(code)
             models = lb.hub_models(models, hf_repo, hf_file, hf_token, offline)
             lb.refuse_defaults_only({"-embd/--embeddings": (embeddings, {"0"}),
                                      "-nopo/--no-op-offload": (no_op_offload, {"0"}),
@@ -513,28 +424,6 @@ def bench(
                                      "-lzm/--lazy-mode": (lazy_mode, {"auto"}),
                                      "-fitt/--fit-target": (fit_target, {"0"}),
                                      "-fitc/--fit-ctx": (fit_ctx, {"0", "4096"})})  # fmt: skip
-            if concurrency is not None or request_rate is not None:  # serving, on this engine
-                if models and len(models) > 1:
-                    raise BadRequestError("the serving benchmark measures one model: give -m once")
-                code = run_local_serving(
-                    models[0] if models else None, policies=policy,
-                    concurrency=concurrency or "1,4", request_rate=request_rate or "inf",
-                    num_prompts=num_prompts, input_len=input_len, output_len=output_len,
-                    range_ratio=range_ratio, percentiles=percentiles, slo=slo, seed=seed,
-                    output=output, compare=compare, store=not no_history, cancel=cancel, err=err,
-                    show=show,
-                )  # fmt: skip
-                raise typer.Exit(code)
-            if interference:  # the serving lab on this machine, in-process
-                if models and len(models) > 1:
-                    raise BadRequestError("--interference measures one model: give -m once")
-                code = run_local_interference(
-                    models[0] if models else None, policies=policy, rate=interference_rate,
-                    prompt_len=interference_prompt_len, num_prompts=num_prompts,
-                    output_len=output_len, seed=seed, output=output, cancel=cancel, err=err,
-                    show=show, plot=plot,
-                )  # fmt: skip
-                raise typer.Exit(code)
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                                tensor_split=_joined(tensor_split), device=_joined(device),
                                n_cpu_moe=_joined(n_cpu_moe),
@@ -542,35 +431,26 @@ def bench(
                                cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict),
                                poll=_joined(poll))  # fmt: skip
             lb.apply_process_settings(numa=numa, prio=prio)
-            if tune_:
-                o.refuse_given({"-t": threads, "-b": batch, "-ub": ubatch, "-fa": flash_attn,
-                                "--repack": repack}, "--tune searches these itself")  # fmt: skip
-                if models and len(models) > 1:
-                    raise BadRequestError("--tune tunes one model at a time: give -m once")
-                if workload not in ("chat", "document", "both"):
-                    raise BadRequestError(f"--workload: '{workload}' is not chat, document or both")
-                code = _tune(models[0] if models else None, workload, cancel, err)
-            else:
-                sweep = Sweep(
-                    shapes=_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128", pg or [],
-                                   _joined(depth) or "0", scenarios, scenario_scale),
-                    threads=_joined(threads), batch=_joined(batch), ubatch=_joined(ubatch),
-                    gpu_layers=_joined(gpu_layers), flash_attn=_joined(flash_attn),
-                    cache_type_k=_joined(cache_type_k) or "f16",
-                    cache_type_v=_joined(cache_type_v) or "f16",
-                    repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
-                    split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
-                    tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
-                    n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
-                    no_kv_offload=_joined(no_kv_offload),
-                    reps=reps, ctx=_joined(ctx), seed=seed, scenarios=scenarios,
-                    warmup=not no_warmup,
-                    delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
-                )  # fmt: skip
-                to = Output(format=output, plot=plot, compare=compare, store=not no_history,
-                            format_err=output_err, progress_lines=progress_lines)  # fmt: skip
-                chosen: list[str | None] = list(models) if models else [None]
-                code = _sweep(chosen, sweep, cancel, err, show, to)
+            sweep = Sweep(
+                shapes=_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128", pg or [],
+                               _joined(depth) or "0", scenarios, scenario_scale),
+                threads=_joined(threads), batch=_joined(batch), ubatch=_joined(ubatch),
+                gpu_layers=_joined(gpu_layers), flash_attn=_joined(flash_attn),
+                cache_type_k=_joined(cache_type_k) or "f16",
+                cache_type_v=_joined(cache_type_v) or "f16",
+                repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
+                split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
+                tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
+                n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
+                no_kv_offload=_joined(no_kv_offload),
+                reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
+                warmup=not no_warmup,
+                delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
+            )  # fmt: skip
+            to = Output(format=output, plot=plot, compare=compare, store=not no_history,
+                        format_err=output_err, progress_lines=progress_lines)  # fmt: skip
+            chosen: list[str | None] = list(models) if models else [None]
+            code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
 
 
@@ -596,7 +476,7 @@ class Sweep:
     no_kv_offload: str | None = None
     warmup: bool = True
     delay_s: float = 0.0
-    tuned: bool = True  # start from the settings --tune saved
+    tuned: bool = True  # start from the settings `llmrun tune` saved
     ppl: Path | None = None  # a text to measure each model's perplexity on
     cold: bool = False  # evict the model file from the page cache before each load
     split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
@@ -680,7 +560,7 @@ class Sweep:
         return combos
 
 
-def _load_and_report(
+def load_and_report(
     runner: BenchRunner, err: Console, *, bandwidth: bool, system: SystemInfo | None = None
 ) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked; a
@@ -701,7 +581,7 @@ def _load_and_report(
 
 def settings_line(st: EngineSettings) -> str:
     """What runs and where it differs from llama-bench's defaults, and why."""
-    source = "tuned by `bench --tune` (--no-tuned: defaults)" if st.tuned else "llmrun's defaults"
+    source = "tuned by `llmrun tune` (--no-tuned: defaults)" if st.tuned else "llmrun's defaults"
     return (
         f"{st.n_threads} threads, batch {st.n_batch}, ubatch {st.n_ubatch}, flash attention"
         f" {st.flash_attn}, repacking {st.repack_note or ('on' if st.repack else 'off')},"
@@ -724,30 +604,6 @@ def _list_devices() -> int:
         if d.total_bytes:
             memory = f" ({d.total_bytes // 2**20} MiB, {(d.free_bytes or 0) // 2**20} MiB free)"
         print(f"  {d.name}: {d.description}{memory} [{d.kind}, {d.backend}]")
-    return 0
-
-
-def _tune(model: str | None, workload: str, cancel: threading.Event, err: Console) -> int:
-    """`bench --tune [chat|document|both]`: the staged search, saved as the model's defaults
-    for each workload tuned (the others stay as they were)."""
-    workloads = tuple(tn.WORKLOADS) if workload == "both" else (workload,)
-    runner = make_bench_runner(model, EngineConfig(), tuned=False)
-    try:
-        _load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
-        best = tune(runner, runner.config, err, cancel, workloads)
-    finally:
-        runner.close()
-    if best is None:
-        err.print("tuning interrupted; nothing saved")
-        return EXIT_INTERRUPTED
-    path = save_tuned(runner.model_path, best)
-    for name, found in best.items():
-        err.print(f"fastest for {name}: {found['n_threads']} threads ({found['n_threads_batch']}"
-                  f" for prefill), batch {found['n_batch']}, ubatch {found['n_ubatch']}, flash"
-                  f" attention {found['flash_attn']}, repacking"
-                  f" {'on' if found['repack'] else 'off'}", markup=False)  # fmt: skip
-    err.print(f"saved to {path}. chat and run start from the chat settings, `run -f FILE` from"
-              " the document ones (shown as 'tuned for ...').", markup=False)  # fmt: skip
     return 0
 
 
@@ -785,7 +641,7 @@ def _sweep(
         try:
             base = runner.config
             combos = sweep.combos(base)
-            system = _load_and_report(runner, err, bandwidth=True, system=system)
+            system = load_and_report(runner, err, bandwidth=True, system=system)
             for n_ctx in sweep.contexts():
                 done, skips = _measure(runner, base, combos, sweep, n_ctx, cancel, err, output)
                 results += done

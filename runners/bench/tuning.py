@@ -1,4 +1,4 @@
-"""Settings `llmrun bench --tune` found fastest for a model on this machine, and their use.
+"""Settings `llmrun tune` found fastest for a model on this machine, and their use.
 
 They are kept in the user's config directory, keyed by the model file (path and size), and fill
 in every engine option the user did not give, so `run`, `chat` and `bench` start from them.

@@ -30,6 +30,8 @@ from llmrun.runners.errors import LlmrunError
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
 
+from .options import InterferenceOptions, ServeOptions, Stage
+
 WORDS = (
     "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
     "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company",
@@ -266,15 +268,11 @@ class ServingLevel:
     output_len: int
     metrics: dict[str, Any]
     interrupted: bool = False  # Ctrl-C mid-level: the requests that finished stand
+    policy: str = ""  # the local engine's scheduling policy ('' against a server)
 
     @property
     def rate_text(self) -> str:
         return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-
-    @property
-    def policy(self) -> str:
-        """The local engine's scheduling policy ('' against a server)."""
-        return self.endpoint.removeprefix("local ") if self.endpoint.startswith("local ") else ""
 
     @property
     def test(self) -> str:
@@ -292,14 +290,17 @@ class ServingLevel:
 
     def record(self) -> dict[str, Any]:
         """The flat record for output formats and the history."""
+        # The history keys results by endpoint: a local level's carries its policy.
+        endpoint = f"{self.endpoint} {self.policy}" if self.policy else self.endpoint
         return {
-            "test": self.test, "endpoint": self.endpoint, "model_filename": self.model,
+            "test": self.test, "endpoint": endpoint, "model_filename": self.model,
             "concurrency": self.concurrency, "request_rate": self.rate_text,
             "num_prompts": self.num_prompts, "input_len": self.input_len,
             "output_len": self.output_len,
             "avg_ts": self.metrics.get("output_throughput") or 0.0,
             "stddev_ts": round(self.spread, 4),
             **self.metrics, "interrupted": self.interrupted,
+            **({"policy": self.policy} if self.policy else {}),
         }  # fmt: skip
 
 
@@ -390,3 +391,40 @@ def run_interference(
     measured = interference(runner, steady=steady, long_prompts=long_prompts, rate=rate,
                             seed=seed, cancel=cancel)  # fmt: skip
     return InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
+
+
+def serve_remote(
+    runner: OpenAIRunner, options: ServeOptions, *, cancel: threading.Event
+) -> Iterator[Stage | ServingLevel]:
+    """The serving benchmark against the runner's server: prompts counted with its tokenizer,
+    then each concurrency level after its warm-up requests."""
+    yield Stage("preparing prompts (counting tokens with the server's tokenizer) ...")
+    prompts = make_prompts(runner, count=options.num_prompts, input_len=options.input_len,
+                           output_len=options.output_len, range_ratio=options.range_ratio,
+                           seed=options.seed)  # fmt: skip
+    warm = make_prompts(runner, count=options.warmup, input_len=options.input_len,
+                        output_len=min(options.output_len, 16), range_ratio=0.0,
+                        seed=options.seed + 1)  # fmt: skip
+    measured = run_levels(runner, levels=options.concurrency, prompts=prompts, warm=warm,
+                          request_rate=options.request_rate, input_len=options.input_len,
+                          output_len=options.output_len, seed=options.seed,
+                          percentiles=options.percentiles, slo=dict(options.slo),
+                          cancel=cancel)  # fmt: skip
+    for level in options.concurrency:
+        yield Stage(f"concurrency {level}: {options.warmup} warm-up, {options.num_prompts}"
+                    " requests ...")  # fmt: skip
+        result = next(measured, None)
+        if result is None:
+            return
+        yield result
+
+
+def interfere_remote(
+    runner: OpenAIRunner, options: InterferenceOptions, *, cancel: threading.Event
+) -> Iterator[Stage | InterferenceResult]:
+    """The server's steady client alone and while long prompts arrive."""
+    yield Stage(f"interference: one client decodes alone and while {options.prompt_len}-token"
+                f" prompts arrive at {options.rate:g}/s ...")  # fmt: skip
+    yield run_interference(runner, input_len=options.input_len, output_len=options.output_len,
+                           rate=options.rate, prompt_len=options.prompt_len, seed=options.seed,
+                           cancel=cancel)  # fmt: skip

@@ -1,0 +1,106 @@
+"""The serving benchmark and the interference lab on this machine's engine, in-process: random
+prompts, one batched context per concurrency level, every scheduling policy in turn. They yield
+what they are doing (`Stage`) and typed results; the terminal is the caller's."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+from llmrun.runners.base import Request
+from llmrun.runners.batched import BatchedEngine, InterferenceReport, interference, serve
+from llmrun.runners.llamacpp import LlamaCppRunner
+
+from .load import RequestResult, ServingLevel, metrics
+from .options import InterferenceOptions, ServeOptions, Stage
+
+STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
+MAX_LONG_PROMPTS = 8
+LOCAL = "local"  # a local level's endpoint
+
+
+def _model_name(runner: LlamaCppRunner) -> str:
+    loaded = runner.load()
+    return loaded.model.name if loaded.model else ""
+
+
+def serve_local(
+    runner: LlamaCppRunner, options: ServeOptions, *, cancel: threading.Event
+) -> Iterator[Stage | ServingLevel]:
+    """Every concurrency level under every policy: vLLM's metrics from the engine's own
+    time stamps. Warm-up requests (untimed) precede each level's measured ones."""
+    name = _model_name(runner)
+    rng = random.Random(options.seed)
+    n_vocab = runner.vocab_size()
+
+    def length(mean: int) -> int:
+        low = max(1, round(mean * (1 - options.range_ratio)))
+        return rng.randint(low, max(low, round(mean * (1 + options.range_ratio))))
+
+    prompts = [(tuple(rng.randrange(n_vocab) for _ in range(length(options.input_len))),
+                length(options.output_len)) for _ in range(options.num_prompts)]  # fmt: skip
+    warm = [(p, min(n, 16)) for p, n in prompts[: options.warmup]]
+    per_seq = max(len(p) + n for p, n in prompts) + 8
+    for level in options.concurrency:
+        engine = BatchedEngine(runner, n_seq=level, n_ctx_per_seq=per_seq)
+        try:
+            for policy in options.policies:
+                if cancel.is_set():
+                    return
+                yield Stage(f"local engine, {policy}, concurrency {level}:"
+                            f" {options.num_prompts} requests ...")  # fmt: skip
+                if warm:
+                    serve(engine, policy, warm, request_rate=float("inf"), seed=options.seed,
+                          cancel=cancel)  # fmt: skip
+                results, duration = serve(engine, policy, prompts,
+                                          request_rate=options.request_rate, seed=options.seed,
+                                          cancel=cancel)  # fmt: skip
+                measured = [RequestResult(
+                    input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
+                    latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
+                    error=None if r.times else "cancelled",
+                ) for r in results]  # fmt: skip
+                yield ServingLevel(
+                    endpoint=LOCAL, model=name, concurrency=level,
+                    request_rate=options.request_rate, num_prompts=options.num_prompts,
+                    input_len=options.input_len, output_len=options.output_len,
+                    metrics=metrics(measured, duration, percentiles=options.percentiles,
+                                    slo=dict(options.slo)),
+                    interrupted=cancel.is_set(), policy=str(policy),
+                )  # fmt: skip
+        finally:
+            engine.close()
+
+
+def stream_prompt(runner: LlamaCppRunner) -> list[int]:
+    """The decoding stream's prompt through the model's own chat template."""
+    return runner.request_tokens(Request.chat(STREAM_PROMPT))
+
+
+def interfere_local(
+    runner: LlamaCppRunner, options: InterferenceOptions, *, cancel: threading.Event
+) -> Iterator[Stage | InterferenceReport]:
+    """The stream alone, then under each policy while the long prompts arrive."""
+    runner.load()
+    rng = random.Random(options.seed)
+    n_vocab = runner.vocab_size()
+    count = min(options.num_prompts, MAX_LONG_PROMPTS)
+    longs = [[rng.randrange(n_vocab) for _ in range(options.prompt_len)] for _ in range(count)]
+    stream = stream_prompt(runner)
+    per_seq = max(options.prompt_len, len(stream) + options.output_len) + 16
+    engine = BatchedEngine(runner, n_seq=count + 1, n_ctx_per_seq=per_seq)
+    every_s = 1 / options.rate
+    try:
+        yield Stage("the stream alone ...")
+        yield interference(engine, None, stream=stream, stream_tokens=options.output_len,
+                           long_prompts=longs, every_s=every_s)  # fmt: skip
+        for policy in options.policies:
+            if cancel.is_set():
+                return
+            yield Stage(f"{policy}: the stream while {count} prompts of {options.prompt_len}"
+                        f" tokens arrive, {options.rate:g}/s ...")  # fmt: skip
+            yield interference(engine, policy, stream=stream, stream_tokens=options.output_len,
+                               long_prompts=longs, every_s=every_s)  # fmt: skip
+    finally:
+        engine.close()

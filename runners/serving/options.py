@@ -1,0 +1,108 @@
+"""What `bench serve` and `bench interference` measure, parsed once from the options' text."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llmrun.runners.batched import Policy
+from llmrun.runners.bench.sweep import parse_values
+from llmrun.runners.errors import BadRequestError
+
+DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
+    if rate <= 0:
+        raise BadRequestError("--request-rate must be above 0 (inf: all requests at once)")
+    return rate
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,99` -> (50.0, 90.0, 99.0)."""
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise BadRequestError(
+            f"--percentiles: '{text}' should be numbers such as 50,90,99"
+        ) from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
+    return values
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
+    slo: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition(":")
+        name = name.strip().lower()
+        if name not in ("ttft", "tpot", "e2el") or not value.strip():
+            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
+        try:
+            slo[name] = float(value) / 1000
+        except ValueError:
+            slo[name] = math.nan
+        if not math.isfinite(slo[name]) or slo[name] <= 0:
+            raise BadRequestError(f"--slo: '{value}' is not a positive number of milliseconds")
+    return slo
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    levels = tuple(parse_values(text, name="--concurrency"))
+    if any(c < 1 for c in levels):
+        raise BadRequestError("--concurrency values must be at least 1")
+    return levels
+
+
+def parse_policies(text: str) -> tuple[Policy, ...]:
+    chosen = tuple(Policy.parse(p) for p in text.split(",") if p.strip())
+    if not chosen:
+        raise BadRequestError(
+            "--policy: give one or more of prefill-first, chunked:B, decode-first"
+        )
+    return chosen
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What is being measured now (a progress line)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The serving load (vLLM's random dataset and metrics), against a server or this engine."""
+
+    concurrency: tuple[int, ...]
+    request_rate: float  # requests per second, Poisson arrivals; inf: all at once
+    num_prompts: int  # requests per level
+    input_len: int  # mean prompt tokens
+    output_len: int  # mean output tokens
+    range_ratio: float  # lengths uniform within ±this share of the mean
+    warmup: int  # untimed requests before each level
+    percentiles: tuple[float, ...]
+    slo: Mapping[str, float] = field(default_factory=dict)  # metric -> seconds
+    seed: int = 1234
+    policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies
+
+
+@dataclass(frozen=True)
+class InterferenceOptions:
+    """One decoding stream alone, then while long prompts arrive at `rate` per second."""
+
+    rate: float  # long prompts per second
+    prompt_len: int  # tokens per long prompt
+    output_len: int  # the stream's tokens
+    seed: int = 1234
+    input_len: int = 128  # a server's steady client: its prompt (at most 64 tokens)
+    num_prompts: int = 16  # the local engine: long prompts (at most 8)
+    policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies

@@ -1,0 +1,161 @@
+"""One command per job: `bench` (the sweep), `bench serve`, `bench interference` and `tune` list
+only the options their job uses, and an option that moved names its new command."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+from rich.console import Console
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.cli.bench import flags, interference, serve, sweep, tune
+
+# A value unlike the default for every option a --help lists (a new option needs one here).
+SAMPLES: dict[str, list[str]] = {
+    "--model": ["-m", "other.gguf"], "--n-prompt": ["-p", "64"], "--n-gen": ["-n", "16"],
+    "--pg": ["--pg", "8,8"], "--n-depth": ["-d", "32"], "--repetitions": ["-r", "2"],
+    "--threads": ["-t", "1"], "--batch": ["-b", "64"], "--ubatch": ["-ub", "64"],
+    "--gpu-layers": ["-ngl", "0"], "--flash-attn": ["-fa", "1"], "--cache-type-k": ["-ctk", "q8_0"],
+    "--cache-type-v": ["-ctv", "q8_0"], "--repack": ["--repack", "0"], "--mmap": ["-mmp", "0"],
+    "--load-mode": ["-lm", "none"], "--no-kv-offload": ["-nkvo", "1"],
+    "--split-mode": ["-sm", "row"], "--main-gpu": ["-mg", "1"], "--tensor-split": ["-ts", "3/1"],
+    "--device": ["-dev", "CUDA1"], "--n-cpu-moe": ["-ncmoe", "2"],
+    "--override-tensor": ["-ot", "exps=CPU"], "--cpu-mask": ["-C", "0x3"],
+    "--cpu-strict": ["--cpu-strict", "1"], "--poll": ["--poll", "0"],
+    "--numa": ["--numa", "distribute"], "--prio": ["--prio", "1"], "--delay": ["--delay", "1"],
+    "--no-warmup": ["--no-warmup"], "--progress": ["--progress"], "--verbose": ["-v"],
+    "--output-err": ["-oe", "csv"], "--embeddings": ["-embd", "1"],
+    "--no-op-offload": ["-nopo", "1"], "--no-host": ["--no-host", "1"],
+    "--lazy-mode": ["-lzm", "off"], "--fit-target": ["-fitt", "512"],
+    "--fit-ctx": ["-fitc", "1024"], "--hf-repo": ["-hf", "owner/repo:Q4_0"],
+    "--hf-file": ["-hf", "owner/repo", "-hff", "a.gguf"], "--hf-token": ["-hft", "secret"],
+    "--offline": ["--offline"], "--list-devices": ["--list-devices"], "--ctx": ["-c", "2048"],
+    "--scenarios": ["--scenarios"], "--scenario-scale": ["--scenarios", "--scenario-scale", "0.5"],
+    "--cold": ["--cold"], "--draft": ["--draft", "4"], "--ppl": ["--ppl", "README.md"],
+    "--no-tuned": ["--no-tuned"], "--output": ["-o", "json"], "--plot": ["--plot", "x.png"],
+    "--compare": ["--compare"], "--no-history": ["--no-history"], "--seed": ["--seed", "7"],
+    "--endpoint": ["--endpoint", "http://127.0.0.1:9"],
+    "--api-key": ["--endpoint", "http://127.0.0.1:9", "--api-key", "k"],
+    "--timeout": ["--endpoint", "http://127.0.0.1:9", "--timeout", "5"],
+    "--concurrency": ["--concurrency", "2"], "--request-rate": ["--request-rate", "3"],
+    "--num-prompts": ["--num-prompts", "3"], "--input-len": ["--input-len", "16"],
+    "--output-len": ["--output-len", "8"], "--range-ratio": ["--range-ratio", "0.5"],
+    "--warmup": ["--warmup", "2"], "--percentiles": ["--percentiles", "50"],
+    "--slo": ["--slo", "ttft:100"], "--policy": ["--policy", "chunked:32"],
+    "--rate": ["--rate", "5"], "--prompt-len": ["--prompt-len", "64"],
+    "--workload": ["--workload", "chat"],
+}  # fmt: skip
+# Options that only name where a result goes or which machine runs: the job reads them too.
+COMMANDS = {
+    ("bench",): (sweep, ("_sweep", "_list_devices")),
+    ("bench", "serve"): (serve, ("_remote", "_local")),
+    ("bench", "interference"): (interference, ("_remote", "_local")),
+    ("tune",): (tune, ("_tune",)),
+}
+
+
+def _options(path: tuple[str, ...]) -> list[str]:
+    command: Any = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return [next(o for o in [*p.opts, *p.secondary_opts] if o.startswith("--"))
+            for p in command.params
+            if not getattr(p, "hidden", False) and p.name != "help"]  # fmt: skip
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]) -> Any:
+    """What reached the job: the arguments of its entry point, the process settings and the
+    Hub variables; or the exit code and stderr of a refusal."""
+    module, entries = COMMANDS[path]
+    seen: list[Any] = []
+    for entry in entries:
+        monkeypatch.setattr(
+            module,
+            entry,
+            lambda *a, _e=entry, **k: (
+                seen.append(
+                    (_e, [x for x in a if not isinstance(x, (threading.Event, Console))], k)
+                )
+                or 0
+            ),
+        )
+    monkeypatch.setattr(flags, "apply_process_settings", lambda **k: seen.append(k))
+    monkeypatch.setattr(sweep, "set_verbose", lambda on: seen.append(("verbose", on)))
+    monkeypatch.setattr(tune, "set_verbose", lambda on: seen.append(("verbose", on)))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "LLMRUN_ENDPOINT", "LLMRUN_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    result = CliRunner().invoke(app, [*path, *args])
+    seen.append({v: os.environ.get(v) for v in ("HF_TOKEN", "HF_HUB_OFFLINE")})
+    if result.exit_code != 0:
+        return result.exit_code, result.stderr
+    text = repr(seen)
+    assert " at 0x" not in text, text  # only values: an object's address would always differ
+    return text
+
+
+@pytest.mark.parametrize("path", list(COMMANDS), ids=" ".join)
+def test_no_option_in_help_is_ignored_by_its_job(
+    path: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # --ppl README.md
+    baseline = _run(monkeypatch, path, [])
+    assert isinstance(baseline, str), baseline
+    for option in _options(path):
+        args = SAMPLES[option]
+        if path != ("bench",) and option in ("--api-key", "--timeout"):
+            base = _run(monkeypatch, path, args[:2])  # against the same server, without it
+        else:
+            base = baseline
+        got = _run(monkeypatch, path, args)
+        if isinstance(got, tuple):  # refused: one line that names it, never ignored
+            code, stderr = got
+            assert code in (1, 2) and len(stderr.strip().splitlines()) == 1, (option, stderr)
+            assert any(a in stderr for a in args if a.startswith("-")), (option, stderr)
+        else:
+            assert got != base, f"{' '.join(path)} {option}: listed in --help, ignored by the job"
+
+
+MOVED = [
+    (["--concurrency", "4"], "llmrun bench serve"), (["--request-rate", "2"], "llmrun bench serve"),
+    (["--endpoint", "http://x"], "llmrun bench serve"), (["--slo", "ttft:5"], "llmrun bench serve"),
+    (["--tune"], "llmrun tune"), (["--workload", "chat"], "llmrun tune --workload"),
+    (["--interference"], "llmrun bench interference"),
+    (["--interference-rate", "3"], "llmrun bench interference --rate"),
+    (["--policy=chunked:8"], "llmrun bench serve"), (["-p", "8", "--num-prompts", "2"],
+                                                      "llmrun bench serve"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "new"), MOVED)
+def test_an_old_spelling_names_its_new_command(args: list[str], new: str) -> None:
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("llmrun: error: `bench --") and f"`{new}" in line
+
+
+def test_every_old_bench_option_is_named() -> None:
+    for old in sweep.MOVED:
+        result = CliRunner().invoke(app, ["bench", old, "1"])
+        assert result.exit_code == 2 and sweep.MOVED[old] in result.stderr, old
+
+
+def test_the_sweeps_options_before_a_subcommand_are_refused() -> None:
+    result = CliRunner().invoke(app, ["bench", "-p", "8", "serve"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "llmrun: error: -p: bench's own options; give them after no subcommand, not before `serve`"
+    ]
+
+
+def test_each_help_lists_only_its_jobs_options() -> None:
+    sweep_help, serve_help = _options(("bench",)), _options(("bench", "serve"))
+    assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help
+    assert "--threads" not in serve_help and "--tune" not in sweep_help
+    assert set(_options(("tune",))) == {"--model", "--workload", "--verbose"}
