@@ -159,3 +159,27 @@ def test_each_help_lists_only_its_jobs_options() -> None:
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help
     assert "--threads" not in serve_help and "--tune" not in sweep_help
     assert set(_options(("tune",))) == {"--model", "--workload", "--verbose"}
+
+
+def test_the_header_names_the_settings_each_test_runs_with() -> None:
+    """Issue 20 item 4: not the loaded engine's `ngl -1 (17 of 17 offloaded)` above a -ngl 0
+    run, nor `2 threads` / `batch 512` under -t 1 or -b 64,256,1024."""
+    from dataclasses import replace
+
+    from llmrun.runners.bench import sweep as sw
+    from llmrun.runners.llamacpp import EngineConfig
+
+    from .fake import FAKE_SETTINGS
+
+    st = replace(FAKE_SETTINGS, n_threads=2, n_batch=512, n_ubatch=512, n_gpu_layers=17,
+                 n_gpu_layers_asked=-1, n_layer_total=17, gpu_offload=True)  # fmt: skip
+    base = EngineConfig()
+    plain = sweep.settings_line(st, [sw.Combo()], base)
+    assert plain.startswith("2 threads, batch 512, ubatch 512,") and "ngl -1 (17 of 17" in plain
+    one = sweep.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
+    assert one.startswith("1 threads, batch 512,") and "ngl 0:" in one and "offloaded" not in one
+    swept = sweep.settings_line(st, [sw.Combo(n_batch=b, n_ubatch=min(b, 512))
+                                     for b in (64, 256, 1024)], base)  # fmt: skip
+    assert "batch 64/256/1024 (varies by test), ubatch 64/256/512 (varies by test)" in swept
+    fa = sweep.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
+    assert "flash attention off/on (varies by test)" in fa

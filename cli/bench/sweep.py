@@ -561,7 +561,12 @@ class Sweep:
 
 
 def load_and_report(
-    runner: BenchRunner, err: Console, *, bandwidth: bool, system: SystemInfo | None = None
+    runner: BenchRunner,
+    err: Console,
+    *,
+    bandwidth: bool,
+    system: SystemInfo | None = None,
+    combos: Sequence[sw.Combo] = (),
 ) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked; a
     later model of the same run reuses the first one's report of the machine)."""
@@ -575,19 +580,38 @@ def load_and_report(
     err.print(label_grid(rows if len(rows) else [("model", facts)]))
     st = loaded.settings
     if isinstance(st, EngineSettings):
-        err.print(label_grid([("settings", settings_line(st))]))
+        err.print(label_grid([("settings", settings_line(st, combos, runner.config))]))
     return system
 
 
-def settings_line(st: EngineSettings) -> str:
-    """What runs and where it differs from llama-bench's defaults, and why."""
+def _each(loaded: object, base: object, swept: Sequence[object], show: Any = str) -> str:
+    """The value every test runs with, or each value and that it varies: a swept value of None
+    (or the base's own) is what the loaded engine has."""
+    values = list(dict.fromkeys(loaded if v is None or v == base else v for v in swept))
+    if len(values) <= 1:
+        return show(values[0] if values else loaded)
+    return "/".join(show(v) for v in values) + " (varies by test)"
+
+
+def settings_line(
+    st: EngineSettings, combos: Sequence[sw.Combo] = (), base: EngineConfig | None = None
+) -> str:
+    """What runs and where it differs from llama-bench's defaults, and why: for a swept setting,
+    the value each test runs with, not the loaded engine's first."""
+    b = base or EngineConfig()
     source = "tuned by `llmrun tune` (--no-tuned: defaults)" if st.tuned else "llmrun's defaults"
+    repack = st.repack_note or ("on" if st.repack else "off")
+    swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
+    ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])
+    if ngl == str(st.n_gpu_layers_asked):
+        ngl += (f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
+                + (f": {st.offload_note}" if st.offload_note else "") + ")")  # fmt: skip
+    threads = _each(st.n_threads, b.n_threads, [c.n_threads for c in combos])
     return (
-        f"{st.n_threads} threads, batch {st.n_batch}, ubatch {st.n_ubatch}, flash attention"
-        f" {st.flash_attn}, repacking {st.repack_note or ('on' if st.repack else 'off')},"
-        f" ngl {st.n_gpu_layers_asked} ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
-        + (f": {st.offload_note}" if st.offload_note else "")
-        + f"): {source}. llama-bench"
+        f"{threads} threads, batch {_each(st.n_batch, b.n_batch, [c.n_batch for c in combos])},"
+        f" ubatch {_each(st.n_ubatch, b.n_ubatch, [c.n_ubatch for c in combos])}, flash"
+        f" attention {_each(st.flash_attn, b.flash_attn, [c.flash_attn for c in combos])},"
+        f" repacking {_each(repack, None, swept_repack)}, ngl {ngl}: {source}. llama-bench"
         " defaults to -b 2048 (llmrun: 512, its prefill chunk, so TTFT shows chunking),"
         " -fa auto (llmrun: off on the CPU, where decode is faster without it here) and"
         " -ngl -1; repacking is on in both, but llmrun first probes that it is safe."
@@ -641,7 +665,7 @@ def _sweep(
         try:
             base = runner.config
             combos = sweep.combos(base)
-            system = load_and_report(runner, err, bandwidth=True, system=system)
+            system = load_and_report(runner, err, bandwidth=True, system=system, combos=combos)
             for n_ctx in sweep.contexts():
                 done, skips = _measure(runner, base, combos, sweep, n_ctx, cancel, err, output)
                 results += done
