@@ -74,17 +74,17 @@ def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]
     Hub variables; or the exit code and stderr of a refusal."""
     module, entries = COMMANDS[path]
     seen: list[Any] = []
+
+    def entered(name: str) -> Any:
+        def record(*a: Any, **k: Any) -> int:
+            values = [x for x in a if not isinstance(x, (threading.Event, Console))]
+            seen.append((name, values, k))
+            return 0
+
+        return record
+
     for entry in entries:
-        monkeypatch.setattr(
-            module,
-            entry,
-            lambda *a, _e=entry, **k: (
-                seen.append(
-                    (_e, [x for x in a if not isinstance(x, (threading.Event, Console))], k)
-                )
-                or 0
-            ),
-        )
+        monkeypatch.setattr(module, entry, entered(entry))
     monkeypatch.setattr(flags, "apply_process_settings", lambda **k: seen.append(k))
     monkeypatch.setattr(sweep, "set_verbose", lambda on: seen.append(("verbose", on)))
     monkeypatch.setattr(tune, "set_verbose", lambda on: seen.append(("verbose", on)))
