@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +25,10 @@ from .guard import quick_guard  # noqa: F401  (an autouse fixture: registered by
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
+# The deadline for one step of a test (a command, a reply, a server start) when the test waits
+# for an event: ten minutes, far past any working step on a machine busy with other work, so
+# only a hang reaches it. Tests wait for what they need (a line, a file, a count), never a time.
+HANG_S = 600.0
 
 # The markers follow the fixtures a test uses, directly or through another fixture, so nobody
 # marks a test by hand and `pytest -m "not model and not pty"` (make test-quick) is the quick
@@ -109,19 +115,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SERVER_LOGS: dict[str, Path] = {}
+
+
+def served_completions(url: str) -> int:
+    """How many completion requests the llama_server at `url` has started to answer (its access
+    log has a line per response), for a test that waits for work done rather than a time."""
+    log = SERVER_LOGS[url].read_text(encoding="utf-8", errors="replace")
+    return len(re.findall(r'"POST /v1/(?:chat/)?completions HTTP', log))
+
+
 @contextlib.contextmanager
 def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real llama-cpp-python OpenAI-compatible server on loopback, with the embedded model."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_fd, log_name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+    SERVER_LOGS[url] = Path(log_name)
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path,
          "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--verbose", "False",
          "--interrupt_requests", "False"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=log_fd, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    os.close(log_fd)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while True:
             try:
                 with urllib.request.urlopen(url + "/v1/models", timeout=1):
@@ -137,6 +156,7 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        SERVER_LOGS.pop(url).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

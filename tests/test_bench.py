@@ -23,7 +23,7 @@ from llmrun.runners.bench.tuning import apply_tuning, save_tuned
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .fake import FakeBenchRunner
 
 LLAMA_BENCH_FIELDS = {
@@ -191,13 +191,13 @@ def test_run_reports_tuned_settings(
     save_tuned(model_path, {"n_threads": 1, "n_batch": 128, "n_ubatch": 64, "flash_attn": "off"})
     env = dict(llmrun_env, LLMRUN_HOME=str(home))
     result = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json"], env=env,
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+                            capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
     assert result.returncode == 0, result.stderr
     settings = json.loads(result.stderr.strip().splitlines()[-1])["settings"]
     assert settings["tuned"] is True
     assert (settings["n_threads"], settings["n_batch"], settings["n_ubatch"]) == (1, 128, 64)
     explicit = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json", "-t",
-                               "2"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+                               "2"], env=env, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
     assert json.loads(explicit.stderr.strip().splitlines()[-1])["settings"]["n_threads"] == 2
 
 
@@ -205,7 +205,7 @@ def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Pat
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
     out = tmp_path / "out.jsonl"
     cmd = f"{which_llmrun()} bench -r 3 -p 16 -n 300 -t 1,2 -o jsonl > {out}"
-    child = pexpect.spawn("bash", ["-c", cmd], env=env, encoding="utf-8", timeout=90,
+    child = pexpect.spawn("bash", ["-c", cmd], env=env, encoding="utf-8", timeout=HANG_S,
                           dimensions=(40, 120))  # fmt: skip
     child.expect(r"tg300")  # the progress bar has moved past pp16 to the generation test
     child.sendintr()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pexpect
 
-from .conftest import ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, which_llmrun
 
 TURN = re.compile(r"prompt (\d+) new \+ (\d+) reused · TTFT")
 PROMPT = ">>> "
@@ -18,7 +18,7 @@ def spawn(env: dict[str, str], tmp_path: Path, *args: str) -> pexpect.spawn:
     env = dict(env, LLMRUN_HOME=str(tmp_path / "home"))
     return pexpect.spawn(
         which_llmrun(), ["chat", "--temp", "0", "-c", "2048", *args], env=env,
-        encoding="utf-8", timeout=60, dimensions=(50, 200),
+        encoding="utf-8", timeout=HANG_S, dimensions=(50, 200),
     )  # fmt: skip
 
 
@@ -124,7 +124,7 @@ def test_stdout_to_a_file_gets_the_replies_alone(
     out = tmp_path / "replies.txt"
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
     child = pexpect.spawn("bash", ["-c", f"{which_llmrun()} chat --temp 0 -n 12 > {out}"],
-                          env=env, encoding="utf-8", timeout=60, dimensions=(50, 200))  # fmt: skip
+                          env=env, encoding="utf-8", timeout=HANG_S, dimensions=(50, 200))  # fmt: skip
     child.expect_exact(PROMPT)  # the prompt is on the terminal (stderr)
     child.sendline("Say hello.")
     child.expect(TURN)

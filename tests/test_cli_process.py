@@ -6,12 +6,13 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pexpect
 import pytest
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 
 
 def sh(cmd: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -102,16 +103,15 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
     # stdout to a file, stderr on the terminal: what a user sees while redirecting output
     cmd = f"{which_llmrun()} run 'Write a very long story.' -n 2000 --temp 0 --stats-file {stats}"
     child = pexpect.spawn(
-        "bash", ["-c", f"{cmd} > {out}"], env=llmrun_env, encoding="utf-8", timeout=60,
+        "bash", ["-c", f"{cmd} > {out}"], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
         dimensions=(40, 100),
     )  # fmt: skip
     deadline_text = ""
-    for _ in range(200):
+    deadline = time.monotonic() + HANG_S
+    while len(deadline_text) <= 40:  # wait for the text, draining the terminal meanwhile
+        assert child.isalive() and time.monotonic() < deadline, "no text was generated"
         child.expect([pexpect.TIMEOUT], timeout=0.1)
         deadline_text = out.read_text() if out.exists() else ""
-        if len(deadline_text) > 40:
-            break
-    assert len(deadline_text) > 40, "no text was generated"
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()
@@ -127,7 +127,7 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
 @pytest.mark.parametrize("flag", ["", "--no-dashboard"])
 def test_run_on_a_terminal_dashboard_or_plain_lines(llmrun_env: dict[str, str], flag: str) -> None:
     cmd = f"{which_llmrun()} run 'Name three colors.' -n 30 --temp 0 {flag}"
-    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=60,
+    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
                           dimensions=(40, 80))  # fmt: skip
     child.expect(pexpect.EOF)
     child.close()

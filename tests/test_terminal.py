@@ -14,7 +14,7 @@ import pexpect
 import pyte
 import pytest
 
-from .conftest import ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, which_llmrun
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -129,22 +129,20 @@ def test_resizing_mid_run_leaves_no_debris(
     env.pop("NO_COLOR", None)
     env.pop("COLUMNS", None)
     env.pop("LINES", None)
-    done = tmp_path / "done"
     command = (f"seq 100; {which_llmrun()} run --raw -n 300 --temp 0 -t 1 '1, 2, 3, 4, 5,' > {tmp_path / 'out'}"
-               f"; touch {done}")  # fmt: skip
+               f"; echo FINI''SHED")  # fmt: skip
     tmux("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", str(wide), "-y", "30",
          "env", *(f"{k}={v}" for k, v in env.items()), "bash", "--norc", "-i")  # fmt: skip
     try:
         tmux("send-keys", "-t", "t", command, "Enter")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while "tok/s" not in tmux("capture-pane", "-p", "-t", "t"):  # decoding, panel up
             assert time.monotonic() < deadline, tmux("capture-pane", "-p", "-t", "t")
             time.sleep(0.1)
         tmux("resize-window", "-t", "t", "-x", str(narrow), "-y", "30")
-        while not done.exists():
-            assert time.monotonic() < deadline + 60
+        while "FINISHED" not in tmux("capture-pane", "-p", "-t", "t"):  # all drawn before it
+            assert time.monotonic() < deadline, tmux("capture-pane", "-p", "-t", "t")
             time.sleep(0.2)
-        time.sleep(0.3)
         lines = tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t").splitlines()
     finally:
         subprocess.run(["tmux", "-L", "llmrun-test", "kill-server"], capture_output=True)
@@ -183,7 +181,7 @@ class Tmux:
         joined = self("capture-pane", "-p", "-J", "-S", "-", "-t", "t")
         return [ln.rstrip() for ln in joined.rstrip("\n").splitlines()]
 
-    def wait(self, seen: Callable[[str], bool], deadline_s: float = 180) -> str:
+    def wait(self, seen: Callable[[str], bool], deadline_s: float = HANG_S) -> str:
         """Wait for the screen to show something; only a hang reaches the deadline."""
         end = time.monotonic() + deadline_s
         while not seen(screen := self.screen()):
