@@ -41,13 +41,14 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
-from .report import mib, ms
+from .report import context_note, mib, ms
 from .session import (
     KeysHeld,
     TextOut,
     TextSink,
     ctrl_c_cancels,
     drive,
+    free_cores,
     live_terminal,
     redrawn_after_fg,
     terminal_modes,
@@ -256,6 +257,7 @@ class ChatUI:
         self.readline = _readline() if interactive else None
         self.typed_ahead = ""  # keys typed during a reply: the start of the next message
         self.failed = False  # a turn failed: a scripted chat exits 1 at the end
+        self.asked_ctx: int | None = None  # -c as given, to say when llama.cpp changed it
         self.verbose = False  # /set verbose: the full summary after each reply
         self.quiet = False  # /set quiet: no stats after a reply
         self.history = True  # /set nohistory: lines typed are not kept
@@ -349,13 +351,20 @@ class ChatUI:
         if not self.interactive:
             self.conv.runner.load()  # an unusable model or server ends a script at once
         else:
-            with self.err.status("loading the model ..."):
+            if live_terminal(sys.stderr):
+                with self.err.status("loading the model ..."):
+                    loaded = self.conv.runner.load()
+            else:  # TERM=dumb: a spinner would only be drawn at the end
+                self.show("loading the model ...", "dim")
                 loaded = self.conv.runner.load()
             self.show(
                 f"{loaded.name} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
                 f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
                 "dim",
             )
+        note = context_note(self.asked_ctx, self.conv.n_ctx)
+        if note:
+            self.warn(note)
         while True:
             text = self.read_message()
             if text is None:
@@ -561,7 +570,11 @@ class ChatUI:
             changes: dict[str, Any] = {field: parsed}
             sampling = dataclasses.replace(self.conv.sampling, **changes)
             check_sampling(sampling)
-        except (ValueError, LlmrunError) as e:
+        except ValueError:
+            kind = "a whole number" if field in ("max_tokens", "top_k", "seed") else "a number"
+            self._usage(f"/set parameter {name}: {value!r} is not {kind}")
+            return
+        except LlmrunError as e:
             self._usage(f"/set parameter {name}: {e}")
             return
         self.conv.sampling = sampling
@@ -698,11 +711,14 @@ def chat(
     """
     with handled():
         sampling, config = o.generation_settings(locals())
+        asked_ctx = config.n_ctx
+        config = free_cores(config, endpoint=endpoint, quiet=False)
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             conv = Conversation(runner, sampling, system)
             ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard,
                         hide_thinking=hide_thinking, thinking_stdout=thinking_stdout)  # fmt: skip
+            ui.asked_ctx = asked_ctx
             code = ui.loop()
         finally:
             runner.close()

@@ -166,6 +166,15 @@ def _context_hint(s: GenerationStats) -> str:
     return f": the {n_ctx}-token context is full (raise -c/--ctx or shorten the prompt)"
 
 
+def context_note(asked: int | None, ran: int) -> str | None:
+    """-c is never changed silently: llama.cpp pads the context (to a multiple of 256 on most
+    builds), so the context that ran is said when it differs from the one asked for."""
+    if not asked or not ran or asked == ran:
+        return None
+    return (f"note: -c {asked}: llama.cpp sized the context to {ran} tokens"
+            f" ({'its padding' if ran > asked else 'its limit'}); {ran} is what ran")  # fmt: skip
+
+
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """A warning row when other processes took the CPU time these figures needed."""
     threads = s.settings.n_threads if s.settings else 1

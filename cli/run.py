@@ -41,6 +41,7 @@ from .inputs import Job, collect_jobs
 from .report import (
     aggregate_table,
     append_stats_file,
+    context_note,
     ms,
     stats_json,
     stats_record,
@@ -54,6 +55,7 @@ from .session import (
     TextSink,
     ctrl_c_cancels,
     drive,
+    free_cores,
     live_terminal,
     thinking_route,
 )
@@ -174,6 +176,7 @@ def run(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,
         )  # fmt: skip
+        config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
         o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None})
@@ -186,6 +189,7 @@ def run(
                 served, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
                 json_out=json_out, dashboard=not no_dashboard and parallel == 1,
                 hide_thinking=hide_thinking, thinking_stdout=thinking_stdout,
+                asked_ctx=config.n_ctx,
             )  # fmt: skip
         finally:
             runner.close()
@@ -290,6 +294,7 @@ def _run_jobs(
     quiet: bool,
     hide_thinking: bool = False,
     thinking_stdout: bool = False,
+    asked_ctx: int | None = None,
     stats_format: StatsFormat,
     stats_file: Path | None,
     json_out: bool,
@@ -346,6 +351,10 @@ def _run_jobs(
                 if view is not None:
                     view.close()
             s = finished.stats
+            if not done and s.settings is not None and not quiet:
+                note = context_note(asked_ctx, s.settings.n_ctx)
+                if note:
+                    print(note, file=errfile, flush=True)
             done.append(s)
             if json_out:
                 record = {

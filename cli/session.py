@@ -9,11 +9,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from llmrun.runners.base import Event, Finished, Request, Runner, Token
 
 from .terminal import terminal_text
+
+if TYPE_CHECKING:
+    from llmrun.runners.llamacpp import EngineConfig
 
 
 class EventView(Protocol):
@@ -383,3 +386,26 @@ def terminal_modes() -> list[Any] | None:
         return termios.tcgetattr(fd)
     except termios.error:
         return None
+
+
+def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> EngineConfig:
+    """run and chat want the answer: on a busy machine llama.cpp gets the cores other processes
+    leave free (unless -t was given), and a person at a terminal is told so on stderr (a
+    program reads the thread count in the stats, as every run's)."""
+    if endpoint or config.n_threads:
+        return config
+    import dataclasses
+
+    from llmrun.runners.system import (
+        background_now,
+        choose_threads,
+        default_threads,
+        logical_cpus,
+    )
+
+    choice = choose_threads(default_threads(), background_now(), logical_cpus())
+    if not choice.reduced:
+        return config
+    if not quiet and _isatty(sys.stderr):
+        print(f"llmrun: threads {choice.why}", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, n_threads=choice.threads)

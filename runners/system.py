@@ -210,6 +210,53 @@ def busy_machine(background: float | None, n_threads: int) -> bool:
     return background > max(0.25, spare - 0.25)
 
 
+@dataclass(frozen=True)
+class ThreadChoice:
+    """How many threads llama.cpp gets where the answer is wanted (run, chat), and why."""
+
+    threads: int
+    default: int  # what a quiet machine gets: the physical (or performance) cores
+    background: float | None  # CPUs' worth of other processes' work when it was chosen
+    logical: int
+
+    @property
+    def reduced(self) -> bool:
+        return self.threads < self.default
+
+    @property
+    def why(self) -> str:
+        if self.background is None:
+            return f"{self.default}: the {_cores_word()} (the load of others is unknown here)"
+        if not self.reduced:
+            return (f"{self.threads}: the {_cores_word()}; other processes use"
+                    f" {self.background:.1f} of {self.logical} CPUs")  # fmt: skip
+        return (f"{self.threads} of {self.default}: other processes keep {self.background:.1f}"
+                f" of {self.logical} CPUs busy, and llama.cpp's spinning threads would wait on"
+                f" them (-t {self.default} to use every core anyway)")  # fmt: skip
+
+
+def _cores_word() -> str:
+    return "performance cores" if performance_cores() else "physical cores"
+
+
+def choose_threads(default: int, background: float | None, logical: int) -> ThreadChoice:
+    """The cores other processes leave free, at most `default`, at least one. A busy machine
+    makes every llama.cpp thread wait for the slowest one: 10-30x slower at full threads."""
+    if background is None or background <= max(0.25, logical - default - 0.25):
+        return ThreadChoice(default, default, background, logical)
+    free = max(1, round(logical - background))
+    return ThreadChoice(min(default, free), default, background, logical)
+
+
+def background_now(seconds: float = 0.25) -> float | None:
+    """Other processes' CPU use over a short look now (None where /proc/stat is missing)."""
+    start = cpu_sample()
+    if start is None:
+        return None
+    time.sleep(max(seconds, MIN_SAMPLE_S))
+    return background_cpus(start, cpu_sample())
+
+
 # ---- the machine report of bench ---------------------------------------------------------
 
 

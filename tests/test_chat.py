@@ -214,3 +214,16 @@ def test_help_fits_the_width_with_hanging_descriptions(width: int) -> None:
             assert " ".join(f"{name} {what}".split()) in flat or (
                 name in flat and " ".join(what.split()) in flat
             )
+
+
+def test_a_context_llama_cpp_changed_is_said_and_bad_numbers_in_words(
+    cli: CliRunner, fake: FakeRunner
+) -> None:
+    chat = cli.invoke(app, ["chat", "-c", "64"], input="/set parameter temperature abc\nhi\n")
+    assert "-c 64: llama.cpp sized the context to 256 tokens" in " ".join(chat.stderr.split())
+    assert "'abc' is not a number" in chat.stderr and "could not convert" not in chat.stderr
+    run = cli.invoke(app, ["run", "-c", "64", "hi"])
+    assert run.exit_code == 0, run.stderr
+    assert "-c 64: llama.cpp sized the context to 256 tokens" in " ".join(run.stderr.split())
+    same = cli.invoke(app, ["run", "-c", "256", "hi"])
+    assert "sized the context" not in same.stderr

@@ -78,3 +78,16 @@ def test_aggregate() -> None:
     agg = Aggregate.of([make_stats(prefill_s=0.1), make_stats(prefill_s=0.2), make_stats()])
     assert agg.count == 3
     assert agg.figures["prompt_tps"]["p50"] == pytest.approx(400.0)
+
+
+def test_run_and_chat_take_the_cores_a_busy_machine_leaves_free() -> None:
+    from llmrun.runners.system import choose_threads
+
+    quiet = choose_threads(8, 0.1, 16)
+    assert (quiet.threads, quiet.reduced) == (8, False)
+    assert choose_threads(8, 7.0, 16).threads == 8  # 8 spare CPUs: no contention
+    busy = choose_threads(8, 12.3, 16)
+    assert (busy.threads, busy.reduced) == (4, True)
+    assert "12.3 of 16 CPUs busy" in busy.why and "-t 8" in busy.why
+    assert choose_threads(2, 1.9, 2).threads == 1  # never fewer than one
+    assert choose_threads(2, None, 2).threads == 2  # unknown load: the default

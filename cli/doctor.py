@@ -1,0 +1,130 @@
+"""`llmrun doctor` and `llmrun --version`: what this installation is and what it will choose,
+in a form to paste into a bug report."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from dataclasses import dataclass
+
+import typer
+
+from llmrun.runners.errors import LlmrunError
+
+from . import options as o
+from .errors import handled
+from .report import mib
+
+
+def version_line() -> str:
+    """One line, without loading llama.cpp: fast enough for `--version`."""
+    host = f"{platform.system()} {platform.machine()}"
+    return (f"llmrun {_version('llmrun')} · llama-cpp-python {_version('llama_cpp_python')}"
+            f" · Python {platform.python_version()} · {host}")  # fmt: skip
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@dataclass(frozen=True)
+class Finding:
+    label: str
+    value: str
+
+
+def findings(model: str | None, *, probe: bool) -> list[Finding]:
+    """Every line of the report, in order. Loads llama.cpp's library, not a model; the repacking
+    verdict may run the probe (a child process, once per build, CPU and quantization)."""
+    from llmrun.runners import devices as dv
+    from llmrun.runners import system as sy
+    from llmrun.runners.llamacpp import llama_lib
+
+    out = [Finding("version", version_line())]
+    lib = llama_lib()
+    q = dv.query()
+    found = q.devices()
+    info = lib.llama_print_system_info()
+    features = sy._features(info.decode(errors="replace") if isinstance(info, bytes) else str(info))
+    out += [
+        Finding("build", f"llama.cpp {dv.build_commit(q.commit())} · ggml {q.version() or '?'}"
+                         f" · {sys.executable}"),
+        Finding("backend", dv.backends(found)
+                + (" · GPU offload supported" if lib.llama_supports_gpu_offload()
+                   else " · no GPU offload in this build")),
+    ]  # fmt: skip
+    for d in found:
+        memory = (f" · {mib(d.free_bytes or 0)} free of {mib(d.total_bytes)}"
+                  if d.total_bytes else "")  # fmt: skip
+        out.append(Finding("device", f"{d.name} ({d.kind}) {d.description}{memory}"))
+    gpus = dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus())
+    if gpus:
+        out.append(Finding("gpus", gpus))
+    ram, free = sy.ram_bytes(), sy.available_memory_bytes()
+    p_cores = sy.performance_cores()
+    out += [
+        Finding("cpu", f"{sy.cpu_model()} · {sy.physical_cores()} physical cores"
+                       + (f" ({p_cores} performance)" if p_cores else "")
+                       + f" · {sy.logical_cpus()} logical CPUs"),
+        Finding("features", features or "-"),
+        Finding("memory", f"{mib(ram)} RAM · {mib(free)} available" if ram and free else "-"),
+    ]  # fmt: skip
+    background = sy.background_now(0.5)
+    choice = sy.choose_threads(sy.default_threads(), background, sy.logical_cpus())
+    others = f"other processes use {background or 0.0:.1f} of {sy.logical_cpus()} CPUs"
+    busy = (
+        "unknown (no /proc/stat)"
+        if background is None
+        else (
+            f"busy: {others}" if sy.busy_machine(background, choice.default) else f"quiet: {others}"
+        )
+    )
+    out += [
+        Finding("load", busy),
+        Finding("threads", f"run and chat now: {choice.why}; bench: {choice.default}, as asked"),
+    ]
+    out.append(Finding("repack", _repack(model, probe=probe)))
+    return out
+
+
+def _repack(model: str | None, *, probe: bool) -> str:
+    """Whether run and chat would repack this model's weights, and why."""
+    from llmrun.runners.gguf import read_gguf
+    from llmrun.runners.models import resolve_model
+
+    try:
+        path = resolve_model(model).path
+        quant = read_gguf(path).quantization
+    except LlmrunError as e:
+        return f"decided per model at load (no model to ask about: {e})"
+    from llmrun.runners.probe import probe_key, repack_verdict
+
+    name = path.rsplit("/", 1)[-1]
+    if not probe:
+        from llmrun.runners.probe import _read_cache
+
+        cached = _read_cache().get(probe_key(quant))
+        if not isinstance(cached, dict):
+            return f"{name} ({quant}): not probed yet on this build and CPU (llmrun doctor --probe)"
+        safe, why = bool(cached.get("safe")), str(cached.get("why", "probed"))
+    else:
+        verdict = repack_verdict(path, quant)
+        safe, why = verdict.safe, verdict.why
+    return f"{name} ({quant}): {'on' if safe else 'off'}: {why}"
+
+
+def doctor(
+    model: o.Model = None,
+    probe: bool = typer.Option(
+        False, "--probe", help="Run the repacking probe for the model if it has not run yet."
+    ),
+) -> None:
+    """Print the build, backend, devices, CPU features, the thread and repacking choices with
+    their reasons, and whether the machine is busy: paste it into a bug report."""
+    with handled():
+        for f in findings(model, probe=probe):
+            print(f"{f.label:<9} {f.value}", flush=True)

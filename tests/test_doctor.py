@@ -1,0 +1,48 @@
+"""`llmrun --version` and `llmrun doctor`: what a bug report needs, from the real library."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+
+from .conftest import which_llmrun
+
+
+def test_version_is_one_line_and_loads_no_llama_cpp(llmrun_env: dict[str, str]) -> None:
+    code = ("import sys\nfrom llmrun.cli.app import app\n"
+            "try:\n    app(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=llmrun_env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("llmrun ") and "llama-cpp-python " in first and "Python " in first
+
+
+@pytest.mark.model
+def test_doctor_reports_build_devices_features_and_its_choices(
+    llmrun_env: dict[str, str],
+) -> None:
+    done = subprocess.run([which_llmrun(), "doctor"], env=llmrun_env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(" ", 1)[0]: line for line in done.stdout.splitlines()}
+    for label in ("version", "build", "backend", "device", "cpu", "features", "load", "threads",
+                  "repack"):  # fmt: skip
+        assert label in rows, done.stdout
+    assert "llama.cpp " in rows["build"] and "CPU" in rows["backend"]
+    assert "physical cores" in rows["threads"] or "CPUs busy" in rows["threads"]
+    assert "quiet:" in rows["load"] or "busy:" in rows["load"]
+    assert "Q4_1" in rows["repack"] and ("on" in rows["repack"] or "off" in rows["repack"])
+
+
+def test_flags_show_no_value_in_help(cli: CliRunner) -> None:
+    result = cli.invoke(app, ["run", "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    assert "--raw" in result.stdout and "<bool>" not in result.stdout
+    assert "<int>" in result.stdout or "INTEGER" in result.stdout  # values still say their type
