@@ -41,7 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
-from .report import context_note, mib, ms
+from .report import context_note, fitted, mib, ms
 from .session import (
     KeysHeld,
     TextOut,
@@ -142,24 +142,10 @@ def context_meter(used: int, n_ctx: int, kv_per_token: float = 0.0) -> Text:
     )
 
 
-def turns_view(turns: list[Turn], width: int) -> RenderableType:
-    """The /stats all view: a table where it fits; below 60 columns one line per turn, which
-    wraps but never crops a figure."""
-    if width >= 60:
-        return turns_table(turns)
-    lines = []
-    for i, turn in enumerate(turns, 1):
-        state = " (cleared)" if turn.cleared else "" if turn.in_context else " (dropped)"
-        s = turn.stats
-        if s is None:
-            lines.append(Text(f"{i}{state}: interrupted before its stats"))
-            continue
-        ttft = "-" if s.ttft_s is None else significant(s.ttft_s * 1000)
-        lines.append(Text(
-            f"{i}{state}: {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ttft} ms"
-            f" · prompt {significant(s.prompt_tps)} tok/s · {s.output_tokens} out"
-            f" · output {significant(s.output_tps)} tok/s · {s.finish_reason}"))  # fmt: skip
-    return Group(Text("turns", style="bold"), *lines)
+def turns_view(turns: list[Turn]) -> RenderableType:
+    """The /stats all view: a table where it fits, else a block per turn (report.fitted): a
+    figure is never cropped."""
+    return fitted(turns_table(turns))
 
 
 def turns_table(turns: list[Turn]) -> Table:
@@ -490,7 +476,7 @@ class ChatUI:
         if not done:
             self.err.print("no reply yet")
         elif arg == "all":
-            self.err.print(turns_view(self.conv.turns, self.err.width))
+            self.err.print(turns_view(self.conv.turns))
         else:
             last = done[-1].stats
             assert last is not None

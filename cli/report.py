@@ -7,7 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import append_line
@@ -270,7 +273,7 @@ def append_stats_file(path: Path, lines: Sequence[str]) -> None:
         raise BadRequestError(f"cannot write the stats file {path}: {e.strerror or e}") from None
 
 
-def aggregate_table(agg: Aggregate) -> Table:
+def aggregate_table(agg: Aggregate) -> Fitted:
     table = Table(title=f"{agg.count} requests", title_justify="left")
     table.add_column("figure")
     table.add_column("p50", justify="right")
@@ -280,4 +283,53 @@ def aggregate_table(agg: Aggregate) -> Table:
     for key, (name, fmt) in formats.items():
         figures = agg.figures[key]
         table.add_row(name, fmt(figures["p50"]), fmt(figures["p90"]))
-    return table
+    return fitted(table)
+
+
+def fitted(table: Table) -> Fitted:
+    """The table where it fits whole; narrower, a stacked layout (a block per row: the first
+    cell as its heading, then "header: value" lines) so a figure is never cut or wrapped."""
+    return Fitted(table)
+
+
+class Fitted:
+    """A table that never crops a figure: see `fitted`."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        natural = Measurement.get(console, options.update(width=10_000), self.table).maximum
+        if natural <= options.max_width:
+            yield self.table
+            return
+        yield stacked(self.table)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(1, options.max_width)
+
+
+def stacked(table: Table) -> Group:
+    """A table as blocks, one per row: the row's first cell, then each other column's header
+    and value on a line of its own, indented."""
+    headers = [_plain(c.header).replace("\n", " ") for c in table.columns]
+    columns = [list(c.cells) for c in table.columns]
+    blocks: list[Text] = []
+    if table.title:
+        blocks.append(Text(_plain(table.title), style="bold"))
+    for i in range(table.row_count):
+        cells = [_plain(col[i]) if i < len(col) else "" for col in columns]
+        block = Text(cells[0] or headers[0], style="bold")
+        for header, value in zip(headers[1:], cells[1:], strict=True):
+            block.append(f"\n  {header}: ", style="dim")
+            block.append(value.replace("\n", " "))
+        blocks.append(block)
+    if table.caption:
+        blocks.append(Text(_plain(table.caption), style="dim"))
+    return Group(*blocks)
+
+
+def _plain(cell: object) -> str:
+    if isinstance(cell, Text):
+        return cell.plain
+    return str(cell) if cell is not None else ""

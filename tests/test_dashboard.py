@@ -182,7 +182,7 @@ def test_stats_all_never_crops_a_figure(width: int) -> None:
 
     turns = [Turn("a", "x", STATS), Turn("b", "y", STATS, in_context=False),
              Turn("c", "z", STATS, in_context=False, cleared=True)]  # fmt: skip
-    out = text_of(turns_view(turns, width), width=width)
+    out = text_of(turns_view(turns), width=width)
     assert all(len(line) <= width for line in out.splitlines())
     flat = " ".join(out.split())
     assert "…" not in out and flat.count("800+200") + flat.count("800 new + 200") == 3
@@ -223,3 +223,27 @@ def test_live_rows_hang_under_their_value_at_any_width(width: int) -> None:
         assert not line or line.startswith(labels) or line.startswith(" " * 9), (width, panel)
     flat = " ".join(panel.split())
     assert "compute 9.0 MiB" in flat and "~1200 est." in flat and "(3 thinking)" in flat
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_a_fitted_table_never_cuts_a_figure(width: int) -> None:
+    """report.fitted: the table where it fits, a block per row below its natural width."""
+    from rich.table import Table
+
+    from llmrun.cli.report import fitted
+
+    table = Table(title="serving")
+    for name in ("level", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "output tok/s", "errors"):
+        table.add_column(name, justify="right")
+    rows = [("c=1", "35,417.2", "129,098.4", "918.3", "12,345.6", "0"),
+            ("c=16", "46,612.9", "15,482.1", "1,204.7", "98,765.4", "3")]  # fmt: skip
+    for row in rows:
+        table.add_row(*row)
+    out = text_of(fitted(table), width=width)
+    assert "…" not in out
+    assert all(len(line) <= width for line in out.splitlines()), out
+    for row in rows:
+        for figure in row:
+            assert figure in out, (width, figure)
+    stacked = "  TTFT p99 ms: 129,098.4" in out
+    assert stacked == (width < 76), out  # whole where it fits (75 columns), else blocks
