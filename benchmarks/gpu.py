@@ -754,7 +754,7 @@ class Results:
     )  # llama.cpp's, in llmrun
     bandwidth: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     batched: dict[int, dict[str, float]] = field(default_factory=dict)  # B -> total tok/s, step ms
-    serving: dict[int, dict[str, float]] = field(default_factory=dict)  # concurrency -> same
+    serving: dict[int, dict[str, float]] = field(default_factory=dict)  # concurrency -> same, ITL
     failed: list[str] = field(default_factory=list)
 
     def read(self, step: Step, output: str) -> None:
@@ -775,6 +775,7 @@ class Results:
                             "weights_bw_gbs",
                             "mem_bw_source",
                             "device",
+                            "n_gpu_layers_offloaded",
                         )
                     }
         elif step.reads == "batched-bench":
@@ -785,7 +786,7 @@ class Results:
             for r in rows:
                 self.serving[int(r["concurrency"])] = {
                     "total_tps": float(r.get("total_token_throughput") or 0),
-                    "step_ms": float(r.get("itl_p50_ms") or 0),
+                    "step_ms": float(r.get("median_itl_ms") or 0),
                 }
 
 
@@ -828,6 +829,9 @@ def ratio_lines(res: Results, opts: Options) -> list[str]:
             line += f"; {_verdict(ratio, TG_TARGETS[shape])}"
         lines.append(line)
         bw = res.bandwidth.get(key)
+        if test.startswith("tg") and bw and not shape.startswith("cpu-"):
+            lines.append(f"  llmrun ran on {bw.get('device')}, {bw.get('n_gpu_layers_offloaded')}"
+                         " layers offloaded")  # fmt: skip
         if test.startswith("tg") and bw and bw.get("bw_util") is not None:
             lines.append(
                 f"  bandwidth share {bw['bw_util']:.0%}: {bw.get('decode_bw_gbs')} GB/s"
@@ -857,6 +861,16 @@ def ratio_lines(res: Results, opts: Options) -> list[str]:
                 f" {_verdict(itl, ITL_TARGET, at_most=True)}"
             )
     return lines
+
+
+def offload_failures(res: Results) -> list[str]:
+    """llmrun's GPU runs that did not run on the GPU (all layers offloaded is its default)."""
+    failures = []
+    for (shape, test), bw in sorted(res.bandwidth.items()):
+        on_cpu = bw.get("device") in (None, "CPU") or not bw.get("n_gpu_layers_offloaded")
+        if on_cpu and not shape.startswith("cpu-"):
+            failures.append(f"{shape} {test}: llmrun ran on the CPU, -ngl 99 offloaded nothing")
+    return failures
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -964,6 +978,7 @@ def check(args: argparse.Namespace) -> int:
         )
         return 1
     res = run(steps, layout, log)
+    res.failed += offload_failures(res)
     log.mark("ratios")
     for line in ratio_lines(res, opts):
         log(line)

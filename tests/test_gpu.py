@@ -30,6 +30,7 @@ from llmrun.runners.bench.sweep import Combo, Shape
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.limits import MemoryNeed, fit_gpu_layers, plan_offload
 from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.serving import load as sv
 from llmrun.runners.stats import ModelInfo
 from llmrun.runners.system import SystemInfo, decode_bandwidth, weights_memories
 
@@ -567,31 +568,45 @@ def test_the_ratios_come_from_the_tools_output() -> None:
     res.read(lb, _jsonl({"n_prompt": 512, "n_gen": 0, "avg_ts": 11000.0},
                         {"n_prompt": 0, "n_gen": 128, "avg_ts": 356.0}))  # fmt: skip
     res.read(lr, "[" + ",".join(json.dumps(r) for r in (
-        {"n_prompt": 512, "n_gen": 0, "avg_ts": 11110.0, "engine_avg_ts": 11200.0},
+        {"n_prompt": 512, "n_gen": 0, "avg_ts": 11110.0, "engine_avg_ts": 11200.0,
+         "device": "CUDA0 NVIDIA H200", "n_gpu_layers_offloaded": 33},
         {"n_prompt": 0, "n_gen": 128, "avg_ts": 335.0, "engine_avg_ts": 348.0, "bw_util": 0.31,
-         "decode_bw_gbs": 1500.0, "weights_bw_gbs": 4915.2, "mem_bw_source": "driver"})) + "]")  # fmt: skip
+         "decode_bw_gbs": 1500.0, "weights_bw_gbs": 4915.2, "mem_bw_source": "driver",
+         "device": "CUDA0 NVIDIA H200", "n_gpu_layers_offloaded": 33})) + "]")  # fmt: skip
     res.read(lb, _jsonl({"n_prompt": 0, "n_gen": 128, "avg_ts": 355.0}))
     res.read(steps["8b: llama-batched-bench"], "main: n_kv_max = 20736\n" + _jsonl(
         {"pl": 1, "tg": 64, "t_tg": 0.19, "speed": 1390.0},
         {"pl": 32, "tg": 64, "t_tg": 0.563, "speed": 8225.0}))  # fmt: skip
-    res.read(steps["8b: llmrun's serving lab"], json.dumps([
-        {"concurrency": 1, "total_token_throughput": 1139.0, "itl_p50_ms": 3.9},
-        {"concurrency": 32, "total_token_throughput": 4636.0, "itl_p50_ms": 16.8}]))  # fmt: skip
+    levels = []
+    for level, total_tps, itl_s in ((1, 1139.0, 0.0039), (32, 4636.0, 0.0168)):
+        requests = [sv.RequestResult(256, 64, 0.05, 1.0, [itl_s] * 63) for _ in range(64)]
+        duration_s = 64 * (256 + 64) / total_tps
+        measured = sv.metrics(requests, duration_s, percentiles=[50], slo={})
+        levels.append(sv.ServingLevel("local prefill-first", "8b", level, math.inf, 64, 256, 64,
+                                      measured).record())  # fmt: skip
+    res.read(steps["8b: llmrun's serving lab"], json.dumps(levels))  # as llmrun writes them
     lines = gpu.ratio_lines(res, opts)
     assert lines[0] == ("8b shape, FA on, pp512: llmrun 11,110.0 / llama-bench 11,000.0 tok/s ="
                         " x1.010; llama.cpp's counter in llmrun 11,200.0 (x1.018)")  # fmt: skip
     assert lines[1] == ("8b shape, FA on, tg128: llmrun 335.0 / llama-bench 355.0-356.0 tok/s ="
                         " x0.942; llama.cpp's counter in llmrun 348.0 (x0.979); target ≥ 0.98:"
                         " MISSED")  # fmt: skip
-    assert lines[2] == "  bandwidth share 31%: 1500.0 GB/s of 4915.2 GB/s (driver)"
-    assert lines[3].startswith("8b serving, 1 at a time, 256 in / 64 out: llmrun 1,139 /"
+    assert lines[2] == "  llmrun ran on CUDA0 NVIDIA H200, 33 layers offloaded"
+    assert lines[3] == "  bandwidth share 31%: 1500.0 GB/s of 4915.2 GB/s (driver)"
+    assert lines[4].startswith("8b serving, 1 at a time, 256 in / 64 out: llmrun 1,139 /"
                                " llama-batched-bench 1,390 total tok/s = x0.819; ITL p50 3.90 ms"
                                " against a decode step of 2.97 ms")  # fmt: skip
     assert (
-        lines[4] == "  at 1: ITL / plain decode (llama-bench tg128) = x1.386; target ≤ 1.05: MISSED"
+        lines[5] == "  at 1: ITL / plain decode (llama-bench tg128) = x1.386; target ≤ 1.05: MISSED"
     )
-    assert lines[5].endswith("= x0.564; ITL p50 16.80 ms against a decode step of 8.80 ms; target"
+    assert lines[6].endswith("= x0.564; ITL p50 16.80 ms against a decode step of 8.80 ms; target"
                              " ≥ 0.90: MISSED")  # fmt: skip
+    assert len(lines) == 7 and gpu.offload_failures(res) == []
+    res.read(lr, _jsonl({"n_prompt": 0, "n_gen": 128, "avg_ts": 80.0, "device": "CPU",
+                         "n_gpu_layers_offloaded": 0}))  # fmt: skip
+    assert gpu.offload_failures(res) == [
+        "8b tg128: llmrun ran on the CPU, -ngl 99 offloaded nothing"
+    ]
 
 
 def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(
