@@ -126,7 +126,20 @@ def serve(
         ),
     ] = None,
     batch: o.Batch = None,
-    threads: o.Threads = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "-t",
+            "--threads",
+            envvar="LLMRUN_THREADS",
+            min=1,
+            rich_help_panel=o.MODEL_PANEL,
+            show_default=False,
+            help="CPU threads of the engine. (default: the physical cores less one, which the HTTP"
+            " side needs: llama.cpp's threads wait for each other at every layer, so a thread that"
+            " loses its core to the server stalls the step)",
+        ),
+    ] = None,
     threads_batch: o.ThreadsBatch = None,
     gpu_layers: o.GpuLayers = None,
     repack: o.Repack = None,
@@ -144,6 +157,10 @@ def serve(
         defaults = o.sampling_params(max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p,
                                      min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                                      stop=stop)  # fmt: skip
+        if threads is None:
+            from llmrun.runners.system import default_threads
+
+            threads = max(1, default_threads() - 1)
         config = o.local_engine(endpoint=None, ctx=ctx, batch=batch, ubatch=batch,
                                 threads=threads, threads_batch=threads_batch,
                                 gpu_layers=gpu_layers, flash_attn=None, repack=repack,
