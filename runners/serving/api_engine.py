@@ -160,7 +160,7 @@ class Snapshot:
     n_seq: int
     policy: str
     steps: tuple[StepRecord, ...]  # the last few seconds' steps
-    recent_itl_ms: tuple[float, ...]  # gaps of the decoding sequences, latest last
+    recent_itl_ms: tuple[float, ...]  # the last few seconds' gaps between tokens, latest last
     served: int
     output_tokens: int
 
@@ -220,7 +220,7 @@ class EngineThread:
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
         self._steps: deque[StepRecord] = deque(maxlen=512)
-        self._itl: deque[float] = deque(maxlen=64)
+        self._itl: deque[tuple[float, float]] = deque(maxlen=64)  # (when, gap ms)
         self.served = 0
         self.output_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="llmrun-engine", daemon=True)
@@ -266,7 +266,7 @@ class EngineThread:
             steps = tuple(s for s in self._steps if now - s.end_s <= window_s)
             queued = len(self._pending)
             waiting, running = len(self._waiting), len(self._running)
-            itl = tuple(self._itl)
+            itl = tuple(gap for when, gap in self._itl if now - when <= window_s)
         return Snapshot(decoding=running, prefilling=waiting, queued=queued, n_seq=self.n_seq,
                         policy=str(self.policy), steps=steps, recent_itl_ms=itl,
                         served=self.served, output_tokens=self.output_tokens)  # fmt: skip
@@ -296,7 +296,7 @@ class EngineThread:
             end = time.perf_counter()
             n_prefill = 0
             chunk: dict[int, int] = {}
-            gaps: list[float] = []
+            gaps: list[tuple[float, float]] = []
             for index, (seq, token, _, kind, last) in enumerate(entries):
                 active = self._active[seq.sid]
                 active.slot.cached.append(token)
@@ -312,7 +312,7 @@ class EngineThread:
                     if kind == "p":
                         active.prefill_end_s = end
                     elif len(seq.result.times) > 1:
-                        gaps.append((seq.result.times[-1] - seq.result.times[-2]) * 1000)
+                        gaps.append((end, (seq.result.times[-1] - seq.result.times[-2]) * 1000))
                     if len(seq.result.pieces) > pieces and seq.result.pieces[-1]:
                         active.job.sink(Piece(seq.result.pieces[-1]))
             for sid, n in chunk.items():
