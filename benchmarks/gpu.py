@@ -636,6 +636,7 @@ def plan(arch: str, layout: Layout, opts: Options, wheels: Sequence[str]) -> lis
             (
                 *llmrun,
                 "bench",
+                "serve",
                 "-m",
                 model,
                 "--concurrency",

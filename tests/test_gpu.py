@@ -543,6 +543,15 @@ def test_the_plan_builds_for_the_gpu_then_measures_both_tools_with_the_same_flag
     assert batched[batched.index("-npl") + 1] == "1,8,32"
     assert int(batched[batched.index("-c") + 1]) >= 32 * (256 + 64)
     serve = next(s for s in steps if s.reads == "llmrun-serve").argv
+    assert serve[3:5] == ("bench", "serve")
+    # the real CLI takes every option the plan gives it (--help: parsed, nothing run)
+    for step in steps:
+        if step.reads.startswith("llmrun"):
+            args = list(step.argv[3:])
+            parsed = CliRunner().invoke(app, [*args, "--help"])
+            assert parsed.exit_code == 0, (args, parsed.stderr)
+    refused = CliRunner().invoke(app, ["bench", "--concurrency", "1", "--help"])
+    assert refused.exit_code != 0  # the check can fail: an option bench no longer has
     assert serve[serve.index("--concurrency") + 1] == "1,8,32"
     assert (
         serve[serve.index("--input-len") + 1] == "256"
