@@ -95,8 +95,10 @@ def quick_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     patch(subprocess.Popen, "_execute_child", _refuse(seen, "subprocess.Popen"))
 
     def arm(llama_cpp: ModuleType) -> None:
-        for name in LOADERS:
-            patch(llama_cpp, name, _refuse(seen, f"llama_cpp.{name}"))
+        # the package re-exports the bindings of llama_cpp.llama_cpp, where Llama looks them up
+        for module in (llama_cpp, sys.modules.get("llama_cpp.llama_cpp")):
+            for name in LOADERS if module is not None else ():
+                patch(module, name, _refuse(seen, f"llama_cpp.{name}"))
 
     finder = _GuardLlamaCpp(arm)
     if "llama_cpp" in sys.modules:

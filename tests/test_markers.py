@@ -33,6 +33,11 @@ def test_loads_a_model_with_llama_cpp_already_imported():
     import llama_cpp
     llama_cpp.llama_model_load_from_file(b"missing.gguf", llama_cpp.llama_model_default_params())
 
+def test_loads_a_model_through_llama_cpp_python():
+    import llama_cpp
+    from llmrun.runners.models import default_model_path
+    llama_cpp.Llama(model_path=default_model_path(), n_ctx=64, verbose=False).close()
+
 def test_asks_llama_cpp_about_the_build():
     import llama_cpp
     assert isinstance(llama_cpp.llama_supports_gpu_offload(), bool)
@@ -66,6 +71,7 @@ def test_the_guard_fails_unmarked_processes_and_model_loads(
         "test_swallows_the_refusal",
         "test_loads_a_model_after_importing_llama_cpp",
         "test_loads_a_model_with_llama_cpp_already_imported",
+        "test_loads_a_model_through_llama_cpp_python",
     }, out
     assert "calls subprocess.Popen" in out and "calls llama_cpp.llama_model_load_from_file" in out
     assert outcomes["PASSED"] - failed == {
