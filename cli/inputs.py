@@ -11,6 +11,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
+from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import check_sampling
 
 JSONL_SAMPLING_KEYS = {
@@ -87,13 +88,19 @@ def read_stdin_if_piped() -> str:
         return ""
 
 
+MAX_PROMPT_FILE_BYTES = 256 * 2**20  # beyond any context; /dev/zero never ends
+
+
 def read_text(path: Path) -> str:
     try:
-        return repair_utf8(path.read_text(encoding="utf-8", errors="surrogateescape"), str(path))
+        data = read_capped(path, max_bytes=MAX_PROMPT_FILE_BYTES, what="prompt file")
+        return repair_utf8(data.decode("utf-8", errors="surrogateescape"), str(path))
     except FileNotFoundError:
         raise BadRequestError(f"prompt file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"cannot read prompt file {path}: {e}") from None
+    except OSError as e:
+        raise BadRequestError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"{path}: {e}") from None
 
 
 def collect_jobs(

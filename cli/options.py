@@ -16,6 +16,7 @@ import typer
 
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import check_sampling
 from llmrun.runners.llamacpp import EngineConfig
 
@@ -25,6 +26,8 @@ TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 MODEL_PANEL = "Model and engine"
 SAMPLING_PANEL = "Sampling"
+
+MAX_TEMPLATE_BYTES = 2**20  # chat templates are a few KiB; the largest known are ~30 KiB
 
 
 class FlashAttn(str, Enum):
@@ -355,12 +358,15 @@ def local_engine(
     refuse_for_endpoint(endpoint, local)
     template = None
     if chat_template_file is not None:
-        try:
-            template = chat_template_file.read_text(encoding="utf-8", errors="replace")
+        try:  # a template is a few KiB; /dev/zero or a model file given by mistake is not
+            template = read_capped(chat_template_file, max_bytes=MAX_TEMPLATE_BYTES,
+                                   what="template").decode("utf-8", errors="replace")  # fmt: skip
         except OSError as e:
             raise BadRequestError(
                 f"--chat-template-file: cannot read {chat_template_file}: {e.strerror or e}"
             ) from None
+        except FileTooLargeError as e:
+            raise BadRequestError(f"--chat-template-file {chat_template_file}: {e}") from None
     return EngineConfig(
         n_ctx=ctx,
         n_batch=batch,

@@ -12,8 +12,8 @@ class LlmrunError(Exception):
 
 
 class ModelNotFoundError(LlmrunError):
-    def __init__(self, path: str) -> None:
-        super().__init__(f"model file not found: {path}")
+    def __init__(self, path: str, why: str = "") -> None:
+        super().__init__(f"model file not found: {path}" + (f" ({why})" if why else ""))
         self.path = path
 
 

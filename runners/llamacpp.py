@@ -821,7 +821,7 @@ class LlamaCppRunner:
             raise ChatTemplateError(f"{type(e).__name__}: {first}") from None
 
     def _make_formatter(self) -> Any:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        from .template import bounded_formatter
 
         assert self._info is not None
         lib = llama_lib()
@@ -830,7 +830,7 @@ class LlamaCppRunner:
         vocab = self._model.vocab
         bos = self.piece(lib.llama_vocab_bos(vocab), special=True).decode(errors="replace")
         eos = self.piece(lib.llama_vocab_eos(vocab), special=True).decode(errors="replace")
-        return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        return bounded_formatter(template, eos_token=eos, bos_token=bos)
 
     def request_tokens(self, request: Request) -> list[int]:
         return self._text_and_tokens(request)[1]

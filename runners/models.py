@@ -9,6 +9,7 @@ Downloads go through huggingface-hub (its cache, its progress bars, HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import os
@@ -66,7 +67,9 @@ def default_model_path() -> str:
 
 
 def is_hub_ref(ref: str) -> bool:
-    if ref.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(ref)):
+    """Whether `ref` names a Hub model; anything on disk (a dangling or looping symbolic link
+    included) is a local path, never looked up on the Hub."""
+    if ref.startswith(("/", "./", "../", "~")) or os.path.lexists(os.path.expanduser(ref)):
         return False
     if _HUB_FILE.match(ref):
         return True
@@ -82,9 +85,24 @@ def resolve_model(ref: str | None) -> ResolvedModel:
     if not is_hub_ref(ref):
         path = os.path.expanduser(ref)
         if not os.path.exists(path):
+            _broken_link(path, ref)
             raise ModelNotFoundError(ref)
         return ResolvedModel(os.path.abspath(path), "local", ref)
     return ResolvedModel(_resolve_hub(ref), "hub", ref)
+
+
+def _broken_link(path: str, ref: str) -> None:
+    """A path that is there but leads nowhere: say which link, and why."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ModelNotFoundError(ref, "it is a loop of symbolic links") from None
+        if os.path.islink(path):
+            why = f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+            raise ModelNotFoundError(ref, why) from None
+        if e.errno in (errno.EACCES, errno.ENOTDIR):
+            raise ModelNotFoundError(ref, e.strerror or str(e)) from None
 
 
 def _offline() -> bool:

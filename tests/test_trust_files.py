@@ -212,3 +212,79 @@ def test_a_history_pattern_from_the_command_line(cli: CliRunner) -> None:
     assert "m_\\" in result.output and "mx" not in result.output
     result = cli.invoke(app, ["history", "-m", "[nothing]"])
     assert "no stored run's model name contains '[nothing]'" in result.output
+
+
+def test_a_broken_model_link_is_an_error_about_the_path(
+    tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "loop.gguf").symlink_to(tmp_path / "loop.gguf")
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "model").symlink_to(tmp_path / "gone.gguf")
+    cases = {"loop.gguf": "a loop of symbolic links", "org/model": "gone.gguf, which does not"}
+    monkeypatch.chdir(tmp_path)  # "org/model" reads as a Hub repository unless it is on disk
+    for ref, why in cases.items():
+        result = cli.invoke(app, ["run", "-m", ref, "hi"],
+                            env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+        assert result.exit_code == 1
+        assert f"model file not found: {ref}" in result.stderr and why in result.stderr
+        assert result.stderr.count("\n") == 1 and "huggingface" not in result.stderr.lower()
+
+
+BOMBS = [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{{ 'a' * 999999999 }}",
+    "{% set x = 'ab' * 9999 %}{% for i in range(99999) %}{{ x }}{% endfor %}",
+    "{% set n = namespace(x='ab') %}{% for i in range(60) %}{% set n.x = n.x ~ n.x %}{% endfor %}",
+    "{{ 9 ** 99999999 }}",
+]
+
+
+@pytest.mark.model
+def test_a_chat_template_runs_on_a_budget(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """A template is code that can come inside a GGUF: loops, sizes and output are bounded,
+    each ending in one line (the real model; the bombs through --chat-template-file)."""
+    from .test_trust import llmrun, one_error
+
+    for n, bomb in enumerate(BOMBS):
+        path = tmp_path / f"bomb{n}.jinja"
+        path.write_text(bomb)
+        line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", str(path),
+                                 "-n", "2", "hi"], llmrun_env, timeout=60))  # fmt: skip
+        assert "chat template" in line and ("steps" in line or "larger" in line
+                                            or "more than" in line or "raises" in line), line
+    line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", "/dev/zero", "hi"],
+                            llmrun_env, timeout=60))  # fmt: skip
+    assert "larger than 1 MiB, or does not end" in line
+
+
+def test_the_bounded_template_renders_as_the_librarys() -> None:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from llmrun.runners.llamacpp import CHATML_TEMPLATE
+    from llmrun.runners.template import TemplateBudgetError, bounded_formatter
+
+    messages = [{"role": r, "content": f"{r} text"} for r in ("system", "user", "assistant")]
+    ours = bounded_formatter(CHATML_TEMPLATE, eos_token="</s>", bos_token="<s>")
+    theirs = Jinja2ChatFormatter(template=CHATML_TEMPLATE, eos_token="</s>", bos_token="<s>")
+    assert ours(messages=messages).prompt == theirs(messages=messages).prompt
+    for bomb in BOMBS:
+        with pytest.raises(TemplateBudgetError):
+            bounded_formatter(bomb, eos_token="", bos_token="")(messages=messages)
+
+
+@pytest.mark.parametrize("option", ["-f", "--jsonl"])
+def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
+    assert result.exit_code == 1
+    assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
+
+
+@pytest.mark.model
+def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[str, str]) -> None:
+    from .test_trust import llmrun, one_error
+
+    line = one_error(llmrun(["bench", "-m", model_path, "-p", "8", "-n", "0", "-r", "1",
+                             "--ppl", "/dev/zero"], llmrun_env, timeout=120))  # fmt: skip
+    assert "--ppl /dev/zero" in line and "does not end" in line

@@ -31,6 +31,7 @@ from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
 from llmrun.runners.stats import EngineSettings, human_count
@@ -684,10 +685,12 @@ PPL_CTX = 512  # llama-perplexity's windows when -c is not given
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_bytes().decode("utf-8", errors="replace")
+    try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
+        return read_capped(path, max_bytes=256 * 2**20, what="text").decode("utf-8", "replace")
     except OSError as e:
         raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"--ppl {path}: {e}") from None
 
 
 def _perplexity(
