@@ -252,8 +252,9 @@ def test_a_chat_template_runs_on_a_budget(
         path.write_text(bomb)
         line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", str(path),
                                  "-n", "2", "hi"], llmrun_env, timeout=60))  # fmt: skip
-        assert "chat template" in line and ("steps" in line or "larger" in line
-                                            or "more than" in line or "raises" in line), line
+        assert "chat template" in line and (
+            "steps" in line or "larger" in line or "more than" in line or "raises" in line
+        ), line
     line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", "/dev/zero", "hi"],
                             llmrun_env, timeout=60))  # fmt: skip
     assert "larger than 1 MiB, or does not end" in line
