@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmrun.runners.base import Runner
+from llmrun.runners.base import Finished, Runner
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
@@ -180,11 +180,16 @@ def run(
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
         o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None})
+        if parallel > 1:  # the batched engine decodes one token per sequence and step
+            o.refuse_given({"--draft": draft, "--draft-model": draft_model},
+                           "--parallel does not speculate; drop one or the other")  # fmt: skip
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             served: Runner = runner
+            cut_short = False
             if parallel > 1:
-                served = _serve_in_parallel(runner, jobs, parallel, quiet=quiet)
+                served, cut_short = _serve_in_parallel(runner, jobs, parallel, quiet=quiet,
+                                                       n_ctx=config.n_ctx)  # fmt: skip
             code = _run_jobs(
                 served, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
                 json_out=json_out, dashboard=not no_dashboard and parallel == 1,
@@ -195,12 +200,15 @@ def run(
             runner.close()
         if code == EXIT_BROKEN_PIPE:
             quiet_broken_pipe()
-        raise typer.Exit(code)
+        raise typer.Exit(EXIT_INTERRUPTED if cut_short and code != EXIT_BROKEN_PIPE else code)
 
 
-def _serve_in_parallel(runner: Runner, jobs: list[Job], parallel: int, *, quiet: bool) -> Runner:
+def _serve_in_parallel(
+    runner: Runner, jobs: list[Job], parallel: int, *, quiet: bool, n_ctx: int | None
+) -> tuple[Runner, bool]:
     """Every job's request served at once, `parallel` at a time; returns a runner that replays
-    them to the usual printing, and says the total throughput."""
+    them to the usual printing (a request that failed alone fails there, in its turn), and
+    whether Ctrl-C cut the run short. Says the total throughput."""
     from llmrun.runners.batched import Replay, serve_requests
     from llmrun.runners.llamacpp import LlamaCppRunner
 
@@ -208,17 +216,22 @@ def _serve_in_parallel(runner: Runner, jobs: list[Job], parallel: int, *, quiet:
         raise BadRequestError("--parallel needs a local model")
     requests = [job.request for job in jobs if job.error is None and job.request is not None]
     if not requests:
-        return runner
+        return runner, False
     cancel = threading.Event()
     with ctrl_c_cancels(cancel):
-        finished, seconds = serve_requests(runner, requests, n_seq=parallel, cancel=cancel)
+        outcome, seconds = serve_requests(runner, requests, n_seq=parallel, n_ctx=n_ctx,
+                                          cancel=cancel)  # fmt: skip
+    finished = [f for f in outcome if isinstance(f, Finished)]
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
+        cut = (
+            f" (interrupted: {len(requests) - len(finished)} not served)" if cancel.is_set() else ""
+        )
         print(f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
               f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
-              " (prompt and output tokens)", file=sys.stderr, flush=True)  # fmt: skip
-    return Replay(runner, finished)
+              f" (prompt and output tokens){cut}", file=sys.stderr, flush=True)  # fmt: skip
+    return Replay(runner, outcome), cancel.is_set()
 
 
 def stdout_may_reach_this_terminal() -> bool:
@@ -386,7 +399,7 @@ def _run_jobs(
                 print(incomplete_message(s), file=errfile)
                 failed = True
                 break
-            if out.closed or s.interrupted:
+            if out.closed or (s.interrupted and not getattr(runner, "replays", False)):
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done)))

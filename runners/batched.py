@@ -18,6 +18,7 @@ wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -28,9 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
-from .errors import BadRequestError, EngineError
+from .errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
 from .llamacpp import LlamaCppRunner, llama_lib
-from .stats import FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, GenerationStats, percentile
+from .stats import (
+    FINISH_CONTEXT,
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationStats,
+    percentile,
+)
 from .text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
@@ -379,53 +387,93 @@ def interference(
     )
 
 
+class NotStartedError(LlmrunError):
+    """A request still waiting for a free sequence when the run was interrupted."""
+
+    def __init__(self) -> None:
+        super().__init__("not started: the run was interrupted before this request's turn")
+
+
 def serve_requests(
     runner: LlamaCppRunner,
     requests: Sequence[Request],
     *,
     n_seq: int,
+    n_ctx: int | None = None,
     policy: Policy | None = None,
     cancel: threading.Event | None = None,
-) -> tuple[list[Finished], float]:
+) -> tuple[list[Finished | LlmrunError], float]:
     """Requests served concurrently (at most n_seq at once), each with its own sampling and
-    stop strings: a Finished per request, in order, and the run's seconds."""
+    stop strings: per request, in order, its Finished or the error that stopped it alone (a
+    chat template that fails, a prompt longer than `n_ctx`, not started before an interrupt);
+    and the run's seconds. `n_ctx` is each request's context (prompt and output), as -c is for
+    one request; without it, each gets what the longest request needs."""
     loaded = runner.load()
-    prompts = [runner.request_tokens(r) for r in requests]
-    need = max(len(p) + r.sampling.max_tokens for p, r in zip(prompts, requests, strict=True))
-    engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=need + 8,
+    outcome: list[Finished | LlmrunError | None] = [None] * len(requests)
+    prompts: dict[int, list[int]] = {}
+    limits: dict[int, int] = {}  # each request's output budget within its context
+    for i, request in enumerate(requests):
+        try:
+            prompt = runner.request_tokens(request)
+        except LlmrunError as e:
+            outcome[i] = e
+            continue
+        if n_ctx is not None and len(prompt) + 1 > n_ctx:
+            outcome[i] = PromptTooLongError(len(prompt), n_ctx)
+            continue
+        prompts[i] = prompt
+        room = n_ctx - len(prompt) if n_ctx is not None else request.sampling.max_tokens
+        limits[i] = min(request.sampling.max_tokens, room)
+    if not prompts:
+        return [o for o in outcome if o is not None], 0.0
+    per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.items()) + 8
+    settings = dataclasses.replace(loaded.settings, n_ctx=per_seq)
+    engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
                            n_batch=loaded.settings.n_batch)  # fmt: skip
+    order = sorted(prompts)
     try:
-        arrivals = [Arrival(0.0, tuple(p), r.sampling.max_tokens, r.sampling.ignore_eos,
-                            r.sampling)
-                    for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
+        arrivals = [Arrival(0.0, tuple(prompts[i]), limits[i], requests[i].sampling.ignore_eos,
+                            requests[i].sampling) for i in order]  # fmt: skip
         results, _ = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
                                 cancel=cancel)  # fmt: skip
     finally:
         engine.close()
-    finished = []
-    for request, prompt, r in zip(requests, prompts, results, strict=True):
+    interrupted = cancel is not None and cancel.is_set()
+    for i, r in zip(order, results, strict=True):
+        request, prompt = requests[i], prompts[i]
+        if interrupted and r.started_s is None:
+            outcome[i] = NotStartedError()
+            continue
+        finish = r.finish
+        if finish == FINISH_LENGTH and len(r.output) < limits[i]:
+            finish = FINISH_INTERRUPTED  # cut by Ctrl-C, not by -n
+        elif finish == FINISH_LENGTH and limits[i] < request.sampling.max_tokens:
+            finish = FINISH_CONTEXT  # -c, not -n, ended it
         first = r.times[0] if r.times else None
         stats = GenerationStats(
-            finish_reason=r.finish if r.times or r.finish == FINISH_STOP else FINISH_INTERRUPTED,
+            finish_reason=finish if r.times or finish == FINISH_STOP else FINISH_INTERRUPTED,
             prompt_tokens=len(prompt), reused_tokens=0, output_tokens=len(r.output),
             template_tokenize_s=0.0,
             prefill_s=(first - r.started_s) if first is not None and r.started_s is not None
             else 0.0,
             first_sample_s=0.0, itl_s=tuple(r.gaps_s),
             e2e_s=r.times[-1] if r.times else 0.0, load_s=loaded.load_s,
-            seed=request.sampling.seed, model=loaded.model, settings=loaded.settings,
+            seed=request.sampling.seed, model=loaded.model, settings=settings,
             first_token_s=first,
         )  # fmt: skip
-        finished.append(Finished(stats, "".join(r.pieces) + r.tail, r.tail))
+        outcome[i] = Finished(stats, "".join(r.pieces) + r.tail, r.tail)
     end = max((r.times[-1] for r in results if r.times), default=0.0)
-    return finished, end
+    return [o for o in outcome if o is not None], end
 
 
 class Replay:
     """A Runner that replays requests already served (by `serve_requests`): their tokens as
-    events with the times they had, then their stats, so `run` prints them as it does any."""
+    events with the times they had, then their stats, so `run` prints them as it does any;
+    a request that failed alone raises its error when its turn comes."""
 
-    def __init__(self, runner: LlamaCppRunner, finished: Sequence[Finished]) -> None:
+    replays = True  # every request was already served: an interrupted one does not stop the rest
+
+    def __init__(self, runner: LlamaCppRunner, finished: Sequence[Finished | LlmrunError]) -> None:
         self.runner, self._finished = runner, list(finished)
 
     @property
@@ -437,6 +485,8 @@ class Replay:
 
     def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
         done = self._finished.pop(0)
+        if isinstance(done, LlmrunError):
+            raise done
         body = done.text[: len(done.text) - len(done.tail)] if done.tail else done.text
         if body:
             yield Token(0, body, done.stats.first_token_s or 0.0)

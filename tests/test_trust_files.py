@@ -20,6 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
+from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
 from llmrun.runners.history import History
 
@@ -289,3 +290,66 @@ def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[
     line = one_error(llmrun(["bench", "-m", model_path, "-p", "8", "-n", "0", "-r", "1",
                              "--ppl", "/dev/zero"], llmrun_env, timeout=120))  # fmt: skip
     assert "--ppl /dev/zero" in line and "does not end" in line
+
+
+class _CancelAfter:
+    """A cancel flag that turns on at the engine's Nth look: Ctrl-C at a known step."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def is_set(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+@pytest.mark.model
+def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: str) -> None:
+    from llmrun.runners.base import Finished
+    from llmrun.runners.batched import NotStartedError, serve_requests
+    from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+    from llmrun.runners.stats import FINISH_INTERRUPTED
+
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512))
+    try:
+        sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        requests = [Request(prompt=f"Count to {i}:", sampling=sampling) for i in range(5)]
+        outcome, _ = serve_requests(runner, requests, n_seq=2,
+                                    cancel=_CancelAfter(20))  # type: ignore[arg-type]  # fmt: skip
+    finally:
+        runner.close()
+    assert len(outcome) == 5
+    cut = [o for o in outcome if isinstance(o, Finished)]
+    assert len(cut) == 2 and all(f.stats.finish_reason == FINISH_INTERRUPTED for f in cut)
+    assert all(0 < f.stats.output_tokens < 64 for f in cut)
+    assert all(isinstance(o, NotStartedError) for o in outcome[2:])
+
+
+@pytest.mark.model
+def test_parallel_lines_fail_alone_and_ctx_and_draft_are_not_ignored(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    from .test_trust import llmrun, one_error
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% if 'boom' in messages[-1].content %}{{ raise_exception('no boom') }}"
+                        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                        "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    lines = ["Say hi.", "boom", "Say yes.", "word " * 100, "Say no."]
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(lines)))  # fmt: skip
+    result = llmrun(["run", "-m", model_path, "--jsonl", str(prompts), "--parallel", "2", "-n", "4",
+                     "-c", "64", "--chat-template-file", str(template), "--json", "-q"],
+                    llmrun_env)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    answered = [json.loads(x) for x in result.stdout.splitlines()]
+    assert [a["id"] for a in answered] == ["q0", "q2", "q4"]
+    assert all(a["stats"]["settings"]["n_ctx"] == 64 for a in answered)
+    errors = result.stderr.decode().splitlines()
+    assert any(":2: " in e and "no boom" in e for e in errors), errors
+    assert any(":4: " in e and "context holds 64" in e for e in errors), errors
+    for flags in (["--draft", "lookup"], ["--draft-model", model_path]):
+        line = one_error(llmrun(["run", "-m", model_path, "--parallel", "2", "--temp", "0", *flags, "hi"],
+                                llmrun_env))  # fmt: skip
+        assert "--parallel does not speculate" in line
