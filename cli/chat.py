@@ -54,6 +54,7 @@ from .session import (
     terminal_modes,
     thinking_route,
 )
+from .terminal import terminal_line
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -656,7 +657,8 @@ class ChatUI:
             self.error(e)
             self.failed = True
             return
-        self.err.print(Text(f"saved {len(self.conv.turns)} turns to {path}", style="dim"))
+        self.err.print(Text(terminal_line(f"saved {len(self.conv.turns)} turns to {path}"),
+                            style="dim"))  # fmt: skip
 
 
 def chat(

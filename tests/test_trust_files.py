@@ -353,3 +353,23 @@ def test_parallel_lines_fail_alone_and_ctx_and_draft_are_not_ignored(
         line = one_error(llmrun(["run", "-m", model_path, "--parallel", "2", "--temp", "0", *flags, "hi"],
                                 llmrun_env))  # fmt: skip
         assert "--parallel does not speculate" in line
+
+
+@pytest.mark.model
+def test_escapes_in_model_and_ppl_file_names_never_reach_stderr(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    from .test_trust import llmrun
+
+    evil = "x\x1b]0;pwned\x07\x1b[2J\x9b"
+    model = tmp_path / f"{evil}.gguf"
+    model.symlink_to(model_path)
+    text = tmp_path / f"{evil}.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    for args in (["run", "-m", str(model), "-n", "2", "hi"],
+                 ["bench", "-m", str(model), "-p", "8", "-n", "0", "-r", "1", "--ppl", str(text),
+                  "-c", "64"]):  # fmt: skip
+        result = llmrun(args, llmrun_env)
+        assert result.returncode == 0, result.stderr
+        err = result.stderr.decode()
+        assert "\x1b" not in err and "\x9b" not in err and "\x07" not in err, repr(err)

@@ -25,6 +25,7 @@ from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.report import ms
 from llmrun.cli.session import ctrl_c_cancels
+from llmrun.cli.terminal import terminal_line
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
@@ -109,7 +110,7 @@ def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
     grid.add_column(width=8, no_wrap=True)
     grid.add_column()
     for label, value in rows:
-        grid.add_row(label, Text(value))
+        grid.add_row(label, Text(terminal_line(value)))  # a model's name may hold escapes
     return grid
 
 
@@ -799,7 +800,8 @@ def _report(
         first = next(iter(scores.values()))[0]
         for name, (ppl, n) in scores.items():
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
-            show.print(f"perplexity {name}: {ppl:,.3f}{change} on {sweep.ppl.name}, {n} tokens"
+            show.print(f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
+                       f" {terminal_line(sweep.ppl.name)}, {n} tokens"
                        f" scored in windows of {sweep.contexts()[0] or PPL_CTX}",
                        markup=False)  # fmt: skip
     if changes is not None:
