@@ -16,7 +16,8 @@ import sys
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import sweep as sw
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 
 

@@ -26,7 +26,8 @@ from rich.live import Live
 from llmrun.cli.dashboard import Dashboard
 from llmrun.cli.session import EventView, TextOut, drive
 from llmrun.runners.base import Event, Request, SamplingParams, Token
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 
 DRAW_CPU_S = [0.0]

@@ -18,7 +18,8 @@ import statistics
 import sys
 
 from llmrun.runners.base import Request, SamplingParams, generate
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 
 

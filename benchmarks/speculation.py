@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from llmrun.runners.base import Request, SamplingParams, generate
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent

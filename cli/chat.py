@@ -698,7 +698,15 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        sampling, config = o.generation_settings(locals())
+        options = o.GenerationOptions(
+            system=system, endpoint=endpoint, max_tokens=max_tokens, temp=temp, top_k=top_k,
+            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+            think=think, draft=draft, draft_model=draft_model,
+            chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
+            threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
+            flash_attn=flash_attn, repack=repack,
+        )  # fmt: skip
+        sampling, config = o.generation_settings(options)
         asked_ctx = config.n_ctx
         config = free_cores(config, endpoint=endpoint, quiet=False)
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)

@@ -42,7 +42,7 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     verdict may run the probe (a child process, once per build, CPU and quantization)."""
     from llmrun.runners import devices as dv
     from llmrun.runners import system as sy
-    from llmrun.runners.llamacpp import llama_lib
+    from llmrun.runners.library import llama_lib
 
     out = [Finding("version", version_line())]
     lib = llama_lib()

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from llmrun.runners.base import BenchRunner, Runner
 from llmrun.runners.bench.tuning import apply_tuning
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 
 
@@ -37,7 +38,7 @@ def note_unused_gpu() -> None:
         return
     _noted = True
     from llmrun.runners import devices
-    from llmrun.runners.llamacpp import llama_lib
+    from llmrun.runners.library import llama_lib
 
     note = devices.unused_gpu_note(devices.host_gpus(),
                                    bool(llama_lib().llama_supports_gpu_offload()))  # fmt: skip

@@ -69,7 +69,7 @@ def main() -> None:
     _same_text_in_every_locale()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
-    from llmrun.runners import llamacpp
+    from llmrun.runners import library
     from llmrun.runners.errors import EngineAbortError
 
     from .app import app
@@ -78,7 +78,7 @@ def main() -> None:
     def on_abort(error: EngineAbortError) -> None:
         print_error(error)
 
-    llamacpp.on_abort = on_abort
+    library.on_abort = on_abort
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in STOP_SIGNALS:
         if signum != signal.SIGINT:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import check_sampling
-from llmrun.runners.llamacpp import EngineConfig
 
 # The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
 DEFAULTS = SamplingParams()
@@ -295,23 +296,50 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
     return int(count) if count else DEFAULT_DRAFT
 
 
-def generation_settings(given: Mapping[str, Any]) -> tuple[SamplingParams, EngineConfig]:
-    """The sampling and engine settings of `run` and `chat`, from their options by name (the
-    two commands share them): checked, warned about, refused with --endpoint where they do
-    not apply."""
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """The options `run` and `chat` share, built field by field from their parameters, so that
+    renaming or dropping one is a type error rather than a failure at run time."""
+
+    system: str | None
+    endpoint: str | None
+    max_tokens: int
+    temp: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: int | None
+    stop: list[str] | None
+    think: bool | None
+    draft: str | None
+    draft_model: Path | None
+    chat_template_file: Path | None
+    ctx: int | None
+    batch: int | None
+    ubatch: int | None
+    threads: int | None
+    threads_batch: int | None
+    gpu_layers: int | None
+    flash_attn: FlashAttn | None
+    repack: bool | None
+
+
+def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, EngineConfig]:
+    """The sampling and engine settings of `run` and `chat`: checked, warned about, refused
+    with --endpoint where they do not apply."""
     g = given
-    warn_if_seed(g["system"])
-    refuse_for_endpoint(g["endpoint"], {"--draft": g["draft"]})
+    warn_if_seed(g.system)
+    refuse_for_endpoint(g.endpoint, {"--draft": g.draft})
     sampling = sampling_params(
-        max_tokens=g["max_tokens"], temp=g["temp"], top_k=g["top_k"], top_p=g["top_p"],
-        min_p=g["min_p"], repeat_penalty=g["repeat_penalty"], seed=g["seed"], stop=g["stop"],
-        think=g["think"], draft=g["draft"], draft_model=g["draft_model"] is not None,
+        max_tokens=g.max_tokens, temp=g.temp, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
+        repeat_penalty=g.repeat_penalty, seed=g.seed, stop=g.stop, think=g.think,
+        draft=g.draft, draft_model=g.draft_model is not None,
     )  # fmt: skip
     config = local_engine(
-        endpoint=g["endpoint"], ctx=g["ctx"], batch=g["batch"], ubatch=g["ubatch"],
-        threads=g["threads"], threads_batch=g["threads_batch"], gpu_layers=g["gpu_layers"],
-        flash_attn=g["flash_attn"], repack=g["repack"],
-        chat_template_file=g["chat_template_file"], draft_model=g["draft_model"],
+        endpoint=g.endpoint, ctx=g.ctx, batch=g.batch, ubatch=g.ubatch, threads=g.threads,
+        threads_batch=g.threads_batch, gpu_layers=g.gpu_layers, flash_attn=g.flash_attn,
+        repack=g.repack, chat_template_file=g.chat_template_file, draft_model=g.draft_model,
     )  # fmt: skip
     return sampling, config
 

@@ -171,7 +171,15 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        sampling, config = o.generation_settings(locals())
+        options = o.GenerationOptions(
+            system=system, endpoint=endpoint, max_tokens=max_tokens, temp=temp, top_k=top_k,
+            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+            think=think, draft=draft, draft_model=draft_model,
+            chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
+            threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
+            flash_attn=flash_attn, repack=repack,
+        )  # fmt: skip
+        sampling, config = o.generation_settings(options)
         jobs = collect_jobs(
             words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
             sampling=sampling,

@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.base import Request, SamplingParams
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.stats import percentile
 

@@ -16,7 +16,7 @@ from llmrun.runners.base import Event, Finished, Request, Runner, Token
 from .terminal import terminal_text
 
 if TYPE_CHECKING:
-    from llmrun.runners.llamacpp import EngineConfig
+    from llmrun.runners.config import EngineConfig
 
 
 class EventView(Protocol):

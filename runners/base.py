@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 from .stats import EngineSettings, GenerationStats, ModelInfo, ServerSettings
 
 if TYPE_CHECKING:
+    from .config import EngineConfig
     from .gguf import GGUFInfo
-    from .llamacpp import EngineConfig
 
 DEFAULT_TIMEOUT_S = 60.0  # a remote server's read timeout
 

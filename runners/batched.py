@@ -30,7 +30,8 @@ from typing import Any
 
 from .base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
 from .errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
-from .llamacpp import LlamaCppRunner, llama_lib
+from .library import llama_lib
+from .llamacpp import LlamaCppRunner
 from .stats import (
     FINISH_CONTEXT,
     FINISH_INTERRUPTED,

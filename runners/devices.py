@@ -53,13 +53,20 @@ class DeviceQuery(Protocol):
     def bandwidth(self, device: Device) -> DeviceBandwidth | None: ...
 
 
+def _lib_dir() -> Path:
+    """The folder of the shared libraries llama_cpp loaded; through `llama_lib()`, so that
+    llmrun's log callback is in place before the first backend call (a GPU backend logs its
+    set-up, e.g. `ggml_cuda_init: found 1 CUDA devices`, when it is first reached)."""
+    from .library import llama_lib
+
+    return Path(llama_lib().__file__).parent / "lib"
+
+
 class GgmlDevices:
     """The devices of the libggml that llama_cpp loaded."""
 
     def __init__(self) -> None:
-        import llama_cpp
-
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        lib_dir = _lib_dir()
         self._ggml = _open(lib_dir, "libggml.so")
         self._base = _open(lib_dir, "libggml-base.so")
 
@@ -367,9 +374,7 @@ class BuftOverride(ctypes.Structure):
 
 def buffer_type(name: str) -> int | None:
     """A ggml buffer type by llama-bench's name: CPU, or a device's (CUDA0, Metal)."""
-    import llama_cpp
-
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib_dir = _lib_dir()
     if name.upper() == "CPU":
         cpu = _open(lib_dir, "libggml-cpu.so")
         if cpu is None:
@@ -386,9 +391,7 @@ def buffer_type(name: str) -> int | None:
 
 
 def device_by_name(name: str) -> int | None:
-    import llama_cpp
-
-    ggml = _open(Path(llama_cpp.__file__).parent / "lib", "libggml.so")
+    ggml = _open(_lib_dir(), "libggml.so")
     if ggml is None:
         return None
     ggml.ggml_backend_dev_by_name.restype = ctypes.c_void_p

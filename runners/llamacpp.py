@@ -15,21 +15,16 @@ phase figure; `e2e_s` is the wall time including it.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import ctypes
 import dataclasses
 import itertools
 import math
-import os
 import re
 import secrets
-import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import devices as dv
@@ -43,17 +38,26 @@ from .base import (
     SamplingParams,
     Token,
 )
+from .config import (
+    DEFAULT_N_BATCH,
+    DEFAULT_N_CTX,
+    LAZY_MODES,
+    LOAD_MODES,
+    SPLIT_MODES,
+    EngineConfig,
+)
 from .errors import (
     BadRequestError,
     ChatTemplateError,
     EmptyPromptError,
-    EngineAbortError,
     EngineError,
     LoadCancelledError,
     ModelLoadError,
     PromptTooLongError,
 )
 from .gguf import GGUFInfo, read_gguf
+from .handles import Batch, Context, Model, Sampler
+from .library import LOG_LINES, last_log_error, llama_lib
 from .limits import (
     MAX_CTX,
     SettingError,
@@ -84,137 +88,6 @@ from .system import (
     resident_fraction,
 )
 from .text import TextStream
-
-DEFAULT_N_CTX = 4096
-DEFAULT_N_BATCH = 512
-
-# What llama.cpp logged last: the reason a model failed to load is only there.
-LOG_LINES: collections.deque[str] = collections.deque(maxlen=2000)
-_lib: Any = None
-_log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
-_abort_callback: Any = None  # likewise
-_verbose = False  # also echo llama.cpp's log to stderr (bench -v)
-
-
-def set_verbose(on: bool) -> None:
-    global _verbose
-    _verbose = on
-
-
-def _default_on_abort(error: EngineAbortError) -> None:
-    with contextlib.suppress(OSError):
-        os.write(2, f"{error}\n".encode(errors="replace"))
-
-
-# What to do with a llama.cpp abort (GGML_ASSERT/GGML_ABORT) before the process exits with 1;
-# the CLI sets its own, which prints the one-line error. It must not return into llama.cpp.
-on_abort: Callable[[EngineAbortError], None] = _default_on_abort
-
-
-_aborting = threading.Lock()
-
-
-def _fatal(message: bytes | None) -> None:
-    """ggml's abort callback: report one line and exit 1 instead of abort() and a backtrace.
-
-    Several compute threads can fail the same assertion at once: the first reports, the others
-    wait for the exit."""
-    if not _aborting.acquire(blocking=False):
-        time.sleep(3600)
-    text = (message or b"").decode("utf-8", errors="replace")
-    # "/tmp/pip-…/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp:4132: GGML_ASSERT(…) failed"
-    where, sep, what = text.partition(": ")
-    if sep and "/" in where:
-        text = f"{what} ({where.rsplit('/', 1)[-1]})"
-    reason = " ".join(text.split()) or "no reason given"
-    try:
-        if sys.stdout is not None:
-            sys.stdout.flush()  # generated text already written is kept
-    except (OSError, ValueError):
-        pass
-    try:
-        on_abort(EngineAbortError(reason))
-    finally:
-        os._exit(1)
-
-
-def _install_abort_callback(llama_cpp: Any) -> None:
-    """Route ggml's aborts through `_fatal`. ggml_set_abort_callback lives in libggml-base, which
-    can be mapped twice (llama_cpp opens libggml-base.so, libllama links libggml-base.so.0):
-    the callback is set in every copy, so whichever one the compute threads call has it."""
-    global _abort_callback
-    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-    _abort_callback = callback_type(_fatal)
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for path in sorted(lib_dir.glob("*ggml-base*")):
-        try:
-            setter = ctypes.CDLL(str(path)).ggml_set_abort_callback
-        except (OSError, AttributeError):
-            continue
-        setter.restype = ctypes.c_void_p
-        setter.argtypes = [callback_type]
-        setter(_abort_callback)
-
-
-def llama_lib() -> Any:
-    """Import llama_cpp once, route its log into LOG_LINES and its aborts into one-line errors,
-    and initialise the backend."""
-    global _lib, _log_callback
-    if _lib is None:
-        os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # no gdb backtrace on stdout, ever
-        import llama_cpp
-
-        @llama_cpp.llama_log_callback
-        def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            LOG_LINES.append(text.decode("utf-8", errors="replace"))
-            if _verbose:
-                with contextlib.suppress(OSError):
-                    os.write(2, text)
-
-        _log_callback = _log
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        _install_abort_callback(llama_cpp)
-        llama_cpp.llama_backend_init()
-        _lib = llama_cpp
-    return _lib
-
-
-def last_log_error() -> str:
-    """The reason llama.cpp logged for a failure: the telling line before its generic
-    "failed to load model" / "failed to initialize" conclusion, with llama.cpp's prefixes cut."""
-    lines = [" ".join(ln.split()) for ln in list(LOG_LINES) if ln.strip()]
-    generic = ("failed to load model", "failed to initialize", "llama_model_load_from_file")
-    telling = ("error", "failed", "invalid", "not within", "unknown", "not found", "missing",
-               "unsupported", "wrong", "exceed", "cannot", "could not")  # fmt: skip
-    for ln in reversed(lines):
-        low = ln.lower()
-        if any(w in low for w in telling) and not any(g in low for g in generic):
-            return _strip_log_prefix(ln)
-    for ln in reversed(lines):
-        if any(w in ln.lower() for w in telling):
-            return _strip_log_prefix(ln)
-    return _strip_log_prefix(lines[-1]) if lines else "no reason given"
-
-
-def _strip_log_prefix(line: str) -> str:
-    """'llama_model_load: error loading model: X' -> 'X' (the function names mean nothing to
-    users; the last 'error ...:' clause is the reason)."""
-    for marker in ("error loading model: ", "error loading model architecture: ", "error: "):
-        if marker in line:
-            line = line.rsplit(marker, 1)[1]
-            break
-    else:
-        head, sep, rest = line.partition(": ")
-        if sep and head.replace("_", "").isalnum() and "_" in head:
-            line = rest
-    return line.strip() or "no reason given"
-
-
-# llama.cpp's load modes by the names llama-bench's -lm takes (-mmp 0/1 are none/mmap)
-LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
-_SPLIT_MODES = {0: "none", 1: "layer", 2: "row", 3: "tensor"}
-_LAZY_MODES = {0: "off", 1: "auto", 2: "on"}
-
 
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
 
@@ -298,15 +171,23 @@ def model_params(p: Any) -> dict[str, Any]:
     """llama-bench's model-side fields, read back from the llama_model_params handed over."""
     load_mode = {v: k for k, v in LOAD_MODES.items()}.get(int(p.load_mode), str(p.load_mode))
     return {
-        "split_mode": _SPLIT_MODES.get(int(p.split_mode), str(p.split_mode)),
+        "split_mode": SPLIT_MODES.get(int(p.split_mode), str(p.split_mode)),
         "main_gpu": int(p.main_gpu),
         "devices": "auto" if not p.devices else "custom",
         "tensor_split": "0.00" if not p.tensor_split else "custom",
         "tensor_buft_overrides": "none" if not p.tensor_buft_overrides else "custom",
         "load_mode": load_mode,
-        "lazy_mode": _LAZY_MODES.get(int(p.lazy_mode), str(p.lazy_mode)),
+        "lazy_mode": LAZY_MODES.get(int(p.lazy_mode), str(p.lazy_mode)),
         "no_host": bool(p.no_host),
     }
+
+
+def _flash_attn_type(lib: Any, name: str) -> int:
+    return int({
+        "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    }[name])  # fmt: skip
 
 
 def context_params(p: Any) -> dict[str, Any]:
@@ -316,42 +197,6 @@ def context_params(p: Any) -> dict[str, Any]:
         "embeddings": bool(p.embeddings),
         "no_op_offload": int(not bool(p.op_offload)),
     }
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Load-time settings, named as llama.cpp names them. None means: choose for this machine."""
-
-    n_ctx: int | None = None  # None: min(4096, training context); 0: the training context
-    n_batch: int | None = None  # prefill chunk size; None: 512
-    n_ubatch: int | None = None  # None: 512 (at most n_batch)
-    n_threads: int | None = None  # None: physical cores
-    n_threads_batch: int | None = None
-    n_gpu_layers: int | None = None  # -1 or more than the model has: all; None: all where
-    # this llama.cpp build can offload (as llama-bench and Ollama), else 0
-    flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
-    repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
-    cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
-    cache_type_v: str = "f16"
-    tuned: bool = False
-    workload: str = "chat"  # which tuned settings apply: chat (short prompt) or document
-    load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
-    cold: bool = False  # drop the file from the page cache before loading (bench --cold)
-    chat_template: str | None = None  # a Jinja chat template in place of the model's own
-    draft_model: str | None = None  # a small model with the same vocabulary that drafts
-    split_mode: str | None = None  # across GPUs: none, layer, row, tensor (GPU builds)
-    main_gpu: int | None = None
-    tensor_split: str | None = None  # shares per GPU, "3/1"
-    tensor_overrides: str | None = None  # llama-bench's -ot: "pattern=BUFFER;pattern=BUFFER"
-    n_cpu_moe: int = 0  # the expert tensors of the first N layers stay on the CPU
-    devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
-    no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
-
-    def same_model(self, other: EngineConfig) -> bool:
-        """Whether `other` can reuse the loaded weights (only the context differs)."""
-        fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
-                  "tensor_overrides", "n_cpu_moe", "devices")  # fmt: skip
-        return all(getattr(self, f) == getattr(other, f) for f in fields)
 
 
 @dataclass
@@ -384,7 +229,7 @@ class _Drafter:
 
     def __init__(self, lib: Any, n_draft: int, cache: list[int]) -> None:
         self.lib, self.n_draft, self.cache = lib, n_draft, cache
-        self.batch = lib.llama_batch_init(n_draft + 1, 0, 1)
+        self.batch = Batch(lib, n_draft + 1)
         self.drafted = self.accepted = self.steps = 0
         self.length = n_draft  # adapts: doubled after a full acceptance, halved after a miss
 
@@ -398,30 +243,26 @@ class _Drafter:
                     return history[start + n : start + n + min(limit, self.length)]
         return []
 
-    def step(self, ctx: Any, chain: Any, token: int, room: int) -> tuple[list[int], int]:
+    def step(self, ctx: Any, chain: Sampler, token: int, room: int) -> tuple[list[int], int]:
         """Decode `token` and its drafts in one batch; returns (accepted drafts, next token)."""
         lib, batch = self.lib, self.batch
         drafts = self.propose([*self.cache, token], min(room, self.length)) if room > 0 else []
         base = len(self.cache)
         for i, t in enumerate([token, *drafts]):
-            batch.token[i] = t
-            batch.pos[i] = base + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = True
+            batch.set(i, t, base + i)
         batch.n_tokens = 1 + len(drafts)
-        rc = lib.llama_decode(ctx, batch)
+        rc = lib.llama_decode(ctx, batch.struct)
         if rc != 0:
             raise EngineError(f"llama_decode failed during generation (code {rc})")
         self.steps += 1
         self.drafted += len(drafts)
         accepted: list[int] = []
-        following = lib.llama_sampler_sample(chain, ctx, 0)
+        following = chain.sample(ctx, 0)
         for i, draft in enumerate(drafts):
             if following != draft:
                 break
             accepted.append(draft)
-            following = lib.llama_sampler_sample(chain, ctx, i + 1)
+            following = chain.sample(ctx, i + 1)
         self.accepted += len(accepted)
         if drafts:
             full = len(accepted) == len(drafts)
@@ -433,9 +274,7 @@ class _Drafter:
         return accepted, following
 
     def close(self) -> None:
-        if self.batch is not None:
-            self.lib.llama_batch_free(self.batch)
-            self.batch = None
+        self.batch.close()
 
 
 class _ModelDrafter(_Drafter):
@@ -445,8 +284,7 @@ class _ModelDrafter(_Drafter):
     def __init__(self, lib: Any, n_draft: int, cache: list[int], draft: LlamaCppRunner) -> None:
         super().__init__(lib, n_draft, cache)
         self.draft = draft
-        self.greedy = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        lib.llama_sampler_chain_add(self.greedy, lib.llama_sampler_init_greedy())
+        self.greedy = Sampler.greedy(lib)
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         d, lib = self.draft, self.lib
@@ -455,8 +293,8 @@ class _ModelDrafter(_Drafter):
         guesses: list[int] = []
         one = (lib.llama_token * 1)()
         while len(guesses) < limit:
-            guess = lib.llama_sampler_sample(self.greedy, d._ctx_ptr, -1)
-            if lib.llama_vocab_is_eog(d._vocab_ptr(), guess):
+            guess = self.greedy.sample(d._ctx_ptr)
+            if d.is_eog(guess):
                 break
             guesses.append(guess)
             if len(guesses) == limit:
@@ -469,63 +307,7 @@ class _ModelDrafter(_Drafter):
 
     def close(self) -> None:
         super().close()
-        if self.greedy is not None:
-            self.lib.llama_sampler_free(self.greedy)
-            self.greedy = None
-
-
-class _Model:
-    """A loaded llama_model and its vocabulary; `close` frees it once (as llama-cpp-python's
-    _internals.LlamaModel does)."""
-
-    def __init__(self, lib: Any, ptr: Any) -> None:
-        self.lib, self.ptr = lib, ptr
-        self.vocab = lib.llama_model_get_vocab(ptr)
-        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
-        self._piece_buf = ctypes.create_string_buffer(256)
-
-    def to_tokens(self, text: str, *, add_special: bool) -> list[int]:
-        lib, data = self.lib, text.encode("utf-8")
-        n_max = len(data) + 8
-        for _ in range(2):
-            buf = (lib.llama_token * n_max)()
-            n = lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
-            if n >= 0:
-                return list(buf[:n])
-            n_max = -n
-        raise EngineError("tokenization failed")
-
-    def to_piece(self, token: int, *, special: bool = False) -> bytes:
-        lib = self.lib
-        n = lib.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = lib.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
-            return big.raw[:n]
-        return self._piece_buf.raw[:n]
-
-    def desc(self) -> str:
-        """llama.cpp's description of the model, as llama-bench's model_type ('llama 256M Q4_1')."""
-        buf = ctypes.create_string_buffer(256)
-        n = self.lib.llama_model_desc(self.ptr, buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
-
-    def close(self) -> None:
-        if self.ptr is not None:
-            self.lib.llama_model_free(self.ptr)
-            self.ptr = None
-
-
-class _Context:
-    """A llama_context on a model; `close` frees it once."""
-
-    def __init__(self, lib: Any, ptr: Any) -> None:
-        self.lib, self.ptr = lib, ptr
-
-    def close(self) -> None:
-        if self.ptr is not None:
-            self.lib.llama_free(self.ptr)
-            self.ptr = None
+        self.greedy.close()
 
 
 class LlamaCppRunner:
@@ -535,8 +317,8 @@ class LlamaCppRunner:
         self.model_path = model_path
         self.config = config or EngineConfig()
         check_engine(self.config)
-        self._model: _Model | None = None
-        self._ctx: _Context | None = None
+        self._model: Model | None = None
+        self._ctx: Context | None = None
         self._info: GGUFInfo | None = None
         self._loaded: LocalLoaded | None = None
         self._formatter: Any = None
@@ -551,6 +333,7 @@ class LlamaCppRunner:
         self._model_log: list[str] = []
         self._resident: float | None = None
         self._draft: LlamaCppRunner | None = None
+        self._contexts: list[Context] = []  # make_context's, closed before the model
         self._gpus: list[dv.Device] = []
         self._planned_layers = 0
         self._gpu_free_before = 0
@@ -612,7 +395,7 @@ class LlamaCppRunner:
         if cfg.load_mode is not None:
             mparams.load_mode = LOAD_MODES[cfg.load_mode]
         if cfg.split_mode is not None:
-            mparams.split_mode = {v: k for k, v in _SPLIT_MODES.items()}[cfg.split_mode]
+            mparams.split_mode = {v: k for k, v in SPLIT_MODES.items()}[cfg.split_mode]
         if cfg.main_gpu is not None:
             mparams.main_gpu = cfg.main_gpu
         split, shares = None, [float(x) for x in (cfg.tensor_split or "").split("/") if x]
@@ -641,7 +424,7 @@ class LlamaCppRunner:
             if cancel.is_set():
                 raise LoadCancelledError(self.model_path)
             raise ModelLoadError(self.model_path, last_log_error())
-        self._model, self._info = _Model(lib, model), info
+        self._model, self._info = Model(lib, model), info
         self._weights_s = time.perf_counter() - t0
         self._model_log = list(LOG_LINES)  # the weights' buffer sizes are reported here
 
@@ -660,10 +443,6 @@ class LlamaCppRunner:
                 )
             self._draft = draft
         return self._draft
-
-    def _vocab_ptr(self) -> Any:
-        assert self._model is not None
-        return self._model.vocab
 
     @staticmethod
     def _context_size(cfg: EngineConfig, n_ctx_train: int | None) -> int:
@@ -706,11 +485,7 @@ class LlamaCppRunner:
         flash_attn = cfg.flash_attn or (
             "auto" if gpu_layers_asked(cfg, bool(lib.llama_supports_gpu_offload())) else "off"
         )
-        cparams.flash_attn_type = {
-            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        }[flash_attn]
+        cparams.flash_attn_type = _flash_attn_type(lib, flash_attn)
         for name, value in (("type_k", cfg.cache_type_k), ("type_v", cfg.cache_type_v)):
             ggml_type = getattr(lib, f"GGML_TYPE_{value.upper()}", None)
             if ggml_type is None:  # a type check_engine accepts but this llama.cpp lacks
@@ -729,7 +504,7 @@ class LlamaCppRunner:
         if not ctx:
             raise ModelLoadError(self.model_path, last_log_error())
         load_s = self._weights_s + time.perf_counter() - t0
-        self._ctx = _Context(lib, ctx)
+        self._ctx = Context(lib, ctx)
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
@@ -805,6 +580,11 @@ class LlamaCppRunner:
         assert self._model is not None
         return self._model.to_piece(token, special=special)
 
+    def is_eog(self, token: int) -> bool:
+        """Whether the token ends a generation (end of sequence or of turn)."""
+        assert self._model is not None
+        return self._model.is_eog(token)
+
     def render(self, request: Request) -> str:
         """The prompt text a request stands for: raw, or its messages through the chat template."""
         if request.prompt is not None:
@@ -879,35 +659,38 @@ class LlamaCppRunner:
             yield self.load()
         yield from self._generate(request, cancel)
 
-    def _sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Any:
-        """A C sampler chain for these settings; the repeat penalty sees the prompt, as in
-        llama-cli."""
+    def new_sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
+        """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
+        prompt, as in llama-cli. The caller closes it."""
         lib = llama_lib()
-        params = lib.llama_sampler_chain_default_params()
-        params.no_perf = False
-        chain = lib.llama_sampler_chain_init(params)
-        add = lib.llama_sampler_chain_add
-        if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
-            assert self._model is not None
-            n_vocab = self._model.n_vocab
-            penalties = lib.llama_sampler_init_penalties(
-                n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
-            )
-            add(chain, penalties)
-            for prompt_token in prompt[-sp.repeat_last_n :] if sp.repeat_last_n > 0 else ():
-                lib.llama_sampler_accept(chain, prompt_token)
-        if sp.temperature <= 0:
-            add(chain, lib.llama_sampler_init_greedy())
-            return chain
-        if sp.top_k > 0:
-            add(chain, lib.llama_sampler_init_top_k(sp.top_k))
-        if sp.top_p < 1.0:
-            add(chain, lib.llama_sampler_init_top_p(sp.top_p, 1))
-        if sp.min_p > 0.0:
-            add(chain, lib.llama_sampler_init_min_p(sp.min_p, 1))
-        add(chain, lib.llama_sampler_init_temp(sp.temperature))
-        add(chain, lib.llama_sampler_init_dist(seed))
+        chain = Sampler(lib)
+        try:
+            if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
+                assert self._model is not None
+                n_vocab = self._model.n_vocab
+                penalties = lib.llama_sampler_init_penalties(
+                    n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
+                )
+                chain.add(penalties)
+                chain.accept(prompt[-sp.repeat_last_n :] if sp.repeat_last_n > 0 else ())
+            if sp.temperature <= 0:
+                chain.add(lib.llama_sampler_init_greedy())
+                return chain
+            if sp.top_k > 0:
+                chain.add(lib.llama_sampler_init_top_k(sp.top_k))
+            if sp.top_p < 1.0:
+                chain.add(lib.llama_sampler_init_top_p(sp.top_p, 1))
+            if sp.min_p > 0.0:
+                chain.add(lib.llama_sampler_init_min_p(sp.min_p, 1))
+            chain.add(lib.llama_sampler_init_temp(sp.temperature))
+            chain.add(lib.llama_sampler_init_dist(seed))
+        except BaseException:
+            chain.close()
+            raise
         return chain
+
+    # batched.py's name until it moves to new_sampler (a Sampler passes to ctypes as its pointer)
+    _sampler = new_sampler
 
     def _generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         """Prefill, then decode, then the stats; the three steps below do the work."""
@@ -925,7 +708,7 @@ class LlamaCppRunner:
         t_tok = clock.now()
         sp = request.sampling
         seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
-        chain = self._sampler(sp, seed, prompt=tokens)
+        chain = self.new_sampler(sp, seed, prompt=tokens)
         try:
             prefill = yield from self._prefill(tokens, reused, cancel, clock)
             decode = _Decoded()
@@ -935,7 +718,7 @@ class LlamaCppRunner:
                     tagger = TokenTagger(thinking=opens_thinking(prompt_text))
                 decode = yield from self._decode(chain, sp, cancel, clock, tagger)
             perf = lib.llama_perf_context(self._ctx_ptr)
-            sperf = lib.llama_perf_sampler(chain)
+            sample_ms, n_sample = chain.perf()
             stats = GenerationStats(
                 finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
                 prompt_tokens=len(tokens),
@@ -951,8 +734,8 @@ class LlamaCppRunner:
                 engine_eval_ms=float(perf.t_eval_ms),
                 engine_n_prompt_eval=int(perf.n_p_eval),
                 engine_n_eval=int(perf.n_eval),
-                engine_sample_ms=float(sperf.t_sample_ms),
-                engine_n_sample=int(sperf.n_sample),
+                engine_sample_ms=sample_ms,
+                engine_n_sample=n_sample,
                 seed=seed if sp.temperature > 0 else None,
                 prefilled_tokens=prefill.evaluated if prefill.aborted else None,
                 background_cpus=background_cpus(cpu0, cpu_sample()),
@@ -966,7 +749,7 @@ class LlamaCppRunner:
             )
             yield Finished(stats=stats, text=decode.text, tail=decode.tail)
         finally:
-            lib.llama_sampler_free(chain)
+            chain.close()
             # KV entries beyond what we recorded (an aborted chunk) must not survive.
             self._truncate_cache(len(self._cache))
 
@@ -1017,7 +800,7 @@ class LlamaCppRunner:
 
     def _decode(
         self,
-        chain: Any,
+        chain: Sampler,
         sp: SamplingParams,
         cancel: threading.Event,
         clock: PausedClock,
@@ -1032,7 +815,7 @@ class LlamaCppRunner:
         text = TextStream(sp.stop)
         parts: list[str] = []
         t_sample = time.perf_counter()
-        token = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
+        token = chain.sample(self._ctx_ptr)
         out.first_sample_s = time.perf_counter() - t_sample
         one = (lib.llama_token * 1)()
         batch_one = lib.llama_batch_get_one(one, 1)
@@ -1080,7 +863,7 @@ class LlamaCppRunner:
                 if rc != 0:
                     raise EngineError(f"llama_decode failed during generation (code {rc})")
                 self._cache.append(token)
-                pending = lib.llama_sampler_sample(chain, self._ctx_ptr, -1)
+                pending = chain.sample(self._ctx_ptr)
         finally:
             if drafter is not None:
                 drafter.close()
@@ -1128,7 +911,7 @@ class LlamaCppRunner:
         n_vocab, n_batch = self._model.n_vocab, loaded.settings.n_batch
         first = n_ctx // 2
         nll, scored = 0.0, 0
-        batch = lib.llama_batch_init(n_batch, 0, 1)
+        batch = Batch(lib, n_batch)
         try:
             for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
                 window = tokens[start : start + n_ctx]
@@ -1139,13 +922,9 @@ class LlamaCppRunner:
                     n = min(n_batch, n_ctx - off)
                     for i in range(n):
                         pos = off + i
-                        batch.token[i] = window[pos]
-                        batch.pos[i] = pos
-                        batch.n_seq_id[i] = 1
-                        batch.seq_id[i][0] = 0
-                        batch.logits[i] = first <= pos < n_ctx - 1
+                        batch.set(i, window[pos], pos, 0, first <= pos < n_ctx - 1)
                     batch.n_tokens = n
-                    if lib.llama_decode(self._ctx_ptr, batch) != 0:
+                    if lib.llama_decode(self._ctx_ptr, batch.struct) != 0:
                         raise EngineError("llama_decode failed while scoring perplexity")
                     for i in range(n):
                         pos = off + i
@@ -1158,7 +937,7 @@ class LlamaCppRunner:
                         nll += log_z - logits[window[pos + 1]]
                         scored += 1
         finally:
-            lib.llama_batch_free(batch)
+            batch.close()
             self.reset()
         return math.exp(nll / scored), scored
 
@@ -1188,6 +967,41 @@ class LlamaCppRunner:
             lib.llama_set_abort_callback(self._ctx_ptr, lib.ggml_abort_callback(), None)
             self._truncate_cache(len(self._cache))
 
+    def make_context(
+        self,
+        *,
+        n_seq: int,
+        n_ctx: int,
+        n_batch: int,
+        n_ubatch: int | None = None,
+        flash_attn: str | None = None,
+        kv_unified: bool = True,
+        perf: bool = False,
+    ) -> Context:
+        """Another context on the loaded weights, e.g. the batched engine's for `n_seq`
+        sequences, with this runner's threads and (by default) flash attention. The runner
+        closes it, if its user has not, before it frees the model."""
+        lib = llama_lib()
+        loaded = self.load()
+        assert self._model is not None
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_ubatch or n_batch, n_batch)
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = kv_unified
+        cparams.n_threads = loaded.settings.n_threads
+        cparams.n_threads_batch = loaded.settings.n_threads_batch
+        cparams.flash_attn_type = _flash_attn_type(lib, flash_attn or loaded.settings.flash_attn)
+        cparams.no_perf = not perf
+        ptr = lib.llama_init_from_model(self._model.ptr, cparams)
+        if not ptr:
+            raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences"
+                              f" ({last_log_error()})")  # fmt: skip
+        context = Context(lib, ptr)
+        self._contexts = [c for c in self._contexts if c.ptr is not None] + [context]
+        return context
+
     @property
     def _ctx_ptr(self) -> Any:
         assert self._ctx is not None, "no context: load() first"
@@ -1201,6 +1015,9 @@ class LlamaCppRunner:
         self._cache.clear()
 
     def close(self) -> None:
+        for context in self._contexts:  # contexts go before the model they were made from
+            context.close()
+        self._contexts.clear()
         self._free_context()
         if self._model is not None:
             self._model.close()

@@ -281,7 +281,7 @@ class SystemInfo:
     @classmethod
     def collect(cls, *, bandwidth: bool = True) -> SystemInfo:
         from . import devices as dv
-        from .llamacpp import llama_lib  # only when a report is asked for
+        from .library import llama_lib  # only when a report is asked for
 
         lib = llama_lib()
         info = lib.llama_print_system_info()

@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli import engine
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
 from .fake import FakeRunner

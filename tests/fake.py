@@ -15,9 +15,9 @@ from llmrun.runners.base import (
     Request,
     Token,
 )
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
 from llmrun.runners.gguf import GGUFInfo
-from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.stats import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,

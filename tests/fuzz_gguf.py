@@ -190,7 +190,7 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
     # Load everything the child needs once, here (fork shares it); no computation in the parent.
     import llmrun.cli.app  # main() imports it; it must be imported before any fork
     import llmrun.cli.main  # noqa: F401
-    from llmrun.runners.llamacpp import llama_lib
+    from llmrun.runners.library import llama_lib
 
     llama_lib()
     argv = ["run", "-m", str(copy), "--raw", "-n", "2", "--temp", "0", "-c", "256",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmrun.runners.llamacpp import LlamaCppRunner, llama_lib
+from llmrun.runners.library import llama_lib
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 NEAR_TIE = 0.5
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from llmrun.runners.batched import Arrival, BatchedEngine, Policy
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence

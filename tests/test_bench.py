@@ -20,8 +20,9 @@ from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.bench import tuning
 from llmrun.runners.bench.tuning import apply_tuning, save_tuned
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 from .conftest import HANG_S, which_llmrun
 from .fake import FakeBenchRunner

@@ -167,7 +167,7 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
     from dataclasses import replace
 
     from llmrun.runners.bench import sweep as sw
-    from llmrun.runners.llamacpp import EngineConfig
+    from llmrun.runners.config import EngineConfig
 
     from .fake import FAKE_SETTINGS
 

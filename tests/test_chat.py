@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.runners.base import SamplingParams
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.conversation import Conversation
 from llmrun.runners.errors import BadRequestError, PromptTooLongError
-from llmrun.runners.llamacpp import EngineConfig
 
 from .fake import FakeRunner
 

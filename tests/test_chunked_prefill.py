@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, llama_lib
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.library import llama_lib
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 

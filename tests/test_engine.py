@@ -17,8 +17,9 @@ from llmrun.runners.base import (
     Token,
     generate,
 )
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import EngineSettings
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -173,3 +174,88 @@ def test_bad_prompts(runner: LlamaCppRunner) -> None:
     with pytest.raises(PromptTooLongError) as e:
         generate(runner, Request(prompt="word " * 3000))
     assert e.value.n_ctx == 2048 and e.value.prompt_tokens > 2048
+
+
+def test_runners_import_no_circle() -> None:
+    """EngineConfig lives in config.py and the C-library plumbing in library.py so that no
+    module of runners/ imports, even lazily or for types only, one that imports it back."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "runners"
+    graph: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        package = parts[:-1]
+        if parts[-1] == "__init__":
+            parts = package
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = (node.module or "").split(".") if node.module else []
+            if node.level:  # lazy, TYPE_CHECKING and top-level imports alike
+                target = package[: len(package) - node.level + 1] + module
+            elif module[:2] == ["llmrun", "runners"]:
+                target = module[2:]
+            else:
+                continue
+            for alias in node.names:  # `from . import devices` may name a module itself
+                deps.add(".".join([*target, alias.name]))
+        graph[".".join(parts)] = deps
+
+    def known(dep: str) -> str | None:
+        while dep and dep not in graph:
+            dep = dep.rpartition(".")[0]
+        return dep if dep in graph else None
+
+    def circle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for dep in filter(None, map(known, graph[node])):
+                if dep == start and len(path) > 1:
+                    return [*path, dep]
+                if dep not in seen and dep != node:
+                    seen.add(dep)
+                    stack.append((dep, [*path, dep]))
+        return None
+
+    circles = [c for c in map(circle_from, sorted(graph)) if c]
+    assert not circles, circles
+
+
+def test_handles_free_once_and_contexts_go_before_the_model(model_path: str) -> None:
+    """The public pieces a batched engine builds on: a context of its own over the runner's
+    weights, owned batches and samplers; closing twice frees once, and the runner closes the
+    context it handed out before it frees the model."""
+    from llmrun.runners.handles import Batch, Sampler
+    from llmrun.runners.library import llama_lib
+
+    lib = llama_lib()
+    r = LlamaCppRunner(model_path, EngineConfig(n_ctx=512))
+    expected = generate(r, Request(prompt="The capital of France is", sampling=GREEDY)).stats
+    prompt = r.tokenize("The capital of France is", add_special=True)
+    context = r.make_context(n_seq=2, n_ctx=256, n_batch=64)
+    batch = Batch(lib, 64, n_seq_max=2)
+    for seq in (0, 1):  # the same prompt in two sequences: both predict the same token
+        for i, token in enumerate(prompt):
+            batch.set(seq * len(prompt) + i, token, i, seq, i == len(prompt) - 1)
+    batch.n_tokens = 2 * len(prompt)
+    assert lib.llama_decode(context, batch) == 0
+    greedy = Sampler.greedy(lib)
+    seeded = r.new_sampler(SamplingParams(temperature=0.7, seed=3), seed=3, prompt=prompt)
+    first = greedy.sample(context, len(prompt) - 1)
+    assert greedy.sample(context, 2 * len(prompt) - 1) == first
+    assert 0 <= seeded.sample(context, len(prompt) - 1) < r.vocab_size()
+    assert not r.is_eog(first) and r.piece(first).strip()
+    with pytest.raises(ValueError):
+        batch.n_tokens = 65
+    for handle in (batch, greedy, seeded):
+        handle.close()
+        handle.close()  # a second close frees nothing (a double free would abort the process)
+    assert greedy.ptr is None and batch.struct is None
+    r.close()
+    assert context.ptr is None  # closed with the runner, before its model
+    context.close()
+    assert expected.output_tokens > 0

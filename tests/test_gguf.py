@@ -7,7 +7,7 @@ import pytest
 
 from llmrun.runners.errors import InvalidModelFileError, ModelNotFoundError
 from llmrun.runners.gguf import GGML_BLOCKS, read_gguf
-from llmrun.runners.llamacpp import llama_lib
+from llmrun.runners.library import llama_lib
 
 
 def test_reads_the_embedded_model(model_file: str) -> None:

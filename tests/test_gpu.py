@@ -27,9 +27,10 @@ from llmrun.runners import system as system_module
 from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.bench.results import Result
 from llmrun.runners.bench.sweep import Combo, Shape
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.limits import MemoryNeed, fit_gpu_layers, plan_offload
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import load as sv
 from llmrun.runners.stats import ModelInfo
 from llmrun.runners.system import SystemInfo, decode_bandwidth, weights_memories

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmrun.cli.chat import context_meter
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner, memory_report
+from llmrun.runners.llamacpp import LlamaCppRunner, memory_report
 from llmrun.runners.system import (
     evict_from_page_cache,
     parse_cpu_list,

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners import llamacpp
 from llmrun.runners.base import Finished, Request, SamplingParams, Token
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 from .conftest import ROOT, which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence

@@ -25,10 +25,11 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners import probe
 from llmrun.runners.base import PrefillProgress, Request, SamplingParams
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
 

@@ -11,7 +11,7 @@ import os
 
 from llmrun.runners.bench.sweep import BOOL_ALIASES
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import llama_lib
+from llmrun.runners.library import llama_lib
 
 # llama-bench's default for each: given at this value (or a list of only it), it changes nothing
 _THREADPOOL = {"-C/--cpu-mask": {"0x0", "0"}, "--cpu-strict": {"0"}, "--poll": {"50"}}

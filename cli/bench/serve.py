@@ -16,8 +16,9 @@ from llmrun.cli import options as o
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.session import ctrl_c_cancels
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.options import (
     DEFAULT_POLICIES,
     ServeOptions,

@@ -31,10 +31,11 @@ from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import sweep as sw
+from llmrun.runners.config import LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
+from llmrun.runners.library import set_verbose
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
-from llmrun.runners.llamacpp import LOAD_MODES, EngineConfig, set_verbose
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
 

@@ -17,8 +17,9 @@ from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
 from llmrun.runners.bench.tuning import REPS, save_tuned, search
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import EngineConfig, set_verbose
+from llmrun.runners.library import set_verbose
 
 from .serve import Model1
 from .sweep import load_and_report

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmrun.runners.base import BenchRunner, Finished, Request, SamplingParams, Token
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LlmrunError, ModelLoadError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
-from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.system import background_cpus, cpu_sample
 
 from .results import Result

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.base import BenchRunner
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
-from llmrun.runners.llamacpp import EngineConfig
 from llmrun.runners.paths import config_dir
 from llmrun.runners.system import default_threads, logical_cpus
 

@@ -1,0 +1,50 @@
+"""The engine's load-time settings and their defaults: a plain record that the CLI, bench,
+tuning and the engine share without importing the engine itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 512
+
+# llama.cpp's load modes by the names llama-bench's -lm takes (-mmp 0/1 are none/mmap)
+LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
+SPLIT_MODES = {0: "none", 1: "layer", 2: "row", 3: "tensor"}
+LAZY_MODES = {0: "off", 1: "auto", 2: "on"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Load-time settings, named as llama.cpp names them. None means: choose for this machine."""
+
+    n_ctx: int | None = None  # None: min(4096, training context); 0: the training context
+    n_batch: int | None = None  # prefill chunk size; None: 512
+    n_ubatch: int | None = None  # None: 512 (at most n_batch)
+    n_threads: int | None = None  # None: physical cores
+    n_threads_batch: int | None = None
+    n_gpu_layers: int | None = None  # -1 or more than the model has: all; None: all where
+    # this llama.cpp build can offload (as llama-bench and Ollama), else 0
+    flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
+    repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
+    cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
+    cache_type_v: str = "f16"
+    tuned: bool = False
+    workload: str = "chat"  # which tuned settings apply: chat (short prompt) or document
+    load_mode: str | None = None  # llama.cpp's load mode (LOAD_MODES); None: its default
+    cold: bool = False  # drop the file from the page cache before loading (bench --cold)
+    chat_template: str | None = None  # a Jinja chat template in place of the model's own
+    draft_model: str | None = None  # a small model with the same vocabulary that drafts
+    split_mode: str | None = None  # across GPUs: none, layer, row, tensor (GPU builds)
+    main_gpu: int | None = None
+    tensor_split: str | None = None  # shares per GPU, "3/1"
+    tensor_overrides: str | None = None  # llama-bench's -ot: "pattern=BUFFER;pattern=BUFFER"
+    n_cpu_moe: int = 0  # the expert tensors of the first N layers stay on the CPU
+    devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
+    no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
+
+    def same_model(self, other: EngineConfig) -> bool:
+        """Whether `other` can reuse the loaded weights (only the context differs)."""
+        fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
+                  "tensor_overrides", "n_cpu_moe", "devices")  # fmt: skip
+        return all(getattr(self, f) == getattr(other, f) for f in fields)

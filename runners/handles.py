@@ -1,0 +1,168 @@
+"""Owners of llama.cpp's C objects: each class holds one handle and frees it exactly once.
+
+As llama-cpp-python's `_internals.py` does: `close()` frees and forgets the pointer, a second
+`close()` does nothing, and a context is closed before the model it was made from (the runner
+keeps track of the contexts it hands out). Nothing outside these classes frees a handle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from typing import Any
+
+
+class Model:
+    """A loaded llama_model and its vocabulary."""
+
+    def __init__(self, lib: Any, ptr: Any) -> None:
+        self.lib, self.ptr = lib, ptr
+        self.vocab = lib.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._to_piece = lib.llama_token_to_piece
+        self._is_eog = lib.llama_vocab_is_eog
+
+    def to_tokens(self, text: str, *, add_special: bool) -> list[int]:
+        lib, data = self.lib, text.encode("utf-8")
+        n_max = len(data) + 8
+        for _ in range(2):
+            buf = (lib.llama_token * n_max)()
+            n = lib.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n
+        from .errors import EngineError
+
+        raise EngineError("tokenization failed")
+
+    def to_piece(self, token: int, *, special: bool = False) -> bytes:
+        n = self._to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = self._to_piece(self.vocab, token, big, -n, 0, special)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        """Whether the token ends a generation (end of sequence, end of turn)."""
+        return bool(self._is_eog(self.vocab, token))
+
+    def desc(self) -> str:
+        """llama.cpp's description of the model, as llama-bench's model_type ('llama 256M Q4_1')."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.lib.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """A llama_context on a model."""
+
+    def __init__(self, lib: Any, ptr: Any) -> None:
+        self.lib, self.ptr = lib, ptr
+
+    @property
+    def _as_parameter_(self) -> Any:  # ctypes passes the pointer where a context is expected
+        return self.ptr
+
+    def clear(self) -> None:
+        """Drop every KV entry of every sequence."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ptr), True)
+
+    def remove(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Drop sequence seq_id's KV entries in [p0, p1) (-1: open); False where the model's
+        memory cannot cut a sequence (recurrent models)."""
+        return bool(self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ptr),
+                                                 seq_id, p0, p1))  # fmt: skip
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.lib.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Sampler:
+    """A llama.cpp sampler chain (the chain owns the samplers added to it)."""
+
+    def __init__(self, lib: Any, *, perf: bool = True) -> None:
+        params = lib.llama_sampler_chain_default_params()
+        params.no_perf = not perf
+        self.lib = lib
+        self.ptr = lib.llama_sampler_chain_init(params)
+        self._sample = lib.llama_sampler_sample
+
+    @classmethod
+    def greedy(cls, lib: Any) -> Sampler:
+        chain = cls(lib, perf=False)
+        chain.add(lib.llama_sampler_init_greedy())
+        return chain
+
+    @property
+    def _as_parameter_(self) -> Any:
+        return self.ptr
+
+    def add(self, sampler: Any) -> None:
+        """Append a sampler (llama_sampler_init_*); the chain frees it."""
+        self.lib.llama_sampler_chain_add(self.ptr, sampler)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Tell the chain about tokens already in the context (the repeat penalty counts them)."""
+        for token in tokens:
+            self.lib.llama_sampler_accept(self.ptr, token)
+
+    def sample(self, ctx: Context | Any, index: int = -1) -> int:
+        """The next token from the logits of batch entry `index` (-1: the last)."""
+        return int(self._sample(self.ptr, ctx, index))
+
+    def perf(self) -> tuple[float, int]:
+        """llama.cpp's sampling counters: (milliseconds spent, tokens sampled)."""
+        p = self.lib.llama_perf_sampler(self.ptr)
+        return float(p.t_sample_ms), int(p.n_sample)
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            self.lib.llama_sampler_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A llama_batch of up to `capacity` tokens, each in one of up to `n_seq_max` sequences."""
+
+    def __init__(self, lib: Any, capacity: int, n_seq_max: int = 1) -> None:
+        self.lib, self.capacity = lib, capacity
+        self.struct: Any = lib.llama_batch_init(capacity, 0, n_seq_max)
+        self._token, self._pos = self.struct.token, self.struct.pos
+        self._n_seq_id, self._seq_id = self.struct.n_seq_id, self.struct.seq_id
+        self._logits = self.struct.logits
+
+    @property
+    def _as_parameter_(self) -> Any:  # llama_decode takes the struct by value
+        return self.struct
+
+    def set(self, i: int, token: int, pos: int, seq_id: int = 0, logits: bool = True) -> None:
+        """Entry i: `token` at position `pos` of sequence `seq_id`, its logits kept or not."""
+        self._token[i] = token
+        self._pos[i] = pos
+        self._n_seq_id[i] = 1
+        self._seq_id[i][0] = seq_id
+        self._logits[i] = logits
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.struct.n_tokens)
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"a batch of {self.capacity} tokens cannot hold {n}")
+        self.struct.n_tokens = n
+
+    def close(self) -> None:
+        if self.struct is not None:
+            self.lib.llama_batch_free(self.struct)
+            self.struct = None

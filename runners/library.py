@@ -1,0 +1,143 @@
+"""Loading llama.cpp's C library once, with llmrun's log callback and abort handling in place
+before the first backend call.
+
+`llama_lib()` is the only way into the bindings: it installs the log callback (so llama.cpp's
+lines land in LOG_LINES, never on the terminal, and a failed load can say why) and routes
+ggml's aborts into one-line errors, then initialises the backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import EngineAbortError
+
+# What llama.cpp logged last: the reason a model failed to load is only there.
+LOG_LINES: collections.deque[str] = collections.deque(maxlen=2000)
+_lib: Any = None
+_log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
+_abort_callback: Any = None  # likewise
+_verbose = False  # also echo llama.cpp's log to stderr (bench -v)
+
+
+def set_verbose(on: bool) -> None:
+    global _verbose
+    _verbose = on
+
+
+def _default_on_abort(error: EngineAbortError) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, f"{error}\n".encode(errors="replace"))
+
+
+# What to do with a llama.cpp abort (GGML_ASSERT/GGML_ABORT) before the process exits with 1;
+# the CLI sets its own, which prints the one-line error. It must not return into llama.cpp.
+on_abort: Callable[[EngineAbortError], None] = _default_on_abort
+
+
+_aborting = threading.Lock()
+
+
+def _fatal(message: bytes | None) -> None:
+    """ggml's abort callback: report one line and exit 1 instead of abort() and a backtrace.
+
+    Several compute threads can fail the same assertion at once: the first reports, the others
+    wait for the exit."""
+    if not _aborting.acquire(blocking=False):
+        time.sleep(3600)
+    text = (message or b"").decode("utf-8", errors="replace")
+    # "/tmp/pip-…/vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp:4132: GGML_ASSERT(…) failed"
+    where, sep, what = text.partition(": ")
+    if sep and "/" in where:
+        text = f"{what} ({where.rsplit('/', 1)[-1]})"
+    reason = " ".join(text.split()) or "no reason given"
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()  # generated text already written is kept
+    except (OSError, ValueError):
+        pass
+    try:
+        on_abort(EngineAbortError(reason))
+    finally:
+        os._exit(1)
+
+
+def _install_abort_callback(llama_cpp: Any) -> None:
+    """Route ggml's aborts through `_fatal`. ggml_set_abort_callback lives in libggml-base, which
+    can be mapped twice (llama_cpp opens libggml-base.so, libllama links libggml-base.so.0):
+    the callback is set in every copy, so whichever one the compute threads call has it."""
+    global _abort_callback
+    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    _abort_callback = callback_type(_fatal)
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for path in sorted(lib_dir.glob("*ggml-base*")):
+        try:
+            setter = ctypes.CDLL(str(path)).ggml_set_abort_callback
+        except (OSError, AttributeError):
+            continue
+        setter.restype = ctypes.c_void_p
+        setter.argtypes = [callback_type]
+        setter(_abort_callback)
+
+
+def llama_lib() -> Any:
+    """Import llama_cpp once, route its log into LOG_LINES and its aborts into one-line errors,
+    and initialise the backend."""
+    global _lib, _log_callback
+    if _lib is None:
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # no gdb backtrace on stdout, ever
+        import llama_cpp
+
+        @llama_cpp.llama_log_callback
+        def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            LOG_LINES.append(text.decode("utf-8", errors="replace"))
+            if _verbose:
+                with contextlib.suppress(OSError):
+                    os.write(2, text)
+
+        _log_callback = _log
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _install_abort_callback(llama_cpp)
+        llama_cpp.llama_backend_init()
+        _lib = llama_cpp
+    return _lib
+
+
+def last_log_error() -> str:
+    """The reason llama.cpp logged for a failure: the telling line before its generic
+    "failed to load model" / "failed to initialize" conclusion, with llama.cpp's prefixes cut."""
+    lines = [" ".join(ln.split()) for ln in list(LOG_LINES) if ln.strip()]
+    generic = ("failed to load model", "failed to initialize", "llama_model_load_from_file")
+    telling = ("error", "failed", "invalid", "not within", "unknown", "not found", "missing",
+               "unsupported", "wrong", "exceed", "cannot", "could not")  # fmt: skip
+    for ln in reversed(lines):
+        low = ln.lower()
+        if any(w in low for w in telling) and not any(g in low for g in generic):
+            return _strip_log_prefix(ln)
+    for ln in reversed(lines):
+        if any(w in ln.lower() for w in telling):
+            return _strip_log_prefix(ln)
+    return _strip_log_prefix(lines[-1]) if lines else "no reason given"
+
+
+def _strip_log_prefix(line: str) -> str:
+    """'llama_model_load: error loading model: X' -> 'X' (the function names mean nothing to
+    users; the last 'error ...:' clause is the reason)."""
+    for marker in ("error loading model: ", "error loading model architecture: ", "error: "):
+        if marker in line:
+            line = line.rsplit(marker, 1)[1]
+            break
+    else:
+        head, sep, rest = line.partition(": ")
+        if sep and head.replace("_", "").isalnum() and "_" in head:
+            line = rest
+    return line.strip() or "no reason given"
