@@ -50,7 +50,7 @@ def test_renaming_an_option_of_chat_is_a_mypy_error(
     """run and chat hand their options over in a typed record, never by name from locals():
     renaming chat's --top-k parameter must fail the type check, not the first chat."""
     copy = tmp_path / "repo"
-    for name in ("cli", "runners", "typecheck"):
+    for name in ("cli", "runners", "typecheck", "tests", "benchmarks", "tools"):
         shutil.copytree(ROOT / name, copy / name, symlinks=True)
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     chat_py = copy / "cli" / "chat.py"
