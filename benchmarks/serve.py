@@ -133,9 +133,11 @@ def measure(cmd: list[str], url: str, args: argparse.Namespace, level: int,
 
 
 def interference(cmd: list[str], url: str, args: argparse.Namespace) -> dict[str, float]:
+    """llmrun's interference test: `bench interference` where bench is a group of commands."""
+    test = [LLMRUN, "bench", "interference"] if cmd[-1] == "serve" else [*cmd, "--interference"]
     done = subprocess.run(
-        [*cmd, "--endpoint", url, "--interference", "--interference-prompt-len",
-         str(args.long_prompt), "--output-len", str(args.output_len), "-o", "json"],
+        [*test, "--endpoint", url, "--prompt-len", str(args.long_prompt), "--output-len",
+         str(args.output_len), "-o", "json"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

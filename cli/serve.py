@@ -135,9 +135,8 @@ def serve(
             min=1,
             rich_help_panel=o.MODEL_PANEL,
             show_default=False,
-            help="CPU threads of the engine. (default: the physical cores less one, which the HTTP"
-            " side needs: llama.cpp's threads wait for each other at every layer, so a thread that"
-            " loses its core to the server stalls the step)",
+            help="CPU threads of the engine. (default: the physical cores less one, left to the"
+            " HTTP side)",
         ),
     ] = None,
     threads_batch: o.ThreadsBatch = None,
@@ -157,8 +156,8 @@ def serve(
         defaults = o.sampling_params(max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p,
                                      min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                                      stop=stop)  # fmt: skip
-        if threads is None:
-            from llmrun.runners.system import default_threads
+        if threads is None:  # llama.cpp's threads wait for each other at every layer: one that
+            from llmrun.runners.system import default_threads  # loses its core stalls the step
 
             threads = max(1, default_threads() - 1)
         config = o.local_engine(endpoint=None, ctx=ctx, batch=batch, ubatch=batch,
