@@ -161,8 +161,12 @@ def create_app(served: Served) -> FastAPI:
             return error_response(400, message)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Piece | Done | Failed] = asyncio.Queue()
-        job = Job(tuple(tokens), req.sampling, received_s=received,
-                  sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))  # fmt: skip
+
+        def sink(event: Piece | Done | Failed) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: Ctrl-C, nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        job = Job(tuple(tokens), req.sampling, received_s=received, sink=sink)
         try:
             served.engine.submit(job)
         except QueueFullError as e:
