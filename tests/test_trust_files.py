@@ -374,3 +374,28 @@ def test_escapes_in_model_and_ppl_file_names_never_reach_stderr(
         assert result.returncode == 0, result.stderr
         err = result.stderr.decode()
         assert "\x1b" not in err and "\x9b" not in err and "\x07" not in err, repr(err)
+
+
+@pytest.mark.model
+def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    from .conftest import which_llmrun
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count from {i} to 900."}) + "\n"
+                               for i in range(12)))  # fmt: skip
+    child = subprocess.Popen([which_llmrun(), "run", "-m", model_path, "--jsonl", str(prompts),
+                              "--parallel", "3", "-n", "400", "--json"], env=llmrun_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    time.sleep(8)  # not an assertion: before or after the load, Ctrl-C must end it the same way
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert b"Traceback" not in err and b"internal error" not in err
+    if b"parallel 3:" in err:  # it was serving: every request is accounted for
+        answered = [json.loads(x) for x in out.splitlines()]
+        errors = [x for x in err.decode().splitlines() if "not started" in x]
+        assert len(answered) + len(errors) == 12
+        assert all(a["stats"]["finish_reason"] != "length" or a["stats"]["output_tokens"] == 400
+                   for a in answered)  # fmt: skip
