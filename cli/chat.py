@@ -711,6 +711,8 @@ def chat(
         config = free_cores(config, endpoint=endpoint, quiet=False)
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
+            if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD
+                system = repair_utf8(system, "-s/--system")
             conv = Conversation(runner, sampling, system)
             ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard,
                         hide_thinking=hide_thinking, thinking_stdout=thinking_stdout)  # fmt: skip

@@ -163,6 +163,11 @@ def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
     assert result.returncode == 0, result.stderr
     assert "hi \ufffd( there" in result.stdout.decode()
     assert b"not valid UTF-8" in result.stderr and b"internal error" not in result.stderr
+    chat = subprocess.run([sys.executable, "-c", CHILD, "0", "chat", "-s",
+                           b"sys\xff".decode("utf-8", "surrogateescape")], input=b"hi\n",
+                          cwd=ROOT, capture_output=True, timeout=60)  # fmt: skip
+    assert chat.returncode == 0, chat.stderr
+    assert b"-s/--system is not valid UTF-8" in chat.stderr
 
 
 def test_set_parameter_speaks_for_itself(cli: CliRunner, fake: FakeRunner) -> None:
