@@ -366,15 +366,17 @@ def interference(
     long_prompts: Sequence[Sequence[int]],
     every_s: float,
     start_s: float = 0.2,
+    cancel: threading.Event | None = None,
 ) -> InterferenceReport:
     """The stream decodes while the long prompts arrive every `every_s` from `start_s`; with
-    policy None the stream runs alone (the baseline)."""
+    policy None the stream runs alone (the baseline). `cancel` stops the engine's loop."""
     arrivals = [Arrival(0.0, tuple(stream), stream_tokens)]
     if policy is not None:
         arrivals += [
             Arrival(start_s + i * every_s, tuple(p), 4) for i, p in enumerate(long_prompts)
         ]
-    results, steps = engine.run(arrivals, policy or Policy("chunked", engine.n_batch))
+    results, steps = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
+                                cancel=cancel)  # fmt: skip
     first, *others = results
     tokens = sum(len(r.output) for r in results)
     span = max((r.times[-1] for r in results if r.times), default=0.0)

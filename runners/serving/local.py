@@ -93,14 +93,21 @@ def interfere_local(
     every_s = 1 / options.rate
     try:
         yield Stage("the stream alone ...")
-        yield interference(engine, None, stream=stream, stream_tokens=options.output_len,
-                           long_prompts=longs, every_s=every_s)  # fmt: skip
+        alone = interference(engine, None, stream=stream, stream_tokens=options.output_len,
+                             long_prompts=longs, every_s=every_s, cancel=cancel)  # fmt: skip
+        if cancel.is_set():
+            return  # a cut measurement is not a baseline
+        yield alone
         for policy in options.policies:
             if cancel.is_set():
                 return
             yield Stage(f"{policy}: the stream while {count} prompts of {options.prompt_len}"
                         f" tokens arrive, {options.rate:g}/s ...")  # fmt: skip
-            yield interference(engine, policy, stream=stream, stream_tokens=options.output_len,
-                               long_prompts=longs, every_s=every_s)  # fmt: skip
+            report = interference(engine, policy, stream=stream,
+                                  stream_tokens=options.output_len, long_prompts=longs,
+                                  every_s=every_s, cancel=cancel)  # fmt: skip
+            if cancel.is_set():
+                return
+            yield report
     finally:
         engine.close()

@@ -11,6 +11,13 @@ from llmrun.runners.bench.sweep import parse_values
 from llmrun.runners.errors import BadRequestError
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
+# Below one request a minute on average a level would run for hours (1e-9: for ever).
+MIN_RATE = 1 / 60
+# A level's prompts are made before it starts; beyond these, making them alone would take minutes
+# and gigabytes (2,000,000 prompts; 100,000,000 tokens each), with no way to stop it.
+MAX_PROMPTS = 100_000
+MAX_INPUT_LEN = 1_048_576
+MAX_PROMPT_TOKENS = 50_000_000  # num_prompts x input_len, in all
 
 
 def parse_rate(text: str) -> float:
@@ -18,9 +25,26 @@ def parse_rate(text: str) -> float:
         rate = float(text)
     except ValueError:
         raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
-    if rate <= 0:
-        raise BadRequestError("--request-rate must be above 0 (inf: all requests at once)")
+    if math.isnan(rate) or rate <= 0:
+        raise BadRequestError(f"--request-rate: '{text}' must be a number above 0 (inf: all"
+                              " requests at once)")  # fmt: skip
+    if rate < MIN_RATE:
+        raise BadRequestError(
+            f"--request-rate: {text} requests/s would wait hours between"
+            f" requests; give at least {MIN_RATE:.4f} (one a minute)"
+        )
     return rate
+
+
+def check_prompts(num_prompts: int, input_len: int) -> None:
+    """Refuse a load whose prompts alone could not be made in memory and time."""
+    if num_prompts > MAX_PROMPTS:
+        raise BadRequestError(f"--num-prompts {num_prompts:,}: at most {MAX_PROMPTS:,}")
+    if input_len > MAX_INPUT_LEN:
+        raise BadRequestError(f"--input-len {input_len:,}: at most {MAX_INPUT_LEN:,} tokens")
+    if num_prompts * input_len > MAX_PROMPT_TOKENS:
+        raise BadRequestError(f"--num-prompts {num_prompts:,} x --input-len {input_len:,}: at"
+                              f" most {MAX_PROMPT_TOKENS:,} prompt tokens in all")  # fmt: skip
 
 
 def parse_percentiles(text: str) -> tuple[float, ...]:
@@ -94,6 +118,11 @@ class ServeOptions:
     seed: int = 1234
     policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies
 
+    def __post_init__(self) -> None:
+        check_prompts(self.num_prompts, self.input_len)
+        if math.isnan(self.request_rate) or self.request_rate < MIN_RATE:
+            parse_rate(str(self.request_rate))
+
 
 @dataclass(frozen=True)
 class InterferenceOptions:
@@ -106,3 +135,10 @@ class InterferenceOptions:
     input_len: int = 128  # a server's steady client: its prompt (at most 64 tokens)
     num_prompts: int = 16  # the local engine: long prompts (at most 8)
     policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.rate) or self.rate <= 0:
+            raise BadRequestError(f"--rate: '{self.rate}' must be a number of prompts per second")
+        if self.prompt_len > MAX_INPUT_LEN:
+            raise BadRequestError(f"--prompt-len {self.prompt_len:,}: at most"
+                                  f" {MAX_INPUT_LEN:,} tokens")  # fmt: skip

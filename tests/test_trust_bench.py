@@ -1,0 +1,85 @@
+"""Issue 22, bench items: bounds on what bench serve and bench interference are asked to do,
+signals during a measurement, and llama-bench's spellings."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.serving import options as so
+
+from .conftest import HANG_S, which_llmrun
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("nan", "must be a number above 0"), ("-1", "must be a number above 0"),
+     ("1e-9", "would wait hours"), ("abc", "is not a number")],
+)  # fmt: skip
+def test_request_rate_refuses_nan_and_endless_waits(text: str, says: str) -> None:
+    with pytest.raises(BadRequestError, match=says):
+        so.parse_rate(text)
+    assert so.parse_rate("inf") == float("inf") and so.parse_rate("0.5") == 0.5
+
+
+def _serve(**changes: object) -> so.ServeOptions:
+    base: dict[str, object] = dict(concurrency=(1,), request_rate=float("inf"), num_prompts=16,
+                                   input_len=128, output_len=8, range_ratio=0.0, warmup=0,
+                                   percentiles=(50.0,))  # fmt: skip
+    return so.ServeOptions(**{**base, **changes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [({"num_prompts": 2_000_000}, "--num-prompts 2,000,000: at most"),
+     ({"input_len": 100_000_000}, "--input-len 100,000,000: at most"),
+     ({"num_prompts": 100_000, "input_len": 1_000_000}, "prompt tokens in all"),
+     ({"request_rate": float("nan")}, "must be a number above 0")],
+)  # fmt: skip
+def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> None:
+    with pytest.raises(BadRequestError, match=says):
+        _serve(**changes)
+    _serve()  # the defaults stand
+    with pytest.raises(BadRequestError, match="--prompt-len 100,000,000"):
+        so.InterferenceOptions(rate=2.0, prompt_len=100_000_000, output_len=8)
+    with pytest.raises(BadRequestError, match="--rate"):
+        so.InterferenceOptions(rate=float("nan"), prompt_len=8, output_len=8)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["serve", "--num-prompts", "2000000"], ["serve", "--input-len", "100000000"],
+     ["serve", "--request-rate", "nan"], ["serve", "--request-rate", "1e-9"],
+     ["serve", "--policy", ""], ["interference", "--policy", ""],
+     ["interference", "--prompt-len", "100000000"]],
+)  # fmt: skip
+def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, str]) -> None:
+    done = subprocess.run([which_llmrun(), "bench", *args], env=llmrun_env, capture_output=True,
+                          text=True, timeout=HANG_S, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_interference_lab_obeys_sigterm(llmrun_env: dict[str, str], model_path: str) -> None:
+    """The engine's loop sees the cancel flag: a stream of 6,000 tokens stops at SIGTERM, and
+    its cut baseline is not reported as one."""
+    proc = subprocess.Popen([which_llmrun(), "bench", "interference", "-m", model_path,
+                             "--policy", "prefill-first", "--output-len", "6000", "--rate",
+                             "0.01", "--prompt-len", "8", "-o", "json"], env=llmrun_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + HANG_S
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while model_path not in maps.read_text():  # loaded: the stream is next
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143, err
+    assert json.loads(out or "[]") == []  # no full-length stream: the loop stopped
