@@ -248,6 +248,24 @@ class Connection:
             text = text.replace(secret, "***")
         return text
 
+    def _whole_reply(self, response: httpx.Response) -> Chunk:
+        """A reply sent as one JSON object in spite of "stream": true: one chunk with it all."""
+        raw = b""
+        try:
+            for piece in response.iter_bytes():
+                raw += piece
+                if len(raw) > MAX_SSE_LINE:
+                    return Chunk(error=f"a reply longer than {MAX_SSE_LINE // 2**20} MiB")
+            event = json.loads(raw.decode("utf-8", errors="replace"))
+        except httpx.HTTPError as e:
+            return Chunk(error=self._fail(e).problem)
+        except (ValueError, RecursionError):
+            return Chunk(error="the server's reply is not valid JSON")
+        chunk = _parse(event)
+        if not chunk.error and chunk.finish_reason is None:
+            chunk = dataclasses.replace(chunk, finish_reason="stop")
+        return chunk
+
     def scrub_secrets(self, text: str) -> str:
         """Generated text with only our own secrets taken out (a URL in it stays as written)."""
         for secret in self._secrets:
@@ -301,6 +319,13 @@ class Connection:
                 raise ServerError(
                     self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}"
                 )
+            if 300 <= response.status_code < 400:  # not followed: the body would go elsewhere
+                where = self.scrub(response.headers.get("location", "")) or "elsewhere"
+                raise ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}:"
+                                  f" redirected to {where} (use that server)")  # fmt: skip
+            if response.headers.get("content-type", "").startswith("application/json"):
+                yield self._whole_reply(response)  # a server that does not stream
+                return
             finished = False
             deadline = time.monotonic() + self.timeout_s
             try:
@@ -415,7 +440,7 @@ def _parse(event: Any) -> Chunk:
     choices = event.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]
-        delta = choice.get("delta")
+        delta = choice.get("delta", choice.get("message"))  # message: a reply not streamed
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
         content = source.get("content")
         text = content if isinstance(content, str) else ""

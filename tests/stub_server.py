@@ -15,7 +15,8 @@ in the content and the reasoning; "keepalive" sends only SSE comments, forever; 
 request's Authorization header back in its reply, and "echo401" in a 401's message; "whatwg"
 writes the stream as the WHATWG standard allows but few servers do (CR and CRLF line ends, a
 BOM, `event:`/`id:`/`retry:` fields, one JSON split over two `data:` lines, no space after the
-colon, no blank line at the end). `models_answer` replaces the /v1/models answer.
+colon, no blank line at the end). "whole" answers with one JSON object, not a stream; "moved"
+redirects elsewhere. `models_answer` replaces the /v1/models answer.
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(500, {"error": {"message": "internal failure in the stub"}})
         if model == "slow":
             time.sleep(3)
+        if model == "whole":  # ignores "stream": true and answers with one JSON object
+            return self._json(200, {"choices": [{"index": 0, "finish_reason": "length", "message":
+                              {"role": "assistant", "content": "All at once."}}],
+                              "usage": {"prompt_tokens": 3, "completion_tokens": 4}})  # fmt: skip
+        if model == "moved":
+            self.send_response(307)
+            self.send_header("Location", "http://elsewhere.example/v1/chat/completions?key=K9x")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         if model == "echo401":
             auth = self.headers.get("Authorization")
             return self._json(401, {"error": {"message": f"bad header Authorization: {auth}"

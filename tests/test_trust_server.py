@@ -145,3 +145,15 @@ def test_redaction_of_free_text() -> None:
     ep = parse_endpoint("https://h/v1/?key=K&x=1")
     assert ep.api == "https://h/v1" and ep.params == (("key", "K"), ("x", "1"))
     assert ep.shown == "https://h/v1?key=***&x=1" and ep.secrets == ("K",)
+
+
+def test_a_reply_not_streamed_and_a_redirect(cli: CliRunner) -> None:
+    with stub_server() as url:
+        whole = cli.invoke(app, ["run", "--endpoint", url, "-m", "whole", "--stats", "json", "hi"])
+        moved = cli.invoke(app, ["run", "--endpoint", url, "-m", "moved", "hi"])
+    assert whole.exit_code == 0, whole.output
+    assert whole.stdout == "All at once.\n"
+    stats = json.loads(whole.stderr.splitlines()[-1])
+    assert stats["finish_reason"] == "length" and stats["output_tokens"] == 4
+    assert moved.exit_code == 1 and moved.stderr.count("\n") == 1
+    assert "redirected to http://elsewhere.example/v1/chat/completions?key=***" in moved.stderr
