@@ -132,7 +132,11 @@ def collect_jobs(
 
 def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingParams) -> list[Job]:
     jobs = []
-    for n, line in enumerate(read_text(path).splitlines(), start=1):
+    # JSON Lines: lines end with \n (\r\n tolerated); str.splitlines would also cut at U+2028,
+    # U+0085 or a form feed, which JSON allows raw inside a string. A leading BOM is ignored.
+    text = read_text(path).removeprefix("\ufeff")
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         label = f"{path}:{n}"
@@ -151,7 +155,9 @@ def parse_jsonl_line(
     try:
         obj: Any = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadRequestError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise BadRequestError(
+            f"not valid JSON: {e.msg.removesuffix(' at')} (column {e.colno})"
+        ) from None
     except RecursionError:
         raise BadRequestError("not valid JSON (nested too deeply)") from None
     try:  # RFC 8259 8.2: a \\uD800 escape without its pair decodes to no character

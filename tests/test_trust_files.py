@@ -404,3 +404,14 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
         assert len(answered) + len(errors) == 12
         assert all(a["stats"]["finish_reason"] != "length" or a["stats"]["output_tokens"] == 400
                    for a in answered)  # fmt: skip
+
+
+def test_json_lines_split_only_at_newlines(
+    tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes("\ufeff".encode() + '{"id": "a", "prompt": "one\u2028two\x85three"}\r\n'
+                        '{"id": "b", "prompt": "five"}'.encode())  # fmt: skip
+    result = cli.invoke(app, ["run", "-q", "--json", "--jsonl", str(prompts)])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(x)["id"] for x in result.stdout.splitlines()] == ["a", "b"]
