@@ -148,12 +148,17 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
     return jobs
 
 
+def _not_json(name: str) -> Any:
+    """Python reads NaN, Infinity and -Infinity; RFC 8259 has no such numbers."""
+    raise BadRequestError(f"not valid JSON: {name} is not a JSON number (RFC 8259)")
+
+
 def parse_jsonl_line(
     line: str, *, system: str | None, raw: bool, sampling: SamplingParams
 ) -> tuple[Request, str | int | None]:
     """One JSON Lines request and its "id" (None without one)."""
     try:
-        obj: Any = json.loads(line)
+        obj: Any = json.loads(line, parse_constant=_not_json)
     except json.JSONDecodeError as e:
         raise BadRequestError(
             f"not valid JSON: {e.msg.removesuffix(' at')} (column {e.colno})"

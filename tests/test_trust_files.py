@@ -145,12 +145,13 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
 ) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "bad \\ud800 half"}\n{"prompt": "good \\ud83d\\ude00"}\n'
-                       + "[" * 100000 + "\n")  # fmt: skip
+                       + "[" * 100000 + '\n{"prompt": "x", "temp": NaN}\n')  # fmt: skip
     result = cli.invoke(app, ["run", "-q", "--jsonl", str(prompts)])
     assert result.exit_code == 1
     assert "good 😀" in result.stdout
     errors = [x for x in result.stderr.splitlines() if x.startswith("llmrun: error")]
-    assert len(errors) == 2 and "surrogate" in errors[0] and "nested" in errors[1], result.stderr
+    assert len(errors) == 3 and "surrogate" in errors[0] and "nested" in errors[1], result.stderr
+    assert "NaN is not a JSON number" in errors[2]
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
 
 
