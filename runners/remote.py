@@ -620,6 +620,10 @@ class OpenAIRunner:
             if chunk.error:
                 error = self.conn.scrub(chunk.error)
                 break
+            if len(times) > 2 * request.sampling.max_tokens + 16:  # every chunk is a token or more
+                error = (f"the server sent over twice the {request.sampling.max_tokens} tokens"
+                         " asked for (-n); stopped reading")  # fmt: skip
+                break
             last = chunk
             if chunk.reasoning:  # the server split the thinking off itself
                 times.append(stamp)

@@ -16,7 +16,7 @@ request's Authorization header back in its reply, and "echo401" in a 401's messa
 writes the stream as the WHATWG standard allows but few servers do (CR and CRLF line ends, a
 BOM, `event:`/`id:`/`retry:` fields, one JSON split over two `data:` lines, no space after the
 colon, no blank line at the end). "whole" answers with one JSON object, not a stream; "moved"
-redirects elsewhere. `models_answer` replaces the /v1/models answer.
+redirects elsewhere; "endless" ignores max_tokens and never stops. `models_answer` replaces the /v1/models answer.
 """
 
 from __future__ import annotations
@@ -221,7 +221,15 @@ def _whatwg(h: Handler) -> None:
     h.close_connection = True  # the end of the stream is the end of the connection
 
 
-HOSTILE = {"escapes": _escapes, "keepalive": _keepalive, "liar": _liar, "echo": _echo,
+def _endless(h: Handler) -> None:
+    try:
+        for _ in range(100000):  # max_tokens ignored
+            _send(h, _delta(content=" more"), done=False)
+    except OSError:
+        h.close_connection = True
+
+
+HOSTILE = {"endless": _endless, "escapes": _escapes, "keepalive": _keepalive, "liar": _liar, "echo": _echo,
            "whatwg": _whatwg}  # fmt: skip
 
 

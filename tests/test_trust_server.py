@@ -157,3 +157,11 @@ def test_a_reply_not_streamed_and_a_redirect(cli: CliRunner) -> None:
     assert stats["finish_reason"] == "length" and stats["output_tokens"] == 4
     assert moved.exit_code == 1 and moved.stderr.count("\n") == 1
     assert "redirected to http://elsewhere.example/v1/chat/completions?key=***" in moved.stderr
+
+
+def test_a_server_that_ignores_max_tokens_is_stopped(cli: CliRunner) -> None:
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "endless", "-n", "5", "hi"])
+    assert result.exit_code == 1
+    assert result.stdout.count("more") == 2 * 5 + 17
+    assert "sent over twice the 5 tokens asked for" in result.stderr
