@@ -200,6 +200,8 @@ def test_seeds_and_stop_strings_per_request(llmrun_server: Server) -> None:
     b = llmrun_server.post("/v1/chat/completions", sampled).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert a["timings"]["seed"] == 7
+    random = llmrun_server.post("/v1/chat/completions", {**sampled, "seed": -1}).json()
+    assert random["timings"]["seed"] not in (None, -1)  # llama-server's -1: a random seed
     greedy = chat("Count from one to ten in words.", max_tokens=24, temperature=0)
     full = llmrun_server.post("/v1/chat/completions", greedy).json()["choices"][0]["message"][
         "content"
@@ -258,6 +260,11 @@ def test_models_health_tokenize_and_metrics(llmrun_server: Server) -> None:
         ),
         (json.dumps({"messages": []}).encode(), "messages"),
         (json.dumps({"prompt": [10**9]}).encode(), "not in the vocabulary"),
+        (
+            json.dumps(chat("hi", tools=[{"type": "function"}])).encode(),
+            "tools: function calling is not served here",
+        ),
+        (json.dumps(chat("hi", logit_bias={"1": 5})).encode(), "logit_bias"),
     ],
 )
 def test_bad_requests_get_400_with_the_reason(

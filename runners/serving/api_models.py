@@ -18,6 +18,10 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import check_sampling
 
 WHERE = "request"
+# Fields whose effect llmrun cannot give: refused when set, never silently dropped.
+UNSERVED = {"logit_bias": "a logit bias", "tools": "function calling",
+            "functions": "function calling", "response_format": "a structured output format",
+            "grammar": "a grammar", "json_schema": "a JSON schema"}  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -63,12 +67,18 @@ class _Body(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequestError(f"{name}: not available here; use repeat_penalty")
+        extra = self.model_extra or {}
+        for name, what in UNSERVED.items():
+            value = extra.get(name)
+            if value and value != {"type": "text"}:
+                raise BadRequestError(f"{name}: {what} is not served here")
         given: dict[str, Any] = {
             "max_tokens": self._limit(), "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p,
             "repeat_penalty": self.repeat_penalty if self.repeat_penalty is not None
             else self.repetition_penalty,
-            "repeat_last_n": self.repeat_last_n, "seed": self.seed,
+            "repeat_last_n": self.repeat_last_n,
+            "seed": None if self.seed == -1 else self.seed,  # -1: random, as llama-server
             "stop": (self.stop,) if isinstance(self.stop, str) else
             tuple(self.stop) if self.stop is not None else None,
             "think": think,
