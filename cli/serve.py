@@ -294,7 +294,9 @@ class _View:
 
     def _lines(self) -> list[str]:
         log = self.served.log
-        lines = []
+        lines: list[str] = []
+        if self.live is not None and self._stop.is_set():
+            return lines  # the panel is going: its last redraw prints nothing above it
         while log:
             lines.append(answered_line(log.popleft()))
         return lines

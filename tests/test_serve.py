@@ -464,3 +464,46 @@ def test_help_lists_the_server_options(tmp_path: Path) -> None:
     assert result.exit_code == 0
     for option in ("--host", "--port", "-np", "--policy", "--max-queue", "--drain-timeout"):
         assert option in result.stdout
+
+
+def test_live_view_on_a_terminal_then_nothing_left_of_it(serve_env: dict[str, str]) -> None:
+    """On a terminal: the panel while serving, the request's line above it, and at SIGTERM the
+    panel gone (no stale rows), the lines kept."""
+    pexpect = pytest.importorskip("pexpect")
+    pyte = pytest.importorskip("pyte")
+    screen = pyte.Screen(80, 30)
+    stream = pyte.ByteStream(screen)
+    raw = bytearray()
+    child = pexpect.spawn(which_llmrun(), ["serve", "--port", "0", "-np", "1", "-c", "512", "-t",
+                                           "1"], env=serve_env, dimensions=(30, 80))  # fmt: skip
+
+    def until(seen: Callable[[], bool]) -> None:
+        """Read the terminal until `seen` (bounded); EOF ends the reading."""
+        deadline = time.monotonic() + START_S
+        while not seen():
+            assert time.monotonic() < deadline, "\n".join(screen.display)
+            try:
+                data = child.read_nonblocking(65536, timeout=1)
+            except pexpect.TIMEOUT:
+                continue
+            except pexpect.EOF:
+                return
+            raw.extend(data)
+            stream.feed(data)
+
+    try:
+        until(lambda: b")\r\n" in raw.partition(b"listening on ")[2])
+        url = raw.split(b"listening on ", 1)[1].split()[0].decode()
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
+        until(lambda: any("1 requests" in line for line in screen.display))
+        assert any("sequences" in line for line in screen.display)
+        child.kill(signal.SIGTERM)
+        until(lambda: False)  # to the end
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 143
+    shown = "\n".join(screen.display)
+    assert "listening on" in shown and "stopped (SIGTERM)" in shown
+    assert "completions 200 length" in shown
+    assert "decoding ·" not in shown and "per step" not in shown
