@@ -24,6 +24,8 @@ bench = typer.Typer(
     invoke_without_command=True,
     no_args_is_help=False,
     help="Measure this machine: llama-bench's tests and sweeps, serving load, interference.",
+    # llama-bench reads --n_prompt as --n-prompt (every "--" option's _ as -)
+    context_settings={"token_normalize_func": lambda name: name.replace("_", "-")},
 )
 bench.callback(invoke_without_command=True)(sweep.bench)
 bench.command("serve")(bench_serve.serve)

@@ -11,12 +11,15 @@ import ctypes
 import functools
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from .errors import BadRequestError
 
 # enum ggml_backend_dev_type
 DEV_CPU, DEV_GPU, DEV_ACCEL, DEV_IGPU = 0, 1, 2, 3
@@ -400,6 +403,56 @@ def device_by_name(name: str) -> int | None:
     return int(found) if found else None
 
 
+# llama.cpp's LLAMA_MAX_LAYERS: no model has more blocks, so -ncmoe above it means "all"
+MAX_LAYERS = 512
+
+
 def moe_cpu_patterns(n_layers: int) -> list[str]:
     """llama.cpp's --n-cpu-moe: the expert tensors of the first N layers stay on the CPU."""
-    return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(n_layers)]
+    return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+            for i in range(min(n_layers, MAX_LAYERS))]  # fmt: skip
+
+
+# llama.cpp matches -ot patterns with std::regex, which backtracks: a repetition inside a
+# repetition, such as (.*)*, takes time exponential in a tensor name's length, and many
+# repetitions in a row a high power of it. Such a pattern is refused before the model loads.
+MAX_PATTERN_REPEATS = 6
+
+
+def check_tensor_pattern(pattern: str) -> None:
+    """Refuse an -ot pattern that is no regular expression or that could match for ever."""
+    import re._parser as sre  # type: ignore[import-not-found]  # the stdlib's own parser
+
+    try:
+        parsed = sre.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        raise BadRequestError(f"-ot: '{pattern}' is not a regular expression") from None
+    repeats = 0
+
+    def walk(items: Any, inside_repeat: bool) -> None:
+        nonlocal repeats
+        for op, arg in items:
+            if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+                _low, high, body = arg
+                if high > 1:
+                    if inside_repeat:
+                        raise BadRequestError(
+                            f"-ot: '{pattern}' repeats a repetition, which llama.cpp's regex"
+                            " matcher could take for ever over; write it without the nesting"
+                        )
+                    repeats += 1
+                walk(body, inside_repeat or high > 1)
+            elif op == sre.SUBPATTERN:
+                walk(arg[-1], inside_repeat)
+            elif op == sre.BRANCH:
+                for branch in arg[1]:
+                    walk(branch, inside_repeat)
+            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+                walk(arg[1], inside_repeat)
+
+    walk(parsed.data, False)
+    if repeats > MAX_PATTERN_REPEATS:
+        raise BadRequestError(
+            f"-ot: '{pattern}' has {repeats} repetitions; at most"
+            f" {MAX_PATTERN_REPEATS}, as llama.cpp's matcher backtracks"
+        )

@@ -125,6 +125,7 @@ def _placement(cfg: EngineConfig) -> _Placement:
             pattern, sep, buffer = part.strip().rpartition("=")
             if not sep or not pattern or not buffer:
                 raise BadRequestError(f"-ot: '{part}' is not PATTERN=BUFFER (e.g. ffn_.*=CPU)")
+            dv.check_tensor_pattern(pattern)
             pairs.append((pattern, buffer))
     given = ";".join(f"{p}={b}" for p, b in pairs)
     pairs += [(p, "CPU") for p in dv.moe_cpu_patterns(cfg.n_cpu_moe)]
@@ -140,7 +141,7 @@ def _placement(cfg: EngineConfig) -> _Placement:
         out.overrides = arr
         out.record["tensor_buft_overrides"] = given or "none"
     out.record["n_cpu_moe"] = cfg.n_cpu_moe
-    if cfg.devices is not None:
+    if cfg.devices is not None and cfg.devices.strip().lower() != "auto":  # llama-bench's default
         names = [] if cfg.devices.strip().lower() == "none" else [
             n for n in cfg.devices.split("/") if n.strip()]  # fmt: skip
         devs = (ctypes.c_void_p * (len(names) + 1))()

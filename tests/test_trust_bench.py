@@ -83,3 +83,38 @@ def test_interference_lab_obeys_sigterm(llmrun_env: dict[str, str], model_path: 
     out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 143, err
     assert json.loads(out or "[]") == []  # no full-length stream: the loop stopped
+
+
+def _bench(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-history", *args], env=env,
+                          capture_output=True, text=True, timeout=HANG_S,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["-ot", "(.*)*(.*)*(.*)*Z=CPU"], "repeats a repetition"),
+     (["-ot", "blk\\.0\\.ffn_.*=CPU,(x+)+y=CPU"], "repeats a repetition"),
+     (["-ot", ".*.*.*.*.*.*.*Z=CPU"], "7 repetitions"),
+     (["-ot", "(=CPU"], "is not a regular expression"),
+     (["-ncmoe", "16777216"], "-ncmoe: 16777216 is out of range 0..512")],
+)  # fmt: skip
+def test_tensor_placement_bounds_are_one_line(
+    args: list[str], says: str, llmrun_env: dict[str, str]
+) -> None:
+    done = _bench("-p", "8", "-n", "0", "-o", "json", *args, env=llmrun_env)
+    assert done.returncode == 1 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+
+
+def test_llama_bench_defaults_and_spellings_run(
+    llmrun_env: dict[str, str], model_path: str
+) -> None:
+    """-dev auto is llama-bench's default; --n_prompt is its --n-prompt (any "--" option's _ is
+    read as -); a pattern without nesting still places tensors."""
+    done = _bench("-m", model_path, "--n_prompt", "8", "--n_gen", "0", "-dev", "auto", "-ot",
+                  "blk\\.0\\.ffn_.*=CPU", "-o", "json", env=llmrun_env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)
+    assert row["test"] == "pp8" and row["devices"] == "auto"
+    assert row["tensor_buft_overrides"] == "blk\\.0\\.ffn_.*=CPU"

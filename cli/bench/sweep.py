@@ -26,6 +26,7 @@ from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.report import ms
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.cli.terminal import terminal_line
+from llmrun.runners import devices as dv
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
@@ -511,7 +512,13 @@ class Sweep:
                 splits.append(part.strip())
         overrides: list[str | None] = ([o.strip() for o in self.tensor_overrides.split(",")]
                                        if self.tensor_overrides else [None])  # fmt: skip
-        moes = list(sw.parse_values(self.n_cpu_moe, name="-ncmoe")) if self.n_cpu_moe else [0]
+        for group in overrides:  # refused before any model loads, not once per test
+            for part in (group or "").split(";"):
+                pattern, sep, _ = part.strip().rpartition("=")
+                if sep and pattern:
+                    dv.check_tensor_pattern(pattern)
+        moes = (list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
+                if self.n_cpu_moe else [0])  # fmt: skip
         devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
                                      if self.devices else [None])  # fmt: skip
         drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
@@ -623,7 +630,6 @@ def settings_line(
 
 def _list_devices() -> int:
     """llama-bench's --list-devices: what this llama.cpp can compute on."""
-    from llmrun.runners import devices as dv
 
     print("Available devices:")
     for d in dv.query().devices():
