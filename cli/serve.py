@@ -188,6 +188,8 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
     except ImportError as e:
         raise BadRequestError(f"serve needs the server extra ({e.name} is missing): pip install"
                               " 'llmrun[server]'") from None  # fmt: skip
+    if policy_text is not None:
+        Policy.parse(policy_text)  # a bad --policy is said before the model loads
     runner = make_runner(model, config)
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("serve needs a local model")

@@ -33,6 +33,7 @@ from llmrun.cli.serve import answered_line, render_serve
 from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot, StepRecord
 
 from .conftest import which_llmrun
+from .fake import FakeRunner
 
 START_S = 180.0  # a loaded 2-core machine can take this long to load and bind
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -457,6 +458,15 @@ def test_timings_json_names() -> None:
         {"tokens": 16, "ms": 15.0}, {"tokens": 16, "ms": 15.0}]  # fmt: skip
     assert t["itl_p50_ms"] == 10.0 and t["decode_tps"] == 100.0
     assert json.loads(json.dumps(t)) == t
+
+
+def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> None:
+    result = CliRunner().invoke(app, ["serve", "--policy", "fastest", "--port", "0"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "llmrun: error: --policy: 'fastest' is not prefill-first, decode-first or chunked:B"
+    ]
+    assert fake.loaded is None
 
 
 def test_help_lists_the_server_options(tmp_path: Path) -> None:
