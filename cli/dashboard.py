@@ -431,6 +431,8 @@ class Dashboard:
             return
         live._lock.acquire()  # no redraw until resume(): the refresh thread waits
         render = live._live_render
+        if render.last_render_height:
+            self.console.line()  # as Live.stop does: restore_cursor counts from the next row
         self.console.control(render.restore_cursor())
         render._shape = None  # drawn afresh where the cursor is after `fg`
         self.console.show_cursor(True)

@@ -269,6 +269,7 @@ class KeysHeld:
         assert self._fd is not None and self._saved is not None
         quiet = [*self._saved]
         quiet[3] = quiet[3] & ~(termios.ECHO | termios.ICANON)  # ISIG stays: Ctrl-C, Ctrl-Z
+        quiet[3] |= termios.NOFLSH  # ... and they do not throw away what was typed before them
         quiet[6] = [*quiet[6]]
         quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 1, 0
         with contextlib.suppress(termios.error):
@@ -289,6 +290,7 @@ class KeysHeld:
             suspend()
         else:
             _write_stderr(SHOW_CURSOR)
+        self._take_typed()  # keys typed so far are ours, not the shell's after the stop
         self._release()
         signal.signal(signal.SIGTSTP, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
@@ -298,19 +300,25 @@ class KeysHeld:
         if resume is not None:
             resume()
 
+    def _take_typed(self) -> None:
+        """Keys typed since the last look: kept (printable, newlines as spaces) or dropped."""
+        import termios
+
+        assert self._fd is not None
+        if self.keep:
+            typed = _drain(self._fd).replace("\r", " ").replace("\n", " ")
+            self.typed += "".join(c for c in typed if c.isprintable())
+        else:
+            with contextlib.suppress(termios.error):
+                termios.tcflush(self._fd, termios.TCIFLUSH)
+
     def __exit__(self, *exc: object) -> None:
         if self._fd is None:
             return
-        import termios
 
         try:
-            if self.keep:
-                typed = _drain(self._fd)
-                typed = typed.replace("\r", " ").replace("\n", " ")
-                self.typed = "".join(c for c in typed if c.isprintable()).strip()
-            else:
-                with contextlib.suppress(termios.error):
-                    termios.tcflush(self._fd, termios.TCIFLUSH)
+            self._take_typed()
+            self.typed = self.typed.strip()
         finally:
             self._release()
             signal.signal(signal.SIGTSTP, self._previous_tstp or signal.SIG_DFL)

@@ -231,25 +231,32 @@ def test_enter_during_a_reply_and_text_copied_from_the_screen(
 
 
 @pytest.mark.pty
-def test_ctrl_z_during_a_reply_and_at_the_prompt_then_fg(llmrun_env: dict[str, str]) -> None:
+def test_keys_and_ctrl_z_during_a_chat_reply_and_at_the_prompt(
+    llmrun_env: dict[str, str],
+) -> None:
+    """Enter pressed during a reply leaves no stale row or repeated line; what was typed
+    meanwhile starts the next prompt; Ctrl-Z gives the shell a visible cursor, and after `fg`
+    the reply goes on, and at the prompt, the prompt and its line are drawn again, each key
+    echoed once."""
     term = Tmux(llmrun_env, 80)
     try:
         term.keys(f"{which_llmrun()} chat --temp 0 -n 300 -t 1 -c 2048", "Enter")
         term.wait(lambda s: s.rstrip().endswith(">>>"))
-        term.keys("Count from one to one hundred in words, one per line.", "Enter")
-        term.wait(lambda s: "tok/s" in s)
+        term.keys("Write a very long story about a dragon and a knight.", "Enter")
+        term.wait(lambda s: "· itl" in s)  # the reply streams under the panel
+        term.keys("Enter")
+        term.keys("Enter")
+        term.keys("/sh")  # typed ahead, for the next prompt
         term.keys("C-z")
         screen = term.wait(lambda s: "Stopped" in s)
         assert term("display", "-p", "-t", "t", "#{cursor_flag}").strip() == "1", screen
         assert "tok/s · itl" not in screen  # the live panel left with the cursor
         term.keys("fg", "Enter")
-        term.wait(lambda s: "context" in s and s.rstrip().endswith(">>>"))
+        term.wait(lambda s: "context" in s and s.rstrip().endswith(">>> /sh"))
         term.keys("C-z")
         term.wait(lambda s: "Stopped" in s and s.rstrip().endswith("$"))
         term.keys("fg", "Enter")
-        term.wait(lambda s: s.rstrip().endswith(">>>"))  # the prompt is drawn again
-        term.keys("/sh")
-        term.wait(lambda s: s.rstrip().endswith(">>> /sh"))
+        term.wait(lambda s: s.rstrip().endswith(">>> /sh"))  # the prompt is drawn again
         term.keys("ow info", "Enter")
         term.wait(lambda s: "context 2048" in s and s.rstrip().endswith(">>>"))
         term.keys("/bye", "Enter")
@@ -260,7 +267,12 @@ def test_ctrl_z_during_a_reply_and_at_the_prompt_then_fg(llmrun_env: dict[str, s
     text = "\n".join(lines)
     assert ">>> /show info" in lines, text  # typed once, echoed once
     assert "/sh/sh" not in text and "ow infoow info" not in text, text
-    assert sum(ln.startswith("decode ") for ln in lines) == 0, text  # chat: no summary
+    assert not any(ln.startswith(("prefill ", "decode ")) for ln in lines), text  # no stale row
+    assert sum(ln.startswith("prompt ") and "TTFT" in ln for ln in lines) == 1, text
+    assert [ln for ln in lines if ln.startswith(">>>")] == [
+        ">>> Write a very long story about a dragon and a knight.", ">>> /sh",
+        ">>> /show info", ">>> /bye",
+    ], text  # the Enters typed during the reply sent nothing and drew no prompt  # fmt: skip
 
 
 @pytest.mark.pty
