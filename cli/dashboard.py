@@ -65,7 +65,7 @@ def model_facts(loaded: ModelLoaded) -> str:
         return f"served at {getattr(loaded.settings, 'endpoint', '?')}"
     return (
         f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
-        f" · {human_count(model.size_bytes, 'B')}"
+        f" · {human_count(model.size_bytes, 'B')} of weights"
     )
 
 

@@ -29,8 +29,8 @@ def models() -> None:
     """List the embedded default model and the GGUF files in the Hugging Face cache."""
     with handled():
         table = Table()
-        for name in ("model", "quant", "params", "size", "arch", "path"):
-            table.add_column(name, justify="right" if name in ("params", "size") else "left")
+        for name in ("model", "quant", "params", "file size", "arch", "path"):
+            table.add_column(name, justify="right" if name in ("params", "file size") else "left")
         for m in list_models():
             if m.info is None:
                 table.add_row(

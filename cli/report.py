@@ -60,7 +60,7 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     if s.model:
         m = s.model
         facts = (f" · {m.architecture} · {human_count(m.n_params)} params"
-                 f" · {human_count(m.size_bytes, 'B')}")  # fmt: skip
+                 f" · {human_count(m.size_bytes, 'B')} of weights")  # fmt: skip
     memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
