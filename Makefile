@@ -53,8 +53,9 @@ test-quick: setup
 fuzz: setup
 	$(BIN)/python -m tests.fuzz_gguf --cases 2000
 
-# llama.cpp's own llama-bench, built from the sources of the installed llama-cpp-python (about
-# 5 minutes once), and llmrun measured against it in B A B order.
+# llama.cpp's own llama-bench and llama-batched-bench, built from the sources of the installed
+# llama-cpp-python (about 5 minutes once), and llmrun measured against llama-bench in B A B
+# order; `python benchmarks/batched.py` measures the batched engine against llama-batched-bench.
 llama-bench: setup
 	$(BIN)/python -m tests.llama_tools llama-bench
 

@@ -217,8 +217,8 @@ def _serve_in_parallel(
     """Every job's request served at once, `parallel` at a time; returns a runner that replays
     them to the usual printing (a request that failed alone fails there, in its turn), and
     whether Ctrl-C cut the run short. Says the total throughput."""
-    from llmrun.runners.batched import Replay, serve_requests
     from llmrun.runners.llamacpp import LlamaCppRunner
+    from llmrun.runners.serving.engine import Replay, serve_requests
 
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("--parallel needs a local model")

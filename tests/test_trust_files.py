@@ -312,9 +312,9 @@ class _CancelAfter:
 @pytest.mark.model
 def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: str) -> None:
     from llmrun.runners.base import Finished
-    from llmrun.runners.batched import NotStartedError, serve_requests
     from llmrun.runners.config import EngineConfig
     from llmrun.runners.llamacpp import LlamaCppRunner
+    from llmrun.runners.serving.engine import NotStartedError, serve_requests
     from llmrun.runners.stats import FINISH_INTERRUPTED
 
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512))

@@ -20,10 +20,10 @@ from llmrun.cli.dashboard import sparkline
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.runners.batched import InterferenceReport
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.engine import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
 
 from . import output as out

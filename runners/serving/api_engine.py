@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmrun.runners.base import SamplingParams
-from llmrun.runners.batched import BatchedEngine, Policy, SeqResult, _Seq
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 from llmrun.runners.text import TextStream
+
+from .engine import BatchedEngine, Policy, SeqResult, _Seq
 
 FINISH_CANCELLED = "cancelled"  # the client went away; nobody reads the answer
 
@@ -353,7 +354,7 @@ class EngineThread:
                 room = self.n_ctx_per_seq - len(job.tokens)
                 seq = _Seq(slot.sid, SeqResult(job.received_s, len(job.tokens)), job.tokens,
                            max(1, min(sp.max_tokens, room)), sp.ignore_eos,
-                           chain=self.runner._sampler(sp, seed, prompt=job.tokens),
+                           chain=self.engine.new_chain(sp, seed, prompt=job.tokens),
                            text=TextStream(sp.stop), prefilled=reused)  # fmt: skip
                 self._active[slot.sid] = _Active(
                     job, seq, slot, reused, seed if sp.temperature > 0 else None

@@ -9,8 +9,8 @@ import threading
 from collections.abc import Iterator
 
 from llmrun.runners.base import Request
-from llmrun.runners.batched import BatchedEngine, InterferenceReport, interference, serve
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.engine import BatchedEngine, InterferenceReport, interference, serve
 
 from .load import RequestResult, ServingLevel, metrics
 from .options import InterferenceOptions, ServeOptions, Stage

@@ -6,9 +6,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmrun.runners.batched import Policy
 from llmrun.runners.bench.sweep import parse_values
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.serving.engine import Policy
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
 # Below one request a minute on average a level would run for hours (1e-9: for ever).

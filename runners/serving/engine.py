@@ -11,13 +11,17 @@ prefill chunks of waiting ones, as the policy allows:
   also lets a prefill in after K decode-only steps.
 
 Sequences share the KV cache (unified) under their own sequence ids, so they never see each
-other's entries; a finished sequence's entries are removed. Sampling is greedy, per sequence.
+other's entries; a finished sequence's entries are removed. Sampling is greedy (one argmax over
+all sequences' logits in numpy) or a sequence's own llama.cpp sampler chain. A step costs O(1)
+Python per decoding sequence: the batch is filled through ctypes views of its arrays, and the
+hot llama.cpp functions are looked up once.
 Every step is timed; every token is time-stamped, so each request gets vLLM's figures (queue
 wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import random
@@ -28,11 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
-from .errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
-from .library import llama_lib
-from .llamacpp import LlamaCppRunner
-from .stats import (
+from llmrun.runners.base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
+from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
+from llmrun.runners.handles import Batch, Sampler
+from llmrun.runners.library import llama_lib
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.stats import (
     FINISH_CONTEXT,
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -40,7 +45,7 @@ from .stats import (
     GenerationStats,
     percentile,
 )
-from .text import TextStream
+from llmrun.runners.text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
 
@@ -130,47 +135,85 @@ class _Seq:
     tokens: tuple[int, ...]
     max_tokens: int
     ignore_eos: bool = False
-    chain: Any = None  # its own sampler chain (None: the engine's greedy one)
+    chain: Sampler | None = None  # its own sampler chain (None: greedy, one argmax in numpy)
     text: TextStream | None = None
     prefilled: int = 0
     pending: int | None = None  # sampled, not yet decoded
     done: bool = False
 
 
+class _StepBatch(Batch):
+    """The engine's llama_batch (one sequence per entry), with typed views of its arrays, so a
+    step fills it by index and slice without building objects per token."""
+
+    def __init__(self, lib: Any, capacity: int) -> None:
+        super().__init__(lib, capacity, 1)
+        s = self.struct
+
+        def view(ptr: Any, ctype: Any) -> Any:
+            return (ctype * capacity).from_address(ctypes.addressof(ptr.contents))
+
+        self.token = view(s.token, ctypes.c_int32)
+        self.pos = view(s.pos, ctypes.c_int32)
+        self.logits = view(s.logits, ctypes.c_int8)
+        self.logits_addr = ctypes.addressof(s.logits.contents)
+        self.seq_rows = [s.seq_id[i] for i in range(capacity)]  # each entry's one sequence id
+        self.row_sid = [-1] * capacity  # what each entry holds now: written only on a change
+        view(s.n_seq_id, ctypes.c_int32)[:] = [1] * capacity
+
+    def set_seq(self, i: int, n: int, sid: int) -> None:
+        """Entries i .. i + n - 1 belong to sequence sid."""
+        row_sid, rows = self.row_sid, self.seq_rows
+        for k in range(i, i + n):
+            if row_sid[k] != sid:
+                rows[k][0] = sid
+                row_sid[k] = sid
+
+
 class BatchedEngine:
-    """A context of its own with `n_seq` sequences, over the runner's loaded weights."""
+    """A context of its own with `n_seq` sequences, over the runner's loaded weights.
+
+    Every C object is owned (runners/handles.py): the context, made by the runner, is closed
+    before the weights it was made from, even when the runner closes first; the batch and each
+    sequence's sampler chain are freed once. `close` may be called any number of times."""
 
     def __init__(self, runner: LlamaCppRunner, *, n_seq: int, n_ctx_per_seq: int, n_batch: int
-                 = 512) -> None:  # fmt: skip
+                 = 512, kv_unified: bool = True) -> None:  # fmt: skip
+        import numpy as np
+
         lib = llama_lib()
-        loaded = runner.load()
-        assert runner._model is not None
         self.lib, self.runner, self.n_seq, self.n_batch = lib, runner, n_seq, n_batch
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_seq * n_ctx_per_seq
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
-        cparams.n_seq_max = n_seq
-        cparams.kv_unified = True
-        cparams.n_threads = loaded.settings.n_threads
-        cparams.n_threads_batch = loaded.settings.n_threads_batch
-        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.no_perf = True
-        self.ctx = lib.llama_init_from_model(runner._model.ptr, cparams)
-        if not self.ctx:
-            raise EngineError("llama.cpp could not create a context for several sequences")
-        self.vocab = runner._model.vocab
-        self.batch = lib.llama_batch_init(n_batch, 0, 1)
-        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        lib.llama_sampler_chain_add(self.chain, lib.llama_sampler_init_greedy())
+        # the runner's threads and flash attention, so one sequence decodes as `run` does
+        self.ctx = runner.make_context(n_seq=n_seq, n_ctx=n_seq * n_ctx_per_seq,
+                                       n_batch=n_batch, kv_unified=kv_unified)  # fmt: skip
+        self.batch = _StepBatch(lib, n_batch)
+        self.n_vocab = runner.vocab_size()
+        self._np = np
         self._held = 0  # decode-only steps since the last prefill (decode-first:K)
+        # the step's hot calls, looked up once
+        self._llama_decode = lib.llama_decode
+        self._synchronize = lib.llama_synchronize
+        self._get_logits = lib.llama_get_logits
+        self._is_eog = runner.is_eog
+        self._view_key: tuple[int, int] = (0, 0)
+        self._view: Any = None
+        self._outs: list[_Seq] = []  # the sequences sampled after this step, in batch order
+        self._out_rows: list[int] = []  # and their entries in the batch
 
     def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_sampler_free(self.chain)
-            self.lib.llama_batch_free(self.batch)
-            self.lib.llama_free(self.ctx)
-            self.ctx = None
+        """Free the batch, then the context (each once); the runner's weights stay loaded."""
+        self.batch.close()
+        self.ctx.close()
+
+    def __enter__(self) -> BatchedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def new_chain(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
+        """A sequence's own sampler chain for these settings (closed when it finishes)."""
+        return self.runner.new_sampler(sp, seed, prompt=prompt)
 
     def run(
         self,
@@ -180,67 +223,68 @@ class BatchedEngine:
         cancel: threading.Event | None = None,
     ) -> tuple[list[SeqResult], list[Step]]:
         """Serve the arrivals (at most n_seq at once; later ones queue) under the policy."""
-        lib = self.lib
-        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        self.ctx.clear()
         queue = sorted(arrivals, key=lambda a: a.at_s)
         results = [SeqResult(a.at_s, len(a.tokens)) for a in queue]
         waiting: list[_Seq] = []
         running: list[_Seq] = []
         free = list(range(self.n_seq))
         steps: list[Step] = []
-        t0 = time.perf_counter()
+        clock = time.perf_counter
+        t0 = clock()
         nxt = 0
-        while nxt < len(queue) or waiting or running:
-            if cancel is not None and cancel.is_set():
-                break
-            now = time.perf_counter() - t0
-            while nxt < len(queue) and queue[nxt].at_s <= now and free:
-                a = queue[nxt]
-                seq = _Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens, a.ignore_eos)
-                if a.sampling is not None:
-                    sp = a.sampling
-                    seed = sp.seed if sp.seed is not None else random.randrange(2**31)
-                    seq.chain = self.runner._sampler(sp, seed, prompt=a.tokens)
-                    seq.text = TextStream(sp.stop)
-                waiting.append(seq)
-                nxt += 1
-            if not waiting and not running:
-                time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
-                continue
-            entries, prefilling = self._plan(waiting, running, policy)
-            if not entries:
-                time.sleep(0.001)
-                continue
-            start = time.perf_counter()
-            self._decode(entries)
-            end = time.perf_counter()
-            steps.append(Step(start - t0, end - start, sum(1 for e in entries if e[3] == "d"),
-                              sum(1 for e in entries if e[3] == "p")))  # fmt: skip
-            stamp = end - t0
-            for index, (seq, _, _, kind, last) in enumerate(entries):
-                if seq.result.started_s is None:
-                    seq.result.started_s = start - t0
-                if kind == "d" or last:
-                    chain = seq.chain if seq.chain is not None else self.chain
-                    token = lib.llama_sampler_sample(chain, self.ctx, index)
-                    self._emit(seq, token, stamp)
-            for seq in prefilling:
-                if seq.prefilled == len(seq.tokens) and seq in waiting:
-                    waiting.remove(seq)
-                    running.append(seq)  # a sequence done at once leaves with the others
-            for seq in [s for s in running if s.done]:
+        try:
+            while nxt < len(queue) or waiting or running:
+                if cancel is not None and cancel.is_set():
+                    break
+                now = clock() - t0
+                while nxt < len(queue) and queue[nxt].at_s <= now and free:
+                    a = queue[nxt]
+                    seq = _Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens, a.ignore_eos)
+                    if a.sampling is not None:
+                        sp = a.sampling
+                        seed = sp.seed if sp.seed is not None else random.randrange(2**31)
+                        seq.chain = self.new_chain(sp, seed, prompt=a.tokens)
+                        seq.text = TextStream(sp.stop)
+                    waiting.append(seq)
+                    nxt += 1
+                if not waiting and not running:
+                    time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
+                    continue
+                decodes, chunks = self._schedule(waiting, running, policy)
+                if not decodes and not chunks:
+                    time.sleep(0.001)
+                    continue
+                start = clock()
+                n_prefill = self._fill(decodes, chunks)
+                self._step()
+                end = clock()
+                steps.append(Step(start - t0, end - start, len(decodes), n_prefill))
+                for seq, _, _ in chunks:
+                    if seq.result.started_s is None:
+                        seq.result.started_s = start - t0
+                self._sample_and_emit(end - t0)
+                for seq, _, _ in chunks:
+                    if seq.prefilled == len(seq.tokens) and seq in waiting:
+                        waiting.remove(seq)
+                        running.append(seq)  # a sequence done at once leaves with the others
+                if any(s.done for s in running):
+                    for seq in [s for s in running if s.done]:
+                        self._finish(seq)
+                        running.remove(seq)
+                        self.ctx.remove(seq.sid)
+                        free.append(seq.sid)
+        finally:
+            for seq in (*waiting, *running):  # interrupted: their samplers go too
                 self._finish(seq)
-                running.remove(seq)
-                lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), seq.sid, -1, -1)
-                free.append(seq.sid)
         return results, steps
 
-    def _plan(
+    def _schedule(
         self, waiting: list[_Seq], running: list[_Seq], policy: Policy
-    ) -> tuple[list[tuple[_Seq, int, int, str, bool]], list[_Seq]]:
-        """(seq, token, position, 'd' or 'p', logits wanted) for each batch entry."""
-        decodes = [(s, s.pending, s.prefilled + len(s.result.output) - 1, "d", True)
-                   for s in running if s.pending is not None]  # fmt: skip
+    ) -> tuple[list[_Seq], list[tuple[_Seq, int, int]]]:
+        """The step under the policy: the sequences that decode their pending token, and the
+        prompt chunks (sequence, first position, length) that go with them."""
+        decodes = [s for s in running if s.pending is not None]
         room = self.n_batch
         if policy.name == "chunked":
             room = max(0, min(self.n_batch, policy.budget) - len(decodes))
@@ -254,37 +298,106 @@ class BatchedEngine:
             room = max(0, room - len(decodes))
         else:
             room = self.n_batch - len(decodes)
-        entries: list[tuple[_Seq, int, int, str, bool]] = [
-            (s, int(t), p, k, w) for s, t, p, k, w in decodes if t is not None
-        ]
-        prefilling: list[_Seq] = []
+        chunks: list[tuple[_Seq, int, int]] = []
         for seq in waiting:
             if room <= 0:
                 break
             take = min(room, len(seq.tokens) - seq.prefilled)
-            for i in range(take):
-                pos = seq.prefilled + i
-                entries.append((seq, seq.tokens[pos], pos, "p", pos == len(seq.tokens) - 1))
+            chunks.append((seq, seq.prefilled, take))
             seq.prefilled += take
             room -= take
-            prefilling.append(seq)
-        return entries, prefilling
+        return decodes, chunks
+
+    def _fill(self, decodes: list[_Seq], chunks: list[tuple[_Seq, int, int]]) -> int:
+        """The batch: one entry per decoding sequence, then the prompt chunks; returns the
+        prompt tokens in it. Notes which rows are sampled after the step."""
+        b = self.batch
+        token, pos, logits, set_seq = b.token, b.pos, b.logits, b.set_seq
+        outs, rows = self._outs, self._out_rows
+        outs.clear()
+        rows.clear()
+        i = 0
+        for s in decodes:
+            token[i] = s.pending
+            pos[i] = s.prefilled + len(s.result.output) - 1
+            logits[i] = 1
+            set_seq(i, 1, s.sid)
+            outs.append(s)
+            rows.append(i)
+            i += 1
+        n_prefill = 0
+        for s, first, n in chunks:
+            j = i + n
+            token[i:j] = s.tokens[first : first + n]
+            pos[i:j] = range(first, first + n)
+            ctypes.memset(b.logits_addr + i, 0, n)
+            set_seq(i, n, s.sid)
+            if first + n == len(s.tokens):  # the prompt's last token: its logits are sampled
+                logits[j - 1] = 1
+                outs.append(s)
+                rows.append(j - 1)
+            n_prefill += n
+            i = j
+        b.struct.n_tokens = i
+        return n_prefill
+
+    def _step(self) -> None:
+        """One llama_decode of the filled batch, waited for (decode is asynchronous on GPUs)."""
+        rc = self._llama_decode(self.ctx.ptr, self.batch.struct)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed in a batched step (code {rc})")
+        self._synchronize(self.ctx.ptr)
+
+    def _sample_and_emit(self, stamp: float) -> None:
+        """Each sampled sequence's next token: argmax over all greedy rows in one numpy call,
+        a sequence's own chain in C otherwise."""
+        outs, rows = self._outs, self._out_rows
+        best: list[int] = []
+        if any(s.chain is None for s in outs):
+            best = self._logits(len(outs)).argmax(axis=1).tolist()
+        ctx = self.ctx
+        for k, seq in enumerate(outs):
+            token = best[k] if seq.chain is None else seq.chain.sample(ctx, rows[k])
+            self._emit(seq, token, stamp)
+
+    def _logits(self, n: int) -> Any:
+        """The step's n rows of logits as an (n, n_vocab) array over llama.cpp's own buffer."""
+        ptr = self._get_logits(self.ctx.ptr)
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value or 0, n)
+        if key != self._view_key:
+            self._view = self._np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
+            self._view_key = key
+        return self._view
+
+    # ---- entry by entry: `llmrun serve`'s loop drives the engine through these -------------
+
+    def _plan(
+        self, waiting: list[_Seq], running: list[_Seq], policy: Policy
+    ) -> tuple[list[tuple[_Seq, int, int, str, bool]], list[_Seq]]:
+        """(seq, token, position, 'd' or 'p', logits wanted) for each batch entry."""
+        decodes, chunks = self._schedule(waiting, running, policy)
+        entries: list[tuple[_Seq, int, int, str, bool]] = [
+            (s, int(s.pending), s.prefilled + len(s.result.output) - 1, "d", True)
+            for s in decodes
+            if s.pending is not None
+        ]
+        for s, first, n in chunks:
+            last = len(s.tokens) - 1
+            entries += [(s, s.tokens[p], p, "p", p == last) for p in range(first, first + n)]
+        return entries, [s for s, _, _ in chunks]
 
     def _decode(self, entries: list[tuple[_Seq, int, int, str, bool]]) -> None:
         b = self.batch
         for i, (seq, token, pos, _, logits) in enumerate(entries):
             b.token[i] = token
             b.pos[i] = pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq.sid
+            b.set_seq(i, 1, seq.sid)
             b.logits[i] = logits
         b.n_tokens = len(entries)
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise EngineError(f"llama_decode failed in a batched step (code {rc})")
+        self._step()
 
     def _emit(self, seq: _Seq, token: int, stamp: float) -> None:
-        if not seq.ignore_eos and self.lib.llama_vocab_is_eog(self.vocab, token):
+        if not seq.ignore_eos and self._is_eog(token):
             seq.done, seq.pending, seq.result.finish = True, None, FINISH_STOP
             return
         seq.result.output.append(token)
@@ -299,11 +412,13 @@ class BatchedEngine:
             seq.done, seq.pending = True, None
 
     def _finish(self, seq: _Seq) -> None:
+        """The held-back text, and the sequence's sampler chain freed."""
         if seq.text is not None:
             seq.result.tail = seq.text.flush()
-        if seq.chain is not None:
-            self.lib.llama_sampler_free(seq.chain)
-            seq.chain = None
+            seq.text = None
+        chain, seq.chain = seq.chain, None
+        if chain is not None:
+            chain.close()
 
 
 @dataclass(frozen=True)
