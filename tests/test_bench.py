@@ -65,7 +65,10 @@ def parse(fmt: str, text: str) -> list[dict[str, object]]:
         db = sqlite3.connect(":memory:")
         db.row_factory = sqlite3.Row
         db.executescript(text)
-        return [dict(row) for row in db.execute("SELECT * FROM llama_bench")]
+        rows = db.execute("SELECT llama_bench.*, figures FROM llama_bench LEFT JOIN"
+                          " llama_bench_llmrun ON bench_rowid = llama_bench.rowid")  # fmt: skip
+        return [{**{k: row[k] for k in row.keys() if k != "figures"},  # noqa: SIM118 (a Row)
+                 **json.loads(row["figures"] or "{}")} for row in rows]  # fmt: skip
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True))

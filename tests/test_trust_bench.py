@@ -4,6 +4,7 @@ signals during a measurement, and llama-bench's spellings."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -118,3 +119,110 @@ def test_llama_bench_defaults_and_spellings_run(
     (row,) = json.loads(done.stdout)
     assert row["test"] == "pp8" and row["devices"] == "auto"
     assert row["tensor_buft_overrides"] == "blk\\.0\\.ffn_.*=CPU"
+
+
+def _fake_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmrun.cli import engine
+
+    from .fake import FakeBenchRunner
+
+    def make(model: str | None, config: object, tuned: bool) -> FakeBenchRunner:
+        fake = FakeBenchRunner()
+        fake.model_path = f"/fake/{model or 'a'}.gguf"
+        return fake
+
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", make)
+
+
+KINDS = ["-p", "8", "-n", "2", "-pg", "8,2", "-d", "0,4", "-m", "a", "-m", "b"]
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "json", "jsonl", "sql"])
+def test_every_format_takes_every_kind_of_row(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """pp, tg, pg (its own pp_ts/tg_ts), depth and two models in one output: every format
+    carries every row and every figure, whatever kind of row comes first."""
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    from .test_bench import parse
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    _fake_models(monkeypatch)
+    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", *KINDS, "-o", fmt])
+    assert done.exit_code == 0, done.stderr
+    rows = parse(fmt, done.stdout)
+    assert len(rows) == 12  # (pp, tg, pg) x 2 depths x 2 models
+    if fmt == "md":
+        return
+    pg = [r for r in rows if "+" in str(r["test"])]
+    assert len(pg) == 4 and all(r["pp_ts"] not in (None, "") for r in pg)
+    assert all(r["tg_ts"] not in (None, "") for r in pg)
+
+
+def _llama_bench_fields() -> dict[str, str]:
+    """The columns this llama.cpp's llama-bench creates: test::get_fields() in its source."""
+    from . import llama_tools
+
+    source = llama_tools.llama_cpp_dir() / "tools" / "llama-bench" / "llama-bench.cpp"
+    text = source.read_text()
+    start = text.index("get_fields() {")
+    block = text[text.index("{", text.index("fields = {", start)) : text.index("};", start)]
+    return {name: "TEXT" for name in re.findall(r'"(\w+)"', block)}
+
+
+@pytest.mark.parametrize("made_by", ["compare-llama-bench.py", "llama-bench.cpp", "llmrun"])
+def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
+    made_by: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """`llama-bench -o sql | sqlite3 db`, then llmrun's SQL of other kinds of rows, twice: each
+    goes in (llama-bench's columns into its table, llmrun's figures beside it), none dropped."""
+    import shutil
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    from . import llama_tools
+    from .test_llama_bench import _script_schema
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    _fake_models(monkeypatch)
+    schema = (_script_schema(llama_tools.compare_script()) if made_by.startswith("compare")
+              else _llama_bench_fields())  # fmt: skip
+    db = tmp_path / "bench.sqlite"
+    columns = ",\n".join(f"  {name} {kind}" for name, kind in schema.items())
+    made = f"CREATE TABLE IF NOT EXISTS llama_bench (\n{columns}\n);\n"  # llama-bench's own
+    if made_by == "llmrun":  # llmrun's table takes llama-bench's INSERT, all its columns
+        values = ", ".join("1" for _ in schema)
+        made = f"{made}INSERT INTO llama_bench ({', '.join(schema)}) VALUES ({values});\n"
+        made += "DELETE FROM llama_bench;\n"
+        done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n",
+                                        "0", "-o", "sql"])  # fmt: skip
+        made = done.stdout + made
+
+    def into_db(sql: str) -> None:
+        if shutil.which("sqlite3"):
+            done = subprocess.run(["sqlite3", str(db)], input=sql, capture_output=True,
+                                  text=True, timeout=HANG_S)  # fmt: skip
+            assert done.returncode == 0 and not done.stderr, done.stderr
+        else:
+            with sqlite3.connect(db) as conn:
+                conn.executescript(sql)
+
+    into_db(made)
+    for shape in (["-p", "8", "-n", "0"], ["-pg", "8,2", "-p", "0", "-n", "0"]):
+        done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", *shape, "-o", "sql"])
+        assert done.exit_code == 0, done.stderr
+        into_db(done.stdout)
+    conn = sqlite3.connect(db)
+    tests = [row[0] for row in conn.execute("SELECT n_prompt || '/' || n_gen FROM llama_bench")]
+    assert tests == ["8/0", "8/2"]
+    figures = [json.loads(text) for (text,) in conn.execute(
+        "SELECT figures FROM llama_bench_llmrun JOIN llama_bench ON bench_rowid ="
+        " llama_bench.rowid ORDER BY bench_rowid")]  # fmt: skip
+    assert "pp_ts" not in figures[0] and figures[0]["ttft_ms"] > 0
+    assert figures[1]["pp_ts"] > 0 and figures[1]["tg_ts"] > 0

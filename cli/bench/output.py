@@ -167,7 +167,8 @@ def to_csv(records: Sequence[dict[str, Any]]) -> str:
     if not records:
         return ""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(records[0]), lineterminator="\n")
+    fields = list(dict.fromkeys(k for r in records for k in r))  # every row's figures
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for r in records:
         writer.writerow({k: _flat(v) for k, v in r.items()})
@@ -196,19 +197,46 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
     return "REAL" if isinstance(value, float) else "TEXT"
 
 
+# The columns of every llama_bench table: compare-llama-bench.py's LLAMA_BENCH_DB_FIELDS, which
+# older llama-bench builds created; newer ones add devices, lazy_mode, no_host and repack.
+# llmrun's SQL creates the table as this llama.cpp's llama-bench does (so its SQL goes in too)
+# and inserts these columns alone (so it goes into an older table as well).
+LLAMA_BENCH_DB_FIELDS = frozenset((
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
+    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask",
+    "cpu_strict", "poll", "type_k", "type_v", "n_gpu_layers", "split_mode", "main_gpu",
+    "no_kv_offload", "flash_attn", "tensor_split", "tensor_buft_overrides", "load_mode",
+    "embeddings", "no_op_offload", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
+    "stddev_ns", "avg_ts", "stddev_ts", "n_cpu_moe", "fit_target", "fit_min_ctx",
+))  # fmt: skip
+
+
 def to_sql(records: Sequence[dict[str, Any]], table: str = "llama_bench") -> str:
-    """llama-bench's `CREATE TABLE llama_bench` (its columns and types first, llmrun's after) and
-    one INSERT per result: `| sqlite3 file` makes a database compare-llama-bench.py reads."""
+    """llama-bench's `CREATE TABLE llama_bench` and one INSERT per result into its columns alone,
+    so the text goes into a table either tool made (`| sqlite3 file`; compare-llama-bench.py
+    reads it). llmrun's other figures go, as one JSON object per row, into `{table}_llmrun`
+    keyed by the row's rowid: no schema to evolve, no figure dropped, whatever ran before."""
     if not records:
         return ""
-    fields = list(records[0])
+    every = list(dict.fromkeys(k for r in records for k in r))
+    made = list(LLAMA_BENCH_FIELDS) if table == "llama_bench" else every
+    core = [f for f in made if f in LLAMA_BENCH_DB_FIELDS] if table == "llama_bench" else every
+    extra = [f for f in every if f not in core]
     lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
-    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(fields) - 1 else ''}"
-              for i, f in enumerate(fields)]  # fmt: skip
-    lines += [");", ""]
+    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
+              for i, f in enumerate(made)]  # fmt: skip
+    lines += [");"]
+    if extra:
+        lines += [f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
+                  " figures TEXT NOT NULL);"]  # fmt: skip
+    lines += [""]
     for r in records:
-        values = ", ".join(_sql_value(r.get(f)) for f in fields)
-        lines.append(f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({values});")
+        values = ", ".join(_sql_value(r.get(f)) for f in core)
+        lines.append(f"INSERT INTO {table} ({', '.join(core)}) VALUES ({values});")
+        figures = {f: r[f] for f in extra if f in r}
+        if figures:
+            lines.append(f"INSERT OR REPLACE INTO {table}_llmrun (bench_rowid, figures) VALUES"
+                         f" (last_insert_rowid(), {_sql_value(json.dumps(figures))});")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
