@@ -226,3 +226,20 @@ def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
         " llama_bench.rowid ORDER BY bench_rowid")]  # fmt: skip
     assert "pp_ts" not in figures[0] and figures[0]["ttft_ms"] > 0
     assert figures[1]["pp_ts"] > 0 and figures[1]["tg_ts"] > 0
+
+
+@pytest.mark.parametrize(("n_prompt", "n_gen"), [(8, 4), (0, 4)])
+def test_pg_decodes_as_many_tokens_as_llama_bench(
+    runner: object, n_prompt: int, n_gen: int
+) -> None:
+    """llama-bench's test_gen decodes n_gen tokens after the prompt: -pg 8,4 is pp8 + 4 decode
+    steps (llmrun's pg took 3, so pg read as pp + 3/4 tg)."""
+    import random
+    import threading
+
+    from llmrun.runners.bench import measure
+    from llmrun.runners.bench.sweep import Shape
+
+    finished, _ = measure._one_run(runner, Shape(n_prompt, n_gen), random.Random(1),  # type: ignore[arg-type]
+                                   threading.Event())  # fmt: skip
+    assert len(finished.stats.itl_s) == n_gen

@@ -103,12 +103,9 @@ def _one_run(
         if cancel.is_set():
             raise Interrupted
     prompt = [rng.randrange(n_vocab) for _ in range(max(shape.n_prompt, 1))]
-    if shape.n_gen == 0:
-        max_tokens = 1  # the first sample gives TTFT and the next token
-    elif shape.n_prompt == 0:
-        max_tokens = shape.n_gen + 1  # one token to start from, then n_gen timed steps
-    else:
-        max_tokens = shape.n_gen
+    # pp: the first sample gives TTFT and the next token; tg and pg: n_gen decode steps after
+    # the first token, as llama-bench's test_gen after its prompt
+    max_tokens = 1 if shape.n_gen == 0 else shape.n_gen + 1
     request = Request(
         token_ids=tuple(depth + prompt),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, draft=draft),
