@@ -104,8 +104,8 @@ FlashAttnOpt = Annotated[
     FlashAttn | None,
     typer.Option(
         "--flash-attn", case_sensitive=False,
-        help="Flash attention. (default: the tuned value; else off on the CPU, where it slows"
-        " decode, and auto with a GPU)",
+        help="Flash attention. (default: the tuned value, else llama.cpp's auto, which"
+        " checks that the model's device supports it)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip

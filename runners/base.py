@@ -57,6 +57,9 @@ class Request:
     token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     keep_cache: bool = True  # reuse the KV cache of a shared prefix with the previous request
+    # llama-bench's tg: after each decode step a random token is fed, nothing is sampled
+    # (engines that cannot do this sample as usual)
+    decode_only: bool = False
 
     @classmethod
     def chat(cls, user: str, *, system: str | None = None, **kw: object) -> Request:
@@ -111,7 +114,7 @@ class PrefillProgress:
     elapsed_s: float  # prefill time so far
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is made per output token, and frozen costs 4x
 class Token:
     index: int  # 0 for the first output token
     text: str  # text released with this token (may be "" while a character or stop is pending)

@@ -25,7 +25,7 @@ class EngineConfig:
     n_threads_batch: int | None = None
     n_gpu_layers: int | None = None  # -1 or more than the model has: all; None: all where
     # this llama.cpp build can offload (as llama-bench and Ollama), else 0
-    flash_attn: str | None = None  # None: "off" on the CPU (faster decode here), else "auto"
+    flash_attn: str | None = None  # None: llama.cpp's own "auto" (it probes the device)
     repack: bool | None = None  # weight repacking for faster CPU kernels; None: where safe
     cache_type_k: str = "f16"  # KV cache element types (llama.cpp's -ctk/-ctv)
     cache_type_v: str = "f16"

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import itertools
 import math
+import random
 import re
 import secrets
 import threading
@@ -183,6 +184,20 @@ def model_params(p: Any) -> dict[str, Any]:
     }
 
 
+def flash_attn_used(asked: str, log: list[str]) -> bool | None:
+    """Whether the context runs flash attention: as asked, or as llama.cpp resolved `auto`
+    (its log of the context's creation says "Flash Attention enabled" or "... not supported,
+    set to disabled"); None where the log does not say."""
+    if asked != "auto":
+        return asked == "on"
+    for line in log:
+        if "Flash Attention" in line:
+            return "enabled" in line and "disabled" not in line
+        if "enabling flash_attn since" in line:
+            return True
+    return None
+
+
 def _flash_attn_type(lib: Any, name: str) -> int:
     return int({
         "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -212,6 +227,7 @@ class _Decoded:
     finish: str = FINISH_STOP
     times: list[float] = field(default_factory=list)  # each output token's time stamp
     first_sample_s: float = 0.0
+    sample_s: float = 0.0  # in llama_sampler_sample after the first token
     text: str = ""
     tail: str = ""  # text held back until the end
     thinking_tokens: int = 0
@@ -483,9 +499,7 @@ class LlamaCppRunner:
         cparams.n_seq_max = 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
-        flash_attn = cfg.flash_attn or (
-            "auto" if gpu_layers_asked(cfg, bool(lib.llama_supports_gpu_offload())) else "off"
-        )
+        flash_attn = cfg.flash_attn or "auto"  # llama.cpp decides for this model and device
         cparams.flash_attn_type = _flash_attn_type(lib, flash_attn)
         for name, value in (("type_k", cfg.cache_type_k), ("type_v", cfg.cache_type_v)):
             ggml_type = getattr(lib, f"GGML_TYPE_{value.upper()}", None)
@@ -538,6 +552,7 @@ class LlamaCppRunner:
                 n_gpu_layers=gpu_layers,
                 gpu_offload=gpu,
                 flash_attn=flash_attn,
+                flash_attn_enabled=flash_attn_used(flash_attn, list(LOG_LINES)),
                 repack=self._repack,
                 repack_note=self._repack_note,
                 type_k=cfg.cache_type_k,
@@ -717,7 +732,9 @@ class LlamaCppRunner:
                 tagger = None  # random benchmark tokens have no thinking to tell apart
                 if request.token_ids is None:
                     tagger = TokenTagger(thinking=opens_thinking(prompt_text))
-                decode = yield from self._decode(chain, sp, cancel, clock, tagger)
+                decode = yield from self._decode(
+                    chain, sp, cancel, clock, tagger, decode_only=request.decode_only
+                )
             perf = lib.llama_perf_context(self._ctx_ptr)
             sample_ms, n_sample = chain.perf()
             stats = GenerationStats(
@@ -728,6 +745,7 @@ class LlamaCppRunner:
                 template_tokenize_s=t_tok,
                 prefill_s=prefill.seconds,
                 first_sample_s=decode.first_sample_s,
+                sample_s=decode.sample_s,
                 itl_s=tuple(b - a for a, b in itertools.pairwise(decode.times)),
                 e2e_s=clock.wall(),
                 load_s=loaded.load_s,
@@ -806,18 +824,40 @@ class LlamaCppRunner:
         cancel: threading.Event,
         clock: PausedClock,
         tagger: TokenTagger | None = None,
+        *,
+        decode_only: bool = False,
     ) -> Generator[Event, None, _Decoded]:
-        """The first token from the prefill's logits, then one llama_decode per token."""
+        """The first token from the prefill's logits, then one llama_decode per token.
+
+        The hot path: per token one llama_decode, one llama_synchronize, one sample (timed on
+        its own, so that llama.cpp's sampling is told apart from llmrun's time), one piece of
+        text and the Token event; every C function and bound method is looked up once.
+        `decode_only` is llama-bench's tg: random tokens are fed, nothing is sampled."""
         lib = llama_lib()
         n_ctx = self.load().settings.n_ctx
-        assert self._model is not None
-        vocab = self._model.vocab
+        model = self._model
+        assert model is not None
+        ctx = self._ctx_ptr
         out = _Decoded()
         text = TextStream(sp.stop)
         parts: list[str] = []
-        t_sample = time.perf_counter()
-        token = chain.sample(self._ctx_ptr)
-        out.first_sample_s = time.perf_counter() - t_sample
+        perf = time.perf_counter
+        decode_c, sync_c = lib.llama_decode, lib.llama_synchronize
+        sample_c, chain_ptr = chain._sample, chain.ptr
+        is_eog = model.is_eog
+        to_piece, feed, emit = model.to_piece, text.feed, parts.append
+        times, cache = out.times, self._cache
+        check_eog, max_tokens = not sp.ignore_eos, sp.max_tokens
+        feed_tokens: list[int] = []
+        if decode_only:  # llama-bench's tg: std::rand() % n_vocab after each step, unsampled
+            rng = random.Random(sp.seed or 0)
+            feed_tokens = [rng.randrange(model.n_vocab) for _ in range(max_tokens + 1)]
+            feed_tokens.reverse()
+            token = feed_tokens.pop()
+        else:
+            t_sample = perf()
+            token = sample_c(chain_ptr, ctx, -1)
+            out.first_sample_s = perf() - t_sample
         one = (lib.llama_token * 1)()
         batch_one = lib.llama_batch_get_one(one, 1)
         drafter: _Drafter | None = None
@@ -827,27 +867,29 @@ class LlamaCppRunner:
             drafter = _Drafter(lib, sp.draft, self._cache)
         queued: list[int] = []  # accepted draft tokens: in the KV cache, not yet emitted
         pending = token  # the next token not yet in the KV cache
+        sample_s = 0.0
         try:
             while True:
                 in_kv = bool(queued)
                 token = queued.pop(0) if in_kv else pending
-                stamp = clock.now()
-                if not sp.ignore_eos and lib.llama_vocab_is_eog(vocab, token):
+                stamp = perf() - clock.start - clock.paused_s
+                if check_eog and is_eog(token):
                     out.finish = FINISH_STOP
                     break
-                out.times.append(stamp)
-                piece = text.feed(self.piece(token))
-                parts.append(piece)
+                times.append(stamp)
+                piece = "" if decode_only else feed(to_piece(token))
+                emit(piece)
                 thinking = tagger.tag(piece) if tagger is not None else False
-                with clock.paused():
-                    yield Token(len(out.times) - 1, piece, stamp, token, thinking)
+                t_yield = perf()
+                yield Token(len(times) - 1, piece, stamp, token, thinking)
+                clock.paused_s += perf() - t_yield
                 if text.stopped:
                     out.finish = FINISH_STOP
                     break
-                if len(out.times) >= sp.max_tokens:
+                if len(times) >= max_tokens:
                     out.finish = FINISH_LENGTH
                     break
-                if len(self._cache) >= n_ctx:  # no room for the next token's KV entry
+                if len(cache) >= n_ctx:  # no room for the next token's KV entry
                     out.finish = FINISH_CONTEXT
                     break
                 if cancel.is_set():
@@ -856,16 +898,23 @@ class LlamaCppRunner:
                 if in_kv:
                     continue
                 if drafter is not None:
-                    room = min(n_ctx - len(self._cache) - 1, sp.max_tokens - len(out.times))
-                    queued, pending = drafter.step(self._ctx_ptr, chain, token, max(0, room))
+                    room = min(n_ctx - len(cache) - 1, max_tokens - len(times))
+                    queued, pending = drafter.step(ctx, chain, token, max(0, room))
                     continue
                 one[0] = token
-                rc = lib.llama_decode(self._ctx_ptr, batch_one)
+                rc = decode_c(ctx, batch_one)
                 if rc != 0:
                     raise EngineError(f"llama_decode failed during generation (code {rc})")
-                self._cache.append(token)
-                pending = chain.sample(self._ctx_ptr)
+                sync_c(ctx)  # llama.cpp's eval counter stops here; the sample is timed apart
+                cache.append(token)
+                if decode_only:
+                    pending = feed_tokens.pop()
+                    continue
+                t_sample = perf()
+                pending = sample_c(chain_ptr, ctx, -1)
+                sample_s += perf() - t_sample
         finally:
+            out.sample_s = sample_s
             if drafter is not None:
                 drafter.close()
                 out.drafted, out.accepted, out.steps = (

@@ -106,13 +106,14 @@ class EngineSettings:
     n_threads_batch: int
     n_gpu_layers: int
     gpu_offload: bool  # whether this llama.cpp build can offload at all
-    flash_attn: str
+    flash_attn: str  # as asked: auto (llama.cpp decides), on, off
     repack: bool = True  # llama.cpp's weight repacking into extra CPU buffer types
     repack_note: str = ""  # why repacking is on or off (asked, probed safe, crashed a probe)
     type_k: str = "f16"  # KV cache element types
     type_v: str = "f16"
     tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
     tuned_for: str = ""  # the workload whose tuned settings these are (chat, document)
+    flash_attn_enabled: bool | None = None  # what the context runs (auto resolved); None: unknown
     n_gpu_layers_asked: int = 0  # as given (-1 or more than the model has: all)
     # llama-bench's other parameters, as read back from the structs handed to llama.cpp
     params: dict[str, Any] = field(default_factory=dict)
@@ -205,6 +206,9 @@ class GenerationStats:
     engine_n_eval: int | None = None
     engine_sample_ms: float | None = None
     engine_n_sample: int | None = None
+    # Wall time inside llama.cpp's sampling calls after the first token (its counter above
+    # leaves out the copy of the logits into the candidates array); None: not measured.
+    sample_s: float | None = None
     seed: int | None = None
     # Measured directly where the first token's wait is not the sum of the phases above (a
     # server: network, queue and its tokenization are in it); None: their sum.
@@ -303,10 +307,15 @@ class GenerationStats:
 
     @property
     def python_overhead_per_token_ms(self) -> float | None:
-        """Wall time of one decode step beyond llama.cpp's own eval and sampling time for one."""
+        """Wall time of one decode step beyond llama.cpp's own eval and sampling time for one:
+        its eval counter, and the time inside its sampling call (measured around the call,
+        after a synchronize) or else its sampling counter."""
         if not self.itl_s or not self.engine_n_eval or self.engine_eval_ms is None:
             return None
-        per_sample = (self.engine_sample_ms or 0.0) / max(self.engine_n_sample or 1, 1)
+        if self.sample_s is not None and not self.decode_steps:
+            per_sample = self.sample_s * 1000 / len(self.itl_s)
+        else:
+            per_sample = (self.engine_sample_ms or 0.0) / max(self.engine_n_sample or 1, 1)
         per_eval = self.engine_eval_ms / self.engine_n_eval
         return self.decode_s * 1000 / len(self.itl_s) - per_eval - per_sample
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -259,3 +260,36 @@ def test_handles_free_once_and_contexts_go_before_the_model(model_path: str) -> 
     assert context.ptr is None  # closed with the runner, before its model
     context.close()
     assert expected.output_tokens > 0
+
+
+def test_decode_only_is_llama_benchs_tg_nothing_sampled(runner: LlamaCppRunner) -> None:
+    """bench's tg times what llama-bench's does: a decode and a synchronize per step, the next
+    token fed at random, no sampling (llama.cpp's sampler counter stays at zero)."""
+    runner.reset()
+    sampling = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    request = Request(token_ids=(1, 2, 3), sampling=sampling, keep_cache=False, decode_only=True)
+    s = generate(runner, request).stats
+    assert s.output_tokens == 9 and len(s.itl_s) == 8
+    assert s.engine_n_eval == 8 and s.engine_n_sample == 0 and s.sample_s == 0.0
+    sampled = generate(runner, dataclasses.replace(request, decode_only=False)).stats
+    assert sampled.engine_n_sample == 9 and sampled.sample_s is not None and sampled.sample_s > 0
+
+
+def test_the_overhead_leaves_out_llamacpps_eval_and_sampling_calls(runner: LlamaCppRunner) -> None:
+    runner.reset()
+    s = generate(runner, Request(prompt="Once upon a time", sampling=GREEDY)).stats
+    assert s.sample_s is not None and s.engine_eval_ms is not None and s.engine_n_eval
+    step_ms = s.decode_s * 1000 / len(s.itl_s)
+    expected = step_ms - s.engine_eval_ms / s.engine_n_eval - s.sample_s * 1000 / len(s.itl_s)
+    assert s.python_overhead_per_token_ms == pytest.approx(expected)
+    assert s.to_dict()["sample_s"] == s.sample_s
+
+
+def test_flash_attention_is_llamacpps_auto_and_the_record_says_what_ran(
+    runner: LlamaCppRunner, model_path: str
+) -> None:
+    settings = runner.load().settings
+    assert settings.flash_attn == "auto"  # no rule measured elsewhere: llama.cpp decides
+    assert settings.flash_attn_enabled is not None  # and the record says what it decided
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=256, flash_attn="off")) as off:
+        assert off.load().settings.flash_attn_enabled is False

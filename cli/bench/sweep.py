@@ -200,8 +200,8 @@ def bench(
                                  "-ngl", "--gpu-layers", "--n-gpu-layers"),
     ] = None,
     flash_attn: Annotated[
-        list[str] | None, _lists("on, off, auto (or 1, 0, -1). (default: off on the CPU,"
-                                 " auto with GPU layers, or tuned; llama-bench: auto)",
+        list[str] | None, _lists("on, off, auto (or 1, 0, -1). (default: auto, as"
+                                 " llama-bench, or the tuned value)",
                                  "-fa", "--flash-attn"),
     ] = None,
     cache_type_k: Annotated[
@@ -623,7 +623,7 @@ def settings_line(
         f" attention {_each(st.flash_attn, b.flash_attn, [c.flash_attn for c in combos])},"
         f" repacking {_each(repack, None, swept_repack)}, ngl {ngl}: {source}. llama-bench"
         " defaults to -b 2048 (llmrun: 512, its prefill chunk, so TTFT shows chunking),"
-        " -fa auto (llmrun: off on the CPU, where decode is faster without it here) and"
+        " -fa auto (llmrun too) and"
         " -ngl -1; repacking is on in both, but llmrun first probes that it is safe."
     )
 

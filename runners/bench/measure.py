@@ -110,6 +110,7 @@ def _one_run(
         token_ids=tuple(depth + prompt),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, draft=draft),
         keep_cache=True,
+        decode_only=shape.n_gen > 0 and not draft,  # llama-bench's tg samples nothing
     )
     finished: Finished | None = None
     first: int | None = None
