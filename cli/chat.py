@@ -690,6 +690,7 @@ def chat(
     gpu_layers: o.GpuLayers = None,
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
+    no_warmup: o.NoWarmup = False,
 ) -> None:
     """Chat with a model; each turn prefills only what is new since the last one.
 
@@ -704,7 +705,7 @@ def chat(
             think=think, draft=draft, draft_model=draft_model,
             chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
             threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack,
+            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup,
         )  # fmt: skip
         sampling, config = o.generation_settings(options)
         asked_ctx = config.n_ctx

@@ -37,7 +37,15 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
+from llmrun.runners.base import (
+    Event,
+    Finished,
+    LoadStarted,
+    LocalLoaded,
+    ModelLoaded,
+    PrefillProgress,
+    Token,
+)
 from llmrun.runners.stats import EngineSettings, GenerationStats, ServerSettings, human_count, rate
 
 from .report import (
@@ -49,6 +57,7 @@ from .report import (
     summary_rows,
     tps,
     tuned_text,
+    warmup_text,
 )
 from .terminal import terminal_line
 
@@ -219,7 +228,8 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
-        parts.append(_row("load", f"{ms(ld.load_s)} · {terminal_line(ld.name)}"))
+        warmup = warmup_text(ld.warmup_s) if isinstance(ld, LocalLoaded) else ""
+        parts.append(_row("load", f"{ms(ld.load_s)}{warmup} · {terminal_line(ld.name)}"))
         if isinstance(st, EngineSettings):
             engine = engine_text(st) + tuned_text(st)
             parts.append(_row("", f"{model_facts(ld)} · {engine}"))

@@ -118,6 +118,16 @@ Repack = Annotated[
     ),
 ]  # fmt: skip
 
+NoWarmup = Annotated[
+    bool,
+    typer.Option(
+        "--no-warmup",
+        help="Skip the warm-up decode while loading (as llama-cli's --no-warmup); the first"
+        " request's prefill then pays the backend's one-time set-up.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]  # fmt: skip
+
 REMOTE_PANEL = "Remote server (OpenAI-compatible)"
 Endpoint = Annotated[
     str | None,
@@ -323,6 +333,7 @@ class GenerationOptions:
     gpu_layers: int | None
     flash_attn: FlashAttn | None
     repack: bool | None
+    no_warmup: bool
 
 
 def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, EngineConfig]:
@@ -340,6 +351,7 @@ def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, Engin
         endpoint=g.endpoint, ctx=g.ctx, batch=g.batch, ubatch=g.ubatch, threads=g.threads,
         threads_batch=g.threads_batch, gpu_layers=g.gpu_layers, flash_attn=g.flash_attn,
         repack=g.repack, chat_template_file=g.chat_template_file, draft_model=g.draft_model,
+        no_warmup=g.no_warmup,
     )  # fmt: skip
     return sampling, config
 
@@ -372,6 +384,7 @@ def local_engine(
     repack: bool | None,
     chat_template_file: Path | None = None,
     draft_model: Path | None = None,
+    no_warmup: bool = False,
 ) -> EngineConfig:
     """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
     (the context size does: it sizes chat's context meter and the overflow policy)."""
@@ -382,6 +395,7 @@ def local_engine(
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
         "--chat-template-file": chat_template_file,
         "--draft-model": draft_model,
+        "--no-warmup": no_warmup,
     }  # fmt: skip
     refuse_for_endpoint(endpoint, local)
     template = None
@@ -406,4 +420,5 @@ def local_engine(
         repack=repack,
         chat_template=template,
         draft_model=str(draft_model) if draft_model is not None else None,
+        warmup=not no_warmup,
     )

@@ -30,6 +30,11 @@ from llmrun.runners.system import busy_machine, logical_cpus
 from .terminal import terminal_line
 
 
+def warmup_text(seconds: float | None) -> str:
+    """' · warm-up 31.0 ms' after the load: the warm-up decode, its own part of the load."""
+    return "" if seconds is None else f" · warm-up {ms(seconds)}"
+
+
 def ms(seconds: float | None) -> str:
     """Every duration a view shows, in one unit: milliseconds, as llama.cpp's own timings."""
     return "-" if seconds is None else f"{seconds * 1000:,.1f} ms"
@@ -64,7 +69,7 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
-        ("load", ms(s.load_s) + cache_text(s.settings) + facts),
+        ("load", ms(s.load_s) + warmup_text(s.warmup_s) + cache_text(s.settings) + facts),
         *([("memory", memory)] if memory else []),
         ("prompt", f"{s.prompt_tokens} tokens"
                    f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"

@@ -159,6 +159,7 @@ def run(
     gpu_layers: o.GpuLayers = None,
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
+    no_warmup: o.NoWarmup = False,
 ) -> None:
     """Generate text for a prompt and report load, prefill and decode separately.
 
@@ -177,7 +178,7 @@ def run(
             think=think, draft=draft, draft_model=draft_model,
             chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
             threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack,
+            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup,
         )  # fmt: skip
         sampling, config = o.generation_settings(options)
         jobs = collect_jobs(

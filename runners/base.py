@@ -102,6 +102,7 @@ class LocalLoaded(ModelLoaded):
 
     model: ModelInfo
     settings: EngineSettings
+    warmup_s: float | None = None  # the warm-up decode after the load (None: skipped)
 
 
 @dataclass(frozen=True)

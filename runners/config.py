@@ -42,6 +42,7 @@ class EngineConfig:
     n_cpu_moe: int = 0  # the expert tensors of the first N layers stay on the CPU
     devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
+    warmup: bool = True  # one decode while loading, as llama-cli does (--no-warmup: none)
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""

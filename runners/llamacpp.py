@@ -369,7 +369,28 @@ class LlamaCppRunner:
             self._load_model()
         self._new_context()
         assert self._loaded is not None
+        if self.config.warmup:
+            self._loaded = dataclasses.replace(self._loaded, warmup_s=self._warm_up())
         return self._loaded
+
+    def _warm_up(self) -> float:
+        """llama-cli's warm-up: one decode of BOS and EOS (a GPU backend sets itself up on its
+        first decode), then the cache and llama.cpp's counters cleared, so that the first
+        request's prefill is the steady-state figure. Returns its seconds."""
+        lib = llama_lib()
+        assert self._model is not None
+        t0 = time.perf_counter()
+        vocab = self._model.vocab
+        tokens = [t for t in (lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)) if t >= 0]
+        arr = (lib.llama_token * max(1, len(tokens)))(*(tokens or [0]))
+        n = max(1, min(len(tokens), self._loaded.settings.n_batch if self._loaded else 1))
+        rc = lib.llama_decode(self._ctx_ptr, lib.llama_batch_get_one(arr, n))
+        lib.llama_synchronize(self._ctx_ptr)
+        lib.llama_memory_clear(lib.llama_get_memory(self._ctx_ptr), True)
+        lib.llama_perf_context_reset(self._ctx_ptr)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed during the warm-up (code {rc})")
+        return time.perf_counter() - t0
 
     def reconfigure(self, config: EngineConfig) -> LocalLoaded:
         """Switch to other settings, reloading the weights only if they need it.
@@ -749,6 +770,7 @@ class LlamaCppRunner:
                 itl_s=tuple(b - a for a, b in itertools.pairwise(decode.times)),
                 e2e_s=clock.wall(),
                 load_s=loaded.load_s,
+                warmup_s=loaded.warmup_s,
                 engine_prompt_eval_ms=float(perf.t_p_eval_ms),
                 engine_eval_ms=float(perf.t_eval_ms),
                 engine_n_prompt_eval=int(perf.n_p_eval),

@@ -226,6 +226,8 @@ class GenerationStats:
     accepted_tokens: int = 0
     decode_steps: int = 0
     server: ServerReport | None = None  # set when a remote server ran the request
+    # The warm-up decode after the load, apart from load_s (None: none ran, or not local)
+    warmup_s: float | None = None
 
     @property
     def new_prompt_tokens(self) -> int:

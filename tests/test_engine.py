@@ -293,3 +293,39 @@ def test_flash_attention_is_llamacpps_auto_and_the_record_says_what_ran(
     assert settings.flash_attn_enabled is not None  # and the record says what it decided
     with LlamaCppRunner(model_path, EngineConfig(n_ctx=256, flash_attn="off")) as off:
         assert off.load().settings.flash_attn_enabled is False
+
+
+def test_warm_up_while_loading_is_its_own_figure_and_leaves_nothing(model_path: str) -> None:
+    """One warm-up decode during the load (llama-cli's), timed apart from the load; the cache
+    and llama.cpp's counters are cleared after it, so the first request counts only itself."""
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=512)) as r:
+        loaded = r.load()
+        assert loaded.warmup_s is not None and loaded.warmup_s > 0
+        assert r.cached_tokens == 0
+        s = generate(r, Request(prompt="Hello there", sampling=GREEDY)).stats
+        assert s.warmup_s == loaded.warmup_s and s.reused_tokens == 0
+        assert s.engine_n_prompt_eval == s.prompt_tokens  # the warm-up's tokens are not in it
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=512, warmup=False)) as r:
+        assert r.load().warmup_s is None
+
+
+def test_no_warmup_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from llmrun.cli import engine
+    from llmrun.cli.app import app
+
+    from .fake import FakeRunner
+
+    configs: list[EngineConfig] = []
+
+    def factory(model: str | None, config: EngineConfig) -> FakeRunner:
+        configs.append(config)
+        return FakeRunner()
+
+    monkeypatch.setattr(engine, "RUNNER_FACTORY", factory)
+    for args, warmup in ((["run", "hi"], True), (["run", "hi", "--no-warmup"], False),
+                         (["chat", "--no-warmup"], False)):  # fmt: skip
+        result = CliRunner().invoke(app, args, input="hello\n")
+        assert result.exit_code == 0, result.output
+        assert configs[-1].warmup is warmup
