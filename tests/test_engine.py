@@ -329,3 +329,26 @@ def test_no_warmup_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
         result = CliRunner().invoke(app, args, input="hello\n")
         assert result.exit_code == 0, result.output
         assert configs[-1].warmup is warmup
+
+
+def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> None:
+    """llama.cpp logs its backends' set-up (`ggml_cuda_init: found 1 CUDA devices`) on the
+    first device call: llmrun's log callback must be in place before it, so that
+    `bench --list-devices` prints its own lines only."""
+    import subprocess
+    import sys
+
+    probe = ("from llmrun.runners import devices, library\n"
+             "assert library._lib is None\n"
+             "devices.query().devices()\n"
+             "print('callback first' if library._lib is not None else 'callback late')\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], env=llmrun_env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.stdout.strip() == "callback first", out.stdout + out.stderr
+    from .conftest import which_llmrun
+
+    listed = subprocess.run([which_llmrun(), "bench", "--list-devices"], env=llmrun_env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("Available devices:") and listed.stderr == ""
+    assert all(ln.startswith(("Available devices:", "  ")) for ln in listed.stdout.splitlines())
