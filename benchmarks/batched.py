@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmrun.runners.base import Request, SamplingParams, generate
-from llmrun.runners.llamacpp import EngineConfig, LlamaCppRunner
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.serving.engine import Arrival, BatchedEngine, Policy
 

@@ -726,9 +726,6 @@ class LlamaCppRunner:
             raise
         return chain
 
-    # batched.py's name until it moves to new_sampler (a Sampler passes to ctypes as its pointer)
-    _sampler = new_sampler
-
     def _generate(self, request: Request, cancel: threading.Event) -> Iterator[Event]:
         """Prefill, then decode, then the stats; the three steps below do the work."""
         lib = llama_lib()
