@@ -295,22 +295,6 @@ def results_table(records: Sequence[dict[str, Any]], title: str = "results") -> 
 
 
 # The settings that make two results comparable across models
-_SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch",
-              "flash_attn", "type_k", "type_v", "n_gpu_layers", "repack", "load_mode")  # fmt: skip
-
-
-def add_relative_speed(records: Sequence[dict[str, Any]]) -> None:
-    """With several models, each result's t/s relative to the first model's same test."""
-    models = _models(records)
-    if len(models) < 2:
-        return
-    first = {tuple(r.get(k) for k in _SAME_TEST): r["avg_ts"]
-             for r in records if r.get("model_name") == models[0]}  # fmt: skip
-    for r in records:
-        base = first.get(tuple(r.get(k) for k in _SAME_TEST))
-        r["relative_ts"] = round(r["avg_ts"] / base, 4) if base else None
-
-
 def model_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
     """Prompt and output tok/s of each model, on one scale."""
     models = _models(records)

@@ -685,7 +685,7 @@ def _sweep(
             runner.close()
     assert system is not None
     if text is not None:
-        _add_perplexity(results, scores, sweep)
+        results = _with_perplexity(results, scores, sweep)
     return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
 
 
@@ -713,18 +713,17 @@ def _perplexity(
         return runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
 
 
-def _add_perplexity(
+def _with_perplexity(
     results: list[res.Result], scores: dict[str, tuple[float, int]], sweep: Sweep
-) -> None:
-    """Each model's perplexity into its records, with the change against the first model."""
+) -> list[res.Result]:
+    """Each model's perplexity on its results, with the change against the first model."""
     first = next(iter(scores.values()), None)
-    for result in results:
-        found = scores.get(result.model.name)
-        if found is None:
-            continue
-        ppl, n = found
-        result.extra.update(ppl=round(ppl, 4), ppl_tokens=n, ppl_ctx=sweep.contexts()[0] or PPL_CTX,
-                            ppl_change=round(ppl / first[0] - 1, 4) if first else None)  # fmt: skip
+    ctx = sweep.contexts()[0] or PPL_CTX
+    return [replace(r, perplexity=res.Perplexity(
+                ppl=found[0], tokens=found[1], ctx=ctx,
+                change=found[0] / first[0] - 1 if first else None))
+            if (found := scores.get(r.model.name)) is not None else r
+            for r in results]  # fmt: skip
 
 
 def _measure(
@@ -779,12 +778,8 @@ def _report(
     for s in skipped:
         what = f"{s.shape.name} " if s.shape else ""
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
-    records = [r.record(system) for r in results]
-    if sweep.scenarios:
-        score = ls.localscore(results)
-        for r in records:
-            r["localscore"] = round(score, 3) if score is not None else None
-    out.add_relative_speed(records)
+    run = res.BenchRun(tuple(results), system, scenarios=sweep.scenarios)
+    records = run.records()
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
@@ -799,7 +794,7 @@ def _report(
     if output.format_err is not None and records:
         sys.stderr.write(out.format_records(records, output.format_err))
         sys.stderr.flush()
-    _extras(records, show, scenarios=sweep.scenarios)
+    _extras(records, show, score=run.localscore)
     if output.plot is not None and records:
         bench_plot.plot(records, output.plot)
         err.print(f"charts written to {output.plot}")
@@ -816,7 +811,7 @@ def _report(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _extras(records: list[dict[str, Any]], show: Console, *, scenarios: bool) -> None:
+def _extras(records: list[dict[str, Any]], show: Console, *, score: float | None) -> None:
     for line in out.efficiency_lines(records):
         show.print(line, markup=False)
     for chart in (out.sweep_chart(records), out.depth_chart(records), out.model_chart(records)):
@@ -828,9 +823,8 @@ def _extras(records: list[dict[str, Any]], show: Console, *, scenarios: bool) ->
         show.print(table)
         for note in notes:
             show.print(note, markup=False)
-    score = next((r["localscore"] for r in records if r.get("localscore") is not None), None)
-    if scenarios and score is not None:
+    if score is not None:
         show.print(
-            f"score    {score:,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
+            f"score    {round(score, 3):,.1f}  (LocalScore's formula: 10 · cbrt(mean prompt tok/s"
             " · mean output tok/s · 1000 / mean TTFT ms), scenarios scaled)"
         )

@@ -31,8 +31,9 @@ def localscore(results: Sequence[Result]) -> float | None:
     """
     prompt, gen, ttft = [], [], []
     for r in results:
-        prompt += [r.extra["pp_ts"]] if r.extra.get("pp_ts") else []
-        gen += [r.extra["tg_ts"]] if r.extra.get("tg_ts") else []
+        if r.phases is not None:
+            prompt += [r.phases.pp_ts] if r.phases.pp_ts else []
+            gen += [r.phases.tg_ts] if r.phases.tg_ts else []
         ttft += list(r.ttft_s)
     if not (prompt and gen and ttft):
         return None

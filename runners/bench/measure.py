@@ -20,7 +20,6 @@ import statistics
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from llmrun.runners.base import BenchRunner, Finished, Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
@@ -28,7 +27,7 @@ from llmrun.runners.errors import LlmrunError, ModelLoadError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.system import background_cpus, cpu_sample
 
-from .results import Result
+from .results import Phases, Result, Speculation
 from .sweep import Combo, Shape
 
 
@@ -227,21 +226,24 @@ def run_bench(
                 done = start + per_test
                 yield Skipped(combo, shape, str(e))
                 continue
-            extra: dict[str, Any] = {}
+            speculation = None
             if combo.draft:
-                extra["draft"] = combo.draft
-                extra["acceptance_rate"] = round(accepted / drafted, 4) if drafted else None
-                extra["tokens_per_step"] = round(len(gaps) / steps, 4) if steps else None
+                speculation = Speculation(
+                    draft=combo.draft,
+                    acceptance_rate=round(accepted / drafted, 4) if drafted else None,
+                    tokens_per_step=round(len(gaps) / steps, 4) if steps else None,
+                )
+            phases = None
             if phase_tps:  # pg blends two phases; keep each one's own rate as well
                 pp = [p for p, _ in phase_tps if p]
                 tg = [g for _, g in phase_tps if g]
-                extra["pp_ts"] = round(statistics.fmean(pp), 6) if pp else None
-                extra["tg_ts"] = round(statistics.fmean(tg), 6) if tg else None
+                phases = Phases(pp_ts=round(statistics.fmean(pp), 6) if pp else None,
+                                tg_ts=round(statistics.fmean(tg), 6) if tg else None)  # fmt: skip
             yield Result(
                 shape=shape, combo=combo, model=loaded.model, settings=loaded.settings,
                 load_s=loaded.load_s, samples_s=tuple(samples), engine_samples_s=tuple(engine),
                 ttft_s=tuple(ttft), itl_s=tuple(gaps),
                 next_token=next_token if shape.n_gen == 0 else None, test_time=when,
                 kv_bytes_per_pos=kv, background_cpus=background_cpus(cpu0, cpu_sample()),
-                extra=extra,
+                speculation=speculation, phases=phases,
             )  # fmt: skip

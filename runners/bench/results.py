@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
@@ -45,6 +45,33 @@ LLAMA_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Prompt-lookup drafting in a generation test: how much of it the model accepted."""
+
+    draft: int  # at most this many drafted tokens a step
+    acceptance_rate: float | None
+    tokens_per_step: float | None
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A pp+tg test's two phases, each at its own rate (the test's t/s blends them)."""
+
+    pp_ts: float | None
+    tg_ts: float | None
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """The model's perplexity on --ppl's text (llama-perplexity's method)."""
+
+    ppl: float
+    tokens: int  # tokens scored
+    ctx: int  # window size
+    change: float | None  # relative to the first model's
+
+
+@dataclass(frozen=True)
 class Result:
     """One test on one configuration: every repetition's time and what llama.cpp counted."""
 
@@ -61,7 +88,9 @@ class Result:
     test_time: str = ""
     kv_bytes_per_pos: float = 0.0
     background_cpus: float | None = None  # other processes' load over the test's repetitions
-    extra: dict[str, Any] = field(default_factory=dict)
+    speculation: Speculation | None = None  # tg tests with --draft
+    phases: Phases | None = None  # pp+tg tests
+    perplexity: Perplexity | None = None  # with --ppl
 
     @property
     def n_tokens(self) -> int:
@@ -180,7 +209,22 @@ class Result:
             rec.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
         if s.n_prompt and not s.n_gen and self.avg_ts:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
-        rec.update(self.extra)
+        rec.update(self._own_fields())
+        return rec
+
+    def _own_fields(self) -> dict[str, Any]:
+        """The optional measurements, after the rest, only where they were made."""
+        rec: dict[str, Any] = {}
+        if self.speculation is not None:
+            rec.update(draft=self.speculation.draft,
+                       acceptance_rate=self.speculation.acceptance_rate,
+                       tokens_per_step=self.speculation.tokens_per_step)  # fmt: skip
+        if self.phases is not None:
+            rec.update(pp_ts=self.phases.pp_ts, tg_ts=self.phases.tg_ts)
+        if self.perplexity is not None:
+            p = self.perplexity
+            rec.update(ppl=round(p.ppl, 4), ppl_tokens=p.tokens, ppl_ctx=p.ctx,
+                       ppl_change=None if p.change is None else round(p.change, 4))  # fmt: skip
         return rec
 
 
@@ -205,3 +249,47 @@ def _round(value: float | None, digits: int) -> float | None:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 4)
+
+
+# A test is "the same" across models when these agree (its shape and engine settings).
+SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
+             "type_k", "type_v", "n_gpu_layers", "repack", "load_mode")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A sweep's results and the figures that need all of them: each result's speed against
+    the first model's same test (several models) and LocalScore's score (--scenarios)."""
+
+    results: tuple[Result, ...]
+    system: SystemInfo
+    scenarios: bool = False
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(r.model.name for r in self.results))
+
+    @property
+    def localscore(self) -> float | None:
+        from .localscore import localscore
+
+        return localscore(self.results) if self.scenarios else None
+
+    def records(self) -> list[dict[str, Any]]:
+        """Each result's record, with the run-wide figures after its own."""
+        records = [r.record(self.system) for r in self.results]
+        models = self.models
+        first = {tuple(rec.get(k) for k in SAME_TEST): rec["avg_ts"]
+                 for rec, r in zip(records, self.results, strict=True)
+                 if r.model.name == models[0]} if len(models) > 1 else {}  # fmt: skip
+        score = self.localscore
+        out = []
+        for rec in records:
+            run: dict[str, Any] = {}
+            if self.scenarios:
+                run["localscore"] = round(score, 3) if score is not None else None
+            if len(models) > 1:
+                base = first.get(tuple(rec.get(k) for k in SAME_TEST))
+                run["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
+            out.append({**rec, **run})
+        return out
