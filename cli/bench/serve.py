@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -182,7 +182,7 @@ def _remote(
         for level in run_stages(sv.serve_remote(runner, options, cancel=cancel), err,
                                 "preparing prompts ..."):  # fmt: skip
             done.append(level)
-            for e in level.metrics.get("errors") or []:
+            for e in level.metrics.errors:
                 err.print(f"c={level.concurrency}: failed requests: {e}", markup=False,
                           style="yellow")  # fmt: skip
     finally:
@@ -248,33 +248,39 @@ def _report(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _latency(name: str, key: str) -> Callable[[sv.ServingMetrics], str]:
+    def cell(m: sv.ServingMetrics) -> str:
+        latency: sv.Latency = getattr(m, name)
+        return _num(latency.fields(name).get(key), ",.1f")
+
+    return cell
+
+
 def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float]) -> Table:
     table = Table(title="serving benchmark (vLLM's definitions)", title_justify="left")
     table.add_column("metric")
-    records = [level.record() for level in levels]
     for level in levels:
         policy = f" {level.policy}" if level.policy else ""
         table.add_column(f"c={level.concurrency} rate={level.rate_text}{policy}", justify="right")
-    rows: list[tuple[str, str]] = [
-        ("requests completed / failed", "{completed} / {failed}"),
-        ("duration s", "{duration_s:.2f}"),
-        ("request throughput req/s", "{request_throughput:.2f}"),
-        ("output tokens/s", "{output_throughput:.1f}"),
-        ("total tokens/s", "{total_token_throughput:.1f}"),
+    rows: list[tuple[str, Callable[[sv.ServingMetrics], str]]] = [
+        ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
+        ("duration s", lambda m: f"{m.duration_s:.2f}"),
+        ("request throughput req/s", lambda m: _num(m.request_throughput, ".2f")),
+        ("output tokens/s", lambda m: _num(m.output_throughput, ".1f")),
+        ("total tokens/s", lambda m: _num(m.total_token_throughput, ".1f")),
     ]
-    if any(r.get("goodput") is not None for r in records):
-        rows.append(("goodput req/s (met --slo)", "{goodput:.2f}"))
-    for m in METRICS:
+    if any(level.metrics.goodput is not None for level in levels):
+        rows.append(("goodput req/s (met --slo)", lambda m: _num(m.goodput, ".2f")))
+    for name in METRICS:
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
-            rows.append((f"{m.upper()} {stat} ms", f"{{{stat}_{m}_ms:,.1f}}"))
-    for label, fmt in rows:
-        cells = []
-        for r in records:
-            try:
-                cells.append(fmt.format(**r))
-            except (TypeError, ValueError, KeyError):
-                cells.append("-")
-        table.add_row(label, *cells)
+            key = f"{stat}_{name}_ms"
+            rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
+    for label, cell in rows:
+        table.add_row(label, *(cell(level.metrics) for level in levels))
     return table
 
 

@@ -155,21 +155,69 @@ def run_load(
     return [f.result() for f in futures], duration
 
 
-def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, Any]:
-    values = [v * 1000 for v in values_s]
-    out: dict[str, Any] = {
-        f"mean_{name}_ms": round(statistics.fmean(values), 3) if values else None,
-        f"median_{name}_ms": round(statistics.median(values), 3) if values else None,
-        f"std_{name}_ms": round(statistics.pstdev(values), 3) if len(values) > 1 else 0.0,
-    }
-    for p in percentiles:
-        value = percentile(values, p)
-        out[f"p{p:g}_{name}_ms"] = round(value, 3) if value is not None else None
-    return out
+@dataclass(frozen=True)
+class Latency:
+    """One latency metric over a level's requests, in milliseconds (None: nothing measured)."""
+
+    mean_ms: float | None
+    median_ms: float | None
+    std_ms: float
+    percentiles_ms: tuple[tuple[float, float | None], ...]  # (percentile, value)
+
+    @classmethod
+    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> Latency:
+        values = [v * 1000 for v in values_s]
+        return cls(
+            mean_ms=round(statistics.fmean(values), 3) if values else None,
+            median_ms=round(statistics.median(values), 3) if values else None,
+            std_ms=round(statistics.pstdev(values), 3) if len(values) > 1 else 0.0,
+            percentiles_ms=tuple((p, None if (v := percentile(values, p)) is None else round(v, 3))
+                                 for p in percentiles),
+        )  # fmt: skip
+
+    def fields(self, name: str) -> dict[str, float | None]:
+        """vLLM's names: mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ..."""
+        out = {f"mean_{name}_ms": self.mean_ms, f"median_{name}_ms": self.median_ms,
+               f"std_{name}_ms": self.std_ms}  # fmt: skip
+        out.update((f"p{p:g}_{name}_ms", v) for p, v in self.percentiles_ms)
+        return out
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    """A level's figures as vLLM's benchmark defines them."""
+
+    completed: int
+    failed: int
+    errors: tuple[str, ...]  # the first distinct error messages
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float | None  # requests per second
+    output_throughput: float | None  # output tokens per second
+    total_token_throughput: float | None
+    goodput: float | None  # requests per second that met every --slo (None: no --slo)
+    ttft: Latency
+    tpot: Latency
+    itl: Latency
+    e2el: Latency
+
+    def record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "completed": self.completed, "failed": self.failed, "errors": list(self.errors),
+            "duration_s": self.duration_s, "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput, "goodput": self.goodput,
+        }  # fmt: skip
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            rec.update(getattr(self, name).fields(name))
+        return rec
 
 
 def metrics(results: Sequence[RequestResult], duration_s: float, *, percentiles: Sequence[float],
-            slo: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+            slo: dict[str, float]) -> ServingMetrics:  # fmt: skip
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok and r.error != "cancelled"]
     out_tokens = sum(r.output_tokens for r in done)
@@ -179,25 +227,22 @@ def metrics(results: Sequence[RequestResult], duration_s: float, *, percentiles:
         checks = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2el": r.latency_s}
         return all(checks[k] is not None and checks[k] <= v for k, v in slo.items())  # type: ignore[operator]
 
+    def per_s(count: int) -> float | None:
+        return round(count / duration_s, 4) if duration_s > 0 else None
+
     good = [r for r in done if meets(r)] if slo else done
-    rec: dict[str, Any] = {
-        "completed": len(done),
-        "failed": len(failed),
-        "errors": sorted({r.error for r in failed if r.error})[:5],
-        "duration_s": round(duration_s, 4),
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": round(len(done) / duration_s, 4) if duration_s > 0 else None,
-        "output_throughput": round(out_tokens / duration_s, 4) if duration_s > 0 else None,
-        "total_token_throughput": round((in_tokens + out_tokens) / duration_s, 4)
-        if duration_s > 0 else None,
-        "goodput": round(len(good) / duration_s, 4) if duration_s > 0 and slo else None,
-    }  # fmt: skip
-    rec.update(_summary("ttft", [r.ttft_s for r in done if r.ttft_s is not None], percentiles))
-    rec.update(_summary("tpot", [t for r in done if (t := r.tpot_s) is not None], percentiles))
-    rec.update(_summary("itl", [g for r in done for g in r.itl_s], percentiles))
-    rec.update(_summary("e2el", [r.latency_s for r in done], percentiles))
-    return rec
+    return ServingMetrics(
+        completed=len(done), failed=len(failed),
+        errors=tuple(sorted({r.error for r in failed if r.error})[:5]),
+        duration_s=round(duration_s, 4), total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens, request_throughput=per_s(len(done)),
+        output_throughput=per_s(out_tokens), total_token_throughput=per_s(in_tokens + out_tokens),
+        goodput=per_s(len(good)) if slo else None,
+        ttft=Latency.of([r.ttft_s for r in done if r.ttft_s is not None], percentiles),
+        tpot=Latency.of([t for r in done if (t := r.tpot_s) is not None], percentiles),
+        itl=Latency.of([g for r in done for g in r.itl_s], percentiles),
+        e2el=Latency.of([r.latency_s for r in done], percentiles),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -266,7 +311,7 @@ class ServingLevel:
     num_prompts: int
     input_len: int
     output_len: int
-    metrics: dict[str, Any]
+    metrics: ServingMetrics
     interrupted: bool = False  # Ctrl-C mid-level: the requests that finished stand
     policy: str = ""  # the local engine's scheduling policy ('' against a server)
 
@@ -283,9 +328,9 @@ class ServingLevel:
     def spread(self) -> float:
         """The output throughput's spread: the standard error of the requests' mean latency,
         relative, applied to the throughput (how history tells a change from noise)."""
-        throughput = self.metrics.get("output_throughput") or 0.0
-        mean, std = self.metrics.get("mean_e2el_ms") or 0.0, self.metrics.get("std_e2el_ms") or 0.0
-        done = max(self.metrics.get("completed") or 1, 1)
+        throughput = self.metrics.output_throughput or 0.0
+        mean, std = self.metrics.e2el.mean_ms or 0.0, self.metrics.e2el.std_ms or 0.0
+        done = max(self.metrics.completed or 1, 1)
         return throughput * (std / mean) / math.sqrt(done) if mean else 0.0
 
     def record(self) -> dict[str, Any]:
@@ -297,9 +342,9 @@ class ServingLevel:
             "concurrency": self.concurrency, "request_rate": self.rate_text,
             "num_prompts": self.num_prompts, "input_len": self.input_len,
             "output_len": self.output_len,
-            "avg_ts": self.metrics.get("output_throughput") or 0.0,
+            "avg_ts": self.metrics.output_throughput or 0.0,
             "stddev_ts": round(self.spread, 4),
-            **self.metrics, "interrupted": self.interrupted,
+            **self.metrics.record(), "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
         }  # fmt: skip
 
