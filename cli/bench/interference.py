@@ -17,17 +17,27 @@ from rich.text import Text
 
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
-from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.engine import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
 
 from . import output as out
-from .serve import LOCAL, Model1, Output, Policies, Seed, _opt, run_stages
+from .serve import (
+    LOCAL,
+    Model1,
+    Output,
+    Policies,
+    Screen,
+    Seed,
+    Server,
+    _opt,
+    local_runner,
+    run_stages,
+)
+
+Format = out.OutputFormat | None
+Plot = Path | None
 
 if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
@@ -81,14 +91,13 @@ def interference(
             input_len=input_len, num_prompts=num_prompts,
             policies=() if endpoint else parse_policies(policy),
         )  # fmt: skip
-        cancel = threading.Event()
-        with ctrl_c_cancels(cancel):
+        screen = Screen(err, show, threading.Event())
+        with ctrl_c_cancels(screen.cancel):
             if endpoint:
                 o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
                                 num_prompts != 16, "--plot": plot},
                                "the local engine's; not with --endpoint")  # fmt: skip
-                code = _remote(endpoint, api_key, timeout, model, options, cancel, err, show,
-                               output)  # fmt: skip
+                code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
             else:
                 o.refuse_given(
                     {
@@ -98,36 +107,21 @@ def interference(
                     },
                     "only with --endpoint",
                 )
-                code = _local(model, options, cancel, err, show, output, plot)
+                code = _local(model, options, screen, output, plot)
         raise typer.Exit(code)
 
 
-def _remote(
-    endpoint: str,
-    api_key: str | None,
-    timeout_s: float,
-    model: str | None,
-    options: InterferenceOptions,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-    output: out.OutputFormat | None,
-) -> int:
-    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
+def _remote(server: Server, options: InterferenceOptions, screen: Screen, output: Format) -> int:
     from llmrun.runners.serving import load as sv
 
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s)
-    found: list[sv.InterferenceResult] = []
+    runner, _ = server.connect(screen.err)
     try:
-        loaded = runner.load()
-        err.print(f"server   {runner.endpoint} · model {runner.model_name or loaded.name} ·"
-                  f" connect {loaded.load_s * 1000:.1f} ms", markup=False)  # fmt: skip
-        found += run_stages(sv.interfere_remote(runner, options, cancel=cancel), err,
-                            "interference ...")  # fmt: skip
+        found = list(run_stages(sv.interfere_remote(runner, options, cancel=screen.cancel),
+                                screen.err, "interference ..."))  # fmt: skip
     finally:
         runner.close()
     for f in found:
-        show.print(interference_sentence(f), markup=False)
+        screen.show.print(interference_sentence(f), markup=False)
     if output is None and not sys.stdout.isatty():
         output = out.OutputFormat.md
     if output is not None:
@@ -135,7 +129,7 @@ def _remote(
         sys.stdout.write(out.format_records(records, output, lambda: _markdown(records),
                                             sql_table="llmrun_interference"))  # fmt: skip
         sys.stdout.flush()
-    return EXIT_INTERRUPTED if cancel.is_set() else 0
+    return EXIT_INTERRUPTED if screen.cancel.is_set() else 0
 
 
 def _markdown(records: Sequence[dict[str, Any]]) -> str:
@@ -163,23 +157,18 @@ def interference_sentence(result: sv.InterferenceResult) -> str:
 def _local(
     model: str | None,
     options: InterferenceOptions,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-    output: out.OutputFormat | None,
+    screen: Screen,
+    output: Format,
     plot: Path | None,
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 
-    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError("bench interference without --endpoint needs a local model")
+    runner = local_runner(model, "bench interference without --endpoint")
     try:
         loaded = runner.load()
         name = loaded.model.name if loaded.model else ""
-        reports: list[InterferenceReport] = list(
-            run_stages(interfere_local(runner, options, cancel=cancel), err, "loading ...")
-        )
+        stages = interfere_local(runner, options, cancel=screen.cancel)
+        reports: list[InterferenceReport] = list(run_stages(stages, screen.err, "loading ..."))
     finally:
         runner.close()
     if output is not None:
@@ -188,18 +177,18 @@ def _local(
                                             sql_table="llmrun_interference"))  # fmt: skip
         sys.stdout.flush()
     else:
-        show.print(_table(reports))
+        screen.show.print(_table(reports))
         for r in reports:
-            show.print(Text.assemble(f"{r.policy:<14} ", (sparkline(list(r.stream_itl_ms)),
-                                                          "magenta")))  # fmt: skip
+            screen.show.print(Text.assemble(f"{r.policy:<14} ", (sparkline(list(r.stream_itl_ms)),
+                                                                 "magenta")))  # fmt: skip
     for line in verdict(reports):
-        err.print(line, markup=False)
+        screen.err.print(line, markup=False)
     if plot is not None and reports:
         from .plot import plot_timeline
 
         plot_timeline(reports, plot)
-        err.print(f"timeline written to {plot}", markup=False)
-    return EXIT_INTERRUPTED if cancel.is_set() else 0
+        screen.err.print(f"timeline written to {plot}", markup=False)
+    return EXIT_INTERRUPTED if screen.cancel.is_set() else 0
 
 
 def interference_record(r: InterferenceReport, model: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -33,6 +34,7 @@ from llmrun.runners.serving.options import (
 from . import output as out
 
 if TYPE_CHECKING:
+    from llmrun.runners.remote import OpenAIRunner
     from llmrun.runners.serving import load as sv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -63,6 +65,39 @@ Policies = Annotated[
     _opt("Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
          " decode-first. (default: all three)", "--policy", panel=LOCAL, show_default=False),
 ]  # fmt: skip
+
+
+def connect(
+    endpoint: str,
+    *,
+    model: str | None,
+    api_key: str | None,
+    timeout_s: float,
+    err: Console,
+    max_connections: int | None = None,
+) -> tuple[OpenAIRunner, str]:
+    """The server's runner, connected, and its model's name; its line on stderr."""
+    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
+
+    extra = {} if max_connections is None else {"max_connections": max_connections}
+    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s, **extra)
+    try:
+        loaded = runner.load()
+    except BaseException:
+        runner.close()
+        raise
+    name = runner.model_name or loaded.name
+    err.print(f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f}"
+              " ms", markup=False)  # fmt: skip
+    return runner, name
+
+
+def local_runner(model: str | None, job: str) -> LlamaCppRunner:
+    """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
+    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
+    if not isinstance(runner, LlamaCppRunner):
+        raise BadRequestError(f"{job} needs a local model")
+    return runner
 
 
 def run_stages(events: Iterator[Any], err: Console, first: str) -> Iterator[Any]:
@@ -135,116 +170,108 @@ def serve(
             percentiles=parse_percentiles(percentiles), slo=parse_slo(slo), seed=seed,
             policies=() if endpoint else parse_policies(policy),
         )  # fmt: skip
-        cancel = threading.Event()
-        with ctrl_c_cancels(cancel):
+        screen = Screen(err, show, threading.Event())
+        delivery = Delivery(output, compare, store=not no_history)
+        with ctrl_c_cancels(screen.cancel):
             if endpoint:
                 if given_policy:
                     raise BadRequestError("--policy: the server schedules its own requests;"
                                           " policies apply without --endpoint")  # fmt: skip
-                code = _remote(endpoint, api_key, timeout, model, options, cancel, err, show,
-                               output=output, compare=compare, store=not no_history)  # fmt: skip
+                code = _remote(Server(endpoint, model, api_key, timeout), options, screen,
+                               delivery)  # fmt: skip
             else:
                 o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
                                "only with --endpoint")  # fmt: skip
-                code = _local(model, options, cancel, err, show, output=output, compare=compare,
-                              store=not no_history)  # fmt: skip
+                code = _local(model, options, screen, delivery)
         raise typer.Exit(code)
 
 
-def _remote(
-    endpoint: str,
-    api_key: str | None,
-    timeout_s: float,
-    model: str | None,
-    options: ServeOptions,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-    *,
-    output: out.OutputFormat | None,
-    compare: bool,
-    store: bool,
-) -> int:
-    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
+@dataclass(frozen=True)
+class Screen:
+    """Where a job shows itself: progress and messages, results, and its Ctrl-C flag."""
+
+    err: Console
+    show: Console
+    cancel: threading.Event
+
+
+@dataclass(frozen=True)
+class Server:
+    """The OpenAI-compatible server a job measures."""
+
+    endpoint: str
+    model: str | None
+    api_key: str | None
+    timeout_s: float
+
+    def connect(self, err: Console, connections: int | None = None) -> tuple[OpenAIRunner, str]:
+        return connect(self.endpoint, model=self.model, api_key=self.api_key,
+                       timeout_s=self.timeout_s, err=err, max_connections=connections)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where the results go: stdout's format, the history, a comparison with earlier runs."""
+
+    output: out.OutputFormat | None
+    compare: bool
+    store: bool
+
+
+def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Delivery) -> int:
     from llmrun.runners.serving import load as sv
 
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
-                          max_connections=max(options.concurrency) + 8)  # fmt: skip
-    endpoint = runner.endpoint  # from here on: credentials redacted
+    runner, name = server.connect(screen.err, connections=max(options.concurrency) + 8)
     done: list[sv.ServingLevel] = []
     try:
-        loaded = runner.load()
-        name = runner.model_name or loaded.name
-        err.print(
-            f"server   {endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
-            markup=False,
-        )
-        for level in run_stages(sv.serve_remote(runner, options, cancel=cancel), err,
-                                "preparing prompts ..."):  # fmt: skip
+        for level in run_stages(sv.serve_remote(runner, options, cancel=screen.cancel),
+                                screen.err, "preparing prompts ..."):  # fmt: skip
             done.append(level)
             for e in level.metrics.errors:
-                err.print(f"c={level.concurrency}: failed requests: {e}", markup=False,
-                          style="yellow")  # fmt: skip
+                screen.err.print(f"c={level.concurrency}: failed requests: {e}", markup=False,
+                                 style="yellow")  # fmt: skip
     finally:
         runner.close()
-    return _report(done, options, cancel, err, show, name=name, endpoint=endpoint,
-                   output=output, compare=compare, store=store)  # fmt: skip
+    # the runner's endpoint: its credentials redacted
+    return _report(done, options, screen, delivery, name=name, endpoint=runner.endpoint)
 
 
-def _local(
-    model: str | None,
-    options: ServeOptions,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
-    *,
-    output: out.OutputFormat | None,
-    compare: bool,
-    store: bool,
-) -> int:
+def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery) -> int:
     from llmrun.runners.serving.local import LOCAL, serve_local
 
-    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError("the local serving benchmark needs a local model")
+    runner = local_runner(model, "the local serving benchmark")
     try:
-        name = ""
-        done = []
-        for level in run_stages(serve_local(runner, options, cancel=cancel), err,
-                                "loading the model ..."):  # fmt: skip
-            done.append(level)
-            name = level.model
+        done = list(run_stages(serve_local(runner, options, cancel=screen.cancel), screen.err,
+                               "loading the model ..."))  # fmt: skip
     finally:
         runner.close()
-    return _report(done, options, cancel, err, show, name=name, endpoint=LOCAL, output=output,
-                   compare=compare, store=store)  # fmt: skip
+    name = done[-1].model if done else ""
+    return _report(done, options, screen, delivery, name=name, endpoint=LOCAL)
 
 
 def _report(
     done: Sequence[sv.ServingLevel],
     options: ServeOptions,
-    cancel: threading.Event,
-    err: Console,
-    show: Console,
+    screen: Screen,
+    delivery: Delivery,
     *,
     name: str,
     endpoint: str,
-    output: out.OutputFormat | None,
-    compare: bool,
-    store: bool,
 ) -> int:
     """The levels stored, then printed; the comparison with earlier runs after them."""
-    interrupted = cancel.is_set()
+    interrupted = screen.cancel.is_set()
     records = [r.record() for r in done]
     if interrupted:
-        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+        screen.err.print(f"interrupted: keeping the {len(records)} finished results",
+                         style="yellow")  # fmt: skip
     changes = out.store_and_print(
-        records, kind="serving", model=name, system={"endpoint": endpoint}, output=output,
-        show=show, table=serving_table(done, options.percentiles), store=store, compare=compare,
-        markdown=lambda: serving_markdown(done), sql_table="llmrun_serving",
+        records, kind="serving", model=name, system={"endpoint": endpoint},
+        output=delivery.output, show=screen.show, table=serving_table(done, options.percentiles),
+        store=delivery.store, compare=delivery.compare, markdown=lambda: serving_markdown(done),
+        sql_table="llmrun_serving",
     )  # fmt: skip
     if changes is not None:
-        show.print(out.compare_table(changes))
+        screen.show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
 
 
