@@ -77,7 +77,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]
 
     def entered(name: str) -> Any:
         def record(*a: Any, **k: Any) -> int:
-            values = [x for x in a if not isinstance(x, (threading.Event, Console))]
+            values = [x for x in a if not isinstance(x, (threading.Event, Console, serve.Screen))]
             seen.append((name, values, k))
             return 0
 

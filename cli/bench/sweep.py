@@ -9,13 +9,21 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.status import Status
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
@@ -31,12 +39,11 @@ from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
+from llmrun.runners.bench import run
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.config import LOAD_MODES, EngineConfig
-from llmrun.runners.errors import BadRequestError
-from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.library import set_verbose
-from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.limits import CACHE_TYPES
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
 
@@ -114,28 +121,6 @@ def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
     for label, value in rows:
         grid.add_row(label, Text(terminal_line(value)))  # a model's name may hold escapes
     return grid
-
-
-def _shapes(
-    n_prompt: str, n_gen: str, pg: Sequence[str], depth: str, scenarios: bool, scale: float
-) -> list[sw.Shape]:
-    depths = sw.parse_values(depth, name="-d/--n-depth")
-    if scenarios:
-        return ls.scenario_shapes(scale)
-    shapes = [sw.Shape(p, 0, d) for d in depths for p in sw.parse_values(n_prompt, name="-p") if p]
-    shapes += [sw.Shape(0, n, d) for d in depths for n in sw.parse_values(n_gen, name="-n") if n]
-    for pair in pg:
-        values = sw.parse_values(pair, name="--pg")
-        if len(values) != 2:
-            raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
-        shapes += [sw.Shape(values[0], values[1], d) for d in depths]
-    if not shapes:
-        raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
-    return shapes
-
-
-def _optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
-    return [default] if text is None else list(sw.parse_values(text, name=name))
 
 
 LB = "llama-bench's other options"
@@ -435,9 +420,10 @@ def bench(
                                cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict),
                                poll=_joined(poll))  # fmt: skip
             lb.apply_process_settings(numa=numa, prio=prio)
-            sweep = Sweep(
-                shapes=_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128", pg or [],
-                               _joined(depth) or "0", scenarios, scenario_scale),
+            sweep = run.Sweep(
+                shapes=run.parse_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128",
+                                        pg or [], _joined(depth) or "0", scenarios,
+                                        scenario_scale),
                 threads=_joined(threads), batch=_joined(batch), ubatch=_joined(ubatch),
                 gpu_layers=_joined(gpu_layers), flash_attn=_joined(flash_attn),
                 cache_type_k=_joined(cache_type_k) or "f16",
@@ -456,118 +442,6 @@ def bench(
             chosen: list[str | None] = list(models) if models else [None]
             code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What a llama-bench-style run measures, as the options gave it."""
-
-    shapes: list[sw.Shape]
-    threads: str | None
-    batch: str | None
-    ubatch: str | None
-    gpu_layers: str | None
-    flash_attn: str | None
-    cache_type_k: str
-    cache_type_v: str
-    reps: int
-    ctx: str | None  # context sizes, a list
-    seed: int
-    scenarios: bool
-    repack: str | None = None
-    mmap: str | None = None
-    load_mode: str | None = None
-    no_kv_offload: str | None = None
-    warmup: bool = True
-    delay_s: float = 0.0
-    tuned: bool = True  # start from the settings `llmrun tune` saved
-    ppl: Path | None = None  # a text to measure each model's perplexity on
-    cold: bool = False  # evict the model file from the page cache before each load
-    split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
-    main_gpu: str | None = None
-    tensor_split: str | None = None
-    tensor_overrides: str | None = None  # -ot sets, ","-separated; ";" within a set
-    n_cpu_moe: str | None = None
-    devices: str | None = None
-    draft: str | None = None  # speculative decoding in the tg tests: a list of draft lengths
-
-    def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
-        """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
-        modes: list[str | None] = [None]
-        if self.split_mode:
-            modes = list(sw.parse_words(self.split_mode, name="-sm",
-                                        allowed=("none", "layer", "row", "tensor")))  # fmt: skip
-            bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
-            if bad:
-                raise BadRequestError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
-        gpus: list[int | None] = (list(sw.parse_values(self.main_gpu, name="-mg"))
-                                  if self.main_gpu else [None])  # fmt: skip
-        splits: list[str | None] = [None]
-        if self.tensor_split:
-            splits = []
-            for part in self.tensor_split.split(","):
-                values = part.strip().split("/")
-                if not all(v.replace(".", "", 1).isdigit() for v in values):
-                    raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
-                splits.append(part.strip())
-        overrides: list[str | None] = ([o.strip() for o in self.tensor_overrides.split(",")]
-                                       if self.tensor_overrides else [None])  # fmt: skip
-        for group in overrides:  # refused before any model loads, not once per test
-            for part in (group or "").split(";"):
-                pattern, sep, _ = part.strip().rpartition("=")
-                if sep and pattern:
-                    dv.check_tensor_pattern(pattern)
-        moes = (list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
-                if self.n_cpu_moe else [0])  # fmt: skip
-        devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
-                                     if self.devices else [None])  # fmt: skip
-        drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
-                  if self.draft else [0])  # fmt: skip
-        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
-                        n_cpu_moe=n, devices=d, draft=k)
-                for c in combos for m in modes for g in gpus for t in splits for o in overrides
-                for n in moes for d in devices for k in drafts]  # fmt: skip
-
-    def contexts(self) -> list[int | None]:
-        return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
-
-    def combos(self, base: EngineConfig) -> list[sw.Combo]:
-        """Every engine setting to test; unset options take the (tuned) defaults. A tuned
-        ubatch never costs a requested batch size: it is capped at each batch."""
-        flash = (sw.parse_words(self.flash_attn, name="-fa/--flash-attn", allowed=FLASH_ATTN,
-                                aliases=sw.FLASH_ATTN_ALIASES)
-                 if self.flash_attn else [base.flash_attn])  # fmt: skip
-        modes: list[str | None] = [None]
-        if self.mmap or self.load_mode:
-            modes = [("mmap" if on else "none") for on in
-                     sw.parse_bools(self.mmap, name="-mmp")] if self.mmap else []  # fmt: skip
-            if self.load_mode:
-                modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
-            modes = list(dict.fromkeys(modes))
-        combos = sw.sweep(
-            threads=_optional_ints(self.threads, "-t", base.n_threads),
-            batch=_optional_ints(self.batch, "-b", base.n_batch),
-            ubatch=_optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=(
-                sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
-                if self.gpu_layers
-                else [None]
-            ),
-            flash_attn=flash,
-            type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
-            type_v=sw.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
-            repack=sw.parse_bools(self.repack, name="--repack") if self.repack else [None],
-            no_kv_offload=(
-                sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]
-            ),
-            load_mode=modes,
-        )
-        combos = self._gpu_placements(combos)
-        if self.ubatch is None:
-            combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
-                      if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
-            combos = list(dict.fromkeys(combos))
-        return combos
 
 
 def load_and_report(
@@ -652,9 +526,40 @@ class Output:
     progress_lines: bool = False  # llama-bench's --progress: a line per test on stderr
 
 
+class _Bar:
+    """The tests' progress bar on a terminal (a line per test with --progress elsewhere); it
+    stops while a model loads or its perplexity is computed."""
+
+    def __init__(self, err: Console, lines: bool) -> None:
+        self.err, self.lines = err, lines
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
+
+    def update(self, event: b.Progress) -> None:
+        if self.progress is None:
+            self.progress = Progress(
+                TextColumn("{task.description}"), BarColumn(),
+                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                TextColumn("ETA"), TimeRemainingColumn(), console=self.err, transient=True,
+                disable=not self.err.is_terminal,
+            )  # fmt: skip
+            self.progress.start()
+            self.task = self.progress.add_task("bench", total=1)
+        assert self.task is not None
+        self.progress.update(self.task, completed=event.done, total=event.total,
+                             description=event.label[:40])  # fmt: skip
+        if self.lines:
+            self.err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
 def _sweep(
     models: list[str | None],
-    sweep: Sweep,
+    sweep: run.Sweep,
     cancel: threading.Event,
     err: Console,
     show: Console,
@@ -664,122 +569,61 @@ def _sweep(
     printed and stored."""
     results: list[res.Result] = []
     skipped: list[b.Skipped] = []
+    scores: list[run.Scored] = []
     system: SystemInfo | None = None
-    scores: dict[str, tuple[float, int]] = {}  # model -> (perplexity, tokens scored)
-    text = _read_text(sweep.ppl) if sweep.ppl is not None else None
-    for model in models:
-        if cancel.is_set():
-            break
-        runner = make_bench_runner(model, EngineConfig(cold=sweep.cold), tuned=sweep.tuned)
-        try:
-            base = runner.config
-            combos = sweep.combos(base)
-            system = load_and_report(runner, err, bandwidth=True, system=system, combos=combos)
-            for n_ctx in sweep.contexts():
-                done, skips = _measure(runner, base, combos, sweep, n_ctx, cancel, err, output)
-                results += done
-                skipped += skips
-            if sweep.ppl is not None and not cancel.is_set():
-                scores[runner.load().model.name] = _perplexity(runner, sweep, cancel, err)
-        finally:
-            runner.close()
-    assert system is not None
-    if text is not None:
-        results = _with_perplexity(results, scores, sweep)
-    return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
-
-
-PPL_CTX = 512  # llama-perplexity's windows when -c is not given
-
-
-def _read_text(path: Path) -> str:
-    try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
-        return read_capped(path, max_bytes=256 * 2**20, what="text").decode("utf-8", "replace")
-    except OSError as e:
-        raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
-    except FileTooLargeError as e:
-        raise BadRequestError(f"--ppl {path}: {e}") from None
-
-
-def _perplexity(
-    runner: BenchRunner, sweep: Sweep, cancel: threading.Event, err: Console
-) -> tuple[float, int]:
-    """The model's perplexity on --ppl's text, in windows of -c (or 512) tokens."""
-    assert sweep.ppl is not None
-    n_ctx = sweep.contexts()[0] or PPL_CTX
-    with err.status(f"perplexity on {sweep.ppl.name} ..."):
-        runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
-        tokens = runner.tokenize(_read_text(sweep.ppl), add_special=False)
-        return runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
-
-
-def _with_perplexity(
-    results: list[res.Result], scores: dict[str, tuple[float, int]], sweep: Sweep
-) -> list[res.Result]:
-    """Each model's perplexity on its results, with the change against the first model."""
-    first = next(iter(scores.values()), None)
-    ctx = sweep.contexts()[0] or PPL_CTX
-    return [replace(r, perplexity=res.Perplexity(
-                ppl=found[0], tokens=found[1], ctx=ctx,
-                change=found[0] / first[0] - 1 if first else None))
-            if (found := scores.get(r.model.name)) is not None else r
-            for r in results]  # fmt: skip
-
-
-def _measure(
-    runner: BenchRunner,
-    base: EngineConfig,
-    combos: list[sw.Combo],
-    sweep: Sweep,
-    n_ctx: int | None,
-    cancel: threading.Event,
-    err: Console,
-    output: Output,
-) -> tuple[list[res.Result], list[b.Skipped]]:
-    results: list[res.Result] = []
-    skipped: list[b.Skipped] = []
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=err, transient=True, disable=not err.is_terminal,
-    )  # fmt: skip
-    lines = output.progress_lines and not err.is_terminal
-    with progress:
-        task = progress.add_task("bench", total=1)
-        for event in b.run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
-                                 base=base, n_ctx=n_ctx, seed=sweep.seed,
-                                 warmup=sweep.warmup, delay_s=sweep.delay_s,
-                                 cancel=cancel):  # fmt: skip
-            if isinstance(event, b.Progress):
-                progress.update(task, completed=event.done, total=event.total,
-                                description=event.label[:40])  # fmt: skip
-                if lines:
-                    err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
+    bar = _Bar(err, output.progress_lines and not err.is_terminal)
+    scoring: Status | None = None
+    events = run.run_sweep(
+        models, sweep, cancel=cancel, open_runner=lambda m, c, t: make_bench_runner(m, c, tuned=t)
+    )
+    try:
+        for event in events:
+            if isinstance(event, run.ModelReady):
+                bar.stop()
+                system = load_and_report(event.runner, err, bandwidth=True, system=system,
+                                         combos=event.combos)  # fmt: skip
+            elif isinstance(event, b.Progress):
+                bar.update(event)
             elif isinstance(event, res.Result):
                 results.append(event)
-            else:
+            elif isinstance(event, b.Skipped):
                 skipped.append(event)
-    return results, skipped
+            elif isinstance(event, run.Scoring):
+                bar.stop()
+                scoring = err.status(f"perplexity on {event.text.name} ...")
+                scoring.start()
+            else:
+                scores.append(event)
+                if scoring is not None:
+                    scoring.stop()
+    finally:
+        bar.stop()
+        if scoring is not None:
+            scoring.stop()
+    assert system is not None
+    if sweep.ppl is not None:
+        results = run.with_perplexity(results, scores, sweep.contexts()[0] or run.PPL_CTX)
+    return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
 
 
 def _report(
     results: list[res.Result],
     skipped: list[b.Skipped],
     system: SystemInfo,
-    sweep: Sweep,
+    sweep: run.Sweep,
     cancel: threading.Event,
     err: Console,
     show: Console,
     output: Output,
-    scores: dict[str, tuple[float, int]] | None = None,
+    scores: Sequence[run.Scored] = (),
 ) -> int:
     """Skips, results (stored before printing), extras, chart file and comparison. Exit 1 when
     every test was skipped: a run that measured nothing did not succeed."""
     for s in skipped:
         what = f"{s.shape.name} " if s.shape else ""
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
-    run = res.BenchRun(tuple(results), system, scenarios=sweep.scenarios)
-    records = run.records()
+    measured = run.BenchRun(tuple(results), system, scenarios=sweep.scenarios)
+    records = measured.records()
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
@@ -794,17 +638,17 @@ def _report(
     if output.format_err is not None and records:
         sys.stderr.write(out.format_records(records, output.format_err))
         sys.stderr.flush()
-    _extras(records, show, score=run.localscore)
+    _extras(records, show, score=measured.localscore)
     if output.plot is not None and records:
         bench_plot.plot(records, output.plot)
         err.print(f"charts written to {output.plot}")
     if scores and sweep.ppl is not None:
-        first = next(iter(scores.values()))[0]
-        for name, (ppl, n) in scores.items():
+        first = scores[0].ppl
+        for name, ppl, n in ((sc.model, sc.ppl, sc.tokens) for sc in scores):
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
             show.print(f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
                        f" {terminal_line(sweep.ppl.name)}, {n} tokens"
-                       f" scored in windows of {sweep.contexts()[0] or PPL_CTX}",
+                       f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
                        markup=False)  # fmt: skip
     if changes is not None:
         show.print(out.compare_table(changes))

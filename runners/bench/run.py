@@ -1,0 +1,280 @@
+"""A llama-bench run: every model, every context size and combination of settings, and the
+perplexity on a text when asked. It yields what happens (a model ready, progress, results,
+skips, perplexity) as typed events; the terminal is the caller's."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from llmrun.runners import devices as dv
+from llmrun.runners.base import BenchRunner
+from llmrun.runners.config import LOAD_MODES, EngineConfig
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.system import SystemInfo
+
+from . import localscore as ls
+from . import sweep as sw
+from .measure import Progress, Skipped, run_bench
+from .results import Perplexity, Result
+
+PPL_CTX = 512  # llama-perplexity's windows when -c is not given
+
+
+def parse_shapes(
+    n_prompt: str, n_gen: str, pg: Sequence[str], depth: str, scenarios: bool, scale: float
+) -> list[sw.Shape]:
+    depths = sw.parse_values(depth, name="-d/--n-depth")
+    if scenarios:
+        return ls.scenario_shapes(scale)
+    shapes = [sw.Shape(p, 0, d) for d in depths for p in sw.parse_values(n_prompt, name="-p") if p]
+    shapes += [sw.Shape(0, n, d) for d in depths for n in sw.parse_values(n_gen, name="-n") if n]
+    for pair in pg:
+        values = sw.parse_values(pair, name="--pg")
+        if len(values) != 2:
+            raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
+        shapes += [sw.Shape(values[0], values[1], d) for d in depths]
+    if not shapes:
+        raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
+    return shapes
+
+
+def optional_ints(text: str | None, name: str, default: int | None) -> list[int | None]:
+    return [default] if text is None else list(sw.parse_values(text, name=name))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a llama-bench-style run measures, as the options gave it."""
+
+    shapes: list[sw.Shape]
+    threads: str | None
+    batch: str | None
+    ubatch: str | None
+    gpu_layers: str | None
+    flash_attn: str | None
+    cache_type_k: str
+    cache_type_v: str
+    reps: int
+    ctx: str | None  # context sizes, a list
+    seed: int
+    scenarios: bool
+    repack: str | None = None
+    mmap: str | None = None
+    load_mode: str | None = None
+    no_kv_offload: str | None = None
+    warmup: bool = True
+    delay_s: float = 0.0
+    tuned: bool = True  # start from the settings `llmrun tune` saved
+    ppl: Path | None = None  # a text to measure each model's perplexity on
+    cold: bool = False  # evict the model file from the page cache before each load
+    split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
+    main_gpu: str | None = None
+    tensor_split: str | None = None
+    tensor_overrides: str | None = None  # -ot sets, ","-separated; ";" within a set
+    n_cpu_moe: str | None = None
+    devices: str | None = None
+    draft: str | None = None  # speculative decoding in the tg tests: a list of draft lengths
+
+    def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
+        """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
+        modes: list[str | None] = [None]
+        if self.split_mode:
+            modes = list(sw.parse_words(self.split_mode, name="-sm",
+                                        allowed=("none", "layer", "row", "tensor")))  # fmt: skip
+            bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
+            if bad:
+                raise BadRequestError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
+        gpus: list[int | None] = (list(sw.parse_values(self.main_gpu, name="-mg"))
+                                  if self.main_gpu else [None])  # fmt: skip
+        splits: list[str | None] = [None]
+        if self.tensor_split:
+            splits = []
+            for part in self.tensor_split.split(","):
+                values = part.strip().split("/")
+                if not all(v.replace(".", "", 1).isdigit() for v in values):
+                    raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
+                splits.append(part.strip())
+        overrides: list[str | None] = ([o.strip() for o in self.tensor_overrides.split(",")]
+                                       if self.tensor_overrides else [None])  # fmt: skip
+        for group in overrides:  # refused before any model loads, not once per test
+            for part in (group or "").split(";"):
+                pattern, sep, _ = part.strip().rpartition("=")
+                if sep and pattern:
+                    dv.check_tensor_pattern(pattern)
+        moes = (list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
+                if self.n_cpu_moe else [0])  # fmt: skip
+        devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
+                                     if self.devices else [None])  # fmt: skip
+        drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
+                  if self.draft else [0])  # fmt: skip
+        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
+                        n_cpu_moe=n, devices=d, draft=k)
+                for c in combos for m in modes for g in gpus for t in splits for o in overrides
+                for n in moes for d in devices for k in drafts]  # fmt: skip
+
+    def contexts(self) -> list[int | None]:
+        return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
+
+    def combos(self, base: EngineConfig) -> list[sw.Combo]:
+        """Every engine setting to test; unset options take the (tuned) defaults. A tuned
+        ubatch never costs a requested batch size: it is capped at each batch."""
+        flash = (sw.parse_words(self.flash_attn, name="-fa/--flash-attn", allowed=FLASH_ATTN,
+                                aliases=sw.FLASH_ATTN_ALIASES)
+                 if self.flash_attn else [base.flash_attn])  # fmt: skip
+        modes: list[str | None] = [None]
+        if self.mmap or self.load_mode:
+            modes = [("mmap" if on else "none") for on in
+                     sw.parse_bools(self.mmap, name="-mmp")] if self.mmap else []  # fmt: skip
+            if self.load_mode:
+                modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
+            modes = list(dict.fromkeys(modes))
+        combos = sw.sweep(
+            threads=optional_ints(self.threads, "-t", base.n_threads),
+            batch=optional_ints(self.batch, "-b", base.n_batch),
+            ubatch=optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
+            gpu_layers=(
+                sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
+                if self.gpu_layers
+                else [None]
+            ),
+            flash_attn=flash,
+            type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
+            type_v=sw.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+            repack=sw.parse_bools(self.repack, name="--repack") if self.repack else [None],
+            no_kv_offload=(
+                sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]
+            ),
+            load_mode=modes,
+        )
+        combos = self._gpu_placements(combos)
+        if self.ubatch is None:
+            combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
+                      if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
+            combos = list(dict.fromkeys(combos))
+        return combos
+
+
+@dataclass(frozen=True)
+class ModelReady:
+    """A model's runner, before its tests: the caller loads it and shows its header."""
+
+    runner: BenchRunner
+    combos: tuple[sw.Combo, ...]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """The perplexity of the model just measured is being computed."""
+
+    text: Path
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A model's perplexity on the --ppl text."""
+
+    model: str
+    ppl: float
+    tokens: int  # tokens scored
+
+
+SweepEvent = ModelReady | Progress | Result | Skipped | Scoring | Scored
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
+
+
+def run_sweep(
+    models: Sequence[str | None],
+    sweep: Sweep,
+    *,
+    open_runner: Callable[[str | None, EngineConfig, bool], BenchRunner],
+    cancel: threading.Event,
+) -> Iterator[SweepEvent]:
+    """llama-bench's tests over every combination of settings, for each model in turn."""
+    if sweep.ppl is not None:
+        read_text(sweep.ppl)  # an unreadable text fails before anything is measured
+    for model in models:
+        if cancel.is_set():
+            return
+        runner = open_runner(model, EngineConfig(cold=sweep.cold), sweep.tuned)
+        try:
+            base = runner.config
+            combos = sweep.combos(base)
+            yield ModelReady(runner, tuple(combos))
+            for n_ctx in sweep.contexts():
+                yield from run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
+                                     base=base, n_ctx=n_ctx, seed=sweep.seed,
+                                     warmup=sweep.warmup, delay_s=sweep.delay_s,
+                                     cancel=cancel)  # fmt: skip
+            if sweep.ppl is not None and not cancel.is_set():
+                yield Scoring(sweep.ppl)
+                n_ctx = sweep.contexts()[0] or PPL_CTX
+                runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
+                tokens = runner.tokenize(read_text(sweep.ppl), add_special=False)
+                ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
+                yield Scored(runner.load().model.name, ppl, n)
+        finally:
+            runner.close()
+
+
+def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: int) -> list[Result]:
+    """Each model's perplexity on its results, with the change against the first model."""
+    by = {s.model: s for s in scores}
+    first = scores[0] if scores else None
+    return [replace(r, perplexity=Perplexity(
+                ppl=found.ppl, tokens=found.tokens, ctx=ctx,
+                change=found.ppl / first.ppl - 1 if first else None))
+            if (found := by.get(r.model.name)) is not None else r
+            for r in results]  # fmt: skip
+
+
+# A test is "the same" across models when these agree (its shape and engine settings).
+SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
+             "type_k", "type_v", "n_gpu_layers", "repack", "load_mode")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A sweep's results and the figures that need all of them: each result's speed against
+    the first model's same test (several models) and LocalScore's score (--scenarios)."""
+
+    results: tuple[Result, ...]
+    system: SystemInfo
+    scenarios: bool = False
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(r.model.name for r in self.results))
+
+    @property
+    def localscore(self) -> float | None:
+        return ls.localscore(self.results) if self.scenarios else None
+
+    def records(self) -> list[dict[str, Any]]:
+        """Each result's record, with the run-wide figures after its own."""
+        records = [r.record(self.system) for r in self.results]
+        models = self.models
+        first = {tuple(rec.get(k) for k in SAME_TEST): rec["avg_ts"]
+                 for rec, r in zip(records, self.results, strict=True)
+                 if r.model.name == models[0]} if len(models) > 1 else {}  # fmt: skip
+        score = self.localscore
+        out = []
+        for rec in records:
+            run: dict[str, Any] = {}
+            if self.scenarios:
+                run["localscore"] = round(score, 3) if score is not None else None
+            if len(models) > 1:
+                base = first.get(tuple(rec.get(k) for k in SAME_TEST))
+                run["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
+            out.append({**rec, **run})
+        return out
