@@ -243,3 +243,16 @@ def test_pg_decodes_as_many_tokens_as_llama_bench(
     finished, _ = measure._one_run(runner, Shape(n_prompt, n_gen), random.Random(1),  # type: ignore[arg-type]
                                    threading.Event())  # fmt: skip
     assert len(finished.stats.itl_s) == n_gen
+
+
+def test_ubatch_above_batch_runs_and_is_recorded_as_asked(
+    llmrun_env: dict[str, str], model_path: str
+) -> None:
+    """-b 64 -ub 128 runs (llama.cpp clamps ubatch to batch), and -b 64 alone records
+    llama-bench's ubatch 512, as llama-bench does, so compare-llama-bench.py pairs them."""
+    for extra, ubatch in ((["-ub", "128"], 128), ([], 512)):
+        done = _bench("-m", model_path, "--no-tuned", "-p", "8", "-n", "0", "-b", "64", *extra,
+                      "-o", "json", env=llmrun_env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        (row,) = json.loads(done.stdout)
+        assert (row["n_batch"], row["n_ubatch"]) == (64, ubatch)

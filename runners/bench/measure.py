@@ -83,8 +83,6 @@ def _check_combo(combo: Combo, n_ctx: int) -> str | None:
         return f"unknown flash-attn '{combo.flash_attn}' (known: {', '.join(FLASH_ATTN)})"
     if combo.n_batch is not None and combo.n_batch > n_ctx:
         return f"batch {combo.n_batch} is larger than the context ({n_ctx} tokens)"
-    if combo.n_ubatch is not None and combo.n_batch is not None and combo.n_ubatch > combo.n_batch:
-        return f"ubatch {combo.n_ubatch} is larger than batch {combo.n_batch}"
     if combo.n_threads is not None and combo.n_threads < 1:
         return "threads must be at least 1"
     return None

@@ -137,7 +137,10 @@ class Result:
             "model_size": m.size_bytes,
             "model_n_params": m.n_params,
             "n_batch": st.n_batch,
-            "n_ubatch": st.n_ubatch,
+            # as asked, as llama-bench records it (llama.cpp clamps it to n_batch to run)
+            "n_ubatch": (
+                self.combo.n_ubatch if self.combo.n_ubatch is not None else max(st.n_ubatch, 512)
+            ),  # llama.cpp's default, asked for
             "n_threads": st.n_threads,
             "cpu_mask": p["cpu_mask"],
             "cpu_strict": p["cpu_strict"],

@@ -152,7 +152,9 @@ class Sweep:
             load_mode=modes,
         )
         combos = self._gpu_placements(combos)
-        if self.ubatch is None:
+        # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
+        # does llmrun, except for a tuned ubatch, which is capped at each batch asked for
+        if self.ubatch is None and base.n_ubatch != EngineConfig().n_ubatch:
             combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
                       if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
             combos = list(dict.fromkeys(combos))
