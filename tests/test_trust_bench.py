@@ -121,13 +121,15 @@ def test_llama_bench_defaults_and_spellings_run(
     assert row["tensor_buft_overrides"] == "blk\\.0\\.ffn_.*=CPU"
 
 
-def _fake_models(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_models(monkeypatch: pytest.MonkeyPatch, seen: list[str | None] | None = None) -> None:
     from llmrun.cli import engine
 
     from .fake import FakeBenchRunner
 
     def make(model: str | None, config: object, tuned: bool) -> FakeBenchRunner:
         fake = FakeBenchRunner()
+        if seen is not None:
+            seen.append(model)
         fake.model_path = f"/fake/{model or 'a'}.gguf"
         return fake
 
@@ -256,3 +258,28 @@ def test_ubatch_above_batch_runs_and_is_recorded_as_asked(
         assert done.returncode == 0, done.stderr
         (row,) = json.loads(done.stdout)
         assert (row["n_batch"], row["n_ubatch"]) == (64, ubatch)
+
+
+def test_ppl_change_only_between_models_scoring_the_same_tokens() -> None:
+    from llmrun.runners.bench.run import Scored, ppl_change
+
+    first = Scored("a", 10.0, 255, 49152)
+    assert ppl_change(Scored("b", 12.0, 255, 49152), first) == pytest.approx(0.2)
+    assert ppl_change(Scored("c", 5.0, 240, 32000), first) is None  # another vocabulary
+    assert ppl_change(Scored("d", 5.0, 240, 49152), first) is None  # another tokenization
+
+
+def test_a_comma_list_of_models_is_split_as_llama_bench_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    seen: list[str | None] = []
+    _fake_models(monkeypatch, seen)
+    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
+                                    "-m", "a.gguf,b.gguf", "-o", "json"])  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    assert seen == ["a.gguf", "b.gguf"] and len(json.loads(done.stdout)) == 2

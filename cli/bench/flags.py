@@ -94,7 +94,8 @@ def hub_models(
     if hf_file and not repos:
         raise BadRequestError("-hff/--hf-file names a file in -hf/--hf-repo: give the repository")
     refs = [f"{r.split(':')[0]}/{hf_file}" if hf_file else r for r in repos or []]
-    return [*(models or []), *refs] or None
+    split = [p.strip() for m in models or [] for p in m.split(",") if p.strip()]  # as llama-bench
+    return [*split, *refs] or None
 
 
 def apply_process_settings(*, numa: str | None, prio: int) -> None:

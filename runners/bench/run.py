@@ -183,6 +183,7 @@ class Scored:
     model: str
     ppl: float
     tokens: int  # tokens scored
+    n_vocab: int = 0  # perplexities over different vocabularies are not comparable
 
 
 SweepEvent = ModelReady | Progress | Result | Skipped | Scoring | Scored
@@ -224,18 +225,25 @@ def run_sweep(
                 runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
                 tokens = runner.tokenize(read_text(sweep.ppl), add_special=False)
                 ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
-                yield Scored(runner.load().model.name, ppl, n)
+                yield Scored(runner.load().model.name, ppl, n, runner.vocab_size())
         finally:
             runner.close()
 
 
+def ppl_change(found: Scored, first: Scored | None) -> float | None:
+    """The change against the first model's perplexity where both scored the same tokens (the
+    same vocabulary and tokenization of the text); else the two are not comparable: None."""
+    if first is None or (found.n_vocab, found.tokens) != (first.n_vocab, first.tokens):
+        return None
+    return found.ppl / first.ppl - 1
+
+
 def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: int) -> list[Result]:
-    """Each model's perplexity on its results, with the change against the first model."""
+    """Each model's perplexity on its results, with the change against the first model's."""
     by = {s.model: s for s in scores}
     first = scores[0] if scores else None
-    return [replace(r, perplexity=Perplexity(
-                ppl=found.ppl, tokens=found.tokens, ctx=ctx,
-                change=found.ppl / first.ppl - 1 if first else None))
+    return [replace(r, perplexity=Perplexity(ppl=found.ppl, tokens=found.tokens, ctx=ctx,
+                                             change=ppl_change(found, first)))
             if (found := by.get(r.model.name)) is not None else r
             for r in results]  # fmt: skip
 
