@@ -283,3 +283,18 @@ def test_a_comma_list_of_models_is_split_as_llama_bench_does(
                                     "-m", "a.gguf,b.gguf", "-o", "json"])  # fmt: skip
     assert done.exit_code == 0, done.stderr
     assert seen == ["a.gguf", "b.gguf"] and len(json.loads(done.stdout)) == 2
+
+
+def test_output_none_prints_no_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """llama-bench's -o none and -oe none: accepted, and nothing on that stream."""
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    _fake_models(monkeypatch)
+    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
+                                    "-o", "none", "-oe", "none"])  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout == ""
+    assert "pp8" in done.stderr  # the display went to stderr, as with any -o

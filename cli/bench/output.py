@@ -34,6 +34,7 @@ class OutputFormat(str, Enum):
     json = "json"
     jsonl = "jsonl"
     sql = "sql"
+    none = "none"  # llama-bench's: no records on this stream
 
 
 SWEPT_COLUMNS = (
@@ -254,6 +255,8 @@ def format_records(
 ) -> str:
     """The records in a machine format; md is llama-bench's table unless the caller, which
     knows what it measured, gives its own (the serving benchmark does, with its own table)."""
+    if fmt is OutputFormat.none:
+        return ""
     if fmt is OutputFormat.md:
         return markdown() if markdown is not None else to_markdown(records)
     if fmt is OutputFormat.csv:
