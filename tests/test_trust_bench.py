@@ -298,3 +298,14 @@ def test_output_none_prints_no_records(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert done.exit_code == 0, done.stderr
     assert done.stdout == ""
     assert "pp8" in done.stderr  # the display went to stderr, as with any -o
+
+
+def test_model_filename_is_recorded_as_given(llmrun_env: dict[str, str], model_path: str) -> None:
+    """llama-bench keeps -m as given, and compare-llama-bench.py pairs on it."""
+    folder, name = Path(model_path).parent, Path(model_path).name
+    done = subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-history", "-m", name, "-p",
+                           "8", "-n", "0", "-o", "json"], env=llmrun_env, cwd=folder,
+                          capture_output=True, text=True, timeout=HANG_S,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [r["model_filename"] for r in json.loads(done.stdout)] == [name]

@@ -87,6 +87,7 @@ class Result:
     next_token: int | None = None  # the greedy token after the prompt (pp tests)
     test_time: str = ""
     kv_bytes_per_pos: float = 0.0
+    model_filename: str = ""  # the model as given (llama-bench's record), else its path
     background_cpus: float | None = None  # other processes' load over the test's repetitions
     speculation: Speculation | None = None  # tg tests with --draft
     phases: Phases | None = None  # pp+tg tests
@@ -132,7 +133,7 @@ class Result:
             "cpu_info": system.cpu,
             "gpu_info": system.gpu_info,
             "backends": system.backends,
-            "model_filename": m.path,
+            "model_filename": self.model_filename or m.path,
             "model_type": m.desc or f"{m.architecture} {human_count(m.n_params)} {m.quantization}",
             "model_size": m.size_bytes,
             "model_n_params": m.n_params,

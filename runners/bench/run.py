@@ -4,6 +4,7 @@ skips, perplexity) as typed events; the terminal is the caller's."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -214,11 +215,15 @@ def run_sweep(
             base = runner.config
             combos = sweep.combos(base)
             yield ModelReady(runner, tuple(combos))
+            # llama-bench records the model's file name as given (a local path, not a Hub name)
+            given = model if model and os.path.isfile(model) else ""
             for n_ctx in sweep.contexts():
-                yield from run_bench(runner, combos=combos, shapes=sweep.shapes, reps=sweep.reps,
-                                     base=base, n_ctx=n_ctx, seed=sweep.seed,
-                                     warmup=sweep.warmup, delay_s=sweep.delay_s,
-                                     cancel=cancel)  # fmt: skip
+                for event in run_bench(runner, combos=combos, shapes=sweep.shapes,
+                                       reps=sweep.reps, base=base, n_ctx=n_ctx, seed=sweep.seed,
+                                       warmup=sweep.warmup, delay_s=sweep.delay_s,
+                                       cancel=cancel):  # fmt: skip
+                    yield (replace(event, model_filename=given)
+                           if given and isinstance(event, Result) else event)  # fmt: skip
             if sweep.ppl is not None and not cancel.is_set():
                 yield Scoring(sweep.ppl)
                 n_ctx = sweep.contexts()[0] or PPL_CTX
