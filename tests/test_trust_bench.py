@@ -309,3 +309,45 @@ def test_model_filename_is_recorded_as_given(llmrun_env: dict[str, str], model_p
                           stdin=subprocess.DEVNULL)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert [r["model_filename"] for r in json.loads(done.stdout)] == [name]
+
+
+def test_a_later_failure_keeps_the_finished_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """-m good -m /nonexistent.gguf: the good model's rows printed and stored, then one error
+    line, exit 1 (they were all lost)."""
+    from typer.testing import CliRunner
+
+    from llmrun.cli import engine
+    from llmrun.cli.app import app
+    from llmrun.runners.errors import ModelNotFoundError
+    from llmrun.runners.history import History
+
+    from .fake import FakeBenchRunner
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+
+    def make(model: str | None, config: object, tuned: bool) -> FakeBenchRunner:
+        if model == "/nonexistent.gguf":
+            raise ModelNotFoundError(model)
+        return FakeBenchRunner()
+
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", make)
+    done = CliRunner().invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "-m", "good",
+                                    "-m", "/nonexistent.gguf", "-o", "json"])  # fmt: skip
+    assert done.exit_code == 1
+    assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
+    assert done.stderr.count("error") == 1 and "nonexistent" in done.stderr
+    with History() as history:
+        assert len(history.runs()) == 1
+
+
+def test_a_failing_perplexity_keeps_the_rows(llmrun_env: dict[str, str], model_path: str,
+                                             tmp_path: Path) -> None:  # fmt: skip
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    done = _bench("-m", model_path, "-p", "8", "-n", "0", "--ppl", str(empty), "-o", "json",
+                  env=llmrun_env)  # fmt: skip
+    assert done.returncode == 1
+    assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
+    assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: perplexity needs")

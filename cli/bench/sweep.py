@@ -42,6 +42,7 @@ from llmrun.runners.bench import results as res
 from llmrun.runners.bench import run
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.config import LOAD_MODES, EngineConfig
+from llmrun.runners.errors import LlmrunError
 from llmrun.runners.library import set_verbose
 from llmrun.runners.limits import CACHE_TYPES
 from llmrun.runners.stats import EngineSettings, human_count
@@ -576,6 +577,7 @@ def _sweep(
     events = run.run_sweep(
         models, sweep, cancel=cancel, open_runner=lambda m, c, t: make_bench_runner(m, c, tuned=t)
     )
+    failure: LlmrunError | None = None  # a later model or the perplexity failed
     try:
         for event in events:
             if isinstance(event, run.ModelReady):
@@ -596,6 +598,10 @@ def _sweep(
                 scores.append(event)
                 if scoring is not None:
                     scoring.stop()
+    except LlmrunError as e:
+        if not results:
+            raise
+        failure = e  # the finished rows are printed and stored first, then the one line
     finally:
         bar.stop()
         if scoring is not None:
@@ -603,7 +609,10 @@ def _sweep(
     assert system is not None
     if sweep.ppl is not None:
         results = run.with_perplexity(results, scores, sweep.contexts()[0] or run.PPL_CTX)
-    return _report(results, skipped, system, sweep, cancel, err, show, output, scores)
+    code = _report(results, skipped, system, sweep, cancel, err, show, output, scores)
+    if failure is not None:
+        raise failure
+    return code
 
 
 def _report(
