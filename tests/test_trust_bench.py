@@ -351,3 +351,16 @@ def test_a_failing_perplexity_keeps_the_rows(llmrun_env: dict[str, str], model_p
     assert done.returncode == 1
     assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
     assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: perplexity needs")
+
+
+def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model_path: str) -> None:
+    """bench -o json 2>/dev/full: the records on stdout and in the history all the same."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([which_llmrun(), "bench", "-r", "1", "-m", model_path, "-p", "8",
+                               "-n", "0", "-o", "json"], env=llmrun_env, stdout=subprocess.PIPE,
+                              stderr=full, text=True, timeout=HANG_S)  # fmt: skip
+    assert done.returncode == 0
+    assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
+    stored = subprocess.run([which_llmrun(), "history"], env=llmrun_env, capture_output=True,
+                            text=True, timeout=HANG_S)  # fmt: skip
+    assert "pp8" in stored.stdout

@@ -6,12 +6,13 @@ shows progress, prints the results in the format asked for, and stores them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
 from rich.console import Console
@@ -73,6 +74,32 @@ def usage_error(text: str) -> NoReturn:
     """One line on stderr and exit 2, as Click's usage errors."""
     print(f"llmrun: error: {text}", file=sys.stderr, flush=True)
     raise typer.Exit(2)
+
+
+class _DisplayThatMayFail:
+    """stderr carries bench's display only: a write that fails there (2>/dev/full, a closed
+    terminal) is dropped, so the records still reach stdout and the history."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class BenchGroup(TyperGroup):
@@ -399,6 +426,7 @@ def bench(
             usage_error(f"{', '.join(given)}: bench's own options; give them after no"
                         f" subcommand, not before `{ctx.invoked_subcommand}`")  # fmt: skip
         return
+    sys.stderr = _DisplayThatMayFail(sys.stderr)  # bench writes only its display there
     with handled():
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
