@@ -364,3 +364,24 @@ def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model
     stored = subprocess.run([which_llmrun(), "history"], env=llmrun_env, capture_output=True,
                             text=True, timeout=HANG_S)  # fmt: skip
     assert "pp8" in stored.stdout
+
+
+def test_sigterm_during_perplexity_keeps_the_rows(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path
+) -> None:
+    text = tmp_path / "long.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog, again and again. " * 20000)
+    proc = subprocess.Popen([which_llmrun(), "bench", "-r", "1", "--no-warmup", "-m", model_path,
+                             "-p", "8", "-n", "0", "--ppl", str(text), "-o", "json"],
+                            env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + HANG_S
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while model_path not in maps.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    time.sleep(5)  # pp8 takes well under this; the perplexity of ~250,000 tokens far longer
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143, err
+    assert [r["test"] for r in json.loads(out)] == ["pp8"]

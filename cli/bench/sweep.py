@@ -638,7 +638,7 @@ def _sweep(
     if sweep.ppl is not None:
         results = run.with_perplexity(results, scores, sweep.contexts()[0] or run.PPL_CTX)
     code = _report(results, skipped, system, sweep, cancel, err, show, output, scores)
-    if failure is not None:
+    if failure is not None and not cancel.is_set():  # Ctrl-C/SIGTERM: 130/143, rows kept
         raise failure
     return code
 
