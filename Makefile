@@ -13,7 +13,7 @@ LLAMA_BACKEND := $(shell $(BACKEND_TOOL) name $(GPU))
 LLAMA_CMAKE_ARGS := $(shell $(BACKEND_TOOL) cmake-args $(GPU))
 STAMP := $(VENV)/.llmrun-installed-$(shell $(BACKEND_TOOL) key $(GPU))
 
-.PHONY: setup demo test test-quick lint bench fuzz clean llama-bench vs-llama-bench
+.PHONY: setup demo test test-quick lint bench fuzz clean llama-bench vs-llama-bench screenshot
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ test: lint
 # CPU, so under a minute on 2 cores; tests/guard.py fails a test there that loads or spawns.
 test-quick: setup
 	$(BIN)/python -m pytest -m "not model and not pty"
+
+# The README's picture, drawn again from a real run on the embedded model.
+screenshot: setup
+	$(BIN)/python tools/screenshot.py --out docs/dashboard.svg
 
 # The GGUF header fuzzer at length (the test suite runs 200 of these cases).
 fuzz: setup
