@@ -18,6 +18,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # `llmrun …` up to a shell operator or a comment, at a line's start, after a pipe or `&&`, or
 # after `NAME=value` assignments.
+INLINE = "\0"  # marks a command named in prose: its options must exist, values may be left out
 _LINE = re.compile(r"(?:^|[|&;]\s*|^(?:[A-Z_]+=\S+\s+)+)(?:\.venv/bin/)?llmrun\s+(.*)")
 
 
@@ -53,7 +54,7 @@ def command_lines(text: str) -> list[str]:
                 found.append(_strip_shell(m.group(1)))
             continue
         for span in re.findall(r"`((?:\.venv/bin/)?llmrun [^`]+)`", line):
-            found.append(_strip_shell(span.split("llmrun ", 1)[1]))
+            found.append(INLINE + _strip_shell(span.split("llmrun ", 1)[1]))
     return [f for f in found if f]
 
 
@@ -108,18 +109,22 @@ def _parse(args: list[str]) -> None:
 def test_the_pages_have_command_lines() -> None:
     lines = _all_lines()
     assert len(lines) >= 40
-    commands = {line.split()[0] for _, line in lines if line[:1] != "-"}
+    commands = {line.lstrip(INLINE).split()[0] for _, line in lines if line.lstrip(INLINE)[:1] != "-"}
     assert {"run", "chat", "bench", "tune", "serve", "history", "pull", "models"} <= commands
 
 
 @pytest.mark.parametrize(("page", "line"), _all_lines())
 def test_every_command_line_parses(page: str, line: str) -> None:
-    args = shlex.split(line)
+    inline = line.startswith(INLINE)
+    args = shlex.split(line.lstrip(INLINE))
     if args in (["--help"], ["-h"]) or args[-1:] == ["--help"]:
         return
     try:
         _parse(args)
     except ParseError as e:
+        message = str(e)
+        if inline and ("requires an argument" in message or "Missing argument" in message):
+            return  # `llmrun pull` or `llmrun run --endpoint` in a sentence names, not runs
         raise AssertionError(f"{page}: llmrun {line}: {e}") from e
 
 

@@ -5,6 +5,7 @@ saved as SVG. `make screenshot` runs it; nothing in the picture is typed in by h
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
 from rich.console import Console
@@ -39,7 +40,8 @@ def main() -> None:
     if frame is None or stats is None:
         raise SystemExit("screenshot: the run ended before its halfway token")
 
-    console = Console(record=True, width=args.width, force_terminal=True, color_system="truecolor")
+    console = Console(record=True, width=args.width, force_terminal=True, color_system="truecolor",
+                      file=io.StringIO())
     console.print(Rule("llmrun run -f examples/long_prompt.txt: during decode", style="dim"))
     console.print(frame)
     console.print(Rule("after the request: the closing summary", style="dim"))
