@@ -30,11 +30,11 @@ def _strip_shell(rest: str) -> str:
             quote = "" if ch == quote else quote
         elif ch in "'\"":
             quote = ch
-        elif ch == "#" and (i == 0 or rest[i - 1].isspace()):
-            break
-        elif ch in "|;<" or (ch == ">" and not rest[i - 1 : i] == "2") or rest[i : i + 2] == "&&":
-            break
-        elif rest[i : i + 2] == "2>":
+        elif (
+            (ch == "#" and (i == 0 or rest[i - 1].isspace()))
+            or ch in "|;<>"
+            or rest[i : i + 2] in ("&&", "2>")
+        ):
             break
         out.append(ch)
     return "".join(out).strip()
@@ -109,7 +109,9 @@ def _parse(args: list[str]) -> None:
 def test_the_pages_have_command_lines() -> None:
     lines = _all_lines()
     assert len(lines) >= 40
-    commands = {line.lstrip(INLINE).split()[0] for _, line in lines if line.lstrip(INLINE)[:1] != "-"}
+    commands = {
+        line.lstrip(INLINE).split()[0] for _, line in lines if line.lstrip(INLINE)[:1] != "-"
+    }
     assert {"run", "chat", "bench", "tune", "serve", "history", "pull", "models"} <= commands
 
 
@@ -130,7 +132,11 @@ def test_every_command_line_parses(page: str, line: str) -> None:
 
 def test_the_parser_check_can_fail() -> None:
     """A misspelt flag and a flag of another command are caught (the check above is real)."""
-    for bad in (["run", "--no-such-flag"], ["bench", "--policy", "chunked:64"], ["tune", "-p", "8"]):
+    for bad in (
+        ["run", "--no-such-flag"],
+        ["bench", "--policy", "chunked:64"],
+        ["tune", "-p", "8"],
+    ):
         with pytest.raises(ParseError):
             _parse(bad)
 

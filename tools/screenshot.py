@@ -40,8 +40,13 @@ def main() -> None:
     if frame is None or stats is None:
         raise SystemExit("screenshot: the run ended before its halfway token")
 
-    console = Console(record=True, width=args.width, force_terminal=True, color_system="truecolor",
-                      file=io.StringIO())
+    console = Console(
+        record=True,
+        width=args.width,
+        force_terminal=True,
+        color_system="truecolor",
+        file=io.StringIO(),
+    )
     console.print(Rule("llmrun run -f examples/long_prompt.txt: during decode", style="dim"))
     console.print(frame)
     console.print(Rule("after the request: the closing summary", style="dim"))
