@@ -62,7 +62,7 @@ Batch = Annotated[
     typer.Option(
         "-b", "--batch", min=1,
         help="Prefill chunk size (n_batch): prompt tokens per llama_decode call."
-        " (default: 512, or the value `bench --tune` found)",
+        " (default: 512, or the value `llmrun tune` found)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip

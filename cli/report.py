@@ -135,7 +135,7 @@ def cache_text(st: EngineSettings | None) -> str:
 
 
 def tuned_text(st: EngineSettings) -> str:
-    """Why the settings are what they are, when `bench --tune` chose them."""
+    """Why the settings are what they are, when `llmrun tune` chose them."""
     return f" · tuned for {st.tuned_for or 'chat'}" if st.tuned else ""
 
 

@@ -166,7 +166,7 @@ class Runner(Protocol):
 
 
 class BenchRunner(Runner, Protocol):
-    """What `bench` and `--tune` need beyond `Runner`: a local model whose settings can change
+    """What `bench` and `tune` need beyond `Runner`: a local model whose settings can change
     between tests, raw token evaluation for the depth fill, and the model's facts."""
 
     model_path: str

@@ -19,7 +19,7 @@ def _base(kind: str, xdg_var: str, default: str) -> Path:
 
 
 def config_dir() -> Path:
-    """Settings the user (or `bench --tune`) chose: ~/.config/llmrun."""
+    """Settings the user (or `llmrun tune`) chose: ~/.config/llmrun."""
     return _base("config", "XDG_CONFIG_HOME", ".config")
 
 

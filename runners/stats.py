@@ -111,7 +111,7 @@ class EngineSettings:
     repack_note: str = ""  # why repacking is on or off (asked, probed safe, crashed a probe)
     type_k: str = "f16"  # KV cache element types
     type_v: str = "f16"
-    tuned: bool = False  # threads/batch/flash attention came from `llmrun bench --tune`
+    tuned: bool = False  # threads/batch/flash attention came from `llmrun tune`
     tuned_for: str = ""  # the workload whose tuned settings these are (chat, document)
     flash_attn_enabled: bool | None = None  # what the context runs (auto resolved); None: unknown
     n_gpu_layers_asked: int = 0  # as given (-1 or more than the model has: all)

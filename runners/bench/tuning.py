@@ -63,7 +63,7 @@ def _read_all() -> dict[str, Any]:
         raise SettingError(
             str(path),
             f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or"
-            " delete it (it holds --tune's settings for every model)",
+            " delete it (it holds llmrun tune's settings for every model)",
         ) from None
     if not isinstance(data, dict):
         raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")
