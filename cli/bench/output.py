@@ -338,7 +338,12 @@ def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
     for r in records:
         if r["n_depth"]:
             continue
-        label = " ".join(f"{h}={r.get(k)}" for k, h in [("n_threads", "t"), *varying]) or "default"
+        label = (
+            " ".join(
+                f"{h}={r[k]}" for k, h in [("n_threads", "t"), *varying] if r.get(k) is not None
+            )
+            or "default"
+        )  # a setting a row does not have (draft=None) is left out, not printed
         if several:
             label = f"{r.get('model_name')} {label}"
         kind = "pp" if is_pp(r) else "tg" if is_tg(r) else None
