@@ -183,3 +183,19 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
     assert "batch 64/256/1024 (varies by test), ubatch 64/256/512 (varies by test)" in swept
     fa = sweep.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
     assert "flash attention off/on (varies by test)" in fa
+
+
+def test_the_sweep_chart_names_only_settings_a_row_has() -> None:
+    """`--draft 0,2` rows: the plain row has no draft, and its label must not say draft=None."""
+    from rich.console import Console
+
+    from llmrun.cli.bench.output import sweep_chart
+
+    base = {"n_depth": 0, "n_prompt": 0, "n_gen": 16, "avg_ts": 100.0, "n_threads": 2}
+    chart = sweep_chart([{**base, "draft": None}, {**base, "draft": 2, "avg_ts": 120.0}])
+    assert chart is not None
+    console = Console(record=True, width=100, color_system=None)
+    console.print(chart)
+    text = console.export_text()
+    assert "None" not in text
+    assert "draft=2" in text
