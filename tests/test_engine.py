@@ -285,10 +285,9 @@ def test_the_overhead_leaves_out_llamacpps_eval_and_sampling_calls(runner: Llama
     assert s.to_dict()["sample_s"] == s.sample_s
 
 
-def test_flash_attention_is_llamacpps_auto_and_the_record_says_what_ran(
-    runner: LlamaCppRunner, model_path: str
-) -> None:
-    settings = runner.load().settings
+def test_flash_attention_is_llamacpps_auto_and_the_record_says_what_ran(model_path: str) -> None:
+    with LlamaCppRunner(model_path, EngineConfig(n_ctx=256)) as default:
+        settings = default.load().settings
     assert settings.flash_attn == "auto"  # no rule measured elsewhere: llama.cpp decides
     assert settings.flash_attn_enabled is not None  # and the record says what it decided
     with LlamaCppRunner(model_path, EngineConfig(n_ctx=256, flash_attn="off")) as off:
