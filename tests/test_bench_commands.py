@@ -185,17 +185,50 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
     assert "flash attention off/on (varies by test)" in fa
 
 
+def _row(shape: Any, avg_ts: float, **swept: Any) -> Any:
+    """A typed result row as the terminal gets it (BenchRun.rows), with these figures."""
+    from dataclasses import replace
+
+    from llmrun.runners.bench import sweep as sw
+    from llmrun.runners.bench.results import Efficiency, Result, Row
+
+    from .fake import FAKE_MODEL, FAKE_SETTINGS
+
+    result = Result(shape=shape, combo=sw.Combo(), model=FAKE_MODEL,
+                    settings=replace(FAKE_SETTINGS, n_threads=2), load_s=0.1,
+                    samples_s=(1.0,), engine_samples_s=())  # fmt: skip
+    return Row(result=result, avg_ts=avg_ts, stddev_ts=0.0, ttft_ms=None, itl_p50_ms=None,
+               itl_p99_ms=None, efficiency=Efficiency(), swept=swept)  # fmt: skip
+
+
 def test_the_sweep_chart_names_only_settings_a_row_has() -> None:
     """`--draft 0,2` rows: the plain row has no draft, and its label must not say draft=None."""
-    from rich.console import Console
-
     from llmrun.cli.bench.output import sweep_chart
+    from llmrun.runners.bench.sweep import Shape
 
-    base = {"n_depth": 0, "n_prompt": 0, "n_gen": 16, "avg_ts": 100.0, "n_threads": 2}
-    chart = sweep_chart([{**base, "draft": None}, {**base, "draft": 2, "avg_ts": 120.0}])
+    chart = sweep_chart([_row(Shape(0, 16), 100.0, draft=None),
+                         _row(Shape(0, 16), 120.0, draft=2)])  # fmt: skip
     assert chart is not None
     console = Console(record=True, width=100, color_system=None)
     console.print(chart)
     text = console.export_text()
     assert "None" not in text
     assert "draft=2" in text
+
+
+def test_charts_take_the_kind_from_the_result_not_from_keys() -> None:
+    """A --pg test (prompt then generation) is neither a prompt nor an output bar; pp and tg
+    rows go to their own bars, by Result.kind."""
+    from llmrun.cli.bench.output import depth_chart, sweep_chart
+    from llmrun.runners.bench.sweep import Shape
+
+    pp, tg, pg = _row(Shape(64, 0), 500.0), _row(Shape(0, 16), 50.0), _row(Shape(64, 16), 9.0)
+    assert [r.kind for r in (pp, tg, pg)] == ["pp", "tg", "pg"]
+    console = Console(record=True, width=100, color_system=None)
+    console.print(sweep_chart([pp, tg, pg]))
+    text = console.export_text()
+    assert "t=2 prompt" in text and "t=2 output" in text and "9.0" not in text
+    assert sweep_chart([pg]) is None
+    deep = _row(Shape(0, 16, 512), 40.0)
+    assert depth_chart([tg, deep, pg, _row(Shape(64, 0, 512), 1.0)]) is not None
+    assert depth_chart([pp, _row(Shape(64, 0, 512), 1.0), pg]) is None  # no tg at two depths

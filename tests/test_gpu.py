@@ -25,7 +25,7 @@ from llmrun.cli.report import engine_text
 from llmrun.runners import devices as dv
 from llmrun.runners import system as system_module
 from llmrun.runners.base import Request, SamplingParams, generate
-from llmrun.runners.bench.results import Result
+from llmrun.runners.bench.results import Result, Row
 from llmrun.runners.bench.sweep import Combo, Shape
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.gguf import read_gguf
@@ -268,7 +268,7 @@ def test_the_report_probes_each_gpu_and_the_record_uses_it(monkeypatch: pytest.M
     rec = tg.record(system)
     assert rec["bw_util"] == round(rec["decode_bw_gbs"] * 1e9 / H200_BW.bytes_s, 4) < 1
     assert rec["mem_bw_source"].startswith("CUDA0 100% of the weights, 4,916.7 GB/s (driver:")
-    line = efficiency_lines([rec])[0]
+    line = efficiency_lines([Row.of(tg, rec)])[0]
     assert line.startswith(f"tg128: decode moves {rec['decode_bw_gbs']:.1f} GB/s")
     assert f"= {rec['bw_util']:.0%} of 4,916.7 GB/s, the memory the weights are in (CUDA0" in line
     rows = dict(system_rows(system, "8b"))

@@ -24,6 +24,8 @@ from llmrun.runners.bench.results import (
     LLAMA_BENCH_FIELDS,
     LLAMA_BENCH_INT,
     LLAMA_BENCH_REAL,
+    SWEPT_FIELDS,
+    Row,
 )
 from llmrun.runners.history import Change, History, HistoryError
 
@@ -37,12 +39,11 @@ class OutputFormat(str, Enum):
     none = "none"  # llama-bench's: no records on this stream
 
 
-SWEPT_COLUMNS = (
-    ("n_batch", "n_batch"), ("n_ubatch", "n_ubatch"), ("n_gpu_layers", "ngl"),
-    ("flash_attn_mode", "fa"), ("type_k", "type_k"), ("type_v", "type_v"), ("repack", "repack"),
-    ("no_kv_offload", "nkvo"), ("load_mode", "lm"), ("n_ctx", "ctx"), ("kv_bytes", "KV bytes"),
-    ("draft", "draft"),
-)  # fmt: skip
+# The settings a sweep can vary (their record fields) and their column heads
+SWEPT_COLUMNS = tuple(zip(SWEPT_FIELDS, (
+    "n_batch", "n_ubatch", "ngl", "fa", "type_k", "type_v", "repack", "nkvo", "lm", "ctx",
+    "KV bytes", "draft",
+), strict=True))  # fmt: skip
 
 
 def _flat(value: Any) -> Any:
@@ -53,18 +54,16 @@ def _flat(value: Any) -> Any:
     return value
 
 
-def is_pp(record: dict[str, Any]) -> bool:
-    """A prompt-processing test alone (no generation)."""
-    return bool(record["n_prompt"]) and not record["n_gen"]
-
-
-def is_tg(record: dict[str, Any]) -> bool:
-    """A generation test alone (no prompt)."""
-    return bool(record["n_gen"]) and not record["n_prompt"]
-
-
 def _varying(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.get(k)) for r in records}) > 1]
+
+
+def _varying_rows(rows: Sequence[Row]) -> list[tuple[str, str]]:
+    return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.swept.get(k)) for r in rows}) > 1]
+
+
+def _row_models(rows: Sequence[Row]) -> list[str]:
+    return list(dict.fromkeys(r.model_name for r in rows))
 
 
 def _ms(value: float | None) -> str:
@@ -275,129 +274,126 @@ def _models(records: Sequence[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(str(r.get("model_name", "")) for r in records))
 
 
-def results_table(records: Sequence[dict[str, Any]], title: str = "results") -> Table:
-    varying = _varying(records)
-    several = len(_models(records)) > 1
-    if any(r.get("tuned") for r in records):
+def results_table(rows: Sequence[Row], title: str = "results") -> Table:
+    varying = _varying_rows(rows)
+    several = len(_row_models(rows)) > 1
+    if any(r.result.settings.tuned for r in rows):
         title += " (tuned settings from `llmrun tune`; --no-tuned measures the defaults)"
     table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
     heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]
     for name in heads:
         table.add_column(name, justify="left" if name in ("test", "model") else "right")
-    for r in records:
-        itl = "-" if r.get("itl_p50_ms") is None else f"{r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}"
-        rel = r.get("relative_ts")
+    for r in rows:
+        itl = "-" if r.itl_p50_ms is None else f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}"
+        rel = r.relative_ts
         table.add_row(
-            *([str(r.get("model_name"))] if several else []), r["test"], str(r["n_threads"]),
-            *(str(r.get(k)) for k, _ in varying), f"{r['avg_ts']:,.1f} ± {r['stddev_ts']:,.1f}",
+            *([r.model_name] if several else []), r.test, str(r.n_threads),
+            *(str(r.swept.get(k)) for k, _ in varying), f"{r.avg_ts:,.1f} ± {r.stddev_ts:,.1f}",
             *([f"x{rel:.2f}" if rel is not None else "-"] if several else []),
-            _ms(r.get("ttft_ms")), itl,
+            _ms(r.ttft_ms), itl,
         )  # fmt: skip
     return table
 
 
-# The settings that make two results comparable across models
-def model_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+def model_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt and output tok/s of each model, on one scale."""
-    models = _models(records)
+    models = _row_models(rows)
     if len(models) < 2:
         return None
-    rows: list[tuple[str, float | None, str]] = []
+    bars_: list[tuple[str, float | None, str]] = []
     for name in models:
-        mine = [r for r in records if r.get("model_name") == name and not r["n_depth"]]
-        for kind, pick, style in (("prompt", is_pp, "cyan"), ("output", is_tg, "magenta")):
-            rates = [r["avg_ts"] for r in mine if pick(r)]
+        mine = [r for r in rows if r.model_name == name and not r.n_depth]
+        for kind, label, style in (("pp", "prompt", "cyan"), ("tg", "output", "magenta")):
+            rates = [r.avg_ts for r in mine if r.kind == kind]
             if rates:
-                rows.append((f"{name} {kind}", max(rates), style))
-    if not rows:
+                bars_.append((f"{name} {label}", max(rates), style))
+    if not bars_:
         return None
-    return Group(Text("models side by side (best tok/s of each)", style="bold"), bars(rows))
+    return Group(Text("models side by side (best tok/s of each)", style="bold"), bars(bars_))
 
 
-def efficiency_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+def efficiency_lines(rows: Sequence[Row]) -> list[str]:
     lines = []
-    for r in records:
-        if r.get("bw_util") is not None:
+    for r in rows:
+        e = r.efficiency
+        if e.bw_util is not None:
             lines.append(
-                f"{r['test']}: decode moves {r['decode_bw_gbs']:.1f} GB/s (weights + KV cache per"
-                f" token) = {r['bw_util']:.0%} of {r['weights_bw_gbs']:,.1f} GB/s, the memory the"
-                f" weights are in ({r['mem_bw_source']})"
+                f"{r.test}: decode moves {e.decode_bw_gbs:.1f} GB/s (weights + KV cache per"
+                f" token) = {e.bw_util:.0%} of {e.weights_bw_gbs:,.1f} GB/s, the memory the"
+                f" weights are in ({e.mem_bw_source})"
             )
-        if r.get("prefill_gflops") is not None:
-            lines.append(f"{r['test']}: prefill runs at {r['prefill_gflops']:,.1f} GFLOP/s"
+        if e.prefill_gflops is not None:
+            lines.append(f"{r.test}: prefill runs at {e.prefill_gflops:,.1f} GFLOP/s"
                          " (2 x parameters x tok/s)")  # fmt: skip
     return lines
 
 
-def sweep_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt tok/s against output tok/s for every configuration of the sweep."""
-    varying = _varying(records)
-    several = len(_models(records)) > 1
+    varying = _varying_rows(rows)
+    several = len(_row_models(rows)) > 1
     by_config: dict[str, dict[str, float]] = {}
-    for r in records:
-        if r["n_depth"]:
+    for r in rows:
+        if r.n_depth:
             continue
+        settings = [("t", r.n_threads), *((h, r.swept.get(k)) for k, h in varying)]
         label = (
-            " ".join(
-                f"{h}={r[k]}" for k, h in [("n_threads", "t"), *varying] if r.get(k) is not None
-            )
-            or "default"
+            " ".join(f"{h}={v}" for h, v in settings if v is not None) or "default"
         )  # a setting a row does not have (draft=None) is left out, not printed
         if several:
-            label = f"{r.get('model_name')} {label}"
-        kind = "pp" if is_pp(r) else "tg" if is_tg(r) else None
-        if kind:
-            by_config.setdefault(label, {})[kind] = r["avg_ts"]
-    rows = []
+            label = f"{r.model_name} {label}"
+        if r.kind != "pg":
+            by_config.setdefault(label, {})[r.kind] = r.avg_ts
+    lines = []
     for label, v in by_config.items():
         if "pp" in v:
-            rows.append((f"{label} prompt", v["pp"], "cyan"))
+            lines.append((f"{label} prompt", v["pp"], "cyan"))
         if "tg" in v:
-            rows.append((f"{label} output", v["tg"], "magenta"))
-    if not rows:
+            lines.append((f"{label} output", v["tg"], "magenta"))
+    if not lines:
         return None
-    return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(rows))
+    return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(lines))
 
 
-def depth_chart(records: Sequence[dict[str, Any]]) -> RenderableType | None:
+def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Decode rate against context depth, when several depths ran."""
-    points = [(r["n_depth"], r["avg_ts"]) for r in records if is_tg(r)]
+    points = [(r.n_depth, r.avg_ts) for r in rows if r.kind == "tg"]
     if len({d for d, _ in points}) < 2:
         return None
-    rows = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
-    return Group(Text("output tok/s by context depth", style="bold"), bars(rows))
+    bars_ = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
+    return Group(Text("output tok/s by context depth", style="bold"), bars(bars_))
 
 
-def chunk_report(records: Sequence[dict[str, Any]]) -> tuple[Table, list[str]] | None:
+def chunk_report(rows: Sequence[Row]) -> tuple[Table, list[str]] | None:
     """Prefill tok/s and TTFT per chunk size; whether the chunk sizes agree on the next token."""
-    pp = [r for r in records if is_pp(r)]
-    if len({r["n_batch"] for r in pp}) < 2:
+    pp = [r for r in rows if r.kind == "pp"]
+    if len({r.n_batch for r in pp}) < 2:
         return None
     table = Table(title="chunked prefill: the chunk size trade-off", title_justify="left")
     for name in ("test", "n_batch", "n_ubatch", "prompt tok/s", "TTFT ms", "next token"):
         table.add_column(name, justify="left" if name == "test" else "right")
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[Any, ...], list[Row]] = {}
     for r in pp:
-        key = (r["test"], r["n_threads"], r.get("flash_attn_mode"), r["type_k"], r["type_v"],
-               r["n_gpu_layers"])  # fmt: skip
+        st = r.result.settings
+        key = (r.test, r.n_threads, st.flash_attn, st.type_k, st.type_v, st.n_gpu_layers_asked)
         groups.setdefault(key, []).append(r)
     notes = []
-    for key, rows in groups.items():
-        for r in sorted(rows, key=lambda r: r["n_batch"]):
+    for key, group in groups.items():
+        for r in sorted(group, key=lambda r: r.n_batch):
             table.add_row(
-                r["test"], str(r["n_batch"]), str(r["n_ubatch"]), f"{r['avg_ts']:,.1f}",
-                _ms(r.get("ttft_ms")), str(r.get("next_token")),
+                r.test, str(r.n_batch), str(r.result.n_ubatch), f"{r.avg_ts:,.1f}",
+                _ms(r.ttft_ms), str(r.result.next_token),
             )  # fmt: skip
-        tokens = {r.get("next_token") for r in rows}
-        if len(rows) > 1:
+        tokens = {r.result.next_token for r in group}
+        if len(group) > 1:
             if len(tokens) == 1:
-                notes.append(f"{key[0]}: all {len(rows)} chunk sizes agree on the next token"
+                notes.append(f"{key[0]}: all {len(group)} chunk sizes agree on the next token"
                              f" ({tokens.pop()})")  # fmt: skip
             else:
                 notes.append(f"{key[0]}: the chunk sizes DISAGREE on the next token: "
-                             + ", ".join(f"batch {r['n_batch']} -> {r.get('next_token')}"
-                                         for r in rows))  # fmt: skip
+                             + ", ".join(f"batch {r.n_batch} -> {r.result.next_token}"
+                                         for r in group))  # fmt: skip
     return table, notes
 
 

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llmrun.runners.bench.results import Row
 from llmrun.runners.errors import BadRequestError
-
-from . import output as out
 
 
 def _pyplot() -> Any:
@@ -35,20 +34,20 @@ def _save(fig: Any, plt: Any, path: Path, dpi: int) -> None:
         plt.close(fig)
 
 
-def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
+def plot(rows: Sequence[Row], path: Path) -> None:
     plt = _pyplot()
-    pp = [r for r in records if out.is_pp(r)]
-    tg = [r for r in records if out.is_tg(r)]
-    depths = sorted({r["n_depth"] for r in tg})
-    batches = sorted({r["n_batch"] for r in pp})
+    pp = [r for r in rows if r.kind == "pp"]
+    tg = [r for r in rows if r.kind == "tg"]
+    depths = sorted({r.n_depth for r in tg})
+    batches = sorted({r.n_batch for r in pp})
     n_panels = 1 + (len(depths) > 1) + (len(batches) > 1)
     fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
     ax = axes[0][0]
-    several = len({r.get("model_name") for r in records}) > 1
-    labels = [(f"{r.get('model_name')}\n" if several else "")
-              + f"{r['test']}\nt={r['n_threads']} b={r['n_batch']}" for r in pp + tg]  # fmt: skip
-    values = [r["avg_ts"] for r in pp + tg]
-    errors = [r["stddev_ts"] for r in pp + tg]
+    several = len({r.model_name for r in rows}) > 1
+    labels = [(f"{r.model_name}\n" if several else "")
+              + f"{r.test}\nt={r.n_threads} b={r.n_batch}" for r in pp + tg]  # fmt: skip
+    values = [r.avg_ts for r in pp + tg]
+    errors = [r.stddev_ts for r in pp + tg]
     colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
     ax.bar(range(len(values)), values, yerr=errors, color=colors)
     ax.set_xticks(range(len(values)), labels, fontsize=7)
@@ -58,7 +57,7 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
     if len(depths) > 1:
         ax = axes[0][panel]
         panel += 1
-        means = [statistics.fmean(r["avg_ts"] for r in tg if r["n_depth"] == d) for d in depths]
+        means = [statistics.fmean(r.avg_ts for r in tg if r.n_depth == d) for d in depths]
         ax.plot(depths, means, marker="o", color="tab:purple")
         ax.set_xlabel("context depth (tokens)")
         ax.set_ylabel("tokens/s")
@@ -66,8 +65,8 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_title("output tok/s by context depth (y from 0)")
     if len(batches) > 1:
         ax = axes[0][panel]
-        rates = [statistics.fmean(r["avg_ts"] for r in pp if r["n_batch"] == x) for x in batches]
-        ttft = [statistics.fmean(r["ttft_ms"] or 0 for r in pp if r["n_batch"] == x)
+        rates = [statistics.fmean(r.avg_ts for r in pp if r.n_batch == x) for x in batches]
+        ttft = [statistics.fmean(r.ttft_ms or 0 for r in pp if r.n_batch == x)
                 for x in batches]  # fmt: skip
         ax.plot(batches, rates, marker="o", color="tab:cyan")
         ax.set_xscale("log", base=2)

@@ -661,6 +661,7 @@ def _report(
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
     measured = run.BenchRun(tuple(results), system, scenarios=sweep.scenarios)
     records = measured.records()
+    rows = measured.rows(records)
     interrupted = cancel.is_set()
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
@@ -669,15 +670,15 @@ def _report(
         return 1
     changes = out.store_and_print(
         records, kind="local", model=", ".join(dict.fromkeys(r.model.name for r in results)),
-        system=vars(system), output=output.format, show=show, table=out.results_table(records),
+        system=vars(system), output=output.format, show=show, table=out.results_table(rows),
         store=output.store, compare=output.compare,
     )  # fmt: skip
     if output.format_err is not None and records:
         sys.stderr.write(out.format_records(records, output.format_err))
         sys.stderr.flush()
-    _extras(records, show, score=measured.localscore)
+    _extras(rows, show, score=measured.localscore)
     if output.plot is not None and records:
-        bench_plot.plot(records, output.plot)
+        bench_plot.plot(rows, output.plot)
         err.print(f"charts written to {output.plot}")
     if scores and sweep.ppl is not None:
         first = scores[0].ppl
@@ -692,13 +693,13 @@ def _report(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _extras(records: list[dict[str, Any]], show: Console, *, score: float | None) -> None:
-    for line in out.efficiency_lines(records):
+def _extras(rows: list[res.Row], show: Console, *, score: float | None) -> None:
+    for line in out.efficiency_lines(rows):
         show.print(line, markup=False)
-    for chart in (out.sweep_chart(records), out.depth_chart(records), out.model_chart(records)):
+    for chart in (out.sweep_chart(rows), out.depth_chart(rows), out.model_chart(rows)):
         if chart is not None:
             show.print(chart)
-    chunks = out.chunk_report(records)
+    chunks = out.chunk_report(rows)
     if chunks is not None:
         table, notes = chunks
         show.print(table)

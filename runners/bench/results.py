@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -42,6 +43,10 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "load_mode": "auto", "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0,
     "no_host": False,
 }  # fmt: skip
+
+
+# A test's kind: prompt processing alone, generation alone, or a prompt then generation (--pg)
+Kind = Literal["pp", "tg", "pg"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,18 @@ class Result:
     perplexity: Perplexity | None = None  # with --ppl
 
     @property
+    def kind(self) -> Kind:
+        s = self.shape
+        return "tg" if not s.n_prompt else "pp" if not s.n_gen else "pg"
+
+    @property
+    def n_ubatch(self) -> int:
+        """As asked, as llama-bench records it (llama.cpp clamps it to n_batch to run), else
+        llama.cpp's default."""
+        asked = self.combo.n_ubatch
+        return asked if asked is not None else max(self.settings.n_ubatch, 512)
+
+    @property
     def n_tokens(self) -> int:
         return self.shape.n_prompt + self.shape.n_gen
 
@@ -138,10 +155,7 @@ class Result:
             "model_size": m.size_bytes,
             "model_n_params": m.n_params,
             "n_batch": st.n_batch,
-            # as asked, as llama-bench records it (llama.cpp clamps it to n_batch to run)
-            "n_ubatch": (
-                self.combo.n_ubatch if self.combo.n_ubatch is not None else max(st.n_ubatch, 512)
-            ),  # llama.cpp's default, asked for
+            "n_ubatch": self.n_ubatch,
             "n_threads": st.n_threads,
             "cpu_mask": p["cpu_mask"],
             "cpu_strict": p["cpu_strict"],
@@ -205,13 +219,13 @@ class Result:
             "background_cpus": _round(self.background_cpus, 3),
             "busy": busy_machine(self.background_cpus, st.n_threads),
         }
-        if s.n_gen and not s.n_prompt and self.avg_ts:
+        if self.kind == "tg" and self.avg_ts:
             moved = self.bytes_per_token() * self.avg_ts
             rec["decode_bw_gbs"] = round(moved / 1e9, 3)
             where = weights_memories(system, devices=st.backend, n_offloaded=st.n_gpu_layers,
                                      n_layers=st.n_layer_total)  # fmt: skip
             rec.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
-        if s.n_prompt and not s.n_gen and self.avg_ts:
+        if self.kind == "pp" and self.avg_ts:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
         rec.update(self._own_fields())
         return rec
@@ -230,6 +244,79 @@ class Result:
             rec.update(ppl=round(p.ppl, 4), ppl_tokens=p.tokens, ppl_ctx=p.ctx,
                        ppl_change=None if p.change is None else round(p.change, 4))  # fmt: skip
         return rec
+
+
+# The engine settings a sweep can vary, by their record fields: the terminal's columns
+SWEPT_FIELDS = ("n_batch", "n_ubatch", "n_gpu_layers", "flash_attn_mode", "type_k", "type_v",
+                "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How close a test ran to the machine's limits: decode against the memory bandwidth of
+    where the weights are (tg tests), prefill's arithmetic rate (pp tests)."""
+
+    decode_bw_gbs: float | None = None
+    bw_util: float | None = None
+    weights_bw_gbs: float | None = None
+    mem_bw_source: str | None = None
+    prefill_gflops: float | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One result as the terminal and the charts show it: the typed result, and the figures
+    its record carries, as recorded (so the table and the record agree to the digit), with the
+    run-wide ones (the speed against the first model's same test)."""
+
+    result: Result
+    avg_ts: float
+    stddev_ts: float
+    ttft_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    efficiency: Efficiency
+    swept: Mapping[str, Any]  # SWEPT_FIELDS' values, as recorded (None where a row has none)
+    relative_ts: float | None = None
+
+    @classmethod
+    def of(cls, result: Result, record: Mapping[str, Any]) -> Row:
+        """The row of a result and the record made of it (Result.record, BenchRun.records)."""
+        return cls(
+            result=result, avg_ts=record["avg_ts"], stddev_ts=record["stddev_ts"],
+            ttft_ms=record["ttft_ms"], itl_p50_ms=record["itl_p50_ms"],
+            itl_p99_ms=record["itl_p99_ms"],
+            efficiency=Efficiency(
+                decode_bw_gbs=record["decode_bw_gbs"], bw_util=record["bw_util"],
+                weights_bw_gbs=record["weights_bw_gbs"], mem_bw_source=record["mem_bw_source"],
+                prefill_gflops=record["prefill_gflops"]),
+            swept={k: record.get(k) for k in SWEPT_FIELDS},
+            relative_ts=record.get("relative_ts"),
+        )  # fmt: skip
+
+    @property
+    def kind(self) -> Kind:
+        return self.result.kind
+
+    @property
+    def test(self) -> str:
+        return self.result.shape.name
+
+    @property
+    def model_name(self) -> str:
+        return self.result.model.name
+
+    @property
+    def n_depth(self) -> int:
+        return self.result.shape.n_depth
+
+    @property
+    def n_threads(self) -> int:
+        return self.result.settings.n_threads
+
+    @property
+    def n_batch(self) -> int:
+        return self.result.settings.n_batch
 
 
 def _memory_fields(st: EngineSettings) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from llmrun.runners.system import SystemInfo
 from . import localscore as ls
 from . import sweep as sw
 from .measure import Progress, Skipped, run_bench
-from .results import Perplexity, Result
+from .results import Perplexity, Result, Row
 
 PPL_CTX = 512  # llama-perplexity's windows when -c is not given
 
@@ -293,3 +293,9 @@ class BenchRun:
                 run["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
             out.append({**rec, **run})
         return out
+
+    def rows(self, records: Sequence[dict[str, Any]] | None = None) -> list[Row]:
+        """Each result with its figures as recorded, for the terminal and the charts; from the
+        records already made when given (the same figures, not made twice)."""
+        made = self.records() if records is None else records
+        return [Row.of(r, rec) for r, rec in zip(self.results, made, strict=True)]
