@@ -53,7 +53,7 @@ def _read_all() -> dict[str, Any]:
     try:
         text = read_capped(path, max_bytes=16 * 2**20, what="tuning file").decode("utf-8")
         data = json.loads(text)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing saved (a parent may be a file)
         return {}
     except OSError as e:
         raise SettingError(str(path), f"cannot read it: {e.strerror or e}") from None
