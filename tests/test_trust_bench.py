@@ -4,6 +4,7 @@ signals during a measurement, and llama-bench's spellings."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -366,6 +367,12 @@ def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model
     assert "pp8" in stored.stdout
 
 
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds a process has used (all its threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_sigterm_during_perplexity_keeps_the_rows(
     llmrun_env: dict[str, str], model_path: str, tmp_path: Path
 ) -> None:
@@ -380,7 +387,12 @@ def test_sigterm_during_perplexity_keeps_the_rows(
     while model_path not in maps.read_text():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
-    time.sleep(5)  # pp8 takes well under this; the perplexity of ~250,000 tokens far longer
+    # Wait for CPU time, not wall time, so a busy machine cannot stretch pp8 past the signal:
+    # pp8 needs well under a second of it, the perplexity of ~250,000 tokens many minutes.
+    start = _cpu_s(proc.pid)
+    while _cpu_s(proc.pid) - start < 5:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 143, err
