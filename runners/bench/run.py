@@ -15,6 +15,7 @@ from llmrun.runners import devices as dv
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.system import SystemInfo
 
@@ -191,10 +192,12 @@ SweepEvent = ModelReady | Progress | Result | Skipped | Scoring | Scored
 
 
 def read_text(path: Path) -> str:
-    try:
-        return path.read_bytes().decode("utf-8", errors="replace")
+    try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
+        return read_capped(path, max_bytes=256 * 2**20, what="text").decode("utf-8", "replace")
     except OSError as e:
         raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"--ppl {path}: {e}") from None
 
 
 def run_sweep(
