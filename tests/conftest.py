@@ -38,7 +38,7 @@ HANG_S = 600.0
 #   pty:   starts a child process: the CLI through pipes, a pseudo-terminal (pexpect) or tmux, a
 #          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
 MARKER_FIXTURES = {
-    "model": {"model_path", "runner", "q8_model", "server"},
+    "model": {"model_path", "runner", "shared_runner", "q8_model", "server"},
     "pty": {"llmrun_env", "server", "q8_model", "serve_env"},
 }
 
@@ -72,16 +72,28 @@ def model_path(model_file: str) -> str:
     return model_file
 
 
+# Flash attention off: the engine tests compare greedy outputs (a reused prefix against a fresh
+# prefill, a cut at a character), and llama.cpp's flash-attention CPU kernels round a split
+# prefill differently from a whole one. The default (llama.cpp's auto) is tested on its own.
+RUNNER_CONFIG = EngineConfig(n_ctx=2048, flash_attn="off")
+
+
 @pytest.fixture(scope="session")
-def runner(model_path: str) -> Iterator[LlamaCppRunner]:
-    """One loaded real model shared by the engine tests (each test resets what it needs)."""
-    # Flash attention off: these tests compare greedy outputs (a reused prefix against a fresh
-    # prefill, a cut at a character), and llama.cpp's flash-attention CPU kernels round a split
-    # prefill differently from a whole one. The default (llama.cpp's auto) is tested on its own.
-    r = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, flash_attn="off"))
+def shared_runner(model_path: str) -> Iterator[LlamaCppRunner]:
+    """One loaded real model for the whole session."""
+    r = LlamaCppRunner(model_path, RUNNER_CONFIG)
     r.load()
     yield r
     r.close()
+
+
+@pytest.fixture
+def runner(shared_runner: LlamaCppRunner) -> LlamaCppRunner:
+    """The shared model with the engine tests' settings: a bench test may have switched them
+    (reconfigure), and each test resets what else it needs."""
+    if shared_runner.config != RUNNER_CONFIG:
+        shared_runner.reconfigure(RUNNER_CONFIG)
+    return shared_runner
 
 
 @pytest.fixture
