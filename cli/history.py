@@ -37,6 +37,5 @@ def history(
             return
         for run in runs:
             changes = h.compare(run["records"], before_run=run["id"])
-            table = out.compare_table(changes)
-            table.title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
-            console.print(table)
+            title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
+            console.print(out.compare_table(changes, title))

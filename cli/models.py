@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from llmrun.runners.models import list_models, resolve_model
+from llmrun.runners.models import ListedModel, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
+from .report import Fitted, fitted
 
 
 def pull(
@@ -28,21 +30,25 @@ def pull(
 def models() -> None:
     """List the embedded default model and the GGUF files in the Hugging Face cache."""
     with handled():
-        table = Table()
-        for name in ("model", "quant", "params", "file size", "arch", "path"):
-            table.add_column(name, justify="right" if name in ("params", "file size") else "left")
-        for m in list_models():
-            if m.info is None:
-                table.add_row(
-                    m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path
-                )
-                continue
-            table.add_row(
-                m.ref,
-                m.info.quantization,
-                human_count(m.info.n_params),
-                human_count(m.size_bytes, "B"),
-                m.info.architecture,
-                os.path.relpath(m.path) if m.source == "default" else m.path,
-            )
+        table = models_table(list_models())
         StdoutConsole(width=None if os.isatty(1) else 200).print(table)
+
+
+def models_table(listed: Iterable[ListedModel]) -> Fitted:
+    """A row per model file; its path may fold, its figures never."""
+    table = Table()
+    for name in ("model", "quant", "params", "file size", "arch", "path"):
+        table.add_column(name, justify="right" if name in ("params", "file size") else "left")
+    for m in listed:
+        if m.info is None:
+            table.add_row(m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path)
+            continue
+        table.add_row(
+            m.ref,
+            m.info.quantization,
+            human_count(m.info.n_params),
+            human_count(m.size_bytes, "B"),
+            m.info.architecture,
+            os.path.relpath(m.path) if m.source == "default" else m.path,
+        )
+    return fitted(table, wrap=("path",))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -291,47 +293,128 @@ def aggregate_table(agg: Aggregate) -> Fitted:
     return fitted(table)
 
 
-def fitted(table: Table) -> Fitted:
-    """The table where it fits whole; narrower, a stacked layout (a block per row: the first
-    cell as its heading, then "header: value" lines) so a figure is never cut or wrapped."""
-    return Fitted(table)
+WRAP_FLOOR_CELLS = 20  # a text column named in `fitted(wrap=...)` is never made narrower
+
+
+def fitted(table: Table, *, wrap: Collection[str] = (), by_column: bool = False) -> Fitted:
+    """The one way a table reaches a terminal: whole where it fits, else stacked (a block per
+    row: its key, then `label  value` lines with a hanging indent), so a figure is never cut,
+    wrapped or ellipsized. Every column is kept on one line except the text columns named in
+    `wrap` (a path, a list of settings), which may fold down to WRAP_FLOOR_CELLS before the
+    table stacks. by_column: stacked, a block per column instead (a table whose columns are
+    the things measured, as the serving levels)."""
+    for column in table.columns:
+        if _plain(column.header) in wrap:
+            column.no_wrap, column.overflow = False, "fold"
+        else:
+            column.no_wrap = True
+    return Fitted(table, by_column=by_column)
 
 
 class Fitted:
     """A table that never crops a figure: see `fitted`."""
 
-    def __init__(self, table: Table) -> None:
+    def __init__(self, table: Table, *, by_column: bool = False) -> None:
         self.table = table
+        self.by_column = by_column
+
+    def fits(self, console: Console, options: ConsoleOptions) -> bool:
+        """Whether the table shows every figure whole in the width: its natural width, less
+        what its wrapping text columns can give up (rich narrows only those)."""
+        width = options.max_width
+        wide = options.update(width=10_000)
+        natural = Measurement.get(console, wide, self.table).maximum
+        if natural <= width:
+            return True
+        give = 0
+        for column in self.table.columns:
+            if column.no_wrap:
+                continue
+            cells = [column.header, *column.cells]
+            widest = max(Measurement.get(console, wide, c).maximum for c in cells)
+            give += max(0, widest - WRAP_FLOOR_CELLS)
+        return natural - width <= give
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        natural = Measurement.get(console, options.update(width=10_000), self.table).maximum
-        if natural <= options.max_width:
+        if self.fits(console, options):
             yield self.table
-            return
-        yield stacked(self.table)
+        else:
+            yield stacked(self.table, by_column=self.by_column)
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement(1, options.max_width)
 
 
-def stacked(table: Table) -> Group:
-    """A table as blocks, one per row: the row's first cell, then each other column's header
-    and value on a line of its own, indented."""
-    headers = [_plain(c.header).replace("\n", " ") for c in table.columns]
-    columns = [list(c.cells) for c in table.columns]
-    blocks: list[Text] = []
-    if table.title:
-        blocks.append(Text(_plain(table.title), style="bold"))
-    for i in range(table.row_count):
-        cells = [_plain(col[i]) if i < len(col) else "" for col in columns]
-        block = Text(cells[0] or headers[0], style="bold")
-        for header, value in zip(headers[1:], cells[1:], strict=True):
-            block.append(f"\n  {header}: ", style="dim")
-            block.append(value.replace("\n", " "))
-        blocks.append(block)
-    if table.caption:
-        blocks.append(Text(_plain(table.caption), style="dim"))
-    return Group(*blocks)
+def stacked(table: Table, *, by_column: bool = False) -> Stacked:
+    """A table as blocks, one per row (or per column): the row's first cell, then each other
+    column's header and value."""
+    headers = [_text(c.header) for c in table.columns]
+    columns = [[_text(cell) for cell in c.cells] for c in table.columns]
+    rows = [[col[i] if i < len(col) else Text("") for col in columns]
+            for i in range(table.row_count)]  # fmt: skip
+    if by_column:  # a block per column: its header, then each row's first cell and its value
+        blocks = [(headers[j], [(row[0], row[j]) for row in rows])
+                  for j in range(1, len(headers))]  # fmt: skip
+    else:
+        blocks = [(row[0] if row[0].plain else headers[0],
+                   list(zip(headers[1:], row[1:], strict=True))) for row in rows]  # fmt: skip
+    return Stacked(
+        title=_text(table.title) if table.title else None,
+        blocks=blocks,
+        caption=_text(table.caption) if table.caption else None,
+    )
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Blocks of `label  value` lines; a value that wraps goes on under itself (a hanging
+    indent), and where the labels leave it too little room, under its label."""
+
+    title: Text | None
+    blocks: list[tuple[Text, list[tuple[Text, Text]]]]
+    caption: Text | None
+    indent: int = 2
+    gap: int = 2
+    room_cells: int = 20  # the narrowest value column worth aligning the values in
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        if self.title is not None:
+            yield Text(self.title.plain, style="bold")
+        pairs = [pair for _, block in self.blocks for pair in block]
+        label_cells = max((cell_len(label.plain) for label, _ in pairs), default=0)
+        room = width - self.indent - label_cells - self.gap
+        longest = max((cell_len(value.plain) for _, value in pairs), default=0)
+        aligned = room >= min(longest, self.room_cells) and room > 0
+        for key, block in self.blocks:
+            yield Text(key.plain, style="bold")
+            for label, value in block:
+                if aligned:
+                    head = Text(" " * self.indent) + label + " " * self.gap
+                    head.pad_right(label_cells - cell_len(label.plain))
+                    yield from _hanging(console, head, value, room)
+                else:
+                    yield Text(" " * self.indent) + label
+                    deeper = max(0, min(2 * self.indent, width - longest))  # a figure whole
+                    yield from _hanging(console, Text(" " * deeper), value, max(1, width - deeper))
+        if self.caption is not None:
+            yield Text(self.caption.plain, style="dim")
+
+
+def _hanging(console: Console, head: Text, value: Text, room: int) -> Iterator[Text]:
+    """`head` then the value wrapped to `room` cells, its further lines under its first."""
+    lines = value.wrap(console, room, overflow="fold")
+    if not lines:
+        yield head
+    for i, line in enumerate(lines):
+        line.rstrip()
+        yield (head if i == 0 else Text(" " * cell_len(head.plain))) + line
+
+
+def _text(cell: object) -> Text:
+    """A cell as Text, newlines as spaces (a two-line header is one label)."""
+    text = cell.copy() if isinstance(cell, Text) else Text(_plain(cell))
+    return Text(" ").join(text.split("\n")) if "\n" in text.plain else text
 
 
 def _plain(cell: object) -> str:

@@ -18,6 +18,7 @@ from rich.text import Text
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.serving.engine import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
@@ -212,7 +213,7 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _table(reports: Sequence[InterferenceReport]) -> Table:
+def _table(reports: Sequence[InterferenceReport]) -> Fitted:
     table = Table(title="a decoding stream while long prompts arrive", title_justify="left")
     for col in ("policy", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "long TTFT ms", "tok/s",
                 "steps", "prefill in gaps"):  # fmt: skip
@@ -223,7 +224,7 @@ def _table(reports: Sequence[InterferenceReport]) -> Table:
                       out.cell(max(r.stream_itl_ms, default=0.0)), out.cell(ttft),
                       f"{r.throughput_tps:,.1f}", str(len(r.steps)),
                       f"{r.prefill_in_gaps_ms:,.0f} of {r.prefill_ms:,.0f} ms")  # fmt: skip
-    return table
+    return fitted(table)
 
 
 def verdict(reports: Sequence[InterferenceReport]) -> list[str]:

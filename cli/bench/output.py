@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli.dashboard import bars
+from llmrun.cli.report import Fitted, fitted
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -274,7 +275,7 @@ def _models(records: Sequence[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(str(r.get("model_name", "")) for r in records))
 
 
-def results_table(rows: Sequence[Row], title: str = "results") -> Table:
+def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
     varying = _varying_rows(rows)
     several = len(_row_models(rows)) > 1
     if any(r.result.settings.tuned for r in rows):
@@ -293,7 +294,7 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Table:
             *([f"x{rel:.2f}" if rel is not None else "-"] if several else []),
             _ms(r.ttft_ms), itl,
         )  # fmt: skip
-    return table
+    return fitted(table)
 
 
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
@@ -365,7 +366,7 @@ def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
     return Group(Text("output tok/s by context depth", style="bold"), bars(bars_))
 
 
-def chunk_report(rows: Sequence[Row]) -> tuple[Table, list[str]] | None:
+def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:
     """Prefill tok/s and TTFT per chunk size; whether the chunk sizes agree on the next token."""
     pp = [r for r in rows if r.kind == "pp"]
     if len({r.n_batch for r in pp}) < 2:
@@ -394,7 +395,7 @@ def chunk_report(rows: Sequence[Row]) -> tuple[Table, list[str]] | None:
                 notes.append(f"{key[0]}: the chunk sizes DISAGREE on the next token: "
                              + ", ".join(f"batch {r.n_batch} -> {r.result.next_token}"
                                          for r in group))  # fmt: skip
-    return table, notes
+    return fitted(table), notes
 
 
 def _rate(r: dict[str, Any]) -> str:
@@ -403,8 +404,8 @@ def _rate(r: dict[str, Any]) -> str:
     return f"{r['avg_ts']:,.1f} ± {r.get('stddev_ts') or 0:,.1f}"
 
 
-def compare_table(changes: Sequence[Change]) -> Table:
-    table = Table(title="against the previous run", title_justify="left")
+def compare_table(changes: Sequence[Change], title: str = "against the previous run") -> Fitted:
+    table = Table(title=title, title_justify="left")
     varying = _varying([c.record for c in changes])  # every setting that tells rows apart
     several = len(_models([c.record for c in changes])) > 1
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying)]
@@ -421,7 +422,7 @@ def compare_table(changes: Sequence[Change]) -> Table:
             Text(c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
                  style=styles.get(c.verdict, "")),
         )  # fmt: skip
-    return table
+    return fitted(table, wrap=("verdict",))
 
 
 def store_and_print(
@@ -432,7 +433,7 @@ def store_and_print(
     system: dict[str, Any],
     output: OutputFormat | None,
     show: Console,
-    table: Table,
+    table: Fitted,
     store: bool,
     compare: bool,
     markdown: Callable[[], str] | None = None,

@@ -16,6 +16,7 @@ from rich.table import Table
 from llmrun.cli import options as o
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
@@ -287,7 +288,8 @@ def _latency(name: str, key: str) -> Callable[[sv.ServingMetrics], str]:
     return cell
 
 
-def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float]) -> Table:
+def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float]) -> Fitted:
+    """A column per level; too wide for the terminal, a block per level."""
     table = Table(title="serving benchmark (vLLM's definitions)", title_justify="left")
     table.add_column("metric")
     for level in levels:
@@ -308,7 +310,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
             rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
     for label, cell in rows:
         table.add_row(label, *(cell(level.metrics) for level in levels))
-    return table
+    return fitted(table, by_column=True)
 
 
 SERVING_COLUMNS = (

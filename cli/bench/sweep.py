@@ -145,7 +145,7 @@ def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
     """Label and value in two columns: a narrow terminal wraps the value under itself."""
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=8, no_wrap=True)
-    grid.add_column()
+    grid.add_column(overflow="fold")  # a long path folds; a cell is never cut
     for label, value in rows:
         grid.add_row(label, Text(terminal_line(value)))  # a model's name may hold escapes
     return grid

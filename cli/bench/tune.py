@@ -13,6 +13,7 @@ from rich.table import Table
 
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, handled
+from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
@@ -76,6 +77,22 @@ def _tune(model: str | None, workload: str, cancel: threading.Event, err: Consol
     return 0
 
 
+def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
+    """Every setting the search tried, in order, with its rates, scores and noise."""
+    table = Table(title="tuning: every setting tried", title_justify="left")
+    heads = ["stage", "settings", "pp t/s", "tg t/s", *(f"{w} score" for w in workloads),
+             "spread", "verdict"]  # fmt: skip
+    for col in heads:
+        left = col in ("stage", "settings", "verdict")
+        table.add_column(col, justify="left" if left else "right")
+    for t in tried:
+        table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
+                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
+                      *(f"{t.score(w):,.1f}" for w in workloads),
+                      f"±{t.spread(workloads[0]) / 2:.0%}", t.note)  # fmt: skip
+    return fitted(table, wrap=("settings", "verdict"))
+
+
 def show_search(
     runner: BenchRunner,
     base: EngineConfig,
@@ -89,18 +106,7 @@ def show_search(
     if found is None:
         return None
     best, tried = found
-    table = Table(title="tuning: every setting tried", title_justify="left")
-    heads = ["stage", "settings", "pp t/s", "tg t/s", *(f"{w} score" for w in workloads),
-             "spread", "verdict"]  # fmt: skip
-    for col in heads:
-        left = col in ("stage", "settings", "verdict")
-        table.add_column(col, justify="left" if left else "right")
-    for t in tried:
-        table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
-                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
-                      *(f"{t.score(w):,.1f}" for w in workloads),
-                      f"±{t.spread(workloads[0]) / 2:.0%}", t.note)  # fmt: skip
-    err.print(table)
+    err.print(tried_table(tried, workloads))
     shapes = " and ".join(s.name for s in tn.SHAPES)
     kinds = "; ".join(f"{w}: a {p}-token prompt and a {g}-token answer"
                       for w, (p, g) in tn.WORKLOADS.items() if w in workloads)  # fmt: skip
