@@ -143,6 +143,7 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[round(max(v, 0.0) / high * top) if high > 0 else 0] for v in values)
 
 
+MIN_BAR_CELLS = 4  # narrower than this, a bar chart puts each label on a line of its own
 LABEL_CELLS = 8  # the label column of the live rows and the closing summary
 
 
@@ -289,7 +290,11 @@ class _Bars:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         numbers = ["-" if v is None else f"{v:,.1f}" for _, v, _ in self.rows]
         label = self.label_cells or max((len(lb) for lb, _, _ in self.rows), default=0)
-        room = options.max_width - label - max((len(n) for n in numbers), default=1) - 2
+        number_cells = max((len(n) for n in numbers), default=1)
+        room = options.max_width - label - number_cells - 2
+        if room < MIN_BAR_CELLS:  # long labels: each on a line of its own, its bar under it
+            yield from self._stacked(console, options, numbers, number_cells)
+            return
         width = max(1, min(self.width, room))
         top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
         grid = Table.grid(padding=(0, 1))
@@ -300,6 +305,17 @@ class _Bars:
             cells = max(1, round(value / top * width)) if value and top > 0 else 0
             grid.add_row(name, Text("█" * cells, style=style), number)
         yield grid
+
+    def _stacked(
+        self, console: Console, options: ConsoleOptions, numbers: list[str], number_cells: int
+    ) -> RenderResult:
+        width = max(1, min(self.width, options.max_width - 2 - number_cells - 1))
+        top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
+        for (name, value, style), number in zip(self.rows, numbers, strict=True):
+            cells = max(1, round(value / top * width)) if value and top > 0 else 0
+            yield Text(name)
+            yield Text.assemble("  ", ("█" * cells, style), " " * (width - cells + 1),
+                                number.rjust(number_cells))  # fmt: skip
 
 
 def rate_bars(stats: GenerationStats) -> RenderableType:

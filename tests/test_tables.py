@@ -247,3 +247,51 @@ def _calls_of(tree: ast.AST, name: str) -> list[ast.Call]:
     """The calls of `name(...)` (a plain name: Table.grid is no table of figures)."""
     return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name) and node.func.id == name]  # fmt: skip
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_bar_charts_keep_their_figures(width: int) -> None:
+    """The sweep's and the models' bar charts: with long labels on a narrow terminal, each
+    label goes on a line of its own and its bar and figure under it."""
+    from llmrun.cli.bench.output import model_chart, sweep_chart
+
+    names = ("SmolLM2-135M-Instruct.Q8_0", "Qwen2.5-0.5B-Instruct.Q4_K_M")
+    rows = [_row(shape, ts, 1.0, model=name, fa=i)
+            for i, name in enumerate(names)
+            for shape, ts in (((512, 0), 129_098.7), ((0, 128), 46_612.3))]  # fmt: skip
+    for chart in (sweep_chart(rows), model_chart(rows)):  # type: ignore[arg-type]
+        assert chart is not None
+        out = text_of(chart, width)
+        assert problems(out, width, WIDE) == [], out
+        assert "Qwen2.5-0.5B-Instruct.Q4_K_M" in out
+
+
+def test_history_on_a_40_column_terminal(llmrun_env: dict[str, str]) -> None:
+    """`llmrun history` in a real pseudo-terminal 40 columns wide, replayed through a terminal
+    emulator: every figure whole on a screen line, no ellipsis."""
+    pexpect = pytest.importorskip("pexpect")
+    pyte = pytest.importorskip("pyte")
+    from llmrun.runners.history import History
+
+    from .conftest import HANG_S, which_llmrun
+
+    record = {"test": "pp512", "model_name": "SmolLM2-135M-Instruct.Q8_0", "n_threads": 16,
+              "n_prompt": 512, "n_gen": 0, "avg_ts": 46_612.3, "stddev_ts": 12.9}  # fmt: skip
+    path = Path(llmrun_env["LLMRUN_HOME"]) / "data" / "history.sqlite"
+    with History(path) as history:
+        for avg_ts in (46_612.3, 129_098.7):
+            history.store([{**record, "avg_ts": avg_ts}], kind="local", model="SmolLM2",
+                          system={})  # fmt: skip
+    screen = pyte.Screen(40, 200)
+    stream = pyte.ByteStream(screen)
+    child = pexpect.spawn(which_llmrun(), ["history"], env={**llmrun_env, "COLUMNS": ""},
+                          dimensions=(24, 40), timeout=HANG_S)  # fmt: skip
+    try:
+        stream.feed(child.read())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    shown = "\n".join(line.rstrip() for line in screen.display).strip()
+    assert "…" not in shown, shown
+    for figure in ("129,098.7 ± 12.9", "46,612.3 ± 12.9", "+177.0%"):
+        assert any(figure in line for line in screen.display), shown
