@@ -5,10 +5,11 @@ Runs greedy generations with the real engine and prints, over the same requests:
 - prefill: the runner's timed prefill (decode calls + synchronize) against llama.cpp's
   prompt-eval time (target: within 2 %);
 - `python_overhead_per_token_ms`, the stats field of run and chat: a decode step's wall time
-  beyond llama.cpp's eval counter and the time inside its sampling call (target: < 0.05 ms);
+  beyond the time inside llama.cpp's decode + synchronize calls and its sampling call (target:
+  < 0.05 ms), and the part of those calls that llama.cpp's own eval counter leaves out;
 - the floor: the same step as a bare ctypes loop (llama_decode, llama_synchronize,
-  llama_sampler_sample and nothing else), so the runner's own share is shown against code
-  that does nothing else;
+  llama_sampler_sample and nothing else) after the same prompt, timed the same way, so the
+  runner's own share is shown against code that does nothing else;
 - tg128 side by side with llama-bench (same model, threads, -fa, repack), B A B, when
   `make llama-bench` has built it (or LLAMA_BENCH names one): llmrun's `bench` decodes
   without sampling, as llama-bench does.
@@ -42,8 +43,11 @@ LLMRUN = str(Path(sys.executable).parent / "llmrun")
 OVERHEAD_TARGET_MS = 0.05
 
 
-def bare_step_ms(runner: LlamaCppRunner, prompt: list[int], n_gen: int) -> float:
-    """Milliseconds per step of a loop that only decodes, synchronizes and samples (greedy)."""
+def bare_step_ms(runner: LlamaCppRunner, prompt: list[int], n_gen: int) -> tuple[float, float]:
+    """A loop that only decodes, synchronizes and samples (greedy), after the same prompt:
+    milliseconds per step, and the part of a step outside the decode calls and the sampling
+    call, timed as the runner times them (the floor of `python_overhead_per_token_ms`: what
+    ctypes' entry and exit and the loop itself cost with nothing else to do)."""
     lib = llama_lib()
     runner.reset()
     runner.eval_tokens(prompt)
@@ -57,14 +61,20 @@ def bare_step_ms(runner: LlamaCppRunner, prompt: list[int], n_gen: int) -> float
         chain._sample,
         chain.ptr,
     )
+    perf = time.perf_counter
+    inside = 0.0
     try:
         one[0] = sample(chain_ptr, ctx, -1)
-        t0 = time.perf_counter()
+        t0 = perf()
         for _ in range(n_gen):
+            t_call = perf()
             decode(ctx, batch)
             sync(ctx)
+            t_sample = perf()
             one[0] = sample(chain_ptr, ctx, -1)
-        return (time.perf_counter() - t0) / n_gen * 1000
+            inside += perf() - t_call
+        total = perf() - t0
+        return total / n_gen * 1000, (total - inside) / n_gen * 1000
     finally:
         chain.close()
         runner.reset()
@@ -88,6 +98,9 @@ def tg_rate(command: list[str]) -> float:
 
 def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -> None:
     binary = llama_bench_binary()
+    if rounds < 1:
+        print("tg128 vs llama-bench: skipped (--rounds 0)")
+        return
     if binary is None:
         print("tg128 vs llama-bench: skipped (no llama-bench; `make llama-bench` builds it)")
         return
@@ -130,7 +143,7 @@ def main() -> int:
     sampling = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
     request = Request(token_ids=tokens, sampling=sampling, keep_cache=False)
     generate(runner, request)  # warm-up
-    prefill, overhead, steps, floors = [], [], [], []
+    prefill, overhead, steps, floors, floor_beyond, uncounted = [], [], [], [], [], []
     for _ in range(args.reps):
         s = generate(runner, request).stats
         assert s.engine_prompt_eval_ms and s.engine_eval_ms and s.engine_n_eval
@@ -139,12 +152,17 @@ def main() -> int:
         step_ms = s.decode_s * 1000 / len(s.itl_s)
         eval_ms = s.engine_eval_ms / s.engine_n_eval
         sample_ms = s.sample_s * 1000 / len(s.itl_s)
+        assert s.decode_call_ms is not None and s.uncounted_decode_ms is not None
         overhead.append(s.python_overhead_per_token_ms)
+        uncounted.append(s.uncounted_decode_ms)
         steps.append(step_ms)
-        floors.append(bare_step_ms(runner, list(tokens[:64]), args.gen))
+        floor, beyond = bare_step_ms(runner, list(tokens), args.gen)
+        floors.append(floor)
+        floor_beyond.append(beyond)
         print(f"prefill {s.prompt_tps:7.1f} tok/s | decode {s.output_tps:6.1f} tok/s: step"
-              f" {step_ms:6.3f} ms = eval {eval_ms:6.3f} + sample {sample_ms:6.3f} + llmrun"
-              f" {s.python_overhead_per_token_ms:6.4f} | bare loop {floors[-1]:6.3f} ms",
+              f" {step_ms:6.3f} ms = calls {s.decode_call_ms:6.3f} (eval counter {eval_ms:6.3f})"
+              f" + sample {sample_ms:6.3f} + llmrun {s.python_overhead_per_token_ms:6.4f}"
+              f" | bare loop {floor:6.3f} ms, beyond its calls {beyond:6.4f}",
               file=sys.stderr)  # fmt: skip
     runner.close()
     prefill_ratio, overhead_ms = statistics.median(prefill), statistics.median(overhead)
@@ -154,6 +172,8 @@ def main() -> int:
         f"python_overhead_per_token_ms (median)     {overhead_ms:7.4f}"
         f"  {'ok' if overhead_ms < OVERHEAD_TARGET_MS else f'OVER {OVERHEAD_TARGET_MS}'}"
     )
+    print(f"  of which a bare ctypes loop also spends  {statistics.median(floor_beyond):7.4f}")
+    print(f"llama_decode's time outside its eval counter {statistics.median(uncounted):7.4f} ms/step")
     print(
         f"decode step / bare ctypes loop (median)   "
         f"{statistics.median(steps) / statistics.median(floors):7.4f}"

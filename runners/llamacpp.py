@@ -228,6 +228,8 @@ class _Decoded:
     times: list[float] = field(default_factory=list)  # each output token's time stamp
     first_sample_s: float = 0.0
     sample_s: float = 0.0  # in llama_sampler_sample after the first token
+    call_s: float = 0.0  # in llama_decode + llama_synchronize after the first token
+    calls: int = 0
     text: str = ""
     tail: str = ""  # text held back until the end
     thinking_tokens: int = 0
@@ -764,6 +766,7 @@ class LlamaCppRunner:
                 prefill_s=prefill.seconds,
                 first_sample_s=decode.first_sample_s,
                 sample_s=decode.sample_s,
+                decode_call_ms=decode.call_s * 1000 / decode.calls if decode.calls else None,
                 itl_s=tuple(b - a for a, b in itertools.pairwise(decode.times)),
                 e2e_s=clock.wall(),
                 load_s=loaded.load_s,
@@ -886,7 +889,8 @@ class LlamaCppRunner:
             drafter = _Drafter(lib, sp.draft, self._cache)
         queued: list[int] = []  # accepted draft tokens: in the KV cache, not yet emitted
         pending = token  # the next token not yet in the KV cache
-        sample_s = 0.0
+        sample_s = call_s = 0.0
+        calls = 0
         try:
             while True:
                 in_kv = bool(queued)
@@ -921,19 +925,23 @@ class LlamaCppRunner:
                     queued, pending = drafter.step(ctx, chain, token, max(0, room))
                     continue
                 one[0] = token
+                t_call = perf()
                 rc = decode_c(ctx, batch_one)
                 if rc != 0:
                     raise EngineError(f"llama_decode failed during generation (code {rc})")
                 sync_c(ctx)  # llama.cpp's eval counter stops here; the sample is timed apart
+                t_sample = perf()
+                call_s += t_sample - t_call
+                calls += 1
                 cache.append(token)
                 if decode_only:
                     pending = feed_tokens.pop()
                     continue
-                t_sample = perf()
                 pending = sample_c(chain_ptr, ctx, -1)
                 sample_s += perf() - t_sample
         finally:
             out.sample_s = sample_s
+            out.call_s, out.calls = call_s, calls
             if drafter is not None:
                 drafter.close()
                 out.drafted, out.accepted, out.steps = (

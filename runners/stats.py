@@ -209,6 +209,10 @@ class GenerationStats:
     # Wall time inside llama.cpp's sampling calls after the first token (its counter above
     # leaves out the copy of the logits into the candidates array); None: not measured.
     sample_s: float | None = None
+    # Mean wall time of one llama_decode + llama_synchronize of one token after the first token;
+    # llama.cpp's eval counter starts inside the call, after checking the batch, so it is a
+    # little less. None: not measured (a server, speculative decoding, a single token).
+    decode_call_ms: float | None = None
     seed: int | None = None
     # Measured directly where the first token's wait is not the sum of the phases above (a
     # server: network, queue and its tokenization are in it); None: their sum.
@@ -309,17 +313,31 @@ class GenerationStats:
 
     @property
     def python_overhead_per_token_ms(self) -> float | None:
-        """Wall time of one decode step beyond llama.cpp's own eval and sampling time for one:
-        its eval counter, and the time inside its sampling call (measured around the call,
-        after a synchronize) or else its sampling counter."""
+        """Wall time of one decode step beyond llama.cpp's own decode and sampling calls: the
+        wall time inside llama_decode + llama_synchronize where it was measured (else llama.cpp's
+        eval counter), and inside the sampling call (else llama.cpp's sampling counter). What is
+        left is llmrun's own per-token work and the ctypes calls' entry and exit."""
         if not self.itl_s or not self.engine_n_eval or self.engine_eval_ms is None:
             return None
         if self.sample_s is not None and not self.decode_steps:
             per_sample = self.sample_s * 1000 / len(self.itl_s)
         else:
             per_sample = (self.engine_sample_ms or 0.0) / max(self.engine_n_sample or 1, 1)
-        per_eval = self.engine_eval_ms / self.engine_n_eval
+        if self.decode_call_ms is not None and not self.decode_steps:
+            per_eval = self.decode_call_ms
+        else:
+            per_eval = self.engine_eval_ms / self.engine_n_eval
         return self.decode_s * 1000 / len(self.itl_s) - per_eval - per_sample
+
+    @property
+    def uncounted_decode_ms(self) -> float | None:
+        """Per step, the part of the llama_decode + llama_synchronize calls that llama.cpp's own
+        eval counter leaves out (checking the batch before its clock starts, the calls' return)."""
+        if self.decode_call_ms is None or self.decode_steps:
+            return None
+        if self.engine_eval_ms is None or not self.engine_n_eval:
+            return None
+        return self.decode_call_ms - self.engine_eval_ms / self.engine_n_eval
 
     @property
     def interrupted(self) -> bool:
@@ -342,6 +360,7 @@ class GenerationStats:
             "itl_p99_s",
             "itl_max_s",
             "python_overhead_per_token_ms",
+            "uncounted_decode_ms",
             "answer_tokens",
             "thinking_s",
             "answer_tps",

@@ -63,6 +63,10 @@ def test_computed_figures() -> None:
     assert s.itl_max_s == 0.04
     # 20 ms per step measured, 15 ms eval + 0.8 ms sampling accounted by llama.cpp
     assert s.python_overhead_per_token_ms == pytest.approx(20 - 15 - 0.8)
+    # with the decode calls timed, their wall time replaces llama.cpp's eval counter
+    timed = make_stats(decode_call_ms=15.5, sample_s=0.004)
+    assert timed.python_overhead_per_token_ms == pytest.approx(20 - 15.5 - 1.0)
+    assert timed.uncounted_decode_ms == pytest.approx(0.5)
     record = json.loads(json.dumps(s.to_dict()))
     assert record["itl_ms"] == [10.0, 20.0, 10.0, 40.0]
     assert record["ttft_s"] == pytest.approx(0.211)
