@@ -70,9 +70,8 @@ def bare_step_ms(runner: LlamaCppRunner, prompt: list[int], n_gen: int) -> tuple
             t_call = perf()
             decode(ctx, batch)
             sync(ctx)
-            t_sample = perf()
             one[0] = sample(chain_ptr, ctx, -1)
-            inside += perf() - t_call
+            inside += perf() - t_call  # the decode, synchronize and sampling calls
         total = perf() - t0
         return total / n_gen * 1000, (total - inside) / n_gen * 1000
     finally:
@@ -173,7 +172,7 @@ def main() -> int:
         f"  {'ok' if overhead_ms < OVERHEAD_TARGET_MS else f'OVER {OVERHEAD_TARGET_MS}'}"
     )
     print(f"  of which a bare ctypes loop also spends  {statistics.median(floor_beyond):7.4f}")
-    print(f"llama_decode's time outside its eval counter {statistics.median(uncounted):7.4f} ms/step")
+    print(f"llama_decode outside its eval counter      {statistics.median(uncounted):7.4f}")
     print(
         f"decode step / bare ctypes loop (median)   "
         f"{statistics.median(steps) / statistics.median(floors):7.4f}"
