@@ -1,15 +1,51 @@
-"""`llmrun history`: the stored bench runs, each against the run before it."""
+"""`llmrun history`: the stored bench runs, each against the run before it; two sets of them
+compared as llama.cpp's compare-llama-bench.py does; the runs exported as llama-bench's table."""
 
 from __future__ import annotations
 
+import json
+import sys
+from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
+from rich.text import Text
 
-from llmrun.runners.history import History
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.history import Comparison, History, compare_sets, parse_selector, write_database
 
 from .bench import output as out
+from .bench.sweep import usage_error
 from .errors import StdoutConsole, handled
+from .report import Fitted, fitted
+from .terminal import terminal_line, terminal_text
+
+
+class CompareFormat(str, Enum):
+    md = "md"
+    csv = "csv"
+    json = "json"
+
+
+SELECTOR_HELP = (
+    "a build commit, or KEY=VALUE terms joined by commas that all hold: build=, run=3 or"
+    " run=3-5, date=2026-11-30 (or a month, a year), since=DAY, until=DAY, model=NAME, or a"
+    " setting by llama-bench's flag: t=4, b=2048, ub=512, ngl=99, fa=on, ctk=q8_0, d=512"
+)
+
+# compare-llama-bench.py's column heads
+HEADS = {
+    "cpu_info": "CPU", "gpu_info": "GPU", "backends": "Backends", "n_gpu_layers": "GPU layers",
+    "tensor_buft_overrides": "Tensor overrides", "model_filename": "File", "model_type": "Model",
+    "n_batch": "Batch size", "n_ubatch": "Microbatch size", "embeddings": "Embeddings",
+    "cpu_mask": "CPU mask", "cpu_strict": "CPU strict", "poll": "Poll", "n_threads": "Threads",
+    "type_k": "K type", "type_v": "V type", "load_mode": "Load mode", "no_kv_offload": "NKVO",
+    "split_mode": "Split mode", "main_gpu": "Main GPU", "tensor_split": "Tensor split",
+    "flash_attn": "FlashAttention", "n_cpu_moe": "CPU MoE", "fit_target": "Fit target",
+    "fit_min_ctx": "Fit min ctx", "repack": "Repack", "draft": "Draft",
+}  # fmt: skip
 
 
 def history(
@@ -23,19 +59,185 @@ def history(
             help="Only runs of models whose name contains this.",
         ),
     ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "-b",
+            "--baseline",
+            show_default=False,
+            help=f"Compare two sets of results; this one is the baseline: {SELECTOR_HELP}.",
+        ),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            "-c",
+            "--compare",
+            show_default=False,
+            help="The set compared with the baseline, chosen the same way (default: the"
+            " newest run outside the baseline).",
+        ),
+    ] = None,
+    show: Annotated[
+        str | None,
+        typer.Option(
+            "-s",
+            "--show",
+            show_default=False,
+            help="The comparison's columns, comma-separated key fields (n_threads,"
+            " n_batch, flash_attn...); results differing only in others are"
+            " averaged together, as compare-llama-bench.py's --show.",
+        ),
+    ] = None,
+    output: Annotated[
+        CompareFormat | None,
+        typer.Option(
+            "-o",
+            "--output",
+            show_default=False,
+            help="Print the comparison on stdout as md, csv or json.",
+        ),
+    ] = None,
+    export_sql: Annotated[
+        str | None,
+        typer.Option(
+            "--export-sql",
+            metavar="FILE",
+            show_default=False,
+            help="Write the stored bench results into a new SQLite file as"
+            " llama-bench's table (compare-llama-bench.py -i FILE reads it); '-'"
+            " prints the SQL, for `| sqlite3` into an existing one.",
+        ),
+    ] = None,
 ) -> None:
-    """The stored bench runs, newest first, each against the run before it."""
+    """The stored bench runs, newest first, each against the run before it; or two sets of
+    them compared (-b, -c); or the runs exported for llama.cpp's compare-llama-bench.py."""
+    if export_sql is not None and (baseline or compare or show or output):
+        usage_error("--export-sql writes every stored result: give it without -b, -c, -s or -o")
+    if baseline is None and (compare or show or output):
+        usage_error("-c, -s and -o belong to a comparison: give the baseline with -b too")
     with handled(), History() as h:
         console = StdoutConsole(highlight=False)
-        runs = h.runs(limit=limit, model=model)
-        if not runs:
-            if model and h.runs(limit=1):
-                console.print(f"no stored run's model name contains {model!r} (in {h.path})",
-                              markup=False)  # fmt: skip
-            else:
-                console.print(f"no bench runs stored yet (in {h.path})", markup=False)
-            return
-        for run in runs:
-            changes = h.compare(run["records"], before_run=run["id"])
-            title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
-            console.print(out.compare_table(changes, title))
+        if export_sql is not None:
+            _export(h, export_sql, model)
+        elif baseline is not None:
+            base = parse_selector(baseline, option="-b")
+            other = None if compare is None else parse_selector(compare, option="-c")
+            fields = None if show is None else [f.strip() for f in show.split(",") if f.strip()]
+            results = h.bench_results(model=model)
+            if not results:
+                raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
+            found = compare_sets(results, base, other, show=fields)
+            _print_comparison(found, output, console)
+        else:
+            _list(h, limit, model, console)
+
+
+def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> None:
+    runs = h.runs(limit=limit, model=model)
+    if not runs:
+        if model and h.runs(limit=1):
+            console.print(f"no stored run's model name contains {model!r} (in {h.path})",
+                          markup=False)  # fmt: skip
+        else:
+            console.print(f"no bench runs stored yet (in {h.path})", markup=False)
+        return
+    for run in runs:
+        changes = h.compare(run["records"], before_run=run["id"])
+        title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
+        console.print(out.compare_table(changes, terminal_line(title)))
+
+
+def _export(h: History, target: str, model: str | None) -> None:
+    records = [s.record for s in h.bench_results(model=model)]
+    if not records:
+        raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
+    sql = out.to_sql(records)
+    if target == "-":
+        sys.stdout.write(sql)
+        sys.stdout.flush()
+        return
+    write_database(Path(target), sql)
+    print(f"{len(records)} results written to {target} (llama-bench's table llama_bench)",
+          file=sys.stderr)  # fmt: skip
+
+
+def _of(model: str | None) -> str:
+    return f" of a model whose name contains {model!r}" if model else ""
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _rate(avg: float, spread: float) -> str:
+    return f"{avg:.2f} ± {spread:.2f}"
+
+
+def to_markdown(c: Comparison) -> str:
+    """compare-llama-bench.py's table, with each side's spread and runs and the verdict."""
+    heads = [HEADS.get(f, f) for f in c.shown]
+    heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", "Runs", "Verdict"]
+    rows = []
+    for p in c.pairs:
+        cells = [_cell(v) for _, v in p.shown]
+        cells += [p.test, _rate(p.baseline.avg_ts, p.baseline.stddev_ts)]
+        cells += [_rate(p.compare.avg_ts, p.compare.stddev_ts), _cell(_speedup(p.speedup))]
+        cells += [f"{p.baseline.runs}/{p.compare.runs}", p.verdict]
+        rows.append(cells)
+    right = {i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", "Runs")}
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+
+    def line(cells: list[str]) -> str:
+        fitted = [
+            text.rjust(w) if i in right else text.ljust(w)
+            for i, (text, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "| " + " | ".join(fitted) + " |"
+
+    rule = [("-" * (w + 1) + ":") if i in right else "-" * (w + 2) for i, w in enumerate(widths)]
+    return "\n".join([line(heads), "|" + "|".join(rule) + "|", *(line(r) for r in rows)]) + "\n"
+
+
+def _speedup(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}"
+
+
+def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutConsole) -> None:
+    notes = []
+    if c.ignored:
+        notes.append(f"paired across {', '.join(c.ignored)}, which the sets fix")
+    if c.unpaired_baseline or c.unpaired_compare:
+        notes.append(f"left out, no partner with the same test and settings: {c.unpaired_baseline}"
+                     f" in the baseline, {c.unpaired_compare} in the compare set")  # fmt: skip
+    for note in notes:
+        print(terminal_line(f"llmrun: {note}"), file=sys.stderr, flush=True)
+    if fmt is CompareFormat.md:
+        sys.stdout.write(to_markdown(c))
+    elif fmt is CompareFormat.csv:
+        sys.stdout.write(out.to_csv(c.records()))
+    elif fmt is CompareFormat.json:
+        sys.stdout.write(json.dumps(c.records(), indent=2, ensure_ascii=False) + "\n")
+    else:
+        console.print(_table(c))
+        return
+    sys.stdout.flush()
+
+
+def _table(c: Comparison) -> Fitted:
+    title = f"compare {c.compare!r} against baseline {c.baseline!r}"
+    table = Table(title=terminal_line(title), title_justify="left")
+    for name in (*(HEADS.get(f, f) for f in c.shown), "test"):
+        table.add_column(name)
+    for name in ("t/s baseline", "t/s compare", "speedup", "runs"):
+        table.add_column(name, justify="right")
+    table.add_column("verdict")
+    styles = {"regression": "red", "improvement": "green"}
+    for p in c.pairs:
+        table.add_row(
+            *(terminal_text(_cell(v)) for _, v in p.shown), p.test,
+            _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
+            _rate(p.compare.avg_ts, p.compare.stddev_ts), _cell(_speedup(p.speedup)),
+            f"{p.baseline.runs}/{p.compare.runs}", Text(p.verdict, style=styles.get(p.verdict, "")),
+        )  # fmt: skip
+    return fitted(table)

@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import json
+import math
+import os
 import re
 import sqlite3
-from collections.abc import Sequence
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .bench.results import (
+    FLASH_ATTN_CODES,
+    LLAMA_BENCH_BOOL,
+    LLAMA_BENCH_FIELDS,
+    LLAMA_BENCH_INT,
+    LLAMA_DEFAULTS,
+)
 from .errors import BadRequestError
 from .paths import data_dir
 from .system import busy_machine
@@ -75,21 +87,23 @@ class Change:
         """regression / improvement beyond both runs' spread, else 'within spread' or 'new'."""
         if self.previous is None:
             return "new"
-        if self.record.get("avg_ts") is None or self.previous.get("avg_ts") is None:
-            return "no rate"
-        new_low = self.record["avg_ts"] - (self.record.get("stddev_ts") or 0)
-        new_high = self.record["avg_ts"] + (self.record.get("stddev_ts") or 0)
-        old_low = self.previous["avg_ts"] - (self.previous.get("stddev_ts") or 0)
-        old_high = self.previous["avg_ts"] + (self.previous.get("stddev_ts") or 0)
-        if new_high < old_low or new_low > old_high:
-            if (
-                _busy(self.record)
-                or _busy(self.previous)
-                or _load_differs(self.record, self.previous)
-            ):
-                return "noise (busy machine)"
-            return "regression" if new_high < old_low else "improvement"
-        return "within spread"
+        return spread_verdict(self.record, self.previous)
+
+
+def spread_verdict(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
+    """regression / improvement when the two mean ± stddev ranges do not overlap, else 'within
+    spread'; 'noise (busy machine)' when other processes took the CPU during either."""
+    if new.get("avg_ts") is None or old.get("avg_ts") is None:
+        return "no rate"
+    new_low = new["avg_ts"] - (new.get("stddev_ts") or 0)
+    new_high = new["avg_ts"] + (new.get("stddev_ts") or 0)
+    old_low = old["avg_ts"] - (old.get("stddev_ts") or 0)
+    old_high = old["avg_ts"] + (old.get("stddev_ts") or 0)
+    if new_high < old_low or new_low > old_high:
+        if _busy(new) or _busy(old) or _load_differs(new, old):
+            return "noise (busy machine)"
+        return "regression" if new_high < old_low else "improvement"
+    return "within spread"
 
 
 class HistoryError(BadRequestError):
@@ -193,7 +207,7 @@ class History:
         args: list[Any] = []
         if model:
             query += " WHERE model LIKE ? ESCAPE '\\'"  # a name's % _ \ match themselves
-            args.append("%" + re.sub(r"([%_\\])", r"\\\1", model) + "%")
+            args.append(_like(model))
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         out = []
@@ -210,18 +224,43 @@ class History:
             raise HistoryError(self.path, e) from None
         return out
 
+    def bench_results(self, *, model: str | None = None) -> list[Stored]:
+        """Every readable result of `llmrun bench` runs, oldest first; a llama.cpp setting an
+        older record lacks is filled with the default llmrun never changed then either."""
+        query = ("SELECT runs.id, runs.time, results.record FROM results JOIN runs ON"
+                 " runs.id = results.run_id WHERE runs.kind = ?")  # fmt: skip
+        args: list[Any] = [BENCH_KIND]
+        if model:
+            query += " AND runs.model LIKE ? ESCAPE '\\'"
+            args.append(_like(model))
+        try:
+            rows = self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
+        except sqlite3.Error as e:
+            raise HistoryError(self.path, e) from None
+        found = []
+        for run_id, time, text in rows:
+            record = _record(text)
+            if record is not None:
+                found.append(Stored(int(run_id), str(time), {**LLAMA_DEFAULTS, **record}))
+        return found
 
-def _background(record: dict[str, Any]) -> float:
+
+def _like(text: str) -> str:
+    """A LIKE pattern for `text` anywhere: its own % _ \\ match themselves."""
+    return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
+
+
+def _background(record: Mapping[str, Any]) -> float:
     value = record.get("background_cpus")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def _busy(record: dict[str, Any]) -> bool:
+def _busy(record: Mapping[str, Any]) -> bool:
     threads = record.get("n_threads")
     return busy_machine(_background(record), threads if isinstance(threads, int) else 1)
 
 
-def _load_differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Runs measured under different background load are not comparable (llama.cpp's threads
     spin-wait, so a fraction of a CPU taken by others changes the figures)."""
     return abs(_background(a) - _background(b)) > 0.25
@@ -240,3 +279,374 @@ def _record(text: object) -> dict[str, Any] | None:
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             return None
     return record
+
+
+# ---- two sets of stored results, compared as llama.cpp's compare-llama-bench.py does --------
+
+# The kind of run `llmrun bench` stores: llama-bench's records
+BENCH_KIND = "local"
+
+# compare-llama-bench.py's LLAMA_BENCH_KEY_PROPERTIES: two results pair when all are equal
+PAIR_FIELDS = (
+    "cpu_info", "gpu_info", "backends", "n_gpu_layers", "n_cpu_moe", "tensor_buft_overrides",
+    "model_filename", "model_type", "n_batch", "n_ubatch", "embeddings", "cpu_mask", "cpu_strict",
+    "poll", "n_threads", "type_k", "type_v", "load_mode", "no_kv_offload", "split_mode",
+    "main_gpu", "tensor_split", "flash_attn", "n_prompt", "n_gen", "n_depth", "fit_target",
+    "fit_min_ctx",
+)  # fmt: skip
+# ... and llmrun's settings that change a test's figures where llama-bench has none
+LLMRUN_PAIR_FIELDS = ("repack", "draft")
+TEST_FIELDS = ("n_prompt", "n_gen", "n_depth")
+
+# llama-bench's option names for the record fields a selector can name (any field name works)
+SETTING_ALIASES = {
+    "t": "n_threads", "b": "n_batch", "ub": "n_ubatch", "ngl": "n_gpu_layers",
+    "fa": "flash_attn", "ctk": "type_k", "ctv": "type_v", "nkvo": "no_kv_offload",
+    "ncmoe": "n_cpu_moe", "sm": "split_mode", "mg": "main_gpu", "ts": "tensor_split",
+    "ot": "tensor_buft_overrides", "embd": "embeddings", "poll": "poll", "cpu-mask": "cpu_mask",
+    "p": "n_prompt", "n": "n_gen", "d": "n_depth", "c": "n_ctx", "fitt": "fit_target",
+    "fitc": "fit_min_ctx",
+}  # fmt: skip
+RUN_KEYS = ("build", "run", "date", "since", "until", "model")
+_INT_FIELDS = LLAMA_BENCH_INT | {"draft", "n_ctx"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One stored bench result and the run it came from."""
+
+    run_id: int
+    time: str  # the run's start, ISO 8601 UTC
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Term:
+    key: str  # one of RUN_KEYS, or a record field
+    value: Any
+
+    def matches(self, s: Stored) -> bool:
+        r = s.record
+        if self.key == "build":
+            commit = str(r.get("build_commit") or "")
+            return bool(commit) and (commit.startswith(self.value) or self.value.startswith(commit))
+        if self.key == "run":
+            return bool(self.value[0] <= s.run_id <= self.value[1])
+        if self.key == "date":
+            return s.time.startswith(self.value)
+        if self.key == "since":
+            return s.time[:10] >= self.value
+        if self.key == "until":
+            return s.time[:10] <= self.value
+        if self.key == "model":
+            names = (str(r.get("model_name") or ""), str(r.get("model_filename") or ""))
+            return any(self.value in name.lower() for name in names)
+        return bool(_pair_value(self.key, r) == self.value)
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A set of stored results: every term holds (`-b abc1234`, `-c build=def5678,t=4`)."""
+
+    text: str
+    terms: tuple[Term, ...]
+
+    def matches(self, s: Stored) -> bool:
+        return all(t.matches(s) for t in self.terms)
+
+    @property
+    def fields(self) -> frozenset[str]:
+        """The record fields the selector fixes: results pair across their values."""
+        named = {t.key for t in self.terms if t.key not in RUN_KEYS}
+        if any(t.key == "model" for t in self.terms):
+            named |= {"model_filename", "model_type"}
+        return frozenset(named)
+
+    @property
+    def builds(self) -> tuple[str, ...]:
+        return tuple(t.value for t in self.terms if t.key == "build")
+
+
+def parse_selector(text: str, *, option: str) -> Selector:
+    """`-b`/`-c`'s value: a build commit, or KEY=VALUE terms joined by commas."""
+    terms = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise BadRequestError(f"{option} {text!r}: an empty term")
+        key, sep, value = part.partition("=")
+        if not sep:
+            key, value = "build", part
+        key, value = key.strip(), value.strip()
+        if not value:
+            raise BadRequestError(f"{option} {text!r}: {key}= needs a value")
+        terms.append(Term(SETTING_ALIASES.get(key, key), _term_value(key, value, option, text)))
+    return Selector(text, tuple(terms))
+
+
+def _term_value(key: str, value: str, option: str, text: str) -> Any:
+    field = SETTING_ALIASES.get(key, key)
+    where = f"{option} {text!r}: {key}="
+    if key == "run":
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", value)
+        if not m:
+            raise BadRequestError(f"{where} takes a run id or a range such as 3-5, not {value!r}")
+        low, high = int(m[1]), int(m[2] or m[1])
+        if high < low:
+            raise BadRequestError(f"{where}{value}: the range runs backwards")
+        return (low, high)
+    if key == "date":
+        if not re.fullmatch(r"\d{4}(-\d{2}(-\d{2})?)?", value) or not _is_date(value):
+            raise BadRequestError(f"{where} takes a day, month or year: 2026-11-30, 2026-11, 2026")
+        return value
+    if key in ("since", "until"):
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", value) or not _is_date(value):
+            raise BadRequestError(f"{where} takes a day such as 2026-11-30, not {value!r}")
+        return value
+    if key in ("build", "model"):
+        return value.lower()
+    if field not in LLAMA_BENCH_FIELDS and field not in LLMRUN_PAIR_FIELDS and field != "n_ctx":
+        raise BadRequestError(
+            f"{option} {text!r}: unknown key {key!r}; use build=, run=, date=, since=, until=,"
+            " model= or a setting: t=, b=, ub=, ngl=, fa=, ctk=, ctv=, p=, n=, d= (or a"
+            " record field such as n_threads=)"
+        )
+    if field == "flash_attn" and value.lower() in FLASH_ATTN_CODES:
+        return FLASH_ATTN_CODES[value.lower()]
+    if field in LLAMA_BENCH_BOOL or field == "repack":
+        if value.lower() not in _TRUE + _FALSE:
+            raise BadRequestError(f"{where} takes 1 or 0, not {value!r}")
+        return value.lower() in _TRUE
+    if field in _INT_FIELDS:
+        try:
+            return int(value)
+        except ValueError:
+            raise BadRequestError(f"{where} takes a whole number, not {value!r}") from None
+    return value
+
+
+def _is_date(value: str) -> bool:
+    try:
+        dt.date.fromisoformat((value + "-01-01")[:10] if len(value) < 10 else value)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Tally:
+    """One set's results for one test and settings: its runs averaged, as the script does."""
+
+    records: tuple[dict[str, Any], ...]
+
+    @property
+    def runs(self) -> int:
+        return len(self.records)
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(float(r["avg_ts"]) for r in self.records)
+
+    @property
+    def stddev_ts(self) -> float:
+        """The spread of all the runs' repetitions together: each run's variance, averaged, plus
+        the variance between the runs' means (the law of total variance)."""
+        within = statistics.fmean(float(r.get("stddev_ts") or 0.0) ** 2 for r in self.records)
+        between = statistics.pvariance([float(r["avg_ts"]) for r in self.records])
+        return math.sqrt(within + between)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What spread_verdict reads: the mean, the spread, the most background load seen."""
+        loads = [_background(r) for r in self.records if r.get("background_cpus") is not None]
+        threads = [r["n_threads"] for r in self.records if isinstance(r.get("n_threads"), int)]
+        return {"avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
+                "background_cpus": max(loads) if loads else None,
+                "n_threads": max(threads) if threads else 1}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One test with the same settings in both sets."""
+
+    shown: tuple[tuple[str, Any], ...]  # the key fields shown as columns, with their values
+    test: str
+    baseline: Tally
+    compare: Tally
+
+    @property
+    def speedup(self) -> float | None:
+        """compare t/s over baseline t/s, the script's Speedup column."""
+        return self.compare.avg_ts / self.baseline.avg_ts if self.baseline.avg_ts else None
+
+    @property
+    def verdict(self) -> str:
+        return spread_verdict(self.compare.summary, self.baseline.summary)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: str  # each set's label: its selector as given
+    compare: str
+    shown: tuple[str, ...]
+    pairs: tuple[Pair, ...]
+    ignored: tuple[str, ...]  # key fields the selectors fix, so pairing looks past them
+    unpaired_baseline: int  # tests and settings found in one set only
+    unpaired_compare: int
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat record a pair, for csv and json."""
+        out = []
+        for p in self.pairs:
+            record = {**dict(p.shown), "test": p.test}
+            for side, label, tally in (("baseline", self.baseline, p.baseline),
+                                       ("compare", self.compare, p.compare)):  # fmt: skip
+                record[side] = label
+                record[f"{side}_avg_ts"] = round(tally.avg_ts, 6)
+                record[f"{side}_stddev_ts"] = round(tally.stddev_ts, 6)
+                record[f"{side}_runs"] = tally.runs
+            record["speedup"] = None if p.speedup is None else round(p.speedup, 4)
+            record["verdict"] = p.verdict
+            out.append(record)
+        return out
+
+
+def test_name(record: Mapping[str, Any]) -> str:
+    """The script's name for a test: pp512, tg128, pp512+tg128, each with @dN at a depth."""
+    p, g, d = (int(record.get(f) or 0) for f in TEST_FIELDS)
+    name = f"pp{p}" if g == 0 else f"tg{g}" if p == 0 else f"pp{p}+tg{g}"
+    return f"{name}@d{d}" if d else name
+
+
+def _pair_value(field: str, record: Mapping[str, Any]) -> Any:
+    value = record.get(field)
+    if field == "model_filename" and isinstance(value, str):
+        return value.rsplit("/", 1)[-1]  # older llmrun stored the absolute path
+    if field == "draft" and value is None:
+        return 0  # a test without drafting records none
+    return value
+
+
+SHOWABLE = tuple(f for f in PAIR_FIELDS if f not in TEST_FIELDS) + LLMRUN_PAIR_FIELDS
+
+
+def compare_sets(
+    results: Sequence[Stored],
+    baseline: Selector,
+    compare: Selector | None,
+    *,
+    show: Sequence[str] | None = None,
+) -> Comparison:
+    """Pair the baseline's results with the compare set's on compare-llama-bench.py's key
+    fields (less those a selector fixes), each side's repeated runs averaged."""
+    rated = [s for s in results if s.record.get("avg_ts") is not None]
+    _check_builds(rated, baseline, compare)
+    base = [s for s in rated if baseline.matches(s)]
+    if not base:
+        raise BadRequestError(f"baseline {baseline.text!r} matches no stored bench result")
+    if compare is None:
+        newest = max((s.run_id for s in rated if not baseline.matches(s)), default=None)
+        if newest is None:
+            raise BadRequestError(f"every stored bench result is in the baseline"
+                                  f" {baseline.text!r}: choose a compare set with -c")  # fmt: skip
+        compare = Selector(f"run {newest}", (Term("run", (newest, newest)),))
+    comp = [s for s in rated if compare.matches(s)]
+    if not comp:
+        raise BadRequestError(f"compare {compare.text!r} matches no stored bench result")
+    both = {id(s) for s in base} & {id(s) for s in comp}
+    if both:
+        raise BadRequestError(f"baseline {baseline.text!r} and compare {compare.text!r} share"
+                              f" {len(both)} results: choose sets that do not overlap")  # fmt: skip
+    if show is not None:
+        unknown = [f for f in show if f not in SHOWABLE]
+        if unknown:
+            raise BadRequestError(f"--show: unknown {', '.join(map(repr, unknown))}; choose"
+                                  f" from {', '.join(SHOWABLE)}")  # fmt: skip
+    ignored = baseline.fields | compare.fields
+    keys = [f for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS if f not in ignored]
+
+    def groups(side: list[Stored]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+        out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for s in side:
+            out.setdefault(tuple(_pair_value(f, s.record) for f in keys), []).append(s.record)
+        return out
+
+    b, c = groups(base), groups(comp)
+    paired = [k for k in b if k in c]
+    if not paired:
+        looked_past = f", looking past {', '.join(sorted(ignored))}" if ignored else ""
+        raise BadRequestError(
+            f"no comparable results: nothing in {baseline.text!r} has the same model, test and"
+            f" settings as in {compare.text!r} (compare-llama-bench.py's key fields{looked_past})"
+        )
+    if show is None:  # as the script: the model, and every key field that tells pairs apart
+        varying = [f for i, f in enumerate(keys) if f not in TEST_FIELDS and f != "model_type"
+                   and len({k[i] for k in paired}) > 1]  # fmt: skip
+        shown = ["model_type", *varying]
+    else:
+        shown = [f for f in show if f not in ignored]
+    index = {f: i for i, f in enumerate(keys)}
+    merged: dict[tuple[Any, ...], tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    for k in paired:  # results alike in the shown fields (and the test) are averaged together
+        into = merged.setdefault(
+            tuple(k[index[f]] for f in (*shown, *TEST_FIELDS) if f in index), ([], [])
+        )
+        into[0].extend(b[k])
+        into[1].extend(c[k])
+    pairs = tuple(
+        Pair(shown=tuple((f, bs[0].get(f)) for f in shown if f in index),
+             test=test_name(bs[0]), baseline=Tally(tuple(bs)), compare=Tally(tuple(cs)))
+        for bs, cs in merged.values()
+    )  # fmt: skip
+    return Comparison(
+        baseline=baseline.text, compare=compare.text,
+        shown=tuple(f for f in shown if f in index), pairs=pairs,
+        ignored=tuple(sorted(ignored & set(PAIR_FIELDS + LLMRUN_PAIR_FIELDS))),
+        unpaired_baseline=len(b) - len(paired), unpaired_compare=len(c) - len(paired),
+    )  # fmt: skip
+
+
+def _check_builds(results: Sequence[Stored], *selectors: Selector | None) -> None:
+    """A build no stored result has is named, with the builds there are."""
+    stored = sorted({str(s.record.get("build_commit")) for s in results
+                     if s.record.get("build_commit")})  # fmt: skip
+    for selector in selectors:
+        for build in selector.builds if selector is not None else ():
+            if not any(c.startswith(build) or build.startswith(c) for c in stored):
+                listed = ", ".join(stored[:8]) + (", ..." if len(stored) > 8 else "")
+                raise BadRequestError(f"no stored bench result has build {build!r} (stored:"
+                                      f" {listed or 'none'})")  # fmt: skip
+
+
+def write_database(path: Path, sql: str) -> None:
+    """A new SQLite file at `path` holding `sql`'s tables, whole or not at all; an existing
+    file is never replaced (it may be the user's own llama-bench database)."""
+    if path.exists() or path.is_symlink():
+        raise BadRequestError(f"{path} exists: name a new file, or add to it with"
+                              f" `llmrun history --export-sql - | sqlite3 {path}`")  # fmt: skip
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    os.close(fd)
+    try:
+        db = sqlite3.connect(tmp)
+        try:
+            db.executescript(sql)
+            db.commit()
+        finally:
+            db.close()
+        try:
+            os.link(tmp, path)  # fails, rather than replaces, if the file appeared meanwhile
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            os.replace(tmp, path)  # a file system without hard links
+    except FileExistsError:
+        raise BadRequestError(f"{path} exists: name a new file") from None
+    except (OSError, sqlite3.Error) as e:
+        raise BadRequestError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
