@@ -518,6 +518,13 @@ def test_name(record: Mapping[str, Any]) -> str:
     return f"{name}@d{d}" if d else name
 
 
+def _tests(baseline: Sequence[dict[str, Any]], compare: Sequence[dict[str, Any]]) -> str:
+    """The pair's test; where the sets fix the test's shape differently (-b p=512 -c p=1024),
+    each side's, baseline first."""
+    names = [", ".join(dict.fromkeys(test_name(r) for r in side)) for side in (baseline, compare)]
+    return names[0] if names[0] == names[1] else f"{names[0]} vs {names[1]}"
+
+
 def _pair_value(field: str, record: Mapping[str, Any]) -> Any:
     value = record.get(field)
     if field == "model_filename" and isinstance(value, str):
@@ -595,7 +602,7 @@ def compare_sets(
         into[1].extend(c[k])
     pairs = tuple(
         Pair(shown=tuple((f, bs[0].get(f)) for f in shown if f in index),
-             test=test_name(bs[0]), baseline=Tally(tuple(bs)), compare=Tally(tuple(cs)))
+             test=_tests(bs, cs), baseline=Tally(tuple(bs)), compare=Tally(tuple(cs)))
         for bs, cs in merged.values()
     )  # fmt: skip
     return Comparison(

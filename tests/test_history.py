@@ -194,6 +194,13 @@ def test_a_setting_named_by_both_sets_is_compared_across_and_others_must_match()
     assert [p.shown for p in shown.pairs] == [(("n_batch", 2048),)]
 
 
+def test_sets_of_other_test_shapes_pair_and_say_so() -> None:
+    """-b p=512 -c p=1024 compares prompt lengths: the test names each side's."""
+    results = stored(1, rec(n_prompt=512, avg_ts=100.0), rec(n_prompt=1024, avg_ts=80.0))
+    (p,) = compare_sets(results, sel("p=512"), sel("p=1024", "-c")).pairs
+    assert p.test == "pp512 vs pp1024" and p.speedup == pytest.approx(0.8)
+
+
 def test_show_groups_as_the_script_does_averaging_what_it_leaves_out() -> None:
     results = [*stored(1, rec(n_batch=256, avg_ts=10.0), rec(n_batch=512, avg_ts=30.0)),
                *stored(2, rec(n_batch=256, avg_ts=20.0, build_commit="bbbbbbb"),
