@@ -3,7 +3,9 @@ tuning and the engine share without importing the engine itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .threadpool import ThreadpoolSettings
 
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
@@ -43,6 +45,7 @@ class EngineConfig:
     devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
     warmup: bool = True  # one decode while loading, as llama-cli does (--no-warmup: none)
+    threadpool: ThreadpoolSettings = field(default_factory=ThreadpoolSettings)  # -C, --poll
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""

@@ -61,10 +61,11 @@ class Model:
 
 
 class Context:
-    """A llama_context on a model."""
+    """A llama_context on a model, and the threadpools attached to it (freed after it)."""
 
-    def __init__(self, lib: Any, ptr: Any) -> None:
+    def __init__(self, lib: Any, ptr: Any, pools: Iterable[Any] = ()) -> None:
         self.lib, self.ptr = lib, ptr
+        self.pools = tuple(pools)
 
     @property
     def _as_parameter_(self) -> Any:  # ctypes passes the pointer where a context is expected
@@ -84,6 +85,8 @@ class Context:
         if self.ptr is not None:
             self.lib.llama_free(self.ptr)
             self.ptr = None
+            for pool in self.pools:  # the context no longer computes with them
+                pool.close()
 
 
 class Sampler:

@@ -89,6 +89,8 @@ from .system import (
     resident_fraction,
 )
 from .text import TextStream
+from .threadpool import Threadpool
+from .threadpool import attach as attach_threadpool
 
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
 
@@ -474,7 +476,8 @@ class LlamaCppRunner:
             assert self.config.draft_model is not None and self._model is not None
             settings = self.load().settings
             draft = LlamaCppRunner(self.config.draft_model, EngineConfig(
-                n_ctx=settings.n_ctx, n_threads=settings.n_threads, n_gpu_layers=0))  # fmt: skip
+                n_ctx=settings.n_ctx, n_threads=settings.n_threads, n_gpu_layers=0,
+                threadpool=self.config.threadpool))  # fmt: skip
             if draft.vocab_size() != self._model.n_vocab:
                 draft.close()
                 raise BadRequestError(
@@ -537,12 +540,14 @@ class LlamaCppRunner:
                             n_vocab=self._model.n_vocab),
             n_ctx,
         )  # fmt: skip
+        for n in {cparams.n_threads, cparams.n_threads_batch}:  # a bad mask before any work
+            cfg.threadpool.placement(n)
         LOG_LINES.clear()
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
             raise ModelLoadError(self.model_path, last_log_error())
+        self._ctx = Context(lib, ctx, self._attach_threadpool(ctx, cparams))
         load_s = self._weights_s + time.perf_counter() - t0
-        self._ctx = Context(lib, ctx)
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
@@ -583,7 +588,11 @@ class LlamaCppRunner:
                 tuned=cfg.tuned,
                 tuned_for=cfg.workload if cfg.tuned else "",
                 n_gpu_layers_asked=gpu_layers_asked(cfg, gpu),
-                params={**self._model_params, **context_params(cparams)},
+                params={
+                    **self._model_params,
+                    **context_params(cparams),
+                    **self._threadpool_record(),
+                },
                 device=gpu_names if gpu_layers else "CPU",
                 n_layer_total=n_layer + 1,
                 offload_note=self._offload_note,
@@ -595,6 +604,21 @@ class LlamaCppRunner:
             ),
             load_s=load_s,
         )
+
+    def _attach_threadpool(self, ctx: Any, cparams: Any) -> tuple[Threadpool, ...]:
+        """The context's own threadpools where -C/--cpu-strict/--poll/--prio ask for one; a
+        failure frees the context just made."""
+        try:
+            return attach_threadpool(ctx, self.config.threadpool, n_threads=cparams.n_threads,
+                                     n_threads_batch=cparams.n_threads_batch)  # fmt: skip
+        except BaseException:
+            llama_lib().llama_free(ctx)
+            raise
+
+    def _threadpool_record(self) -> dict[str, Any]:
+        """llama-bench's cpu_mask, cpu_strict and poll, as handed to the pool that runs."""
+        pools = self._ctx.pools if self._ctx is not None else ()
+        return dict(pools[0].applied) if pools else {}
 
     def vocab_size(self) -> int:
         """Tokens in the model's vocabulary (loads the model if it is not loaded)."""
@@ -1075,7 +1099,7 @@ class LlamaCppRunner:
         if not ptr:
             raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences"
                               f" ({last_log_error()})")  # fmt: skip
-        context = Context(lib, ptr)
+        context = Context(lib, ptr, self._attach_threadpool(ptr, cparams))
         self._contexts = [c for c in self._contexts if c.ptr is not None] + [context]
         return context
 

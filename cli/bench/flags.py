@@ -14,7 +14,6 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import llama_lib
 
 # llama-bench's default for each: given at this value (or a list of only it), it changes nothing
-_THREADPOOL = {"-C/--cpu-mask": {"0x0", "0"}, "--cpu-strict": {"0"}, "--poll": {"50"}}
 _GPU = {
     "-sm/--split-mode": {"layer"}, "-mg/--main-gpu": {"0"}, "-ts/--tensor-split": {"0", "0.00"},
     "-dev/--device": {"auto"}, "-ncmoe/--n-cpu-moe": {"0"}, "-ot/--override-tensor": set(),
@@ -40,20 +39,8 @@ def refuse_unusable(
     device: str | None,
     n_cpu_moe: str | None,
     override_tensor: str | None,
-    cpu_mask: str | None,
-    cpu_strict: str | None,
-    poll: str | None,
 ) -> None:
     """One line for the first option whose value this engine cannot apply."""
-    threadpool = {"-C/--cpu-mask": cpu_mask, "--cpu-strict": cpu_strict, "--poll": poll}
-    for flag, text in threadpool.items():
-        odd = _non_default(text, _THREADPOOL[flag])
-        if odd:
-            raise BadRequestError(
-                f"{flag} {odd[0]}: llmrun runs llama.cpp's own threadpool (no CPU mask, poll"
-                " 50), as llama-cpp-python creates it; pin the process instead, e.g."
-                " `taskset -c 0-3 llmrun bench ...`"
-            )
     gpu = {"-sm/--split-mode": split_mode, "-mg/--main-gpu": main_gpu,
            "-ts/--tensor-split": tensor_split, "-dev/--device": device,
            "-ncmoe/--n-cpu-moe": n_cpu_moe, "-ot/--override-tensor": override_tensor}  # fmt: skip

@@ -266,16 +266,16 @@ def bench(
                                  "--override-tensor", panel=LB),
     ] = None,
     cpu_mask: Annotated[
-        list[str] | None, _lists("CPU affinity mask in hex. (default: 0x0, none)", "-C",
-                                 "--cpu-mask", panel=LB),
+        list[str] | None, _lists("The compute threads' CPUs, a hex mask such as 0x3 for CPUs"
+                                 " 0-1. (default: 0x0, no mask)", "-C", "--cpu-mask", panel=LB),
     ] = None,
     cpu_strict: Annotated[
-        list[str] | None, _lists("Strict CPU placement, 0 or 1. (default: 0)", "--cpu-strict",
-                                 panel=LB),
+        list[str] | None, _lists("1: one CPU of the mask per thread, in turn. (default: 0)",
+                                 "--cpu-strict", panel=LB),
     ] = None,
     poll: Annotated[
-        list[str] | None, _lists("Worker threads' busy-wait level 0..100. (default: 50)",
-                                 "--poll", panel=LB),
+        list[str] | None, _lists("How long idle compute threads spin before they sleep,"
+                                 " 0..100. (default: 50)", "--poll", panel=LB),
     ] = None,
     numa: Annotated[
         str | None, typer.Option("--numa", metavar="distribute|isolate|numactl",
@@ -284,8 +284,8 @@ def bench(
     ] = None,
     prio: Annotated[
         int, typer.Option("--prio", min=-1, max=3, rich_help_panel=LB,
-                          help="Process priority: -1 low, 0 normal, 1 medium, 2 high, 3 realtime"
-                          " (raising it may need privileges)."),
+                          help="Process and compute-thread priority: -1 low, 0 normal, 1"
+                          " medium, 2 high, 3 realtime (raising it may need privileges)."),
     ] = 0,
     delay: Annotated[
         float, typer.Option("--delay", min=0.0, max=3600.0, rich_help_panel=LB,
@@ -445,9 +445,7 @@ def bench(
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                                tensor_split=_joined(tensor_split), device=_joined(device),
                                n_cpu_moe=_joined(n_cpu_moe),
-                               override_tensor=_joined(override_tensor),
-                               cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict),
-                               poll=_joined(poll))  # fmt: skip
+                               override_tensor=_joined(override_tensor))  # fmt: skip
             lb.apply_process_settings(numa=numa, prio=prio)
             sweep = run.Sweep(
                 shapes=run.parse_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128",
@@ -462,7 +460,8 @@ def bench(
                 tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
                 n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
                 no_kv_offload=_joined(no_kv_offload),
-                reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
+                cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict), poll=_joined(poll),
+                prio=prio, reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
                 warmup=not no_warmup,
                 delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
             )  # fmt: skip

@@ -18,6 +18,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.system import SystemInfo
+from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from . import localscore as ls
 from . import sweep as sw
@@ -81,6 +82,10 @@ class Sweep:
     n_cpu_moe: str | None = None
     devices: str | None = None
     draft: str | None = None  # speculative decoding in the tg tests: a list of draft lengths
+    cpu_mask: str | None = None  # llama-bench's threadpool lists: -C, --cpu-strict, --poll
+    cpu_strict: str | None = None
+    poll: str | None = None
+    prio: int = 0  # the compute threads' priority (--prio), in every test
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -119,6 +124,22 @@ class Sweep:
                 for c in combos for m in modes for g in gpus for t in splits for o in overrides
                 for n in moes for d in devices for k in drafts]  # fmt: skip
 
+    def _threadpools(self, combos: list[sw.Combo]) -> list[sw.Combo]:
+        """Each combination at every -C, --cpu-strict and --poll value given (llama-bench's
+        order); a mask that is not hex or names no CPU of this process is refused here."""
+        masks = (list(dict.fromkeys(m.strip() for m in self.cpu_mask.split(",")))
+                 if self.cpu_mask else ["0x0"])  # fmt: skip
+        for mask in masks:
+            ThreadpoolSettings(cpu_mask=mask).placement(1)
+        stricts = (
+            sw.parse_bools(self.cpu_strict, name="--cpu-strict") if self.cpu_strict else [False]
+        )
+        polls = (
+            sw.parse_values(self.poll, name="--poll", maximum=100) if self.poll else [DEFAULT_POLL]
+        )
+        return [replace(c, cpu_mask=m, cpu_strict=st, poll=p)
+                for c in combos for m in masks for st in stricts for p in polls]  # fmt: skip
+
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
 
@@ -153,7 +174,7 @@ class Sweep:
             ),
             load_mode=modes,
         )
-        combos = self._gpu_placements(combos)
+        combos = self._threadpools(self._gpu_placements(combos))
         # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
         # does llmrun, except for a tuned ubatch, which is capped at each batch asked for
         if self.ubatch is None and base.n_ubatch != EngineConfig().n_ubatch:
@@ -213,7 +234,8 @@ def run_sweep(
     for model in models:
         if cancel.is_set():
             return
-        runner = open_runner(model, EngineConfig(cold=sweep.cold), sweep.tuned)
+        config = EngineConfig(cold=sweep.cold, threadpool=ThreadpoolSettings(prio=sweep.prio))
+        runner = open_runner(model, config, sweep.tuned)
         try:
             base = runner.config
             combos = sweep.combos(base)
@@ -258,7 +280,8 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
 
 # A test is "the same" across models when these agree (its shape and engine settings).
 SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
-             "type_k", "type_v", "n_gpu_layers", "repack", "load_mode")  # fmt: skip
+             "type_k", "type_v", "n_gpu_layers", "repack", "load_mode", "cpu_mask", "cpu_strict",
+             "poll")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.threadpool import DEFAULT_POLL
 
 MAX_SWEEP_VALUES = 1000
 
@@ -110,6 +111,9 @@ class Combo:
     n_cpu_moe: int = 0
     devices: str | None = None
     draft: int = 0  # prompt-lookup speculative decoding in the generation tests
+    cpu_mask: str = "0x0"  # llama-bench's threadpool: -C, --cpu-strict, --poll
+    cpu_strict: bool = False
+    poll: int = DEFAULT_POLL
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -123,6 +127,8 @@ class Combo:
             split_mode=self.split_mode, main_gpu=self.main_gpu, tensor_split=self.tensor_split,
             tensor_overrides=self.tensor_overrides, n_cpu_moe=self.n_cpu_moe,
             devices=self.devices,
+            threadpool=replace(base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict,
+                               poll=self.poll),
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -132,9 +138,11 @@ class Combo:
                  "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb",
                  "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
                  "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev",
-                 "draft": "draft"}  # fmt: skip
+                 "draft": "draft", "cpu_mask": "C", "cpu_strict": "cpu-strict",
+                 "poll": "poll"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
-                                       "n_cpu_moe": 0, "draft": 0}  # fmt: skip
+                                       "n_cpu_moe": 0, "draft": 0, "cpu_mask": "0x0",
+                                       "cpu_strict": False, "poll": DEFAULT_POLL}  # fmt: skip
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(
