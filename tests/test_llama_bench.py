@@ -137,8 +137,9 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["-C", "0xff"], "pin the process instead"),
-        (["--poll", "10"], "llama.cpp's own threadpool"),
+        (["-C", "0xzz"], "'z' is not a hex digit"),
+        (["--poll", "101"], "--poll: 101 is out of range 0..100"),
+        (["--cpu-strict", "2"], "--cpu-strict: '2' is not 0 or 1"),
         (["-sm", "row"], "no GPU backend"),
         (["-ts", "3/1"], "no GPU backend"),
         (["--numa", "everywhere"], "is not one of distribute"),
