@@ -203,3 +203,15 @@ def test_bench_refuses_a_mask_of_no_cpu_here(llmrun_env: dict[str, str]) -> None
     done = _bench(llmrun_env, "-C", f"{FIRST},{BEYOND}")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "no CPU it names" in done.stderr
+
+
+def test_the_terminal_table_tells_swept_threadpools_apart() -> None:
+    from llmrun.cli.bench.output import results_table
+
+    from .test_tables import _row, text_of
+
+    rows = [_row((8, 0), 10.0, 1.0, cpu_mask=m, cpu_strict=s, poll=p)
+            for m, s, p in (("0x1", False, 0), ("0x1", True, 50))]  # fmt: skip
+    out = text_of(results_table(rows), 120)  # type: ignore[arg-type]
+    assert "strict" in out and "poll" in out and "cpu_mask" not in out  # only what varies
+    assert any("True" in ln and "50" in ln for ln in out.splitlines())

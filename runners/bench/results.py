@@ -248,7 +248,8 @@ class Result:
 
 # The engine settings a sweep can vary, by their record fields: the terminal's columns
 SWEPT_FIELDS = ("n_batch", "n_ubatch", "n_gpu_layers", "flash_attn_mode", "type_k", "type_v",
-                "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft")  # fmt: skip
+                "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft", "cpu_mask",
+                "cpu_strict", "poll")  # fmt: skip
 
 
 @dataclass(frozen=True)
