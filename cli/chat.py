@@ -691,6 +691,9 @@ def chat(
     flash_attn: o.FlashAttnOpt = None,
     repack: o.Repack = None,
     no_warmup: o.NoWarmup = False,
+    cpu_mask: o.CpuMask = None,
+    cpu_strict: o.CpuStrict = 0,
+    poll: o.Poll = o.DEFAULT_POLL,
 ) -> None:
     """Chat with a model; each turn prefills only what is new since the last one.
 
@@ -705,7 +708,8 @@ def chat(
             think=think, draft=draft, draft_model=draft_model,
             chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
             threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup,
+            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup, cpu_mask=cpu_mask,
+            cpu_strict=cpu_strict, poll=poll,
         )  # fmt: skip
         sampling, config = o.generation_settings(options)
         asked_ctx = config.n_ctx

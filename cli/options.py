@@ -20,6 +20,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import check_sampling
+from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 # The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
 DEFAULTS = SamplingParams()
@@ -115,6 +116,32 @@ Repack = Annotated[
         "--repack/--no-repack",
         help="Repack weights for faster CPU kernels. (default: on, except on AMX CPUs)",
         rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+
+CpuMask = Annotated[
+    str | None,
+    typer.Option(
+        "-C", "--cpu-mask", metavar="HEX",
+        help="The compute threads' CPUs, a hex mask such as 0x3 for CPUs 0-1 (llama.cpp's"
+        " -C). (default: none)",
+        rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+CpuStrict = Annotated[
+    int,
+    typer.Option(
+        "--cpu-strict", min=0, max=1, metavar="0|1",
+        help="1: one CPU of --cpu-mask per compute thread, in turn.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]  # fmt: skip
+Poll = Annotated[
+    int,
+    typer.Option(
+        "--poll", min=0, max=100, metavar="0..100",
+        help="How long idle compute threads spin before they sleep (llama.cpp's --poll).",
+        rich_help_panel=MODEL_PANEL,
     ),
 ]  # fmt: skip
 
@@ -334,6 +361,9 @@ class GenerationOptions:
     flash_attn: FlashAttn | None
     repack: bool | None
     no_warmup: bool
+    cpu_mask: str | None
+    cpu_strict: int
+    poll: int
 
 
 def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, EngineConfig]:
@@ -351,7 +381,7 @@ def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, Engin
         endpoint=g.endpoint, ctx=g.ctx, batch=g.batch, ubatch=g.ubatch, threads=g.threads,
         threads_batch=g.threads_batch, gpu_layers=g.gpu_layers, flash_attn=g.flash_attn,
         repack=g.repack, chat_template_file=g.chat_template_file, draft_model=g.draft_model,
-        no_warmup=g.no_warmup,
+        no_warmup=g.no_warmup, cpu_mask=g.cpu_mask, cpu_strict=g.cpu_strict, poll=g.poll,
     )  # fmt: skip
     return sampling, config
 
@@ -385,6 +415,9 @@ def local_engine(
     chat_template_file: Path | None = None,
     draft_model: Path | None = None,
     no_warmup: bool = False,
+    cpu_mask: str | None = None,
+    cpu_strict: int = 0,
+    poll: int = DEFAULT_POLL,
 ) -> EngineConfig:
     """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
     (the context size does: it sizes chat's context meter and the overflow policy)."""
@@ -396,8 +429,12 @@ def local_engine(
         "--chat-template-file": chat_template_file,
         "--draft-model": draft_model,
         "--no-warmup": no_warmup,
+        "-C/--cpu-mask": cpu_mask, "--cpu-strict": cpu_strict,
+        "--poll": None if poll == DEFAULT_POLL else "given",
     }  # fmt: skip
     refuse_for_endpoint(endpoint, local)
+    threadpool = ThreadpoolSettings(cpu_mask=cpu_mask or "0x0", strict=bool(cpu_strict), poll=poll)
+    threadpool.placement(1)  # a mask of no CPU here is refused before the model loads
     template = None
     if chat_template_file is not None:
         try:  # a template is a few KiB; /dev/zero or a model file given by mistake is not
@@ -421,4 +458,5 @@ def local_engine(
         chat_template=template,
         draft_model=str(draft_model) if draft_model is not None else None,
         warmup=not no_warmup,
+        threadpool=threadpool,
     )

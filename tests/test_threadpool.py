@@ -12,7 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from llmrun.cli import engine
+from llmrun.cli.app import app
 from llmrun.runners import threadpool as tp
 from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.config import EngineConfig
@@ -20,6 +23,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
 
 from .conftest import which_llmrun
+from .fake import FakeRunner
 
 CPUS = sorted(tp.available_cpus())
 FIRST = hex(1 << CPUS[0])  # a mask naming one CPU this process may use
@@ -215,3 +219,29 @@ def test_the_terminal_table_tells_swept_threadpools_apart() -> None:
     out = text_of(results_table(rows), 120)  # type: ignore[arg-type]
     assert "strict" in out and "poll" in out and "cpu_mask" not in out  # only what varies
     assert any("True" in ln and "50" in ln for ln in out.splitlines())
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_run_and_chat_hand_the_flags_to_the_engine(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[EngineConfig] = []
+
+    def make(model: str | None, config: EngineConfig) -> FakeRunner:
+        seen.append(config)
+        return FakeRunner()
+
+    monkeypatch.setattr(engine, "RUNNER_FACTORY", make)
+    args = [command, "hello", "--no-dashboard"] if command == "run" else [command]
+    done = CliRunner().invoke(app, [*args, "-C", FIRST, "--cpu-strict", "1", "--poll", "0"],
+                              input="hi\n")  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    assert seen[-1].threadpool == tp.ThreadpoolSettings(cpu_mask=FIRST, strict=True, poll=0)
+    plain = CliRunner().invoke(app, args, input="hi\n")
+    assert plain.exit_code == 0 and seen[-1].threadpool.is_default
+    bad = CliRunner().invoke(app, [*args, "-C", "0xq"], input="hi\n")
+    assert bad.exit_code == 1 and "'q' is not a hex digit" in bad.stderr
+    over = CliRunner().invoke(app, [*args, "--poll", "101"], input="hi\n")
+    assert over.exit_code == 2
+    remote = CliRunner().invoke(app, [*args, "--endpoint", "http://127.0.0.1:9", "--poll", "0"])
+    assert remote.exit_code == 1 and "--poll: local-engine options" in remote.stderr
