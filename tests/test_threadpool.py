@@ -142,8 +142,10 @@ def test_the_mask_pins_the_compute_threads_and_freeing_unpins(model_path: str) -
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="strict placement on two CPUs needs two")
 def test_strict_placement_gives_each_thread_one_cpu(model_path: str) -> None:
+    """Also --prio -1: the compute threads run as SCHED_BATCH, and are given back after."""
     mask = hex((1 << CPUS[0]) | (1 << CPUS[1]))
-    settings = tp.ThreadpoolSettings(cpu_mask=mask, strict=True, poll=0)
+    settings = tp.ThreadpoolSettings(cpu_mask=mask, strict=True, poll=0, prio=-1)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=2, flash_attn="off",
                                                      warmup=False, threadpool=settings))  # fmt: skip
     try:
@@ -151,9 +153,11 @@ def test_strict_placement_gives_each_thread_one_cpu(model_path: str) -> None:
         during = _allowed()
         assert during[threading.get_native_id()] == {CPUS[0]}  # thread 0: the first CPU
         assert frozenset({CPUS[1]}) in during.values()  # thread 1: the next
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH  # ggml's GGML_SCHED_PRIO_LOW
     finally:
         runner.close()
     assert set(_allowed()[threading.get_native_id()]) == set(CPUS)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_contexts_with_pools_come_and_go(model_path: str) -> None:
