@@ -87,6 +87,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--ngl", type=int, default=99)
+    ap.add_argument("--kv-unified", type=int, choices=(0, 1), default=None,
+                    help="the engine's KV cache: 1 one buffer for all sequences, 0 one stream per"
+                    " sequence, as llama-batched-bench (default: the engine's)")  # fmt: skip
     args = ap.parse_args()
     levels = [int(x) for x in args.npl.split(",")]
     args.ctx = max(levels) * (args.npp + args.ntg + 8)
@@ -96,8 +99,9 @@ def main() -> int:
     threads, fa = loaded.settings.n_threads, loaded.settings.flash_attn
     print(f"{loaded.model.name} · {threads} threads · flash attention {fa} · npp {args.npp}"
           f" ntg {args.ntg} · {args.rounds} rounds", file=sys.stderr)  # fmt: skip
+    unified = {} if args.kv_unified is None else {"kv_unified": bool(args.kv_unified)}
     engines = {b: BatchedEngine(runner, n_seq=b, n_ctx_per_seq=args.npp + args.ntg + 8,
-                                n_batch=args.n_batch) for b in levels}  # fmt: skip
+                                n_batch=args.n_batch, **unified) for b in levels}  # fmt: skip
     for b, engine in engines.items():  # warm-up, as llama-batched-bench does
         engine_run(engine, args.npp, 2, b, seed=0)
     plain_itl_ms(runner, args.npp, 2, seed=0)

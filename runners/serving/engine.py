@@ -142,6 +142,10 @@ class _Seq:
     done: bool = False
 
 
+def _sid(seq: _Seq) -> int:
+    return seq.sid
+
+
 class _StepBatch(Batch):
     """The engine's llama_batch (one sequence per entry), with typed views of its arrays, so a
     step fills it by index and slice without building objects per token."""
@@ -274,6 +278,7 @@ class BatchedEngine:
                         running.remove(seq)
                         self.ctx.remove(seq.sid)
                         free.append(seq.sid)
+                    free.sort()  # the lowest ids first, so the running ones stay consecutive
         finally:
             for seq in (*waiting, *running):  # interrupted: their samplers go too
                 self._finish(seq)
@@ -284,7 +289,9 @@ class BatchedEngine:
     ) -> tuple[list[_Seq], list[tuple[_Seq, int, int]]]:
         """The step under the policy: the sequences that decode their pending token, and the
         prompt chunks (sequence, first position, length) that go with them."""
-        decodes = [s for s in running if s.pending is not None]
+        # in sequence order: with one KV stream per sequence (kv_unified off) llama.cpp puts only
+        # consecutive sequence ids into one ubatch, so an unordered step would split in many
+        decodes = sorted((s for s in running if s.pending is not None), key=_sid)
         room = self.n_batch
         if policy.name == "chunked":
             room = max(0, min(self.n_batch, policy.budget) - len(decodes))
