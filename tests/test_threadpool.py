@@ -249,3 +249,15 @@ def test_run_and_chat_hand_the_flags_to_the_engine(
     assert over.exit_code == 2
     remote = CliRunner().invoke(app, [*args, "--endpoint", "http://127.0.0.1:9", "--poll", "0"])
     assert remote.exit_code == 1 and "--poll: local-engine options" in remote.stderr
+
+
+def test_the_header_names_a_threadpool_only_where_one_runs() -> None:
+    from llmrun.cli.bench.sweep import threadpool_line
+    from llmrun.runners.bench.sweep import Combo
+
+    assert threadpool_line([Combo(), Combo(n_threads=2)], 0) == ""
+    line = threadpool_line([Combo(cpu_mask="0x1", poll=0), Combo(cpu_mask="0x3", poll=0)], -1)
+    assert line.startswith("CPU mask 0x1/0x3 (varies by test), strict 0, poll 0, priority low")
+    assert threadpool_line([Combo()], 2).startswith(
+        "CPU mask 0x0, strict 0, poll 50, priority high"
+    )

@@ -48,6 +48,7 @@ from llmrun.runners.library import set_verbose
 from llmrun.runners.limits import CACHE_TYPES
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
+from llmrun.runners.threadpool import DEFAULT_POLL, PRIORITIES
 
 from . import flags as lb
 from . import output as out
@@ -493,7 +494,22 @@ def load_and_report(
     st = loaded.settings
     if isinstance(st, EngineSettings):
         err.print(label_grid([("settings", settings_line(st, combos, runner.config))]))
+        pools = threadpool_line(combos, runner.config.threadpool.prio)
+        if pools:
+            err.print(label_grid([("pool", pools)]))
     return system
+
+
+def threadpool_line(combos: Sequence[sw.Combo], prio: int) -> str:
+    """-C, --cpu-strict, --poll and --prio where any test runs other than llama.cpp's defaults."""
+    if not prio and all((c.cpu_mask, c.cpu_strict, c.poll) == ("0x0", False, DEFAULT_POLL)
+                        for c in combos):  # fmt: skip
+        return ""
+    return (f"CPU mask {_each('0x0', None, [c.cpu_mask for c in combos])}, strict"
+            f" {_each(0, None, [int(c.cpu_strict) for c in combos])}, poll"
+            f" {_each(DEFAULT_POLL, None, [c.poll for c in combos])}, priority"
+            f" {PRIORITIES[prio]}: a threadpool of llmrun's on each context, as llama-bench"
+            " makes one")  # fmt: skip
 
 
 def _each(loaded: object, base: object, swept: Sequence[object], show: Any = str) -> str:
