@@ -331,7 +331,7 @@ def render(stats: GenerationStats) -> RenderableType:
     """The closing summary of one request, in llama.cpp's and Ollama's terms."""
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=8, style="bold")
-    grid.add_column()
+    grid.add_column(overflow="fold")  # a word wider than the column folds; nothing is cut
     for label, value in summary_rows(stats):
         grid.add_row(label, Text(value))
     return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))

@@ -261,8 +261,8 @@ def render_serve(snap: Snapshot, width_s: float = 5.0) -> RenderableType:
     decode = sum(s.n_decode for s in steps)
     prefill = sum(s.n_prefill for s in steps)
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")  # a word wider than the column folds; nothing is cut
     grid.add_row("sequences", f"{snap.decoding} decoding · {snap.prefilling} prefilling ·"
                  f" {snap.queued} queued · {snap.n_seq} in all · policy {snap.policy}")  # fmt: skip
     if steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -247,3 +248,13 @@ def test_a_fitted_table_never_cuts_a_figure(width: int) -> None:
             assert figure in out, (width, figure)
     stacked = re.search(r"^  TTFT p99 ms +129,098\.4$", out, re.MULTILINE) is not None
     assert stacked == (width < 76), out  # whole where it fits (75 columns), else blocks
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_the_summary_folds_a_word_wider_than_its_column_instead_of_cutting_it(width: int) -> None:
+    name = "Meta-Llama-3.1-8B-Instruct-abliterated-and-then-some.Q4_K_M"
+    stats = dataclasses.replace(STATS, model=dataclasses.replace(FAKE_MODEL, name=name))
+    out = text_of(render(stats), width=width)
+    assert "…" not in out
+    assert all(len(line) <= width for line in out.splitlines())
+    assert name in "".join(out.split())  # whole, once the folded lines are joined
