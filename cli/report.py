@@ -27,7 +27,7 @@ from llmrun.runners.stats import (
     human_count,
     rate,
 )
-from llmrun.runners.system import busy_machine, logical_cpus
+from llmrun.runners.system import busy_advice, busy_machine, logical_cpus
 
 from .terminal import terminal_line
 
@@ -193,6 +193,15 @@ def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [("warning", f"other processes kept {s.background_cpus:.1f} CPUs busy during this run"
                         f" ({logical_cpus()} in all, {threads} for llama.cpp): these figures"
                         " are unreliable")]  # fmt: skip
+
+
+def busy_warning(background: float, threads: int, during: str, *, poll: bool = False) -> str:
+    """One line for figures measured on a busy machine: how busy, and what would help."""
+    logical = logical_cpus()
+    advice = busy_advice(background, threads, logical=logical, poll=poll)
+    return (f"llmrun: warning: other processes kept up to {background:.1f} of {logical} CPUs"
+            f" busy during {during} ({threads} threads for llama.cpp): those figures are"
+            f" unreliable; {advice}")  # fmt: skip
 
 
 def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.stats import percentile
+from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
 from . import EXIT_INTERRUPTED, EXIT_TERMINATED
 from . import options as o
@@ -206,6 +207,7 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         engine = EngineThread(runner, n_seq=parallel, n_ctx_per_seq=loaded.settings.n_ctx,
                               policy=policy, max_queue=max_queue, observer=metrics)  # fmt: skip
         box["e"] = engine
+        metrics.threads = engine.engine.threads  # as llama.cpp reports them
         served = srv.Served(runner, engine, alias or srv.model_id(runner.model_path), defaults,
                             metrics)  # fmt: skip
         bound = sock.getsockname()
@@ -215,9 +217,10 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         view = _View(served, err)
 
         def ready() -> None:
+            threads, threads_batch = metrics.threads
             print(f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
-                  f" {loaded.settings.n_ctx} tokens, policy {policy}, queue {max_queue})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+                  f" {loaded.settings.n_ctx} tokens, policy {policy}, queue {max_queue},"
+                  f" threads {threads}/{threads_batch})", file=sys.stderr, flush=True)  # fmt: skip
             view.start()
 
         try:
@@ -281,6 +284,9 @@ def render_serve(snap: Snapshot, width_s: float = 5.0) -> RenderableType:
     return Group(Text("llmrun serve", style="bold"), grid)
 
 
+BUSY_WINDOW_S = 5.0  # the log's look at other processes' load
+
+
 class _View:
     """The live panel on a terminal (log lines scrolling above it), or plain log lines; either
     way drawn by a thread of its own, never by the engine or the event loop."""
@@ -293,6 +299,8 @@ class _View:
         self.live: _TextLive | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.meter = BackgroundMeter(window_s=BUSY_WINDOW_S)
+        self.busy = False
 
     def _lines(self) -> list[str]:
         log = self.served.log
@@ -301,7 +309,22 @@ class _View:
             return lines  # the panel is going: its last redraw prints nothing above it
         while log:
             lines.append(answered_line(log.popleft()))
-        return lines
+        busy = self._busy_line()
+        return [*lines, busy] if busy else lines
+
+    def _busy_line(self) -> str | None:
+        """A line when the machine turns busy (and when it is quiet again)."""
+        background = self.meter.read()
+        busy = self.served.metrics.busy(background)
+        if busy == self.busy or background is None:
+            return None
+        self.busy = busy
+        threads = max(self.served.metrics.threads)
+        if busy:
+            return (f"warning: other processes keep {background:.1f} of {logical_cpus()} CPUs"
+                    f" busy: the engine's {threads} threads wait on them, so requests run slower"
+                    f" than this machine can; {busy_advice(background, threads)}")  # fmt: skip
+        return f"the machine is quiet again (other processes: {background:.1f} CPUs)"
 
     def start(self) -> None:
         if self.console is not None:

@@ -398,8 +398,8 @@ def terminal_modes() -> list[Any] | None:
 
 def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> EngineConfig:
     """run and chat want the answer: on a busy machine llama.cpp gets the cores other processes
-    leave free (unless -t was given), and a person at a terminal is told so on stderr (a
-    program reads the thread count in the stats, as every run's)."""
+    leave free (unless -t was given), and stderr says so in one line (unless -q; a program
+    reads the thread count in the stats, as every run's)."""
     if endpoint or config.n_threads:
         return config
     import dataclasses
@@ -414,6 +414,6 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
     choice = choose_threads(default_threads(), background_now(), logical_cpus())
     if not choice.reduced:
         return config
-    if not quiet and _isatty(sys.stderr):
+    if not quiet:
         print(f"llmrun: threads {choice.why}", file=sys.stderr, flush=True)
     return dataclasses.replace(config, n_threads=choice.threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -193,21 +194,55 @@ def cpu_sample() -> CpuSample | None:
 MIN_SAMPLE_S = 0.2
 
 
+# Tests set this to a number of CPUs to stand for other processes' load, so busy-machine
+# behaviour is tested without loading the CPU (every measurement reads it through
+# background_cpus).
+FAKE_BACKGROUND_ENV = "LLMRUN_FAKE_BACKGROUND_CPUS"
+
+
+def _faked_background() -> float | None:
+    try:
+        value = float(os.environ.get(FAKE_BACKGROUND_ENV, ""))
+    except ValueError:
+        return None
+    return value if 0 <= value < 1e6 else None
+
+
 def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | None:
     """CPUs' worth of work other processes did between two samples (0.0 on a quiet machine)."""
+    faked = _faked_background()
+    if faked is not None:
+        return faked
     if start is None or end is None or end.wall_s - start.wall_s < MIN_SAMPLE_S:
         return None
     others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return max(0.0, others / (end.wall_s - start.wall_s))
 
 
-def busy_machine(background: float | None, n_threads: int) -> bool:
+def busy_machine(background: float | None, n_threads: int, logical: int | None = None) -> bool:
     """Whether other processes took CPU time llama.cpp's threads needed (they spin-wait, so even
     a little contention on a fully used machine ruins prefill figures)."""
     if background is None:
         return False
-    spare = logical_cpus() - n_threads
+    spare = (logical or logical_cpus()) - n_threads
     return background > max(0.25, spare - 0.25)
+
+
+def busy_advice(background: float, n_threads: int, *, logical: int | None = None,
+                poll: bool = False) -> str:  # fmt: skip
+    """What would measure honestly on a machine this busy, with the figures: fewer threads
+    (llama.cpp's threads wait for each other, so one that loses its CPU stalls them all),
+    threads that sleep instead of spinning, or a quiet machine."""
+    logical = logical or logical_cpus()
+    free = max(1, round(logical - background))
+    ways = []
+    if free < n_threads:
+        left = max(0.0, logical - background)
+        ways.append(f"-t {free} ({left:.1f} of {logical} CPUs were free for {n_threads} threads)")
+    if poll:
+        ways.append("--poll 0 (waiting threads sleep instead of spinning)")
+    ways.append("running when the machine is quiet")
+    return "try " + ", or ".join(ways)
 
 
 @dataclass(frozen=True)
@@ -250,11 +285,36 @@ def choose_threads(default: int, background: float | None, logical: int) -> Thre
 
 def background_now(seconds: float = 0.25) -> float | None:
     """Other processes' CPU use over a short look now (None where /proc/stat is missing)."""
+    faked = _faked_background()
+    if faked is not None:
+        return faked
     start = cpu_sample()
     if start is None:
         return None
     time.sleep(max(seconds, MIN_SAMPLE_S))
     return background_cpus(start, cpu_sample())
+
+
+class BackgroundMeter:
+    """Other processes' CPU use over successive windows of at least `window_s`, for a process
+    that runs for long (a server's /metrics and log). Safe to read from several threads."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = max(window_s, MIN_SAMPLE_S)
+        self._lock = threading.Lock()
+        self._start = cpu_sample()
+        self._last: float | None = _faked_background()
+
+    def read(self) -> float | None:
+        """The figure over the window that ended last (None until one has)."""
+        with self._lock:
+            now = cpu_sample()
+            if self._start is None or now is None:
+                return _faked_background()
+            if now.wall_s - self._start.wall_s >= self.window_s:
+                self._last = background_cpus(self._start, now)
+                self._start = now
+            return self._last
 
 
 # ---- the machine report of bench ---------------------------------------------------------

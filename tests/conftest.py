@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's own config, history or tuned settings."""
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "llmrun-home"))
-    for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS"):
+    for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS",
+                 "LLMRUN_FAKE_BACKGROUND_CPUS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
@@ -116,8 +117,8 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1",
                LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip
-    env.pop("LLMRUN_DEBUG", None)
-    env.pop("LLMRUN_MODEL", None)
+    for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_FAKE_BACKGROUND_CPUS"):
+        env.pop(name, None)
     return env
 
 

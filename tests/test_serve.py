@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.serve import answered_line, render_serve
 from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot, StepRecord
+from llmrun.runners.system import FAKE_BACKGROUND_ENV, logical_cpus
 
 from .conftest import which_llmrun
 from .fake import FakeRunner
@@ -100,7 +101,8 @@ def serve_env(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> dict
     home = tmp_path_factory.mktemp("serve")
     env = dict(os.environ, NO_COLOR="1", HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"),
                LLMRUN_HOME=str(home / "llmrun"))  # fmt: skip
-    for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_ENDPOINT", "LLMRUN_THREADS"):
+    for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_ENDPOINT", "LLMRUN_THREADS",
+                 "LLMRUN_FAKE_BACKGROUND_CPUS"):  # fmt: skip
         env.pop(name, None)
     return env
 
@@ -383,6 +385,20 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[st
         assert b'"finish_reason":"length"' in received
         assert s.proc.wait(120) == 143
         assert any("stopped (SIGTERM)" in line for line in s.lines)
+
+
+def test_metrics_and_log_say_the_threads_and_a_busy_machine(serve_env: dict[str, str]) -> None:
+    load = logical_cpus() - 0.5  # other processes' load, faked (tests/test_busy.py)
+    env = {**serve_env, FAKE_BACKGROUND_ENV: str(load)}
+    with llmrun_serve(env, "-np", "1", "-tb", "2", "--no-dashboard") as s:
+        assert "threads 1/2)" in s.lines[-1]  # the ready line: as llama.cpp's context has them
+        assert (s.metric("llmrun_engine_threads "), s.metric("llmrun_engine_threads_batch ")) == (
+            1, 2)  # fmt: skip
+        assert s.metric("llmrun_background_cpus ") == load
+        assert s.metric("llmrun_machine_busy ") == 1
+        s.wait_for(lambda: any("warning: other processes keep" in x for x in s.lines), "busy")
+        line = next(x for x in s.lines if "warning: other processes keep" in x)
+        assert f"keep {load:.1f} of {logical_cpus()} CPUs busy" in line and "try " in line
 
 
 def test_ctrl_c_exits_130(serve_env: dict[str, str]) -> None:

@@ -18,7 +18,7 @@ from rich.text import Text
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
-from llmrun.cli.report import Fitted, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.serving.engine import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
@@ -32,6 +32,8 @@ from .serve import (
     Screen,
     Seed,
     Server,
+    Threads,
+    ThreadsBatch,
     _opt,
     local_runner,
     run_stages,
@@ -75,6 +77,8 @@ def interference(
         Path | None, _opt("Also draw the stream's timeline into a PNG file.", "--plot",
                           metavar="FILE.png", show_default=False, panel=LOCAL)
     ] = None,
+    threads: Threads = None,
+    threads_batch: ThreadsBatch = None,
     seed: Seed = 1234,
     output: Output = None,
 ) -> None:  # fmt: skip
@@ -96,7 +100,8 @@ def interference(
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
                 o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
-                                num_prompts != 16, "--plot": plot},
+                                num_prompts != 16, "--plot": plot, "-t/--threads": threads,
+                                "-tb/--threads-batch": threads_batch},
                                "the local engine's; not with --endpoint")  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
             else:
@@ -108,7 +113,7 @@ def interference(
                     },
                     "only with --endpoint",
                 )
-                code = _local(model, options, screen, output, plot)
+                code = _local(model, options, screen, output, plot, (threads, threads_batch))
         raise typer.Exit(code)
 
 
@@ -161,10 +166,12 @@ def _local(
     screen: Screen,
     output: Format,
     plot: Path | None,
+    threads: tuple[int | None, int | None] = (None, None),
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 
-    runner = local_runner(model, "bench interference without --endpoint")
+    runner = local_runner(model, "bench interference without --endpoint", threads=threads[0],
+                          threads_batch=threads[1])  # fmt: skip
     try:
         loaded = runner.load()
         name = loaded.model.name if loaded.model else ""
@@ -206,6 +213,8 @@ def interference_record(r: InterferenceReport, model: str) -> dict[str, Any]:
         "mixed_steps": sum(1 for s in prefill_steps if s.n_decode),
         "prefill_ms": round(r.prefill_ms, 3), "prefill_in_stream_gaps_ms": round(
             r.prefill_in_gaps_ms, 3),
+        "n_threads": r.n_threads, "n_threads_batch": r.n_threads_batch,
+        "background_cpus": _round(r.background_cpus), "busy": r.busy,
     }  # fmt: skip
 
 
@@ -233,6 +242,11 @@ def verdict(reports: Sequence[InterferenceReport]) -> list[str]:
     by = {r.policy: r for r in reports}
     whole = by.get("prefill-first")
     lines = []
+    busy = [r for r in reports if r.busy]
+    if busy:  # the stream's gaps then measure the other processes, not the policies
+        threads = max(max(r.n_threads or 1, r.n_threads_batch or 1) for r in busy)
+        lines.append(busy_warning(max(r.background_cpus or 0.0 for r in busy), threads,
+                                  ", ".join(r.policy for r in busy)))  # fmt: skip
     for r in reports:
         if not r.policy.startswith("chunked") or whole is None:
             continue
@@ -246,5 +260,6 @@ def verdict(reports: Sequence[InterferenceReport]) -> list[str]:
             f" {base:,.1f} ms (x{p99 / base:.2f}); the long prompts' TTFT {ttft:,.0f} against"
             f" {base_ttft:,.0f} ms (x{ttft / base_ttft if base_ttft else 0:.2f}); throughput"
             f" {r.throughput_tps:,.1f} against {whole.throughput_tps:,.1f} tok/s"
+            + (" (on a busy machine: not a clean result)" if r.busy or whole.busy else "")
         )
     return lines

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli.dashboard import bars
-from llmrun.cli.report import Fitted, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -464,8 +464,9 @@ def store_and_print(
     busy = [r for r in records if r.get("busy")]
     if busy:
         worst = max(float(r.get("background_cpus") or 0) for r in busy)
-        print(f"llmrun: warning: other processes kept up to {worst:.1f} CPUs busy during"
-              f" {len(busy)} of {len(records)} tests: their figures are unreliable",
+        threads = max(max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1))
+                      for r in busy)  # fmt: skip
+        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests"),
               file=sys.stderr, flush=True)  # fmt: skip
     if output is not None:
         sys.stdout.write(format_records(records, output, markdown, sql_table))

@@ -67,6 +67,17 @@ Policies = Annotated[
          " decode-first. (default: all three)", "--policy", panel=LOCAL, show_default=False),
 ]  # fmt: skip
 
+Threads = Annotated[
+    int | None,
+    _opt("CPU threads of the engine: one token a step. (default: the physical cores)", "-t",
+         "--threads", panel=LOCAL, min=1, show_default=False),
+]  # fmt: skip
+ThreadsBatch = Annotated[
+    int | None,
+    _opt("CPU threads for steps of more than one token (prefill). (default: --threads)",
+         "-tb", "--threads-batch", panel=LOCAL, min=1, show_default=False),
+]  # fmt: skip
+
 
 def connect(
     endpoint: str,
@@ -93,9 +104,12 @@ def connect(
     return runner, name
 
 
-def local_runner(model: str | None, job: str) -> LlamaCppRunner:
+def local_runner(
+    model: str | None, job: str, *, threads: int | None = None, threads_batch: int | None = None
+) -> LlamaCppRunner:
     """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
-    runner = make_bench_runner(model, EngineConfig(n_ctx=512), tuned=False)
+    config = EngineConfig(n_ctx=512, n_threads=threads, n_threads_batch=threads_batch)
+    runner = make_bench_runner(model, config, tuned=False)
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError(f"{job} needs a local model")
     return runner
@@ -144,6 +158,8 @@ def serve(
                          " (e2el too).", "--slo", show_default=False)
     ] = None,
     policy: Policies = DEFAULT_POLICIES,
+    threads: Threads = None,
+    threads_batch: ThreadsBatch = None,
     seed: Seed = 1234,
     output: Output = None,
     compare: Annotated[
@@ -178,12 +194,14 @@ def serve(
                 if given_policy:
                     raise BadRequestError("--policy: the server schedules its own requests;"
                                           " policies apply without --endpoint")  # fmt: skip
+                o.refuse_given({"-t/--threads": threads, "-tb/--threads-batch": threads_batch},
+                               "the local engine's; not with --endpoint")  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen,
                                delivery)  # fmt: skip
             else:
                 o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
                                "only with --endpoint")  # fmt: skip
-                code = _local(model, options, screen, delivery)
+                code = _local(model, options, screen, delivery, (threads, threads_batch))
         raise typer.Exit(code)
 
 
@@ -237,10 +255,12 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
     return _report(done, options, screen, delivery, name=name, endpoint=runner.endpoint)
 
 
-def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery) -> int:
+def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery,
+           threads: tuple[int | None, int | None]) -> int:  # fmt: skip
     from llmrun.runners.serving.local import LOCAL, serve_local
 
-    runner = local_runner(model, "the local serving benchmark")
+    runner = local_runner(model, "the local serving benchmark", threads=threads[0],
+                          threads_batch=threads[1])  # fmt: skip
     try:
         done = list(run_stages(serve_local(runner, options, cancel=screen.cancel), screen.err,
                                "loading the model ..."))  # fmt: skip

@@ -7,6 +7,7 @@ figure a scheduling policy changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -18,6 +19,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from llmrun.runners.system import BackgroundMeter, busy_machine
 
 from .api_engine import FINISH_CANCELLED, RequestTimings, StepRecord
 
@@ -60,6 +63,23 @@ class ServerMetrics:
                                      " step.", buckets=TOKENS, registry=r)  # fmt: skip
         self.step_seconds = Histogram("llmrun_step_seconds", "Each engine step's llama_decode.",
                                       buckets=LATENCY_S, registry=r)  # fmt: skip
+        # The machine: the engine's threads (set once the engine exists) and other processes'
+        # load, since a busy machine slows llama.cpp's spinning threads 10-30x.
+        self.threads = (0, 0)
+        self.meter = BackgroundMeter(window_s=1.0)
+        Gauge("llmrun_engine_threads", "CPU threads of the engine's one-token steps.",
+              registry=r).set_function(lambda: self.threads[0])  # fmt: skip
+        Gauge("llmrun_engine_threads_batch", "CPU threads of the engine's steps of more than"
+              " one token.", registry=r).set_function(lambda: self.threads[1])  # fmt: skip
+        Gauge("llmrun_background_cpus", "CPUs' worth of other processes' work over the last"
+              " second or more (NaN where unknown).", registry=r).set_function(
+              lambda: _or_nan(self.meter.read()))  # fmt: skip
+        Gauge("llmrun_machine_busy", "1 while other processes take CPU time the engine's"
+              " threads need (its figures are then slower than this machine can do).",
+              registry=r).set_function(lambda: float(self.busy(self.meter.read())))  # fmt: skip
+
+    def busy(self, background: float | None) -> bool:
+        return busy_machine(background, max(self.threads))
 
     def on_step(self, step: StepRecord) -> None:
         self.step_prefill.observe(step.n_prefill)
@@ -84,3 +104,7 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value

@@ -45,6 +45,7 @@ from llmrun.runners.stats import (
     GenerationStats,
     percentile,
 )
+from llmrun.runners.system import background_cpus, busy_machine, cpu_sample
 from llmrun.runners.text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
@@ -203,6 +204,12 @@ class BatchedEngine:
         self._view: Any = None
         self._outs: list[_Seq] = []  # the sequences sampled after this step, in batch order
         self._out_rows: list[int] = []  # and their entries in the batch
+
+    @property
+    def threads(self) -> tuple[int, int]:
+        """The threads llama.cpp was given for this context: one token a step, and batches."""
+        ptr = self.ctx.ptr
+        return int(self.lib.llama_n_threads(ptr)), int(self.lib.llama_n_threads_batch(ptr))
 
     def close(self) -> None:
         """Free the batch, then the context (each once); the runner's weights stay loaded."""
@@ -438,6 +445,15 @@ class InterferenceReport:
     steps: tuple[Step, ...]
     throughput_tps: float
     stream_times_s: tuple[float, ...] = ()  # when each of the stream's tokens landed
+    n_threads: int | None = None  # the engine context's threads (read back from llama.cpp)
+    n_threads_batch: int | None = None
+    background_cpus: float | None = None  # other processes' load while it ran
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other processes took CPU time the engine's threads needed."""
+        threads = max(self.n_threads or 1, self.n_threads_batch or 1)
+        return busy_machine(self.background_cpus, threads)
 
     def itl(self, q: float) -> float | None:
         return percentile(list(self.stream_itl_ms), q)
@@ -552,15 +568,19 @@ def serve_requests(
     if not prompts:
         return [o for o in outcome if o is not None], 0.0
     per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.items()) + 8
-    settings = dataclasses.replace(loaded.settings, n_ctx=per_seq)
     engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
                            n_batch=loaded.settings.n_batch)  # fmt: skip
+    n_threads, n_threads_batch = engine.threads
+    settings = dataclasses.replace(loaded.settings, n_ctx=per_seq, n_threads=n_threads,
+                                   n_threads_batch=n_threads_batch)  # fmt: skip
     order = sorted(prompts)
     try:
         arrivals = [Arrival(0.0, tuple(prompts[i]), limits[i], requests[i].sampling.ignore_eos,
                             requests[i].sampling) for i in order]  # fmt: skip
+        cpu0 = cpu_sample()
         results, _ = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
                                 cancel=cancel)  # fmt: skip
+        background = background_cpus(cpu0, cpu_sample())
     finally:
         engine.close()
     interrupted = cancel is not None and cancel.is_set()
@@ -584,7 +604,7 @@ def serve_requests(
             first_sample_s=0.0, itl_s=tuple(r.gaps_s),
             e2e_s=r.times[-1] if r.times else 0.0, load_s=loaded.load_s,
             seed=request.sampling.seed, model=loaded.model, settings=settings,
-            first_token_s=first,
+            first_token_s=first, background_cpus=background,
         )  # fmt: skip
         outcome[i] = Finished(stats, "".join(r.pieces) + r.tail, r.tail)
     end = max((r.times[-1] for r in results if r.times), default=0.0)

@@ -29,6 +29,7 @@ from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
+from llmrun.runners.system import busy_machine
 
 from .options import InterferenceOptions, ServeOptions, Stage
 
@@ -314,6 +315,17 @@ class ServingLevel:
     metrics: ServingMetrics
     interrupted: bool = False  # Ctrl-C mid-level: the requests that finished stand
     policy: str = ""  # the local engine's scheduling policy ('' against a server)
+    # The local engine's (None against a server): its threads as llama.cpp reports them, and
+    # other processes' CPU load while the level was measured.
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    background_cpus: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other processes took CPU time the engine's threads needed."""
+        threads = max(self.n_threads or 1, self.n_threads_batch or 1)
+        return self.n_threads is not None and busy_machine(self.background_cpus, threads)
 
     @property
     def rate_text(self) -> str:
@@ -346,6 +358,10 @@ class ServingLevel:
             "stddev_ts": round(self.spread, 4),
             **self.metrics.record(), "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
+            **({"n_threads": self.n_threads, "n_threads_batch": self.n_threads_batch,
+                "background_cpus": None if self.background_cpus is None
+                else round(self.background_cpus, 3), "busy": self.busy}
+               if self.n_threads is not None else {}),
         }  # fmt: skip
 
 

@@ -4,13 +4,21 @@ what they are doing (`Stage`) and typed results; the terminal is the caller's.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from collections.abc import Iterator
 
 from llmrun.runners.base import Request
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.engine import BatchedEngine, InterferenceReport, interference, serve
+from llmrun.runners.serving.engine import (
+    BatchedEngine,
+    InterferenceReport,
+    Policy,
+    interference,
+    serve,
+)
+from llmrun.runners.system import background_cpus, cpu_sample
 
 from .load import RequestResult, ServingLevel, metrics
 from .options import InterferenceOptions, ServeOptions, Stage
@@ -44,6 +52,7 @@ def serve_local(
     per_seq = max(len(p) + n for p, n in prompts) + 8
     for level in options.concurrency:
         engine = BatchedEngine(runner, n_seq=level, n_ctx_per_seq=per_seq)
+        threads = engine.threads
         try:
             for policy in options.policies:
                 if cancel.is_set():
@@ -53,9 +62,11 @@ def serve_local(
                 if warm:
                     serve(engine, policy, warm, request_rate=float("inf"), seed=options.seed,
                           cancel=cancel)  # fmt: skip
+                cpu0 = cpu_sample()
                 results, duration = serve(engine, policy, prompts,
                                           request_rate=options.request_rate, seed=options.seed,
                                           cancel=cancel)  # fmt: skip
+                background = background_cpus(cpu0, cpu_sample())
                 measured = [RequestResult(
                     input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
                     latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
@@ -68,6 +79,7 @@ def serve_local(
                     metrics=metrics(measured, duration, percentiles=options.percentiles,
                                     slo=dict(options.slo)),
                     interrupted=cancel.is_set(), policy=str(policy),
+                    n_threads=threads[0], n_threads_batch=threads[1], background_cpus=background,
                 )  # fmt: skip
         finally:
             engine.close()
@@ -91,10 +103,20 @@ def interfere_local(
     per_seq = max(options.prompt_len, len(stream) + options.output_len) + 16
     engine = BatchedEngine(runner, n_seq=count + 1, n_ctx_per_seq=per_seq)
     every_s = 1 / options.rate
+
+    def measured(policy: Policy | None) -> InterferenceReport:
+        """One run of the lab, with the engine's threads and the machine's load."""
+        cpu0 = cpu_sample()
+        report = interference(engine, policy, stream=stream, stream_tokens=options.output_len,
+                              long_prompts=longs, every_s=every_s, cancel=cancel)  # fmt: skip
+        background = background_cpus(cpu0, cpu_sample())
+        n_threads, n_threads_batch = engine.threads
+        return dataclasses.replace(report, n_threads=n_threads, n_threads_batch=n_threads_batch,
+                                   background_cpus=background)  # fmt: skip
+
     try:
         yield Stage("the stream alone ...")
-        alone = interference(engine, None, stream=stream, stream_tokens=options.output_len,
-                             long_prompts=longs, every_s=every_s, cancel=cancel)  # fmt: skip
+        alone = measured(None)
         if cancel.is_set():
             return  # a cut measurement is not a baseline
         yield alone
@@ -103,9 +125,7 @@ def interfere_local(
                 return
             yield Stage(f"{policy}: the stream while {count} prompts of {options.prompt_len}"
                         f" tokens arrive, {options.rate:g}/s ...")  # fmt: skip
-            report = interference(engine, policy, stream=stream,
-                                  stream_tokens=options.output_len, long_prompts=longs,
-                                  every_s=every_s, cancel=cancel)  # fmt: skip
+            report = measured(policy)
             if cancel.is_set():
                 return
             yield report
