@@ -377,10 +377,9 @@ def _run_jobs(
                 if view is not None:
                     view.close()
             s = finished.stats
+            note = None
             if not done and s.settings is not None and not quiet:
                 note = context_note(asked_ctx, s.settings.n_ctx)
-                if note:
-                    print(note, file=errfile, flush=True)
             done.append(s)
             if json_out:
                 record = {
@@ -393,6 +392,8 @@ def _run_jobs(
                 out.end_line()
                 if many:
                     out.write("\n")
+            if note:  # after the text's line, so a shared terminal or `2>&1` keeps them apart
+                print(note, file=errfile, flush=True)
             if stats_file is not None:  # before stderr, which a closed terminal (SIGHUP) fails
                 append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:

@@ -124,3 +124,11 @@ def test_prompt_too_long_names_the_option(cli: CliRunner, fake: FakeRunner) -> N
 def test_quiet(cli: CliRunner, fake: FakeRunner) -> None:
     result = cli.invoke(app, ["run", "-q", "hi"])
     assert result.exit_code == 0 and result.stderr == "" and result.stdout == "hi\n"
+
+
+def test_the_context_note_comes_after_the_texts_line(cli: CliRunner, fake: FakeRunner) -> None:
+    result = cli.invoke(app, ["run", "hello there", "-c", "64"])  # the fake's context is 256
+    assert result.exit_code == 0, result.stderr
+    note = "note: -c 64: llama.cpp sized the context to 256 tokens"
+    assert note in result.stderr
+    assert f"\n{note}" in result.output and "there" + note not in result.output
