@@ -82,10 +82,10 @@ from .stats import (
     peak_rss_bytes,
 )
 from .system import (
-    background_cpus,
     cpu_sample,
     default_threads,
     evict_from_page_cache,
+    measured_background,
     resident_fraction,
 )
 from .text import TextStream
@@ -803,7 +803,7 @@ class LlamaCppRunner:
                 engine_n_sample=n_sample,
                 seed=seed if sp.temperature > 0 else None,
                 prefilled_tokens=prefill.evaluated if prefill.aborted else None,
-                background_cpus=background_cpus(cpu0, cpu_sample()),
+                background_cpus=measured_background(cpu0, cpu_sample()),
                 thinking_tokens=decode.thinking_tokens,
                 first_answer_s=decode.first_answer_s,
                 draft_tokens=decode.drafted,

@@ -194,9 +194,10 @@ def cpu_sample() -> CpuSample | None:
 MIN_SAMPLE_S = 0.2
 
 
-# Tests set this to a number of CPUs to stand for other processes' load, so busy-machine
-# behaviour is tested without loading the CPU (every measurement reads it through
-# background_cpus).
+# Tests set this to a number of CPUs to stand for other processes' load (0: a quiet machine),
+# so busy-machine behaviour is tested without loading the CPU and other tests do not depend on
+# the machine's load. Every measurement reads it through measured_background, background_now
+# or BackgroundMeter.
 FAKE_BACKGROUND_ENV = "LLMRUN_FAKE_BACKGROUND_CPUS"
 
 
@@ -210,13 +211,16 @@ def _faked_background() -> float | None:
 
 def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | None:
     """CPUs' worth of work other processes did between two samples (0.0 on a quiet machine)."""
-    faked = _faked_background()
-    if faked is not None:
-        return faked
     if start is None or end is None or end.wall_s - start.wall_s < MIN_SAMPLE_S:
         return None
     others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return max(0.0, others / (end.wall_s - start.wall_s))
+
+
+def measured_background(start: CpuSample | None, end: CpuSample | None) -> float | None:
+    """Other processes' load over a measurement (as background_cpus), or the tests' figure."""
+    faked = _faked_background()
+    return faked if faked is not None else background_cpus(start, end)
 
 
 def busy_machine(background: float | None, n_threads: int, logical: int | None = None) -> bool:
@@ -292,7 +296,7 @@ def background_now(seconds: float = 0.25) -> float | None:
     if start is None:
         return None
     time.sleep(max(seconds, MIN_SAMPLE_S))
-    return background_cpus(start, cpu_sample())
+    return measured_background(start, cpu_sample())
 
 
 class BackgroundMeter:
@@ -312,7 +316,7 @@ class BackgroundMeter:
             if self._start is None or now is None:
                 return _faked_background()
             if now.wall_s - self._start.wall_s >= self.window_s:
-                self._last = background_cpus(self._start, now)
+                self._last = measured_background(self._start, now)
                 self._start = now
             return self._last
 

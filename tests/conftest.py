@@ -55,9 +55,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's own config, history or tuned settings."""
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "llmrun-home"))
-    for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS",
-                 "LLMRUN_FAKE_BACKGROUND_CPUS"):  # fmt: skip
+    for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS"):
         monkeypatch.delenv(name, raising=False)
+    # A quiet machine, whatever the load on this one: a test that wants a busy one says so
+    # (tests/test_busy.py), and no output depends on what else runs here.
+    monkeypatch.setenv("LLMRUN_FAKE_BACKGROUND_CPUS", "0")
 
 
 @pytest.fixture(scope="session")
@@ -117,9 +119,9 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1",
                LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip
-    for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_FAKE_BACKGROUND_CPUS"):
-        env.pop(name, None)
-    return env
+    env.pop("LLMRUN_DEBUG", None)
+    env.pop("LLMRUN_MODEL", None)
+    return env  # LLMRUN_FAKE_BACKGROUND_CPUS=0 comes from isolated_home: a quiet machine
 
 
 def which_llmrun() -> str:

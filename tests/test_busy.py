@@ -28,11 +28,13 @@ from llmrun.runners.serving.options import InterferenceOptions, ServeOptions
 from llmrun.runners.system import (
     FAKE_BACKGROUND_ENV,
     BackgroundMeter,
+    CpuSample,
     background_cpus,
     background_now,
     busy_advice,
     default_threads,
     logical_cpus,
+    measured_background,
 )
 
 from .fake import FakeRunner
@@ -57,13 +59,16 @@ def test_the_advice_names_the_threads_that_would_help_with_figures() -> None:
 
 
 def test_a_faked_load_stands_for_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert background_cpus(None, None) is None  # nothing measured, nothing faked
+    a, b = CpuSample(0.0, 100.0, 10.0), CpuSample(1.0, 102.0, 10.5)
     busy(monkeypatch, 1.25)
-    assert background_cpus(None, None) == 1.25
+    assert measured_background(a, b) == 1.25
+    assert measured_background(None, None) == 1.25
     assert background_now() == 1.25
     assert BackgroundMeter(window_s=60).read() == 1.25
-    monkeypatch.setenv(FAKE_BACKGROUND_ENV, "abc")  # not a number: the real measurement
-    assert background_cpus(None, None) is None
+    assert background_cpus(a, b) == 1.5  # the measurement itself is never faked
+    for unset in ("abc", "-1", ""):  # not a count of CPUs: the real measurement
+        monkeypatch.setenv(FAKE_BACKGROUND_ENV, unset)
+        assert measured_background(a, b) == 1.5 and measured_background(None, None) is None
 
 
 @several_cores
@@ -215,7 +220,7 @@ def test_bench_keeps_its_threads_and_its_warning_says_what_would_help(
     assert row["n_threads"] == default_threads() and row["busy"] is True  # kept, not reduced
     err = " ".join(result.stderr.split())
     assert f"busy during 1 of 1 tests ({default_threads()} threads for llama.cpp)" in err
-    assert "try -t 1" in err
+    assert "try -t 1" in err and "--poll 0 (waiting threads sleep" in err  # it spun at 50
 
 
 def test_the_servers_metrics_say_whether_the_machine_is_busy(

@@ -466,8 +466,9 @@ def store_and_print(
         worst = max(float(r.get("background_cpus") or 0) for r in busy)
         threads = max(max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1))
                       for r in busy)  # fmt: skip
-        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests"),
-              file=sys.stderr, flush=True)  # fmt: skip
+        spinning = any(r.get("poll") not in (None, 0, "0") for r in busy)  # bench's records
+        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests",
+                           poll=spinning), file=sys.stderr, flush=True)  # fmt: skip
     if output is not None:
         sys.stdout.write(format_records(records, output, markdown, sql_table))
         sys.stdout.flush()

@@ -25,7 +25,7 @@ from llmrun.runners.base import BenchRunner, Finished, Request, SamplingParams, 
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LlmrunError, ModelLoadError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
-from llmrun.runners.system import background_cpus, cpu_sample
+from llmrun.runners.system import cpu_sample, measured_background
 
 from .results import Phases, Result, Speculation
 from .sweep import Combo, Shape
@@ -242,6 +242,6 @@ def run_bench(
                 load_s=loaded.load_s, samples_s=tuple(samples), engine_samples_s=tuple(engine),
                 ttft_s=tuple(ttft), itl_s=tuple(gaps),
                 next_token=next_token if shape.n_gen == 0 else None, test_time=when,
-                kv_bytes_per_pos=kv, background_cpus=background_cpus(cpu0, cpu_sample()),
+                kv_bytes_per_pos=kv, background_cpus=measured_background(cpu0, cpu_sample()),
                 speculation=speculation, phases=phases,
             )  # fmt: skip

@@ -45,7 +45,7 @@ from llmrun.runners.stats import (
     GenerationStats,
     percentile,
 )
-from llmrun.runners.system import background_cpus, busy_machine, cpu_sample
+from llmrun.runners.system import busy_machine, cpu_sample, measured_background
 from llmrun.runners.text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
@@ -580,7 +580,7 @@ def serve_requests(
         cpu0 = cpu_sample()
         results, _ = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
                                 cancel=cancel)  # fmt: skip
-        background = background_cpus(cpu0, cpu_sample())
+        background = measured_background(cpu0, cpu_sample())
     finally:
         engine.close()
     interrupted = cancel is not None and cancel.is_set()

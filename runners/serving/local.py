@@ -18,7 +18,7 @@ from llmrun.runners.serving.engine import (
     interference,
     serve,
 )
-from llmrun.runners.system import background_cpus, cpu_sample
+from llmrun.runners.system import cpu_sample, measured_background
 
 from .load import RequestResult, ServingLevel, metrics
 from .options import InterferenceOptions, ServeOptions, Stage
@@ -66,7 +66,7 @@ def serve_local(
                 results, duration = serve(engine, policy, prompts,
                                           request_rate=options.request_rate, seed=options.seed,
                                           cancel=cancel)  # fmt: skip
-                background = background_cpus(cpu0, cpu_sample())
+                background = measured_background(cpu0, cpu_sample())
                 measured = [RequestResult(
                     input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
                     latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
@@ -109,7 +109,7 @@ def interfere_local(
         cpu0 = cpu_sample()
         report = interference(engine, policy, stream=stream, stream_tokens=options.output_len,
                               long_prompts=longs, every_s=every_s, cancel=cancel)  # fmt: skip
-        background = background_cpus(cpu0, cpu_sample())
+        background = measured_background(cpu0, cpu_sample())
         n_threads, n_threads_batch = engine.threads
         return dataclasses.replace(report, n_threads=n_threads, n_threads_batch=n_threads_batch,
                                    background_cpus=background)  # fmt: skip
