@@ -20,7 +20,7 @@ from llmrun.cli.bench import flags, interference, serve, sweep, tune
 SAMPLES: dict[str, list[str]] = {
     "--model": ["-m", "other.gguf"], "--n-prompt": ["-p", "64"], "--n-gen": ["-n", "16"],
     "--pg": ["--pg", "8,8"], "--n-depth": ["-d", "32"], "--repetitions": ["-r", "2"],
-    "--threads": ["-t", "1"], "--batch": ["-b", "64"], "--ubatch": ["-ub", "64"],
+    "--threads": ["-t", "1"], "--threads-batch": ["-tb", "1"], "--batch": ["-b", "64"], "--ubatch": ["-ub", "64"],
     "--gpu-layers": ["-ngl", "0"], "--flash-attn": ["-fa", "1"], "--cache-type-k": ["-ctk", "q8_0"],
     "--cache-type-v": ["-ctv", "q8_0"], "--repack": ["--repack", "0"], "--mmap": ["-mmp", "0"],
     "--load-mode": ["-lm", "none"], "--no-kv-offload": ["-nkvo", "1"],
@@ -157,7 +157,8 @@ def test_the_sweeps_options_before_a_subcommand_are_refused() -> None:
 def test_each_help_lists_only_its_jobs_options() -> None:
     sweep_help, serve_help = _options(("bench",)), _options(("bench", "serve"))
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help
-    assert "--threads" not in serve_help and "--tune" not in sweep_help
+    assert "--n-prompt" not in serve_help and "--tune" not in sweep_help
+    assert "--threads" in serve_help  # the local engine's (issue 21 item 11: -t 1 was ignored)
     assert set(_options(("tune",))) == {"--model", "--workload", "--verbose"}
 
 

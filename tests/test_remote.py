@@ -207,15 +207,16 @@ def test_serving_benchmark_counts_failed_requests(cli: CliRunner, home: Path) ->
 
 
 def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) -> None:
-    result = cli.invoke(app, ["bench", "serve", "--endpoint", "http://127.0.0.1:9", "-t", "2"])
-    assert result.exit_code == 2 and "No such option: -t" in result.stderr  # not in its --help
-    for command in (["run", "hi"], ["chat"]):  # one rule for every command, not ignored
-        for flags, expected in ((["-t", "4"], "-t/--threads"), (["-b", "64", "--no-repack"],
-                                "-b/--batch, --repack/--no-repack")):  # fmt: skip
-            result = cli.invoke(app, [*command, "--endpoint", "http://127.0.0.1:9", *flags],
-                                input="hi\n")  # fmt: skip
-            assert result.exit_code == 1, (command, flags)
-            assert f"{expected}: local-engine options" in one_line_error(result.stderr)
+    threads = (["-t", "4", "-tb", "2"], "-t/--threads, -tb/--threads-batch")
+    batch = (["-b", "64", "--no-repack"], "-b/--batch, --repack/--no-repack")
+    cases = [(["run", "hi"], threads), (["run", "hi"], batch), (["chat"], threads),
+             (["chat"], batch), (["bench", "serve"], threads),
+             (["bench", "interference"], threads)]  # fmt: skip
+    for command, (flags, expected) in cases:  # one rule for every command, not ignored
+        result = cli.invoke(app, [*command, "--endpoint", "http://127.0.0.1:9", *flags],
+                            input="hi\n")  # fmt: skip
+        assert result.exit_code == 1, (command, flags)
+        assert f"{expected}: local-engine options" in one_line_error(result.stderr)
 
 
 def test_ctrl_c_keeps_the_serving_level_in_progress(

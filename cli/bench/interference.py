@@ -99,9 +99,10 @@ def interference(
         screen = Screen(err, show, threading.Event())
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
+                o.refuse_for_endpoint(endpoint, {"-t/--threads": threads,
+                                                 "-tb/--threads-batch": threads_batch})  # fmt: skip
                 o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
-                                num_prompts != 16, "--plot": plot, "-t/--threads": threads,
-                                "-tb/--threads-batch": threads_batch},
+                                num_prompts != 16, "--plot": plot},
                                "the local engine's; not with --endpoint")  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
             else:

@@ -194,8 +194,8 @@ def serve(
                 if given_policy:
                     raise BadRequestError("--policy: the server schedules its own requests;"
                                           " policies apply without --endpoint")  # fmt: skip
-                o.refuse_given({"-t/--threads": threads, "-tb/--threads-batch": threads_batch},
-                               "the local engine's; not with --endpoint")  # fmt: skip
+                o.refuse_for_endpoint(endpoint, {"-t/--threads": threads,
+                                                 "-tb/--threads-batch": threads_batch})  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen,
                                delivery)  # fmt: skip
             else:
