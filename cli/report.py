@@ -188,11 +188,14 @@ def context_note(asked: int | None, ran: int) -> str | None:
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """A warning row when other processes took the CPU time these figures needed."""
     threads = s.settings.n_threads if s.settings else 1
-    if not busy_machine(s.background_cpus, threads):
+    if s.background_cpus is None or not busy_machine(s.background_cpus, threads):
         return []
+    logical = logical_cpus()
+    fewer = max(1, round(logical - s.background_cpus)) < threads  # -t was given: say what helps
+    advice = f"; {busy_advice(s.background_cpus, threads, logical=logical)}" if fewer else ""
     return [("warning", f"other processes kept {s.background_cpus:.1f} CPUs busy during this run"
-                        f" ({logical_cpus()} in all, {threads} for llama.cpp): these figures"
-                        " are unreliable")]  # fmt: skip
+                        f" ({logical} in all, {threads} for llama.cpp): these figures"
+                        f" are unreliable{advice}")]  # fmt: skip
 
 
 def busy_warning(background: float, threads: int, during: str, *, poll: bool = False) -> str:
