@@ -3,12 +3,17 @@ tuning and the engine share without importing the engine itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .threadpool import ThreadpoolSettings
 
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
+
+# What `llmrun bench` runs unless --tuned: llama-bench's own defaults (llama-bench.cpp,
+# cmd_params_defaults: -b 2048 -ub 512 -fa auto -ngl -1; its -t is the physical or performance
+# cores, as llmrun's), so that compare-llama-bench.py pairs the two tools' records.
+LLAMA_BENCH_N_BATCH, LLAMA_BENCH_N_UBATCH, LLAMA_BENCH_NGL = 2048, 512, -1
 
 # llama.cpp's load modes by the names llama-bench's -lm takes (-mmp 0/1 are none/mmap)
 LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}
@@ -52,3 +57,13 @@ class EngineConfig:
         fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
                   "tensor_overrides", "n_cpu_moe", "devices")  # fmt: skip
         return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    def with_llama_bench_defaults(self) -> EngineConfig:
+        """This config with llama-bench's defaults where it leaves a setting to llmrun."""
+        n_batch, n_ubatch, ngl = self.n_batch, self.n_ubatch, self.n_gpu_layers
+        return replace(
+            self, n_batch=LLAMA_BENCH_N_BATCH if n_batch is None else n_batch,
+            n_ubatch=LLAMA_BENCH_N_UBATCH if n_ubatch is None else n_ubatch,
+            n_gpu_layers=LLAMA_BENCH_NGL if ngl is None else ngl,
+            flash_attn=self.flash_attn or "auto",
+        )  # fmt: skip

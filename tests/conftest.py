@@ -37,9 +37,11 @@ HANG_S = 600.0
 #   model: loads the real embedded model in the test's process (or names it to a child process).
 #   pty:   starts a child process: the CLI through pipes, a pseudo-terminal (pexpect) or tmux, a
 #          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
+#   slow:  runs llama.cpp's own llama-bench, which the first use builds (about 5 minutes).
 MARKER_FIXTURES = {
     "model": {"model_path", "runner", "shared_runner", "q8_model", "server"},
-    "pty": {"llmrun_env", "server", "q8_model", "serve_env"},
+    "pty": {"llmrun_env", "server", "q8_model", "serve_env", "llama_bench_path"},
+    "slow": {"llama_bench_path"},
 }
 
 
@@ -200,3 +202,13 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
     subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama_bench_path() -> Path:
+    """llama.cpp's llama-bench from the sources of the installed llama-cpp-python (LLAMA_BENCH
+    overrides; the first use builds it, about 5 minutes on 2 cores): requesting it marks the
+    test `slow` and `pty`."""
+    from . import llama_tools
+
+    return llama_tools.llama_bench()

@@ -147,7 +147,6 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
         (["-b", "4096", "-c", "256"], "every test was skipped"),
         (["-embd", "1"], "runs llama.cpp's default here (0)"),
         (["-lzm", "on"], "--lazy-mode on"),
-        (["-fitt", "512"], "--fit-target 512"),
         (["-hff", "model.gguf"], "give the repository"),
     ],
 )
@@ -165,8 +164,9 @@ def test_tuned_settings_are_named_and_never_cost_a_requested_value(
 ) -> None:
     monkeypatch.setenv("LLMRUN_HOME", llmrun_env["LLMRUN_HOME"])
     save_tuned(model_path, {"n_threads": 1, "n_batch": 512, "n_ubatch": 256, "flash_attn": "off"})
-    rows = records("-b", "64,128", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
+    rows = records("--tuned", "-b", "64,128", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
     assert [(r["n_batch"], r["n_ubatch"]) for r in rows] == [(64, 64), (128, 128)]
     assert all(r["tuned"] and r["n_threads"] == 1 for r in rows)
-    plain = records("--no-tuned", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
-    assert not plain[0]["tuned"] and plain[0]["n_ubatch"] == 512
+    for flags in ([], ["--no-tuned"]):  # without --tuned: llama-bench's defaults, tuning or not
+        plain = records(*flags, "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
+        assert not plain[0]["tuned"] and (plain[0]["n_batch"], plain[0]["n_ubatch"]) == (2048, 512)

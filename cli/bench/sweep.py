@@ -165,6 +165,15 @@ def _joined(values: list[str] | None) -> str | None:
     return ",".join(values) if values else None
 
 
+def _print_version(given: bool) -> None:
+    """llama-bench's --version: the versions (llama.cpp's build with them), then exit."""
+    if given:
+        from llmrun.cli.doctor import version_line
+
+        print(version_line())
+        raise typer.Exit(0)
+
+
 def bench(
     ctx: typer.Context,
     models: Annotated[
@@ -193,29 +202,30 @@ def bench(
                                  " (default: 0)", "-d", "--n-depth", panel=PANEL),
     ] = None,
     reps: Annotated[
-        int, typer.Option("-r", "--repetitions", min=1, rich_help_panel=PANEL,
-                          help="Timed repetitions per test, after one warm-up."),
+        int, typer.Option("-r", "--repetitions", min=0, rich_help_panel=PANEL,
+                          help="Timed repetitions per test, after one warm-up (0: the warm-up"
+                          " only, rows of 0 t/s as llama-bench's, kept out of the history)."),
     ] = 5,
     threads: Annotated[
-        list[str] | None, _lists("CPU threads. (default: physical cores, or tuned)", "-t",
-                                 "--threads"),
+        list[str] | None, _lists("CPU threads. (default: physical cores, or performance cores"
+                                 " of a hybrid CPU, as llama-bench)", "-t", "--threads"),
     ] = None,
     batch: Annotated[
-        list[str] | None, _lists("Prefill chunk sizes (n_batch). (default: 512, or tuned;"
-                                 " llama-bench: 2048)", "-b", "--batch", "--batch-size"),
+        list[str] | None, _lists("Prefill chunk sizes (n_batch). (default: 2048, as"
+                                 " llama-bench; --tuned: 512)", "-b", "--batch", "--batch-size"),
     ] = None,
     ubatch: Annotated[
-        list[str] | None, _lists("Micro-batch sizes (n_ubatch). (default: 512, or tuned)",
-                                 "-ub", "--ubatch", "--ubatch-size"),
+        list[str] | None, _lists("Micro-batch sizes (n_ubatch). (default: 512)", "-ub",
+                                 "--ubatch", "--ubatch-size"),
     ] = None,
     gpu_layers: Annotated[
         list[str] | None, _lists("GPU layers; -1, or more than the model has (99), is all."
-                                 " (default: all where this build can offload, else 0)",
+                                 " (default: -1, as llama-bench)",
                                  "-ngl", "--gpu-layers", "--n-gpu-layers"),
     ] = None,
     flash_attn: Annotated[
         list[str] | None, _lists("on, off, auto (or 1, 0, -1). (default: auto, as"
-                                 " llama-bench, or the tuned value)",
+                                 " llama-bench)",
                                  "-fa", "--flash-attn"),
     ] = None,
     cache_type_k: Annotated[
@@ -326,11 +336,13 @@ def bench(
                                  panel=LB),
     ] = None,
     fit_target: Annotated[
-        list[str] | None, _lists("0 only: llmrun fits GPU layers to free memory itself.",
-                                 "-fitt", "--fit-target", panel=LB),
+        list[str] | None, _lists("MiB to leave free per device when fitting: recorded as"
+                                 " given, not applied (llmrun fits -ngl -1 to free memory"
+                                 " itself).", "-fitt", "--fit-target", panel=LB),
     ] = None,
     fit_ctx: Annotated[
-        list[str] | None, _lists("Only with --fit-target.", "-fitc", "--fit-ctx", panel=LB),
+        list[str] | None, _lists("The least context fitting may choose: recorded as given,"
+                                 " not applied.", "-fitc", "--fit-ctx", panel=LB),
     ] = None,
     hf_repo: Annotated[
         list[str] | None, _lists("A Hub model, owner/repo[:QUANT] (the same as -m).", "-hf",
@@ -347,6 +359,10 @@ def bench(
     offline: Annotated[
         bool, typer.Option("--offline", rich_help_panel=LB,
                            help="Use the Hub cache only (HF_HUB_OFFLINE)."),
+    ] = False,
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                           rich_help_panel=LB, help="Print the version and exit."),
     ] = False,
     list_devices: Annotated[
         bool, typer.Option("--list-devices", rich_help_panel=LB,
@@ -383,9 +399,10 @@ def bench(
                                   " (llama-perplexity's method; windows of -c tokens, default"
                                   " 512), e.g. examples/declaration_of_independence.txt."),
     ] = None,
-    no_tuned: Annotated[
-        bool, typer.Option("--no-tuned", help="Ignore the settings `llmrun tune` saved: measure"
-                           " llmrun's plain defaults."),
+    tuned: Annotated[
+        bool, typer.Option("--tuned/--no-tuned", help="Measure llmrun's own settings in place of"
+                           " llama-bench's defaults: those `llmrun tune` saved for the model,"
+                           " else llmrun's (-b 512, the prefill chunk that shows in TTFT)."),
     ] = False,
     output: Annotated[
         out.OutputFormat | None, typer.Option("-o", "--output", show_default=False,
@@ -440,9 +457,7 @@ def bench(
             lb.refuse_defaults_only({"-embd/--embeddings": (embeddings, {"0"}),
                                      "-nopo/--no-op-offload": (no_op_offload, {"0"}),
                                      "--no-host": (no_host, {"0"}),
-                                     "-lzm/--lazy-mode": (lazy_mode, {"auto"}),
-                                     "-fitt/--fit-target": (fit_target, {"0"}),
-                                     "-fitc/--fit-ctx": (fit_ctx, {"0", "4096"})})  # fmt: skip
+                                     "-lzm/--lazy-mode": (lazy_mode, {"auto"})})  # fmt: skip
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                                tensor_split=_joined(tensor_split), device=_joined(device),
                                n_cpu_moe=_joined(n_cpu_moe),
@@ -460,13 +475,15 @@ def bench(
                 split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                 tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
                 n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
+                fit_target=_joined(fit_target), fit_ctx=_joined(fit_ctx),
                 no_kv_offload=_joined(no_kv_offload),
                 cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict), poll=_joined(poll),
                 prio=prio, reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
                 warmup=not no_warmup,
-                delay_s=delay, tuned=not no_tuned, ppl=ppl, cold=cold,
+                delay_s=delay, tuned=tuned, ppl=ppl, cold=cold,
             )  # fmt: skip
-            to = Output(format=output, plot=plot, compare=compare, store=not no_history,
+            to = Output(format=output, plot=plot, compare=compare,
+                        store=not no_history and reps > 0,  # -r 0 measured nothing
                         format_err=output_err, progress_lines=progress_lines)  # fmt: skip
             chosen: list[str | None] = list(models) if models else [None]
             code = _sweep(chosen, sweep, cancel, err, show, to)
@@ -480,6 +497,7 @@ def load_and_report(
     bandwidth: bool,
     system: SystemInfo | None = None,
     combos: Sequence[sw.Combo] = (),
+    llama_bench_defaults: bool = False,
 ) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked; a
     later model of the same run reuses the first one's report of the machine)."""
@@ -493,7 +511,8 @@ def load_and_report(
     err.print(label_grid(rows if len(rows) else [("model", facts)]))
     st = loaded.settings
     if isinstance(st, EngineSettings):
-        err.print(label_grid([("settings", settings_line(st, combos, runner.config))]))
+        line = settings_line(st, combos, runner.config, llama_bench_defaults=llama_bench_defaults)
+        err.print(label_grid([("settings", line)]))
         pools = threadpool_line(combos, runner.config.threadpool.prio)
         if pools:
             err.print(label_grid([("pool", pools)]))
@@ -522,12 +541,19 @@ def _each(loaded: object, base: object, swept: Sequence[object], show: Any = str
 
 
 def settings_line(
-    st: EngineSettings, combos: Sequence[sw.Combo] = (), base: EngineConfig | None = None
+    st: EngineSettings,
+    combos: Sequence[sw.Combo] = (),
+    base: EngineConfig | None = None,
+    *,
+    llama_bench_defaults: bool = False,
 ) -> str:
-    """What runs and where it differs from llama-bench's defaults, and why: for a swept setting,
-    the value each test runs with, not the loaded engine's first."""
+    """What runs, and whose defaults filled what was not given (llama-bench's, so its tools
+    pair the records, or with --tuned llmrun's): for a swept setting, the value each test runs
+    with, not the loaded engine's first."""
     b = base or EngineConfig()
-    source = "tuned by `llmrun tune` (--no-tuned: defaults)" if st.tuned else "llmrun's defaults"
+    source = ("llama-bench's defaults (--tuned: llmrun's own)" if llama_bench_defaults
+              else "tuned by `llmrun tune`" if st.tuned
+              else "llmrun's defaults (nothing tuned for this model)")  # fmt: skip
     repack = st.repack_note or ("on" if st.repack else "off")
     swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
     ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])
@@ -539,11 +565,20 @@ def settings_line(
         f"{threads} threads, batch {_each(st.n_batch, b.n_batch, [c.n_batch for c in combos])},"
         f" ubatch {_each(st.n_ubatch, b.n_ubatch, [c.n_ubatch for c in combos])}, flash"
         f" attention {_each(st.flash_attn, b.flash_attn, [c.flash_attn for c in combos])},"
-        f" repacking {_each(repack, None, swept_repack)}, ngl {ngl}: {source}. llama-bench"
-        " defaults to -b 2048 (llmrun: 512, its prefill chunk, so TTFT shows chunking),"
-        " -fa auto (llmrun too) and"
-        " -ngl -1; repacking is on in both, but llmrun first probes that it is safe."
+        f" repacking {_each(repack, None, swept_repack)}, ngl {ngl}: {source}."
+        + _fit_note(st, combos)
     )
+
+
+def _fit_note(st: EngineSettings, combos: Sequence[sw.Combo]) -> str:
+    """-fitt/-fitc are recorded, never silently: llama.cpp's fitting is in its common library,
+    which llama-cpp-python does not ship."""
+    if not any(c.fit_target or c.fit_min_ctx for c in combos):
+        return ""
+    why = ("llmrun fits -ngl -1 to free device memory itself" if st.gpu_offload
+           else "on a CPU-only build llama-bench's fitting places nothing either")  # fmt: skip
+    return (" -fitt/-fitc are recorded as given, not applied: llama.cpp's fitting is in its"
+            f" common library, which llmrun does not load ({why}).")  # fmt: skip
 
 
 def _list_devices() -> int:
@@ -626,7 +661,8 @@ def _sweep(
             if isinstance(event, run.ModelReady):
                 bar.stop()
                 system = load_and_report(event.runner, err, bandwidth=True, system=system,
-                                         combos=event.combos)  # fmt: skip
+                                         combos=event.combos,
+                                         llama_bench_defaults=not sweep.tuned)  # fmt: skip
             elif isinstance(event, b.Progress):
                 bar.update(event)
             elif isinstance(event, res.Result):

@@ -74,14 +74,15 @@ def kv_bytes_per_position(runner: BenchRunner, type_k: str, type_v: str) -> floa
     return float(n_layer * n_head_kv * (k_len * bk + v_len * bv))
 
 
-def _check_combo(combo: Combo, n_ctx: int) -> str | None:
-    """Why the engine cannot use this configuration, or None."""
+def _check_combo(combo: Combo, n_ctx: int | None) -> str | None:
+    """Why the engine cannot use this configuration, or None (a batch above a context the
+    tests size, as llama-bench's, is capped by llama.cpp; only above a -c given is it refused)."""
     for name, value in (("cache-type-k", combo.type_k), ("cache-type-v", combo.type_v)):
         if value not in CACHE_TYPES:
             return f"unknown {name} '{value}' (known: {', '.join(CACHE_TYPES)})"
     if combo.flash_attn is not None and combo.flash_attn not in FLASH_ATTN:
         return f"unknown flash-attn '{combo.flash_attn}' (known: {', '.join(FLASH_ATTN)})"
-    if combo.n_batch is not None and combo.n_batch > n_ctx:
+    if n_ctx is not None and combo.n_batch is not None and combo.n_batch > n_ctx:
         return f"batch {combo.n_batch} is larger than the context ({n_ctx} tokens)"
     if combo.n_threads is not None and combo.n_threads < 1:
         return "threads must be at least 1"
@@ -155,15 +156,14 @@ def run_bench(
     the results so far). Configurations the engine cannot use are yielded as `Skipped`.
     """
     cancel = cancel or threading.Event()
-    # As llama-bench: the context the tests need; at least the largest batch, so a default run
-    # reports the batch that was asked for (llama.cpp caps n_batch at n_ctx).
-    batches = [c.n_batch or 0 for c in combos] + [base.n_batch or 512]
-    ctx = n_ctx or max(256, max(s.n_ctx_needed for s in shapes), *batches)
+    # As llama-bench: the context the tests need (llama.cpp caps n_batch at it; the record
+    # keeps the batch asked for, as llama-bench's does)
+    ctx = n_ctx or max(256, max(s.n_ctx_needed for s in shapes))
     per_test = reps + (1 if warmup else 0)
     total = len(combos) * len(shapes) * per_test
     done = 0
     for combo in combos:
-        problem = _check_combo(combo, ctx)
+        problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
         if problem is None:
             try:
                 loaded = runner.reconfigure(combo.config(base, ctx))

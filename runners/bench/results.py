@@ -35,13 +35,12 @@ LLAMA_BENCH_REAL = frozenset(("avg_ts", "stddev_ts"))
 FLASH_ATTN_CODES = {"auto": -1, "off": 0, "on": 1}
 
 # What llmrun never changes, so llama.cpp's defaults ran: no CPU mask or strict placement, the
-# threadpool's default polling, no MoE experts kept on the CPU, no memory fitting.
+# threadpool's default polling, no MoE experts kept on the CPU.
 LLAMA_DEFAULTS: dict[str, Any] = {
-    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "fit_target": 0,
-    "fit_min_ctx": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False,
-    "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none",
-    "load_mode": "auto", "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0,
-    "no_host": False,
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "split_mode": "layer",
+    "main_gpu": 0, "no_kv_offload": False, "devices": "auto", "tensor_split": "0.00",
+    "tensor_buft_overrides": "none", "load_mode": "auto", "lazy_mode": "auto", "embeddings": False,
+    "no_op_offload": 0, "no_host": False,
 }  # fmt: skip
 
 
@@ -104,6 +103,13 @@ class Result:
         return "tg" if not s.n_prompt else "pp" if not s.n_gen else "pg"
 
     @property
+    def n_batch(self) -> int:
+        """As asked, as llama-bench records it (llama.cpp caps it at the context a test needs,
+        2048 at pp512), else the engine's."""
+        asked = self.combo.n_batch
+        return asked if asked is not None else self.settings.n_batch
+
+    @property
     def n_ubatch(self) -> int:
         """As asked, as llama-bench records it (llama.cpp clamps it to n_batch to run), else
         llama.cpp's default."""
@@ -154,7 +160,7 @@ class Result:
             "model_type": m.desc or f"{m.architecture} {human_count(m.n_params)} {m.quantization}",
             "model_size": m.size_bytes,
             "model_n_params": m.n_params,
-            "n_batch": st.n_batch,
+            "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "n_threads": st.n_threads,
             "cpu_mask": p["cpu_mask"],
@@ -177,8 +183,8 @@ class Result:
             "no_op_offload": p["no_op_offload"],
             "no_host": p["no_host"],
             "repack": st.repack,
-            "fit_target": p["fit_target"],
-            "fit_min_ctx": p["fit_min_ctx"],
+            "fit_target": self.combo.fit_target,
+            "fit_min_ctx": self.combo.fit_min_ctx,
             "n_prompt": s.n_prompt,
             "n_gen": s.n_gen,
             "n_depth": s.n_depth,
@@ -317,7 +323,7 @@ class Row:
 
     @property
     def n_batch(self) -> int:
-        return self.result.settings.n_batch
+        return self.result.n_batch
 
 
 def _memory_fields(st: EngineSettings) -> dict[str, Any]:

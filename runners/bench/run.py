@@ -72,7 +72,7 @@ class Sweep:
     no_kv_offload: str | None = None
     warmup: bool = True
     delay_s: float = 0.0
-    tuned: bool = True  # start from the settings `llmrun tune` saved
+    tuned: bool = False  # llmrun's settings (`llmrun tune`'s, else its own) for llama-bench's
     ppl: Path | None = None  # a text to measure each model's perplexity on
     cold: bool = False  # evict the model file from the page cache before each load
     split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
@@ -86,6 +86,8 @@ class Sweep:
     cpu_strict: str | None = None
     poll: str | None = None
     prio: int = 0  # the compute threads' priority (--prio), in every test
+    fit_target: str | None = None  # llama-bench's -fitt/-fitc lists: recorded, not applied
+    fit_ctx: str | None = None
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -119,10 +121,12 @@ class Sweep:
                                      if self.devices else [None])  # fmt: skip
         drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
                   if self.draft else [0])  # fmt: skip
+        fits = [(t, c) for t in sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target")
+                for c in sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx")]  # fmt: skip
         return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
-                        n_cpu_moe=n, devices=d, draft=k)
-                for c in combos for m in modes for g in gpus for t in splits for o in overrides
-                for n in moes for d in devices for k in drafts]  # fmt: skip
+                        n_cpu_moe=n, devices=d, draft=k, fit_target=ft, fit_min_ctx=fc)
+                for ft, fc in fits for c in combos for m in modes for g in gpus for t in splits
+                for o in overrides for n in moes for d in devices for k in drafts]  # fmt: skip
 
     def _threadpools(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -C, --cpu-strict and --poll value given (llama-bench's
@@ -144,8 +148,9 @@ class Sweep:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
-        """Every engine setting to test; unset options take the (tuned) defaults. A tuned
-        ubatch never costs a requested batch size: it is capped at each batch."""
+        """Every engine setting to test; unset options take the base's (llama-bench's defaults,
+        or with --tuned llmrun's). A tuned ubatch never costs a requested batch size: it is
+        capped at each batch."""
         flash = (sw.parse_words(self.flash_attn, name="-fa/--flash-attn", allowed=FLASH_ATTN,
                                 aliases=sw.FLASH_ATTN_ALIASES)
                  if self.flash_attn else [base.flash_attn])  # fmt: skip
@@ -163,7 +168,7 @@ class Sweep:
             gpu_layers=(
                 sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
                 if self.gpu_layers
-                else [None]
+                else [base.n_gpu_layers]
             ),
             flash_attn=flash,
             type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
@@ -177,7 +182,7 @@ class Sweep:
         combos = self._threadpools(self._gpu_placements(combos))
         # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
         # does llmrun, except for a tuned ubatch, which is capped at each batch asked for
-        if self.ubatch is None and base.n_ubatch != EngineConfig().n_ubatch:
+        if self.ubatch is None and base.tuned and base.n_ubatch is not None:
             combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
                       if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
             combos = list(dict.fromkeys(combos))
@@ -235,7 +240,8 @@ def run_sweep(
         if cancel.is_set():
             return
         config = EngineConfig(cold=sweep.cold, threadpool=ThreadpoolSettings(prio=sweep.prio))
-        runner = open_runner(model, config, sweep.tuned)
+        runner = open_runner(model, config if sweep.tuned else config.with_llama_bench_defaults(),
+                             sweep.tuned)  # fmt: skip
         try:
             base = runner.config
             combos = sweep.combos(base)

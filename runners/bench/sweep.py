@@ -114,6 +114,8 @@ class Combo:
     cpu_mask: str = "0x0"  # llama-bench's threadpool: -C, --cpu-strict, --poll
     cpu_strict: bool = False
     poll: int = DEFAULT_POLL
+    fit_target: int = 0  # llama-bench's -fitt (MiB) and -fitc: recorded as given, not applied
+    fit_min_ctx: int = 0
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -139,10 +141,11 @@ class Combo:
                  "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
                  "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev",
                  "draft": "draft", "cpu_mask": "C", "cpu_strict": "cpu-strict",
-                 "poll": "poll"}  # fmt: skip
+                 "poll": "poll", "fit_target": "fitt", "fit_min_ctx": "fitc"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
                                        "n_cpu_moe": 0, "draft": 0, "cpu_mask": "0x0",
-                                       "cpu_strict": False, "poll": DEFAULT_POLL}  # fmt: skip
+                                       "cpu_strict": False, "poll": DEFAULT_POLL, "fit_target": 0,
+                                       "fit_min_ctx": 0}  # fmt: skip
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(
