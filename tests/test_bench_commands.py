@@ -38,7 +38,7 @@ SAMPLES: dict[str, list[str]] = {
     "--offline": ["--offline"], "--list-devices": ["--list-devices"], "--ctx": ["-c", "2048"],
     "--scenarios": ["--scenarios"], "--scenario-scale": ["--scenarios", "--scenario-scale", "0.5"],
     "--cold": ["--cold"], "--draft": ["--draft", "4"], "--ppl": ["--ppl", "README.md"],
-    "--no-tuned": ["--no-tuned"], "--output": ["-o", "json"], "--plot": ["--plot", "x.png"],
+    "--tuned": ["--tuned"], "--version": ["--version"], "--output": ["-o", "json"], "--plot": ["--plot", "x.png"],
     "--compare": ["--compare"], "--no-history": ["--no-history"], "--seed": ["--seed", "7"],
     "--endpoint": ["--endpoint", "http://127.0.0.1:9"],
     "--api-key": ["--endpoint", "http://127.0.0.1:9", "--api-key", "k"],

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from llmrun.runners.config import DEFAULT_N_BATCH
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
 
@@ -104,10 +105,10 @@ class Result:
 
     @property
     def n_batch(self) -> int:
-        """As asked, as llama-bench records it (llama.cpp caps it at the context a test needs,
-        2048 at pp512), else the engine's."""
+        """As asked, as llama-bench records it (llama.cpp caps it at the context a test needs:
+        2048 at pp512), else the engine's default."""
         asked = self.combo.n_batch
-        return asked if asked is not None else self.settings.n_batch
+        return asked if asked is not None else max(self.settings.n_batch, DEFAULT_N_BATCH)
 
     @property
     def n_ubatch(self) -> int:
