@@ -279,7 +279,8 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
     varying = _varying_rows(rows)
     several = len(_row_models(rows)) > 1
     if any(r.result.settings.tuned for r in rows):
-        title += " (tuned settings from `llmrun tune`; --no-tuned measures the defaults)"
+        title += (" (tuned settings from `llmrun tune`, as --tuned asks; without it:"
+                  " llama-bench's defaults)")  # fmt: skip
     table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
     heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]

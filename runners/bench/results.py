@@ -36,9 +36,11 @@ LLAMA_BENCH_REAL = frozenset(("avg_ts", "stddev_ts"))
 FLASH_ATTN_CODES = {"auto": -1, "off": 0, "on": 1}
 
 # What llmrun never changes, so llama.cpp's defaults ran: no CPU mask or strict placement, the
-# threadpool's default polling, no MoE experts kept on the CPU.
+# threadpool's default polling, no MoE experts kept on the CPU, no -fitt/-fitc given (an older
+# record lacking a field reads as these).
 LLAMA_DEFAULTS: dict[str, Any] = {
-    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "split_mode": "layer",
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "fit_target": 0,
+    "fit_min_ctx": 0, "split_mode": "layer",
     "main_gpu": 0, "no_kv_offload": False, "devices": "auto", "tensor_split": "0.00",
     "tensor_buft_overrides": "none", "load_mode": "auto", "lazy_mode": "auto", "embeddings": False,
     "no_op_offload": 0, "no_host": False,
