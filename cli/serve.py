@@ -199,7 +199,7 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
     except OSError as e:
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
-        loaded = runner.load()
+        loaded = runner.load(n_seq=parallel)  # one context: the engine's -np sequences
         policy = Policy.parse(policy_text or f"chunked:{loaded.settings.n_batch}")
         runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
         box: dict[str, EngineThread] = {}

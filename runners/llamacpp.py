@@ -340,6 +340,7 @@ class LlamaCppRunner:
         check_engine(self.config)
         self._model: Model | None = None
         self._ctx: Context | None = None
+        self._n_seq = 1  # sequences of the runner's own context
         self._info: GGUFInfo | None = None
         self._loaded: LocalLoaded | None = None
         self._formatter: Any = None
@@ -365,13 +366,18 @@ class LlamaCppRunner:
     def loaded(self) -> LocalLoaded | None:
         return self._loaded
 
-    def load(self) -> LocalLoaded:
-        """Check the file, load the weights and create the context (once)."""
+    def load(self, *, n_seq: int | None = None) -> LocalLoaded:
+        """Check the file, load the weights and create the context (once). With `n_seq` > 1
+        the context holds that many sequences of -c tokens each (KV unified) for a batched
+        engine to use as its own (`context`), so a server makes one context, not two."""
         if self._loaded is not None:
+            if n_seq is not None and n_seq != self._n_seq:
+                raise EngineError(f"the context was made for {self._n_seq} sequences, not"
+                                  f" {n_seq}")  # fmt: skip
             return self._loaded
         if self._model is None:
             self._load_model()
-        self._new_context()
+        self._new_context(n_seq or 1)
         assert self._loaded is not None
         if self.config.warmup:
             self._loaded = dataclasses.replace(self._loaded, warmup_s=self._warm_up())
@@ -505,8 +511,9 @@ class LlamaCppRunner:
             return False, f"off: {verdict.why}"
         return True, "on (asked)" if self.config.repack else "on (probed safe)"
 
-    def _new_context(self) -> None:
-        """Create the context; load time is the weights' load plus this context's creation."""
+    def _new_context(self, n_seq: int = 1) -> None:
+        """Create the context (n_seq sequences of n_ctx tokens each); load time is the weights'
+        load plus this context's creation."""
         t0 = time.perf_counter()
         lib = llama_lib()
         cfg, info = self.config, self._info
@@ -519,10 +526,12 @@ class LlamaCppRunner:
         n_threads = cfg.n_threads or default_threads()
         n_batch = cfg.n_batch or DEFAULT_N_BATCH
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx
+        cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = max(1, min(n_batch, n_ctx))
         cparams.n_ubatch = max(1, min(cfg.n_ubatch or DEFAULT_N_BATCH, cparams.n_batch))
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = n_seq
+        if n_seq > 1:
+            cparams.kv_unified = True  # as the batched engine's own context
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
         flash_attn = cfg.flash_attn or "auto"  # llama.cpp decides for this model and device
@@ -535,10 +544,10 @@ class LlamaCppRunner:
         cparams.no_perf = False
         cparams.offload_kqv = not cfg.no_kv_offload
         check_memory(
-            estimate_memory(info, n_ctx=n_ctx, n_ubatch=cparams.n_ubatch, type_k=cfg.cache_type_k,
-                            type_v=cfg.cache_type_v,
+            estimate_memory(info, n_ctx=n_ctx * n_seq, n_ubatch=cparams.n_ubatch,
+                            type_k=cfg.cache_type_k, type_v=cfg.cache_type_v,
                             n_vocab=self._model.n_vocab),
-            n_ctx,
+            n_ctx * n_seq,
         )  # fmt: skip
         for n in {cparams.n_threads, cparams.n_threads_batch}:  # a bad mask before any work
             cfg.threadpool.placement(n)
@@ -548,6 +557,7 @@ class LlamaCppRunner:
             raise ModelLoadError(self.model_path, last_log_error())
         self._ctx = Context(lib, ctx, self._attach_threadpool(ctx, cparams))
         load_s = self._weights_s + time.perf_counter() - t0
+        self._n_seq = n_seq
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
@@ -572,7 +582,7 @@ class LlamaCppRunner:
             ),
             settings=EngineSettings(
                 backend=", ".join(d.name for d in self._gpus) if gpu_layers else "CPU",
-                n_ctx=int(lib.llama_n_ctx(ctx)),
+                n_ctx=int(lib.llama_n_ctx(ctx)) // n_seq,  # each sequence's
                 n_batch=int(lib.llama_n_batch(ctx)),
                 n_ubatch=int(lib.llama_n_ubatch(ctx)),
                 n_threads=n_threads,
@@ -1104,6 +1114,13 @@ class LlamaCppRunner:
         return context
 
     @property
+    def context(self) -> Context:
+        """The runner's own context (load() first): a batched engine may use it when it was
+        made for its sequences (`load(n_seq=...)`); the runner still closes it."""
+        assert self._ctx is not None, "no context: load() first"
+        return self._ctx
+
+    @property
     def _ctx_ptr(self) -> Any:
         assert self._ctx is not None, "no context: load() first"
         return self._ctx.ptr
@@ -1112,6 +1129,7 @@ class LlamaCppRunner:
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
+        self._n_seq = 1
         self._loaded = None
         self._cache.clear()
 

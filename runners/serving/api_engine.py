@@ -1,20 +1,20 @@
 """The engine thread behind `llmrun serve`: requests arrive at any time, each gets its events.
 
-One thread owns the multi-sequence llama.cpp context (`BatchedEngine`) and runs its scheduling
-policy step after step; the HTTP side only calls `submit` and `cancel` (both non-blocking) and
-receives each request's events through the `sink` it handed over (the server wraps it in
-`loop.call_soon_threadsafe`). So the engine never waits for a client, and a slow or vanished
-client costs the others nothing.
+One thread owns the multi-sequence llama.cpp context (`BatchedEngine`) and drives it through its
+public interface only (submit, step, cancel), step after step; the HTTP side only calls this
+thread's `submit` and `cancel` (both non-blocking) and receives each request's events through
+the `sink` it handed over (the server wraps it in `loop.call_soon_threadsafe`). So the engine
+never waits for a client, and a slow or vanished client costs the others nothing.
 
-Each sequence slot keeps the KV entries of its last request: a new prompt goes to the free slot
-sharing its longest prefix and prefills only the rest (llama-server's prompt cache).
+Each sequence keeps the KV entries of its last request (`keep_prefix`): a new prompt goes to the
+free sequence sharing its longest prefix and prefills only the rest (llama-server's prompt
+cache); a cancelled request's entries go at once.
 Every request's phases are measured on the engine's clock (`RequestTimings`).
 """
 
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
 from collections import deque
@@ -26,11 +26,8 @@ from llmrun.runners.base import SamplingParams
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
-from llmrun.runners.text import TextStream
 
-from .engine import BatchedEngine, Policy, SeqResult, _Seq
-
-FINISH_CANCELLED = "cancelled"  # the client went away; nobody reads the answer
+from .engine import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle, Policy
 
 
 class QueueFullError(LlmrunError):
@@ -174,26 +171,14 @@ class Observer(Protocol):
     def on_done(self, timings: RequestTimings) -> None: ...
 
 
-@dataclass
-class _Slot:
-    sid: int
-    cached: list[int] = field(default_factory=list)  # tokens whose KV entries it holds
-    used_s: float = 0.0
-
-
-@dataclass
-class _Active:
-    job: Job
-    seq: _Seq
-    slot: _Slot
-    reused: int
-    seed: int | None
-    chunks: list[tuple[int, float]] = field(default_factory=list)
-    prefill_end_s: float | None = None
-
-
 class EngineThread:
-    """The multi-sequence engine on a thread of its own, fed by `submit`."""
+    """The multi-sequence engine on a thread of its own, fed by `submit`. It runs in the
+    runner's own context, loaded for its n_seq sequences (`runner.load(n_seq=...)`): the
+    weights and one context, nothing unused (a runner already loaded otherwise is refused).
+
+    Only the engine thread touches the `BatchedEngine`, through its public interface: it hands
+    each job over (`BatchedEngine.submit`) while a sequence is free, steps, passes each new
+    token to the job's sink, and cancels a job whose client went away."""
 
     def __init__(
         self,
@@ -206,20 +191,19 @@ class EngineThread:
         n_batch: int | None = None,
         observer: Observer | None = None,
     ) -> None:
-        loaded = runner.load()
+        loaded = runner.load(n_seq=n_seq)  # its own context holds the sequences: the only one
         self.runner, self.policy, self.n_seq = runner, policy, n_seq
         self.n_ctx_per_seq, self.max_queue = n_ctx_per_seq, max_queue
         self.engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq,
-                                    n_batch=n_batch or loaded.settings.n_batch)  # fmt: skip
+                                    n_batch=n_batch or loaded.settings.n_batch, policy=policy,
+                                    keep_prefix=True, context=runner.context)  # fmt: skip
         self.observer = observer
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._pending: deque[Job] = deque()
-        self._slots = [_Slot(i) for i in range(n_seq)]
-        self._active: dict[int, _Active] = {}  # by slot id
-        self._waiting: list[_Seq] = []
-        self._running: list[_Seq] = []
+        self._pending: deque[Job] = deque()  # not yet handed to the engine
+        self._jobs: dict[int, tuple[Job, Handle]] = {}  # handed over, by handle id
+        self._counts = (0, 0)  # (decoding, prefilling), after the last step
         self._steps: deque[StepRecord] = deque(maxlen=512)
         self._itl: deque[tuple[float, float]] = deque(maxlen=64)  # (when, gap ms)
         self.served = 0
@@ -234,14 +218,15 @@ class EngineThread:
     def submit(self, job: Job) -> None:
         """Queue a request; QueueFullError when --max-queue requests already wait."""
         with self._lock:
-            if len(self._pending) + len(self._active) >= self.n_seq + self.max_queue:
+            if len(self._pending) + len(self._jobs) >= self.n_seq + self.max_queue:
                 raise QueueFullError(len(self._pending))
             job.submitted_s = time.perf_counter()
             self._pending.append(job)
         self._wake.set()
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: its sequence is freed at the next step."""
+        """The client is gone: the engine thread ends its request (and frees its sequence) as
+        soon as the step in progress returns."""
         job.cancelled = True
         self._wake.set()
 
@@ -259,14 +244,14 @@ class EngineThread:
 
     @property
     def busy(self) -> int:
-        return len(self._active)
+        return len(self._jobs)
 
     def snapshot(self, *, window_s: float = 5.0) -> Snapshot:
         now = time.perf_counter()
         with self._lock:
             steps = tuple(s for s in self._steps if now - s.end_s <= window_s)
             queued = len(self._pending)
-            waiting, running = len(self._waiting), len(self._running)
+            running, waiting = self._counts
             itl = tuple(gap for when, gap in self._itl if now - when <= window_s)
         return Snapshot(decoding=running, prefilling=waiting, queued=queued, n_seq=self.n_seq,
                         policy=str(self.policy), steps=steps, recent_itl_ms=itl,
@@ -275,130 +260,94 @@ class EngineThread:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        eng, lib = self.engine, self.engine.lib
+        eng = self.engine
         while not self._stop.is_set():
-            self._admit()
+            self._hand_over()
             self._drop_cancelled()
-            if not self._waiting and not self._running:
+            if eng.idle:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
-            entries, prefilling = eng._plan(self._waiting, self._running, self.policy)
-            if not entries:
-                self._wake.wait(0.001)
-                self._wake.clear()
-                continue
-            start = time.perf_counter()
             try:
-                eng._decode(entries)
+                events = eng.step()
             except LlmrunError as e:
                 self._fail_all(str(e))
                 continue
-            end = time.perf_counter()
-            n_prefill = 0
-            chunk: dict[int, int] = {}
+            step = events.step
+            if step is None:
+                self._wake.wait(0.001)
+                self._wake.clear()
+                continue
+            end = step.start_s + step.duration_s
             gaps: list[tuple[float, float]] = []
-            for index, (seq, token, _, kind, last) in enumerate(entries):
-                active = self._active[seq.sid]
-                active.slot.cached.append(token)
-                if kind == "p":
-                    n_prefill += 1
-                    chunk[seq.sid] = chunk.get(seq.sid, 0) + 1
-                    if seq.result.started_s is None:
-                        seq.result.started_s = start
-                if kind == "d" or last:
-                    token = lib.llama_sampler_sample(seq.chain, eng.ctx, index)
-                    pieces = len(seq.result.pieces)
-                    eng._emit(seq, token, end)
-                    if kind == "p":
-                        active.prefill_end_s = end
-                    elif len(seq.result.times) > 1:
-                        gaps.append((end, (seq.result.times[-1] - seq.result.times[-2]) * 1000))
-                    if len(seq.result.pieces) > pieces and seq.result.pieces[-1]:
-                        active.job.sink(Piece(seq.result.pieces[-1]))
-            for sid, n in chunk.items():
-                self._active[sid].chunks.append((n, (end - start) * 1000))
-            step = StepRecord(end, end - start, len(entries) - n_prefill, n_prefill)
+            jobs = self._jobs
+            for handle in events.tokens:
+                r = handle.result
+                if len(r.times) > 1:
+                    gaps.append((end, (r.times[-1] - r.times[-2]) * 1000))
+                if r.pieces and r.pieces[-1]:
+                    jobs[handle.id][0].sink(Piece(r.pieces[-1]))
+            record = StepRecord(end, step.duration_s, step.n_decode, step.n_prefill)
             with self._lock:
-                self._steps.append(step)
+                self._steps.append(record)
                 self._itl.extend(gaps)
-                for seq in prefilling:
-                    if seq.prefilled == len(seq.tokens) and seq in self._waiting:
-                        self._waiting.remove(seq)
-                        self._running.append(seq)
+                self._counts = (eng.decoding, eng.prefilling)
             if self.observer is not None:
-                self.observer.on_step(step)
-            for seq in [s for s in self._running if s.done]:
-                self._finish(seq, seq.result.finish)
+                self.observer.on_step(record)
+            for handle in events.finished:
+                self._finish(handle)
         self._fail_all("the server is shutting down")
 
-    def _admit(self) -> None:
-        """Pending requests into free slots, each where its prompt's longest prefix is cached."""
-        lib, mem = self.engine.lib, self.engine.lib.llama_get_memory(self.engine.ctx)
-        with self._lock:
-            while self._pending and len(self._active) < self.n_seq:
+    def _hand_over(self) -> None:
+        """Pending jobs to the engine while a sequence is free (the rest wait here, where the
+        HTTP side counts them); a job cancelled while it waited ends without a sequence."""
+        eng = self.engine
+        while True:
+            with self._lock:
+                if not self._pending or len(self._jobs) >= self.n_seq:
+                    return
                 job = self._pending.popleft()
-                if job.cancelled:
-                    self._report_cancelled(job)
-                    continue
-                free = [s for s in self._slots if s.sid not in self._active]
-                slot = max(free, key=lambda s: (_common(s.cached, job.tokens), -s.used_s))
-                reused = _common(slot.cached, job.tokens)
-                if not lib.llama_memory_seq_rm(mem, slot.sid, reused, -1):
-                    lib.llama_memory_seq_rm(mem, slot.sid, -1, -1)
-                    reused = 0
-                del slot.cached[reused:]
-                slot.used_s = time.perf_counter()
-                sp = job.sampling
-                seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
-                room = self.n_ctx_per_seq - len(job.tokens)
-                seq = _Seq(slot.sid, SeqResult(job.received_s, len(job.tokens)), job.tokens,
-                           max(1, min(sp.max_tokens, room)), sp.ignore_eos,
-                           chain=self.engine.new_chain(sp, seed, prompt=job.tokens),
-                           text=TextStream(sp.stop), prefilled=reused)  # fmt: skip
-                self._active[slot.sid] = _Active(
-                    job, seq, slot, reused, seed if sp.temperature > 0 else None
-                )
-                self._waiting.append(seq)
+                if not job.cancelled:
+                    handle = eng.submit(Arrival(job.received_s, job.tokens, job.sampling.max_tokens,
+                                                job.sampling.ignore_eos, job.sampling))  # fmt: skip
+                    self._jobs[handle.id] = (job, handle)
+            if job.cancelled:
+                self._report_cancelled(job)
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in (*self._waiting, *self._running)
-                    if self._active[s.sid].job.cancelled]:  # fmt: skip
-            self._finish(seq, FINISH_CANCELLED)
+        for _, handle in [v for v in self._jobs.values() if v[0].cancelled]:
+            self.engine.cancel(handle)  # its KV entries go now
+            self._finish(handle)
 
-    def _finish(self, seq: _Seq, finish: str) -> None:
-        active = self._active[seq.sid]
-        self.engine._finish(seq)  # the held-back text, and its sampler freed
-        r, job = seq.result, active.job
+    def _finish(self, handle: Handle) -> None:
+        r = handle.result
+        with self._lock:
+            job, _ = self._jobs.pop(handle.id)
+            self.served += 1
+            self.output_tokens += len(r.output)
+            self._counts = (self.engine.decoding, self.engine.prefilling)
         started = r.started_s if r.started_s is not None else time.perf_counter()
-        prefill_end = active.prefill_end_s if active.prefill_end_s is not None else started
+        prefill_end = r.prefilled_s if r.prefilled_s is not None else started
         times = r.times
+        finish = r.finish
         timings = RequestTimings(
-            prompt_tokens=len(seq.tokens), reused_tokens=active.reused,
+            prompt_tokens=len(handle.tokens), reused_tokens=handle.reused,
             output_tokens=len(r.output),
             template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
             queue_ms=(started - job.submitted_s) * 1000,
             prefill_ms=(prefill_end - started) * 1000,
-            prefill_chunks=tuple(active.chunks),
+            prefill_chunks=tuple((n, s * 1000) for n, s in r.chunks),
             ttft_ms=(times[0] - job.received_s) * 1000 if times else None,
             decode_ms=(times[-1] - times[0]) * 1000 if times else 0.0,
             itl_ms=tuple(g * 1000 for g in r.gaps_s),
             finish_reason=finish if finish == FINISH_CANCELLED
             else (FINISH_STOP if finish == FINISH_STOP else FINISH_LENGTH),
-            seed=active.seed,
+            seed=handle.seed if job.sampling.temperature > 0 else None,
         )  # fmt: skip
-        with self._lock:
-            if seq in self._waiting:
-                self._waiting.remove(seq)
-            if seq in self._running:
-                self._running.remove(seq)
-            del self._active[seq.sid]
-            self.served += 1
-            self.output_tokens += len(r.output)
         if self.observer is not None:
             self.observer.on_done(timings)
         job.sink(Done(timings.finish_reason, r.tail, timings))
-        self._wake.set()  # a free slot: admit the next one
+        self._wake.set()  # a free sequence: hand the next one over
 
     def _report_cancelled(self, job: Job) -> None:
         now = time.perf_counter()
@@ -411,29 +360,13 @@ class EngineThread:
         job.sink(Done(FINISH_CANCELLED, "", timings))
 
     def _fail_all(self, message: str) -> None:
-        """llama.cpp failed mid-step (or the server stops): every request in flight ends with
-        the error; the slots start empty."""
-        lib = self.engine.lib
-        if self.engine.ctx:
-            lib.llama_memory_clear(lib.llama_get_memory(self.engine.ctx), True)
+        """llama.cpp failed mid-step (the engine has ended every request and emptied its KV
+        cache), or the server stops: every request in flight or waiting ends with the error."""
+        self.engine.clear(FINISH_ERROR)
         with self._lock:
-            actives, pending = list(self._active.values()), list(self._pending)
-            self._active.clear()
+            jobs = [job for job, _ in self._jobs.values()] + list(self._pending)
+            self._jobs.clear()
             self._pending.clear()
-            self._waiting.clear()
-            self._running.clear()
-            for slot in self._slots:
-                slot.cached.clear()
-        for active in actives:
-            self.engine._finish(active.seq)
-        for job in [a.job for a in actives] + pending:
+            self._counts = (0, 0)
+        for job in jobs:
             job.sink(Failed(message))
-
-
-def _common(cached: list[int], tokens: tuple[int, ...]) -> int:
-    """The shared prefix, leaving at least the prompt's last token to evaluate (its logits)."""
-    limit = min(len(cached), len(tokens) - 1)
-    n = 0
-    while n < limit and cached[n] == tokens[n]:
-        n += 1
-    return n

@@ -10,8 +10,14 @@ prefill chunks of waiting ones, as the policy allows:
 - `decode-first`: prompts are prefilled only when no sequence is decoding; `decode-first:K`
   also lets a prefill in after K decode-only steps.
 
+Its users drive it through one small interface: `submit` a request (a handle back), `step`
+(one batch; the tokens and endings it produced), `cancel` a handle; `run` serves a timed load
+through them (the benchmarks, `run --parallel`), and `llmrun serve`'s engine thread calls them
+as requests come and go (api_engine.py).
+
 Sequences share the KV cache (unified) under their own sequence ids, so they never see each
-other's entries; a finished sequence's entries are removed. Sampling is greedy (one argmax over
+other's entries; a finished sequence's entries are removed (or kept for a later prompt's
+prefix, `keep_prefix`). Sampling is greedy (one argmax over
 all sequences' logits in numpy) or a sequence's own llama.cpp sampler chain. A step costs O(1)
 Python per decoding sequence: the batch is filled through ctypes views of its arrays, and the
 hot llama.cpp functions are looked up once.
@@ -21,8 +27,10 @@ wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
+import itertools
 import math
 import random
 import statistics
@@ -34,7 +42,7 @@ from typing import Any
 
 from llmrun.runners.base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
-from llmrun.runners.handles import Batch, Sampler
+from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import (
@@ -49,6 +57,8 @@ from llmrun.runners.system import busy_machine, cpu_sample, measured_background
 from llmrun.runners.text import TextStream
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
+FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
+FINISH_ERROR = "error"  # llama_decode failed: every request in flight ended
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,11 @@ class Policy:
 
 @dataclass(frozen=True)
 class Arrival:
-    at_s: float  # seconds after the start
+    """One request for the engine: a prompt's tokens and how much to generate. `at_s` is when
+    it arrives on the engine's clock (`BatchedEngine.now`): `run` submits it then, `submit`
+    takes it as the request's arrival (its queue wait and TTFT start there)."""
+
+    at_s: float
     tokens: tuple[int, ...]
     max_tokens: int
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
@@ -90,11 +104,15 @@ class Arrival:
 
 @dataclass
 class SeqResult:
+    """One request's tokens and time stamps, on the engine's clock (seconds)."""
+
     arrival_s: float
     prompt_tokens: int
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each output token's time stamp
     started_s: float | None = None  # the first step that carried its prompt
+    prefilled_s: float | None = None  # the end of the step that carried its prompt's last token
+    chunks: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, step s)
     pieces: list[str] = field(default_factory=list)  # each token's text (stop strings applied)
     tail: str = ""
     finish: str = FINISH_LENGTH
@@ -129,21 +147,45 @@ class Step:
     n_prefill: int
 
 
-@dataclass
-class _Seq:
-    sid: int
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Handle:
+    """A submitted request, as `submit` returns it: read its `result` (the engine writes it as
+    the request runs) and `done`; hand it to `cancel` to end it early. Compared by identity."""
+
     result: SeqResult
     tokens: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int  # within the sequence's context
     ignore_eos: bool = False
-    chain: Sampler | None = None  # its own sampler chain (None: greedy, one argmax in numpy)
-    text: TextStream | None = None
-    prefilled: int = 0
+    sampling: SamplingParams | None = None  # None: one greedy argmax in numpy
+    seed: int | None = None  # its sampler chain's seed (None: greedy)
+    sid: int = -1  # its sequence id while it holds one (-1: queued or ended)
+    reused: int = 0  # prompt tokens whose KV entries were kept from the sequence's last request
+    done: bool = False  # ended: finished, cancelled or failed (result.finish says which)
+    id: int = field(default_factory=lambda: next(_ids))
+    chain: Sampler | None = None  # its own sampler chain, from admission to its end
+    text_stream: TextStream | None = None
+    prefilled: int = 0  # prompt tokens scheduled so far (their KV entries, once decoded)
     pending: int | None = None  # sampled, not yet decoded
-    done: bool = False
 
 
-def _sid(seq: _Seq) -> int:
+@dataclass(frozen=True)
+class StepEvents:
+    """What one `step` did: the llama_decode step it ran (None: nothing was ready), the
+    requests that got a token (`result.output[-1]`; with sampling, its text is
+    `result.pieces[-1]`), and those that ended (their sequences free again)."""
+
+    step: Step | None
+    tokens: Sequence[Handle]
+    finished: Sequence[Handle]
+
+
+_NOTHING = StepEvents(None, (), ())
+
+
+def _sid(seq: Handle) -> int:
     return seq.sid
 
 
@@ -176,25 +218,57 @@ class _StepBatch(Batch):
 
 
 class BatchedEngine:
-    """A context of its own with `n_seq` sequences, over the runner's loaded weights.
+    """A context with `n_seq` sequences over the runner's loaded weights, stepped by its user.
+
+    The public interface, driven from one thread (the engine is not thread-safe):
+
+    - `submit(arrival) -> Handle` queues a request; `step()` admits queued requests into free
+      sequences, runs one llama_decode under the policy and returns its `StepEvents`;
+      `cancel(handle)` ends a request at once (its KV entries removed, its sequence free);
+    - `queued`, `prefilling`, `decoding` and `idle` say what is in flight; `now()` is the clock
+      every stamp is on (perf_counter seconds since `origin_s`);
+    - `run(arrivals, policy)` serves a whole timed load through these (the benchmarks).
+
+    `keep_prefix` keeps a finished request's KV entries in its sequence, so a later prompt
+    sharing its prefix goes to that sequence and prefills only the rest (llama-server's prompt
+    cache); otherwise they are removed as the request ends.
 
     Every C object is owned (runners/handles.py): the context, made by the runner, is closed
     before the weights it was made from, even when the runner closes first; the batch and each
-    sequence's sampler chain are freed once. `close` may be called any number of times."""
+    sequence's sampler chain are freed once. `context` lends the engine an existing context
+    with n_seq sequences (the runner's own, `runner.load(n_seq=...)`), which it uses and never
+    closes. `close` may be called any number of times."""
 
     def __init__(self, runner: LlamaCppRunner, *, n_seq: int, n_ctx_per_seq: int, n_batch: int
-                 = 512, kv_unified: bool = True) -> None:  # fmt: skip
+                 = 512, kv_unified: bool = True, policy: Policy | None = None,
+                 keep_prefix: bool = False, context: Context | None = None) -> None:  # fmt: skip
         import numpy as np
 
         lib = llama_lib()
         self.lib, self.runner, self.n_seq, self.n_batch = lib, runner, n_seq, n_batch
-        # the runner's threads and flash attention, so one sequence decodes as `run` does
-        self.ctx = runner.make_context(n_seq=n_seq, n_ctx=n_seq * n_ctx_per_seq,
-                                       n_batch=n_batch, kv_unified=kv_unified)  # fmt: skip
+        self.n_ctx_per_seq, self.keep_prefix = n_ctx_per_seq, keep_prefix
+        self.policy = policy or Policy("chunked", n_batch)
+        self.origin_s = 0.0  # stamps are perf_counter() - origin_s; `run` restarts the clock
+        self._owns_ctx = context is None
+        if context is not None:
+            have = int(lib.llama_n_seq_max(context.ptr)), int(lib.llama_n_ctx(context.ptr))
+            if have[0] < n_seq or have[1] < n_seq * n_ctx_per_seq:
+                raise EngineError(f"the context given holds {have[0]} sequences of {have[1]}"
+                                  f" tokens in all, not {n_seq} x {n_ctx_per_seq}")  # fmt: skip
+            self.ctx = context
+        else:  # the runner's threads and flash attention, so one sequence decodes as `run` does
+            self.ctx = runner.make_context(n_seq=n_seq, n_ctx=n_seq * n_ctx_per_seq,
+                                           n_batch=n_batch, kv_unified=kv_unified)  # fmt: skip
         self.batch = _StepBatch(lib, n_batch)
         self.n_vocab = runner.vocab_size()
         self._np = np
         self._held = 0  # decode-only steps since the last prefill (decode-first:K)
+        self._queue: collections.deque[Handle] = collections.deque()  # no sequence yet
+        self._waiting: list[Handle] = []  # prefilling
+        self._running: list[Handle] = []  # decoding
+        self._free = list(range(n_seq))
+        self._cached: list[list[int]] = [[] for _ in range(n_seq)]  # keep_prefix: KV's tokens
+        self._used_s = [0.0] * n_seq
         # the step's hot calls, looked up once
         self._llama_decode = lib.llama_decode
         self._synchronize = lib.llama_synchronize
@@ -202,7 +276,7 @@ class BatchedEngine:
         self._is_eog = runner.is_eog
         self._view_key: tuple[int, int] = (0, 0)
         self._view: Any = None
-        self._outs: list[_Seq] = []  # the sequences sampled after this step, in batch order
+        self._outs: list[Handle] = []  # the sequences sampled after this step, in batch order
         self._out_rows: list[int] = []  # and their entries in the batch
 
     @property
@@ -212,9 +286,12 @@ class BatchedEngine:
         return int(self.lib.llama_n_threads(ptr)), int(self.lib.llama_n_threads_batch(ptr))
 
     def close(self) -> None:
-        """Free the batch, then the context (each once); the runner's weights stay loaded."""
+        """End every request, free the batch, then the context if the engine made it (each
+        once); the runner's weights stay loaded."""
+        self.clear()
         self.batch.close()
-        self.ctx.close()
+        if self._owns_ctx:
+            self.ctx.close()
 
     def __enter__(self) -> BatchedEngine:
         return self
@@ -226,6 +303,132 @@ class BatchedEngine:
         """A sequence's own sampler chain for these settings (closed when it finishes)."""
         return self.runner.new_sampler(sp, seed, prompt=prompt)
 
+    # ---- the public interface -------------------------------------------------------------
+
+    def now(self) -> float:
+        """The engine's clock: every time stamp it writes is on it."""
+        return time.perf_counter() - self.origin_s
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted and waiting for a free sequence."""
+        return len(self._queue)
+
+    @property
+    def prefilling(self) -> int:
+        """Requests holding a sequence whose prompt is not all prefilled yet."""
+        return len(self._waiting)
+
+    @property
+    def decoding(self) -> int:
+        """Requests generating tokens."""
+        return len(self._running)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or in flight: `step` would do nothing."""
+        return not (self._queue or self._waiting or self._running)
+
+    def submit(self, arrival: Arrival) -> Handle:
+        """Queue a request (it gets a sequence at the next `step` with one free, in order of
+        submission) and return its handle. PromptTooLongError when its prompt leaves no room
+        in one sequence's context; its output is cut to what the context holds."""
+        tokens = tuple(arrival.tokens)
+        if not tokens:
+            raise BadRequestError("an empty prompt: the engine needs at least one token")
+        if len(tokens) + 1 > self.n_ctx_per_seq:
+            raise PromptTooLongError(len(tokens), self.n_ctx_per_seq)
+        sp = arrival.sampling
+        seed = None
+        if sp is not None:
+            seed = sp.seed if sp.seed is not None else random.randrange(2**31)
+        handle = Handle(SeqResult(arrival.at_s, len(tokens)), tokens,
+                        min(arrival.max_tokens, self.n_ctx_per_seq - len(tokens)),
+                        arrival.ignore_eos, sp, seed)  # fmt: skip
+        self._queue.append(handle)
+        return handle
+
+    def cancel(self, handle: Handle) -> bool:
+        """End a request now, queued or running: its sampler is freed, its KV entries are
+        removed and its sequence is free for the next request; `result.finish` is
+        'cancelled'. False when it had already ended."""
+        if handle.done:
+            return False
+        if handle.sid < 0:
+            self._queue.remove(handle)
+        else:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+            else:
+                self._running.remove(handle)
+            self._release(handle, keep_kv=False)
+        handle.done, handle.pending, handle.result.finish = True, None, FINISH_CANCELLED
+        return True
+
+    def clear(self, finish: str = FINISH_CANCELLED) -> list[Handle]:
+        """End every request (queued or in flight) with `finish` and empty the KV cache of
+        every sequence; returns the requests it ended."""
+        ended = [*self._queue, *self._waiting, *self._running]
+        for h in ended:
+            self._finish(h)
+            h.done, h.pending, h.sid, h.result.finish = True, None, -1, finish
+        self._queue.clear()
+        self._waiting.clear()
+        self._running.clear()
+        self._free = list(range(self.n_seq))
+        for cached in self._cached:
+            cached.clear()
+        if self.ctx.ptr is not None:  # None: the runner closed it already
+            self.ctx.clear()
+        return ended
+
+    def step(self, policy: Policy | None = None) -> StepEvents:
+        """Admit queued requests into free sequences, then one llama_decode of the batch the
+        policy (default: the engine's) builds from the decoding sequences' next tokens and
+        the prompts' chunks, and each sampled sequence's next token. A failed llama_decode
+        ends every request (finish 'error'), empties the KV cache and raises EngineError."""
+        self._admit()
+        waiting, running = self._waiting, self._running
+        if not waiting and not running:
+            return _NOTHING
+        decodes, chunks = self._schedule(waiting, running, policy or self.policy)
+        if not decodes and not chunks:
+            return _NOTHING
+        clock, origin = time.perf_counter, self.origin_s
+        start = clock()
+        n_prefill = self._fill(decodes, chunks)
+        if self.keep_prefix:
+            cached = self._cached
+            for s in decodes:
+                cached[s.sid].append(s.pending)  # type: ignore[arg-type]
+            for s, first, n in chunks:
+                cached[s.sid].extend(s.tokens[first : first + n])
+        try:
+            self._step()
+        except EngineError:
+            self.clear(FINISH_ERROR)
+            raise
+        end = clock()
+        start_s, end_s = start - origin, end - origin
+        for seq, _, n in chunks:
+            r = seq.result
+            if r.started_s is None:
+                r.started_s = start_s
+            r.chunks.append((n, end - start))
+        tokens = self._sample_and_emit(end_s)
+        for seq, _, _ in chunks:
+            if seq.prefilled == len(seq.tokens) and seq in waiting:
+                seq.result.prefilled_s = end_s
+                waiting.remove(seq)
+                running.append(seq)  # a sequence done at once leaves with the others
+        finished: list[Handle] = []
+        if any(s.done for s in running):
+            finished = [s for s in running if s.done]
+            for seq in finished:
+                running.remove(seq)
+                self._release(seq, keep_kv=self.keep_prefix)
+        return StepEvents(Step(start_s, end - start, len(decodes), n_prefill), tokens, finished)
+
     def run(
         self,
         arrivals: Sequence[Arrival],
@@ -233,67 +436,80 @@ class BatchedEngine:
         *,
         cancel: threading.Event | None = None,
     ) -> tuple[list[SeqResult], list[Step]]:
-        """Serve the arrivals (at most n_seq at once; later ones queue) under the policy."""
-        self.ctx.clear()
+        """Serve the arrivals (each submitted at its `at_s` after the start; at most n_seq at
+        once, later ones queue) under the policy, through `submit` and `step`. Returns each
+        arrival's result, in order of `at_s`, and every step. The KV cache starts empty."""
+        self.clear()
         queue = sorted(arrivals, key=lambda a: a.at_s)
-        results = [SeqResult(a.at_s, len(a.tokens)) for a in queue]
-        waiting: list[_Seq] = []
-        running: list[_Seq] = []
-        free = list(range(self.n_seq))
+        handles: list[Handle] = []
         steps: list[Step] = []
-        clock = time.perf_counter
-        t0 = clock()
+        self.origin_s = time.perf_counter()
+        now = self.now
         nxt = 0
         try:
-            while nxt < len(queue) or waiting or running:
+            while nxt < len(queue) or not self.idle:
                 if cancel is not None and cancel.is_set():
                     break
-                now = clock() - t0
-                while nxt < len(queue) and queue[nxt].at_s <= now and free:
-                    a = queue[nxt]
-                    seq = _Seq(free.pop(0), results[nxt], a.tokens, a.max_tokens, a.ignore_eos)
-                    if a.sampling is not None:
-                        sp = a.sampling
-                        seed = sp.seed if sp.seed is not None else random.randrange(2**31)
-                        seq.chain = self.new_chain(sp, seed, prompt=a.tokens)
-                        seq.text = TextStream(sp.stop)
-                    waiting.append(seq)
+                t = now()
+                while nxt < len(queue) and queue[nxt].at_s <= t:
+                    handles.append(self.submit(queue[nxt]))
                     nxt += 1
-                if not waiting and not running:
-                    time.sleep(max(0.0, min(queue[nxt].at_s - now, 0.05)))
+                if self.idle:
+                    time.sleep(max(0.0, min(queue[nxt].at_s - t, 0.05)))
                     continue
-                decodes, chunks = self._schedule(waiting, running, policy)
-                if not decodes and not chunks:
+                events = self.step(policy)
+                if events.step is None:
                     time.sleep(0.001)
                     continue
-                start = clock()
-                n_prefill = self._fill(decodes, chunks)
-                self._step()
-                end = clock()
-                steps.append(Step(start - t0, end - start, len(decodes), n_prefill))
-                for seq, _, _ in chunks:
-                    if seq.result.started_s is None:
-                        seq.result.started_s = start - t0
-                self._sample_and_emit(end - t0)
-                for seq, _, _ in chunks:
-                    if seq.prefilled == len(seq.tokens) and seq in waiting:
-                        waiting.remove(seq)
-                        running.append(seq)  # a sequence done at once leaves with the others
-                if any(s.done for s in running):
-                    for seq in [s for s in running if s.done]:
-                        self._finish(seq)
-                        running.remove(seq)
-                        self.ctx.remove(seq.sid)
-                        free.append(seq.sid)
-                    free.sort()  # the lowest ids first, so the running ones stay consecutive
+                steps.append(events.step)
         finally:
-            for seq in (*waiting, *running):  # interrupted: their samplers go too
-                self._finish(seq)
+            self.clear()  # interrupted: the rest end 'cancelled', their samplers freed
+        results = [h.result for h in handles]
+        results += [SeqResult(a.at_s, len(a.tokens)) for a in queue[nxt:]]
         return results, steps
 
+    # ---- inside a step ------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Queued requests into free sequences, in order; with keep_prefix, each into the free
+        sequence whose cached tokens share its prompt's longest prefix."""
+        queue, free = self._queue, self._free
+        while queue and free:
+            seq = queue.popleft()
+            reused = 0
+            if self.keep_prefix:
+                cached = self._cached
+                sid = max(free, key=lambda i: (_common(cached[i], seq.tokens), -self._used_s[i]))
+                reused = _common(cached[sid], seq.tokens)
+                if not self.ctx.remove(sid, reused, -1):  # e.g. recurrent: all or nothing
+                    self.ctx.remove(sid)
+                    reused = 0
+                del cached[sid][reused:]
+                self._used_s[sid] = time.perf_counter()
+                free.remove(sid)
+            else:
+                sid = free.pop(0)
+            seq.sid, seq.reused, seq.prefilled = sid, reused, reused
+            if seq.sampling is not None:
+                assert seq.seed is not None
+                seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+                seq.text_stream = TextStream(seq.sampling.stop)
+            self._waiting.append(seq)
+
+    def _release(self, seq: Handle, *, keep_kv: bool) -> None:
+        """A request leaves its sequence: its text flushed, its sampler freed, its KV entries
+        kept for a later prompt's prefix or removed."""
+        self._finish(seq)
+        if not keep_kv:
+            self.ctx.remove(seq.sid)
+            self._cached[seq.sid].clear()
+        self._free.append(seq.sid)
+        self._free.sort()  # the lowest ids first, so the running ones stay consecutive
+        seq.sid = -1
+
     def _schedule(
-        self, waiting: list[_Seq], running: list[_Seq], policy: Policy
-    ) -> tuple[list[_Seq], list[tuple[_Seq, int, int]]]:
+        self, waiting: list[Handle], running: list[Handle], policy: Policy
+    ) -> tuple[list[Handle], list[tuple[Handle, int, int]]]:
         """The step under the policy: the sequences that decode their pending token, and the
         prompt chunks (sequence, first position, length) that go with them."""
         # in sequence order: with one KV stream per sequence (kv_unified off) llama.cpp puts only
@@ -312,7 +528,7 @@ class BatchedEngine:
             room = max(0, room - len(decodes))
         else:
             room = self.n_batch - len(decodes)
-        chunks: list[tuple[_Seq, int, int]] = []
+        chunks: list[tuple[Handle, int, int]] = []
         for seq in waiting:
             if room <= 0:
                 break
@@ -322,7 +538,7 @@ class BatchedEngine:
             room -= take
         return decodes, chunks
 
-    def _fill(self, decodes: list[_Seq], chunks: list[tuple[_Seq, int, int]]) -> int:
+    def _fill(self, decodes: list[Handle], chunks: list[tuple[Handle, int, int]]) -> int:
         """The batch: one entry per decoding sequence, then the prompt chunks; returns the
         prompt tokens in it. Notes which rows are sampled after the step."""
         b = self.batch
@@ -362,17 +578,20 @@ class BatchedEngine:
             raise EngineError(f"llama_decode failed in a batched step (code {rc})")
         self._synchronize(self.ctx.ptr)
 
-    def _sample_and_emit(self, stamp: float) -> None:
+    def _sample_and_emit(self, stamp: float) -> list[Handle]:
         """Each sampled sequence's next token: argmax over all greedy rows in one numpy call,
-        a sequence's own chain in C otherwise."""
+        a sequence's own chain in C otherwise. Returns the sequences that got a token."""
         outs, rows = self._outs, self._out_rows
         best: list[int] = []
         if any(s.chain is None for s in outs):
             best = self._logits(len(outs)).argmax(axis=1).tolist()
         ctx = self.ctx
+        got: list[Handle] = []
         for k, seq in enumerate(outs):
             token = best[k] if seq.chain is None else seq.chain.sample(ctx, rows[k])
-            self._emit(seq, token, stamp)
+            if self._emit(seq, token, stamp):
+                got.append(seq)
+        return got
 
     def _logits(self, n: int) -> Any:
         """The step's n rows of logits as an (n, n_vocab) array over llama.cpp's own buffer."""
@@ -383,56 +602,41 @@ class BatchedEngine:
             self._view_key = key
         return self._view
 
-    # ---- entry by entry: `llmrun serve`'s loop drives the engine through these -------------
-
-    def _plan(
-        self, waiting: list[_Seq], running: list[_Seq], policy: Policy
-    ) -> tuple[list[tuple[_Seq, int, int, str, bool]], list[_Seq]]:
-        """(seq, token, position, 'd' or 'p', logits wanted) for each batch entry."""
-        decodes, chunks = self._schedule(waiting, running, policy)
-        entries: list[tuple[_Seq, int, int, str, bool]] = [
-            (s, int(s.pending), s.prefilled + len(s.result.output) - 1, "d", True)
-            for s in decodes
-            if s.pending is not None
-        ]
-        for s, first, n in chunks:
-            last = len(s.tokens) - 1
-            entries += [(s, s.tokens[p], p, "p", p == last) for p in range(first, first + n)]
-        return entries, [s for s, _, _ in chunks]
-
-    def _decode(self, entries: list[tuple[_Seq, int, int, str, bool]]) -> None:
-        b = self.batch
-        for i, (seq, token, pos, _, logits) in enumerate(entries):
-            b.token[i] = token
-            b.pos[i] = pos
-            b.set_seq(i, 1, seq.sid)
-            b.logits[i] = logits
-        b.n_tokens = len(entries)
-        self._step()
-
-    def _emit(self, seq: _Seq, token: int, stamp: float) -> None:
+    def _emit(self, seq: Handle, token: int, stamp: float) -> bool:
+        """The sampled token into the request's result; False for an end-of-generation token
+        (not part of the output)."""
         if not seq.ignore_eos and self._is_eog(token):
             seq.done, seq.pending, seq.result.finish = True, None, FINISH_STOP
-            return
+            return False
         seq.result.output.append(token)
         seq.result.times.append(stamp)
         seq.pending = token
-        if seq.text is not None:
-            seq.result.pieces.append(seq.text.feed(self.runner.piece(token)))
-            if seq.text.stopped:
+        if seq.text_stream is not None:
+            seq.result.pieces.append(seq.text_stream.feed(self.runner.piece(token)))
+            if seq.text_stream.stopped:
                 seq.done, seq.pending, seq.result.finish = True, None, FINISH_STOP
-                return
+                return True
         if len(seq.result.output) >= seq.max_tokens:
             seq.done, seq.pending = True, None
+        return True
 
-    def _finish(self, seq: _Seq) -> None:
+    def _finish(self, seq: Handle) -> None:
         """The held-back text, and the sequence's sampler chain freed."""
-        if seq.text is not None:
-            seq.result.tail = seq.text.flush()
-            seq.text = None
+        if seq.text_stream is not None:
+            seq.result.tail = seq.text_stream.flush()
+            seq.text_stream = None
         chain, seq.chain = seq.chain, None
         if chain is not None:
             chain.close()
+
+
+def _common(cached: list[int], tokens: tuple[int, ...]) -> int:
+    """The shared prefix, leaving at least the prompt's last token to evaluate (its logits)."""
+    limit = min(len(cached), len(tokens) - 1)
+    n = 0
+    while n < limit and cached[n] == tokens[n]:
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -590,7 +794,7 @@ def serve_requests(
             outcome[i] = NotStartedError()
             continue
         finish = r.finish
-        if finish == FINISH_LENGTH and len(r.output) < limits[i]:
+        if finish in (FINISH_LENGTH, FINISH_CANCELLED) and len(r.output) < limits[i]:
             finish = FINISH_INTERRUPTED  # cut by Ctrl-C, not by -n
         elif finish == FINISH_LENGTH and limits[i] < request.sampling.max_tokens:
             finish = FINISH_CONTEXT  # -c, not -n, ended it

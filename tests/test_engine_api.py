@@ -1,0 +1,181 @@
+"""The batched engine's public interface (submit, step, cancel) on the real model, and the
+server's engine thread on it: one context, a cancel that frees its sequence's KV at once."""
+
+from __future__ import annotations
+
+import queue
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.errors import EngineError, PromptTooLongError
+from llmrun.runners.library import LOG_LINES, llama_lib
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.api_engine import Done, EngineThread, Job, Outcome, Piece
+from llmrun.runners.serving.engine import (
+    FINISH_CANCELLED,
+    Arrival,
+    BatchedEngine,
+    Handle,
+    Policy,
+)
+
+from .greedy import NEAR_TIE, margin_at_divergence
+
+MAX_STEPS = 2000  # bounds every loop below: a step always makes progress
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[BatchedEngine]:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64) as e:
+        yield e
+    runner.close()
+
+
+def prompt(seed: int, n: int = 40) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(1000, 40000) for _ in range(n))
+
+
+def kv_end(engine: BatchedEngine, sid: int) -> int:
+    """The last position sequence sid holds in the KV cache (-1: none)."""
+    lib = llama_lib()
+    return int(lib.llama_memory_seq_pos_max(lib.llama_get_memory(engine.ctx.ptr), sid))
+
+
+def step_until(engine: BatchedEngine, *, handle: Handle | None = None, tokens: int = 0) -> None:
+    """Step until the handle ended or has `tokens` tokens (without a handle: until idle)."""
+    for _ in range(MAX_STEPS):
+        if handle is not None and (handle.done or 0 < tokens <= len(handle.result.output)):
+            return
+        if handle is None and engine.idle:
+            return
+        engine.step()
+    raise AssertionError("the engine made no progress")
+
+
+def test_a_cancel_frees_the_sequences_kv_at_once_and_the_next_request_runs(
+    engine: BatchedEngine,
+) -> None:
+    engine.clear()
+    assert engine.step().step is None  # idle: nothing to run
+    first = engine.submit(Arrival(engine.now(), prompt(1), 60, ignore_eos=True))
+    step_until(engine, handle=first, tokens=3)
+    sid = first.sid
+    assert sid >= 0 and kv_end(engine, sid) >= len(first.tokens)  # its prompt's KV is there
+    assert engine.cancel(first)
+    assert kv_end(engine, sid) == -1  # gone before any further step
+    assert first.done and first.sid == -1 and first.result.finish == FINISH_CANCELLED
+    assert len(first.result.output) < 60 and engine.idle
+    assert not engine.cancel(first)  # already ended
+    after = engine.submit(Arrival(engine.now(), prompt(2), 8, ignore_eos=True))
+    step_until(engine, handle=after)
+    assert after.done and len(after.result.output) == 8
+    solo, _ = engine.run([Arrival(0.0, prompt(2), 8, ignore_eos=True)], Policy("chunked", 64))
+    assert margin_at_divergence(engine.runner, list(prompt(2)), solo[0].output,
+                                after.result.output) < NEAR_TIE  # fmt: skip
+
+
+def test_a_queued_request_cancelled_never_runs_and_the_others_carry_on(
+    engine: BatchedEngine,
+) -> None:
+    engine.clear()
+    running = [engine.submit(Arrival(engine.now(), prompt(i), 6, ignore_eos=True))
+               for i in (3, 4)]  # fmt: skip
+    waiting = engine.submit(Arrival(engine.now(), prompt(5), 6, ignore_eos=True))
+    engine.step()
+    assert engine.queued == 1 and engine.prefilling + engine.decoding == 2
+    assert engine.cancel(waiting)
+    assert engine.queued == 0 and waiting.done and waiting.result.started_s is None
+    step_until(engine)
+    assert [len(h.result.output) for h in running] == [6, 6]
+    assert waiting.result.output == []
+
+
+def test_step_events_carry_each_token_and_each_ending(engine: BatchedEngine) -> None:
+    engine.clear()
+    sampling = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+    h = engine.submit(Arrival(engine.now(), prompt(6), 12, ignore_eos=True, sampling=sampling))
+    got, ended, prefill = 0, [], 0
+    for _ in range(MAX_STEPS):
+        if engine.idle:
+            break
+        events = engine.step(Policy("chunked", 16))  # the prompt in chunks of 16
+        assert events.step is not None
+        prefill += events.step.n_prefill
+        got += sum(1 for t in events.tokens if t is h)
+        ended += list(events.finished)
+    assert got == len(h.result.output) == 12 and ended == [h]
+    assert prefill == len(h.tokens) and [n for n, _ in h.result.chunks] == [16, 16, 8]
+    assert h.seed == 11 and len(h.result.pieces) == 12
+    assert h.result.started_s is not None and h.result.prefilled_s == h.result.times[0]
+    text = b"".join(engine.runner.piece(t) for t in h.result.output).decode(errors="replace")
+    assert "".join(h.result.pieces) + h.result.tail == text
+
+
+def test_keep_prefix_reuses_a_shared_prefix_and_changes_nothing(model_path: str) -> None:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    try:
+        with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64,
+                           keep_prefix=True) as keep:  # fmt: skip
+            first = keep.submit(Arrival(keep.now(), prompt(7), 4, ignore_eos=True))
+            step_until(keep)
+            longer = keep.submit(Arrival(keep.now(), prompt(7) + prompt(8, 10), 8,
+                                         ignore_eos=True))  # fmt: skip
+            step_until(keep)
+            assert first.reused == 0 and longer.reused == len(prompt(7))
+            assert sum(n for n, _ in longer.result.chunks) == 10  # only the new tokens
+            plain, _ = keep.run([Arrival(0.0, longer.tokens, 8, ignore_eos=True)],
+                                Policy("chunked", 64))  # fmt: skip
+            assert margin_at_divergence(runner, list(longer.tokens), plain[0].output,
+                                        longer.result.output) < NEAR_TIE  # fmt: skip
+    finally:
+        runner.close()
+
+
+def test_a_prompt_longer_than_a_sequence_is_refused_at_submit(engine: BatchedEngine) -> None:
+    engine.clear()
+    with pytest.raises(PromptTooLongError):
+        engine.submit(Arrival(0.0, prompt(9, 128), 4))
+    assert engine.idle
+
+
+def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
+    """`llmrun serve`'s engine thread loads the model once and makes one context, holding its
+    sequences: llama.cpp logs one context's construction, and its KV buffer is what one
+    context of n_seq x n_ctx tokens takes, no more."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
+                          max_queue=1)  # fmt: skip
+    try:
+        constructed = sum("constructing llama_context" in line for line in LOG_LINES)
+        assert constructed == 1
+        assert thread.engine.ctx is runner.context and not runner._contexts
+        loaded = runner.load()
+        assert loaded.settings.n_ctx == 256 and loaded.settings.memory.n_ctx >= 512
+        single = LlamaCppRunner(model_path, EngineConfig(n_ctx=512, n_threads=1))
+        try:
+            assert loaded.settings.memory.kv_bytes == single.load().settings.memory.kv_bytes > 0
+        finally:
+            single.close()
+        with pytest.raises(EngineError, match="2 sequences"):
+            runner.load(n_seq=1)  # a second, single-sequence context is refused
+        thread.start()
+        out: queue.Queue[Outcome] = queue.Queue()
+        job = Job(prompt(10), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                  out.put, received_s=time.perf_counter())  # fmt: skip
+        thread.submit(job)
+        events = [out.get(timeout=120)]
+        while not isinstance(events[-1], Done):
+            events.append(out.get(timeout=120))
+        done = events[-1]
+        assert isinstance(done, Done) and done.timings.output_tokens == 5
+        assert all(isinstance(e, Piece) for e in events[:-1])
+    finally:
+        thread.stop()
+        runner.close()
