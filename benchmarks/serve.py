@@ -1,17 +1,20 @@
-"""`llmrun serve -np 4` against llama-cpp-python's own server, under llmrun's serving benchmark.
+"""`llmrun serve -np 4` against llama.cpp's own `llama-server`, under llmrun's serving benchmark.
 
-Both servers run on loopback with the same model, threads, batch size and context per sequence;
-llmrun's serving benchmark (`llmrun bench serve --endpoint`, or `llmrun bench --endpoint` where
-that command is not there yet) loads each at concurrency 1, 4 and 8, alternating which server
-goes first at every level and round. Printed: each level's output throughput, TTFT and ITL
-p50/p99 for both, and llmrun's ratios to the reference (median over the rounds).
+Both servers run on loopback with the same model, slots, threads, batch size and context per
+sequence (llama-server: -np N with a unified KV cache capped per slot, as llmrun's); llmrun's
+serving benchmark (`llmrun bench serve --endpoint`) loads each at concurrency 1, 4 and 8,
+alternating which server goes first at every level and round. Printed: each level's output
+throughput, TTFT and ITL p50/p99 for both, and llmrun's ratios to the reference (median over
+the rounds). With --interference, every round also runs llmrun's interference test against
+each (one client decoding while --long-prompt-token prompts arrive) and prints the stream's ITL
+p99 ratio: what `--policy chunked:64` is for.
 
-    .venv/bin/python benchmarks/serve.py [--rounds 2] [--concurrency 1,4,8] [--threads 2]
+    .venv/bin/python benchmarks/serve.py --policy chunked:64 --interference [--rounds 2]
 
-llama-cpp-python's server answers one request at a time (it has no slots), so above
-concurrency 1 the ratios show what continuous batching adds; at concurrency 1 they compare the
-two engines request for request. With --interference, each server also gets llmrun's
-interference test (one client decoding while long prompts arrive); try --policy chunked:64.
+llama-server comes from the installed llama-cpp-python's own sources (tests/llama_tools.py
+builds it once: `python -m tests.llama_tools llama-server`; LLAMA_SERVER names another build).
+`--reference llama-cpp-python` uses llama-cpp-python's server instead, which answers one request
+at a time (no slots): above concurrency 1 its ratios show what continuous batching adds.
 """
 
 from __future__ import annotations
@@ -78,19 +81,21 @@ def llmrun_serve(args: argparse.Namespace, policy: str) -> Iterator[str]:
         proc.wait(60)
 
 
+def repack_safe() -> bool:
+    """llmrun's own verdict on weight repacking for this CPU and model (AMX CPUs crash with it
+    in this llama.cpp); the reference gets the same setting llmrun serve chooses."""
+    from llmrun.runners.gguf import read_gguf
+    from llmrun.runners.probe import repack_verdict
+
+    path = model_path()
+    return repack_verdict(path, read_gguf(path).quantization).safe
+
+
 @contextlib.contextmanager
-def reference_server(args: argparse.Namespace) -> Iterator[str]:
-    """llama-cpp-python's server (through tests/llama_server.py, which only turns weight
-    repacking off where llmrun's probe finds it unsafe on this CPU)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path(),
-         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.ctx), "--n_batch",
-         str(args.batch), "--n_threads", str(args.threads), "--n_threads_batch",
-         str(args.threads), "--verbose", "False", "--interrupt_requests", "False"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+def serving(cmd: list[str], url: str, what: str, log: Path | None = None) -> Iterator[str]:
+    """A server process; yields its URL once /v1/models answers."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + START_S
         while True:
@@ -99,12 +104,42 @@ def reference_server(args: argparse.Namespace) -> Iterator[str]:
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit("the llama-cpp-python server did not start")
+                    sys.exit(f"{what} did not start" + (f" (its log: {log})" if log else ""))
                 time.sleep(0.2)
         yield url
     finally:
         proc.terminate()
         proc.wait(60)
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def reference_server(args: argparse.Namespace) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if args.reference == "llama-server":
+        sys.path.insert(0, str(ROOT))
+        from tests import llama_tools
+
+        cmd = [str(llama_tools.llama_server()), "-m", model_path(), "--host", "127.0.0.1",
+               "--port", str(port), "-np", str(args.parallel), "-c", str(args.ctx * args.parallel),
+               "-kvu", "--kv-unified-per-slot", str(args.ctx), "-t", str(args.threads), "-tb",
+               str(args.threads), "-b", str(args.batch), "-ub", str(args.batch),
+               "--no-webui"]  # fmt: skip
+        if not repack_safe():
+            cmd.append("--no-repack")
+        with serving(cmd, url, "llama-server", Path(args.log_dir) / "llama-server.log") as u:
+            yield u
+        return
+    # llama-cpp-python's server, through tests/llama_server.py, which only turns weight
+    # repacking off where llmrun's probe finds it unsafe on this CPU
+    cmd = [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path(),
+           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.ctx), "--n_batch",
+           str(args.batch), "--n_threads", str(args.threads), "--n_threads_batch",
+           str(args.threads), "--verbose", "False", "--interrupt_requests", "False"]  # fmt: skip
+    with serving(cmd, url, "the llama-cpp-python server") as u:
+        yield u
 
 
 def bench_command() -> list[str]:
@@ -146,12 +181,18 @@ def interference(cmd: list[str], url: str, args: argparse.Namespace) -> dict[str
     return record
 
 
+def load_average() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default="1,4,8")
-    ap.add_argument("--parallel", type=int, default=4, help="llmrun serve -np")
+    ap.add_argument("--parallel", type=int, default=4, help="slots of both servers (-np)")
     ap.add_argument("--policy", default="chunked:512", help="llmrun serve's scheduling")
+    ap.add_argument("--reference", choices=("llama-server", "llama-cpp-python"),
+                    default="llama-server")  # fmt: skip
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
@@ -160,15 +201,19 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--interference", action="store_true")
     ap.add_argument("--long-prompt", type=int, default=512)
+    ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     cmd = bench_command()
+    ref_name = args.reference
     print(f"serving benchmark: {' '.join(Path(c).name for c in cmd)}; llmrun serve -np"
-          f" {args.parallel} --policy {args.policy}; {args.threads} threads, {args.prompts}"
-          f" prompts of {args.input_len} tokens -> {args.output_len}", flush=True)  # fmt: skip
+          f" {args.parallel} --policy {args.policy} vs {ref_name} -np {args.parallel};"
+          f" {args.threads} threads, {args.prompts} prompts of {args.input_len} tokens ->"
+          f" {args.output_len}; {load_average()}", flush=True)  # fmt: skip
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    itl99: dict[str, list[float]] = {}
     with llmrun_serve(args, args.policy) as ours, reference_server(args) as ref:
-        servers = {"llmrun": ours, "llama-cpp-python": ref}
+        servers = {"llmrun": ours, ref_name: ref}
         for rnd in range(args.rounds):
             for i, level in enumerate(levels):
                 order = list(servers) if (rnd + i) % 2 == 0 else list(reversed(servers))
@@ -178,22 +223,32 @@ def main() -> int:
                     print(f"round {rnd + 1} c{level} {name:<17} {m['tps']:7.1f} tok/s  TTFT"
                           f" {m['ttft']:8.1f} ms  ITL p50 {m['itl50']:7.1f} p99"
                           f" {m['itl99']:7.1f} ms", flush=True)  # fmt: skip
-        if args.interference:
-            for name, url in servers.items():
-                rec = interference(cmd, url, args)
-                print(f"interference {name}: stream ITL p99 {rec['itl_p99_loaded_ms']} ms"
-                      f" under long prompts (alone {rec['itl_p99_alone_ms']} ms)")  # fmt: skip
+            if args.interference:
+                order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    rec = interference(cmd, servers[name], args)
+                    itl99.setdefault(name, []).append(float(rec["itl_p99_loaded_ms"]))
+                    print(f"round {rnd + 1} interference {name:<17} stream ITL p99"
+                          f" {rec['itl_p99_loaded_ms']} ms while {args.long_prompt}-token"
+                          f" prompts arrive (alone {rec['itl_p99_alone_ms']} ms)",
+                          flush=True)  # fmt: skip
     print()
     for level in levels:
-        mine, theirs = results[("llmrun", level)], results[("llama-cpp-python", level)]
+        mine, theirs = results[("llmrun", level)], results[(ref_name, level)]
 
         def ratio(key: str, a: list[dict[str, float]] = mine,
                   b: list[dict[str, float]] = theirs) -> float:  # fmt: skip
             return statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True))
 
-        print(f"c{level}: llmrun / llama-cpp-python: throughput x{ratio('tps'):.2f}, TTFT"
+        print(f"c{level}: llmrun / {ref_name}: throughput x{ratio('tps'):.2f}, TTFT"
               f" x{ratio('ttft'):.2f}, ITL p50 x{ratio('itl50'):.2f}, ITL p99"
               f" x{ratio('itl99'):.2f} (median of {args.rounds} rounds)")  # fmt: skip
+    if itl99:
+        pairs = zip(itl99["llmrun"], itl99[ref_name], strict=True)
+        print(f"interference: stream ITL p99 llmrun / {ref_name} under {args.long_prompt}-token"
+              f" prompts: x{statistics.median(a / b for a, b in pairs):.2f} (median of"
+              f" {args.rounds} rounds)")  # fmt: skip
+    print(load_average())
     return 0
 
 
