@@ -99,9 +99,10 @@ def main() -> int:
     threads, fa = loaded.settings.n_threads, loaded.settings.flash_attn
     print(f"{loaded.model.name} · {threads} threads · flash attention {fa} · npp {args.npp}"
           f" ntg {args.ntg} · {args.rounds} rounds", file=sys.stderr)  # fmt: skip
-    unified = {} if args.kv_unified is None else {"kv_unified": bool(args.kv_unified)}
+    unified = True if args.kv_unified is None else bool(args.kv_unified)  # the engine's default
     engines = {b: BatchedEngine(runner, n_seq=b, n_ctx_per_seq=args.npp + args.ntg + 8,
-                                n_batch=args.n_batch, **unified) for b in levels}  # fmt: skip
+                                n_batch=args.n_batch, kv_unified=unified)
+               for b in levels}  # fmt: skip
     for b, engine in engines.items():  # warm-up, as llama-batched-bench does
         engine_run(engine, args.npp, 2, b, seed=0)
     plain_itl_ms(runner, args.npp, 2, seed=0)

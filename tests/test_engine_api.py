@@ -157,10 +157,12 @@ def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
         assert constructed == 1
         assert thread.engine.ctx is runner.context and not runner._contexts
         loaded = runner.load()
-        assert loaded.settings.n_ctx == 256 and loaded.settings.memory.n_ctx >= 512
+        memory = loaded.settings.memory
+        assert memory is not None and loaded.settings.n_ctx == 256 and memory.n_ctx >= 512
         single = LlamaCppRunner(model_path, EngineConfig(n_ctx=512, n_threads=1))
         try:
-            assert loaded.settings.memory.kv_bytes == single.load().settings.memory.kv_bytes > 0
+            alone = single.load().settings.memory
+            assert alone is not None and memory.kv_bytes == alone.kv_bytes > 0
         finally:
             single.close()
         with pytest.raises(EngineError, match="2 sequences"):
