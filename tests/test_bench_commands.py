@@ -49,7 +49,7 @@ SAMPLES: dict[str, list[str]] = {
     "--warmup": ["--warmup", "2"], "--percentiles": ["--percentiles", "50"],
     "--slo": ["--slo", "ttft:100"], "--policy": ["--policy", "chunked:32"],
     "--rate": ["--rate", "5"], "--prompt-len": ["--prompt-len", "64"],
-    "--workload": ["--workload", "chat"],
+    "--workload": ["--workload", "chat"], "--budget": ["--budget", "5m"],
 }  # fmt: skip
 # Options that only name where a result goes or which machine runs: the job reads them too.
 COMMANDS = {
@@ -159,7 +159,7 @@ def test_each_help_lists_only_its_jobs_options() -> None:
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help
     assert "--n-prompt" not in serve_help and "--tune" not in sweep_help
     assert "--threads" in serve_help  # the local engine's (issue 21 item 11: -t 1 was ignored)
-    assert set(_options(("tune",))) == {"--model", "--workload", "--verbose"}
+    assert set(_options(("tune",))) == {"--model", "--workload", "--budget", "--verbose"}
 
 
 def test_the_header_names_the_settings_each_test_runs_with() -> None:

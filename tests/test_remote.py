@@ -227,7 +227,7 @@ def test_ctrl_c_keeps_the_serving_level_in_progress(
            f" --input-len 16 --output-len 32 --warmup 0 -o json > {out}")  # fmt: skip
     child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
                           dimensions=(30, 120))  # fmt: skip
-    child.expect("concurrency 1: 0 warm-up, 40 requests")
+    child.expect(r"c=1 rate=inf\s+\d+/40 requests")
     started = served_completions(server)
     deadline = time.monotonic() + HANG_S
     while served_completions(server) < started + 2:  # one at a time: the first reply is done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
@@ -16,6 +17,7 @@ from rich.table import Table
 from llmrun.cli import options as o
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.config import EngineConfig
@@ -115,13 +117,25 @@ def local_runner(
     return runner
 
 
+def stage_view(stage: Stage) -> Callable[[float], Shown]:
+    """A stage's progress line: its count where it has one, else the time it has taken."""
+    if stage.tally is not None:
+        return tally_view(stage.text, stage.unit, stage.tally)
+    started = time.monotonic()
+    return lambda now: Shown(stage.text, 0, 0, "", now - started, None)
+
+
 def run_stages(events: Iterator[Any], err: Console, first: str) -> Iterator[Any]:
-    """The runner's results, with its stages shown as one spinner line on stderr."""
-    with err.status(first) as status:
+    """The runner's results, with the stage under way as a progress line on stderr: requests
+    done of total, the time it took and an estimate of the time left (a terminal's line is
+    erased before anything else is printed; elsewhere a line as each counted stage starts)."""
+    with ProgressLine(err, plain_lines=True) as line:
+        line.follow(first, stage_view(Stage(first)))
         for event in events:
             if isinstance(event, Stage):
-                status.update(event.text)
+                line.follow(event.text, stage_view(event))
             else:
+                line.stop()
                 yield event
 
 

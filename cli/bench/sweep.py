@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +17,6 @@ from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.status import Status
 from rich.table import Table
 from rich.text import Text
@@ -32,6 +25,7 @@ from typer.core import TyperGroup
 from llmrun.cli.dashboard import model_facts
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.progress import ProgressLine, Shown
 from llmrun.cli.report import ms
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.cli.terminal import terminal_line
@@ -46,6 +40,7 @@ from llmrun.runners.config import LOAD_MODES, EngineConfig
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.library import set_verbose
 from llmrun.runners.limits import CACHE_TYPES
+from llmrun.runners.progress import RepClock
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
 from llmrun.runners.threadpool import DEFAULT_POLL, PRIORITIES
@@ -606,34 +601,42 @@ class Output:
 
 
 class _Bar:
-    """The tests' progress bar on a terminal (a line per test with --progress elsewhere); it
-    stops while a model loads or its perplexity is computed."""
+    """The tests' progress on a terminal: the repetition under way (`tg128 rep 2/5`), runs done
+    of total, the time taken and an estimate of the time left from each kind of test's last
+    repetition; with --progress elsewhere, a line per run. It stops while a model loads or its
+    perplexity is computed, and starts again for the next model or context size."""
 
     def __init__(self, err: Console, lines: bool) -> None:
         self.err, self.lines = err, lines
-        self.progress: Progress | None = None
-        self.task: TaskID | None = None
+        self.line = ProgressLine(err)
+        self.clock = RepClock()
+        self.last: b.Progress | None = None
+        self.started_s = 0.0
 
     def update(self, event: b.Progress) -> None:
-        if self.progress is None:
-            self.progress = Progress(
-                TextColumn("{task.description}"), BarColumn(),
-                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                TextColumn("ETA"), TimeRemainingColumn(), console=self.err, transient=True,
-                disable=not self.err.is_terminal,
-            )  # fmt: skip
-            self.progress.start()
-            self.task = self.progress.add_task("bench", total=1)
-        assert self.task is not None
-        self.progress.update(self.task, completed=event.done, total=event.total,
-                             description=event.label[:40])  # fmt: skip
-        if self.lines:
-            self.err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
+        now = time.monotonic()
+        if self.last is None or event.done < self.last.done:  # a new model or context size
+            self.clock, self.started_s = RepClock(), now
+        self.last = event
+        if event.moment == "started":
+            self.clock.started(event.test, now)
+        elif event.moment == "ended":
+            self.clock.finished(now)
+            if self.lines:
+                self.err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
+        if self.line.view is None:
+            self.line.follow(event.label, self._view)
+
+    def _view(self, now: float) -> Shown:
+        e = self.last
+        assert e is not None
+        fraction = e.fraction if e.moment == "working" else 0.0
+        return Shown(e.label, e.done, e.total, "runs", now - self.started_s,
+                     self.clock.eta_s(now, dict(e.left), fraction))  # fmt: skip
 
     def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        self.line.stop()
+        self.last = None
 
 
 def _sweep(

@@ -4,8 +4,9 @@ the defaults of run, chat and bench. The search is in runners/bench/tuning.py.""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -13,6 +14,7 @@ from rich.table import Table
 
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, handled
+from llmrun.cli.progress import ProgressLine, Shown, clock
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
@@ -21,9 +23,10 @@ from llmrun.runners.bench.tuning import REPS, save_tuned, search
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import set_verbose
+from llmrun.runners.progress import eta_s
 
 from .serve import Model1
-from .sweep import load_and_report
+from .sweep import load_and_report, usage_error
 
 
 def tune(
@@ -33,6 +36,11 @@ def tune(
                           help="What to optimise: chat (64-token prompt, 256-token answer),"
                           " document (1024-token prompt, 16-token answer) or both, each saved."),
     ] = "both",
+    budget: Annotated[
+        str | None, typer.Option("--budget", metavar="TIME", show_default=False,
+                                 help="Stop after this long (90s, 5m, 1h30m) and save the fastest"
+                                 " settings measured by then."),
+    ] = None,
     verbose: Annotated[
         bool, typer.Option("-v", "--verbose", help="Show llama.cpp's own log on stderr."),
     ] = False,
@@ -40,8 +48,16 @@ def tune(
     """Search threads, flash attention, repacking, batch/ubatch and prefill threads for this
     model; save the fastest for each --workload as the defaults of run, chat and bench.
 
-    llmrun tune --workload chat
+    llmrun tune --workload chat --budget 5m
+
+    Ctrl-C (or SIGTERM) stops the search and saves the fastest settings measured so far.
     """
+    budget_s: float | None = None
+    if budget is not None:
+        try:
+            budget_s = tn.parse_budget(budget)
+        except BadRequestError as e:
+            usage_error(str(e))
     with handled():
         err = Console(stderr=True, highlight=False)
         if workload not in ("chat", "document", "both"):
@@ -49,29 +65,76 @@ def tune(
         set_verbose(verbose)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
-            code = _tune(model, workload, cancel, err)
+            code = _tune(model, workload, cancel, err, budget_s)
         raise typer.Exit(code)
 
 
-def _tune(model: str | None, workload: str, cancel: threading.Event, err: Console) -> int:
-    """The staged search, saved as the model's defaults
-    for each workload tuned (the others stay as they were)."""
+def clock_s() -> float:
+    """The budget's clock (a test gives it another)."""
+    return time.monotonic()
+
+
+class Budget:
+    """--budget: the search's stop flag is set when the time is spent, counted from the start
+    and checked at every step of the search (a few times per repetition)."""
+
+    def __init__(self, seconds: float | None, stop: threading.Event) -> None:
+        self.seconds, self.stop = seconds, stop
+        self.started_s = clock_s()
+        self.spent = threading.Event()
+
+    def left_s(self) -> float | None:
+        return (
+            None if self.seconds is None else max(0.0, self.seconds - (clock_s() - self.started_s))
+        )
+
+    def check(self) -> None:
+        if self.left_s() == 0.0 and not self.spent.is_set():
+            self.spent.set()
+            self.stop.set()
+
+
+def _tune(
+    model: str | None,
+    workload: str,
+    cancel: threading.Event,
+    err: Console,
+    budget_s: float | None = None,
+) -> int:
+    """The staged search, saved as the model's defaults for each workload tuned (the others
+    stay as they were); when stopped by Ctrl-C, SIGTERM or --budget, the fastest settings
+    measured by then are saved."""
     workloads = tuple(tn.WORKLOADS) if workload == "both" else (workload,)
+    budget = Budget(budget_s, cancel)
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
         load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
-        best = show_search(runner, runner.config, err, cancel, workloads)
+        found = show_search(runner, runner.config, err, cancel, workloads, budget)
     finally:
         runner.close()
-    if best is None:
-        err.print("tuning interrupted; nothing saved")
-        return EXIT_INTERRUPTED
-    path = save_tuned(runner.model_path, best)
-    for name, found in best.items():
-        err.print(f"fastest for {name}: {found['n_threads']} threads ({found['n_threads_batch']}"
-                  f" for prefill), batch {found['n_batch']}, ubatch {found['n_ubatch']}, flash"
-                  f" attention {found['flash_attn']}, repacking"
-                  f" {'on' if found['repack'] else 'off'}", markup=False)  # fmt: skip
+    by_budget = budget.spent.is_set()
+    why = (f"the --budget of {clock(budget_s or 0)} was spent" if by_budget
+           else "tuning interrupted")  # fmt: skip
+    if found is None or (found.stopped and found.trials < 2):
+        if not cancel.is_set():
+            raise BadRequestError("tuning measured nothing: llmrun's defaults did not run")
+        what = "nothing was measured" if found is None else "only llmrun's defaults were measured"
+        err.print(f"{why}: {what}; nothing saved", markup=False)
+        return 1 if by_budget else EXIT_INTERRUPTED
+    chosen = found.chosen
+    if found.stopped:
+        partial = f"{'stopped by --budget' if by_budget else 'interrupted'} after {found.trials}"
+        chosen = {w: {**c, "partial": f"{partial} trials"} for w, c in chosen.items()}
+    path = save_tuned(runner.model_path, chosen)
+    for name, c in found.chosen.items():
+        err.print(f"fastest for {name}: {c['n_threads']} threads ({c['n_threads_batch']}"
+                  f" for prefill), batch {c['n_batch']}, ubatch {c['n_ubatch']}, flash"
+                  f" attention {c['flash_attn']}, repacking"
+                  f" {'on' if c['repack'] else 'off'}", markup=False)  # fmt: skip
+    if found.stopped:
+        err.print(f"{why}: saved the best of {found.trials} trials measured to {path}; run"
+                  " `llmrun tune` again to finish the search.", markup=False)  # fmt: skip
+        return 0 if by_budget else EXIT_INTERRUPTED
     err.print(f"saved to {path}. chat and run start from the chat settings, `run -f FILE` from"
               " the document ones (shown as 'tuned for ...').", markup=False)  # fmt: skip
     return 0
@@ -99,14 +162,36 @@ def show_search(
     err: Console,
     cancel: threading.Event,
     workloads: Sequence[str] = tuple(tn.WORKLOADS),
-) -> dict[str, dict[str, Any]] | None:
-    """Run the tuning search and show every setting it tried, each once, with its noise."""
-    found = search(runner, base, cancel=cancel, workloads=workloads,
-                   on_stage=lambda name: err.print(f"tuning {name} ...", markup=False))  # fmt: skip
+    budget: Budget | None = None,
+) -> tn.Found | None:
+    """Run the tuning search with its progress line (stage, trials done of those expected,
+    time taken, an estimate of the time left, the budget left), then show every setting it
+    tried, each once, with its noise."""
+    started = time.monotonic()
+    now: list[tn.TuneProgress] = []
+
+    def view(now_s: float) -> Shown:
+        p = now[-1]
+        elapsed = now_s - started
+        left = budget.left_s() if budget is not None else None
+        return Shown(p.stage, p.trials, p.planned, "trials", elapsed,
+                     eta_s(elapsed, p.fraction),
+                     "" if left is None else f"budget {clock(left)} left")  # fmt: skip
+
+    def progress(p: tn.TuneProgress) -> None:
+        if not now:
+            line.follow(p.stage, view)
+        now[:] = [p]
+        if budget is not None:
+            budget.check()
+
+    with ProgressLine(err) as line:
+        found = search(runner, base, cancel=cancel, workloads=workloads, on_progress=progress,
+                       on_stage=lambda name: err.print(f"tuning {name} ...",
+                                                       markup=False))  # fmt: skip
     if found is None:
         return None
-    best, tried = found
-    err.print(tried_table(tried, workloads))
+    err.print(tried_table(found.tried, workloads))
     shapes = " and ".join(s.name for s in tn.SHAPES)
     kinds = "; ".join(f"{w}: a {p}-token prompt and a {g}-token answer"
                       for w, (p, g) in tn.WORKLOADS.items() if w in workloads)  # fmt: skip
@@ -118,4 +203,4 @@ def show_search(
               " performance cores, batch 512, no flash attention, repacking where probed safe);"
               " llama.cpp's own defaults are batch 2048 and flash attention auto.",
               markup=False)  # fmt: skip
-    return best
+    return found

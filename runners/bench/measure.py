@@ -18,10 +18,18 @@ import datetime as dt
 import random
 import statistics
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from llmrun.runners.base import BenchRunner, Finished, Request, SamplingParams, Token
+from llmrun.runners.base import (
+    BenchRunner,
+    Finished,
+    PrefillProgress,
+    Request,
+    SamplingParams,
+    Token,
+)
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LlmrunError, ModelLoadError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
@@ -40,9 +48,16 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Progress:
+    """Where a run of tests is: at each repetition's start and end, and a few times within it
+    (the clock of the runner is paused meanwhile, so showing it costs no measured time)."""
+
     done: int  # timed or warm-up runs finished
     total: int
-    label: str
+    label: str  # the repetition under way, "tg128 rep 2/5 t=2", or the test just ended
+    test: str = ""  # its kind (the shape's name): repetitions of a kind take about as long
+    moment: Literal["started", "working", "ended"] = "ended"
+    fraction: float = 0.0  # of the repetition under way: its tokens done
+    left: tuple[tuple[str, int], ...] = ()  # repetitions of each kind not yet started
 
 
 class Interrupted(Exception):
@@ -93,6 +108,20 @@ def _one_run(
     runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event, draft: int = 0
 ) -> tuple[Finished, int | None]:
     """One repetition from a cleared cache; returns the result and the first output token."""
+    steps = _repetition(runner, shape, rng, cancel, draft)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def _repetition(
+    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event, draft: int = 0
+) -> Generator[float, None, tuple[Finished, int | None]]:
+    """One repetition from a cleared cache, yielding its share done now and then (about 32
+    times: prefill chunks for pp, tokens otherwise); returns the result and the first output
+    token."""
     n_vocab = runner.vocab_size()
     runner.reset()
     depth = [rng.randrange(n_vocab) for _ in range(shape.n_depth)]
@@ -112,9 +141,17 @@ def _one_run(
     )
     finished: Finished | None = None
     first: int | None = None
+    every = max(1, shape.n_gen // 32)
     for event in runner.stream(request, cancel=cancel):
-        if isinstance(event, Token) and first is None:
-            first = event.token_id
+        if isinstance(event, Token):
+            if first is None:
+                first = event.token_id
+            if shape.n_gen and event.index and event.index % every == 0:
+                yield event.index / (shape.n_gen + 1)
+        elif isinstance(event, PrefillProgress):
+            new = event.total_tokens - event.reused_tokens
+            if not shape.n_gen and event.reused_tokens < event.done_tokens < event.total_tokens:
+                yield (event.done_tokens - event.reused_tokens) / new  # the last: see Finished
         elif isinstance(event, Finished):
             finished = event
     assert finished is not None
@@ -161,8 +198,19 @@ def run_bench(
     ctx = n_ctx or max(256, max(s.n_ctx_needed for s in shapes))
     per_test = reps + (1 if warmup else 0)
     total = len(combos) * len(shapes) * per_test
+
+    def left(i_combo: int, i_shape: int, rep: int) -> tuple[tuple[str, int], ...]:
+        """Repetitions of each kind not yet started, after this one."""
+        counts: dict[str, int] = {}
+        later = len(combos) - i_combo - 1
+        for k, s in enumerate(shapes):
+            n = later * per_test + (per_test if k > i_shape else 0)
+            n += per_test - rep - 1 if k == i_shape else 0
+            counts[s.name] = counts.get(s.name, 0) + n
+        return tuple(counts.items())
+
     done = 0
-    for combo in combos:
+    for i_combo, combo in enumerate(combos):
         problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
         if problem is None:
             try:
@@ -174,14 +222,15 @@ def run_bench(
         if problem is not None:
             done += len(shapes) * per_test
             yield Skipped(combo, None, problem)
-            yield Progress(done, total, combo.describe())
+            yield Progress(done, total, combo.describe(), left=left(i_combo, len(shapes), 0))
             continue
         kv = kv_bytes_per_position(runner, combo.type_k, combo.type_v)
-        for shape in shapes:
+        for i_shape, shape in enumerate(shapes):
             if shape.n_ctx_needed > loaded.settings.n_ctx:
                 done += per_test
                 need, have = shape.n_ctx_needed, loaded.settings.n_ctx
                 yield Skipped(combo, shape, f"needs {need} tokens of context, it holds {have}")
+                yield Progress(done, total, shape.name, left=left(i_combo, i_shape, per_test - 1))
                 continue
             if delay_s and (cancel or threading.Event()).wait(delay_s):  # llama-bench's --delay
                 return
@@ -198,9 +247,21 @@ def run_bench(
             cpu0 = cpu_sample()
             try:
                 for rep in range(per_test):
-                    finished, first = _one_run(runner, shape, rng, cancel, combo.draft)
+                    timed = rep + 1 - (per_test - reps)
+                    which = f"rep {timed}/{reps}" if timed > 0 else "warm-up"
+                    label = f"{shape.name} {which} {combo.describe()}".strip()
+                    still = left(i_combo, i_shape, rep)
+                    yield Progress(done, total, label, shape.name, "started", 0.0, still)
+                    run = _repetition(runner, shape, rng, cancel, combo.draft)
+                    while True:
+                        try:
+                            share = next(run)
+                        except StopIteration as end:
+                            finished, first = end.value
+                            break
+                        yield Progress(done, total, label, shape.name, "working", share, still)
                     done += 1
-                    yield Progress(done, total, f"{shape.name} {combo.describe()}".strip())
+                    yield Progress(done, total, label, shape.name, "ended", 1.0, still)
                     if warmup and rep == 0:
                         continue
                     ours, theirs = _timed(shape, finished)
@@ -223,6 +284,7 @@ def run_bench(
             except LlmrunError as e:
                 done = start + per_test
                 yield Skipped(combo, shape, str(e))
+                yield Progress(done, total, shape.name, left=left(i_combo, i_shape, per_test - 1))
                 continue
             speculation = None
             if combo.draft:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import threading
 from collections.abc import Callable, Sequence
@@ -18,18 +19,38 @@ from typing import Any
 
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
 from llmrun.runners.paths import config_dir
 from llmrun.runners.system import default_threads, logical_cpus
 
-from .measure import run_bench
+from .measure import Progress, run_bench
 from .results import Result
 from .sweep import Combo, Shape
 
 TUNED_FIELDS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn", "repack")
 # What each workload asks of the engine: (prompt tokens, output tokens) of a typical request.
 WORKLOADS = {"chat": (64, 256), "document": (1024, 16)}
+
+
+MAX_BUDGET_S = 7 * 86400.0
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_budget(text: str, *, name: str = "--budget") -> float:
+    """A time budget in seconds from `90`, `90s`, `5m`, `1.5h` or `1h30m`: above 0, at most a
+    week; anything else (spaces, signs, other units, nothing) is refused."""
+    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        seconds = float(text)
+    elif text and (m := _DURATION.fullmatch(text)):
+        h, mins, secs = (float(g) if g else 0.0 for g in m.groups())
+        seconds = h * 3600 + mins * 60 + secs
+    else:
+        raise BadRequestError(f"{name}: '{text}' is not a duration such as 90s, 5m or 1h30m")
+    if not 0 < seconds <= MAX_BUDGET_S:
+        raise BadRequestError(f"{name}: '{text}' must be above 0 and at most a week")
+    return seconds
 
 
 def tuned_file() -> Path:
@@ -158,21 +179,65 @@ def beats(challenger: Sequence[float], incumbent: Sequence[float]) -> bool:
     return statistics.median(challenger) > max(incumbent)
 
 
+@dataclass(frozen=True)
+class TuneProgress:
+    """Where the search is: its stage, the settings measured (a close call measured again
+    counts again) of those it expects to measure, and the share done of the one under way."""
+
+    stage: str
+    trials: int
+    planned: int  # grows when a later stage or workload needs settings not foreseen
+    share: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, (self.trials + self.share) / self.planned) if self.planned else 0.0
+
+
+@dataclass(frozen=True)
+class Found:
+    """The search's outcome: the settings chosen per workload (TUNED_FIELDS), every setting
+    tried, each once, and whether it was stopped (Ctrl-C, SIGTERM or its time budget) before
+    the end, in which case the choice is made from what was measured."""
+
+    chosen: dict[str, dict[str, Any]]
+    tried: list[Tried]
+    trials: int  # settings measured (a close call measured again counts again)
+    stopped: bool = False
+
+
 class _Measured:
-    """Every combo's (pp, tg) samples so far; a combo is measured once unless asked again."""
+    """Every combo's (pp, tg) samples so far; a combo is measured once unless asked again.
+    Once a run is stopped, nothing more is measured: the search decides from what is here."""
 
     def __init__(
         self, runner: BenchRunner, base: EngineConfig, shapes: Sequence[Shape],
-        cancel: threading.Event | None,
+        cancel: threading.Event | None, on_progress: Callable[[TuneProgress], None],
     ) -> None:  # fmt: skip
         self.runner, self.base, self.shapes, self.cancel = runner, base, shapes, cancel
+        self.on_progress = on_progress
         self.samples: dict[Combo, list[tuple[float, float]]] = {}
         self.stage: dict[Combo, str] = {}
+        self.trials = 0
+        self.planned = 0
+        self.stopped = False
+
+    def plan(self, stage: str, todo: int) -> None:
+        """A stage starts and expects `todo` more trials after it."""
+        self.planned = self.trials + todo
+        self.on_progress(TuneProgress(stage, self.trials, self.planned))
 
     def run(self, combos: Sequence[Combo], stage: str, *, again: bool = False) -> bool:
+        """Measure the combos not measured yet (all of them `again`); False once stopped."""
         todo = [c for c in combos if again or c not in self.samples]
+        if self.stopped:
+            return False
         if not todo:
             return True
+        if again:  # a close call measured again: trials no stage foresaw
+            self.planned += len(todo)
+        self.planned = max(self.planned, self.trials + len(todo))
+        runs = len(self.shapes) * (REPS + 1)  # a trial's runs, its warm-ups included
         found: dict[Combo, dict[int, list[float]]] = {}
         for event in run_bench(self.runner, combos=todo, shapes=self.shapes, reps=REPS,
                                base=self.base, cancel=self.cancel):  # fmt: skip
@@ -180,14 +245,22 @@ class _Measured:
                 found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
                     event.samples_ts
                 )
-        if self.cancel is not None and self.cancel.is_set():
-            return False
+            elif isinstance(event, Progress):
+                done = event.done + (event.fraction if event.moment == "working" else 0.0)
+                whole, part = divmod(done / runs, 1.0)
+                self.on_progress(TuneProgress(stage, self.trials + int(whole), self.planned,
+                                              part))  # fmt: skip
+        self.stopped = self.cancel is not None and self.cancel.is_set()
         for combo, by_shape in found.items():
+            if len(by_shape) < len(self.shapes):
+                continue  # cut short by a stop: not a whole trial
             pp = by_shape.get(0, [])
             tg = next((v for k, v in by_shape.items() if k), [])
             self.samples.setdefault(combo, []).extend(zip(pp, tg, strict=False))
             self.stage.setdefault(combo, stage)
-        return True
+            self.trials += todo.count(combo)
+        self.on_progress(TuneProgress(stage, self.trials, self.planned))
+        return not self.stopped
 
     def tried(self, combo: Combo, note: str = "") -> Tried:
         pairs = tuple(self.samples.get(combo, ()))
@@ -204,19 +277,21 @@ def search(
     shapes: Sequence[Shape] | None = None,
     cancel: threading.Event | None = None,
     on_stage: Callable[[str], None] = lambda name: None,
-) -> tuple[dict[str, dict[str, Any]], list[Tried]] | None:
+    on_progress: Callable[[TuneProgress], None] = lambda progress: None,
+) -> Found | None:
     """A staged search from llmrun's defaults, for each workload: threads, flash attention,
     repacking, batch/ubatch, prefill threads.
 
     Each stage compares the incumbent with its alternatives on the same measurements; the best
     alternative for the workload replaces it only when faster beyond the noise (`beats`), and a
     close call is measured again in paired A B A B rounds first. The workloads share every
-    measurement, so tuning for both costs little more than for one. Returns the chosen settings
-    per workload (TUNED_FIELDS) and every setting tried, each listed once; None if cancelled.
+    measurement, so tuning for both costs little more than for one. When `cancel` is set (Ctrl-C,
+    a time budget) nothing more is measured, and every stage decides from the settings already
+    measured whole (a close call stays a tie). None if not even the defaults were measured.
     """
     shapes = shapes or SHAPES
     phys, logical = default_threads(), logical_cpus()
-    measured = _Measured(runner, base, shapes, cancel)
+    measured = _Measured(runner, base, shapes, cancel, on_progress)
     baseline = Combo(phys, 512, 512, None, "off", n_threads_batch=phys)
     notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
     stages: list[tuple[str, Callable[[Combo], list[Combo]]]] = [
@@ -231,14 +306,28 @@ def search(
         ("prefill threads", lambda c: [dataclasses.replace(c, n_threads_batch=t)
                                        for t in sorted({c.n_threads or phys, logical})]),
     ]  # fmt: skip
+
+    def unmeasured(best: Combo, first: int) -> int:
+        """Trials the stages from `first` on need if the incumbent stays."""
+        seen = set(measured.samples)
+        for _, candidates in stages[first:]:
+            seen.update([best, *candidates(best)])
+        return len(seen) - len(measured.samples)
+
     chosen: dict[str, dict[str, Any]] = {}
     for workload in workloads:
         best = baseline
-        for name, candidates in stages:
-            on_stage(f"{name} ({workload})")
+        for i, (name, candidates) in enumerate(stages):
+            stage = f"{name} ({workload})"
             combos = list(dict.fromkeys([best, *candidates(best)]))
-            if not measured.run(combos, name) or best not in measured.samples:
-                return None
+            if not measured.stopped:
+                on_stage(stage)
+                measured.plan(stage, unmeasured(best, i))
+                measured.run(combos, name)
+            if best not in measured.samples:
+                if not measured.samples:
+                    return None
+                break  # the incumbent was never measured: the stages after wait on it
             rivals = [measured.tried(c) for c in combos if c != best and c in measured.samples]
             if not rivals:
                 continue
@@ -247,10 +336,10 @@ def search(
             if rival.score(workload) <= incumbent.score(workload):
                 continue
             if not beats(rival.scores(workload), incumbent.scores(workload)):
-                on_stage(f"{name} ({workload}): re-measuring {rival.combo.describe()} against"
-                         f" {best.describe()} in A B order")  # fmt: skip
-                if not measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True):
-                    return None
+                if not measured.stopped:
+                    on_stage(f"{stage}: re-measuring {rival.combo.describe()} against"
+                             f" {best.describe()} in A B order")  # fmt: skip
+                    measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True)
                 rival, incumbent = measured.tried(rival.combo), measured.tried(best)
             if beats(rival.scores(workload), incumbent.scores(workload)):
                 notes.setdefault(rival.combo, []).append(f"{workload}: faster beyond the noise")
@@ -260,4 +349,4 @@ def search(
         chosen[workload] = {field: getattr(best, field) for field in TUNED_FIELDS}
         notes.setdefault(best, []).append(f"chosen for {workload}")
     tried = [measured.tried(c, "; ".join(notes.get(c, []))) for c in measured.samples]
-    return chosen, tried
+    return Found(chosen, tried, measured.trials, measured.stopped)

@@ -45,6 +45,7 @@ from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, Pro
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.progress import Tally
 from llmrun.runners.stats import (
     FINISH_CONTEXT,
     FINISH_INTERRUPTED,
@@ -435,10 +436,12 @@ class BatchedEngine:
         policy: Policy,
         *,
         cancel: threading.Event | None = None,
+        progress: Tally | None = None,
     ) -> tuple[list[SeqResult], list[Step]]:
         """Serve the arrivals (each submitted at its `at_s` after the start; at most n_seq at
         once, later ones queue) under the policy, through `submit` and `step`. Returns each
-        arrival's result, in order of `at_s`, and every step. The KV cache starts empty."""
+        arrival's result, in order of `at_s`, and every step. The KV cache starts empty.
+        `progress` counts the requests finished and the tokens sampled as they go."""
         self.clear()
         queue = sorted(arrivals, key=lambda a: a.at_s)
         handles: list[Handle] = []
@@ -462,6 +465,8 @@ class BatchedEngine:
                     time.sleep(0.001)
                     continue
                 steps.append(events.step)
+                if progress is not None:
+                    progress.add(len(events.finished), len(events.tokens))
         finally:
             self.clear()  # interrupted: the rest end 'cancelled', their samplers freed
         results = [h.result for h in handles]
@@ -684,6 +689,7 @@ def serve(
     request_rate: float,
     seed: int,
     cancel: threading.Event | None = None,
+    progress: Tally | None = None,
 ) -> tuple[list[SeqResult], float]:
     """The serving benchmark's load on the local engine: the prompts arrive as a Poisson process
     at `request_rate` (inf: all at once), at most engine.n_seq in flight (the rest queue).
@@ -694,9 +700,12 @@ def serve(
         if i and math.isfinite(request_rate):
             at += rng.expovariate(request_rate)
         arrivals.append(Arrival(at, tokens, max_tokens, ignore_eos=True))
-    results, _ = engine.run(arrivals, policy, cancel=cancel)
+    results, _ = engine.run(arrivals, policy, cancel=cancel, progress=progress)
     end = max((r.times[-1] for r in results if r.times), default=0.0)
     return results, end
+
+
+LONG_TOKENS = 4  # what each long prompt of the interference lab decodes
 
 
 def interference(
@@ -709,16 +718,18 @@ def interference(
     every_s: float,
     start_s: float = 0.2,
     cancel: threading.Event | None = None,
+    progress: Tally | None = None,
 ) -> InterferenceReport:
     """The stream decodes while the long prompts arrive every `every_s` from `start_s`; with
     policy None the stream runs alone (the baseline). `cancel` stops the engine's loop."""
     arrivals = [Arrival(0.0, tuple(stream), stream_tokens)]
     if policy is not None:
         arrivals += [
-            Arrival(start_s + i * every_s, tuple(p), 4) for i, p in enumerate(long_prompts)
+            Arrival(start_s + i * every_s, tuple(p), LONG_TOKENS)
+            for i, p in enumerate(long_prompts)
         ]
     results, steps = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
-                                cancel=cancel)  # fmt: skip
+                                cancel=cancel, progress=progress)  # fmt: skip
     first, *others = results
     tokens = sum(len(r.output) for r in results)
     span = max((r.times[-1] for r in results if r.times), default=0.0)

@@ -25,8 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
 from llmrun.runners.errors import LlmrunError
+from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
 from llmrun.runners.system import busy_machine
@@ -74,7 +75,8 @@ class RequestResult:
 
 
 def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len: int,
-                 range_ratio: float, seed: int) -> list[PromptSpec]:  # fmt: skip
+                 range_ratio: float, seed: int,
+                 progress: Tally | None = None) -> list[PromptSpec]:  # fmt: skip
     """Random-word prompts of about `input_len` tokens (counted by the server's tokenizer where
     it has one), lengths uniform within ±range_ratio, as vLLM's random dataset."""
     rng = random.Random(seed)
@@ -89,18 +91,44 @@ def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len
         text = " ".join(rng.choice(WORDS) for _ in range(n_in))
         n_tokens = runner.count_tokens(Request(prompt=text))
         prompts.append(PromptSpec(text, n_tokens, length(output_len)))
+        if progress is not None:
+            progress.add(1)
     return prompts
 
 
-def send(runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event) -> RequestResult:
-    """One streamed completion through the remote runner; failures are returned, not raised."""
+def _streamed(
+    runner: OpenAIRunner, request: Request, cancel: threading.Event, progress: Tally | None
+) -> Finished:
+    """The request run to its end, its tokens counted in `progress` as they arrive."""
+    if progress is None:
+        return generate(runner, request, cancel=cancel)
+    for event in runner.stream(request, cancel=cancel):
+        if isinstance(event, Token):
+            progress.add(work=1)
+        elif isinstance(event, Finished):
+            return event
+    raise RuntimeError("runner ended without a Finished event")
+
+
+def send(
+    runner: OpenAIRunner,
+    prompt: PromptSpec,
+    cancel: threading.Event,
+    progress: Tally | None = None,
+) -> RequestResult:
+    """One streamed completion through the remote runner; failures are returned, not raised.
+    `progress` counts its tokens and, at the end, the request."""
     sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
     result = RequestResult(input_tokens=prompt.input_tokens)
+    request = Request(prompt=prompt.text, sampling=sampling)
     try:
-        finished = generate(runner, Request(prompt=prompt.text, sampling=sampling), cancel=cancel)
+        finished = _streamed(runner, request, cancel, progress)
     except LlmrunError as e:
         result.error = str(e)
         return result
+    finally:
+        if progress is not None:
+            progress.add(done=1)
     s = finished.stats
     result.latency_s, result.itl_s = s.e2e_s, list(s.itl_s)
     server = s.server
@@ -126,15 +154,17 @@ def run_load(
     request_rate: float,
     seed: int,
     cancel: threading.Event,
+    progress: Tally | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every prompt (Poisson arrivals, bounded concurrency); returns results and duration."""
+    """Send every prompt (Poisson arrivals, bounded concurrency); returns results and duration.
+    `progress` counts the requests and their tokens as they come back."""
     rng = random.Random(seed)
     slots = threading.Semaphore(concurrency)
     futures: list[Future[RequestResult]] = []
 
     def task(prompt: PromptSpec) -> RequestResult:
         try:
-            return send(runner, prompt, cancel)
+            return send(runner, prompt, cancel, progress)
         finally:
             slots.release()
 
@@ -273,9 +303,10 @@ class Interference:
 
 def interference(runner: OpenAIRunner, *, steady: PromptSpec,
                  long_prompts: Sequence[PromptSpec], rate: float, seed: int,
-                 cancel: threading.Event) -> Interference:  # fmt: skip
+                 cancel: threading.Event,
+                 progress: Tally | None = None) -> Interference:  # fmt: skip
     """The steady client's decode alone, then again while long prompts arrive at `rate`/s."""
-    alone = send(runner, steady, cancel)
+    alone = send(runner, steady, cancel, progress)
     stop = threading.Event()
     background: list[RequestResult] = []
     rng = random.Random(seed)
@@ -286,13 +317,13 @@ def interference(runner: OpenAIRunner, *, steady: PromptSpec,
             for prompt in long_prompts:
                 if stop.is_set() or cancel.is_set():
                     break
-                pending.append(pool.submit(send, runner, prompt, cancel))
+                pending.append(pool.submit(send, runner, prompt, cancel, progress))
                 stop.wait(rng.expovariate(rate) if math.isfinite(rate) else 0)
             background.extend(f.result() for f in pending)
 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()
-    loaded = send(runner, steady, cancel)
+    loaded = send(runner, steady, cancel, progress)
     stop.set()
     flooder.join()
     return Interference(alone, loaded, background)
@@ -329,7 +360,7 @@ class ServingLevel:
 
     @property
     def rate_text(self) -> str:
-        return "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+        return _rate(self.request_rate)
 
     @property
     def test(self) -> str:
@@ -399,23 +430,41 @@ def run_levels(
     percentiles: Sequence[float],
     slo: dict[str, float],
     cancel: threading.Event,
-) -> Iterator[ServingLevel]:
-    """Each concurrency level after its warm-up requests; stops after the level Ctrl-C cut."""
+) -> Iterator[Stage | ServingLevel]:
+    """Each concurrency level after its warm-up requests, each announced with its count of
+    requests; stops after the level Ctrl-C cut."""
     name = runner.model_name or ""
     for level in levels:
         if cancel.is_set():
             return
-        for prompt in warm:
-            send(runner, prompt, cancel)
-        results, duration = run_load(
-            runner, prompts, concurrency=level, request_rate=request_rate, seed=seed, cancel=cancel
-        )
+        if warm:
+            tally = Tally(len(warm), sum(p.max_tokens for p in warm))
+            yield Stage(f"c={level} warm-up", tally)
+            for prompt in warm:
+                send(runner, prompt, cancel, tally)
+        tally = Tally(len(prompts), sum(p.max_tokens for p in prompts))
+        yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
+        results, duration = run_load(runner, prompts, concurrency=level,
+                                     request_rate=request_rate, seed=seed, cancel=cancel,
+                                     progress=tally)  # fmt: skip
         yield ServingLevel(
             endpoint=runner.endpoint, model=name, concurrency=level, request_rate=request_rate,
             num_prompts=len(prompts), input_len=input_len, output_len=output_len,
             metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
             interrupted=cancel.is_set(),
         )  # fmt: skip
+
+
+def _rate(request_rate: float) -> str:
+    return "inf" if math.isinf(request_rate) else f"{request_rate:g}"
+
+
+STEADY_MIN_TOKENS = 64  # the steady client decodes at least this many tokens
+
+
+def long_prompt_count(rate: float) -> int:
+    """About eight seconds' worth of arrivals at `rate`/s (at least two)."""
+    return max(2, math.ceil(rate * 8))
 
 
 def run_interference(
@@ -427,31 +476,40 @@ def run_interference(
     prompt_len: int,
     seed: int,
     cancel: threading.Event,
-) -> InterferenceResult:
+) -> Iterator[Stage | InterferenceResult]:
     """One steady client (a short prompt, at least 64 tokens out) against `rate` long prompts
-    per second for about eight seconds' worth of arrivals."""
+    per second for about eight seconds' worth of arrivals: its prompts made, then measured."""
+    count = long_prompt_count(rate)
+    making = Tally(1 + count)
+    yield Stage("preparing prompts (counting tokens with the server's tokenizer)", making,
+                "prompts")  # fmt: skip
     steady = make_prompts(
         runner,
         count=1,
         input_len=min(input_len, 64),
-        output_len=max(output_len, 64),
+        output_len=max(output_len, STEADY_MIN_TOKENS),
         range_ratio=0.0,
         seed=seed,
+        progress=making,
     )[0]
     long_prompts = [
         PromptSpec(p.text, p.input_tokens, 1)
         for p in make_prompts(
             runner,
-            count=max(2, math.ceil(rate * 8)),
+            count=count,
             input_len=prompt_len,
             output_len=1,
             range_ratio=0.0,
             seed=seed + 2,
+            progress=making,
         )
     ]
+    tally = Tally(2 + count, 2 * steady.max_tokens + count)
+    yield Stage(f"one client alone, then while {count} prompts of {prompt_len} tokens arrive at"
+                f" {rate:g}/s", tally)  # fmt: skip
     measured = interference(runner, steady=steady, long_prompts=long_prompts, rate=rate,
-                            seed=seed, cancel=cancel)  # fmt: skip
-    return InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
+                            seed=seed, cancel=cancel, progress=tally)  # fmt: skip
+    yield InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
 
 
 def serve_remote(
@@ -459,33 +517,27 @@ def serve_remote(
 ) -> Iterator[Stage | ServingLevel]:
     """The serving benchmark against the runner's server: prompts counted with its tokenizer,
     then each concurrency level after its warm-up requests."""
-    yield Stage("preparing prompts (counting tokens with the server's tokenizer) ...")
+    making = Tally(options.num_prompts + options.warmup)
+    yield Stage("preparing prompts (counting tokens with the server's tokenizer)", making,
+                "prompts")  # fmt: skip
     prompts = make_prompts(runner, count=options.num_prompts, input_len=options.input_len,
                            output_len=options.output_len, range_ratio=options.range_ratio,
-                           seed=options.seed)  # fmt: skip
+                           seed=options.seed, progress=making)  # fmt: skip
     warm = make_prompts(runner, count=options.warmup, input_len=options.input_len,
                         output_len=min(options.output_len, 16), range_ratio=0.0,
-                        seed=options.seed + 1)  # fmt: skip
-    measured = run_levels(runner, levels=options.concurrency, prompts=prompts, warm=warm,
+                        seed=options.seed + 1, progress=making)  # fmt: skip
+    yield from run_levels(runner, levels=options.concurrency, prompts=prompts, warm=warm,
                           request_rate=options.request_rate, input_len=options.input_len,
                           output_len=options.output_len, seed=options.seed,
                           percentiles=options.percentiles, slo=dict(options.slo),
                           cancel=cancel)  # fmt: skip
-    for level in options.concurrency:
-        yield Stage(f"concurrency {level}: {options.warmup} warm-up, {options.num_prompts}"
-                    " requests ...")  # fmt: skip
-        result = next(measured, None)
-        if result is None:
-            return
-        yield result
 
 
 def interfere_remote(
     runner: OpenAIRunner, options: InterferenceOptions, *, cancel: threading.Event
 ) -> Iterator[Stage | InterferenceResult]:
     """The server's steady client alone and while long prompts arrive."""
-    yield Stage(f"interference: one client decodes alone and while {options.prompt_len}-token"
-                f" prompts arrive at {options.rate:g}/s ...")  # fmt: skip
-    yield run_interference(runner, input_len=options.input_len, output_len=options.output_len,
-                           rate=options.rate, prompt_len=options.prompt_len, seed=options.seed,
-                           cancel=cancel)  # fmt: skip
+    yield from run_interference(runner, input_len=options.input_len,
+                                output_len=options.output_len, rate=options.rate,
+                                prompt_len=options.prompt_len, seed=options.seed,
+                                cancel=cancel)  # fmt: skip

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 
 from llmrun.runners.base import Request
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.progress import Tally
 from llmrun.runners.serving.engine import (
+    LONG_TOKENS,
     BatchedEngine,
     InterferenceReport,
     Policy,
@@ -57,15 +59,17 @@ def serve_local(
             for policy in options.policies:
                 if cancel.is_set():
                     return
-                yield Stage(f"local engine, {policy}, concurrency {level}:"
-                            f" {options.num_prompts} requests ...")  # fmt: skip
                 if warm:
+                    tally = Tally(len(warm), sum(n for _, n in warm))
+                    yield Stage(f"{policy} c={level} warm-up", tally)
                     serve(engine, policy, warm, request_rate=float("inf"), seed=options.seed,
-                          cancel=cancel)  # fmt: skip
+                          cancel=cancel, progress=tally)  # fmt: skip
+                tally = Tally(len(prompts), sum(n for _, n in prompts))
+                yield Stage(f"{policy} c={level}", tally)
                 cpu0 = cpu_sample()
                 results, duration = serve(engine, policy, prompts,
                                           request_rate=options.request_rate, seed=options.seed,
-                                          cancel=cancel)  # fmt: skip
+                                          cancel=cancel, progress=tally)  # fmt: skip
                 background = measured_background(cpu0, cpu_sample())
                 measured = [RequestResult(
                     input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
@@ -104,28 +108,31 @@ def interfere_local(
     engine = BatchedEngine(runner, n_seq=count + 1, n_ctx_per_seq=per_seq)
     every_s = 1 / options.rate
 
-    def measured(policy: Policy | None) -> InterferenceReport:
+    def measured(policy: Policy | None, tally: Tally) -> InterferenceReport:
         """One run of the lab, with the engine's threads and the machine's load."""
         cpu0 = cpu_sample()
         report = interference(engine, policy, stream=stream, stream_tokens=options.output_len,
-                              long_prompts=longs, every_s=every_s, cancel=cancel)  # fmt: skip
+                              long_prompts=longs, every_s=every_s, cancel=cancel,
+                              progress=tally)  # fmt: skip
         background = measured_background(cpu0, cpu_sample())
         n_threads, n_threads_batch = engine.threads
         return dataclasses.replace(report, n_threads=n_threads, n_threads_batch=n_threads_batch,
                                    background_cpus=background)  # fmt: skip
 
     try:
-        yield Stage("the stream alone ...")
-        alone = measured(None)
+        tally = Tally(1, options.output_len)
+        yield Stage("the stream alone", tally)
+        alone = measured(None, tally)
         if cancel.is_set():
             return  # a cut measurement is not a baseline
         yield alone
         for policy in options.policies:
             if cancel.is_set():
                 return
+            tally = Tally(1 + count, options.output_len + LONG_TOKENS * count)
             yield Stage(f"{policy}: the stream while {count} prompts of {options.prompt_len}"
-                        f" tokens arrive, {options.rate:g}/s ...")  # fmt: skip
-            report = measured(policy)
+                        f" tokens arrive, {options.rate:g}/s", tally)  # fmt: skip
+            report = measured(policy, tally)
             if cancel.is_set():
                 return
             yield report

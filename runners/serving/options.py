@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from llmrun.runners.bench.sweep import parse_values
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.progress import Tally
 from llmrun.runners.serving.engine import Policy
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
@@ -97,9 +98,11 @@ def parse_policies(text: str) -> tuple[Policy, ...]:
 
 @dataclass(frozen=True)
 class Stage:
-    """What is being measured now (a progress line)."""
+    """What is being measured now (a progress line): with a `tally`, counted while it runs."""
 
     text: str
+    tally: Tally | None = None  # requests done of total, tokens for the estimate
+    unit: str = "requests"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""How far long work is, and how long it has left, as plain data for a display to show.
+
+`Tally` is counted by whoever does the work (the batched engine's loop, a client's threads) and
+read by a display while that work blocks; `RepClock` estimates a run of repetitions of tests of
+different lengths (a bench sweep) from the time each kind of test took. Neither draws anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+
+def eta_s(elapsed_s: float, fraction: float) -> float | None:
+    """Seconds left at the pace so far, or None before any work is done."""
+    if fraction <= 0 or elapsed_s <= 0:
+        return None
+    if fraction >= 1:
+        return 0.0
+    return elapsed_s * (1 - fraction) / fraction
+
+
+class Tally:
+    """`done` of `total` items (requests, trials) and, for the estimate, `work` of `work_total`
+    finer units (tokens): items that run side by side all finish at the end, their tokens do
+    not. Adds are locked (several threads count); reads are of plain numbers."""
+
+    __slots__ = ("_lock", "done", "started_s", "total", "work", "work_total")
+
+    def __init__(self, total: int, work_total: int = 0) -> None:
+        self.total, self.work_total = total, work_total
+        self.done = 0
+        self.work = 0
+        self.started_s = time.monotonic()
+        self._lock = threading.Lock()
+
+    def add(self, done: int = 0, work: int = 0) -> None:
+        with self._lock:
+            self.done += done
+            self.work += work
+
+    @property
+    def fraction(self) -> float:
+        """The share of the work done: by the fine units where they are counted."""
+        if self.work_total > 0:
+            return min(1.0, self.work / self.work_total)
+        return min(1.0, self.done / self.total) if self.total > 0 else 0.0
+
+    def elapsed_s(self, now_s: float | None = None) -> float:
+        return (time.monotonic() if now_s is None else now_s) - self.started_s
+
+    def eta_s(self, now_s: float | None = None) -> float | None:
+        return eta_s(self.elapsed_s(now_s), self.fraction)
+
+
+class RepClock:
+    """The time left in a run of repetitions of a few kinds of test (llama-bench's pp512, tg128,
+    ...), which differ in length: each kind's repetitions are estimated from the last one of
+    that kind that finished; a kind not yet seen, from the mean repetition so far. Within a
+    repetition under way, its share done (tokens) gives its own end where it is known.
+
+    Fed the time with every call (`now_s`), so it is tested without waiting."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}  # kind -> seconds of its last finished repetition
+        self._all: list[float] = []
+        self._rep: tuple[str, float] | None = None  # the repetition under way: kind, start
+
+    def started(self, kind: str, now_s: float) -> None:
+        self._rep = (kind, now_s)
+
+    def finished(self, now_s: float) -> None:
+        if self._rep is not None:
+            kind, start = self._rep
+            self._last[kind] = now_s - start
+            self._all.append(now_s - start)
+            self._rep = None
+
+    def eta_s(self, now_s: float, left: Mapping[str, int], fraction: float = 0.0) -> float | None:
+        """Seconds left: the repetition under way (`fraction` of it done), then `left`
+        repetitions of each kind not yet started. None while nothing tells the pace."""
+        mean = sum(self._all) / len(self._all) if self._all else None
+        lengths = dict(self._last)
+        current = 0.0
+        if self._rep is not None:
+            kind, start = self._rep
+            spent = now_s - start
+            if 0 < fraction < 1:  # this repetition's own pace is the best guide to its end
+                current = eta_s(spent, fraction) or 0.0
+                lengths.setdefault(kind, spent / fraction)
+            elif (length := lengths.get(kind, mean)) is not None:
+                current = max(0.0, length - spent)
+            else:
+                return None
+            mean = mean if mean is not None else lengths.get(kind)
+        if mean is None:
+            return None
+        return current + sum(n * lengths.get(k, mean) for k, n in left.items())
