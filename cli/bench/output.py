@@ -10,9 +10,9 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
@@ -100,12 +100,13 @@ def _md_value(value: Any) -> str:
     return str(int(value)) if isinstance(value, bool) else str(value)
 
 
-def to_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """llama-bench's table, column for column (its widths, units and `build:` footer), with
+def _md_columns(
+    sample: Sequence[dict[str, Any]], shown: Collection[str] = (), *, several_models: bool = False
+) -> list[tuple[str, str, int]]:
+    """llama-bench's columns, as it chooses them before its first row: a setting shows when it
+    varies (`shown`: the record fields the run varies) or differs from llama-bench's default;
     llmrun's TTFT and ITL columns after t/s."""
-    if not records:
-        return ""
-    cpu = all(str(r.get("backends", "CPU")) in ("CPU", "BLAS") for r in records)
+    cpu = all(str(r.get("backends", "CPU")) in ("CPU", "BLAS") for r in sample)
     cols: list[tuple[str, str, int]] = [
         ("model", "model", -30), ("size", "size", 10), ("params", "params", 10),
         ("backend", "backend", -10),
@@ -114,54 +115,72 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
         cols.append(("n_gpu_layers", "ngl", 3))
     cols.append(("n_threads", "threads", 7))
     for key, head, width, default in _MD_OPTIONAL:
-        values = {_md_value(r.get(key)) for r in records}
-        if len(values) > 1 or values != {_md_value(default)}:
+        values = {_md_value(r.get(key)) for r in sample}
+        if key in shown or len(values) > 1 or values != {_md_value(default)}:
             cols.append((key, head, width))
     cols += [("test", "test", 15), ("t/s", "t/s", 20)]
-    if len(_models(records)) > 1:
+    if several_models:
         cols += [("rel", "vs first", 8), ("weights", "weights", 10), ("kv", "KV", 10)]
-    elif len({r.get("n_ctx") for r in records}) > 1:  # -c sweeps: memory against context
+    elif "n_ctx" in shown:  # -c sweeps: memory against context
         cols += [("n_ctx", "ctx", 6), ("kv", "KV", 10)]
-    if any(r.get("draft") for r in records):  # speculation: with and without, side by side
+    if "draft" in shown or any(r.get("draft") for r in sample):  # with and without, side by side
         cols += [("draft", "draft", 5), ("accept", "accepted", 8), ("tps", "tok/step", 8)]
-    if any(r.get("ppl") is not None for r in records):
+    if "ppl" in shown or any(r.get("ppl") is not None for r in sample):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
     cols += [("ttft", "TTFT ms", 10),
              ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]  # fmt: skip
+    return cols
 
-    def value(r: dict[str, Any], key: str) -> str:
-        special = {
-            "model": lambda: str(r["model_type"]), "size": lambda: _mib(r["model_size"]),
-            "params": lambda: _params(r["model_n_params"]), "backend": lambda: str(r["backends"]),
-            "test": lambda: str(r["test"]),
-            "t/s": lambda: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
-            "ttft": lambda: _ms(r.get("ttft_ms")), "itl50": lambda: _ms(r.get("itl_p50_ms")),
-            "itl99": lambda: _ms(r.get("itl_p99_ms")),
-            "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
-            "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
-            "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
-            "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
-            "draft": lambda: str(r.get("draft") or 0),
-            "accept": lambda: "-" if r.get("acceptance_rate") is None
-            else f"{r['acceptance_rate']:.0%}",
-            "tps": lambda: "-" if r.get("tokens_per_step") is None
-            else f"{r['tokens_per_step']:.2f}",
-            "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
-        }  # fmt: skip
-        return special[key]() if key in special else _md_value(r.get(key))
 
-    def row(cells: Sequence[str]) -> str:
-        out = []
-        for text, (_, _, width) in zip(cells, cols, strict=True):
-            out.append(text.ljust(-width) if width < 0 else text.rjust(width))
-        return "| " + " | ".join(out) + " |"
+def _md_value_of(r: dict[str, Any], key: str) -> str:
+    special = {
+        "model": lambda: str(r["model_type"]), "size": lambda: _mib(r["model_size"]),
+        "params": lambda: _params(r["model_n_params"]), "backend": lambda: str(r["backends"]),
+        "test": lambda: str(r["test"]),
+        "t/s": lambda: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
+        "ttft": lambda: _ms(r.get("ttft_ms")), "itl50": lambda: _ms(r.get("itl_p50_ms")),
+        "itl99": lambda: _ms(r.get("itl_p99_ms")),
+        "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
+        "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
+        "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
+        "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
+        "draft": lambda: str(r.get("draft") or 0),
+        "accept": lambda: "-" if r.get("acceptance_rate") is None
+        else f"{r['acceptance_rate']:.0%}",
+        "tps": lambda: "-" if r.get("tokens_per_step") is None
+        else f"{r['tokens_per_step']:.2f}",
+        "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
+    }  # fmt: skip
+    return special[key]() if key in special else _md_value(r.get(key))
 
-    lines = [row([head for _, head, _ in cols]),
-             "| " + " | ".join("-" * (abs(w) - 1) + (":" if w > 0 else "-") for _, _, w in cols)
-             + " |"]  # fmt: skip
-    lines += [row([value(r, key) for key, _, _ in cols]) for r in records]
+
+def _md_line(cols: Sequence[tuple[str, str, int]], cells: Sequence[str]) -> str:
+    out = []
+    for text, (_, _, width) in zip(cells, cols, strict=True):
+        out.append(text.ljust(-width) if width < 0 else text.rjust(width))
+    return "| " + " | ".join(out) + " |"
+
+
+def _md_head(cols: Sequence[tuple[str, str, int]]) -> str:
+    rule = " | ".join("-" * (abs(w) - 1) + (":" if w > 0 else "-") for _, _, w in cols)
+    return _md_line(cols, [head for _, head, _ in cols]) + "\n| " + rule + " |\n"
+
+
+def _md_footer(records: Sequence[dict[str, Any]]) -> str:
     builds = dict.fromkeys(f"{r.get('build_commit')} ({r.get('build_number')})" for r in records)
-    return "\n".join(lines) + "\n\nbuild: " + ", ".join(builds) + "\n"
+    return "\nbuild: " + ", ".join(builds) + "\n"
+
+
+def to_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """llama-bench's table, column for column (its widths, units and `build:` footer), with
+    llmrun's TTFT and ITL columns after t/s."""
+    if not records:
+        return ""
+    varying = {k for k in dict.fromkeys(k for r in records for k in r)
+               if len({str(r.get(k)) for r in records}) > 1}  # fmt: skip
+    cols = _md_columns(records, varying, several_models=len(_models(records)) > 1)
+    lines = [_md_line(cols, [_md_value_of(r, key) for key, _, _ in cols]) for r in records]
+    return _md_head(cols) + "\n".join(lines) + "\n" + _md_footer(records)
 
 
 def to_csv(records: Sequence[dict[str, Any]]) -> str:
@@ -212,6 +231,32 @@ LLAMA_BENCH_DB_FIELDS = frozenset((
 ))  # fmt: skip
 
 
+def _sql_create(table: str, made: Sequence[str], records: Sequence[dict[str, Any]],
+                extra: bool) -> str:  # fmt: skip
+    lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
+    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
+              for i, f in enumerate(made)]  # fmt: skip
+    lines += [");"]
+    if extra:
+        lines += [f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
+                  " figures TEXT NOT NULL);"]  # fmt: skip
+    return "\n".join(lines) + "\n\n"
+
+
+def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
+    values = ", ".join(_sql_value(r.get(f)) for f in core)
+    text = f"INSERT INTO {table} ({', '.join(core)}) VALUES ({values});\n"
+    figures = {f: v for f, v in r.items() if f not in core}
+    if figures:
+        text += (f"INSERT OR REPLACE INTO {table}_llmrun (bench_rowid, figures) VALUES"
+                 f" (last_insert_rowid(), {_sql_value(json.dumps(figures))});\n")  # fmt: skip
+    return text
+
+
+# llama-bench's columns that every llama_bench table has: the INSERTs name these alone
+LLAMA_BENCH_CORE = tuple(f for f in LLAMA_BENCH_FIELDS if f in LLAMA_BENCH_DB_FIELDS)
+
+
 def to_sql(records: Sequence[dict[str, Any]], table: str = "llama_bench") -> str:
     """llama-bench's `CREATE TABLE llama_bench` and one INSERT per result into its columns alone,
     so the text goes into a table either tool made (`| sqlite3 file`; compare-llama-bench.py
@@ -220,25 +265,11 @@ def to_sql(records: Sequence[dict[str, Any]], table: str = "llama_bench") -> str
     if not records:
         return ""
     every = list(dict.fromkeys(k for r in records for k in r))
-    made = list(LLAMA_BENCH_FIELDS) if table == "llama_bench" else every
-    core = [f for f in made if f in LLAMA_BENCH_DB_FIELDS] if table == "llama_bench" else every
-    extra = [f for f in every if f not in core]
-    lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
-    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
-              for i, f in enumerate(made)]  # fmt: skip
-    lines += [");"]
-    if extra:
-        lines += [f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
-                  " figures TEXT NOT NULL);"]  # fmt: skip
-    lines += [""]
-    for r in records:
-        values = ", ".join(_sql_value(r.get(f)) for f in core)
-        lines.append(f"INSERT INTO {table} ({', '.join(core)}) VALUES ({values});")
-        figures = {f: r[f] for f in extra if f in r}
-        if figures:
-            lines.append(f"INSERT OR REPLACE INTO {table}_llmrun (bench_rowid, figures) VALUES"
-                         f" (last_insert_rowid(), {_sql_value(json.dumps(figures))});")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    bench = table == "llama_bench"
+    core = LLAMA_BENCH_CORE if bench else tuple(every)
+    head = _sql_create(table, list(LLAMA_BENCH_FIELDS) if bench else every, records,
+                       extra=any(f not in core for f in every))  # fmt: skip
+    return head + "".join(_sql_insert(table, r, core) for r in records)
 
 
 def cell(value: Any) -> str:
@@ -266,6 +297,100 @@ def format_records(
     if fmt is OutputFormat.jsonl:
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     return to_sql(records, sql_table)
+
+
+class RecordWriter:
+    """bench's records on one stream in one format, each written and flushed as its test
+    finishes, as llama-bench's printers do: csv's header then a row each, json's `[` then an
+    object each (closed by `close`, on the way out of a failed or interrupted run too),
+    jsonl's line each, sql's CREATE TABLEs then INSERTs each, md's header then a row each.
+
+    The header comes with the first row, when its columns are known: `shown` names the record
+    fields the run varies (md shows their columns, as llama-bench chooses them from its
+    options). A write that fails is kept in `failed` and nothing more is written."""
+
+    def __init__(
+        self,
+        fmt: OutputFormat,
+        stream: TextIO,
+        *,
+        shown: Collection[str] = (),
+        several_models: bool = False,
+        optional: Sequence[str] = (),
+    ) -> None:
+        self.fmt, self.stream = fmt, stream
+        self.shown, self.several_models = frozenset(shown), several_models
+        self.optional = optional  # fields some rows carry: csv's header has their columns
+        self.failed: OSError | None = None
+        self.records: list[dict[str, Any]] = []
+        self._md: list[tuple[str, str, int]] = []
+        self._csv: csv.DictWriter[str] | None = None
+        self._buf = io.StringIO()
+        self._closed = False
+
+    def row(self, record: dict[str, Any]) -> None:
+        if self.fmt is OutputFormat.none:
+            return
+        first = not self.records
+        self.records.append(record)
+        self._write((self._header(record) if first else "") + self._row(record, first))
+
+    def close(self, *, empty: bool = True) -> None:
+        """The format's end (json's `]`, md's build line); `empty`: a run that measured
+        nothing still prints json's `[]`."""
+        if self._closed or self.fmt is OutputFormat.none:
+            return
+        self._closed = True
+        if self.fmt is OutputFormat.json and (self.records or empty):
+            self._write("\n]\n" if self.records else "[]\n")
+        elif self.fmt is OutputFormat.md and self.records:
+            self._write(_md_footer(self.records))
+
+    def _header(self, first: dict[str, Any]) -> str:
+        if self.fmt is OutputFormat.csv:
+            fields = [*first, *(f for f in self.optional if f not in first)]
+            self._csv = csv.DictWriter(self._buf, fieldnames=fields, lineterminator="\n",
+                                       extrasaction="ignore")  # fmt: skip
+            self._csv.writeheader()
+            return self._taken()
+        if self.fmt is OutputFormat.json:
+            return "[\n"
+        if self.fmt is OutputFormat.sql:
+            return _sql_create("llama_bench", LLAMA_BENCH_FIELDS, [first], extra=True)
+        if self.fmt is OutputFormat.md:
+            self._md = _md_columns([first], self.shown, several_models=self.several_models)
+            return _md_head(self._md)
+        return ""
+
+    def _row(self, r: dict[str, Any], first: bool) -> str:
+        if self.fmt is OutputFormat.csv:
+            assert self._csv is not None
+            self._csv.writerow({k: _flat(v) for k, v in r.items()})
+            return self._taken()
+        if self.fmt is OutputFormat.json:  # llama-bench's json_printer, field by field
+            fields = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}"
+                                for k, v in r.items())  # fmt: skip
+            return ("" if first else ",\n") + "  {\n" + fields + "\n  }"
+        if self.fmt is OutputFormat.jsonl:
+            return json.dumps(r, ensure_ascii=False) + "\n"
+        if self.fmt is OutputFormat.sql:
+            return _sql_insert("llama_bench", r, LLAMA_BENCH_CORE)
+        return _md_line(self._md, [_md_value_of(r, key) for key, _, _ in self._md]) + "\n"
+
+    def _taken(self) -> str:
+        text = self._buf.getvalue()
+        self._buf.seek(0)
+        self._buf.truncate()
+        return text
+
+    def _write(self, text: str) -> None:
+        if self.failed is not None:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError as e:  # a closed pipe, a full disk: the run stops, its rows are kept
+            self.failed = e
 
 
 # ---- on a terminal --------------------------------------------------------------------------
@@ -426,6 +551,48 @@ def compare_table(changes: Sequence[Change], title: str = "against the previous 
     return fitted(table, wrap=("verdict",))
 
 
+def store_run(
+    records: Sequence[dict[str, Any]],
+    *,
+    kind: str,
+    model: str,
+    system: dict[str, Any],
+    store: bool,
+    compare: bool,
+) -> list[Change] | None:
+    """Store the run in the history (one run per model) and, when asked, its comparison with
+    earlier runs. A history that fails costs a warning, never the records."""
+    if not records or not (store or compare):
+        return None
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:  # several models: one run in the history for each
+        groups.setdefault(str(r.get("model_name", model)), []).append(r)
+    try:
+        with History() as history:
+            found: list[Change] = []
+            for name, mine in groups.items():
+                run_id = (
+                    history.store(mine, kind=kind, model=name, system=system) if store else None
+                )
+                if compare:
+                    found += history.compare(mine, before_run=run_id)
+            return found if compare else None
+    except HistoryError as e:  # the results still reach stdout
+        print(f"llmrun: warning: {e}; this run was not stored", file=sys.stderr, flush=True)
+        return None
+
+
+def warn_if_busy(records: Sequence[dict[str, Any]]) -> None:
+    busy = [r for r in records if r.get("busy")]
+    if busy:
+        worst = max(float(r.get("background_cpus") or 0) for r in busy)
+        threads = max(max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1))
+                      for r in busy)  # fmt: skip
+        spinning = any(r.get("poll") not in (None, 0, "0") for r in busy)  # bench's records
+        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests",
+                           poll=spinning), file=sys.stderr, flush=True)  # fmt: skip
+
+
 def store_and_print(
     records: Sequence[dict[str, Any]],
     *,
@@ -444,32 +611,9 @@ def store_and_print(
 
     Returns the comparison with earlier runs when asked for, to be shown after the results.
     """
-    changes: list[Change] | None = None
-    if records and (store or compare):
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for r in records:  # several models: one run in the history for each
-            groups.setdefault(str(r.get("model_name", model)), []).append(r)
-        try:
-            with History() as history:
-                found: list[Change] = []
-                for name, mine in groups.items():
-                    run_id = (
-                        history.store(mine, kind=kind, model=name, system=system)
-                        if store else None
-                    )  # fmt: skip
-                    if compare:
-                        found += history.compare(mine, before_run=run_id)
-                changes = found if compare else None
-        except HistoryError as e:  # the results still reach stdout
-            print(f"llmrun: warning: {e}; this run was not stored", file=sys.stderr, flush=True)
-    busy = [r for r in records if r.get("busy")]
-    if busy:
-        worst = max(float(r.get("background_cpus") or 0) for r in busy)
-        threads = max(max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1))
-                      for r in busy)  # fmt: skip
-        spinning = any(r.get("poll") not in (None, 0, "0") for r in busy)  # bench's records
-        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests",
-                           poll=spinning), file=sys.stderr, flush=True)  # fmt: skip
+    changes = store_run(records, kind=kind, model=model, system=system, store=store,
+                        compare=compare)  # fmt: skip
+    warn_if_busy(records)
     if output is not None:
         sys.stdout.write(format_records(records, output, markdown, sql_table))
         sys.stdout.flush()

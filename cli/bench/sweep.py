@@ -7,11 +7,12 @@ shows progress, prints the results in the format asked for, and stores them.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TextIO
 
@@ -96,6 +97,29 @@ class _DisplayThatMayFail:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+class _Nowhere(io.StringIO):
+    """Where the display goes while stderr carries -oe's records: nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+@contextlib.contextmanager
+def _display_nowhere(on: bool) -> Iterator[TextIO]:
+    """-oe: stderr holds its records alone, as `2>x.csv` needs; the report, progress, warnings
+    and charts meant for it go nowhere. Yields the stream for the records and, after the
+    display is put back, a failed run's one line reaches it too."""
+    real = sys.stderr
+    if not on:
+        yield real
+        return
+    sys.stderr = _Nowhere()
+    try:
+        yield real
+    finally:
+        sys.stderr = real
 
 
 class BenchGroup(TyperGroup):
@@ -440,7 +464,8 @@ def bench(
                         f" subcommand, not before `{ctx.invoked_subcommand}`")  # fmt: skip
         return
     sys.stderr = _DisplayThatMayFail(sys.stderr)  # bench writes only its display there
-    with handled():
+    records_on_stderr = output_err not in (None, out.OutputFormat.none)
+    with handled(), _display_nowhere(records_on_stderr) as real_stderr:
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         if list_devices:
@@ -479,7 +504,8 @@ def bench(
             )  # fmt: skip
             to = Output(format=output, plot=plot, compare=compare,
                         store=not no_history and reps > 0,  # -r 0 measured nothing
-                        format_err=output_err, progress_lines=progress_lines)  # fmt: skip
+                        format_err=output_err, progress_lines=progress_lines,
+                        errors=real_stderr)  # fmt: skip
             chosen: list[str | None] = list(models) if models else [None]
             code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
@@ -598,6 +624,23 @@ class Output:
     store: bool
     format_err: out.OutputFormat | None = None  # llama-bench's -oe: also on stderr
     progress_lines: bool = False  # llama-bench's --progress: a line per test on stderr
+    errors: TextIO = field(default_factory=lambda: sys.stderr)  # the line of a failed run
+
+    @property
+    def format_stdout(self) -> out.OutputFormat | None:
+        """The records' format on stdout: md where it is no terminal and -o is not given; None:
+        a terminal's table, after the run."""
+        if self.format is None and not sys.stdout.isatty():
+            return out.OutputFormat.md
+        return self.format
+
+    def writers(self, shown: Collection[str], *, several_models: bool) -> list[out.RecordWriter]:
+        """stdout's writer first (when its records go there), then -oe's."""
+        made = [out.RecordWriter(fmt, stream, shown=shown, several_models=several_models,
+                                 optional=run.RECORD_OPTIONAL_FIELDS)
+                for fmt, stream in ((self.format_stdout, sys.stdout),
+                                    (self.format_err, self.errors)) if fmt is not None]  # fmt: skip
+        return made
 
 
 class _Bar:
@@ -647,18 +690,28 @@ def _sweep(
     show: Console,
     output: Output,
 ) -> int:
-    """llama-bench's tests over every combination of settings, for each model in turn; results
-    printed and stored."""
-    results: list[res.Result] = []
+    """llama-bench's tests over every combination of settings, for each model in turn; each
+    row printed as its test finishes (on stdout, and on stderr with -oe), the run stored."""
     skipped: list[b.Skipped] = []
     scores: list[run.Scored] = []
     system: SystemInfo | None = None
     bar = _Bar(err, output.progress_lines and not err.is_terminal)
     scoring: Status | None = None
+    stream: run.RecordStream | None = None
+    writers: list[out.RecordWriter] = []
     events = run.run_sweep(
         models, sweep, cancel=cancel, open_runner=lambda m, c, t: make_bench_runner(m, c, tuned=t)
     )
     failure: LlmrunError | None = None  # a later model or the perplexity failed
+    complete = False
+
+    def emit(recorded: list[run.Recorded]) -> None:
+        for r in recorded:
+            for w in writers:
+                w.row(r.record)
+        if writers and writers[0].failed is not None and output.format_stdout is not None:
+            cancel.set()  # stdout is gone (a closed pipe, a full disk): stop, keep the rows
+
     try:
         for event in events:
             if isinstance(event, run.ModelReady):
@@ -666,10 +719,18 @@ def _sweep(
                 system = load_and_report(event.runner, err, bandwidth=True, system=system,
                                          combos=event.combos,
                                          llama_bench_defaults=not sweep.tuned)  # fmt: skip
+                if stream is None:
+                    stream = run.RecordStream(
+                        system, several_models=len(models) > 1, scenarios=sweep.scenarios,
+                        ppl_ctx=(sweep.contexts()[0] or run.PPL_CTX) if sweep.ppl else None,
+                    )  # fmt: skip
+                    writers = output.writers(run.varied_fields(sweep, event.combos),
+                                             several_models=len(models) > 1)  # fmt: skip
             elif isinstance(event, b.Progress):
                 bar.update(event)
             elif isinstance(event, res.Result):
-                results.append(event)
+                assert stream is not None
+                emit(stream.add(event))
             elif isinstance(event, b.Skipped):
                 skipped.append(event)
             elif isinstance(event, run.Scoring):
@@ -680,57 +741,63 @@ def _sweep(
                 scores.append(event)
                 if scoring is not None:
                     scoring.stop()
+                assert stream is not None
+                emit(stream.scored(event))
+        complete = not cancel.is_set()
     except LlmrunError as e:
-        if not results:
-            raise
         failure = e  # the finished rows are printed and stored first, then the one line
     finally:
         bar.stop()
         if scoring is not None:
             scoring.stop()
-    assert system is not None
-    if sweep.ppl is not None:
-        results = run.with_perplexity(results, scores, sweep.contexts()[0] or run.PPL_CTX)
-    code = _report(results, skipped, system, sweep, cancel, err, show, output, scores)
+        if stream is not None:
+            emit(stream.end(complete=complete))
+        for w in writers:
+            w.close(empty=failure is None)
+    if stream is None or (failure is not None and not stream.done):
+        assert failure is not None
+        raise failure
+    lost = writers[0].failed if writers and output.format_stdout is not None else None
+    code = _report(stream, skipped, sweep, cancel.is_set() and lost is None, err, show, output,
+                   scores)  # fmt: skip
+    if lost is not None:
+        raise lost  # stored; a closed pipe ends quietly (141), a full disk with one line
     if failure is not None and not cancel.is_set():  # Ctrl-C/SIGTERM: 130/143, rows kept
         raise failure
     return code
 
 
 def _report(
-    results: list[res.Result],
+    stream: run.RecordStream,
     skipped: list[b.Skipped],
-    system: SystemInfo,
     sweep: run.Sweep,
-    cancel: threading.Event,
+    interrupted: bool,
     err: Console,
     show: Console,
     output: Output,
     scores: Sequence[run.Scored] = (),
 ) -> int:
-    """Skips, results (stored before printing), extras, chart file and comparison. Exit 1 when
-    every test was skipped: a run that measured nothing did not succeed."""
+    """Skips, the run stored, the terminal's table, extras, chart file and comparison. Exit 1
+    when every test was skipped: a run that measured nothing did not succeed."""
     for s in skipped:
         what = f"{s.shape.name} " if s.shape else ""
         err.print(f"skipped: {what}{s.combo.describe()}: {s.reason}", markup=False, style="yellow")
-    measured = run.BenchRun(tuple(results), system, scenarios=sweep.scenarios)
-    records = measured.records()
-    rows = measured.rows(records)
-    interrupted = cancel.is_set()
+    records = [d.record for d in stream.done]
+    rows = [d.row for d in stream.done]
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
     elif not records and skipped:
-        err.print("llmrun: error: every test was skipped; nothing was measured", markup=False)
+        print("llmrun: error: every test was skipped; nothing was measured", file=output.errors,
+              flush=True)  # fmt: skip
         return 1
-    changes = out.store_and_print(
-        records, kind="local", model=", ".join(dict.fromkeys(r.model.name for r in results)),
-        system=vars(system), output=output.format, show=show, table=out.results_table(rows),
-        store=output.store, compare=output.compare,
+    changes = out.store_run(
+        records, kind="local", model=", ".join(dict.fromkeys(r.model_name for r in rows)),
+        system=vars(stream.system), store=output.store, compare=output.compare,
     )  # fmt: skip
-    if output.format_err is not None and records:
-        sys.stderr.write(out.format_records(records, output.format_err))
-        sys.stderr.flush()
-    _extras(rows, show, score=measured.localscore)
+    out.warn_if_busy(records)
+    if output.format_stdout is None:  # a terminal: the table, after the run
+        show.print(out.results_table(rows))
+    _extras(rows, show, score=stream.localscore)
     if output.plot is not None and records:
         bench_plot.plot(rows, output.plot)
         err.print(f"charts written to {output.plot}")

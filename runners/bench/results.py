@@ -255,6 +255,10 @@ class Result:
         return rec
 
 
+# The fields only some records carry (_own_fields): a csv header names them all
+OPTIONAL_FIELDS = ("draft", "acceptance_rate", "tokens_per_step", "pp_ts", "tg_ts", "ppl",
+                   "ppl_tokens", "ppl_ctx", "ppl_change")  # fmt: skip
+
 # The engine settings a sweep can vary, by their record fields: the terminal's columns
 SWEPT_FIELDS = ("n_batch", "n_ubatch", "n_gpu_layers", "flash_attn_mode", "type_k", "type_v",
                 "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft", "cpu_mask",

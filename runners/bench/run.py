@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 from . import localscore as ls
 from . import sweep as sw
 from .measure import Progress, Skipped, run_bench
-from .results import Perplexity, Result, Row
+from .results import OPTIONAL_FIELDS, Perplexity, Result, Row
 
 PPL_CTX = 512  # llama-perplexity's windows when -c is not given
 
@@ -284,6 +284,31 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
             for r in results]  # fmt: skip
 
 
+# Every field that only some records carry: their own and the run-wide ones
+RECORD_OPTIONAL_FIELDS = (*OPTIONAL_FIELDS, "localscore", "relative_ts")
+
+# A record field for each setting of a sweep's combinations
+COMBO_FIELDS = {"n_threads": "n_threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch",
+                "n_gpu_layers": "n_gpu_layers", "flash_attn": "flash_attn", "type_k": "type_k",
+                "type_v": "type_v", "repack": "repack", "no_kv_offload": "no_kv_offload",
+                "load_mode": "load_mode", "split_mode": "split_mode", "main_gpu": "main_gpu",
+                "tensor_split": "tensor_split", "tensor_overrides": "tensor_buft_overrides",
+                "n_cpu_moe": "n_cpu_moe", "devices": "devices", "draft": "draft"}  # fmt: skip
+
+
+def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
+    """The record fields a run varies (or, for --draft and --ppl, adds), known before its first
+    row: llama-bench's markdown chooses its columns from them."""
+    fields = {f for a, f in COMBO_FIELDS.items() if len({getattr(c, a) for c in combos}) > 1}
+    if len(sweep.contexts()) > 1:
+        fields.add("n_ctx")
+    if any(c.draft for c in combos):
+        fields.add("draft")
+    if sweep.ppl is not None:
+        fields.add("ppl")
+    return frozenset(fields)
+
+
 # A test is "the same" across models when these agree (its shape and engine settings).
 SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
              "type_k", "type_v", "n_gpu_layers", "repack", "load_mode", "cpu_mask", "cpu_strict",
@@ -291,43 +316,73 @@ SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch",
 
 
 @dataclass(frozen=True)
-class BenchRun:
-    """A sweep's results and the figures that need all of them: each result's speed against
-    the first model's same test (several models) and LocalScore's score (--scenarios)."""
+class Recorded:
+    """A result and its record, run-wide figures included, as it leaves the run."""
 
-    results: tuple[Result, ...]
+    result: Result
+    record: dict[str, Any]
+
+    @property
+    def row(self) -> Row:
+        return Row.of(self.result, self.record)
+
+
+@dataclass
+class RecordStream:
+    """Each result's record as soon as every figure in it is known, for output that streams as
+    llama-bench's does: at once for a plain test; after the model's perplexity with --ppl
+    (its rows carry it); at the end with --scenarios (every row carries the run's score).
+    `end` lets out whatever is still held, without the figures a failure left unknown."""
+
     system: SystemInfo
+    several_models: bool = False  # each row's speed against the first model's same test
     scenarios: bool = False
+    ppl_ctx: int | None = None  # --ppl's window: a model's rows wait for its perplexity
+    done: list[Recorded] = field(default_factory=list)
+    localscore: float | None = None  # LocalScore's, once the run ended whole (--scenarios)
+    _held: list[Result] = field(default_factory=list)
+    _scores: list[Scored] = field(default_factory=list)
+    _first_model: str | None = None
+    _first_rates: dict[tuple[Any, ...], float] = field(default_factory=dict)
 
-    @property
-    def models(self) -> list[str]:
-        return list(dict.fromkeys(r.model.name for r in self.results))
+    def add(self, result: Result) -> list[Recorded]:
+        if self._first_model is None:
+            self._first_model = result.model.name
+        if self.scenarios or self.ppl_ctx is not None:
+            self._held.append(result)
+            return []
+        return self._let_out([result])
 
-    @property
-    def localscore(self) -> float | None:
-        return ls.localscore(self.results) if self.scenarios else None
+    def scored(self, score: Scored) -> list[Recorded]:
+        """A model's perplexity: its rows, held for it, go out with it."""
+        self._scores.append(score)
+        if self.scenarios:
+            return []
+        mine = [r for r in self._held if r.model.name == score.model]
+        self._held = [r for r in self._held if r.model.name != score.model]
+        return self._let_out(with_perplexity(mine, self._scores, self.ppl_ctx or PPL_CTX))
 
-    def records(self) -> list[dict[str, Any]]:
-        """Each result's record, with the run-wide figures after its own."""
-        records = [r.record(self.system) for r in self.results]
-        models = self.models
-        first = {tuple(rec.get(k) for k in SAME_TEST): rec["avg_ts"]
-                 for rec, r in zip(records, self.results, strict=True)
-                 if r.model.name == models[0]} if len(models) > 1 else {}  # fmt: skip
-        score = self.localscore
+    def end(self, *, complete: bool) -> list[Recorded]:
+        """What is still held: with the run's score when the run ended whole."""
+        held, self._held = self._held, []
+        if self.ppl_ctx is not None:
+            held = with_perplexity(held, self._scores, self.ppl_ctx)
+        if self.scenarios and complete:
+            self.localscore = ls.localscore(held)
+        return self._let_out(held, score=self.localscore)
+
+    def _let_out(self, results: Sequence[Result], score: float | None = None) -> list[Recorded]:
         out = []
-        for rec in records:
-            run: dict[str, Any] = {}
+        for r in results:
+            rec = r.record(self.system)
             if self.scenarios:
-                run["localscore"] = round(score, 3) if score is not None else None
-            if len(models) > 1:
-                base = first.get(tuple(rec.get(k) for k in SAME_TEST))
-                run["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
-            out.append({**rec, **run})
+                rec["localscore"] = round(score, 3) if score is not None else None
+            if self.several_models:
+                key = tuple(rec.get(k) for k in SAME_TEST)
+                if r.model.name == self._first_model:
+                    self._first_rates.setdefault(key, rec["avg_ts"])
+                base = self._first_rates.get(key)
+                rec["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
+            out.append(Recorded(r, rec))
+        self.done += out
         return out
-
-    def rows(self, records: Sequence[dict[str, Any]] | None = None) -> list[Row]:
-        """Each result with its figures as recorded, for the terminal and the charts; from the
-        records already made when given (the same figures, not made twice)."""
-        made = self.records() if records is None else records
-        return [Row.of(r, rec) for r, rec in zip(self.results, made, strict=True)]
