@@ -16,7 +16,7 @@ from llmrun.runners.base import (
     Token,
 )
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
+from llmrun.runners.errors import BadRequestError, EmptyPromptError, PromptTooLongError
 from llmrun.runners.gguf import GGUFInfo
 from llmrun.runners.stats import (
     FINISH_INTERRUPTED,
@@ -151,6 +151,17 @@ class FakeBenchRunner(FakeRunner):
 
     def vocab_size(self) -> int:
         return 100
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return [len(word) % 100 for word in text.split()]
+
+    def perplexity(
+        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+    ) -> tuple[float, int]:
+        """A figure of the tokens (their variety), over whole windows as llama-perplexity."""
+        if len(tokens) < n_ctx:
+            raise BadRequestError(f"perplexity needs at least one window of {n_ctx} tokens")
+        return 1.0 + len(set(tokens)), len(tokens) // n_ctx * n_ctx // 2
 
     def _words(self, request: Request) -> list[str]:
         if request.token_ids is not None:
