@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +287,12 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
 # Every field that only some records carry: their own and the run-wide ones
 RECORD_OPTIONAL_FIELDS = (*OPTIONAL_FIELDS, "localscore", "relative_ts")
 
-# A record field for each setting of a sweep's combinations
-COMBO_FIELDS = {"n_threads": "n_threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch",
-                "n_gpu_layers": "n_gpu_layers", "flash_attn": "flash_attn", "type_k": "type_k",
-                "type_v": "type_v", "repack": "repack", "no_kv_offload": "no_kv_offload",
-                "load_mode": "load_mode", "split_mode": "split_mode", "main_gpu": "main_gpu",
-                "tensor_split": "tensor_split", "tensor_overrides": "tensor_buft_overrides",
-                "n_cpu_moe": "n_cpu_moe", "devices": "devices", "draft": "draft"}  # fmt: skip
+# A record field for each setting of a sweep's combinations (their names, but for -ot's)
+COMBO_FIELDS = {
+    f.name: "tensor_buft_overrides" if f.name == "tensor_overrides" else f.name
+    for f in fields(sw.Combo)
+    if f.name != "n_threads_batch"
+}
 
 
 def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
