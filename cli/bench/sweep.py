@@ -624,7 +624,8 @@ class Output:
     store: bool
     format_err: out.OutputFormat | None = None  # llama-bench's -oe: also on stderr
     progress_lines: bool = False  # llama-bench's --progress: a line per test on stderr
-    errors: TextIO = field(default_factory=lambda: sys.stderr)  # the line of a failed run
+    errors: TextIO = field(default_factory=lambda: sys.stderr, repr=False, compare=False)
+    """Where -oe's records and a failed run's one line go: stderr, while the display may not."""
 
     @property
     def format_stdout(self) -> out.OutputFormat | None:
