@@ -755,9 +755,10 @@ def _sweep(
             emit(stream.end(complete=complete))
         for w in writers:
             w.close(empty=failure is None)
-    if stream is None or (failure is not None and not stream.done):
-        assert failure is not None
+    if failure is not None and (stream is None or not stream.done):
         raise failure
+    if stream is None:  # cancelled before a model was ready: nothing ran
+        return EXIT_INTERRUPTED
     lost = writers[0].failed if writers and output.format_stdout is not None else None
     code = _report(stream, skipped, sweep, cancel.is_set() and lost is None, err, show, output,
                    scores)  # fmt: skip
