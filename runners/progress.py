@@ -56,15 +56,19 @@ class Tally:
 
 class RepClock:
     """The time left in a run of repetitions of a few kinds of test (llama-bench's pp512, tg128,
-    ...), which differ in length: each kind's repetitions are estimated from the last one of
-    that kind that finished; a kind not yet seen, from the mean repetition so far. Within a
+    ...), which differ in length. Each kind keeps its first repetition's length as its share
+    of the work; the recent pace (the last few repetitions against their kind's first) scales
+    them all, so a sweep to slower settings, or a machine that got busier, moves the estimate
+    from the next repetition on. A kind not yet seen counts as the mean of those seen. Within a
     repetition under way, its share done (tokens) gives its own end where it is known.
 
     Fed the time with every call (`now_s`), so it is tested without waiting."""
 
+    RECENT = 3  # repetitions that set the pace
+
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}  # kind -> seconds of its last finished repetition
-        self._all: list[float] = []
+        self._first: dict[str, float] = {}  # kind -> seconds of its first finished repetition
+        self._pace: list[float] = []  # each finished repetition against its kind's first
         self._rep: tuple[str, float] | None = None  # the repetition under way: kind, start
 
     def started(self, kind: str, now_s: float) -> None:
@@ -73,15 +77,18 @@ class RepClock:
     def finished(self, now_s: float) -> None:
         if self._rep is not None:
             kind, start = self._rep
-            self._last[kind] = now_s - start
-            self._all.append(now_s - start)
+            length = now_s - start
+            first = self._first.setdefault(kind, length)
+            self._pace.append(length / first if first > 0 else 1.0)
             self._rep = None
 
     def eta_s(self, now_s: float, left: Mapping[str, int], fraction: float = 0.0) -> float | None:
         """Seconds left: the repetition under way (`fraction` of it done), then `left`
         repetitions of each kind not yet started. None while nothing tells the pace."""
-        mean = sum(self._all) / len(self._all) if self._all else None
-        lengths = dict(self._last)
+        recent = self._pace[-self.RECENT :]
+        pace = sum(recent) / len(recent) if recent else 1.0
+        lengths = {kind: first * pace for kind, first in self._first.items()}
+        mean = sum(lengths.values()) / len(lengths) if lengths else None
         current = 0.0
         if self._rep is not None:
             kind, start = self._rep

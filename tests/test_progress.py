@@ -56,7 +56,7 @@ def test_tally_counts_from_any_thread_and_estimates_from_its_fine_units() -> Non
     assert Tally(8).fraction == 0.0 and eta_s(10, 0.5) == 10
 
 
-def test_rep_clock_estimates_each_kind_of_test_from_its_last_repetition() -> None:
+def test_rep_clock_estimates_each_kind_of_test_at_the_recent_pace() -> None:
     clock = RepClock()
     left = {"pp512": 5, "tg128": 6}
     clock.started("pp512", 0.0)
@@ -68,10 +68,13 @@ def test_rep_clock_estimates_each_kind_of_test_from_its_last_repetition() -> Non
     clock.started("tg128", 4.0)
     # a tg repetition a quarter done after 3 s: 9 s to go, and the same for each one left
     assert clock.eta_s(7.0, {"tg128": 5}, fraction=0.25) == pytest.approx(9 + 5 * 12)
-    clock.finished(16.0)
+    clock.finished(16.0)  # tg128: 12 s
     clock.started("tg128", 16.0)
-    assert clock.eta_s(17.0, {"tg128": 4}) == pytest.approx(11 + 4 * 12)
+    assert clock.eta_s(17.0, {"tg128": 4, "pp512": 1}) == pytest.approx(11 + 4 * 12 + 2)
     assert clock.eta_s(40.0, {"tg128": 0}) == 0.0  # slower than the last: never negative
+    clock.finished(40.0)  # twice tg128's first: the machine got busier, or the settings slower
+    # the pace of the last three (1, 1, 2) scales every kind: pp512 4/3 x 2 s, tg128 4/3 x 12 s
+    assert clock.eta_s(40.0, {"pp512": 3, "tg128": 1}) == pytest.approx(4 / 3 * (3 * 2 + 12))
 
 
 @pytest.mark.parametrize("width", [40, 60, 80, 120])
@@ -109,6 +112,12 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     events = [e for e in run if isinstance(e, measure.Progress)]
     total = 2 * 2 * 3
     assert {e.total for e in events} == {total}
+    preparing = [e for e in events if e.moment == "preparing"]
+    assert [(e.done, e.label) for e in preparing] == [
+        (0, "setting up t=1 b=64 ub=64 fa=off"),
+        (6, "setting up t=2 b=64 ub=64 fa=off"),
+    ]
+    assert [sum(n for _, n in e.left) for e in preparing] == [total, total - 6]
     started = [e for e in events if e.moment == "started"]
     assert [e.done for e in started] == list(range(total))
     assert [e.label.split(" t=")[0] for e in started[:6]] == [

@@ -55,7 +55,7 @@ class Progress:
     total: int
     label: str  # the repetition under way, "tg128 rep 2/5 t=2", or the test just ended
     test: str = ""  # its kind (the shape's name): repetitions of a kind take about as long
-    moment: Literal["started", "working", "ended"] = "ended"
+    moment: Literal["preparing", "started", "working", "ended"] = "ended"  # preparing: settings
     fraction: float = 0.0  # of the repetition under way: its tokens done
     left: tuple[tuple[str, int], ...] = ()  # repetitions of each kind not yet started
 
@@ -213,6 +213,8 @@ def run_bench(
     for i_combo, combo in enumerate(combos):
         problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
         if problem is None:
+            yield Progress(done, total, f"setting up {combo.describe()}".strip(),
+                           moment="preparing", left=left(i_combo, -1, 0))  # fmt: skip
             try:
                 loaded = runner.reconfigure(combo.config(base, ctx))
             except ModelLoadError as e:
