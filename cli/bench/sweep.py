@@ -709,9 +709,7 @@ def _sweep(
     def emit(recorded: list[run.Recorded]) -> None:
         for r in recorded:
             for w in writers:
-                w.row(r.record)
-        if writers and writers[0].failed is not None and output.format_stdout is not None:
-            cancel.set()  # stdout is gone (a closed pipe, a full disk): stop, keep the rows
+                w.row(r.record)  # a stream that failed takes no more; the run goes on
 
     try:
         for event in events:
@@ -760,10 +758,9 @@ def _sweep(
     if stream is None:  # cancelled before a model was ready: nothing ran
         return EXIT_INTERRUPTED
     lost = writers[0].failed if writers and output.format_stdout is not None else None
-    code = _report(stream, skipped, sweep, cancel.is_set() and lost is None, err, show, output,
-                   scores)  # fmt: skip
-    if lost is not None:
-        raise lost  # stored; a closed pipe ends quietly (141), a full disk with one line
+    code = _report(stream, skipped, sweep, cancel.is_set(), err, show, output, scores)
+    if lost is not None and code == 0:
+        raise lost  # all stored; a closed pipe ends quietly (141), a full disk with one line
     if failure is not None and not cancel.is_set():  # Ctrl-C/SIGTERM: 130/143, rows kept
         raise failure
     return code
