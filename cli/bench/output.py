@@ -336,8 +336,8 @@ class RecordWriter:
         self._write((self._header(record) if first else "") + self._row(record, first))
 
     def close(self, *, empty: bool = True) -> None:
-        """The format's end (json's `]`, md's build line); `empty`: a run that measured
-        nothing still prints json's `[]`."""
+        """The format's end (json's `]`, md's build line); `empty`: a run cut before its first
+        row (Ctrl-C) still prints json's `[]`."""
         if self._closed or self.fmt is OutputFormat.none:
             return
         self._closed = True

@@ -752,7 +752,7 @@ def _sweep(
         if stream is not None:
             emit(stream.end(complete=complete))
         for w in writers:
-            w.close(empty=failure is None)
+            w.close(empty=failure is None and cancel.is_set())  # all skipped: an error, no []
     if failure is not None and (stream is None or not stream.done):
         raise failure
     if stream is None:  # cancelled before a model was ready: nothing ran
