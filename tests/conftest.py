@@ -40,7 +40,14 @@ HANG_S = 600.0
 #   slow:  runs llama.cpp's own llama-bench, which the first use builds (about 5 minutes).
 MARKER_FIXTURES = {
     "model": {"model_path", "runner", "shared_runner", "q8_model", "server"},
-    "pty": {"llmrun_env", "server", "q8_model", "serve_env", "llama_bench_path"},
+    "pty": {
+        "llmrun_env",
+        "server",
+        "q8_model",
+        "serve_env",
+        "llama_bench_path",
+        "llama_cpp_source",
+    },
     "slow": {"llama_bench_path"},
 }
 
@@ -202,6 +209,15 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
     subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_source() -> Path:
+    """The llama.cpp sources of the installed llama-cpp-python, unpacked (the first use fetches
+    the sdist through pip, a process: requesting it marks the test `pty`)."""
+    from . import llama_tools
+
+    return llama_tools.llama_cpp_dir()
 
 
 @pytest.fixture(scope="session")

@@ -160,7 +160,7 @@ def test_zero_repetitions_record_rows_of_nothing_as_llama_bench(
 
 
 def test_every_option_llama_bench_parses_is_one_of_bench_s(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, llama_cpp_source: Path
 ) -> None:
     """Each spelling in llama-bench.cpp's parser (but --rpc: no RPC servers here), and each long
     one with `_` for `-`, as llama-bench reads them, parses to the same option."""
