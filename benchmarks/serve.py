@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import socket
 import statistics
 import subprocess
@@ -167,12 +168,13 @@ def measure(cmd: list[str], url: str, args: argparse.Namespace, level: int,
             "itl50": record["p50_itl_ms"], "itl99": record["p99_itl_ms"]}  # fmt: skip
 
 
-def interference(cmd: list[str], url: str, args: argparse.Namespace) -> dict[str, float]:
+def interference(cmd: list[str], url: str, args: argparse.Namespace,
+                 seed: int) -> dict[str, float]:  # fmt: skip
     """llmrun's interference test: `bench interference` where bench is a group of commands."""
     test = [LLMRUN, "bench", "interference"] if cmd[-1] == "serve" else [*cmd, "--interference"]
     done = subprocess.run(
         [*test, "--endpoint", url, "--prompt-len", str(args.long_prompt), "--output-len",
-         str(args.output_len), "-o", "json"],
+         str(args.output_len), "--seed", str(seed), "-o", "json"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -203,6 +205,7 @@ def main() -> int:
     ap.add_argument("--long-prompt", type=int, default=512)
     ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers stop with it
     levels = [int(x) for x in args.concurrency.split(",")]
     cmd = bench_command()
     ref_name = args.reference
@@ -218,7 +221,9 @@ def main() -> int:
             for i, level in enumerate(levels):
                 order = list(servers) if (rnd + i) % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    m = measure(cmd, servers[name], args, level, seed=1000 + rnd)
+                    # fresh prompts at every level and round (the same for both servers), so
+                    # neither server's prompt cache serves one it has seen before
+                    m = measure(cmd, servers[name], args, level, seed=1000 + 100 * rnd + 10 * i)
                     results.setdefault((name, level), []).append(m)
                     print(f"round {rnd + 1} c{level} {name:<17} {m['tps']:7.1f} tok/s  TTFT"
                           f" {m['ttft']:8.1f} ms  ITL p50 {m['itl50']:7.1f} p99"
@@ -226,7 +231,7 @@ def main() -> int:
             if args.interference:
                 order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    rec = interference(cmd, servers[name], args)
+                    rec = interference(cmd, servers[name], args, seed=5000 + 100 * rnd)
                     itl99.setdefault(name, []).append(float(rec["itl_p99_loaded_ms"]))
                     print(f"round {rnd + 1} interference {name:<17} stream ITL p99"
                           f" {rec['itl_p99_loaded_ms']} ms while {args.long_prompt}-token"
