@@ -551,13 +551,16 @@ def compare_sets(
     base = [s for s in rated if baseline.matches(s)]
     if not base:
         raise BadRequestError(f"baseline {baseline.text!r} matches no stored bench result")
+    default = compare is None
     if compare is None:
         newest = max((s.run_id for s in rated if not baseline.matches(s)), default=None)
         if newest is None:
             raise BadRequestError(f"every stored bench result is in the baseline"
                                   f" {baseline.text!r}: choose a compare set with -c")  # fmt: skip
         compare = Selector(f"run {newest}", (Term("run", (newest, newest)),))
-    comp = [s for s in rated if compare.matches(s)]
+    # the default set is the newest run less what the baseline already holds (-b t=1 after a
+    # `bench -t 1,2` compares that run's t=1 rows with the baseline's, not with themselves)
+    comp = [s for s in rated if compare.matches(s) and not (default and baseline.matches(s))]
     if not comp:
         raise BadRequestError(f"compare {compare.text!r} matches no stored bench result")
     both = {id(s) for s in base} & {id(s) for s in comp}
@@ -569,7 +572,9 @@ def compare_sets(
         if unknown:
             raise BadRequestError(f"--show: unknown {', '.join(map(repr, unknown))}; choose"
                                   f" from {', '.join(SHOWABLE)}")  # fmt: skip
-    ignored = baseline.fields | compare.fields
+    # only a field both sets fix is looked past (-b t=1 -c t=2); one fixed on one side only
+    # still pairs, or the other side's values would be averaged together
+    ignored = baseline.fields & compare.fields
     keys = [f for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS if f not in ignored]
 
     def groups(side: list[Stored]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:

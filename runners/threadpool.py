@@ -82,7 +82,10 @@ def _process_placement() -> tuple[frozenset[int], int, int]:
 
 
 def available_cpus() -> frozenset[int]:
-    """The CPUs this process may run on (taskset, cgroups), as it started."""
+    """The CPUs this process may run on (taskset, cgroups), as it started; every CPU where the
+    system has no affinity calls (macOS)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset(range(os.cpu_count() or 1))
     return _process_placement()[0]
 
 
@@ -118,6 +121,9 @@ class ThreadpoolSettings:
         them: the whole mask to every thread, or (strict) one CPU each in turn. Refused where
         a thread would have no CPU this process may use."""
         cpus, usable = self.cpus, available_cpus()
+        if (cpus or self.prio) and not hasattr(os, "sched_getaffinity"):
+            raise BadRequestError("-C/--cpu-mask and --prio need Linux's CPU affinity calls,"
+                                  " which this system lacks")  # fmt: skip
         if not cpus:
             return [usable] * n_threads
         if not cpus & usable:
@@ -245,9 +251,9 @@ class Threadpool:
 
     def close(self) -> None:
         global _live_pools
-        if self.ptr is None:
-            return
-        with _live_lock:
+        with _live_lock:  # two closers at once (a server's stop and the runner's close)
+            if self.ptr is None:
+                return
             self._api.free(self.ptr)
             self.ptr = None
             _live_pools -= 1

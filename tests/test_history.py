@@ -194,6 +194,32 @@ def test_a_setting_named_by_both_sets_is_compared_across_and_others_must_match()
     assert [p.shown for p in shown.pairs] == [(("n_batch", 2048),)]
 
 
+def test_a_setting_fixed_on_one_side_only_still_pairs_and_is_not_averaged_away() -> None:
+    """-b aaaaaaa,t=1 -c bbbbbbb: the compare build's t=1 and t=2 rows are not one average."""
+    results = [*stored(1, rec(n_threads=1, avg_ts=50.0)),
+               *stored(2, rec(n_threads=1, avg_ts=60.0, build_commit="bbbbbbb"),
+                       rec(n_threads=2, avg_ts=200.0, build_commit="bbbbbbb"))]  # fmt: skip
+    found = compare_sets(results, sel("aaaaaaa,t=1"), sel("bbbbbbb", "-c"))
+    assert [(p.baseline.avg_ts, p.compare.avg_ts) for p in found.pairs] == [(50.0, 60.0)]
+    assert found.ignored == () and found.unpaired_compare == 1
+
+
+def test_the_default_compare_set_leaves_out_what_the_baseline_holds() -> None:
+    """After `bench -t 1,2`, `history -b t=1` takes the newest run less its t=1 rows, which are
+    in the baseline: no "sets overlap" refusal for a set the user never chose. Its t=2 rows do
+    not pair with t=1 (the baseline alone fixes -t), and that is what it says."""
+    results = [
+        *stored(1, rec(n_threads=1, avg_ts=50.0)),
+        *stored(2, rec(n_threads=1, avg_ts=55.0), rec(n_threads=2, avg_ts=90.0)),
+    ]
+    with pytest.raises(BadRequestError, match="no comparable results") as refused:
+        compare_sets(results, sel("t=1"), None)
+    assert "share" not in str(refused.value)
+    both = compare_sets(results, sel("t=1"), sel("run=2,t=2", "-c"))
+    assert [(p.baseline.avg_ts, p.compare.avg_ts) for p in both.pairs] == [(52.5, 90.0)]
+    assert both.ignored == ("n_threads",)
+
+
 def test_sets_of_other_test_shapes_pair_and_say_so() -> None:
     """-b p=512 -c p=1024 compares prompt lengths: the test names each side's."""
     results = stored(1, rec(n_prompt=512, avg_ts=100.0), rec(n_prompt=1024, avg_ts=80.0))

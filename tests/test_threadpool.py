@@ -261,3 +261,14 @@ def test_the_header_names_a_threadpool_only_where_one_runs() -> None:
     assert threadpool_line([Combo()], 2).startswith(
         "CPU mask 0x0, strict 0, poll 50, priority high"
     )
+
+
+def test_without_linuxs_affinity_calls_the_defaults_still_work_and_a_mask_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """macOS has no sched_getaffinity: every run checks its (default) placement, which must not
+    fail there; a mask or a priority, which need those calls, is refused in one line."""
+    monkeypatch.delattr(tp.os, "sched_getaffinity")
+    assert len(tp.ThreadpoolSettings().placement(2)) == 2
+    with pytest.raises(BadRequestError, match="Linux"):
+        tp.ThreadpoolSettings(cpu_mask="0x1").placement(1)

@@ -13,10 +13,12 @@ from llmrun.runners.base import Request
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.engine import (
+    FINISH_CANCELLED,
     LONG_TOKENS,
     BatchedEngine,
     InterferenceReport,
     Policy,
+    SeqResult,
     interference,
     serve,
 )
@@ -28,6 +30,16 @@ from .options import InterferenceOptions, ServeOptions, Stage
 STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_LONG_PROMPTS = 8
 LOCAL = "local"  # a local level's endpoint
+
+
+def request_result(r: SeqResult) -> RequestResult:
+    """One request of a local level as the serving metrics count it: a request the interrupt
+    cut is an error ("cancelled"), not a finished one with a short output and E2E."""
+    return RequestResult(
+        input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
+        latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
+        error="cancelled" if r.finish == FINISH_CANCELLED or not r.times else None,
+    )  # fmt: skip
 
 
 def _model_name(runner: LlamaCppRunner) -> str:
@@ -71,11 +83,7 @@ def serve_local(
                                           request_rate=options.request_rate, seed=options.seed,
                                           cancel=cancel, progress=tally)  # fmt: skip
                 background = measured_background(cpu0, cpu_sample())
-                measured = [RequestResult(
-                    input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
-                    latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
-                    error=None if r.times else "cancelled",
-                ) for r in results]  # fmt: skip
+                measured = [request_result(r) for r in results]
                 yield ServingLevel(
                     endpoint=LOCAL, model=name, concurrency=level,
                     request_rate=options.request_rate, num_prompts=options.num_prompts,
