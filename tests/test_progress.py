@@ -344,3 +344,30 @@ def test_serving_on_a_terminal_shows_requests_and_leaves_no_row(
     assert re.search(r"chunked:32 c=2\s+\d/4 requests · \d+:\d\d · ETA \d+:\d\d", written)
     assert not any(re.search(r"\d/4 requests", ln) for ln in lines), "\n".join(lines)
     assert any("TTFT" in ln for ln in lines)
+
+
+def test_bench_progress_lines_carry_no_escape_from_the_settings(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner
+) -> None:
+    """A run's label names its settings (an -ot pattern is text from outside): the plain
+    --progress lines sanitize it as the live line does."""
+    result = cli.invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--progress",
+                              "--no-history", "-o", "json", "-ot", "\x1b]0;pwned\x07blk=CPU,x=CPU"])  # fmt: skip
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
+    assert lines, result.stderr
+    assert not any("\x1b" in ln or "\x07" in ln for ln in lines), lines
+
+
+def test_rows_on_a_terminal_stdout_start_their_own_lines_under_the_progress_line(
+    llmrun_env: dict[str, str],
+) -> None:
+    """`-o csv` on a terminal: stdout and the progress line share the screen; each row is
+    written after the line is erased, so no row follows progress text."""
+    env = {**llmrun_env, "TERM": "xterm-256color"}
+    code, written, lines = on_a_terminal(["bench", "-p", "16", "-n", "16", "-r", "2", "-o", "csv",
+                                          "--no-history"], env, 100)  # fmt: skip
+    assert code == 0, written[-2000:]
+    rows = [ln for ln in lines if ",pp16," in ln or ",tg16," in ln or '"pp16"' in ln]
+    assert len(rows) == 2, "\n".join(lines)
+    assert all(ln.startswith(('"', "b")) or ln[0].isalnum() for ln in rows)
+    assert not any("ETA" in ln or "rep " in ln for ln in rows), "\n".join(rows)

@@ -666,8 +666,9 @@ class _Bar:
             self.clock.started(event.test, now)
         elif event.moment == "ended":
             self.clock.finished(now)
-            if self.lines:
-                self.err.print(f"llmrun: {event.done}/{event.total} {event.label}", markup=False)
+            if self.lines:  # the label names -ot patterns and devices: text from outside
+                self.err.print(f"llmrun: {event.done}/{event.total} {terminal_line(event.label)}",
+                               markup=False)  # fmt: skip
         if self.line.view is None:
             self.line.follow(event.label, self._view)
 
@@ -706,7 +707,11 @@ def _sweep(
     failure: LlmrunError | None = None  # a later model or the perplexity failed
     complete = False
 
+    rows_on_terminal = output.format_stdout is not None and sys.stdout.isatty()
+
     def emit(recorded: list[run.Recorded]) -> None:
+        if recorded and rows_on_terminal:
+            bar.line.stop()  # erased first, or a row would follow the progress text on its line
         for r in recorded:
             for w in writers:
                 w.row(r.record)  # a stream that failed takes no more; the run goes on
