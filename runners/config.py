@@ -51,11 +51,15 @@ class EngineConfig:
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
     warmup: bool = True  # one decode while loading, as llama-cli does (--no-warmup: none)
     threadpool: ThreadpoolSettings = field(default_factory=ThreadpoolSettings)  # -C, --poll
+    lazy_mode: str = "auto"  # llama-bench's -lzm: tensors read on demand (LAZY_MODES' names)
+    no_host: bool = False  # llama-bench's --no-host: no host buffer, so extra buffers may serve
+    embeddings: bool = False  # llama-bench's -embd: every output's embedding beside its logits
+    no_op_offload: bool = False  # llama-bench's -nopo: ops on host weights stay on the host
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""
         fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
-                  "tensor_overrides", "n_cpu_moe", "devices")  # fmt: skip
+                  "tensor_overrides", "n_cpu_moe", "devices", "lazy_mode", "no_host")  # fmt: skip
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def with_llama_bench_defaults(self) -> EngineConfig:

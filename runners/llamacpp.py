@@ -442,6 +442,12 @@ class LlamaCppRunner:
         mparams.use_extra_bufts = self._repack
         if cfg.load_mode is not None:
             mparams.load_mode = LOAD_MODES[cfg.load_mode]
+        lazy = {name: code for code, name in LAZY_MODES.items()}.get(cfg.lazy_mode)
+        if lazy is None:
+            raise SettingError(self.model_path, f"lazy_mode {cfg.lazy_mode!r} is not on, auto"
+                               " or off")  # fmt: skip
+        mparams.lazy_mode = lazy
+        mparams.no_host = cfg.no_host
         if cfg.split_mode is not None:
             mparams.split_mode = {v: k for k, v in SPLIT_MODES.items()}[cfg.split_mode]
         if cfg.main_gpu is not None:
@@ -543,6 +549,8 @@ class LlamaCppRunner:
             setattr(cparams, name, ggml_type)
         cparams.no_perf = False
         cparams.offload_kqv = not cfg.no_kv_offload
+        cparams.embeddings = cfg.embeddings  # llama.cpp outputs the logits too (output_all)
+        cparams.op_offload = not cfg.no_op_offload
         check_memory(
             estimate_memory(info, n_ctx=n_ctx * n_seq, n_ubatch=cparams.n_ubatch,
                             type_k=cfg.cache_type_k, type_v=cfg.cache_type_v,

@@ -13,8 +13,14 @@ from typing import Any
 import pytest
 
 from llmrun.runners import devices as dv
+from llmrun.runners.base import Request, SamplingParams, generate
+from llmrun.runners.bench import run
+from llmrun.runners.bench import sweep as sw
 from llmrun.runners.bench.results import LLAMA_BENCH_FIELDS
 from llmrun.runners.bench.tuning import save_tuned
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 from . import llama_tools
 from .conftest import which_llmrun
@@ -145,8 +151,10 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
         (["--numa", "everywhere"], "is not one of distribute"),
         (["-fa", "sometimes"], "every test was skipped"),
         (["-b", "4096", "-c", "256"], "every test was skipped"),
-        (["-embd", "1"], "runs llama.cpp's default here (0)"),
-        (["-lzm", "on"], "--lazy-mode on"),
+        (["-embd", "2"], "-embd/--embeddings: '2' is not 0 or 1"),
+        (["-nopo", "yes,maybe"], "-nopo/--no-op-offload: 'maybe' is not 0 or 1"),
+        (["--no-host", "-1"], "--no-host: '-1' is not 0 or 1"),
+        (["-lzm", "sometimes"], "-lzm/--lazy-mode: 'sometimes' is not on, auto or off"),
         (["-hff", "model.gguf"], "give the repository"),
     ],
 )
@@ -170,3 +178,69 @@ def test_tuned_settings_are_named_and_never_cost_a_requested_value(
     for flags in ([], ["--no-tuned"]):  # without --tuned: llama-bench's defaults, tuning or not
         plain = records(*flags, "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
         assert not plain[0]["tuned"] and (plain[0]["n_batch"], plain[0]["n_ubatch"]) == (2048, 512)
+
+
+def _sweep(**lists: str) -> run.Sweep:
+    return run.Sweep(shapes=[sw.Shape(8, 0)], threads=None, batch=None, ubatch=None,
+                     gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
+                     reps=1, ctx=None, seed=1, scenarios=False, **lists)  # fmt: skip
+
+
+def test_lazy_mode_host_embeddings_and_op_offload_sweep_in_llama_bench_order() -> None:
+    base = EngineConfig().with_llama_bench_defaults()
+    combos = _sweep(lazy_mode="off,on", no_host="0,1", embeddings="1,0",
+                    no_op_offload="1").combos(base)  # fmt: skip
+    got = [(c.lazy_mode, c.no_host, c.embeddings, c.no_op_offload) for c in combos]
+    assert got == [(lz, nh, em, True) for lz in ("off", "on") for nh in (False, True)
+                   for em in (True, False)]  # fmt: skip
+    assert run.varied_fields(_sweep(), combos) >= {"lazy_mode", "no_host", "embeddings"}
+    plain = _sweep().combos(base)
+    assert [(c.lazy_mode, c.no_host, c.embeddings, c.no_op_offload) for c in plain] == [
+        ("auto", False, False, False)
+    ]
+    config = combos[0].config(base, 64)  # handed to the engine; model-side ones reload
+    assert (config.lazy_mode, config.embeddings, config.no_op_offload) == ("off", True, True)
+    assert not config.same_model(base) and combos[1].config(base, 64).same_model(config)
+    with pytest.raises(BadRequestError, match="'sometimes' is not on, auto or off"):
+        _sweep(lazy_mode="on,sometimes").combos(base)
+
+
+def test_llama_bench_model_and_context_flags_run_and_are_recorded(
+    llmrun_env: dict[str, str],
+) -> None:
+    """-lzm, --no-host, -embd and -nopo at other values than the defaults: each value its own
+    test, as llama-bench runs them, recorded from the parameters handed to llama.cpp."""
+    rows = records("-lzm", "on", "--no-host", "1", "-nopo", "1", "-embd", "0,1", env=llmrun_env)
+    assert [(r["embeddings"], r["test"]) for r in rows] == [
+        (False, "pp8"), (False, "tg2"), (True, "pp8"), (True, "tg2"),
+    ]  # fmt: skip
+    for r in rows:
+        assert (r["lazy_mode"], r["no_host"], r["no_op_offload"]) == ("on", True, 1)
+        assert r["avg_ts"] > 0
+    off = records("-lzm", "off", "-n", "0", env=llmrun_env)
+    assert [(r["lazy_mode"], r["embeddings"], r["no_host"]) for r in off] == [
+        ("off", False, False)
+    ]
+    done = bench("-embd", "0,1", "-o", "md", env=llmrun_env)
+    assert done.returncode == 0 and " embd |" in done.stdout.splitlines()[0], done.stdout
+
+
+def test_with_embeddings_on_the_logits_still_come_out(runner: LlamaCppRunner) -> None:
+    """embeddings=true outputs every token's logits with its embedding: sampling still sees
+    them, and greedy text is the same as without."""
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    request = Request(prompt="The capital of France is", sampling=greedy)
+    plain = generate(runner, request)
+    config = runner.config
+    try:
+        loaded = runner.reconfigure(EngineConfig(n_ctx=config.n_ctx, flash_attn="off",
+                                                 embeddings=True, no_op_offload=True))  # fmt: skip
+        assert (loaded.settings.params["embeddings"], loaded.settings.params["no_op_offload"]) == (
+            True, 1,
+        )  # fmt: skip
+        runner.reset()
+        with_embd = generate(runner, request)
+    finally:
+        runner.reconfigure(config)
+    assert with_embd.stats.output_tokens == 6
+    assert with_embd.text == plain.text

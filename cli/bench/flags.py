@@ -58,16 +58,6 @@ def refuse_unusable(
                                   " yet; only the default is measured")  # fmt: skip
 
 
-def refuse_defaults_only(given: dict[str, tuple[list[str] | None, set[str]]]) -> None:
-    """llama-bench options whose defaults are what llmrun runs: accepted there, else one line."""
-    for flag, (values, defaults) in given.items():
-        odd = _non_default(",".join(values) if values else None, defaults)
-        if odd:
-            raise BadRequestError(f"{flag} {odd[0]}: llmrun runs llama.cpp's default here"
-                                  f" ({'/'.join(sorted(defaults))}) and does not pass other"
-                                  " values on")  # fmt: skip
-
-
 def hub_models(
     models: list[str] | None, repos: list[str] | None, hf_file: str | None,
     token: str | None, offline: bool,

@@ -43,7 +43,7 @@ class OutputFormat(str, Enum):
 # The settings a sweep can vary (their record fields) and their column heads
 SWEPT_COLUMNS = tuple(zip(SWEPT_FIELDS, (
     "n_batch", "n_ubatch", "ngl", "fa", "type_k", "type_v", "repack", "nkvo", "lm", "ctx",
-    "KV bytes", "draft", "cpu_mask", "strict", "poll",
+    "KV bytes", "draft", "cpu_mask", "strict", "poll", "lzm", "noh", "embd", "nopo",
 ), strict=True))  # fmt: skip
 
 

@@ -340,18 +340,22 @@ def bench(
                                               " format."),
     ] = None,
     embeddings: Annotated[
-        list[str] | None, _lists("0 only: generation is what is measured.", "-embd",
+        list[str] | None, _lists("1: the context also outputs every token's embedding, as an"
+                                 " embedding model's does. (default: 0)", "-embd",
                                  "--embeddings", panel=LB),
     ] = None,
     no_op_offload: Annotated[
-        list[str] | None, _lists("0 only (llama.cpp's default).", "-nopo", "--no-op-offload",
+        list[str] | None, _lists("1: operations on weights in host memory are not offloaded"
+                                 " to a GPU. (default: 0)", "-nopo", "--no-op-offload",
                                  panel=LB),
     ] = None,
     no_host: Annotated[
-        list[str] | None, _lists("0 only (llama.cpp's default).", "--no-host", panel=LB),
+        list[str] | None, _lists("1: load the weights without a host buffer, so extra buffer"
+                                 " types may take them. (default: 0)", "--no-host", panel=LB),
     ] = None,
     lazy_mode: Annotated[
-        list[str] | None, _lists("auto only (llama.cpp's default).", "-lzm", "--lazy-mode",
+        list[str] | None, _lists("Read the tensors a model marks on demand: on, auto (those"
+                                 " over 4 GiB) or off. (default: auto)", "-lzm", "--lazy-mode",
                                  panel=LB),
     ] = None,
     fit_target: Annotated[
@@ -474,10 +478,6 @@ def bench(
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             models = lb.hub_models(models, hf_repo, hf_file, hf_token, offline)
-            lb.refuse_defaults_only({"-embd/--embeddings": (embeddings, {"0"}),
-                                     "-nopo/--no-op-offload": (no_op_offload, {"0"}),
-                                     "--no-host": (no_host, {"0"}),
-                                     "-lzm/--lazy-mode": (lazy_mode, {"auto"})})  # fmt: skip
             lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
                                tensor_split=_joined(tensor_split), device=_joined(device),
                                n_cpu_moe=_joined(n_cpu_moe),
@@ -498,6 +498,8 @@ def bench(
                 fit_target=_joined(fit_target), fit_ctx=_joined(fit_ctx),
                 no_kv_offload=_joined(no_kv_offload),
                 cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict), poll=_joined(poll),
+                lazy_mode=_joined(lazy_mode), no_host=_joined(no_host),
+                embeddings=_joined(embeddings), no_op_offload=_joined(no_op_offload),
                 prio=prio, reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
                 warmup=not no_warmup,
                 delay_s=delay, tuned=tuned, ppl=ppl, cold=cold,

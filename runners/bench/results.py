@@ -262,7 +262,8 @@ OPTIONAL_FIELDS = ("draft", "acceptance_rate", "tokens_per_step", "pp_ts", "tg_t
 # The engine settings a sweep can vary, by their record fields: the terminal's columns
 SWEPT_FIELDS = ("n_batch", "n_ubatch", "n_gpu_layers", "flash_attn_mode", "type_k", "type_v",
                 "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft", "cpu_mask",
-                "cpu_strict", "poll")  # fmt: skip
+                "cpu_strict", "poll", "lazy_mode", "no_host", "embeddings",
+                "no_op_offload")  # fmt: skip
 
 
 @dataclass(frozen=True)

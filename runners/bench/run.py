@@ -13,7 +13,7 @@ from typing import Any
 
 from llmrun.runners import devices as dv
 from llmrun.runners.base import BenchRunner
-from llmrun.runners.config import LOAD_MODES, EngineConfig
+from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
@@ -88,6 +88,10 @@ class Sweep:
     prio: int = 0  # the compute threads' priority (--prio), in every test
     fit_target: str | None = None  # llama-bench's -fitt/-fitc lists: recorded, not applied
     fit_ctx: str | None = None
+    lazy_mode: str | None = None  # llama-bench's -lzm, --no-host, -embd and -nopo lists
+    no_host: str | None = None
+    embeddings: str | None = None
+    no_op_offload: str | None = None
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -144,6 +148,23 @@ class Sweep:
         return [replace(c, cpu_mask=m, cpu_strict=st, poll=p)
                 for c in combos for m in masks for st in stricts for p in polls]  # fmt: skip
 
+    def _llama_params(self) -> dict[str, Any]:
+        """-lzm, --no-host, -embd and -nopo: each value given, else llama.cpp's default."""
+        lazy = ["auto"]
+        if self.lazy_mode:
+            lazy = sw.parse_words(self.lazy_mode, name="-lzm/--lazy-mode",
+                                  allowed=tuple(LAZY_MODES.values()))  # fmt: skip
+            bad = [m for m in lazy if m not in LAZY_MODES.values()]
+            if bad:
+                raise BadRequestError(f"-lzm/--lazy-mode: '{bad[0]}' is not on, auto or off")
+        flags = {"no_host": (self.no_host, "--no-host"),
+                 "embeddings": (self.embeddings, "-embd/--embeddings"),
+                 "no_op_offload": (self.no_op_offload, "-nopo/--no-op-offload")}  # fmt: skip
+        return {"lazy_mode": lazy} | {
+            key: sw.parse_bools(text, name=name) if text else [False]
+            for key, (text, name) in flags.items()
+        }
+
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
 
@@ -178,6 +199,7 @@ class Sweep:
                 sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]
             ),
             load_mode=modes,
+            **self._llama_params(),
         )
         combos = self._threadpools(self._gpu_placements(combos))
         # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
@@ -311,7 +333,7 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
 # A test is "the same" across models when these agree (its shape and engine settings).
 SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
              "type_k", "type_v", "n_gpu_layers", "repack", "load_mode", "cpu_mask", "cpu_strict",
-             "poll")  # fmt: skip
+             "poll", "lazy_mode", "no_host", "embeddings", "no_op_offload")  # fmt: skip
 
 
 @dataclass(frozen=True)

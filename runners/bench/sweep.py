@@ -116,6 +116,10 @@ class Combo:
     poll: int = DEFAULT_POLL
     fit_target: int = 0  # llama-bench's -fitt (MiB) and -fitc: recorded as given, not applied
     fit_min_ctx: int = 0
+    lazy_mode: str = "auto"  # llama-bench's -lzm, --no-host (model-side: a load of their own)
+    no_host: bool = False
+    embeddings: bool = False  # llama-bench's -embd, -nopo (context-side)
+    no_op_offload: bool = False
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
@@ -131,6 +135,8 @@ class Combo:
             devices=self.devices,
             threadpool=replace(base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict,
                                poll=self.poll),
+            lazy_mode=self.lazy_mode, no_host=self.no_host, embeddings=self.embeddings,
+            no_op_offload=self.no_op_offload,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -141,11 +147,14 @@ class Combo:
                  "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
                  "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev",
                  "draft": "draft", "cpu_mask": "C", "cpu_strict": "cpu-strict",
-                 "poll": "poll", "fit_target": "fitt", "fit_min_ctx": "fitc"}  # fmt: skip
+                 "poll": "poll", "fit_target": "fitt", "fit_min_ctx": "fitc",
+                 "lazy_mode": "lzm", "no_host": "no-host", "embeddings": "embd",
+                 "no_op_offload": "nopo"}  # fmt: skip
         defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
                                        "n_cpu_moe": 0, "draft": 0, "cpu_mask": "0x0",
                                        "cpu_strict": False, "poll": DEFAULT_POLL, "fit_target": 0,
-                                       "fit_min_ctx": 0}  # fmt: skip
+                                       "fit_min_ctx": 0, "lazy_mode": "auto", "no_host": False,
+                                       "embeddings": False, "no_op_offload": False}  # fmt: skip
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(
@@ -166,15 +175,25 @@ def sweep(
     repack: Sequence[bool | None] = (None,),
     no_kv_offload: Sequence[bool] = (False,),
     load_mode: Sequence[str | None] = (None,),
+    lazy_mode: Sequence[str] = ("auto",),
+    no_host: Sequence[bool] = (False,),
+    embeddings: Sequence[bool] = (False,),
+    no_op_offload: Sequence[bool] = (False,),
 ) -> list[Combo]:
     """Every combination, ordered so those sharing loaded weights (GPU layers, repacking, load
-    mode) run together."""
+    mode, lazy mode, host buffer) run together; -lzm, --no-host, -embd and -nopo nest in
+    llama-bench's order, outside the context's other settings, as in its loop."""
     return [
-        Combo(t, b, u, g, f, k, v, r, o, lm)
-        for g, r, lm, t, b, u, f, k, v, o in itertools.product(
+        Combo(t, b, u, g, f, k, v, r, o, lm, lazy_mode=lz, no_host=nh, embeddings=em,
+              no_op_offload=npo)
+        for g, r, lm, lz, nh, em, npo, t, b, u, f, k, v, o in itertools.product(
             gpu_layers,
             repack,
             load_mode,
+            lazy_mode,
+            no_host,
+            embeddings,
+            no_op_offload,
             threads,
             batch,
             ubatch,
