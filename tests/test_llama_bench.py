@@ -180,7 +180,7 @@ def test_tuned_settings_are_named_and_never_cost_a_requested_value(
         assert not plain[0]["tuned"] and (plain[0]["n_batch"], plain[0]["n_ubatch"]) == (2048, 512)
 
 
-def _sweep(**lists: str) -> run.Sweep:
+def _sweep(**lists: Any) -> run.Sweep:
     return run.Sweep(shapes=[sw.Shape(8, 0)], threads=None, batch=None, ubatch=None,
                      gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
                      reps=1, ctx=None, seed=1, scenarios=False, **lists)  # fmt: skip
@@ -217,10 +217,8 @@ def test_llama_bench_model_and_context_flags_run_and_are_recorded(
     for r in rows:
         assert (r["lazy_mode"], r["no_host"], r["no_op_offload"]) == ("on", True, 1)
         assert r["avg_ts"] > 0
-    off = records("-lzm", "off", "-n", "0", env=llmrun_env)
-    assert [(r["lazy_mode"], r["embeddings"], r["no_host"]) for r in off] == [
-        ("off", False, False)
-    ]
+    off = records("-lzm", "off", "-p", "8", "-n", "0", env=llmrun_env, shapes=False)
+    assert [(r["lazy_mode"], r["embeddings"], r["no_host"]) for r in off] == [("off", False, False)]
     done = bench("-embd", "0,1", "-o", "md", env=llmrun_env)
     assert done.returncode == 0 and " embd |" in done.stdout.splitlines()[0], done.stdout
 

@@ -183,23 +183,10 @@ def sweep(
     """Every combination, ordered so those sharing loaded weights (GPU layers, repacking, load
     mode, lazy mode, host buffer) run together; -lzm, --no-host, -embd and -nopo nest in
     llama-bench's order, outside the context's other settings, as in its loop."""
-    return [
-        Combo(t, b, u, g, f, k, v, r, o, lm, lazy_mode=lz, no_host=nh, embeddings=em,
-              no_op_offload=npo)
-        for g, r, lm, lz, nh, em, npo, t, b, u, f, k, v, o in itertools.product(
-            gpu_layers,
-            repack,
-            load_mode,
-            lazy_mode,
-            no_host,
-            embeddings,
-            no_op_offload,
-            threads,
-            batch,
-            ubatch,
-            flash_attn,
-            type_k,
-            type_v,
-            no_kv_offload,
-        )
-    ]
+    context = list(itertools.product(threads, batch, ubatch, flash_attn, type_k, type_v,
+                                     no_kv_offload))  # fmt: skip
+    return [Combo(t, b, u, g, f, k, v, r, o, lm, lazy_mode=lz, no_host=nh, embeddings=em,
+                  no_op_offload=npo)
+            for g, r, lm, lz, nh, em, npo, (t, b, u, f, k, v, o) in itertools.product(
+                gpu_layers, repack, load_mode, lazy_mode, no_host, embeddings, no_op_offload,
+                context)]  # fmt: skip
