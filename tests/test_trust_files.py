@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
 from llmrun.runners.history import History
 
-from .conftest import ROOT
+from .conftest import HANG_S, ROOT
 from .fake import FakeRunner
 
 CHILD = textwrap.dedent("""
@@ -394,9 +395,16 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
     child = subprocess.Popen([which_llmrun(), "run", "-m", model_path, "--jsonl", str(prompts),
                               "--parallel", "3", "-n", "400", "--json"], env=llmrun_env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    time.sleep(8)  # not an assertion: before or after the load, Ctrl-C must end it the same way
+    # Ctrl-C once the first request is answered (its JSON line): 12 requests 3 at a time, so
+    # most are still to come whatever the machine's speed (a fixed sleep let a quiet machine
+    # finish the batch first)
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], HANG_S)
+    assert ready, "no request answered"
+    first = child.stdout.readline()
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=120)
+    out = first + out
     assert child.returncode == 130, err
     assert b"Traceback" not in err and b"internal error" not in err
     if b"parallel 3:" in err:  # it was serving: every request is accounted for
