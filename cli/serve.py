@@ -198,6 +198,7 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         sock = srv.listen(host, port)
     except OSError as e:
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    engine: EngineThread | None = None
     try:
         loaded = runner.load(n_seq=parallel)  # one context: the engine's -np sequences
         policy = Policy.parse(policy_text or f"chunked:{loaded.settings.n_batch}")
@@ -228,7 +229,8 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         finally:
             view.stop()
     finally:
-        runner.close()
+        if engine is None or engine.stopped:
+            runner.close()  # never under a step still running: the process exit frees it then
     if stopped_by == signal.SIGTERM:
         print("llmrun serve: stopped (SIGTERM)", file=sys.stderr, flush=True)
         return EXIT_TERMINATED

@@ -6,16 +6,17 @@ from __future__ import annotations
 import queue
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import EngineError, PromptTooLongError
+from llmrun.runners.handles import Sampler
 from llmrun.runners.library import LOG_LINES, llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.api_engine import Done, EngineThread, Job, Outcome, Piece
+from llmrun.runners.serving.api_engine import Done, EngineThread, Failed, Job, Outcome, Piece
 from llmrun.runners.serving.engine import (
     FINISH_CANCELLED,
     Arrival,
@@ -178,6 +179,89 @@ def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
         done = events[-1]
         assert isinstance(done, Done) and done.timings.output_tokens == 5
         assert all(isinstance(e, Piece) for e in events[:-1])
+    finally:
+        thread.stop()
+        runner.close()
+
+
+class _RefusingEngine(BatchedEngine):
+    """llama.cpp refusing one request's sampler chain (as when it cannot make one)."""
+
+    def new_chain(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
+        if seed == 13:
+            raise EngineError("llama.cpp could not make a sampler chain")
+        return super().new_chain(sp, seed, prompt=prompt)
+
+
+@pytest.mark.parametrize("keep_prefix", [False, True])
+def test_a_request_whose_sampler_is_refused_ends_alone_and_frees_its_sequence(
+    model_path: str, keep_prefix: bool
+) -> None:
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    sp = {seed: SamplingParams(max_tokens=4, temperature=0.7, seed=seed, ignore_eos=True)
+          for seed in (13, 7, 8)}  # fmt: skip
+    try:
+        with _RefusingEngine(runner, n_seq=1, n_ctx_per_seq=128, n_batch=64,
+                             keep_prefix=keep_prefix) as engine:  # fmt: skip
+            bad = engine.submit(Arrival(engine.now(), prompt(1), 4, True, sp[13]))
+            good = engine.submit(Arrival(engine.now(), prompt(2), 4, True, sp[7]))
+            later = engine.submit(Arrival(engine.now(), prompt(3), 4, True, sp[8]))
+            ended: list[Handle] = []
+            for _ in range(MAX_STEPS):
+                if engine.idle:
+                    break
+                ended += engine.step().finished
+            assert engine.idle
+            assert bad.done and bad.sid == -1 and bad.result.finish == "error"
+            assert "sampler chain" in bad.result.error and not bad.result.output
+            assert ended == [bad, good, later]  # each reported once, in order
+            for h in (good, later):  # the one sequence went on to the others
+                assert h.result.finish != "error" and len(h.result.output) == 4
+    finally:
+        runner.close()
+
+
+def test_an_abort_ends_a_step_and_every_request_with_an_error(engine: BatchedEngine) -> None:
+    """What `EngineThread.stop` relies on: llama.cpp's abort callback, true, stops the step in
+    llama_decode; the engine ends every request (finish 'error') and empties the KV cache."""
+    engine.clear()
+    lib = llama_lib()
+    abort = lib.ggml_abort_callback(lambda _data: True)
+    handle = engine.submit(Arrival(engine.now(), prompt(4), 8, ignore_eos=True))
+    lib.llama_set_abort_callback(engine.ctx.ptr, abort, None)
+    try:
+        with pytest.raises(EngineError):
+            engine.step()
+    finally:
+        lib.llama_set_abort_callback(engine.ctx.ptr, lib.ggml_abort_callback(), None)
+    assert handle.done and handle.result.finish == "error" and engine.idle
+    assert kv_end(engine, 0) == -1 and kv_end(engine, 1) == -1
+    after = engine.submit(Arrival(engine.now(), prompt(4), 3, ignore_eos=True))
+    step_until(engine, handle=after)
+    assert len(after.result.output) == 3  # the context serves on
+
+
+def test_stop_ends_a_request_in_flight_then_frees_the_engine(model_path: str) -> None:
+    """SIGTERM's last step: stop() aborts the step in progress (a whole long prompt in one
+    llama_decode here), the request gets its error, and only then is anything freed."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, n_threads=1, n_batch=2048))
+    thread = EngineThread(runner, n_seq=1, n_ctx_per_seq=2048, policy=Policy("prefill-first"),
+                          max_queue=1)  # fmt: skip
+    try:
+        thread.start()
+        out: queue.Queue[Outcome] = queue.Queue()
+        job = Job(prompt(5, 1900), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                  out.put, received_s=time.perf_counter())  # fmt: skip
+        thread.submit(job)
+        for _ in range(MAX_STEPS):  # handed to the engine (its step may or may not have begun)
+            if thread.busy:
+                break
+            time.sleep(0.005)
+        assert not thread.stopped
+        assert thread.stop()
+        assert thread.stopped
+        event = out.get(timeout=120)
+        assert isinstance(event, Failed) and "shutting down" in event.message, event
     finally:
         thread.stop()
         runner.close()

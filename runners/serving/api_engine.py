@@ -230,13 +230,25 @@ class EngineThread:
         job.cancelled = True
         self._wake.set()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """End the engine thread: the step in progress is aborted (llama.cpp's abort callback,
+        which the CPU backend checks between graph nodes), every request still in flight
+        ends with an error, then the engine's batch goes. True when the thread has ended,
+        so its context may be freed; False when a step still runs after `timeout_s` (a
+        backend that ignores the abort): then nothing is freed under it."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.engine.close()
+            self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            return False
+        self.engine.close()
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        """The engine thread is not running (never started, or ended)."""
+        return not self._thread.is_alive()
 
     @property
     def queued(self) -> int:
@@ -261,6 +273,17 @@ class EngineThread:
 
     def _loop(self) -> None:
         eng = self.engine
+        lib, ptr = eng.lib, eng.ctx.ptr
+        stopping = self._stop.is_set
+        abort = lib.ggml_abort_callback(lambda _data: stopping())  # kept alive for the loop
+        lib.llama_set_abort_callback(ptr, abort, None)
+        try:
+            self._serve()
+        finally:
+            lib.llama_set_abort_callback(ptr, lib.ggml_abort_callback(), None)
+
+    def _serve(self) -> None:
+        eng = self.engine
         while not self._stop.is_set():
             self._hand_over()
             self._drop_cancelled()
@@ -270,11 +293,13 @@ class EngineThread:
                 continue
             try:
                 events = eng.step()
-            except LlmrunError as e:
-                self._fail_all(str(e))
+            except LlmrunError as e:  # aborted by stop(), or llama.cpp failed
+                self._fail_all("the server is shutting down" if self._stop.is_set() else str(e))
                 continue
             step = events.step
             if step is None:
+                for handle in events.finished:  # refused as they were admitted
+                    self._finish(handle)
                 self._wake.wait(0.001)
                 self._wake.clear()
                 continue
@@ -323,9 +348,15 @@ class EngineThread:
         r = handle.result
         with self._lock:
             job, _ = self._jobs.pop(handle.id)
-            self.served += 1
-            self.output_tokens += len(r.output)
             self._counts = (self.engine.decoding, self.engine.prefilling)
+            failed = r.finish == FINISH_ERROR  # llama.cpp refused it alone; the others go on
+            if not failed:
+                self.served += 1
+                self.output_tokens += len(r.output)
+        if failed:
+            job.sink(Failed(r.error or "llama.cpp could not serve this request"))
+            self._wake.set()
+            return
         started = r.started_s if r.started_s is not None else time.perf_counter()
         prefill_end = r.prefilled_s if r.prefilled_s is not None else started
         times = r.times

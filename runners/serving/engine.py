@@ -117,6 +117,7 @@ class SeqResult:
     pieces: list[str] = field(default_factory=list)  # each token's text (stop strings applied)
     tail: str = ""
     finish: str = FINISH_LENGTH
+    error: str = ""  # why it ended with finish 'error' (llama.cpp refused its sampler, ...)
 
     @property
     def queue_s(self) -> float | None:
@@ -278,6 +279,7 @@ class BatchedEngine:
         self._view_key: tuple[int, int] = (0, 0)
         self._view: Any = None
         self._outs: list[Handle] = []  # the sequences sampled after this step, in batch order
+        self._refused: list[Handle] = []  # ended at admission (no sampler): the step reports them
         self._out_rows: list[int] = []  # and their entries in the batch
 
     @property
@@ -387,14 +389,19 @@ class BatchedEngine:
         """Admit queued requests into free sequences, then one llama_decode of the batch the
         policy (default: the engine's) builds from the decoding sequences' next tokens and
         the prompts' chunks, and each sampled sequence's next token. A failed llama_decode
-        ends every request (finish 'error'), empties the KV cache and raises EngineError."""
+        ends every request (finish 'error'), empties the KV cache and raises EngineError; a
+        request whose sampler llama.cpp refuses ends alone as it is admitted (finish 'error',
+        `result.error` says why) and comes among `finished`."""
         self._admit()
+        refused = self._refused
+        if refused:  # reported with this step (or alone), never lost
+            self._refused = []
         waiting, running = self._waiting, self._running
         if not waiting and not running:
-            return _NOTHING
+            return StepEvents(None, (), refused) if refused else _NOTHING
         decodes, chunks = self._schedule(waiting, running, policy or self.policy)
         if not decodes and not chunks:
-            return _NOTHING
+            return StepEvents(None, (), refused) if refused else _NOTHING
         clock, origin = time.perf_counter, self.origin_s
         start = clock()
         n_prefill = self._fill(decodes, chunks)
@@ -422,9 +429,9 @@ class BatchedEngine:
                 seq.result.prefilled_s = end_s
                 waiting.remove(seq)
                 running.append(seq)  # a sequence done at once leaves with the others
-        finished: list[Handle] = []
+        finished: list[Handle] = refused
         if any(s.done for s in running):
-            finished = [s for s in running if s.done]
+            finished = refused + [s for s in running if s.done]
             for seq in finished:
                 running.remove(seq)
                 self._release(seq, keep_kv=self.keep_prefix)
@@ -497,7 +504,14 @@ class BatchedEngine:
             seq.sid, seq.reused, seq.prefilled = sid, reused, reused
             if seq.sampling is not None:
                 assert seq.seed is not None
-                seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+                try:
+                    seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+                except LlmrunError as e:  # this request ends alone; its sequence is free again
+                    self._release(seq, keep_kv=self.keep_prefix)
+                    seq.done, seq.pending = True, None
+                    seq.result.finish, seq.result.error = FINISH_ERROR, str(e)
+                    self._refused.append(seq)
+                    continue
                 seq.text_stream = TextStream(seq.sampling.stop)
             self._waiting.append(seq)
 
@@ -803,6 +817,9 @@ def serve_requests(
         request, prompt = requests[i], prompts[i]
         if interrupted and r.started_s is None:
             outcome[i] = NotStartedError()
+            continue
+        if r.finish == FINISH_ERROR and r.error:  # refused alone as it was admitted
+            outcome[i] = EngineError(r.error)
             continue
         finish = r.finish
         if finish in (FINISH_LENGTH, FINISH_CANCELLED) and len(r.output) < limits[i]:

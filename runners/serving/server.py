@@ -381,7 +381,7 @@ def run(served: Served, sock: socket.socket, *, drain_s: float,
     try:
         server.run(sockets=[sock])
     finally:
-        served.engine.stop()
+        served.engine.stop()  # the caller frees the weights only if this thread has ended
         with contextlib.suppress(OSError):
             sock.close()
     return server.stopped_by
