@@ -365,6 +365,33 @@ def test_run_endpoint_shows_the_servers_own_prefill(llmrun_server: Server) -> No
     assert stats["server_predicted_n"] == stats["output_tokens"]
 
 
+def test_interference_against_a_prompt_cache_measures_every_prefill_from_nothing(
+    serve_env: dict[str, str],
+) -> None:
+    """`bench interference --endpoint` sends the steady client's prompt twice (alone, then
+    under load): against a server that caches prompts, the same prompt twice would be a
+    loaded TTFT without its prefill. Each steady request is a prompt of its own, after an
+    unmeasured warm-up."""
+    with llmrun_serve(serve_env, "-np", "4", "--no-dashboard") as s:
+        result = CliRunner().invoke(app, ["bench", "interference", "--endpoint", s.url,
+                                          "--input-len", "24", "--prompt-len", "32", "--rate",
+                                          "2", "-o", "json"])  # fmt: skip
+        assert result.exit_code == 0, result.stderr
+        (record,) = json.loads(result.stdout)
+        assert record["ttft_alone_ms"] > 0 and record["ttft_loaded_ms"] > 0
+
+        def answered_lines() -> list[str]:
+            return [line for line in list(s.lines) if " completions 200 " in line]
+
+        sent = 3 + record["background_requests"]
+        s.wait_for(lambda: len(answered_lines()) >= sent, "every request logged")
+        answered = answered_lines()
+        steady = [line for line in answered if "out 4 " in line or "out 64 " in line]
+        assert len(steady) == 3, answered  # the warm-up, alone, under load
+        reused = [int(line.split("(reused ")[1].split(")")[0]) for line in answered]
+        assert len(answered) == sent and max(reused) <= 2, answered  # no prompt twice
+
+
 # ---- signals ---------------------------------------------------------------------------------
 
 

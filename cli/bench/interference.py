@@ -66,12 +66,13 @@ def interference(
                   panel=LAB)
     ] = 64,
     input_len: Annotated[
-        int, _opt("A server's steady client: its prompt length (at most 64 tokens).",
-                  "--input-len", min=1, panel="Against a server (--endpoint)")
-    ] = 128,
+        int, _opt("A server's steady client: its prompt length (a short one).",
+                  "--input-len", min=1, max=64, panel="Against a server (--endpoint)")
+    ] = 64,
     num_prompts: Annotated[
-        int, _opt("Long prompts (at most 8).", "--num-prompts", min=1, panel=LOCAL)
-    ] = 16,
+        int, _opt("Long prompts, each in a sequence of its own.", "--num-prompts", min=1,
+                  max=8, panel=LOCAL)
+    ] = 8,
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
         Path | None, _opt("Also draw the stream's timeline into a PNG file.", "--plot",
@@ -102,7 +103,7 @@ def interference(
                 o.refuse_for_endpoint(endpoint, {"-t/--threads": threads,
                                                  "-tb/--threads-batch": threads_batch})  # fmt: skip
                 o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
-                                num_prompts != 16, "--plot": plot},
+                                num_prompts != 8, "--plot": plot},
                                "the local engine's; not with --endpoint")  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
             else:
@@ -110,7 +111,7 @@ def interference(
                     {
                         "--api-key": api_key,
                         "--timeout": timeout != o.TIMEOUT_S,
-                        "--input-len": input_len != 128,
+                        "--input-len": input_len != 64,
                     },
                     "only with --endpoint",
                 )

@@ -301,12 +301,20 @@ class Interference:
         return rec
 
 
-def interference(runner: OpenAIRunner, *, steady: PromptSpec,
+def interference(runner: OpenAIRunner, *, steady: Sequence[PromptSpec],
                  long_prompts: Sequence[PromptSpec], rate: float, seed: int,
                  cancel: threading.Event,
                  progress: Tally | None = None) -> Interference:  # fmt: skip
-    """The steady client's decode alone, then again while long prompts arrive at `rate`/s."""
-    alone = send(runner, steady, cancel, progress)
+    """The steady client's decode alone, then again while long prompts arrive at `rate`/s.
+
+    `steady` holds three prompts of one length that share no words' order: a warm-up (a
+    server that loads its model or sets up its device on the first request pays that here,
+    unmeasured), the one measured alone and the one measured under load. Two different
+    prompts, because a server that caches prompts (llama-server, llmrun serve) would
+    otherwise prefill the loaded one's prompt from the alone one's cache: a TTFT from nothing."""
+    warm, steady_alone, steady_loaded = steady
+    send(runner, warm, cancel, progress)
+    alone = send(runner, steady_alone, cancel, progress)
     stop = threading.Event()
     background: list[RequestResult] = []
     rng = random.Random(seed)
@@ -323,7 +331,7 @@ def interference(runner: OpenAIRunner, *, steady: PromptSpec,
 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()
-    loaded = send(runner, steady, cancel, progress)
+    loaded = send(runner, steady_loaded, cancel, progress)
     stop.set()
     flooder.join()
     return Interference(alone, loaded, background)
@@ -460,6 +468,7 @@ def _rate(request_rate: float) -> str:
 
 
 STEADY_MIN_TOKENS = 64  # the steady client decodes at least this many tokens
+WARMUP_TOKENS = 4  # the unmeasured first request's output
 
 
 def long_prompt_count(rate: float) -> int:
@@ -480,18 +489,19 @@ def run_interference(
     """One steady client (a short prompt, at least 64 tokens out) against `rate` long prompts
     per second for about eight seconds' worth of arrivals: its prompts made, then measured."""
     count = long_prompt_count(rate)
-    making = Tally(1 + count)
+    making = Tally(3 + count)
     yield Stage("preparing prompts (counting tokens with the server's tokenizer)", making,
                 "prompts")  # fmt: skip
     steady = make_prompts(
         runner,
-        count=1,
-        input_len=min(input_len, 64),
+        count=3,
+        input_len=input_len,
         output_len=max(output_len, STEADY_MIN_TOKENS),
         range_ratio=0.0,
         seed=seed,
         progress=making,
-    )[0]
+    )
+    steady[0] = PromptSpec(steady[0].text, steady[0].input_tokens, WARMUP_TOKENS)
     long_prompts = [
         PromptSpec(p.text, p.input_tokens, 1)
         for p in make_prompts(
@@ -504,7 +514,7 @@ def run_interference(
             progress=making,
         )
     ]
-    tally = Tally(2 + count, 2 * steady.max_tokens + count)
+    tally = Tally(3 + count, sum(p.max_tokens for p in steady) + count)
     yield Stage(f"one client alone, then while {count} prompts of {prompt_len} tokens arrive at"
                 f" {rate:g}/s", tally)  # fmt: skip
     measured = interference(runner, steady=steady, long_prompts=long_prompts, rate=rate,
