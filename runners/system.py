@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,15 +15,41 @@ if TYPE_CHECKING:
     from .devices import DeviceBandwidth
 
 
+# One part of a CPU list: a CPU, a range, or a range with a stride (used/group: in each group of
+# `group` CPUs from the range's first, the first `used`), as the kernel's bitmap_parselist reads
+_CPU_PART = re.compile(r"(\d{1,9})(?:-(\d{1,9})(?::(\d{1,9})/(\d{1,9}))?)?", re.ASCII)
+MAX_CPUS = 1 << 16  # a list naming a CPU past this is not one a kernel writes (NR_CPUS <= 8192)
+
+
 def parse_cpu_list(text: str) -> list[int]:
-    """Linux's CPU list syntax: '0-3,8,10-11'."""
+    """The CPUs of a Linux CPU list, in its order: '0-3,8,10-11' (cpuset(7)'s list format, as
+    /sys and /proc write it), strided ranges '0-7:2/4' too, whitespace and the file's newline
+    around it; an empty list names none. Anything else raises one ValueError that names the
+    part it could not read."""
+    body = text.strip()
     cpus: list[int] = []
-    for part in text.strip().split(","):
-        first, _, last = part.partition("-")
-        if first.strip().isdigit():
-            end = last.strip() if last.strip().isdigit() else first.strip()
-            cpus += range(int(first), int(end) + 1)
+    for part in body.split(",") if body else []:
+        found = _CPU_PART.fullmatch(part.strip())
+        start, end, used, group = found.groups() if found else ("", None, None, None)
+        first, last = int(start or -1), int(end or start or -1)
+        each, of = (int(used), int(group)) if used and group else (1, 1)
+        if not 0 <= first <= last < MAX_CPUS or not 0 < each <= of:
+            raise ValueError(f"CPU list {body!r}: {part.strip()!r} is not a CPU, a range such as"
+                             f" 0-3 or a strided range such as 0-7:2/4 (CPUs 0 to"
+                             f" {MAX_CPUS - 1})")  # fmt: skip
+        cpus += [c for c in range(first, last + 1) if (c - first) % of < each]
     return cpus
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """The CPUs as the kernel writes a CPU list, `parse_cpu_list`'s inverse: 0,2-5."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def performance_cores(root: str = "/sys") -> int | None:
@@ -30,7 +58,7 @@ def performance_cores(root: str = "/sys") -> int | None:
     try:
         with open(f"{root}/devices/cpu_core/cpus", encoding="utf-8") as f:
             cpus = parse_cpu_list(f.read())
-    except OSError:
+    except (OSError, ValueError):  # no such file, or not a CPU list: not a hybrid CPU we know
         return None
     cores: set[tuple[str, str]] = set()
     for cpu in cpus:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadRequestError, EngineError
+from .system import format_cpu_list
 
 MAX_N_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): the CPUs a mask can name
 MAX_MASK_DIGITS = MAX_N_THREADS // 4  # parse_cpu_mask reads at most 128 hex digits
@@ -61,17 +62,6 @@ def parse_cpu_mask(text: str) -> frozenset[int]:
                               f" ({MAX_N_THREADS} CPUs), not {len(digits)}")  # fmt: skip
     value = int(digits, 16)
     return frozenset(cpu for cpu in range(MAX_N_THREADS) if value >> cpu & 1)
-
-
-def cpu_list(cpus: frozenset[int] | set[int]) -> str:
-    """0,2-5 as the kernel writes a CPU list."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][-1] + 1:
-            runs[-1].append(cpu)
-        else:
-            runs.append([cpu])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 @functools.cache
@@ -128,8 +118,8 @@ class ThreadpoolSettings:
             return [usable] * n_threads
         if not cpus & usable:
             raise BadRequestError(
-                f"-C/--cpu-mask {self.cpu_mask}: no CPU it names ({cpu_list(cpus)}) is one this"
-                f" process may run on ({cpu_list(usable)})"
+                f"-C/--cpu-mask {self.cpu_mask}: no CPU it names ({format_cpu_list(cpus)}) is"
+                f" one this process may run on ({format_cpu_list(usable)})"
             )
         if not self.strict:
             return [cpus & usable] * n_threads
@@ -139,8 +129,8 @@ class ThreadpoolSettings:
         if missing:
             raise BadRequestError(
                 f"--cpu-strict 1 with -C {self.cpu_mask}: {n_threads} threads go to CPUs"
-                f" {cpu_list(frozenset().union(*dealt))}, and this process may not run on"
-                f" {cpu_list(set(missing))} (it may use {cpu_list(usable)})"
+                f" {format_cpu_list(frozenset().union(*dealt))}, and this process may not run on"
+                f" {format_cpu_list(set(missing))} (it may use {format_cpu_list(usable)})"
             )
         return dealt
 

@@ -15,6 +15,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner, memory_report
 from llmrun.runners.system import (
     evict_from_page_cache,
+    format_cpu_list,
     parse_cpu_list,
     performance_cores,
     resident_fraction,
@@ -103,8 +104,34 @@ def test_bench_compares_quantizations_by_speed_memory_and_perplexity(
     assert "perplexity SmolLM2-135M-Instruct.Q8_0:" in done.stderr
 
 
-def test_hybrid_cpus_count_their_performance_cores(tmp_path: Path) -> None:
+def test_cpu_lists_read_the_kernels_whole_syntax_and_refuse_anything_else() -> None:
     assert parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpu_list(" 0-1 ,\t4\n") == [0, 1, 4]  # a /sys file's newline, spaces
+    assert parse_cpu_list("0-9:2/5") == [0, 1, 5, 6]  # a strided range (cpuset(7))
+    assert parse_cpu_list("\n") == []  # an empty list names no CPU
+    for cpus in ({0}, {0, 2, 3, 4, 5, 9}, set(range(64))):  # written as the kernel writes them
+        assert parse_cpu_list(format_cpu_list(cpus)) == sorted(cpus)
+    assert format_cpu_list({5, 0, 2, 3, 4}) == "0,2-5"
+    for bad in (
+        "0-",
+        "-1",
+        "x",
+        "3-1",
+        "0,,1",
+        "0,",
+        "0-7:2",
+        "0-7:0/4",
+        "0-7:5/4",
+        "1 2",
+        "\u0663",
+        "0-99999999",
+        "9" * 5000,
+    ):
+        with pytest.raises(ValueError, match="is not a CPU, a range such as 0-3"):
+            parse_cpu_list(bad)
+
+
+def test_hybrid_cpus_count_their_performance_cores(tmp_path: Path) -> None:
     assert performance_cores(str(tmp_path)) is None  # not hybrid
     (tmp_path / "devices" / "cpu_core").mkdir(parents=True)
     (tmp_path / "devices" / "cpu_core" / "cpus").write_text("0-7\n")  # 4 P-cores, 2 threads each
@@ -114,6 +141,8 @@ def test_hybrid_cpus_count_their_performance_cores(tmp_path: Path) -> None:
         (topo / "core_id").write_text(f"{cpu // 2}\n")
         (topo / "physical_package_id").write_text("0\n")
     assert performance_cores(str(tmp_path)) == 4
+    (tmp_path / "devices" / "cpu_core" / "cpus").write_text("0-x\n")
+    assert performance_cores(str(tmp_path)) is None  # not a CPU list: not a hybrid CPU we know
 
 
 def test_the_chat_meter_shows_the_kv_cache_in_use() -> None:

@@ -21,6 +21,7 @@ from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.system import parse_cpu_list
 
 from .conftest import which_llmrun
 from .fake import FakeRunner
@@ -39,11 +40,7 @@ def _allowed() -> dict[int, frozenset[int]]:
         except OSError:  # the thread ended
             continue
         line = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
-        cpus: set[int] = set()
-        for part in line.split()[-1].split(","):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-        found[int(tid)] = frozenset(cpus)
+        found[int(tid)] = frozenset(parse_cpu_list(line.partition(":")[2]))
     return found
 
 
