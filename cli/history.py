@@ -3,7 +3,6 @@ compared as llama.cpp's compare-llama-bench.py does; the runs exported as llama-
 
 from __future__ import annotations
 
-import json
 import sys
 from enum import Enum
 from pathlib import Path
@@ -152,7 +151,7 @@ def _export(h: History, target: str, model: str | None) -> None:
     records = [s.record for s in h.bench_results(model=model)]
     if not records:
         raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
-    sql = out.to_sql(records)
+    sql = out.format_records(records, out.OutputFormat.sql)
     if target == "-":
         sys.stdout.write(sql)
         sys.stdout.flush()
@@ -215,9 +214,9 @@ def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutC
     if fmt is CompareFormat.md:
         sys.stdout.write(to_markdown(c))
     elif fmt is CompareFormat.csv:
-        sys.stdout.write(out.to_csv(c.records()))
+        sys.stdout.write(out.format_records(c.records(), out.OutputFormat.csv))
     elif fmt is CompareFormat.json:
-        sys.stdout.write(json.dumps(c.records(), indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(out.format_records(c.records(), out.OutputFormat.json))
     else:
         console.print(_table(c))
         return

@@ -18,6 +18,7 @@ from llmrun.runners.serving.engine import Arrival, BatchedEngine, Policy
 
 from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
+from .test_bench import parse
 
 POLICIES = ["prefill-first", "chunked:32", "decode-first", "decode-first:4"]
 # the runner, its batched engine, one chat prompt's tokens and two long random prompts
@@ -134,6 +135,23 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
     assert rows[0]["prefill_in_stream_gaps_ms"] == 0  # alone: no prompt lands mid-stream
     assert "chunked:32 against prefill-first: the stream's ITL p99" in done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the timeline
+
+
+def test_interference_piped_without_o_prints_its_records_as_md(
+    llmrun_env: dict[str, str],
+) -> None:
+    """No -o and stdout no terminal: the local lab's records on stdout as md, as against a
+    server and as every bench command; its table and verdict are display, on stderr."""
+    done = subprocess.run(
+        [which_llmrun(), "bench", "interference", "--policy", "chunked:32", "--num-prompts", "1",
+         "--prompt-len", "32", "--rate", "10", "--output-len", "8"],
+        env=llmrun_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = parse("md", done.stdout)
+    assert [r["policy"] for r in rows] == ["alone", "chunked:32"]
+    assert all(r["stream_tokens"] == "8" for r in rows)
+    assert "a decoding stream while long prompts arrive" in done.stderr
 
 
 def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, str]) -> None:

@@ -3,6 +3,7 @@ only the options their job uses, and an option that moved names its new command.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from pathlib import Path
@@ -233,3 +234,56 @@ def test_charts_take_the_kind_from_the_result_not_from_keys() -> None:
     deep = _row(Shape(0, 16, 512), 40.0)
     assert depth_chart([tg, deep, pg, _row(Shape(64, 0, 512), 1.0)]) is not None
     assert depth_chart([pp, _row(Shape(64, 0, 512), 1.0), pg]) is None  # no tg at two depths
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "json", "jsonl", "sql"])
+def test_serve_and_interference_cut_before_a_result_end_their_format_as_bench_does(
+    fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C before the first level (or policy) is done: json's `[]`, the others' nothing, as
+    `bench` prints for a run cut with no row; serve's exit code 130."""
+    from llmrun.cli.bench.output import OutputFormat
+    from llmrun.runners.serving.options import ServeOptions
+
+    cancel = threading.Event()
+    cancel.set()
+    display = Console(file=io.StringIO())
+    options = ServeOptions(concurrency=(1,), request_rate=float("inf"), num_prompts=1,
+                           input_len=8, output_len=4, range_ratio=0.0, warmup=0,
+                           percentiles=(50.0,))  # fmt: skip
+    code = serve._report([], options, serve.Screen(display, display, cancel),
+                         serve.Delivery(OutputFormat(fmt), compare=False, store=False),
+                         name="", endpoint="local")  # fmt: skip
+    served = capsys.readouterr().out
+    interference._print([], OutputFormat(fmt))
+    assert code == 130
+    assert served == capsys.readouterr().out == ("[]\n" if fmt == "json" else "")
+
+
+def test_a_finished_batch_of_records_is_written_as_bench_streams_them() -> None:
+    """`bench serve`/`interference`'s records: csv's header and sql's table have every row's
+    fields (one only a later row has too), md is a plain table of the command's columns (or of
+    each row's own, a header again where they change), json the same objects."""
+    import csv
+    import json
+    import sqlite3
+
+    from llmrun.cli.bench.output import OutputFormat, format_records
+
+    rows: list[dict[str, Any]] = [{"test": "c=1", "rate": 1.5, "errors": []},
+            {"test": "c=4", "rate": None, "errors": ["boom"], "policy": "chunked:64"}]  # fmt: skip
+    head = next(csv.reader(io.StringIO(format_records(rows, OutputFormat.csv))))
+    assert head == ["test", "rate", "errors", "policy"]
+    db = sqlite3.connect(":memory:")
+    db.executescript(format_records(rows, OutputFormat.sql, table="llmrun_serving"))
+    assert db.execute("SELECT test, rate, policy FROM llmrun_serving").fetchall() == [
+        ("c=1", 1.5, None), ("c=4", None, "chunked:64")
+    ]  # fmt: skip
+    assert json.loads(format_records(rows, OutputFormat.json)) == rows
+    md = format_records(rows, OutputFormat.md, md_columns=("test", "rate"))
+    assert md == "| test | rate |\n| --- | --- |\n| c=1 | 1.50 |\n| c=4 | - |\n"
+    own = format_records(rows, OutputFormat.md, md_columns=()).splitlines()
+    assert [line for line in own if line.startswith("| test")] == [
+        "| test | rate | errors |", "| test | rate | errors | policy |"
+    ]  # fmt: skip
+    assert own[-1] == "| c=4 | - | ['boom'] | chunked:64 |"

@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
+from llmrun.cli import engine
 from llmrun.cli.app import app
+from llmrun.cli.bench import sweep
+from llmrun.cli.bench.output import OutputFormat
+from llmrun.cli.errors import EXIT_INTERRUPTED
+from llmrun.runners.bench import run
 from llmrun.runners.bench.run import RECORD_OPTIONAL_FIELDS
+from llmrun.runners.bench.sweep import Shape
 
 from .conftest import HANG_S, which_llmrun
+from .fake import FakeBenchRunner
 from .test_bench import parse
 from .test_trust_bench import _fake_models
 
@@ -224,3 +232,41 @@ def test_a_closed_pipe_loses_no_row(llmrun_env: dict[str, str], tmp_path: Path) 
     assert proc.returncode == 141, err
     db = sqlite3.connect(Path(llmrun_env["LLMRUN_HOME"]) / "data" / "history.sqlite")
     assert db.execute("SELECT count(*) FROM results").fetchone() == (201,)
+
+
+def _cut(fmt: str, *, opening: bool, monkeypatch: pytest.MonkeyPatch,
+         capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:  # fmt: skip
+    """A run cancelled before its first model is ready (Ctrl-C while a model downloads), or
+    while the model is opened (ready, then no test runs): exit code, stdout and -oe's stream."""
+    cancel = threading.Event()
+    if not opening:
+        cancel.set()
+
+    def make(model: str | None, config: object, tuned: bool) -> FakeBenchRunner:
+        cancel.set()
+        return FakeBenchRunner()
+
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", make)
+    errors = io.StringIO()
+    to = sweep.Output(format=OutputFormat(fmt), plot=None, compare=False, store=False,
+                      format_err=OutputFormat(fmt), errors=errors)  # fmt: skip
+    shown = Console(file=io.StringIO())
+    plan = run.Sweep(shapes=[Shape(8, 0)], threads=None, batch=None, ubatch=None,
+                     gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
+                     reps=1, ctx=None, seed=1, scenarios=False)  # fmt: skip
+    code = sweep._sweep([None], plan, cancel, shown, shown, to)
+    return code, capsys.readouterr().out, errors.getvalue()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_run_cut_before_its_first_model_is_ready_ends_its_format(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Cut before any model is ready, each format ends as a run cut with no row does (json's
+    `[]`, the others' nothing), on stdout and on -oe's stream alike; 130."""
+    before = _cut(fmt, opening=False, monkeypatch=monkeypatch, capsys=capsys)
+    after = _cut(fmt, opening=True, monkeypatch=monkeypatch, capsys=capsys)
+    assert before == after
+    code, stdout, stderr = before
+    assert code == EXIT_INTERRUPTED and stdout == stderr
+    assert stdout == ("[]\n" if fmt == "json" else "")

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.cli.bench.output import to_sql
+from llmrun.cli.bench.output import OutputFormat, format_records
 from llmrun.runners.bench.results import LLAMA_DEFAULTS
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import (
@@ -86,7 +86,10 @@ def test_sql_of_runs_with_other_figures_goes_into_a_llama_bench_table_run_after_
     printed = []
     for shape in shapes:
         if shape is None:  # two models: each row's speed against the first's (relative_ts)
-            sql = to_sql([rec(relative_ts=1.0), rec(model_filename="b.gguf", relative_ts=1.25)])
+            sql = format_records(
+                [rec(relative_ts=1.0), rec(model_filename="b.gguf", relative_ts=1.25)],
+                OutputFormat.sql,
+            )
         else:
             done = CliRunner().invoke(
                 app, ["bench", "-r", "1", "--no-history", *shape, "-o", "sql"]
@@ -382,7 +385,9 @@ def test_export_sql_writes_llama_benchs_table_once_and_never_over_a_file(tmp_pat
     assert db.execute("SELECT count(*) FROM llama_bench").fetchone() == (2,)  # untouched
     printed = CliRunner().invoke(app, ["history", "--export-sql", "-"])
     assert printed.exit_code == 0
-    assert printed.stdout == to_sql([s.record for s in History().bench_results()])
+    assert printed.stdout == format_records(
+        [s.record for s in History().bench_results()], OutputFormat.sql
+    )
 
 
 def test_compare_llama_bench_reads_the_exported_history(

@@ -130,25 +130,13 @@ def _remote(server: Server, options: InterferenceOptions, screen: Screen, output
         runner.close()
     for f in found:
         screen.show.print(interference_sentence(f), markup=False)
-    if output is None and not sys.stdout.isatty():
-        output = out.OutputFormat.md
-    if output is not None:
-        records = [f.record() for f in found]
-        sys.stdout.write(out.format_records(records, output, lambda: _markdown(records),
-                                            sql_table="llmrun_interference"))  # fmt: skip
-        sys.stdout.flush()
+    _print([f.record() for f in found], output)
     return EXIT_INTERRUPTED if screen.cancel.is_set() else 0
 
 
-def _markdown(records: Sequence[dict[str, Any]]) -> str:
-    """Each record as a markdown table of its own columns."""
-    text = ""
-    for columns in dict.fromkeys(tuple(r) for r in records):
-        rows = [r for r in records if tuple(r) == columns]
-        text += "| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns)
-        text += " |\n" + "".join("| " + " | ".join(out.cell(r[c]) for c in columns) + " |\n"
-                                 for r in rows)  # fmt: skip
-    return text
+def _print(records: Sequence[dict[str, Any]], output: Format) -> None:
+    """The records on stdout (see `out.print_records`); md: a plain table of their fields."""
+    out.print_records(records, output, table="llmrun_interference", md_columns=())
 
 
 def interference_sentence(result: sv.InterferenceResult) -> str:
@@ -181,12 +169,8 @@ def _local(
         reports: list[InterferenceReport] = list(run_stages(stages, screen.err, "loading ..."))
     finally:
         runner.close()
-    if output is not None:
-        records = [interference_record(r, name) for r in reports]
-        sys.stdout.write(out.format_records(records, output, lambda: _markdown(records),
-                                            sql_table="llmrun_interference"))  # fmt: skip
-        sys.stdout.flush()
-    else:
+    _print([interference_record(r, name) for r in reports], output)
+    if output is None:
         screen.show.print(_table(reports))
         for r in reports:
             screen.show.print(Text.assemble(f"{r.policy:<14} ", (sparkline(list(r.stream_itl_ms)),

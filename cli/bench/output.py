@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from enum import Enum
 from typing import Any, TextIO
 
@@ -171,30 +171,6 @@ def _md_footer(records: Sequence[dict[str, Any]]) -> str:
     return "\nbuild: " + ", ".join(builds) + "\n"
 
 
-def to_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """llama-bench's table, column for column (its widths, units and `build:` footer), with
-    llmrun's TTFT and ITL columns after t/s."""
-    if not records:
-        return ""
-    varying = {k for k in dict.fromkeys(k for r in records for k in r)
-               if len({str(r.get(k)) for r in records}) > 1}  # fmt: skip
-    cols = _md_columns(records, varying, several_models=len(_models(records)) > 1)
-    lines = [_md_line(cols, [_md_value_of(r, key) for key, _, _ in cols]) for r in records]
-    return _md_head(cols) + "\n".join(lines) + "\n" + _md_footer(records)
-
-
-def to_csv(records: Sequence[dict[str, Any]]) -> str:
-    if not records:
-        return ""
-    buf = io.StringIO()
-    fields = list(dict.fromkeys(k for r in records for k in r))  # every row's figures
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
-    for r in records:
-        writer.writerow({k: _flat(v) for k, v in r.items()})
-    return buf.getvalue()
-
-
 def _sql_value(value: Any) -> str:
     value = _flat(value)
     if value is None:
@@ -244,6 +220,10 @@ def _sql_create(table: str, made: Sequence[str], records: Sequence[dict[str, Any
 
 
 def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
+    """One INSERT into the table's `core` columns alone, so the text goes into a table either
+    tool made (`| sqlite3 file`; compare-llama-bench.py reads it). The row's other figures go,
+    as one JSON object, into `{table}_llmrun` keyed by its rowid: no schema to evolve, no
+    figure dropped, whatever ran before."""
     values = ", ".join(_sql_value(r.get(f)) for f in core)
     text = f"INSERT INTO {table} ({', '.join(core)}) VALUES ({values});\n"
     figures = {f: v for f, v in r.items() if f not in core}
@@ -257,21 +237,6 @@ def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
 LLAMA_BENCH_CORE = tuple(f for f in LLAMA_BENCH_FIELDS if f in LLAMA_BENCH_DB_FIELDS)
 
 
-def to_sql(records: Sequence[dict[str, Any]], table: str = "llama_bench") -> str:
-    """llama-bench's `CREATE TABLE llama_bench` and one INSERT per result into its columns alone,
-    so the text goes into a table either tool made (`| sqlite3 file`; compare-llama-bench.py
-    reads it). llmrun's other figures go, as one JSON object per row, into `{table}_llmrun`
-    keyed by the row's rowid: no schema to evolve, no figure dropped, whatever ran before."""
-    if not records:
-        return ""
-    every = list(dict.fromkeys(k for r in records for k in r))
-    bench = table == "llama_bench"
-    core = LLAMA_BENCH_CORE if bench else tuple(every)
-    head = _sql_create(table, list(LLAMA_BENCH_FIELDS) if bench else every, records,
-                       extra=any(f not in core for f in every))  # fmt: skip
-    return head + "".join(_sql_insert(table, r, core) for r in records)
-
-
 def cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -281,33 +246,39 @@ def cell(value: Any) -> str:
 def format_records(
     records: Sequence[dict[str, Any]],
     fmt: OutputFormat,
-    markdown: Callable[[], str] | None = None,
-    sql_table: str = "llama_bench",
+    *,
+    table: str = "llama_bench",
+    md_columns: Sequence[str] | None = None,
 ) -> str:
-    """The records in a machine format; md is llama-bench's table unless the caller, which
-    knows what it measured, gives its own (the serving benchmark does, with its own table)."""
-    if fmt is OutputFormat.none:
-        return ""
-    if fmt is OutputFormat.md:
-        return markdown() if markdown is not None else to_markdown(records)
-    if fmt is OutputFormat.csv:
-        return to_csv(records)
-    if fmt is OutputFormat.json:
-        return json.dumps(list(records), indent=2, ensure_ascii=False) + "\n"
-    if fmt is OutputFormat.jsonl:
-        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    return to_sql(records, sql_table)
+    """A finished run's records in a format: `RecordWriter`'s text, every row then the end,
+    its header chosen knowing every row (csv's and sql's columns are all the rows' fields)."""
+    buf = io.StringIO()
+    every = list(dict.fromkeys(k for r in records for k in r))
+    shown = [k for k in every if len({str(r.get(k)) for r in records}) > 1]
+    writer = RecordWriter(fmt, buf, shown=shown, several_models=len(_models(records)) > 1,
+                          optional=every, table=table, md_columns=md_columns,
+                          sample=records)  # fmt: skip
+    for r in records:
+        writer.row(r)
+    writer.close()
+    return buf.getvalue()
 
 
 class RecordWriter:
-    """bench's records on one stream in one format, each written and flushed as its test
-    finishes, as llama-bench's printers do: csv's header then a row each, json's `[` then an
-    object each (closed by `close`, on the way out of a failed or interrupted run too),
-    jsonl's line each, sql's CREATE TABLEs then INSERTs each, md's header then a row each.
+    """Records on one stream in one format, each written and flushed as it comes, as
+    llama-bench's printers do: csv's header then a row each, json's `[` then an object each
+    (closed by `close`, on the way out of a failed or interrupted run too), jsonl's line each,
+    sql's CREATE TABLEs then INSERTs each, md's header then a row each. Every format llmrun
+    prints records in is written here; `format_records` writes a finished batch through it.
 
     The header comes with the first row, when its columns are known: `shown` names the record
-    fields the run varies (md shows their columns, as llama-bench chooses them from its
-    options). A write that fails is kept in `failed` and nothing more is written."""
+    fields the run varies (llama-bench's md shows their columns, as llama-bench chooses them
+    from its options); `sample`, the rows known before the first (a batch), to choose from.
+    `table`: sql's table, llama-bench's `llama_bench` (its columns, llmrun's figures beside
+    them) or one of llmrun's own with every field a column. `md_columns`: None for
+    llama-bench's table, else a plain table of these fields (empty: each row's own, a new
+    header where they change). A write that fails is kept in `failed` and nothing more is
+    written."""
 
     def __init__(
         self,
@@ -317,13 +288,19 @@ class RecordWriter:
         shown: Collection[str] = (),
         several_models: bool = False,
         optional: Sequence[str] = (),
+        table: str = "llama_bench",
+        md_columns: Sequence[str] | None = None,
+        sample: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.fmt, self.stream = fmt, stream
         self.shown, self.several_models = frozenset(shown), several_models
-        self.optional = optional  # fields some rows carry: csv's header has their columns
+        self.optional = optional  # fields some rows carry: csv's and sql's columns name them
+        self.table, self.md_columns, self.sample = table, md_columns, sample
         self.failed: OSError | None = None
         self.records: list[dict[str, Any]] = []
         self._md: list[tuple[str, str, int]] = []
+        self._plain: tuple[str, ...] = ()  # a plain md table's columns, once its header is out
+        self._sql: Sequence[str] = LLAMA_BENCH_CORE
         self._csv: csv.DictWriter[str] | None = None
         self._buf = io.StringIO()
         self._closed = False
@@ -336,29 +313,35 @@ class RecordWriter:
         self._write((self._header(record) if first else "") + self._row(record, first))
 
     def close(self, *, empty: bool = True) -> None:
-        """The format's end (json's `]`, md's build line); `empty`: a run cut before its first
-        row (Ctrl-C) still prints json's `[]`."""
+        """The format's end (json's `]`, llama-bench md's build line); `empty`: a run cut
+        before its first row (Ctrl-C) still prints json's `[]`."""
         if self._closed or self.fmt is OutputFormat.none:
             return
         self._closed = True
         if self.fmt is OutputFormat.json and (self.records or empty):
             self._write("\n]\n" if self.records else "[]\n")
-        elif self.fmt is OutputFormat.md and self.records:
+        elif self.fmt is OutputFormat.md and self.records and self.md_columns is None:
             self._write(_md_footer(self.records))
 
+    def _fields(self, first: dict[str, Any]) -> list[str]:
+        return [*first, *(f for f in self.optional if f not in first)]
+
     def _header(self, first: dict[str, Any]) -> str:
+        sample = self.sample or [first]
         if self.fmt is OutputFormat.csv:
-            fields = [*first, *(f for f in self.optional if f not in first)]
-            self._csv = csv.DictWriter(self._buf, fieldnames=fields, lineterminator="\n",
-                                       extrasaction="ignore")  # fmt: skip
+            self._csv = csv.DictWriter(self._buf, fieldnames=self._fields(first),
+                                       lineterminator="\n", extrasaction="ignore")  # fmt: skip
             self._csv.writeheader()
             return self._taken()
         if self.fmt is OutputFormat.json:
             return "[\n"
         if self.fmt is OutputFormat.sql:
-            return _sql_create("llama_bench", LLAMA_BENCH_FIELDS, [first], extra=True)
-        if self.fmt is OutputFormat.md:
-            self._md = _md_columns([first], self.shown, several_models=self.several_models)
+            if self.table == "llama_bench":
+                return _sql_create(self.table, LLAMA_BENCH_FIELDS, sample, extra=True)
+            self._sql = self._fields(first)
+            return _sql_create(self.table, self._sql, sample, extra=False)
+        if self.fmt is OutputFormat.md and self.md_columns is None:
+            self._md = _md_columns(sample, self.shown, several_models=self.several_models)
             return _md_head(self._md)
         return ""
 
@@ -374,8 +357,20 @@ class RecordWriter:
         if self.fmt is OutputFormat.jsonl:
             return json.dumps(r, ensure_ascii=False) + "\n"
         if self.fmt is OutputFormat.sql:
-            return _sql_insert("llama_bench", r, LLAMA_BENCH_CORE)
+            return _sql_insert(self.table, r, self._sql)
+        if self.md_columns is not None:
+            return self._plain_row(r)
         return _md_line(self._md, [_md_value_of(r, key) for key, _, _ in self._md]) + "\n"
+
+    def _plain_row(self, r: dict[str, Any]) -> str:
+        """A plain md table's row, after its header where the columns are new."""
+        columns = tuple(self.md_columns or r)
+        head = ""
+        if columns != self._plain:
+            self._plain = columns
+            head = ("| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns)
+                    + " |\n")  # fmt: skip
+        return head + "| " + " | ".join(cell(r.get(c)) for c in columns) + " |\n"
 
     def _taken(self) -> str:
         text = self._buf.getvalue()
@@ -604,8 +599,8 @@ def store_and_print(
     table: Fitted,
     store: bool,
     compare: bool,
-    markdown: Callable[[], str] | None = None,
     sql_table: str = "llama_bench",
+    md_columns: Sequence[str] | None = None,
 ) -> list[Change] | None:
     """Store the run, then print the results: a closed pipe while printing loses nothing.
 
@@ -614,12 +609,23 @@ def store_and_print(
     changes = store_run(records, kind=kind, model=model, system=system, store=store,
                         compare=compare)  # fmt: skip
     warn_if_busy(records)
-    if output is not None:
-        sys.stdout.write(format_records(records, output, markdown, sql_table))
-        sys.stdout.flush()
-    elif sys.stdout.isatty():
+    print_records(records, output, table=sql_table, md_columns=md_columns)
+    if output is None and sys.stdout.isatty():
         show.print(table)
-    else:
-        sys.stdout.write(format_records(records, OutputFormat.md, markdown, sql_table))
-        sys.stdout.flush()
     return changes
+
+
+def print_records(
+    records: Sequence[dict[str, Any]],
+    output: OutputFormat | None,
+    *,
+    table: str,
+    md_columns: Sequence[str] | None,
+) -> None:
+    """The records on stdout in `output`; with none, md where stdout is no terminal (a
+    terminal gets the command's own table instead)."""
+    if output is None and sys.stdout.isatty():
+        return
+    fmt = OutputFormat.md if output is None else output
+    sys.stdout.write(format_records(records, fmt, table=table, md_columns=md_columns))
+    sys.stdout.flush()

@@ -302,8 +302,8 @@ def _report(
     changes = out.store_and_print(
         records, kind="serving", model=name, system={"endpoint": endpoint},
         output=delivery.output, show=screen.show, table=serving_table(done, options.percentiles),
-        store=delivery.store, compare=delivery.compare, markdown=lambda: serving_markdown(done),
-        sql_table="llmrun_serving",
+        store=delivery.store, compare=delivery.compare, sql_table="llmrun_serving",
+        md_columns=SERVING_COLUMNS,
     )  # fmt: skip
     if changes is not None:
         screen.show.print(out.compare_table(changes))
@@ -347,18 +347,9 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     return fitted(table, by_column=True)
 
 
+# The md table's columns (the other formats carry every figure)
 SERVING_COLUMNS = (
     "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
     "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
     "p99_itl_ms", "mean_e2el_ms", "goodput",
 )  # fmt: skip
-
-
-def serving_markdown(levels: Sequence[sv.ServingLevel]) -> str:
-    """The levels as a markdown table."""
-    lines = ["| " + " | ".join(SERVING_COLUMNS) + " |",
-             "| " + " | ".join("---" for _ in SERVING_COLUMNS) + " |"]  # fmt: skip
-    for level in levels:
-        record = level.record()
-        lines.append("| " + " | ".join(out.cell(record.get(c)) for c in SERVING_COLUMNS) + " |")
-    return "\n".join(lines) + "\n"

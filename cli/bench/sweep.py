@@ -11,7 +11,7 @@ import io
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TextIO
@@ -637,9 +637,11 @@ class Output:
             return out.OutputFormat.md
         return self.format
 
-    def writers(self, shown: Collection[str], *, several_models: bool) -> list[out.RecordWriter]:
-        """stdout's writer first (when its records go there), then -oe's."""
-        made = [out.RecordWriter(fmt, stream, shown=shown, several_models=several_models,
+    def writers(self, *, several_models: bool) -> list[out.RecordWriter]:
+        """stdout's writer first (when its records go there), then -oe's; made before anything
+        runs, so a run cut before its first model is ready still ends each format (json's
+        `[]`). The fields the run varies are theirs (`shown`) once a model is ready."""
+        made = [out.RecordWriter(fmt, stream, several_models=several_models,
                                  optional=run.RECORD_OPTIONAL_FIELDS)
                 for fmt, stream in ((self.format_stdout, sys.stdout),
                                     (self.format_err, self.errors)) if fmt is not None]  # fmt: skip
@@ -702,7 +704,7 @@ def _sweep(
     bar = _Bar(err, output.progress_lines and not err.is_terminal)
     scoring: Status | None = None
     stream: run.RecordStream | None = None
-    writers: list[out.RecordWriter] = []
+    writers = output.writers(several_models=len(models) > 1)
     events = run.run_sweep(
         models, sweep, cancel=cancel, open_runner=lambda m, c, t: make_bench_runner(m, c, tuned=t)
     )
@@ -730,8 +732,8 @@ def _sweep(
                         system, several_models=len(models) > 1, scenarios=sweep.scenarios,
                         ppl_ctx=(sweep.contexts()[0] or run.PPL_CTX) if sweep.ppl else None,
                     )  # fmt: skip
-                    writers = output.writers(run.varied_fields(sweep, event.combos),
-                                             several_models=len(models) > 1)  # fmt: skip
+                    for w in writers:  # llama-bench's md shows the columns the run varies
+                        w.shown = run.varied_fields(sweep, event.combos)
             elif isinstance(event, b.Progress):
                 bar.update(event)
             elif isinstance(event, res.Result):
