@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from llmrun.runners import library
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import EngineError, PromptTooLongError
 from llmrun.runners.handles import Sampler
-from llmrun.runners.library import LOG_LINES, llama_lib
+from llmrun.runners.library import LOG_LINES, AbortFlag, llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.api_engine import Done, EngineThread, Failed, Job, Outcome, Piece
 from llmrun.runners.serving.engine import (
@@ -221,19 +222,28 @@ def test_a_request_whose_sampler_is_refused_ends_alone_and_frees_its_sequence(
         runner.close()
 
 
-def test_an_abort_ends_a_step_and_every_request_with_an_error(engine: BatchedEngine) -> None:
-    """What `EngineThread.stop` relies on: llama.cpp's abort callback, true, stops the step in
-    llama_decode; the engine ends every request (finish 'error') and empties the KV cache."""
+@pytest.mark.parametrize("strlen", [True, False], ids=["strlen", "python-callback"])
+def test_an_abort_ends_a_step_and_every_request_with_an_error(
+    engine: BatchedEngine, strlen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `EngineThread.stop` relies on: llama.cpp's abort callback reading AbortFlag (no
+    Python inside the step) lets a step run while clear and stops it in llama_decode once
+    set; the engine ends every request (finish 'error') and empties the KV cache."""
     engine.clear()
-    lib = llama_lib()
-    abort = lib.ggml_abort_callback(lambda _data: True)
-    handle = engine.submit(Arrival(engine.now(), prompt(4), 8, ignore_eos=True))
-    lib.llama_set_abort_callback(engine.ctx.ptr, abort, None)
+    if not strlen:  # a platform without a C library's strlen found
+        monkeypatch.setattr(library, "_strlen_address", lambda: None)
+    flag = AbortFlag()
+    flag.install(engine.ctx.ptr)
     try:
-        with pytest.raises(EngineError):
+        handle = engine.submit(Arrival(engine.now(), prompt(4), 3, ignore_eos=True))
+        step_until(engine, handle=handle)  # not set: llama.cpp goes on
+        assert len(handle.result.output) == 3 and not flag.is_set()
+        handle = engine.submit(Arrival(engine.now(), prompt(4), 8, ignore_eos=True))
+        flag.set()
+        with pytest.raises(EngineError, match="code 2"):  # llama.cpp's "aborted"
             engine.step()
     finally:
-        lib.llama_set_abort_callback(engine.ctx.ptr, lib.ggml_abort_callback(), None)
+        flag.uninstall(engine.ctx.ptr)
     assert handle.done and handle.result.finish == "error" and engine.idle
     assert kv_end(engine, 0) == -1 and kv_end(engine, 1) == -1
     after = engine.submit(Arrival(engine.now(), prompt(4), 3, ignore_eos=True))

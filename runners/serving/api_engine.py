@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.errors import LlmrunError
+from llmrun.runners.library import AbortFlag
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
@@ -201,6 +202,7 @@ class EngineThread:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._abort = AbortFlag()  # read by llama.cpp inside a step: stop() ends it there
         self._pending: deque[Job] = deque()  # not yet handed to the engine
         self._jobs: dict[int, tuple[Job, Handle]] = {}  # handed over, by handle id
         self._counts = (0, 0)  # (decoding, prefilling), after the last step
@@ -237,6 +239,7 @@ class EngineThread:
         so its context may be freed; False when a step still runs after `timeout_s` (a
         backend that ignores the abort): then nothing is freed under it."""
         self._stop.set()
+        self._abort.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
@@ -272,15 +275,12 @@ class EngineThread:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        eng = self.engine
-        lib, ptr = eng.lib, eng.ctx.ptr
-        stopping = self._stop.is_set
-        abort = lib.ggml_abort_callback(lambda _data: stopping())  # kept alive for the loop
-        lib.llama_set_abort_callback(ptr, abort, None)
+        ptr = self.engine.ctx.ptr
+        self._abort.install(ptr)
         try:
             self._serve()
         finally:
-            lib.llama_set_abort_callback(ptr, lib.ggml_abort_callback(), None)
+            self._abort.uninstall(ptr)
 
     def _serve(self) -> None:
         eng = self.engine
