@@ -145,6 +145,17 @@ Poll = Annotated[
     ),
 ]  # fmt: skip
 
+KvUnified = Annotated[
+    bool | None,
+    typer.Option(
+        "-kvu", "--kv-unified/--no-kv-unified",
+        help="Several sequences: one KV buffer for all (llama.cpp's -kvu); --no-kv-unified"
+        " gives each sequence its own KV stream, as llama-server and llama-batched-bench"
+        " do. (default: unified)",
+        rich_help_panel=MODEL_PANEL, show_default=False,
+    ),
+]  # fmt: skip
+
 NoWarmup = Annotated[
     bool,
     typer.Option(

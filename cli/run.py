@@ -133,6 +133,7 @@ def run(
             " printed. (default: 1, one after another)",
         ),
     ] = 1,
+    kv_unified: o.KvUnified = None,
     model: o.Model = None,
     endpoint: o.Endpoint = None,
     api_key: o.ApiKey = None,
@@ -192,10 +193,18 @@ def run(
         config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
-        o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None})
+        kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
+        o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None,
+                                         "-kvu/--kv-unified": kvu_given})  # fmt: skip
         if parallel > 1:  # the batched engine decodes one token per sequence and step
             o.refuse_given({"--draft": draft, "--draft-model": draft_model},
                            "--parallel does not speculate; drop one or the other")  # fmt: skip
+            config = dataclasses.replace(config, kv_unified=kv_unified is not False)
+        else:
+            o.refuse_given(
+                {"-kvu/--kv-unified": kvu_given},
+                "the KV layout of several sequences; only with --parallel N",
+            )
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
             served: Runner = runner

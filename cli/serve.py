@@ -8,6 +8,7 @@ same lines are printed plain. SIGTERM drains the requests in flight then exits 1
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from typing import Annotated
@@ -60,6 +61,7 @@ def serve(
             " slots); more requests wait in the queue.",
         ),
     ] = 4,
+    kv_unified: o.KvUnified = None,
     policy: Annotated[
         str | None,
         typer.Option(
@@ -165,6 +167,7 @@ def serve(
                                 threads=threads, threads_batch=threads_batch,
                                 gpu_layers=gpu_layers, flash_attn=None, repack=repack,
                                 chat_template_file=chat_template_file)  # fmt: skip
+        config = dataclasses.replace(config, kv_unified=kv_unified is not False)
         code = _serve(model, config, defaults, host=host, port=port, parallel=parallel,
                       policy_text=policy, max_queue=max_queue, drain_s=drain, alias=alias,
                       dashboard=not no_dashboard and sys.stderr.isatty())  # fmt: skip
@@ -219,8 +222,10 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
 
         def ready() -> None:
             threads, threads_batch = metrics.threads
+            unified = loaded.settings.params.get("kv_unified")  # as llama.cpp made the context
+            kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
             print(f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
-                  f" {loaded.settings.n_ctx} tokens, policy {policy}, queue {max_queue},"
+                  f" {loaded.settings.n_ctx} tokens{kv}, policy {policy}, queue {max_queue},"
                   f" threads {threads}/{threads_batch})", file=sys.stderr, flush=True)  # fmt: skip
             view.start()
 

@@ -55,6 +55,8 @@ class EngineConfig:
     no_host: bool = False  # llama-bench's --no-host: no host buffer, so extra buffers may serve
     embeddings: bool = False  # llama-bench's -embd: every output's embedding beside its logits
     no_op_offload: bool = False  # llama-bench's -nopo: ops on host weights stay on the host
+    kv_unified: bool = True  # several sequences: one KV buffer for all (llama.cpp's -kvu);
+    # False: one KV stream per sequence, as llama-server and llama-batched-bench default to
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""

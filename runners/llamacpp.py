@@ -208,6 +208,13 @@ def _flash_attn_type(lib: Any, name: str) -> int:
     }[name])  # fmt: skip
 
 
+def kv_unified_of(lib: Any, ctx: Any) -> bool:
+    """Whether a context's sequences share one KV buffer, read back from llama.cpp: each
+    sequence may then use the whole context (n_ctx_seq == n_ctx); with one stream per
+    sequence, each has its own share."""
+    return int(lib.llama_n_ctx_seq(ctx)) == int(lib.llama_n_ctx(ctx))
+
+
 def context_params(p: Any) -> dict[str, Any]:
     """llama-bench's context-side fields, read back from the llama_context_params handed over."""
     return {
@@ -341,6 +348,7 @@ class LlamaCppRunner:
         self._model: Model | None = None
         self._ctx: Context | None = None
         self._n_seq = 1  # sequences of the runner's own context
+        self._n_ctx_seq = 0  # and the tokens asked for each
         self._info: GGUFInfo | None = None
         self._loaded: LocalLoaded | None = None
         self._formatter: Any = None
@@ -356,6 +364,7 @@ class LlamaCppRunner:
         self._resident: float | None = None
         self._draft: LlamaCppRunner | None = None
         self._contexts: list[Context] = []  # make_context's, closed before the model
+        self.contexts_made = 0  # llama.cpp contexts created on these weights, all told
         self._gpus: list[dv.Device] = []
         self._planned_layers = 0
         self._gpu_free_before = 0
@@ -366,22 +375,33 @@ class LlamaCppRunner:
     def loaded(self) -> LocalLoaded | None:
         return self._loaded
 
-    def load(self, *, n_seq: int | None = None) -> LocalLoaded:
+    def load(self, *, n_seq: int | None = None, n_ctx: int | None = None) -> LocalLoaded:
         """Check the file, load the weights and create the context (once). With `n_seq` > 1
-        the context holds that many sequences of -c tokens each (KV unified) for a batched
-        engine to use as its own (`context`), so a server makes one context, not two."""
+        the context holds that many sequences of `n_ctx` tokens each (default: -c), in one KV
+        buffer or one stream per sequence (the config's `kv_unified`), for a batched engine
+        to use as its own (`context`), so a server or a parallel run makes one context, not
+        two. Tokenizing needs only the weights (`load_weights`)."""
         if self._loaded is not None:
             if n_seq is not None and n_seq != self._n_seq:
                 raise EngineError(f"the context was made for {self._n_seq} sequences, not"
                                   f" {n_seq}")  # fmt: skip
+            if n_ctx is not None and n_ctx != self._n_ctx_seq:
+                raise EngineError(f"the context was made for {self._n_ctx_seq} tokens per"
+                                  f" sequence, not {n_ctx}")  # fmt: skip
             return self._loaded
-        if self._model is None:
-            self._load_model()
-        self._new_context(n_seq or 1)
+        self.load_weights()
+        self._new_context(n_seq or 1, n_ctx)
         assert self._loaded is not None
         if self.config.warmup:
             self._loaded = dataclasses.replace(self._loaded, warmup_s=self._warm_up())
         return self._loaded
+
+    def load_weights(self) -> None:
+        """Check the file and load the weights (once), without a context: enough to tokenize,
+        render the chat template and read the vocabulary, so a caller that sizes its context
+        from the prompts makes only that one."""
+        if self._model is None:
+            self._load_model()
 
     def _warm_up(self) -> float:
         """llama-cli's warm-up: one decode of BOS and EOS (a GPU backend sets itself up on its
@@ -517,27 +537,29 @@ class LlamaCppRunner:
             return False, f"off: {verdict.why}"
         return True, "on (asked)" if self.config.repack else "on (probed safe)"
 
-    def _new_context(self, n_seq: int = 1) -> None:
-        """Create the context (n_seq sequences of n_ctx tokens each); load time is the weights'
-        load plus this context's creation."""
+    def _new_context(self, n_seq: int = 1, n_ctx_seq: int | None = None) -> None:
+        """Create the context (n_seq sequences of n_ctx_seq tokens each, default -c); load
+        time is the weights' load plus this context's creation."""
         t0 = time.perf_counter()
         lib = llama_lib()
         cfg, info = self.config, self._info
         assert info is not None and self._model is not None
         model = self._model.ptr
         n_ctx_train = info.n_ctx_train or lib.llama_model_n_ctx_train(model)
-        n_ctx = self._context_size(cfg, n_ctx_train)
+        asked = self._context_size(cfg, n_ctx_train)
+        n_ctx = asked if n_ctx_seq is None else n_ctx_seq
         if not 1 <= n_ctx <= MAX_CTX:
             raise SettingError(self.model_path, f"n_ctx {n_ctx} is out of range 1..{MAX_CTX}")
         n_threads = cfg.n_threads or default_threads()
         n_batch = cfg.n_batch or DEFAULT_N_BATCH
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx * n_seq
-        cparams.n_batch = max(1, min(n_batch, n_ctx))
+        # at most -c a step (llama.cpp also caps it at the whole context)
+        cparams.n_batch = max(1, min(n_batch, asked))
         cparams.n_ubatch = max(1, min(cfg.n_ubatch or DEFAULT_N_BATCH, cparams.n_batch))
         cparams.n_seq_max = n_seq
         if n_seq > 1:
-            cparams.kv_unified = True  # as the batched engine's own context
+            cparams.kv_unified = cfg.kv_unified  # as the batched engine's own context
         cparams.n_threads = n_threads
         cparams.n_threads_batch = cfg.n_threads_batch or n_threads
         flash_attn = cfg.flash_attn or "auto"  # llama.cpp decides for this model and device
@@ -564,8 +586,11 @@ class LlamaCppRunner:
         if not ctx:
             raise ModelLoadError(self.model_path, last_log_error())
         self._ctx = Context(lib, ctx, self._attach_threadpool(ctx, cparams))
+        self.contexts_made += 1
         load_s = self._weights_s + time.perf_counter() - t0
-        self._n_seq = n_seq
+        self._n_seq, self._n_ctx_seq = n_seq, n_ctx
+        sequences = {} if n_seq == 1 else {"n_seq_max": int(lib.llama_n_seq_max(ctx)),
+                                           "kv_unified": kv_unified_of(lib, ctx)}  # fmt: skip
         self._abort_cb = lib.ggml_abort_callback(lambda _data: self._cancel.is_set())
         gpu = bool(lib.llama_supports_gpu_offload())
         n_layer_meta = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
@@ -609,6 +634,7 @@ class LlamaCppRunner:
                 params={
                     **self._model_params,
                     **context_params(cparams),
+                    **sequences,
                     **self._threadpool_record(),
                 },
                 device=gpu_names if gpu_layers else "CPU",
@@ -639,8 +665,8 @@ class LlamaCppRunner:
         return dict(pools[0].applied) if pools else {}
 
     def vocab_size(self) -> int:
-        """Tokens in the model's vocabulary (loads the model if it is not loaded)."""
-        self.load()
+        """Tokens in the model's vocabulary (loads the weights if they are not loaded)."""
+        self.load_weights()
         assert self._model is not None
         return self._model.n_vocab
 
@@ -653,7 +679,7 @@ class LlamaCppRunner:
     # ---- tokens and text ---------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        self.load()
+        self.load_weights()
         assert self._model is not None
         return self._model.to_tokens(text, add_special=add_special)
 
@@ -698,7 +724,7 @@ class LlamaCppRunner:
 
     def _text_and_tokens(self, request: Request) -> tuple[str, list[int]]:
         """The rendered prompt (empty for token ids) and its tokens."""
-        self.load()
+        self.load_weights()
         if request.token_ids is not None:
             return "", list(request.token_ids)
         text = self.render(request)
@@ -1094,12 +1120,13 @@ class LlamaCppRunner:
         n_batch: int,
         n_ubatch: int | None = None,
         flash_attn: str | None = None,
-        kv_unified: bool = True,
+        kv_unified: bool | None = None,
         perf: bool = False,
     ) -> Context:
         """Another context on the loaded weights, e.g. the batched engine's for `n_seq`
-        sequences, with this runner's threads and (by default) flash attention. The runner
-        closes it, if its user has not, before it frees the model."""
+        sequences, with this runner's threads, (by default) flash attention and KV layout
+        (`kv_unified`; None: the config's). The runner closes it, if its user has not, before
+        it frees the model."""
         lib = llama_lib()
         loaded = self.load()
         assert self._model is not None
@@ -1108,7 +1135,7 @@ class LlamaCppRunner:
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_ubatch or n_batch, n_batch)
         cparams.n_seq_max = n_seq
-        cparams.kv_unified = kv_unified
+        cparams.kv_unified = self.config.kv_unified if kv_unified is None else kv_unified
         cparams.n_threads = loaded.settings.n_threads
         cparams.n_threads_batch = loaded.settings.n_threads_batch
         cparams.flash_attn_type = _flash_attn_type(lib, flash_attn or loaded.settings.flash_attn)
@@ -1118,6 +1145,7 @@ class LlamaCppRunner:
             raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences"
                               f" ({last_log_error()})")  # fmt: skip
         context = Context(lib, ptr, self._attach_threadpool(ptr, cparams))
+        self.contexts_made += 1
         self._contexts = [c for c in self._contexts if c.ptr is not None] + [context]
         return context
 
@@ -1137,7 +1165,7 @@ class LlamaCppRunner:
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
-        self._n_seq = 1
+        self._n_seq, self._n_ctx_seq = 1, 0
         self._loaded = None
         self._cache.clear()
 

@@ -26,6 +26,7 @@ from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions
 from . import output as out
 from .serve import (
     LOCAL,
+    KvUnified,
     Model1,
     Output,
     Policies,
@@ -80,6 +81,7 @@ def interference(
     ] = None,
     threads: Threads = None,
     threads_batch: ThreadsBatch = None,
+    kv_unified: KvUnified = None,
     seed: Seed = 1234,
     output: Output = None,
 ) -> None:  # fmt: skip
@@ -100,8 +102,9 @@ def interference(
         screen = Screen(err, show, threading.Event())
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
-                o.refuse_for_endpoint(endpoint, {"-t/--threads": threads,
-                                                 "-tb/--threads-batch": threads_batch})  # fmt: skip
+                o.refuse_for_endpoint(endpoint, {
+                    "-t/--threads": threads, "-tb/--threads-batch": threads_batch,
+                    "-kvu/--kv-unified": None if kv_unified is None else "given"})  # fmt: skip
                 o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
                                 num_prompts != 8, "--plot": plot},
                                "the local engine's; not with --endpoint")  # fmt: skip
@@ -115,7 +118,8 @@ def interference(
                     },
                     "only with --endpoint",
                 )
-                code = _local(model, options, screen, output, plot, (threads, threads_batch))
+                code = _local(model, options, screen, output, plot, (threads, threads_batch),
+                              kv_unified=kv_unified is not False)  # fmt: skip
         raise typer.Exit(code)
 
 
@@ -157,11 +161,13 @@ def _local(
     output: Format,
     plot: Path | None,
     threads: tuple[int | None, int | None] = (None, None),
+    *,
+    kv_unified: bool = True,
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 
     runner = local_runner(model, "bench interference without --endpoint", threads=threads[0],
-                          threads_batch=threads[1])  # fmt: skip
+                          threads_batch=threads[1], kv_unified=kv_unified)  # fmt: skip
     try:
         loaded = runner.load()
         name = loaded.model.name if loaded.model else ""
@@ -169,7 +175,8 @@ def _local(
         reports: list[InterferenceReport] = list(run_stages(stages, screen.err, "loading ..."))
     finally:
         runner.close()
-    _print([interference_record(r, name) for r in reports], output)
+    records = [{**interference_record(r, name), "kv_unified": kv_unified} for r in reports]
+    _print(records, output)
     if output is None:
         screen.show.print(_table(reports))
         for r in reports:

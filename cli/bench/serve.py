@@ -79,6 +79,13 @@ ThreadsBatch = Annotated[
     _opt("CPU threads for steps of more than one token (prefill). (default: --threads)",
          "-tb", "--threads-batch", panel=LOCAL, min=1, show_default=False),
 ]  # fmt: skip
+KvUnified = Annotated[
+    bool | None,
+    _opt("One KV buffer for all sequences (llama.cpp's -kvu); --no-kv-unified gives each its"
+         " own KV stream, as llama-server and llama-batched-bench do. Recorded as kv_unified."
+         " (default: unified)", "-kvu", "--kv-unified/--no-kv-unified", panel=LOCAL,
+         show_default=False),
+]  # fmt: skip
 
 
 def connect(
@@ -107,10 +114,16 @@ def connect(
 
 
 def local_runner(
-    model: str | None, job: str, *, threads: int | None = None, threads_batch: int | None = None
+    model: str | None,
+    job: str,
+    *,
+    threads: int | None = None,
+    threads_batch: int | None = None,
+    kv_unified: bool = True,
 ) -> LlamaCppRunner:
     """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
-    config = EngineConfig(n_ctx=512, n_threads=threads, n_threads_batch=threads_batch)
+    config = EngineConfig(n_ctx=512, n_threads=threads, n_threads_batch=threads_batch,
+                          kv_unified=kv_unified)  # fmt: skip
     runner = make_bench_runner(model, config, tuned=False)
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError(f"{job} needs a local model")
@@ -174,6 +187,7 @@ def serve(
     policy: Policies = DEFAULT_POLICIES,
     threads: Threads = None,
     threads_batch: ThreadsBatch = None,
+    kv_unified: KvUnified = None,
     seed: Seed = 1234,
     output: Output = None,
     compare: Annotated[
@@ -208,14 +222,16 @@ def serve(
                 if given_policy:
                     raise BadRequestError("--policy: the server schedules its own requests;"
                                           " policies apply without --endpoint")  # fmt: skip
-                o.refuse_for_endpoint(endpoint, {"-t/--threads": threads,
-                                                 "-tb/--threads-batch": threads_batch})  # fmt: skip
+                o.refuse_for_endpoint(endpoint, {
+                    "-t/--threads": threads, "-tb/--threads-batch": threads_batch,
+                    "-kvu/--kv-unified": None if kv_unified is None else "given"})  # fmt: skip
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen,
                                delivery)  # fmt: skip
             else:
                 o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
                                "only with --endpoint")  # fmt: skip
-                code = _local(model, options, screen, delivery, (threads, threads_batch))
+                code = _local(model, options, screen, delivery, (threads, threads_batch),
+                              kv_unified=kv_unified is not False)  # fmt: skip
         raise typer.Exit(code)
 
 
@@ -270,11 +286,11 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
 
 
 def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery,
-           threads: tuple[int | None, int | None]) -> int:  # fmt: skip
+           threads: tuple[int | None, int | None], *, kv_unified: bool = True) -> int:  # fmt: skip
     from llmrun.runners.serving.local import LOCAL, serve_local
 
     runner = local_runner(model, "the local serving benchmark", threads=threads[0],
-                          threads_batch=threads[1])  # fmt: skip
+                          threads_batch=threads[1], kv_unified=kv_unified)  # fmt: skip
     try:
         done = list(run_stages(serve_local(runner, options, cancel=screen.cancel), screen.err,
                                "loading the model ..."))  # fmt: skip

@@ -44,7 +44,7 @@ from llmrun.runners.base import Event, Finished, ModelLoaded, Request, SamplingP
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
-from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.llamacpp import LlamaCppRunner, kv_unified_of
 from llmrun.runners.progress import Tally
 from llmrun.runners.stats import (
     FINISH_CONTEXT,
@@ -242,7 +242,7 @@ class BatchedEngine:
     closes. `close` may be called any number of times."""
 
     def __init__(self, runner: LlamaCppRunner, *, n_seq: int, n_ctx_per_seq: int, n_batch: int
-                 = 512, kv_unified: bool = True, policy: Policy | None = None,
+                 = 512, kv_unified: bool | None = None, policy: Policy | None = None,
                  keep_prefix: bool = False, context: Context | None = None) -> None:  # fmt: skip
         import numpy as np
 
@@ -281,6 +281,12 @@ class BatchedEngine:
         self._outs: list[Handle] = []  # the sequences sampled after this step, in batch order
         self._refused: list[Handle] = []  # ended at admission (no sampler): the step reports them
         self._out_rows: list[int] = []  # and their entries in the batch
+
+    @property
+    def kv_unified(self) -> bool:
+        """Whether the sequences share one KV buffer (llama.cpp's -kvu), read back from the
+        context: False when each sequence has its own stream."""
+        return kv_unified_of(self.lib, self.ctx.ptr)
 
     @property
     def threads(self) -> tuple[int, int]:
@@ -777,8 +783,15 @@ def serve_requests(
     stop strings: per request, in order, its Finished or the error that stopped it alone (a
     chat template that fails, a prompt longer than `n_ctx`, not started before an interrupt);
     and the run's seconds. `n_ctx` is each request's context (prompt and output), as -c is for
-    one request; without it, each gets what the longest request needs."""
-    loaded = runner.load()
+    one request; without it, each gets what the longest request needs.
+
+    A runner not loaded yet makes one context, for the n_seq sequences: its weights are
+    loaded to tokenize, then its own context is created for them (`load(n_seq=, n_ctx=)`)
+    and lent to the engine, so the load time and settings each request reports are that
+    context's. A runner already loaded for one sequence keeps its context; the engine then
+    makes its own."""
+    fresh = runner.loaded is None
+    runner.load_weights()
     outcome: list[Finished | LlmrunError | None] = [None] * len(requests)
     prompts: dict[int, list[int]] = {}
     limits: dict[int, int] = {}  # each request's output budget within its context
@@ -795,13 +808,21 @@ def serve_requests(
         room = n_ctx - len(prompt) if n_ctx is not None else request.sampling.max_tokens
         limits[i] = min(request.sampling.max_tokens, room)
     if not prompts:
+        runner.load()  # as loaded as a run that served none: `run` says each one's error
         return [o for o in outcome if o is not None], 0.0
     per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.items()) + 8
-    engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
-                           n_batch=loaded.settings.n_batch)  # fmt: skip
+    if fresh:
+        loaded = runner.load(n_seq=n_seq, n_ctx=per_seq)
+        engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
+                               n_batch=loaded.settings.n_batch, context=runner.context)  # fmt: skip
+    else:
+        loaded = runner.load()
+        engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
+                               n_batch=loaded.settings.n_batch)  # fmt: skip
     n_threads, n_threads_batch = engine.threads
+    params = {**loaded.settings.params, "n_seq_max": n_seq, "kv_unified": engine.kv_unified}
     settings = dataclasses.replace(loaded.settings, n_ctx=per_seq, n_threads=n_threads,
-                                   n_threads_batch=n_threads_batch)  # fmt: skip
+                                   n_threads_batch=n_threads_batch, params=params)  # fmt: skip
     order = sorted(prompts)
     try:
         arrivals = [Arrival(0.0, tuple(prompts[i]), limits[i], requests[i].sampling.ignore_eos,

@@ -359,6 +359,12 @@ class ServingLevel:
     n_threads: int | None = None
     n_threads_batch: int | None = None
     background_cpus: float | None = None
+    kv_unified: bool | None = None  # the local engine's KV layout, read back from its context
+
+    @property
+    def layout(self) -> str:
+        """The local engine's KV layout where it is not the default (one buffer for all)."""
+        return " kv-per-seq" if self.kv_unified is False else ""
 
     @property
     def busy(self) -> bool:
@@ -373,7 +379,7 @@ class ServingLevel:
     @property
     def test(self) -> str:
         return f"serve c{self.concurrency} r{self.rate_text}" + (
-            f" {self.policy}" if self.policy else "")  # fmt: skip
+            f" {self.policy}" if self.policy else "") + self.layout  # fmt: skip
 
     @property
     def spread(self) -> float:
@@ -386,8 +392,9 @@ class ServingLevel:
 
     def record(self) -> dict[str, Any]:
         """The flat record for output formats and the history."""
-        # The history keys results by endpoint: a local level's carries its policy.
+        # The history keys results by endpoint: a local level's carries its policy and layout.
         endpoint = f"{self.endpoint} {self.policy}" if self.policy else self.endpoint
+        endpoint += self.layout
         return {
             "test": self.test, "endpoint": endpoint, "model_filename": self.model,
             "concurrency": self.concurrency, "request_rate": self.rate_text,
@@ -401,6 +408,7 @@ class ServingLevel:
                 "background_cpus": None if self.background_cpus is None
                 else round(self.background_cpus, 3), "busy": self.busy}
                if self.n_threads is not None else {}),
+            **({"kv_unified": self.kv_unified} if self.kv_unified is not None else {}),
         }  # fmt: skip
 
 

@@ -92,6 +92,7 @@ def serve_local(
                                     slo=dict(options.slo)),
                     interrupted=cancel.is_set(), policy=str(policy),
                     n_threads=threads[0], n_threads_batch=threads[1], background_cpus=background,
+                    kv_unified=engine.kv_unified,
                 )  # fmt: skip
         finally:
             engine.close()
