@@ -12,8 +12,11 @@ model. So the check runs in two halves:
   (flash-attention kernels on; --fa off builds without them), puts the libraries under the
   bindings, writes synthetic models of the 135M, 1B and 8B Llama shapes (synth_gguf.py), runs
   llama-bench and `llmrun bench` side by side (B A B) for pp512/tg128, llama-batched-bench and
-  llmrun's serving lab at 1, 8 and 32 sequences, and prints every ratio of issue 20 with its
-  target. Everything it prints also goes to $OUT/gpu-log.txt when OUT names a folder.
+  llmrun's serving lab at 1, 8 and 32 sequences, the batched engine's two KV layouts (unified
+  and one stream per sequence, benchmarks/kv_layout.py: 8B shape, B=8 and 32, 64 in / 32 out,
+  about a minute) each next to llama-batched-bench in the same layout, and prints every ratio
+  of issue 20 with its target, and which KV layout the engine runs faster there. Everything it
+  prints also goes to $OUT/gpu-log.txt when OUT names a folder.
 
     .venv/bin/python benchmarks/gpu.py --prepare     # here; prints the bundle's folder last
     python3 benchmarks/gpu.py                        # there, from the repository root
@@ -432,6 +435,11 @@ class Options:
     input_len: int = 256
     output_len: int = 64
     cpu_shape: str | None = "1b"  # the host's CPU, -ngl 0: None skips it
+    # the KV layouts' step (on serve_shape): kept small, the whole check fits in ~9 minutes
+    kv_levels: tuple[int, ...] = (8, 32)
+    kv_input_len: int = 64
+    kv_output_len: int = 32
+    kv_rounds: int = 3
     jobs: int = 16
     python: str = sys.executable
 
@@ -445,7 +453,8 @@ class Step:
     argv: tuple[str, ...] = ()
     action: str = ""
     timeout_s: int = 300
-    reads: str = ""  # "", "llama-bench", "llmrun-bench", "batched-bench", "llmrun-serve"
+    reads: str = ""  # "", "llama-bench", "llmrun-bench", "batched-bench", "llmrun-serve",
+    # "kv-layout"
     key: str = ""  # e.g. "8b" or "cpu-1b"
     cwd: str = ""
 
@@ -630,6 +639,7 @@ def plan(arch: str, layout: Layout, opts: Options, wheels: Sequence[str]) -> lis
             key=opts.serve_shape,
         )
     )
+    steps.append(kv_layout_step(layout, opts))
     steps.append(
         Step(
             f"{opts.serve_shape}: llmrun's serving lab",
@@ -663,9 +673,38 @@ def plan(arch: str, layout: Layout, opts: Options, wheels: Sequence[str]) -> lis
     return steps
 
 
+def kv_layout_step(layout: Layout, opts: Options) -> Step:
+    """The batched engine with its KV unified and with one stream per sequence, each next to
+    llama-batched-bench in the same layout (benchmarks/kv_layout.py, JSON lines)."""
+    return Step(
+        f"{opts.serve_shape}: KV layouts, the batched engine and llama-batched-bench",
+        (
+            opts.python,
+            str(layout.project / "benchmarks" / "kv_layout.py"),
+            "--model",
+            layout.model(opts.serve_shape),
+            "--npp",
+            str(opts.kv_input_len),
+            "--ntg",
+            str(opts.kv_output_len),
+            "--npl",
+            ",".join(str(b) for b in opts.kv_levels),
+            "--rounds",
+            str(opts.kv_rounds),
+            "--ngl",
+            "99",
+            "--jsonl",
+        ),
+        timeout_s=240,
+        reads="kv-layout",
+        key=opts.serve_shape,
+    )
+
+
 def step_env(layout: Layout) -> dict[str, str]:
     return {
         **os.environ,
+        "LLAMA_BATCHED_BENCH": layout.tool("llama-batched-bench"),  # kv_layout.py's reference
         "PYTHONPATH": str(layout.site),
         "LLMRUN_HOME": str(layout.work / "home"),
         "HF_HUB_OFFLINE": "1",
@@ -756,6 +795,8 @@ class Results:
     bandwidth: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     batched: dict[int, dict[str, float]] = field(default_factory=dict)  # B -> total tok/s, step ms
     serving: dict[int, dict[str, float]] = field(default_factory=dict)  # concurrency -> same, ITL
+    # (B, kv_unified) -> the engine's and llama-batched-bench's total tok/s and step ms
+    kv_layout: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
 
     def read(self, step: Step, output: str) -> None:
@@ -783,6 +824,9 @@ class Results:
             for r in rows:
                 steps_ms = 1000 * float(r["t_tg"]) / max(int(r["tg"]), 1)
                 self.batched[int(r["pl"])] = {"total_tps": float(r["speed"]), "step_ms": steps_ms}
+        elif step.reads == "kv-layout":
+            for r in rows:
+                self.kv_layout[(int(r["B"]), bool(r["kv_unified"]))] = r
         elif step.reads == "llmrun-serve":
             for r in rows:
                 self.serving[int(r["concurrency"])] = {
@@ -861,6 +905,33 @@ def ratio_lines(res: Results, opts: Options) -> list[str]:
                 f"  at 1: ITL / plain decode (llama-bench tg128) = x{itl:.3f};"
                 f" {_verdict(itl, ITL_TARGET, at_most=True)}"
             )
+    return lines + kv_layout_lines(res, opts)
+
+
+def kv_layout_lines(res: Results, opts: Options) -> list[str]:
+    """Which KV layout the batched engine runs faster at each B, and llama-batched-bench's."""
+    lines = []
+    for b in sorted({b for b, _ in res.kv_layout}):
+        one, split = res.kv_layout.get((b, True)), res.kv_layout.get((b, False))
+        if not one or not split or not one.get("total_tps") or not split.get("total_tps"):
+            lines.append(f"{opts.serve_shape} KV layouts at {b}: not measured in both")
+            continue
+        ratio = one["total_tps"] / split["total_tps"]
+        faster = "unified" if ratio > 1 else "one stream per sequence"
+        line = (
+            f"{opts.serve_shape} KV layouts, {b} at a time, {one.get('npp')} in /"
+            f" {one.get('ntg')} out: llmrun unified {one['total_tps']:,.0f} / one stream per"
+            f" sequence {split['total_tps']:,.0f} total tok/s = x{ratio:.3f}: {faster} is faster"
+        )
+        if one.get("ref_total_tps") and split.get("ref_total_tps"):
+            theirs, mine = one["ref_total_tps"], split["ref_total_tps"]
+            line += (
+                f"; llama-batched-bench -kvu {theirs:,.0f} / default {mine:,.0f} ="
+                f" x{theirs / mine:.3f}; llmrun / llama-batched-bench in the same layout:"
+                f" unified x{one['total_tps'] / theirs:.3f}, per sequence"
+                f" x{split['total_tps'] / mine:.3f}"
+            )
+        lines.append(line)
     return lines
 
 
@@ -996,6 +1067,9 @@ def check(args: argparse.Namespace) -> int:
                     "bandwidth": {"/".join(k): v for k, v in res.bandwidth.items()},
                     "batched": res.batched,
                     "serving": res.serving,
+                    "kv_layout": [
+                        {**row, "B": b, "kv_unified": u} for (b, u), row in res.kv_layout.items()
+                    ],
                     "failed": res.failed,
                 },
                 indent=1,

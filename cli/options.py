@@ -148,7 +148,7 @@ Poll = Annotated[
 KvUnified = Annotated[
     bool | None,
     typer.Option(
-        "-kvu", "--kv-unified/--no-kv-unified",
+        "-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
         help="Several sequences: one KV buffer for all (llama.cpp's -kvu); --no-kv-unified"
         " gives each sequence its own KV stream, as llama-server and llama-batched-bench"
         " do. (default: unified)",

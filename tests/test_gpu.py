@@ -638,3 +638,76 @@ def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(
                                str(tmp_path / "none")], capture_output=True, text=True, env=env,
                               check=False)  # fmt: skip
     assert nobundle.returncode == 1 and "no bundle at" in nobundle.stderr
+
+
+def test_the_kv_layout_step_runs_the_engine_both_ways_next_to_llama_batched_bench() -> None:
+    steps = gpu.plan("90-real", LAYOUT, gpu.Options(python="py"), [])
+    labels = [s.label for s in steps]
+    [kv] = [s for s in steps if s.reads == "kv-layout"]
+    # next to llama-batched-bench, on the 8B shape only, after its model is written
+    assert labels.index(kv.label) == labels.index("8b: llama-batched-bench") + 1
+    assert labels.index("write the 8b model") < labels.index(kv.label)
+    argv = list(kv.argv)
+    assert argv[:2] == ["py", "/w/project/benchmarks/kv_layout.py"]
+    given = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert given["--model"] == "/w/models/8b.gguf" and given["--npl"] == "8,32"
+    assert (given["--npp"], given["--ntg"], given["--rounds"]) == ("64", "32", "3")
+    assert argv[-1] == "--jsonl" and kv.timeout_s <= 240
+    # the script takes what the plan gives it, and finds the build's llama-batched-bench
+    args = _load_kv_layout().parse(argv[2:])  # an option it lacks would exit here
+    assert (args.npl, args.npp, args.ntg, args.rounds, args.jsonl) == ("8,32", 64, 32, 3, True)
+    env = gpu.step_env(LAYOUT)
+    assert env["LLAMA_BATCHED_BENCH"] == "/w/llama.cpp/build/bin/llama-batched-bench"
+
+
+def _load_kv_layout() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports batched.py beside it
+    try:
+        return _load("kv_layout")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_kv_layout_ratios_say_which_layout_is_faster() -> None:
+    opts = gpu.Options(shapes=("8b",), cpu_shape=None)
+    [kv] = [s for s in gpu.plan("90-real", LAYOUT, opts, []) if s.reads == "kv-layout"]
+    res = gpu.Results()
+    row = {"npp": 64, "ntg": 32, "rounds": 2, "step_ms": 9.0, "ref_step_ms": 8.0}
+    res.read(kv, _jsonl(
+        {**row, "B": 8, "kv_unified": True, "total_tps": 2400.0, "ref_total_tps": 2500.0},
+        {**row, "B": 8, "kv_unified": False, "total_tps": 3000.0, "ref_total_tps": 3100.0},
+        {**row, "B": 32, "kv_unified": True, "total_tps": 6000.0, "ref_total_tps": None},
+    ))  # fmt: skip
+    lines = gpu.ratio_lines(res, opts)
+    assert lines == [
+        "8b KV layouts, 8 at a time, 64 in / 32 out: llmrun unified 2,400 / one stream per"
+        " sequence 3,000 total tok/s = x0.800: one stream per sequence is faster;"
+        " llama-batched-bench -kvu 2,500 / default 3,100 = x0.806; llmrun / llama-batched-bench"
+        " in the same layout: unified x0.960, per sequence x0.968",
+        "8b KV layouts at 32: not measured in both",
+    ]
+
+
+def test_the_kv_layout_step_runs_on_the_cpu_with_a_synthetic_135m_model(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """The GPU step's very command line, shrunk and without the reference, on the CPU build:
+    both layouts run and its JSON lines become the ratio line."""
+    tok, model = tmp_path / "tok.gguf", tmp_path / "135m.gguf"
+    synth.strip(Path(model_path), tok)
+    assert synth.main(["make", str(tok), "135m", str(model)]) == 0
+    opts = gpu.Options(python=sys.executable, shapes=("135m",), serve_shape="135m", cpu_shape=None)
+    [kv] = [s for s in gpu.plan("90-real", LAYOUT, opts, []) if s.reads == "kv-layout"]
+    argv = [str(ROOT / "benchmarks" / "kv_layout.py") if a.endswith("kv_layout.py")
+            else str(model) if a.endswith("135m.gguf") else a for a in kv.argv]  # fmt: skip
+    small = ["--npp", "8", "--ntg", "3", "--npl", "2", "--rounds", "1", "--no-reference"]
+    done = subprocess.run([*argv, *small], capture_output=True, text=True, env=llmrun_env,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = gpu.Results()
+    res.read(kv, done.stdout)
+    assert set(res.kv_layout) == {(2, True), (2, False)}
+    assert all(r["total_tps"] > 0 and r["ref_total_tps"] is None for r in res.kv_layout.values())
+    [line] = gpu.ratio_lines(res, opts)
+    assert line.startswith("135m KV layouts, 2 at a time, 8 in / 3 out: llmrun unified")
+    assert line.endswith(" is faster")

@@ -89,7 +89,7 @@ def test_run_parallel_hands_the_layout_to_llama_cpp(
 ) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n')
-    for flag, unified in (([], True), (["--no-kv-unified"], False), (["-kvu"], True)):
+    for flag, unified in (([], True), (["-no-kvu"], False), (["-kvu"], True)):
         result = cli.invoke(app, ["run", "--jsonl", str(prompts), "--parallel", "2", "-n", "3",
                                   "--temp", "0", "--json", "--no-warmup", *flag])  # fmt: skip
         assert result.exit_code == 0, result.stderr

@@ -83,7 +83,7 @@ KvUnified = Annotated[
     bool | None,
     _opt("One KV buffer for all sequences (llama.cpp's -kvu); --no-kv-unified gives each its"
          " own KV stream, as llama-server and llama-batched-bench do. Recorded as kv_unified."
-         " (default: unified)", "-kvu", "--kv-unified/--no-kv-unified", panel=LOCAL,
+         " (default: unified)", "-kvu/-no-kvu", "--kv-unified/--no-kv-unified", panel=LOCAL,
          show_default=False),
 ]  # fmt: skip
 
