@@ -61,6 +61,7 @@ from .handles import Batch, Context, Model, Sampler
 from .library import LOG_LINES, last_log_error, llama_lib
 from .limits import (
     MAX_CTX,
+    MemoryNeed,
     SettingError,
     check_engine,
     check_memory,
@@ -389,19 +390,20 @@ class LlamaCppRunner:
                 raise EngineError(f"the context was made for {self._n_ctx_seq} tokens per"
                                   f" sequence, not {n_ctx}")  # fmt: skip
             return self._loaded
-        self.load_weights()
+        self.load_weights(n_seq=n_seq or 1, n_ctx=n_ctx)
         self._new_context(n_seq or 1, n_ctx)
         assert self._loaded is not None
         if self.config.warmup:
             self._loaded = dataclasses.replace(self._loaded, warmup_s=self._warm_up())
         return self._loaded
 
-    def load_weights(self) -> None:
+    def load_weights(self, *, n_seq: int = 1, n_ctx: int | None = None) -> None:
         """Check the file and load the weights (once), without a context: enough to tokenize,
         render the chat template and read the vocabulary, so a caller that sizes its context
-        from the prompts makes only that one."""
+        from the prompts makes only that one. On a GPU, the layers offloaded are those that
+        fit beside the KV cache of `n_seq` sequences of `n_ctx` tokens (default: -c)."""
         if self._model is None:
-            self._load_model()
+            self._load_model(n_seq=n_seq, n_ctx=n_ctx)
 
     def _warm_up(self) -> float:
         """llama-cli's warm-up: one decode of BOS and EOS (a GPU backend sets itself up on its
@@ -435,7 +437,20 @@ class LlamaCppRunner:
         self.config = config
         return self.load()
 
-    def _load_model(self) -> None:
+    def memory_need(
+        self, info: GGUFInfo, *, n_seq: int = 1, n_ctx: int | None = None
+    ) -> MemoryNeed:
+        """The weights, the KV cache of n_seq sequences of n_ctx tokens each (default: -c) and
+        the compute buffer: what decides how many layers fit on a GPU."""
+        cfg = self.config
+        per_seq = n_ctx or self._context_size(cfg, info.n_ctx_train)
+        ubatch = min(cfg.n_ubatch or DEFAULT_N_BATCH, cfg.n_batch or DEFAULT_N_BATCH)
+        n_vocab = len(info.metadata.get("tokenizer.ggml.tokens") or ()) or 32000
+        return estimate_memory(info, n_ctx=per_seq * n_seq, n_ubatch=ubatch,
+                               type_k=cfg.cache_type_k, type_v=cfg.cache_type_v,
+                               n_vocab=n_vocab)  # fmt: skip
+
+    def _load_model(self, *, n_seq: int = 1, n_ctx: int | None = None) -> None:
         t0 = time.perf_counter()
         info = read_gguf(self.model_path)
         lib = llama_lib()
@@ -445,12 +460,8 @@ class LlamaCppRunner:
         gpus = [d for d in dv.query().devices() if d.is_gpu] if can_offload else []
         n_layer = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
         need = None
-        if gpus:  # the estimate that decides how many layers fit
-            n_ctx = self._context_size(cfg, info.n_ctx_train)
-            ubatch = min(cfg.n_ubatch or DEFAULT_N_BATCH, cfg.n_batch or DEFAULT_N_BATCH)
-            n_vocab = len(info.metadata.get("tokenizer.ggml.tokens") or ()) or 32000
-            need = estimate_memory(info, n_ctx=n_ctx, n_ubatch=ubatch, type_k=cfg.cache_type_k,
-                                   type_v=cfg.cache_type_v, n_vocab=n_vocab)  # fmt: skip
+        if gpus:  # the estimate that decides how many layers fit: every sequence's KV
+            need = self.memory_need(info, n_seq=n_seq, n_ctx=n_ctx)
         layers, self._offload_note = plan_offload(
             gpu_layers_asked(cfg, can_offload), can_offload=can_offload, n_layer=n_layer,
             need=need, gpus=[(d.name, d.free_bytes) for d in gpus],

@@ -711,3 +711,17 @@ def test_the_kv_layout_step_runs_on_the_cpu_with_a_synthetic_135m_model(
     [line] = gpu.ratio_lines(res, opts)
     assert line.startswith("135m KV layouts, 2 at a time, 8 in / 3 out: llmrun unified")
     assert line.endswith(" is faster")
+
+
+def test_the_layers_that_fit_leave_room_for_every_sequences_kv(model_path: str) -> None:
+    """serve -np N and run --parallel N plan the GPU layers beside N sequences' KV caches,
+    not one's (the weights load before the context, from the same estimate)."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512))
+    info = read_gguf(model_path)
+    one = runner.memory_need(info)
+    four = runner.memory_need(info, n_seq=4)
+    assert one.kv_bytes > 0 and four.kv_bytes == 4 * one.kv_bytes
+    assert four.weights_bytes == one.weights_bytes
+    assert runner.memory_need(info, n_seq=4, n_ctx=128).kv_bytes == one.kv_bytes
+    fits = fit_gpu_layers(one, 30, GIB)
+    assert fit_gpu_layers(four, 30, GIB) <= fits

@@ -791,7 +791,7 @@ def serve_requests(
     context's. A runner already loaded for one sequence keeps its context; the engine then
     makes its own."""
     fresh = runner.loaded is None
-    runner.load_weights()
+    runner.load_weights(n_seq=n_seq, n_ctx=n_ctx)  # on a GPU, the layers that fit beside N KVs
     outcome: list[Finished | LlmrunError | None] = [None] * len(requests)
     prompts: dict[int, list[int]] = {}
     limits: dict[int, int] = {}  # each request's output budget within its context
