@@ -3,12 +3,14 @@
 pydantic checks the shapes and types (strictly: "5" is not a number, true is not a count);
 the ranges are checked by `limits.check_sampling`, the gate every other source of sampling
 values goes through, so a value `llmrun run` refuses is refused here with the same words.
-Fields other servers take and llmrun does not have are accepted only at their neutral value.
+Fields other servers take and llmrun does not have are accepted only at their neutral value;
+`null` means the default for every optional field, as in OpenAI's schema.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +23,20 @@ WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
 UNSERVED = {"logit_bias": "a logit bias", "tools": "function calling",
             "functions": "function calling", "response_format": "a structured output format",
-            "grammar": "a grammar", "json_schema": "a JSON schema"}  # fmt: skip
+            "grammar": "a grammar", "json_schema": "a JSON schema", "audio": "audio output",
+            "suffix": "a suffix (fill-in-the-middle)"}  # fmt: skip
+# Values of fields llmrun does not have that ask for nothing: accepted, since clients send them.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
+    "echo": (None, False), "best_of": (None, 1), "top_logprobs": (None, 0),
+}  # fmt: skip
+# Stop strings are checked against the text after every token on the engine's thread, which all
+# sequences share: their number and length are bounded so one request cannot slow the others.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+# Roles a chat template knows; OpenAI's `developer` is its newer name for `system`.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class StreamOptions(BaseModel):
@@ -45,11 +60,11 @@ class _Body(BaseModel):
     presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     logprobs: bool | int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
 
     @property
     def include_usage(self) -> bool:
@@ -60,7 +75,7 @@ class _Body(BaseModel):
 
     def sampling(self, defaults: SamplingParams, think: bool | None = None) -> SamplingParams:
         """The request's sampling: its own values over the server's defaults, checked."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise BadRequestError(f"n: only one choice per request is served, not {self.n}")
         if self.logprobs not in (None, False, 0):
             raise BadRequestError("logprobs: not available from this server")
@@ -72,6 +87,14 @@ class _Body(BaseModel):
             value = extra.get(name)
             if value and value != {"type": "text"}:
                 raise BadRequestError(f"{name}: {what} is not served here")
+        for name, neutral in NEUTRAL.items():
+            if name in extra and extra[name] not in neutral:
+                raise BadRequestError(f"{name}: {extra[name]!r} is not served here (only"
+                                      f" {', '.join(map(json_text, neutral))})")  # fmt: skip
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise BadRequestError(f"stop: at most {MAX_STOPS} strings of at most"
+                                  f" {MAX_STOP_CHARS} characters each")  # fmt: skip
         given: dict[str, Any] = {
             "max_tokens": self._limit(), "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p,
@@ -83,7 +106,7 @@ class _Body(BaseModel):
             tuple(self.stop) if self.stop is not None else None,
             "think": think,
         }  # fmt: skip
-        sp = dataclasses.replace(defaults, ignore_eos=self.ignore_eos,
+        sp = dataclasses.replace(defaults, ignore_eos=bool(self.ignore_eos),
                                  **{k: v for k, v in given.items() if v is not None})  # fmt: skip
         check_sampling(sp, WHERE)
         return sp
@@ -100,16 +123,29 @@ class Message(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
 
-    def text(self) -> str:
+    def chat_message(self, i: int) -> ChatMessage:
+        """The message for the chat template; what it cannot carry is refused."""
+        where = f"messages.{i}"
+        extra = self.model_extra or {}
+        if self.role in ("tool", "function") or extra.get("tool_calls") \
+                or extra.get("function_call"):  # fmt: skip
+            raise BadRequestError(f"{where}: function calling is not served here (a"
+                                  f" '{self.role}' message or tool calls)")  # fmt: skip
+        role = ROLES.get(self.role)
+        if role is None:
+            raise BadRequestError(f"{where}.role: {self.role!r} is not one of"
+                                  f" {', '.join(ROLES)}")  # fmt: skip
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return ChatMessage(role, self.content or "")
         parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise BadRequestError(f"messages: content of type '{part.type}' is not served"
-                                      " here (text only)")  # fmt: skip
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise BadRequestError(f"{where}.content.{j}: content of type '{part.type}' is"
+                                      " not served here (text only)")  # fmt: skip
+            if part.text is None:
+                raise BadRequestError(f"{where}.content.{j}: a text part needs its text")
             parts.append(part.text)
-        return "".join(parts)
+        return ChatMessage(role, "".join(parts))
 
 
 class ChatBody(_Body):
@@ -125,7 +161,7 @@ class ChatBody(_Body):
         think = (self.chat_template_kwargs or {}).get("enable_thinking")
         if think is not None and not isinstance(think, bool):
             raise BadRequestError("chat_template_kwargs.enable_thinking must be true or false")
-        messages = tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+        messages = tuple(m.chat_message(i) for i, m in enumerate(self.messages))
         return Request(messages=messages, sampling=self.sampling(defaults, think))
 
 
@@ -145,3 +181,7 @@ class CompletionBody(_Body):
         if not prompt:
             raise BadRequestError("prompt is empty")
         return Request(token_ids=tuple(int(t) for t in prompt), sampling=sampling)
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value)

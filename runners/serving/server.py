@@ -10,8 +10,11 @@ chunk and, with `stream_options.include_usage`, the usage chunk too.
 
 Faults end one request only: a client that disconnects frees its sequence at the next engine
 step; a prompt longer than a sequence's context, malformed JSON or a wrong type gets a 400 with
-the reason; a full queue a 503 with Retry-After. SIGTERM stops accepting connections and lets
-the requests in flight finish (for at most `drain_s`); Ctrl-C stops at once.
+the reason; a full queue a 503 with Retry-After; a body over `body_limit` a 413, one that stops
+arriving a 408, a model not served a 404, each in OpenAI's error shape. A connection whose
+request headers do not arrive within `HEADERS_TIMEOUT_S` is closed (slowloris). SIGTERM stops
+accepting connections and lets the requests in flight finish (for at most `drain_s`); Ctrl-C
+stops at once.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.errors import BadRequestError, LlmrunError, PromptTooLongError
@@ -60,6 +65,54 @@ from .api_metrics import CONTENT_TYPE, ServerMetrics
 from .api_models import ChatBody, CompletionBody
 
 RETRY_AFTER_S = 1
+HEADERS_TIMEOUT_S = 30.0  # from a request's first byte to the end of its headers
+BODY_IDLE_S = 30.0  # the longest wait for the next piece of a request's body
+MIN_BODY_LIMIT = 1 << 20
+BODY_BYTES_PER_TOKEN = 64  # JSON of one context token, generously: escapes, token id lists
+BOM = b"\xef\xbb\xbf"
+
+
+def body_limit(n_ctx: int) -> int:
+    """The largest request body served: what a prompt filling the context could need."""
+    return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * n_ctx)
+
+
+class BodyError(Exception):
+    """A request body refused before it is parsed: too large (413), too slow (408), encoded."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request: HttpRequest, limit: int, idle_s: float = BODY_IDLE_S) -> bytes:
+    """The request's body, refused past `limit` bytes (by its Content-Length before a byte is
+    read, or once it is in when chunked) or when no byte arrives for `idle_s` seconds."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BodyError(415, f"Content-Encoding {encoding!r} is not served; send plain JSON")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, f"the body is {int(declared)} bytes; at most {limit} are served")
+    chunks, size = [], 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), idle_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyError(408, f"the body stopped arriving ({size} bytes in, none for"
+                                 f" {idle_s:g} s)") from None  # fmt: skip
+        size += len(chunk)
+        if size > 2 * limit:
+            break  # drained enough: the connection closes with the rest unread
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:  # read on (up to twice the limit) so the client reads this, not a reset
+        raise BodyError(413, f"the body is over {limit} bytes; at most {limit} are served")
+    body = b"".join(chunks)
+    return body[len(BOM) :] if body.startswith(BOM) else body  # RFC 8259 lets a parser skip it
 
 
 @dataclass
@@ -81,10 +134,51 @@ class Served:
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    """OpenAI's error shape."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+                   headers: dict[str, str] | None = None,
+                   param: str | None = None) -> JSONResponse:  # fmt: skip
+    """OpenAI's error shape (with llama-server's numeric `code`); `param` names the field."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+HTTP_OUTCOMES = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
+                 415: "bad_request"}  # fmt: skip
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}  # fmt: skip
+    return names.get(type(value), type(value).__name__)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """One line for pydantic's first error, and the field it names: `messages.0.content: not a
+    string or an array (a number)`, without pydantic's union branch tags (`.str`, `.list[int]`)."""
+    errors = exc.errors()
+    first: dict[str, Any] = dict(errors[0]) if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON: {first.get('msg', '')}".rstrip(": "), None
+    loc = [p for p in first.get("loc", ()) if isinstance(p, int) or not _is_branch_tag(str(p))]
+    where = ".".join(str(p) for p in loc)
+    branches = {str(p) for e in errors for p in e.get("loc", ())[len(loc) : len(loc) + 1]}
+    if not where and first.get("type") == "model_type":
+        return f"the body must be a JSON object, not {_json_type(first.get('input'))}", None
+    if len([b for b in branches if _is_branch_tag(b)]) > 1:
+        kinds = " or ".join(sorted({_tag_kind(b) for b in branches}))
+        return f"{where}: must be {kinds}, not {_json_type(first.get('input'))}", where or None
+    message = f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))
+    return message, where or None
+
+
+def _is_branch_tag(part: str) -> bool:
+    return part in ("str", "int", "bool", "float") or "[" in part or part[:1].isupper()
+
+
+def _tag_kind(tag: str) -> str:
+    if tag.startswith("list["):
+        return "an array"
+    return {"str": "a string", "int": "a whole number", "bool": "a boolean",
+            "float": "a number"}.get(tag, "an object")  # fmt: skip
 
 
 class EventStream(StreamingResponse):
@@ -123,25 +217,33 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="llmrun serve", docs_url=None, redoc_url=None, openapi_url=None)
     n_ctx = served.engine.n_ctx_per_seq
 
+    limit = body_limit(n_ctx)
+    names = served_names(served.model_id)
+
     def invalid(route: str, exc: ValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first: dict[str, Any] = dict(errors[0]) if errors else {}
-        if first.get("type") == "json_invalid":
-            message = f"malformed JSON: {first.get('msg', '')}".rstrip(": ")
-        else:
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            message = f"{where}: {first.get('msg', '')}" if where else first.get("msg", "")
+        message, param = validation_message(exc)
         served.answered(route, 400, "bad_request", note=message)
-        return error_response(400, message or "invalid request")
+        return error_response(400, message or "invalid request", param=param)
 
     async def complete(request: HttpRequest, chat: bool) -> Any:
         received = time.perf_counter()
         route = "chat" if chat else "completions"
         try:
+            raw = await read_body(request, limit)
+        except BodyError as e:
+            served.answered(route, e.status, HTTP_OUTCOMES[e.status], note=str(e))
+            # the rest of the body was not read: the connection cannot carry another request
+            return error_response(e.status, str(e), headers={"Connection": "close"})
+        try:
             body: ChatBody | CompletionBody = (ChatBody if chat else CompletionBody) \
-                .model_validate_json(await request.body())  # fmt: skip
+                .model_validate_json(raw)  # fmt: skip
         except ValidationError as e:
             return invalid(route, e)
+        if body.model not in names:
+            message = (f"model {body.model!r} is not served here; /v1/models lists"
+                       f" {served.model_id!r}")  # fmt: skip
+            served.answered(route, 404, "not_found", note=message)
+            return error_response(404, message, "model_not_found", param="model")
         try:
             req = body.request(served.defaults)
             tokens = await run_in_threadpool(served.runner.request_tokens, req)
@@ -273,28 +375,55 @@ def create_app(served: Served) -> FastAPI:
     async def completions(request: HttpRequest) -> Any:
         return await complete(request, chat=False)
 
-    @app.get("/v1/models")
-    @app.get("/models")
-    async def models() -> dict[str, Any]:
+    def model_card() -> dict[str, Any]:
         loaded = served.runner.load()
         meta = {"n_ctx_per_seq": n_ctx, "n_seq": served.engine.n_seq,
                 "policy": str(served.engine.policy), "n_params": loaded.model.n_params,
                 "size": loaded.model.size_bytes}  # fmt: skip
-        return {"object": "list", "data": [{"id": served.model_id, "object": "model",
-                                            "created": served.created, "owned_by": "llmrun",
-                                            "meta": meta}]}  # fmt: skip
+        return {"id": served.model_id, "object": "model", "created": served.created,
+                "owned_by": "llmrun", "meta": meta}  # fmt: skip
 
-    @app.get("/health")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.api_route("/models", methods=["GET", "HEAD"])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])
+    @app.api_route("/models/{name:path}", methods=["GET", "HEAD"])
+    async def one_model(name: str) -> Any:
+        if name not in names:
+            served.answered("other", 404, "not_found", note=f"model {name!r}")
+            return error_response(404, f"model {name!r} is not served here; /v1/models lists"
+                                  f" {served.model_id!r}", "model_not_found")  # fmt: skip
+        return model_card()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, exc: StarletteHTTPException) -> Response:
+        """Unknown paths and methods in OpenAI's error shape; OPTIONS gets the allowed methods."""
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and request.method == "OPTIONS" and "Allow" in headers:
+            return Response(status_code=204, headers={"Allow": headers["Allow"] + ", OPTIONS"})
+        outcome = HTTP_OUTCOMES.get(exc.status_code, "bad_request")
+        served.answered("other", exc.status_code, outcome,
+                        note=f"{request.method} {request.url.path}")  # fmt: skip
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"
+                   + (f" (allowed: {headers['Allow']})" if "Allow" in headers else ""),
+                   }.get(exc.status_code, str(exc.detail))  # fmt: skip
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, message, kind, headers=headers or None)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         busy = served.engine.busy
         return {"status": "ok", "slots_idle": served.engine.n_seq - busy,
                 "slots_processing": busy, "queued": served.engine.queued}  # fmt: skip
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(served.metrics.text(), media_type=CONTENT_TYPE)
 
-    @app.get("/props")
+    @app.api_route("/props", methods=["GET", "HEAD"])
     async def props() -> dict[str, Any]:
         return {"default_generation_settings": {"n_ctx": n_ctx},
                 "total_slots": served.engine.n_seq, "model_alias": served.model_id}  # fmt: skip
@@ -302,8 +431,10 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest) -> Any:
         try:
-            data = await request.json()
-        except ValueError:
+            data = json.loads(await read_body(request, limit))
+        except BodyError as e:
+            return error_response(e.status, str(e), headers={"Connection": "close"})
+        except ValueError:  # UnicodeDecodeError too
             return error_response(400, "malformed JSON")
         content = data.get("content") if isinstance(data, dict) else None
         special = data.get("add_special", False) if isinstance(data, dict) else False
@@ -332,6 +463,58 @@ def listen(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers: uvicorn times out
+    only an idle kept-alive connection, so one that sends half a header line and then a byte
+    now and then (slowloris) would hold its socket forever."""
+
+    headers_timeout_s = HEADERS_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._headers_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self._arm()  # the first bytes of a request: its headers are now due
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm()  # the headers arrived: the app times the body
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._headers_due is None:
+            self._headers_due = self.loop.call_later(self.headers_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _too_slow(self) -> None:
+        self._headers_due = None
+        if self.cycle is None or self.cycle.response_complete:
+            with contextlib.suppress(Exception):
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: "
+                    b"application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(TOO_SLOW), TOO_SLOW)
+                )
+            self.transport.close()
+
+
+TOO_SLOW = json.dumps({"error": {"message": "the request's headers did not arrive in"
+                                 f" {HEADERS_TIMEOUT_S:g} s", "type": "invalid_request_error",
+                                 "param": None, "code": 408}}).encode()  # fmt: skip
 
 
 class HttpServer(uvicorn.Server):
@@ -373,7 +556,7 @@ class HttpServer(uvicorn.Server):
 def run(served: Served, sock: socket.socket, *, drain_s: float,
         on_ready: Callable[[], None]) -> int | None:  # fmt: skip
     """Serve until a signal; returns the signal that stopped it (None: none)."""
-    config = uvicorn.Config(create_app(served), log_config=None, access_log=False,
+    config = uvicorn.Config(create_app(served), log_config=None, access_log=False, http=GuardedH11,
                             log_level="error", lifespan="off", timeout_keep_alive=30,
                             timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
     server = HttpServer(config, on_ready)
@@ -385,6 +568,11 @@ def run(served: Served, sock: socket.socket, *, drain_s: float,
         with contextlib.suppress(OSError):
             sock.close()
     return server.stopped_by
+
+
+def served_names(model: str) -> set[str | None]:
+    """The model names a request may give: none, the id /v1/models lists, or its file name."""
+    return {None, "", model, model + ".gguf"}
 
 
 def model_id(path: str) -> str:

@@ -1,0 +1,360 @@
+"""`llmrun serve` against hostile HTTP: every request as a careless or malicious client might send
+it, by OpenAI's request bodies and HTTP/1.1. Each gets its own status and an error in OpenAI's
+shape (never a 500, a hang or a crash), and the server keeps answering everyone else.
+
+One real server on 127.0.0.1 for the module; waits are bounded and driven by what the server
+sends (its answers, /health, /metrics), never by sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS
+from llmrun.runners.serving.server import HEADERS_TIMEOUT_S, MIN_BODY_LIMIT
+
+from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+WAIT_S = 4 * HEADERS_TIMEOUT_S  # generous: the server's own deadlines are what end these waits
+
+
+@pytest.fixture(scope="module")
+def server(serve_env: dict[str, str]) -> Iterator[Server]:  # noqa: F811
+    with llmrun_serve(serve_env, "-np", "2", "--no-dashboard") as s:
+        yield s
+
+
+def connect(server: Server, timeout_s: float = WAIT_S) -> socket.socket:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout_s)
+
+
+def exchange(server: Server, data: bytes, *, half_close: bool = False) -> tuple[int, dict[str, str],
+                                                                                bytes]:  # fmt: skip
+    """Send raw bytes, read until the server closes; the status, headers and body."""
+    with connect(server) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.lower(), v.strip()) for k, _, v in (h.partition(":") for h in lines[1:]))
+    return int(lines[0].split()[1]), headers, body
+
+
+def post_raw(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n" + extra + b"\r\n" + body)  # fmt: skip
+
+
+def send(server: Server, path: str, payload: bytes | dict[str, Any]) -> httpx.Response:
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return httpx.post(server.url + path, content=content, timeout=WAIT_S,
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+
+
+def openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] == status and "type" in error and "param" in error
+    return dict(error)
+
+
+def still_serving(server: Server) -> None:
+    r = send(server, CHAT, chat("Hi", max_tokens=2))
+    assert r.status_code == 200, r.text
+    assert server.get("/health")["status"] == "ok"
+
+
+def small(**kw: Any) -> dict[str, Any]:
+    return chat("Hi", **{"max_tokens": 2, **kw})
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (b"[]", "the body must be a JSON object, not an array"),
+        (b"5", "the body must be a JSON object, not a number"),
+        (b"null", "the body must be a JSON object, not null"),
+        (b'"hi"', "the body must be a JSON object, not a string"),
+        (b"", "malformed JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "malformed JSON"),
+        (b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', "malformed JSON"),
+        (b'{"messages":[{"role":"user","content":"\\ud800"}]}', "malformed JSON"),
+        (json.dumps(small()).encode() + b"garbage", "malformed JSON"),
+        (b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",
+         "malformed JSON"),
+    ],
+)  # fmt: skip
+def test_bodies_that_are_not_a_json_object_get_400(
+    server: Server, payload: bytes, words: str
+) -> None:
+    for path in (CHAT, COMPLETIONS):
+        assert words in openai_error(send(server, path, payload), 400)["message"]
+
+
+def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Server) -> None:
+    bom = b"\xef\xbb\xbf" + json.dumps(small()).encode()
+    assert send(server, CHAT, bom).status_code == 200
+    last_wins = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"max_tokens":0}'
+    assert (
+        "max_tokens 0 is out of range"
+        in openai_error(send(server, CHAT, last_wins), 400)["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "words", "param"),
+    [
+        (CHAT, small(max_tokens=0), "max_tokens 0 is out of range", None),
+        (CHAT, small(max_tokens=-1), "max_tokens -1 is out of range", None),
+        (CHAT, small(max_tokens=10**30), "out of range", None),
+        (CHAT, small(max_tokens=2.5), "max_tokens: Input should be a valid integer", "max_tokens"),
+        (CHAT, small(max_tokens=True), "max_tokens: Input should be a valid integer", "max_tokens"),
+        (CHAT, small(max_tokens="5"), "max_tokens: Input should be a valid integer", "max_tokens"),
+        (CHAT, small(temperature=-1), "temperature -1.0 is out of range", None),
+        (CHAT, small(top_p=1.5), "top_p 1.5 is out of range", None),
+        (CHAT, small(seed=-5), "seed -5 is out of range", None),
+        (CHAT, small(seed=2**64), "out of range", None),
+        (CHAT, small(n=2), "n: only one choice per request", None),
+        (CHAT, small(stream="yes"), "stream: Input should be a valid boolean", "stream"),
+        (CHAT, small(stream_options="yes"), "stream_options: Input should be an object",
+         "stream_options"),
+        (CHAT, small(stream_options={"include_usage": 1}, stream=True),
+         "stream_options.include_usage", "stream_options.include_usage"),
+        (CHAT, small(stop=""), "stop must be a string or a list of non-empty strings", None),
+        (CHAT, small(stop=[1]), "stop: must be a string or an array, not an array", "stop"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]},
+         "messages.0.content: must be a string or an array, not a number", "messages.0.content"),
+        (CHAT, {"messages": "hi"}, "messages: Input should be a valid array", "messages"),
+        (CHAT, {"messages": [{"content": "hi"}]}, "messages.0.role: Field required",
+         "messages.0.role"),
+        (COMPLETIONS, {"prompt": [[1, 2]]}, "prompt: must be a string or an array, not an array",
+         "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt: must be a string or an array, not a number",
+         "prompt"),
+        (COMPLETIONS, {"prompt": [-1]}, "token -1 is not in the vocabulary", None),
+    ],
+)  # fmt: skip
+def test_wrong_types_and_values_name_their_field(
+    server: Server, path: str, payload: dict[str, Any], words: str, param: str | None
+) -> None:
+    error = openai_error(send(server, path, payload), 400)
+    assert words in error["message"]
+    assert error["param"] == param
+
+
+def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
+    body = small(stream=None, n=None, stream_options=None, logprobs=None, seed=None, stop=None,
+                 ignore_eos=None, temperature=None, model=None)  # fmt: skip
+    assert send(server, CHAT, body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (small(logprobs=True), "logprobs: not available"),
+        (small(top_logprobs=3), "top_logprobs: 3 is not served here"),
+        (small(tool_choice="required"), "tool_choice: 'required' is not served here"),
+        (small(function_call={"name": "f"}), "function_call"),
+        (small(tools=[{"type": "function", "function": {"name": "f"}}]), "function calling"),
+        (small(modalities=["text", "audio"]), "modalities"),
+        (small(audio={"voice": "alloy", "format": "wav"}), "audio: audio output"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
+         "messages.0.content.0: content of type 'image_url' is not served here"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0: a text part needs its text"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]},
+         "messages.0.role: 'wizard' is not one of system, developer, user, assistant"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "1", "type": "function",
+                          "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages.1: function calling is not served here"),
+        ({"messages": [{"role": "tool", "tool_call_id": "1", "content": "42"}]},
+         "messages.0: function calling is not served here"),
+        (small(stop=["x"] * (MAX_STOPS + 1)), f"at most {MAX_STOPS} strings"),
+        (small(stop="x" * (MAX_STOP_CHARS + 1)), f"of at most {MAX_STOP_CHARS} characters"),
+    ],
+)  # fmt: skip
+def test_what_is_not_served_is_refused_never_ignored(
+    server: Server, payload: dict[str, Any], words: str
+) -> None:
+    assert words in openai_error(send(server, CHAT, payload), 400)["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        (CHAT, small(tools=[], tool_choice="none", parallel_tool_calls=True, logprobs=False,
+                     top_logprobs=0, modalities=["text"], response_format={"type": "text"},
+                     logit_bias={}, user="u", store=False, metadata={"k": "v"})),
+        (CHAT, {"messages": [{"role": "developer", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                "max_tokens": 2}),
+        (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "echo": False, "best_of": 1,
+                       "logprobs": 0}),
+    ],
+)  # fmt: skip
+def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
+    server: Server, path: str, payload: dict[str, Any]
+) -> None:
+    assert send(server, path, payload).status_code == 200
+
+
+def test_a_model_not_served_gets_404(server: Server) -> None:
+    served = server.get("/v1/models")["data"][0]["id"]
+    error = openai_error(send(server, CHAT, small(model="gpt-4o")), 404)
+    assert error["type"] == "model_not_found" and error["param"] == "model"
+    assert "'gpt-4o' is not served here" in error["message"] and served in error["message"]
+    for name in (served, served + ".gguf", ""):
+        assert send(server, CHAT, small(model=name)).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models/{served}", timeout=60).json()["id"] == served
+    openai_error(httpx.get(f"{server.url}/v1/models/gpt-4o", timeout=60), 404)
+
+
+def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
+    r = httpx.get(server.url + CHAT, timeout=60)
+    assert "GET is not allowed" in openai_error(r, 405)["message"]
+    assert "POST" in r.headers["allow"]
+    for method, path in (("POST", "/metrics"), ("DELETE", "/v1/models"), ("PUT", "/health")):
+        openai_error(httpx.request(method, server.url + path, timeout=60), 405)
+    assert (
+        "no route /nope"
+        in openai_error(httpx.get(server.url + "/nope", timeout=60), 404)["message"]
+    )
+    for path in ("/metrics", "/v1/models", "/health"):
+        head = httpx.head(server.url + path, timeout=60)
+        assert head.status_code == 200 and head.content == b""
+    options = httpx.options(server.url + CHAT, timeout=60)
+    assert options.status_code == 204 and "POST" in options.headers["allow"]
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(server: Server) -> None:
+    with connect(server) as sock:  # only the headers: the answer cannot wait for the body
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 99999999999\r\n\r\n{")  # fmt: skip
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 413 ")
+    assert b"connection: close" in received.lower()
+    assert b'"code":413' in received
+    over = b"[" + b" " * MIN_BODY_LIMIT + b"]"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(over[i:i + 65536]), over[i:i + 65536])
+                       for i in range(0, len(over), 65536)) + b"0\r\n\r\n"  # fmt: skip
+    status, _, body = exchange(
+        server,
+        post_raw(CHAT, b"", b"Transfer-Encoding: chunked\r\n").replace(
+            b"Content-Length: 0\r\n", b""
+        )
+        + chunked,
+    )
+    assert status == 413 and b"at most" in body, body
+    still_serving(server)
+
+
+def test_a_chunked_body_is_read(server: Server) -> None:
+    payload = json.dumps(small()).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+    status, _, body = exchange(server, post_raw(CHAT, b"", b"Transfer-Encoding: chunked\r\n")
+                               .replace(b"Content-Length: 0\r\n", b"") + chunked)  # fmt: skip
+    assert status == 200, body
+
+
+def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server) -> None:
+    """A Content-Length lie and a slowloris client: each connection is ended by the server's
+    own deadline (408), while other requests are answered meanwhile."""
+    results: dict[str, bytes] = {}
+
+    def lie() -> None:
+        payload = json.dumps(small()).encode()
+        status, _, body = exchange(server, post_raw(CHAT, payload).replace(
+            b"Content-Length: %d" % len(payload), b"Content-Length: 9999"))  # fmt: skip
+        results["lie"] = b"%d %s" % (status, body)
+
+    def slowloris() -> None:
+        with connect(server) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        results["slow"] = received
+
+    threads = [threading.Thread(target=f) for f in (lie, slowloris)]
+    for t in threads:
+        t.start()
+    still_serving(server)
+    for t in threads:
+        t.join(WAIT_S + 10)
+    assert results["lie"].startswith(b"408 ") and b"the body stopped arriving" in results["lie"]
+    assert results["slow"].startswith(b"HTTP/1.1 408 ")
+    still_serving(server)
+
+
+def test_clients_that_leave_before_the_answer_free_their_sequences(server: Server) -> None:
+    cancelled = server.metric('llmrun_requests_total{outcome="cancelled"')
+    long = json.dumps(chat("Tell me a story.", max_tokens=400, ignore_eos=True)).encode()
+    for linger in (False, True):  # a FIN, then a RST
+        sock = connect(server)
+        if linger:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.sendall(post_raw(CHAT, long))
+        server.wait_for(lambda: server.get("/health")["slots_processing"] > 0, "a busy slot")
+        sock.close()
+    server.wait_for(lambda: server.metric('llmrun_requests_total{outcome="cancelled"')
+                    >= cancelled + 2, "both requests counted as cancelled")  # fmt: skip
+    server.wait_for(lambda: server.get("/health")["slots_processing"] == 0, "the slots freed")
+    still_serving(server)
+
+
+def test_many_connections_at_once(server: Server) -> None:
+    idle = [connect(server) for _ in range(200)]
+    try:
+        statuses: list[int] = []
+
+        def ask(i: int) -> None:
+            statuses.append(send(server, CHAT, chat(f"Hi {i}", max_tokens=2)).status_code)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S * 4)
+        assert sorted(statuses) == [200] * 16
+    finally:
+        for sock in idle:
+            sock.close()
+    still_serving(server)
+
+
+def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) -> None:
+    """Last in the module: after every fault above, /metrics still parses and counted them."""
+    send(server, CHAT, b"[]")
+    send(server, CHAT, small(model="nope"))
+    httpx.get(server.url + "/nope", timeout=60)
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    outcomes = {(s.labels["route"], s.labels["outcome"]): s.value
+                for s in families["llmrun_requests"].samples if s.name.endswith("_total")}  # fmt: skip
+    assert outcomes[("chat", "bad_request")] >= 1
+    assert outcomes[("chat", "not_found")] >= 1
+    assert outcomes[("other", "not_found")] >= 1
+    assert server.proc.poll() is None
+    assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
