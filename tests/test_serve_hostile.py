@@ -242,6 +242,11 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
     for path in ("/metrics", "/v1/models", "/health"):
         head = httpx.head(server.url + path, timeout=60)
         assert head.status_code == 200 and head.content == b""
+    for garbage in (b"HELLO\r\n\r\n", b"GET /health HTTP/1.1\r\nHo st: x\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"):
+        status, headers, body = exchange(server, garbage)
+        assert status == 400 and headers["content-type"] == "application/json", body
+        assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
     options = httpx.options(server.url + CHAT, timeout=60)
     assert options.status_code == 204 and "POST" in options.headers["allow"]
 
@@ -318,8 +323,10 @@ def test_clients_that_leave_before_the_answer_free_their_sequences(server: Serve
         sock.sendall(post_raw(CHAT, long))
         server.wait_for(lambda: server.get("/health")["slots_processing"] > 0, "a busy slot")
         sock.close()
+    with connect(server) as sock:  # gone halfway through its body
+        sock.sendall(post_raw(CHAT, long).replace(b"Content-Length: ", b"Content-Length: 9")[:-9])
     server.wait_for(lambda: server.metric('llmrun_requests_total{outcome="cancelled"')
-                    >= cancelled + 2, "both requests counted as cancelled")  # fmt: skip
+                    >= cancelled + 3, "all three counted as cancelled")  # fmt: skip
     server.wait_for(lambda: server.get("/health")["slots_processing"] == 0, "the slots freed")
     still_serving(server)
 

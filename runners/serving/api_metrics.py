@@ -37,7 +37,9 @@ class ServerMetrics:
     def __init__(self, *, running: Callable[[], float], queued: Callable[[], float]) -> None:
         disable_created_metrics()  # the *_created series say nothing a scrape needs
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("llmrun_requests", "Requests answered, by route and outcome.",
+        self.requests = Counter("llmrun_requests", "Requests answered, by route (chat,"
+                                " completions, other) and outcome (ok, bad_request, not_found,"
+                                " too_large, timeout, busy, cancelled, error, ...).",
                                 ["route", "outcome"], registry=r)  # fmt: skip
         Gauge("llmrun_requests_in_flight", "Requests holding a sequence (prefilling or"
               " decoding).", registry=r).set_function(running)  # fmt: skip

@@ -140,7 +140,7 @@ class Message(BaseModel):
         parts = []
         for j, part in enumerate(self.content):
             if part.type != "text":
-                raise BadRequestError(f"{where}.content.{j}: content of type '{part.type}' is"
+                raise BadRequestError(f"{where}.content.{j}: content of type {part.type!r} is"
                                       " not served here (text only)")  # fmt: skip
             if part.text is None:
                 raise BadRequestError(f"{where}.content.{j}: a text part needs its text")

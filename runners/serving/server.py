@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 import anyio
+import h11
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -43,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -101,6 +103,8 @@ async def read_body(request: HttpRequest, limit: int, idle_s: float = BODY_IDLE_
             chunk = await asyncio.wait_for(stream.__anext__(), idle_s)
         except StopAsyncIteration:
             break
+        except ClientDisconnect:
+            raise BodyError(499, f"the client went away {size} bytes into the body") from None
         except asyncio.TimeoutError:
             raise BodyError(408, f"the body stopped arriving ({size} bytes in, none for"
                                  f" {idle_s:g} s)") from None  # fmt: skip
@@ -130,7 +134,14 @@ class Served:
     def answered(self, route: str, status: int, outcome: str, timings: RequestTimings | None =
                  None, note: str = "") -> None:  # fmt: skip
         self.metrics.answered(route, outcome)
-        self.log.append(Answered(route, status, timings, note))
+        self.log.append(Answered(route, status, timings, printable(note)))
+
+
+def printable(text: str) -> str:
+    """A client's words as the log may print them: control characters escaped, so a path or
+    a model name cannot move the terminal's cursor."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in text)  # fmt: skip
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
@@ -142,7 +153,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 HTTP_OUTCOMES = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
-                 415: "bad_request"}  # fmt: skip
+                 415: "bad_request", 499: "cancelled"}  # fmt: skip
 
 
 def _json_type(value: Any) -> str:
@@ -413,6 +424,12 @@ def create_app(served: Served) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, message, kind, headers=headers or None)
 
+    @app.exception_handler(Exception)
+    async def failed(request: HttpRequest, exc: Exception) -> Response:
+        """A fault of llmrun's own: OpenAI's shape, never a traceback in the answer."""
+        served.answered("other", 500, "error", note=f"{type(exc).__name__}: {exc}")
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         busy = served.engine.busy
@@ -500,6 +517,18 @@ class GuardedH11(H11Protocol):
             self._headers_due.cancel()
             self._headers_due = None
 
+    def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP (a bad request line, header or length, a header block over h11's
+        limit): the error in OpenAI's shape rather than uvicorn's plain text."""
+        body = _error_bytes(400, f"malformed HTTP request ({msg.rstrip('.').lower()})")
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", b"%d" % len(body))]  # fmt: skip
+        with contextlib.suppress(h11.LocalProtocolError):
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=body), h11.EndOfMessage()):  # fmt: skip
+                self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
+
     def _too_slow(self) -> None:
         self._headers_due = None
         if self.cycle is None or self.cycle.response_complete:
@@ -512,9 +541,12 @@ class GuardedH11(H11Protocol):
             self.transport.close()
 
 
-TOO_SLOW = json.dumps({"error": {"message": "the request's headers did not arrive in"
-                                 f" {HEADERS_TIMEOUT_S:g} s", "type": "invalid_request_error",
-                                 "param": None, "code": 408}}).encode()  # fmt: skip
+def _error_bytes(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": status}}).encode()  # fmt: skip
+
+
+TOO_SLOW = _error_bytes(408, f"the request's headers did not arrive in {HEADERS_TIMEOUT_S:g} s")
 
 
 class HttpServer(uvicorn.Server):
