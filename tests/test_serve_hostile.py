@@ -242,8 +242,11 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
     for path in ("/metrics", "/v1/models", "/health"):
         head = httpx.head(server.url + path, timeout=60)
         assert head.status_code == 200 and head.content == b""
-    for garbage in (b"HELLO\r\n\r\n", b"GET /health HTTP/1.1\r\nHo st: x\r\n\r\n",
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"):
+    for garbage in (
+        b"HELLO\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHo st: x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    ):
         status, headers, body = exchange(server, garbage)
         assert status == 400 and headers["content-type"] == "application/json", body
         assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
