@@ -222,19 +222,12 @@ def cpu_sample() -> CpuSample | None:
 MIN_SAMPLE_S = 0.2
 
 
-# Tests set this to a number of CPUs to stand for other processes' load (0: a quiet machine),
-# so busy-machine behaviour is tested without loading the CPU and other tests do not depend on
-# the machine's load. Every measurement reads it through measured_background, background_now
-# or BackgroundMeter.
-FAKE_BACKGROUND_ENV = "LLMRUN_FAKE_BACKGROUND_CPUS"
-
-
-def _faked_background() -> float | None:
-    try:
-        value = float(os.environ.get(FAKE_BACKGROUND_ENV, ""))
-    except ValueError:
-        return None
-    return value if 0 <= value < 1e6 else None
+# What every measurement of other processes' load reports instead of measuring: None (always,
+# in llmrun) measures. Tests set it to a number of CPUs (0.0: a quiet machine), in their own
+# process and, through tests/inject/sitecustomize.py, in the llmrun processes they start, so
+# busy-machine behaviour is tested without loading the CPU and no test depends on this
+# machine's load. Nothing outside the process can set it: no variable or option reaches it.
+background_override: float | None = None
 
 
 def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | None:
@@ -247,8 +240,9 @@ def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | N
 
 def measured_background(start: CpuSample | None, end: CpuSample | None) -> float | None:
     """Other processes' load over a measurement (as background_cpus), or the tests' figure."""
-    faked = _faked_background()
-    return faked if faked is not None else background_cpus(start, end)
+    if background_override is not None:
+        return background_override
+    return background_cpus(start, end)
 
 
 def busy_machine(background: float | None, n_threads: int, logical: int | None = None) -> bool:
@@ -317,9 +311,8 @@ def choose_threads(default: int, background: float | None, logical: int) -> Thre
 
 def background_now(seconds: float = 0.25) -> float | None:
     """Other processes' CPU use over a short look now (None where /proc/stat is missing)."""
-    faked = _faked_background()
-    if faked is not None:
-        return faked
+    if background_override is not None:
+        return background_override
     start = cpu_sample()
     if start is None:
         return None
@@ -335,14 +328,14 @@ class BackgroundMeter:
         self.window_s = max(window_s, MIN_SAMPLE_S)
         self._lock = threading.Lock()
         self._start = cpu_sample()
-        self._last: float | None = _faked_background()
+        self._last: float | None = background_override
 
     def read(self) -> float | None:
         """The figure over the window that ended last (None until one has)."""
         with self._lock:
             now = cpu_sample()
             if self._start is None or now is None:
-                return _faked_background()
+                return background_override
             if now.wall_s - self._start.wall_s >= self.window_s:
                 self._last = measured_background(self._start, now)
                 self._start = now

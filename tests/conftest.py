@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli import engine
+from llmrun.runners import system
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
@@ -30,6 +31,11 @@ LLMRUN = str(Path(sys.executable).parent / "llmrun")
 # for an event: ten minutes, far past any working step on a machine busy with other work, so
 # only a hang reaches it. Tests wait for what they need (a line, a file, a count), never a time.
 HANG_S = 600.0
+# Other processes' load as the tests fake it (llmrun reads no variable for it): in the tests'
+# process, runners/system.py's background_override; in the processes they start, this variable,
+# which tests/inject/sitecustomize.py (first on their PYTHONPATH) turns into that override.
+INJECT = ROOT / "tests" / "inject"
+BACKGROUND_ENV = "TESTS_BACKGROUND_CPUS"
 
 # The markers follow the fixtures a test uses, directly or through another fixture, so nobody
 # marks a test by hand and `pytest -m "not model and not pty"` (make test-quick) is the quick
@@ -60,15 +66,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(marker)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def quiet_machine() -> Iterator[None]:
+    """A quiet machine, whatever the load on this one, in the tests and in every process they
+    start (module-scoped fixtures copy the environment too, so it is set for the session): a
+    test that wants a busy one says so (tests/test_busy.py), and no output depends on what else
+    runs here."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = os.environ.get("PYTHONPATH")
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(INJECT), *([path] if path else [])]))
+        mp.setenv(BACKGROUND_ENV, "0")
+        mp.setattr(system, "background_override", 0.0)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's own config, history or tuned settings."""
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "llmrun-home"))
     for name in ("LLMRUN_ENDPOINT", "LLMRUN_API_KEY", "LLMRUN_MODEL", "LLMRUN_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    # A quiet machine, whatever the load on this one: a test that wants a busy one says so
-    # (tests/test_busy.py), and no output depends on what else runs here.
-    monkeypatch.setenv("LLMRUN_FAKE_BACKGROUND_CPUS", "0")
+    monkeypatch.setattr(system, "background_override", 0.0)  # quiet_machine's, each test anew
+    monkeypatch.setenv(BACKGROUND_ENV, "0")
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +149,7 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
                LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip
     env.pop("LLMRUN_DEBUG", None)
     env.pop("LLMRUN_MODEL", None)
-    return env  # LLMRUN_FAKE_BACKGROUND_CPUS=0 comes from isolated_home: a quiet machine
+    return env  # a quiet machine: quiet_machine's PYTHONPATH and TESTS_BACKGROUND_CPUS=0
 
 
 def which_llmrun() -> str:

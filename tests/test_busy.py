@@ -2,13 +2,17 @@
 llama.cpp's contexts), every measurement records other processes' load and says when it was
 busy, run and chat take the free cores, and the warnings name what would help.
 
-Other processes' load is injected through LLMRUN_FAKE_BACKGROUND_CPUS (every measurement reads
-it through runners/system.background_cpus), so no test loads the CPU to make it busy.
+Other processes' load is injected through runners/system.background_override (every
+measurement reads it through measured_background, background_now or BackgroundMeter), in the
+processes a test starts through tests/inject/sitecustomize.py, so no test loads the CPU to make
+it busy. llmrun itself reads no variable for it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from typer.testing import CliRunner
 from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench.interference import verdict
+from llmrun.runners import system
 from llmrun.runners.base import Finished, Request, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -26,7 +31,6 @@ from llmrun.runners.serving.load import ServingLevel
 from llmrun.runners.serving.local import interfere_local, serve_local
 from llmrun.runners.serving.options import InterferenceOptions, ServeOptions
 from llmrun.runners.system import (
-    FAKE_BACKGROUND_ENV,
     BackgroundMeter,
     CpuSample,
     background_cpus,
@@ -37,6 +41,7 @@ from llmrun.runners.system import (
     measured_background,
 )
 
+from .conftest import BACKGROUND_ENV, INJECT, which_llmrun
 from .fake import FakeRunner
 
 # Other processes holding all but half a CPU: busy whatever the thread count, and the cores
@@ -46,7 +51,9 @@ several_cores = pytest.mark.skipif(default_threads() < 2, reason="one core: noth
 
 
 def busy(monkeypatch: pytest.MonkeyPatch, cpus: float = BUSY) -> None:
-    monkeypatch.setenv(FAKE_BACKGROUND_ENV, str(cpus))
+    """Other processes' load as `cpus`, in this process and in those the test starts."""
+    monkeypatch.setattr(system, "background_override", cpus)
+    monkeypatch.setenv(BACKGROUND_ENV, str(cpus))
 
 
 def test_the_advice_names_the_threads_that_would_help_with_figures() -> None:
@@ -66,9 +73,33 @@ def test_a_faked_load_stands_for_other_processes(monkeypatch: pytest.MonkeyPatch
     assert background_now() == 1.25
     assert BackgroundMeter(window_s=60).read() == 1.25
     assert background_cpus(a, b) == 1.5  # the measurement itself is never faked
-    for unset in ("abc", "-1", ""):  # not a count of CPUs: the real measurement
-        monkeypatch.setenv(FAKE_BACKGROUND_ENV, unset)
-        assert measured_background(a, b) == 1.5 and measured_background(None, None) is None
+    monkeypatch.setattr(system, "background_override", None)  # llmrun's own: it measures
+    monkeypatch.setenv("LLMRUN_FAKE_BACKGROUND_CPUS", "1.25")  # the old test hook: no effect
+    assert measured_background(a, b) == 1.5 and measured_background(None, None) is None
+    assert BackgroundMeter(window_s=60).read() is None  # no window has ended yet
+
+
+def doctor_load(env: dict[str, str]) -> str:
+    """`llmrun doctor`'s load row: a child llmrun's look at other processes' load."""
+    done = subprocess.run([which_llmrun(), "doctor"], env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return next(x for x in done.stdout.splitlines() if x.startswith("load "))
+
+
+def test_a_child_llmrun_takes_the_tests_figure_and_no_variable_of_its_own(
+    llmrun_env: dict[str, str],
+) -> None:
+    """The tests' figure reaches a child through tests/inject alone; the variable llmrun once
+    read as a test hook (anyone could set it and get a falsely quiet or busy report) is ignored."""
+    assert f"busy: other processes use 1.5 of {logical_cpus()}" in doctor_load(
+        {**llmrun_env, BACKGROUND_ENV: "1.5"})  # fmt: skip
+    plain = {k: v for k, v in llmrun_env.items() if k != BACKGROUND_ENV}  # as a user's shell
+    plain["PYTHONPATH"] = os.pathsep.join(
+        p for p in llmrun_env["PYTHONPATH"].split(os.pathsep) if p != str(INJECT))  # fmt: skip
+    row = doctor_load({**plain, "LLMRUN_FAKE_BACKGROUND_CPUS": "12345"})
+    measured = float(row.split("other processes use ")[1].split()[0])  # the machine's, measured
+    assert measured != 12345 and 0 <= measured <= logical_cpus() + 1, row
 
 
 @several_cores

@@ -31,9 +31,9 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.serve import answered_line, render_serve
 from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot, StepRecord
-from llmrun.runners.system import FAKE_BACKGROUND_ENV, logical_cpus
+from llmrun.runners.system import logical_cpus
 
-from .conftest import which_llmrun
+from .conftest import BACKGROUND_ENV, which_llmrun
 from .fake import FakeRunner
 
 START_S = 180.0  # a loaded 2-core machine can take this long to load and bind
@@ -103,7 +103,7 @@ def serve_env(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> dict
                LLMRUN_HOME=str(home / "llmrun"))  # fmt: skip
     for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_ENDPOINT", "LLMRUN_THREADS"):
         env.pop(name, None)
-    env[FAKE_BACKGROUND_ENV] = "0"  # a quiet machine unless a test says otherwise
+    env[BACKGROUND_ENV] = "0"  # a quiet machine unless a test says otherwise
     return env
 
 
@@ -415,8 +415,8 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[st
 
 
 def test_metrics_and_log_say_the_threads_and_a_busy_machine(serve_env: dict[str, str]) -> None:
-    load = logical_cpus() - 0.5  # other processes' load, faked (tests/test_busy.py)
-    env = {**serve_env, FAKE_BACKGROUND_ENV: str(load)}
+    load = logical_cpus() - 0.5  # other processes' load, faked (tests/inject)
+    env = {**serve_env, BACKGROUND_ENV: str(load)}
     with llmrun_serve(env, "-np", "1", "-tb", "2", "--no-dashboard") as s:
         assert "threads 1/2)" in s.lines[-1]  # the ready line: as llama.cpp's context has them
         assert (s.metric("llmrun_engine_threads "), s.metric("llmrun_engine_threads_batch ")) == (

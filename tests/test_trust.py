@@ -33,7 +33,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
 
-from .conftest import HANG_S, ROOT, free_port, which_llmrun
+from .conftest import BACKGROUND_ENV, HANG_S, ROOT, free_port, which_llmrun
 from .stub_server import WORDS, stub_server
 
 
@@ -395,7 +395,7 @@ def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> N
 
 def test_other_processes_load_is_measured_and_warned(llmrun_env: dict[str, str]) -> None:
     """The one test of a really busy machine: the faked quiet (conftest) is taken away."""
-    env = {k: v for k, v in llmrun_env.items() if k != "LLMRUN_FAKE_BACKGROUND_CPUS"}
+    env = {k: v for k, v in llmrun_env.items() if k != BACKGROUND_ENV}
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(os.cpu_count() or 2)]  # fmt: skip
     try:
