@@ -290,6 +290,7 @@ def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server
     """A Content-Length lie and a slowloris client: each connection is ended by the server's
     own deadline (408), while other requests are answered meanwhile."""
     results: dict[str, bytes] = {}
+    timeouts = {route: count(server, route, "timeout") for route in ("chat", "other")}
 
     def lie() -> None:
         payload = json.dumps(small()).encode()
@@ -313,6 +314,8 @@ def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server
         t.join(WAIT_S + 10)
     assert results["lie"].startswith(b"408 ") and b"the body stopped arriving" in results["lie"]
     assert results["slow"].startswith(b"HTTP/1.1 408 ")
+    assert count(server, "chat", "timeout") == timeouts["chat"] + 1
+    assert count(server, "other", "timeout") == timeouts["other"] + 1
     still_serving(server)
 
 
@@ -355,16 +358,34 @@ def test_many_connections_at_once(server: Server) -> None:
 
 
 def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) -> None:
-    """Last in the module: after every fault above, /metrics still parses and counted them."""
+    """After faults of every kind /metrics still parses, and counted each where it belongs;
+    the server never printed a traceback."""
+    before = outcomes(server)
     send(server, CHAT, b"[]")
     send(server, CHAT, small(model="nope"))
     httpx.get(server.url + "/nope", timeout=60)
-    text = httpx.get(server.url + "/metrics", timeout=60).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    outcomes = {(s.labels["route"], s.labels["outcome"]): s.value
-                for s in families["llmrun_requests"].samples if s.name.endswith("_total")}  # fmt: skip
-    assert outcomes[("chat", "bad_request")] >= 1
-    assert outcomes[("chat", "not_found")] >= 1
-    assert outcomes[("other", "not_found")] >= 1
+    exchange(server, b"HELLO\r\n\r\n")
+    exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 99999999999\r\n\r\n", half_close=True)  # fmt: skip
+    with connect(server) as sock:  # gone halfway through its body
+        sock.sendall(post_raw(CHAT, b"{}").replace(b"Content-Length: 2", b"Content-Length: 9"))
+    server.wait_for(lambda: count(server, "chat", "cancelled") > before.get(
+        ("chat", "cancelled"), 0), "the request gone mid-body counted")  # fmt: skip
+    after = outcomes(server)
+    for key in (("chat", "bad_request"), ("chat", "not_found"), ("other", "not_found"),
+                ("other", "bad_request"), ("chat", "too_large")):  # fmt: skip
+        assert after[key] == before.get(key, 0) + 1, key
     assert server.proc.poll() is None
     assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
+
+
+def outcomes(server: Server) -> dict[tuple[str, str], float]:
+    """llmrun_requests_total by (route, outcome), read with Prometheus' own parser."""
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {(s.labels["route"], s.labels["outcome"]): s.value
+            for s in families["llmrun_requests"].samples if s.name.endswith("_total")}  # fmt: skip
+
+
+def count(server: Server, route: str, outcome: str) -> float:
+    return outcomes(server).get((route, outcome), 0.0)

@@ -488,10 +488,13 @@ class GuardedH11(H11Protocol):
     now and then (slowloris) would hold its socket forever."""
 
     headers_timeout_s = HEADERS_TIMEOUT_S
+    # Told of each request refused here, before the app sees it: (status, what happened).
+    on_refused: Callable[[int, str], None] = staticmethod(lambda status, note: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._headers_due: asyncio.TimerHandle | None = None
+        self._partial = False  # some of a request's head arrived, not all of it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -500,9 +503,11 @@ class GuardedH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.cycle is None or self.cycle.response_complete:
             self._arm()  # the first bytes of a request: its headers are now due
+            self._partial = True
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:
             self._disarm()  # the headers arrived: the app times the body
+            self._partial = False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -520,7 +525,9 @@ class GuardedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP (a bad request line, header or length, a header block over h11's
         limit): the error in OpenAI's shape rather than uvicorn's plain text."""
-        body = _error_bytes(400, f"malformed HTTP request ({msg.rstrip('.').lower()})")
+        message = f"malformed HTTP request ({msg.rstrip('.').lower()})"
+        self.on_refused(400, message)
+        body = _error_bytes(400, message)
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", b"%d" % len(body))]  # fmt: skip
         with contextlib.suppress(h11.LocalProtocolError):
@@ -532,6 +539,8 @@ class GuardedH11(H11Protocol):
     def _too_slow(self) -> None:
         self._headers_due = None
         if self.cycle is None or self.cycle.response_complete:
+            if self._partial:  # not a connection opened ahead and left idle
+                self.on_refused(408, "request headers too slow")
             with contextlib.suppress(Exception):
                 self.transport.write(
                     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: "
@@ -588,7 +597,12 @@ class HttpServer(uvicorn.Server):
 def run(served: Served, sock: socket.socket, *, drain_s: float,
         on_ready: Callable[[], None]) -> int | None:  # fmt: skip
     """Serve until a signal; returns the signal that stopped it (None: none)."""
-    config = uvicorn.Config(create_app(served), log_config=None, access_log=False, http=GuardedH11,
+
+    def refused(status: int, note: str) -> None:
+        served.answered("other", status, HTTP_OUTCOMES.get(status, "bad_request"), note=note)
+
+    protocol = type("ServedH11", (GuardedH11,), {"on_refused": staticmethod(refused)})
+    config = uvicorn.Config(create_app(served), log_config=None, access_log=False, http=protocol,
                             log_level="error", lifespan="off", timeout_keep_alive=30,
                             timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
     server = HttpServer(config, on_ready)
