@@ -203,7 +203,8 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     engine: EngineThread | None = None
     try:
-        loaded = runner.load(n_seq=parallel)  # one context: the engine's -np sequences
+        # one context: the engine's -np sequences; the warm-up runs on the engine's thread
+        loaded = runner.load(n_seq=parallel, warm_up=False)
         policy = Policy.parse(policy_text or f"chunked:{loaded.settings.n_batch}")
         runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
         box: dict[str, EngineThread] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -272,6 +273,33 @@ def test_stop_ends_a_request_in_flight_then_frees_the_engine(model_path: str) ->
         assert thread.stopped
         event = out.get(timeout=120)
         assert isinstance(event, Failed) and "shutting down" in event.message, event
+    finally:
+        thread.stop()
+        runner.close()
+
+
+def test_the_warm_up_decode_runs_on_the_engines_thread(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's CPU backend keeps OpenMP workers per thread that computes: a warm-up on the
+    main thread and decodes on the engine's made every decode ~1.5x slower. So the server's
+    load leaves the warm-up to its engine thread, which does it before `start` returns."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    warm_up, threads = runner._warm_up, []
+
+    def recorded() -> float:
+        threads.append(threading.current_thread().name)
+        return warm_up()
+
+    monkeypatch.setattr(runner, "_warm_up", recorded)
+    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
+                          max_queue=1)  # fmt: skip
+    try:
+        loaded = runner.loaded
+        assert threads == [] and loaded is not None and loaded.warmup_s is None
+        thread.start()
+        loaded = runner.loaded
+        assert threads == ["llmrun-engine"] and loaded is not None and loaded.warmup_s
     finally:
         thread.stop()
         runner.close()

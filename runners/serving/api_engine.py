@@ -192,7 +192,9 @@ class EngineThread:
         n_batch: int | None = None,
         observer: Observer | None = None,
     ) -> None:
-        loaded = runner.load(n_seq=n_seq)  # its own context holds the sequences: the only one
+        # its own context holds the sequences (the only one); the warm-up decode runs on the
+        # engine's thread, as every later decode (see LlamaCppRunner.load)
+        loaded = runner.load(n_seq=n_seq, warm_up=False)
         self.runner, self.policy, self.n_seq = runner, policy, n_seq
         self.n_ctx_per_seq, self.max_queue = n_ctx_per_seq, max_queue
         self.engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq,
@@ -203,6 +205,8 @@ class EngineThread:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._abort = AbortFlag()  # read by llama.cpp inside a step: stop() ends it there
+        self._warmed = threading.Event()
+        self._warm_error: LlmrunError | None = None
         self._pending: deque[Job] = deque()  # not yet handed to the engine
         self._jobs: dict[int, tuple[Job, Handle]] = {}  # handed over, by handle id
         self._counts = (0, 0)  # (decoding, prefilling), after the last step
@@ -215,7 +219,12 @@ class EngineThread:
     # ---- the HTTP side's calls (any thread, never blocking) ---------------------------------
 
     def start(self) -> None:
+        """The engine's thread: the runner's warm-up decode on it, then requests. Returns once
+        the warm-up is done (its error, if it failed: the thread has ended)."""
         self._thread.start()
+        self._warmed.wait()
+        if self._warm_error is not None:
+            raise self._warm_error
 
     def submit(self, job: Job) -> None:
         """Queue a request; QueueFullError when --max-queue requests already wait."""
@@ -275,6 +284,13 @@ class EngineThread:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self.runner.warm_up()
+        except LlmrunError as e:
+            self._warm_error = e
+            return
+        finally:
+            self._warmed.set()
         ptr = self.engine.ctx.ptr
         self._abort.install(ptr)
         try:
