@@ -541,6 +541,11 @@ class LlamaCppRunner:
                     f"--draft-model: its vocabulary ({draft.vocab_size()} tokens) is not this"
                     f" model's ({self._model.n_vocab})"
                 )
+            try:
+                draft.load()  # its context: the vocabulary check needed only the weights
+            except BaseException:
+                draft.close()
+                raise
             self._draft = draft
         return self._draft
 
