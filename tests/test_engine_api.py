@@ -303,3 +303,25 @@ def test_the_warm_up_decode_runs_on_the_engines_thread(
     finally:
         thread.stop()
         runner.close()
+
+
+def test_a_failed_warm_up_stops_the_server_before_it_listens(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up runs on the engine's thread; its failure, of any kind, is raised by `start`
+    instead of leaving a server whose engine thread has ended (every request would hang)."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+
+    def broken() -> float:
+        raise RuntimeError("no warm-up today")
+
+    monkeypatch.setattr(runner, "_warm_up", broken)
+    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
+                          max_queue=1)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="no warm-up today"):
+            thread.start()
+        assert thread.stopped
+    finally:
+        thread.stop()
+        runner.close()

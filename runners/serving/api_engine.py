@@ -206,7 +206,7 @@ class EngineThread:
         self._stop = threading.Event()
         self._abort = AbortFlag()  # read by llama.cpp inside a step: stop() ends it there
         self._warmed = threading.Event()
-        self._warm_error: LlmrunError | None = None
+        self._warm_error: BaseException | None = None
         self._pending: deque[Job] = deque()  # not yet handed to the engine
         self._jobs: dict[int, tuple[Job, Handle]] = {}  # handed over, by handle id
         self._counts = (0, 0)  # (decoding, prefilling), after the last step
@@ -286,7 +286,7 @@ class EngineThread:
     def _loop(self) -> None:
         try:
             self.runner.warm_up()
-        except LlmrunError as e:
+        except BaseException as e:  # start() raises it: no server without its engine thread
             self._warm_error = e
             return
         finally:
