@@ -187,11 +187,30 @@ def test_sigterm_behaves_like_ctrl_c_and_exits_143(llmrun_env: dict[str, str]) -
     assert len(first + out) > 8 and b"[interrupted]" in err and b"Traceback" not in err
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.1, 0.2, 0.4])
+def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
+    """Wait until llmrun's own first code has run in `proc`: its startup handler catches SIGHUP,
+    the last signal it installs, and neither CPython nor anything before llmrun does. Before that
+    moment the process is still CPython starting up (exec, `site`, the editable install's finder:
+    about 30 ms on a quiet machine, several times that on a busy one), where a Ctrl-C is
+    CPython's to handle: it prints "Fatal Python error: init_import_site" for any program."""
+    status = Path(f"/proc/{proc.pid}/status")
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return
+        if int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)):
+            return
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.2, 0.4])
 def test_ctrl_c_during_startup_is_quiet(delay: float, llmrun_env: dict[str, str]) -> None:
     proc = subprocess.Popen([which_llmrun(), "run", "-n", "2", "hi"], env=llmrun_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)  # fmt: skip
+    llmrun_code_runs(proc)
     time.sleep(delay)  # the moment of the Ctrl-C is the input here: any moment must be quiet
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=HANG_S)
