@@ -197,7 +197,9 @@ def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + HANG_S
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+            caught = next(
+                line for line in status.read_text().splitlines() if line.startswith("SigCgt:")
+            )
         except (OSError, StopIteration):
             return
         if int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)):
