@@ -21,15 +21,15 @@ Ratios come from the same runs, so a noisy machine moves both sides together.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vs_llama_bench import side_by_side  # the script beside this one
 
 from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.config import EngineConfig
@@ -88,13 +88,6 @@ def llama_bench_binary() -> Path | None:
     return binary if binary.exists() else None
 
 
-def tg_rate(command: list[str]) -> float:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        sys.exit(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return float(json.loads(done.stdout)[0]["avg_ts"])
-
-
 def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -> None:
     binary = llama_bench_binary()
     if rounds < 1:
@@ -104,21 +97,8 @@ def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -
         print("tg128 vs llama-bench: skipped (no llama-bench; `make llama-bench` builds it)")
         return
     fa = {"on": "1", "off": "0", "auto": "-1"}[flash_attn]
-    same = ["-m", model, "-t", str(threads), "-fa", fa, "-ngl", "0", "-p", "0", "-n", "128",
-            "-r", "3", "-o", "json"]  # fmt: skip
-    theirs_cmd = [str(binary), *same]
-    ours_cmd = [LLMRUN, "bench", *same, "--no-history", "--no-tuned"]
-    ratios = []
-    before = tg_rate(theirs_cmd)
-    for i in range(rounds):
-        ours = tg_rate(ours_cmd)
-        after = tg_rate(theirs_cmd)
-        ratios.append(ours / ((before + after) / 2))
-        print(f"tg128 round {i + 1}: llama-bench {before:.1f}/{after:.1f} tok/s, llmrun"
-              f" {ours:.1f} tok/s -> x{ratios[-1]:.3f}")  # fmt: skip
-        before = after
-    print(f"tg128 llmrun / llama-bench: median x{statistics.median(ratios):.3f}"
-          f" (range {min(ratios):.3f}-{max(ratios):.3f}, {rounds} rounds B A B)")  # fmt: skip
+    side_by_side(["-m", model, "-t", str(threads), "-fa", fa, "-ngl", "0", "-p", "0", "-n",
+                  "128", "-r", "3"], rounds, str(binary))  # fmt: skip
 
 
 def main() -> int:
