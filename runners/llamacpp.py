@@ -352,6 +352,7 @@ class LlamaCppRunner:
         self._n_ctx_seq = 0  # and the tokens asked for each
         self._info: GGUFInfo | None = None
         self._loaded: LocalLoaded | None = None
+        self.warmed_on: str | None = None  # the thread the context's warm-up decode ran on
         self._formatter: Any = None
         self._cache: list[int] = []  # tokens whose KV entries are in the context (sequence 0)
         self._cancel = threading.Event()  # the running request's; read by the abort callback
@@ -410,6 +411,7 @@ class LlamaCppRunner:
         loaded = self.load()
         if self.config.warmup and loaded.warmup_s is None:
             self._loaded = dataclasses.replace(loaded, warmup_s=self._warm_up())
+            self.warmed_on = threading.current_thread().name
 
     def load_weights(self, *, n_seq: int = 1, n_ctx: int | None = None) -> None:
         """Check the file and load the weights (once), without a context: enough to tokenize,
@@ -1197,6 +1199,7 @@ class LlamaCppRunner:
             self._ctx = None
         self._n_seq, self._n_ctx_seq = 1, 0
         self._loaded = None
+        self.warmed_on = None
         self._cache.clear()
 
     def close(self) -> None:

@@ -305,6 +305,21 @@ def test_the_warm_up_decode_runs_on_the_engines_thread(
         runner.close()
 
 
+def test_a_context_warmed_up_on_another_thread_is_refused(model_path: str) -> None:
+    """A runner whose warm-up decode ran on this thread would make every decode of the engine's
+    thread slower without a sign of it: EngineThread refuses it, naming the thread."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    try:
+        runner.load(n_seq=2)  # warm-up on this thread
+        assert runner.warmed_on == threading.current_thread().name
+        with pytest.raises(EngineError, match="warmed up on thread MainThread"):
+            EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
+                         max_queue=1)  # fmt: skip
+    finally:
+        runner.close()
+    assert runner.warmed_on is None
+
+
 def test_a_failed_warm_up_stops_the_server_before_it_listens(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

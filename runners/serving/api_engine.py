@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmrun.runners.base import SamplingParams
-from llmrun.runners.errors import LlmrunError
+from llmrun.runners.errors import EngineError, LlmrunError
 from llmrun.runners.library import AbortFlag
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
@@ -195,6 +195,9 @@ class EngineThread:
         # its own context holds the sequences (the only one); the warm-up decode runs on the
         # engine's thread, as every later decode (see LlamaCppRunner.load)
         loaded = runner.load(n_seq=n_seq, warm_up=False)
+        if runner.warmed_on is not None:  # its decodes would be 1.3-1.8x slower, unseen
+            raise EngineError(f"the context was warmed up on thread {runner.warmed_on}, not on"
+                              " the engine's: load it with warm_up=False")  # fmt: skip
         self.runner, self.policy, self.n_seq = runner, policy, n_seq
         self.n_ctx_per_seq, self.max_queue = n_ctx_per_seq, max_queue
         self.engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq,
