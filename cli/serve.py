@@ -21,12 +21,14 @@ from rich.text import Text
 from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.stats import percentile
 from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
 from . import EXIT_INTERRUPTED, EXIT_TERMINATED
 from . import options as o
+from .bench.sweep import usage_error
 from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled
@@ -84,6 +86,32 @@ def serve(
             help="Requests that may wait for a sequence; more get 503 with Retry-After.",
         ),
     ] = 64,
+    max_connections: Annotated[
+        str | None,
+        typer.Option(
+            "--max-connections",
+            metavar="N",
+            rich_help_panel=SERVER_PANEL,
+            show_default=False,
+            help="Open connections served at once; a connection past them gets 503 with"
+            " Retry-After. (default: 512, or 2 x (-np + --max-queue) where that is more: room"
+            " for every request the engine can hold, an idle kept-alive connection beside each,"
+            " and monitoring)",
+        ),
+    ] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-origin",
+            metavar="ORIGIN",
+            rich_help_panel=SERVER_PANEL,
+            show_default=False,
+            help="A web page's origin (scheme://host[:port]) whose requests are served, as"
+            " OLLAMA_ORIGINS; repeatable; * allows every origin. Pages on localhost, 127.0.0.1"
+            " and [::1] are always allowed; other origins get 403. On a loopback --host, a Host"
+            " header other than localhost, 127.x or [::1] gets 403 too (DNS rebinding).",
+        ),
+    ] = None,
     drain: Annotated[
         float,
         typer.Option(
@@ -149,12 +177,18 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.
 
     Requests' own sampling values override these defaults. Each answer carries its phases
-    (`timings`); /metrics has Prometheus' histograms. Examples:
+    (`timings`); /metrics has Prometheus' histograms. Every path answers the same with a
+    trailing slash (no redirect). Examples:
 
       llmrun serve -np 4 --policy chunked:64
 
       curl 127.0.0.1:8080/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}]}'
     """
+    try:
+        origins = parse_origins(allow_origin or ())
+        connections = parse_max_connections(max_connections, parallel, max_queue)
+    except BadRequestError as e:
+        usage_error(str(e))
     with handled():
         defaults = o.sampling_params(max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p,
                                      min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
@@ -170,17 +204,20 @@ def serve(
         config = dataclasses.replace(config, kv_unified=kv_unified is not False)
         code = _serve(model, config, defaults, host=host, port=port, parallel=parallel,
                       policy_text=policy, max_queue=max_queue, drain_s=drain, alias=alias,
+                      max_connections=connections, origins=origins,
                       dashboard=not no_dashboard and sys.stderr.isatty())  # fmt: skip
         raise typer.Exit(code)
 
 
 def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *, host: str,
            port: int, parallel: int, policy_text: str | None, max_queue: int, drain_s: float,
-           alias: str | None, dashboard: bool) -> int:  # fmt: skip
+           alias: str | None, max_connections: int, origins: frozenset[str],
+           dashboard: bool) -> int:  # fmt: skip
     import signal
 
     from llmrun.runners.llamacpp import LlamaCppRunner
     from llmrun.runners.serving import server as srv
+    from llmrun.runners.serving.api_access import Access, loopback_address
     from llmrun.runners.serving.api_engine import EngineThread
     from llmrun.runners.serving.api_metrics import ServerMetrics
     from llmrun.runners.serving.engine import Policy
@@ -201,6 +238,9 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         sock = srv.listen(host, port)
     except OSError as e:
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # on loopback, only loopback names may reach it (DNS rebinding); elsewhere any name may
+    access = Access(origins, check_host=loopback_address(sock.getsockname()[0]))
+    srv.open_files_for(max_connections)
     engine: EngineThread | None = None
     try:
         # one context: the engine's -np sequences; the warm-up runs on the engine's thread
@@ -231,7 +271,8 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
             view.start()
 
         try:
-            stopped_by = srv.run(served, sock, drain_s=drain_s, on_ready=ready)
+            stopped_by = srv.run(served, sock, drain_s=drain_s, max_connections=max_connections,
+                                 access=access, on_ready=ready)  # fmt: skip
         finally:
             view.stop()
     finally:
@@ -244,6 +285,21 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+DEFAULT_MAX_CONNECTIONS = 512  # under the usual 1024 open files, far over -np 4 + a queue of 64
+MAX_CONNECTIONS = 1_000_000
+
+
+def parse_max_connections(text: str | None, parallel: int, max_queue: int) -> int:
+    """--max-connections: a whole number from 1, or the default for this -np and queue."""
+    if text is None:
+        return max(DEFAULT_MAX_CONNECTIONS, 2 * (parallel + max_queue))
+    value = text.strip()
+    if not value.isdigit() or not 1 <= int(value) <= MAX_CONNECTIONS:
+        raise BadRequestError(f"--max-connections: {text!r} is not a whole number from 1 to"
+                              f" {MAX_CONNECTIONS}")  # fmt: skip
+    return int(value)
 
 
 # ---- the live view and the log ---------------------------------------------------------------

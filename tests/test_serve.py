@@ -123,7 +123,7 @@ def open_stream(url: str, body: dict[str, Any], *, wait_for_data: bool = True) -
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=120)
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                  b"application/json\r\nContent-Length: " + str(len(payload)).encode()
                  + b"\r\n\r\n" + payload)  # fmt: skip
     seen = b""
@@ -512,10 +512,38 @@ def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> No
     assert fake.loaded is None
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(["--max-connections", "0"], "--max-connections: '0' is not a whole number"),
+     (["--max-connections", "-1"], "--max-connections: '-1' is not a whole number"),
+     (["--max-connections", "2.5"], "--max-connections: '2.5' is not a whole number"),
+     (["--max-connections", "many"], "--max-connections: 'many' is not a whole number"),
+     (["--allow-origin", "http://app.example/"], "--allow-origin: 'http://app.example/' is not"),
+     (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin")],
+)  # fmt: skip
+def test_bad_connection_caps_and_origins_are_usage_errors(
+    fake: FakeRunner, args: list[str], words: str
+) -> None:
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *args])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"llmrun: error: {words}") and result.stderr.count("\n") == 1
+    assert fake.loaded is None
+
+
 def test_help_lists_the_server_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for option in ("--host", "--port", "-np", "--policy", "--max-queue", "--drain-timeout"):
+    for option in (
+        "--host",
+        "--port",
+        "-np",
+        "--policy",
+        "--max-queue",
+        "--drain-timeout",
+        "--max-connections",
+        "--allow-origin",
+        "trailing slash",
+    ):
         assert option in result.stdout
 
 

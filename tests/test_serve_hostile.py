@@ -19,6 +19,7 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmrun.cli.serve import DEFAULT_MAX_CONNECTIONS
 from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS
 from llmrun.runners.serving.server import HEADERS_TIMEOUT_S, MIN_BODY_LIMIT
 
@@ -57,7 +58,7 @@ def exchange(server: Server, data: bytes, *, half_close: bool = False) -> tuple[
 
 
 def post_raw(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n" + extra + b"\r\n" + body)  # fmt: skip
 
@@ -245,7 +246,7 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
     for garbage in (
         b"HELLO\r\n\r\n",
         b"GET /health HTTP/1.1\r\nHo st: x\r\n\r\n",
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n",
     ):
         status, headers, body = exchange(server, garbage)
         assert status == 400 and headers["content-type"] == "application/json", body
@@ -256,7 +257,7 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read(server: Server) -> None:
     with connect(server) as sock:  # only the headers: the answer cannot wait for the body
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Length: 99999999999\r\n\r\n{")  # fmt: skip
         received = b""
         while chunk := sock.recv(65536):
@@ -300,7 +301,7 @@ def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server
 
     def slowloris() -> None:
         with connect(server) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
             received = b""
             while chunk := sock.recv(65536):
                 received += chunk
@@ -338,6 +339,8 @@ def test_clients_that_leave_before_the_answer_free_their_sequences(server: Serve
 
 
 def test_many_connections_at_once(server: Server) -> None:
+    """Under the default --max-connections, 200 idle connections and 16 requests all pass."""
+    assert server.metric("llmrun_connections_max ") == DEFAULT_MAX_CONNECTIONS > 216
     idle = [connect(server) for _ in range(200)]
     try:
         statuses: list[int] = []
@@ -365,7 +368,7 @@ def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) ->
     send(server, CHAT, small(model="nope"))
     httpx.get(server.url + "/nope", timeout=60)
     exchange(server, b"HELLO\r\n\r\n")
-    exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Length: 99999999999\r\n\r\n", half_close=True)  # fmt: skip
     with connect(server) as sock:  # gone halfway through its body
         sock.sendall(post_raw(CHAT, b"{}").replace(b"Content-Length: 2", b"Content-Length: 9"))
@@ -389,3 +392,184 @@ def outcomes(server: Server) -> dict[tuple[str, str], float]:
 
 def count(server: Server, route: str, outcome: str) -> float:
     return outcomes(server).get((route, outcome), 0.0)
+
+
+# ---- browsers: origins, Host names (DNS rebinding), and the connection cap --------------------
+
+
+@pytest.mark.parametrize(
+    "origin", ["http://localhost:3000", "https://localhost", "http://127.0.0.1:5173",
+               "http://[::1]:8080", "HTTP://LOCALHOST:3000"],
+)  # fmt: skip
+def test_pages_on_this_machine_get_cors_headers_on_every_answer(
+    server: Server, origin: str
+) -> None:
+    """Ollama's default: a page on localhost, 127.0.0.1 or [::1] (any port, http or https) may
+    call the server, and every answer to it (errors and event streams too) says so."""
+    headers = {"Origin": origin}
+    answers = [
+        httpx.get(server.url + "/v1/models", headers=headers, timeout=60),
+        httpx.post(server.url + CHAT, json=small(), headers=headers, timeout=WAIT_S),
+        httpx.post(server.url + CHAT, content=b"[]", headers=headers, timeout=60),
+        httpx.get(server.url + "/nope", headers=headers, timeout=60),
+    ]
+    with httpx.stream("POST", server.url + CHAT, json=small(stream=True), headers=headers,
+                      timeout=WAIT_S) as streamed:  # fmt: skip
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        assert b"[DONE]" in streamed.read()
+    answers.append(streamed)
+    assert [r.status_code for r in answers] == [200, 200, 400, 404, 200]
+    for r in answers:
+        assert r.headers["access-control-allow-origin"] == origin, r.headers
+        assert "Origin" in r.headers["vary"]
+    assert (
+        "access-control-allow-origin" not in httpx.get(server.url + "/health", timeout=60).headers
+    )
+
+
+def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
+    origin = "http://localhost:5173"
+    r = httpx.options(server.url + CHAT, timeout=60, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})  # fmt: skip
+    assert r.status_code == 204, r.text
+    assert r.headers["access-control-allow-origin"] == origin
+    assert "POST" in r.headers["access-control-allow-methods"]
+    allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+    assert {"authorization", "content-type", "x-stainless-os"} <= allowed
+    assert int(r.headers["access-control-max-age"]) > 0
+    assert "Origin" in r.headers["vary"]
+    refused = httpx.options(server.url + CHAT, timeout=60, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
+    openai_error(refused, 403)
+    assert "access-control-allow-origin" not in refused.headers
+
+
+@pytest.mark.parametrize(
+    "origin", ["https://evil.example", "null", "http://localhost.evil.example",
+               "http://127.0.0.1.nip.io:8080", "file://", "chrome-extension://abc"],
+)  # fmt: skip
+def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> None:
+    """A page elsewhere must not run completions here: even a simple POST (no preflight) is
+    refused before the engine sees it; counted in /metrics, one log line."""
+    before = (count(server, "other", "forbidden"), server.metric("llmrun_prompt_tokens_total"))
+    r = httpx.post(server.url + CHAT, content=json.dumps(small()).encode(), timeout=60,
+                   headers={"Origin": origin, "Content-Type": "text/plain"})  # fmt: skip
+    error = openai_error(r, 403)
+    assert f"--allow-origin {origin}" in error["message"]
+    assert "access-control-allow-origin" not in r.headers
+    assert count(server, "other", "forbidden") == before[0] + 1
+    assert server.metric("llmrun_prompt_tokens_total") == before[1]
+    server.wait_for(lambda: sum(repr(origin) in line for line in server.lines) == 1, "its line")
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [("evil.example", 403), ("evil.example:8080", 403), ("localhost.evil.example", 403),
+     ("127.0.0.1.nip.io", 403), ("10.0.0.1", 403), ("[::1]x", 403),
+     ("localhost", 200), ("LOCALHOST.:8080", 200), ("app.localhost", 200),
+     ("127.0.0.1", 200), ("127.4.5.6:80", 200), ("[::1]", 200), ("[::1]:8080", 200)],
+)  # fmt: skip
+def test_on_loopback_only_loopback_host_names_are_answered(
+    server: Server, host: str, status: int
+) -> None:
+    """DNS rebinding: a page whose own name now resolves to 127.0.0.1 is same-origin to the
+    browser, but its Host header still names it. As Ollama: 403 on a loopback listener."""
+    r = httpx.post(server.url + CHAT, json=small(), headers={"Host": host}, timeout=WAIT_S)
+    assert r.status_code == status, r.text
+    if status == 403:
+        assert "DNS rebinding" in openai_error(r, 403)["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "fields"),
+    [("GET", "/v1/models/", "data"), ("GET", "/models/", "data"), ("GET", "/health/", "status"),
+     ("POST", "/v1/chat/completions/", "choices"), ("POST", "/v1/completions/", "choices"),
+     ("POST", "/tokenize/", "tokens")],
+)  # fmt: skip
+def test_a_trailing_slash_is_the_same_route_never_a_redirect(
+    server: Server, method: str, path: str, fields: str
+) -> None:
+    """A 307 loses a POST's body in clients that do not follow it (OpenAI's SDKs do not): the
+    route answers directly, as without the slash."""
+    body = {"content": "hi"} if path.startswith("/tokenize") else (
+        small() if "chat" in path else {"prompt": "Hi", "max_tokens": 2})  # fmt: skip
+    r = httpx.request(method, server.url + path, json=body if method == "POST" else None,
+                      timeout=WAIT_S, follow_redirects=False)  # fmt: skip
+    assert r.status_code == 200, (r.status_code, r.headers, r.text)
+    assert fields in r.json()
+    served = server.get("/v1/models")["data"][0]["id"]
+    assert httpx.get(f"{server.url}/v1/models/{served}/", timeout=60).json()["id"] == served
+
+
+def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
+    serve_env: dict[str, str],  # noqa: F811
+) -> None:
+    """--max-connections 3: a fourth connection's request gets 503 in OpenAI's shape with
+    Retry-After (CORS headers too) and is closed; counted in /metrics; once one closes, a new
+    one is served. Listening on 0.0.0.0 any Host passes; an added origin is allowed."""
+    with llmrun_serve(serve_env, "-np", "1", "--no-dashboard", "--host", "0.0.0.0",
+                      "--max-connections", "3", "--allow-origin",
+                      "https://app.example:443") as s:  # fmt: skip
+        s.url = s.url.replace("0.0.0.0", "127.0.0.1")
+        assert httpx.get(s.url + "/health", headers={"Host": "evil.example"}, timeout=60).is_success
+        app = httpx.get(s.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=60)
+        assert app.headers["access-control-allow-origin"] == "https://app.example"
+        openai_error(httpx.get(s.url + "/v1/models", headers={"Origin": "https://other.example"},
+                               timeout=60), 403)  # fmt: skip
+        first = connect(s)
+        holders = [first]
+        try:
+            s.wait_for(lambda: gauge(first, "llmrun_connections ") == 1, "only this connection")
+            assert gauge(first, "llmrun_connections_max") == 3
+            holders += [connect(s) for _ in range(2)]
+            for sock in holders:
+                assert ask(sock, "GET", "/health")[0] == 200
+            before = gauge(first, 'llmrun_requests_total{outcome="too_many_connections"')
+            with connect(s) as extra:
+                status, headers, body = ask(extra, "POST", CHAT, json.dumps(small()).encode(),
+                                            origin="https://app.example")  # fmt: skip
+                assert extra.recv(65536) == b""  # closed after its answer
+            assert status == 503 and headers["retry-after"].isdigit(), body
+            assert headers["access-control-allow-origin"] == "https://app.example"
+            error = json.loads(body)["error"]
+            assert error["code"] == 503 and "--max-connections" in error["message"]
+            after = gauge(first, 'llmrun_requests_total{outcome="too_many_connections"')
+            assert after == before + 1
+            holders.pop().close()
+            s.wait_for(lambda: gauge(first, "llmrun_connections ") == 2, "the closed one gone")
+            with connect(s) as again:
+                assert ask(again, "GET", "/health")[0] == 200
+        finally:
+            for sock in holders:
+                sock.close()
+        assert not any("Traceback" in line for line in s.lines), "".join(s.lines)
+
+
+def ask(sock: socket.socket, method: str, path: str, body: bytes = b"",
+        origin: str | None = None) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    """One request on a kept-alive connection; its status, headers and body."""
+    extra = f"Origin: {origin}\r\n" if origin else ""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}Content-Length:"
+                 f" {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    head, _, rest = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.lower(), v.strip()) for k, _, v in (h.partition(":") for h in lines[1:]))
+    while len(rest) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, rest
+        rest += chunk
+    return int(lines[0].split()[1]), headers, rest
+
+
+def gauge(sock: socket.socket, name: str) -> float:
+    """A metric's samples summed, read over `sock` (a connection already counted)."""
+    text = ask(sock, "GET", "/metrics")[2].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))  # fmt: skip

@@ -39,12 +39,20 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("llmrun_requests", "Requests answered, by route (chat,"
                                 " completions, other) and outcome (ok, bad_request, not_found,"
-                                " too_large, timeout, busy, cancelled, error, ...).",
+                                " too_large, timeout, busy, too_many_connections, forbidden,"
+                                " cancelled, error, ...).",
                                 ["route", "outcome"], registry=r)  # fmt: skip
         Gauge("llmrun_requests_in_flight", "Requests holding a sequence (prefilling or"
               " decoding).", registry=r).set_function(running)  # fmt: skip
         Gauge("llmrun_requests_queued", "Requests waiting for a free sequence.",
               registry=r).set_function(queued)  # fmt: skip
+        # The HTTP side: open connections against --max-connections (set once it listens).
+        self.connections: Callable[[], float] = lambda: 0
+        self.max_connections = 0
+        Gauge("llmrun_connections", "Open HTTP connections (idle kept-alive ones too).",
+              registry=r).set_function(lambda: self.connections())  # fmt: skip
+        Gauge("llmrun_connections_max", "Connections served at once (--max-connections); more"
+              " get 503.", registry=r).set_function(lambda: self.max_connections)  # fmt: skip
         self.queue = Histogram("llmrun_queue_wait_seconds", "From the request's tokens to its"
                                " first engine step.", buckets=LATENCY_S, registry=r)  # fmt: skip
         self.ttft = Histogram("llmrun_ttft_seconds", "From the request's arrival to its first"

@@ -12,7 +12,9 @@ Faults end one request only: a client that disconnects frees its sequence at the
 step; a prompt longer than a sequence's context, malformed JSON or a wrong type gets a 400 with
 the reason; a full queue a 503 with Retry-After; a body over `body_limit` a 413, one that stops
 arriving a 408, a model not served a 404, each in OpenAI's error shape. A connection whose
-request headers do not arrive within `HEADERS_TIMEOUT_S` is closed (slowloris). SIGTERM stops
+request headers do not arrive within `HEADERS_TIMEOUT_S` is closed (slowloris); one past
+`max_connections` gets a 503 with Retry-After. Before any route, `api_access` refuses foreign
+origins and Host names (403) and adds the CORS headers. SIGTERM stops
 accepting connections and lets the requests in flight finish (for at most `drain_s`); Ctrl-C
 stops at once.
 """
@@ -45,13 +47,14 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.errors import BadRequestError, LlmrunError, PromptTooLongError
 from llmrun.runners.llamacpp import LlamaCppRunner
 
+from .api_access import Access, AccessGuard
 from .api_engine import (
     FINISH_CANCELLED,
     Answered,
@@ -72,6 +75,9 @@ BODY_IDLE_S = 30.0  # the longest wait for the next piece of a request's body
 MIN_BODY_LIMIT = 1 << 20
 BODY_BYTES_PER_TOKEN = 64  # JSON of one context token, generously: escapes, token id lists
 BOM = b"\xef\xbb\xbf"
+DRAIN_BYTES = MIN_BODY_LIMIT  # read of a refused request's body, so the client reads the answer
+DRAIN_IDLE_S = 5.0
+OPEN_FILES_SPARE = 128  # files beside the connections: the model, libraries, the listener
 
 
 def body_limit(n_ctx: int) -> int:
@@ -152,8 +158,9 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-HTTP_OUTCOMES = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
-                 415: "bad_request", 499: "cancelled"}  # fmt: skip
+HTTP_OUTCOMES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed", 408: "timeout",
+                 413: "too_large", 415: "bad_request", 499: "cancelled",
+                 503: "too_many_connections"}  # fmt: skip
 
 
 def _json_type(value: Any) -> str:
@@ -225,7 +232,13 @@ async def _disconnected(request: HttpRequest) -> None:
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="llmrun serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="llmrun serve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )  # api_access strips a trailing slash: no 307
     n_ctx = served.engine.n_ctx_per_seq
 
     limit = body_limit(n_ctx)
@@ -490,6 +503,9 @@ class GuardedH11(H11Protocol):
     headers_timeout_s = HEADERS_TIMEOUT_S
     # Told of each request refused here, before the app sees it: (status, what happened).
     on_refused: Callable[[int, str], None] = staticmethod(lambda status, note: None)
+    # Connections past this many (this one counted) get `over_capacity` for their requests.
+    max_connections: int | None = None
+    over_capacity: ASGIApp | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -499,6 +515,9 @@ class GuardedH11(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
+        cap = self.max_connections
+        if cap is not None and self.over_capacity is not None and len(self.connections) > cap:
+            self.app = self.over_capacity  # decided at accept: the ones already in keep theirs
 
     def data_received(self, data: bytes) -> None:
         if self.cycle is None or self.cycle.response_complete:
@@ -558,6 +577,44 @@ def _error_bytes(status: int, message: str) -> bytes:
 TOO_SLOW = _error_bytes(408, f"the request's headers did not arrive in {HEADERS_TIMEOUT_S:g} s")
 
 
+async def drain(receive: Receive, limit: int = DRAIN_BYTES, idle_s: float = DRAIN_IDLE_S) -> None:
+    """Read (and drop) a refused request's body, up to `limit` bytes: a socket closed with
+    unread bytes is reset, and the client would read the reset instead of the answer."""
+    size = 0
+    while size <= limit:
+        try:
+            message = await asyncio.wait_for(receive(), idle_s)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def refusal(on_refused: Callable[[int, str], None], status: int, message: str, *,
+            kind: str = "invalid_request_error", headers: dict[str, str] | None = None,
+            close: bool = False) -> ASGIApp:  # fmt: skip
+    """An ASGI app that refuses the request before any route: reported to `on_refused` (the
+    log and /metrics), answered in OpenAI's error shape."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        on_refused(status, message)
+        if close:
+            await drain(receive)
+        extra = {**(headers or {}), **({"Connection": "close"} if close else {})}
+        await error_response(status, message, kind, headers=extra or None)(scope, receive, send)
+
+    return app
+
+
+def guarded(app: ASGIApp, access: Access, on_refused: Callable[[int, str], None]) -> ASGIApp:
+    """`app` behind the Host and Origin checks and CORS (api_access)."""
+    return AccessGuard(app, access, forbidden=lambda status, message: refusal(
+        on_refused, status, message, kind="forbidden"))  # fmt: skip
+
+
 class HttpServer(uvicorn.Server):
     """uvicorn's server with llmrun's signals: SIGTERM drains the requests in flight (uvicorn's
     graceful shutdown, bounded by timeout_graceful_shutdown); SIGINT, or a second signal, stops
@@ -594,18 +651,27 @@ class HttpServer(uvicorn.Server):
             self.on_ready()
 
 
-def run(served: Served, sock: socket.socket, *, drain_s: float,
-        on_ready: Callable[[], None]) -> int | None:  # fmt: skip
+def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections: int,
+        access: Access, on_ready: Callable[[], None]) -> int | None:  # fmt: skip
     """Serve until a signal; returns the signal that stopped it (None: none)."""
 
     def refused(status: int, note: str) -> None:
         served.answered("other", status, HTTP_OUTCOMES.get(status, "bad_request"), note=note)
 
-    protocol = type("ServedH11", (GuardedH11,), {"on_refused": staticmethod(refused)})
-    config = uvicorn.Config(create_app(served), log_config=None, access_log=False, http=protocol,
-                            log_level="error", lifespan="off", timeout_keep_alive=30,
+    too_many = refusal(refused, 503, f"the server is busy: more than {max_connections}"
+                       " connections are open (--max-connections); retry later", kind=
+                       "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
+                       close=True)  # fmt: skip
+    protocol = type("ServedH11", (GuardedH11,), {
+        "on_refused": staticmethod(refused), "max_connections": max_connections,
+        "over_capacity": staticmethod(guarded(too_many, access, refused))})  # fmt: skip
+    config = uvicorn.Config(guarded(create_app(served), access, refused), log_config=None,
+                            access_log=False, http=protocol, log_level="error", lifespan="off",
+                            timeout_keep_alive=30, interface="asgi3",
                             timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
     server = HttpServer(config, on_ready)
+    served.metrics.max_connections = max_connections
+    served.metrics.connections = lambda: len(server.server_state.connections)
     served.engine.start()
     try:
         server.run(sockets=[sock])
@@ -614,6 +680,22 @@ def run(served: Served, sock: socket.socket, *, drain_s: float,
         with contextlib.suppress(OSError):
             sock.close()
     return server.stopped_by
+
+
+def open_files_for(connections: int) -> None:
+    """Raise this process's soft limit on open files (up to the hard limit) so that
+    `connections` sockets fit beside the model's and the runtime's own; as Go servers
+    (Ollama) do at start. Where it cannot, accept() fails past the limit instead."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + OPEN_FILES_SPARE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def served_names(model: str) -> set[str | None]:

@@ -1,0 +1,192 @@
+"""Who may talk to `llmrun serve`: browsers' origins (CORS), the Host header (DNS rebinding), and
+one path per route with or without a trailing slash. As Ollama does.
+
+A web page may send requests to any address, 127.0.0.1 included, and a simple POST (text/plain)
+needs no preflight: without a check, any page a user visits could run completions on their
+server. So a request that carries an `Origin` not allowed gets 403 before it reaches a route.
+Allowed by default: http and https pages on localhost, 127.0.0.1 and [::1], any port;
+`--allow-origin` adds others (`*`: all). Requests without `Origin` (curl, SDKs, editors) pass.
+
+DNS rebinding makes a page's own name resolve to 127.0.0.1, so its requests are same-origin to
+the browser; only their Host header still names the page's site. On a loopback address the
+server answers only Host headers that name this machine's loopback (localhost, *.localhost,
+127.x.x.x, [::1], any port); on any other address (`--host 0.0.0.0`) it was meant to be
+reached by other names, and every Host passes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmrun.runners.errors import BadRequestError
+
+ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
+ALLOW_HEADERS = ("Authorization", "Content-Type", "Accept", "User-Agent", "X-Requested-With")
+EXPOSE_HEADERS = "Retry-After"
+MAX_AGE_S = 12 * 3600  # Ollama's; browsers cap it lower (Chrome: 2 h)
+ANY_ORIGIN = "*"
+_ORIGIN = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@]+)"
+                     r"(?::(?P<port>\d{1,5}))?", re.IGNORECASE)  # fmt: skip
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def normal_origin(text: str) -> str | None:
+    """An origin as browsers send it (`scheme://host[:port]`, lower case, no default port), or
+    None when `text` is not one (a path, a query, a trailing slash, no scheme)."""
+    m = _ORIGIN.fullmatch(text.strip())
+    if m is None or (m["port"] is not None and not 0 < int(m["port"]) < 65536):
+        return None
+    scheme, host, port = m["scheme"].lower(), m["host"].lower(), m["port"]
+    if port is None or _DEFAULT_PORTS.get(scheme) == port.lstrip("0"):
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{int(port)}"
+
+
+def parse_origins(values: Iterable[str]) -> frozenset[str]:
+    """`--allow-origin` values: each `*`, `null` or an origin. BadRequestError names a bad one."""
+    allowed = set()
+    for value in values:
+        text = value.strip()
+        if text in (ANY_ORIGIN, "null"):
+            allowed.add(text)
+            continue
+        origin = normal_origin(text)
+        if origin is None:
+            raise BadRequestError(f"--allow-origin: {value!r} is not an origin: give"
+                                  " scheme://host[:port] with no path (or * for all)")  # fmt: skip
+        allowed.add(origin)
+    return frozenset(allowed)
+
+
+def local_origin(origin: str) -> bool:
+    """An http(s) page on this machine's loopback names, any port: allowed by default."""
+    m = _ORIGIN.fullmatch(origin)
+    return (m is not None and m["scheme"].lower() in ("http", "https")
+            and m["host"].lower() in LOCAL_ORIGIN_HOSTS)  # fmt: skip
+
+
+def loopback_address(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def loopback_host(host: str | None) -> bool:
+    """A Host header that names this machine's loopback: localhost, *.localhost (RFC 6761),
+    127.x.x.x or [::1], with or without a port. No Host at all (HTTP/1.0) passes too."""
+    if host is None:
+        return True
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host[1:].partition("]")
+        port_ok = rest == "" or (rest[:1] == ":" and rest[1:].isdigit())
+        return port_ok and loopback_address(name)
+    name, colon, port = host.partition(":")
+    if colon and not port.isdigit():
+        return False
+    name = name.removesuffix(".")
+    return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the server lets in: the extra origins allowed, and whether Host is checked."""
+
+    origins: frozenset[str] = frozenset()
+    check_host: bool = True
+
+    def origin_allowed(self, origin: str) -> bool:
+        if ANY_ORIGIN in self.origins or local_origin(origin):
+            return True
+        return (normal_origin(origin) or origin) in self.origins
+
+
+def strip_slashes(scope: Scope) -> Scope:
+    """The request as if its path had no trailing slash: `/v1/models/` is `/v1/models`, answered
+    at once (a redirect would lose a POST's body in many clients)."""
+    path = scope["path"]
+    if len(path) < 2 or not path.endswith("/"):
+        return scope
+    raw = scope.get("raw_path")
+    changed = {**scope, "path": path.rstrip("/") or "/"}
+    if isinstance(raw, bytes):
+        changed["raw_path"] = raw.rstrip(b"/") or b"/"
+    return changed
+
+
+RefuseApp = Callable[[int, str], ASGIApp]
+
+
+class AccessGuard:
+    """ASGI middleware before every route: the Host and Origin checks (403 in OpenAI's error
+    shape, reported to `refused`), CORS preflights answered, and every response to an allowed
+    origin (errors and event streams too) carrying Access-Control-Allow-Origin and Vary."""
+
+    def __init__(self, app: ASGIApp, access: Access, *, forbidden: RefuseApp) -> None:
+        self.app, self.access, self.forbidden = app, access, forbidden
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope = strip_slashes(scope)
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if self.access.check_host and not loopback_host(host):
+            await self.forbidden(403, f"Host {host!r} is not this machine's loopback: the server"
+                                 " listens on loopback only and refuses other names (DNS"
+                                 " rebinding); use --host to be reached by"
+                                 " others")(scope, receive, send)  # fmt: skip
+            return
+        origin = headers.get("origin")
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        if not self.access.origin_allowed(origin):
+            await self.forbidden(403, f"Origin {origin!r} is not allowed: start the server with"
+                                 f" --allow-origin {origin}")(scope, receive, send)  # fmt: skip
+            return
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            await preflight(origin, headers, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                cors_headers(MutableHeaders(scope=message), origin)
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def cors_headers(headers: MutableHeaders, origin: str) -> None:
+    headers["Access-Control-Allow-Origin"] = origin
+    headers["Access-Control-Expose-Headers"] = EXPOSE_HEADERS
+    headers.add_vary_header("Origin")
+
+
+async def preflight(origin: str, request: Headers, send: Send) -> None:
+    """204 with what a browser asks before a cross-origin request: the methods, the request
+    headers it named (any: the server keeps no cookies to protect) and how long to cache it."""
+    asked = [h.strip() for h in request.get("access-control-request-headers", "").split(",")]
+    allowed = list(ALLOW_HEADERS)
+    allowed += [h for h in asked if h and h.lower() not in {a.lower() for a in allowed}]
+    headers = MutableHeaders()
+    cors_headers(headers, origin)
+    headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
+    headers["Access-Control-Allow-Headers"] = ", ".join(allowed)
+    headers["Access-Control-Max-Age"] = str(MAX_AGE_S)
+    headers.add_vary_header("Access-Control-Request-Method")
+    headers.add_vary_header("Access-Control-Request-Headers")
+    await send({"type": "http.response.start", "status": 204, "headers": headers.raw})
+    await send({"type": "http.response.body", "body": b""})
