@@ -30,7 +30,9 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.cli.serve import answered_line, render_serve
+from llmrun.runners.serving.api_access import Access, parse_origins
 from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot, StepRecord
+from llmrun.runners.serving.server import OPEN_FILES_SPARE, open_files_for
 from llmrun.runners.system import logical_cpus
 
 from .conftest import BACKGROUND_ENV, which_llmrun
@@ -528,6 +530,29 @@ def test_bad_connection_caps_and_origins_are_usage_errors(
     assert result.exit_code == 2
     assert result.stderr.startswith(f"llmrun: error: {words}") and result.stderr.count("\n") == 1
     assert fake.loaded is None
+
+
+def test_allowed_origins_are_compared_as_browsers_send_them() -> None:
+    assert not Access().origin_allowed("https://evil.example")
+    assert Access(parse_origins(["*"])).origin_allowed("https://evil.example")
+    given = Access(parse_origins(["HTTP://App.Example:80", "https://b.example:8443"]))
+    assert given.origin_allowed("http://app.example") and given.origin_allowed(
+        "https://b.example:8443")  # fmt: skip
+    assert not given.origin_allowed("https://app.example")
+    assert not given.origin_allowed("https://b.example")
+
+
+def test_a_cap_over_the_open_files_limit_raises_it() -> None:
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512 + OPEN_FILES_SPARE:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        open_files_for(512)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 512 + OPEN_FILES_SPARE
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_help_lists_the_server_options(tmp_path: Path) -> None:

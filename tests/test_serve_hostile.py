@@ -491,8 +491,8 @@ def test_on_loopback_only_loopback_host_names_are_answered(
 def test_a_trailing_slash_is_the_same_route_never_a_redirect(
     server: Server, method: str, path: str, fields: str
 ) -> None:
-    """A 307 loses a POST's body in clients that do not follow it (OpenAI's SDKs do not): the
-    route answers directly, as without the slash."""
+    """A 307 is an error to clients that do not follow redirects (curl without -L, httpx by
+    default): the route answers directly, as without the slash."""
     body = {"content": "hi"} if path.startswith("/tokenize") else (
         small() if "chat" in path else {"prompt": "Hi", "max_tokens": 2})  # fmt: skip
     r = httpx.request(method, server.url + path, json=body if method == "POST" else None,
