@@ -439,6 +439,11 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     assert {"authorization", "content-type", "x-stainless-os"} <= allowed
     assert int(r.headers["access-control-max-age"]) > 0
     assert "Origin" in r.headers["vary"]
+    private = httpx.options(server.url + CHAT, timeout=60, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Private-Network": "true"})  # fmt: skip
+    assert private.headers["access-control-allow-private-network"] == "true"
+    assert "access-control-allow-private-network" not in r.headers
     refused = httpx.options(server.url + CHAT, timeout=60, headers={
         "Origin": "https://preflight.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
     openai_error(refused, 403)

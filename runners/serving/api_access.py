@@ -177,7 +177,8 @@ def cors_headers(headers: MutableHeaders, origin: str) -> None:
 
 async def preflight(origin: str, request: Headers, send: Send) -> None:
     """204 with what a browser asks before a cross-origin request: the methods, the request
-    headers it named (any: the server keeps no cookies to protect) and how long to cache it."""
+    headers it named (any: the server keeps no cookies to protect), how long to cache it, and
+    (Chrome's Private Network Access) that an allowed public page may reach this address."""
     asked = [h.strip() for h in request.get("access-control-request-headers", "").split(",")]
     allowed = list(ALLOW_HEADERS)
     allowed += [h for h in asked if h and h.lower() not in {a.lower() for a in allowed}]
@@ -186,6 +187,8 @@ async def preflight(origin: str, request: Headers, send: Send) -> None:
     headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
     headers["Access-Control-Allow-Headers"] = ", ".join(allowed)
     headers["Access-Control-Max-Age"] = str(MAX_AGE_S)
+    if request.get("access-control-request-private-network", "").lower() == "true":
+        headers["Access-Control-Allow-Private-Network"] = "true"  # Chrome: a public page's asking
     headers.add_vary_header("Access-Control-Request-Method")
     headers.add_vary_header("Access-Control-Request-Headers")
     await send({"type": "http.response.start", "status": 204, "headers": headers.raw})
