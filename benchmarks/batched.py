@@ -99,7 +99,7 @@ def main() -> int:
     threads, fa = loaded.settings.n_threads, loaded.settings.flash_attn
     print(f"{loaded.model.name} · {threads} threads · flash attention {fa} · npp {args.npp}"
           f" ntg {args.ntg} · {args.rounds} rounds", file=sys.stderr)  # fmt: skip
-    unified = True if args.kv_unified is None else bool(args.kv_unified)  # the engine's default
+    unified = False if args.kv_unified is None else bool(args.kv_unified)  # the engine's default
     engines = {b: BatchedEngine(runner, n_seq=b, n_ctx_per_seq=args.npp + args.ntg + 8,
                                 n_batch=args.n_batch, kv_unified=unified)
                for b in levels}  # fmt: skip

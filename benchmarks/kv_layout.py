@@ -1,6 +1,6 @@
-"""The batched engine's two KV layouts side by side: one buffer for all sequences (unified, the
-engine's default, llama.cpp's -kvu) against one stream per sequence (llama-server's and
-llama-batched-bench's default), each next to llama-batched-bench in the same layout.
+"""The batched engine's two KV layouts side by side: one buffer for all sequences (unified,
+llama.cpp's -kvu) against one stream per sequence (the engine's default, as llama.cpp's contexts
+and llama-batched-bench's), each next to llama-batched-bench in the same layout.
 
 For each B in --npl, B prompts of --npp random tokens arrive at once and every sequence decodes
 --ntg tokens, one llama_decode per step for all (benchmarks/batched.py's measurement). The two

@@ -1,7 +1,7 @@
 """`llmrun serve -np 4` against llama.cpp's own `llama-server`, under llmrun's serving benchmark.
 
 Both servers run on loopback with the same model, slots, threads, batch size and context per
-sequence (llama-server: -np N with a unified KV cache capped per slot, as llmrun's); llmrun's
+sequence (llama-server: -np N, one KV stream per slot, as llmrun's); llmrun's
 serving benchmark (`llmrun bench serve --endpoint`) loads each at concurrency 1, 4 and 8,
 alternating which server goes first at every level and round. Printed: each level's output
 throughput, TTFT and ITL p50/p99 for both, and llmrun's ratios to the reference (median over
@@ -125,7 +125,7 @@ def reference_server(args: argparse.Namespace) -> Iterator[str]:
 
         cmd = [str(llama_tools.llama_server()), "-m", model_path(), "--host", "127.0.0.1",
                "--port", str(port), "-np", str(args.parallel), "-c", str(args.ctx * args.parallel),
-               "-kvu", "--kv-unified-per-slot", str(args.ctx), "-t", str(args.threads), "-tb",
+               "-t", str(args.threads), "-tb",
                str(args.threads), "-b", str(args.batch), "-ub", str(args.batch),
                "--no-webui"]  # fmt: skip
         if not repack_safe():

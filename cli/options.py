@@ -149,9 +149,9 @@ KvUnified = Annotated[
     bool | None,
     typer.Option(
         "-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
-        help="Several sequences: one KV buffer for all (llama.cpp's -kvu); --no-kv-unified"
-        " gives each sequence its own KV stream, as llama-server and llama-batched-bench"
-        " do. (default: unified)",
+        help="Several sequences: one KV buffer for all (llama.cpp's -kvu), or each its own KV"
+        " stream (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do."
+        " (default: one stream per sequence)",
         rich_help_panel=MODEL_PANEL, show_default=False,
     ),
 ]  # fmt: skip

@@ -199,7 +199,7 @@ def run(
         if parallel > 1:  # the batched engine decodes one token per sequence and step
             o.refuse_given({"--draft": draft, "--draft-model": draft_model},
                            "--parallel does not speculate; drop one or the other")  # fmt: skip
-            config = dataclasses.replace(config, kv_unified=kv_unified is not False)
+            config = dataclasses.replace(config, kv_unified=kv_unified is True)
         else:
             o.refuse_given(
                 {"-kvu/--kv-unified": kvu_given},

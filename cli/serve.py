@@ -201,7 +201,7 @@ def serve(
                                 threads=threads, threads_batch=threads_batch,
                                 gpu_layers=gpu_layers, flash_attn=None, repack=repack,
                                 chat_template_file=chat_template_file)  # fmt: skip
-        config = dataclasses.replace(config, kv_unified=kv_unified is not False)
+        config = dataclasses.replace(config, kv_unified=kv_unified is True)
         code = _serve(model, config, defaults, host=host, port=port, parallel=parallel,
                       policy_text=policy, max_queue=max_queue, drain_s=drain, alias=alias,
                       max_connections=connections, origins=origins,

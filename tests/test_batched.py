@@ -165,7 +165,11 @@ def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, st
     assert [(r["concurrency"], r["policy"]) for r in rows] == [(1, "chunked:32"), (2, "chunked:32")]
     for r in rows:
         assert (r["completed"], r["failed"], r["total_output_tokens"]) == (3, 0, 12)
-        assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] > 0 and r["test"].endswith("chunked:32")
+        assert (
+            r["mean_ttft_ms"] > 0
+            and r["p99_itl_ms"] > 0
+            and r["test"].endswith("chunked:32" + (" kv-per-seq" if r["concurrency"] > 1 else ""))
+        )
 
 
 def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_path: Path) -> None:

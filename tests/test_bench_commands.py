@@ -51,7 +51,7 @@ SAMPLES: dict[str, list[str]] = {
     "--slo": ["--slo", "ttft:100"], "--policy": ["--policy", "chunked:32"],
     "--rate": ["--rate", "5"], "--prompt-len": ["--prompt-len", "64"],
     "--workload": ["--workload", "chat"], "--budget": ["--budget", "5m"],
-    "--kv-unified": ["-no-kvu"],
+    "--kv-unified": ["-kvu"],
 }  # fmt: skip
 # Options that only name where a result goes or which machine runs: the job reads them too.
 COMMANDS = {

@@ -89,7 +89,7 @@ def test_run_parallel_hands_the_layout_to_llama_cpp(
 ) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n')
-    for flag, unified in (([], True), (["-no-kvu"], False), (["-kvu"], True)):
+    for flag, unified in (([], False), (["-no-kvu"], False), (["-kvu"], True)):
         result = cli.invoke(app, ["run", "--jsonl", str(prompts), "--parallel", "2", "-n", "3",
                                   "--temp", "0", "--json", "--no-warmup", *flag])  # fmt: skip
         assert result.exit_code == 0, result.stderr
@@ -138,7 +138,7 @@ def test_a_serving_level_says_its_layout() -> None:
 
 
 def test_bench_serve_records_the_layout_it_measured(cli: CliRunner, model_path: str) -> None:
-    for flag, unified in (([], True), (["--no-kv-unified"], False)):
+    for flag, unified in (([], False), (["--kv-unified"], True)):
         result = cli.invoke(app, ["bench", "serve", "--concurrency", "2", "--num-prompts", "2",
                                   "--input-len", "8", "--output-len", "3", "--policy",
                                   "chunked:32", "-t", "1", "-o", "jsonl", "--no-history",

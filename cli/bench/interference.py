@@ -119,7 +119,7 @@ def interference(
                     "only with --endpoint",
                 )
                 code = _local(model, options, screen, output, plot, (threads, threads_batch),
-                              kv_unified=kv_unified is not False)  # fmt: skip
+                              kv_unified=kv_unified is True)  # fmt: skip
         raise typer.Exit(code)
 
 
@@ -162,7 +162,7 @@ def _local(
     plot: Path | None,
     threads: tuple[int | None, int | None] = (None, None),
     *,
-    kv_unified: bool = True,
+    kv_unified: bool = False,
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 

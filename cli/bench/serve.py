@@ -81,10 +81,10 @@ ThreadsBatch = Annotated[
 ]  # fmt: skip
 KvUnified = Annotated[
     bool | None,
-    _opt("One KV buffer for all sequences (llama.cpp's -kvu); --no-kv-unified gives each its"
-         " own KV stream, as llama-server and llama-batched-bench do. Recorded as kv_unified."
-         " (default: unified)", "-kvu/-no-kvu", "--kv-unified/--no-kv-unified", panel=LOCAL,
-         show_default=False),
+    _opt("One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
+         " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
+         " kv_unified. (default: one stream per sequence)", "-kvu/-no-kvu",
+         "--kv-unified/--no-kv-unified", panel=LOCAL, show_default=False),
 ]  # fmt: skip
 
 
@@ -119,7 +119,7 @@ def local_runner(
     *,
     threads: int | None = None,
     threads_batch: int | None = None,
-    kv_unified: bool = True,
+    kv_unified: bool = False,
 ) -> LlamaCppRunner:
     """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
     config = EngineConfig(n_ctx=512, n_threads=threads, n_threads_batch=threads_batch,
@@ -231,7 +231,7 @@ def serve(
                 o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
                                "only with --endpoint")  # fmt: skip
                 code = _local(model, options, screen, delivery, (threads, threads_batch),
-                              kv_unified=kv_unified is not False)  # fmt: skip
+                              kv_unified=kv_unified is True)  # fmt: skip
         raise typer.Exit(code)
 
 
@@ -286,7 +286,7 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
 
 
 def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery,
-           threads: tuple[int | None, int | None], *, kv_unified: bool = True) -> int:  # fmt: skip
+           threads: tuple[int | None, int | None], *, kv_unified: bool = False) -> int:  # fmt: skip
     from llmrun.runners.serving.local import LOCAL, serve_local
 
     runner = local_runner(model, "the local serving benchmark", threads=threads[0],
