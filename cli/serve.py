@@ -240,7 +240,12 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     # on loopback, only loopback names may reach it (DNS rebinding); elsewhere any name may
     access = Access(origins, check_host=loopback_address(sock.getsockname()[0]))
-    srv.open_files_for(max_connections)
+    fit = srv.open_files_for(max_connections)
+    if fit < max_connections:  # past the open-files limit accept() fails: cap below it
+        print(f"llmrun serve: warning: {max_connections} connections do not fit under this"
+              " process's limit on open files (ulimit -n); serving at most"
+              f" {fit}", file=sys.stderr, flush=True)  # fmt: skip
+        max_connections = fit
     engine: EngineThread | None = None
     try:
         # one context: the engine's -np sequences; the warm-up runs on the engine's thread

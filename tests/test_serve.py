@@ -68,11 +68,20 @@ class Server:
 
 
 @contextlib.contextmanager
-def llmrun_serve(env: dict[str, str], *args: str) -> Iterator[Server]:
+def llmrun_serve(
+    env: dict[str, str], *args: str, open_files: int | None = None
+) -> Iterator[Server]:
+    """`llmrun serve` on a free port; `open_files`: its limit on open files (soft and hard)."""
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     proc = subprocess.Popen(
         [which_llmrun(), "serve", "--port", "0", "-t", "1", "-c", "512", *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=env,
+        env=env, preexec_fn=None if open_files is None else limit,
     )  # fmt: skip
     lines: list[str] = []
     ready: queue.Queue[str | None] = queue.Queue()
@@ -551,6 +560,20 @@ def test_a_cap_over_the_open_files_limit_raises_it() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
         open_files_for(512)
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 512 + OPEN_FILES_SPARE
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_cap_over_the_hard_open_files_limit_is_lowered_to_what_fits() -> None:
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files")
+    try:
+        fit = open_files_for(hard + 10)
+        assert fit == hard - min(OPEN_FILES_SPARE, hard // 2)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+        assert open_files_for(5) == 5
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

@@ -583,3 +583,27 @@ def gauge(sock: socket.socket, name: str) -> float:
     text = ask(sock, "GET", "/metrics")[2].decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name))  # fmt: skip
+
+
+def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
+    serve_env: dict[str, str],  # noqa: F811
+) -> None:
+    """Under a hard limit of 256 open files the default cap (512) cannot hold: the server says
+    so and caps lower, so a connection past the cap gets 503. Idle sockets past the files
+    themselves make accept() fail: one log line each time asyncio retries, not a traceback."""
+    with llmrun_serve(serve_env, "-np", "1", "--no-dashboard", open_files=256) as s:
+        warned = [line for line in s.lines if "open files" in line]
+        assert len(warned) == 1 and "serving at most 128" in warned[0], "".join(s.lines)
+        assert s.metric("llmrun_connections_max") == 128
+        idle = [connect(s) for _ in range(200)]
+        try:
+            status, _, body = exchange(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert status == 503 and "--max-connections" in json.loads(body)["error"]["message"]
+            idle += [connect(s) for _ in range(100)]  # the kernel's backlog takes them
+            s.wait_for(lambda: any("waits to be accepted" in line for line in list(s.lines)),
+                       "a failed accept logged")  # fmt: skip
+        finally:
+            for sock in idle:
+                sock.close()
+        s.wait_for(lambda: s.metric("llmrun_connections ") == 1, "the idle ones gone")
+        assert not any("Traceback" in line for line in s.lines), "".join(s.lines)

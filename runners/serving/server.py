@@ -620,9 +620,11 @@ class HttpServer(uvicorn.Server):
     graceful shutdown, bounded by timeout_graceful_shutdown); SIGINT, or a second signal, stops
     at once. `stopped_by` says which signal ended it."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
+                 on_refused: Callable[[int, str], None] | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.on_ready = on_ready
+        self.on_refused = on_refused or (lambda status, note: None)
         self.stopped_by: int | None = None
 
     @contextlib.contextmanager
@@ -646,9 +648,21 @@ class HttpServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(self._loop_error)
         await super().startup(sockets)
         if self.started:
             self.on_ready()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """Out of open files (or socket memory), asyncio stops accepting for a second and
+        tries again; its default handler would print a traceback each time. One log line
+        instead (counted as too_many_connections); anything else goes to the default."""
+        error = context.get("exception")
+        if context.get("message", "").startswith("socket.accept()") and isinstance(error, OSError):
+            self.on_refused(503, f"a connection waits to be accepted: {error.strerror or error}"
+                            f" ({len(self.server_state.connections)} open)")  # fmt: skip
+            return
+        loop.default_exception_handler(context)
 
 
 def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections: int,
@@ -669,7 +683,7 @@ def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections:
                             access_log=False, http=protocol, log_level="error", lifespan="off",
                             timeout_keep_alive=30, interface="asgi3",
                             timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
-    server = HttpServer(config, on_ready)
+    server = HttpServer(config, on_ready, refused)
     served.metrics.max_connections = max_connections
     served.metrics.connections = lambda: len(server.server_state.connections)
     served.engine.start()
@@ -682,20 +696,26 @@ def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections:
     return server.stopped_by
 
 
-def open_files_for(connections: int) -> None:
+def open_files_for(connections: int) -> int:
     """Raise this process's soft limit on open files (up to the hard limit) so that
-    `connections` sockets fit beside the model's and the runtime's own; as Go servers
-    (Ollama) do at start. Where it cannot, accept() fails past the limit instead."""
+    `connections` sockets fit beside the model's and the runtime's own, as Go servers (Ollama)
+    do at start; returns how many connections fit under it (`connections` or fewer). Past the
+    limit accept() would fail, and asyncio prints a traceback for each refused connection, so
+    the server must cap its connections at what fits."""
     try:
         import resource
     except ImportError:  # not on POSIX
-        return
+        return connections
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = connections + OPEN_FILES_SPARE
     if soft != resource.RLIM_INFINITY and soft < wanted:
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    return max(1, min(connections, soft - min(OPEN_FILES_SPARE, soft // 2)))
 
 
 def served_names(model: str) -> set[str | None]:
