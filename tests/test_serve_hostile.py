@@ -477,7 +477,7 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
 @pytest.mark.parametrize(
     ("host", "status"),
     [("evil.example", 403), ("evil.example:8080", 403), ("localhost.evil.example", 403),
-     ("127.0.0.1.nip.io", 403), ("10.0.0.1", 403), ("[::1]x", 403),
+     ("127.0.0.1.nip.io", 403), ("10.0.0.1", 403), ("[::1]x", 403), ("[::1", 403),
      ("localhost", 200), ("LOCALHOST.:8080", 200), ("app.localhost", 200),
      ("127.0.0.1", 200), ("127.4.5.6:80", 200), ("[::1]", 200), ("[::1]:8080", 200)],
 )  # fmt: skip

@@ -88,9 +88,9 @@ def loopback_host(host: str | None) -> bool:
         return True
     host = host.strip().lower()
     if host.startswith("["):
-        name, _, rest = host[1:].partition("]")
+        name, bracket, rest = host[1:].partition("]")
         port_ok = rest == "" or (rest[:1] == ":" and rest[1:].isdigit())
-        return port_ok and loopback_address(name)
+        return bool(bracket) and port_ok and loopback_address(name)
     name, colon, port = host.partition(":")
     if colon and not port.isdigit():
         return False

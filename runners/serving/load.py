@@ -363,7 +363,8 @@ class ServingLevel:
 
     @property
     def layout(self) -> str:
-        """The local engine's KV layout where it is not the default (one buffer for all)."""
+        """The local engine's KV layout when it is one stream per sequence: levels measured
+        before that became the default (unified) lack the suffix, so history keeps them apart."""
         return " kv-per-seq" if self.kv_unified is False else ""
 
     @property
