@@ -16,11 +16,11 @@ through them (the benchmarks, `run --parallel`), and `llmrun serve`'s engine thr
 as requests come and go (api_engine.py).
 
 Sequences share one context's KV cache (one stream per sequence by default, one unified buffer
-with `kv_unified`) under their own sequence ids, so they never see each other's entries; a finished sequence's entries are removed (or kept for a later prompt's
-prefix, `keep_prefix`). Sampling is greedy (one argmax over
-all sequences' logits in numpy) or a sequence's own llama.cpp sampler chain. A step costs O(1)
-Python per decoding sequence: the batch is filled through ctypes views of its arrays, and the
-hot llama.cpp functions are looked up once.
+with `kv_unified`) under their own sequence ids, so they never see each other's entries; a
+finished sequence's entries are removed (or kept for a later prompt's prefix, `keep_prefix`).
+Sampling is greedy (one argmax over all sequences' logits in numpy) or a sequence's own
+llama.cpp sampler chain. A step costs O(1) Python per decoding sequence: the batch is filled
+through ctypes views of its arrays, and the hot llama.cpp functions are looked up once.
 Every step is timed; every token is time-stamped, so each request gets vLLM's figures (queue
 wait, TTFT, TPOT, inter-token gaps, E2E) and each step its batch composition.
 """
