@@ -73,10 +73,11 @@ def llmrun_serve(
 ) -> Iterator[Server]:
     """`llmrun serve` on a free port; `open_files`: its limit on open files (soft and hard)."""
 
-    def limit() -> None:
+    def limit(n: int | None = open_files) -> None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+        assert n is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
     proc = subprocess.Popen(
         [which_llmrun(), "serve", "--port", "0", "-t", "1", "-c", "512", *args],
