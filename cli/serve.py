@@ -107,9 +107,11 @@ def serve(
             rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="A web page's origin (scheme://host[:port]) whose requests are served, as"
-            " OLLAMA_ORIGINS; repeatable; * allows every origin. Pages on localhost, 127.0.0.1"
-            " and [::1] are always allowed; other origins get 403. On a loopback --host, a Host"
-            " header other than localhost, 127.x or [::1] gets 403 too (DNS rebinding).",
+            " OLLAMA_ORIGINS; repeatable; one * in it stands for any text"
+            " (https://*.example.com, chrome-extension://*); * alone allows every origin."
+            " Pages on localhost, 127.0.0.1 and [::1] are always allowed; other origins get"
+            " 403. On a loopback --host, a Host header other than localhost, 127.x or [::1]"
+            " gets 403 too (DNS rebinding).",
         ),
     ] = None,
     drain: Annotated[

@@ -531,7 +531,9 @@ def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> No
      (["--max-connections", "2.5"], "--max-connections: '2.5' is not a whole number"),
      (["--max-connections", "many"], "--max-connections: 'many' is not a whole number"),
      (["--allow-origin", "http://app.example/"], "--allow-origin: 'http://app.example/' is not"),
-     (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin")],
+     (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin"),
+     (["--allow-origin", "https://*.*.example"], "--allow-origin: 'https://*.*.example' is not"),
+     (["--allow-origin", "https://app.example/*"], "--allow-origin: 'https://app.example/*'")],
 )  # fmt: skip
 def test_bad_connection_caps_and_origins_are_usage_errors(
     fake: FakeRunner, args: list[str], words: str
@@ -550,6 +552,20 @@ def test_allowed_origins_are_compared_as_browsers_send_them() -> None:
         "https://b.example:8443")  # fmt: skip
     assert not given.origin_allowed("https://app.example")
     assert not given.origin_allowed("https://b.example")
+
+
+def test_allowed_origins_take_one_wildcard_as_ollama_origins_does() -> None:
+    """OLLAMA_ORIGINS' patterns (`chrome-extension://*`, `http://host:*`) mean what they say
+    here too, rather than a literal `*` that no browser ever sends."""
+    given = Access(parse_origins(["chrome-extension://*", "HTTPS://*.App.Example:443",
+                                  "http://10.0.0.5:*"]))  # fmt: skip
+    for origin in ("chrome-extension://abcdef", "https://a.app.example",
+                   "https://b.app.example:443", "http://10.0.0.5:3000"):  # fmt: skip
+        assert given.origin_allowed(origin), origin
+    for origin in ("moz-extension://abcdef", "https://app.example", "https://evil.example",
+                   "https://a.app.example.evil.example", "http://a.app.example",
+                   "http://10.0.0.55:3000", "http://10.0.0.5", "chrome-extension://"):  # fmt: skip
+        assert not given.origin_allowed(origin), origin
 
 
 def test_a_cap_over_the_open_files_limit_raises_it() -> None:

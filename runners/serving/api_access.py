@@ -50,19 +50,38 @@ def normal_origin(text: str) -> str | None:
 
 
 def parse_origins(values: Iterable[str]) -> frozenset[str]:
-    """`--allow-origin` values: each `*`, `null` or an origin. BadRequestError names a bad one."""
+    """`--allow-origin` values: each `*`, `null`, an origin, or an origin with one `*` standing
+    for any text (`https://*.example.com`, `chrome-extension://*`, `http://10.0.0.5:*`), as
+    OLLAMA_ORIGINS takes them. BadRequestError names a bad one."""
     allowed = set()
     for value in values:
         text = value.strip()
         if text in (ANY_ORIGIN, "null"):
             allowed.add(text)
             continue
-        origin = normal_origin(text)
+        origin = normal_origin(text) if "*" not in text else _pattern(text)
         if origin is None:
             raise BadRequestError(f"--allow-origin: {value!r} is not an origin: give"
-                                  " scheme://host[:port] with no path (or * for all)")  # fmt: skip
+                                  " scheme://host[:port] with no path, at most one * in it"
+                                  " (or * for all)")  # fmt: skip
         allowed.add(origin)
     return frozenset(allowed)
+
+
+def _pattern(text: str) -> str | None:
+    """An origin with one `*` (any text there), lower case; None when it is not one."""
+    if text.count("*") != 1:
+        return None
+    head, tail = text.split("*")
+    port = head.endswith(":") and not head.endswith("://")  # `:*`: any port
+    normal = normal_origin(head + ("1" if port else "x") + tail)  # checked, lower case, no :443
+    return None if normal is None else normal[: len(head)] + "*" + normal[len(head) + 1 :]
+
+
+def _matches(pattern: str, origin: str) -> bool:
+    head, _, tail = pattern.partition("*")
+    return len(origin) > len(head) + len(tail) and origin.startswith(head) and origin.endswith(
+        tail)  # fmt: skip
 
 
 def local_origin(origin: str) -> bool:
@@ -108,7 +127,9 @@ class Access:
     def origin_allowed(self, origin: str) -> bool:
         if ANY_ORIGIN in self.origins or local_origin(origin):
             return True
-        return (normal_origin(origin) or origin) in self.origins
+        normal = normal_origin(origin) or origin
+        return normal in self.origins or any(
+            "*" in p and _matches(p, normal) for p in self.origins)  # fmt: skip
 
 
 def strip_slashes(scope: Scope) -> Scope:
