@@ -81,7 +81,7 @@ def test_the_engines_own_context_takes_the_runners_layout(runner: LlamaCppRunner
         with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64,
                            kv_unified=not unified) as engine:  # fmt: skip
             assert engine.kv_unified is not unified  # an explicit choice wins
-    runner.config = dataclasses.replace(runner.config, kv_unified=True)
+    runner.config = dataclasses.replace(runner.config, kv_unified=EngineConfig().kv_unified)
 
 
 def test_run_parallel_hands_the_layout_to_llama_cpp(
