@@ -513,6 +513,26 @@ def test_a_trailing_slash_is_the_same_route_never_a_redirect(
     assert httpx.get(f"{server.url}/v1/models/{served}/", timeout=60).json()["id"] == served
 
 
+def test_a_huge_path_or_host_is_one_short_log_line(server: Server) -> None:
+    """A client's words go into the log cut short: a 40 kB path or Host is not a 40 kB line."""
+    for request, start in (
+        (b"GET /" + b"p" * 40_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n", "other 404 GET /ppp"),
+        (
+            b"GET /health HTTP/1.1\r\nHost: " + b"h" * 40_000 + b".example\r\n",
+            "other 403 Host 'hhh",
+        ),
+    ):
+        logged = len(server.lines)
+        status, _, _ = exchange(server, request + b"Connection: close\r\n\r\n")
+        assert status in (403, 404)
+
+        def mine(first: int = logged, words: str = start) -> list[str]:
+            return [line for line in server.lines[first:] if words in line]
+
+        server.wait_for(lambda: bool(mine()), "its log line")
+        assert len(mine()[0]) < 500 and "characters)" in mine()[0], mine()[0][:600]
+
+
 def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
     serve_env: dict[str, str],  # noqa: F811
 ) -> None:

@@ -143,9 +143,15 @@ class Served:
         self.log.append(Answered(route, status, timings, printable(note)))
 
 
+MAX_NOTE_CHARS = 300  # of a client's words in one log line
+
+
 def printable(text: str) -> str:
     """A client's words as the log may print them: control characters escaped, so a path or
-    a model name cannot move the terminal's cursor."""
+    a model name cannot move the terminal's cursor, and cut short, so a 60 kB path or Host
+    header is not a 60 kB log line."""
+    if len(text) > MAX_NOTE_CHARS:
+        text = f"{text[:MAX_NOTE_CHARS]}... ({len(text):,} characters)"
     return text if text.isprintable() else "".join(
         c if c.isprintable() else repr(c)[1:-1] for c in text)  # fmt: skip
 
