@@ -615,6 +615,7 @@ def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
         warned = [line for line in s.lines if "open files" in line]
         assert len(warned) == 1 and "serving at most 128" in warned[0], "".join(s.lines)
         assert s.metric("llmrun_connections_max") == 128
+        refused = count(s, "other", "too_many_connections")
         idle = [connect(s) for _ in range(200)]
         try:
             status, _, body = exchange(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -626,4 +627,5 @@ def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
             for sock in idle:
                 sock.close()
         s.wait_for(lambda: s.metric("llmrun_connections ") == 1, "the idle ones gone")
+        assert count(s, "other", "too_many_connections") == refused + 1  # the one 503 only
         assert not any("Traceback" in line for line in s.lines), "".join(s.lines)

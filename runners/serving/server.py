@@ -627,10 +627,10 @@ class HttpServer(uvicorn.Server):
     at once. `stopped_by` says which signal ended it."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
-                 on_refused: Callable[[int, str], None] | None = None) -> None:  # fmt: skip
+                 on_note: Callable[[str], None] | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.on_ready = on_ready
-        self.on_refused = on_refused or (lambda status, note: None)
+        self.on_note = on_note or (lambda note: None)  # a line for the log, not a request
         self.stopped_by: int | None = None
 
     @contextlib.contextmanager
@@ -662,11 +662,11 @@ class HttpServer(uvicorn.Server):
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """Out of open files (or socket memory), asyncio stops accepting for a second and
         tries again; its default handler would print a traceback each time. One log line
-        instead (counted as too_many_connections); anything else goes to the default."""
+        instead (no request was answered: not counted); anything else goes to the default."""
         error = context.get("exception")
         if context.get("message", "").startswith("socket.accept()") and isinstance(error, OSError):
-            self.on_refused(503, f"a connection waits to be accepted: {error.strerror or error}"
-                            f" ({len(self.server_state.connections)} open)")  # fmt: skip
+            self.on_note(f"a connection waits to be accepted: {error.strerror or error}"
+                         f" ({len(self.server_state.connections)} open)")  # fmt: skip
             return
         loop.default_exception_handler(context)
 
@@ -689,7 +689,11 @@ def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections:
                             access_log=False, http=protocol, log_level="error", lifespan="off",
                             timeout_keep_alive=30, interface="asgi3",
                             timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
-    server = HttpServer(config, on_ready, refused)
+
+    def note(text: str) -> None:  # a log line only: no request was answered
+        served.log.append(Answered("other", 503, None, text))
+
+    server = HttpServer(config, on_ready, note)
     served.metrics.max_connections = max_connections
     served.metrics.connections = lambda: len(server.server_state.connections)
     served.engine.start()
