@@ -196,8 +196,8 @@ class EngineThread:
         # engine's thread, as every later decode (see LlamaCppRunner.load)
         loaded = runner.load(n_seq=n_seq, warm_up=False)
         if runner.warmed_on is not None:  # its decodes would be 1.3-1.8x slower, unseen
-            raise EngineError(f"the context was warmed up on thread {runner.warmed_on}, not on"
-                              " the engine's: load it with warm_up=False")  # fmt: skip
+            raise EngineError(f"the context was warmed up on thread {runner.warmed_on}, before"
+                              " this engine's own thread: load it with warm_up=False")  # fmt: skip
         self.runner, self.policy, self.n_seq = runner, policy, n_seq
         self.n_ctx_per_seq, self.max_queue = n_ctx_per_seq, max_queue
         self.engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq,
