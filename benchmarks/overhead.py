@@ -1,5 +1,4 @@
-"""How much wall time the runner adds on top of llama.cpp's own accounting, and tg against
-llama-bench.
+"""The wall time the runner adds to llama.cpp's own accounting, and tg128 against llama-bench.
 
 Runs greedy generations with the real engine and prints, over the same requests:
 - prefill: the runner's timed prefill (decode calls + synchronize) against llama.cpp's
