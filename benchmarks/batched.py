@@ -43,8 +43,12 @@ class Run:
 
 def engine_run(engine: BatchedEngine, npp: int, ntg: int, n_seq: int, seed: int) -> Run:
     rng = random.Random(seed)
-    arrivals = [Arrival(0.0, tuple(rng.randrange(1000, 40000) for _ in range(npp)), ntg + 1,
-                        ignore_eos=True) for _ in range(n_seq)]  # fmt: skip
+    arrivals = [
+        Arrival(
+            0.0, tuple(rng.randrange(1000, 40000) for _ in range(npp)), ntg + 1, ignore_eos=True
+        )
+        for _ in range(n_seq)
+    ]
     results, steps = engine.run(arrivals, Policy("prefill-first"))
     assert all(len(r.output) == ntg + 1 for r in results), "a sequence stopped early"
     wall = max(r.times[-1] for r in results) - steps[0].start_s
@@ -54,11 +58,33 @@ def engine_run(engine: BatchedEngine, npp: int, ntg: int, n_seq: int, seed: int)
 
 def batched_bench(path: str, args: argparse.Namespace, threads: int, fa: str) -> dict[int, Run]:
     done = subprocess.run(
-        [str(llama_batched_bench()), "-m", path, "-c", str(args.ctx), "-b", str(args.n_batch),
-         "-ub", str(args.n_batch), "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl",
-         args.npl, "-t", str(threads), "-fa", fa, "-ngl", str(args.ngl)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            str(llama_batched_bench()),
+            "-m",
+            path,
+            "-c",
+            str(args.ctx),
+            "-b",
+            str(args.n_batch),
+            "-ub",
+            str(args.n_batch),
+            "-npp",
+            str(args.npp),
+            "-ntg",
+            str(args.ntg),
+            "-npl",
+            args.npl,
+            "-t",
+            str(threads),
+            "-fa",
+            fa,
+            "-ngl",
+            str(args.ngl),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         sys.exit(f"llama-batched-bench failed: {done.stderr.strip()[-600:]}")
     rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("|")]
@@ -87,9 +113,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--ngl", type=int, default=99)
-    ap.add_argument("--kv-unified", type=int, choices=(0, 1), default=None,
-                    help="the engine's KV cache: 1 one buffer for all sequences, 0 one stream per"
-                    " sequence, as llama-batched-bench (default: the engine's)")  # fmt: skip
+    ap.add_argument(
+        "--kv-unified",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="the engine's KV cache: 1 one buffer for all sequences, 0 one stream per"
+        " sequence, as llama-batched-bench (default: the engine's)",
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.npl.split(",")]
     args.ctx = max(levels) * (args.npp + args.ntg + 8)
@@ -97,12 +128,22 @@ def main() -> int:
     runner = LlamaCppRunner(path, EngineConfig(n_ctx=args.npp + args.ntg + 16))
     loaded = runner.load()
     threads, fa = loaded.settings.n_threads, loaded.settings.flash_attn
-    print(f"{loaded.model.name} · {threads} threads · flash attention {fa} · npp {args.npp}"
-          f" ntg {args.ntg} · {args.rounds} rounds", file=sys.stderr)  # fmt: skip
+    print(
+        f"{loaded.model.name} · {threads} threads · flash attention {fa} · npp {args.npp}"
+        f" ntg {args.ntg} · {args.rounds} rounds",
+        file=sys.stderr,
+    )
     unified = False if args.kv_unified is None else bool(args.kv_unified)  # the engine's default
-    engines = {b: BatchedEngine(runner, n_seq=b, n_ctx_per_seq=args.npp + args.ntg + 8,
-                                n_batch=args.n_batch, kv_unified=unified)
-               for b in levels}  # fmt: skip
+    engines = {
+        b: BatchedEngine(
+            runner,
+            n_seq=b,
+            n_ctx_per_seq=args.npp + args.ntg + 8,
+            n_batch=args.n_batch,
+            kv_unified=unified,
+        )
+        for b in levels
+    }
     for b, engine in engines.items():  # warm-up, as llama-batched-bench does
         engine_run(engine, args.npp, 2, b, seed=0)
     plain_itl_ms(runner, args.npp, 2, seed=0)
@@ -121,20 +162,28 @@ def main() -> int:
         for b in levels:
             total[b].append(ours[b].total_tps / theirs[b].total_tps)
             step[b].append(ours[b].step_ms / theirs[b].step_ms)
-            print(f"round {i + 1} B={b:<3} llmrun {ours[b].total_tps:8.1f} tok/s step"
-                  f" {ours[b].step_ms:7.2f} ms | llama-batched-bench {theirs[b].total_tps:8.1f}"
-                  f" tok/s step {theirs[b].step_ms:7.2f} ms", file=sys.stderr)  # fmt: skip
+            print(
+                f"round {i + 1} B={b:<3} llmrun {ours[b].total_tps:8.1f} tok/s step"
+                f" {ours[b].step_ms:7.2f} ms | llama-batched-bench {theirs[b].total_tps:8.1f}"
+                f" tok/s step {theirs[b].step_ms:7.2f} ms",
+                file=sys.stderr,
+            )
         if plain is not None:
             itl.append(ours[1].step_ms / plain)
-            print(f"round {i + 1} B=1 engine ITL {ours[1].step_ms:.2f} ms | plain decode ITL"
-                  f" {plain:.2f} ms", file=sys.stderr)  # fmt: skip
+            print(
+                f"round {i + 1} B=1 engine ITL {ours[1].step_ms:.2f} ms | plain decode ITL"
+                f" {plain:.2f} ms",
+                file=sys.stderr,
+            )
     for engine in engines.values():
         engine.close()
     runner.close()
     for b in levels:
         ratio_total, ratio_step = statistics.median(total[b]), statistics.median(step[b])
-        print(f"B={b}: total tok/s x{ratio_total:.3f} of llama-batched-bench, decode step"
-              f" x{ratio_step:.3f} (median of {args.rounds})")  # fmt: skip
+        print(
+            f"B={b}: total tok/s x{ratio_total:.3f} of llama-batched-bench, decode step"
+            f" x{ratio_step:.3f} (median of {args.rounds})"
+        )
     if itl:
         print(f"B=1: the engine's ITL x{statistics.median(itl):.3f} of plain decode")
     return 0

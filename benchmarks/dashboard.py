@@ -97,15 +97,21 @@ def main() -> int:
             value, seconds = decode_rate(runner, request, dashboard=shown)
             rates[shown].append(value)
             decode_on_s += seconds if shown else 0.0
-            print(f"rep {rep} dashboard {'on ' if shown else 'off'} {value:7.1f} tok/s",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"rep {rep} dashboard {'on ' if shown else 'off'} {value:7.1f} tok/s",
+                file=sys.stderr,
+            )
     runner.close()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     ratio = statistics.median(a / b for a, b in zip(rates[True], rates[False], strict=True))
-    print(f"decode tok/s (wall, as the consumer sees it): dashboard on {on:.1f}, off {off:.1f};"
-          f" median on/off within a pair = {ratio:.3f} (target >= 0.98)")  # fmt: skip
-    print(f"Live redraws used {DRAW_CPU_S[0] * 1000:.0f} ms of CPU in {decode_on_s:.1f} s of"
-          f" decode ({DRAW_CPU_S[0] / decode_on_s:.2%})")  # fmt: skip
+    print(
+        f"decode tok/s (wall, as the consumer sees it): dashboard on {on:.1f}, off {off:.1f};"
+        f" median on/off within a pair = {ratio:.3f} (target >= 0.98)"
+    )
+    print(
+        f"Live redraws used {DRAW_CPU_S[0] * 1000:.0f} ms of CPU in {decode_on_s:.1f} s of"
+        f" decode ({DRAW_CPU_S[0] / decode_on_s:.2%})"
+    )
     return 0 if ratio >= 0.98 else 1
 
 

@@ -875,8 +875,10 @@ def ratio_lines(res: Results, opts: Options) -> list[str]:
         lines.append(line)
         bw = res.bandwidth.get(key)
         if test.startswith("tg") and bw and not shape.startswith("cpu-"):
-            lines.append(f"  llmrun ran on {bw.get('device')}, {bw.get('n_gpu_layers_offloaded')}"
-                         " layers offloaded")  # fmt: skip
+            lines.append(
+                f"  llmrun ran on {bw.get('device')}, {bw.get('n_gpu_layers_offloaded')}"
+                " layers offloaded"
+            )
         if test.startswith("tg") and bw and bw.get("bw_util") is not None:
             lines.append(
                 f"  bandwidth share {bw['bw_util']:.0%}: {bw.get('decode_bw_gbs')} GB/s"

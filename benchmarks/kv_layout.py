@@ -36,15 +36,37 @@ def layout_name(unified: bool) -> str:
     return "unified KV" if unified else "one KV stream per sequence"
 
 
-def reference(path: str, args: argparse.Namespace, *, unified: bool, threads: int,
-              fa: str) -> dict[int, Run]:  # fmt: skip
+def reference(
+    path: str, args: argparse.Namespace, *, unified: bool, threads: int, fa: str
+) -> dict[int, Run]:
     """llama-batched-bench's total tok/s and decode step per B, in the same layout."""
     levels = [int(x) for x in args.npl.split(",")]
-    argv = [str(llama_batched_bench()), "-m", path, "-c",
-            str(max(levels) * (args.npp + args.ntg + 8)), "-b", str(args.n_batch), "-ub",
-            str(args.n_batch), "-npp", str(args.npp), "-ntg", str(args.ntg), "-npl", args.npl,
-            "-t", str(threads), "-fa", fa, "-ngl", str(args.ngl), "--output-format", "jsonl",
-            *(["-kvu"] if unified else [])]  # fmt: skip
+    argv = [
+        str(llama_batched_bench()),
+        "-m",
+        path,
+        "-c",
+        str(max(levels) * (args.npp + args.ntg + 8)),
+        "-b",
+        str(args.n_batch),
+        "-ub",
+        str(args.n_batch),
+        "-npp",
+        str(args.npp),
+        "-ntg",
+        str(args.ntg),
+        "-npl",
+        args.npl,
+        "-t",
+        str(threads),
+        "-fa",
+        fa,
+        "-ngl",
+        str(args.ngl),
+        "--output-format",
+        "jsonl",
+        *(["-kvu"] if unified else []),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"llama-batched-bench failed: {done.stderr.strip()[-600:]}")
@@ -86,12 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     runner = LlamaCppRunner(path, EngineConfig(n_ctx=per_seq + 8))
     loaded = runner.load()
     threads, fa = loaded.settings.n_threads, loaded.settings.flash_attn
-    print(f"{loaded.model.name} · {loaded.settings.device} · {threads} threads · flash"
-          f" attention {fa} · npp {args.npp} ntg {args.ntg} · {args.rounds} rounds",
-          file=sys.stderr)  # fmt: skip
-    engines = {(b, u): BatchedEngine(runner, n_seq=b, n_ctx_per_seq=per_seq,
-                                     n_batch=args.n_batch, kv_unified=u)
-               for b in levels for u in LAYOUTS}  # fmt: skip
+    print(
+        f"{loaded.model.name} · {loaded.settings.device} · {threads} threads · flash"
+        f" attention {fa} · npp {args.npp} ntg {args.ntg} · {args.rounds} rounds",
+        file=sys.stderr,
+    )
+    engines = {
+        (b, u): BatchedEngine(
+            runner, n_seq=b, n_ctx_per_seq=per_seq, n_batch=args.n_batch, kv_unified=u
+        )
+        for b in levels
+        for u in LAYOUTS
+    }
     for (b, u), engine in engines.items():  # warm-up, as llama-batched-bench does
         assert engine.kv_unified is u, "llama.cpp made another layout than asked"
         engine_run(engine, args.npp, 2, b, seed=0)
@@ -99,20 +127,27 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.rounds):
         order = LAYOUTS if i % 2 == 0 else LAYOUTS[::-1]
         for u in order:
-            theirs = None if args.no_reference else reference(path, args, unified=u,
-                                                                threads=threads, fa=fa)  # fmt: skip
+            theirs = (
+                None
+                if args.no_reference
+                else reference(path, args, unified=u, threads=threads, fa=fa)
+            )
             for b in levels:
                 ours = engine_run(engines[b, u], args.npp, args.ntg, b, seed=1 + i)
                 m = got[b, u]
                 m.total_tps.append(ours.total_tps)
                 m.step_ms.append(ours.step_ms)
-                line = (f"round {i + 1} B={b:<3} {layout_name(u):<27} llmrun"
-                        f" {ours.total_tps:8.1f} tok/s step {ours.step_ms:7.2f} ms")  # fmt: skip
+                line = (
+                    f"round {i + 1} B={b:<3} {layout_name(u):<27} llmrun"
+                    f" {ours.total_tps:8.1f} tok/s step {ours.step_ms:7.2f} ms"
+                )
                 if theirs is not None:
                     m.ref_total_tps.append(theirs[b].total_tps)
                     m.ref_step_ms.append(theirs[b].step_ms)
-                    line += (f" | llama-batched-bench {theirs[b].total_tps:8.1f} tok/s step"
-                             f" {theirs[b].step_ms:7.2f} ms")  # fmt: skip
+                    line += (
+                        f" | llama-batched-bench {theirs[b].total_tps:8.1f} tok/s step"
+                        f" {theirs[b].step_ms:7.2f} ms"
+                    )
                 print(line, file=sys.stderr)
     for engine in engines.values():
         engine.close()
@@ -124,24 +159,37 @@ def main(argv: list[str] | None = None) -> int:
     for b in levels:
         for u in LAYOUTS:
             m = got[b, u]
-            row = {"B": b, "kv_unified": u, "npp": args.npp, "ntg": args.ntg,
-                   "rounds": args.rounds, "total_tps": med(m.total_tps), "step_ms": med(m.step_ms),
-                   "ref_total_tps": med(m.ref_total_tps),
-                   "ref_step_ms": med(m.ref_step_ms)}  # fmt: skip
+            row = {
+                "B": b,
+                "kv_unified": u,
+                "npp": args.npp,
+                "ntg": args.ntg,
+                "rounds": args.rounds,
+                "total_tps": med(m.total_tps),
+                "step_ms": med(m.step_ms),
+                "ref_total_tps": med(m.ref_total_tps),
+                "ref_step_ms": med(m.ref_step_ms),
+            }
             if args.jsonl:
                 print(json.dumps(row))
                 continue
-            text = (f"B={b} {layout_name(u)}: llmrun {row['total_tps']:,.1f} tok/s, step"
-                    f" {row['step_ms']:.2f} ms")  # fmt: skip
+            text = (
+                f"B={b} {layout_name(u)}: llmrun {row['total_tps']:,.1f} tok/s, step"
+                f" {row['step_ms']:.2f} ms"
+            )
             if row["ref_total_tps"]:
-                text += (f" | llama-batched-bench {row['ref_total_tps']:,.1f} tok/s"
-                         f" (x{row['total_tps'] / row['ref_total_tps']:.3f})")  # fmt: skip
+                text += (
+                    f" | llama-batched-bench {row['ref_total_tps']:,.1f} tok/s"
+                    f" (x{row['total_tps'] / row['ref_total_tps']:.3f})"
+                )
             print(text)
         if not args.jsonl:
             unified, split = (statistics.median(got[b, u].total_tps) for u in LAYOUTS)
             faster = "unified" if unified > split else "one stream per sequence"
-            print(f"B={b}: unified / per-sequence total tok/s = x{unified / split:.3f}: {faster}"
-                  " is faster here")  # fmt: skip
+            print(
+                f"B={b}: unified / per-sequence total tok/s = x{unified / split:.3f}: {faster}"
+                " is faster here"
+            )
     return 0
 
 

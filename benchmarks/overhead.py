@@ -96,8 +96,26 @@ def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -
         print("tg128 vs llama-bench: skipped (no llama-bench; `make llama-bench` builds it)")
         return
     fa = {"on": "1", "off": "0", "auto": "-1"}[flash_attn]
-    side_by_side(["-m", model, "-t", str(threads), "-fa", fa, "-ngl", "0", "-p", "0", "-n",
-                  "128", "-r", "3"], rounds, str(binary))  # fmt: skip
+    side_by_side(
+        [
+            "-m",
+            model,
+            "-t",
+            str(threads),
+            "-fa",
+            fa,
+            "-ngl",
+            "0",
+            "-p",
+            "0",
+            "-n",
+            "128",
+            "-r",
+            "3",
+        ],
+        rounds,
+        str(binary),
+    )
 
 
 def main() -> int:
@@ -114,9 +132,12 @@ def main() -> int:
     runner = LlamaCppRunner(model, EngineConfig(n_ctx=2048, n_threads=args.threads))
     loaded = runner.load()
     st = loaded.settings
-    print(f"model {loaded.model.name} · {st.n_threads} threads · flash attention {st.flash_attn}"
-          f" ({'on' if st.flash_attn_enabled else 'off'}) · warm-up"
-          f" {(loaded.warmup_s or 0) * 1000:.1f} ms", file=sys.stderr)  # fmt: skip
+    print(
+        f"model {loaded.model.name} · {st.n_threads} threads · flash attention {st.flash_attn}"
+        f" ({'on' if st.flash_attn_enabled else 'off'}) · warm-up"
+        f" {(loaded.warmup_s or 0) * 1000:.1f} ms",
+        file=sys.stderr,
+    )
     tokens = tuple(1000 + (i * 7919) % 20000 for i in range(args.prompt))
     sampling = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
     request = Request(token_ids=tokens, sampling=sampling, keep_cache=False)
@@ -137,15 +158,19 @@ def main() -> int:
         floor, beyond = bare_step_ms(runner, list(tokens), args.gen)
         floors.append(floor)
         floor_beyond.append(beyond)
-        print(f"prefill {s.prompt_tps:7.1f} tok/s | decode {s.output_tps:6.1f} tok/s: step"
-              f" {step_ms:6.3f} ms = calls {s.decode_call_ms:6.3f} (eval counter {eval_ms:6.3f})"
-              f" + sample {sample_ms:6.3f} + llmrun {s.python_overhead_per_token_ms:6.4f}"
-              f" | bare loop {floor:6.3f} ms, beyond its calls {beyond:6.4f}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"prefill {s.prompt_tps:7.1f} tok/s | decode {s.output_tps:6.1f} tok/s: step"
+            f" {step_ms:6.3f} ms = calls {s.decode_call_ms:6.3f} (eval counter {eval_ms:6.3f})"
+            f" + sample {sample_ms:6.3f} + llmrun {s.python_overhead_per_token_ms:6.4f}"
+            f" | bare loop {floor:6.3f} ms, beyond its calls {beyond:6.4f}",
+            file=sys.stderr,
+        )
     runner.close()
     prefill_ratio, overhead_ms = statistics.median(prefill), statistics.median(overhead)
-    print(f"prefill wall / llama.cpp prompt-eval      {prefill_ratio:7.4f}"
-          f"  {'ok' if prefill_ratio <= 1.02 else 'OVER 1.02'}")  # fmt: skip
+    print(
+        f"prefill wall / llama.cpp prompt-eval      {prefill_ratio:7.4f}"
+        f"  {'ok' if prefill_ratio <= 1.02 else 'OVER 1.02'}"
+    )
     print(
         f"python_overhead_per_token_ms (median)     {overhead_ms:7.4f}"
         f"  {'ok' if overhead_ms < OVERHEAD_TARGET_MS else f'OVER {OVERHEAD_TARGET_MS}'}"

@@ -31,21 +31,40 @@ def main() -> int:
     ratios: dict[str, dict[str, list[float]]] = {}
     for i in range(args.rounds):
         done = subprocess.run(
-            [LLMRUN, "bench", "--interference", "--policy", args.policy, "--num-prompts",
-             str(args.prompts), "--interference-prompt-len", str(args.prompt_len),
-             "--interference-rate", str(args.rate), "--output-len", str(args.output_len),
-             "--seed", str(1234 + i), "-o", "json"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                LLMRUN,
+                "bench",
+                "--interference",
+                "--policy",
+                args.policy,
+                "--num-prompts",
+                str(args.prompts),
+                "--interference-prompt-len",
+                str(args.prompt_len),
+                "--interference-rate",
+                str(args.rate),
+                "--output-len",
+                str(args.output_len),
+                "--seed",
+                str(1234 + i),
+                "-o",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             sys.exit(f"llmrun bench --interference failed: {done.stderr.strip()[-400:]}")
         rows = {r["policy"]: r for r in json.loads(done.stdout)}
         base = rows["prefill-first"]
         for name, r in rows.items():
             ttft = r["long_ttft_mean_ms"] or 0
-            print(f"round {i + 1} {name:<14} ITL p50 {r['itl_p50_ms']:8.1f} ms  p99"
-                  f" {r['itl_p99_ms']:8.1f} ms  max {r['itl_max_ms']:8.1f} ms  long TTFT"
-                  f" {ttft:8.0f} ms  {r['throughput_tps']:6.1f} tok/s")  # fmt: skip
+            print(
+                f"round {i + 1} {name:<14} ITL p50 {r['itl_p50_ms']:8.1f} ms  p99"
+                f" {r['itl_p99_ms']:8.1f} ms  max {r['itl_max_ms']:8.1f} ms  long TTFT"
+                f" {ttft:8.0f} ms  {r['throughput_tps']:6.1f} tok/s"
+            )
             if name in ("alone", "prefill-first"):
                 continue
             entry = ratios.setdefault(name, {"p99": [], "ttft": [], "tps": []})
@@ -54,8 +73,10 @@ def main() -> int:
             entry["tps"].append(r["throughput_tps"] / base["throughput_tps"])
     for name, entry in ratios.items():
         p99, ttft, tps = (statistics.median(entry[k]) for k in ("p99", "ttft", "tps"))
-        print(f"{name} / prefill-first: stream ITL p99 x{p99:.2f}, long-prompt TTFT x{ttft:.2f},"
-              f" throughput x{tps:.2f} (median of {args.rounds} rounds)")  # fmt: skip
+        print(
+            f"{name} / prefill-first: stream ITL p99 x{p99:.2f}, long-prompt TTFT x{ttft:.2f},"
+            f" throughput x{tps:.2f} (median of {args.rounds} rounds)"
+        )
     return 0
 
 

@@ -57,11 +57,30 @@ def free_port() -> int:
 def llmrun_serve(args: argparse.Namespace, policy: str) -> Iterator[str]:
     """`llmrun serve` on a port of its choosing; yields its URL once its readiness line came."""
     proc = subprocess.Popen(
-        [LLMRUN, "serve", "--port", "0", "-np", str(args.parallel), "-c", str(args.ctx), "-t",
-         str(args.threads), "-b", str(args.batch), "--policy", policy, "--no-dashboard",
-         "--max-queue", "1024"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            LLMRUN,
+            "serve",
+            "--port",
+            "0",
+            "-np",
+            str(args.parallel),
+            "-c",
+            str(args.ctx),
+            "-t",
+            str(args.threads),
+            "-b",
+            str(args.batch),
+            "--policy",
+            policy,
+            "--no-dashboard",
+            "--max-queue",
+            "1024",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ready: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
@@ -123,11 +142,28 @@ def reference_server(args: argparse.Namespace) -> Iterator[str]:
         sys.path.insert(0, str(ROOT))
         from tests import llama_tools
 
-        cmd = [str(llama_tools.llama_server()), "-m", model_path(), "--host", "127.0.0.1",
-               "--port", str(port), "-np", str(args.parallel), "-c", str(args.ctx * args.parallel),
-               "-t", str(args.threads), "-tb",
-               str(args.threads), "-b", str(args.batch), "-ub", str(args.batch),
-               "--no-webui"]  # fmt: skip
+        cmd = [
+            str(llama_tools.llama_server()),
+            "-m",
+            model_path(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(args.parallel),
+            "-c",
+            str(args.ctx * args.parallel),
+            "-t",
+            str(args.threads),
+            "-tb",
+            str(args.threads),
+            "-b",
+            str(args.batch),
+            "-ub",
+            str(args.batch),
+            "--no-webui",
+        ]
         if not repack_safe():
             cmd.append("--no-repack")
         with serving(cmd, url, "llama-server", Path(args.log_dir) / "llama-server.log") as u:
@@ -135,48 +171,104 @@ def reference_server(args: argparse.Namespace) -> Iterator[str]:
         return
     # llama-cpp-python's server, through tests/llama_server.py, which only turns weight
     # repacking off where llmrun's probe finds it unsafe on this CPU
-    cmd = [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path(),
-           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.ctx), "--n_batch",
-           str(args.batch), "--n_threads", str(args.threads), "--n_threads_batch",
-           str(args.threads), "--verbose", "False", "--interrupt_requests", "False"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "llama_server.py"),
+        "--model",
+        model_path(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(args.ctx),
+        "--n_batch",
+        str(args.batch),
+        "--n_threads",
+        str(args.threads),
+        "--n_threads_batch",
+        str(args.threads),
+        "--verbose",
+        "False",
+        "--interrupt_requests",
+        "False",
+    ]
     with serving(cmd, url, "the llama-cpp-python server") as u:
         yield u
 
 
 def bench_command() -> list[str]:
     """`llmrun bench serve` where it exists, else the older `llmrun bench` with --endpoint."""
-    probe = subprocess.run([LLMRUN, "bench", "--help"], capture_output=True, text=True,
-                           check=False, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    probe = subprocess.run(
+        [LLMRUN, "bench", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     group = "Commands" in probe.stdout and " serve " in probe.stdout
     return [LLMRUN, "bench", "serve"] if group else [LLMRUN, "bench"]
 
 
-def measure(cmd: list[str], url: str, args: argparse.Namespace, level: int,
-            seed: int) -> dict[str, float]:  # fmt: skip
+def measure(
+    cmd: list[str], url: str, args: argparse.Namespace, level: int, seed: int
+) -> dict[str, float]:
     done = subprocess.run(
-        [*cmd, "--endpoint", url, "--concurrency", str(level), "--num-prompts",
-         str(args.prompts), "--input-len", str(args.input_len), "--output-len",
-         str(args.output_len), "--seed", str(seed), "-o", "json"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            *cmd,
+            "--endpoint",
+            url,
+            "--concurrency",
+            str(level),
+            "--num-prompts",
+            str(args.prompts),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--seed",
+            str(seed),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         sys.exit(f"the serving benchmark failed against {url}: {done.stderr.strip()[-400:]}")
     record = json.loads(done.stdout)[0]
     if record.get("failed"):
         sys.exit(f"{record['failed']} requests failed against {url}: {record.get('errors')}")
-    return {"tps": record["output_throughput"], "ttft": record["median_ttft_ms"],
-            "itl50": record["p50_itl_ms"], "itl99": record["p99_itl_ms"]}  # fmt: skip
+    return {
+        "tps": record["output_throughput"],
+        "ttft": record["median_ttft_ms"],
+        "itl50": record["p50_itl_ms"],
+        "itl99": record["p99_itl_ms"],
+    }
 
 
-def interference(cmd: list[str], url: str, args: argparse.Namespace,
-                 seed: int) -> dict[str, float]:  # fmt: skip
+def interference(cmd: list[str], url: str, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """llmrun's interference test: `bench interference` where bench is a group of commands."""
     test = [LLMRUN, "bench", "interference"] if cmd[-1] == "serve" else [*cmd, "--interference"]
     done = subprocess.run(
-        [*test, "--endpoint", url, "--prompt-len", str(args.long_prompt), "--output-len",
-         str(args.output_len), "--seed", str(seed), "-o", "json"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            *test,
+            "--endpoint",
+            url,
+            "--prompt-len",
+            str(args.long_prompt),
+            "--output-len",
+            str(args.output_len),
+            "--seed",
+            str(seed),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         sys.exit(f"the interference test failed against {url}: {done.stderr.strip()[-400:]}")
     record: dict[str, float] = json.loads(done.stdout)[0]
@@ -193,8 +285,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--parallel", type=int, default=4, help="slots of both servers (-np)")
     ap.add_argument("--policy", default="chunked:512", help="llmrun serve's scheduling")
-    ap.add_argument("--reference", choices=("llama-server", "llama-cpp-python"),
-                    default="llama-server")  # fmt: skip
+    ap.add_argument(
+        "--reference", choices=("llama-server", "llama-cpp-python"), default="llama-server"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
@@ -209,10 +302,13 @@ def main() -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     cmd = bench_command()
     ref_name = args.reference
-    print(f"serving benchmark: {' '.join(Path(c).name for c in cmd)}; llmrun serve -np"
-          f" {args.parallel} --policy {args.policy} vs {ref_name} -np {args.parallel};"
-          f" {args.threads} threads, {args.prompts} prompts of {args.input_len} tokens ->"
-          f" {args.output_len}; {load_average()}", flush=True)  # fmt: skip
+    print(
+        f"serving benchmark: {' '.join(Path(c).name for c in cmd)}; llmrun serve -np"
+        f" {args.parallel} --policy {args.policy} vs {ref_name} -np {args.parallel};"
+        f" {args.threads} threads, {args.prompts} prompts of {args.input_len} tokens ->"
+        f" {args.output_len}; {load_average()}",
+        flush=True,
+    )
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     itl99: dict[str, list[float]] = {}
     with llmrun_serve(args, args.policy) as ours, reference_server(args) as ref:
@@ -225,38 +321,49 @@ def main() -> int:
                     # neither server's prompt cache serves one it has seen before
                     m = measure(cmd, servers[name], args, level, seed=1000 + 100 * rnd + 10 * i)
                     results.setdefault((name, level), []).append(m)
-                    print(f"round {rnd + 1} c{level} {name:<17} {m['tps']:7.1f} tok/s  TTFT"
-                          f" {m['ttft']:8.1f} ms  ITL p50 {m['itl50']:7.1f} p99"
-                          f" {m['itl99']:7.1f} ms", flush=True)  # fmt: skip
+                    print(
+                        f"round {rnd + 1} c{level} {name:<17} {m['tps']:7.1f} tok/s  TTFT"
+                        f" {m['ttft']:8.1f} ms  ITL p50 {m['itl50']:7.1f} p99"
+                        f" {m['itl99']:7.1f} ms",
+                        flush=True,
+                    )
             if args.interference:
                 order = list(servers) if rnd % 2 == 0 else list(reversed(servers))
                 for name in order:
                     rec = interference(cmd, servers[name], args, seed=5000 + 100 * rnd)
                     if rec.get("itl_p99_loaded_ms") is None:  # the stream gave no gaps
-                        print(f"round {rnd + 1} interference {name}: no stream ITL: {rec}",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"round {rnd + 1} interference {name}: no stream ITL: {rec}", flush=True
+                        )
                         continue
                     itl99.setdefault(name, []).append(float(rec["itl_p99_loaded_ms"]))
-                    print(f"round {rnd + 1} interference {name:<17} stream ITL p99"
-                          f" {rec['itl_p99_loaded_ms']} ms while {args.long_prompt}-token"
-                          f" prompts arrive (alone {rec['itl_p99_alone_ms']} ms)",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"round {rnd + 1} interference {name:<17} stream ITL p99"
+                        f" {rec['itl_p99_loaded_ms']} ms while {args.long_prompt}-token"
+                        f" prompts arrive (alone {rec['itl_p99_alone_ms']} ms)",
+                        flush=True,
+                    )
     print()
     for level in levels:
         mine, theirs = results[("llmrun", level)], results[(ref_name, level)]
 
-        def ratio(key: str, a: list[dict[str, float]] = mine,
-                  b: list[dict[str, float]] = theirs) -> float:  # fmt: skip
+        def ratio(
+            key: str, a: list[dict[str, float]] = mine, b: list[dict[str, float]] = theirs
+        ) -> float:
             return statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True))
 
-        print(f"c{level}: llmrun / {ref_name}: throughput x{ratio('tps'):.2f}, TTFT"
-              f" x{ratio('ttft'):.2f}, ITL p50 x{ratio('itl50'):.2f}, ITL p99"
-              f" x{ratio('itl99'):.2f} (median of {args.rounds} rounds)")  # fmt: skip
+        print(
+            f"c{level}: llmrun / {ref_name}: throughput x{ratio('tps'):.2f}, TTFT"
+            f" x{ratio('ttft'):.2f}, ITL p50 x{ratio('itl50'):.2f}, ITL p99"
+            f" x{ratio('itl99'):.2f} (median of {args.rounds} rounds)"
+        )
     if itl99.get("llmrun") and itl99.get(ref_name):
         ours_ms, theirs_ms = statistics.median(itl99["llmrun"]), statistics.median(itl99[ref_name])
-        print(f"interference: stream ITL p99 llmrun / {ref_name} under {args.long_prompt}-token"
-              f" prompts: x{ours_ms / theirs_ms:.2f} ({ours_ms:.1f} / {theirs_ms:.1f} ms, medians"
-              f" of {len(itl99['llmrun'])} and {len(itl99[ref_name])} rounds)")  # fmt: skip
+        print(
+            f"interference: stream ITL p99 llmrun / {ref_name} under {args.long_prompt}-token"
+            f" prompts: x{ours_ms / theirs_ms:.2f} ({ours_ms:.1f} / {theirs_ms:.1f} ms, medians"
+            f" of {len(itl99['llmrun'])} and {len(itl99[ref_name])} rounds)"
+        )
     print(load_average())
     return 0
 

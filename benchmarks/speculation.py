@@ -48,10 +48,12 @@ def main() -> int:
             rates.append(fast.acceptance_rate or 0.0)
             steps.append(fast.tokens_per_step or 1.0)
             same.append(runs[0].text == runs[args.draft].text)
-        print(f"{name}: decode tok/s speculative/plain median x{statistics.median(ratios):.2f}"
-              f" (range {min(ratios):.2f}-{max(ratios):.2f}), acceptance"
-              f" {statistics.median(rates):.0%}, {statistics.median(steps):.2f} tokens per step,"
-              f" identical text in {sum(same)} of {len(same)} rounds")  # fmt: skip
+        print(
+            f"{name}: decode tok/s speculative/plain median x{statistics.median(ratios):.2f}"
+            f" (range {min(ratios):.2f}-{max(ratios):.2f}), acceptance"
+            f" {statistics.median(rates):.0%}, {statistics.median(steps):.2f} tokens per step,"
+            f" identical text in {sum(same)} of {len(same)} rounds"
+        )
     runner.close()
     return 0
 

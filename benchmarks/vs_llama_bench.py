@@ -58,8 +58,10 @@ def side_by_side(flags: list[str], rounds: int, binary: str | None = None) -> No
         for kind in mine:
             reference = (before[kind] + after[kind]) / 2
             ratios.setdefault(kind, []).append(mine[kind] / reference)
-            cells.append(f"{kind} llama-bench {before[kind]:.1f}/{after[kind]:.1f}, llmrun"
-                         f" {mine[kind]:.1f} -> x{ratios[kind][-1]:.3f}")  # fmt: skip
+            cells.append(
+                f"{kind} llama-bench {before[kind]:.1f}/{after[kind]:.1f}, llmrun"
+                f" {mine[kind]:.1f} -> x{ratios[kind][-1]:.3f}"
+            )
         print(f"round {i + 1}: " + "; ".join(cells))
         before = after
     n_prompt, n_gen = flags[flags.index("-p") + 1], flags[flags.index("-n") + 1]
@@ -80,11 +82,35 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     model = args.model or default_model_path()
-    print(f"model {Path(model).name}, {args.threads} threads, batch {args.batch}, repack"
-          f" {args.repack}, {args.reps} repetitions")  # fmt: skip
-    side_by_side(["-m", model, "-t", str(args.threads), "-b", str(args.batch), "-ub",
-                  str(args.batch), "-fa", "0", "-ngl", "0", "--repack", str(args.repack),
-                  "-p", "512", "-n", "128", "-r", str(args.reps)], args.rounds)  # fmt: skip
+    print(
+        f"model {Path(model).name}, {args.threads} threads, batch {args.batch}, repack"
+        f" {args.repack}, {args.reps} repetitions"
+    )
+    side_by_side(
+        [
+            "-m",
+            model,
+            "-t",
+            str(args.threads),
+            "-b",
+            str(args.batch),
+            "-ub",
+            str(args.batch),
+            "-fa",
+            "0",
+            "-ngl",
+            "0",
+            "--repack",
+            str(args.repack),
+            "-p",
+            "512",
+            "-n",
+            "128",
+            "-r",
+            str(args.reps),
+        ],
+        args.rounds,
+    )
 
 
 if __name__ == "__main__":

@@ -63,17 +63,25 @@ METER_CELLS = 24
 LEAVE_HINT = "(to leave, press Ctrl-D or type /exit)"
 # Ollama's parameter names -> llmrun's sampling fields.
 OLLAMA_PARAMETERS = {
-    "temperature": "temperature", "num_predict": "max_tokens", "top_k": "top_k",
-    "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed",
+    "temperature": "temperature",
+    "num_predict": "max_tokens",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "seed": "seed",
     "stop": "stop",
-}  # fmt: skip
+}
 HELP = (
     ("/? or /help", "this list; /? shortcuts: the keys"),
     ("/show info", "the model and the engine settings"),
     ("/show parameters", "the sampling settings of the next turns"),
     ("/show system", "the system prompt; also /show template, license, modelfile"),
-    ("/set parameter NAME VALUE", "a sampling setting for the next turns, with Ollama's names:"
-     " " + ", ".join(OLLAMA_PARAMETERS)),
+    (
+        "/set parameter NAME VALUE",
+        "a sampling setting for the next turns, with Ollama's names:"
+        " " + ", ".join(OLLAMA_PARAMETERS),
+    ),
     ("/set system TEXT", "the system prompt (also /system [TEXT])"),
     ("/set verbose", "the full summary after each reply; /set quiet: no stats at all"),
     ("/set think", "let a thinking model think; /set nothink: ask it not to"),
@@ -84,7 +92,7 @@ HELP = (
     ("/bye", "leave (also /exit or Ctrl-D; Ctrl-C only clears the line)"),
     (BLOCK, "start and end a message of several lines"),
     ("Ctrl-C", "during a reply: stop it; what was said stays in the conversation"),
-)  # fmt: skip
+)
 SHORTCUTS = (
     ("Ctrl-D", "leave (at an empty prompt)"),
     ("Ctrl-C", "stop the reply, or clear the line"),
@@ -105,8 +113,9 @@ NOT_HERE = {
 def help_view(entries: tuple[tuple[str, str], ...]) -> RenderableType:
     """Commands and what they do, the descriptions hanging under each other at any width."""
     cells = max(len(name) for name, _ in entries if len(name) <= 18)
-    return Group(*(Hanging(name, Text(what), label_cells=cells, label_style="")
-                   for name, what in entries))  # fmt: skip
+    return Group(
+        *(Hanging(name, Text(what), label_cells=cells, label_style="") for name, what in entries)
+    )
 
 
 def turn_line(stats: GenerationStats) -> str:
@@ -153,13 +162,22 @@ def turns_table(turns: list[Turn]) -> Table:
     """Every turn's figures; no vertical rules, units in the headers and the context status as
     a mark on the turn's number, so that the numbers fit whole on a 40-column terminal."""
     marks = {"cleared": "c", "dropped": "d"}
-    table = Table(title="turns", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True, caption="c: cleared by /reset, d: dropped",
-                  caption_justify="left")  # fmt: skip
-    for name in ("#", "new+\nreused", "TTFT\nms", "prompt\ntok/s", "out", "output\ntok/s",
-                 "end"):  # fmt: skip
-        table.add_column(name, justify="left" if name in ("#", "end") else "right",
-                         no_wrap=name != "end", overflow="fold")  # fmt: skip
+    table = Table(
+        title="turns",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        caption="c: cleared by /reset, d: dropped",
+        caption_justify="left",
+    )
+    for name in ("#", "new+\nreused", "TTFT\nms", "prompt\ntok/s", "out", "output\ntok/s", "end"):
+        table.add_column(
+            name,
+            justify="left" if name in ("#", "end") else "right",
+            no_wrap=name != "end",
+            overflow="fold",
+        )
     for i, turn in enumerate(turns, 1):
         state = "cleared" if turn.cleared else "" if turn.in_context else "dropped"
         number = f"{i}{marks.get(state, '')}"
@@ -169,10 +187,14 @@ def turns_table(turns: list[Turn]) -> Table:
             continue
         ttft = "-" if s.ttft_s is None else significant(s.ttft_s * 1000)
         table.add_row(
-            number, f"{s.new_prompt_tokens}+{s.reused_tokens}", ttft,
-            significant(s.prompt_tps), str(s.output_tokens), significant(s.output_tps),
+            number,
+            f"{s.new_prompt_tokens}+{s.reused_tokens}",
+            ttft,
+            significant(s.prompt_tps),
+            str(s.output_tokens),
+            significant(s.output_tps),
             s.finish_reason,
-        )  # fmt: skip
+        )
     return table
 
 
@@ -276,8 +298,9 @@ class ChatUI:
         rl = self.readline
         stream = sys.stdout if sys.stdout.isatty() else sys.stderr
         try:
-            with redrawn_after_fg(stream, lambda: prompt + (rl.get_line_buffer() if rl else ""),
-                                  self.shell_modes):  # fmt: skip
+            with redrawn_after_fg(
+                stream, lambda: prompt + (rl.get_line_buffer() if rl else ""), self.shell_modes
+            ):
                 if sys.stdout.isatty():
                     return repair_utf8(input(prompt))
                 sys.stderr.write(prompt)  # stdout is a file or pipe: it gets the replies alone
@@ -392,9 +415,16 @@ class ChatUI:
         recorder = Recorder(self.out)
         cleared_cache = False
         try:
-            finished = drive(conv.runner, request, out=recorder, view=self.dash, cancel=self.cancel,
-                             thinking=thinking_route(hide=self.hide_thinking, dash=self.dash,
-                                                     on_stdout=self.thinking_stdout))  # fmt: skip
+            finished = drive(
+                conv.runner,
+                request,
+                out=recorder,
+                view=self.dash,
+                cancel=self.cancel,
+                thinking=thinking_route(
+                    hide=self.hide_thinking, dash=self.dash, on_stdout=self.thinking_stdout
+                ),
+            )
             turn = conv.record(user, finished.text, finished.stats)
         except KeyboardInterrupt:  # a second Ctrl-C: the runner did not stop soon enough
             if self.dash is not None:
@@ -426,14 +456,24 @@ class ChatUI:
             per_token = memory.kv_bytes_per_token if memory else 0.0
             self.show(context_meter(conv.used_tokens, conv.n_ctx, per_token))
         if not turn.in_context and (turn.stats is None or turn.interrupted):
-            cost = (" The KV cache was cleared to stop at once: the next turn prefills the"
-                    " whole conversation again." if cleared_cache else
-                    " The cache still holds the conversation before it.")  # fmt: skip
-            self.show("[interrupted] before the reply began: the message is not in the"
-                      " conversation." + cost, "yellow")  # fmt: skip
+            cost = (
+                " The KV cache was cleared to stop at once: the next turn prefills the"
+                " whole conversation again."
+                if cleared_cache
+                else " The cache still holds the conversation before it."
+            )
+            self.show(
+                "[interrupted] before the reply began: the message is not in the"
+                " conversation." + cost,
+                "yellow",
+            )
         elif turn.interrupted or turn.stats is None:
-            cost = (" (the KV cache was cleared to stop at once: the next turn prefills the"
-                    " whole conversation again)" if cleared_cache else "")  # fmt: skip
+            cost = (
+                " (the KV cache was cleared to stop at once: the next turn prefills the"
+                " whole conversation again)"
+                if cleared_cache
+                else ""
+            )
             self.show("[interrupted] the reply so far stays in the conversation" + cost, "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:
             self.failed = True
@@ -490,8 +530,10 @@ class ChatUI:
             self.err.print(help_view(HELP))
 
     def _load(self, arg: str) -> None:
-        self._usage("/load: one model per chat here; leave (/bye) and start"
-                    f" `llmrun chat -m {arg or 'MODEL'}`")  # fmt: skip
+        self._usage(
+            "/load: one model per chat here; leave (/bye) and start"
+            f" `llmrun chat -m {arg or 'MODEL'}`"
+        )
 
     def _set(self, arg: str) -> None:
         """Ollama's /set: parameter, system, verbose/quiet, think/nothink, history/nohistory,
@@ -516,14 +558,24 @@ class ChatUI:
             self.err.print(Text(f"/set {word}: {said}", style="dim"))
         elif word in ("think", "nothink"):
             self.conv.sampling = dataclasses.replace(self.conv.sampling, think=word == "think")
-            self.err.print(Text(f"/set {word}: the template's thinking switch is"
-                                f" {'on' if word == 'think' else 'off'} for the next turns"
-                                " (a model without one ignores it)", style="dim"),
-                           soft_wrap=True)  # fmt: skip
+            self.err.print(
+                Text(
+                    f"/set {word}: the template's thinking switch is"
+                    f" {'on' if word == 'think' else 'off'} for the next turns"
+                    " (a model without one ignores it)",
+                    style="dim",
+                ),
+                soft_wrap=True,
+            )
         elif word in ("wordwrap", "nowordwrap"):
-            self.err.print(Text("/set wordwrap: the terminal wraps replies here; llmrun inserts"
-                                " no line breaks, so copied text stays as written", style="dim"),
-                           soft_wrap=True)  # fmt: skip
+            self.err.print(
+                Text(
+                    "/set wordwrap: the terminal wraps replies here; llmrun inserts"
+                    " no line breaks, so copied text stays as written",
+                    style="dim",
+                ),
+                soft_wrap=True,
+            )
         elif word == "system":
             self._system(rest.strip())
         elif word in NOT_HERE:
@@ -531,8 +583,10 @@ class ChatUI:
         elif word == "parameter":
             self._parameter(rest)
         else:
-            self._usage("usage: /set parameter NAME VALUE, /set system TEXT, /set verbose|quiet,"
-                        " /set think|nothink, /set history|nohistory")  # fmt: skip
+            self._usage(
+                "usage: /set parameter NAME VALUE, /set system TEXT, /set verbose|quiet,"
+                " /set think|nothink, /set history|nohistory"
+            )
 
     def _parameter(self, arg: str) -> None:
         """Ollama's `/set parameter NAME VALUE`, checked like the command-line options."""
@@ -547,8 +601,13 @@ class ChatUI:
             return
         integer = field in ("max_tokens", "top_k", "seed")
         try:
-            parsed: object = (tuple(v for v in value.split("|") if v) if field == "stop"
-                              else int(value) if integer else float(value))  # fmt: skip
+            parsed: object = (
+                tuple(v for v in value.split("|") if v)
+                if field == "stop"
+                else int(value)
+                if integer
+                else float(value)
+            )
         except ValueError:  # Python's own words ("could not convert string...") stay inside
             kind = "an integer" if integer else "a number"
             self._usage(f"/set parameter {name}: {value!r} is not {kind}")
@@ -594,17 +653,21 @@ class ChatUI:
 
     def _info_text(self) -> str:
         loaded = self.conv.runner.load()
-        return (f"{loaded.name} · {model_facts(loaded)}\ncontext {self.conv.n_ctx} tokens\n"
-                + self._parameters_text())  # fmt: skip
+        return (
+            f"{loaded.name} · {model_facts(loaded)}\ncontext {self.conv.n_ctx} tokens\n"
+            + self._parameters_text()
+        )
 
     def _parameters_text(self) -> str:
         sp = self.conv.sampling
         seed = "random each reply" if sp.seed is None else str(sp.seed)
         think = {None: "the template's default", True: "on", False: "off"}[sp.think]
         stop = " ".join(repr(s) for s in sp.stop) or "(the model's own end)"
-        return (f"temperature {sp.temperature:g} · num_predict {sp.max_tokens} · top_k"
-                f" {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g} · repeat_penalty"
-                f" {sp.repeat_penalty:g} · seed {seed} · stop {stop} · think {think}")  # fmt: skip
+        return (
+            f"temperature {sp.temperature:g} · num_predict {sp.max_tokens} · top_k"
+            f" {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g} · repeat_penalty"
+            f" {sp.repeat_penalty:g} · seed {seed} · stop {stop} · think {think}"
+        )
 
     def _gguf_value(self, key: str) -> object:
         loaded = self.conv.runner.load()
@@ -622,12 +685,16 @@ class ChatUI:
         """The session as an Ollama Modelfile: the model, its parameters, the system prompt."""
         loaded = self.conv.runner.load()
         sp = self.conv.sampling
-        lines = [f"FROM {loaded.model.path if loaded.model else loaded.name}",
-                 f"PARAMETER temperature {sp.temperature:g}",
-                 f"PARAMETER num_predict {sp.max_tokens}", f"PARAMETER top_k {sp.top_k}",
-                 f"PARAMETER top_p {sp.top_p:g}", f"PARAMETER min_p {sp.min_p:g}",
-                 f"PARAMETER repeat_penalty {sp.repeat_penalty:g}",
-                 f"PARAMETER num_ctx {self.conv.n_ctx}"]  # fmt: skip
+        lines = [
+            f"FROM {loaded.model.path if loaded.model else loaded.name}",
+            f"PARAMETER temperature {sp.temperature:g}",
+            f"PARAMETER num_predict {sp.max_tokens}",
+            f"PARAMETER top_k {sp.top_k}",
+            f"PARAMETER top_p {sp.top_p:g}",
+            f"PARAMETER min_p {sp.min_p:g}",
+            f"PARAMETER repeat_penalty {sp.repeat_penalty:g}",
+            f"PARAMETER num_ctx {self.conv.n_ctx}",
+        ]
         if sp.seed is not None:
             lines.append(f"PARAMETER seed {sp.seed}")
         lines += [f'PARAMETER stop "{s}"' for s in sp.stop]
@@ -657,8 +724,9 @@ class ChatUI:
             self.error(e)
             self.failed = True
             return
-        self.err.print(Text(terminal_line(f"saved {len(self.conv.turns)} turns to {path}"),
-                            style="dim"))  # fmt: skip
+        self.err.print(
+            Text(terminal_line(f"saved {len(self.conv.turns)} turns to {path}"), style="dim")
+        )
 
 
 def chat(
@@ -703,14 +771,33 @@ def chat(
     """
     with handled():
         options = o.GenerationOptions(
-            system=system, endpoint=endpoint, max_tokens=max_tokens, temp=temp, top_k=top_k,
-            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop,
-            think=think, draft=draft, draft_model=draft_model,
-            chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
-            threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup, cpu_mask=cpu_mask,
-            cpu_strict=cpu_strict, poll=poll,
-        )  # fmt: skip
+            system=system,
+            endpoint=endpoint,
+            max_tokens=max_tokens,
+            temp=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop,
+            think=think,
+            draft=draft,
+            draft_model=draft_model,
+            chat_template_file=chat_template_file,
+            ctx=ctx,
+            batch=batch,
+            ubatch=ubatch,
+            threads=threads,
+            threads_batch=threads_batch,
+            gpu_layers=gpu_layers,
+            flash_attn=flash_attn,
+            repack=repack,
+            no_warmup=no_warmup,
+            cpu_mask=cpu_mask,
+            cpu_strict=cpu_strict,
+            poll=poll,
+        )
         sampling, config = o.generation_settings(options)
         asked_ctx = config.n_ctx
         config = free_cores(config, endpoint=endpoint, quiet=False)
@@ -719,8 +806,13 @@ def chat(
             if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD
                 system = repair_utf8(system, "-s/--system")
             conv = Conversation(runner, sampling, system)
-            ui = ChatUI(conv, interactive=sys.stdin.isatty(), dashboard=not no_dashboard,
-                        hide_thinking=hide_thinking, thinking_stdout=thinking_stdout)  # fmt: skip
+            ui = ChatUI(
+                conv,
+                interactive=sys.stdin.isatty(),
+                dashboard=not no_dashboard,
+                hide_thinking=hide_thinking,
+                thinking_stdout=thinking_stdout,
+            )
             ui.asked_ctx = asked_ctx
             code = ui.loop()
         finally:

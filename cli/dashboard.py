@@ -170,8 +170,10 @@ class Hanging:
             return
         lines = self.value.wrap(console, width - indent, overflow="fold")
         for i, line in enumerate(lines):
-            yield Segment(f"{self.label:<{self.label_cells}} " if i == 0 else " " * indent,
-                          console.get_style(self.label_style) if i == 0 else None)  # fmt: skip
+            yield Segment(
+                f"{self.label:<{self.label_cells}} " if i == 0 else " " * indent,
+                console.get_style(self.label_style) if i == 0 else None,
+            )
             yield from line.render(console)
             yield Segment.line()
 
@@ -243,10 +245,13 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
         cached = f" ({p.reused_tokens} reused)" if p.reused_tokens else ""
         shown, moving = _prefill_estimate(state, p, now_s)
-        parts.append(_row(
-            "prefill", _bar(shown, p.total_tokens),
-            f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}{moving}",
-        ))  # fmt: skip
+        parts.append(
+            _row(
+                "prefill",
+                _bar(shown, p.total_tokens),
+                f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}{moving}",
+            )
+        )
     waiting = p is None and state.first_token_s is None and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
         # A server shows no prefill progress: the wait itself is what there is to see.
@@ -254,14 +259,21 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
-        parts.append(_row(
-            "decode", f"{state.tokens} tokens"
-            + (f" ({state.thinking} thinking)" if state.thinking else "")
-            + (f" · {state.drafted} landed in drafted runs (last {state.run})"
-               if state.drafted else "")
-            + f" · {tps(state.output_tps)} · itl ",
-            (sparkline(gaps), "magenta"), latest,
-        ))  # fmt: skip
+        parts.append(
+            _row(
+                "decode",
+                f"{state.tokens} tokens"
+                + (f" ({state.thinking} thinking)" if state.thinking else "")
+                + (
+                    f" · {state.drafted} landed in drafted runs (last {state.run})"
+                    if state.drafted
+                    else ""
+                )
+                + f" · {tps(state.output_tps)} · itl ",
+                (sparkline(gaps), "magenta"),
+                latest,
+            )
+        )
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
     # wrap a line and leave a stale row behind when the panel is cleared.
     parts.append(Text(""))
@@ -314,14 +326,17 @@ class _Bars:
         for (name, value, style), number in zip(self.rows, numbers, strict=True):
             cells = max(1, round(value / top * width)) if value and top > 0 else 0
             yield Text(name)
-            yield Text.assemble("  ", ("█" * cells, style), " " * (width - cells + 1),
-                                number.rjust(number_cells))  # fmt: skip
+            yield Text.assemble(
+                "  ", ("█" * cells, style), " " * (width - cells + 1), number.rjust(number_cells)
+            )
 
 
 def rate_bars(stats: GenerationStats) -> RenderableType:
     """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
-    pair = bars([("prompt tok/s", stats.prompt_tps, "cyan"),
-                 ("output tok/s", stats.output_tps, "magenta")], label_cells=13)  # fmt: skip
+    pair = bars(
+        [("prompt tok/s", stats.prompt_tps, "cyan"), ("output tok/s", stats.output_tps, "magenta")],
+        label_cells=13,
+    )
     if stats.prompt_tps and stats.output_tps:
         return Group(pair, Text(" " * 14 + ratio_text(stats), style="bold"))  # under the bars
     return pair
@@ -473,8 +488,9 @@ class Dashboard:
 
     def _start(self) -> None:
         old = self.state  # the model and its last prefill rate carry over to the next request
-        self.state = LiveState(loaded=old.loaded, started_s=time.perf_counter(),
-                               prefill_rate=old.prefill_rate)  # fmt: skip
+        self.state = LiveState(
+            loaded=old.loaded, started_s=time.perf_counter(), prefill_rate=old.prefill_rate
+        )
         self.live = _TextLive(
             self._take_pending,
             console=self.console,

@@ -20,8 +20,10 @@ from .report import mib
 def version_line() -> str:
     """One line, without loading llama.cpp: fast enough for `--version`."""
     host = f"{platform.system()} {platform.machine()}"
-    return (f"llmrun {_version('llmrun')} · llama-cpp-python {_version('llama_cpp_python')}"
-            f" · Python {platform.python_version()} · {host}")  # fmt: skip
+    return (
+        f"llmrun {_version('llmrun')} · llama-cpp-python {_version('llama_cpp_python')}"
+        f" · Python {platform.python_version()} · {host}"
+    )
 
 
 def _version(package: str) -> str:
@@ -51,15 +53,25 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     info = lib.llama_print_system_info()
     features = sy._features(info.decode(errors="replace") if isinstance(info, bytes) else str(info))
     out += [
-        Finding("build", f"llama.cpp {dv.build_commit(q.commit())} · ggml {q.version() or '?'}"
-                         f" · {sys.executable}"),
-        Finding("backend", dv.backends(found)
-                + (" · GPU offload supported" if lib.llama_supports_gpu_offload()
-                   else " · no GPU offload in this build")),
-    ]  # fmt: skip
+        Finding(
+            "build",
+            f"llama.cpp {dv.build_commit(q.commit())} · ggml {q.version() or '?'}"
+            f" · {sys.executable}",
+        ),
+        Finding(
+            "backend",
+            dv.backends(found)
+            + (
+                " · GPU offload supported"
+                if lib.llama_supports_gpu_offload()
+                else " · no GPU offload in this build"
+            ),
+        ),
+    ]
     for d in found:
-        memory = (f" · {mib(d.free_bytes or 0)} free of {mib(d.total_bytes)}"
-                  if d.total_bytes else "")  # fmt: skip
+        memory = (
+            f" · {mib(d.free_bytes or 0)} free of {mib(d.total_bytes)}" if d.total_bytes else ""
+        )
         out.append(Finding("device", f"{d.name} ({d.kind}) {d.description}{memory}"))
     gpus = dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus())
     if gpus:
@@ -67,12 +79,15 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     ram, free = sy.ram_bytes(), sy.available_memory_bytes()
     p_cores = sy.performance_cores()
     out += [
-        Finding("cpu", f"{sy.cpu_model()} · {sy.physical_cores()} physical cores"
-                       + (f" ({p_cores} performance)" if p_cores else "")
-                       + f" · {sy.logical_cpus()} logical CPUs"),
+        Finding(
+            "cpu",
+            f"{sy.cpu_model()} · {sy.physical_cores()} physical cores"
+            + (f" ({p_cores} performance)" if p_cores else "")
+            + f" · {sy.logical_cpus()} logical CPUs",
+        ),
         Finding("features", features or "-"),
         Finding("memory", f"{mib(ram)} RAM · {mib(free)} available" if ram and free else "-"),
-    ]  # fmt: skip
+    ]
     background = sy.background_now(0.5)
     choice = sy.choose_threads(sy.default_threads(), background, sy.logical_cpus())
     others = f"other processes use {background or 0.0:.1f} of {sy.logical_cpus()} CPUs"

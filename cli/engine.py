@@ -40,8 +40,9 @@ def note_unused_gpu() -> None:
     from llmrun.runners import devices
     from llmrun.runners.library import llama_lib
 
-    note = devices.unused_gpu_note(devices.host_gpus(),
-                                   bool(llama_lib().llama_supports_gpu_offload()))  # fmt: skip
+    note = devices.unused_gpu_note(
+        devices.host_gpus(), bool(llama_lib().llama_supports_gpu_offload())
+    )
     if note:
         print(f"llmrun: note: {note}", file=sys.stderr, flush=True)
 
@@ -66,7 +67,8 @@ def make_runner(
     if endpoint:
         from llmrun.runners.remote import OpenAIRunner
 
-        return OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s,
-                            n_ctx=config.n_ctx)  # fmt: skip
+        return OpenAIRunner(
+            endpoint, model=model, api_key=api_key, timeout_s=timeout_s, n_ctx=config.n_ctx
+        )
     note_unused_gpu()
     return RUNNER_FACTORY(model, config)

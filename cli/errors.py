@@ -89,8 +89,11 @@ def message(e: LlmrunError) -> str:
 
 def incomplete_message(stats: GenerationStats) -> str:
     """The one line for a server's stream that broke off (its text was kept)."""
-    where, what = ((stats.server.endpoint, stats.server.error) if stats.server is not None
-                   else ("llmrun", "the reply was cut off"))  # fmt: skip
+    where, what = (
+        (stats.server.endpoint, stats.server.error)
+        if stats.server is not None
+        else ("llmrun", "the reply was cut off")
+    )
     return terminal_line(
         f"llmrun: error: {where}: {what} (the text so far is kept, marked incomplete)"
     )
@@ -145,8 +148,9 @@ def handled() -> Iterator[None]:
             raise
         quiet_broken_pipe()  # what is still buffered for stdout cannot be written either
         where = f": {e.filename}" if e.filename else " (writing the output)"
-        print(terminal_line(f"llmrun: error: {e.strerror or e}{where}"), file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            terminal_line(f"llmrun: error: {e.strerror or e}{where}"), file=sys.stderr, flush=True
+        )
         raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
@@ -155,9 +159,11 @@ def handled() -> Iterator[None]:
         if debug():
             raise
         print(
-            terminal_line(f"llmrun: internal error: {type(e).__name__}: {e}"
-                          " (LLMRUN_DEBUG=1 shows the traceback)"),
+            terminal_line(
+                f"llmrun: internal error: {type(e).__name__}: {e}"
+                " (LLMRUN_DEBUG=1 shows the traceback)"
+            ),
             file=sys.stderr,
             flush=True,
-        )  # fmt: skip
+        )
         raise typer.Exit(EXIT_ERROR) from None

@@ -36,15 +36,34 @@ SELECTOR_HELP = (
 
 # compare-llama-bench.py's column heads
 HEADS = {
-    "cpu_info": "CPU", "gpu_info": "GPU", "backends": "Backends", "n_gpu_layers": "GPU layers",
-    "tensor_buft_overrides": "Tensor overrides", "model_filename": "File", "model_type": "Model",
-    "n_batch": "Batch size", "n_ubatch": "Microbatch size", "embeddings": "Embeddings",
-    "cpu_mask": "CPU mask", "cpu_strict": "CPU strict", "poll": "Poll", "n_threads": "Threads",
-    "type_k": "K type", "type_v": "V type", "load_mode": "Load mode", "no_kv_offload": "NKVO",
-    "split_mode": "Split mode", "main_gpu": "Main GPU", "tensor_split": "Tensor split",
-    "flash_attn": "FlashAttention", "n_cpu_moe": "CPU MoE", "fit_target": "Fit target",
-    "fit_min_ctx": "Fit min ctx", "repack": "Repack", "draft": "Draft",
-}  # fmt: skip
+    "cpu_info": "CPU",
+    "gpu_info": "GPU",
+    "backends": "Backends",
+    "n_gpu_layers": "GPU layers",
+    "tensor_buft_overrides": "Tensor overrides",
+    "model_filename": "File",
+    "model_type": "Model",
+    "n_batch": "Batch size",
+    "n_ubatch": "Microbatch size",
+    "embeddings": "Embeddings",
+    "cpu_mask": "CPU mask",
+    "cpu_strict": "CPU strict",
+    "poll": "Poll",
+    "n_threads": "Threads",
+    "type_k": "K type",
+    "type_v": "V type",
+    "load_mode": "Load mode",
+    "no_kv_offload": "NKVO",
+    "split_mode": "Split mode",
+    "main_gpu": "Main GPU",
+    "tensor_split": "Tensor split",
+    "flash_attn": "FlashAttention",
+    "n_cpu_moe": "CPU MoE",
+    "fit_target": "Fit target",
+    "fit_min_ctx": "Fit min ctx",
+    "repack": "Repack",
+    "draft": "Draft",
+}
 
 
 def history(
@@ -136,8 +155,9 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
     runs = h.runs(limit=limit, model=model)
     if not runs:
         if model and h.runs(limit=1):
-            console.print(f"no stored run's model name contains {model!r} (in {h.path})",
-                          markup=False)  # fmt: skip
+            console.print(
+                f"no stored run's model name contains {model!r} (in {h.path})", markup=False
+            )
         else:
             console.print(f"no bench runs stored yet (in {h.path})", markup=False)
         return
@@ -157,8 +177,10 @@ def _export(h: History, target: str, model: str | None) -> None:
         sys.stdout.flush()
         return
     write_database(Path(target), sql)
-    print(f"{len(records)} results written to {target} (llama-bench's table llama_bench)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(records)} results written to {target} (llama-bench's table llama_bench)",
+        file=sys.stderr,
+    )
 
 
 def _of(model: str | None) -> str:
@@ -207,8 +229,10 @@ def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutC
     if c.ignored:
         notes.append(f"paired across {', '.join(c.ignored)}, which the sets fix")
     if c.unpaired_baseline or c.unpaired_compare:
-        notes.append(f"left out, no partner with the same test and settings: {c.unpaired_baseline}"
-                     f" in the baseline, {c.unpaired_compare} in the compare set")  # fmt: skip
+        notes.append(
+            f"left out, no partner with the same test and settings: {c.unpaired_baseline}"
+            f" in the baseline, {c.unpaired_compare} in the compare set"
+        )
     for note in notes:
         print(terminal_line(f"llmrun: {note}"), file=sys.stderr, flush=True)
     if fmt is CompareFormat.md:
@@ -234,9 +258,12 @@ def _table(c: Comparison) -> Fitted:
     styles = {"regression": "red", "improvement": "green"}
     for p in c.pairs:
         table.add_row(
-            *(terminal_text(_cell(v)) for _, v in p.shown), p.test,
+            *(terminal_text(_cell(v)) for _, v in p.shown),
+            p.test,
             _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
-            _rate(p.compare.avg_ts, p.compare.stddev_ts), _cell(_speedup(p.speedup)),
-            f"{p.baseline.runs}/{p.compare.runs}", Text(p.verdict, style=styles.get(p.verdict, "")),
-        )  # fmt: skip
+            _rate(p.compare.avg_ts, p.compare.stddev_ts),
+            _cell(_speedup(p.speedup)),
+            f"{p.baseline.runs}/{p.compare.runs}",
+            Text(p.verdict, style=styles.get(p.verdict, "")),
+        )
     return fitted(table)

@@ -74,8 +74,11 @@ def repair_utf8(text: str, source: str = "stdin") -> str:
     repaired = raw.decode("utf-8", errors="replace")
     if source not in _WARNED:
         _WARNED.add(source)
-        print(f"llmrun: warning: {source} is not valid UTF-8; bytes replaced with U+FFFD",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"llmrun: warning: {source} is not valid UTF-8; bytes replaced with U+FFFD",
+            file=sys.stderr,
+            flush=True,
+        )
     return repaired.encode("utf-8", errors="replace").decode("utf-8")
 
 
@@ -201,8 +204,9 @@ def parse_jsonl_line(
     if "raw" in obj and not isinstance(obj["raw"], bool):
         raise BadRequestError("'raw' must be true or false")
     given_id = obj.get("id")
-    if given_id is not None and (not isinstance(given_id, (str, int))
-                                 or isinstance(given_id, bool)):  # fmt: skip
+    if given_id is not None and (
+        not isinstance(given_id, (str, int)) or isinstance(given_id, bool)
+    ):
         raise BadRequestError("'id' must be a string or an integer")
     if "messages" in obj:
         messages = obj["messages"]

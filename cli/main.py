@@ -39,8 +39,11 @@ def _same_text_in_every_locale() -> None:
     """stdin is read as UTF-8 under C, C.UTF-8 and en_US.UTF-8 alike; bytes that are not UTF-8
     survive as escapes until `inputs.repair_utf8` replaces them (with a warning). Text that the
     locale cannot show is replaced on output instead of ending the run."""
-    for stream, errors in ((sys.stdin, "surrogateescape"), (sys.stdout, "replace"),
-                           (sys.stderr, "replace")):  # fmt: skip
+    for stream, errors in (
+        (sys.stdin, "surrogateescape"),
+        (sys.stdout, "replace"),
+        (sys.stderr, "replace"),
+    ):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             try:

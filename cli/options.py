@@ -53,108 +53,143 @@ Model = Annotated[
 Ctx = Annotated[
     int | None,
     typer.Option(
-        "-c", "--ctx", "--ctx-size", envvar="LLMRUN_CTX", min=0,
+        "-c",
+        "--ctx",
+        "--ctx-size",
+        envvar="LLMRUN_CTX",
+        min=0,
         help="Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 Batch = Annotated[
     int | None,
     typer.Option(
-        "-b", "--batch", min=1,
+        "-b",
+        "--batch",
+        min=1,
         help="Prefill chunk size (n_batch): prompt tokens per llama_decode call."
         " (default: 512, or the value `llmrun tune` found)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 Ubatch = Annotated[
     int | None,
     typer.Option(
-        "--ubatch", min=1, help="Physical micro-batch size (n_ubatch), at most --batch."
+        "--ubatch",
+        min=1,
+        help="Physical micro-batch size (n_ubatch), at most --batch."
         " (default: 512, or the tuned value)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 Threads = Annotated[
     int | None,
     typer.Option(
-        "-t", "--threads", envvar="LLMRUN_THREADS", min=1,
+        "-t",
+        "--threads",
+        envvar="LLMRUN_THREADS",
+        min=1,
         help="CPU threads. (default: physical cores, or the tuned value)",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
     ),
-]  # fmt: skip
+]
 ThreadsBatch = Annotated[
     int | None,
     typer.Option(
-        "-tb", "--threads-batch", min=1,
+        "-tb",
+        "--threads-batch",
+        min=1,
         help="CPU threads for prefill (llama.cpp's n_threads_batch). (default: --threads)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 GpuLayers = Annotated[
     int | None,
     typer.Option(
-        "-ngl", "--gpu-layers", "--n-gpu-layers", envvar="LLMRUN_GPU_LAYERS", show_default=False,
+        "-ngl",
+        "--gpu-layers",
+        "--n-gpu-layers",
+        envvar="LLMRUN_GPU_LAYERS",
+        show_default=False,
         help="Layers to offload to the GPU; -1, or more than the model has, is all. (default: all"
         " that fit where this build can offload, else 0)",
         rich_help_panel=MODEL_PANEL,
     ),
-]  # fmt: skip
+]
 FlashAttnOpt = Annotated[
     FlashAttn | None,
     typer.Option(
-        "--flash-attn", case_sensitive=False,
+        "--flash-attn",
+        case_sensitive=False,
         help="Flash attention. (default: the tuned value, else llama.cpp's auto, which"
         " checks that the model's device supports it)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 Repack = Annotated[
     bool | None,
     typer.Option(
         "--repack/--no-repack",
         help="Repack weights for faster CPU kernels. (default: on, except on AMX CPUs)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 
 CpuMask = Annotated[
     str | None,
     typer.Option(
-        "-C", "--cpu-mask", metavar="HEX",
+        "-C",
+        "--cpu-mask",
+        metavar="HEX",
         help="The compute threads' CPUs, a hex mask such as 0x3 for CPUs 0-1 (llama.cpp's"
         " -C). (default: none)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 CpuStrict = Annotated[
     int,
     typer.Option(
-        "--cpu-strict", min=0, max=1, metavar="0|1",
+        "--cpu-strict",
+        min=0,
+        max=1,
+        metavar="0|1",
         help="1: one CPU of --cpu-mask per compute thread, in turn.",
         rich_help_panel=MODEL_PANEL,
     ),
-]  # fmt: skip
+]
 Poll = Annotated[
     int,
     typer.Option(
-        "--poll", min=0, max=100, metavar="0..100",
+        "--poll",
+        min=0,
+        max=100,
+        metavar="0..100",
         help="How long idle compute threads spin before they sleep (llama.cpp's --poll).",
         rich_help_panel=MODEL_PANEL,
     ),
-]  # fmt: skip
+]
 
 KvUnified = Annotated[
     bool | None,
     typer.Option(
-        "-kvu/-no-kvu", "--kv-unified/--no-kv-unified",
+        "-kvu/-no-kvu",
+        "--kv-unified/--no-kv-unified",
         help="Several sequences: one KV buffer for all (llama.cpp's -kvu), or each its own KV"
         " stream (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do."
         " (default: one stream per sequence)",
-        rich_help_panel=MODEL_PANEL, show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 
 NoWarmup = Annotated[
     bool,
@@ -164,39 +199,54 @@ NoWarmup = Annotated[
         " request's prefill then pays the backend's one-time set-up.",
         rich_help_panel=MODEL_PANEL,
     ),
-]  # fmt: skip
+]
 
 REMOTE_PANEL = "Remote server (OpenAI-compatible)"
 Endpoint = Annotated[
     str | None,
     typer.Option(
-        "--endpoint", envvar="LLMRUN_ENDPOINT", metavar="URL",
+        "--endpoint",
+        envvar="LLMRUN_ENDPOINT",
+        metavar="URL",
         help="Use an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1) instead"
         " of a local model; -m then names the server's model (default: its first).",
-        rich_help_panel=REMOTE_PANEL, show_default=False,
+        rich_help_panel=REMOTE_PANEL,
+        show_default=False,
     ),
-]  # fmt: skip
+]
 ApiKey = Annotated[
     str | None,
     typer.Option(
-        "--api-key", envvar="LLMRUN_API_KEY", help="API key for --endpoint (never printed).",
-        rich_help_panel=REMOTE_PANEL, show_default=False, show_envvar=True,
+        "--api-key",
+        envvar="LLMRUN_API_KEY",
+        help="API key for --endpoint (never printed).",
+        rich_help_panel=REMOTE_PANEL,
+        show_default=False,
+        show_envvar=True,
     ),
-]  # fmt: skip
+]
 Timeout = Annotated[
     float,
     typer.Option(
-        "--timeout", min=0.1, max=86400.0,
+        "--timeout",
+        min=0.1,
+        max=86400.0,
         help="Seconds to wait for the server before giving up on a read.",
         rich_help_panel=REMOTE_PANEL,
     ),
-]  # fmt: skip
+]
 
 MaxTokens = Annotated[
     int,
-    typer.Option("-n", "--max-tokens", "--n-predict", min=1, help="Most tokens to generate.",
-                 rich_help_panel=SAMPLING_PANEL),
-]  # fmt: skip
+    typer.Option(
+        "-n",
+        "--max-tokens",
+        "--n-predict",
+        min=1,
+        help="Most tokens to generate.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
 Temp = Annotated[
     float,
     typer.Option(
@@ -220,77 +270,121 @@ MinP = Annotated[
 ]
 RepeatPenalty = Annotated[
     float,
-    typer.Option("--repeat-penalty", min=0.0, help="Penalty on the last 64 tokens; 1 = off.",
-                 rich_help_panel=SAMPLING_PANEL),
-]  # fmt: skip
+    typer.Option(
+        "--repeat-penalty",
+        min=0.0,
+        help="Penalty on the last 64 tokens; 1 = off.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
 Seed = Annotated[
     int | None,
-    typer.Option("--seed", min=0, help="Sampling seed. (default: random, reported in the stats)",
-                 rich_help_panel=SAMPLING_PANEL, show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "--seed",
+        min=0,
+        help="Sampling seed. (default: random, reported in the stats)",
+        rich_help_panel=SAMPLING_PANEL,
+        show_default=False,
+    ),
+]
 Stop = Annotated[
     list[str] | None,
-    typer.Option("--stop", help="Stop when this text appears (repeatable).",
-                 rich_help_panel=SAMPLING_PANEL, show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "--stop",
+        help="Stop when this text appears (repeatable).",
+        rich_help_panel=SAMPLING_PANEL,
+        show_default=False,
+    ),
+]
 Think = Annotated[
     bool | None,
-    typer.Option("--think/--no-think", show_default=False, rich_help_panel=SAMPLING_PANEL,
-                 help="Turn the model's thinking on or off where its chat template has the"
-                 " switch (enable_thinking; sent to servers as chat_template_kwargs)."),
-]  # fmt: skip
+    typer.Option(
+        "--think/--no-think",
+        show_default=False,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Turn the model's thinking on or off where its chat template has the"
+        " switch (enable_thinking; sent to servers as chat_template_kwargs).",
+    ),
+]
 Draft = Annotated[
     str | None,
-    typer.Option("--draft", metavar="lookup[:N]", show_default=False,
-                 rich_help_panel=SAMPLING_PANEL,
-                 help="Speculative decoding by prompt lookup: up to N tokens (default 8) that"
-                 " followed the last few tokens earlier in the context are checked in one batch."
-                 " Greedy only (--temp 0)."),
-]  # fmt: skip
+    typer.Option(
+        "--draft",
+        metavar="lookup[:N]",
+        show_default=False,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Speculative decoding by prompt lookup: up to N tokens (default 8) that"
+        " followed the last few tokens earlier in the context are checked in one batch."
+        " Greedy only (--temp 0).",
+    ),
+]
 DraftModel = Annotated[
     Path | None,
-    typer.Option("--draft-model", metavar="PATH", show_default=False,
-                 rich_help_panel=SAMPLING_PANEL,
-                 help="Speculative decoding with a small model of the same vocabulary as the"
-                 " drafter (up to --draft model:N tokens, default 8). Greedy only (--temp 0)."),
-]  # fmt: skip
+    typer.Option(
+        "--draft-model",
+        metavar="PATH",
+        show_default=False,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Speculative decoding with a small model of the same vocabulary as the"
+        " drafter (up to --draft model:N tokens, default 8). Greedy only (--temp 0).",
+    ),
+]
 HideThinking = Annotated[
     bool,
-    typer.Option("--hide-thinking", rich_help_panel=SAMPLING_PANEL,
-                 help="Print only the answer; the thinking is still counted in the stats."),
-]  # fmt: skip
+    typer.Option(
+        "--hide-thinking",
+        rich_help_panel=SAMPLING_PANEL,
+        help="Print only the answer; the thinking is still counted in the stats.",
+    ),
+]
 ThinkingStdout = Annotated[
     bool,
-    typer.Option("--thinking-stdout", rich_help_panel=SAMPLING_PANEL,
-                 help="When stdout is not a terminal, keep the thinking there between <think>"
-                 " and </think> lines (by default it goes to stderr, so stdout gets the answer"
-                 " alone)."),
-]  # fmt: skip
+    typer.Option(
+        "--thinking-stdout",
+        rich_help_panel=SAMPLING_PANEL,
+        help="When stdout is not a terminal, keep the thinking there between <think>"
+        " and </think> lines (by default it goes to stderr, so stdout gets the answer"
+        " alone).",
+    ),
+]
 ChatTemplateFile = Annotated[
     Path | None,
-    typer.Option("--chat-template-file", metavar="FILE", show_default=False,
-                 rich_help_panel=MODEL_PANEL,
-                 help="A Jinja chat template to use in place of the model's own."),
-]  # fmt: skip
+    typer.Option(
+        "--chat-template-file",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=MODEL_PANEL,
+        help="A Jinja chat template to use in place of the model's own.",
+    ),
+]
 NoDashboard = Annotated[
     bool,
     typer.Option(
-        "--no-dashboard", envvar="LLMRUN_NO_DASHBOARD",
+        "--no-dashboard",
+        envvar="LLMRUN_NO_DASHBOARD",
         help="No live dashboard on a terminal: plain lines, as when stderr is not a terminal.",
     ),
-]  # fmt: skip
+]
 System = Annotated[
     str | None,
-    typer.Option("-s", "--system", help="System prompt (in llama.cpp, -s is the seed: that is"
-                 " --seed here).", show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "-s",
+        "--system",
+        help="System prompt (in llama.cpp, -s is the seed: that is --seed here).",
+        show_default=False,
+    ),
+]
 
 
 def warn_if_seed(system: str | None) -> None:
     """`-s 42` is the seed in llama.cpp; here it is the system prompt. Keep it, but say so."""
     if system is not None and system.strip().lstrip("+-").isdigit():
-        print(f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
-              " seed is --seed", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
+            " seed is --seed",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def sampling_params(
@@ -339,8 +433,9 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
     if count and not (count.isdigit() and 1 <= int(count) <= 64):
         raise BadRequestError(f"--draft: '{count}' is not a count from 1 to 64")
     if temp > 0:
-        raise BadRequestError("--draft: speculative decoding here checks drafts greedily; add"
-                              " --temp 0")  # fmt: skip
+        raise BadRequestError(
+            "--draft: speculative decoding here checks drafts greedily; add --temp 0"
+        )
     return int(count) if count else DEFAULT_DRAFT
 
 
@@ -384,16 +479,35 @@ def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, Engin
     warn_if_seed(g.system)
     refuse_for_endpoint(g.endpoint, {"--draft": g.draft})
     sampling = sampling_params(
-        max_tokens=g.max_tokens, temp=g.temp, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
-        repeat_penalty=g.repeat_penalty, seed=g.seed, stop=g.stop, think=g.think,
-        draft=g.draft, draft_model=g.draft_model is not None,
-    )  # fmt: skip
+        max_tokens=g.max_tokens,
+        temp=g.temp,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        min_p=g.min_p,
+        repeat_penalty=g.repeat_penalty,
+        seed=g.seed,
+        stop=g.stop,
+        think=g.think,
+        draft=g.draft,
+        draft_model=g.draft_model is not None,
+    )
     config = local_engine(
-        endpoint=g.endpoint, ctx=g.ctx, batch=g.batch, ubatch=g.ubatch, threads=g.threads,
-        threads_batch=g.threads_batch, gpu_layers=g.gpu_layers, flash_attn=g.flash_attn,
-        repack=g.repack, chat_template_file=g.chat_template_file, draft_model=g.draft_model,
-        no_warmup=g.no_warmup, cpu_mask=g.cpu_mask, cpu_strict=g.cpu_strict, poll=g.poll,
-    )  # fmt: skip
+        endpoint=g.endpoint,
+        ctx=g.ctx,
+        batch=g.batch,
+        ubatch=g.ubatch,
+        threads=g.threads,
+        threads_batch=g.threads_batch,
+        gpu_layers=g.gpu_layers,
+        flash_attn=g.flash_attn,
+        repack=g.repack,
+        chat_template_file=g.chat_template_file,
+        draft_model=g.draft_model,
+        no_warmup=g.no_warmup,
+        cpu_mask=g.cpu_mask,
+        cpu_strict=g.cpu_strict,
+        poll=g.poll,
+    )
     return sampling, config
 
 
@@ -408,8 +522,9 @@ def refuse_given(given: Mapping[str, object], why: str) -> None:
 def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
     """One rule for every command: with --endpoint the server's own settings decide."""
     if endpoint:
-        refuse_given(given, "local-engine options; with --endpoint the server's own settings"
-                            " decide")  # fmt: skip
+        refuse_given(
+            given, "local-engine options; with --endpoint the server's own settings decide"
+        )
 
 
 def local_engine(
@@ -433,24 +548,29 @@ def local_engine(
     """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
     (the context size does: it sizes chat's context meter and the overflow policy)."""
     local: dict[str, object] = {
-        "-b/--batch": batch, "--ubatch": ubatch, "-t/--threads": threads,
+        "-b/--batch": batch,
+        "--ubatch": ubatch,
+        "-t/--threads": threads,
         "-tb/--threads-batch": threads_batch,
-        "-ngl/--gpu-layers": gpu_layers, "--flash-attn": flash_attn,
+        "-ngl/--gpu-layers": gpu_layers,
+        "--flash-attn": flash_attn,
         "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
         "--chat-template-file": chat_template_file,
         "--draft-model": draft_model,
         "--no-warmup": no_warmup,
-        "-C/--cpu-mask": cpu_mask, "--cpu-strict": cpu_strict,
+        "-C/--cpu-mask": cpu_mask,
+        "--cpu-strict": cpu_strict,
         "--poll": None if poll == DEFAULT_POLL else "given",
-    }  # fmt: skip
+    }
     refuse_for_endpoint(endpoint, local)
     threadpool = ThreadpoolSettings(cpu_mask=cpu_mask or "0x0", strict=bool(cpu_strict), poll=poll)
     threadpool.placement(1)  # a mask of no CPU here is refused before the model loads
     template = None
     if chat_template_file is not None:
         try:  # a template is a few KiB; /dev/zero or a model file given by mistake is not
-            template = read_capped(chat_template_file, max_bytes=MAX_TEMPLATE_BYTES,
-                                   what="template").decode("utf-8", errors="replace")  # fmt: skip
+            template = read_capped(
+                chat_template_file, max_bytes=MAX_TEMPLATE_BYTES, what="template"
+            ).decode("utf-8", errors="replace")
         except OSError as e:
             raise BadRequestError(
                 f"--chat-template-file: cannot read {chat_template_file}: {e.strerror or e}"

@@ -71,8 +71,9 @@ def tally_view(label: str, unit: str, tally: Tally) -> Callable[[float], Shown]:
     """A stage counted in a `Tally`: its figures at any moment."""
 
     def view(now_s: float) -> Shown:
-        return Shown(label, tally.done, tally.total, unit, tally.elapsed_s(now_s),
-                     tally.eta_s(now_s))  # fmt: skip
+        return Shown(
+            label, tally.done, tally.total, unit, tally.elapsed_s(now_s), tally.eta_s(now_s)
+        )
 
     return view
 
@@ -111,13 +112,22 @@ class ProgressLine:
         self.view = view
         if self.live_ok:
             if self._live is None:
-                self._live = Live(_Rendered(self), console=self.err, transient=True,
-                                  refresh_per_second=4, redirect_stdout=False,
-                                  redirect_stderr=False)  # fmt: skip
+                self._live = Live(
+                    _Rendered(self),
+                    console=self.err,
+                    transient=True,
+                    refresh_per_second=4,
+                    redirect_stdout=False,
+                    redirect_stderr=False,
+                )
                 self._live.start()
         elif self.plain_lines and (shown := view(time.monotonic())).total > 0:
-            self.err.print(f"llmrun: {terminal_line(label)}: {shown.total} {shown.unit}",
-                           markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+            self.err.print(
+                f"llmrun: {terminal_line(label)}: {shown.total} {shown.unit}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def stop(self) -> None:
         """Erase the line (on a terminal); a later `follow` draws it again."""

@@ -58,51 +58,78 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
         m, st = s.model, s.settings
-        rows.append((
-            "model",
-            f"{display_name(m)} · {engine_text(st)}" + tuned_text(st)
-            + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
-        ))  # fmt: skip
+        rows.append(
+            (
+                "model",
+                f"{display_name(m)} · {engine_text(st)}"
+                + tuned_text(st)
+                + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
+            )
+        )
     facts = ""
     if s.model:
         m = s.model
-        facts = (f" · {m.architecture} · {human_count(m.n_params)} params"
-                 f" · {human_count(m.size_bytes, 'B')} of weights")  # fmt: skip
+        facts = (
+            f" · {m.architecture} · {human_count(m.n_params)} params"
+            f" · {human_count(m.size_bytes, 'B')} of weights"
+        )
     memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
         ("load", ms(s.load_s) + warmup_text(s.warmup_s) + cache_text(s.settings) + facts),
         *([("memory", memory)] if memory else []),
-        ("prompt", f"{s.prompt_tokens} tokens"
-                   f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
-                   + (f"; {s.prefilled_tokens} evaluated before the interrupt"
-                      if s.prefilled_tokens is not None else "")),
+        (
+            "prompt",
+            f"{s.prompt_tokens} tokens"
+            f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
+            + (
+                f"; {s.prefilled_tokens} evaluated before the interrupt"
+                if s.prefilled_tokens is not None
+                else ""
+            ),
+        ),
         ("prefill", f"{ms(s.prefill_s)} · {tps(s.prompt_tps)}"),
-        ("ttft", f"{ms(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
-                 f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}"),
-    ]  # fmt: skip
+        (
+            "ttft",
+            f"{ms(s.ttft_s)} = template+tokenize {ms(s.template_tokenize_s)}"
+            f" + prefill {ms(s.prefill_s)} + first sample {ms(s.first_sample_s)}",
+        ),
+    ]
     return rows + _output_rows(s)
 
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
         *thinking_rows(s),
-        ("output", f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
-                   f" [{s.finish_reason}]" + _context_hint(s)),
+        (
+            "output",
+            f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
+            f" [{s.finish_reason}]" + _context_hint(s),
+        ),
         ("decode", f"{ms(s.decode_s)} · {tps(s.output_tps)}"),
         *speculation_rows(s),
-        ("itl", f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
-                f" · max {ms(s.itl_max_s)}"),
-        ("total", ms(s.e2e_s) + " (from the request: load not included)"
-                  + (f" · seed {s.seed}" if s.seed is not None else "")),
-    ]  # fmt: skip
+        (
+            "itl",
+            f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
+            f" · max {ms(s.itl_max_s)}",
+        ),
+        (
+            "total",
+            ms(s.e2e_s)
+            + " (from the request: load not included)"
+            + (f" · seed {s.seed}" if s.seed is not None else ""),
+        ),
+    ]
 
 
 def engine_text(st: EngineSettings) -> str:
     """Where the model runs: the device and the layers on it, then the CPU's threads and batch
     ('CUDA0 NVIDIA H200 · ngl 31/31 · 0.21 GiB on the device · CPU 2t · batch 512')."""
-    layers = f"ngl {st.n_gpu_layers}/{st.n_layer_total}" if st.n_layer_total else (
-        f"ngl {st.n_gpu_layers}")  # fmt: skip
+    layers = (
+        f"ngl {st.n_gpu_layers}/{st.n_layer_total}"
+        if st.n_layer_total
+        else (f"ngl {st.n_gpu_layers}")
+    )
     cpu = f"CPU {st.n_threads}t · batch {st.n_batch}"
     if not st.n_gpu_layers:
         return f"{cpu} · {layers}"
@@ -146,19 +173,26 @@ def speculation_rows(s: GenerationStats) -> list[tuple[str, str]]:
         return []
     rate_text = f" ({s.acceptance_rate:.0%})" if s.acceptance_rate is not None else ""
     per_step = f"{s.tokens_per_step:.2f}" if s.tokens_per_step is not None else "-"
-    return [("draft", f"{s.draft_tokens} drafted · {s.accepted_tokens} accepted{rate_text} ·"
-                      f" {per_step} tokens per decode step")]  # fmt: skip
+    return [
+        (
+            "draft",
+            f"{s.draft_tokens} drafted · {s.accepted_tokens} accepted{rate_text} ·"
+            f" {per_step} tokens per decode step",
+        )
+    ]
 
 
 def thinking_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """For a model that thought before answering: the thinking, and the answer on its own."""
     if not s.thinking_tokens:
         return []
-    answer = (f"first answer token at {ms(s.first_answer_s)} (TTFT {ms(s.ttft_s)}) ·"
-              f" {s.answer_tokens} answer tokens · {tps(s.answer_tps)}"
-              if s.first_answer_s is not None else "no answer after the thinking")  # fmt: skip
-    return [("thinking", f"{s.thinking_tokens} tokens · {ms(s.thinking_s)}"),
-            ("answer", answer)]  # fmt: skip
+    answer = (
+        f"first answer token at {ms(s.first_answer_s)} (TTFT {ms(s.ttft_s)}) ·"
+        f" {s.answer_tokens} answer tokens · {tps(s.answer_tps)}"
+        if s.first_answer_s is not None
+        else "no answer after the thinking"
+    )
+    return [("thinking", f"{s.thinking_tokens} tokens · {ms(s.thinking_s)}"), ("answer", answer)]
 
 
 def display_name(m: ModelInfo) -> str:
@@ -181,8 +215,10 @@ def context_note(asked: int | None, ran: int) -> str | None:
     builds), so the context that ran is said when it differs from the one asked for."""
     if not asked or not ran or asked == ran:
         return None
-    return (f"note: -c {asked}: llama.cpp sized the context to {ran} tokens"
-            f" ({'its padding' if ran > asked else 'its limit'}); {ran} is what ran")  # fmt: skip
+    return (
+        f"note: -c {asked}: llama.cpp sized the context to {ran} tokens"
+        f" ({'its padding' if ran > asked else 'its limit'}); {ran} is what ran"
+    )
 
 
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
@@ -193,25 +229,35 @@ def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     logical = logical_cpus()
     fewer = max(1, round(logical - s.background_cpus)) < threads  # -t was given: say what helps
     advice = f"; {busy_advice(s.background_cpus, threads, logical=logical)}" if fewer else ""
-    return [("warning", f"other processes kept {s.background_cpus:.1f} CPUs busy during this run"
-                        f" ({logical} in all, {threads} for llama.cpp): these figures"
-                        f" are unreliable{advice}")]  # fmt: skip
+    return [
+        (
+            "warning",
+            f"other processes kept {s.background_cpus:.1f} CPUs busy during this run"
+            f" ({logical} in all, {threads} for llama.cpp): these figures"
+            f" are unreliable{advice}",
+        )
+    ]
 
 
 def busy_warning(background: float, threads: int, during: str, *, poll: bool = False) -> str:
     """One line for figures measured on a busy machine: how busy, and what would help."""
     logical = logical_cpus()
     advice = busy_advice(background, threads, logical=logical, poll=poll)
-    return (f"llmrun: warning: other processes kept up to {background:.1f} of {logical} CPUs"
-            f" busy during {during} ({threads} threads for llama.cpp): those figures are"
-            f" unreliable; {advice}")  # fmt: skip
+    return (
+        f"llmrun: warning: other processes kept up to {background:.1f} of {logical} CPUs"
+        f" busy during {during} ({threads} threads for llama.cpp): those figures are"
+        f" unreliable; {advice}"
+    )
 
 
 def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:
     """A server's request: the client's view, and the server's own timings beside it."""
     host = f"remote {server.host}"
-    prompt = (f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
-              if s.prompt_tokens else "not reported by the server")  # fmt: skip
+    prompt = (
+        f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
+        if s.prompt_tokens
+        else "not reported by the server"
+    )
     rows = [
         ("model", f"{server.model} · {host}"),
         ("connect", f"{ms(s.load_s)} (GET /v1/models)"),
@@ -223,17 +269,28 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
         p_ms, p_n = t.prompt_ms, t.prompt_n or 0
         d_ms, d_n = t.predicted_ms or 0.0, t.predicted_n or 0
         rows += [
-            ("server", f"prefill {ms(p_ms / 1000)} for {p_n} tokens"
-                       f" ({t.cache_n or 0} cached) · {tps(rate(p_n, p_ms / 1000))}"
-                       f" · decode {ms(d_ms / 1000)} for {d_n} tokens"
-                       f" · {tps(rate(d_n, d_ms / 1000))}"),
-            ("network", f"{ms((server.network_queue_ms or 0) / 1000)} of the TTFT was network and"
-                        " queueing (client TTFT minus the server's prefill)"),
-        ]  # fmt: skip
+            (
+                "server",
+                f"prefill {ms(p_ms / 1000)} for {p_n} tokens"
+                f" ({t.cache_n or 0} cached) · {tps(rate(p_n, p_ms / 1000))}"
+                f" · decode {ms(d_ms / 1000)} for {d_n} tokens"
+                f" · {tps(rate(d_n, d_ms / 1000))}",
+            ),
+            (
+                "network",
+                f"{ms((server.network_queue_ms or 0) / 1000)} of the TTFT was network and"
+                " queueing (client TTFT minus the server's prefill)",
+            ),
+        ]
     rows += _output_rows(s)
     if server.implausible:
-        rows.append(("warning", "the server's figures that cannot be true were left out: "
-                                + "; ".join(server.implausible)))  # fmt: skip
+        rows.append(
+            (
+                "warning",
+                "the server's figures that cannot be true were left out: "
+                + "; ".join(server.implausible),
+            )
+        )
     if server.error:
         rows.append(("error", f"{server.error}; the text so far is kept"))
     return rows
@@ -297,8 +354,11 @@ def aggregate_table(agg: Aggregate) -> Fitted:
     table.add_column("figure")
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")
-    formats = {"ttft_s": ("TTFT", ms), "prompt_tps": ("prompt tok/s", tps),
-               "output_tps": ("output tok/s", tps)}  # fmt: skip
+    formats = {
+        "ttft_s": ("TTFT", ms),
+        "prompt_tps": ("prompt tok/s", tps),
+        "output_tps": ("output tok/s", tps),
+    }
     for key, (name, fmt) in formats.items():
         figures = agg.figures[key]
         table.add_row(name, fmt(figures["p50"]), fmt(figures["p90"]))
@@ -362,14 +422,16 @@ def stacked(table: Table, *, by_column: bool = False) -> Stacked:
     column's header and value."""
     headers = [_text(c.header) for c in table.columns]
     columns = [[_text(cell) for cell in c.cells] for c in table.columns]
-    rows = [[col[i] if i < len(col) else Text("") for col in columns]
-            for i in range(table.row_count)]  # fmt: skip
+    rows = [
+        [col[i] if i < len(col) else Text("") for col in columns] for i in range(table.row_count)
+    ]
     if by_column:  # a block per column: its header, then each row's first cell and its value
-        blocks = [(headers[j], [(row[0], row[j]) for row in rows])
-                  for j in range(1, len(headers))]  # fmt: skip
+        blocks = [(headers[j], [(row[0], row[j]) for row in rows]) for j in range(1, len(headers))]
     else:
-        blocks = [(row[0] if row[0].plain else headers[0],
-                   list(zip(headers[1:], row[1:], strict=True))) for row in rows]  # fmt: skip
+        blocks = [
+            (row[0] if row[0].plain else headers[0], list(zip(headers[1:], row[1:], strict=True)))
+            for row in rows
+        ]
     return Stacked(
         title=_text(table.title) if table.title else None,
         blocks=blocks,

@@ -177,28 +177,55 @@ def run(
     """
     with handled():
         options = o.GenerationOptions(
-            system=system, endpoint=endpoint, max_tokens=max_tokens, temp=temp, top_k=top_k,
-            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop,
-            think=think, draft=draft, draft_model=draft_model,
-            chat_template_file=chat_template_file, ctx=ctx, batch=batch, ubatch=ubatch,
-            threads=threads, threads_batch=threads_batch, gpu_layers=gpu_layers,
-            flash_attn=flash_attn, repack=repack, no_warmup=no_warmup, cpu_mask=cpu_mask,
-            cpu_strict=cpu_strict, poll=poll,
-        )  # fmt: skip
+            system=system,
+            endpoint=endpoint,
+            max_tokens=max_tokens,
+            temp=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop,
+            think=think,
+            draft=draft,
+            draft_model=draft_model,
+            chat_template_file=chat_template_file,
+            ctx=ctx,
+            batch=batch,
+            ubatch=ubatch,
+            threads=threads,
+            threads_batch=threads_batch,
+            gpu_layers=gpu_layers,
+            flash_attn=flash_attn,
+            repack=repack,
+            no_warmup=no_warmup,
+            cpu_mask=cpu_mask,
+            cpu_strict=cpu_strict,
+            poll=poll,
+        )
         sampling, config = o.generation_settings(options)
         jobs = collect_jobs(
-            words=prompt or [], files=file or [], jsonl=jsonl, system=system, raw=raw,
+            words=prompt or [],
+            files=file or [],
+            jsonl=jsonl,
+            system=system,
+            raw=raw,
             sampling=sampling,
-        )  # fmt: skip
+        )
         config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
         kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
-        o.refuse_for_endpoint(endpoint, {"--parallel": parallel if parallel > 1 else None,
-                                         "-kvu/--kv-unified": kvu_given})  # fmt: skip
+        o.refuse_for_endpoint(
+            endpoint,
+            {"--parallel": parallel if parallel > 1 else None, "-kvu/--kv-unified": kvu_given},
+        )
         if parallel > 1:  # the batched engine decodes one token per sequence and step
-            o.refuse_given({"--draft": draft, "--draft-model": draft_model},
-                           "--parallel does not speculate; drop one or the other")  # fmt: skip
+            o.refuse_given(
+                {"--draft": draft, "--draft-model": draft_model},
+                "--parallel does not speculate; drop one or the other",
+            )
             config = dataclasses.replace(config, kv_unified=kv_unified is True)
         else:
             o.refuse_given(
@@ -210,14 +237,21 @@ def run(
             served: Runner = runner
             cut_short = False
             if parallel > 1:
-                served, cut_short = _serve_in_parallel(runner, jobs, parallel, quiet=quiet,
-                                                       n_ctx=config.n_ctx)  # fmt: skip
+                served, cut_short = _serve_in_parallel(
+                    runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
+                )
             code = _run_jobs(
-                served, jobs, quiet=quiet, stats_format=stats, stats_file=stats_file,
-                json_out=json_out, dashboard=not no_dashboard and parallel == 1,
-                hide_thinking=hide_thinking, thinking_stdout=thinking_stdout,
+                served,
+                jobs,
+                quiet=quiet,
+                stats_format=stats,
+                stats_file=stats_file,
+                json_out=json_out,
+                dashboard=not no_dashboard and parallel == 1,
+                hide_thinking=hide_thinking,
+                thinking_stdout=thinking_stdout,
                 asked_ctx=config.n_ctx,
-            )  # fmt: skip
+            )
         finally:
             runner.close()
         if code == EXIT_BROKEN_PIPE:
@@ -241,8 +275,9 @@ def _serve_in_parallel(
         return runner, False
     cancel = threading.Event()
     with ctrl_c_cancels(cancel):
-        outcome, seconds = serve_requests(runner, requests, n_seq=parallel, n_ctx=n_ctx,
-                                          cancel=cancel)  # fmt: skip
+        outcome, seconds = serve_requests(
+            runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel
+        )
     finished = [f for f in outcome if isinstance(f, Finished)]
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
@@ -250,9 +285,13 @@ def _serve_in_parallel(
         cut = (
             f" (interrupted: {len(requests) - len(finished)} not served)" if cancel.is_set() else ""
         )
-        print(f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
-              f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
-              f" (prompt and output tokens){cut}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
+            f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
+            f" (prompt and output tokens){cut}",
+            file=sys.stderr,
+            flush=True,
+        )
     return Replay(runner, outcome), cancel.is_set()
 
 
@@ -342,17 +381,23 @@ def _run_jobs(
     # held and printed once the pager has quit.
     held = io.StringIO() if pager is not None else None
     errfile: TextIO = held or sys.stderr
-    err = Console(file=errfile, highlight=False, soft_wrap=True,
-                  force_terminal=live_terminal(sys.stderr) if held else None,
-                  width=shutil.get_terminal_size().columns if held else None)  # fmt: skip
+    err = Console(
+        file=errfile,
+        highlight=False,
+        soft_wrap=True,
+        force_terminal=live_terminal(sys.stderr) if held else None,
+        width=shutil.get_terminal_size().columns if held else None,
+    )
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and live_terminal(sys.stderr):
         if stdout_may_reach_this_terminal():
             final_panel = True  # `| cat`, `| tee`: live redraws would erase the piped text
         else:
-            dash = Dashboard(TerminalConsole(stderr=True, highlight=False),
-                             show_text=live_terminal(sys.stdout) and not json_out)  # fmt: skip
+            dash = Dashboard(
+                TerminalConsole(stderr=True, highlight=False),
+                show_text=live_terminal(sys.stdout) and not json_out,
+            )
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
@@ -363,8 +408,11 @@ def _run_jobs(
     with ctrl_c_cancels(cancel), KeysHeld(dash):
         for job in jobs:
             if job.error is not None or job.request is None:
-                print(terminal_line(f"llmrun: error: {job.label}: {job.error}"), file=errfile,
-                      flush=True)  # fmt: skip
+                print(
+                    terminal_line(f"llmrun: error: {job.label}: {job.error}"),
+                    file=errfile,
+                    flush=True,
+                )
                 failed = True
                 continue
             try:
@@ -391,11 +439,7 @@ def _run_jobs(
                 note = context_note(asked_ctx, s.settings.n_ctx)
             done.append(s)
             if json_out:
-                record = {
-                    "id": job.id,
-                    "text": finished.text,
-                    "stats": stats_record(s, job.id),
-                }
+                record = {"id": job.id, "text": finished.text, "stats": stats_record(s, job.id)}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 out.end_line()

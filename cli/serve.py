@@ -192,29 +192,67 @@ def serve(
     except BadRequestError as e:
         usage_error(str(e))
     with handled():
-        defaults = o.sampling_params(max_tokens=max_tokens, temp=temp, top_k=top_k, top_p=top_p,
-                                     min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
-                                     stop=stop)  # fmt: skip
+        defaults = o.sampling_params(
+            max_tokens=max_tokens,
+            temp=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop,
+        )
         if threads is None:  # llama.cpp's threads wait for each other at every layer: one that
             from llmrun.runners.system import default_threads  # loses its core stalls the step
 
             threads = max(1, default_threads() - 1)
-        config = o.local_engine(endpoint=None, ctx=ctx, batch=batch, ubatch=batch,
-                                threads=threads, threads_batch=threads_batch,
-                                gpu_layers=gpu_layers, flash_attn=None, repack=repack,
-                                chat_template_file=chat_template_file)  # fmt: skip
+        config = o.local_engine(
+            endpoint=None,
+            ctx=ctx,
+            batch=batch,
+            ubatch=batch,
+            threads=threads,
+            threads_batch=threads_batch,
+            gpu_layers=gpu_layers,
+            flash_attn=None,
+            repack=repack,
+            chat_template_file=chat_template_file,
+        )
         config = dataclasses.replace(config, kv_unified=kv_unified is True)
-        code = _serve(model, config, defaults, host=host, port=port, parallel=parallel,
-                      policy_text=policy, max_queue=max_queue, drain_s=drain, alias=alias,
-                      max_connections=connections, origins=origins,
-                      dashboard=not no_dashboard and sys.stderr.isatty())  # fmt: skip
+        code = _serve(
+            model,
+            config,
+            defaults,
+            host=host,
+            port=port,
+            parallel=parallel,
+            policy_text=policy,
+            max_queue=max_queue,
+            drain_s=drain,
+            alias=alias,
+            max_connections=connections,
+            origins=origins,
+            dashboard=not no_dashboard and sys.stderr.isatty(),
+        )
         raise typer.Exit(code)
 
 
-def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *, host: str,
-           port: int, parallel: int, policy_text: str | None, max_queue: int, drain_s: float,
-           alias: str | None, max_connections: int, origins: frozenset[str],
-           dashboard: bool) -> int:  # fmt: skip
+def _serve(
+    model: str | None,
+    config: EngineConfig,
+    defaults: SamplingParams,
+    *,
+    host: str,
+    port: int,
+    parallel: int,
+    policy_text: str | None,
+    max_queue: int,
+    drain_s: float,
+    alias: str | None,
+    max_connections: int,
+    origins: frozenset[str],
+    dashboard: bool,
+) -> int:
     import signal
 
     from llmrun.runners.llamacpp import LlamaCppRunner
@@ -229,8 +267,9 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise BadRequestError(f"serve needs the server extra ({e.name} is missing): pip install"
-                              " 'llmrun[server]'") from None  # fmt: skip
+        raise BadRequestError(
+            f"serve needs the server extra ({e.name} is missing): pip install 'llmrun[server]'"
+        ) from None
     if policy_text is not None:
         Policy.parse(policy_text)  # a bad --policy is said before the model loads
     runner = make_runner(model, config)
@@ -244,9 +283,13 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
     access = Access(origins, check_host=loopback_address(sock.getsockname()[0]))
     fit = srv.open_files_for(max_connections)
     if fit < max_connections:  # past the open-files limit accept() fails: cap below it
-        print(f"llmrun serve: warning: {max_connections} connections do not fit under this"
-              " process's limit on open files (ulimit -n); serving at most"
-              f" {fit}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"llmrun serve: warning: {max_connections} connections do not fit under this"
+            " process's limit on open files (ulimit -n); serving at most"
+            f" {fit}",
+            file=sys.stderr,
+            flush=True,
+        )
         max_connections = fit
     engine: EngineThread | None = None
     try:
@@ -256,12 +299,19 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
         runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
         box: dict[str, EngineThread] = {}
         metrics = ServerMetrics(running=lambda: box["e"].busy, queued=lambda: box["e"].queued)
-        engine = EngineThread(runner, n_seq=parallel, n_ctx_per_seq=loaded.settings.n_ctx,
-                              policy=policy, max_queue=max_queue, observer=metrics)  # fmt: skip
+        engine = EngineThread(
+            runner,
+            n_seq=parallel,
+            n_ctx_per_seq=loaded.settings.n_ctx,
+            policy=policy,
+            max_queue=max_queue,
+            observer=metrics,
+        )
         box["e"] = engine
         metrics.threads = engine.engine.threads  # as llama.cpp reports them
-        served = srv.Served(runner, engine, alias or srv.model_id(runner.model_path), defaults,
-                            metrics)  # fmt: skip
+        served = srv.Served(
+            runner, engine, alias or srv.model_id(runner.model_path), defaults, metrics
+        )
         bound = sock.getsockname()
         shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         url = f"http://{shown_host}:{bound[1]}"
@@ -272,14 +322,24 @@ def _serve(model: str | None, config: EngineConfig, defaults: SamplingParams, *,
             threads, threads_batch = metrics.threads
             unified = loaded.settings.params.get("kv_unified")  # as llama.cpp made the context
             kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
-            print(f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
-                  f" {loaded.settings.n_ctx} tokens{kv}, policy {policy}, queue {max_queue},"
-                  f" threads {threads}/{threads_batch})", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
+                f" {loaded.settings.n_ctx} tokens{kv}, policy {policy}, queue {max_queue},"
+                f" threads {threads}/{threads_batch})",
+                file=sys.stderr,
+                flush=True,
+            )
             view.start()
 
         try:
-            stopped_by = srv.run(served, sock, drain_s=drain_s, max_connections=max_connections,
-                                 access=access, on_ready=ready)  # fmt: skip
+            stopped_by = srv.run(
+                served,
+                sock,
+                drain_s=drain_s,
+                max_connections=max_connections,
+                access=access,
+                on_ready=ready,
+            )
         finally:
             view.stop()
     finally:
@@ -304,8 +364,9 @@ def parse_max_connections(text: str | None, parallel: int, max_queue: int) -> in
         return max(DEFAULT_MAX_CONNECTIONS, 2 * (parallel + max_queue))
     value = text.strip()
     if not value.isdigit() or not 1 <= int(value) <= MAX_CONNECTIONS:
-        raise BadRequestError(f"--max-connections: {text!r} is not a whole number from 1 to"
-                              f" {MAX_CONNECTIONS}")  # fmt: skip
+        raise BadRequestError(
+            f"--max-connections: {text!r} is not a whole number from 1 to {MAX_CONNECTIONS}"
+        )
     return int(value)
 
 
@@ -321,11 +382,13 @@ def answered_line(a: Answered) -> str:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
-    return (f"{a.route} {a.status} {t.finish_reason}: prompt {t.prompt_tokens} (reused"
-            f" {t.reused_tokens}) out {t.output_tokens} | queue {f(t.queue_ms)} template"
-            f" {f(t.template_tokenize_ms)} prefill {f(t.prefill_ms)} ({len(t.prefill_chunks)}"
-            f" chunks) ttft {f(t.ttft_ms)} decode {f(t.decode_ms)} itl p50 {f(t.itl_p(50))}"
-            f" p99 {f(t.itl_p(99))} ms")  # fmt: skip
+    return (
+        f"{a.route} {a.status} {t.finish_reason}: prompt {t.prompt_tokens} (reused"
+        f" {t.reused_tokens}) out {t.output_tokens} | queue {f(t.queue_ms)} template"
+        f" {f(t.template_tokenize_ms)} prefill {f(t.prefill_ms)} ({len(t.prefill_chunks)}"
+        f" chunks) ttft {f(t.ttft_ms)} decode {f(t.decode_ms)} itl p50 {f(t.itl_p(50))}"
+        f" p99 {f(t.itl_p(99))} ms"
+    )
 
 
 def render_serve(snap: Snapshot, width_s: float = 5.0) -> RenderableType:
@@ -337,14 +400,24 @@ def render_serve(snap: Snapshot, width_s: float = 5.0) -> RenderableType:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")  # a word wider than the column folds; nothing is cut
-    grid.add_row("sequences", f"{snap.decoding} decoding · {snap.prefilling} prefilling ·"
-                 f" {snap.queued} queued · {snap.n_seq} in all · policy {snap.policy}")  # fmt: skip
+    grid.add_row(
+        "sequences",
+        f"{snap.decoding} decoding · {snap.prefilling} prefilling ·"
+        f" {snap.queued} queued · {snap.n_seq} in all · policy {snap.policy}",
+    )
     if steps:
         n = len(steps)
-        grid.add_row("per step", f"{prefill / n:.1f} prefill + {decode / n:.1f} decode tokens"
-                     f" ({n} steps in the last {width_s:g} s)")  # fmt: skip
-        grid.add_row("throughput", f"{decode / span:.1f} tok/s generated · {prefill / span:.1f}"
-                     " tok/s prefilled" if span > 0 else "-")  # fmt: skip
+        grid.add_row(
+            "per step",
+            f"{prefill / n:.1f} prefill + {decode / n:.1f} decode tokens"
+            f" ({n} steps in the last {width_s:g} s)",
+        )
+        grid.add_row(
+            "throughput",
+            f"{decode / span:.1f} tok/s generated · {prefill / span:.1f} tok/s prefilled"
+            if span > 0
+            else "-",
+        )
     else:
         grid.add_row("per step", "idle")
     itl = list(snap.recent_itl_ms)
@@ -392,19 +465,24 @@ class _View:
         self.busy = busy
         threads = max(self.served.metrics.threads)
         if busy:
-            return (f"warning: other processes keep {background:.1f} of {logical_cpus()} CPUs"
-                    f" busy: the engine's {threads} threads wait on them, so requests run slower"
-                    f" than this machine can; {busy_advice(background, threads)}")  # fmt: skip
+            return (
+                f"warning: other processes keep {background:.1f} of {logical_cpus()} CPUs"
+                f" busy: the engine's {threads} threads wait on them, so requests run slower"
+                f" than this machine can; {busy_advice(background, threads)}"
+            )
         return f"the machine is quiet again (other processes: {background:.1f} CPUs)"
 
     def start(self) -> None:
         if self.console is not None:
             self.live = _TextLive(
-                self._lines, console=self.console,
+                self._lines,
+                console=self.console,
                 get_renderable=lambda: render_serve(self.served.engine.snapshot()),
-                refresh_per_second=REFRESH_PER_SECOND, transient=True, redirect_stdout=False,
+                refresh_per_second=REFRESH_PER_SECOND,
+                transient=True,
+                redirect_stdout=False,
                 redirect_stderr=False,
-            )  # fmt: skip
+            )
             self.live.start()
             return
         self._thread = threading.Thread(target=self._plain, name="llmrun-log", daemon=True)

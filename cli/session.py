@@ -130,8 +130,9 @@ class Thinking:
     to another sink (stderr, when stdout is a file or pipe that should get the answer alone),
     kept on stdout between `<think>` and `</think>` lines, or nowhere."""
 
-    def __init__(self, *, hide: bool = False, sink: TextSink | None = None,
-                 delimit: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, *, hide: bool = False, sink: TextSink | None = None, delimit: bool = False
+    ) -> None:
         self.hide = hide
         self.sink = sink
         self.delimit = delimit
@@ -354,8 +355,12 @@ def redrawn_after_fg(
     no-echo mode left in place made the next line echo twice after `fg`), and after `fg` the
     prompt and the line typed so far are drawn again, in readline's modes."""
     fd = _terminal_fd()
-    if (fd is None or shell_modes is None or os.name != "posix"
-            or threading.current_thread() is not threading.main_thread()):  # fmt: skip
+    if (
+        fd is None
+        or shell_modes is None
+        or os.name != "posix"
+        or threading.current_thread() is not threading.main_thread()
+    ):
         yield
         return
     import termios
@@ -404,12 +409,7 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
         return config
     import dataclasses
 
-    from llmrun.runners.system import (
-        background_now,
-        choose_threads,
-        default_threads,
-        logical_cpus,
-    )
+    from llmrun.runners.system import background_now, choose_threads, default_threads, logical_cpus
 
     choice = choose_threads(default_threads(), background_now(), logical_cpus())
     if not choice.reduced:

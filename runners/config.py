@@ -62,16 +62,28 @@ class EngineConfig:
 
     def same_model(self, other: EngineConfig) -> bool:
         """Whether `other` can reuse the loaded weights (only the context differs)."""
-        fields = ("n_gpu_layers", "repack", "load_mode", "split_mode", "main_gpu", "tensor_split",
-                  "tensor_overrides", "n_cpu_moe", "devices", "lazy_mode", "no_host")  # fmt: skip
+        fields = (
+            "n_gpu_layers",
+            "repack",
+            "load_mode",
+            "split_mode",
+            "main_gpu",
+            "tensor_split",
+            "tensor_overrides",
+            "n_cpu_moe",
+            "devices",
+            "lazy_mode",
+            "no_host",
+        )
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def with_llama_bench_defaults(self) -> EngineConfig:
         """This config with llama-bench's defaults where it leaves a setting to llmrun."""
         n_batch, n_ubatch, ngl = self.n_batch, self.n_ubatch, self.n_gpu_layers
         return replace(
-            self, n_batch=LLAMA_BENCH_N_BATCH if n_batch is None else n_batch,
+            self,
+            n_batch=LLAMA_BENCH_N_BATCH if n_batch is None else n_batch,
             n_ubatch=LLAMA_BENCH_N_UBATCH if n_ubatch is None else n_ubatch,
             n_gpu_layers=LLAMA_BENCH_NGL if ngl is None else ngl,
             flash_attn=self.flash_attn or "auto",
-        )  # fmt: skip
+        )

@@ -176,8 +176,16 @@ class Conversation:
                 system = t.system
                 lines += [f"**System:** {system or '(none from here on)'}", ""]
             cleared = " (before /reset)" if t.cleared else ""
-            lines += [f"## Turn {i}{cleared}", "", f"**User:** {t.user}", "", "**Assistant:**",
-                      "", t.reply, ""]  # fmt: skip
+            lines += [
+                f"## Turn {i}{cleared}",
+                "",
+                f"**User:** {t.user}",
+                "",
+                "**Assistant:**",
+                "",
+                t.reply,
+                "",
+            ]
             if t.note:
                 lines += [f"*Note: {t.note}.*", ""]
             if t.stats is not None:

@@ -93,14 +93,16 @@ class GgmlDevices:
             free, total = sz(0), sz(0)
             g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             reg = g.ggml_backend_dev_backend_reg(dev)
-            out.append(Device(
-                name=_text(g.ggml_backend_dev_name(dev)),
-                description=_text(g.ggml_backend_dev_description(dev)),
-                kind=_KINDS.get(int(g.ggml_backend_dev_type(dev)), "?"),
-                backend=_text(g.ggml_backend_reg_name(reg)) if reg else "?",
-                free_bytes=free.value or None,
-                total_bytes=total.value or None,
-            ))  # fmt: skip
+            out.append(
+                Device(
+                    name=_text(g.ggml_backend_dev_name(dev)),
+                    description=_text(g.ggml_backend_dev_description(dev)),
+                    kind=_KINDS.get(int(g.ggml_backend_dev_type(dev)), "?"),
+                    backend=_text(g.ggml_backend_reg_name(reg)) if reg else "?",
+                    free_bytes=free.value or None,
+                    total_bytes=total.value or None,
+                )
+            )
         return out
 
     def commit(self) -> str:
@@ -117,8 +119,11 @@ class GgmlDevices:
         runs = copy_bandwidth_runs(device.name)
         if runs:
             median = statistics.median(runs)
-            return DeviceBandwidth(device.name, median, f"timed copy on {device.name} through"
-                                   f" ggml, read + write, median of {len(runs)}")  # fmt: skip
+            return DeviceBandwidth(
+                device.name,
+                median,
+                f"timed copy on {device.name} through ggml, read + write, median of {len(runs)}",
+            )
         if device.backend == "CUDA" and device.name[4:].isdigit():
             return nvml_bandwidth(device.name, int(device.name[4:]))
         return None
@@ -152,8 +157,11 @@ GGML_TYPE_I8 = 24
 
 
 class _GgmlInitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p),
-                ("no_alloc", ctypes.c_bool)]  # fmt: skip
+    _fields_ = [
+        ("mem_size", ctypes.c_size_t),
+        ("mem_buffer", ctypes.c_void_p),
+        ("no_alloc", ctypes.c_bool),
+    ]
 
 
 def copy_bandwidth_runs(name: str, *, size_bytes: int = 1 << 30, reps: int = 5) -> list[float]:
@@ -234,9 +242,11 @@ def nvml_bandwidth(name: str, index: int) -> DeviceBandwidth | None:
         return None
     try:
         nvml_clock_mem = 2
-        if (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle))
-                or nvml.nvmlDeviceGetMaxClockInfo(handle, nvml_clock_mem, ctypes.byref(clock))
-                or nvml.nvmlDeviceGetMemoryBusWidth(handle, ctypes.byref(bus))):  # fmt: skip
+        if (
+            nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle))
+            or nvml.nvmlDeviceGetMaxClockInfo(handle, nvml_clock_mem, ctypes.byref(clock))
+            or nvml.nvmlDeviceGetMemoryBusWidth(handle, ctypes.byref(bus))
+        ):
             return None
     finally:
         nvml.nvmlShutdown()
@@ -325,8 +335,10 @@ def host_gpus(
     found: list[tuple[str, str]] = []
     for gpu in sorted(listdir("/proc/driver/nvidia/gpus")):
         info = read(f"/proc/driver/nvidia/gpus/{gpu}/information") or ""
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                      if ln.startswith("Model:")), "NVIDIA GPU")  # fmt: skip
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("Model:")),
+            "NVIDIA GPU",
+        )
         found.append((model, "cuda"))
     if exists("/dev/kfd"):  # ROCm's compute device
         for card in sorted(listdir("/sys/class/drm")):
@@ -347,8 +359,10 @@ def unused_gpu_note(gpus: list[tuple[str, str]], offload: bool) -> str | None:
         return None
     names = ", ".join(dict.fromkeys(name for name, _ in gpus))
     backend = gpus[0][1]
-    return (f"this machine has {names}, but this llama.cpp build is CPU-only, so every figure"
-            f" is the CPU's; rebuild with it: make clean && make GPU={backend}")  # fmt: skip
+    return (
+        f"this machine has {names}, but this llama.cpp build is CPU-only, so every figure"
+        f" is the CPU's; rebuild with it: make clean && make GPU={backend}"
+    )
 
 
 def _read_text(path: str) -> str | None:
@@ -409,8 +423,9 @@ MAX_LAYERS = 512
 
 def moe_cpu_patterns(n_layers: int) -> list[str]:
     """llama.cpp's --n-cpu-moe: the expert tensors of the first N layers stay on the CPU."""
-    return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-            for i in range(min(n_layers, MAX_LAYERS))]  # fmt: skip
+    return [
+        rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(min(n_layers, MAX_LAYERS))
+    ]
 
 
 # llama.cpp matches -ot patterns with std::regex, which backtracks: a repetition inside a

@@ -59,18 +59,54 @@ GGML_BLOCKS: dict[int, tuple[int, int]] = {
 
 # llama_ftype (general.file_type) -> the name users know the quantization by.
 FILE_TYPES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
-    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
-    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
-    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
-    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
-    37: "TQ2_0", 38: "MXFP4_MOE",
-}  # fmt: skip
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
+    38: "MXFP4_MOE",
+}
 
 _SCALARS: dict[int, str] = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 # Arrays longer than this (token lists, merges) are skipped, not materialised.
 _KEEP_ARRAY_MAX = 64
@@ -216,14 +252,20 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
             raise InvalidModelFileError(
                 path, f"corrupt GGUF header ({key} = {shown!r}; llama.cpp needs {low}..{high})"
             )
-    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
-                 "rope.freq_base", "rope.freq_scale"):  # fmt: skip
+    for name in (
+        "attention.layer_norm_rms_epsilon",
+        "attention.layer_norm_epsilon",
+        "rope.freq_base",
+        "rope.freq_scale",
+    ):
         key = f"{arch}.{name}"
         value = metadata.get(key)
         if key in metadata and not (
-            isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0
-        ):  # fmt: skip
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        ):
             raise InvalidModelFileError(
                 path, f"corrupt GGUF header ({key} = {value!r}; llama.cpp needs a number >= 0)"
             )
@@ -270,8 +312,12 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
         raise InvalidModelFileError(path, f"cannot be read ({e.strerror or e})") from None
     _check_model_fields(path, metadata)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
-            or alignment & (alignment - 1)):  # fmt: skip
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
         raise InvalidModelFileError(
             path, f"corrupt GGUF header (general.alignment {alignment!r} is not a power of two)"
         )

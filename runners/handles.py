@@ -78,8 +78,9 @@ class Context:
     def remove(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Drop sequence seq_id's KV entries in [p0, p1) (-1: open); False where the model's
         memory cannot cut a sequence (recurrent models)."""
-        return bool(self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ptr),
-                                                 seq_id, p0, p1))  # fmt: skip
+        return bool(
+            self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ptr), seq_id, p0, p1)
+        )
 
     def close(self) -> None:
         if self.ptr is not None:

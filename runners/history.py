@@ -34,10 +34,26 @@ from .paths import data_dir
 from .system import busy_machine
 
 KEY_FIELDS = (
-    "model_filename", "model_size", "backends", "n_threads", "n_batch", "n_ubatch", "type_k",
-    "type_v", "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "n_depth", "endpoint",
-    "concurrency", "request_rate", "repack", "no_kv_offload", "load_mode",
-)  # fmt: skip
+    "model_filename",
+    "model_size",
+    "backends",
+    "n_threads",
+    "n_batch",
+    "n_ubatch",
+    "type_k",
+    "type_v",
+    "n_gpu_layers",
+    "flash_attn",
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "endpoint",
+    "concurrency",
+    "request_rate",
+    "repack",
+    "no_kv_offload",
+    "load_mode",
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -133,9 +149,10 @@ class History:
 
     def _check_schema(self) -> None:
         """A database from another program or an older llmrun is refused, not half-used."""
-        for table, needed in (("runs", {"id", "time", "kind", "model", "system"}),
-                              ("results", {"run_id", "key", "test", "avg_ts", "stddev_ts",
-                                           "record"})):  # fmt: skip
+        for table, needed in (
+            ("runs", {"id", "time", "kind", "model", "system"}),
+            ("results", {"run_id", "key", "test", "avg_ts", "stddev_ts", "record"}),
+        ):
             columns = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
             missing = needed - columns
             if missing:
@@ -167,16 +184,29 @@ class History:
         with self.db:
             cur = self.db.execute(
                 "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
-                (dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), kind, model,
-                 json.dumps(system)),
-            )  # fmt: skip
+                (
+                    dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    kind,
+                    model,
+                    json.dumps(system),
+                ),
+            )
             run_id = int(cur.lastrowid or 0)
             self.db.executemany(
                 "INSERT INTO results (run_id, key, test, avg_ts, stddev_ts, record)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                [(run_id, result_key(r), str(r.get("test", "")), r.get("avg_ts"),
-                  r.get("stddev_ts"), json.dumps(r)) for r in records],
-            )  # fmt: skip
+                [
+                    (
+                        run_id,
+                        result_key(r),
+                        str(r.get("test", "")),
+                        r.get("avg_ts"),
+                        r.get("stddev_ts"),
+                        json.dumps(r),
+                    )
+                    for r in records
+                ],
+            )
         return run_id
 
     def compare(self, records: Sequence[dict[str, Any]], *, before_run: int | None) -> list[Change]:
@@ -217,9 +247,16 @@ class History:
                     "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
                 ).fetchall()
                 records = [rec for (text,) in stored if (rec := _record(text)) is not None]
-                out.append({"id": run_id, "time": str(time), "kind": str(kind),
-                            "model": str(name), "records": records,
-                            "unreadable": len(stored) - len(records)})  # fmt: skip
+                out.append(
+                    {
+                        "id": run_id,
+                        "time": str(time),
+                        "kind": str(kind),
+                        "model": str(name),
+                        "records": records,
+                        "unreadable": len(stored) - len(records),
+                    }
+                )
         except sqlite3.Error as e:
             raise HistoryError(self.path, e) from None
         return out
@@ -227,8 +264,10 @@ class History:
     def bench_results(self, *, model: str | None = None) -> list[Stored]:
         """Every readable result of `llmrun bench` runs, oldest first; a llama.cpp setting an
         older record lacks is filled with the default llmrun never changed then either."""
-        query = ("SELECT runs.id, runs.time, results.record FROM results JOIN runs ON"
-                 " runs.id = results.run_id WHERE runs.kind = ?")  # fmt: skip
+        query = (
+            "SELECT runs.id, runs.time, results.record FROM results JOIN runs ON"
+            " runs.id = results.run_id WHERE runs.kind = ?"
+        )
         args: list[Any] = [BENCH_KIND]
         if model:
             query += " AND runs.model LIKE ? ESCAPE '\\'"
@@ -288,25 +327,64 @@ BENCH_KIND = "local"
 
 # compare-llama-bench.py's LLAMA_BENCH_KEY_PROPERTIES: two results pair when all are equal
 PAIR_FIELDS = (
-    "cpu_info", "gpu_info", "backends", "n_gpu_layers", "n_cpu_moe", "tensor_buft_overrides",
-    "model_filename", "model_type", "n_batch", "n_ubatch", "embeddings", "cpu_mask", "cpu_strict",
-    "poll", "n_threads", "type_k", "type_v", "load_mode", "no_kv_offload", "split_mode",
-    "main_gpu", "tensor_split", "flash_attn", "n_prompt", "n_gen", "n_depth", "fit_target",
+    "cpu_info",
+    "gpu_info",
+    "backends",
+    "n_gpu_layers",
+    "n_cpu_moe",
+    "tensor_buft_overrides",
+    "model_filename",
+    "model_type",
+    "n_batch",
+    "n_ubatch",
+    "embeddings",
+    "cpu_mask",
+    "cpu_strict",
+    "poll",
+    "n_threads",
+    "type_k",
+    "type_v",
+    "load_mode",
+    "no_kv_offload",
+    "split_mode",
+    "main_gpu",
+    "tensor_split",
+    "flash_attn",
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "fit_target",
     "fit_min_ctx",
-)  # fmt: skip
+)
 # ... and llmrun's settings that change a test's figures where llama-bench has none
 LLMRUN_PAIR_FIELDS = ("repack", "draft")
 TEST_FIELDS = ("n_prompt", "n_gen", "n_depth")
 
 # llama-bench's option names for the record fields a selector can name (any field name works)
 SETTING_ALIASES = {
-    "t": "n_threads", "b": "n_batch", "ub": "n_ubatch", "ngl": "n_gpu_layers",
-    "fa": "flash_attn", "ctk": "type_k", "ctv": "type_v", "nkvo": "no_kv_offload",
-    "ncmoe": "n_cpu_moe", "sm": "split_mode", "mg": "main_gpu", "ts": "tensor_split",
-    "ot": "tensor_buft_overrides", "embd": "embeddings", "poll": "poll", "cpu-mask": "cpu_mask",
-    "p": "n_prompt", "n": "n_gen", "d": "n_depth", "c": "n_ctx", "fitt": "fit_target",
+    "t": "n_threads",
+    "b": "n_batch",
+    "ub": "n_ubatch",
+    "ngl": "n_gpu_layers",
+    "fa": "flash_attn",
+    "ctk": "type_k",
+    "ctv": "type_v",
+    "nkvo": "no_kv_offload",
+    "ncmoe": "n_cpu_moe",
+    "sm": "split_mode",
+    "mg": "main_gpu",
+    "ts": "tensor_split",
+    "ot": "tensor_buft_overrides",
+    "embd": "embeddings",
+    "poll": "poll",
+    "cpu-mask": "cpu_mask",
+    "p": "n_prompt",
+    "n": "n_gen",
+    "d": "n_depth",
+    "c": "n_ctx",
+    "fitt": "fit_target",
     "fitc": "fit_min_ctx",
-}  # fmt: skip
+}
 RUN_KEYS = ("build", "run", "date", "since", "until", "model")
 _INT_FIELDS = LLAMA_BENCH_INT | {"draft", "n_ctx"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -460,9 +538,12 @@ class Tally:
         """What spread_verdict reads: the mean, the spread, the most background load seen."""
         loads = [_background(r) for r in self.records if r.get("background_cpus") is not None]
         threads = [r["n_threads"] for r in self.records if isinstance(r.get("n_threads"), int)]
-        return {"avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
-                "background_cpus": max(loads) if loads else None,
-                "n_threads": max(threads) if threads else 1}  # fmt: skip
+        return {
+            "avg_ts": self.avg_ts,
+            "stddev_ts": self.stddev_ts,
+            "background_cpus": max(loads) if loads else None,
+            "n_threads": max(threads) if threads else 1,
+        }
 
 
 @dataclass(frozen=True)
@@ -499,8 +580,10 @@ class Comparison:
         out = []
         for p in self.pairs:
             record = {**dict(p.shown), "test": p.test}
-            for side, label, tally in (("baseline", self.baseline, p.baseline),
-                                       ("compare", self.compare, p.compare)):  # fmt: skip
+            for side, label, tally in (
+                ("baseline", self.baseline, p.baseline),
+                ("compare", self.compare, p.compare),
+            ):
                 record[side] = label
                 record[f"{side}_avg_ts"] = round(tally.avg_ts, 6)
                 record[f"{side}_stddev_ts"] = round(tally.stddev_ts, 6)
@@ -555,8 +638,10 @@ def compare_sets(
     if compare is None:
         newest = max((s.run_id for s in rated if not baseline.matches(s)), default=None)
         if newest is None:
-            raise BadRequestError(f"every stored bench result is in the baseline"
-                                  f" {baseline.text!r}: choose a compare set with -c")  # fmt: skip
+            raise BadRequestError(
+                f"every stored bench result is in the baseline"
+                f" {baseline.text!r}: choose a compare set with -c"
+            )
         compare = Selector(f"run {newest}", (Term("run", (newest, newest)),))
     # the default set is the newest run less what the baseline already holds (-b t=1 after a
     # `bench -t 1,2` compares that run's t=1 rows with the baseline's, not with themselves)
@@ -565,13 +650,17 @@ def compare_sets(
         raise BadRequestError(f"compare {compare.text!r} matches no stored bench result")
     both = {id(s) for s in base} & {id(s) for s in comp}
     if both:
-        raise BadRequestError(f"baseline {baseline.text!r} and compare {compare.text!r} share"
-                              f" {len(both)} results: choose sets that do not overlap")  # fmt: skip
+        raise BadRequestError(
+            f"baseline {baseline.text!r} and compare {compare.text!r} share"
+            f" {len(both)} results: choose sets that do not overlap"
+        )
     if show is not None:
         unknown = [f for f in show if f not in SHOWABLE]
         if unknown:
-            raise BadRequestError(f"--show: unknown {', '.join(map(repr, unknown))}; choose"
-                                  f" from {', '.join(SHOWABLE)}")  # fmt: skip
+            raise BadRequestError(
+                f"--show: unknown {', '.join(map(repr, unknown))}; choose"
+                f" from {', '.join(SHOWABLE)}"
+            )
     # only a field both sets fix is looked past (-b t=1 -c t=2); one fixed on one side only
     # still pairs, or the other side's values would be averaged together
     ignored = baseline.fields & compare.fields
@@ -592,8 +681,11 @@ def compare_sets(
             f" settings as in {compare.text!r} (compare-llama-bench.py's key fields{looked_past})"
         )
     if show is None:  # as the script: the model, and every key field that tells pairs apart
-        varying = [f for i, f in enumerate(keys) if f not in TEST_FIELDS and f != "model_type"
-                   and len({k[i] for k in paired}) > 1]  # fmt: skip
+        varying = [
+            f
+            for i, f in enumerate(keys)
+            if f not in TEST_FIELDS and f != "model_type" and len({k[i] for k in paired}) > 1
+        ]
         shown = ["model_type", *varying]
     else:
         shown = [f for f in show if f not in ignored]
@@ -606,36 +698,47 @@ def compare_sets(
         into[0].extend(b[k])
         into[1].extend(c[k])
     pairs = tuple(
-        Pair(shown=tuple((f, bs[0].get(f)) for f in shown if f in index),
-             test=_tests(bs, cs), baseline=Tally(tuple(bs)), compare=Tally(tuple(cs)))
+        Pair(
+            shown=tuple((f, bs[0].get(f)) for f in shown if f in index),
+            test=_tests(bs, cs),
+            baseline=Tally(tuple(bs)),
+            compare=Tally(tuple(cs)),
+        )
         for bs, cs in merged.values()
-    )  # fmt: skip
+    )
     return Comparison(
-        baseline=baseline.text, compare=compare.text,
-        shown=tuple(f for f in shown if f in index), pairs=pairs,
+        baseline=baseline.text,
+        compare=compare.text,
+        shown=tuple(f for f in shown if f in index),
+        pairs=pairs,
         ignored=tuple(sorted(ignored & set(PAIR_FIELDS + LLMRUN_PAIR_FIELDS))),
-        unpaired_baseline=len(b) - len(paired), unpaired_compare=len(c) - len(paired),
-    )  # fmt: skip
+        unpaired_baseline=len(b) - len(paired),
+        unpaired_compare=len(c) - len(paired),
+    )
 
 
 def _check_builds(results: Sequence[Stored], *selectors: Selector | None) -> None:
     """A build no stored result has is named, with the builds there are."""
-    stored = sorted({str(s.record.get("build_commit")) for s in results
-                     if s.record.get("build_commit")})  # fmt: skip
+    stored = sorted(
+        {str(s.record.get("build_commit")) for s in results if s.record.get("build_commit")}
+    )
     for selector in selectors:
         for build in selector.builds if selector is not None else ():
             if not any(c.startswith(build) or build.startswith(c) for c in stored):
                 listed = ", ".join(stored[:8]) + (", ..." if len(stored) > 8 else "")
-                raise BadRequestError(f"no stored bench result has build {build!r} (stored:"
-                                      f" {listed or 'none'})")  # fmt: skip
+                raise BadRequestError(
+                    f"no stored bench result has build {build!r} (stored: {listed or 'none'})"
+                )
 
 
 def write_database(path: Path, sql: str) -> None:
     """A new SQLite file at `path` holding `sql`'s tables, whole or not at all; an existing
     file is never replaced (it may be the user's own llama-bench database)."""
     if path.exists() or path.is_symlink():
-        raise BadRequestError(f"{path} exists: name a new file, or add to it with"
-                              f" `llmrun history --export-sql - | sqlite3 {path}`")  # fmt: skip
+        raise BadRequestError(
+            f"{path} exists: name a new file, or add to it with"
+            f" `llmrun history --export-sql - | sqlite3 {path}`"
+        )
     folder = path.parent if str(path.parent) else Path(".")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)

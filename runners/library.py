@@ -164,8 +164,20 @@ def last_log_error() -> str:
     "failed to load model" / "failed to initialize" conclusion, with llama.cpp's prefixes cut."""
     lines = [" ".join(ln.split()) for ln in list(LOG_LINES) if ln.strip()]
     generic = ("failed to load model", "failed to initialize", "llama_model_load_from_file")
-    telling = ("error", "failed", "invalid", "not within", "unknown", "not found", "missing",
-               "unsupported", "wrong", "exceed", "cannot", "could not")  # fmt: skip
+    telling = (
+        "error",
+        "failed",
+        "invalid",
+        "not within",
+        "unknown",
+        "not found",
+        "missing",
+        "unsupported",
+        "wrong",
+        "exceed",
+        "cannot",
+        "could not",
+    )
     for ln in reversed(lines):
         low = ln.lower()
         if any(w in low for w in telling) and not any(g in low for g in generic):

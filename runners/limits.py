@@ -28,9 +28,16 @@ GGML_MAX_THREADS = 512
 FLASH_ATTN = ("auto", "on", "off")
 # Bytes per KV cache element, by llama.cpp's cache type names (also the types llmrun accepts).
 CACHE_TYPE_BYTES = {
-    "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-    "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
-}  # fmt: skip
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "iq4_nl": 18 / 32,
+    "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+}
 CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 
 
@@ -185,9 +192,13 @@ def fit_gpu_layers(need: MemoryNeed, n_layer: int, free_bytes: int) -> int:
 
 
 def plan_offload(
-    asked: int, *, can_offload: bool, n_layer: int, need: MemoryNeed | None,
+    asked: int,
+    *,
+    can_offload: bool,
+    n_layer: int,
+    need: MemoryNeed | None,
     gpus: list[tuple[str, int | None]],
-) -> tuple[int, str]:  # fmt: skip
+) -> tuple[int, str]:
     """The layers to hand llama.cpp (-1: all) and a note saying what was done and why.
 
     `asked` is -ngl (-1 or more than the model has: all); `gpus` are (name, free bytes). An
@@ -209,6 +220,8 @@ def plan_offload(
     fit = fit_gpu_layers(need, n_layer, free)
     if fit >= total:
         return -1, f"all {total} layers on {names}"
-    return fit, (f"{fit} of {total} layers fit in the {gib(free)} free on {names} (model"
-                 f" {gib(need.weights_bytes)} + KV cache {gib(need.kv_bytes)}); the rest run"
-                 " on the CPU")  # fmt: skip
+    return fit, (
+        f"{fit} of {total} layers fit in the {gib(free)} free on {names} (model"
+        f" {gib(need.weights_bytes)} + KV cache {gib(need.kv_bytes)}); the rest run"
+        " on the CPU"
+    )

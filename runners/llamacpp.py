@@ -108,8 +108,9 @@ def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
                 weights[name] = weights.get(name, 0) + size
             else:
                 sizes[kind] += size
-    return MemoryReport(weights, sizes["KV"], sizes["compute"], sizes["output"], n_ctx,
-                        peak_rss_bytes())  # fmt: skip
+    return MemoryReport(
+        weights, sizes["KV"], sizes["compute"], sizes["output"], n_ctx, peak_rss_bytes()
+    )
 
 
 @dataclass
@@ -146,8 +147,11 @@ def _placement(cfg: EngineConfig) -> _Placement:
         out.record["tensor_buft_overrides"] = given or "none"
     out.record["n_cpu_moe"] = cfg.n_cpu_moe
     if cfg.devices is not None and cfg.devices.strip().lower() != "auto":  # llama-bench's default
-        names = [] if cfg.devices.strip().lower() == "none" else [
-            n for n in cfg.devices.split("/") if n.strip()]  # fmt: skip
+        names = (
+            []
+            if cfg.devices.strip().lower() == "none"
+            else [n for n in cfg.devices.split("/") if n.strip()]
+        )
         devs = (ctypes.c_void_p * (len(names) + 1))()
         for i, name in enumerate(names):
             dev = dv.device_by_name(name.strip())
@@ -202,11 +206,13 @@ def flash_attn_used(asked: str, log: list[str]) -> bool | None:
 
 
 def _flash_attn_type(lib: Any, name: str) -> int:
-    return int({
-        "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-        "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-    }[name])  # fmt: skip
+    return int(
+        {
+            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[name]
+    )
 
 
 def kv_unified_of(lib: Any, ctx: Any) -> bool:
@@ -392,11 +398,11 @@ class LlamaCppRunner:
         model on 2 cores took 10.9-14.8 ms instead of 7.8-8.6 ms."""
         if self._loaded is not None:
             if n_seq is not None and n_seq != self._n_seq:
-                raise EngineError(f"the context was made for {self._n_seq} sequences, not"
-                                  f" {n_seq}")  # fmt: skip
+                raise EngineError(f"the context was made for {self._n_seq} sequences, not {n_seq}")
             if n_ctx is not None and n_ctx != self._n_ctx_seq:
-                raise EngineError(f"the context was made for {self._n_ctx_seq} tokens per"
-                                  f" sequence, not {n_ctx}")  # fmt: skip
+                raise EngineError(
+                    f"the context was made for {self._n_ctx_seq} tokens per sequence, not {n_ctx}"
+                )
             return self._loaded
         self.load_weights(n_seq=n_seq or 1, n_ctx=n_ctx)
         self._new_context(n_seq or 1, n_ctx)
@@ -462,9 +468,14 @@ class LlamaCppRunner:
         per_seq = n_ctx or self._context_size(cfg, info.n_ctx_train)
         ubatch = min(cfg.n_ubatch or DEFAULT_N_BATCH, cfg.n_batch or DEFAULT_N_BATCH)
         n_vocab = len(info.metadata.get("tokenizer.ggml.tokens") or ()) or 32000
-        return estimate_memory(info, n_ctx=per_seq * n_seq, n_ubatch=ubatch,
-                               type_k=cfg.cache_type_k, type_v=cfg.cache_type_v,
-                               n_vocab=n_vocab)  # fmt: skip
+        return estimate_memory(
+            info,
+            n_ctx=per_seq * n_seq,
+            n_ubatch=ubatch,
+            type_k=cfg.cache_type_k,
+            type_v=cfg.cache_type_v,
+            n_vocab=n_vocab,
+        )
 
     def _load_model(self, *, n_seq: int = 1, n_ctx: int | None = None) -> None:
         t0 = time.perf_counter()
@@ -479,9 +490,12 @@ class LlamaCppRunner:
         if gpus:  # the estimate that decides how many layers fit: every sequence's KV
             need = self.memory_need(info, n_seq=n_seq, n_ctx=n_ctx)
         layers, self._offload_note = plan_offload(
-            gpu_layers_asked(cfg, can_offload), can_offload=can_offload, n_layer=n_layer,
-            need=need, gpus=[(d.name, d.free_bytes) for d in gpus],
-        )  # fmt: skip
+            gpu_layers_asked(cfg, can_offload),
+            can_offload=can_offload,
+            n_layer=n_layer,
+            need=need,
+            gpus=[(d.name, d.free_bytes) for d in gpus],
+        )
         self._gpus, self._planned_layers = gpus, layers
         self._gpu_free_before = sum(d.free_bytes or 0 for d in gpus)
         mparams.n_gpu_layers = 0x7FFFFFFF if layers < 0 else layers
@@ -491,8 +505,9 @@ class LlamaCppRunner:
             mparams.load_mode = LOAD_MODES[cfg.load_mode]
         lazy = {name: code for code, name in LAZY_MODES.items()}.get(cfg.lazy_mode)
         if lazy is None:
-            raise SettingError(self.model_path, f"lazy_mode {cfg.lazy_mode!r} is not on, auto"
-                               " or off")  # fmt: skip
+            raise SettingError(
+                self.model_path, f"lazy_mode {cfg.lazy_mode!r} is not on, auto or off"
+            )
         mparams.lazy_mode = lazy
         mparams.no_host = cfg.no_host
         if cfg.split_mode is not None:
@@ -534,9 +549,15 @@ class LlamaCppRunner:
         if self._draft is None:
             assert self.config.draft_model is not None and self._model is not None
             settings = self.load().settings
-            draft = LlamaCppRunner(self.config.draft_model, EngineConfig(
-                n_ctx=settings.n_ctx, n_threads=settings.n_threads, n_gpu_layers=0,
-                threadpool=self.config.threadpool))  # fmt: skip
+            draft = LlamaCppRunner(
+                self.config.draft_model,
+                EngineConfig(
+                    n_ctx=settings.n_ctx,
+                    n_threads=settings.n_threads,
+                    n_gpu_layers=0,
+                    threadpool=self.config.threadpool,
+                ),
+            )
             if draft.vocab_size() != self._model.n_vocab:
                 draft.close()
                 raise BadRequestError(
@@ -606,11 +627,16 @@ class LlamaCppRunner:
         cparams.embeddings = cfg.embeddings  # llama.cpp outputs the logits too (output_all)
         cparams.op_offload = not cfg.no_op_offload
         check_memory(
-            estimate_memory(info, n_ctx=n_ctx * n_seq, n_ubatch=cparams.n_ubatch,
-                            type_k=cfg.cache_type_k, type_v=cfg.cache_type_v,
-                            n_vocab=self._model.n_vocab),
+            estimate_memory(
+                info,
+                n_ctx=n_ctx * n_seq,
+                n_ubatch=cparams.n_ubatch,
+                type_k=cfg.cache_type_k,
+                type_v=cfg.cache_type_v,
+                n_vocab=self._model.n_vocab,
+            ),
             n_ctx * n_seq,
-        )  # fmt: skip
+        )
         for n in {cparams.n_threads, cparams.n_threads_batch}:  # a bad mask before any work
             cfg.threadpool.placement(n)
         LOG_LINES.clear()
@@ -621,8 +647,11 @@ class LlamaCppRunner:
         self.contexts_made += 1
         load_s = self._weights_s + time.perf_counter() - t0
         self._n_seq, self._n_ctx_seq = n_seq, n_ctx
-        sequences = {} if n_seq == 1 else {"n_seq_max": int(lib.llama_n_seq_max(ctx)),
-                                           "kv_unified": kv_unified_of(lib, ctx)}  # fmt: skip
+        sequences = (
+            {}
+            if n_seq == 1
+            else {"n_seq_max": int(lib.llama_n_seq_max(ctx)), "kv_unified": kv_unified_of(lib, ctx)}
+        )
         # A Python callback on purpose (not AbortFlag's C one): prefill runs on the main thread,
         # where Python's signal handlers run only while Python code does, so this is what lets
         # Ctrl-C set `cancel` in the middle of a long chunk. About 500 calls per graph: ~0.1 %
@@ -689,8 +718,12 @@ class LlamaCppRunner:
         """The context's own threadpools where -C/--cpu-strict/--poll/--prio ask for one; a
         failure frees the context just made."""
         try:
-            return attach_threadpool(ctx, self.config.threadpool, n_threads=cparams.n_threads,
-                                     n_threads_batch=cparams.n_threads_batch)  # fmt: skip
+            return attach_threadpool(
+                ctx,
+                self.config.threadpool,
+                n_threads=cparams.n_threads,
+                n_threads_batch=cparams.n_threads_batch,
+            )
         except BaseException:
             llama_lib().llama_free(ctx)
             raise
@@ -736,8 +769,11 @@ class LlamaCppRunner:
         try:
             if self._formatter is None:
                 self._formatter = self._make_formatter()
-            switch = {} if request.sampling.think is None else {
-                "enable_thinking": request.sampling.think}  # fmt: skip
+            switch = (
+                {}
+                if request.sampling.think is None
+                else {"enable_thinking": request.sampling.think}
+            )
             return str(self._formatter(messages=messages, **switch).prompt)
         except Exception as e:  # jinja2's TemplateError and whatever a template raises
             first = (str(e).splitlines() or [""])[0]
@@ -1082,11 +1118,15 @@ class LlamaCppRunner:
 
         loaded = self.load()
         if loaded.settings.n_ctx < n_ctx:
-            raise BadRequestError(f"perplexity windows of {n_ctx} tokens need a context that"
-                                  f" large; this one holds {loaded.settings.n_ctx}")  # fmt: skip
+            raise BadRequestError(
+                f"perplexity windows of {n_ctx} tokens need a context that"
+                f" large; this one holds {loaded.settings.n_ctx}"
+            )
         if n_ctx < 4 or len(tokens) < n_ctx:
-            raise BadRequestError(f"perplexity needs at least one window of {n_ctx} tokens;"
-                                  f" the text has {len(tokens)}")  # fmt: skip
+            raise BadRequestError(
+                f"perplexity needs at least one window of {n_ctx} tokens;"
+                f" the text has {len(tokens)}"
+            )
         lib = llama_lib()
         assert self._model is not None
         n_vocab, n_batch = self._model.n_vocab, loaded.settings.n_batch
@@ -1178,8 +1218,9 @@ class LlamaCppRunner:
         cparams.no_perf = not perf
         ptr = lib.llama_init_from_model(self._model.ptr, cparams)
         if not ptr:
-            raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences"
-                              f" ({last_log_error()})")  # fmt: skip
+            raise EngineError(
+                f"llama.cpp could not create a context for {n_seq} sequences ({last_log_error()})"
+            )
         context = Context(lib, ptr, self._attach_threadpool(ptr, cparams))
         self.contexts_made += 1
         self._contexts = [c for c in self._contexts if c.ptr is not None] + [context]

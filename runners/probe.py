@@ -110,8 +110,14 @@ def run_probe(model_path: str, command: list[str] | None = None) -> Verdict:
     argv = command or [sys.executable, "-c", PROBE_CODE, model_path]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S, env=env,
-                              stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return Verdict(False, f"the probe did not finish in {PROBE_TIMEOUT_S:g} s")
     except OSError as e:

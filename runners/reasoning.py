@@ -13,10 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # (opening, closing) markers of a thinking block
-MARKERS = (
-    ("<think>", "</think>"),
-    ("<|channel|>analysis<|message|>", "<|end|>"),
-)
+MARKERS = (("<think>", "</think>"), ("<|channel|>analysis<|message|>", "<|end|>"))
 # Text between thinking and answer that belongs to neither (gpt-oss's answer header)
 ANSWER_HEADERS = ("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
 
@@ -70,8 +67,7 @@ class ReasoningSplitter:
                 self._pending = self._pending[at + len(opening) :]
                 self.thinking, self.closing, self.seen_thinking = True, closing, True
                 continue
-            keep = _partial_suffix(self._pending,
-                                   tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)  # fmt: skip
+            keep = _partial_suffix(self._pending, tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)
             out.answer += self._pending[: len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep :]
             break
@@ -122,8 +118,12 @@ class TokenTagger:
                 self._limbo = 0
             else:
                 self._limbo += 1
-        if (part.answer.strip() and self.splitter.seen_thinking and self.first_answer is None
-                and not after):  # fmt: skip
+        if (
+            part.answer.strip()
+            and self.splitter.seen_thinking
+            and self.first_answer is None
+            and not after
+        ):
             self.first_answer = index
         return thinking
 

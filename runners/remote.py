@@ -59,9 +59,13 @@ from .stats import (
 )
 
 # `llmrun serve`'s timings (runners/serving/api_engine.RequestTimings) under llama-server's names.
-LLMRUN_TIMINGS = {"prefill_tokens": "prompt_n", "prefill_ms": "prompt_ms",
-                  "output_tokens": "predicted_n", "decode_ms": "predicted_ms",
-                  "reused_tokens": "cache_n"}  # fmt: skip
+LLMRUN_TIMINGS = {
+    "prefill_tokens": "prompt_n",
+    "prefill_ms": "prompt_ms",
+    "output_tokens": "predicted_n",
+    "decode_ms": "predicted_ms",
+    "reused_tokens": "cache_n",
+}
 
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
@@ -110,10 +114,12 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     path = parts.path.rstrip("/")
     params = tuple(parse_qsl(parts.query, keep_blank_values=True))
     secrets = tuple(v for k, v in params if v and _SECRET_PARAM.match(k))
-    shown_query = urlencode([(k, "***" if v and _SECRET_PARAM.match(k) else v)
-                             for k, v in params], safe="*")  # fmt: skip
-    shown = urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host,
-                        path, shown_query, ""))  # fmt: skip
+    shown_query = urlencode(
+        [(k, "***" if v and _SECRET_PARAM.match(k) else v) for k, v in params], safe="*"
+    )
+    shown = urlunsplit(
+        (parts.scheme, ("***@" if "@" in parts.netloc else "") + host, path, shown_query, "")
+    )
     base = urlunsplit((parts.scheme, host, path, "", ""))
     return Endpoint(
         shown=shown,
@@ -134,8 +140,10 @@ def redact_url(text: str) -> str:
     """Every user:password@ in a text (URLs in messages too) replaced by ***@, every
     credential-like query value by ***, and every Authorization header's value by ***."""
     text = _USERINFO.sub(r"\1***@", text)
-    text = _QUERY_SECRET.sub(lambda m: m.group(1) + ("***" if _SECRET_PARAM.match(
-        unquote(m.group(2))) else m.group(3)), text)  # fmt: skip
+    text = _QUERY_SECRET.sub(
+        lambda m: m.group(1) + ("***" if _SECRET_PARAM.match(unquote(m.group(2))) else m.group(3)),
+        text,
+    )
     return _AUTH_VALUE.sub(r"\1***", text)
 
 
@@ -206,8 +214,11 @@ class Connection:
         if parsed.username or parsed.password:
             basic = f"{parsed.username or ''}:{parsed.password or ''}".encode()
             # A server that echoes the Authorization header gives the credentials back encoded.
-            secrets += [base64.b64encode(basic).decode(), base64.urlsafe_b64encode(basic).decode(),
-                        base64.b64encode(basic).decode().rstrip("=")]  # fmt: skip
+            secrets += [
+                base64.b64encode(basic).decode(),
+                base64.urlsafe_b64encode(basic).decode(),
+                base64.b64encode(basic).decode().rstrip("="),
+            ]
             if not api_key:
                 auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
         # Longest first, so a secret that contains another is taken out whole; the user name
@@ -321,8 +332,11 @@ class Connection:
                 )
             if 300 <= response.status_code < 400:  # not followed: the body would go elsewhere
                 where = self.scrub(response.headers.get("location", "")) or "elsewhere"
-                raise ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}:"
-                                  f" redirected to {where} (use that server)")  # fmt: skip
+                raise ServerError(
+                    self.endpoint,
+                    f"HTTP {response.status_code} from /v1{path}:"
+                    f" redirected to {where} (use that server)",
+                )
             if response.headers.get("content-type", "").startswith("application/json"):
                 yield self._whole_reply(response)  # a server that does not stream
                 return
@@ -334,8 +348,10 @@ class Connection:
                         return
                     if not data or data.isspace():  # a comment, a partial or an empty event
                         if time.monotonic() > deadline:
-                            yield Chunk(error=f"no reply for {self.timeout_s:g} s (the server"
-                                              " sent only keep-alive comments)")  # fmt: skip
+                            yield Chunk(
+                                error=f"no reply for {self.timeout_s:g} s (the server"
+                                " sent only keep-alive comments)"
+                            )
                             return
                         continue
                     deadline = time.monotonic() + self.timeout_s
@@ -452,8 +468,7 @@ def _parse(event: Any) -> Chunk:
         reasoning = ""
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
-    return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage,
-                 timings=timings)  # fmt: skip
+    return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage, timings=timings)
 
 
 def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -529,11 +544,17 @@ class OpenAIRunner:
         load_s = time.perf_counter() - t0
         models = listing.get("data", []) if isinstance(listing, dict) else None
         if not isinstance(models, list):
-            kind: dict[type, str] = {list: "a JSON list", str: "a string",
-                                     dict: "an object whose 'data' is not a list"}  # fmt: skip
-            raise ServerError(self.endpoint, "/v1/models answered with"
-                              f" {kind.get(type(listing), 'JSON ' + type(listing).__name__)},"
-                              " not OpenAI's {\"data\": [...]} list of models")  # fmt: skip
+            kind: dict[type, str] = {
+                list: "a JSON list",
+                str: "a string",
+                dict: "an object whose 'data' is not a list",
+            }
+            raise ServerError(
+                self.endpoint,
+                "/v1/models answered with"
+                f" {kind.get(type(listing), 'JSON ' + type(listing).__name__)},"
+                ' not OpenAI\'s {"data": [...]} list of models',
+            )
         ids = [m.get("id") for m in models if isinstance(m, dict)]
         ids = [i for i in ids if isinstance(i, str) and i]
         name = self.model_name or (ids[0] if ids else None)
@@ -621,23 +642,33 @@ class OpenAIRunner:
                 error = self.conn.scrub(chunk.error)
                 break
             if len(times) > 2 * request.sampling.max_tokens + 16:  # every chunk is a token or more
-                error = (f"the server sent over twice the {request.sampling.max_tokens} tokens"
-                         " asked for (-n); stopped reading")  # fmt: skip
+                error = (
+                    f"the server sent over twice the {request.sampling.max_tokens} tokens"
+                    " asked for (-n); stopped reading"
+                )
                 break
             last = chunk
             if chunk.reasoning:  # the server split the thinking off itself
                 times.append(stamp)
                 thinking_chunks += 1
                 with clock.paused():
-                    yield Token(len(times) - 1, self.conn.scrub_secrets(chunk.reasoning), stamp,
-                                thinking=True)  # fmt: skip
+                    yield Token(
+                        len(times) - 1,
+                        self.conn.scrub_secrets(chunk.reasoning),
+                        stamp,
+                        thinking=True,
+                    )
             if chunk.text:
                 times.append(stamp)
                 text = self.conn.scrub_secrets(chunk.text)  # a server that echoes our headers
                 parts.append(text)
                 thinking = tagger.tag(text)
-                if (first_answer is None and (thinking_chunks or tagger.seen_thinking)
-                        and not thinking and text.strip()):  # fmt: skip
+                if (
+                    first_answer is None
+                    and (thinking_chunks or tagger.seen_thinking)
+                    and not thinking
+                    and text.strip()
+                ):
                     first_answer = stamp
                 with clock.paused():
                     yield Token(len(times) - 1, text, stamp, thinking=thinking)
@@ -678,8 +709,14 @@ class OpenAIRunner:
         timings = timings or {}
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
-        timings = {**{ours: timings[theirs] for theirs, ours in LLMRUN_TIMINGS.items()
-                      if theirs in timings}, **timings}  # fmt: skip
+        timings = {
+            **{
+                ours: timings[theirs]
+                for theirs, ours in LLMRUN_TIMINGS.items()
+                if theirs in timings
+            },
+            **timings,
+        }
         cached = _count(timings.get("cache_n"))
         if cached is None:
             cached = _count(details.get("cached_tokens"))
@@ -696,9 +733,13 @@ class OpenAIRunner:
             cache_n=_count(timings.get("cache_n")),
         )
         reported, completion, implausible = check_server_figures(
-            reported, completion, chunks=len(times), ttft_s=times[0] if times else None,
-            arrival_span_s=times[-1] - times[0] if times else 0.0, e2e_s=e2e,
-        )  # fmt: skip
+            reported,
+            completion,
+            chunks=len(times),
+            ttft_s=times[0] if times else None,
+            arrival_span_s=times[-1] - times[0] if times else 0.0,
+            e2e_s=e2e,
+        )
         prompt_ms = reported.prompt_ms
         report = ServerReport(
             endpoint=self.endpoint,
@@ -709,11 +750,12 @@ class OpenAIRunner:
             # Without usage, the output count is of stream chunks, which are not always tokens.
             output_counted_as="tokens" if completion is not None else "chunks",
             timings=reported if reported != ServerTimings() else None,
-            network_queue_ms=times[0] * 1000 - prompt_ms if times and prompt_ms is not None
+            network_queue_ms=times[0] * 1000 - prompt_ms
+            if times and prompt_ms is not None
             else None,
             error=error,
             implausible=implausible,
-        )  # fmt: skip
+        )
         return GenerationStats(
             finish_reason=finish,
             prompt_tokens=prompt or 0,
@@ -760,13 +802,20 @@ def check_server_figures(
     - Every content chunk carries at least one token: completion_tokens >= chunks.
     """
     notes: list[str] = []
-    prompt_ms, predicted_ms, prompt_n, predicted_n = t.prompt_ms, t.predicted_ms, t.prompt_n, (
-        t.predicted_n)  # fmt: skip
+    prompt_ms, predicted_ms, prompt_n, predicted_n = (
+        t.prompt_ms,
+        t.predicted_ms,
+        t.prompt_n,
+        (t.predicted_n),
+    )
     if prompt_ms is not None and ttft_s is not None and prompt_ms / 1000 > ttft_s * 1.05 + SLACK_S:
         notes.append(f"prompt_ms {prompt_ms:g} > the client's TTFT {ttft_s * 1000:.1f} ms")
         prompt_ms = None
-    elif prompt_ms is not None and prompt_n and prompt_n / max(prompt_ms / 1000, 1e-12) > (
-            MAX_PREFILL_TPS):  # fmt: skip
+    elif (
+        prompt_ms is not None
+        and prompt_n
+        and prompt_n / max(prompt_ms / 1000, 1e-12) > (MAX_PREFILL_TPS)
+    ):
         notes.append(f"prefill of {prompt_n} tokens in {prompt_ms:g} ms")
         prompt_ms = None
     if predicted_ms is not None and predicted_ms / 1000 > e2e_s * 1.05 + SLACK_S:
@@ -780,8 +829,10 @@ def check_server_figures(
             or (arrival_span_s > 0.01 and predicted_ms / 1000 * 100 < arrival_span_s)
         )
     ):
-        notes.append(f"decode of {predicted_n} tokens in {predicted_ms:g} ms (the client saw them"
-                     f" arrive over {arrival_span_s * 1000:.1f} ms)")  # fmt: skip
+        notes.append(
+            f"decode of {predicted_n} tokens in {predicted_ms:g} ms (the client saw them"
+            f" arrive over {arrival_span_s * 1000:.1f} ms)"
+        )
         predicted_ms = None
     if completion is not None and completion < chunks:
         notes.append(f"completion_tokens {completion} < the {chunks} chunks received")
@@ -789,8 +840,13 @@ def check_server_figures(
     if predicted_n is not None and completion is not None and predicted_n > completion + 1:
         notes.append(f"predicted_n {predicted_n} > completion_tokens {completion}")
         predicted_n = None
-    checked = ServerTimings(prompt_n=prompt_n, prompt_ms=prompt_ms, predicted_n=predicted_n,
-                            predicted_ms=predicted_ms, cache_n=t.cache_n)  # fmt: skip
+    checked = ServerTimings(
+        prompt_n=prompt_n,
+        prompt_ms=prompt_ms,
+        predicted_n=predicted_n,
+        predicted_ms=predicted_ms,
+        cache_n=t.cache_n,
+    )
     return checked, completion, tuple(notes)
 
 

@@ -166,10 +166,12 @@ class ServerReport:
     def to_dict(self) -> dict[str, Any]:
         """The flat fields llmrun's stats JSON has always carried for a server."""
         data: dict[str, Any] = {
-            "endpoint": self.endpoint, "server_model": self.model,
-            "usage_reported": self.usage_reported, "output_chunks": self.output_chunks,
+            "endpoint": self.endpoint,
+            "server_model": self.model,
+            "usage_reported": self.usage_reported,
+            "output_chunks": self.output_chunks,
             "output_counted_as": self.output_counted_as,
-        }  # fmt: skip
+        }
         if self.error:
             data["error"] = self.error
         if self.timings is not None:
@@ -246,8 +248,10 @@ class GenerationStats:
     @property
     def ttft_s(self) -> float | None:
         """Time to the first output token; None when the request ended before one came."""
-        if self.output_tokens == 0 and self.finish_reason in (FINISH_INTERRUPTED,
-                                                              FINISH_INCOMPLETE):  # fmt: skip
+        if self.output_tokens == 0 and self.finish_reason in (
+            FINISH_INTERRUPTED,
+            FINISH_INCOMPLETE,
+        ):
             return None
         if self.first_token_s is not None:
             return self.first_token_s

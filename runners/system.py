@@ -34,9 +34,11 @@ def parse_cpu_list(text: str) -> list[int]:
         first, last = int(start or -1), int(end or start or -1)
         each, of = (int(used), int(group)) if used and group else (1, 1)
         if not 0 <= first <= last < MAX_CPUS or not 0 < each <= of:
-            raise ValueError(f"CPU list {body!r}: {part.strip()!r} is not a CPU, a range such as"
-                             f" 0-3 or a strided range such as 0-7:2/4 (CPUs 0 to"
-                             f" {MAX_CPUS - 1})")  # fmt: skip
+            raise ValueError(
+                f"CPU list {body!r}: {part.strip()!r} is not a CPU, a range such as"
+                f" 0-3 or a strided range such as 0-7:2/4 (CPUs 0 to"
+                f" {MAX_CPUS - 1})"
+            )
         cpus += [c for c in range(first, last + 1) if (c - first) % of < each]
     return cpus
 
@@ -254,8 +256,9 @@ def busy_machine(background: float | None, n_threads: int, logical: int | None =
     return background > max(0.25, spare - 0.25)
 
 
-def busy_advice(background: float, n_threads: int, *, logical: int | None = None,
-                poll: bool = False) -> str:  # fmt: skip
+def busy_advice(
+    background: float, n_threads: int, *, logical: int | None = None, poll: bool = False
+) -> str:
     """What would measure honestly on a machine this busy, with the figures: fewer threads
     (llama.cpp's threads wait for each other, so one that loses its CPU stalls them all),
     threads that sleep instead of spinning, or a quiet machine."""
@@ -289,11 +292,15 @@ class ThreadChoice:
         if self.background is None:
             return f"{self.default}: the {_cores_word()} (the load of others is unknown here)"
         if not self.reduced:
-            return (f"{self.threads}: the {_cores_word()}; other processes use"
-                    f" {self.background:.1f} of {self.logical} CPUs")  # fmt: skip
-        return (f"{self.threads} of {self.default}: other processes keep {self.background:.1f}"
-                f" of {self.logical} CPUs busy, and llama.cpp's spinning threads would wait on"
-                f" them (-t {self.default} to use every core anyway)")  # fmt: skip
+            return (
+                f"{self.threads}: the {_cores_word()}; other processes use"
+                f" {self.background:.1f} of {self.logical} CPUs"
+            )
+        return (
+            f"{self.threads} of {self.default}: other processes keep {self.background:.1f}"
+            f" of {self.logical} CPUs busy, and llama.cpp's spinning threads would wait on"
+            f" them (-t {self.default} to use every core anyway)"
+        )
 
 
 def _cores_word() -> str:
@@ -430,8 +437,14 @@ def weights_memories(
         )
     for name in names if on_device > 0 else []:
         bw = next((b for b in system.device_bandwidths if b.device == name), None)
-        out.append(WeightsMemory(name, on_device / len(names), bw.bytes_s if bw else None,
-                                 bw.source if bw else "not measured"))  # fmt: skip
+        out.append(
+            WeightsMemory(
+                name,
+                on_device / len(names),
+                bw.bytes_s if bw else None,
+                bw.source if bw else "not measured",
+            )
+        )
     return tuple(out)
 
 
@@ -450,16 +463,22 @@ def decode_bandwidth(
         + (f"{m.bytes_s / 1e9:,.1f} GB/s ({m.source})" if m.bytes_s else "not measured")
         for m in memories
     )
-    fields: dict[str, Any] = {"bw_util": None, "weights_bw_gbs": None, "decode_roofline_ts": None,
-                              "mem_bw_source": where or None}  # fmt: skip
+    fields: dict[str, Any] = {
+        "bw_util": None,
+        "weights_bw_gbs": None,
+        "decode_roofline_ts": None,
+        "mem_bw_source": where or None,
+    }
     if not memories or any(m.share > 0 and not m.bytes_s for m in memories) or bytes_per_token <= 0:
         return fields
     roofline_s = sum(m.share * bytes_per_token / m.bytes_s for m in memories if m.bytes_s)
     if roofline_s <= 0:
         return fields
-    fields.update(bw_util=round(tok_s * roofline_s, 4),
-                  weights_bw_gbs=round(bytes_per_token / roofline_s / 1e9, 3),
-                  decode_roofline_ts=round(1 / roofline_s, 3))  # fmt: skip
+    fields.update(
+        bw_util=round(tok_s * roofline_s, 4),
+        weights_bw_gbs=round(bytes_per_token / roofline_s / 1e9, 3),
+        decode_roofline_ts=round(1 / roofline_s, 3),
+    )
     return fields
 
 
@@ -494,8 +513,14 @@ def resident_fraction(path: str) -> float | None:
             return None
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE

@@ -48,12 +48,15 @@ def _make_environment() -> Any:
             if operator == "*":
                 for a, b in ((left, right), (right, left)):
                     if isinstance(b, int) and _sized(a) * max(b, 0) > MAX_OUTPUT_CHARS:
-                        raise TemplateBudgetError("the chat template builds a value larger than"
-                                                  f" {MAX_OUTPUT_CHARS:,} characters")  # fmt: skip
+                        raise TemplateBudgetError(
+                            "the chat template builds a value larger than"
+                            f" {MAX_OUTPUT_CHARS:,} characters"
+                        )
             result = super().call_binop(context, operator, left, right)
             if _sized(result) > MAX_OUTPUT_CHARS:
-                raise TemplateBudgetError(f"the chat template builds a value larger than"
-                                          f" {MAX_OUTPUT_CHARS:,} characters")  # fmt: skip
+                raise TemplateBudgetError(
+                    f"the chat template builds a value larger than {MAX_OUTPUT_CHARS:,} characters"
+                )
             return result
 
     return BoundedEnvironment, jinja2
@@ -98,8 +101,9 @@ class _BoundedTemplate:
             for piece in pieces:
                 size += len(piece)
                 if size > MAX_OUTPUT_CHARS:
-                    raise TemplateBudgetError(f"the chat template writes more than"
-                                              f" {MAX_OUTPUT_CHARS:,} characters")  # fmt: skip
+                    raise TemplateBudgetError(
+                        f"the chat template writes more than {MAX_OUTPUT_CHARS:,} characters"
+                    )
                 parts.append(piece)
         finally:
             sys.settrace(previous)
@@ -138,8 +142,9 @@ def _bounded_join(join: Callable[[Any], str]) -> Callable[[Any], str]:
     def bounded(seq: Any) -> str:
         result = join(seq)
         if len(result) > MAX_OUTPUT_CHARS:
-            raise TemplateBudgetError(f"the chat template builds a value larger than"
-                                      f" {MAX_OUTPUT_CHARS:,} characters")  # fmt: skip
+            raise TemplateBudgetError(
+                f"the chat template builds a value larger than {MAX_OUTPUT_CHARS:,} characters"
+            )
         return result
 
     return bounded

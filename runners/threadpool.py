@@ -55,11 +55,15 @@ def parse_cpu_mask(text: str) -> frozenset[int]:
         raise BadRequestError(f"-C/--cpu-mask '{text}': give a hex mask such as 0x3")
     bad = next((c for c in digits if c not in "0123456789abcdefABCDEF"), None)
     if bad is not None:
-        raise BadRequestError(f"-C/--cpu-mask '{text}': '{bad}' is not a hex digit (a mask"
-                              " is hex, such as 0xff for CPUs 0-7)")  # fmt: skip
+        raise BadRequestError(
+            f"-C/--cpu-mask '{text}': '{bad}' is not a hex digit (a mask"
+            " is hex, such as 0xff for CPUs 0-7)"
+        )
     if len(digits) > MAX_MASK_DIGITS:
-        raise BadRequestError(f"-C/--cpu-mask: at most {MAX_MASK_DIGITS} hex digits"
-                              f" ({MAX_N_THREADS} CPUs), not {len(digits)}")  # fmt: skip
+        raise BadRequestError(
+            f"-C/--cpu-mask: at most {MAX_MASK_DIGITS} hex digits"
+            f" ({MAX_N_THREADS} CPUs), not {len(digits)}"
+        )
     value = int(digits, 16)
     return frozenset(cpu for cpu in range(MAX_N_THREADS) if value >> cpu & 1)
 
@@ -67,8 +71,11 @@ def parse_cpu_mask(text: str) -> frozenset[int]:
 @functools.cache
 def _process_placement() -> tuple[frozenset[int], int, int]:
     """The CPUs, scheduling policy and priority the process had before any pool pinned it."""
-    return (frozenset(os.sched_getaffinity(0)), os.sched_getscheduler(0),
-            os.sched_getparam(0).sched_priority)  # fmt: skip
+    return (
+        frozenset(os.sched_getaffinity(0)),
+        os.sched_getscheduler(0),
+        os.sched_getparam(0).sched_priority,
+    )
 
 
 def available_cpus() -> frozenset[int]:
@@ -112,8 +119,9 @@ class ThreadpoolSettings:
         a thread would have no CPU this process may use."""
         cpus, usable = self.cpus, available_cpus()
         if (cpus or self.prio) and not hasattr(os, "sched_getaffinity"):
-            raise BadRequestError("-C/--cpu-mask and --prio need Linux's CPU affinity calls,"
-                                  " which this system lacks")  # fmt: skip
+            raise BadRequestError(
+                "-C/--cpu-mask and --prio need Linux's CPU affinity calls, which this system lacks"
+            )
         if not cpus:
             return [usable] * n_threads
         if not cpus & usable:
@@ -196,10 +204,15 @@ def _check_layout(params_init: Any) -> None:
     buf = (ctypes.c_ubyte * (size + 256))(*([0xAB] * (size + 256)))
     params_init(ctypes.addressof(buf), 7)
     p = _Params.from_buffer(buf)
-    if (p.n_threads, p.poll, p.prio, p.strict_cpu, p.paused) != (7, DEFAULT_POLL, 0, False, False) \
-            or any(b != 0xAB for b in buf[size:]) or any(p.cpumask):  # fmt: skip
-        raise EngineError("this llama.cpp's ggml_threadpool_params is not the layout llmrun"
-                          " knows (GGML_MAX_N_THREADS 512): cannot make a threadpool")  # fmt: skip
+    if (
+        (p.n_threads, p.poll, p.prio, p.strict_cpu, p.paused) != (7, DEFAULT_POLL, 0, False, False)
+        or any(b != 0xAB for b in buf[size:])
+        or any(p.cpumask)
+    ):
+        raise EngineError(
+            "this llama.cpp's ggml_threadpool_params is not the layout llmrun"
+            " knows (GGML_MAX_N_THREADS 512): cannot make a threadpool"
+        )
 
 
 @functools.cache
@@ -227,8 +240,11 @@ class Threadpool:
         p.strict_cpu, p.poll, p.prio = settings.strict, settings.poll, settings.prio
         self._api, self.settings, self.n_threads = api, settings, n_threads
         # what was handed over, read back from the struct: this is what the record says
-        self.applied = {"cpu_mask": settings.cpu_mask, "cpu_strict": bool(p.strict_cpu),
-                        "poll": int(p.poll)}  # fmt: skip
+        self.applied = {
+            "cpu_mask": settings.cpu_mask,
+            "cpu_strict": bool(p.strict_cpu),
+            "poll": int(p.poll),
+        }
         with _live_lock:
             self.ptr: Any = api.new(ctypes.byref(p))
             if not self.ptr:

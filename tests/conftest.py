@@ -145,8 +145,12 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
     """Environment for child processes (isolated HF cache, offline, no debug): every test that
     starts a process requests it, which marks the test `pty`."""
     env = dict(os.environ)
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", NO_COLOR="1",
-               LLMRUN_HOME=str(tmp_path / "llmrun-home"))  # fmt: skip
+    env.update(
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_OFFLINE="1",
+        NO_COLOR="1",
+        LLMRUN_HOME=str(tmp_path / "llmrun-home"),
+    )
     env.pop("LLMRUN_DEBUG", None)
     env.pop("LLMRUN_MODEL", None)
     return env  # a quiet machine: quiet_machine's PYTHONPATH and TESTS_BACKGROUND_CPUS=0
@@ -180,11 +184,25 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
     log_fd, log_name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
     SERVER_LOGS[url] = Path(log_name)
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "llama_server.py"), "--model", model_path,
-         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--verbose", "False",
-         "--interrupt_requests", "False"],
-        stdout=log_fd, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "tests" / "llama_server.py"),
+            "--model",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--verbose",
+            "False",
+            "--interrupt_requests",
+            "False",
+        ],
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
+    )
     os.close(log_fd)
     try:
         deadline = time.monotonic() + HANG_S
@@ -225,8 +243,13 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
         "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),"
         " ctypes.byref(p)))\n"
     )
-    subprocess.run([sys.executable, "-c", code, model_path, str(path)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", code, model_path, str(path)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+    )
     return str(path)
 
 

@@ -28,13 +28,26 @@ from llmrun.runners.stats import (
 )
 
 FAKE_MODEL = ModelInfo(
-    path="/fake/model.gguf", name="fake-model", architecture="fake", quantization="Q4_0",
-    n_params=1000, size_bytes=500, n_ctx_train=256, has_chat_template=True,
-)  # fmt: skip
+    path="/fake/model.gguf",
+    name="fake-model",
+    architecture="fake",
+    quantization="Q4_0",
+    n_params=1000,
+    size_bytes=500,
+    n_ctx_train=256,
+    has_chat_template=True,
+)
 FAKE_SETTINGS = EngineSettings(
-    backend="CPU", n_ctx=256, n_batch=4, n_ubatch=4, n_threads=1, n_threads_batch=1,
-    n_gpu_layers=0, gpu_offload=False, flash_attn="off",
-)  # fmt: skip
+    backend="CPU",
+    n_ctx=256,
+    n_batch=4,
+    n_ubatch=4,
+    n_threads=1,
+    n_threads_batch=1,
+    n_gpu_layers=0,
+    gpu_offload=False,
+    flash_attn="off",
+)
 
 
 class FakeRunner:
@@ -100,9 +113,12 @@ class FakeRunner:
             done = min(done, len(words))
             yield PrefillProgress(done, len(words), reused, (done - reused) * 0.001)
         prefill_s = (len(words) - reused) * 0.001
-        reply = (self.reply if self.reply is not None else " ".join(
-            m.content for m in request.messages if m.role == "user"
-        )[-200:] or (request.prompt or "")).split()  # fmt: skip
+        reply = (
+            self.reply
+            if self.reply is not None
+            else " ".join(m.content for m in request.messages if m.role == "user")[-200:]
+            or (request.prompt or "")
+        ).split()
         out, finish = [], FINISH_STOP
         for i, word in enumerate(reply):
             if i >= request.sampling.max_tokens:
@@ -115,12 +131,20 @@ class FakeRunner:
             out.append(text)
             yield Token(i, text, 0.002 + prefill_s + 0.01 * i, i)
         stats = GenerationStats(
-            finish_reason=finish, prompt_tokens=len(words), reused_tokens=reused,
-            output_tokens=len(out), template_tokenize_s=0.001, prefill_s=prefill_s,
-            first_sample_s=0.001, itl_s=tuple(0.01 for _ in out[1:]),
-            e2e_s=0.002 + prefill_s + 0.01 * len(out), load_s=0.5, seed=request.sampling.seed,
-            model=FAKE_MODEL, settings=FAKE_SETTINGS,
-        )  # fmt: skip
+            finish_reason=finish,
+            prompt_tokens=len(words),
+            reused_tokens=reused,
+            output_tokens=len(out),
+            template_tokenize_s=0.001,
+            prefill_s=prefill_s,
+            first_sample_s=0.001,
+            itl_s=tuple(0.01 for _ in out[1:]),
+            e2e_s=0.002 + prefill_s + 0.01 * len(out),
+            load_s=0.5,
+            seed=request.sampling.seed,
+            model=FAKE_MODEL,
+            settings=FAKE_SETTINGS,
+        )
         yield Finished(stats, "".join(out))
 
 
@@ -145,9 +169,15 @@ class FakeBenchRunner(FakeRunner):
         self._cache = [str(t) for t in tokens]
 
     def header(self) -> GGUFInfo:
-        return GGUFInfo(path=self.model_path, version=3, file_size_bytes=500,
-                        metadata={"general.architecture": "fake"}, n_tensors=0, n_params=1000,
-                        data_size_bytes=500)  # fmt: skip
+        return GGUFInfo(
+            path=self.model_path,
+            version=3,
+            file_size_bytes=500,
+            metadata={"general.architecture": "fake"},
+            n_tensors=0,
+            n_params=1000,
+            data_size_bytes=500,
+        )
 
     def vocab_size(self) -> int:
         return 100

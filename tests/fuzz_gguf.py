@@ -27,8 +27,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}  # fmt: skip
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 
 
 CASE_TIMEOUT_S = 60.0
@@ -193,8 +204,22 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
     from llmrun.runners.library import llama_lib
 
     llama_lib()
-    argv = ["run", "-m", str(copy), "--raw", "-n", "2", "--temp", "0", "-c", "256",
-            "--no-dashboard", "--stats", "json", "Hello"]  # fmt: skip
+    argv = [
+        "run",
+        "-m",
+        str(copy),
+        "--raw",
+        "-n",
+        "2",
+        "--temp",
+        "0",
+        "-c",
+        "256",
+        "--no-dashboard",
+        "--stats",
+        "json",
+        "Hello",
+    ]
     outcomes = []
     for desc, edits in make_cases(fields, header_end, n, seed):
         code, out, err = run_case(copy, edits, argv, workdir)

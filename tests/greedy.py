@@ -11,8 +11,9 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 NEAR_TIE = 0.5
 
 
-def margin_at_divergence(runner: LlamaCppRunner, prompt: list[int], a: list[int],
-                         b: list[int]) -> float:  # fmt: skip
+def margin_at_divergence(
+    runner: LlamaCppRunner, prompt: list[int], a: list[int], b: list[int]
+) -> float:
     """Where two greedy outputs first differ: how far apart the two chosen tokens' logits are
     when the common prefix is decoded a token at a time. 0.0 when they never differ."""
     k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
@@ -24,8 +25,9 @@ def margin_at_divergence(runner: LlamaCppRunner, prompt: list[int], a: list[int]
     for t in a[:k]:
         runner.eval_tokens([t])
     assert runner._model is not None
-    logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(runner._ctx_ptr, -1),
-                                   shape=(runner._model.n_vocab,))  # fmt: skip
+    logits = np.ctypeslib.as_array(
+        lib.llama_get_logits_ith(runner._ctx_ptr, -1), shape=(runner._model.n_vocab,)
+    )
     margin = abs(float(logits[a[k]] - logits[b[k]]))
     runner.reset()
     return margin

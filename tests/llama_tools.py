@@ -42,9 +42,23 @@ def llama_cpp_dir() -> Path:
         return target
     downloads = tools_dir() / "download"
     downloads.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                    "--disable-pip-version-check", "--no-binary", ":all:",
-                    f"{PACKAGE}=={version()}", "-d", str(downloads)], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--no-binary",
+            ":all:",
+            f"{PACKAGE}=={version()}",
+            "-d",
+            str(downloads),
+        ],
+        check=True,
+    )
     archive = next(downloads.glob("*.tar.gz"))
     prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
     staging = tools_dir() / "staging"
@@ -73,14 +87,38 @@ def tool(name: str) -> Path:
     src = llama_cpp_dir()
     binary = src / "build" / "bin" / name
     if not binary.exists():
-        subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DLLAMA_CURL=OFF",
-                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
-                        "-DLLAMA_USE_PREBUILT_UI=OFF"],
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(src),
+                "-B",
+                str(src / "build"),
+                "-DLLAMA_CURL=OFF",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_UI=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         targets = BENCH_TOOLS if name in BENCH_TOOLS else (name,)
-        subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2),
-                        "--target", *targets], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(src / "build"),
+                "-j",
+                str(os.cpu_count() or 2),
+                "--target",
+                *targets,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return binary
 
 

@@ -87,9 +87,19 @@ class Handler(BaseHTTPRequestHandler):
         if model == "slow":
             time.sleep(3)
         if model == "whole":  # ignores "stream": true and answers with one JSON object
-            return self._json(200, {"choices": [{"index": 0, "finish_reason": "length", "message":
-                              {"role": "assistant", "content": "All at once."}}],
-                              "usage": {"prompt_tokens": 3, "completion_tokens": 4}})  # fmt: skip
+            return self._json(
+                200,
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "length",
+                            "message": {"role": "assistant", "content": "All at once."},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+                },
+            )
         if model == "moved":
             self.send_response(307)
             self.send_header("Location", "http://elsewhere.example/v1/chat/completions?key=K9x")
@@ -98,8 +108,9 @@ class Handler(BaseHTTPRequestHandler):
             return None
         if model == "echo401":
             auth = self.headers.get("Authorization")
-            return self._json(401, {"error": {"message": f"bad header Authorization: {auth}"
-                                                         f" for {self.path}"}})  # fmt: skip
+            return self._json(
+                401, {"error": {"message": f"bad header Authorization: {auth} for {self.path}"}}
+            )
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -125,9 +136,14 @@ class Handler(BaseHTTPRequestHandler):
         final: dict[str, object] = {
             "choices": [{"index": 0, "finish_reason": "stop", "delta": {}, "text": ""}],
             "usage": {"prompt_tokens": 12, "completion_tokens": len(WORDS), "total_tokens": 18},
-            "timings": {"prompt_n": 8, "prompt_ms": 4.0, "predicted_n": len(WORDS),
-                        "predicted_ms": 50.0, "cache_n": 4},
-        }  # fmt: skip
+            "timings": {
+                "prompt_n": 8,
+                "prompt_ms": 4.0,
+                "predicted_n": len(WORDS),
+                "predicted_ms": 50.0,
+                "cache_n": 4,
+            },
+        }
         if model == "badnumbers":
             final["usage"] = {
                 "prompt_tokens": "twelve",
@@ -157,9 +173,14 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             self.wfile.flush()
             time.sleep(0.01)
-        final = {"choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
-                 "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
-                           "completion_tokens_details": {"reasoning_tokens": len(thoughts)}}}  # fmt: skip
+        final = {
+            "choices": [{"index": 0, "finish_reason": "stop", "delta": {}}],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": len(deltas),
+                "completion_tokens_details": {"reasoning_tokens": len(thoughts)},
+            },
+        }
         self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
 
@@ -183,8 +204,14 @@ ESCAPES = "\x1b[2J\x1b[H\x1b]0;pwned\x07\x1b[31mred\x9b1m\r\x08"
 
 
 def _escapes(h: Handler) -> None:
-    _send(h, _delta(reasoning_content=f"think{ESCAPES}ing"), _delta(content=f"Hi{ESCAPES}"),
-          _delta(content=" there\x1b"), _delta(content="[2J!"), FINAL)  # fmt: skip
+    _send(
+        h,
+        _delta(reasoning_content=f"think{ESCAPES}ing"),
+        _delta(content=f"Hi{ESCAPES}"),
+        _delta(content=" there\x1b"),
+        _delta(content="[2J!"),
+        FINAL,
+    )
 
 
 def _keepalive(h: Handler) -> None:
@@ -199,10 +226,15 @@ def _keepalive(h: Handler) -> None:
 
 
 def _liar(h: Handler) -> None:
-    final = {**FINAL, "usage": {"prompt_tokens": 5, "completion_tokens": 2,
-                                "completion_tokens_details": {"reasoning_tokens": 500}},
-             "timings": {"prompt_n": 5, "prompt_ms": 1e9, "predicted_n": 2,
-                         "predicted_ms": 2e-21}}  # fmt: skip
+    final = {
+        **FINAL,
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "completion_tokens_details": {"reasoning_tokens": 500},
+        },
+        "timings": {"prompt_n": 5, "prompt_ms": 1e9, "predicted_n": 2, "predicted_ms": 2e-21},
+    }
     _send(h, _delta(reasoning_content="hmm"), _delta(content="ok"), final)
 
 
@@ -229,8 +261,14 @@ def _endless(h: Handler) -> None:
         h.close_connection = True
 
 
-HOSTILE = {"endless": _endless, "escapes": _escapes, "keepalive": _keepalive, "liar": _liar, "echo": _echo,
-           "whatwg": _whatwg}  # fmt: skip
+HOSTILE = {
+    "endless": _endless,
+    "escapes": _escapes,
+    "keepalive": _keepalive,
+    "liar": _liar,
+    "echo": _echo,
+    "whatwg": _whatwg,
+}
 
 
 class _Server(ThreadingHTTPServer):
@@ -245,8 +283,11 @@ class _Server(ThreadingHTTPServer):
 def stub_server(
     api_key: str | None = None, basic: str | None = None, models_answer: Any = None
 ) -> Iterator[str]:
-    handler = type("KeyedHandler", (Handler,), {"api_key": api_key, "basic": basic,
-                                                "models_answer": models_answer})  # fmt: skip
+    handler = type(
+        "KeyedHandler",
+        (Handler,),
+        {"api_key": api_key, "basic": basic, "models_answer": models_answer},
+    )
     server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -41,15 +41,30 @@ def machine(
 
 
 def nvidia(compute_cap: str = "9.0") -> dict[str, str]:
-    return {"nvidia-smi -L": H200,
-            "nvidia-smi --query-gpu=compute_cap --format=csv,noheader": compute_cap + "\n"}  # fmt: skip
+    return {
+        "nvidia-smi -L": H200,
+        "nvidia-smi --query-gpu=compute_cap --format=csv,noheader": compute_cap + "\n",
+    }
 
 
-def choose(requested: str = "auto", *, system: str = "Linux", machine_: str = "x86_64",
-           env: dict[str, str] | None = None, **kw: dict[str, str]) -> Choice:  # fmt: skip
+def choose(
+    requested: str = "auto",
+    *,
+    system: str = "Linux",
+    machine_: str = "x86_64",
+    env: dict[str, str] | None = None,
+    **kw: dict[str, str],
+) -> Choice:
     which, run = machine(kw.get("tools"), kw.get("outputs"))
-    return backend.choose(requested, which=which, run=run, system=system, machine=machine_,
-                          env=env or {}, executable=lambda path: False)  # fmt: skip
+    return backend.choose(
+        requested,
+        which=which,
+        run=run,
+        system=system,
+        machine=machine_,
+        env=env or {},
+        executable=lambda path: False,
+    )
 
 
 def test_a_plain_machine_builds_for_the_cpu() -> None:
@@ -58,8 +73,10 @@ def test_a_plain_machine_builds_for_the_cpu() -> None:
 
 
 def test_nvcc_and_an_nvidia_gpu_build_cuda_for_that_gpu() -> None:
-    c = choose(tools={"nvcc": "/usr/local/cuda/bin/nvcc", "nvidia-smi": "/usr/bin/nvidia-smi"},
-               outputs=nvidia("9.0"))  # fmt: skip
+    c = choose(
+        tools={"nvcc": "/usr/local/cuda/bin/nvcc", "nvidia-smi": "/usr/bin/nvidia-smi"},
+        outputs=nvidia("9.0"),
+    )
     assert c.name == "cuda"
     assert c.cmake_args == "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90"
     assert "NVIDIA H200" in c.why
@@ -82,8 +99,10 @@ def test_apple_silicon_builds_metal() -> None:
 
 
 def test_rocm_builds_hip_for_the_gpus_it_lists() -> None:
-    c = choose(tools={"hipcc": "/opt/rocm/bin/hipcc"},
-               outputs={"rocminfo": "Agent 2\n  Name:  gfx90a\n  Name: gfx90a\n"})  # fmt: skip
+    c = choose(
+        tools={"hipcc": "/opt/rocm/bin/hipcc"},
+        outputs={"rocminfo": "Agent 2\n  Name:  gfx90a\n  Name: gfx90a\n"},
+    )
     assert (c.name, c.cmake_args) == ("hip", "-DGGML_HIP=on -DAMDGPU_TARGETS=gfx90a")
 
 
@@ -102,9 +121,13 @@ def test_an_explicit_choice_wins_and_extra_flags_are_added() -> None:
 
 
 def test_every_build_has_its_own_cache_key() -> None:
-    keys = {choose("cpu").key, choose("cuda").key, choose("vulkan").key,
-            choose("cpu", env={"LLMRUN_CMAKE_ARGS": "-DGGML_BLAS=ON"}).key,
-            choose("cuda", outputs=nvidia("8.6")).key}  # fmt: skip
+    keys = {
+        choose("cpu").key,
+        choose("cuda").key,
+        choose("vulkan").key,
+        choose("cpu", env={"LLMRUN_CMAKE_ARGS": "-DGGML_BLAS=ON"}).key,
+        choose("cuda", outputs=nvidia("8.6")).key,
+    }
     assert len(keys) == 5  # a CPU wheel never satisfies a GPU build, nor one GPU's another's
 
 
@@ -119,9 +142,14 @@ def fake_tools(folder: Path, scripts: dict[str, str]) -> dict[str, str]:
 
 
 def make_n(env: dict[str, str], tmp_path: Path, *args: str) -> str:
-    done = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}",
-                           f"PYTHON={sys.executable}", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", f"PYTHON={sys.executable}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -130,15 +158,25 @@ def make_n(env: dict[str, str], tmp_path: Path, *args: str) -> str:
     ("scripts", "args", "expected"),
     [
         ({}, (), 'CMAKE_ARGS=""'),
-        ({"nvcc": "exit 0\n", "nvidia-smi": 'case "$1" in -L) echo "GPU 0: NVIDIA H200 (UUID: x)";;'
-          ' *) echo 9.0;; esac\n'}, (), 'CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90"'),
+        (
+            {
+                "nvcc": "exit 0\n",
+                "nvidia-smi": 'case "$1" in -L) echo "GPU 0: NVIDIA H200 (UUID: x)";;'
+                " *) echo 9.0;; esac\n",
+            },
+            (),
+            'CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90"',
+        ),
         ({"nvcc": "exit 0\n"}, (), 'CMAKE_ARGS=""'),
         ({"nvcc": "exit 0\n"}, ("GPU=cuda",), "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75;"),
-        ({"hipcc": "exit 0\n", "rocminfo": "echo '  Name: gfx1100'\n"}, (),
-         'CMAKE_ARGS="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1100"'),
+        (
+            {"hipcc": "exit 0\n", "rocminfo": "echo '  Name: gfx1100'\n"},
+            (),
+            'CMAKE_ARGS="-DGGML_HIP=on -DAMDGPU_TARGETS=gfx1100"',
+        ),
         ({}, ("GPU=vulkan",), 'CMAKE_ARGS="-DGGML_VULKAN=on"'),
     ],
-)  # fmt: skip
+)
 def test_make_n_shows_the_cmake_args_of_each_case(
     tmp_path: Path,
     scripts: dict[str, str],

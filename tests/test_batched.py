@@ -29,8 +29,10 @@ Setup = tuple[LlamaCppRunner, BatchedEngine, tuple[int, ...], list[tuple[int, ..
 def setup(model_path: str) -> Iterator[Setup]:
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=1024))
     engine = BatchedEngine(runner, n_seq=3, n_ctx_per_seq=512, n_batch=256)
-    stream = runner.tokenize("<|im_start|>user\nList the numbers from 1 to 30.<|im_end|>\n"
-                             "<|im_start|>assistant\n", add_special=False)  # fmt: skip
+    stream = runner.tokenize(
+        "<|im_start|>user\nList the numbers from 1 to 30.<|im_end|>\n<|im_start|>assistant\n",
+        add_special=False,
+    )
     rng = random.Random(3)
     longs = [tuple(rng.randrange(49152) for _ in range(200)) for _ in range(2)]
     yield runner, engine, tuple(stream), longs
@@ -47,8 +49,10 @@ def alone(engine: BatchedEngine, stream: tuple[int, ...]) -> list[int]:
 def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, policy: str) -> None:
     runner, engine, stream, longs = setup
     solo = alone(engine, stream)
-    arrivals = [Arrival(0.0, stream, 40), *(Arrival(0.02 * (i + 1), p, 6) for i, p in
-                                             enumerate(longs))]  # fmt: skip
+    arrivals = [
+        Arrival(0.0, stream, 40),
+        *(Arrival(0.02 * (i + 1), p, 6) for i, p in enumerate(longs)),
+    ]
     results, steps = engine.run(arrivals, Policy.parse(policy))
     together = results[0].output
     assert len(together) == 40 and all(len(r.output) == 6 for r in results[1:])
@@ -56,8 +60,9 @@ def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, po
     for r, p in zip(results[1:], longs, strict=True):  # the long prompts too
         plain = engine.run([Arrival(0.0, p, 6)], Policy("chunked", 256))[0][0].output
         assert margin_at_divergence(runner, list(p), plain, r.output) < NEAR_TIE
-    budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256,
-              "decode-first:4": 256}[policy]  # fmt: skip
+    budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256, "decode-first:4": 256}[
+        policy
+    ]
     assert max(s.n_decode + s.n_prefill for s in steps) <= budget
     mixed = [s for s in steps if s.n_prefill and s.n_decode]
     if policy in ("chunked:32", "decode-first:4"):
@@ -81,12 +86,18 @@ def test_three_sequences_give_the_runners_own_greedy_output(setup: Setup) -> Non
     plain decode with llama.cpp's greedy sampler, for one sequence among three."""
     runner, engine, stream, longs = setup
     sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = [e.token_id for e in runner.stream(Request(token_ids=stream, sampling=sampling,
-                                                       keep_cache=False))
-             if isinstance(e, Token)]  # fmt: skip
-    results, _ = engine.run([Arrival(0.0, stream, 40, ignore_eos=True),
-                             *(Arrival(0.0, p, 40, ignore_eos=True) for p in longs)],
-                            Policy("chunked", 256))  # fmt: skip
+    plain = [
+        e.token_id
+        for e in runner.stream(Request(token_ids=stream, sampling=sampling, keep_cache=False))
+        if isinstance(e, Token)
+    ]
+    results, _ = engine.run(
+        [
+            Arrival(0.0, stream, 40, ignore_eos=True),
+            *(Arrival(0.0, p, 40, ignore_eos=True) for p in longs),
+        ],
+        Policy("chunked", 256),
+    )
     assert len(plain) == 40 and len(results[0].output) == 40
     assert margin_at_divergence(runner, list(stream), plain, results[0].output) < NEAR_TIE
 
@@ -95,9 +106,13 @@ def test_the_runner_closes_a_batched_context_before_its_model(model_path: str) -
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256))
     engine = BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64)
     sampling = SamplingParams(max_tokens=4, temperature=0.7, seed=7, ignore_eos=True)
-    results, _ = engine.run([Arrival(0.0, (1, 2, 3), 4, ignore_eos=True, sampling=sampling),
-                             Arrival(0.0, (4, 5, 6), 4, ignore_eos=True)],
-                            Policy("chunked", 64))  # fmt: skip
+    results, _ = engine.run(
+        [
+            Arrival(0.0, (1, 2, 3), 4, ignore_eos=True, sampling=sampling),
+            Arrival(0.0, (4, 5, 6), 4, ignore_eos=True),
+        ],
+        Policy("chunked", 64),
+    )
     assert [len(r.output) for r in results] == [4, 4]
     chain = engine.new_chain(sampling, 7, prompt=[1, 2, 3])
     runner.close()  # the engine's context goes first, while the weights are still loaded
@@ -121,11 +136,30 @@ def test_policies_parse() -> None:
 def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     png = tmp_path / "timeline.png"
     done = subprocess.run(
-        [which_llmrun(), "bench", "interference", "--policy", "prefill-first,chunked:32",
-         "--num-prompts", "2", "--prompt-len", "128", "--rate", "10",
-         "--output-len", "24", "-o", "json", "--plot", str(png)],
-        env=llmrun_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "interference",
+            "--policy",
+            "prefill-first,chunked:32",
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "128",
+            "--rate",
+            "10",
+            "--output-len",
+            "24",
+            "-o",
+            "json",
+            "--plot",
+            str(png),
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [r["policy"] for r in rows] == ["alone", "prefill-first", "chunked:32"]
@@ -137,16 +171,30 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the timeline
 
 
-def test_interference_piped_without_o_prints_its_records_as_md(
-    llmrun_env: dict[str, str],
-) -> None:
+def test_interference_piped_without_o_prints_its_records_as_md(llmrun_env: dict[str, str]) -> None:
     """No -o and stdout no terminal: the local lab's records on stdout as md, as against a
     server and as every bench command; its table and verdict are display, on stderr."""
     done = subprocess.run(
-        [which_llmrun(), "bench", "interference", "--policy", "chunked:32", "--num-prompts", "1",
-         "--prompt-len", "32", "--rate", "10", "--output-len", "8"],
-        env=llmrun_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "interference",
+            "--policy",
+            "chunked:32",
+            "--num-prompts",
+            "1",
+            "--prompt-len",
+            "32",
+            "--rate",
+            "10",
+            "--output-len",
+            "8",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = parse("md", done.stdout)
     assert [r["policy"] for r in rows] == ["alone", "chunked:32"]
@@ -156,10 +204,29 @@ def test_interference_piped_without_o_prints_its_records_as_md(
 
 def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, str]) -> None:
     done = subprocess.run(
-        [which_llmrun(), "bench", "serve", "--concurrency", "1,2", "--num-prompts", "3", "--input-len",
-         "16", "--output-len", "4", "--policy", "chunked:32", "-o", "json", "--no-history"],
-        env=llmrun_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "serve",
+            "--concurrency",
+            "1,2",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--policy",
+            "chunked:32",
+            "-o",
+            "json",
+            "--no-history",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [(r["concurrency"], r["policy"]) for r in rows] == [(1, "chunked:32"), (2, "chunked:32")]
@@ -174,19 +241,41 @@ def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, st
 
 def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n'
-                       '{"messages": [{"role": "user", "content": "Name a color"}]}\n')  # fmt: skip
+    prompts.write_text(
+        '{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n'
+        '{"messages": [{"role": "user", "content": "Name a color"}]}\n'
+    )
     done = subprocess.run(
-        [which_llmrun(), "run", "--jsonl", str(prompts), "--parallel", "3", "-n", "12",
-         "--temp", "0", "--json", "--stats", "json"],
-        env=llmrun_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "run",
+            "--jsonl",
+            str(prompts),
+            "--parallel",
+            "3",
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--json",
+            "--stats",
+            "json",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["id"].rsplit(":", 1)[-1] for r in rows] == ["1", "2", "3"]
     assert all(r["text"] and r["stats"]["output_tokens"] <= 12 for r in rows)
     assert "parallel 3: 3 requests in" in done.stderr
-    refused = subprocess.run([which_llmrun(), "run", "hi", "--parallel", "2", "--endpoint",
-                              "http://127.0.0.1:9"], env=llmrun_env, capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+    refused = subprocess.run(
+        [which_llmrun(), "run", "hi", "--parallel", "2", "--endpoint", "http://127.0.0.1:9"],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 1 and "--parallel" in refused.stderr

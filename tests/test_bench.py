@@ -28,13 +28,42 @@ from .conftest import HANG_S, which_llmrun
 from .fake import FakeBenchRunner
 
 LLAMA_BENCH_FIELDS = {
-    "build_commit", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
-    "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v",
-    "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
-    "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
-}  # fmt: skip
-OURS = {"ttft_ms", "load_ms", "itl_p50_ms", "itl_p99_ms", "engine_avg_ts", "bw_util",
-        "prefill_gflops", "mem_bw_gbs"}  # fmt: skip
+    "build_commit",
+    "cpu_info",
+    "gpu_info",
+    "backends",
+    "model_filename",
+    "model_type",
+    "model_size",
+    "model_n_params",
+    "n_batch",
+    "n_ubatch",
+    "n_threads",
+    "type_k",
+    "type_v",
+    "n_gpu_layers",
+    "flash_attn",
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "test_time",
+    "avg_ns",
+    "stddev_ns",
+    "avg_ts",
+    "stddev_ts",
+    "samples_ns",
+    "samples_ts",
+}
+OURS = {
+    "ttft_ms",
+    "load_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "engine_avg_ts",
+    "bw_util",
+    "prefill_gflops",
+    "mem_bw_gbs",
+}
 TINY = ["bench", "-r", "2", "-p", "16", "-n", "4", "-t", "1,2"]
 
 
@@ -65,14 +94,23 @@ def parse(fmt: str, text: str) -> list[dict[str, object]]:
         db = sqlite3.connect(":memory:")
         db.row_factory = sqlite3.Row
         db.executescript(text)
-        rows = db.execute("SELECT llama_bench.*, figures FROM llama_bench LEFT JOIN"
-                          " llama_bench_llmrun ON bench_rowid = llama_bench.rowid")  # fmt: skip
-        return [{**{k: row[k] for k in row.keys() if k != "figures"},  # noqa: SIM118 (a Row)
-                 **json.loads(row["figures"] or "{}")} for row in rows]  # fmt: skip
+        rows = db.execute(
+            "SELECT llama_bench.*, figures FROM llama_bench LEFT JOIN"
+            " llama_bench_llmrun ON bench_rowid = llama_bench.rowid"
+        )
+        return [
+            {
+                **{k: row[k] for k in row.keys() if k != "figures"},  # noqa: SIM118 (a Row)
+                **json.loads(row["figures"] or "{}"),
+            }
+            for row in rows
+        ]
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    return [dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True))
-            for ln in lines[2:]]  # fmt: skip
+    return [
+        dict(zip(head, (c.strip() for c in ln.strip("|").split("|")), strict=True))
+        for ln in lines[2:]
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "sql", "md"])
@@ -102,14 +140,35 @@ def test_every_format_parses_back_with_both_sweep_values(
 def test_skipped_values_are_reported_and_the_rest_runs(
     cli: CliRunner, home: Path, model_path: str
 ) -> None:
-    result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "0", "-ctk", "f16,q9",
-                              "-b", "32,128", "-c", "64", "-ngl", "0,999", "-o", "jsonl",
-                              "--no-history"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "16",
+            "-n",
+            "0",
+            "-ctk",
+            "f16,q9",
+            "-b",
+            "32,128",
+            "-c",
+            "64",
+            "-ngl",
+            "0,999",
+            "-o",
+            "jsonl",
+            "--no-history",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     # -ngl 999 is "all layers", as in llama.cpp (none on this CPU-only build)
-    assert [(r["n_batch"], r["type_k"], r["n_gpu_layers"], r["n_gpu_layers_offloaded"])
-            for r in rows] == [(32, "f16", 0, 0), (32, "f16", 999, 0)]  # fmt: skip
+    assert [
+        (r["n_batch"], r["type_k"], r["n_gpu_layers"], r["n_gpu_layers_offloaded"]) for r in rows
+    ] == [(32, "f16", 0, 0), (32, "f16", 999, 0)]
     err = " ".join(result.stderr.split())
     assert "unknown cache-type-k 'q9'" in err
     assert "batch 128 is larger than the context (64 tokens)" in err
@@ -120,8 +179,7 @@ def test_compare_finds_the_previous_run_and_history_lists_both(
 ) -> None:
     first = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json"])
     assert first.exit_code == 0, first.stderr
-    second = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json",
-                              "--compare"])  # fmt: skip
+    second = cli.invoke(app, ["bench", "-r", "2", "-p", "16", "-n", "0", "-o", "json", "--compare"])
     assert second.exit_code == 0, second.stderr
     err = " ".join(second.stderr.replace("│", " ").split())  # a long verdict wraps its cell
     assert "against the previous run" in err and "(run 1)" in err, err
@@ -134,9 +192,28 @@ def test_compare_finds_the_previous_run_and_history_lists_both(
 
 
 def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path, model_path: str) -> None:
-    result = cli.invoke(app, ["bench", "-r", "1", "-p", "48", "-n", "0", "--pg", "16,4",
-                              "-d", "0,32", "-b", "16,48", "--no-history", "-o", "json"],
-                        env={"COLUMNS": "120"})  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "48",
+            "-n",
+            "0",
+            "--pg",
+            "16,4",
+            "-d",
+            "0,32",
+            "-b",
+            "16,48",
+            "--no-history",
+            "-o",
+            "json",
+        ],
+        env={"COLUMNS": "120"},
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     tests = {(r["test"], r["n_batch"]) for r in rows}
@@ -149,8 +226,20 @@ def test_pg_depth_and_chunk_sizes(cli: CliRunner, home: Path, model_path: str) -
 
 
 def test_scenarios_give_a_score(cli: CliRunner, home: Path, model_path: str) -> None:
-    result = cli.invoke(app, ["bench", "--scenarios", "--scenario-scale", "0.004", "-r", "1",
-                              "--no-history", "-o", "jsonl"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "--scenarios",
+            "--scenario-scale",
+            "0.004",
+            "-r",
+            "1",
+            "--no-history",
+            "-o",
+            "jsonl",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.splitlines()) == len(ls.LOCALSCORE_SCENARIOS)
     scores = {json.loads(line)["localscore"] for line in result.stdout.splitlines()}
@@ -194,14 +283,24 @@ def test_run_reports_tuned_settings(
 ) -> None:
     save_tuned(model_path, {"n_threads": 1, "n_batch": 128, "n_ubatch": 64, "flash_attn": "off"})
     env = dict(llmrun_env, LLMRUN_HOME=str(home))
-    result = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json"], env=env,
-                            capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    result = subprocess.run(
+        [which_llmrun(), "run", "hi", "-n", "3", "--stats", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert result.returncode == 0, result.stderr
     settings = json.loads(result.stderr.strip().splitlines()[-1])["settings"]
     assert settings["tuned"] is True
     assert (settings["n_threads"], settings["n_batch"], settings["n_ubatch"]) == (1, 128, 64)
-    explicit = subprocess.run([which_llmrun(), "run", "hi", "-n", "3", "--stats", "json", "-t",
-                               "2"], env=env, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    explicit = subprocess.run(
+        [which_llmrun(), "run", "hi", "-n", "3", "--stats", "json", "-t", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert json.loads(explicit.stderr.strip().splitlines()[-1])["settings"]["n_threads"] == 2
 
 
@@ -209,8 +308,9 @@ def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Pat
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
     out = tmp_path / "out.jsonl"
     cmd = f"{which_llmrun()} bench -r 3 -p 16 -n 300 -t 1,2 -o jsonl > {out}"
-    child = pexpect.spawn("bash", ["-c", cmd], env=env, encoding="utf-8", timeout=HANG_S,
-                          dimensions=(40, 120))  # fmt: skip
+    child = pexpect.spawn(
+        "bash", ["-c", cmd], env=env, encoding="utf-8", timeout=HANG_S, dimensions=(40, 120)
+    )
     child.expect(r"tg300")  # the progress bar has moved past pp16 to the generation test
     child.sendintr()
     child.expect(pexpect.EOF)
@@ -227,16 +327,56 @@ def test_plot_and_system_report(
     cli: CliRunner, home: Path, tmp_path: Path, model_path: str
 ) -> None:
     png = tmp_path / "bench.png"
-    result = cli.invoke(app, ["bench", "-r", "1", "-p", "16", "-n", "4", "-b", "8,16", "-d", "0,8",
-                              "--plot", str(png), "--no-history", "-o", "csv"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "16",
+            "-n",
+            "4",
+            "-b",
+            "8,16",
+            "-d",
+            "0,8",
+            "--plot",
+            str(png),
+            "--no-history",
+            "-o",
+            "csv",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     err = " ".join(result.stderr.split())
-    for expected in ("cores", "logical", "RAM", "(streaming copy)", "llama-cpp-python",
-                     "llama Q4_1", "135M params", "GB/s"):  # fmt: skip
+    for expected in (
+        "cores",
+        "logical",
+        "RAM",
+        "(streaming copy)",
+        "llama-cpp-python",
+        "llama Q4_1",
+        "135M params",
+        "GB/s",
+    ):
         assert expected in err, expected
-    bad = cli.invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "--no-history",
-                           "--plot", str(tmp_path / "no" / "dir.png")])  # fmt: skip
+    bad = cli.invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "--no-history",
+            "--plot",
+            str(tmp_path / "no" / "dir.png"),
+        ],
+    )
     assert bad.exit_code == 1 and "cannot write" in bad.stderr
 
 
@@ -254,10 +394,10 @@ def test_sweeps_reload_the_weights_only_for_gpu_layers(runner: LlamaCppRunner) -
 
 def test_a_closed_stdout_loses_no_result(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
-    cmd = (f"{which_llmrun()} bench -r 1 -p 8 -n 4 -o json | true; "
-           "echo \"status=${PIPESTATUS[0]}\"")  # fmt: skip
-    result = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    cmd = f'{which_llmrun()} bench -r 1 -p 8 -n 4 -o json | true; echo "status=${{PIPESTATUS[0]}}"'
+    result = subprocess.run(
+        ["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120
+    )
     assert "status=141" in result.stdout
     assert "Traceback" not in result.stderr and "error" not in result.stderr
     db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")
@@ -274,8 +414,9 @@ def test_bench_measures_any_bench_runner_from_the_factory(
 ) -> None:
     fake = FakeBenchRunner()
     monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
-    result = cli.invoke(app, ["bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1,2",
-                              "--no-history", "-o", "json"])  # fmt: skip
+    result = cli.invoke(
+        app, ["bench", "-p", "8", "-n", "4", "-r", "2", "-t", "1,2", "--no-history", "-o", "json"]
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert sorted(r["test"] for r in rows) == ["pp8", "pp8", "tg4", "tg4"]

@@ -19,40 +19,83 @@ from llmrun.cli.bench import flags, interference, serve, sweep, tune
 
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
-    "--model": ["-m", "other.gguf"], "--n-prompt": ["-p", "64"], "--n-gen": ["-n", "16"],
-    "--pg": ["--pg", "8,8"], "--n-depth": ["-d", "32"], "--repetitions": ["-r", "2"],
-    "--threads": ["-t", "1"], "--threads-batch": ["-tb", "1"], "--batch": ["-b", "64"], "--ubatch": ["-ub", "64"],
-    "--gpu-layers": ["-ngl", "0"], "--flash-attn": ["-fa", "1"], "--cache-type-k": ["-ctk", "q8_0"],
-    "--cache-type-v": ["-ctv", "q8_0"], "--repack": ["--repack", "0"], "--mmap": ["-mmp", "0"],
-    "--load-mode": ["-lm", "none"], "--no-kv-offload": ["-nkvo", "1"],
-    "--split-mode": ["-sm", "row"], "--main-gpu": ["-mg", "1"], "--tensor-split": ["-ts", "3/1"],
-    "--device": ["-dev", "CUDA1"], "--n-cpu-moe": ["-ncmoe", "2"],
-    "--override-tensor": ["-ot", "exps=CPU"], "--cpu-mask": ["-C", "0x3"],
-    "--cpu-strict": ["--cpu-strict", "1"], "--poll": ["--poll", "0"],
-    "--numa": ["--numa", "distribute"], "--prio": ["--prio", "1"], "--delay": ["--delay", "1"],
-    "--no-warmup": ["--no-warmup"], "--progress": ["--progress"], "--verbose": ["-v"],
-    "--output-err": ["-oe", "csv"], "--embeddings": ["-embd", "1"],
-    "--no-op-offload": ["-nopo", "1"], "--no-host": ["--no-host", "1"],
-    "--lazy-mode": ["-lzm", "off"], "--fit-target": ["-fitt", "512"],
-    "--fit-ctx": ["-fitc", "1024"], "--hf-repo": ["-hf", "owner/repo:Q4_0"],
-    "--hf-file": ["-hf", "owner/repo", "-hff", "a.gguf"], "--hf-token": ["-hft", "secret"],
-    "--offline": ["--offline"], "--list-devices": ["--list-devices"], "--ctx": ["-c", "2048"],
-    "--scenarios": ["--scenarios"], "--scenario-scale": ["--scenarios", "--scenario-scale", "0.5"],
-    "--cold": ["--cold"], "--draft": ["--draft", "4"], "--ppl": ["--ppl", "README.md"],
-    "--tuned": ["--tuned"], "--version": ["--version"], "--output": ["-o", "json"], "--plot": ["--plot", "x.png"],
-    "--compare": ["--compare"], "--no-history": ["--no-history"], "--seed": ["--seed", "7"],
+    "--model": ["-m", "other.gguf"],
+    "--n-prompt": ["-p", "64"],
+    "--n-gen": ["-n", "16"],
+    "--pg": ["--pg", "8,8"],
+    "--n-depth": ["-d", "32"],
+    "--repetitions": ["-r", "2"],
+    "--threads": ["-t", "1"],
+    "--threads-batch": ["-tb", "1"],
+    "--batch": ["-b", "64"],
+    "--ubatch": ["-ub", "64"],
+    "--gpu-layers": ["-ngl", "0"],
+    "--flash-attn": ["-fa", "1"],
+    "--cache-type-k": ["-ctk", "q8_0"],
+    "--cache-type-v": ["-ctv", "q8_0"],
+    "--repack": ["--repack", "0"],
+    "--mmap": ["-mmp", "0"],
+    "--load-mode": ["-lm", "none"],
+    "--no-kv-offload": ["-nkvo", "1"],
+    "--split-mode": ["-sm", "row"],
+    "--main-gpu": ["-mg", "1"],
+    "--tensor-split": ["-ts", "3/1"],
+    "--device": ["-dev", "CUDA1"],
+    "--n-cpu-moe": ["-ncmoe", "2"],
+    "--override-tensor": ["-ot", "exps=CPU"],
+    "--cpu-mask": ["-C", "0x3"],
+    "--cpu-strict": ["--cpu-strict", "1"],
+    "--poll": ["--poll", "0"],
+    "--numa": ["--numa", "distribute"],
+    "--prio": ["--prio", "1"],
+    "--delay": ["--delay", "1"],
+    "--no-warmup": ["--no-warmup"],
+    "--progress": ["--progress"],
+    "--verbose": ["-v"],
+    "--output-err": ["-oe", "csv"],
+    "--embeddings": ["-embd", "1"],
+    "--no-op-offload": ["-nopo", "1"],
+    "--no-host": ["--no-host", "1"],
+    "--lazy-mode": ["-lzm", "off"],
+    "--fit-target": ["-fitt", "512"],
+    "--fit-ctx": ["-fitc", "1024"],
+    "--hf-repo": ["-hf", "owner/repo:Q4_0"],
+    "--hf-file": ["-hf", "owner/repo", "-hff", "a.gguf"],
+    "--hf-token": ["-hft", "secret"],
+    "--offline": ["--offline"],
+    "--list-devices": ["--list-devices"],
+    "--ctx": ["-c", "2048"],
+    "--scenarios": ["--scenarios"],
+    "--scenario-scale": ["--scenarios", "--scenario-scale", "0.5"],
+    "--cold": ["--cold"],
+    "--draft": ["--draft", "4"],
+    "--ppl": ["--ppl", "README.md"],
+    "--tuned": ["--tuned"],
+    "--version": ["--version"],
+    "--output": ["-o", "json"],
+    "--plot": ["--plot", "x.png"],
+    "--compare": ["--compare"],
+    "--no-history": ["--no-history"],
+    "--seed": ["--seed", "7"],
     "--endpoint": ["--endpoint", "http://127.0.0.1:9"],
     "--api-key": ["--endpoint", "http://127.0.0.1:9", "--api-key", "k"],
     "--timeout": ["--endpoint", "http://127.0.0.1:9", "--timeout", "5"],
-    "--concurrency": ["--concurrency", "2"], "--request-rate": ["--request-rate", "3"],
-    "--num-prompts": ["--num-prompts", "3"], "--input-len": ["--input-len", "16"],
-    "--output-len": ["--output-len", "8"], "--range-ratio": ["--range-ratio", "0.5"],
-    "--warmup": ["--warmup", "2"], "--percentiles": ["--percentiles", "50"],
-    "--slo": ["--slo", "ttft:100"], "--policy": ["--policy", "chunked:32"],
-    "--rate": ["--rate", "5"], "--prompt-len": ["--prompt-len", "64"],
-    "--workload": ["--workload", "chat"], "--budget": ["--budget", "5m"],
+    "--concurrency": ["--concurrency", "2"],
+    "--request-rate": ["--request-rate", "3"],
+    "--num-prompts": ["--num-prompts", "3"],
+    "--input-len": ["--input-len", "16"],
+    "--output-len": ["--output-len", "8"],
+    "--range-ratio": ["--range-ratio", "0.5"],
+    "--warmup": ["--warmup", "2"],
+    "--percentiles": ["--percentiles", "50"],
+    "--slo": ["--slo", "ttft:100"],
+    "--policy": ["--policy", "chunked:32"],
+    "--rate": ["--rate", "5"],
+    "--prompt-len": ["--prompt-len", "64"],
+    "--workload": ["--workload", "chat"],
+    "--budget": ["--budget", "5m"],
     "--kv-unified": ["-kvu"],
-}  # fmt: skip
+}
 # Options that only name where a result goes or which machine runs: the job reads them too.
 COMMANDS = {
     ("bench",): (sweep, ("_sweep", "_list_devices")),
@@ -66,9 +109,11 @@ def _options(path: tuple[str, ...]) -> list[str]:
     command: Any = typer.main.get_command(app)
     for name in path:
         command = command.commands[name]
-    return [next(o for o in [*p.opts, *p.secondary_opts] if o.startswith("--"))
-            for p in command.params
-            if not getattr(p, "hidden", False) and p.name != "help"]  # fmt: skip
+    return [
+        next(o for o in [*p.opts, *p.secondary_opts] if o.startswith("--"))
+        for p in command.params
+        if not getattr(p, "hidden", False) and p.name != "help"
+    ]
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]) -> Any:
@@ -124,14 +169,17 @@ def test_no_option_in_help_is_ignored_by_its_job(
 
 
 MOVED = [
-    (["--concurrency", "4"], "llmrun bench serve"), (["--request-rate", "2"], "llmrun bench serve"),
-    (["--endpoint", "http://x"], "llmrun bench serve"), (["--slo", "ttft:5"], "llmrun bench serve"),
-    (["--tune"], "llmrun tune"), (["--workload", "chat"], "llmrun tune --workload"),
+    (["--concurrency", "4"], "llmrun bench serve"),
+    (["--request-rate", "2"], "llmrun bench serve"),
+    (["--endpoint", "http://x"], "llmrun bench serve"),
+    (["--slo", "ttft:5"], "llmrun bench serve"),
+    (["--tune"], "llmrun tune"),
+    (["--workload", "chat"], "llmrun tune --workload"),
     (["--interference"], "llmrun bench interference"),
     (["--interference-rate", "3"], "llmrun bench interference --rate"),
-    (["--policy=chunked:8"], "llmrun bench serve"), (["-p", "8", "--num-prompts", "2"],
-                                                      "llmrun bench serve"),
-]  # fmt: skip
+    (["--policy=chunked:8"], "llmrun bench serve"),
+    (["-p", "8", "--num-prompts", "2"], "llmrun bench serve"),
+]
 
 
 @pytest.mark.parametrize(("args", "new"), MOVED)
@@ -174,15 +222,24 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
 
     from .fake import FAKE_SETTINGS
 
-    st = replace(FAKE_SETTINGS, n_threads=2, n_batch=512, n_ubatch=512, n_gpu_layers=17,
-                 n_gpu_layers_asked=-1, n_layer_total=17, gpu_offload=True)  # fmt: skip
+    st = replace(
+        FAKE_SETTINGS,
+        n_threads=2,
+        n_batch=512,
+        n_ubatch=512,
+        n_gpu_layers=17,
+        n_gpu_layers_asked=-1,
+        n_layer_total=17,
+        gpu_offload=True,
+    )
     base = EngineConfig()
     plain = sweep.settings_line(st, [sw.Combo()], base)
     assert plain.startswith("2 threads, batch 512, ubatch 512,") and "ngl -1 (17 of 17" in plain
     one = sweep.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
     assert one.startswith("1 threads, batch 512,") and "ngl 0:" in one and "offloaded" not in one
-    swept = sweep.settings_line(st, [sw.Combo(n_batch=b, n_ubatch=min(b, 512))
-                                     for b in (64, 256, 1024)], base)  # fmt: skip
+    swept = sweep.settings_line(
+        st, [sw.Combo(n_batch=b, n_ubatch=min(b, 512)) for b in (64, 256, 1024)], base
+    )
     assert "batch 64/256/1024 (varies by test), ubatch 64/256/512 (varies by test)" in swept
     fa = sweep.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
     assert "flash attention off/on (varies by test)" in fa
@@ -197,11 +254,25 @@ def _row(shape: Any, avg_ts: float, **swept: Any) -> Any:
 
     from .fake import FAKE_MODEL, FAKE_SETTINGS
 
-    result = Result(shape=shape, combo=sw.Combo(), model=FAKE_MODEL,
-                    settings=replace(FAKE_SETTINGS, n_threads=2), load_s=0.1,
-                    samples_s=(1.0,), engine_samples_s=())  # fmt: skip
-    return Row(result=result, avg_ts=avg_ts, stddev_ts=0.0, ttft_ms=None, itl_p50_ms=None,
-               itl_p99_ms=None, efficiency=Efficiency(), swept=swept)  # fmt: skip
+    result = Result(
+        shape=shape,
+        combo=sw.Combo(),
+        model=FAKE_MODEL,
+        settings=replace(FAKE_SETTINGS, n_threads=2),
+        load_s=0.1,
+        samples_s=(1.0,),
+        engine_samples_s=(),
+    )
+    return Row(
+        result=result,
+        avg_ts=avg_ts,
+        stddev_ts=0.0,
+        ttft_ms=None,
+        itl_p50_ms=None,
+        itl_p99_ms=None,
+        efficiency=Efficiency(),
+        swept=swept,
+    )
 
 
 def test_the_sweep_chart_names_only_settings_a_row_has() -> None:
@@ -209,8 +280,7 @@ def test_the_sweep_chart_names_only_settings_a_row_has() -> None:
     from llmrun.cli.bench.output import sweep_chart
     from llmrun.runners.bench.sweep import Shape
 
-    chart = sweep_chart([_row(Shape(0, 16), 100.0, draft=None),
-                         _row(Shape(0, 16), 120.0, draft=2)])  # fmt: skip
+    chart = sweep_chart([_row(Shape(0, 16), 100.0, draft=None), _row(Shape(0, 16), 120.0, draft=2)])
     assert chart is not None
     console = Console(record=True, width=100, color_system=None)
     console.print(chart)
@@ -249,12 +319,24 @@ def test_serve_and_interference_cut_before_a_result_end_their_format_as_bench_do
     cancel = threading.Event()
     cancel.set()
     display = Console(file=io.StringIO())
-    options = ServeOptions(concurrency=(1,), request_rate=float("inf"), num_prompts=1,
-                           input_len=8, output_len=4, range_ratio=0.0, warmup=0,
-                           percentiles=(50.0,))  # fmt: skip
-    code = serve._report([], options, serve.Screen(display, display, cancel),
-                         serve.Delivery(OutputFormat(fmt), compare=False, store=False),
-                         name="", endpoint="local")  # fmt: skip
+    options = ServeOptions(
+        concurrency=(1,),
+        request_rate=float("inf"),
+        num_prompts=1,
+        input_len=8,
+        output_len=4,
+        range_ratio=0.0,
+        warmup=0,
+        percentiles=(50.0,),
+    )
+    code = serve._report(
+        [],
+        options,
+        serve.Screen(display, display, cancel),
+        serve.Delivery(OutputFormat(fmt), compare=False, store=False),
+        name="",
+        endpoint="local",
+    )
     served = capsys.readouterr().out
     interference._print([], OutputFormat(fmt))
     assert code == 130
@@ -271,20 +353,24 @@ def test_a_finished_batch_of_records_is_written_as_bench_streams_them() -> None:
 
     from llmrun.cli.bench.output import OutputFormat, format_records
 
-    rows: list[dict[str, Any]] = [{"test": "c=1", "rate": 1.5, "errors": []},
-            {"test": "c=4", "rate": None, "errors": ["boom"], "policy": "chunked:64"}]  # fmt: skip
+    rows: list[dict[str, Any]] = [
+        {"test": "c=1", "rate": 1.5, "errors": []},
+        {"test": "c=4", "rate": None, "errors": ["boom"], "policy": "chunked:64"},
+    ]
     head = next(csv.reader(io.StringIO(format_records(rows, OutputFormat.csv))))
     assert head == ["test", "rate", "errors", "policy"]
     db = sqlite3.connect(":memory:")
     db.executescript(format_records(rows, OutputFormat.sql, table="llmrun_serving"))
     assert db.execute("SELECT test, rate, policy FROM llmrun_serving").fetchall() == [
-        ("c=1", 1.5, None), ("c=4", None, "chunked:64")
-    ]  # fmt: skip
+        ("c=1", 1.5, None),
+        ("c=4", None, "chunked:64"),
+    ]
     assert json.loads(format_records(rows, OutputFormat.json)) == rows
     md = format_records(rows, OutputFormat.md, md_columns=("test", "rate"))
     assert md == "| test | rate |\n| --- | --- |\n| c=1 | 1.50 |\n| c=4 | - |\n"
     own = format_records(rows, OutputFormat.md, md_columns=()).splitlines()
     assert [line for line in own if line.startswith("| test")] == [
-        "| test | rate | errors |", "| test | rate | errors | policy |"
-    ]  # fmt: skip
+        "| test | rate | errors |",
+        "| test | rate | errors | policy |",
+    ]
     assert own[-1] == "| c=4 | - | ['boom'] | chunked:64 |"

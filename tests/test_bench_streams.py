@@ -58,8 +58,9 @@ def test_every_format_carries_every_kind_of_row_and_figure(
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     _fake_models(monkeypatch)
     which = [*KINDS, "--ppl", str(text)] if kinds == "tests" else ["--scenarios"]
-    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", *which, "-o", fmt,
-                                    "-oe", "jsonl"])  # fmt: skip
+    done = CliRunner().invoke(
+        app, ["bench", "-r", "1", "--no-history", *which, "-o", fmt, "-oe", "jsonl"]
+    )
     assert done.exit_code == 0, done.stderr
     every = [json.loads(line) for line in done.stderr.splitlines()]  # -oe: its records alone
     rows = parse(fmt, done.stdout)
@@ -84,8 +85,13 @@ def test_every_format_carries_every_kind_of_row_and_figure(
 
 def _run_bench(args: list[str], env: dict[str, str], **kwargs: object) -> subprocess.Popen[str]:
     """llmrun with fake models, as a process (tests/fake_bench.py: "block" waits for a signal)."""
-    return subprocess.Popen([sys.executable, "-m", "tests.fake_bench", "bench", "-r", "1",
-                             *args], cwd=REPO, env=env, text=True, **kwargs)  # type: ignore[call-overload]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_bench", "bench", "-r", "1", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        **kwargs,
+    )  # type: ignore[call-overload]
 
 
 def _rows_so_far(fmt: str, text: str) -> int:
@@ -163,15 +169,37 @@ def test_a_failing_model_after_good_rows_prints_them_then_one_line(
     llmrun_env: dict[str, str],
 ) -> None:
     """-m good -m /nonexistent.gguf: good's rows, then one error line, exit 1; stored."""
-    done = subprocess.run([sys.executable, "-m", "tests.fake_bench", "bench", "-r", "1", "-p",
-                           "8", "-n", "2", "-m", "good", "-m", "/nonexistent.gguf", "-o", "json"],
-                          cwd=REPO, env=llmrun_env, capture_output=True, text=True,
-                          timeout=HANG_S)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.fake_bench",
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-m",
+            "good",
+            "-m",
+            "/nonexistent.gguf",
+            "-o",
+            "json",
+        ],
+        cwd=REPO,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert done.returncode == 1
     assert [r["test"] for r in json.loads(done.stdout)] == ["pp8", "tg2"]
     assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: model file not found")
-    stored = subprocess.run([which_llmrun(), "history"], env=llmrun_env, capture_output=True,
-                            text=True, timeout=HANG_S)  # fmt: skip
+    stored = subprocess.run(
+        [which_llmrun(), "history"], env=llmrun_env, capture_output=True, text=True, timeout=HANG_S
+    )
     assert "pp8" in stored.stdout and "tg2" in stored.stdout
 
 
@@ -183,11 +211,37 @@ def test_output_err_is_a_clean_record_stream(
     chart), while stdout has its own (md where it is no terminal)."""
     path = tmp_path / f"x.{fmt}"
     with path.open("w") as file:
-        done = subprocess.run([sys.executable, "-m", "tests.fake_bench", "bench", "-r", "1",
-                               "-p", "8", "-n", "2", "-pg", "8,2", "-t", "1,2", "-m", "a", "-m",
-                               "b", "--progress", "-oe", fmt], cwd=REPO, env=llmrun_env,
-                              stdout=subprocess.PIPE, stderr=file, text=True,
-                              timeout=HANG_S)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.fake_bench",
+                "bench",
+                "-r",
+                "1",
+                "-p",
+                "8",
+                "-n",
+                "2",
+                "-pg",
+                "8,2",
+                "-t",
+                "1,2",
+                "-m",
+                "a",
+                "-m",
+                "b",
+                "--progress",
+                "-oe",
+                fmt,
+            ],
+            cwd=REPO,
+            env=llmrun_env,
+            stdout=subprocess.PIPE,
+            stderr=file,
+            text=True,
+            timeout=HANG_S,
+        )
     assert done.returncode == 0
     text = path.read_text()
     if fmt == "csv":
@@ -208,10 +262,30 @@ def test_output_err_csv_of_the_real_engine_is_a_csv_file(
     """llama.cpp's own output and llmrun's display stay out of -oe's stream."""
     path = tmp_path / "x.csv"
     with path.open("w") as file:
-        done = subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-warmup", "-m",
-                               model_path, "-p", "8", "-n", "0", "-o", "json", "-oe", "csv"],
-                              env=llmrun_env, stdout=subprocess.PIPE, stderr=file, text=True,
-                              timeout=HANG_S)  # fmt: skip
+        done = subprocess.run(
+            [
+                which_llmrun(),
+                "bench",
+                "-r",
+                "1",
+                "--no-warmup",
+                "-m",
+                model_path,
+                "-p",
+                "8",
+                "-n",
+                "0",
+                "-o",
+                "json",
+                "-oe",
+                "csv",
+            ],
+            env=llmrun_env,
+            stdout=subprocess.PIPE,
+            stderr=file,
+            text=True,
+            timeout=HANG_S,
+        )
     assert done.returncode == 0
     (row,) = csv.DictReader(io.StringIO(path.read_text()))
     assert row["test"] == "pp8" and json.loads(done.stdout)[0]["avg_ts"] == float(row["avg_ts"])
@@ -220,8 +294,12 @@ def test_output_err_csv_of_the_real_engine_is_a_csv_file(
 def test_a_closed_pipe_loses_no_row(llmrun_env: dict[str, str], tmp_path: Path) -> None:
     """`| head -1` after the first row: every test still runs and is stored, then 141 (as `run`);
     the output is more than a pipe holds, so a write after the close must fail."""
-    proc = _run_bench(["-p", "8", "-n", "0", "-d", "0-200+1", "-m", "a", "-o", "jsonl"],
-                      llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = _run_bench(
+        ["-p", "8", "-n", "0", "-d", "0-200+1", "-m", "a", "-o", "jsonl"],
+        llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None
     try:
         json.loads(proc.stdout.readline())
@@ -234,8 +312,9 @@ def test_a_closed_pipe_loses_no_row(llmrun_env: dict[str, str], tmp_path: Path) 
     assert db.execute("SELECT count(*) FROM results").fetchone() == (201,)
 
 
-def _cut(fmt: str, *, opening: bool, monkeypatch: pytest.MonkeyPatch,
-         capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:  # fmt: skip
+def _cut(
+    fmt: str, *, opening: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
     """A run cancelled before its first model is ready (Ctrl-C while a model downloads), or
     while the model is opened (ready, then no test runs): exit code, stdout and -oe's stream."""
     cancel = threading.Event()
@@ -248,12 +327,29 @@ def _cut(fmt: str, *, opening: bool, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", make)
     errors = io.StringIO()
-    to = sweep.Output(format=OutputFormat(fmt), plot=None, compare=False, store=False,
-                      format_err=OutputFormat(fmt), errors=errors)  # fmt: skip
+    to = sweep.Output(
+        format=OutputFormat(fmt),
+        plot=None,
+        compare=False,
+        store=False,
+        format_err=OutputFormat(fmt),
+        errors=errors,
+    )
     shown = Console(file=io.StringIO())
-    plan = run.Sweep(shapes=[Shape(8, 0)], threads=None, batch=None, ubatch=None,
-                     gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
-                     reps=1, ctx=None, seed=1, scenarios=False)  # fmt: skip
+    plan = run.Sweep(
+        shapes=[Shape(8, 0)],
+        threads=None,
+        batch=None,
+        ubatch=None,
+        gpu_layers=None,
+        flash_attn=None,
+        cache_type_k="f16",
+        cache_type_v="f16",
+        reps=1,
+        ctx=None,
+        seed=1,
+        scenarios=False,
+    )
     code = sweep._sweep([None], plan, cancel, shown, shown, to)
     return code, capsys.readouterr().out, errors.getvalue()
 

@@ -81,8 +81,14 @@ def test_a_faked_load_stands_for_other_processes(monkeypatch: pytest.MonkeyPatch
 
 def doctor_load(env: dict[str, str]) -> str:
     """`llmrun doctor`'s load row: a child llmrun's look at other processes' load."""
-    done = subprocess.run([which_llmrun(), "doctor"], env=env, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [which_llmrun(), "doctor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr
     return next(x for x in done.stdout.splitlines() if x.startswith("load "))
 
@@ -93,10 +99,12 @@ def test_a_child_llmrun_takes_the_tests_figure_and_no_variable_of_its_own(
     """The tests' figure reaches a child through tests/inject alone; the variable llmrun once
     read as a test hook (anyone could set it and get a falsely quiet or busy report) is ignored."""
     assert f"busy: other processes use 1.5 of {logical_cpus()}" in doctor_load(
-        {**llmrun_env, BACKGROUND_ENV: "1.5"})  # fmt: skip
+        {**llmrun_env, BACKGROUND_ENV: "1.5"}
+    )
     plain = {k: v for k, v in llmrun_env.items() if k != BACKGROUND_ENV}  # as a user's shell
     plain["PYTHONPATH"] = os.pathsep.join(
-        p for p in llmrun_env["PYTHONPATH"].split(os.pathsep) if p != str(INJECT))  # fmt: skip
+        p for p in llmrun_env["PYTHONPATH"].split(os.pathsep) if p != str(INJECT)
+    )
     row = doctor_load({**plain, "LLMRUN_FAKE_BACKGROUND_CPUS": "12345"})
     measured = float(row.split("other processes use ")[1].split()[0])  # the machine's, measured
     assert measured != 12345 and 0 <= measured <= logical_cpus() + 1, row
@@ -147,26 +155,49 @@ def test_the_batched_engines_run_with_the_threads_asked_and_record_the_load(
     """The serving lab, the interference lab and run --parallel: the threads llama.cpp's
     contexts report are the ones asked, and each result says how busy the machine was."""
     cancel = threading.Event()
-    serve_opts = ServeOptions(concurrency=(1,), request_rate=float("inf"), num_prompts=2,
-                              input_len=8, output_len=3, range_ratio=0.0, warmup=0,
-                              percentiles=(50.0,), slo={}, seed=1,
-                              policies=(Policy.parse("chunked:16"),))  # fmt: skip
-    lab_opts = InterferenceOptions(rate=50.0, prompt_len=16, output_len=4, seed=1, input_len=8,
-                                   num_prompts=1, policies=(Policy.parse("chunked:8"),))  # fmt: skip
+    serve_opts = ServeOptions(
+        concurrency=(1,),
+        request_rate=float("inf"),
+        num_prompts=2,
+        input_len=8,
+        output_len=3,
+        range_ratio=0.0,
+        warmup=0,
+        percentiles=(50.0,),
+        slo={},
+        seed=1,
+        policies=(Policy.parse("chunked:16"),),
+    )
+    lab_opts = InterferenceOptions(
+        rate=50.0,
+        prompt_len=16,
+        output_len=4,
+        seed=1,
+        input_len=8,
+        num_prompts=1,
+        policies=(Policy.parse("chunked:8"),),
+    )
     requests = [Request(prompt="One two", sampling=SamplingParams(max_tokens=3, temperature=0))]
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512, n_threads=1, n_threads_batch=2))
     try:
         for threads, load in (((1, 2), BUSY), ((2, 1), 0.0)):
-            runner.reconfigure(EngineConfig(n_ctx=512, n_threads=threads[0],
-                                            n_threads_batch=threads[1]))  # fmt: skip
+            runner.reconfigure(
+                EngineConfig(n_ctx=512, n_threads=threads[0], n_threads_batch=threads[1])
+            )
             busy(monkeypatch, load)
-            [level] = [x for x in serve_local(runner, serve_opts, cancel=cancel)
-                       if isinstance(x, ServingLevel)]  # fmt: skip
+            [level] = [
+                x
+                for x in serve_local(runner, serve_opts, cancel=cancel)
+                if isinstance(x, ServingLevel)
+            ]
             rec = level.record()
             assert (rec["n_threads"], rec["n_threads_batch"]) == threads
             assert rec["background_cpus"] == round(load, 3) and rec["busy"] is (load > 0)
-            reports = [x for x in interfere_local(runner, lab_opts, cancel=cancel)
-                       if isinstance(x, InterferenceReport)]  # fmt: skip
+            reports = [
+                x
+                for x in interfere_local(runner, lab_opts, cancel=cancel)
+                if isinstance(x, InterferenceReport)
+            ]
             assert [r.policy for r in reports] == ["alone", "chunked:8"]
             for r in reports:
                 assert (r.n_threads, r.n_threads_batch) == threads
@@ -186,9 +217,26 @@ def test_bench_serve_and_interference_take_t_and_a_busy_run_is_not_clean(
     cli: CliRunner, model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     busy(monkeypatch)
-    result = cli.invoke(app, ["bench", "serve", "--concurrency", "1", "--num-prompts", "2",
-                              "--input-len", "8", "--output-len", "3", "--policy", "chunked:16",
-                              "-o", "json", "--no-history"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "serve",
+            "--concurrency",
+            "1",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--policy",
+            "chunked:16",
+            "-o",
+            "json",
+            "--no-history",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     [row] = json.loads(result.stdout)
     assert row["n_threads"] == default_threads() and row["busy"] is True
@@ -196,9 +244,29 @@ def test_bench_serve_and_interference_take_t_and_a_busy_run_is_not_clean(
     assert f"kept up to {BUSY:.1f} of {logical_cpus()} CPUs busy during 1 of 1 tests" in err
     assert "try -t 1 (0.5 of" in err and "running when the machine is quiet" in err
 
-    result = cli.invoke(app, ["bench", "interference", "-t", "1", "-tb", "2", "--num-prompts",
-                              "1", "--prompt-len", "16", "--output-len", "4", "--rate", "50",
-                              "--policy", "prefill-first,chunked:8", "-o", "json"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "interference",
+            "-t",
+            "1",
+            "-tb",
+            "2",
+            "--num-prompts",
+            "1",
+            "--prompt-len",
+            "16",
+            "--output-len",
+            "4",
+            "--rate",
+            "50",
+            "--policy",
+            "prefill-first,chunked:8",
+            "-o",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["n_threads"], r["n_threads_batch"], r["busy"]) for r in rows] == [(1, 2, True)] * 3
@@ -209,8 +277,16 @@ def test_bench_serve_and_interference_take_t_and_a_busy_run_is_not_clean(
 
 def test_the_interference_verdict_stands_alone_only_on_a_quiet_machine() -> None:
     def report(policy: str, itl_ms: float, background: float) -> InterferenceReport:
-        return InterferenceReport(policy, (itl_ms,) * 4, (50.0,), (), 100.0, n_threads=2,
-                                  n_threads_batch=2, background_cpus=background)  # fmt: skip
+        return InterferenceReport(
+            policy,
+            (itl_ms,) * 4,
+            (50.0,),
+            (),
+            100.0,
+            n_threads=2,
+            n_threads_batch=2,
+            background_cpus=background,
+        )
 
     quiet = verdict([report("prefill-first", 10.0, 0.0), report("chunked:8", 5.0, 0.0)])
     assert len(quiet) == 1 and quiet[0].startswith("chunked:8 against prefill-first")
@@ -228,8 +304,25 @@ def test_run_parallel_reads_back_its_threads_and_warns_when_busy(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n')
     busy(monkeypatch)
-    result = cli.invoke(app, ["run", "--jsonl", str(prompts), "--parallel", "2", "-t", "2",
-                              "-tb", "1", "-n", "3", "--temp", "0", "--json"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "run",
+            "--jsonl",
+            str(prompts),
+            "--parallel",
+            "2",
+            "-t",
+            "2",
+            "-tb",
+            "1",
+            "-n",
+            "3",
+            "--temp",
+            "0",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     for r in rows:
@@ -246,8 +339,9 @@ def test_bench_keeps_its_threads_and_its_warning_says_what_would_help(
     cli: CliRunner, model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     busy(monkeypatch)
-    result = cli.invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "-o", "json",
-                              "--no-history"])  # fmt: skip
+    result = cli.invoke(
+        app, ["bench", "-r", "1", "-p", "8", "-n", "0", "-o", "json", "--no-history"]
+    )
     assert result.exit_code == 0, result.stderr
     [row] = json.loads(result.stdout)
     assert row["n_threads"] == default_threads() and row["busy"] is True  # kept, not reduced
@@ -265,12 +359,19 @@ def test_the_servers_metrics_say_whether_the_machine_is_busy(
         metrics = ServerMetrics(running=lambda: 0, queued=lambda: 0)
         metrics.threads = (2, 1)
         lines = metrics.text().decode().splitlines()
-        return {n: float(v) for n, v in (x.split() for x in lines if not x.startswith("#"))
-                if n.startswith(("llmrun_engine", "llmrun_background", "llmrun_machine"))}  # fmt: skip
+        return {
+            n: float(v)
+            for n, v in (x.split() for x in lines if not x.startswith("#"))
+            if n.startswith(("llmrun_engine", "llmrun_background", "llmrun_machine"))
+        }
 
     busy(monkeypatch)
-    assert gauges() == {"llmrun_engine_threads": 2, "llmrun_engine_threads_batch": 1,
-                        "llmrun_background_cpus": BUSY, "llmrun_machine_busy": 1}  # fmt: skip
+    assert gauges() == {
+        "llmrun_engine_threads": 2,
+        "llmrun_engine_threads_batch": 1,
+        "llmrun_background_cpus": BUSY,
+        "llmrun_machine_busy": 1,
+    }
     busy(monkeypatch, 0.0)
     assert gauges()["llmrun_machine_busy"] == 0
 

@@ -101,8 +101,10 @@ def test_piped_chat_warns_before_the_context_overflows_and_drops_oldest(
 
 
 def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
-    script = ("/set parameter temperature 0.2\n/set parameter num_predict 7\n"
-              "/set parameter stop END|STOP\n/show info\nhello\n/bye\nnot sent\n")  # fmt: skip
+    script = (
+        "/set parameter temperature 0.2\n/set parameter num_predict 7\n"
+        "/set parameter stop END|STOP\n/show info\nhello\n/bye\nnot sent\n"
+    )
     result = cli.invoke(app, ["chat"], input=script)
     assert result.exit_code == 0, result.stderr
     sp = fake.requests[-1].sampling
@@ -111,8 +113,16 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
     assert [r.messages[-1].content for r in fake.requests] == ["hello"]  # /bye left
 
 
-@pytest.mark.parametrize("line", ["/set parameter temperature -1", "/set parameter bogus 1",
-                                  "/set temperature 1", "/show nothing", "/unknown"])  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        "/set parameter temperature -1",
+        "/set parameter bogus 1",
+        "/set temperature 1",
+        "/show nothing",
+        "/unknown",
+    ],
+)
 def test_a_bad_command_in_a_script_exits_1(cli: CliRunner, fake: FakeRunner, line: str) -> None:
     result = cli.invoke(app, ["chat"], input=f"{line}\nhi\n")
     assert result.exit_code == 1, result.stderr
@@ -129,8 +139,10 @@ def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
         return fake
 
     monkeypatch.setattr(engine, "RUNNER_FACTORY", factory)
-    result = cli.invoke(app, ["run", "--n-predict", "2", "--ctx-size", "128", "-tb", "2",
-                              "-s", "42", "one two three"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        ["run", "--n-predict", "2", "--ctx-size", "128", "-tb", "2", "-s", "42", "one two three"],
+    )
     assert result.exit_code == 0, result.stderr
     assert fake.requests[-1].sampling.max_tokens == 2
     assert (seen[0].n_ctx, seen[0].n_threads_batch) == (128, 2)
@@ -142,8 +154,10 @@ def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
 def test_reset_and_system_changes_stay_in_the_record(
     cli: CliRunner, fake: FakeRunner, tmp_path: Path
 ) -> None:
-    script = (f"first\n/reset\n/system be brief\nsecond\n/stats all\n"
-              f"/save {tmp_path / 't.json'}\n/save {tmp_path / 't.md'}\n")  # fmt: skip
+    script = (
+        f"first\n/reset\n/system be brief\nsecond\n/stats all\n"
+        f"/save {tmp_path / 't.json'}\n/save {tmp_path / 't.md'}\n"
+    )
     result = cli.invoke(app, ["chat"], input=script, env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.stderr
     saved = json.loads((tmp_path / "t.json").read_text())
@@ -170,9 +184,11 @@ def test_a_broken_cache_prefix_is_explained() -> None:
 
 
 def test_the_rest_of_ollamas_chat_commands(cli: CliRunner, fake: FakeRunner) -> None:
-    script = ('/?\n/? shortcuts\n/set system Be brief.\n/show system\n/set verbose\nhello\n'
-              '/set quiet\n/set nothink\n/set parameter seed 7\n/show parameters\n'
-              '/show modelfile\n/set wordwrap\n/clear\nagain\n/bye\n')  # fmt: skip
+    script = (
+        "/?\n/? shortcuts\n/set system Be brief.\n/show system\n/set verbose\nhello\n"
+        "/set quiet\n/set nothink\n/set parameter seed 7\n/show parameters\n"
+        "/show modelfile\n/set wordwrap\n/clear\nagain\n/bye\n"
+    )
     result = cli.invoke(app, ["chat"], input=script)
     assert result.exit_code == 0, result.stderr
     err = " ".join(result.stderr.split())

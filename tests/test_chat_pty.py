@@ -17,9 +17,13 @@ PROMPT = ">>> "
 def spawn(env: dict[str, str], tmp_path: Path, *args: str) -> pexpect.spawn:
     env = dict(env, LLMRUN_HOME=str(tmp_path / "home"))
     return pexpect.spawn(
-        which_llmrun(), ["chat", "--temp", "0", "-c", "2048", *args], env=env,
-        encoding="utf-8", timeout=HANG_S, dimensions=(50, 200),
-    )  # fmt: skip
+        which_llmrun(),
+        ["chat", "--temp", "0", "-c", "2048", *args],
+        env=env,
+        encoding="utf-8",
+        timeout=HANG_S,
+        dimensions=(50, 200),
+    )
 
 
 def turn(child: pexpect.spawn, text: str) -> tuple[int, int]:
@@ -57,8 +61,10 @@ def test_three_turns_prefill_only_what_is_new_then_save_and_ctrl_d(
     saved = json.loads((tmp_path / "chat.json").read_text())
     assert saved["system"] == "You are terse."
     assert [t["user"] for t in saved["turns"]] == [
-        "My name is Ann. Say hello.", "What is my name?", "Thank you!",
-    ]  # fmt: skip
+        "My name is Ann. Say hello.",
+        "What is my name?",
+        "Thank you!",
+    ]
     stats = [t["stats"] for t in saved["turns"]]
     assert [(s["new_prompt_tokens"], s["reused_tokens"]) for s in stats] == [first, second, third]
     assert all(t["assistant"] for t in saved["turns"])
@@ -123,8 +129,14 @@ def test_stdout_to_a_file_gets_the_replies_alone(
 ) -> None:
     out = tmp_path / "replies.txt"
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
-    child = pexpect.spawn("bash", ["-c", f"{which_llmrun()} chat --temp 0 -n 12 > {out}"],
-                          env=env, encoding="utf-8", timeout=HANG_S, dimensions=(50, 200))  # fmt: skip
+    child = pexpect.spawn(
+        "bash",
+        ["-c", f"{which_llmrun()} chat --temp 0 -n 12 > {out}"],
+        env=env,
+        encoding="utf-8",
+        timeout=HANG_S,
+        dimensions=(50, 200),
+    )
     child.expect_exact(PROMPT)  # the prompt is on the terminal (stderr)
     child.sendline("Say hello.")
     child.expect(TURN)

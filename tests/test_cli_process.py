@@ -16,8 +16,14 @@ from .conftest import HANG_S, which_llmrun
 
 
 def sh(cmd: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-o", "pipefail", "-c", cmd], env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_help_imports_nothing_heavy(llmrun_env: dict[str, str]) -> None:
@@ -31,8 +37,9 @@ def test_help_imports_nothing_heavy(llmrun_env: dict[str, str]) -> None:
         "heavy = [m for m in heavy if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=llmrun_env, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=llmrun_env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == ""
 
 
@@ -42,8 +49,9 @@ def test_runners_never_import_the_terminal(llmrun_env: dict[str, str]) -> None:
         "for m in pkgutil.iter_modules(r.__path__): importlib.import_module(f'{r.__name__}.{m.name}')\n"
         "print([m for m in ('rich', 'typer') if m in sys.modules])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=llmrun_env, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=llmrun_env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -52,8 +60,11 @@ def test_closed_stdout_ends_quietly(llmrun_env: dict[str, str]) -> None:
     result = sh(cmd, llmrun_env)
     assert len(result.stdout) == 20
     assert result.stderr == ""
-    check = sh(f"{which_llmrun()} run 'Count to 100' -n 200 --temp 0 | head -c 5; "
-               "echo \"status=${PIPESTATUS[0]}\"", llmrun_env)  # fmt: skip
+    check = sh(
+        f"{which_llmrun()} run 'Count to 100' -n 200 --temp 0 | head -c 5; "
+        'echo "status=${PIPESTATUS[0]}"',
+        llmrun_env,
+    )
     assert "status=141" in check.stdout
     assert "Traceback" not in check.stderr and "[interrupted]" in check.stderr
 
@@ -78,11 +89,13 @@ def test_piped_text_in_any_language_and_no_escape_codes(llmrun_env: dict[str, st
     ("setup", "expected"),
     [
         ("", "llmrun: error: model file not found: {p}"),
-        ("echo 'not a model at all, just text padding it out' > {p}",
-         "llmrun: error: {p}: not a GGUF file (bad magic bytes)"),
+        (
+            "echo 'not a model at all, just text padding it out' > {p}",
+            "llmrun: error: {p}: not a GGUF file (bad magic bytes)",
+        ),
         ("head -c 3000000 {m} > {p}", "llmrun: error: {p}: truncated GGUF file"),
     ],
-)  # fmt: skip
+)
 def test_bad_model_files(
     llmrun_env: dict[str, str], tmp_path: Path, model_path: str, setup: str, expected: str
 ) -> None:
@@ -103,9 +116,13 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
     # stdout to a file, stderr on the terminal: what a user sees while redirecting output
     cmd = f"{which_llmrun()} run 'Write a very long story.' -n 2000 --temp 0 --stats-file {stats}"
     child = pexpect.spawn(
-        "bash", ["-c", f"{cmd} > {out}"], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
+        "bash",
+        ["-c", f"{cmd} > {out}"],
+        env=llmrun_env,
+        encoding="utf-8",
+        timeout=HANG_S,
         dimensions=(40, 100),
-    )  # fmt: skip
+    )
     deadline_text = ""
     deadline = time.monotonic() + HANG_S
     while len(deadline_text) <= 40:  # wait for the text, draining the terminal meanwhile
@@ -127,8 +144,9 @@ def test_ctrl_c_keeps_text_prints_interrupted_stats_exits_130(
 @pytest.mark.parametrize("flag", ["", "--no-dashboard"])
 def test_run_on_a_terminal_dashboard_or_plain_lines(llmrun_env: dict[str, str], flag: str) -> None:
     cmd = f"{which_llmrun()} run 'Name three colors.' -n 30 --temp 0 {flag}"
-    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
-                          dimensions=(40, 80))  # fmt: skip
+    child = pexpect.spawn(
+        "bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S, dimensions=(40, 80)
+    )
     child.expect(pexpect.EOF)
     child.close()
     out = child.before

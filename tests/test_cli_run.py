@@ -37,9 +37,28 @@ def test_raw_sends_plain_completion(cli: CliRunner, fake: FakeRunner) -> None:
 
 
 def test_sampling_and_engine_options_reach_the_runner(cli: CliRunner, fake: FakeRunner) -> None:
-    args = ["run", "x", "-n", "3", "--temp", "0.2", "--top-k", "5", "--top-p", "0.5",
-            "--min-p", "0.1", "--repeat-penalty", "1.1", "--seed", "7", "--stop", "END",
-            "--stop", "STOP"]  # fmt: skip
+    args = [
+        "run",
+        "x",
+        "-n",
+        "3",
+        "--temp",
+        "0.2",
+        "--top-k",
+        "5",
+        "--top-p",
+        "0.5",
+        "--min-p",
+        "0.1",
+        "--repeat-penalty",
+        "1.1",
+        "--seed",
+        "7",
+        "--stop",
+        "END",
+        "--stop",
+        "STOP",
+    ]
     result = cli.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     sp = fake.requests[0].sampling
@@ -63,14 +82,29 @@ def test_several_files_one_load_and_an_aggregate(
 def test_stats_json_and_stats_file(cli: CliRunner, fake: FakeRunner, tmp_path: Path) -> None:
     stats_file = tmp_path / "stats.jsonl"
     stats_file.write_text('{"earlier": true}\n')
-    result = cli.invoke(app, ["run", "one two three", "--stats", "json", "--stats-file",
-                              str(stats_file)])  # fmt: skip
+    result = cli.invoke(
+        app, ["run", "one two three", "--stats", "json", "--stats-file", str(stats_file)]
+    )
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stderr.strip().splitlines()[-1])
-    for key in ("prompt_tokens", "reused_tokens", "prefill_s", "prompt_tps", "ttft_s",
-                "template_tokenize_s", "first_sample_s", "output_tokens", "output_tps",
-                "itl_p50_s", "itl_p99_s", "e2e_s", "load_s", "finish_reason", "model",
-                "settings"):  # fmt: skip
+    for key in (
+        "prompt_tokens",
+        "reused_tokens",
+        "prefill_s",
+        "prompt_tps",
+        "ttft_s",
+        "template_tokenize_s",
+        "first_sample_s",
+        "output_tokens",
+        "output_tps",
+        "itl_p50_s",
+        "itl_p99_s",
+        "e2e_s",
+        "load_s",
+        "finish_reason",
+        "model",
+        "settings",
+    ):
         assert key in record, key
     assert record["output_tokens"] == 3 and record["finish_reason"] == "stop"
     lines = stats_file.read_text().splitlines()

@@ -25,11 +25,20 @@ from llmrun.runners.stats import GenerationStats
 from .fake import FAKE_MODEL, FAKE_SETTINGS
 
 STATS = GenerationStats(
-    finish_reason="length", prompt_tokens=1000, reused_tokens=200, output_tokens=101,
-    template_tokenize_s=0.004, prefill_s=2.0, first_sample_s=0.001,
-    itl_s=tuple([0.01] * 90 + [0.02] * 10), e2e_s=3.2, load_s=0.25, seed=42,
-    model=FAKE_MODEL, settings=FAKE_SETTINGS,
-)  # fmt: skip
+    finish_reason="length",
+    prompt_tokens=1000,
+    reused_tokens=200,
+    output_tokens=101,
+    template_tokenize_s=0.004,
+    prefill_s=2.0,
+    first_sample_s=0.001,
+    itl_s=tuple([0.01] * 90 + [0.02] * 10),
+    e2e_s=3.2,
+    load_s=0.25,
+    seed=42,
+    model=FAKE_MODEL,
+    settings=FAKE_SETTINGS,
+)
 
 
 def text_of(renderable: RenderableType, width: int = 80) -> str:
@@ -44,12 +53,16 @@ def test_summary_has_every_figure_and_fits_80_columns() -> None:
     out = text_of(render(STATS))
     assert all(len(line) <= 80 for line in out.splitlines())
     for expected in [
-        "load     250.0 ms", "1000 tokens (800 new, 200 reused)", "prefill  2,000.0 ms · 400.0 tok/s",
+        "load     250.0 ms",
+        "1000 tokens (800 new, 200 reused)",
+        "prefill  2,000.0 ms · 400.0 tok/s",
         "ttft     2,005.0 ms = template+tokenize 4.0 ms + prefill 2,000.0 ms + first sample 1.0 ms",
-        "101 tokens [length]", "decode   1,100.0 ms · 90.9 tok/s",
-        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms", "total    3,200.0 ms (from the request: load not included) · seed 42",
+        "101 tokens [length]",
+        "decode   1,100.0 ms · 90.9 tok/s",
+        "p50 10.0 ms · p90 11.0 ms · p99 20.0 ms",
+        "total    3,200.0 ms (from the request: load not included) · seed 42",
         "prompt is 4.4x output",
-    ]:  # fmt: skip
+    ]:
         assert " ".join(expected.split()) in " ".join(out.split()), expected
     bars = {m.group(1): len(m.group(2)) for m in re.finditer(r"(prompt|output) tok/s\s+(█+)", out)}
     assert bars["prompt"] > bars["output"] * 4  # one scale for both bars
@@ -58,10 +71,17 @@ def test_summary_has_every_figure_and_fits_80_columns() -> None:
 
 def test_phase_sentence_names_decode_when_it_dominates() -> None:
     long_decode = GenerationStats(
-        finish_reason="stop", prompt_tokens=10, reused_tokens=0, output_tokens=3,
-        template_tokenize_s=0.0, prefill_s=0.1, first_sample_s=0.0, itl_s=(0.5, 0.5),
-        e2e_s=1.1, load_s=0.1,
-    )  # fmt: skip
+        finish_reason="stop",
+        prompt_tokens=10,
+        reused_tokens=0,
+        output_tokens=3,
+        template_tokenize_s=0.0,
+        prefill_s=0.1,
+        first_sample_s=0.0,
+        itl_s=(0.5, 0.5),
+        e2e_s=1.1,
+        load_s=0.1,
+    )
     assert phase_sentence(long_decode).startswith(
         "Decode dominated the wait: 1,000.0 ms (91% of TTFT + decode)"
     )
@@ -137,17 +157,27 @@ def test_the_line_being_written_is_cut_where_the_terminal_will_wrap_it(width: in
 
 
 def test_prefill_shows_time_and_a_moving_estimate_between_chunks() -> None:
-    state = LiveState(prefill=PrefillProgress(0, 994, 0, 0.0), prefill_started_s=10.0,
-                      prefill_at_s=10.0, prefill_rate=100.0)  # fmt: skip
+    state = LiveState(
+        prefill=PrefillProgress(0, 994, 0, 0.0),
+        prefill_started_s=10.0,
+        prefill_at_s=10.0,
+        prefill_rate=100.0,
+    )
     at_2s = text_of(render_live(state, now_s=12.0))
     at_3s = text_of(render_live(state, now_s=13.0))
     assert "0/994 tokens" in at_2s and "2,000.0 ms" in at_2s and "~200 est." in at_2s
     assert "3,000.0 ms" in at_3s and "~300 est." in at_3s  # it moves with no event in between
-    unknown = text_of(render_live(LiveState(prefill=PrefillProgress(0, 994, 0, 0.0),
-                                            prefill_started_s=10.0), now_s=14.5))  # fmt: skip
+    unknown = text_of(
+        render_live(
+            LiveState(prefill=PrefillProgress(0, 994, 0, 0.0), prefill_started_s=10.0), now_s=14.5
+        )
+    )
     assert "4,500.0 ms" in unknown and "est." not in unknown  # no rate yet: the clock alone
-    done = text_of(render_live(LiveState(prefill=PrefillProgress(994, 994, 0, 2.0),
-                                         prefill_started_s=10.0), now_s=20.0))  # fmt: skip
+    done = text_of(
+        render_live(
+            LiveState(prefill=PrefillProgress(994, 994, 0, 2.0), prefill_started_s=10.0), now_s=20.0
+        )
+    )
     assert "est." not in done and "994/994" in done
 
 
@@ -165,8 +195,12 @@ def test_every_view_keeps_its_numbers_at_any_width(width: int) -> None:
     flat = " ".join(summary.split())
     for figure in ("400.0", "90.9", "4.4x output", "101 tokens", "2,005.0 ms", "seed 42"):
         assert figure in flat, (width, figure)
-    live = LiveState(prefill=PrefillProgress(600, 1000, 200, 1.0), prefill_started_s=1.0,
-                     prefill_at_s=1.0, prefill_rate=400.0)  # fmt: skip
+    live = LiveState(
+        prefill=PrefillProgress(600, 1000, 200, 1.0),
+        prefill_started_s=1.0,
+        prefill_at_s=1.0,
+        prefill_rate=400.0,
+    )
     panel = text_of(render_live(live, now_s=1.5), width=width)
     assert all(len(line) <= width for line in panel.splitlines())
     assert "600/1000" in " ".join(panel.split()) and "400.0 tok/s" in " ".join(panel.split())
@@ -181,8 +215,11 @@ def test_stats_all_never_crops_a_figure(width: int) -> None:
     from llmrun.cli.chat import turns_view
     from llmrun.runners.conversation import Turn
 
-    turns = [Turn("a", "x", STATS), Turn("b", "y", STATS, in_context=False),
-             Turn("c", "z", STATS, in_context=False, cleared=True)]  # fmt: skip
+    turns = [
+        Turn("a", "x", STATS),
+        Turn("b", "y", STATS, in_context=False),
+        Turn("c", "z", STATS, in_context=False, cleared=True),
+    ]
     out = text_of(turns_view(turns), width=width)
     assert all(len(line) <= width for line in out.splitlines())
     flat = " ".join(out.split())
@@ -208,13 +245,22 @@ def test_live_rows_hang_under_their_value_at_any_width(width: int) -> None:
 
     from llmrun.runners.stats import MemoryReport
 
-    memory = MemoryReport(weights={"CPU_Mapped": 96 << 20, "CPU_REPACK": 40 << 20},
-                          kv_bytes=48 << 20, compute_bytes=9 << 20, n_ctx=2048,
-                          peak_rss_bytes=300 << 20)  # fmt: skip
+    memory = MemoryReport(
+        weights={"CPU_Mapped": 96 << 20, "CPU_REPACK": 40 << 20},
+        kv_bytes=48 << 20,
+        compute_bytes=9 << 20,
+        n_ctx=2048,
+        peak_rss_bytes=300 << 20,
+    )
     settings = dataclasses.replace(FAKE_SETTINGS, memory=memory)
-    state = LiveState(load_seen=True, loaded=ModelLoaded(FAKE_MODEL, settings, 0.5),
-                      prefill=PrefillProgress(600, 100000, 200, 1.0), prefill_started_s=1.0,
-                      prefill_at_s=1.0, prefill_rate=400.0)  # fmt: skip
+    state = LiveState(
+        load_seen=True,
+        loaded=ModelLoaded(FAKE_MODEL, settings, 0.5),
+        prefill=PrefillProgress(600, 100000, 200, 1.0),
+        prefill_started_s=1.0,
+        prefill_at_s=1.0,
+        prefill_rate=400.0,
+    )
     for i, t in enumerate([1.0, 1.01, 1.03]):
         state.apply(Token(i, "x", t, thinking=True))
     panel = text_of(render_live(state, now_s=2.5, width=width), width=width)
@@ -236,8 +282,10 @@ def test_a_fitted_table_never_cuts_a_figure(width: int) -> None:
     table = Table(title="serving")
     for name in ("level", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "output tok/s", "errors"):
         table.add_column(name, justify="right")
-    rows = [("c=1", "35,417.2", "129,098.4", "918.3", "12,345.6", "0"),
-            ("c=16", "46,612.9", "15,482.1", "1,204.7", "98,765.4", "3")]  # fmt: skip
+    rows = [
+        ("c=1", "35,417.2", "129,098.4", "918.3", "12,345.6", "0"),
+        ("c=16", "46,612.9", "15,482.1", "1,204.7", "98,765.4", "3"),
+    ]
     for row in rows:
         table.add_row(*row)
     out = text_of(fitted(table), width=width)

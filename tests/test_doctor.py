@@ -14,26 +14,42 @@ from .conftest import which_llmrun
 
 
 def test_version_is_one_line_and_loads_no_llama_cpp(llmrun_env: dict[str, str]) -> None:
-    code = ("import sys\nfrom llmrun.cli.app import app\n"
-            "try:\n    app(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
-            "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=llmrun_env)  # fmt: skip
+    code = (
+        "import sys\nfrom llmrun.cli.app import app\n"
+        "try:\n    app(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=llmrun_env
+    )
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
     assert first.startswith("llmrun ") and "llama-cpp-python " in first and "Python " in first
 
 
 @pytest.mark.model
-def test_doctor_reports_build_devices_features_and_its_choices(
-    llmrun_env: dict[str, str],
-) -> None:
-    done = subprocess.run([which_llmrun(), "doctor"], env=llmrun_env, capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [which_llmrun(), "doctor"],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr
     rows = {line.split(" ", 1)[0]: line for line in done.stdout.splitlines()}
-    for label in ("version", "build", "backend", "device", "cpu", "features", "load", "threads",
-                  "repack"):  # fmt: skip
+    for label in (
+        "version",
+        "build",
+        "backend",
+        "device",
+        "cpu",
+        "features",
+        "load",
+        "threads",
+        "repack",
+    ):
         assert label in rows, done.stdout
     assert "llama.cpp " in rows["build"] and "CPU" in rows["backend"]
     assert "physical cores" in rows["threads"] or "CPUs busy" in rows["threads"]

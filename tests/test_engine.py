@@ -328,8 +328,11 @@ def test_no_warmup_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
         return FakeRunner()
 
     monkeypatch.setattr(engine, "RUNNER_FACTORY", factory)
-    for args, warmup in ((["run", "hi"], True), (["run", "hi", "--no-warmup"], False),
-                         (["chat", "--no-warmup"], False)):  # fmt: skip
+    for args, warmup in (
+        (["run", "hi"], True),
+        (["run", "hi", "--no-warmup"], False),
+        (["chat", "--no-warmup"], False),
+    ):
         result = CliRunner().invoke(app, args, input="hello\n")
         assert result.exit_code == 0, result.output
         assert configs[-1].warmup is warmup
@@ -342,17 +345,25 @@ def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> N
     import subprocess
     import sys
 
-    probe = ("from llmrun.runners import devices, library\n"
-             "assert library._lib is None\n"
-             "devices.query().devices()\n"
-             "print('callback first' if library._lib is not None else 'callback late')\n")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", probe], env=llmrun_env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    probe = (
+        "from llmrun.runners import devices, library\n"
+        "assert library._lib is None\n"
+        "devices.query().devices()\n"
+        "print('callback first' if library._lib is not None else 'callback late')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=llmrun_env, capture_output=True, text=True, timeout=120
+    )
     assert out.stdout.strip() == "callback first", out.stdout + out.stderr
     from .conftest import which_llmrun
 
-    listed = subprocess.run([which_llmrun(), "bench", "--list-devices"], env=llmrun_env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    listed = subprocess.run(
+        [which_llmrun(), "bench", "--list-devices"],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith("Available devices:") and listed.stderr == ""
     assert all(ln.startswith(("Available devices:", "  ")) for ln in listed.stdout.splitlines())

@@ -19,13 +19,7 @@ from llmrun.runners.handles import Sampler
 from llmrun.runners.library import LOG_LINES, AbortFlag, llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.api_engine import Done, EngineThread, Failed, Job, Outcome, Piece
-from llmrun.runners.serving.engine import (
-    FINISH_CANCELLED,
-    Arrival,
-    BatchedEngine,
-    Handle,
-    Policy,
-)
+from llmrun.runners.serving.engine import FINISH_CANCELLED, Arrival, BatchedEngine, Handle, Policy
 
 from .greedy import NEAR_TIE, margin_at_divergence
 
@@ -80,16 +74,17 @@ def test_a_cancel_frees_the_sequences_kv_at_once_and_the_next_request_runs(
     step_until(engine, handle=after)
     assert after.done and len(after.result.output) == 8
     solo, _ = engine.run([Arrival(0.0, prompt(2), 8, ignore_eos=True)], Policy("chunked", 64))
-    assert margin_at_divergence(engine.runner, list(prompt(2)), solo[0].output,
-                                after.result.output) < NEAR_TIE  # fmt: skip
+    assert (
+        margin_at_divergence(engine.runner, list(prompt(2)), solo[0].output, after.result.output)
+        < NEAR_TIE
+    )
 
 
 def test_a_queued_request_cancelled_never_runs_and_the_others_carry_on(
     engine: BatchedEngine,
 ) -> None:
     engine.clear()
-    running = [engine.submit(Arrival(engine.now(), prompt(i), 6, ignore_eos=True))
-               for i in (3, 4)]  # fmt: skip
+    running = [engine.submit(Arrival(engine.now(), prompt(i), 6, ignore_eos=True)) for i in (3, 4)]
     waiting = engine.submit(Arrival(engine.now(), prompt(5), 6, ignore_eos=True))
     engine.step()
     assert engine.queued == 1 and engine.prefilling + engine.decoding == 2
@@ -124,19 +119,24 @@ def test_step_events_carry_each_token_and_each_ending(engine: BatchedEngine) -> 
 def test_keep_prefix_reuses_a_shared_prefix_and_changes_nothing(model_path: str) -> None:
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
     try:
-        with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64,
-                           keep_prefix=True) as keep:  # fmt: skip
+        with BatchedEngine(
+            runner, n_seq=2, n_ctx_per_seq=128, n_batch=64, keep_prefix=True
+        ) as keep:
             first = keep.submit(Arrival(keep.now(), prompt(7), 4, ignore_eos=True))
             step_until(keep)
-            longer = keep.submit(Arrival(keep.now(), prompt(7) + prompt(8, 10), 8,
-                                         ignore_eos=True))  # fmt: skip
+            longer = keep.submit(Arrival(keep.now(), prompt(7) + prompt(8, 10), 8, ignore_eos=True))
             step_until(keep)
             assert first.reused == 0 and longer.reused == len(prompt(7))
             assert sum(n for n, _ in longer.result.chunks) == 10  # only the new tokens
-            plain, _ = keep.run([Arrival(0.0, longer.tokens, 8, ignore_eos=True)],
-                                Policy("chunked", 64))  # fmt: skip
-            assert margin_at_divergence(runner, list(longer.tokens), plain[0].output,
-                                        longer.result.output) < NEAR_TIE  # fmt: skip
+            plain, _ = keep.run(
+                [Arrival(0.0, longer.tokens, 8, ignore_eos=True)], Policy("chunked", 64)
+            )
+            assert (
+                margin_at_divergence(
+                    runner, list(longer.tokens), plain[0].output, longer.result.output
+                )
+                < NEAR_TIE
+            )
     finally:
         runner.close()
 
@@ -153,8 +153,9 @@ def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
     sequences: llama.cpp logs one context's construction, and its KV buffer is what one
     context of n_seq x n_ctx tokens takes, no more."""
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
-    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
-                          max_queue=1)  # fmt: skip
+    thread = EngineThread(
+        runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64), max_queue=1
+    )
     try:
         constructed = sum("constructing llama_context" in line for line in LOG_LINES)
         assert constructed == 1
@@ -172,8 +173,12 @@ def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
             runner.load(n_seq=1)  # a second, single-sequence context is refused
         thread.start()
         out: queue.Queue[Outcome] = queue.Queue()
-        job = Job(prompt(10), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                  out.put, received_s=time.perf_counter())  # fmt: skip
+        job = Job(
+            prompt(10),
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+            out.put,
+            received_s=time.perf_counter(),
+        )
         thread.submit(job)
         events = [out.get(timeout=120)]
         while not isinstance(events[-1], Done):
@@ -200,11 +205,14 @@ def test_a_request_whose_sampler_is_refused_ends_alone_and_frees_its_sequence(
     model_path: str, keep_prefix: bool
 ) -> None:
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
-    sp = {seed: SamplingParams(max_tokens=4, temperature=0.7, seed=seed, ignore_eos=True)
-          for seed in (13, 7, 8)}  # fmt: skip
+    sp = {
+        seed: SamplingParams(max_tokens=4, temperature=0.7, seed=seed, ignore_eos=True)
+        for seed in (13, 7, 8)
+    }
     try:
-        with _RefusingEngine(runner, n_seq=1, n_ctx_per_seq=128, n_batch=64,
-                             keep_prefix=keep_prefix) as engine:  # fmt: skip
+        with _RefusingEngine(
+            runner, n_seq=1, n_ctx_per_seq=128, n_batch=64, keep_prefix=keep_prefix
+        ) as engine:
             bad = engine.submit(Arrival(engine.now(), prompt(1), 4, True, sp[13]))
             good = engine.submit(Arrival(engine.now(), prompt(2), 4, True, sp[7]))
             later = engine.submit(Arrival(engine.now(), prompt(3), 4, True, sp[8]))
@@ -256,13 +264,18 @@ def test_stop_ends_a_request_in_flight_then_frees_the_engine(model_path: str) ->
     """SIGTERM's last step: stop() aborts the step in progress (a whole long prompt in one
     llama_decode here), the request gets its error, and only then is anything freed."""
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=2048, n_threads=1, n_batch=2048))
-    thread = EngineThread(runner, n_seq=1, n_ctx_per_seq=2048, policy=Policy("prefill-first"),
-                          max_queue=1)  # fmt: skip
+    thread = EngineThread(
+        runner, n_seq=1, n_ctx_per_seq=2048, policy=Policy("prefill-first"), max_queue=1
+    )
     try:
         thread.start()
         out: queue.Queue[Outcome] = queue.Queue()
-        job = Job(prompt(5, 1900), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
-                  out.put, received_s=time.perf_counter())  # fmt: skip
+        job = Job(
+            prompt(5, 1900),
+            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+            out.put,
+            received_s=time.perf_counter(),
+        )
         thread.submit(job)
         for _ in range(MAX_STEPS):  # handed to the engine (its step may or may not have begun)
             if thread.busy:
@@ -292,8 +305,9 @@ def test_the_warm_up_decode_runs_on_the_engines_thread(
         return warm_up()
 
     monkeypatch.setattr(runner, "_warm_up", recorded)
-    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
-                          max_queue=1)  # fmt: skip
+    thread = EngineThread(
+        runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64), max_queue=1
+    )
     try:
         loaded = runner.loaded
         assert threads == [] and loaded is not None and loaded.warmup_s is None
@@ -313,8 +327,9 @@ def test_a_context_warmed_up_on_another_thread_is_refused(model_path: str) -> No
         runner.load(n_seq=2)  # warm-up on this thread
         assert runner.warmed_on == threading.current_thread().name
         with pytest.raises(EngineError, match="warmed up on thread MainThread"):
-            EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
-                         max_queue=1)  # fmt: skip
+            EngineThread(
+                runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64), max_queue=1
+            )
     finally:
         runner.close()
     assert runner.warmed_on is None
@@ -331,8 +346,9 @@ def test_a_failed_warm_up_stops_the_server_before_it_listens(
         raise RuntimeError("no warm-up today")
 
     monkeypatch.setattr(runner, "_warm_up", broken)
-    thread = EngineThread(runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64),
-                          max_queue=1)  # fmt: skip
+    thread = EngineThread(
+        runner, n_seq=2, n_ctx_per_seq=256, policy=Policy("chunked", 64), max_queue=1
+    )
     try:
         with pytest.raises(RuntimeError, match="no warm-up today"):
             thread.start()

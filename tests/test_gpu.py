@@ -63,14 +63,16 @@ class FakeQuery:
 
 
 def test_all_layers_go_to_a_gpu_with_room() -> None:
-    layers, note = plan_offload(-1, can_offload=True, n_layer=32, need=NEED,
-                                gpus=[("CUDA0", 80 * GIB)])  # fmt: skip
+    layers, note = plan_offload(
+        -1, can_offload=True, n_layer=32, need=NEED, gpus=[("CUDA0", 80 * GIB)]
+    )
     assert layers == -1 and note == "all 33 layers on CUDA0"
 
 
 def test_a_small_gpu_gets_the_layers_that_fit_and_says_so() -> None:
-    layers, note = plan_offload(-1, can_offload=True, n_layer=32, need=NEED,
-                                gpus=[("CUDA0", 3 * GIB)])  # fmt: skip
+    layers, note = plan_offload(
+        -1, can_offload=True, n_layer=32, need=NEED, gpus=[("CUDA0", 3 * GIB)]
+    )
     assert layers == fit_gpu_layers(NEED, 32, 3 * GIB)
     assert 0 < layers < 33
     assert note.startswith(f"{layers} of 33 layers fit in the 3.00 GiB free on CUDA0")
@@ -84,10 +86,14 @@ def test_a_small_gpu_gets_the_layers_that_fit_and_says_so() -> None:
 
 
 def test_an_explicit_count_is_kept_and_cpu_builds_offload_nothing() -> None:
-    assert plan_offload(10, can_offload=True, n_layer=32, need=NEED,
-                        gpus=[("CUDA0", GIB)]) == (10, "10 of 33 layers on CUDA0, as asked")  # fmt: skip
+    assert plan_offload(10, can_offload=True, n_layer=32, need=NEED, gpus=[("CUDA0", GIB)]) == (
+        10,
+        "10 of 33 layers on CUDA0, as asked",
+    )
     assert plan_offload(-1, can_offload=False, n_layer=32, need=NEED, gpus=[]) == (
-        0, "CPU-only build")  # fmt: skip
+        0,
+        "CPU-only build",
+    )
     assert plan_offload(0, can_offload=True, n_layer=32, need=NEED, gpus=[("CUDA0", GIB)])[0] == 0
     assert fit_gpu_layers(NEED, 32, GIB // 4) == 0  # not even the compute buffer fits
 
@@ -106,28 +112,52 @@ def test_system_report_uses_the_device_query(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(dv, "QUERY", FakeQuery([CPU, H200]))
     system = SystemInfo.collect(bandwidth=False)
     assert (system.gpu_info, system.backends, system.build_commit) == (
-        "NVIDIA H200", "CUDA", "abc1234")  # fmt: skip
+        "NVIDIA H200",
+        "CUDA",
+        "abc1234",
+    )
     assert system.gpu.startswith("CUDA0 NVIDIA H200")
 
 
 def nvidia_files(path: str) -> str | None:
-    files = {"/proc/driver/nvidia/gpus/0000:01:00.0/information":
-             "Model: \t\t NVIDIA H200\nIRQ: 42\n"}  # fmt: skip
+    files = {
+        "/proc/driver/nvidia/gpus/0000:01:00.0/information": "Model: \t\t NVIDIA H200\nIRQ: 42\n"
+    }
     return files.get(path)
 
 
 def test_gpus_on_the_machine_are_found_from_driver_files() -> None:
-    found = dv.host_gpus(read=nvidia_files, exists=lambda p: False, system="Linux",
-                         listdir=lambda p: ["0000:01:00.0"] if "nvidia" in p else [])  # fmt: skip
+    found = dv.host_gpus(
+        read=nvidia_files,
+        exists=lambda p: False,
+        system="Linux",
+        listdir=lambda p: ["0000:01:00.0"] if "nvidia" in p else [],
+    )
     assert found == [("NVIDIA H200", "cuda")]
-    amd = dv.host_gpus(read=lambda p: "0x1002\n" if p.endswith("vendor") else None,
-                       exists=lambda p: p == "/dev/kfd", system="Linux",
-                       listdir=lambda p: ["card0", "card0-DP-1"] if "drm" in p else [])  # fmt: skip
+    amd = dv.host_gpus(
+        read=lambda p: "0x1002\n" if p.endswith("vendor") else None,
+        exists=lambda p: p == "/dev/kfd",
+        system="Linux",
+        listdir=lambda p: ["card0", "card0-DP-1"] if "drm" in p else [],
+    )
     assert amd == [("AMD GPU", "hip")]
-    assert dv.host_gpus(read=lambda p: None, listdir=lambda p: [], exists=lambda p: False,
-                        system="Darwin", machine="arm64") == [("Apple Silicon GPU", "metal")]  # fmt: skip
-    assert dv.host_gpus(read=lambda p: None, listdir=lambda p: [], exists=lambda p: False,
-                        system="Linux", machine="x86_64") == []  # fmt: skip
+    assert dv.host_gpus(
+        read=lambda p: None,
+        listdir=lambda p: [],
+        exists=lambda p: False,
+        system="Darwin",
+        machine="arm64",
+    ) == [("Apple Silicon GPU", "metal")]
+    assert (
+        dv.host_gpus(
+            read=lambda p: None,
+            listdir=lambda p: [],
+            exists=lambda p: False,
+            system="Linux",
+            machine="x86_64",
+        )
+        == []
+    )
 
 
 def test_a_gpu_with_a_cpu_only_build_gets_one_line_on_every_run(
@@ -140,18 +170,27 @@ def test_a_gpu_with_a_cpu_only_build_gets_one_line_on_every_run(
     result = CliRunner().invoke(app, ["run", "hello there", "--no-dashboard"])
     assert result.exit_code == 0, result.stderr
     notes = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: note:")]
-    assert notes == ["llmrun: note: this machine has NVIDIA H200, but this llama.cpp build is"
-                     " CPU-only, so every figure is the CPU's; rebuild with it: make clean &&"
-                     " make GPU=cuda"]  # fmt: skip
+    assert notes == [
+        "llmrun: note: this machine has NVIDIA H200, but this llama.cpp build is"
+        " CPU-only, so every figure is the CPU's; rebuild with it: make clean &&"
+        " make GPU=cuda"
+    ]
     assert "none (CPU-only build): this machine has NVIDIA H200" in dv.describe_gpus(
         [CPU], False, [("NVIDIA H200", "cuda")]
     )
 
 
 def test_the_summary_names_the_device_and_the_layers_on_it() -> None:
-    st = dataclasses.replace(FAKE_SETTINGS, backend="CUDA0", device="CUDA0 NVIDIA H200",
-                             n_gpu_layers=31, n_layer_total=31, device_memory_bytes=GIB,
-                             n_threads=2, n_batch=512)  # fmt: skip
+    st = dataclasses.replace(
+        FAKE_SETTINGS,
+        backend="CUDA0",
+        device="CUDA0 NVIDIA H200",
+        n_gpu_layers=31,
+        n_layer_total=31,
+        device_memory_bytes=GIB,
+        n_threads=2,
+        n_batch=512,
+    )
     assert (
         engine_text(st)
         == "CUDA0 NVIDIA H200 · ngl 31/31 · 1.00 GiB on the device · CPU 2t · batch 512"
@@ -168,15 +207,38 @@ def test_gpu_split_options_reach_llama_cpp_on_a_gpu_build(
 
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
-    result = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
-                                      "-sm", "row,layer", "-mg", "0", "-ts", "3/1", "-o", "json"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--no-history",
+            "-sm",
+            "row,layer",
+            "-mg",
+            "0",
+            "-ts",
+            "3/1",
+            "-o",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["split_mode"], r["main_gpu"], r["tensor_split"]) for r in rows] == [
-        ("row", 0, "3.00/1.00"), ("layer", 0, "3.00/1.00")]  # fmt: skip
+        ("row", 0, "3.00/1.00"),
+        ("layer", 0, "3.00/1.00"),
+    ]
     assert all(r["n_gpu_layers_offloaded"] == 0 for r in rows)  # no device to put them on
-    missing = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
-                                       "-dev", "CUDA1", "-o", "json"])  # fmt: skip
+    missing = CliRunner().invoke(
+        app,
+        ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history", "-dev", "CUDA1", "-o", "json"],
+    )
     assert missing.exit_code == 1 and "no device 'CUDA1'" in missing.stderr
 
 
@@ -184,16 +246,39 @@ def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_path: str
 ) -> None:
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
-    result = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history",
-                                      "-ot", "ffn_.*=CPU", "-ncmoe", "0,2", "-o", "json"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--no-history",
+            "-ot",
+            "ffn_.*=CPU",
+            "-ncmoe",
+            "0,2",
+            "-o",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["tensor_buft_overrides"], r["n_cpu_moe"]) for r in rows] == [
-        ("ffn_.*=CPU", 0), ("ffn_.*=CPU", 2)]  # fmt: skip
-    for bad, says in ((["-ot", "ffn_.*"], "is not PATTERN=BUFFER"), (["-ot", "x=NOPE"],
-                      "no buffer type 'NOPE'"), (["-dev", "CUDA0"], "no GPU backend")):  # fmt: skip
-        refused = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1",
-                                           "--no-history", *bad, "-o", "json"])  # fmt: skip
+        ("ffn_.*=CPU", 0),
+        ("ffn_.*=CPU", 2),
+    ]
+    for bad, says in (
+        (["-ot", "ffn_.*"], "is not PATTERN=BUFFER"),
+        (["-ot", "x=NOPE"], "no buffer type 'NOPE'"),
+        (["-dev", "CUDA0"], "no GPU backend"),
+    ):
+        refused = CliRunner().invoke(
+            app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history", *bad, "-o", "json"]
+        )
         said = " ".join(refused.stderr.split())  # the skip line wraps at the console's width
         assert refused.exit_code == 1 and says in said, refused.stderr
 
@@ -202,8 +287,17 @@ def test_tensor_overrides_and_cpu_moe_reach_llama_cpp(
 
 HOST_BW = 66e9  # the H200 host's RAM, as the issue measured it
 H200_BW = dv.driver_figures("CUDA0", 3201, 6144)
-MACHINE = SystemInfo(cpu="Xeon", physical_cores=16, logical_cpus=32, ram_bytes=None, build="",
-                     features="", gpu="", mem_bw_bytes_s=HOST_BW, device_bandwidths=(H200_BW,))  # fmt: skip
+MACHINE = SystemInfo(
+    cpu="Xeon",
+    physical_cores=16,
+    logical_cpus=32,
+    ram_bytes=None,
+    build="",
+    features="",
+    gpu="",
+    mem_bw_bytes_s=HOST_BW,
+    device_bandwidths=(H200_BW,),
+)
 BYTES_PER_TOKEN = 4.0e9  # an 8B Q4_0's weights and KV cache
 
 
@@ -222,15 +316,16 @@ def test_all_layers_on_the_gpu_measure_decode_against_its_memory() -> None:
         "weights_bw_gbs": round(H200_BW.bytes_s / 1e9, 3),
         "decode_roofline_ts": round(H200_BW.bytes_s / BYTES_PER_TOKEN, 3),
         "mem_bw_source": "CUDA0 100% of the weights, 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit"
-                         " bus x 2)",
-    }  # fmt: skip
+        " bus x 2)",
+    }
 
 
 def test_weights_on_the_cpu_keep_the_host_figure_and_a_split_names_both() -> None:
     cpu = weights_memories(MACHINE, devices="CPU", n_offloaded=0, n_layers=33)
     assert [(m.name, m.share, m.bytes_s) for m in cpu] == [("RAM", 1.0, HOST_BW)]
     assert decode_bandwidth(cpu, BYTES_PER_TOKEN, 10.0)["bw_util"] == round(
-        10 * BYTES_PER_TOKEN / HOST_BW, 4)  # fmt: skip
+        10 * BYTES_PER_TOKEN / HOST_BW, 4
+    )
     split = weights_memories(MACHINE, devices="CUDA0", n_offloaded=11, n_layers=33)
     assert [(m.name, round(m.share, 4)) for m in split] == [("RAM", 0.6667), ("CUDA0", 0.3333)]
     fields = decode_bandwidth(split, BYTES_PER_TOKEN, 20.0)
@@ -240,7 +335,8 @@ def test_weights_on_the_cpu_keep_the_host_figure_and_a_split_names_both() -> Non
     assert HOST_BW / 1e9 < fields["weights_bw_gbs"] < 1.5 * HOST_BW / 1e9  # the RAM dominates
     assert fields["mem_bw_source"] == (
         "RAM 67% of the weights, 66.0 GB/s (streaming copy on the CPU, read + write); CUDA0 33% of"
-        " the weights, 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit bus x 2)")  # fmt: skip
+        " the weights, 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit bus x 2)"
+    )
     two = weights_memories(MACHINE, devices="CUDA0, CUDA1", n_offloaded=33, n_layers=33)
     assert [(m.name, m.share) for m in two] == [("CUDA0", 0.5), ("CUDA1", 0.5)]
 
@@ -259,13 +355,32 @@ def test_the_report_probes_each_gpu_and_the_record_uses_it(monkeypatch: pytest.M
     system = SystemInfo.collect(bandwidth=True)
     assert system.device_bandwidths == (H200_BW,) and system.mem_bw_bytes_s == HOST_BW
     assert SystemInfo.collect(bandwidth=False).device_bandwidths == ()
-    st = dataclasses.replace(FAKE_SETTINGS, backend="CUDA0", device="CUDA0 NVIDIA H200",
-                             n_gpu_layers=33, n_layer_total=33)  # fmt: skip
-    model = ModelInfo(path="8b.gguf", name="8b", architecture="llama", quantization="Q4_0",
-                      n_params=8_030_261_248, size_bytes=int(BYTES_PER_TOKEN), n_ctx_train=None,
-                      has_chat_template=True)  # fmt: skip
-    tg = Result(shape=Shape(0, 128), combo=Combo(), model=model, settings=st, load_s=1.0,
-                samples_s=(128 / 348.0,), engine_samples_s=())  # fmt: skip
+    st = dataclasses.replace(
+        FAKE_SETTINGS,
+        backend="CUDA0",
+        device="CUDA0 NVIDIA H200",
+        n_gpu_layers=33,
+        n_layer_total=33,
+    )
+    model = ModelInfo(
+        path="8b.gguf",
+        name="8b",
+        architecture="llama",
+        quantization="Q4_0",
+        n_params=8_030_261_248,
+        size_bytes=int(BYTES_PER_TOKEN),
+        n_ctx_train=None,
+        has_chat_template=True,
+    )
+    tg = Result(
+        shape=Shape(0, 128),
+        combo=Combo(),
+        model=model,
+        settings=st,
+        load_s=1.0,
+        samples_s=(128 / 348.0,),
+        engine_samples_s=(),
+    )
     rec = tg.record(system)
     assert rec["bw_util"] == round(rec["decode_bw_gbs"] * 1e9 / H200_BW.bytes_s, 4) < 1
     assert rec["mem_bw_source"].startswith("CUDA0 100% of the weights, 4,916.7 GB/s (driver:")
@@ -273,8 +388,9 @@ def test_the_report_probes_each_gpu_and_the_record_uses_it(monkeypatch: pytest.M
     assert line.startswith(f"tg128: decode moves {rec['decode_bw_gbs']:.1f} GB/s")
     assert f"= {rec['bw_util']:.0%} of 4,916.7 GB/s, the memory the weights are in (CUDA0" in line
     rows = dict(system_rows(system, "8b"))
-    assert rows["memory"].endswith("(streaming copy) · CUDA0 4,916.7 GB/s (driver: 3,201 MHz x"
-                                   " 6,144-bit bus x 2)")  # fmt: skip
+    assert rows["memory"].endswith(
+        "(streaming copy) · CUDA0 4,916.7 GB/s (driver: 3,201 MHz x 6,144-bit bus x 2)"
+    )
     pp = dataclasses.replace(tg, shape=Shape(512, 0)).record(system)
     assert pp["bw_util"] is None and "mem_bw_source" in pp  # the same columns in every record
 
@@ -306,8 +422,11 @@ gpu = _load("gpu")
 
 def test_the_shapes_have_the_real_models_parameter_counts() -> None:
     """SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B as published (their vocabularies)."""
-    for shape, n_vocab, n_params in (("135m", 49152, 134_515_008), ("1b", 128256, 1_235_814_400),
-                                     ("8b", 128256, 8_030_261_248)):  # fmt: skip
+    for shape, n_vocab, n_params in (
+        ("135m", 49152, 134_515_008),
+        ("1b", 128256, 1_235_814_400),
+        ("8b", 128256, 8_030_261_248),
+    ):
         plan = synth.tensors(synth.SHAPES[shape], n_vocab)
         assert sum(math.prod(t.dims) for t in plan) == n_params, shape
     # tied embeddings: no output.weight; an 8B has one
@@ -400,9 +519,13 @@ def _bundle_sources(model_path: str, tmp_path: Path) -> Any:
             name, version = pin.split("==")
             (folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"PK")
 
-    sources = gpu.Sources(version="9.9.9", tokenizer_model=Path(model_path),
-                          sdist=lambda version, folder: sdist, pins=gpu.installed_pins,
-                          wheels=wheels)  # fmt: skip
+    sources = gpu.Sources(
+        version="9.9.9",
+        tokenizer_model=Path(model_path),
+        sdist=lambda version, folder: sdist,
+        pins=gpu.installed_pins,
+        wheels=wheels,
+    )
     return sources, fetched
 
 
@@ -418,13 +541,20 @@ def test_prepare_bundles_a_trimmed_source_the_bindings_wheels_and_the_project(
     assert f"bundle: {total / 2**20:,.1f} MiB in all" in log.getvalue()
     long_name = "llama.cpp/ggml/src/ggml-cuda/template-instances/fattn-vec-instance-" + "f16" * 30
     assert _names(bundle / "llama.cpp.tgz") == {
-        "llama.cpp/CMakeLists.txt", "llama.cpp/tools/llama-bench/llama-bench.cpp",
-        "llama.cpp/tools/batched-bench/batched-bench.cpp", long_name + ".cu",
-        "llama.cpp/scripts/compare-llama-bench.py"}  # fmt: skip
+        "llama.cpp/CMakeLists.txt",
+        "llama.cpp/tools/llama-bench/llama-bench.cpp",
+        "llama.cpp/tools/batched-bench/batched-bench.cpp",
+        long_name + ".cu",
+        "llama.cpp/scripts/compare-llama-bench.py",
+    }
     assert _names(bundle / "llama_cpp.tgz") == {"llama_cpp/llama.py", "llama_cpp/server/app.py"}
     project = _names(bundle / "project.tgz")
-    assert {"project/benchmarks/gpu.py", "project/benchmarks/synth_gguf.py",
-            "project/runners/system.py", "project/pyproject.toml"} <= project  # fmt: skip
+    assert {
+        "project/benchmarks/gpu.py",
+        "project/benchmarks/synth_gguf.py",
+        "project/runners/system.py",
+        "project/pyproject.toml",
+    } <= project
     assert not any("/.venv/" in n or "/.git/" in n or n.startswith("project/.gpu") for n in project)
     # the wheels llmrun needs at run time, pinned to what runs here; not what the image has
     pins = dict(p.split("==") for p in fetched[0])
@@ -466,13 +596,31 @@ def test_prepare_prints_the_bundle_folder_last(
 
 
 def test_the_trimmed_tree_keeps_what_the_build_reads() -> None:
-    keep = ["CMakeLists.txt", "ggml/src/ggml-cuda/fattn.cu", "ggml/src/ggml-cpu/ops.cpp",
-            "tools/llama-bench/llama-bench.cpp", "tools/batched-bench/batched-bench.cpp",
-            "common/arg.cpp", "src/llama.cpp", "vendor/nlohmann/json.hpp", "cmake/common.cmake",
-            "tools/mtmd/CMakeLists.txt", "scripts/compare-llama-bench.py", "models-readme.txt"]  # fmt: skip
-    drop = ["models/ggml-vocab-llama-bpe.gguf", "docs/build.md", "tests/CMakeLists.txt",
-            "examples/simple/simple.cpp", "tools/ui/package.json", "ggml/src/ggml-vulkan/x.cpp",
-            "ggml/src/ggml-metal/ggml-metal.m", "convert_hf_to_gguf.py", "gguf-py/gguf/gguf.py"]  # fmt: skip
+    keep = [
+        "CMakeLists.txt",
+        "ggml/src/ggml-cuda/fattn.cu",
+        "ggml/src/ggml-cpu/ops.cpp",
+        "tools/llama-bench/llama-bench.cpp",
+        "tools/batched-bench/batched-bench.cpp",
+        "common/arg.cpp",
+        "src/llama.cpp",
+        "vendor/nlohmann/json.hpp",
+        "cmake/common.cmake",
+        "tools/mtmd/CMakeLists.txt",
+        "scripts/compare-llama-bench.py",
+        "models-readme.txt",
+    ]
+    drop = [
+        "models/ggml-vocab-llama-bpe.gguf",
+        "docs/build.md",
+        "tests/CMakeLists.txt",
+        "examples/simple/simple.cpp",
+        "tools/ui/package.json",
+        "ggml/src/ggml-vulkan/x.cpp",
+        "ggml/src/ggml-metal/ggml-metal.m",
+        "convert_hf_to_gguf.py",
+        "gguf-py/gguf/gguf.py",
+    ]
     assert all(gpu.keep_llama_cpp(p) for p in keep)
     assert not any(gpu.keep_llama_cpp(p) for p in drop)
     assert gpu.keep_binding("llama_cpp/llama_cpp.py") and not gpu.keep_binding(
@@ -483,25 +631,46 @@ def test_the_trimmed_tree_keeps_what_the_build_reads() -> None:
 def test_wheel_pins_follow_requirements_for_linux_cpython_312() -> None:
     graph = {
         "llmrun": ["typer>=0.12", "llama-cpp-python>=0.3", "numpy"],
-        "typer": ["pydantic>=2", "colorama; platform_system == 'Windows'",
-                  "rich>=13; python_version < '3.13'", "pytest; extra == 'test'"],
-        "pydantic": ["typing-extensions>=4"], "rich": [], "typing-extensions": None,
+        "typer": [
+            "pydantic>=2",
+            "colorama; platform_system == 'Windows'",
+            "rich>=13; python_version < '3.13'",
+            "pytest; extra == 'test'",
+        ],
+        "pydantic": ["typing-extensions>=4"],
+        "rich": [],
+        "typing-extensions": None,
         "llama-cpp-python": ["diskcache"],
-    }  # fmt: skip
-    versions = {"llmrun": "0.1", "typer": "0.29", "pydantic": "2.14", "rich": "15",
-                "typing-extensions": "4.16", "colorama": "0.4", "pytest": "9"}  # fmt: skip
+    }
+    versions = {
+        "llmrun": "0.1",
+        "typer": "0.29",
+        "pydantic": "2.14",
+        "rich": "15",
+        "typing-extensions": "4.16",
+        "colorama": "0.4",
+        "pytest": "9",
+    }
     pins = gpu.wheel_pins(["llmrun"], graph.get, versions.get)
-    assert pins == ["llmrun==0.1", "pydantic==2.14", "rich==15", "typer==0.29",
-                    "typing-extensions==4.16"]  # fmt: skip
+    assert pins == [
+        "llmrun==0.1",
+        "pydantic==2.14",
+        "rich==15",
+        "typer==0.29",
+        "typing-extensions==4.16",
+    ]
     with pytest.raises(ValueError, match="rich is needed on the GPU machine"):
-        gpu.wheel_pins(["typer"], graph.get, {"typer": "1", "pydantic": "2",
-                                               "typing-extensions": "4"}.get)  # fmt: skip
+        gpu.wheel_pins(
+            ["typer"], graph.get, {"typer": "1", "pydantic": "2", "typing-extensions": "4"}.get
+        )
 
 
 def test_the_gpu_is_read_from_nvidia_smi() -> None:
     found = gpu.parse_gpus("NVIDIA H200, 9.0, 143771\nNVIDIA GeForce RTX 4090, 8.9, 24564\n")
-    assert found == [gpu.Gpu("NVIDIA H200", "9.0", 143771),
-                     gpu.Gpu("NVIDIA GeForce RTX 4090", "8.9", 24564)]  # fmt: skip
+    assert found == [
+        gpu.Gpu("NVIDIA H200", "9.0", 143771),
+        gpu.Gpu("NVIDIA GeForce RTX 4090", "8.9", 24564),
+    ]
     assert [g.cuda_arch for g in found] == ["90-real", "89-real"]
     assert gpu.parse_gpus("No devices were found\n") == []
 
@@ -576,45 +745,99 @@ def test_the_ratios_come_from_the_tools_output() -> None:
     steps = {s.label: s for s in gpu.plan("90-real", LAYOUT, opts, [])}
     res = gpu.Results()
     lb, lr = steps["8b: llama-bench"], steps["8b: llmrun bench"]
-    res.read(lb, _jsonl({"n_prompt": 512, "n_gen": 0, "avg_ts": 11000.0},
-                        {"n_prompt": 0, "n_gen": 128, "avg_ts": 356.0}))  # fmt: skip
-    res.read(lr, "[" + ",".join(json.dumps(r) for r in (
-        {"n_prompt": 512, "n_gen": 0, "avg_ts": 11110.0, "engine_avg_ts": 11200.0,
-         "device": "CUDA0 NVIDIA H200", "n_gpu_layers_offloaded": 33},
-        {"n_prompt": 0, "n_gen": 128, "avg_ts": 335.0, "engine_avg_ts": 348.0, "bw_util": 0.31,
-         "decode_bw_gbs": 1500.0, "weights_bw_gbs": 4915.2, "mem_bw_source": "driver",
-         "device": "CUDA0 NVIDIA H200", "n_gpu_layers_offloaded": 33})) + "]")  # fmt: skip
+    res.read(
+        lb,
+        _jsonl(
+            {"n_prompt": 512, "n_gen": 0, "avg_ts": 11000.0},
+            {"n_prompt": 0, "n_gen": 128, "avg_ts": 356.0},
+        ),
+    )
+    res.read(
+        lr,
+        "["
+        + ",".join(
+            json.dumps(r)
+            for r in (
+                {
+                    "n_prompt": 512,
+                    "n_gen": 0,
+                    "avg_ts": 11110.0,
+                    "engine_avg_ts": 11200.0,
+                    "device": "CUDA0 NVIDIA H200",
+                    "n_gpu_layers_offloaded": 33,
+                },
+                {
+                    "n_prompt": 0,
+                    "n_gen": 128,
+                    "avg_ts": 335.0,
+                    "engine_avg_ts": 348.0,
+                    "bw_util": 0.31,
+                    "decode_bw_gbs": 1500.0,
+                    "weights_bw_gbs": 4915.2,
+                    "mem_bw_source": "driver",
+                    "device": "CUDA0 NVIDIA H200",
+                    "n_gpu_layers_offloaded": 33,
+                },
+            )
+        )
+        + "]",
+    )
     res.read(lb, _jsonl({"n_prompt": 0, "n_gen": 128, "avg_ts": 355.0}))
-    res.read(steps["8b: llama-batched-bench"], "main: n_kv_max = 20736\n" + _jsonl(
-        {"pl": 1, "tg": 64, "t_tg": 0.19, "speed": 1390.0},
-        {"pl": 32, "tg": 64, "t_tg": 0.563, "speed": 8225.0}))  # fmt: skip
+    res.read(
+        steps["8b: llama-batched-bench"],
+        "main: n_kv_max = 20736\n"
+        + _jsonl(
+            {"pl": 1, "tg": 64, "t_tg": 0.19, "speed": 1390.0},
+            {"pl": 32, "tg": 64, "t_tg": 0.563, "speed": 8225.0},
+        ),
+    )
     levels = []
     for level, total_tps, itl_s in ((1, 1139.0, 0.0039), (32, 4636.0, 0.0168)):
         requests = [sv.RequestResult(256, 64, 0.05, 1.0, [itl_s] * 63) for _ in range(64)]
         duration_s = 64 * (256 + 64) / total_tps
         measured = sv.metrics(requests, duration_s, percentiles=[50], slo={})
-        levels.append(sv.ServingLevel("local prefill-first", "8b", level, math.inf, 64, 256, 64,
-                                      measured).record())  # fmt: skip
+        levels.append(
+            sv.ServingLevel(
+                "local prefill-first", "8b", level, math.inf, 64, 256, 64, measured
+            ).record()
+        )
     res.read(steps["8b: llmrun's serving lab"], json.dumps(levels))  # as llmrun writes them
     lines = gpu.ratio_lines(res, opts)
-    assert lines[0] == ("8b shape, FA on, pp512: llmrun 11,110.0 / llama-bench 11,000.0 tok/s ="
-                        " x1.010; llama.cpp's counter in llmrun 11,200.0 (x1.018)")  # fmt: skip
-    assert lines[1] == ("8b shape, FA on, tg128: llmrun 335.0 / llama-bench 355.0-356.0 tok/s ="
-                        " x0.942; llama.cpp's counter in llmrun 348.0 (x0.979); target ≥ 0.98:"
-                        " MISSED")  # fmt: skip
+    assert lines[0] == (
+        "8b shape, FA on, pp512: llmrun 11,110.0 / llama-bench 11,000.0 tok/s ="
+        " x1.010; llama.cpp's counter in llmrun 11,200.0 (x1.018)"
+    )
+    assert lines[1] == (
+        "8b shape, FA on, tg128: llmrun 335.0 / llama-bench 355.0-356.0 tok/s ="
+        " x0.942; llama.cpp's counter in llmrun 348.0 (x0.979); target ≥ 0.98:"
+        " MISSED"
+    )
     assert lines[2] == "  llmrun ran on CUDA0 NVIDIA H200, 33 layers offloaded"
     assert lines[3] == "  bandwidth share 31%: 1500.0 GB/s of 4915.2 GB/s (driver)"
-    assert lines[4].startswith("8b serving, 1 at a time, 256 in / 64 out: llmrun 1,139 /"
-                               " llama-batched-bench 1,390 total tok/s = x0.819; ITL p50 3.90 ms"
-                               " against a decode step of 2.97 ms")  # fmt: skip
+    assert lines[4].startswith(
+        "8b serving, 1 at a time, 256 in / 64 out: llmrun 1,139 /"
+        " llama-batched-bench 1,390 total tok/s = x0.819; ITL p50 3.90 ms"
+        " against a decode step of 2.97 ms"
+    )
     assert (
         lines[5] == "  at 1: ITL / plain decode (llama-bench tg128) = x1.386; target ≤ 1.05: MISSED"
     )
-    assert lines[6].endswith("= x0.564; ITL p50 16.80 ms against a decode step of 8.80 ms; target"
-                             " ≥ 0.90: MISSED")  # fmt: skip
+    assert lines[6].endswith(
+        "= x0.564; ITL p50 16.80 ms against a decode step of 8.80 ms; target ≥ 0.90: MISSED"
+    )
     assert len(lines) == 7 and gpu.offload_failures(res) == []
-    res.read(lr, _jsonl({"n_prompt": 0, "n_gen": 128, "avg_ts": 80.0, "device": "CPU",
-                         "n_gpu_layers_offloaded": 0}))  # fmt: skip
+    res.read(
+        lr,
+        _jsonl(
+            {
+                "n_prompt": 0,
+                "n_gen": 128,
+                "avg_ts": 80.0,
+                "device": "CPU",
+                "n_gpu_layers_offloaded": 0,
+            }
+        ),
+    )
     assert gpu.offload_failures(res) == [
         "8b tg128: llmrun ran on the CPU, -ngl 99 offloaded nothing"
     ]
@@ -625,18 +848,30 @@ def test_without_a_gpu_the_check_says_why_and_a_dry_run_shows_the_plan(
 ) -> None:
     script = str(ROOT / "benchmarks" / "gpu.py")
     env = {**llmrun_env, "PATH": str(tmp_path)}  # no nvidia-smi
-    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
-                          check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, env=env, check=False
+    )
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr == ("gpu.py: no NVIDIA GPU here (nvidia-smi is not installed): this check"
-                           " runs on the GPU machine; `--prepare` makes its bundle here\n")  # fmt: skip
-    dry = subprocess.run([sys.executable, script, "--dry-run", "--cuda-arch", "90", "--fa", "off"],
-                         capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    assert done.stderr == (
+        "gpu.py: no NVIDIA GPU here (nvidia-smi is not installed): this check"
+        " runs on the GPU machine; `--prepare` makes its bundle here\n"
+    )
+    dry = subprocess.run(
+        [sys.executable, script, "--dry-run", "--cuda-arch", "90", "--fa", "off"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert dry.returncode == 0, dry.stderr
     assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in dry.stdout and "-DGGML_CUDA_FA=OFF" in dry.stdout
-    nobundle = subprocess.run([sys.executable, script, "--cuda-arch", "90", "--bundle",
-                               str(tmp_path / "none")], capture_output=True, text=True, env=env,
-                              check=False)  # fmt: skip
+    nobundle = subprocess.run(
+        [sys.executable, script, "--cuda-arch", "90", "--bundle", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert nobundle.returncode == 1 and "no bundle at" in nobundle.stderr
 
 
@@ -673,11 +908,14 @@ def test_the_kv_layout_ratios_say_which_layout_is_faster() -> None:
     [kv] = [s for s in gpu.plan("90-real", LAYOUT, opts, []) if s.reads == "kv-layout"]
     res = gpu.Results()
     row = {"npp": 64, "ntg": 32, "rounds": 2, "step_ms": 9.0, "ref_step_ms": 8.0}
-    res.read(kv, _jsonl(
-        {**row, "B": 8, "kv_unified": True, "total_tps": 2400.0, "ref_total_tps": 2500.0},
-        {**row, "B": 8, "kv_unified": False, "total_tps": 3000.0, "ref_total_tps": 3100.0},
-        {**row, "B": 32, "kv_unified": True, "total_tps": 6000.0, "ref_total_tps": None},
-    ))  # fmt: skip
+    res.read(
+        kv,
+        _jsonl(
+            {**row, "B": 8, "kv_unified": True, "total_tps": 2400.0, "ref_total_tps": 2500.0},
+            {**row, "B": 8, "kv_unified": False, "total_tps": 3000.0, "ref_total_tps": 3100.0},
+            {**row, "B": 32, "kv_unified": True, "total_tps": 6000.0, "ref_total_tps": None},
+        ),
+    )
     lines = gpu.ratio_lines(res, opts)
     assert lines == [
         "8b KV layouts, 8 at a time, 64 in / 32 out: llmrun unified 2,400 / one stream per"
@@ -698,11 +936,18 @@ def test_the_kv_layout_step_runs_on_the_cpu_with_a_synthetic_135m_model(
     assert synth.main(["make", str(tok), "135m", str(model)]) == 0
     opts = gpu.Options(python=sys.executable, shapes=("135m",), serve_shape="135m", cpu_shape=None)
     [kv] = [s for s in gpu.plan("90-real", LAYOUT, opts, []) if s.reads == "kv-layout"]
-    argv = [str(ROOT / "benchmarks" / "kv_layout.py") if a.endswith("kv_layout.py")
-            else str(model) if a.endswith("135m.gguf") else a for a in kv.argv]  # fmt: skip
+    argv = [
+        str(ROOT / "benchmarks" / "kv_layout.py")
+        if a.endswith("kv_layout.py")
+        else str(model)
+        if a.endswith("135m.gguf")
+        else a
+        for a in kv.argv
+    ]
     small = ["--npp", "8", "--ntg", "3", "--npl", "2", "--rounds", "1", "--no-reference"]
-    done = subprocess.run([*argv, *small], capture_output=True, text=True, env=llmrun_env,
-                          timeout=300, check=False)  # fmt: skip
+    done = subprocess.run(
+        [*argv, *small], capture_output=True, text=True, env=llmrun_env, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     res = gpu.Results()
     res.read(kv, done.stdout)

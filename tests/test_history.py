@@ -40,15 +40,38 @@ from .test_trust_bench import _fake_models
 def rec(**over: Any) -> dict[str, Any]:
     """A whole llama-bench record as `llmrun bench` stores it (every column the script reads)."""
     r: dict[str, Any] = {
-        "build_commit": "aaaaaaa", "build_number": 1, "cpu_info": "CPU X", "gpu_info": "",
-        "backends": "CPU", "model_filename": "m.gguf", "model_type": "llama 1B Q4_0",
-        "model_size": 1000, "model_n_params": 1000, "n_batch": 2048, "n_ubatch": 512,
-        "n_threads": 2, "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "flash_attn": -1,
-        **LLAMA_DEFAULTS, "repack": True, "n_prompt": 8, "n_gen": 0, "n_depth": 0,
-        "test_time": "2026-11-30T00:00:00Z", "avg_ns": 1000, "stddev_ns": 0, "avg_ts": 100.0,
-        "stddev_ts": 1.0, "samples_ns": [1000], "samples_ts": [100.0], "test": "pp8",
-        "model_name": "m", "background_cpus": 0.0,
-    }  # fmt: skip
+        "build_commit": "aaaaaaa",
+        "build_number": 1,
+        "cpu_info": "CPU X",
+        "gpu_info": "",
+        "backends": "CPU",
+        "model_filename": "m.gguf",
+        "model_type": "llama 1B Q4_0",
+        "model_size": 1000,
+        "model_n_params": 1000,
+        "n_batch": 2048,
+        "n_ubatch": 512,
+        "n_threads": 2,
+        "type_k": "f16",
+        "type_v": "f16",
+        "n_gpu_layers": -1,
+        "flash_attn": -1,
+        **LLAMA_DEFAULTS,
+        "repack": True,
+        "n_prompt": 8,
+        "n_gen": 0,
+        "n_depth": 0,
+        "test_time": "2026-11-30T00:00:00Z",
+        "avg_ns": 1000,
+        "stddev_ns": 0,
+        "avg_ts": 100.0,
+        "stddev_ts": 1.0,
+        "samples_ns": [1000],
+        "samples_ts": [100.0],
+        "test": "pp8",
+        "model_name": "m",
+        "background_cpus": 0.0,
+    }
     r.update(over)
     return r
 
@@ -58,7 +81,9 @@ def store(*records: dict[str, Any], path: Path | None = None) -> int:
         return h.store(list(records), kind="local", model="m", system={})
 
 
-def stored(run_id: int, *records: dict[str, Any], time: str = "2026-11-30T00:00:00+00:00") -> list[Stored]:  # fmt: skip
+def stored(
+    run_id: int, *records: dict[str, Any], time: str = "2026-11-30T00:00:00+00:00"
+) -> list[Stored]:
     return [Stored(run_id, time, r) for r in records]
 
 
@@ -81,8 +106,12 @@ def test_sql_of_runs_with_other_figures_goes_into_a_llama_bench_table_run_after_
     db = sqlite3.connect(tmp_path / "llama-bench.sqlite")
     schema = _script_schema(llama_tools.compare_script())  # as llama-bench creates it
     db.execute(f"CREATE TABLE llama_bench ({', '.join(f'{f} {t}' for f, t in schema.items())})")
-    shapes = (["-p", "8", "-n", "0"], ["-p", "8", "-n", "2", "-pg", "8,2"], None,
-              ["-p", "0", "-n", "4", "--draft", "0,2"])  # fmt: skip
+    shapes = (
+        ["-p", "8", "-n", "0"],
+        ["-p", "8", "-n", "2", "-pg", "8,2"],
+        None,
+        ["-p", "0", "-n", "4", "--draft", "0,2"],
+    )
     printed = []
     for shape in shapes:
         if shape is None:  # two models: each row's speed against the first's (relative_ts)
@@ -98,13 +127,23 @@ def test_sql_of_runs_with_other_figures_goes_into_a_llama_bench_table_run_after_
             sql = done.stdout
         db.executescript(sql)
         printed += [r for r in sql.splitlines() if r.startswith("INSERT INTO llama_bench ")]
-    rows = db.execute("SELECT llama_bench.rowid, n_prompt, n_gen, figures FROM llama_bench"
-                      " LEFT JOIN llama_bench_llmrun ON bench_rowid = llama_bench.rowid"
-                      " ORDER BY llama_bench.rowid").fetchall()  # fmt: skip
+    rows = db.execute(
+        "SELECT llama_bench.rowid, n_prompt, n_gen, figures FROM llama_bench"
+        " LEFT JOIN llama_bench_llmrun ON bench_rowid = llama_bench.rowid"
+        " ORDER BY llama_bench.rowid"
+    ).fetchall()
     assert len(rows) == len(printed) == 1 + 3 + 2 + 2
     figures = [json.loads(f) for *_, f in rows]
-    assert [f["test"] for f in figures] == ["pp8", "pp8", "tg2", "pp8+tg2", "pp8", "pp8", "tg4",
-                                            "tg4"]  # fmt: skip
+    assert [f["test"] for f in figures] == [
+        "pp8",
+        "pp8",
+        "tg2",
+        "pp8+tg2",
+        "pp8",
+        "pp8",
+        "tg4",
+        "tg4",
+    ]
     assert figures[0]["ttft_ms"] > 0 and figures[2]["itl_p50_ms"] > 0
     pg = figures[3]
     assert pg["test"] == "pp8+tg2" and pg["pp_ts"] > 0 and pg["tg_ts"] > 0
@@ -131,10 +170,24 @@ def test_selectors_read_builds_runs_dates_and_llama_bench_flags() -> None:
     s = sel("abc1234")
     assert s.builds == ("abc1234",) and s.fields == frozenset()
     s = sel("build=abc,t=4,fa=on,ctk=q8_0,nkvo=1,ngl=99,run=3-5,since=2026-11-01,model=Q4")
-    assert s.fields == {"n_threads", "flash_attn", "type_k", "no_kv_offload", "n_gpu_layers",
-                        "model_filename", "model_type"}  # fmt: skip
-    r = rec(build_commit="abc1234", n_threads=4, flash_attn=1, type_k="q8_0", no_kv_offload=True,
-            n_gpu_layers=99, model_name="smol-Q4_K_M")  # fmt: skip
+    assert s.fields == {
+        "n_threads",
+        "flash_attn",
+        "type_k",
+        "no_kv_offload",
+        "n_gpu_layers",
+        "model_filename",
+        "model_type",
+    }
+    r = rec(
+        build_commit="abc1234",
+        n_threads=4,
+        flash_attn=1,
+        type_k="q8_0",
+        no_kv_offload=True,
+        n_gpu_layers=99,
+        model_name="smol-Q4_K_M",
+    )
     assert s.matches(Stored(4, "2026-11-30T01:00:00+00:00", r))
     assert not s.matches(Stored(6, "2026-11-30T01:00:00+00:00", r))  # run 6 is outside 3-5
     assert not s.matches(Stored(4, "2026-10-30T01:00:00+00:00", r))  # before since
@@ -168,10 +221,17 @@ def test_a_bad_selector_is_one_clear_line(text: str, says: str) -> None:
 
 
 def test_builds_pair_on_the_scripts_key_fields_and_repeated_runs_are_averaged() -> None:
-    old = [*stored(1, rec(avg_ts=100.0, stddev_ts=1.0), rec(n_prompt=0, n_gen=4, avg_ts=10.0)),
-           *stored(2, rec(avg_ts=110.0, stddev_ts=1.0), rec(n_batch=512, avg_ts=50.0))]  # fmt: skip
-    new = stored(3, *(rec(build_commit="bbbbbbb", avg_ts=200.0, stddev_ts=2.0),
-                      rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, avg_ts=30.0)))  # fmt: skip
+    old = [
+        *stored(1, rec(avg_ts=100.0, stddev_ts=1.0), rec(n_prompt=0, n_gen=4, avg_ts=10.0)),
+        *stored(2, rec(avg_ts=110.0, stddev_ts=1.0), rec(n_batch=512, avg_ts=50.0)),
+    ]
+    new = stored(
+        3,
+        *(
+            rec(build_commit="bbbbbbb", avg_ts=200.0, stddev_ts=2.0),
+            rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, avg_ts=30.0),
+        ),
+    )
     found = compare_sets([*old, *new], sel("aaaaaaa"), sel("bbbbbbb", "-c"))
     assert [p.test for p in found.pairs] == ["pp8", "tg4"]
     pp, tg = found.pairs
@@ -188,8 +248,12 @@ def test_builds_pair_on_the_scripts_key_fields_and_repeated_runs_are_averaged() 
 
 def test_a_setting_named_by_both_sets_is_compared_across_and_others_must_match() -> None:
     """-b t=1 -c t=2 pairs across n_threads; a key field neither names (n_batch) still splits."""
-    results = stored(1, rec(n_threads=1, avg_ts=50.0), rec(n_threads=2, avg_ts=90.0),
-                     rec(n_threads=2, n_batch=512, avg_ts=80.0))  # fmt: skip
+    results = stored(
+        1,
+        rec(n_threads=1, avg_ts=50.0),
+        rec(n_threads=2, avg_ts=90.0),
+        rec(n_threads=2, n_batch=512, avg_ts=80.0),
+    )
     found = compare_sets(results, sel("t=1"), sel("t=2", "-c"))
     assert [(p.test, p.compare.avg_ts) for p in found.pairs] == [("pp8", 90.0)]
     assert found.ignored == ("n_threads",) and found.unpaired_compare == 1
@@ -199,9 +263,14 @@ def test_a_setting_named_by_both_sets_is_compared_across_and_others_must_match()
 
 def test_a_setting_fixed_on_one_side_only_still_pairs_and_is_not_averaged_away() -> None:
     """-b aaaaaaa,t=1 -c bbbbbbb: the compare build's t=1 and t=2 rows are not one average."""
-    results = [*stored(1, rec(n_threads=1, avg_ts=50.0)),
-               *stored(2, rec(n_threads=1, avg_ts=60.0, build_commit="bbbbbbb"),
-                       rec(n_threads=2, avg_ts=200.0, build_commit="bbbbbbb"))]  # fmt: skip
+    results = [
+        *stored(1, rec(n_threads=1, avg_ts=50.0)),
+        *stored(
+            2,
+            rec(n_threads=1, avg_ts=60.0, build_commit="bbbbbbb"),
+            rec(n_threads=2, avg_ts=200.0, build_commit="bbbbbbb"),
+        ),
+    ]
     found = compare_sets(results, sel("aaaaaaa,t=1"), sel("bbbbbbb", "-c"))
     assert [(p.baseline.avg_ts, p.compare.avg_ts) for p in found.pairs] == [(50.0, 60.0)]
     assert found.ignored == () and found.unpaired_compare == 1
@@ -231,9 +300,14 @@ def test_sets_of_other_test_shapes_pair_and_say_so() -> None:
 
 
 def test_show_groups_as_the_script_does_averaging_what_it_leaves_out() -> None:
-    results = [*stored(1, rec(n_batch=256, avg_ts=10.0), rec(n_batch=512, avg_ts=30.0)),
-               *stored(2, rec(n_batch=256, avg_ts=20.0, build_commit="bbbbbbb"),
-                       rec(n_batch=512, avg_ts=60.0, build_commit="bbbbbbb"))]  # fmt: skip
+    results = [
+        *stored(1, rec(n_batch=256, avg_ts=10.0), rec(n_batch=512, avg_ts=30.0)),
+        *stored(
+            2,
+            rec(n_batch=256, avg_ts=20.0, build_commit="bbbbbbb"),
+            rec(n_batch=512, avg_ts=60.0, build_commit="bbbbbbb"),
+        ),
+    ]
     every = compare_sets(results, sel("aaaaaaa"), sel("bbbbbbb", "-c"))
     assert every.shown == ("model_type", "n_batch") and len(every.pairs) == 2
     by_model = compare_sets(results, sel("aaaaaaa"), sel("bbbbbbb", "-c"), show=["model_type"])
@@ -244,8 +318,10 @@ def test_show_groups_as_the_script_does_averaging_what_it_leaves_out() -> None:
 
 
 def test_an_older_absolute_model_path_pairs_with_the_name_as_given() -> None:
-    results = [*stored(1, rec(model_filename="/home/u/models/m.gguf")),
-               *stored(2, rec(build_commit="bbbbbbb"))]  # fmt: skip
+    results = [
+        *stored(1, rec(model_filename="/home/u/models/m.gguf")),
+        *stored(2, rec(build_commit="bbbbbbb")),
+    ]
     assert len(compare_sets(results, sel("aaaaaaa"), sel("bbbbbbb", "-c")).pairs) == 1
 
 
@@ -310,8 +386,10 @@ def test_pair_fields_are_the_scripts_key_properties(llmrun_env: dict[str, str]) 
 def _two_builds() -> None:
     store(rec(avg_ts=100.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=10.0))
     store(rec(avg_ts=104.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=12.0))
-    store(rec(build_commit="bbbbbbb", avg_ts=150.0),
-          rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, test="tg4", avg_ts=11.0))  # fmt: skip
+    store(
+        rec(build_commit="bbbbbbb", avg_ts=150.0),
+        rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, test="tg4", avg_ts=11.0),
+    )
 
 
 def test_history_compares_two_builds_in_every_format() -> None:
@@ -321,14 +399,30 @@ def test_history_compares_two_builds_in_every_format() -> None:
     assert done.exit_code == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [c.strip() for c in lines[0].strip("|").split("|")] == [
-        "Model", "Test", "t/s aaaaaaa", "t/s bbbbbbb", "Speedup", "Runs", "Verdict"]  # fmt: skip
+        "Model",
+        "Test",
+        "t/s aaaaaaa",
+        "t/s bbbbbbb",
+        "Speedup",
+        "Runs",
+        "Verdict",
+    ]
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells == ["llama 1B Q4_0", "pp8", "102.00 ± 2.24", "150.00 ± 1.00", "1.47", "2/1",
-                     "improvement"]  # fmt: skip
+    assert cells == [
+        "llama 1B Q4_0",
+        "pp8",
+        "102.00 ± 2.24",
+        "150.00 ± 1.00",
+        "1.47",
+        "2/1",
+        "improvement",
+    ]
     done = cli.invoke(app, ["history", "-b", "aaaaaaa", "-c", "bbbbbbb", "-o", "csv"])
     rows = list(csv.DictReader(io.StringIO(done.stdout)))
     assert [(r["test"], r["baseline_runs"], r["speedup"]) for r in rows] == [
-        ("pp8", "2", "1.4706"), ("tg4", "2", "1.0")]  # fmt: skip
+        ("pp8", "2", "1.4706"),
+        ("tg4", "2", "1.0"),
+    ]
     done = cli.invoke(app, ["history", "-b", "aaaaaaa", "-o", "json"])  # -c: the newest run
     rows = json.loads(done.stdout)
     assert [r["compare"] for r in rows] == ["run 3", "run 3"]
@@ -375,7 +469,9 @@ def test_export_sql_writes_llama_benchs_table_once_and_never_over_a_file(tmp_pat
     assert done.exit_code == 0, done.stderr
     db = sqlite3.connect(target)
     assert db.execute("SELECT n_cpu_moe, fit_target, n_gen FROM llama_bench").fetchall() == [
-        (0, 0, 0), (0, 0, 2)]  # fmt: skip
+        (0, 0, 0),
+        (0, 0, 2),
+    ]
     (figures,) = db.execute(
         "SELECT figures FROM llama_bench_llmrun WHERE bench_rowid = 2"
     ).fetchone()
@@ -398,16 +494,34 @@ def test_compare_llama_bench_reads_the_exported_history(
     older = rec(avg_ts=100.0)
     del older["n_cpu_moe"]
     store(older, rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=10.0))
-    store(rec(build_commit="bbbbbbb", avg_ts=150.0),
-          rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, test="tg4", avg_ts=12.0))  # fmt: skip
+    store(
+        rec(build_commit="bbbbbbb", avg_ts=150.0),
+        rec(build_commit="bbbbbbb", n_prompt=0, n_gen=4, test="tg4", avg_ts=12.0),
+    )
     target = tmp_path / "exported.sqlite"
     assert CliRunner().invoke(app, ["history", "--export-sql", str(target)]).exit_code == 0
-    done = subprocess.run([sys.executable, str(llama_tools.compare_script()), "-i", str(target),
-                           "-b", "aaaaaaa", "-c", "bbbbbbb"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(llama_tools.compare_script()),
+            "-i",
+            str(target),
+            "-b",
+            "aaaaaaa",
+            "-c",
+            "bbbbbbb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    theirs = {ln.split("|")[-5].strip(): float(ln.split("|")[-2])
-              for ln in done.stdout.splitlines() if "llama 1B Q4_0" in ln}  # fmt: skip
+    theirs = {
+        ln.split("|")[-5].strip(): float(ln.split("|")[-2])
+        for ln in done.stdout.splitlines()
+        if "llama 1B Q4_0" in ln
+    }
     ours = CliRunner().invoke(app, ["history", "-b", "aaaaaaa", "-c", "bbbbbbb", "-o", "json"])
     assert theirs == {
         r["test"]: pytest.approx(r["speedup"], abs=0.01) for r in json.loads(ours.stdout)

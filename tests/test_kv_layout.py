@@ -50,8 +50,10 @@ def test_a_parallel_run_makes_one_context_for_its_sequences(model_path: str, uni
             assert isinstance(done, Finished) and done.stats.output_tokens == 6
             s = done.stats.settings
             assert s is not None and s.n_ctx == need  # each sequence's, as the engine enforces
-            assert (s.n_threads, s.n_threads_batch) == (int(lib.llama_n_threads(ctx)),
-                                                        int(lib.llama_n_threads_batch(ctx)))  # fmt: skip
+            assert (s.n_threads, s.n_threads_batch) == (
+                int(lib.llama_n_threads(ctx)),
+                int(lib.llama_n_threads_batch(ctx)),
+            )
             assert s.params["n_seq_max"] == 3 and s.params["kv_unified"] is unified
             assert done.stats.load_s == loaded.load_s  # the weights and that one context
     finally:
@@ -65,8 +67,12 @@ def test_a_parallel_run_with_c_sizes_each_sequence_by_it(model_path: str) -> Non
         outcome, _ = serve_requests(runner, _requests(2), n_seq=2, n_ctx=96)
         assert runner.contexts_made == 1
         assert int(lib.llama_n_ctx_seq(runner.context.ptr)) >= 96
-        assert all(isinstance(d, Finished) and d.stats.settings is not None
-                   and d.stats.settings.n_ctx == 96 for d in outcome)  # fmt: skip
+        assert all(
+            isinstance(d, Finished)
+            and d.stats.settings is not None
+            and d.stats.settings.n_ctx == 96
+            for d in outcome
+        )
     finally:
         runner.close()
 
@@ -78,8 +84,9 @@ def test_the_engines_own_context_takes_the_runners_layout(runner: LlamaCppRunner
         with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64) as engine:
             assert engine.kv_unified is unified
             assert kv_unified_of(lib, engine.ctx.ptr) is unified
-        with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=128, n_batch=64,
-                           kv_unified=not unified) as engine:  # fmt: skip
+        with BatchedEngine(
+            runner, n_seq=2, n_ctx_per_seq=128, n_batch=64, kv_unified=not unified
+        ) as engine:
             assert engine.kv_unified is not unified  # an explicit choice wins
     runner.config = dataclasses.replace(runner.config, kv_unified=EngineConfig().kv_unified)
 
@@ -90,8 +97,23 @@ def test_run_parallel_hands_the_layout_to_llama_cpp(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hi"}\n{"prompt": "Count to five"}\n')
     for flag, unified in (([], False), (["-no-kvu"], False), (["-kvu"], True)):
-        result = cli.invoke(app, ["run", "--jsonl", str(prompts), "--parallel", "2", "-n", "3",
-                                  "--temp", "0", "--json", "--no-warmup", *flag])  # fmt: skip
+        result = cli.invoke(
+            app,
+            [
+                "run",
+                "--jsonl",
+                str(prompts),
+                "--parallel",
+                "2",
+                "-n",
+                "3",
+                "--temp",
+                "0",
+                "--json",
+                "--no-warmup",
+                *flag,
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         for row in map(json.loads, result.stdout.splitlines()):
             params = row["stats"]["settings"]["params"]
@@ -102,16 +124,25 @@ def test_kv_unified_refused_where_it_does_not_apply(cli: CliRunner) -> None:
     cases = [
         (["run", "hi", "-kvu"], 1, "-kvu/--kv-unified: the KV layout of several sequences"),
         (["run", "hi", "--no-kv-unified"], 1, "only with --parallel N"),
-        (["run", "hi", "--parallel", "2", "--kv-unified", "--endpoint", "http://127.0.0.1:9"],
-         1, "-kvu/--kv-unified: local-engine options"),
-        (["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--no-kv-unified"], 1,
-         "-kvu/--kv-unified: local-engine options"),
-        (["bench", "interference", "--endpoint", "http://127.0.0.1:9", "-kvu"], 1,
-         "-kvu/--kv-unified: local-engine options"),
+        (
+            ["run", "hi", "--parallel", "2", "--kv-unified", "--endpoint", "http://127.0.0.1:9"],
+            1,
+            "-kvu/--kv-unified: local-engine options",
+        ),
+        (
+            ["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--no-kv-unified"],
+            1,
+            "-kvu/--kv-unified: local-engine options",
+        ),
+        (
+            ["bench", "interference", "--endpoint", "http://127.0.0.1:9", "-kvu"],
+            1,
+            "-kvu/--kv-unified: local-engine options",
+        ),
         (["run", "hi", "--parallel", "2", "--kv-unified=0"], 2, "does not take a value"),
         (["serve", "--kv-unified=yes"], 2, "does not take a value"),
         (["bench", "serve", "--no-kv-unified=1"], 2, "does not take a value"),
-    ]  # fmt: skip
+    ]
     for args, code, says in cases:
         result = cli.invoke(app, args)
         assert result.exit_code == code, (args, result.output)
@@ -124,11 +155,21 @@ def test_kv_unified_refused_where_it_does_not_apply(cli: CliRunner) -> None:
 
 def test_a_serving_level_says_its_layout() -> None:
     def level(unified: bool | None) -> ServingLevel:
-        return ServingLevel(endpoint="local", model="m", concurrency=2, request_rate=float("inf"),
-                            num_prompts=1, input_len=8, output_len=4,
-                            metrics=metrics([], 1.0, percentiles=(50,), slo={}),
-                            policy="chunked:64", n_threads=1, n_threads_batch=1,
-                            background_cpus=0.0, kv_unified=unified)  # fmt: skip
+        return ServingLevel(
+            endpoint="local",
+            model="m",
+            concurrency=2,
+            request_rate=float("inf"),
+            num_prompts=1,
+            input_len=8,
+            output_len=4,
+            metrics=metrics([], 1.0, percentiles=(50,), slo={}),
+            policy="chunked:64",
+            n_threads=1,
+            n_threads_batch=1,
+            background_cpus=0.0,
+            kv_unified=unified,
+        )
 
     unified, per_seq, remote = level(True).record(), level(False).record(), level(None).record()
     assert unified["kv_unified"] is True and unified["endpoint"] == "local chunked:64"
@@ -139,10 +180,29 @@ def test_a_serving_level_says_its_layout() -> None:
 
 def test_bench_serve_records_the_layout_it_measured(cli: CliRunner, model_path: str) -> None:
     for flag, unified in (([], False), (["--kv-unified"], True)):
-        result = cli.invoke(app, ["bench", "serve", "--concurrency", "2", "--num-prompts", "2",
-                                  "--input-len", "8", "--output-len", "3", "--policy",
-                                  "chunked:32", "-t", "1", "-o", "jsonl", "--no-history",
-                                  *flag])  # fmt: skip
+        result = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--concurrency",
+                "2",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "3",
+                "--policy",
+                "chunked:32",
+                "-t",
+                "1",
+                "-o",
+                "jsonl",
+                "--no-history",
+                *flag,
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         [record] = [json.loads(line) for line in result.stdout.splitlines()]
         assert record["kv_unified"] is unified

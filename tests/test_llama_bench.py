@@ -30,8 +30,14 @@ SHAPES = ["-p", "8", "-n", "2"]  # repeated options add values, as in llama-benc
 
 
 def bench(*args: str, env: dict[str, str], shapes: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([which_llmrun(), *TINY, *(SHAPES if shapes else []), *args], env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [which_llmrun(), *TINY, *(SHAPES if shapes else []), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def records(*args: str, env: dict[str, str], shapes: bool = True) -> list[dict[str, Any]]:
@@ -87,10 +93,16 @@ def test_compare_llama_bench_reads_and_compares_two_runs(
         # The first run stands for an older llama.cpp build: the script compares builds.
         con.execute("UPDATE llama_bench SET build_commit = 'b1a2c3d'")
         con.executescript(runs[1])
-        commit = con.execute("SELECT DISTINCT build_commit FROM llama_bench"
-                             " WHERE build_commit != 'b1a2c3d'").fetchone()[0]  # fmt: skip
-    done = subprocess.run([sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c",
-                           commit], capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+        commit = con.execute(
+            "SELECT DISTINCT build_commit FROM llama_bench WHERE build_commit != 'b1a2c3d'"
+        ).fetchone()[0]
+    done = subprocess.run(
+        [sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c", commit],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if "llama 256M Q4_1" in ln]
     assert [ln.split("|")[3].strip() for ln in lines] == ["pp8", "tg2"], done.stdout
@@ -108,13 +120,16 @@ def test_markdown_is_llama_bench_table_with_its_footer(llmrun_env: dict[str, str
     assert lines[-1] == f"build: {dv.build_commit(dv.query().commit())} (0)"
 
 
-def test_several_models_run_the_same_tests(llmrun_env: dict[str, str], q8_model: str,
-                                           model_path: str) -> None:  # fmt: skip
+def test_several_models_run_the_same_tests(
+    llmrun_env: dict[str, str], q8_model: str, model_path: str
+) -> None:
     rows = records("-m", model_path, "-m", q8_model, env=llmrun_env)
     assert [(r["model_type"], r["test"]) for r in rows] == [
-        ("llama 256M Q4_1", "pp8"), ("llama 256M Q4_1", "tg2"),
-        ("llama 256M Q8_0", "pp8"), ("llama 256M Q8_0", "tg2"),
-    ]  # fmt: skip
+        ("llama 256M Q4_1", "pp8"),
+        ("llama 256M Q4_1", "tg2"),
+        ("llama 256M Q8_0", "pp8"),
+        ("llama 256M Q8_0", "tg2"),
+    ]
     assert [r["relative_ts"] for r in rows[:2]] == [1.0, 1.0]
     assert all(r["relative_ts"] > 0 for r in rows[2:])
     done = bench("-m", model_path, "-m", q8_model, "-o", "md", env=llmrun_env)
@@ -122,9 +137,27 @@ def test_several_models_run_the_same_tests(llmrun_env: dict[str, str], q8_model:
 
 
 def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None:
-    rows = records("-pg", "8,2", "-p", "0", "-n", "0", "-mmp", "0", "-nkvo", "1", "--repack",
-                   "0", "--delay", "0", "--no-warmup", "--numa", "distribute", env=llmrun_env,
-                   shapes=False)  # fmt: skip
+    rows = records(
+        "-pg",
+        "8,2",
+        "-p",
+        "0",
+        "-n",
+        "0",
+        "-mmp",
+        "0",
+        "-nkvo",
+        "1",
+        "--repack",
+        "0",
+        "--delay",
+        "0",
+        "--no-warmup",
+        "--numa",
+        "distribute",
+        env=llmrun_env,
+        shapes=False,
+    )
     assert [r["test"] for r in rows] == ["pp8+tg2"]
     r = rows[0]
     assert (r["load_mode"], r["no_kv_offload"], r["repack"]) == ("none", True, False)
@@ -132,11 +165,30 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
     assert done.returncode == 0
     assert done.stdout.startswith("build_commit,build_number,cpu_info,")
     assert '"build_commit":' in done.stderr and "llama_model_loader" in done.stderr  # -oe, -v
-    defaults = bench("-o", "json", "-embd", "0", "-nopo", "0", "--no-host", "0", "-lzm", "auto",
-                     "-fitt", "0", "--offline", env=llmrun_env)  # fmt: skip
+    defaults = bench(
+        "-o",
+        "json",
+        "-embd",
+        "0",
+        "-nopo",
+        "0",
+        "--no-host",
+        "0",
+        "-lzm",
+        "auto",
+        "-fitt",
+        "0",
+        "--offline",
+        env=llmrun_env,
+    )
     assert defaults.returncode == 0, defaults.stderr  # llama-bench's defaults: accepted
-    listing = subprocess.run([which_llmrun(), "bench", "--list-devices"], env=llmrun_env,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    listing = subprocess.run(
+        [which_llmrun(), "bench", "--list-devices"],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listing.returncode == 0 and "CPU: " in listing.stdout
 
 
@@ -181,18 +233,32 @@ def test_tuned_settings_are_named_and_never_cost_a_requested_value(
 
 
 def _sweep(**lists: Any) -> run.Sweep:
-    return run.Sweep(shapes=[sw.Shape(8, 0)], threads=None, batch=None, ubatch=None,
-                     gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
-                     reps=1, ctx=None, seed=1, scenarios=False, **lists)  # fmt: skip
+    return run.Sweep(
+        shapes=[sw.Shape(8, 0)],
+        threads=None,
+        batch=None,
+        ubatch=None,
+        gpu_layers=None,
+        flash_attn=None,
+        cache_type_k="f16",
+        cache_type_v="f16",
+        reps=1,
+        ctx=None,
+        seed=1,
+        scenarios=False,
+        **lists,
+    )
 
 
 def test_lazy_mode_host_embeddings_and_op_offload_sweep_in_llama_bench_order() -> None:
     base = EngineConfig().with_llama_bench_defaults()
-    combos = _sweep(lazy_mode="off,on", no_host="0,1", embeddings="1,0",
-                    no_op_offload="1").combos(base)  # fmt: skip
+    combos = _sweep(lazy_mode="off,on", no_host="0,1", embeddings="1,0", no_op_offload="1").combos(
+        base
+    )
     got = [(c.lazy_mode, c.no_host, c.embeddings, c.no_op_offload) for c in combos]
-    assert got == [(lz, nh, em, True) for lz in ("off", "on") for nh in (False, True)
-                   for em in (True, False)]  # fmt: skip
+    assert got == [
+        (lz, nh, em, True) for lz in ("off", "on") for nh in (False, True) for em in (True, False)
+    ]
     assert run.varied_fields(_sweep(), combos) >= {"lazy_mode", "no_host", "embeddings"}
     plain = _sweep().combos(base)
     assert [(c.lazy_mode, c.no_host, c.embeddings, c.no_op_offload) for c in plain] == [
@@ -212,8 +278,11 @@ def test_llama_bench_model_and_context_flags_run_and_are_recorded(
     test, as llama-bench runs them, recorded from the parameters handed to llama.cpp."""
     rows = records("-lzm", "on", "--no-host", "1", "-nopo", "1", "-embd", "0,1", env=llmrun_env)
     assert [(r["embeddings"], r["test"]) for r in rows] == [
-        (False, "pp8"), (False, "tg2"), (True, "pp8"), (True, "tg2"),
-    ]  # fmt: skip
+        (False, "pp8"),
+        (False, "tg2"),
+        (True, "pp8"),
+        (True, "tg2"),
+    ]
     for r in rows:
         assert (r["lazy_mode"], r["no_host"], r["no_op_offload"]) == ("on", True, 1)
         assert r["avg_ts"] > 0
@@ -231,11 +300,13 @@ def test_with_embeddings_on_the_logits_still_come_out(runner: LlamaCppRunner) ->
     plain = generate(runner, request)
     config = runner.config
     try:
-        loaded = runner.reconfigure(EngineConfig(n_ctx=config.n_ctx, flash_attn="off",
-                                                 embeddings=True, no_op_offload=True))  # fmt: skip
+        loaded = runner.reconfigure(
+            EngineConfig(n_ctx=config.n_ctx, flash_attn="off", embeddings=True, no_op_offload=True)
+        )
         assert (loaded.settings.params["embeddings"], loaded.settings.params["no_op_offload"]) == (
-            True, 1,
-        )  # fmt: skip
+            True,
+            1,
+        )
         runner.reset()
         with_embd = generate(runner, request)
     finally:

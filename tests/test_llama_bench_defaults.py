@@ -38,9 +38,15 @@ def _llama_bench_default(field: str) -> str:
 
 
 def _bench(*args: str, env: dict[str, str], cwd: Path | None = None) -> Any:
-    return subprocess.run([which_llmrun(), "bench", "--no-history", *args], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=HANG_S,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [which_llmrun(), "bench", "--no-history", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_no_flags_run_and_record_llama_bench_defaults(
@@ -57,11 +63,16 @@ def test_no_flags_run_and_record_llama_bench_defaults(
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     assert (row["n_batch"], row["n_ubatch"], row["n_gpu_layers"], row["flash_attn"]) == (
-        2048, 512, -1, -1)  # fmt: skip
+        2048,
+        512,
+        -1,
+        -1,
+    )
     assert row["n_ctx"] < 2048  # the context the test needs, as llama-bench's: the batch capped
     assert "llama-bench's defaults" in " ".join(done.stderr.split()) and not row["tuned"]
-    own = _bench("-m", model_path, "-p", "8", "-n", "0", "-r", "1", "-o", "json", "--tuned",
-                 env=llmrun_env)  # fmt: skip
+    own = _bench(
+        "-m", model_path, "-p", "8", "-n", "0", "-r", "1", "-o", "json", "--tuned", env=llmrun_env
+    )
     assert own.returncode == 0, own.stderr
     (row,) = json.loads(own.stdout)
     assert (row["n_batch"], row["n_ubatch"], row["n_gpu_layers"]) == (512, 512, 0)  # CPU build
@@ -86,9 +97,15 @@ def test_a_llama_bench_run_and_an_llmrun_run_of_one_command_line_pair(
     every key field agrees test by test, and compare-llama-bench.py compares the two builds."""
     folder, name = Path(model_path).parent, Path(model_path).name  # -m as given: a bare name
     line = ["-m", name, "-p", "16", "-n", "4", "-r", "1", "-o", "sql"]
-    theirs = subprocess.run([str(llama_bench_path), *line], env=llmrun_env, cwd=folder,
-                            capture_output=True, text=True, timeout=HANG_S,
-                            stdin=subprocess.DEVNULL)  # fmt: skip
+    theirs = subprocess.run(
+        [str(llama_bench_path), *line],
+        env=llmrun_env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
     assert theirs.returncode == 0, theirs.stderr
     ours = _bench(*line, env=llmrun_env, cwd=folder)
     assert ours.returncode == 0, ours.stderr
@@ -107,8 +124,13 @@ def test_a_llama_bench_run_and_an_llmrun_run_of_one_command_line_pair(
         by_tool[commit == "b1a2c3d"].append(tuple(fields))
     assert len(by_tool[True]) == 2 and sorted(by_tool[True]) == sorted(by_tool[False]), keys
     commit = next(r[0] for r in rows if r[0] != "b1a2c3d")
-    done = subprocess.run([sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c",
-                           commit], capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c", commit],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "No comparable data" not in done.stdout + done.stderr
     tests = [ln.split("|")[3].strip() for ln in done.stdout.splitlines() if "Q4_1" in ln]
@@ -139,8 +161,9 @@ def test_zero_repetitions_record_rows_of_nothing_as_llama_bench(
     from .test_bench import parse
 
     _fake(monkeypatch, tmp_path)
-    done = CliRunner().invoke(app, ["bench", "-r", "0", "-p", "8", "-n", "2", "-pg", "8,2",
-                                    "-o", fmt])  # fmt: skip
+    done = CliRunner().invoke(
+        app, ["bench", "-r", "0", "-p", "8", "-n", "2", "-pg", "8,2", "-o", fmt]
+    )
     assert done.exit_code == 0, done.stderr
     if fmt in ("json", "jsonl", "csv", "sql"):
         rows = parse(fmt, done.stdout)
@@ -192,14 +215,32 @@ def test_fit_target_and_ctx_are_recorded_as_given_and_said_to_be_recorded_only(
     from typer.testing import CliRunner
 
     _fake(monkeypatch, tmp_path)
-    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
-                                    "-fitt", "512", "-fitc", "4096,8192", "-o", "json"])  # fmt: skip
+    done = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "--no-history",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-fitt",
+            "512",
+            "-fitc",
+            "4096,8192",
+            "-o",
+            "json",
+        ],
+    )
     assert done.exit_code == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [(r["fit_target"], r["fit_min_ctx"]) for r in rows] == [(512, 4096), (512, 8192)]
     assert "-fitt/-fitc are recorded as given, not applied" in " ".join(done.stderr.split())
     plain = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0"])
     assert "-fitt/-fitc" not in plain.stderr
-    bad = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
-                                   "-fitc", "lots"])  # fmt: skip
+    bad = CliRunner().invoke(
+        app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0", "-fitc", "lots"]
+    )
     assert bad.exit_code == 1 and "-fitc/--fit-ctx: 'lots' is not a number" in bad.stderr

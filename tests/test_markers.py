@@ -54,10 +54,26 @@ def test_the_guard_fails_unmarked_processes_and_model_loads(
     scratch = tmp_path / "test_scratch.py"
     scratch.write_text(SCRATCH)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.guard", "-p", "no:cacheprovider", "-q",
-         "-rA", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(scratch)],
-        cwd=ROOT, env=llmrun_env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.guard",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "-W",
+            "ignore::pytest.PytestUnknownMarkWarning",
+            str(scratch),
+        ],
+        cwd=ROOT,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     outcomes: dict[str, set[str]] = {"PASSED": set(), "FAILED": set(), "ERROR": set()}

@@ -85,10 +85,32 @@ def test_bench_compares_quantizations_by_speed_memory_and_perplexity(
     llmrun_env: dict[str, str], model_path: str, q8_model: str
 ) -> None:
     done = subprocess.run(
-        [which_llmrun(), "bench", "-m", model_path, "-m", q8_model, "-p", "16", "-n", "4",
-         "-r", "1", "--no-history", "--ppl", str(TEXT), "-c", "256", "-o", "json"],
-        env=llmrun_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "-m",
+            model_path,
+            "-m",
+            q8_model,
+            "-p",
+            "16",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "--no-history",
+            "--ppl",
+            str(TEXT),
+            "-c",
+            "256",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     q41 = [r for r in rows if r["model_type"].endswith("Q4_1")]
@@ -159,10 +181,27 @@ def test_cold_loads_read_the_file_from_disk(
     rows = {}
     for flag in ("", "--cold"):
         done = subprocess.run(
-            [which_llmrun(), "bench", "-m", str(copy), "-p", "8", "-n", "0", "-r", "1",
-             "--no-history", "-o", "json", *([flag] if flag else [])],
-            env=llmrun_env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                which_llmrun(),
+                "bench",
+                "-m",
+                str(copy),
+                "-p",
+                "8",
+                "-n",
+                "0",
+                "-r",
+                "1",
+                "--no-history",
+                "-o",
+                "json",
+                *([flag] if flag else []),
+            ],
+            env=llmrun_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         rows[flag] = json.loads(done.stdout)[0]
     assert rows[""]["file_resident_before"] > 0.9  # just written: in the page cache
@@ -173,10 +212,26 @@ def test_cold_loads_read_the_file_from_disk(
 
 def test_a_context_sweep_shows_the_kv_cache_growing(llmrun_env: dict[str, str]) -> None:
     done = subprocess.run(
-        [which_llmrun(), "bench", "-p", "0", "-n", "4", "-r", "1", "-c", "256,1024",
-         "--no-history", "-o", "json"],
-        env=llmrun_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "-p",
+            "0",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "-c",
+            "256,1024",
+            "--no-history",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     small, large = json.loads(done.stdout)
     assert (small["n_ctx"], large["n_ctx"]) == (256, 1024)

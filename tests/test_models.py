@@ -33,8 +33,13 @@ def test_reference_kinds(tmp_path: Path) -> None:
 
 
 def test_choose_gguf() -> None:
-    files = ["README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "big-Q8_0-00001-of-00002.gguf",
-             "big-Q8_0-00002-of-00002.gguf"]  # fmt: skip
+    files = [
+        "README.md",
+        "m-Q4_K_M.gguf",
+        "m-Q8_0.gguf",
+        "big-Q8_0-00001-of-00002.gguf",
+        "big-Q8_0-00002-of-00002.gguf",
+    ]
     assert choose_gguf("o/r", files, None) == ["m-Q4_K_M.gguf"]  # preferred when unnamed
     with pytest.raises(AmbiguousModelError) as e:
         choose_gguf("o/r", files, "Q8_0")
@@ -65,8 +70,11 @@ def hub_env(llmrun_env: dict[str, str], tmp_path: Path, model_path: str) -> dict
     readme = tmp_path / "README.md"
     readme.write_text("# tiny\n")
     model = Path(model_path)
-    add_repo(hub, "acme/tiny-GGUF", {"tiny-Q4_1.gguf": model, "tiny-Q8_0.gguf": model,
-                                     "README.md": readme})  # fmt: skip
+    add_repo(
+        hub,
+        "acme/tiny-GGUF",
+        {"tiny-Q4_1.gguf": model, "tiny-Q8_0.gguf": model, "README.md": readme},
+    )
     add_repo(hub, "acme/two-GGUF", {"a-Q4_K_M.gguf": model, "b/b-Q4_K_M.gguf": model})
     return llmrun_env
 
@@ -75,9 +83,13 @@ def llmrun(
     env: dict[str, str], *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [which_llmrun(), *args], env=env, capture_output=True, text=True, timeout=timeout,
+        [which_llmrun(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
 
 
 def test_pull_resolves_quant_from_cache(hub_env: dict[str, str]) -> None:
@@ -91,11 +103,23 @@ def test_pull_resolves_quant_from_cache(hub_env: dict[str, str]) -> None:
 
 def test_hub_errors_are_one_line(hub_env: dict[str, str]) -> None:
     cases = {
-        ("pull", "acme/tiny-GGUF:Q2_K"): "acme/tiny-GGUF has no Q2_K file; it has: tiny-Q4_1.gguf, tiny-Q8_0.gguf",
-        ("pull", "acme/two-GGUF"): "acme/two-GGUF matches several files: acme/two-GGUF/a-Q4_K_M.gguf, acme/two-GGUF/b/b-Q4_K_M.gguf",
-        ("pull", "nobody/missing"): "nobody/missing is not in the local Hugging Face cache (offline mode is on)",
-        ("pull", "acme/tiny-GGUF/nope.gguf"): "acme/tiny-GGUF/nope.gguf is not in the local cache and offline mode is on",
-    }  # fmt: skip
+        (
+            "pull",
+            "acme/tiny-GGUF:Q2_K",
+        ): "acme/tiny-GGUF has no Q2_K file; it has: tiny-Q4_1.gguf, tiny-Q8_0.gguf",
+        (
+            "pull",
+            "acme/two-GGUF",
+        ): "acme/two-GGUF matches several files: acme/two-GGUF/a-Q4_K_M.gguf, acme/two-GGUF/b/b-Q4_K_M.gguf",
+        (
+            "pull",
+            "nobody/missing",
+        ): "nobody/missing is not in the local Hugging Face cache (offline mode is on)",
+        (
+            "pull",
+            "acme/tiny-GGUF/nope.gguf",
+        ): "acme/tiny-GGUF/nope.gguf is not in the local cache and offline mode is on",
+    }
     for args, expected in cases.items():
         result = llmrun(hub_env, *args)
         assert result.returncode == 1, args
@@ -112,8 +136,12 @@ def test_run_with_a_hub_model_and_models_listing(hub_env: dict[str, str]) -> Non
     listing = llmrun(hub_env, "models")
     assert listing.returncode == 0, listing.stderr
     out = listing.stdout
-    for ref in ("(default)", "acme/tiny-GGUF/tiny-Q4_1.gguf", "acme/tiny-GGUF/tiny-Q8_0.gguf",
-                "acme/two-GGUF/b/b-Q4_K_M.gguf"):  # fmt: skip
+    for ref in (
+        "(default)",
+        "acme/tiny-GGUF/tiny-Q4_1.gguf",
+        "acme/tiny-GGUF/tiny-Q8_0.gguf",
+        "acme/two-GGUF/b/b-Q4_K_M.gguf",
+    ):
         assert ref in out
     assert "135M" in out and "Q4_1" in out
     assert "README" not in out

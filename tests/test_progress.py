@@ -79,8 +79,9 @@ def test_rep_clock_estimates_each_kind_of_test_at_the_recent_pace() -> None:
 
 @pytest.mark.parametrize("width", [40, 60, 80, 120])
 def test_the_line_keeps_every_figure_and_cuts_only_the_label(width: int) -> None:
-    shown = Shown("tg128 rep 2/5 t=2 b=512 ub=512 fa=off ctk=q8_0 ctv=q8_0", 37, 120, "runs",
-                  754.0, 3725.0)  # fmt: skip
+    shown = Shown(
+        "tg128 rep 2/5 t=2 b=512 ub=512 fa=off ctk=q8_0 ctv=q8_0", 37, 120, "runs", 754.0, 3725.0
+    )
     text = progress_text(shown, width).plain
     assert len(text) <= width and "\n" not in text
     assert "37/120" in text and "12:34" in text and "ETA 1:02:05" in text
@@ -107,8 +108,13 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     fake = FakeBenchRunner()
     combos = [Combo(1, 64, 64, None, "off"), Combo(2, 64, 64, None, "off")]
     shapes = [Shape(16, 0), Shape(0, 64)]
-    run = measure.run_bench(fake, combos=combos, shapes=shapes, reps=2,  # type: ignore[arg-type]
-                            base=EngineConfig())  # fmt: skip
+    run = measure.run_bench(
+        fake,
+        combos=combos,
+        shapes=shapes,
+        reps=2,  # type: ignore[arg-type]
+        base=EngineConfig(),
+    )
     events = [e for e in run if isinstance(e, measure.Progress)]
     total = 2 * 2 * 3
     assert {e.total for e in events} == {total}
@@ -121,8 +127,13 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     started = [e for e in events if e.moment == "started"]
     assert [e.done for e in started] == list(range(total))
     assert [e.label.split(" t=")[0] for e in started[:6]] == [
-        "pp16 warm-up", "pp16 rep 1/2", "pp16 rep 2/2", "tg64 warm-up", "tg64 rep 1/2",
-        "tg64 rep 2/2"]  # fmt: skip
+        "pp16 warm-up",
+        "pp16 rep 1/2",
+        "pp16 rep 2/2",
+        "tg64 warm-up",
+        "tg64 rep 1/2",
+        "tg64 rep 2/2",
+    ]
     for e in started:  # what is left after each repetition, by kind
         assert sum(n for _, n in e.left) == total - e.done - 1
     assert [e.done for e in events if e.moment == "ended"] == list(range(1, total + 1))
@@ -158,13 +169,19 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
 def test_bench_progress_lines_name_the_test(
     cli: CliRunner, home: Path, fake_bench: FakeBenchRunner
 ) -> None:
-    result = cli.invoke(app, ["bench", "-p", "8", "-n", "4", "-r", "2", "--progress",
-                              "--no-history", "-o", "json"])  # fmt: skip
+    result = cli.invoke(
+        app, ["bench", "-p", "8", "-n", "4", "-r", "2", "--progress", "--no-history", "-o", "json"]
+    )
     assert result.exit_code == 0, result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert [ln.split(" t=")[0] for ln in lines] == [
-        "llmrun: 1/6 pp8 warm-up", "llmrun: 2/6 pp8 rep 1/2", "llmrun: 3/6 pp8 rep 2/2",
-        "llmrun: 4/6 tg4 warm-up", "llmrun: 5/6 tg4 rep 1/2", "llmrun: 6/6 tg4 rep 2/2"]  # fmt: skip
+        "llmrun: 1/6 pp8 warm-up",
+        "llmrun: 2/6 pp8 rep 1/2",
+        "llmrun: 3/6 pp8 rep 2/2",
+        "llmrun: 4/6 tg4 warm-up",
+        "llmrun: 5/6 tg4 rep 1/2",
+        "llmrun: 6/6 tg4 rep 2/2",
+    ]
     assert "bench 0/1" not in result.stderr
 
 
@@ -176,8 +193,27 @@ def test_budget_spellings(text: str, seconds: float) -> None:
     assert tuning.parse_budget(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "0s", "-5m", "5 m", " 5m", "5mm", "1w", "m",
-                                  "inf", "nan", "1e3", "8d", "200h", "5m1h"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "abc",
+        "0",
+        "0s",
+        "-5m",
+        "5 m",
+        " 5m",
+        "5mm",
+        "1w",
+        "m",
+        "inf",
+        "nan",
+        "1e3",
+        "8d",
+        "200h",
+        "5m1h",
+    ],
+)
 def test_a_bad_budget_is_a_usage_error(text: str, cli: CliRunner, home: Path) -> None:
     with pytest.raises(BadRequestError):
         tuning.parse_budget(text)
@@ -230,15 +266,23 @@ def test_stopping_tune_saves_the_best_measured_so_far(
     then are saved, and the exit code says which signal it was."""
     home = tmp_path / "home"
     env = dict(llmrun_env, LLMRUN_HOME=str(home))
-    code = ("import sys\n"
-            "from llmrun.runners.bench import sweep, tuning\n"
-            "tuning.SHAPES = (sweep.Shape(16, 0), sweep.Shape(0, 8, 16))\n"
-            "tuning.REPS = 2\n"
-            "from llmrun.cli.main import main\n"
-            "sys.argv = ['llmrun', 'tune']\n"
-            "main()\n")  # fmt: skip
-    child = pexpect.spawn(sys.executable, ["-c", code], env=env, encoding="utf-8",
-                          timeout=HANG_S, dimensions=(40, 120))  # fmt: skip
+    code = (
+        "import sys\n"
+        "from llmrun.runners.bench import sweep, tuning\n"
+        "tuning.SHAPES = (sweep.Shape(16, 0), sweep.Shape(0, 8, 16))\n"
+        "tuning.REPS = 2\n"
+        "from llmrun.cli.main import main\n"
+        "sys.argv = ['llmrun', 'tune']\n"
+        "main()\n"
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", code],
+        env=env,
+        encoding="utf-8",
+        timeout=HANG_S,
+        dimensions=(40, 120),
+    )
     child.expect(r"tuning repacking \(chat\)")  # two stages done: two settings or more measured
     child.kill(stop)
     child.expect(pexpect.EOF)
@@ -253,29 +297,49 @@ def test_stopping_tune_saves_the_best_measured_so_far(
 
 
 def test_local_serving_counts_each_level_to_its_end(runner: LlamaCppRunner) -> None:
-    options = ServeOptions(concurrency=(1, 2), request_rate=float("inf"), num_prompts=3,
-                           input_len=8, output_len=4, range_ratio=0.0, warmup=1,
-                           percentiles=(50.0,), seed=1,
-                           policies=(Policy.parse("chunked:32"),))  # fmt: skip
+    options = ServeOptions(
+        concurrency=(1, 2),
+        request_rate=float("inf"),
+        num_prompts=3,
+        input_len=8,
+        output_len=4,
+        range_ratio=0.0,
+        warmup=1,
+        percentiles=(50.0,),
+        seed=1,
+        policies=(Policy.parse("chunked:32"),),
+    )
     stages: list[Stage] = []
     for event in serve_local(runner, options, cancel=threading.Event()):
         if isinstance(event, Stage):
             stages.append(event)
-    assert [s.text for s in stages] == ["chunked:32 c=1 warm-up", "chunked:32 c=1",
-                                        "chunked:32 c=2 warm-up", "chunked:32 c=2"]  # fmt: skip
+    assert [s.text for s in stages] == [
+        "chunked:32 c=1 warm-up",
+        "chunked:32 c=1",
+        "chunked:32 c=2 warm-up",
+        "chunked:32 c=2",
+    ]
     for s in stages:
         assert s.tally is not None and s.tally.done == s.tally.total
         assert s.tally.work == s.tally.work_total and s.tally.eta_s() == 0.0
     assert [s.tally.total for s in stages if s.tally] == [1, 3, 1, 3]
 
 
-def test_local_interference_counts_the_stream_and_the_long_prompts(
-    runner: LlamaCppRunner,
-) -> None:
-    options = InterferenceOptions(rate=20.0, prompt_len=16, output_len=6, seed=1, input_len=8,
-                                  num_prompts=2, policies=(Policy.parse("chunked:8"),))  # fmt: skip
-    stages = [e for e in interfere_local(runner, options, cancel=threading.Event())
-              if isinstance(e, Stage)]  # fmt: skip
+def test_local_interference_counts_the_stream_and_the_long_prompts(runner: LlamaCppRunner) -> None:
+    options = InterferenceOptions(
+        rate=20.0,
+        prompt_len=16,
+        output_len=6,
+        seed=1,
+        input_len=8,
+        num_prompts=2,
+        policies=(Policy.parse("chunked:8"),),
+    )
+    stages = [
+        e
+        for e in interfere_local(runner, options, cancel=threading.Event())
+        if isinstance(e, Stage)
+    ]
     assert [s.tally.total for s in stages if s.tally] == [1, 3]
     for s in stages:
         assert s.tally is not None and s.tally.done == s.tally.total
@@ -286,15 +350,35 @@ def test_serving_against_a_server_counts_prompts_and_requests(cli: CliRunner, ho
     from .stub_server import stub_server
 
     with stub_server() as url:
-        result = cli.invoke(app, ["bench", "serve", "--endpoint", url, "-m", "stub",
-                                  "--concurrency", "1,2", "--num-prompts", "3", "--warmup", "1",
-                                  "-o", "json", "--no-history"])  # fmt: skip
+        result = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--endpoint",
+                url,
+                "-m",
+                "stub",
+                "--concurrency",
+                "1,2",
+                "--num-prompts",
+                "3",
+                "--warmup",
+                "1",
+                "-o",
+                "json",
+                "--no-history",
+            ],
+        )
     assert result.exit_code == 0, result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert lines == [
         "llmrun: preparing prompts (counting tokens with the server's tokenizer): 4 prompts",
-        "llmrun: c=1 warm-up: 1 requests", "llmrun: c=1 rate=inf: 3 requests",
-        "llmrun: c=2 warm-up: 1 requests", "llmrun: c=2 rate=inf: 3 requests"]  # fmt: skip
+        "llmrun: c=1 warm-up: 1 requests",
+        "llmrun: c=1 rate=inf: 3 requests",
+        "llmrun: c=2 warm-up: 1 requests",
+        "llmrun: c=2 rate=inf: 3 requests",
+    ]
 
 
 def on_a_terminal(args: list[str], env: dict[str, str], columns: int) -> tuple[int, str, list[str]]:
@@ -322,8 +406,9 @@ def test_bench_on_a_terminal_shows_the_test_and_an_estimate_then_nothing_of_it(
     llmrun_env: dict[str, str], columns: int
 ) -> None:
     env = {**llmrun_env, "TERM": "xterm-256color"}
-    code, written, lines = on_a_terminal(["bench", "-p", "16", "-n", "48", "-r", "2",
-                                          "--no-history"], env, columns)  # fmt: skip
+    code, written, lines = on_a_terminal(
+        ["bench", "-p", "16", "-n", "48", "-r", "2", "--no-history"], env, columns
+    )
     assert code == 0, written[-2000:]
     # the test under way and an estimate (at 40 columns the unit makes room for the label)
     assert re.search(r"tg48 rep 2/2[^\n]*?5/6(?: runs)? · \d+:\d\d · ETA \d+:\d\d", written)
@@ -333,12 +418,23 @@ def test_bench_on_a_terminal_shows_the_test_and_an_estimate_then_nothing_of_it(
     assert "tg48" in text  # the results table
 
 
-def test_serving_on_a_terminal_shows_requests_and_leaves_no_row(
-    llmrun_env: dict[str, str],
-) -> None:
+def test_serving_on_a_terminal_shows_requests_and_leaves_no_row(llmrun_env: dict[str, str]) -> None:
     env = {**llmrun_env, "TERM": "xterm-256color"}
-    args = ["bench", "serve", "--concurrency", "2", "--num-prompts", "4", "--input-len", "8",
-            "--output-len", "24", "--policy", "chunked:32", "--no-history"]  # fmt: skip
+    args = [
+        "bench",
+        "serve",
+        "--concurrency",
+        "2",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "24",
+        "--policy",
+        "chunked:32",
+        "--no-history",
+    ]
     code, written, lines = on_a_terminal(args, env, 80)
     assert code == 0, written[-2000:]
     assert re.search(r"chunked:32 c=2\s+\d/4 requests · \d+:\d\d · ETA \d+:\d\d", written)
@@ -351,8 +447,24 @@ def test_bench_progress_lines_carry_no_escape_from_the_settings(
 ) -> None:
     """A run's label names its settings (an -ot pattern is text from outside): the plain
     --progress lines sanitize it as the live line does."""
-    result = cli.invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "--progress",
-                              "--no-history", "-o", "json", "-ot", "\x1b]0;pwned\x07blk=CPU,x=CPU"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--progress",
+            "--no-history",
+            "-o",
+            "json",
+            "-ot",
+            "\x1b]0;pwned\x07blk=CPU,x=CPU",
+        ],
+    )
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert lines, result.stderr
     assert not any("\x1b" in ln or "\x07" in ln for ln in lines), lines
@@ -366,8 +478,9 @@ def test_rows_on_a_terminal_stdout_start_their_own_lines_under_the_progress_line
     than a row (560-670 characters): at 100 columns a row wrapped into screen lines whose
     first characters depend on the figures' lengths, and the check read a row's middle."""
     env = {**llmrun_env, "TERM": "xterm-256color"}
-    code, written, lines = on_a_terminal(["bench", "-p", "16", "-n", "16", "-r", "2", "-o", "csv",
-                                          "--no-history"], env, 1200)  # fmt: skip
+    code, written, lines = on_a_terminal(
+        ["bench", "-p", "16", "-n", "16", "-r", "2", "-o", "csv", "--no-history"], env, 1200
+    )
     assert code == 0, written[-2000:]
     rows = [ln for ln in lines if ",pp16," in ln or ",tg16," in ln or '"pp16"' in ln]
     assert len(rows) == 2, "\n".join(lines)

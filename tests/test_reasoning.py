@@ -21,8 +21,16 @@ from .stub_server import stub_server
 
 # recorded token streams: a tag split over tokens, gpt-oss's channels, a template-opened block
 QWEN = ["<", "think", ">\n", "The", " user", " asks", ".", "\n</", "think", ">\n\n", "Hi", "!"]
-GPT_OSS = ["<|channel|>analysis<|message|>", "User", " greets", ".", "<|end|>",
-           "<|start|>assistant<|channel|>final<|message|>", "Hello", "."]  # fmt: skip
+GPT_OSS = [
+    "<|channel|>analysis<|message|>",
+    "User",
+    " greets",
+    ".",
+    "<|end|>",
+    "<|start|>assistant<|channel|>final<|message|>",
+    "Hello",
+    ".",
+]
 OPENED = ["Let", " me", " see", ".", "</think>", "\n", "Yes", "."]
 
 
@@ -32,8 +40,12 @@ def tagged(pieces: list[str], *, thinking: bool = False) -> tuple[int, int | Non
         tagger.tag(piece)
     splitter = ReasoningSplitter(thinking=thinking)
     parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
-    return (tagger.thinking_tokens, tagger.first_answer, "".join(p.thinking for p in parts),
-            "".join(p.answer for p in parts))  # fmt: skip
+    return (
+        tagger.thinking_tokens,
+        tagger.first_answer,
+        "".join(p.thinking for p in parts),
+        "".join(p.answer for p in parts),
+    )
 
 
 def test_the_parser_splits_recorded_streams() -> None:
@@ -63,10 +75,24 @@ def test_the_cli_hides_thinking_and_reports_time_to_first_answer(
 ) -> None:
     with stub_server() as url:
         done = subprocess.run(
-            [which_llmrun(), "run", "--endpoint", url, "-m", "thinker", "--hide-thinking",
-             "--no-think", "--stats", "json", "Why?"],
-            env=llmrun_env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                which_llmrun(),
+                "run",
+                "--endpoint",
+                url,
+                "-m",
+                "thinker",
+                "--hide-thinking",
+                "--no-think",
+                "--stats",
+                "json",
+                "Why?",
+            ],
+            env=llmrun_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("It is 42") and "think" not in done.stdout.split("{")[0]
     assert '{"enable_thinking": false}' in done.stdout
@@ -83,10 +109,25 @@ def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parse
         "<|im_start|>assistant\n<think>\n"
     )
     done = subprocess.run(
-        [which_llmrun(), "run", "--chat-template-file", str(template), "-n", "12", "--temp", "0",
-         "--no-dashboard", "--stats", "json", "Count to five."],
-        env=llmrun_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "run",
+            "--chat-template-file",
+            str(template),
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--no-dashboard",
+            "--stats",
+            "json",
+            "Count to five.",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stderr.strip().splitlines()[-1])
     # The embedded model never closes the block the template opened: all of it is thinking.
@@ -107,8 +148,10 @@ class _Thinker:
         yield Finished(stats=None, text="yes")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("no_color", "hide", "expected"), [
-    (False, False, "\x1b[2mhmm\x1b[22myes"), (True, False, "hmmyes"), (False, True, "yes")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("no_color", "hide", "expected"),
+    [(False, False, "\x1b[2mhmm\x1b[22myes"), (True, False, "hmmyes"), (False, True, "yes")],
+)
 def test_thinking_is_dimmed_on_a_terminal_or_hidden(
     monkeypatch: pytest.MonkeyPatch, no_color: bool, hide: bool, expected: str
 ) -> None:
@@ -117,8 +160,14 @@ def test_thinking_is_dimmed_on_a_terminal_or_hidden(
     else:
         monkeypatch.delenv("NO_COLOR", raising=False)
     tty = _Tty()
-    drive(_Thinker(), Request(prompt="x"), out=TextOut(tty), view=None,  # type: ignore[arg-type]
-          cancel=threading.Event(), hide_thinking=hide)  # fmt: skip
+    drive(
+        _Thinker(),
+        Request(prompt="x"),
+        out=TextOut(tty),
+        view=None,  # type: ignore[arg-type]
+        cancel=threading.Event(),
+        hide_thinking=hide,
+    )
     assert tty.getvalue() == expected
 
 
@@ -129,8 +178,12 @@ def test_a_pipe_gets_the_answer_alone_and_the_thinking_on_stderr_or_delimited(
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [which_llmrun(), "run", "--endpoint", url, "-m", model, "-q", *extra, "Why?"],
-            env=llmrun_env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=llmrun_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
 
     with stub_server() as url:
         plain, kept = run(), run("--thinking-stdout")

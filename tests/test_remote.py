@@ -40,8 +40,10 @@ def one_line_error(stderr: str) -> str:
 def test_run_measures_a_real_server_from_the_stream(
     cli: CliRunner, home: Path, server: str
 ) -> None:
-    result = cli.invoke(app, ["run", "Name a color.", "--endpoint", server, "-n", "8",
-                              "--temp", "0", "--stats", "json"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        ["run", "Name a color.", "--endpoint", server, "-n", "8", "--temp", "0", "--stats", "json"],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip()
     stats = json.loads(result.stderr.strip().splitlines()[-1])
@@ -51,8 +53,11 @@ def test_run_measures_a_real_server_from_the_stream(
 
 
 def test_piped_chat_against_a_real_server(cli: CliRunner, home: Path, server: str) -> None:
-    result = cli.invoke(app, ["chat", "--endpoint", server, "-n", "6", "--temp", "0"],
-                        input="Hello there.\nWhat did I say?\n")  # fmt: skip
+    result = cli.invoke(
+        app,
+        ["chat", "--endpoint", server, "-n", "6", "--temp", "0"],
+        input="Hello there.\nWhat did I say?\n",
+    )
     assert result.exit_code == 0, result.stderr
     assert len(result.stdout.strip().splitlines()) >= 2
 
@@ -60,9 +65,27 @@ def test_piped_chat_against_a_real_server(cli: CliRunner, home: Path, server: st
 def test_serving_benchmark_and_interference_against_a_real_server(
     cli: CliRunner, home: Path, server: str
 ) -> None:
-    result = cli.invoke(app, ["bench", "serve", "--endpoint", server, "--concurrency", "1,2",
-                              "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
-                              "--slo", "ttft:60000,tpot:60000", "-o", "json"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "serve",
+            "--endpoint",
+            server,
+            "--concurrency",
+            "1,2",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--slo",
+            "ttft:60000,tpot:60000",
+            "-o",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     serve = json.loads(result.stdout)
     assert [r["concurrency"] for r in serve] == [1, 2]
@@ -74,9 +97,25 @@ def test_serving_benchmark_and_interference_against_a_real_server(
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0
         assert r["goodput"] == r["request_throughput"]  # generous SLOs: every request counts
         assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
-    result = cli.invoke(app, ["bench", "interference", "--endpoint", server, "--input-len", "16",
-                              "--output-len", "4", "--prompt-len", "32", "--rate", "4",
-                              "-o", "json"])  # fmt: skip
+    result = cli.invoke(
+        app,
+        [
+            "bench",
+            "interference",
+            "--endpoint",
+            server,
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--prompt-len",
+            "32",
+            "--rate",
+            "4",
+            "-o",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     (inter,) = json.loads(result.stdout)
     assert inter["test"] == "interference pp32 r4"
@@ -91,10 +130,11 @@ def test_server_killed_mid_stream_keeps_the_text(
 ) -> None:
     with llama_server(model_path) as (url, proc):
         out = tmp_path / "out.txt"
-        cmd = (f"{which_llmrun()} run 'Write a long story about the sea.' --endpoint {url}"
-               f" -n 1500 --temp 0 --no-dashboard > {out}")  # fmt: skip
-        child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8",
-                              timeout=HANG_S)  # fmt: skip
+        cmd = (
+            f"{which_llmrun()} run 'Write a long story about the sea.' --endpoint {url}"
+            f" -n 1500 --temp 0 --no-dashboard > {out}"
+        )
+        child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S)
         deadline = time.monotonic() + HANG_S
         while len(out.read_text() if out.exists() else "") < 40:  # wait for the text
             assert child.isalive() and time.monotonic() < deadline, "the server produced no text"
@@ -168,8 +208,11 @@ def test_http_errors_and_timeouts_are_one_line(
 def test_api_key_is_sent_and_never_printed(cli: CliRunner, home: Path) -> None:
     with stub_server(api_key="right-key") as url:
         wrong = cli.invoke(app, ["run", "hi", "--endpoint", url, "--api-key", "wrong-key-123"])
-        right = cli.invoke(app, ["run", "hi", "--endpoint", url, "--stats", "json"],
-                           env={"LLMRUN_API_KEY": "right-key"})  # fmt: skip
+        right = cli.invoke(
+            app,
+            ["run", "hi", "--endpoint", url, "--stats", "json"],
+            env={"LLMRUN_API_KEY": "right-key"},
+        )
     assert wrong.exit_code == 1
     assert "HTTP 401 from /v1/models: Invalid API key" in one_line_error(wrong.stderr)
     assert "wrong-key-123" not in wrong.stderr + wrong.stdout
@@ -197,8 +240,25 @@ def test_broken_streams_keep_the_text_and_are_marked(
 
 def test_serving_benchmark_counts_failed_requests(cli: CliRunner, home: Path) -> None:
     with stub_server() as url:
-        result = cli.invoke(app, ["bench", "serve", "--endpoint", url, "-m", "boom", "--concurrency", "2",
-                                  "--num-prompts", "3", "--warmup", "0", "-o", "json"])  # fmt: skip
+        result = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--endpoint",
+                url,
+                "-m",
+                "boom",
+                "--concurrency",
+                "2",
+                "--num-prompts",
+                "3",
+                "--warmup",
+                "0",
+                "-o",
+                "json",
+            ],
+        )
     assert result.exit_code == 0, result.stderr
     (row,) = json.loads(result.stdout)
     assert (row["completed"], row["failed"]) == (0, 3)
@@ -209,12 +269,18 @@ def test_serving_benchmark_counts_failed_requests(cli: CliRunner, home: Path) ->
 def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) -> None:
     threads = (["-t", "4", "-tb", "2"], "-t/--threads, -tb/--threads-batch")
     batch = (["-b", "64", "--no-repack"], "-b/--batch, --repack/--no-repack")
-    cases = [(["run", "hi"], threads), (["run", "hi"], batch), (["chat"], threads),
-             (["chat"], batch), (["bench", "serve"], threads),
-             (["bench", "interference"], threads)]  # fmt: skip
+    cases = [
+        (["run", "hi"], threads),
+        (["run", "hi"], batch),
+        (["chat"], threads),
+        (["chat"], batch),
+        (["bench", "serve"], threads),
+        (["bench", "interference"], threads),
+    ]
     for command, (flags, expected) in cases:  # one rule for every command, not ignored
-        result = cli.invoke(app, [*command, "--endpoint", "http://127.0.0.1:9", *flags],
-                            input="hi\n")  # fmt: skip
+        result = cli.invoke(
+            app, [*command, "--endpoint", "http://127.0.0.1:9", *flags], input="hi\n"
+        )
         assert result.exit_code == 1, (command, flags)
         assert f"{expected}: local-engine options" in one_line_error(result.stderr)
 
@@ -223,10 +289,13 @@ def test_ctrl_c_keeps_the_serving_level_in_progress(
     llmrun_env: dict[str, str], server: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "out.json"
-    cmd = (f"{which_llmrun()} bench serve --endpoint {server} --concurrency 1,2 --num-prompts 40"
-           f" --input-len 16 --output-len 32 --warmup 0 -o json > {out}")  # fmt: skip
-    child = pexpect.spawn("bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S,
-                          dimensions=(30, 120))  # fmt: skip
+    cmd = (
+        f"{which_llmrun()} bench serve --endpoint {server} --concurrency 1,2 --num-prompts 40"
+        f" --input-len 16 --output-len 32 --warmup 0 -o json > {out}"
+    )
+    child = pexpect.spawn(
+        "bash", ["-c", cmd], env=llmrun_env, encoding="utf-8", timeout=HANG_S, dimensions=(30, 120)
+    )
     child.expect(r"c=1 rate=inf\s+\d+/40 requests")
     started = served_completions(server)
     deadline = time.monotonic() + HANG_S

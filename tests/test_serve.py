@@ -57,8 +57,9 @@ class Server:
     def metric(self, name: str) -> float:
         """The sum of a metric's samples whose line starts with `name` (labels included)."""
         text = httpx.get(self.url + "/metrics", timeout=60).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name))  # fmt: skip
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
+        )
 
     def wait_for(self, check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -81,9 +82,13 @@ def llmrun_serve(
 
     proc = subprocess.Popen(
         [which_llmrun(), "serve", "--port", "0", "-t", "1", "-c", "512", *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=env, preexec_fn=None if open_files is None else limit,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=None if open_files is None else limit,
+    )
     lines: list[str] = []
     ready: queue.Queue[str | None] = queue.Queue()
 
@@ -111,8 +116,13 @@ def llmrun_serve(
 def serve_env(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> dict[str, str]:
     """The servers' environment; requesting it marks a test `model` and `pty` (conftest)."""
     home = tmp_path_factory.mktemp("serve")
-    env = dict(os.environ, NO_COLOR="1", HF_HUB_OFFLINE="1", HF_HOME=str(home / "hf"),
-               LLMRUN_HOME=str(home / "llmrun"))  # fmt: skip
+    env = dict(
+        os.environ,
+        NO_COLOR="1",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home / "hf"),
+        LLMRUN_HOME=str(home / "llmrun"),
+    )
     for name in ("LLMRUN_DEBUG", "LLMRUN_MODEL", "LLMRUN_ENDPOINT", "LLMRUN_THREADS"):
         env.pop(name, None)
     env[BACKGROUND_ENV] = "0"  # a quiet machine unless a test says otherwise
@@ -135,9 +145,10 @@ def open_stream(url: str, body: dict[str, Any], *, wait_for_data: bool = True) -
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=120)
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(payload)).encode()
-                 + b"\r\n\r\n" + payload)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        b"application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+    )
     seen = b""
     while wait_for_data and b'"content":"' not in seen.replace(b'"content":""', b""):
         chunk = sock.recv(65536)
@@ -165,8 +176,10 @@ def test_chat_answer_has_openai_shape_and_its_phases(llmrun_server: Server) -> N
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert isinstance(body["created"], int) and body["model"] == llmrun_server.get("/v1/models")[
-        "data"][0]["id"]  # fmt: skip
+    assert (
+        isinstance(body["created"], int)
+        and body["model"] == llmrun_server.get("/v1/models")["data"][0]["id"]
+    )
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
     assert choice["finish_reason"] in ("stop", "length")
@@ -184,8 +197,13 @@ def test_chat_answer_has_openai_shape_and_its_phases(llmrun_server: Server) -> N
 
 
 def test_streaming_with_include_usage_ends_with_usage_and_timings(llmrun_server: Server) -> None:
-    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", llmrun_server.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -286,8 +304,12 @@ def test_bad_requests_get_400_with_the_reason(
     llmrun_server: Server, payload: bytes, words: str
 ) -> None:
     route = "/v1/completions" if b'"prompt"' in payload else "/v1/chat/completions"
-    r = httpx.post(llmrun_server.url + route, content=payload, timeout=60,
-                   headers={"Content-Type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        llmrun_server.url + route,
+        content=payload,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 400
     assert words in r.json()["error"]["message"]
     assert llmrun_server.get("/health")["status"] == "ok"
@@ -307,8 +329,10 @@ def test_a_disconnected_client_frees_its_sequence_and_the_rest_carry_on(
     generated = llmrun_server.metric("llmrun_generated_tokens_total")
     gone = open_stream(llmrun_server.url, chat("Tell me about rivers.", **LONG))
     gone.close()
-    llmrun_server.wait_for(lambda: llmrun_server.metric('llmrun_requests_total{outcome="cancelled"')
-                    > cancelled, "the request counted as cancelled")  # fmt: skip
+    llmrun_server.wait_for(
+        lambda: llmrun_server.metric('llmrun_requests_total{outcome="cancelled"') > cancelled,
+        "the request counted as cancelled",
+    )
     llmrun_server.wait_for(
         lambda: llmrun_server.get("/health")["slots_processing"] == 0, "both slots free"
     )
@@ -332,8 +356,10 @@ def test_a_full_queue_gets_503_with_retry_after(llmrun_server: Server) -> None:
     finally:
         for sock in (*running, waiting):
             sock.close()
-    llmrun_server.wait_for(lambda: (h := llmrun_server.get("/health"))["slots_processing"] == 0
-                    and h["queued"] == 0, "the slots and the queue empty")  # fmt: skip
+    llmrun_server.wait_for(
+        lambda: (h := llmrun_server.get("/health"))["slots_processing"] == 0 and h["queued"] == 0,
+        "the slots and the queue empty",
+    )
     assert llmrun_server.post("/v1/chat/completions", chat("Hi.", max_tokens=2)).status_code == 200
 
 
@@ -345,16 +371,22 @@ def test_openai_python_client(llmrun_server: Server) -> None:
     client = openai.OpenAI(base_url=llmrun_server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
         temperature=0,
-    )  # fmt: skip
+    )
     assert reply.choices[0].message.content and reply.usage is not None
     assert reply.usage.completion_tokens <= 6
     pieces, usage = [], None
     for chunk in client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
-        temperature=0, stream=True, stream_options={"include_usage": True},
-    ):  # fmt: skip
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
@@ -363,13 +395,27 @@ def test_openai_python_client(llmrun_server: Server) -> None:
     done = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)
     assert done.choices[0].text and done.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                       temperature=500)  # fmt: skip
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], temperature=500
+        )
 
 
 def test_run_endpoint_shows_the_servers_own_prefill(llmrun_server: Server) -> None:
-    result = CliRunner().invoke(app, ["run", "Name a color.", "--endpoint", llmrun_server.url, "-n",
-                                      "6", "--temp", "0", "--stats", "json"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "Name a color.",
+            "--endpoint",
+            llmrun_server.url,
+            "-n",
+            "6",
+            "--temp",
+            "0",
+            "--stats",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     stats = json.loads(result.stderr.strip().splitlines()[-1])
     assert stats["server_prompt_ms"] is not None and stats["server_prompt_ms"] > 0
@@ -385,9 +431,23 @@ def test_interference_against_a_prompt_cache_measures_every_prefill_from_nothing
     loaded TTFT without its prefill. Each steady request is a prompt of its own, after an
     unmeasured warm-up."""
     with llmrun_serve(serve_env, "-np", "4", "--no-dashboard") as s:
-        result = CliRunner().invoke(app, ["bench", "interference", "--endpoint", s.url,
-                                          "--input-len", "24", "--prompt-len", "32", "--rate",
-                                          "2", "-o", "json"])  # fmt: skip
+        result = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "interference",
+                "--endpoint",
+                s.url,
+                "--input-len",
+                "24",
+                "--prompt-len",
+                "32",
+                "--rate",
+                "2",
+                "-o",
+                "json",
+            ],
+        )
         assert result.exit_code == 0, result.stderr
         (record,) = json.loads(result.stdout)
         assert record["ttft_alone_ms"] > 0 and record["ttft_loaded_ms"] > 0
@@ -409,8 +469,13 @@ def test_interference_against_a_prompt_cache_measures_every_prefill_from_nothing
 
 def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[str, str]) -> None:
     with llmrun_serve(serve_env, "-np", "1") as s:
-        body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 16,
-                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "Count to twenty."}],
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         sock = open_stream(s.url, body)
         s.proc.send_signal(signal.SIGTERM)
         received = b""
@@ -432,7 +497,9 @@ def test_metrics_and_log_say_the_threads_and_a_busy_machine(serve_env: dict[str,
     with llmrun_serve(env, "-np", "1", "-tb", "2", "--no-dashboard") as s:
         assert "threads 1/2)" in s.lines[-1]  # the ready line: as llama.cpp's context has them
         assert (s.metric("llmrun_engine_threads "), s.metric("llmrun_engine_threads_batch ")) == (
-            1, 2)  # fmt: skip
+            1,
+            2,
+        )
         assert s.metric("llmrun_background_cpus ") == load
         assert s.metric("llmrun_machine_busy ") == 1
         s.wait_for(lambda: any("warning: other processes keep" in x for x in s.lines), "busy")
@@ -451,8 +518,13 @@ def test_a_port_in_use_is_one_line(serve_env: dict[str, str]) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = subprocess.run([which_llmrun(), "serve", "--port", str(port)], env=serve_env,
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [which_llmrun(), "serve", "--port", str(port)],
+            env=serve_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"llmrun: error: cannot listen on 127.0.0.1:{port}: Address already in use"
@@ -463,19 +535,39 @@ def test_a_port_in_use_is_one_line(serve_env: dict[str, str]) -> None:
 
 
 def _timings() -> RequestTimings:
-    return RequestTimings(prompt_tokens=40, reused_tokens=8, output_tokens=3,
-                          template_tokenize_ms=1.0, queue_ms=2.0, prefill_ms=30.0,
-                          prefill_chunks=((16, 15.0), (16, 15.0)), ttft_ms=34.0, decode_ms=20.0,
-                          itl_ms=(9.0, 11.0), finish_reason="stop", seed=None)  # fmt: skip
+    return RequestTimings(
+        prompt_tokens=40,
+        reused_tokens=8,
+        output_tokens=3,
+        template_tokenize_ms=1.0,
+        queue_ms=2.0,
+        prefill_ms=30.0,
+        prefill_chunks=((16, 15.0), (16, 15.0)),
+        ttft_ms=34.0,
+        decode_ms=20.0,
+        itl_ms=(9.0, 11.0),
+        finish_reason="stop",
+        seed=None,
+    )
 
 
 @pytest.mark.parametrize("width", [100, 48])
 def test_live_view_renders_the_engine_state(width: int) -> None:
-    steps = tuple(StepRecord(end_s=1.0 + i * 0.01, duration_s=0.01, n_decode=3, n_prefill=16)
-                  for i in range(10))  # fmt: skip
-    snap = Snapshot(decoding=3, prefilling=1, queued=2, n_seq=4, policy="chunked:64",
-                    steps=steps, recent_itl_ms=(9.0, 10.0, 12.0), served=5,
-                    output_tokens=70)  # fmt: skip
+    steps = tuple(
+        StepRecord(end_s=1.0 + i * 0.01, duration_s=0.01, n_decode=3, n_prefill=16)
+        for i in range(10)
+    )
+    snap = Snapshot(
+        decoding=3,
+        prefilling=1,
+        queued=2,
+        n_seq=4,
+        policy="chunked:64",
+        steps=steps,
+        recent_itl_ms=(9.0, 10.0, 12.0),
+        served=5,
+        output_tokens=70,
+    )
     out = io.StringIO()
     Console(file=out, width=width, color_system=None).print(render_serve(snap))
     text = " ".join(out.getvalue().split())
@@ -483,8 +575,17 @@ def test_live_view_renders_the_engine_state(width: int) -> None:
     assert "16.0 prefill + 3.0 decode tokens" in text
     assert "tok/s generated" in text and "p99" in text
     assert all(len(line) <= width for line in out.getvalue().splitlines())
-    idle = Snapshot(decoding=0, prefilling=0, queued=0, n_seq=4, policy="chunked:64", steps=(),
-                    recent_itl_ms=(), served=0, output_tokens=0)  # fmt: skip
+    idle = Snapshot(
+        decoding=0,
+        prefilling=0,
+        queued=0,
+        n_seq=4,
+        policy="chunked:64",
+        steps=(),
+        recent_itl_ms=(),
+        served=0,
+        output_tokens=0,
+    )
     out = io.StringIO()
     Console(file=out, width=width, color_system=None).print(render_serve(idle))
     assert "idle" in out.getvalue() and "ITL" not in out.getvalue()
@@ -510,7 +611,9 @@ def test_log_line_names_every_phase() -> None:
 def test_timings_json_names() -> None:
     t = _timings().to_dict()
     assert t["prefill_tokens"] == 32 and t["prefill_chunks"] == [
-        {"tokens": 16, "ms": 15.0}, {"tokens": 16, "ms": 15.0}]  # fmt: skip
+        {"tokens": 16, "ms": 15.0},
+        {"tokens": 16, "ms": 15.0},
+    ]
     assert t["itl_p50_ms"] == 10.0 and t["decode_tps"] == 100.0
     assert json.loads(json.dumps(t)) == t
 
@@ -526,15 +629,17 @@ def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> No
 
 @pytest.mark.parametrize(
     ("args", "words"),
-    [(["--max-connections", "0"], "--max-connections: '0' is not a whole number"),
-     (["--max-connections", "-1"], "--max-connections: '-1' is not a whole number"),
-     (["--max-connections", "2.5"], "--max-connections: '2.5' is not a whole number"),
-     (["--max-connections", "many"], "--max-connections: 'many' is not a whole number"),
-     (["--allow-origin", "http://app.example/"], "--allow-origin: 'http://app.example/' is not"),
-     (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin"),
-     (["--allow-origin", "https://*.*.example"], "--allow-origin: 'https://*.*.example' is not"),
-     (["--allow-origin", "https://app.example/*"], "--allow-origin: 'https://app.example/*'")],
-)  # fmt: skip
+    [
+        (["--max-connections", "0"], "--max-connections: '0' is not a whole number"),
+        (["--max-connections", "-1"], "--max-connections: '-1' is not a whole number"),
+        (["--max-connections", "2.5"], "--max-connections: '2.5' is not a whole number"),
+        (["--max-connections", "many"], "--max-connections: 'many' is not a whole number"),
+        (["--allow-origin", "http://app.example/"], "--allow-origin: 'http://app.example/' is not"),
+        (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin"),
+        (["--allow-origin", "https://*.*.example"], "--allow-origin: 'https://*.*.example' is not"),
+        (["--allow-origin", "https://app.example/*"], "--allow-origin: 'https://app.example/*'"),
+    ],
+)
 def test_bad_connection_caps_and_origins_are_usage_errors(
     fake: FakeRunner, args: list[str], words: str
 ) -> None:
@@ -549,7 +654,8 @@ def test_allowed_origins_are_compared_as_browsers_send_them() -> None:
     assert Access(parse_origins(["*"])).origin_allowed("https://evil.example")
     given = Access(parse_origins(["HTTP://App.Example:80", "https://b.example:8443"]))
     assert given.origin_allowed("http://app.example") and given.origin_allowed(
-        "https://b.example:8443")  # fmt: skip
+        "https://b.example:8443"
+    )
     assert not given.origin_allowed("https://app.example")
     assert not given.origin_allowed("https://b.example")
 
@@ -557,14 +663,26 @@ def test_allowed_origins_are_compared_as_browsers_send_them() -> None:
 def test_allowed_origins_take_one_wildcard_as_ollama_origins_does() -> None:
     """OLLAMA_ORIGINS' patterns (`chrome-extension://*`, `http://host:*`) mean what they say
     here too, rather than a literal `*` that no browser ever sends."""
-    given = Access(parse_origins(["chrome-extension://*", "HTTPS://*.App.Example:443",
-                                  "http://10.0.0.5:*"]))  # fmt: skip
-    for origin in ("chrome-extension://abcdef", "https://a.app.example",
-                   "https://b.app.example:443", "http://10.0.0.5:3000"):  # fmt: skip
+    given = Access(
+        parse_origins(["chrome-extension://*", "HTTPS://*.App.Example:443", "http://10.0.0.5:*"])
+    )
+    for origin in (
+        "chrome-extension://abcdef",
+        "https://a.app.example",
+        "https://b.app.example:443",
+        "http://10.0.0.5:3000",
+    ):
         assert given.origin_allowed(origin), origin
-    for origin in ("moz-extension://abcdef", "https://app.example", "https://evil.example",
-                   "https://a.app.example.evil.example", "http://a.app.example",
-                   "http://10.0.0.55:3000", "http://10.0.0.5", "chrome-extension://"):  # fmt: skip
+    for origin in (
+        "moz-extension://abcdef",
+        "https://app.example",
+        "https://evil.example",
+        "https://a.app.example.evil.example",
+        "http://a.app.example",
+        "http://10.0.0.55:3000",
+        "http://10.0.0.5",
+        "chrome-extension://",
+    ):
         assert not given.origin_allowed(origin), origin
 
 
@@ -620,8 +738,12 @@ def test_live_view_on_a_terminal_then_nothing_left_of_it(serve_env: dict[str, st
     screen = pyte.Screen(80, 30)
     stream = pyte.ByteStream(screen)
     raw = bytearray()
-    child = pexpect.spawn(which_llmrun(), ["serve", "--port", "0", "-np", "1", "-c", "512", "-t",
-                                           "1"], env=serve_env, dimensions=(30, 80))  # fmt: skip
+    child = pexpect.spawn(
+        which_llmrun(),
+        ["serve", "--port", "0", "-np", "1", "-c", "512", "-t", "1"],
+        env=serve_env,
+        dimensions=(30, 80),
+    )
 
     def until(seen: Callable[[], bool]) -> None:
         """Read the terminal until `seen` (bounded); EOF ends the reading."""

@@ -41,8 +41,9 @@ def connect(server: Server, timeout_s: float = WAIT_S) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout_s)
 
 
-def exchange(server: Server, data: bytes, *, half_close: bool = False) -> tuple[int, dict[str, str],
-                                                                                bytes]:  # fmt: skip
+def exchange(
+    server: Server, data: bytes, *, half_close: bool = False
+) -> tuple[int, dict[str, str], bytes]:
     """Send raw bytes, read until the server closes; the status, headers and body."""
     with connect(server) as sock:
         sock.sendall(data)
@@ -58,15 +59,25 @@ def exchange(server: Server, data: bytes, *, half_close: bool = False) -> tuple[
 
 
 def post_raw(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
-            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-            + b"\r\n" + extra + b"\r\n" + body)  # fmt: skip
+    return (
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+        + body
+    )
 
 
 def send(server: Server, path: str, payload: bytes | dict[str, Any]) -> httpx.Response:
     content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return httpx.post(server.url + path, content=content, timeout=WAIT_S,
-                      headers={"Content-Type": "application/json"})  # fmt: skip
+    return httpx.post(
+        server.url + path,
+        content=content,
+        timeout=WAIT_S,
+        headers={"Content-Type": "application/json"},
+    )
 
 
 def openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -99,10 +110,12 @@ def small(**kw: Any) -> dict[str, Any]:
         (b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', "malformed JSON"),
         (b'{"messages":[{"role":"user","content":"\\ud800"}]}', "malformed JSON"),
         (json.dumps(small()).encode() + b"garbage", "malformed JSON"),
-        (b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",
-         "malformed JSON"),
+        (
+            b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",
+            "malformed JSON",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bodies_that_are_not_a_json_object_get_400(
     server: Server, payload: bytes, words: str
 ) -> None:
@@ -135,24 +148,48 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
         (CHAT, small(seed=2**64), "out of range", None),
         (CHAT, small(n=2), "n: only one choice per request", None),
         (CHAT, small(stream="yes"), "stream: Input should be a valid boolean", "stream"),
-        (CHAT, small(stream_options="yes"), "stream_options: Input should be an object",
-         "stream_options"),
-        (CHAT, small(stream_options={"include_usage": 1}, stream=True),
-         "stream_options.include_usage", "stream_options.include_usage"),
+        (
+            CHAT,
+            small(stream_options="yes"),
+            "stream_options: Input should be an object",
+            "stream_options",
+        ),
+        (
+            CHAT,
+            small(stream_options={"include_usage": 1}, stream=True),
+            "stream_options.include_usage",
+            "stream_options.include_usage",
+        ),
         (CHAT, small(stop=""), "stop must be a string or a list of non-empty strings", None),
         (CHAT, small(stop=[1]), "stop: must be a string or an array, not an array", "stop"),
-        (CHAT, {"messages": [{"role": "user", "content": 5}]},
-         "messages.0.content: must be a string or an array, not a number", "messages.0.content"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content: must be a string or an array, not a number",
+            "messages.0.content",
+        ),
         (CHAT, {"messages": "hi"}, "messages: Input should be a valid array", "messages"),
-        (CHAT, {"messages": [{"content": "hi"}]}, "messages.0.role: Field required",
-         "messages.0.role"),
-        (COMPLETIONS, {"prompt": [[1, 2]]}, "prompt: must be a string or an array, not an array",
-         "prompt"),
-        (COMPLETIONS, {"prompt": 5}, "prompt: must be a string or an array, not a number",
-         "prompt"),
+        (
+            CHAT,
+            {"messages": [{"content": "hi"}]},
+            "messages.0.role: Field required",
+            "messages.0.role",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": [[1, 2]]},
+            "prompt: must be a string or an array, not an array",
+            "prompt",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": 5},
+            "prompt: must be a string or an array, not a number",
+            "prompt",
+        ),
         (COMPLETIONS, {"prompt": [-1]}, "token -1 is not in the vocabulary", None),
     ],
-)  # fmt: skip
+)
 def test_wrong_types_and_values_name_their_field(
     server: Server, path: str, payload: dict[str, Any], words: str, param: str | None
 ) -> None:
@@ -162,8 +199,17 @@ def test_wrong_types_and_values_name_their_field(
 
 
 def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
-    body = small(stream=None, n=None, stream_options=None, logprobs=None, seed=None, stop=None,
-                 ignore_eos=None, temperature=None, model=None)  # fmt: skip
+    body = small(
+        stream=None,
+        n=None,
+        stream_options=None,
+        logprobs=None,
+        seed=None,
+        stop=None,
+        ignore_eos=None,
+        temperature=None,
+        model=None,
+    )
     assert send(server, CHAT, body).status_code == 200
 
 
@@ -177,23 +223,57 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
         (small(tools=[{"type": "function", "function": {"name": "f"}}]), "function calling"),
         (small(modalities=["text", "audio"]), "modalities"),
         (small(audio={"voice": "alloy", "format": "wav"}), "audio: audio output"),
-        ({"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
-         "messages.0.content.0: content of type 'image_url' is not served here"),
-        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-         "messages.0.content.0: a text part needs its text"),
-        ({"messages": [{"role": "wizard", "content": "hi"}]},
-         "messages.0.role: 'wizard' is not one of system, developer, user, assistant"),
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
-          "tool_calls": [{"id": "1", "type": "function",
-                          "function": {"name": "f", "arguments": "{}"}}]}]},
-         "messages.1: function calling is not served here"),
-        ({"messages": [{"role": "tool", "tool_call_id": "1", "content": "42"}]},
-         "messages.0: function calling is not served here"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AA=="},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.0: content of type 'image_url' is not served here",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0: a text part needs its text",
+        ),
+        (
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages.0.role: 'wizard' is not one of system, developer, user, assistant",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages.1: function calling is not served here",
+        ),
+        (
+            {"messages": [{"role": "tool", "tool_call_id": "1", "content": "42"}]},
+            "messages.0: function calling is not served here",
+        ),
         (small(stop=["x"] * (MAX_STOPS + 1)), f"at most {MAX_STOPS} strings"),
         (small(stop="x" * (MAX_STOP_CHARS + 1)), f"of at most {MAX_STOP_CHARS} characters"),
     ],
-)  # fmt: skip
+)
 def test_what_is_not_served_is_refused_never_ignored(
     server: Server, payload: dict[str, Any], words: str
 ) -> None:
@@ -203,16 +283,38 @@ def test_what_is_not_served_is_refused_never_ignored(
 @pytest.mark.parametrize(
     ("path", "payload"),
     [
-        (CHAT, small(tools=[], tool_choice="none", parallel_tool_calls=True, logprobs=False,
-                     top_logprobs=0, modalities=["text"], response_format={"type": "text"},
-                     logit_bias={}, user="u", store=False, metadata={"k": "v"})),
-        (CHAT, {"messages": [{"role": "developer", "content": "Be brief."},
-                             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-                "max_tokens": 2}),
-        (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "echo": False, "best_of": 1,
-                       "logprobs": 0}),
+        (
+            CHAT,
+            small(
+                tools=[],
+                tool_choice="none",
+                parallel_tool_calls=True,
+                logprobs=False,
+                top_logprobs=0,
+                modalities=["text"],
+                response_format={"type": "text"},
+                logit_bias={},
+                user="u",
+                store=False,
+                metadata={"k": "v"},
+            ),
+        ),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {"role": "developer", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                ],
+                "max_tokens": 2,
+            },
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "max_tokens": 2, "echo": False, "best_of": 1, "logprobs": 0},
+        ),
     ],
-)  # fmt: skip
+)
 def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
     server: Server, path: str, payload: dict[str, Any]
 ) -> None:
@@ -257,8 +359,10 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read(server: Server) -> None:
     with connect(server) as sock:  # only the headers: the answer cannot wait for the body
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Length: 99999999999\r\n\r\n{")  # fmt: skip
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Length: 99999999999\r\n\r\n{"
+        )
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
@@ -266,8 +370,13 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(server: Server) -> Non
     assert b"connection: close" in received.lower()
     assert b'"code":413' in received
     over = b"[" + b" " * MIN_BODY_LIMIT + b"]"
-    chunked = b"".join(b"%x\r\n%s\r\n" % (len(over[i:i + 65536]), over[i:i + 65536])
-                       for i in range(0, len(over), 65536)) + b"0\r\n\r\n"  # fmt: skip
+    chunked = (
+        b"".join(
+            b"%x\r\n%s\r\n" % (len(over[i : i + 65536]), over[i : i + 65536])
+            for i in range(0, len(over), 65536)
+        )
+        + b"0\r\n\r\n"
+    )
     status, _, body = exchange(
         server,
         post_raw(CHAT, b"", b"Transfer-Encoding: chunked\r\n").replace(
@@ -282,8 +391,13 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(server: Server) -> Non
 def test_a_chunked_body_is_read(server: Server) -> None:
     payload = json.dumps(small()).encode()
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
-    status, _, body = exchange(server, post_raw(CHAT, b"", b"Transfer-Encoding: chunked\r\n")
-                               .replace(b"Content-Length: 0\r\n", b"") + chunked)  # fmt: skip
+    status, _, body = exchange(
+        server,
+        post_raw(CHAT, b"", b"Transfer-Encoding: chunked\r\n").replace(
+            b"Content-Length: 0\r\n", b""
+        )
+        + chunked,
+    )
     assert status == 200, body
 
 
@@ -295,8 +409,12 @@ def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server
 
     def lie() -> None:
         payload = json.dumps(small()).encode()
-        status, _, body = exchange(server, post_raw(CHAT, payload).replace(
-            b"Content-Length: %d" % len(payload), b"Content-Length: 9999"))  # fmt: skip
+        status, _, body = exchange(
+            server,
+            post_raw(CHAT, payload).replace(
+                b"Content-Length: %d" % len(payload), b"Content-Length: 9999"
+            ),
+        )
         results["lie"] = b"%d %s" % (status, body)
 
     def slowloris() -> None:
@@ -332,8 +450,10 @@ def test_clients_that_leave_before_the_answer_free_their_sequences(server: Serve
         sock.close()
     with connect(server) as sock:  # gone halfway through its body
         sock.sendall(post_raw(CHAT, long).replace(b"Content-Length: ", b"Content-Length: 9")[:-9])
-    server.wait_for(lambda: server.metric('llmrun_requests_total{outcome="cancelled"')
-                    >= cancelled + 3, "all three counted as cancelled")  # fmt: skip
+    server.wait_for(
+        lambda: server.metric('llmrun_requests_total{outcome="cancelled"') >= cancelled + 3,
+        "all three counted as cancelled",
+    )
     server.wait_for(lambda: server.get("/health")["slots_processing"] == 0, "the slots freed")
     still_serving(server)
 
@@ -368,15 +488,26 @@ def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) ->
     send(server, CHAT, small(model="nope"))
     httpx.get(server.url + "/nope", timeout=60)
     exchange(server, b"HELLO\r\n\r\n")
-    exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Length: 99999999999\r\n\r\n", half_close=True)  # fmt: skip
+    exchange(
+        server,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: 99999999999\r\n\r\n",
+        half_close=True,
+    )
     with connect(server) as sock:  # gone halfway through its body
         sock.sendall(post_raw(CHAT, b"{}").replace(b"Content-Length: 2", b"Content-Length: 9"))
-    server.wait_for(lambda: count(server, "chat", "cancelled") > before.get(
-        ("chat", "cancelled"), 0), "the request gone mid-body counted")  # fmt: skip
+    server.wait_for(
+        lambda: count(server, "chat", "cancelled") > before.get(("chat", "cancelled"), 0),
+        "the request gone mid-body counted",
+    )
     after = outcomes(server)
-    for key in (("chat", "bad_request"), ("chat", "not_found"), ("other", "not_found"),
-                ("other", "bad_request"), ("chat", "too_large")):  # fmt: skip
+    for key in (
+        ("chat", "bad_request"),
+        ("chat", "not_found"),
+        ("other", "not_found"),
+        ("other", "bad_request"),
+        ("chat", "too_large"),
+    ):
         assert after[key] == before.get(key, 0) + 1, key
     assert server.proc.poll() is None
     assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
@@ -386,8 +517,11 @@ def outcomes(server: Server) -> dict[tuple[str, str], float]:
     """llmrun_requests_total by (route, outcome), read with Prometheus' own parser."""
     text = httpx.get(server.url + "/metrics", timeout=60).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    return {(s.labels["route"], s.labels["outcome"]): s.value
-            for s in families["llmrun_requests"].samples if s.name.endswith("_total")}  # fmt: skip
+    return {
+        (s.labels["route"], s.labels["outcome"]): s.value
+        for s in families["llmrun_requests"].samples
+        if s.name.endswith("_total")
+    }
 
 
 def count(server: Server, route: str, outcome: str) -> float:
@@ -398,9 +532,15 @@ def count(server: Server, route: str, outcome: str) -> float:
 
 
 @pytest.mark.parametrize(
-    "origin", ["http://localhost:3000", "https://localhost", "http://127.0.0.1:5173",
-               "http://[::1]:8080", "HTTP://LOCALHOST:3000"],
-)  # fmt: skip
+    "origin",
+    [
+        "http://localhost:3000",
+        "https://localhost",
+        "http://127.0.0.1:5173",
+        "http://[::1]:8080",
+        "HTTP://LOCALHOST:3000",
+    ],
+)
 def test_pages_on_this_machine_get_cors_headers_on_every_answer(
     server: Server, origin: str
 ) -> None:
@@ -413,8 +553,9 @@ def test_pages_on_this_machine_get_cors_headers_on_every_answer(
         httpx.post(server.url + CHAT, content=b"[]", headers=headers, timeout=60),
         httpx.get(server.url + "/nope", headers=headers, timeout=60),
     ]
-    with httpx.stream("POST", server.url + CHAT, json=small(stream=True), headers=headers,
-                      timeout=WAIT_S) as streamed:  # fmt: skip
+    with httpx.stream(
+        "POST", server.url + CHAT, json=small(stream=True), headers=headers, timeout=WAIT_S
+    ) as streamed:
         assert streamed.headers["content-type"].startswith("text/event-stream")
         assert b"[DONE]" in streamed.read()
     answers.append(streamed)
@@ -429,9 +570,15 @@ def test_pages_on_this_machine_get_cors_headers_on_every_answer(
 
 def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     origin = "http://localhost:5173"
-    r = httpx.options(server.url + CHAT, timeout=60, headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})  # fmt: skip
+    r = httpx.options(
+        server.url + CHAT,
+        timeout=60,
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+        },
+    )
     assert r.status_code == 204, r.text
     assert r.headers["access-control-allow-origin"] == origin
     assert "POST" in r.headers["access-control-allow-methods"]
@@ -439,21 +586,37 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     assert {"authorization", "content-type", "x-stainless-os"} <= allowed
     assert int(r.headers["access-control-max-age"]) > 0
     assert "Origin" in r.headers["vary"]
-    private = httpx.options(server.url + CHAT, timeout=60, headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Private-Network": "true"})  # fmt: skip
+    private = httpx.options(
+        server.url + CHAT,
+        timeout=60,
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Private-Network": "true",
+        },
+    )
     assert private.headers["access-control-allow-private-network"] == "true"
     assert "access-control-allow-private-network" not in r.headers
-    refused = httpx.options(server.url + CHAT, timeout=60, headers={
-        "Origin": "https://preflight.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
+    refused = httpx.options(
+        server.url + CHAT,
+        timeout=60,
+        headers={"Origin": "https://preflight.example", "Access-Control-Request-Method": "POST"},
+    )
     openai_error(refused, 403)
     assert "access-control-allow-origin" not in refused.headers
 
 
 @pytest.mark.parametrize(
-    "origin", ["https://evil.example", "null", "http://localhost.evil.example",
-               "http://127.0.0.1.nip.io:8080", "file://", "chrome-extension://abc"],
-)  # fmt: skip
+    "origin",
+    [
+        "https://evil.example",
+        "null",
+        "http://localhost.evil.example",
+        "http://127.0.0.1.nip.io:8080",
+        "file://",
+        "chrome-extension://abc",
+    ],
+)
 def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> None:
     """A page elsewhere must not run completions here: even a simple POST (no preflight) is
     refused before the engine sees it; counted in /metrics, one log line."""
@@ -463,8 +626,12 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
         return sum(f"other 403 Origin {origin!r}" in line for line in list(server.lines))
 
     logged = lines()
-    r = httpx.post(server.url + CHAT, content=json.dumps(small()).encode(), timeout=60,
-                   headers={"Origin": origin, "Content-Type": "text/plain"})  # fmt: skip
+    r = httpx.post(
+        server.url + CHAT,
+        content=json.dumps(small()).encode(),
+        timeout=60,
+        headers={"Origin": origin, "Content-Type": "text/plain"},
+    )
     error = openai_error(r, 403)
     assert f"--allow-origin {origin}" in error["message"]
     assert "access-control-allow-origin" not in r.headers
@@ -476,11 +643,23 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
 
 @pytest.mark.parametrize(
     ("host", "status"),
-    [("evil.example", 403), ("evil.example:8080", 403), ("localhost.evil.example", 403),
-     ("127.0.0.1.nip.io", 403), ("10.0.0.1", 403), ("[::1]x", 403), ("[::1", 403),
-     ("localhost", 200), ("LOCALHOST.:8080", 200), ("app.localhost", 200),
-     ("127.0.0.1", 200), ("127.4.5.6:80", 200), ("[::1]", 200), ("[::1]:8080", 200)],
-)  # fmt: skip
+    [
+        ("evil.example", 403),
+        ("evil.example:8080", 403),
+        ("localhost.evil.example", 403),
+        ("127.0.0.1.nip.io", 403),
+        ("10.0.0.1", 403),
+        ("[::1]x", 403),
+        ("[::1", 403),
+        ("localhost", 200),
+        ("LOCALHOST.:8080", 200),
+        ("app.localhost", 200),
+        ("127.0.0.1", 200),
+        ("127.4.5.6:80", 200),
+        ("[::1]", 200),
+        ("[::1]:8080", 200),
+    ],
+)
 def test_on_loopback_only_loopback_host_names_are_answered(
     server: Server, host: str, status: int
 ) -> None:
@@ -494,19 +673,32 @@ def test_on_loopback_only_loopback_host_names_are_answered(
 
 @pytest.mark.parametrize(
     ("method", "path", "fields"),
-    [("GET", "/v1/models/", "data"), ("GET", "/models/", "data"), ("GET", "/health/", "status"),
-     ("POST", "/v1/chat/completions/", "choices"), ("POST", "/v1/completions/", "choices"),
-     ("POST", "/tokenize/", "tokens")],
-)  # fmt: skip
+    [
+        ("GET", "/v1/models/", "data"),
+        ("GET", "/models/", "data"),
+        ("GET", "/health/", "status"),
+        ("POST", "/v1/chat/completions/", "choices"),
+        ("POST", "/v1/completions/", "choices"),
+        ("POST", "/tokenize/", "tokens"),
+    ],
+)
 def test_a_trailing_slash_is_the_same_route_never_a_redirect(
     server: Server, method: str, path: str, fields: str
 ) -> None:
     """A 307 is an error to clients that do not follow redirects (curl without -L, httpx by
     default): the route answers directly, as without the slash."""
-    body = {"content": "hi"} if path.startswith("/tokenize") else (
-        small() if "chat" in path else {"prompt": "Hi", "max_tokens": 2})  # fmt: skip
-    r = httpx.request(method, server.url + path, json=body if method == "POST" else None,
-                      timeout=WAIT_S, follow_redirects=False)  # fmt: skip
+    body = (
+        {"content": "hi"}
+        if path.startswith("/tokenize")
+        else (small() if "chat" in path else {"prompt": "Hi", "max_tokens": 2})
+    )
+    r = httpx.request(
+        method,
+        server.url + path,
+        json=body if method == "POST" else None,
+        timeout=WAIT_S,
+        follow_redirects=False,
+    )
     assert r.status_code == 200, (r.status_code, r.headers, r.text)
     assert fields in r.json()
     served = server.get("/v1/models")["data"][0]["id"]
@@ -539,15 +731,28 @@ def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
     """--max-connections 3: a fourth connection's request gets 503 in OpenAI's shape with
     Retry-After (CORS headers too) and is closed; counted in /metrics; once one closes, a new
     one is served. Listening on 0.0.0.0 any Host passes; an added origin is allowed."""
-    with llmrun_serve(serve_env, "-np", "1", "--no-dashboard", "--host", "0.0.0.0",
-                      "--max-connections", "3", "--allow-origin",
-                      "https://app.example:443") as s:  # fmt: skip
+    with llmrun_serve(
+        serve_env,
+        "-np",
+        "1",
+        "--no-dashboard",
+        "--host",
+        "0.0.0.0",
+        "--max-connections",
+        "3",
+        "--allow-origin",
+        "https://app.example:443",
+    ) as s:
         s.url = s.url.replace("0.0.0.0", "127.0.0.1")
         assert httpx.get(s.url + "/health", headers={"Host": "evil.example"}, timeout=60).is_success
         app = httpx.get(s.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=60)
         assert app.headers["access-control-allow-origin"] == "https://app.example"
-        openai_error(httpx.get(s.url + "/v1/models", headers={"Origin": "https://other.example"},
-                               timeout=60), 403)  # fmt: skip
+        openai_error(
+            httpx.get(
+                s.url + "/v1/models", headers={"Origin": "https://other.example"}, timeout=60
+            ),
+            403,
+        )
         first = connect(s)
         holders = [first]
         try:
@@ -558,8 +763,9 @@ def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
                 assert ask(sock, "GET", "/health")[0] == 200
             before = gauge(first, 'llmrun_requests_total{outcome="too_many_connections"')
             with connect(s) as extra:
-                status, headers, body = ask(extra, "POST", CHAT, json.dumps(small()).encode(),
-                                            origin="https://app.example")  # fmt: skip
+                status, headers, body = ask(
+                    extra, "POST", CHAT, json.dumps(small()).encode(), origin="https://app.example"
+                )
                 assert extra.recv(65536) == b""  # closed after its answer
             assert status == 503 and headers["retry-after"].isdigit(), body
             assert headers["access-control-allow-origin"] == "https://app.example"
@@ -577,12 +783,16 @@ def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
         assert not any("Traceback" in line for line in s.lines), "".join(s.lines)
 
 
-def ask(sock: socket.socket, method: str, path: str, body: bytes = b"",
-        origin: str | None = None) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+def ask(
+    sock: socket.socket, method: str, path: str, body: bytes = b"", origin: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
     """One request on a kept-alive connection; its status, headers and body."""
     extra = f"Origin: {origin}\r\n" if origin else ""
-    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}Content-Length:"
-                 f" {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    sock.sendall(
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}Content-Length:"
+        f" {len(body)}\r\n\r\n".encode()
+        + body
+    )
     received = b""
     while b"\r\n\r\n" not in received:
         chunk = sock.recv(65536)
@@ -601,8 +811,7 @@ def ask(sock: socket.socket, method: str, path: str, body: bytes = b"",
 def gauge(sock: socket.socket, name: str) -> float:
     """A metric's samples summed, read over `sock` (a connection already counted)."""
     text = ask(sock, "GET", "/metrics")[2].decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name))  # fmt: skip
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
@@ -621,8 +830,10 @@ def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
             status, _, body = exchange(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert status == 503 and "--max-connections" in json.loads(body)["error"]["message"]
             idle += [connect(s) for _ in range(100)]  # the kernel's backlog takes them
-            s.wait_for(lambda: any("waits to be accepted" in line for line in list(s.lines)),
-                       "a failed accept logged")  # fmt: skip
+            s.wait_for(
+                lambda: any("waits to be accepted" in line for line in list(s.lines)),
+                "a failed accept logged",
+            )
         finally:
             for sock in idle:
                 sock.close()

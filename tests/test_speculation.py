@@ -27,8 +27,9 @@ def runner(model_path: str) -> LlamaCppRunner:
 
 
 def token_ids(runner: LlamaCppRunner, prompt: str, draft: int, n: int = 80) -> list[int]:
-    request = Request.chat(prompt, sampling=SamplingParams(max_tokens=n, temperature=0,
-                                                           draft=draft))  # fmt: skip
+    request = Request.chat(
+        prompt, sampling=SamplingParams(max_tokens=n, temperature=0, draft=draft)
+    )
     return [e.token_id for e in runner.stream(request) if isinstance(e, Token)]
 
 
@@ -38,10 +39,12 @@ def margin(runner: LlamaCppRunner, prompt: str, a: list[int], b: list[int]) -> f
 
 @pytest.mark.parametrize(
     "prompt",
-    ["List the numbers from 1 to 40, separated by commas.",
-     f"Repeat this text exactly:\n\n{TEXT}",
-     "Write a short poem about the sea."],
-)  # fmt: skip
+    [
+        "List the numbers from 1 to 40, separated by commas.",
+        f"Repeat this text exactly:\n\n{TEXT}",
+        "Write a short poem about the sea.",
+    ],
+)
 def test_speculation_keeps_the_greedy_text(runner: LlamaCppRunner, prompt: str) -> None:
     """Identical, except where the top two tokens are a near-tie that kernel rounding (a batch
     of tokens against one at a time) can flip; then the two choices' logits are that close."""
@@ -50,8 +53,10 @@ def test_speculation_keeps_the_greedy_text(runner: LlamaCppRunner, prompt: str) 
 
 
 def test_lookup_drafts_are_accepted_where_the_text_repeats(runner: LlamaCppRunner) -> None:
-    request = Request.chat(f"Repeat this text exactly:\n\n{TEXT}",
-                           sampling=SamplingParams(max_tokens=80, temperature=0, draft=8))  # fmt: skip
+    request = Request.chat(
+        f"Repeat this text exactly:\n\n{TEXT}",
+        sampling=SamplingParams(max_tokens=80, temperature=0, draft=8),
+    )
     finished = [e for e in runner.stream(request) if isinstance(e, Finished)][-1]
     s = finished.stats
     assert s.draft_tokens > 0 and s.accepted_tokens > 10
@@ -85,10 +90,14 @@ def test_negative_control_unchecked_drafts_change_the_text(
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(["--draft", "lookup"], "add --temp 0"), (["--temp", "0", "--draft", "tree:3"],
-      "is not lookup"), (["--temp", "0", "--draft", "model:4"], "goes with --draft-model"), (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
-     (["--temp", "0", "--draft", "lookup", "--endpoint", "http://127.0.0.1:9"], "--draft")],
-)  # fmt: skip
+    [
+        (["--draft", "lookup"], "add --temp 0"),
+        (["--temp", "0", "--draft", "tree:3"], "is not lookup"),
+        (["--temp", "0", "--draft", "model:4"], "goes with --draft-model"),
+        (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
+        (["--temp", "0", "--draft", "lookup", "--endpoint", "http://127.0.0.1:9"], "--draft"),
+    ],
+)
 def test_draft_options_are_checked(args: list[str], says: str) -> None:
     result = CliRunner().invoke(app, ["run", "hi", *args])
     assert result.exit_code == 1 and says in result.stderr
@@ -101,8 +110,9 @@ def test_a_draft_model_drafts_and_keeps_the_greedy_text(model_path: str, q8_mode
         prompt = "Write a short poem about the sea."
         plain, fast = token_ids(plain_runner, prompt, 0), token_ids(drafted, prompt, 6)
         assert margin(plain_runner, prompt, plain, fast) < NEAR_TIE
-        request = Request.chat(prompt, sampling=SamplingParams(max_tokens=60, temperature=0,
-                                                               draft=6))  # fmt: skip
+        request = Request.chat(
+            prompt, sampling=SamplingParams(max_tokens=60, temperature=0, draft=6)
+        )
         s = [e for e in drafted.stream(request) if isinstance(e, Finished)][-1].stats
         assert s.acceptance_rate is not None and s.tokens_per_step is not None
         assert s.acceptance_rate > 0.5 and s.tokens_per_step > 2  # the same model, requantized
@@ -115,10 +125,26 @@ def test_bench_measures_decode_with_and_without_speculation_in_one_run(
     llmrun_env: dict[str, str],
 ) -> None:
     done = subprocess.run(
-        [which_llmrun(), "bench", "-p", "0", "-n", "32", "-r", "1", "--draft", "0,4",
-         "--no-history", "-o", "json"],
-        env=llmrun_env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "-p",
+            "0",
+            "-n",
+            "32",
+            "-r",
+            "1",
+            "--draft",
+            "0,4",
+            "--no-history",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     plain, fast = json.loads(done.stdout)
     assert "draft" not in plain and fast["draft"] == 4

@@ -35,27 +35,50 @@ def problems(out: str, width: int, figures: tuple[str, ...]) -> list[str]:
     lines = out.splitlines()
     found = [f"line of {len(line)} cells: {line!r}" for line in lines if len(line) > width]
     found += ["an ellipsis"] if "…" in out else []
-    found += [f"{figure} not whole" for figure in figures
-              if not any(figure in line for line in lines)]  # fmt: skip
+    found += [
+        f"{figure} not whole" for figure in figures if not any(figure in line for line in lines)
+    ]
     return found
 
 
 # ---- one builder per table kind, each with wide figures -------------------------------------
 
 
-def _row(shape: tuple[int, int], avg_ts: float, stddev_ts: float, *, model: str = "",
-         n_batch: int = 512, **swept: object) -> object:  # fmt: skip
+def _row(
+    shape: tuple[int, int],
+    avg_ts: float,
+    stddev_ts: float,
+    *,
+    model: str = "",
+    n_batch: int = 512,
+    **swept: object,
+) -> object:
     from llmrun.runners.bench import sweep as sw
     from llmrun.runners.bench.results import Efficiency, Result, Row
 
     info = dataclasses.replace(FAKE_MODEL, name=model) if model else FAKE_MODEL
     settings = dataclasses.replace(FAKE_SETTINGS, n_threads=16, n_batch=n_batch)
-    result = Result(shape=sw.Shape(*shape), combo=sw.Combo(n_batch=n_batch), model=info,
-                    settings=settings, load_s=0.1, samples_s=(1.0,), engine_samples_s=(),
-                    next_token=42)  # fmt: skip
-    return Row(result=result, avg_ts=avg_ts, stddev_ts=stddev_ts, ttft_ms=46_612.34,
-               itl_p50_ms=918.3, itl_p99_ms=1_204.7, efficiency=Efficiency(),
-               swept={"n_batch": n_batch, **swept}, relative_ts=1.0)  # fmt: skip
+    result = Result(
+        shape=sw.Shape(*shape),
+        combo=sw.Combo(n_batch=n_batch),
+        model=info,
+        settings=settings,
+        load_s=0.1,
+        samples_s=(1.0,),
+        engine_samples_s=(),
+        next_token=42,
+    )
+    return Row(
+        result=result,
+        avg_ts=avg_ts,
+        stddev_ts=stddev_ts,
+        ttft_ms=46_612.34,
+        itl_p50_ms=918.3,
+        itl_p99_ms=1_204.7,
+        efficiency=Efficiency(),
+        swept={"n_batch": n_batch, **swept},
+        relative_ts=1.0,
+    )
 
 
 def sweep_table() -> tuple[Fitted, tuple[str, ...]]:
@@ -86,8 +109,10 @@ def compare() -> tuple[Fitted, tuple[str, ...]]:
 
     now = {"model_name": "SmolLM2", "n_threads": 16, "avg_ts": 129_098.7, "stddev_ts": 46.2}
     before = {**now, "avg_ts": 46_612.3, "stddev_ts": 12.9}
-    changes = [Change("pp512", now, before, 7), Change("tg128", {**now, "avg_ts": 918.3}, None,
-                                                       None)]  # fmt: skip
+    changes = [
+        Change("pp512", now, before, 7),
+        Change("tg128", {**now, "avg_ts": 918.3}, None, None),
+    ]
     return compare_table(changes), (*WIDE, "+177.0%", "improvement (run 7)")
 
 
@@ -99,8 +124,19 @@ def serving() -> tuple[Fitted, tuple[str, ...]]:
     for concurrency, ttft_s in ((1, 15.4821), (16, 46.6123)):
         requests = [sv.RequestResult(4096, 64, ttft_s, 129.0987, [0.9183] * 63)] * 8
         measured = sv.metrics(requests, 1032.79, percentiles=[50, 99], slo={})
-        levels.append(sv.ServingLevel("local", "SmolLM2", concurrency, math.inf, 8, 4096, 64,
-                                      measured, policy="prefill-first"))  # fmt: skip
+        levels.append(
+            sv.ServingLevel(
+                "local",
+                "SmolLM2",
+                concurrency,
+                math.inf,
+                8,
+                4096,
+                64,
+                measured,
+                policy="prefill-first",
+            )
+        )
     return serving_table(levels, [50, 99]), ("129,098.7", "46,612.3", "15,482.1", "918.3")
 
 
@@ -109,9 +145,17 @@ def interference() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.runners.serving.engine import InterferenceReport, Step
 
     steps = tuple(Step(i * 0.5, 0.4, 1, 512 * (i % 2)) for i in range(40))
-    reports = [InterferenceReport(policy, (35_417.2, 129_098.7, 46_612.3), (129_098.7,), steps,
-                                  1_234.5, stream_times_s=(0.0, 5.0, 19.0))
-               for policy in ("prefill-first", "chunked:256")]  # fmt: skip
+    reports = [
+        InterferenceReport(
+            policy,
+            (35_417.2, 129_098.7, 46_612.3),
+            (129_098.7,),
+            steps,
+            1_234.5,
+            stream_times_s=(0.0, 5.0, 19.0),
+        )
+        for policy in ("prefill-first", "chunked:256")
+    ]
     return _table(reports), ("129,098.70", "46,612.30", "1,234.5", "7,600 of 8,000 ms")
 
 
@@ -120,9 +164,16 @@ def tuning() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.runners.bench.sweep import Combo
     from llmrun.runners.bench.tuning import Tried
 
-    tried = [Tried(Combo(n_threads=16, n_batch=2048, flash_attn="on"), 129_098.7, 46_612.3,
-                   samples=((129_098.7, 46_612.3), (129_000.0, 46_000.0)), stage="batch",
-                   note="chat: chosen; document: not chosen (within the noise)")]  # fmt: skip
+    tried = [
+        Tried(
+            Combo(n_threads=16, n_batch=2048, flash_attn="on"),
+            129_098.7,
+            46_612.3,
+            samples=((129_098.7, 46_612.3), (129_000.0, 46_000.0)),
+            stage="batch",
+            note="chat: chosen; document: not chosen (within the noise)",
+        )
+    ]
     return tried_table(tried, ["chat", "document"]), (*WIDE,)
 
 
@@ -131,13 +182,24 @@ def models() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.runners.gguf import GGUFInfo
     from llmrun.runners.models import ListedModel
 
-    path = ("/home/someone/.cache/huggingface/hub/models--bartowski--Qwen2.5-0.5B-Instruct-GGUF"
-            "/snapshots/0123456789abcdef/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf")  # fmt: skip
-    info = GGUFInfo(path=path, version=3, file_size_bytes=129_098_700_000,
-                    metadata={"general.architecture": "qwen2", "general.file_type": 15},
-                    n_tensors=290, n_params=46_612_300_000, data_size_bytes=1)  # fmt: skip
-    listed = [ListedModel("bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", path, "hub",
-                          129_098_700_000, info)]  # fmt: skip
+    path = (
+        "/home/someone/.cache/huggingface/hub/models--bartowski--Qwen2.5-0.5B-Instruct-GGUF"
+        "/snapshots/0123456789abcdef/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf"
+    )
+    info = GGUFInfo(
+        path=path,
+        version=3,
+        file_size_bytes=129_098_700_000,
+        metadata={"general.architecture": "qwen2", "general.file_type": 15},
+        n_tensors=290,
+        n_params=46_612_300_000,
+        data_size_bytes=1,
+    )
+    listed = [
+        ListedModel(
+            "bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M", path, "hub", 129_098_700_000, info
+        )
+    ]
     return models_table(listed), ("129 GB", "47B")
 
 
@@ -145,9 +207,11 @@ def aggregate() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.cli.report import aggregate_table
     from llmrun.runners.stats import Aggregate
 
-    figures: dict[str, dict[str, float | None]] = {"ttft_s": {"p50": 46.6123, "p90": 129.0987},
-               "prompt_tps": {"p50": 129_098.7, "p90": 46_612.3},
-               "output_tps": {"p50": 918.3, "p90": 1_204.7}}  # fmt: skip
+    figures: dict[str, dict[str, float | None]] = {
+        "ttft_s": {"p50": 46.6123, "p90": 129.0987},
+        "prompt_tps": {"p50": 129_098.7, "p90": 46_612.3},
+        "output_tps": {"p50": 918.3, "p90": 1_204.7},
+    }
     return aggregate_table(Aggregate(3, figures)), ("46,612.3 ms", "129,098.7 tok/s")
 
 
@@ -156,19 +220,34 @@ def chat_turns() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.runners.conversation import Turn
     from llmrun.runners.stats import GenerationStats
 
-    stats = GenerationStats(finish_reason="length", prompt_tokens=4096, reused_tokens=200,
-                            output_tokens=101, template_tokenize_s=0.004, prefill_s=46.6,
-                            first_sample_s=0.001, itl_s=(0.01,) * 100, e2e_s=50.0, load_s=1.0)  # fmt: skip
+    stats = GenerationStats(
+        finish_reason="length",
+        prompt_tokens=4096,
+        reused_tokens=200,
+        output_tokens=101,
+        template_tokenize_s=0.004,
+        prefill_s=46.6,
+        first_sample_s=0.001,
+        itl_s=(0.01,) * 100,
+        e2e_s=50.0,
+        load_s=1.0,
+    )
     view = turns_view([Turn("a", "x", stats), Turn("b", "y", stats, in_context=False)])
     assert isinstance(view, Fitted)
     return view, ("3896+200", "46,605", "83.6")
 
 
 TABLES: dict[str, Callable[[], tuple[Fitted, tuple[str, ...]]]] = {
-    "sweep": sweep_table, "chunks": chunk_table, "compare": compare, "serving": serving,
-    "interference": interference, "tune": tuning, "models": models, "aggregate": aggregate,
+    "sweep": sweep_table,
+    "chunks": chunk_table,
+    "compare": compare,
+    "serving": serving,
+    "interference": interference,
+    "tune": tuning,
+    "models": models,
+    "aggregate": aggregate,
     "chat": chat_turns,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -231,8 +310,12 @@ def test_every_table_in_cli_goes_through_fitted() -> None:
     unfitted = []
     for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
-        wrapped = {inner.func.id for call in _calls_of(tree, "fitted") for inner in call.args
-                   if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name)}  # fmt: skip
+        wrapped = {
+            inner.func.id
+            for call in _calls_of(tree, "fitted")
+            for inner in call.args
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name)
+        }
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef):
                 continue
@@ -245,8 +328,11 @@ def test_every_table_in_cli_goes_through_fitted() -> None:
 
 def _calls_of(tree: ast.AST, name: str) -> list[ast.Call]:
     """The calls of `name(...)` (a plain name: Table.grid is no table of figures)."""
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name) and node.func.id == name]  # fmt: skip
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -256,9 +342,11 @@ def test_bar_charts_keep_their_figures(width: int) -> None:
     from llmrun.cli.bench.output import model_chart, sweep_chart
 
     names = ("SmolLM2-135M-Instruct.Q8_0", "Qwen2.5-0.5B-Instruct.Q4_K_M")
-    rows = [_row(shape, ts, 1.0, model=name, fa=i)
-            for i, name in enumerate(names)
-            for shape, ts in (((512, 0), 129_098.7), ((0, 128), 46_612.3))]  # fmt: skip
+    rows = [
+        _row(shape, ts, 1.0, model=name, fa=i)
+        for i, name in enumerate(names)
+        for shape, ts in (((512, 0), 129_098.7), ((0, 128), 46_612.3))
+    ]
     for chart in (sweep_chart(rows), model_chart(rows)):  # type: ignore[arg-type]
         assert chart is not None
         out = text_of(chart, width)
@@ -275,17 +363,28 @@ def test_history_on_a_40_column_terminal(llmrun_env: dict[str, str]) -> None:
 
     from .conftest import HANG_S, which_llmrun
 
-    record = {"test": "pp512", "model_name": "SmolLM2-135M-Instruct.Q8_0", "n_threads": 16,
-              "n_prompt": 512, "n_gen": 0, "avg_ts": 46_612.3, "stddev_ts": 12.9}  # fmt: skip
+    record = {
+        "test": "pp512",
+        "model_name": "SmolLM2-135M-Instruct.Q8_0",
+        "n_threads": 16,
+        "n_prompt": 512,
+        "n_gen": 0,
+        "avg_ts": 46_612.3,
+        "stddev_ts": 12.9,
+    }
     path = Path(llmrun_env["LLMRUN_HOME"]) / "data" / "history.sqlite"
     with History(path) as history:
         for avg_ts in (46_612.3, 129_098.7):
-            history.store([{**record, "avg_ts": avg_ts}], kind="local", model="SmolLM2",
-                          system={})  # fmt: skip
+            history.store([{**record, "avg_ts": avg_ts}], kind="local", model="SmolLM2", system={})
     screen = pyte.Screen(40, 200)
     stream = pyte.ByteStream(screen)
-    child = pexpect.spawn(which_llmrun(), ["history"], env={**llmrun_env, "COLUMNS": ""},
-                          dimensions=(24, 40), timeout=HANG_S)  # fmt: skip
+    child = pexpect.spawn(
+        which_llmrun(),
+        ["history"],
+        env={**llmrun_env, "COLUMNS": ""},
+        dimensions=(24, 40),
+        timeout=HANG_S,
+    )
     try:
         stream.feed(child.read())
     finally:

@@ -18,24 +18,36 @@ from .conftest import HANG_S, ROOT, which_llmrun
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([which_llmrun(), *args], env=env, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [which_llmrun(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str]) -> None:
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counting does not stop by itself
-    cut = run(["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--no-dashboard", prompt],
-              llmrun_env)  # fmt: skip
+    cut = run(
+        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--no-dashboard", prompt],
+        llmrun_env,
+    )
     assert cut.returncode == 0, cut.stderr
     assert "[context]: the 256-token context is full (raise -c/--ctx" in cut.stderr
-    stats = run(["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--stats", "json",
-                 prompt], llmrun_env)  # fmt: skip
+    stats = run(
+        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--stats", "json", prompt],
+        llmrun_env,
+    )
     record = json.loads(stats.stderr.strip().splitlines()[-1])
     assert record["finish_reason"] == "context"
     assert record["prompt_tokens"] + record["output_tokens"] == record["settings"]["n_ctx"] + 1
     # -n reached first is still "length", with no hint
-    short = run(["run", "--raw", "-c", "256", "-n", "5", "--temp", "0", "--no-dashboard", prompt],
-                llmrun_env)  # fmt: skip
+    short = run(
+        ["run", "--raw", "-c", "256", "-n", "5", "--temp", "0", "--no-dashboard", prompt],
+        llmrun_env,
+    )
     assert "5 tokens [length]" in short.stderr and "context is full" not in short.stderr
 
 
@@ -51,8 +63,14 @@ def test_piping_on_a_terminal_keeps_the_answer(
     base = f"{which_llmrun()} run --raw -n 40 --temp 0 '1, 2, 3, 4,'"
 
     def screen(command: str) -> str:
-        child = pexpect.spawn("bash", ["-c", command], env=env, dimensions=(40, columns),
-                              encoding="utf-8", timeout=120)  # fmt: skip
+        child = pexpect.spawn(
+            "bash",
+            ["-c", command],
+            env=env,
+            dimensions=(40, columns),
+            encoding="utf-8",
+            timeout=120,
+        )
         child.expect(pexpect.EOF)
         child.close()
         return str(child.before)
@@ -70,9 +88,24 @@ def test_piping_on_a_terminal_keeps_the_answer(
 
 def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[str, str]) -> None:
     env = {**llmrun_env, "COLUMNS": "100", "TERM": "xterm-256color"}
-    child = pexpect.spawn(which_llmrun(), ["run", "-f", str(ROOT / "examples" / "long_prompt.txt"), "-n", "2",
-                                          "--temp", "0", "-b", "512"],
-                          env=env, dimensions=(40, 100), encoding="utf-8", timeout=120)  # fmt: skip
+    child = pexpect.spawn(
+        which_llmrun(),
+        [
+            "run",
+            "-f",
+            str(ROOT / "examples" / "long_prompt.txt"),
+            "-n",
+            "2",
+            "--temp",
+            "0",
+            "-b",
+            "512",
+        ],
+        env=env,
+        dimensions=(40, 100),
+        encoding="utf-8",
+        timeout=120,
+    )
     # While the first 512-token chunk runs the count is 0/N, yet the clock moves ...
     child.expect(r"0/(\d+) tokens[^\n]*· ([\d,]+)\.\d ms")
     total, first = child.match.group(1), int(child.match.group(2).replace(",", ""))
@@ -101,8 +134,9 @@ def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: in
     env = {**llmrun_env, "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
     prompt = ", ".join(str(i) for i in range(1, 40)) + ","
-    lines = final_screen(["run", "--raw", "-n", "40", "--temp", "0", "-b", "16", prompt],
-                         env, columns)  # fmt: skip
+    lines = final_screen(
+        ["run", "--raw", "-n", "40", "--temp", "0", "-b", "16", prompt], env, columns
+    )
     text = "\n".join(lines)
     assert not any(re.search(r"\d+/\d+ tokens", ln) for ln in lines), text  # no live prefill row
     assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
@@ -111,8 +145,9 @@ def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: in
 
 
 def tmux(*args: str) -> str:
-    return subprocess.run(["tmux", "-L", "llmrun-test", *args], capture_output=True, text=True,
-                          check=True, timeout=30).stdout  # fmt: skip
+    return subprocess.run(
+        ["tmux", "-L", "llmrun-test", *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
 
 
 @pytest.mark.parametrize(("wide", "narrow"), [(120, 60), (80, 40)])
@@ -129,10 +164,27 @@ def test_resizing_mid_run_leaves_no_debris(
     env.pop("NO_COLOR", None)
     env.pop("COLUMNS", None)
     env.pop("LINES", None)
-    command = (f"seq 100; {which_llmrun()} run --raw -n 300 --temp 0 -t 1 '1, 2, 3, 4, 5,' > {tmp_path / 'out'}"
-               f"; echo FINI''SHED")  # fmt: skip
-    tmux("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", str(wide), "-y", "30",
-         "env", *(f"{k}={v}" for k, v in env.items()), "bash", "--norc", "-i")  # fmt: skip
+    command = (
+        f"seq 100; {which_llmrun()} run --raw -n 300 --temp 0 -t 1 '1, 2, 3, 4, 5,' > {tmp_path / 'out'}"
+        f"; echo FINI''SHED"
+    )
+    tmux(
+        "-f",
+        "/dev/null",
+        "new-session",
+        "-d",
+        "-s",
+        "t",
+        "-x",
+        str(wide),
+        "-y",
+        "30",
+        "env",
+        *(f"{k}={v}" for k, v in env.items()),
+        "bash",
+        "--norc",
+        "-i",
+    )
     try:
         tmux("send-keys", "-t", "t", command, "Enter")
         deadline = time.monotonic() + HANG_S
@@ -162,14 +214,33 @@ class Tmux:
         self.socket = f"llmrun-test-{columns}-{time.monotonic_ns()}"
         env = {k: v for k, v in env.items() if k not in ("NO_COLOR", "COLUMNS", "LINES")}
         env["TERM"] = "xterm-256color"
-        self("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", str(columns), "-y",
-             str(rows), "env", *(f"{k}={v}" for k, v in env.items()), "bash", "--norc",
-             "-i")  # fmt: skip
+        self(
+            "-f",
+            "/dev/null",
+            "new-session",
+            "-d",
+            "-s",
+            "t",
+            "-x",
+            str(columns),
+            "-y",
+            str(rows),
+            "env",
+            *(f"{k}={v}" for k, v in env.items()),
+            "bash",
+            "--norc",
+            "-i",
+        )
         self.keys("PS1='$ '", "Enter")
 
     def __call__(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True,
-                              text=True, check=True, timeout=30).stdout  # fmt: skip
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
 
     def keys(self, *keys: str) -> None:
         self("send-keys", "-t", "t", *keys)
@@ -231,9 +302,7 @@ def test_enter_during_a_reply_and_text_copied_from_the_screen(
 
 
 @pytest.mark.pty
-def test_keys_and_ctrl_z_during_a_chat_reply_and_at_the_prompt(
-    llmrun_env: dict[str, str],
-) -> None:
+def test_keys_and_ctrl_z_during_a_chat_reply_and_at_the_prompt(llmrun_env: dict[str, str]) -> None:
     """Enter pressed during a reply leaves no stale row or repeated line; what was typed
     meanwhile starts the next prompt; Ctrl-Z gives the shell a visible cursor, and after `fg`
     the reply goes on, and at the prompt, the prompt and its line are drawn again, each key
@@ -270,9 +339,11 @@ def test_keys_and_ctrl_z_during_a_chat_reply_and_at_the_prompt(
     assert not any(ln.startswith(("prefill ", "decode ")) for ln in lines), text  # no stale row
     assert sum(ln.startswith("prompt ") and "TTFT" in ln for ln in lines) == 1, text
     assert [ln for ln in lines if ln.startswith(">>>")] == [
-        ">>> Write a very long story about a dragon and a knight.", ">>> /sh",
-        ">>> /show info", ">>> /bye",
-    ], text  # the Enters typed during the reply sent nothing and drew no prompt  # fmt: skip
+        ">>> Write a very long story about a dragon and a knight.",
+        ">>> /sh",
+        ">>> /show info",
+        ">>> /bye",
+    ], text  # the Enters typed during the reply sent nothing and drew no prompt
 
 
 @pytest.mark.pty
@@ -282,8 +353,14 @@ def test_the_summary_survives_a_pipe_into_less(llmrun_env: dict[str, str]) -> No
     env.pop("PAGER", None)
     if shutil.which("less") is None:
         pytest.skip("less is not installed")
-    child = pexpect.spawn("bash", ["-c", f"{which_llmrun()} {COUNT} | less -R"], env=env,
-                          dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
+    child = pexpect.spawn(
+        "bash",
+        ["-c", f"{which_llmrun()} {COUNT} | less -R"],
+        env=env,
+        dimensions=(30, 80),
+        encoding="utf-8",
+        timeout=180,
+    )
     child.expect(r"\(END\)")  # less has all of stdout
     shown = str(child.before)
     assert "6, 7, 8" in shown and "tok/s" not in shown and "decode " not in shown
@@ -301,7 +378,9 @@ def test_term_dumb_streams_plain_text_and_plain_stats(llmrun_env: dict[str, str]
     until the end there), the text as it comes, the stats as plain lines."""
     env = {**llmrun_env, "TERM": "dumb"}
     args = ["run", "--raw", "-n", "160", "--temp", "0", "-t", "1", "1, 2, 3, 4, 5,"]
-    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(30, 80), encoding="utf-8", timeout=180)  # fmt: skip
+    child = pexpect.spawn(
+        which_llmrun(), args, env=env, dimensions=(30, 80), encoding="utf-8", timeout=180
+    )
     child.expect(pexpect.EOF)
     child.close()
     out = str(child.before)

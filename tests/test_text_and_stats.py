@@ -44,11 +44,21 @@ def test_percentile_matches_linear_interpolation() -> None:
 
 def make_stats(**kw: object) -> GenerationStats:
     base: dict[str, object] = dict(
-        finish_reason="stop", prompt_tokens=100, reused_tokens=20, output_tokens=5,
-        template_tokenize_s=0.01, prefill_s=0.2, first_sample_s=0.001,
-        itl_s=(0.01, 0.02, 0.01, 0.04), e2e_s=0.3, load_s=0.1,
-        engine_eval_ms=60.0, engine_n_eval=4, engine_sample_ms=4.0, engine_n_sample=5,
-    )  # fmt: skip
+        finish_reason="stop",
+        prompt_tokens=100,
+        reused_tokens=20,
+        output_tokens=5,
+        template_tokenize_s=0.01,
+        prefill_s=0.2,
+        first_sample_s=0.001,
+        itl_s=(0.01, 0.02, 0.01, 0.04),
+        e2e_s=0.3,
+        load_s=0.1,
+        engine_eval_ms=60.0,
+        engine_n_eval=4,
+        engine_sample_ms=4.0,
+        engine_n_sample=5,
+    )
     base.update(kw)
     return GenerationStats(**base)  # type: ignore[arg-type]
 

@@ -46,19 +46,32 @@ def _allowed() -> dict[int, frozenset[int]]:
 
 @pytest.mark.parametrize(
     ("mask", "cpus"),
-    [("0x0", set()), ("0", set()), ("0x1", {0}), ("0x3", {0, 1}), ("ff", set(range(8))),
-     ("0xA", {1, 3}), ("0x8000000000000000", {63}), ("0x" + "f" * 128, set(range(512)))],
-)  # fmt: skip
+    [
+        ("0x0", set()),
+        ("0", set()),
+        ("0x1", {0}),
+        ("0x3", {0, 1}),
+        ("ff", set(range(8))),
+        ("0xA", {1, 3}),
+        ("0x8000000000000000", {63}),
+        ("0x" + "f" * 128, set(range(512))),
+    ],
+)
 def test_masks_read_as_llama_cpp_reads_them(mask: str, cpus: set[int]) -> None:
     assert tp.parse_cpu_mask(mask) == cpus
 
 
 @pytest.mark.parametrize(
     ("mask", "says"),
-    [("0x", "give a hex mask"), ("", "give a hex mask"), ("0xg1", "'g' is not a hex digit"),
-     ("0X1", "'X' is not a hex digit"), ("0-3", "'-' is not a hex digit"),
-     ("1" * 129, "at most 128 hex digits")],
-)  # fmt: skip
+    [
+        ("0x", "give a hex mask"),
+        ("", "give a hex mask"),
+        ("0xg1", "'g' is not a hex digit"),
+        ("0X1", "'X' is not a hex digit"),
+        ("0-3", "'-' is not a hex digit"),
+        ("1" * 129, "at most 128 hex digits"),
+    ],
+)
 def test_what_is_not_a_mask_is_refused(mask: str, says: str) -> None:
     with pytest.raises(BadRequestError, match=says):
         tp.ThreadpoolSettings(cpu_mask=mask)
@@ -116,12 +129,17 @@ def test_the_mask_pins_the_compute_threads_and_freeing_unpins(model_path: str) -
     before = _allowed()
     me = threading.get_native_id()
     settings = tp.ThreadpoolSettings(cpu_mask=FIRST)
-    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=2, flash_attn="off",
-                                                     warmup=False, threadpool=settings))  # fmt: skip
+    runner = LlamaCppRunner(
+        model_path,
+        EngineConfig(n_ctx=256, n_threads=2, flash_attn="off", warmup=False, threadpool=settings),
+    )
     try:
         loaded = runner.load()
         assert {k: loaded.settings.params[k] for k in ("cpu_mask", "cpu_strict", "poll")} == {
-            "cpu_mask": FIRST, "cpu_strict": False, "poll": 50}  # fmt: skip
+            "cpu_mask": FIRST,
+            "cpu_strict": False,
+            "poll": 50,
+        }
         # one graph: two threads on one CPU wait on each other at every barrier
         done = generate(runner, Request(prompt="Hi", sampling=SamplingParams(max_tokens=1)))
         assert done.stats.output_tokens == 1
@@ -143,8 +161,10 @@ def test_strict_placement_gives_each_thread_one_cpu(model_path: str) -> None:
     mask = hex((1 << CPUS[0]) | (1 << CPUS[1]))
     settings = tp.ThreadpoolSettings(cpu_mask=mask, strict=True, poll=0, prio=-1)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
-    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=2, flash_attn="off",
-                                                     warmup=False, threadpool=settings))  # fmt: skip
+    runner = LlamaCppRunner(
+        model_path,
+        EngineConfig(n_ctx=256, n_threads=2, flash_attn="off", warmup=False, threadpool=settings),
+    )
     try:
         generate(runner, Request(prompt="Hello", sampling=SamplingParams(max_tokens=2)))
         during = _allowed()
@@ -164,8 +184,9 @@ def test_contexts_with_pools_come_and_go(model_path: str) -> None:
     runner = LlamaCppRunner(model_path, base)
     try:
         for i in range(20):
-            settings = tp.ThreadpoolSettings(cpu_mask=FIRST if i % 2 else "0x0", poll=i % 3 * 50,
-                                             strict=bool(i % 4 == 1))  # fmt: skip
+            settings = tp.ThreadpoolSettings(
+                cpu_mask=FIRST if i % 2 else "0x0", poll=i % 3 * 50, strict=bool(i % 4 == 1)
+            )
             loaded = runner.reconfigure(dataclasses.replace(base, threadpool=settings))
             assert loaded.settings.params.get("poll", 50) == settings.poll
             assert runner._ctx is not None
@@ -183,9 +204,27 @@ def test_contexts_with_pools_come_and_go(model_path: str) -> None:
 
 
 def _bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-history", "-p", "8", "-n",
-                           "2", "-o", "json", *args], env=env, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [
+            which_llmrun(),
+            "bench",
+            "-r",
+            "1",
+            "--no-history",
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-o",
+            "json",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_bench_runs_and_records_the_threadpool_flags(llmrun_env: dict[str, str]) -> None:
@@ -193,12 +232,15 @@ def test_bench_runs_and_records_the_threadpool_flags(llmrun_env: dict[str, str])
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [(r["test"], r["poll"], r["cpu_mask"], r["cpu_strict"]) for r in rows] == [
-        ("pp8", 0, "0x0", False), ("tg2", 0, "0x0", False)]  # fmt: skip
+        ("pp8", 0, "0x0", False),
+        ("tg2", 0, "0x0", False),
+    ]
     done = _bench(llmrun_env, "-C", FIRST, "--cpu-strict", "1", "-t", "1")
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [(r["poll"], r["cpu_mask"], r["cpu_strict"], r["n_threads"]) for r in rows] == [
-        (50, FIRST, True, 1)] * 2  # fmt: skip
+        (50, FIRST, True, 1)
+    ] * 2
     assert all(r["avg_ts"] > 0 for r in rows)
 
 
@@ -215,8 +257,10 @@ def test_the_terminal_table_tells_swept_threadpools_apart() -> None:
 
     from .test_tables import _row, text_of
 
-    rows = [_row((8, 0), 10.0, 1.0, cpu_mask=m, cpu_strict=s, poll=p)
-            for m, s, p in (("0x1", False, 0), ("0x1", True, 50))]  # fmt: skip
+    rows = [
+        _row((8, 0), 10.0, 1.0, cpu_mask=m, cpu_strict=s, poll=p)
+        for m, s, p in (("0x1", False, 0), ("0x1", True, 50))
+    ]
     out = text_of(results_table(rows), 120)  # type: ignore[arg-type]
     assert "strict" in out and "poll" in out and "cpu_mask" not in out  # only what varies
     assert any("True" in ln and "50" in ln for ln in out.splitlines())
@@ -234,8 +278,9 @@ def test_run_and_chat_hand_the_flags_to_the_engine(
 
     monkeypatch.setattr(engine, "RUNNER_FACTORY", make)
     args = [command, "hello", "--no-dashboard"] if command == "run" else [command]
-    done = CliRunner().invoke(app, [*args, "-C", FIRST, "--cpu-strict", "1", "--poll", "0"],
-                              input="hi\n")  # fmt: skip
+    done = CliRunner().invoke(
+        app, [*args, "-C", FIRST, "--cpu-strict", "1", "--poll", "0"], input="hi\n"
+    )
     assert done.exit_code == 0, done.stderr
     assert seen[-1].threadpool == tp.ThreadpoolSettings(cpu_mask=FIRST, strict=True, poll=0)
     plain = CliRunner().invoke(app, args, input="hi\n")

@@ -48,10 +48,20 @@ def llmrun(
     """The installed command in its own process (bytes in, bytes out)."""
     if shell_suffix:
         quoted = " ".join(_quote(a) for a in [which_llmrun(), *args])
-        return subprocess.run(["bash", "-c", quoted + " " + shell_suffix], env=env,
-                              input=stdin, capture_output=True, timeout=timeout)  # fmt: skip
-    return subprocess.run([which_llmrun(), *args], env=env, input=stdin if stdin is not None
-                          else b"", capture_output=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            ["bash", "-c", quoted + " " + shell_suffix],
+            env=env,
+            input=stdin,
+            capture_output=True,
+            timeout=timeout,
+        )
+    return subprocess.run(
+        [which_llmrun(), *args],
+        env=env,
+        input=stdin if stdin is not None else b"",
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def _quote(arg: str) -> str:
@@ -92,8 +102,12 @@ def test_fuzzed_headers_end_in_exit_0_or_1_with_one_line(llmrun_env: dict[str, s
     # that has not run llama.cpp yet (OpenMP's threads do not survive a fork).
     result = subprocess.run(
         [sys.executable, "-m", "tests.fuzz_gguf", "--cases", "200", "--seed", "2026"],
-        cwd=ROOT, env=llmrun_env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert summary.startswith("200 cases, exit codes {0: ") and ", 1: " in summary, summary
@@ -117,8 +131,11 @@ def test_a_llama_cpp_abort_is_one_line_and_exit_1(
     model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
 ) -> None:
     bad = duplicate_token_model(model_path, tmp_path)
-    for args in (["run", "-m", bad, "hi"], ["run", "-m", bad, "--json", "hi"],
-                 ["bench", "-m", bad, "-p", "8", "-n", "0", "-r", "1", "-o", "json"]):  # fmt: skip
+    for args in (
+        ["run", "-m", bad, "hi"],
+        ["run", "-m", bad, "--json", "hi"],
+        ["bench", "-m", bad, "-p", "8", "-n", "0", "-r", "1", "-o", "json"],
+    ):
         result = llmrun(args, llmrun_env)
         assert result.returncode == 1, result.stderr
         lines = error_lines(result.stderr)
@@ -175,10 +192,22 @@ def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:
 
 def test_sigterm_behaves_like_ctrl_c_and_exits_143(llmrun_env: dict[str, str]) -> None:
     proc = subprocess.Popen(
-        [which_llmrun(), "run", "--raw", "-n", "2000", "--temp", "0", "--no-dashboard",
-         "Count from one to a thousand:"],
-        env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "run",
+            "--raw",
+            "-n",
+            "2000",
+            "--temp",
+            "0",
+            "--no-dashboard",
+            "Count from one to a thousand:",
+        ],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout is not None
     first = proc.stdout.read(8)  # text is flowing
     proc.send_signal(signal.SIGTERM)
@@ -209,9 +238,13 @@ def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.2, 0.4])
 def test_ctrl_c_during_startup_is_quiet(delay: float, llmrun_env: dict[str, str]) -> None:
-    proc = subprocess.Popen([which_llmrun(), "run", "-n", "2", "hi"], env=llmrun_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [which_llmrun(), "run", "-n", "2", "hi"],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     llmrun_code_runs(proc)
     time.sleep(delay)  # the moment of the Ctrl-C is the input here: any moment must be quiet
     proc.send_signal(signal.SIGINT)
@@ -222,10 +255,28 @@ def test_ctrl_c_during_startup_is_quiet(delay: float, llmrun_env: dict[str, str]
 
 def test_ctrl_c_stops_a_long_depth_fill_within_a_second(llmrun_env: dict[str, str]) -> None:
     proc = subprocess.Popen(
-        [which_llmrun(), "bench", "-d", "30000", "-c", "31000", "-p", "1", "-n", "0", "-r", "1",
-         "--no-history", "-o", "json"],
-        env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            which_llmrun(),
+            "bench",
+            "-d",
+            "30000",
+            "-c",
+            "31000",
+            "-p",
+            "1",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--no-history",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stderr is not None
     for line in proc.stderr:  # loaded, bandwidth probed, settings shown: the depth fill is next
         if line.lstrip().startswith(b"settings"):
@@ -270,8 +321,10 @@ def _damage(kind: str, home: Path) -> None:
         db.write_bytes(db.read_bytes()[:1500])
     elif kind == "other schema":
         con = sqlite3.connect(db)
-        con.executescript("CREATE TABLE runs (id INTEGER PRIMARY KEY, time TEXT);"
-                          "CREATE TABLE results (run_id INTEGER, record TEXT);")  # fmt: skip
+        con.executescript(
+            "CREATE TABLE runs (id INTEGER PRIMARY KEY, time TEXT);"
+            "CREATE TABLE results (run_id INTEGER, record TEXT);"
+        )
         con.commit()
         con.close()
     elif kind == "home is a file":
@@ -279,8 +332,9 @@ def _damage(kind: str, home: Path) -> None:
         home.write_text("not a directory")
 
 
-@pytest.mark.parametrize("kind", ["garbage", "truncated", "other schema", "read-only",
-                                  "home is a file"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind", ["garbage", "truncated", "other schema", "read-only", "home is a file"]
+)
 def test_bench_results_reach_stdout_whatever_the_history(
     kind: str, llmrun_env: dict[str, str]
 ) -> None:
@@ -303,8 +357,12 @@ def test_bench_results_reach_stdout_whatever_the_history(
 def test_history_lists_runs_around_a_damaged_row(tmp_path: Path, cli: CliRunner) -> None:
     with History() as h:
         for rate in (10.0, 12.0, 11.0):
-            h.store([{"test": "pp8", "avg_ts": rate, "stddev_ts": 0.1}], kind="bench",
-                    model="m", system={})  # fmt: skip
+            h.store(
+                [{"test": "pp8", "avg_ts": rate, "stddev_ts": 0.1}],
+                kind="bench",
+                model="m",
+                system={},
+            )
         h.db.execute("UPDATE results SET record = '{broken' WHERE run_id = 2")
         h.db.execute("UPDATE results SET record = '[1, 2]' WHERE run_id = 1")
         h.db.commit()
@@ -354,8 +412,23 @@ def test_a_server_with_garbage_figures_keeps_text_and_stats(
 ) -> None:
     with stub_server() as url:
         result = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", model, "--stats", "json"])
-        bench = cli.invoke(app, ["bench", "serve", "--endpoint", url, "-m", model, "--num-prompts", "2",
-                                 "--concurrency", "1", "-o", "json"])  # fmt: skip
+        bench = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--endpoint",
+                url,
+                "-m",
+                model,
+                "--num-prompts",
+                "2",
+                "--concurrency",
+                "1",
+                "-o",
+                "json",
+            ],
+        )
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "".join(WORDS) + "\n"
     stats = json.loads(result.stderr.strip().splitlines()[-1])
@@ -381,8 +454,9 @@ def test_an_interrupted_prefill_rates_only_what_it_evaluated(model_path: str) ->
     prompt = " ".join(f"word{i}" for i in range(400))
     finished = None
     try:
-        for event in runner.stream(Request(prompt=prompt, sampling=SamplingParams(max_tokens=4)),
-                                   cancel=cancel):  # fmt: skip
+        for event in runner.stream(
+            Request(prompt=prompt, sampling=SamplingParams(max_tokens=4)), cancel=cancel
+        ):
             if isinstance(event, PrefillProgress) and event.done_tokens >= 64:
                 cancel.set()
             finished = event
@@ -405,8 +479,7 @@ def test_bench_refuses_negative_and_endless_sizes(cli: CliRunner) -> None:
 def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> None:
     with stub_server() as url:
         result = cli.invoke(app, ["run", "hi", "--endpoint", url, "--stats", "json"])
-        plain = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", "nousage",
-                                 "--no-dashboard"])  # fmt: skip
+        plain = cli.invoke(app, ["run", "hi", "--endpoint", url, "-m", "nousage", "--no-dashboard"])
     stats = json.loads(result.stderr.strip().splitlines()[-1])
     assert stats["prefill_s"] == pytest.approx(0.004)
     assert stats["prompt_tps"] == pytest.approx(8 / 0.004)
@@ -417,12 +490,15 @@ def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> N
 def test_other_processes_load_is_measured_and_warned(llmrun_env: dict[str, str]) -> None:
     """The one test of a really busy machine: the faked quiet (conftest) is taken away."""
     env = {k: v for k, v in llmrun_env.items() if k != BACKGROUND_ENV}
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(os.cpu_count() or 2)]  # fmt: skip
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
     try:
         time.sleep(0.3)
-        result = llmrun(["run", "--raw", "-n", "60", "--temp", "0", "-t", "1", "--no-dashboard",
-                         "Count:"], env)  # fmt: skip
+        result = llmrun(
+            ["run", "--raw", "-n", "60", "--temp", "0", "-t", "1", "--no-dashboard", "Count:"], env
+        )
     finally:
         for p in spinners:
             p.kill()
@@ -437,8 +513,13 @@ def test_background_cpus_and_the_busy_verdict() -> None:
     assert background_cpus(a, CpuSample(0.1, 100.0, 10.0)) is None  # too short to tell
     from llmrun.runners.history import Change
 
-    quiet = {"test": "pp8", "avg_ts": 100.0, "stddev_ts": 1.0, "n_threads": 2,
-             "background_cpus": 0.0}  # fmt: skip
+    quiet = {
+        "test": "pp8",
+        "avg_ts": 100.0,
+        "stddev_ts": 1.0,
+        "n_threads": 2,
+        "background_cpus": 0.0,
+    }
     busy = {**quiet, "avg_ts": 24.0, "background_cpus": 1.5}
     assert Change("pp8", busy, quiet, 1).verdict == "noise (busy machine)"
     assert Change("pp8", {**quiet, "avg_ts": 24.0}, quiet, 1).verdict == "regression"
@@ -453,19 +534,47 @@ def test_a_url_password_is_never_written(tmp_path: Path, llmrun_env: dict[str, s
         endpoint = url.replace("http://", f"http://alice:{secret}@")
         stats_file = tmp_path / "stats.jsonl"
         outputs = [
-            llmrun(["run", "hi", "--endpoint", endpoint, "--stats", "json",
-                    "--stats-file", str(stats_file)], llmrun_env),
+            llmrun(
+                [
+                    "run",
+                    "hi",
+                    "--endpoint",
+                    endpoint,
+                    "--stats",
+                    "json",
+                    "--stats-file",
+                    str(stats_file),
+                ],
+                llmrun_env,
+            ),
             llmrun(["run", "hi", "--endpoint", endpoint, "--json"], llmrun_env),
             llmrun(["run", "hi", "--endpoint", endpoint, "--no-dashboard"], llmrun_env),
-            llmrun(["chat", "--endpoint", endpoint], llmrun_env,
-                   stdin=f"hi\n/save {tmp_path / 't.md'}\n/save {tmp_path / 't.json'}\n".encode()),
-            llmrun(["bench", "serve", "--endpoint", endpoint, "--num-prompts", "2", "-o", "json"],
-                   llmrun_env),
-            llmrun(["bench", "interference", "--endpoint", endpoint,
-                    "--input-len", "8", "--output-len", "4"], llmrun_env),
-        ]  # fmt: skip
-        wrong = llmrun(["run", "hi", "--endpoint", url.replace("http://", "http://alice:nope@")],
-                       llmrun_env)  # fmt: skip
+            llmrun(
+                ["chat", "--endpoint", endpoint],
+                llmrun_env,
+                stdin=f"hi\n/save {tmp_path / 't.md'}\n/save {tmp_path / 't.json'}\n".encode(),
+            ),
+            llmrun(
+                ["bench", "serve", "--endpoint", endpoint, "--num-prompts", "2", "-o", "json"],
+                llmrun_env,
+            ),
+            llmrun(
+                [
+                    "bench",
+                    "interference",
+                    "--endpoint",
+                    endpoint,
+                    "--input-len",
+                    "8",
+                    "--output-len",
+                    "4",
+                ],
+                llmrun_env,
+            ),
+        ]
+        wrong = llmrun(
+            ["run", "hi", "--endpoint", url.replace("http://", "http://alice:nope@")], llmrun_env
+        )
     closed = f"http://alice:{secret}@127.0.0.1:{free_port()}"
     outputs.append(llmrun(["run", "hi", "--endpoint", closed], llmrun_env))
     assert outputs[0].returncode == 0 and b"Hello from" in outputs[2].stdout, outputs[0].stderr
@@ -500,8 +609,9 @@ def _key(name: str) -> bytes:
 
 
 def test_crafted_headers_are_one_line_errors(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
-    string_alignment = _gguf(tmp_path, _key("general.alignment") + struct.pack("<I", 8)
-                             + _key("thirty-two"), 1)  # fmt: skip
+    string_alignment = _gguf(
+        tmp_path, _key("general.alignment") + struct.pack("<I", 8) + _key("thirty-two"), 1
+    )
     nested = _key("deep") + struct.pack("<I", 9) + (struct.pack("<IQ", 9, 1)) * 2000
     deep = str(tmp_path / "deep.gguf")
     Path(deep).write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + nested + b"\0" * 64)
@@ -534,13 +644,16 @@ def test_a_broken_chat_template_is_one_line(
     assert raw.returncode == 0
 
 
-@pytest.mark.parametrize(("args", "code"), [
-    (["--endpoint", "http://[::1"], 1),
-    (["--endpoint", "http://h:1 x"], 1),
-    (["--endpoint", "ftp://host"], 1),
-    (["--endpoint", "http://127.0.0.1:1", "--timeout", "inf"], 2),
-    (["--endpoint", "http://127.0.0.1:1", "--timeout", "nan"], 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["--endpoint", "http://[::1"], 1),
+        (["--endpoint", "http://h:1 x"], 1),
+        (["--endpoint", "ftp://host"], 1),
+        (["--endpoint", "http://127.0.0.1:1", "--timeout", "inf"], 2),
+        (["--endpoint", "http://127.0.0.1:1", "--timeout", "nan"], 2),
+    ],
+)
 def test_odd_endpoints_and_timeouts(args: list[str], code: int, cli: CliRunner) -> None:
     result = cli.invoke(app, ["run", "hi", *args])
     assert result.exit_code == code, result.stderr
@@ -548,8 +661,11 @@ def test_odd_endpoints_and_timeouts(args: list[str], code: int, cli: CliRunner) 
 
 
 def test_a_full_disk_on_stdout_is_one_line(llmrun_env: dict[str, str]) -> None:
-    for args in (["run", "--raw", "-n", "3", "hi"], ["run", "--json", "-n", "3", "hi"],
-                 ["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "json"]):  # fmt: skip
+    for args in (
+        ["run", "--raw", "-n", "3", "hi"],
+        ["run", "--json", "-n", "3", "hi"],
+        ["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "json"],
+    ):
         result = llmrun(args, llmrun_env, shell_suffix="> /dev/full")
         assert result.returncode == 1, result.stderr
         last = error_lines(result.stderr)[-1]
@@ -570,8 +686,11 @@ def test_invalid_utf8_on_stdin_is_replaced_with_a_warning(
 
 
 def test_with_stderr_closed_nothing_lands_on_stdout(llmrun_env: dict[str, str]) -> None:
-    for args in (["run", "-m", "/no/such/model.gguf", "hi"], ["run", "-t", "100000", "hi"],
-                 ["run", "--raw", "-n", "3", "--temp", "0", "hi"]):  # fmt: skip
+    for args in (
+        ["run", "-m", "/no/such/model.gguf", "hi"],
+        ["run", "-t", "100000", "hi"],
+        ["run", "--raw", "-n", "3", "--temp", "0", "hi"],
+    ):
         result = llmrun(args, llmrun_env, shell_suffix="2>&-")
         assert b"llmrun:" not in result.stdout and b"prompt" not in result.stdout, result.stdout
 

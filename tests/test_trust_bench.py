@@ -21,9 +21,13 @@ from .conftest import HANG_S, which_llmrun
 
 @pytest.mark.parametrize(
     ("text", "says"),
-    [("nan", "must be a number above 0"), ("-1", "must be a number above 0"),
-     ("1e-9", "would wait hours"), ("abc", "is not a number")],
-)  # fmt: skip
+    [
+        ("nan", "must be a number above 0"),
+        ("-1", "must be a number above 0"),
+        ("1e-9", "would wait hours"),
+        ("abc", "is not a number"),
+    ],
+)
 def test_request_rate_refuses_nan_and_endless_waits(text: str, says: str) -> None:
     with pytest.raises(BadRequestError, match=says):
         so.parse_rate(text)
@@ -31,19 +35,28 @@ def test_request_rate_refuses_nan_and_endless_waits(text: str, says: str) -> Non
 
 
 def _serve(**changes: object) -> so.ServeOptions:
-    base: dict[str, object] = dict(concurrency=(1,), request_rate=float("inf"), num_prompts=16,
-                                   input_len=128, output_len=8, range_ratio=0.0, warmup=0,
-                                   percentiles=(50.0,))  # fmt: skip
+    base: dict[str, object] = dict(
+        concurrency=(1,),
+        request_rate=float("inf"),
+        num_prompts=16,
+        input_len=128,
+        output_len=8,
+        range_ratio=0.0,
+        warmup=0,
+        percentiles=(50.0,),
+    )
     return so.ServeOptions(**{**base, **changes})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("changes", "says"),
-    [({"num_prompts": 2_000_000}, "--num-prompts 2,000,000: at most"),
-     ({"input_len": 100_000_000}, "--input-len 100,000,000: at most"),
-     ({"num_prompts": 100_000, "input_len": 1_000_000}, "prompt tokens in all"),
-     ({"request_rate": float("nan")}, "must be a number above 0")],
-)  # fmt: skip
+    [
+        ({"num_prompts": 2_000_000}, "--num-prompts 2,000,000: at most"),
+        ({"input_len": 100_000_000}, "--input-len 100,000,000: at most"),
+        ({"num_prompts": 100_000, "input_len": 1_000_000}, "prompt tokens in all"),
+        ({"request_rate": float("nan")}, "must be a number above 0"),
+    ],
+)
 def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> None:
     with pytest.raises(BadRequestError, match=says):
         _serve(**changes)
@@ -56,14 +69,25 @@ def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> Non
 
 @pytest.mark.parametrize(
     "args",
-    [["serve", "--num-prompts", "2000000"], ["serve", "--input-len", "100000000"],
-     ["serve", "--request-rate", "nan"], ["serve", "--request-rate", "1e-9"],
-     ["serve", "--policy", ""], ["interference", "--policy", ""],
-     ["interference", "--prompt-len", "100000000"]],
-)  # fmt: skip
+    [
+        ["serve", "--num-prompts", "2000000"],
+        ["serve", "--input-len", "100000000"],
+        ["serve", "--request-rate", "nan"],
+        ["serve", "--request-rate", "1e-9"],
+        ["serve", "--policy", ""],
+        ["interference", "--policy", ""],
+        ["interference", "--prompt-len", "100000000"],
+    ],
+)
 def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, str]) -> None:
-    done = subprocess.run([which_llmrun(), "bench", *args], env=llmrun_env, capture_output=True,
-                          text=True, timeout=HANG_S, stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [which_llmrun(), "bench", *args],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 1, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert done.stdout == ""
@@ -72,10 +96,29 @@ def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, st
 def test_interference_lab_obeys_sigterm(llmrun_env: dict[str, str], model_path: str) -> None:
     """The engine's loop sees the cancel flag: a stream of 6,000 tokens stops at SIGTERM, and
     its cut baseline is not reported as one."""
-    proc = subprocess.Popen([which_llmrun(), "bench", "interference", "-m", model_path,
-                             "--policy", "prefill-first", "--output-len", "6000", "--rate",
-                             "0.01", "--prompt-len", "8", "-o", "json"], env=llmrun_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            which_llmrun(),
+            "bench",
+            "interference",
+            "-m",
+            model_path,
+            "--policy",
+            "prefill-first",
+            "--output-len",
+            "6000",
+            "--rate",
+            "0.01",
+            "--prompt-len",
+            "8",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + HANG_S
     maps = Path(f"/proc/{proc.pid}/maps")
     while model_path not in maps.read_text():  # loaded: the stream is next
@@ -88,19 +131,26 @@ def test_interference_lab_obeys_sigterm(llmrun_env: dict[str, str], model_path: 
 
 
 def _bench(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-history", *args], env=env,
-                          capture_output=True, text=True, timeout=HANG_S,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [which_llmrun(), "bench", "-r", "1", "--no-history", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(["-ot", "(.*)*(.*)*(.*)*Z=CPU"], "repeats a repetition"),
-     (["-ot", "blk\\.0\\.ffn_.*=CPU,(x+)+y=CPU"], "repeats a repetition"),
-     (["-ot", ".*.*.*.*.*.*.*Z=CPU"], "7 repetitions"),
-     (["-ot", "(=CPU"], "is not a regular expression"),
-     (["-ncmoe", "16777216"], "-ncmoe: 16777216 is out of range 0..512")],
-)  # fmt: skip
+    [
+        (["-ot", "(.*)*(.*)*(.*)*Z=CPU"], "repeats a repetition"),
+        (["-ot", "blk\\.0\\.ffn_.*=CPU,(x+)+y=CPU"], "repeats a repetition"),
+        (["-ot", ".*.*.*.*.*.*.*Z=CPU"], "7 repetitions"),
+        (["-ot", "(=CPU"], "is not a regular expression"),
+        (["-ncmoe", "16777216"], "-ncmoe: 16777216 is out of range 0..512"),
+    ],
+)
 def test_tensor_placement_bounds_are_one_line(
     args: list[str], says: str, llmrun_env: dict[str, str]
 ) -> None:
@@ -114,8 +164,21 @@ def test_llama_bench_defaults_and_spellings_run(
 ) -> None:
     """-dev auto is llama-bench's default; --n_prompt is its --n-prompt (any "--" option's _ is
     read as -); a pattern without nesting still places tensors."""
-    done = _bench("-m", model_path, "--n_prompt", "8", "--n_gen", "0", "-dev", "auto", "-ot",
-                  "blk\\.0\\.ffn_.*=CPU", "-o", "json", env=llmrun_env)  # fmt: skip
+    done = _bench(
+        "-m",
+        model_path,
+        "--n_prompt",
+        "8",
+        "--n_gen",
+        "0",
+        "-dev",
+        "auto",
+        "-ot",
+        "blk\\.0\\.ffn_.*=CPU",
+        "-o",
+        "json",
+        env=llmrun_env,
+    )
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     assert row["test"] == "pp8" and row["devices"] == "auto"
@@ -194,8 +257,11 @@ def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
 
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     _fake_models(monkeypatch)
-    schema = (_script_schema(llama_tools.compare_script()) if made_by.startswith("compare")
-              else _llama_bench_fields())  # fmt: skip
+    schema = (
+        _script_schema(llama_tools.compare_script())
+        if made_by.startswith("compare")
+        else _llama_bench_fields()
+    )
     db = tmp_path / "bench.sqlite"
     columns = ",\n".join(f"  {name} {kind}" for name, kind in schema.items())
     made = f"CREATE TABLE IF NOT EXISTS llama_bench (\n{columns}\n);\n"  # llama-bench's own
@@ -203,14 +269,16 @@ def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
         values = ", ".join("1" for _ in schema)
         made = f"{made}INSERT INTO llama_bench ({', '.join(schema)}) VALUES ({values});\n"
         made += "DELETE FROM llama_bench;\n"
-        done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n",
-                                        "0", "-o", "sql"])  # fmt: skip
+        done = CliRunner().invoke(
+            app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0", "-o", "sql"]
+        )
         made = done.stdout + made
 
     def into_db(sql: str) -> None:
         if shutil.which("sqlite3"):
-            done = subprocess.run(["sqlite3", str(db)], input=sql, capture_output=True,
-                                  text=True, timeout=HANG_S)  # fmt: skip
+            done = subprocess.run(
+                ["sqlite3", str(db)], input=sql, capture_output=True, text=True, timeout=HANG_S
+            )
             assert done.returncode == 0 and not done.stderr, done.stderr
         else:
             with sqlite3.connect(db) as conn:
@@ -224,9 +292,13 @@ def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
     conn = sqlite3.connect(db)
     tests = [row[0] for row in conn.execute("SELECT n_prompt || '/' || n_gen FROM llama_bench")]
     assert tests == ["8/0", "8/2"]
-    figures = [json.loads(text) for (text,) in conn.execute(
-        "SELECT figures FROM llama_bench_llmrun JOIN llama_bench ON bench_rowid ="
-        " llama_bench.rowid ORDER BY bench_rowid")]  # fmt: skip
+    figures = [
+        json.loads(text)
+        for (text,) in conn.execute(
+            "SELECT figures FROM llama_bench_llmrun JOIN llama_bench ON bench_rowid ="
+            " llama_bench.rowid ORDER BY bench_rowid"
+        )
+    ]
     assert "pp_ts" not in figures[0] and figures[0]["ttft_ms"] > 0
     assert figures[1]["pp_ts"] > 0 and figures[1]["tg_ts"] > 0
 
@@ -243,8 +315,12 @@ def test_pg_decodes_as_many_tokens_as_llama_bench(
     from llmrun.runners.bench import measure
     from llmrun.runners.bench.sweep import Shape
 
-    finished, _ = measure._one_run(runner, Shape(n_prompt, n_gen), random.Random(1),  # type: ignore[arg-type]
-                                   threading.Event())  # fmt: skip
+    finished, _ = measure._one_run(
+        runner,
+        Shape(n_prompt, n_gen),
+        random.Random(1),  # type: ignore[arg-type]
+        threading.Event(),
+    )
     assert len(finished.stats.itl_s) == n_gen
 
 
@@ -254,8 +330,21 @@ def test_ubatch_above_batch_runs_and_is_recorded_as_asked(
     """-b 64 -ub 128 runs (llama.cpp clamps ubatch to batch), and -b 64 alone records
     llama-bench's ubatch 512, as llama-bench does, so compare-llama-bench.py pairs them."""
     for extra, ubatch in ((["-ub", "128"], 128), ([], 512)):
-        done = _bench("-m", model_path, "--no-tuned", "-p", "8", "-n", "0", "-b", "64", *extra,
-                      "-o", "json", env=llmrun_env)  # fmt: skip
+        done = _bench(
+            "-m",
+            model_path,
+            "--no-tuned",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-b",
+            "64",
+            *extra,
+            "-o",
+            "json",
+            env=llmrun_env,
+        )
         assert done.returncode == 0, done.stderr
         (row,) = json.loads(done.stdout)
         assert (row["n_batch"], row["n_ubatch"]) == (64, ubatch)
@@ -280,8 +369,23 @@ def test_a_comma_list_of_models_is_split_as_llama_bench_does(
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     seen: list[str | None] = []
     _fake_models(monkeypatch, seen)
-    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
-                                    "-m", "a.gguf,b.gguf", "-o", "json"])  # fmt: skip
+    done = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "--no-history",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-m",
+            "a.gguf,b.gguf",
+            "-o",
+            "json",
+        ],
+    )
     assert done.exit_code == 0, done.stderr
     assert seen == ["a.gguf", "b.gguf"] and len(json.loads(done.stdout)) == 2
 
@@ -294,8 +398,9 @@ def test_output_none_prints_no_records(monkeypatch: pytest.MonkeyPatch, tmp_path
 
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     _fake_models(monkeypatch)
-    done = CliRunner().invoke(app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0",
-                                    "-o", "none", "-oe", "none"])  # fmt: skip
+    done = CliRunner().invoke(
+        app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0", "-o", "none", "-oe", "none"]
+    )
     assert done.exit_code == 0, done.stderr
     assert done.stdout == ""
     assert "pp8" in done.stderr  # the display went to stderr, as with any -o
@@ -304,10 +409,29 @@ def test_output_none_prints_no_records(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_model_filename_is_recorded_as_given(llmrun_env: dict[str, str], model_path: str) -> None:
     """llama-bench keeps -m as given, and compare-llama-bench.py pairs on it."""
     folder, name = Path(model_path).parent, Path(model_path).name
-    done = subprocess.run([which_llmrun(), "bench", "-r", "1", "--no-history", "-m", name, "-p",
-                           "8", "-n", "0", "-o", "json"], env=llmrun_env, cwd=folder,
-                          capture_output=True, text=True, timeout=HANG_S,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [
+            which_llmrun(),
+            "bench",
+            "-r",
+            "1",
+            "--no-history",
+            "-m",
+            name,
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr
     assert [r["model_filename"] for r in json.loads(done.stdout)] == [name]
 
@@ -334,8 +458,24 @@ def test_a_later_failure_keeps_the_finished_rows(
         return FakeBenchRunner()
 
     monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", make)
-    done = CliRunner().invoke(app, ["bench", "-r", "1", "-p", "8", "-n", "0", "-m", "good",
-                                    "-m", "/nonexistent.gguf", "-o", "json"])  # fmt: skip
+    done = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-r",
+            "1",
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-m",
+            "good",
+            "-m",
+            "/nonexistent.gguf",
+            "-o",
+            "json",
+        ],
+    )
     assert done.exit_code == 1
     assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
     assert done.stderr.count("error") == 1 and "nonexistent" in done.stderr
@@ -343,12 +483,14 @@ def test_a_later_failure_keeps_the_finished_rows(
         assert len(history.runs()) == 1
 
 
-def test_a_failing_perplexity_keeps_the_rows(llmrun_env: dict[str, str], model_path: str,
-                                             tmp_path: Path) -> None:  # fmt: skip
+def test_a_failing_perplexity_keeps_the_rows(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path
+) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    done = _bench("-m", model_path, "-p", "8", "-n", "0", "--ppl", str(empty), "-o", "json",
-                  env=llmrun_env)  # fmt: skip
+    done = _bench(
+        "-m", model_path, "-p", "8", "-n", "0", "--ppl", str(empty), "-o", "json", env=llmrun_env
+    )
     assert done.returncode == 1
     assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
     assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: perplexity needs")
@@ -357,13 +499,32 @@ def test_a_failing_perplexity_keeps_the_rows(llmrun_env: dict[str, str], model_p
 def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model_path: str) -> None:
     """bench -o json 2>/dev/full: the records on stdout and in the history all the same."""
     with open("/dev/full", "w") as full:
-        done = subprocess.run([which_llmrun(), "bench", "-r", "1", "-m", model_path, "-p", "8",
-                               "-n", "0", "-o", "json"], env=llmrun_env, stdout=subprocess.PIPE,
-                              stderr=full, text=True, timeout=HANG_S)  # fmt: skip
+        done = subprocess.run(
+            [
+                which_llmrun(),
+                "bench",
+                "-r",
+                "1",
+                "-m",
+                model_path,
+                "-p",
+                "8",
+                "-n",
+                "0",
+                "-o",
+                "json",
+            ],
+            env=llmrun_env,
+            stdout=subprocess.PIPE,
+            stderr=full,
+            text=True,
+            timeout=HANG_S,
+        )
     assert done.returncode == 0
     assert [r["test"] for r in json.loads(done.stdout)] == ["pp8"]
-    stored = subprocess.run([which_llmrun(), "history"], env=llmrun_env, capture_output=True,
-                            text=True, timeout=HANG_S)  # fmt: skip
+    stored = subprocess.run(
+        [which_llmrun(), "history"], env=llmrun_env, capture_output=True, text=True, timeout=HANG_S
+    )
     assert "pp8" in stored.stdout
 
 
@@ -378,10 +539,29 @@ def test_sigterm_during_perplexity_keeps_the_rows(
 ) -> None:
     text = tmp_path / "long.txt"
     text.write_text("The quick brown fox jumps over the lazy dog, again and again. " * 20000)
-    proc = subprocess.Popen([which_llmrun(), "bench", "-r", "1", "--no-warmup", "-m", model_path,
-                             "-p", "8", "-n", "0", "--ppl", str(text), "-o", "json"],
-                            env=llmrun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            which_llmrun(),
+            "bench",
+            "-r",
+            "1",
+            "--no-warmup",
+            "-m",
+            model_path,
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "--ppl",
+            str(text),
+            "-o",
+            "json",
+        ],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + HANG_S
     maps = Path(f"/proc/{proc.pid}/maps")
     while model_path not in maps.read_text():

@@ -47,9 +47,14 @@ def fake_llmrun(
     args: list[str], *, file_limit: int = 0, stdin: bytes = b"", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[bytes]:
     """The CLI on the fake runner in its own process, writes capped at `file_limit` bytes."""
-    return subprocess.run([sys.executable, "-c", CHILD, str(file_limit), *args], cwd=ROOT,
-                          input=stdin, capture_output=True, timeout=60,
-                          env=env or dict(os.environ))  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(file_limit), *args],
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        env=env or dict(os.environ),
+    )
 
 
 def test_save_on_a_full_disk_keeps_the_old_transcript(
@@ -78,8 +83,10 @@ def test_a_stats_file_on_a_full_disk_keeps_whole_lines(
     assert one.returncode == 0, one.stderr
     line = len(stats.read_bytes()) // 6
     stats.unlink()
-    result = fake_llmrun(["run", "-q", "--jsonl", str(prompts), "--stats-file", str(stats)],
-                         file_limit=int(line * 2.5))  # fmt: skip
+    result = fake_llmrun(
+        ["run", "-q", "--jsonl", str(prompts), "--stats-file", str(stats)],
+        file_limit=int(line * 2.5),
+    )
     assert result.returncode == 1
     assert b"cannot write the stats file" in result.stderr
     text = stats.read_text()
@@ -133,8 +140,9 @@ def test_jsonl_ids_come_back_as_given(tmp_path: Path, cli: CliRunner, fake: Fake
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "q1", "prompt": "hi"}\n{"id": 7, "prompt": "yo"}\n{"prompt": "x"}\n')
     stats = tmp_path / "s.jsonl"
-    result = cli.invoke(app, ["run", "-q", "--json", "--jsonl", str(prompts),
-                              "--stats-file", str(stats)])  # fmt: skip
+    result = cli.invoke(
+        app, ["run", "-q", "--json", "--jsonl", str(prompts), "--stats-file", str(stats)]
+    )
     assert result.exit_code == 0, result.output
     ids = [json.loads(x)["id"] for x in result.stdout.splitlines()]
     assert ids == ["q1", 7, f"{prompts}:3"]
@@ -145,8 +153,11 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
     tmp_path: Path, cli: CliRunner, fake: FakeRunner
 ) -> None:
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "bad \\ud800 half"}\n{"prompt": "good \\ud83d\\ude00"}\n'
-                       + "[" * 100000 + '\n{"prompt": "x", "temp": NaN}\n')  # fmt: skip
+    prompts.write_text(
+        '{"prompt": "bad \\ud800 half"}\n{"prompt": "good \\ud83d\\ude00"}\n'
+        + "[" * 100000
+        + '\n{"prompt": "x", "temp": NaN}\n'
+    )
     result = cli.invoke(app, ["run", "-q", "--jsonl", str(prompts)])
     assert result.exit_code == 1
     assert "good 😀" in result.stdout
@@ -159,15 +170,39 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
 def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
     tmp_path: Path, llmrun_env: dict[str, str]
 ) -> None:
-    result = subprocess.run([sys.executable, "-c", CHILD, "0", "run", "-s", b"sys\xff".decode(
-        "utf-8", "surrogateescape"), b"hi \xc3\x28 there".decode("utf-8", "surrogateescape")],
-        cwd=ROOT, capture_output=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            "0",
+            "run",
+            "-s",
+            b"sys\xff".decode("utf-8", "surrogateescape"),
+            b"hi \xc3\x28 there".decode("utf-8", "surrogateescape"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "hi \ufffd( there" in result.stdout.decode()
     assert b"not valid UTF-8" in result.stderr and b"internal error" not in result.stderr
-    chat = subprocess.run([sys.executable, "-c", CHILD, "0", "chat", "-s",
-                           b"sys\xff".decode("utf-8", "surrogateescape")], input=b"hi\n",
-                          cwd=ROOT, capture_output=True, timeout=60)  # fmt: skip
+    chat = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            "0",
+            "chat",
+            "-s",
+            b"sys\xff".decode("utf-8", "surrogateescape"),
+        ],
+        input=b"hi\n",
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     assert chat.returncode == 0, chat.stderr
     assert b"-s/--system is not valid UTF-8" in chat.stderr
 
@@ -187,7 +222,8 @@ def test_sighup_keeps_the_results_like_sigterm(
     prompts.write_text("".join(json.dumps({"prompt": "w " * 50}) + "\n" for _ in range(400)))
     stats = tmp_path / "s.jsonl"
     slow = CHILD.replace("FakeRunner()", "Slow()").replace(
-        "from tests.fake import FakeRunner", textwrap.dedent("""
+        "from tests.fake import FakeRunner",
+        textwrap.dedent("""
         import time
         from tests.fake import FakeRunner
         class Slow(FakeRunner):
@@ -195,10 +231,25 @@ def test_sighup_keeps_the_results_like_sigterm(
                 for event in super().stream(request, cancel=cancel):
                     time.sleep(0.002)
                     yield event
-        """))  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", slow, "0", "run", "-q", "--jsonl",
-                              str(prompts), "--stats-file", str(stats)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        """),
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            slow,
+            "0",
+            "run",
+            "-q",
+            "--jsonl",
+            str(prompts),
+            "--stats-file",
+            str(stats),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     while not (stats.exists() and stats.read_text().count("\n") >= 2):
         assert time.monotonic() < deadline and child.poll() is None
@@ -231,8 +282,7 @@ def test_a_broken_model_link_is_an_error_about_the_path(
     cases = {"loop.gguf": "a loop of symbolic links", "org/model": "gone.gguf, which does not"}
     monkeypatch.chdir(tmp_path)  # "org/model" reads as a Hub repository unless it is on disk
     for ref, why in cases.items():
-        result = cli.invoke(app, ["run", "-m", ref, "hi"],
-                            env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+        result = cli.invoke(app, ["run", "-m", ref, "hi"], env={"HF_HUB_OFFLINE": "1"})
         assert result.exit_code == 1
         assert f"model file not found: {ref}" in result.stderr and why in result.stderr
         assert result.stderr.count("\n") == 1 and "huggingface" not in result.stderr.lower()
@@ -258,13 +308,23 @@ def test_a_chat_template_runs_on_a_budget(
     for n, bomb in enumerate(BOMBS):
         path = tmp_path / f"bomb{n}.jinja"
         path.write_text(bomb)
-        line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", str(path),
-                                 "-n", "2", "hi"], llmrun_env, timeout=60))  # fmt: skip
+        line = one_error(
+            llmrun(
+                ["run", "-m", model_path, "--chat-template-file", str(path), "-n", "2", "hi"],
+                llmrun_env,
+                timeout=60,
+            )
+        )
         assert "chat template" in line and (
             "steps" in line or "larger" in line or "more than" in line or "raises" in line
         ), line
-    line = one_error(llmrun(["run", "-m", model_path, "--chat-template-file", "/dev/zero", "hi"],
-                            llmrun_env, timeout=60))  # fmt: skip
+    line = one_error(
+        llmrun(
+            ["run", "-m", model_path, "--chat-template-file", "/dev/zero", "hi"],
+            llmrun_env,
+            timeout=60,
+        )
+    )
     assert "larger than 1 MiB, or does not end" in line
 
 
@@ -294,8 +354,13 @@ def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: Fak
 def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[str, str]) -> None:
     from .test_trust import llmrun, one_error
 
-    line = one_error(llmrun(["bench", "-m", model_path, "-p", "8", "-n", "0", "-r", "1",
-                             "--ppl", "/dev/zero"], llmrun_env, timeout=120))  # fmt: skip
+    line = one_error(
+        llmrun(
+            ["bench", "-m", model_path, "-p", "8", "-n", "0", "-r", "1", "--ppl", "/dev/zero"],
+            llmrun_env,
+            timeout=120,
+        )
+    )
     assert "--ppl /dev/zero" in line and "does not end" in line
 
 
@@ -322,8 +387,7 @@ def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: st
     try:
         sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         requests = [Request(prompt=f"Count to {i}:", sampling=sampling) for i in range(5)]
-        outcome, _ = serve_requests(runner, requests, n_seq=2,
-                                    cancel=_CancelAfter(20))  # type: ignore[arg-type]  # fmt: skip
+        outcome, _ = serve_requests(runner, requests, n_seq=2, cancel=_CancelAfter(20))  # type: ignore[arg-type]
     finally:
         runner.close()
     assert len(outcome) == 5
@@ -340,16 +404,36 @@ def test_parallel_lines_fail_alone_and_ctx_and_draft_are_not_ignored(
     from .test_trust import llmrun, one_error
 
     template = tmp_path / "t.jinja"
-    template.write_text("{% if 'boom' in messages[-1].content %}{{ raise_exception('no boom') }}"
-                        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                        "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    template.write_text(
+        "{% if 'boom' in messages[-1].content %}{{ raise_exception('no boom') }}"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
     prompts = tmp_path / "p.jsonl"
     lines = ["Say hi.", "boom", "Say yes.", "word " * 100, "Say no."]
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(lines)))  # fmt: skip
-    result = llmrun(["run", "-m", model_path, "--jsonl", str(prompts), "--parallel", "2", "-n", "4",
-                     "-c", "64", "--chat-template-file", str(template), "--json", "-q"],
-                    llmrun_env)  # fmt: skip
+    prompts.write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(lines))
+    )
+    result = llmrun(
+        [
+            "run",
+            "-m",
+            model_path,
+            "--jsonl",
+            str(prompts),
+            "--parallel",
+            "2",
+            "-n",
+            "4",
+            "-c",
+            "64",
+            "--chat-template-file",
+            str(template),
+            "--json",
+            "-q",
+        ],
+        llmrun_env,
+    )
     assert result.returncode == 1, result.stderr
     answered = [json.loads(x) for x in result.stdout.splitlines()]
     assert [a["id"] for a in answered] == ["q0", "q2", "q4"]
@@ -358,8 +442,12 @@ def test_parallel_lines_fail_alone_and_ctx_and_draft_are_not_ignored(
     assert any(":2: " in e and "no boom" in e for e in errors), errors
     assert any(":4: " in e and "context holds 64" in e for e in errors), errors
     for flags in (["--draft", "lookup"], ["--draft-model", model_path]):
-        line = one_error(llmrun(["run", "-m", model_path, "--parallel", "2", "--temp", "0", *flags, "hi"],
-                                llmrun_env))  # fmt: skip
+        line = one_error(
+            llmrun(
+                ["run", "-m", model_path, "--parallel", "2", "--temp", "0", *flags, "hi"],
+                llmrun_env,
+            )
+        )
         assert "--parallel does not speculate" in line
 
 
@@ -374,9 +462,24 @@ def test_escapes_in_model_and_ppl_file_names_never_reach_stderr(
     model.symlink_to(model_path)
     text = tmp_path / f"{evil}.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    for args in (["run", "-m", str(model), "-n", "2", "hi"],
-                 ["bench", "-m", str(model), "-p", "8", "-n", "0", "-r", "1", "--ppl", str(text),
-                  "-c", "64"]):  # fmt: skip
+    for args in (
+        ["run", "-m", str(model), "-n", "2", "hi"],
+        [
+            "bench",
+            "-m",
+            str(model),
+            "-p",
+            "8",
+            "-n",
+            "0",
+            "-r",
+            "1",
+            "--ppl",
+            str(text),
+            "-c",
+            "64",
+        ],
+    ):
         result = llmrun(args, llmrun_env)
         assert result.returncode == 0, result.stderr
         err = result.stderr.decode()
@@ -390,11 +493,27 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
     from .conftest import which_llmrun
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Count from {i} to 900."}) + "\n"
-                               for i in range(12)))  # fmt: skip
-    child = subprocess.Popen([which_llmrun(), "run", "-m", model_path, "--jsonl", str(prompts),
-                              "--parallel", "3", "-n", "400", "--json"], env=llmrun_env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Count from {i} to 900."}) + "\n" for i in range(12))
+    )
+    child = subprocess.Popen(
+        [
+            which_llmrun(),
+            "run",
+            "-m",
+            model_path,
+            "--jsonl",
+            str(prompts),
+            "--parallel",
+            "3",
+            "-n",
+            "400",
+            "--json",
+        ],
+        env=llmrun_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     # Ctrl-C once the first request is answered (its JSON line): 12 requests 3 at a time, so
     # most are still to come whatever the machine's speed (a fixed sleep let a quiet machine
     # finish the batch first)
@@ -411,16 +530,20 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
         answered = [json.loads(x) for x in out.splitlines()]
         errors = [x for x in err.decode().splitlines() if "not started" in x]
         assert len(answered) + len(errors) == 12
-        assert all(a["stats"]["finish_reason"] != "length" or a["stats"]["output_tokens"] == 400
-                   for a in answered)  # fmt: skip
+        assert all(
+            a["stats"]["finish_reason"] != "length" or a["stats"]["output_tokens"] == 400
+            for a in answered
+        )
 
 
 def test_json_lines_split_only_at_newlines(
     tmp_path: Path, cli: CliRunner, fake: FakeRunner
 ) -> None:
     prompts = tmp_path / "p.jsonl"
-    prompts.write_bytes("\ufeff".encode() + '{"id": "a", "prompt": "one\u2028two\x85three"}\r\n'
-                        '{"id": "b", "prompt": "five"}'.encode())  # fmt: skip
+    prompts.write_bytes(
+        "\ufeff".encode()
+        + '{"id": "a", "prompt": "one\u2028two\x85three"}\r\n{"id": "b", "prompt": "five"}'.encode()
+    )
     result = cli.invoke(app, ["run", "-q", "--json", "--jsonl", str(prompts)])
     assert result.exit_code == 0, result.output
     assert [json.loads(x)["id"] for x in result.stdout.splitlines()] == ["a", "b"]

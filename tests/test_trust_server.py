@@ -25,15 +25,20 @@ def test_sse_is_parsed_as_the_whatwg_standard_says() -> None:
         return [e for e in sse_events(pieces) if e is not None]
 
     # The standard's own examples (HTML 9.2.6): comments, multi-line data, a space kept.
-    assert events(b": test stream\n\ndata: first event\nid: 1\n\ndata:second event\nid\n\n"
-                  b"data:  third event\n\n") == ["first event", "second event", " third event"]  # fmt: skip
+    assert events(
+        b": test stream\n\ndata: first event\nid: 1\n\ndata:second event\nid\n\n"
+        b"data:  third event\n\n"
+    ) == ["first event", "second event", " third event"]
     assert events(b"data: YHOO\ndata: +2\ndata: 10\n\n") == ["YHOO\n+2\n10"]
     # Its example of empty data: "", then one newline; the unterminated last block is kept here
     # (the standard discards it), since servers that leave out the last blank line exist.
     assert events(b"data\n\ndata\ndata\n\ndata:") == ["", "\n", ""]
     # Line ends of every kind, split anywhere, a BOM once, UTF-8 split across reads.
     assert events(b"\xef\xbb", b"\xbfdata: a\r", b"\n\r\ndata: \xc3", b"\xa9\r\rdata: b") == [
-        "a", "\u00e9", "b"]  # fmt: skip
+        "a",
+        "\u00e9",
+        "b",
+    ]
     assert events(b"event: x\nretry: 5\nfoo: bar\ndata: c\n\n") == ["c"]
 
 
@@ -55,8 +60,9 @@ def test_a_models_answer_of_the_wrong_shape_is_one_line(answer: object, cli: Cli
 
 def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:
     with stub_server() as url:
-        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "keepalive", "--timeout", "1",
-                                  "hi"])  # fmt: skip
+        result = cli.invoke(
+            app, ["run", "--endpoint", url, "-m", "keepalive", "--timeout", "1", "hi"]
+        )
     assert result.exit_code == 1
     assert result.stdout == "Hi\n"  # the text so far is kept
     assert "no reply for 1 s (the server sent only keep-alive comments)" in result.stderr
@@ -73,25 +79,31 @@ def test_a_servers_escape_sequences_never_reach_the_terminal(
         piped = cli.invoke(app, ["run", "--endpoint", url, "-m", "escapes", "--json", "hi"])
     assert result.exit_code == 0, result.output
     assert "Hi" in result.stdout and "there[2J!" in result.stdout
-    assert not [c for c in result.stdout.replace(session.DIM, "").replace(session.UNDIM, "")
-                if c in ESC_OR_CONTROL], repr(result.stdout)  # fmt: skip
+    assert not [
+        c
+        for c in result.stdout.replace(session.DIM, "").replace(session.UNDIM, "")
+        if c in ESC_OR_CONTROL
+    ], repr(result.stdout)
     assert "\x1b[2J" in json.loads(piped.stdout)["text"]  # data for a program stays as sent
 
 
 def test_escape_sequences_in_a_file_name_are_not_shown(tmp_path: Path, cli: CliRunner) -> None:
     name = tmp_path / "evil\x1b]0;pwned\x07\x1b[2J.gguf"
-    for args in (["run", "-m", str(name), "hi"], ["run", "-f", str(name), "hi"],
-                 ["run", "--jsonl", str(name)]):  # fmt: skip
+    for args in (
+        ["run", "-m", str(name), "hi"],
+        ["run", "-f", str(name), "hi"],
+        ["run", "--jsonl", str(name)],
+    ):
         result = cli.invoke(app, args)
         assert result.exit_code == 1
-        assert "evil" in result.stderr and not set(result.stderr) & set(ESC_OR_CONTROL[:-1]), (
-            repr(result.stderr))  # fmt: skip
+        assert "evil" in result.stderr and not set(result.stderr) & set(ESC_OR_CONTROL[:-1]), repr(
+            result.stderr
+        )
 
 
 def test_a_servers_impossible_figures_are_left_out_and_named(cli: CliRunner) -> None:
     with stub_server() as url:
-        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "--stats", "json",
-                                  "hi"])  # fmt: skip
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "--stats", "json", "hi"])
         text = cli.invoke(app, ["run", "--endpoint", url, "-m", "liar", "hi"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stderr.splitlines()[-1])  # after the thinking (on stderr)
@@ -108,12 +120,30 @@ def test_a_key_in_the_url_query_is_never_shown(query: str, tmp_path: Path, cli: 
     stats_file = tmp_path / "s.jsonl"
     with stub_server() as url:
         endpoint = f"{url}/v1?{query}={secret}&api-version=2024"
-        shown = [cli.invoke(app, ["run", "--endpoint", endpoint, "--stats-file", str(stats_file),
-                                  *args, "hi"]) for args in ([], ["--json"], ["--stats", "json"],
-                                                             ["-m", "boom"], ["-m", "echo"])]  # fmt: skip
-        bench = cli.invoke(app, ["bench", "--endpoint", endpoint, "--num-prompts", "2",
-                                 "--input-len", "4", "--output-len", "4", "--warmup", "0",
-                                 "-o", "json"])  # fmt: skip
+        shown = [
+            cli.invoke(
+                app, ["run", "--endpoint", endpoint, "--stats-file", str(stats_file), *args, "hi"]
+            )
+            for args in ([], ["--json"], ["--stats", "json"], ["-m", "boom"], ["-m", "echo"])
+        ]
+        bench = cli.invoke(
+            app,
+            [
+                "bench",
+                "--endpoint",
+                endpoint,
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "4",
+                "--output-len",
+                "4",
+                "--warmup",
+                "0",
+                "-o",
+                "json",
+            ],
+        )
     assert shown[0].exit_code == 0, shown[0].output
     assert "api-version=2024" in shown[2].stderr and f"{query}=***" in shown[2].stderr
     for result in [*shown, bench]:
@@ -130,8 +160,10 @@ def test_echoed_credentials_come_back_redacted(cli: CliRunner) -> None:
     basic = base64.b64encode(f"alice:{password}".encode()).decode()
     with stub_server(basic=f"alice:{password}") as url:
         endpoint = url.replace("http://", f"http://alice:{password}@")
-        results = [cli.invoke(app, ["run", "--endpoint", endpoint, "-m", m, "--json", "hi"])
-                   for m in ("echo", "echo401")]  # fmt: skip
+        results = [
+            cli.invoke(app, ["run", "--endpoint", endpoint, "-m", m, "--json", "hi"])
+            for m in ("echo", "echo401")
+        ]
     assert "you sent Basic ***" in json.loads(results[0].stdout)["text"]
     assert results[1].exit_code == 1 and "Authorization: Basic ***" in results[1].stderr
     for result in results:

@@ -34,8 +34,12 @@ def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path, llmrun_env: dict[str,
     fake_py.write_text(fake_py.read_text(encoding="utf-8") + BROKEN_TEST, encoding="utf-8")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
-        cwd=copy, env=llmrun_env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=copy,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     assert '"Runner" has no attribute "closee"' in out, out
@@ -59,8 +63,11 @@ def test_renaming_an_option_of_chat_is_a_mypy_error(
     chat_py.write_text(source.replace("    top_k: o.TopK", "    top_kay: o.TopK"), encoding="utf-8")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
-        cwd=copy, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     assert "chat.py" in out and 'Name "top_k" is not defined' in out, out

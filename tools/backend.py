@@ -84,15 +84,23 @@ def find_tool(
 def nvidia_gpus(run: Run) -> list[str]:
     """The NVIDIA GPUs the driver lists ('GPU 0: NVIDIA H200 (UUID: ...)' -> 'NVIDIA H200')."""
     out = run(["nvidia-smi", "-L"]) or ""
-    return [line.split(":", 1)[1].split("(UUID")[0].strip() for line in out.splitlines()
-            if line.startswith("GPU ") and ":" in line]  # fmt: skip
+    return [
+        line.split(":", 1)[1].split("(UUID")[0].strip()
+        for line in out.splitlines()
+        if line.startswith("GPU ") and ":" in line
+    ]
 
 
 def cuda_archs(run: Run) -> tuple[str, str]:
     """The GPUs' compute capabilities as CMake wants them ('90'), or a fallback list."""
     out = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
-    caps = sorted({line.strip().replace(".", "") for line in (out or "").splitlines()
-                   if line.strip().replace(".", "").isdigit()})  # fmt: skip
+    caps = sorted(
+        {
+            line.strip().replace(".", "")
+            for line in (out or "").splitlines()
+            if line.strip().replace(".", "").isdigit()
+        }
+    )
     if caps:
         return ";".join(caps), f"for this machine's GPU (compute capability {', '.join(caps)})"
     return CUDA_FALLBACK_ARCHS, "no GPU answered nvidia-smi, so for common architectures"
@@ -137,8 +145,9 @@ def choose(
         else:
             name, why = "cpu", "no GPU with its compiler, and no Apple Silicon: the CPU"
             if nvidia:
-                why += (f" ({nvidia[0]} is here but no CUDA toolkit: install it, then"
-                        " `make GPU=cuda`)")  # fmt: skip
+                why += (
+                    f" ({nvidia[0]} is here but no CUDA toolkit: install it, then `make GPU=cuda`)"
+                )
             elif nvcc:
                 why += f" (nvcc is here, {nvcc}, but no NVIDIA GPU answered; `make GPU=cuda`"
                 why += " builds for CUDA anyway)"
@@ -192,15 +201,31 @@ def install(choice: Choice, python: str) -> None:
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     replace = ["--force-reinstall", "--no-deps"] if previous else []
     if not choice.cmake_args:  # the plain CPU build: pip's own wheel cache serves it
-        subprocess.run([*pip, *replace, LLAMA_CPP], check=True,
-                       env={**os.environ, "CMAKE_ARGS": ""})  # fmt: skip
+        subprocess.run(
+            [*pip, *replace, LLAMA_CPP], check=True, env={**os.environ, "CMAKE_ARGS": ""}
+        )
     else:
         wheels = Path.home() / ".cache" / "llmrun" / "wheels" / choice.key
         if not list(wheels.glob("llama_cpp_python-*.whl")):
-            print(f"building llama-cpp-python for {choice.name} ({choice.cmake_args});"
-                  " this takes several minutes", flush=True)  # fmt: skip
-            build = [python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-cache-dir",
-                     "--no-binary", "llama-cpp-python", "-w", str(wheels), LLAMA_CPP]  # fmt: skip
+            print(
+                f"building llama-cpp-python for {choice.name} ({choice.cmake_args});"
+                " this takes several minutes",
+                flush=True,
+            )
+            build = [
+                python,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--no-cache-dir",
+                "--no-binary",
+                "llama-cpp-python",
+                "-w",
+                str(wheels),
+                LLAMA_CPP,
+            ]
             env = {**os.environ, "CMAKE_ARGS": choice.cmake_args}
             subprocess.run(build, check=True, env=env)
         wheel = sorted(wheels.glob("llama_cpp_python-*.whl"))[-1]
@@ -226,8 +251,12 @@ def main(argv: list[str]) -> int:
     if what == "install":
         install(choice, argv[3] if len(argv) > 3 else sys.executable)
         return 0
-    values = {"name": choice.name, "cmake-args": choice.cmake_args, "why": choice.why,
-              "key": choice.key}  # fmt: skip
+    values = {
+        "name": choice.name,
+        "cmake-args": choice.cmake_args,
+        "why": choice.why,
+        "key": choice.key,
+    }
     if what not in values:
         print(f"backend: unknown request '{what}'", file=sys.stderr)
         return 2

@@ -15,9 +15,13 @@ from llmrun.runners.library import llama_lib
 
 # llama-bench's default for each: given at this value (or a list of only it), it changes nothing
 _GPU = {
-    "-sm/--split-mode": {"layer"}, "-mg/--main-gpu": {"0"}, "-ts/--tensor-split": {"0", "0.00"},
-    "-dev/--device": {"auto"}, "-ncmoe/--n-cpu-moe": {"0"}, "-ot/--override-tensor": set(),
-}  # fmt: skip
+    "-sm/--split-mode": {"layer"},
+    "-mg/--main-gpu": {"0"},
+    "-ts/--tensor-split": {"0", "0.00"},
+    "-dev/--device": {"auto"},
+    "-ncmoe/--n-cpu-moe": {"0"},
+    "-ot/--override-tensor": set(),
+}
 PASSED_ON = ("-sm/--split-mode", "-mg/--main-gpu", "-ts/--tensor-split", "-dev/--device")
 ANY_BUILD = ("-ncmoe/--n-cpu-moe", "-ot/--override-tensor")  # tensors placed on the CPU too
 NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
@@ -41,9 +45,14 @@ def refuse_unusable(
     override_tensor: str | None,
 ) -> None:
     """One line for the first option whose value this engine cannot apply."""
-    gpu = {"-sm/--split-mode": split_mode, "-mg/--main-gpu": main_gpu,
-           "-ts/--tensor-split": tensor_split, "-dev/--device": device,
-           "-ncmoe/--n-cpu-moe": n_cpu_moe, "-ot/--override-tensor": override_tensor}  # fmt: skip
+    gpu = {
+        "-sm/--split-mode": split_mode,
+        "-mg/--main-gpu": main_gpu,
+        "-ts/--tensor-split": tensor_split,
+        "-dev/--device": device,
+        "-ncmoe/--n-cpu-moe": n_cpu_moe,
+        "-ot/--override-tensor": override_tensor,
+    }
     for flag, text in gpu.items():
         odd = _non_default(text, _GPU[flag])
         if not odd or flag in ANY_BUILD:
@@ -54,14 +63,19 @@ def refuse_unusable(
                 " to place on a device; rebuild with one (README, 'Hardware': make GPU=cuda)"
             )
         if flag not in PASSED_ON:
-            raise BadRequestError(f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp"
-                                  " yet; only the default is measured")  # fmt: skip
+            raise BadRequestError(
+                f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp"
+                " yet; only the default is measured"
+            )
 
 
 def hub_models(
-    models: list[str] | None, repos: list[str] | None, hf_file: str | None,
-    token: str | None, offline: bool,
-) -> list[str] | None:  # fmt: skip
+    models: list[str] | None,
+    repos: list[str] | None,
+    hf_file: str | None,
+    token: str | None,
+    offline: bool,
+) -> list[str] | None:
     """llama-bench's -hf REPO[:QUANT] and -hff FILE as llmrun's Hub references (-m takes
     them too); -hft and --offline through the Hub library's own variables."""
     if token:

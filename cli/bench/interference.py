@@ -55,36 +55,58 @@ def interference(
     api_key: o.ApiKey = None,
     timeout: o.Timeout = o.TIMEOUT_S,
     rate: Annotated[
-        float, _opt("Long prompts per second.", "--rate", "--interference-rate", min=0.01,
-                    panel=LAB)
+        float,
+        _opt("Long prompts per second.", "--rate", "--interference-rate", min=0.01, panel=LAB),
     ] = 2.0,
     prompt_len: Annotated[
-        int, _opt("Tokens per long prompt.", "--prompt-len", "--interference-prompt-len", min=1,
-                  panel=LAB)
+        int,
+        _opt(
+            "Tokens per long prompt.", "--prompt-len", "--interference-prompt-len", min=1, panel=LAB
+        ),
     ] = 512,
     output_len: Annotated[
-        int, _opt("Tokens the stream decodes (a server's: at least 64).", "--output-len", min=1,
-                  panel=LAB)
+        int,
+        _opt(
+            "Tokens the stream decodes (a server's: at least 64).", "--output-len", min=1, panel=LAB
+        ),
     ] = 64,
     input_len: Annotated[
-        int, _opt("A server's steady client: its prompt length (a short one).",
-                  "--input-len", min=1, max=64, panel="Against a server (--endpoint)")
+        int,
+        _opt(
+            "A server's steady client: its prompt length (a short one).",
+            "--input-len",
+            min=1,
+            max=64,
+            panel="Against a server (--endpoint)",
+        ),
     ] = 64,
     num_prompts: Annotated[
-        int, _opt("Long prompts, each in a sequence of its own.", "--num-prompts", min=1,
-                  max=8, panel=LOCAL)
+        int,
+        _opt(
+            "Long prompts, each in a sequence of its own.",
+            "--num-prompts",
+            min=1,
+            max=8,
+            panel=LOCAL,
+        ),
     ] = 8,
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
-        Path | None, _opt("Also draw the stream's timeline into a PNG file.", "--plot",
-                          metavar="FILE.png", show_default=False, panel=LOCAL)
+        Path | None,
+        _opt(
+            "Also draw the stream's timeline into a PNG file.",
+            "--plot",
+            metavar="FILE.png",
+            show_default=False,
+            panel=LOCAL,
+        ),
     ] = None,
     threads: Threads = None,
     threads_batch: ThreadsBatch = None,
     kv_unified: KvUnified = None,
     seed: Seed = 1234,
     output: Output = None,
-) -> None:  # fmt: skip
+) -> None:
     """Prefill-decode interference: a decoding stream's gaps alone and while long prompts arrive.
 
     llmrun bench interference --policy prefill-first,chunked:64   # this machine, in process
@@ -95,19 +117,33 @@ def interference(
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         options = InterferenceOptions(
-            rate=rate, prompt_len=prompt_len, output_len=output_len, seed=seed,
-            input_len=input_len, num_prompts=num_prompts,
+            rate=rate,
+            prompt_len=prompt_len,
+            output_len=output_len,
+            seed=seed,
+            input_len=input_len,
+            num_prompts=num_prompts,
             policies=() if endpoint else parse_policies(policy),
-        )  # fmt: skip
+        )
         screen = Screen(err, show, threading.Event())
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
-                o.refuse_for_endpoint(endpoint, {
-                    "-t/--threads": threads, "-tb/--threads-batch": threads_batch,
-                    "-kvu/--kv-unified": None if kv_unified is None else "given"})  # fmt: skip
-                o.refuse_given({"--policy": policy != DEFAULT_POLICIES, "--num-prompts":
-                                num_prompts != 8, "--plot": plot},
-                               "the local engine's; not with --endpoint")  # fmt: skip
+                o.refuse_for_endpoint(
+                    endpoint,
+                    {
+                        "-t/--threads": threads,
+                        "-tb/--threads-batch": threads_batch,
+                        "-kvu/--kv-unified": None if kv_unified is None else "given",
+                    },
+                )
+                o.refuse_given(
+                    {
+                        "--policy": policy != DEFAULT_POLICIES,
+                        "--num-prompts": num_prompts != 8,
+                        "--plot": plot,
+                    },
+                    "the local engine's; not with --endpoint",
+                )
                 code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
             else:
                 o.refuse_given(
@@ -118,8 +154,15 @@ def interference(
                     },
                     "only with --endpoint",
                 )
-                code = _local(model, options, screen, output, plot, (threads, threads_batch),
-                              kv_unified=kv_unified is True)  # fmt: skip
+                code = _local(
+                    model,
+                    options,
+                    screen,
+                    output,
+                    plot,
+                    (threads, threads_batch),
+                    kv_unified=kv_unified is True,
+                )
         raise typer.Exit(code)
 
 
@@ -128,8 +171,13 @@ def _remote(server: Server, options: InterferenceOptions, screen: Screen, output
 
     runner, _ = server.connect(screen.err)
     try:
-        found = list(run_stages(sv.interfere_remote(runner, options, cancel=screen.cancel),
-                                screen.err, "interference ..."))  # fmt: skip
+        found = list(
+            run_stages(
+                sv.interfere_remote(runner, options, cancel=screen.cancel),
+                screen.err,
+                "interference ...",
+            )
+        )
     finally:
         runner.close()
     for f in found:
@@ -166,8 +214,13 @@ def _local(
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 
-    runner = local_runner(model, "bench interference without --endpoint", threads=threads[0],
-                          threads_batch=threads[1], kv_unified=kv_unified)  # fmt: skip
+    runner = local_runner(
+        model,
+        "bench interference without --endpoint",
+        threads=threads[0],
+        threads_batch=threads[1],
+        kv_unified=kv_unified,
+    )
     try:
         loaded = runner.load()
         name = loaded.model.name if loaded.model else ""
@@ -180,8 +233,9 @@ def _local(
     if output is None:
         screen.show.print(_table(reports))
         for r in reports:
-            screen.show.print(Text.assemble(f"{r.policy:<14} ", (sparkline(list(r.stream_itl_ms)),
-                                                                 "magenta")))  # fmt: skip
+            screen.show.print(
+                Text.assemble(f"{r.policy:<14} ", (sparkline(list(r.stream_itl_ms)), "magenta"))
+            )
     for line in verdict(reports):
         screen.err.print(line, markup=False)
     if plot is not None and reports:
@@ -196,19 +250,26 @@ def interference_record(r: InterferenceReport, model: str) -> dict[str, Any]:
     """The report as a row for the output formats."""
     prefill_steps = [s for s in r.steps if s.n_prefill]
     return {
-        "model": model, "policy": r.policy, "stream_tokens": len(r.stream_itl_ms) + 1,
-        "itl_p50_ms": _round(r.itl(50)), "itl_p99_ms": _round(r.itl(99)),
+        "model": model,
+        "policy": r.policy,
+        "stream_tokens": len(r.stream_itl_ms) + 1,
+        "itl_p50_ms": _round(r.itl(50)),
+        "itl_p99_ms": _round(r.itl(99)),
         "itl_max_ms": _round(max(r.stream_itl_ms, default=0.0)),
         "long_ttft_mean_ms": _round(sum(r.long_ttft_ms) / len(r.long_ttft_ms))
-        if r.long_ttft_ms else None,
-        "throughput_tps": round(r.throughput_tps, 3), "steps": len(r.steps),
+        if r.long_ttft_ms
+        else None,
+        "throughput_tps": round(r.throughput_tps, 3),
+        "steps": len(r.steps),
         "max_prefill_tokens_per_step": max((s.n_prefill for s in r.steps), default=0),
         "mixed_steps": sum(1 for s in prefill_steps if s.n_decode),
-        "prefill_ms": round(r.prefill_ms, 3), "prefill_in_stream_gaps_ms": round(
-            r.prefill_in_gaps_ms, 3),
-        "n_threads": r.n_threads, "n_threads_batch": r.n_threads_batch,
-        "background_cpus": _round(r.background_cpus), "busy": r.busy,
-    }  # fmt: skip
+        "prefill_ms": round(r.prefill_ms, 3),
+        "prefill_in_stream_gaps_ms": round(r.prefill_in_gaps_ms, 3),
+        "n_threads": r.n_threads,
+        "n_threads_batch": r.n_threads_batch,
+        "background_cpus": _round(r.background_cpus),
+        "busy": r.busy,
+    }
 
 
 def _round(value: float | None) -> float | None:
@@ -217,15 +278,29 @@ def _round(value: float | None) -> float | None:
 
 def _table(reports: Sequence[InterferenceReport]) -> Fitted:
     table = Table(title="a decoding stream while long prompts arrive", title_justify="left")
-    for col in ("policy", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "long TTFT ms", "tok/s",
-                "steps", "prefill in gaps"):  # fmt: skip
+    for col in (
+        "policy",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "ITL max ms",
+        "long TTFT ms",
+        "tok/s",
+        "steps",
+        "prefill in gaps",
+    ):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in reports:
         ttft = sum(r.long_ttft_ms) / len(r.long_ttft_ms) if r.long_ttft_ms else None
-        table.add_row(r.policy, out.cell(r.itl(50)), out.cell(r.itl(99)),
-                      out.cell(max(r.stream_itl_ms, default=0.0)), out.cell(ttft),
-                      f"{r.throughput_tps:,.1f}", str(len(r.steps)),
-                      f"{r.prefill_in_gaps_ms:,.0f} of {r.prefill_ms:,.0f} ms")  # fmt: skip
+        table.add_row(
+            r.policy,
+            out.cell(r.itl(50)),
+            out.cell(r.itl(99)),
+            out.cell(max(r.stream_itl_ms, default=0.0)),
+            out.cell(ttft),
+            f"{r.throughput_tps:,.1f}",
+            str(len(r.steps)),
+            f"{r.prefill_in_gaps_ms:,.0f} of {r.prefill_ms:,.0f} ms",
+        )
     return fitted(table)
 
 
@@ -238,8 +313,13 @@ def verdict(reports: Sequence[InterferenceReport]) -> list[str]:
     busy = [r for r in reports if r.busy]
     if busy:  # the stream's gaps then measure the other processes, not the policies
         threads = max(max(r.n_threads or 1, r.n_threads_batch or 1) for r in busy)
-        lines.append(busy_warning(max(r.background_cpus or 0.0 for r in busy), threads,
-                                  ", ".join(r.policy for r in busy)))  # fmt: skip
+        lines.append(
+            busy_warning(
+                max(r.background_cpus or 0.0 for r in busy),
+                threads,
+                ", ".join(r.policy for r in busy),
+            )
+        )
     for r in reports:
         if not r.policy.startswith("chunked") or whole is None:
             continue

@@ -41,10 +41,33 @@ class OutputFormat(str, Enum):
 
 
 # The settings a sweep can vary (their record fields) and their column heads
-SWEPT_COLUMNS = tuple(zip(SWEPT_FIELDS, (
-    "n_batch", "n_ubatch", "ngl", "fa", "type_k", "type_v", "repack", "nkvo", "lm", "ctx",
-    "KV bytes", "draft", "cpu_mask", "strict", "poll", "lzm", "noh", "embd", "nopo",
-), strict=True))  # fmt: skip
+SWEPT_COLUMNS = tuple(
+    zip(
+        SWEPT_FIELDS,
+        (
+            "n_batch",
+            "n_ubatch",
+            "ngl",
+            "fa",
+            "type_k",
+            "type_v",
+            "repack",
+            "nkvo",
+            "lm",
+            "ctx",
+            "KV bytes",
+            "draft",
+            "cpu_mask",
+            "strict",
+            "poll",
+            "lzm",
+            "noh",
+            "embd",
+            "nopo",
+        ),
+        strict=True,
+    )
+)
 
 
 def _flat(value: Any) -> Any:
@@ -74,17 +97,28 @@ def _ms(value: float | None) -> str:
 # llama-bench's markdown: (field, header, width; negative = left-aligned), and its defaults: a
 # column shows when a value differs from llama-bench's default or varies, as in llama-bench.
 _MD_OPTIONAL = (
-    ("n_cpu_moe", "n_cpu_moe", 10, 0), ("cpu_mask", "cpu_mask", -10, "0x0"),
-    ("cpu_strict", "cpu_strict", 10, False), ("poll", "poll", 10, 50),
-    ("n_batch", "n_batch", 7, 2048), ("n_ubatch", "n_ubatch", 8, 512),
-    ("type_k", "type_k", 6, "f16"), ("type_v", "type_v", 6, "f16"), ("main_gpu", "main_gpu", 10, 0),
-    ("split_mode", "sm", 6, "layer"), ("no_kv_offload", "nkvo", 10, False),
-    ("flash_attn", "fa", 3, -1), ("devices", "dev", -12, "auto"),
-    ("tensor_split", "ts", -12, "0.00"), ("tensor_buft_overrides", "ot", -10, "none"),
-    ("load_mode", "lm", 10, "auto"), ("lazy_mode", "lazy_mode", -10, "auto"),
-    ("embeddings", "embd", 10, False), ("no_op_offload", "nopo", 4, 0),
-    ("no_host", "noh", 4, False), ("repack", "rpk", 3, True),
-)  # fmt: skip
+    ("n_cpu_moe", "n_cpu_moe", 10, 0),
+    ("cpu_mask", "cpu_mask", -10, "0x0"),
+    ("cpu_strict", "cpu_strict", 10, False),
+    ("poll", "poll", 10, 50),
+    ("n_batch", "n_batch", 7, 2048),
+    ("n_ubatch", "n_ubatch", 8, 512),
+    ("type_k", "type_k", 6, "f16"),
+    ("type_v", "type_v", 6, "f16"),
+    ("main_gpu", "main_gpu", 10, 0),
+    ("split_mode", "sm", 6, "layer"),
+    ("no_kv_offload", "nkvo", 10, False),
+    ("flash_attn", "fa", 3, -1),
+    ("devices", "dev", -12, "auto"),
+    ("tensor_split", "ts", -12, "0.00"),
+    ("tensor_buft_overrides", "ot", -10, "none"),
+    ("load_mode", "lm", 10, "auto"),
+    ("lazy_mode", "lazy_mode", -10, "auto"),
+    ("embeddings", "embd", 10, False),
+    ("no_op_offload", "nopo", 4, 0),
+    ("no_host", "noh", 4, False),
+    ("repack", "rpk", 3, True),
+)
 
 
 def _mib(size: int) -> str:
@@ -108,9 +142,11 @@ def _md_columns(
     llmrun's TTFT and ITL columns after t/s."""
     cpu = all(str(r.get("backends", "CPU")) in ("CPU", "BLAS") for r in sample)
     cols: list[tuple[str, str, int]] = [
-        ("model", "model", -30), ("size", "size", 10), ("params", "params", 10),
+        ("model", "model", -30),
+        ("size", "size", 10),
+        ("params", "params", 10),
         ("backend", "backend", -10),
-    ]  # fmt: skip
+    ]
     if not cpu:
         cols.append(("n_gpu_layers", "ngl", 3))
     cols.append(("n_threads", "threads", 7))
@@ -127,30 +163,32 @@ def _md_columns(
         cols += [("draft", "draft", 5), ("accept", "accepted", 8), ("tps", "tok/step", 8)]
     if "ppl" in shown or any(r.get("ppl") is not None for r in sample):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
-    cols += [("ttft", "TTFT ms", 10),
-             ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]  # fmt: skip
+    cols += [("ttft", "TTFT ms", 10), ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]
     return cols
 
 
 def _md_value_of(r: dict[str, Any], key: str) -> str:
     special = {
-        "model": lambda: str(r["model_type"]), "size": lambda: _mib(r["model_size"]),
-        "params": lambda: _params(r["model_n_params"]), "backend": lambda: str(r["backends"]),
+        "model": lambda: str(r["model_type"]),
+        "size": lambda: _mib(r["model_size"]),
+        "params": lambda: _params(r["model_n_params"]),
+        "backend": lambda: str(r["backends"]),
         "test": lambda: str(r["test"]),
         "t/s": lambda: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}",
-        "ttft": lambda: _ms(r.get("ttft_ms")), "itl50": lambda: _ms(r.get("itl_p50_ms")),
+        "ttft": lambda: _ms(r.get("ttft_ms")),
+        "itl50": lambda: _ms(r.get("itl_p50_ms")),
         "itl99": lambda: _ms(r.get("itl_p99_ms")),
         "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
         "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
         "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
         "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
         "draft": lambda: str(r.get("draft") or 0),
-        "accept": lambda: "-" if r.get("acceptance_rate") is None
-        else f"{r['acceptance_rate']:.0%}",
-        "tps": lambda: "-" if r.get("tokens_per_step") is None
-        else f"{r['tokens_per_step']:.2f}",
+        "accept": lambda: (
+            "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.0%}"
+        ),
+        "tps": lambda: "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
         "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
-    }  # fmt: skip
+    }
     return special[key]() if key in special else _md_value(r.get(key))
 
 
@@ -197,25 +235,64 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
 # older llama-bench builds created; newer ones add devices, lazy_mode, no_host and repack.
 # llmrun's SQL creates the table as this llama.cpp's llama-bench does (so its SQL goes in too)
 # and inserts these columns alone (so it goes into an older table as well).
-LLAMA_BENCH_DB_FIELDS = frozenset((
-    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
-    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask",
-    "cpu_strict", "poll", "type_k", "type_v", "n_gpu_layers", "split_mode", "main_gpu",
-    "no_kv_offload", "flash_attn", "tensor_split", "tensor_buft_overrides", "load_mode",
-    "embeddings", "no_op_offload", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
-    "stddev_ns", "avg_ts", "stddev_ts", "n_cpu_moe", "fit_target", "fit_min_ctx",
-))  # fmt: skip
+LLAMA_BENCH_DB_FIELDS = frozenset(
+    (
+        "build_commit",
+        "build_number",
+        "cpu_info",
+        "gpu_info",
+        "backends",
+        "model_filename",
+        "model_type",
+        "model_size",
+        "model_n_params",
+        "n_batch",
+        "n_ubatch",
+        "n_threads",
+        "cpu_mask",
+        "cpu_strict",
+        "poll",
+        "type_k",
+        "type_v",
+        "n_gpu_layers",
+        "split_mode",
+        "main_gpu",
+        "no_kv_offload",
+        "flash_attn",
+        "tensor_split",
+        "tensor_buft_overrides",
+        "load_mode",
+        "embeddings",
+        "no_op_offload",
+        "n_prompt",
+        "n_gen",
+        "n_depth",
+        "test_time",
+        "avg_ns",
+        "stddev_ns",
+        "avg_ts",
+        "stddev_ts",
+        "n_cpu_moe",
+        "fit_target",
+        "fit_min_ctx",
+    )
+)
 
 
-def _sql_create(table: str, made: Sequence[str], records: Sequence[dict[str, Any]],
-                extra: bool) -> str:  # fmt: skip
+def _sql_create(
+    table: str, made: Sequence[str], records: Sequence[dict[str, Any]], extra: bool
+) -> str:
     lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
-    lines += [f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
-              for i, f in enumerate(made)]  # fmt: skip
+    lines += [
+        f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
+        for i, f in enumerate(made)
+    ]
     lines += [");"]
     if extra:
-        lines += [f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
-                  " figures TEXT NOT NULL);"]  # fmt: skip
+        lines += [
+            f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
+            " figures TEXT NOT NULL);"
+        ]
     return "\n".join(lines) + "\n\n"
 
 
@@ -228,8 +305,10 @@ def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
     text = f"INSERT INTO {table} ({', '.join(core)}) VALUES ({values});\n"
     figures = {f: v for f, v in r.items() if f not in core}
     if figures:
-        text += (f"INSERT OR REPLACE INTO {table}_llmrun (bench_rowid, figures) VALUES"
-                 f" (last_insert_rowid(), {_sql_value(json.dumps(figures))});\n")  # fmt: skip
+        text += (
+            f"INSERT OR REPLACE INTO {table}_llmrun (bench_rowid, figures) VALUES"
+            f" (last_insert_rowid(), {_sql_value(json.dumps(figures))});\n"
+        )
     return text
 
 
@@ -255,9 +334,16 @@ def format_records(
     buf = io.StringIO()
     every = list(dict.fromkeys(k for r in records for k in r))
     shown = [k for k in every if len({str(r.get(k)) for r in records}) > 1]
-    writer = RecordWriter(fmt, buf, shown=shown, several_models=len(_models(records)) > 1,
-                          optional=every, table=table, md_columns=md_columns,
-                          sample=records)  # fmt: skip
+    writer = RecordWriter(
+        fmt,
+        buf,
+        shown=shown,
+        several_models=len(_models(records)) > 1,
+        optional=every,
+        table=table,
+        md_columns=md_columns,
+        sample=records,
+    )
     for r in records:
         writer.row(r)
     writer.close()
@@ -329,8 +415,12 @@ class RecordWriter:
     def _header(self, first: dict[str, Any]) -> str:
         sample = self.sample or [first]
         if self.fmt is OutputFormat.csv:
-            self._csv = csv.DictWriter(self._buf, fieldnames=self._fields(first),
-                                       lineterminator="\n", extrasaction="ignore")  # fmt: skip
+            self._csv = csv.DictWriter(
+                self._buf,
+                fieldnames=self._fields(first),
+                lineterminator="\n",
+                extrasaction="ignore",
+            )
             self._csv.writeheader()
             return self._taken()
         if self.fmt is OutputFormat.json:
@@ -351,8 +441,9 @@ class RecordWriter:
             self._csv.writerow({k: _flat(v) for k, v in r.items()})
             return self._taken()
         if self.fmt is OutputFormat.json:  # llama-bench's json_printer, field by field
-            fields = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}"
-                                for k, v in r.items())  # fmt: skip
+            fields = ",\n".join(
+                f"    {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in r.items()
+            )
             return ("" if first else ",\n") + "  {\n" + fields + "\n  }"
         if self.fmt is OutputFormat.jsonl:
             return json.dumps(r, ensure_ascii=False) + "\n"
@@ -368,8 +459,9 @@ class RecordWriter:
         head = ""
         if columns != self._plain:
             self._plain = columns
-            head = ("| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns)
-                    + " |\n")  # fmt: skip
+            head = (
+                "| " + " | ".join(columns) + " |\n| " + " | ".join("---" for _ in columns) + " |\n"
+            )
         return head + "| " + " | ".join(cell(r.get(c)) for c in columns) + " |\n"
 
     def _taken(self) -> str:
@@ -399,8 +491,10 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
     varying = _varying_rows(rows)
     several = len(_row_models(rows)) > 1
     if any(r.result.settings.tuned for r in rows):
-        title += (" (tuned settings from `llmrun tune`, as --tuned asks; without it:"
-                  " llama-bench's defaults)")  # fmt: skip
+        title += (
+            " (tuned settings from `llmrun tune`, as --tuned asks; without it:"
+            " llama-bench's defaults)"
+        )
     table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
     heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]
@@ -410,11 +504,15 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
         itl = "-" if r.itl_p50_ms is None else f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}"
         rel = r.relative_ts
         table.add_row(
-            *([r.model_name] if several else []), r.test, str(r.n_threads),
-            *(str(r.swept.get(k)) for k, _ in varying), f"{r.avg_ts:,.1f} ± {r.stddev_ts:,.1f}",
+            *([r.model_name] if several else []),
+            r.test,
+            str(r.n_threads),
+            *(str(r.swept.get(k)) for k, _ in varying),
+            f"{r.avg_ts:,.1f} ± {r.stddev_ts:,.1f}",
             *([f"x{rel:.2f}" if rel is not None else "-"] if several else []),
-            _ms(r.ttft_ms), itl,
-        )  # fmt: skip
+            _ms(r.ttft_ms),
+            itl,
+        )
     return fitted(table)
 
 
@@ -446,8 +544,10 @@ def efficiency_lines(rows: Sequence[Row]) -> list[str]:
                 f" weights are in ({e.mem_bw_source})"
             )
         if e.prefill_gflops is not None:
-            lines.append(f"{r.test}: prefill runs at {e.prefill_gflops:,.1f} GFLOP/s"
-                         " (2 x parameters x tok/s)")  # fmt: skip
+            lines.append(
+                f"{r.test}: prefill runs at {e.prefill_gflops:,.1f} GFLOP/s"
+                " (2 x parameters x tok/s)"
+            )
     return lines
 
 
@@ -504,18 +604,25 @@ def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:
     for key, group in groups.items():
         for r in sorted(group, key=lambda r: r.n_batch):
             table.add_row(
-                r.test, str(r.n_batch), str(r.result.n_ubatch), f"{r.avg_ts:,.1f}",
-                _ms(r.ttft_ms), str(r.result.next_token),
-            )  # fmt: skip
+                r.test,
+                str(r.n_batch),
+                str(r.result.n_ubatch),
+                f"{r.avg_ts:,.1f}",
+                _ms(r.ttft_ms),
+                str(r.result.next_token),
+            )
         tokens = {r.result.next_token for r in group}
         if len(group) > 1:
             if len(tokens) == 1:
-                notes.append(f"{key[0]}: all {len(group)} chunk sizes agree on the next token"
-                             f" ({tokens.pop()})")  # fmt: skip
+                notes.append(
+                    f"{key[0]}: all {len(group)} chunk sizes agree on the next token"
+                    f" ({tokens.pop()})"
+                )
             else:
-                notes.append(f"{key[0]}: the chunk sizes DISAGREE on the next token: "
-                             + ", ".join(f"batch {r.n_batch} -> {r.result.next_token}"
-                                         for r in group))  # fmt: skip
+                notes.append(
+                    f"{key[0]}: the chunk sizes DISAGREE on the next token: "
+                    + ", ".join(f"batch {r.n_batch} -> {r.result.next_token}" for r in group)
+                )
     return fitted(table), notes
 
 
@@ -537,12 +644,17 @@ def compare_table(changes: Sequence[Change], title: str = "against the previous 
         r, p = c.record, c.previous
         table.add_row(
             *([str(r.get("model_name"))] if several else []),
-            c.test, str(r.get("n_threads", "-")), *(str(r.get(k)) for k, _ in varying),
-            _rate(r), "-" if p is None else _rate(p),
+            c.test,
+            str(r.get("n_threads", "-")),
+            *(str(r.get(k)) for k, _ in varying),
+            _rate(r),
+            "-" if p is None else _rate(p),
             "-" if c.change is None else f"{c.change:+.1%}",
-            Text(c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
-                 style=styles.get(c.verdict, "")),
-        )  # fmt: skip
+            Text(
+                c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
+                style=styles.get(c.verdict, ""),
+            ),
+        )
     return fitted(table, wrap=("verdict",))
 
 
@@ -581,11 +693,15 @@ def warn_if_busy(records: Sequence[dict[str, Any]]) -> None:
     busy = [r for r in records if r.get("busy")]
     if busy:
         worst = max(float(r.get("background_cpus") or 0) for r in busy)
-        threads = max(max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1))
-                      for r in busy)  # fmt: skip
+        threads = max(
+            max(int(r.get("n_threads") or 1), int(r.get("n_threads_batch") or 1)) for r in busy
+        )
         spinning = any(r.get("poll") not in (None, 0, "0") for r in busy)  # bench's records
-        print(busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests",
-                           poll=spinning), file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            busy_warning(worst, threads, f"{len(busy)} of {len(records)} tests", poll=spinning),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def store_and_print(
@@ -606,8 +722,9 @@ def store_and_print(
 
     Returns the comparison with earlier runs when asked for, to be shown after the results.
     """
-    changes = store_run(records, kind=kind, model=model, system=system, store=store,
-                        compare=compare)  # fmt: skip
+    changes = store_run(
+        records, kind=kind, model=model, system=system, store=store, compare=compare
+    )
     warn_if_busy(records)
     print_records(records, output, table=sql_table, md_columns=md_columns)
     if output is None and sys.stdout.isatty():

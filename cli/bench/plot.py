@@ -44,8 +44,10 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, n_panels, figsize=(6 * n_panels, 4.5), squeeze=False)
     ax = axes[0][0]
     several = len({r.model_name for r in rows}) > 1
-    labels = [(f"{r.model_name}\n" if several else "")
-              + f"{r.test}\nt={r.n_threads} b={r.n_batch}" for r in pp + tg]  # fmt: skip
+    labels = [
+        (f"{r.model_name}\n" if several else "") + f"{r.test}\nt={r.n_threads} b={r.n_batch}"
+        for r in pp + tg
+    ]
     values = [r.avg_ts for r in pp + tg]
     errors = [r.stddev_ts for r in pp + tg]
     colors = ["tab:cyan"] * len(pp) + ["tab:purple"] * len(tg)
@@ -66,8 +68,7 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     if len(batches) > 1:
         ax = axes[0][panel]
         rates = [statistics.fmean(r.avg_ts for r in pp if r.n_batch == x) for x in batches]
-        ttft = [statistics.fmean(r.ttft_ms or 0 for r in pp if r.n_batch == x)
-                for x in batches]  # fmt: skip
+        ttft = [statistics.fmean(r.ttft_ms or 0 for r in pp if r.n_batch == x) for x in batches]
         ax.plot(batches, rates, marker="o", color="tab:cyan")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prefill chunk size (n_batch)")
@@ -86,20 +87,29 @@ def plot_timeline(reports: Sequence[Any], path: Path) -> None:
     """Per policy: each step's batch (decode and prefill tokens, stacked, over time) and the
     decoding stream's gaps, so a whole-prompt stall and its smoothing by chunking show."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.6 * len(reports)), squeeze=False,
-                             sharex=True)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(reports), 1, figsize=(10, 2.6 * len(reports)), squeeze=False, sharex=True
+    )
     for ax, report in zip((row[0] for row in axes), reports, strict=True):
         starts = [s.start_s for s in report.steps]
         widths = [max(s.duration_s, 1e-4) for s in report.steps]
         decode = [s.n_decode for s in report.steps]
         prefill = [s.n_prefill for s in report.steps]
         ax.bar(starts, decode, width=widths, align="edge", color="tab:purple", label="decode")
-        ax.bar(starts, prefill, width=widths, align="edge", bottom=decode, color="tab:cyan",
-               label="prefill")  # fmt: skip
+        ax.bar(
+            starts,
+            prefill,
+            width=widths,
+            align="edge",
+            bottom=decode,
+            color="tab:cyan",
+            label="prefill",
+        )
         ax.set_ylabel("tokens / step")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{report.policy}: batch composition per step, and the stream's gaps",
-                     fontsize=9)  # fmt: skip
+        ax.set_title(
+            f"{report.policy}: batch composition per step, and the stream's gaps", fontsize=9
+        )
         twin = ax.twinx()
         gaps = list(report.stream_itl_ms)
         times = report.stream_times_s[1:] if report.stream_times_s else []

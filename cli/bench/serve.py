@@ -51,41 +51,72 @@ def _opt(help_text: str, *names: str, panel: str = LOAD, **kw: Any) -> Any:
 
 Model1 = Annotated[
     str | None,
-    typer.Option("-m", "--model", envvar="LLMRUN_MODEL", show_default=False,
-                 help="A .gguf path or Hub reference; with --endpoint, the server's model"
-                 " (default: the embedded SmolLM2-135M, or the server's first)."),
-]  # fmt: skip
+    typer.Option(
+        "-m",
+        "--model",
+        envvar="LLMRUN_MODEL",
+        show_default=False,
+        help="A .gguf path or Hub reference; with --endpoint, the server's model"
+        " (default: the embedded SmolLM2-135M, or the server's first).",
+    ),
+]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
 Output = Annotated[
     out.OutputFormat | None,
-    typer.Option("-o", "--output", show_default=False,
-                 help="Print the results on stdout as md, csv, json, jsonl or sql."
-                 " (default: a table on a terminal, else md)"),
-]  # fmt: skip
+    typer.Option(
+        "-o",
+        "--output",
+        show_default=False,
+        help="Print the results on stdout as md, csv, json, jsonl or sql."
+        " (default: a table on a terminal, else md)",
+    ),
+]
 OutputLen = Annotated[int, _opt("Mean output length in tokens.", "--output-len", min=1)]
 Policies = Annotated[
     str,
-    _opt("Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
-         " decode-first. (default: all three)", "--policy", panel=LOCAL, show_default=False),
-]  # fmt: skip
+    _opt(
+        "Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
+        " decode-first. (default: all three)",
+        "--policy",
+        panel=LOCAL,
+        show_default=False,
+    ),
+]
 
 Threads = Annotated[
     int | None,
-    _opt("CPU threads of the engine: one token a step. (default: the physical cores)", "-t",
-         "--threads", panel=LOCAL, min=1, show_default=False),
-]  # fmt: skip
+    _opt(
+        "CPU threads of the engine: one token a step. (default: the physical cores)",
+        "-t",
+        "--threads",
+        panel=LOCAL,
+        min=1,
+        show_default=False,
+    ),
+]
 ThreadsBatch = Annotated[
     int | None,
-    _opt("CPU threads for steps of more than one token (prefill). (default: --threads)",
-         "-tb", "--threads-batch", panel=LOCAL, min=1, show_default=False),
-]  # fmt: skip
+    _opt(
+        "CPU threads for steps of more than one token (prefill). (default: --threads)",
+        "-tb",
+        "--threads-batch",
+        panel=LOCAL,
+        min=1,
+        show_default=False,
+    ),
+]
 KvUnified = Annotated[
     bool | None,
-    _opt("One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
-         " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
-         " kv_unified. (default: one stream per sequence)", "-kvu/-no-kvu",
-         "--kv-unified/--no-kv-unified", panel=LOCAL, show_default=False),
-]  # fmt: skip
+    _opt(
+        "One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
+        " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
+        " kv_unified. (default: one stream per sequence)",
+        "-kvu/-no-kvu",
+        "--kv-unified/--no-kv-unified",
+        panel=LOCAL,
+        show_default=False,
+    ),
+]
 
 
 def connect(
@@ -108,8 +139,10 @@ def connect(
         runner.close()
         raise
     name = runner.model_name or loaded.name
-    err.print(f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f}"
-              " ms", markup=False)  # fmt: skip
+    err.print(
+        f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
+        markup=False,
+    )
     return runner, name
 
 
@@ -122,8 +155,9 @@ def local_runner(
     kv_unified: bool = False,
 ) -> LlamaCppRunner:
     """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
-    config = EngineConfig(n_ctx=512, n_threads=threads, n_threads_batch=threads_batch,
-                          kv_unified=kv_unified)  # fmt: skip
+    config = EngineConfig(
+        n_ctx=512, n_threads=threads, n_threads_batch=threads_batch, kv_unified=kv_unified
+    )
     runner = make_bench_runner(model, config, tuned=False)
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError(f"{job} needs a local model")
@@ -169,20 +203,34 @@ def serve(
     input_len: Annotated[int, _opt("Mean prompt length in tokens.", "--input-len", min=1)] = 128,
     output_len: OutputLen = 64,
     range_ratio: Annotated[
-        float, _opt("Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
-                    "--range-ratio", min=0.0, max=0.99)
+        float,
+        _opt(
+            "Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
+            "--range-ratio",
+            min=0.0,
+            max=0.99,
+        ),
     ] = 0.0,
     warmup: Annotated[
-        int | None, _opt("Untimed warm-up requests before each level. (default: 1 against a"
-                         " server, 0 on this machine's engine)", "--warmup", min=0,
-                         show_default=False)
+        int | None,
+        _opt(
+            "Untimed warm-up requests before each level. (default: 1 against a"
+            " server, 0 on this machine's engine)",
+            "--warmup",
+            min=0,
+            show_default=False,
+        ),
     ] = None,
     percentiles: Annotated[
         str, _opt("Percentiles of each latency metric.", "--percentiles")
     ] = "50,90,99",
     slo: Annotated[
-        str | None, _opt("Goodput counts requests meeting these, in ms: ttft:500,tpot:50"
-                         " (e2el too).", "--slo", show_default=False)
+        str | None,
+        _opt(
+            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).",
+            "--slo",
+            show_default=False,
+        ),
     ] = None,
     policy: Policies = DEFAULT_POLICIES,
     threads: Threads = None,
@@ -191,13 +239,15 @@ def serve(
     seed: Seed = 1234,
     output: Output = None,
     compare: Annotated[
-        bool, typer.Option("--compare", help="Show the change against the last run of the same"
-                           " settings.")
+        bool,
+        typer.Option(
+            "--compare", help="Show the change against the last run of the same settings."
+        ),
     ] = False,
     no_history: Annotated[
         bool, typer.Option("--no-history", help="Do not store this run in the history.")
     ] = False,
-) -> None:  # fmt: skip
+) -> None:
     """Serving load with vLLM's metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput).
 
     llmrun bench serve --concurrency 1,4 --policy chunked:64   # this machine's engine
@@ -209,29 +259,49 @@ def serve(
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         given_policy = policy != DEFAULT_POLICIES
         options = ServeOptions(
-            concurrency=parse_concurrency(concurrency), request_rate=parse_rate(request_rate),
-            num_prompts=num_prompts, input_len=input_len, output_len=output_len,
-            range_ratio=range_ratio, warmup=(1 if endpoint else 0) if warmup is None else warmup,
-            percentiles=parse_percentiles(percentiles), slo=parse_slo(slo), seed=seed,
+            concurrency=parse_concurrency(concurrency),
+            request_rate=parse_rate(request_rate),
+            num_prompts=num_prompts,
+            input_len=input_len,
+            output_len=output_len,
+            range_ratio=range_ratio,
+            warmup=(1 if endpoint else 0) if warmup is None else warmup,
+            percentiles=parse_percentiles(percentiles),
+            slo=parse_slo(slo),
+            seed=seed,
             policies=() if endpoint else parse_policies(policy),
-        )  # fmt: skip
+        )
         screen = Screen(err, show, threading.Event())
         delivery = Delivery(output, compare, store=not no_history)
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
                 if given_policy:
-                    raise BadRequestError("--policy: the server schedules its own requests;"
-                                          " policies apply without --endpoint")  # fmt: skip
-                o.refuse_for_endpoint(endpoint, {
-                    "-t/--threads": threads, "-tb/--threads-batch": threads_batch,
-                    "-kvu/--kv-unified": None if kv_unified is None else "given"})  # fmt: skip
-                code = _remote(Server(endpoint, model, api_key, timeout), options, screen,
-                               delivery)  # fmt: skip
+                    raise BadRequestError(
+                        "--policy: the server schedules its own requests;"
+                        " policies apply without --endpoint"
+                    )
+                o.refuse_for_endpoint(
+                    endpoint,
+                    {
+                        "-t/--threads": threads,
+                        "-tb/--threads-batch": threads_batch,
+                        "-kvu/--kv-unified": None if kv_unified is None else "given",
+                    },
+                )
+                code = _remote(Server(endpoint, model, api_key, timeout), options, screen, delivery)
             else:
-                o.refuse_given({"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
-                               "only with --endpoint")  # fmt: skip
-                code = _local(model, options, screen, delivery, (threads, threads_batch),
-                              kv_unified=kv_unified is True)  # fmt: skip
+                o.refuse_given(
+                    {"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
+                    "only with --endpoint",
+                )
+                code = _local(
+                    model,
+                    options,
+                    screen,
+                    delivery,
+                    (threads, threads_batch),
+                    kv_unified=kv_unified is True,
+                )
         raise typer.Exit(code)
 
 
@@ -254,8 +324,14 @@ class Server:
     timeout_s: float
 
     def connect(self, err: Console, connections: int | None = None) -> tuple[OpenAIRunner, str]:
-        return connect(self.endpoint, model=self.model, api_key=self.api_key,
-                       timeout_s=self.timeout_s, err=err, max_connections=connections)  # fmt: skip
+        return connect(
+            self.endpoint,
+            model=self.model,
+            api_key=self.api_key,
+            timeout_s=self.timeout_s,
+            err=err,
+            max_connections=connections,
+        )
 
 
 @dataclass(frozen=True)
@@ -273,27 +349,48 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
     runner, name = server.connect(screen.err, connections=max(options.concurrency) + 8)
     done: list[sv.ServingLevel] = []
     try:
-        for level in run_stages(sv.serve_remote(runner, options, cancel=screen.cancel),
-                                screen.err, "preparing prompts ..."):  # fmt: skip
+        for level in run_stages(
+            sv.serve_remote(runner, options, cancel=screen.cancel),
+            screen.err,
+            "preparing prompts ...",
+        ):
             done.append(level)
             for e in level.metrics.errors:
-                screen.err.print(f"c={level.concurrency}: failed requests: {e}", markup=False,
-                                 style="yellow")  # fmt: skip
+                screen.err.print(
+                    f"c={level.concurrency}: failed requests: {e}", markup=False, style="yellow"
+                )
     finally:
         runner.close()
     # the runner's endpoint: its credentials redacted
     return _report(done, options, screen, delivery, name=name, endpoint=runner.endpoint)
 
 
-def _local(model: str | None, options: ServeOptions, screen: Screen, delivery: Delivery,
-           threads: tuple[int | None, int | None], *, kv_unified: bool = False) -> int:  # fmt: skip
+def _local(
+    model: str | None,
+    options: ServeOptions,
+    screen: Screen,
+    delivery: Delivery,
+    threads: tuple[int | None, int | None],
+    *,
+    kv_unified: bool = False,
+) -> int:
     from llmrun.runners.serving.local import LOCAL, serve_local
 
-    runner = local_runner(model, "the local serving benchmark", threads=threads[0],
-                          threads_batch=threads[1], kv_unified=kv_unified)  # fmt: skip
+    runner = local_runner(
+        model,
+        "the local serving benchmark",
+        threads=threads[0],
+        threads_batch=threads[1],
+        kv_unified=kv_unified,
+    )
     try:
-        done = list(run_stages(serve_local(runner, options, cancel=screen.cancel), screen.err,
-                               "loading the model ..."))  # fmt: skip
+        done = list(
+            run_stages(
+                serve_local(runner, options, cancel=screen.cancel),
+                screen.err,
+                "loading the model ...",
+            )
+        )
     finally:
         runner.close()
     name = done[-1].model if done else ""
@@ -313,14 +410,22 @@ def _report(
     interrupted = screen.cancel.is_set()
     records = [r.record() for r in done]
     if interrupted:
-        screen.err.print(f"interrupted: keeping the {len(records)} finished results",
-                         style="yellow")  # fmt: skip
+        screen.err.print(
+            f"interrupted: keeping the {len(records)} finished results", style="yellow"
+        )
     changes = out.store_and_print(
-        records, kind="serving", model=name, system={"endpoint": endpoint},
-        output=delivery.output, show=screen.show, table=serving_table(done, options.percentiles),
-        store=delivery.store, compare=delivery.compare, sql_table="llmrun_serving",
+        records,
+        kind="serving",
+        model=name,
+        system={"endpoint": endpoint},
+        output=delivery.output,
+        show=screen.show,
+        table=serving_table(done, options.percentiles),
+        store=delivery.store,
+        compare=delivery.compare,
+        sql_table="llmrun_serving",
         md_columns=SERVING_COLUMNS,
-    )  # fmt: skip
+    )
     if changes is not None:
         screen.show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
@@ -365,7 +470,18 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
 
 # The md table's columns (the other formats carry every figure)
 SERVING_COLUMNS = (
-    "test", "concurrency", "request_rate", "completed", "failed", "request_throughput",
-    "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
-    "p99_itl_ms", "mean_e2el_ms", "goodput",
-)  # fmt: skip
+    "test",
+    "concurrency",
+    "request_rate",
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "mean_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "goodput",
+)

@@ -55,16 +55,29 @@ PANEL = "Tests (llama-bench's)"
 # Options that left `bench` for a command of their own: the command a user should run now.
 SERVE, INTERFERENCE = "llmrun bench serve", "llmrun bench interference"
 MOVED = {
-    **dict.fromkeys(("--concurrency", "--request-rate", "--range-ratio", "--warmup",
-                     "--percentiles", "--slo", "--api-key", "--timeout"), SERVE),
-    **dict.fromkeys(("--endpoint", "--num-prompts", "--input-len", "--output-len", "--policy"),
-                    f"{SERVE} (or {INTERFERENCE})"),
+    **dict.fromkeys(
+        (
+            "--concurrency",
+            "--request-rate",
+            "--range-ratio",
+            "--warmup",
+            "--percentiles",
+            "--slo",
+            "--api-key",
+            "--timeout",
+        ),
+        SERVE,
+    ),
+    **dict.fromkeys(
+        ("--endpoint", "--num-prompts", "--input-len", "--output-len", "--policy"),
+        f"{SERVE} (or {INTERFERENCE})",
+    ),
     "--interference": INTERFERENCE,
     "--interference-rate": f"{INTERFERENCE} --rate",
     "--interference-prompt-len": f"{INTERFERENCE} --prompt-len",
     "--tune": "llmrun tune",
     "--workload": "llmrun tune --workload",
-}  # fmt: skip
+}
 
 
 def usage_error(text: str) -> NoReturn:
@@ -149,16 +162,20 @@ def system_rows(system: SystemInfo, model: str) -> list[tuple[str, str]]:
     bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
     if system.mem_bw_spread is not None:
         bw += f" median, runs spread over {system.mem_bw_spread:.0%} of it"
-    bw += " (streaming copy)" + "".join(f" · {b.device} {b.bytes_s / 1e9:,.1f} GB/s ({b.source})"
-                                        for b in system.device_bandwidths)  # fmt: skip
+    bw += " (streaming copy)" + "".join(
+        f" · {b.device} {b.bytes_s / 1e9:,.1f} GB/s ({b.source})" for b in system.device_bandwidths
+    )
     return [
-        ("cpu", f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
-                f" · RAM {ram}"),
+        (
+            "cpu",
+            f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
+            f" · RAM {ram}",
+        ),
         ("memory", bw),
         ("gpu", system.gpu),
         ("build", f"{system.build} · {system.features}"),
         ("model", model),
-    ]  # fmt: skip
+    ]
 
 
 def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
@@ -176,8 +193,9 @@ LB = "llama-bench's other options"
 
 def _lists(help_text: str, *names: str, panel: str = SWEEP, metavar: str = "LIST") -> Any:
     """A sweep option that, as in llama-bench, takes a comma list and may be repeated."""
-    return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False,
-                        metavar=metavar)  # fmt: skip
+    return typer.Option(
+        *names, help=help_text, rich_help_panel=panel, show_default=False, metavar=metavar
+    )
 
 
 def _joined(values: list[str] | None) -> str | None:
@@ -198,254 +216,471 @@ def bench(
     models: Annotated[
         list[str] | None,
         typer.Option(
-            "-m", "--model", envvar="LLMRUN_MODEL", show_default=False, rich_help_panel=PANEL,
+            "-m",
+            "--model",
+            envvar="LLMRUN_MODEL",
+            show_default=False,
+            rich_help_panel=PANEL,
             help="A .gguf path or Hub reference; repeat for several models, compared side by side."
             " (default: the embedded SmolLM2-135M)",
         ),
     ] = None,
     n_prompt: Annotated[
-        list[str] | None, _lists("Prompt sizes of pp tests (0: none). (default: 512)", "-p",
-                                 "--n-prompt", panel=PANEL),
+        list[str] | None,
+        _lists(
+            "Prompt sizes of pp tests (0: none). (default: 512)", "-p", "--n-prompt", panel=PANEL
+        ),
     ] = None,
     n_gen: Annotated[
-        list[str] | None, _lists("Generation lengths of tg tests (0: none). (default: 128)",
-                                 "-n", "--n-gen", panel=PANEL),
+        list[str] | None,
+        _lists(
+            "Generation lengths of tg tests (0: none). (default: 128)", "-n", "--n-gen", panel=PANEL
+        ),
     ] = None,
     pg: Annotated[
         list[str] | None,
-        _lists("A pp+tg test PROMPT,GEN such as 512,128 (repeatable).", "-pg", "--pg",
-               panel=PANEL, metavar="PP,TG"),
+        _lists(
+            "A pp+tg test PROMPT,GEN such as 512,128 (repeatable).",
+            "-pg",
+            "--pg",
+            panel=PANEL,
+            metavar="PP,TG",
+        ),
     ] = None,
     depth: Annotated[
-        list[str] | None, _lists("Run each test after N tokens already in the KV cache."
-                                 " (default: 0)", "-d", "--n-depth", panel=PANEL),
+        list[str] | None,
+        _lists(
+            "Run each test after N tokens already in the KV cache. (default: 0)",
+            "-d",
+            "--n-depth",
+            panel=PANEL,
+        ),
     ] = None,
     reps: Annotated[
-        int, typer.Option("-r", "--repetitions", min=0, rich_help_panel=PANEL,
-                          help="Timed repetitions per test, after one warm-up (0: the warm-up"
-                          " only, rows of 0 t/s as llama-bench's, kept out of the history)."),
+        int,
+        typer.Option(
+            "-r",
+            "--repetitions",
+            min=0,
+            rich_help_panel=PANEL,
+            help="Timed repetitions per test, after one warm-up (0: the warm-up"
+            " only, rows of 0 t/s as llama-bench's, kept out of the history).",
+        ),
     ] = 5,
     threads: Annotated[
-        list[str] | None, _lists("CPU threads. (default: physical cores, or performance cores"
-                                 " of a hybrid CPU, as llama-bench)", "-t", "--threads"),
+        list[str] | None,
+        _lists(
+            "CPU threads. (default: physical cores, or performance cores"
+            " of a hybrid CPU, as llama-bench)",
+            "-t",
+            "--threads",
+        ),
     ] = None,
     batch: Annotated[
-        list[str] | None, _lists("Prefill chunk sizes (n_batch). (default: 2048, as"
-                                 " llama-bench; --tuned: 512)", "-b", "--batch", "--batch-size"),
+        list[str] | None,
+        _lists(
+            "Prefill chunk sizes (n_batch). (default: 2048, as llama-bench; --tuned: 512)",
+            "-b",
+            "--batch",
+            "--batch-size",
+        ),
     ] = None,
     ubatch: Annotated[
-        list[str] | None, _lists("Micro-batch sizes (n_ubatch). (default: 512)", "-ub",
-                                 "--ubatch", "--ubatch-size"),
+        list[str] | None,
+        _lists("Micro-batch sizes (n_ubatch). (default: 512)", "-ub", "--ubatch", "--ubatch-size"),
     ] = None,
     gpu_layers: Annotated[
-        list[str] | None, _lists("GPU layers; -1, or more than the model has (99), is all."
-                                 " (default: -1, as llama-bench)",
-                                 "-ngl", "--gpu-layers", "--n-gpu-layers"),
+        list[str] | None,
+        _lists(
+            "GPU layers; -1, or more than the model has (99), is all."
+            " (default: -1, as llama-bench)",
+            "-ngl",
+            "--gpu-layers",
+            "--n-gpu-layers",
+        ),
     ] = None,
     flash_attn: Annotated[
-        list[str] | None, _lists("on, off, auto (or 1, 0, -1). (default: auto, as"
-                                 " llama-bench)",
-                                 "-fa", "--flash-attn"),
+        list[str] | None,
+        _lists(
+            "on, off, auto (or 1, 0, -1). (default: auto, as llama-bench)", "-fa", "--flash-attn"
+        ),
     ] = None,
     cache_type_k: Annotated[
-        list[str] | None, _lists(f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)",
-                                 "-ctk", "--cache-type-k"),
+        list[str] | None,
+        _lists(
+            f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)", "-ctk", "--cache-type-k"
+        ),
     ] = None,
     cache_type_v: Annotated[
-        list[str] | None, _lists("KV cache V types (quantized V needs flash attention)."
-                                 " (default: f16)", "-ctv", "--cache-type-v"),
+        list[str] | None,
+        _lists(
+            "KV cache V types (quantized V needs flash attention). (default: f16)",
+            "-ctv",
+            "--cache-type-v",
+        ),
     ] = None,
     repack: Annotated[
-        list[str] | None, _lists("Weight repacking for faster CPU kernels, 0 or 1. (default: 1"
-                                 " where a probe found it safe on this CPU)", "--repack"),
+        list[str] | None,
+        _lists(
+            "Weight repacking for faster CPU kernels, 0 or 1. (default: 1"
+            " where a probe found it safe on this CPU)",
+            "--repack",
+        ),
     ] = None,
     mmap: Annotated[
-        list[str] | None, _lists("Memory-map the model file, 0 or 1 (older llama-bench's -mmp;"
-                                 " same as -lm none/mmap).", "-mmp", "--mmap"),
+        list[str] | None,
+        _lists(
+            "Memory-map the model file, 0 or 1 (older llama-bench's -mmp; same as -lm none/mmap).",
+            "-mmp",
+            "--mmap",
+        ),
     ] = None,
     load_mode: Annotated[
-        list[str] | None, _lists(f"How weights load: {', '.join(LOAD_MODES)}. (default: auto)",
-                                 "-lm", "--load-mode"),
+        list[str] | None,
+        _lists(f"How weights load: {', '.join(LOAD_MODES)}. (default: auto)", "-lm", "--load-mode"),
     ] = None,
     no_kv_offload: Annotated[
-        list[str] | None, _lists("Keep the KV cache in host memory, 0 or 1 (GPU builds).",
-                                 "-nkvo", "--no-kv-offload"),
+        list[str] | None,
+        _lists(
+            "Keep the KV cache in host memory, 0 or 1 (GPU builds).", "-nkvo", "--no-kv-offload"
+        ),
     ] = None,
     split_mode: Annotated[
-        list[str] | None, _lists("Split across GPUs: none, layer, row, tensor. (default: layer)",
-                                 "-sm", "--split-mode", panel=LB),
+        list[str] | None,
+        _lists(
+            "Split across GPUs: none, layer, row, tensor. (default: layer)",
+            "-sm",
+            "--split-mode",
+            panel=LB,
+        ),
     ] = None,
     main_gpu: Annotated[
-        list[str] | None, _lists("The GPU for -sm none. (default: 0)", "-mg", "--main-gpu",
-                                 panel=LB),
+        list[str] | None,
+        _lists("The GPU for -sm none. (default: 0)", "-mg", "--main-gpu", panel=LB),
     ] = None,
     tensor_split: Annotated[
-        list[str] | None, _lists("Share of the model per GPU, such as 3/1.", "-ts",
-                                 "--tensor-split", panel=LB),
+        list[str] | None,
+        _lists("Share of the model per GPU, such as 3/1.", "-ts", "--tensor-split", panel=LB),
     ] = None,
     device: Annotated[
-        list[str] | None, _lists("Devices to use, such as CUDA0/CUDA1. (default: auto)",
-                                 "-dev", "--device", panel=LB),
+        list[str] | None,
+        _lists(
+            "Devices to use, such as CUDA0/CUDA1. (default: auto)", "-dev", "--device", panel=LB
+        ),
     ] = None,
     n_cpu_moe: Annotated[
-        list[str] | None, _lists("Keep the MoE experts of the first N layers on the CPU.",
-                                 "-ncmoe", "--n-cpu-moe", panel=LB),
+        list[str] | None,
+        _lists(
+            "Keep the MoE experts of the first N layers on the CPU.",
+            "-ncmoe",
+            "--n-cpu-moe",
+            panel=LB,
+        ),
     ] = None,
     override_tensor: Annotated[
-        list[str] | None, _lists("Tensor name pattern=buffer type (llama.cpp's -ot).", "-ot",
-                                 "--override-tensor", panel=LB),
+        list[str] | None,
+        _lists(
+            "Tensor name pattern=buffer type (llama.cpp's -ot).",
+            "-ot",
+            "--override-tensor",
+            panel=LB,
+        ),
     ] = None,
     cpu_mask: Annotated[
-        list[str] | None, _lists("The compute threads' CPUs, a hex mask such as 0x3 for CPUs"
-                                 " 0-1. (default: 0x0, no mask)", "-C", "--cpu-mask", panel=LB),
+        list[str] | None,
+        _lists(
+            "The compute threads' CPUs, a hex mask such as 0x3 for CPUs"
+            " 0-1. (default: 0x0, no mask)",
+            "-C",
+            "--cpu-mask",
+            panel=LB,
+        ),
     ] = None,
     cpu_strict: Annotated[
-        list[str] | None, _lists("1: one CPU of the mask per thread, in turn. (default: 0)",
-                                 "--cpu-strict", panel=LB),
+        list[str] | None,
+        _lists(
+            "1: one CPU of the mask per thread, in turn. (default: 0)", "--cpu-strict", panel=LB
+        ),
     ] = None,
     poll: Annotated[
-        list[str] | None, _lists("How long idle compute threads spin before they sleep,"
-                                 " 0..100. (default: 50)", "--poll", panel=LB),
+        list[str] | None,
+        _lists(
+            "How long idle compute threads spin before they sleep, 0..100. (default: 50)",
+            "--poll",
+            panel=LB,
+        ),
     ] = None,
     numa: Annotated[
-        str | None, typer.Option("--numa", metavar="distribute|isolate|numactl",
-                                 show_default=False, rich_help_panel=LB,
-                                 help="NUMA placement, as llama.cpp's. (default: disabled)"),
+        str | None,
+        typer.Option(
+            "--numa",
+            metavar="distribute|isolate|numactl",
+            show_default=False,
+            rich_help_panel=LB,
+            help="NUMA placement, as llama.cpp's. (default: disabled)",
+        ),
     ] = None,
     prio: Annotated[
-        int, typer.Option("--prio", min=-1, max=3, rich_help_panel=LB,
-                          help="Process and compute-thread priority: -1 low, 0 normal, 1"
-                          " medium, 2 high, 3 realtime (raising it may need privileges)."),
+        int,
+        typer.Option(
+            "--prio",
+            min=-1,
+            max=3,
+            rich_help_panel=LB,
+            help="Process and compute-thread priority: -1 low, 0 normal, 1"
+            " medium, 2 high, 3 realtime (raising it may need privileges).",
+        ),
     ] = 0,
     delay: Annotated[
-        float, typer.Option("--delay", min=0.0, max=3600.0, rich_help_panel=LB,
-                            help="Seconds to wait between tests (lets a hot machine cool)."),
+        float,
+        typer.Option(
+            "--delay",
+            min=0.0,
+            max=3600.0,
+            rich_help_panel=LB,
+            help="Seconds to wait between tests (lets a hot machine cool).",
+        ),
     ] = 0.0,
     no_warmup: Annotated[
-        bool, typer.Option("--no-warmup", rich_help_panel=LB,
-                           help="Skip the untimed warm-up run before each test."),
+        bool,
+        typer.Option(
+            "--no-warmup", rich_help_panel=LB, help="Skip the untimed warm-up run before each test."
+        ),
     ] = False,
     progress_lines: Annotated[
-        bool, typer.Option("--progress", rich_help_panel=LB,
-                           help="One line per test on stderr (a terminal shows a bar anyway)."),
+        bool,
+        typer.Option(
+            "--progress",
+            rich_help_panel=LB,
+            help="One line per test on stderr (a terminal shows a bar anyway).",
+        ),
     ] = False,
     verbose: Annotated[
-        bool, typer.Option("-v", "--verbose", rich_help_panel=LB,
-                           help="Show llama.cpp's own log on stderr."),
+        bool,
+        typer.Option(
+            "-v", "--verbose", rich_help_panel=LB, help="Show llama.cpp's own log on stderr."
+        ),
     ] = False,
     output_err: Annotated[
-        out.OutputFormat | None, typer.Option("-oe", "--output-err", show_default=False,
-                                              rich_help_panel=LB,
-                                              help="Also print the results on stderr in this"
-                                              " format."),
+        out.OutputFormat | None,
+        typer.Option(
+            "-oe",
+            "--output-err",
+            show_default=False,
+            rich_help_panel=LB,
+            help="Also print the results on stderr in this format.",
+        ),
     ] = None,
     embeddings: Annotated[
-        list[str] | None, _lists("1: the context also outputs every token's embedding, as an"
-                                 " embedding model's does. (default: 0)", "-embd",
-                                 "--embeddings", panel=LB),
+        list[str] | None,
+        _lists(
+            "1: the context also outputs every token's embedding, as an"
+            " embedding model's does. (default: 0)",
+            "-embd",
+            "--embeddings",
+            panel=LB,
+        ),
     ] = None,
     no_op_offload: Annotated[
-        list[str] | None, _lists("1: operations on weights in host memory are not offloaded"
-                                 " to a GPU. (default: 0)", "-nopo", "--no-op-offload",
-                                 panel=LB),
+        list[str] | None,
+        _lists(
+            "1: operations on weights in host memory are not offloaded to a GPU. (default: 0)",
+            "-nopo",
+            "--no-op-offload",
+            panel=LB,
+        ),
     ] = None,
     no_host: Annotated[
-        list[str] | None, _lists("1: load the weights without a host buffer, so extra buffer"
-                                 " types may take them. (default: 0)", "--no-host", panel=LB),
+        list[str] | None,
+        _lists(
+            "1: load the weights without a host buffer, so extra buffer"
+            " types may take them. (default: 0)",
+            "--no-host",
+            panel=LB,
+        ),
     ] = None,
     lazy_mode: Annotated[
-        list[str] | None, _lists("Read the tensors a model marks on demand: on, auto (those"
-                                 " over 4 GiB) or off. (default: auto)", "-lzm", "--lazy-mode",
-                                 panel=LB),
+        list[str] | None,
+        _lists(
+            "Read the tensors a model marks on demand: on, auto (those"
+            " over 4 GiB) or off. (default: auto)",
+            "-lzm",
+            "--lazy-mode",
+            panel=LB,
+        ),
     ] = None,
     fit_target: Annotated[
-        list[str] | None, _lists("MiB to leave free per device when fitting: recorded as"
-                                 " given, not applied (llmrun fits -ngl -1 to free memory"
-                                 " itself).", "-fitt", "--fit-target", panel=LB),
+        list[str] | None,
+        _lists(
+            "MiB to leave free per device when fitting: recorded as"
+            " given, not applied (llmrun fits -ngl -1 to free memory"
+            " itself).",
+            "-fitt",
+            "--fit-target",
+            panel=LB,
+        ),
     ] = None,
     fit_ctx: Annotated[
-        list[str] | None, _lists("The least context fitting may choose: recorded as given,"
-                                 " not applied.", "-fitc", "--fit-ctx", panel=LB),
+        list[str] | None,
+        _lists(
+            "The least context fitting may choose: recorded as given, not applied.",
+            "-fitc",
+            "--fit-ctx",
+            panel=LB,
+        ),
     ] = None,
     hf_repo: Annotated[
-        list[str] | None, _lists("A Hub model, owner/repo[:QUANT] (the same as -m).", "-hf",
-                                 "-hfr", "--hf-repo", panel=LB, metavar="REPO"),
+        list[str] | None,
+        _lists(
+            "A Hub model, owner/repo[:QUANT] (the same as -m).",
+            "-hf",
+            "-hfr",
+            "--hf-repo",
+            panel=LB,
+            metavar="REPO",
+        ),
     ] = None,
     hf_file: Annotated[
-        str | None, typer.Option("-hff", "--hf-file", show_default=False, rich_help_panel=LB,
-                                 help="The file in --hf-repo (owner/repo/FILE.gguf)."),
+        str | None,
+        typer.Option(
+            "-hff",
+            "--hf-file",
+            show_default=False,
+            rich_help_panel=LB,
+            help="The file in --hf-repo (owner/repo/FILE.gguf).",
+        ),
     ] = None,
     hf_token: Annotated[
-        str | None, typer.Option("-hft", "--hf-token", show_default=False, rich_help_panel=LB,
-                                 help="Hub token (default: HF_TOKEN; never printed)."),
+        str | None,
+        typer.Option(
+            "-hft",
+            "--hf-token",
+            show_default=False,
+            rich_help_panel=LB,
+            help="Hub token (default: HF_TOKEN; never printed).",
+        ),
     ] = None,
     offline: Annotated[
-        bool, typer.Option("--offline", rich_help_panel=LB,
-                           help="Use the Hub cache only (HF_HUB_OFFLINE)."),
+        bool,
+        typer.Option(
+            "--offline", rich_help_panel=LB, help="Use the Hub cache only (HF_HUB_OFFLINE)."
+        ),
     ] = False,
     version: Annotated[
-        bool, typer.Option("--version", is_eager=True, callback=_print_version,
-                           rich_help_panel=LB, help="Print the version and exit."),
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            rich_help_panel=LB,
+            help="Print the version and exit.",
+        ),
     ] = False,
     list_devices: Annotated[
-        bool, typer.Option("--list-devices", rich_help_panel=LB,
-                           help="List the devices this llama.cpp can use, and exit."),
+        bool,
+        typer.Option(
+            "--list-devices",
+            rich_help_panel=LB,
+            help="List the devices this llama.cpp can use, and exit.",
+        ),
     ] = False,
     ctx_sizes: Annotated[
-        list[str] | None, _lists("Context sizes: each runs every test, so the KV cache's"
-                                 " memory shows against the context. (default: what the tests"
-                                 " need)", "-c", "--ctx"),
+        list[str] | None,
+        _lists(
+            "Context sizes: each runs every test, so the KV cache's"
+            " memory shows against the context. (default: what the tests"
+            " need)",
+            "-c",
+            "--ctx",
+        ),
     ] = None,
     scenarios: Annotated[
-        bool, typer.Option("--scenarios", rich_help_panel=PANEL,
-                           help="LocalScore's prompt/output matrix, scaled, with its overall"
-                           " score."),
+        bool,
+        typer.Option(
+            "--scenarios",
+            rich_help_panel=PANEL,
+            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
+        ),
     ] = False,
     scenario_scale: Annotated[
-        float, typer.Option("--scenario-scale", min=0.001, max=1.0, rich_help_panel=PANEL,
-                            help="Token counts of --scenarios relative to LocalScore's (1 = as"
-                            " LocalScore)."),
+        float,
+        typer.Option(
+            "--scenario-scale",
+            min=0.001,
+            max=1.0,
+            rich_help_panel=PANEL,
+            help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
+        ),
     ] = ls.DEFAULT_SCENARIO_SCALE,
     cold: Annotated[
-        bool, typer.Option("--cold", help="Drop the model file from the page cache before each"
-                           " load (posix_fadvise, no root needed), so load time is measured"
-                           " from disk; every row records how much of the file was cached."),
+        bool,
+        typer.Option(
+            "--cold",
+            help="Drop the model file from the page cache before each"
+            " load (posix_fadvise, no root needed), so load time is measured"
+            " from disk; every row records how much of the file was cached.",
+        ),
     ] = False,
     draft: Annotated[
-        list[str] | None, _lists("Prompt-lookup speculative decoding in the generation tests:"
-                                 " at most N drafted tokens a step, a list such as 0,8 (0: off)"
-                                 " to measure with and without in one run.", "--draft"),
+        list[str] | None,
+        _lists(
+            "Prompt-lookup speculative decoding in the generation tests:"
+            " at most N drafted tokens a step, a list such as 0,8 (0: off)"
+            " to measure with and without in one run.",
+            "--draft",
+        ),
     ] = None,
     ppl: Annotated[
-        Path | None, typer.Option("--ppl", metavar="FILE", show_default=False,
-                                  help="Also measure each model's perplexity on this text"
-                                  " (llama-perplexity's method; windows of -c tokens, default"
-                                  " 512), e.g. examples/declaration_of_independence.txt."),
+        Path | None,
+        typer.Option(
+            "--ppl",
+            metavar="FILE",
+            show_default=False,
+            help="Also measure each model's perplexity on this text"
+            " (llama-perplexity's method; windows of -c tokens, default"
+            " 512), e.g. examples/declaration_of_independence.txt.",
+        ),
     ] = None,
     tuned: Annotated[
-        bool, typer.Option("--tuned/--no-tuned", help="Measure llmrun's own settings in place of"
-                           " llama-bench's defaults: those `llmrun tune` saved for the model,"
-                           " else llmrun's (-b 512, the prefill chunk that shows in TTFT)."),
+        bool,
+        typer.Option(
+            "--tuned/--no-tuned",
+            help="Measure llmrun's own settings in place of"
+            " llama-bench's defaults: those `llmrun tune` saved for the model,"
+            " else llmrun's (-b 512, the prefill chunk that shows in TTFT).",
+        ),
     ] = False,
     output: Annotated[
-        out.OutputFormat | None, typer.Option("-o", "--output", show_default=False,
-                                              help="Print the results on stdout as md, csv,"
-                                              " json, jsonl or sql (llama-bench's table)."
-                                              " (default: a table on a terminal, else md)"),
+        out.OutputFormat | None,
+        typer.Option(
+            "-o",
+            "--output",
+            show_default=False,
+            help="Print the results on stdout as md, csv,"
+            " json, jsonl or sql (llama-bench's table)."
+            " (default: a table on a terminal, else md)",
+        ),
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option("--plot", metavar="FILE.png", show_default=False,
-                                  help="Also draw the charts into a PNG file."),
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE.png",
+            show_default=False,
+            help="Also draw the charts into a PNG file.",
+        ),
     ] = None,
     compare: Annotated[
-        bool, typer.Option("--compare", help="Show the change against the last run of the same"
-                           " model and settings."),
+        bool,
+        typer.Option(
+            "--compare", help="Show the change against the last run of the same model and settings."
+        ),
     ] = False,
     no_history: Annotated[
         bool, typer.Option("--no-history", help="Do not store this run in the history.")
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
-) -> None:  # fmt: skip
+) -> None:
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 
     llmrun bench                          # pp512 and tg128, 5 repetitions
@@ -461,11 +696,16 @@ def bench(
     """
     if ctx.invoked_subcommand is not None:
         unset: tuple[object, ...] = (None, False, (), [])
-        given = [p.opts[0] for p in ctx.command.params
-                 if ctx.params.get(p.name or "") not in (*unset, p.default)]  # fmt: skip
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if ctx.params.get(p.name or "") not in (*unset, p.default)
+        ]
         if given:
-            usage_error(f"{', '.join(given)}: bench's own options; give them after no"
-                        f" subcommand, not before `{ctx.invoked_subcommand}`")  # fmt: skip
+            usage_error(
+                f"{', '.join(given)}: bench's own options; give them after no"
+                f" subcommand, not before `{ctx.invoked_subcommand}`"
+            )
         return
     sys.stderr = _DisplayThatMayFail(sys.stderr)  # bench writes only its display there
     records_on_stderr = output_err not in (None, out.OutputFormat.none)
@@ -478,36 +718,71 @@ def bench(
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             models = lb.hub_models(models, hf_repo, hf_file, hf_token, offline)
-            lb.refuse_unusable(split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
-                               tensor_split=_joined(tensor_split), device=_joined(device),
-                               n_cpu_moe=_joined(n_cpu_moe),
-                               override_tensor=_joined(override_tensor))  # fmt: skip
+            lb.refuse_unusable(
+                split_mode=_joined(split_mode),
+                main_gpu=_joined(main_gpu),
+                tensor_split=_joined(tensor_split),
+                device=_joined(device),
+                n_cpu_moe=_joined(n_cpu_moe),
+                override_tensor=_joined(override_tensor),
+            )
             lb.apply_process_settings(numa=numa, prio=prio)
             sweep = run.Sweep(
-                shapes=run.parse_shapes(_joined(n_prompt) or "512", _joined(n_gen) or "128",
-                                        pg or [], _joined(depth) or "0", scenarios,
-                                        scenario_scale),
-                threads=_joined(threads), batch=_joined(batch), ubatch=_joined(ubatch),
-                gpu_layers=_joined(gpu_layers), flash_attn=_joined(flash_attn),
+                shapes=run.parse_shapes(
+                    _joined(n_prompt) or "512",
+                    _joined(n_gen) or "128",
+                    pg or [],
+                    _joined(depth) or "0",
+                    scenarios,
+                    scenario_scale,
+                ),
+                threads=_joined(threads),
+                batch=_joined(batch),
+                ubatch=_joined(ubatch),
+                gpu_layers=_joined(gpu_layers),
+                flash_attn=_joined(flash_attn),
                 cache_type_k=_joined(cache_type_k) or "f16",
                 cache_type_v=_joined(cache_type_v) or "f16",
-                repack=_joined(repack), mmap=_joined(mmap), load_mode=_joined(load_mode),
-                split_mode=_joined(split_mode), main_gpu=_joined(main_gpu),
-                tensor_split=_joined(tensor_split), tensor_overrides=_joined(override_tensor),
-                n_cpu_moe=_joined(n_cpu_moe), devices=_joined(device), draft=_joined(draft),
-                fit_target=_joined(fit_target), fit_ctx=_joined(fit_ctx),
+                repack=_joined(repack),
+                mmap=_joined(mmap),
+                load_mode=_joined(load_mode),
+                split_mode=_joined(split_mode),
+                main_gpu=_joined(main_gpu),
+                tensor_split=_joined(tensor_split),
+                tensor_overrides=_joined(override_tensor),
+                n_cpu_moe=_joined(n_cpu_moe),
+                devices=_joined(device),
+                draft=_joined(draft),
+                fit_target=_joined(fit_target),
+                fit_ctx=_joined(fit_ctx),
                 no_kv_offload=_joined(no_kv_offload),
-                cpu_mask=_joined(cpu_mask), cpu_strict=_joined(cpu_strict), poll=_joined(poll),
-                lazy_mode=_joined(lazy_mode), no_host=_joined(no_host),
-                embeddings=_joined(embeddings), no_op_offload=_joined(no_op_offload),
-                prio=prio, reps=reps, ctx=_joined(ctx_sizes), seed=seed, scenarios=scenarios,
+                cpu_mask=_joined(cpu_mask),
+                cpu_strict=_joined(cpu_strict),
+                poll=_joined(poll),
+                lazy_mode=_joined(lazy_mode),
+                no_host=_joined(no_host),
+                embeddings=_joined(embeddings),
+                no_op_offload=_joined(no_op_offload),
+                prio=prio,
+                reps=reps,
+                ctx=_joined(ctx_sizes),
+                seed=seed,
+                scenarios=scenarios,
                 warmup=not no_warmup,
-                delay_s=delay, tuned=tuned, ppl=ppl, cold=cold,
-            )  # fmt: skip
-            to = Output(format=output, plot=plot, compare=compare,
-                        store=not no_history and reps > 0,  # -r 0 measured nothing
-                        format_err=output_err, progress_lines=progress_lines,
-                        errors=real_stderr)  # fmt: skip
+                delay_s=delay,
+                tuned=tuned,
+                ppl=ppl,
+                cold=cold,
+            )
+            to = Output(
+                format=output,
+                plot=plot,
+                compare=compare,
+                store=not no_history and reps > 0,  # -r 0 measured nothing
+                format_err=output_err,
+                progress_lines=progress_lines,
+                errors=real_stderr,
+            )
             chosen: list[str | None] = list(models) if models else [None]
             code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
@@ -544,14 +819,17 @@ def load_and_report(
 
 def threadpool_line(combos: Sequence[sw.Combo], prio: int) -> str:
     """-C, --cpu-strict, --poll and --prio where any test runs other than llama.cpp's defaults."""
-    if not prio and all((c.cpu_mask, c.cpu_strict, c.poll) == ("0x0", False, DEFAULT_POLL)
-                        for c in combos):  # fmt: skip
+    if not prio and all(
+        (c.cpu_mask, c.cpu_strict, c.poll) == ("0x0", False, DEFAULT_POLL) for c in combos
+    ):
         return ""
-    return (f"CPU mask {_each('0x0', None, [c.cpu_mask for c in combos])}, strict"
-            f" {_each(0, None, [int(c.cpu_strict) for c in combos])}, poll"
-            f" {_each(DEFAULT_POLL, None, [c.poll for c in combos])}, priority"
-            f" {PRIORITIES[prio]}: a threadpool of llmrun's on each context, as llama-bench"
-            " makes one")  # fmt: skip
+    return (
+        f"CPU mask {_each('0x0', None, [c.cpu_mask for c in combos])}, strict"
+        f" {_each(0, None, [int(c.cpu_strict) for c in combos])}, poll"
+        f" {_each(DEFAULT_POLL, None, [c.poll for c in combos])}, priority"
+        f" {PRIORITIES[prio]}: a threadpool of llmrun's on each context, as llama-bench"
+        " makes one"
+    )
 
 
 def _each(loaded: object, base: object, swept: Sequence[object], show: Any = str) -> str:
@@ -574,15 +852,22 @@ def settings_line(
     pair the records, or with --tuned llmrun's): for a swept setting, the value each test runs
     with, not the loaded engine's first."""
     b = base or EngineConfig()
-    source = ("llama-bench's defaults (--tuned: llmrun's own)" if llama_bench_defaults
-              else "tuned by `llmrun tune`" if st.tuned
-              else "llmrun's defaults (nothing tuned for this model)")  # fmt: skip
+    source = (
+        "llama-bench's defaults (--tuned: llmrun's own)"
+        if llama_bench_defaults
+        else "tuned by `llmrun tune`"
+        if st.tuned
+        else "llmrun's defaults (nothing tuned for this model)"
+    )
     repack = st.repack_note or ("on" if st.repack else "off")
     swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
     ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])
     if ngl == str(st.n_gpu_layers_asked):
-        ngl += (f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
-                + (f": {st.offload_note}" if st.offload_note else "") + ")")  # fmt: skip
+        ngl += (
+            f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
+            + (f": {st.offload_note}" if st.offload_note else "")
+            + ")"
+        )
     threads = _each(st.n_threads, b.n_threads, [c.n_threads for c in combos])
     return (
         f"{threads} threads, batch {_each(st.n_batch, b.n_batch, [c.n_batch for c in combos])},"
@@ -598,10 +883,15 @@ def _fit_note(st: EngineSettings, combos: Sequence[sw.Combo]) -> str:
     which llama-cpp-python does not ship."""
     if not any(c.fit_target or c.fit_min_ctx for c in combos):
         return ""
-    why = ("llmrun fits -ngl -1 to free device memory itself" if st.gpu_offload
-           else "on a CPU-only build llama-bench's fitting places nothing either")  # fmt: skip
-    return (" -fitt/-fitc are recorded as given, not applied: llama.cpp's fitting is in its"
-            f" common library, which llmrun does not load ({why}).")  # fmt: skip
+    why = (
+        "llmrun fits -ngl -1 to free device memory itself"
+        if st.gpu_offload
+        else "on a CPU-only build llama-bench's fitting places nothing either"
+    )
+    return (
+        " -fitt/-fitc are recorded as given, not applied: llama.cpp's fitting is in its"
+        f" common library, which llmrun does not load ({why})."
+    )
 
 
 def _list_devices() -> int:
@@ -641,10 +931,13 @@ class Output:
         """stdout's writer first (when its records go there), then -oe's; made before anything
         runs, so a run cut before its first model is ready still ends each format (json's
         `[]`). The fields the run varies are theirs (`shown`) once a model is ready."""
-        made = [out.RecordWriter(fmt, stream, several_models=several_models,
-                                 optional=run.RECORD_OPTIONAL_FIELDS)
-                for fmt, stream in ((self.format_stdout, sys.stdout),
-                                    (self.format_err, self.errors)) if fmt is not None]  # fmt: skip
+        made = [
+            out.RecordWriter(
+                fmt, stream, several_models=several_models, optional=run.RECORD_OPTIONAL_FIELDS
+            )
+            for fmt, stream in ((self.format_stdout, sys.stdout), (self.format_err, self.errors))
+            if fmt is not None
+        ]
         return made
 
 
@@ -671,8 +964,9 @@ class _Bar:
         elif event.moment == "ended":
             self.clock.finished(now)
             if self.lines:  # the label names -ot patterns and devices: text from outside
-                self.err.print(f"llmrun: {event.done}/{event.total} {terminal_line(event.label)}",
-                               markup=False)  # fmt: skip
+                self.err.print(
+                    f"llmrun: {event.done}/{event.total} {terminal_line(event.label)}", markup=False
+                )
         if self.line.view is None:
             self.line.follow(event.label, self._view)
 
@@ -680,8 +974,14 @@ class _Bar:
         e = self.last
         assert e is not None
         fraction = e.fraction if e.moment == "working" else 0.0
-        return Shown(e.label, e.done, e.total, "runs", now - self.started_s,
-                     self.clock.eta_s(now, dict(e.left), fraction))  # fmt: skip
+        return Shown(
+            e.label,
+            e.done,
+            e.total,
+            "runs",
+            now - self.started_s,
+            self.clock.eta_s(now, dict(e.left), fraction),
+        )
 
     def stop(self) -> None:
         self.line.stop()
@@ -724,14 +1024,21 @@ def _sweep(
         for event in events:
             if isinstance(event, run.ModelReady):
                 bar.stop()
-                system = load_and_report(event.runner, err, bandwidth=True, system=system,
-                                         combos=event.combos,
-                                         llama_bench_defaults=not sweep.tuned)  # fmt: skip
+                system = load_and_report(
+                    event.runner,
+                    err,
+                    bandwidth=True,
+                    system=system,
+                    combos=event.combos,
+                    llama_bench_defaults=not sweep.tuned,
+                )
                 if stream is None:
                     stream = run.RecordStream(
-                        system, several_models=len(models) > 1, scenarios=sweep.scenarios,
+                        system,
+                        several_models=len(models) > 1,
+                        scenarios=sweep.scenarios,
                         ppl_ctx=(sweep.contexts()[0] or run.PPL_CTX) if sweep.ppl else None,
-                    )  # fmt: skip
+                    )
                     for w in writers:  # llama-bench's md shows the columns the run varies
                         w.shown = run.varied_fields(sweep, event.combos)
             elif isinstance(event, b.Progress):
@@ -795,13 +1102,20 @@ def _report(
     if interrupted:
         err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
     elif not records and skipped:
-        print("llmrun: error: every test was skipped; nothing was measured", file=output.errors,
-              flush=True)  # fmt: skip
+        print(
+            "llmrun: error: every test was skipped; nothing was measured",
+            file=output.errors,
+            flush=True,
+        )
         return 1
     changes = out.store_run(
-        records, kind="local", model=", ".join(dict.fromkeys(r.model_name for r in rows)),
-        system=vars(stream.system), store=output.store, compare=output.compare,
-    )  # fmt: skip
+        records,
+        kind="local",
+        model=", ".join(dict.fromkeys(r.model_name for r in rows)),
+        system=vars(stream.system),
+        store=output.store,
+        compare=output.compare,
+    )
     out.warn_if_busy(records)
     if output.format_stdout is None:  # a terminal: the table, after the run
         show.print(out.results_table(rows))
@@ -813,10 +1127,12 @@ def _report(
         first = scores[0].ppl
         for name, ppl, n in ((sc.model, sc.ppl, sc.tokens) for sc in scores):
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
-            show.print(f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
-                       f" {terminal_line(sweep.ppl.name)}, {n} tokens"
-                       f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
-                       markup=False)  # fmt: skip
+            show.print(
+                f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
+                f" {terminal_line(sweep.ppl.name)}, {n} tokens"
+                f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
+                markup=False,
+            )
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0

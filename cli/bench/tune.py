@@ -32,19 +32,28 @@ from .sweep import load_and_report, usage_error
 def tune(
     model: Model1 = None,
     workload: Annotated[
-        str, typer.Option("--workload", metavar="chat|document|both",
-                          help="What to optimise: chat (64-token prompt, 256-token answer),"
-                          " document (1024-token prompt, 16-token answer) or both, each saved."),
+        str,
+        typer.Option(
+            "--workload",
+            metavar="chat|document|both",
+            help="What to optimise: chat (64-token prompt, 256-token answer),"
+            " document (1024-token prompt, 16-token answer) or both, each saved.",
+        ),
     ] = "both",
     budget: Annotated[
-        str | None, typer.Option("--budget", metavar="TIME", show_default=False,
-                                 help="Stop after this long (90s, 5m, 1h30m) and save the fastest"
-                                 " settings measured by then."),
+        str | None,
+        typer.Option(
+            "--budget",
+            metavar="TIME",
+            show_default=False,
+            help="Stop after this long (90s, 5m, 1h30m) and save the fastest"
+            " settings measured by then.",
+        ),
     ] = None,
     verbose: Annotated[
-        bool, typer.Option("-v", "--verbose", help="Show llama.cpp's own log on stderr."),
+        bool, typer.Option("-v", "--verbose", help="Show llama.cpp's own log on stderr.")
     ] = False,
-) -> None:  # fmt: skip
+) -> None:
     """Search threads, flash attention, repacking, batch/ubatch and prefill threads for this
     model; save the fastest for each --workload as the defaults of run, chat and bench.
 
@@ -113,8 +122,7 @@ def _tune(
     finally:
         runner.close()
     by_budget = budget.spent.is_set()
-    why = (f"the --budget of {clock(budget_s or 0)} was spent" if by_budget
-           else "tuning interrupted")  # fmt: skip
+    why = f"the --budget of {clock(budget_s or 0)} was spent" if by_budget else "tuning interrupted"
     if found is None or (found.stopped and found.trials < 2):
         if not cancel.is_set():
             raise BadRequestError("tuning measured nothing: llmrun's defaults did not run")
@@ -127,32 +135,53 @@ def _tune(
         chosen = {w: {**c, "partial": f"{partial} trials"} for w, c in chosen.items()}
     path = save_tuned(runner.model_path, chosen)
     for name, c in found.chosen.items():
-        err.print(f"fastest for {name}: {c['n_threads']} threads ({c['n_threads_batch']}"
-                  f" for prefill), batch {c['n_batch']}, ubatch {c['n_ubatch']}, flash"
-                  f" attention {c['flash_attn']}, repacking"
-                  f" {'on' if c['repack'] else 'off'}", markup=False)  # fmt: skip
+        err.print(
+            f"fastest for {name}: {c['n_threads']} threads ({c['n_threads_batch']}"
+            f" for prefill), batch {c['n_batch']}, ubatch {c['n_ubatch']}, flash"
+            f" attention {c['flash_attn']}, repacking"
+            f" {'on' if c['repack'] else 'off'}",
+            markup=False,
+        )
     if found.stopped:
-        err.print(f"{why}: saved the best of {found.trials} trials measured to {path}; run"
-                  " `llmrun tune` again to finish the search.", markup=False)  # fmt: skip
+        err.print(
+            f"{why}: saved the best of {found.trials} trials measured to {path}; run"
+            " `llmrun tune` again to finish the search.",
+            markup=False,
+        )
         return 0 if by_budget else EXIT_INTERRUPTED
-    err.print(f"saved to {path}. chat and run start from the chat settings, `run -f FILE` from"
-              " the document ones (shown as 'tuned for ...').", markup=False)  # fmt: skip
+    err.print(
+        f"saved to {path}. chat and run start from the chat settings, `run -f FILE` from"
+        " the document ones (shown as 'tuned for ...').",
+        markup=False,
+    )
     return 0
 
 
 def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
     """Every setting the search tried, in order, with its rates, scores and noise."""
     table = Table(title="tuning: every setting tried", title_justify="left")
-    heads = ["stage", "settings", "pp t/s", "tg t/s", *(f"{w} score" for w in workloads),
-             "spread", "verdict"]  # fmt: skip
+    heads = [
+        "stage",
+        "settings",
+        "pp t/s",
+        "tg t/s",
+        *(f"{w} score" for w in workloads),
+        "spread",
+        "verdict",
+    ]
     for col in heads:
         left = col in ("stage", "settings", "verdict")
         table.add_column(col, justify="left" if left else "right")
     for t in tried:
-        table.add_row(t.stage, t.combo.describe(), f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
-                      f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
-                      *(f"{t.score(w):,.1f}" for w in workloads),
-                      f"±{t.spread(workloads[0]) / 2:.0%}", t.note)  # fmt: skip
+        table.add_row(
+            t.stage,
+            t.combo.describe(),
+            f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
+            f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
+            *(f"{t.score(w):,.1f}" for w in workloads),
+            f"±{t.spread(workloads[0]) / 2:.0%}",
+            t.note,
+        )
     return fitted(table, wrap=("settings", "verdict"))
 
 
@@ -174,9 +203,15 @@ def show_search(
         p = now[-1]
         elapsed = now_s - started
         left = budget.left_s() if budget is not None else None
-        return Shown(p.stage, p.trials, p.planned, "trials", elapsed,
-                     eta_s(elapsed, p.fraction),
-                     "" if left is None else f"budget {clock(left)} left")  # fmt: skip
+        return Shown(
+            p.stage,
+            p.trials,
+            p.planned,
+            "trials",
+            elapsed,
+            eta_s(elapsed, p.fraction),
+            "" if left is None else f"budget {clock(left)} left",
+        )
 
     def progress(p: tn.TuneProgress) -> None:
         if not now:
@@ -186,21 +221,31 @@ def show_search(
             budget.check()
 
     with ProgressLine(err) as line:
-        found = search(runner, base, cancel=cancel, workloads=workloads, on_progress=progress,
-                       on_stage=lambda name: err.print(f"tuning {name} ...",
-                                                       markup=False))  # fmt: skip
+        found = search(
+            runner,
+            base,
+            cancel=cancel,
+            workloads=workloads,
+            on_progress=progress,
+            on_stage=lambda name: err.print(f"tuning {name} ...", markup=False),
+        )
     if found is None:
         return None
     err.print(tried_table(found.tried, workloads))
     shapes = " and ".join(s.name for s in tn.SHAPES)
-    kinds = "; ".join(f"{w}: a {p}-token prompt and a {g}-token answer"
-                      for w, (p, g) in tn.WORKLOADS.items() if w in workloads)  # fmt: skip
-    err.print(f"Measured: {shapes}, {REPS} repetitions per setting. A workload's score is its"
-              f" request's tokens per second of its time ({kinds}), from each repetition's"
-              " prompt and output rates. An alternative replaces the setting before it only"
-              " when its median score is above that setting's best (else: within the noise, and"
-              " the earlier setting stays). The first row is llmrun's defaults (physical or"
-              " performance cores, batch 512, no flash attention, repacking where probed safe);"
-              " llama.cpp's own defaults are batch 2048 and flash attention auto.",
-              markup=False)  # fmt: skip
+    kinds = "; ".join(
+        f"{w}: a {p}-token prompt and a {g}-token answer"
+        for w, (p, g) in tn.WORKLOADS.items()
+        if w in workloads
+    )
+    err.print(
+        f"Measured: {shapes}, {REPS} repetitions per setting. A workload's score is its"
+        f" request's tokens per second of its time ({kinds}), from each repetition's"
+        " prompt and output rates. An alternative replaces the setting before it only"
+        " when its median score is above that setting's best (else: within the noise, and"
+        " the earlier setting stays). The first row is llmrun's defaults (physical or"
+        " performance cores, batch 512, no flash attention, repacking where probed safe);"
+        " llama.cpp's own defaults are batch 2048 and flash attention auto.",
+        markup=False,
+    )
     return found

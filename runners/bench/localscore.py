@@ -10,9 +10,16 @@ from .sweep import Shape
 
 # LocalScore's scenario matrix (prompt tokens, generated tokens).
 LOCALSCORE_SCENARIOS = (
-    (1024, 16), (4096, 256), (2048, 256), (2048, 768), (1024, 1024), (1280, 3072),
-    (384, 1152), (64, 1024), (16, 1536),
-)  # fmt: skip
+    (1024, 16),
+    (4096, 256),
+    (2048, 256),
+    (2048, 768),
+    (1024, 1024),
+    (1280, 3072),
+    (384, 1152),
+    (64, 1024),
+    (16, 1536),
+)
 DEFAULT_SCENARIO_SCALE = 1 / 16
 
 

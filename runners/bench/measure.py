@@ -213,8 +213,13 @@ def run_bench(
     for i_combo, combo in enumerate(combos):
         problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
         if problem is None:
-            yield Progress(done, total, f"setting up {combo.describe()}".strip(),
-                           moment="preparing", left=left(i_combo, -1, 0))  # fmt: skip
+            yield Progress(
+                done,
+                total,
+                f"setting up {combo.describe()}".strip(),
+                moment="preparing",
+                left=left(i_combo, -1, 0),
+            )
             try:
                 loaded = runner.reconfigure(combo.config(base, ctx))
             except ModelLoadError as e:
@@ -299,13 +304,24 @@ def run_bench(
             if phase_tps:  # pg blends two phases; keep each one's own rate as well
                 pp = [p for p, _ in phase_tps if p]
                 tg = [g for _, g in phase_tps if g]
-                phases = Phases(pp_ts=round(statistics.fmean(pp), 6) if pp else None,
-                                tg_ts=round(statistics.fmean(tg), 6) if tg else None)  # fmt: skip
+                phases = Phases(
+                    pp_ts=round(statistics.fmean(pp), 6) if pp else None,
+                    tg_ts=round(statistics.fmean(tg), 6) if tg else None,
+                )
             yield Result(
-                shape=shape, combo=combo, model=loaded.model, settings=loaded.settings,
-                load_s=loaded.load_s, samples_s=tuple(samples), engine_samples_s=tuple(engine),
-                ttft_s=tuple(ttft), itl_s=tuple(gaps),
-                next_token=next_token if shape.n_gen == 0 else None, test_time=when,
-                kv_bytes_per_pos=kv, background_cpus=measured_background(cpu0, cpu_sample()),
-                speculation=speculation, phases=phases,
-            )  # fmt: skip
+                shape=shape,
+                combo=combo,
+                model=loaded.model,
+                settings=loaded.settings,
+                load_s=loaded.load_s,
+                samples_s=tuple(samples),
+                engine_samples_s=tuple(engine),
+                ttft_s=tuple(ttft),
+                itl_s=tuple(gaps),
+                next_token=next_token if shape.n_gen == 0 else None,
+                test_time=when,
+                kv_bytes_per_pos=kv,
+                background_cpus=measured_background(cpu0, cpu_sample()),
+                speculation=speculation,
+                phases=phases,
+            )

@@ -16,19 +16,72 @@ from .sweep import Combo, Shape
 # llama-bench's record: its fields in its order, and the SQL type of each (llama-bench.cpp,
 # test::get_fields and get_field_type; BOOL is an INTEGER in SQL and true/false in JSON).
 LLAMA_BENCH_FIELDS = (
-    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
-    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask",
-    "cpu_strict", "poll", "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode",
-    "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split", "tensor_buft_overrides",
-    "load_mode", "lazy_mode", "embeddings", "no_op_offload", "no_host", "repack", "fit_target",
-    "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts",
+    "build_commit",
+    "build_number",
+    "cpu_info",
+    "gpu_info",
+    "backends",
+    "model_filename",
+    "model_type",
+    "model_size",
+    "model_n_params",
+    "n_batch",
+    "n_ubatch",
+    "n_threads",
+    "cpu_mask",
+    "cpu_strict",
+    "poll",
+    "type_k",
+    "type_v",
+    "n_gpu_layers",
+    "n_cpu_moe",
+    "split_mode",
+    "main_gpu",
+    "no_kv_offload",
+    "flash_attn",
+    "devices",
+    "tensor_split",
+    "tensor_buft_overrides",
+    "load_mode",
+    "lazy_mode",
+    "embeddings",
+    "no_op_offload",
+    "no_host",
+    "repack",
+    "fit_target",
+    "fit_min_ctx",
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "test_time",
+    "avg_ns",
+    "stddev_ns",
+    "avg_ts",
     "stddev_ts",
-)  # fmt: skip
-LLAMA_BENCH_INT = frozenset((
-    "build_number", "n_batch", "n_ubatch", "n_threads", "poll", "model_size", "model_n_params",
-    "n_gpu_layers", "main_gpu", "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns",
-    "no_op_offload", "n_cpu_moe", "fit_target", "fit_min_ctx", "flash_attn",
-))  # fmt: skip
+)
+LLAMA_BENCH_INT = frozenset(
+    (
+        "build_number",
+        "n_batch",
+        "n_ubatch",
+        "n_threads",
+        "poll",
+        "model_size",
+        "model_n_params",
+        "n_gpu_layers",
+        "main_gpu",
+        "n_prompt",
+        "n_gen",
+        "n_depth",
+        "avg_ns",
+        "stddev_ns",
+        "no_op_offload",
+        "n_cpu_moe",
+        "fit_target",
+        "fit_min_ctx",
+        "flash_attn",
+    )
+)
 LLAMA_BENCH_BOOL = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host", "repack"))
 LLAMA_BENCH_REAL = frozenset(("avg_ts", "stddev_ts"))
 
@@ -39,12 +92,24 @@ FLASH_ATTN_CODES = {"auto": -1, "off": 0, "on": 1}
 # threadpool's default polling, no MoE experts kept on the CPU, no -fitt/-fitc given (an older
 # record lacking a field reads as these).
 LLAMA_DEFAULTS: dict[str, Any] = {
-    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "n_cpu_moe": 0, "fit_target": 0,
-    "fit_min_ctx": 0, "split_mode": "layer",
-    "main_gpu": 0, "no_kv_offload": False, "devices": "auto", "tensor_split": "0.00",
-    "tensor_buft_overrides": "none", "load_mode": "auto", "lazy_mode": "auto", "embeddings": False,
-    "no_op_offload": 0, "no_host": False,
-}  # fmt: skip
+    "cpu_mask": "0x0",
+    "cpu_strict": False,
+    "poll": 50,
+    "n_cpu_moe": 0,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": False,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": False,
+    "no_op_offload": 0,
+    "no_host": False,
+}
 
 
 # A test's kind: prompt processing alone, generation alone, or a prompt then generation (--pg)
@@ -231,8 +296,9 @@ class Result:
         if self.kind == "tg" and self.avg_ts:
             moved = self.bytes_per_token() * self.avg_ts
             rec["decode_bw_gbs"] = round(moved / 1e9, 3)
-            where = weights_memories(system, devices=st.backend, n_offloaded=st.n_gpu_layers,
-                                     n_layers=st.n_layer_total)  # fmt: skip
+            where = weights_memories(
+                system, devices=st.backend, n_offloaded=st.n_gpu_layers, n_layers=st.n_layer_total
+            )
             rec.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
         if self.kind == "pp" and self.avg_ts:
             rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
@@ -243,27 +309,59 @@ class Result:
         """The optional measurements, after the rest, only where they were made."""
         rec: dict[str, Any] = {}
         if self.speculation is not None:
-            rec.update(draft=self.speculation.draft,
-                       acceptance_rate=self.speculation.acceptance_rate,
-                       tokens_per_step=self.speculation.tokens_per_step)  # fmt: skip
+            rec.update(
+                draft=self.speculation.draft,
+                acceptance_rate=self.speculation.acceptance_rate,
+                tokens_per_step=self.speculation.tokens_per_step,
+            )
         if self.phases is not None:
             rec.update(pp_ts=self.phases.pp_ts, tg_ts=self.phases.tg_ts)
         if self.perplexity is not None:
             p = self.perplexity
-            rec.update(ppl=round(p.ppl, 4), ppl_tokens=p.tokens, ppl_ctx=p.ctx,
-                       ppl_change=None if p.change is None else round(p.change, 4))  # fmt: skip
+            rec.update(
+                ppl=round(p.ppl, 4),
+                ppl_tokens=p.tokens,
+                ppl_ctx=p.ctx,
+                ppl_change=None if p.change is None else round(p.change, 4),
+            )
         return rec
 
 
 # The fields only some records carry (_own_fields): a csv header names them all
-OPTIONAL_FIELDS = ("draft", "acceptance_rate", "tokens_per_step", "pp_ts", "tg_ts", "ppl",
-                   "ppl_tokens", "ppl_ctx", "ppl_change")  # fmt: skip
+OPTIONAL_FIELDS = (
+    "draft",
+    "acceptance_rate",
+    "tokens_per_step",
+    "pp_ts",
+    "tg_ts",
+    "ppl",
+    "ppl_tokens",
+    "ppl_ctx",
+    "ppl_change",
+)
 
 # The engine settings a sweep can vary, by their record fields: the terminal's columns
-SWEPT_FIELDS = ("n_batch", "n_ubatch", "n_gpu_layers", "flash_attn_mode", "type_k", "type_v",
-                "repack", "no_kv_offload", "load_mode", "n_ctx", "kv_bytes", "draft", "cpu_mask",
-                "cpu_strict", "poll", "lazy_mode", "no_host", "embeddings",
-                "no_op_offload")  # fmt: skip
+SWEPT_FIELDS = (
+    "n_batch",
+    "n_ubatch",
+    "n_gpu_layers",
+    "flash_attn_mode",
+    "type_k",
+    "type_v",
+    "repack",
+    "no_kv_offload",
+    "load_mode",
+    "n_ctx",
+    "kv_bytes",
+    "draft",
+    "cpu_mask",
+    "cpu_strict",
+    "poll",
+    "lazy_mode",
+    "no_host",
+    "embeddings",
+    "no_op_offload",
+)
 
 
 @dataclass(frozen=True)
@@ -298,16 +396,22 @@ class Row:
     def of(cls, result: Result, record: Mapping[str, Any]) -> Row:
         """The row of a result and the record made of it (Result.record, BenchRun.records)."""
         return cls(
-            result=result, avg_ts=record["avg_ts"], stddev_ts=record["stddev_ts"],
-            ttft_ms=record["ttft_ms"], itl_p50_ms=record["itl_p50_ms"],
+            result=result,
+            avg_ts=record["avg_ts"],
+            stddev_ts=record["stddev_ts"],
+            ttft_ms=record["ttft_ms"],
+            itl_p50_ms=record["itl_p50_ms"],
             itl_p99_ms=record["itl_p99_ms"],
             efficiency=Efficiency(
-                decode_bw_gbs=record["decode_bw_gbs"], bw_util=record["bw_util"],
-                weights_bw_gbs=record["weights_bw_gbs"], mem_bw_source=record["mem_bw_source"],
-                prefill_gflops=record["prefill_gflops"]),
+                decode_bw_gbs=record["decode_bw_gbs"],
+                bw_util=record["bw_util"],
+                weights_bw_gbs=record["weights_bw_gbs"],
+                mem_bw_source=record["mem_bw_source"],
+                prefill_gflops=record["prefill_gflops"],
+            ),
             swept={k: record.get(k) for k in SWEPT_FIELDS},
             relative_ts=record.get("relative_ts"),
-        )  # fmt: skip
+        )
 
     @property
     def kind(self) -> Kind:

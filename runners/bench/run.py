@@ -97,13 +97,17 @@ class Sweep:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
         modes: list[str | None] = [None]
         if self.split_mode:
-            modes = list(sw.parse_words(self.split_mode, name="-sm",
-                                        allowed=("none", "layer", "row", "tensor")))  # fmt: skip
+            modes = list(
+                sw.parse_words(
+                    self.split_mode, name="-sm", allowed=("none", "layer", "row", "tensor")
+                )
+            )
             bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
             if bad:
                 raise BadRequestError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
-        gpus: list[int | None] = (list(sw.parse_values(self.main_gpu, name="-mg"))
-                                  if self.main_gpu else [None])  # fmt: skip
+        gpus: list[int | None] = (
+            list(sw.parse_values(self.main_gpu, name="-mg")) if self.main_gpu else [None]
+        )
         splits: list[str | None] = [None]
         if self.tensor_split:
             splits = []
@@ -112,31 +116,64 @@ class Sweep:
                 if not all(v.replace(".", "", 1).isdigit() for v in values):
                     raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
                 splits.append(part.strip())
-        overrides: list[str | None] = ([o.strip() for o in self.tensor_overrides.split(",")]
-                                       if self.tensor_overrides else [None])  # fmt: skip
+        overrides: list[str | None] = (
+            [o.strip() for o in self.tensor_overrides.split(",")]
+            if self.tensor_overrides
+            else [None]
+        )
         for group in overrides:  # refused before any model loads, not once per test
             for part in (group or "").split(";"):
                 pattern, sep, _ = part.strip().rpartition("=")
                 if sep and pattern:
                     dv.check_tensor_pattern(pattern)
-        moes = (list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
-                if self.n_cpu_moe else [0])  # fmt: skip
-        devices: list[str | None] = ([d.strip() for d in self.devices.split(",")]
-                                     if self.devices else [None])  # fmt: skip
-        drafts = (list(sw.parse_values(self.draft, name="--draft", maximum=64))
-                  if self.draft else [0])  # fmt: skip
-        fits = [(t, c) for t in sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target")
-                for c in sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx")]  # fmt: skip
-        return [replace(c, split_mode=m, main_gpu=g, tensor_split=t, tensor_overrides=o,
-                        n_cpu_moe=n, devices=d, draft=k, fit_target=ft, fit_min_ctx=fc)
-                for ft, fc in fits for c in combos for m in modes for g in gpus for t in splits
-                for o in overrides for n in moes for d in devices for k in drafts]  # fmt: skip
+        moes = (
+            list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
+            if self.n_cpu_moe
+            else [0]
+        )
+        devices: list[str | None] = (
+            [d.strip() for d in self.devices.split(",")] if self.devices else [None]
+        )
+        drafts = (
+            list(sw.parse_values(self.draft, name="--draft", maximum=64)) if self.draft else [0]
+        )
+        fits = [
+            (t, c)
+            for t in sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target")
+            for c in sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx")
+        ]
+        return [
+            replace(
+                c,
+                split_mode=m,
+                main_gpu=g,
+                tensor_split=t,
+                tensor_overrides=o,
+                n_cpu_moe=n,
+                devices=d,
+                draft=k,
+                fit_target=ft,
+                fit_min_ctx=fc,
+            )
+            for ft, fc in fits
+            for c in combos
+            for m in modes
+            for g in gpus
+            for t in splits
+            for o in overrides
+            for n in moes
+            for d in devices
+            for k in drafts
+        ]
 
     def _threadpools(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -C, --cpu-strict and --poll value given (llama-bench's
         order); a mask that is not hex or names no CPU of this process is refused here."""
-        masks = (list(dict.fromkeys(m.strip() for m in self.cpu_mask.split(",")))
-                 if self.cpu_mask else ["0x0"])  # fmt: skip
+        masks = (
+            list(dict.fromkeys(m.strip() for m in self.cpu_mask.split(",")))
+            if self.cpu_mask
+            else ["0x0"]
+        )
         for mask in masks:
             ThreadpoolSettings(cpu_mask=mask).placement(1)
         stricts = (
@@ -145,21 +182,29 @@ class Sweep:
         polls = (
             sw.parse_values(self.poll, name="--poll", maximum=100) if self.poll else [DEFAULT_POLL]
         )
-        return [replace(c, cpu_mask=m, cpu_strict=st, poll=p)
-                for c in combos for m in masks for st in stricts for p in polls]  # fmt: skip
+        return [
+            replace(c, cpu_mask=m, cpu_strict=st, poll=p)
+            for c in combos
+            for m in masks
+            for st in stricts
+            for p in polls
+        ]
 
     def _llama_params(self) -> dict[str, Any]:
         """-lzm, --no-host, -embd and -nopo: each value given, else llama.cpp's default."""
         lazy = ["auto"]
         if self.lazy_mode:
-            lazy = sw.parse_words(self.lazy_mode, name="-lzm/--lazy-mode",
-                                  allowed=tuple(LAZY_MODES.values()))  # fmt: skip
+            lazy = sw.parse_words(
+                self.lazy_mode, name="-lzm/--lazy-mode", allowed=tuple(LAZY_MODES.values())
+            )
             bad = [m for m in lazy if m not in LAZY_MODES.values()]
             if bad:
                 raise BadRequestError(f"-lzm/--lazy-mode: '{bad[0]}' is not on, auto or off")
-        flags = {"no_host": (self.no_host, "--no-host"),
-                 "embeddings": (self.embeddings, "-embd/--embeddings"),
-                 "no_op_offload": (self.no_op_offload, "-nopo/--no-op-offload")}  # fmt: skip
+        flags = {
+            "no_host": (self.no_host, "--no-host"),
+            "embeddings": (self.embeddings, "-embd/--embeddings"),
+            "no_op_offload": (self.no_op_offload, "-nopo/--no-op-offload"),
+        }
         return {"lazy_mode": lazy} | {
             key: sw.parse_bools(text, name=name) if text else [False]
             for key, (text, name) in flags.items()
@@ -172,13 +217,23 @@ class Sweep:
         """Every engine setting to test; unset options take the base's (llama-bench's defaults,
         or with --tuned llmrun's). A tuned ubatch never costs a requested batch size: it is
         capped at each batch."""
-        flash = (sw.parse_words(self.flash_attn, name="-fa/--flash-attn", allowed=FLASH_ATTN,
-                                aliases=sw.FLASH_ATTN_ALIASES)
-                 if self.flash_attn else [base.flash_attn])  # fmt: skip
+        flash = (
+            sw.parse_words(
+                self.flash_attn,
+                name="-fa/--flash-attn",
+                allowed=FLASH_ATTN,
+                aliases=sw.FLASH_ATTN_ALIASES,
+            )
+            if self.flash_attn
+            else [base.flash_attn]
+        )
         modes: list[str | None] = [None]
         if self.mmap or self.load_mode:
-            modes = [("mmap" if on else "none") for on in
-                     sw.parse_bools(self.mmap, name="-mmp")] if self.mmap else []  # fmt: skip
+            modes = (
+                [("mmap" if on else "none") for on in sw.parse_bools(self.mmap, name="-mmp")]
+                if self.mmap
+                else []
+            )
             if self.load_mode:
                 modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
             modes = list(dict.fromkeys(modes))
@@ -205,8 +260,10 @@ class Sweep:
         # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
         # does llmrun, except for a tuned ubatch, which is capped at each batch asked for
         if self.ubatch is None and base.tuned and base.n_ubatch is not None:
-            combos = [replace(c, n_ubatch=min(c.n_ubatch, c.n_batch))
-                      if c.n_ubatch and c.n_batch else c for c in combos]  # fmt: skip
+            combos = [
+                replace(c, n_ubatch=min(c.n_ubatch, c.n_batch)) if c.n_ubatch and c.n_batch else c
+                for c in combos
+            ]
             combos = list(dict.fromkeys(combos))
         return combos
 
@@ -262,8 +319,9 @@ def run_sweep(
         if cancel.is_set():
             return
         config = EngineConfig(cold=sweep.cold, threadpool=ThreadpoolSettings(prio=sweep.prio))
-        runner = open_runner(model, config if sweep.tuned else config.with_llama_bench_defaults(),
-                             sweep.tuned)  # fmt: skip
+        runner = open_runner(
+            model, config if sweep.tuned else config.with_llama_bench_defaults(), sweep.tuned
+        )
         try:
             base = runner.config
             combos = sweep.combos(base)
@@ -271,12 +329,23 @@ def run_sweep(
             # llama-bench records the model's file name as given (a local path, not a Hub name)
             given = model if model and os.path.isfile(model) else ""
             for n_ctx in sweep.contexts():
-                for event in run_bench(runner, combos=combos, shapes=sweep.shapes,
-                                       reps=sweep.reps, base=base, n_ctx=n_ctx, seed=sweep.seed,
-                                       warmup=sweep.warmup, delay_s=sweep.delay_s,
-                                       cancel=cancel):  # fmt: skip
-                    yield (replace(event, model_filename=given)
-                           if given and isinstance(event, Result) else event)  # fmt: skip
+                for event in run_bench(
+                    runner,
+                    combos=combos,
+                    shapes=sweep.shapes,
+                    reps=sweep.reps,
+                    base=base,
+                    n_ctx=n_ctx,
+                    seed=sweep.seed,
+                    warmup=sweep.warmup,
+                    delay_s=sweep.delay_s,
+                    cancel=cancel,
+                ):
+                    yield (
+                        replace(event, model_filename=given)
+                        if given and isinstance(event, Result)
+                        else event
+                    )
             if sweep.ppl is not None and not cancel.is_set():
                 yield Scoring(sweep.ppl)
                 n_ctx = sweep.contexts()[0] or PPL_CTX
@@ -300,10 +369,17 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
     """Each model's perplexity on its results, with the change against the first model's."""
     by = {s.model: s for s in scores}
     first = scores[0] if scores else None
-    return [replace(r, perplexity=Perplexity(ppl=found.ppl, tokens=found.tokens, ctx=ctx,
-                                             change=ppl_change(found, first)))
-            if (found := by.get(r.model.name)) is not None else r
-            for r in results]  # fmt: skip
+    return [
+        replace(
+            r,
+            perplexity=Perplexity(
+                ppl=found.ppl, tokens=found.tokens, ctx=ctx, change=ppl_change(found, first)
+            ),
+        )
+        if (found := by.get(r.model.name)) is not None
+        else r
+        for r in results
+    ]
 
 
 # Every field that only some records carry: their own and the run-wide ones
@@ -331,9 +407,27 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
 
 
 # A test is "the same" across models when these agree (its shape and engine settings).
-SAME_TEST = ("n_prompt", "n_gen", "n_depth", "n_threads", "n_batch", "n_ubatch", "flash_attn",
-             "type_k", "type_v", "n_gpu_layers", "repack", "load_mode", "cpu_mask", "cpu_strict",
-             "poll", "lazy_mode", "no_host", "embeddings", "no_op_offload")  # fmt: skip
+SAME_TEST = (
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "n_threads",
+    "n_batch",
+    "n_ubatch",
+    "flash_attn",
+    "type_k",
+    "type_v",
+    "n_gpu_layers",
+    "repack",
+    "load_mode",
+    "cpu_mask",
+    "cpu_strict",
+    "poll",
+    "lazy_mode",
+    "no_host",
+    "embeddings",
+    "no_op_offload",
+)
 
 
 @dataclass(frozen=True)

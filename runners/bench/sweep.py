@@ -56,10 +56,25 @@ def parse_words(
 
 
 # llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
-FLASH_ATTN_ALIASES = {"0": "off", "1": "on", "-1": "auto", "false": "off", "true": "on",
-                      "no": "off", "yes": "on"}  # fmt: skip
-BOOL_ALIASES = {"0": "0", "1": "1", "off": "0", "on": "1", "false": "0", "true": "1",
-                "no": "0", "yes": "1"}  # fmt: skip
+FLASH_ATTN_ALIASES = {
+    "0": "off",
+    "1": "on",
+    "-1": "auto",
+    "false": "off",
+    "true": "on",
+    "no": "off",
+    "yes": "on",
+}
+BOOL_ALIASES = {
+    "0": "0",
+    "1": "1",
+    "off": "0",
+    "on": "1",
+    "false": "0",
+    "true": "1",
+    "no": "0",
+    "yes": "1",
+}
 
 
 def parse_bools(text: str, *, name: str) -> list[bool]:
@@ -123,44 +138,88 @@ class Combo:
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
         return replace(
-            base, n_ctx=n_ctx, n_threads=self.n_threads, n_batch=self.n_batch,
-            n_ubatch=self.n_ubatch, n_gpu_layers=self.n_gpu_layers, flash_attn=self.flash_attn,
-            cache_type_k=self.type_k, cache_type_v=self.type_v,
+            base,
+            n_ctx=n_ctx,
+            n_threads=self.n_threads,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_gpu_layers=self.n_gpu_layers,
+            flash_attn=self.flash_attn,
+            cache_type_k=self.type_k,
+            cache_type_v=self.type_v,
             repack=base.repack if self.repack is None else self.repack,
             no_kv_offload=self.no_kv_offload,
             load_mode=base.load_mode if self.load_mode is None else self.load_mode,
             n_threads_batch=self.n_threads_batch,
-            split_mode=self.split_mode, main_gpu=self.main_gpu, tensor_split=self.tensor_split,
-            tensor_overrides=self.tensor_overrides, n_cpu_moe=self.n_cpu_moe,
+            split_mode=self.split_mode,
+            main_gpu=self.main_gpu,
+            tensor_split=self.tensor_split,
+            tensor_overrides=self.tensor_overrides,
+            n_cpu_moe=self.n_cpu_moe,
             devices=self.devices,
-            threadpool=replace(base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict,
-                               poll=self.poll),
-            lazy_mode=self.lazy_mode, no_host=self.no_host, embeddings=self.embeddings,
+            threadpool=replace(
+                base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict, poll=self.poll
+            ),
+            lazy_mode=self.lazy_mode,
+            no_host=self.no_host,
+            embeddings=self.embeddings,
             no_op_offload=self.no_op_offload,
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         """Compact, in llama-bench's short option names: t=2 b=512 ub=512 ngl=0 fa=off."""
-        names = {"n_threads": "t", "n_batch": "b", "n_ubatch": "ub", "n_gpu_layers": "ngl",
-                 "flash_attn": "fa", "type_k": "ctk", "type_v": "ctv", "repack": "repack",
-                 "no_kv_offload": "nkvo", "load_mode": "lm", "n_threads_batch": "tb",
-                 "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts",
-                 "tensor_overrides": "ot", "n_cpu_moe": "ncmoe", "devices": "dev",
-                 "draft": "draft", "cpu_mask": "C", "cpu_strict": "cpu-strict",
-                 "poll": "poll", "fit_target": "fitt", "fit_min_ctx": "fitc",
-                 "lazy_mode": "lzm", "no_host": "no-host", "embeddings": "embd",
-                 "no_op_offload": "nopo"}  # fmt: skip
-        defaults: dict[str, object] = {"no_kv_offload": False, "type_k": "f16", "type_v": "f16",
-                                       "n_cpu_moe": 0, "draft": 0, "cpu_mask": "0x0",
-                                       "cpu_strict": False, "poll": DEFAULT_POLL, "fit_target": 0,
-                                       "fit_min_ctx": 0, "lazy_mode": "auto", "no_host": False,
-                                       "embeddings": False, "no_op_offload": False}  # fmt: skip
+        names = {
+            "n_threads": "t",
+            "n_batch": "b",
+            "n_ubatch": "ub",
+            "n_gpu_layers": "ngl",
+            "flash_attn": "fa",
+            "type_k": "ctk",
+            "type_v": "ctv",
+            "repack": "repack",
+            "no_kv_offload": "nkvo",
+            "load_mode": "lm",
+            "n_threads_batch": "tb",
+            "split_mode": "sm",
+            "main_gpu": "mg",
+            "tensor_split": "ts",
+            "tensor_overrides": "ot",
+            "n_cpu_moe": "ncmoe",
+            "devices": "dev",
+            "draft": "draft",
+            "cpu_mask": "C",
+            "cpu_strict": "cpu-strict",
+            "poll": "poll",
+            "fit_target": "fitt",
+            "fit_min_ctx": "fitc",
+            "lazy_mode": "lzm",
+            "no_host": "no-host",
+            "embeddings": "embd",
+            "no_op_offload": "nopo",
+        }
+        defaults: dict[str, object] = {
+            "no_kv_offload": False,
+            "type_k": "f16",
+            "type_v": "f16",
+            "n_cpu_moe": 0,
+            "draft": 0,
+            "cpu_mask": "0x0",
+            "cpu_strict": False,
+            "poll": DEFAULT_POLL,
+            "fit_target": 0,
+            "fit_min_ctx": 0,
+            "lazy_mode": "auto",
+            "no_host": False,
+            "embeddings": False,
+            "no_op_offload": False,
+        }
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(
-            f"{names[k]}={int(v) if isinstance(v, bool) else v}" for k, v in vars(self).items()
+            f"{names[k]}={int(v) if isinstance(v, bool) else v}"
+            for k, v in vars(self).items()
             if v is not None and defaults.get(k) != v
-        )  # fmt: skip
+        )
 
 
 def sweep(
@@ -183,10 +242,27 @@ def sweep(
     """Every combination, ordered so those sharing loaded weights (GPU layers, repacking, load
     mode, lazy mode, host buffer) run together; -lzm, --no-host, -embd and -nopo nest in
     llama-bench's order, outside the context's other settings, as in its loop."""
-    context = list(itertools.product(threads, batch, ubatch, flash_attn, type_k, type_v,
-                                     no_kv_offload))  # fmt: skip
-    return [Combo(t, b, u, g, f, k, v, r, o, lm, lazy_mode=lz, no_host=nh, embeddings=em,
-                  no_op_offload=npo)
-            for g, r, lm, lz, nh, em, npo, (t, b, u, f, k, v, o) in itertools.product(
-                gpu_layers, repack, load_mode, lazy_mode, no_host, embeddings, no_op_offload,
-                context)]  # fmt: skip
+    context = list(
+        itertools.product(threads, batch, ubatch, flash_attn, type_k, type_v, no_kv_offload)
+    )
+    return [
+        Combo(
+            t,
+            b,
+            u,
+            g,
+            f,
+            k,
+            v,
+            r,
+            o,
+            lm,
+            lazy_mode=lz,
+            no_host=nh,
+            embeddings=em,
+            no_op_offload=npo,
+        )
+        for g, r, lm, lz, nh, em, npo, (t, b, u, f, k, v, o) in itertools.product(
+            gpu_layers, repack, load_mode, lazy_mode, no_host, embeddings, no_op_offload, context
+        )
+    ]

@@ -155,8 +155,11 @@ class Tried:
     def scores(self, workload: str) -> tuple[float, ...]:
         """Per repetition: the tokens of the workload's request per second of its time."""
         prompt, output = WORKLOADS[workload]
-        return tuple((prompt + output) / (prompt / pp + output / tg)
-                     for pp, tg in self.samples if pp > 0 and tg > 0)  # fmt: skip
+        return tuple(
+            (prompt + output) / (prompt / pp + output / tg)
+            for pp, tg in self.samples
+            if pp > 0 and tg > 0
+        )
 
     def score(self, workload: str = "chat") -> float:
         values = self.scores(workload)
@@ -211,9 +214,13 @@ class _Measured:
     Once a run is stopped, nothing more is measured: the search decides from what is here."""
 
     def __init__(
-        self, runner: BenchRunner, base: EngineConfig, shapes: Sequence[Shape],
-        cancel: threading.Event | None, on_progress: Callable[[TuneProgress], None],
-    ) -> None:  # fmt: skip
+        self,
+        runner: BenchRunner,
+        base: EngineConfig,
+        shapes: Sequence[Shape],
+        cancel: threading.Event | None,
+        on_progress: Callable[[TuneProgress], None],
+    ) -> None:
         self.runner, self.base, self.shapes, self.cancel = runner, base, shapes, cancel
         self.on_progress = on_progress
         self.samples: dict[Combo, list[tuple[float, float]]] = {}
@@ -239,8 +246,14 @@ class _Measured:
         self.planned = max(self.planned, self.trials + len(todo))
         runs = len(self.shapes) * (REPS + 1)  # a trial's runs, its warm-ups included
         found: dict[Combo, dict[int, list[float]]] = {}
-        for event in run_bench(self.runner, combos=todo, shapes=self.shapes, reps=REPS,
-                               base=self.base, cancel=self.cancel):  # fmt: skip
+        for event in run_bench(
+            self.runner,
+            combos=todo,
+            shapes=self.shapes,
+            reps=REPS,
+            base=self.base,
+            cancel=self.cancel,
+        ):
             if isinstance(event, Result):
                 found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
                     event.samples_ts
@@ -248,8 +261,7 @@ class _Measured:
             elif isinstance(event, Progress):
                 done = event.done + (event.fraction if event.moment == "working" else 0.0)
                 whole, part = divmod(done / runs, 1.0)
-                self.on_progress(TuneProgress(stage, self.trials + int(whole), self.planned,
-                                              part))  # fmt: skip
+                self.on_progress(TuneProgress(stage, self.trials + int(whole), self.planned, part))
         self.stopped = self.cancel is not None and self.cancel.is_set()
         for combo, by_shape in found.items():
             if len(by_shape) < len(self.shapes):
@@ -295,17 +307,30 @@ def search(
     baseline = Combo(phys, 512, 512, None, "off", n_threads_batch=phys)
     notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
     stages: list[tuple[str, Callable[[Combo], list[Combo]]]] = [
-        ("threads", lambda c: [dataclasses.replace(c, n_threads=t, n_threads_batch=t)
-                               for t in sorted({phys, logical, max(1, logical // 2),
-                                                max(1, phys - 1)})]),
-        ("flash attention", lambda c: [dataclasses.replace(c, flash_attn=fa)
-                                       for fa in ("off", "on")]),
+        (
+            "threads",
+            lambda c: [
+                dataclasses.replace(c, n_threads=t, n_threads_batch=t)
+                for t in sorted({phys, logical, max(1, logical // 2), max(1, phys - 1)})
+            ],
+        ),
+        (
+            "flash attention",
+            lambda c: [dataclasses.replace(c, flash_attn=fa) for fa in ("off", "on")],
+        ),
         ("repacking", lambda c: [dataclasses.replace(c, repack=r) for r in (True, False)]),
-        ("batch/ubatch", lambda c: [dataclasses.replace(c, n_batch=bb, n_ubatch=ub)
-                                    for bb, ub in BATCH_PAIRS]),
-        ("prefill threads", lambda c: [dataclasses.replace(c, n_threads_batch=t)
-                                       for t in sorted({c.n_threads or phys, logical})]),
-    ]  # fmt: skip
+        (
+            "batch/ubatch",
+            lambda c: [dataclasses.replace(c, n_batch=bb, n_ubatch=ub) for bb, ub in BATCH_PAIRS],
+        ),
+        (
+            "prefill threads",
+            lambda c: [
+                dataclasses.replace(c, n_threads_batch=t)
+                for t in sorted({c.n_threads or phys, logical})
+            ],
+        ),
+    ]
 
     def unmeasured(best: Combo, first: int) -> int:
         """Trials the stages from `first` on need if the incumbent stays."""
@@ -337,8 +362,10 @@ def search(
                 continue
             if not beats(rival.scores(workload), incumbent.scores(workload)):
                 if not measured.stopped:
-                    on_stage(f"{stage}: re-measuring {rival.combo.describe()} against"
-                             f" {best.describe()} in A B order")  # fmt: skip
+                    on_stage(
+                        f"{stage}: re-measuring {rival.combo.describe()} against"
+                        f" {best.describe()} in A B order"
+                    )
                     measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True)
                 rival, incumbent = measured.tried(rival.combo), measured.tried(best)
             if beats(rival.scores(workload), incumbent.scores(workload)):

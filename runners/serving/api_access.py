@@ -31,8 +31,11 @@ ALLOW_HEADERS = ("Authorization", "Content-Type", "Accept", "User-Agent", "X-Req
 EXPOSE_HEADERS = "Retry-After"
 MAX_AGE_S = 12 * 3600  # Ollama's; browsers cap it lower (Chrome: 2 h)
 ANY_ORIGIN = "*"
-_ORIGIN = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@]+)"
-                     r"(?::(?P<port>\d{1,5}))?", re.IGNORECASE)  # fmt: skip
+_ORIGIN = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@]+)"
+    r"(?::(?P<port>\d{1,5}))?",
+    re.IGNORECASE,
+)
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
@@ -61,9 +64,11 @@ def parse_origins(values: Iterable[str]) -> frozenset[str]:
             continue
         origin = normal_origin(text) if "*" not in text else _pattern(text)
         if origin is None:
-            raise BadRequestError(f"--allow-origin: {value!r} is not an origin: give"
-                                  " scheme://host[:port] with no path, at most one * in it"
-                                  " (or * for all)")  # fmt: skip
+            raise BadRequestError(
+                f"--allow-origin: {value!r} is not an origin: give"
+                " scheme://host[:port] with no path, at most one * in it"
+                " (or * for all)"
+            )
         allowed.add(origin)
     return frozenset(allowed)
 
@@ -80,15 +85,17 @@ def _pattern(text: str) -> str | None:
 
 def _matches(pattern: str, origin: str) -> bool:
     head, _, tail = pattern.partition("*")
-    return len(origin) > len(head) + len(tail) and origin.startswith(head) and origin.endswith(
-        tail)  # fmt: skip
+    return len(origin) > len(head) + len(tail) and origin.startswith(head) and origin.endswith(tail)
 
 
 def local_origin(origin: str) -> bool:
     """An http(s) page on this machine's loopback names, any port: allowed by default."""
     m = _ORIGIN.fullmatch(origin)
-    return (m is not None and m["scheme"].lower() in ("http", "https")
-            and m["host"].lower() in LOCAL_ORIGIN_HOSTS)  # fmt: skip
+    return (
+        m is not None
+        and m["scheme"].lower() in ("http", "https")
+        and m["host"].lower() in LOCAL_ORIGIN_HOSTS
+    )
 
 
 def loopback_address(address: str) -> bool:
@@ -128,8 +135,7 @@ class Access:
         if ANY_ORIGIN in self.origins or local_origin(origin):
             return True
         normal = normal_origin(origin) or origin
-        return normal in self.origins or any(
-            "*" in p and _matches(p, normal) for p in self.origins)  # fmt: skip
+        return normal in self.origins or any("*" in p and _matches(p, normal) for p in self.origins)
 
 
 def strip_slashes(scope: Scope) -> Scope:
@@ -164,18 +170,23 @@ class AccessGuard:
         headers = Headers(scope=scope)
         host = headers.get("host")
         if self.access.check_host and not loopback_host(host):
-            await self.forbidden(403, f"Host {host!r} is not this machine's loopback: the server"
-                                 " listens on loopback only and refuses other names (DNS"
-                                 " rebinding); use --host to be reached by"
-                                 " others")(scope, receive, send)  # fmt: skip
+            await self.forbidden(
+                403,
+                f"Host {host!r} is not this machine's loopback: the server"
+                " listens on loopback only and refuses other names (DNS"
+                " rebinding); use --host to be reached by"
+                " others",
+            )(scope, receive, send)
             return
         origin = headers.get("origin")
         if origin is None:
             await self.app(scope, receive, send)
             return
         if not self.access.origin_allowed(origin):
-            await self.forbidden(403, f"Origin {origin!r} is not allowed: start the server with"
-                                 f" --allow-origin {origin}")(scope, receive, send)  # fmt: skip
+            await self.forbidden(
+                403,
+                f"Origin {origin!r} is not allowed: start the server with --allow-origin {origin}",
+            )(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             await preflight(origin, headers, send)

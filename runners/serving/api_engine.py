@@ -196,13 +196,21 @@ class EngineThread:
         # engine's thread, as every later decode (see LlamaCppRunner.load)
         loaded = runner.load(n_seq=n_seq, warm_up=False)
         if runner.warmed_on is not None:  # its decodes would be 1.3-1.8x slower, unseen
-            raise EngineError(f"the context was warmed up on thread {runner.warmed_on}, before"
-                              " this engine's own thread: load it with warm_up=False")  # fmt: skip
+            raise EngineError(
+                f"the context was warmed up on thread {runner.warmed_on}, before"
+                " this engine's own thread: load it with warm_up=False"
+            )
         self.runner, self.policy, self.n_seq = runner, policy, n_seq
         self.n_ctx_per_seq, self.max_queue = n_ctx_per_seq, max_queue
-        self.engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq,
-                                    n_batch=n_batch or loaded.settings.n_batch, policy=policy,
-                                    keep_prefix=True, context=runner.context)  # fmt: skip
+        self.engine = BatchedEngine(
+            runner,
+            n_seq=n_seq,
+            n_ctx_per_seq=n_ctx_per_seq,
+            n_batch=n_batch or loaded.settings.n_batch,
+            policy=policy,
+            keep_prefix=True,
+            context=runner.context,
+        )
         self.observer = observer
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -280,9 +288,17 @@ class EngineThread:
             queued = len(self._pending)
             running, waiting = self._counts
             itl = tuple(gap for when, gap in self._itl if now - when <= window_s)
-        return Snapshot(decoding=running, prefilling=waiting, queued=queued, n_seq=self.n_seq,
-                        policy=str(self.policy), steps=steps, recent_itl_ms=itl,
-                        served=self.served, output_tokens=self.output_tokens)  # fmt: skip
+        return Snapshot(
+            decoding=running,
+            prefilling=waiting,
+            queued=queued,
+            n_seq=self.n_seq,
+            policy=str(self.policy),
+            steps=steps,
+            recent_itl_ms=itl,
+            served=self.served,
+            output_tokens=self.output_tokens,
+        )
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -352,8 +368,15 @@ class EngineThread:
                     return
                 job = self._pending.popleft()
                 if not job.cancelled:
-                    handle = eng.submit(Arrival(job.received_s, job.tokens, job.sampling.max_tokens,
-                                                job.sampling.ignore_eos, job.sampling))  # fmt: skip
+                    handle = eng.submit(
+                        Arrival(
+                            job.received_s,
+                            job.tokens,
+                            job.sampling.max_tokens,
+                            job.sampling.ignore_eos,
+                            job.sampling,
+                        )
+                    )
                     self._jobs[handle.id] = (job, handle)
             if job.cancelled:
                 self._report_cancelled(job)
@@ -381,7 +404,8 @@ class EngineThread:
         times = r.times
         finish = r.finish
         timings = RequestTimings(
-            prompt_tokens=len(handle.tokens), reused_tokens=handle.reused,
+            prompt_tokens=len(handle.tokens),
+            reused_tokens=handle.reused,
             output_tokens=len(r.output),
             template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
             queue_ms=(started - job.submitted_s) * 1000,
@@ -390,10 +414,11 @@ class EngineThread:
             ttft_ms=(times[0] - job.received_s) * 1000 if times else None,
             decode_ms=(times[-1] - times[0]) * 1000 if times else 0.0,
             itl_ms=tuple(g * 1000 for g in r.gaps_s),
-            finish_reason=finish if finish == FINISH_CANCELLED
+            finish_reason=finish
+            if finish == FINISH_CANCELLED
             else (FINISH_STOP if finish == FINISH_STOP else FINISH_LENGTH),
             seed=handle.seed if job.sampling.temperature > 0 else None,
-        )  # fmt: skip
+        )
         if self.observer is not None:
             self.observer.on_done(timings)
         job.sink(Done(timings.finish_reason, r.tail, timings))
@@ -402,11 +427,18 @@ class EngineThread:
     def _report_cancelled(self, job: Job) -> None:
         now = time.perf_counter()
         timings = RequestTimings(
-            prompt_tokens=len(job.tokens), reused_tokens=0, output_tokens=0,
+            prompt_tokens=len(job.tokens),
+            reused_tokens=0,
+            output_tokens=0,
             template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
-            queue_ms=(now - job.submitted_s) * 1000, prefill_ms=0.0, prefill_chunks=(),
-            ttft_ms=None, decode_ms=0.0, itl_ms=(), finish_reason=FINISH_CANCELLED,
-        )  # fmt: skip
+            queue_ms=(now - job.submitted_s) * 1000,
+            prefill_ms=0.0,
+            prefill_chunks=(),
+            ttft_ms=None,
+            decode_ms=0.0,
+            itl_ms=(),
+            finish_reason=FINISH_CANCELLED,
+        )
         job.sink(Done(FINISH_CANCELLED, "", timings))
 
     def _fail_all(self, message: str) -> None:

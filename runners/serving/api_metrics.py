@@ -37,56 +37,104 @@ class ServerMetrics:
     def __init__(self, *, running: Callable[[], float], queued: Callable[[], float]) -> None:
         disable_created_metrics()  # the *_created series say nothing a scrape needs
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("llmrun_requests", "Requests answered, by route (chat,"
-                                " completions, other) and outcome (ok, bad_request, not_found,"
-                                " too_large, timeout, busy, too_many_connections, forbidden,"
-                                " cancelled, error, ...).",
-                                ["route", "outcome"], registry=r)  # fmt: skip
-        Gauge("llmrun_requests_in_flight", "Requests holding a sequence (prefilling or"
-              " decoding).", registry=r).set_function(running)  # fmt: skip
-        Gauge("llmrun_requests_queued", "Requests waiting for a free sequence.",
-              registry=r).set_function(queued)  # fmt: skip
+        self.requests = Counter(
+            "llmrun_requests",
+            "Requests answered, by route (chat,"
+            " completions, other) and outcome (ok, bad_request, not_found,"
+            " too_large, timeout, busy, too_many_connections, forbidden,"
+            " cancelled, error, ...).",
+            ["route", "outcome"],
+            registry=r,
+        )
+        Gauge(
+            "llmrun_requests_in_flight",
+            "Requests holding a sequence (prefilling or decoding).",
+            registry=r,
+        ).set_function(running)
+        Gauge(
+            "llmrun_requests_queued", "Requests waiting for a free sequence.", registry=r
+        ).set_function(queued)
         # The HTTP side: open connections against --max-connections (set once it listens).
         self.connections: Callable[[], float] = lambda: 0
         self.max_connections = 0
-        Gauge("llmrun_connections", "Open HTTP connections (idle kept-alive ones too).",
-              registry=r).set_function(lambda: self.connections())  # fmt: skip
-        Gauge("llmrun_connections_max", "Connections served at once (--max-connections); more"
-              " get 503.", registry=r).set_function(lambda: self.max_connections)  # fmt: skip
-        self.queue = Histogram("llmrun_queue_wait_seconds", "From the request's tokens to its"
-                               " first engine step.", buckets=LATENCY_S, registry=r)  # fmt: skip
-        self.ttft = Histogram("llmrun_ttft_seconds", "From the request's arrival to its first"
-                              " token.", buckets=LATENCY_S, registry=r)  # fmt: skip
-        self.prefill = Histogram("llmrun_prefill_seconds", "From the first to the last step"
-                                 " carrying the request's prompt.", buckets=LATENCY_S,
-                                 registry=r)  # fmt: skip
-        self.itl = Histogram("llmrun_itl_seconds", "Every gap between two generated tokens of a"
-                             " request.", buckets=GAP_S, registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("llmrun_prompt_tokens", "Prompt tokens received.",
-                                     registry=r)  # fmt: skip
-        self.reused_tokens = Counter("llmrun_reused_tokens", "Prompt tokens found in a"
-                                     " sequence's cache (not prefilled).", registry=r)  # fmt: skip
+        Gauge(
+            "llmrun_connections", "Open HTTP connections (idle kept-alive ones too).", registry=r
+        ).set_function(lambda: self.connections())
+        Gauge(
+            "llmrun_connections_max",
+            "Connections served at once (--max-connections); more get 503.",
+            registry=r,
+        ).set_function(lambda: self.max_connections)
+        self.queue = Histogram(
+            "llmrun_queue_wait_seconds",
+            "From the request's tokens to its first engine step.",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmrun_ttft_seconds",
+            "From the request's arrival to its first token.",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "llmrun_prefill_seconds",
+            "From the first to the last step carrying the request's prompt.",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "llmrun_itl_seconds",
+            "Every gap between two generated tokens of a request.",
+            buckets=GAP_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("llmrun_prompt_tokens", "Prompt tokens received.", registry=r)
+        self.reused_tokens = Counter(
+            "llmrun_reused_tokens",
+            "Prompt tokens found in a sequence's cache (not prefilled).",
+            registry=r,
+        )
         self.generated = Counter("llmrun_generated_tokens", "Tokens generated.", registry=r)
-        self.step_prefill = Histogram("llmrun_step_prefill_tokens", "Prompt tokens in each"
-                                      " engine step.", buckets=TOKENS, registry=r)  # fmt: skip
-        self.step_decode = Histogram("llmrun_step_decode_tokens", "Decode tokens in each engine"
-                                     " step.", buckets=TOKENS, registry=r)  # fmt: skip
-        self.step_seconds = Histogram("llmrun_step_seconds", "Each engine step's llama_decode.",
-                                      buckets=LATENCY_S, registry=r)  # fmt: skip
+        self.step_prefill = Histogram(
+            "llmrun_step_prefill_tokens",
+            "Prompt tokens in each engine step.",
+            buckets=TOKENS,
+            registry=r,
+        )
+        self.step_decode = Histogram(
+            "llmrun_step_decode_tokens",
+            "Decode tokens in each engine step.",
+            buckets=TOKENS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "llmrun_step_seconds", "Each engine step's llama_decode.", buckets=LATENCY_S, registry=r
+        )
         # The machine: the engine's threads (set once the engine exists) and other processes'
         # load, since a busy machine slows llama.cpp's spinning threads 10-30x.
         self.threads = (0, 0)
         self.meter = BackgroundMeter(window_s=1.0)
-        Gauge("llmrun_engine_threads", "CPU threads of the engine's one-token steps.",
-              registry=r).set_function(lambda: self.threads[0])  # fmt: skip
-        Gauge("llmrun_engine_threads_batch", "CPU threads of the engine's steps of more than"
-              " one token.", registry=r).set_function(lambda: self.threads[1])  # fmt: skip
-        Gauge("llmrun_background_cpus", "CPUs' worth of other processes' work over the last"
-              " second or more (NaN where unknown).", registry=r).set_function(
-              lambda: _or_nan(self.meter.read()))  # fmt: skip
-        Gauge("llmrun_machine_busy", "1 while other processes take CPU time the engine's"
-              " threads need (its figures are then slower than this machine can do).",
-              registry=r).set_function(lambda: float(self.busy(self.meter.read())))  # fmt: skip
+        Gauge(
+            "llmrun_engine_threads", "CPU threads of the engine's one-token steps.", registry=r
+        ).set_function(lambda: self.threads[0])
+        Gauge(
+            "llmrun_engine_threads_batch",
+            "CPU threads of the engine's steps of more than one token.",
+            registry=r,
+        ).set_function(lambda: self.threads[1])
+        Gauge(
+            "llmrun_background_cpus",
+            "CPUs' worth of other processes' work over the last"
+            " second or more (NaN where unknown).",
+            registry=r,
+        ).set_function(lambda: _or_nan(self.meter.read()))
+        Gauge(
+            "llmrun_machine_busy",
+            "1 while other processes take CPU time the engine's"
+            " threads need (its figures are then slower than this machine can do).",
+            registry=r,
+        ).set_function(lambda: float(self.busy(self.meter.read())))
 
     def busy(self, background: float | None) -> bool:
         return busy_machine(background, max(self.threads))

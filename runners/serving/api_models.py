@@ -21,16 +21,26 @@ from llmrun.runners.limits import check_sampling
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
-UNSERVED = {"logit_bias": "a logit bias", "tools": "function calling",
-            "functions": "function calling", "response_format": "a structured output format",
-            "grammar": "a grammar", "json_schema": "a JSON schema", "audio": "audio output",
-            "suffix": "a suffix (fill-in-the-middle)"}  # fmt: skip
+UNSERVED = {
+    "logit_bias": "a logit bias",
+    "tools": "function calling",
+    "functions": "function calling",
+    "response_format": "a structured output format",
+    "grammar": "a grammar",
+    "json_schema": "a JSON schema",
+    "audio": "audio output",
+    "suffix": "a suffix (fill-in-the-middle)",
+}
 # Values of fields llmrun does not have that ask for nothing: accepted, since clients send them.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
-    "echo": (None, False), "best_of": (None, 1), "top_logprobs": (None, 0),
-}  # fmt: skip
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "modalities": (None, ["text"]),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "top_logprobs": (None, 0),
+}
 # Stop strings are checked against the text after every token on the engine's thread, which all
 # sequences share: their number and length are bounded so one request cannot slow the others.
 MAX_STOPS = 16
@@ -89,25 +99,38 @@ class _Body(BaseModel):
                 raise BadRequestError(f"{name}: {what} is not served here")
         for name, neutral in NEUTRAL.items():
             if name in extra and extra[name] not in neutral:
-                raise BadRequestError(f"{name}: {extra[name]!r} is not served here (only"
-                                      f" {', '.join(map(json_text, neutral))})")  # fmt: skip
+                raise BadRequestError(
+                    f"{name}: {extra[name]!r} is not served here (only"
+                    f" {', '.join(map(json_text, neutral))})"
+                )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise BadRequestError(f"stop: at most {MAX_STOPS} strings of at most"
-                                  f" {MAX_STOP_CHARS} characters each")  # fmt: skip
+            raise BadRequestError(
+                f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
+            )
         given: dict[str, Any] = {
-            "max_tokens": self._limit(), "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p,
-            "repeat_penalty": self.repeat_penalty if self.repeat_penalty is not None
+            "max_tokens": self._limit(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repeat_penalty": self.repeat_penalty
+            if self.repeat_penalty is not None
             else self.repetition_penalty,
             "repeat_last_n": self.repeat_last_n,
             "seed": None if self.seed == -1 else self.seed,  # -1: random, as llama-server
-            "stop": (self.stop,) if isinstance(self.stop, str) else
-            tuple(self.stop) if self.stop is not None else None,
+            "stop": (self.stop,)
+            if isinstance(self.stop, str)
+            else tuple(self.stop)
+            if self.stop is not None
+            else None,
             "think": think,
-        }  # fmt: skip
-        sp = dataclasses.replace(defaults, ignore_eos=bool(self.ignore_eos),
-                                 **{k: v for k, v in given.items() if v is not None})  # fmt: skip
+        }
+        sp = dataclasses.replace(
+            defaults,
+            ignore_eos=bool(self.ignore_eos),
+            **{k: v for k, v in given.items() if v is not None},
+        )
         check_sampling(sp, WHERE)
         return sp
 
@@ -127,21 +150,27 @@ class Message(BaseModel):
         """The message for the chat template; what it cannot carry is refused."""
         where = f"messages.{i}"
         extra = self.model_extra or {}
-        if self.role in ("tool", "function") or extra.get("tool_calls") \
-                or extra.get("function_call"):  # fmt: skip
-            raise BadRequestError(f"{where}: function calling is not served here (a"
-                                  f" '{self.role}' message or tool calls)")  # fmt: skip
+        if (
+            self.role in ("tool", "function")
+            or extra.get("tool_calls")
+            or extra.get("function_call")
+        ):
+            raise BadRequestError(
+                f"{where}: function calling is not served here (a"
+                f" '{self.role}' message or tool calls)"
+            )
         role = ROLES.get(self.role)
         if role is None:
-            raise BadRequestError(f"{where}.role: {self.role!r} is not one of"
-                                  f" {', '.join(ROLES)}")  # fmt: skip
+            raise BadRequestError(f"{where}.role: {self.role!r} is not one of {', '.join(ROLES)}")
         if self.content is None or isinstance(self.content, str):
             return ChatMessage(role, self.content or "")
         parts = []
         for j, part in enumerate(self.content):
             if part.type != "text":
-                raise BadRequestError(f"{where}.content.{j}: content of type {part.type!r} is"
-                                      " not served here (text only)")  # fmt: skip
+                raise BadRequestError(
+                    f"{where}.content.{j}: content of type {part.type!r} is"
+                    " not served here (text only)"
+                )
             if part.text is None:
                 raise BadRequestError(f"{where}.content.{j}: a text part needs its text")
             parts.append(part.text)
@@ -154,8 +183,11 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def _limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens  # fmt: skip
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def request(self, defaults: SamplingParams) -> Request:
         think = (self.chat_template_kwargs or {}).get("enable_thinking")
@@ -173,8 +205,9 @@ class CompletionBody(_Body):
         prompt: Any = self.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
-                raise BadRequestError("prompt: one prompt per request is served, not a list of"
-                                      f" {len(prompt)}")  # fmt: skip
+                raise BadRequestError(
+                    f"prompt: one prompt per request is served, not a list of {len(prompt)}"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             return Request(prompt=prompt, sampling=sampling)

@@ -71,12 +71,14 @@ class Policy:
     def parse(cls, text: str) -> Policy:
         name, _, value = text.strip().lower().partition(":")
         if name not in POLICIES:
-            raise BadRequestError(f"--policy: '{text}' is not prefill-first, decode-first or"
-                                  " chunked:B")  # fmt: skip
+            raise BadRequestError(
+                f"--policy: '{text}' is not prefill-first, decode-first or chunked:B"
+            )
         if name == "chunked":
             if not value.isdigit() or not 1 <= int(value) <= 65536:
-                raise BadRequestError(f"--policy: chunked needs a token budget, chunked:64, not"
-                                      f" '{text}'")  # fmt: skip
+                raise BadRequestError(
+                    f"--policy: chunked needs a token budget, chunked:64, not '{text}'"
+                )
             return cls(name, int(value))
         if name == "decode-first" and value:  # decode-first:K: prefill at least every K steps
             if not value.isdigit() or not 1 <= int(value) <= 65536:
@@ -241,9 +243,18 @@ class BatchedEngine:
     with n_seq sequences (the runner's own, `runner.load(n_seq=...)`), which it uses and never
     closes. `close` may be called any number of times."""
 
-    def __init__(self, runner: LlamaCppRunner, *, n_seq: int, n_ctx_per_seq: int, n_batch: int
-                 = 512, kv_unified: bool | None = None, policy: Policy | None = None,
-                 keep_prefix: bool = False, context: Context | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: LlamaCppRunner,
+        *,
+        n_seq: int,
+        n_ctx_per_seq: int,
+        n_batch: int = 512,
+        kv_unified: bool | None = None,
+        policy: Policy | None = None,
+        keep_prefix: bool = False,
+        context: Context | None = None,
+    ) -> None:
         import numpy as np
 
         lib = llama_lib()
@@ -255,12 +266,15 @@ class BatchedEngine:
         if context is not None:
             have = int(lib.llama_n_seq_max(context.ptr)), int(lib.llama_n_ctx(context.ptr))
             if have[0] < n_seq or have[1] < n_seq * n_ctx_per_seq:
-                raise EngineError(f"the context given holds {have[0]} sequences of {have[1]}"
-                                  f" tokens in all, not {n_seq} x {n_ctx_per_seq}")  # fmt: skip
+                raise EngineError(
+                    f"the context given holds {have[0]} sequences of {have[1]}"
+                    f" tokens in all, not {n_seq} x {n_ctx_per_seq}"
+                )
             self.ctx = context
         else:  # the runner's threads and flash attention, so one sequence decodes as `run` does
-            self.ctx = runner.make_context(n_seq=n_seq, n_ctx=n_seq * n_ctx_per_seq,
-                                           n_batch=n_batch, kv_unified=kv_unified)  # fmt: skip
+            self.ctx = runner.make_context(
+                n_seq=n_seq, n_ctx=n_seq * n_ctx_per_seq, n_batch=n_batch, kv_unified=kv_unified
+            )
         self.batch = _StepBatch(lib, n_batch)
         self.n_vocab = runner.vocab_size()
         self._np = np
@@ -351,9 +365,14 @@ class BatchedEngine:
         seed = None
         if sp is not None:
             seed = sp.seed if sp.seed is not None else random.randrange(2**31)
-        handle = Handle(SeqResult(arrival.at_s, len(tokens)), tokens,
-                        min(arrival.max_tokens, self.n_ctx_per_seq - len(tokens)),
-                        arrival.ignore_eos, sp, seed)  # fmt: skip
+        handle = Handle(
+            SeqResult(arrival.at_s, len(tokens)),
+            tokens,
+            min(arrival.max_tokens, self.n_ctx_per_seq - len(tokens)),
+            arrival.ignore_eos,
+            sp,
+            seed,
+        )
         self._queue.append(handle)
         return handle
 
@@ -693,8 +712,9 @@ class InterferenceReport:
         if len(self.stream_times_s) < 2:
             return 0.0
         first, last = self.stream_times_s[0], self.stream_times_s[-1]
-        return 1000 * sum(s.duration_s for s in self.steps
-                          if s.n_prefill and first <= s.start_s < last)  # fmt: skip
+        return 1000 * sum(
+            s.duration_s for s in self.steps if s.n_prefill and first <= s.start_s < last
+        )
 
     @property
     def prefill_ms(self) -> float:
@@ -748,8 +768,9 @@ def interference(
             Arrival(start_s + i * every_s, tuple(p), LONG_TOKENS)
             for i, p in enumerate(long_prompts)
         ]
-    results, steps = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
-                                cancel=cancel, progress=progress)  # fmt: skip
+    results, steps = engine.run(
+        arrivals, policy or Policy("chunked", engine.n_batch), cancel=cancel, progress=progress
+    )
     first, *others = results
     tokens = sum(len(r.output) for r in results)
     span = max((r.times[-1] for r in results if r.times), default=0.0)
@@ -813,23 +834,43 @@ def serve_requests(
     per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.items()) + 8
     if fresh:
         loaded = runner.load(n_seq=n_seq, n_ctx=per_seq)
-        engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
-                               n_batch=loaded.settings.n_batch, context=runner.context)  # fmt: skip
+        engine = BatchedEngine(
+            runner,
+            n_seq=n_seq,
+            n_ctx_per_seq=per_seq,
+            n_batch=loaded.settings.n_batch,
+            context=runner.context,
+        )
     else:
         loaded = runner.load()
-        engine = BatchedEngine(runner, n_seq=n_seq, n_ctx_per_seq=per_seq,
-                               n_batch=loaded.settings.n_batch)  # fmt: skip
+        engine = BatchedEngine(
+            runner, n_seq=n_seq, n_ctx_per_seq=per_seq, n_batch=loaded.settings.n_batch
+        )
     n_threads, n_threads_batch = engine.threads
     params = {**loaded.settings.params, "n_seq_max": n_seq, "kv_unified": engine.kv_unified}
-    settings = dataclasses.replace(loaded.settings, n_ctx=per_seq, n_threads=n_threads,
-                                   n_threads_batch=n_threads_batch, params=params)  # fmt: skip
+    settings = dataclasses.replace(
+        loaded.settings,
+        n_ctx=per_seq,
+        n_threads=n_threads,
+        n_threads_batch=n_threads_batch,
+        params=params,
+    )
     order = sorted(prompts)
     try:
-        arrivals = [Arrival(0.0, tuple(prompts[i]), limits[i], requests[i].sampling.ignore_eos,
-                            requests[i].sampling) for i in order]  # fmt: skip
+        arrivals = [
+            Arrival(
+                0.0,
+                tuple(prompts[i]),
+                limits[i],
+                requests[i].sampling.ignore_eos,
+                requests[i].sampling,
+            )
+            for i in order
+        ]
         cpu0 = cpu_sample()
-        results, _ = engine.run(arrivals, policy or Policy("chunked", engine.n_batch),
-                                cancel=cancel)  # fmt: skip
+        results, _ = engine.run(
+            arrivals, policy or Policy("chunked", engine.n_batch), cancel=cancel
+        )
         background = measured_background(cpu0, cpu_sample())
     finally:
         engine.close()
@@ -850,15 +891,23 @@ def serve_requests(
         first = r.times[0] if r.times else None
         stats = GenerationStats(
             finish_reason=finish if r.times or finish == FINISH_STOP else FINISH_INTERRUPTED,
-            prompt_tokens=len(prompt), reused_tokens=0, output_tokens=len(r.output),
+            prompt_tokens=len(prompt),
+            reused_tokens=0,
+            output_tokens=len(r.output),
             template_tokenize_s=0.0,
-            prefill_s=(first - r.started_s) if first is not None and r.started_s is not None
+            prefill_s=(first - r.started_s)
+            if first is not None and r.started_s is not None
             else 0.0,
-            first_sample_s=0.0, itl_s=tuple(r.gaps_s),
-            e2e_s=r.times[-1] if r.times else 0.0, load_s=loaded.load_s,
-            seed=request.sampling.seed, model=loaded.model, settings=settings,
-            first_token_s=first, background_cpus=background,
-        )  # fmt: skip
+            first_sample_s=0.0,
+            itl_s=tuple(r.gaps_s),
+            e2e_s=r.times[-1] if r.times else 0.0,
+            load_s=loaded.load_s,
+            seed=request.sampling.seed,
+            model=loaded.model,
+            settings=settings,
+            first_token_s=first,
+            background_cpus=background,
+        )
         outcome[i] = Finished(stats, "".join(r.pieces) + r.tail, r.tail)
     end = max((r.times[-1] for r in results if r.times), default=0.0)
     return [o for o in outcome if o is not None], end

@@ -35,16 +35,95 @@ from llmrun.runners.system import busy_machine
 from .options import InterferenceOptions, ServeOptions, Stage
 
 WORDS = (
-    "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
-    "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company",
-    "number", "group", "problem", "fact", "water", "room", "mother", "area", "money", "story",
-    "month", "lot", "right", "study", "book", "word", "business", "issue", "side", "kind",
-    "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end",
-    "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea",
-    "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door",
-    "health", "art", "war", "history", "party", "result", "change", "morning", "reason",
-    "research", "girl", "guy", "moment", "air", "teacher", "force", "education",
-)  # fmt: skip
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+    "fact",
+    "water",
+    "room",
+    "mother",
+    "area",
+    "money",
+    "story",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "father",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+    "car",
+    "city",
+    "community",
+    "name",
+    "president",
+    "team",
+    "minute",
+    "idea",
+    "kid",
+    "body",
+    "information",
+    "back",
+    "parent",
+    "face",
+    "others",
+    "level",
+    "office",
+    "door",
+    "health",
+    "art",
+    "war",
+    "history",
+    "party",
+    "result",
+    "change",
+    "morning",
+    "reason",
+    "research",
+    "girl",
+    "guy",
+    "moment",
+    "air",
+    "teacher",
+    "force",
+    "education",
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +153,16 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def make_prompts(runner: OpenAIRunner, *, count: int, input_len: int, output_len: int,
-                 range_ratio: float, seed: int,
-                 progress: Tally | None = None) -> list[PromptSpec]:  # fmt: skip
+def make_prompts(
+    runner: OpenAIRunner,
+    *,
+    count: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    progress: Tally | None = None,
+) -> list[PromptSpec]:
     """Random-word prompts of about `input_len` tokens (counted by the server's tokenizer where
     it has one), lengths uniform within ±range_ratio, as vLLM's random dataset."""
     rng = random.Random(seed)
@@ -111,10 +197,7 @@ def _streamed(
 
 
 def send(
-    runner: OpenAIRunner,
-    prompt: PromptSpec,
-    cancel: threading.Event,
-    progress: Tally | None = None,
+    runner: OpenAIRunner, prompt: PromptSpec, cancel: threading.Event, progress: Tally | None = None
 ) -> RequestResult:
     """One streamed completion through the remote runner; failures are returned, not raised.
     `progress` counts its tokens and, at the end, the request."""
@@ -202,14 +285,19 @@ class Latency:
             mean_ms=round(statistics.fmean(values), 3) if values else None,
             median_ms=round(statistics.median(values), 3) if values else None,
             std_ms=round(statistics.pstdev(values), 3) if len(values) > 1 else 0.0,
-            percentiles_ms=tuple((p, None if (v := percentile(values, p)) is None else round(v, 3))
-                                 for p in percentiles),
-        )  # fmt: skip
+            percentiles_ms=tuple(
+                (p, None if (v := percentile(values, p)) is None else round(v, 3))
+                for p in percentiles
+            ),
+        )
 
     def fields(self, name: str) -> dict[str, float | None]:
         """vLLM's names: mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ..."""
-        out = {f"mean_{name}_ms": self.mean_ms, f"median_{name}_ms": self.median_ms,
-               f"std_{name}_ms": self.std_ms}  # fmt: skip
+        out = {
+            f"mean_{name}_ms": self.mean_ms,
+            f"median_{name}_ms": self.median_ms,
+            f"std_{name}_ms": self.std_ms,
+        }
         out.update((f"p{p:g}_{name}_ms", v) for p, v in self.percentiles_ms)
         return out
 
@@ -235,20 +323,29 @@ class ServingMetrics:
 
     def record(self) -> dict[str, Any]:
         rec: dict[str, Any] = {
-            "completed": self.completed, "failed": self.failed, "errors": list(self.errors),
-            "duration_s": self.duration_s, "total_input_tokens": self.total_input_tokens,
+            "completed": self.completed,
+            "failed": self.failed,
+            "errors": list(self.errors),
+            "duration_s": self.duration_s,
+            "total_input_tokens": self.total_input_tokens,
             "total_output_tokens": self.total_output_tokens,
             "request_throughput": self.request_throughput,
             "output_throughput": self.output_throughput,
-            "total_token_throughput": self.total_token_throughput, "goodput": self.goodput,
-        }  # fmt: skip
+            "total_token_throughput": self.total_token_throughput,
+            "goodput": self.goodput,
+        }
         for name in ("ttft", "tpot", "itl", "e2el"):
             rec.update(getattr(self, name).fields(name))
         return rec
 
 
-def metrics(results: Sequence[RequestResult], duration_s: float, *, percentiles: Sequence[float],
-            slo: dict[str, float]) -> ServingMetrics:  # fmt: skip
+def metrics(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    *,
+    percentiles: Sequence[float],
+    slo: dict[str, float],
+) -> ServingMetrics:
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok and r.error != "cancelled"]
     out_tokens = sum(r.output_tokens for r in done)
@@ -263,17 +360,21 @@ def metrics(results: Sequence[RequestResult], duration_s: float, *, percentiles:
 
     good = [r for r in done if meets(r)] if slo else done
     return ServingMetrics(
-        completed=len(done), failed=len(failed),
+        completed=len(done),
+        failed=len(failed),
         errors=tuple(sorted({r.error for r in failed if r.error})[:5]),
-        duration_s=round(duration_s, 4), total_input_tokens=in_tokens,
-        total_output_tokens=out_tokens, request_throughput=per_s(len(done)),
-        output_throughput=per_s(out_tokens), total_token_throughput=per_s(in_tokens + out_tokens),
+        duration_s=round(duration_s, 4),
+        total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens,
+        request_throughput=per_s(len(done)),
+        output_throughput=per_s(out_tokens),
+        total_token_throughput=per_s(in_tokens + out_tokens),
         goodput=per_s(len(good)) if slo else None,
         ttft=Latency.of([r.ttft_s for r in done if r.ttft_s is not None], percentiles),
         tpot=Latency.of([t for r in done if (t := r.tpot_s) is not None], percentiles),
         itl=Latency.of([g for r in done for g in r.itl_s], percentiles),
         e2el=Latency.of([r.latency_s for r in done], percentiles),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -288,23 +389,31 @@ class Interference:
             return round(value * 1000, 3) if value is not None else None
 
         rec = {
-            "itl_p50_alone_ms": p(self.alone, 50), "itl_p99_alone_ms": p(self.alone, 99),
-            "itl_p50_loaded_ms": p(self.loaded, 50), "itl_p99_loaded_ms": p(self.loaded, 99),
+            "itl_p50_alone_ms": p(self.alone, 50),
+            "itl_p99_alone_ms": p(self.alone, 99),
+            "itl_p50_loaded_ms": p(self.loaded, 50),
+            "itl_p99_loaded_ms": p(self.loaded, 99),
             "ttft_alone_ms": round(self.alone.ttft_s * 1000, 3) if self.alone.ttft_s else None,
             "ttft_loaded_ms": round(self.loaded.ttft_s * 1000, 3) if self.loaded.ttft_s else None,
             "background_requests": len(self.background),
             "background_failed": sum(not r.ok for r in self.background),
-        }  # fmt: skip
+        }
         for q in ("p50", "p99"):
             alone, loaded = rec[f"itl_{q}_alone_ms"], rec[f"itl_{q}_loaded_ms"]
             rec[f"itl_{q}_ratio"] = round(loaded / alone, 3) if alone and loaded else None
         return rec
 
 
-def interference(runner: OpenAIRunner, *, steady: Sequence[PromptSpec],
-                 long_prompts: Sequence[PromptSpec], rate: float, seed: int,
-                 cancel: threading.Event,
-                 progress: Tally | None = None) -> Interference:  # fmt: skip
+def interference(
+    runner: OpenAIRunner,
+    *,
+    steady: Sequence[PromptSpec],
+    long_prompts: Sequence[PromptSpec],
+    rate: float,
+    seed: int,
+    cancel: threading.Event,
+    progress: Tally | None = None,
+) -> Interference:
     """The steady client's decode alone, then again while long prompts arrive at `rate`/s.
 
     `steady` holds three prompts of one length that share no words' order: a warm-up (a
@@ -379,8 +488,11 @@ class ServingLevel:
 
     @property
     def test(self) -> str:
-        return f"serve c{self.concurrency} r{self.rate_text}" + (
-            f" {self.policy}" if self.policy else "") + self.layout  # fmt: skip
+        return (
+            f"serve c{self.concurrency} r{self.rate_text}"
+            + (f" {self.policy}" if self.policy else "")
+            + self.layout
+        )
 
     @property
     def spread(self) -> float:
@@ -397,20 +509,33 @@ class ServingLevel:
         endpoint = f"{self.endpoint} {self.policy}" if self.policy else self.endpoint
         endpoint += self.layout
         return {
-            "test": self.test, "endpoint": endpoint, "model_filename": self.model,
-            "concurrency": self.concurrency, "request_rate": self.rate_text,
-            "num_prompts": self.num_prompts, "input_len": self.input_len,
+            "test": self.test,
+            "endpoint": endpoint,
+            "model_filename": self.model,
+            "concurrency": self.concurrency,
+            "request_rate": self.rate_text,
+            "num_prompts": self.num_prompts,
+            "input_len": self.input_len,
             "output_len": self.output_len,
             "avg_ts": self.metrics.output_throughput or 0.0,
             "stddev_ts": round(self.spread, 4),
-            **self.metrics.record(), "interrupted": self.interrupted,
+            **self.metrics.record(),
+            "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
-            **({"n_threads": self.n_threads, "n_threads_batch": self.n_threads_batch,
-                "background_cpus": None if self.background_cpus is None
-                else round(self.background_cpus, 3), "busy": self.busy}
-               if self.n_threads is not None else {}),
+            **(
+                {
+                    "n_threads": self.n_threads,
+                    "n_threads_batch": self.n_threads_batch,
+                    "background_cpus": None
+                    if self.background_cpus is None
+                    else round(self.background_cpus, 3),
+                    "busy": self.busy,
+                }
+                if self.n_threads is not None
+                else {}
+            ),
             **({"kv_unified": self.kv_unified} if self.kv_unified is not None else {}),
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)
@@ -429,9 +554,14 @@ class InterferenceResult:
 
     def record(self) -> dict[str, Any]:
         """Its own figures only: no rate or concurrency it does not have."""
-        return {"test": self.test, "endpoint": self.endpoint, "model_filename": self.model,
-                "interference_rate": self.rate, "interference_prompt_len": self.prompt_len,
-                **self.measured.record()}  # fmt: skip
+        return {
+            "test": self.test,
+            "endpoint": self.endpoint,
+            "model_filename": self.model,
+            "interference_rate": self.rate,
+            "interference_prompt_len": self.prompt_len,
+            **self.measured.record(),
+        }
 
 
 def run_levels(
@@ -461,15 +591,26 @@ def run_levels(
                 send(runner, prompt, cancel, tally)
         tally = Tally(len(prompts), sum(p.max_tokens for p in prompts))
         yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
-        results, duration = run_load(runner, prompts, concurrency=level,
-                                     request_rate=request_rate, seed=seed, cancel=cancel,
-                                     progress=tally)  # fmt: skip
+        results, duration = run_load(
+            runner,
+            prompts,
+            concurrency=level,
+            request_rate=request_rate,
+            seed=seed,
+            cancel=cancel,
+            progress=tally,
+        )
         yield ServingLevel(
-            endpoint=runner.endpoint, model=name, concurrency=level, request_rate=request_rate,
-            num_prompts=len(prompts), input_len=input_len, output_len=output_len,
+            endpoint=runner.endpoint,
+            model=name,
+            concurrency=level,
+            request_rate=request_rate,
+            num_prompts=len(prompts),
+            input_len=input_len,
+            output_len=output_len,
             metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
             interrupted=cancel.is_set(),
-        )  # fmt: skip
+        )
 
 
 def _rate(request_rate: float) -> str:
@@ -499,8 +640,9 @@ def run_interference(
     per second for about eight seconds' worth of arrivals: its prompts made, then measured."""
     count = long_prompt_count(rate)
     making = Tally(3 + count)
-    yield Stage("preparing prompts (counting tokens with the server's tokenizer)", making,
-                "prompts")  # fmt: skip
+    yield Stage(
+        "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
+    )
     steady = make_prompts(
         runner,
         count=3,
@@ -524,10 +666,19 @@ def run_interference(
         )
     ]
     tally = Tally(3 + count, sum(p.max_tokens for p in steady) + count)
-    yield Stage(f"one client alone, then while {count} prompts of {prompt_len} tokens arrive at"
-                f" {rate:g}/s", tally)  # fmt: skip
-    measured = interference(runner, steady=steady, long_prompts=long_prompts, rate=rate,
-                            seed=seed, cancel=cancel, progress=tally)  # fmt: skip
+    yield Stage(
+        f"one client alone, then while {count} prompts of {prompt_len} tokens arrive at {rate:g}/s",
+        tally,
+    )
+    measured = interference(
+        runner,
+        steady=steady,
+        long_prompts=long_prompts,
+        rate=rate,
+        seed=seed,
+        cancel=cancel,
+        progress=tally,
+    )
     yield InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
 
 
@@ -537,26 +688,52 @@ def serve_remote(
     """The serving benchmark against the runner's server: prompts counted with its tokenizer,
     then each concurrency level after its warm-up requests."""
     making = Tally(options.num_prompts + options.warmup)
-    yield Stage("preparing prompts (counting tokens with the server's tokenizer)", making,
-                "prompts")  # fmt: skip
-    prompts = make_prompts(runner, count=options.num_prompts, input_len=options.input_len,
-                           output_len=options.output_len, range_ratio=options.range_ratio,
-                           seed=options.seed, progress=making)  # fmt: skip
-    warm = make_prompts(runner, count=options.warmup, input_len=options.input_len,
-                        output_len=min(options.output_len, 16), range_ratio=0.0,
-                        seed=options.seed + 1, progress=making)  # fmt: skip
-    yield from run_levels(runner, levels=options.concurrency, prompts=prompts, warm=warm,
-                          request_rate=options.request_rate, input_len=options.input_len,
-                          output_len=options.output_len, seed=options.seed,
-                          percentiles=options.percentiles, slo=dict(options.slo),
-                          cancel=cancel)  # fmt: skip
+    yield Stage(
+        "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
+    )
+    prompts = make_prompts(
+        runner,
+        count=options.num_prompts,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        range_ratio=options.range_ratio,
+        seed=options.seed,
+        progress=making,
+    )
+    warm = make_prompts(
+        runner,
+        count=options.warmup,
+        input_len=options.input_len,
+        output_len=min(options.output_len, 16),
+        range_ratio=0.0,
+        seed=options.seed + 1,
+        progress=making,
+    )
+    yield from run_levels(
+        runner,
+        levels=options.concurrency,
+        prompts=prompts,
+        warm=warm,
+        request_rate=options.request_rate,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        seed=options.seed,
+        percentiles=options.percentiles,
+        slo=dict(options.slo),
+        cancel=cancel,
+    )
 
 
 def interfere_remote(
     runner: OpenAIRunner, options: InterferenceOptions, *, cancel: threading.Event
 ) -> Iterator[Stage | InterferenceResult]:
     """The server's steady client alone and while long prompts arrive."""
-    yield from run_interference(runner, input_len=options.input_len,
-                                output_len=options.output_len, rate=options.rate,
-                                prompt_len=options.prompt_len, seed=options.seed,
-                                cancel=cancel)  # fmt: skip
+    yield from run_interference(
+        runner,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        rate=options.rate,
+        prompt_len=options.prompt_len,
+        seed=options.seed,
+        cancel=cancel,
+    )

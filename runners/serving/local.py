@@ -36,10 +36,13 @@ def request_result(r: SeqResult) -> RequestResult:
     """One request of a local level as the serving metrics count it: a request the interrupt
     cut is an error ("cancelled"), not a finished one with a short output and E2E."""
     return RequestResult(
-        input_tokens=r.prompt_tokens, output_tokens=len(r.output), ttft_s=r.ttft_s,
-        latency_s=r.e2e_s or 0.0, itl_s=r.gaps_s,
+        input_tokens=r.prompt_tokens,
+        output_tokens=len(r.output),
+        ttft_s=r.ttft_s,
+        latency_s=r.e2e_s or 0.0,
+        itl_s=r.gaps_s,
         error="cancelled" if r.finish == FINISH_CANCELLED or not r.times else None,
-    )  # fmt: skip
+    )
 
 
 def _model_name(runner: LlamaCppRunner) -> str:
@@ -60,8 +63,13 @@ def serve_local(
         low = max(1, round(mean * (1 - options.range_ratio)))
         return rng.randint(low, max(low, round(mean * (1 + options.range_ratio))))
 
-    prompts = [(tuple(rng.randrange(n_vocab) for _ in range(length(options.input_len))),
-                length(options.output_len)) for _ in range(options.num_prompts)]  # fmt: skip
+    prompts = [
+        (
+            tuple(rng.randrange(n_vocab) for _ in range(length(options.input_len))),
+            length(options.output_len),
+        )
+        for _ in range(options.num_prompts)
+    ]
     warm = [(p, min(n, 16)) for p, n in prompts[: options.warmup]]
     per_seq = max(len(p) + n for p, n in prompts) + 8
     for level in options.concurrency:
@@ -74,26 +82,47 @@ def serve_local(
                 if warm:
                     tally = Tally(len(warm), sum(n for _, n in warm))
                     yield Stage(f"{policy} c={level} warm-up", tally)
-                    serve(engine, policy, warm, request_rate=float("inf"), seed=options.seed,
-                          cancel=cancel, progress=tally)  # fmt: skip
+                    serve(
+                        engine,
+                        policy,
+                        warm,
+                        request_rate=float("inf"),
+                        seed=options.seed,
+                        cancel=cancel,
+                        progress=tally,
+                    )
                 tally = Tally(len(prompts), sum(n for _, n in prompts))
                 yield Stage(f"{policy} c={level}", tally)
                 cpu0 = cpu_sample()
-                results, duration = serve(engine, policy, prompts,
-                                          request_rate=options.request_rate, seed=options.seed,
-                                          cancel=cancel, progress=tally)  # fmt: skip
+                results, duration = serve(
+                    engine,
+                    policy,
+                    prompts,
+                    request_rate=options.request_rate,
+                    seed=options.seed,
+                    cancel=cancel,
+                    progress=tally,
+                )
                 background = measured_background(cpu0, cpu_sample())
                 measured = [request_result(r) for r in results]
                 yield ServingLevel(
-                    endpoint=LOCAL, model=name, concurrency=level,
-                    request_rate=options.request_rate, num_prompts=options.num_prompts,
-                    input_len=options.input_len, output_len=options.output_len,
-                    metrics=metrics(measured, duration, percentiles=options.percentiles,
-                                    slo=dict(options.slo)),
-                    interrupted=cancel.is_set(), policy=str(policy),
-                    n_threads=threads[0], n_threads_batch=threads[1], background_cpus=background,
+                    endpoint=LOCAL,
+                    model=name,
+                    concurrency=level,
+                    request_rate=options.request_rate,
+                    num_prompts=options.num_prompts,
+                    input_len=options.input_len,
+                    output_len=options.output_len,
+                    metrics=metrics(
+                        measured, duration, percentiles=options.percentiles, slo=dict(options.slo)
+                    ),
+                    interrupted=cancel.is_set(),
+                    policy=str(policy),
+                    n_threads=threads[0],
+                    n_threads_batch=threads[1],
+                    background_cpus=background,
                     kv_unified=engine.kv_unified,
-                )  # fmt: skip
+                )
         finally:
             engine.close()
 
@@ -120,13 +149,21 @@ def interfere_local(
     def measured(policy: Policy | None, tally: Tally) -> InterferenceReport:
         """One run of the lab, with the engine's threads and the machine's load."""
         cpu0 = cpu_sample()
-        report = interference(engine, policy, stream=stream, stream_tokens=options.output_len,
-                              long_prompts=longs, every_s=every_s, cancel=cancel,
-                              progress=tally)  # fmt: skip
+        report = interference(
+            engine,
+            policy,
+            stream=stream,
+            stream_tokens=options.output_len,
+            long_prompts=longs,
+            every_s=every_s,
+            cancel=cancel,
+            progress=tally,
+        )
         background = measured_background(cpu0, cpu_sample())
         n_threads, n_threads_batch = engine.threads
-        return dataclasses.replace(report, n_threads=n_threads, n_threads_batch=n_threads_batch,
-                                   background_cpus=background)  # fmt: skip
+        return dataclasses.replace(
+            report, n_threads=n_threads, n_threads_batch=n_threads_batch, background_cpus=background
+        )
 
     try:
         tally = Tally(1, options.output_len)
@@ -139,8 +176,11 @@ def interfere_local(
             if cancel.is_set():
                 return
             tally = Tally(1 + count, options.output_len + LONG_TOKENS * count)
-            yield Stage(f"{policy}: the stream while {count} prompts of {options.prompt_len}"
-                        f" tokens arrive, {options.rate:g}/s", tally)  # fmt: skip
+            yield Stage(
+                f"{policy}: the stream while {count} prompts of {options.prompt_len}"
+                f" tokens arrive, {options.rate:g}/s",
+                tally,
+            )
             report = measured(policy, tally)
             if cancel.is_set():
                 return

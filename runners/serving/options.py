@@ -27,8 +27,9 @@ def parse_rate(text: str) -> float:
     except ValueError:
         raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
     if math.isnan(rate) or rate <= 0:
-        raise BadRequestError(f"--request-rate: '{text}' must be a number above 0 (inf: all"
-                              " requests at once)")  # fmt: skip
+        raise BadRequestError(
+            f"--request-rate: '{text}' must be a number above 0 (inf: all requests at once)"
+        )
     if rate < MIN_RATE:
         raise BadRequestError(
             f"--request-rate: {text} requests/s would wait hours between"
@@ -44,8 +45,10 @@ def check_prompts(num_prompts: int, input_len: int) -> None:
     if input_len > MAX_INPUT_LEN:
         raise BadRequestError(f"--input-len {input_len:,}: at most {MAX_INPUT_LEN:,} tokens")
     if num_prompts * input_len > MAX_PROMPT_TOKENS:
-        raise BadRequestError(f"--num-prompts {num_prompts:,} x --input-len {input_len:,}: at"
-                              f" most {MAX_PROMPT_TOKENS:,} prompt tokens in all")  # fmt: skip
+        raise BadRequestError(
+            f"--num-prompts {num_prompts:,} x --input-len {input_len:,}: at"
+            f" most {MAX_PROMPT_TOKENS:,} prompt tokens in all"
+        )
 
 
 def parse_percentiles(text: str) -> tuple[float, ...]:
@@ -143,5 +146,6 @@ class InterferenceOptions:
         if not math.isfinite(self.rate) or self.rate <= 0:
             raise BadRequestError(f"--rate: '{self.rate}' must be a number of prompts per second")
         if self.prompt_len > MAX_INPUT_LEN:
-            raise BadRequestError(f"--prompt-len {self.prompt_len:,}: at most"
-                                  f" {MAX_INPUT_LEN:,} tokens")  # fmt: skip
+            raise BadRequestError(
+                f"--prompt-len {self.prompt_len:,}: at most {MAX_INPUT_LEN:,} tokens"
+            )

@@ -112,8 +112,9 @@ async def read_body(request: HttpRequest, limit: int, idle_s: float = BODY_IDLE_
         except ClientDisconnect:
             raise BodyError(499, f"the client went away {size} bytes into the body") from None
         except asyncio.TimeoutError:
-            raise BodyError(408, f"the body stopped arriving ({size} bytes in, none for"
-                                 f" {idle_s:g} s)") from None  # fmt: skip
+            raise BodyError(
+                408, f"the body stopped arriving ({size} bytes in, none for {idle_s:g} s)"
+            ) from None
         size += len(chunk)
         if size > 2 * limit:
             break  # drained enough: the connection closes with the rest unread
@@ -137,8 +138,14 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     log: deque[Answered] = field(default_factory=lambda: deque(maxlen=10000))
 
-    def answered(self, route: str, status: int, outcome: str, timings: RequestTimings | None =
-                 None, note: str = "") -> None:  # fmt: skip
+    def answered(
+        self,
+        route: str,
+        status: int,
+        outcome: str,
+        timings: RequestTimings | None = None,
+        note: str = "",
+    ) -> None:
         self.metrics.answered(route, outcome)
         self.log.append(Answered(route, status, timings, printable(note)))
 
@@ -152,26 +159,47 @@ def printable(text: str) -> str:
     header is not a 60 kB log line."""
     if len(text) > MAX_NOTE_CHARS:
         text = f"{text[:MAX_NOTE_CHARS]}... ({len(text):,} characters)"
-    return text if text.isprintable() else "".join(
-        c if c.isprintable() else repr(c)[1:-1] for c in text)  # fmt: skip
+    return (
+        text
+        if text.isprintable()
+        else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    )
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None,
-                   param: str | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> JSONResponse:
     """OpenAI's error shape (with llama-server's numeric `code`); `param` names the field."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-HTTP_OUTCOMES = {403: "forbidden", 404: "not_found", 405: "method_not_allowed", 408: "timeout",
-                 413: "too_large", 415: "bad_request", 499: "cancelled",
-                 503: "too_many_connections"}  # fmt: skip
+HTTP_OUTCOMES = {
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    413: "too_large",
+    415: "bad_request",
+    499: "cancelled",
+    503: "too_many_connections",
+}
 
 
 def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}  # fmt: skip
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -201,8 +229,12 @@ def _is_branch_tag(part: str) -> bool:
 def _tag_kind(tag: str) -> str:
     if tag.startswith("list["):
         return "an array"
-    return {"str": "a string", "int": "a whole number", "bool": "a boolean",
-            "float": "a number"}.get(tag, "an object")  # fmt: skip
+    return {
+        "str": "a string",
+        "int": "a whole number",
+        "bool": "a boolean",
+        "float": "a number",
+    }.get(tag, "an object")
 
 
 class EventStream(StreamingResponse):
@@ -227,9 +259,12 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def _usage(t: RequestTimings) -> dict[str, Any]:
-    return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.output_tokens,
-            "total_tokens": t.prompt_tokens + t.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.reused_tokens}}  # fmt: skip
+    return {
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.output_tokens,
+        "total_tokens": t.prompt_tokens + t.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": t.reused_tokens},
+    }
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -265,13 +300,15 @@ def create_app(served: Served) -> FastAPI:
             # the rest of the body was not read: the connection cannot carry another request
             return error_response(e.status, str(e), headers={"Connection": "close"})
         try:
-            body: ChatBody | CompletionBody = (ChatBody if chat else CompletionBody) \
-                .model_validate_json(raw)  # fmt: skip
+            body: ChatBody | CompletionBody = (
+                ChatBody if chat else CompletionBody
+            ).model_validate_json(raw)
         except ValidationError as e:
             return invalid(route, e)
         if body.model not in names:
-            message = (f"model {body.model!r} is not served here; /v1/models lists"
-                       f" {served.model_id!r}")  # fmt: skip
+            message = (
+                f"model {body.model!r} is not served here; /v1/models lists {served.model_id!r}"
+            )
             served.answered(route, 404, "not_found", note=message)
             return error_response(404, message, "model_not_found", param="model")
         try:
@@ -281,8 +318,9 @@ def create_app(served: Served) -> FastAPI:
                 n_vocab = served.runner.vocab_size()
                 bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
                 if bad is not None:
-                    raise BadRequestError(f"prompt: token {bad} is not in the vocabulary"
-                                          f" (0..{n_vocab - 1})")  # fmt: skip
+                    raise BadRequestError(
+                        f"prompt: token {bad} is not in the vocabulary (0..{n_vocab - 1})"
+                    )
             if len(tokens) + 1 > n_ctx:
                 raise PromptTooLongError(len(tokens), n_ctx)
         except LlmrunError as e:  # the request's own fault: bad values, template, length
@@ -303,11 +341,16 @@ def create_app(served: Served) -> FastAPI:
             served.engine.submit(job)
         except QueueFullError as e:
             served.answered(route, 503, "busy", note=str(e))
-            return error_response(503, f"{e}; retry later", "server_busy",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+            return error_response(
+                503, f"{e}; retry later", "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": served.model_id}  # fmt: skip
+        head = {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": served.model_id,
+        }
 
         def choice(text: str | None, finish: str | None) -> dict[str, Any]:
             if chat:
@@ -316,14 +359,20 @@ def create_app(served: Served) -> FastAPI:
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
         if body.stream:
-            return EventStream(stream(job, queue, head, choice, route, body.include_usage),
-                               headers={"Cache-Control": "no-cache",
-                                        "X-Accel-Buffering": "no"})  # fmt: skip
+            return EventStream(
+                stream(job, queue, head, choice, route, body.include_usage),
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await whole(request, job, queue, head, route, chat)
 
-    async def stream(job: Job, queue: asyncio.Queue[Piece | Done | Failed], head: dict[str, Any],
-                     choice: Callable[[str | None, str | None], dict[str, Any]], route: str,
-                     include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
+    async def stream(
+        job: Job,
+        queue: asyncio.Queue[Piece | Done | Failed],
+        head: dict[str, Any],
+        choice: Callable[[str | None, str | None], dict[str, Any]],
+        route: str,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         ended = False
         try:
             if head["object"] == "chat.completion.chunk":
@@ -337,14 +386,16 @@ def create_app(served: Served) -> FastAPI:
                 ended = True
                 if isinstance(event, Failed):
                     served.answered(route, 500, "error", note=event.message)
-                    yield _sse({"error": {"message": event.message, "type": "server_error",
-                                          "code": 500}})  # fmt: skip
+                    yield _sse(
+                        {"error": {"message": event.message, "type": "server_error", "code": 500}}
+                    )
                     return
                 t = event.timings
                 if event.tail:
                     yield _sse({**head, "choices": [choice(event.tail, None)]})
-                yield _sse({**head, "choices": [choice(None, event.finish_reason)],
-                            "timings": t.to_dict()})  # fmt: skip
+                yield _sse(
+                    {**head, "choices": [choice(None, event.finish_reason)], "timings": t.to_dict()}
+                )
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(t), "timings": t.to_dict()})
                 yield "data: [DONE]\n\n"
@@ -355,8 +406,14 @@ def create_app(served: Served) -> FastAPI:
                 served.engine.cancel(job)
                 served.answered(route, 499, "cancelled", note="client disconnected")
 
-    async def whole(request: HttpRequest, job: Job, queue: asyncio.Queue[Piece | Done | Failed],
-                    head: dict[str, Any], route: str, chat: bool) -> Response:  # fmt: skip
+    async def whole(
+        request: HttpRequest,
+        job: Job,
+        queue: asyncio.Queue[Piece | Done | Failed],
+        head: dict[str, Any],
+        route: str,
+        chat: bool,
+    ) -> Response:
         async def collect() -> tuple[str, Done | Failed]:
             parts = []
             while True:
@@ -386,14 +443,26 @@ def create_app(served: Served) -> FastAPI:
             return error_response(500, event.message, "server_error")
         t = event.timings
         finish = "stop" if event.finish_reason == FINISH_CANCELLED else event.finish_reason
-        result = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "finish_reason": finish, "logprobs": None} if chat else
-                  {"index": 0, "text": text, "finish_reason": finish,
-                   "logprobs": None})  # fmt: skip
+        result = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        )
         served.answered(route, 200, "ok", t)
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [result], "usage": _usage(t),
-                             "timings": t.to_dict()})  # fmt: skip
+        return JSONResponse(
+            {
+                **head,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": [result],
+                "usage": _usage(t),
+                "timings": t.to_dict(),
+            }
+        )
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -407,11 +476,20 @@ def create_app(served: Served) -> FastAPI:
 
     def model_card() -> dict[str, Any]:
         loaded = served.runner.load()
-        meta = {"n_ctx_per_seq": n_ctx, "n_seq": served.engine.n_seq,
-                "policy": str(served.engine.policy), "n_params": loaded.model.n_params,
-                "size": loaded.model.size_bytes}  # fmt: skip
-        return {"id": served.model_id, "object": "model", "created": served.created,
-                "owned_by": "llmrun", "meta": meta}  # fmt: skip
+        meta = {
+            "n_ctx_per_seq": n_ctx,
+            "n_seq": served.engine.n_seq,
+            "policy": str(served.engine.policy),
+            "n_params": loaded.model.n_params,
+            "size": loaded.model.size_bytes,
+        }
+        return {
+            "id": served.model_id,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "llmrun",
+            "meta": meta,
+        }
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     @app.api_route("/models", methods=["GET", "HEAD"])
@@ -423,8 +501,11 @@ def create_app(served: Served) -> FastAPI:
     async def one_model(name: str) -> Any:
         if name not in names:
             served.answered("other", 404, "not_found", note=f"model {name!r}")
-            return error_response(404, f"model {name!r} is not served here; /v1/models lists"
-                                  f" {served.model_id!r}", "model_not_found")  # fmt: skip
+            return error_response(
+                404,
+                f"model {name!r} is not served here; /v1/models lists {served.model_id!r}",
+                "model_not_found",
+            )
         return model_card()
 
     @app.exception_handler(StarletteHTTPException)
@@ -434,12 +515,14 @@ def create_app(served: Served) -> FastAPI:
         if exc.status_code == 405 and request.method == "OPTIONS" and "Allow" in headers:
             return Response(status_code=204, headers={"Allow": headers["Allow"] + ", OPTIONS"})
         outcome = HTTP_OUTCOMES.get(exc.status_code, "bad_request")
-        served.answered("other", exc.status_code, outcome,
-                        note=f"{request.method} {request.url.path}")  # fmt: skip
-        message = {404: f"no route {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"
-                   + (f" (allowed: {headers['Allow']})" if "Allow" in headers else ""),
-                   }.get(exc.status_code, str(exc.detail))  # fmt: skip
+        served.answered(
+            "other", exc.status_code, outcome, note=f"{request.method} {request.url.path}"
+        )
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}"
+            + (f" (allowed: {headers['Allow']})" if "Allow" in headers else ""),
+        }.get(exc.status_code, str(exc.detail))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, message, kind, headers=headers or None)
 
@@ -452,8 +535,12 @@ def create_app(served: Served) -> FastAPI:
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         busy = served.engine.busy
-        return {"status": "ok", "slots_idle": served.engine.n_seq - busy,
-                "slots_processing": busy, "queued": served.engine.queued}  # fmt: skip
+        return {
+            "status": "ok",
+            "slots_idle": served.engine.n_seq - busy,
+            "slots_processing": busy,
+            "queued": served.engine.queued,
+        }
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
@@ -461,8 +548,11 @@ def create_app(served: Served) -> FastAPI:
 
     @app.api_route("/props", methods=["GET", "HEAD"])
     async def props() -> dict[str, Any]:
-        return {"default_generation_settings": {"n_ctx": n_ctx},
-                "total_slots": served.engine.n_seq, "model_alias": served.model_id}  # fmt: skip
+        return {
+            "default_generation_settings": {"n_ctx": n_ctx},
+            "total_slots": served.engine.n_seq,
+            "model_alias": served.model_id,
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest) -> Any:
@@ -553,11 +643,17 @@ class GuardedH11(H11Protocol):
         message = f"malformed HTTP request ({msg.rstrip('.').lower()})"
         self.on_refused(400, message)
         body = _error_bytes(400, message)
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                   (b"content-length", b"%d" % len(body))]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"connection", b"close"),
+            (b"content-length", b"%d" % len(body)),
+        ]
         with contextlib.suppress(h11.LocalProtocolError):
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-                          h11.Data(data=body), h11.EndOfMessage()):  # fmt: skip
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event) or b"")
         self.transport.close()
 
@@ -576,8 +672,16 @@ class GuardedH11(H11Protocol):
 
 
 def _error_bytes(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": status}}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
 
 
 TOO_SLOW = _error_bytes(408, f"the request's headers did not arrive in {HEADERS_TIMEOUT_S:g} s")
@@ -599,9 +703,15 @@ async def drain(receive: Receive, limit: int = DRAIN_BYTES, idle_s: float = DRAI
             return
 
 
-def refusal(on_refused: Callable[[int, str], None], status: int, message: str, *,
-            kind: str = "invalid_request_error", headers: dict[str, str] | None = None,
-            close: bool = False) -> ASGIApp:  # fmt: skip
+def refusal(
+    on_refused: Callable[[int, str], None],
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+    close: bool = False,
+) -> ASGIApp:
     """An ASGI app that refuses the request before any route: reported to `on_refused` (the
     log and /metrics), answered in OpenAI's error shape."""
 
@@ -617,8 +727,11 @@ def refusal(on_refused: Callable[[int, str], None], status: int, message: str, *
 
 def guarded(app: ASGIApp, access: Access, on_refused: Callable[[int, str], None]) -> ASGIApp:
     """`app` behind the Host and Origin checks and CORS (api_access)."""
-    return AccessGuard(app, access, forbidden=lambda status, message: refusal(
-        on_refused, status, message, kind="forbidden"))  # fmt: skip
+    return AccessGuard(
+        app,
+        access,
+        forbidden=lambda status, message: refusal(on_refused, status, message, kind="forbidden"),
+    )
 
 
 class HttpServer(uvicorn.Server):
@@ -626,8 +739,12 @@ class HttpServer(uvicorn.Server):
     graceful shutdown, bounded by timeout_graceful_shutdown); SIGINT, or a second signal, stops
     at once. `stopped_by` says which signal ended it."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
-                 on_note: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_ready: Callable[[], None],
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.on_ready = on_ready
         self.on_note = on_note or (lambda note: None)  # a line for the log, not a request
@@ -665,30 +782,57 @@ class HttpServer(uvicorn.Server):
         instead (no request was answered: not counted); anything else goes to the default."""
         error = context.get("exception")
         if context.get("message", "").startswith("socket.accept()") and isinstance(error, OSError):
-            self.on_note(f"a connection waits to be accepted: {error.strerror or error}"
-                         f" ({len(self.server_state.connections)} open)")  # fmt: skip
+            self.on_note(
+                f"a connection waits to be accepted: {error.strerror or error}"
+                f" ({len(self.server_state.connections)} open)"
+            )
             return
         loop.default_exception_handler(context)
 
 
-def run(served: Served, sock: socket.socket, *, drain_s: float, max_connections: int,
-        access: Access, on_ready: Callable[[], None]) -> int | None:  # fmt: skip
+def run(
+    served: Served,
+    sock: socket.socket,
+    *,
+    drain_s: float,
+    max_connections: int,
+    access: Access,
+    on_ready: Callable[[], None],
+) -> int | None:
     """Serve until a signal; returns the signal that stopped it (None: none)."""
 
     def refused(status: int, note: str) -> None:
         served.answered("other", status, HTTP_OUTCOMES.get(status, "bad_request"), note=note)
 
-    too_many = refusal(refused, 503, f"the server is busy: more than {max_connections}"
-                       " connections are open (--max-connections); retry later", kind=
-                       "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
-                       close=True)  # fmt: skip
-    protocol = type("ServedH11", (GuardedH11,), {
-        "on_refused": staticmethod(refused), "max_connections": max_connections,
-        "over_capacity": staticmethod(guarded(too_many, access, refused))})  # fmt: skip
-    config = uvicorn.Config(guarded(create_app(served), access, refused), log_config=None,
-                            access_log=False, http=protocol, log_level="error", lifespan="off",
-                            timeout_keep_alive=30, interface="asgi3",
-                            timeout_graceful_shutdown=max(1, round(drain_s)))  # fmt: skip
+    too_many = refusal(
+        refused,
+        503,
+        f"the server is busy: more than {max_connections}"
+        " connections are open (--max-connections); retry later",
+        kind="server_busy",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+        close=True,
+    )
+    protocol = type(
+        "ServedH11",
+        (GuardedH11,),
+        {
+            "on_refused": staticmethod(refused),
+            "max_connections": max_connections,
+            "over_capacity": staticmethod(guarded(too_many, access, refused)),
+        },
+    )
+    config = uvicorn.Config(
+        guarded(create_app(served), access, refused),
+        log_config=None,
+        access_log=False,
+        http=protocol,
+        log_level="error",
+        lifespan="off",
+        timeout_keep_alive=30,
+        interface="asgi3",
+        timeout_graceful_shutdown=max(1, round(drain_s)),
+    )
 
     def note(text: str) -> None:  # a log line only: no request was answered
         served.log.append(Answered("other", 503, None, text))
