@@ -217,7 +217,7 @@ class EnergyReport:
     source: str = ""  # the counters read ("RAPL package-0, package-0/dram"); "": none
     reason: str = ""  # why there are no figures ("powercap is root-only here: ...")
     idle_w: float | None = None  # the counters' mean power over the idle window
-    idle_window_s: float = 0.0
+    idle_window_s: float | None = None
     update_interval_s: float | None = None  # the slowest counter's, seen in the idle window
     load: PhaseEnergy | None = None  # None with a reason; a phase not in this request: a note
     prefill: PhaseEnergy | None = None

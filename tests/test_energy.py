@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +22,19 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.report import summary_lines
 from llmrun.cli.session import energy_meter
-from llmrun.runners.base import Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
+from llmrun.runners.base import (
+    Finished,
+    LoadStarted,
+    ModelLoaded,
+    PrefillProgress,
+    Request,
+    SamplingParams,
+    Token,
+)
 from llmrun.runners.energy import PhaseMeter, Unavailable, open_meter
 from llmrun.runners.energy.nvml import open_nvml
 from llmrun.runners.energy.powercap import ROOT_ENV, ROOT_ONLY, open_powercap
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import EnergyReport, GenerationStats, PhaseEnergy
 
 from .fake import FAKE_MODEL, FAKE_SETTINGS, FakeRunner
@@ -269,7 +279,7 @@ def test_no_source_at_all_gives_the_reason(
     meter = meter_on(machine, tree / "missing")
     report = request(meter, machine, active={})
     assert report.reason == (
-        f"no powercap here ({tree / 'missing'} is missing: no RAPL in this kernel, VM or container)"
+        f"no RAPL counters: {tree / 'missing'} is missing here, as in most VMs and containers"
     )
     gpu = request(meter, machine, active={}, settings=GPU_SETTINGS, load_s=None)
     assert gpu.reason.endswith(
@@ -389,7 +399,7 @@ def test_phases_shorter_than_the_counter_are_marked(machine: Machine, tree: Path
         meter, machine, active={gpu: 300.0}, settings=GPU_SETTINGS, prefill_s=0.03, itl_s=0.016
     )
     assert report.source == "NVML GPU 0 (NVIDIA H200)"
-    assert report.left_out.startswith("the CPU's energy: no powercap here")
+    assert report.left_out.startswith("the CPU's energy: no RAPL counters")
     assert report.prefill is not None and report.prefill.energy_j is None
     assert (
         report.prefill.note == "too short for the counter: 30.0 ms against an update every 20.0 ms"
@@ -449,13 +459,14 @@ def test_run_says_why_energy_is_not_available(
     monkeypatch.setitem(sys.modules, "pynvml", None)
     result = cli.invoke(app, ["run", "hello", "there"])
     assert result.exit_code == 0, result.stderr
-    assert f"energy   not available (no powercap here ({tmp_path / 'no-powercap'}" in (
+    assert f"energy   not available (no RAPL counters: {tmp_path / 'no-powercap'} is" in (
         result.stderr
     )
     result = cli.invoke(app, ["run", "hello", "--stats", "json"])
     line = next(x for x in result.stderr.splitlines() if x.startswith("{"))
     energy = json.loads(line)["energy"]
-    assert energy["reason"].startswith("no powercap here") and energy["decode_j"] is None
+    assert energy["reason"].startswith("no RAPL counters") and energy["decode_j"] is None
+    assert energy["idle_w"] is None and energy["idle_window_s"] is None
 
 
 def test_replayed_requests_are_not_metered() -> None:
@@ -464,3 +475,40 @@ def test_replayed_requests_are_not_metered() -> None:
 
     meter = energy_meter(Replayed())
     assert meter.report(stats()).reason.startswith("the requests ran together (--parallel)")
+
+
+class CpuTimeCounter:
+    """A counter of this process's CPU seconds at 10 W each: the real engine's work moves it."""
+
+    name = "CPU time"
+    kind = "cpu"
+
+    def read_j(self) -> float:
+        return 10.0 * time.process_time()
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_real_engine_s_events_bound_the_phases(runner: LlamaCppRunner) -> None:
+    meter = PhaseMeter([CpuTimeCounter()], idle_window_s=0.2)
+    meter.measure_idle()
+    runner.reset()
+    meter.begin()
+    finished = None
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for event in runner.stream(Request(prompt="The sky is blue because " * 8, sampling=sampling)):
+        if isinstance(event, Finished):
+            finished = meter.attach(event)
+        else:
+            meter.see(event)
+    assert finished is not None and finished.stats.energy is not None
+    s, energy = finished.stats, finished.stats.energy
+    assert energy.source == "CPU time" and energy.idle_w is not None
+    assert energy.prefill is not None and energy.decode is not None
+    assert energy.prefill.tokens == s.new_prompt_tokens and energy.decode.tokens == 7
+    assert energy.prefill.window_s >= s.prefill_s * 0.9
+    assert energy.decode.window_s >= s.decode_s * 0.9
+    assert energy.prefill.energy_j is not None and energy.prefill.energy_j > 0
+    assert energy.decode.energy_j is not None and energy.decode.energy_j > 0
+    assert energy.load is not None and energy.load.energy_j is None  # loaded before

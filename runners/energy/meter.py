@@ -122,7 +122,7 @@ class PhaseMeter:
                 if value != previous[i]:
                     changes[i].append((self._last_t, value))
             previous = values
-        window = self._last_t - start
+        window = self.idle_window_s = self._last_t - start
         kept: list[Counter] = []
         for counter, seen in zip(self._counters, changes, strict=True):
             if len(seen) < 2:
@@ -170,6 +170,8 @@ class PhaseMeter:
 
     def attach(self, finished: Finished) -> Finished:
         """The request's last event, its stats carrying the energy report."""
+        if not isinstance(finished.stats, GenerationStats):  # nothing to carry it
+            return finished
         if self._counters and not self._failed:
             self._mark("decode_end")
         stats = dataclasses.replace(finished.stats, energy=self.report(finished.stats))

@@ -85,7 +85,7 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
     base = powercap_root(root)
     if not base.is_dir():
         raise Unavailable(
-            f"no powercap here ({base} is missing: no RAPL in this kernel, VM or container)"
+            f"no RAPL counters: {base} is missing here, as in most VMs and containers"
         )
     found: list[tuple[re.Match[str], Path, str]] = []
     for entry in sorted(base.iterdir(), key=lambda p: (_order(p.name), p.name)):
