@@ -35,6 +35,7 @@ from llmrun.runners.energy import PhaseMeter, Unavailable, open_meter
 from llmrun.runners.energy.nvml import open_nvml
 from llmrun.runners.energy.powercap import ROOT_ENV, ROOT_ONLY, open_powercap
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import EnergyReport, GenerationStats, PhaseEnergy
 
 from .fake import FAKE_MODEL, FAKE_SETTINGS, FakeRunner
@@ -469,12 +470,16 @@ def test_run_says_why_energy_is_not_available(
     assert energy["idle_w"] is None and energy["idle_window_s"] is None
 
 
-def test_replayed_requests_are_not_metered() -> None:
+def test_replayed_and_remote_requests_are_not_metered() -> None:
     class Replayed(FakeRunner):
         replays = True
 
     meter = energy_meter(Replayed())
     assert meter.report(stats()).reason.startswith("the requests ran together (--parallel)")
+    remote = OpenAIRunner("http://127.0.0.1:9")  # never connected to
+    assert energy_meter(remote).report(stats()).reason == (
+        "the model runs on a server, whose energy is not seen here"
+    )
 
 
 class CpuTimeCounter:
