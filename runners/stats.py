@@ -241,7 +241,7 @@ class EnergyReport:
         for name in ENERGY_PHASES:
             phase: PhaseEnergy | None = getattr(self, name)
             data[f"{name}_j"] = phase.energy_j if phase else None
-            data[f"{name}_s"] = phase.window_s if phase else None
+            data[f"{name}_window_s"] = phase.window_s if phase else None
             data[f"{name}_w"] = phase.power_w if phase else None
             if name != "load":
                 data[f"{name}_tokens"] = phase.tokens if phase else None

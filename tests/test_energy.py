@@ -443,7 +443,7 @@ def test_summary_and_json_carry_the_energy(machine: Machine, tree: Path) -> None
     assert record["decode_j_per_token"] == pytest.approx(2.4, rel=1e-3)
     assert record["prefill_w"] == pytest.approx(24.0, rel=1e-3)
     assert record["idle_w"] == pytest.approx(12.0) and record["update_interval_s"] > 0
-    assert set(record) >= {"load_j", "load_s", "load_w", "prefill_tokens", "decode_note"}
+    assert set(record) >= {"load_j", "load_window_s", "load_w", "prefill_tokens", "decode_note"}
     assert "energy" not in dataclasses.replace(s, energy=None).to_dict()  # bench, serve
 
 
