@@ -23,6 +23,7 @@ from llmrun.runners.stats import (
     EngineSettings,
     GenerationStats,
     ModelInfo,
+    PhaseEnergy,
     ServerReport,
     human_count,
     rate,
@@ -98,6 +99,43 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     return rows + _output_rows(s)
 
 
+def joules(j: float) -> str:
+    """Energy in J, or mJ below one joule (a token's share)."""
+    if abs(j) >= 10:
+        return f"{j:,.1f} J"
+    return f"{j:.2f} J" if abs(j) >= 1 else f"{j * 1000:.1f} mJ"
+
+
+def _phase_energy(name: str, phase: PhaseEnergy | None) -> str:
+    if phase is None:
+        return f"{name} -"
+    if phase.energy_j is None:
+        return f"{name} - ({phase.note})"
+    parts = [
+        *([f"{joules(phase.j_per_token)}/token"] if phase.j_per_token is not None else []),
+        *([f"{phase.power_w:,.1f} W"] if phase.power_w is not None else []),
+        *([phase.note] if phase.note else []),
+    ]
+    return f"{name} {joules(phase.energy_j)}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def energy_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    """Joules per phase above the idle baseline, per token and in watts, and their source; or
+    why there are none."""
+    e = s.energy
+    if e is None:
+        return []
+    if not e.measured:
+        return [("energy", f"not available ({e.reason})")]
+    phases = " · ".join(
+        _phase_energy(name, phase)
+        for name, phase in (("load", e.load), ("prefill", e.prefill), ("decode", e.decode))
+    )
+    idle = f"{e.idle_w:,.1f} W" if e.idle_w is not None else "-"
+    left_out = f" · not counted: {e.left_out}" if e.left_out else ""
+    return [("energy", f"{phases} · above an idle {idle} · {e.source}{left_out}")]
+
+
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
     return [
         *thinking_rows(s),
@@ -119,6 +157,7 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             + " (from the request: load not included)"
             + (f" · seed {s.seed}" if s.seed is not None else ""),
         ),
+        *energy_rows(s),
     ]
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
@@ -17,6 +18,7 @@ from .terminal import terminal_text
 
 if TYPE_CHECKING:
     from llmrun.runners.config import EngineConfig
+    from llmrun.runners.energy import PhaseMeter
 
 
 class EventView(Protocol):
@@ -182,6 +184,34 @@ def thinking_route(*, hide: bool, on_stdout: bool, dash: TextSink | None) -> Thi
     return Thinking(sink=dash if dash is not None else TextOut(sys.stderr))
 
 
+_METERS: weakref.WeakKeyDictionary[Runner, PhaseMeter] = weakref.WeakKeyDictionary()
+
+
+def energy_meter(runner: Runner) -> PhaseMeter:
+    """The runner's energy meter, made before its first request (while nothing runs yet, for
+    the idle baseline) and kept for the next ones; for a server's model or replayed requests,
+    only the reason it reads nothing."""
+    with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
+        if (meter := _METERS.get(runner)) is not None:
+            return meter
+    from llmrun.runners.energy import PhaseMeter, open_meter
+
+    remote = sys.modules.get("llmrun.runners.remote")  # not imported: not a server's runner
+    if getattr(runner, "replays", False):
+        meter = PhaseMeter.unmetered(
+            "the requests ran together (--parallel): energy is metered per request only when"
+            " they run one at a time"
+        )
+    elif remote is not None and isinstance(runner, remote.OpenAIRunner):
+        meter = PhaseMeter.unmetered("the model runs on a server, whose energy is not seen here")
+    else:
+        config = getattr(runner, "config", None)
+        meter = open_meter(gpu=getattr(config, "n_gpu_layers", None) != 0)
+    with contextlib.suppress(TypeError):
+        _METERS[runner] = meter
+    return meter
+
+
 def drive(
     runner: Runner,
     request: Request,
@@ -198,7 +228,12 @@ def drive(
     finished: Finished | None = None
     safe = _to_terminal(out)  # a model's or a server's escape sequences never reach a terminal
     safe_thinking = _to_terminal(think.sink or out)
+    meter = energy_meter(runner)
+    meter.begin()
     for event in runner.stream(request, cancel=cancel):
+        meter.see(event)
+        if isinstance(event, Finished):
+            event = meter.attach(event)
         if view is not None:
             view.update(event)
         if isinstance(event, Token):

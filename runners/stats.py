@@ -184,6 +184,73 @@ class ServerReport:
 
 
 @dataclass(frozen=True)
+class PhaseEnergy:
+    """One phase's energy above the idle baseline, between the counter reads that bound it."""
+
+    energy_j: float | None  # None: not measured (the note says why), never an estimate
+    window_s: float  # wall time between the two reads
+    tokens: int = 0  # prompt tokens the prefill evaluated; output tokens after the first
+    note: str = ""  # why it is absent, or how coarse the counter was for it
+
+    @property
+    def power_w(self) -> float | None:
+        """Mean power above idle over the window."""
+        if self.energy_j is None or self.window_s <= 0:
+            return None
+        return self.energy_j / self.window_s
+
+    @property
+    def j_per_token(self) -> float | None:
+        if self.energy_j is None or self.tokens <= 0:
+            return None
+        return self.energy_j / self.tokens
+
+
+ENERGY_PHASES = ("load", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class EnergyReport:
+    """Energy per phase from the machine's own counters (RAPL, NVML), less an idle baseline
+    measured just before the run; or, when nothing can be read, only the reason."""
+
+    source: str = ""  # the counters read ("RAPL package-0, package-0/dram"); "": none
+    reason: str = ""  # why there are no figures ("powercap is root-only here: ...")
+    idle_w: float | None = None  # the counters' mean power over the idle window
+    idle_window_s: float | None = None
+    update_interval_s: float | None = None  # the slowest counter's, seen in the idle window
+    load: PhaseEnergy | None = None  # None with a reason; a phase not in this request: a note
+    prefill: PhaseEnergy | None = None
+    decode: PhaseEnergy | None = None
+    left_out: str = ""  # a device these figures do not cover, and why (a GPU without NVML)
+
+    @property
+    def measured(self) -> bool:
+        return not self.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat, with every key always there (null where absent), as bench columns want."""
+        data: dict[str, Any] = {
+            "source": self.source or None,
+            "reason": self.reason or None,
+            "idle_w": self.idle_w,
+            "idle_window_s": self.idle_window_s,
+            "update_interval_s": self.update_interval_s,
+            "left_out": self.left_out or None,
+        }
+        for name in ENERGY_PHASES:
+            phase: PhaseEnergy | None = getattr(self, name)
+            data[f"{name}_j"] = phase.energy_j if phase else None
+            data[f"{name}_window_s"] = phase.window_s if phase else None
+            data[f"{name}_w"] = phase.power_w if phase else None
+            if name != "load":
+                data[f"{name}_tokens"] = phase.tokens if phase else None
+                data[f"{name}_j_per_token"] = phase.j_per_token if phase else None
+            data[f"{name}_note"] = (phase.note or None) if phase else None
+        return data
+
+
+@dataclass(frozen=True)
 class GenerationStats:
     """Everything measured about one request. Times in seconds from the request's start.
 
@@ -234,6 +301,8 @@ class GenerationStats:
     server: ServerReport | None = None  # set when a remote server ran the request
     # The warm-up decode after the load, apart from load_s (None: none ran, or not local)
     warmup_s: float | None = None
+    # Energy per phase (llmrun.runners.energy); None: not metered (bench, serve)
+    energy: EnergyReport | None = None
 
     @property
     def new_prompt_tokens(self) -> int:
@@ -352,6 +421,7 @@ class GenerationStats:
         data = asdict(self)
         data.pop("itl_s")
         data.pop("server")
+        data.pop("energy")
         data["itl_ms"] = [round(x * 1000, 4) for x in self.itl_s]
         for name in (
             "new_prompt_tokens",
@@ -374,6 +444,8 @@ class GenerationStats:
             data[name] = getattr(self, name)
         if self.server is not None:
             data.update(self.server.to_dict())
+        if self.energy is not None:
+            data["energy"] = self.energy.to_dict()
         return data
 
 

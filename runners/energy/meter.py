@@ -1,0 +1,256 @@
+"""Energy per phase: the counters read at the boundaries a runner's events mark (load, prefill,
+decode), less the idle power measured just before the run.
+
+The idle window also shows how often each counter updates: a phase shorter than two updates
+gets no figure, and one spanning few updates is marked coarse. A counter that does not move
+over a phase is named, never read as zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
+from llmrun.runners.stats import (
+    EnergyReport,
+    EngineSettings,
+    GenerationStats,
+    PhaseEnergy,
+    ServerSettings,
+)
+
+from .counter import Counter, Unavailable
+
+IDLE_WINDOW_S = 0.5  # the idle baseline's length, before the load
+POLL_S = 0.001  # how often the idle window reads the counters (RAPL updates about every 1 ms)
+GUARD_S = 1.0  # during decode, a read at least this often: one wraparound at most between reads
+COARSE_UPDATES = 10  # a phase spanning fewer counter updates than this is marked coarse
+KINDS = ("cpu", "gpu")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f} ms"
+
+
+def on_nvidia_gpu(settings: EngineSettings | ServerSettings | None) -> bool:
+    """Whether layers ran on an NVIDIA GPU (the only GPUs NVML counts)."""
+    if not isinstance(settings, EngineSettings) or settings.n_gpu_layers <= 0:
+        return False
+    device = settings.device.upper()
+    return device.startswith("CUDA") or "NVIDIA" in device
+
+
+@dataclass(frozen=True)
+class _Idle:
+    watts: float
+    update_s: float
+
+
+@dataclass(frozen=True)
+class _Mark:
+    t: float
+    joules: tuple[float, ...]
+
+
+class PhaseMeter:
+    """Reads energy counters at a request's phase boundaries, as its events go by.
+
+    `measure_idle` once before the run; then per request `begin`, `see` for every event before
+    the last, and `attach` for the last (`Finished`), which it returns with the energy report.
+    Without counters it only carries the reason."""
+
+    def __init__(
+        self,
+        counters: Sequence[Counter] = (),
+        *,
+        reasons: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+        idle_window_s: float = IDLE_WINDOW_S,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self._counters = list(counters)
+        self.reasons = dict(reasons or {})  # "cpu"/"gpu" (or "all") -> why it has no counter
+        self._clock = clock
+        self._sleep = sleep
+        self.idle_window_s = idle_window_s
+        self._poll_s = poll_s
+        self._idle: list[_Idle] = []
+        self._failed = ""
+        self._last_t = 0.0
+        self._marks: dict[str, _Mark] = {}
+        self._prefill_first = 0
+        self._prefill_last = 0
+
+    @classmethod
+    def unmetered(cls, reason: str) -> PhaseMeter:
+        """A meter whose every report is this reason (a server's model, replayed requests)."""
+        return cls(reasons={"all": reason})
+
+    @property
+    def counters(self) -> tuple[Counter, ...]:
+        return tuple(self._counters)
+
+    def _read(self) -> tuple[float, ...] | None:
+        try:
+            values = tuple(c.read_j() for c in self._counters)
+        except Unavailable as e:
+            self._failed = str(e)
+            return None
+        self._last_t = self._clock()
+        return values
+
+    def measure_idle(self) -> None:
+        """The idle baseline: each counter's mean power between its first and last change in
+        the window (so its update steps do not bias it), and its update interval."""
+        if not self._counters:
+            return
+        first = self._read()
+        if first is None:
+            return
+        start, previous = self._last_t, first
+        changes: list[list[tuple[float, float]]] = [[] for _ in self._counters]
+        while self._last_t - start < self.idle_window_s:
+            self._sleep(self._poll_s)
+            values = self._read()
+            if values is None:
+                return
+            for i, value in enumerate(values):
+                if value != previous[i]:
+                    changes[i].append((self._last_t, value))
+            previous = values
+        window = self.idle_window_s = self._last_t - start
+        kept: list[Counter] = []
+        for counter, seen in zip(self._counters, changes, strict=True):
+            if len(seen) < 2:
+                moved = "stood still" if not seen else "changed once"
+                self.reasons[counter.kind] = (
+                    f"the {counter.name} counter {moved} over {_ms(window)} of idle:"
+                    " it does not update here"
+                )
+                counter.close()
+                continue
+            (t0, j0), (t1, j1) = seen[0], seen[-1]
+            kept.append(counter)
+            self._idle.append(_Idle((j1 - j0) / (t1 - t0), (t1 - t0) / (len(seen) - 1)))
+        self._counters = kept
+
+    def begin(self) -> None:
+        """A new request: forget the previous one's marks."""
+        self._marks = {}
+
+    def _mark(self, name: str) -> None:
+        values = self._read()
+        if values is not None:
+            self._marks[name] = _Mark(self._last_t, values)
+
+    def see(self, event: Event) -> None:
+        """Read the counters where this event ends or starts a phase."""
+        if not self._counters or self._failed:
+            return
+        if isinstance(event, Token):
+            if event.index == 0:
+                self._mark("decode_start")
+            elif self._clock() - self._last_t >= GUARD_S:
+                self._read()
+        elif isinstance(event, PrefillProgress):
+            if "prefill_start" not in self._marks:
+                self._mark("prefill_start")
+                self._prefill_first = self._prefill_last = event.done_tokens
+            else:
+                self._mark("prefill_end")
+                self._prefill_last = event.done_tokens
+        elif isinstance(event, LoadStarted):
+            self._mark("load_start")
+        elif isinstance(event, ModelLoaded):
+            self._mark("load_end")
+
+    def attach(self, finished: Finished) -> Finished:
+        """The request's last event, its stats carrying the energy report."""
+        if not isinstance(finished.stats, GenerationStats):  # nothing to carry it
+            return finished
+        if self._counters and not self._failed:
+            self._mark("decode_end")
+        stats = dataclasses.replace(finished.stats, energy=self.report(finished.stats))
+        return Finished(stats, finished.text, finished.tail)
+
+    def report(self, stats: GenerationStats) -> EnergyReport:
+        """The request's energy per phase, or why there is none."""
+        if "all" in self.reasons:
+            return EnergyReport(reason=self.reasons["all"])
+        if self._failed:
+            return EnergyReport(reason=self._failed)
+        kinds = ("cpu", "gpu") if on_nvidia_gpu(stats.settings) else ("cpu",)
+        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
+        missing = [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
+        if not used:
+            reasons = [self._reason(k) for k in missing]
+            return EnergyReport(reason="; ".join(reasons))
+        left_out = "; ".join(
+            f"the {k.upper()}'s energy: {self.reasons.get(k, 'no energy counter')}" for k in missing
+        )
+        interval = max(self._idle[i].update_s for i in used)
+        decode_tokens = max(0, stats.output_tokens - 1)
+        return EnergyReport(
+            source=" + ".join(self._counters[i].name for i in used),
+            idle_w=sum(self._idle[i].watts for i in used),
+            idle_window_s=self.idle_window_s,
+            update_interval_s=interval,
+            load=self._phase("load", used, 0, "the model was loaded before this request"),
+            prefill=self._phase(
+                "prefill",
+                used,
+                self._prefill_last - self._prefill_first,
+                "no prefill in this request (every prompt token was reused)",
+            ),
+            decode=self._phase(
+                "decode",
+                used,
+                decode_tokens,
+                "no decode in this request (fewer than two output tokens)",
+                none=decode_tokens == 0,
+            ),
+            left_out=left_out,
+        )
+
+    def _reason(self, kind: str) -> str:
+        reason = self.reasons.get(kind, "no energy counter")
+        return reason if kind == "cpu" else f"GPU: {reason}"
+
+    def _phase(
+        self, name: str, used: list[int], tokens: int, absent: str, *, none: bool = False
+    ) -> PhaseEnergy:
+        start, end = self._marks.get(f"{name}_start"), self._marks.get(f"{name}_end")
+        if start is None or end is None or none:
+            return PhaseEnergy(None, 0.0, tokens, absent)
+        window = end.t - start.t
+        interval = max(self._idle[i].update_s for i in used)
+        if window < 2 * interval:
+            return PhaseEnergy(
+                None,
+                window,
+                tokens,
+                f"too short for the counter: {_ms(window)} against an update every {_ms(interval)}",
+            )
+        gross = [end.joules[i] - start.joules[i] for i in used]
+        still = [self._counters[i].name for i, j in zip(used, gross, strict=True) if j <= 0]
+        if still:
+            return PhaseEnergy(
+                None, window, tokens, f"the {still[0]} counter stood still for {_ms(window)}"
+            )
+        net_j = sum(gross) - sum(self._idle[i].watts for i in used) * window
+        updates = window / interval
+        note = (
+            f"coarse: {updates:.0f} counter updates of {_ms(interval)}"
+            if updates < COARSE_UPDATES
+            else ""
+        )
+        return PhaseEnergy(net_j, window, tokens, note)
+
+    def close(self) -> None:
+        for counter in self._counters:
+            counter.close()
+        self._counters = []
