@@ -327,6 +327,30 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
 
 
 @pytest.mark.parametrize(
+    ("path", "payload", "words"),
+    [
+        (CHAT, small(max_token=5), "Unrecognized request argument supplied: max_token"),
+        (CHAT, small(foo=1, bar=None), "Unrecognized request arguments supplied: bar, foo"),
+        (CHAT, small(prompt="Hi"), "Unrecognized request argument supplied: prompt"),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "max_tokens": 2, "messages": []},
+            "Unrecognized request argument supplied: messages",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "max_completion_tokens": 2},
+            "Unrecognized request argument supplied: max_completion_tokens",
+        ),
+    ],
+)
+def test_unknown_fields_get_400_as_openai_answers_them(
+    server: Server, path: str, payload: dict[str, Any], words: str
+) -> None:
+    assert openai_error(send(server, path, payload), 400)["message"] == words
+
+
+@pytest.mark.parametrize(
     "payload",
     [
         b'{"content":"\\ud800"}',

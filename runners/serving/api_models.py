@@ -104,6 +104,12 @@ class _Body(BaseModel):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequestError(f"{name}: not available here; use repeat_penalty")
         extra = self.model_extra or {}
+        unknown = sorted(set(extra) - set(UNSERVED) - set(NEUTRAL) - ACCEPTED)
+        if unknown:  # OpenAI's words
+            arguments = "argument" if len(unknown) == 1 else "arguments"
+            raise BadRequestError(
+                f"Unrecognized request {arguments} supplied: {', '.join(unknown)}"
+            )
         for name, what in UNSERVED.items():
             value = extra.get(name)
             if value and value != {"type": "text"}:
