@@ -202,70 +202,86 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         created=int(time.time()),
         model=s.model_id,
     )
+    flight = Flight(s, seen, job, queue, head, chat)
     if body.stream:
         return EventStream(
-            stream(s, seen, job, queue, head, chat, body.include_usage),
+            stream(flight, body.include_usage),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        return await whole(request, s, job, queue, head, chat)
+        return await whole(request, flight)
     finally:
         s.waiting.discard(queue)
 
 
-def _choice(chat: bool, text: str | None, finish: str | None) -> ChunkChoice | TextChoice:
-    if chat:
-        return ChunkChoice(delta={} if text is None else {"content": text}, finish_reason=finish)
-    return TextChoice(text=text or "", finish_reason=finish)
+@dataclass
+class Flight:
+    """A completion handed to the engine: its job, the queue its events arrive on, the head of
+    each of its answers, and its report."""
+
+    served: Served
+    seen: Report
+    job: Job
+    queue: asyncio.Queue[Event]
+    head: Head
+    chat: bool
+
+    def choice(self, text: str | None, finish: str | None) -> ChunkChoice | TextChoice:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            return ChunkChoice(delta=delta, finish_reason=finish)
+        return TextChoice(text=text or "", finish_reason=finish)
+
+    def chunk(self, text: str | None, finish: str | None = None) -> Chunk:
+        return Chunk(**dict(self.head), choices=[self.choice(text, finish)])
+
+    def failed(self, event: Failed, *, streamed: bool) -> int:
+        """The engine failed it, or the server is shutting down: the status it ends with."""
+        status = 503 if self.served.stopping else 500
+        self.seen.set("error", event.message, status=status if streamed else None)
+        return status
+
+    def cancel(self) -> None:
+        """The client went away: its sequence is freed now."""
+        self.served.engine.cancel(self.job)
+        self.seen.set("cancelled", "client disconnected", status=499)
 
 
-def _chunk(head: Head, chat: bool, text: str | None, finish: str | None = None) -> Chunk:
-    return Chunk(**dict(head), choices=[_choice(chat, text, finish)])
-
-
-async def stream(
-    s: Served,
-    seen: Report,
-    job: Job,
-    queue: asyncio.Queue[Event],
-    head: Head,
-    chat: bool,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    ended = False
+async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events; one that cannot finish ends with an error event, a
+    last chunk with the finish reason `error`, and [DONE]."""
+    head, ended = dict(flight.head), False
     try:
-        if chat:
+        if flight.chat:
             first = ChunkChoice(delta={"role": "assistant", "content": ""}, finish_reason=None)
-            yield sse(Chunk(**dict(head), choices=[first]))
+            yield sse(Chunk(**head, choices=[first]))
         while True:
-            event = await queue.get()
+            event = await flight.queue.get()
             if isinstance(event, Piece):
-                yield sse(_chunk(head, chat, event.text))
+                yield sse(flight.chunk(event.text))
                 continue
             ended = True
             if isinstance(event, Failed):
-                status = 503 if s.stopping else 500
-                seen.set("error", event.message, status=status)
+                status = flight.failed(event, streamed=True)
                 yield sse(error_body(status, event.message, "server_error"))
-                yield sse(_chunk(head, chat, None, FINISH_ERROR))
+                yield sse(flight.chunk(None, FINISH_ERROR))
                 yield SSE_DONE
                 return
             t = event.timings
             timings = t.to_dict()
             if event.tail:
-                yield sse(_chunk(head, chat, event.tail))
-            last = _choice(chat, None, event.finish_reason)
-            yield sse(LastChunk(**dict(head), choices=[last], timings=timings))
+                yield sse(flight.chunk(event.tail))
+            last = flight.choice(None, event.finish_reason)
+            yield sse(LastChunk(**head, choices=[last], timings=timings))
             if include_usage:
-                yield sse(UsageChunk(**dict(head), choices=[], usage=Usage.of(t), timings=timings))
+                yield sse(UsageChunk(**head, choices=[], usage=Usage.of(t), timings=timings))
             yield SSE_DONE
-            seen.set("ok", timings=t)
+            flight.seen.set("ok", timings=t)
             return
     finally:
-        s.waiting.discard(queue)
-        if not ended:  # the client went away: free its sequence now
-            s.engine.cancel(job)
-            seen.set("cancelled", "client disconnected", status=499)
+        flight.served.waiting.discard(flight.queue)
+        if not ended:
+            flight.cancel()
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -273,20 +289,13 @@ async def _disconnected(request: HttpRequest) -> None:
         pass
 
 
-async def whole(
-    request: HttpRequest,
-    s: Served,
-    job: Job,
-    queue: asyncio.Queue[Event],
-    head: Head,
-    chat: bool,
-) -> Response:
-    seen = report(request)
+async def whole(request: HttpRequest, flight: Flight) -> Response:
+    """The answer in one piece, once the engine has finished it (or the client has gone)."""
 
     async def collect() -> tuple[str, Done | Failed]:
         parts = []
         while True:
-            event = await queue.get()
+            event = await flight.queue.get()
             if isinstance(event, Piece):
                 parts.append(event.text)
             else:
@@ -302,25 +311,23 @@ async def whole(
         gone.cancel()
         if not waiter.done():
             waiter.cancel()
-            s.engine.cancel(job)
-            seen.set("cancelled", "client disconnected", status=499)
+            flight.cancel()
     if not waiter.done() or waiter.cancelled():
         return Response(status_code=499)
     text, event = waiter.result()
     if isinstance(event, Failed):
-        status = 503 if s.stopping else 500
-        seen.set("error", event.message)
+        status = flight.failed(event, streamed=False)
         return error_response(status, event.message, "server_error")
     t = event.timings
     finish = "stop" if event.finish_reason == FINISH_CANCELLED else event.finish_reason
     fields: dict[str, Any] = {
-        **dict(head),
-        "object": "chat.completion" if chat else "text_completion",
+        **dict(flight.head),
+        "object": "chat.completion" if flight.chat else "text_completion",
         "usage": Usage.of(t),
         "timings": t.to_dict(),
     }
-    seen.set("ok", timings=t)
-    if chat:
+    flight.seen.set("ok", timings=t)
+    if flight.chat:
         message = AssistantMessage(content=text)
         answer = ChatCompletion(
             **fields, choices=[ChatChoice(message=message, finish_reason=finish)]
