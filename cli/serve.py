@@ -3,35 +3,41 @@
 On a terminal, a panel shows what the engine does (sequences decoding, prompts queued or
 prefilling, tokens per step split into prefill and decode, throughput, the decoding sequences'
 inter-token gaps) with one line per answered request scrolling above it; without one, the
-same lines are printed plain. SIGTERM drains the requests in flight then exits 143; Ctrl-C 130.
+same lines are printed plain. SIGTERM drains the requests in flight then exits 143; Ctrl-C 130,
+SIGHUP 129. The server itself is `runners.serving.server.start`; this module turns the options
+into its `ServerSettings` and draws.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import threading
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.base import Request, SamplingParams
-from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
+from llmrun.runners.serving.server_settings import ServerSettings
 from llmrun.runners.stats import percentile
 from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
-from . import EXIT_INTERRUPTED, EXIT_TERMINATED
+from . import EXIT_INTERRUPTED, STOP_SIGNALS
 from . import options as o
 from .bench.sweep import usage_error
 from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled
+
+if TYPE_CHECKING:
+    from llmrun.runners.serving.api_routes import Served
+    from llmrun.runners.serving.server import Ready
 
 SERVER_PANEL = "Server"
 
@@ -219,49 +225,25 @@ def serve(
             chat_template_file=chat_template_file,
         )
         config = dataclasses.replace(config, kv_unified=kv_unified is True)
-        code = _serve(
-            model,
-            config,
-            defaults,
+        settings = ServerSettings(
+            model=model,
+            engine=config,
+            defaults=defaults,
             host=host,
             port=port,
-            parallel=parallel,
-            policy_text=policy,
+            n_seq=parallel,
+            policy=policy,
             max_queue=max_queue,
-            drain_s=drain,
-            alias=alias,
             max_connections=connections,
             origins=origins,
-            dashboard=not no_dashboard and sys.stderr.isatty(),
+            drain_s=drain,
+            alias=alias,
         )
-        raise typer.Exit(code)
+        raise typer.Exit(_serve(settings, dashboard=not no_dashboard and sys.stderr.isatty()))
 
 
-def _serve(
-    model: str | None,
-    config: EngineConfig,
-    defaults: SamplingParams,
-    *,
-    host: str,
-    port: int,
-    parallel: int,
-    policy_text: str | None,
-    max_queue: int,
-    drain_s: float,
-    alias: str | None,
-    max_connections: int,
-    origins: frozenset[str],
-    dashboard: bool,
-) -> int:
-    import signal
-
-    from llmrun.runners.llamacpp import LlamaCppRunner
-    from llmrun.runners.serving import server as srv
-    from llmrun.runners.serving.api_access import Access, loopback_address
-    from llmrun.runners.serving.api_engine import EngineThread
-    from llmrun.runners.serving.api_metrics import ServerMetrics
-    from llmrun.runners.serving.engine import Policy
-
+def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
+    """Serve (runners.serving.server.start) with the live view; the exit code."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -270,88 +252,43 @@ def _serve(
         raise BadRequestError(
             f"serve needs the server extra ({e.name} is missing): pip install 'llmrun[server]'"
         ) from None
-    if policy_text is not None:
-        Policy.parse(policy_text)  # a bad --policy is said before the model loads
-    runner = make_runner(model, config)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError("serve needs a local model")
-    try:
-        sock = srv.listen(host, port)
-    except OSError as e:
-        raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    # on loopback, only loopback names may reach it (DNS rebinding); elsewhere any name may
-    access = Access(origins, check_host=loopback_address(sock.getsockname()[0]))
-    fit = srv.open_files_for(max_connections)
-    if fit < max_connections:  # past the open-files limit accept() fails: cap below it
-        print(
-            f"llmrun serve: warning: {max_connections} connections do not fit under this"
-            " process's limit on open files (ulimit -n); serving at most"
-            f" {fit}",
-            file=sys.stderr,
-            flush=True,
-        )
-        max_connections = fit
-    engine: EngineThread | None = None
-    try:
-        # one context: the engine's -np sequences; the warm-up runs on the engine's thread
-        loaded = runner.load(n_seq=parallel, warm_up=False)
-        policy = Policy.parse(policy_text or f"chunked:{loaded.settings.n_batch}")
-        runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
-        box: dict[str, EngineThread] = {}
-        metrics = ServerMetrics(running=lambda: box["e"].busy, queued=lambda: box["e"].queued)
-        engine = EngineThread(
-            runner,
-            n_seq=parallel,
-            n_ctx_per_seq=loaded.settings.n_ctx,
-            policy=policy,
-            max_queue=max_queue,
-            observer=metrics,
-        )
-        box["e"] = engine
-        metrics.threads = engine.engine.threads  # as llama.cpp reports them
-        served = srv.Served(
-            runner, engine, alias or srv.model_id(runner.model_path), defaults, metrics
-        )
-        bound = sock.getsockname()
-        shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        url = f"http://{shown_host}:{bound[1]}"
-        err = TerminalConsole(stderr=True, highlight=False) if dashboard else None
-        view = _View(served, err)
+    from llmrun.runners.serving.server import start
 
-        def ready() -> None:
-            threads, threads_batch = metrics.threads
-            unified = loaded.settings.params.get("kv_unified")  # as llama.cpp made the context
-            kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
+    view = _View(TerminalConsole(stderr=True, highlight=False) if dashboard else None)
+
+    def ready(r: Ready) -> None:
+        if r.max_connections < settings.max_connections:
             print(
-                f"llmrun serve: listening on {url} ({served.model_id}, {parallel} sequences x"
-                f" {loaded.settings.n_ctx} tokens{kv}, policy {policy}, queue {max_queue},"
-                f" threads {threads}/{threads_batch})",
+                f"llmrun serve: warning: {settings.max_connections} connections do not fit under"
+                " this process's limit on open files (ulimit -n); serving at most"
+                f" {r.max_connections}",
                 file=sys.stderr,
                 flush=True,
             )
-            view.start()
+        threads, threads_batch = r.threads
+        unified = r.kv_unified
+        kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
+        print(
+            f"llmrun serve: listening on {r.url} ({r.served.model_id}, {settings.n_seq} sequences"
+            f" x {r.n_ctx} tokens{kv}, policy {r.policy}, queue {settings.max_queue},"
+            f" threads {threads}/{threads_batch})",
+            file=sys.stderr,
+            flush=True,
+        )
+        view.start(r.served)
 
-        try:
-            stopped_by = srv.run(
-                served,
-                sock,
-                drain_s=drain_s,
-                max_connections=max_connections,
-                access=access,
-                on_ready=ready,
-            )
-        finally:
-            view.stop()
+    try:
+        stopped_by = start(settings, make_runner, ready)
     finally:
-        if engine is None or engine.stopped:
-            runner.close()  # never under a step still running: the process exit frees it then
-    if stopped_by == signal.SIGTERM:
-        print("llmrun serve: stopped (SIGTERM)", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED
-    if stopped_by is not None:
+        view.stop()
+    if stopped_by is None:
+        return 0
+    if stopped_by == signal.SIGINT:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    return 0
+    else:
+        name = signal.Signals(stopped_by).name
+        print(f"llmrun serve: stopped ({name})", file=sys.stderr, flush=True)
+    return STOP_SIGNALS.get(signal.Signals(stopped_by), EXIT_INTERRUPTED)
 
 
 DEFAULT_MAX_CONNECTIONS = 512  # under the usual 1024 open files, far over -np 4 + a queue of 64
@@ -435,11 +372,9 @@ class _View:
     """The live panel on a terminal (log lines scrolling above it), or plain log lines; either
     way drawn by a thread of its own, never by the engine or the event loop."""
 
-    def __init__(self, served: object, console: Console | None) -> None:
-        from llmrun.runners.serving.server import Served
-
-        assert isinstance(served, Served)
-        self.served, self.console = served, console
+    def __init__(self, console: Console | None) -> None:
+        self.served: Served | None = None
+        self.console = console
         self.live: _TextLive | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -447,6 +382,8 @@ class _View:
         self.busy = False
 
     def _lines(self) -> list[str]:
+        if self.served is None:
+            return []
         log = self.served.log
         lines: list[str] = []
         if self.live is not None and self._stop.is_set():
@@ -459,6 +396,7 @@ class _View:
     def _busy_line(self) -> str | None:
         """A line when the machine turns busy (and when it is quiet again)."""
         background = self.meter.read()
+        assert self.served is not None
         busy = self.served.metrics.busy(background)
         if busy == self.busy or background is None:
             return None
@@ -472,12 +410,13 @@ class _View:
             )
         return f"the machine is quiet again (other processes: {background:.1f} CPUs)"
 
-    def start(self) -> None:
+    def start(self, served: Served) -> None:
+        self.served = served
         if self.console is not None:
             self.live = _TextLive(
                 self._lines,
                 console=self.console,
-                get_renderable=lambda: render_serve(self.served.engine.snapshot()),
+                get_renderable=lambda: render_serve(served.engine.snapshot()),
                 refresh_per_second=REFRESH_PER_SECOND,
                 transient=True,
                 redirect_stdout=False,

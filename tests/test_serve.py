@@ -491,6 +491,89 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[st
         assert any("stopped (SIGTERM)" in line for line in s.lines)
 
 
+def read_to_the_end(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize(
+    ("signals", "drain", "code"),
+    [
+        ((signal.SIGTERM,), "1", 143),  # past --drain-timeout
+        ((signal.SIGTERM, signal.SIGTERM), "600", 143),  # a second SIGTERM
+        ((signal.SIGINT,), "600", 130),
+        ((signal.SIGHUP,), "600", 129),
+    ],
+    ids=["sigterm-past-the-drain", "second-sigterm", "ctrl-c", "sighup"],
+)
+def test_a_shutdown_ends_the_requests_in_flight_with_an_error_not_silently(
+    serve_env: dict[str, str], signals: tuple[signal.Signals, ...], drain: str, code: int
+) -> None:
+    """A stream cut by the server's shutdown ends with an error event in OpenAI's shape, a last
+    chunk with a finish reason, and [DONE]; a whole answer with a 503. Nothing is cut silently,
+    and no traceback reaches the log."""
+    body = chat("Tell me about rivers.", max_tokens=1500, ignore_eos=True, temperature=0)
+    with llmrun_serve(serve_env, "-np", "2", "-c", "2048", "--drain-timeout", drain) as s:
+        streaming = open_stream(s.url, {**body, "stream": True})
+        whole: dict[str, httpx.Response] = {}
+
+        def ask() -> None:
+            whole["r"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        s.wait_for(lambda: s.get("/health")["slots_processing"] == 2, "both requests running")
+        for sig in signals:
+            s.proc.send_signal(sig)
+            time.sleep(0.5)
+        received = read_to_the_end(streaming)
+        streaming.close()
+        asking.join(120)
+        assert s.proc.wait(120) == code
+    events = [
+        line[len(b"data: ") :] for line in received.split(b"\n") if line.startswith(b"data: ")
+    ]
+    assert events[-1] == b"[DONE]", received[-500:]
+    error, last = json.loads(events[-3]), json.loads(events[-2])
+    assert error["error"]["message"] == "the server is shutting down"
+    assert error["error"]["code"] == 503 and error["error"]["type"] == "server_error"
+    assert last["choices"][0]["finish_reason"] == "error"
+    assert whole["r"].status_code == 503
+    assert whole["r"].json()["error"]["message"] == "the server is shutting down"
+    log = "".join(s.lines)
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "client disconnected" not in log, log
+
+
+def test_queue_ms_counts_the_wait_for_the_step_in_progress_as_the_docs_say(
+    llmrun_server: Server,
+) -> None:
+    """With a sequence free, a request that arrives while another's prefill step runs waits
+    for that step: its queue_ms holds the wait, and the docs define queue_ms so."""
+    long = {"prompt": list(range(1000, 1450)), "max_tokens": 1, "temperature": 0}
+    answers: dict[str, Any] = {}
+
+    def prefill() -> None:
+        answers["long"] = llmrun_server.post("/v1/completions", long).json()["timings"]
+
+    prefilling = threading.Thread(target=prefill)
+    prefilling.start()
+    llmrun_server.wait_for(
+        lambda: llmrun_server.get("/health")["slots_processing"] == 1, "the long prompt admitted"
+    )
+    short = llmrun_server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).json()
+    prefilling.join(120)
+    waited, step = short["timings"]["queue_ms"], answers["long"]["prefill_ms"]
+    assert answers["long"]["prefill_tokens"] > 400 and len(answers["long"]["prefill_chunks"]) == 1
+    assert waited > 0.3 * step, (waited, step)  # a sequence was free all along
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `queue_ms` |"))
+    assert "waiting for a free sequence" in row and "for the step in progress to end" in row
+
+
 def test_metrics_and_log_say_the_threads_and_a_busy_machine(serve_env: dict[str, str]) -> None:
     load = logical_cpus() - 0.5  # other processes' load, faked (tests/inject)
     env = {**serve_env, BACKGROUND_ENV: str(load)}

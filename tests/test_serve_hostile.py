@@ -20,8 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmrun.cli.serve import DEFAULT_MAX_CONNECTIONS
+from llmrun.runners.serving.api_http import MIN_BODY_LIMIT
 from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS
-from llmrun.runners.serving.server import HEADERS_TIMEOUT_S, MIN_BODY_LIMIT
+from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
@@ -270,6 +271,7 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
             {"messages": [{"role": "tool", "tool_call_id": "1", "content": "42"}]},
             "messages.0: function calling is not served here",
         ),
+        (small(reasoning_effort="high"), "reasoning_effort: a reasoning effort is not served"),
         (small(stop=["x"] * (MAX_STOPS + 1)), f"at most {MAX_STOPS} strings"),
         (small(stop="x" * (MAX_STOP_CHARS + 1)), f"of at most {MAX_STOP_CHARS} characters"),
     ],
@@ -297,6 +299,9 @@ def test_what_is_not_served_is_refused_never_ignored(
                 user="u",
                 store=False,
                 metadata={"k": "v"},
+                service_tier="auto",
+                prompt_cache_key="k",
+                safety_identifier="s",
             ),
         ),
         (
@@ -319,6 +324,79 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
     server: Server, path: str, payload: dict[str, Any]
 ) -> None:
     assert send(server, path, payload).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "words"),
+    [
+        (CHAT, small(max_token=5), "Unrecognized request argument supplied: max_token"),
+        (CHAT, small(foo=1, bar=None), "Unrecognized request arguments supplied: bar, foo"),
+        (CHAT, small(prompt="Hi"), "Unrecognized request argument supplied: prompt"),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "max_tokens": 2, "messages": []},
+            "Unrecognized request argument supplied: messages",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "max_completion_tokens": 2},
+            "Unrecognized request argument supplied: max_completion_tokens",
+        ),
+    ],
+)
+def test_unknown_fields_get_400_as_openai_answers_them(
+    server: Server, path: str, payload: dict[str, Any], words: str
+) -> None:
+    assert openai_error(send(server, path, payload), 400)["message"] == words
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"content":"\\ud800"}',
+        b'{"content":"\xff\xfe"}',
+        b'{"content":5}',
+        b'{"content":"hi","add_special":"yes"}',
+        b"[",
+        b"[]",
+    ],
+)
+def test_tokenize_refuses_what_the_chat_routes_refuse_with_400(
+    server: Server, payload: bytes
+) -> None:
+    """/tokenize reads its body through the same gate as the chat routes: a lone surrogate or
+    bad UTF-8 is a 400 (not a 500 and a traceback), and it is counted."""
+    before = count(server, "tokenize", "bad_request")
+    openai_error(send(server, "/tokenize", payload), 400)
+    assert count(server, "tokenize", "bad_request") == before + 1
+    assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
+
+
+def test_every_response_is_counted_once_under_its_route(server: Server) -> None:
+    """/metrics counts each response once, under the route of its path, whichever layer gave
+    it: routing (405), the access checks (403), a route's own refusal or answer."""
+    before = outcomes(server)  # this scrape itself: one metrics ok
+    httpx.get(server.url + CHAT, timeout=60)
+    httpx.post(
+        server.url + CHAT, json=small(), headers={"Origin": "https://evil.example"}, timeout=60
+    )
+    httpx.get(server.url + "/health", headers={"Host": "evil.example"}, timeout=60)
+    send(server, "/tokenize", b"[")
+    httpx.get(server.url + "/health", timeout=60)
+    send(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 1})
+    httpx.get(server.url + "/v1/models/nope", timeout=60)
+    after = outcomes(server)
+    counted = {k: after.get(k, 0) - before.get(k, 0) for k in {*after, *before}}
+    assert {k: v for k, v in counted.items() if v} == {
+        ("metrics", "ok"): 1,
+        ("chat", "method_not_allowed"): 1,
+        ("chat", "forbidden"): 1,
+        ("health", "forbidden"): 1,
+        ("tokenize", "bad_request"): 1,
+        ("health", "ok"): 1,
+        ("completions", "ok"): 1,
+        ("models", "not_found"): 1,
+    }
 
 
 def test_a_model_not_served_gets_404(server: Server) -> None:
@@ -619,11 +697,11 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
 )
 def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> None:
     """A page elsewhere must not run completions here: even a simple POST (no preflight) is
-    refused before the engine sees it; counted in /metrics, one log line."""
-    before = (count(server, "other", "forbidden"), server.metric("llmrun_prompt_tokens_total"))
+    refused before the engine sees it; counted in /metrics under its route, one log line."""
+    before = (count(server, "chat", "forbidden"), server.metric("llmrun_prompt_tokens_total"))
 
     def lines() -> int:
-        return sum(f"other 403 Origin {origin!r}" in line for line in list(server.lines))
+        return sum(f"chat 403 Origin {origin!r}" in line for line in list(server.lines))
 
     logged = lines()
     r = httpx.post(
@@ -635,7 +713,7 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
     error = openai_error(r, 403)
     assert f"--allow-origin {origin}" in error["message"]
     assert "access-control-allow-origin" not in r.headers
-    assert count(server, "other", "forbidden") == before[0] + 1
+    assert count(server, "chat", "forbidden") == before[0] + 1
     assert server.metric("llmrun_prompt_tokens_total") == before[1]
     server.wait_for(lambda: lines() == logged + 1, "its log line")
     still_serving(server)
@@ -711,7 +789,7 @@ def test_a_huge_path_or_host_is_one_short_log_line(server: Server) -> None:
         (b"GET /" + b"p" * 40_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n", "other 404 GET /ppp"),
         (
             b"GET /health HTTP/1.1\r\nHost: " + b"h" * 40_000 + b".example\r\n",
-            "other 403 Host 'hhh",
+            "health 403 Host 'hhh",  # counted and logged under its route
         ),
     ):
         logged = len(server.lines)
@@ -824,7 +902,7 @@ def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
         warned = [line for line in s.lines if "open files" in line]
         assert len(warned) == 1 and "serving at most 128" in warned[0], "".join(s.lines)
         assert s.metric("llmrun_connections_max") == 128
-        refused = count(s, "other", "too_many_connections")
+        refused = count(s, "health", "too_many_connections")
         idle = [connect(s) for _ in range(200)]
         try:
             status, _, body = exchange(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -838,5 +916,5 @@ def test_a_cap_past_the_open_files_limit_is_lowered_and_running_out_is_one_line(
             for sock in idle:
                 sock.close()
         s.wait_for(lambda: s.metric("llmrun_connections ") == 1, "the idle ones gone")
-        assert count(s, "other", "too_many_connections") == refused + 1  # the one 503 only
+        assert count(s, "health", "too_many_connections") == refused + 1  # the one 503 only
         assert not any("Traceback" in line for line in s.lines), "".join(s.lines)

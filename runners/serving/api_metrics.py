@@ -22,7 +22,7 @@ from prometheus_client import (
 
 from llmrun.runners.system import BackgroundMeter, busy_machine
 
-from .api_engine import FINISH_CANCELLED, RequestTimings, StepRecord
+from .api_engine import FINISH_CANCELLED, EngineThread, RequestTimings, StepRecord
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -34,26 +34,33 @@ TOKENS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 class ServerMetrics:
     """The server's counters, gauges and histograms in a registry of its own."""
 
-    def __init__(self, *, running: Callable[[], float], queued: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        running: Callable[[], float] = lambda: 0,
+        queued: Callable[[], float] = lambda: 0,
+    ) -> None:
         disable_created_metrics()  # the *_created series say nothing a scrape needs
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "llmrun_requests",
-            "Requests answered, by route (chat,"
-            " completions, other) and outcome (ok, bad_request, not_found,"
-            " too_large, timeout, busy, too_many_connections, forbidden,"
-            " cancelled, error, ...).",
+            "Responses, each counted once, by route (chat, completions, models,"
+            " health, metrics, props, tokenize, other: a path with no route) and"
+            " outcome (ok, bad_request, not_found, method_not_allowed, too_large,"
+            " timeout, busy, too_many_connections, forbidden, cancelled, error).",
             ["route", "outcome"],
             registry=r,
         )
+        # The engine's queue (set once the engine exists: `follow`).
+        self.running, self.queued = running, queued
         Gauge(
             "llmrun_requests_in_flight",
             "Requests holding a sequence (prefilling or decoding).",
             registry=r,
-        ).set_function(running)
+        ).set_function(lambda: self.running())
         Gauge(
             "llmrun_requests_queued", "Requests waiting for a free sequence.", registry=r
-        ).set_function(queued)
+        ).set_function(lambda: self.queued())
         # The HTTP side: open connections against --max-connections (set once it listens).
         self.connections: Callable[[], float] = lambda: 0
         self.max_connections = 0
@@ -135,6 +142,11 @@ class ServerMetrics:
             " threads need (its figures are then slower than this machine can do).",
             registry=r,
         ).set_function(lambda: float(self.busy(self.meter.read())))
+
+    def follow(self, engine: EngineThread) -> None:
+        """Read the gauges of `engine`, which this registry observes (`on_step`, `on_done`)."""
+        self.running, self.queued = lambda: engine.busy, lambda: engine.queued
+        self.threads = engine.engine.threads  # as llama.cpp reports them
 
     def busy(self, background: float | None) -> bool:
         return busy_machine(background, max(self.threads))

@@ -4,7 +4,9 @@ pydantic checks the shapes and types (strictly: "5" is not a number, true is not
 the ranges are checked by `limits.check_sampling`, the gate every other source of sampling
 values goes through, so a value `llmrun run` refuses is refused here with the same words.
 Fields other servers take and llmrun does not have are accepted only at their neutral value;
-`null` means the default for every optional field, as in OpenAI's schema.
+`null` means the default for every optional field, as in OpenAI's schema. A field OpenAI's API
+does not define (or one llmrun does not list as accepted) is refused with OpenAI's own words,
+`Unrecognized request argument supplied: NAME`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ UNSERVED = {
     "json_schema": "a JSON schema",
     "audio": "audio output",
     "suffix": "a suffix (fill-in-the-middle)",
+    "reasoning_effort": "a reasoning effort",
+    "verbosity": "a verbosity",
+    "prediction": "a predicted output",
+    "web_search_options": "web search",
 }
 # Values of fields llmrun does not have that ask for nothing: accepted, since clients send them.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -40,7 +46,12 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "top_logprobs": (None, 0),
+    "store": (None, False),  # nothing is stored here
+    "service_tier": (None, "auto", "default"),
 }
+# Fields of OpenAI's request bodies that ask nothing of the answer (identifiers, bookkeeping):
+# accepted at any value.
+ACCEPTED = frozenset({"user", "metadata", "prompt_cache_key", "safety_identifier"})
 # Stop strings are checked against the text after every token on the engine's thread, which all
 # sequences share: their number and length are bounded so one request cannot slow the others.
 MAX_STOPS = 16
@@ -93,6 +104,12 @@ class _Body(BaseModel):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequestError(f"{name}: not available here; use repeat_penalty")
         extra = self.model_extra or {}
+        unknown = sorted(set(extra) - set(UNSERVED) - set(NEUTRAL) - ACCEPTED)
+        if unknown:  # OpenAI's words
+            arguments = "argument" if len(unknown) == 1 else "arguments"
+            raise BadRequestError(
+                f"Unrecognized request {arguments} supplied: {', '.join(unknown)}"
+            )
         for name, what in UNSERVED.items():
             value = extra.get(name)
             if value and value != {"type": "text"}:
@@ -218,3 +235,11 @@ class CompletionBody(_Body):
 
 def json_text(value: Any) -> str:
     return json.dumps(value)
+
+
+class TokenizeBody(BaseModel):
+    """llama-server's /tokenize: the text, and whether to add the model's special tokens."""
+
+    model_config = ConfigDict(strict=True)
+    content: str
+    add_special: bool = False

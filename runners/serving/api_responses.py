@@ -1,0 +1,174 @@
+"""The JSON `llmrun serve` answers with, as pydantic models: OpenAI's shapes (chat completions,
+completions, their stream chunks, models, errors) and llama-server's (/health, /props,
+/tokenize), with llmrun's `timings` (RequestTimings.to_dict) beside them.
+
+Each model's fields are in the order they go on the wire; `wire()` gives the JSON object
+(None kept as null, as OpenAI sends it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from .api_engine import RequestTimings
+
+
+class Wire(BaseModel):
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def json_text(self) -> str:
+        """The JSON text, as the standard library writes it (floats included)."""
+        return json.dumps(self.wire(), ensure_ascii=False, separators=(",", ":"))
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int  # the HTTP status, as llama-server has it (OpenAI's own is a string or null)
+
+
+class ErrorBody(Wire):
+    error: ErrorDetail
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> ErrorBody:
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status))
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, t: RequestTimings) -> Usage:
+        return cls(
+            prompt_tokens=t.prompt_tokens,
+            completion_tokens=t.output_tokens,
+            total_tokens=t.prompt_tokens + t.output_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=t.reused_tokens),
+        )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class TextChoice(BaseModel):
+    """A completion's choice, whole or as a stream chunk's (`finish_reason` null until the end)."""
+
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChunkChoice(BaseModel):
+    """A chat stream chunk's choice: `delta` holds `role` in the first chunk, `content` in
+    those that carry text, nothing in the last."""
+
+    index: int = 0
+    delta: dict[str, str]
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Head(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class ChatCompletion(Head, Wire):
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: dict[str, Any]
+
+
+class TextCompletion(Head, Wire):
+    choices: list[TextChoice]
+    usage: Usage
+    timings: dict[str, Any]
+
+
+class Chunk(Head, Wire):
+    choices: list[ChunkChoice | TextChoice]
+
+    def json_text(self) -> str:
+        if type(self) is Chunk:  # one per token: no floats, pydantic's writer gives the same text
+            return self.model_dump_json()
+        return super().json_text()
+
+
+class LastChunk(Chunk):
+    """The chunk with the finish reason, and the request's timings."""
+
+    timings: dict[str, Any]
+
+
+class UsageChunk(Chunk):
+    """`stream_options.include_usage`: no choices, the usage and the timings."""
+
+    usage: Usage
+    timings: dict[str, Any]
+
+
+class ModelMeta(BaseModel):
+    n_ctx_per_seq: int
+    n_seq: int
+    policy: str
+    n_params: int | None
+    size: int | None
+
+
+class ModelCard(Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: Literal["llmrun"] = "llmrun"
+    meta: ModelMeta
+
+
+class ModelList(Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(Wire):
+    status: Literal["ok"] = "ok"
+    slots_idle: int
+    slots_processing: int
+    queued: int
+
+
+class GenerationSettings(BaseModel):
+    n_ctx: int
+
+
+class Props(Wire):
+    default_generation_settings: GenerationSettings
+    total_slots: int
+    model_alias: str
+
+
+class Tokens(Wire):
+    tokens: list[int]

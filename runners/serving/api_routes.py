@@ -1,0 +1,440 @@
+"""The routes of `llmrun serve`, at module level: each reads what the server shares (`Served`)
+from `request.app.state.served` and answers with a typed model (api_responses).
+
+/v1/chat/completions and /v1/completions (streaming or not), /v1/models, /health, /metrics, and
+llama-server's /tokenize and /props. Every answer of a completion carries `timings` in llmrun's
+names (`RequestTimings.to_dict`): the final stream chunk and, with
+`stream_options.include_usage`, the usage chunk too. A stream that ends otherwise (the engine
+failed, or the server is shutting down) ends with an error event in OpenAI's shape, a last chunk
+with the finish reason `error`, and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.errors import BadRequestError, LlmrunError, PromptTooLongError
+from llmrun.runners.llamacpp import LlamaCppRunner
+
+from .api_engine import (
+    FINISH_CANCELLED,
+    Answered,
+    Done,
+    EngineThread,
+    Failed,
+    Job,
+    Piece,
+    QueueFullError,
+)
+from .api_http import (
+    GENERATING,
+    RETRY_AFTER_S,
+    SSE_DONE,
+    EventStream,
+    Report,
+    body_limit,
+    error_response,
+    outcome_of,
+    parse_body,
+    printable,
+    report,
+    sse,
+)
+from .api_metrics import CONTENT_TYPE, ServerMetrics
+from .api_models import ChatBody, CompletionBody, TokenizeBody
+from .api_responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    Chunk,
+    ChunkChoice,
+    GenerationSettings,
+    Head,
+    Health,
+    LastChunk,
+    ModelCard,
+    ModelList,
+    ModelMeta,
+    Props,
+    TextChoice,
+    TextCompletion,
+    Tokens,
+    Usage,
+    UsageChunk,
+    error_body,
+)
+from .engine import FINISH_ERROR
+
+SHUTTING_DOWN = "the server is shutting down"
+
+Event = Piece | Done | Failed
+
+
+@dataclass
+class Served:
+    """What the routes share: the model, the engine, the defaults, the measurements and the log,
+    and the requests waiting on the engine (cut at shutdown)."""
+
+    runner: LlamaCppRunner
+    engine: EngineThread
+    model_id: str
+    defaults: SamplingParams
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    log: deque[Answered] = field(default_factory=lambda: deque(maxlen=10000))
+    stopping: bool = False
+    waiting: set[asyncio.Queue[Event]] = field(default_factory=set)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx_per_seq
+
+    @property
+    def names(self) -> set[str | None]:
+        """The model names a request may give: none, the id /v1/models lists, or its file."""
+        return {None, "", self.model_id, self.model_id + ".gguf"}
+
+    def record(self, route: str, status: int, seen: Report) -> None:
+        """One answer, counted under its route; logged when it generates or fails."""
+        self.metrics.answered(route, seen.outcome or outcome_of(status))
+        shown = seen.status or status
+        if route in GENERATING or shown >= 400:
+            self.log.append(Answered(route, shown, seen.timings, printable(seen.note)))
+
+    def note(self, text: str) -> None:
+        """A log line only: no request was answered."""
+        self.log.append(Answered("other", 503, None, text))
+
+    def cut(self) -> None:
+        """The server stops with requests in flight: each ends now with an error of its own."""
+        self.stopping = True
+        for queue in self.waiting:
+            queue.put_nowait(Failed(SHUTTING_DOWN))
+
+
+def served(request: HttpRequest) -> Served:
+    state: Served = request.app.state.served
+    return state
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(request: HttpRequest) -> Response:
+    return await complete(request, chat=True)
+
+
+@router.post("/v1/completions", response_model=None)
+@router.post("/completions", response_model=None)
+async def completions(request: HttpRequest) -> Response:
+    return await complete(request, chat=False)
+
+
+async def complete(request: HttpRequest, chat: bool) -> Response:
+    received = time.perf_counter()
+    s, seen = served(request), report(request)
+    limit = body_limit(s.n_ctx)
+    body: ChatBody | CompletionBody | Response = await (
+        parse_body(request, ChatBody, limit) if chat else parse_body(request, CompletionBody, limit)
+    )
+    if isinstance(body, Response):
+        return body
+    if body.model not in s.names:
+        message = f"model {body.model!r} is not served here; /v1/models lists {s.model_id!r}"
+        seen.set("not_found", message)
+        return error_response(404, message, "model_not_found", param="model")
+    try:
+        req = body.request(s.defaults)
+        tokens = await run_in_threadpool(s.runner.request_tokens, req)
+        if req.token_ids is not None:
+            n_vocab = s.runner.vocab_size()
+            bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise BadRequestError(
+                    f"prompt: token {bad} is not in the vocabulary (0..{n_vocab - 1})"
+                )
+        if len(tokens) + 1 > s.n_ctx:
+            raise PromptTooLongError(len(tokens), s.n_ctx)
+    except LlmrunError as e:  # the request's own fault: bad values, template, length
+        message = " ".join(str(e).split())
+        if isinstance(e, PromptTooLongError):
+            message += " (the context of one sequence: -c/--ctx)"
+        seen.set("bad_request", message)
+        return error_response(400, message)
+    if s.stopping:
+        seen.set("error", SHUTTING_DOWN)
+        return error_response(503, SHUTTING_DOWN, "server_error")
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process is ending
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    job = Job(tuple(tokens), req.sampling, received_s=received, sink=sink)
+    try:
+        s.engine.submit(job)
+    except QueueFullError as e:
+        seen.set("busy", str(e))
+        return error_response(
+            503, f"{e}; retry later", "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
+    s.waiting.add(queue)
+    head = Head(
+        id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+        object="chat.completion.chunk" if chat else "text_completion",
+        created=int(time.time()),
+        model=s.model_id,
+    )
+    flight = Flight(s, seen, job, queue, head, chat)
+    if body.stream:
+        return EventStream(
+            stream(flight, body.include_usage),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        return await whole(request, flight)
+    finally:
+        s.waiting.discard(queue)
+
+
+@dataclass
+class Flight:
+    """A completion handed to the engine: its job, the queue its events arrive on, the head of
+    each of its answers, and its report."""
+
+    served: Served
+    seen: Report
+    job: Job
+    queue: asyncio.Queue[Event]
+    head: Head
+    chat: bool
+
+    def choice(self, text: str | None, finish: str | None) -> ChunkChoice | TextChoice:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            return ChunkChoice(delta=delta, finish_reason=finish)
+        return TextChoice(text=text or "", finish_reason=finish)
+
+    def chunk(self, text: str | None, finish: str | None = None) -> Chunk:
+        return Chunk(**dict(self.head), choices=[self.choice(text, finish)])
+
+    def failed(self, event: Failed, *, streamed: bool) -> int:
+        """The engine failed it, or the server is shutting down: the status it ends with."""
+        status = 503 if self.served.stopping else 500
+        self.seen.set("error", event.message, status=status if streamed else None)
+        return status
+
+    def cancel(self) -> None:
+        """The client went away: its sequence is freed now."""
+        self.served.engine.cancel(self.job)
+        self.seen.set("cancelled", "client disconnected", status=499)
+
+
+async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events; one that cannot finish ends with an error event, a
+    last chunk with the finish reason `error`, and [DONE]."""
+    head, ended = dict(flight.head), False
+    try:
+        if flight.chat:
+            first = ChunkChoice(delta={"role": "assistant", "content": ""}, finish_reason=None)
+            yield sse(Chunk(**head, choices=[first]))
+        while True:
+            event = await flight.queue.get()
+            if isinstance(event, Piece):
+                yield sse(flight.chunk(event.text))
+                continue
+            ended = True
+            if isinstance(event, Failed):
+                status = flight.failed(event, streamed=True)
+                yield sse(error_body(status, event.message, "server_error"))
+                yield sse(flight.chunk(None, FINISH_ERROR))
+                yield SSE_DONE
+                return
+            t = event.timings
+            timings = t.to_dict()
+            if event.tail:
+                yield sse(flight.chunk(event.tail))
+            last = flight.choice(None, event.finish_reason)
+            yield sse(LastChunk(**head, choices=[last], timings=timings))
+            if include_usage:
+                yield sse(UsageChunk(**head, choices=[], usage=Usage.of(t), timings=timings))
+            yield SSE_DONE
+            flight.seen.set("ok", timings=t)
+            return
+    finally:
+        flight.served.waiting.discard(flight.queue)
+        if not ended:
+            flight.cancel()
+
+
+async def _disconnected(request: HttpRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def whole(request: HttpRequest, flight: Flight) -> Response:
+    """The answer in one piece, once the engine has finished it (or the client has gone)."""
+
+    async def collect() -> tuple[str, Done | Failed]:
+        parts = []
+        while True:
+            event = await flight.queue.get()
+            if isinstance(event, Piece):
+                parts.append(event.text)
+            else:
+                return "".join(parts) + (event.tail if isinstance(event, Done) else ""), event
+
+    waiter, gone = (
+        asyncio.ensure_future(collect()),
+        asyncio.ensure_future(_disconnected(request)),
+    )
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            flight.cancel()
+    if not waiter.done() or waiter.cancelled():
+        return Response(status_code=499)
+    text, event = waiter.result()
+    if isinstance(event, Failed):
+        status = flight.failed(event, streamed=False)
+        return error_response(status, event.message, "server_error")
+    t = event.timings
+    finish = "stop" if event.finish_reason == FINISH_CANCELLED else event.finish_reason
+    fields: dict[str, Any] = {
+        **dict(flight.head),
+        "object": "chat.completion" if flight.chat else "text_completion",
+        "usage": Usage.of(t),
+        "timings": t.to_dict(),
+    }
+    flight.seen.set("ok", timings=t)
+    if flight.chat:
+        message = AssistantMessage(content=text)
+        answer = ChatCompletion(
+            **fields, choices=[ChatChoice(message=message, finish_reason=finish)]
+        )
+        return JSONResponse(answer.wire())
+    done = TextCompletion(**fields, choices=[TextChoice(text=text, finish_reason=finish)])
+    return JSONResponse(done.wire())
+
+
+def _model_card(s: Served) -> ModelCard:
+    loaded = s.runner.load()
+    meta = ModelMeta(
+        n_ctx_per_seq=s.n_ctx,
+        n_seq=s.engine.n_seq,
+        policy=str(s.engine.policy),
+        n_params=loaded.model.n_params,
+        size=loaded.model.size_bytes,
+    )
+    return ModelCard(id=s.model_id, created=s.created, meta=meta)
+
+
+@router.api_route("/v1/models", methods=["GET", "HEAD"], response_model=None)
+@router.api_route("/models", methods=["GET", "HEAD"], response_model=None)
+async def models(request: HttpRequest) -> Response:
+    return JSONResponse(ModelList(data=[_model_card(served(request))]).wire())
+
+
+@router.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"], response_model=None)
+@router.api_route("/models/{name:path}", methods=["GET", "HEAD"], response_model=None)
+async def one_model(request: HttpRequest, name: str) -> Response:
+    s = served(request)
+    if name not in s.names:
+        report(request).set("not_found", f"model {name!r}")
+        return error_response(
+            404,
+            f"model {name!r} is not served here; /v1/models lists {s.model_id!r}",
+            "model_not_found",
+        )
+    return JSONResponse(_model_card(s).wire())
+
+
+@router.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+async def health(request: HttpRequest) -> Response:
+    engine = served(request).engine
+    busy = engine.busy
+    answer = Health(slots_idle=engine.n_seq - busy, slots_processing=busy, queued=engine.queued)
+    return JSONResponse(answer.wire())
+
+
+@router.api_route("/metrics", methods=["GET", "HEAD"], response_model=None)
+async def metrics(request: HttpRequest) -> Response:
+    return Response(served(request).metrics.text(), media_type=CONTENT_TYPE)
+
+
+@router.api_route("/props", methods=["GET", "HEAD"], response_model=None)
+async def props(request: HttpRequest) -> Response:
+    s = served(request)
+    answer = Props(
+        default_generation_settings=GenerationSettings(n_ctx=s.n_ctx),
+        total_slots=s.engine.n_seq,
+        model_alias=s.model_id,
+    )
+    return JSONResponse(answer.wire())
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(request: HttpRequest) -> Response:
+    s = served(request)
+    body = await parse_body(request, TokenizeBody, body_limit(s.n_ctx))
+    if isinstance(body, Response):
+        return body
+    tokens = await run_in_threadpool(s.runner.tokenize, body.content, add_special=body.add_special)
+    return JSONResponse(Tokens(tokens=tokens).wire())
+
+
+async def http_error(request: HttpRequest, exc: Exception) -> Response:
+    """Unknown paths and methods in OpenAI's error shape; OPTIONS gets the allowed methods."""
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and request.method == "OPTIONS" and "Allow" in headers:
+        return Response(status_code=204, headers={"Allow": headers["Allow"] + ", OPTIONS"})
+    report(request).set(outcome_of(exc.status_code), f"{request.method} {request.url.path}")
+    message = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}"
+        + (f" (allowed: {headers['Allow']})" if "Allow" in headers else ""),
+    }.get(exc.status_code, str(exc.detail))
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, message, kind, headers=headers or None)
+
+
+async def failed(request: HttpRequest, exc: Exception) -> Response:
+    """A fault of llmrun's own: OpenAI's shape, never a traceback in the answer."""
+    report(request).set("error", f"{type(exc).__name__}: {exc}")
+    return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def create_app(state: Served) -> FastAPI:
+    app = FastAPI(
+        title="llmrun serve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,  # api_access strips a trailing slash: no 307
+    )
+    app.state.served = state
+    app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, failed)
+    return app
