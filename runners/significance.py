@@ -173,27 +173,13 @@ class Difference:
     @property
     def text(self) -> str:
         """The verdict in words, with the busy machine's mark: it marks, never hides."""
-        v = self.verdict
-        if v == "no interval":
-            if self.ratio is None:
-                words = "no interval: a side has no repetition"
-            else:
-                words = "no interval: one repetition on a side (2 or more each give one)"
-        elif v == "no difference":
-            words = f"no difference detectable: {self.needed_words()}"
-        else:
-            words = v
-        return words + (" (busy machine: may be noise)" if self.busy else "")
-
-    def needed_words(self) -> str:
-        share = f"{self.resolve:.0%}".replace("%", " %")
-        if self.needed is None:
-            return f"the repetitions cannot tell how many would resolve {share}"
-        if self.needed <= min(self.n_a, self.n_b):
-            return f"{min(self.n_a, self.n_b)} repetitions already resolve {share}"
-        if self.needed >= MAX_NEEDED:
-            return f"over {MAX_NEEDED:,} repetitions would resolve {share}"
-        return f"about {self.needed} repetitions would resolve {share}"
+        return describe(
+            self.verdict,
+            needed=self.needed,
+            reps=(self.n_a, self.n_b),
+            busy=self.busy,
+            resolve=self.resolve,
+        )
 
     @property
     def interval(self) -> str:
@@ -203,6 +189,37 @@ class Difference:
         if self.low is None or self.high is None:
             return f"x{self.ratio:.3f}"
         return f"x{self.ratio:.3f} ({self.low:.3f}-{self.high:.3f})"
+
+
+def describe(
+    verdict: str,
+    *,
+    needed: int | None,
+    reps: tuple[int, int],
+    busy: bool = False,
+    resolve: float = RESOLVE,
+) -> str:
+    """A verdict in words (from a `Difference`, or from the fields `record_fields` wrote)."""
+    share = f"{resolve:.0%}".replace("%", " %")
+    if verdict == "no interval":
+        return (
+            "no interval: a side has no repetition"
+            if 0 in reps
+            else "no interval: one repetition on a side (2 or more each give one)"
+        ) + (" (busy machine: may be noise)" if busy else "")
+    if verdict != "no difference":
+        words = verdict
+    elif needed is None:
+        words = f"the repetitions cannot tell how many would resolve {share}"
+    elif needed <= min(reps):
+        words = f"{min(reps)} repetitions already resolve {share}"
+    elif needed >= MAX_NEEDED:
+        words = f"over {MAX_NEEDED:,} repetitions would resolve {share}"
+    else:
+        words = f"about {needed} repetitions would resolve {share}"
+    if verdict == "no difference":
+        words = f"no difference detectable: {words}"
+    return words + (" (busy machine: may be noise)" if busy else "")
 
 
 def needed_repetitions(
