@@ -555,3 +555,19 @@ def test_compare_llama_bench_reads_the_exported_history(
         r["test"]: pytest.approx(r["speedup"], abs=0.01) for r in json.loads(ours.stdout)
     }
     assert theirs == {"pp8": pytest.approx(1.5), "tg4": pytest.approx(1.2)}
+
+
+def test_each_run_is_judged_against_the_one_before_by_its_repetitions() -> None:
+    tg = {"n_prompt": 0, "n_gen": 4, "test": "tg4"}
+    store(rec(avg_ts=100.0, stddev_ts=1.0), rec(**tg, avg_ts=10.0, stddev_ts=0.1))
+    second = store(rec(avg_ts=90.0, stddev_ts=1.0), rec(**tg, avg_ts=10.05, stddev_ts=0.1))
+    with History() as h:
+        pp_change, tg_change = h.compare(h.runs(limit=1)[0]["records"], before_run=second)
+    assert pp_change.verdict == "slower" and pp_change.previous_run == 1
+    d = pp_change.difference
+    assert d is not None and d.low < 0.9 < d.high < 1  # type: ignore[operator]
+    assert tg_change.verdict == "no difference detectable: about 6 repetitions would resolve 2 %"
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "ratio (95 % CI)" in done.stdout and "slower (run 1)" in done.stdout
+    assert f"x0.900 ({d.low:.3f}-{d.high:.3f})" in done.stdout

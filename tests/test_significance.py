@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import random
 import threading
 from collections.abc import Iterator
 
 import pytest
+from rich.console import Console
 
 from llmrun.runners.base import Event, Finished, Request
 from llmrun.runners.bench import measure
@@ -228,3 +230,35 @@ def _system() -> SystemInfo:
         gpu="",
         mem_bw_bytes_s=None,
     )
+
+
+# ---- the relative column of several models --------------------------------------------------
+
+
+def test_a_later_models_rows_carry_the_ratios_interval_and_verdict() -> None:
+    from llmrun.cli.bench.output import OutputFormat, format_records, results_table
+    from llmrun.runners.bench.run import RecordStream
+
+    [first], _ = _bench(None, reps=5)
+    slower = dataclasses.replace(
+        first,
+        model=dataclasses.replace(first.model, name="other"),
+        samples_s=tuple(s * 1.25 for s in first.samples_s),  # 0.8 of the rate, same scatter
+    )
+    stream = RecordStream(_system(), several_models=True)
+    [a] = stream.add(first)
+    [b] = stream.add(slower)
+    assert a.record["relative_ts"] == 1.0 and a.record["relative_verdict"] is None
+    rb = b.record
+    assert rb["relative_ts"] == pytest.approx(0.8, abs=1e-3)
+    assert rb["relative_verdict"] == "slower" and rb["relative_reps"] == [5, 5]
+    assert rb["relative_low"] < 0.8 < rb["relative_high"]
+    md = format_records([a.record, rb], OutputFormat.md)
+    head, _, first_row, second_row = md.splitlines()[:4]
+    assert "vs first, 95 % CI" in head and "verdict" in head
+    assert "| slower " in second_row and "| -  " in first_row
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(results_table([a.row, b.row]))
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert f"x0.80 ({rb['relative_low']:.3f}-{rb['relative_high']:.3f})" in shown
+    assert "slower" in shown
