@@ -213,7 +213,12 @@ def test_until_ci_repeats_past_r_and_records_what_it_took() -> None:
     assert shorter is not None and shorter * 100 >= 2.0  # it stopped at the first that made it
     # a target the scatter cannot meet soon: the budget ends it
     [cut], _ = _bench(measure.UntilCi(0.01, 0.05))
-    assert len(cut.samples_s) > 2 and cut.record(_system())["until_ci_stop"] == "time budget"
+    assert len(cut.samples_s) >= 2 and cut.record(_system())["until_ci_stop"] == "time budget"
+    from llmrun.cli.bench.output import OutputFormat, format_records
+
+    md = format_records([cut.record(_system()), record], OutputFormat.md).splitlines()
+    assert "|  reps |  95 % CI |" in md[0]
+    assert "(time budget) |" in md[2] and f"| {record['repetitions']:>5} |" in md[3]
     # a wide target is met at -r's repetitions: -r is the least
     [easy], _ = _bench(measure.UntilCi(50.0, 30.0), reps=3)
     assert len(easy.samples_s) == 3 and easy.record(_system())["until_ci_stop"] == "reached"

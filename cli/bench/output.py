@@ -195,7 +195,7 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         "tps": lambda: "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
         "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
         "reps": lambda: str(r.get("repetitions", "-")),
-        "ci95": lambda: "-" if r.get("ci95_pct") is None else f"±{r['ci95_pct']:.2f}%",
+        "ci95": lambda: _half(r.get("ci95_pct"), r.get("until_ci_stop")),
     }
     return special[key]() if key in special else _md_value(r.get(key))
 
@@ -219,8 +219,10 @@ def _rel_verdict(r: dict[str, Any]) -> str:
     )
 
 
-def _half(pct: float | None) -> str:
-    return "-" if pct is None else f"±{pct:.2f}%"
+def _half(pct: float | None, stop: str | None) -> str:
+    """--until-ci's half-width reached, and why it stopped short of the target if it did."""
+    shown = "-" if pct is None else f"±{pct:.2f}%"
+    return shown if stop in (None, "reached") else f"{shown} ({stop})"
 
 
 def verdict_style(verdict: str) -> str:
@@ -549,6 +551,7 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
         shown = "-" if rel is None else f"x{rel:.2f}" + ("" if ci == "-" else f" ({ci})")
         verdict = _rel_verdict(dict(r.relative))
         against: list[str | Text] = [shown, Text(verdict, style=verdict_style(verdict))]
+        took = [str(len(r.result.samples_s)), _half(r.result.ci95_pct, r.result.until_ci_stop)]
         table.add_row(
             *([r.model_name] if several else []),
             r.test,
@@ -556,7 +559,7 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
             *(str(r.swept.get(k)) for k, _ in varying),
             f"{r.avg_ts:,.1f} ± {r.stddev_ts:,.1f}",
             *(against if several else []),
-            *([str(len(r.result.samples_s)), _half(r.result.ci95_pct)] if until else []),
+            *(took if until else []),
             _ms(r.ttft_ms),
             itl,
         )
