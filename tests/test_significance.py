@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import random
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -267,3 +269,27 @@ def test_a_later_models_rows_carry_the_ratios_interval_and_verdict() -> None:
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert f"x0.80 ({rb['relative_low']:.3f}-{rb['relative_high']:.3f})" in shown
     assert "slower" in shown
+
+
+def test_bench_until_ci_end_to_end_and_a_bad_value_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    from .test_trust_bench import _fake_models
+
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    _fake_models(monkeypatch)
+    base = ["bench", "-r", "2", "-p", "8", "-n", "0", "--no-history"]
+    done = CliRunner().invoke(app, [*base, "--until-ci", "50%,30", "-o", "json"])
+    assert done.exit_code == 0, done.stderr
+    [row] = json.loads(done.stdout)
+    assert (row["until_ci_pct"], row["repetitions"], row["until_ci_stop"]) == (50.0, 2, "reached")
+    bad = CliRunner().invoke(app, [*base, "--until-ci", "two"])
+    assert bad.exit_code == 1
+    assert bad.stderr.strip().splitlines() == [
+        "llmrun: error: --until-ci: give a share such as 2% or 2%,60s (with a time budget a"
+        " test), not 'two'"
+    ]
