@@ -13,7 +13,14 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.history import Comparison, History, compare_sets, parse_selector, write_database
+from llmrun.runners.history import (
+    Comparison,
+    History,
+    Pair,
+    compare_sets,
+    parse_selector,
+    write_database,
+)
 
 from .bench import output as out
 from .bench.sweep import usage_error
@@ -196,17 +203,21 @@ def _rate(avg: float, spread: float) -> str:
 
 
 def to_markdown(c: Comparison) -> str:
-    """compare-llama-bench.py's table, with each side's spread and runs and the verdict."""
+    """compare-llama-bench.py's table, with each side's spread and runs, the ratio's 95 %
+    interval and the verdict."""
     heads = [HEADS.get(f, f) for f in c.shown]
-    heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", "Runs", "Verdict"]
+    heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
+    heads += ["Verdict"]
     rows = []
     for p in c.pairs:
         cells = [_cell(v) for _, v in p.shown]
         cells += [p.test, _rate(p.baseline.avg_ts, p.baseline.stddev_ts)]
         cells += [_rate(p.compare.avg_ts, p.compare.stddev_ts), _cell(_speedup(p.speedup))]
-        cells += [f"{p.baseline.runs}/{p.compare.runs}", p.verdict]
+        cells += [_interval(p), f"{p.baseline.runs}/{p.compare.runs}", p.verdict]
         rows.append(cells)
-    right = {i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", "Runs")}
+    right = {
+        i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", CI_HEAD, "Runs")
+    }
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
 
     def line(cells: list[str]) -> str:
@@ -222,6 +233,15 @@ def to_markdown(c: Comparison) -> str:
 
 def _speedup(value: float | None) -> str | None:
     return None if value is None else f"{value:.2f}"
+
+
+# The ratio of the two sides' geometric means with its 95 % interval (Welch on log rates)
+CI_HEAD = "ratio (95 % CI)"
+
+
+def _interval(p: Pair) -> str:
+    found = p.difference
+    return "-" if found is None else found.interval
 
 
 def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutConsole) -> None:
@@ -252,10 +272,9 @@ def _table(c: Comparison) -> Fitted:
     table = Table(title=terminal_line(title), title_justify="left")
     for name in (*(HEADS.get(f, f) for f in c.shown), "test"):
         table.add_column(name)
-    for name in ("t/s baseline", "t/s compare", "speedup", "runs"):
+    for name in ("t/s baseline", "t/s compare", "speedup", CI_HEAD, "runs"):
         table.add_column(name, justify="right")
     table.add_column("verdict")
-    styles = {"regression": "red", "improvement": "green"}
     for p in c.pairs:
         table.add_row(
             *(terminal_text(_cell(v)) for _, v in p.shown),
@@ -263,7 +282,8 @@ def _table(c: Comparison) -> Fitted:
             _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
             _rate(p.compare.avg_ts, p.compare.stddev_ts),
             _cell(_speedup(p.speedup)),
+            _interval(p),
             f"{p.baseline.runs}/{p.compare.runs}",
-            Text(p.verdict, style=styles.get(p.verdict, "")),
+            Text(p.verdict, style=out.verdict_style(p.verdict)),
         )
-    return fitted(table)
+    return fitted(table, wrap=("verdict",))

@@ -1,8 +1,11 @@
 """Every bench run, kept in SQLite in the user's data directory, and comparisons between runs.
 
 A result is compared with the newest earlier result of the same key: the same model file (name
-and size), the same settings and the same test shape. A change counts as a regression or an
-improvement only when the two runs' spreads (mean ± stddev) do not overlap.
+and size), the same settings and the same test shape. The two runs' repetitions give the ratio
+with its 95 % interval and a verdict (`significance.compare`: faster, slower, or no difference
+detectable and how many repetitions would resolve 2 %). A record without its repetitions (one
+written by hand or by another tool) is judged by the older rule: a regression or an improvement
+only when the two runs' spreads (mean ± stddev) do not overlap.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from .bench.results import (
 )
 from .errors import BadRequestError
 from .paths import data_dir
+from .significance import Difference, record_fields
+from .significance import compare as compare_rates
 from .system import busy_machine
 
 KEY_FIELDS = (
@@ -99,11 +104,43 @@ class Change:
         return float(self.record["avg_ts"]) / float(self.previous["avg_ts"]) - 1
 
     @property
+    def difference(self) -> Difference | None:
+        """The two runs' repetitions compared (None: new, or a side kept no repetitions)."""
+        if self.previous is None:
+            return None
+        return difference(self.previous, self.record)
+
+    @property
     def verdict(self) -> str:
-        """regression / improvement beyond both runs' spread, else 'within spread' or 'new'."""
+        """faster / slower with the interval, else no difference detectable with the
+        repetitions that would resolve 2 %; 'new'; the spread rule without repetitions."""
         if self.previous is None:
             return "new"
-        return spread_verdict(self.record, self.previous)
+        found = self.difference
+        return found.text if found is not None else spread_verdict(self.record, self.previous)
+
+
+def rates(record: Mapping[str, Any]) -> tuple[float, ...]:
+    """A record's rate in each repetition (llama-bench's `samples_ts`), () where it has none."""
+    samples = record.get("samples_ts")
+    if not isinstance(samples, list) or not samples:
+        return ()
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in samples):
+        return ()
+    return tuple(float(x) for x in samples)
+
+
+def busy_pair(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Other processes took the CPU during either, or the two ran under different loads."""
+    return _busy(new) or _busy(old) or _load_differs(new, old)
+
+
+def difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference | None:
+    """`new`'s repetitions against `old`'s, busy machine marked; None where either kept none."""
+    a, b = rates(old), rates(new)
+    if not (a and b):
+        return None
+    return compare_rates(a, b, busy=busy_pair(new, old))
 
 
 def spread_verdict(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
@@ -116,7 +153,7 @@ def spread_verdict(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
     old_low = old["avg_ts"] - (old.get("stddev_ts") or 0)
     old_high = old["avg_ts"] + (old.get("stddev_ts") or 0)
     if new_high < old_low or new_low > old_high:
-        if _busy(new) or _busy(old) or _load_differs(new, old):
+        if busy_pair(new, old):
             return "noise (busy machine)"
         return "regression" if new_high < old_low else "improvement"
     return "within spread"
@@ -534,6 +571,12 @@ class Tally:
         return math.sqrt(within + between)
 
     @property
+    def rates(self) -> tuple[float, ...]:
+        """Every repetition of every run, pooled; () when a run kept none."""
+        each = [rates(r) for r in self.records]
+        return () if not all(each) else tuple(x for run in each for x in run)
+
+    @property
     def summary(self) -> dict[str, Any]:
         """What spread_verdict reads: the mean, the spread, the most background load seen."""
         loads = [_background(r) for r in self.records if r.get("background_cpus") is not None]
@@ -561,7 +604,18 @@ class Pair:
         return self.compare.avg_ts / self.baseline.avg_ts if self.baseline.avg_ts else None
 
     @property
+    def difference(self) -> Difference | None:
+        """compare against baseline from their pooled repetitions (None: a run kept none)."""
+        a, b = self.baseline.rates, self.compare.rates
+        if not (a and b):
+            return None
+        return compare_rates(a, b, busy=busy_pair(self.compare.summary, self.baseline.summary))
+
+    @property
     def verdict(self) -> str:
+        found = self.difference
+        if found is not None:
+            return found.text
         return spread_verdict(self.compare.summary, self.baseline.summary)
 
 
@@ -589,6 +643,7 @@ class Comparison:
                 record[f"{side}_stddev_ts"] = round(tally.stddev_ts, 6)
                 record[f"{side}_runs"] = tally.runs
             record["speedup"] = None if p.speedup is None else round(p.speedup, 4)
+            record.update(record_fields(p.difference, "speedup"))
             record["verdict"] = p.verdict
             out.append(record)
         return out

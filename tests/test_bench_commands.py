@@ -25,6 +25,7 @@ SAMPLES: dict[str, list[str]] = {
     "--pg": ["--pg", "8,8"],
     "--n-depth": ["-d", "32"],
     "--repetitions": ["-r", "2"],
+    "--until-ci": ["--until-ci", "2%"],
     "--threads": ["-t", "1"],
     "--threads-batch": ["-tb", "1"],
     "--batch": ["-b", "64"],

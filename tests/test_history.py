@@ -67,13 +67,22 @@ def rec(**over: Any) -> dict[str, Any]:
         "avg_ts": 100.0,
         "stddev_ts": 1.0,
         "samples_ns": [1000],
-        "samples_ts": [100.0],
         "test": "pp8",
         "model_name": "m",
         "background_cpus": 0.0,
     }
     r.update(over)
+    r.setdefault("samples_ts", repetitions(r["avg_ts"], r["stddev_ts"]))
     return r
+
+
+# Five repetitions' deviations with a mean of 0 and a sample standard deviation of 1
+SPREAD = (-1.2649110640673518, -0.6324555320336759, 0.0, 0.6324555320336759, 1.2649110640673518)
+
+
+def repetitions(avg_ts: float, stddev_ts: float) -> list[float]:
+    """Five repetitions' rates with this mean and standard deviation, as a record keeps them."""
+    return [avg_ts + stddev_ts * k for k in SPREAD]
 
 
 def store(*records: dict[str, Any], path: Path | None = None) -> int:
@@ -239,11 +248,15 @@ def test_builds_pair_on_the_scripts_key_fields_and_repeated_runs_are_averaged() 
     assert pp.baseline.avg_ts == pytest.approx(105.0)  # the mean of the runs' avg_ts
     assert pp.baseline.stddev_ts == pytest.approx(math.sqrt(1.0 + 25.0))  # within + between
     assert pp.speedup == pytest.approx(200.0 / 105.0) and tg.speedup == pytest.approx(3.0)
-    assert pp.verdict == "improvement"
+    assert pp.verdict == "faster"
+    d = pp.difference  # the runs' repetitions pooled: 10 against 5, Welch on log rates
+    assert d is not None and (d.n_a, d.n_b) == (10, 5) and d.low < 200 / 105 < d.high  # type: ignore[operator]
     assert (found.unpaired_baseline, found.unpaired_compare) == (1, 0)  # -b 512: no partner
     assert found.shown == ("model_type",)
     records = found.records()
     assert records[0]["baseline_runs"] == 2 and records[0]["speedup"] == pytest.approx(1.9048)
+    assert records[0]["speedup_verdict"] == "faster" and records[0]["speedup_reps"] == [10, 5]
+    assert records[0]["speedup_low"] < records[0]["speedup_ratio"] < records[0]["speedup_high"]
 
 
 def test_a_setting_named_by_both_sets_is_compared_across_and_others_must_match() -> None:
@@ -334,17 +347,29 @@ def test_the_default_compare_set_is_the_newest_run_outside_the_baseline() -> Non
 
 
 def test_a_busy_machine_is_called_noise_in_a_comparison_too() -> None:
-    """The verdict is the one `bench --compare` gives: a spread that does not overlap, measured
-    while other processes took the CPU, is noise."""
+    """The verdict is the one `bench --compare` gives: a difference measured while other
+    processes took the CPU is marked as maybe noise, its direction still shown."""
     quiet = stored(1, rec(avg_ts=100.0, stddev_ts=1.0))
     busy = stored(2, rec(avg_ts=50.0, stddev_ts=1.0, background_cpus=64.0))
     assert compare_sets([*quiet, *busy], sel("run=1"), None).pairs[0].verdict == (
-        "noise (busy machine)"
+        "slower (busy machine: may be noise)"
     )
     calm = stored(2, rec(avg_ts=50.0, stddev_ts=1.0))
-    assert compare_sets([*quiet, *calm], sel("run=1"), None).pairs[0].verdict == "regression"
+    assert compare_sets([*quiet, *calm], sel("run=1"), None).pairs[0].verdict == "slower"
     close = stored(2, rec(avg_ts=101.0, stddev_ts=1.0))
-    assert compare_sets([*quiet, *close], sel("run=1"), None).pairs[0].verdict == "within spread"
+    assert compare_sets([*quiet, *close], sel("run=1"), None).pairs[0].verdict == (
+        "no difference detectable: about 6 repetitions would resolve 2 %"
+    )
+
+
+def test_records_without_repetitions_are_judged_by_their_spread() -> None:
+    """A record written by hand or by another tool, without samples_ts: no interval can be
+    made, so the spread rule (mean ± stddev ranges that do not overlap) decides."""
+    quiet = stored(1, rec(avg_ts=100.0, stddev_ts=1.0, samples_ts=None))
+    calm = stored(2, rec(avg_ts=50.0, stddev_ts=1.0, samples_ts=None))
+    pair = compare_sets([*quiet, *calm], sel("run=1"), None).pairs[0]
+    assert pair.difference is None and pair.verdict == "regression"
+    assert compare_sets([*quiet, *calm], sel("run=1"), None).records()[0]["speedup_low"] is None
 
 
 @pytest.mark.parametrize(
@@ -404,6 +429,7 @@ def test_history_compares_two_builds_in_every_format() -> None:
         "t/s aaaaaaa",
         "t/s bbbbbbb",
         "Speedup",
+        "ratio (95 % CI)",
         "Runs",
         "Verdict",
     ]
@@ -414,9 +440,11 @@ def test_history_compares_two_builds_in_every_format() -> None:
         "102.00 ± 2.24",
         "150.00 ± 1.00",
         "1.47",
+        cells[5],
         "2/1",
-        "improvement",
+        "faster",
     ]
+    assert cells[5].startswith("x1.47") and float(cells[5].split("(")[1].split("-")[0]) > 1
     done = cli.invoke(app, ["history", "-b", "aaaaaaa", "-c", "bbbbbbb", "-o", "csv"])
     rows = list(csv.DictReader(io.StringIO(done.stdout)))
     assert [(r["test"], r["baseline_runs"], r["speedup"]) for r in rows] == [
@@ -426,9 +454,9 @@ def test_history_compares_two_builds_in_every_format() -> None:
     done = cli.invoke(app, ["history", "-b", "aaaaaaa", "-o", "json"])  # -c: the newest run
     rows = json.loads(done.stdout)
     assert [r["compare"] for r in rows] == ["run 3", "run 3"]
-    assert rows[1]["verdict"] == "within spread"  # tg: 11 ± 1 against 11 ± 1.0
+    assert rows[1]["verdict"].startswith("no difference detectable")  # tg: 11 ± 1 against 11 ± 1
     done = cli.invoke(app, ["history", "-b", "aaaaaaa", "-c", "bbbbbbb"], env={"COLUMNS": "160"})
-    assert done.exit_code == 0 and "improvement" in done.stdout and "2/1" in done.stdout
+    assert done.exit_code == 0 and "faster" in done.stdout and "2/1" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -527,3 +555,19 @@ def test_compare_llama_bench_reads_the_exported_history(
         r["test"]: pytest.approx(r["speedup"], abs=0.01) for r in json.loads(ours.stdout)
     }
     assert theirs == {"pp8": pytest.approx(1.5), "tg4": pytest.approx(1.2)}
+
+
+def test_each_run_is_judged_against_the_one_before_by_its_repetitions() -> None:
+    tg = {"n_prompt": 0, "n_gen": 4, "test": "tg4"}
+    store(rec(avg_ts=100.0, stddev_ts=1.0), rec(**tg, avg_ts=10.0, stddev_ts=0.1))
+    second = store(rec(avg_ts=90.0, stddev_ts=1.0), rec(**tg, avg_ts=10.05, stddev_ts=0.1))
+    with History() as h:
+        pp_change, tg_change = h.compare(h.runs(limit=1)[0]["records"], before_run=second)
+    assert pp_change.verdict == "slower" and pp_change.previous_run == 1
+    d = pp_change.difference
+    assert d is not None and d.low < 0.9 < d.high < 1  # type: ignore[operator]
+    assert tg_change.verdict == "no difference detectable: about 6 repetitions would resolve 2 %"
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "ratio (95 % CI)" in done.stdout and "slower (run 1)" in done.stdout
+    assert f"x0.900 ({d.low:.3f}-{d.high:.3f})" in done.stdout

@@ -29,6 +29,7 @@ from llmrun.runners.bench.results import (
     Row,
 )
 from llmrun.runners.history import Change, History, HistoryError
+from llmrun.runners.significance import describe
 
 
 class OutputFormat(str, Enum):
@@ -156,13 +157,16 @@ def _md_columns(
             cols.append((key, head, width))
     cols += [("test", "test", 15), ("t/s", "t/s", 20)]
     if several_models:
-        cols += [("rel", "vs first", 8), ("weights", "weights", 10), ("kv", "KV", 10)]
+        cols += [("rel", "vs first", 8), ("rel_ci", "vs first, 95 % CI", -17)]
+        cols += [("rel_verdict", "verdict", -7), ("weights", "weights", 10), ("kv", "KV", 10)]
     elif "n_ctx" in shown:  # -c sweeps: memory against context
         cols += [("n_ctx", "ctx", 6), ("kv", "KV", 10)]
     if "draft" in shown or any(r.get("draft") for r in sample):  # with and without, side by side
         cols += [("draft", "draft", 5), ("accept", "accepted", 8), ("tps", "tok/step", 8)]
     if "ppl" in shown or any(r.get("ppl") is not None for r in sample):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
+    if "until_ci_pct" in shown or any(r.get("until_ci_pct") is not None for r in sample):
+        cols += [("reps", "reps", 5), ("ci95", "95 % CI", 8)]  # --until-ci: what it took
     cols += [("ttft", "TTFT ms", 10), ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]
     return cols
 
@@ -179,6 +183,8 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         "itl50": lambda: _ms(r.get("itl_p50_ms")),
         "itl99": lambda: _ms(r.get("itl_p99_ms")),
         "rel": lambda: "-" if r.get("relative_ts") is None else f"x{r['relative_ts']:.2f}",
+        "rel_ci": lambda: _ci(r.get("relative_low"), r.get("relative_high")),
+        "rel_verdict": lambda: _rel_verdict(r),
         "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
         "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
         "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
@@ -188,8 +194,44 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         ),
         "tps": lambda: "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
         "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
+        "reps": lambda: str(r.get("repetitions", "-")),
+        "ci95": lambda: _half(r.get("ci95_pct"), r.get("until_ci_stop")),
     }
     return special[key]() if key in special else _md_value(r.get(key))
+
+
+def _ci(low: float | None, high: float | None) -> str:
+    """A ratio's 95 % interval, `0.97-1.05`; '-' where there is none."""
+    return "-" if low is None or high is None else f"{low:.3f}-{high:.3f}"
+
+
+def _rel_verdict(r: dict[str, Any]) -> str:
+    """The relative column's verdict, in the words of every comparison; the first model's rows
+    are the baseline ('-')."""
+    verdict, reps = r.get("relative_verdict"), r.get("relative_reps")
+    if verdict is None or not isinstance(reps, list) or len(reps) != 2:
+        return "-"
+    return describe(
+        str(verdict),
+        needed=r.get("relative_needed_reps"),
+        reps=(int(reps[0]), int(reps[1])),
+        busy=bool(r.get("relative_busy")),
+    )
+
+
+def _half(pct: float | None, stop: str | None) -> str:
+    """--until-ci's half-width reached, and why it stopped short of the target if it did."""
+    shown = "-" if pct is None else f"±{pct:.2f}%"
+    return shown if stop in (None, "reached") else f"{shown} ({stop})"
+
+
+def verdict_style(verdict: str) -> str:
+    """A verdict's colour: slower (or the spread rule's regression) red, faster green."""
+    if verdict.startswith(("slower", "regression")):
+        return "red"
+    if verdict.startswith(("faster", "improvement")):
+        return "green"
+    return ""
 
 
 def _md_line(cols: Sequence[tuple[str, str, int]], cells: Sequence[str]) -> str:
@@ -497,23 +539,31 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
         )
     table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
-    heads += (["vs first"] if several else []) + ["TTFT ms", "ITL p50/p99 ms"]
+    heads += ["vs first", "verdict"] if several else []
+    until = any(r.result.until_ci_pct is not None for r in rows)
+    heads += (["reps", "95 % CI"] if until else []) + ["TTFT ms", "ITL p50/p99 ms"]
     for name in heads:
-        table.add_column(name, justify="left" if name in ("test", "model") else "right")
+        table.add_column(name, justify="left" if name in ("test", "model", "verdict") else "right")
     for r in rows:
         itl = "-" if r.itl_p50_ms is None else f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}"
         rel = r.relative_ts
+        ci = _ci(r.relative.get("relative_low"), r.relative.get("relative_high"))
+        shown = "-" if rel is None else f"x{rel:.2f}" + ("" if ci == "-" else f" ({ci})")
+        verdict = _rel_verdict(dict(r.relative))
+        against: list[str | Text] = [shown, Text(verdict, style=verdict_style(verdict))]
+        took = [str(len(r.result.samples_s)), _half(r.result.ci95_pct, r.result.until_ci_stop)]
         table.add_row(
             *([r.model_name] if several else []),
             r.test,
             str(r.n_threads),
             *(str(r.swept.get(k)) for k, _ in varying),
             f"{r.avg_ts:,.1f} ± {r.stddev_ts:,.1f}",
-            *([f"x{rel:.2f}" if rel is not None else "-"] if several else []),
+            *(against if several else []),
+            *(took if until else []),
             _ms(r.ttft_ms),
             itl,
         )
-    return fitted(table)
+    return fitted(table, wrap=("verdict",))
 
 
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
@@ -637,11 +687,11 @@ def compare_table(changes: Sequence[Change], title: str = "against the previous 
     varying = _varying([c.record for c in changes])  # every setting that tells rows apart
     several = len(_models([c.record for c in changes])) > 1
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying)]
-    for name in (*heads, "t/s now", "t/s before", "change", "verdict"):
+    for name in (*heads, "t/s now", "t/s before", "change", "ratio (95 % CI)", "verdict"):
         table.add_column(name, justify="left" if name in ("test", "verdict", "model") else "right")
-    styles = {"regression": "red", "improvement": "green"}
     for c in changes:
         r, p = c.record, c.previous
+        found = c.difference
         table.add_row(
             *([str(r.get("model_name"))] if several else []),
             c.test,
@@ -650,9 +700,10 @@ def compare_table(changes: Sequence[Change], title: str = "against the previous 
             _rate(r),
             "-" if p is None else _rate(p),
             "-" if c.change is None else f"{c.change:+.1%}",
+            "-" if found is None else found.interval,
             Text(
                 c.verdict + (f" (run {c.previous_run})" if c.previous_run else ""),
-                style=styles.get(c.verdict, ""),
+                style=verdict_style(c.verdict),
             ),
         )
     return fitted(table, wrap=("verdict",))

@@ -267,6 +267,17 @@ def bench(
             " only, rows of 0 t/s as llama-bench's, kept out of the history).",
         ),
     ] = 5,
+    until_ci: Annotated[
+        str | None,
+        typer.Option(
+            "--until-ci",
+            metavar="PCT[,SECONDS]",
+            show_default=False,
+            rich_help_panel=PANEL,
+            help="Repeat each test past -r until its mean rate's 95 % interval is within"
+            " ±PCT % (e.g. 2%), or until it has taken SECONDS (default 300).",
+        ),
+    ] = None,
     threads: Annotated[
         list[str] | None,
         _lists(
@@ -765,6 +776,7 @@ def bench(
                 no_op_offload=_joined(no_op_offload),
                 prio=prio,
                 reps=reps,
+                until_ci=until_ci,
                 ctx=_joined(ctx_sizes),
                 seed=seed,
                 scenarios=scenarios,

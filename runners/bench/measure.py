@@ -7,7 +7,8 @@ starts from a cleared cache with tokens drawn from a fixed seed, ignores end-of-
 timed at the phase boundaries the runner already measures; one warm-up run precedes them.
 What is added: time to first token for prompt tests, the inter-token latency distribution for
 generation tests, llama.cpp's own counters for the same runs, the model load time, and
-efficiency against the machine (memory bandwidth share for decode, FLOP/s for prefill).
+efficiency against the machine (memory bandwidth share for decode, FLOP/s for prefill); with
+`--until-ci`, as many repetitions as the mean rate's 95 % interval needs to be narrow enough.
 
 No terminal code: `run_bench` yields results and progress; the CLI draws them.
 """
@@ -15,9 +16,12 @@ No terminal code: `run_bench` yields results and progress; the CLI draws them.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import random
+import re
 import statistics
 import threading
+import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -31,8 +35,9 @@ from llmrun.runners.base import (
     Token,
 )
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import LlmrunError, ModelLoadError
+from llmrun.runners.errors import BadRequestError, LlmrunError, ModelLoadError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.significance import LogSample
 from llmrun.runners.system import cpu_sample, measured_background
 
 from .results import Phases, Result, Speculation
@@ -58,6 +63,47 @@ class Progress:
     moment: Literal["preparing", "started", "working", "ended"] = "ended"  # preparing: settings
     fraction: float = 0.0  # of the repetition under way: its tokens done
     left: tuple[tuple[str, int], ...] = ()  # repetitions of each kind not yet started
+
+
+@dataclass(frozen=True)
+class UntilCi:
+    """--until-ci: repeat each test past -r until its mean rate's 95 % interval (the geometric
+    mean's, Welch's t on log rates as every comparison) is within ±`pct` %, or until the test
+    has taken `budget_s` (a repetition under way finishes) or MAX_REPS repetitions."""
+
+    pct: float
+    budget_s: float = 300.0
+
+    MAX_REPS = 1000
+    UNTIL_CI_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%?\s*(?:,\s*(\d+(?:\.\d*)?)\s*s?\s*)?")
+
+    @classmethod
+    def parse(cls, text: str) -> UntilCi:
+        """`2`, `2%`, or with a time budget a test, `2%,60s` (default 300 s)."""
+        m = cls.UNTIL_CI_RE.fullmatch(text)
+        if not m:
+            raise BadRequestError(
+                f"--until-ci: give a share such as 2% or 2%,60s (with a time budget a test),"
+                f" not {text!r}"
+            )
+        pct = float(m[1])
+        budget = float(m[2]) if m[2] else cls.budget_s
+        if not 0.01 <= pct <= 50:
+            raise BadRequestError(f"--until-ci: {pct:g}% is outside 0.01% to 50%")
+        if not 1 <= budget <= 86_400:
+            raise BadRequestError(f"--until-ci: a budget of {budget:g} s is outside 1 s to 1 day")
+        return cls(pct, budget)
+
+    def stop(self, rates: Sequence[float], elapsed_s: float) -> str | None:
+        """Why to stop repeating now, or None to repeat again."""
+        half = LogSample.of(rates).halfwidth()
+        if half is not None and half * 100 < self.pct:
+            return "reached"
+        if elapsed_s >= self.budget_s:
+            return "time budget"
+        if len(rates) >= self.MAX_REPS:
+            return "repetition cap"
+        return None
 
 
 class Interrupted(Exception):
@@ -186,11 +232,14 @@ def run_bench(
     warmup: bool = True,
     delay_s: float = 0.0,
     cancel: threading.Event | None = None,
+    until_ci: UntilCi | None = None,
 ) -> Iterator[Result | Skipped | Progress]:
     """Run every shape on every configuration; yields results as they finish.
 
     Stops at the next token when `cancel` is set (raising nothing: the iterator just ends after
-    the results so far). Configurations the engine cannot use are yielded as `Skipped`.
+    the results so far). Configurations the engine cannot use are yielded as `Skipped`. With
+    `until_ci`, a test repeats past `reps` until its interval is narrow enough (`UntilCi`); the
+    progress total grows by each repetition added.
     """
     cancel = cancel or threading.Event()
     # As llama-bench: the context the tests need (llama.cpp caps n_batch at it; the record
@@ -250,12 +299,26 @@ def run_bench(
             next_token: int | None = None
             drafted = accepted = steps = 0  # speculative decoding (bench --draft)
             start = done
+            planned = per_test  # grows with each repetition --until-ci adds
+            stopped: str | None = None
+            began = time.monotonic()
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             cpu0 = cpu_sample()
             try:
-                for rep in range(per_test):
+                for rep in itertools.count():
+                    if rep >= per_test:
+                        if until_ci is None:
+                            break
+                        rates = [(shape.n_prompt + shape.n_gen) / x for x in samples if x > 0]
+                        stopped = until_ci.stop(rates, time.monotonic() - began)
+                        if stopped is not None:
+                            break
+                        planned += 1
+                        total += 1
                     timed = rep + 1 - (per_test - reps)
                     which = f"rep {timed}/{reps}" if timed > 0 else "warm-up"
+                    if timed > reps:
+                        which = f"rep {timed} (until ±{until_ci.pct:g} %)" if until_ci else which
                     label = f"{shape.name} {which} {combo.describe()}".strip()
                     still = left(i_combo, i_shape, rep)
                     yield Progress(done, total, label, shape.name, "started", 0.0, still)
@@ -289,7 +352,7 @@ def run_bench(
             except Interrupted:
                 return
             except LlmrunError as e:
-                done = start + per_test
+                done = start + planned
                 yield Skipped(combo, shape, str(e))
                 yield Progress(done, total, shape.name, left=left(i_combo, i_shape, per_test - 1))
                 continue
@@ -324,4 +387,6 @@ def run_bench(
                 background_cpus=measured_background(cpu0, cpu_sample()),
                 speculation=speculation,
                 phases=phases,
+                until_ci_pct=None if until_ci is None else until_ci.pct,
+                until_ci_stop=stopped,
             )

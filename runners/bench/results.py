@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
+from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
 
@@ -164,6 +165,8 @@ class Result:
     speculation: Speculation | None = None  # tg tests with --draft
     phases: Phases | None = None  # pp+tg tests
     perplexity: Perplexity | None = None  # with --ppl
+    until_ci_pct: float | None = None  # with --until-ci: the interval's target half-width, %
+    until_ci_stop: str | None = None  # why the repetitions stopped: reached, time budget, cap
 
     @property
     def kind(self) -> Kind:
@@ -199,6 +202,13 @@ class Result:
     @property
     def stddev_ts(self) -> float:
         return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+    @property
+    def ci95_pct(self) -> float | None:
+        """The half-width of the mean rate's 95 % interval in % (the geometric mean's, Welch's
+        t on log rates as every comparison); None under 2 repetitions."""
+        half = LogSample.of(self.samples_ts).halfwidth()
+        return None if half is None else half * 100
 
     @property
     def engine_avg_ts(self) -> float | None:
@@ -316,6 +326,14 @@ class Result:
             )
         if self.phases is not None:
             rec.update(pp_ts=self.phases.pp_ts, tg_ts=self.phases.tg_ts)
+        if self.until_ci_pct is not None:
+            ci = self.ci95_pct
+            rec.update(
+                until_ci_pct=self.until_ci_pct,
+                ci95_pct=None if ci is None else round(ci, 3),
+                repetitions=len(self.samples_s),
+                until_ci_stop=self.until_ci_stop,
+            )
         if self.perplexity is not None:
             p = self.perplexity
             rec.update(
@@ -338,6 +356,22 @@ OPTIONAL_FIELDS = (
     "ppl_tokens",
     "ppl_ctx",
     "ppl_change",
+    "until_ci_pct",
+    "ci95_pct",
+    "repetitions",
+    "until_ci_stop",
+)
+
+# With several models, each row against the first model's same test: the ratio of geometric
+# means with its 95 % interval and verdict (significance.record_fields), beside relative_ts
+RELATIVE_FIELDS = (
+    "relative_ratio",
+    "relative_low",
+    "relative_high",
+    "relative_verdict",
+    "relative_busy",
+    "relative_reps",
+    "relative_needed_reps",
 )
 
 # The engine settings a sweep can vary, by their record fields: the terminal's columns
@@ -391,6 +425,7 @@ class Row:
     efficiency: Efficiency
     swept: Mapping[str, Any]  # SWEPT_FIELDS' values, as recorded (None where a row has none)
     relative_ts: float | None = None
+    relative: Mapping[str, Any] = field(default_factory=dict)  # RELATIVE_FIELDS, as recorded
 
     @classmethod
     def of(cls, result: Result, record: Mapping[str, Any]) -> Row:
@@ -411,6 +446,7 @@ class Row:
             ),
             swept={k: record.get(k) for k in SWEPT_FIELDS},
             relative_ts=record.get("relative_ts"),
+            relative={k: record[k] for k in RELATIVE_FIELDS if k in record},
         )
 
     @property

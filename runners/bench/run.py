@@ -12,18 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners import devices as dv
+from llmrun.runners import history as hist
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.significance import record_fields
 from llmrun.runners.system import SystemInfo
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from . import localscore as ls
 from . import sweep as sw
-from .measure import Progress, Skipped, run_bench
-from .results import OPTIONAL_FIELDS, Perplexity, Result, Row
+from .measure import Progress, Skipped, UntilCi, run_bench
+from .results import OPTIONAL_FIELDS, RELATIVE_FIELDS, Perplexity, Result, Row
 
 PPL_CTX = 512  # llama-perplexity's windows when -c is not given
 
@@ -92,6 +94,10 @@ class Sweep:
     no_host: str | None = None
     embeddings: str | None = None
     no_op_offload: str | None = None
+    until_ci: str | None = None  # --until-ci PCT[,SECONDS]: repeat until the interval is narrow
+
+    def until(self) -> UntilCi | None:
+        return None if self.until_ci is None else UntilCi.parse(self.until_ci)
 
     def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
         """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
@@ -315,6 +321,7 @@ def run_sweep(
     """llama-bench's tests over every combination of settings, for each model in turn."""
     if sweep.ppl is not None:
         read_text(sweep.ppl)  # an unreadable text fails before anything is measured
+    until_ci = sweep.until()  # a bad --until-ci fails before anything loads
     for model in models:
         if cancel.is_set():
             return
@@ -340,6 +347,7 @@ def run_sweep(
                     warmup=sweep.warmup,
                     delay_s=sweep.delay_s,
                     cancel=cancel,
+                    until_ci=until_ci,
                 ):
                     yield (
                         replace(event, model_filename=given)
@@ -383,7 +391,7 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
 
 
 # Every field that only some records carry: their own and the run-wide ones
-RECORD_OPTIONAL_FIELDS = (*OPTIONAL_FIELDS, "localscore", "relative_ts")
+RECORD_OPTIONAL_FIELDS = (*OPTIONAL_FIELDS, "localscore", "relative_ts", *RELATIVE_FIELDS)
 
 # A record field for each setting of a sweep's combinations (their names, but for -ot's)
 COMBO_FIELDS = {
@@ -403,6 +411,8 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
         fields.add("draft")
     if sweep.ppl is not None:
         fields.add("ppl")
+    if sweep.until_ci is not None:
+        fields.add("until_ci_pct")
     return frozenset(fields)
 
 
@@ -458,7 +468,7 @@ class RecordStream:
     _held: list[Result] = field(default_factory=list)
     _scores: list[Scored] = field(default_factory=list)
     _first_model: str | None = None
-    _first_rates: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    _first_rates: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
 
     def add(self, result: Result) -> list[Recorded]:
         if self._first_model is None:
@@ -494,10 +504,14 @@ class RecordStream:
                 rec["localscore"] = round(score, 3) if score is not None else None
             if self.several_models:
                 key = tuple(rec.get(k) for k in SAME_TEST)
-                if r.model.name == self._first_model:
-                    self._first_rates.setdefault(key, rec["avg_ts"])
+                first = r.model.name == self._first_model
+                if first:
+                    self._first_rates.setdefault(key, rec)
                 base = self._first_rates.get(key)
-                rec["relative_ts"] = round(rec["avg_ts"] / base, 4) if base else None
+                rate = base["avg_ts"] if base else None
+                rec["relative_ts"] = round(rec["avg_ts"] / rate, 4) if rate else None
+                found = None if first or base is None else hist.difference(base, rec)
+                rec.update(record_fields(found, "relative"))
             out.append(Recorded(r, rec))
         self.done += out
         return out
