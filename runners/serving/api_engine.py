@@ -58,6 +58,12 @@ class RequestTimings:
     itl_ms: tuple[float, ...]
     finish_reason: str
     seed: int | None = None  # the sampling seed (None: greedy)
+    # The end-of-generation token that ended the answer (not part of the output) was sampled
+    # this long after the last output token (0.0: it was the first token sampled); None when
+    # none ended it (length, a stop string, a cancel).
+    end_token_ms: float | None = None
+    draft_tokens: int = 0  # tokens a draft model proposed (serve has none yet: 0)
+    draft_accepted: int = 0  # of those, the ones the model accepted
 
     @property
     def prefill_tokens(self) -> int:
@@ -90,7 +96,49 @@ class RequestTimings:
             "itl_p50_ms": r(self.itl_p(50)),
             "itl_p99_ms": r(self.itl_p(99)),
             "seed": self.seed,
+            **self.llama_server_timings(),
         }
+
+    def llama_server_timings(self) -> dict[str, Any]:
+        """llama-server's `timings` fields (tools/server: `server_slot_stats::to_json`), with
+        its meanings, on this request's clock.
+
+        - `cache_n`: prompt tokens whose KV entries were kept (at least one is evaluated);
+          `prompt_n`: the ones evaluated, so `prompt_n + cache_n` is the prompt.
+        - `prompt_ms`: from the start of the first step that carried the prompt to its first
+          sampled token: llmrun's `prefill_ms` (llama-server stops that clock after sampling
+          the token, llmrun as the step's decode returns, just before it samples).
+        - `predicted_n`: every token sampled, the end-of-generation token that ended the
+          answer included; `predicted_ms`: from the first sampled token to the last, at
+          least 1 µs once a token is sampled (the first token comes with the prompt's last
+          step, so it is `prompt_ms`'s, not `predicted_ms`'s).
+        - The per-token figures and rates divide by `prompt_n`, and for the prediction by
+          its decode steps, `predicted_n - 1`; 0 where the divisor is 0, as llama-server.
+        - `draft_n`, `draft_n_accepted` only when a draft model proposed tokens."""
+        prompt_n, prompt_ms = self.prefill_tokens, self.prefill_ms
+        ended = self.end_token_ms is not None
+        predicted_n = self.output_tokens + ended
+        predicted_ms = self.decode_ms + (self.end_token_ms or 0.0)
+        if predicted_n:
+            predicted_ms = max(predicted_ms, 0.001)
+        steps = max(predicted_n - 1, 0)
+        timings: dict[str, Any] = {
+            "cache_n": self.reused_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(prompt_n / prompt_ms * 1000, 2) if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / steps, 3) if steps else 0.0,
+            "predicted_per_second": (
+                round(steps / predicted_ms * 1000, 2) if predicted_ms > 0 else 0.0
+            ),
+        }
+        if self.draft_tokens:
+            timings["draft_n"] = self.draft_tokens
+            timings["draft_n_accepted"] = self.draft_accepted
+        return timings
 
 
 # ---- what a request's sink receives -------------------------------------------------------
@@ -354,8 +402,11 @@ class EngineThread:
                 self._counts = (eng.decoding, eng.prefilling)
             if self.observer is not None:
                 self.observer.on_step(record)
+            sampled = {h.id for h in events.tokens}
             for handle in events.finished:
-                self._finish(handle)
+                # one that got no token yet ended in this step sampled its end-of-generation
+                # token now (llama-server's predicted_n and predicted_ms count it)
+                self._finish(handle, None if handle.id in sampled else end)
         self._fail_all("the server is shutting down")
 
     def _hand_over(self) -> None:
@@ -386,7 +437,9 @@ class EngineThread:
             self.engine.cancel(handle)  # its KV entries go now
             self._finish(handle)
 
-    def _finish(self, handle: Handle) -> None:
+    def _finish(self, handle: Handle, step_end_s: float | None = None) -> None:
+        """The request's outcome to its sink; `step_end_s`: it ended in a step that sampled a
+        token that is not in its output (the end-of-generation token, when it stopped)."""
         r = handle.result
         with self._lock:
             job, _ = self._jobs.pop(handle.id)
@@ -403,6 +456,9 @@ class EngineThread:
         prefill_end = r.prefilled_s if r.prefilled_s is not None else started
         times = r.times
         finish = r.finish
+        end_token_ms = None
+        if finish == FINISH_STOP and step_end_s is not None:
+            end_token_ms = (step_end_s - times[-1]) * 1000 if times else 0.0
         timings = RequestTimings(
             prompt_tokens=len(handle.tokens),
             reused_tokens=handle.reused,
@@ -418,6 +474,7 @@ class EngineThread:
             if finish == FINISH_CANCELLED
             else (FINISH_STOP if finish == FINISH_STOP else FINISH_LENGTH),
             seed=handle.seed if job.sampling.temperature > 0 else None,
+            end_token_ms=end_token_ms,
         )
         if self.observer is not None:
             self.observer.on_done(timings)

@@ -1,6 +1,7 @@
 """The JSON `llmrun serve` answers with, as pydantic models: OpenAI's shapes (chat completions,
 completions, their stream chunks, models, errors) and llama-server's (/health, /props,
-/tokenize), with llmrun's `timings` (RequestTimings.to_dict) beside them.
+/tokenize), with `timings` (RequestTimings.to_dict: llmrun's names and llama-server's) beside
+them.
 
 Each model's fields are in the order they go on the wire; `wire()` gives the JSON object
 (None kept as null, as OpenAI sends it).

@@ -3,7 +3,7 @@ from `request.app.state.served` and answers with a typed model (api_responses).
 
 /v1/chat/completions and /v1/completions (streaming or not), /v1/models, /health, /metrics, and
 llama-server's /tokenize and /props. Every answer of a completion carries `timings` in llmrun's
-names (`RequestTimings.to_dict`): the final stream chunk and, with
+names and llama-server's (`RequestTimings.to_dict`): the final stream chunk and, with
 `stream_options.include_usage`, the usage chunk too. A stream that ends otherwise (the engine
 failed, or the server is shutting down) ends with an error event in OpenAI's shape, a last chunk
 with the finish reason `error`, and `[DONE]`.
