@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# (opening, closing) markers of a thinking block
+# (opening, closing) markers of a thinking block; every marker and header begins with "<"
 MARKERS = (("<think>", "</think>"), ("<|channel|>analysis<|message|>", "<|end|>"))
 # Text between thinking and answer that belongs to neither (gpt-oss's answer header)
 ANSWER_HEADERS = ("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
@@ -80,12 +80,15 @@ class ReasoningSplitter:
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that begins one of the tags."""
+    """Length of the longest suffix of `text` that begins one of the tags. Every tag begins
+    with `<`, so only the suffixes that start at a `<` are tried (this runs once per token)."""
     longest = max(len(t) for t in tags)
-    for n in range(min(len(text), longest - 1), 0, -1):
-        suffix = text[-n:]
+    at = text.find("<", max(0, len(text) - longest + 1))
+    while at >= 0:
+        suffix = text[at:]
         if any(t.startswith(suffix) for t in tags):
-            return n
+            return len(text) - at
+        at = text.find("<", at + 1)
     return 0
 
 
@@ -123,6 +126,9 @@ class ShownSplitter:
             _add(out, False, self._pending)
             self._pending, self.thinking, self._by_flag = "", True, True
             self.closing = MARKERS[0][1]
+        if not self._pending and "<" not in text:  # no tag can begin here: the common case
+            _add(out, self.thinking, text)
+            return out
         self._pending += text
         while self._pending:
             pending = self._pending
@@ -195,16 +201,17 @@ class TokenTagger:
         before = self.splitter.thinking
         segments = self.splitter.feed(text, flagged=False)
         after = self.splitter.thinking
-        index, self._index = self._index, self._index + 1
-        answer = ""
+        index = self._index
+        self._index += 1
+        answer, thought = "", False
         for thinking, piece in segments:
             if thinking:
-                self.seen_thinking = True
-                continue
-            answer += piece
-            if self.seen_thinking and self.first_answer is None and piece.strip():
-                self.first_answer = index
-        if before or after or any(thinking for thinking, _ in segments):
+                thought = self.seen_thinking = True
+            else:
+                answer += piece
+                if self.seen_thinking and self.first_answer is None and piece.strip():
+                    self.first_answer = index
+        if before or after or thought:
             self.thinking_tokens += 1 + (self._limbo if not before else 0)
             self._limbo = 0
             return not answer.strip() or before
