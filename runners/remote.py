@@ -277,19 +277,19 @@ class Connection:
             chunk = dataclasses.replace(chunk, finish_reason="stop")
         return chunk
 
-    def _silence(self, unfinished_chars: int) -> str:
-        """Why no event came within the timeout: only comments, or a line still arriving."""
-        if unfinished_chars:
-            size = (
-                f"{unfinished_chars / 2**20:.1f} MiB"
-                if unfinished_chars >= 2**20
-                else f"{unfinished_chars:,} characters"
-            )
-            return (
-                f"no whole event within {self.timeout_s:g} s (a stream line of {size} so far,"
-                " without its end)"
-            )
-        return f"no reply for {self.timeout_s:g} s (the server sent only keep-alive comments)"
+    def _silence(self, reader: SSEReader) -> str:
+        """Why no event came within the timeout: only comments, a line still arriving, or an
+        event whose `data` lines came without the blank line that ends it."""
+        if not reader.unfinished_chars:
+            return f"no reply for {self.timeout_s:g} s (the server sent only keep-alive comments)"
+        n = reader.unfinished_chars
+        size = f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} characters"
+        what = (
+            f"a stream line of {size} so far, without its end"
+            if reader.in_line
+            else f"an event of {size} so far, without the blank line that ends it"
+        )
+        return f"no whole event within {self.timeout_s:g} s ({what})"
 
     def scrub_secrets(self, text: str) -> str:
         """Generated text with only our own secrets taken out (a URL in it stays as written)."""
@@ -363,7 +363,7 @@ class Connection:
                         return
                     if not data or data.isspace():  # a comment, a partial or an empty event
                         if time.monotonic() > deadline:
-                            yield Chunk(error=self._silence(reader.unfinished_chars))
+                            yield Chunk(error=self._silence(reader))
                             return
                         continue
                     deadline = time.monotonic() + self.timeout_s
@@ -416,7 +416,8 @@ class SSEReader:
 
     `events(raw)` yields the `data` of each event, and None for every comment or partial read,
     so the caller can check its deadline while a server only keeps the connection open;
-    `unfinished_chars` then tells a line still arriving from a silent server.
+    `unfinished_chars` and `in_line` then tell a line or an event still arriving from a
+    server that is silent.
 
     Lines end with CRLF, LF or CR; one leading BOM is dropped; a line starting with ':' is a
     comment; `field: value` drops one space after the colon; several `data` lines make one
@@ -437,6 +438,11 @@ class SSEReader:
     def unfinished_chars(self) -> int:
         """Characters received of a line or an event not yet complete."""
         return self._line_chars + self._data_chars
+
+    @property
+    def in_line(self) -> bool:
+        """Whether part of a line has come without its end."""
+        return self._line_chars > 0
 
     def events(self, raw: Iterable[bytes]) -> Iterator[str | None]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -489,8 +495,8 @@ class SSEReader:
         if colon and value.startswith(" "):
             value = value[1:]
         if name == "data":
+            self._data_chars += len(value) + (1 if self._data else 0)  # joined by LF
             self._data.append(value)
-            self._data_chars += len(value) + 1
             if self._data_chars > MAX_SSE_LINE:
                 raise SSELineTooLongError(
                     f"a stream event longer than {MAX_SSE_LINE // 2**20} MiB"

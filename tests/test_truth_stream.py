@@ -119,6 +119,17 @@ def test_a_line_still_arriving_at_the_timeout_is_named_not_called_keep_alive(
     assert "so far, without its end)" in result.stderr
 
 
+def test_an_event_left_open_at_the_timeout_is_named_too(cli: CliRunner) -> None:
+    """`data:` lines, then only comments: the event never got its blank line."""
+    opened = b'data: {"choices": []}\n'
+    with scripted(delta(content="Hi"), opened, (b": keep-alive\n", 0.1, 600)) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "--timeout", "1", "hi"])
+    assert result.exit_code == 1 and result.stdout == "Hi\n"
+    assert "(an event of 15 characters so far, without the blank line that ends it)" in (
+        result.stderr
+    ), result.stderr
+
+
 def test_a_10_mb_line_is_one_chunk_of_text(cli: CliRunner) -> None:
     """Under the 16 MiB cap a long line is an event like any other: read in time linear in its
     length, then used. Its parsing took 17 s on 2 cores before (quadratic: the whole line was
@@ -137,11 +148,13 @@ def test_a_10_mb_line_is_one_chunk_of_text(cli: CliRunner) -> None:
 def test_the_reader_counts_what_is_unfinished_and_refuses_what_is_too_long() -> None:
     reader = SSEReader()
     events = reader.events([b"data: {", b'"a": 1', b"}\n", b"\n", b"data: x"])
-    assert next(events) is None and reader.unfinished_chars == len("data: {")
+    assert next(events) is None and reader.unfinished_chars == len("data: {") and reader.in_line
     assert next(events) is None and reader.unfinished_chars == len('data: {"a": 1')
-    assert next(events) is None and reader.unfinished_chars == len('{"a": 1}') + 1  # data held
+    assert next(events) is None and reader.unfinished_chars == len('{"a": 1}')  # data held
+    assert not reader.in_line  # a whole line came: the event waits for its blank line
     assert next(events) == '{"a": 1}' and reader.unfinished_chars == 0
     assert list(events) == [None, "x"]  # an unterminated last event is still used
+    assert not reader.in_line and reader.unfinished_chars == 0
     line = [b"data: ", b"z" * (MAX_SSE_LINE + 1)]
     with pytest.raises(SSELineTooLongError, match="a stream line longer than 16 MiB"):
         list(sse_events(line))
