@@ -42,8 +42,7 @@ class Conversation:
     sampling: SamplingParams
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
-    # The turns the last `begin` dropped, and the system prompt the last request ran with: what
-    # the note after a re-prefill names as its cause.
+    # The turns the last `begin` dropped: a cause the note after a re-prefill can name.
     _dropped_now: list[Turn] = field(default_factory=list, init=False, repr=False)
 
     @property
@@ -70,12 +69,16 @@ class Conversation:
     def nearly_full(self) -> bool:
         return self.n_ctx > 0 and self.used_tokens >= WARN_FRACTION * self.n_ctx
 
-    def messages(self, user: str | None = None) -> tuple[ChatMessage, ...]:
+    def messages(
+        self, user: str | None = None, *, without: tuple[Turn, ...] = ()
+    ) -> tuple[ChatMessage, ...]:
+        """The conversation as sent: the system prompt, the turns in the context (but those in
+        `without`), and `user` as the new message."""
         out: list[ChatMessage] = []
         if self.system:
             out.append(ChatMessage("system", self.system))
         for turn in self.turns:
-            if turn.in_context:
+            if turn.in_context and not any(turn is t for t in without):
                 out += [ChatMessage("user", turn.user), ChatMessage("assistant", turn.reply)]
         if user is not None:
             out.append(ChatMessage("user", user))
@@ -96,7 +99,9 @@ class Conversation:
         limit = self.n_ctx - self.reply_reserve
         kept = [t for t in self.turns if t.in_context]
         for n in range(len(kept) + 1):
-            needed = self.runner.count_tokens(self._request_without(kept[:n], user))
+            without = tuple(kept[:n])
+            request = Request(messages=self.messages(user, without=without), sampling=self.sampling)
+            needed = self.runner.count_tokens(request)
             if needed <= limit or (n == len(kept) and needed + 1 <= self.n_ctx):
                 break  # the last case fits with less room for the reply than reserved
         else:
@@ -105,18 +110,6 @@ class Conversation:
             turn.in_context = False
         self._dropped_now = kept[:n]
         return n
-
-    def _request_without(self, dropped: list[Turn], user: str) -> Request:
-        """The request as it would be with `dropped` out of the context."""
-        if not dropped:
-            return self.request(user)
-        for turn in dropped:
-            turn.in_context = False
-        try:
-            return self.request(user)
-        finally:
-            for turn in dropped:
-                turn.in_context = True
 
     # ---- a turn -----------------------------------------------------------------------
 
