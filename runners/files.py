@@ -2,6 +2,8 @@
 
 `atomic_write` writes a temporary file in the same folder, fsyncs it and renames it over the
 target (POSIX rename is atomic within a file system): a reader sees the old file or the new one.
+A symbolic link is written through, as a shell's `>` does: its target is replaced (with its
+mode), the link stays; a device or FIFO is written in place, so a full one raises.
 `append_line` appends one whole line with a single write(2) on an O_APPEND descriptor; if the
 disk fills part-way, the partial bytes are cut off again, so the file stays whole lines.
 `read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
