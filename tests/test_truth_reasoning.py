@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmrun.cli.session import TextOut, Thinking, drive
+from llmrun.cli.session import DIM, UNDIM, TextOut, Thinking, drive
 from llmrun.runners.base import Event, Finished, Request, Token
 from llmrun.runners.reasoning import TokenTagger
 
@@ -31,15 +31,27 @@ class TaggingRunner:
         yield Finished(stats=None, text="".join(self.tokens))  # type: ignore[arg-type]
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+DIMMED = re.compile(re.escape(DIM) + "(.*?)" + re.escape(UNDIM), re.DOTALL)
+
+
 def shown(
     tokens: list[str], route: str, *, opened: bool = False
 ) -> tuple[str, str, int, int | None]:
-    """stdout, stderr, thinking tokens and the first answer token's index."""
-    out, err = io.StringIO(), io.StringIO()
+    """stdout, stderr, thinking tokens and the first answer token's index. On a terminal the
+    dimmed text is the thinking: it comes back in place of stderr (with the newline that the
+    stderr route ends the thinking with)."""
+    out = Terminal() if route == "terminal" else io.StringIO()
+    err = io.StringIO()
     thinking = {
         "stderr": Thinking(sink=TextOut(err)),
         "stdout": Thinking(delimit=True),
         "hidden": Thinking(hide=True),
+        "terminal": Thinking(),
     }[route]
     runner = TaggingRunner(tokens, opened=opened)
     drive(
@@ -50,7 +62,11 @@ def shown(
         cancel=threading.Event(),
         thinking=thinking,
     )
-    return out.getvalue(), err.getvalue(), runner.tagger.thinking_tokens, runner.tagger.first_answer
+    text, thought = out.getvalue(), err.getvalue()
+    if route == "terminal":
+        thought = "".join(DIMMED.findall(text)) + "\n"
+        text = DIMMED.sub("", text)
+    return text, thought, runner.tagger.thinking_tokens, runner.tagger.first_answer
 
 
 def cuttings(text: str) -> Iterator[list[str]]:
@@ -107,12 +123,17 @@ CASES = {
 
 
 @pytest.mark.parametrize("reply", list(CASES))
-def test_every_cut_of_a_reply_shows_and_counts_the_same(reply: str) -> None:
+def test_every_cut_of_a_reply_shows_and_counts_the_same(
+    reply: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
     piped, thought, delimited = CASES[reply]
     for tokens in cuttings(reply):
         assert shown(tokens, "stderr")[:2] == (piped, thought), tokens
         assert shown(tokens, "stdout")[:2] == (delimited, ""), tokens
         assert shown(tokens, "hidden")[:2] == (piped, ""), tokens
+        assert shown(tokens, "terminal")[:2] == (piped, thought), tokens  # dimmed in place
         counts = shown(tokens, "hidden")[2:]
         if reply.startswith("<|channel|>"):
             continue  # the header tokens are neither: counted as the engine always did
