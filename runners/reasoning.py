@@ -31,52 +31,36 @@ class Piece:
 
 
 class ReasoningSplitter:
-    """Feed text as it streams; each call returns the thinking and answer text now certain."""
+    """Feed text as it streams; each call returns the thinking and answer text now certain,
+    without the tags (`ShownSplitter` with the tags left out)."""
 
     def __init__(self, *, thinking: bool = False) -> None:
-        self.thinking = thinking  # inside a thinking block now
-        self.closing = MARKERS[0][1]
-        self.seen_thinking = thinking
-        self._pending = ""
+        self._split = ShownSplitter(thinking=thinking, tags=False)
+
+    @property
+    def thinking(self) -> bool:
+        return self._split.thinking
+
+    @property
+    def seen_thinking(self) -> bool:
+        return self._split.seen_thinking
 
     def feed(self, text: str) -> Piece:
-        self._pending += text
-        out = Piece()
-        while self._pending:
-            if self.thinking:
-                cut = self._pending.find(self.closing)
-                if cut >= 0:
-                    out.thinking += self._pending[:cut]
-                    self._pending = self._pending[cut + len(self.closing) :]
-                    self.thinking = False
-                    continue
-                keep = _partial_suffix(self._pending, (self.closing,))
-                out.thinking += self._pending[: len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep :]
-                break
-            found = [(self._pending.find(o), o, c) for o, c in MARKERS if o in self._pending]
-            headers = [(self._pending.find(h), h) for h in ANSWER_HEADERS if h in self._pending]
-            if headers and (not found or min(headers)[0] < min(found)[0]):
-                at, header = min(headers)
-                out.answer += self._pending[:at]
-                self._pending = self._pending[at + len(header) :]
-                continue
-            if found:
-                at, opening, closing = min(found)
-                out.answer += self._pending[:at]
-                self._pending = self._pending[at + len(opening) :]
-                self.thinking, self.closing, self.seen_thinking = True, closing, True
-                continue
-            keep = _partial_suffix(self._pending, tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)
-            out.answer += self._pending[: len(self._pending) - keep]
-            self._pending = self._pending[len(self._pending) - keep :]
-            break
-        return out
+        return _piece(self._split.feed(text, flagged=False))
 
     def flush(self) -> Piece:
-        """The held-back rest at the end: a tag that never completed is plain text."""
-        rest, self._pending = self._pending, ""
-        return Piece(thinking=rest) if self.thinking else Piece(answer=rest)
+        """The held-back rest at the end: a tag that never completed is text of its block."""
+        return _piece(self._split.flush())
+
+
+def _piece(segments: list[tuple[bool, str]]) -> Piece:
+    out = Piece()
+    for thinking, text in segments:
+        if thinking:
+            out.thinking += text
+        else:
+            out.answer += text
+    return out
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
@@ -96,16 +80,19 @@ class ShownSplitter:
     """The text to show, routed: `feed(text, flagged=...)` returns (thinking, text) segments in
     order, each certain now; tags stay with the thinking they open or close, so a program that
     reads the answer alone never gets a `<think` fragment. Text that could still become a tag
-    (`<`, `<thi`, `</think`) is held back until the next token settles it, the same way
-    `ReasoningSplitter` holds it for the counts.
+    (`<`, `<thi`, `</think`) is held back until the next token settles it. `TokenTagger`'s
+    counts and `ReasoningSplitter` (`tags=False`) split the same way, so what is shown and
+    what is counted agree.
 
     `flagged` is the runner's own tag of the token. It matters only where no tag is in the text:
     thinking that a chat template opened in the prompt, or a server's separate reasoning channel
     (its tokens are flagged and carry no tags); that thinking ends at a closing tag or at the
     first token not flagged. gpt-oss's answer header belongs to neither and is not shown."""
 
-    def __init__(self, *, thinking: bool = False) -> None:
+    def __init__(self, *, thinking: bool = False, tags: bool = True) -> None:
         self.thinking = thinking  # inside a thinking block (`thinking`: the prompt opened one)
+        self.tags = tags  # the tags shown with their thinking (False: left out)
+        self.seen_thinking = thinking
         self.closing = MARKERS[0][1]
         self._by_flag = False  # thinking that began without a tag in the text
         self._pending = ""
@@ -125,6 +112,7 @@ class ShownSplitter:
         ):
             _add(out, False, self._pending)
             self._pending, self.thinking, self._by_flag = "", True, True
+            self.seen_thinking = True
             self.closing = MARKERS[0][1]
         if not self._pending and "<" not in text:  # no tag can begin here: the common case
             _add(out, self.thinking, text)
@@ -136,7 +124,7 @@ class ShownSplitter:
                 cut = pending.find(self.closing)
                 if cut >= 0:
                     end = cut + len(self.closing)
-                    _add(out, True, pending[:end])
+                    _add(out, True, pending[:end] if self.tags else pending[:cut])
                     self._pending, self.thinking, self._by_flag = pending[end:], False, False
                     continue
                 keep = _partial_suffix(pending, (self.closing,))
@@ -153,9 +141,10 @@ class ShownSplitter:
             if found:
                 at, opening, closing = min(found)
                 _add(out, False, pending[:at])
-                _add(out, True, opening)
+                if self.tags:
+                    _add(out, True, opening)
                 self._pending = pending[at + len(opening) :]
-                self.thinking, self.closing = True, closing
+                self.thinking, self.closing, self.seen_thinking = True, closing, True
                 continue
             keep = _partial_suffix(pending, tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)
             _add(out, False, pending[: len(pending) - keep])
