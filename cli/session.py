@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import signal
 import sys
 import threading
@@ -13,6 +15,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from llmrun.runners.base import Event, Finished, Request, Runner, Token
+from llmrun.runners.reasoning import ShownSplitter
+from llmrun.runners.stats import FINISH_STDOUT_CLOSED
 
 from .terminal import terminal_text
 
@@ -150,8 +154,10 @@ class Thinking:
             self._open = True
             return
         if self.delimit:
-            if not self._open and not text.lstrip().startswith("<"):
-                out.write("<think>\n")
+            if not self._open:
+                out.end_line()  # thinking after answer text starts on a line of its own
+                if not text.lstrip().startswith("<"):
+                    out.write("<think>\n")
             self._open = True
             self._text.append(text)
             out.write(text)
@@ -230,6 +236,16 @@ def drive(
     safe_thinking = _to_terminal(think.sink or out)
     meter = energy_meter(runner)
     meter.begin()
+    shown = ShownSplitter()  # a tag split over tokens is shown whole, with its thinking
+
+    def show(segments: list[tuple[bool, str]], sink: TextSink) -> None:
+        for thinking, text in segments:
+            if thinking:
+                think.write(terminal_text(text) if safe_thinking else text, sink)
+            else:
+                think.close(sink)
+                sink.write(terminal_text(text) if safe else text)
+
     for event in runner.stream(request, cancel=cancel):
         meter.see(event)
         if isinstance(event, Finished):
@@ -237,17 +253,16 @@ def drive(
         if view is not None:
             view.update(event)
         if isinstance(event, Token):
-            if out is None:
-                continue
-            if event.thinking:
-                think.write(terminal_text(event.text) if safe_thinking else event.text, out)
-            else:
-                think.close(out)
-                out.write(terminal_text(event.text) if safe else event.text)
+            if out is not None:
+                show(shown.feed(event.text, flagged=event.thinking), out)
         elif isinstance(event, Finished):
             if out is not None:
+                show(shown.feed(event.tail, flagged=shown.thinking) + shown.flush(), out)
                 think.close(out)
-                out.write(terminal_text(event.tail) if safe else event.tail)
+                if out.closed and event.stats is not None and event.stats.interrupted:
+                    # The runner saw a cancel; the reason is ours to give: no one reads on.
+                    stats = dataclasses.replace(event.stats, finish_reason=FINISH_STDOUT_CLOSED)
+                    event = dataclasses.replace(event, stats=stats)
             finished = event
     if finished is None:
         raise RuntimeError("the runner ended without a result")
@@ -342,8 +357,7 @@ class KeysHeld:
 
         assert self._fd is not None
         if self.keep:
-            typed = _drain(self._fd).replace("\r", " ").replace("\n", " ")
-            self.typed += "".join(c for c in typed if c.isprintable())
+            self.typed += typed_text(_drain(self._fd))
         else:
             with contextlib.suppress(termios.error):
                 termios.tcflush(self._fd, termios.TCIFLUSH)
@@ -359,6 +373,29 @@ class KeysHeld:
             self._release()
             signal.signal(signal.SIGTSTP, self._previous_tstp or signal.SIG_DFL)
             self._fd = None
+
+
+# What a terminal sends for keys that are not text, as ECMA-48 (5th edition, 5.3-5.6) defines
+# its sequences, in the 7-bit (ESC + letter) and 8-bit (C1 character) forms: control sequences
+# (CSI: arrows, Home, F5, Ctrl+arrow, bracketed paste marks), single shifts with their one
+# character (SS3: arrows and F1-F4 in application mode), control strings up to their terminator
+# (OSC, DCS, SOS, PM, APC: a terminal's answers to queries), and the other escape sequences
+# (Alt+key). A sequence cut off at the end of what was read is dropped too.
+_KEY_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*(?:[@-~]|$)"
+    r"|(?:\x1b[NO]|[\x8e\x8f])(?:.|$)"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])(?:.*?(?:\x07|\x1b\\|\x9c)|.*$)"
+    r"|\x1b[ -/]*(?:[0-~]|$)",
+    re.DOTALL,
+)
+
+
+def typed_text(keys: str) -> str:
+    """The text in keys typed during a reply: key sequences (arrows, function keys) dropped
+    whole, not just their ESC (`>>> [A[D` was left before), newlines as spaces, and no other
+    control characters."""
+    text = _KEY_SEQUENCE.sub("", keys).replace("\r", " ").replace("\n", " ")
+    return "".join(c for c in text if c.isprintable())
 
 
 def _drain(fd: int) -> str:

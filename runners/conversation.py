@@ -42,6 +42,8 @@ class Conversation:
     sampling: SamplingParams
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
+    # The turns the last `begin` dropped: a cause the note after a re-prefill can name.
+    _dropped_now: list[Turn] = field(default_factory=list, init=False, repr=False)
 
     @property
     def n_ctx(self) -> int:
@@ -67,12 +69,16 @@ class Conversation:
     def nearly_full(self) -> bool:
         return self.n_ctx > 0 and self.used_tokens >= WARN_FRACTION * self.n_ctx
 
-    def messages(self, user: str | None = None) -> tuple[ChatMessage, ...]:
+    def messages(
+        self, user: str | None = None, *, without: tuple[Turn, ...] = ()
+    ) -> tuple[ChatMessage, ...]:
+        """The conversation as sent: the system prompt, the turns in the context (but those in
+        `without`), and `user` as the new message."""
         out: list[ChatMessage] = []
         if self.system:
             out.append(ChatMessage("system", self.system))
         for turn in self.turns:
-            if turn.in_context:
+            if turn.in_context and not any(turn is t for t in without):
                 out += [ChatMessage("user", turn.user), ChatMessage("assistant", turn.reply)]
         if user is not None:
             out.append(ChatMessage("user", user))
@@ -84,23 +90,26 @@ class Conversation:
     def make_room(self, user: str) -> int:
         """Drop the oldest turns until `user` plus the reply reserve fits; returns how many.
 
-        Raises PromptTooLongError when even the system prompt and this message alone do not fit.
+        Raises PromptTooLongError when even the system prompt and this message alone do not
+        fit; the conversation is then left as it was (no turn dropped), so the chat goes on.
         """
+        self._dropped_now = []
         if self.n_ctx <= 0:  # a server that does not say its context size enforces it itself
             return 0
-        dropped = 0
         limit = self.n_ctx - self.reply_reserve
-        while True:
-            needed = self.runner.count_tokens(self.request(user))
-            if needed <= limit:
-                return dropped
-            kept = [t for t in self.turns if t.in_context]
-            if not kept:
-                if needed + 1 > self.n_ctx:
-                    raise PromptTooLongError(needed, self.n_ctx)
-                return dropped  # fits, with less room for the reply than reserved
-            kept[0].in_context = False
-            dropped += 1
+        kept = [t for t in self.turns if t.in_context]
+        for n in range(len(kept) + 1):
+            without = tuple(kept[:n])
+            request = Request(messages=self.messages(user, without=without), sampling=self.sampling)
+            needed = self.runner.count_tokens(request)
+            if needed <= limit or (n == len(kept) and needed + 1 <= self.n_ctx):
+                break  # the last case fits with less room for the reply than reserved
+        else:
+            raise PromptTooLongError(needed, self.n_ctx)
+        for turn in kept[:n]:
+            turn.in_context = False
+        self._dropped_now = kept[:n]
+        return n
 
     # ---- a turn -----------------------------------------------------------------------
 
@@ -117,20 +126,37 @@ class Conversation:
         return turn
 
     def _prefix_note(self, stats: GenerationStats | None) -> str:
-        """Why fewer tokens were reused than the cache held after the last turn: the template
-        renders the last reply with other tokens than were generated (emoji, odd spacing), so
-        everything from there on is prefilled again. Said rather than left as a mystery."""
-        last = next((t for t in reversed(self.turns) if t.in_context and t.stats), None)
+        """Why fewer tokens were reused than the cache held after the last turn, said rather
+        than left as a mystery: the system prompt changed (`/set system`), the oldest turns
+        were dropped to make room, or else the template renders the last reply with other
+        tokens than were generated (emoji, odd spacing). Everything from there on is prefilled
+        again."""
+        dropped, self._dropped_now = self._dropped_now, []
+        last = next(
+            (
+                t
+                for t in reversed(self.turns)
+                if t.stats and (t.in_context or any(t is d for d in dropped))
+            ),
+            None,
+        )
         if stats is None or last is None or last.stats is None or stats.reused_tokens == 0:
             return ""
         held = last.stats.prompt_tokens + last.stats.output_tokens
         lost = held - stats.reused_tokens
         if lost <= 2:  # the end-of-turn markers are rendered anew by design
             return ""
-        return (
-            f"{lost} of the {held} cached tokens were prefilled again: the chat template"
-            " renders the previous reply with other tokens than were generated"
-        )
+        if last.system != self.system:
+            why = "the system prompt changed since the last turn (/set system)"
+        elif dropped:
+            n = len(dropped)
+            turns = "the oldest turn was" if n == 1 else f"the {n} oldest turns were"
+            why = f"{turns} dropped to make room for this one"
+        else:
+            why = (
+                "the chat template renders the previous reply with other tokens than were generated"
+            )
+        return f"{lost} of the {held} cached tokens were prefilled again: {why}"
 
     def say(self, user: str, *, cancel: threading.Event | None = None) -> Turn:
         """One whole turn without a terminal: begin, run to the end, record."""

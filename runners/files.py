@@ -2,6 +2,8 @@
 
 `atomic_write` writes a temporary file in the same folder, fsyncs it and renames it over the
 target (POSIX rename is atomic within a file system): a reader sees the old file or the new one.
+A symbolic link is written through, as a shell's `>` does: its target is replaced (with its
+mode), the link stays; a device or FIFO is written in place, so a full one raises.
 `append_line` appends one whole line with a single write(2) on an O_APPEND descriptor; if the
 disk fills part-way, the partial bytes are cut off again, so the file stays whole lines.
 `read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
@@ -12,6 +14,7 @@ disk fills part-way, the partial bytes are cut off again, so the file stays whol
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -21,23 +24,31 @@ from pathlib import Path
 def atomic_write(path: Path, text: str) -> None:
     """Replace `path` with `text` (UTF-8) in one step; on failure the old file is untouched.
 
+    A symbolic link is written through, as a shell's `>` does: the link stays, and its target
+    gets the text (atomically, with the target's mode, when it is a regular file or missing;
+    a device or FIFO, such as /dev/full, is written in place, and its errors are raised).
     Raises OSError (ENOSPC, EACCES...) with the temporary file removed.
     """
     data = text.encode("utf-8")
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else path
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        _write_in_place(target, data)
+        return
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            _write_all(fd, data)
             os.fsync(fd)
-            with contextlib.suppress(OSError):  # keep the old file's permissions where there is one
-                os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
+            if mode is not None:  # keep the old file's permissions
+                os.fchmod(fd, stat.S_IMODE(mode))
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -48,6 +59,26 @@ def atomic_write(path: Path, text: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:  # nothing taken and no error: the device is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
+
+
+def _write_in_place(path: Path, data: bytes) -> None:
+    """A device or FIFO gets the bytes as they are; a failed write (a full device) raises."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        _write_all(fd, data)
+        with contextlib.suppress(OSError):  # a terminal or FIFO has nothing to sync (EINVAL)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def append_line(path: Path, line: str) -> None:

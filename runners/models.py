@@ -251,10 +251,35 @@ def _download(repo: str, filename: str) -> str:
         raise HubError(f"download of {repo}/{filename} failed: {e}") from None
 
 
+def check_hub_file(repo: str, name: str) -> str:
+    """`name` when it is a file's path inside a Hub repository; a HubError otherwise. A path
+    that could leave the repository's folder in the cache (absolute, a `..` part, a
+    backslash, a drive letter) or that no file has (an empty or `.` part, a NUL or another
+    control character) is refused here, in one line, before the Hub or its cache sees it."""
+    why = None
+    parts = name.split("/")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        why = "it holds a control character"
+    elif "\\" in name:
+        why = "a backslash is not a path separator on the Hub"
+    elif name.startswith("/"):
+        why = "it is an absolute path"
+    elif re.match(r"^[A-Za-z]:", name):
+        why = "a drive letter is not a path inside the repository"
+    elif ".." in parts:
+        why = "a '..' part would leave the repository"
+    elif any(p in ("", ".") for p in parts):
+        why = "it has an empty or '.' part"
+    if why is not None:
+        shown = "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in name)
+        raise HubError(f"{repo}: '{shown}' is not a file in the repository ({why})")
+    return name
+
+
 def _resolve_hub(ref: str) -> str:
     m = _HUB_FILE.match(ref)
     if m:
-        repo, files = m["repo"], [m["file"]]
+        repo, files = m["repo"], [check_hub_file(m["repo"], m["file"])]
         split = _SPLIT.search(files[0])
         if split:  # a split model: every part must be there, llama.cpp opens the rest itself
             n_parts = int(split[2])
@@ -266,7 +291,7 @@ def _resolve_hub(ref: str) -> str:
         m = _HUB_REPO.match(ref)
         assert m is not None
         repo = m["repo"]
-        files = choose_gguf(repo, _repo_files(repo), m["quant"])
+        files = [check_hub_file(repo, f) for f in choose_gguf(repo, _repo_files(repo), m["quant"])]
     paths = [_download(repo, f) for f in files]
     return paths[0]
 

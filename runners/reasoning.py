@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# (opening, closing) markers of a thinking block
+# (opening, closing) markers of a thinking block; every marker and header begins with "<"
 MARKERS = (("<think>", "</think>"), ("<|channel|>analysis<|message|>", "<|end|>"))
 # Text between thinking and answer that belongs to neither (gpt-oss's answer header)
 ANSWER_HEADERS = ("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
@@ -31,102 +31,181 @@ class Piece:
 
 
 class ReasoningSplitter:
-    """Feed text as it streams; each call returns the thinking and answer text now certain."""
+    """Feed text as it streams; each call returns the thinking and answer text now certain,
+    without the tags (`ShownSplitter` with the tags left out)."""
 
     def __init__(self, *, thinking: bool = False) -> None:
-        self.thinking = thinking  # inside a thinking block now
-        self.closing = MARKERS[0][1]
-        self.seen_thinking = thinking
-        self._pending = ""
+        self._split = ShownSplitter(thinking=thinking, tags=False)
+
+    @property
+    def thinking(self) -> bool:
+        return self._split.thinking
+
+    @property
+    def seen_thinking(self) -> bool:
+        return self._split.seen_thinking
 
     def feed(self, text: str) -> Piece:
-        self._pending += text
-        out = Piece()
-        while self._pending:
-            if self.thinking:
-                cut = self._pending.find(self.closing)
-                if cut >= 0:
-                    out.thinking += self._pending[:cut]
-                    self._pending = self._pending[cut + len(self.closing) :]
-                    self.thinking = False
-                    continue
-                keep = _partial_suffix(self._pending, (self.closing,))
-                out.thinking += self._pending[: len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep :]
-                break
-            found = [(self._pending.find(o), o, c) for o, c in MARKERS if o in self._pending]
-            headers = [(self._pending.find(h), h) for h in ANSWER_HEADERS if h in self._pending]
-            if headers and (not found or min(headers)[0] < min(found)[0]):
-                at, header = min(headers)
-                out.answer += self._pending[:at]
-                self._pending = self._pending[at + len(header) :]
-                continue
-            if found:
-                at, opening, closing = min(found)
-                out.answer += self._pending[:at]
-                self._pending = self._pending[at + len(opening) :]
-                self.thinking, self.closing, self.seen_thinking = True, closing, True
-                continue
-            keep = _partial_suffix(self._pending, tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)
-            out.answer += self._pending[: len(self._pending) - keep]
-            self._pending = self._pending[len(self._pending) - keep :]
-            break
-        return out
+        return _piece(self._split.feed(text, flagged=False))
 
     def flush(self) -> Piece:
-        """The held-back rest at the end: a tag that never completed is plain text."""
-        rest, self._pending = self._pending, ""
-        return Piece(thinking=rest) if self.thinking else Piece(answer=rest)
+        """The held-back rest at the end: a tag that never completed is text of its block."""
+        return _piece(self._split.flush())
+
+
+def _piece(segments: list[tuple[bool, str]]) -> Piece:
+    out = Piece()
+    for thinking, text in segments:
+        if thinking:
+            out.thinking += text
+        else:
+            out.answer += text
+    return out
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that begins one of the tags."""
+    """Length of the longest suffix of `text` that begins one of the tags. Every tag begins
+    with `<`, so only the suffixes that start at a `<` are tried (this runs once per token)."""
     longest = max(len(t) for t in tags)
-    for n in range(min(len(text), longest - 1), 0, -1):
-        suffix = text[-n:]
+    at = text.find("<", max(0, len(text) - longest + 1))
+    while at >= 0:
+        suffix = text[at:]
         if any(t.startswith(suffix) for t in tags):
-            return n
+            return len(text) - at
+        at = text.find("<", at + 1)
     return 0
+
+
+class ShownSplitter:
+    """The text to show, routed: `feed(text, flagged=...)` returns (thinking, text) segments in
+    order, each certain now; tags stay with the thinking they open or close, so a program that
+    reads the answer alone never gets a `<think` fragment. Text that could still become a tag
+    (`<`, `<thi`, `</think`) is held back until the next token settles it. `TokenTagger`'s
+    counts and `ReasoningSplitter` (`tags=False`) split the same way, so what is shown and
+    what is counted agree.
+
+    `flagged` is the runner's own tag of the token. It matters only where no tag is in the text:
+    thinking that a chat template opened in the prompt, or a server's separate reasoning channel
+    (its tokens are flagged and carry no tags); that thinking ends at a closing tag or at the
+    first token not flagged. gpt-oss's answer header belongs to neither and is not shown."""
+
+    def __init__(self, *, thinking: bool = False, tags: bool = True) -> None:
+        self.thinking = thinking  # inside a thinking block (`thinking`: the prompt opened one)
+        self.tags = tags  # the tags shown with their thinking (False: left out)
+        self.seen_thinking = thinking
+        self.closing = MARKERS[0][1]
+        self._by_flag = False  # thinking that began without a tag in the text
+        self._pending = ""
+
+    @property
+    def holding(self) -> bool:
+        """Whether text is held back as the possible start of a tag."""
+        return bool(self._pending)
+
+    def feed(self, text: str, *, flagged: bool) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        if self.thinking and self._by_flag and not flagged:
+            _add(out, True, self._pending)  # the runner says the thinking is over
+            self._pending, self.thinking, self._by_flag = "", False, False
+        elif (
+            flagged and not self.thinking and not any(o in self._pending + text for o, _ in MARKERS)
+        ):
+            _add(out, False, self._pending)
+            self._pending, self.thinking, self._by_flag = "", True, True
+            self.seen_thinking = True
+            self.closing = MARKERS[0][1]
+        if not self._pending and "<" not in text:  # no tag can begin here: the common case
+            _add(out, self.thinking, text)
+            return out
+        self._pending += text
+        while self._pending:
+            pending = self._pending
+            if self.thinking:
+                cut = pending.find(self.closing)
+                if cut >= 0:
+                    end = cut + len(self.closing)
+                    _add(out, True, pending[:end] if self.tags else pending[:cut])
+                    self._pending, self.thinking, self._by_flag = pending[end:], False, False
+                    continue
+                keep = _partial_suffix(pending, (self.closing,))
+                _add(out, True, pending[: len(pending) - keep])
+                self._pending = pending[len(pending) - keep :]
+                break
+            found = [(pending.find(o), o, c) for o, c in MARKERS if o in pending]
+            headers = [(pending.find(h), h) for h in ANSWER_HEADERS if h in pending]
+            if headers and (not found or min(headers)[0] < min(found)[0]):
+                at, header = min(headers)
+                _add(out, False, pending[:at])
+                self._pending = pending[at + len(header) :]
+                continue
+            if found:
+                at, opening, closing = min(found)
+                _add(out, False, pending[:at])
+                if self.tags:
+                    _add(out, True, opening)
+                self._pending = pending[at + len(opening) :]
+                self.thinking, self.closing, self.seen_thinking = True, closing, True
+                continue
+            keep = _partial_suffix(pending, tuple(o for o, _ in MARKERS) + ANSWER_HEADERS)
+            _add(out, False, pending[: len(pending) - keep])
+            self._pending = pending[len(pending) - keep :]
+            break
+        return out
+
+    def flush(self) -> list[tuple[bool, str]]:
+        """The held-back rest at the end: a tag that never completed is text of its block."""
+        out: list[tuple[bool, str]] = []
+        _add(out, self.thinking, self._pending)
+        self._pending = ""
+        return out
+
+
+def _add(out: list[tuple[bool, str]], thinking: bool, text: str) -> None:
+    if not text:
+        return
+    if out and out[-1][0] == thinking:
+        out[-1] = (thinking, out[-1][1] + text)
+    else:
+        out.append((thinking, text))
 
 
 class TokenTagger:
     """Tags each output token as thinking or answer as it streams, and keeps the counts.
 
-    `tag(text)` gives the live tag (a token carrying a tag counts with the block it opens or
-    closes). Tokens whose text is held back as a possible tag are settled by what follows: with
-    the thinking if they turn out to open it, with the answer otherwise."""
+    `tag(text)` gives the live tag (a token carrying a tag, or part of one, counts with the
+    block it opens or closes). Tokens whose text is held back as a possible tag are settled by
+    what follows: with the thinking if they turn out to open it, with the answer otherwise.
+    The first answer token is the first with answer text after thinking: text before the
+    thinking in the same token does not count."""
 
     def __init__(self, *, thinking: bool = False) -> None:
-        self.splitter = ReasoningSplitter(thinking=thinking)
+        self.splitter = ShownSplitter(thinking=thinking)
         self.thinking_tokens = 0
         self.first_answer: int | None = None  # index of the first token with answer text
+        self.seen_thinking = thinking
         self._limbo = 0  # tokens with no visible text yet, outside thinking
         self._index = 0
 
     def tag(self, text: str) -> bool:
         before = self.splitter.thinking
-        part = self.splitter.feed(text)
+        segments = self.splitter.feed(text, flagged=False)
         after = self.splitter.thinking
-        index, self._index = self._index, self._index + 1
-        if before or after or part.thinking:
+        index = self._index
+        self._index += 1
+        answer, thought = "", False
+        for thinking, piece in segments:
+            if thinking:
+                thought = self.seen_thinking = True
+            else:
+                answer += piece
+                if self.seen_thinking and self.first_answer is None and piece.strip():
+                    self.first_answer = index
+        if before or after or thought:
             self.thinking_tokens += 1 + (self._limbo if not before else 0)
             self._limbo = 0
-            thinking = not part.answer.strip() or before
+            return not answer.strip() or before
+        if answer.strip() and not self.splitter.holding:
+            self._limbo = 0
         else:
-            thinking = False
-            if part.answer.strip():
-                self._limbo = 0
-            else:
-                self._limbo += 1
-        if (
-            part.answer.strip()
-            and self.splitter.seen_thinking
-            and self.first_answer is None
-            and not after
-        ):
-            self.first_answer = index
-        return thinking
-
-    @property
-    def seen_thinking(self) -> bool:
-        return self.splitter.seen_thinking
+            self._limbo += 1
+        return False

@@ -277,6 +277,20 @@ class Connection:
             chunk = dataclasses.replace(chunk, finish_reason="stop")
         return chunk
 
+    def _silence(self, reader: SSEReader) -> str:
+        """Why no event came within the timeout: only comments, a line still arriving, or an
+        event whose `data` lines came without the blank line that ends it."""
+        if not reader.unfinished_chars:
+            return f"no reply for {self.timeout_s:g} s (the server sent only keep-alive comments)"
+        n = reader.unfinished_chars
+        size = f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} characters"
+        what = (
+            f"a stream line of {size} so far, without its end"
+            if reader.in_line
+            else f"an event of {size} so far, without the blank line that ends it"
+        )
+        return f"no whole event within {self.timeout_s:g} s ({what})"
+
     def scrub_secrets(self, text: str) -> str:
         """Generated text with only our own secrets taken out (a URL in it stays as written)."""
         for secret in self._secrets:
@@ -342,16 +356,14 @@ class Connection:
                 return
             finished = False
             deadline = time.monotonic() + self.timeout_s
+            reader = SSEReader()
             try:
-                for data in sse_events(response.iter_bytes()):
+                for data in reader.events(response.iter_bytes()):
                     if cancel is not None and cancel.is_set():
                         return
                     if not data or data.isspace():  # a comment, a partial or an empty event
                         if time.monotonic() > deadline:
-                            yield Chunk(
-                                error=f"no reply for {self.timeout_s:g} s (the server"
-                                " sent only keep-alive comments)"
-                            )
+                            yield Chunk(error=self._silence(reader))
                             return
                         continue
                     deadline = time.monotonic() + self.timeout_s
@@ -392,57 +404,105 @@ class SSELineTooLongError(ValueError):
 
 
 def sse_events(raw: Iterable[bytes]) -> Iterator[str | None]:
-    """The `data` of each event in a server-sent event stream, as the WHATWG HTML standard
-    (9.2.6) parses it; None for every comment or partial read, so the caller can check its
-    deadline while a server only keeps the connection open.
+    """The `data` of each event in a server-sent event stream (see `SSEReader`)."""
+    return SSEReader().events(raw)
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+class SSEReader:
+    """Reads a server-sent event stream as the WHATWG HTML standard (9.2.6) parses it.
+
+    `events(raw)` yields the `data` of each event, and None for every comment or partial read,
+    so the caller can check its deadline while a server only keeps the connection open;
+    `unfinished_chars` and `in_line` then tell a line or an event still arriving from a
+    server that is silent.
 
     Lines end with CRLF, LF or CR; one leading BOM is dropped; a line starting with ':' is a
     comment; `field: value` drops one space after the colon; several `data` lines make one
     event joined by LF, dispatched at a blank line; `event`, `id`, `retry` and unknown fields
     are ignored. Bytes are UTF-8 with errors replaced. One departure: data still pending when
     the stream ends is dispatched (the standard discards it), so a server that leaves out the
-    final blank line loses nothing.
+    final blank line loses nothing. Each byte is looked at once (a 10 MB line costs what its
+    bytes cost), and a line or an event over MAX_SSE_LINE raises SSELineTooLongError.
     """
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    buffer, started, pending_cr = "", False, False
-    data: list[str] = []
-    for piece in itertools.chain(raw, [None]):
-        final = piece is None
-        text = decoder.decode(b"" if piece is None else piece, final=final)
-        if not started and text:
-            text, started = text.removeprefix("\ufeff"), True
-        if pending_cr and text.startswith("\n"):
-            text = text[1:]  # the LF of a CRLF split across reads
-        pending_cr = text.endswith("\r")
-        buffer += text
-        lines = re.split(r"\r\n|\r|\n", buffer)
-        buffer = lines.pop()
-        if len(buffer) > MAX_SSE_LINE:
-            raise SSELineTooLongError(f"a stream line longer than {MAX_SSE_LINE // 2**20} MiB")
-        dispatched = False
-        for line in lines:
-            if not line:
-                if data:
-                    yield "\n".join(data)
+
+    def __init__(self) -> None:
+        self._line: list[str] = []  # the line being received, in pieces
+        self._line_chars = 0
+        self._data: list[str] = []  # the event being built
+        self._data_chars = 0
+
+    @property
+    def unfinished_chars(self) -> int:
+        """Characters received of a line or an event not yet complete."""
+        return self._line_chars + self._data_chars
+
+    @property
+    def in_line(self) -> bool:
+        """Whether part of a line has come without its end."""
+        return self._line_chars > 0
+
+    def events(self, raw: Iterable[bytes]) -> Iterator[str | None]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        started, pending_cr = False, False
+        for piece in itertools.chain(raw, [None]):
+            final = piece is None
+            text = decoder.decode(b"" if piece is None else piece, final=final)
+            if not started and text:
+                text, started = text.removeprefix("\ufeff"), True
+            if pending_cr and text.startswith("\n"):
+                text = text[1:]  # the LF of a CRLF split across reads
+            pending_cr = text.endswith("\r")
+            dispatched = False
+            start = 0
+            for end in _LINE_END.finditer(text):
+                line = "".join([*self._line, text[start : end.start()]])
+                self._line, self._line_chars, start = [], 0, end.end()
+                event = self._take(line)
+                if event is not None:
+                    yield event
                     dispatched = True
-                data = []
-                continue
-            if line.startswith(":"):
-                continue
-            name, colon, value = line.partition(":")
-            if colon and value.startswith(" "):
-                value = value[1:]
-            if name == "data":
-                data.append(value)
-        if final:
-            name, _, value = buffer.partition(":")
-            if name == "data":
-                data.append(value[1:] if value.startswith(" ") else value)
-            if data:
-                yield "\n".join(data)
-            return
-        if not dispatched:
-            yield None
+            if start < len(text):
+                self._line.append(text[start:])
+                self._line_chars += len(text) - start
+                if self._line_chars > MAX_SSE_LINE:
+                    raise SSELineTooLongError(
+                        f"a stream line longer than {MAX_SSE_LINE // 2**20} MiB"
+                        " (the server sent no line end)"
+                    )
+            if final:
+                line = "".join(self._line)
+                self._line, self._line_chars = [], 0
+                name, _, value = line.partition(":")
+                if name == "data":
+                    self._data.append(value[1:] if value.startswith(" ") else value)
+                if self._data:
+                    yield "\n".join(self._data)
+                return
+            if not dispatched:
+                yield None
+
+    def _take(self, line: str) -> str | None:
+        """One whole line: the event's data when the line is blank and ends one."""
+        if not line:
+            data, self._data, self._data_chars = self._data, [], 0
+            return "\n".join(data) if data else None
+        if line.startswith(":"):
+            return None
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data_chars += len(value) + (1 if self._data else 0)  # joined by LF
+            self._data.append(value)
+            if self._data_chars > MAX_SSE_LINE:
+                raise SSELineTooLongError(
+                    f"a stream event longer than {MAX_SSE_LINE // 2**20} MiB"
+                    " (the server sent no blank line to end it)"
+                )
+        return None
 
 
 def _parse(event: Any) -> Chunk:
@@ -628,7 +688,7 @@ class OpenAIRunner:
         clock = PausedClock()
         times: list[float] = []
         parts: list[str] = []
-        last: Chunk | None = None
+        reason: str | None = None  # the server's finish reason (a later usage-only chunk has none)
         usage: dict[str, Any] | None = None
         timings: dict[str, Any] | None = None
         error: str | None = None
@@ -647,7 +707,7 @@ class OpenAIRunner:
                     " asked for (-n); stopped reading"
                 )
                 break
-            last = chunk
+            reason = chunk.finish_reason or reason
             if chunk.reasoning:  # the server split the thinking off itself
                 times.append(stamp)
                 thinking_chunks += 1
@@ -663,11 +723,9 @@ class OpenAIRunner:
                 text = self.conn.scrub_secrets(chunk.text)  # a server that echoes our headers
                 parts.append(text)
                 thinking = tagger.tag(text)
-                if (
-                    first_answer is None
-                    and (thinking_chunks or tagger.seen_thinking)
-                    and not thinking
-                    and text.strip()
+                if first_answer is None and (
+                    tagger.first_answer is not None  # answer text after a </think> in the content
+                    or (thinking_chunks and not thinking and text.strip())  # after reasoning deltas
                 ):
                     first_answer = stamp
                 with clock.paused():
@@ -678,7 +736,7 @@ class OpenAIRunner:
         elif cancel.is_set():
             finish = FINISH_INTERRUPTED
         else:
-            finish = _finish(last.finish_reason if last else None)
+            finish = _finish(reason)
         e2e = clock.wall()
         stats = self._stats(finish, times, usage, timings, error, e2e, request, loaded)
         if thinking_count:

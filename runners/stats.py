@@ -18,6 +18,7 @@ FINISH_LENGTH = "length"  # --max-tokens reached
 FINISH_CONTEXT = "context"  # the context filled up before --max-tokens
 FINISH_INTERRUPTED = "interrupted"  # Ctrl-C or a closed output
 FINISH_INCOMPLETE = "incomplete"  # a server's stream broke off (killed, malformed, timed out)
+FINISH_STDOUT_CLOSED = "stdout closed"  # the reader of the text went away (`| head -3`)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -66,7 +66,7 @@ def test_closed_stdout_ends_quietly(llmrun_env: dict[str, str]) -> None:
         llmrun_env,
     )
     assert "status=141" in check.stdout
-    assert "Traceback" not in check.stderr and "[interrupted]" in check.stderr
+    assert "Traceback" not in check.stderr and "[stdout closed]" in check.stderr
 
 
 def test_piped_text_in_any_language_and_no_escape_codes(llmrun_env: dict[str, str]) -> None:
