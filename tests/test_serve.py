@@ -186,7 +186,10 @@ def test_chat_answer_has_openai_shape_and_its_phases(llmrun_server: Server) -> N
     usage, t = body["usage"], body["timings"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert t["prompt_tokens"] == usage["prompt_tokens"]
-    assert t["output_tokens"] == usage["completion_tokens"]
+    # the end-of-generation token that ended an answer counts in completion_tokens (OpenAI's
+    # definition), not among the text's output_tokens
+    ended = choice["finish_reason"] == "stop"
+    assert t["output_tokens"] + ended == usage["completion_tokens"] == t["predicted_n"]
     assert t["prefill_tokens"] == t["prompt_tokens"] - t["reused_tokens"]
     assert sum(c["tokens"] for c in t["prefill_chunks"]) == t["prefill_tokens"]
     # TTFT holds its parts: template+tokenize, queue, prefill (and the first sample).

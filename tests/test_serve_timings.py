@@ -162,13 +162,15 @@ def test_a_stream_carries_them_in_the_last_chunk_and_the_usage_chunk(server: Ser
 
 def test_an_answer_ended_by_the_end_of_generation_token_counts_it(server: Server) -> None:
     """llama-server counts the end-of-generation token in predicted_n and times its step in
-    predicted_ms; llmrun's output_tokens and decode_ms leave it out."""
+    predicted_ms; so does usage.completion_tokens (OpenAI's definition); llmrun's
+    output_tokens and decode_ms leave it out (the text's tokens and their gaps)."""
     body = chat("Say yes.", max_tokens=64, temperature=0)
     answer = server.post("/v1/chat/completions", body).json()
     t = answer["timings"]
     assert answer["choices"][0]["finish_reason"] == "stop", answer
     check_meanings(t, answer["usage"]["prompt_tokens"])
-    assert t["predicted_n"] == t["output_tokens"] + 1
+    assert t["predicted_n"] == t["output_tokens"] + 1 == answer["usage"]["completion_tokens"]
+    assert answer["usage"]["total_tokens"] == t["prompt_tokens"] + t["predicted_n"]
     assert t["predicted_ms"] > t["decode_ms"]
 
 

@@ -69,6 +69,12 @@ class RequestTimings:
     def prefill_tokens(self) -> int:
         return self.prompt_tokens - self.reused_tokens
 
+    @property
+    def completion_tokens(self) -> int:
+        """Every token generated, the end-of-generation token that ended the answer included
+        (OpenAI's `usage.completion_tokens`, llama-server's `predicted_n`; docs/measurement.md)."""
+        return self.output_tokens + (self.end_token_ms is not None)
+
     def itl_p(self, q: float) -> float | None:
         return percentile(self.itl_ms, q)
 
@@ -116,8 +122,7 @@ class RequestTimings:
           its decode steps, `predicted_n - 1`; 0 where the divisor is 0, as llama-server.
         - `draft_n`, `draft_n_accepted` only when a draft model proposed tokens."""
         prompt_n, prompt_ms = self.prefill_tokens, self.prefill_ms
-        ended = self.end_token_ms is not None
-        predicted_n = self.output_tokens + ended
+        predicted_n = self.completion_tokens
         predicted_ms = self.decode_ms + (self.end_token_ms or 0.0)
         if predicted_n:
             predicted_ms = max(predicted_ms, 0.001)

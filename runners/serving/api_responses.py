@@ -55,8 +55,8 @@ class Usage(BaseModel):
     def of(cls, t: RequestTimings) -> Usage:
         return cls(
             prompt_tokens=t.prompt_tokens,
-            completion_tokens=t.output_tokens,
-            total_tokens=t.prompt_tokens + t.output_tokens,
+            completion_tokens=t.completion_tokens,
+            total_tokens=t.prompt_tokens + t.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=t.reused_tokens),
         )
 
