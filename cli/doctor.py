@@ -27,10 +27,10 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     verdict may run the probe (a child process, once per build, CPU and quantization)."""
     from llmrun.runners import devices as dv
     from llmrun.runners import system as sy
-    from llmrun.runners.library import llama_lib
+    from llmrun.runners.library import llama_c_library
 
     out = [Finding("version", version_line())]
-    lib = llama_lib()
+    lib = llama_c_library()  # libllama alone: the llama_cpp package (numpy...) stays unloaded
     q = dv.query()
     found = q.devices()
     info = lib.llama_print_system_info()
