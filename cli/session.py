@@ -27,14 +27,6 @@ class EventView(Protocol):
     def close(self) -> None: ...
 
 
-class Suspendable(Protocol):
-    """A view that takes itself off the screen for Ctrl-Z and draws itself again after `fg`."""
-
-    def suspend(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-
 class TextSink(Protocol):
     """Where generated text goes: stdout (`TextOut`) or the dashboard when it owns the terminal."""
 
