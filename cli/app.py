@@ -170,14 +170,25 @@ app = typer.Typer(
 )
 
 
-@app.callback(invoke_without_command=True)
-def main(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
-) -> None:
-    """Run local GGUF language models and see where the time goes: load, prefill, decode."""
-    if version:
+def _print_version(asked: bool) -> None:
+    """`--version` is eager: it answers while the line is parsed, before typer converts any
+    other value (its conversions import pydantic, a third of --version's time)."""
+    if asked:
         from .version import version_line
 
         print(version_line())
         print("(llmrun doctor: the build, devices, CPU features and the choices it makes)")
         raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version and exit.",
+    ),
+) -> None:
+    """Run local GGUF language models and see where the time goes: load, prefill, decode."""
