@@ -36,6 +36,7 @@ import sys
 import termios
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -110,21 +111,21 @@ def main() -> int:
     llama_bench, missing = llama_bench_binary()
 
     cases: dict[str, tuple[Callable[[], float], int]] = {
-        "python -c pass": (lambda: wall([python, "-c", "pass"]), args.reps)
+        "python -c pass": (partial(wall, [python, "-c", "pass"]), args.reps)
     }
     for exe in llmruns:
         tag = "" if len(llmruns) == 1 else f" [{exe}]"
-        cases[f"llmrun --help{tag}"] = (lambda e=exe: wall([e, "--help"]), args.reps)
-        cases[f"llmrun --version{tag}"] = (lambda e=exe: wall([e, "--version"]), args.reps)
-        cases[f"llmrun run: exec to load{tag}"] = (lambda e=exe: until_load(e), args.reps)
+        cases[f"llmrun --help{tag}"] = (partial(wall, [exe, "--help"]), args.reps)
+        cases[f"llmrun --version{tag}"] = (partial(wall, [exe, "--version"]), args.reps)
+        cases[f"llmrun run: exec to load{tag}"] = (partial(until_load, exe), args.reps)
         if llama_bench is not None:
             cases[f"llmrun bench -r 0 -p 16 -n 4{tag}"] = (
-                lambda e=exe: wall([e, "bench", *bench_line]),
+                partial(wall, [exe, "bench", *bench_line]),
                 args.bench_reps,
             )
     if llama_bench is not None:
         cases["llama-bench -r 0 -p 16 -n 4"] = (
-            lambda: wall([llama_bench, *bench_line]),
+            partial(wall, [llama_bench, *bench_line]),
             args.bench_reps,
         )
 

@@ -57,7 +57,7 @@ SUMMARIES: dict[str, str] = {
 
 def _callback(name: str) -> Callable[..., Any]:
     module, attribute = COMMANDS[name]
-    return getattr(importlib.import_module(module), attribute)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), attribute)
 
 
 class _FlagsShowNoType:
@@ -65,7 +65,7 @@ class _FlagsShowNoType:
     `--raw true` were expected). A set metavar is what an option's row shows in place of its
     type, and a flag's metavar is used nowhere else; so each flag gets an empty one."""
 
-    def get_params(self, ctx: typer.Context) -> list[Any]:
+    def get_params(self, ctx: Any) -> Any:
         params: list[Any] = super().get_params(ctx)  # type: ignore[misc]
         for param in params:
             flag = isinstance(param, typer.core.TyperOption) and param.is_flag
