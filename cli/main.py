@@ -72,6 +72,11 @@ def main() -> None:
     _same_text_in_every_locale()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
+    if sys.argv[1:2] in (["run"], ["chat"]):  # they choose threads by the load over start-up
+        import llmrun.cli
+        from llmrun.runners import system
+
+        llmrun.cli.cpu_at_start = system.cpu_sample()
     from llmrun.runners import library
     from llmrun.runners.errors import EngineAbortError
 

@@ -69,3 +69,28 @@ def test_each_summary_is_its_commands_own_help(name: str) -> None:
     command = app_module.build_command(name)
     first = inspect.cleandoc(command.help or "").split("\n\n")[0]
     assert app_module.SUMMARIES[name] == first
+
+
+def test_run_measures_the_load_over_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run and chat choose threads by other processes' load; its sample starts when llmrun
+    does (main), so after a start-up of a quarter second or more they wait no longer."""
+    import time
+
+    import llmrun.cli
+    from llmrun.cli import session
+    from llmrun.runners import system
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(system, "background_override", None)
+    now = system.cpu_sample()
+    if now is None:
+        pytest.skip("no /proc/stat here")
+    long_ago = system.CpuSample(now.wall_s - 0.5, now.busy_s - 1.0, now.own_s)
+    monkeypatch.setattr(llmrun.cli, "cpu_at_start", long_ago)
+    background = session._background_since_start()
+    assert slept == [] and background is not None and background >= 0.0
+    just_now = system.CpuSample(time.perf_counter() - 0.1, now.busy_s, now.own_s)
+    monkeypatch.setattr(llmrun.cli, "cpu_at_start", just_now)
+    session._background_since_start()
+    assert len(slept) == 1 and 0.1 <= slept[0] <= 0.15  # the rest of the quarter second
