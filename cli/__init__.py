@@ -11,6 +11,10 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmrun.runners.system import CpuSample
 
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
@@ -22,6 +26,12 @@ STOP_SIGNALS: dict[signal.Signals, int] = {
 }
 if hasattr(signal, "SIGHUP"):
     STOP_SIGNALS[signal.SIGHUP] = EXIT_HANGUP
+
+
+# The machine's CPU time when `main.main` started: run and chat
+# measure other processes' load from there, over the start-up, instead of waiting a quarter
+# second for it after (session.free_cores). None when the app runs without main (tests).
+cpu_at_start: CpuSample | None = None
 
 
 def interrupted_at_startup(signum: int, frame: FrameType | None) -> None:

@@ -1,62 +1,194 @@
-"""Wires the commands together; each command lives in its own module."""
+"""Wires the commands together; each command lives in its own module, imported when it runs.
+
+`llmrun --help` lists the commands from SUMMARIES without importing any of them (a test keeps
+each line equal to its command's own help), and `--version` needs none either: a command's
+module, and whatever heavy library it imports, loads only when that command is resolved.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 import typer
 import typer.core
+import typer.main
 
-from . import chat, doctor, history, models, run, serve
-from .bench import interference, sweep, tune
-from .bench import serve as bench_serve
+HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
+BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
+
+# Each command: the module and function that implement it, in the order `--help` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("llmrun.cli.run", "run"),
+    "chat": ("llmrun.cli.chat", "chat"),
+    "tune": ("llmrun.cli.bench.tune", "tune"),
+    "history": ("llmrun.cli.history", "history"),
+    "pull": ("llmrun.cli.models", "pull"),
+    "models": ("llmrun.cli.models", "models"),
+    "serve": ("llmrun.cli.serve", "serve"),
+    "doctor": ("llmrun.cli.doctor", "doctor"),
+    "bench": ("llmrun.cli.bench.sweep", "bench"),
+}
+
+# The first paragraph of each command's help, line breaks included, as `llmrun --help` lists it
+# (tests/test_startup.py checks each against the command itself).
+SUMMARIES: dict[str, str] = {
+    "run": "Generate text for a prompt and report load, prefill and decode separately.",
+    "chat": "Chat with a model; each turn prefills only what is new since the last one.",
+    "tune": (
+        "Search threads, flash attention, repacking, batch/ubatch and prefill threads for this\n"
+        "model; save the fastest for each --workload as the defaults of run, chat and bench."
+    ),
+    "history": (
+        "The stored bench runs, newest first, each against the run before it; or two sets of\n"
+        "them compared (-b, -c); or the runs exported for llama.cpp's compare-llama-bench.py."
+    ),
+    "pull": "Download a GGUF model from the Hugging Face Hub into its cache, without running it.",
+    "models": "List the embedded default model and the GGUF files in the Hugging Face cache.",
+    "serve": "Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.",
+    "doctor": (
+        "Print the build, backend, devices, CPU features, the thread and repacking choices with\n"
+        "their reasons, and whether the machine is busy: paste it into a bug report."
+    ),
+    "bench": BENCH_HELP,
+}
+
+
+def _callback(name: str) -> Callable[..., Any]:
+    module, attribute = COMMANDS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+class _FlagsShowNoType:
+    """A flag takes no value: its help row shows none (typer shows `<bool>`, which reads as if
+    `--raw true` were expected). A set metavar is what an option's row shows in place of its
+    type, and a flag's metavar is used nowhere else; so each flag gets an empty one."""
+
+    def get_params(self, ctx: Any) -> Any:
+        params: list[Any] = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            flag = isinstance(param, typer.core.TyperOption) and param.is_flag
+            if flag and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Command(_FlagsShowNoType, typer.core.TyperCommand):
+    pass
+
+
+def _bench_group() -> typer.core.TyperGroup:
+    """`bench` runs the sweep itself; `bench serve` and `bench interference` are its
+    subcommands."""
+    from .bench import interference, sweep
+    from .bench import serve as bench_serve
+
+    bench = typer.Typer(
+        name="bench",
+        cls=type("BenchGroup", (_FlagsShowNoType, sweep.BenchGroup), {}),
+        invoke_without_command=True,
+        no_args_is_help=False,
+        help=BENCH_HELP,
+        add_completion=False,
+        # llama-bench reads --n_prompt as --n-prompt (every "--" option's _ as -)
+        context_settings={"token_normalize_func": lambda name: name.replace("_", "-")},
+    )
+    bench.callback(invoke_without_command=True)(sweep.bench)
+    bench.command("serve", cls=_Command)(bench_serve.serve)
+    bench.command("interference", cls=_Command)(interference.interference)
+    group = typer.main.get_command(bench)
+    assert isinstance(group, typer.core.TyperGroup)
+    return group
+
+
+def build_command(name: str) -> typer.core.TyperCommand | typer.core.TyperGroup:
+    """The click command of one of COMMANDS, its module imported now."""
+    if name == "bench":
+        return _bench_group()
+    one = typer.Typer(add_completion=False)
+    one.command(name, cls=_Command)(_callback(name))
+    command = typer.main.get_command(one)
+    assert isinstance(command, typer.core.TyperCommand)
+    return command
+
+
+class _Commands(Mapping[str, Any]):
+    """COMMANDS as click's `Group.commands`: each built on first use."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._built:
+            if name not in COMMANDS:
+                raise KeyError(name)
+            self._built[name] = build_command(name)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
+
+class LazyGroup(_FlagsShowNoType, typer.core.TyperGroup):
+    """The top-level group: its help lists SUMMARIES, and a command's module is imported only
+    when that command is resolved."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("commands", None)  # typer registers none here: they are COMMANDS
+        super().__init__(*args, **kwargs)
+        self.commands = _Commands()  # type: ignore[assignment]
+        self._listing = False
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:  # type: ignore[override]
+        return list(COMMANDS)
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:  # type: ignore[override]
+        if self._listing and cmd_name in SUMMARIES:
+            return typer.core.TyperCommand(cmd_name, help=SUMMARIES[cmd_name])
+        return self.commands.get(cmd_name)
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:  # type: ignore[override]
+        self._listing = True  # the command list from SUMMARIES, no command imported
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
 
 app = typer.Typer(
     name="llmrun",
-    help="Run local GGUF language models and see where the time goes: load, prefill, decode.",
+    cls=LazyGroup,
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("run")(run.run)
-app.command("chat")(chat.chat)
-bench = typer.Typer(
-    cls=sweep.BenchGroup,
-    invoke_without_command=True,
-    no_args_is_help=False,
-    help="Measure this machine: llama-bench's tests and sweeps, serving load, interference.",
-    # llama-bench reads --n_prompt as --n-prompt (every "--" option's _ as -)
-    context_settings={"token_normalize_func": lambda name: name.replace("_", "-")},
-)
-bench.callback(invoke_without_command=True)(sweep.bench)
-bench.command("serve")(bench_serve.serve)
-bench.command("interference")(interference.interference)
-app.add_typer(bench, name="bench")
-app.command("tune")(tune.tune)
-app.command("history")(history.history)
-app.command("pull")(models.pull)
-app.command("models")(models.models)
-app.command("serve")(serve.serve)
-app.command("doctor")(doctor.doctor)
 
 
-@app.callback(invoke_without_command=True)
-def main(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
-) -> None:
-    """Run local GGUF language models and see where the time goes: load, prefill, decode."""
-    if version:
-        print(doctor.version_line())
+def _print_version(asked: bool) -> None:
+    """`--version` is eager: it answers while the line is parsed, before typer converts any
+    other value (its conversions import pydantic, a third of --version's time)."""
+    if asked:
+        from .version import version_line
+
+        print(version_line())
         print("(llmrun doctor: the build, devices, CPU features and the choices it makes)")
         raise typer.Exit(0)
 
 
-_display_type_rich = typer.core.TyperOption.display_type_rich
-
-
-def _no_type_for_flags(self: typer.core.TyperOption, ctx: typer.core._click.Context) -> str | None:
-    """A flag takes no value: its help row shows none (typer shows `<bool>`, which reads as if
-    `--raw true` were expected)."""
-    return None if self.is_flag else _display_type_rich(self, ctx)
-
-
-typer.core.TyperOption.display_type_rich = _no_type_for_flags  # type: ignore[method-assign]
+@app.callback(invoke_without_command=True)
+def main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version and exit.",
+    ),
+) -> None:
+    """Run local GGUF language models and see where the time goes: load, prefill, decode."""

@@ -59,6 +59,7 @@ from .report import (
     tuned_text,
     warmup_text,
 )
+from .rich_adapter import drawn_shape, forget_drawn, live_lock, live_render, set_live_render
 from .terminal import terminal_line
 
 REFRESH_PER_SECOND = 4
@@ -391,10 +392,11 @@ class _ReflowRender(LiveRender):
         yield from segments
 
     def _rows(self) -> int:
-        if self._shape is None:
+        shape = drawn_shape(self)
+        if shape is None:
             return 0
         if self._console is None or not self._cells:
-            return self._shape[1]
+            return shape[1]
         width = max(1, self._console.width)
         return sum(max(1, -(-cells // width)) for cells in self._cells)
 
@@ -423,8 +425,9 @@ class _TextLive(Live):
     def __init__(self, take_lines: Callable[[], list[str]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._take_lines = take_lines
-        self._live_render = _ReflowRender(
-            self._live_render.renderable, vertical_overflow=self.vertical_overflow
+        set_live_render(
+            self,
+            _ReflowRender(live_render(self).renderable, vertical_overflow=self.vertical_overflow),
         )
 
     def refresh(self) -> None:
@@ -434,8 +437,8 @@ class _TextLive(Live):
                 self.console.print(Text.from_ansi("\n".join(lines)), soft_wrap=True)
             super().refresh()
             return
-        with self._lock:  # one redraw: the lines above, then the panel as it is now
-            self._live_render.set_renderable(self.renderable)
+        with live_lock(self):  # one redraw: the lines above, then the panel as it is now
+            live_render(self).set_renderable(self.renderable)
             self.console.print(Text.from_ansi("\n".join(lines)), soft_wrap=True)
 
 
@@ -470,12 +473,12 @@ class Dashboard:
         live = self.live
         if live is None:
             return
-        live._lock.acquire()  # no redraw until resume(): the refresh thread waits
-        render = live._live_render
+        live_lock(live).acquire()  # no redraw until resume(): the refresh thread waits
+        render = live_render(live)
         if render.last_render_height:
             self.console.line()  # as Live.stop does: restore_cursor counts from the next row
         self.console.control(render.restore_cursor())
-        render._shape = None  # drawn afresh where the cursor is after `fg`
+        forget_drawn(render)  # drawn afresh where the cursor is after `fg`
         self.console.show_cursor(True)
 
     def resume(self) -> None:
@@ -483,7 +486,7 @@ class Dashboard:
         if live is None:
             return
         self.console.show_cursor(False)
-        live._lock.release()
+        live_lock(live).release()
         live.refresh()
 
     def _start(self) -> None:

@@ -1,10 +1,8 @@
-"""`llmrun doctor` and `llmrun --version`: what this installation is and what it will choose,
-in a form to paste into a bug report."""
+"""`llmrun doctor`: what this installation is and what it will choose, in a form to paste into a
+bug report."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import sys
 from dataclasses import dataclass
 
@@ -15,22 +13,7 @@ from llmrun.runners.errors import LlmrunError
 from . import options as o
 from .errors import handled
 from .report import mib
-
-
-def version_line() -> str:
-    """One line, without loading llama.cpp: fast enough for `--version`."""
-    host = f"{platform.system()} {platform.machine()}"
-    return (
-        f"llmrun {_version('llmrun')} · llama-cpp-python {_version('llama_cpp_python')}"
-        f" · Python {platform.python_version()} · {host}"
-    )
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+from .version import version_line
 
 
 @dataclass(frozen=True)
@@ -44,10 +27,10 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     verdict may run the probe (a child process, once per build, CPU and quantization)."""
     from llmrun.runners import devices as dv
     from llmrun.runners import system as sy
-    from llmrun.runners.library import llama_lib
+    from llmrun.runners.library import llama_c_library
 
     out = [Finding("version", version_line())]
-    lib = llama_lib()
+    lib = llama_c_library()  # libllama alone: the llama_cpp package (numpy...) stays unloaded
     q = dv.query()
     found = q.devices()
     info = lib.llama_print_system_info()

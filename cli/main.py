@@ -72,13 +72,21 @@ def main() -> None:
     _same_text_in_every_locale()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
+    if sys.argv[1:2] in (["run"], ["chat"]):  # they choose threads by the load over start-up
+        import llmrun.cli
+        from llmrun.runners import system
+
+        llmrun.cli.cpu_at_start = system.cpu_sample()
     from llmrun.runners import library
     from llmrun.runners.errors import EngineAbortError
 
     from .app import app
-    from .errors import print_error
 
     def on_abort(error: EngineAbortError) -> None:
+        # Imported here, not up front (--help needs none of it); a command that reaches
+        # llama.cpp has long imported it for its own `handled()`.
+        from .errors import print_error
+
         print_error(error)
 
     library.on_abort = on_abort
@@ -95,3 +103,7 @@ def main() -> None:
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(_terminated_by or EXIT_INTERRUPTED) from None
+
+
+if __name__ == "__main__":  # python -m llmrun.cli.main: as the llmrun script
+    main()

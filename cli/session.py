@@ -33,14 +33,6 @@ class EventView(Protocol):
     def close(self) -> None: ...
 
 
-class Suspendable(Protocol):
-    """A view that takes itself off the screen for Ctrl-Z and draws itself again after `fg`."""
-
-    def suspend(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-
 class TextSink(Protocol):
     """Where generated text goes: stdout (`TextOut`) or the dashboard when it owns the terminal."""
 
@@ -473,6 +465,23 @@ def terminal_modes() -> list[Any] | None:
         return None
 
 
+def _background_since_start(seconds: float = 0.25) -> float | None:
+    """Other processes' CPU use, as `background_now` measures it, over llmrun's start-up rather
+    than after it: from `cpu_at_start` until now, waiting only for what is left of `seconds`."""
+    import time
+
+    import llmrun.cli
+    from llmrun.runners.system import background_now, cpu_sample, measured_background
+
+    start = llmrun.cli.cpu_at_start
+    if start is None:
+        return background_now(seconds)
+    left = seconds - (time.perf_counter() - start.wall_s)
+    if left > 0:
+        time.sleep(left)
+    return measured_background(start, cpu_sample())
+
+
 def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> EngineConfig:
     """run and chat want the answer: on a busy machine llama.cpp gets the cores other processes
     leave free (unless -t was given), and stderr says so in one line (unless -q; a program
@@ -481,9 +490,9 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
         return config
     import dataclasses
 
-    from llmrun.runners.system import background_now, choose_threads, default_threads, logical_cpus
+    from llmrun.runners.system import choose_threads, default_threads, logical_cpus
 
-    choice = choose_threads(default_threads(), background_now(), logical_cpus())
+    choice = choose_threads(default_threads(), _background_since_start(), logical_cpus())
     if not choice.reduced:
         return config
     if not quiet:

@@ -57,12 +57,15 @@ class DeviceQuery(Protocol):
 
 
 def _lib_dir() -> Path:
-    """The folder of the shared libraries llama_cpp loaded; through `llama_lib()`, so that
+    """The folder of the shared libraries llama_cpp loads; after `llama_c_library()`, so that
     llmrun's log callback is in place before the first backend call (a GPU backend logs its
     set-up, e.g. `ggml_cuda_init: found 1 CUDA devices`, when it is first reached)."""
-    from .library import llama_lib
+    from .library import llama_c_library, llama_lib
+    from .llama_cpp_adapter import package_dir
 
-    return Path(llama_lib().__file__).parent / "lib"
+    llama_c_library()
+    folder = package_dir()
+    return folder / "lib" if folder is not None else Path(llama_lib().__file__).parent / "lib"
 
 
 class GgmlDevices:
@@ -436,7 +439,7 @@ MAX_PATTERN_REPEATS = 6
 
 def check_tensor_pattern(pattern: str) -> None:
     """Refuse an -ot pattern that is no regular expression or that could match for ever."""
-    import re._parser as sre  # type: ignore[import-not-found]  # the stdlib's own parser
+    from . import re_adapter as sre  # the stdlib's own parser
 
     try:
         parsed = sre.parse(pattern)
@@ -447,7 +450,7 @@ def check_tensor_pattern(pattern: str) -> None:
     def walk(items: Any, inside_repeat: bool) -> None:
         nonlocal repeats
         for op, arg in items:
-            if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+            if op in sre.REPEATS:
                 _low, high, body = arg
                 if high > 1:
                     if inside_repeat:
@@ -462,7 +465,7 @@ def check_tensor_pattern(pattern: str) -> None:
             elif op == sre.BRANCH:
                 for branch in arg[1]:
                     walk(branch, inside_repeat)
-            elif op in (sre.ASSERT, sre.ASSERT_NOT):
+            elif op in sre.ASSERTS:
                 walk(arg[1], inside_repeat)
 
     walk(parsed.data, False)

@@ -3,7 +3,8 @@ before the first backend call.
 
 `llama_lib()` is the only way into the bindings: it installs the log callback (so llama.cpp's
 lines land in LOG_LINES, never on the terminal, and a failed load can say why) and routes
-ggml's aborts into one-line errors, then initialises the backend.
+ggml's aborts into one-line errors, then initialises the backend. `llama_c_library()` does the
+same for the C library alone, for questions that need no bindings (`doctor`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EngineAbortError
+from .llama_cpp_adapter import libllama, libllama_path
 
 # What llama.cpp logged last: the reason a model failed to load is only there.
 LOG_LINES: collections.deque[str] = collections.deque(maxlen=2000)
@@ -71,14 +73,15 @@ def _fatal(message: bytes | None) -> None:
         os._exit(1)
 
 
-def _install_abort_callback(llama_cpp: Any) -> None:
+def _install_abort_callback(lib_dir: Path) -> None:
     """Route ggml's aborts through `_fatal`. ggml_set_abort_callback lives in libggml-base, which
     can be mapped twice (llama_cpp opens libggml-base.so, libllama links libggml-base.so.0):
     the callback is set in every copy, so whichever one the compute threads call has it."""
     global _abort_callback
+    if _abort_callback is not None:
+        return  # set by the other way in (llama_c_library, llama_lib): one callback for both
     callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     _abort_callback = callback_type(_fatal)
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
     for path in sorted(lib_dir.glob("*ggml-base*")):
         try:
             setter = ctypes.CDLL(str(path)).ggml_set_abort_callback
@@ -136,6 +139,14 @@ def _strlen_address() -> int | None:
     return None
 
 
+def _log(level: int, text: bytes, user_data: Any) -> None:
+    """llama.cpp's log callback: its lines into LOG_LINES, and on stderr with bench -v."""
+    LOG_LINES.append(text.decode("utf-8", errors="replace"))
+    if _verbose:
+        with contextlib.suppress(OSError):
+            os.write(2, text)
+
+
 def llama_lib() -> Any:
     """Import llama_cpp once, route its log into LOG_LINES and its aborts into one-line errors,
     and initialise the backend."""
@@ -144,19 +155,50 @@ def llama_lib() -> Any:
         os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # no gdb backtrace on stdout, ever
         import llama_cpp
 
-        @llama_cpp.llama_log_callback
-        def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            LOG_LINES.append(text.decode("utf-8", errors="replace"))
-            if _verbose:
-                with contextlib.suppress(OSError):
-                    os.write(2, text)
-
-        _log_callback = _log
+        _log_callback = llama_cpp.llama_log_callback(_log)
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        _install_abort_callback(llama_cpp)
+        _install_abort_callback(Path(llama_cpp.__file__).parent / "lib")
         llama_cpp.llama_backend_init()
         _lib = llama_cpp
     return _lib
+
+
+_c_library: Any = None
+_c_log_callback: Any = None  # kept referenced, as _log_callback
+
+
+def llama_c_library() -> Any:
+    """libllama itself (a ctypes library), set up as `llama_lib()` sets it up (log, aborts,
+    backend) but without importing the llama_cpp package, which imports numpy and more: for
+    the reports that only ask the build about itself (`doctor`). Its functions used here have
+    their types declared: llama_print_system_info, llama_supports_gpu_offload. Once llama_cpp
+    is imported, the bindings' own handle of the same library."""
+    global _c_library, _c_log_callback
+    if _lib is not None:
+        return libllama()
+    if _c_library is None:
+        path = libllama_path()
+        if path is None:  # not a platform whose loader llmrun mirrors: the bindings load it
+            llama_lib()
+            return libllama()
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+        lib = ctypes.CDLL(str(path))
+        callback_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+        _c_log_callback = callback_type(_log)
+        lib.llama_log_set.argtypes, lib.llama_log_set.restype = (
+            [callback_type, ctypes.c_void_p],
+            None,
+        )
+        lib.llama_log_set(_c_log_callback, None)
+        _install_abort_callback(path.parent)
+        lib.llama_backend_init.argtypes, lib.llama_backend_init.restype = [], None
+        lib.llama_backend_init()
+        lib.llama_print_system_info.argtypes = []
+        lib.llama_print_system_info.restype = ctypes.c_char_p
+        lib.llama_supports_gpu_offload.argtypes = []
+        lib.llama_supports_gpu_offload.restype = ctypes.c_bool
+        _c_library = lib
+    return _c_library
 
 
 def last_log_error() -> str:

@@ -117,6 +117,8 @@ def bounded_formatter(
     output) with its template compiled in the bounded sandbox."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+    from .llama_cpp_adapter import set_compiled_template
+
     # Built on an empty template: compiling the real one in the library's environment would
     # fold its constant expressions ('a' * 10**9) before any limit applies.
     formatter = Jinja2ChatFormatter(template="", eos_token=eos_token, bos_token=bos_token)
@@ -134,7 +136,7 @@ def bounded_formatter(
     for name in ("str_join", "markup_join"):  # `~` concatenation: sized like `+`
         if name in namespace:
             namespace[name] = _bounded_join(namespace[name])
-    formatter._environment = _BoundedTemplate(compiled, max_steps)  # type: ignore[assignment]
+    set_compiled_template(formatter, _BoundedTemplate(compiled, max_steps))
     return formatter
 
 

@@ -152,11 +152,12 @@ class _Api:
 
     def __init__(self) -> None:
         from .library import llama_lib
+        from .llama_cpp_adapter import libllama
 
         llama_cpp = llama_lib()  # the log callback and abort handling come first
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
         vp = ctypes.c_void_p
-        self.llama = llama_cpp.llama_cpp._lib
+        self.llama = libllama()
         self.llama.llama_attach_threadpool.argtypes = [vp, vp, vp]
         self.llama.llama_attach_threadpool.restype = None
         self.llama.llama_detach_threadpool.argtypes = [vp]

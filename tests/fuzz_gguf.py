@@ -200,7 +200,8 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
     fields, header_end = scan(copy)
     # Load everything the child needs once, here (fork shares it); no computation in the parent.
     import llmrun.cli.app  # main() imports it; it must be imported before any fork
-    import llmrun.cli.main  # noqa: F401
+    import llmrun.cli.main
+    import llmrun.cli.run  # noqa: F401  # the app imports a command's module when it runs
     from llmrun.runners.library import llama_lib
 
     llama_lib()
