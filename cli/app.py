@@ -20,7 +20,6 @@ app = typer.Typer(
 app.command("run")(run.run)
 app.command("chat")(chat.chat)
 bench = typer.Typer(
-    cls=sweep.BenchGroup,
     invoke_without_command=True,
     no_args_is_help=False,
     help="Measure this machine: llama-bench's tests and sweeps, serving load, interference.",

@@ -3,8 +3,6 @@ in a form to paste into a bug report."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import sys
 from dataclasses import dataclass
 
@@ -15,22 +13,7 @@ from llmrun.runners.errors import LlmrunError
 from . import options as o
 from .errors import handled
 from .report import mib
-
-
-def version_line() -> str:
-    """One line, without loading llama.cpp: fast enough for `--version`."""
-    host = f"{platform.system()} {platform.machine()}"
-    return (
-        f"llmrun {_version('llmrun')} · llama-cpp-python {_version('llama_cpp_python')}"
-        f" · Python {platform.python_version()} · {host}"
-    )
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+from .version import version_line
 
 
 @dataclass(frozen=True)

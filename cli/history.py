@@ -16,8 +16,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import Comparison, History, compare_sets, parse_selector, write_database
 
 from .bench import output as out
-from .bench.sweep import usage_error
-from .errors import StdoutConsole, handled
+from .errors import StdoutConsole, handled, usage_error
 from .report import Fitted, fitted
 from .terminal import terminal_line, terminal_text
 

@@ -38,6 +38,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
+from .records import takes_records
 from .report import (
     aggregate_table,
     append_stats_file,
@@ -67,6 +68,7 @@ class StatsFormat(str, Enum):
     json = "json"
 
 
+@takes_records
 def run(
     prompt: Annotated[
         list[str] | None,
@@ -135,35 +137,11 @@ def run(
     ] = 1,
     kv_unified: o.KvUnified = None,
     model: o.Model = None,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
-    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
-    temp: o.Temp = o.DEFAULTS.temperature,
-    top_k: o.TopK = o.DEFAULTS.top_k,
-    top_p: o.TopP = o.DEFAULTS.top_p,
-    min_p: o.MinP = o.DEFAULTS.min_p,
-    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    think: o.Think = None,
-    draft: o.Draft = None,
-    draft_model: o.DraftModel = None,
-    hide_thinking: o.HideThinking = False,
-    thinking_stdout: o.ThinkingStdout = False,
-    chat_template_file: o.ChatTemplateFile = None,
-    ctx: o.Ctx = None,
-    batch: o.Batch = None,
-    ubatch: o.Ubatch = None,
-    threads: o.Threads = None,
-    threads_batch: o.ThreadsBatch = None,
-    gpu_layers: o.GpuLayers = None,
-    flash_attn: o.FlashAttnOpt = None,
-    repack: o.Repack = None,
-    no_warmup: o.NoWarmup = False,
-    cpu_mask: o.CpuMask = None,
-    cpu_strict: o.CpuStrict = 0,
-    poll: o.Poll = o.DEFAULT_POLL,
+    *,
+    remote: o.RemoteOptions,
+    sampling: o.SamplingOptions,
+    reply: o.ReplyOptions,
+    engine: o.EngineOptions,
 ) -> None:
     """Generate text for a prompt and report load, prefill and decode separately.
 
@@ -176,43 +154,16 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        options = o.GenerationOptions(
-            system=system,
-            endpoint=endpoint,
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            think=think,
-            draft=draft,
-            draft_model=draft_model,
-            chat_template_file=chat_template_file,
-            ctx=ctx,
-            batch=batch,
-            ubatch=ubatch,
-            threads=threads,
-            threads_batch=threads_batch,
-            gpu_layers=gpu_layers,
-            flash_attn=flash_attn,
-            repack=repack,
-            no_warmup=no_warmup,
-            cpu_mask=cpu_mask,
-            cpu_strict=cpu_strict,
-            poll=poll,
-        )
-        sampling, config = o.generation_settings(options)
+        params, config = o.generation_settings(system, remote, sampling, reply, engine)
         jobs = collect_jobs(
             words=prompt or [],
             files=file or [],
             jsonl=jsonl,
             system=system,
             raw=raw,
-            sampling=sampling,
+            sampling=params,
         )
+        endpoint = remote.endpoint
         config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if file:  # a document: the settings --tune found for long prompts, where it saved them
             config = dataclasses.replace(config, workload="document")
@@ -223,7 +174,7 @@ def run(
         )
         if parallel > 1:  # the batched engine decodes one token per sequence and step
             o.refuse_given(
-                {"--draft": draft, "--draft-model": draft_model},
+                {"--draft": reply.draft, "--draft-model": reply.draft_model},
                 "--parallel does not speculate; drop one or the other",
             )
             config = dataclasses.replace(config, kv_unified=kv_unified is True)
@@ -232,7 +183,9 @@ def run(
                 {"-kvu/--kv-unified": kvu_given},
                 "the KV layout of several sequences; only with --parallel N",
             )
-        runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
+        runner = make_runner(
+            model, config, endpoint=endpoint, api_key=remote.api_key, timeout_s=remote.timeout
+        )
         try:
             served: Runner = runner
             cut_short = False
@@ -248,8 +201,8 @@ def run(
                 stats_file=stats_file,
                 json_out=json_out,
                 dashboard=not no_dashboard and parallel == 1,
-                hide_thinking=hide_thinking,
-                thinking_stdout=thinking_stdout,
+                hide_thinking=reply.hide_thinking,
+                thinking_stdout=reply.thinking_stdout,
                 asked_ctx=config.n_ctx,
             )
         finally:

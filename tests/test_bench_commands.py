@@ -1,5 +1,5 @@
 """One command per job: `bench` (the sweep), `bench serve`, `bench interference` and `tune` list
-only the options their job uses, and an option that moved names its new command."""
+only the options their job uses, and every one of them reaches the job."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.cli.bench import flags, interference, serve, sweep, tune
+from llmrun.cli.bench import flags, interference, machine, serve, sweep, tune
 
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
@@ -168,34 +168,6 @@ def test_no_option_in_help_is_ignored_by_its_job(
             assert got != base, f"{' '.join(path)} {option}: listed in --help, ignored by the job"
 
 
-MOVED = [
-    (["--concurrency", "4"], "llmrun bench serve"),
-    (["--request-rate", "2"], "llmrun bench serve"),
-    (["--endpoint", "http://x"], "llmrun bench serve"),
-    (["--slo", "ttft:5"], "llmrun bench serve"),
-    (["--tune"], "llmrun tune"),
-    (["--workload", "chat"], "llmrun tune --workload"),
-    (["--interference"], "llmrun bench interference"),
-    (["--interference-rate", "3"], "llmrun bench interference --rate"),
-    (["--policy=chunked:8"], "llmrun bench serve"),
-    (["-p", "8", "--num-prompts", "2"], "llmrun bench serve"),
-]
-
-
-@pytest.mark.parametrize(("args", "new"), MOVED)
-def test_an_old_spelling_names_its_new_command(args: list[str], new: str) -> None:
-    result = CliRunner().invoke(app, ["bench", *args])
-    assert result.exit_code == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("llmrun: error: `bench --") and f"`{new}" in line
-
-
-def test_every_old_bench_option_is_named() -> None:
-    for old in sweep.MOVED:
-        result = CliRunner().invoke(app, ["bench", old, "1"])
-        assert result.exit_code == 2 and sweep.MOVED[old] in result.stderr, old
-
-
 def test_the_sweeps_options_before_a_subcommand_are_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "-p", "8", "serve"])
     assert result.exit_code == 2
@@ -233,15 +205,15 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
         gpu_offload=True,
     )
     base = EngineConfig()
-    plain = sweep.settings_line(st, [sw.Combo()], base)
+    plain = machine.settings_line(st, [sw.Combo()], base)
     assert plain.startswith("2 threads, batch 512, ubatch 512,") and "ngl -1 (17 of 17" in plain
-    one = sweep.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
+    one = machine.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
     assert one.startswith("1 threads, batch 512,") and "ngl 0:" in one and "offloaded" not in one
-    swept = sweep.settings_line(
+    swept = machine.settings_line(
         st, [sw.Combo(n_batch=b, n_ubatch=min(b, 512)) for b in (64, 256, 1024)], base
     )
     assert "batch 64/256/1024 (varies by test), ubatch 64/256/512 (varies by test)" in swept
-    fa = sweep.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
+    fa = machine.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
     assert "flash attention off/on (varies by test)" in fa
 
 
