@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.cli.bench import flags, interference, machine, serve, sweep, tune
+from llmrun.cli.bench import flags, interference, machine, serve, serving, sweep, tune
 
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
@@ -124,7 +124,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]
 
     def entered(name: str) -> Any:
         def record(*a: Any, **k: Any) -> int:
-            values = [x for x in a if not isinstance(x, (threading.Event, Console, serve.Screen))]
+            values = [x for x in a if not isinstance(x, (threading.Event, Console, serving.Screen))]
             seen.append((name, values, k))
             return 0
 
@@ -304,7 +304,7 @@ def test_serve_and_interference_cut_before_a_result_end_their_format_as_bench_do
     code = serve._report(
         [],
         options,
-        serve.Screen(display, display, cancel),
+        serving.Screen(display, display, cancel),
         serve.Delivery(OutputFormat(fmt), compare=False, store=False),
         name="",
         endpoint="local",
