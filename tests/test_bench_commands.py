@@ -346,3 +346,22 @@ def test_a_finished_batch_of_records_is_written_as_bench_streams_them() -> None:
         "| test | rate | errors | policy |",
     ]
     assert own[-1] == "| c=4 | - | ['boom'] | chunked:64 |"
+
+
+def test_the_defaults_table_fills_every_swept_setting() -> None:
+    """One table declares bench's lists (as llama-bench's cmd_params_defaults): each row names
+    a Sweep field or a test shape, and every list the Sweep takes has its row."""
+    from dataclasses import fields
+
+    from llmrun.cli.bench import sweep_options
+    from llmrun.runners.bench import run
+
+    lists = {f.name for f in fields(run.Sweep) if f.type in ("str", "str | None")}
+    rows = {o.name for o in sweep_options.LISTS if not o.shape}
+    assert rows == lists
+    shapes = [o.name for o in sweep_options.LISTS if o.shape]
+    assert shapes == ["n_prompt", "n_gen", "pg", "depth"]
+    swept = sweep_options.SweepLists(**{o.name: None for o in sweep_options.LISTS})
+    made = swept.sweep(scenarios=False, scenario_scale=1.0, reps=1, seed=1)
+    assert (made.cache_type_k, made.threads) == ("f16", None)  # the table's default; the engine's
+    assert [(s.n_prompt, s.n_gen) for s in made.shapes] == [(512, 0), (0, 128)]
