@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, TextIO
@@ -38,7 +39,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
-from .records import takes_records
+from .records import OptionRecord, takes_records
 from .report import (
     aggregate_table,
     append_stats_file,
@@ -68,15 +69,17 @@ class StatsFormat(str, Enum):
     json = "json"
 
 
-@takes_records
-def run(
+@dataclass(frozen=True, kw_only=True)
+class Prompts(OptionRecord):
+    """Where the prompts come from, and how they are sent."""
+
     prompt: Annotated[
         list[str] | None,
         typer.Argument(
             help="The prompt; with piped stdin, the instruction for that material.",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     file: Annotated[
         list[Path] | None,
         typer.Option(
@@ -85,7 +88,7 @@ def run(
             help="Read a prompt from FILE (repeatable: one request each).",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     jsonl: Annotated[
         Path | None,
         typer.Option(
@@ -94,19 +97,25 @@ def run(
             '{"messages": [...]}, with optional per-line options.',
             show_default=False,
         ),
-    ] = None,
-    system: o.System = None,
+    ] = None
+    system: o.System = None
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the text as a plain completion, no chat template.")
-    ] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False,
-    no_dashboard: o.NoDashboard = False,
+    ] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report(OptionRecord):
+    """What is printed where: the text, the stats, the dashboard."""
+
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False
+    no_dashboard: o.NoDashboard = False
     stats: Annotated[
         StatsFormat,
         typer.Option(
             "--stats", help="Stats on stderr as a text summary or one JSON object per request."
         ),
-    ] = StatsFormat.text,
+    ] = StatsFormat.text
     stats_file: Annotated[
         Path | None,
         typer.Option(
@@ -115,7 +124,7 @@ def run(
             metavar="PATH",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     json_out: Annotated[
         bool,
         typer.Option(
@@ -123,7 +132,14 @@ def run(
             help="Print one JSON object per request (text and stats) on stdout "
             "instead of streaming the text.",
         ),
-    ] = False,
+    ] = False
+
+
+@takes_records
+def run(
+    *,
+    prompts: Prompts,
+    report: Report,
     parallel: Annotated[
         int,
         typer.Option(
@@ -137,7 +153,6 @@ def run(
     ] = 1,
     kv_unified: o.KvUnified = None,
     model: o.Model = None,
-    *,
     remote: o.RemoteOptions,
     sampling: o.SamplingOptions,
     reply: o.ReplyOptions,
@@ -154,18 +169,19 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        params, config = o.generation_settings(system, remote, sampling, reply, engine)
+        params, config = o.generation_settings(prompts.system, remote, sampling, reply, engine)
         jobs = collect_jobs(
-            words=prompt or [],
-            files=file or [],
-            jsonl=jsonl,
-            system=system,
-            raw=raw,
+            words=prompts.prompt or [],
+            files=prompts.file or [],
+            jsonl=prompts.jsonl,
+            system=prompts.system,
+            raw=prompts.raw,
             sampling=params,
         )
         endpoint = remote.endpoint
+        quiet = report.quiet
         config = free_cores(config, endpoint=endpoint, quiet=quiet)
-        if file:  # a document: the settings --tune found for long prompts, where it saved them
+        if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
         o.refuse_for_endpoint(
@@ -197,10 +213,10 @@ def run(
                 served,
                 jobs,
                 quiet=quiet,
-                stats_format=stats,
-                stats_file=stats_file,
-                json_out=json_out,
-                dashboard=not no_dashboard and parallel == 1,
+                stats_format=report.stats,
+                stats_file=report.stats_file,
+                json_out=report.json_out,
+                dashboard=not report.no_dashboard and parallel == 1,
                 hide_thinking=reply.hide_thinking,
                 thinking_stdout=reply.thinking_stdout,
                 asked_ctx=config.n_ctx,
