@@ -734,12 +734,8 @@ class ChatUI:
 def chat(
     system: o.System = None,
     no_dashboard: o.NoDashboard = False,
-    model: o.Model = None,
     *,
-    remote: o.RemoteOptions,
-    sampling: o.SamplingOptions,
-    reply: o.ReplyOptions,
-    engine: o.EngineOptions,
+    generation: o.GenerationOptions,
 ) -> None:
     """Chat with a model; each turn prefills only what is new since the last one.
 
@@ -748,11 +744,12 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        params, config = o.generation_settings(system, remote, sampling, reply, engine)
+        params, config = generation.settings(system)
+        remote, reply = generation.remote, generation.reply
         asked_ctx = config.n_ctx
         config = free_cores(config, endpoint=remote.endpoint, quiet=False)
         runner = make_runner(
-            model,
+            generation.model,
             config,
             endpoint=remote.endpoint,
             api_key=remote.api_key,

@@ -545,20 +545,28 @@ def read_template(path: Path | None) -> str | None:
     return data.decode("utf-8", errors="replace")
 
 
-def generation_settings(
-    system: str | None,
-    remote: RemoteOptions,
-    sampling: SamplingOptions,
-    reply: ReplyOptions,
-    engine: EngineOptions,
-) -> tuple[SamplingParams, EngineConfig]:
-    """The sampling and engine settings of `run` and `chat`: checked, warned about, refused
-    with --endpoint where they do not apply."""
-    warn_if_seed(system)
-    remote.refuse_local({"--draft": reply.draft})
-    draft = parse_draft(reply.draft, sampling.temp, draft_model=reply.draft_model is not None)
-    params = sampling.params(think=reply.think, draft=draft)
-    return params, engine.config(endpoint=remote.endpoint, draft_model=reply.draft_model)
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions(OptionRecord):
+    """What `run` and `chat` generate with: the model or a server, how tokens are chosen, the
+    reply's thinking and speculation, and the local engine."""
+
+    model: Model = None
+    remote: RemoteOptions
+    sampling: SamplingOptions
+    reply: ReplyOptions
+    engine: EngineOptions
+
+    def settings(self, system: str | None) -> tuple[SamplingParams, EngineConfig]:
+        """The sampling and engine settings: checked, warned about, refused with --endpoint
+        where they do not apply."""
+        warn_if_seed(system)
+        reply = self.reply
+        self.remote.refuse_local({"--draft": reply.draft})
+        drafting = reply.draft_model is not None
+        draft = parse_draft(reply.draft, self.sampling.temp, draft_model=drafting)
+        params = self.sampling.params(think=reply.think, draft=draft)
+        config = self.engine.config(endpoint=self.remote.endpoint, draft_model=reply.draft_model)
+        return params, config
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:

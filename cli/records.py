@@ -24,23 +24,36 @@ R = TypeVar("R")
 
 class OptionRecord:
     """Base of the option records: a frozen, keyword-only dataclass whose fields' types are
-    `Annotated[T, typer.Option(...)]` and whose defaults are the options' defaults."""
+    `Annotated[T, typer.Option(...)]` (or other records) and whose defaults are the options'."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]
 
     @classmethod
     def parameters(cls) -> list[inspect.Parameter]:
-        """The Typer parameters of the record's fields, in their order."""
+        """The Typer parameters of the record's fields, in their order; a field that is a
+        record itself gives its own fields in its place."""
         hints = typing.get_type_hints(cls, include_extras=True)
-        return [
-            inspect.Parameter(
-                f.name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=f.default,
-                annotation=hints[f.name],
+        found: list[inspect.Parameter] = []
+        for f in dataclasses.fields(cls):
+            inner = _record_type(hints[f.name])
+            if inner is not None:
+                found += inner.parameters()
+                continue
+            kind = inspect.Parameter.KEYWORD_ONLY
+            found.append(
+                inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name])
             )
-            for f in dataclasses.fields(cls)
-        ]
+        return found
+
+    @classmethod
+    def build(cls, given: dict[str, Any]) -> OptionRecord:
+        """The record of the values in `given` (Typer's, by parameter name), taken out of it."""
+        hints = typing.get_type_hints(cls, include_extras=True)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            inner = _record_type(hints[f.name])
+            values[f.name] = given.pop(f.name) if inner is None else inner.build(given)
+        return cls(**values)
 
 
 def _record_type(annotation: object) -> type[OptionRecord] | None:
@@ -54,15 +67,14 @@ def takes_records(command: Callable[P, R]) -> Callable[..., R]:
     fields, for Typer; called, it builds the records from those fields and passes them on."""
     signature = inspect.signature(command, eval_str=True)
     parameters: list[inspect.Parameter] = []
-    records: dict[str, tuple[type[OptionRecord], list[str]]] = {}
+    records: dict[str, type[OptionRecord]] = {}
     for p in signature.parameters.values():
         record = _record_type(p.annotation)
         if record is None:
             parameters.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
             continue
-        fields = record.parameters()
-        records[p.name] = (record, [f.name for f in fields])
-        parameters += fields
+        records[p.name] = record
+        parameters += record.parameters()
     names = [p.name for p in parameters]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -70,8 +82,8 @@ def takes_records(command: Callable[P, R]) -> Callable[..., R]:
 
     @functools.wraps(command)
     def wrapper(**given: Any) -> R:
-        for name, (record, fields) in records.items():
-            given[name] = record(**{field: given.pop(field) for field in fields})
+        for name, record in records.items():
+            given[name] = record.build(given)
         return command(**given)  # type: ignore[call-arg]
 
     wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]

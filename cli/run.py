@@ -152,11 +152,7 @@ def run(
         ),
     ] = 1,
     kv_unified: o.KvUnified = None,
-    model: o.Model = None,
-    remote: o.RemoteOptions,
-    sampling: o.SamplingOptions,
-    reply: o.ReplyOptions,
-    engine: o.EngineOptions,
+    generation: o.GenerationOptions,
 ) -> None:
     """Generate text for a prompt and report load, prefill and decode separately.
 
@@ -169,7 +165,8 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        params, config = o.generation_settings(prompts.system, remote, sampling, reply, engine)
+        params, config = generation.settings(prompts.system)
+        remote, reply = generation.remote, generation.reply
         jobs = collect_jobs(
             words=prompts.prompt or [],
             files=prompts.file or [],
@@ -200,7 +197,11 @@ def run(
                 "the KV layout of several sequences; only with --parallel N",
             )
         runner = make_runner(
-            model, config, endpoint=endpoint, api_key=remote.api_key, timeout_s=remote.timeout
+            generation.model,
+            config,
+            endpoint=endpoint,
+            api_key=remote.api_key,
+            timeout_s=remote.timeout,
         )
         try:
             served: Runner = runner

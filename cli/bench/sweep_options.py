@@ -268,6 +268,10 @@ class SweepLists(OptionRecord):
     def parameters(cls) -> list[inspect.Parameter]:
         return [option.parameter() for option in LISTS]
 
+    @classmethod
+    def build(cls, given: dict[str, Any]) -> SweepLists:
+        return cls(**{option.name: given.pop(option.name) for option in LISTS})
+
     def text(self, name: str) -> str | None:
         """A list as one comma list, or its default when not given."""
         values = self.given[name]
