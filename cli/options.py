@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -54,17 +54,41 @@ Model = Annotated[
         show_default=False,
     ),
 ]
-Ctx = Annotated[
-    int | None,
-    typer.Option(
+
+
+def ctx_option(help_text: str, *, least: int, most: int | None = None) -> Any:
+    """-c/--ctx: `run` and `chat` size one context; `serve` each sequence's."""
+    return typer.Option(
         "-c",
         "--ctx",
         "--ctx-size",
         envvar="LLMRUN_CTX",
-        min=0,
-        help="Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
+        min=least,
+        max=most,
+        help=help_text,
         rich_help_panel=MODEL_PANEL,
         show_default=False,
+    )
+
+
+def threads_option(help_text: str) -> Any:
+    """-t/--threads: the engine's CPU threads; each command says its own default."""
+    return typer.Option(
+        "-t",
+        "--threads",
+        envvar="LLMRUN_THREADS",
+        min=1,
+        help=help_text,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
+    )
+
+
+Ctx = Annotated[
+    int | None,
+    ctx_option(
+        "Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
+        least=0,
     ),
 ]
 Batch = Annotated[
@@ -91,16 +115,7 @@ Ubatch = Annotated[
     ),
 ]
 Threads = Annotated[
-    int | None,
-    typer.Option(
-        "-t",
-        "--threads",
-        envvar="LLMRUN_THREADS",
-        min=1,
-        help="CPU threads. (default: physical cores, or the tuned value)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
-    ),
+    int | None, threads_option("CPU threads. (default: physical cores, or the tuned value)")
 ]
 ThreadsBatch = Annotated[
     int | None,

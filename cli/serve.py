@@ -22,6 +22,7 @@ from rich.text import Text
 from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import MAX_CTX
 from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.stats import percentile
@@ -145,31 +146,19 @@ class ServeEngineOptions(OptionRecord):
     chat_template_file: o.ChatTemplateFile = None
     ctx: Annotated[
         int | None,
-        typer.Option(
-            "-c",
-            "--ctx",
-            "--ctx-size",
-            envvar="LLMRUN_CTX",
-            min=1,
-            max=1 << 24,
-            rich_help_panel=o.MODEL_PANEL,
-            show_default=False,
-            help="Context size of each sequence in tokens. (default: 4096 or the model's"
+        o.ctx_option(
+            "Context size of each sequence in tokens. (default: 4096 or the model's"
             " training context, if smaller)",
+            least=1,
+            most=MAX_CTX,
         ),
     ] = None
     batch: o.Batch = None
     threads: Annotated[
         int | None,
-        typer.Option(
-            "-t",
-            "--threads",
-            envvar="LLMRUN_THREADS",
-            min=1,
-            rich_help_panel=o.MODEL_PANEL,
-            show_default=False,
-            help="CPU threads of the engine. (default: the physical cores less one, left to the"
-            " HTTP side)",
+        o.threads_option(
+            "CPU threads of the engine. (default: the physical cores less one, left to the"
+            " HTTP side)"
         ),
     ] = None
     threads_batch: o.ThreadsBatch = None

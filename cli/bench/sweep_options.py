@@ -430,7 +430,6 @@ class Controls(OptionRecord):
         typer.Option(
             "-oe",
             "--output-err",
-            show_default=False,
             rich_help_panel=LB,
             help="Also print the results on stderr in this format.",
         ),
