@@ -86,7 +86,7 @@ def _bench_group() -> typer.core.TyperGroup:
 
     bench = typer.Typer(
         name="bench",
-        cls=type("BenchGroup", (_FlagsShowNoType, sweep.BenchGroup), {}),
+        cls=type("BenchGroup", (_FlagsShowNoType, typer.core.TyperGroup), {}),
         invoke_without_command=True,
         no_args_is_help=False,
         help=BENCH_HELP,

@@ -41,6 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
+from .records import takes_records
 from .report import context_note, fitted, mib, ms
 from .session import (
     KeysHeld,
@@ -729,39 +730,12 @@ class ChatUI:
         )
 
 
+@takes_records
 def chat(
     system: o.System = None,
     no_dashboard: o.NoDashboard = False,
-    model: o.Model = None,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
-    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
-    temp: o.Temp = o.DEFAULTS.temperature,
-    top_k: o.TopK = o.DEFAULTS.top_k,
-    top_p: o.TopP = o.DEFAULTS.top_p,
-    min_p: o.MinP = o.DEFAULTS.min_p,
-    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    think: o.Think = None,
-    draft: o.Draft = None,
-    draft_model: o.DraftModel = None,
-    hide_thinking: o.HideThinking = False,
-    thinking_stdout: o.ThinkingStdout = False,
-    chat_template_file: o.ChatTemplateFile = None,
-    ctx: o.Ctx = None,
-    batch: o.Batch = None,
-    ubatch: o.Ubatch = None,
-    threads: o.Threads = None,
-    threads_batch: o.ThreadsBatch = None,
-    gpu_layers: o.GpuLayers = None,
-    flash_attn: o.FlashAttnOpt = None,
-    repack: o.Repack = None,
-    no_warmup: o.NoWarmup = False,
-    cpu_mask: o.CpuMask = None,
-    cpu_strict: o.CpuStrict = 0,
-    poll: o.Poll = o.DEFAULT_POLL,
+    *,
+    generation: o.GenerationOptions,
 ) -> None:
     """Chat with a model; each turn prefills only what is new since the last one.
 
@@ -770,48 +744,27 @@ def chat(
       printf 'Hi!\\nWhat did I just say?\\n' | llmrun chat
     """
     with handled():
-        options = o.GenerationOptions(
-            system=system,
-            endpoint=endpoint,
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            think=think,
-            draft=draft,
-            draft_model=draft_model,
-            chat_template_file=chat_template_file,
-            ctx=ctx,
-            batch=batch,
-            ubatch=ubatch,
-            threads=threads,
-            threads_batch=threads_batch,
-            gpu_layers=gpu_layers,
-            flash_attn=flash_attn,
-            repack=repack,
-            no_warmup=no_warmup,
-            cpu_mask=cpu_mask,
-            cpu_strict=cpu_strict,
-            poll=poll,
-        )
-        sampling, config = o.generation_settings(options)
+        params, config = generation.settings(system)
+        remote, reply = generation.remote, generation.reply
         asked_ctx = config.n_ctx
-        config = free_cores(config, endpoint=endpoint, quiet=False)
-        runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
+        config = free_cores(config, endpoint=remote.endpoint, quiet=False)
+        runner = make_runner(
+            generation.model,
+            config,
+            endpoint=remote.endpoint,
+            api_key=remote.api_key,
+            timeout_s=remote.timeout,
+        )
         try:
             if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD
                 system = repair_utf8(system, "-s/--system")
-            conv = Conversation(runner, sampling, system)
+            conv = Conversation(runner, params, system)
             ui = ChatUI(
                 conv,
                 interactive=sys.stdin.isatty(),
                 dashboard=not no_dashboard,
-                hide_thinking=hide_thinking,
-                thinking_stdout=thinking_stdout,
+                hide_thinking=reply.hide_thinking,
+                thinking_stdout=reply.thinking_stdout,
             )
             ui.asked_ctx = asked_ctx
             code = ui.loop()

@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -97,6 +98,12 @@ def incomplete_message(stats: GenerationStats) -> str:
     return terminal_line(
         f"llmrun: error: {where}: {what} (the text so far is kept, marked incomplete)"
     )
+
+
+def usage_error(text: str) -> NoReturn:
+    """One line on stderr and exit 2, as Click's usage errors."""
+    print(f"llmrun: error: {text}", file=sys.stderr, flush=True)
+    raise typer.Exit(2)
 
 
 def print_error(e: LlmrunError) -> None:

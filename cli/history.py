@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -23,7 +23,7 @@ from llmrun.runners.history import (
 )
 
 from .bench import output as out
-from .errors import StdoutConsole, handled
+from .errors import StdoutConsole, handled, usage_error
 from .report import Fitted, fitted
 from .terminal import terminal_line, terminal_text
 
@@ -137,9 +137,9 @@ def history(
     """The stored bench runs, newest first, each against the run before it; or two sets of
     them compared (-b, -c); or the runs exported for llama.cpp's compare-llama-bench.py."""
     if export_sql is not None and (baseline or compare or show or output):
-        _usage_error("--export-sql writes every stored result: give it without -b, -c, -s or -o")
+        usage_error("--export-sql writes every stored result: give it without -b, -c, -s or -o")
     if baseline is None and (compare or show or output):
-        _usage_error("-c, -s and -o belong to a comparison: give the baseline with -b too")
+        usage_error("-c, -s and -o belong to a comparison: give the baseline with -b too")
     with handled(), History() as h:
         console = StdoutConsole(highlight=False)
         if export_sql is not None:
@@ -155,12 +155,6 @@ def history(
             _print_comparison(found, output, console)
         else:
             _list(h, limit, model, console)
-
-
-def _usage_error(message: str) -> NoReturn:
-    from .bench.sweep import usage_error  # bench's module (and its libraries): only to refuse
-
-    usage_error(message)
 
 
 def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> None:

@@ -1,7 +1,9 @@
 """Options shared by every command that runs a model, defined once, with their defaults.
 
 Names follow llama.cpp's (`-n`, `--temp`, `-c`, `-b`, `-t`, `-ngl`, ...) so users' habits carry
-over. `engine_config` and `sampling_params` turn the parsed values into the runner's types.
+over. Each option is an `Annotated` declaration (flags, type, range, help, environment variable,
+panel); the records below group them by what they set, and each record turns itself into the
+runner's type (`SamplingOptions.params`, `EngineOptions.config`) in one place.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,6 +23,8 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import check_sampling
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
+
+from .records import OptionRecord
 
 # The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
 DEFAULTS = SamplingParams()
@@ -50,17 +54,41 @@ Model = Annotated[
         show_default=False,
     ),
 ]
-Ctx = Annotated[
-    int | None,
-    typer.Option(
+
+
+def ctx_option(help_text: str, *, least: int, most: int | None = None) -> Any:
+    """-c/--ctx: `run` and `chat` size one context; `serve` each sequence's."""
+    return typer.Option(
         "-c",
         "--ctx",
         "--ctx-size",
         envvar="LLMRUN_CTX",
-        min=0,
-        help="Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
+        min=least,
+        max=most,
+        help=help_text,
         rich_help_panel=MODEL_PANEL,
         show_default=False,
+    )
+
+
+def threads_option(help_text: str) -> Any:
+    """-t/--threads: the engine's CPU threads; each command says its own default."""
+    return typer.Option(
+        "-t",
+        "--threads",
+        envvar="LLMRUN_THREADS",
+        min=1,
+        help=help_text,
+        rich_help_panel=MODEL_PANEL,
+        show_default=False,
+    )
+
+
+Ctx = Annotated[
+    int | None,
+    ctx_option(
+        "Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
+        least=0,
     ),
 ]
 Batch = Annotated[
@@ -87,16 +115,7 @@ Ubatch = Annotated[
     ),
 ]
 Threads = Annotated[
-    int | None,
-    typer.Option(
-        "-t",
-        "--threads",
-        envvar="LLMRUN_THREADS",
-        min=1,
-        help="CPU threads. (default: physical cores, or the tuned value)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
-    ),
+    int | None, threads_option("CPU threads. (default: physical cores, or the tuned value)")
 ]
 ThreadsBatch = Annotated[
     int | None,
@@ -387,36 +406,6 @@ def warn_if_seed(system: str | None) -> None:
         )
 
 
-def sampling_params(
-    *,
-    max_tokens: int,
-    temp: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    repeat_penalty: float,
-    seed: int | None,
-    stop: list[str] | None,
-    think: bool | None = None,
-    draft: str | None = None,
-    draft_model: bool = False,
-) -> SamplingParams:
-    sampling = SamplingParams(
-        think=think,
-        draft=parse_draft(draft, temp, draft_model=draft_model),
-        max_tokens=max_tokens,
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        seed=seed,
-        stop=tuple(stop or ()),
-    )
-    check_sampling(sampling)
-    return sampling
-
-
 DEFAULT_DRAFT = 8
 
 
@@ -440,75 +429,159 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationOptions:
-    """The options `run` and `chat` share, built field by field from their parameters, so that
-    renaming or dropping one is a type error rather than a failure at run time."""
+class RemoteOptions(OptionRecord):
+    """An OpenAI-compatible server to use in place of the local engine."""
 
-    system: str | None
-    endpoint: str | None
-    max_tokens: int
-    temp: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    seed: int | None
-    stop: list[str] | None
-    think: bool | None
-    draft: str | None
-    draft_model: Path | None
-    chat_template_file: Path | None
-    ctx: int | None
-    batch: int | None
-    ubatch: int | None
-    threads: int | None
-    threads_batch: int | None
-    gpu_layers: int | None
-    flash_attn: FlashAttn | None
-    repack: bool | None
-    no_warmup: bool
-    cpu_mask: str | None
-    cpu_strict: int
-    poll: int
+    endpoint: Endpoint = None
+    api_key: ApiKey = None
+    timeout: Timeout = TIMEOUT_S
+
+    def refuse_local(self, given: Mapping[str, object]) -> None:
+        """With --endpoint the server's own settings decide: `given` local options refused."""
+        refuse_for_endpoint(self.endpoint, given)
 
 
-def generation_settings(given: GenerationOptions) -> tuple[SamplingParams, EngineConfig]:
-    """The sampling and engine settings of `run` and `chat`: checked, warned about, refused
-    with --endpoint where they do not apply."""
-    g = given
-    warn_if_seed(g.system)
-    refuse_for_endpoint(g.endpoint, {"--draft": g.draft})
-    sampling = sampling_params(
-        max_tokens=g.max_tokens,
-        temp=g.temp,
-        top_k=g.top_k,
-        top_p=g.top_p,
-        min_p=g.min_p,
-        repeat_penalty=g.repeat_penalty,
-        seed=g.seed,
-        stop=g.stop,
-        think=g.think,
-        draft=g.draft,
-        draft_model=g.draft_model is not None,
-    )
-    config = local_engine(
-        endpoint=g.endpoint,
-        ctx=g.ctx,
-        batch=g.batch,
-        ubatch=g.ubatch,
-        threads=g.threads,
-        threads_batch=g.threads_batch,
-        gpu_layers=g.gpu_layers,
-        flash_attn=g.flash_attn,
-        repack=g.repack,
-        chat_template_file=g.chat_template_file,
-        draft_model=g.draft_model,
-        no_warmup=g.no_warmup,
-        cpu_mask=g.cpu_mask,
-        cpu_strict=g.cpu_strict,
-        poll=g.poll,
-    )
-    return sampling, config
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions(OptionRecord):
+    """How each token is chosen; the runner's `SamplingParams`, checked against its limits."""
+
+    max_tokens: MaxTokens = DEFAULTS.max_tokens
+    temp: Temp = DEFAULTS.temperature
+    top_k: TopK = DEFAULTS.top_k
+    top_p: TopP = DEFAULTS.top_p
+    min_p: MinP = DEFAULTS.min_p
+    repeat_penalty: RepeatPenalty = DEFAULTS.repeat_penalty
+    seed: Seed = None
+    stop: Stop = None
+
+    def params(self, *, think: bool | None = None, draft: int = 0) -> SamplingParams:
+        sampling = SamplingParams(
+            think=think,
+            draft=draft,
+            max_tokens=self.max_tokens,
+            temperature=self.temp,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+        )
+        check_sampling(sampling)
+        return sampling
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplyOptions(OptionRecord):
+    """`run` and `chat`: thinking, speculative decoding and where the thinking is shown."""
+
+    think: Think = None
+    draft: Draft = None
+    draft_model: DraftModel = None
+    hide_thinking: HideThinking = False
+    thinking_stdout: ThinkingStdout = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions(OptionRecord):
+    """The local engine's settings of `run` and `chat`: the runner's `EngineConfig`."""
+
+    chat_template_file: ChatTemplateFile = None
+    ctx: Ctx = None
+    batch: Batch = None
+    ubatch: Ubatch = None
+    threads: Threads = None
+    threads_batch: ThreadsBatch = None
+    gpu_layers: GpuLayers = None
+    flash_attn: FlashAttnOpt = None
+    repack: Repack = None
+    no_warmup: NoWarmup = False
+    cpu_mask: CpuMask = None
+    cpu_strict: CpuStrict = 0
+    poll: Poll = DEFAULT_POLL
+
+    def config(
+        self, *, endpoint: str | None = None, draft_model: Path | None = None
+    ) -> EngineConfig:
+        """The engine settings, refused with --endpoint where they do not apply (the context
+        size does: it sizes chat's context meter and the overflow policy)."""
+        refuse_for_endpoint(
+            endpoint,
+            {
+                "-b/--batch": self.batch,
+                "--ubatch": self.ubatch,
+                "-t/--threads": self.threads,
+                "-tb/--threads-batch": self.threads_batch,
+                "-ngl/--gpu-layers": self.gpu_layers,
+                "--flash-attn": self.flash_attn,
+                "--repack/--no-repack": None if self.repack is None else "given",  # --no-repack
+                "--chat-template-file": self.chat_template_file,
+                "--draft-model": draft_model,
+                "--no-warmup": self.no_warmup,
+                "-C/--cpu-mask": self.cpu_mask,
+                "--cpu-strict": self.cpu_strict,
+                "--poll": None if self.poll == DEFAULT_POLL else "given",
+            },
+        )
+        threadpool = ThreadpoolSettings(
+            cpu_mask=self.cpu_mask or "0x0", strict=bool(self.cpu_strict), poll=self.poll
+        )
+        threadpool.placement(1)  # a mask of no CPU here is refused before the model loads
+        batch, ubatch = self.batch, self.ubatch
+        return EngineConfig(
+            n_ctx=self.ctx,
+            n_batch=batch,
+            n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
+            n_threads=self.threads,
+            n_threads_batch=self.threads_batch,
+            n_gpu_layers=self.gpu_layers,
+            flash_attn=self.flash_attn.value if self.flash_attn else None,
+            repack=self.repack,
+            chat_template=read_template(self.chat_template_file),
+            draft_model=str(draft_model) if draft_model is not None else None,
+            warmup=not self.no_warmup,
+            threadpool=threadpool,
+        )
+
+
+def read_template(path: Path | None) -> str | None:
+    """--chat-template-file's text: a template is a few KiB; /dev/zero or a model file given
+    by mistake is not."""
+    if path is None:
+        return None
+    try:
+        data = read_capped(path, max_bytes=MAX_TEMPLATE_BYTES, what="template")
+    except OSError as e:
+        raise BadRequestError(
+            f"--chat-template-file: cannot read {path}: {e.strerror or e}"
+        ) from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"--chat-template-file {path}: {e}") from None
+    return data.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions(OptionRecord):
+    """What `run` and `chat` generate with: the model or a server, how tokens are chosen, the
+    reply's thinking and speculation, and the local engine."""
+
+    model: Model = None
+    remote: RemoteOptions
+    sampling: SamplingOptions
+    reply: ReplyOptions
+    engine: EngineOptions
+
+    def settings(self, system: str | None) -> tuple[SamplingParams, EngineConfig]:
+        """The sampling and engine settings: checked, warned about, refused with --endpoint
+        where they do not apply."""
+        warn_if_seed(system)
+        reply = self.reply
+        self.remote.refuse_local({"--draft": reply.draft})
+        drafting = reply.draft_model is not None
+        draft = parse_draft(reply.draft, self.sampling.temp, draft_model=drafting)
+        params = self.sampling.params(think=reply.think, draft=draft)
+        config = self.engine.config(endpoint=self.remote.endpoint, draft_model=reply.draft_model)
+        return params, config
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:
@@ -525,69 +598,3 @@ def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> No
         refuse_given(
             given, "local-engine options; with --endpoint the server's own settings decide"
         )
-
-
-def local_engine(
-    *,
-    endpoint: str | None,
-    ctx: int | None,
-    batch: int | None,
-    ubatch: int | None,
-    threads: int | None,
-    threads_batch: int | None,
-    gpu_layers: int | None,
-    flash_attn: FlashAttn | None,
-    repack: bool | None,
-    chat_template_file: Path | None = None,
-    draft_model: Path | None = None,
-    no_warmup: bool = False,
-    cpu_mask: str | None = None,
-    cpu_strict: int = 0,
-    poll: int = DEFAULT_POLL,
-) -> EngineConfig:
-    """The engine settings of `run` and `chat`, refused with --endpoint where they do not apply
-    (the context size does: it sizes chat's context meter and the overflow policy)."""
-    local: dict[str, object] = {
-        "-b/--batch": batch,
-        "--ubatch": ubatch,
-        "-t/--threads": threads,
-        "-tb/--threads-batch": threads_batch,
-        "-ngl/--gpu-layers": gpu_layers,
-        "--flash-attn": flash_attn,
-        "--repack/--no-repack": None if repack is None else "given",  # --no-repack counts
-        "--chat-template-file": chat_template_file,
-        "--draft-model": draft_model,
-        "--no-warmup": no_warmup,
-        "-C/--cpu-mask": cpu_mask,
-        "--cpu-strict": cpu_strict,
-        "--poll": None if poll == DEFAULT_POLL else "given",
-    }
-    refuse_for_endpoint(endpoint, local)
-    threadpool = ThreadpoolSettings(cpu_mask=cpu_mask or "0x0", strict=bool(cpu_strict), poll=poll)
-    threadpool.placement(1)  # a mask of no CPU here is refused before the model loads
-    template = None
-    if chat_template_file is not None:
-        try:  # a template is a few KiB; /dev/zero or a model file given by mistake is not
-            template = read_capped(
-                chat_template_file, max_bytes=MAX_TEMPLATE_BYTES, what="template"
-            ).decode("utf-8", errors="replace")
-        except OSError as e:
-            raise BadRequestError(
-                f"--chat-template-file: cannot read {chat_template_file}: {e.strerror or e}"
-            ) from None
-        except FileTooLargeError as e:
-            raise BadRequestError(f"--chat-template-file {chat_template_file}: {e}") from None
-    return EngineConfig(
-        n_ctx=ctx,
-        n_batch=batch,
-        n_ubatch=min(ubatch, batch) if ubatch and batch else ubatch,
-        n_threads=threads,
-        n_threads_batch=threads_batch,
-        n_gpu_layers=gpu_layers,
-        flash_attn=flash_attn.value if flash_attn else None,
-        repack=repack,
-        chat_template=template,
-        draft_model=str(draft_model) if draft_model is not None else None,
-        warmup=not no_warmup,
-        threadpool=threadpool,
-    )

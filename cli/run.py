@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, TextIO
@@ -38,6 +39,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
+from .records import OptionRecord, takes_records
 from .report import (
     aggregate_table,
     append_stats_file,
@@ -67,14 +69,17 @@ class StatsFormat(str, Enum):
     json = "json"
 
 
-def run(
+@dataclass(frozen=True, kw_only=True)
+class Prompts(OptionRecord):
+    """Where the prompts come from, and how they are sent."""
+
     prompt: Annotated[
         list[str] | None,
         typer.Argument(
             help="The prompt; with piped stdin, the instruction for that material.",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     file: Annotated[
         list[Path] | None,
         typer.Option(
@@ -83,7 +88,7 @@ def run(
             help="Read a prompt from FILE (repeatable: one request each).",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     jsonl: Annotated[
         Path | None,
         typer.Option(
@@ -92,19 +97,25 @@ def run(
             '{"messages": [...]}, with optional per-line options.',
             show_default=False,
         ),
-    ] = None,
-    system: o.System = None,
+    ] = None
+    system: o.System = None
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the text as a plain completion, no chat template.")
-    ] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False,
-    no_dashboard: o.NoDashboard = False,
+    ] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report(OptionRecord):
+    """What is printed where: the text, the stats, the dashboard."""
+
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats on stderr.")] = False
+    no_dashboard: o.NoDashboard = False
     stats: Annotated[
         StatsFormat,
         typer.Option(
             "--stats", help="Stats on stderr as a text summary or one JSON object per request."
         ),
-    ] = StatsFormat.text,
+    ] = StatsFormat.text
     stats_file: Annotated[
         Path | None,
         typer.Option(
@@ -113,7 +124,7 @@ def run(
             metavar="PATH",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     json_out: Annotated[
         bool,
         typer.Option(
@@ -121,7 +132,14 @@ def run(
             help="Print one JSON object per request (text and stats) on stdout "
             "instead of streaming the text.",
         ),
-    ] = False,
+    ] = False
+
+
+@takes_records
+def run(
+    *,
+    prompts: Prompts,
+    report: Report,
     parallel: Annotated[
         int,
         typer.Option(
@@ -134,36 +152,7 @@ def run(
         ),
     ] = 1,
     kv_unified: o.KvUnified = None,
-    model: o.Model = None,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
-    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
-    temp: o.Temp = o.DEFAULTS.temperature,
-    top_k: o.TopK = o.DEFAULTS.top_k,
-    top_p: o.TopP = o.DEFAULTS.top_p,
-    min_p: o.MinP = o.DEFAULTS.min_p,
-    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    think: o.Think = None,
-    draft: o.Draft = None,
-    draft_model: o.DraftModel = None,
-    hide_thinking: o.HideThinking = False,
-    thinking_stdout: o.ThinkingStdout = False,
-    chat_template_file: o.ChatTemplateFile = None,
-    ctx: o.Ctx = None,
-    batch: o.Batch = None,
-    ubatch: o.Ubatch = None,
-    threads: o.Threads = None,
-    threads_batch: o.ThreadsBatch = None,
-    gpu_layers: o.GpuLayers = None,
-    flash_attn: o.FlashAttnOpt = None,
-    repack: o.Repack = None,
-    no_warmup: o.NoWarmup = False,
-    cpu_mask: o.CpuMask = None,
-    cpu_strict: o.CpuStrict = 0,
-    poll: o.Poll = o.DEFAULT_POLL,
+    generation: o.GenerationOptions,
 ) -> None:
     """Generate text for a prompt and report load, prefill and decode separately.
 
@@ -176,45 +165,20 @@ def run(
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
     with handled():
-        options = o.GenerationOptions(
-            system=system,
-            endpoint=endpoint,
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            think=think,
-            draft=draft,
-            draft_model=draft_model,
-            chat_template_file=chat_template_file,
-            ctx=ctx,
-            batch=batch,
-            ubatch=ubatch,
-            threads=threads,
-            threads_batch=threads_batch,
-            gpu_layers=gpu_layers,
-            flash_attn=flash_attn,
-            repack=repack,
-            no_warmup=no_warmup,
-            cpu_mask=cpu_mask,
-            cpu_strict=cpu_strict,
-            poll=poll,
-        )
-        sampling, config = o.generation_settings(options)
+        params, config = generation.settings(prompts.system)
+        remote, reply = generation.remote, generation.reply
         jobs = collect_jobs(
-            words=prompt or [],
-            files=file or [],
-            jsonl=jsonl,
-            system=system,
-            raw=raw,
-            sampling=sampling,
+            words=prompts.prompt or [],
+            files=prompts.file or [],
+            jsonl=prompts.jsonl,
+            system=prompts.system,
+            raw=prompts.raw,
+            sampling=params,
         )
+        endpoint = remote.endpoint
+        quiet = report.quiet
         config = free_cores(config, endpoint=endpoint, quiet=quiet)
-        if file:  # a document: the settings --tune found for long prompts, where it saved them
+        if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
         o.refuse_for_endpoint(
@@ -223,7 +187,7 @@ def run(
         )
         if parallel > 1:  # the batched engine decodes one token per sequence and step
             o.refuse_given(
-                {"--draft": draft, "--draft-model": draft_model},
+                {"--draft": reply.draft, "--draft-model": reply.draft_model},
                 "--parallel does not speculate; drop one or the other",
             )
             config = dataclasses.replace(config, kv_unified=kv_unified is True)
@@ -232,7 +196,13 @@ def run(
                 {"-kvu/--kv-unified": kvu_given},
                 "the KV layout of several sequences; only with --parallel N",
             )
-        runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
+        runner = make_runner(
+            generation.model,
+            config,
+            endpoint=endpoint,
+            api_key=remote.api_key,
+            timeout_s=remote.timeout,
+        )
         try:
             served: Runner = runner
             cut_short = False
@@ -244,12 +214,12 @@ def run(
                 served,
                 jobs,
                 quiet=quiet,
-                stats_format=stats,
-                stats_file=stats_file,
-                json_out=json_out,
-                dashboard=not no_dashboard and parallel == 1,
-                hide_thinking=hide_thinking,
-                thinking_stdout=thinking_stdout,
+                stats_format=report.stats,
+                stats_file=report.stats_file,
+                json_out=report.json_out,
+                dashboard=not report.no_dashboard and parallel == 1,
+                hide_thinking=reply.hide_thinking,
+                thinking_stdout=reply.thinking_stdout,
                 asked_ctx=config.n_ctx,
             )
         finally:

@@ -14,6 +14,7 @@ import dataclasses
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -22,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import MAX_CTX
 from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.serving.server_settings import ServerSettings
@@ -30,23 +32,26 @@ from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
 from . import EXIT_INTERRUPTED, STOP_SIGNALS
 from . import options as o
-from .bench.sweep import usage_error
 from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
-from .errors import handled
+from .errors import handled, usage_error
+from .records import OptionRecord, takes_records
 
 if TYPE_CHECKING:
+    from llmrun.runners.config import EngineConfig
     from llmrun.runners.serving.api_routes import Served
     from llmrun.runners.serving.server import Ready
 
 SERVER_PANEL = "Server"
 
 
-def serve(
-    model: o.Model = None,
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions(OptionRecord):
+    """Where and how the server listens, queues and drains."""
+
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on.", rich_help_panel=SERVER_PANEL)
-    ] = "127.0.0.1",
+    ] = "127.0.0.1"
     port: Annotated[
         int,
         typer.Option(
@@ -56,7 +61,7 @@ def serve(
             rich_help_panel=SERVER_PANEL,
             help="Port to listen on; 0 = any free port (printed).",
         ),
-    ] = 8080,
+    ] = 8080
     parallel: Annotated[
         int,
         typer.Option(
@@ -68,8 +73,7 @@ def serve(
             help="Sequences decoded together (llama-server's"
             " slots); more requests wait in the queue.",
         ),
-    ] = 4,
-    kv_unified: o.KvUnified = None,
+    ] = 4
     policy: Annotated[
         str | None,
         typer.Option(
@@ -81,7 +85,7 @@ def serve(
             " carries all decodes and at most B tokens), decode-first[:K]. (default: chunked:"
             "<batch>, as llama-server)",
         ),
-    ] = None,
+    ] = None
     max_queue: Annotated[
         int,
         typer.Option(
@@ -91,7 +95,7 @@ def serve(
             rich_help_panel=SERVER_PANEL,
             help="Requests that may wait for a sequence; more get 503 with Retry-After.",
         ),
-    ] = 64,
+    ] = 64
     max_connections: Annotated[
         str | None,
         typer.Option(
@@ -104,7 +108,7 @@ def serve(
             " for every request the engine can hold, an idle kept-alive connection beside each,"
             " and monitoring)",
         ),
-    ] = None,
+    ] = None
     allow_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -119,7 +123,7 @@ def serve(
             " 403. On a loopback --host, a Host header other than localhost, 127.x or [::1]"
             " gets 403 too (DNS rebinding).",
         ),
-    ] = None,
+    ] = None
     drain: Annotated[
         float,
         typer.Option(
@@ -129,7 +133,7 @@ def serve(
             rich_help_panel=SERVER_PANEL,
             help="Seconds SIGTERM waits for the requests in flight before closing them.",
         ),
-    ] = 30.0,
+    ] = 30.0
     alias: Annotated[
         str | None,
         typer.Option(
@@ -138,49 +142,64 @@ def serve(
             show_default=False,
             help="The model's name in /v1/models. (default: the file's name)",
         ),
-    ] = None,
-    no_dashboard: o.NoDashboard = False,
-    max_tokens: o.MaxTokens = o.DEFAULTS.max_tokens,
-    temp: o.Temp = o.DEFAULTS.temperature,
-    top_k: o.TopK = o.DEFAULTS.top_k,
-    top_p: o.TopP = o.DEFAULTS.top_p,
-    min_p: o.MinP = o.DEFAULTS.min_p,
-    repeat_penalty: o.RepeatPenalty = o.DEFAULTS.repeat_penalty,
-    seed: o.Seed = None,
-    stop: o.Stop = None,
-    chat_template_file: o.ChatTemplateFile = None,
+    ] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeEngineOptions(OptionRecord):
+    """The engine's settings under the server: each sequence's context, and threads that
+    leave a core to the HTTP side."""
+
+    chat_template_file: o.ChatTemplateFile = None
     ctx: Annotated[
         int | None,
-        typer.Option(
-            "-c",
-            "--ctx",
-            "--ctx-size",
-            envvar="LLMRUN_CTX",
-            min=1,
-            max=1 << 24,
-            rich_help_panel=o.MODEL_PANEL,
-            show_default=False,
-            help="Context size of each sequence in tokens. (default: 4096 or the model's"
+        o.ctx_option(
+            "Context size of each sequence in tokens. (default: 4096 or the model's"
             " training context, if smaller)",
+            least=1,
+            most=MAX_CTX,
         ),
-    ] = None,
-    batch: o.Batch = None,
+    ] = None
+    batch: o.Batch = None
     threads: Annotated[
         int | None,
-        typer.Option(
-            "-t",
-            "--threads",
-            envvar="LLMRUN_THREADS",
-            min=1,
-            rich_help_panel=o.MODEL_PANEL,
-            show_default=False,
-            help="CPU threads of the engine. (default: the physical cores less one, left to the"
-            " HTTP side)",
+        o.threads_option(
+            "CPU threads of the engine. (default: the physical cores less one, left to the"
+            " HTTP side)"
         ),
-    ] = None,
-    threads_batch: o.ThreadsBatch = None,
-    gpu_layers: o.GpuLayers = None,
-    repack: o.Repack = None,
+    ] = None
+    threads_batch: o.ThreadsBatch = None
+    gpu_layers: o.GpuLayers = None
+    repack: o.Repack = None
+
+    def config(self) -> EngineConfig:
+        threads = self.threads
+        if threads is None:  # llama.cpp's threads wait for each other at every layer: one that
+            from llmrun.runners.system import default_threads  # loses its core stalls the step
+
+            threads = max(1, default_threads() - 1)
+        engine = o.EngineOptions(
+            chat_template_file=self.chat_template_file,
+            ctx=self.ctx,
+            batch=self.batch,
+            ubatch=self.batch,
+            threads=threads,
+            threads_batch=self.threads_batch,
+            gpu_layers=self.gpu_layers,
+            repack=self.repack,
+        )
+        return engine.config()
+
+
+@takes_records
+def serve(
+    model: o.Model = None,
+    *,
+    server: ServerOptions,
+    kv_unified: o.KvUnified = None,
+    no_dashboard: o.NoDashboard = False,
+    sampling: o.SamplingOptions,
+    engine: ServeEngineOptions,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.
 
@@ -193,51 +212,28 @@ def serve(
       curl 127.0.0.1:8080/v1/chat/completions -d '{"messages":[{"role":"user","content":"Hi"}]}'
     """
     try:
-        origins = parse_origins(allow_origin or ())
-        connections = parse_max_connections(max_connections, parallel, max_queue)
+        origins = parse_origins(server.allow_origin or ())
+        connections = parse_max_connections(
+            server.max_connections, server.parallel, server.max_queue
+        )
     except BadRequestError as e:
         usage_error(str(e))
     with handled():
-        defaults = o.sampling_params(
-            max_tokens=max_tokens,
-            temp=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-        )
-        if threads is None:  # llama.cpp's threads wait for each other at every layer: one that
-            from llmrun.runners.system import default_threads  # loses its core stalls the step
-
-            threads = max(1, default_threads() - 1)
-        config = o.local_engine(
-            endpoint=None,
-            ctx=ctx,
-            batch=batch,
-            ubatch=batch,
-            threads=threads,
-            threads_batch=threads_batch,
-            gpu_layers=gpu_layers,
-            flash_attn=None,
-            repack=repack,
-            chat_template_file=chat_template_file,
-        )
-        config = dataclasses.replace(config, kv_unified=kv_unified is True)
+        defaults = sampling.params()
+        config = dataclasses.replace(engine.config(), kv_unified=kv_unified is True)
         settings = ServerSettings(
             model=model,
             engine=config,
             defaults=defaults,
-            host=host,
-            port=port,
-            n_seq=parallel,
-            policy=policy,
-            max_queue=max_queue,
+            host=server.host,
+            port=server.port,
+            n_seq=server.parallel,
+            policy=server.policy,
+            max_queue=server.max_queue,
             max_connections=connections,
             origins=origins,
-            drain_s=drain,
-            alias=alias,
+            drain_s=server.drain,
+            alias=server.alias,
         )
         raise typer.Exit(_serve(settings, dashboard=not no_dashboard and sys.stderr.isatty()))
 

@@ -1,5 +1,5 @@
 """One command per job: `bench` (the sweep), `bench serve`, `bench interference` and `tune` list
-only the options their job uses, and an option that moved names its new command."""
+only the options their job uses, and every one of them reaches the job."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.cli.bench import flags, interference, serve, sweep, tune
+from llmrun.cli.bench import flags, interference, machine, serve, serving, sweep, tune
 
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
@@ -125,7 +125,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, path: tuple[str, ...], args: list[str]
 
     def entered(name: str) -> Any:
         def record(*a: Any, **k: Any) -> int:
-            values = [x for x in a if not isinstance(x, (threading.Event, Console, serve.Screen))]
+            values = [x for x in a if not isinstance(x, (threading.Event, Console, serving.Screen))]
             seen.append((name, values, k))
             return 0
 
@@ -169,34 +169,6 @@ def test_no_option_in_help_is_ignored_by_its_job(
             assert got != base, f"{' '.join(path)} {option}: listed in --help, ignored by the job"
 
 
-MOVED = [
-    (["--concurrency", "4"], "llmrun bench serve"),
-    (["--request-rate", "2"], "llmrun bench serve"),
-    (["--endpoint", "http://x"], "llmrun bench serve"),
-    (["--slo", "ttft:5"], "llmrun bench serve"),
-    (["--tune"], "llmrun tune"),
-    (["--workload", "chat"], "llmrun tune --workload"),
-    (["--interference"], "llmrun bench interference"),
-    (["--interference-rate", "3"], "llmrun bench interference --rate"),
-    (["--policy=chunked:8"], "llmrun bench serve"),
-    (["-p", "8", "--num-prompts", "2"], "llmrun bench serve"),
-]
-
-
-@pytest.mark.parametrize(("args", "new"), MOVED)
-def test_an_old_spelling_names_its_new_command(args: list[str], new: str) -> None:
-    result = CliRunner().invoke(app, ["bench", *args])
-    assert result.exit_code == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("llmrun: error: `bench --") and f"`{new}" in line
-
-
-def test_every_old_bench_option_is_named() -> None:
-    for old in sweep.MOVED:
-        result = CliRunner().invoke(app, ["bench", old, "1"])
-        assert result.exit_code == 2 and sweep.MOVED[old] in result.stderr, old
-
-
 def test_the_sweeps_options_before_a_subcommand_are_refused() -> None:
     result = CliRunner().invoke(app, ["bench", "-p", "8", "serve"])
     assert result.exit_code == 2
@@ -234,15 +206,15 @@ def test_the_header_names_the_settings_each_test_runs_with() -> None:
         gpu_offload=True,
     )
     base = EngineConfig()
-    plain = sweep.settings_line(st, [sw.Combo()], base)
+    plain = machine.settings_line(st, [sw.Combo()], base)
     assert plain.startswith("2 threads, batch 512, ubatch 512,") and "ngl -1 (17 of 17" in plain
-    one = sweep.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
+    one = machine.settings_line(st, [sw.Combo(n_threads=1, n_gpu_layers=0)], base)
     assert one.startswith("1 threads, batch 512,") and "ngl 0:" in one and "offloaded" not in one
-    swept = sweep.settings_line(
+    swept = machine.settings_line(
         st, [sw.Combo(n_batch=b, n_ubatch=min(b, 512)) for b in (64, 256, 1024)], base
     )
     assert "batch 64/256/1024 (varies by test), ubatch 64/256/512 (varies by test)" in swept
-    fa = sweep.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
+    fa = machine.settings_line(st, [sw.Combo(flash_attn="off"), sw.Combo(flash_attn="on")], base)
     assert "flash attention off/on (varies by test)" in fa
 
 
@@ -333,7 +305,7 @@ def test_serve_and_interference_cut_before_a_result_end_their_format_as_bench_do
     code = serve._report(
         [],
         options,
-        serve.Screen(display, display, cancel),
+        serving.Screen(display, display, cancel),
         serve.Delivery(OutputFormat(fmt), compare=False, store=False),
         name="",
         endpoint="local",
@@ -375,3 +347,22 @@ def test_a_finished_batch_of_records_is_written_as_bench_streams_them() -> None:
         "| test | rate | errors | policy |",
     ]
     assert own[-1] == "| c=4 | - | ['boom'] | chunked:64 |"
+
+
+def test_the_defaults_table_fills_every_swept_setting() -> None:
+    """One table declares bench's lists (as llama-bench's cmd_params_defaults): each row names
+    a Sweep field or a test shape, and every list the Sweep takes has its row."""
+    from dataclasses import fields
+
+    from llmrun.cli.bench import sweep_options
+    from llmrun.runners.bench import run
+
+    lists = {f.name for f in fields(run.Sweep) if f.type in ("str", "str | None")}
+    rows = {o.name for o in sweep_options.LISTS if not o.shape}
+    assert rows == lists
+    shapes = [o.name for o in sweep_options.LISTS if o.shape]
+    assert shapes == ["n_prompt", "n_gen", "pg", "depth"]
+    swept = sweep_options.SweepLists(**{o.name: None for o in sweep_options.LISTS})
+    made = swept.sweep(scenarios=False, scenario_scale=1.0, reps=1, seed=1)
+    assert (made.cache_type_k, made.threads) == ("f16", None)  # the table's default; the engine's
+    assert [(s.n_prompt, s.n_gen) for s in made.shapes] == [(512, 0), (0, 128)]

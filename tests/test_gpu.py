@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app
+from llmrun.cli.bench.machine import system_rows
 from llmrun.cli.bench.output import efficiency_lines
-from llmrun.cli.bench.sweep import system_rows
 from llmrun.cli.report import engine_text
 from llmrun.runners import devices as dv
 from llmrun.runners import system as system_module

@@ -296,7 +296,7 @@ def test_the_serving_table_stacks_a_block_per_level() -> None:
 
 
 def test_the_bench_header_folds_a_long_path_instead_of_cutting_it() -> None:
-    from llmrun.cli.bench.sweep import label_grid
+    from llmrun.cli.bench.machine import label_grid
 
     path = "/models/" + "x" * 70 + ".gguf"
     out = text_of(label_grid([("model", path), ("memory", "129,098.7 MB/s")]), 40)

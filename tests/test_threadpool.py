@@ -294,7 +294,7 @@ def test_run_and_chat_hand_the_flags_to_the_engine(
 
 
 def test_the_header_names_a_threadpool_only_where_one_runs() -> None:
-    from llmrun.cli.bench.sweep import threadpool_line
+    from llmrun.cli.bench.machine import threadpool_line
     from llmrun.runners.bench.sweep import Combo
 
     assert threadpool_line([Combo(), Combo(n_threads=2)], 0) == ""

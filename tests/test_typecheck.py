@@ -48,19 +48,18 @@ def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path, llmrun_env: dict[str,
     assert "Found 3 errors in 2 files" in out, out  # nothing else: the real tree is clean
 
 
-def test_renaming_an_option_of_chat_is_a_mypy_error(
-    tmp_path: Path, llmrun_env: dict[str, str]
-) -> None:
-    """run and chat hand their options over in a typed record, never by name from locals():
-    renaming chat's --top-k parameter must fail the type check, not the first chat."""
+def test_renaming_an_option_is_a_mypy_error(tmp_path: Path, llmrun_env: dict[str, str]) -> None:
+    """Commands take their options as typed records whose fields are the declarations, never
+    by name from locals(): renaming the --top-k field must fail the type check where the record
+    is read, not the first chat."""
     copy = tmp_path / "repo"
     for name in ("cli", "runners", "typecheck", "tests", "benchmarks", "tools"):
         shutil.copytree(ROOT / name, copy / name, symlinks=True)
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    chat_py = copy / "cli" / "chat.py"
-    source = chat_py.read_text(encoding="utf-8")
-    assert source.count("    top_k: o.TopK") == 1
-    chat_py.write_text(source.replace("    top_k: o.TopK", "    top_kay: o.TopK"), encoding="utf-8")
+    options_py = copy / "cli" / "options.py"
+    source = options_py.read_text(encoding="utf-8")
+    assert source.count("    top_k: TopK") == 1
+    options_py.write_text(source.replace("    top_k: TopK", "    top_kay: TopK"), encoding="utf-8")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
         cwd=copy,
@@ -70,4 +69,4 @@ def test_renaming_an_option_of_chat_is_a_mypy_error(
     )
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
-    assert "chat.py" in out and 'Name "top_k" is not defined' in out, out
+    assert "options.py" in out and '"SamplingOptions" has no attribute "top_k"' in out, out

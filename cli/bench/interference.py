@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -18,30 +19,29 @@ from rich.text import Text
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.serving.engine import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
 
 from . import output as out
-from .serve import (
+from .serving import (
     LOCAL,
-    KvUnified,
     Model1,
     Output,
     Policies,
     Screen,
     Seed,
     Server,
-    Threads,
-    ThreadsBatch,
+    ServingEngineOptions,
     _opt,
     local_runner,
+    refuse_remote_only,
     run_stages,
 )
 
 Format = out.OutputFormat | None
-Plot = Path | None
 
 if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
@@ -49,27 +49,26 @@ if TYPE_CHECKING:
 LAB = "The long prompts"
 
 
-def interference(
-    model: Model1 = None,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
+@dataclass(frozen=True, kw_only=True)
+class LabOptions(OptionRecord):
+    """The steady stream and the long prompts that interrupt it."""
+
     rate: Annotated[
         float,
         _opt("Long prompts per second.", "--rate", "--interference-rate", min=0.01, panel=LAB),
-    ] = 2.0,
+    ] = 2.0
     prompt_len: Annotated[
         int,
         _opt(
             "Tokens per long prompt.", "--prompt-len", "--interference-prompt-len", min=1, panel=LAB
         ),
-    ] = 512,
+    ] = 512
     output_len: Annotated[
         int,
         _opt(
             "Tokens the stream decodes (a server's: at least 64).", "--output-len", min=1, panel=LAB
         ),
-    ] = 64,
+    ] = 64
     input_len: Annotated[
         int,
         _opt(
@@ -79,7 +78,7 @@ def interference(
             max=64,
             panel="Against a server (--endpoint)",
         ),
-    ] = 64,
+    ] = 64
     num_prompts: Annotated[
         int,
         _opt(
@@ -89,7 +88,27 @@ def interference(
             max=8,
             panel=LOCAL,
         ),
-    ] = 8,
+    ] = 8
+
+    def interference_options(self, *, seed: int, policies: str | None) -> InterferenceOptions:
+        """The job's record; the local engine's policies parsed where there is no server."""
+        return InterferenceOptions(
+            rate=self.rate,
+            prompt_len=self.prompt_len,
+            output_len=self.output_len,
+            seed=seed,
+            input_len=self.input_len,
+            num_prompts=self.num_prompts,
+            policies=() if policies is None else parse_policies(policies),
+        )
+
+
+@takes_records
+def interference(
+    model: Model1 = None,
+    *,
+    remote: o.RemoteOptions,
+    lab: LabOptions,
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
         Path | None,
@@ -101,9 +120,7 @@ def interference(
             panel=LOCAL,
         ),
     ] = None,
-    threads: Threads = None,
-    threads_batch: ThreadsBatch = None,
-    kv_unified: KvUnified = None,
+    engine: ServingEngineOptions,
     seed: Seed = 1234,
     output: Output = None,
 ) -> None:
@@ -116,53 +133,25 @@ def interference(
     with handled():
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
-        options = InterferenceOptions(
-            rate=rate,
-            prompt_len=prompt_len,
-            output_len=output_len,
-            seed=seed,
-            input_len=input_len,
-            num_prompts=num_prompts,
-            policies=() if endpoint else parse_policies(policy),
-        )
+        endpoint = remote.endpoint
+        options = lab.interference_options(seed=seed, policies=None if endpoint else policy)
         screen = Screen(err, show, threading.Event())
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
-                o.refuse_for_endpoint(
-                    endpoint,
-                    {
-                        "-t/--threads": threads,
-                        "-tb/--threads-batch": threads_batch,
-                        "-kvu/--kv-unified": None if kv_unified is None else "given",
-                    },
-                )
+                engine.refuse_for(endpoint)
                 o.refuse_given(
                     {
                         "--policy": policy != DEFAULT_POLICIES,
-                        "--num-prompts": num_prompts != 8,
+                        "--num-prompts": lab.num_prompts != 8,
                         "--plot": plot,
                     },
                     "the local engine's; not with --endpoint",
                 )
-                code = _remote(Server(endpoint, model, api_key, timeout), options, screen, output)
+                server = Server(endpoint, model, remote.api_key, remote.timeout)
+                code = _remote(server, options, screen, output)
             else:
-                o.refuse_given(
-                    {
-                        "--api-key": api_key,
-                        "--timeout": timeout != o.TIMEOUT_S,
-                        "--input-len": input_len != 64,
-                    },
-                    "only with --endpoint",
-                )
-                code = _local(
-                    model,
-                    options,
-                    screen,
-                    output,
-                    plot,
-                    (threads, threads_batch),
-                    kv_unified=kv_unified is True,
-                )
+                refuse_remote_only(remote, {"--input-len": lab.input_len != 64})
+                code = _local(model, options, screen, output, plot, engine)
         raise typer.Exit(code)
 
 
@@ -208,19 +197,11 @@ def _local(
     screen: Screen,
     output: Format,
     plot: Path | None,
-    threads: tuple[int | None, int | None] = (None, None),
-    *,
-    kv_unified: bool = False,
+    engine: ServingEngineOptions,
 ) -> int:
     from llmrun.runners.serving.local import interfere_local
 
-    runner = local_runner(
-        model,
-        "bench interference without --endpoint",
-        threads=threads[0],
-        threads_batch=threads[1],
-        kv_unified=kv_unified,
-    )
+    runner = local_runner(model, "bench interference without --endpoint", engine)
     try:
         loaded = runner.load()
         name = loaded.model.name if loaded.model else ""
@@ -228,6 +209,7 @@ def _local(
         reports: list[InterferenceReport] = list(run_stages(stages, screen.err, "loading ..."))
     finally:
         runner.close()
+    kv_unified = engine.kv_unified is True
     records = [{**interference_record(r, name), "kv_unified": kv_unified} for r in reports]
     _print(records, output)
     if output is None:

@@ -5,28 +5,23 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli import options as o
-from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
-from llmrun.cli.progress import ProgressLine, Shown, tally_view
+from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.options import (
     DEFAULT_POLICIES,
     ServeOptions,
-    Stage,
     parse_concurrency,
     parse_percentiles,
     parse_policies,
@@ -35,173 +30,42 @@ from llmrun.runners.serving.options import (
 )
 
 from . import output as out
+from .serving import (
+    Model1,
+    Output,
+    OutputLen,
+    Policies,
+    Screen,
+    Seed,
+    Server,
+    ServingEngineOptions,
+    _opt,
+    local_runner,
+    refuse_remote_only,
+    run_stages,
+)
 
 if TYPE_CHECKING:
-    from llmrun.runners.remote import OpenAIRunner
     from llmrun.runners.serving import load as sv
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-LOAD = "Load (vLLM's random dataset)"
-LOCAL = "This machine's engine (without --endpoint)"
 
 
-def _opt(help_text: str, *names: str, panel: str = LOAD, **kw: Any) -> Any:
-    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions(OptionRecord):
+    """The load: vLLM's random dataset at each concurrency level, and what is reported."""
 
-
-Model1 = Annotated[
-    str | None,
-    typer.Option(
-        "-m",
-        "--model",
-        envvar="LLMRUN_MODEL",
-        show_default=False,
-        help="A .gguf path or Hub reference; with --endpoint, the server's model"
-        " (default: the embedded SmolLM2-135M, or the server's first).",
-    ),
-]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
-Output = Annotated[
-    out.OutputFormat | None,
-    typer.Option(
-        "-o",
-        "--output",
-        show_default=False,
-        help="Print the results on stdout as md, csv, json, jsonl or sql."
-        " (default: a table on a terminal, else md)",
-    ),
-]
-OutputLen = Annotated[int, _opt("Mean output length in tokens.", "--output-len", min=1)]
-Policies = Annotated[
-    str,
-    _opt(
-        "Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
-        " decode-first. (default: all three)",
-        "--policy",
-        panel=LOCAL,
-        show_default=False,
-    ),
-]
-
-Threads = Annotated[
-    int | None,
-    _opt(
-        "CPU threads of the engine: one token a step. (default: the physical cores)",
-        "-t",
-        "--threads",
-        panel=LOCAL,
-        min=1,
-        show_default=False,
-    ),
-]
-ThreadsBatch = Annotated[
-    int | None,
-    _opt(
-        "CPU threads for steps of more than one token (prefill). (default: --threads)",
-        "-tb",
-        "--threads-batch",
-        panel=LOCAL,
-        min=1,
-        show_default=False,
-    ),
-]
-KvUnified = Annotated[
-    bool | None,
-    _opt(
-        "One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
-        " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
-        " kv_unified. (default: one stream per sequence)",
-        "-kvu/-no-kvu",
-        "--kv-unified/--no-kv-unified",
-        panel=LOCAL,
-        show_default=False,
-    ),
-]
-
-
-def connect(
-    endpoint: str,
-    *,
-    model: str | None,
-    api_key: str | None,
-    timeout_s: float,
-    err: Console,
-    max_connections: int | None = None,
-) -> tuple[OpenAIRunner, str]:
-    """The server's runner, connected, and its model's name; its line on stderr."""
-    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
-
-    extra = {} if max_connections is None else {"max_connections": max_connections}
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s, **extra)
-    try:
-        loaded = runner.load()
-    except BaseException:
-        runner.close()
-        raise
-    name = runner.model_name or loaded.name
-    err.print(
-        f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
-        markup=False,
-    )
-    return runner, name
-
-
-def local_runner(
-    model: str | None,
-    job: str,
-    *,
-    threads: int | None = None,
-    threads_batch: int | None = None,
-    kv_unified: bool = False,
-) -> LlamaCppRunner:
-    """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
-    config = EngineConfig(
-        n_ctx=512, n_threads=threads, n_threads_batch=threads_batch, kv_unified=kv_unified
-    )
-    runner = make_bench_runner(model, config, tuned=False)
-    if not isinstance(runner, LlamaCppRunner):
-        raise BadRequestError(f"{job} needs a local model")
-    return runner
-
-
-def stage_view(stage: Stage) -> Callable[[float], Shown]:
-    """A stage's progress line: its count where it has one, else the time it has taken."""
-    if stage.tally is not None:
-        return tally_view(stage.text, stage.unit, stage.tally)
-    started = time.monotonic()
-    return lambda now: Shown(stage.text, 0, 0, "", now - started, None)
-
-
-def run_stages(events: Iterator[Any], err: Console, first: str) -> Iterator[Any]:
-    """The runner's results, with the stage under way as a progress line on stderr: requests
-    done of total, the time it took and an estimate of the time left (a terminal's line is
-    erased before anything else is printed; elsewhere a line as each counted stage starts)."""
-    with ProgressLine(err, plain_lines=True) as line:
-        line.follow(first, stage_view(Stage(first)))
-        for event in events:
-            if isinstance(event, Stage):
-                line.follow(event.text, stage_view(event))
-            else:
-                line.stop()
-                yield event
-
-
-def serve(
-    model: Model1 = None,
-    endpoint: o.Endpoint = None,
-    api_key: o.ApiKey = None,
-    timeout: o.Timeout = o.TIMEOUT_S,
     concurrency: Annotated[
         str, _opt("Requests in flight: a list such as 1,4,16.", "--concurrency")
-    ] = "1,4",
+    ] = "1,4"
     request_rate: Annotated[
         str, _opt("Poisson arrival rate in requests/s; inf sends all at once.", "--request-rate")
-    ] = "inf",
-    num_prompts: Annotated[
-        int, _opt("Requests per concurrency level.", "--num-prompts", min=1)
-    ] = 16,
-    input_len: Annotated[int, _opt("Mean prompt length in tokens.", "--input-len", min=1)] = 128,
-    output_len: OutputLen = 64,
+    ] = "inf"
+    num_prompts: Annotated[int, _opt("Requests per concurrency level.", "--num-prompts", min=1)] = (
+        16
+    )
+    input_len: Annotated[int, _opt("Mean prompt length in tokens.", "--input-len", min=1)] = 128
+    output_len: OutputLen = 64
     range_ratio: Annotated[
         float,
         _opt(
@@ -210,7 +74,7 @@ def serve(
             min=0.0,
             max=0.99,
         ),
-    ] = 0.0,
+    ] = 0.0
     warmup: Annotated[
         int | None,
         _opt(
@@ -220,10 +84,10 @@ def serve(
             min=0,
             show_default=False,
         ),
-    ] = None,
-    percentiles: Annotated[
-        str, _opt("Percentiles of each latency metric.", "--percentiles")
-    ] = "50,90,99",
+    ] = None
+    percentiles: Annotated[str, _opt("Percentiles of each latency metric.", "--percentiles")] = (
+        "50,90,99"
+    )
     slo: Annotated[
         str | None,
         _opt(
@@ -231,11 +95,33 @@ def serve(
             "--slo",
             show_default=False,
         ),
-    ] = None,
+    ] = None
+
+    def serve_options(self, *, endpoint: str | None, seed: int, policy: str) -> ServeOptions:
+        """The job's record, each list parsed; the local engine's policies without a server."""
+        return ServeOptions(
+            concurrency=parse_concurrency(self.concurrency),
+            request_rate=parse_rate(self.request_rate),
+            num_prompts=self.num_prompts,
+            input_len=self.input_len,
+            output_len=self.output_len,
+            range_ratio=self.range_ratio,
+            warmup=(1 if endpoint else 0) if self.warmup is None else self.warmup,
+            percentiles=parse_percentiles(self.percentiles),
+            slo=parse_slo(self.slo),
+            seed=seed,
+            policies=() if endpoint else parse_policies(policy),
+        )
+
+
+@takes_records
+def serve(
+    model: Model1 = None,
+    *,
+    remote: o.RemoteOptions,
+    load: LoadOptions,
     policy: Policies = DEFAULT_POLICIES,
-    threads: Threads = None,
-    threads_batch: ThreadsBatch = None,
-    kv_unified: KvUnified = None,
+    engine: ServingEngineOptions,
     seed: Seed = 1234,
     output: Output = None,
     compare: Annotated[
@@ -257,81 +143,24 @@ def serve(
     with handled():
         err = Console(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
-        given_policy = policy != DEFAULT_POLICIES
-        options = ServeOptions(
-            concurrency=parse_concurrency(concurrency),
-            request_rate=parse_rate(request_rate),
-            num_prompts=num_prompts,
-            input_len=input_len,
-            output_len=output_len,
-            range_ratio=range_ratio,
-            warmup=(1 if endpoint else 0) if warmup is None else warmup,
-            percentiles=parse_percentiles(percentiles),
-            slo=parse_slo(slo),
-            seed=seed,
-            policies=() if endpoint else parse_policies(policy),
-        )
+        endpoint = remote.endpoint
+        options = load.serve_options(endpoint=endpoint, seed=seed, policy=policy)
         screen = Screen(err, show, threading.Event())
         delivery = Delivery(output, compare, store=not no_history)
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
-                if given_policy:
+                if policy != DEFAULT_POLICIES:
                     raise BadRequestError(
                         "--policy: the server schedules its own requests;"
                         " policies apply without --endpoint"
                     )
-                o.refuse_for_endpoint(
-                    endpoint,
-                    {
-                        "-t/--threads": threads,
-                        "-tb/--threads-batch": threads_batch,
-                        "-kvu/--kv-unified": None if kv_unified is None else "given",
-                    },
-                )
-                code = _remote(Server(endpoint, model, api_key, timeout), options, screen, delivery)
+                engine.refuse_for(endpoint)
+                server = Server(endpoint, model, remote.api_key, remote.timeout)
+                code = _remote(server, options, screen, delivery)
             else:
-                o.refuse_given(
-                    {"--api-key": api_key, "--timeout": timeout != o.TIMEOUT_S},
-                    "only with --endpoint",
-                )
-                code = _local(
-                    model,
-                    options,
-                    screen,
-                    delivery,
-                    (threads, threads_batch),
-                    kv_unified=kv_unified is True,
-                )
+                refuse_remote_only(remote, {})
+                code = _local(model, options, screen, delivery, engine)
         raise typer.Exit(code)
-
-
-@dataclass(frozen=True)
-class Screen:
-    """Where a job shows itself: progress and messages, results, and its Ctrl-C flag."""
-
-    err: Console
-    show: Console
-    cancel: threading.Event
-
-
-@dataclass(frozen=True)
-class Server:
-    """The OpenAI-compatible server a job measures."""
-
-    endpoint: str
-    model: str | None
-    api_key: str | None
-    timeout_s: float
-
-    def connect(self, err: Console, connections: int | None = None) -> tuple[OpenAIRunner, str]:
-        return connect(
-            self.endpoint,
-            model=self.model,
-            api_key=self.api_key,
-            timeout_s=self.timeout_s,
-            err=err,
-            max_connections=connections,
-        )
 
 
 @dataclass(frozen=True)
@@ -370,19 +199,11 @@ def _local(
     options: ServeOptions,
     screen: Screen,
     delivery: Delivery,
-    threads: tuple[int | None, int | None],
-    *,
-    kv_unified: bool = False,
+    engine: ServingEngineOptions,
 ) -> int:
     from llmrun.runners.serving.local import LOCAL, serve_local
 
-    runner = local_runner(
-        model,
-        "the local serving benchmark",
-        threads=threads[0],
-        threads_batch=threads[1],
-        kv_unified=kv_unified,
-    )
+    runner = local_runner(model, "the local serving benchmark", engine)
     try:
         done = list(
             run_stages(

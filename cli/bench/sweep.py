@@ -14,76 +14,34 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import typer
 from rich.console import Console
 from rich.status import Status
-from rich.table import Table
-from rich.text import Text
-from typer.core import TyperGroup
 
-from llmrun.cli.dashboard import model_facts
 from llmrun.cli.engine import make_bench_runner
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, usage_error
 from llmrun.cli.progress import ProgressLine, Shown
-from llmrun.cli.report import ms
+from llmrun.cli.records import takes_records
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.cli.terminal import terminal_line
 from llmrun.runners import devices as dv
-from llmrun.runners.base import BenchRunner
-from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import run
-from llmrun.runners.bench import sweep as sw
-from llmrun.runners.config import LOAD_MODES, EngineConfig
 from llmrun.runners.errors import LlmrunError
 from llmrun.runners.library import set_verbose
-from llmrun.runners.limits import CACHE_TYPES
 from llmrun.runners.progress import RepClock
-from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
-from llmrun.runners.threadpool import DEFAULT_POLL, PRIORITIES
 
 from . import flags as lb
 from . import output as out
 from . import plot as bench_plot
+from . import sweep_options as o
+from .machine import load_and_report
 
 PANEL = "Tests (llama-bench's)"
-
-# Options that left `bench` for a command of their own: the command a user should run now.
-SERVE, INTERFERENCE = "llmrun bench serve", "llmrun bench interference"
-MOVED = {
-    **dict.fromkeys(
-        (
-            "--concurrency",
-            "--request-rate",
-            "--range-ratio",
-            "--warmup",
-            "--percentiles",
-            "--slo",
-            "--api-key",
-            "--timeout",
-        ),
-        SERVE,
-    ),
-    **dict.fromkeys(
-        ("--endpoint", "--num-prompts", "--input-len", "--output-len", "--policy"),
-        f"{SERVE} (or {INTERFERENCE})",
-    ),
-    "--interference": INTERFERENCE,
-    "--interference-rate": f"{INTERFERENCE} --rate",
-    "--interference-prompt-len": f"{INTERFERENCE} --prompt-len",
-    "--tune": "llmrun tune",
-    "--workload": "llmrun tune --workload",
-}
-
-
-def usage_error(text: str) -> NoReturn:
-    """One line on stderr and exit 2, as Click's usage errors."""
-    print(f"llmrun: error: {text}", file=sys.stderr, flush=True)
-    raise typer.Exit(2)
 
 
 class _DisplayThatMayFail:
@@ -135,562 +93,19 @@ def _display_nowhere(on: bool) -> Iterator[TextIO]:
         sys.stderr = real
 
 
-class BenchGroup(TyperGroup):
-    """`bench` runs the sweep itself; its subcommands are the other benchmarks. An option that
-    moved to one of them is named with its new command, in one line."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored Context
-        for arg in args:
-            if arg == "--" or arg in self.commands:
-                break
-            name = arg.split("=", 1)[0]
-            if name in MOVED:
-                usage_error(f"`bench {name}` is now `{MOVED[name]}`; see its --help")
-        return super().parse_args(ctx, args)
-
-
-SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
-SERVING = "Serving benchmark (with --endpoint)"
-
-
-def _list(help_text: str, *names: str, panel: str = SWEEP) -> Any:
-    return typer.Option(*names, help=help_text, rich_help_panel=panel, show_default=False)
-
-
-def system_rows(system: SystemInfo, model: str) -> list[tuple[str, str]]:
-    ram = human_count(system.ram_bytes, "B") if system.ram_bytes else "?"
-    bw = f"{system.mem_bw_bytes_s / 1e9:.1f} GB/s" if system.mem_bw_bytes_s else "not measured"
-    if system.mem_bw_spread is not None:
-        bw += f" median, runs spread over {system.mem_bw_spread:.0%} of it"
-    bw += " (streaming copy)" + "".join(
-        f" · {b.device} {b.bytes_s / 1e9:,.1f} GB/s ({b.source})" for b in system.device_bandwidths
-    )
-    return [
-        (
-            "cpu",
-            f"{system.cpu} · {system.physical_cores} cores ({system.logical_cpus} logical)"
-            f" · RAM {ram}",
-        ),
-        ("memory", bw),
-        ("gpu", system.gpu),
-        ("build", f"{system.build} · {system.features}"),
-        ("model", model),
-    ]
-
-
-def label_grid(rows: Sequence[tuple[str, str]]) -> Table:
-    """Label and value in two columns: a narrow terminal wraps the value under itself."""
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(width=8, no_wrap=True)
-    grid.add_column(overflow="fold")  # a long path folds; a cell is never cut
-    for label, value in rows:
-        grid.add_row(label, Text(terminal_line(value)))  # a model's name may hold escapes
-    return grid
-
-
-LB = "llama-bench's other options"
-
-
-def _lists(help_text: str, *names: str, panel: str = SWEEP, metavar: str = "LIST") -> Any:
-    """A sweep option that, as in llama-bench, takes a comma list and may be repeated."""
-    return typer.Option(
-        *names, help=help_text, rich_help_panel=panel, show_default=False, metavar=metavar
-    )
-
-
-def _joined(values: list[str] | None) -> str | None:
-    return ",".join(values) if values else None
-
-
-def _print_version(given: bool) -> None:
-    """llama-bench's --version: the versions (llama.cpp's build with them), then exit."""
-    if given:
-        from llmrun.cli.doctor import version_line
-
-        print(version_line())
-        raise typer.Exit(0)
-
-
+@takes_records
 def bench(
-    ctx: typer.Context,
-    models: Annotated[
-        list[str] | None,
-        typer.Option(
-            "-m",
-            "--model",
-            envvar="LLMRUN_MODEL",
-            show_default=False,
-            rich_help_panel=PANEL,
-            help="A .gguf path or Hub reference; repeat for several models, compared side by side."
-            " (default: the embedded SmolLM2-135M)",
-        ),
-    ] = None,
-    n_prompt: Annotated[
-        list[str] | None,
-        _lists(
-            "Prompt sizes of pp tests (0: none). (default: 512)", "-p", "--n-prompt", panel=PANEL
-        ),
-    ] = None,
-    n_gen: Annotated[
-        list[str] | None,
-        _lists(
-            "Generation lengths of tg tests (0: none). (default: 128)", "-n", "--n-gen", panel=PANEL
-        ),
-    ] = None,
-    pg: Annotated[
-        list[str] | None,
-        _lists(
-            "A pp+tg test PROMPT,GEN such as 512,128 (repeatable).",
-            "-pg",
-            "--pg",
-            panel=PANEL,
-            metavar="PP,TG",
-        ),
-    ] = None,
-    depth: Annotated[
-        list[str] | None,
-        _lists(
-            "Run each test after N tokens already in the KV cache. (default: 0)",
-            "-d",
-            "--n-depth",
-            panel=PANEL,
-        ),
-    ] = None,
-    reps: Annotated[
-        int,
-        typer.Option(
-            "-r",
-            "--repetitions",
-            min=0,
-            rich_help_panel=PANEL,
-            help="Timed repetitions per test, after one warm-up (0: the warm-up"
-            " only, rows of 0 t/s as llama-bench's, kept out of the history).",
-        ),
-    ] = 5,
-    until_ci: Annotated[
-        str | None,
-        typer.Option(
-            "--until-ci",
-            metavar="PCT[,SECONDS]",
-            show_default=False,
-            rich_help_panel=PANEL,
-            help="Repeat each test past -r until its mean rate's 95 % interval is within"
-            " ±PCT % (e.g. 2%), or until it has taken SECONDS (default 300).",
-        ),
-    ] = None,
-    threads: Annotated[
-        list[str] | None,
-        _lists(
-            "CPU threads. (default: physical cores, or performance cores"
-            " of a hybrid CPU, as llama-bench)",
-            "-t",
-            "--threads",
-        ),
-    ] = None,
-    batch: Annotated[
-        list[str] | None,
-        _lists(
-            "Prefill chunk sizes (n_batch). (default: 2048, as llama-bench; --tuned: 512)",
-            "-b",
-            "--batch",
-            "--batch-size",
-        ),
-    ] = None,
-    ubatch: Annotated[
-        list[str] | None,
-        _lists("Micro-batch sizes (n_ubatch). (default: 512)", "-ub", "--ubatch", "--ubatch-size"),
-    ] = None,
-    gpu_layers: Annotated[
-        list[str] | None,
-        _lists(
-            "GPU layers; -1, or more than the model has (99), is all."
-            " (default: -1, as llama-bench)",
-            "-ngl",
-            "--gpu-layers",
-            "--n-gpu-layers",
-        ),
-    ] = None,
-    flash_attn: Annotated[
-        list[str] | None,
-        _lists(
-            "on, off, auto (or 1, 0, -1). (default: auto, as llama-bench)", "-fa", "--flash-attn"
-        ),
-    ] = None,
-    cache_type_k: Annotated[
-        list[str] | None,
-        _lists(
-            f"KV cache K types: {', '.join(CACHE_TYPES)}. (default: f16)", "-ctk", "--cache-type-k"
-        ),
-    ] = None,
-    cache_type_v: Annotated[
-        list[str] | None,
-        _lists(
-            "KV cache V types (quantized V needs flash attention). (default: f16)",
-            "-ctv",
-            "--cache-type-v",
-        ),
-    ] = None,
-    repack: Annotated[
-        list[str] | None,
-        _lists(
-            "Weight repacking for faster CPU kernels, 0 or 1. (default: 1"
-            " where a probe found it safe on this CPU)",
-            "--repack",
-        ),
-    ] = None,
-    mmap: Annotated[
-        list[str] | None,
-        _lists(
-            "Memory-map the model file, 0 or 1 (older llama-bench's -mmp; same as -lm none/mmap).",
-            "-mmp",
-            "--mmap",
-        ),
-    ] = None,
-    load_mode: Annotated[
-        list[str] | None,
-        _lists(f"How weights load: {', '.join(LOAD_MODES)}. (default: auto)", "-lm", "--load-mode"),
-    ] = None,
-    no_kv_offload: Annotated[
-        list[str] | None,
-        _lists(
-            "Keep the KV cache in host memory, 0 or 1 (GPU builds).", "-nkvo", "--no-kv-offload"
-        ),
-    ] = None,
-    split_mode: Annotated[
-        list[str] | None,
-        _lists(
-            "Split across GPUs: none, layer, row, tensor. (default: layer)",
-            "-sm",
-            "--split-mode",
-            panel=LB,
-        ),
-    ] = None,
-    main_gpu: Annotated[
-        list[str] | None,
-        _lists("The GPU for -sm none. (default: 0)", "-mg", "--main-gpu", panel=LB),
-    ] = None,
-    tensor_split: Annotated[
-        list[str] | None,
-        _lists("Share of the model per GPU, such as 3/1.", "-ts", "--tensor-split", panel=LB),
-    ] = None,
-    device: Annotated[
-        list[str] | None,
-        _lists(
-            "Devices to use, such as CUDA0/CUDA1. (default: auto)", "-dev", "--device", panel=LB
-        ),
-    ] = None,
-    n_cpu_moe: Annotated[
-        list[str] | None,
-        _lists(
-            "Keep the MoE experts of the first N layers on the CPU.",
-            "-ncmoe",
-            "--n-cpu-moe",
-            panel=LB,
-        ),
-    ] = None,
-    override_tensor: Annotated[
-        list[str] | None,
-        _lists(
-            "Tensor name pattern=buffer type (llama.cpp's -ot).",
-            "-ot",
-            "--override-tensor",
-            panel=LB,
-        ),
-    ] = None,
-    cpu_mask: Annotated[
-        list[str] | None,
-        _lists(
-            "The compute threads' CPUs, a hex mask such as 0x3 for CPUs"
-            " 0-1. (default: 0x0, no mask)",
-            "-C",
-            "--cpu-mask",
-            panel=LB,
-        ),
-    ] = None,
-    cpu_strict: Annotated[
-        list[str] | None,
-        _lists(
-            "1: one CPU of the mask per thread, in turn. (default: 0)", "--cpu-strict", panel=LB
-        ),
-    ] = None,
-    poll: Annotated[
-        list[str] | None,
-        _lists(
-            "How long idle compute threads spin before they sleep, 0..100. (default: 50)",
-            "--poll",
-            panel=LB,
-        ),
-    ] = None,
-    numa: Annotated[
-        str | None,
-        typer.Option(
-            "--numa",
-            metavar="distribute|isolate|numactl",
-            show_default=False,
-            rich_help_panel=LB,
-            help="NUMA placement, as llama.cpp's. (default: disabled)",
-        ),
-    ] = None,
-    prio: Annotated[
-        int,
-        typer.Option(
-            "--prio",
-            min=-1,
-            max=3,
-            rich_help_panel=LB,
-            help="Process and compute-thread priority: -1 low, 0 normal, 1"
-            " medium, 2 high, 3 realtime (raising it may need privileges).",
-        ),
-    ] = 0,
-    delay: Annotated[
-        float,
-        typer.Option(
-            "--delay",
-            min=0.0,
-            max=3600.0,
-            rich_help_panel=LB,
-            help="Seconds to wait between tests (lets a hot machine cool).",
-        ),
-    ] = 0.0,
-    no_warmup: Annotated[
-        bool,
-        typer.Option(
-            "--no-warmup", rich_help_panel=LB, help="Skip the untimed warm-up run before each test."
-        ),
-    ] = False,
-    progress_lines: Annotated[
-        bool,
-        typer.Option(
-            "--progress",
-            rich_help_panel=LB,
-            help="One line per test on stderr (a terminal shows a bar anyway).",
-        ),
-    ] = False,
-    verbose: Annotated[
-        bool,
-        typer.Option(
-            "-v", "--verbose", rich_help_panel=LB, help="Show llama.cpp's own log on stderr."
-        ),
-    ] = False,
-    output_err: Annotated[
-        out.OutputFormat | None,
-        typer.Option(
-            "-oe",
-            "--output-err",
-            show_default=False,
-            rich_help_panel=LB,
-            help="Also print the results on stderr in this format.",
-        ),
-    ] = None,
-    embeddings: Annotated[
-        list[str] | None,
-        _lists(
-            "1: the context also outputs every token's embedding, as an"
-            " embedding model's does. (default: 0)",
-            "-embd",
-            "--embeddings",
-            panel=LB,
-        ),
-    ] = None,
-    no_op_offload: Annotated[
-        list[str] | None,
-        _lists(
-            "1: operations on weights in host memory are not offloaded to a GPU. (default: 0)",
-            "-nopo",
-            "--no-op-offload",
-            panel=LB,
-        ),
-    ] = None,
-    no_host: Annotated[
-        list[str] | None,
-        _lists(
-            "1: load the weights without a host buffer, so extra buffer"
-            " types may take them. (default: 0)",
-            "--no-host",
-            panel=LB,
-        ),
-    ] = None,
-    lazy_mode: Annotated[
-        list[str] | None,
-        _lists(
-            "Read the tensors a model marks on demand: on, auto (those"
-            " over 4 GiB) or off. (default: auto)",
-            "-lzm",
-            "--lazy-mode",
-            panel=LB,
-        ),
-    ] = None,
-    fit_target: Annotated[
-        list[str] | None,
-        _lists(
-            "MiB to leave free per device when fitting: recorded as"
-            " given, not applied (llmrun fits -ngl -1 to free memory"
-            " itself).",
-            "-fitt",
-            "--fit-target",
-            panel=LB,
-        ),
-    ] = None,
-    fit_ctx: Annotated[
-        list[str] | None,
-        _lists(
-            "The least context fitting may choose: recorded as given, not applied.",
-            "-fitc",
-            "--fit-ctx",
-            panel=LB,
-        ),
-    ] = None,
-    hf_repo: Annotated[
-        list[str] | None,
-        _lists(
-            "A Hub model, owner/repo[:QUANT] (the same as -m).",
-            "-hf",
-            "-hfr",
-            "--hf-repo",
-            panel=LB,
-            metavar="REPO",
-        ),
-    ] = None,
-    hf_file: Annotated[
-        str | None,
-        typer.Option(
-            "-hff",
-            "--hf-file",
-            show_default=False,
-            rich_help_panel=LB,
-            help="The file in --hf-repo (owner/repo/FILE.gguf).",
-        ),
-    ] = None,
-    hf_token: Annotated[
-        str | None,
-        typer.Option(
-            "-hft",
-            "--hf-token",
-            show_default=False,
-            rich_help_panel=LB,
-            help="Hub token (default: HF_TOKEN; never printed).",
-        ),
-    ] = None,
-    offline: Annotated[
-        bool,
-        typer.Option(
-            "--offline", rich_help_panel=LB, help="Use the Hub cache only (HF_HUB_OFFLINE)."
-        ),
-    ] = False,
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            is_eager=True,
-            callback=_print_version,
-            rich_help_panel=LB,
-            help="Print the version and exit.",
-        ),
-    ] = False,
-    list_devices: Annotated[
-        bool,
-        typer.Option(
-            "--list-devices",
-            rich_help_panel=LB,
-            help="List the devices this llama.cpp can use, and exit.",
-        ),
-    ] = False,
-    ctx_sizes: Annotated[
-        list[str] | None,
-        _lists(
-            "Context sizes: each runs every test, so the KV cache's"
-            " memory shows against the context. (default: what the tests"
-            " need)",
-            "-c",
-            "--ctx",
-        ),
-    ] = None,
-    scenarios: Annotated[
-        bool,
-        typer.Option(
-            "--scenarios",
-            rich_help_panel=PANEL,
-            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
-        ),
-    ] = False,
-    scenario_scale: Annotated[
-        float,
-        typer.Option(
-            "--scenario-scale",
-            min=0.001,
-            max=1.0,
-            rich_help_panel=PANEL,
-            help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
-        ),
-    ] = ls.DEFAULT_SCENARIO_SCALE,
-    cold: Annotated[
-        bool,
-        typer.Option(
-            "--cold",
-            help="Drop the model file from the page cache before each"
-            " load (posix_fadvise, no root needed), so load time is measured"
-            " from disk; every row records how much of the file was cached.",
-        ),
-    ] = False,
-    draft: Annotated[
-        list[str] | None,
-        _lists(
-            "Prompt-lookup speculative decoding in the generation tests:"
-            " at most N drafted tokens a step, a list such as 0,8 (0: off)"
-            " to measure with and without in one run.",
-            "--draft",
-        ),
-    ] = None,
-    ppl: Annotated[
-        Path | None,
-        typer.Option(
-            "--ppl",
-            metavar="FILE",
-            show_default=False,
-            help="Also measure each model's perplexity on this text"
-            " (llama-perplexity's method; windows of -c tokens, default"
-            " 512), e.g. examples/declaration_of_independence.txt.",
-        ),
-    ] = None,
-    tuned: Annotated[
-        bool,
-        typer.Option(
-            "--tuned/--no-tuned",
-            help="Measure llmrun's own settings in place of"
-            " llama-bench's defaults: those `llmrun tune` saved for the model,"
-            " else llmrun's (-b 512, the prefill chunk that shows in TTFT).",
-        ),
-    ] = False,
-    output: Annotated[
-        out.OutputFormat | None,
-        typer.Option(
-            "-o",
-            "--output",
-            show_default=False,
-            help="Print the results on stdout as md, csv,"
-            " json, jsonl or sql (llama-bench's table)."
-            " (default: a table on a terminal, else md)",
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE.png",
-            show_default=False,
-            help="Also draw the charts into a PNG file.",
-        ),
-    ] = None,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare", help="Show the change against the last run of the same model and settings."
-        ),
-    ] = False,
-    no_history: Annotated[
-        bool, typer.Option("--no-history", help="Do not store this run in the history.")
-    ] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 1234,
+    context: typer.Context,
+    models: o.Models = None,
+    *,
+    lists: o.SweepLists,
+    measured: o.Measured,
+    controls: o.Controls,
+    hub: o.Hub,
+    version: o.Version = False,
+    list_devices: o.ListDevices = False,
+    delivery: o.Delivery,
+    seed: o.Seed = 1234,
 ) -> None:
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 
@@ -705,205 +120,57 @@ def bench(
     Serving load: `llmrun bench serve`; prefill-decode interference: `llmrun bench
     interference`; tuning: `llmrun tune`.
     """
-    if ctx.invoked_subcommand is not None:
+    if context.invoked_subcommand is not None:
         unset: tuple[object, ...] = (None, False, (), [])
         given = [
             p.opts[0]
-            for p in ctx.command.params
-            if ctx.params.get(p.name or "") not in (*unset, p.default)
+            for p in context.command.params
+            if context.params.get(p.name or "") not in (*unset, p.default)
         ]
         if given:
             usage_error(
                 f"{', '.join(given)}: bench's own options; give them after no"
-                f" subcommand, not before `{ctx.invoked_subcommand}`"
+                f" subcommand, not before `{context.invoked_subcommand}`"
             )
         return
     sys.stderr = _DisplayThatMayFail(sys.stderr)  # bench writes only its display there
-    records_on_stderr = output_err not in (None, out.OutputFormat.none)
+    records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
     with handled(), _display_nowhere(records_on_stderr) as real_stderr:
         err = Console(stderr=True, highlight=False)
-        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        tty = delivery.output is None and sys.stdout.isatty()
+        show = StdoutConsole(highlight=False) if tty else err
         if list_devices:
             raise typer.Exit(_list_devices())
-        set_verbose(verbose)
+        set_verbose(controls.verbose)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
-            models = lb.hub_models(models, hf_repo, hf_file, hf_token, offline)
-            lb.refuse_unusable(
-                split_mode=_joined(split_mode),
-                main_gpu=_joined(main_gpu),
-                tensor_split=_joined(tensor_split),
-                device=_joined(device),
-                n_cpu_moe=_joined(n_cpu_moe),
-                override_tensor=_joined(override_tensor),
-            )
-            lb.apply_process_settings(numa=numa, prio=prio)
-            sweep = run.Sweep(
-                shapes=run.parse_shapes(
-                    _joined(n_prompt) or "512",
-                    _joined(n_gen) or "128",
-                    pg or [],
-                    _joined(depth) or "0",
-                    scenarios,
-                    scenario_scale,
-                ),
-                threads=_joined(threads),
-                batch=_joined(batch),
-                ubatch=_joined(ubatch),
-                gpu_layers=_joined(gpu_layers),
-                flash_attn=_joined(flash_attn),
-                cache_type_k=_joined(cache_type_k) or "f16",
-                cache_type_v=_joined(cache_type_v) or "f16",
-                repack=_joined(repack),
-                mmap=_joined(mmap),
-                load_mode=_joined(load_mode),
-                split_mode=_joined(split_mode),
-                main_gpu=_joined(main_gpu),
-                tensor_split=_joined(tensor_split),
-                tensor_overrides=_joined(override_tensor),
-                n_cpu_moe=_joined(n_cpu_moe),
-                devices=_joined(device),
-                draft=_joined(draft),
-                fit_target=_joined(fit_target),
-                fit_ctx=_joined(fit_ctx),
-                no_kv_offload=_joined(no_kv_offload),
-                cpu_mask=_joined(cpu_mask),
-                cpu_strict=_joined(cpu_strict),
-                poll=_joined(poll),
-                lazy_mode=_joined(lazy_mode),
-                no_host=_joined(no_host),
-                embeddings=_joined(embeddings),
-                no_op_offload=_joined(no_op_offload),
-                prio=prio,
-                reps=reps,
-                until_ci=until_ci,
-                ctx=_joined(ctx_sizes),
+            chosen = hub.models(models)
+            lists.refuse_unusable()
+            lb.apply_process_settings(numa=controls.numa, prio=controls.prio)
+            sweep = lists.sweep(
+                scenarios=measured.scenarios,
+                scenario_scale=measured.scenario_scale,
+                prio=controls.prio,
+                reps=measured.reps,
+                until_ci=measured.until_ci,
                 seed=seed,
-                scenarios=scenarios,
-                warmup=not no_warmup,
-                delay_s=delay,
-                tuned=tuned,
-                ppl=ppl,
-                cold=cold,
+                warmup=not controls.no_warmup,
+                delay_s=controls.delay,
+                tuned=measured.tuned,
+                ppl=measured.ppl,
+                cold=measured.cold,
             )
             to = Output(
-                format=output,
-                plot=plot,
-                compare=compare,
-                store=not no_history and reps > 0,  # -r 0 measured nothing
-                format_err=output_err,
-                progress_lines=progress_lines,
+                format=delivery.output,
+                plot=delivery.plot,
+                compare=delivery.compare,
+                store=not delivery.no_history and measured.reps > 0,  # -r 0 measured nothing
+                format_err=controls.output_err,
+                progress_lines=controls.progress_lines,
                 errors=real_stderr,
             )
-            chosen: list[str | None] = list(models) if models else [None]
             code = _sweep(chosen, sweep, cancel, err, show, to)
         raise typer.Exit(code)
-
-
-def load_and_report(
-    runner: BenchRunner,
-    err: Console,
-    *,
-    bandwidth: bool,
-    system: SystemInfo | None = None,
-    combos: Sequence[sw.Combo] = (),
-    llama_bench_defaults: bool = False,
-) -> SystemInfo:
-    """Load the model and print the machine's report (with the bandwidth probe if asked; a
-    later model of the same run reuses the first one's report of the machine)."""
-    with err.status("loading the model and measuring memory bandwidth ..."):
-        loaded = runner.load()
-        if system is None:
-            system = SystemInfo.collect(bandwidth=bandwidth)
-    m = loaded.model
-    facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
-    rows = system_rows(system, facts) if system is not None else []
-    err.print(label_grid(rows if len(rows) else [("model", facts)]))
-    st = loaded.settings
-    if isinstance(st, EngineSettings):
-        line = settings_line(st, combos, runner.config, llama_bench_defaults=llama_bench_defaults)
-        err.print(label_grid([("settings", line)]))
-        pools = threadpool_line(combos, runner.config.threadpool.prio)
-        if pools:
-            err.print(label_grid([("pool", pools)]))
-    return system
-
-
-def threadpool_line(combos: Sequence[sw.Combo], prio: int) -> str:
-    """-C, --cpu-strict, --poll and --prio where any test runs other than llama.cpp's defaults."""
-    if not prio and all(
-        (c.cpu_mask, c.cpu_strict, c.poll) == ("0x0", False, DEFAULT_POLL) for c in combos
-    ):
-        return ""
-    return (
-        f"CPU mask {_each('0x0', None, [c.cpu_mask for c in combos])}, strict"
-        f" {_each(0, None, [int(c.cpu_strict) for c in combos])}, poll"
-        f" {_each(DEFAULT_POLL, None, [c.poll for c in combos])}, priority"
-        f" {PRIORITIES[prio]}: a threadpool of llmrun's on each context, as llama-bench"
-        " makes one"
-    )
-
-
-def _each(loaded: object, base: object, swept: Sequence[object], show: Any = str) -> str:
-    """The value every test runs with, or each value and that it varies: a swept value of None
-    (or the base's own) is what the loaded engine has."""
-    values = list(dict.fromkeys(loaded if v is None or v == base else v for v in swept))
-    if len(values) <= 1:
-        return show(values[0] if values else loaded)
-    return "/".join(show(v) for v in values) + " (varies by test)"
-
-
-def settings_line(
-    st: EngineSettings,
-    combos: Sequence[sw.Combo] = (),
-    base: EngineConfig | None = None,
-    *,
-    llama_bench_defaults: bool = False,
-) -> str:
-    """What runs, and whose defaults filled what was not given (llama-bench's, so its tools
-    pair the records, or with --tuned llmrun's): for a swept setting, the value each test runs
-    with, not the loaded engine's first."""
-    b = base or EngineConfig()
-    source = (
-        "llama-bench's defaults (--tuned: llmrun's own)"
-        if llama_bench_defaults
-        else "tuned by `llmrun tune`"
-        if st.tuned
-        else "llmrun's defaults (nothing tuned for this model)"
-    )
-    repack = st.repack_note or ("on" if st.repack else "off")
-    swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
-    ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])
-    if ngl == str(st.n_gpu_layers_asked):
-        ngl += (
-            f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
-            + (f": {st.offload_note}" if st.offload_note else "")
-            + ")"
-        )
-    threads = _each(st.n_threads, b.n_threads, [c.n_threads for c in combos])
-    return (
-        f"{threads} threads, batch {_each(st.n_batch, b.n_batch, [c.n_batch for c in combos])},"
-        f" ubatch {_each(st.n_ubatch, b.n_ubatch, [c.n_ubatch for c in combos])}, flash"
-        f" attention {_each(st.flash_attn, b.flash_attn, [c.flash_attn for c in combos])},"
-        f" repacking {_each(repack, None, swept_repack)}, ngl {ngl}: {source}."
-        + _fit_note(st, combos)
-    )
-
-
-def _fit_note(st: EngineSettings, combos: Sequence[sw.Combo]) -> str:
-    """-fitt/-fitc are recorded, never silently: llama.cpp's fitting is in its common library,
-    which llama-cpp-python does not ship."""
-    if not any(c.fit_target or c.fit_min_ctx for c in combos):
-        return ""
-    why = (
-        "llmrun fits -ngl -1 to free device memory itself"
-        if st.gpu_offload
-        else "on a CPU-only build llama-bench's fitting places nothing either"
-    )
-    return (
-        " -fitt/-fitc are recorded as given, not applied: llama.cpp's fitting is in its"
-        f" common library, which llmrun does not load ({why})."
-    )
 
 
 def _list_devices() -> int:

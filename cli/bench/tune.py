@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli.engine import make_bench_runner
-from llmrun.cli.errors import EXIT_INTERRUPTED, handled
+from llmrun.cli.errors import EXIT_INTERRUPTED, handled, usage_error
 from llmrun.cli.progress import ProgressLine, Shown, clock
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
@@ -25,8 +25,8 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import set_verbose
 from llmrun.runners.progress import eta_s
 
-from .serve import Model1
-from .sweep import load_and_report, usage_error
+from .machine import load_and_report
+from .serving import Model1
 
 
 def tune(

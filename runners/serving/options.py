@@ -6,8 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmrun.runners.bench.sweep import parse_values
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.lists import parse_values
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.engine import Policy
 

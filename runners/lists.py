@@ -1,0 +1,39 @@
+"""llama-bench's list syntax for whole numbers: `1,2,4`, ranges `8-512*4` and `0-24+8`, as
+bench's sweeps and `bench serve --concurrency` read it."""
+
+from __future__ import annotations
+
+import re
+
+from llmrun.runners.errors import BadRequestError
+
+MAX_SWEEP_VALUES = 1000
+
+
+def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+    """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus).
+
+    Every value must lie in minimum..maximum (sizes are never negative; -ngl allows -1)."""
+    values: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(-?\d+)(?:-(\d+)(?:([*+])(\d+))?)?", part)
+        if not m:
+            raise BadRequestError(f"{name}: '{part}' is not a number, list or range like 8-512*4")
+        first = int(m.group(1))
+        if m.group(2) is None:
+            values.append(first)
+            continue
+        last, op, step = int(m.group(2)), m.group(3) or "+", int(m.group(4) or 1)
+        if (op == "*" and (step < 2 or first < 1)) or (op == "+" and step < 1) or last < first:
+            raise BadRequestError(f"{name}: the range '{part}' never ends or is empty")
+        value = first
+        while value <= last and len(values) <= MAX_SWEEP_VALUES:
+            values.append(value)
+            value = value * step if op == "*" else value + step
+        if len(values) > MAX_SWEEP_VALUES:
+            raise BadRequestError(f"{name}: '{part}' gives more than {MAX_SWEEP_VALUES} values")
+    for value in values:
+        if not minimum <= value <= maximum:
+            raise BadRequestError(f"{name}: {value} is out of range {minimum}..{maximum}")
+    return list(dict.fromkeys(values))
