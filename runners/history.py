@@ -795,9 +795,12 @@ def compare_sets(
     # still pairs, or the other side's values would be averaged together; the tool is looked
     # past where each set holds one tool's results (llama-bench's as the baseline of llmrun's)
     ignored = baseline.fields & compare.fields
-    if all(len({_pair_value("tool", s.record) for s in side}) == 1 for side in (base, comp)):
-        ignored |= {"tool"}
-    keys = [f for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS if f not in ignored]
+    one_tool = all(len({s.tool for s in side}) == 1 for side in (base, comp))
+    keys = [
+        f
+        for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS
+        if f not in ignored and not (f == "tool" and one_tool)
+    ]
 
     def groups(side: list[Stored]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
         out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
