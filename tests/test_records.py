@@ -176,3 +176,36 @@ def test_the_bandwidth_probe_leaves_the_peak_memory_as_it_found_it(
     runs, before, grown = (int(x) for x in done.stdout.split())
     assert runs == 7 and before >= 90 << 20
     assert grown < 32 << 20  # not 512 MiB
+
+
+def test_history_takes_llama_benchs_own_rows_as_a_baseline() -> None:
+    """`llama-bench -o sql | sqlite3` into the history's database: `llmrun history` reads those
+    rows (tool=llama-bench) as a baseline, and never averages them with llmrun's of the same
+    build; llmrun's own SQL in that table is its runs already, not llama-bench's."""
+    from llmrun.cli.bench.output import OutputFormat, format_records
+    from llmrun.runners.history import History
+
+    from .test_history import rec, store
+
+    store(rec(avg_ts=150.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=12.0))
+    theirs = [rec(avg_ts=100.0), rec(n_prompt=0, n_gen=4, avg_ts=10.0)]
+    with History() as h:
+        h.db.executescript(llama_bench_sql([{f: r[f] for f in LLAMA_BENCH_FIELDS} for r in theirs]))
+        h.db.executescript(format_records([rec(avg_ts=999.0)], OutputFormat.sql))
+        found = h.bench_results()
+    assert [(s.tool, s.run_id, s.record["test"]) for s in found[:2]] == [
+        ("llama-bench", 0, "pp8"),
+        ("llama-bench", 0, "tg4"),
+    ]
+    assert len(found) == 4 and found[0].record["repack"] is True  # SQL's 1, a bool again
+    done = CliRunner().invoke(app, ["history", "-b", "tool=llama-bench", "-o", "json"])
+    assert done.exit_code == 0, done.stderr
+    speedups = {r["test"]: r["speedup"] for r in json.loads(done.stdout)}
+    assert speedups == {"pp8": 1.5, "tg4": 1.2}  # llmrun's newest run against llama-bench's
+    store(rec(build_commit="bbbbbbb", avg_ts=300.0))
+    done = CliRunner().invoke(app, ["history", "-b", "aaaaaaa", "-c", "bbbbbbb", "-o", "json"])
+    assert done.exit_code == 0, done.stderr
+    (pair,) = json.loads(done.stdout)  # build aaaaaaa holds both tools' rows: llmrun's alone
+    assert (pair["test"], pair["baseline_avg_ts"], pair["speedup"]) == ("pp8", 150.0, 2.0)
+    refused = CliRunner().invoke(app, ["history", "-b", "tool=llama.cpp"])
+    assert refused.exit_code == 1 and "takes llmrun or llama-bench" in refused.stderr
