@@ -25,6 +25,7 @@ from llmrun.runners.bench.results import (
 )
 
 from . import llama_tools
+from .conftest import which_llmrun
 from .test_trust_bench import _fake_models
 
 BENCH = ["bench", "-r", "2", "-p", "8", "-n", "2", "--no-history"]
@@ -209,3 +210,28 @@ def test_history_takes_llama_benchs_own_rows_as_a_baseline() -> None:
     assert (pair["test"], pair["baseline_avg_ts"], pair["speedup"]) == ("pp8", 150.0, 2.0)
     refused = CliRunner().invoke(app, ["history", "-b", "tool=llama.cpp"])
     assert refused.exit_code == 1 and "takes llmrun or llama-bench" in refused.stderr
+
+
+def test_repacking_asked_where_the_probe_forbids_it_is_off_in_header_and_record(
+    llmrun_env: dict[str, str], model_path: str
+) -> None:
+    """--repack 1 where the probe found llama.cpp's repacked kernels unsafe: the engine does not
+    repack, and the header says so with the record (it said `repacking on` over `repack
+    false`)."""
+    from llmrun.runners import probe
+
+    why = "the probe did not finish in 120 s"
+    probe._write_cache(probe.probe_key("Q4_1"), probe.Verdict(False, why))
+    asked = ["-m", model_path, "--repack", "1", "-o", "json"]
+    done = subprocess.run(
+        [which_llmrun(), "bench", "-r", "1", "-p", "8", "-n", "0", "--no-history", *asked],
+        env={**llmrun_env, "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    (record,) = json.loads(done.stdout)
+    assert (record["repack"], record["repack_note"]) == (False, f"off: {why}")
+    assert f"repacking off: {why}," in " ".join(done.stderr.split())
