@@ -36,8 +36,9 @@ class CompareFormat(str, Enum):
 
 SELECTOR_HELP = (
     "a build commit, or KEY=VALUE terms joined by commas that all hold: build=, run=3 or"
-    " run=3-5, date=2026-11-30 (or a month, a year), since=DAY, until=DAY, model=NAME, or a"
-    " setting by llama-bench's flag: t=4, b=2048, ub=512, ngl=99, fa=on, ctk=q8_0, d=512"
+    " run=3-5, date=2026-11-30 (or a month, a year), since=DAY, until=DAY, model=NAME,"
+    " tool=llama-bench (its own rows in this database) or tool=llmrun, or a setting by"
+    " llama-bench's flag: t=4, b=2048, ub=512, ngl=99, fa=on, ctk=q8_0, d=512"
 )
 
 # compare-llama-bench.py's column heads
@@ -69,6 +70,7 @@ HEADS = {
     "fit_min_ctx": "Fit min ctx",
     "repack": "Repack",
     "draft": "Draft",
+    "tool": "Tool",
 }
 
 
@@ -174,7 +176,8 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
 
 
 def _export(h: History, target: str, model: str | None) -> None:
-    records = [s.record for s in h.bench_results(model=model)]
+    # llmrun's own results: llama-bench's rows in the history are in a llama_bench table already
+    records = [s.record for s in h.bench_results(model=model) if s.tool == "llmrun"]
     if not records:
         raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
     sql = out.format_records(records, out.OutputFormat.sql)

@@ -30,7 +30,9 @@ from .bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
     LLAMA_BENCH_INT,
+    LLAMA_BENCH_REAL,
     LLAMA_DEFAULTS,
+    llmrun_build,
 )
 from .errors import BadRequestError
 from .paths import data_dir
@@ -299,8 +301,9 @@ class History:
         return out
 
     def bench_results(self, *, model: str | None = None) -> list[Stored]:
-        """Every readable result of `llmrun bench` runs, oldest first; a llama.cpp setting an
-        older record lacks is filled with the default llmrun never changed then either."""
+        """Every readable result of `llmrun bench` runs, oldest first, after llama-bench's own
+        rows in this database; a llama.cpp setting an older record lacks is filled with the
+        default llmrun never changed then either."""
         query = (
             "SELECT runs.id, runs.time, results.record FROM results JOIN runs ON"
             " runs.id = results.run_id WHERE runs.kind = ?"
@@ -313,12 +316,66 @@ class History:
             rows = self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
         except sqlite3.Error as e:
             raise HistoryError(self.path, e) from None
-        found = []
+        found = self._llama_bench_rows(model)
         for run_id, time, text in rows:
             record = _record(text)
             if record is not None:
+                if record.get("build_commit"):  # an older llmrun's, marked as llmrun's now are
+                    record["build_commit"] = llmrun_build(str(record["build_commit"]))
                 found.append(Stored(int(run_id), str(time), {**LLAMA_DEFAULTS, **record}))
         return found
+
+    def _llama_bench_rows(self, model: str | None) -> list[Stored]:
+        """llama-bench's own rows in this database (`llama-bench -o sql | sqlite3` into it),
+        as results of no llmrun run (run 0) at their test time, marked `tool` llama-bench; rows
+        llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already."""
+        try:
+            tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
+            if "llama_bench" not in tables:
+                return []
+            have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
+            columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
+            if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
+                return []
+            query = f"SELECT {', '.join(columns)} FROM llama_bench"
+            if "llama_bench_llmrun" in tables:
+                query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
+            rows = self.db.execute(query + " ORDER BY rowid").fetchall()
+        except sqlite3.Error as e:
+            raise HistoryError(self.path, e) from None
+        found = []
+        for row in rows:
+            record = _llama_bench_record(dict(zip(columns, row, strict=True)))
+            if record is None:
+                continue
+            names = (str(record.get("model_filename")), str(record.get("model_type")))
+            if model and not any(model.lower() in n.lower() for n in names):
+                continue
+            found.append(Stored(0, str(record.get("test_time") or ""), record))
+        return found
+
+
+def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A row of llama-bench's table as the record llmrun keeps: its values in its JSON types
+    (SQL keeps booleans as 0/1, and takes any text), llama.cpp's defaults in a column an older
+    llama-bench lacked, its test's name; None for a row whose figures are not numbers."""
+    record: dict[str, Any] = {**LLAMA_DEFAULTS, "repack": True}
+    for name, value in row.items():
+        if value is None:
+            continue
+        if name in LLAMA_BENCH_BOOL:
+            value = str(value).strip().lower() in _TRUE
+        elif name in LLAMA_BENCH_INT or name in LLAMA_BENCH_REAL:
+            try:
+                value = float(value) if name in LLAMA_BENCH_REAL else int(value)
+            except (TypeError, ValueError):
+                return None
+        record[name] = value
+    if not isinstance(record.get("avg_ts"), float):
+        return None
+    record["test"] = test_name(record)
+    record["tool"] = LLAMA_BENCH_TOOL
+    return record
 
 
 def _like(text: str) -> str:
@@ -393,8 +450,11 @@ PAIR_FIELDS = (
     "fit_target",
     "fit_min_ctx",
 )
-# ... and llmrun's settings that change a test's figures where llama-bench has none
-LLMRUN_PAIR_FIELDS = ("repack", "draft")
+# ... and llmrun's settings that change a test's figures where llama-bench has none, and the
+# tool that measured (llmrun's rows are never averaged with llama-bench's)
+LLMRUN_PAIR_FIELDS = ("repack", "draft", "tool")
+LLAMA_BENCH_TOOL = "llama-bench"
+TOOLS = ("llmrun", LLAMA_BENCH_TOOL)
 TEST_FIELDS = ("n_prompt", "n_gen", "n_depth")
 
 # llama-bench's option names for the record fields a selector can name (any field name works)
@@ -431,9 +491,14 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 class Stored:
     """One stored bench result and the run it came from."""
 
-    run_id: int
-    time: str  # the run's start, ISO 8601 UTC
+    run_id: int  # 0: a row of llama-bench's own
+    time: str  # the run's start, ISO 8601 UTC (llama-bench's rows: their test_time)
     record: dict[str, Any]
+
+    @property
+    def tool(self) -> str:
+        """What measured it: llmrun, or llama-bench (its own rows in the history's database)."""
+        return str(_pair_value("tool", self.record))
 
 
 @dataclass(frozen=True)
@@ -443,9 +508,9 @@ class Term:
 
     def matches(self, s: Stored) -> bool:
         r = s.record
-        if self.key == "build":
-            commit = str(r.get("build_commit") or "")
-            return bool(commit) and (commit.startswith(self.value) or self.value.startswith(commit))
+        if self.key == "build":  # llmrun's commits are in capitals (llmrun_build)
+            commit = str(r.get("build_commit") or "").lower()
+            return bool(commit) and _same_build(commit, self.value)
         if self.key == "run":
             return bool(self.value[0] <= s.run_id <= self.value[1])
         if self.key == "date":
@@ -520,10 +585,14 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
         return value
     if key in ("build", "model"):
         return value.lower()
+    if key == "tool":
+        if value.lower() not in TOOLS:
+            raise BadRequestError(f"{where} takes llmrun or llama-bench, not {value!r}")
+        return value.lower()
     if field not in LLAMA_BENCH_FIELDS and field not in LLMRUN_PAIR_FIELDS and field != "n_ctx":
         raise BadRequestError(
             f"{option} {text!r}: unknown key {key!r}; use build=, run=, date=, since=, until=,"
-            " model= or a setting: t=, b=, ub=, ngl=, fa=, ctk=, ctv=, p=, n=, d= (or a"
+            " model=, tool= or a setting: t=, b=, ub=, ngl=, fa=, ctk=, ctv=, p=, n=, d= (or a"
             " record field such as n_threads=)"
         )
     if field == "flash_attn" and value.lower() in FLASH_ATTN_CODES:
@@ -669,6 +738,8 @@ def _pair_value(field: str, record: Mapping[str, Any]) -> Any:
         return value.rsplit("/", 1)[-1]  # older llmrun stored the absolute path
     if field == "draft" and value is None:
         return 0  # a test without drafting records none
+    if field == "tool" and value is None:
+        return "llmrun"  # llmrun's own records name no tool
     return value
 
 
@@ -697,7 +768,11 @@ def compare_sets(
                 f"every stored bench result is in the baseline"
                 f" {baseline.text!r}: choose a compare set with -c"
             )
-        compare = Selector(f"run {newest}", (Term("run", (newest, newest)),))
+        compare = (
+            Selector(f"run {newest}", (Term("run", (newest, newest)),))
+            if newest
+            else Selector(LLAMA_BENCH_TOOL, (Term("tool", LLAMA_BENCH_TOOL),))
+        )
     # the default set is the newest run less what the baseline already holds (-b t=1 after a
     # `bench -t 1,2` compares that run's t=1 rows with the baseline's, not with themselves)
     comp = [s for s in rated if compare.matches(s) and not (default and baseline.matches(s))]
@@ -717,9 +792,15 @@ def compare_sets(
                 f" from {', '.join(SHOWABLE)}"
             )
     # only a field both sets fix is looked past (-b t=1 -c t=2); one fixed on one side only
-    # still pairs, or the other side's values would be averaged together
+    # still pairs, or the other side's values would be averaged together; the tool is looked
+    # past where each set holds one tool's results (llama-bench's as the baseline of llmrun's)
     ignored = baseline.fields & compare.fields
-    keys = [f for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS if f not in ignored]
+    one_tool = all(len({s.tool for s in side}) == 1 for side in (base, comp))
+    keys = [
+        f
+        for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS
+        if f not in ignored and not (f == "tool" and one_tool)
+    ]
 
     def groups(side: list[Stored]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
         out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -754,7 +835,11 @@ def compare_sets(
         into[1].extend(c[k])
     pairs = tuple(
         Pair(
-            shown=tuple((f, bs[0].get(f)) for f in shown if f in index),
+            shown=tuple(
+                (f, _pair_value(f, bs[0]) if f == "tool" else bs[0].get(f))
+                for f in shown
+                if f in index
+            ),
             test=_tests(bs, cs),
             baseline=Tally(tuple(bs)),
             compare=Tally(tuple(cs)),
@@ -779,11 +864,16 @@ def _check_builds(results: Sequence[Stored], *selectors: Selector | None) -> Non
     )
     for selector in selectors:
         for build in selector.builds if selector is not None else ():
-            if not any(c.startswith(build) or build.startswith(c) for c in stored):
+            if not any(_same_build(c.lower(), build) for c in stored):
                 listed = ", ".join(stored[:8]) + (", ..." if len(stored) > 8 else "")
                 raise BadRequestError(
                     f"no stored bench result has build {build!r} (stored: {listed or 'none'})"
                 )
+
+
+def _same_build(commit: str, build: str) -> bool:
+    """One commit written to two lengths (lower case both: llmrun's are in capitals)."""
+    return commit.startswith(build) or build.startswith(commit)
 
 
 def write_database(path: Path, sql: str) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .system import peak_rss_bytes as peak_rss_bytes  # its home: beside the bandwidth probe
+
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # --max-tokens reached
 FINISH_CONTEXT = "context"  # the context filled up before --max-tokens
@@ -81,18 +83,6 @@ class MemoryReport:
     @property
     def kv_bytes_per_token(self) -> float:
         return self.kv_bytes / self.n_ctx if self.n_ctx else 0.0
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
-    try:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
-    except (ImportError, OSError):
-        return None
 
 
 @dataclass(frozen=True)

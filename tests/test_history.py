@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.cli.bench.output import OutputFormat, format_records
-from llmrun.runners.bench.results import LLAMA_DEFAULTS
+from llmrun.runners.bench.results import LLAMA_DEFAULTS, llmrun_build
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import (
     LLMRUN_PAIR_FIELDS,
@@ -33,8 +33,7 @@ from llmrun.runners.history import (
 )
 
 from . import llama_tools
-from .test_llama_bench import _script_schema
-from .test_trust_bench import _fake_models
+from .test_trust_bench import _fake_models, _llama_bench_fields
 
 
 def rec(**over: Any) -> dict[str, Any]:
@@ -113,7 +112,7 @@ def test_sql_of_runs_with_other_figures_goes_into_a_llama_bench_table_run_after_
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     _fake_models(monkeypatch)
     db = sqlite3.connect(tmp_path / "llama-bench.sqlite")
-    schema = _script_schema(llama_tools.compare_script())  # as llama-bench creates it
+    schema = _llama_bench_fields()  # as llama-bench creates it (llmrun fills every column)
     db.execute(f"CREATE TABLE llama_bench ({', '.join(f'{f} {t}' for f, t in schema.items())})")
     shapes = (
         ["-p", "8", "-n", "0"],
@@ -535,9 +534,9 @@ def test_compare_llama_bench_reads_the_exported_history(
             "-i",
             str(target),
             "-b",
-            "aaaaaaa",
+            llmrun_build("aaaaaaa"),  # llmrun's rows, marked as its own in the export too
             "-c",
-            "bbbbbbb",
+            llmrun_build("bbbbbbb"),
         ],
         capture_output=True,
         text=True,

@@ -16,7 +16,7 @@ from llmrun.runners import devices as dv
 from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.bench import run
 from llmrun.runners.bench import sweep as sw
-from llmrun.runners.bench.results import LLAMA_BENCH_FIELDS
+from llmrun.runners.bench.results import LLAMA_BENCH_FIELDS, llmrun_build
 from llmrun.runners.bench.tuning import save_tuned
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
@@ -51,7 +51,7 @@ def test_records_are_llama_bench_records_in_its_terms(llmrun_env: dict[str, str]
     assert [r["test"] for r in rows] == ["pp8", "tg2", "pp8", "tg2"]
     for r in rows:
         assert tuple(r)[: len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS  # its order, first
-        assert r["build_commit"] == dv.build_commit(dv.query().commit())  # the loaded llama.cpp
+        assert r["build_commit"] == llmrun_build(dv.build_commit(dv.query().commit()))
         assert not r["build_commit"].startswith("llama-cpp-python")
         assert r["model_type"] == "llama 256M Q4_1"  # llama_model_desc, as llama-bench says
         assert r["gpu_info"] == "" and r["backends"] == "CPU"
@@ -117,7 +117,7 @@ def test_markdown_is_llama_bench_table_with_its_footer(llmrun_env: dict[str, str
         "| model                          |       size |     params | backend    | threads |"
     )
     assert "|  92.10 MiB |   134.52 M | CPU        |" in lines[2]
-    assert lines[-1] == f"build: {dv.build_commit(dv.query().commit())} (0)"
+    assert lines[-1] == f"build: {llmrun_build(dv.build_commit(dv.query().commit()))} (0)"
 
 
 def test_several_models_run_the_same_tests(

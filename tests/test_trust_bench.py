@@ -239,7 +239,7 @@ def _llama_bench_fields() -> dict[str, str]:
     return {name: "TEXT" for name in re.findall(r'"(\w+)"', block)}
 
 
-@pytest.mark.parametrize("made_by", ["compare-llama-bench.py", "llama-bench.cpp", "llmrun"])
+@pytest.mark.parametrize("made_by", ["llama-bench.cpp", "llmrun"])
 def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
     made_by: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, llmrun_env: dict[str, str]
 ) -> None:
@@ -252,16 +252,9 @@ def test_sql_goes_into_a_table_llama_bench_made_and_keeps_every_figure(
 
     from llmrun.cli.app import app
 
-    from . import llama_tools
-    from .test_llama_bench import _script_schema
-
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
     _fake_models(monkeypatch)
-    schema = (
-        _script_schema(llama_tools.compare_script())
-        if made_by.startswith("compare")
-        else _llama_bench_fields()
-    )
+    schema = _llama_bench_fields()  # llmrun fills every column llama-bench fills, as it does
     db = tmp_path / "bench.sqlite"
     columns = ",\n".join(f"  {name} {kind}" for name, kind in schema.items())
     made = f"CREATE TABLE IF NOT EXISTS llama_bench (\n{columns}\n);\n"  # llama-bench's own

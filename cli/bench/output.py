@@ -273,54 +273,6 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
     return "REAL" if isinstance(value, float) else "TEXT"
 
 
-# The columns of every llama_bench table: compare-llama-bench.py's LLAMA_BENCH_DB_FIELDS, which
-# older llama-bench builds created; newer ones add devices, lazy_mode, no_host and repack.
-# llmrun's SQL creates the table as this llama.cpp's llama-bench does (so its SQL goes in too)
-# and inserts these columns alone (so it goes into an older table as well).
-LLAMA_BENCH_DB_FIELDS = frozenset(
-    (
-        "build_commit",
-        "build_number",
-        "cpu_info",
-        "gpu_info",
-        "backends",
-        "model_filename",
-        "model_type",
-        "model_size",
-        "model_n_params",
-        "n_batch",
-        "n_ubatch",
-        "n_threads",
-        "cpu_mask",
-        "cpu_strict",
-        "poll",
-        "type_k",
-        "type_v",
-        "n_gpu_layers",
-        "split_mode",
-        "main_gpu",
-        "no_kv_offload",
-        "flash_attn",
-        "tensor_split",
-        "tensor_buft_overrides",
-        "load_mode",
-        "embeddings",
-        "no_op_offload",
-        "n_prompt",
-        "n_gen",
-        "n_depth",
-        "test_time",
-        "avg_ns",
-        "stddev_ns",
-        "avg_ts",
-        "stddev_ts",
-        "n_cpu_moe",
-        "fit_target",
-        "fit_min_ctx",
-    )
-)
-
-
 def _sql_create(
     table: str, made: Sequence[str], records: Sequence[dict[str, Any]], extra: bool
 ) -> str:
@@ -339,8 +291,9 @@ def _sql_create(
 
 
 def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
-    """One INSERT into the table's `core` columns alone, so the text goes into a table either
-    tool made (`| sqlite3 file`; compare-llama-bench.py reads it). The row's other figures go,
+    """One INSERT into the table's `core` columns (llama_bench's: every column this llama.cpp's
+    llama-bench fills, as it fills them, so `WHERE repack = 0` finds llmrun's rows too; the
+    text goes where llama-bench's own SQL goes, `| sqlite3 file`). The row's other figures go,
     as one JSON object, into `{table}_llmrun` keyed by its rowid: no schema to evolve, no
     figure dropped, whatever ran before."""
     values = ", ".join(_sql_value(r.get(f)) for f in core)
@@ -354,8 +307,9 @@ def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
     return text
 
 
-# llama-bench's columns that every llama_bench table has: the INSERTs name these alone
-LLAMA_BENCH_CORE = tuple(f for f in LLAMA_BENCH_FIELDS if f in LLAMA_BENCH_DB_FIELDS)
+# llama_bench's columns, as this llama.cpp's llama-bench creates and fills them (an older
+# llama-bench's table, without the newer columns, takes neither tool's INSERTs)
+LLAMA_BENCH_CORE = LLAMA_BENCH_FIELDS
 
 
 def cell(value: Any) -> str:

@@ -113,6 +113,18 @@ LLAMA_DEFAULTS: dict[str, Any] = {
 }
 
 
+def llmrun_build(commit: str) -> str:
+    """llmrun's `build_commit`: the llama.cpp commit, in capitals (`0c1e570` is `0C1E570`).
+
+    compare-llama-bench.py pairs rows on the exact `build_commit` (its -b and -c choose one
+    each) and cuts every commit to the shortest stored, so a longer label would merge the two
+    tools' rows again; a hash in capitals keeps the length and the commit, and git never writes
+    one. A hash without a letter ends instead in G to P for its last digit 0 to 9."""
+    if commit and not any(c.isalpha() for c in commit) and commit[-1] in "0123456789":
+        return commit[:-1] + "GHIJKLMNOP"[int(commit[-1])]
+    return commit.upper()
+
+
 # A test's kind: prompt processing alone, generation alone, or a prompt then generation (--pg)
 Kind = Literal["pp", "tg", "pg"]
 
@@ -229,7 +241,7 @@ class Result:
         std_ns = statistics.stdev(samples_ns) if len(samples_ns) > 1 else 0.0
         p = {**LLAMA_DEFAULTS, **st.params}
         rec: dict[str, Any] = {
-            "build_commit": system.build_commit,
+            "build_commit": llmrun_build(system.build_commit),
             "build_number": system.build_number,
             "cpu_info": system.cpu,
             "gpu_info": system.gpu_info,

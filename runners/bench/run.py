@@ -18,6 +18,7 @@ from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.probe import repack_verdict
 from llmrun.runners.significance import record_fields
 from llmrun.runners.system import SystemInfo
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
@@ -331,7 +332,7 @@ def run_sweep(
         )
         try:
             base = runner.config
-            combos = sweep.combos(base)
+            combos = without_unsafe_repack(sweep.combos(base), runner)
             yield ModelReady(runner, tuple(combos))
             # llama-bench records the model's file name as given (a local path, not a Hub name)
             given = model if model and os.path.isfile(model) else ""
@@ -363,6 +364,19 @@ def run_sweep(
                 yield Scored(runner.load().model.name, ppl, n, runner.vocab_size())
         finally:
             runner.close()
+
+
+def without_unsafe_repack(combos: list[sw.Combo], runner: BenchRunner) -> list[sw.Combo]:
+    """A test that asks for repacking (--repack 1) where the engine will not repack, because
+    its probe found llama.cpp's repacked kernels unsafe here, asks nothing: the engine's choice
+    and its reason (`off: the probe ...`) are then what the header shows and the record says
+    (the header said `repacking on` over a record of `repack false`). The verdict is the
+    probe's, which the engine's load reads too (run once, then kept)."""
+    if not any(c.repack for c in combos):
+        return combos
+    if repack_verdict(runner.model_path, runner.header().quantization).safe:
+        return combos
+    return list(dict.fromkeys(replace(c, repack=None) if c.repack else c for c in combos))
 
 
 def ppl_change(found: Scored, first: Scored | None) -> float | None:
