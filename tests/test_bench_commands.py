@@ -357,7 +357,8 @@ def test_the_defaults_table_fills_every_swept_setting() -> None:
     from llmrun.cli.bench import sweep_options
     from llmrun.runners.bench import run
 
-    lists = {f.name for f in fields(run.Sweep) if f.type in ("str", "str | None")}
+    single = {f.name for f in fields(sweep_options.Measured)}  # one value each, not swept
+    lists = {f.name for f in fields(run.Sweep) if f.type in ("str", "str | None")} - single
     rows = {o.name for o in sweep_options.LISTS if not o.shape}
     assert rows == lists
     shapes = [o.name for o in sweep_options.LISTS if o.shape]
