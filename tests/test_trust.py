@@ -376,9 +376,19 @@ def test_concurrent_writers_wait_for_the_lock(tmp_path: Path) -> None:
     History(db).close()
     holder = sqlite3.connect(db, check_same_thread=False)
     holder.execute("BEGIN EXCLUSIVE")
-    threading.Timer(1.0, holder.commit).start()
+    asked = threading.Event()
+
+    def release() -> None:  # a while after the writer has started: it has to wait for the lock
+        asked.wait(HANG_S)
+        time.sleep(0.2)
+        holder.commit()
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    asked.set()
     with History(db) as h:
         run_id = h.store([{"test": "tg8", "avg_ts": 5.0}], kind="bench", model="m", system={})
+    releaser.join()
     assert run_id == 1
     holder.close()
 
