@@ -185,8 +185,9 @@ def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:
     finally:
         runner.close()
     assert settings.repack is False and "SIGILL" in settings.repack_note
-    # This CPU's real verdict: safe exactly when the probe ran through.
-    real = probe.run_probe(model_path)
+    # This CPU's real verdict: safe exactly when the probe ran through (its own command line:
+    # the tests' processes otherwise share one verdict a session, tests/inject/sitecustomize.py)
+    real = probe.run_probe(model_path, command=[sys.executable, "-c", probe.PROBE_CODE, model_path])
     assert real.safe == (real.why == "probed"), real
 
 
