@@ -44,8 +44,10 @@ test: lint
 	$(BIN)/python -m pytest
 
 # The quick subset to run while working: no test that loads the real model or starts a process
-# (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py). About 20 s of
-# CPU, so under a minute on 2 cores; tests/guard.py fails a test there that loads or spawns.
+# (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py). About 36 s of
+# CPU (59 s before the tests shared their probes) plus the stub servers' replies, so under a
+# minute on 2 cores at a load of 2 or less; tests/guard.py fails a test there that loads or
+# spawns.
 test-quick: setup
 	$(BIN)/python -m pytest -m "not model and not pty"
 

@@ -17,13 +17,20 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli import engine
-from llmrun.runners import system
+from llmrun.runners import probe, system
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
 from .fake import FakeRunner
 from .guard import quick_guard  # noqa: F401  (an autouse fixture: registered by being here)
+from .inject.sitecustomize import (
+    BACKGROUND_ENV,
+    BANDWIDTH_ENV,
+    PROBE_ENV,
+    share_probe,
+    small_bandwidth_probe,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
@@ -32,10 +39,13 @@ LLMRUN = str(Path(sys.executable).parent / "llmrun")
 # only a hang reaches it. Tests wait for what they need (a line, a file, a count), never a time.
 HANG_S = 600.0
 # Other processes' load as the tests fake it (llmrun reads no variable for it): in the tests'
-# process, runners/system.py's background_override; in the processes they start, this variable,
-# which tests/inject/sitecustomize.py (first on their PYTHONPATH) turns into that override.
+# process, runners/system.py's background_override; in the processes they start, BACKGROUND_ENV,
+# which tests/inject/sitecustomize.py (first on their PYTHONPATH) turns into that override. The
+# repacking probe's shared verdicts and the bandwidth probe's size travel the same way.
 INJECT = ROOT / "tests" / "inject"
-BACKGROUND_ENV = "TESTS_BACKGROUND_CPUS"
+# The bandwidth probe's size in the tests (bytes, copies), where llmrun copies 256 MiB 7 times.
+QUICK_BANDWIDTH = (8 << 20, 2)
+REAL_BANDWIDTH_RUNS = system.memory_bandwidth_runs
 
 # The markers follow the fixtures a test uses, directly or through another fixture, so nobody
 # marks a test by hand and `pytest -m "not model and not pty"` (make test-quick) is the quick
@@ -67,16 +77,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def quiet_machine() -> Iterator[None]:
+def quiet_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A quiet machine, whatever the load on this one, in the tests and in every process they
     start (module-scoped fixtures copy the environment too, so it is set for the session): a
     test that wants a busy one says so (tests/test_busy.py), and no output depends on what else
-    runs here."""
+    runs here.
+
+    Two costs are cut the same way (tests/inject/sitecustomize.py says how): llmrun's
+    repacking probe of a model file runs once a session, not in each test's fresh LLMRUN_HOME;
+    and bench's bandwidth probe copies 8 MiB twice (ram_bandwidth: llmrun's own size)."""
+    memo = tmp_path_factory.mktemp("repack-probe") / "verdicts.json"
     with pytest.MonkeyPatch.context() as mp:
         path = os.environ.get("PYTHONPATH")
         mp.setenv("PYTHONPATH", os.pathsep.join([str(INJECT), *([path] if path else [])]))
         mp.setenv(BACKGROUND_ENV, "0")
         mp.setattr(system, "background_override", 0.0)
+        mp.setenv(PROBE_ENV, str(memo))
+        mp.setattr(probe, "run_probe", probe.run_probe)  # put back at the session's end
+        share_probe(probe, memo)
+        mp.setenv(BANDWIDTH_ENV, ",".join(map(str, QUICK_BANDWIDTH)))
+        mp.setattr(system, "memory_bandwidth_runs", REAL_BANDWIDTH_RUNS)
+        small_bandwidth_probe(system, *QUICK_BANDWIDTH)
         yield
 
 
@@ -88,6 +109,14 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(system, "background_override", 0.0)  # quiet_machine's, each test anew
     monkeypatch.setenv(BACKGROUND_ENV, "0")
+
+
+@pytest.fixture
+def ram_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bench's bandwidth probe as llmrun runs it (256 MiB, seven copies), for a test that holds
+    a real decode rate against it; elsewhere the tests copy 8 MiB twice (quiet_machine)."""
+    monkeypatch.setattr(system, "memory_bandwidth_runs", REAL_BANDWIDTH_RUNS)
+    monkeypatch.delenv(BANDWIDTH_ENV, raising=False)
 
 
 @pytest.fixture(scope="session")

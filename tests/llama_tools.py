@@ -140,6 +140,47 @@ def llama_batched_bench() -> Path:
     return Path(given) if given else tool("llama-batched-bench")
 
 
+# Weight repacking off, as each of llama.cpp's tools spells it: llama-bench has its own parser,
+# the others take common/arg.cpp's options.
+REPACK_OFF = {
+    "llama-bench": ("--repack", "0"),
+    "llama-batched-bench": ("--no-repack",),
+    "llama-server": ("--no-repack",),
+    "llama-perplexity": ("--no-repack",),
+}
+
+
+def repack_safe(model_path: str) -> bool:
+    """llmrun's own verdict on weight repacking for this model on this CPU (runners/probe.py,
+    kept in LLMRUN_HOME): False on an Intel Xeon with AMX under the llama.cpp of llama-cpp-python
+    0.3.36, whose repacked kernels crash on the first batch of more than one token."""
+    from llmrun.runners.gguf import read_gguf
+    from llmrun.runners.probe import repack_verdict
+
+    return repack_verdict(model_path, read_gguf(model_path).quantization).safe
+
+
+def cpu_flags(name: str, model_path: str) -> list[str]:
+    """The flags llama.cpp's tool `name` needs on this CPU to run `model_path` as llmrun runs
+    it: repacking off where llmrun's probe finds it unsafe (there llama-bench and llama-server
+    die with SIGSEGV or SIGILL without them), none elsewhere."""
+    return [] if repack_safe(model_path) else list(REPACK_OFF[name])
+
+
+def answer_probe(model_path: str, *, safe: bool) -> None:
+    """Make the probe's answer for this model in this LLMRUN_HOME what a CPU of the other kind
+    gives (safe=False: an AMX CPU's crash), for llmrun in this process and in the processes
+    started with the same LLMRUN_HOME: both read the probe's cache before probing."""
+    from llmrun.runners import probe
+    from llmrun.runners.gguf import read_gguf
+
+    why = "probed" if safe else "llama.cpp's repacked kernels crashed a probe (SIGILL)"
+    key = probe.probe_key(read_gguf(model_path).quantization)
+    probe._write_cache(key, probe.Verdict(safe, why))
+    if probe._read_cache().get(key) != {"safe": safe, "why": why}:  # it writes what it can
+        raise RuntimeError(f"the probe's cache in {probe._cache_file()} could not be written")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "scripts"
     print(tool(what) if what in TOOLS else compare_script())

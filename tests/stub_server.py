@@ -289,7 +289,9 @@ def stub_server(
         {"api_key": api_key, "basic": basic, "models_answer": models_answer},
     )
     server = _Server(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for the loop's next poll: socketserver's default of 0.5 s made every
+    # test with a stub wait that long at its end
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

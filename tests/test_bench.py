@@ -115,7 +115,7 @@ def parse(fmt: str, text: str) -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "sql", "md"])
 def test_every_format_parses_back_with_both_sweep_values(
-    cli: CliRunner, home: Path, fmt: str, model_path: str
+    cli: CliRunner, home: Path, fmt: str, model_path: str, ram_bandwidth: None
 ) -> None:
     result = cli.invoke(app, [*TINY, "-o", fmt, "--no-history"])
     assert result.exit_code == 0, result.stderr

@@ -3,6 +3,7 @@ with the code: every module is on the architecture page's map, every link points
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -75,10 +76,16 @@ def _check_no_hidden(ctx: Any) -> None:
             raise ParseError(f"{param.opts[0]} is an old spelling")
 
 
+@functools.cache
+def _command() -> Any:
+    """llmrun's Click command tree, built once: Typer builds it anew on each call (50 ms)."""
+    return typer.main.get_command(app)
+
+
 def _parse(args: list[str]) -> None:
     """Parse (and convert) the arguments as the real command would, without running it."""
     try:
-        command: Any = typer.main.get_command(app)
+        command: Any = _command()
         ctx = command.make_context("llmrun", list(args), resilient_parsing=False)
         while True:
             _check_no_hidden(ctx)

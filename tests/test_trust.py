@@ -185,8 +185,9 @@ def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:
     finally:
         runner.close()
     assert settings.repack is False and "SIGILL" in settings.repack_note
-    # This CPU's real verdict: safe exactly when the probe ran through.
-    real = probe.run_probe(model_path)
+    # This CPU's real verdict: safe exactly when the probe ran through (its own command line:
+    # the tests' processes otherwise share one verdict a session, tests/inject/sitecustomize.py)
+    real = probe.run_probe(model_path, command=[sys.executable, "-c", probe.PROBE_CODE, model_path])
     assert real.safe == (real.why == "probed"), real
 
 
@@ -376,9 +377,19 @@ def test_concurrent_writers_wait_for_the_lock(tmp_path: Path) -> None:
     History(db).close()
     holder = sqlite3.connect(db, check_same_thread=False)
     holder.execute("BEGIN EXCLUSIVE")
-    threading.Timer(1.0, holder.commit).start()
+    asked = threading.Event()
+
+    def release() -> None:  # a while after the writer has started: it has to wait for the lock
+        asked.wait(HANG_S)
+        time.sleep(0.2)
+        holder.commit()
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    asked.set()
     with History(db) as h:
         run_id = h.store([{"test": "tg8", "avg_ts": 5.0}], kind="bench", model="m", system={})
+    releaser.join()
     assert run_id == 1
     holder.close()
 

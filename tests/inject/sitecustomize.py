@@ -1,34 +1,106 @@
-"""The tests' figure for other processes' load, in the processes a test starts.
+"""What the tests fake or share in the processes a test starts.
 
 tests/conftest.py puts this folder first on PYTHONPATH, so every Python child of a test (the
 `llmrun` command through pipes, a pseudo-terminal or tmux, `llmrun serve`) runs this file at
-start-up, before llmrun is imported. Where the child's environment carries TESTS_BACKGROUND_CPUS
-(a number of CPUs; conftest sets 0, a quiet machine), it becomes runners/system.py's
-`background_override`, as conftest sets it in the tests' own process; without it the child
-measures the machine. llmrun itself reads no such variable: only a process started with this
-folder on its path does.
+start-up, before llmrun is imported. llmrun itself reads none of these variables: only a process
+started with this folder on its path does.
+
+- TESTS_BACKGROUND_CPUS (a number of CPUs; conftest sets 0, a quiet machine) becomes
+  runners/system.py's `background_override`, as conftest sets it in the tests' own process;
+  without it the child measures the machine.
+- TESTS_REPACK_PROBE names a file of repacking-probe verdicts that the tests' processes share
+  (share_probe): llmrun's probe of a model runs once in a session, not once per test.
+- TESTS_BANDWIDTH (bytes,repetitions) sizes the bandwidth probe of bench's machine report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 BACKGROUND_ENV = "TESTS_BACKGROUND_CPUS"
+PROBE_ENV = "TESTS_REPACK_PROBE"
+BANDWIDTH_ENV = "TESTS_BANDWIDTH"
+
+
+def _model_key(model_path: str) -> str:
+    """One model file as the probe saw it (another file, or this one rewritten: another key)."""
+    st = os.stat(model_path)
+    return f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _read(memo: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(memo.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def share_probe(probe: Any, memo: Path) -> None:
+    """Answer runners/probe.py's run_probe from `memo` where a process of this test session has
+    probed the same model file already; probe and note the verdict there otherwise.
+
+    The verdict depends on the llama.cpp build, the CPU and the model, which a session does not
+    change, and llmrun's own cache of it (repack_verdict) is in each test's LLMRUN_HOME: without
+    this, every test that loads a model would start the probe's child anew (about a second of
+    CPU). A probe given its own command (a test's fake crash) always runs.
+    """
+    real = probe.run_probe
+
+    @functools.wraps(real)
+    def run_probe(model_path: str, command: list[str] | None = None) -> Any:
+        if command is not None:
+            return real(model_path, command)
+        key = _model_key(model_path)
+        known = _read(memo).get(key)
+        if isinstance(known, dict) and isinstance(known.get("safe"), bool):
+            return probe.Verdict(known["safe"], str(known.get("why", "probed")))
+        verdict = real(model_path)
+        data = _read(memo)
+        data[key] = {"safe": verdict.safe, "why": verdict.why}
+        with contextlib.suppress(OSError):  # another process's write: it probed the same
+            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data), encoding="utf-8")
+            tmp.replace(memo)
+        return verdict
+
+    probe.run_probe = run_probe
+
+
+def small_bandwidth_probe(system: Any, size_bytes: int, reps: int) -> None:
+    """Bench's machine report copies `size_bytes` `reps` times instead of llmrun's 256 MiB seven
+    times (2 s of CPU each run): the same code, where no figure is checked against RAM's."""
+    system.memory_bandwidth_runs = functools.partial(
+        system.memory_bandwidth_runs, size_bytes=size_bytes, reps=reps
+    )
 
 
 def _install() -> None:
-    text = os.environ.get(BACKGROUND_ENV)
-    if text is None:
+    background = os.environ.get(BACKGROUND_ENV)
+    memo = os.environ.get(PROBE_ENV)
+    bandwidth = os.environ.get(BANDWIDTH_ENV)
+    if background is None and memo is None and bandwidth is None:
         return
-    cpus = float(text)  # not a number: Python prints "Error in sitecustomize" on stderr
     try:
-        from llmrun.runners import system
+        from llmrun.runners import probe, system
     except ImportError:  # a Python without llmrun (a tool a test starts): nothing to fake
         return
-    system.background_override = cpus
+    if background is not None:
+        # not a number: Python prints "Error in sitecustomize" on stderr
+        system.background_override = float(background)
+    if memo:
+        share_probe(probe, Path(memo))
+    if bandwidth:
+        size_bytes, reps = (int(n) for n in bandwidth.split(","))
+        small_bandwidth_probe(system, size_bytes, reps)
 
 
 def _chain() -> None:
@@ -42,5 +114,6 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-_install()
-_chain()
+if __name__ == "sitecustomize":  # at a child's start-up; conftest imports the helpers alone
+    _install()
+    _chain()
