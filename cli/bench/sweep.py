@@ -306,7 +306,7 @@ def _sweep(
                 system = load_and_report(
                     event.runner,
                     err,
-                    bandwidth=True,
+                    bandwidth=sweep.reps > 0 or bool(sweep.until_ci),  # -r 0: no rate to set it by
                     system=system,
                     combos=event.combos,
                     llama_bench_defaults=not sweep.tuned,
