@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, TextIO
@@ -21,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmrun.runners.base import Finished, Runner
+from llmrun.runners.base import Event, Finished, Runner
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
@@ -234,15 +235,16 @@ def run(
             )
         runner = make_runner(model, config, endpoint=endpoint, api_key=api_key, timeout_s=timeout)
         try:
-            served: Runner = runner
+            served: Iterator[Iterator[Event]] | None = None
             cut_short = False
             if parallel > 1:
                 served, cut_short = _serve_in_parallel(
                     runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
                 )
             code = _run_jobs(
-                served,
+                runner,
                 jobs,
+                served=served,
                 quiet=quiet,
                 stats_format=stats,
                 stats_file=stats_file,
@@ -261,29 +263,30 @@ def run(
 
 def _serve_in_parallel(
     runner: Runner, jobs: list[Job], parallel: int, *, quiet: bool, n_ctx: int | None
-) -> tuple[Runner, bool]:
-    """Every job's request served at once, `parallel` at a time; returns a runner that replays
-    them to the usual printing (a request that failed alone fails there, in its turn), and
-    whether Ctrl-C cut the run short. Says the total throughput."""
+) -> tuple[Iterator[Iterator[Event]] | None, bool]:
+    """Every job's request served at once, `parallel` at a time; returns, per request in
+    order, its events for the usual printing (a request that failed alone fails there, in its
+    turn), and whether Ctrl-C cut the run short. Says the total throughput."""
     from llmrun.runners.llamacpp import LlamaCppRunner
-    from llmrun.runners.serving.engine import Replay, serve_requests
+    from llmrun.runners.serving.parallel import serve_in_parallel
 
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("--parallel needs a local model")
     requests = [job.request for job in jobs if job.error is None and job.request is not None]
     if not requests:
-        return runner, False
+        return None, False
     cancel = threading.Event()
     with ctrl_c_cancels(cancel):
-        outcome, seconds = serve_requests(
-            runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel
-        )
-    finished = [f for f in outcome if isinstance(f, Finished)]
+        served = serve_in_parallel(runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel)
+    finished = [f for f in served.outcomes if isinstance(f, Finished)]
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
+        seconds = served.seconds
         cut = (
-            f" (interrupted: {len(requests) - len(finished)} not served)" if cancel.is_set() else ""
+            f" (interrupted: {len(requests) - len(finished)} not served)"
+            if served.interrupted
+            else ""
         )
         print(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
@@ -292,7 +295,7 @@ def _serve_in_parallel(
             file=sys.stderr,
             flush=True,
         )
-    return Replay(runner, outcome), cancel.is_set()
+    return served.events(), served.interrupted
 
 
 def stdout_may_reach_this_terminal() -> bool:
@@ -365,6 +368,7 @@ def _run_jobs(
     runner: Runner,
     jobs: list[Job],
     *,
+    served: Iterator[Iterator[Event]] | None = None,
     quiet: bool,
     hide_thinking: bool = False,
     thinking_stdout: bool = False,
@@ -423,6 +427,7 @@ def _run_jobs(
                     view=view,
                     cancel=cancel,
                     thinking=thinking,
+                    events=None if served is None else next(served),
                 )
             except LlmrunError as e:
                 if not many or runner.loaded is None:
@@ -466,7 +471,7 @@ def _run_jobs(
                 print(incomplete_message(s), file=errfile)
                 failed = True
                 break
-            if out.closed or (s.interrupted and not getattr(runner, "replays", False)):
+            if out.closed or (s.interrupted and cancel.is_set()):  # not one cut before
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done)))

@@ -191,14 +191,16 @@ def drive(
     cancel: threading.Event,
     hide_thinking: bool = False,
     thinking: Thinking | None = None,
+    events: Iterator[Event] | None = None,
 ) -> Finished:
     """Run one request, streaming its text to `out` (the thinking as `thinking` says: by
-    default with the text, unless hidden) and every event to `view`."""
+    default with the text, unless hidden) and every event to `view`. `events`: the request's
+    events where they were made already (run --parallel serves every request at once)."""
     think = thinking or Thinking(hide=hide_thinking)
     finished: Finished | None = None
     safe = _to_terminal(out)  # a model's or a server's escape sequences never reach a terminal
     safe_thinking = _to_terminal(think.sink or out)
-    for event in runner.stream(request, cancel=cancel):
+    for event in runner.stream(request, cancel=cancel) if events is None else events:
         if view is not None:
             view.update(event)
         if isinstance(event, Token):
