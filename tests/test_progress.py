@@ -109,10 +109,10 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     combos = [Combo(1, 64, 64, None, "off"), Combo(2, 64, 64, None, "off")]
     shapes = [Shape(16, 0), Shape(0, 64)]
     run = measure.run_bench(
-        fake,
+        fake,  # type: ignore[arg-type]
         combos=combos,
         shapes=shapes,
-        reps=2,  # type: ignore[arg-type]
+        reps=2,
         base=EngineConfig(),
     )
     events = [e for e in run if isinstance(e, measure.Progress)]

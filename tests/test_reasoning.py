@@ -161,10 +161,10 @@ def test_thinking_is_dimmed_on_a_terminal_or_hidden(
         monkeypatch.delenv("NO_COLOR", raising=False)
     tty = _Tty()
     drive(
-        _Thinker(),
+        _Thinker(),  # type: ignore[arg-type]
         Request(prompt="x"),
         out=TextOut(tty),
-        view=None,  # type: ignore[arg-type]
+        view=None,
         cancel=threading.Event(),
         hide_thinking=hide,
     )

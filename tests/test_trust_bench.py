@@ -316,9 +316,9 @@ def test_pg_decodes_as_many_tokens_as_llama_bench(
     from llmrun.runners.bench.sweep import Shape
 
     finished, _ = measure._one_run(
-        runner,
+        runner,  # type: ignore[arg-type]
         Shape(n_prompt, n_gen),
-        random.Random(1),  # type: ignore[arg-type]
+        random.Random(1),
         threading.Event(),
     )
     assert len(finished.stats.itl_s) == n_gen
