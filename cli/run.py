@@ -471,7 +471,8 @@ def _run_jobs(
                 print(incomplete_message(s), file=errfile)
                 failed = True
                 break
-            if out.closed or (s.interrupted and cancel.is_set()):  # not one cut before
+            # Ctrl-C here stops the rest; a request --parallel's interrupt cut does not
+            if out.closed or (s.interrupted and cancel.is_set()):
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done)))

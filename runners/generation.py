@@ -42,13 +42,16 @@ from .system import cpu_sample, measured_background
 from .text import TextStream
 
 
-def new_sampler(model: Model, sp: SamplingParams, seed: int, *, prompt: Sequence[int]) -> Sampler:
+def new_sampler(
+    model: Model | None, sp: SamplingParams, seed: int, *, prompt: Sequence[int]
+) -> Sampler:
     """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
-    prompt, as in llama-cli. The caller closes it."""
+    prompt, as in llama-cli (and needs the model's vocabulary). The caller closes it."""
     lib = llama_lib()
     chain = Sampler(lib)
     try:
         if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
+            assert model is not None
             penalties = lib.llama_sampler_init_penalties(
                 model.n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
             )

@@ -5,8 +5,8 @@ token, buffers text, mixes the consumer's time into generation time, and redirec
 file descriptors while loading. `LlamaCppRunner` is the face that composes the parts, each in a
 module of its own: loading and placing the weights (loading.py), the contexts, their thread
 pools and the warm-up (contexts.py), the load's record (load_record.py), prompts and templates
-(prompts.py), the prefix cache, prefill and decode (generation.py), speculative decoding
-(speculation.py) and perplexity (perplexity.py).
+(prompts.py), the prefix cache (prefix_cache.py), prefill and decode (generation.py),
+speculative decoding (speculation.py) and perplexity (perplexity.py).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class LlamaCppRunner:
     def new_sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
         """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
         prompt, as in llama-cli. The caller closes it."""
-        return new_sampler(self._model_checked, sp, seed, prompt=prompt)
+        return new_sampler(self._model, sp, seed, prompt=prompt)
 
     def _drafter(self, sp: SamplingParams) -> Drafter | None:
         """Speculative decoding's drafter for these settings: from the draft model when there
