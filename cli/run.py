@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -22,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmrun.runners.base import Finished, Runner
+from llmrun.runners.base import Event, Finished, Runner
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
@@ -204,15 +205,16 @@ def run(
             timeout_s=remote.timeout,
         )
         try:
-            served: Runner = runner
+            served: Iterator[Iterator[Event]] | None = None
             cut_short = False
             if parallel > 1:
                 served, cut_short = _serve_in_parallel(
                     runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
                 )
             code = _run_jobs(
-                served,
+                runner,
                 jobs,
+                served=served,
                 quiet=quiet,
                 stats_format=report.stats,
                 stats_file=report.stats_file,
@@ -231,29 +233,30 @@ def run(
 
 def _serve_in_parallel(
     runner: Runner, jobs: list[Job], parallel: int, *, quiet: bool, n_ctx: int | None
-) -> tuple[Runner, bool]:
-    """Every job's request served at once, `parallel` at a time; returns a runner that replays
-    them to the usual printing (a request that failed alone fails there, in its turn), and
-    whether Ctrl-C cut the run short. Says the total throughput."""
+) -> tuple[Iterator[Iterator[Event]] | None, bool]:
+    """Every job's request served at once, `parallel` at a time; returns, per request in
+    order, its events for the usual printing (a request that failed alone fails there, in its
+    turn), and whether Ctrl-C cut the run short. Says the total throughput."""
     from llmrun.runners.llamacpp import LlamaCppRunner
-    from llmrun.runners.serving.engine import Replay, serve_requests
+    from llmrun.runners.serving.parallel import serve_in_parallel
 
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("--parallel needs a local model")
     requests = [job.request for job in jobs if job.error is None and job.request is not None]
     if not requests:
-        return runner, False
+        return None, False
     cancel = threading.Event()
     with ctrl_c_cancels(cancel):
-        outcome, seconds = serve_requests(
-            runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel
-        )
-    finished = [f for f in outcome if isinstance(f, Finished)]
+        served = serve_in_parallel(runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel)
+    finished = [f for f in served.outcomes if isinstance(f, Finished)]
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
+        seconds = served.seconds
         cut = (
-            f" (interrupted: {len(requests) - len(finished)} not served)" if cancel.is_set() else ""
+            f" (interrupted: {len(requests) - len(finished)} not served)"
+            if served.interrupted
+            else ""
         )
         print(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
@@ -262,7 +265,7 @@ def _serve_in_parallel(
             file=sys.stderr,
             flush=True,
         )
-    return Replay(runner, outcome), cancel.is_set()
+    return served.events(), served.interrupted
 
 
 def stdout_may_reach_this_terminal() -> bool:
@@ -335,6 +338,7 @@ def _run_jobs(
     runner: Runner,
     jobs: list[Job],
     *,
+    served: Iterator[Iterator[Event]] | None = None,
     quiet: bool,
     hide_thinking: bool = False,
     thinking_stdout: bool = False,
@@ -393,6 +397,7 @@ def _run_jobs(
                     view=view,
                     cancel=cancel,
                     thinking=thinking,
+                    events=None if served is None else next(served),
                 )
             except LlmrunError as e:
                 if not many or runner.loaded is None:
@@ -436,7 +441,8 @@ def _run_jobs(
                 print(incomplete_message(s), file=errfile)
                 failed = True
                 break
-            if out.closed or (s.interrupted and not getattr(runner, "replays", False)):
+            # Ctrl-C here stops the rest; a request --parallel's interrupt cut does not
+            if out.closed or (s.interrupted and cancel.is_set()):
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done)))

@@ -185,22 +185,22 @@ def thinking_route(*, hide: bool, on_stdout: bool, dash: TextSink | None) -> Thi
 _METERS: weakref.WeakKeyDictionary[Runner, PhaseMeter] = weakref.WeakKeyDictionary()
 
 
-def energy_meter(runner: Runner) -> PhaseMeter:
+def energy_meter(runner: Runner, *, together: bool = False) -> PhaseMeter:
     """The runner's energy meter, made before its first request (while nothing runs yet, for
-    the idle baseline) and kept for the next ones; for a server's model or replayed requests,
-    only the reason it reads nothing."""
-    with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
-        if (meter := _METERS.get(runner)) is not None:
-            return meter
+    the idle baseline) and kept for the next ones; for a server's model or requests that ran
+    together (`together`: run --parallel), only the reason it reads nothing."""
     from llmrun.runners.energy import PhaseMeter, open_meter
 
-    remote = sys.modules.get("llmrun.runners.remote")  # not imported: not a server's runner
-    if getattr(runner, "replays", False):
-        meter = PhaseMeter.unmetered(
+    if together:
+        return PhaseMeter.unmetered(
             "the requests ran together (--parallel): energy is metered per request only when"
             " they run one at a time"
         )
-    elif remote is not None and isinstance(runner, remote.OpenAIRunner):
+    with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
+        if (meter := _METERS.get(runner)) is not None:
+            return meter
+    remote = sys.modules.get("llmrun.runners.remote")  # not imported: not a server's runner
+    if remote is not None and isinstance(runner, remote.OpenAIRunner):
         meter = PhaseMeter.unmetered("the model runs on a server, whose energy is not seen here")
     else:
         config = getattr(runner, "config", None)
@@ -219,14 +219,16 @@ def drive(
     cancel: threading.Event,
     hide_thinking: bool = False,
     thinking: Thinking | None = None,
+    events: Iterator[Event] | None = None,
 ) -> Finished:
     """Run one request, streaming its text to `out` (the thinking as `thinking` says: by
-    default with the text, unless hidden) and every event to `view`."""
+    default with the text, unless hidden) and every event to `view`. `events`: the request's
+    events where they were made already (run --parallel serves every request at once)."""
     think = thinking or Thinking(hide=hide_thinking)
     finished: Finished | None = None
     safe = _to_terminal(out)  # a model's or a server's escape sequences never reach a terminal
     safe_thinking = _to_terminal(think.sink or out)
-    meter = energy_meter(runner)
+    meter = energy_meter(runner, together=events is not None)
     meter.begin()
     shown = ShownSplitter()  # a tag split over tokens is shown whole, with its thinking
 
@@ -238,7 +240,7 @@ def drive(
                 think.close(sink)
                 sink.write(terminal_text(text) if safe else text)
 
-    for event in runner.stream(request, cancel=cancel):
+    for event in runner.stream(request, cancel=cancel) if events is None else events:
         meter.see(event)
         if isinstance(event, Finished):
             event = meter.attach(event)

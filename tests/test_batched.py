@@ -14,7 +14,8 @@ from llmrun.runners.base import Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.engine import Arrival, BatchedEngine, Policy
+from llmrun.runners.serving.engine import Arrival, BatchedEngine
+from llmrun.runners.serving.policy import Policy
 
 from .conftest import which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
@@ -279,3 +280,34 @@ def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_pa
         timeout=60,
     )
     assert refused.returncode == 1 and "--parallel" in refused.stderr
+
+
+def test_a_parallel_run_gives_each_request_its_events_in_order_and_fails_one_alone() -> None:
+    """run --parallel's interface: per request, in order, its text as one Token (at its first
+    token's time) then its Finished; a request that failed alone raises when its turn comes,
+    and the ones after it still come."""
+    from llmrun.runners.base import Finished
+    from llmrun.runners.serving.parallel import NotStartedError, ParallelRun
+    from llmrun.runners.stats import GenerationStats
+
+    stats = GenerationStats(
+        finish_reason="length",
+        prompt_tokens=4,
+        reused_tokens=0,
+        output_tokens=3,
+        template_tokenize_s=0.0,
+        prefill_s=0.1,
+        first_sample_s=0.0,
+        itl_s=(0.01, 0.01),
+        e2e_s=0.3,
+        load_s=0.1,
+        first_token_s=0.25,
+    )
+    held = Finished(stats, "hello world", tail="ld")
+    empty = Finished(stats, "")
+    run = ParallelRun((held, NotStartedError(), empty), seconds=1.0, interrupted=True)
+    first, second, third = run.events()
+    assert list(first) == [Token(0, "hello wor", 0.25), held]  # the tail comes with Finished
+    with pytest.raises(NotStartedError):
+        list(second)
+    assert list(third) == [empty]

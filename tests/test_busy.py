@@ -26,10 +26,12 @@ from llmrun.runners import system
 from llmrun.runners.base import Finished, Request, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.engine import InterferenceReport, Policy, serve_requests
+from llmrun.runners.serving.interference import InterferenceReport
 from llmrun.runners.serving.load import ServingLevel
 from llmrun.runners.serving.local import interfere_local, serve_local
 from llmrun.runners.serving.options import InterferenceOptions, ServeOptions
+from llmrun.runners.serving.parallel import serve_requests
+from llmrun.runners.serving.policy import Policy
 from llmrun.runners.system import (
     BackgroundMeter,
     CpuSample,

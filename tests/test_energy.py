@@ -470,11 +470,8 @@ def test_run_says_why_energy_is_not_available(
     assert energy["idle_w"] is None and energy["idle_window_s"] is None
 
 
-def test_replayed_and_remote_requests_are_not_metered() -> None:
-    class Replayed(FakeRunner):
-        replays = True
-
-    meter = energy_meter(Replayed())
+def test_requests_run_together_and_remote_requests_are_not_metered() -> None:
+    meter = energy_meter(FakeRunner(), together=True)
     assert meter.report(stats()).reason.startswith("the requests ran together (--parallel)")
     remote = OpenAIRunner("http://127.0.0.1:9")  # never connected to
     assert energy_meter(remote).report(stats()).reason == (

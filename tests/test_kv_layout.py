@@ -13,10 +13,12 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners.base import Finished, Request, SamplingParams
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.contexts import kv_unified_of
 from llmrun.runners.library import llama_lib
-from llmrun.runners.llamacpp import LlamaCppRunner, kv_unified_of
-from llmrun.runners.serving.engine import BatchedEngine, serve_requests
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.engine import BatchedEngine
 from llmrun.runners.serving.load import ServingLevel, metrics
+from llmrun.runners.serving.parallel import serve_requests
 
 from .test_serve import llmrun_serve
 

@@ -12,7 +12,8 @@ import pytest
 from llmrun.cli.chat import context_meter
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import LlamaCppRunner, memory_report
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.load_record import memory_report
 from llmrun.runners.system import (
     evict_from_page_cache,
     format_cpu_list,

@@ -27,9 +27,9 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import RepClock, Tally, eta_s
-from llmrun.runners.serving.engine import Policy
 from llmrun.runners.serving.local import interfere_local, serve_local
 from llmrun.runners.serving.options import InterferenceOptions, ServeOptions, Stage
+from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S, which_llmrun
 from .fake import FakeBenchRunner

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.runners import llamacpp
+from llmrun.runners import speculation
 from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -72,17 +72,17 @@ def test_negative_control_unchecked_drafts_change_the_text(
     """Accepting drafts without checking them breaks the text far from any near-tie."""
     prompt = "Write a short poem about the sea, then repeat its first line."
     plain = token_ids(runner, prompt, 0)
-    original = llamacpp._Drafter.step
+    original = speculation.Drafter.step
 
     def unchecked(
-        self: llamacpp._Drafter, ctx: Any, chain: Any, token: int, room: int
+        self: speculation.Drafter, ctx: Any, chain: Any, token: int, room: int
     ) -> tuple[list[int], int]:
         accepted, following = original(self, ctx, chain, token, room)
         history = [*self.cache[: -len(accepted) - 1], token]
         drafts = self.propose(history, room) if room else []
         return (drafts or accepted), following
 
-    monkeypatch.setattr(llamacpp._Drafter, "step", unchecked)
+    monkeypatch.setattr(speculation.Drafter, "step", unchecked)
     broken = token_ids(runner, prompt, 8)
     assert broken != plain
     assert margin(runner, prompt, plain, broken) >= NEAR_TIE

@@ -331,7 +331,7 @@ def test_a_chat_template_runs_on_a_budget(
 def test_the_bounded_template_renders_as_the_librarys() -> None:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from llmrun.runners.llamacpp import CHATML_TEMPLATE
+    from llmrun.runners.prompts import CHATML_TEMPLATE
     from llmrun.runners.template import TemplateBudgetError, bounded_formatter
 
     messages = [{"role": r, "content": f"{r} text"} for r in ("system", "user", "assistant")]
@@ -380,7 +380,7 @@ def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: st
     from llmrun.runners.base import Finished
     from llmrun.runners.config import EngineConfig
     from llmrun.runners.llamacpp import LlamaCppRunner
-    from llmrun.runners.serving.engine import NotStartedError, serve_requests
+    from llmrun.runners.serving.parallel import NotStartedError, serve_requests
     from llmrun.runners.stats import FINISH_INTERRUPTED
 
     runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512))

@@ -22,7 +22,7 @@ from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.runners.serving.engine import InterferenceReport
+from llmrun.runners.serving.interference import InterferenceReport
 from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
 
 from . import output as out

@@ -1,19 +1,12 @@
-"""Several sequences in one llama.cpp context: continuous batching with a scheduling policy.
+"""Several sequences in one llama.cpp context: continuous batching under a scheduling policy.
 
 Each step builds one `llama_decode` batch from one decode token of every running sequence and
-prefill chunks of waiting ones, as the policy allows:
-
-- `prefill-first`: a waiting prompt is prefilled whole (up to n_batch tokens a step) before the
-  running sequences decode again; those steps carry no decode tokens.
-- `chunked:B` (Sarathi-Serve): every step carries all running decodes and at most B tokens in
-  all, topped up with prefill chunks.
-- `decode-first`: prompts are prefilled only when no sequence is decoding; `decode-first:K`
-  also lets a prefill in after K decode-only steps.
+prefill chunks of waiting ones, as the policy allows (policy.py).
 
 Its users drive it through one small interface: `submit` a request (a handle back), `step`
 (one batch; the tokens and endings it produced), `cancel` a handle; `run` serves a timed load
-through them (the benchmarks, `run --parallel`), and `llmrun serve`'s engine thread calls them
-as requests come and go (api_engine.py).
+through them (the benchmarks, interference.py, `run --parallel` through parallel.py), and
+`llmrun serve`'s engine thread calls them as requests come and go (api_engine.py).
 
 Sequences share one context's KV cache (one stream per sequence by default, one unified buffer
 with `kv_unified`) under their own sequence ids, so they never see each other's entries; a
@@ -29,67 +22,29 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import dataclasses
 import itertools
-import math
 import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmrun.runners.base import Event, Finished, ModelLoaded, Request, SamplingParams, Token
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.contexts import kv_unified_of
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
-from llmrun.runners.llamacpp import LlamaCppRunner, kv_unified_of
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import Tally
-from llmrun.runners.stats import (
-    FINISH_CONTEXT,
-    FINISH_INTERRUPTED,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    GenerationStats,
-    percentile,
-)
-from llmrun.runners.system import busy_machine, cpu_sample, measured_background
+from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
-POLICIES = ("prefill-first", "decode-first", "chunked")
+from .policy import Policy, schedule
+
 FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
 FINISH_ERROR = "error"  # llama_decode failed: every request in flight ended
-
-
-@dataclass(frozen=True)
-class Policy:
-    name: str  # prefill-first, decode-first, chunked
-    budget: int = 0  # chunked: tokens per step in all
-
-    @classmethod
-    def parse(cls, text: str) -> Policy:
-        name, _, value = text.strip().lower().partition(":")
-        if name not in POLICIES:
-            raise BadRequestError(
-                f"--policy: '{text}' is not prefill-first, decode-first or chunked:B"
-            )
-        if name == "chunked":
-            if not value.isdigit() or not 1 <= int(value) <= 65536:
-                raise BadRequestError(
-                    f"--policy: chunked needs a token budget, chunked:64, not '{text}'"
-                )
-            return cls(name, int(value))
-        if name == "decode-first" and value:  # decode-first:K: prefill at least every K steps
-            if not value.isdigit() or not 1 <= int(value) <= 65536:
-                raise BadRequestError(f"--policy: decode-first:K needs a step count, not '{text}'")
-            return cls(name, int(value))
-        if value:
-            raise BadRequestError(f"--policy: '{name}' takes no value")
-        return cls(name)
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.budget}" if self.budget else self.name
 
 
 @dataclass(frozen=True)
@@ -175,6 +130,9 @@ class Handle:
     pending: int | None = None  # sampled, not yet decoded
 
 
+Chunk = tuple[Handle, int, int]  # a prompt's chunk in a step: (sequence, first position, length)
+
+
 @dataclass(frozen=True)
 class StepEvents:
     """What one `step` did: the llama_decode step it ran (None: nothing was ready), the
@@ -187,10 +145,6 @@ class StepEvents:
 
 
 _NOTHING = StepEvents(None, (), ())
-
-
-def _sid(seq: Handle) -> int:
-    return seq.sid
 
 
 class _StepBatch(Batch):
@@ -424,7 +378,9 @@ class BatchedEngine:
         waiting, running = self._waiting, self._running
         if not waiting and not running:
             return StepEvents(None, (), refused) if refused else _NOTHING
-        decodes, chunks = self._schedule(waiting, running, policy or self.policy)
+        decodes, chunks, self._held = schedule(
+            policy or self.policy, waiting, running, n_batch=self.n_batch, held=self._held
+        )
         if not decodes and not chunks:
             return StepEvents(None, (), refused) if refused else _NOTHING
         clock, origin = time.perf_counter, self.origin_s
@@ -551,38 +507,7 @@ class BatchedEngine:
         self._free.sort()  # the lowest ids first, so the running ones stay consecutive
         seq.sid = -1
 
-    def _schedule(
-        self, waiting: list[Handle], running: list[Handle], policy: Policy
-    ) -> tuple[list[Handle], list[tuple[Handle, int, int]]]:
-        """The step under the policy: the sequences that decode their pending token, and the
-        prompt chunks (sequence, first position, length) that go with them."""
-        # in sequence order: with one KV stream per sequence (kv_unified off) llama.cpp puts only
-        # consecutive sequence ids into one ubatch, so an unordered step would split in many
-        decodes = sorted((s for s in running if s.pending is not None), key=_sid)
-        room = self.n_batch
-        if policy.name == "chunked":
-            room = max(0, min(self.n_batch, policy.budget) - len(decodes))
-        elif policy.name == "prefill-first" and waiting:
-            decodes, room = [], self.n_batch  # the prompt first, whole
-        elif policy.name == "decode-first" and decodes:
-            self._held += 1  # decode-first:K lets a prefill in after K decode-only steps
-            room = 0 if not policy.budget or self._held < policy.budget else self.n_batch
-            if room:
-                self._held = 0
-            room = max(0, room - len(decodes))
-        else:
-            room = self.n_batch - len(decodes)
-        chunks: list[tuple[Handle, int, int]] = []
-        for seq in waiting:
-            if room <= 0:
-                break
-            take = min(room, len(seq.tokens) - seq.prefilled)
-            chunks.append((seq, seq.prefilled, take))
-            seq.prefilled += take
-            room -= take
-        return decodes, chunks
-
-    def _fill(self, decodes: list[Handle], chunks: list[tuple[Handle, int, int]]) -> int:
+    def _fill(self, decodes: list[Handle], chunks: list[Chunk]) -> int:
         """The batch: one entry per decoding sequence, then the prompt chunks; returns the
         prompt tokens in it. Notes which rows are sampled after the step."""
         b = self.batch
@@ -681,269 +606,3 @@ def _common(cached: list[int], tokens: tuple[int, ...]) -> int:
     while n < limit and cached[n] == tokens[n]:
         n += 1
     return n
-
-
-@dataclass(frozen=True)
-class InterferenceReport:
-    """One decoding stream's gaps, alone and under each policy, while long prompts arrive."""
-
-    policy: str
-    stream_itl_ms: tuple[float, ...]
-    long_ttft_ms: tuple[float, ...]
-    steps: tuple[Step, ...]
-    throughput_tps: float
-    stream_times_s: tuple[float, ...] = ()  # when each of the stream's tokens landed
-    n_threads: int | None = None  # the engine context's threads (read back from llama.cpp)
-    n_threads_batch: int | None = None
-    background_cpus: float | None = None  # other processes' load while it ran
-
-    @property
-    def busy(self) -> bool:
-        """Measured while other processes took CPU time the engine's threads needed."""
-        threads = max(self.n_threads or 1, self.n_threads_batch or 1)
-        return busy_machine(self.background_cpus, threads)
-
-    def itl(self, q: float) -> float | None:
-        return percentile(list(self.stream_itl_ms), q)
-
-    @property
-    def prefill_in_gaps_ms(self) -> float:
-        """Time of the steps that carried prefill while the stream was between two tokens."""
-        if len(self.stream_times_s) < 2:
-            return 0.0
-        first, last = self.stream_times_s[0], self.stream_times_s[-1]
-        return 1000 * sum(
-            s.duration_s for s in self.steps if s.n_prefill and first <= s.start_s < last
-        )
-
-    @property
-    def prefill_ms(self) -> float:
-        return 1000 * sum(s.duration_s for s in self.steps if s.n_prefill)
-
-
-def serve(
-    engine: BatchedEngine,
-    policy: Policy,
-    prompts: Sequence[tuple[tuple[int, ...], int]],
-    *,
-    request_rate: float,
-    seed: int,
-    cancel: threading.Event | None = None,
-    progress: Tally | None = None,
-) -> tuple[list[SeqResult], float]:
-    """The serving benchmark's load on the local engine: the prompts arrive as a Poisson process
-    at `request_rate` (inf: all at once), at most engine.n_seq in flight (the rest queue).
-    Returns each request's result and the run's duration."""
-    rng = random.Random(seed)
-    at, arrivals = 0.0, []
-    for i, (tokens, max_tokens) in enumerate(prompts):
-        if i and math.isfinite(request_rate):
-            at += rng.expovariate(request_rate)
-        arrivals.append(Arrival(at, tokens, max_tokens, ignore_eos=True))
-    results, _ = engine.run(arrivals, policy, cancel=cancel, progress=progress)
-    end = max((r.times[-1] for r in results if r.times), default=0.0)
-    return results, end
-
-
-LONG_TOKENS = 4  # what each long prompt of the interference lab decodes
-
-
-def interference(
-    engine: BatchedEngine,
-    policy: Policy | None,
-    *,
-    stream: Sequence[int],
-    stream_tokens: int,
-    long_prompts: Sequence[Sequence[int]],
-    every_s: float,
-    start_s: float = 0.2,
-    cancel: threading.Event | None = None,
-    progress: Tally | None = None,
-) -> InterferenceReport:
-    """The stream decodes while the long prompts arrive every `every_s` from `start_s`; with
-    policy None the stream runs alone (the baseline). `cancel` stops the engine's loop."""
-    arrivals = [Arrival(0.0, tuple(stream), stream_tokens)]
-    if policy is not None:
-        arrivals += [
-            Arrival(start_s + i * every_s, tuple(p), LONG_TOKENS)
-            for i, p in enumerate(long_prompts)
-        ]
-    results, steps = engine.run(
-        arrivals, policy or Policy("chunked", engine.n_batch), cancel=cancel, progress=progress
-    )
-    first, *others = results
-    tokens = sum(len(r.output) for r in results)
-    span = max((r.times[-1] for r in results if r.times), default=0.0)
-    return InterferenceReport(
-        policy=str(policy) if policy else "alone",
-        stream_itl_ms=tuple(g * 1000 for g in first.gaps_s),
-        long_ttft_ms=tuple((r.ttft_s or 0) * 1000 for r in others),
-        steps=tuple(steps),
-        throughput_tps=tokens / span if span else 0.0,
-        stream_times_s=tuple(first.times),
-    )
-
-
-class NotStartedError(LlmrunError):
-    """A request still waiting for a free sequence when the run was interrupted."""
-
-    def __init__(self) -> None:
-        super().__init__("not started: the run was interrupted before this request's turn")
-
-
-def serve_requests(
-    runner: LlamaCppRunner,
-    requests: Sequence[Request],
-    *,
-    n_seq: int,
-    n_ctx: int | None = None,
-    policy: Policy | None = None,
-    cancel: threading.Event | None = None,
-) -> tuple[list[Finished | LlmrunError], float]:
-    """Requests served concurrently (at most n_seq at once), each with its own sampling and
-    stop strings: per request, in order, its Finished or the error that stopped it alone (a
-    chat template that fails, a prompt longer than `n_ctx`, not started before an interrupt);
-    and the run's seconds. `n_ctx` is each request's context (prompt and output), as -c is for
-    one request; without it, each gets what the longest request needs.
-
-    A runner not loaded yet makes one context, for the n_seq sequences: its weights are
-    loaded to tokenize, then its own context is created for them (`load(n_seq=, n_ctx=)`)
-    and lent to the engine, so the load time and settings each request reports are that
-    context's. A runner already loaded for one sequence keeps its context; the engine then
-    makes its own."""
-    fresh = runner.loaded is None
-    runner.load_weights(n_seq=n_seq, n_ctx=n_ctx)  # on a GPU, the layers that fit beside N KVs
-    outcome: list[Finished | LlmrunError | None] = [None] * len(requests)
-    prompts: dict[int, list[int]] = {}
-    limits: dict[int, int] = {}  # each request's output budget within its context
-    for i, request in enumerate(requests):
-        try:
-            prompt = runner.request_tokens(request)
-        except LlmrunError as e:
-            outcome[i] = e
-            continue
-        if n_ctx is not None and len(prompt) + 1 > n_ctx:
-            outcome[i] = PromptTooLongError(len(prompt), n_ctx)
-            continue
-        prompts[i] = prompt
-        room = n_ctx - len(prompt) if n_ctx is not None else request.sampling.max_tokens
-        limits[i] = min(request.sampling.max_tokens, room)
-    if not prompts:
-        runner.load()  # as loaded as a run that served none: `run` says each one's error
-        return [o for o in outcome if o is not None], 0.0
-    per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.items()) + 8
-    if fresh:
-        loaded = runner.load(n_seq=n_seq, n_ctx=per_seq)
-        engine = BatchedEngine(
-            runner,
-            n_seq=n_seq,
-            n_ctx_per_seq=per_seq,
-            n_batch=loaded.settings.n_batch,
-            context=runner.context,
-        )
-    else:
-        loaded = runner.load()
-        engine = BatchedEngine(
-            runner, n_seq=n_seq, n_ctx_per_seq=per_seq, n_batch=loaded.settings.n_batch
-        )
-    n_threads, n_threads_batch = engine.threads
-    params = {**loaded.settings.params, "n_seq_max": n_seq, "kv_unified": engine.kv_unified}
-    settings = dataclasses.replace(
-        loaded.settings,
-        n_ctx=per_seq,
-        n_threads=n_threads,
-        n_threads_batch=n_threads_batch,
-        params=params,
-    )
-    order = sorted(prompts)
-    try:
-        arrivals = [
-            Arrival(
-                0.0,
-                tuple(prompts[i]),
-                limits[i],
-                requests[i].sampling.ignore_eos,
-                requests[i].sampling,
-            )
-            for i in order
-        ]
-        cpu0 = cpu_sample()
-        results, _ = engine.run(
-            arrivals, policy or Policy("chunked", engine.n_batch), cancel=cancel
-        )
-        background = measured_background(cpu0, cpu_sample())
-    finally:
-        engine.close()
-    interrupted = cancel is not None and cancel.is_set()
-    for i, r in zip(order, results, strict=True):
-        request, prompt = requests[i], prompts[i]
-        if interrupted and r.started_s is None:
-            outcome[i] = NotStartedError()
-            continue
-        if r.finish == FINISH_ERROR and r.error:  # refused alone as it was admitted
-            outcome[i] = EngineError(r.error)
-            continue
-        finish = r.finish
-        if finish in (FINISH_LENGTH, FINISH_CANCELLED) and len(r.output) < limits[i]:
-            finish = FINISH_INTERRUPTED  # cut by Ctrl-C, not by -n
-        elif finish == FINISH_LENGTH and limits[i] < request.sampling.max_tokens:
-            finish = FINISH_CONTEXT  # -c, not -n, ended it
-        first = r.times[0] if r.times else None
-        stats = GenerationStats(
-            finish_reason=finish if r.times or finish == FINISH_STOP else FINISH_INTERRUPTED,
-            prompt_tokens=len(prompt),
-            reused_tokens=0,
-            output_tokens=len(r.output),
-            template_tokenize_s=0.0,
-            prefill_s=(first - r.started_s)
-            if first is not None and r.started_s is not None
-            else 0.0,
-            first_sample_s=0.0,
-            itl_s=tuple(r.gaps_s),
-            e2e_s=r.times[-1] if r.times else 0.0,
-            load_s=loaded.load_s,
-            seed=request.sampling.seed,
-            model=loaded.model,
-            settings=settings,
-            first_token_s=first,
-            background_cpus=background,
-        )
-        outcome[i] = Finished(stats, "".join(r.pieces) + r.tail, r.tail)
-    end = max((r.times[-1] for r in results if r.times), default=0.0)
-    return [o for o in outcome if o is not None], end
-
-
-class Replay:
-    """A Runner that replays requests already served (by `serve_requests`): their tokens as
-    events with the times they had, then their stats, so `run` prints them as it does any;
-    a request that failed alone raises its error when its turn comes."""
-
-    replays = True  # every request was already served: an interrupted one does not stop the rest
-
-    def __init__(self, runner: LlamaCppRunner, finished: Sequence[Finished | LlmrunError]) -> None:
-        self.runner, self._finished = runner, list(finished)
-
-    @property
-    def loaded(self) -> ModelLoaded | None:
-        return self.runner.loaded
-
-    def load(self) -> ModelLoaded:
-        return self.runner.load()
-
-    def stream(self, request: Request, *, cancel: threading.Event | None = None) -> Iterator[Event]:
-        done = self._finished.pop(0)
-        if isinstance(done, LlmrunError):
-            raise done
-        body = done.text[: len(done.text) - len(done.tail)] if done.tail else done.text
-        if body:
-            yield Token(0, body, done.stats.first_token_s or 0.0)
-        yield done
-
-    def count_tokens(self, request: Request) -> int:
-        return self.runner.count_tokens(request)
-
-    def reset(self) -> None:
-        self.runner.reset()
-
-    def close(self) -> None:
-        self.runner.close()

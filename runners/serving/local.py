@@ -5,27 +5,21 @@ what they are doing (`Stage`) and typed results; the terminal is the caller's.""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from llmrun.runners.base import Request
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import Tally
-from llmrun.runners.serving.engine import (
-    FINISH_CANCELLED,
-    LONG_TOKENS,
-    BatchedEngine,
-    InterferenceReport,
-    Policy,
-    SeqResult,
-    interference,
-    serve,
-)
 from llmrun.runners.system import cpu_sample, measured_background
 
+from .engine import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
+from .interference import LONG_TOKENS, InterferenceReport, interference
 from .load import RequestResult, ServingLevel, metrics
 from .options import InterferenceOptions, ServeOptions, Stage
+from .policy import Policy
 
 STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_LONG_PROMPTS = 8
@@ -48,6 +42,30 @@ def request_result(r: SeqResult) -> RequestResult:
 def _model_name(runner: LlamaCppRunner) -> str:
     loaded = runner.load()
     return loaded.model.name if loaded.model else ""
+
+
+def serve(
+    engine: BatchedEngine,
+    policy: Policy,
+    prompts: Sequence[tuple[tuple[int, ...], int]],
+    *,
+    request_rate: float,
+    seed: int,
+    cancel: threading.Event | None = None,
+    progress: Tally | None = None,
+) -> tuple[list[SeqResult], float]:
+    """The serving benchmark's load on the local engine: the prompts arrive as a Poisson process
+    at `request_rate` (inf: all at once), at most engine.n_seq in flight (the rest queue).
+    Returns each request's result and the run's duration."""
+    rng = random.Random(seed)
+    at, arrivals = 0.0, []
+    for i, (tokens, max_tokens) in enumerate(prompts):
+        if i and math.isfinite(request_rate):
+            at += rng.expovariate(request_rate)
+        arrivals.append(Arrival(at, tokens, max_tokens, ignore_eos=True))
+    results, _ = engine.run(arrivals, policy, cancel=cancel, progress=progress)
+    end = max((r.times[-1] for r in results if r.times), default=0.0)
+    return results, end
 
 
 def serve_local(
