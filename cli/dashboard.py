@@ -232,7 +232,7 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
     elif state.loaded is not None and state.load_seen:
         ld, st = state.loaded, state.loaded.settings
-        warmup = warmup_text(ld.warmup_s) if isinstance(ld, LocalLoaded) else ""
+        warmup = warmup_text(ld.warmup_s, ld.probe_s) if isinstance(ld, LocalLoaded) else ""
         parts.append(_row("load", f"{ms(ld.load_s)}{warmup} · {terminal_line(ld.name)}"))
         if isinstance(st, EngineSettings):
             engine = engine_text(st) + tuned_text(st)

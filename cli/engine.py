@@ -38,10 +38,10 @@ def note_unused_gpu() -> None:
         return
     _noted = True
     from llmrun.runners import devices
-    from llmrun.runners.library import llama_lib
+    from llmrun.runners.library import llama_c_library  # not the bindings: run starts at once
 
     note = devices.unused_gpu_note(
-        devices.host_gpus(), bool(llama_lib().llama_supports_gpu_offload())
+        devices.host_gpus(), bool(llama_c_library().llama_supports_gpu_offload())
     )
     if note:
         print(f"llmrun: note: {note}", file=sys.stderr, flush=True)

@@ -33,9 +33,11 @@ from llmrun.runners.system import busy_advice, busy_machine, logical_cpus
 from .terminal import terminal_line
 
 
-def warmup_text(seconds: float | None) -> str:
-    """' · warm-up 31.0 ms' after the load: the warm-up decode, its own part of the load."""
-    return "" if seconds is None else f" · warm-up {ms(seconds)}"
+def warmup_text(seconds: float | None, probe_s: float | None = None) -> str:
+    """' · warm-up 31.0 ms' after the load: the warm-up decode, its own part of the load; and
+    the repack probe where one ran before it (a new quantization's first load)."""
+    probe = "" if probe_s is None else f" · repack probe {ms(probe_s)} (once per quantization)"
+    return ("" if seconds is None else f" · warm-up {ms(seconds)}") + probe
 
 
 def ms(seconds: float | None) -> str:
@@ -77,7 +79,10 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     memory = memory_text(s.settings) if s.settings else ""
     rows += [
         *busy_rows(s),
-        ("load", ms(s.load_s) + warmup_text(s.warmup_s) + cache_text(s.settings) + facts),
+        (
+            "load",
+            ms(s.load_s) + warmup_text(s.warmup_s, s.probe_s) + cache_text(s.settings) + facts,
+        ),
         *([("memory", memory)] if memory else []),
         (
             "prompt",

@@ -103,6 +103,7 @@ class LocalLoaded(ModelLoaded):
     model: ModelInfo
     settings: EngineSettings
     warmup_s: float | None = None  # the warm-up decode after the load (None: skipped)
+    probe_s: float | None = None  # the repack probe before it, when one ran (not in load_s)
 
 
 @dataclass(frozen=True)

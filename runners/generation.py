@@ -191,6 +191,7 @@ def _stats(
         e2e_s=e2e_s,
         load_s=loaded.load_s,
         warmup_s=loaded.warmup_s,
+        probe_s=loaded.probe_s,
         engine_prompt_eval_ms=float(perf.t_p_eval_ms),
         engine_eval_ms=float(perf.t_eval_ms),
         engine_n_prompt_eval=int(perf.n_p_eval),

@@ -148,4 +148,9 @@ def load_record(
             file_resident_before=weights.resident,
         ),
     )
-    return LocalLoaded(model=model_info(weights, n_ctx_train), settings=settings, load_s=load_s)
+    return LocalLoaded(
+        model=model_info(weights, n_ctx_train),
+        settings=settings,
+        load_s=load_s,
+        probe_s=weights.probe_s,
+    )

@@ -38,7 +38,7 @@ class Weights:
     path: str
     model: Model
     info: GGUFInfo
-    load_s: float  # reading the header and loading the weights
+    load_s: float  # reading the header and loading the weights (not the repack probe)
     repack: bool
     repack_note: str
     params: dict[str, Any]  # llama-bench's model-side fields, as handed to llama.cpp
@@ -48,6 +48,7 @@ class Weights:
     gpus: list[dv.Device]
     planned_layers: int  # the layers planned for the GPUs (-1: all)
     gpu_free_before: int  # the GPUs' free bytes before the load
+    probe_s: float | None = None  # the repack probe, when it ran for this load (its own figure)
 
 
 @dataclass
@@ -155,14 +156,15 @@ def memory_need(
     )
 
 
-def choose_repack(path: str, cfg: EngineConfig, info: GGUFInfo) -> tuple[bool, str]:
-    """Repacking as asked, or by default, but never where a probe saw it crash."""
+def choose_repack(path: str, cfg: EngineConfig, info: GGUFInfo) -> tuple[bool, str, float | None]:
+    """Repacking as asked, or by default, but never where a probe saw it crash; and the
+    probe's time when it ran now (None: the kept verdict, or none asked)."""
     if cfg.repack is False:
-        return False, "off (asked)"
+        return False, "off (asked)", None
     verdict = repack_verdict(path, info.quantization)
     if not verdict.safe:
-        return False, f"off: {verdict.why}"
-    return True, "on (asked)" if cfg.repack else "on (probed safe)"
+        return False, f"off: {verdict.why}", verdict.probe_s
+    return True, "on (asked)" if cfg.repack else "on (probed safe)", verdict.probe_s
 
 
 def _set_modes(mparams: Any, cfg: EngineConfig, path: str) -> None:
@@ -210,9 +212,9 @@ def load_weights(
     """Check the file and load its weights with the config's placement. On a GPU, the layers
     offloaded are those that fit beside the KV cache of `n_seq` sequences of `n_ctx` tokens
     (default: -c). Setting `cancel` stops the load at the next tensor (LoadCancelledError)."""
+    lib = llama_lib()  # the bindings' import (a first load's) is not the model's load time
     t0 = time.perf_counter()
     info = read_gguf(path)
-    lib = llama_lib()
     mparams = lib.llama_model_default_params()
     can_offload = bool(lib.llama_supports_gpu_offload())
     gpus = [d for d in dv.query().devices() if d.is_gpu] if can_offload else []
@@ -229,7 +231,7 @@ def load_weights(
     )
     gpu_free_before = sum(d.free_bytes or 0 for d in gpus)
     mparams.n_gpu_layers = 0x7FFFFFFF if layers < 0 else layers
-    repack, repack_note = choose_repack(path, cfg, info)
+    repack, repack_note, probe_s = choose_repack(path, cfg, info)
     mparams.use_extra_bufts = repack
     _set_modes(mparams, cfg, path)
     params, kept = _place(lib, mparams, cfg)  # `kept` alive until the load returns
@@ -250,7 +252,7 @@ def load_weights(
         path=path,
         model=Model(lib, model),
         info=info,
-        load_s=time.perf_counter() - t0,
+        load_s=time.perf_counter() - t0 - (probe_s or 0.0),
         repack=repack,
         repack_note=repack_note,
         params=params,
@@ -260,4 +262,5 @@ def load_weights(
         gpus=gpus,
         planned_layers=layers,
         gpu_free_before=gpu_free_before,
+        probe_s=probe_s,
     )

@@ -11,11 +11,13 @@ llama.cpp build, CPU and quantization, so a fixed llama.cpp brings the fast path
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,9 @@ print("ok")
 class Verdict:
     safe: bool
     why: str  # for the stats: "probed", or how the probe died
+    # The child process's time when the probe ran now (a new quantization or llama.cpp build),
+    # None when the verdict came from the cache: the first load's own figure, not load time
+    probe_s: float | None = None
 
 
 def _build_id() -> str:
@@ -141,6 +146,7 @@ def repack_verdict(model_path: str, quantization: str) -> Verdict:
     cached = _read_cache().get(key)
     if isinstance(cached, dict) and isinstance(cached.get("safe"), bool):
         return Verdict(bool(cached["safe"]), str(cached.get("why", "probed")))
+    t0 = time.perf_counter()
     verdict = run_probe(model_path)
     _write_cache(key, verdict)
-    return verdict
+    return dataclasses.replace(verdict, probe_s=time.perf_counter() - t0)

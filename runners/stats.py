@@ -292,6 +292,8 @@ class GenerationStats:
     server: ServerReport | None = None  # set when a remote server ran the request
     # The warm-up decode after the load, apart from load_s (None: none ran, or not local)
     warmup_s: float | None = None
+    # The repack probe of the first load of a quantization, apart from load_s (None: none ran)
+    probe_s: float | None = None
     # Energy per phase (llmrun.runners.energy); None: not metered (bench, serve)
     energy: EnergyReport | None = None
 

@@ -347,9 +347,10 @@ def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> N
 
     probe = (
         "from llmrun.runners import devices, library\n"
-        "assert library._lib is None\n"
+        "assert library._lib is None and library._c_library is None\n"
         "devices.query().devices()\n"
-        "print('callback first' if library._lib is not None else 'callback late')\n"
+        "placed = library._lib is not None or library._c_library is not None\n"
+        "print('callback first' if placed else 'callback late')\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], env=llmrun_env, capture_output=True, text=True, timeout=120
