@@ -137,16 +137,21 @@ def logical_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _meminfo_bytes(key: str) -> int | None:
-    """One /proc/meminfo figure ("MemTotal", "MemAvailable") in bytes, or None."""
+def _proc_kib_bytes(path: str, key: str) -> int | None:
+    """One `key: N kB` figure of a /proc file in bytes, or None (not Linux, or not there)."""
     try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    """One /proc/meminfo figure ("MemTotal", "MemAvailable") in bytes, or None."""
+    return _proc_kib_bytes("/proc/meminfo", key)
 
 
 def ram_bytes() -> int | None:
@@ -205,14 +210,7 @@ _peak_floor_bytes = 0
 
 def _status_bytes(key: str) -> int | None:
     """One /proc/self/status figure ("VmHWM", "VmRSS") in bytes, or None (not Linux)."""
-    try:
-        with open("/proc/self/status", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(f"{key}:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib_bytes("/proc/self/status", key)
 
 
 def peak_rss_bytes() -> int | None:
