@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -144,9 +145,14 @@ def test_the_live_panel_leaves_no_debris(llmrun_env: dict[str, str], columns: in
     assert "40, 41, 42" in " ".join(text.split())  # the answer, whole
 
 
+# A tmux server of this test run's own: another run on the machine (a second checkout's suite),
+# or a session a killed run left, never holds the session name this one makes.
+TMUX_SOCKET = f"llmrun-test-{os.getpid()}"
+
+
 def tmux(*args: str) -> str:
     return subprocess.run(
-        ["tmux", "-L", "llmrun-test", *args], capture_output=True, text=True, check=True, timeout=30
+        ["tmux", "-L", TMUX_SOCKET, *args], capture_output=True, text=True, check=True, timeout=30
     ).stdout
 
 
@@ -197,7 +203,7 @@ def test_resizing_mid_run_leaves_no_debris(
             time.sleep(0.2)
         lines = tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t").splitlines()
     finally:
-        subprocess.run(["tmux", "-L", "llmrun-test", "kill-server"], capture_output=True)
+        subprocess.run(["tmux", "-L", TMUX_SOCKET, "kill-server"], capture_output=True)
     text = "\n".join(lines)
     assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, once
     assert sum(ln.startswith("decode ") for ln in lines) == 1, text
