@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -42,3 +43,14 @@ def interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
 if os.path.basename(sys.argv[0] if sys.argv else "") == "llmrun":
     for _signum in STOP_SIGNALS:
         signal.signal(_signum, interrupted_at_startup)
+
+
+def _nothing() -> None:
+    pass
+
+
+# Called as a command's own code begins (cli/app.py), after its modules were imported and its
+# options parsed: until then a Ctrl-C or SIGTERM is `interrupted_at_startup`'s quiet exit, as
+# an import cut by KeyboardInterrupt can surface as another error (a class body's __set_name__
+# wraps it in RuntimeError). The console entry point (main.py) arms its handlers here.
+command_started: Callable[[], None] = _nothing

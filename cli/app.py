@@ -15,6 +15,8 @@ import typer
 import typer.core
 import typer.main
 
+import llmrun.cli
+
 HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
 BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
 
@@ -75,7 +77,15 @@ class _FlagsShowNoType:
 
 
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
-    pass
+    def invoke(self, ctx: Any) -> Any:
+        llmrun.cli.command_started()  # modules imported, options parsed: signals are armed now
+        return super().invoke(ctx)
+
+
+class _Group(_FlagsShowNoType, typer.core.TyperGroup):
+    def invoke(self, ctx: Any) -> Any:
+        llmrun.cli.command_started()
+        return super().invoke(ctx)
 
 
 def _bench_group() -> typer.core.TyperGroup:
@@ -86,7 +96,7 @@ def _bench_group() -> typer.core.TyperGroup:
 
     bench = typer.Typer(
         name="bench",
-        cls=type("BenchGroup", (_FlagsShowNoType, typer.core.TyperGroup), {}),
+        cls=_Group,
         invoke_without_command=True,
         no_args_is_help=False,
         help=BENCH_HELP,

@@ -72,8 +72,9 @@ def main() -> None:
     _same_text_in_every_locale()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
+    import llmrun.cli
+
     if sys.argv[1:2] in (["run"], ["chat"]):  # they choose threads by the load over start-up
-        import llmrun.cli
         from llmrun.runners import system
 
         llmrun.cli.cpu_at_start = system.cpu_sample()
@@ -90,10 +91,15 @@ def main() -> None:
         print_error(error)
 
     library.on_abort = on_abort
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in STOP_SIGNALS:
-        if signum != signal.SIGINT:
-            signal.signal(signum, _terminate)
+
+    def arm() -> None:
+        """The command's own code begins: Ctrl-C cancels its work, SIGTERM and SIGHUP too."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in STOP_SIGNALS:
+            if signum != signal.SIGINT:
+                signal.signal(signum, _terminate)
+
+    llmrun.cli.command_started = arm
     try:
         app()
     except SystemExit as e:
