@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llmrun.runners.base import BenchRunner, Runner
 from llmrun.runners.bench.tuning import apply_tuning
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
+
+if TYPE_CHECKING:
+    from llmrun.runners.remote import OpenAIRunner
 
 
 def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
@@ -65,10 +69,31 @@ def make_runner(
 ) -> Runner:
     """The local engine, or with an endpoint the OpenAI-compatible server there."""
     if endpoint:
-        from llmrun.runners.remote import OpenAIRunner
-
-        return OpenAIRunner(
+        return remote_runner(
             endpoint, model=model, api_key=api_key, timeout_s=timeout_s, n_ctx=config.n_ctx
         )
     note_unused_gpu()
     return RUNNER_FACTORY(model, config)
+
+
+def remote_runner(
+    endpoint: str,
+    *,
+    model: str | None,
+    api_key: str | None,
+    timeout_s: float,
+    n_ctx: int | None = None,
+    max_connections: int = 100,
+) -> OpenAIRunner:
+    """The runner of an OpenAI-compatible server, for run and chat and the serving jobs alike
+    (httpx is imported only when a server is used)."""
+    from llmrun.runners.remote import OpenAIRunner
+
+    return OpenAIRunner(
+        endpoint,
+        model=model,
+        api_key=api_key,
+        timeout_s=timeout_s,
+        n_ctx=n_ctx,
+        max_connections=max_connections,
+    )

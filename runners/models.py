@@ -113,23 +113,9 @@ def _offline() -> bool:
 
 def _cached_repo_files(repo: str) -> list[str] | None:
     """Files of the newest cached snapshot of a repo (relative paths), or None if not cached."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from .hub_cache import repo_files
 
-    try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        return None
-    for info in cache.repos:
-        if info.repo_type != "model" or info.repo_id.lower() != repo.lower():
-            continue
-        revisions = sorted(
-            info.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True
-        )
-        if revisions:
-            snap = revisions[0].snapshot_path
-            return sorted(str(f.file_path.relative_to(snap)) for f in revisions[0].files)
-    return None
+    return repo_files(repo)
 
 
 HUB_CONNECT_TIMEOUT_S = 3.0
@@ -303,27 +289,18 @@ def list_models() -> Iterator[ListedModel]:
         yield _listed("(default)", path, "default")
     except DefaultModelMissingError:
         pass
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from .hub_cache import snapshots
 
-    try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        return
     seen: set[str] = set()
-    for repo in sorted(cache.repos, key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model":
-            continue
-        for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
-            for f in sorted(revision.files, key=lambda f: str(f.file_path)):
-                rel = str(f.file_path.relative_to(revision.snapshot_path))
-                split = _SPLIT.search(rel)
-                if not rel.lower().endswith(".gguf") or (split and int(split[1]) != 1):
-                    continue
-                ref = f"{repo.repo_id}/{rel}"
-                if ref not in seen:
-                    seen.add(ref)
-                    yield _listed(ref, str(f.file_path), "hub")
+    for snap in snapshots():
+        for rel in snap.files:
+            split = _SPLIT.search(rel)
+            if not rel.lower().endswith(".gguf") or (split and int(split[1]) != 1):
+                continue
+            ref = f"{snap.repo_id}/{rel}"
+            if ref not in seen:
+                seen.add(ref)
+                yield _listed(ref, os.path.join(snap.path, rel), "hub")
 
 
 def _listed(ref: str, path: str, source: str) -> ListedModel:

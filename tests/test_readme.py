@@ -1,5 +1,5 @@
-"""Every command line in the README and in docs/ parses as shown, and the docs stay in step
-with the code: every module is on the architecture page's map, every link points at a file."""
+"""Every command line in the README and in docs/ parses as shown, and every link points at a
+file (the architecture page's claims: tests/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -146,18 +146,6 @@ def test_the_parser_check_can_fail() -> None:
     ):
         with pytest.raises(ParseError):
             _parse(bad)
-
-
-def test_every_module_is_on_the_architecture_map() -> None:
-    page = (ROOT / "docs" / "architecture.md").read_text()
-    modules = sorted(
-        str(p.relative_to(ROOT))
-        for folder in ("cli", "runners")
-        for p in (ROOT / folder).rglob("*.py")
-        if p.name != "__init__.py" or p.parent.name not in ("cli", "runners")
-    )
-    missing = [m for m in modules if f"`{m}`" not in page]
-    assert not missing, f"docs/architecture.md does not name {missing}"
 
 
 def test_every_link_points_at_a_file() -> None:

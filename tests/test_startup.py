@@ -19,9 +19,8 @@ ALLOWED: dict[str, set[str]] = {
     "--version": set(),
     "history": set(),
     "doctor": set(),
-    # `models` lists the Hugging Face cache through huggingface_hub's own scan_cache_dir (the
-    # cache's layout is that library's to know): imported while listing, not at start-up.
-    "models": {"huggingface_hub"},
+    # `models` reads the Hugging Face cache's layout itself (runners/hub_cache.py).
+    "models": set(),
 }
 
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from llmrun.cli import options as o
-from llmrun.cli.engine import make_bench_runner
+from llmrun.cli.engine import make_bench_runner, remote_runner
 from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.config import EngineConfig
@@ -139,10 +139,8 @@ def connect(
     max_connections: int | None = None,
 ) -> tuple[OpenAIRunner, str]:
     """The server's runner, connected, and its model's name; its line on stderr."""
-    from llmrun.runners.remote import OpenAIRunner  # httpx: only when a server is measured
-
     extra = {} if max_connections is None else {"max_connections": max_connections}
-    runner = OpenAIRunner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s, **extra)
+    runner = remote_runner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s, **extra)
     try:
         loaded = runner.load()
     except BaseException:
