@@ -94,7 +94,8 @@ FILE_TYPES: dict[int, str] = {
     38: "MXFP4_MOE",
 }
 
-_SCALARS: dict[int, str] = {
+# GGUF value types 0-7 and 10-12, fixed-size scalars, as struct formats (8: string, 9: array)
+SCALAR_FORMATS: dict[int, str] = {
     0: "<B",
     1: "<b",
     2: "<H",
@@ -191,8 +192,8 @@ class _Reader:
         self._need(0)
 
     def value(self, vtype: int, depth: int = 0) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
+        if vtype in SCALAR_FORMATS:
+            return self.scalar(SCALAR_FORMATS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -206,8 +207,8 @@ class _Reader:
                 raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
             if n <= _KEEP_ARRAY_MAX:
                 return [self.value(itype, depth + 1) for _ in range(n)]
-            if itype in _SCALARS:
-                self.pos += n * struct.calcsize(_SCALARS[itype])
+            if itype in SCALAR_FORMATS:
+                self.pos += n * struct.calcsize(SCALAR_FORMATS[itype])
                 self._need(0)
             elif itype == _STRING:
                 self.skip_strings(n)

@@ -27,20 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-
+from llmrun.runners.gguf import SCALAR_FORMATS
 
 CASE_TIMEOUT_S = 60.0
 HUNG = 999  # the status of a case whose child had to be killed
@@ -77,16 +64,16 @@ def scan(path: Path) -> tuple[list[Field], int]:
 
     def value(vtype: int, key: str) -> None:
         nonlocal pos
-        if vtype in _SCALARS:
-            fields.append(Field(key, _SCALARS[vtype], pos))
-            pos += struct.calcsize(_SCALARS[vtype])
+        if vtype in SCALAR_FORMATS:
+            fields.append(Field(key, SCALAR_FORMATS[vtype], pos))
+            pos += struct.calcsize(SCALAR_FORMATS[vtype])
         elif vtype == 8:
             string()
         elif vtype == 9:
             itype, n = struct.unpack_from("<IQ", data, pos)
             pos += 12
-            if itype in _SCALARS:
-                pos += n * struct.calcsize(_SCALARS[itype])
+            if itype in SCALAR_FORMATS:
+                pos += n * struct.calcsize(SCALAR_FORMATS[itype])
             else:
                 for _ in range(n):
                     value(itype, key + "[]")
