@@ -12,17 +12,11 @@ from typing import Any
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
 from llmrun.runners.files import FileTooLargeError, read_capped
-from llmrun.runners.limits import check_sampling
+from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
+# A line's sampling keys: each setting's JSONL names (runners/limits.py), and its stop strings.
 JSONL_SAMPLING_KEYS = {
-    "max_tokens": "max_tokens",
-    "temperature": "temperature",
-    "temp": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "repeat_penalty": "repeat_penalty",
-    "seed": "seed",
+    **{key: s.name for s in SAMPLING_SETTINGS.values() for key in s.jsonl},
     "stop": "stop",
 }
 JSONL_KEYS = {"id", "prompt", "messages", "system", "raw", *JSONL_SAMPLING_KEYS}

@@ -21,7 +21,7 @@ from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
-from llmrun.runners.limits import check_sampling
+from llmrun.runners.limits import bounds, check_sampling
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from .records import OptionRecord
@@ -261,7 +261,7 @@ MaxTokens = Annotated[
         "-n",
         "--max-tokens",
         "--n-predict",
-        min=1,
+        **bounds("max_tokens"),
         help="Most tokens to generate.",
         rich_help_panel=SAMPLING_PANEL,
     ),
@@ -269,29 +269,35 @@ MaxTokens = Annotated[
 Temp = Annotated[
     float,
     typer.Option(
-        "--temp", min=0.0, help="Temperature; 0 = greedy.", rich_help_panel=SAMPLING_PANEL
+        "--temp",
+        **bounds("temperature"),
+        help="Temperature; 0 = greedy.",
+        rich_help_panel=SAMPLING_PANEL,
     ),
 ]
 TopK = Annotated[
-    int, typer.Option("--top-k", min=0, help="Top-k; 0 = off.", rich_help_panel=SAMPLING_PANEL)
+    int,
+    typer.Option(
+        "--top-k", **bounds("top_k"), help="Top-k; 0 = off.", rich_help_panel=SAMPLING_PANEL
+    ),
 ]
 TopP = Annotated[
     float,
     typer.Option(
-        "--top-p", min=0.0, max=1.0, help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL
+        "--top-p", **bounds("top_p"), help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL
     ),
 ]
 MinP = Annotated[
     float,
     typer.Option(
-        "--min-p", min=0.0, max=1.0, help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL
+        "--min-p", **bounds("min_p"), help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL
     ),
 ]
 RepeatPenalty = Annotated[
     float,
     typer.Option(
         "--repeat-penalty",
-        min=0.0,
+        **bounds("repeat_penalty"),
         help="Penalty on the last 64 tokens; 1 = off.",
         rich_help_panel=SAMPLING_PANEL,
     ),
@@ -300,7 +306,7 @@ Seed = Annotated[
     int | None,
     typer.Option(
         "--seed",
-        min=0,
+        **bounds("seed"),
         help="Sampling seed. (default: random, reported in the stats)",
         rich_help_panel=SAMPLING_PANEL,
         show_default=False,

@@ -110,16 +110,61 @@ def check_engine(config: Any, where: str = "") -> None:
             )
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One sampling setting, declared once: its `SamplingParams` field, its range, and the
+    names it goes by in `run --jsonl` lines and in `llmrun serve`'s HTTP bodies. The command
+    line's option (cli/options.py) takes its bounds from here, JSONL's keys and the server's
+    request fields are read through it, and `check_sampling` checks every source by it."""
+
+    name: str
+    low: float
+    high: float
+    jsonl: tuple[str, ...]
+    http: tuple[str, ...]
+
+    @property
+    def whole(self) -> bool:
+        return isinstance(self.low, int) and isinstance(self.high, int)
+
+    def check(self, where: str, value: Any) -> None:
+        if self.whole:
+            _int_in(where, self.name, value, int(self.low), int(self.high))
+        else:
+            _float_in(where, self.name, value, self.low, self.high)
+
+
+SAMPLING_SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("max_tokens", 1, MAX_TOKENS, ("max_tokens",), ("max_tokens",)),
+        Setting("temperature", 0.0, 100.0, ("temperature", "temp"), ("temperature",)),
+        Setting("top_k", 0, 1 << 24, ("top_k",), ("top_k",)),
+        Setting("top_p", 0.0, 1.0, ("top_p",), ("top_p",)),
+        Setting("min_p", 0.0, 1.0, ("min_p",), ("min_p",)),
+        Setting(
+            "repeat_penalty",  # llama.cpp's name, and vLLM's
+            0.0,
+            100.0,
+            ("repeat_penalty",),
+            ("repeat_penalty", "repetition_penalty"),
+        ),
+        Setting("repeat_last_n", -1, MAX_CTX, (), ("repeat_last_n",)),
+        Setting("seed", 0, MAX_SEED, ("seed",), ("seed",)),
+    )
+}
+
+
+def bounds(name: str) -> dict[str, Any]:
+    """A setting's range as Typer's `min`/`max` for its command-line option."""
+    s = SAMPLING_SETTINGS[name]
+    return {"min": s.low, "max": s.high}
+
+
 def check_sampling(sp: SamplingParams, where: str = "") -> None:
     """Raise SettingError for sampling values that are not meaningful."""
-    _int_in(where, "max_tokens", sp.max_tokens, 1, MAX_TOKENS)
-    _float_in(where, "temperature", sp.temperature, 0.0, 100.0)
-    _int_in(where, "top_k", sp.top_k, 0, 1 << 24)
-    _float_in(where, "top_p", sp.top_p, 0.0, 1.0)
-    _float_in(where, "min_p", sp.min_p, 0.0, 1.0)
-    _float_in(where, "repeat_penalty", sp.repeat_penalty, 0.0, 100.0)
-    _int_in(where, "repeat_last_n", sp.repeat_last_n, -1, MAX_CTX)
-    _int_in(where, "seed", sp.seed, 0, MAX_SEED)
+    for setting in SAMPLING_SETTINGS.values():
+        setting.check(where, getattr(sp, setting.name))
     if not isinstance(sp.stop, tuple) or not all(isinstance(s, str) and s for s in sp.stop):
         raise SettingError(where, "stop must be a string or a list of non-empty strings")
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.limits import check_sampling
+from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
@@ -94,6 +94,9 @@ class _Body(BaseModel):
     def _limit(self) -> int | None:
         return self.max_tokens
 
+    def _field(self, name: str) -> Any:
+        return getattr(self, name)
+
     def sampling(self, defaults: SamplingParams, think: bool | None = None) -> SamplingParams:
         """The request's sampling: its own values over the server's defaults, checked."""
         if self.n not in (None, 1):
@@ -125,16 +128,12 @@ class _Body(BaseModel):
             raise BadRequestError(
                 f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
             )
-        given: dict[str, Any] = {
+        given: dict[str, Any] = {  # each setting by its HTTP names, the first one given
+            s.name: next((v for v in map(self._field, s.http) if v is not None), None)
+            for s in SAMPLING_SETTINGS.values()
+        }
+        given |= {
             "max_tokens": self._limit(),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repeat_penalty": self.repeat_penalty
-            if self.repeat_penalty is not None
-            else self.repetition_penalty,
-            "repeat_last_n": self.repeat_last_n,
             "seed": None if self.seed == -1 else self.seed,  # -1: random, as llama-server
             "stop": (self.stop,)
             if isinstance(self.stop, str)
