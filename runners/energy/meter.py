@@ -310,6 +310,19 @@ class PhaseMeter:
             left_out=left_out,
         )
 
+    def selection(self, *, gpu: bool) -> tuple[list[Counter], float, str]:
+        """The counters that count work on this machine (the GPU's only where layers run on
+        an NVIDIA GPU), their summed idle power, and why there are none ("" when some)."""
+        if "all" in self.reasons or self._failed:
+            return [], 0.0, self.reasons.get("all") or self._failed
+        kinds = ("cpu", "gpu") if gpu else ("cpu",)
+        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
+        if not used:
+            missing = [k for k in kinds if not any(c.kind == k for c in self._counters)]
+            return [], 0.0, "; ".join(self._reason(k) for k in missing)
+        idle_w = sum(self._idle[i].watts for i in used)
+        return [self._counters[i] for i in used], idle_w, ""
+
     def _reason(self, kind: str) -> str:
         reason = self.reasons.get(kind, "no energy counter")
         return reason if kind == "cpu" else f"GPU: {reason}"
