@@ -172,7 +172,7 @@ class ServerMetrics:
             "llmrun_energy_joules",
             "Joules the energy counters counted during the engine's steps, idle included, by"
             " what the steps carried (prefill, decode, or mixed: both); above idle:"
-            " joules - llmrun_energy_idle_watts * llmrun_energy_seconds.",
+            " this - llmrun_energy_idle_watts * llmrun_energy_seconds_total.",
             ["phase"],
             registry=r,
         )
