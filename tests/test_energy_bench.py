@@ -4,6 +4,7 @@ each test's joules per repetition, per token and in watts have a known answer; a
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmrun.cli import engine
+from llmrun.cli import engine, session
 from llmrun.cli.app import app
 from llmrun.runners.base import Event, Finished, PrefillProgress, Request, Token
 from llmrun.runners.bench import measure
@@ -193,6 +194,7 @@ def nothing_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(ROOT_ENV, str(tmp_path / "no-powercap"))
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.delenv("LLMRUN_ENERGY", raising=False)
+    monkeypatch.setattr(session, "_ENERGY", ["auto"])  # the last command's --energy, put back
     return tmp_path / "no-powercap"
 
 
@@ -231,3 +233,40 @@ def test_run_s_switch(cli: CliRunner, fake: FakeRunner, nothing_readable: Path) 
     assert result.exit_code == 0 and "energy" not in result.stderr
     result = cli.invoke(app, ["run", "hello"])
     assert "energy   not available (no RAPL counters" in result.stderr
+
+
+def test_the_tables_show_energy_where_it_was_measured(machine: Machine, shm: Path) -> None:
+    from rich.console import Console
+
+    from llmrun.cli.bench.output import OutputFormat, format_records, results_table
+    from llmrun.runners.bench.results import Row
+
+    [pp, tg], _ = _bench(machine, shm, [Shape(8, 0), Shape(0, 4)])
+    records = [pp.record(SYSTEM), tg.record(SYSTEM)]
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(results_table([Row.of(r, rec) for r, rec in zip((pp, tg), records, strict=True)]))
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "energy/token" in shown
+    assert "20.0 mJ · 20.0 W" in shown and "200.0 mJ · 20.0 W" in shown
+    md = format_records(records, OutputFormat.md)
+    assert "energy/token" in md and " 200.0 mJ · 20.0 W |" in md
+    absent = [{**rec, "energy_j": None, "energy_j_per_token": None} for rec in records]
+    assert "energy/token" not in format_records(absent, OutputFormat.md)
+
+
+def test_history_keeps_the_energy_fields(
+    cli: CliRunner, nothing_readable: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    from llmrun.runners.history import history_path
+
+    monkeypatch.setattr(
+        engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: FakeBenchRunner()
+    )
+    result = cli.invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", "-o", "json"])
+    assert result.exit_code == 0, result.stderr
+    db = sqlite3.connect(history_path())
+    [(text,)] = db.execute("SELECT record FROM results").fetchall()
+    record = json.loads(text)
+    assert record["energy_j"] is None and record["energy_note"].startswith("no RAPL counters")

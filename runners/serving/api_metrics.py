@@ -8,6 +8,7 @@ The metrics are declared in tables (COUNTERS, HISTOGRAMS, GAUGES), registered in
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -131,6 +132,12 @@ class ServerMetrics:
     step_prefill: Histogram
     step_decode: Histogram
     step_seconds: Histogram
+    running: Callable[[], float]
+    queued: Callable[[], float]
+    connections: Callable[[], float]
+    max_connections: int
+    threads: tuple[int, int]
+    meter: BackgroundMeter
 
     def __init__(
         self,
@@ -145,7 +152,7 @@ class ServerMetrics:
         # side's open connections against --max-connections (set once it listens); other
         # processes' load, since a busy machine slows llama.cpp's spinning threads 10-30x.
         self.running, self.queued = running, queued
-        self.connections: Callable[[], float] = lambda: 0
+        self.connections = lambda: 0
         self.max_connections = 0
         self.threads = (0, 0)
         self.meter = BackgroundMeter(window_s=1.0)
@@ -154,7 +161,7 @@ class ServerMetrics:
         for attr, name, doc, buckets in HISTOGRAMS:
             setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=r))
         for name, doc, read in GAUGES:
-            Gauge(name, doc, registry=r).set_function(lambda read=read: read(self))
+            Gauge(name, doc, registry=r).set_function(functools.partial(read, self))
         self.energy = energy
         if energy is not None:
             self._energy_metrics(energy)
