@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -26,10 +27,11 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.energy import PhaseMeter, open_meter
 from llmrun.runners.energy.bench import ENERGY_FIELDS
 from llmrun.runners.energy.powercap import ROOT_ENV
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.system import SystemInfo
 
 from .fake import FakeBenchRunner, FakeRunner
-from .test_energy import Machine, Meter, zone
+from .test_energy import CpuTimeCounter, Machine, Meter, zone
 
 IDLE_W, BUSY_W = 10.0, 30.0
 PREFILL_S_PER_TOKEN, ITL_S = 0.001, 0.010
@@ -270,3 +272,31 @@ def test_history_keeps_the_energy_fields(
     [(text,)] = db.execute("SELECT record FROM results").fetchall()
     record = json.loads(text)
     assert record["energy_j"] is None and record["energy_note"].startswith("no RAPL counters")
+
+
+def test_the_real_engine_s_bench_tests_are_metered(runner: LlamaCppRunner) -> None:
+    """On the embedded model, with a counter of this process's CPU time at 10 W (test_energy's):
+    each test's own phase has joules, its tokens are the test's."""
+    meter = PhaseMeter([CpuTimeCounter()], idle_window_s=0.2)
+    meter.measure_idle()
+    results = [
+        e
+        for e in measure.run_bench(
+            runner,
+            combos=[Combo(1, None, None, None, None)],
+            shapes=[Shape(32, 0), Shape(0, 8)],
+            reps=2,
+            base=runner.config,
+            warmup=False,
+            meter=meter,
+        )
+        if isinstance(e, Result)
+    ]
+    [pp, tg] = results
+    assert pp.energy is not None and tg.energy is not None
+    assert pp.energy.reps == 2 and pp.energy.tokens == 32 and tg.energy.tokens == 8
+    assert pp.energy.source == "CPU time"
+    assert pp.energy.window_s >= statistics.fmean(pp.samples_s) * 0.9
+    assert tg.energy.window_s >= statistics.fmean(tg.samples_s) * 0.9
+    assert pp.energy.energy_j is not None and pp.energy.energy_j > 0
+    assert tg.energy.energy_j is not None and tg.energy.energy_j > 0
