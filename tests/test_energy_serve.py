@@ -3,8 +3,12 @@ Prometheus reads them (prometheus_client's parser); absent, with the reason, wit
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -14,7 +18,9 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_engine import StepRecord
 from llmrun.runners.serving.api_metrics import ServerMetrics
 
+from .conftest import BACKGROUND_ENV
 from .fake import FAKE_SETTINGS
+from .test_serve import llmrun_serve
 
 
 class Clock:
@@ -135,3 +141,39 @@ def test_the_switch_on_a_machine_with_nothing_readable(
 
 def test_step_phases() -> None:
     assert [step_phase(*c) for c in ((8, 0), (0, 3), (8, 3))] == ["prefill", "decode", "mixed"]
+
+
+def test_a_server_on_a_fake_powercap_tree_counts_its_steps(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`llmrun serve` reading a powercap tree whose counter this test advances at 20 W."""
+    zone = tmp_path / "intel-rapl:0"
+    zone.mkdir()
+    (zone / "name").write_text("package-0\n")
+    (zone / "max_energy_range_uj").write_text("262143328850\n")
+    (zone / "energy_uj").write_text("0\n")
+    stop = threading.Event()
+
+    def advance() -> None:
+        t0 = time.perf_counter()
+        while not stop.wait(0.001):  # whole files only: the server never reads one half written
+            (zone / "next").write_text(f"{int((time.perf_counter() - t0) * 20e6)}\n")
+            os.replace(zone / "next", zone / "energy_uj")
+
+    writer = threading.Thread(target=advance, daemon=True)
+    writer.start()
+    try:
+        env = {**llmrun_env, "LLMRUN_POWERCAP_ROOT": str(tmp_path), BACKGROUND_ENV: "0"}
+        with llmrun_serve(env, "-np", "1", "--no-dashboard", "--energy", "on") as s:
+            s.post("/v1/completions", {"prompt": "The sky is", "max_tokens": 8, "temperature": 0})
+            text = httpx.get(s.url + "/metrics", timeout=60).text
+    finally:
+        stop.set()
+        writer.join()
+    found = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    [info] = found["llmrun_energy_info"]
+    assert info.labels == {"source": "RAPL package-0", "reason": ""}
+    joules = {x.labels["phase"]: x.value for x in found["llmrun_energy_joules"]}
+    assert joules.get("prefill", 0) + joules.get("mixed", 0) > 0 and joules["decode"] > 0
+    [idle] = found["llmrun_energy_idle_watts"]
+    assert idle.value == pytest.approx(20.0, rel=0.5)  # the writer thread lags on busy cores
