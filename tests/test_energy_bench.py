@@ -28,24 +28,15 @@ from llmrun.runners.energy import PhaseMeter, open_meter
 from llmrun.runners.energy.bench import ENERGY_FIELDS
 from llmrun.runners.energy.powercap import ROOT_ENV
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.system import SystemInfo
 
 from .fake import FakeBenchRunner, FakeRunner
 from .test_energy import CpuTimeCounter, Machine, Meter, zone
+from .test_significance import _system
 
 IDLE_W, BUSY_W = 10.0, 30.0
 PREFILL_S_PER_TOKEN, ITL_S = 0.001, 0.010
 
-SYSTEM = SystemInfo(
-    cpu="test",
-    physical_cores=2,
-    logical_cpus=2,
-    ram_bytes=None,
-    build="",
-    features="",
-    gpu="",
-    mem_bw_bytes_s=None,
-)
+SYSTEM = _system()
 
 
 class TimedFake(FakeBenchRunner):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmrun.runners.stats import EnergyReport
+from llmrun.runners.stats import EnergyReport, PhaseEnergy
 
 # The record's energy fields, in their order (a csv header names them all)
 ENERGY_FIELDS = (
@@ -24,28 +24,14 @@ ENERGY_FIELDS = (
 
 
 @dataclass(frozen=True)
-class BenchEnergy:
-    """Joules above idle per repetition of a test's counted phases, or why there are none."""
+class BenchEnergy(PhaseEnergy):
+    """Joules above idle per repetition of a test's counted phases (the window and tokens per
+    repetition too), or why there are none (`note`); its watts and joules per token are the
+    phase's."""
 
-    energy_j: float | None  # per repetition; None: not measured (`note` says why)
-    window_s: float  # per repetition, between the counter reads
-    tokens: int  # per repetition
     source: str = ""  # the counters read; "": none
     idle_w: float | None = None
-    note: str = ""  # why absent, or how coarse the counter was
     reps: int = 0
-
-    @property
-    def power_w(self) -> float | None:
-        if self.energy_j is None or self.window_s <= 0:
-            return None
-        return self.energy_j / self.window_s
-
-    @property
-    def j_per_token(self) -> float | None:
-        if self.energy_j is None or self.tokens <= 0:
-            return None
-        return self.energy_j / self.tokens
 
     @classmethod
     def of(cls, report: EnergyReport, *, prefill: bool, decode: bool, reps: int) -> BenchEnergy:

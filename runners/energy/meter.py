@@ -3,7 +3,8 @@ decode), less the idle power measured just before the run.
 
 The idle window also shows how often each counter updates: a phase shorter than two updates
 gets no figure, and one spanning few updates is marked coarse. A counter that does not move
-over a phase is named, never read as zero.
+over a phase is named, never read as zero. Several requests' phases (`Spans`) sum into one
+report, so bench measures a phase too short for the counter over its repetitions.
 """
 
 from __future__ import annotations
