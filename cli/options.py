@@ -42,6 +42,25 @@ class FlashAttn(str, Enum):
     off = "off"
 
 
+class EnergyMode(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+Energy = Annotated[
+    EnergyMode,
+    typer.Option(
+        "--energy",
+        envvar="LLMRUN_ENERGY",
+        help="Joules per phase from the machine's counters (RAPL, NVML), above an idle"
+        " baseline measured first: auto where a counter is readable (else the reason), on to"
+        " require one, off to read none.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+
+
 Model = Annotated[
     str | None,
     typer.Option(
@@ -505,6 +524,7 @@ class EngineOptions(OptionRecord):
     cpu_mask: CpuMask = None
     cpu_strict: CpuStrict = 0
     poll: Poll = DEFAULT_POLL
+    energy: Energy = EnergyMode.auto
 
     def config(
         self, *, endpoint: str | None = None, draft_model: Path | None = None
@@ -587,6 +607,9 @@ class GenerationOptions(OptionRecord):
         draft = parse_draft(reply.draft, self.sampling.temp, draft_model=drafting)
         params = self.sampling.params(think=reply.think, draft=draft)
         config = self.engine.config(endpoint=self.remote.endpoint, draft_model=reply.draft_model)
+        from .session import use_energy
+
+        use_energy(self.engine.energy.value)
         return params, config
 
 

@@ -198,6 +198,7 @@ def serve(
     server: ServerOptions,
     kv_unified: o.KvUnified = None,
     no_dashboard: o.NoDashboard = False,
+    energy: o.Energy = o.EnergyMode.auto,
     sampling: o.SamplingOptions,
     engine: ServeEngineOptions,
 ) -> None:
@@ -234,6 +235,7 @@ def serve(
             origins=origins,
             drain_s=server.drain,
             alias=server.alias,
+            energy=energy.value,
         )
         raise typer.Exit(_serve(settings, dashboard=not no_dashboard and sys.stderr.isatty()))
 

@@ -183,31 +183,53 @@ def thinking_route(*, hide: bool, on_stdout: bool, dash: TextSink | None) -> Thi
 
 
 _METERS: weakref.WeakKeyDictionary[Runner, PhaseMeter] = weakref.WeakKeyDictionary()
+_ENERGY = ["auto"]  # --energy of the command running: on, auto or off
 
 
-def energy_meter(runner: Runner, *, together: bool = False) -> PhaseMeter:
+def use_energy(mode: str) -> None:
+    """--energy for the requests `drive` runs next (run and chat set it from their option)."""
+    _ENERGY[0] = mode
+
+
+def energy_meter(runner: Runner, *, together: bool = False) -> PhaseMeter | None:
     """The runner's energy meter, made before its first request (while nothing runs yet, for
     the idle baseline) and kept for the next ones; for a server's model or requests that ran
-    together (`together`: run --parallel), only the reason it reads nothing."""
+    together (`together`: run --parallel), only the reason it reads nothing. None with
+    --energy off; with --energy on, a usage error where no counter can be read."""
     from llmrun.runners.energy import PhaseMeter, open_meter
+    from llmrun.runners.errors import BadRequestError
 
+    mode = _ENERGY[0]
+    if mode == "off":
+        return None
     if together:
-        return PhaseMeter.unmetered(
+        meter = PhaseMeter.unmetered(
             "the requests ran together (--parallel): energy is metered per request only when"
             " they run one at a time"
         )
-    with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
-        if (meter := _METERS.get(runner)) is not None:
-            return meter
-    remote = sys.modules.get("llmrun.runners.remote")  # not imported: not a server's runner
-    if remote is not None and isinstance(runner, remote.OpenAIRunner):
-        meter = PhaseMeter.unmetered("the model runs on a server, whose energy is not seen here")
+    elif (found := _kept(runner)) is not None:
+        return found
     else:
-        config = getattr(runner, "config", None)
-        meter = open_meter(gpu=getattr(config, "n_gpu_layers", None) != 0)
-    with contextlib.suppress(TypeError):
-        _METERS[runner] = meter
+        remote = sys.modules.get("llmrun.runners.remote")  # not imported: not a server's runner
+        if remote is not None and isinstance(runner, remote.OpenAIRunner):
+            meter = PhaseMeter.unmetered(
+                "the model runs on a server, whose energy is not seen here"
+            )
+        else:
+            config = getattr(runner, "config", None)
+            meter = open_meter(gpu=getattr(config, "n_gpu_layers", None) != 0)
+        with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
+            _METERS[runner] = meter
+    if mode == "on" and not meter.counters:
+        why = "; ".join(dict.fromkeys(meter.reasons.values())) or "no energy counter"
+        raise BadRequestError(f"--energy on: no energy counter can be read here ({why})")
     return meter
+
+
+def _kept(runner: Runner) -> PhaseMeter | None:
+    with contextlib.suppress(TypeError):
+        return _METERS.get(runner)
+    return None
 
 
 def drive(
@@ -229,7 +251,8 @@ def drive(
     safe = _to_terminal(out)  # a model's or a server's escape sequences never reach a terminal
     safe_thinking = _to_terminal(think.sink or out)
     meter = energy_meter(runner, together=events is not None)
-    meter.begin()
+    if meter is not None:
+        meter.begin()
     shown = ShownSplitter()  # a tag split over tokens is shown whole, with its thinking
 
     def show(segments: list[tuple[bool, str]], sink: TextSink) -> None:
@@ -241,9 +264,10 @@ def drive(
                 sink.write(terminal_text(text) if safe else text)
 
     for event in runner.stream(request, cancel=cancel) if events is None else events:
-        meter.see(event)
-        if isinstance(event, Finished):
-            event = meter.attach(event)
+        if meter is not None:
+            meter.see(event)
+            if isinstance(event, Finished):
+                event = meter.attach(event)
         if view is not None:
             view.update(event)
         if isinstance(event, Token):

@@ -20,6 +20,7 @@ from llmrun.cli.bench import flags, interference, machine, serve, serving, sweep
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
     "--model": ["-m", "other.gguf"],
+    "--energy": ["--energy", "off"],
     "--n-prompt": ["-p", "64"],
     "--n-gen": ["-n", "16"],
     "--pg": ["--pg", "8,8"],

@@ -472,9 +472,12 @@ def test_run_says_why_energy_is_not_available(
 
 def test_requests_run_together_and_remote_requests_are_not_metered() -> None:
     meter = energy_meter(FakeRunner(), together=True)
+    assert meter is not None
     assert meter.report(stats()).reason.startswith("the requests ran together (--parallel)")
     remote = OpenAIRunner("http://127.0.0.1:9")  # never connected to
-    assert energy_meter(remote).report(stats()).reason == (
+    remote_meter = energy_meter(remote)
+    assert remote_meter is not None
+    assert remote_meter.report(stats()).reason == (
         "the model runs on a server, whose energy is not seen here"
     )
 

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli.dashboard import bars
-from llmrun.cli.report import Fitted, busy_warning, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted, joules
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -168,7 +168,16 @@ def _md_columns(
     if "until_ci_pct" in shown or any(r.get("until_ci_pct") is not None for r in sample):
         cols += [("reps", "reps", 5), ("ci95", "95 % CI", 8)]  # --until-ci: what it took
     cols += [("ttft", "TTFT ms", 10), ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]
+    if any(r.get("energy_j") is not None for r in sample):  # measured, not merely asked for
+        cols.append(("energy", "energy/token", 18))
     return cols
+
+
+def energy_cell(j_per_token: float | None, watts: float | None) -> str:
+    """A test's joules per token above idle and its mean power: `2.40 J · 24.0 W`."""
+    if j_per_token is None or watts is None:
+        return "-"
+    return f"{joules(j_per_token)} · {watts:,.1f} W"
 
 
 def _md_value_of(r: dict[str, Any], key: str) -> str:
@@ -196,6 +205,7 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
         "reps": lambda: str(r.get("repetitions", "-")),
         "ci95": lambda: _half(r.get("ci95_pct"), r.get("until_ci_stop")),
+        "energy": lambda: energy_cell(r.get("energy_j_per_token"), r.get("energy_w")),
     }
     return special[key]() if key in special else _md_value(r.get(key))
 
@@ -496,6 +506,8 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
     heads += ["vs first", "verdict"] if several else []
     until = any(r.result.until_ci_pct is not None for r in rows)
     heads += (["reps", "95 % CI"] if until else []) + ["TTFT ms", "ITL p50/p99 ms"]
+    energy = any(r.result.energy is not None and r.result.energy.energy_j is not None for r in rows)
+    heads += ["energy/token"] if energy else []
     for name in heads:
         table.add_column(name, justify="left" if name in ("test", "model", "verdict") else "right")
     for r in rows:
@@ -516,8 +528,14 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
             *(took if until else []),
             _ms(r.ttft_ms),
             itl,
+            *([_energy_of(r)] if energy else []),
         )
     return fitted(table, wrap=("verdict",))
+
+
+def _energy_of(r: Row) -> str:
+    e = r.result.energy
+    return "-" if e is None else energy_cell(e.j_per_token, e.power_w)
 
 
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:

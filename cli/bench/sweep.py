@@ -159,6 +159,7 @@ def bench(
                 tuned=measured.tuned,
                 ppl=measured.ppl,
                 cold=measured.cold,
+                energy=measured.energy.value,
             )
             to = Output(
                 format=delivery.output,

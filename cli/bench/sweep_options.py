@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmrun.cli.options import Energy, EnergyMode
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import run
@@ -379,6 +380,7 @@ class Measured(OptionRecord):
             " else llmrun's (-b 512, the prefill chunk that shows in TTFT).",
         ),
     ] = False
+    energy: Energy = EnergyMode.auto
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from llmrun.runners.base import (
     BenchRunner,
@@ -42,6 +42,11 @@ from llmrun.runners.system import cpu_sample, measured_background
 
 from .results import Phases, Result, Speculation
 from .sweep import Combo, Shape
+
+if TYPE_CHECKING:
+    from llmrun.runners.energy import PhaseMeter
+    from llmrun.runners.energy.bench import BenchEnergy
+    from llmrun.runners.energy.meter import Spans
 
 
 @dataclass(frozen=True)
@@ -163,11 +168,16 @@ def _one_run(
 
 
 def _repetition(
-    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event, draft: int = 0
+    runner: BenchRunner,
+    shape: Shape,
+    rng: random.Random,
+    cancel: threading.Event,
+    draft: int = 0,
+    meter: PhaseMeter | None = None,
 ) -> Generator[float, None, tuple[Finished, int | None]]:
     """One repetition from a cleared cache, yielding its share done now and then (about 32
     times: prefill chunks for pp, tokens otherwise); returns the result and the first output
-    token."""
+    token. `meter` sees its events (its phases: `meter.spans`), paused while it yields."""
     n_vocab = runner.vocab_size()
     runner.reset()
     depth = [rng.randrange(n_vocab) for _ in range(shape.n_depth)]
@@ -188,18 +198,32 @@ def _repetition(
     finished: Finished | None = None
     first: int | None = None
     every = max(1, shape.n_gen // 32)
+    if meter is not None:
+        meter.begin()
     for event in runner.stream(request, cancel=cancel):
+        share: float | None = None
         if isinstance(event, Token):
             if first is None:
                 first = event.token_id
             if shape.n_gen and event.index and event.index % every == 0:
-                yield event.index / (shape.n_gen + 1)
+                share = event.index / (shape.n_gen + 1)
         elif isinstance(event, PrefillProgress):
             new = event.total_tokens - event.reused_tokens
             if not shape.n_gen and event.reused_tokens < event.done_tokens < event.total_tokens:
-                yield (event.done_tokens - event.reused_tokens) / new  # the last: see Finished
+                share = (event.done_tokens - event.reused_tokens) / new  # the last: see Finished
         elif isinstance(event, Finished):
             finished = event
+            if meter is not None:
+                meter.finish()
+            continue
+        if meter is not None:
+            meter.see(event)
+        if share is not None:
+            if meter is not None:
+                meter.pause()
+            yield share
+            if meter is not None:
+                meter.resume()
     assert finished is not None
     if finished.stats.interrupted or cancel.is_set():
         raise Interrupted
@@ -233,13 +257,15 @@ def run_bench(
     delay_s: float = 0.0,
     cancel: threading.Event | None = None,
     until_ci: UntilCi | None = None,
+    meter: PhaseMeter | None = None,
 ) -> Iterator[Result | Skipped | Progress]:
     """Run every shape on every configuration; yields results as they finish.
 
     Stops at the next token when `cancel` is set (raising nothing: the iterator just ends after
     the results so far). Configurations the engine cannot use are yielded as `Skipped`. With
     `until_ci`, a test repeats past `reps` until its interval is narrow enough (`UntilCi`); the
-    progress total grows by each repetition added.
+    progress total grows by each repetition added. With `meter`, each test's phases are
+    metered over its timed repetitions (`BenchEnergy`).
     """
     cancel = cancel or threading.Event()
     # As llama-bench: the context the tests need (llama.cpp caps n_batch at it; the record
@@ -304,6 +330,7 @@ def run_bench(
             began = time.monotonic()
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             cpu0 = cpu_sample()
+            spans: Spans | None = None
             try:
                 for rep in itertools.count():
                     if rep >= per_test:
@@ -322,7 +349,7 @@ def run_bench(
                     label = f"{shape.name} {which} {combo.describe()}".strip()
                     still = left(i_combo, i_shape, rep)
                     yield Progress(done, total, label, shape.name, "started", 0.0, still)
-                    run = _repetition(runner, shape, rng, cancel, combo.draft)
+                    run = _repetition(runner, shape, rng, cancel, combo.draft, meter)
                     while True:
                         try:
                             share = next(run)
@@ -334,6 +361,9 @@ def run_bench(
                     yield Progress(done, total, label, shape.name, "ended", 1.0, still)
                     if warmup and rep == 0:
                         continue
+                    if meter is not None:
+                        one = meter.spans(finished.stats)
+                        spans = one if spans is None else spans.plus(one)
                     ours, theirs = _timed(shape, finished)
                     samples.append(ours)
                     engine.append(theirs)
@@ -389,4 +419,18 @@ def run_bench(
                 phases=phases,
                 until_ci_pct=None if until_ci is None else until_ci.pct,
                 until_ci_stop=stopped,
+                energy=None if meter is None else _energy(meter, shape, spans),
             )
+
+
+def _energy(meter: PhaseMeter, shape: Shape, spans: Spans | None) -> BenchEnergy:
+    """The test's counted phases over its timed repetitions."""
+    from llmrun.runners.energy.bench import BenchEnergy
+
+    if spans is None:
+        reason = meter.reasons.get("all") or "no timed repetition (-r 0)"
+        return BenchEnergy(None, 0.0, 0, note=reason)
+    report = meter.report_of(spans)
+    return BenchEnergy.of(
+        report, prefill=shape.n_prompt > 0, decode=shape.n_gen > 0, reps=spans.count
+    )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
+from llmrun.runners.energy.bench import ENERGY_FIELDS, BenchEnergy
 from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -179,6 +180,7 @@ class Result:
     perplexity: Perplexity | None = None  # with --ppl
     until_ci_pct: float | None = None  # with --until-ci: the interval's target half-width, %
     until_ci_stop: str | None = None  # why the repetitions stopped: reached, time budget, cap
+    energy: BenchEnergy | None = None  # --energy on or auto: measured, or absent with why
 
     @property
     def kind(self) -> Kind:
@@ -346,6 +348,8 @@ class Result:
                 repetitions=len(self.samples_s),
                 until_ci_stop=self.until_ci_stop,
             )
+        if self.energy is not None:
+            rec.update(self.energy.fields())
         if self.perplexity is not None:
             p = self.perplexity
             rec.update(
@@ -372,6 +376,7 @@ OPTIONAL_FIELDS = (
     "ci95_pct",
     "repetitions",
     "until_ci_stop",
+    *ENERGY_FIELDS,
 )
 
 # With several models, each row against the first model's same test: the ratio of geometric

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmrun.runners import devices as dv
 from llmrun.runners import history as hist
@@ -27,6 +27,9 @@ from . import localscore as ls
 from . import sweep as sw
 from .measure import Progress, Skipped, UntilCi, run_bench
 from .results import OPTIONAL_FIELDS, RELATIVE_FIELDS, Perplexity, Result, Row
+
+if TYPE_CHECKING:
+    from llmrun.runners.energy import PhaseMeter
 
 PPL_CTX = 512  # llama-perplexity's windows when -c is not given
 
@@ -96,6 +99,7 @@ class Sweep:
     embeddings: str | None = None
     no_op_offload: str | None = None
     until_ci: str | None = None  # --until-ci PCT[,SECONDS]: repeat until the interval is narrow
+    energy: str = "auto"  # --energy: on (a counter must be readable), auto, off
 
     def until(self) -> UntilCi | None:
         return None if self.until_ci is None else UntilCi.parse(self.until_ci)
@@ -323,6 +327,38 @@ def run_sweep(
     if sweep.ppl is not None:
         read_text(sweep.ppl)  # an unreadable text fails before anything is measured
     until_ci = sweep.until()  # a bad --until-ci fails before anything loads
+    meter = open_energy(sweep.energy)  # its idle baseline before the first model loads
+    try:
+        yield from _models(models, sweep, until_ci, meter, open_runner=open_runner, cancel=cancel)
+    finally:
+        if meter is not None:
+            meter.close()
+
+
+def open_energy(mode: str) -> PhaseMeter | None:
+    """The energy meter --energy asks for: None when off; with `on`, a usage error where no
+    counter can be read (auto carries the reason into the records instead)."""
+    if mode == "off":
+        return None
+    from llmrun.runners.energy import open_meter
+
+    meter = open_meter(gpu=True)  # NVML counts only the tests whose layers ran on its GPU
+    if mode == "on" and not meter.counters:
+        meter.close()
+        reasons = "; ".join(meter.reasons.values())
+        raise BadRequestError(f"--energy on: no energy counter can be read here ({reasons})")
+    return meter
+
+
+def _models(
+    models: Sequence[str | None],
+    sweep: Sweep,
+    until_ci: UntilCi | None,
+    meter: PhaseMeter | None,
+    *,
+    open_runner: Callable[[str | None, EngineConfig, bool], BenchRunner],
+    cancel: threading.Event,
+) -> Iterator[SweepEvent]:
     for model in models:
         if cancel.is_set():
             return
@@ -349,6 +385,7 @@ def run_sweep(
                     delay_s=sweep.delay_s,
                     cancel=cancel,
                     until_ci=until_ci,
+                    meter=meter,
                 ):
                     yield (
                         replace(event, model_filename=given)

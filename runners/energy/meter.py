@@ -3,7 +3,8 @@ decode), less the idle power measured just before the run.
 
 The idle window also shows how often each counter updates: a phase shorter than two updates
 gets no figure, and one spanning few updates is marked coarse. A counter that does not move
-over a phase is named, never read as zero.
+over a phase is named, never read as zero. Several requests' phases (`Spans`) sum into one
+report, so bench measures a phase too short for the counter over its repetitions.
 """
 
 from __future__ import annotations
@@ -50,6 +51,47 @@ class _Idle:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One phase as its counter reads bound it: the wall time between them, each counter's
+    joules (idle included), and the tokens; or why the phase has no reads."""
+
+    window_s: float
+    joules: tuple[float, ...]  # per counter, in the meter's order
+    tokens: int
+    absent: str = ""
+
+    def plus(self, other: Span) -> Span:
+        """Two repetitions' phases as one: their windows, joules and tokens summed (a phase
+        too short for the counter alone is measured over its repetitions)."""
+        if self.absent or other.absent:
+            return self if self.absent else other
+        joules = tuple(a + b for a, b in zip(self.joules, other.joules, strict=True))
+        return Span(self.window_s + other.window_s, joules, self.tokens + other.tokens)
+
+
+@dataclass(frozen=True)
+class Spans:
+    """A request's phases as read (`PhaseMeter.end`), or several requests' summed."""
+
+    stats: GenerationStats
+    load: Span
+    prefill: Span
+    decode: Span
+    failed: str = ""  # a read failed: why
+    count: int = 1  # requests summed
+
+    def plus(self, other: Spans) -> Spans:
+        return Spans(
+            stats=other.stats,
+            load=self.load.plus(other.load),
+            prefill=self.prefill.plus(other.prefill),
+            decode=self.decode.plus(other.decode),
+            failed=self.failed or other.failed,
+            count=self.count + other.count,
+        )
+
+
+@dataclass(frozen=True)
 class _Mark:
     t: float
     joules: tuple[float, ...]
@@ -84,6 +126,8 @@ class PhaseMeter:
         self._marks: dict[str, _Mark] = {}
         self._prefill_first = 0
         self._prefill_last = 0
+        self._paused: _Mark | None = None
+        self._skipped = _Mark(0.0, ())  # time and joules while paused, left out of the marks
 
     @classmethod
     def unmetered(cls, reason: str) -> PhaseMeter:
@@ -141,11 +185,32 @@ class PhaseMeter:
     def begin(self) -> None:
         """A new request: forget the previous one's marks."""
         self._marks = {}
+        self._paused = None
+        self._skipped = _Mark(0.0, tuple(0.0 for _ in self._counters))
+
+    def pause(self) -> None:
+        """The request's events stop for a while (bench draws its progress): what the
+        counters count until `resume` is left out of its phases, as the runner's clock is."""
+        if self._counters and not self._failed and (values := self._read()) is not None:
+            self._paused = _Mark(self._last_t, values)
+
+    def resume(self) -> None:
+        paused, self._paused = self._paused, None
+        if paused is None or self._failed or (values := self._read()) is None:
+            return
+        skipped = self._skipped
+        self._skipped = _Mark(
+            skipped.t + self._last_t - paused.t,
+            tuple(s + b - a for s, a, b in zip(skipped.joules, paused.joules, values, strict=True)),
+        )
 
     def _mark(self, name: str) -> None:
         values = self._read()
         if values is not None:
-            self._marks[name] = _Mark(self._last_t, values)
+            skipped = self._skipped
+            if skipped.joules:
+                values = tuple(v - s for v, s in zip(values, skipped.joules, strict=True))
+            self._marks[name] = _Mark(self._last_t - skipped.t, values)
 
     def see(self, event: Event) -> None:
         """Read the counters where this event ends or starts a phase."""
@@ -172,17 +237,59 @@ class PhaseMeter:
         """The request's last event, its stats carrying the energy report."""
         if not isinstance(finished.stats, GenerationStats):  # nothing to carry it
             return finished
+        stats = dataclasses.replace(finished.stats, energy=self.report_of(self.end(finished.stats)))
+        return Finished(stats, finished.text, finished.tail)
+
+    def end(self, stats: GenerationStats) -> Spans:
+        """The request's phases as read (its last token has been seen): sum several
+        requests' (`Spans.plus`) to report them as one (bench's repetitions)."""
+        self.finish()
+        return self.spans(stats)
+
+    def finish(self) -> None:
+        """The request's last token has been seen: its decode ends here."""
         if self._counters and not self._failed:
             self._mark("decode_end")
-        stats = dataclasses.replace(finished.stats, energy=self.report(finished.stats))
-        return Finished(stats, finished.text, finished.tail)
+
+    def spans(self, stats: GenerationStats) -> Spans:
+        """The phases read so far in this request."""
+        decode_tokens = max(0, stats.output_tokens - 1)
+        return Spans(
+            stats=stats,
+            load=self._span("load", 0, "the model was loaded before this request"),
+            prefill=self._span(
+                "prefill",
+                self._prefill_last - self._prefill_first,
+                "no prefill in this request (every prompt token was reused)",
+            ),
+            decode=self._span(
+                "decode",
+                decode_tokens,
+                "no decode in this request (fewer than two output tokens)",
+                none=decode_tokens == 0,
+            ),
+            failed=self._failed,
+        )
+
+    def _span(self, name: str, tokens: int, absent: str, *, none: bool = False) -> Span:
+        start, end = self._marks.get(f"{name}_start"), self._marks.get(f"{name}_end")
+        if start is None or end is None or none:
+            return Span(0.0, (), tokens, absent=absent)
+        gross = tuple(b - a for a, b in zip(start.joules, end.joules, strict=True))
+        return Span(end.t - start.t, gross, tokens)
 
     def report(self, stats: GenerationStats) -> EnergyReport:
         """The request's energy per phase, or why there is none."""
+        return self.report_of(self.spans(stats))
+
+    def report_of(self, spans: Spans) -> EnergyReport:
+        """The energy per phase of a request's spans (or several requests' summed), or why
+        there is none."""
+        stats = spans.stats
         if "all" in self.reasons:
             return EnergyReport(reason=self.reasons["all"])
-        if self._failed:
-            return EnergyReport(reason=self._failed)
+        if spans.failed:
+            return EnergyReport(reason=spans.failed)
         kinds = ("cpu", "gpu") if on_nvidia_gpu(stats.settings) else ("cpu",)
         used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
         missing = [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
@@ -193,58 +300,58 @@ class PhaseMeter:
             f"the {k.upper()}'s energy: {self.reasons.get(k, 'no energy counter')}" for k in missing
         )
         interval = max(self._idle[i].update_s for i in used)
-        decode_tokens = max(0, stats.output_tokens - 1)
         return EnergyReport(
             source=" + ".join(self._counters[i].name for i in used),
             idle_w=sum(self._idle[i].watts for i in used),
             idle_window_s=self.idle_window_s,
             update_interval_s=interval,
-            load=self._phase("load", used, 0, "the model was loaded before this request"),
-            prefill=self._phase(
-                "prefill",
-                used,
-                self._prefill_last - self._prefill_first,
-                "no prefill in this request (every prompt token was reused)",
-            ),
-            decode=self._phase(
-                "decode",
-                used,
-                decode_tokens,
-                "no decode in this request (fewer than two output tokens)",
-                none=decode_tokens == 0,
-            ),
+            load=self._phase(spans.load, used, spans.count),
+            prefill=self._phase(spans.prefill, used, spans.count),
+            decode=self._phase(spans.decode, used, spans.count),
             left_out=left_out,
         )
+
+    def selection(self, *, gpu: bool) -> tuple[list[Counter], float, str]:
+        """The counters that count work on this machine (the GPU's only where layers run on
+        an NVIDIA GPU), their summed idle power, and why there are none ("" when some)."""
+        if "all" in self.reasons or self._failed:
+            return [], 0.0, self.reasons.get("all") or self._failed
+        kinds = ("cpu", "gpu") if gpu else ("cpu",)
+        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
+        if not used:
+            missing = [k for k in kinds if not any(c.kind == k for c in self._counters)]
+            return [], 0.0, "; ".join(self._reason(k) for k in missing)
+        idle_w = sum(self._idle[i].watts for i in used)
+        return [self._counters[i] for i in used], idle_w, ""
 
     def _reason(self, kind: str) -> str:
         reason = self.reasons.get(kind, "no energy counter")
         return reason if kind == "cpu" else f"GPU: {reason}"
 
-    def _phase(
-        self, name: str, used: list[int], tokens: int, absent: str, *, none: bool = False
-    ) -> PhaseEnergy:
-        start, end = self._marks.get(f"{name}_start"), self._marks.get(f"{name}_end")
-        if start is None or end is None or none:
-            return PhaseEnergy(None, 0.0, tokens, absent)
-        window = end.t - start.t
+    def _phase(self, span: Span, used: list[int], count: int) -> PhaseEnergy:
+        tokens, window = span.tokens, span.window_s
+        if span.absent:
+            return PhaseEnergy(None, 0.0, tokens, span.absent)
         interval = max(self._idle[i].update_s for i in used)
+        over = f" over {count} repetitions" if count > 1 else ""
         if window < 2 * interval:
             return PhaseEnergy(
                 None,
                 window,
                 tokens,
-                f"too short for the counter: {_ms(window)} against an update every {_ms(interval)}",
+                f"too short for the counter: {_ms(window)}{over} against an update every"
+                f" {_ms(interval)}",
             )
-        gross = [end.joules[i] - start.joules[i] for i in used]
+        gross = [span.joules[i] for i in used]
         still = [self._counters[i].name for i, j in zip(used, gross, strict=True) if j <= 0]
         if still:
             return PhaseEnergy(
-                None, window, tokens, f"the {still[0]} counter stood still for {_ms(window)}"
+                None, window, tokens, f"the {still[0]} counter stood still for {_ms(window)}{over}"
             )
         net_j = sum(gross) - sum(self._idle[i].watts for i in used) * window
         updates = window / interval
         note = (
-            f"coarse: {updates:.0f} counter updates of {_ms(interval)}"
+            f"coarse: {updates:.0f} counter updates of {_ms(interval)}{over}"
             if updates < COARSE_UPDATES
             else ""
         )

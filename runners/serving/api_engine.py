@@ -221,6 +221,10 @@ class Snapshot:
 class Observer(Protocol):
     """Receives the engine's measurements on its thread (metrics); must not block."""
 
+    def before_step(self) -> None:
+        """A step is about to run (the energy counters are read around it)."""
+        ...
+
     def on_step(self, step: StepRecord) -> None: ...
 
     def on_done(self, timings: RequestTimings) -> None: ...
@@ -380,6 +384,8 @@ class EngineThread:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            if self.observer is not None:
+                self.observer.before_step()
             try:
                 events = eng.step()
             except LlmrunError as e:  # aborted by stop(), or llama.cpp failed

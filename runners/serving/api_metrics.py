@@ -2,11 +2,13 @@
 
 Beyond llama-server's token totals: the phases as histograms (queue wait, TTFT, prefill, every
 inter-token gap) and each engine step's batch composition (prefill tokens vs decode tokens), the
-figure a scheduling policy changes.
+figure a scheduling policy changes; with --energy, the joules of the steps by phase.
+The metrics are declared in tables (COUNTERS, HISTOGRAMS, GAUGES), registered in one loop each.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -16,10 +18,12 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     disable_created_metrics,
     generate_latest,
 )
 
+from llmrun.runners.energy.steps import StepEnergy
 from llmrun.runners.system import BackgroundMeter, busy_machine
 
 from .api_engine import FINISH_CANCELLED, EngineThread, RequestTimings, StepRecord
@@ -30,118 +34,167 @@ LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 GAP_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 TOKENS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
+# The counters: attribute, name, help, labels
+COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    (
+        "requests",
+        "llmrun_requests",
+        "Responses, each counted once, by route (chat, completions, models, health, metrics,"
+        " props, tokenize, other: a path with no route) and outcome (ok, bad_request,"
+        " not_found, method_not_allowed, too_large, timeout, busy, too_many_connections,"
+        " forbidden, cancelled, error).",
+        ("route", "outcome"),
+    ),
+    ("prompt_tokens", "llmrun_prompt_tokens", "Prompt tokens received.", ()),
+    (
+        "reused_tokens",
+        "llmrun_reused_tokens",
+        "Prompt tokens found in a sequence's cache (not prefilled).",
+        (),
+    ),
+    ("generated", "llmrun_generated_tokens", "Tokens generated.", ()),
+)
+
+# The histograms: attribute, name, help, buckets
+HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
+    (
+        "queue",
+        "llmrun_queue_wait_seconds",
+        "From the request's tokens to its first engine step.",
+        LATENCY_S,
+    ),
+    ("ttft", "llmrun_ttft_seconds", "From the request's arrival to its first token.", LATENCY_S),
+    (
+        "prefill",
+        "llmrun_prefill_seconds",
+        "From the first to the last step carrying the request's prompt.",
+        LATENCY_S,
+    ),
+    ("itl", "llmrun_itl_seconds", "Every gap between two generated tokens of a request.", GAP_S),
+    ("step_prefill", "llmrun_step_prefill_tokens", "Prompt tokens in each engine step.", TOKENS),
+    ("step_decode", "llmrun_step_decode_tokens", "Decode tokens in each engine step.", TOKENS),
+    ("step_seconds", "llmrun_step_seconds", "Each engine step's llama_decode.", LATENCY_S),
+)
+
+# The gauges, read when scraped: name, help, how to read it off the metrics
+GAUGES: tuple[tuple[str, str, Callable[[ServerMetrics], float]], ...] = (
+    (
+        "llmrun_requests_in_flight",
+        "Requests holding a sequence (prefilling or decoding).",
+        lambda m: m.running(),
+    ),
+    ("llmrun_requests_queued", "Requests waiting for a free sequence.", lambda m: m.queued()),
+    (
+        "llmrun_connections",
+        "Open HTTP connections (idle kept-alive ones too).",
+        lambda m: m.connections(),
+    ),
+    (
+        "llmrun_connections_max",
+        "Connections served at once (--max-connections); more get 503.",
+        lambda m: m.max_connections,
+    ),
+    (
+        "llmrun_engine_threads",
+        "CPU threads of the engine's one-token steps.",
+        lambda m: m.threads[0],
+    ),
+    (
+        "llmrun_engine_threads_batch",
+        "CPU threads of the engine's steps of more than one token.",
+        lambda m: m.threads[1],
+    ),
+    (
+        "llmrun_background_cpus",
+        "CPUs' worth of other processes' work over the last second or more (NaN where unknown).",
+        lambda m: _or_nan(m.meter.read()),
+    ),
+    (
+        "llmrun_machine_busy",
+        "1 while other processes take CPU time the engine's threads need (its figures are"
+        " then slower than this machine can do).",
+        lambda m: float(m.busy(m.meter.read())),
+    ),
+)
+
 
 class ServerMetrics:
     """The server's counters, gauges and histograms in a registry of its own."""
+
+    requests: Counter
+    prompt_tokens: Counter
+    reused_tokens: Counter
+    generated: Counter
+    queue: Histogram
+    ttft: Histogram
+    prefill: Histogram
+    itl: Histogram
+    step_prefill: Histogram
+    step_decode: Histogram
+    step_seconds: Histogram
+    running: Callable[[], float]
+    queued: Callable[[], float]
+    connections: Callable[[], float]
+    max_connections: int
+    threads: tuple[int, int]
+    meter: BackgroundMeter
 
     def __init__(
         self,
         *,
         running: Callable[[], float] = lambda: 0,
         queued: Callable[[], float] = lambda: 0,
+        energy: StepEnergy | None = None,
     ) -> None:
         disable_created_metrics()  # the *_created series say nothing a scrape needs
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "llmrun_requests",
-            "Responses, each counted once, by route (chat, completions, models,"
-            " health, metrics, props, tokenize, other: a path with no route) and"
-            " outcome (ok, bad_request, not_found, method_not_allowed, too_large,"
-            " timeout, busy, too_many_connections, forbidden, cancelled, error).",
-            ["route", "outcome"],
-            registry=r,
-        )
-        # The engine's queue (set once the engine exists: `follow`).
+        # The engine's queue and threads (set once the engine exists: `follow`); the HTTP
+        # side's open connections against --max-connections (set once it listens); other
+        # processes' load, since a busy machine slows llama.cpp's spinning threads 10-30x.
         self.running, self.queued = running, queued
-        Gauge(
-            "llmrun_requests_in_flight",
-            "Requests holding a sequence (prefilling or decoding).",
-            registry=r,
-        ).set_function(lambda: self.running())
-        Gauge(
-            "llmrun_requests_queued", "Requests waiting for a free sequence.", registry=r
-        ).set_function(lambda: self.queued())
-        # The HTTP side: open connections against --max-connections (set once it listens).
-        self.connections: Callable[[], float] = lambda: 0
+        self.connections = lambda: 0
         self.max_connections = 0
-        Gauge(
-            "llmrun_connections", "Open HTTP connections (idle kept-alive ones too).", registry=r
-        ).set_function(lambda: self.connections())
-        Gauge(
-            "llmrun_connections_max",
-            "Connections served at once (--max-connections); more get 503.",
-            registry=r,
-        ).set_function(lambda: self.max_connections)
-        self.queue = Histogram(
-            "llmrun_queue_wait_seconds",
-            "From the request's tokens to its first engine step.",
-            buckets=LATENCY_S,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "llmrun_ttft_seconds",
-            "From the request's arrival to its first token.",
-            buckets=LATENCY_S,
-            registry=r,
-        )
-        self.prefill = Histogram(
-            "llmrun_prefill_seconds",
-            "From the first to the last step carrying the request's prompt.",
-            buckets=LATENCY_S,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "llmrun_itl_seconds",
-            "Every gap between two generated tokens of a request.",
-            buckets=GAP_S,
-            registry=r,
-        )
-        self.prompt_tokens = Counter("llmrun_prompt_tokens", "Prompt tokens received.", registry=r)
-        self.reused_tokens = Counter(
-            "llmrun_reused_tokens",
-            "Prompt tokens found in a sequence's cache (not prefilled).",
-            registry=r,
-        )
-        self.generated = Counter("llmrun_generated_tokens", "Tokens generated.", registry=r)
-        self.step_prefill = Histogram(
-            "llmrun_step_prefill_tokens",
-            "Prompt tokens in each engine step.",
-            buckets=TOKENS,
-            registry=r,
-        )
-        self.step_decode = Histogram(
-            "llmrun_step_decode_tokens",
-            "Decode tokens in each engine step.",
-            buckets=TOKENS,
-            registry=r,
-        )
-        self.step_seconds = Histogram(
-            "llmrun_step_seconds", "Each engine step's llama_decode.", buckets=LATENCY_S, registry=r
-        )
-        # The machine: the engine's threads (set once the engine exists) and other processes'
-        # load, since a busy machine slows llama.cpp's spinning threads 10-30x.
         self.threads = (0, 0)
         self.meter = BackgroundMeter(window_s=1.0)
-        Gauge(
-            "llmrun_engine_threads", "CPU threads of the engine's one-token steps.", registry=r
-        ).set_function(lambda: self.threads[0])
-        Gauge(
-            "llmrun_engine_threads_batch",
-            "CPU threads of the engine's steps of more than one token.",
+        for attr, name, doc, labels in COUNTERS:
+            setattr(self, attr, Counter(name, doc, labels, registry=r))
+        for attr, name, doc, buckets in HISTOGRAMS:
+            setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=r))
+        for name, doc, read in GAUGES:
+            Gauge(name, doc, registry=r).set_function(functools.partial(read, self))
+        self.energy = energy
+        if energy is not None:
+            self._energy_metrics(energy)
+
+    def _energy_metrics(self, energy: StepEnergy) -> None:
+        """Joules and seconds of the engine's steps by phase, and the source or why there is
+        none: without a source the counters have no sample at all (absent, never a zero)."""
+        r = self.registry
+        Info(
+            "llmrun_energy",
+            "The energy counters read (source), or why there are none (reason).",
             registry=r,
-        ).set_function(lambda: self.threads[1])
-        Gauge(
-            "llmrun_background_cpus",
-            "CPUs' worth of other processes' work over the last"
-            " second or more (NaN where unknown).",
+        ).info({"source": energy.source if energy.measured else "", "reason": energy.reason})
+        self.energy_joules = Counter(
+            "llmrun_energy_joules",
+            "Joules the energy counters counted during the engine's steps, idle included, by"
+            " what the steps carried (prefill, decode, or mixed: both); above idle:"
+            " this - llmrun_energy_idle_watts * llmrun_energy_seconds_total.",
+            ["phase"],
             registry=r,
-        ).set_function(lambda: _or_nan(self.meter.read()))
-        Gauge(
-            "llmrun_machine_busy",
-            "1 while other processes take CPU time the engine's"
-            " threads need (its figures are then slower than this machine can do).",
+        )
+        self.energy_seconds = Counter(
+            "llmrun_energy_seconds",
+            "Seconds between the energy counters' reads around the engine's steps, by phase.",
+            ["phase"],
             registry=r,
-        ).set_function(lambda: float(self.busy(self.meter.read())))
+        )
+        if energy.measured:
+            Gauge(
+                "llmrun_energy_idle_watts",
+                "The counters' mean power over the idle window measured before serving.",
+                registry=r,
+            ).set(energy.idle_w)
 
     def follow(self, engine: EngineThread) -> None:
         """Read the gauges of `engine`, which this registry observes (`on_step`, `on_done`)."""
@@ -151,7 +204,16 @@ class ServerMetrics:
     def busy(self, background: float | None) -> bool:
         return busy_machine(background, max(self.threads))
 
+    def before_step(self) -> None:
+        if self.energy is not None:
+            self.energy.before()
+
     def on_step(self, step: StepRecord) -> None:
+        if self.energy is not None:
+            reading = self.energy.after(n_prefill=step.n_prefill, n_decode=step.n_decode)
+            if reading is not None:
+                self.energy_joules.labels(reading.phase).inc(reading.joules)
+                self.energy_seconds.labels(reading.phase).inc(reading.seconds)
         self.step_prefill.observe(step.n_prefill)
         self.step_decode.observe(step.n_decode)
         self.step_seconds.observe(step.duration_s)

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp
 
 from llmrun.runners.base import Request, Runner
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.energy.steps import open_steps
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
 
@@ -89,7 +90,7 @@ def start(
         loaded = runner.load(n_seq=settings.n_seq, warm_up=False)
         policy = policy or Policy.parse(f"chunked:{loaded.settings.n_batch}")
         runner.request_tokens(Request.chat("hi"))  # the template compiled before any request
-        metrics = ServerMetrics()
+        metrics = ServerMetrics(energy=open_steps(settings.energy, loaded.settings))
         engine = EngineThread(
             runner,
             n_seq=settings.n_seq,

@@ -26,3 +26,4 @@ class ServerSettings:
     origins: frozenset[str] = frozenset()  # --allow-origin, parsed (api_access.parse_origins)
     drain_s: float = 30.0  # how long SIGTERM waits for the requests in flight
     alias: str | None = None  # the model's name in /v1/models; None: the file's name
+    energy: str = "auto"  # --energy: on, auto or off (/metrics' joules by phase)
