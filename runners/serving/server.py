@@ -70,7 +70,8 @@ def start(
 ) -> int | None:
     """Serve until a signal; returns the signal that stopped it (None: none). BadRequestError
     for what the settings ask that cannot be (a bad policy, a model that is not local, a port
-    that cannot be bound), before the model loads."""
+    that cannot be bound), before the model loads; `--energy on` with no counter to read, once
+    it has loaded (whether NVML counts depends on where the layers went)."""
     policy = Policy.parse(settings.policy) if settings.policy is not None else None
     runner = make_runner(settings.model, settings.engine)
     if not isinstance(runner, LlamaCppRunner):
