@@ -29,7 +29,7 @@ from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
-from llmrun.runners.serving.engine import Arrival, BatchedEngine
+from llmrun.runners.serving.batching import Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

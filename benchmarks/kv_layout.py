@@ -26,7 +26,7 @@ from batched import Run, engine_run
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
-from llmrun.runners.serving.engine import BatchedEngine
+from llmrun.runners.serving.batching import BatchedEngine
 from tests.llama_tools import llama_batched_bench
 
 LAYOUTS = (True, False)  # unified, one stream per sequence

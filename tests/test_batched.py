@@ -14,7 +14,7 @@ from llmrun.runners.base import Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.engine import Arrival, BatchedEngine
+from llmrun.runners.serving.batching import Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
 from .conftest import which_llmrun

@@ -381,7 +381,7 @@ def test_the_servers_metrics_say_whether_the_machine_is_busy(
 def test_a_request_the_interrupt_cut_counts_as_cancelled_not_as_finished() -> None:
     """An interrupted local level keeps its requests, but one cut mid-decode is no finished
     request with a short output: its throughput and E2E would flatter the level."""
-    from llmrun.runners.serving.engine import FINISH_CANCELLED, FINISH_LENGTH, SeqResult
+    from llmrun.runners.serving.batching import FINISH_CANCELLED, FINISH_LENGTH, SeqResult
     from llmrun.runners.serving.local import request_result
 
     done = SeqResult(0.0, 8, output=[1, 2], times=[0.1, 0.2], started_s=0.0, finish=FINISH_LENGTH)

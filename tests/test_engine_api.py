@@ -19,7 +19,7 @@ from llmrun.runners.handles import Sampler
 from llmrun.runners.library import LOG_LINES, AbortFlag, llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.api_engine import Done, EngineThread, Failed, Job, Outcome, Piece
-from llmrun.runners.serving.engine import FINISH_CANCELLED, Arrival, BatchedEngine, Handle
+from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine, Handle
 from llmrun.runners.serving.policy import Policy
 
 from .greedy import NEAR_TIE, margin_at_divergence

@@ -16,7 +16,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.contexts import kv_unified_of
 from llmrun.runners.library import llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.engine import BatchedEngine
+from llmrun.runners.serving.batching import BatchedEngine
 from llmrun.runners.serving.load import ServingLevel, metrics
 from llmrun.runners.serving.parallel import serve_requests
 

@@ -142,7 +142,7 @@ def serving() -> tuple[Fitted, tuple[str, ...]]:
 
 def interference() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.cli.bench.interference import _table
-    from llmrun.runners.serving.engine import Step
+    from llmrun.runners.serving.batching import Step
     from llmrun.runners.serving.interference import InterferenceReport
 
     steps = tuple(Step(i * 0.5, 0.4, 1, 512 * (i % 2)) for i in range(40))

@@ -28,7 +28,7 @@ from llmrun.runners.library import AbortFlag
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
-from .engine import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
+from .batching import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
 from .policy import Policy
 
 

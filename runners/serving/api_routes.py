@@ -77,7 +77,7 @@ from .api_responses import (
     UsageChunk,
     error_body,
 )
-from .engine import FINISH_ERROR
+from .batching import FINISH_ERROR
 
 SHUTTING_DOWN = "the server is shutting down"
 

@@ -11,7 +11,7 @@ from llmrun.runners.progress import Tally
 from llmrun.runners.stats import percentile
 from llmrun.runners.system import busy_machine
 
-from .engine import Arrival, BatchedEngine, Step
+from .batching import Arrival, BatchedEngine, Step
 from .policy import Policy
 
 

@@ -15,7 +15,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import Tally
 from llmrun.runners.system import cpu_sample, measured_background
 
-from .engine import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
+from .batching import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
 from .interference import LONG_TOKENS, InterferenceReport, interference
 from .load import RequestResult, ServingLevel, metrics
 from .options import InterferenceOptions, ServeOptions, Stage

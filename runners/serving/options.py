@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.lists import parse_values
 from llmrun.runners.progress import Tally
-from llmrun.runners.serving.engine import Policy
+from llmrun.runners.serving.batching import Policy
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
 # Below one request a minute on average a level would run for hours (1e-9: for ever).

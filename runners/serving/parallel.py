@@ -22,7 +22,7 @@ from llmrun.runners.stats import (
 )
 from llmrun.runners.system import cpu_sample, measured_background
 
-from .engine import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, SeqResult
+from .batching import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, SeqResult
 from .policy import Policy
 
 Outcome = Finished | LlmrunError  # a request's: its result, or the error that stopped it alone

@@ -40,7 +40,7 @@ from .api_engine import EngineThread
 from .api_http import RETRY_AFTER_S, Metering, Report, outcome_of, refusal
 from .api_metrics import ServerMetrics
 from .api_routes import Served, create_app
-from .engine import Policy
+from .batching import Policy
 from .server_settings import ServerSettings
 from .uvicorn_patch import HttpServer, guarded_protocol
 
