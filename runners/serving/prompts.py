@@ -363,7 +363,7 @@ def _sharegpt(path: Path) -> list[Entry]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise _fail(path, "", f"not UTF-8 text (byte {e.start:,})") from None
+        raise _fail(path, "", f"not UTF-8 text (at byte offset {e.start:,})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -406,7 +406,7 @@ def _jsonl(path: Path) -> Iterator[Entry]:
             try:
                 text = line.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise _fail(path, where, f"not UTF-8 text (byte {e.start + 1})") from None
+                raise _fail(path, where, f"not UTF-8 text (at byte offset {e.start:,} of the line)") from None
             if not text.strip():
                 continue
             try:
