@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.bench.serve import serving_table
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.serving.load import (
     ServingLevel,
@@ -28,6 +29,7 @@ from llmrun.runners.serving.load import (
     send,
     serve_remote,
 )
+from llmrun.runners.serving.local import round_prompts
 from llmrun.runners.serving.options import ServeOptions
 from llmrun.runners.serving.prompts import (
     FreshPrompts,
@@ -280,7 +282,10 @@ def test_jsonl_dataset(tmp_path: Path) -> None:
         (b'{"prompt": "a", "output_len": true}\n', "line 1: 'output_len' is not a whole number"),
         (b'{"prompt": "a", "max_tokens": "9"}\n', "line 1: 'max_tokens' is not a whole number"),
         (b'{"prompt": "\\ud800"}\n', "line 1: 'prompt' is missing or not text"),
-        (b'{"prompt": "ok"}\n{"prompt": "\xff\xfe"}\n', "line 2: not UTF-8 text (at byte offset 12 of the line)"),
+        (
+            b'{"prompt": "ok"}\n{"prompt": "\xff\xfe"}\n',
+            "line 2: not UTF-8 text (at byte offset 12 of the line)",
+        ),
         (b"[" * 100_000, "not JSON"),
         (b'{"a":' * 100_000, "line 1: not JSON"),
         (b'{"conversations": 3}', "line 1: 'prompt' is missing"),
@@ -354,3 +359,25 @@ def test_shared_prefix_is_for_random_prompts_only(cli: CliRunner, tmp_path: Path
     result = cli.invoke(app, ["bench", "serve", "--dataset", str(path), "--shared-prefix", "4"])
     assert result.exit_code == 1
     assert "--shared-prefix: random prompts only" in result.stderr
+
+
+# ---- this machine's engine ---------------------------------------------------------------------
+
+
+def test_local_rounds_get_fresh_token_prompts(runner: LlamaCppRunner, tmp_path: Path) -> None:
+    made, per_seq = round_prompts(runner, _options(shared_prefix=5))
+    rounds = [made() for _ in range(3)]  # three rounds (levels or policies)
+    prompts = [list(t) for warm, measured in rounds for t, _ in [*warm, *measured]]
+    assert len(prompts) == 3 * (1 + 8)
+    assert {common_prefix(a, b) for a, b in itertools.combinations(prompts, 2)} == {5}
+    assert per_seq >= max(len(p) + n for w, m in rounds for p, n in [*w, *m])
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Question {i}: why is the sky blue?"}) + "\n" for i in range(9)
+        )
+    )
+    made, _ = round_prompts(runner, _options(dataset=read_dataset(path)))
+    warm, measured = made()
+    assert len(warm) == 1 and len(measured) == 8
+    assert all(n == 4 for _, n in measured)  # no output length in the file: --output-len
