@@ -9,7 +9,7 @@ import io
 import itertools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,7 +56,7 @@ def _options(**kw: object) -> ServeOptions:
     return ServeOptions(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def _longest_shared(prompts: list[list[object]]) -> int:
+def _longest_shared(prompts: Sequence[Sequence[object]]) -> int:
     return max(common_prefix(a, b) for a, b in itertools.combinations(prompts, 2))
 
 

@@ -406,7 +406,8 @@ def _jsonl(path: Path) -> Iterator[Entry]:
             try:
                 text = line.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise _fail(path, where, f"not UTF-8 text (at byte offset {e.start:,} of the line)") from None
+                why = f"not UTF-8 text (at byte offset {e.start:,} of the line)"
+                raise _fail(path, where, why) from None
             if not text.strip():
                 continue
             try:
