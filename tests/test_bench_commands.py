@@ -88,6 +88,8 @@ SAMPLES: dict[str, list[str]] = {
     "--input-len": ["--input-len", "16"],
     "--output-len": ["--output-len", "8"],
     "--range-ratio": ["--range-ratio", "0.5"],
+    "--shared-prefix": ["--shared-prefix", "8"],
+    "--dataset": ["--dataset", "README.md"],  # not JSONL: refused in one line
     "--warmup": ["--warmup", "2"],
     "--percentiles": ["--percentiles", "50"],
     "--slo": ["--slo", "ttft:100"],

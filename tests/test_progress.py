@@ -373,7 +373,8 @@ def test_serving_against_a_server_counts_prompts_and_requests(cli: CliRunner, ho
     assert result.exit_code == 0, result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert lines == [
-        "llmrun: preparing prompts (counting tokens with the server's tokenizer): 4 prompts",
+        # each level its own prompts: 2 x (3 + 1 warm-up)
+        "llmrun: preparing prompts (counting tokens with the server's tokenizer): 8 prompts",
         "llmrun: c=1 warm-up: 1 requests",
         "llmrun: c=1 rate=inf: 3 requests",
         "llmrun: c=2 warm-up: 1 requests",

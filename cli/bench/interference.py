@@ -188,6 +188,12 @@ def interference_sentence(result: sv.InterferenceResult) -> str:
         f" p99 {rec['itl_p99_alone_ms']} -> {rec['itl_p99_loaded_ms']} ms"
         f" (x{rec['itl_p99_ratio']}); its TTFT {rec['ttft_alone_ms']} -> {rec['ttft_loaded_ms']}"
         f" ms; {rec['background_requests']} long prompts sent"
+        + (
+            f"; prompt tokens the server took from its cache: {rec['cached_tokens_alone']}"
+            f" alone, {rec['cached_tokens_loaded']} loaded"
+            if rec["cached_tokens_alone"] or rec["cached_tokens_loaded"]
+            else ""
+        )
     )
 
 

@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -28,6 +29,7 @@ from llmrun.runners.serving.options import (
     parse_rate,
     parse_slo,
 )
+from llmrun.runners.serving.prompts import read_dataset
 
 from . import output as out
 from .serving import (
@@ -53,7 +55,8 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions(OptionRecord):
-    """The load: vLLM's random dataset at each concurrency level, and what is reported."""
+    """The load: vLLM's random dataset (or a file's prompts) at each concurrency level, and
+    what is reported."""
 
     concurrency: Annotated[
         str, _opt("Requests in flight: a list such as 1,4,16.", "--concurrency")
@@ -75,6 +78,28 @@ class LoadOptions(OptionRecord):
             max=0.99,
         ),
     ] = 0.0
+    shared_prefix: Annotated[
+        int,
+        _opt(
+            "Tokens every prompt starts with, the same in all (against a server: words); beyond"
+            " them no two prompts share a prefix, at any level. vLLM's --random-prefix-len.",
+            "--shared-prefix",
+            min=0,
+        ),
+    ] = 0
+    dataset: Annotated[
+        Path | None,
+        _opt(
+            "Real prompts: ShareGPT JSON (vLLM's sharegpt loader) or JSONL ('prompt' and"
+            " optionally 'output_len' a line). Lengths come from the data, filtered as vLLM"
+            " does; --num-prompts are sampled with --seed. --input-len and --range-ratio"
+            " do not apply.",
+            "--dataset",
+            exists=True,
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None
     warmup: Annotated[
         int | None,
         _opt(
@@ -98,7 +123,10 @@ class LoadOptions(OptionRecord):
     ] = None
 
     def serve_options(self, *, endpoint: str | None, seed: int, policy: str) -> ServeOptions:
-        """The job's record, each list parsed; the local engine's policies without a server."""
+        """The job's record, each list parsed and the dataset read; the local engine's policies
+        without a server."""
+        if self.dataset is not None and self.shared_prefix:
+            raise BadRequestError("--shared-prefix: random prompts only, not with --dataset")
         return ServeOptions(
             concurrency=parse_concurrency(self.concurrency),
             request_rate=parse_rate(self.request_rate),
@@ -111,6 +139,8 @@ class LoadOptions(OptionRecord):
             slo=parse_slo(self.slo),
             seed=seed,
             policies=() if endpoint else parse_policies(policy),
+            shared_prefix=self.shared_prefix,
+            dataset=read_dataset(self.dataset) if self.dataset is not None else None,
         )
 
 
@@ -284,9 +314,21 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
             key = f"{stat}_{name}_ms"
             rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
-    for label, cell in rows:
-        table.add_row(label, *(cell(level.metrics) for level in levels))
+    cells = [(label, _of_metrics(cell)) for label, cell in rows]
+    if any(level.cached_tokens is not None for level in levels):
+        # what the server said it took from its cache: fresh prompts should leave it at 0
+        cells.insert(1, ("prompt tokens / cached", _cached))
+    for label, level_cell in cells:
+        table.add_row(label, *(level_cell(level) for level in levels))
     return fitted(table, by_column=True)
+
+
+def _of_metrics(cell: Callable[[sv.ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
+    return lambda level: cell(level.metrics)
+
+
+def _cached(level: sv.ServingLevel) -> str:
+    return f"{level.metrics.total_input_tokens:,} / {_num(level.cached_tokens, ',')}"
 
 
 # The md table's columns (the other formats carry every figure)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from llmrun.runners.remote import OpenAIRunner
 
-LOAD = "Load (vLLM's random dataset)"
+LOAD = "Load (vLLM's random dataset, or --dataset)"
 LOCAL = "This machine's engine (without --endpoint)"
 
 

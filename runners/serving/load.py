@@ -20,7 +20,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,104 +33,7 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
 from llmrun.runners.system import busy_machine
 
 from .options import InterferenceOptions, ServeOptions, Stage
-
-WORDS = (
-    "time",
-    "person",
-    "year",
-    "way",
-    "day",
-    "thing",
-    "man",
-    "world",
-    "life",
-    "hand",
-    "part",
-    "child",
-    "eye",
-    "woman",
-    "place",
-    "work",
-    "week",
-    "case",
-    "point",
-    "government",
-    "company",
-    "number",
-    "group",
-    "problem",
-    "fact",
-    "water",
-    "room",
-    "mother",
-    "area",
-    "money",
-    "story",
-    "month",
-    "lot",
-    "right",
-    "study",
-    "book",
-    "word",
-    "business",
-    "issue",
-    "side",
-    "kind",
-    "head",
-    "house",
-    "service",
-    "friend",
-    "father",
-    "power",
-    "hour",
-    "game",
-    "line",
-    "end",
-    "member",
-    "law",
-    "car",
-    "city",
-    "community",
-    "name",
-    "president",
-    "team",
-    "minute",
-    "idea",
-    "kid",
-    "body",
-    "information",
-    "back",
-    "parent",
-    "face",
-    "others",
-    "level",
-    "office",
-    "door",
-    "health",
-    "art",
-    "war",
-    "history",
-    "party",
-    "result",
-    "change",
-    "morning",
-    "reason",
-    "research",
-    "girl",
-    "guy",
-    "moment",
-    "air",
-    "teacher",
-    "force",
-    "education",
-)
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    text: str
-    input_tokens: int
-    max_tokens: int
+from .prompts import FreshPrompts, PromptSpec, random_lengths, text_prompts
 
 
 @dataclass
@@ -141,6 +44,7 @@ class RequestResult:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server took from its cache (None: unsaid)
 
     @property
     def ok(self) -> bool:
@@ -151,35 +55,6 @@ class RequestResult:
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def make_prompts(
-    runner: OpenAIRunner,
-    *,
-    count: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    seed: int,
-    progress: Tally | None = None,
-) -> list[PromptSpec]:
-    """Random-word prompts of about `input_len` tokens (counted by the server's tokenizer where
-    it has one), lengths uniform within ±range_ratio, as vLLM's random dataset."""
-    rng = random.Random(seed)
-
-    def length(mean: int) -> int:
-        low, high = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
-        return rng.randint(low, high)
-
-    prompts = []
-    for _ in range(count):
-        n_in = length(input_len)
-        text = " ".join(rng.choice(WORDS) for _ in range(n_in))
-        n_tokens = runner.count_tokens(Request(prompt=text))
-        prompts.append(PromptSpec(text, n_tokens, length(output_len)))
-        if progress is not None:
-            progress.add(1)
-    return prompts
 
 
 def _streamed(
@@ -219,6 +94,9 @@ def send(
         result.ttft_s = s.ttft_s
     if server is not None and server.usage_reported and s.prompt_tokens:
         result.input_tokens = s.prompt_tokens
+    said = server is not None and server.timings is not None and server.timings.cache_n is not None
+    if said or s.reused_tokens:  # llama-server's cache_n, OpenAI's cached_tokens, llmrun's
+        result.cached_tokens = s.reused_tokens
     result.output_tokens = s.output_tokens
     if s.finish_reason == FINISH_INCOMPLETE:
         result.error = str(server.error if server is not None else "incomplete")
@@ -397,6 +275,9 @@ class Interference:
             "ttft_loaded_ms": round(self.loaded.ttft_s * 1000, 3) if self.loaded.ttft_s else None,
             "background_requests": len(self.background),
             "background_failed": sum(not r.ok for r in self.background),
+            # what the server said it took from its cache (None: it did not say)
+            "cached_tokens_alone": self.alone.cached_tokens,
+            "cached_tokens_loaded": self.loaded.cached_tokens,
         }
         for q in ("p50", "p99"):
             alone, loaded = rec[f"itl_{q}_alone_ms"], rec[f"itl_{q}_loaded_ms"]
@@ -469,6 +350,11 @@ class ServingLevel:
     n_threads_batch: int | None = None
     background_cpus: float | None = None
     kv_unified: bool | None = None  # the local engine's KV layout, read back from its context
+    # Prompt tokens of the completed requests that the server (or engine) took from its cache;
+    # None: no request's answer said.
+    cached_tokens: int | None = None
+    shared_prefix: int = 0  # tokens (a server's: words) every prompt shares, on purpose
+    dataset: Mapping[str, str] = field(default_factory=dict)  # --dataset: its name and sha256
 
     @property
     def layout(self) -> str:
@@ -492,6 +378,8 @@ class ServingLevel:
             f"serve c{self.concurrency} r{self.rate_text}"
             + (f" {self.policy}" if self.policy else "")
             + self.layout
+            + (f" prefix{self.shared_prefix}" if self.shared_prefix else "")
+            + (f" ds={self.dataset['dataset_sha256'][:8]}" if self.dataset else "")
         )
 
     @property
@@ -520,6 +408,9 @@ class ServingLevel:
             "avg_ts": self.metrics.output_throughput or 0.0,
             "stddev_ts": round(self.spread, 4),
             **self.metrics.record(),
+            "total_cached_tokens": self.cached_tokens,
+            **({"shared_prefix": self.shared_prefix} if self.shared_prefix else {}),
+            **self.dataset,
             "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
             **(
@@ -564,12 +455,20 @@ class InterferenceResult:
         }
 
 
+LevelPrompts = tuple[list[PromptSpec], list[PromptSpec]]  # a level's warm-up, measured
+
+
+def cached_total(results: Sequence[RequestResult]) -> int | None:
+    """The prompt tokens the completed requests took from the server's cache (None: unsaid)."""
+    said = [r.cached_tokens for r in results if r.ok and r.cached_tokens is not None]
+    return sum(said) if said else None
+
+
 def run_levels(
     runner: OpenAIRunner,
     *,
     levels: Sequence[int],
-    prompts: Sequence[PromptSpec],
-    warm: Sequence[PromptSpec],
+    prompts: Sequence[LevelPrompts],
     request_rate: float,
     input_len: int,
     output_len: int,
@@ -577,11 +476,13 @@ def run_levels(
     percentiles: Sequence[float],
     slo: dict[str, float],
     cancel: threading.Event,
+    shared_prefix: int = 0,
+    dataset: Mapping[str, str] | None = None,
 ) -> Iterator[Stage | ServingLevel]:
     """Each concurrency level after its warm-up requests, each announced with its count of
-    requests; stops after the level Ctrl-C cut."""
+    requests; stops after the level Ctrl-C cut. Each level has its own prompts."""
     name = runner.model_name or ""
-    for level in levels:
+    for level, (warm, measured) in zip(levels, prompts, strict=True):
         if cancel.is_set():
             return
         if warm:
@@ -589,11 +490,11 @@ def run_levels(
             yield Stage(f"c={level} warm-up", tally)
             for prompt in warm:
                 send(runner, prompt, cancel, tally)
-        tally = Tally(len(prompts), sum(p.max_tokens for p in prompts))
+        tally = Tally(len(measured), sum(p.max_tokens for p in measured))
         yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
         results, duration = run_load(
             runner,
-            prompts,
+            measured,
             concurrency=level,
             request_rate=request_rate,
             seed=seed,
@@ -605,11 +506,14 @@ def run_levels(
             model=name,
             concurrency=level,
             request_rate=request_rate,
-            num_prompts=len(prompts),
+            num_prompts=len(measured),
             input_len=input_len,
             output_len=output_len,
             metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
             interrupted=cancel.is_set(),
+            cached_tokens=cached_total(results),
+            shared_prefix=shared_prefix,
+            dataset=dict(dataset or {}),
         )
 
 
@@ -637,34 +541,19 @@ def run_interference(
     cancel: threading.Event,
 ) -> Iterator[Stage | InterferenceResult]:
     """One steady client (a short prompt, at least 64 tokens out) against `rate` long prompts
-    per second for about eight seconds' worth of arrivals: its prompts made, then measured."""
+    per second for about eight seconds' worth of arrivals: its prompts made (each its own, so a
+    caching server prefills every one), then measured."""
     count = long_prompt_count(rate)
     making = Tally(3 + count)
     yield Stage(
         "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
     )
-    steady = make_prompts(
-        runner,
-        count=3,
-        input_len=input_len,
-        output_len=max(output_len, STEADY_MIN_TOKENS),
-        range_ratio=0.0,
-        seed=seed,
-        progress=making,
-    )
+    fresh = FreshPrompts(seed, "interference")
+    counted = _counter(runner)
+    steady_len = (input_len, max(output_len, STEADY_MIN_TOKENS))
+    steady = text_prompts(counted, fresh, [steady_len] * 3, lambda: making.add(1))
     steady[0] = PromptSpec(steady[0].text, steady[0].input_tokens, WARMUP_TOKENS)
-    long_prompts = [
-        PromptSpec(p.text, p.input_tokens, 1)
-        for p in make_prompts(
-            runner,
-            count=count,
-            input_len=prompt_len,
-            output_len=1,
-            range_ratio=0.0,
-            seed=seed + 2,
-            progress=making,
-        )
-    ]
+    long_prompts = text_prompts(counted, fresh, [(prompt_len, 1)] * count, lambda: making.add(1))
     tally = Tally(3 + count, sum(p.max_tokens for p in steady) + count)
     yield Stage(
         f"one client alone, then while {count} prompts of {prompt_len} tokens arrive at {rate:g}/s",
@@ -682,45 +571,77 @@ def run_interference(
     yield InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
 
 
+def _counter(runner: OpenAIRunner) -> Callable[[str], int]:
+    """A prompt's tokens by the server's tokenizer where it has one."""
+    return lambda text: runner.count_tokens(Request(prompt=text))
+
+
+def level_prompts(
+    runner: OpenAIRunner, options: ServeOptions, tick: Callable[[], None]
+) -> list[LevelPrompts]:
+    """Each level's warm-up and measured prompts, none repeated: fresh random ones (the same
+    lengths at every level), or the dataset's, sampled without repeats."""
+    n, w, levels = options.num_prompts, options.warmup, len(options.concurrency)
+    counted = _counter(runner)
+    if options.dataset is not None:
+        sampled = options.dataset.sample(
+            counted,
+            count=levels * (n + w),
+            seed=options.seed,
+            output_len=options.output_len,
+            progress=tick,
+        )
+        rounds = [sampled[i * (n + w) : (i + 1) * (n + w)] for i in range(levels)]
+        return [
+            ([PromptSpec(p.text, p.input_tokens, min(p.max_tokens, 16)) for p in r[:w]], r[w:])
+            for r in rounds
+        ]
+    fresh = FreshPrompts(options.seed, "serve", options.shared_prefix)
+    lengths = random_lengths(
+        n,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        range_ratio=options.range_ratio,
+        seed=options.seed,
+    )
+    warm_lengths = [(options.input_len, min(options.output_len, 16))] * w
+    return [
+        (
+            text_prompts(counted, fresh, warm_lengths, tick),
+            text_prompts(counted, fresh, lengths, tick),
+        )
+        for _ in range(levels)
+    ]
+
+
 def serve_remote(
     runner: OpenAIRunner, options: ServeOptions, *, cancel: threading.Event
 ) -> Iterator[Stage | ServingLevel]:
     """The serving benchmark against the runner's server: prompts counted with its tokenizer,
     then each concurrency level after its warm-up requests."""
-    making = Tally(options.num_prompts + options.warmup)
+    making = Tally(len(options.concurrency) * (options.num_prompts + options.warmup))
     yield Stage(
         "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
     )
-    prompts = make_prompts(
-        runner,
-        count=options.num_prompts,
-        input_len=options.input_len,
-        output_len=options.output_len,
-        range_ratio=options.range_ratio,
-        seed=options.seed,
-        progress=making,
-    )
-    warm = make_prompts(
-        runner,
-        count=options.warmup,
-        input_len=options.input_len,
-        output_len=min(options.output_len, 16),
-        range_ratio=0.0,
-        seed=options.seed + 1,
-        progress=making,
-    )
+    prompts = level_prompts(runner, options, lambda: making.add(1))
+    input_len, output_len = options.input_len, options.output_len
+    if options.dataset is not None:  # the data's lengths: the mean of what was sampled
+        measured = [p for _, level in prompts for p in level]
+        input_len = round(sum(p.input_tokens for p in measured) / len(measured))
+        output_len = round(sum(p.max_tokens for p in measured) / len(measured))
     yield from run_levels(
         runner,
         levels=options.concurrency,
         prompts=prompts,
-        warm=warm,
         request_rate=options.request_rate,
-        input_len=options.input_len,
-        output_len=options.output_len,
+        input_len=input_len,
+        output_len=output_len,
         seed=options.seed,
         percentiles=options.percentiles,
         slo=dict(options.slo),
         cancel=cancel,
+        shared_prefix=options.shared_prefix,
+        dataset=options.dataset.record() if options.dataset is not None else None,
     )
 
 

@@ -1,6 +1,7 @@
-"""The serving benchmark and the interference lab on this machine's engine, in-process: random
-prompts, one batched context per concurrency level, every scheduling policy in turn. They yield
-what they are doing (`Stage`) and typed results; the terminal is the caller's."""
+"""The serving benchmark and the interference lab on this machine's engine, in-process: fresh
+random prompts (prompts.py) or a dataset's, one batched context per concurrency level, every
+scheduling policy in turn. They yield what they are doing (`Stage`) and typed results; the
+terminal is the caller's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import math
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from llmrun.runners.base import Request
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -17,9 +18,12 @@ from llmrun.runners.system import cpu_sample, measured_background
 
 from .batching import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
 from .interference import LONG_TOKENS, InterferenceReport, interference
-from .load import RequestResult, ServingLevel, metrics
+from .load import RequestResult, ServingLevel, cached_total, metrics
 from .options import InterferenceOptions, ServeOptions, Stage
 from .policy import Policy
+from .prompts import FreshPrompts, random_lengths
+
+TokenPrompt = tuple[tuple[int, ...], int]  # a request's prompt tokens and output budget
 
 STREAM_PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_LONG_PROMPTS = 8
@@ -36,6 +40,7 @@ def request_result(r: SeqResult) -> RequestResult:
         latency_s=r.e2e_s or 0.0,
         itl_s=r.gaps_s,
         error="cancelled" if r.finish == FINISH_CANCELLED or not r.times else None,
+        cached_tokens=0,  # the benchmark's engines keep no prefix (keep_prefix off)
     )
 
 
@@ -68,28 +73,57 @@ def serve(
     return results, end
 
 
+def round_prompts(
+    runner: LlamaCppRunner, options: ServeOptions
+) -> tuple[Callable[[], tuple[list[TokenPrompt], list[TokenPrompt]]], int]:
+    """What makes each round's (level and policy's) warm-up and measured prompts, and the tokens
+    a sequence needs. Random ones are fresh every round, their lengths the same; a dataset's
+    are the same every round (the engine starts each round with its KV cache empty, so there
+    is no cache to answer from)."""
+    if options.dataset is not None:
+
+        def counted(text: str) -> int:
+            return len(runner.tokenize(text, add_special=True))
+
+        w = options.warmup
+        sampled = options.dataset.sample(
+            counted, count=options.num_prompts + w, seed=options.seed, output_len=options.output_len
+        )
+        tokens = [(tuple(runner.tokenize(p.text, add_special=True)), p.max_tokens) for p in sampled]
+        warm = [(t, min(n, 16)) for t, n in tokens[:w]]
+        per_seq = max(len(t) + n for t, n in tokens) + 8
+        return lambda: (warm, tokens[w:]), per_seq
+    n_vocab = runner.vocab_size()
+    fresh = FreshPrompts(options.seed, "serve", options.shared_prefix)
+    lengths = random_lengths(
+        options.num_prompts,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        range_ratio=options.range_ratio,
+        seed=options.seed,
+    )
+    warm_lengths = [(options.input_len, min(options.output_len, 16))] * options.warmup
+
+    def made() -> tuple[list[TokenPrompt], list[TokenPrompt]]:
+        warm = [(fresh.tokens(i, n_vocab), o) for i, o in warm_lengths]
+        return warm, [(fresh.tokens(i, n_vocab), o) for i, o in lengths]
+
+    per_seq = options.shared_prefix + max(i + o for i, o in [*lengths, *warm_lengths]) + 8
+    return made, per_seq
+
+
 def serve_local(
     runner: LlamaCppRunner, options: ServeOptions, *, cancel: threading.Event
 ) -> Iterator[Stage | ServingLevel]:
     """Every concurrency level under every policy: vLLM's metrics from the engine's own
     time stamps. Warm-up requests (untimed) precede each level's measured ones."""
     name = _model_name(runner)
-    rng = random.Random(options.seed)
-    n_vocab = runner.vocab_size()
-
-    def length(mean: int) -> int:
-        low = max(1, round(mean * (1 - options.range_ratio)))
-        return rng.randint(low, max(low, round(mean * (1 + options.range_ratio))))
-
-    prompts = [
-        (
-            tuple(rng.randrange(n_vocab) for _ in range(length(options.input_len))),
-            length(options.output_len),
-        )
-        for _ in range(options.num_prompts)
-    ]
-    warm = [(p, min(n, 16)) for p, n in prompts[: options.warmup]]
-    per_seq = max(len(p) + n for p, n in prompts) + 8
+    made, per_seq = round_prompts(runner, options)
+    input_len, output_len = options.input_len, options.output_len
+    if options.dataset is not None:  # the data's lengths: the mean of what was sampled
+        sample = made()[1]
+        input_len = round(sum(len(t) for t, _ in sample) / len(sample))
+        output_len = round(sum(n for _, n in sample) / len(sample))
     for level in options.concurrency:
         engine = BatchedEngine(runner, n_seq=level, n_ctx_per_seq=per_seq)
         threads = engine.threads
@@ -97,6 +131,7 @@ def serve_local(
             for policy in options.policies:
                 if cancel.is_set():
                     return
+                warm, prompts = made()
                 if warm:
                     tally = Tally(len(warm), sum(n for _, n in warm))
                     yield Stage(f"{policy} c={level} warm-up", tally)
@@ -129,8 +164,8 @@ def serve_local(
                     concurrency=level,
                     request_rate=options.request_rate,
                     num_prompts=options.num_prompts,
-                    input_len=options.input_len,
-                    output_len=options.output_len,
+                    input_len=input_len,
+                    output_len=output_len,
                     metrics=metrics(
                         measured, duration, percentiles=options.percentiles, slo=dict(options.slo)
                     ),
@@ -140,13 +175,18 @@ def serve_local(
                     n_threads_batch=threads[1],
                     background_cpus=background,
                     kv_unified=engine.kv_unified,
+                    cached_tokens=cached_total(measured),
+                    shared_prefix=options.shared_prefix,
+                    dataset=options.dataset.record() if options.dataset is not None else {},
                 )
         finally:
             engine.close()
 
 
 def stream_prompt(runner: LlamaCppRunner) -> list[int]:
-    """The decoding stream's prompt through the model's own chat template."""
+    """The decoding stream's prompt through the model's own chat template: the same in every
+    round, so that alone and under each policy the same stream is measured. The engine starts
+    every round with its KV cache empty (no prefix kept), so no round prefills it from cache."""
     return runner.request_tokens(Request.chat(STREAM_PROMPT))
 
 
@@ -155,17 +195,22 @@ def interfere_local(
 ) -> Iterator[Stage | InterferenceReport]:
     """The stream alone, then under each policy while the long prompts arrive."""
     runner.load()
-    rng = random.Random(options.seed)
     n_vocab = runner.vocab_size()
     count = min(options.num_prompts, MAX_LONG_PROMPTS)
-    longs = [[rng.randrange(n_vocab) for _ in range(options.prompt_len)] for _ in range(count)]
+    fresh = FreshPrompts(options.seed, "interference")
     stream = stream_prompt(runner)
     per_seq = max(options.prompt_len, len(stream) + options.output_len) + 16
     engine = BatchedEngine(runner, n_seq=count + 1, n_ctx_per_seq=per_seq)
     every_s = 1 / options.rate
 
     def measured(policy: Policy | None, tally: Tally) -> InterferenceReport:
-        """One run of the lab, with the engine's threads and the machine's load."""
+        """One run of the lab, with the engine's threads and the machine's load; each policy's
+        long prompts its own."""
+        longs = (
+            []
+            if policy is None
+            else [fresh.tokens(options.prompt_len, n_vocab) for _ in range(count)]
+        )
         cpu0 = cpu_sample()
         report = interference(
             engine,

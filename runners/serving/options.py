@@ -10,6 +10,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.lists import parse_values
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.batching import Policy
+from llmrun.runners.serving.prompts import Dataset
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
 # Below one request a minute on average a level would run for hours (1e-9: for ever).
@@ -123,9 +124,11 @@ class ServeOptions:
     slo: Mapping[str, float] = field(default_factory=dict)  # metric -> seconds
     seed: int = 1234
     policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies
+    shared_prefix: int = 0  # tokens every prompt starts with, on purpose (vLLM's random-prefix-len)
+    dataset: Dataset | None = None  # real prompts and lengths, in place of random ones
 
     def __post_init__(self) -> None:
-        check_prompts(self.num_prompts, self.input_len)
+        check_prompts(self.num_prompts, self.input_len + self.shared_prefix)
         if math.isnan(self.request_rate) or self.request_rate < MIN_RATE:
             parse_rate(str(self.request_rate))
 
