@@ -8,6 +8,7 @@ import hashlib
 import io
 import itertools
 import json
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -267,6 +268,14 @@ def test_jsonl_dataset(tmp_path: Path) -> None:
     assert data.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     sampled = data.sample(_words, count=3, seed=1, output_len=6)
     assert sorted((p.input_tokens, p.max_tokens) for p in sampled) == [(4, 5), (4, 6), (5, 8)]
+
+
+def test_a_fifo_dataset_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A pipe would block the open and could not be read three times (head, hash, prompts)."""
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(BadRequestError, match="not a regular file"):
+        read_dataset(fifo)
 
 
 @pytest.mark.parametrize(

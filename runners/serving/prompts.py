@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,6 +339,8 @@ def read_dataset(path: Path) -> Dataset:
     optionally "output_len" or "max_tokens"} a line), told apart by the first character. A
     file that is neither raises one line naming the line or entry at fault."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device: read three times here
+            raise _fail(path, "", "not a regular file (a pipe or a device cannot be sampled)")
         with path.open("rb") as f:
             head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         sha256 = _sha256(path)
