@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
+from llmrun.runners.kld import RECORD_FIELDS as KLD_FIELDS
+from llmrun.runners.kld import KldStats
 from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -154,6 +156,7 @@ class Perplexity:
     tokens: int  # tokens scored
     ctx: int  # window size
     change: float | None  # relative to the first model's
+    kld: KldStats | None = None  # with --kld: against the first model's distributions
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,8 @@ class Result:
                 ppl_ctx=p.ctx,
                 ppl_change=None if p.change is None else round(p.change, 4),
             )
+            if p.kld is not None:
+                rec.update(p.kld.record())
         return rec
 
 
@@ -368,6 +373,7 @@ OPTIONAL_FIELDS = (
     "ppl_tokens",
     "ppl_ctx",
     "ppl_change",
+    *KLD_FIELDS,
     "until_ci_pct",
     "ci95_pct",
     "repetitions",
