@@ -48,9 +48,10 @@ class KldStats:
     dp_rms_unc: float
 
     def record(self) -> dict[str, float | int]:
-        """Bench's record fields (llmrun's extra columns), rounded as they are stored."""
+        """Bench's record fields (llmrun's extra columns), to 6 significant digits (a Q8_0's
+        mean KLD can be 0.0001); -0.0 (a sum that rounded below zero) as 0."""
         return {
-            name: round(value, 6) if isinstance(value, float) else value
+            name: float(f"{value:.6g}") + 0.0
             for name, value in vars(self).items()
             if name != "positions"
         }
@@ -71,16 +72,20 @@ def mean_and_uncertainty(total: float, squares: float, count: int) -> tuple[floa
 
 
 def percentile(ordered: Any, fraction: float) -> float:
-    """llama-perplexity's percentile of sorted values: linear between the two nearest."""
+    """llama-perplexity's percentile of sorted float32 values: linear between the two nearest,
+    in float32 as its (so the figures agree to the last digit it prints)."""
+    import numpy as np
+
     n = len(ordered)
     if fraction <= 0:
         return float(ordered[0])
     if fraction >= 1:
         return float(ordered[-1])
-    p = fraction * (n - 1)
+    p = np.float32(fraction) * np.float32(n - 1)
     i = int(p)
-    p -= i
-    return float((1 - p) * ordered[i] + p * ordered[min(i + 1, n - 1)])
+    p -= np.float32(i)
+    low, high = np.float32(ordered[i]), np.float32(ordered[min(i + 1, n - 1)])
+    return float((np.float32(1) - p) * low + p * high)
 
 
 def _log_sum_exp(logits: Any) -> tuple[Any, Any, Any]:

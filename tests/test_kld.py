@@ -181,27 +181,31 @@ def test_bench_kld_without_a_text_or_a_second_model_is_refused(
 
 
 def test_bench_kld_on_the_embedded_model_against_its_q8_0_copy(
-    llmrun_env: dict[str, str], model_path: str, q8_model: str
+    llmrun_env: dict[str, str], model_path: str, q8_model: str, tmp_path: Path
 ) -> None:
     """The Q8_0 copy as the base, the embedded Q4_1 against it: a small divergence, most top
-    tokens the same; the base against itself diverges by the base file's rounding alone."""
+    tokens the same (the base against itself: test_bench_kld_records_each_later_model_...).
+    (Four windows of 128 tokens: docs/measurement.md has the whole text's figures beside
+    llama-perplexity's.)"""
+    text = tmp_path / "excerpt.txt"
+    text.write_text(TEXT.read_text()[:2400])
     done = subprocess.run(
         [
             which_llmrun(),
             "bench",
-            *("-m", q8_model, "-m", model_path, "-m", q8_model),
+            *("-m", q8_model, "-m", model_path),
             *("-p", "8", "-n", "0", "-r", "1", "--no-history"),
-            *("--ppl", str(TEXT), "--kld", "-o", "json"),
+            *("--ppl", str(text), "-c", "128", "--kld", "-o", "json"),
         ],
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    base, q41, again = json.loads(done.stdout)
-    assert base.get("kld_mean") is None and q41["ppl_tokens"] == base["ppl_tokens"]
+    base, q41 = json.loads(done.stdout)
+    assert base.get("kld_mean") is None and q41["ppl_tokens"] == base["ppl_tokens"] > 100
     assert 0.001 < q41["kld_mean"] < 0.2 and q41["kld_mean_unc"] < q41["kld_mean"] / 3
     assert q41["kld_p99"] > q41["kld_mean"] and 0.8 < q41["same_top_p"] < 1.0
-    assert again["kld_mean"] < 1e-4 and again["same_top_p"] == 1.0
-    assert abs(again["dp_mean"]) < 1e-4
+    assert abs(q41["dp_mean"]) < q41["dp_rms"]
+    assert "KLD against the first: mean" in done.stderr
