@@ -119,13 +119,15 @@ def quantize(logits: Any) -> tuple[Any, Any, Any]:
 
 
 @dataclass(frozen=True)
-class _Chunk:
+class Compared:
+    """One chunk of positions compared: each one's KLD and Δp, and how many kept the top token."""
+
     kld: Any  # float32 per position
     p_diff: Any  # float32 per position
     same_top: int
 
 
-def compare_rows(logits: Any, targets: Any, scale: Any, least: Any, steps: Any) -> _Chunk:
+def compare_rows(logits: Any, targets: Any, scale: Any, least: Any, steps: Any) -> Compared:
     """One chunk of positions: the model's float32 logits against the base's quantized
     log-probs, with the text's next token at each (llama-perplexity's KL `log_softmax`)."""
     import numpy as np
@@ -141,7 +143,7 @@ def compare_rows(logits: Any, targets: Any, scale: Any, least: Any, steps: Any) 
     kld = np.where(base_log_p > -np.float32(FLOOR_NATS), terms, 0).sum(axis=1, dtype=np.float64)
     same = int((top_index == steps.argmax(axis=1)).sum())
     p_diff = np.exp(-nll) - np.exp(-nll_base)
-    return _Chunk(kld.astype(np.float32), p_diff.astype(np.float32), same)
+    return Compared(kld.astype(np.float32), p_diff.astype(np.float32), same)
 
 
 def statistics(kld: Any, p_diff: Any, same_top: int) -> KldStats:

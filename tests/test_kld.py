@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.kld import (
+    Compared,
     KldBase,
     compare_rows,
     mean_and_uncertainty,
@@ -39,7 +40,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     return (np.exp(lp) * (lp - lq)).sum(axis=1)
 
 
-def _against(base: np.ndarray, model: np.ndarray, targets: np.ndarray) -> object:
+def _against(base: np.ndarray, model: np.ndarray, targets: np.ndarray) -> Compared:
     scale, least, steps = quantize(base.astype(np.float32))
     return compare_rows(model.astype(np.float32), targets, scale, least, steps)
 
@@ -51,10 +52,10 @@ def test_identical_distributions_diverge_by_nothing() -> None:
     logits = rng.normal(0, 3, size=(50, 1000))
     targets = rng.integers(0, 1000, size=50)
     found = _against(logits, logits, targets)
-    assert np.abs(found.kld).max() < 1e-4  # type: ignore[attr-defined]
-    assert abs(found.kld.mean()) < 1e-5  # type: ignore[attr-defined]
-    assert found.same_top == 50  # type: ignore[attr-defined]
-    assert np.abs(found.p_diff).max() < 1e-4  # type: ignore[attr-defined]
+    assert np.abs(found.kld).max() < 1e-4
+    assert abs(found.kld.mean()) < 1e-5
+    assert found.same_top == 50
+    assert np.abs(found.p_diff).max() < 1e-4
 
 
 def test_known_pairs_score_their_exact_divergence() -> None:
@@ -64,13 +65,13 @@ def test_known_pairs_score_their_exact_divergence() -> None:
     found = _against(coin, fair, np.zeros(3, dtype=int))
     # KL(p, 1-p || 1/2, 1/2) = ln 2 - H(p)
     exact = [math.log(2) + p * math.log(p) + (1 - p) * math.log(1 - p) for p in (0.5, 0.9, 0.99)]
-    assert np.allclose(found.kld, exact, atol=1e-4)  # type: ignore[attr-defined]
+    assert np.allclose(found.kld, exact, atol=1e-4)
     assert found.same_top == 3  # ties go to the first token, as llama-perplexity's
     rng = np.random.default_rng(2)
     base = rng.normal(0, 2, size=(40, 500))
     model = base + rng.normal(0, 0.3, size=base.shape)
     found = _against(base, model, rng.integers(0, 500, size=40))
-    assert np.allclose(found.kld, _kl(base, model), atol=1e-4)  # type: ignore[attr-defined]
+    assert np.allclose(found.kld, _kl(base, model), atol=1e-4)
 
 
 def test_the_top_token_and_delta_p() -> None:
@@ -79,8 +80,8 @@ def test_the_top_token_and_delta_p() -> None:
     base = np.log(np.array([[0.7, 0.2, 0.1], [0.2, 0.7, 0.1]]))
     model = np.log(np.array([[0.5, 0.4, 0.1], [0.6, 0.3, 0.1]]))
     found = _against(base, model, np.array([0, 1]))
-    assert found.same_top == 1  # type: ignore[attr-defined]
-    assert np.allclose(found.p_diff, [0.5 - 0.7, 0.3 - 0.7], atol=1e-4)  # type: ignore[attr-defined]
+    assert found.same_top == 1
+    assert np.allclose(found.p_diff, [0.5 - 0.7, 0.3 - 0.7], atol=1e-4)
 
 
 def test_statistics_as_llama_perplexity_summarises() -> None:
