@@ -8,9 +8,9 @@ status line or a benchmark loop are all just different consumers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .stats import EngineSettings, GenerationStats, ModelInfo, ServerSettings
 
@@ -192,7 +192,12 @@ class BenchRunner(Runner, Protocol):
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
     def perplexity(
-        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+        self,
+        tokens: list[int],
+        *,
+        n_ctx: int,
+        cancel: threading.Event | None = None,
+        each: Callable[[Any, Sequence[int]], None] | None = None,
     ) -> tuple[float, int]:
         """llama-perplexity's figure for these tokens: (perplexity, tokens scored)."""
         ...

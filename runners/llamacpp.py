@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .base import Event, LoadStarted, LocalLoaded, Request, SamplingParams
@@ -269,7 +269,12 @@ class LlamaCppRunner:
     # ---- direct access for checks and benchmarks ---------------------------------------
 
     def perplexity(
-        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+        self,
+        tokens: list[int],
+        *,
+        n_ctx: int,
+        cancel: threading.Event | None = None,
+        each: Callable[[Any, Sequence[int]], None] | None = None,
     ) -> tuple[float, int]:
         """llama-perplexity's figure for these tokens: (perplexity, tokens scored)."""
         settings = self.load().settings
@@ -281,6 +286,7 @@ class LlamaCppRunner:
             n_ctx_loaded=settings.n_ctx,
             n_batch=settings.n_batch,
             cancel=cancel,
+            each=each,
         )
 
     def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .errors import BadRequestError, EngineError
 from .handles import Batch, Model
@@ -20,12 +22,15 @@ def perplexity(
     n_ctx_loaded: int,
     n_batch: int,
     cancel: threading.Event | None = None,
+    each: Callable[[Any, Sequence[int]], None] | None = None,
 ) -> tuple[float, int]:
     """llama-perplexity's method: the text in non-overlapping windows of n_ctx tokens, each
     evaluated from an empty cache, and in each window the second half's predictions of
     their next token scored (the first half only gives them context). Returns the
     perplexity, exp(mean negative log-likelihood), and the number of tokens scored.
-    `n_ctx_loaded` is the context's size, `n_batch` its batch."""
+    `n_ctx_loaded` is the context's size, `n_batch` its batch. `each`, when given, sees every
+    batch's scored positions as they are decoded: their logits (rows of float32, valid during
+    the call) and the text's next token at each (a KL divergence's base or comparison)."""
     import numpy as np
 
     if n_ctx_loaded < n_ctx:
@@ -56,6 +61,12 @@ def perplexity(
                 batch.n_tokens = n
                 if lib.llama_decode(kv.ptr, batch.struct) != 0:
                     raise EngineError("llama_decode failed while scoring perplexity")
+                scored_here = range(max(off, first), min(off + n, n_ctx - 1))
+                if each is not None and scored_here:
+                    rows = np.ctypeslib.as_array(
+                        lib.llama_get_logits(kv.ptr), shape=(len(scored_here), n_vocab)
+                    )
+                    each(rows, [window[pos + 1] for pos in scored_here])
                 for i in range(n):
                     pos = off + i
                     if not first <= pos < n_ctx - 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from llmrun.runners.base import (
     Event,
@@ -186,11 +187,25 @@ class FakeBenchRunner(FakeRunner):
         return [len(word) % 100 for word in text.split()]
 
     def perplexity(
-        self, tokens: list[int], *, n_ctx: int, cancel: threading.Event | None = None
+        self,
+        tokens: list[int],
+        *,
+        n_ctx: int,
+        cancel: threading.Event | None = None,
+        each: Callable[[Any, Sequence[int]], None] | None = None,
     ) -> tuple[float, int]:
         """A figure of the tokens (their variety), over whole windows as llama-perplexity."""
         if len(tokens) < n_ctx:
             raise BadRequestError(f"perplexity needs at least one window of {n_ctx} tokens")
+        if each is not None:  # logits that favour the next token, bent by the model's name
+            import numpy as np
+
+            bend = sum(self.model_path.encode()) % 5 * 0.5
+            for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+                targets = tokens[start + n_ctx // 2 + 1 : start + n_ctx]
+                rows = np.zeros((len(targets), 100), np.float32)
+                rows[np.arange(len(targets)), targets] = 3.0
+                each(rows + bend * np.cos(np.arange(100, dtype=np.float32)), targets)
         return 1.0 + len(set(tokens)), len(tokens) // n_ctx * n_ctx // 2
 
     def _words(self, request: Request) -> list[str]:

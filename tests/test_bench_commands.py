@@ -72,6 +72,7 @@ SAMPLES: dict[str, list[str]] = {
     "--cold": ["--cold"],
     "--draft": ["--draft", "4"],
     "--ppl": ["--ppl", "README.md"],
+    "--kld": ["--kld"],
     "--tuned": ["--tuned"],
     "--version": ["--version"],
     "--output": ["-o", "json"],

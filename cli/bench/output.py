@@ -29,6 +29,7 @@ from llmrun.runners.bench.results import (
     Row,
 )
 from llmrun.runners.history import Change, History, HistoryError
+from llmrun.runners.kld import KldStats
 from llmrun.runners.significance import describe
 
 
@@ -165,6 +166,8 @@ def _md_columns(
         cols += [("draft", "draft", 5), ("accept", "accepted", 8), ("tps", "tok/step", 8)]
     if "ppl" in shown or any(r.get("ppl") is not None for r in sample):
         cols += [("ppl", "ppl", 8), ("dppl", "ppl vs first", 12)]
+    if "kld_mean" in shown or any(r.get("kld_mean") is not None for r in sample):
+        cols += [("kld", "KLD vs first", 17), ("kld99", "KLD p99", 8), ("top", "same top", 8)]
     if "until_ci_pct" in shown or any(r.get("until_ci_pct") is not None for r in sample):
         cols += [("reps", "reps", 5), ("ci95", "95 % CI", 8)]  # --until-ci: what it took
     cols += [("ttft", "TTFT ms", 10), ("itl50", "ITL p50 ms", 10), ("itl99", "ITL p99 ms", 10)]
@@ -178,6 +181,22 @@ def energy_cell(j_per_token: float | None, watts: float | None) -> str:
     if j_per_token is None or watts is None:
         return "-"
     return f"{joules(j_per_token)} · {watts:,.1f} W"
+
+
+def kld_line(kld: KldStats | None, missing: str | None) -> str | None:
+    """A later model's KL divergence from the first, as llama-perplexity's summary names its
+    figures; the first model (the base) has none."""
+    if missing is not None:
+        return f"KLD against the first: not comparable ({missing})"
+    if kld is None:
+        return None
+    return (
+        f"KLD against the first: mean {kld.kld_mean:.6f} ± {kld.kld_mean_unc:.6f},"
+        f" median {kld.kld_median:.6f}, 99% {kld.kld_p99:.6f}, max {kld.kld_max:.6f};"
+        f" same top p {kld.same_top_p:.3%} ± {kld.same_top_p_unc:.3%};"
+        f" mean Δp {kld.dp_mean:+.3%} ± {kld.dp_mean_unc:.3%}, RMS Δp {kld.dp_rms:.3%}"
+        f" ± {kld.dp_rms_unc:.3%}; over {kld.positions:,} positions"
+    )
 
 
 def _md_value_of(r: dict[str, Any], key: str) -> str:
@@ -203,6 +222,11 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         ),
         "tps": lambda: "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
         "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
+        "kld": lambda: (
+            "-" if r.get("kld_mean") is None else f"{r['kld_mean']:.5f} ± {r['kld_mean_unc']:.5f}"
+        ),
+        "kld99": lambda: "-" if r.get("kld_p99") is None else f"{r['kld_p99']:.4f}",
+        "top": lambda: "-" if r.get("same_top_p") is None else f"{r['same_top_p']:.2%}",
         "reps": lambda: str(r.get("repetitions", "-")),
         "ci95": lambda: _half(r.get("ci95_pct"), r.get("until_ci_stop")),
         "energy": lambda: energy_cell(r.get("energy_j_per_token"), r.get("energy_w")),

@@ -158,6 +158,7 @@ def bench(
                 delay_s=controls.delay,
                 tuned=measured.tuned,
                 ppl=measured.ppl,
+                kld=measured.kld,
                 cold=measured.cold,
                 energy=measured.energy.value,
             )
@@ -405,7 +406,8 @@ def _report(
         err.print(f"charts written to {output.plot}")
     if scores and sweep.ppl is not None:
         first = scores[0].ppl
-        for name, ppl, n in ((sc.model, sc.ppl, sc.tokens) for sc in scores):
+        for sc in scores:
+            name, ppl, n = sc.model, sc.ppl, sc.tokens
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
             show.print(
                 f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
@@ -413,6 +415,8 @@ def _report(
                 f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
                 markup=False,
             )
+            if (kld := out.kld_line(sc.kld, sc.kld_missing)) is not None:
+                show.print(f"  {kld}", markup=False)
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0

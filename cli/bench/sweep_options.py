@@ -371,6 +371,16 @@ class Measured(OptionRecord):
             " 512), e.g. examples/declaration_of_independence.txt.",
         ),
     ] = None
+    kld: Annotated[
+        bool,
+        typer.Option(
+            "--kld",
+            help="With --ppl and several -m: also score each later model's next-token"
+            " distributions against the first's by KL divergence, top-token agreement and"
+            " Δp (llama-perplexity --kl-divergence's figures; the first model's log-probs"
+            " go through a temporary file, 2 bytes per vocabulary entry and scored token).",
+        ),
+    ] = False
     tuned: Annotated[
         bool,
         typer.Option(

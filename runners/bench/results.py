@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
 from llmrun.runners.energy.bench import ENERGY_FIELDS, BenchEnergy
+from llmrun.runners.kld import RECORD_FIELDS as KLD_FIELDS
+from llmrun.runners.kld import KldStats
 from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -155,6 +157,7 @@ class Perplexity:
     tokens: int  # tokens scored
     ctx: int  # window size
     change: float | None  # relative to the first model's
+    kld: KldStats | None = None  # with --kld: against the first model's distributions
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,8 @@ class Result:
                 ppl_ctx=p.ctx,
                 ppl_change=None if p.change is None else round(p.change, 4),
             )
+            if p.kld is not None:
+                rec.update(p.kld.record())
         return rec
 
 
@@ -372,6 +377,7 @@ OPTIONAL_FIELDS = (
     "ppl_tokens",
     "ppl_ctx",
     "ppl_change",
+    *KLD_FIELDS,
     "until_ci_pct",
     "ci95_pct",
     "repetitions",

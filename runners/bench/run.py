@@ -17,6 +17,7 @@ from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
+from llmrun.runners.kld import KldBase, KldStats
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.probe import repack_verdict
 from llmrun.runners.significance import record_fields
@@ -80,6 +81,7 @@ class Sweep:
     delay_s: float = 0.0
     tuned: bool = False  # llmrun's settings (`llmrun tune`'s, else its own) for llama-bench's
     ppl: Path | None = None  # a text to measure each model's perplexity on
+    kld: bool = False  # with ppl: each later model's KL divergence from the first's (runners/kld)
     cold: bool = False  # evict the model file from the page cache before each load
     split_mode: str | None = None  # GPU builds: llama-bench's -sm, -mg, -ts lists
     main_gpu: str | None = None
@@ -302,6 +304,8 @@ class Scored:
     ppl: float
     tokens: int  # tokens scored
     n_vocab: int = 0  # perplexities over different vocabularies are not comparable
+    kld: KldStats | None = None  # with --kld, a later model's against the first
+    kld_missing: str | None = None  # with --kld, why a later model has none
 
 
 SweepEvent = ModelReady | Progress | Result | Skipped | Scoring | Scored
@@ -326,13 +330,23 @@ def run_sweep(
     """llama-bench's tests over every combination of settings, for each model in turn."""
     if sweep.ppl is not None:
         read_text(sweep.ppl)  # an unreadable text fails before anything is measured
+    if sweep.kld and (sweep.ppl is None or len(models) < 2):
+        raise BadRequestError(
+            "--kld compares each later model with the first on --ppl's text:"
+            " give --ppl FILE and two or more -m"
+        )
     until_ci = sweep.until()  # a bad --until-ci fails before anything loads
     meter = open_energy(sweep.energy)  # its idle baseline before the first model loads
+    base = KldBase() if sweep.kld else None
     try:
-        yield from _models(models, sweep, until_ci, meter, open_runner=open_runner, cancel=cancel)
+        yield from _models(
+            models, sweep, until_ci, meter, base, open_runner=open_runner, cancel=cancel
+        )
     finally:
         if meter is not None:
             meter.close()
+        if base is not None:
+            base.close()
 
 
 def open_energy(mode: str) -> PhaseMeter | None:
@@ -355,6 +369,7 @@ def _models(
     sweep: Sweep,
     until_ci: UntilCi | None,
     meter: PhaseMeter | None,
+    kld_base: KldBase | None,
     *,
     open_runner: Callable[[str | None, EngineConfig, bool], BenchRunner],
     cancel: threading.Event,
@@ -397,10 +412,37 @@ def _models(
                 n_ctx = sweep.contexts()[0] or PPL_CTX
                 runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
                 tokens = runner.tokenize(read_text(sweep.ppl), add_special=False)
-                ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
-                yield Scored(runner.load().model.name, ppl, n, runner.vocab_size())
+                if kld_base is None:
+                    ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
+                    yield Scored(runner.load().model.name, ppl, n, runner.vocab_size())
+                else:
+                    yield _scored_with_kld(runner, tokens, n_ctx, cancel, kld_base)
         finally:
             runner.close()
+
+
+def _scored_with_kld(
+    runner: BenchRunner,
+    tokens: list[int],
+    n_ctx: int,
+    cancel: threading.Event,
+    base: KldBase,
+) -> Scored:
+    """The perplexity, and with it the first model's log-probs kept as the base (the first
+    model) or this model's KL divergence from them (a later one, where comparable)."""
+    n_vocab = runner.vocab_size()
+    name = runner.load().model.name
+    if not base.tokens:
+        base.start(tokens, n_ctx=n_ctx, n_vocab=n_vocab)
+        ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel, each=base.add)
+        return Scored(name, ppl, n, n_vocab)
+    missing = base.comparable(tokens, n_ctx=n_ctx, n_vocab=n_vocab)
+    if missing is not None:
+        ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
+        return Scored(name, ppl, n, n_vocab, kld_missing=missing)
+    comparison = base.compare()
+    ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel, each=comparison.add)
+    return Scored(name, ppl, n, n_vocab, kld=comparison.result())
 
 
 def without_unsafe_repack(combos: list[sw.Combo], runner: BenchRunner) -> list[sw.Combo]:
@@ -432,7 +474,11 @@ def with_perplexity(results: Sequence[Result], scores: Sequence[Scored], ctx: in
         replace(
             r,
             perplexity=Perplexity(
-                ppl=found.ppl, tokens=found.tokens, ctx=ctx, change=ppl_change(found, first)
+                ppl=found.ppl,
+                tokens=found.tokens,
+                ctx=ctx,
+                change=ppl_change(found, first),
+                kld=found.kld,
             ),
         )
         if (found := by.get(r.model.name)) is not None
@@ -462,6 +508,8 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
         fields.add("draft")
     if sweep.ppl is not None:
         fields.add("ppl")
+    if sweep.kld:
+        fields.add("kld_mean")
     if sweep.until_ci is not None:
         fields.add("until_ci_pct")
     return frozenset(fields)
