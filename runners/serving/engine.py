@@ -68,6 +68,7 @@ class SeqResult:
     prompt_tokens: int
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each output token's time stamp
+    admitted_s: float | None = None  # when it got a sequence (its queue wait ends)
     started_s: float | None = None  # the first step that carried its prompt
     prefilled_s: float | None = None  # the end of the step that carried its prompt's last token
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, step s)
@@ -483,6 +484,7 @@ class BatchedEngine:
             else:
                 sid = free.pop(0)
             seq.sid, seq.reused, seq.prefilled = sid, reused, reused
+            seq.result.admitted_s = self.now()
             if seq.sampling is not None:
                 assert seq.seed is not None
                 try:
