@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import figures as f
 from llmrun.runners.serving.load import ServingLevel
 
@@ -213,3 +214,28 @@ def test_interference_counts_a_broken_stream_failed_as_bench_serve_does(
     assert rec["itl_p50_alone_ms"] is None and rec["ttft_loaded_ms"] is None
     assert "the steady client's request alone failed" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---- this machine's engine: TTFT from the slot, the wait for it as queue ----------------------
+
+
+def test_local_ttft_starts_when_a_slot_is_granted(runner: LlamaCppRunner) -> None:
+    """Three prompts at once on one slot: the later ones wait for it (queue), and their TTFT
+    starts when they get it (before: TTFT held the whole wait, 7-18 s at c=1)."""
+    from llmrun.runners.serving.engine import BatchedEngine
+    from llmrun.runners.serving.local import request_result, serve
+    from llmrun.runners.serving.policy import Policy
+
+    prompts = [(tuple(range(100 + i, 164 + i)), 3) for i in range(3)]
+    with BatchedEngine(runner, n_seq=1, n_ctx_per_seq=96) as engine:
+        results, _ = serve(engine, Policy("chunked", 512), prompts, request_rate=math.inf, seed=1)
+    measured = [request_result(r) for r in results]
+    assert all(r.ok for r in measured)
+    for before, raw, r in zip(results, results[1:], measured[1:], strict=False):
+        assert raw.arrival_s == 0.0 and raw.admitted_s is not None
+        assert raw.admitted_s >= before.times[-1]  # the slot's turn came after the last token
+        assert r.queue_s == pytest.approx(raw.admitted_s)
+        assert r.ttft_s == pytest.approx(raw.times[0] - raw.admitted_s)
+        assert r.latency_s == pytest.approx(raw.times[-1] - raw.admitted_s)
+        assert r.ttft_s is not None and r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / 2)
+    assert measured[0].queue_s is not None and measured[0].queue_s < measured[1].queue_s  # type: ignore[operator]
