@@ -239,3 +239,22 @@ def test_local_ttft_starts_when_a_slot_is_granted(runner: LlamaCppRunner) -> Non
         assert r.latency_s == pytest.approx(raw.times[-1] - raw.admitted_s)
         assert r.ttft_s is not None and r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / 2)
     assert measured[0].queue_s is not None and measured[0].queue_s < measured[1].queue_s  # type: ignore[operator]
+
+
+# ---- the estimate of the time left ------------------------------------------------------------
+
+
+def test_the_estimate_paces_tokens_from_the_first_one() -> None:
+    """bench interference's stage: 148 tokens, the first after a 1.1 s prefill, then one every
+    50 ms. Paced from the stage's start, the first tokens said 2:43 left of a 14 s run."""
+    from llmrun.runners.progress import Tally
+
+    tally = Tally(19, 148)
+    t0 = tally.started_s
+    tally.add(work=1, now_s=t0 + 1.1)
+    assert tally.eta_s(t0 + 1.1) is None  # one token: no pace yet
+    for i in range(1, 4):
+        tally.add(work=1, now_s=t0 + 1.1 + 0.05 * i)
+    eta = tally.eta_s(t0 + 1.25)
+    assert eta is not None and eta < 10  # 144 tokens at 50 ms: about 7 s
+    assert 1.25 * (148 - 4) / 4 > 40  # what the pace from the start said
