@@ -258,3 +258,23 @@ def test_the_estimate_paces_tokens_from_the_first_one() -> None:
     eta = tally.eta_s(t0 + 1.25)
     assert eta is not None and eta < 10  # 144 tokens at 50 ms: about 7 s
     assert 1.25 * (148 - 4) / 4 > 40  # what the pace from the start said
+
+
+def test_local_queue_is_the_wait_for_a_sequence_not_for_the_step_in_progress(
+    runner: LlamaCppRunner,
+) -> None:
+    """A short prompt arrives while a long one's prefill step runs, a sequence free all along:
+    its queue is 0 and the wait for the step is in its TTFT, as a server's client sees it."""
+    from llmrun.runners.serving.engine import Arrival, BatchedEngine
+    from llmrun.runners.serving.local import request_result
+    from llmrun.runners.serving.policy import Policy
+
+    long = Arrival(0.0, tuple(range(1000, 1400)), 1)
+    short = Arrival(0.05, tuple(range(200, 208)), 1)
+    with BatchedEngine(runner, n_seq=2, n_ctx_per_seq=420) as engine:
+        (_, second), steps = engine.run([long, short], Policy("prefill-first", 512))
+    assert steps[0].n_prefill == 400 and steps[0].duration_s > 0.05  # it arrived mid-step
+    assert second.started_s is not None and second.started_s >= steps[0].duration_s
+    r = request_result(second)
+    assert r.queue_s == 0.0
+    assert r.ttft_s is not None and r.ttft_s >= second.started_s - short.at_s

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import math
 import random
 import statistics
 import threading
@@ -68,7 +69,7 @@ class SeqResult:
     prompt_tokens: int
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each output token's time stamp
-    admitted_s: float | None = None  # when it got a sequence (its queue wait ends)
+    admitted_s: float | None = None  # when the sequence it got was free (its queue ends)
     started_s: float | None = None  # the first step that carried its prompt
     prefilled_s: float | None = None  # the end of the step that carried its prompt's last token
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, step s)
@@ -240,6 +241,7 @@ class BatchedEngine:
         self._free = list(range(n_seq))
         self._cached: list[list[int]] = [[] for _ in range(n_seq)]  # keep_prefix: KV's tokens
         self._used_s = [0.0] * n_seq
+        self._freed_s = [-math.inf] * n_seq  # when each sequence was last released (now())
         # the step's hot calls, looked up once
         self._llama_decode = lib.llama_decode
         self._synchronize = lib.llama_synchronize
@@ -359,6 +361,7 @@ class BatchedEngine:
         self._waiting.clear()
         self._running.clear()
         self._free = list(range(self.n_seq))
+        self._freed_s = [-math.inf] * self.n_seq
         for cached in self._cached:
             cached.clear()
         if self.ctx.ptr is not None:  # None: the runner closed it already
@@ -468,6 +471,9 @@ class BatchedEngine:
         """Queued requests into free sequences, in order; with keep_prefix, each into the free
         sequence whose cached tokens share its prompt's longest prefix."""
         queue, free = self._queue, self._free
+        # when each free sequence became free, earliest first: the k-th request admitted now
+        # could have had the k-th of them (which one it gets is the cache's or the lowest id's)
+        free_since = sorted(self._freed_s[i] for i in free) if queue else []
         while queue and free:
             seq = queue.popleft()
             reused = 0
@@ -484,7 +490,9 @@ class BatchedEngine:
             else:
                 sid = free.pop(0)
             seq.sid, seq.reused, seq.prefilled = sid, reused, reused
-            seq.result.admitted_s = self.now()
+            # its queue ends when a sequence was free for it: a wait for the step in progress
+            # is not a wait for a sequence (a server's client would see it in its TTFT)
+            seq.result.admitted_s = max(seq.result.arrival_s, free_since.pop(0))
             if seq.sampling is not None:
                 assert seq.seed is not None
                 try:
@@ -506,6 +514,7 @@ class BatchedEngine:
             self.ctx.remove(seq.sid)
             self._cached[seq.sid].clear()
         self._free.append(seq.sid)
+        self._freed_s[seq.sid] = self.now()
         self._free.sort()  # the lowest ids first, so the running ones stay consecutive
         seq.sid = -1
 
