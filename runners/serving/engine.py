@@ -25,7 +25,6 @@ import ctypes
 import itertools
 import math
 import random
-import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from llmrun.runners.progress import Tally
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
+from . import figures
 from .policy import Policy, schedule
 
 FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
@@ -78,26 +78,23 @@ class SeqResult:
     finish: str = FINISH_LENGTH
     error: str = ""  # why it ended with finish 'error' (llama.cpp refused its sampler, ...)
 
-    @property
-    def queue_s(self) -> float | None:
-        return None if self.started_s is None else self.started_s - self.arrival_s
+    # Its figures, as figures.py defines them, from admission (the arrival where it has none).
 
     @property
     def ttft_s(self) -> float | None:
-        return self.times[0] - self.arrival_s if self.times else None
+        return figures.ttft_s(self._start_s, self.times)
 
     @property
     def gaps_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-    @property
-    def tpot_s(self) -> float | None:
-        gaps = self.gaps_s
-        return statistics.fmean(gaps) if gaps else None
+        return figures.itl_s(self.times)
 
     @property
     def e2e_s(self) -> float | None:
-        return self.times[-1] - self.arrival_s if self.times else None
+        return figures.e2el_s(self._start_s, self.times)
+
+    @property
+    def _start_s(self) -> float:
+        return self.arrival_s if self.admitted_s is None else self.admitted_s
 
 
 @dataclass(frozen=True)
@@ -499,6 +496,7 @@ class BatchedEngine:
                     seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
                 except LlmrunError as e:  # this request ends alone; its sequence is free again
                     self._release(seq, keep_kv=self.keep_prefix)
+                    free_since.append(self.now())  # for the next one: free from now
                     seq.done, seq.pending = True, None
                     seq.result.finish, seq.result.error = FINISH_ERROR, str(e)
                     self._refused.append(seq)
