@@ -84,6 +84,8 @@ SAMPLES: dict[str, list[str]] = {
     "--api-key": ["--endpoint", "http://127.0.0.1:9", "--api-key", "k"],
     "--timeout": ["--endpoint", "http://127.0.0.1:9", "--timeout", "5"],
     "--concurrency": ["--concurrency", "2"],
+    "--slots": ["--slots", "2"],
+    "--max-concurrency": ["--max-concurrency", "2"],
     "--request-rate": ["--request-rate", "3"],
     "--num-prompts": ["--num-prompts", "3"],
     "--input-len": ["--input-len", "16"],

@@ -292,7 +292,7 @@ def test_the_serving_table_stacks_a_block_per_level() -> None:
     table, _ = serving()
     out = text_of(table, 60)
     lines = out.splitlines()
-    level = "c=16 rate=inf prefill-first"
+    level = "slots=16 rate=inf prefill-first"
     assert level in lines and lines[lines.index(level) + 1].startswith("  requests completed")
 
 

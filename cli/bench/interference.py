@@ -169,10 +169,21 @@ def _remote(server: Server, options: InterferenceOptions, screen: Screen, output
         )
     finally:
         runner.close()
+    failed = [(which, why) for f in found for which, why in f.measured.failed]
     for f in found:
-        screen.show.print(interference_sentence(f), markup=False)
+        if not f.measured.failed:
+            screen.show.print(interference_sentence(f), markup=False)
     _print([f.record() for f in found], output)
-    return EXIT_INTERRUPTED if screen.cancel.is_set() else 0
+    if screen.cancel.is_set():
+        return EXIT_INTERRUPTED
+    for which, why in failed:  # as `bench serve` counts a failed request: no figures from it
+        screen.err.print(
+            f"llmrun: error: the steady client's request {which} failed: {why}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    return 1 if failed else 0
 
 
 def _print(records: Sequence[dict[str, Any]], output: Format) -> None:

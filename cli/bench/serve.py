@@ -20,6 +20,7 @@ from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
     DEFAULT_POLICIES,
     ServeOptions,
@@ -49,8 +50,9 @@ from .serving import (
 
 if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
+    from llmrun.runners.serving.figures import Latency
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
+METRICS = LATENCIES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +61,32 @@ class LoadOptions(OptionRecord):
     what is reported."""
 
     concurrency: Annotated[
-        str, _opt("Requests in flight: a list such as 1,4,16.", "--concurrency")
-    ] = "1,4"
+        str | None,
+        _opt(
+            "Levels: --slots on this machine's engine, --max-concurrency against a server."
+            " [default: 1,4]",
+            "--concurrency",
+            show_default=False,
+        ),
+    ] = None
+    slots: Annotated[
+        str | None,
+        _opt(
+            "This machine's engine: sequences served at once, a list such as 1,4 (later"
+            " requests wait for one: their queue time).",
+            "--slots",
+            show_default=False,
+        ),
+    ] = None
+    max_concurrency: Annotated[
+        str | None,
+        _opt(
+            "Against a server (--endpoint): the client's requests in flight, a list such as"
+            " 1,4,16 (vLLM's --max-concurrency; each request's clock starts as it is sent).",
+            "--max-concurrency",
+            show_default=False,
+        ),
+    ] = None
     request_rate: Annotated[
         str, _opt("Poisson arrival rate in requests/s; inf sends all at once.", "--request-rate")
     ] = "inf"
@@ -128,7 +154,7 @@ class LoadOptions(OptionRecord):
         if self.dataset is not None and self.shared_prefix:
             raise BadRequestError("--shared-prefix: random prompts only, not with --dataset")
         return ServeOptions(
-            concurrency=parse_concurrency(self.concurrency),
+            concurrency=parse_concurrency(*self.levels(endpoint)),
             request_rate=parse_rate(self.request_rate),
             num_prompts=self.num_prompts,
             input_len=self.input_len,
@@ -142,6 +168,32 @@ class LoadOptions(OptionRecord):
             shared_prefix=self.shared_prefix,
             dataset=read_dataset(self.dataset) if self.dataset is not None else None,
         )
+
+    @staticmethod
+    def level_option(endpoint: str | None) -> str:
+        """The name of the levels' option: what `--concurrency` means here."""
+        return "--max-concurrency" if endpoint else "--slots"
+
+    def levels(self, endpoint: str | None) -> tuple[str, str]:
+        """The levels' list from the option named for the target (`--concurrency`: either),
+        refusing the other target's option and two of them at once."""
+        if endpoint is None and self.max_concurrency is not None:
+            raise BadRequestError(
+                "--max-concurrency: the client's limit against a server (--endpoint);"
+                " this machine's engine takes --slots"
+            )
+        if endpoint is not None and self.slots is not None:
+            raise BadRequestError(
+                "--slots: the local engine's sequences; against a server give --max-concurrency"
+            )
+        right = self.max_concurrency if endpoint else self.slots
+        if right is not None and self.concurrency is not None:
+            raise BadRequestError(
+                f"--concurrency and {self.level_option(endpoint)} say the same: give one"
+            )
+        if right is not None:
+            return right, self.level_option(endpoint)
+        return self.concurrency or "1,4", "--concurrency"
 
 
 @takes_records
@@ -166,9 +218,9 @@ def serve(
 ) -> None:
     """Serving load with vLLM's metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput).
 
-    llmrun bench serve --concurrency 1,4 --policy chunked:64   # this machine's engine
+    llmrun bench serve --slots 1,4 --policy chunked:64   # this machine's engine
 
-    llmrun bench serve --endpoint http://127.0.0.1:8080 --concurrency 1,4,16
+    llmrun bench serve --endpoint http://127.0.0.1:8080 --max-concurrency 1,4,16
     """
     with handled():
         err = Console(stderr=True, highlight=False)
@@ -216,7 +268,7 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
             done.append(level)
             for e in level.metrics.errors:
                 screen.err.print(
-                    f"c={level.concurrency}: failed requests: {e}", markup=False, style="yellow"
+                    f"{level.level_text}: failed requests: {e}", markup=False, style="yellow"
                 )
     finally:
         runner.close()
@@ -288,8 +340,8 @@ def _num(value: float | None, fmt: str) -> str:
 
 def _latency(name: str, key: str) -> Callable[[sv.ServingMetrics], str]:
     def cell(m: sv.ServingMetrics) -> str:
-        latency: sv.Latency = getattr(m, name)
-        return _num(latency.fields(name).get(key), ",.1f")
+        latency: Latency | None = getattr(m, name)
+        return "-" if latency is None else _num(latency.fields(name).get(key), ",.1f")
 
     return cell
 
@@ -300,7 +352,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     table.add_column("metric")
     for level in levels:
         policy = f" {level.policy}" if level.policy else ""
-        table.add_column(f"c={level.concurrency} rate={level.rate_text}{policy}", justify="right")
+        table.add_column(f"{level.level_text} rate={level.rate_text}{policy}", justify="right")
     rows: list[tuple[str, Callable[[sv.ServingMetrics], str]]] = [
         ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
         ("duration s", lambda m: f"{m.duration_s:.2f}"),
@@ -311,6 +363,8 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     if any(level.metrics.goodput is not None for level in levels):
         rows.append(("goodput req/s (met --slo)", lambda m: _num(m.goodput, ".2f")))
     for name in METRICS:
+        if all(getattr(level.metrics, name) is None for level in levels):
+            continue  # a figure none of the levels measured
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
             key = f"{stat}_{name}_ms"
             rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
@@ -340,6 +394,7 @@ SERVING_COLUMNS = (
     "failed",
     "request_throughput",
     "output_throughput",
+    "mean_queue_ms",
     "mean_ttft_ms",
     "p99_ttft_ms",
     "mean_tpot_ms",

@@ -29,6 +29,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
 from .batching import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
+from .figures import ttft_s
 from .policy import Policy
 
 
@@ -44,8 +45,9 @@ class QueueFullError(LlmrunError):
 class RequestTimings:
     """One request's phases on the server, in llmrun's names (each response's `timings`).
 
-    TTFT = template_tokenize + queue + prefill (+ the first sample); the prefill of a chunked
-    policy spans several engine steps, listed in `prefill_chunks` (tokens, ms)."""
+    TTFT (figures.py's, its clock starting as the request arrives: the server admits every
+    request it accepts) = template_tokenize + queue + prefill (+ the first sample); the
+    prefill of a chunked policy spans several engine steps, listed in `prefill_chunks`."""
 
     prompt_tokens: int
     reused_tokens: int  # KV entries kept from the slot's previous request (a shared prefix)
@@ -479,7 +481,7 @@ class EngineThread:
             queue_ms=(started - job.submitted_s) * 1000,
             prefill_ms=(prefill_end - started) * 1000,
             prefill_chunks=tuple((n, s * 1000) for n, s in r.chunks),
-            ttft_ms=(times[0] - job.received_s) * 1000 if times else None,
+            ttft_ms=None if (ttft := ttft_s(job.received_s, times)) is None else ttft * 1000,
             decode_ms=(times[-1] - times[0]) * 1000 if times else 0.0,
             itl_ms=tuple(g * 1000 for g in r.gaps_s),
             finish_reason=finish

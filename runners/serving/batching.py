@@ -23,8 +23,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import math
 import random
-import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -41,6 +41,7 @@ from llmrun.runners.progress import Tally
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
+from . import figures
 from .policy import Policy, schedule
 
 FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
@@ -68,6 +69,7 @@ class SeqResult:
     prompt_tokens: int
     output: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each output token's time stamp
+    admitted_s: float | None = None  # when the sequence it got was free (its queue ends)
     started_s: float | None = None  # the first step that carried its prompt
     prefilled_s: float | None = None  # the end of the step that carried its prompt's last token
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, step s)
@@ -76,26 +78,23 @@ class SeqResult:
     finish: str = FINISH_LENGTH
     error: str = ""  # why it ended with finish 'error' (llama.cpp refused its sampler, ...)
 
-    @property
-    def queue_s(self) -> float | None:
-        return None if self.started_s is None else self.started_s - self.arrival_s
+    # Its figures, as figures.py defines them, from admission (the arrival where it has none).
 
     @property
     def ttft_s(self) -> float | None:
-        return self.times[0] - self.arrival_s if self.times else None
+        return figures.ttft_s(self._start_s, self.times)
 
     @property
     def gaps_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-    @property
-    def tpot_s(self) -> float | None:
-        gaps = self.gaps_s
-        return statistics.fmean(gaps) if gaps else None
+        return figures.itl_s(self.times)
 
     @property
     def e2e_s(self) -> float | None:
-        return self.times[-1] - self.arrival_s if self.times else None
+        return figures.e2el_s(self._start_s, self.times)
+
+    @property
+    def _start_s(self) -> float:
+        return self.arrival_s if self.admitted_s is None else self.admitted_s
 
 
 @dataclass(frozen=True)
@@ -239,6 +238,7 @@ class BatchedEngine:
         self._free = list(range(n_seq))
         self._cached: list[list[int]] = [[] for _ in range(n_seq)]  # keep_prefix: KV's tokens
         self._used_s = [0.0] * n_seq
+        self._freed_s = [-math.inf] * n_seq  # when each sequence was last released (now())
         # the step's hot calls, looked up once
         self._llama_decode = lib.llama_decode
         self._synchronize = lib.llama_synchronize
@@ -358,6 +358,7 @@ class BatchedEngine:
         self._waiting.clear()
         self._running.clear()
         self._free = list(range(self.n_seq))
+        self._freed_s = [-math.inf] * self.n_seq
         for cached in self._cached:
             cached.clear()
         if self.ctx.ptr is not None:  # None: the runner closed it already
@@ -467,6 +468,9 @@ class BatchedEngine:
         """Queued requests into free sequences, in order; with keep_prefix, each into the free
         sequence whose cached tokens share its prompt's longest prefix."""
         queue, free = self._queue, self._free
+        # when each free sequence became free, earliest first: the k-th request admitted now
+        # could have had the k-th of them (which one it gets is the cache's or the lowest id's)
+        free_since = sorted(self._freed_s[i] for i in free) if queue else []
         while queue and free:
             seq = queue.popleft()
             reused = 0
@@ -483,12 +487,16 @@ class BatchedEngine:
             else:
                 sid = free.pop(0)
             seq.sid, seq.reused, seq.prefilled = sid, reused, reused
+            # its queue ends when a sequence was free for it: a wait for the step in progress
+            # is not a wait for a sequence (a server's client would see it in its TTFT)
+            seq.result.admitted_s = max(seq.result.arrival_s, free_since.pop(0))
             if seq.sampling is not None:
                 assert seq.seed is not None
                 try:
                     seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
                 except LlmrunError as e:  # this request ends alone; its sequence is free again
                     self._release(seq, keep_kv=self.keep_prefix)
+                    free_since.append(self.now())  # for the next one: free from now
                     seq.done, seq.pending = True, None
                     seq.result.finish, seq.result.error = FINISH_ERROR, str(e)
                     self._refused.append(seq)
@@ -504,6 +512,7 @@ class BatchedEngine:
             self.ctx.remove(seq.sid)
             self._cached[seq.sid].clear()
         self._free.append(seq.sid)
+        self._freed_s[seq.sid] = self.now()
         self._free.sort()  # the lowest ids first, so the running ones stay consecutive
         seq.sid = -1
 

@@ -1,11 +1,6 @@
-"""Serving load against an OpenAI-compatible server, with vLLM's benchmark definitions.
-
-- TTFT: request sent -> first content chunk.
-- TPOT: (latency - TTFT) / (output tokens - 1), per request.
-- ITL: every gap between content chunks, the first token excluded.
-- E2EL: request sent -> last byte.
-- Throughput: completed requests and output tokens per second of the whole run; goodput counts
-  only the requests that met every `--slo`.
+"""Serving load against an OpenAI-compatible server, with vLLM's benchmark definitions (each
+defined once, in figures.py): a request's clock starts as it is sent, once the client's
+`--max-concurrency` admits it.
 
 Arrivals are a Poisson process at `request_rate` (inf: all at once), with at most
 `concurrency` requests in flight. A failed request is counted and reported, never fatal.
@@ -17,7 +12,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,29 +26,11 @@ from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
 from llmrun.runners.system import busy_machine
 
+from .figures import RequestResult, ServingMetrics, failure, metrics, queue_s
 from .options import InterferenceOptions, ServeOptions, Stage
 from .prompts import FreshPrompts, PromptSpec, random_lengths, text_prompts
 
-
-@dataclass
-class RequestResult:
-    input_tokens: int
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    error: str | None = None
-    cached_tokens: int | None = None  # prompt tokens the server took from its cache (None: unsaid)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+__all__ = ["RequestResult", "ServingMetrics", "metrics"]  # their home is figures.py
 
 
 def _streamed(
@@ -88,6 +64,7 @@ def send(
         if progress is not None:
             progress.add(done=1)
     s = finished.stats
+    # The remote runner's clock starts as the request is sent: TTFT, gaps and E2EL from it.
     result.latency_s, result.itl_s = s.e2e_s, list(s.itl_s)
     server = s.server
     if server is not None and server.output_chunks:
@@ -98,12 +75,12 @@ def send(
     if said or s.reused_tokens:  # llama-server's cache_n, OpenAI's cached_tokens, llmrun's
         result.cached_tokens = s.reused_tokens
     result.output_tokens = s.output_tokens
-    if s.finish_reason == FINISH_INCOMPLETE:
-        result.error = str(server.error if server is not None else "incomplete")
-    elif s.interrupted:
-        result.error = "cancelled"
-    elif result.ttft_s is None:
-        result.error = "no output"
+    broken = s.finish_reason == FINISH_INCOMPLETE
+    result.error = failure(
+        error=str(server.error if server is not None else "incomplete") if broken else None,
+        cancelled=s.interrupted,
+        got_token=result.ttft_s is not None,
+    )
     return result
 
 
@@ -123,9 +100,12 @@ def run_load(
     slots = threading.Semaphore(concurrency)
     futures: list[Future[RequestResult]] = []
 
-    def task(prompt: PromptSpec) -> RequestResult:
+    def task(prompt: PromptSpec, arrived_s: float) -> RequestResult:
         try:
-            return send(runner, prompt, cancel, progress)
+            sent_s = time.perf_counter()  # admitted: its clock starts (figures.py)
+            result = send(runner, prompt, cancel, progress)
+            result.queue_s = queue_s(arrived_s, sent_s)  # vLLM's client_queue_time
+            return result
         finally:
             slots.release()
 
@@ -136,123 +116,16 @@ def run_load(
                 break
             if i and math.isfinite(request_rate):
                 cancel.wait(rng.expovariate(request_rate))
+            arrived_s = time.perf_counter()
             while not slots.acquire(timeout=0.1):
                 if cancel.is_set():
                     break
             else:
-                futures.append(pool.submit(task, prompt))
+                futures.append(pool.submit(task, prompt, arrived_s))
                 continue
             break
     duration = time.perf_counter() - t0
     return [f.result() for f in futures], duration
-
-
-@dataclass(frozen=True)
-class Latency:
-    """One latency metric over a level's requests, in milliseconds (None: nothing measured)."""
-
-    mean_ms: float | None
-    median_ms: float | None
-    std_ms: float
-    percentiles_ms: tuple[tuple[float, float | None], ...]  # (percentile, value)
-
-    @classmethod
-    def of(cls, values_s: Sequence[float], percentiles: Sequence[float]) -> Latency:
-        values = [v * 1000 for v in values_s]
-        return cls(
-            mean_ms=round(statistics.fmean(values), 3) if values else None,
-            median_ms=round(statistics.median(values), 3) if values else None,
-            std_ms=round(statistics.pstdev(values), 3) if len(values) > 1 else 0.0,
-            percentiles_ms=tuple(
-                (p, None if (v := percentile(values, p)) is None else round(v, 3))
-                for p in percentiles
-            ),
-        )
-
-    def fields(self, name: str) -> dict[str, float | None]:
-        """vLLM's names: mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ..."""
-        out = {
-            f"mean_{name}_ms": self.mean_ms,
-            f"median_{name}_ms": self.median_ms,
-            f"std_{name}_ms": self.std_ms,
-        }
-        out.update((f"p{p:g}_{name}_ms", v) for p, v in self.percentiles_ms)
-        return out
-
-
-@dataclass(frozen=True)
-class ServingMetrics:
-    """A level's figures as vLLM's benchmark defines them."""
-
-    completed: int
-    failed: int
-    errors: tuple[str, ...]  # the first distinct error messages
-    duration_s: float
-    total_input_tokens: int
-    total_output_tokens: int
-    request_throughput: float | None  # requests per second
-    output_throughput: float | None  # output tokens per second
-    total_token_throughput: float | None
-    goodput: float | None  # requests per second that met every --slo (None: no --slo)
-    ttft: Latency
-    tpot: Latency
-    itl: Latency
-    e2el: Latency
-
-    def record(self) -> dict[str, Any]:
-        rec: dict[str, Any] = {
-            "completed": self.completed,
-            "failed": self.failed,
-            "errors": list(self.errors),
-            "duration_s": self.duration_s,
-            "total_input_tokens": self.total_input_tokens,
-            "total_output_tokens": self.total_output_tokens,
-            "request_throughput": self.request_throughput,
-            "output_throughput": self.output_throughput,
-            "total_token_throughput": self.total_token_throughput,
-            "goodput": self.goodput,
-        }
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            rec.update(getattr(self, name).fields(name))
-        return rec
-
-
-def metrics(
-    results: Sequence[RequestResult],
-    duration_s: float,
-    *,
-    percentiles: Sequence[float],
-    slo: dict[str, float],
-) -> ServingMetrics:
-    done = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok and r.error != "cancelled"]
-    out_tokens = sum(r.output_tokens for r in done)
-    in_tokens = sum(r.input_tokens for r in done)
-
-    def meets(r: RequestResult) -> bool:
-        checks = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2el": r.latency_s}
-        return all(checks[k] is not None and checks[k] <= v for k, v in slo.items())  # type: ignore[operator]
-
-    def per_s(count: int) -> float | None:
-        return round(count / duration_s, 4) if duration_s > 0 else None
-
-    good = [r for r in done if meets(r)] if slo else done
-    return ServingMetrics(
-        completed=len(done),
-        failed=len(failed),
-        errors=tuple(sorted({r.error for r in failed if r.error})[:5]),
-        duration_s=round(duration_s, 4),
-        total_input_tokens=in_tokens,
-        total_output_tokens=out_tokens,
-        request_throughput=per_s(len(done)),
-        output_throughput=per_s(out_tokens),
-        total_token_throughput=per_s(in_tokens + out_tokens),
-        goodput=per_s(len(good)) if slo else None,
-        ttft=Latency.of([r.ttft_s for r in done if r.ttft_s is not None], percentiles),
-        tpot=Latency.of([t for r in done if (t := r.tpot_s) is not None], percentiles),
-        itl=Latency.of([g for r in done for g in r.itl_s], percentiles),
-        e2el=Latency.of([r.latency_s for r in done], percentiles),
-    )
 
 
 @dataclass(frozen=True)
@@ -261,20 +134,30 @@ class Interference:
     loaded: RequestResult
     background: list[RequestResult]
 
+    @property
+    def failed(self) -> list[tuple[str, str]]:
+        """The steady client's measured requests that failed (as `bench serve` counts a failed
+        request, figures.py): (which, why). Their figures are not figures."""
+        runs = (("alone", self.alone), ("under load", self.loaded))
+        return [(which, r.error or "") for which, r in runs if r.failed]
+
     def record(self) -> dict[str, Any]:
         def p(result: RequestResult, q: float) -> float | None:
-            value = percentile(result.itl_s, q)
+            value = percentile(result.itl_s, q) if result.ok else None
             return round(value * 1000, 3) if value is not None else None
 
-        rec = {
+        def ttft(result: RequestResult) -> float | None:
+            return round(result.ttft_s * 1000, 3) if result.ok and result.ttft_s else None
+
+        rec: dict[str, Any] = {
             "itl_p50_alone_ms": p(self.alone, 50),
             "itl_p99_alone_ms": p(self.alone, 99),
             "itl_p50_loaded_ms": p(self.loaded, 50),
             "itl_p99_loaded_ms": p(self.loaded, 99),
-            "ttft_alone_ms": round(self.alone.ttft_s * 1000, 3) if self.alone.ttft_s else None,
-            "ttft_loaded_ms": round(self.loaded.ttft_s * 1000, 3) if self.loaded.ttft_s else None,
+            "ttft_alone_ms": ttft(self.alone),
+            "ttft_loaded_ms": ttft(self.loaded),
             "background_requests": len(self.background),
-            "background_failed": sum(not r.ok for r in self.background),
+            "background_failed": sum(r.failed for r in self.background),
             # what the server said it took from its cache (None: it did not say)
             "cached_tokens_alone": self.alone.cached_tokens,
             "cached_tokens_loaded": self.loaded.cached_tokens,
@@ -282,6 +165,8 @@ class Interference:
         for q in ("p50", "p99"):
             alone, loaded = rec[f"itl_{q}_alone_ms"], rec[f"itl_{q}_loaded_ms"]
             rec[f"itl_{q}_ratio"] = round(loaded / alone, 3) if alone and loaded else None
+        rec["failed"] = len(self.failed)
+        rec["errors"] = [f"{which}: {why}" for which, why in self.failed]
         return rec
 
 
@@ -373,6 +258,17 @@ class ServingLevel:
         return _rate(self.request_rate)
 
     @property
+    def local(self) -> bool:
+        """This machine's engine (a policy), not a server."""
+        return bool(self.policy)
+
+    @property
+    def level_text(self) -> str:
+        """What the level's number is: the engine's sequences, or the client's requests in
+        flight (`concurrency` keeps the number under both, as history keys it)."""
+        return f"slots={self.concurrency}" if self.local else f"max-conc={self.concurrency}"
+
+    @property
     def test(self) -> str:
         return (
             f"serve c{self.concurrency} r{self.rate_text}"
@@ -401,6 +297,7 @@ class ServingLevel:
             "endpoint": endpoint,
             "model_filename": self.model,
             "concurrency": self.concurrency,
+            ("n_slots" if self.local else "max_concurrency"): self.concurrency,
             "request_rate": self.rate_text,
             "num_prompts": self.num_prompts,
             "input_len": self.input_len,

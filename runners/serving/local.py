@@ -17,8 +17,9 @@ from llmrun.runners.progress import Tally
 from llmrun.runners.system import cpu_sample, measured_background
 
 from .batching import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
+from .figures import RequestResult, metrics
 from .interference import LONG_TOKENS, InterferenceReport, interference
-from .load import RequestResult, ServingLevel, cached_total, metrics
+from .load import ServingLevel, cached_total
 from .options import InterferenceOptions, ServeOptions, Stage
 from .policy import Policy
 from .prompts import FreshPrompts, random_lengths
@@ -31,15 +32,15 @@ LOCAL = "local"  # a local level's endpoint
 
 
 def request_result(r: SeqResult) -> RequestResult:
-    """One request of a local level as the serving metrics count it: a request the interrupt
-    cut is an error ("cancelled"), not a finished one with a short output and E2E."""
-    return RequestResult(
+    """One request of a local level as the serving figures count it (figures.py): its clock
+    starts when it gets a sequence (`--slots` admits it), the wait before is its queue; a
+    request the interrupt cut is "cancelled", not a finished one with a short output and E2E."""
+    return RequestResult.timed(
         input_tokens=r.prompt_tokens,
-        output_tokens=len(r.output),
-        ttft_s=r.ttft_s,
-        latency_s=r.e2e_s or 0.0,
-        itl_s=r.gaps_s,
-        error="cancelled" if r.finish == FINISH_CANCELLED or not r.times else None,
+        arrival_s=r.arrival_s,
+        admitted_s=r.admitted_s,
+        token_times_s=r.times,
+        cancelled=r.finish == FINISH_CANCELLED or not r.times,
         cached_tokens=0,  # the benchmark's engines keep no prefix (keep_prefix off)
     )
 

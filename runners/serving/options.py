@@ -84,10 +84,10 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def parse_concurrency(text: str) -> tuple[int, ...]:
-    levels = tuple(parse_values(text, name="--concurrency"))
+def parse_concurrency(text: str, name: str = "--concurrency") -> tuple[int, ...]:
+    levels = tuple(parse_values(text, name=name))
     if any(c < 1 for c in levels):
-        raise BadRequestError("--concurrency values must be at least 1")
+        raise BadRequestError(f"{name} values must be at least 1")
     return levels
 
 
