@@ -319,10 +319,10 @@ def answered_line(a: Answered) -> str:
 
     return (
         f"{a.route} {a.status} {t.finish_reason}: prompt {t.prompt_tokens} (reused"
-        f" {t.reused_tokens}) out {t.output_tokens} | queue {f(t.queue_ms)} template"
-        f" {f(t.template_tokenize_ms)} prefill {f(t.prefill_ms)} ({len(t.prefill_chunks)}"
-        f" chunks) ttft {f(t.ttft_ms)} decode {f(t.decode_ms)} itl p50 {f(t.itl_p(50))}"
-        f" p99 {f(t.itl_p(99))} ms"
+        f" {t.reused_tokens}) out {t.output_tokens} | queue {f(t.queue_ms)} step wait"
+        f" {f(t.step_wait_ms)} template {f(t.template_tokenize_ms)} prefill {f(t.prefill_ms)}"
+        f" ({len(t.prefill_chunks)} chunks) ttft {f(t.ttft_ms)} decode {f(t.decode_ms)}"
+        f" itl p50 {f(t.itl_p(50))} p99 {f(t.itl_p(99))} ms"
     )
 
 

@@ -46,8 +46,11 @@ class RequestTimings:
     """One request's phases on the server, in llmrun's names (each response's `timings`).
 
     TTFT (figures.py's, its clock starting as the request arrives: the server admits every
-    request it accepts) = template_tokenize + queue + prefill (+ the first sample); the
-    prefill of a chunked policy spans several engine steps, listed in `prefill_chunks`."""
+    request it accepts) = template_tokenize + queue + step_wait + prefill (+ the first
+    sample). `queue` is figures.py's: the wait for a free sequence, and nothing else;
+    `step_wait` the wait after it for the engine's step in progress to end and for room in a
+    step under --policy. The prefill of a chunked policy spans several engine steps, listed in
+    `prefill_chunks`."""
 
     prompt_tokens: int
     reused_tokens: int  # KV entries kept from the slot's previous request (a shared prefix)
@@ -67,6 +70,7 @@ class RequestTimings:
     end_token_ms: float | None = None
     draft_tokens: int = 0  # tokens a draft model proposed (serve has none yet: 0)
     draft_accepted: int = 0  # of those, the ones the model accepted
+    step_wait_ms: float = 0.0  # after the queue: the step in progress, room in a step
 
     @property
     def prefill_tokens(self) -> int:
@@ -96,6 +100,7 @@ class RequestTimings:
             "output_tokens": self.output_tokens,
             "template_tokenize_ms": r(self.template_tokenize_ms),
             "queue_ms": r(self.queue_ms),
+            "step_wait_ms": r(self.step_wait_ms),
             "prefill_ms": r(self.prefill_ms),
             "prefill_chunks": [{"tokens": n, "ms": r(t)} for n, t in self.prefill_chunks],
             "prefill_tps": round(self.prefill_tokens / prefill_s, 2) if prefill_s > 0 else None,
@@ -467,6 +472,8 @@ class EngineThread:
             self._wake.set()
             return
         started = r.started_s if r.started_s is not None else time.perf_counter()
+        # a free sequence ends the queue (figures.py); not before the tokens were submitted
+        admitted = min(max(r.admitted_s or started, job.submitted_s), started)
         prefill_end = r.prefilled_s if r.prefilled_s is not None else started
         times = r.times
         finish = r.finish
@@ -478,7 +485,8 @@ class EngineThread:
             reused_tokens=handle.reused,
             output_tokens=len(r.output),
             template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
-            queue_ms=(started - job.submitted_s) * 1000,
+            queue_ms=(admitted - job.submitted_s) * 1000,
+            step_wait_ms=(started - admitted) * 1000,
             prefill_ms=(prefill_end - started) * 1000,
             prefill_chunks=tuple((n, s * 1000) for n, s in r.chunks),
             ttft_ms=None if (ttft := ttft_s(job.received_s, times)) is None else ttft * 1000,
