@@ -8,6 +8,7 @@ default of None leaves the choice to the engine (or llama-bench's defaults), as 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from dataclasses import dataclass
@@ -627,10 +628,11 @@ def _names(annotation: Any) -> list[str]:
     return [n for decl in (*first, *info.param_decls) for n in decl.split("/")]
 
 
+@functools.cache
 def misspellable() -> dict[str, bool]:
-    """Each long option of bench with no single-dash spelling of the same name (--cpu-mask, but
-    not --n-gpu-layers: there is no -n-gpu-layers either, yet -ngl is its own), and whether it
-    is a flag (the misspelling then takes no value)."""
+    """Each long option of bench whose one-dash spelling is no option of its own (--cpu-mask's
+    -cpu-mask; not --pg, as -pg is llama-bench's), and whether it is a flag (its misspelling
+    then takes no value)."""
     records = (Measured, Controls, Hub, Delivery)
     annotations = [p.annotation for r in records for p in r.parameters()]
     annotations += [o.parameter().annotation for o in (*LISTS, RPC)]
