@@ -37,6 +37,8 @@ SAMPLES: dict[str, list[str]] = {
     "--cache-type-v": ["-ctv", "q8_0"],
     "--repack": ["--repack", "0"],
     "--mmap": ["-mmp", "0"],
+    "--direct-io": ["-dio", "1"],
+    "--rpc": ["-rpc", "127.0.0.1:50052"],
     "--load-mode": ["-lm", "none"],
     "--no-kv-offload": ["-nkvo", "1"],
     "--split-mode": ["-sm", "row"],

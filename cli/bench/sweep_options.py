@@ -8,13 +8,16 @@ default of None leaves the choice to the engine (or llama-bench's defaults), as 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from llmrun.cli.errors import usage_error
 from llmrun.cli.options import Energy, EnergyMode
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.bench import localscore as ls
@@ -143,6 +146,11 @@ LISTS = (
         "Memory-map the model file, 0 or 1 (older llama-bench's -mmp; same as -lm none/mmap).",
     ),
     ListOption(
+        "direct_io",
+        ("-dio", "--direct-io"),
+        "Read the model with direct I/O, 0 or 1 (older llama-bench's -dio; same as -lm dio).",
+    ),
+    ListOption(
         "load_mode",
         ("-lm", "--load-mode"),
         f"How weights load: {', '.join(LOAD_MODES)}. (default: auto)",
@@ -256,22 +264,59 @@ LISTS = (
 )
 
 
-class SweepLists(OptionRecord):
-    """The list options as given (each repetition of an option joined by commas)."""
+# llama-bench's -rpc: a list of servers, for every test at once
+RPC = ListOption(
+    "rpc",
+    ("-rpc", "--rpc"),
+    "RPC servers, host:port,... (llama.cpp built with its RPC backend only).",
+    panel=LB,
+    metavar="SERVERS",
+)
 
-    def __init__(self, **given: list[str] | None) -> None:
+
+def _misspelt_name(real: str) -> str:
+    return f"misspelt_{real[2:].replace('-', '_')}"
+
+
+def _misspelt(name: str, real: str, flag: bool) -> inspect.Parameter:
+    """A single-dash spelling of one of bench's long options, such as -cpu-mask: llama-bench
+    refuses it, and Click would read it as -c with `pu-mask`; it is refused by name."""
+    option = typer.Option(name, hidden=True, show_default=False)
+    annotation = Annotated[bool, option] if flag else Annotated[list[str] | None, option]
+    return inspect.Parameter(
+        _misspelt_name(real),
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False if flag else None,
+        annotation=annotation,
+    )
+
+
+class SweepLists(OptionRecord):
+    """The list options as given (each repetition of an option joined by commas), and
+    llama-bench's -rpc."""
+
+    def __init__(self, rpc: list[str] | None = None, **given: list[str] | None) -> None:
         self.given = given
+        self.rpc = ",".join(rpc) if rpc else None
 
     def __repr__(self) -> str:
         return f"SweepLists({self.given!r})"
 
     @classmethod
     def parameters(cls) -> list[inspect.Parameter]:
-        return [option.parameter() for option in LISTS]
+        return [
+            *(option.parameter() for option in LISTS),
+            RPC.parameter(),
+            *(_misspelt(f"-{real[2:]}", real, flag) for real, flag in misspellable().items()),
+        ]
 
     @classmethod
     def build(cls, given: dict[str, Any]) -> SweepLists:
-        return cls(**{option.name: given.pop(option.name) for option in LISTS})
+        for real in misspellable():
+            if given.pop(_misspelt_name(real)):
+                usage_error(f"-{real[2:]}: no such option; llama-bench's spelling is {real}")
+        rpc = given.pop(RPC.name)
+        return cls(rpc, **{option.name: given.pop(option.name) for option in LISTS})
 
     def text(self, name: str) -> str | None:
         """A list as one comma list, or its default when not given."""
@@ -294,6 +339,8 @@ class SweepLists(OptionRecord):
 
     def refuse_unusable(self) -> None:
         """The placement options this engine cannot apply, refused before any model loads."""
+        if self.rpc is not None:
+            lb.refuse_rpc(self.rpc)
         lb.refuse_unusable(
             split_mode=self.text("split_mode"),
             main_gpu=self.text("main_gpu"),
@@ -583,3 +630,29 @@ ListDevices = Annotated[
     ),
 ]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")]
+
+
+def _names(annotation: Any) -> list[str]:
+    """An option's spellings, from its `Annotated[T, typer.Option(...)]` (typer takes a
+    string default there as the first spelling)."""
+    info = annotation.__metadata__[0]
+    first = [info.default] if isinstance(info.default, str) else []
+    return [n for decl in (*first, *info.param_decls) for n in decl.split("/")]
+
+
+@functools.cache
+def misspellable() -> dict[str, bool]:
+    """Each long option of bench whose one-dash spelling is no option of its own (--cpu-mask's
+    -cpu-mask; not --pg, as -pg is llama-bench's), and whether it is a flag (its misspelling
+    then takes no value)."""
+    records = (Measured, Controls, Hub, Delivery)
+    annotations = [p.annotation for r in records for p in r.parameters()]
+    annotations += [o.parameter().annotation for o in (*LISTS, RPC)]
+    annotations += [Models, Version, ListDevices, Seed]
+    taken = {n for a in annotations for n in _names(a)}
+    return {
+        n: typing.get_args(a)[0] is bool
+        for a in annotations
+        for n in _names(a)
+        if n.startswith("--") and f"-{n[2:]}" not in taken
+    }

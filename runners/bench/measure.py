@@ -258,8 +258,10 @@ def run_bench(
     cancel: threading.Event | None = None,
     until_ci: UntilCi | None = None,
     meter: PhaseMeter | None = None,
+    tests: Sequence[tuple[Combo, Sequence[Shape]]] | None = None,
 ) -> Iterator[Result | Skipped | Progress]:
-    """Run every shape on every configuration; yields results as they finish.
+    """Run every shape on every configuration (or each configuration's own shapes, in the
+    order `tests` gives: llama-bench's); yields results as they finish.
 
     Stops at the next token when `cancel` is set (raising nothing: the iterator just ends after
     the results so far). Configurations the engine cannot use are yielded as `Skipped`. With
@@ -272,20 +274,23 @@ def run_bench(
     # keeps the batch asked for, as llama-bench's does)
     ctx = n_ctx or max(256, max(s.n_ctx_needed for s in shapes))
     per_test = reps + (1 if warmup else 0)
-    total = len(combos) * len(shapes) * per_test
+    plan: list[tuple[Combo, Sequence[Shape]]] = (
+        list(tests) if tests is not None else [(c, shapes) for c in combos]
+    )
+    total = sum(len(s) for _, s in plan) * per_test
 
     def left(i_combo: int, i_shape: int, rep: int) -> tuple[tuple[str, int], ...]:
         """Repetitions of each kind not yet started, after this one."""
-        counts: dict[str, int] = {}
-        later = len(combos) - i_combo - 1
-        for k, s in enumerate(shapes):
-            n = later * per_test + (per_test if k > i_shape else 0)
-            n += per_test - rep - 1 if k == i_shape else 0
-            counts[s.name] = counts.get(s.name, 0) + n
+        counts = {s.name: 0 for _, here in plan for s in here}
+        for i, (_, here) in enumerate(plan[i_combo:], i_combo):
+            for k, s in enumerate(here):
+                n = per_test if i > i_combo or k > i_shape else 0
+                n += per_test - rep - 1 if i == i_combo and k == i_shape else 0
+                counts[s.name] += n
         return tuple(counts.items())
 
     done = 0
-    for i_combo, combo in enumerate(combos):
+    for i_combo, (combo, shapes) in enumerate(plan):
         problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
         if problem is None:
             yield Progress(

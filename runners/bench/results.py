@@ -290,6 +290,7 @@ class Result:
             "stddev_ts": round(self.stddev_ts, 6),
             "samples_ns": samples_ns,
             "samples_ts": [round(x, 6) for x in self.samples_ts],
+            "rpc": "",  # llama-bench's -rpc servers: none (bench refuses -rpc)
             # llmrun's own
             "test": s.name,
             "model_name": m.name,

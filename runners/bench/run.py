@@ -41,13 +41,24 @@ def parse_shapes(
     depths = sw.parse_values(depth, name="-d/--n-depth")
     if scenarios:
         return ls.scenario_shapes(scale)
-    shapes = [sw.Shape(p, 0, d) for d in depths for p in sw.parse_values(n_prompt, name="-p") if p]
-    shapes += [sw.Shape(0, n, d) for d in depths for n in sw.parse_values(n_gen, name="-n") if n]
+    prompts = [p for p in sw.parse_values(n_prompt, name="-p") if p]
+    gens = [n for n in sw.parse_values(n_gen, name="-n") if n]
+    pairs = []
     for pair in pg:
         values = sw.parse_values(pair, name="--pg")
         if len(values) != 2:
             raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
-        shapes += [sw.Shape(values[0], values[1], d) for d in depths]
+        pairs.append(values)
+    # as llama-bench: at each depth, the pp tests, then tg, then pg
+    shapes = [
+        shape
+        for slot, d in enumerate(depths)
+        for shape in [
+            *(sw.Shape(p, 0, d, slot) for p in prompts),
+            *(sw.Shape(0, n, d, slot) for n in gens),
+            *(sw.Shape(p, n, d, slot) for p, n in pairs if p or n),
+        ]
+    ]
     if not shapes:
         raise BadRequestError("no test to run: -p, -n and --pg are all 0 or empty")
     return shapes
@@ -75,6 +86,7 @@ class Sweep:
     scenarios: bool
     repack: str | None = None
     mmap: str | None = None
+    direct_io: str | None = None  # older llama-bench's -dio: -lm dio
     load_mode: str | None = None
     no_kv_offload: str | None = None
     warmup: bool = True
@@ -106,8 +118,8 @@ class Sweep:
     def until(self) -> UntilCi | None:
         return None if self.until_ci is None else UntilCi.parse(self.until_ci)
 
-    def _gpu_placements(self, combos: list[sw.Combo]) -> list[sw.Combo]:
-        """Each combination at every -sm, -mg and -ts value given (GPU builds only)."""
+    def _gpu_lists(self) -> dict[str, list[Any]]:
+        """The -sm, -mg, -ts, -ot, -ncmoe, -dev, --draft, -fitt and -fitc values given."""
         modes: list[str | None] = [None]
         if self.split_mode:
             modes = list(
@@ -150,43 +162,22 @@ class Sweep:
         drafts = (
             list(sw.parse_values(self.draft, name="--draft", maximum=64)) if self.draft else [0]
         )
-        fits = [
-            (t, c)
-            for t in sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target")
-            for c in sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx")
-        ]
-        return [
-            replace(
-                c,
-                split_mode=m,
-                main_gpu=g,
-                tensor_split=t,
-                tensor_overrides=o,
-                n_cpu_moe=n,
-                devices=d,
-                draft=k,
-                fit_target=ft,
-                fit_min_ctx=fc,
-            )
-            for ft, fc in fits
-            for c in combos
-            for m in modes
-            for g in gpus
-            for t in splits
-            for o in overrides
-            for n in moes
-            for d in devices
-            for k in drafts
-        ]
+        return {
+            "split_mode": modes,
+            "main_gpu": gpus,
+            "tensor_split": splits,
+            "tensor_overrides": overrides,
+            "n_cpu_moe": moes,
+            "devices": devices,
+            "draft": drafts,
+            "fit_target": sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target"),
+            "fit_min_ctx": sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx"),
+        }
 
-    def _threadpools(self, combos: list[sw.Combo]) -> list[sw.Combo]:
-        """Each combination at every -C, --cpu-strict and --poll value given (llama-bench's
-        order); a mask that is not hex or names no CPU of this process is refused here."""
-        masks = (
-            list(dict.fromkeys(m.strip() for m in self.cpu_mask.split(",")))
-            if self.cpu_mask
-            else ["0x0"]
-        )
+    def _threadpool_lists(self) -> dict[str, list[Any]]:
+        """The -C, --cpu-strict and --poll values given; a mask that is not hex or names no CPU
+        of this process is refused here."""
+        masks = [m.strip() for m in self.cpu_mask.split(",")] if self.cpu_mask else ["0x0"]
         for mask in masks:
             ThreadpoolSettings(cpu_mask=mask).placement(1)
         stricts = (
@@ -195,13 +186,7 @@ class Sweep:
         polls = (
             sw.parse_values(self.poll, name="--poll", maximum=100) if self.poll else [DEFAULT_POLL]
         )
-        return [
-            replace(c, cpu_mask=m, cpu_strict=st, poll=p)
-            for c in combos
-            for m in masks
-            for st in stricts
-            for p in polls
-        ]
+        return {"cpu_mask": masks, "cpu_strict": stricts, "poll": polls}
 
     def _llama_params(self) -> dict[str, Any]:
         """-lzm, --no-host, -embd and -nopo: each value given, else llama.cpp's default."""
@@ -223,6 +208,10 @@ class Sweep:
             for key, (text, name) in flags.items()
         }
 
+    def inside_depth(self) -> int:
+        """How many settings llama-bench loops inside the depth: --poll's values."""
+        return len(sw.parse_values(self.poll, name="--poll")) if self.poll else 1
+
     def contexts(self) -> list[int | None]:
         return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
 
@@ -241,20 +230,22 @@ class Sweep:
             else [base.flash_attn]
         )
         modes: list[str | None] = [None]
-        if self.mmap or self.load_mode:
+        if self.mmap or self.direct_io or self.load_mode:
             modes = (
                 [("mmap" if on else "none") for on in sw.parse_bools(self.mmap, name="-mmp")]
                 if self.mmap
                 else []
             )
+            if self.direct_io:
+                dio = sw.parse_bools(self.direct_io, name="-dio/--direct-io")
+                modes += [("dio" if on else "auto") for on in dio]
             if self.load_mode:
                 modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
-            modes = list(dict.fromkeys(modes))
         combos = sw.sweep(
-            threads=optional_ints(self.threads, "-t", base.n_threads),
-            batch=optional_ints(self.batch, "-b", base.n_batch),
-            ubatch=optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
-            gpu_layers=(
+            n_threads=optional_ints(self.threads, "-t", base.n_threads),
+            n_batch=optional_ints(self.batch, "-b", base.n_batch),
+            n_ubatch=optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
+            n_gpu_layers=(
                 sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
                 if self.gpu_layers
                 else [base.n_gpu_layers]
@@ -268,8 +259,9 @@ class Sweep:
             ),
             load_mode=modes,
             **self._llama_params(),
+            **self._gpu_lists(),
+            **self._threadpool_lists(),
         )
-        combos = self._threadpools(self._gpu_placements(combos))
         # llama.cpp clamps n_ubatch to n_batch; llama-bench records its 512 as given, and so
         # does llmrun, except for a tuned ubatch, which is capped at each batch asked for
         if self.ubatch is None and base.tuned and base.n_ubatch is not None:
@@ -277,7 +269,6 @@ class Sweep:
                 replace(c, n_ubatch=min(c.n_ubatch, c.n_batch)) if c.n_ubatch and c.n_batch else c
                 for c in combos
             ]
-            combos = list(dict.fromkeys(combos))
         return combos
 
 
@@ -392,6 +383,7 @@ def _models(
                     runner,
                     combos=combos,
                     shapes=sweep.shapes,
+                    tests=sw.tests(combos, sweep.shapes, sweep.inside_depth()),
                     reps=sweep.reps,
                     base=base,
                     n_ctx=n_ctx,

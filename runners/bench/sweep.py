@@ -4,24 +4,38 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from llmrun.runners import lists
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.lists import parse_values as parse_values
 from llmrun.runners.threadpool import DEFAULT_POLL
+
+
+def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+    """llama-bench's list syntax (`1,2,4`, `8-512*4`, `0-24+8`), a value given twice kept
+    twice: `-p 16,16` is two tests there, and so here."""
+    values = [
+        v
+        for part in text.split(",")
+        for v in lists.parse_values(part, name=name, minimum=minimum, maximum=maximum)
+    ]
+    if len(values) > lists.MAX_SWEEP_VALUES:
+        raise BadRequestError(f"{name}: '{text}' gives more than {lists.MAX_SWEEP_VALUES} values")
+    return values
 
 
 def parse_words(
     text: str, *, name: str, allowed: Sequence[str], aliases: dict[str, str] | None = None
 ) -> list[str]:
-    """A comma list of names (also repeated options, joined). Unknown names are kept: the run
-    reports them as skipped. `aliases` maps other spellings: llama-bench's `-fa 0,1`."""
+    """A comma list of names (also repeated options, joined), a name given twice kept twice as
+    llama-bench keeps it. Unknown names are kept: the run reports them as skipped. `aliases`
+    maps other spellings: llama-bench's `-fa 0,1`."""
     words = [w.strip().lower() for w in text.split(",") if w.strip()]
     if not words:
         raise BadRequestError(f"{name}: give one or more of {', '.join(allowed)}")
-    words = [(aliases or {}).get(w, w) for w in words]
-    return list(dict.fromkeys(words))
+    return [(aliases or {}).get(w, w) for w in words]
 
 
 # llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
@@ -60,6 +74,9 @@ class Shape:
     n_prompt: int
     n_gen: int
     n_depth: int = 0
+    # the place of its depth in -d's list: llama-bench runs each setting's tests depth by depth
+    # (`-d 0,0` is two places), which `tests` orders by; not part of what the test is
+    slot: int = field(default=0, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -191,47 +208,72 @@ class Combo:
         )
 
 
-def sweep(
-    *,
-    threads: Sequence[int | None],
-    batch: Sequence[int | None],
-    ubatch: Sequence[int | None],
-    gpu_layers: Sequence[int | None],
-    flash_attn: Sequence[str | None],
-    type_k: Sequence[str],
-    type_v: Sequence[str],
-    repack: Sequence[bool | None] = (None,),
-    no_kv_offload: Sequence[bool] = (False,),
-    load_mode: Sequence[str | None] = (None,),
-    lazy_mode: Sequence[str] = ("auto",),
-    no_host: Sequence[bool] = (False,),
-    embeddings: Sequence[bool] = (False,),
-    no_op_offload: Sequence[bool] = (False,),
-) -> list[Combo]:
-    """Every combination, ordered so those sharing loaded weights (GPU layers, repacking, load
-    mode, lazy mode, host buffer) run together; -lzm, --no-host, -embd and -nopo nest in
-    llama-bench's order, outside the context's other settings, as in its loop."""
-    context = list(
-        itertools.product(threads, batch, ubatch, flash_attn, type_k, type_v, no_kv_offload)
-    )
+# llama-bench's loops over the settings, outermost first (llama-bench.cpp,
+# get_cmd_params_instances): the order that reloads the model least, and the order of its rows.
+# "n_depth" is the tests' depth, looped between --cpu-strict and --poll; --draft, llmrun's own,
+# loops just outside it (it changes neither the model nor the context).
+LOOPS = (
+    "fit_target",
+    "fit_min_ctx",
+    "n_gpu_layers",
+    "n_cpu_moe",
+    "split_mode",
+    "load_mode",
+    "lazy_mode",
+    "main_gpu",
+    "devices",
+    "tensor_split",
+    "tensor_overrides",
+    "no_host",
+    "repack",
+    "embeddings",
+    "no_op_offload",
+    "n_batch",
+    "n_ubatch",
+    "type_k",
+    "type_v",
+    "no_kv_offload",
+    "flash_attn",
+    "n_threads",
+    "cpu_mask",
+    "cpu_strict",
+    "draft",
+    "n_depth",
+    "poll",
+)
+INSIDE_DEPTH = LOOPS[LOOPS.index("n_depth") + 1 :]
+
+
+def sweep(**values: Sequence[Any]) -> list[Combo]:
+    """Every combination of the `Combo` fields' lists (a field not given keeps its default), in
+    llama-bench's order (`LOOPS`), a value given twice kept twice as there."""
+    unknown = set(values) - set(LOOPS)
+    if unknown:
+        raise TypeError(f"not a swept setting: {', '.join(sorted(unknown))}")
+    names = [n for n in LOOPS if n in values]
     return [
-        Combo(
-            t,
-            b,
-            u,
-            g,
-            f,
-            k,
-            v,
-            r,
-            o,
-            lm,
-            lazy_mode=lz,
-            no_host=nh,
-            embeddings=em,
-            no_op_offload=npo,
-        )
-        for g, r, lm, lz, nh, em, npo, (t, b, u, f, k, v, o) in itertools.product(
-            gpu_layers, repack, load_mode, lazy_mode, no_host, embeddings, no_op_offload, context
-        )
+        Combo(**dict(zip(names, chosen, strict=True)))
+        for chosen in itertools.product(*(values[n] for n in names))
     ]
+
+
+def tests(
+    combos: Sequence[Combo], shapes: Sequence[Shape], inside: int = 1
+) -> list[tuple[Combo, tuple[Shape, ...]]]:
+    """Each setting's tests in llama-bench's order: `combos` as `sweep` made them, where each
+    `inside` in a row differ only in the settings looped inside the depth (--poll's values);
+    for each depth (each `slot`) those settings in turn, and for each, its pp tests, then tg,
+    then pg, as `shapes` lists them. A setting whose tests follow its own keeps one entry."""
+    slots = list(dict.fromkeys(s.slot for s in shapes))
+    if inside < 1 or len(combos) % inside:
+        inside = 1  # not sweep's blocks: each combination keeps its place
+    plan: list[tuple[Combo, tuple[Shape, ...]]] = []
+    for start in range(0, len(combos), inside):
+        for slot in slots:
+            here = tuple(s for s in shapes if s.slot == slot)
+            for combo in combos[start : start + inside]:
+                if plan and plan[-1][0] is combo:
+                    plan[-1] = (combo, plan[-1][1] + here)
+                else:
+                    plan.append((combo, here))
+    return plan
