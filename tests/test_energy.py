@@ -9,10 +9,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,18 +169,6 @@ def request(
 @pytest.fixture
 def machine() -> Machine:
     return Machine()
-
-
-@pytest.fixture
-def tree(tmp_path: Path) -> Iterator[Path]:
-    """A directory for a fake powercap tree: in memory where the system has one, since its
-    counters are rewritten every fake millisecond (on a busy disk, 6,000 writes took 28 s)."""
-    shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        yield tmp_path
-        return
-    with tempfile.TemporaryDirectory(dir=shm) as top:
-        yield Path(top)
 
 
 def meter_on(machine: Machine, root: Path, **kw: Any) -> PhaseMeter:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import statistics
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,17 +65,6 @@ def machine() -> Machine:
     return Machine()
 
 
-@pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """The fake powercap trees in memory where the system allows (test_energy's `tree`)."""
-    shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        yield tmp_path
-        return
-    with tempfile.TemporaryDirectory(dir=shm) as top:
-        yield Path(top)
-
-
 def _bench(
     machine: Machine, tree: Path, shapes: list[Shape], reps: int = 2
 ) -> tuple[list[Result], PhaseMeter]:
@@ -95,8 +82,8 @@ def _bench(
     return [e for e in events if isinstance(e, Result)], meter
 
 
-def test_each_test_s_phase_is_metered_per_repetition(machine: Machine, shm: Path) -> None:
-    [pp, tg, pg], _ = _bench(machine, shm, [Shape(8, 0), Shape(0, 4), Shape(8, 4)])
+def test_each_test_s_phase_is_metered_per_repetition(machine: Machine, tree: Path) -> None:
+    [pp, tg, pg], _ = _bench(machine, tree, [Shape(8, 0), Shape(0, 4), Shape(8, 4)])
     above = BUSY_W - IDLE_W
     # pp8: 8 prompt tokens at 1 ms each
     assert pp.energy is not None and pp.energy.reps == 2
@@ -118,21 +105,21 @@ def test_each_test_s_phase_is_metered_per_repetition(machine: Machine, shm: Path
 
 
 def test_a_phase_too_short_alone_is_measured_over_the_repetitions(
-    machine: Machine, shm: Path
+    machine: Machine, tree: Path
 ) -> None:
     # pp1's prefill: 1 ms, shorter than two counter updates; ten repetitions: 10 ms
-    [one], _ = _bench(machine, shm / "one", [Shape(1, 0)], reps=1)
+    [one], _ = _bench(machine, tree / "one", [Shape(1, 0)], reps=1)
     assert one.energy is not None and one.energy.energy_j is None
     assert one.energy.note == "too short for the counter: 1.0 ms against an update every 1.0 ms"
-    [ten], _ = _bench(Machine(), shm / "ten", [Shape(1, 0)], reps=10)
+    [ten], _ = _bench(Machine(), tree / "ten", [Shape(1, 0)], reps=10)
     assert ten.energy is not None and ten.energy.reps == 10
     assert ten.energy.energy_j == pytest.approx(0.02, rel=1e-6)  # 20 W for 1 ms, each
     assert ten.energy.note == ""  # 10 updates in all: no longer coarse
 
 
-def test_drawing_the_progress_is_left_out_of_the_phases(machine: Machine, shm: Path) -> None:
-    counter = zone(machine, shm, "intel-rapl:0", "package-0", IDLE_W)
-    meter = open_meter(gpu=False, powercap_root=shm, clock=machine.clock, sleep=machine.sleep)
+def test_drawing_the_progress_is_left_out_of_the_phases(machine: Machine, tree: Path) -> None:
+    counter = zone(machine, tree, "intel-rapl:0", "package-0", IDLE_W)
+    meter = open_meter(gpu=False, powercap_root=tree, clock=machine.clock, sleep=machine.sleep)
     events = measure.run_bench(
         TimedFake(machine, counter),  # type: ignore[arg-type]
         combos=[Combo(1, 64, 64, None, "off")],
@@ -228,13 +215,13 @@ def test_run_s_switch(cli: CliRunner, fake: FakeRunner, nothing_readable: Path) 
     assert "energy   not available (no RAPL counters" in result.stderr
 
 
-def test_the_tables_show_energy_where_it_was_measured(machine: Machine, shm: Path) -> None:
+def test_the_tables_show_energy_where_it_was_measured(machine: Machine, tree: Path) -> None:
     from rich.console import Console
 
     from llmrun.cli.bench.output import OutputFormat, format_records, results_table
     from llmrun.runners.bench.results import Row
 
-    [pp, tg], _ = _bench(machine, shm, [Shape(8, 0), Shape(0, 4)])
+    [pp, tg], _ = _bench(machine, tree, [Shape(8, 0), Shape(0, 4)])
     records = [pp.record(SYSTEM), tg.record(SYSTEM)]
     console = Console(file=io.StringIO(), width=160, color_system=None)
     console.print(results_table([Row.of(r, rec) for r, rec in zip((pp, tg), records, strict=True)]))
