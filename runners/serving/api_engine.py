@@ -29,6 +29,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
 from .engine import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
+from .logprobs import Described, described
 from .policy import Policy
 
 
@@ -153,6 +154,8 @@ class RequestTimings:
 @dataclass(frozen=True)
 class Piece:
     text: str  # one token's text (stop strings applied; never half a character)
+    # with logprobs: the tokens this text completes (those whose text was held back, then it)
+    logprobs: tuple[Described, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class Done:
     finish_reason: str  # stop, length (or cancelled: no one listens)
     tail: str  # text held back until the end
     timings: RequestTimings
+    logprobs: tuple[Described, ...] = ()  # the tokens not sent with a Piece yet
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,9 @@ class Job:
     received_s: float  # perf_counter when the request arrived (before the template)
     submitted_s: float = 0.0  # after the template and tokenization
     cancelled: bool = False
+    grammar: str | None = None  # GBNF the answer follows (response_format)
+    logprobs: int | None = None  # log probabilities of each token, with this many top ones
+    logprobs_sent: int = 0  # the tokens whose log probabilities went with a Piece
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -400,7 +407,8 @@ class EngineThread:
                 if len(r.times) > 1:
                     gaps.append((end, (r.times[-1] - r.times[-2]) * 1000))
                 if r.pieces and r.pieces[-1]:
-                    jobs[handle.id][0].sink(Piece(r.pieces[-1]))
+                    job = jobs[handle.id][0]
+                    job.sink(Piece(r.pieces[-1], self._logprobs(job, handle)))
             record = StepRecord(end, step.duration_s, step.n_decode, step.n_prefill)
             with self._lock:
                 self._steps.append(record)
@@ -432,6 +440,8 @@ class EngineThread:
                             job.sampling.max_tokens,
                             job.sampling.ignore_eos,
                             job.sampling,
+                            job.grammar,
+                            job.logprobs,
                         )
                     )
                     self._jobs[handle.id] = (job, handle)
@@ -484,8 +494,16 @@ class EngineThread:
         )
         if self.observer is not None:
             self.observer.on_done(timings)
-        job.sink(Done(timings.finish_reason, r.tail, timings))
+        job.sink(Done(timings.finish_reason, r.tail, timings, self._logprobs(job, handle)))
         self._wake.set()  # a free sequence: hand the next one over
+
+    def _logprobs(self, job: Job, handle: Handle) -> tuple[Described, ...]:
+        """The log probabilities of the tokens not yet sent, with their texts."""
+        if job.logprobs is None:
+            return ()
+        new = handle.result.logprobs[job.logprobs_sent :]
+        job.logprobs_sent += len(new)
+        return tuple(described(lp, self.runner.piece) for lp in new)
 
     def _report_cancelled(self, job: Job) -> None:
         now = time.perf_counter()

@@ -41,6 +41,8 @@ from llmrun.runners.progress import Tally
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
+from .grammar import add_grammar
+from .logprobs import TokenLogprob, token_logprob
 from .policy import Policy, schedule
 
 FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
@@ -58,6 +60,8 @@ class Arrival:
     max_tokens: int
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
     sampling: SamplingParams | None = None  # None: greedy, no stop strings
+    grammar: str | None = None  # GBNF the answer must follow (with `sampling` only)
+    logprobs: int | None = None  # each output token's log probability, with this many top ones
 
 
 @dataclass
@@ -75,6 +79,7 @@ class SeqResult:
     tail: str = ""
     finish: str = FINISH_LENGTH
     error: str = ""  # why it ended with finish 'error' (llama.cpp refused its sampler, ...)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
 
     @property
     def queue_s(self) -> float | None:
@@ -122,6 +127,8 @@ class Handle:
     seed: int | None = None  # its sampler chain's seed (None: greedy)
     sid: int = -1  # its sequence id while it holds one (-1: queued or ended)
     reused: int = 0  # prompt tokens whose KV entries were kept from the sequence's last request
+    grammar: str | None = None
+    logprobs: int | None = None
     done: bool = False  # ended: finished, cancelled or failed (result.finish says which)
     id: int = field(default_factory=lambda: next(_ids))
     chain: Sampler | None = None  # its own sampler chain, from admission to its end
@@ -276,9 +283,21 @@ class BatchedEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def new_chain(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
-        """A sequence's own sampler chain for these settings (closed when it finishes)."""
-        return self.runner.new_sampler(sp, seed, prompt=prompt)
+    def new_chain(
+        self,
+        sp: SamplingParams,
+        seed: int,
+        *,
+        prompt: Sequence[int] = (),
+        grammar: str | None = None,
+    ) -> Sampler:
+        """A sequence's own sampler chain for these settings (closed when it finishes); with a
+        grammar, the grammar's sampler first (it masks the logits before the others)."""
+        chain = self.runner.new_sampler(sp, seed, prompt=prompt)
+        if grammar is None:
+            return chain
+        vocab = self.lib.llama_model_get_vocab(self.lib.llama_get_model(self.ctx.ptr))
+        return add_grammar(chain, vocab, grammar)
 
     # ---- the public interface -------------------------------------------------------------
 
@@ -326,6 +345,8 @@ class BatchedEngine:
             arrival.ignore_eos,
             sp,
             seed,
+            grammar=arrival.grammar if sp is not None else None,
+            logprobs=arrival.logprobs,
         )
         self._queue.append(handle)
         return handle
@@ -486,7 +507,9 @@ class BatchedEngine:
             if seq.sampling is not None:
                 assert seq.seed is not None
                 try:
-                    seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+                    seq.chain = self.new_chain(
+                        seq.sampling, seq.seed, prompt=seq.tokens, grammar=seq.grammar
+                    )
                 except LlmrunError as e:  # this request ends alone; its sequence is free again
                     self._release(seq, keep_kv=self.keep_prefix)
                     seq.done, seq.pending = True, None
@@ -558,8 +581,12 @@ class BatchedEngine:
         got: list[Handle] = []
         for k, seq in enumerate(outs):
             token = best[k] if seq.chain is None else seq.chain.sample(ctx, rows[k])
+            n = len(seq.result.output)
             if self._emit(seq, token, stamp):
                 got.append(seq)
+            if seq.logprobs is not None and len(seq.result.output) > n:  # the model's own
+                row = self._logits(len(outs))[k]  # the samplers read copies: still raw
+                seq.result.logprobs.append(token_logprob(row, token, seq.logprobs))
         return got
 
     def _logits(self, n: int) -> Any:
