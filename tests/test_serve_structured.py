@@ -148,7 +148,7 @@ def test_a_streamed_answer_is_json_the_schema_accepts(server: Server) -> None:
 
 
 def test_json_object_gives_an_object_or_says_it_was_cut(server: Server) -> None:
-    for max_tokens in (200, 5):
+    for max_tokens in (64, 5):
         body = chat(
             ASK, max_tokens=max_tokens, temperature=0, response_format={"type": "json_object"}
         )
