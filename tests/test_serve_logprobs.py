@@ -46,9 +46,8 @@ def test_a_token_that_is_not_whole_utf8_is_written_as_openai_writes_it() -> None
 
 def test_legacy_offsets_count_the_answers_characters() -> None:
     pieces = {1: b"Hi", 2: b" th", 3: b"ere"}
-    tokens = tuple(
-        described(token_logprob(np.zeros(4, np.float32), t, 1), pieces.get) for t in (1, 2, 3)
-    )  # type: ignore[arg-type]
+    row = np.zeros(4, np.float32)
+    tokens = tuple(described(token_logprob(row, t, 1), pieces.__getitem__) for t in (1, 2, 3))
     lp = legacy(tokens, 10)
     assert lp["tokens"] == ["Hi", " th", "ere"]
     assert lp["text_offset"] == [10, 12, 15]

@@ -283,21 +283,19 @@ class BatchedEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def new_chain(
-        self,
-        sp: SamplingParams,
-        seed: int,
-        *,
-        prompt: Sequence[int] = (),
-        grammar: str | None = None,
-    ) -> Sampler:
-        """A sequence's own sampler chain for these settings (closed when it finishes); with a
-        grammar, the grammar's sampler first (it masks the logits before the others)."""
-        chain = self.runner.new_sampler(sp, seed, prompt=prompt)
-        if grammar is None:
+    def new_chain(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
+        """A sequence's own sampler chain for these settings (closed when it finishes)."""
+        return self.runner.new_sampler(sp, seed, prompt=prompt)
+
+    def _chain(self, seq: Handle) -> Sampler:
+        """The request's chain; with a grammar, the grammar's sampler goes first (it masks the
+        logits before the others), after the chain has seen the prompt."""
+        assert seq.sampling is not None and seq.seed is not None
+        chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+        if seq.grammar is None:
             return chain
         vocab = self.lib.llama_model_get_vocab(self.lib.llama_get_model(self.ctx.ptr))
-        return add_grammar(chain, vocab, grammar)
+        return add_grammar(chain, vocab, seq.grammar)
 
     # ---- the public interface -------------------------------------------------------------
 
@@ -505,11 +503,8 @@ class BatchedEngine:
                 sid = free.pop(0)
             seq.sid, seq.reused, seq.prefilled = sid, reused, reused
             if seq.sampling is not None:
-                assert seq.seed is not None
                 try:
-                    seq.chain = self.new_chain(
-                        seq.sampling, seq.seed, prompt=seq.tokens, grammar=seq.grammar
-                    )
+                    seq.chain = self._chain(seq)
                 except LlmrunError as e:  # this request ends alone; its sequence is free again
                     self._release(seq, keep_kv=self.keep_prefix)
                     seq.done, seq.pending = True, None

@@ -184,8 +184,8 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
 
 
 def _check_strings(schema: dict[str, Any], where: str) -> None:
-    shapes = [k for k in ("pattern", "format") if k in schema]
-    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    shapes: list[str] = [k for k in ("pattern", "format") if k in schema]
+    lengths: list[str] = [k for k in ("minLength", "maxLength") if k in schema]
     if len(shapes) > 1 or (shapes and lengths):
         both = ", ".join(shapes + lengths)
         raise BadRequestError(f"{where}: {both} together are not supported in structured output")
