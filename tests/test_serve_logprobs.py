@@ -144,6 +144,39 @@ def test_legacy_completions_give_openais_legacy_shape(server: Server) -> None:
     assert offsets == lp["text_offset"]
 
 
+def test_echo_gives_the_prompt_first_and_its_tokens_logprobs(server: Server) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, one token): every
+    prompt token but the first gets the log probability the model gave it after the ones
+    before; the same tokens generated greedily got the same ones."""
+    prompt = "The capital of France is"
+    base = {"max_tokens": 6, "temperature": 0, "logprobs": 1}
+    made = server.post("/v1/completions", {**base, "prompt": prompt}).json()["choices"][0]
+    plain = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True})
+    assert plain.json()["choices"][0]["text"].startswith(prompt)
+    whole = prompt + made["text"]
+    body = {**base, "prompt": whole, "max_tokens": 1, "echo": True}
+    choice = server.post("/v1/completions", body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(whole)
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    n = len(made["logprobs"]["tokens"])
+    assert lp["tokens"][-1 - n : -1] == made["logprobs"]["tokens"]
+    assert lp["token_logprobs"][-1 - n : -1] == pytest.approx(
+        made["logprobs"]["token_logprobs"], abs=0.02
+    )
+    assert all(p <= 0 for p in lp["token_logprobs"][1:])
+    assert lp["text_offset"][-1] == len(whole)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "words"),
     [

@@ -29,7 +29,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
 from .engine import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
-from .logprobs import Described, described
+from .logprobs import Described, TokenLogprob, described
 from .policy import Policy
 
 
@@ -187,6 +187,8 @@ class Job:
     grammar: str | None = None  # GBNF the answer follows (response_format)
     logprobs: int | None = None  # log probabilities of each token, with this many top ones
     logprobs_sent: int = 0  # the tokens whose log probabilities went with a Piece
+    echo: bool = False  # legacy completions' echo: the prompt's text (and logprobs) first
+    echoed: bool = False  # the prompt's text and log probabilities were sent
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -408,7 +410,8 @@ class EngineThread:
                     gaps.append((end, (r.times[-1] - r.times[-2]) * 1000))
                 if r.pieces and r.pieces[-1]:
                     job = jobs[handle.id][0]
-                    job.sink(Piece(r.pieces[-1], self._logprobs(job, handle)))
+                    logprobs = self._logprobs(job, handle)
+                    job.sink(Piece(self._echo(job, handle) + r.pieces[-1], logprobs))
             record = StepRecord(end, step.duration_s, step.n_decode, step.n_prefill)
             with self._lock:
                 self._steps.append(record)
@@ -442,6 +445,7 @@ class EngineThread:
                             job.sampling,
                             job.grammar,
                             job.logprobs,
+                            job.echo and job.logprobs is not None,
                         )
                     )
                     self._jobs[handle.id] = (job, handle)
@@ -494,16 +498,29 @@ class EngineThread:
         )
         if self.observer is not None:
             self.observer.on_done(timings)
-        job.sink(Done(timings.finish_reason, r.tail, timings, self._logprobs(job, handle)))
+        logprobs = self._logprobs(job, handle)
+        tail = self._echo(job, handle) + r.tail
+        job.sink(Done(timings.finish_reason, tail, timings, logprobs))
         self._wake.set()  # a free sequence: hand the next one over
 
     def _logprobs(self, job: Job, handle: Handle) -> tuple[Described, ...]:
         """The log probabilities of the tokens not yet sent, with their texts."""
         if job.logprobs is None:
             return ()
-        new = handle.result.logprobs[job.logprobs_sent :]
-        job.logprobs_sent += len(new)
+        new: list[TokenLogprob | int] = []
+        if job.echo and not job.echoed:  # the prompt's first: its text comes with these
+            new += [handle.tokens[0], *handle.result.prompt_logprobs]
+        new += handle.result.logprobs[job.logprobs_sent :]
+        job.logprobs_sent = len(handle.result.logprobs)
         return tuple(described(lp, self.runner.piece) for lp in new)
+
+    def _echo(self, job: Job, handle: Handle) -> str:
+        """The prompt's text, once, before the answer's first text (legacy `echo`)."""
+        if not job.echo or job.echoed:
+            return ""
+        job.echoed = True
+        data = b"".join(self.runner.piece(t) for t in handle.tokens)
+        return data.decode("utf-8", errors="replace")
 
     def _report_cancelled(self, job: Job) -> None:
         now = time.perf_counter()

@@ -94,6 +94,10 @@ class _Body(BaseModel):
         naming a schema keyword the grammar could not keep."""
         return response_grammar(self.response_format)
 
+    def echoes(self) -> bool:
+        """Legacy completions' `echo`: the prompt's text before the answer's."""
+        return False
+
     def logprob_count(self) -> int | None:
         """None: no log probabilities; else each token's, with this many of the likeliest.
         Legacy completions: `logprobs` is that count, 0..5, as OpenAI has it."""
@@ -252,6 +256,10 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
+    echo: bool | None = None
+
+    def echoes(self) -> bool:
+        return bool(self.echo)
 
     def request(self, defaults: SamplingParams) -> Request:
         sampling = self.sampling(defaults)

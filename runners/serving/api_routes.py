@@ -196,6 +196,7 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         sink=sink,
         grammar=grammar,
         logprobs=logprobs,
+        echo=body.echoes(),
     )
     try:
         s.engine.submit(job)

@@ -13,7 +13,7 @@ text and bytes (on the engine's thread too: the vocabulary's piece buffer is not
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +43,38 @@ def token_logprob(row: Any, token: int, top_n: int) -> TokenLogprob:
     return TokenLogprob(token, float(row[token]) - lse, top)
 
 
+def rows_logprobs(block: Any, tokens: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """`token_logprob` for each row of a block of logits (a prompt's positions: row k gives
+    the log probability of tokens[k]), in whole-block numpy passes."""
+    peak = block.max(axis=1, keepdims=True)
+    lse = peak[:, 0] + np.log(np.exp(block - peak, dtype=np.float64).sum(axis=1))
+    ids = np.asarray(tokens)
+    chosen = block[np.arange(len(ids)), ids] - lse
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(ids)
+    if top_n > 0:
+        n = min(top_n, block.shape[1])
+        best = np.argpartition(block, -n, axis=1)[:, -n:]
+        values = np.take_along_axis(block, best, axis=1)
+        order = np.argsort(-values, axis=1, kind="stable")
+        best = np.take_along_axis(best, order, axis=1)
+        values = np.take_along_axis(values, order, axis=1) - lse[:, None]
+        tops = [
+            tuple(zip(b.tolist(), v.tolist(), strict=True))
+            for b, v in zip(best, values, strict=True)
+        ]
+    return [
+        TokenLogprob(t, p, top)
+        for t, p, top in zip(ids.tolist(), chosen.tolist(), tops, strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class Choice:
     """One token as an answer names it: its text, its bytes and its log probability."""
 
     text: str
     data: bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
 
 
 @dataclass(frozen=True)
@@ -66,11 +91,16 @@ def token_text(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def described(lp: TokenLogprob, piece: Callable[[int], bytes]) -> Described:
-    def choice(token: int, logprob: float) -> Choice:
+def described(lp: TokenLogprob | int, piece: Callable[[int], bytes]) -> Described:
+    """The token's text, bytes and log probability, and its top ones'; a bare token id is a
+    prompt's first token, which has none."""
+
+    def choice(token: int, logprob: float | None) -> Choice:
         data = piece(token)
         return Choice(token_text(data), data, logprob)
 
+    if isinstance(lp, int):
+        return Described(choice(lp, None), ())
     return Described(choice(lp.token, lp.logprob), tuple(choice(t, p) for t, p in lp.top))
 
 
@@ -93,6 +123,8 @@ def legacy(tokens: tuple[Described, ...], offset: int) -> dict[str, Any]:
     return {
         "tokens": [d.chosen.text for d in tokens],
         "token_logprobs": [d.chosen.logprob for d in tokens],
-        "top_logprobs": [{c.text: c.logprob for c in d.top} for d in tokens],
+        "top_logprobs": [
+            None if d.chosen.logprob is None else {c.text: c.logprob for c in d.top} for d in tokens
+        ],
         "text_offset": offsets,
     }
