@@ -13,7 +13,12 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 
+from llmrun.runners.base import SamplingParams
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.engine import Arrival, BatchedEngine
 from llmrun.runners.serving.logprobs import described, legacy, token_logprob, token_text
+from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
@@ -52,6 +57,53 @@ def test_legacy_offsets_count_the_answers_characters() -> None:
     assert lp["tokens"] == ["Hi", " th", "ere"]
     assert lp["text_offset"] == [10, 12, 15]
     assert lp["token_logprobs"] == pytest.approx([math.log(0.25)] * 3)
+
+
+# ---- on the engine ------------------------------------------------------------------------------
+
+
+def engine_logprobs(
+    model_path: str, n_batch: int, text: str, *, beside: bool
+) -> tuple[tuple[int, ...], list[Any], list[Any]]:
+    """The prompt's and the answer's log probabilities from a BatchedEngine prefilling in chunks
+    of n_batch; `beside`: another sequence decodes in the same steps."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=512, n_threads=1))
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        tokens = tuple(runner.tokenize(text, add_special=True))
+        with BatchedEngine(
+            runner, n_seq=2, n_ctx_per_seq=256, n_batch=n_batch, policy=Policy("chunked", n_batch)
+        ) as engine:
+            if beside:
+                engine.submit(Arrival(engine.now(), tokens[:5], 64, True, sp))
+                engine.step()
+            asked = engine.submit(
+                Arrival(engine.now(), tokens, 4, True, sp, logprobs=2, prompt_logprobs=True)
+            )
+            while not asked.done:
+                engine.step()
+            return tokens, asked.result.prompt_logprobs, asked.result.logprobs
+    finally:
+        runner.close()
+
+
+def test_prompt_logprobs_are_the_same_in_one_chunk_or_many_beside_other_rows(
+    model_path: str,
+) -> None:
+    """Each prompt position's row lands on the right token whether the prompt comes whole or
+    in chunks, and with another sequence's decode rows in the same step."""
+    text = "The sea is calm today, and the boats rest in the harbour while gulls circle above."
+    tokens, whole, answer = engine_logprobs(model_path, 256, text, beside=False)
+    assert len(tokens) > 16
+    assert [lp.token for lp in whole] == list(tokens[1:])
+    assert len(answer) == 4
+    for n_batch, beside in ((8, False), (8, True)):
+        _, chunked, again = engine_logprobs(model_path, n_batch, text, beside=beside)
+        assert [lp.token for lp in chunked] == list(tokens[1:])
+        assert [lp.logprob for lp in chunked] == pytest.approx(
+            [lp.logprob for lp in whole], abs=0.02
+        )
+        assert [lp.token for lp in again] == [lp.token for lp in answer]
 
 
 # ---- on a real `llmrun serve` ------------------------------------------------------------------
