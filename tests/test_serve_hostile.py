@@ -217,8 +217,8 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
 @pytest.mark.parametrize(
     ("payload", "words"),
     [
-        (small(logprobs=True), "logprobs: not available"),
-        (small(top_logprobs=3), "top_logprobs: 3 is not served here"),
+        (small(logprobs=True, top_logprobs=21), "top_logprobs: 21 is not between 0 and 20"),
+        (small(top_logprobs=3), "top_logprobs: needs logprobs: true"),
         (small(tool_choice="required"), "tool_choice: 'required' is not served here"),
         (small(function_call={"name": "f"}), "function_call"),
         (small(tools=[{"type": "function", "function": {"name": "f"}}]), "function calling"),

@@ -30,6 +30,7 @@ from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP, percentile
 
 from .batching import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, Handle
 from .figures import ttft_s
+from .logprobs import Described, TokenLogprob, described
 from .policy import Policy
 
 
@@ -160,6 +161,8 @@ class RequestTimings:
 @dataclass(frozen=True)
 class Piece:
     text: str  # one token's text (stop strings applied; never half a character)
+    # with logprobs: the tokens this text completes (those whose text was held back, then it)
+    logprobs: tuple[Described, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class Done:
     finish_reason: str  # stop, length (or cancelled: no one listens)
     tail: str  # text held back until the end
     timings: RequestTimings
+    logprobs: tuple[Described, ...] = ()  # the tokens not sent with a Piece yet
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,11 @@ class Job:
     received_s: float  # perf_counter when the request arrived (before the template)
     submitted_s: float = 0.0  # after the template and tokenization
     cancelled: bool = False
+    grammar: str | None = None  # GBNF the answer follows (response_format)
+    logprobs: int | None = None  # log probabilities of each token, with this many top ones
+    logprobs_sent: int = 0  # the tokens whose log probabilities went with a Piece
+    echo: bool = False  # legacy completions' echo: the prompt's text (and logprobs) first
+    echoed: bool = False  # the prompt's text and log probabilities were sent
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -413,7 +422,9 @@ class EngineThread:
                 if len(r.times) > 1:
                     gaps.append((end, (r.times[-1] - r.times[-2]) * 1000))
                 if r.pieces and r.pieces[-1]:
-                    jobs[handle.id][0].sink(Piece(r.pieces[-1]))
+                    job = jobs[handle.id][0]
+                    logprobs = self._logprobs(job, handle)
+                    job.sink(Piece(self._echo(job, handle) + r.pieces[-1], logprobs))
             record = StepRecord(end, step.duration_s, step.n_decode, step.n_prefill)
             with self._lock:
                 self._steps.append(record)
@@ -445,6 +456,9 @@ class EngineThread:
                             job.sampling.max_tokens,
                             job.sampling.ignore_eos,
                             job.sampling,
+                            job.grammar,
+                            job.logprobs,
+                            job.echo and job.logprobs is not None,
                         )
                     )
                     self._jobs[handle.id] = (job, handle)
@@ -500,8 +514,29 @@ class EngineThread:
         )
         if self.observer is not None:
             self.observer.on_done(timings)
-        job.sink(Done(timings.finish_reason, r.tail, timings))
+        logprobs = self._logprobs(job, handle)
+        tail = self._echo(job, handle) + r.tail
+        job.sink(Done(timings.finish_reason, tail, timings, logprobs))
         self._wake.set()  # a free sequence: hand the next one over
+
+    def _logprobs(self, job: Job, handle: Handle) -> tuple[Described, ...]:
+        """The log probabilities of the tokens not yet sent, with their texts."""
+        if job.logprobs is None:
+            return ()
+        new: list[TokenLogprob | int] = []
+        if job.echo and not job.echoed:  # the prompt's first: its text comes with these
+            new += [handle.tokens[0], *handle.result.prompt_logprobs]
+        new += handle.result.logprobs[job.logprobs_sent :]
+        job.logprobs_sent = len(handle.result.logprobs)
+        return tuple(described(lp, self.runner.piece) for lp in new)
+
+    def _echo(self, job: Job, handle: Handle) -> str:
+        """The prompt's text, once, before the answer's first text (legacy `echo`)."""
+        if not job.echo or job.echoed:
+            return ""
+        job.echoed = True
+        data = b"".join(self.runner.piece(t) for t in handle.tokens)
+        return data.decode("utf-8", errors="replace")
 
     def _report_cancelled(self, job: Job) -> None:
         now = time.perf_counter()

@@ -21,13 +21,15 @@ from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
+from .grammar import response_grammar
+from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
+
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
 UNSERVED = {
     "logit_bias": "a logit bias",
     "tools": "function calling",
     "functions": "function calling",
-    "response_format": "a structured output format",
     "grammar": "a grammar",
     "json_schema": "a JSON schema",
     "audio": "audio output",
@@ -45,7 +47,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "echo": (None, False),
     "best_of": (None, 1),
-    "top_logprobs": (None, 0),
     "store": (None, False),  # nothing is stored here
     "service_tier": (None, "auto", "default"),
 }
@@ -86,6 +87,29 @@ class _Body(BaseModel):
     n: int | None = 1
     logprobs: bool | int | None = None
     ignore_eos: bool | None = False
+    response_format: dict[str, Any] | None = None
+
+    def grammar(self) -> str | None:
+        """The GBNF grammar `response_format` asks for (None: free text); BadRequestError
+        naming a schema keyword the grammar could not keep."""
+        return response_grammar(self.response_format)
+
+    def echoes(self) -> bool:
+        """Legacy completions' `echo`: the prompt's text before the answer's."""
+        return False
+
+    def logprob_count(self) -> int | None:
+        """None: no log probabilities; else each token's, with this many of the likeliest.
+        Legacy completions: `logprobs` is that count, 0..5, as OpenAI has it."""
+        n = self.logprobs
+        if n is None:
+            return None
+        if isinstance(n, bool) or not 0 <= n <= MAX_TOP_LEGACY:
+            raise BadRequestError(
+                f"logprobs: a count of the likeliest tokens to list, 0..{MAX_TOP_LEGACY}"
+                f" (not {json_text(n)})"
+            )
+        return n
 
     @property
     def include_usage(self) -> bool:
@@ -101,8 +125,7 @@ class _Body(BaseModel):
         """The request's sampling: its own values over the server's defaults, checked."""
         if self.n not in (None, 1):
             raise BadRequestError(f"n: only one choice per request is served, not {self.n}")
-        if self.logprobs not in (None, False, 0):
-            raise BadRequestError("logprobs: not available from this server")
+        self.logprob_count()  # its values are checked with the sampling's
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise BadRequestError(f"{name}: not available here; use repeat_penalty")
@@ -198,6 +221,23 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        """OpenAI's chat: `logprobs` true or false, `top_logprobs` 0..20 beside a true one."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise BadRequestError(
+                "logprobs: true or false in chat completions (top_logprobs gives the count)"
+            )
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_CHAT:
+            raise BadRequestError(f"top_logprobs: {top} is not between 0 and {MAX_TOP_CHAT}")
+        if not self.logprobs:
+            if top:
+                raise BadRequestError("top_logprobs: needs logprobs: true")
+            return None
+        return top or 0
+
     def _limit(self) -> int | None:
         return (
             self.max_completion_tokens
@@ -215,6 +255,10 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str]
+    echo: bool | None = None
+
+    def echoes(self) -> bool:
+        return bool(self.echo)
 
     def request(self, defaults: SamplingParams) -> Request:
         sampling = self.sampling(defaults)

@@ -70,7 +70,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # logprobs.chat_content
 
 
 class TextChoice(BaseModel):
@@ -79,7 +79,7 @@ class TextChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # logprobs.legacy
 
 
 class ChunkChoice(BaseModel):
@@ -89,7 +89,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # logprobs.chat_content
 
 
 class Head(BaseModel):
@@ -115,7 +115,8 @@ class Chunk(Head, Wire):
     choices: list[ChunkChoice | TextChoice]
 
     def json_text(self) -> str:
-        if type(self) is Chunk:  # one per token: no floats, pydantic's writer gives the same text
+        if type(self) is Chunk and all(c.logprobs is None for c in self.choices):
+            # one per token: no floats, pydantic's writer gives the same text
             return self.model_dump_json()
         return super().json_text()
 

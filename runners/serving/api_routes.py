@@ -78,6 +78,7 @@ from .api_responses import (
     error_body,
 )
 from .batching import FINISH_ERROR
+from .logprobs import Described, chat_content, legacy
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -161,6 +162,7 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         return error_response(404, message, "model_not_found", param="model")
     try:
         req = body.request(s.defaults)
+        grammar, logprobs = body.grammar(), body.logprob_count()
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
         if req.token_ids is not None:
             n_vocab = s.runner.vocab_size()
@@ -187,7 +189,15 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         with contextlib.suppress(RuntimeError):  # the loop closed: the process is ending
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    job = Job(tuple(tokens), req.sampling, received_s=received, sink=sink)
+    job = Job(
+        tuple(tokens),
+        req.sampling,
+        received_s=received,
+        sink=sink,
+        grammar=grammar,
+        logprobs=logprobs,
+        echo=body.echoes(),
+    )
     try:
         s.engine.submit(job)
     except QueueFullError as e:
@@ -225,15 +235,31 @@ class Flight:
     queue: asyncio.Queue[Event]
     head: Head
     chat: bool
+    offset: int = 0  # legacy logprobs: the characters of the answer sent so far
 
-    def choice(self, text: str | None, finish: str | None) -> ChunkChoice | TextChoice:
+    def logprobs(self, text: str, tokens: tuple[Described, ...]) -> dict[str, Any] | None:
+        """The `logprobs` of a choice carrying `text`, made of these tokens (None: not asked)."""
+        if self.job.logprobs is None:
+            return None
+        if self.chat:
+            return chat_content(tokens)
+        lp = legacy(tokens, self.offset)
+        self.offset += len(text)
+        return lp
+
+    def choice(
+        self, text: str | None, finish: str | None, tokens: tuple[Described, ...] = ()
+    ) -> ChunkChoice | TextChoice:
+        lp = None if text is None else self.logprobs(text, tokens)
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return ChunkChoice(delta=delta, finish_reason=finish)
-        return TextChoice(text=text or "", finish_reason=finish)
+            return ChunkChoice(delta=delta, finish_reason=finish, logprobs=lp)
+        return TextChoice(text=text or "", finish_reason=finish, logprobs=lp)
 
-    def chunk(self, text: str | None, finish: str | None = None) -> Chunk:
-        return Chunk(**dict(self.head), choices=[self.choice(text, finish)])
+    def chunk(
+        self, text: str | None, finish: str | None = None, tokens: tuple[Described, ...] = ()
+    ) -> Chunk:
+        return Chunk(**dict(self.head), choices=[self.choice(text, finish, tokens)])
 
     def failed(self, event: Failed, *, streamed: bool) -> int:
         """The engine failed it, or the server is shutting down: the status it ends with."""
@@ -258,7 +284,7 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
         while True:
             event = await flight.queue.get()
             if isinstance(event, Piece):
-                yield sse(flight.chunk(event.text))
+                yield sse(flight.chunk(event.text, tokens=event.logprobs))
                 continue
             ended = True
             if isinstance(event, Failed):
@@ -269,8 +295,8 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
                 return
             t = event.timings
             timings = t.to_dict()
-            if event.tail:
-                yield sse(flight.chunk(event.tail))
+            if event.tail or event.logprobs:
+                yield sse(flight.chunk(event.tail, tokens=event.logprobs))
             last = flight.choice(None, event.finish_reason)
             yield sse(LastChunk(**head, choices=[last], timings=timings))
             if include_usage:
@@ -292,13 +318,18 @@ async def _disconnected(request: HttpRequest) -> None:
 async def whole(request: HttpRequest, flight: Flight) -> Response:
     """The answer in one piece, once the engine has finished it (or the client has gone)."""
 
+    tokens: list[Described] = []
+
     async def collect() -> tuple[str, Done | Failed]:
         parts = []
         while True:
             event = await flight.queue.get()
             if isinstance(event, Piece):
                 parts.append(event.text)
+                tokens.extend(event.logprobs)
             else:
+                if isinstance(event, Done):
+                    tokens.extend(event.logprobs)
                 return "".join(parts) + (event.tail if isinstance(event, Done) else ""), event
 
     waiter, gone = (
@@ -327,13 +358,14 @@ async def whole(request: HttpRequest, flight: Flight) -> Response:
         "timings": t.to_dict(),
     }
     flight.seen.set("ok", timings=t)
+    lp = flight.logprobs(text, tuple(tokens))
     if flight.chat:
         message = AssistantMessage(content=text)
-        answer = ChatCompletion(
-            **fields, choices=[ChatChoice(message=message, finish_reason=finish)]
-        )
-        return JSONResponse(answer.wire())
-    done = TextCompletion(**fields, choices=[TextChoice(text=text, finish_reason=finish)])
+        choice = ChatChoice(message=message, finish_reason=finish, logprobs=lp)
+        return JSONResponse(ChatCompletion(**fields, choices=[choice]).wire())
+    done = TextCompletion(
+        **fields, choices=[TextChoice(text=text, finish_reason=finish, logprobs=lp)]
+    )
     return JSONResponse(done.wire())
 
 

@@ -42,6 +42,8 @@ from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
 from . import figures
+from .grammar import add_grammar
+from .logprobs import TokenLogprob, rows_logprobs, token_logprob
 from .policy import Policy, schedule
 
 FINISH_CANCELLED = "cancelled"  # ended by `cancel` (a client gone, an interrupted run)
@@ -59,6 +61,11 @@ class Arrival:
     max_tokens: int
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
     sampling: SamplingParams | None = None  # None: greedy, no stop strings
+    grammar: str | None = None  # GBNF the answer must follow (with `sampling` only)
+    logprobs: int | None = None  # each output token's log probability, with this many top ones
+    # the prompt's tokens' log probabilities too (each but the first; its whole prompt is
+    # evaluated, no cached prefix), with `logprobs` top ones
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -77,6 +84,8 @@ class SeqResult:
     tail: str = ""
     finish: str = FINISH_LENGTH
     error: str = ""  # why it ended with finish 'error' (llama.cpp refused its sampler, ...)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
 
     # Its figures, as figures.py defines them, from admission (the arrival where it has none).
 
@@ -121,6 +130,9 @@ class Handle:
     seed: int | None = None  # its sampler chain's seed (None: greedy)
     sid: int = -1  # its sequence id while it holds one (-1: queued or ended)
     reused: int = 0  # prompt tokens whose KV entries were kept from the sequence's last request
+    grammar: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
     done: bool = False  # ended: finished, cancelled or failed (result.finish says which)
     id: int = field(default_factory=lambda: next(_ids))
     chain: Sampler | None = None  # its own sampler chain, from admission to its end
@@ -249,6 +261,11 @@ class BatchedEngine:
         self._outs: list[Handle] = []  # the sequences sampled after this step, in batch order
         self._refused: list[Handle] = []  # ended at admission (no sampler): the step reports them
         self._out_rows: list[int] = []  # and their entries in the batch
+        self._out_ids: list[int] = []  # and their rows among the step's logits
+        self._n_out = 0  # rows of logits the step has
+        # (request, first position, tokens, first row) of the chunks whose every position has
+        # logits (prompt log probabilities)
+        self._prompt_outs: list[tuple[Handle, int, int, int]] = []
 
     @property
     def kv_unified(self) -> bool:
@@ -279,6 +296,16 @@ class BatchedEngine:
     def new_chain(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
         """A sequence's own sampler chain for these settings (closed when it finishes)."""
         return self.runner.new_sampler(sp, seed, prompt=prompt)
+
+    def _chain(self, seq: Handle) -> Sampler:
+        """The request's chain; with a grammar, the grammar's sampler goes first (it masks the
+        logits before the others), after the chain has seen the prompt."""
+        assert seq.sampling is not None and seq.seed is not None
+        chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+        if seq.grammar is None:
+            return chain
+        vocab = self.lib.llama_model_get_vocab(self.lib.llama_get_model(self.ctx.ptr))
+        return add_grammar(chain, vocab, seq.grammar)
 
     # ---- the public interface -------------------------------------------------------------
 
@@ -326,6 +353,9 @@ class BatchedEngine:
             arrival.ignore_eos,
             sp,
             seed,
+            grammar=arrival.grammar if sp is not None else None,
+            logprobs=arrival.logprobs,
+            prompt_logprobs=arrival.prompt_logprobs,
         )
         self._queue.append(handle)
         return handle
@@ -477,7 +507,7 @@ class BatchedEngine:
             if self.keep_prefix:
                 cached = self._cached
                 sid = max(free, key=lambda i: (_common(cached[i], seq.tokens), -self._used_s[i]))
-                reused = _common(cached[sid], seq.tokens)
+                reused = 0 if seq.prompt_logprobs else _common(cached[sid], seq.tokens)
                 if not self.ctx.remove(sid, reused, -1):  # e.g. recurrent: all or nothing
                     self.ctx.remove(sid)
                     reused = 0
@@ -491,9 +521,8 @@ class BatchedEngine:
             # is not a wait for a sequence (a server's client would see it in its TTFT)
             seq.result.admitted_s = max(seq.result.arrival_s, free_since.pop(0))
             if seq.sampling is not None:
-                assert seq.seed is not None
                 try:
-                    seq.chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
+                    seq.chain = self._chain(seq)
                 except LlmrunError as e:  # this request ends alone; its sequence is free again
                     self._release(seq, keep_kv=self.keep_prefix)
                     free_since.append(self.now())  # for the next one: free from now
@@ -521,9 +550,11 @@ class BatchedEngine:
         prompt tokens in it. Notes which rows are sampled after the step."""
         b = self.batch
         token, pos, logits, set_seq = b.token, b.pos, b.logits, b.set_seq
-        outs, rows = self._outs, self._out_rows
+        outs, rows, out_ids = self._outs, self._out_rows, self._out_ids
         outs.clear()
         rows.clear()
+        out_ids.clear()
+        self._prompt_outs.clear()
         i = 0
         for s in decodes:
             token[i] = s.pending
@@ -532,21 +563,33 @@ class BatchedEngine:
             set_seq(i, 1, s.sid)
             outs.append(s)
             rows.append(i)
+            out_ids.append(i)
             i += 1
+        n_out = i
         n_prefill = 0
         for s, first, n in chunks:
             j = i + n
             token[i:j] = s.tokens[first : first + n]
             pos[i:j] = range(first, first + n)
-            ctypes.memset(b.logits_addr + i, 0, n)
+            if s.prompt_logprobs:  # every position's logits: each next prompt token's
+                ctypes.memset(b.logits_addr + i, 1, n)
+                self._prompt_outs.append((s, first, n, n_out))
+                n_out += n - 1
+            else:
+                ctypes.memset(b.logits_addr + i, 0, n)
             set_seq(i, n, s.sid)
             if first + n == len(s.tokens):  # the prompt's last token: its logits are sampled
                 logits[j - 1] = 1
                 outs.append(s)
                 rows.append(j - 1)
+                out_ids.append(n_out)
+                n_out += 1
+            elif s.prompt_logprobs:
+                n_out += 1
             n_prefill += n
             i = j
         b.struct.n_tokens = i
+        self._n_out = n_out
         return n_prefill
 
     def _step(self) -> None:
@@ -561,15 +604,34 @@ class BatchedEngine:
         a sequence's own chain in C otherwise. Returns the sequences that got a token."""
         outs, rows = self._outs, self._out_rows
         best: list[int] = []
+        extra = self._n_out != len(outs)  # prompt positions' rows among the step's outputs
+        if extra:
+            self._prompt_logprobs()
         if any(s.chain is None for s in outs):
-            best = self._logits(len(outs)).argmax(axis=1).tolist()
+            view = self._logits(self._n_out)
+            best = (view[self._out_ids] if extra else view).argmax(axis=1).tolist()
         ctx = self.ctx
         got: list[Handle] = []
         for k, seq in enumerate(outs):
             token = best[k] if seq.chain is None else seq.chain.sample(ctx, rows[k])
+            n = len(seq.result.output)
             if self._emit(seq, token, stamp):
                 got.append(seq)
+            if seq.logprobs is not None and len(seq.result.output) > n:  # the model's own
+                row = self._logits(self._n_out)[self._out_ids[k]]  # the samplers read copies
+                seq.result.logprobs.append(token_logprob(row, token, seq.logprobs))
         return got
+
+    def _prompt_logprobs(self) -> None:
+        """The log probabilities of the prompt tokens this step evaluated, for the requests
+        that asked: the logits at each position give the next prompt token's."""
+        view = self._logits(self._n_out)
+        for seq, first, n, start in self._prompt_outs:
+            last = min(first + n, len(seq.tokens) - 1)  # the prompt's last row samples
+            if last > first:
+                block = view[start : start + last - first]
+                following = seq.tokens[first + 1 : last + 1]
+                seq.result.prompt_logprobs += rows_logprobs(block, following, seq.logprobs or 0)
 
     def _logits(self, n: int) -> Any:
         """The step's n rows of logits as an (n, n_vocab) array over llama.cpp's own buffer."""

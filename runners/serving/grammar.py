@@ -1,0 +1,262 @@
+"""Structured output: OpenAI's `response_format` as a llama.cpp grammar (GBNF).
+
+`{"type": "json_object"}` and `{"type": "json_schema", "json_schema": {"schema": ...}}` become a
+GBNF grammar through llama-cpp-python's converter (`llama_cpp.llama_grammar`, a port of
+llama.cpp's `json_schema_to_grammar.py`; the vendored llama.cpp's own C++ converter lives in its
+`common` library, which the bindings do not export). llama.cpp's grammar sampler then masks
+every token that would leave the grammar, so a finished answer is JSON the schema accepts.
+
+The converter quietly ignores what it cannot express (a `minimum`, a `uniqueItems`, a `format`
+it does not know, a `maxLength` beside a `pattern`); an answer would then break the schema it was
+promised. So every keyword is checked first, and one the grammar cannot keep is refused by name
+and path (`BadRequestError`: a 400 naming it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.handles import Sampler
+
+WHERE = "response_format"
+# Keywords that ask nothing of the value: accepted anywhere.
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
+# Keywords the grammar keeps (each as the converter reads it; their combinations are checked).
+KEPT = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "pattern",
+        "format",
+        "minLength",
+        "maxLength",
+    }
+)
+TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
+FORMATS = frozenset({"date", "time", "date-time", "uuid", *(f"uuid{i}" for i in range(1, 6))})
+# Keywords that constrain a value of one type: the converter reads them only in its branch for
+# that type, so beside a list of types, a `$ref` or a union they would be ignored.
+CONSTRAINTS = frozenset(
+    {
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "pattern",
+        "format",
+        "minLength",
+        "maxLength",
+    }
+)
+
+
+def response_grammar(value: Any) -> str | None:
+    """The GBNF grammar a `response_format` asks for; None for `{"type": "text"}` (or null).
+    BadRequestError naming what is wrong or not supported."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise BadRequestError(f"{WHERE}: an object with a 'type' (text, json_object, json_schema)")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":  # llama-server also takes a schema here
+        schema = value.get("schema")
+        return schema_grammar({"type": "object"} if schema is None else schema, f"{WHERE}.schema")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise BadRequestError(f"{WHERE}.json_schema: an object with 'name' and 'schema'")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequestError(f"{WHERE}.json_schema.name: a name is required")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise BadRequestError(f"{WHERE}.json_schema.strict: true or false")
+        schema = spec.get("schema")
+        return schema_grammar({} if schema is None else schema, f"{WHERE}.json_schema.schema")
+    raise BadRequestError(
+        f"{WHERE}.type: {kind!r} is not served here (text, json_object, json_schema)"
+    )
+
+
+def schema_grammar(schema: Any, where: str) -> str:
+    """A JSON schema's grammar, once every keyword in it is one the grammar keeps."""
+    if not isinstance(schema, dict):
+        raise BadRequestError(f"{where}: a JSON schema is an object")
+    check_schema(schema, where, schema)
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # the bindings' converter
+
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+
+
+def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
+    """Refuse, by path, every keyword the grammar would not keep."""
+    if not isinstance(schema, dict):
+        raise BadRequestError(f"{where}: a schema is an object, not {json.dumps(schema)}")
+    for key in schema:
+        if key not in KEPT and key not in ANNOTATIONS:
+            raise BadRequestError(
+                f"{where}.{key}: not supported in structured output (the grammar cannot keep it)"
+            )
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    for k in kinds:
+        if k not in TYPES:
+            raise BadRequestError(f"{where}.type: {json.dumps(k)} is not a JSON schema type")
+    present = CONSTRAINTS & set(schema)
+    for shadow in ("$ref", "anyOf", "oneOf", "enum", "const"):
+        if shadow in schema and present:
+            raise BadRequestError(
+                f"{where}: {', '.join(sorted(present))} beside {shadow} is not supported"
+                " in structured output (put it in the schemas it chooses from)"
+            )
+    if isinstance(kind, list) and present:
+        raise BadRequestError(
+            f"{where}: {', '.join(sorted(present))} with a list of types is not supported;"
+            " use anyOf with one schema per type"
+        )
+    _check_strings(schema, where)
+    _check_arrays(schema, where, root)
+    _check_objects(schema, where, root)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            options = schema[key]
+            if not isinstance(options, list) or not options:
+                raise BadRequestError(f"{where}.{key}: a non-empty list of schemas")
+            for i, sub in enumerate(options):
+                check_schema(sub, f"{where}.{key}.{i}", root)
+    for key in ("$defs", "definitions"):
+        defs = schema.get(key, {})
+        if not isinstance(defs, dict):
+            raise BadRequestError(f"{where}.{key}: an object of schemas")
+        for name, sub in defs.items():
+            check_schema(sub, f"{where}.{key}.{name}", root)
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            raise BadRequestError(
+                f"{where}.$ref: only references inside the schema (#/...) are supported"
+            )
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise BadRequestError(f"{where}.$ref: {ref} names nothing in the schema")
+            target = target[part]
+    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
+        raise BadRequestError(f"{where}.enum: a non-empty list of values")
+
+
+def _check_strings(schema: dict[str, Any], where: str) -> None:
+    shapes: list[str] = [k for k in ("pattern", "format") if k in schema]
+    lengths: list[str] = [k for k in ("minLength", "maxLength") if k in schema]
+    if len(shapes) > 1 or (shapes and lengths):
+        both = ", ".join(shapes + lengths)
+        raise BadRequestError(f"{where}: {both} together are not supported in structured output")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise BadRequestError(
+            f"{where}.format: {json.dumps(fmt)} is not supported in structured output"
+            " (only date, time, date-time, uuid)"
+        )
+    for key in lengths:
+        _count(schema, key, where)
+
+
+def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
+    items, prefix = schema.get("items"), schema.get("prefixItems")
+    if items is not None and prefix is not None:
+        raise BadRequestError(f"{where}: items beside prefixItems is not supported")
+    tuple_items = prefix if prefix is not None else items if isinstance(items, list) else None
+    counts = [k for k in ("minItems", "maxItems") if k in schema]
+    if tuple_items is not None:
+        if counts:
+            raise BadRequestError(f"{where}: {counts[0]} with a tuple of items is not supported")
+        for i, sub in enumerate(tuple_items):
+            check_schema(sub, f"{where}.{'prefixItems' if prefix else 'items'}.{i}", root)
+    elif items is not None:
+        check_schema(items, f"{where}.items", root)
+    for key in counts:
+        _count(schema, key, where)
+
+
+def _check_objects(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise BadRequestError(f"{where}.properties: an object of schemas")
+    for name, sub in props.items():
+        check_schema(sub, f"{where}.properties.{name}", root)
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        check_schema(extra, f"{where}.additionalProperties", root)
+    elif extra is not None and not isinstance(extra, bool):
+        raise BadRequestError(f"{where}.additionalProperties: true, false or a schema")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise BadRequestError(f"{where}.required: a list of property names")
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise BadRequestError(
+            f"{where}.required: {', '.join(missing)} not among the properties (structured"
+            " output can only write properties the schema describes)"
+        )
+
+
+def _count(schema: dict[str, Any], key: str, where: str) -> None:
+    value = schema[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequestError(f"{where}.{key}: a count of at least 0")
+
+
+def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:
+    """A chain whose first sampler is the grammar's, then `chain` (which the new one owns):
+    the grammar masks the tokens it forbids before the other samplers see the logits, and
+    learns each sampled token with them. `chain` must have seen the prompt already (a grammar
+    sampler accepts only the answer's tokens). BadRequestError when llama.cpp cannot parse it."""
+    lib = chain.lib
+    outer = Sampler(lib)
+    grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not grammar_ptr:
+        outer.close()
+        chain.close()
+        raise BadRequestError(f"{WHERE}: llama.cpp could not parse the grammar made from it")
+    outer.add(grammar_ptr)
+    outer.add(chain.ptr)
+    chain.ptr = None  # the outer chain frees it
+    return outer
