@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.runners import perplexity as ppl
-from llmrun.runners import system
+from llmrun.runners import probe, system
 from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.bench import tuning
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -301,3 +302,22 @@ def test_a_budget_too_short_for_one_setting_says_so_and_keeps_what_was_measured(
     assert "cut short by the stop" in said  # the first setting's finished shapes, in the table
     assert "the first setting was measured in part; nothing saved" in said
     assert not (home / "config" / "tuned.json").exists()
+
+
+# ---- the repacking probe -------------------------------------------------------------------
+
+
+def test_a_probe_ended_by_ctrl_c_is_no_verdict(
+    llmrun_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a first load reaches the probe's child too: its death by SIGINT was cached as
+    'repacked kernels crashed a probe', and repacking stayed off for that quantization."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    child = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGINT)"]
+    verdict = probe.run_probe("m.gguf", child)
+    assert verdict.interrupted and not verdict.safe
+    crashed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    assert not probe.run_probe("m.gguf", crashed).interrupted  # a crash stays a verdict
+    monkeypatch.setattr(probe, "run_probe", lambda *args: verdict)
+    probe.repack_verdict("m.gguf", "Q4_0")
+    assert probe.probe_key("Q4_0") not in probe._read_cache()
