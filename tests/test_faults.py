@@ -321,3 +321,36 @@ def test_a_probe_ended_by_ctrl_c_is_no_verdict(
     monkeypatch.setattr(probe, "run_probe", lambda *args: verdict)
     probe.repack_verdict("m.gguf", "Q4_0")
     assert probe.probe_key("Q4_0") not in probe._read_cache()
+
+
+# ---- busy marks ----------------------------------------------------------------------------
+
+
+def test_remote_serving_rows_carry_the_clients_busy_mark(
+    cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded client delays what it times: its machine's load marks remote rows too (they
+    had no busy mark at all: `busy: None`)."""
+    monkeypatch.setattr(system, "background_override", 64.0)
+    with stub_server() as url:
+        result = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--endpoint",
+                url,
+                "-m",
+                "stub",
+                "--num-prompts",
+                "2",
+                "--concurrency",
+                "1",
+                "-o",
+                "json",
+            ],
+        )
+    assert result.exit_code == 0, result.stderr
+    (row,) = json.loads(result.stdout)
+    assert row["busy"] is True and row["background_cpus"] == 64.0
+    assert "llmrun: warning: other processes kept up to 64.0" in " ".join(result.stderr.split())

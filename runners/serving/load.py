@@ -30,7 +30,7 @@ from llmrun.runners.errors import LlmrunError
 from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
-from llmrun.runners.system import busy_machine
+from llmrun.runners.system import busy_machine, cpu_sample, measured_background
 
 from .options import InterferenceOptions, ServeOptions, Stage
 
@@ -479,8 +479,8 @@ class ServingLevel:
     @property
     def busy(self) -> bool:
         """Measured while other processes took CPU time the engine's threads needed."""
-        threads = max(self.n_threads or 1, self.n_threads_batch or 1)
-        return self.n_threads is not None and busy_machine(self.background_cpus, threads)
+        threads = max(self.n_threads or 1, self.n_threads_batch or 1)  # a client: its one
+        return busy_machine(self.background_cpus, threads)
 
     @property
     def rate_text(self) -> str:
@@ -523,17 +523,14 @@ class ServingLevel:
             "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
             **(
-                {
-                    "n_threads": self.n_threads,
-                    "n_threads_batch": self.n_threads_batch,
-                    "background_cpus": None
-                    if self.background_cpus is None
-                    else round(self.background_cpus, 3),
-                    "busy": self.busy,
-                }
+                {"n_threads": self.n_threads, "n_threads_batch": self.n_threads_batch}
                 if self.n_threads is not None
                 else {}
             ),
+            "background_cpus": None
+            if self.background_cpus is None
+            else round(self.background_cpus, 3),
+            "busy": self.busy,
             **({"kv_unified": self.kv_unified} if self.kv_unified is not None else {}),
         }
 
@@ -591,6 +588,7 @@ def run_levels(
                 send(runner, prompt, cancel, tally)
         tally = Tally(len(prompts), sum(p.max_tokens for p in prompts))
         yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
+        cpu0 = cpu_sample()  # the client's machine: a loaded one delays what it times
         results, duration = run_load(
             runner,
             prompts,
@@ -610,6 +608,7 @@ def run_levels(
             output_len=output_len,
             metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
             interrupted=cancel.is_set(),
+            background_cpus=measured_background(cpu0, cpu_sample()),
         )
 
 
