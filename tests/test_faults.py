@@ -40,6 +40,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _alive(proc: subprocess.Popen[str], deadline: float) -> None:
+    """Fails the test (and ends the process) when the process ended or the deadline passed."""
+    if proc.poll() is None and time.monotonic() < deadline:
+        return
+    proc.kill()
+    _, err = proc.communicate()
+    pytest.fail(f"exit {proc.returncode} or past the deadline: {err[-2000:]}")
+
+
 def _started(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [which_llmrun(), *args],
@@ -64,7 +73,7 @@ def _wait_for_cpu(proc: subprocess.Popen[str], seconds: float) -> None:
     deadline = time.monotonic() + HANG_S
     start = _cpu_s(proc.pid)
     while _cpu_s(proc.pid) - start < seconds:
-        assert time.monotonic() < deadline and proc.poll() is None
+        _alive(proc, deadline)
         time.sleep(0.1)
 
 
@@ -72,7 +81,7 @@ def _wait_for_open(proc: subprocess.Popen[str], path: Path) -> None:
     """Until the process has the file open."""
     deadline = time.monotonic() + HANG_S
     while True:
-        assert time.monotonic() < deadline and proc.poll() is None
+        _alive(proc, deadline)
         for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
             try:
                 if os.readlink(fd) == str(path):
@@ -183,7 +192,7 @@ def test_a_large_text_stops_in_its_perplexity_and_keeps_the_rows(
     )
     assert proc.stderr is not None
     while "1/1 pp8" not in proc.stderr.readline():  # the row is held for the perplexity
-        assert proc.poll() is None
+        _alive(proc, time.monotonic() + HANG_S)
     _wait_for_cpu(proc, worked_s)
     out, err, took = _stopped(proc, signum)
     assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
