@@ -1,4 +1,5 @@
-"""llama-perplexity's figure on the runner's own context: a text scored in windows."""
+"""llama-perplexity's figure on the runner's own context: a text scored in windows; the text
+read and tokenized in steps that Ctrl-C and SIGTERM stop."""
 
 from __future__ import annotations
 
