@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 import typer
 from rich.console import Console
@@ -42,6 +42,39 @@ from llmrun.runners.models import DEFAULT_MODEL_INSTALL
 from llmrun.runners.stats import GenerationStats
 
 from .terminal import terminal_line
+
+
+class DisplayThatMayFail:
+    """stderr carries a command's display only (progress, warnings, stats): a write that fails
+    there (2>/dev/full, a terminal that went away) is dropped, so the results still reach
+    stdout, --stats-file and the history."""
+
+    @classmethod
+    def install(cls) -> None:
+        if not isinstance(sys.stderr, cls):
+            sys.stderr = cls(sys.stderr)
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130

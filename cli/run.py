@@ -34,6 +34,7 @@ from .errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
+    DisplayThatMayFail,
     handled,
     incomplete_message,
     message,
@@ -165,6 +166,7 @@ def run(
 
       llmrun run --jsonl prompts.jsonl --stats-file stats.jsonl -q
     """
+    DisplayThatMayFail.install()  # the text reaches stdout and --stats-file all the same
     with handled():
         params, config = generation.settings(prompts.system)
         remote, reply = generation.remote, generation.reply

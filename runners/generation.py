@@ -351,6 +351,7 @@ def _decode(
         out.sample_s = sample_s
         out.call_s, out.calls = call_s, calls
         if drafter is not None:
+            drafter.unused(len(queued))
             drafter.close()
             out.drafted, out.accepted, out.steps = drafter.drafted, drafter.accepted, drafter.steps
     out.tail = text.flush()

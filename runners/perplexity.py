@@ -1,16 +1,103 @@
-"""llama-perplexity's figure on the runner's own context: a text scored in windows."""
+"""llama-perplexity's figure on the runner's own context: a text scored in windows; the text
+read and tokenized in steps that Ctrl-C and SIGTERM stop."""
 
 from __future__ import annotations
 
 import math
+import os
+import select
+import stat
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .errors import BadRequestError, EngineError
+from .files import FileTooLargeError
 from .handles import Batch, Model
 from .library import llama_lib
 from .prefix_cache import PrefixCache
+
+READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
+POLL_MS = 100  # a pipe without data is looked at again this often
+
+
+def read_text(path: Path, *, max_bytes: int, cancel: threading.Event) -> bytes | None:
+    """The text's bytes, read in chunks that each end with a look at `cancel` (None once it is
+    set), so Ctrl-C and SIGTERM stop a large file's read. A FIFO or a pipe (`<(zcat …)`) is
+    opened without waiting for its writer and read as its data arrives, by a poll that times
+    out: a writer that never comes or never finishes keeps no signal waiting. Raises OSError
+    for what cannot be read, FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, os.strerror(21), str(path))
+        regular = stat.S_ISREG(mode)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while size <= max_bytes:
+            if cancel.is_set():
+                return None
+            if not regular and not poller.poll(POLL_MS):
+                continue  # no data yet (or no writer yet): look at `cancel` again
+            try:
+                data = os.read(fd, min(READ_CHUNK, max_bytes + 1 - size))
+            except BlockingIOError:
+                continue
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        limit = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+        raise FileTooLargeError(f"the text is larger than {limit}, or does not end")
+    return b"".join(chunks)
+
+
+TOKENIZE_PIECE = 2**16  # characters tokenized between two looks at `cancel` (~0.1 s on 2 cores)
+SEAM = 256  # characters each side of a cut that are tokenized whole to check it
+CUT_TRIES = 16  # line breaks tried for a cut before the rest is tokenized whole
+
+
+def tokenize_interruptibly(
+    tokenize: Callable[[str], list[int]], text: str, cancel: threading.Event
+) -> list[int] | None:
+    """`tokenize(text)`, in pieces that each end with a look at `cancel` (None once it is
+    set): llama.cpp tokenizes 5 MB in about 8 s here, and no signal reaches Python meanwhile.
+    The pieces are cut at a line break, before or after it, where the two sides tokenized
+    apart give the tokens of the characters around the cut tokenized whole (the tokenizers of
+    BPE models split text there). A tokenizer that joins across every cut tried
+    (SentencePiece's leading space, say) gets the rest whole, as llama-perplexity does."""
+    tokens: list[int] = []
+    start = 0
+    while True:
+        if cancel.is_set():
+            return None
+        cut = _cut(tokenize, text, start + TOKENIZE_PIECE)
+        tokens += tokenize(text[start:cut])
+        if cut is None:
+            return tokens
+        start = cut
+
+
+def _cut(tokenize: Callable[[str], list[int]], text: str, at: int) -> int | None:
+    """Where to cut, at or after `at`, with the same tokens either way; None: nowhere (the
+    end of the text, or a tokenizer that joins across line breaks)."""
+    found = text.find("\n", at)
+    for _ in range(CUT_TRIES):
+        if found == -1:
+            return None
+        for cut in (found, found + 1):
+            left, right = text[max(0, cut - SEAM) : cut], text[cut : cut + SEAM]
+            if left and right and tokenize(left) + tokenize(right) == tokenize(left + right):
+                return cut
+        found = text.find("\n", found + 1)
+    return None
 
 
 def perplexity(
@@ -47,6 +134,8 @@ def perplexity(
     first = n_ctx // 2
     nll, scored = 0.0, 0
     batch = Batch(lib, n_batch)
+    if cancel is not None:  # a window's batch stops within its graph: 512 tokens take seconds
+        kv.abortable(cancel)
     try:
         for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
             window = tokens[start : start + n_ctx]
@@ -60,6 +149,8 @@ def perplexity(
                     batch.set(i, window[pos], pos, 0, first <= pos < n_ctx - 1)
                 batch.n_tokens = n
                 if lib.llama_decode(kv.ptr, batch.struct) != 0:
+                    if cancel is not None and cancel.is_set():
+                        raise BadRequestError("perplexity interrupted")
                     raise EngineError("llama_decode failed while scoring perplexity")
                 scored_here = range(max(off, first), min(off + n, n_ctx - 1))
                 if each is not None and scored_here:
@@ -78,6 +169,8 @@ def perplexity(
                     nll += log_z - logits[window[pos + 1]]
                     scored += 1
     finally:
+        if cancel is not None:
+            kv.unabortable()
         batch.close()
         kv.truncate(0)
     return math.exp(nll / scored), scored

@@ -25,6 +25,9 @@ from .paths import state_dir
 from .system import cpu_flags, cpu_model
 
 PROBE_TIMEOUT_S = 120.0
+# Signals that end a probe from outside (a terminal's Ctrl-C reaches the child, as do a
+# hang-up and a kill): how the probe ended then says nothing about llama.cpp's kernels.
+STOPPED_BY = (2, 1, 15, 9)  # SIGINT, SIGHUP, SIGTERM, SIGKILL
 
 # The child: load with repacking, decode 2- and 8-token batches; exit 0 if all went through.
 PROBE_CODE = r"""
@@ -63,6 +66,7 @@ class Verdict:
     # The child process's time when the probe ran now (a new quantization or llama.cpp build),
     # None when the verdict came from the cache: the first load's own figure, not load time
     probe_s: float | None = None
+    interrupted: bool = False  # a signal ended the probe (Ctrl-C reaches its process group too)
 
 
 def _build_id() -> str:
@@ -132,6 +136,8 @@ def run_probe(model_path: str, command: list[str] | None = None) -> Verdict:
     if done.returncode < 0:
         import signal
 
+        if -done.returncode in STOPPED_BY:  # no verdict: kept for this load, never cached
+            return Verdict(False, "the probe was interrupted", interrupted=True)
         try:
             name = signal.Signals(-done.returncode).name
         except ValueError:
@@ -148,5 +154,6 @@ def repack_verdict(model_path: str, quantization: str) -> Verdict:
         return Verdict(bool(cached["safe"]), str(cached.get("why", "probed")))
     t0 = time.perf_counter()
     verdict = run_probe(model_path)
-    _write_cache(key, verdict)
+    if not verdict.interrupted:  # a Ctrl-C in the first load disabled repacking for good
+        _write_cache(key, verdict)
     return dataclasses.replace(verdict, probe_s=time.perf_counter() - t0)

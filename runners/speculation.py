@@ -83,6 +83,13 @@ class Drafter:
             lib.llama_memory_seq_rm(mem, 0, len(self.cache), -1)
         return accepted, following
 
+    def unused(self, n: int) -> None:
+        """The generation stopped (Ctrl-C, a stop string, the length) with `n` accepted drafts
+        not yet emitted: they leave the counts, which then describe the output alone (an
+        interrupted run reported 16 accepted drafts for 11 output tokens)."""
+        self.drafted -= n
+        self.accepted -= n
+
     def close(self) -> None:
         self.batch.close()
 

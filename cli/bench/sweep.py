@@ -14,14 +14,20 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import typer
 from rich.console import Console
 from rich.status import Status
 
 from llmrun.cli.engine import make_bench_runner
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, usage_error
+from llmrun.cli.errors import (
+    EXIT_INTERRUPTED,
+    DisplayThatMayFail,
+    StdoutConsole,
+    handled,
+    usage_error,
+)
 from llmrun.cli.progress import ProgressLine, Shown
 from llmrun.cli.records import takes_records
 from llmrun.cli.session import ctrl_c_cancels
@@ -42,32 +48,6 @@ from . import sweep_options as o
 from .machine import load_and_report
 
 PANEL = "Tests (llama-bench's)"
-
-
-class _DisplayThatMayFail:
-    """stderr carries bench's display only: a write that fails there (2>/dev/full, a closed
-    terminal) is dropped, so the records still reach stdout and the history."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        with contextlib.suppress(OSError, ValueError):
-            self._stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._stream.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 class _Nowhere(io.StringIO):
@@ -120,6 +100,7 @@ def bench(
     Serving load: `llmrun bench serve`; prefill-decode interference: `llmrun bench
     interference`; tuning: `llmrun tune`.
     """
+    DisplayThatMayFail.install()  # bench, serve and interference write only their display there
     if context.invoked_subcommand is not None:
         unset: tuple[object, ...] = (None, False, (), [])
         given = [
@@ -133,7 +114,6 @@ def bench(
                 f" subcommand, not before `{context.invoked_subcommand}`"
             )
         return
-    sys.stderr = _DisplayThatMayFail(sys.stderr)  # bench writes only its display there
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
     with handled(), _display_nowhere(records_on_stderr) as real_stderr:
         err = Console(stderr=True, highlight=False)

@@ -15,7 +15,7 @@ from rich.table import Table
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, handled, usage_error
 from llmrun.cli.progress import ProgressLine, Shown, clock
-from llmrun.cli.report import Fitted, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
@@ -78,6 +78,11 @@ def tune(
         raise typer.Exit(code)
 
 
+# The share of the first setting measured before its time is estimated: its first shape, the
+# prompt's, whose rates are then kept (the decode shape takes longer: an estimate that errs low)
+FIRST_ESTIMATE_SHARE = 0.5
+
+
 def clock_s() -> float:
     """The budget's clock (a test gives it another)."""
     return time.monotonic()
@@ -118,7 +123,12 @@ def _tune(
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
         load_and_report(runner, err, bandwidth=False)  # tuning reports no efficiency
-        found = show_search(runner, runner.config, err, cancel, workloads, budget)
+        start = tn.start_threads()  # run's choice: on a busy machine, the cores left free
+        if start.reduced:
+            err.print(f"llmrun: threads {start.why}", markup=False, emoji=False)
+        found = show_search(
+            runner, runner.config, err, cancel, workloads, budget, threads=start.threads
+        )
     finally:
         runner.close()
     by_budget = budget.spent.is_set()
@@ -126,7 +136,11 @@ def _tune(
     if found is None or (found.stopped and found.trials < 2):
         if not cancel.is_set():
             raise BadRequestError("tuning measured nothing: llmrun's defaults did not run")
-        what = "nothing was measured" if found is None else "only llmrun's defaults were measured"
+        what = "only llmrun's defaults were measured"
+        if found is None:
+            what = "nothing was measured"
+        elif not found.trials:  # its rates are in the table above
+            what = "the first setting was measured in part"
         err.print(f"{why}: {what}; nothing saved", markup=False)
         return 1 if by_budget else EXIT_INTERRUPTED
     chosen = found.chosen
@@ -173,14 +187,15 @@ def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
         left = col in ("stage", "settings", "verdict")
         table.add_column(col, justify="left" if left else "right")
     for t in tried:
+        busy = "busy machine: may be noise"
         table.add_row(
             t.stage,
             t.combo.describe(),
             f"{t.pp_ts:,.1f}" if t.pp_ts else "-",
             f"{t.tg_ts:,.1f}" if t.tg_ts else "-",
-            *(f"{t.score(w):,.1f}" for w in workloads),
-            f"±{t.spread(workloads[0]) / 2:.0%}",
-            t.note,
+            *(f"{t.score(w):,.1f}" if t.samples else "-" for w in workloads),
+            f"±{t.spread(workloads[0]) / 2:.0%}" if t.samples else "-",
+            "; ".join(n for n in (t.note, busy if t.busy else "") if n),
         )
     return fitted(table, wrap=("settings", "verdict"))
 
@@ -192,6 +207,8 @@ def show_search(
     cancel: threading.Event,
     workloads: Sequence[str] = tuple(tn.WORKLOADS),
     budget: Budget | None = None,
+    *,
+    threads: int | None = None,
 ) -> tn.Found | None:
     """Run the tuning search with its progress line (stage, trials done of those expected,
     time taken, an estimate of the time left, the budget left), then show every setting it
@@ -219,6 +236,24 @@ def show_search(
         now[:] = [p]
         if budget is not None:
             budget.check()
+            if budget.seconds is not None and p.trials == 0 and p.share >= FIRST_ESTIMATE_SHARE:
+                too_short(budget, budget.seconds, p.share)
+
+    def too_short(budget: Budget, seconds: float, share: float) -> None:
+        """The first setting's part measured shows that the budget cannot hold it whole:
+        say so, and stop with what was measured (the budget waited to its end, at 0 trials)."""
+        trial_s = (clock_s() - budget.started_s) / share
+        if trial_s <= seconds or budget.spent.is_set():
+            return
+        budget.spent.set()
+        budget.stop.set()
+        err.print(
+            f"llmrun: one setting takes about {clock(trial_s)} to measure here ({REPS}"
+            f" repetitions of each shape), more than the --budget of {clock(seconds)}"
+            " holds: stopping with what was measured (give --budget"
+            f" {clock(trial_s * 10)} or more, or tune when the machine is quiet)",
+            markup=False,
+        )
 
     with ProgressLine(err) as line:
         found = search(
@@ -228,10 +263,17 @@ def show_search(
             workloads=workloads,
             on_progress=progress,
             on_stage=lambda name: err.print(f"tuning {name} ...", markup=False),
+            threads=threads,
         )
     if found is None:
         return None
-    err.print(tried_table(found.tried, workloads))
+    err.print(tried_table([*found.tried, *found.cut], workloads))
+    if found.busy:
+        worst = max(t.background_cpus or 0.0 for t in found.busy)
+        most = max(max(t.combo.n_threads or 1, t.combo.n_threads_batch or 1) for t in found.busy)
+        settings = len(found.tried) + len(found.cut)
+        warning = busy_warning(worst, most, f"{len(found.busy)} of {settings} settings")
+        err.print(warning, markup=False, emoji=False)
     shapes = " and ".join(s.name for s in tn.SHAPES)
     kinds = "; ".join(
         f"{w}: a {p}-token prompt and a {g}-token answer"

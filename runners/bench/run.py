@@ -8,15 +8,17 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmrun.runners import devices as dv
 from llmrun.runners import history as hist
+from llmrun.runners import perplexity as ppl
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.files import FileTooLargeError, read_capped
+from llmrun.runners.files import FileTooLargeError
 from llmrun.runners.kld import KldBase, KldStats
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.probe import repack_verdict
@@ -302,13 +304,16 @@ class Scored:
 SweepEvent = ModelReady | Progress | Result | Skipped | Scoring | Scored
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, cancel: threading.Event) -> str | None:
+    """The --ppl text, read once (a FIFO can be read only once); None when Ctrl-C or SIGTERM
+    came first."""
     try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
-        return read_capped(path, max_bytes=256 * 2**20, what="text").decode("utf-8", "replace")
+        data = ppl.read_text(path, max_bytes=256 * 2**20, cancel=cancel)
     except OSError as e:
         raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
     except FileTooLargeError as e:
         raise BadRequestError(f"--ppl {path}: {e}") from None
+    return None if data is None else data.decode("utf-8", "replace")
 
 
 def run_sweep(
@@ -319,19 +324,22 @@ def run_sweep(
     cancel: threading.Event,
 ) -> Iterator[SweepEvent]:
     """llama-bench's tests over every combination of settings, for each model in turn."""
-    if sweep.ppl is not None:
-        read_text(sweep.ppl)  # an unreadable text fails before anything is measured
     if sweep.kld and (sweep.ppl is None or len(models) < 2):
         raise BadRequestError(
             "--kld compares each later model with the first on --ppl's text:"
             " give --ppl FILE and two or more -m"
         )
+    text: str | None = None
+    if sweep.ppl is not None:
+        text = read_text(sweep.ppl, cancel)  # an unreadable text fails before anything runs
+        if text is None:
+            return
     until_ci = sweep.until()  # a bad --until-ci fails before anything loads
     meter = open_energy(sweep.energy)  # its idle baseline before the first model loads
     base = KldBase() if sweep.kld else None
     try:
         yield from _models(
-            models, sweep, until_ci, meter, base, open_runner=open_runner, cancel=cancel
+            models, sweep, until_ci, meter, base, text, open_runner=open_runner, cancel=cancel
         )
     finally:
         if meter is not None:
@@ -361,6 +369,7 @@ def _models(
     until_ci: UntilCi | None,
     meter: PhaseMeter | None,
     kld_base: KldBase | None,
+    text: str | None,
     *,
     open_runner: Callable[[str | None, EngineConfig, bool], BenchRunner],
     cancel: threading.Event,
@@ -399,14 +408,18 @@ def _models(
                         if given and isinstance(event, Result)
                         else event
                     )
-            if sweep.ppl is not None and not cancel.is_set():
+            if sweep.ppl is not None and text is not None and not cancel.is_set():
                 yield Scoring(sweep.ppl)
                 n_ctx = sweep.contexts()[0] or PPL_CTX
                 runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
-                tokens = runner.tokenize(read_text(sweep.ppl), add_special=False)
+                tokens = ppl.tokenize_interruptibly(
+                    partial(runner.tokenize, add_special=False), text, cancel
+                )
+                if tokens is None:
+                    return
                 if kld_base is None:
-                    ppl, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
-                    yield Scored(runner.load().model.name, ppl, n, runner.vocab_size())
+                    score, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
+                    yield Scored(runner.load().model.name, score, n, runner.vocab_size())
                 else:
                     yield _scored_with_kld(runner, tokens, n_ctx, cancel, kld_base)
         finally:

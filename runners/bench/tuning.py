@@ -23,7 +23,14 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
 from llmrun.runners.paths import config_dir
-from llmrun.runners.system import default_threads, logical_cpus
+from llmrun.runners.system import (
+    ThreadChoice,
+    background_now,
+    busy_machine,
+    choose_threads,
+    default_threads,
+    logical_cpus,
+)
 
 from .measure import Progress, run_bench
 from .results import Result
@@ -151,6 +158,8 @@ class Tried:
     samples: tuple[tuple[float, float], ...] = ()  # (pp, tg) tok/s of each repetition
     stage: str = ""
     note: str = ""  # per workload: "chat: chosen ...; document: not chosen ..."
+    background_cpus: float | None = None  # other processes' load, the most of its tests
+    busy: bool = False  # that load left llama.cpp's threads short: its figures may be noise
 
     def scores(self, workload: str) -> tuple[float, ...]:
         """Per repetition: the tokens of the workload's request per second of its time."""
@@ -207,6 +216,12 @@ class Found:
     tried: list[Tried]
     trials: int  # settings measured (a close call measured again counts again)
     stopped: bool = False
+    cut: tuple[Tried, ...] = ()  # settings a stop cut short: the shapes they finished
+
+    @property
+    def busy(self) -> list[Tried]:
+        """The settings measured while other processes left llama.cpp's threads short."""
+        return [t for t in (*self.tried, *self.cut) if t.busy]
 
 
 class _Measured:
@@ -224,6 +239,9 @@ class _Measured:
         self.runner, self.base, self.shapes, self.cancel = runner, base, shapes, cancel
         self.on_progress = on_progress
         self.samples: dict[Combo, list[tuple[float, float]]] = {}
+        self.cut: dict[Combo, dict[int, list[float]]] = {}  # a stopped trial's finished shapes
+        self.background: dict[Combo, float] = {}  # other processes' load, the most per combo
+        self.busy: set[Combo] = set()
         self.stage: dict[Combo, str] = {}
         self.trials = 0
         self.planned = 0
@@ -258,6 +276,7 @@ class _Measured:
                 found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
                     event.samples_ts
                 )
+                self._note_load(event)
             elif isinstance(event, Progress):
                 done = event.done + (event.fraction if event.moment == "working" else 0.0)
                 whole, part = divmod(done / runs, 1.0)
@@ -265,7 +284,8 @@ class _Measured:
         self.stopped = self.cancel is not None and self.cancel.is_set()
         for combo, by_shape in found.items():
             if len(by_shape) < len(self.shapes):
-                continue  # cut short by a stop: not a whole trial
+                self.cut.setdefault(combo, by_shape)  # cut short by a stop: not a whole trial
+                continue
             pp = by_shape.get(0, [])
             tg = next((v for k, v in by_shape.items() if k), [])
             self.samples.setdefault(combo, []).extend(zip(pp, tg, strict=False))
@@ -274,11 +294,56 @@ class _Measured:
         self.on_progress(TuneProgress(stage, self.trials, self.planned))
         return not self.stopped
 
+    def _note_load(self, result: Result) -> None:
+        load = result.background_cpus
+        if load is None:
+            return
+        combo = result.combo
+        self.background[combo] = max(load, self.background.get(combo, 0.0))
+        threads = max(combo.n_threads or 1, combo.n_threads_batch or 1)
+        if busy_machine(load, threads):
+            self.busy.add(combo)
+
     def tried(self, combo: Combo, note: str = "") -> Tried:
         pairs = tuple(self.samples.get(combo, ()))
         pp = statistics.fmean(p for p, _ in pairs) if pairs else None
         tg = statistics.fmean(t for _, t in pairs) if pairs else None
-        return Tried(combo, pp, tg, pairs, self.stage.get(combo, ""), note)
+        return Tried(
+            combo,
+            pp,
+            tg,
+            pairs,
+            self.stage.get(combo, ""),
+            note,
+            self.background.get(combo),
+            combo in self.busy,
+        )
+
+    def cut_short(self) -> tuple[Tried, ...]:
+        """The trials a stop cut short, with the rates of the shapes they finished."""
+        found = []
+        for combo, by_shape in self.cut.items():
+            if combo in self.samples:
+                continue
+            pp = by_shape.get(0)
+            tg = next((v for k, v in by_shape.items() if k), None)
+            found.append(
+                Tried(
+                    combo,
+                    statistics.fmean(pp) if pp else None,
+                    statistics.fmean(tg) if tg else None,
+                    note="cut short by the stop",
+                    background_cpus=self.background.get(combo),
+                    busy=combo in self.busy,
+                )
+            )
+        return tuple(found)
+
+
+def start_threads() -> ThreadChoice:
+    """The thread count the search starts from: run's choice, the cores that other processes
+    leave free (on a busy machine, 1 of 2 where a quiet one gets 2)."""
+    return choose_threads(default_threads(), background_now(), logical_cpus())
 
 
 def search(
@@ -290,6 +355,7 @@ def search(
     cancel: threading.Event | None = None,
     on_stage: Callable[[str], None] = lambda name: None,
     on_progress: Callable[[TuneProgress], None] = lambda progress: None,
+    threads: int | None = None,
 ) -> Found | None:
     """A staged search from llmrun's defaults, for each workload: threads, flash attention,
     repacking, batch/ubatch, prefill threads.
@@ -299,12 +365,15 @@ def search(
     close call is measured again in paired A B A B rounds first. The workloads share every
     measurement, so tuning for both costs little more than for one. When `cancel` is set (Ctrl-C,
     a time budget) nothing more is measured, and every stage decides from the settings already
-    measured whole (a close call stays a tie). None if not even the defaults were measured.
+    measured whole (a close call stays a tie). `threads`: where the search starts
+    (`start_threads`), else the physical cores. With not even the first setting measured
+    whole: None, or the shapes it finished (`cut`) when a stop cut it short.
     """
     shapes = shapes or SHAPES
     phys, logical = default_threads(), logical_cpus()
     measured = _Measured(runner, base, shapes, cancel, on_progress)
-    baseline = Combo(phys, 512, 512, None, "off", n_threads_batch=phys)
+    start = threads or phys
+    baseline = Combo(start, 512, 512, None, "off", n_threads_batch=start)
     notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
     stages: list[tuple[str, Callable[[Combo], list[Combo]]]] = [
         (
@@ -351,7 +420,8 @@ def search(
                 measured.run(combos, name)
             if best not in measured.samples:
                 if not measured.samples:
-                    return None
+                    cut = measured.cut_short()
+                    return Found({}, [], 0, stopped=True, cut=cut) if cut else None
                 break  # the incumbent was never measured: the stages after wait on it
             rivals = [measured.tried(c) for c in combos if c != best and c in measured.samples]
             if not rivals:
@@ -376,4 +446,4 @@ def search(
         chosen[workload] = {field: getattr(best, field) for field in TUNED_FIELDS}
         notes.setdefault(best, []).append(f"chosen for {workload}")
     tried = [measured.tried(c, "; ".join(notes.get(c, []))) for c in measured.samples]
-    return Found(chosen, tried, measured.trials, measured.stopped)
+    return Found(chosen, tried, measured.trials, measured.stopped, measured.cut_short())

@@ -24,7 +24,7 @@ from llmrun.runners.errors import LlmrunError
 from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
-from llmrun.runners.system import busy_machine
+from llmrun.runners.system import busy_machine, cpu_sample, measured_background
 
 from .figures import RequestResult, ServingMetrics, failure, metrics, queue_s
 from .options import InterferenceOptions, ServeOptions, Stage
@@ -250,8 +250,8 @@ class ServingLevel:
     @property
     def busy(self) -> bool:
         """Measured while other processes took CPU time the engine's threads needed."""
-        threads = max(self.n_threads or 1, self.n_threads_batch or 1)
-        return self.n_threads is not None and busy_machine(self.background_cpus, threads)
+        threads = max(self.n_threads or 1, self.n_threads_batch or 1)  # a client: its one
+        return busy_machine(self.background_cpus, threads)
 
     @property
     def rate_text(self) -> str:
@@ -311,17 +311,14 @@ class ServingLevel:
             "interrupted": self.interrupted,
             **({"policy": self.policy} if self.policy else {}),
             **(
-                {
-                    "n_threads": self.n_threads,
-                    "n_threads_batch": self.n_threads_batch,
-                    "background_cpus": None
-                    if self.background_cpus is None
-                    else round(self.background_cpus, 3),
-                    "busy": self.busy,
-                }
+                {"n_threads": self.n_threads, "n_threads_batch": self.n_threads_batch}
                 if self.n_threads is not None
                 else {}
             ),
+            "background_cpus": None
+            if self.background_cpus is None
+            else round(self.background_cpus, 3),
+            "busy": self.busy,
             **({"kv_unified": self.kv_unified} if self.kv_unified is not None else {}),
         }
 
@@ -389,6 +386,7 @@ def run_levels(
                 send(runner, prompt, cancel, tally)
         tally = Tally(len(measured), sum(p.max_tokens for p in measured))
         yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
+        cpu0 = cpu_sample()  # the client's machine: a loaded one delays what it times
         results, duration = run_load(
             runner,
             measured,
@@ -411,6 +409,7 @@ def run_levels(
             cached_tokens=cached_total(results),
             shared_prefix=shared_prefix,
             dataset=dict(dataset or {}),
+            background_cpus=measured_background(cpu0, cpu_sample()),
         )
 
 

@@ -1,0 +1,365 @@
+"""Faults (issue 29): every long phase stops on Ctrl-C and SIGTERM with what it finished kept,
+and a stderr that fails never costs stdout or the history."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli import engine
+from llmrun.cli.app import app
+from llmrun.cli.bench import tune
+from llmrun.runners import perplexity as ppl
+from llmrun.runners import probe, system
+from llmrun.runners.base import Finished, Request, SamplingParams, Token
+from llmrun.runners.bench import tuning
+from llmrun.runners.llamacpp import LlamaCppRunner
+
+from .conftest import HANG_S, ROOT, which_llmrun
+from .fake import FakeBenchRunner
+from .stub_server import stub_server
+
+# A signal is answered within this long, on a machine busy with other tests (a few hundred ms
+# of work at most: a tokenized piece, a batch of a perplexity window, a look at a pipe).
+ANSWERED_S = 10.0
+DECLARATION = (ROOT / "examples" / "declaration_of_independence.txt").read_text()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _alive(proc: subprocess.Popen[str], deadline: float) -> None:
+    """Fails the test (and ends the process) when the process ended or the deadline passed."""
+    if proc.poll() is None and time.monotonic() < deadline:
+        return
+    proc.kill()
+    _, err = proc.communicate()
+    pytest.fail(f"exit {proc.returncode} or past the deadline: {err[-2000:]}")
+
+
+def _started(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [which_llmrun(), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def _stopped(proc: subprocess.Popen[str], signum: int) -> tuple[str, str, float]:
+    """Send the signal; (stdout, stderr, seconds until the process ended)."""
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=HANG_S)
+    return out, err, time.monotonic() - sent
+
+
+def _wait_for_cpu(proc: subprocess.Popen[str], seconds: float) -> None:
+    """Until the process has worked this long (CPU time: a busy machine cannot cut it short)."""
+    deadline = time.monotonic() + HANG_S
+    start = _cpu_s(proc.pid)
+    while _cpu_s(proc.pid) - start < seconds:
+        _alive(proc, deadline)
+        time.sleep(0.1)
+
+
+def _wait_for_open(proc: subprocess.Popen[str], path: Path) -> None:
+    """Until the process has the file open."""
+    deadline = time.monotonic() + HANG_S
+    while True:
+        _alive(proc, deadline)
+        for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == str(path):
+                    return
+            except OSError:
+                continue
+        time.sleep(0.1)
+
+
+def _history(env: dict[str, str]) -> str:
+    return subprocess.run(
+        [which_llmrun(), "history"], env=env, capture_output=True, text=True, timeout=HANG_S
+    ).stdout
+
+
+# ---- perplexity ----------------------------------------------------------------------------
+
+
+def test_tokenizing_in_pieces_gives_the_whole_texts_tokens(
+    runner: LlamaCppRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ppl, "TOKENIZE_PIECE", 500)
+    text = DECLARATION * 2
+
+    def tokenize(piece: str) -> list[int]:
+        return runner.tokenize(piece, add_special=False)
+
+    calls: list[str] = []
+
+    def counted(piece: str) -> list[int]:
+        calls.append(piece)
+        return tokenize(piece)
+
+    assert ppl.tokenize_interruptibly(counted, text, threading.Event()) == tokenize(text)
+    assert sum(len(c) > 2 * ppl.SEAM for c in calls) > 10  # in pieces
+    stop = threading.Event()
+    stop.set()
+    assert ppl.tokenize_interruptibly(tokenize, text, stop) is None
+
+
+def test_a_cut_that_a_tokenizer_joins_across_falls_back_to_the_whole_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tokenizer that adds something at each text's start (SentencePiece's space) fails the
+    check at the first cut: the text is then tokenized whole."""
+    monkeypatch.setattr(ppl, "TOKENIZE_PIECE", 10)
+    calls: list[str] = []
+
+    def tokenize(piece: str) -> list[int]:
+        calls.append(piece)
+        return [0, *(ord(c) for c in piece)]
+
+    text = "first line\nsecond line\nthird line\n"
+    assert ppl.tokenize_interruptibly(tokenize, text, threading.Event()) == tokenize(text)
+    assert calls[-2] == text
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_fifo_without_a_writer_ends_on_a_signal(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path, signum: int
+) -> None:
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    proc = _started(
+        ["bench", "-r", "1", "-m", model_path, "-p", "8", "-n", "0", "--ppl", str(fifo)],
+        llmrun_env,
+    )
+    _wait_for_open(proc, fifo)  # started, options parsed, waiting on the pipe
+    _, err, took = _stopped(proc, signum)
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
+    assert took < ANSWERED_S and "Traceback" not in err
+
+
+def test_a_fifo_is_read_as_its_data_arrives(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)
+    proc = _started(
+        [
+            *("bench", "-r", "1", "-m", model_path, "-p", "8", "-n", "0", "--ppl", str(fifo)),
+            *("-c", "64", "-o", "json"),
+        ],
+        llmrun_env,
+    )
+    with open(fifo, "w") as writer:  # opens once llmrun has
+        writer.write(DECLARATION[:3000])
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 0, err
+    assert json.loads(out)[0]["ppl"] > 1
+
+
+@pytest.mark.parametrize(("signum", "worked_s"), [(signal.SIGINT, 1.0), (signal.SIGTERM, 6.0)])
+def test_a_large_text_stops_in_its_perplexity_and_keeps_the_rows(
+    llmrun_env: dict[str, str], model_path: str, tmp_path: Path, signum: int, worked_s: float
+) -> None:
+    """24 MB: llama.cpp took about 40 s to tokenize it on 2 cores, in one call, before the
+    windows (each a graph of -b tokens) began. The signal comes `worked_s` of CPU time after
+    pp8's row: in the tokenization, or in the windows."""
+    text = tmp_path / "large.txt"
+    text.write_text(DECLARATION * (24 * 2**20 // len(DECLARATION)))
+    proc = _started(
+        [
+            *("bench", "-r", "1", "--no-warmup", "-m", model_path, "-p", "8", "-n", "0"),
+            *("--ppl", str(text), "-o", "json", "--progress"),
+        ],
+        llmrun_env,
+    )
+    assert proc.stderr is not None
+    while "1/1 pp8" not in proc.stderr.readline():  # the row is held for the perplexity
+        _alive(proc, time.monotonic() + HANG_S)
+    _wait_for_cpu(proc, worked_s)
+    out, err, took = _stopped(proc, signum)
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
+    assert took < ANSWERED_S, f"the signal waited {took:.1f} s"
+    assert [r["test"] for r in json.loads(out)] == ["pp8"]
+    assert "pp8" in _history(llmrun_env)
+
+
+# ---- a stderr that fails -------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stderr_costs_no_result(llmrun_env: dict[str, str], tmp_path: Path) -> None:
+    """2>/dev/full: every write to stderr fails (progress, warnings, the stats)."""
+    stats = tmp_path / "stats.jsonl"
+    with stub_server() as url, open("/dev/full", "w") as full:
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [which_llmrun(), *args, "--endpoint", url, "-m", "stub"],
+                env=llmrun_env,
+                stdout=subprocess.PIPE,
+                stderr=full,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                timeout=HANG_S,
+            )
+
+        serve = run("bench", "serve", "--num-prompts", "2", "--concurrency", "1", "-o", "json")
+        interference = run("bench", "interference", "-o", "json")
+        text = run("run", "hi", "--stats-file", str(stats))
+    assert serve.returncode == 0 and json.loads(serve.stdout)[0]["completed"] == 2
+    assert "serve c1" in _history(llmrun_env)
+    assert interference.returncode == 0 and json.loads(interference.stdout)
+    assert text.returncode == 0 and "stub server" in text.stdout
+    assert json.loads(stats.read_text().splitlines()[-1])["output_tokens"] > 0
+
+
+# ---- speculative decoding ------------------------------------------------------------------
+
+
+def test_an_interrupted_speculative_run_counts_the_drafts_of_its_output(
+    runner: LlamaCppRunner,
+) -> None:
+    """Ctrl-C between the accepted drafts of one step: those not emitted are not counted."""
+    request = Request.chat(
+        f"Repeat this text exactly:\n\n{DECLARATION[:1200]}",
+        sampling=SamplingParams(max_tokens=40, temperature=0, draft=8),
+    )
+    seen: list[tuple[int, int, int]] = []
+    for stop_at in range(6, 30, 3):
+        cancel = threading.Event()
+        finished = None
+        for event in runner.stream(request, cancel=cancel):
+            if isinstance(event, Token) and event.index == stop_at:
+                cancel.set()
+            elif isinstance(event, Finished):
+                finished = event
+        assert finished is not None
+        s = finished.stats
+        seen.append((s.output_tokens, s.accepted_tokens, s.draft_tokens))
+    assert any(accepted for _, accepted, _ in seen), seen  # the text repeats: drafts accepted
+    assert all(accepted < output and accepted <= drafted for output, accepted, drafted in seen), (
+        seen
+    )
+
+
+# ---- tune ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
+    fake = FakeBenchRunner()
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
+    return fake
+
+
+def test_tune_on_a_busy_machine_starts_from_runs_threads_and_marks_its_rows(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other processes keep 3 of 4 CPUs busy: run would take 1 thread of 4, so tune's first
+    setting is 1 thread, and every setting measured is marked with the busy warning."""
+    monkeypatch.setattr(tuning, "default_threads", lambda: 4)
+    monkeypatch.setattr(tuning, "logical_cpus", lambda: 4)
+    monkeypatch.setattr(system, "logical_cpus", lambda: 4)
+    monkeypatch.setattr(system, "background_override", 3.0)
+    result = cli.invoke(app, ["tune", "--workload", "chat"])
+    assert result.exit_code == 0, result.stderr
+    assert fake_bench.configs[0].n_threads == 1
+    said = " ".join(result.stderr.split())
+    assert "llmrun: threads 1 of 4: other processes keep 3.0 of 4 CPUs busy" in said
+    assert "busy machine: may be noise" in said
+    assert re.search(
+        r"llmrun: warning: other processes kept up to 3\.0 of \d CPUs busy during \d+ of", said
+    )
+
+
+def test_a_budget_too_short_for_one_setting_says_so_and_keeps_what_was_measured(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each look at the clock is 50 ms later: half of the first setting takes longer than half
+    of the 20 s budget."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(tune, "clock_s", lambda: next(ticks) * 0.05)
+    result = cli.invoke(app, ["tune", "--budget", "20s"])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1, said
+    assert "more than the --budget of 0:20 holds: stopping with what was measured" in said
+    assert "cut short by the stop" in said  # the first setting's finished shapes, in the table
+    assert "the first setting was measured in part; nothing saved" in said
+    assert not (home / "config" / "tuned.json").exists()
+
+
+# ---- the repacking probe -------------------------------------------------------------------
+
+
+def test_a_probe_ended_by_ctrl_c_is_no_verdict(
+    llmrun_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a first load reaches the probe's child too: its death by SIGINT was cached as
+    'repacked kernels crashed a probe', and repacking stayed off for that quantization."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    child = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGINT)"]
+    verdict = probe.run_probe("m.gguf", child)
+    assert verdict.interrupted and not verdict.safe
+    crashed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    assert not probe.run_probe("m.gguf", crashed).interrupted  # a crash stays a verdict
+    monkeypatch.setattr(probe, "run_probe", lambda *args: verdict)
+    probe.repack_verdict("m.gguf", "Q4_0")
+    assert probe.probe_key("Q4_0") not in probe._read_cache()
+
+
+# ---- busy marks ----------------------------------------------------------------------------
+
+
+def test_remote_serving_rows_carry_the_clients_busy_mark(
+    cli: CliRunner, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded client delays what it times: its machine's load marks remote rows too (they
+    had no busy mark at all: `busy: None`)."""
+    monkeypatch.setattr(system, "background_override", 64.0)
+    with stub_server() as url:
+        result = cli.invoke(
+            app,
+            [
+                "bench",
+                "serve",
+                "--endpoint",
+                url,
+                "-m",
+                "stub",
+                "--num-prompts",
+                "2",
+                "--concurrency",
+                "1",
+                "-o",
+                "json",
+            ],
+        )
+    assert result.exit_code == 0, result.stderr
+    (row,) = json.loads(result.stdout)
+    assert row["busy"] is True and row["background_cpus"] == 64.0
+    assert "llmrun: warning: other processes kept up to 64.0" in " ".join(result.stderr.split())
