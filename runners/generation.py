@@ -13,7 +13,6 @@ phase figure; `e2e_s` is the wall time including it.
 
 from __future__ import annotations
 
-import itertools
 import random
 import secrets
 import threading
@@ -29,6 +28,7 @@ from .library import llama_lib
 from .prefix_cache import PrefixCache
 from .prompts import Prompts
 from .reasoning import TokenTagger, opens_thinking
+from .serving import figures
 from .speculation import Drafter
 from .stats import (
     FINISH_CONTEXT,
@@ -187,7 +187,7 @@ def _stats(
         first_sample_s=decode.first_sample_s,
         sample_s=decode.sample_s,
         decode_call_ms=decode.call_s * 1000 / decode.calls if decode.calls else None,
-        itl_s=tuple(b - a for a, b in itertools.pairwise(decode.times)),
+        itl_s=tuple(figures.itl_s(decode.times)),  # the one definition (serving/figures.py)
         e2e_s=e2e_s,
         load_s=loaded.load_s,
         warmup_s=loaded.warmup_s,

@@ -46,6 +46,7 @@ from .errors import (
     ServerUnreachableError,
 )
 from .reasoning import TokenTagger
+from .serving import figures
 from .stats import (
     FINISH_INCOMPLETE,
     FINISH_INTERRUPTED,
@@ -823,12 +824,12 @@ class OpenAIRunner:
             # The server's own prefill time where it reports one; else unknown (0: no rate).
             prefill_s=prompt_ms / 1000 if prompt_ms is not None else 0.0,
             first_sample_s=0.0,
-            itl_s=tuple(b - a for a, b in itertools.pairwise(times)),
+            itl_s=tuple(figures.itl_s(times)),  # the one definition (serving/figures.py)
             e2e_s=e2e,
             load_s=loaded.load_s,
             seed=request.sampling.seed,
             # The client's wait: network, queue and the server's tokenization included.
-            first_token_s=times[0] if times else None,
+            first_token_s=figures.ttft_s(0.0, times),  # its clock starts as it is sent
             prefilled_tokens=server_prompt_n if prompt_ms is not None else None,
             server=report,
         )

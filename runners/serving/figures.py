@@ -1,7 +1,9 @@
 """The serving figures, one definition each, as vLLM's benchmark computes them
 (benchmarks/serve.py `calculate_metrics`, benchmarks/lib/endpoint_request_func.py); every
-command that reports one (`bench serve` local and remote, `bench interference`) computes it
-here. docs/measurement.md ("Serving figures") holds the same list.
+command that reports one computes it here: `bench serve` local and remote, `bench
+interference`, `serve`'s `timings` and `/metrics`, and `run`'s stats (its ITL, and a remote
+run's TTFT; a local run's TTFT is its phases' sum, template + prefill + first sample, for a
+request admitted at once). docs/measurement.md ("Serving figures") holds the same list.
 
 A request's clock starts when it is *admitted*: sent, once the client's limit on requests in
 flight lets it go (vLLM's `--max-concurrency` semaphore), or, on this machine's engine, given a
