@@ -265,10 +265,24 @@ def context_note(asked: int | None, ran: int) -> str | None:
     )
 
 
+def ran_busy(s: GenerationStats) -> bool:
+    """Whether other processes took the CPU time these figures needed: every view of a
+    request's figures (summary, chat's turn line and table) marks them by this one test."""
+    threads = s.settings.n_threads if s.settings else 1
+    return s.background_cpus is not None and busy_machine(s.background_cpus, threads)
+
+
+def busy_mark(s: GenerationStats) -> str:
+    """The short mark for a one-line view of a request measured on a busy machine, or ""."""
+    if not ran_busy(s) or s.background_cpus is None:
+        return ""
+    return f"busy: others kept {s.background_cpus:.1f} of {logical_cpus()} CPUs, unreliable"
+
+
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """A warning row when other processes took the CPU time these figures needed."""
     threads = s.settings.n_threads if s.settings else 1
-    if s.background_cpus is None or not busy_machine(s.background_cpus, threads):
+    if s.background_cpus is None or not ran_busy(s):
         return []
     logical = logical_cpus()
     fewer = max(1, round(logical - s.background_cpus)) < threads  # -t was given: say what helps

@@ -144,6 +144,7 @@ def run(
     parallel: Annotated[
         int,
         typer.Option(
+            "-np",
             "--parallel",
             min=1,
             max=64,
@@ -178,7 +179,6 @@ def run(
         )
         endpoint = remote.endpoint
         quiet = report.quiet
-        config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
@@ -203,6 +203,7 @@ def run(
             endpoint=endpoint,
             api_key=remote.api_key,
             timeout_s=remote.timeout,
+            prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
         )
         try:
             served: Iterator[Iterator[Event]] | None = None

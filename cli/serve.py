@@ -170,6 +170,8 @@ class ServeEngineOptions(OptionRecord):
     ] = None
     threads_batch: o.ThreadsBatch = None
     gpu_layers: o.GpuLayers = None
+    cache_type_k: o.CacheTypeK = o.ENGINE_DEFAULTS.cache_type_k
+    cache_type_v: o.CacheTypeV = o.ENGINE_DEFAULTS.cache_type_v
     repack: o.Repack = None
 
     def config(self) -> EngineConfig:
@@ -186,6 +188,8 @@ class ServeEngineOptions(OptionRecord):
             threads=threads,
             threads_batch=self.threads_batch,
             gpu_layers=self.gpu_layers,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
             repack=self.repack,
         )
         return engine.config()
