@@ -8,7 +8,6 @@ runner's type (`SamplingOptions.params`, `EngineOptions.config`) in one place.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +24,7 @@ from llmrun.runners.limits import CACHE_TYPES, check_sampling
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from .records import OptionRecord
+from .terminal import say
 
 # The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
 DEFAULTS = SamplingParams()
@@ -424,11 +424,9 @@ System = Annotated[
 def warn_if_seed(system: str | None) -> None:
     """`-s 42` is the seed in llama.cpp; here it is the system prompt. Keep it, but say so."""
     if system is not None and system.strip().lstrip("+-").isdigit():
-        print(
+        say(
             f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
-            " seed is --seed",
-            file=sys.stderr,
-            flush=True,
+            " seed is --seed"
         )
 
 

@@ -385,8 +385,12 @@ def phase_sentence(stats: GenerationStats) -> str:
     )
 
 
+SUMMARY_INDENT = 9  # the label column of `summary_lines`, where a folded value goes on
+
+
 def summary_lines(stats: GenerationStats) -> list[str]:
-    """The closing summary as plain lines, for a stderr that is not a terminal."""
+    """The closing summary as plain lines, for a stderr that cannot redraw (a file, a pipe,
+    TERM=dumb); a terminal folds them at SUMMARY_INDENT (terminal.fold)."""
     lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
     return [*lines, f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
 

@@ -40,8 +40,10 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
+from .progress import PlainPhases
 from .records import OptionRecord, takes_records
 from .report import (
+    SUMMARY_INDENT,
     aggregate_table,
     append_stats_file,
     context_note,
@@ -58,11 +60,12 @@ from .session import (
     TextSink,
     ctrl_c_cancels,
     drive,
+    dumb_terminal,
     free_cores,
     live_terminal,
     thinking_route,
 )
-from .terminal import terminal_line
+from .terminal import fold, say, stderr_width, terminal_line
 
 
 class StatsFormat(str, Enum):
@@ -259,12 +262,10 @@ def _serve_in_parallel(
             if served.interrupted
             else ""
         )
-        print(
+        say(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
             f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
-            f" (prompt and output tokens){cut}",
-            file=sys.stderr,
-            flush=True,
+            f" (prompt and output tokens){cut}"
         )
     return served.events(), served.interrupted
 
@@ -363,6 +364,8 @@ def _run_jobs(
         force_terminal=live_terminal(sys.stderr) if held else None,
         width=shutil.get_terminal_size().columns if held else None,
     )
+    # plain lines on a terminal are folded at spaces; in a pipe or a file they stay whole
+    width = shutil.get_terminal_size().columns if held else stderr_width()
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and live_terminal(sys.stderr):
@@ -376,6 +379,8 @@ def _run_jobs(
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
+    if dash is None and not final_panel and not quiet and held is None and dumb_terminal():
+        view = PlainPhases(errfile)  # no live view: the load and prefill say they started
     thinking = thinking_route(hide=hide_thinking, on_stdout=thinking_stdout, dash=dash)
     many = len(jobs) > 1
     done: list[GenerationStats] = []
@@ -422,7 +427,7 @@ def _run_jobs(
                 if many:
                     out.write("\n")
             if note:  # after the text's line, so a shared terminal or `2>&1` keeps them apart
-                print(note, file=errfile, flush=True)
+                print(fold(note, width), file=errfile, flush=True)
             if stats_file is not None:  # before stderr, which a closed terminal (SIGHUP) fails
                 append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:
@@ -436,10 +441,11 @@ def _run_jobs(
                     elif final_panel:
                         err.print(render(s))
                     else:
-                        for line in summary_lines(s):
-                            err.print(line, markup=False)
+                        for line in summary_lines(s):  # a row goes on under its value
+                            indent = SUMMARY_INDENT if line[8:9] == " " else 0
+                            err.print(fold(line, width, indent=indent), markup=False)
             if s.finish_reason == FINISH_INCOMPLETE:
-                print(incomplete_message(s), file=errfile)
+                print(fold(incomplete_message(s), width), file=errfile)
                 failed = True
                 break
             # Ctrl-C here stops the rest; a request --parallel's interrupt cut does not

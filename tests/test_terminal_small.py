@@ -1,0 +1,61 @@
+"""Small and plain terminals: TERM=dumb says what runs during load and prefill and folds its
+lines at spaces; one-off lines fold the same way; the live panel keeps its figures on a small
+screen and leaves no stale rows behind."""
+
+from __future__ import annotations
+
+import re
+
+import pexpect
+import pyte
+import pytest
+
+from llmrun.cli.terminal import fold
+
+from .conftest import which_llmrun
+
+
+def test_fold_breaks_at_spaces_only_and_only_on_a_terminal() -> None:
+    line = "ttft     1,109.8 ms = template+tokenize 40.3 ms + prefill 1,068.9 ms + first sample"
+    assert fold(line, None) == line  # a pipe or a file: data, whole
+    folded = fold(line, 40, indent=9).splitlines()
+    assert all(len(row) < 40 for row in folded)
+    assert folded[1].startswith(" " * 9) and not folded[1].startswith(" " * 10)
+    assert " ".join(" ".join(folded).split()) == " ".join(line.split())
+    assert fold("short", 40) == "short"
+    assert fold("x" * 60, 40) == "x" * 60  # a word longer than the line stays whole
+
+
+def screen_of(args: list[str], env: dict[str, str], rows: int, columns: int) -> list[str]:
+    """The whole screen at the end, scrollback included (pyte)."""
+    screen = pyte.HistoryScreen(columns, rows, history=4000, ratio=0.5)
+    stream = pyte.ByteStream(screen)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=180)
+    while True:
+        try:
+            stream.feed(child.read_nonblocking(4096, timeout=180))
+        except pexpect.EOF:
+            break
+    child.close()
+    history = ["".join(ch.data for ch in row.values()).rstrip() for row in screen.history.top]
+    return history + [line.rstrip() for line in screen.display]
+
+
+@pytest.mark.parametrize("columns", [40, 60])
+def test_term_dumb_says_load_and_prefill_and_folds_at_spaces(
+    llmrun_env: dict[str, str], columns: int
+) -> None:
+    env = {**llmrun_env, "TERM": "dumb"}
+    args = ["run", "--raw", "-n", "12", "--temp", "0", "-t", "1", "1, 2, 3, 4, 5,"]
+    lines = screen_of(args, env, 15, columns)
+    text = "\n".join(lines)
+    loading = next(i for i, ln in enumerate(lines) if ln.startswith("llmrun: loading "))
+    prefill = next(i for i, ln in enumerate(lines) if ln.startswith("llmrun: prefill of "))
+    answer = next(i for i, ln in enumerate(lines) if "6, 7" in ln)
+    assert loading < prefill < answer, text
+    summary = lines[next(i for i, ln in enumerate(lines) if ln.startswith("model ")) :]
+    assert all(len(ln) < columns for ln in summary), text  # none folded by the terminal
+    rows = [ln for ln in summary if ln and not ln.startswith(" ")]
+    assert re.search(r"^ttft +[\d,.]+ ms", "\n".join(rows), re.M), text
+    ttft = " ".join(" ".join(summary).split())
+    assert "first sample" in ttft, text  # words whole: never `first sam` / `ple`
