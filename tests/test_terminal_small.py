@@ -59,3 +59,40 @@ def test_term_dumb_says_load_and_prefill_and_folds_at_spaces(
     assert re.search(r"^ttft +[\d,.]+ ms", "\n".join(rows), re.M), text
     ttft = " ".join(" ".join(summary).split())
     assert "first sample" in ttft, text  # words whole: never `first sam` / `ple`
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(15, 40), (24, 60)])
+def test_the_live_panel_keeps_decode_in_every_frame_of_a_small_screen(
+    llmrun_env: dict[str, str], rows: int, columns: int
+) -> None:
+    env = {**llmrun_env, "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    prompt = ", ".join(str(i) for i in range(1, 40)) + ","
+    args = ["run", "--raw", "-n", "40", "--temp", "0", "-b", "16", "-t", "1", prompt]
+    screen = pyte.HistoryScreen(columns, rows, history=4000, ratio=0.5)
+    stream = pyte.ByteStream(screen)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=180)
+    frames: list[list[str]] = []
+    while True:
+        try:
+            stream.feed(child.read_nonblocking(4096, timeout=180))
+        except pexpect.EOF:
+            break
+        frames.append([line.rstrip() for line in screen.display])
+    child.close()
+    assert child.exitstatus == 0
+    live = [f for f in frames if any(re.match(r"decode +\d+ tokens · ", ln) for ln in f)]
+    first = next(i for i, f in enumerate(frames) if f in live)
+    summary = next(i for i, f in enumerate(frames) if any(ln.startswith("ttft ") for ln in f))
+    during = frames[first:summary]
+    assert during, frames[-1]
+    for frame in during:  # every redraw while decoding: the row, never rich's crop mark
+        assert any(ln.startswith("decode ") for ln in frame), "\n".join(frame)
+        assert "..." not in frame, "\n".join(frame)
+    history = ["".join(ch.data for ch in row.values()).rstrip() for row in screen.history.top]
+    lines = history + [line.rstrip() for line in screen.display]
+    text = "\n".join(lines)
+    assert sum(ln.startswith("load ") for ln in lines) == 1, text  # the summary's, no stale one
+    assert sum(ln.startswith("decode ") for ln in lines) == 1, text
+    answer = [ln for ln in lines if re.fullmatch(r"[\d, ]+", ln) and ln.count(",") > 2]
+    assert len(answer) == len(set(answer)), text  # no tail of the answer shown twice
