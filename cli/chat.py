@@ -41,6 +41,7 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
+from .progress import PlainPhases
 from .records import takes_records
 from .report import busy_mark, context_note, fitted, mib, ms, ran_busy
 from .session import (
@@ -49,6 +50,7 @@ from .session import (
     TextSink,
     ctrl_c_cancels,
     drive,
+    dumb_terminal,
     free_cores,
     live_terminal,
     redrawn_after_fg,
@@ -266,6 +268,10 @@ class ChatUI:
         if interactive and dashboard and live_terminal(sys.stderr):
             self.dash = Dashboard(self.err, show_text=live_terminal(sys.stdout))
         self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
+        # TERM=dumb: no live view, so a long prefill says it started and how far it got
+        long_prompt = 256  # a pasted document, not a chat line
+        dumb = interactive and dumb_terminal()
+        self.plain = PlainPhases(sys.stderr, least_tokens=long_prompt) if dumb else None
         self.thinking_stdout = thinking_stdout
         self.shell_modes = terminal_modes() if interactive else None
         self.readline = _readline() if interactive else None
@@ -424,7 +430,7 @@ class ChatUI:
                 conv.runner,
                 request,
                 out=recorder,
-                view=self.dash,
+                view=self.dash or self.plain,
                 cancel=self.cancel,
                 thinking=thinking_route(
                     hide=self.hide_thinking, dash=self.dash, on_stdout=self.thinking_stdout

@@ -156,9 +156,10 @@ class PlainPhases:
     shell), where no live view runs and nothing would show for seconds: a line when each phase
     starts, and prefill's count every `every_s` while it runs. The figures stay the summary's."""
 
-    def __init__(self, err: TextIO, *, every_s: float = 2.0) -> None:
+    def __init__(self, err: TextIO, *, every_s: float = 2.0, least_tokens: int = 0) -> None:
         self.err = err
         self.every_s = every_s
+        self.least_tokens = least_tokens  # a shorter prefill passes unannounced (chat's turns)
         self._next_s = 0.0
         self._prefilling = False
 
@@ -171,6 +172,8 @@ class PlainPhases:
         elif isinstance(event, PrefillProgress):
             now = time.monotonic()
             new = event.total_tokens - event.reused_tokens
+            if new < self.least_tokens:
+                return
             if not self._prefilling:
                 self._prefilling = True
                 self._next_s = now + self.every_s
