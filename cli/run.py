@@ -65,7 +65,7 @@ from .session import (
     live_terminal,
     thinking_route,
 )
-from .terminal import fold, say, stderr_width, terminal_line
+from .terminal import fold, say, terminal_line, terminal_width
 
 
 class StatsFormat(str, Enum):
@@ -365,7 +365,7 @@ def _run_jobs(
         width=shutil.get_terminal_size().columns if held else None,
     )
     # plain lines on a terminal are folded at spaces; in a pipe or a file they stay whole
-    width = shutil.get_terminal_size().columns if held else stderr_width()
+    width = shutil.get_terminal_size().columns if held else terminal_width()
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and live_terminal(sys.stderr):

@@ -36,6 +36,7 @@ from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled, usage_error
 from .records import OptionRecord, takes_records
+from .terminal import say
 
 if TYPE_CHECKING:
     from llmrun.runners.config import EngineConfig
@@ -433,7 +434,7 @@ class _View:
 
     def _flush(self) -> None:
         for line in self._lines():
-            print(f"llmrun serve: {line}", file=sys.stderr, flush=True)
+            say(f"llmrun serve: {line}")
 
     def stop(self) -> None:
         self._stop.set()

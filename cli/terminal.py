@@ -12,6 +12,7 @@ file is data and stays as it came.
 from __future__ import annotations
 
 import re
+from typing import TextIO
 
 _SEQUENCE = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, clear screen
@@ -51,16 +52,17 @@ def fold(text: str, width: int | None, *, indent: int = 2) -> str:
     )
 
 
-def stderr_width() -> int | None:
-    """The width to fold one-off stderr lines at: COLUMNS or the terminal's columns; None when
-    stderr is not a terminal."""
+def terminal_width(stream: TextIO | None = None) -> int | None:
+    """The width to fold plain lines for a person at: COLUMNS or the terminal's columns; None
+    when the stream (stderr by default) is not a terminal."""
     import os
     import sys
 
+    stream = sys.stderr if stream is None else stream
     try:
-        if not sys.stderr.isatty():
+        if not stream.isatty():
             return None
-        fd = sys.stderr.fileno()
+        fd = stream.fileno()
     except (ValueError, AttributeError, OSError):
         return None
     columns = os.environ.get("COLUMNS", "")
@@ -76,4 +78,4 @@ def say(line: str) -> None:
     """One line on stderr for a person (a warning, a note): folded at spaces on a terminal."""
     import sys
 
-    print(fold(line, stderr_width()), file=sys.stderr, flush=True)
+    print(fold(line, terminal_width()), file=sys.stderr, flush=True)

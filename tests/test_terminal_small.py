@@ -5,6 +5,7 @@ screen and leaves no stale rows behind."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pexpect
 import pyte
@@ -97,3 +98,20 @@ def test_the_live_panel_keeps_decode_in_every_frame_of_a_small_screen(
     assert sum(ln.startswith("decode ") for ln in lines) == 1, text
     answer = [ln for ln in lines if re.fullmatch(r"[\d, ]+", ln) and ln.count(",") > 2]
     assert len(answer) == len(set(answer)), text  # no tail of the answer shown twice
+
+
+def test_one_off_lines_fold_at_spaces_on_a_terminal_and_stay_whole_in_a_pipe(
+    llmrun_env: dict[str, str],
+) -> None:
+    env = {**llmrun_env, "TERM": "dumb", "COLUMNS": "40"}
+    lines = screen_of(["doctor"], env, 40, 40)
+    found = [ln for ln in lines if ln]
+    folded_by_terminal = [ln for ln in found if len(ln) >= 40 and " " in ln.strip()]
+    assert found and not folded_by_terminal, "\n".join(
+        lines
+    )  # (not a lone word longer than a line)
+    assert any(ln.startswith(" " * 10) and ln[10] != " " for ln in found)  # under the value
+    piped = subprocess.run(
+        [which_llmrun(), "doctor"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert piped.returncode == 0 and any(len(ln) > 40 for ln in piped.stdout.splitlines())
