@@ -411,8 +411,13 @@ def append_stats_file(path: Path, lines: Sequence[str]) -> None:
         raise BadRequestError(f"cannot write the stats file {path}: {e.strerror or e}") from None
 
 
-def aggregate_table(agg: Aggregate) -> Fitted:
+def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
+    """The percentiles over several requests; `busy` of them ran on a busy machine (ran_busy),
+    which the caption says, as each request's summary does."""
     table = Table(title=f"{agg.count} requests", title_justify="left")
+    if busy:
+        table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
+        table.caption_justify = "left"
     table.add_column("figure")
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")

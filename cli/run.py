@@ -48,6 +48,7 @@ from .report import (
     append_stats_file,
     context_note,
     ms,
+    ran_busy,
     stats_json,
     stats_record,
     summary_lines,
@@ -452,7 +453,7 @@ def _run_jobs(
             if out.closed or (s.interrupted and cancel.is_set()):
                 break
     if len(done) > 1 and not quiet and not out.closed:
-        err.print(aggregate_table(Aggregate.of(done)))
+        err.print(aggregate_table(Aggregate.of(done), busy=sum(map(ran_busy, done))))
     if held is not None and pager is not None:
         _after_the_pager(pager, held.getvalue())
     if out.closed:

@@ -155,3 +155,15 @@ def test_chat_turns_carry_the_busy_mark() -> None:
     assert [*table.columns[0].cells] == ["1", "2b"]
     alone = turns_table([Turn("a", "b", quiet)])
     assert "busy" not in str(alone.caption)
+
+
+def test_several_requests_say_how_many_ran_on_a_busy_machine() -> None:
+    from llmrun.cli.report import aggregate_table
+    from llmrun.runners.stats import Aggregate
+
+    from .test_dashboard import text_of
+
+    quiet, loaded = _stats(0.0), _stats(BUSY)
+    both = text_of(aggregate_table(Aggregate.of([quiet, loaded]), busy=1), width=60)
+    assert "1 of 2 on a busy machine: unreliable" in " ".join(both.split())
+    assert "busy" not in text_of(aggregate_table(Aggregate.of([quiet, quiet])), width=60)
