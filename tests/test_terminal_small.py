@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import pexpect
 import pyte
@@ -73,13 +74,15 @@ def test_the_live_panel_keeps_decode_in_every_frame_of_a_small_screen(
     screen = pyte.HistoryScreen(columns, rows, history=4000, ratio=0.5)
     stream = pyte.ByteStream(screen)
     child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=180)
-    frames: list[list[str]] = []
-    while True:
+    frames: list[list[str]] = []  # the screen each time the output settles (no redraw cut)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
         try:
-            stream.feed(child.read_nonblocking(4096, timeout=180))
+            stream.feed(child.read_nonblocking(1 << 16, timeout=0.1))
+        except pexpect.TIMEOUT:
+            frames.append([line.rstrip() for line in screen.display])
         except pexpect.EOF:
             break
-        frames.append([line.rstrip() for line in screen.display])
     child.close()
     assert child.exitstatus == 0
     live = [
