@@ -76,13 +76,39 @@ class _FlagsShowNoType:
         return params
 
 
+def _refuse_split_flags(command: Any, ctx: Any, args: list[str], names: Any = ()) -> None:
+    """A llama.cpp flag of several letters that the command lacks is refused by name before
+    Click reads it as short options run together (`-hf` as -h, `-ctk q8_0` as `-c tk`)."""
+    from .options import split_flag, split_flag_message
+
+    declared: set[str] = set()
+    take_values: set[str] = set()
+    for param in command.get_params(ctx):
+        if isinstance(param, typer.core.TyperOption):
+            declared |= {*param.opts, *param.secondary_opts}
+            if not param.is_flag and not param.count:
+                take_values |= set(param.opts)
+    flag = split_flag(args, declared=declared, take_values=take_values, names=names)
+    if flag is not None:
+        # ctx.fail: the usage error of the click that typer runs on (its own copy since 0.2x)
+        ctx.fail(split_flag_message(flag, ctx.command_path.partition(" ")[2]))
+
+
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        _refuse_split_flags(self, ctx, args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: Any) -> Any:
         llmrun.cli.command_started()  # modules imported, options parsed: signals are armed now
         return super().invoke(ctx)
 
 
 class _Group(_FlagsShowNoType, typer.core.TyperGroup):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        _refuse_split_flags(self, ctx, args, names=self.commands)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: Any) -> Any:
         llmrun.cli.command_started()
         return super().invoke(ctx)

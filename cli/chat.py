@@ -41,14 +41,16 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import repair_utf8
+from .progress import PlainPhases
 from .records import takes_records
-from .report import context_note, fitted, mib, ms
+from .report import busy_mark, context_note, fitted, mib, ms, ran_busy
 from .session import (
     KeysHeld,
     TextOut,
     TextSink,
     ctrl_c_cancels,
     drive,
+    dumb_terminal,
     free_cores,
     live_terminal,
     redrawn_after_fg,
@@ -122,9 +124,11 @@ def help_view(entries: tuple[tuple[str, str], ...]) -> RenderableType:
 def turn_line(stats: GenerationStats) -> str:
     """The compact per-turn stats line."""
     s = stats
+    busy = busy_mark(s)
     return (
         f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ms(s.ttft_s)}"
         f" · prompt {significant(s.prompt_tps)} tok/s · output {significant(s.output_tps)} tok/s"
+        + (f" · {busy}" if busy else "")
     )
 
 
@@ -163,13 +167,15 @@ def turns_table(turns: list[Turn]) -> Table:
     """Every turn's figures; no vertical rules, units in the headers and the context status as
     a mark on the turn's number, so that the numbers fit whole on a 40-column terminal."""
     marks = {"cleared": "c", "dropped": "d"}
+    busy = any(t.stats is not None and ran_busy(t.stats) for t in turns)
     table = Table(
         title="turns",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
-        caption="c: cleared by /reset, d: dropped",
+        caption="c: cleared by /reset, d: dropped"
+        + (", b: on a busy machine (unreliable)" if busy else ""),
         caption_justify="left",
     )
     for name in ("#", "new+\nreused", "TTFT\nms", "prompt\ntok/s", "out", "output\ntok/s", "end"):
@@ -188,7 +194,7 @@ def turns_table(turns: list[Turn]) -> Table:
             continue
         ttft = "-" if s.ttft_s is None else significant(s.ttft_s * 1000)
         table.add_row(
-            number,
+            number + ("b" if ran_busy(s) else ""),
             f"{s.new_prompt_tokens}+{s.reused_tokens}",
             ttft,
             significant(s.prompt_tps),
@@ -262,6 +268,10 @@ class ChatUI:
         if interactive and dashboard and live_terminal(sys.stderr):
             self.dash = Dashboard(self.err, show_text=live_terminal(sys.stdout))
         self.out: TextSink = self.dash if self.dash and self.dash.show_text else self.stdout
+        # TERM=dumb: no live view, so a long prefill says it started and how far it got
+        long_prompt = 256  # a pasted document, not a chat line
+        dumb = interactive and dumb_terminal()
+        self.plain = PlainPhases(sys.stderr, least_tokens=long_prompt) if dumb else None
         self.thinking_stdout = thinking_stdout
         self.shell_modes = terminal_modes() if interactive else None
         self.readline = _readline() if interactive else None
@@ -420,7 +430,7 @@ class ChatUI:
                 conv.runner,
                 request,
                 out=recorder,
-                view=self.dash,
+                view=self.dash or self.plain,
                 cancel=self.cancel,
                 thinking=thinking_route(
                     hide=self.hide_thinking, dash=self.dash, on_stdout=self.thinking_stdout
@@ -747,13 +757,13 @@ def chat(
         params, config = generation.settings(system)
         remote, reply = generation.remote, generation.reply
         asked_ctx = config.n_ctx
-        config = free_cores(config, endpoint=remote.endpoint, quiet=False)
         runner = make_runner(
             generation.model,
             config,
             endpoint=remote.endpoint,
             api_key=remote.api_key,
             timeout_s=remote.timeout,
+            prepare=lambda found: free_cores(found, endpoint=remote.endpoint, quiet=False),
         )
         try:
             if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD

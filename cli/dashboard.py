@@ -12,6 +12,7 @@ figures never overwrite each other.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import threading
 import time
@@ -218,15 +219,20 @@ def _prefill_estimate(state: LiveState, p: PrefillProgress, now_s: float | None)
     return estimate, text + f" · ~{estimate} est."
 
 
-def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80) -> RenderableType:
+def render_live(
+    state: LiveState, now_s: float | None = None, *, width: int = 80, height: int | None = None
+) -> RenderableType:
     """The panel for a running request: one row per phase reached so far.
 
     Plain Text rows rather than tables: `Live` redraws this several times a second from its
     own thread, which competes with the token loop for the interpreter, so it must be cheap.
+    On a screen of `height` rows the panel keeps to half of it (`_fit`): what the closing
+    summary repeats gives way first, so the figures of the phase under way always show.
     """
-    parts: list[RenderableType] = []
+    lines: list[RenderableType] = []
     if state.line:
-        parts.extend(folded(state.line, width, LINE_ROWS))
+        lines.extend(folded(state.line, width, LINE_ROWS))
+    parts: list[RenderableType] = []
     if state.loading:
         name = terminal_line(os.path.basename(state.path))
         parts.append(Spinner("dots", _row("load", f"loading {name} ...")))
@@ -253,6 +259,10 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
                 f" {p.done_tokens}/{p.total_tokens} tokens{cached} · {tps(speed)}{moving}",
             )
         )
+    # the rows whose figures are final, which the summary repeats: the load's once loaded, and
+    # the prefill's once decoding
+    decoding = state.first_token_s is not None
+    repeated = 0 if state.loading else len(parts) - (p is not None and not decoding)
     waiting = p is None and state.first_token_s is None and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
         # A server shows no prefill progress: the wait itself is what there is to see.
@@ -278,7 +288,47 @@ def render_live(state: LiveState, now_s: float | None = None, *, width: int = 80
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
     # wrap a line and leave a stale row behind when the panel is cleared.
     parts.append(Text(""))
-    return Group(*parts)
+    if height is not None:
+        lines, parts = _fit(lines, parts, repeated, width, max(3, height // 2))
+    return Group(*lines, *parts)
+
+
+_measure: dict[int, Console] = {}
+
+
+def _rows(part: RenderableType, width: int) -> int:
+    console = _measure.get(width)
+    if console is None:
+        console = _measure[width] = Console(
+            file=io.StringIO(), width=width, color_system=None, legacy_windows=False
+        )
+    return len(console.render_lines(part, console.options, pad=False))
+
+
+def _fit(
+    lines: list[RenderableType],
+    parts: list[RenderableType],
+    repeated: int,
+    width: int,
+    budget: int,
+) -> tuple[list[RenderableType], list[RenderableType]]:
+    """The panel in `budget` rows: rows the summary repeats (parts[:repeated]) go first, from
+    the bottom, then the oldest rows of the line being written; the phase under way stays,
+    which is what keeps the panel under the screen's height and its rows out of the
+    scrollback (rich crops a taller one with "...", and cannot erase what scrolled away)."""
+    sizes = [_rows(part, width) for part in parts]
+    line_rows = len(lines)  # `folded` rows are one screen row each
+    total = sum(sizes) + line_rows
+    keep = list(range(len(parts)))
+    for i in reversed(range(repeated)):
+        if total <= budget:
+            break
+        keep.remove(i)
+        total -= sizes[i]
+    while total > budget and line_rows > 0:
+        line_rows -= 1
+        total -= 1
+    return lines[len(lines) - line_rows :], [parts[i] for i in keep]
 
 
 def bars(
@@ -507,7 +557,10 @@ class Dashboard:
 
     def _renderable(self) -> RenderableType:
         with self._lock:
-            return render_live(self.state, time.perf_counter(), width=self.console.width)
+            size = self.console.size
+            return render_live(
+                self.state, time.perf_counter(), width=size.width, height=size.height
+            )
 
     def _stop(self) -> None:
         if self.live is not None:

@@ -13,6 +13,7 @@ from llmrun.runners.errors import LlmrunError
 from . import options as o
 from .errors import handled
 from .report import mib
+from .terminal import fold, terminal_width
 from .version import version_line
 
 
@@ -124,5 +125,6 @@ def doctor(
     """Print the build, backend, devices, CPU features, the thread and repacking choices with
     their reasons, and whether the machine is busy: paste it into a bug report."""
     with handled():
+        width = terminal_width(sys.stdout)  # folded at spaces on a terminal, whole in a pipe
         for f in findings(model, probe=probe):
-            print(f"{f.label:<9} {f.value}", flush=True)
+            print(fold(f"{f.label:<9} {f.value}", width, indent=10), flush=True)

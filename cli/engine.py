@@ -66,12 +66,20 @@ def make_runner(
     endpoint: str | None = None,
     api_key: str | None = None,
     timeout_s: float = 60.0,
+    prepare: Callable[[EngineConfig], EngineConfig] | None = None,
 ) -> Runner:
-    """The local engine, or with an endpoint the OpenAI-compatible server there."""
+    """The local engine, or with an endpoint the OpenAI-compatible server there.
+
+    `prepare` adjusts the settings once the model is found (run and chat's thread choice, which
+    probes the machine and says so): a missing model is the first and only thing said."""
     if endpoint:
+        config = prepare(config) if prepare else config
         return remote_runner(
             endpoint, model=model, api_key=api_key, timeout_s=timeout_s, n_ctx=config.n_ctx
         )
+    if model:
+        model = resolve_model(model).path  # the factory's own resolution is then a path's
+    config = prepare(config) if prepare else config
     note_unused_gpu()
     return RUNNER_FACTORY(model, config)
 

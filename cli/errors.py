@@ -94,7 +94,7 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     AmbiguousModelError: lambda e: "name one with owner/repo:QUANT or owner/repo/file.gguf",
     HubError: lambda e: "check the reference; 'llmrun models' lists what is cached",
     PromptTooLongError: _too_long,
-    MemoryNeedError: lambda e: "lower -c/--ctx, or use a smaller cache type such as q8_0",
+    MemoryNeedError: lambda e: "lower -c/--ctx, or a smaller KV cache type: -ctk q8_0 -ctv q8_0",
     SettingError: lambda e: "",
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",

@@ -8,8 +8,7 @@ runner's type (`SamplingOptions.params`, `EngineOptions.config`) in one place.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -21,13 +20,15 @@ from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
-from llmrun.runners.limits import bounds, check_sampling
+from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from .records import OptionRecord
+from .terminal import say
 
 # The defaults every command shows and uses: the runner's own (SamplingParams), never literals.
 DEFAULTS = SamplingParams()
+ENGINE_DEFAULTS = EngineConfig()
 TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 MODEL_PANEL = "Model and engine"
@@ -66,9 +67,11 @@ Model = Annotated[
     typer.Option(
         "-m",
         "--model",
+        "-hf",
+        "--hf-repo",
         envvar="LLMRUN_MODEL",
-        help="A .gguf path, a Hub reference (owner/repo:QUANT or owner/repo/file.gguf); "
-        "default: the embedded SmolLM2-135M.",
+        help="A .gguf path, a Hub reference (owner/repo:QUANT or owner/repo/file.gguf; also"
+        " as llama.cpp's -hf); default: the embedded SmolLM2-135M.",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
     ),
@@ -125,7 +128,9 @@ Batch = Annotated[
 Ubatch = Annotated[
     int | None,
     typer.Option(
+        "-ub",
         "--ubatch",
+        "--ubatch-size",
         min=1,
         help="Physical micro-batch size (n_ubatch), at most --batch."
         " (default: 512, or the tuned value)",
@@ -163,12 +168,33 @@ GpuLayers = Annotated[
 FlashAttnOpt = Annotated[
     FlashAttn | None,
     typer.Option(
+        "-fa",
         "--flash-attn",
         case_sensitive=False,
         help="Flash attention. (default: the tuned value, else llama.cpp's auto, which"
         " checks that the model's device supports it)",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
+    ),
+]
+CacheTypeK = Annotated[
+    str,
+    typer.Option(
+        "-ctk",
+        "--cache-type-k",
+        metavar="TYPE",
+        help=f"KV cache element type of K: {', '.join(CACHE_TYPES)} (as llama.cpp's -ctk).",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+CacheTypeV = Annotated[
+    str,
+    typer.Option(
+        "-ctv",
+        "--cache-type-v",
+        metavar="TYPE",
+        help="KV cache element type of V, as -ctk (a quantized V needs flash attention).",
+        rich_help_panel=MODEL_PANEL,
     ),
 ]
 Repack = Annotated[
@@ -423,11 +449,9 @@ System = Annotated[
 def warn_if_seed(system: str | None) -> None:
     """`-s 42` is the seed in llama.cpp; here it is the system prompt. Keep it, but say so."""
     if system is not None and system.strip().lstrip("+-").isdigit():
-        print(
+        say(
             f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
-            " seed is --seed",
-            file=sys.stderr,
-            flush=True,
+            " seed is --seed"
         )
 
 
@@ -519,6 +543,8 @@ class EngineOptions(OptionRecord):
     threads_batch: ThreadsBatch = None
     gpu_layers: GpuLayers = None
     flash_attn: FlashAttnOpt = None
+    cache_type_k: CacheTypeK = ENGINE_DEFAULTS.cache_type_k
+    cache_type_v: CacheTypeV = ENGINE_DEFAULTS.cache_type_v
     repack: Repack = None
     no_warmup: NoWarmup = False
     cpu_mask: CpuMask = None
@@ -540,6 +566,8 @@ class EngineOptions(OptionRecord):
                 "-tb/--threads-batch": self.threads_batch,
                 "-ngl/--gpu-layers": self.gpu_layers,
                 "--flash-attn": self.flash_attn,
+                "-ctk/--cache-type-k": self.cache_type_k.lower() != ENGINE_DEFAULTS.cache_type_k,
+                "-ctv/--cache-type-v": self.cache_type_v.lower() != ENGINE_DEFAULTS.cache_type_v,
                 "--repack/--no-repack": None if self.repack is None else "given",  # --no-repack
                 "--chat-template-file": self.chat_template_file,
                 "--draft-model": draft_model,
@@ -562,12 +590,23 @@ class EngineOptions(OptionRecord):
             n_threads_batch=self.threads_batch,
             n_gpu_layers=self.gpu_layers,
             flash_attn=self.flash_attn.value if self.flash_attn else None,
+            cache_type_k=cache_type(self.cache_type_k, "-ctk/--cache-type-k"),
+            cache_type_v=cache_type(self.cache_type_v, "-ctv/--cache-type-v"),
             repack=self.repack,
             chat_template=read_template(self.chat_template_file),
             draft_model=str(draft_model) if draft_model is not None else None,
             warmup=not self.no_warmup,
             threadpool=threadpool,
         )
+
+
+def cache_type(text: str, flag: str) -> str:
+    """A KV cache type by llama.cpp's name, checked against the types llmrun's limits know (as
+    bench's -ctk/-ctv and every other source of engine settings)."""
+    value = text.strip().lower()
+    if value not in CACHE_TYPES:
+        raise BadRequestError(f"{flag}: '{text}' is not one of {', '.join(CACHE_TYPES)}")
+    return value
 
 
 def read_template(path: Path | None) -> str | None:
@@ -627,3 +666,134 @@ def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> No
         refuse_given(
             given, "local-engine options; with --endpoint the server's own settings decide"
         )
+
+
+# llama.cpp's options of two or more letters after one dash (llama-cli's and llama-server's
+# common/arg.cpp, llama-bench's own), each with its long name. Click reads an undeclared one as
+# short options run together (`-ctk q8_0` as `-c tk`, `-hf` as `-h`): a command that does not
+# declare one refuses it by name instead (`refuse_split_flags`).
+LLAMA_CPP_SHORT_FLAGS: dict[str, str] = {
+    "-ag": "--agent",
+    "-bf": "--binary-file",
+    "-bs": "--backend-sampling",
+    "-Cb": "--cpu-mask-batch",
+    "-Cbd": "--cpu-mask-batch-draft",
+    "-Cd": "--cpu-mask-draft",
+    "-Cr": "--cpu-range",
+    "-Crb": "--cpu-range-batch",
+    "-Crbd": "--cpu-range-batch-draft",
+    "-Crd": "--cpu-range-draft",
+    "-cb": "--cont-batching",
+    "-cl": "--cache-list",
+    "-cmoe": "--cpu-moe",
+    "-cmoed": "--cpu-moe-draft",
+    "-cms": "--checkpoint-min-step",
+    "-cnv": "--conversation",
+    "-co": "--color",
+    "-cram": "--cache-ram",
+    "-ctk": "--cache-type-k",
+    "-ctkd": "--cache-type-k-draft",
+    "-ctv": "--cache-type-v",
+    "-ctvd": "--cache-type-v-draft",
+    "-ctxcp": "--ctx-checkpoints",
+    "-dev": "--device",
+    "-devd": "--device-draft",
+    "-dio": "--direct-io",
+    "-dr": "--docker-repo",
+    "-dt": "--defrag-thold",
+    "-embd": "--embeddings",
+    "-fa": "--flash-attn",
+    "-fit": "--fit",
+    "-fitc": "--fit-ctx",
+    "-fitp": "--fit-print",
+    "-fitt": "--fit-target",
+    "-gan": "--grp-attn-n",
+    "-gaw": "--grp-attn-w",
+    "-hf": "--hf-repo",
+    "-hfd": "--hf-repo-draft",
+    "-hff": "--hf-file",
+    "-hfr": "--hf-repo",
+    "-hfrd": "--hf-repo-draft",
+    "-hft": "--hf-token",
+    "-if": "--interactive-first",
+    "-jf": "--json-schema-file",
+    "-kvo": "--kv-offload",
+    "-kvu": "--kv-unified",
+    "-lcd": "--lookup-cache-dynamic",
+    "-lcs": "--lookup-cache-static",
+    "-lm": "--load-mode",
+    "-lv": "--verbosity",
+    "-lzm": "--lazy-mode",
+    "-md": "--model-draft",
+    "-mg": "--main-gpu",
+    "-mli": "--multiline-input",
+    "-mm": "--mmproj",
+    "-mmdev": "--mmproj-device",
+    "-mmu": "--mmproj-url",
+    "-mu": "--model-url",
+    "-ncffn": "--n-cpu-ffn",
+    "-ncmoe": "--n-cpu-moe",
+    "-ncmoed": "--n-cpu-moe-draft",
+    "-ngl": "--gpu-layers",
+    "-ngld": "--gpu-layers-draft",
+    "-nkvo": "--no-kv-offload",
+    "-no-cnv": "--no-conversation",
+    "-no-kvu": "--no-kv-unified",
+    "-nocb": "--no-cont-batching",
+    "-nopo": "--no-op-offload",
+    "-np": "--parallel",
+    "-npl": "-npl",
+    "-npp": "-npp",
+    "-nr": "--no-repack",
+    "-ns": "--sequences",
+    "-ntg": "-ntg",
+    "-oe": "--output-err",
+    "-ot": "--override-tensor",
+    "-otd": "--override-tensor-draft",
+    "-pg": "-pg",
+    "-pps": "-pps",
+    "-ptc": "--print-token-count",
+    "-rea": "--reasoning",
+    "-rpc": "--rpc",
+    "-sm": "--split-mode",
+    "-sp": "--special",
+    "-sps": "--slot-prompt-similarity",
+    "-st": "--single-turn",
+    "-sys": "--system-prompt",
+    "-sysf": "--system-prompt-file",
+    "-tb": "--threads-batch",
+    "-tbd": "--threads-batch-draft",
+    "-td": "--threads-draft",
+    "-tgs": "-tgs",
+    "-to": "--timeout",
+    "-ts": "--tensor-split",
+    "-ub": "--ubatch-size",
+}
+
+
+def split_flag(
+    args: list[str], *, declared: set[str], take_values: set[str], names: Collection[str] = ()
+) -> str | None:
+    """The first of llama.cpp's multi-letter flags in `args` that the command does not declare
+    (so Click would read it as short options run together), or None. Values of options that
+    take one, everything after `--`, and from a subcommand's name on (`names`) are skipped."""
+    value_next = False
+    for arg in args:
+        if value_next:
+            value_next = False
+            continue
+        if arg == "--" or arg in names:
+            return None
+        flag = arg.split("=", 1)[0]
+        if flag in declared:
+            value_next = flag in take_values and "=" not in arg
+        elif flag in LLAMA_CPP_SHORT_FLAGS:
+            return flag
+    return None
+
+
+def split_flag_message(flag: str, command: str) -> str:
+    """The usage error for an undeclared llama.cpp flag: what it is there, and where to look."""
+    long = LLAMA_CPP_SHORT_FLAGS[flag]
+    named = f"llama.cpp's {long}" if long != flag else "a llama.cpp option"
+    return f"{flag} ({named}) is not an option of llmrun {command}"

@@ -9,10 +9,12 @@ function of what it shows (`progress_text`); the figures come from runners/progr
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TextIO
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -21,6 +23,7 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from llmrun.cli.terminal import terminal_line
+from llmrun.runners.base import LoadStarted, PrefillProgress, Token
 from llmrun.runners.progress import Tally
 
 
@@ -146,3 +149,41 @@ class ProgressLine:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class PlainPhases:
+    """Load and prefill as plain lines on a terminal that cannot redraw (TERM=dumb, Emacs'
+    shell), where no live view runs and nothing would show for seconds: a line when each phase
+    starts, and prefill's count every `every_s` while it runs. The figures stay the summary's."""
+
+    def __init__(self, err: TextIO, *, every_s: float = 2.0, least_tokens: int = 0) -> None:
+        self.err = err
+        self.every_s = every_s
+        self.least_tokens = least_tokens  # a shorter prefill passes unannounced (chat's turns)
+        self._next_s = 0.0
+        self._prefilling = False
+
+    def _say(self, text: str) -> None:
+        print(f"llmrun: {text}", file=self.err, flush=True)
+
+    def update(self, event: object) -> None:
+        if isinstance(event, LoadStarted):
+            self._say(f"loading {terminal_line(os.path.basename(event.path))}")
+        elif isinstance(event, PrefillProgress):
+            now = time.monotonic()
+            new = event.total_tokens - event.reused_tokens
+            if new < self.least_tokens:
+                return
+            if not self._prefilling:
+                self._prefilling = True
+                self._next_s = now + self.every_s
+                reused = f" ({event.reused_tokens:,} reused)" if event.reused_tokens else ""
+                self._say(f"prefill of {new:,} prompt tokens{reused}")
+            elif now >= self._next_s and event.done_tokens < event.total_tokens:
+                self._next_s = now + self.every_s
+                self._say(f"prefill {event.done_tokens - event.reused_tokens:,}/{new:,} tokens")
+        elif isinstance(event, Token):
+            self._prefilling = False
+
+    def close(self) -> None:
+        self._prefilling = False

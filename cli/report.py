@@ -265,10 +265,24 @@ def context_note(asked: int | None, ran: int) -> str | None:
     )
 
 
+def ran_busy(s: GenerationStats) -> bool:
+    """Whether other processes took the CPU time these figures needed: every view of a
+    request's figures (summary, chat's turn line and table) marks them by this one test."""
+    threads = s.settings.n_threads if s.settings else 1
+    return s.background_cpus is not None and busy_machine(s.background_cpus, threads)
+
+
+def busy_mark(s: GenerationStats) -> str:
+    """The short mark for a one-line view of a request measured on a busy machine, or ""."""
+    if not ran_busy(s) or s.background_cpus is None:
+        return ""
+    return f"busy: others kept {s.background_cpus:.1f} of {logical_cpus()} CPUs, unreliable"
+
+
 def busy_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """A warning row when other processes took the CPU time these figures needed."""
     threads = s.settings.n_threads if s.settings else 1
-    if s.background_cpus is None or not busy_machine(s.background_cpus, threads):
+    if s.background_cpus is None or not ran_busy(s):
         return []
     logical = logical_cpus()
     fewer = max(1, round(logical - s.background_cpus)) < threads  # -t was given: say what helps
@@ -371,8 +385,12 @@ def phase_sentence(stats: GenerationStats) -> str:
     )
 
 
+SUMMARY_INDENT = 9  # the label column of `summary_lines`, where a folded value goes on
+
+
 def summary_lines(stats: GenerationStats) -> list[str]:
-    """The closing summary as plain lines, for a stderr that is not a terminal."""
+    """The closing summary as plain lines, for a stderr that cannot redraw (a file, a pipe,
+    TERM=dumb); a terminal folds them at SUMMARY_INDENT (terminal.fold)."""
     lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
     return [*lines, f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
 
@@ -393,8 +411,13 @@ def append_stats_file(path: Path, lines: Sequence[str]) -> None:
         raise BadRequestError(f"cannot write the stats file {path}: {e.strerror or e}") from None
 
 
-def aggregate_table(agg: Aggregate) -> Fitted:
+def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
+    """The percentiles over several requests; `busy` of them ran on a busy machine (ran_busy),
+    which the caption says, as each request's summary does."""
     table = Table(title=f"{agg.count} requests", title_justify="left")
+    if busy:
+        table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
+        table.caption_justify = "left"
     table.add_column("figure")
     table.add_column("p50", justify="right")
     table.add_column("p90", justify="right")

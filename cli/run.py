@@ -41,12 +41,15 @@ from .errors import (
     quiet_broken_pipe,
 )
 from .inputs import Job, collect_jobs
+from .progress import PlainPhases
 from .records import OptionRecord, takes_records
 from .report import (
+    SUMMARY_INDENT,
     aggregate_table,
     append_stats_file,
     context_note,
     ms,
+    ran_busy,
     stats_json,
     stats_record,
     summary_lines,
@@ -59,11 +62,12 @@ from .session import (
     TextSink,
     ctrl_c_cancels,
     drive,
+    dumb_terminal,
     free_cores,
     live_terminal,
     thinking_route,
 )
-from .terminal import terminal_line
+from .terminal import fold, say, terminal_line, terminal_width
 
 
 class StatsFormat(str, Enum):
@@ -145,6 +149,7 @@ def run(
     parallel: Annotated[
         int,
         typer.Option(
+            "-np",
             "--parallel",
             min=1,
             max=64,
@@ -180,7 +185,6 @@ def run(
         )
         endpoint = remote.endpoint
         quiet = report.quiet
-        config = free_cores(config, endpoint=endpoint, quiet=quiet)
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
@@ -205,6 +209,7 @@ def run(
             endpoint=endpoint,
             api_key=remote.api_key,
             timeout_s=remote.timeout,
+            prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
         )
         try:
             served: Iterator[Iterator[Event]] | None = None
@@ -260,12 +265,10 @@ def _serve_in_parallel(
             if served.interrupted
             else ""
         )
-        print(
+        say(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
             f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
-            f" (prompt and output tokens){cut}",
-            file=sys.stderr,
-            flush=True,
+            f" (prompt and output tokens){cut}"
         )
     return served.events(), served.interrupted
 
@@ -364,6 +367,8 @@ def _run_jobs(
         force_terminal=live_terminal(sys.stderr) if held else None,
         width=shutil.get_terminal_size().columns if held else None,
     )
+    # plain lines on a terminal are folded at spaces; in a pipe or a file they stay whole
+    width = shutil.get_terminal_size().columns if held else terminal_width()
     dash: Dashboard | None = None
     final_panel = False  # the closing summary as the dashboard draws it, without a live view
     if dashboard and not quiet and live_terminal(sys.stderr):
@@ -377,6 +382,8 @@ def _run_jobs(
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
+    if dash is None and not final_panel and not quiet and held is None and dumb_terminal():
+        view = PlainPhases(errfile)  # no live view: the load and prefill say they started
     thinking = thinking_route(hide=hide_thinking, on_stdout=thinking_stdout, dash=dash)
     many = len(jobs) > 1
     done: list[GenerationStats] = []
@@ -423,7 +430,7 @@ def _run_jobs(
                 if many:
                     out.write("\n")
             if note:  # after the text's line, so a shared terminal or `2>&1` keeps them apart
-                print(note, file=errfile, flush=True)
+                print(fold(note, width), file=errfile, flush=True)
             if stats_file is not None:  # before stderr, which a closed terminal (SIGHUP) fails
                 append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:
@@ -437,17 +444,18 @@ def _run_jobs(
                     elif final_panel:
                         err.print(render(s))
                     else:
-                        for line in summary_lines(s):
-                            err.print(line, markup=False)
+                        for line in summary_lines(s):  # a row goes on under its value
+                            indent = SUMMARY_INDENT if line[8:9] == " " else 0
+                            err.print(fold(line, width, indent=indent), markup=False)
             if s.finish_reason == FINISH_INCOMPLETE:
-                print(incomplete_message(s), file=errfile)
+                print(fold(incomplete_message(s), width), file=errfile)
                 failed = True
                 break
             # Ctrl-C here stops the rest; a request --parallel's interrupt cut does not
             if out.closed or (s.interrupted and cancel.is_set()):
                 break
     if len(done) > 1 and not quiet and not out.closed:
-        err.print(aggregate_table(Aggregate.of(done)))
+        err.print(aggregate_table(Aggregate.of(done), busy=sum(map(ran_busy, done))))
     if held is not None and pager is not None:
         _after_the_pager(pager, held.getvalue())
     if out.closed:

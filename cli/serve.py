@@ -36,6 +36,7 @@ from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled, usage_error
 from .records import OptionRecord, takes_records
+from .terminal import say
 
 if TYPE_CHECKING:
     from llmrun.runners.config import EngineConfig
@@ -170,6 +171,8 @@ class ServeEngineOptions(OptionRecord):
     ] = None
     threads_batch: o.ThreadsBatch = None
     gpu_layers: o.GpuLayers = None
+    cache_type_k: o.CacheTypeK = o.ENGINE_DEFAULTS.cache_type_k
+    cache_type_v: o.CacheTypeV = o.ENGINE_DEFAULTS.cache_type_v
     repack: o.Repack = None
 
     def config(self) -> EngineConfig:
@@ -186,6 +189,8 @@ class ServeEngineOptions(OptionRecord):
             threads=threads,
             threads_batch=self.threads_batch,
             gpu_layers=self.gpu_layers,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
             repack=self.repack,
         )
         return engine.config()
@@ -431,7 +436,7 @@ class _View:
 
     def _flush(self) -> None:
         for line in self._lines():
-            print(f"llmrun serve: {line}", file=sys.stderr, flush=True)
+            say(f"llmrun serve: {line}")
 
     def stop(self) -> None:
         self._stop.set()

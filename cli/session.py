@@ -18,7 +18,7 @@ from llmrun.runners.base import Event, Finished, Request, Runner, Token
 from llmrun.runners.reasoning import ShownSplitter
 from llmrun.runners.stats import FINISH_STDOUT_CLOSED
 
-from .terminal import terminal_text
+from .terminal import say, terminal_text
 
 if TYPE_CHECKING:
     from llmrun.runners.config import EngineConfig
@@ -88,6 +88,13 @@ def live_terminal(stream: TextIO | None) -> bool:
     if stream is None or not _isatty(stream):
         return False
     return os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
+
+
+def dumb_terminal(stream: TextIO | None = None) -> bool:
+    """A terminal that cannot redraw (TERM=dumb): text streams plainly, and progress comes as
+    lines (stderr's by default)."""
+    stream = sys.stderr if stream is None else stream
+    return _isatty(stream) and not live_terminal(stream)
 
 
 def _to_terminal(out: TextSink | None) -> bool:
@@ -522,5 +529,5 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
     if not choice.reduced:
         return config
     if not quiet:
-        print(f"llmrun: threads {choice.why}", file=sys.stderr, flush=True)
+        say(f"llmrun: threads {choice.why}")
     return dataclasses.replace(config, n_threads=choice.threads)

@@ -12,6 +12,7 @@ file is data and stays as it came.
 from __future__ import annotations
 
 import re
+from typing import TextIO
 
 _SEQUENCE = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, clear screen
@@ -32,3 +33,49 @@ def terminal_text(text: str) -> str:
 def terminal_line(text: str) -> str:
     """One line for a message: `terminal_text` with newlines and tabs as spaces."""
     return " ".join(terminal_text(text).split())
+
+
+def fold(text: str, width: int | None, *, indent: int = 2) -> str:
+    """`text` folded at spaces to `width` columns, each further line indented by `indent`; as
+    it is where `width` is None (a pipe or a file: data, not a screen). A terminal that folds a
+    line itself cuts it mid-word (`first sam` / `ple`); a word longer than a line stays whole."""
+    if width is None or len(text) < width:
+        return text
+    import textwrap
+
+    return textwrap.fill(
+        text,
+        width=max(indent + 8, width - 1),  # the last column: some terminals wrap on it
+        subsequent_indent=" " * indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def terminal_width(stream: TextIO | None = None) -> int | None:
+    """The width to fold plain lines for a person at: COLUMNS or the terminal's columns; None
+    when the stream (stderr by default) is not a terminal."""
+    import os
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    try:
+        if not stream.isatty():
+            return None
+        fd = stream.fileno()
+    except (ValueError, AttributeError, OSError):
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(fd).columns or None
+    except OSError:
+        return None
+
+
+def say(line: str) -> None:
+    """One line on stderr for a person (a warning, a note): folded at spaces on a terminal."""
+    import sys
+
+    print(fold(line, terminal_width()), file=sys.stderr, flush=True)
