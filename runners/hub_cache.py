@@ -120,6 +120,28 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+def damaged_ref(repo_id: str, root: str | None = None) -> str | None:
+    """Why the cached `refs/main` of a repository cannot be what huggingface_hub reads to find
+    its snapshot (it reads the file whole and joins it into a path), or None when it is a
+    commit hash or absent. A 2 GB file of garbage there hung the download's path handling."""
+    root = cache_dir() if root is None else root
+    path = os.path.join(root, _PREFIX + repo_id.replace("/", "--"), "refs", "main")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(COMMIT_HEX + 2)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror or e})"
+    text = data.decode("ascii", "replace")
+    if len(data) != COMMIT_HEX or not all(c in "0123456789abcdef" for c in text):
+        return f"{path} is not a commit hash (remove it or the repository folder, and pull again)"
+    return None
+
+
+COMMIT_HEX = 40  # a git commit's hash in hex, as huggingface_hub writes refs/<branch>
+
+
 def repo_files(repo_id: str, root: str | None = None) -> list[str] | None:
     """The files of a repository's cached snapshot: the one `main` points at, else the newest;
     None when nothing of it is cached."""

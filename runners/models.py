@@ -222,6 +222,11 @@ def _download(repo: str, filename: str) -> str:
         RepositoryNotFoundError,
     )
 
+    from .hub_cache import damaged_ref
+
+    damaged = damaged_ref(repo)
+    if damaged is not None:
+        raise HubError(f"the Hugging Face cache of {repo} is damaged: {damaged}")
     # Without a network, only the cache can answer; asking the Hub would retry for ~25 s.
     local_only = not _offline() and _hub_unreachable() is not None
     try:
@@ -235,6 +240,9 @@ def _download(repo: str, filename: str) -> str:
         raise HubError(f"{repo} has no file {filename}") from None
     except HfHubHTTPError as e:
         raise HubError(f"download of {repo}/{filename} failed: {e}") from None
+    except (ValueError, OSError) as e:  # the cache's own files, damaged (a pointer path, ...)
+        why = " ".join(str(e).split())[:300]
+        raise HubError(f"the Hugging Face cache of {repo} is damaged: {why}") from None
 
 
 def check_hub_file(repo: str, name: str) -> str:

@@ -96,3 +96,52 @@ def test_the_cache_is_where_huggingface_hub_looks(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert hub_cache.cache_dir() == expected
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\xd4\x8f garbage", b"../../../../../tmp/evil", b"c2" * 21, b"0" * 39 + b"\n"],
+)
+def test_a_damaged_ref_is_named_before_huggingface_hub_reads_it(
+    cache: Path, content: bytes
+) -> None:
+    ref = cache / "models--Owner--Some-Model-GGUF" / "refs" / "main"
+    ref.write_bytes(content)
+    problem = hub_cache.damaged_ref("Owner/Some-Model-GGUF", str(cache))
+    assert problem is not None and "is not a commit hash" in problem
+
+
+def test_a_huge_ref_is_not_read_whole(cache: Path) -> None:
+    ref = cache / "models--Owner--Some-Model-GGUF" / "refs" / "main"
+    with open(ref, "wb") as f:
+        f.truncate(2 << 30)  # sparse: huggingface_hub's path handling hung on one of these
+    assert "is not a commit hash" in (
+        hub_cache.damaged_ref("Owner/Some-Model-GGUF", str(cache)) or ""
+    )
+
+
+def test_a_commit_hash_or_no_ref_is_fine(cache: Path) -> None:
+    ref = cache / "models--Owner--Some-Model-GGUF" / "refs" / "main"
+    ref.write_text("0123456789abcdef0123456789abcdef01234567")
+    assert hub_cache.damaged_ref("Owner/Some-Model-GGUF", str(cache)) is None
+    assert hub_cache.damaged_ref("nobody/none", str(cache)) is None
+
+
+def test_run_names_a_damaged_cache_in_one_line(cache: Path, llmrun_env: dict[str, str]) -> None:
+    import subprocess
+
+    from .conftest import which_llmrun
+
+    (cache / "models--Owner--Some-Model-GGUF" / "refs" / "main").write_bytes(b"\xd4\x8f")
+    env = {**llmrun_env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [which_llmrun(), "run", "-m", "Owner/Some-Model-GGUF/model-Q4_0.gguf", "-n", "1", "hi"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "cache of Owner/Some-Model-GGUF is damaged" in last and "internal error" not in last
