@@ -8,7 +8,10 @@ decode. The record of what a context runs with is load_record.py's.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .config import DEFAULT_N_BATCH, EngineConfig
@@ -156,6 +159,24 @@ def batched_context(
             f"llama.cpp could not create a context for {n_seq} sequences ({last_log_error()})"
         )
     return Context(lib, ptr, _attach_pools(ptr, cparams, pools))
+
+
+@contextlib.contextmanager
+def abort_on(ctx: Any, cancel: threading.Event | None) -> Iterator[None]:
+    """Inside the block, setting `cancel` stops the context's decodes within a graph, as the
+    runner's own context does (prefix_cache.py): llama.cpp asks the hook between the graph's
+    nodes, and llama_decode then returns 2. The signal handler that sets it runs in the hook,
+    on the thread that decodes. Without `cancel`, nothing changes."""
+    if cancel is None:
+        yield
+        return
+    lib = llama_lib()
+    hook = lib.ggml_abort_callback(lambda _data: cancel.is_set())  # referenced until reset
+    lib.llama_set_abort_callback(ctx, hook, None)
+    try:
+        yield
+    finally:
+        lib.llama_set_abort_callback(ctx, lib.ggml_abort_callback(), None)
 
 
 def warm_up_decode(model: Model, ctx: Any, n_batch: int) -> float:

@@ -20,13 +20,14 @@ from typing import Any
 from .base import Event, LoadStarted, LocalLoaded, Request, SamplingParams
 from .config import EngineConfig
 from .contexts import (
+    abort_on,
     batched_context,
     check_context,
     create_context,
     own_context_params,
     warm_up_decode,
 )
-from .errors import EngineError
+from .errors import EngineError, LoadCancelledError
 from .generation import generate, new_sampler
 from .gguf import GGUFInfo, read_gguf
 from .handles import Context, Model, Sampler
@@ -66,7 +67,12 @@ class LlamaCppRunner:
         return self._loaded
 
     def load(
-        self, *, n_seq: int | None = None, n_ctx: int | None = None, warm_up: bool = True
+        self,
+        *,
+        n_seq: int | None = None,
+        n_ctx: int | None = None,
+        warm_up: bool = True,
+        cancel: threading.Event | None = None,
     ) -> LocalLoaded:
         """Check the file, load the weights and create the context (once). With `n_seq` > 1
         the context holds that many sequences of `n_ctx` tokens each (default: -c), in one KV
@@ -77,7 +83,13 @@ class LlamaCppRunner:
         `warm_up=False` leaves the warm-up decode (--warmup) to `warm_up()` on the thread that
         will decode: llama.cpp's CPU backend (OpenMP) keeps a pool of worker threads for each
         thread that computes, and once a second thread computes, every decode of this 135M
-        model on 2 cores took 10.9-14.8 ms instead of 7.8-8.6 ms."""
+        model on 2 cores took 10.9-14.8 ms instead of 7.8-8.6 ms.
+
+        Setting `cancel` (a command's Ctrl-C or SIGTERM) ends the repacking probe's child, the
+        tensors' load and the warm-up decode (LoadCancelledError); without it, the runner's own
+        (`stream` sets the request's)."""
+        if cancel is not None and self._loaded is None:
+            self.kv.cancel = cancel  # a load stops at the next tensor when it is set
         if self._loaded is not None:
             if n_seq is not None and n_seq != self._n_seq:
                 raise EngineError(f"the context was made for {self._n_seq} sequences, not {n_seq}")
@@ -103,7 +115,16 @@ class LlamaCppRunner:
     def _warm_up(self) -> float:
         """llama-cli's warm-up decode on the runner's own context; returns its seconds."""
         assert self._loaded is not None
-        return warm_up_decode(self._model_checked, self.kv.ptr, self._loaded.settings.n_batch)
+        cancel = self.kv.cancel
+        try:
+            with abort_on(self.kv.ptr, cancel):  # a slow first decode (a GPU's set-up) too
+                return warm_up_decode(
+                    self._model_checked, self.kv.ptr, self._loaded.settings.n_batch
+                )
+        except EngineError:
+            if cancel.is_set():
+                raise LoadCancelledError(self.model_path) from None
+            raise
 
     def load_weights(self, *, n_seq: int = 1, n_ctx: int | None = None) -> None:
         """Check the file and load the weights (once), without a context: enough to tokenize,

@@ -156,12 +156,15 @@ def memory_need(
     )
 
 
-def choose_repack(path: str, cfg: EngineConfig, info: GGUFInfo) -> tuple[bool, str, float | None]:
+def choose_repack(
+    path: str, cfg: EngineConfig, info: GGUFInfo, cancel: threading.Event | None = None
+) -> tuple[bool, str, float | None]:
     """Repacking as asked, or by default, but never where a probe saw it crash; and the
-    probe's time when it ran now (None: the kept verdict, or none asked)."""
+    probe's time when it ran now (None: the kept verdict, or none asked). `cancel` ends a
+    probe under way."""
     if cfg.repack is False:
         return False, "off (asked)", None
-    verdict = repack_verdict(path, info.quantization)
+    verdict = repack_verdict(path, info.quantization, cancel)
     if not verdict.safe:
         return False, f"off: {verdict.why}", verdict.probe_s
     return True, "on (asked)" if cfg.repack else "on (probed safe)", verdict.probe_s
@@ -211,7 +214,8 @@ def load_weights(
 ) -> Weights:
     """Check the file and load its weights with the config's placement. On a GPU, the layers
     offloaded are those that fit beside the KV cache of `n_seq` sequences of `n_ctx` tokens
-    (default: -c). Setting `cancel` stops the load at the next tensor (LoadCancelledError)."""
+    (default: -c). Setting `cancel` stops the repacking probe's child at once and the load at
+    the next tensor (LoadCancelledError)."""
     lib = llama_lib()  # the bindings' import (a first load's) is not the model's load time
     t0 = time.perf_counter()
     info = read_gguf(path)
@@ -231,7 +235,9 @@ def load_weights(
     )
     gpu_free_before = sum(d.free_bytes or 0 for d in gpus)
     mparams.n_gpu_layers = 0x7FFFFFFF if layers < 0 else layers
-    repack, repack_note, probe_s = choose_repack(path, cfg, info)
+    repack, repack_note, probe_s = choose_repack(path, cfg, info, cancel)
+    if cancel.is_set():  # in the probe, or before it: no load begins
+        raise LoadCancelledError(path)
     mparams.use_extra_bufts = repack
     _set_modes(mparams, cfg, path)
     params, kept = _place(lib, mparams, cfg)  # `kept` alive until the load returns

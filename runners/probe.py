@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from .paths import state_dir
 from .system import cpu_flags, cpu_model
 
 PROBE_TIMEOUT_S = 120.0
+POLL_S = 0.1  # how often the wait for the child looks at the command's cancel
 # Signals that end a probe from outside (a terminal's Ctrl-C reaches the child, as do a
 # hang-up and a kill): how the probe ended then says nothing about llama.cpp's kernels.
 STOPPED_BY = (2, 1, 15, 9)  # SIGINT, SIGHUP, SIGTERM, SIGKILL
@@ -114,46 +116,69 @@ def _write_cache(key: str, verdict: Verdict) -> None:
         tmp.replace(path)
 
 
-def run_probe(model_path: str, command: list[str] | None = None) -> Verdict:
-    """Run the probe child (or `command`, for tests) and judge how it ended."""
+def run_probe(
+    model_path: str, command: list[str] | None = None, cancel: threading.Event | None = None
+) -> Verdict:
+    """Run the probe child (or `command`, for tests) and judge how it ended. Setting `cancel`
+    (the command's Ctrl-C or SIGTERM, which a child outside the terminal's process group
+    never sees) ends the child at once: an interrupted probe, no verdict."""
     argv = command or [sys.executable, "-c", PROBE_CODE, model_path]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     try:
-        done = subprocess.run(
+        child = subprocess.Popen(
             argv,
-            capture_output=True,
-            timeout=PROBE_TIMEOUT_S,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env=env,
             stdin=subprocess.DEVNULL,
-            check=False,
         )
-    except subprocess.TimeoutExpired:
-        return Verdict(False, f"the probe did not finish in {PROBE_TIMEOUT_S:g} s")
     except OSError as e:
         return Verdict(False, f"the probe could not start ({e.strerror or e})")
-    if done.returncode == 0:
+    with child:
+        try:
+            deadline = time.monotonic() + PROBE_TIMEOUT_S
+            while True:
+                try:
+                    child.communicate(timeout=POLL_S)  # a signal's handler runs in between
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancel is not None and cancel.is_set():
+                        child.kill()
+                        child.communicate()
+                        return Verdict(False, "the probe was interrupted", interrupted=True)
+                    if time.monotonic() > deadline:
+                        child.kill()
+                        child.communicate()
+                        return Verdict(False, f"the probe did not finish in {PROBE_TIMEOUT_S:g} s")
+        except BaseException:  # a second Ctrl-C: the child goes with the command
+            child.kill()
+            raise
+    if child.returncode == 0:
         return Verdict(True, "probed")
-    if done.returncode < 0:
+    if child.returncode < 0:
         import signal
 
-        if -done.returncode in STOPPED_BY:  # no verdict: kept for this load, never cached
+        if -child.returncode in STOPPED_BY:  # no verdict: kept for this load, never cached
             return Verdict(False, "the probe was interrupted", interrupted=True)
         try:
-            name = signal.Signals(-done.returncode).name
+            name = signal.Signals(-child.returncode).name
         except ValueError:
-            name = f"signal {-done.returncode}"
+            name = f"signal {-child.returncode}"
         return Verdict(False, f"llama.cpp's repacked kernels crashed a probe ({name})")
-    return Verdict(False, f"the probe failed (exit {done.returncode})")
+    return Verdict(False, f"the probe failed (exit {child.returncode})")
 
 
-def repack_verdict(model_path: str, quantization: str) -> Verdict:
-    """Whether repacking is safe for this model's quantization here (probed once, then kept)."""
+def repack_verdict(
+    model_path: str, quantization: str, cancel: threading.Event | None = None
+) -> Verdict:
+    """Whether repacking is safe for this model's quantization here (probed once, then kept);
+    `cancel` ends a probe under way."""
     key = probe_key(quantization)
     cached = _read_cache().get(key)
     if isinstance(cached, dict) and isinstance(cached.get("safe"), bool):
         return Verdict(bool(cached["safe"]), str(cached.get("why", "probed")))
     t0 = time.perf_counter()
-    verdict = run_probe(model_path)
+    verdict = run_probe(model_path, cancel=cancel)
     if not verdict.interrupted:  # a Ctrl-C in the first load disabled repacking for good
         _write_cache(key, verdict)
     return dataclasses.replace(verdict, probe_s=time.perf_counter() - t0)

@@ -23,7 +23,11 @@ from llmrun.runners import perplexity as ppl
 from llmrun.runners import probe, system
 from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.bench import tuning
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine
+from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S, ROOT, which_llmrun
 from .fake import FakeBenchRunner
@@ -32,6 +36,8 @@ from .stub_server import stub_server
 # A signal is answered within this long, on a machine busy with other tests (a few hundred ms
 # of work at most: a tokenized piece, a batch of a perplexity window, a look at a pipe).
 ANSWERED_S = 10.0
+# tune's set-up and interference's long prefill: 37.8 s and 58.7 s before
+SET_UP_ANSWERED_S = 15.0
 DECLARATION = (ROOT / "examples" / "declaration_of_independence.txt").read_text()
 
 
@@ -75,6 +81,21 @@ def _wait_for_cpu(proc: subprocess.Popen[str], seconds: float) -> None:
     while _cpu_s(proc.pid) - start < seconds:
         _alive(proc, deadline)
         time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(c)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for c in (task / "children").read_text().split()
+    ]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def _wait_for_open(proc: subprocess.Popen[str], path: Path) -> None:
@@ -327,9 +348,111 @@ def test_a_probe_ended_by_ctrl_c_is_no_verdict(
     assert verdict.interrupted and not verdict.safe
     crashed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
     assert not probe.run_probe("m.gguf", crashed).interrupted  # a crash stays a verdict
-    monkeypatch.setattr(probe, "run_probe", lambda *args: verdict)
+    monkeypatch.setattr(probe, "run_probe", lambda *args, **kw: verdict)
     probe.repack_verdict("m.gguf", "Q4_0")
     assert probe.probe_key("Q4_0") not in probe._read_cache()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_tunes_set_up_and_the_probes_child(
+    llmrun_env: dict[str, str], model_path: str, signum: int
+) -> None:
+    """tune's load ran with the runner's own cancel: a SIGTERM (or a Ctrl-C sent to llmrun
+    alone) waited for the probe's child, up to its 120 s, then for the load (37.8 s before)."""
+    proc = _started(
+        ["tune", "-m", model_path, "--budget", "60s"],
+        {**llmrun_env, "TESTS_PROBE_HOLD": "300"},  # the probe's child: a sleep that long
+    )
+    deadline = time.monotonic() + HANG_S
+    while not (children := _children(proc.pid)):  # in the set-up, the probe under way
+        _alive(proc, deadline)
+        time.sleep(0.1)
+    _, err, took = _stopped(proc, signum)
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
+    assert took < SET_UP_ANSWERED_S, f"the signal waited {took:.1f} s"
+    assert "Traceback" not in err and "nothing saved" not in err
+    for pid in children:  # ended with the command, not left running
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def test_a_load_given_a_set_cancel_stops_before_the_weights(model_path: str) -> None:
+    stop = threading.Event()
+    stop.set()
+    fresh = LlamaCppRunner(model_path, EngineConfig())
+    try:
+        with pytest.raises(LoadCancelledError):
+            fresh.load(cancel=stop)
+        assert fresh.loaded is None
+    finally:
+        fresh.close()
+
+
+def test_a_probe_stops_when_its_cancel_is_set(llmrun_env: dict[str, str]) -> None:
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    verdict = probe.run_probe("m.gguf", [sys.executable, "-c", "import time; time.sleep(60)"], stop)
+    assert verdict.interrupted and not verdict.safe
+    assert time.monotonic() - t0 < ANSWERED_S
+
+
+# ---- interference --------------------------------------------------------------------------
+
+
+class _SetAfter(threading.Event):
+    """Reads as set from its `n`-th look on: the engine's loop looks once a step, llama.cpp's
+    abort hook between the graph's nodes."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.looks = n, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n or super().is_set()
+
+
+def test_a_long_prefill_step_stops_within_its_graph(runner: LlamaCppRunner) -> None:
+    """prefill-first decodes a 512-token prompt in one llama_decode: the engine looked at its
+    cancel only between steps (58.7 s of bench interference after Ctrl-C)."""
+    engine = BatchedEngine(runner, n_seq=1, n_ctx_per_seq=600)
+    try:
+        prompt = tuple((i * 7 + 1) % 1000 for i in range(512))
+        cancel = _SetAfter(3)  # the loop's first look, then inside the step's graph
+        results, steps = engine.run(
+            [Arrival(0.0, prompt, 4)], Policy.parse("prefill-first"), cancel=cancel
+        )
+        assert steps == []  # the step was aborted, not finished
+        assert results[0].finish == FINISH_CANCELLED and not results[0].output
+        # the engine serves on after an aborted step
+        results, steps = engine.run([Arrival(0.0, prompt[:8], 2)], Policy.parse("prefill-first"))
+        assert len(results[0].output) == 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_in_interferences_long_prefill_keeps_the_finished_stage(
+    llmrun_env: dict[str, str], model_path: str, signum: int
+) -> None:
+    """One llama_decode of the 512-token prompt (prefill-first) took about 14 s on 2 busy
+    cores, and the engine looked at Ctrl-C only between steps."""
+    proc = _started(
+        [
+            *("bench", "interference", "-m", model_path, "--policy", "prefill-first"),
+            *("--num-prompts", "1", "--prompt-len", "512", "--rate", "100", "--output-len", "16"),
+            *("-o", "json"),
+        ],
+        llmrun_env,
+    )
+    assert proc.stderr is not None
+    while "prefill-first:" not in proc.stderr.readline():  # the stream alone is done
+        _alive(proc, time.monotonic() + HANG_S)
+    _wait_for_cpu(proc, 1.0)  # in the long prompts' prefill
+    out, err, took = _stopped(proc, signum)
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
+    assert took < SET_UP_ANSWERED_S, f"the signal waited {took:.1f} s"
+    assert [r["policy"] for r in json.loads(out)] == ["alone"]
 
 
 # ---- busy marks ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ PROBE_S = 0.3
 def test_a_probe_that_runs_during_the_load_is_not_load_time(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def probing(path: str, quantization: str) -> Verdict:
+    def probing(path: str, quantization: str, cancel: object = None) -> Verdict:
         t0 = time.perf_counter()
         time.sleep(PROBE_S)  # the child process's time, as repack_verdict measures it
         return Verdict(True, "probed", probe_s=time.perf_counter() - t0)
@@ -41,7 +41,9 @@ def test_a_probe_that_runs_during_the_load_is_not_load_time(
 def test_a_kept_verdict_adds_no_probe_figure(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(loading, "repack_verdict", lambda path, q: Verdict(True, "probed"))
+    monkeypatch.setattr(
+        loading, "repack_verdict", lambda path, q, cancel=None: Verdict(True, "probed")
+    )
     weights = loading.load_weights(model_path, EngineConfig(), cancel=threading.Event())
     try:
         assert weights.probe_s is None

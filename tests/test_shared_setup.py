@@ -56,7 +56,9 @@ def test_the_repacking_flags_are_the_tools_own(llama_cpp_source: Path) -> None:
 def _fake_probe(calls: list[object]) -> types.ModuleType:
     module = types.ModuleType("fake_probe")
 
-    def run_probe(model_path: str, command: list[str] | None = None) -> probe.Verdict:
+    def run_probe(
+        model_path: str, command: list[str] | None = None, cancel: object = None
+    ) -> probe.Verdict:
         calls.append(command)
         return probe.Verdict(False, "crashed")
 

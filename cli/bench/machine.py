@@ -3,6 +3,7 @@ measure: the system's rows, the engine's settings and whose defaults chose them,
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from llmrun.cli.terminal import terminal_line
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
 from llmrun.runners.threadpool import DEFAULT_POLL, PRIORITIES
@@ -60,11 +62,17 @@ def load_and_report(
     system: SystemInfo | None = None,
     combos: Sequence[sw.Combo] = (),
     llama_bench_defaults: bool = False,
+    cancel: threading.Event | None = None,
 ) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked; a
-    later model of the same run reuses the first one's report of the machine)."""
+    later model of the same run reuses the first one's report of the machine). Setting
+    `cancel` (the command's Ctrl-C or SIGTERM) ends the load: the repacking probe's child,
+    the tensors and the warm-up decode (LoadCancelledError)."""
     with err.status("loading the model and measuring memory bandwidth ..."):
-        loaded = runner.load()
+        if cancel is not None and isinstance(runner, LlamaCppRunner):
+            loaded = runner.load(cancel=cancel)
+        else:
+            loaded = runner.load()
         if system is None:
             system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model

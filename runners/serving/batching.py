@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmrun.runners.base import SamplingParams
-from llmrun.runners.contexts import kv_unified_of
+from llmrun.runners.contexts import abort_on, kv_unified_of
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
@@ -258,6 +258,7 @@ class BatchedEngine:
         self._is_eog = runner.is_eog
         self._view_key: tuple[int, int] = (0, 0)
         self._view: Any = None
+        self._cancel: threading.Event | None = None  # `run`'s, while it runs
         self._outs: list[Handle] = []  # the sequences sampled after this step, in batch order
         self._refused: list[Handle] = []  # ended at admission (no sampler): the step reports them
         self._out_rows: list[int] = []  # and their entries in the batch
@@ -426,7 +427,7 @@ class BatchedEngine:
         try:
             self._step()
         except EngineError:
-            self.clear(FINISH_ERROR)
+            self.clear(FINISH_CANCELLED if self._cancel and self._cancel.is_set() else FINISH_ERROR)
             raise
         end = clock()
         start_s, end_s = start - origin, end - origin
@@ -468,25 +469,33 @@ class BatchedEngine:
         self.origin_s = time.perf_counter()
         now = self.now
         nxt = 0
+        self._cancel = cancel
         try:
-            while nxt < len(queue) or not self.idle:
-                if cancel is not None and cancel.is_set():
-                    break
-                t = now()
-                while nxt < len(queue) and queue[nxt].at_s <= t:
-                    handles.append(self.submit(queue[nxt]))
-                    nxt += 1
-                if self.idle:
-                    time.sleep(max(0.0, min(queue[nxt].at_s - t, 0.05)))
-                    continue
-                events = self.step(policy)
-                if events.step is None:
-                    time.sleep(0.001)
-                    continue
-                steps.append(events.step)
-                if progress is not None:
-                    progress.add(len(events.finished), len(events.tokens))
+            with abort_on(self.ctx, cancel):  # a long prefill step stops within its graph
+                while nxt < len(queue) or not self.idle:
+                    if cancel is not None and cancel.is_set():
+                        break
+                    t = now()
+                    while nxt < len(queue) and queue[nxt].at_s <= t:
+                        handles.append(self.submit(queue[nxt]))
+                        nxt += 1
+                    if self.idle:
+                        time.sleep(max(0.0, min(queue[nxt].at_s - t, 0.05)))
+                        continue
+                    try:
+                        events = self.step(policy)
+                    except EngineError:
+                        if cancel is not None and cancel.is_set():
+                            break  # the step was aborted: its requests end 'cancelled'
+                        raise
+                    if events.step is None:
+                        time.sleep(0.001)
+                        continue
+                    steps.append(events.step)
+                    if progress is not None:
+                        progress.add(len(events.finished), len(events.tokens))
         finally:
+            self._cancel = None
             self.clear()  # interrupted: the rest end 'cancelled', their samplers freed
         results = [h.result for h in handles]
         results += [SeqResult(a.at_s, len(a.tokens)) for a in queue[nxt:]]

@@ -11,6 +11,8 @@ started with this folder on its path does.
 - TESTS_REPACK_PROBE names a file of repacking-probe verdicts that the tests' processes share
   (share_probe): llmrun's probe of a model runs once in a session, not once per test.
 - TESTS_BANDWIDTH (bytes,repetitions) sizes the bandwidth probe of bench's machine report.
+- TESTS_PROBE_HOLD (seconds) makes the repacking probe's child a sleep that long: a set-up that
+  a signal can reach while the child runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 BACKGROUND_ENV = "TESTS_BACKGROUND_CPUS"
 PROBE_ENV = "TESTS_REPACK_PROBE"
 BANDWIDTH_ENV = "TESTS_BANDWIDTH"
+PROBE_HOLD_ENV = "TESTS_PROBE_HOLD"
 
 
 def _model_key(model_path: str) -> str:
@@ -56,14 +59,19 @@ def share_probe(probe: Any, memo: Path) -> None:
     real = probe.run_probe
 
     @functools.wraps(real)
-    def run_probe(model_path: str, command: list[str] | None = None) -> Any:
+    def run_probe(model_path: str, command: list[str] | None = None, cancel: Any = None) -> Any:
+        hold = os.environ.get(PROBE_HOLD_ENV)
+        if hold:
+            command = command or [sys.executable, "-c", f"import time; time.sleep({float(hold)})"]
         if command is not None:
-            return real(model_path, command)
+            return real(model_path, command, cancel)
         key = _model_key(model_path)
         known = _read(memo).get(key)
         if isinstance(known, dict) and isinstance(known.get("safe"), bool):
             return probe.Verdict(known["safe"], str(known.get("why", "probed")))
-        verdict = real(model_path)
+        verdict = real(model_path, cancel=cancel)
+        if verdict.interrupted:  # a signal's, not the build's: no verdict to share
+            return verdict
         data = _read(memo)
         data[key] = {"safe": verdict.safe, "why": verdict.why}
         with contextlib.suppress(OSError):  # another process's write: it probed the same
