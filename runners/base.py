@@ -173,7 +173,10 @@ class BenchRunner(Runner, Protocol):
     model_path: str
     config: EngineConfig  # the settings it runs with (tuned values filled in)
 
-    def load(self) -> LocalLoaded: ...
+    def load(self, *, cancel: threading.Event | None = None) -> LocalLoaded:
+        """Load (once); setting `cancel` ends the load (the repack probe, the tensors, the
+        warm-up) with LoadCancelledError."""
+        ...
 
     def reconfigure(self, config: EngineConfig) -> LocalLoaded:
         """Switch to other engine settings, reloading the weights only where they change."""

@@ -69,7 +69,7 @@ class FakeRunner:
     def loaded(self) -> ModelLoaded | None:
         return self._loaded
 
-    def load(self) -> ModelLoaded:
+    def load(self, *, cancel: threading.Event | None = None) -> ModelLoaded:
         if self._loaded is None:
             settings = dataclasses.replace(FAKE_SETTINGS, n_ctx=self._n_ctx)
             self._loaded = ModelLoaded(FAKE_MODEL, settings, 0.5)

@@ -220,7 +220,7 @@ def _local(
 
     runner = local_runner(model, "bench interference without --endpoint", engine)
     try:
-        loaded = runner.load()
+        loaded = runner.load(cancel=screen.cancel)  # Ctrl-C ends the probe and the load too
         name = loaded.model.name if loaded.model else ""
         stages = interfere_local(runner, options, cancel=screen.cancel)
         reports: list[InterferenceReport] = list(run_stages(stages, screen.err, "loading ..."))

@@ -17,7 +17,6 @@ from llmrun.cli.terminal import terminal_line
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
 from llmrun.runners.threadpool import DEFAULT_POLL, PRIORITIES
@@ -69,10 +68,7 @@ def load_and_report(
     `cancel` (the command's Ctrl-C or SIGTERM) ends the load: the repacking probe's child,
     the tensors and the warm-up decode (LoadCancelledError)."""
     with err.status("loading the model and measuring memory bandwidth ..."):
-        if cancel is not None and isinstance(runner, LlamaCppRunner):
-            loaded = runner.load(cancel=cancel)
-        else:
-            loaded = runner.load()
+        loaded = runner.load(cancel=cancel)
         if system is None:
             system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
