@@ -299,7 +299,7 @@ def test_models_health_tokenize_and_metrics(llmrun_server: Server) -> None:
         (json.dumps({"prompt": [10**9]}).encode(), "not in the vocabulary"),
         (
             json.dumps(chat("hi", tools=[{"type": "function"}])).encode(),
-            "tools: function calling is not served here",
+            "tools.0.function: an object with a name",
         ),
         (json.dumps(chat("hi", logit_bias={"1": 5})).encode(), "logit_bias"),
     ],

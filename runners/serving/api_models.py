@@ -23,13 +23,14 @@ from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 from .grammar import response_grammar
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
+from .tools import ToolPlan, assistant_calls, call_text, tool_plan, tool_result
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
 UNSERVED = {
     "logit_bias": "a logit bias",
-    "tools": "function calling",
-    "functions": "function calling",
+    "tools": "function calling (chat completions only)",
+    "functions": "legacy function calling (use tools)",
     "grammar": "a grammar",
     "json_schema": "a JSON schema",
     "audio": "audio output",
@@ -185,24 +186,39 @@ class Message(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
 
-    def chat_message(self, i: int) -> ChatMessage:
-        """The message for the chat template; what it cannot carry is refused."""
+    def chat_message(self, i: int, names: dict[str, str] | None = None) -> ChatMessage:
+        """The message for the chat template; what it cannot carry is refused. `names`: the
+        tool calls made earlier in the conversation, by id (a `tool` message's name)."""
         where = f"messages.{i}"
         extra = self.model_extra or {}
-        if (
-            self.role in ("tool", "function")
-            or extra.get("tool_calls")
-            or extra.get("function_call")
-        ):
+        if self.role == "function" or extra.get("function_call"):
             raise BadRequestError(
-                f"{where}: function calling is not served here (a"
-                f" '{self.role}' message or tool calls)"
+                f"{where}: legacy function calling is not served here (use tools)"
             )
+        if self.role == "tool":
+            call_id = extra.get("tool_call_id")
+            name = (names or {}).get(call_id) if isinstance(call_id, str) else None
+            return tool_result(call_id, name, self._text(where), where)
         role = ROLES.get(self.role)
         if role is None:
-            raise BadRequestError(f"{where}.role: {self.role!r} is not one of {', '.join(ROLES)}")
+            raise BadRequestError(
+                f"{where}.role: {self.role!r} is not one of {', '.join([*ROLES, 'tool'])}"
+            )
+        calls = extra.get("tool_calls")
+        if calls is not None and role == "assistant":
+            found = assistant_calls(calls, where)
+            for call_id, name, _ in found:
+                if names is not None and call_id:
+                    names[call_id] = name
+            text = [self._text(where)] if self.content else []
+            return ChatMessage(role, "\n".join(text + [call_text(n, a) for _, n, a in found]))
+        if calls is not None:
+            raise BadRequestError(f"{where}.tool_calls: only an assistant message makes calls")
+        return ChatMessage(role, self._text(where))
+
+    def _text(self, where: str) -> str:
         if self.content is None or isinstance(self.content, str):
-            return ChatMessage(role, self.content or "")
+            return self.content or ""
         parts = []
         for j, part in enumerate(self.content):
             if part.type != "text":
@@ -213,7 +229,7 @@ class Message(BaseModel):
             if part.text is None:
                 raise BadRequestError(f"{where}.content.{j}: a text part needs its text")
             parts.append(part.text)
-        return ChatMessage(role, "".join(parts))
+        return "".join(parts)
 
 
 class ChatBody(_Body):
@@ -222,6 +238,23 @@ class ChatBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What `tools` and `tool_choice` ask (None: no tool is offered); checked."""
+        plan = tool_plan(self.tools, self.tool_choice)
+        if plan is not None:
+            if self.response_format not in (None, {"type": "text"}):
+                raise BadRequestError("response_format: not served together with tools")
+            if self.logprobs:
+                raise BadRequestError("logprobs: not served together with tools")
+        return plan
+
+    def grammar(self) -> str | None:
+        plan = self.tool_plan()
+        return super().grammar() if plan is None else plan.grammar()
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat: `logprobs` true or false, `top_logprobs` 0..20 beside a true one."""
@@ -249,7 +282,11 @@ class ChatBody(_Body):
         think = (self.chat_template_kwargs or {}).get("enable_thinking")
         if think is not None and not isinstance(think, bool):
             raise BadRequestError("chat_template_kwargs.enable_thinking must be true or false")
-        messages = tuple(m.chat_message(i) for i, m in enumerate(self.messages))
+        names: dict[str, str] = {}
+        messages = tuple(m.chat_message(i, names) for i, m in enumerate(self.messages))
+        plan = self.tool_plan()
+        if plan is not None:
+            messages = plan.with_tools(messages)
         return Request(messages=messages, sampling=self.sampling(defaults, think))
 
 

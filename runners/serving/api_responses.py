@@ -66,9 +66,17 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ToolCallsMessage(BaseModel):
+    """An answer that calls a tool (tools.py): `content` null unless text came with the call."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
-    message: AssistantMessage
+    message: AssistantMessage | ToolCallsMessage
     finish_reason: str
     logprobs: dict[str, Any] | None = None  # logprobs.chat_content
 
@@ -84,10 +92,10 @@ class TextChoice(BaseModel):
 
 class ChunkChoice(BaseModel):
     """A chat stream chunk's choice: `delta` holds `role` in the first chunk, `content` in
-    those that carry text, nothing in the last."""
+    those that carry text (or `tool_calls`, tools.py), nothing in the last."""
 
     index: int = 0
-    delta: dict[str, str]
+    delta: dict[str, Any]
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None  # logprobs.chat_content
 

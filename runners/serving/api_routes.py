@@ -73,12 +73,14 @@ from .api_responses import (
     TextChoice,
     TextCompletion,
     Tokens,
+    ToolCallsMessage,
     Usage,
     UsageChunk,
     error_body,
 )
 from .batching import FINISH_ERROR
 from .logprobs import Described, chat_content, legacy
+from .tools import ToolPlan, ToolReader, merged
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -163,6 +165,7 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
     try:
         req = body.request(s.defaults)
         grammar, logprobs = body.grammar(), body.logprob_count()
+        plan = body.tool_plan() if isinstance(body, ChatBody) else None
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
         if req.token_ids is not None:
             n_vocab = s.runner.vocab_size()
@@ -212,7 +215,7 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         created=int(time.time()),
         model=s.model_id,
     )
-    flight = Flight(s, seen, job, queue, head, chat)
+    flight = Flight(s, seen, job, queue, head, chat, plan)
     if body.stream:
         return EventStream(
             stream(flight, body.include_usage),
@@ -235,6 +238,7 @@ class Flight:
     queue: asyncio.Queue[Event]
     head: Head
     chat: bool
+    plan: ToolPlan | None = None  # the tools offered (tools.py)
     offset: int = 0  # legacy logprobs: the characters of the answer sent so far
 
     def logprobs(self, text: str, tokens: tuple[Described, ...]) -> dict[str, Any] | None:
@@ -261,6 +265,10 @@ class Flight:
     ) -> Chunk:
         return Chunk(**dict(self.head), choices=[self.choice(text, finish, tokens)])
 
+    def delta_chunk(self, delta: dict[str, Any]) -> Chunk:
+        """A chunk of an answer read by tools.py: text or a piece of a tool call."""
+        return Chunk(**dict(self.head), choices=[ChunkChoice(delta=delta, finish_reason=None)])
+
     def failed(self, event: Failed, *, streamed: bool) -> int:
         """The engine failed it, or the server is shutting down: the status it ends with."""
         status = 503 if self.served.stopping else 500
@@ -281,10 +289,15 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
         if flight.chat:
             first = ChunkChoice(delta={"role": "assistant", "content": ""}, finish_reason=None)
             yield sse(Chunk(**head, choices=[first]))
+        reader = flight.plan.reader() if flight.plan is not None else None
         while True:
             event = await flight.queue.get()
             if isinstance(event, Piece):
-                yield sse(flight.chunk(event.text, tokens=event.logprobs))
+                if reader is None:
+                    yield sse(flight.chunk(event.text, tokens=event.logprobs))
+                else:
+                    for delta in reader.feed(event.text):
+                        yield sse(flight.delta_chunk(delta))
                 continue
             ended = True
             if isinstance(event, Failed):
@@ -295,9 +308,14 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
                 return
             t = event.timings
             timings = t.to_dict()
-            if event.tail or event.logprobs:
+            finish = event.finish_reason
+            if reader is not None:
+                deltas, finish = read_to_end(reader, event.tail, finish)
+                for delta in deltas:
+                    yield sse(flight.delta_chunk(delta))
+            elif event.tail or event.logprobs:
                 yield sse(flight.chunk(event.tail, tokens=event.logprobs))
-            last = flight.choice(None, event.finish_reason)
+            last = flight.choice(None, finish)
             yield sse(LastChunk(**head, choices=[last], timings=timings))
             if include_usage:
                 yield sse(UsageChunk(**head, choices=[], usage=Usage.of(t), timings=timings))
@@ -360,13 +378,26 @@ async def whole(request: HttpRequest, flight: Flight) -> Response:
     flight.seen.set("ok", timings=t)
     lp = flight.logprobs(text, tuple(tokens))
     if flight.chat:
-        message = AssistantMessage(content=text)
+        message: AssistantMessage | ToolCallsMessage = AssistantMessage(content=text)
+        if flight.plan is not None:
+            deltas, finish = read_to_end(flight.plan.reader(), text, finish)
+            content, calls = merged(deltas)
+            if calls is not None:
+                message = ToolCallsMessage(content=content, tool_calls=calls)
         choice = ChatChoice(message=message, finish_reason=finish, logprobs=lp)
         return JSONResponse(ChatCompletion(**fields, choices=[choice]).wire())
     done = TextCompletion(
         **fields, choices=[TextChoice(text=text, finish_reason=finish, logprobs=lp)]
     )
     return JSONResponse(done.wire())
+
+
+def read_to_end(reader: ToolReader, text: str, finish: str) -> tuple[list[dict[str, Any]], str]:
+    """The deltas of the rest of an answer read for tool calls, and its finish reason
+    (`tool_calls` when it ended, finished, as a call)."""
+    deltas = reader.feed(text) if text else []
+    more, finish = reader.finish(finish)
+    return deltas + more, finish
 
 
 def _model_card(s: Served) -> ModelCard:

@@ -1,0 +1,376 @@
+"""OpenAI's `tools` and `tool_choice` in `llmrun serve`, as llama-server serves them for a model
+whose chat template has no tool syntax of its own (its "generic" format).
+
+The tools are written into the system message (appended to the first one, or a new first one):
+what they are, as JSON, and the one way to call one, an answer that is only the JSON object
+`{"name": NAME, "arguments": {...}}`. Then:
+
+- `tool_choice` "none" (the default without tools): no tools in the prompt, nothing parsed;
+- "auto" (the default with tools): the answer is free; it is a call when the whole answer,
+  stripped of whitespace, is one JSON object with exactly the keys `name` (a listed tool's) and
+  `arguments` (an object). Anything else is the answer's text;
+- "required", or `{"type": "function", "function": {"name": NAME}}`: the answer is constrained by
+  a llama.cpp grammar to that object, `arguments` following the tool's `parameters` schema (the
+  grammar of grammar.py's converter, whose unsupported keywords are refused by name).
+
+One answer makes at most one call (`parallel_tool_calls` true allows more; none is made).
+A call is answered as `message.tool_calls` with finish_reason `tool_calls`; streamed, as one
+`delta.tool_calls` with the id and the name, then the arguments in pieces as they are written.
+
+A conversation may carry the calls back: an assistant message's `tool_calls` are written as the
+same JSON object in its content, and a `tool` message becomes a user message whose content is
+`{"tool_response": {"tool_call_id": ID, "name": NAME, "content": TEXT}}` (llama-server's
+polyfill for templates without a tool role).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmrun.runners.base import ChatMessage
+from llmrun.runners.errors import BadRequestError
+
+from .grammar import check_schema, schema_grammar
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CHOICES = ("none", "auto", "required")
+# The text before the arguments in an answer the grammar wrote: `{"name": "f", "arguments": `.
+FORCED_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+# The end of an answer the grammar wrote: the object's closing brace (held back until the end).
+FORCED_TAIL = re.compile(r"\s*\}?\s*$")
+INSTRUCTIONS = (
+    "You can call tools. To call one, answer with only a JSON object"
+    ' {"name": <the tool\'s name>, "arguments": <an object of its arguments>}'
+    " and nothing else."
+)
+AUTO = " Otherwise answer as usual."
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+    strict: bool
+
+    def described(self) -> dict[str, Any]:
+        shown: dict[str, Any] = {"name": self.name}
+        if self.description:
+            shown["description"] = self.description
+        shown["parameters"] = self.parameters
+        return shown
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools ask: the tools offered, and whether a call is forced."""
+
+    tools: tuple[Tool, ...]
+    forced: bool  # "required" or a named function: the grammar writes the call
+
+    @property
+    def names(self) -> set[str]:
+        return {t.name for t in self.tools}
+
+    def system_text(self) -> str:
+        listed = json.dumps([t.described() for t in self.tools], ensure_ascii=False)
+        return INSTRUCTIONS + ("" if self.forced else AUTO) + "\n\nTools: " + listed
+
+    def with_tools(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        """The conversation with the tools written into its system message."""
+        text = self.system_text()
+        if messages and messages[0].role == "system":
+            first = ChatMessage("system", (messages[0].content + "\n\n" + text).lstrip())
+            return (first, *messages[1:])
+        return (ChatMessage("system", text), *messages)
+
+    def grammar(self) -> str | None:
+        """The grammar of a forced call: one of the tools' objects (None: the answer is free)."""
+        if not self.forced:
+            return None
+        options, defs = [], {}
+        for i, tool in enumerate(self.tools):
+            where = f"tools.{i}.function.parameters"
+            check_schema(tool.parameters, where, tool.parameters)
+            key = f"tool-{i}-arguments"  # the tools' schemas sit in $defs, their refs moved
+            defs[key] = _moved_refs(tool.parameters, f"#/$defs/{key}")
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.name},
+                        "arguments": {"$ref": f"#/$defs/{key}"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        _distinct_defs(self.tools)
+        schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "$defs": defs}
+        return schema_grammar(schema, "tools")
+
+    def reader(self) -> ToolReader:
+        return ToolReader(self)
+
+
+def _moved_refs(schema: Any, prefix: str) -> Any:
+    """The schema with its `#/...` references pointing where it now sits in the call's schema."""
+    moved = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                node["$ref"] = prefix + ref[1:]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(moved)
+    return moved
+
+
+def _distinct_defs(tools: tuple[Tool, ...]) -> None:
+    """The converter names a referenced rule after the reference's last part: two tools'
+    definitions of one name would share a rule."""
+    seen: dict[str, str] = {}
+    for tool in tools:
+        for key in ("$defs", "definitions"):
+            for name in tool.parameters.get(key, {}) or {}:
+                other = seen.setdefault(name, tool.name)
+                if other != tool.name:
+                    raise BadRequestError(
+                        f"tools: {other} and {tool.name} both define {name!r}; a forced call's"
+                        " grammar needs distinct definition names"
+                    )
+
+
+def tool_plan(tools: Any, choice: Any) -> ToolPlan | None:
+    """The plan a request's `tools` and `tool_choice` ask for; None when no tool is offered
+    (no tools, or "none"). BadRequestError naming what is wrong or not served."""
+    offered = _tools(tools)
+    if choice is None:
+        choice = "auto" if offered else "none"
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise BadRequestError(
+                f"tool_choice: {choice!r} is not one of {', '.join(CHOICES)} or a function"
+            )
+        if choice == "none":
+            return None
+        if not offered:
+            raise BadRequestError(f"tool_choice: {choice!r} needs tools")
+        return ToolPlan(offered, forced=choice == "required")
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(choice.get("function"), dict)
+        or not isinstance(choice["function"].get("name"), str)
+    ):
+        raise BadRequestError(
+            'tool_choice: "none", "auto", "required" or'
+            ' {"type": "function", "function": {"name": ...}}'
+        )
+    name = choice["function"]["name"]
+    chosen = tuple(t for t in offered if t.name == name)
+    if not chosen:
+        raise BadRequestError(f"tool_choice.function.name: {name!r} is not among the tools")
+    return ToolPlan(chosen, forced=True)
+
+
+def _tools(tools: Any) -> tuple[Tool, ...]:
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise BadRequestError("tools: a list of tools")
+    found: list[Tool] = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise BadRequestError(f'{where}: only tools of type "function" are served here')
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequestError(f"{where}.function: an object with a name")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise BadRequestError(f"{where}.function.name: 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        if any(t.name == name for t in found):
+            raise BadRequestError(f"{where}.function.name: {name!r} is listed twice")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise BadRequestError(f"{where}.function.description: a string")
+        parameters = fn.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise BadRequestError(f"{where}.function.parameters: a JSON schema object")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise BadRequestError(f"{where}.function.strict: true or false")
+        if strict:  # the arguments are promised to follow the schema: the grammar must keep it
+            check_schema(parameters, f"{where}.function.parameters", parameters)
+        found.append(Tool(name, description, parameters, bool(strict)))
+    return tuple(found)
+
+
+# ---- the conversation's calls and results ----------------------------------------------------
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as the model is asked to write it (an assistant message's `tool_calls`)."""
+    try:
+        value: Any = json.loads(arguments)
+    except ValueError:
+        value = arguments
+    return json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+
+
+def assistant_calls(calls: Any, where: str) -> list[tuple[str, str, str]]:
+    """An assistant message's `tool_calls`: (id, name, arguments) each."""
+    if not isinstance(calls, list):
+        raise BadRequestError(f"{where}.tool_calls: a list of calls")
+    found = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls.{j}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequestError(f"{at}: an object with a function's name and arguments")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise BadRequestError(f"{at}.function.arguments: a JSON string")
+        found.append((str(call.get("id", "")), fn["name"], arguments))
+    return found
+
+
+def tool_result(call_id: Any, name: str | None, content: str, where: str) -> ChatMessage:
+    """A `tool` message, as the user message the template can render."""
+    if not isinstance(call_id, str) or not call_id:
+        raise BadRequestError(f"{where}.tool_call_id: the id of the call this answers")
+    answer = {"tool_call_id": call_id, "name": name, "content": content}
+    return ChatMessage("user", json.dumps({"tool_response": answer}, ensure_ascii=False))
+
+
+# ---- the answer ------------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolReader:
+    """Reads an answer's text as it arrives: `feed` gives the deltas to send now (each a
+    chat delta: `{"content": ...}` or `{"tool_calls": [...]}`), `finish` the rest and the
+    finish reason. A whole answer is the same deltas merged (`message`)."""
+
+    plan: ToolPlan
+    held: str = ""  # text not sent yet
+    free: bool = False  # auto: the answer is text, sent as it comes
+    name: str | None = None  # forced: the call's head has been sent
+    sent_arguments: int = 0
+    call_id: str = field(default_factory=new_call_id)
+
+    def _head(self, name: str) -> dict[str, Any]:
+        self.name = name
+        call = {"index": 0, "id": self.call_id, "type": "function"}
+        return {"tool_calls": [{**call, "function": {"name": name, "arguments": ""}}]}
+
+    def _arguments(self, text: str) -> dict[str, Any]:
+        self.sent_arguments += len(text)
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.free:
+            return [{"content": text}] if text else []
+        self.held += text
+        if not self.plan.forced:
+            if not self.held.strip() or self.held.lstrip().startswith("{"):
+                return []  # maybe a call: held until the end
+            self.free, held, self.held = True, self.held, ""
+            return [{"content": held}]
+        deltas: list[dict[str, Any]] = []
+        if self.name is None:
+            head = FORCED_HEAD.match(self.held)
+            if head is None:
+                return []
+            deltas.append(self._head(head.group(1)))
+            self.held = self.held[head.end() :]
+            self.sent_arguments = 0
+        body = self._body(self.held)
+        if len(body) > self.sent_arguments:
+            deltas.append(self._arguments(body[self.sent_arguments :]))
+        return deltas
+
+    @staticmethod
+    def _body(text: str) -> str:
+        """The arguments written so far: the text without the object's closing brace."""
+        tail = FORCED_TAIL.search(text)
+        return text[: tail.start()] if tail else text
+
+    def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+        if self.free:
+            return [], finish_reason
+        if self.name is not None:  # forced: the call's head and part of it are sent
+            body = self._body(self.held)
+            deltas = (
+                [self._arguments(body[self.sent_arguments :])]
+                if len(body) > (self.sent_arguments)
+                else []
+            )
+            complete = finish_reason == "stop" and _is_object(body)
+            return deltas, "tool_calls" if complete else finish_reason
+        call = _parse_call(self.held, self.plan.names) if finish_reason == "stop" else None
+        if call is None:
+            return ([{"content": self.held}] if self.held else []), finish_reason
+        name, arguments = call
+        return [self._head(name), self._arguments(arguments)], "tool_calls"
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def _parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
+    """The rule for "auto": the whole answer is one JSON object with exactly `name` (a listed
+    tool's) and `arguments` (an object)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if (
+        isinstance(value, dict)
+        and set(value) == {"name", "arguments"}
+        and value["name"] in names
+        and isinstance(value["arguments"], dict)
+    ):
+        return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    return None
+
+
+def merged(deltas: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A whole answer's content and tool calls, from the deltas a stream would have sent."""
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        if "content" in delta:
+            content.append(delta["content"])
+        for piece in delta.get("tool_calls", []):
+            fn = piece["function"]
+            if "id" in piece:
+                calls.append(
+                    {"id": piece["id"], "type": "function", "function": {**fn, "arguments": ""}}
+                )
+            calls[piece["index"]]["function"]["arguments"] += fn.get("arguments", "")
+    if calls:
+        return ("".join(content) or None), calls
+    return "".join(content), None
