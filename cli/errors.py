@@ -20,6 +20,7 @@ from llmrun.runners.errors import (
     AmbiguousModelError,
     BadEndpointError,
     BadRequestError,
+    CancelledError,
     ChatTemplateError,
     DefaultModelMissingError,
     EmptyPromptError,
@@ -28,7 +29,6 @@ from llmrun.runners.errors import (
     HubError,
     InvalidModelFileError,
     LlmrunError,
-    LoadCancelledError,
     ModelLoadError,
     ModelNotFoundError,
     NoServerModelError,
@@ -172,7 +172,7 @@ def handled() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except LoadCancelledError:
+    except CancelledError:  # the weights' load, or prompts being prepared
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except LlmrunError as e:

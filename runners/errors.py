@@ -35,7 +35,11 @@ class ModelLoadError(LlmrunError):
         self.detail = detail
 
 
-class LoadCancelledError(LlmrunError):
+class CancelledError(LlmrunError):
+    """Ctrl-C (or SIGTERM) ended long work before it had anything to show."""
+
+
+class LoadCancelledError(CancelledError):
     """Ctrl-C (or SIGTERM) while the weights were loading."""
 
     def __init__(self, path: str) -> None:

@@ -177,7 +177,7 @@ def test_bench_kld_without_a_text_or_a_second_model_is_refused(
     _fake_models(monkeypatch)
     args = [str(text) if a == "TEXT" else a for a in args]
     done = CliRunner().invoke(app, ["bench", "-p", "8", "-n", "0", "-r", "1", *args, "--kld"])
-    assert done.exit_code == 1
+    assert done.exit_code == 2  # options that do not go together: a usage error
     assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: --kld compares")
     assert "Traceback" not in done.stderr
 

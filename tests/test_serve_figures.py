@@ -103,24 +103,24 @@ def test_the_two_meanings_of_concurrency_are_named_apart() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "code"),
     [
-        (["--max-concurrency", "2"], "--max-concurrency: the client's limit against a server"),
-        (["--slots", "0"], "--slots values must be at least 1"),
-        (["--slots", "2", "--concurrency", "2"], "--concurrency and --slots say the same"),
+        (["--max-concurrency", "2"], "--max-concurrency: the client's limit against a server", 2),
+        (["--slots", "0"], "--slots values must be at least 1", 1),
+        (["--slots", "2", "--concurrency", "2"], "--concurrency and --slots say the same", 2),
     ],
 )
 def test_each_target_takes_its_own_name_of_concurrency(
-    cli: CliRunner, home: Path, args: list[str], message: str
+    cli: CliRunner, home: Path, args: list[str], message: str, code: int
 ) -> None:
     result = cli.invoke(app, ["bench", "serve", *args])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output  # options that clash: a usage error
     assert message in result.stderr
 
 
 def test_slots_against_a_server_is_refused(cli: CliRunner, home: Path) -> None:
     result = cli.invoke(app, ["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--slots", "2"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "--slots: the local engine's sequences" in result.stderr
 
 

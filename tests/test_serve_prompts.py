@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.cli.bench.serve import serving_table
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, CancelledError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.serving.load import (
@@ -90,13 +90,30 @@ def recording_stub() -> Iterator[tuple[str, list[str]]]:
 # ---- fresh prompts, no model -----------------------------------------------------------------
 
 
+def test_ctrl_c_ends_the_counting_of_prompts(tmp_path: Path) -> None:
+    """Preparing prompts asks the server once per prompt (a dataset whose entries the filters
+    refuse, once per entry): the first Ctrl-C or SIGTERM ends it, not the second."""
+    data = tmp_path / "many.jsonl"
+    data.write_text('{"prompt": "x"}\n' * 2000)
+    cancel = threading.Event()
+    cancel.set()
+    with stub_server() as url:
+        runner = OpenAIRunner(url, model="stub")
+        try:
+            for options in (_options(), _options(dataset=read_dataset(data))):
+                with pytest.raises(CancelledError):
+                    level_prompts(runner, options, lambda: None, cancel)
+        finally:
+            runner.close()
+
+
 def test_fresh_text_prompts_share_no_prefix_across_levels_and_warm_ups() -> None:
     with stub_server() as url:
         runner = OpenAIRunner(url, model="stub")
         try:
-            made = level_prompts(runner, _options(), lambda: None)
-            again = level_prompts(runner, _options(), lambda: None)
-            other = level_prompts(runner, _options(seed=7), lambda: None)
+            made = level_prompts(runner, _options(), lambda: None, threading.Event())
+            again = level_prompts(runner, _options(), lambda: None, threading.Event())
+            other = level_prompts(runner, _options(seed=7), lambda: None, threading.Event())
         finally:
             runner.close()
     prompts = [p for warm, measured in made for p in [*warm, *measured]]
@@ -315,7 +332,7 @@ def test_a_bad_dataset_is_one_line_naming_the_line_or_entry(
         read_dataset(path)
     text = str(caught.value)
     assert "\n" not in text
-    assert text.startswith("--dataset bad.jsonl: ")
+    assert text.startswith(f"--dataset {path}: ")  # the path as given, not its last part
     assert message in text
 
 
@@ -366,7 +383,7 @@ def test_shared_prefix_is_for_random_prompts_only(cli: CliRunner, tmp_path: Path
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine fine fine fine"}\n')
     result = cli.invoke(app, ["bench", "serve", "--dataset", str(path), "--shared-prefix", "4"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "--shared-prefix: random prompts only" in result.stderr
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli import options as o
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, usage_error
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
@@ -152,7 +152,7 @@ class LoadOptions(OptionRecord):
         """The job's record, each list parsed and the dataset read; the local engine's policies
         without a server."""
         if self.dataset is not None and self.shared_prefix:
-            raise BadRequestError("--shared-prefix: random prompts only, not with --dataset")
+            usage_error("--shared-prefix: random prompts only, not with --dataset")
         return ServeOptions(
             concurrency=parse_concurrency(*self.levels(endpoint)),
             request_rate=parse_rate(self.request_rate),
@@ -178,19 +178,17 @@ class LoadOptions(OptionRecord):
         """The levels' list from the option named for the target (`--concurrency`: either),
         refusing the other target's option and two of them at once."""
         if endpoint is None and self.max_concurrency is not None:
-            raise BadRequestError(
+            usage_error(
                 "--max-concurrency: the client's limit against a server (--endpoint);"
                 " this machine's engine takes --slots"
             )
         if endpoint is not None and self.slots is not None:
-            raise BadRequestError(
+            usage_error(
                 "--slots: the local engine's sequences; against a server give --max-concurrency"
             )
         right = self.max_concurrency if endpoint else self.slots
         if right is not None and self.concurrency is not None:
-            raise BadRequestError(
-                f"--concurrency and {self.level_option(endpoint)} say the same: give one"
-            )
+            usage_error(f"--concurrency and {self.level_option(endpoint)} say the same: give one")
         if right is not None:
             return right, self.level_option(endpoint)
         return self.concurrency or "1,4", "--concurrency"

@@ -125,6 +125,11 @@ def bench(
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             chosen = hub.models(models)
+            if measured.kld and (measured.ppl is None or len(chosen) < 2):
+                usage_error(
+                    "--kld compares each later model with the first on --ppl's text:"
+                    " give --ppl FILE and two or more -m"
+                )
             lists.refuse_unusable()
             lb.apply_process_settings(numa=controls.numa, prio=controls.prio)
             sweep = lists.sweep(

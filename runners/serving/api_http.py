@@ -271,7 +271,12 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         return f"the body must be a JSON object, not {_json_type(first.get('input'))}", None
     if len([b for b in branches if _is_branch_tag(b)]) > 1:
         kinds = " or ".join(sorted({_tag_kind(b) for b in branches}))
-        return f"{where}: must be {kinds}, not {_json_type(first.get('input'))}", where or None
+        given = first.get("input")
+        what = _json_type(given)
+        if isinstance(given, list):  # an array was allowed: say what it held
+            held = sorted({_json_type(x) for x in given})
+            what = f"an array holding {' and '.join(held)}" if held else "an empty array"
+        return f"{where}: must be {kinds}, not {what}", where or None
     message = f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))
     return message, where or None
 
@@ -280,9 +285,13 @@ def _is_branch_tag(part: str) -> bool:
     return part in ("str", "int", "bool", "float") or "[" in part or part[:1].isupper()
 
 
+_PLURAL = {"str": "strings", "int": "whole numbers", "float": "numbers", "bool": "booleans"}
+
+
 def _tag_kind(tag: str) -> str:
     if tag.startswith("list["):
-        return "an array"
+        item = tag[len("list[") : -1]
+        return f"an array of {_PLURAL.get(item, 'objects')}"
     return {
         "str": "a string",
         "int": "a whole number",

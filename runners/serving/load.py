@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
-from llmrun.runners.errors import LlmrunError
+from llmrun.runners.errors import CancelledError, LlmrunError
 from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import FINISH_INCOMPLETE, percentile
@@ -445,7 +445,7 @@ def run_interference(
         "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
     )
     fresh = FreshPrompts(seed, "interference")
-    counted = _counter(runner)
+    counted = _counter(runner, cancel)
     steady_len = (input_len, max(output_len, STEADY_MIN_TOKENS))
     steady = text_prompts(counted, fresh, [steady_len] * 3, lambda: making.add(1))
     steady[0] = PromptSpec(steady[0].text, steady[0].input_tokens, WARMUP_TOKENS)
@@ -467,18 +467,28 @@ def run_interference(
     yield InterferenceResult(runner.endpoint, runner.model_name or "", prompt_len, rate, measured)
 
 
-def _counter(runner: OpenAIRunner) -> Callable[[str], int]:
-    """A prompt's tokens by the server's tokenizer where it has one."""
-    return lambda text: runner.count_tokens(Request(prompt=text))
+def _counter(runner: OpenAIRunner, cancel: threading.Event) -> Callable[[str], int]:
+    """A prompt's tokens by the server's tokenizer where it has one; Ctrl-C or SIGTERM ends the
+    counting (a dataset whose entries the filters refuse is counted whole, one request each)."""
+
+    def count(text: str) -> int:
+        if cancel.is_set():
+            raise CancelledError("preparing prompts was interrupted")
+        return runner.count_tokens(Request(prompt=text))
+
+    return count
 
 
 def level_prompts(
-    runner: OpenAIRunner, options: ServeOptions, tick: Callable[[], None]
+    runner: OpenAIRunner,
+    options: ServeOptions,
+    tick: Callable[[], None],
+    cancel: threading.Event,
 ) -> list[LevelPrompts]:
     """Each level's warm-up and measured prompts, none repeated: fresh random ones (the same
     lengths at every level), or the dataset's, sampled without repeats."""
     n, w, levels = options.num_prompts, options.warmup, len(options.concurrency)
-    counted = _counter(runner)
+    counted = _counter(runner, cancel)
     if options.dataset is not None:
         sampled = options.dataset.sample(
             counted,
@@ -519,7 +529,7 @@ def serve_remote(
     yield Stage(
         "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
     )
-    prompts = level_prompts(runner, options, lambda: making.add(1))
+    prompts = level_prompts(runner, options, lambda: making.add(1), cancel)
     input_len, output_len = options.input_len, options.output_len
     if options.dataset is not None:  # the data's lengths: the mean of what was sampled
         measured = [p for _, level in prompts for p in level]

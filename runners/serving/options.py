@@ -39,12 +39,18 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def check_prompts(num_prompts: int, input_len: int) -> None:
+def check_prompts(num_prompts: int, input_len: int, shared_prefix: int = 0) -> None:
     """Refuse a load whose prompts alone could not be made in memory and time."""
     if num_prompts > MAX_PROMPTS:
         raise BadRequestError(f"--num-prompts {num_prompts:,}: at most {MAX_PROMPTS:,}")
-    if input_len > MAX_INPUT_LEN:
-        raise BadRequestError(f"--input-len {input_len:,}: at most {MAX_INPUT_LEN:,} tokens")
+    if input_len + shared_prefix > MAX_INPUT_LEN:
+        named = (
+            f"--shared-prefix {shared_prefix:,} + --input-len {input_len:,}"
+            if shared_prefix
+            else f"--input-len {input_len:,}"
+        )
+        raise BadRequestError(f"{named}: at most {MAX_INPUT_LEN:,} tokens")
+    input_len += shared_prefix
     if num_prompts * input_len > MAX_PROMPT_TOKENS:
         raise BadRequestError(
             f"--num-prompts {num_prompts:,} x --input-len {input_len:,}: at"
@@ -128,7 +134,7 @@ class ServeOptions:
     dataset: Dataset | None = None  # real prompts and lengths, in place of random ones
 
     def __post_init__(self) -> None:
-        check_prompts(self.num_prompts, self.input_len + self.shared_prefix)
+        check_prompts(self.num_prompts, self.input_len, self.shared_prefix)
         if math.isnan(self.request_rate) or self.request_rate < MIN_RATE:
             parse_rate(str(self.request_rate))
 

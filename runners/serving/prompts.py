@@ -312,7 +312,7 @@ class Dataset:
 
 
 def _fail(path: Path, where: str, why: str) -> BadRequestError:
-    return BadRequestError(f"--dataset {path.name}: {where}{why}")
+    return BadRequestError(f"--dataset {path}: {where}{why}")
 
 
 def _sha256(path: Path) -> str:
@@ -343,13 +343,13 @@ def read_dataset(path: Path) -> Dataset:
             raise _fail(path, "", "not a regular file (a pipe or a device cannot be sampled)")
         with path.open("rb") as f:
             head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-        sha256 = _sha256(path)
         if head.startswith(b"["):
             entries = _sharegpt(path)
             kind = "sharegpt"
         else:
             entries = list(_jsonl(path))
             kind = "jsonl"
+        sha256 = _sha256(path)  # after the checks: a file they refuse is not read whole
     except OSError as e:
         raise _fail(path, "", f"cannot read it ({e.strerror or e})") from None
     if not entries:
