@@ -18,6 +18,7 @@ HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, e
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -89,6 +90,8 @@ def _refs(folder: str) -> dict[str, str]:
         for filename in filenames:
             path = os.path.join(dirpath, filename)
             try:
+                if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+                    continue
                 with open(path, encoding="utf-8", errors="replace") as f:
                     commit = f.read(256).strip()
             except OSError:
@@ -127,6 +130,8 @@ def damaged_ref(repo_id: str, root: str | None = None) -> str | None:
     root = cache_dir() if root is None else root
     path = os.path.join(root, _PREFIX + repo_id.replace("/", "--"), "refs", "main")
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+            return f"{path} is not a regular file"
         with open(path, "rb") as f:
             data = f.read(COMMIT_HEX + 2)
     except FileNotFoundError:

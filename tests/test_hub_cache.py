@@ -145,3 +145,14 @@ def test_run_names_a_damaged_cache_in_one_line(cache: Path, llmrun_env: dict[str
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "cache of Owner/Some-Model-GGUF is damaged" in last and "internal error" not in last
+
+
+def test_a_fifo_among_the_refs_blocks_nothing(cache: Path) -> None:
+    refs = cache / "models--Owner--Some-Model-GGUF" / "refs"
+    (refs / "main").unlink()
+    os.mkfifo(refs / "main")
+    os.mkfifo(refs / "other")
+    assert "not a regular file" in (
+        hub_cache.damaged_ref("Owner/Some-Model-GGUF", str(cache)) or ""
+    )
+    assert len(list(hub_cache.snapshots(str(cache)))) == 3  # listed, no ref read from the pipes

@@ -314,10 +314,10 @@ def test_local_serving_counts_each_level_to_its_end(runner: LlamaCppRunner) -> N
         if isinstance(event, Stage):
             stages.append(event)
     assert [s.text for s in stages] == [
-        "chunked:32 c=1 warm-up",
-        "chunked:32 c=1",
-        "chunked:32 c=2 warm-up",
-        "chunked:32 c=2",
+        "chunked:32 slots=1 warm-up",
+        "chunked:32 slots=1",
+        "chunked:32 slots=2 warm-up",
+        "chunked:32 slots=2",
     ]
     for s in stages:
         assert s.tally is not None and s.tally.done == s.tally.total
@@ -375,10 +375,10 @@ def test_serving_against_a_server_counts_prompts_and_requests(cli: CliRunner, ho
     assert lines == [
         # each level its own prompts: 2 x (3 + 1 warm-up)
         "llmrun: preparing prompts (counting tokens with the server's tokenizer): 8 prompts",
-        "llmrun: c=1 warm-up: 1 requests",
-        "llmrun: c=1 rate=inf: 3 requests",
-        "llmrun: c=2 warm-up: 1 requests",
-        "llmrun: c=2 rate=inf: 3 requests",
+        "llmrun: max-conc=1 warm-up: 1 requests",
+        "llmrun: max-conc=1 rate=inf: 3 requests",
+        "llmrun: max-conc=2 warm-up: 1 requests",
+        "llmrun: max-conc=2 rate=inf: 3 requests",
     ]
 
 
@@ -438,7 +438,7 @@ def test_serving_on_a_terminal_shows_requests_and_leaves_no_row(llmrun_env: dict
     ]
     code, written, lines = on_a_terminal(args, env, 80)
     assert code == 0, written[-2000:]
-    assert re.search(r"chunked:32 c=2\s+\d/4 requests · \d+:\d\d · ETA \d+:\d\d", written)
+    assert re.search(r"chunked:32 slots=2\s+\d/4 requests · \d+:\d\d · ETA \d+:\d\d", written)
     assert not any(re.search(r"\d/4 requests", ln) for ln in lines), "\n".join(lines)
     assert any("TTFT" in ln for ln in lines)
 

@@ -59,6 +59,13 @@ def test_legacy_offsets_count_the_answers_characters() -> None:
     assert lp["token_logprobs"] == pytest.approx([math.log(0.25)] * 3)
 
 
+def test_a_character_split_over_two_tokens_moves_the_offsets_once() -> None:
+    pieces = {1: b"a", 2: "é".encode()[:1], 3: "é".encode()[1:] + b"b", 4: b"c"}
+    row = np.zeros(5, np.float32)
+    tokens = tuple(described(token_logprob(row, t, 1), pieces.__getitem__) for t in (1, 2, 3, 4))
+    assert legacy(tokens, 0)["text_offset"] == [0, 1, 1, 3]  # "aébc": c is the 4th character
+
+
 # ---- on the engine ------------------------------------------------------------------------------
 
 

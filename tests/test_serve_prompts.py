@@ -321,6 +321,8 @@ def test_a_fifo_dataset_is_refused_without_blocking(tmp_path: Path) -> None:
         (b'[{"conversations": [{"value": "\xff"}, {}]}]', "not UTF-8 text (at byte offset 31)"),
         (b"[1, 2", "line 1: not JSON"),
         (b'{"x": 1}', "line 1: 'prompt' is missing"),
+        (b'{"prompt": "a", "output_len": ' + b"9" * 5000 + b"}\n", "line 1: not JSON that can"),
+        (b'[{"conversations": [{"value": ' + b"9" * 5000 + b"}]}]", "not JSON that can be read"),
     ],
 )
 def test_a_bad_dataset_is_one_line_naming_the_line_or_entry(

@@ -15,7 +15,7 @@ import httpx2 as httpx
 import pytest
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.serving.grammar import response_grammar
+from llmrun.runners.serving.grammar import response_grammar, schema_grammar
 
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
 
@@ -202,3 +202,16 @@ def test_openais_client_parses_the_answer_into_its_model(server: Server) -> None
     assert completion.choices[0].finish_reason == "stop"
     assert isinstance(message.parsed, City)
     assert message.parsed == City.model_validate_json(message.content or "")
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 20000},  # crashed llama.cpp's parser (SIGSEGV)
+        {"type": "string", "pattern": "^a{0,20000}$"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": 1_000_000_000},  # ~8 GB
+    ],
+)
+def test_repetitions_llama_cpps_parser_cannot_take_are_refused(schema: dict[str, Any]) -> None:
+    with pytest.raises(BadRequestError, match=r"repetition|at most|nests|bytes"):
+        schema_grammar(schema, "response_format.json_schema.schema")

@@ -60,7 +60,13 @@ HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     (
         "queue",
         "llmrun_queue_wait_seconds",
-        "From the request's tokens to its first engine step.",
+        "From the request's tokens until a sequence is free for it (the serving figures' queue).",
+        LATENCY_S,
+    ),
+    (
+        "step_wait",
+        "llmrun_step_wait_seconds",
+        "After the queue, until the first engine step carrying the prompt starts.",
         LATENCY_S,
     ),
     ("ttft", "llmrun_ttft_seconds", "From the request's arrival to its first token.", LATENCY_S),
@@ -126,6 +132,7 @@ class ServerMetrics:
     reused_tokens: Counter
     generated: Counter
     queue: Histogram
+    step_wait: Histogram
     ttft: Histogram
     prefill: Histogram
     itl: Histogram
@@ -225,6 +232,7 @@ class ServerMetrics:
         if t.finish_reason == FINISH_CANCELLED and t.ttft_ms is None and not t.prefill_chunks:
             return  # gone before its first step: no phase to count
         self.queue.observe(t.queue_ms / 1000)
+        self.step_wait.observe(t.step_wait_ms / 1000)
         self.prefill.observe(t.prefill_ms / 1000)
         if t.ttft_ms is not None:
             self.ttft.observe(t.ttft_ms / 1000)

@@ -15,6 +15,7 @@ and path (`BadRequestError`: a 400 naming it).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from llmrun.runners.errors import BadRequestError
@@ -119,10 +120,42 @@ def schema_grammar(schema: Any, where: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf  # the bindings' converter
 
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        grammar = json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    return _within_limits(grammar, where)
+
+
+# llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
+# converter writes a count N (maxLength, maxItems, a pattern's {0,N}) as N nested groups, and
+# 20,000 of them crashed the server (SIGSEGV); at 2,000 it refused the grammar after a dump.
+MAX_REPEAT = 1000  # the largest count a schema may ask for (llama.cpp's own converter: 2000)
+MAX_GRAMMAR_DEPTH = 1000  # parentheses open at once
+MAX_GRAMMAR_BYTES = 1 << 20
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _within_limits(grammar: str, where: str) -> str:
+    """The grammar, once its size and nesting are ones llama.cpp's parser survives."""
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise BadRequestError(
+            f"{where}: its grammar would take {len(grammar):,} bytes (at most"
+            f" {MAX_GRAMMAR_BYTES:,}): ask for fewer repetitions"
+        )
+    depth = deepest = 0
+    for ch in grammar:
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > MAX_GRAMMAR_DEPTH:
+        raise BadRequestError(
+            f"{where}: its grammar nests {deepest:,} groups deep (at most {MAX_GRAMMAR_DEPTH:,}):"
+            " ask for fewer repetitions"
+        )
+    return grammar
 
 
 def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
@@ -197,6 +230,14 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
         )
     for key in lengths:
         _count(schema, key, where)
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        for low, high in _QUANTIFIER.findall(pattern):
+            if max(int(low), int(high or 0)) > MAX_REPEAT:
+                raise BadRequestError(
+                    f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
+                    " spells it out)"
+                )
 
 
 def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
@@ -242,6 +283,8 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
     value = schema[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BadRequestError(f"{where}.{key}: a count of at least 0")
+    if value > MAX_REPEAT:
+        raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
 def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:

@@ -69,6 +69,8 @@ def send(
     server = s.server
     if server is not None and server.output_chunks:
         result.ttft_s = s.ttft_s
+        if result.ttft_s is not None:  # E2EL ends at the last token, not at the stream's end
+            result.latency_s = result.ttft_s + sum(result.itl_s)
     if server is not None and server.usage_reported and s.prompt_tokens:
         result.input_tokens = s.prompt_tokens
     said = server is not None and server.timings is not None and server.timings.cache_n is not None
@@ -381,11 +383,11 @@ def run_levels(
             return
         if warm:
             tally = Tally(len(warm), sum(p.max_tokens for p in warm))
-            yield Stage(f"c={level} warm-up", tally)
+            yield Stage(f"max-conc={level} warm-up", tally)
             for prompt in warm:
                 send(runner, prompt, cancel, tally)
         tally = Tally(len(measured), sum(p.max_tokens for p in measured))
-        yield Stage(f"c={level} rate={_rate(request_rate)}", tally)
+        yield Stage(f"max-conc={level} rate={_rate(request_rate)}", tally)
         cpu0 = cpu_sample()  # the client's machine: a loaded one delays what it times
         results, duration = run_load(
             runner,

@@ -16,7 +16,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.progress import Tally
 from llmrun.runners.system import cpu_sample, measured_background
 
-from .batching import FINISH_CANCELLED, Arrival, BatchedEngine, SeqResult
+from .batching import FINISH_CANCELLED, FINISH_ERROR, Arrival, BatchedEngine, SeqResult
 from .figures import RequestResult, metrics
 from .interference import LONG_TOKENS, InterferenceReport, interference
 from .load import ServingLevel, cached_total
@@ -40,7 +40,8 @@ def request_result(r: SeqResult) -> RequestResult:
         arrival_s=r.arrival_s,
         admitted_s=r.admitted_s,
         token_times_s=r.times,
-        cancelled=r.finish == FINISH_CANCELLED or not r.times,
+        error=(r.error or "llama.cpp could not serve it") if r.finish == FINISH_ERROR else None,
+        cancelled=r.finish == FINISH_CANCELLED,  # one that ended without a token failed
         cached_tokens=0,  # the benchmark's engines keep no prefix (keep_prefix off)
     )
 
@@ -135,7 +136,7 @@ def serve_local(
                 warm, prompts = made()
                 if warm:
                     tally = Tally(len(warm), sum(n for _, n in warm))
-                    yield Stage(f"{policy} c={level} warm-up", tally)
+                    yield Stage(f"{policy} slots={level} warm-up", tally)
                     serve(
                         engine,
                         policy,
@@ -146,7 +147,7 @@ def serve_local(
                         progress=tally,
                     )
                 tally = Tally(len(prompts), sum(n for _, n in prompts))
-                yield Stage(f"{policy} c={level}", tally)
+                yield Stage(f"{policy} slots={level}", tally)
                 cpu0 = cpu_sample()
                 results, duration = serve(
                     engine,

@@ -13,6 +13,7 @@ text and bytes (on the engine's thread too: the vocabulary's piece buffer is not
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,9 +118,10 @@ def legacy(tokens: tuple[Described, ...], offset: int) -> dict[str, Any]:
     """Legacy completions' `logprobs`: tokens, token_logprobs, top_logprobs (a token -> logprob
     object each) and text_offset (each token's place in the answer's text, from `offset`)."""
     offsets = []
-    for d in tokens:
+    text = codecs.getincrementaldecoder("utf-8")(errors="ignore")  # a character split over
+    for d in tokens:  # two tokens counts once, when it is whole
         offsets.append(offset)
-        offset += len(d.chosen.data.decode("utf-8", errors="ignore"))
+        offset += len(text.decode(d.chosen.data))
     return {
         "tokens": [d.chosen.text for d in tokens],
         "token_logprobs": [d.chosen.logprob for d in tokens],

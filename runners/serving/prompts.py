@@ -371,6 +371,10 @@ def _sharegpt(path: Path) -> list[Entry]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise _fail(path, f"line {e.lineno}: ", f"not JSON ({e.msg})") from None
+    except ValueError as e:  # an integer of more than 4,300 digits, ...
+        raise _fail(
+            path, "", f"not JSON that can be read ({' '.join(str(e).split())[:120]})"
+        ) from None
     except RecursionError:
         raise _fail(path, "", "not JSON (nested too deeply)") from None
     if not isinstance(data, list):
@@ -417,6 +421,9 @@ def _jsonl(path: Path) -> Iterator[Entry]:
                 item = json.loads(text)
             except json.JSONDecodeError as e:
                 raise _fail(path, where, f"not JSON ({e.msg}, column {e.colno})") from None
+            except ValueError as e:  # an integer of more than 4,300 digits, ...
+                why = f"not JSON that can be read ({' '.join(str(e).split())[:120]})"
+                raise _fail(path, where, why) from None
             except RecursionError:
                 raise _fail(path, where, "not JSON (nested too deeply)") from None
             yield _jsonl_entry(item, path, where)

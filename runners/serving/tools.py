@@ -227,7 +227,7 @@ def call_text(name: str, arguments: str) -> str:
     """A call as the model is asked to write it (an assistant message's `tool_calls`)."""
     try:
         value: Any = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's limit too
         value = arguments
     return json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
 
@@ -336,7 +336,7 @@ class ToolReader:
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -345,7 +345,7 @@ def _parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
     tool's) and `arguments` (an object)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if (
         isinstance(value, dict)
