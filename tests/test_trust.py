@@ -152,7 +152,6 @@ def test_a_llama_cpp_abort_is_one_line_and_exit_1(
         (["--ctx", "99999999999"], {}, "n_ctx 99999999999 is out of range"),
         (["--ctx", "16000000"], {}, "of memory is available"),
         (["-b", "99999999"], {}, "n_batch 99999999 is out of range"),
-        (["--seed", "99999999999"], {}, "seed 99999999999 is out of range"),
     ],
 )
 def test_out_of_range_settings_never_reach_llama_cpp(
@@ -160,6 +159,14 @@ def test_out_of_range_settings_never_reach_llama_cpp(
 ) -> None:
     result = llmrun(["run", "-n", "2", *args, "hi"], {**llmrun_env, **env})
     assert needle in one_error(result)
+
+
+def test_an_out_of_range_seed_is_a_usage_error(llmrun_env: dict[str, str]) -> None:
+    """A sampling setting's range is its option's (limits.SAMPLING_SETTINGS): Typer refuses it
+    before anything loads, with exit 2."""
+    result = llmrun(["run", "-n", "2", "--seed", "99999999999", "hi"], llmrun_env)
+    assert result.returncode == 2, result.stderr
+    assert b"4294967295" in result.stderr and b"Traceback" not in result.stderr
 
 
 def test_a_bad_tuned_file_names_itself(model_path: str, llmrun_env: dict[str, str]) -> None:

@@ -365,12 +365,17 @@ def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[
 
 
 class _CancelAfter:
-    """A cancel flag that turns on at the engine's Nth look: Ctrl-C at a known step."""
+    """A cancel flag that turns on at the engine's Nth look: Ctrl-C at a known step. The abort
+    hook llama.cpp asks between a graph's nodes (contexts.abort_on) reads it without counting:
+    it asks a varying number of times a step."""
 
     def __init__(self, looks: int) -> None:
         self.looks = looks
 
     def is_set(self) -> bool:
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "<lambda>" and caller.co_filename.endswith("contexts.py"):
+            return self.looks < 0
         self.looks -= 1
         return self.looks < 0
 

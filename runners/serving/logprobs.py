@@ -18,8 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 MAX_TOP_CHAT = 20  # OpenAI's bounds: top_logprobs in chat, logprobs in legacy completions
 MAX_TOP_LEGACY = 5
 
@@ -33,6 +31,8 @@ class TokenLogprob:
 
 def token_logprob(row: Any, token: int, top_n: int) -> TokenLogprob:
     """The sampled token's log probability under the row's softmax, and the top_n tokens'."""
+    import numpy as np  # only when log probabilities are asked for (`bench --help` imports us)
+
     peak = float(row.max())
     lse = peak + float(np.log(np.exp(row - peak, dtype=np.float64).sum()))
     top: tuple[tuple[int, float], ...] = ()
@@ -47,6 +47,8 @@ def token_logprob(row: Any, token: int, top_n: int) -> TokenLogprob:
 def rows_logprobs(block: Any, tokens: Sequence[int], top_n: int) -> list[TokenLogprob]:
     """`token_logprob` for each row of a block of logits (a prompt's positions: row k gives
     the log probability of tokens[k]), in whole-block numpy passes."""
+    import numpy as np
+
     peak = block.max(axis=1, keepdims=True)
     lse = peak[:, 0] + np.log(np.exp(block - peak, dtype=np.float64).sum(axis=1))
     ids = np.asarray(tokens)
