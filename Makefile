@@ -13,7 +13,7 @@ LLAMA_BACKEND := $(shell $(BACKEND_TOOL) name $(GPU))
 LLAMA_CMAKE_ARGS := $(shell $(BACKEND_TOOL) cmake-args $(GPU))
 STAMP := $(VENV)/.llmrun-installed-$(shell $(BACKEND_TOOL) key $(GPU))
 
-.PHONY: setup demo test test-quick lint bench fuzz clean llama-bench vs-llama-bench screenshot
+.PHONY: setup demo test test-quick lint bench fuzz clean llama-bench vs-llama-bench screenshot rpc-server
 
 setup: $(STAMP)
 
@@ -67,6 +67,12 @@ llama-bench: setup
 
 vs-llama-bench: llama-bench
 	$(BIN)/python benchmarks/vs_llama_bench.py
+
+# llama.cpp's RPC backend (libggml-rpc.so) and rpc-server, compiled from the installed
+# llama-cpp-python's own sources against its wheel's libraries (about 20 s on 2 cores), into
+# .venv/llama-rpc/VERSION ($LLMRUN_RPC_DIR): `llmrun rpc-server` and --rpc (docs/hardware.md).
+rpc-server: setup
+	$(BIN)/python tools/rpc_build.py
 
 lint: setup
 	$(BIN)/ruff check cli runners tests benchmarks tools

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pull": ("llmrun.cli.models", "pull"),
     "models": ("llmrun.cli.models", "models"),
     "serve": ("llmrun.cli.serve", "serve"),
+    "rpc-server": ("llmrun.cli.rpc_server", "rpc_server"),
     "doctor": ("llmrun.cli.doctor", "doctor"),
     "bench": ("llmrun.cli.bench.sweep", "bench"),
 }
@@ -49,6 +50,7 @@ SUMMARIES: dict[str, str] = {
     "pull": "Download a GGUF model from the Hugging Face Hub into its cache, without running it.",
     "models": "List the embedded default model and the GGUF files in the Hugging Face cache.",
     "serve": "Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.",
+    "rpc-server": "Start llama.cpp's RPC server, for --rpc HOST:PORT on run, chat, serve, bench.",
     "doctor": (
         "Print the build, backend, devices, CPU features, the thread and repacking choices with\n"
         "their reasons, and whether the machine is busy: paste it into a bug report."

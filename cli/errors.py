@@ -39,6 +39,7 @@ from llmrun.runners.errors import (
 )
 from llmrun.runners.limits import MemoryNeedError, SettingError
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL
+from llmrun.runners.rpc import RpcServerLostError
 from llmrun.runners.stats import GenerationStats
 
 from .terminal import terminal_line
@@ -96,6 +97,9 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     PromptTooLongError: _too_long,
     MemoryNeedError: lambda e: "lower -c/--ctx, or a smaller KV cache type: -ctk q8_0 -ctv q8_0",
     SettingError: lambda e: "",
+    RpcServerLostError: lambda e: (
+        "what was already written is kept; restart it, or run without --rpc"
+    ),
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",

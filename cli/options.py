@@ -207,6 +207,40 @@ Repack = Annotated[
     ),
 ]
 
+
+def check_rpc(value: str | list[str] | None) -> str | None:
+    """--rpc's servers checked while the line is parsed (a usage error, exit 2), normalised to
+    host:port,host:port; bench's list option may be repeated, each joined by commas."""
+    if not value:
+        return None
+    text = ",".join(value) if isinstance(value, list) else value
+    from llmrun.runners.rpc import RpcEndpointError, parse_endpoints
+
+    try:
+        return ",".join(str(e) for e in parse_endpoints(text))
+    except RpcEndpointError as e:
+        raise typer.BadParameter(str(e).removeprefix("--rpc: ")) from None
+
+
+RPC_FLAGS = ("-rpc", "--rpc")
+RPC_HELP = (
+    "llama.cpp's RPC servers (`llmrun rpc-server` on each machine), host:port,...: -ngl's"
+    " layers are split over them by their free memory (-ts to choose), the rest stay here."
+    " Unauthenticated: only on a network you trust (docs/hardware.md)."
+)
+Rpc = Annotated[
+    str | None,
+    typer.Option(
+        *RPC_FLAGS,
+        envvar="LLMRUN_RPC",
+        metavar="HOST:PORT,...",
+        callback=check_rpc,
+        show_default=False,
+        help=RPC_HELP,
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+
 CpuMask = Annotated[
     str | None,
     typer.Option(
@@ -546,6 +580,7 @@ class EngineOptions(OptionRecord):
     cache_type_k: CacheTypeK = ENGINE_DEFAULTS.cache_type_k
     cache_type_v: CacheTypeV = ENGINE_DEFAULTS.cache_type_v
     repack: Repack = None
+    rpc: Rpc = None
     no_warmup: NoWarmup = False
     cpu_mask: CpuMask = None
     cpu_strict: CpuStrict = 0
@@ -569,6 +604,7 @@ class EngineOptions(OptionRecord):
                 "-ctk/--cache-type-k": self.cache_type_k.lower() != ENGINE_DEFAULTS.cache_type_k,
                 "-ctv/--cache-type-v": self.cache_type_v.lower() != ENGINE_DEFAULTS.cache_type_v,
                 "--repack/--no-repack": None if self.repack is None else "given",  # --no-repack
+                "-rpc/--rpc": self.rpc,
                 "--chat-template-file": self.chat_template_file,
                 "--draft-model": draft_model,
                 "--no-warmup": self.no_warmup,
@@ -593,6 +629,7 @@ class EngineOptions(OptionRecord):
             cache_type_k=cache_type(self.cache_type_k, "-ctk/--cache-type-k"),
             cache_type_v=cache_type(self.cache_type_v, "-ctv/--cache-type-v"),
             repack=self.repack,
+            rpc=self.rpc,
             chat_template=read_template(self.chat_template_file),
             draft_model=str(draft_model) if draft_model is not None else None,
             warmup=not self.no_warmup,

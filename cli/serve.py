@@ -174,6 +174,7 @@ class ServeEngineOptions(OptionRecord):
     cache_type_k: o.CacheTypeK = o.ENGINE_DEFAULTS.cache_type_k
     cache_type_v: o.CacheTypeV = o.ENGINE_DEFAULTS.cache_type_v
     repack: o.Repack = None
+    rpc: o.Rpc = None
 
     def config(self) -> EngineConfig:
         threads = self.threads
@@ -192,6 +193,7 @@ class ServeEngineOptions(OptionRecord):
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             repack=self.repack,
+            rpc=self.rpc,
         )
         return engine.config()
 

@@ -48,6 +48,7 @@ class EngineConfig:
     tensor_overrides: str | None = None  # llama-bench's -ot: "pattern=BUFFER;pattern=BUFFER"
     n_cpu_moe: int = 0  # the expert tensors of the first N layers stay on the CPU
     devices: str | None = None  # llama-bench's -dev: "CUDA0/CUDA1", or "none"
+    rpc: str | None = None  # llama.cpp's --rpc: "host:port,host:port" (runners/rpc.py)
     no_kv_offload: bool = False  # keep the KV cache in host memory (GPU builds)
     warmup: bool = True  # one decode while loading, as llama-cli does (--no-warmup: none)
     threadpool: ThreadpoolSettings = field(default_factory=ThreadpoolSettings)  # -C, --poll
@@ -72,6 +73,7 @@ class EngineConfig:
             "tensor_overrides",
             "n_cpu_moe",
             "devices",
+            "rpc",
             "lazy_mode",
             "no_host",
         )

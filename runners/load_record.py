@@ -36,6 +36,29 @@ def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
     )
 
 
+_LAYER = re.compile(r"layer\s+\d+ assigned to device (\S+?),")
+
+
+def layers_by_device(log: list[str]) -> dict[str, int]:
+    """How many layers (the output layer counted) llama.cpp put on each device, from its
+    load log (`load_tensors: layer  16 assigned to device RPC0, is_swa = 0`)."""
+    counts: dict[str, int] = {}
+    for line in log:
+        for name in _LAYER.findall(line):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _device_text(weights: Weights) -> str:
+    """The GPUs the layers went to; with RPC servers, each with its layers (the rest are the
+    CPU's), as llama.cpp's log of the load counts them."""
+    layers = layers_by_device(weights.log) if any(d.backend == "RPC" for d in weights.gpus) else {}
+    return ", ".join(
+        f"{d.name} {d.description}" + (f" ({layers[d.name]} layers)" if d.name in layers else "")
+        for d in weights.gpus
+    )
+
+
 def flash_attn_used(asked: str, log: list[str]) -> bool | None:
     """Whether the context runs flash attention: as asked, or as llama.cpp resolved `auto`
     (its log of the context's creation says "Flash Attention enabled" or "... not supported,
@@ -108,7 +131,7 @@ def load_record(
     gpu = bool(lib.llama_supports_gpu_offload())
     gpu_layers, n_layer = _gpu_layers(weights)
     used = _device_memory_used(weights, gpu_layers)
-    gpu_names = ", ".join(f"{d.name} {d.description}" for d in weights.gpus)
+    gpu_names = _device_text(weights)
     flash_attn = cfg.flash_attn or "auto"
     sequences = (
         {}

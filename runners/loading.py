@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import devices as dv
+from . import rpc as rpc_backend
 from .config import (
     DEFAULT_N_BATCH,
     DEFAULT_N_CTX,
@@ -199,6 +200,8 @@ def _place(lib: Any, mparams: Any, cfg: EngineConfig) -> tuple[dict[str, Any], l
         mparams.devices = ctypes.cast(placement.devices, ctypes.c_void_p)
     record = model_params(mparams)
     record.update(placement.record)
+    if cfg.rpc:  # llama-bench's -rpc servers, as given
+        record["rpc"] = cfg.rpc
     if shares:  # as llama-bench writes it: 3.00/1.00
         record["tensor_split"] = "/".join(f"{x:.2f}" for x in shares)
     return record, [split, placement]
@@ -217,11 +220,16 @@ def load_weights(
     (default: -c). Setting `cancel` stops the repacking probe's child at once and the load at
     the next tensor (LoadCancelledError)."""
     lib = llama_lib()  # the bindings' import (a first load's) is not the model's load time
+    if cfg.rpc:  # the servers' devices join llama.cpp's list before it plans the offload
+        rpc_backend.attach(rpc_backend.parse_endpoints(cfg.rpc))
     t0 = time.perf_counter()
     info = read_gguf(path)
     mparams = lib.llama_model_default_params()
     can_offload = bool(lib.llama_supports_gpu_offload())
     gpus = [d for d in dv.query().devices() if d.is_gpu] if can_offload else []
+    gpu_free_before = sum(d.free_bytes or 0 for d in gpus)  # this machine's GPUs
+    if can_offload and cfg.rpc:  # the servers' devices first, as llama.cpp lists them
+        gpus = [*rpc_backend.devices(), *gpus]
     n_layer = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
     need = None
     if gpus:  # the estimate that decides how many layers fit: every sequence's KV
@@ -233,7 +241,6 @@ def load_weights(
         need=need,
         gpus=[(d.name, d.free_bytes) for d in gpus],
     )
-    gpu_free_before = sum(d.free_bytes or 0 for d in gpus)
     mparams.n_gpu_layers = 0x7FFFFFFF if layers < 0 else layers
     repack, repack_note, probe_s = choose_repack(path, cfg, info, cancel)
     if cancel.is_set():  # in the probe, or before it: no load begins

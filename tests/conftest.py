@@ -63,8 +63,9 @@ MARKER_FIXTURES = {
         "serve_env",
         "llama_bench_path",
         "llama_cpp_source",
+        "rpc_build",
     },
-    "slow": {"llama_bench_path"},
+    "slow": {"llama_bench_path", "rpc_build"},
 }
 
 

@@ -69,18 +69,15 @@ def refuse_unusable(
             )
 
 
-def refuse_rpc(servers: str) -> None:
-    """llama-bench's -rpc, refused in one line: the servers' devices need the RPC backend in
-    the loaded llama.cpp (llama-bench asks llama_supports_rpc too), and llmrun does not
-    register servers with it yet."""
-    if not llama_lib().llama_supports_rpc():
-        raise BadRequestError(
-            f"-rpc/--rpc {servers}: this llama.cpp build has no RPC backend (llama.cpp built"
-            " with GGML_RPC=ON has it)"
-        )
-    raise BadRequestError(
-        f"-rpc/--rpc {servers}: llmrun does not register RPC servers with llama.cpp yet"
-    )
+def attach_rpc(servers: str) -> None:
+    """llama-bench's -rpc: the servers' devices registered before any check or model, as
+    llama-bench registers them while it reads its options (so -ts, -sm and -dev see them)."""
+    from llmrun.runners import rpc
+
+    try:
+        rpc.attach(rpc.parse_endpoints(servers))
+    except rpc.RpcNotBuiltError as e:
+        raise BadRequestError(f"-rpc/--rpc {servers}: {e}") from None
 
 
 def hub_models(

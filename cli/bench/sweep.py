@@ -33,6 +33,7 @@ from llmrun.cli.records import takes_records
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.cli.terminal import terminal_line
 from llmrun.runners import devices as dv
+from llmrun.runners import rpc
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import run
@@ -286,6 +287,14 @@ def _sweep(
             for w in writers:
                 w.row(r.record)  # a stream that failed takes no more; the run goes on
 
+    def salvage() -> None:  # an RPC server lost mid-test ends the process: rows kept first
+        if stream is not None:
+            emit(stream.end(complete=False))
+            for w in writers:
+                w.close(empty=False)
+            _store(stream, output)
+
+    rpc.SALVAGE.append(salvage)
     try:
         for event in events:
             if isinstance(event, run.ModelReady):
@@ -328,6 +337,8 @@ def _sweep(
     except LlmrunError as e:
         failure = e  # the finished rows are printed and stored first, then the one line
     finally:
+        with contextlib.suppress(ValueError):
+            rpc.SALVAGE.remove(salvage)
         bar.stop()
         if scoring is not None:
             scoring.stop()
@@ -374,14 +385,7 @@ def _report(
             flush=True,
         )
         return 1
-    changes = out.store_run(
-        records,
-        kind="local",
-        model=", ".join(dict.fromkeys(r.model_name for r in rows)),
-        system=vars(stream.system),
-        store=output.store,
-        compare=output.compare,
-    )
+    changes = _store(stream, output, compare=output.compare)
     out.warn_if_busy(records)
     if output.format_stdout is None:  # a terminal: the table, after the run
         show.print(out.results_table(rows))
@@ -405,6 +409,20 @@ def _report(
     if changes is not None:
         show.print(out.compare_table(changes))
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _store(
+    stream: run.RecordStream, output: Output, *, compare: bool = False
+) -> list[out.Change] | None:
+    """The finished records into the history (and their comparison, when asked)."""
+    return out.store_run(
+        [d.record for d in stream.done],
+        kind="local",
+        model=", ".join(dict.fromkeys(d.row.model_name for d in stream.done)),
+        system=vars(stream.system),
+        store=output.store,
+        compare=compare,
+    )
 
 
 def _extras(rows: list[res.Row], show: Console, *, score: float | None) -> None:

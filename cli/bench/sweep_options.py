@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from llmrun.cli.errors import usage_error
-from llmrun.cli.options import Energy, EnergyMode
+from llmrun.cli.options import RPC_FLAGS, RPC_HELP, Energy, EnergyMode, check_rpc
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import run
@@ -264,14 +264,8 @@ LISTS = (
 )
 
 
-# llama-bench's -rpc: a list of servers, for every test at once
-RPC = ListOption(
-    "rpc",
-    ("-rpc", "--rpc"),
-    "RPC servers, host:port,... (llama.cpp built with its RPC backend only).",
-    panel=LB,
-    metavar="SERVERS",
-)
+# llama-bench's -rpc: a list of servers, for every test at once (run's --rpc, declared there)
+RPC = ListOption("rpc", RPC_FLAGS, RPC_HELP, panel=LB, metavar="HOST:PORT,...")
 
 
 def _misspelt_name(real: str) -> str:
@@ -315,8 +309,11 @@ class SweepLists(OptionRecord):
         for real in misspellable():
             if given.pop(_misspelt_name(real)):
                 usage_error(f"-{real[2:]}: no such option; llama-bench's spelling is {real}")
-        rpc = given.pop(RPC.name)
-        return cls(rpc, **{option.name: given.pop(option.name) for option in LISTS})
+        try:
+            rpc = check_rpc(given.pop(RPC.name))
+        except typer.BadParameter as e:
+            usage_error(f"-rpc/--rpc: {e}")
+        return cls([rpc] if rpc else None, **{o.name: given.pop(o.name) for o in LISTS})
 
     def text(self, name: str) -> str | None:
         """A list as one comma list, or its default when not given."""
@@ -335,12 +332,13 @@ class SweepLists(OptionRecord):
             scenario_scale,
         )
         swept: dict[str, Any] = {o.name: self.text(o.name) for o in LISTS if not o.shape}
-        return run.Sweep(shapes=shapes, scenarios=scenarios, **swept, **fields)
+        rpc = tuple(self.rpc.split(",")) if self.rpc else ()
+        return run.Sweep(shapes=shapes, scenarios=scenarios, rpc=rpc, **swept, **fields)
 
     def refuse_unusable(self) -> None:
         """The placement options this engine cannot apply, refused before any model loads."""
         if self.rpc is not None:
-            lb.refuse_rpc(self.rpc)
+            lb.attach_rpc(self.rpc)
         lb.refuse_unusable(
             split_mode=self.text("split_mode"),
             main_gpu=self.text("main_gpu"),

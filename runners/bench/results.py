@@ -11,6 +11,7 @@ from llmrun.runners.config import DEFAULT_N_BATCH
 from llmrun.runners.energy.bench import ENERGY_FIELDS, BenchEnergy
 from llmrun.runners.kld import RECORD_FIELDS as KLD_FIELDS
 from llmrun.runners.kld import KldStats
+from llmrun.runners.rpc import rpc_backends, rpc_gpu_info
 from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -249,8 +250,8 @@ class Result:
             "build_commit": llmrun_build(system.build_commit),
             "build_number": system.build_number,
             "cpu_info": system.cpu,
-            "gpu_info": system.gpu_info,
-            "backends": system.backends,
+            "gpu_info": rpc_gpu_info(system.gpu_info, p.get("rpc")),
+            "backends": rpc_backends(system.backends, p.get("rpc")),
             "model_filename": self.model_filename or m.path,
             "model_type": m.desc or f"{m.architecture} {human_count(m.n_params)} {m.quantization}",
             "model_size": m.size_bytes,
@@ -290,7 +291,7 @@ class Result:
             "stddev_ts": round(self.stddev_ts, 6),
             "samples_ns": samples_ns,
             "samples_ts": [round(x, 6) for x in self.samples_ts],
-            "rpc": "",  # llama-bench's -rpc servers: none (bench refuses -rpc)
+            "rpc": p.get("rpc", ""),  # llama-bench's -rpc servers, as given
             # llmrun's own
             "test": s.name,
             "model_name": m.name,

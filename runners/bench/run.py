@@ -116,6 +116,7 @@ class Sweep:
     no_op_offload: str | None = None
     until_ci: str | None = None  # --until-ci PCT[,SECONDS]: repeat until the interval is narrow
     energy: str = "auto"  # --energy: on (a counter must be readable), auto, off
+    rpc: tuple[str, ...] = ()  # llama-bench's -rpc: RPC servers for every test (runners/rpc.py)
 
     def until(self) -> UntilCi | None:
         return None if self.until_ci is None else UntilCi.parse(self.until_ci)
@@ -377,7 +378,11 @@ def _models(
     for model in models:
         if cancel.is_set():
             return
-        config = EngineConfig(cold=sweep.cold, threadpool=ThreadpoolSettings(prio=sweep.prio))
+        config = EngineConfig(
+            cold=sweep.cold,
+            threadpool=ThreadpoolSettings(prio=sweep.prio),
+            rpc=",".join(sweep.rpc) or None,
+        )
         runner = open_runner(
             model, config if sweep.tuned else config.with_llama_bench_defaults(), sweep.tuned
         )

@@ -1,0 +1,98 @@
+"""`llmrun rpc-server`: llama.cpp's RPC server on this machine, for `--rpc` on another.
+
+It runs the `rpc-server` that `make rpc-server` built from the installed llama.cpp's sources
+(runners/rpc.py), as a child that it stops with itself (Ctrl-C: 130, SIGTERM: 143).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Annotated
+
+import typer
+
+from .errors import handled
+
+PANEL = "Server"
+
+
+def rpc_server(
+    host: Annotated[
+        str,
+        typer.Option(
+            "-H",
+            "--host",
+            help="Address to listen on. Anything but 127.0.0.1 lets other machines in: only on"
+            " a network you trust.",
+            rich_help_panel=PANEL,
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int,
+        typer.Option("-p", "--port", min=1, max=65535, help="Port.", rich_help_panel=PANEL),
+    ] = 50052,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "-t",
+            "--threads",
+            min=1,
+            max=1024,
+            show_default=False,
+            help="CPU threads of its CPU device. (default: half the logical CPUs, as llama.cpp)",
+            rich_help_panel=PANEL,
+        ),
+    ] = None,
+    cache: Annotated[
+        bool,
+        typer.Option(
+            "-c",
+            "--cache",
+            help="Keep the tensors clients send in a local cache (llama.cpp's, under"
+            " $LLAMA_CACHE or ~/.cache/llama.cpp/rpc), so a later load sends only their hashes.",
+            rich_help_panel=PANEL,
+        ),
+    ] = False,
+) -> None:
+    """Start llama.cpp's RPC server, for --rpc HOST:PORT on run, chat, serve, bench.
+
+    It computes the layers a client puts on it, on this machine's GPU or else its CPU. It has
+    no authentication and no encryption: keep it on 127.0.0.1, or on a network you trust
+    (docs/hardware.md). Build it once with `make rpc-server`. Example:
+
+      llmrun rpc-server -H 192.168.1.2 -p 50052    # on 192.168.1.2
+
+      llmrun run --rpc 192.168.1.2:50052 -ngl 99    # elsewhere: all layers there
+    """
+    from llmrun.runners import rpc
+
+    with handled():
+        binary = rpc.server_binary()
+        rpc.check_listen(host, port)
+        argv = [str(binary), "--host", host, "--port", str(port)]
+        if threads is not None:
+            argv += ["--threads", str(threads)]
+        if cache:
+            argv.append("--cache")
+        print(f"llmrun: RPC server on {host}:{port} ({binary})", file=sys.stderr)
+        print(f"llmrun: warning: {rpc.WARNING}", file=sys.stderr, flush=True)
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        try:
+            code = child.wait()
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: the server stops with llmrun
+            child.terminate()
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+        # It serves until stopped: any end of its own is a failure (it returns 0 when it
+        # cannot listen, after saying why).
+        print(
+            f"llmrun: error: rpc-server stopped (exit code {code}); its own words are above",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise typer.Exit(1)

@@ -1,0 +1,313 @@
+"""llama.cpp's RPC backend: layers on other machines' `rpc-server`s, as `--rpc host:port,...`.
+
+llama-cpp-python's wheel is built without RPC, but its libggml loads backends at run time; so
+`make rpc-server` (tools/rpc_build.py) compiles the installed version's own ggml-rpc as a
+loadable backend, `libggml-rpc.so`, and `rpc-server`, into `rpc_dir()`. Before a model loads,
+`attach` does what llama.cpp's common/arg.cpp `add_rpc_devices` does: load the backend into
+the libggml that libllama uses, ask it for `ggml_backend_rpc_add_server` and register each
+server's devices. llama.cpp then puts them first in its device list (src/llama.cpp: RPC
+servers at the front) and -ngl's layers are split over them by their free memory (or -ts).
+
+ggml-rpc aborts the process when a server cannot be reached or stops answering (GGML_ABORT on
+a failed connect, send or receive). Each server is tried with a plain connect first, so an
+unreachable one is one line before anything is loaded; an abort later, while servers are
+attached, is reported as the server that stopped answering (the one a connect now fails on).
+
+llama.cpp's RPC is unauthenticated and unencrypted: a server must never face an untrusted
+network (`WARNING` below, printed where one starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .devices import Device
+from .errors import BadRequestError, EngineAbortError, LlmrunError
+
+BINARY = "rpc-server"
+LIBRARY = "libggml-rpc.so"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50052
+CONNECT_TIMEOUT_S = 5.0
+WARNING = (
+    "llama.cpp's RPC server is unauthenticated and unencrypted: anyone who can reach its port "
+    "can run computations and read or write its memory. Never expose it to an untrusted "
+    "network."
+)
+
+
+class RpcEndpointError(BadRequestError):
+    """An --rpc value that is not a list of host:port."""
+
+
+class RpcNotBuiltError(LlmrunError):
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"llama.cpp's RPC backend is not built ({what} not found in {rpc_dir()}): "
+            "run `make rpc-server`"
+        )
+
+
+class RpcUnreachableError(LlmrunError):
+    def __init__(self, endpoint: str, why: str) -> None:
+        super().__init__(
+            f"--rpc: RPC server {endpoint} cannot be reached: {why} (start one there with "
+            "`llmrun rpc-server`)"
+        )
+
+
+class RpcServerLostError(EngineAbortError):
+    """A server stopped answering mid-run: ggml-rpc aborts, and this is what llmrun says."""
+
+    def __init__(self, endpoint: str, reason: str) -> None:
+        LlmrunError.__init__(self, f"RPC server {endpoint} stopped answering: {reason}")
+        self.reason = reason
+
+
+def version() -> str:
+    return importlib.metadata.version("llama-cpp-python")
+
+
+def rpc_dir() -> Path:
+    """Where `make rpc-server` puts libggml-rpc.so and rpc-server: $LLMRUN_RPC_DIR, else the
+    environment's own llama-rpc/ (.venv/llama-rpc), per llama-cpp-python version."""
+    base = os.environ.get("LLMRUN_RPC_DIR") or str(Path(sys.prefix) / "llama-rpc")
+    return Path(base) / version()
+
+
+def server_binary() -> Path:
+    path = rpc_dir() / BINARY
+    if not path.is_file():
+        raise RpcNotBuiltError(BINARY)
+    return path
+
+
+def check_listen(host: str, port: int) -> None:
+    """That rpc-server will be able to listen on host:port (it returns quietly when not)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise LlmrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """'host:port' (an IPv6 host in brackets: [::1]:50052), as ggml-rpc parses it."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host:
+        raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() for c in host) or ("," in host):
+        raise RpcEndpointError(f"--rpc: '{text}' has no host")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise RpcEndpointError(f"--rpc: '{text}': the port must be a number from 1 to 65535")
+    return Endpoint(host, int(port))
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """'host:port[,host:port...]' as llama.cpp's --rpc takes it; no empty item, no repeat."""
+    items = text.split(",")
+    if any(not item.strip() for item in items):
+        raise RpcEndpointError(f"--rpc: '{text}' has an empty item (host:port,host:port)")
+    endpoints = tuple(parse_endpoint(item) for item in items)
+    seen: set[Endpoint] = set()
+    for e in endpoints:
+        if e in seen:
+            raise RpcEndpointError(f"--rpc: {e} is named twice")
+        seen.add(e)
+    if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
+        raise RpcEndpointError("--rpc: at most 16 servers")
+    return endpoints
+
+
+def _connects(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to the server opens, else why not."""
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer in {timeout_s:g} s"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+_attached: list[Endpoint] = []
+_handles: list[object] = []  # the CDLLs and function types, kept referenced
+
+
+def attached() -> tuple[Endpoint, ...]:
+    """The servers whose devices are registered in this process, in order."""
+    return tuple(_attached)
+
+
+def _ggml() -> ctypes.CDLL:
+    """The libggml that libllama uses: opened by its soname, which the loader matches to the
+    copy already mapped as libllama's dependency (a path would map a second copy, with a device
+    registry of its own that llama.cpp never sees)."""
+    from .library import llama_lib
+
+    lib_dir = Path(llama_lib().__file__).parent / "lib"
+    for name in ("libggml.so.0", "libggml.so"):
+        with contextlib.suppress(OSError):
+            return ctypes.CDLL(name) if name.endswith(".0") else ctypes.CDLL(str(lib_dir / name))
+    raise RpcNotBuiltError("libggml")
+
+
+def attach(endpoints: tuple[Endpoint, ...]) -> None:
+    """Register each server's devices in llama.cpp's device list (once per process and
+    server), after checking that every one of them answers."""
+    new = [e for e in endpoints if e not in _attached]
+    if not new:
+        return
+    library = rpc_dir() / LIBRARY
+    if not library.is_file():
+        raise RpcNotBuiltError(LIBRARY)
+    for e in new:
+        why = _connects(e)
+        if why is not None:
+            raise RpcUnreachableError(str(e), why)
+    g = _ggml()
+    vp = ctypes.c_void_p
+    g.ggml_backend_reg_by_name.restype, g.ggml_backend_reg_by_name.argtypes = vp, [ctypes.c_char_p]
+    g.ggml_backend_load.restype, g.ggml_backend_load.argtypes = vp, [ctypes.c_char_p]
+    g.ggml_backend_register.restype, g.ggml_backend_register.argtypes = None, [vp]
+    base = ctypes.CDLL("libggml-base.so.0")
+    get_proc = base.ggml_backend_reg_get_proc_address
+    get_proc.restype, get_proc.argtypes = vp, [vp, ctypes.c_char_p]
+    reg = g.ggml_backend_reg_by_name(b"RPC") or g.ggml_backend_load(str(library).encode())
+    if not reg:
+        raise RpcNotBuiltError(f"a loadable {LIBRARY}")
+    address = get_proc(reg, b"ggml_backend_rpc_add_server")
+    if not address:
+        raise RpcNotBuiltError(f"ggml_backend_rpc_add_server in {LIBRARY}")
+    add_server = ctypes.CFUNCTYPE(vp, ctypes.c_char_p)(address)
+    _handles.extend([g, base, add_server])
+    _watch_aborts()
+    for e in new:
+        _attached.append(e)  # before the call: a server lost during it is named too
+        server_reg = add_server(str(e).encode())
+        if not server_reg:
+            _attached.remove(e)
+            raise RpcUnreachableError(str(e), "it offers no device")
+        g.ggml_backend_register(server_reg)
+
+
+def devices() -> list[Device]:
+    """The attached servers' devices as llama.cpp's registry lists them (RPC0, RPC1, ...; the
+    description is the server's host:port), with the memory each server offers. They are read
+    from libllama's libggml: llmrun's device query (devices.py) opens another copy, whose
+    registry never sees them."""
+    if not _attached:
+        return []
+    g = _ggml()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    g.ggml_backend_dev_count.restype = sz
+    g.ggml_backend_dev_get.restype, g.ggml_backend_dev_get.argtypes = vp, [sz]
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(g, fn).restype, getattr(g, fn).argtypes = ctypes.c_char_p, [vp]
+    g.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    g.ggml_backend_dev_backend_reg.restype = vp
+    g.ggml_backend_dev_backend_reg.argtypes = [vp]
+    g.ggml_backend_reg_name.restype, g.ggml_backend_reg_name.argtypes = ctypes.c_char_p, [vp]
+    out = []
+    for i in range(int(g.ggml_backend_dev_count())):
+        dev = g.ggml_backend_dev_get(i)
+        reg = g.ggml_backend_dev_backend_reg(dev)
+        if not reg or not (g.ggml_backend_reg_name(reg) or b"").startswith(b"RPC"):
+            continue
+        free, total = sz(0), sz(0)
+        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(
+            Device(
+                name=(g.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                description=(g.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                kind="GPU",  # as llama.cpp's registry types it (GGML_BACKEND_DEVICE_TYPE_GPU)
+                backend="RPC",
+                free_bytes=free.value or None,
+                total_bytes=total.value or None,
+            )
+        )
+    return out
+
+
+def rpc_backends(backends: str, servers: str | None) -> str:
+    """llama-bench's `backends` with RPC servers: the other non-CPU registries, then RPC
+    (llama-bench.cpp, test::get_backend); unchanged without servers."""
+    if not servers:
+        return backends
+    return ",".join([*(b for b in backends.split(",") if b and b != "CPU"), "RPC"])
+
+
+def rpc_gpu_info(gpu_info: str, servers: str | None) -> str:
+    """llama-bench's `gpu_info` with RPC servers: each server's device is a GPU there, its
+    description the server's host:port (one device per server, as rpc-server offers)."""
+    if not servers:
+        return gpu_info
+    return ", ".join([*([gpu_info] if gpu_info else []), *servers.split(",")])
+
+
+def lost_server(timeout_s: float = 1.0) -> str | None:
+    """The attached server that no longer takes a connection, if one is."""
+    for e in _attached:
+        if _connects(e, timeout_s) is not None:
+            return str(e)
+    return None
+
+
+def explain_abort(error: EngineAbortError) -> EngineAbortError:
+    """ggml's abort, told as the RPC server that stopped answering when that is what it was."""
+    if not _attached:
+        return error
+    lost = lost_server()
+    if lost is None and "RPC" not in error.reason:
+        return error
+    if lost is None:
+        lost = ",".join(str(e) for e in _attached)
+    return RpcServerLostError(lost, error.reason)
+
+
+_watching = False
+# What to keep before the process ends on a lost server: each is called once, in the thread
+# that aborts, while the main thread waits inside llama.cpp (bench stores its finished rows).
+SALVAGE: list[Callable[[], None]] = []
+
+
+def _watch_aborts() -> None:
+    """Route ggml's aborts through `explain_abort` before llmrun reports them."""
+    global _watching
+    if _watching:
+        return
+    from . import library
+
+    report = library.on_abort
+
+    def on_abort(error: EngineAbortError) -> None:
+        told = explain_abort(error)
+        if isinstance(told, RpcServerLostError):
+            while SALVAGE:
+                with contextlib.suppress(Exception):
+                    SALVAGE.pop()()
+        report(told)
+
+    library.on_abort = on_abort
+    _watching = True

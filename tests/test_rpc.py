@@ -1,0 +1,306 @@
+"""llama.cpp's RPC backend (issue 31 item 4): `make rpc-server`'s build, `llmrun rpc-server`,
+`--rpc` on run, chat, serve and bench, and a server that stops answering mid-run.
+
+The quick tests parse and refuse; the others build the backend once (`rpc_build`: slow, about
+20 s) and start real `rpc-server`s on free loopback ports, with the embedded model split across
+them and this machine's CPU."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+from llmrun.runners import rpc
+from llmrun.runners.errors import EngineAbortError
+from llmrun.runners.load_record import layers_by_device
+
+from .conftest import ROOT, free_port, which_llmrun
+
+PROMPT = "Write a haiku about rivers."
+
+
+# ---- quick: no model, no process ----------------------------------------------------------
+
+
+def test_endpoints_are_host_port_lists() -> None:
+    got = rpc.parse_endpoints("127.0.0.1:50052, box:1,[::1]:9")
+    assert [str(e) for e in got] == ["127.0.0.1:50052", "box:1", "::1:9"]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "empty item"),
+        ("a:1,,b:2", "empty item"),
+        ("a:1,", "empty item"),
+        ("localhost", "not host:port"),
+        (":50052", "not host:port"),
+        ("a:0", "1 to 65535"),
+        ("a:65536", "1 to 65535"),
+        ("a:port", "1 to 65535"),
+        ("a b:1", "no host"),
+        ("a:1,a:1", "named twice"),
+    ],
+)
+def test_bad_endpoints_are_refused_by_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(rpc.RpcEndpointError, match=says):
+        rpc.parse_endpoints(text)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--rpc", "a:1,,b:2", "hi"],
+        ["run", "-rpc", "host", "hi"],
+        ["chat", "--rpc", "a:99999"],
+        ["serve", "--rpc", "a:1,a:1"],
+        ["bench", "-rpc", "a:0"],
+        ["bench", "--rpc", "a:1,"],
+    ],
+)
+def test_rpc_parsing_errors_are_usage_errors(args: list[str]) -> None:
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 2, done.output
+    assert "rpc" in done.stderr
+
+
+def test_rpc_is_a_local_engine_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
+    done = CliRunner().invoke(app, ["run", "--endpoint", "http://127.0.0.1:9", "--rpc", "a:1", "x"])
+    assert done.exit_code == 1
+    assert "-rpc/--rpc" in done.stderr and "--endpoint" in done.stderr
+
+
+def test_unbuilt_backend_names_make_rpc_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
+    done = CliRunner().invoke(app, ["rpc-server", "-p", str(free_port())])
+    assert done.exit_code == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "make rpc-server" in line and line.startswith("llmrun: error:")
+
+
+def test_unreachable_server_is_one_line_before_any_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The connection is tried before ggml-rpc's, which aborts the process when it fails."""
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
+    (tmp_path / rpc.version()).mkdir()
+    (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")  # never opened: the check is first
+    with pytest.raises(rpc.RpcUnreachableError, match=r"127\.0\.0\.1:\d+ cannot be reached"):
+        rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{free_port()}"))
+
+
+def test_an_abort_with_a_server_gone_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = rpc.Endpoint("127.0.0.1", free_port())
+    monkeypatch.setattr(rpc, "_attached", [gone])
+    told = rpc.explain_abort(EngineAbortError("Remote RPC server crashed (ggml-rpc.cpp:566)"))
+    assert isinstance(told, rpc.RpcServerLostError)
+    assert str(told).startswith(f"RPC server {gone} stopped answering: Remote RPC")
+    monkeypatch.setattr(rpc, "_attached", [])
+    plain = EngineAbortError("GGML_ASSERT(x) failed")
+    assert rpc.explain_abort(plain) is plain
+
+
+def test_records_say_rpc_as_llama_bench() -> None:
+    """llama-bench's get_backend: the other non-CPU registries, then RPC; its gpu_info lists
+    each RPC device, described by the server's host:port."""
+    assert rpc.rpc_backends("CPU", None) == "CPU"
+    assert rpc.rpc_backends("CPU", "a:1,b:2") == "RPC"
+    assert rpc.rpc_backends("CUDA", "a:1") == "CUDA,RPC"
+    assert rpc.rpc_gpu_info("", "a:1,b:2") == "a:1, b:2"
+    assert rpc.rpc_gpu_info("NVIDIA H200", "a:1") == "NVIDIA H200, a:1"
+
+
+def test_layers_are_counted_per_device_from_the_load_log() -> None:
+    log = [
+        "load_tensors: layer   0 assigned to device CPU, is_swa = 0\n",
+        "load_tensors: layer   1 assigned to device RPC0, is_swa = 0\n",
+        "load_tensors: layer   2 assigned to device RPC1, is_swa = 0\n",
+        "load_tensors: layer   3 assigned to device RPC1, is_swa = 0\n",
+    ]
+    assert layers_by_device(log) == {"CPU": 1, "RPC0": 1, "RPC1": 2}
+
+
+# ---- the built backend and real servers ----------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rpc_build() -> Path:
+    """`make rpc-server`'s build (about 20 s once): requesting it marks the test slow and pty."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "rpc_build.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return rpc.rpc_dir()
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "rpc-server ended at start"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"rpc-server did not listen on {port}")
+
+
+def _start(build: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(build / rpc.BINARY), "--port", str(port), "--threads", "1"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    _wait_listening(port, proc)
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def two_servers(
+    rpc_build: Path, llmrun_env: dict[str, str], model_path: str
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], str]]:
+    """Two rpc-servers on free loopback ports, and their --rpc value."""
+    started = [_start(rpc_build, llmrun_env) for _ in range(2)]
+    try:
+        yield [p for p, _ in started], ",".join(f"127.0.0.1:{port}" for _, port in started)
+    finally:
+        for p, _ in started:
+            _stop(p)
+
+
+def _llmrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [which_llmrun(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_greedy_output_split_over_two_servers_is_the_local_output(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    """31 layers: 10 on each server, 11 (the output layer's) here; the same text, byte for
+    byte, as all of them here."""
+    _, servers = two_servers
+    same = ["run", "--temp", "0", "--seed", "7", "-n", "32", "-c", "256", PROMPT]
+    local = _llmrun(same, llmrun_env)
+    split = _llmrun([*same, "-ngl", "20", "--rpc", servers], llmrun_env)
+    assert local.returncode == 0, local.stderr
+    assert split.returncode == 0, split.stderr
+    assert split.stdout == local.stdout and local.stdout.strip()
+    first, second = servers.split(",")
+    assert f"RPC0 {first} (10 layers), RPC1 {second} (10 layers)" in split.stderr
+    assert "ngl 20/31" in split.stderr
+    assert f"RPC0[{first}]" in split.stderr and f"[{second}]" in split.stderr  # memory line
+
+
+def test_bench_records_rpc_as_llama_bench(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    _, servers = two_servers
+    args = ["bench", "-rpc", servers, "-ngl", "20", "-p", "8", "-n", "4", "-r", "1", "-o", "jsonl"]
+    done = _llmrun([*args, "--no-history"], llmrun_env)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) == 2
+    first, second = servers.split(",")
+    for row in rows:
+        assert row["rpc"] == servers and row["backends"] == "RPC"
+        assert row["gpu_info"] == f"{first}, {second}"
+        assert row["n_gpu_layers_offloaded"] == 20
+
+
+def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    """ggml-rpc aborts the process on a failed send or receive: one line names the server,
+    exit 1, and the test that finished before is on stdout and in the history."""
+    procs, servers = two_servers
+    args = ["bench", "-rpc", servers, "-ngl", "20", "-p", "0", "-n", "4,2048", "-r", "3"]
+    child = subprocess.Popen(
+        [which_llmrun(), *args, "-t", "1", "-o", "jsonl"],
+        env=llmrun_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline()  # tg4 done: tg2048 is under way
+        assert first, child.communicate(timeout=60)[1].decode()[-2000:]
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        out, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    text = err.decode()
+    assert child.returncode == 1, text
+    assert "Traceback" not in text and "backtrace" not in text.lower()
+    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
+    assert len(errors) == 1, text
+    assert errors[0].startswith(f"llmrun: error: RPC server {servers.split(',')[1]} stopped")
+    (row,) = [json.loads(line) for line in (first + out).decode().splitlines()]
+    assert row["n_gen"] == 4 and row["rpc"] == servers
+    history = _llmrun(["history"], llmrun_env)
+    assert history.returncode == 0 and "tg4" in history.stdout, history.stderr
+
+
+def test_rpc_server_binds_loopback_by_default_and_warns(
+    rpc_build: Path, llmrun_env: dict[str, str]
+) -> None:
+    port = free_port()
+    child = subprocess.Popen(
+        [which_llmrun(), "rpc-server", "-p", str(port), "-t", "1"],
+        env=llmrun_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_listening(port, child)
+        listening = [
+            line.split()[1]
+            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+            if line.split()[3] == "0A"  # LISTEN
+        ]
+        assert f"0100007F:{port:04X}" in listening  # 127.0.0.1, not 0.0.0.0
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 143
+    text = err.decode()
+    assert f"RPC server on 127.0.0.1:{port}" in text
+    assert "unauthenticated" in text and "Never expose it to an untrusted network" in text
