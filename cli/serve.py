@@ -280,6 +280,14 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if r.engine is not None and r.engine.n_gpu_layers:  # where the layers went
+            from .report import engine_text, memory_text
+
+            print(
+                f"llmrun serve: {engine_text(r.engine)} · {memory_text(r.engine)}",
+                file=sys.stderr,
+                flush=True,
+            )
         view.start(r.served)
 
     try:

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import importlib.metadata
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -65,10 +66,11 @@ class RpcUnreachableError(LlmrunError):
 
 
 class RpcServerLostError(EngineAbortError):
-    """A server stopped answering mid-run: ggml-rpc aborts, and this is what llmrun says."""
+    """ggml-rpc aborted: a server stopped answering mid-run (or refused the handshake), and
+    this is what llmrun says."""
 
-    def __init__(self, endpoint: str, reason: str) -> None:
-        LlmrunError.__init__(self, f"RPC server {endpoint} stopped answering: {reason}")
+    def __init__(self, endpoint: str, reason: str, what: str = "stopped answering") -> None:
+        LlmrunError.__init__(self, f"RPC server {endpoint} {what}: {reason}")
         self.reason = reason
 
 
@@ -278,6 +280,14 @@ def explain_abort(error: EngineAbortError) -> EngineAbortError:
     """ggml's abort, told as the RPC server that stopped answering when that is what it was."""
     if not _attached:
         return error
+    refused = re.search(r"handshake failed for (\S+)", error.reason)
+    if refused:  # another protocol version: another llama.cpp there
+        return RpcServerLostError(
+            refused.group(1),
+            "its RPC protocol is another llama.cpp's; run the same llama-cpp-python version"
+            " (and `make rpc-server`) on every machine",
+            "refused the handshake",
+        )
     lost = lost_server()
     if lost is None and "RPC" not in error.reason:
         return error

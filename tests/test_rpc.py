@@ -108,6 +108,10 @@ def test_an_abort_with_a_server_gone_names_it(monkeypatch: pytest.MonkeyPatch) -
     told = rpc.explain_abort(EngineAbortError("Remote RPC server crashed (ggml-rpc.cpp:566)"))
     assert isinstance(told, rpc.RpcServerLostError)
     assert str(told).startswith(f"RPC server {gone} stopped answering: Remote RPC")
+    shook = rpc.explain_abort(
+        EngineAbortError(f"RPC handshake failed for {gone} (ggml-rpc.cpp:550)")
+    )
+    assert str(shook).startswith(f"RPC server {gone} refused the handshake: its RPC protocol")
     monkeypatch.setattr(rpc, "_attached", [])
     plain = EngineAbortError("GGML_ASSERT(x) failed")
     assert rpc.explain_abort(plain) is plain

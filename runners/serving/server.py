@@ -34,6 +34,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.energy.steps import open_steps
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.stats import EngineSettings
 
 from .api_access import Access, AccessGuard, loopback_address
 from .api_engine import EngineThread
@@ -59,6 +60,7 @@ class Ready:
     kv_unified: bool | None  # as llama.cpp made the context (None: not reported)
     policy: str
     max_connections: int  # the cap in force: lower than asked where open files do not fit it
+    engine: EngineSettings | None = None  # where the layers went (the start line names it)
 
     @property
     def threads(self) -> tuple[int, int]:
@@ -117,6 +119,7 @@ def start(
             kv_unified=loaded.settings.params.get("kv_unified"),
             policy=str(policy),
             max_connections=max_connections,
+            engine=loaded.settings,
         )
         return serve_http(
             served,
