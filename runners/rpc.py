@@ -25,6 +25,7 @@ import importlib.metadata
 import os
 import re
 import socket
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,6 +189,9 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
         why = _connects(e)
         if why is not None:
             raise RpcUnreachableError(str(e), why)
+        with contextlib.suppress(OSError):
+            for *_, address in socket.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM):
+                _peers.add((str(address[0]), int(address[1])))
     g = _ggml()
     vp = ctypes.c_void_p
     g.ggml_backend_reg_by_name.restype, g.ggml_backend_reg_by_name.argtypes = vp, [ctypes.c_char_p]
@@ -212,6 +216,55 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
             _attached.remove(e)
             raise RpcUnreachableError(str(e), "it offers no device")
         g.ggml_backend_register(server_reg)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What went over the process's connections to the RPC servers so far, by the kernel's
+    count (TCP_INFO): bytes the servers acknowledged, and bytes received."""
+
+    sent: int
+    received: int
+
+    @property
+    def bytes(self) -> int:
+        return self.sent + self.received
+
+    def since(self, before: Traffic) -> Traffic:
+        return Traffic(self.sent - before.sent, self.received - before.received)
+
+    def plus(self, other: Traffic) -> Traffic:
+        return Traffic(self.sent + other.sent, self.received + other.received)
+
+
+_peers: set[tuple[str, int]] = set()  # the servers' addresses, resolved when attached
+
+
+def traffic() -> Traffic | None:
+    """The bytes over every open TCP connection to an attached server (ggml-rpc's sockets,
+    found in /proc/self/fd); None without servers, or where Linux's TCP_INFO is not there."""
+    if not _attached or not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+        return None
+    sent = received = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except (OSError, ValueError):
+            continue
+        with s:
+            try:
+                if s.type != socket.SOCK_STREAM or s.getpeername()[:2] not in _peers:
+                    continue
+                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+            except OSError:
+                continue
+        if len(info) < 136:  # before Linux 4.2: no byte counts
+            return None
+        acked, got = struct.unpack_from("QQ", info, 120)  # tcpi_bytes_acked, _received
+        sent, received = sent + acked, received + got
+    return Traffic(sent, received)
 
 
 def devices() -> list[Device]:

@@ -240,6 +240,11 @@ def test_bench_records_rpc_as_llama_bench(
         assert row["rpc"] == servers and row["backends"] == "RPC"
         assert row["gpu_info"] == f"{first}, {second}"
         assert row["n_gpu_layers_offloaded"] == 20
+    pp, tg = rows
+    # the output layer is offloaded first: every decoded token's logits come back over the
+    # network (49,152 floats), besides the graph and the activations
+    assert tg["rpc_bytes_per_token"] > 49152 * 4
+    assert 0 < pp["rpc_bytes_per_token"] < tg["rpc_bytes_per_token"]
 
 
 def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(

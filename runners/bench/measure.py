@@ -26,6 +26,7 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from llmrun.runners import rpc
 from llmrun.runners.base import (
     BenchRunner,
     Finished,
@@ -336,6 +337,7 @@ def run_bench(
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             cpu0 = cpu_sample()
             spans: Spans | None = None
+            traffic: rpc.Traffic | None = None
             try:
                 for rep in itertools.count():
                     if rep >= per_test:
@@ -354,6 +356,7 @@ def run_bench(
                     label = f"{shape.name} {which} {combo.describe()}".strip()
                     still = left(i_combo, i_shape, rep)
                     yield Progress(done, total, label, shape.name, "started", 0.0, still)
+                    before = rpc.traffic()
                     run = _repetition(runner, shape, rng, cancel, combo.draft, meter)
                     while True:
                         try:
@@ -366,6 +369,10 @@ def run_bench(
                     yield Progress(done, total, label, shape.name, "ended", 1.0, still)
                     if warmup and rep == 0:
                         continue
+                    after = rpc.traffic()
+                    if before is not None and after is not None and not shape.n_depth:
+                        moved = after.since(before)  # a depth's fill would count too: none
+                        traffic = moved if traffic is None else moved.plus(traffic)
                     if meter is not None:
                         one = meter.spans(finished.stats)
                         spans = one if spans is None else spans.plus(one)
@@ -425,6 +432,7 @@ def run_bench(
                 until_ci_pct=None if until_ci is None else until_ci.pct,
                 until_ci_stop=stopped,
                 energy=None if meter is None else _energy(meter, shape, spans),
+                rpc_traffic=traffic,
             )
 
 

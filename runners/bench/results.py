@@ -11,7 +11,7 @@ from llmrun.runners.config import DEFAULT_N_BATCH
 from llmrun.runners.energy.bench import ENERGY_FIELDS, BenchEnergy
 from llmrun.runners.kld import RECORD_FIELDS as KLD_FIELDS
 from llmrun.runners.kld import KldStats
-from llmrun.runners.rpc import rpc_backends, rpc_gpu_info
+from llmrun.runners.rpc import Traffic, rpc_backends, rpc_gpu_info
 from llmrun.runners.significance import LogSample
 from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
@@ -185,6 +185,7 @@ class Result:
     until_ci_pct: float | None = None  # with --until-ci: the interval's target half-width, %
     until_ci_stop: str | None = None  # why the repetitions stopped: reached, time budget, cap
     energy: BenchEnergy | None = None  # --energy on or auto: measured, or absent with why
+    rpc_traffic: Traffic | None = None  # -rpc: over the servers' sockets, the timed repetitions
 
     @property
     def kind(self) -> Kind:
@@ -355,6 +356,9 @@ class Result:
             )
         if self.energy is not None:
             rec.update(self.energy.fields())
+        if self.rpc_traffic is not None:  # the network's part (docs/hardware.md)
+            tokens = (self.shape.n_prompt + self.shape.n_gen) * len(self.samples_s)
+            rec["rpc_bytes_per_token"] = round(self.rpc_traffic.bytes / tokens) if tokens else None
         if self.perplexity is not None:
             p = self.perplexity
             rec.update(
