@@ -163,17 +163,18 @@ def attached() -> tuple[Endpoint, ...]:
     return tuple(_attached)
 
 
-def _ggml() -> ctypes.CDLL:
-    """The libggml that libllama uses: opened by its soname, which the loader matches to the
-    copy already mapped as libllama's dependency (a path would map a second copy, with a device
-    registry of its own that llama.cpp never sees)."""
+def _ggml(name: str = "libggml") -> ctypes.CDLL:
+    """The libggml (or libggml-base) that libllama uses: opened by its soname, which the loader
+    matches to the copy already mapped as libllama's dependency (a path would map a second
+    copy, with a device registry of its own that llama.cpp never sees); elsewhere than Linux,
+    the wheel's file."""
     from .library import llama_lib
 
     lib_dir = Path(llama_lib().__file__).parent / "lib"
-    for name in ("libggml.so.0", "libggml.so"):
+    for candidate in (f"{name}.so.0", str(lib_dir / f"{name}.dylib"), str(lib_dir / f"{name}.so")):
         with contextlib.suppress(OSError):
-            return ctypes.CDLL(name) if name.endswith(".0") else ctypes.CDLL(str(lib_dir / name))
-    raise RpcNotBuiltError("libggml")
+            return ctypes.CDLL(candidate)
+    raise RpcNotBuiltError(f"{name} of llama-cpp-python")
 
 
 def attach(endpoints: tuple[Endpoint, ...]) -> None:
@@ -197,7 +198,7 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
     g.ggml_backend_reg_by_name.restype, g.ggml_backend_reg_by_name.argtypes = vp, [ctypes.c_char_p]
     g.ggml_backend_load.restype, g.ggml_backend_load.argtypes = vp, [ctypes.c_char_p]
     g.ggml_backend_register.restype, g.ggml_backend_register.argtypes = None, [vp]
-    base = ctypes.CDLL("libggml-base.so.0")
+    base = _ggml("libggml-base")
     get_proc = base.ggml_backend_reg_get_proc_address
     get_proc.restype, get_proc.argtypes = vp, [vp, ctypes.c_char_p]
     reg = g.ggml_backend_reg_by_name(b"RPC") or g.ggml_backend_load(str(library).encode())

@@ -247,6 +247,34 @@ def test_bench_records_rpc_as_llama_bench(
     assert 0 < pp["rpc_bytes_per_token"] < tg["rpc_bytes_per_token"]
 
 
+def test_serve_names_where_the_layers_went(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    _, servers = two_servers
+    port = free_port()
+    args = ["serve", "--no-dashboard", "--port", str(port), "-c", "256", "-np", "1"]
+    child = subprocess.Popen(
+        [which_llmrun(), *args, "-ngl", "20", "--rpc", servers],
+        env=llmrun_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stderr is not None
+        lines = [child.stderr.readline().decode() for _ in range(2)]
+        child.send_signal(signal.SIGTERM)
+        child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    first, second = servers.split(",")
+    assert "listening on" in lines[0], lines
+    assert f"RPC0 {first} (10 layers), RPC1 {second} (10 layers) · ngl 20/31" in lines[1]
+    assert f"RPC0[{first}]" in lines[1]
+
+
 def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(
     two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
 ) -> None:
