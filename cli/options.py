@@ -225,7 +225,7 @@ def check_rpc(value: str | list[str] | None) -> str | None:
 RPC_FLAGS = ("-rpc", "--rpc")
 RPC_HELP = (
     "llama.cpp's RPC servers (`llmrun rpc-server` on each machine), host:port,...: -ngl's"
-    " layers are split over them by their free memory (-ts to choose), the rest stay here."
+    " layers are split over them by their free memory (bench: -ts), the rest stay here."
     " Unauthenticated: only on a network you trust (docs/hardware.md)."
 )
 Rpc = Annotated[
