@@ -95,6 +95,10 @@ class _Body(BaseModel):
         naming a schema keyword the grammar could not keep."""
         return response_grammar(self.response_format)
 
+    def grammar_field(self) -> str:
+        """The field the grammar was made from, named when llama.cpp refuses it."""
+        return "response_format"
+
     def echoes(self) -> bool:
         """Legacy completions' `echo`: the prompt's text before the answer's."""
         return False
@@ -255,6 +259,9 @@ class ChatBody(_Body):
     def grammar(self) -> str | None:
         plan = self.tool_plan()
         return super().grammar() if plan is None else plan.grammar()
+
+    def grammar_field(self) -> str:
+        return "response_format" if self.tool_plan() is None else "tools"
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat: `logprobs` true or false, `top_logprobs` 0..20 beside a true one."""

@@ -79,6 +79,7 @@ from .api_responses import (
     error_body,
 )
 from .batching import FINISH_ERROR
+from .grammar import check_parses
 from .logprobs import Described, chat_content, legacy
 from .tools import ToolPlan, ToolReader, merged
 
@@ -166,6 +167,8 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         req = body.request(s.defaults)
         grammar, logprobs = body.grammar(), body.logprob_count()
         plan = body.tool_plan() if isinstance(body, ChatBody) else None
+        if grammar is not None:  # refused here, not by the engine once admitted (a 500)
+            await run_in_threadpool(check_parses, s.runner.vocab(), grammar, body.grammar_field())
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
         if req.token_ids is not None:
             n_vocab = s.runner.vocab_size()

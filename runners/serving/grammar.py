@@ -124,7 +124,88 @@ def schema_grammar(schema: Any, where: str) -> str:
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    fault = grammar_fault(grammar)
+    if fault is not None:
+        raise BadRequestError(f"{where}: {fault}")
     return _within_limits(grammar, where)
+
+
+# The escapes llama.cpp's GBNF parser reads (`parse_char`): the converter copies a pattern's
+# other escapes (\d in a class, \w, \., \-, \1, \f) into the grammar, which the parser refuses.
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_CHAR_ESCAPES = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def grammar_fault(grammar: str) -> str | None:
+    """What in a converted grammar llama.cpp cannot take, in words (None: nothing found).
+
+    Its parser refuses an escape it does not know; and its sampler can never write the NUL
+    character (a token's text ends at the first one), so a grammar whose only way on is a NUL
+    leaves no token to sample and llama.cpp aborts the process. A lone surrogate cannot be
+    encoded for it at all."""
+    i, n = 0, len(grammar)
+    end: str | None = None  # inside a literal ('"') or a character class (']')
+    codes: list[int] = []  # the class's characters so far
+    negated = False
+    while i < n:
+        c = grammar[i]
+        if end is None:
+            if c in '"[':
+                end, codes = ('"' if c == '"' else "]"), []
+                negated = c == "[" and grammar[i + 1 : i + 2] == "^"
+                i += 2 if negated else 1
+            else:
+                i += 1
+            continue
+        if c == end:
+            if end == "]" and not negated and codes and not any(codes):
+                return (
+                    "a pattern asks for the NUL character, which llama.cpp's grammar cannot write"
+                )
+            end = None
+            i += 1
+            continue
+        if c == "\\":
+            e = grammar[i + 1 : i + 2]
+            if e in _HEX_ESCAPES:
+                digits = grammar[i + 2 : i + 2 + _HEX_ESCAPES[e]]
+                if len(digits) < _HEX_ESCAPES[e] or not set(digits) <= _HEX:
+                    return f"a pattern's escape \\{e}{digits} is not one llama.cpp's grammar reads"
+                code, i = int(digits, 16), i + 2 + len(digits)
+            elif e in _CHAR_ESCAPES:
+                code, i = _CHAR_ESCAPES[e], i + 2
+            else:
+                return (
+                    f"a pattern's escape \\{e} is not one llama.cpp's grammar reads (write the"
+                    " characters out: [0-9] for \\d, [.] for \\.)"
+                )
+        elif end == "]" and c == "-" and codes and grammar[i + 1 : i + 2] != "]":
+            i += 1  # a range's dash: its ends are the class's characters
+            continue
+        else:
+            code, i = ord(c), i + 1
+        if 0xD800 <= code <= 0xDFFF:
+            return "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
+        if end == '"' and code == 0:
+            return "a pattern asks for the NUL character, which llama.cpp's grammar cannot write"
+        codes.append(code)
+    return None
+
+
+def check_parses(vocab: Any, grammar: str, where: str) -> None:
+    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
+    gate before the engine, whose refusal would end the request with a server error."""
+    from llmrun.runners.library import llama_lib
+
+    lib = llama_lib()
+    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not ptr:
+        raise BadRequestError(
+            f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
+            " (a pattern it cannot read?)"
+        )
+    lib.llama_sampler_free(ptr)
 
 
 # llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
@@ -231,6 +312,8 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
     for key in lengths:
         _count(schema, key, where)
     pattern = schema.get("pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        raise BadRequestError(f"{where}.pattern: a regular expression (a string)")
     if isinstance(pattern, str):
         for low, high in _QUANTIFIER.findall(pattern):
             if max(int(low), int(high or 0)) > MAX_REPEAT:
@@ -238,6 +321,21 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"
                 )
+        _check_pattern(pattern, f"{where}.pattern")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """A pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        grammar = json_schema_to_gbnf(json.dumps({"type": "string", "pattern": pattern}))
+    except Exception as e:  # the converter's asserts: syntax it does not translate
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    fault = grammar_fault(grammar)
+    if fault is not None:
+        raise BadRequestError(f"{where}: {fault}")
 
 
 def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:

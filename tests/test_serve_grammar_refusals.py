@@ -1,0 +1,115 @@
+"""Grammars llama.cpp cannot take are refused before the engine sees them, naming the field.
+
+The bindings' converter copies a pattern's escapes it does not translate (\\d, \\w, \\., \\-) into
+the grammar, where llama.cpp's parser refuses them; a pattern that asks for the NUL character
+gives a grammar llama.cpp's sampler can never follow (it aborted the whole server); and what the
+parser refuses for any other reason ended the request as a 500 once the engine admitted it.
+Each is a 400 naming the request's field, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.grammar import check_parses, grammar_fault, schema_grammar
+
+from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
+
+CHAT = "/v1/chat/completions"
+WHERE = "response_format.json_schema.schema"
+
+
+def code_schema(pattern: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": pattern}},
+        "required": ["code"],
+    }
+
+
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "code", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        (r"^\d{3}-\d{4}$", r"escape \d is not one llama.cpp's grammar reads"),
+        (r"^[a-z]+@x\.com$", r"escape \. is not one"),
+        (r"^[\d-z]$", r"escape \d is not one"),
+        (r"^\w+$", r"escape \w is not one"),
+        (r"^a\fb$", r"escape \f is not one"),
+        ("^\x00$", "the NUL character"),
+        (r"^\u0000$", "the NUL character"),
+        (r"^[\x00]$", "the NUL character"),
+        (r"^[\x00-\x00]$", "the NUL character"),
+        ("^\ud800$", "a lone surrogate"),
+    ],
+)
+def test_a_pattern_llama_cpp_cannot_take_is_refused_by_its_path(pattern: str, words: str) -> None:
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar(code_schema(pattern), WHERE)
+    assert str(e.value).startswith(f"{WHERE}.properties.code.pattern: ")
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"^[0-9]{3}-[.]$", r"^[^\x00-\x1f]+$", r"^\x41\n\t$", r"^[\]\\]$", r"^\($"]
+)
+def test_patterns_llama_cpp_reads_are_kept(pattern: str) -> None:
+    assert "root ::=" in schema_grammar(code_schema(pattern), WHERE)
+
+
+def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
+    assert grammar_fault(r'root ::= "\x41\u00e9\U0001F600\t\r\n\\\"\[\]" [^\x00-\x1f]') is None
+    assert grammar_fault(r'root ::= "\x4"') is not None  # too few hex digits
+    assert grammar_fault(r"root ::= [\x00-\x1f]") is None  # NUL among others: fine
+
+
+def test_llama_cpps_own_parser_is_the_last_gate(runner: LlamaCppRunner) -> None:
+    grammar = schema_grammar({"type": "string", "pattern": "^a**$"}, WHERE)  # a double quantifier
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: llama.cpp's grammar parser refuses"):
+        check_parses(runner.vocab(), grammar, WHERE)
+    check_parses(runner.vocab(), schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
+
+
+# ---- on a real `llmrun serve` ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(serve_env: dict[str, str]) -> Iterator[Server]:  # noqa: F811
+    with llmrun_serve(serve_env, "--no-dashboard") as s:
+        yield s
+
+
+def forced_tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        "tool_choice": "required",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        (
+            {"response_format": json_schema({"type": "string", "pattern": "^a**$"})},
+            "response_format:",
+        ),
+        ({"response_format": json_schema(code_schema("^\x00$"))}, f"{WHERE}.properties.code"),
+        (forced_tool({"type": "object", "properties": {"a": {"pattern": "^a?+$"}}}), "tools:"),
+    ],
+)
+def test_a_grammar_llama_cpp_refuses_is_a_400_naming_the_field(
+    server: Server, fields: dict[str, Any], where: str
+) -> None:
+    r = server.post(CHAT, chat("Write the code.", max_tokens=8, temperature=0, **fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(where)
+    again = server.post(CHAT, chat("Hi", max_tokens=2, temperature=0))
+    assert again.status_code == 200, again.text  # the server lived through it
