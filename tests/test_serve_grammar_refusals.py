@@ -9,6 +9,7 @@ Each is a 400 naming the request's field, and the server goes on serving.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,6 +66,13 @@ def test_patterns_llama_cpp_reads_are_kept(pattern: str) -> None:
     assert "root ::=" in schema_grammar(code_schema(pattern), WHERE)
 
 
+def test_a_patterns_top_level_alternatives_stay_inside_the_strings_quotes() -> None:
+    grammar = schema_grammar({"type": "string", "pattern": "^yes|no$"}, WHERE)
+    assert grammar.startswith('root ::= "\\"" ("ye" "s" | "n" "o") "\\""'), grammar
+    enum = schema_grammar({"enum": ["^a|b$"]}, WHERE)  # a value, not a pattern: as it is
+    assert "^a|b$" in enum
+
+
 def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
     assert grammar_fault(r'root ::= "\x41\u00e9\U0001F600\t\r\n\\\"\[\]" [^\x00-\x1f]') is None
     assert grammar_fault(r'root ::= "\x4"') is not None  # too few hex digits
@@ -113,3 +121,13 @@ def test_a_grammar_llama_cpp_refuses_is_a_400_naming_the_field(
     assert r.json()["error"]["message"].startswith(where)
     again = server.post(CHAT, chat("Hi", max_tokens=2, temperature=0))
     assert again.status_code == 200, again.text  # the server lived through it
+
+
+def test_a_pattern_with_alternatives_gives_a_json_string(server: Server) -> None:
+    schema = {"type": "string", "pattern": "^yes|no$"}
+    body = chat("Yes or no?", max_tokens=8, temperature=0, response_format=json_schema(schema))
+    r = server.post(CHAT, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) in ("yes", "no")

@@ -120,7 +120,7 @@ def schema_grammar(schema: Any, where: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf  # the bindings' converter
 
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
+        grammar = json_schema_to_gbnf(json.dumps(grouped(schema)))
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
@@ -128,6 +128,46 @@ def schema_grammar(schema: Any, where: str) -> str:
     if fault is not None:
         raise BadRequestError(f"{where}: {fault}")
     return _within_limits(grammar, where)
+
+
+VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
+
+
+def grouped(schema: Any) -> Any:
+    """The schema with each pattern whose top level has alternatives (`^a|b$`) written as one
+    group (`^(a|b)$`): the converter puts the alternatives beside the string's quotes, which
+    makes a grammar for `"a` or `b"`, not JSON."""
+    if isinstance(schema, list):
+        return [grouped(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in VALUES else grouped(v) for k, v in schema.items()}
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _has_top_level_bar(pattern):
+        body = pattern.removeprefix("^").removesuffix("$")
+        out["pattern"] = f"^({body})$"
+    return out
+
+
+def _has_top_level_bar(pattern: str) -> bool:
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
 
 
 # The escapes llama.cpp's GBNF parser reads (`parse_char`): the converter copies a pattern's
@@ -329,7 +369,7 @@ def _check_pattern(pattern: str, where: str) -> None:
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
-        grammar = json_schema_to_gbnf(json.dumps({"type": "string", "pattern": pattern}))
+        grammar = json_schema_to_gbnf(json.dumps(grouped({"type": "string", "pattern": pattern})))
     except Exception as e:  # the converter's asserts: syntax it does not translate
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
