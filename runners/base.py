@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
     think: bool | None = None  # the template's thinking switch (enable_thinking); None: default
     draft: int = 0  # prompt-lookup speculative decoding: at most this many drafts (greedy only)
+    grammar: str | None = None  # GBNF the answer follows (run --json-schema / --grammar)
 
 
 @dataclass(frozen=True)

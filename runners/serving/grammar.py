@@ -233,19 +233,27 @@ def grammar_fault(grammar: str) -> str | None:
     return None
 
 
-def check_parses(vocab: Any, grammar: str, where: str) -> None:
-    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
-    gate before the engine, whose refusal would end the request with a server error."""
+def parses(vocab: Any, grammar: str) -> bool:
+    """Whether llama.cpp's own parser takes the grammar (`vocab` None: one without token
+    references can be parsed before a model is loaded). The parser says why not on stderr."""
     from llmrun.runners.library import llama_lib
 
     lib = llama_lib()
     ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
     if not ptr:
+        return False
+    lib.llama_sampler_free(ptr)
+    return True
+
+
+def check_parses(vocab: Any, grammar: str, where: str) -> None:
+    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
+    gate before the engine, whose refusal would end the request with a server error."""
+    if not parses(vocab, grammar):
         raise BadRequestError(
             f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
             " (a pattern it cannot read?)"
         )
-    lib.llama_sampler_free(ptr)
 
 
 # llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
@@ -425,7 +433,7 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
         raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
-def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:
+def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) -> Sampler:
     """A chain whose first sampler is the grammar's, then `chain` (which the new one owns):
     the grammar masks the tokens it forbids before the other samplers see the logits, and
     learns each sampled token with them. `chain` must have seen the prompt already (a grammar
@@ -436,7 +444,7 @@ def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:
     if not grammar_ptr:
         outer.close()
         chain.close()
-        raise BadRequestError(f"{WHERE}: llama.cpp could not parse the grammar made from it")
+        raise BadRequestError(f"{where}: llama.cpp could not parse the grammar made from it")
     outer.add(grammar_ptr)
     outer.add(chain.ptr)
     chain.ptr = None  # the outer chain frees it
