@@ -50,6 +50,9 @@ def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
         (r"^[\x00]$", "the NUL character"),
         (r"^[\x00-\x00]$", "the NUL character"),
         ("^\ud800$", "a lone surrogate"),
+        ("^a**$", "repeats a repetition"),
+        ("^a?+$", "repeats a repetition"),
+        (r"^\$", "did not translate into a grammar llama.cpp reads"),
     ],
 )
 def test_a_pattern_llama_cpp_cannot_take_is_refused_by_its_path(pattern: str, words: str) -> None:
@@ -57,6 +60,16 @@ def test_a_pattern_llama_cpp_cannot_take_is_refused_by_its_path(pattern: str, wo
         schema_grammar(code_schema(pattern), WHERE)
     assert str(e.value).startswith(f"{WHERE}.properties.code.pattern: ")
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("value", ['say "hi"', "a\\b", "two\nlines", ["ok", "tab\there"]])
+def test_a_value_the_converter_would_write_unescaped_is_refused(value: Any) -> None:
+    """The converter puts `json.dumps(value)` into a grammar literal as it is, so its escapes
+    are read as the grammar's: a const "a\\nb" would make the model write a raw newline."""
+    key = "enum" if isinstance(value, list) else "const"
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}\.{key}: a string with a quote"):
+        schema_grammar({key: value}, WHERE)
+    assert "root ::=" in schema_grammar({"const": "café"}, WHERE)  # past ASCII: kept
 
 
 @pytest.mark.parametrize(
@@ -80,9 +93,8 @@ def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
 
 
 def test_llama_cpps_own_parser_is_the_last_gate(runner: LlamaCppRunner) -> None:
-    grammar = schema_grammar({"type": "string", "pattern": "^a**$"}, WHERE)  # a double quantifier
     with pytest.raises(BadRequestError, match=rf"^{WHERE}: llama.cpp's grammar parser refuses"):
-        check_parses(runner.vocab(), grammar, WHERE)
+        check_parses(runner.vocab(), 'root ::= "a" ((', WHERE)
     check_parses(runner.vocab(), schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
 
 
@@ -107,10 +119,14 @@ def forced_tool(parameters: dict[str, Any]) -> dict[str, Any]:
     [
         (
             {"response_format": json_schema({"type": "string", "pattern": "^a**$"})},
-            "response_format:",
+            f"{WHERE}.pattern: a pattern repeats",
         ),
         ({"response_format": json_schema(code_schema("^\x00$"))}, f"{WHERE}.properties.code"),
-        (forced_tool({"type": "object", "properties": {"a": {"pattern": "^a?+$"}}}), "tools:"),
+        (
+            forced_tool({"type": "object", "properties": {"a": {"pattern": "^a?+$"}}}),
+            "tools.0.function.parameters.properties.a.pattern",
+        ),
+        ({"response_format": json_schema({"enum": ["\x00"]})}, f"{WHERE}.enum"),
     ],
 )
 def test_a_grammar_llama_cpp_refuses_is_a_400_naming_the_field(

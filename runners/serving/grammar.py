@@ -177,6 +177,11 @@ _CHAR_ESCAPES = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93}
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
+REPEATED = "a pattern repeats a repetition (a** or a?+), which llama.cpp's grammar cannot read"
+NUL = "asks for the NUL character, which llama.cpp's grammar cannot write"
+UNREAD = "a pattern the converter did not translate into a grammar llama.cpp reads"
+
+
 def grammar_fault(grammar: str) -> str | None:
     """What in a converted grammar llama.cpp cannot take, in words (None: nothing found).
 
@@ -187,10 +192,22 @@ def grammar_fault(grammar: str) -> str | None:
     i, n = 0, len(grammar)
     end: str | None = None  # inside a literal ('"') or a character class (']')
     codes: list[int] = []  # the class's characters so far
-    negated = False
+    negated = quantified = False  # the last item outside literals was a repetition
     while i < n:
         c = grammar[i]
         if end is None:
+            if c in "*+?{":
+                if quantified:
+                    return REPEATED
+                quantified = True
+                i = grammar.find("}", i) + 1 if c == "{" else i + 1
+                if i == 0:
+                    return UNREAD
+                continue
+            if c == "\\":
+                return UNREAD
+            if not c.isspace():
+                quantified = False
             if c in '"[':
                 end, codes = ('"' if c == '"' else "]"), []
                 negated = c == "[" and grammar[i + 1 : i + 2] == "^"
@@ -200,9 +217,7 @@ def grammar_fault(grammar: str) -> str | None:
             continue
         if c == end:
             if end == "]" and not negated and codes and not any(codes):
-                return (
-                    "a pattern asks for the NUL character, which llama.cpp's grammar cannot write"
-                )
+                return NUL
             end = None
             i += 1
             continue
@@ -228,8 +243,10 @@ def grammar_fault(grammar: str) -> str | None:
         if 0xD800 <= code <= 0xDFFF:
             return "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
         if end == '"' and code == 0:
-            return "a pattern asks for the NUL character, which llama.cpp's grammar cannot write"
+            return NUL
         codes.append(code)
+    if end is not None:
+        return UNREAD
     return None
 
 
@@ -343,6 +360,25 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             target = target[part]
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise BadRequestError(f"{where}.enum: a non-empty list of values")
+    for key in ("enum", "const"):
+        if key in schema and _escaped_text(schema[key]):
+            raise BadRequestError(
+                f"{where}.{key}: a string with a quote, a backslash or a control character is"
+                " not supported in structured output (the converter puts its JSON escapes into"
+                " the grammar unescaped: the answer would not be that JSON)"
+            )
+
+
+def _escaped_text(value: Any) -> bool:
+    """Whether a JSON value holds a string that JSON writes with an escape other than \\uXXXX
+    for a character past ASCII (a quote, a backslash, a control character)."""
+    if isinstance(value, str):
+        return any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in value)
+    if isinstance(value, list):
+        return any(_escaped_text(v) for v in value)
+    if isinstance(value, dict):
+        return any(_escaped_text(k) or _escaped_text(v) for k, v in value.items())
+    return False
 
 
 def _check_strings(schema: dict[str, Any], where: str) -> None:
