@@ -57,6 +57,7 @@ class Request:
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: tuple[Any, ...] = ()  # OpenAI tool definitions, for a chat template that renders them
     keep_cache: bool = True  # reuse the KV cache of a shared prefix with the previous request
     # llama-bench's tg: after each decode step a random token is fed, nothing is sampled
     # (engines that cannot do this sample as usual)
