@@ -8,6 +8,10 @@ runner's type (`SamplingOptions.params`, `EngineOptions.config`) in one place.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -433,6 +437,27 @@ DraftModel = Annotated[
         " drafter (up to --draft model:N tokens, default 8). Greedy only (--temp 0).",
     ),
 ]
+JsonSchemaFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--json-schema",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Answer with JSON that the JSON schema in FILE accepts, through llama.cpp's"
+        " grammar sampler (the keywords `serve`'s response_format keeps; others are refused).",
+    ),
+]
+GrammarFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--grammar",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=SAMPLING_PANEL,
+        help="Answer in the GBNF grammar in FILE (llama.cpp's format; its rule 'root').",
+    ),
+]
 HideThinking = Annotated[
     bool,
     typer.Option(
@@ -509,6 +534,71 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
             "--draft: speculative decoding here checks drafts greedily; add --temp 0"
         )
     return int(count) if count else DEFAULT_DRAFT
+
+
+MAX_GRAMMAR_FILE_BYTES = 1 << 20  # as a grammar made from a schema (grammar.py)
+
+
+def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
+    """The grammar --json-schema FILE asks for (made as `serve` makes response_format's, with
+    its refusals), or --grammar FILE's GBNF; None without either."""
+    from llmrun.runners.serving.grammar import schema_grammar
+
+    from .errors import usage_error
+
+    if json_schema is not None and grammar is not None:
+        usage_error("--json-schema, --grammar: one grammar at a time; give one or the other")
+    path = json_schema or grammar
+    if path is None:
+        return None
+    flag = "--json-schema" if json_schema is not None else "--grammar"
+    try:
+        data = read_capped(path, max_bytes=MAX_GRAMMAR_FILE_BYTES, what=flag.lstrip("-"))
+    except OSError as e:
+        raise BadRequestError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"{flag} {path}: {e}") from None
+    text = data.decode("utf-8", errors="replace")
+    if grammar is None:
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise BadRequestError(f"{flag} {path}: not JSON ({e})") from None
+        try:
+            text = schema_grammar(schema, "schema")
+        except BadRequestError as e:
+            raise BadRequestError(f"{flag} {path}: {e}") from None
+    if "<" not in text:  # a token reference (<[id]>, <token>) needs the model's vocabulary
+        reason = _parse_refusal(text)
+        if reason is not None:
+            made = " made from it" if grammar is None else ""
+            raise BadRequestError(
+                f"{flag} {path}: llama.cpp's grammar parser refuses the grammar{made}: {reason}"
+            )
+    return text
+
+
+def _parse_refusal(grammar: str) -> str | None:
+    """Why llama.cpp's parser refuses the grammar (None: it takes it), in one line: the parser
+    writes its reason straight to file descriptor 2, so that is caught while it parses (the
+    command has no display running yet)."""
+    from llmrun.runners.serving.grammar import parses
+
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            ok = parses(None, grammar)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        said = caught.read().decode("utf-8", errors="replace")
+    if ok:
+        return None
+    first = next((line for line in said.splitlines() if "error" in line), "")
+    return " ".join(first.partition("error parsing grammar:")[2].split()) or "not GBNF it reads"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -159,6 +159,8 @@ def run(
         ),
     ] = 1,
     kv_unified: o.KvUnified = None,
+    json_schema: o.JsonSchemaFile = None,
+    grammar: o.GrammarFile = None,
     generation: o.GenerationOptions,
 ) -> None:
     """Generate text for a prompt and report load, prefill and decode separately.
@@ -175,6 +177,11 @@ def run(
     with handled():
         params, config = generation.settings(prompts.system)
         remote, reply = generation.remote, generation.reply
+        given_grammar = {"--json-schema": json_schema, "--grammar": grammar}
+        o.refuse_for_endpoint(remote.endpoint, given_grammar)
+        if reply.draft or reply.draft_model:
+            o.refuse_given(given_grammar, "speculative decoding does not check drafts against it")
+        params = dataclasses.replace(params, grammar=o.read_grammar(json_schema, grammar))
         jobs = collect_jobs(
             words=prompts.prompt or [],
             files=prompts.file or [],

@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
     think: bool | None = None  # the template's thinking switch (enable_thinking); None: default
     draft: int = 0  # prompt-lookup speculative decoding: at most this many drafts (greedy only)
+    grammar: str | None = None  # GBNF the answer follows (run --json-schema / --grammar)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Request:
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: tuple[Any, ...] = ()  # OpenAI tool definitions, for a chat template that renders them
     keep_cache: bool = True  # reuse the KV cache of a shared prefix with the previous request
     # llama-bench's tg: after each decode step a random token is fed, nothing is sampled
     # (engines that cannot do this sample as usual)

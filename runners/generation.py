@@ -59,7 +59,7 @@ def new_sampler(
             chain.accept(prompt[-sp.repeat_last_n :] if sp.repeat_last_n > 0 else ())
         if sp.temperature <= 0:
             chain.add(lib.llama_sampler_init_greedy())
-            return chain
+            return _with_grammar(chain, model, sp.grammar)
         if sp.top_k > 0:
             chain.add(lib.llama_sampler_init_top_k(sp.top_k))
         if sp.top_p < 1.0:
@@ -71,7 +71,18 @@ def new_sampler(
     except BaseException:
         chain.close()
         raise
-    return chain
+    return _with_grammar(chain, model, sp.grammar)
+
+
+def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> Sampler:
+    """The chain behind the grammar's sampler, which masks the logits first (it must not see
+    the prompt: the chain has seen it already)."""
+    if grammar is None:
+        return chain
+    from .serving.grammar import add_grammar
+
+    assert model is not None
+    return add_grammar(chain, model.vocab, grammar, "the grammar (--json-schema, --grammar)")
 
 
 @dataclass

@@ -184,6 +184,15 @@ class LlamaCppRunner:
         self.load_weights()
         return self._model_checked.n_vocab
 
+    def vocab(self) -> Any:
+        """llama.cpp's vocabulary handle, which a grammar is parsed against (loads the weights)."""
+        self.load_weights()
+        return self._model_checked.vocab
+
+    def chat_template(self) -> str | None:
+        """The chat template requests are rendered with: --chat-template-file's, or the GGUF's."""
+        return self.config.chat_template or self.header().chat_template
+
     def header(self) -> GGUFInfo:
         """The model file's GGUF header (read once; the weights need not be loaded)."""
         if self._info is None:

@@ -48,11 +48,13 @@ class Prompts:
         try:
             if self._formatter is None:
                 self._formatter = self._make_formatter()
-            switch = (
+            switch: dict[str, Any] = (
                 {}
                 if request.sampling.think is None
                 else {"enable_thinking": request.sampling.think}
             )
+            if request.tools:  # the template's own tool syntax (serving/tools.py)
+                switch["tools"] = list(request.tools)
             return str(self._formatter(messages=messages, **switch).prompt)
         except Exception as e:  # jinja2's TemplateError and whatever a template raises
             first = (str(e).splitlines() or [""])[0]

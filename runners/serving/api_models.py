@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
@@ -23,7 +23,7 @@ from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 from .grammar import response_grammar
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
-from .tools import ToolPlan, assistant_calls, call_text, tool_plan, tool_result
+from .tools import GENERIC, ToolPlan, assistant_calls, call_text, tool_plan, tool_result
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
@@ -94,6 +94,10 @@ class _Body(BaseModel):
         """The GBNF grammar `response_format` asks for (None: free text); BadRequestError
         naming a schema keyword the grammar could not keep."""
         return response_grammar(self.response_format)
+
+    def grammar_field(self) -> str:
+        """The field the grammar was made from, named when llama.cpp refuses it."""
+        return "response_format"
 
     def echoes(self) -> bool:
         """Legacy completions' `echo`: the prompt's text before the answer's."""
@@ -186,9 +190,12 @@ class Message(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
 
-    def chat_message(self, i: int, names: dict[str, str] | None = None) -> ChatMessage:
+    def chat_message(
+        self, i: int, names: dict[str, str] | None = None, family: str = GENERIC
+    ) -> ChatMessage:
         """The message for the chat template; what it cannot carry is refused. `names`: the
-        tool calls made earlier in the conversation, by id (a `tool` message's name)."""
+        tool calls made earlier in the conversation, by id (a `tool` message's name); `family`:
+        the template's tool-call format (tools.py)."""
         where = f"messages.{i}"
         extra = self.model_extra or {}
         if self.role == "function" or extra.get("function_call"):
@@ -198,7 +205,7 @@ class Message(BaseModel):
         if self.role == "tool":
             call_id = extra.get("tool_call_id")
             name = (names or {}).get(call_id) if isinstance(call_id, str) else None
-            return tool_result(call_id, name, self._text(where), where)
+            return tool_result(call_id, name, self._text(where), where, family)
         role = ROLES.get(self.role)
         if role is None:
             raise BadRequestError(
@@ -211,7 +218,8 @@ class Message(BaseModel):
                 if names is not None and call_id:
                     names[call_id] = name
             text = [self._text(where)] if self.content else []
-            return ChatMessage(role, "\n".join(text + [call_text(n, a) for _, n, a in found]))
+            made = [call_text(n, a, family) for _, n, a in found]
+            return ChatMessage(role, "\n".join(text + made))
         if calls is not None:
             raise BadRequestError(f"{where}.tool_calls: only an assistant message makes calls")
         return ChatMessage(role, self._text(where))
@@ -241,10 +249,16 @@ class ChatBody(_Body):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    _family: str = PrivateAttr(default=GENERIC)
+
+    def use_tool_format(self, family: str) -> None:
+        """The chat template's tool-call format (tools.template_family), which the tools, the
+        calls and the grammar of a forced call follow."""
+        self._family = family
 
     def tool_plan(self) -> ToolPlan | None:
         """What `tools` and `tool_choice` ask (None: no tool is offered); checked."""
-        plan = tool_plan(self.tools, self.tool_choice)
+        plan = tool_plan(self.tools, self.tool_choice, self._family)
         if plan is not None:
             if self.response_format not in (None, {"type": "text"}):
                 raise BadRequestError("response_format: not served together with tools")
@@ -255,6 +269,9 @@ class ChatBody(_Body):
     def grammar(self) -> str | None:
         plan = self.tool_plan()
         return super().grammar() if plan is None else plan.grammar()
+
+    def grammar_field(self) -> str:
+        return "response_format" if self.tool_plan() is None else "tools"
 
     def logprob_count(self) -> int | None:
         """OpenAI's chat: `logprobs` true or false, `top_logprobs` 0..20 beside a true one."""
@@ -283,11 +300,13 @@ class ChatBody(_Body):
         if think is not None and not isinstance(think, bool):
             raise BadRequestError("chat_template_kwargs.enable_thinking must be true or false")
         names: dict[str, str] = {}
-        messages = tuple(m.chat_message(i, names) for i, m in enumerate(self.messages))
+        family = self._family
+        messages = tuple(m.chat_message(i, names, family) for i, m in enumerate(self.messages))
         plan = self.tool_plan()
+        tools: tuple[Any, ...] = ()
         if plan is not None:
-            messages = plan.with_tools(messages)
-        return Request(messages=messages, sampling=self.sampling(defaults, think))
+            messages, tools = plan.with_tools(messages), plan.template_tools()
+        return Request(messages=messages, sampling=self.sampling(defaults, think), tools=tools)
 
 
 class CompletionBody(_Body):

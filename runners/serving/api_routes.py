@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections import deque
@@ -79,8 +80,9 @@ from .api_responses import (
     error_body,
 )
 from .batching import FINISH_ERROR
+from .grammar import check_parses
 from .logprobs import Described, chat_content, legacy
-from .tools import ToolPlan, ToolReader, merged
+from .tools import ToolPlan, ToolReader, merged, template_family
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -101,6 +103,11 @@ class Served:
     log: deque[Answered] = field(default_factory=lambda: deque(maxlen=10000))
     stopping: bool = False
     waiting: set[asyncio.Queue[Event]] = field(default_factory=set)
+
+    @functools.cached_property
+    def tool_format(self) -> str:
+        """The call format of the model's chat template (tools.py), read once."""
+        return template_family(self.runner.chat_template())
 
     @property
     def n_ctx(self) -> int:
@@ -163,9 +170,13 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         seen.set("not_found", message)
         return error_response(404, message, "model_not_found", param="model")
     try:
+        if isinstance(body, ChatBody):
+            body.use_tool_format(s.tool_format)
         req = body.request(s.defaults)
         grammar, logprobs = body.grammar(), body.logprob_count()
         plan = body.tool_plan() if isinstance(body, ChatBody) else None
+        if grammar is not None:  # refused here, not by the engine once admitted (a 500)
+            await run_in_threadpool(check_parses, s.runner.vocab(), grammar, body.grammar_field())
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
         if req.token_ids is not None:
             n_vocab = s.runner.vocab_size()

@@ -120,11 +120,157 @@ def schema_grammar(schema: Any, where: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf  # the bindings' converter
 
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
+        grammar = json_schema_to_gbnf(json.dumps(grouped(schema)))
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    fault = grammar_fault(grammar)
+    if fault is not None:
+        raise BadRequestError(f"{where}: {fault}")
     return _within_limits(grammar, where)
+
+
+VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
+
+
+def grouped(schema: Any) -> Any:
+    """The schema with each pattern whose top level has alternatives (`^a|b$`) written as one
+    group (`^(a|b)$`): the converter puts the alternatives beside the string's quotes, which
+    makes a grammar for `"a` or `b"`, not JSON."""
+    if isinstance(schema, list):
+        return [grouped(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in VALUES else grouped(v) for k, v in schema.items()}
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _has_top_level_bar(pattern):
+        body = pattern.removeprefix("^").removesuffix("$")
+        out["pattern"] = f"^({body})$"
+    return out
+
+
+def _has_top_level_bar(pattern: str) -> bool:
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
+# The escapes llama.cpp's GBNF parser reads (`parse_char`): the converter copies a pattern's
+# other escapes (\d in a class, \w, \., \-, \1, \f) into the grammar, which the parser refuses.
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_CHAR_ESCAPES = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+REPEATED = "a pattern repeats a repetition (a** or a?+), which llama.cpp's grammar cannot read"
+NUL = "asks for the NUL character, which llama.cpp's grammar cannot write"
+UNREAD = "a pattern the converter did not translate into a grammar llama.cpp reads"
+
+
+def grammar_fault(grammar: str) -> str | None:
+    """What in a converted grammar llama.cpp cannot take, in words (None: nothing found).
+
+    Its parser refuses an escape it does not know; and its sampler can never write the NUL
+    character (a token's text ends at the first one), so a grammar whose only way on is a NUL
+    leaves no token to sample and llama.cpp aborts the process. A lone surrogate cannot be
+    encoded for it at all."""
+    i, n = 0, len(grammar)
+    end: str | None = None  # inside a literal ('"') or a character class (']')
+    codes: list[int] = []  # the class's characters so far
+    negated = quantified = False  # the last item outside literals was a repetition
+    while i < n:
+        c = grammar[i]
+        if end is None:
+            if c in "*+?{":
+                if quantified:
+                    return REPEATED
+                quantified = True
+                i = grammar.find("}", i) + 1 if c == "{" else i + 1
+                if i == 0:
+                    return UNREAD
+                continue
+            if c == "\\":
+                return UNREAD
+            if not c.isspace():
+                quantified = False
+            if c in '"[':
+                end, codes = ('"' if c == '"' else "]"), []
+                negated = c == "[" and grammar[i + 1 : i + 2] == "^"
+                i += 2 if negated else 1
+            else:
+                i += 1
+            continue
+        if c == end:
+            if end == "]" and not negated and codes and not any(codes):
+                return NUL
+            end = None
+            i += 1
+            continue
+        if c == "\\":
+            e = grammar[i + 1 : i + 2]
+            if e in _HEX_ESCAPES:
+                digits = grammar[i + 2 : i + 2 + _HEX_ESCAPES[e]]
+                if len(digits) < _HEX_ESCAPES[e] or not set(digits) <= _HEX:
+                    return f"a pattern's escape \\{e}{digits} is not one llama.cpp's grammar reads"
+                code, i = int(digits, 16), i + 2 + len(digits)
+            elif e in _CHAR_ESCAPES:
+                code, i = _CHAR_ESCAPES[e], i + 2
+            else:
+                return (
+                    f"a pattern's escape \\{e} is not one llama.cpp's grammar reads (write the"
+                    " characters out: [0-9] for \\d, [.] for \\.)"
+                )
+        elif end == "]" and c == "-" and codes and grammar[i + 1 : i + 2] != "]":
+            i += 1  # a range's dash: its ends are the class's characters
+            continue
+        else:
+            code, i = ord(c), i + 1
+        if 0xD800 <= code <= 0xDFFF:
+            return "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
+        if end == '"' and code == 0:
+            return NUL
+        codes.append(code)
+    if end is not None:
+        return UNREAD
+    return None
+
+
+def parses(vocab: Any, grammar: str) -> bool:
+    """Whether llama.cpp's own parser takes the grammar (`vocab` None: one without token
+    references can be parsed before a model is loaded). The parser says why not on stderr."""
+    from llmrun.runners.library import llama_lib
+
+    lib = llama_lib()
+    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    if not ptr:
+        return False
+    lib.llama_sampler_free(ptr)
+    return True
+
+
+def check_parses(vocab: Any, grammar: str, where: str) -> None:
+    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
+    gate before the engine, whose refusal would end the request with a server error."""
+    if not parses(vocab, grammar):
+        raise BadRequestError(
+            f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
+            " (a pattern it cannot read?)"
+        )
 
 
 # llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
@@ -214,6 +360,25 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             target = target[part]
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise BadRequestError(f"{where}.enum: a non-empty list of values")
+    for key in ("enum", "const"):
+        if key in schema and _escaped_text(schema[key]):
+            raise BadRequestError(
+                f"{where}.{key}: a string with a quote, a backslash or a control character is"
+                " not supported in structured output (the converter puts its JSON escapes into"
+                " the grammar unescaped: the answer would not be that JSON)"
+            )
+
+
+def _escaped_text(value: Any) -> bool:
+    """Whether a JSON value holds a string that JSON writes with an escape other than \\uXXXX
+    for a character past ASCII (a quote, a backslash, a control character)."""
+    if isinstance(value, str):
+        return any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in value)
+    if isinstance(value, list):
+        return any(_escaped_text(v) for v in value)
+    if isinstance(value, dict):
+        return any(_escaped_text(k) or _escaped_text(v) for k, v in value.items())
+    return False
 
 
 def _check_strings(schema: dict[str, Any], where: str) -> None:
@@ -231,6 +396,8 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
     for key in lengths:
         _count(schema, key, where)
     pattern = schema.get("pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        raise BadRequestError(f"{where}.pattern: a regular expression (a string)")
     if isinstance(pattern, str):
         for low, high in _QUANTIFIER.findall(pattern):
             if max(int(low), int(high or 0)) > MAX_REPEAT:
@@ -238,6 +405,21 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"
                 )
+        _check_pattern(pattern, f"{where}.pattern")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """A pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        grammar = json_schema_to_gbnf(json.dumps(grouped({"type": "string", "pattern": pattern})))
+    except Exception as e:  # the converter's asserts: syntax it does not translate
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    fault = grammar_fault(grammar)
+    if fault is not None:
+        raise BadRequestError(f"{where}: {fault}")
 
 
 def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
@@ -287,7 +469,7 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
         raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
-def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:
+def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) -> Sampler:
     """A chain whose first sampler is the grammar's, then `chain` (which the new one owns):
     the grammar masks the tokens it forbids before the other samplers see the logits, and
     learns each sampled token with them. `chain` must have seen the prompt already (a grammar
@@ -298,7 +480,7 @@ def add_grammar(chain: Sampler, vocab: Any, grammar: str) -> Sampler:
     if not grammar_ptr:
         outer.close()
         chain.close()
-        raise BadRequestError(f"{WHERE}: llama.cpp could not parse the grammar made from it")
+        raise BadRequestError(f"{where}: llama.cpp could not parse the grammar made from it")
     outer.add(grammar_ptr)
     outer.add(chain.ptr)
     chain.ptr = None  # the outer chain frees it

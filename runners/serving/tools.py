@@ -21,6 +21,13 @@ A conversation may carry the calls back: an assistant message's `tool_calls` are
 same JSON object in its content, and a `tool` message becomes a user message whose content is
 `{"tool_response": {"tool_call_id": ID, "name": NAME, "content": TEXT}}` (llama-server's
 polyfill for templates without a tool role).
+
+A chat template with tool syntax of its own is used instead where llmrun knows its call format:
+the Hermes format (Qwen2.5, Hermes 2/3, SmolLM3, ...), a template that renders `tools` and writes
+calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`. Its tools go to the template
+(`tools`, as OpenAI defines them), a call is that block (the whole answer, stripped, for
+"auto"; the grammar writes it for a forced one), a past call is written as that block and a
+`tool` message keeps its role (the template renders its `<tool_response>`).
 """
 
 from __future__ import annotations
@@ -38,11 +45,26 @@ from llmrun.runners.errors import BadRequestError
 from .grammar import check_schema, schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+GENERIC, HERMES = "generic", "hermes"  # the call formats: llmrun's system message, or <tool_call>
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
 # The text before the arguments in an answer the grammar wrote: `{"name": "f", "arguments": `.
 FORCED_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')
-# The end of an answer the grammar wrote: the object's closing brace (held back until the end).
+# The end of an answer the grammar wrote: the object's closing brace (held back until the end),
+# and in the Hermes format the closing tag, or as much of it as was written yet.
 FORCED_TAIL = re.compile(r"\s*\}?\s*$")
+_CLOSE_PREFIXES = "|".join(re.escape(CLOSE[:n]) for n in range(len(CLOSE), 0, -1))
+HERMES_TAIL = re.compile(rf"\s*\}}?\s*(?:{_CLOSE_PREFIXES})?\s*$")
+
+
+def template_family(template: str | None) -> str:
+    """The call format a chat template writes: HERMES when it renders `tools` and writes
+    `<tool_call>` blocks; GENERIC (llmrun's system message) for any other."""
+    if template and re.search(r"\btools\b", template) and OPEN in template:
+        return HERMES
+    return GENERIC
+
+
 INSTRUCTIONS = (
     "You can call tools. To call one, answer with only a JSON object"
     ' {"name": <the tool\'s name>, "arguments": <an object of its arguments>}'
@@ -72,6 +94,7 @@ class ToolPlan:
 
     tools: tuple[Tool, ...]
     forced: bool  # "required" or a named function: the grammar writes the call
+    family: str = GENERIC  # the call format (template_family)
 
     @property
     def names(self) -> set[str]:
@@ -81,8 +104,17 @@ class ToolPlan:
         listed = json.dumps([t.described() for t in self.tools], ensure_ascii=False)
         return INSTRUCTIONS + ("" if self.forced else AUTO) + "\n\nTools: " + listed
 
+    def template_tools(self) -> tuple[dict[str, Any], ...]:
+        """The tools for a template that renders them (none: they are in the system message)."""
+        if self.family == GENERIC:
+            return ()
+        return tuple({"type": "function", "function": t.described()} for t in self.tools)
+
     def with_tools(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
-        """The conversation with the tools written into its system message."""
+        """The conversation with the tools written into its system message (a template with
+        tool syntax renders them itself)."""
+        if self.family != GENERIC:
+            return messages
         text = self.system_text()
         if messages and messages[0].role == "system":
             first = ChatMessage("system", (messages[0].content + "\n\n" + text).lstrip())
@@ -112,7 +144,17 @@ class ToolPlan:
             )
         _distinct_defs(self.tools)
         schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "$defs": defs}
-        return schema_grammar(schema, "tools")
+        grammar = schema_grammar(schema, "tools")
+        if self.family == GENERIC:
+            return grammar
+        # the object inside the template's block: its root renamed, a new root around it
+        lines = [
+            "tool-call-object ::=" + line[len("root ::=") :]
+            if line.startswith("root ::=")
+            else line
+            for line in grammar.splitlines()
+        ]
+        return "\n".join([f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"', *lines])
 
     def reader(self) -> ToolReader:
         return ToolReader(self)
@@ -152,7 +194,7 @@ def _distinct_defs(tools: tuple[Tool, ...]) -> None:
                     )
 
 
-def tool_plan(tools: Any, choice: Any) -> ToolPlan | None:
+def tool_plan(tools: Any, choice: Any, family: str = GENERIC) -> ToolPlan | None:
     """The plan a request's `tools` and `tool_choice` ask for; None when no tool is offered
     (no tools, or "none"). BadRequestError naming what is wrong or not served."""
     offered = _tools(tools)
@@ -167,7 +209,7 @@ def tool_plan(tools: Any, choice: Any) -> ToolPlan | None:
             return None
         if not offered:
             raise BadRequestError(f"tool_choice: {choice!r} needs tools")
-        return ToolPlan(offered, forced=choice == "required")
+        return ToolPlan(offered, forced=choice == "required", family=family)
     if (
         not isinstance(choice, dict)
         or choice.get("type") != "function"
@@ -182,7 +224,7 @@ def tool_plan(tools: Any, choice: Any) -> ToolPlan | None:
     chosen = tuple(t for t in offered if t.name == name)
     if not chosen:
         raise BadRequestError(f"tool_choice.function.name: {name!r} is not among the tools")
-    return ToolPlan(chosen, forced=True)
+    return ToolPlan(chosen, forced=True, family=family)
 
 
 def _tools(tools: Any) -> tuple[Tool, ...]:
@@ -223,13 +265,14 @@ def _tools(tools: Any) -> tuple[Tool, ...]:
 # ---- the conversation's calls and results ----------------------------------------------------
 
 
-def call_text(name: str, arguments: str) -> str:
+def call_text(name: str, arguments: str, family: str = GENERIC) -> str:
     """A call as the model is asked to write it (an assistant message's `tool_calls`)."""
     try:
         value: Any = json.loads(arguments)
     except (ValueError, RecursionError):  # nested past the parser's limit too
         value = arguments
-    return json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+    text = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+    return text if family == GENERIC else f"{OPEN}\n{text}\n{CLOSE}"
 
 
 def assistant_calls(calls: Any, where: str) -> list[tuple[str, str, str]]:
@@ -249,10 +292,15 @@ def assistant_calls(calls: Any, where: str) -> list[tuple[str, str, str]]:
     return found
 
 
-def tool_result(call_id: Any, name: str | None, content: str, where: str) -> ChatMessage:
-    """A `tool` message, as the user message the template can render."""
+def tool_result(
+    call_id: Any, name: str | None, content: str, where: str, family: str = GENERIC
+) -> ChatMessage:
+    """A `tool` message, as the user message the template can render (a template with tool
+    syntax renders the `tool` role itself)."""
     if not isinstance(call_id, str) or not call_id:
         raise BadRequestError(f"{where}.tool_call_id: the id of the call this answers")
+    if family != GENERIC:
+        return ChatMessage("tool", content)
     answer = {"tool_call_id": call_id, "name": name, "content": content}
     return ChatMessage("user", json.dumps({"tool_response": answer}, ensure_ascii=False))
 
@@ -291,27 +339,37 @@ class ToolReader:
             return [{"content": text}] if text else []
         self.held += text
         if not self.plan.forced:
-            if not self.held.strip() or self.held.lstrip().startswith("{"):
+            start = self.held.lstrip()[: len(OPEN)]
+            maybe = start.startswith("{") if self.plan.family == GENERIC else OPEN.startswith(start)
+            if not start or maybe:
                 return []  # maybe a call: held until the end
             self.free, held, self.held = True, self.held, ""
             return [{"content": held}]
         deltas: list[dict[str, Any]] = []
         if self.name is None:
-            head = FORCED_HEAD.match(self.held)
-            if head is None:
+            inner = self._unwrapped(self.held)
+            head = FORCED_HEAD.match(inner) if inner is not None else None
+            if head is None or inner is None:
                 return []
             deltas.append(self._head(head.group(1)))
-            self.held = self.held[head.end() :]
+            self.held = inner[head.end() :]
             self.sent_arguments = 0
         body = self._body(self.held)
         if len(body) > self.sent_arguments:
             deltas.append(self._arguments(body[self.sent_arguments :]))
         return deltas
 
-    @staticmethod
-    def _body(text: str) -> str:
-        """The arguments written so far: the text without the object's closing brace."""
-        tail = FORCED_TAIL.search(text)
+    def _unwrapped(self, text: str) -> str | None:
+        """A forced call's text after the template's opening tag (None: not all of it yet)."""
+        if self.plan.family == GENERIC:
+            return text
+        stripped = text.lstrip()
+        return stripped[len(OPEN) :] if stripped.startswith(OPEN) else None
+
+    def _body(self, text: str) -> str:
+        """The arguments written so far: the text without the object's closing brace (and the
+        template's closing tag)."""
+        tail = (FORCED_TAIL if self.plan.family == GENERIC else HERMES_TAIL).search(text)
         return text[: tail.start()] if tail else text
 
     def finish(self, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
@@ -326,11 +384,20 @@ class ToolReader:
             )
             complete = finish_reason == "stop" and _is_object(body)
             return deltas, "tool_calls" if complete else finish_reason
-        call = _parse_call(self.held, self.plan.names) if finish_reason == "stop" else None
+        text: str | None = self.held if self.plan.family == GENERIC else _block(self.held)
+        call = _parse_call(text, self.plan.names) if finish_reason == "stop" and text else None
         if call is None:
             return ([{"content": self.held}] if self.held else []), finish_reason
         name, arguments = call
         return [self._head(name), self._arguments(arguments)], "tool_calls"
+
+
+def _block(text: str) -> str | None:
+    """The JSON inside an answer that is one `<tool_call>` block, whole (None: it is not)."""
+    stripped = text.strip()
+    if stripped.startswith(OPEN) and stripped.endswith(CLOSE):
+        return stripped[len(OPEN) : -len(CLOSE)]
+    return None
 
 
 def _is_object(text: str) -> bool:

@@ -1,0 +1,111 @@
+"""`llmrun run --json-schema FILE` and `--grammar FILE`: the answer held to a grammar.
+
+The schema is made a grammar as `serve` makes `response_format`'s, with the same refusals by
+name; a GBNF file goes to llama.cpp as it is. Both are parsed by llama.cpp's own parser before
+the model loads, so a grammar it refuses is one line with its reason, exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmrun.cli.app import app
+
+from .fake import FakeRunner
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "capital"],
+    "additionalProperties": False,
+}
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_grammar_reaches_the_runners_sampling(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    schema = write(tmp_path, "city.json", json.dumps(CITY))
+    result = cli.invoke(app, ["run", "x", "--json-schema", schema])
+    assert result.exit_code == 0, result.stderr
+    grammar = fake.requests[0].sampling.grammar or ""
+    assert "root ::=" in grammar and '\\"capital\\"' in grammar
+    gbnf = write(tmp_path, "yn.gbnf", 'root ::= "yes" | "no"\n')
+    assert cli.invoke(app, ["run", "x", "--grammar", gbnf]).exit_code == 0
+    assert fake.requests[1].sampling.grammar == 'root ::= "yes" | "no"\n'
+    assert cli.invoke(app, ["run", "x"]).exit_code == 0
+    assert fake.requests[2].sampling.grammar is None
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        (
+            "min.json",
+            '{"type": "integer", "minimum": 1}',
+            "min.json: schema.minimum: not supported in structured output",
+        ),
+        ("bad.json", "{not json", "bad.json: not JSON"),
+        ("dq.json", '{"type": "string", "pattern": "^a**$"}', "schema.pattern: a pattern repeats"),
+        ("d.json", '{"type": "string", "pattern": "^\\\\d+$"}', "schema.pattern: a pattern's"),
+        ("broken.gbnf", 'root ::= "a" ((\n', "grammar parser refuses the grammar: expecting ')'"),
+    ],
+)
+def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path, name: str, text: str, words: str
+) -> None:
+    flag = "--grammar" if name.endswith(".gbnf") else "--json-schema"
+    result = cli.invoke(app, ["run", "x", flag, write(tmp_path, name, text)])
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.startswith(f"llmrun: error: {flag} ")
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert fake.requests == []
+
+
+def test_a_missing_file_and_options_that_clash(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    missing = str(tmp_path / "none.json")
+    result = cli.invoke(app, ["run", "x", "--json-schema", missing])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"llmrun: error: --json-schema: cannot read {missing}")
+    schema = write(tmp_path, "city.json", json.dumps(CITY))
+    gbnf = write(tmp_path, "yn.gbnf", 'root ::= "yes"\n')
+    both = cli.invoke(app, ["run", "x", "--json-schema", schema, "--grammar", gbnf])
+    assert both.exit_code == 2 and "one grammar at a time" in both.stderr
+    drafted = cli.invoke(app, ["run", "x", "--grammar", gbnf, "--draft", "lookup", "--temp", "0"])
+    assert drafted.exit_code != 0 and "--grammar: speculative decoding" in drafted.stderr
+    remote = cli.invoke(app, ["run", "x", "--grammar", gbnf, "--endpoint", "http://127.0.0.1:9"])
+    assert remote.exit_code != 0 and "--grammar: local-engine options" in remote.stderr
+
+
+def test_the_answer_is_json_the_schema_accepts(
+    cli: CliRunner, model_path: str, tmp_path: Path
+) -> None:
+    schema = write(tmp_path, "city.json", json.dumps(CITY))
+    args = ["run", "Name a city as JSON.", "--json-schema", schema, "--temp", "0", "-n", "80"]
+    result = cli.invoke(app, [*args, "-q"])
+    assert result.exit_code == 0, result.stderr
+    value = json.loads(result.stdout)
+    assert set(value) == {"city", "capital"} and isinstance(value["capital"], bool)
+    assert isinstance(value["city"], str) and len(value["city"]) <= 20
+
+
+def test_a_gbnf_grammar_is_followed(cli: CliRunner, model_path: str, tmp_path: Path) -> None:
+    gbnf = write(tmp_path, "yn.gbnf", 'root ::= "yes" | "no"\n')
+    args = ["run", "Is the sky blue?", "--grammar", gbnf, "--temp", "0.8", "--seed", "3", "-q"]
+    result = cli.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() in ("yes", "no")

@@ -1,0 +1,149 @@
+"""Grammars llama.cpp cannot take are refused before the engine sees them, naming the field.
+
+The bindings' converter copies a pattern's escapes it does not translate (\\d, \\w, \\., \\-) into
+the grammar, where llama.cpp's parser refuses them; a pattern that asks for the NUL character
+gives a grammar llama.cpp's sampler can never follow (it aborted the whole server); and what the
+parser refuses for any other reason ended the request as a 500 once the engine admitted it.
+Each is a 400 naming the request's field, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from llmrun.runners.errors import BadRequestError
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.grammar import check_parses, grammar_fault, schema_grammar
+
+from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
+
+CHAT = "/v1/chat/completions"
+WHERE = "response_format.json_schema.schema"
+
+
+def code_schema(pattern: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": pattern}},
+        "required": ["code"],
+    }
+
+
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "code", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "words"),
+    [
+        (r"^\d{3}-\d{4}$", r"escape \d is not one llama.cpp's grammar reads"),
+        (r"^[a-z]+@x\.com$", r"escape \. is not one"),
+        (r"^[\d-z]$", r"escape \d is not one"),
+        (r"^\w+$", r"escape \w is not one"),
+        (r"^a\fb$", r"escape \f is not one"),
+        ("^\x00$", "the NUL character"),
+        (r"^\u0000$", "the NUL character"),
+        (r"^[\x00]$", "the NUL character"),
+        (r"^[\x00-\x00]$", "the NUL character"),
+        ("^\ud800$", "a lone surrogate"),
+        ("^a**$", "repeats a repetition"),
+        ("^a?+$", "repeats a repetition"),
+        (r"^\$", "did not translate into a grammar llama.cpp reads"),
+    ],
+)
+def test_a_pattern_llama_cpp_cannot_take_is_refused_by_its_path(pattern: str, words: str) -> None:
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar(code_schema(pattern), WHERE)
+    assert str(e.value).startswith(f"{WHERE}.properties.code.pattern: ")
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("value", ['say "hi"', "a\\b", "two\nlines", ["ok", "tab\there"]])
+def test_a_value_the_converter_would_write_unescaped_is_refused(value: Any) -> None:
+    """The converter puts `json.dumps(value)` into a grammar literal as it is, so its escapes
+    are read as the grammar's: a const "a\\nb" would make the model write a raw newline."""
+    key = "enum" if isinstance(value, list) else "const"
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}\.{key}: a string with a quote"):
+        schema_grammar({key: value}, WHERE)
+    assert "root ::=" in schema_grammar({"const": "café"}, WHERE)  # past ASCII: kept
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"^[0-9]{3}-[.]$", r"^[^\x00-\x1f]+$", r"^\x41\n\t$", r"^[\]\\]$", r"^\($"]
+)
+def test_patterns_llama_cpp_reads_are_kept(pattern: str) -> None:
+    assert "root ::=" in schema_grammar(code_schema(pattern), WHERE)
+
+
+def test_a_patterns_top_level_alternatives_stay_inside_the_strings_quotes() -> None:
+    grammar = schema_grammar({"type": "string", "pattern": "^yes|no$"}, WHERE)
+    assert grammar.startswith('root ::= "\\"" ("ye" "s" | "n" "o") "\\""'), grammar
+    enum = schema_grammar({"enum": ["^a|b$"]}, WHERE)  # a value, not a pattern: as it is
+    assert "^a|b$" in enum
+
+
+def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
+    assert grammar_fault(r'root ::= "\x41\u00e9\U0001F600\t\r\n\\\"\[\]" [^\x00-\x1f]') is None
+    assert grammar_fault(r'root ::= "\x4"') is not None  # too few hex digits
+    assert grammar_fault(r"root ::= [\x00-\x1f]") is None  # NUL among others: fine
+
+
+def test_llama_cpps_own_parser_is_the_last_gate(runner: LlamaCppRunner) -> None:
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: llama.cpp's grammar parser refuses"):
+        check_parses(runner.vocab(), 'root ::= "a" ((', WHERE)
+    check_parses(runner.vocab(), schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
+
+
+# ---- on a real `llmrun serve` ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(serve_env: dict[str, str]) -> Iterator[Server]:  # noqa: F811
+    with llmrun_serve(serve_env, "--no-dashboard") as s:
+        yield s
+
+
+def forced_tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        "tool_choice": "required",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        (
+            {"response_format": json_schema({"type": "string", "pattern": "^a**$"})},
+            f"{WHERE}.pattern: a pattern repeats",
+        ),
+        ({"response_format": json_schema(code_schema("^\x00$"))}, f"{WHERE}.properties.code"),
+        (
+            forced_tool({"type": "object", "properties": {"a": {"pattern": "^a?+$"}}}),
+            "tools.0.function.parameters.properties.a.pattern",
+        ),
+        ({"response_format": json_schema({"enum": ["\x00"]})}, f"{WHERE}.enum"),
+    ],
+)
+def test_a_grammar_llama_cpp_refuses_is_a_400_naming_the_field(
+    server: Server, fields: dict[str, Any], where: str
+) -> None:
+    r = server.post(CHAT, chat("Write the code.", max_tokens=8, temperature=0, **fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(where)
+    again = server.post(CHAT, chat("Hi", max_tokens=2, temperature=0))
+    assert again.status_code == 200, again.text  # the server lived through it
+
+
+def test_a_pattern_with_alternatives_gives_a_json_string(server: Server) -> None:
+    schema = {"type": "string", "pattern": "^yes|no$"}
+    body = chat("Yes or no?", max_tokens=8, temperature=0, response_format=json_schema(schema))
+    r = server.post(CHAT, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) in ("yes", "no")
