@@ -50,7 +50,7 @@ from .serving import (
 
 if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
-    from llmrun.runners.serving.figures import Latency
+    from llmrun.runners.serving.figures import Latency, ServingMetrics
 
 METRICS = LATENCIES
 
@@ -336,8 +336,8 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _latency(name: str, key: str) -> Callable[[sv.ServingMetrics], str]:
-    def cell(m: sv.ServingMetrics) -> str:
+def _latency(name: str, key: str) -> Callable[[ServingMetrics], str]:
+    def cell(m: ServingMetrics) -> str:
         latency: Latency | None = getattr(m, name)
         return "-" if latency is None else _num(latency.fields(name).get(key), ",.1f")
 
@@ -351,7 +351,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     for level in levels:
         policy = f" {level.policy}" if level.policy else ""
         table.add_column(f"{level.level_text} rate={level.rate_text}{policy}", justify="right")
-    rows: list[tuple[str, Callable[[sv.ServingMetrics], str]]] = [
+    rows: list[tuple[str, Callable[[ServingMetrics], str]]] = [
         ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
         ("duration s", lambda m: f"{m.duration_s:.2f}"),
         ("request throughput req/s", lambda m: _num(m.request_throughput, ".2f")),
@@ -375,7 +375,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     return fitted(table, by_column=True)
 
 
-def _of_metrics(cell: Callable[[sv.ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
+def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
     return lambda level: cell(level.metrics)
 
 
