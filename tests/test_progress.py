@@ -110,9 +110,7 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     shapes = [Shape(16, 0), Shape(0, 64)]
     run = measure.run_bench(
         fake,  # type: ignore[arg-type]
-        combos=combos,
-        shapes=shapes,
-        reps=2,
+        measure.BenchPlan(measure.every_shape(combos, shapes), reps=2),
         base=EngineConfig(),
     )
     events = [e for e in run if isinstance(e, measure.Progress)]

@@ -28,7 +28,7 @@ from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from . import localscore as ls
 from . import sweep as sw
-from .measure import Progress, Skipped, UntilCi, run_bench
+from .measure import BenchPlan, Progress, Skipped, UntilCi, run_bench
 from .results import OPTIONAL_FIELDS, RELATIVE_FIELDS, Perplexity, Result, Row
 
 if TYPE_CHECKING:
@@ -388,21 +388,17 @@ def _models(
             # llama-bench records the model's file name as given (a local path, not a Hub name)
             given = model if model and os.path.isfile(model) else ""
             for n_ctx in sweep.contexts():
-                for event in run_bench(
-                    runner,
-                    combos=combos,
-                    shapes=sweep.shapes,
-                    tests=sw.tests(combos, sweep.shapes, sweep.inside_depth()),
-                    reps=sweep.reps,
-                    base=base,
+                plan = BenchPlan(
+                    tuple(sw.tests(combos, sweep.shapes, sweep.inside_depth())),
+                    sweep.reps,
                     n_ctx=n_ctx,
                     seed=sweep.seed,
                     warmup=sweep.warmup,
                     delay_s=sweep.delay_s,
-                    cancel=cancel,
                     until_ci=until_ci,
                     meter=meter,
-                ):
+                )
+                for event in run_bench(runner, plan, base=base, cancel=cancel):
                     yield (
                         replace(event, model_filename=given)
                         if given and isinstance(event, Result)
