@@ -135,8 +135,11 @@ def test_the_switch_on_a_machine_with_nothing_readable(
     auto = open_steps("auto", FAKE_SETTINGS)
     assert auto is not None and not auto.measured
     assert auto.reason.startswith("no RAPL counters:")
-    with pytest.raises(BadRequestError, match="--energy on: no energy counter can be read here"):
+    with pytest.raises(
+        BadRequestError, match="--energy on: no energy counter can be read here"
+    ) as e:
         open_steps("on", FAKE_SETTINGS)
+    assert "GPU: nvidia-ml-py is not installed (pip install 'llmrun[nvidia]')" in str(e.value)
 
 
 def test_step_phases() -> None:
