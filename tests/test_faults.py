@@ -31,7 +31,7 @@ from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S, ROOT, which_llmrun
 from .fake import FakeBenchRunner
-from .stub_server import stub_server
+from .stub_server import bench_against_stub, stub_server
 
 # A signal is answered within this long, on a machine busy with other tests (a few hundred ms
 # of work at most: a tokenized piece, a batch of a perplexity window, a look at a pipe).
@@ -464,24 +464,7 @@ def test_remote_serving_rows_carry_the_clients_busy_mark(
     """A loaded client delays what it times: its machine's load marks remote rows too (they
     had no busy mark at all: `busy: None`)."""
     monkeypatch.setattr(system, "background_override", 64.0)
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "-m",
-                "stub",
-                "--num-prompts",
-                "2",
-                "--concurrency",
-                "1",
-                "-o",
-                "json",
-            ],
-        )
+    result = bench_against_stub(cli, "--num-prompts", "2", "--concurrency", "1", model="stub")
     assert result.exit_code == 0, result.stderr
     (row,) = json.loads(result.stdout)
     assert row["busy"] is True and row["background_cpus"] == 64.0

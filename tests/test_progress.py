@@ -345,29 +345,19 @@ def test_local_interference_counts_the_stream_and_the_long_prompts(runner: Llama
 
 
 def test_serving_against_a_server_counts_prompts_and_requests(cli: CliRunner, home: Path) -> None:
-    from .stub_server import stub_server
+    from .stub_server import bench_against_stub
 
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "-m",
-                "stub",
-                "--concurrency",
-                "1,2",
-                "--num-prompts",
-                "3",
-                "--warmup",
-                "1",
-                "-o",
-                "json",
-                "--no-history",
-            ],
-        )
+    result = bench_against_stub(
+        cli,
+        "--concurrency",
+        "1,2",
+        "--num-prompts",
+        "3",
+        "--warmup",
+        "1",
+        "--no-history",
+        model="stub",
+    )
     assert result.exit_code == 0, result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert lines == [
