@@ -118,6 +118,8 @@ def test_a_counter_that_fails_later_stops_counting_and_says_why() -> None:
     joules = {s.labels["phase"]: s.value for s in samples(metrics)["llmrun_energy_joules"]}
     assert joules == pytest.approx({"decode": 8.0})  # the two steps before it failed
     assert energy.reason == "reading energy_uj failed" and not energy.measured
+    [info] = samples(metrics)["llmrun_energy_info"]  # /metrics says it as it stands now
+    assert info.labels == {"source": "", "reason": "reading energy_uj failed"}
 
 
 def test_energy_off_declares_nothing() -> None:
