@@ -191,6 +191,24 @@ def test_a_bad_tuned_file_names_itself(model_path: str, llmrun_env: dict[str, st
         assert str(tuned) in line, line
 
 
+def _probe_ended_by(sig: int) -> probe.Verdict:
+    code = f"import os, signal; signal.signal({sig}, signal.SIG_DFL); os.kill(os.getpid(), {sig})"
+    if sig == signal.SIGKILL:  # it has no handler to reset
+        code = f"import os; os.kill(os.getpid(), {sig})"
+    return probe.run_probe("unused.gguf", command=[sys.executable, "-c", code])
+
+
+def test_a_probe_the_oom_killer_ended_is_a_verdict_and_a_signal_sent_is_not(
+    llmrun_env: dict[str, str],
+) -> None:
+    """SIGKILL comes from the out-of-memory killer: a verdict (cached, so not probed again at
+    every load); SIGINT, SIGHUP and SIGTERM come from a user stopping the command: none."""
+    killed = _probe_ended_by(signal.SIGKILL)
+    assert not killed.safe and not killed.interrupted and "SIGKILL" in killed.why
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        assert _probe_ended_by(sig).interrupted, sig
+
+
 def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:
     crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
     verdict = probe.run_probe(model_path, command=crash)
