@@ -22,7 +22,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
-from .fake import FakeRunner
+from .fake import FakeBenchRunner, FakeRunner
 from .guard import quick_guard  # noqa: F401  (an autouse fixture: registered by being here)
 from .inject.sitecustomize import (
     BACKGROUND_ENV,
@@ -167,6 +167,23 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeRunner:
 @pytest.fixture
 def cli() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """LLMRUN_HOME in the test's own folder (returned, for the history and tuned files a test
+    reads back), and no colour in what the CLI prints."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
+    """Route the CLI's bench runner factory to one FakeBenchRunner and return it."""
+    fake = FakeBenchRunner()
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
+    return fake
 
 
 @pytest.fixture

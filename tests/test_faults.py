@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.runners import perplexity as ppl
@@ -282,20 +281,6 @@ def test_an_interrupted_speculative_run_counts_the_drafts_of_its_output(
 
 
 # ---- tune ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
-    fake = FakeBenchRunner()
-    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
-    return fake
 
 
 def test_tune_on_a_busy_machine_starts_from_runs_threads_and_marks_its_rows(

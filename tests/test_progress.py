@@ -17,7 +17,6 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.cli.progress import ProgressLine, Shown, progress_text
@@ -148,20 +147,6 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     first_end = next(i for i, e in enumerate(events) if e.moment == "ended")
     assert all(x is not None for x in estimates[first_end:])
     assert estimates[-1] == 0
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
-    fake = FakeBenchRunner()
-    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
-    return fake
 
 
 def test_bench_progress_lines_name_the_test(

@@ -18,15 +18,6 @@ from .conftest import HANG_S, free_port, llama_server, served_completions, which
 from .stub_server import WORDS, bench_against_stub, stub_server
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
-    monkeypatch.delenv("LLMRUN_API_KEY", raising=False)
-    return tmp_path / "home"
-
-
 def one_line_error(stderr: str) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("llmrun: error:")]
     assert len(lines) == 1, stderr

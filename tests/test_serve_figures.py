@@ -18,15 +18,6 @@ from llmrun.runners.serving.load import ServingLevel
 
 from .stub_server import bench_against_stub
 
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
-    return tmp_path / "home"
-
-
 # ---- each definition on synthetic time stamps --------------------------------------------
 
 
