@@ -206,6 +206,26 @@ def which_llmrun() -> str:
     return LLMRUN if os.path.exists(LLMRUN) else shutil.which("llmrun") or "llmrun"
 
 
+def bench_pp8(model: str, *more: str) -> list[str]:
+    """`llmrun bench` at its smallest: one pp8 repetition of `model`, rows as JSON on stdout,
+    with `more` options."""
+    return [
+        which_llmrun(),
+        "bench",
+        "-r",
+        "1",
+        "-m",
+        model,
+        "-p",
+        "8",
+        "-n",
+        "0",
+        "-o",
+        "json",
+        *more,
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
