@@ -57,35 +57,38 @@ def engine_run(engine: BatchedEngine, npp: int, ntg: int, n_seq: int, seed: int)
     return Run(n_seq * (npp + ntg) / wall, 1000 * statistics.median(gaps))
 
 
+def batched_bench_argv(
+    path: str, args: argparse.Namespace, threads: int, fa: str, *, ctx: int
+) -> list[str]:
+    """llama-batched-bench's command line for these settings (kv_layout.py's too)."""
+    return [
+        str(llama_batched_bench()),
+        "-m",
+        path,
+        "-c",
+        str(ctx),
+        "-b",
+        str(args.n_batch),
+        "-ub",
+        str(args.n_batch),
+        "-npp",
+        str(args.npp),
+        "-ntg",
+        str(args.ntg),
+        "-npl",
+        args.npl,
+        "-t",
+        str(threads),
+        "-fa",
+        fa,
+        "-ngl",
+        str(args.ngl),
+    ]
+
+
 def batched_bench(path: str, args: argparse.Namespace, threads: int, fa: str) -> dict[int, Run]:
-    done = subprocess.run(
-        [
-            str(llama_batched_bench()),
-            "-m",
-            path,
-            "-c",
-            str(args.ctx),
-            "-b",
-            str(args.n_batch),
-            "-ub",
-            str(args.n_batch),
-            "-npp",
-            str(args.npp),
-            "-ntg",
-            str(args.ntg),
-            "-npl",
-            args.npl,
-            "-t",
-            str(threads),
-            "-fa",
-            fa,
-            "-ngl",
-            str(args.ngl),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    argv = batched_bench_argv(path, args, threads, fa, ctx=args.ctx)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"llama-batched-bench failed: {done.stderr.strip()[-600:]}")
     rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("|")]

@@ -33,9 +33,8 @@ def main() -> int:
     shapes = [sw.Shape(args.p, 0), sw.Shape(0, args.n), sw.Shape(args.p, args.n)]
     worst = 0.0
     print(f"{'test':<14} {'llmrun t/s':>12} {'llama.cpp t/s':>14} {'difference':>11}")
-    for event in b.run_bench(
-        runner, combos=[sw.Combo()], shapes=shapes, reps=args.reps, base=EngineConfig()
-    ):
+    plan = b.BenchPlan(b.every_shape([sw.Combo()], shapes), reps=args.reps)
+    for event in b.run_bench(runner, plan, base=EngineConfig()):
         if isinstance(event, res.Result):
             ours, theirs = event.avg_ts, event.engine_avg_ts or 0.0
             diff = ours / theirs - 1 if theirs else float("inf")

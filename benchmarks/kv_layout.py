@@ -21,13 +21,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from batched import Run, engine_run
+from batched import Run, batched_bench_argv, engine_run
 
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.serving.batching import BatchedEngine
-from tests.llama_tools import llama_batched_bench
 
 LAYOUTS = (True, False)  # unified, one stream per sequence
 
@@ -42,27 +41,7 @@ def reference(
     """llama-batched-bench's total tok/s and decode step per B, in the same layout."""
     levels = [int(x) for x in args.npl.split(",")]
     argv = [
-        str(llama_batched_bench()),
-        "-m",
-        path,
-        "-c",
-        str(max(levels) * (args.npp + args.ntg + 8)),
-        "-b",
-        str(args.n_batch),
-        "-ub",
-        str(args.n_batch),
-        "-npp",
-        str(args.npp),
-        "-ntg",
-        str(args.ntg),
-        "-npl",
-        args.npl,
-        "-t",
-        str(threads),
-        "-fa",
-        fa,
-        "-ngl",
-        str(args.ngl),
+        *batched_bench_argv(path, args, threads, fa, ctx=max(levels) * (args.npp + args.ntg + 8)),
         "--output-format",
         "jsonl",
         *(["-kvu"] if unified else []),

@@ -10,13 +10,10 @@ to prefill-first, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-LLMRUN = str(Path(sys.executable).parent / "llmrun")
+from serve import LLMRUN, json_records
 
 
 def main() -> int:
@@ -30,7 +27,7 @@ def main() -> int:
     args = ap.parse_args()
     ratios: dict[str, dict[str, list[float]]] = {}
     for i in range(args.rounds):
-        done = subprocess.run(
+        records = json_records(
             [
                 LLMRUN,
                 "bench",
@@ -47,16 +44,10 @@ def main() -> int:
                 str(args.output_len),
                 "--seed",
                 str(1234 + i),
-                "-o",
-                "json",
             ],
-            capture_output=True,
-            text=True,
-            check=False,
+            "llmrun bench --interference failed",
         )
-        if done.returncode != 0:
-            sys.exit(f"llmrun bench --interference failed: {done.stderr.strip()[-400:]}")
-        rows = {r["policy"]: r for r in json.loads(done.stdout)}
+        rows = {r["policy"]: r for r in records}
         base = rows["prefill-first"]
         for name, r in rows.items():
             ttft = r["long_ttft_mean_ms"] or 0

@@ -34,6 +34,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
@@ -210,10 +211,20 @@ def bench_command() -> list[str]:
     return [LLMRUN, "bench", "serve"] if group else [LLMRUN, "bench"]
 
 
+def json_records(argv: list[str], failed: str) -> list[dict[str, Any]]:
+    """The records an llmrun command prints with `-o json`; where it fails, exit saying
+    `failed` and the tail of its stderr (policies.py's runs too)."""
+    done = subprocess.run([*argv, "-o", "json"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"{failed}: {done.stderr.strip()[-400:]}")
+    records: list[dict[str, Any]] = json.loads(done.stdout)
+    return records
+
+
 def measure(
     cmd: list[str], url: str, args: argparse.Namespace, level: int, seed: int
 ) -> dict[str, float]:
-    done = subprocess.run(
+    [record, *_] = json_records(
         [
             *cmd,
             "--endpoint",
@@ -228,16 +239,9 @@ def measure(
             str(args.output_len),
             "--seed",
             str(seed),
-            "-o",
-            "json",
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        f"the serving benchmark failed against {url}",
     )
-    if done.returncode != 0:
-        sys.exit(f"the serving benchmark failed against {url}: {done.stderr.strip()[-400:]}")
-    record = json.loads(done.stdout)[0]
     if record.get("failed"):
         sys.exit(f"{record['failed']} requests failed against {url}: {record.get('errors')}")
     return {
@@ -251,27 +255,9 @@ def measure(
 def interference(cmd: list[str], url: str, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """llmrun's interference test: `bench interference` where bench is a group of commands."""
     test = [LLMRUN, "bench", "interference"] if cmd[-1] == "serve" else [*cmd, "--interference"]
-    done = subprocess.run(
-        [
-            *test,
-            "--endpoint",
-            url,
-            "--prompt-len",
-            str(args.long_prompt),
-            "--output-len",
-            str(args.output_len),
-            "--seed",
-            str(seed),
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        sys.exit(f"the interference test failed against {url}: {done.stderr.strip()[-400:]}")
-    record: dict[str, float] = json.loads(done.stdout)[0]
+    argv = [*test, "--endpoint", url, "--prompt-len", str(args.long_prompt)]
+    argv += ["--output-len", str(args.output_len), "--seed", str(seed)]
+    [record, *_] = json_records(argv, f"the interference test failed against {url}")
     return record
 
 

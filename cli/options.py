@@ -24,7 +24,7 @@ from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
-from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling
+from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from .records import OptionRecord
@@ -82,15 +82,14 @@ Model = Annotated[
 ]
 
 
-def ctx_option(help_text: str, *, least: int, most: int | None = None) -> Any:
+def ctx_option(help_text: str, *, least: int) -> Any:
     """-c/--ctx: `run` and `chat` size one context; `serve` each sequence's."""
     return typer.Option(
         "-c",
         "--ctx",
         "--ctx-size",
         envvar="LLMRUN_CTX",
-        min=least,
-        max=most,
+        **engine_bounds("n_ctx", least=least),
         help=help_text,
         rich_help_panel=MODEL_PANEL,
         show_default=False,
@@ -103,7 +102,7 @@ def threads_option(help_text: str) -> Any:
         "-t",
         "--threads",
         envvar="LLMRUN_THREADS",
-        min=1,
+        **engine_bounds("n_threads"),
         help=help_text,
         rich_help_panel=MODEL_PANEL,
         show_default=False,
@@ -122,7 +121,7 @@ Batch = Annotated[
     typer.Option(
         "-b",
         "--batch",
-        min=1,
+        **engine_bounds("n_batch"),
         help="Prefill chunk size (n_batch): prompt tokens per llama_decode call."
         " (default: 512, or the value `llmrun tune` found)",
         rich_help_panel=MODEL_PANEL,
@@ -135,7 +134,7 @@ Ubatch = Annotated[
         "-ub",
         "--ubatch",
         "--ubatch-size",
-        min=1,
+        **engine_bounds("n_ubatch"),
         help="Physical micro-batch size (n_ubatch), at most --batch."
         " (default: 512, or the tuned value)",
         rich_help_panel=MODEL_PANEL,
@@ -150,7 +149,7 @@ ThreadsBatch = Annotated[
     typer.Option(
         "-tb",
         "--threads-batch",
-        min=1,
+        **engine_bounds("n_threads_batch"),
         help="CPU threads for prefill (llama.cpp's n_threads_batch). (default: --threads)",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
@@ -163,6 +162,7 @@ GpuLayers = Annotated[
         "--gpu-layers",
         "--n-gpu-layers",
         envvar="LLMRUN_GPU_LAYERS",
+        **engine_bounds("n_gpu_layers"),
         show_default=False,
         help="Layers to offload to the GPU; -1, or more than the model has, is all. (default: all"
         " that fit where this build can offload, else 0)",

@@ -23,7 +23,6 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.limits import MAX_CTX
 from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.serving.server_settings import ServerSettings
@@ -158,7 +157,6 @@ class ServeEngineOptions(OptionRecord):
             "Context size of each sequence in tokens. (default: 4096 or the model's"
             " training context, if smaller)",
             least=1,
-            most=MAX_CTX,
         ),
     ] = None
     batch: o.Batch = None

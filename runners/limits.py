@@ -89,15 +89,34 @@ def _float_in(where: str, name: str, value: Any, low: float, high: float) -> Non
         raise SettingError(where, f"{name} {value} is out of range {low:g}..{high:g}")
 
 
+def engine_ranges() -> dict[str, tuple[int, int]]:
+    """Each numeric engine setting's range (`EngineConfig`'s field), declared once: the
+    command line's options take their bounds from here (`engine_bounds`), and `check_engine`
+    checks every other source (tuned files, a library caller) by it. Threads: this machine's."""
+    threads = max_threads()
+    return {
+        "n_ctx": (0, MAX_CTX),
+        "n_batch": (1, MAX_BATCH),
+        "n_ubatch": (1, MAX_BATCH),
+        "n_threads": (1, threads),
+        "n_threads_batch": (1, threads),
+        "n_gpu_layers": (-1, 1 << 16),
+    }
+
+
+def engine_bounds(name: str, *, least: int | None = None) -> dict[str, Any]:
+    """An engine setting's range as Typer's `min`/`max` for its option (`least`: a command's
+    own floor within it)."""
+    low, high = engine_ranges()[name]
+    return {"min": low if least is None else least, "max": high}
+
+
 def check_engine(config: Any, where: str = "") -> None:
     """Raise SettingError for any engine setting llama.cpp would not survive."""
     threads_why = f"this machine has {logical_cpus()} logical CPUs"
-    _int_in(where, "n_ctx", config.n_ctx, 0, MAX_CTX)
-    _int_in(where, "n_batch", config.n_batch, 1, MAX_BATCH)
-    _int_in(where, "n_ubatch", config.n_ubatch, 1, MAX_BATCH)
-    _int_in(where, "n_threads", config.n_threads, 1, max_threads(), threads_why)
-    _int_in(where, "n_threads_batch", config.n_threads_batch, 1, max_threads(), threads_why)
-    _int_in(where, "n_gpu_layers", config.n_gpu_layers, -1, 1 << 16)
+    for name, (low, high) in engine_ranges().items():
+        why = threads_why if name.startswith("n_threads") else ""
+        _int_in(where, name, getattr(config, name), low, high, why)
     if config.flash_attn is not None and config.flash_attn not in FLASH_ATTN:
         raise SettingError(where, f"flash_attn must be auto, on or off, not {config.flash_attn!r}")
     if config.repack is not None and not isinstance(config.repack, bool):

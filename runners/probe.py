@@ -28,8 +28,11 @@ from .system import cpu_flags, cpu_model
 PROBE_TIMEOUT_S = 120.0
 POLL_S = 0.1  # how often the wait for the child looks at the command's cancel
 # Signals that end a probe from outside (a terminal's Ctrl-C reaches the child, as do a
-# hang-up and a kill): how the probe ended then says nothing about llama.cpp's kernels.
-STOPPED_BY = (2, 1, 15, 9)  # SIGINT, SIGHUP, SIGTERM, SIGKILL
+# hang-up and a termination): how the probe ended then says nothing about llama.cpp's kernels.
+# A SIGKILL does: the out-of-memory killer's, the one that comes unasked (the probe's own
+# kills, on Ctrl-C and past its time, are judged before the child's end is read).
+STOPPED_BY = (2, 1, 15)  # SIGINT, SIGHUP, SIGTERM
+KILLED = 9  # SIGKILL
 
 # The child: load with repacking, decode 2- and 8-token batches; exit 0 if all went through.
 PROBE_CODE = r"""
@@ -160,6 +163,8 @@ def run_probe(
 
         if -child.returncode in STOPPED_BY:  # no verdict: kept for this load, never cached
             return Verdict(False, "the probe was interrupted", interrupted=True)
+        if -child.returncode == KILLED:  # a verdict, cached: probing again would do it again
+            return Verdict(False, "a probe was killed (SIGKILL: out of memory, most likely)")
         try:
             name = signal.Signals(-child.returncode).name
         except ValueError:

@@ -22,7 +22,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import default_model_path
 
-from .fake import FakeRunner
+from .fake import FakeBenchRunner, FakeRunner
 from .guard import quick_guard  # noqa: F401  (an autouse fixture: registered by being here)
 from .inject.sitecustomize import (
     BACKGROUND_ENV,
@@ -171,6 +171,23 @@ def cli() -> CliRunner:
 
 
 @pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """LLMRUN_HOME in the test's own folder (returned, for the history and tuned files a test
+    reads back), and no colour in what the CLI prints."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
+    """Route the CLI's bench runner factory to one FakeBenchRunner and return it."""
+    fake = FakeBenchRunner()
+    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
+    return fake
+
+
+@pytest.fixture
 def llmrun_env(tmp_path: Path) -> dict[str, str]:
     """Environment for child processes (isolated HF cache, offline, no debug): every test that
     starts a process requests it, which marks the test `pty`."""
@@ -188,6 +205,26 @@ def llmrun_env(tmp_path: Path) -> dict[str, str]:
 
 def which_llmrun() -> str:
     return LLMRUN if os.path.exists(LLMRUN) else shutil.which("llmrun") or "llmrun"
+
+
+def bench_pp8(model: str, *more: str) -> list[str]:
+    """`llmrun bench` at its smallest: one pp8 repetition of `model`, rows as JSON on stdout,
+    with `more` options."""
+    return [
+        which_llmrun(),
+        "bench",
+        "-r",
+        "1",
+        "-m",
+        model,
+        "-p",
+        "8",
+        "-n",
+        "0",
+        "-o",
+        "json",
+        *more,
+    ]
 
 
 def free_port() -> int:

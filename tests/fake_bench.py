@@ -7,6 +7,7 @@ is not found. Any other name is a FakeBenchRunner.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -32,6 +33,23 @@ def make(model: str | None, config: EngineConfig, tuned: bool) -> FakeBenchRunne
     fake = BlockingFake() if model == "block" else FakeBenchRunner()
     fake.model_path = f"/fake/{model or 'a'}.gguf"
     return fake
+
+
+def fake_bench_argv(*args: str) -> list[str]:
+    """`llmrun bench -r 1 -p 8 -n 2` with these fakes, as a process, and `args` after it."""
+    return [
+        sys.executable,
+        "-m",
+        "tests.fake_bench",
+        "bench",
+        "-r",
+        "1",
+        "-p",
+        "8",
+        "-n",
+        "2",
+        *args,
+    ]
 
 
 if __name__ == "__main__":

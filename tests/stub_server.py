@@ -29,7 +29,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typer.testing import CliRunner, Result
 
 WORDS = ["Hello", " from", " the", " stub", " server", "."]
 
@@ -298,3 +301,15 @@ def stub_server(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def bench_against_stub(
+    cli: CliRunner, *args: str, model: str | None = None, command: str = "serve"
+) -> Result:
+    """`llmrun bench serve` (or `bench interference`) against a fresh stub, its records as
+    JSON on stdout; `model` names the stub's behaviour (default: the server's first)."""
+    from llmrun.cli.app import app
+
+    named = ["-m", model] if model is not None else []
+    with stub_server() as url:
+        return cli.invoke(app, ["bench", command, "--endpoint", url, *named, "-o", "json", *args])

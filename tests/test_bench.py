@@ -67,13 +67,6 @@ OURS = {
 TINY = ["bench", "-r", "2", "-p", "16", "-n", "4", "-t", "1,2"]
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
 def test_lists_and_ranges_as_llama_bench_reads_them() -> None:
     assert sw.parse_values("1,2", name="-t") == [1, 2]
     assert sw.parse_values("8-512*4", name="-b") == [8, 32, 128, 512]

@@ -28,8 +28,9 @@ from llmrun.runners.bench import run
 from llmrun.runners.bench.run import RECORD_OPTIONAL_FIELDS
 from llmrun.runners.bench.sweep import Shape
 
-from .conftest import HANG_S, which_llmrun
+from .conftest import HANG_S, bench_pp8, which_llmrun
 from .fake import FakeBenchRunner
+from .fake_bench import fake_bench_argv
 from .test_bench import parse
 from .test_trust_bench import _fake_models
 
@@ -170,24 +171,7 @@ def test_a_failing_model_after_good_rows_prints_them_then_one_line(
 ) -> None:
     """-m good -m /nonexistent.gguf: good's rows, then one error line, exit 1; stored."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.fake_bench",
-            "bench",
-            "-r",
-            "1",
-            "-p",
-            "8",
-            "-n",
-            "2",
-            "-m",
-            "good",
-            "-m",
-            "/nonexistent.gguf",
-            "-o",
-            "json",
-        ],
+        fake_bench_argv("-m", "good", "-m", "/nonexistent.gguf", "-o", "json"),
         cwd=REPO,
         env=llmrun_env,
         capture_output=True,
@@ -212,29 +196,9 @@ def test_output_err_is_a_clean_record_stream(
     path = tmp_path / f"x.{fmt}"
     with path.open("w") as file:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.fake_bench",
-                "bench",
-                "-r",
-                "1",
-                "-p",
-                "8",
-                "-n",
-                "2",
-                "-pg",
-                "8,2",
-                "-t",
-                "1,2",
-                "-m",
-                "a",
-                "-m",
-                "b",
-                "--progress",
-                "-oe",
-                fmt,
-            ],
+            fake_bench_argv(
+                "-pg", "8,2", "-t", "1,2", "-m", "a", "-m", "b", "--progress", "-oe", fmt
+            ),
             cwd=REPO,
             env=llmrun_env,
             stdout=subprocess.PIPE,
@@ -263,23 +227,7 @@ def test_output_err_csv_of_the_real_engine_is_a_csv_file(
     path = tmp_path / "x.csv"
     with path.open("w") as file:
         done = subprocess.run(
-            [
-                which_llmrun(),
-                "bench",
-                "-r",
-                "1",
-                "--no-warmup",
-                "-m",
-                model_path,
-                "-p",
-                "8",
-                "-n",
-                "0",
-                "-o",
-                "json",
-                "-oe",
-                "csv",
-            ],
+            bench_pp8(model_path, "--no-warmup", "-oe", "csv"),
             env=llmrun_env,
             stdout=subprocess.PIPE,
             stderr=file,

@@ -73,11 +73,10 @@ def _bench(
     fake = TimedFake(machine, counter)
     events = measure.run_bench(
         fake,  # type: ignore[arg-type]
-        combos=[Combo(1, 64, 64, None, "off")],
-        shapes=shapes,
-        reps=reps,
+        measure.BenchPlan(
+            measure.every_shape([Combo(1, 64, 64, None, "off")], shapes), reps=reps, meter=meter
+        ),
         base=EngineConfig(),
-        meter=meter,
     )
     return [e for e in events if isinstance(e, Result)], meter
 
@@ -122,11 +121,12 @@ def test_drawing_the_progress_is_left_out_of_the_phases(machine: Machine, tree: 
     meter = open_meter(gpu=False, powercap_root=tree, clock=machine.clock, sleep=machine.sleep)
     events = measure.run_bench(
         TimedFake(machine, counter),  # type: ignore[arg-type]
-        combos=[Combo(1, 64, 64, None, "off")],
-        shapes=[Shape(0, 64)],
-        reps=1,
+        measure.BenchPlan(
+            measure.every_shape([Combo(1, 64, 64, None, "off")], [Shape(0, 64)]),
+            reps=1,
+            meter=meter,
+        ),
         base=EngineConfig(),
-        meter=meter,
     )
     results = []
     for event in events:
@@ -147,11 +147,12 @@ def test_no_source_leaves_the_fields_absent_with_the_reason(tmp_path: Path) -> N
         e
         for e in measure.run_bench(
             fake,  # type: ignore[arg-type]
-            combos=[Combo(1, 64, 64, None, "off")],
-            shapes=[Shape(8, 0)],
-            reps=1,
+            measure.BenchPlan(
+                measure.every_shape([Combo(1, 64, 64, None, "off")], [Shape(8, 0)]),
+                reps=1,
+                meter=meter,
+            ),
             base=EngineConfig(),
-            meter=meter,
         )
         if isinstance(e, Result)
     ]
@@ -160,9 +161,9 @@ def test_no_source_leaves_the_fields_absent_with_the_reason(tmp_path: Path) -> N
     assert record["energy_note"].startswith("no RAPL counters:")
     without = measure.run_bench(
         fake,  # type: ignore[arg-type]
-        combos=[Combo(1, 64, 64, None, "off")],
-        shapes=[Shape(8, 0)],
-        reps=1,
+        measure.BenchPlan(
+            measure.every_shape([Combo(1, 64, 64, None, "off")], [Shape(8, 0)]), reps=1
+        ),
         base=EngineConfig(),
     )
     [plain] = [e for e in without if isinstance(e, Result)]
@@ -261,12 +262,15 @@ def test_the_real_engine_s_bench_tests_are_metered(runner: LlamaCppRunner) -> No
         e
         for e in measure.run_bench(
             runner,
-            combos=[Combo(1, None, None, None, None)],
-            shapes=[Shape(32, 0), Shape(0, 8)],
-            reps=2,
+            measure.BenchPlan(
+                measure.every_shape(
+                    [Combo(1, None, None, None, None)], [Shape(32, 0), Shape(0, 8)]
+                ),
+                reps=2,
+                warmup=False,
+                meter=meter,
+            ),
             base=runner.config,
-            warmup=False,
-            meter=meter,
         )
         if isinstance(e, Result)
     ]

@@ -118,6 +118,8 @@ def test_a_counter_that_fails_later_stops_counting_and_says_why() -> None:
     joules = {s.labels["phase"]: s.value for s in samples(metrics)["llmrun_energy_joules"]}
     assert joules == pytest.approx({"decode": 8.0})  # the two steps before it failed
     assert energy.reason == "reading energy_uj failed" and not energy.measured
+    [info] = samples(metrics)["llmrun_energy_info"]  # /metrics says it as it stands now
+    assert info.labels == {"source": "", "reason": "reading energy_uj failed"}
 
 
 def test_energy_off_declares_nothing() -> None:
@@ -135,8 +137,11 @@ def test_the_switch_on_a_machine_with_nothing_readable(
     auto = open_steps("auto", FAKE_SETTINGS)
     assert auto is not None and not auto.measured
     assert auto.reason.startswith("no RAPL counters:")
-    with pytest.raises(BadRequestError, match="--energy on: no energy counter can be read here"):
+    with pytest.raises(
+        BadRequestError, match="--energy on: no energy counter can be read here"
+    ) as e:
         open_steps("on", FAKE_SETTINGS)
+    assert "GPU: nvidia-ml-py is not installed (pip install 'llmrun[nvidia]')" in str(e.value)
 
 
 def test_step_phases() -> None:

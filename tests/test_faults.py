@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.runners import perplexity as ppl
@@ -31,7 +30,7 @@ from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S, ROOT, which_llmrun
 from .fake import FakeBenchRunner
-from .stub_server import stub_server
+from .stub_server import bench_against_stub, stub_server
 
 # A signal is answered within this long, on a machine busy with other tests (a few hundred ms
 # of work at most: a tokenized piece, a batch of a perplexity window, a look at a pipe).
@@ -284,20 +283,6 @@ def test_an_interrupted_speculative_run_counts_the_drafts_of_its_output(
 # ---- tune ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
-    fake = FakeBenchRunner()
-    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
-    return fake
-
-
 def test_tune_on_a_busy_machine_starts_from_runs_threads_and_marks_its_rows(
     cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -464,24 +449,7 @@ def test_remote_serving_rows_carry_the_clients_busy_mark(
     """A loaded client delays what it times: its machine's load marks remote rows too (they
     had no busy mark at all: `busy: None`)."""
     monkeypatch.setattr(system, "background_override", 64.0)
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "-m",
-                "stub",
-                "--num-prompts",
-                "2",
-                "--concurrency",
-                "1",
-                "-o",
-                "json",
-            ],
-        )
+    result = bench_against_stub(cli, "--num-prompts", "2", "--concurrency", "1", model="stub")
     assert result.exit_code == 0, result.stderr
     (row,) = json.loads(result.stdout)
     assert row["busy"] is True and row["background_cpus"] == 64.0

@@ -32,6 +32,7 @@ from llmrun.runners.gguf import read_gguf
 from llmrun.runners.limits import MemoryNeed, fit_gpu_layers, plan_offload
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import load as sv
+from llmrun.runners.serving.figures import RequestResult, metrics
 from llmrun.runners.stats import ModelInfo
 from llmrun.runners.system import SystemInfo, decode_bandwidth, weights_memories
 
@@ -793,9 +794,9 @@ def test_the_ratios_come_from_the_tools_output() -> None:
     )
     levels = []
     for level, total_tps, itl_s in ((1, 1139.0, 0.0039), (32, 4636.0, 0.0168)):
-        requests = [sv.RequestResult(256, 64, 0.05, 1.0, [itl_s] * 63) for _ in range(64)]
+        requests = [RequestResult(256, 64, 0.05, 1.0, [itl_s] * 63) for _ in range(64)]
         duration_s = 64 * (256 + 64) / total_tps
-        measured = sv.metrics(requests, duration_s, percentiles=[50], slo={})
+        measured = metrics(requests, duration_s, percentiles=[50], slo={})
         levels.append(
             sv.ServingLevel(
                 "local prefill-first", "8b", level, math.inf, 64, 256, 64, measured

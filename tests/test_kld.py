@@ -278,3 +278,19 @@ def test_the_figures_are_llama_perplexitys(
         assert abs(ours[key] - theirs[key]) <= 1.5 * 10**-digits, (key, ours[key], theirs[key])
     for key in ("dp_mean", "dp_rms", "same_top_p"):
         assert abs(ours[key] - theirs[key]) <= 1.5e-5, (key, ours[key], theirs[key])
+
+
+def test_a_ppl_text_too_short_is_refused_before_any_test_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The text is tokenized as the model is ready: too short for one window, it is said at
+    once, not after the speed tests (whose rows never come)."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path))
+    _fake_models(monkeypatch)
+    short = tmp_path / "short.txt"
+    short.write_text("four words, no more")
+    args = ["bench", "-p", "8", "-n", "0", "-r", "1", "--no-history", "-m", "a", "-o", "md"]
+    done = CliRunner().invoke(app, [*args, "--ppl", str(short)])
+    assert done.exit_code == 1, done.output
+    assert "perplexity needs at least one window of 512 tokens; the text has 4" in done.stderr
+    assert done.stdout == ""

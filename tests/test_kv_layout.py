@@ -17,7 +17,8 @@ from llmrun.runners.contexts import kv_unified_of
 from llmrun.runners.library import llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.batching import BatchedEngine
-from llmrun.runners.serving.load import ServingLevel, metrics
+from llmrun.runners.serving.figures import metrics
+from llmrun.runners.serving.load import ServingLevel
 from llmrun.runners.serving.parallel import serve_requests
 
 from .test_serve import llmrun_serve

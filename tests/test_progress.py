@@ -17,7 +17,6 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from llmrun.cli import engine
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.cli.progress import ProgressLine, Shown, progress_text
@@ -110,9 +109,7 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     shapes = [Shape(16, 0), Shape(0, 64)]
     run = measure.run_bench(
         fake,  # type: ignore[arg-type]
-        combos=combos,
-        shapes=shapes,
-        reps=2,
+        measure.BenchPlan(measure.every_shape(combos, shapes), reps=2),
         base=EngineConfig(),
     )
     events = [e for e in run if isinstance(e, measure.Progress)]
@@ -150,20 +147,6 @@ def test_bench_says_which_repetition_runs_and_estimates_after_the_first() -> Non
     first_end = next(i for i, e in enumerate(events) if e.moment == "ended")
     assert all(x is not None for x in estimates[first_end:])
     assert estimates[-1] == 0
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
-    fake = FakeBenchRunner()
-    monkeypatch.setattr(engine, "BENCH_RUNNER_FACTORY", lambda model, config, tuned: fake)
-    return fake
 
 
 def test_bench_progress_lines_name_the_test(
@@ -347,29 +330,19 @@ def test_local_interference_counts_the_stream_and_the_long_prompts(runner: Llama
 
 
 def test_serving_against_a_server_counts_prompts_and_requests(cli: CliRunner, home: Path) -> None:
-    from .stub_server import stub_server
+    from .stub_server import bench_against_stub
 
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "-m",
-                "stub",
-                "--concurrency",
-                "1,2",
-                "--num-prompts",
-                "3",
-                "--warmup",
-                "1",
-                "-o",
-                "json",
-                "--no-history",
-            ],
-        )
+    result = bench_against_stub(
+        cli,
+        "--concurrency",
+        "1,2",
+        "--num-prompts",
+        "3",
+        "--warmup",
+        "1",
+        "--no-history",
+        model="stub",
+    )
     assert result.exit_code == 0, result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmrun: ")]
     assert lines == [

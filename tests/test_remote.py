@@ -15,16 +15,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 
 from .conftest import HANG_S, free_port, llama_server, served_completions, which_llmrun
-from .stub_server import WORDS, stub_server
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
-    monkeypatch.delenv("LLMRUN_API_KEY", raising=False)
-    return tmp_path / "home"
+from .stub_server import WORDS, bench_against_stub, stub_server
 
 
 def one_line_error(stderr: str) -> str:
@@ -239,26 +230,9 @@ def test_broken_streams_keep_the_text_and_are_marked(
 
 
 def test_serving_benchmark_counts_failed_requests(cli: CliRunner, home: Path) -> None:
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "-m",
-                "boom",
-                "--concurrency",
-                "2",
-                "--num-prompts",
-                "3",
-                "--warmup",
-                "0",
-                "-o",
-                "json",
-            ],
-        )
+    result = bench_against_stub(
+        cli, "--concurrency", "2", "--num-prompts", "3", "--warmup", "0", model="boom"
+    )
     assert result.exit_code == 0, result.stderr
     (row,) = json.loads(result.stdout)
     assert (row["completed"], row["failed"]) == (0, 3)

@@ -16,16 +16,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import figures as f
 from llmrun.runners.serving.load import ServingLevel
 
-from .stub_server import stub_server
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
-    return tmp_path / "home"
-
+from .stub_server import bench_against_stub
 
 # ---- each definition on synthetic time stamps --------------------------------------------
 
@@ -127,25 +118,9 @@ def test_slots_against_a_server_is_refused(cli: CliRunner, home: Path) -> None:
 def test_max_concurrency_and_its_alias_measure_a_server(cli: CliRunner, home: Path) -> None:
     records = []
     for option in ("--max-concurrency", "--concurrency"):
-        with stub_server() as url:
-            result = cli.invoke(
-                app,
-                [
-                    "bench",
-                    "serve",
-                    "--endpoint",
-                    url,
-                    option,
-                    "2",
-                    "--num-prompts",
-                    "2",
-                    "--warmup",
-                    "0",
-                    "--no-history",
-                    "-o",
-                    "json",
-                ],
-            )
+        result = bench_against_stub(
+            cli, option, "2", "--num-prompts", "2", "--warmup", "0", "--no-history"
+        )
         assert result.exit_code == 0, result.output
         records.append(json.loads(result.stdout)[0])
     for rec in records:
@@ -155,27 +130,18 @@ def test_max_concurrency_and_its_alias_measure_a_server(cli: CliRunner, home: Pa
 def test_the_wait_for_the_clients_limit_is_queue_not_ttft(cli: CliRunner, home: Path) -> None:
     """Two requests at once, one in flight: the second waits for the first (its queue, vLLM's
     client_queue_time), and its TTFT starts when it is sent."""
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "serve",
-                "--endpoint",
-                url,
-                "--max-concurrency",
-                "1",
-                "--num-prompts",
-                "2",
-                "--warmup",
-                "0",
-                "--no-history",
-                "-o",
-                "json",
-                "--percentiles",
-                "100",
-            ],
-        )
+    result = bench_against_stub(
+        cli,
+        "--max-concurrency",
+        "1",
+        "--num-prompts",
+        "2",
+        "--warmup",
+        "0",
+        "--no-history",
+        "--percentiles",
+        "100",
+    )
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)[0]
     assert rec["p100_queue_ms"] >= 0.8 * rec["median_e2el_ms"]  # the first one's whole E2EL
@@ -188,26 +154,17 @@ def test_the_wait_for_the_clients_limit_is_queue_not_ttft(cli: CliRunner, home: 
 def test_interference_counts_a_broken_stream_failed_as_bench_serve_does(
     cli: CliRunner, home: Path
 ) -> None:
-    with stub_server() as url:
-        result = cli.invoke(
-            app,
-            [
-                "bench",
-                "interference",
-                "--endpoint",
-                url,
-                "-m",
-                "cut",
-                "--rate",
-                "1",
-                "--prompt-len",
-                "8",
-                "--input-len",
-                "8",
-                "-o",
-                "json",
-            ],
-        )
+    result = bench_against_stub(
+        cli,
+        "--rate",
+        "1",
+        "--prompt-len",
+        "8",
+        "--input-len",
+        "8",
+        command="interference",
+        model="cut",
+    )
     assert result.exit_code == 1, result.output
     rec = json.loads(result.stdout)[0]
     assert rec["failed"] == 2 and rec["itl_p50_ratio"] is None

@@ -381,6 +381,21 @@ def test_bench_serve_bad_dataset_is_one_line_and_exit_1(cli: CliRunner, tmp_path
     assert missing.exit_code == 2
 
 
+def test_a_dataset_path_click_would_misname_is_one_clear_line(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    """An empty path is not "a directory", and a loop of symbolic links is not missing."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for given, says in (("", "an empty path names no file"), (str(tmp_path / "a"), "a loop")):
+        result = cli.invoke(app, ["bench", "serve", "--dataset", given], env={"COLUMNS": "300"})
+        assert result.exit_code == 2, result.output
+        assert says in result.stderr and "is a directory" not in result.stderr
+    for given, says in ((str(tmp_path), "is a directory"), (str(tmp_path / "no"), "does not")):
+        result = cli.invoke(app, ["bench", "serve", "--dataset", given], env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and says in result.stderr, result.output
+
+
 def test_shared_prefix_is_for_random_prompts_only(cli: CliRunner, tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine fine fine fine"}\n')

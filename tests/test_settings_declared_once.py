@@ -9,10 +9,19 @@ import typing
 
 import click
 import pytest
+from typer.testing import CliRunner
 
 from llmrun.cli import inputs, options
+from llmrun.cli.app import app
 from llmrun.runners.base import SamplingParams
-from llmrun.runners.limits import SAMPLING_SETTINGS, SettingError, check_sampling
+from llmrun.runners.config import EngineConfig
+from llmrun.runners.limits import (
+    SAMPLING_SETTINGS,
+    SettingError,
+    check_engine,
+    check_sampling,
+    engine_ranges,
+)
 from llmrun.runners.serving import api_models
 
 # The command line's option of each setting (SamplingOptions' field), where it has one.
@@ -77,3 +86,61 @@ def test_every_source_refuses_the_same_values(name: str) -> None:
         kind: typing.Any = click.IntRange if s.whole else click.FloatRange
         with pytest.raises(click.BadParameter):
             kind(declared.min, declared.max).convert(past, None, None)
+
+
+# The command line's option of each engine setting (EngineConfig's field).
+ENGINE_OPTIONS = {
+    "n_ctx": options.Ctx,
+    "n_batch": options.Batch,
+    "n_ubatch": options.Ubatch,
+    "n_threads": options.Threads,
+    "n_threads_batch": options.ThreadsBatch,
+    "n_gpu_layers": options.GpuLayers,
+}
+
+
+def test_every_engine_setting_has_its_option() -> None:
+    assert set(engine_ranges()) == set(ENGINE_OPTIONS)
+    assert set(engine_ranges()) <= {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_OPTIONS))
+def test_the_engine_options_range_is_the_settings(name: str) -> None:
+    """The option refuses what check_engine refuses (a usage error); a command may raise
+    its floor (serve's -c starts at 1) but never its ceiling."""
+    declared = typing.get_args(ENGINE_OPTIONS[name])[1]
+    low, high = engine_ranges()[name]
+    assert declared.max == high and low <= declared.min <= high
+    with pytest.raises(SettingError):
+        past: dict[str, typing.Any] = {name: high + 1}
+        check_engine(dataclasses.replace(EngineConfig(), **past))
+    with pytest.raises(click.BadParameter):
+        click.IntRange(declared.min, declared.max).convert(high + 1, None, None)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["run"], ["chat"], ["serve"], ["bench", "serve"], ["bench", "interference"]],
+)
+@pytest.mark.parametrize(
+    ("option", "name"),
+    [
+        ("-t", "n_threads"),
+        ("-tb", "n_threads_batch"),
+        ("-c", "n_ctx"),
+        ("-b", "n_batch"),
+        ("-ub", "n_ubatch"),
+        ("-ngl", "n_gpu_layers"),
+    ],
+)
+def test_every_command_refuses_an_engine_setting_past_its_range(
+    command: list[str], option: str, name: str
+) -> None:
+    """Where a command takes the option, past its range is a usage error (exit 2) that
+    names the range, before anything loads."""
+    known = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    if f" {option} " not in known.output and f" {option}," not in known.output:
+        pytest.skip(f"{' '.join(command)} has no {option}")
+    result = CliRunner().invoke(app, [*command, option, "99999999999"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert f"less than or equal to {engine_ranges()[name][1]}" in result.output

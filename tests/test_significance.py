@@ -189,11 +189,12 @@ def _bench(until: measure.UntilCi | None, reps: int = 2) -> tuple[list[Result], 
     events = list(
         measure.run_bench(
             NoisyBenchRunner(),  # type: ignore[arg-type]
-            combos=[Combo(1, 64, 64, None, "off")],
-            shapes=[Shape(16, 0)],
-            reps=reps,
+            measure.BenchPlan(
+                measure.every_shape([Combo(1, 64, 64, None, "off")], [Shape(16, 0)]),
+                reps=reps,
+                until_ci=until,
+            ),
             base=EngineConfig(),
-            until_ci=until,
         )
     )
     totals = {e.total for e in events if isinstance(e, measure.Progress)}

@@ -119,11 +119,12 @@ def compare() -> tuple[Fitted, tuple[str, ...]]:
 def serving() -> tuple[Fitted, tuple[str, ...]]:
     from llmrun.cli.bench.serve import serving_table
     from llmrun.runners.serving import load as sv
+    from llmrun.runners.serving.figures import RequestResult, metrics
 
     levels = []
     for concurrency, ttft_s in ((1, 15.4821), (16, 46.6123)):
-        requests = [sv.RequestResult(4096, 64, ttft_s, 129.0987, [0.9183] * 63)] * 8
-        measured = sv.metrics(requests, 1032.79, percentiles=[50, 99], slo={})
+        requests = [RequestResult(4096, 64, ttft_s, 129.0987, [0.9183] * 63)] * 8
+        measured = metrics(requests, 1032.79, percentiles=[50, 99], slo={})
         levels.append(
             sv.ServingLevel(
                 "local",

@@ -29,6 +29,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
+from llmrun.runners.limits import engine_ranges
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
@@ -144,21 +145,31 @@ def test_a_llama_cpp_abort_is_one_line_and_exit_1(
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "needle"),
+    ("args", "env", "name"),
     [
-        (["-t", "100000"], {}, "n_threads 100000 is out of range"),
-        (["-t", "2000000000"], {}, "n_threads 2000000000 is out of range"),
-        ([], {"LLMRUN_THREADS": "5000"}, "n_threads 5000 is out of range"),
-        (["--ctx", "99999999999"], {}, "n_ctx 99999999999 is out of range"),
-        (["--ctx", "16000000"], {}, "of memory is available"),
-        (["-b", "99999999"], {}, "n_batch 99999999 is out of range"),
+        (["-t", "100000"], {}, "n_threads"),
+        (["-t", "2000000000"], {}, "n_threads"),
+        ([], {"LLMRUN_THREADS": "5000"}, "n_threads"),
+        (["--ctx", "99999999999"], {}, "n_ctx"),
+        (["-b", "99999999"], {}, "n_batch"),
     ],
 )
 def test_out_of_range_settings_never_reach_llama_cpp(
-    args: list[str], env: dict[str, str], needle: str, llmrun_env: dict[str, str]
+    args: list[str], env: dict[str, str], name: str, llmrun_env: dict[str, str]
 ) -> None:
+    """An engine setting's range is its option's (limits.engine_ranges): Typer refuses it
+    before anything loads, with exit 2, naming the bound."""
     result = llmrun(["run", "-n", "2", *args, "hi"], {**llmrun_env, **env})
-    assert needle in one_error(result)
+    assert result.returncode == 2, result.stderr
+    high = engine_ranges()[name][1]
+    said = "".join(result.stderr.decode().replace("│", "").split())  # unwrapped from its box
+    assert f"lessthanorequalto{high}" in said
+    assert b"Traceback" not in result.stderr
+
+
+def test_a_context_past_the_memory_never_reaches_llama_cpp(llmrun_env: dict[str, str]) -> None:
+    result = llmrun(["run", "-n", "2", "--ctx", "16000000", "hi"], llmrun_env)
+    assert "of memory is available" in one_error(result)
 
 
 def test_an_out_of_range_seed_is_a_usage_error(llmrun_env: dict[str, str]) -> None:
@@ -178,6 +189,24 @@ def test_a_bad_tuned_file_names_itself(model_path: str, llmrun_env: dict[str, st
         tuned.write_text(json.dumps({key: entry}))
         line = one_error(llmrun(["run", "-n", "2", "hi"], llmrun_env))
         assert str(tuned) in line, line
+
+
+def _probe_ended_by(sig: int) -> probe.Verdict:
+    code = f"import os, signal; signal.signal({sig}, signal.SIG_DFL); os.kill(os.getpid(), {sig})"
+    if sig == signal.SIGKILL:  # it has no handler to reset
+        code = f"import os; os.kill(os.getpid(), {sig})"
+    return probe.run_probe("unused.gguf", command=[sys.executable, "-c", code])
+
+
+def test_a_probe_the_oom_killer_ended_is_a_verdict_and_a_signal_sent_is_not(
+    llmrun_env: dict[str, str],
+) -> None:
+    """SIGKILL comes from the out-of-memory killer: a verdict (cached, so not probed again at
+    every load); SIGINT, SIGHUP and SIGTERM come from a user stopping the command: none."""
+    killed = _probe_ended_by(signal.SIGKILL)
+    assert not killed.safe and not killed.interrupted and "SIGKILL" in killed.why
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        assert _probe_ended_by(sig).interrupted, sig
 
 
 def test_a_probe_crash_turns_repacking_off(model_path: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving import options as so
 
-from .conftest import HANG_S, which_llmrun
+from .conftest import HANG_S, bench_pp8, which_llmrun
 
 
 @pytest.mark.parametrize(
@@ -403,21 +403,7 @@ def test_model_filename_is_recorded_as_given(llmrun_env: dict[str, str], model_p
     """llama-bench keeps -m as given, and compare-llama-bench.py pairs on it."""
     folder, name = Path(model_path).parent, Path(model_path).name
     done = subprocess.run(
-        [
-            which_llmrun(),
-            "bench",
-            "-r",
-            "1",
-            "--no-history",
-            "-m",
-            name,
-            "-p",
-            "8",
-            "-n",
-            "0",
-            "-o",
-            "json",
-        ],
+        bench_pp8(name, "--no-history"),
         env=llmrun_env,
         cwd=folder,
         capture_output=True,
@@ -493,20 +479,7 @@ def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model
     """bench -o json 2>/dev/full: the records on stdout and in the history all the same."""
     with open("/dev/full", "w") as full:
         done = subprocess.run(
-            [
-                which_llmrun(),
-                "bench",
-                "-r",
-                "1",
-                "-m",
-                model_path,
-                "-p",
-                "8",
-                "-n",
-                "0",
-                "-o",
-                "json",
-            ],
+            bench_pp8(model_path),
             env=llmrun_env,
             stdout=subprocess.PIPE,
             stderr=full,
@@ -533,23 +506,7 @@ def test_sigterm_during_perplexity_keeps_the_rows(
     text = tmp_path / "long.txt"
     text.write_text("The quick brown fox jumps over the lazy dog, again and again. " * 20000)
     proc = subprocess.Popen(
-        [
-            which_llmrun(),
-            "bench",
-            "-r",
-            "1",
-            "--no-warmup",
-            "-m",
-            model_path,
-            "-p",
-            "8",
-            "-n",
-            "0",
-            "--ppl",
-            str(text),
-            "-o",
-            "json",
-        ],
+        bench_pp8(model_path, "--no-warmup", "--ppl", str(text)),
         env=llmrun_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -364,26 +364,11 @@ def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[
     assert "--ppl /dev/zero" in line and "does not end" in line
 
 
-class _CancelAfter:
-    """A cancel flag that turns on at the engine's Nth look: Ctrl-C at a known step. The abort
-    hook llama.cpp asks between a graph's nodes (contexts.abort_on) reads it without counting:
-    it asks a varying number of times a step."""
-
-    def __init__(self, looks: int) -> None:
-        self.looks = looks
-
-    def is_set(self) -> bool:
-        caller = sys._getframe(1).f_code
-        if caller.co_name == "<lambda>" and caller.co_filename.endswith("contexts.py"):
-            return self.looks < 0
-        self.looks -= 1
-        return self.looks < 0
-
-
 @pytest.mark.model
 def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: str) -> None:
     from llmrun.runners.base import Finished
     from llmrun.runners.config import EngineConfig
+    from llmrun.runners.contexts import StepCancel
     from llmrun.runners.llamacpp import LlamaCppRunner
     from llmrun.runners.serving.parallel import NotStartedError, serve_requests
     from llmrun.runners.stats import FINISH_INTERRUPTED
@@ -392,7 +377,7 @@ def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: st
     try:
         sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         requests = [Request(prompt=f"Count to {i}:", sampling=sampling) for i in range(5)]
-        outcome, _ = serve_requests(runner, requests, n_seq=2, cancel=_CancelAfter(20))  # type: ignore[arg-type]
+        outcome, _ = serve_requests(runner, requests, n_seq=2, cancel=StepCancel(after_steps=20))
     finally:
         runner.close()
     assert len(outcome) == 5

@@ -3,11 +3,14 @@ machine's engine under each scheduling policy. The measuring is in runners/servi
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISDIR
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -50,9 +53,28 @@ from .serving import (
 
 if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
-    from llmrun.runners.serving.figures import Latency
+    from llmrun.runners.serving.figures import Latency, ServingMetrics
 
 METRICS = LATENCIES
+
+
+def existing_file(value: str) -> Path:
+    """A path to a file that is there, as Click's `exists=True, dir_okay=False` checks it,
+    with one clear line where Click's are odd: an empty path ("is a directory") and a loop of
+    symbolic links ("does not exist")."""
+    if not value:
+        raise typer.BadParameter("an empty path names no file")
+    try:
+        mode = os.stat(value).st_mode
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise typer.BadParameter(f"file {value!r} does not exist") from None
+        if e.errno == errno.ELOOP:
+            raise typer.BadParameter(f"{value!r} is a loop of symbolic links") from None
+        raise typer.BadParameter(f"{value!r}: {e.strerror or e}") from None
+    if S_ISDIR(mode):
+        raise typer.BadParameter(f"file {value!r} is a directory")
+    return Path(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +143,8 @@ class LoadOptions(OptionRecord):
             " does; --num-prompts are sampled with --seed. --input-len and --range-ratio"
             " do not apply.",
             "--dataset",
-            exists=True,
-            dir_okay=False,
+            parser=existing_file,
+            metavar="FILE",
             show_default=False,
         ),
     ] = None
@@ -336,8 +358,8 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _latency(name: str, key: str) -> Callable[[sv.ServingMetrics], str]:
-    def cell(m: sv.ServingMetrics) -> str:
+def _latency(name: str, key: str) -> Callable[[ServingMetrics], str]:
+    def cell(m: ServingMetrics) -> str:
         latency: Latency | None = getattr(m, name)
         return "-" if latency is None else _num(latency.fields(name).get(key), ",.1f")
 
@@ -351,7 +373,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     for level in levels:
         policy = f" {level.policy}" if level.policy else ""
         table.add_column(f"{level.level_text} rate={level.rate_text}{policy}", justify="right")
-    rows: list[tuple[str, Callable[[sv.ServingMetrics], str]]] = [
+    rows: list[tuple[str, Callable[[ServingMetrics], str]]] = [
         ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
         ("duration s", lambda m: f"{m.duration_s:.2f}"),
         ("request throughput req/s", lambda m: _num(m.request_throughput, ".2f")),
@@ -375,7 +397,7 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     return fitted(table, by_column=True)
 
 
-def _of_metrics(cell: Callable[[sv.ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
+def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
     return lambda level: cell(level.metrics)
 
 

@@ -17,6 +17,7 @@ from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.limits import engine_bounds
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.options import Stage
 
@@ -81,7 +82,7 @@ class ServingEngineOptions(OptionRecord):
             "-t",
             "--threads",
             panel=LOCAL,
-            min=1,
+            **engine_bounds("n_threads"),
             show_default=False,
         ),
     ] = None
@@ -92,7 +93,7 @@ class ServingEngineOptions(OptionRecord):
             "-tb",
             "--threads-batch",
             panel=LOCAL,
-            min=1,
+            **engine_bounds("n_threads_batch"),
             show_default=False,
         ),
     ] = None

@@ -10,7 +10,8 @@ generation tests, llama.cpp's own counters for the same runs, the model load tim
 efficiency against the machine (memory bandwidth share for decode, FLOP/s for prefill); with
 `--until-ci`, as many repetitions as the mean rate's 95 % interval needs to be narrow enough.
 
-No terminal code: `run_bench` yields results and progress; the CLI draws them.
+No terminal code: `run_bench` runs a `BenchPlan`, yielding results and progress; the CLI
+draws them.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import statistics
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from llmrun.runners import rpc
 from llmrun.runners.base import (
     BenchRunner,
     Finished,
+    LocalLoaded,
     PrefillProgress,
     Request,
     SamplingParams,
@@ -245,195 +247,268 @@ def _timed(shape: Shape, finished: Finished) -> tuple[float, float]:
     return ours, p_eval + len(s.itl_s) * per_eval + (s.engine_sample_ms or 0.0) / 1000
 
 
-def run_bench(
-    runner: BenchRunner,
-    *,
-    combos: Sequence[Combo],
-    shapes: Sequence[Shape],
-    reps: int,
-    base: EngineConfig,
-    n_ctx: int | None = None,
-    seed: int = 1234,
-    warmup: bool = True,
-    delay_s: float = 0.0,
-    cancel: threading.Event | None = None,
-    until_ci: UntilCi | None = None,
-    meter: PhaseMeter | None = None,
-    tests: Sequence[tuple[Combo, Sequence[Shape]]] | None = None,
-) -> Iterator[Result | Skipped | Progress]:
-    """Run every shape on every configuration (or each configuration's own shapes, in the
-    order `tests` gives: llama-bench's); yields results as they finish.
+@dataclass(frozen=True)
+class BenchPlan:
+    """What a bench run measures: each configuration with its own shapes, in the order they
+    run (llama-bench's: sweep.tests), and how. `n_ctx` None: the context the tests need, at
+    least 256 (llama-bench's; llama.cpp caps n_batch at it, the record keeps the batch asked
+    for). With `until_ci`, a test repeats past `reps` until its interval is narrow enough
+    (`UntilCi`); with `meter`, each test's phases are metered over its timed repetitions."""
 
-    Stops at the next token when `cancel` is set (raising nothing: the iterator just ends after
-    the results so far). Configurations the engine cannot use are yielded as `Skipped`. With
-    `until_ci`, a test repeats past `reps` until its interval is narrow enough (`UntilCi`); the
-    progress total grows by each repetition added. With `meter`, each test's phases are
-    metered over its timed repetitions (`BenchEnergy`).
-    """
-    cancel = cancel or threading.Event()
-    # As llama-bench: the context the tests need (llama.cpp caps n_batch at it; the record
-    # keeps the batch asked for, as llama-bench's does)
-    ctx = n_ctx or max(256, max(s.n_ctx_needed for s in shapes))
-    per_test = reps + (1 if warmup else 0)
-    plan: list[tuple[Combo, Sequence[Shape]]] = (
-        list(tests) if tests is not None else [(c, shapes) for c in combos]
-    )
-    total = sum(len(s) for _, s in plan) * per_test
+    tests: tuple[tuple[Combo, tuple[Shape, ...]], ...]
+    reps: int
+    n_ctx: int | None = None
+    seed: int = 1234
+    warmup: bool = True
+    delay_s: float = 0.0  # llama-bench's --delay, before each test
+    until_ci: UntilCi | None = None
+    meter: PhaseMeter | None = None
 
-    def left(i_combo: int, i_shape: int, rep: int) -> tuple[tuple[str, int], ...]:
+    @property
+    def per_test(self) -> int:
+        """A test's runs before --until-ci adds any: its repetitions and its warm-up."""
+        return self.reps + (1 if self.warmup else 0)
+
+    @property
+    def context(self) -> int:
+        needed = (s.n_ctx_needed for _, shapes in self.tests for s in shapes)
+        return self.n_ctx or max(256, max(needed, default=0))
+
+
+def every_shape(
+    combos: Sequence[Combo], shapes: Sequence[Shape]
+) -> tuple[tuple[Combo, tuple[Shape, ...]], ...]:
+    """A plan's tests: every shape on every configuration, configuration by configuration."""
+    return tuple((c, tuple(shapes)) for c in combos)
+
+
+class _Count:
+    """A run's progress: runs done, runs planned (--until-ci adds to them), and what is left."""
+
+    def __init__(self, plan: BenchPlan) -> None:
+        self.plan = plan
+        self.done = 0
+        self.total = sum(len(s) for _, s in plan.tests) * plan.per_test
+
+    def left(self, i_combo: int, i_shape: int, rep: int) -> tuple[tuple[str, int], ...]:
         """Repetitions of each kind not yet started, after this one."""
-        counts = {s.name: 0 for _, here in plan for s in here}
-        for i, (_, here) in enumerate(plan[i_combo:], i_combo):
+        tests, per_test = self.plan.tests, self.plan.per_test
+        counts = {s.name: 0 for _, here in tests for s in here}
+        for i, (_, here) in enumerate(tests[i_combo:], i_combo):
             for k, s in enumerate(here):
                 n = per_test if i > i_combo or k > i_shape else 0
                 n += per_test - rep - 1 if i == i_combo and k == i_shape else 0
                 counts[s.name] += n
         return tuple(counts.items())
 
-    done = 0
-    for i_combo, (combo, shapes) in enumerate(plan):
-        problem = _check_combo(combo, n_ctx if combo.n_batch != base.n_batch else None)
-        if problem is None:
+    def skip(self, runs: int, label: str, left: tuple[tuple[str, int], ...]) -> Progress:
+        self.done += runs
+        return Progress(self.done, self.total, label, left=left)
+
+
+@dataclass
+class _Samples:
+    """A test's timed repetitions as they come."""
+
+    planned: int  # its runs: grows with each repetition --until-ci adds
+    samples: list[float] = field(default_factory=list)
+    engine: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    phase_tps: list[tuple[float | None, float | None]] = field(default_factory=list)  # pg's
+    next_token: int | None = None
+    drafted: int = 0  # speculative decoding (bench --draft)
+    accepted: int = 0
+    steps: int = 0
+    spans: Spans | None = None
+    traffic: rpc.Traffic | None = None  # bytes to and from --rpc servers (timed reps)
+    stopped: str | None = None  # why --until-ci stopped
+
+    def add(self, shape: Shape, finished: Finished, first: int | None) -> None:
+        ours, theirs = _timed(shape, finished)
+        self.samples.append(ours)
+        self.engine.append(theirs)
+        st = finished.stats
+        if shape.n_prompt:
+            if st.ttft_s is not None:
+                self.ttft.append(st.ttft_s)
+            self.next_token = first
+        if shape.n_gen:
+            self.gaps.extend(st.itl_s)
+            self.drafted += st.draft_tokens
+            self.accepted += st.accepted_tokens
+            self.steps += st.decode_steps
+        if shape.n_prompt and shape.n_gen:
+            self.phase_tps.append((st.prompt_tps, st.output_tps))
+
+    def speculation(self, draft: int) -> Speculation | None:
+        if not draft:
+            return None
+        drafted, steps = self.drafted, self.steps
+        return Speculation(
+            draft=draft,
+            acceptance_rate=round(self.accepted / drafted, 4) if drafted else None,
+            tokens_per_step=round(len(self.gaps) / steps, 4) if steps else None,
+        )
+
+    def phases(self) -> Phases | None:
+        """pg blends two phases: each one's own rate as well."""
+        if not self.phase_tps:
+            return None
+        pp = [p for p, _ in self.phase_tps if p]
+        tg = [g for _, g in self.phase_tps if g]
+        return Phases(
+            pp_ts=round(statistics.fmean(pp), 6) if pp else None,
+            tg_ts=round(statistics.fmean(tg), 6) if tg else None,
+        )
+
+
+def run_bench(
+    runner: BenchRunner,
+    plan: BenchPlan,
+    *,
+    base: EngineConfig,
+    cancel: threading.Event | None = None,
+) -> Iterator[Result | Skipped | Progress]:
+    """Run the plan's tests on `runner`, each configuration over `base`; yields results as
+    they finish.
+
+    Stops at the next token when `cancel` is set (raising nothing: the iterator just ends after
+    the results so far). Configurations the engine cannot use are yielded as `Skipped`. With
+    --until-ci, the progress total grows by each repetition added.
+    """
+    cancel = cancel or threading.Event()
+    ctx = plan.context
+    count = _Count(plan)
+    for i_combo, (combo, shapes) in enumerate(plan.tests):
+        loaded: LocalLoaded | str
+        if (
+            problem := _check_combo(combo, plan.n_ctx if combo.n_batch != base.n_batch else None)
+        ) is None:
             yield Progress(
-                done,
-                total,
+                count.done,
+                count.total,
                 f"setting up {combo.describe()}".strip(),
                 moment="preparing",
-                left=left(i_combo, -1, 0),
+                left=count.left(i_combo, -1, 0),
             )
-            try:
-                loaded = runner.reconfigure(combo.config(base, ctx))
-            except ModelLoadError as e:
-                problem = f"llama.cpp refused it: {e.detail}"
-            except LlmrunError as e:
-                problem = str(e)
-        if problem is not None:
-            done += len(shapes) * per_test
-            yield Skipped(combo, None, problem)
-            yield Progress(done, total, combo.describe(), left=left(i_combo, len(shapes), 0))
+            loaded = _reconfigure(runner, combo.config(base, ctx))
+        else:
+            loaded = problem
+        if isinstance(loaded, str):
+            yield Skipped(combo, None, loaded)
+            left = count.left(i_combo, len(shapes), 0)
+            yield count.skip(len(shapes) * plan.per_test, combo.describe(), left)
             continue
         kv = kv_bytes_per_position(runner, combo.type_k, combo.type_v)
         for i_shape, shape in enumerate(shapes):
+            left = count.left(i_combo, i_shape, plan.per_test - 1)
             if shape.n_ctx_needed > loaded.settings.n_ctx:
-                done += per_test
                 need, have = shape.n_ctx_needed, loaded.settings.n_ctx
                 yield Skipped(combo, shape, f"needs {need} tokens of context, it holds {have}")
-                yield Progress(done, total, shape.name, left=left(i_combo, i_shape, per_test - 1))
+                yield count.skip(plan.per_test, shape.name, left)
                 continue
-            if delay_s and (cancel or threading.Event()).wait(delay_s):  # llama-bench's --delay
+            if plan.delay_s and cancel.wait(plan.delay_s):  # llama-bench's --delay
                 return
-            rng = random.Random(seed)
-            samples: list[float] = []
-            engine: list[float] = []
-            ttft: list[float] = []
-            gaps: list[float] = []
-            phase_tps: list[tuple[float | None, float | None]] = []  # pg: (prompt, gen)
-            next_token: int | None = None
-            drafted = accepted = steps = 0  # speculative decoding (bench --draft)
-            start = done
-            planned = per_test  # grows with each repetition --until-ci adds
-            stopped: str | None = None
-            began = time.monotonic()
+            start = count.done
+            got = _Samples(plan.per_test)
             when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             cpu0 = cpu_sample()
-            spans: Spans | None = None
-            traffic: rpc.Traffic | None = None
             try:
-                for rep in itertools.count():
-                    if rep >= per_test:
-                        if until_ci is None:
-                            break
-                        rates = [(shape.n_prompt + shape.n_gen) / x for x in samples if x > 0]
-                        stopped = until_ci.stop(rates, time.monotonic() - began)
-                        if stopped is not None:
-                            break
-                        planned += 1
-                        total += 1
-                    timed = rep + 1 - (per_test - reps)
-                    which = f"rep {timed}/{reps}" if timed > 0 else "warm-up"
-                    if timed > reps:
-                        which = f"rep {timed} (until ±{until_ci.pct:g} %)" if until_ci else which
-                    label = f"{shape.name} {which} {combo.describe()}".strip()
-                    still = left(i_combo, i_shape, rep)
-                    yield Progress(done, total, label, shape.name, "started", 0.0, still)
-                    before = rpc.traffic()
-                    run = _repetition(runner, shape, rng, cancel, combo.draft, meter)
-                    while True:
-                        try:
-                            share = next(run)
-                        except StopIteration as end:
-                            finished, first = end.value
-                            break
-                        yield Progress(done, total, label, shape.name, "working", share, still)
-                    done += 1
-                    yield Progress(done, total, label, shape.name, "ended", 1.0, still)
-                    if warmup and rep == 0:
-                        continue
-                    after = rpc.traffic()
-                    if before is not None and after is not None and not shape.n_depth:
-                        moved = after.since(before)  # a depth's fill would count too: none
-                        traffic = moved if traffic is None else moved.plus(traffic)
-                    if meter is not None:
-                        one = meter.spans(finished.stats)
-                        spans = one if spans is None else spans.plus(one)
-                    ours, theirs = _timed(shape, finished)
-                    samples.append(ours)
-                    engine.append(theirs)
-                    if shape.n_prompt:
-                        if finished.stats.ttft_s is not None:
-                            ttft.append(finished.stats.ttft_s)
-                        next_token = first
-                    if shape.n_gen:
-                        gaps.extend(finished.stats.itl_s)
-                        drafted += finished.stats.draft_tokens
-                        accepted += finished.stats.accepted_tokens
-                        steps += finished.stats.decode_steps
-                    if shape.n_prompt and shape.n_gen:
-                        st = finished.stats
-                        phase_tps.append((st.prompt_tps, st.output_tps))
+                yield from _repeat(
+                    runner, plan, combo, shape, cancel, count, got, (i_combo, i_shape)
+                )
             except Interrupted:
                 return
             except LlmrunError as e:
-                done = start + planned
                 yield Skipped(combo, shape, str(e))
-                yield Progress(done, total, shape.name, left=left(i_combo, i_shape, per_test - 1))
+                yield count.skip(start + got.planned - count.done, shape.name, left)
                 continue
-            speculation = None
-            if combo.draft:
-                speculation = Speculation(
-                    draft=combo.draft,
-                    acceptance_rate=round(accepted / drafted, 4) if drafted else None,
-                    tokens_per_step=round(len(gaps) / steps, 4) if steps else None,
-                )
-            phases = None
-            if phase_tps:  # pg blends two phases; keep each one's own rate as well
-                pp = [p for p, _ in phase_tps if p]
-                tg = [g for _, g in phase_tps if g]
-                phases = Phases(
-                    pp_ts=round(statistics.fmean(pp), 6) if pp else None,
-                    tg_ts=round(statistics.fmean(tg), 6) if tg else None,
-                )
             yield Result(
                 shape=shape,
                 combo=combo,
                 model=loaded.model,
                 settings=loaded.settings,
                 load_s=loaded.load_s,
-                samples_s=tuple(samples),
-                engine_samples_s=tuple(engine),
-                ttft_s=tuple(ttft),
-                itl_s=tuple(gaps),
-                next_token=next_token if shape.n_gen == 0 else None,
+                samples_s=tuple(got.samples),
+                engine_samples_s=tuple(got.engine),
+                ttft_s=tuple(got.ttft),
+                itl_s=tuple(got.gaps),
+                next_token=got.next_token if shape.n_gen == 0 else None,
                 test_time=when,
                 kv_bytes_per_pos=kv,
                 background_cpus=measured_background(cpu0, cpu_sample()),
-                speculation=speculation,
-                phases=phases,
-                until_ci_pct=None if until_ci is None else until_ci.pct,
-                until_ci_stop=stopped,
-                energy=None if meter is None else _energy(meter, shape, spans),
-                rpc_traffic=traffic,
+                speculation=got.speculation(combo.draft),
+                phases=got.phases(),
+                until_ci_pct=None if plan.until_ci is None else plan.until_ci.pct,
+                until_ci_stop=got.stopped,
+                energy=None if plan.meter is None else _energy(plan.meter, shape, got.spans),
+                rpc_traffic=got.traffic,
             )
+
+
+def _reconfigure(runner: BenchRunner, config: EngineConfig) -> LocalLoaded | str:
+    """The runner on a configuration, or why llama.cpp refused it."""
+    try:
+        return runner.reconfigure(config)
+    except ModelLoadError as e:
+        return f"llama.cpp refused it: {e.detail}"
+    except LlmrunError as e:
+        return str(e)
+
+
+def _repeat(
+    runner: BenchRunner,
+    plan: BenchPlan,
+    combo: Combo,
+    shape: Shape,
+    cancel: threading.Event,
+    count: _Count,
+    got: _Samples,
+    at: tuple[int, int],
+) -> Iterator[Progress]:
+    """One test's repetitions (its warm-up first) into `got`, with their progress."""
+    rng = random.Random(plan.seed)
+    until_ci, reps, per_test, meter = plan.until_ci, plan.reps, plan.per_test, plan.meter
+    began = time.monotonic()
+    for rep in itertools.count():
+        if rep >= per_test:
+            if until_ci is None:
+                break
+            rates = [(shape.n_prompt + shape.n_gen) / x for x in got.samples if x > 0]
+            got.stopped = until_ci.stop(rates, time.monotonic() - began)
+            if got.stopped is not None:
+                break
+            got.planned += 1
+            count.total += 1
+        timed = rep + 1 - (per_test - reps)
+        which = f"rep {timed}/{reps}" if timed > 0 else "warm-up"
+        if timed > reps:
+            which = f"rep {timed} (until ±{until_ci.pct:g} %)" if until_ci else which
+        label = f"{shape.name} {which} {combo.describe()}".strip()
+        still = count.left(*at, rep)
+        yield Progress(count.done, count.total, label, shape.name, "started", 0.0, still)
+        before = rpc.traffic()
+        run = _repetition(runner, shape, rng, cancel, combo.draft, meter)
+        while True:
+            try:
+                share = next(run)
+            except StopIteration as end:
+                finished, first = end.value
+                break
+            yield Progress(count.done, count.total, label, shape.name, "working", share, still)
+        count.done += 1
+        yield Progress(count.done, count.total, label, shape.name, "ended", 1.0, still)
+        if plan.warmup and rep == 0:
+            continue
+        after = rpc.traffic()
+        if before is not None and after is not None and not shape.n_depth:
+            moved = after.since(before)  # a depth's fill would count too: none
+            got.traffic = moved if got.traffic is None else moved.plus(got.traffic)
+        if meter is not None:
+            one = meter.spans(finished.stats)
+            got.spans = one if got.spans is None else got.spans.plus(one)
+        got.add(shape, finished, first)
 
 
 def _energy(meter: PhaseMeter, shape: Shape, spans: Spans | None) -> BenchEnergy:

@@ -28,7 +28,7 @@ from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from . import localscore as ls
 from . import sweep as sw
-from .measure import Progress, Skipped, UntilCi, run_bench
+from .measure import BenchPlan, Progress, Skipped, UntilCi, run_bench
 from .results import OPTIONAL_FIELDS, RELATIVE_FIELDS, Perplexity, Result, Row
 
 if TYPE_CHECKING:
@@ -390,38 +390,34 @@ def _models(
             base = runner.config
             combos = without_unsafe_repack(sweep.combos(base), runner)
             yield ModelReady(runner, tuple(combos))
+            tokens: list[int] | None = None
+            if sweep.ppl is not None and text is not None:  # too short: said before any test
+                tokens = _ppl_tokens(runner, text, sweep.contexts()[0] or PPL_CTX, cancel)
+                if tokens is None:
+                    return
             # llama-bench records the model's file name as given (a local path, not a Hub name)
             given = model if model and os.path.isfile(model) else ""
             for n_ctx in sweep.contexts():
-                for event in run_bench(
-                    runner,
-                    combos=combos,
-                    shapes=sweep.shapes,
-                    tests=sw.tests(combos, sweep.shapes, sweep.inside_depth()),
-                    reps=sweep.reps,
-                    base=base,
+                plan = BenchPlan(
+                    tuple(sw.tests(combos, sweep.shapes, sweep.inside_depth())),
+                    sweep.reps,
                     n_ctx=n_ctx,
                     seed=sweep.seed,
                     warmup=sweep.warmup,
                     delay_s=sweep.delay_s,
-                    cancel=cancel,
                     until_ci=until_ci,
                     meter=meter,
-                ):
+                )
+                for event in run_bench(runner, plan, base=base, cancel=cancel):
                     yield (
                         replace(event, model_filename=given)
                         if given and isinstance(event, Result)
                         else event
                     )
-            if sweep.ppl is not None and text is not None and not cancel.is_set():
+            if sweep.ppl is not None and tokens is not None and not cancel.is_set():
                 yield Scoring(sweep.ppl)
                 n_ctx = sweep.contexts()[0] or PPL_CTX
                 runner.reconfigure(replace(runner.config, n_ctx=n_ctx))
-                tokens = ppl.tokenize_interruptibly(
-                    partial(runner.tokenize, add_special=False), text, cancel
-                )
-                if tokens is None:
-                    return
                 if kld_base is None:
                     score, n = runner.perplexity(tokens, n_ctx=n_ctx, cancel=cancel)
                     yield Scored(runner.load().model.name, score, n, runner.vocab_size())
@@ -429,6 +425,19 @@ def _models(
                     yield _scored_with_kld(runner, tokens, n_ctx, cancel, kld_base)
         finally:
             runner.close()
+
+
+def _ppl_tokens(
+    runner: BenchRunner, text: str, n_ctx: int, cancel: threading.Event
+) -> list[int] | None:
+    """The --ppl text's tokens (None once Ctrl-C came), refused where they do not fill one
+    window: the speed tests before the scoring would otherwise run for nothing."""
+    tokens = ppl.tokenize_interruptibly(partial(runner.tokenize, add_special=False), text, cancel)
+    if tokens is not None and len(tokens) < n_ctx:
+        raise BadRequestError(
+            f"perplexity needs at least one window of {n_ctx} tokens; the text has {len(tokens)}"
+        )
+    return tokens
 
 
 def _scored_with_kld(

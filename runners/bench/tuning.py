@@ -32,7 +32,7 @@ from llmrun.runners.system import (
     logical_cpus,
 )
 
-from .measure import Progress, run_bench
+from .measure import BenchPlan, Progress, every_shape, run_bench
 from .results import Result
 from .sweep import Combo, Shape
 
@@ -264,14 +264,8 @@ class _Measured:
         self.planned = max(self.planned, self.trials + len(todo))
         runs = len(self.shapes) * (REPS + 1)  # a trial's runs, its warm-ups included
         found: dict[Combo, dict[int, list[float]]] = {}
-        for event in run_bench(
-            self.runner,
-            combos=todo,
-            shapes=self.shapes,
-            reps=REPS,
-            base=self.base,
-            cancel=self.cancel,
-        ):
+        plan = BenchPlan(every_shape(todo, self.shapes), reps=REPS)
+        for event in run_bench(self.runner, plan, base=self.base, cancel=self.cancel):
             if isinstance(event, Result):
                 found.setdefault(event.combo, {}).setdefault(event.shape.n_gen, []).extend(
                     event.samples_ts

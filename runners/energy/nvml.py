@@ -66,6 +66,16 @@ def _name(nvml: Any, handle: Any) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def install_hint() -> str | None:
+    """INSTALL where `pynvml` cannot be imported, else None: what `--energy on` says when it
+    finds no counter, though no layer was to run on a GPU."""
+    try:
+        importlib.import_module("pynvml")
+    except ImportError:
+        return INSTALL
+    return None
+
+
 def open_nvml(module: ModuleType | None = None) -> NvmlCounter:
     """Every GPU's energy counter; `Unavailable` with the reason where there is none.
     `module` stands for `pynvml` (tests pass a fake)."""

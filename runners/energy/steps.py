@@ -100,5 +100,9 @@ def open_steps(mode: str, settings: EngineSettings | None) -> StepEnergy | None:
         if counter not in counters:  # NVML where no layer runs on the GPU
             counter.close()
     if mode == "on" and not counters:
-        raise BadRequestError(f"--energy on: no energy counter can be read here ({reason})")
+        from .nvml import install_hint
+
+        hint = None if gpu else install_hint()  # with gpu, the reason has NVML's own
+        why = "; ".join(filter(None, (reason, hint and f"GPU: {hint}")))
+        raise BadRequestError(f"--energy on: no energy counter can be read here ({why})")
     return StepEnergy(counters, idle_w=idle_w, reason=reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import (
@@ -18,10 +18,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    Info,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import InfoMetricFamily
+from prometheus_client.registry import Collector
 
 from llmrun.runners.energy.steps import StepEnergy
 from llmrun.runners.system import BackgroundMeter, busy_machine
@@ -177,11 +178,7 @@ class ServerMetrics:
         """Joules and seconds of the engine's steps by phase, and the source or why there is
         none: without a source the counters have no sample at all (absent, never a zero)."""
         r = self.registry
-        Info(
-            "llmrun_energy",
-            "The energy counters read (source), or why there are none (reason).",
-            registry=r,
-        ).info({"source": energy.source if energy.measured else "", "reason": energy.reason})
+        r.register(_EnergyInfo(energy))
         self.energy_joules = Counter(
             "llmrun_energy_joules",
             "Joules the energy counters counted during the engine's steps, idle included, by"
@@ -248,3 +245,19 @@ class ServerMetrics:
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
+
+
+class _EnergyInfo(Collector):
+    """llmrun_energy_info as the meter stands at each scrape: a counter that fails while the
+    server runs says so from then on (its reason), not what it was at the start."""
+
+    def __init__(self, energy: StepEnergy) -> None:
+        self.energy = energy
+
+    def collect(self) -> Iterator[InfoMetricFamily]:
+        e = self.energy
+        yield InfoMetricFamily(
+            "llmrun_energy",
+            "The energy counters read (source), or why there are none (reason).",
+            value={"source": e.source if e.measured else "", "reason": e.reason},
+        )

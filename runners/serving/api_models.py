@@ -123,9 +123,6 @@ class _Body(BaseModel):
     def _limit(self) -> int | None:
         return self.max_tokens
 
-    def _field(self, name: str) -> Any:
-        return getattr(self, name)
-
     def sampling(self, defaults: SamplingParams, think: bool | None = None) -> SamplingParams:
         """The request's sampling: its own values over the server's defaults, checked."""
         if self.n not in (None, 1):
@@ -157,7 +154,7 @@ class _Body(BaseModel):
                 f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
             )
         given: dict[str, Any] = {  # each setting by its HTTP names, the first one given
-            s.name: next((v for v in map(self._field, s.http) if v is not None), None)
+            s.name: next((v for n in s.http if (v := getattr(self, n)) is not None), None)
             for s in SAMPLING_SETTINGS.values()
         }
         given |= {

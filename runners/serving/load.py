@@ -30,8 +30,6 @@ from .figures import RequestResult, ServingMetrics, failure, metrics, queue_s
 from .options import InterferenceOptions, ServeOptions, Stage
 from .prompts import FreshPrompts, PromptSpec, random_lengths, text_prompts
 
-__all__ = ["RequestResult", "ServingMetrics", "metrics"]  # their home is figures.py
-
 
 def _streamed(
     runner: OpenAIRunner, request: Request, cancel: threading.Event, progress: Tally | None
