@@ -156,6 +156,7 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             f"p50 {ms(s.itl_p50_s)} · p90 {ms(s.itl_p90_s)} · p99 {ms(s.itl_p99_s)}"
             f" · max {ms(s.itl_max_s)}",
         ),
+        *network_rows(s),
         (
             "total",
             ms(s.e2e_s)
@@ -163,6 +164,24 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             + (f" · seed {s.seed}" if s.seed is not None else ""),
         ),
         *energy_rows(s),
+    ]
+
+
+def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    """--rpc: the bytes to and from the servers per token of each phase (rpc_bytes_per_token,
+    as bench's records count them); their share of the time is docs/hardware.md's estimate."""
+    if s.rpc_decode_bytes is None:
+        return []
+
+    def per_token(n: int | None) -> str:
+        return "-" if n is None else f"{human_count(n, 'B')}/token"
+
+    return [
+        (
+            "network",
+            f"{per_token(s.rpc_bytes_per_token)} decode · "
+            f"{per_token(s.rpc_bytes_per_prompt_token)} prefill (to and from the RPC servers)",
+        )
     ]
 
 

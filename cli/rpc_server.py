@@ -77,16 +77,13 @@ def rpc_server(
             argv.append("--cache")
         print(f"llmrun: RPC server on {host}:{port} ({binary})", file=sys.stderr)
         print(f"llmrun: warning: {rpc.WARNING}", file=sys.stderr, flush=True)
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-        try:
+        child: subprocess.Popen[bytes] | None = None
+        try:  # a Ctrl-C as early as inside Popen must not leave the server behind
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
             code = child.wait()
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: the server stops with llmrun
-            child.terminate()
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            if child is not None:
+                _stop(child)
             raise
         # It serves until stopped: any end of its own is a failure (it returns 0 when it
         # cannot listen, after saying why).
@@ -96,3 +93,18 @@ def rpc_server(
             flush=True,
         )
         raise typer.Exit(1)
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    """End the server (SIGTERM, then SIGKILL after 5 s), whatever more Ctrl-Cs come."""
+    while True:
+        try:
+            child.terminate()
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            return
+        except KeyboardInterrupt:
+            continue

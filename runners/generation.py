@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import rpc
 from .base import Event, Finished, LocalLoaded, PrefillProgress, Request, SamplingParams, Token
 from .errors import EngineError, PromptTooLongError
 from .handles import Model, Sampler
@@ -134,7 +135,11 @@ def generate(
     seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
     chain = new_sampler(model, sp, seed, prompt=tokens)
     try:
+        with clock.paused():
+            net = rpc.traffic()  # --rpc: the network's part of each phase (None: no servers)
         prefill = yield from _prefill(kv, loaded.settings.n_batch, tokens, reused, cancel, clock)
+        with clock.paused():
+            net_prefilled = rpc.traffic()
         decode = _Decoded()
         if not prefill.aborted:
             tagger = None  # random benchmark tokens have no thinking to tell apart
@@ -165,6 +170,8 @@ def generate(
             seed=seed if sp.temperature > 0 else None,
             background_cpus=measured_background(cpu0, cpu_sample()),
         )
+        if net is not None and net_prefilled is not None:
+            stats = rpc.with_traffic(stats, net, net_prefilled, rpc.traffic())
         yield Finished(stats=stats, text=decode.text, tail=decode.tail)
     finally:
         chain.close()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib.metadata
+import ipaddress
 import os
 import re
 import socket
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from .devices import Device
 from .errors import BadRequestError, EngineAbortError, LlmrunError
+from .stats import GenerationStats
 
 BINARY = "rpc-server"
 LIBRARY = "libggml-rpc.so"
@@ -94,10 +97,17 @@ def server_binary() -> Path:
 
 
 def check_listen(host: str, port: int) -> None:
-    """That rpc-server will be able to listen on host:port (it returns quietly when not)."""
+    """That rpc-server will be able to listen on host:port (it returns quietly when not): an
+    IPv4 address (it takes nothing else: inet_addr), and a port free to bind."""
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise LlmrunError(
+            f"-H {host}: llama.cpp's rpc-server listens on an IPv4 address only"
+            " (e.g. 127.0.0.1, 0.0.0.0 or this machine's 192.168.1.2)"
+        ) from None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
@@ -114,12 +124,17 @@ class Endpoint:
 
 
 def parse_endpoint(text: str) -> Endpoint:
-    """'host:port' (an IPv6 host in brackets: [::1]:50052), as ggml-rpc parses it."""
+    """'host:port', an IPv4 address or a host name, as ggml-rpc takes it: it splits at the first
+    ':' and connects over IPv4 (AF_INET, gethostbyname), so an IPv6 address is refused here
+    by name instead of ending the process in ggml's "Failed to parse endpoint" abort."""
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host:
         raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    if ":" in host or "[" in host or "]" in host:
+        raise RpcEndpointError(
+            f"--rpc: '{text}' is an IPv6 address: llama.cpp's RPC connects over IPv4 only"
+            " (an IPv4 address, or a host name that has one)"
+        )
     if not host or any(c.isspace() for c in host) or ("," in host):
         raise RpcEndpointError(f"--rpc: '{text}' has no host")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -143,15 +158,87 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
     return endpoints
 
 
+def _ipv4(endpoint: Endpoint) -> tuple[str, int] | str:
+    """The address ggml-rpc connects to (IPv4: gethostbyname), else why there is none."""
+    try:
+        found = socket.getaddrinfo(endpoint.host, endpoint.port, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return f"cannot resolve '{endpoint.host}' to an IPv4 address ({why})"
+    return str(found[0][4][0]), int(found[0][4][1])
+
+
 def _connects(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the server opens, else why not."""
+    address = _ipv4(endpoint)
+    if isinstance(address, str):
+        return address
     try:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s):
+        with socket.create_connection(address, timeout=timeout_s):
             return None
     except TimeoutError:
         return f"no answer in {timeout_s:g} s"
     except OSError as e:
         return e.strerror or str(e)
+
+
+# ggml-rpc's HELLO, the first message of every connection (ggml-rpc.cpp negotiate_hello; the
+# numbers are the installed llama.cpp's ggml-rpc.h and transport.h, checked by tests/test_rpc.py)
+RPC_CMD_HELLO = 14
+RPC_PROTO_MAJOR_VERSION = 7
+RPC_CONN_CAPS_SIZE = 24
+
+
+def _recv_exactly(s: socket.socket, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        got = s.recv(size - len(data))
+        if not got:
+            return None
+        data += got
+    return data
+
+
+def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> str | None:
+    """None when the server answers ggml-rpc's handshake as an rpc-server of this protocol,
+    else why not. ggml-rpc's own handshake aborts the process on a bad answer and waits
+    forever for a missing one (an rpc-server serves one client at a time; a port that is
+    something else): this one has a timeout, and then the client's runs without surprise."""
+    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
+    closed = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
+    address = _ipv4(endpoint)
+    if isinstance(address, str):
+        return address
+    try:
+        with socket.create_connection(address, timeout=timeout_s) as s:
+            s.sendall(
+                struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE)
+            )
+            head = _recv_exactly(s, 8)
+            if head is None:
+                return closed
+            answer = None
+            if struct.unpack("<Q", head)[0] == 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
+                answer = _recv_exactly(s, 4 + RPC_CONN_CAPS_SIZE)
+            if answer is None:
+                return "its answer to llama.cpp's RPC handshake is not an rpc-server's"
+    except TimeoutError:
+        return (
+            f"no answer to llama.cpp's RPC handshake in {timeout_s:g} s (an rpc-server serves"
+            " one client at a time: is another one using it?)"
+        )
+    except (ConnectionResetError, BrokenPipeError):
+        return closed
+    except OSError as e:
+        return e.strerror or str(e)
+    major, minor, patch = answer[:3]
+    if major != RPC_PROTO_MAJOR_VERSION:
+        return (
+            f"its RPC protocol is {major}.{minor}.{patch}, this llama.cpp's"
+            f" {RPC_PROTO_MAJOR_VERSION}.x: run the same llama-cpp-python version (and `make"
+            " rpc-server`) on every machine"
+        )
+    return None
 
 
 _attached: list[Endpoint] = []
@@ -187,7 +274,7 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
     if not library.is_file():
         raise RpcNotBuiltError(LIBRARY)
     for e in new:
-        why = _connects(e)
+        why = _hello(e)
         if why is not None:
             raise RpcUnreachableError(str(e), why)
         with contextlib.suppress(OSError):
@@ -266,6 +353,20 @@ def traffic() -> Traffic | None:
         acked, got = struct.unpack_from("QQ", info, 120)  # tcpi_bytes_acked, _received
         sent, received = sent + acked, received + got
     return Traffic(sent, received)
+
+
+def with_traffic(
+    stats: GenerationStats, before: Traffic, prefilled: Traffic, after: Traffic | None
+) -> GenerationStats:
+    """A request's stats with the bytes its prefill and its decode moved to and from the
+    servers (traffic() read before the prefill, after it, and after the decode)."""
+    if after is None:
+        return stats
+    return dataclasses.replace(
+        stats,
+        rpc_prefill_bytes=max(0, prefilled.since(before).bytes),
+        rpc_decode_bytes=max(0, after.since(prefilled).bytes),
+    )
 
 
 def devices() -> list[Device]:

@@ -49,6 +49,13 @@ def rate(count: int, seconds: float) -> float | None:
     return count / seconds if count > 0 and seconds > 0 else None
 
 
+def bytes_per_token(moved: int | None, tokens: int) -> int | None:
+    """The network's part of a phase, the same in every command (`rpc_bytes_per_token` in
+    bench's records, run's and chat's): bytes sent to and received from the --rpc servers
+    (runners/rpc.py `traffic()`, the kernel's count) over the tokens the phase evaluated."""
+    return round(moved / tokens) if moved is not None and tokens > 0 else None
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts about the loaded model, from its GGUF header and llama.cpp."""
@@ -296,6 +303,9 @@ class GenerationStats:
     probe_s: float | None = None
     # Energy per phase (llmrun.runners.energy); None: not metered (bench, serve)
     energy: EnergyReport | None = None
+    # Bytes to and from the --rpc servers during the prefill and the decode (None: no servers)
+    rpc_prefill_bytes: int | None = None
+    rpc_decode_bytes: int | None = None
 
     @property
     def new_prompt_tokens(self) -> int:
@@ -328,6 +338,17 @@ class GenerationStats:
     def output_tps(self) -> float | None:
         """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
         return rate(len(self.itl_s), self.decode_s)
+
+    @property
+    def rpc_bytes_per_prompt_token(self) -> int | None:
+        """--rpc: the prefill's network bytes per prompt token it evaluated."""
+        done = self.new_prompt_tokens if self.prefilled_tokens is None else self.prefilled_tokens
+        return bytes_per_token(self.rpc_prefill_bytes, done)
+
+    @property
+    def rpc_bytes_per_token(self) -> int | None:
+        """--rpc: the decode's network bytes per token after the first (output tok/s's)."""
+        return bytes_per_token(self.rpc_decode_bytes, len(self.itl_s))
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -435,6 +456,12 @@ class GenerationStats:
             "tokens_per_step",
         ):
             data[name] = getattr(self, name)
+        if self.rpc_decode_bytes is not None:  # only with --rpc servers
+            data["rpc_bytes_per_prompt_token"] = self.rpc_bytes_per_prompt_token
+            data["rpc_bytes_per_token"] = self.rpc_bytes_per_token
+        else:
+            data.pop("rpc_prefill_bytes")
+            data.pop("rpc_decode_bytes")
         if self.server is not None:
             data.update(self.server.to_dict())
         if self.energy is not None:

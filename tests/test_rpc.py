@@ -7,11 +7,15 @@ them and this machine's CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +24,11 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
+from llmrun.cli.report import summary_rows
 from llmrun.runners import rpc
-from llmrun.runners.errors import EngineAbortError
+from llmrun.runners.errors import EngineAbortError, LlmrunError
 from llmrun.runners.load_record import layers_by_device
+from llmrun.runners.stats import GenerationStats
 
 from .conftest import ROOT, free_port, which_llmrun
 
@@ -33,8 +39,8 @@ PROMPT = "Write a haiku about rivers."
 
 
 def test_endpoints_are_host_port_lists() -> None:
-    got = rpc.parse_endpoints("127.0.0.1:50052, box:1,[::1]:9")
-    assert [str(e) for e in got] == ["127.0.0.1:50052", "box:1", "::1:9"]
+    got = rpc.parse_endpoints("127.0.0.1:50052, box:1")
+    assert [str(e) for e in got] == ["127.0.0.1:50052", "box:1"]
 
 
 @pytest.mark.parametrize(
@@ -50,6 +56,9 @@ def test_endpoints_are_host_port_lists() -> None:
         ("a:port", "1 to 65535"),
         ("a b:1", "no host"),
         ("a:1,a:1", "named twice"),
+        # ggml-rpc splits at the first ':' and connects over IPv4: its parser would abort
+        ("[::1]:50052", "IPv6 address: llama.cpp's RPC connects over IPv4 only"),
+        ("::1:50052", "IPv6"),
     ],
 )
 def test_bad_endpoints_are_refused_by_what_is_wrong(text: str, says: str) -> None:
@@ -100,6 +109,126 @@ def test_unreachable_server_is_one_line_before_any_load(
     (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")  # never opened: the check is first
     with pytest.raises(rpc.RpcUnreachableError, match=r"127\.0\.0\.1:\d+ cannot be reached"):
         rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{free_port()}"))
+
+
+def test_a_host_that_does_not_resolve_is_one_line_before_any_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
+    (tmp_path / rpc.version()).mkdir()
+    (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")
+    with pytest.raises(rpc.RpcUnreachableError, match="cannot resolve 'no-such-host.invalid'"):
+        rpc.attach(rpc.parse_endpoints("no-such-host.invalid:50052"))
+
+
+class _Junk:
+    """A port that accepts TCP and then does what no rpc-server does: `answer` is written to
+    each connection (b"": it is closed at once; None: nothing is ever said)."""
+
+    def __init__(self, answer: bytes | None) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = int(self.sock.getsockname()[1])
+        self.answer = answer
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.answer is None:
+                self.held.append(conn)  # silent, open
+                continue
+            with conn:
+                conn.sendall(self.answer)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (b"", "closed the connection at llama.cpp's RPC handshake"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n" * 4, "is not an rpc-server's"),
+        (struct.pack("<Q", 28) + bytes([3, 0, 0, 0]) + bytes(24), "RPC protocol is 3.0.0"),
+        (None, "no answer to llama.cpp's RPC handshake in 0.5 s"),
+    ],
+)
+def test_a_port_that_is_not_an_rpc_server_is_one_line_not_an_abort_or_a_hang(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: bytes | None, says: str
+) -> None:
+    """ggml-rpc's own handshake would abort the process on these answers, or wait forever."""
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
+    monkeypatch.setattr(rpc, "CONNECT_TIMEOUT_S", 0.5)
+    (tmp_path / rpc.version()).mkdir()
+    (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")
+    junk = _Junk(answer)
+    try:
+        with pytest.raises(rpc.RpcUnreachableError, match=re.escape(says)):
+            rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{junk.port}"))
+    finally:
+        junk.close()
+    assert rpc.attached() == ()
+
+
+@pytest.mark.parametrize("host", ["localhost", "::1", "box.local"])
+def test_rpc_server_listens_on_ipv4_addresses_only(host: str) -> None:
+    """rpc-server takes its host through inet_addr: a name or an IPv6 address would end it
+    at once with a line of its own."""
+    with pytest.raises(LlmrunError, match=f"-H {re.escape(host)}: .* IPv4 address only"):
+        rpc.check_listen(host, free_port())
+
+
+def test_rpc_server_on_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = int(busy.getsockname()[1])
+        done = CliRunner().invoke(app, ["rpc-server", "-p", str(port)])
+    if "make rpc-server" in done.stderr:
+        pytest.skip("the backend is not built here")  # the binary is looked for first
+    assert done.exit_code == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line == f"llmrun: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize("port", ["0", "65536"])
+def test_rpc_server_ports_outside_1_65535_are_usage_errors(port: str) -> None:
+    done = CliRunner().invoke(app, ["rpc-server", "-p", port])
+    assert done.exit_code == 2 and "--port" in done.stderr
+
+
+def test_the_network_figure_is_in_the_records_and_the_summary_only_with_rpc() -> None:
+    """run's and chat's summaries and records name bytes per token as bench's records do."""
+    plain = GenerationStats(
+        finish_reason="length",
+        prompt_tokens=10,
+        reused_tokens=2,
+        output_tokens=5,
+        template_tokenize_s=0.001,
+        prefill_s=0.01,
+        first_sample_s=0.001,
+        itl_s=(0.02, 0.02, 0.02, 0.02),
+        e2e_s=0.1,
+        load_s=1.0,
+    )
+    record = plain.to_dict()
+    assert not [k for k in record if k.startswith("rpc")]
+    assert not [row for row in summary_rows(plain) if row[0] == "network"]
+    split = dataclasses.replace(plain, rpc_prefill_bytes=8000, rpc_decode_bytes=900_000)
+    record = split.to_dict()
+    assert record["rpc_bytes_per_prompt_token"] == 1000  # 8 new prompt tokens
+    assert record["rpc_bytes_per_token"] == 225_000  # 4 tokens after the first
+    (row,) = [value for label, value in summary_rows(split) if label == "network"]
+    assert row.startswith("225 kB/token decode · 1.0 kB/token prefill")
 
 
 def test_an_abort_with_a_server_gone_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

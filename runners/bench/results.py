@@ -13,7 +13,14 @@ from llmrun.runners.kld import RECORD_FIELDS as KLD_FIELDS
 from llmrun.runners.kld import KldStats
 from llmrun.runners.rpc import Traffic, rpc_backends, rpc_gpu_info
 from llmrun.runners.significance import LogSample
-from llmrun.runners.stats import EngineSettings, ModelInfo, human_count, peak_rss_bytes, percentile
+from llmrun.runners.stats import (
+    EngineSettings,
+    ModelInfo,
+    bytes_per_token,
+    human_count,
+    peak_rss_bytes,
+    percentile,
+)
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
 
 from .sweep import Combo, Shape
@@ -358,7 +365,7 @@ class Result:
             rec.update(self.energy.fields())
         if self.rpc_traffic is not None:  # the network's part (docs/hardware.md)
             tokens = (self.shape.n_prompt + self.shape.n_gen) * len(self.samples_s)
-            rec["rpc_bytes_per_token"] = round(self.rpc_traffic.bytes / tokens) if tokens else None
+            rec["rpc_bytes_per_token"] = bytes_per_token(self.rpc_traffic.bytes, tokens)
         if self.perplexity is not None:
             p = self.perplexity
             rec.update(
