@@ -29,7 +29,7 @@ import re
 import socket
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,7 +279,7 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
             raise RpcUnreachableError(str(e), why)
         with contextlib.suppress(OSError):
             for *_, address in socket.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM):
-                _peers.add((str(address[0]), int(address[1])))
+                _peers[(str(address[0]), int(address[1]))] = e
     g = _ggml()
     vp = ctypes.c_void_p
     g.ggml_backend_reg_by_name.restype, g.ggml_backend_reg_by_name.argtypes = vp, [ctypes.c_char_p]
@@ -325,15 +325,14 @@ class Traffic:
         return Traffic(self.sent + other.sent, self.received + other.received)
 
 
-_peers: set[tuple[str, int]] = set()  # the servers' addresses, resolved when attached
+_peers: dict[tuple[str, int], Endpoint] = {}  # the servers' addresses, resolved when attached
 
 
-def traffic() -> Traffic | None:
-    """The bytes over every open TCP connection to an attached server (ggml-rpc's sockets,
-    found in /proc/self/fd); None without servers, or where Linux's TCP_INFO is not there."""
-    if not _attached or not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
-        return None
-    sent = received = 0
+def _connections() -> Iterator[tuple[Endpoint, bytes]]:
+    """Each open TCP connection to an attached server (ggml-rpc's sockets, found in
+    /proc/self/fd) with its TCP_INFO; nothing where Linux's TCP_INFO is not there."""
+    if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+        return
     for fd in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
@@ -343,11 +342,24 @@ def traffic() -> Traffic | None:
             continue
         with s:
             try:
-                if s.type != socket.SOCK_STREAM or s.getpeername()[:2] not in _peers:
+                if s.type != socket.SOCK_STREAM:
+                    continue
+                peer = _peers.get(s.getpeername()[:2])
+                if peer is None:
                     continue
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
             except OSError:
                 continue
+        yield peer, info
+
+
+def traffic() -> Traffic | None:
+    """The bytes over every open TCP connection to an attached server; None without servers,
+    or where Linux's TCP_INFO is not there."""
+    if not _attached or not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+        return None
+    sent = received = 0
+    for _, info in _connections():
         if len(info) < 136:  # before Linux 4.2: no byte counts
             return None
         acked, got = struct.unpack_from("QQ", info, 120)  # tcpi_bytes_acked, _received
@@ -423,8 +435,15 @@ def rpc_gpu_info(gpu_info: str, servers: str | None) -> str:
     return ", ".join([*([gpu_info] if gpu_info else []), *servers.split(",")])
 
 
+TCP_ESTABLISHED = 1  # tcpi_state (linux/tcp_states.h)
+
+
 def lost_server(timeout_s: float = 1.0) -> str | None:
-    """The attached server that no longer takes a connection, if one is."""
+    """The attached server that closed or reset ggml-rpc's connection (its socket's state),
+    else the one that no longer takes a connection, if one is."""
+    for e, info in _connections():
+        if info and info[0] != TCP_ESTABLISHED:
+            return str(e)
     for e in _attached:
         if _connects(e, timeout_s) is not None:
             return str(e)

@@ -117,7 +117,7 @@ def test_a_host_that_does_not_resolve_is_one_line_before_any_load(
     monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
     (tmp_path / rpc.version()).mkdir()
     (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")
-    with pytest.raises(rpc.RpcUnreachableError, match="cannot resolve 'no-such-host.invalid'"):
+    with pytest.raises(rpc.RpcUnreachableError, match=r"cannot resolve 'no-such-host\.invalid'"):
         rpc.attach(rpc.parse_endpoints("no-such-host.invalid:50052"))
 
 
@@ -282,6 +282,17 @@ def rpc_build() -> Path:
     return rpc.rpc_dir()
 
 
+def test_the_handshake_is_the_installed_llama_cpp_s(llama_cpp_source: Path) -> None:
+    """rpc.py's HELLO speaks the protocol of the ggml-rpc that `make rpc-server` builds."""
+    rpc_h = (llama_cpp_source / "ggml" / "include" / "ggml-rpc.h").read_text()
+    assert re.search(rf"#define RPC_PROTO_MAJOR_VERSION\s+{rpc.RPC_PROTO_MAJOR_VERSION}\b", rpc_h)
+    transport = llama_cpp_source / "ggml" / "src" / "ggml-rpc" / "transport.h"
+    caps = rf"RPC_CONN_CAPS_SIZE = {rpc.RPC_CONN_CAPS_SIZE};"
+    assert caps in transport.read_text()
+    source = (llama_cpp_source / "ggml" / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
+    assert f"RPC_CMD_HELLO == {rpc.RPC_CMD_HELLO}" in source
+
+
 def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -345,10 +356,19 @@ def test_greedy_output_split_over_two_servers_is_the_local_output(
     _, servers = two_servers
     same = ["run", "--temp", "0", "--seed", "7", "-n", "32", "-c", "256", PROMPT]
     local = _llmrun(same, llmrun_env)
-    split = _llmrun([*same, "-ngl", "20", "--rpc", servers], llmrun_env)
+    stats_file = Path(llmrun_env["LLMRUN_HOME"]).parent / "stats.jsonl"
+    split = _llmrun(
+        [*same, "-ngl", "20", "--rpc", servers, "--stats-file", str(stats_file)], llmrun_env
+    )
     assert local.returncode == 0, local.stderr
     assert split.returncode == 0, split.stderr
     assert split.stdout == local.stdout and local.stdout.strip()
+    # the network's part, as bench counts it: each decoded token's logits come back
+    assert "network" not in local.stderr
+    assert re.search(r"network +\d+ kB/token decode · [\d.]+ kB/token prefill", split.stderr)
+    (record,) = [json.loads(line) for line in stats_file.read_text().splitlines()]
+    assert record["rpc_bytes_per_token"] > 49152 * 4
+    assert 0 < record["rpc_bytes_per_prompt_token"] < record["rpc_bytes_per_token"]
     first, second = servers.split(",")
     assert f"RPC0 {first} (10 layers), RPC1 {second} (10 layers)" in split.stderr
     assert "ngl 20/31" in split.stderr
@@ -365,6 +385,10 @@ def test_bench_records_rpc_as_llama_bench(
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(rows) == 2
     first, second = servers.split(",")
+    # the machine's report names the servers' devices as llama-bench's gpu_info does
+    report = " ".join(done.stderr.split())  # a narrow stderr folds the row
+    assert f"gpu RPC0 {first} (" in report and f"free), RPC1 {second} (" in report
+    assert "none usable" not in report
     for row in rows:
         assert row["rpc"] == servers and row["backends"] == "RPC"
         assert row["gpu_info"] == f"{first}, {second}"
@@ -470,3 +494,122 @@ def test_rpc_server_binds_loopback_by_default_and_warns(
     text = err.decode()
     assert f"RPC server on 127.0.0.1:{port}" in text
     assert "unauthenticated" in text and "Never expose it to an untrusted network" in text
+
+
+def test_a_server_killed_during_run_ends_in_one_line_and_keeps_the_text(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    procs, servers = two_servers
+    args = ["run", "--temp", "0", "-n", "2000", "-c", "2048", "-ngl", "20", "--rpc", servers]
+    child = subprocess.Popen(
+        [which_llmrun(), *args, "-t", "1", "Count from 1 to 1000, one number per line."],
+        env=llmrun_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        first = child.stdout.read(8)  # the text has begun: the decode is under way
+        assert first, child.communicate(timeout=60)[1].decode()[-2000:]
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        out, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    text = err.decode()
+    assert child.returncode == 1, text
+    assert "Traceback" not in text and "backtrace" not in text.lower()
+    errors = [ln for ln in text.splitlines() if "error" in ln]
+    assert errors == [ln for ln in errors if ln.startswith("llmrun: error:")], text
+    assert len(errors) == 1 and errors[0].startswith(
+        f"llmrun: error: RPC server {servers.split(',')[0]} stopped"
+    ), text
+    assert (first + out).decode().startswith("1")  # what was written is kept
+
+
+def test_a_server_killed_during_serve_ends_it_in_one_line(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    """ggml-rpc aborts the process: serve cannot answer the request in flight, and exits 1
+    with the line naming the server (docs/hardware.md); the client sees the connection end."""
+    procs, servers = two_servers
+    port = free_port()
+    args = ["serve", "--no-dashboard", "--port", str(port), "-c", "2048", "-np", "1", "-t", "1"]
+    child = subprocess.Popen(
+        [which_llmrun(), *args, "-ngl", "20", "--rpc", servers],
+        env=llmrun_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stderr is not None
+        started = child.stderr.readline().decode()
+        assert "listening on" in started, started + child.communicate(timeout=60)[1].decode()
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
+                "max_tokens": 2000,
+                "temperature": 0,
+                "stream": True,
+            }
+        ).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=300) as c:
+            c.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\n"
+                + f"Host: 127.0.0.1:{port}\r\nContent-Length: {len(body)}\r\n".encode()
+                + b"Content-Type: application/json\r\n\r\n"
+                + body
+            )
+            got = c.recv(4096)  # the stream has begun
+            assert b"200" in got.split(b"\r\n")[0], got
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait(timeout=30)
+            while c.recv(65536):  # to the end of the connection
+                pass
+        _, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    text = err.decode()
+    assert child.returncode == 1, text
+    assert "Traceback" not in text and "backtrace" not in text.lower()
+    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
+    assert len(errors) == 1, text
+    assert errors[0].startswith(f"llmrun: error: RPC server {servers.split(',')[1]} stopped")
+
+
+def test_rpc_server_interrupted_while_it_starts_leaves_nothing_behind(
+    rpc_build: Path, llmrun_env: dict[str, str]
+) -> None:
+    """Ctrl-C (SIGINT to llmrun alone, as a supervisor sends it) at once and a little later:
+    130, one line, and no rpc-server left listening on the port."""
+    for delay in (0.0, 0.3, 1.0):
+        port = free_port()
+        child = subprocess.Popen(
+            [which_llmrun(), "rpc-server", "-p", str(port), "-t", "1"],
+            env=llmrun_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            time.sleep(delay)
+            child.send_signal(signal.SIGINT)
+            _, err = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        text = err.decode()
+        # before Python has its own handler (its start-up), SIGINT's default ends it: nothing
+        # had started then either
+        assert child.returncode in (130, -signal.SIGINT), (delay, text)
+        assert "Traceback" not in text, text
+        with socket.socket() as s:  # free again: the server went with llmrun
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
