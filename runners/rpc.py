@@ -9,9 +9,11 @@ server's devices. llama.cpp then puts them first in its device list (src/llama.c
 servers at the front) and -ngl's layers are split over them by their free memory (or -ts).
 
 ggml-rpc aborts the process when a server cannot be reached or stops answering (GGML_ABORT on
-a failed connect, send or receive). Each server is tried with a plain connect first, so an
-unreachable one is one line before anything is loaded; an abort later, while servers are
-attached, is reported as the server that stopped answering (the one a connect now fails on).
+a failed connect, send or receive), and waits forever for a handshake nobody answers. Each
+server is first sent ggml-rpc's HELLO here, under a timeout, so an unreachable one, a port
+that is something else and a server of another protocol are one line before anything is
+loaded; an abort later, while servers are attached, is reported as the server that stopped
+answering (the one whose connection closed).
 
 llama.cpp's RPC is unauthenticated and unencrypted: a server must never face an untrusted
 network (`WARNING` below, printed where one starts).
