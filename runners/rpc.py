@@ -64,7 +64,10 @@ class RpcNotBuiltError(LlmrunError):
 
 
 class RpcUnreachableError(LlmrunError):
-    def __init__(self, endpoint: str, why: str) -> None:
+    def __init__(self, endpoint: str, why: str, *, reached: bool = False) -> None:
+        if reached:  # it took the connection; its handshake is what failed
+            super().__init__(f"--rpc: RPC server {endpoint} cannot be used: {why}")
+            return
         super().__init__(
             f"--rpc: RPC server {endpoint} cannot be reached: {why} (start one there with "
             "`llmrun rpc-server`)"
@@ -201,16 +204,18 @@ def _recv_exactly(s: socket.socket, size: int) -> bytes | None:
     return data
 
 
-def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> str | None:
-    """None when the server answers ggml-rpc's handshake as an rpc-server of this protocol,
-    else why not. ggml-rpc's own handshake aborts the process on a bad answer and waits
-    forever for a missing one (an rpc-server serves one client at a time; a port that is
-    something else): this one has a timeout, and then the client's runs without surprise."""
+def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
+    """That the server answers ggml-rpc's handshake as an rpc-server of this protocol
+    (RpcUnreachableError, else). ggml-rpc's own handshake aborts the process on a bad answer
+    and waits forever for a missing one (an rpc-server serves one client at a time; a port
+    that is something else): this one has a timeout, and then the client's runs."""
     timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
-    closed = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
+    why = _connects(endpoint, timeout_s)
+    if why is not None:
+        raise RpcUnreachableError(str(endpoint), why)
     address = _ipv4(endpoint)
-    if isinstance(address, str):
-        return address
+    assert not isinstance(address, str)  # it just connected
+    closed = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
     try:
         with socket.create_connection(address, timeout=timeout_s) as s:
             s.sendall(
@@ -218,29 +223,31 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> str | None:
             )
             head = _recv_exactly(s, 8)
             if head is None:
-                return closed
-            answer = None
-            if struct.unpack("<Q", head)[0] == 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
+                why = closed
+            elif struct.unpack("<Q", head)[0] != 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
+                why = "its answer to llama.cpp's RPC handshake is not an rpc-server's"
+            else:
                 answer = _recv_exactly(s, 4 + RPC_CONN_CAPS_SIZE)
-            if answer is None:
-                return "its answer to llama.cpp's RPC handshake is not an rpc-server's"
+                if answer is None:
+                    why = closed
+                elif answer[0] != RPC_PROTO_MAJOR_VERSION:
+                    major, minor, patch = answer[:3]
+                    why = (
+                        f"its RPC protocol is {major}.{minor}.{patch}, this llama.cpp's"
+                        f" {RPC_PROTO_MAJOR_VERSION}.x: run the same llama-cpp-python version"
+                        " (and `make rpc-server`) on every machine"
+                    )
     except TimeoutError:
-        return (
+        why = (
             f"no answer to llama.cpp's RPC handshake in {timeout_s:g} s (an rpc-server serves"
             " one client at a time: is another one using it?)"
         )
     except (ConnectionResetError, BrokenPipeError):
-        return closed
+        why = closed
     except OSError as e:
-        return e.strerror or str(e)
-    major, minor, patch = answer[:3]
-    if major != RPC_PROTO_MAJOR_VERSION:
-        return (
-            f"its RPC protocol is {major}.{minor}.{patch}, this llama.cpp's"
-            f" {RPC_PROTO_MAJOR_VERSION}.x: run the same llama-cpp-python version (and `make"
-            " rpc-server`) on every machine"
-        )
-    return None
+        why = e.strerror or str(e)
+    if why is not None:
+        raise RpcUnreachableError(str(endpoint), why, reached=True)
 
 
 _attached: list[Endpoint] = []
@@ -276,9 +283,7 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
     if not library.is_file():
         raise RpcNotBuiltError(LIBRARY)
     for e in new:
-        why = _hello(e)
-        if why is not None:
-            raise RpcUnreachableError(str(e), why)
+        _hello(e)
         with contextlib.suppress(OSError):
             for *_, address in socket.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM):
                 _peers[(str(address[0]), int(address[1]))] = e

@@ -172,8 +172,9 @@ def test_a_port_that_is_not_an_rpc_server_is_one_line_not_an_abort_or_a_hang(
     (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")
     junk = _Junk(answer)
     try:
-        with pytest.raises(rpc.RpcUnreachableError, match=re.escape(says)):
+        with pytest.raises(rpc.RpcUnreachableError, match=re.escape(says)) as told:
             rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{junk.port}"))
+        assert str(told.value).startswith(f"--rpc: RPC server 127.0.0.1:{junk.port} cannot be used")
     finally:
         junk.close()
     assert rpc.attached() == ()
