@@ -114,8 +114,9 @@ def tool(name: str) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+        targets = BENCH_TOOLS if name in BENCH_TOOLS else (name,)
         subprocess.run(
-            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TOOLS],
+            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
             check=True,
             stdout=subprocess.DEVNULL,
         )
