@@ -12,8 +12,8 @@ is fetched from the package registry into `.venv/llama-tools/` on first use.
 
 The tools are built against the installed wheel's own libllama, libggml* and libmtmd, with the
 sdist's headers (tests/llama-tools/CMakeLists.txt): only common/, the vendored HTTP and JSON
-helpers and the tools' own sources compile (430-500 s of CPU for all four; 9-19 minutes on 2
-cores shared with other work), and the tools run on the very libraries llmrun loads. llama-server
+helpers and the tools' own sources compile (430-500 s of CPU for all four, about half of what
+compiling llama.cpp whole took), and the tools run on the very libraries llmrun loads. llama-server
 is built without curl, OpenSSL or the web UI (no download at build or run time).
 """
 
