@@ -60,7 +60,7 @@ fuzz: setup
 	$(BIN)/python -m tests.fuzz_gguf --cases 2000
 
 # llama.cpp's own llama-bench and llama-batched-bench, built from the sources of the installed
-# llama-cpp-python (about 5 minutes once), and llmrun measured against llama-bench in B A B
+# llama-cpp-python against its own libllama (a few minutes once), and llmrun measured against llama-bench in B A B
 # order; `python benchmarks/batched.py` measures the batched engine against llama-batched-bench.
 llama-bench: setup
 	$(BIN)/python -m tests.llama_tools llama-bench

@@ -53,7 +53,7 @@ REAL_BANDWIDTH_RUNS = system.memory_bandwidth_runs
 #   model: loads the real embedded model in the test's process (or names it to a child process).
 #   pty:   starts a child process: the CLI through pipes, a pseudo-terminal (pexpect) or tmux, a
 #          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
-#   slow:  runs llama.cpp's own llama-bench, which the first use builds (about 5 minutes).
+#   slow:  runs llama.cpp's own llama-bench, which the first use builds (tests/llama_tools.py).
 MARKER_FIXTURES = {
     "model": {"model_path", "runner", "shared_runner", "q8_model", "server"},
     "pty": {
@@ -332,7 +332,7 @@ def llama_cpp_source() -> Path:
 @pytest.fixture(scope="session")
 def llama_bench_path() -> Path:
     """llama.cpp's llama-bench from the sources of the installed llama-cpp-python (LLAMA_BENCH
-    overrides; the first use builds it, about 5 minutes on 2 cores): requesting it marks the
+    overrides; the first use builds it against the wheel's libllama): requesting it marks the
     test `slow` and `pty`."""
     from . import llama_tools
 

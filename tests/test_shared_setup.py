@@ -123,3 +123,20 @@ def test_the_bandwidth_probe_is_small_unless_a_test_asks_for_llmruns() -> None:
 def test_ram_bandwidth_is_llmruns_own_probe(ram_bandwidth: None) -> None:
     assert system.memory_bandwidth_runs is REAL_BANDWIDTH_RUNS
     assert BANDWIDTH_ENV not in os.environ  # in the processes the test starts too
+
+
+def test_the_tools_run_on_the_wheels_own_libraries(llama_bench_path: Path) -> None:
+    """llama.cpp's tools are built against the installed wheel's libllama and libggml (only
+    common/ and the tools' sources compile): at run time they load the wheel's files (or, with
+    LLMRUN_TOOLS_DIR shared between checkouts, the same bytes in another one's), none of their
+    own."""
+    wheel = llama_tools.wheel_libraries()
+    for tool in TOOLS:
+        binary = llama_tools.tool(tool)
+        linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
+        found = dict(re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", linked.stdout, re.M))
+        assert {"libllama.so.0", "libggml.so.0", "libggml-base.so.0"} <= found.keys(), tool
+        for name, path in found.items():
+            assert Path(path).resolve().parent.name == "lib", (tool, path)  # llama_cpp/lib
+            assert Path(path).read_bytes() == (wheel / name).read_bytes(), (tool, path)
+    assert not list(llama_tools.tools_dir().glob("build/**/libllama.so*"))
