@@ -225,10 +225,7 @@ def run(
                 served, cut_short = _serve_in_parallel(
                     runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
                 )
-            code = _run_jobs(
-                runner,
-                jobs,
-                served=served,
+            printing = Printing(
                 quiet=quiet,
                 stats_format=report.stats,
                 stats_file=report.stats_file,
@@ -238,6 +235,7 @@ def run(
                 thinking_stdout=reply.thinking_stdout,
                 asked_ctx=config.n_ctx,
             )
+            code = _run_jobs(runner, jobs, printing, served=served)
         finally:
             runner.close()
         if code == EXIT_BROKEN_PIPE:
@@ -346,21 +344,39 @@ def _after_the_pager(pid: int, text: str) -> None:
     sys.stderr.flush()
 
 
-def _run_jobs(
-    runner: Runner,
-    jobs: list[Job],
-    *,
-    served: Iterator[Iterator[Event]] | None = None,
-    quiet: bool,
-    hide_thinking: bool = False,
-    thinking_stdout: bool = False,
-    asked_ctx: int | None = None,
-    stats_format: StatsFormat,
-    stats_file: Path | None,
-    json_out: bool,
-    dashboard: bool,
-) -> int:
-    cancel = threading.Event()
+@dataclass(frozen=True, kw_only=True)
+class Printing:
+    """What a run prints where, as its options asked: built by `run`, read by `_run_jobs`."""
+
+    quiet: bool
+    stats_format: StatsFormat
+    stats_file: Path | None
+    json_out: bool
+    dashboard: bool
+    hide_thinking: bool = False
+    thinking_stdout: bool = False
+    asked_ctx: int | None = None
+
+
+@dataclass(kw_only=True)
+class _Screens:
+    """Where the text and the stats go: stdout's sink, stderr (or what is held for after a
+    pager), the width plain lines fold at, and the live view if there is one."""
+
+    out: TextSink
+    errfile: TextIO
+    err: Console
+    width: int | None  # None: a pipe or a file, lines kept whole
+    held: io.StringIO | None
+    pager: int | None
+    dash: Dashboard | None
+    final_panel: bool  # the closing summary as the dashboard draws it, without a live view
+    view: EventView | None
+
+
+def _screens(printing: Printing, cancel: threading.Event) -> _Screens:
+    """The screens for this terminal (or pipe, file, pager) and these options."""
+    quiet = printing.quiet
     out: TextSink = TextOut(cancel=cancel)
     pager = pager_reading_stdout() if not quiet else None
     # Behind a pager, stderr would draw over its screen and be gone after `q`: the stats are
@@ -377,25 +393,72 @@ def _run_jobs(
     # plain lines on a terminal are folded at spaces; in a pipe or a file they stay whole
     width = shutil.get_terminal_size().columns if held else terminal_width()
     dash: Dashboard | None = None
-    final_panel = False  # the closing summary as the dashboard draws it, without a live view
-    if dashboard and not quiet and live_terminal(sys.stderr):
+    final_panel = False
+    if printing.dashboard and not quiet and live_terminal(sys.stderr):
         if stdout_may_reach_this_terminal():
             final_panel = True  # `| cat`, `| tee`: live redraws would erase the piped text
         else:
             dash = Dashboard(
                 TerminalConsole(stderr=True, highlight=False),
-                show_text=live_terminal(sys.stdout) and not json_out,
+                show_text=live_terminal(sys.stdout) and not printing.json_out,
             )
             if dash.show_text:
                 out = dash
     view: EventView | None = dash
     if dash is None and not final_panel and not quiet and held is None and dumb_terminal():
         view = PlainPhases(errfile)  # no live view: the load and prefill say they started
-    thinking = thinking_route(hide=hide_thinking, on_stdout=thinking_stdout, dash=dash)
+    return _Screens(
+        out=out,
+        errfile=errfile,
+        err=err,
+        width=width,
+        held=held,
+        pager=pager,
+        dash=dash,
+        final_panel=final_panel,
+        view=view,
+    )
+
+
+def _print_stats(
+    s: GenerationStats, job: Job, printing: Printing, screens: _Screens, *, many: bool
+) -> None:
+    """One request's stats on stderr, as --stats asked and the screen allows."""
+    err, errfile, width = screens.err, screens.errfile, screens.width
+    if printing.stats_format is StatsFormat.json:
+        print(stats_json(s, job.id), file=errfile, flush=True)
+    else:
+        if many:
+            err.print(Text(terminal_line(job.label), style="bold"))
+        if screens.dash is not None:
+            screens.dash.console.print(render(s))
+        elif screens.final_panel:
+            err.print(render(s))
+        else:
+            for line in summary_lines(s):  # a row goes on under its value
+                indent = SUMMARY_INDENT if line[8:9] == " " else 0
+                err.print(fold(line, width, indent=indent), markup=False)
+
+
+def _run_jobs(
+    runner: Runner,
+    jobs: list[Job],
+    printing: Printing,
+    *,
+    served: Iterator[Iterator[Event]] | None = None,
+) -> int:
+    cancel = threading.Event()
+    screens = _screens(printing, cancel)
+    out, errfile, err, width = screens.out, screens.errfile, screens.err, screens.width
+    view, quiet, json_out = screens.view, printing.quiet, printing.json_out
+    stats_file = printing.stats_file
+    thinking = thinking_route(
+        hide=printing.hide_thinking, on_stdout=printing.thinking_stdout, dash=screens.dash
+    )
     many = len(jobs) > 1
     done: list[GenerationStats] = []
     failed = False
-    with ctrl_c_cancels(cancel), KeysHeld(dash):
+    with ctrl_c_cancels(cancel), KeysHeld(screens.dash):
         for job in jobs:
             if job.error is not None or job.request is None:
                 print(
@@ -427,7 +490,7 @@ def _run_jobs(
             s = finished.stats
             note = None
             if not done and s.settings is not None and not quiet:
-                note = context_note(asked_ctx, s.settings.n_ctx)
+                note = context_note(printing.asked_ctx, s.settings.n_ctx)
             done.append(s)
             if json_out:
                 record = {"id": job.id, "text": finished.text, "stats": stats_record(s, job.id)}
@@ -441,19 +504,7 @@ def _run_jobs(
             if stats_file is not None:  # before stderr, which a closed terminal (SIGHUP) fails
                 append_stats_file(stats_file, [stats_json(s, job.id)])
             if not quiet:
-                if stats_format is StatsFormat.json:
-                    print(stats_json(s, job.id), file=errfile, flush=True)
-                else:
-                    if many:
-                        err.print(Text(terminal_line(job.label), style="bold"))
-                    if dash is not None:
-                        dash.console.print(render(s))
-                    elif final_panel:
-                        err.print(render(s))
-                    else:
-                        for line in summary_lines(s):  # a row goes on under its value
-                            indent = SUMMARY_INDENT if line[8:9] == " " else 0
-                            err.print(fold(line, width, indent=indent), markup=False)
+                _print_stats(s, job, printing, screens, many=many)
             if s.finish_reason == FINISH_INCOMPLETE:
                 print(fold(incomplete_message(s), width), file=errfile)
                 failed = True
@@ -463,8 +514,8 @@ def _run_jobs(
                 break
     if len(done) > 1 and not quiet and not out.closed:
         err.print(aggregate_table(Aggregate.of(done), busy=sum(map(ran_busy, done))))
-    if held is not None and pager is not None:
-        _after_the_pager(pager, held.getvalue())
+    if screens.held is not None and screens.pager is not None:
+        _after_the_pager(screens.pager, screens.held.getvalue())
     if out.closed:
         return EXIT_BROKEN_PIPE
     if cancel.is_set():

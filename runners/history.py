@@ -755,6 +755,58 @@ def compare_sets(
 ) -> Comparison:
     """Pair the baseline's results with the compare set's on compare-llama-bench.py's key
     fields (less those a selector fixes), each side's repeated runs averaged."""
+    base, compare, comp = _sides(results, baseline, compare)
+    if show is not None:
+        unknown = [f for f in show if f not in SHOWABLE]
+        if unknown:
+            raise BadRequestError(
+                f"--show: unknown {', '.join(map(repr, unknown))}; choose"
+                f" from {', '.join(SHOWABLE)}"
+            )
+    # only a field both sets fix is looked past (-b t=1 -c t=2); one fixed on one side only
+    # still pairs, or the other side's values would be averaged together; the tool is looked
+    # past where each set holds one tool's results (llama-bench's as the baseline of llmrun's)
+    ignored = baseline.fields & compare.fields
+    one_tool = all(len({s.tool for s in side}) == 1 for side in (base, comp))
+    keys = [
+        f
+        for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS
+        if f not in ignored and not (f == "tool" and one_tool)
+    ]
+    b, c = _groups(base, keys), _groups(comp, keys)
+    paired = [k for k in b if k in c]
+    if not paired:
+        looked_past = f", looking past {', '.join(sorted(ignored))}" if ignored else ""
+        raise BadRequestError(
+            f"no comparable results: nothing in {baseline.text!r} has the same model, test and"
+            f" settings as in {compare.text!r} (compare-llama-bench.py's key fields{looked_past})"
+        )
+    if show is None:  # as the script: the model, and every key field that tells pairs apart
+        varying = [
+            f
+            for i, f in enumerate(keys)
+            if f not in TEST_FIELDS and f != "model_type" and len({k[i] for k in paired}) > 1
+        ]
+        shown = ["model_type", *varying]
+    else:
+        shown = [f for f in show if f not in ignored]
+    index = {f: i for i, f in enumerate(keys)}
+    return Comparison(
+        baseline=baseline.text,
+        compare=compare.text,
+        shown=tuple(f for f in shown if f in index),
+        pairs=_pairs(paired, b, c, shown, index),
+        ignored=tuple(sorted(ignored & set(PAIR_FIELDS + LLMRUN_PAIR_FIELDS))),
+        unpaired_baseline=len(b) - len(paired),
+        unpaired_compare=len(c) - len(paired),
+    )
+
+
+def _sides(
+    results: Sequence[Stored], baseline: Selector, compare: Selector | None
+) -> tuple[list[Stored], Selector, list[Stored]]:
+    """The baseline's rated results, the compare set (by default the newest run outside the
+    baseline) and its results; either set empty, or the two overlapping, is an error."""
     rated = [s for s in results if s.record.get("avg_ts") is not None]
     _check_builds(rated, baseline, compare)
     base = [s for s in rated if baseline.matches(s)]
@@ -784,48 +836,29 @@ def compare_sets(
             f"baseline {baseline.text!r} and compare {compare.text!r} share"
             f" {len(both)} results: choose sets that do not overlap"
         )
-    if show is not None:
-        unknown = [f for f in show if f not in SHOWABLE]
-        if unknown:
-            raise BadRequestError(
-                f"--show: unknown {', '.join(map(repr, unknown))}; choose"
-                f" from {', '.join(SHOWABLE)}"
-            )
-    # only a field both sets fix is looked past (-b t=1 -c t=2); one fixed on one side only
-    # still pairs, or the other side's values would be averaged together; the tool is looked
-    # past where each set holds one tool's results (llama-bench's as the baseline of llmrun's)
-    ignored = baseline.fields & compare.fields
-    one_tool = all(len({s.tool for s in side}) == 1 for side in (base, comp))
-    keys = [
-        f
-        for f in PAIR_FIELDS + LLMRUN_PAIR_FIELDS
-        if f not in ignored and not (f == "tool" and one_tool)
-    ]
+    return base, compare, comp
 
-    def groups(side: list[Stored]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
-        out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-        for s in side:
-            out.setdefault(tuple(_pair_value(f, s.record) for f in keys), []).append(s.record)
-        return out
 
-    b, c = groups(base), groups(comp)
-    paired = [k for k in b if k in c]
-    if not paired:
-        looked_past = f", looking past {', '.join(sorted(ignored))}" if ignored else ""
-        raise BadRequestError(
-            f"no comparable results: nothing in {baseline.text!r} has the same model, test and"
-            f" settings as in {compare.text!r} (compare-llama-bench.py's key fields{looked_past})"
-        )
-    if show is None:  # as the script: the model, and every key field that tells pairs apart
-        varying = [
-            f
-            for i, f in enumerate(keys)
-            if f not in TEST_FIELDS and f != "model_type" and len({k[i] for k in paired}) > 1
-        ]
-        shown = ["model_type", *varying]
-    else:
-        shown = [f for f in show if f not in ignored]
-    index = {f: i for i, f in enumerate(keys)}
+Groups = dict[tuple[Any, ...], list[dict[str, Any]]]  # key fields' values -> records
+
+
+def _groups(side: list[Stored], keys: Sequence[str]) -> Groups:
+    """A side's records by their values of the pairing's key fields."""
+    out: Groups = {}
+    for s in side:
+        out.setdefault(tuple(_pair_value(f, s.record) for f in keys), []).append(s.record)
+    return out
+
+
+def _pairs(
+    paired: Sequence[tuple[Any, ...]],
+    b: Groups,
+    c: Groups,
+    shown: Sequence[str],
+    index: Mapping[str, int],
+) -> tuple[Pair, ...]:
+    """A pair for each set of paired keys alike in the shown fields and the test: their
+    results averaged together, on each side."""
     merged: dict[tuple[Any, ...], tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     for k in paired:  # results alike in the shown fields (and the test) are averaged together
         into = merged.setdefault(
@@ -833,7 +866,7 @@ def compare_sets(
         )
         into[0].extend(b[k])
         into[1].extend(c[k])
-    pairs = tuple(
+    return tuple(
         Pair(
             shown=tuple(
                 (f, _pair_value(f, bs[0]) if f == "tool" else bs[0].get(f))
@@ -845,15 +878,6 @@ def compare_sets(
             compare=Tally(tuple(cs)),
         )
         for bs, cs in merged.values()
-    )
-    return Comparison(
-        baseline=baseline.text,
-        compare=compare.text,
-        shown=tuple(f for f in shown if f in index),
-        pairs=pairs,
-        ignored=tuple(sorted(ignored & set(PAIR_FIELDS + LLMRUN_PAIR_FIELDS))),
-        unpaired_baseline=len(b) - len(paired),
-        unpaired_compare=len(c) - len(paired),
     )
 
 

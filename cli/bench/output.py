@@ -11,6 +11,7 @@ import io
 import json
 import sys
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TextIO
 
@@ -751,29 +752,38 @@ def warn_if_busy(records: Sequence[dict[str, Any]]) -> None:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunRecords:
+    """A finished run's records and what they are: the history's kind, model and system, and
+    how stdout prints them (`print_records`'s sql table and md columns)."""
+
+    records: Sequence[dict[str, Any]]
+    kind: str
+    model: str
+    system: dict[str, Any]
+    sql_table: str = "llama_bench"
+    md_columns: Sequence[str] | None = None
+
+
 def store_and_print(
-    records: Sequence[dict[str, Any]],
+    run: RunRecords,
     *,
-    kind: str,
-    model: str,
-    system: dict[str, Any],
     output: OutputFormat | None,
     show: Console,
     table: Fitted,
     store: bool,
     compare: bool,
-    sql_table: str = "llama_bench",
-    md_columns: Sequence[str] | None = None,
 ) -> list[Change] | None:
     """Store the run, then print the results: a closed pipe while printing loses nothing.
 
     Returns the comparison with earlier runs when asked for, to be shown after the results.
     """
+    records = run.records
     changes = store_run(
-        records, kind=kind, model=model, system=system, store=store, compare=compare
+        records, kind=run.kind, model=run.model, system=run.system, store=store, compare=compare
     )
     warn_if_busy(records)
-    print_records(records, output, table=sql_table, md_columns=md_columns)
+    print_records(records, output, table=run.sql_table, md_columns=run.md_columns)
     if output is None and sys.stdout.isatty():
         show.print(table)
     return changes

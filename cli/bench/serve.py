@@ -336,18 +336,21 @@ def _report(
         screen.err.print(
             f"interrupted: keeping the {len(records)} finished results", style="yellow"
         )
-    changes = out.store_and_print(
-        records,
+    run = out.RunRecords(
+        records=records,
         kind="serving",
         model=name,
         system={"endpoint": endpoint},
+        sql_table="llmrun_serving",
+        md_columns=SERVING_COLUMNS,
+    )
+    changes = out.store_and_print(
+        run,
         output=delivery.output,
         show=screen.show,
         table=serving_table(done, options.percentiles),
         store=delivery.store,
         compare=delivery.compare,
-        sql_table="llmrun_serving",
-        md_columns=SERVING_COLUMNS,
     )
     if changes is not None:
         screen.show.print(out.compare_table(changes))

@@ -19,7 +19,7 @@ from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
-from llmrun.runners.bench.tuning import REPS, save_tuned, search
+from llmrun.runners.bench.tuning import REPS, TunePlan, save_tuned, search
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import set_verbose
@@ -259,11 +259,10 @@ def show_search(
         found = search(
             runner,
             base,
+            TunePlan(workloads=workloads, threads=threads),
             cancel=cancel,
-            workloads=workloads,
             on_progress=progress,
             on_stage=lambda name: err.print(f"tuning {name} ...", markup=False),
-            threads=threads,
         )
     if found is None:
         return None

@@ -340,36 +340,22 @@ def start_threads() -> ThreadChoice:
     return choose_threads(default_threads(), background_now(), logical_cpus())
 
 
-def search(
-    runner: BenchRunner,
-    base: EngineConfig,
-    *,
-    workloads: Sequence[str] = tuple(WORKLOADS),
-    shapes: Sequence[Shape] | None = None,
-    cancel: threading.Event | None = None,
-    on_stage: Callable[[str], None] = lambda name: None,
-    on_progress: Callable[[TuneProgress], None] = lambda progress: None,
-    threads: int | None = None,
-) -> Found | None:
-    """A staged search from llmrun's defaults, for each workload: threads, flash attention,
-    repacking, batch/ubatch, prefill threads.
+@dataclass(frozen=True, kw_only=True)
+class TunePlan:
+    """What a search tunes, built by its caller: the workloads, the shapes each trial measures
+    (None: SHAPES) and the thread count it starts from (None: the physical cores)."""
 
-    Each stage compares the incumbent with its alternatives on the same measurements; the best
-    alternative for the workload replaces it only when faster beyond the noise (`beats`), and a
-    close call is measured again in paired A B A B rounds first. The workloads share every
-    measurement, so tuning for both costs little more than for one. When `cancel` is set (Ctrl-C,
-    a time budget) nothing more is measured, and every stage decides from the settings already
-    measured whole (a close call stays a tie). `threads`: where the search starts
-    (`start_threads`), else the physical cores. With not even the first setting measured
-    whole: None, or the shapes it finished (`cut`) when a stop cut it short.
-    """
-    shapes = shapes or SHAPES
-    phys, logical = default_threads(), logical_cpus()
-    measured = _Measured(runner, base, shapes, cancel, on_progress)
-    start = threads or phys
-    baseline = Combo(start, 512, 512, None, "off", n_threads_batch=start)
-    notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
-    stages: list[tuple[str, Callable[[Combo], list[Combo]]]] = [
+    workloads: Sequence[str] = tuple(WORKLOADS)
+    shapes: Sequence[Shape] | None = None
+    threads: int | None = None
+
+
+Stages = list[tuple[str, Callable[[Combo], list[Combo]]]]
+
+
+def _stages(phys: int, logical: int) -> Stages:
+    """The search's stages in order: each one's name and the alternatives to an incumbent."""
+    return [
         (
             "threads",
             lambda c: [
@@ -395,48 +381,98 @@ def search(
         ),
     ]
 
-    def unmeasured(best: Combo, first: int) -> int:
-        """Trials the stages from `first` on need if the incumbent stays."""
-        seen = set(measured.samples)
-        for _, candidates in stages[first:]:
-            seen.update([best, *candidates(best)])
-        return len(seen) - len(measured.samples)
 
+@dataclass
+class _Search:
+    """One search across its stages and workloads: what is measured, the stages, and the notes
+    each setting earns on the way."""
+
+    measured: _Measured
+    stages: Stages
+    on_stage: Callable[[str], None]
+    notes: dict[Combo, list[str]]
+
+    def unmeasured(self, best: Combo, first: int) -> int:
+        """Trials the stages from `first` on need if the incumbent stays."""
+        seen = set(self.measured.samples)
+        for _, candidates in self.stages[first:]:
+            seen.update([best, *candidates(best)])
+        return len(seen) - len(self.measured.samples)
+
+    def settle(
+        self, best: Combo, combos: list[Combo], name: str, stage: str, workload: str
+    ) -> Combo:
+        """The stage's setting for the workload: its fastest rival where that beats the
+        incumbent beyond the noise (a close call measured again in A B order first), else the
+        incumbent."""
+        measured, notes = self.measured, self.notes
+        rivals = [measured.tried(c) for c in combos if c != best and c in measured.samples]
+        if not rivals:
+            return best
+        rival = max(rivals, key=lambda t: t.score(workload))
+        incumbent = measured.tried(best)
+        if rival.score(workload) <= incumbent.score(workload):
+            return best
+        if not beats(rival.scores(workload), incumbent.scores(workload)):
+            if not measured.stopped:
+                self.on_stage(
+                    f"{stage}: re-measuring {rival.combo.describe()} against"
+                    f" {best.describe()} in A B order"
+                )
+                measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True)
+            rival, incumbent = measured.tried(rival.combo), measured.tried(best)
+        if beats(rival.scores(workload), incumbent.scores(workload)):
+            notes.setdefault(rival.combo, []).append(f"{workload}: faster beyond the noise")
+            return rival.combo
+        notes.setdefault(rival.combo, []).append(f"{workload}: within the noise")
+        return best
+
+
+def search(
+    runner: BenchRunner,
+    base: EngineConfig,
+    plan: TunePlan | None = None,
+    *,
+    cancel: threading.Event | None = None,
+    on_stage: Callable[[str], None] = lambda name: None,
+    on_progress: Callable[[TuneProgress], None] = lambda progress: None,
+) -> Found | None:
+    """A staged search from llmrun's defaults, for each of the plan's workloads: threads,
+    flash attention, repacking, batch/ubatch, prefill threads.
+
+    Each stage compares the incumbent with its alternatives on the same measurements; the best
+    alternative for the workload replaces it only when faster beyond the noise (`beats`), and a
+    close call is measured again in paired A B A B rounds first. The workloads share every
+    measurement, so tuning for both costs little more than for one. When `cancel` is set (Ctrl-C,
+    a time budget) nothing more is measured, and every stage decides from the settings already
+    measured whole (a close call stays a tie). The plan's `threads`: where the search starts
+    (`start_threads`), else the physical cores. With not even the first setting measured
+    whole: None, or the shapes it finished (`cut`) when a stop cut it short.
+    """
+    plan = plan or TunePlan()
+    shapes = plan.shapes or SHAPES
+    phys, logical = default_threads(), logical_cpus()
+    measured = _Measured(runner, base, shapes, cancel, on_progress)
+    start = plan.threads or phys
+    baseline = Combo(start, 512, 512, None, "off", n_threads_batch=start)
+    notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
+    searching = _Search(measured, _stages(phys, logical), on_stage, notes)
     chosen: dict[str, dict[str, Any]] = {}
-    for workload in workloads:
+    for workload in plan.workloads:
         best = baseline
-        for i, (name, candidates) in enumerate(stages):
+        for i, (name, candidates) in enumerate(searching.stages):
             stage = f"{name} ({workload})"
             combos = list(dict.fromkeys([best, *candidates(best)]))
             if not measured.stopped:
                 on_stage(stage)
-                measured.plan(stage, unmeasured(best, i))
+                measured.plan(stage, searching.unmeasured(best, i))
                 measured.run(combos, name)
             if best not in measured.samples:
                 if not measured.samples:
                     cut = measured.cut_short()
                     return Found({}, [], 0, stopped=True, cut=cut) if cut else None
                 break  # the incumbent was never measured: the stages after wait on it
-            rivals = [measured.tried(c) for c in combos if c != best and c in measured.samples]
-            if not rivals:
-                continue
-            rival = max(rivals, key=lambda t: t.score(workload))
-            incumbent = measured.tried(best)
-            if rival.score(workload) <= incumbent.score(workload):
-                continue
-            if not beats(rival.scores(workload), incumbent.scores(workload)):
-                if not measured.stopped:
-                    on_stage(
-                        f"{stage}: re-measuring {rival.combo.describe()} against"
-                        f" {best.describe()} in A B order"
-                    )
-                    measured.run([best, rival.combo] * PAIRED_ROUNDS, name, again=True)
-                rival, incumbent = measured.tried(rival.combo), measured.tried(best)
-            if beats(rival.scores(workload), incumbent.scores(workload)):
-                notes.setdefault(rival.combo, []).append(f"{workload}: faster beyond the noise")
-                best = rival.combo
-            else:
-                notes.setdefault(rival.combo, []).append(f"{workload}: within the noise")
+            best = searching.settle(best, combos, name, stage, workload)
         chosen[workload] = {field: getattr(best, field) for field in TUNED_FIELDS}
         notes.setdefault(best, []).append(f"chosen for {workload}")
     tried = [measured.tried(c, "; ".join(notes.get(c, []))) for c in measured.samples]

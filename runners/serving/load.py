@@ -360,23 +360,20 @@ def cached_total(results: Sequence[RequestResult]) -> int | None:
 
 def run_levels(
     runner: OpenAIRunner,
-    *,
-    levels: Sequence[int],
+    options: ServeOptions,
     prompts: Sequence[LevelPrompts],
-    request_rate: float,
+    *,
     input_len: int,
     output_len: int,
-    seed: int,
-    percentiles: Sequence[float],
-    slo: dict[str, float],
     cancel: threading.Event,
-    shared_prefix: int = 0,
-    dataset: Mapping[str, str] | None = None,
 ) -> Iterator[Stage | ServingLevel]:
-    """Each concurrency level after its warm-up requests, each announced with its count of
-    requests; stops after the level Ctrl-C cut. Each level has its own prompts."""
+    """Each of the options' concurrency levels after its warm-up requests, each announced with
+    its count of requests; stops after the level Ctrl-C cut. Each level has its own prompts;
+    the lengths are those each level records (a dataset's: the mean of what was sampled)."""
     name = runner.model_name or ""
-    for level, (warm, measured) in zip(levels, prompts, strict=True):
+    request_rate, seed = options.request_rate, options.seed
+    dataset = options.dataset.record() if options.dataset is not None else {}
+    for level, (warm, measured) in zip(options.concurrency, prompts, strict=True):
         if cancel.is_set():
             return
         if warm:
@@ -404,11 +401,13 @@ def run_levels(
             num_prompts=len(measured),
             input_len=input_len,
             output_len=output_len,
-            metrics=metrics(results, duration, percentiles=percentiles, slo=slo),
+            metrics=metrics(
+                results, duration, percentiles=options.percentiles, slo=dict(options.slo)
+            ),
             interrupted=cancel.is_set(),
             cached_tokens=cached_total(results),
-            shared_prefix=shared_prefix,
-            dataset=dict(dataset or {}),
+            shared_prefix=options.shared_prefix,
+            dataset=dict(dataset),
             background_cpus=measured_background(cpu0, cpu_sample()),
         )
 
@@ -536,18 +535,7 @@ def serve_remote(
         input_len = round(sum(p.input_tokens for p in measured) / len(measured))
         output_len = round(sum(p.max_tokens for p in measured) / len(measured))
     yield from run_levels(
-        runner,
-        levels=options.concurrency,
-        prompts=prompts,
-        request_rate=options.request_rate,
-        input_len=input_len,
-        output_len=output_len,
-        seed=options.seed,
-        percentiles=options.percentiles,
-        slo=dict(options.slo),
-        cancel=cancel,
-        shared_prefix=options.shared_prefix,
-        dataset=options.dataset.record() if options.dataset is not None else None,
+        runner, options, prompts, input_len=input_len, output_len=output_len, cancel=cancel
     )
 
 
