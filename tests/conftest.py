@@ -315,7 +315,7 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        timeout=120,
+        timeout=HANG_S,
     )
     return str(path)
 

@@ -17,6 +17,8 @@ from rich.text import Text
 from llmrun.cli import rich_adapter
 from llmrun.runners import llama_cpp_adapter, re_adapter
 
+from .conftest import HANG_S
+
 
 def test_rich_live_lock_and_render_region() -> None:
     live = Live(Text("x"), console=Console(file=io.StringIO(), width=40), auto_refresh=False)
@@ -97,6 +99,6 @@ def test_doctors_libllama_is_the_bindings_own(llmrun_env: dict[str, str]) -> Non
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], env=llmrun_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=llmrun_env, capture_output=True, text=True, timeout=HANG_S
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import HANG_S, ROOT
 
 if TYPE_CHECKING:  # for the types alone: the module is loaded from its path, as make runs it
     from tools.backend import Choice, Run, Which
@@ -148,7 +148,7 @@ def make_n(env: dict[str, str], tmp_path: Path, *args: str) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

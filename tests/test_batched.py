@@ -17,7 +17,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.batching import Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 from .test_bench import parse
 
@@ -159,7 +159,7 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
@@ -194,7 +194,7 @@ def test_interference_piped_without_o_prints_its_records_as_md(llmrun_env: dict[
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     rows = parse("md", done.stdout)
@@ -226,7 +226,7 @@ def test_the_serving_benchmark_runs_on_the_local_engine(llmrun_env: dict[str, st
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
@@ -265,7 +265,7 @@ def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_pa
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
@@ -277,7 +277,7 @@ def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_pa
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert refused.returncode == 1 and "--parallel" in refused.stderr
 

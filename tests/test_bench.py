@@ -389,7 +389,7 @@ def test_a_closed_stdout_loses_no_result(llmrun_env: dict[str, str], tmp_path: P
     env = dict(llmrun_env, LLMRUN_HOME=str(tmp_path / "home"))
     cmd = f'{which_llmrun()} bench -r 1 -p 8 -n 4 -o json | true; echo "status=${{PIPESTATUS[0]}}"'
     result = subprocess.run(
-        ["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120
+        ["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert "status=141" in result.stdout
     assert "Traceback" not in result.stderr and "error" not in result.stderr

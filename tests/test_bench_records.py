@@ -25,7 +25,7 @@ from llmrun.runners.bench.results import (
 )
 
 from . import llama_tools
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .inject.sitecustomize import BANDWIDTH_ENV
 from .test_trust_bench import _fake_models
 
@@ -81,7 +81,7 @@ def _script(db: Path, *args: str) -> dict[str, tuple[float, float]]:
         [sys.executable, str(llama_tools.compare_script()), "-i", str(db), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=db.parent,
     )
     assert done.returncode == 0, done.stderr
@@ -173,7 +173,7 @@ def test_the_bandwidth_probe_leaves_the_peak_memory_as_it_found_it(
         env=real_size,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     runs, before, grown = (int(x) for x in done.stdout.split())
@@ -230,7 +230,7 @@ def test_repacking_asked_where_the_probe_forbids_it_is_off_in_header_and_record(
         env={**llmrun_env, "COLUMNS": "400"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr

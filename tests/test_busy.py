@@ -43,7 +43,7 @@ from llmrun.runners.system import (
     measured_background,
 )
 
-from .conftest import BACKGROUND_ENV, INJECT, which_llmrun
+from .conftest import BACKGROUND_ENV, HANG_S, INJECT, which_llmrun
 from .fake import FakeRunner
 
 # Other processes holding all but half a CPU: busy whatever the thread count, and the cores
@@ -88,7 +88,7 @@ def doctor_load(env: dict[str, str]) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr

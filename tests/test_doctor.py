@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 
 
 def test_version_is_one_line_and_loads_no_llama_cpp(llmrun_env: dict[str, str]) -> None:
@@ -20,7 +20,7 @@ def test_version_is_one_line_and_loads_no_llama_cpp(llmrun_env: dict[str, str]) 
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported'\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=llmrun_env
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, env=llmrun_env
     )
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
@@ -34,7 +34,7 @@ def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr

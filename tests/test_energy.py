@@ -37,6 +37,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.stats import EnergyReport, GenerationStats, PhaseEnergy
 
+from .conftest import HANG_S
 from .fake import FAKE_MODEL, FAKE_SETTINGS, FakeRunner
 
 GPU_SETTINGS = dataclasses.replace(
@@ -319,7 +320,7 @@ def test_root_only_energy_uj_says_how_to_read_it(
         preexec_fn=_as_anyone if os.geteuid() == 0 else None,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ROOT_ONLY

@@ -18,7 +18,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_engine import StepRecord
 from llmrun.runners.serving.api_metrics import ServerMetrics
 
-from .conftest import BACKGROUND_ENV
+from .conftest import BACKGROUND_ENV, HANG_S
 from .fake import FAKE_SETTINGS
 from .test_serve import llmrun_serve
 
@@ -171,7 +171,7 @@ def test_a_server_on_a_fake_powercap_tree_counts_its_steps(
         env = {**llmrun_env, "LLMRUN_POWERCAP_ROOT": str(tmp_path), BACKGROUND_ENV: "0"}
         with llmrun_serve(env, "-np", "1", "--no-dashboard", "--energy", "on") as s:
             s.post("/v1/completions", {"prompt": "The sky is", "max_tokens": 8, "temperature": 0})
-            text = httpx.get(s.url + "/metrics", timeout=60).text
+            text = httpx.get(s.url + "/metrics", timeout=HANG_S).text
     finally:
         stop.set()
         writer.join()

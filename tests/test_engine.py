@@ -23,6 +23,8 @@ from llmrun.runners.errors import EmptyPromptError, PromptTooLongError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import EngineSettings
 
+from .conftest import HANG_S
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
@@ -353,7 +355,11 @@ def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> N
         "print('callback first' if placed else 'callback late')\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], env=llmrun_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", probe],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     assert out.stdout.strip() == "callback first", out.stdout + out.stderr
     from .conftest import which_llmrun
@@ -363,7 +369,7 @@ def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> N
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith("Available devices:") and listed.stderr == ""

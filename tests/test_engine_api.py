@@ -22,6 +22,7 @@ from llmrun.runners.serving.api_engine import Done, EngineThread, Failed, Job, O
 from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine, Handle
 from llmrun.runners.serving.policy import Policy
 
+from .conftest import HANG_S
 from .greedy import NEAR_TIE, margin_at_divergence
 
 MAX_STEPS = 2000  # bounds every loop below: a step always makes progress
@@ -181,9 +182,9 @@ def test_the_servers_engine_is_the_runners_one_context(model_path: str) -> None:
             received_s=time.perf_counter(),
         )
         thread.submit(job)
-        events = [out.get(timeout=120)]
+        events = [out.get(timeout=HANG_S)]
         while not isinstance(events[-1], Done):
-            events.append(out.get(timeout=120))
+            events.append(out.get(timeout=HANG_S))
         done = events[-1]
         assert isinstance(done, Done) and done.timings.output_tokens == 5
         assert all(isinstance(e, Piece) for e in events[:-1])
@@ -285,7 +286,7 @@ def test_stop_ends_a_request_in_flight_then_frees_the_engine(model_path: str) ->
         assert not thread.stopped
         assert thread.stop()
         assert thread.stopped
-        event = out.get(timeout=120)
+        event = out.get(timeout=HANG_S)
         assert isinstance(event, Failed) and "shutting down" in event.message, event
     finally:
         thread.stop()

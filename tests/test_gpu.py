@@ -36,7 +36,7 @@ from llmrun.runners.serving.figures import RequestResult, metrics
 from llmrun.runners.stats import ModelInfo
 from llmrun.runners.system import SystemInfo, decode_bandwidth, weights_memories
 
-from .conftest import ROOT
+from .conftest import HANG_S, ROOT
 from .fake import FAKE_SETTINGS, FakeRunner
 
 GIB = 2**30
@@ -947,7 +947,7 @@ def test_the_kv_layout_step_runs_on_the_cpu_with_a_synthetic_135m_model(
     ]
     small = ["--npp", "8", "--ntg", "3", "--npl", "2", "--rounds", "1", "--no-reference"]
     done = subprocess.run(
-        [*argv, *small], capture_output=True, text=True, env=llmrun_env, timeout=300, check=False
+        [*argv, *small], capture_output=True, text=True, env=llmrun_env, timeout=HANG_S, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     res = gpu.Results()

@@ -33,6 +33,7 @@ from llmrun.runners.history import (
 )
 
 from . import llama_tools
+from .conftest import HANG_S
 from .test_trust_bench import _fake_models, _llama_bench_fields
 
 
@@ -540,7 +541,7 @@ def test_compare_llama_bench_reads_the_exported_history(
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr

@@ -10,6 +10,8 @@ import pytest
 
 from llmrun.runners import hub_cache
 
+from .conftest import HANG_S
+
 
 def _blob(root: Path, repo: str, name: str, data: bytes, mtime: float) -> Path:
     blob = root / repo / "blobs" / name
@@ -139,7 +141,7 @@ def test_run_names_a_damaged_cache_in_one_line(cache: Path, llmrun_env: dict[str
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 1, done.stderr

@@ -25,7 +25,7 @@ from llmrun.runners.kld import (
     statistics,
 )
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .llama_tools import cpu_flags, tool
 from .test_bench import parse
 from .test_trust_bench import _fake_models
@@ -202,7 +202,7 @@ def test_bench_kld_on_the_embedded_model_against_its_q8_0_copy(
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     base, q41 = json.loads(done.stdout)
@@ -254,7 +254,7 @@ def test_the_figures_are_llama_perplexitys(
             [str(binary), "-m", model, *common, *flags, *kld],
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=HANG_S,
         )
         assert done.returncode == 0, done.stderr[-2000:]
     theirs = _llama_perplexity_figures(done.stdout + done.stderr)
@@ -269,7 +269,7 @@ def test_the_figures_are_llama_perplexitys(
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert ours_run.returncode == 0, ours_run.stderr
     ours = json.loads(ours_run.stdout)[1]

@@ -23,7 +23,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
 
 from . import llama_tools
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 
 TINY = ["bench", "-r", "1", "--no-history"]
 SHAPES = ["-p", "8", "-n", "2"]  # repeated options add values, as in llama-bench: given once
@@ -35,7 +35,7 @@ def bench(*args: str, env: dict[str, str], shapes: bool = True) -> subprocess.Co
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
 
@@ -112,7 +112,7 @@ def test_compare_llama_bench_reads_and_compares_two_runs(
         [sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c", commit],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
@@ -199,7 +199,7 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert listing.returncode == 0 and "CPU: " in listing.stdout
 

@@ -139,7 +139,7 @@ def test_a_llama_bench_run_and_an_llmrun_run_of_one_command_line_pair(
         [sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c", commit],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr

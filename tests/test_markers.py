@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ROOT
+from .conftest import HANG_S, ROOT
 
 SCRATCH = """
 import subprocess, sys
@@ -72,7 +72,7 @@ def test_the_guard_fails_unmarked_processes_and_model_loads(
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out

@@ -22,7 +22,7 @@ from llmrun.runners.system import (
     resident_fraction,
 )
 
-from .conftest import ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, which_llmrun
 
 TEXT = ROOT / "examples" / "declaration_of_independence.txt"
 
@@ -110,7 +110,7 @@ def test_bench_compares_quantizations_by_speed_memory_and_perplexity(
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
@@ -201,7 +201,7 @@ def test_cold_loads_read_the_file_from_disk(
             env=llmrun_env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_S,
         )
         assert done.returncode == 0, done.stderr
         rows[flag] = json.loads(done.stdout)[0]
@@ -231,7 +231,7 @@ def test_a_context_sweep_shows_the_kv_cache_growing(llmrun_env: dict[str, str]) 
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     small, large = json.loads(done.stdout)

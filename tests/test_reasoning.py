@@ -16,7 +16,7 @@ from llmrun.runners.base import Event, Finished, Request, SamplingParams, Token,
 from llmrun.runners.reasoning import ReasoningSplitter, TokenTagger, opens_thinking
 from llmrun.runners.remote import OpenAIRunner
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .stub_server import stub_server
 
 # recorded token streams: a tag split over tokens, gpt-oss's channels, a template-opened block
@@ -91,7 +91,7 @@ def test_the_cli_hides_thinking_and_reports_time_to_first_answer(
             env=llmrun_env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_S,
         )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("It is 42") and "think" not in done.stdout.split("{")[0]
@@ -126,7 +126,7 @@ def test_a_local_template_that_opens_thinking_sends_the_output_through_the_parse
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stderr.strip().splitlines()[-1])
@@ -181,7 +181,7 @@ def test_a_pipe_gets_the_answer_alone_and_the_thinking_on_stderr_or_delimited(
             env=llmrun_env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_S,
             stdin=subprocess.DEVNULL,
         )
 

@@ -30,7 +30,7 @@ from llmrun.runners.errors import EngineAbortError, LlmrunError
 from llmrun.runners.load_record import layers_by_device
 from llmrun.runners.stats import GenerationStats
 
-from .conftest import ROOT, free_port, which_llmrun
+from .conftest import HANG_S, ROOT, free_port, which_llmrun
 
 PROMPT = "Write a haiku about rivers."
 
@@ -344,7 +344,7 @@ def _llmrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
 
@@ -418,7 +418,7 @@ def test_serve_names_where_the_layers_went(
         assert child.stderr is not None
         lines = [child.stderr.readline().decode() for _ in range(2)]
         child.send_signal(signal.SIGTERM)
-        child.communicate(timeout=60)
+        child.communicate(timeout=HANG_S)
     finally:
         if child.poll() is None:
             child.kill()
@@ -446,10 +446,10 @@ def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(
     try:
         assert child.stdout is not None
         first = child.stdout.readline()  # tg4 done: tg2048 is under way
-        assert first, child.communicate(timeout=60)[1].decode()[-2000:]
+        assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(timeout=30)
-        out, err = child.communicate(timeout=300)
+        out, err = child.communicate(timeout=HANG_S)
     finally:
         if child.poll() is None:
             child.kill()
@@ -512,10 +512,10 @@ def test_a_server_killed_during_run_ends_in_one_line_and_keeps_the_text(
     try:
         assert child.stdout is not None
         first = child.stdout.read(8)  # the text has begun: the decode is under way
-        assert first, child.communicate(timeout=60)[1].decode()[-2000:]
+        assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(timeout=30)
-        out, err = child.communicate(timeout=300)
+        out, err = child.communicate(timeout=HANG_S)
     finally:
         if child.poll() is None:
             child.kill()
@@ -549,7 +549,7 @@ def test_a_server_killed_during_serve_ends_it_in_one_line(
     try:
         assert child.stderr is not None
         started = child.stderr.readline().decode()
-        assert "listening on" in started, started + child.communicate(timeout=60)[1].decode()
+        assert "listening on" in started, started + child.communicate(timeout=HANG_S)[1].decode()
         body = json.dumps(
             {
                 "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
@@ -558,7 +558,7 @@ def test_a_server_killed_during_serve_ends_it_in_one_line(
                 "stream": True,
             }
         ).encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=300) as c:
+        with socket.create_connection(("127.0.0.1", port), timeout=HANG_S) as c:
             c.sendall(
                 b"POST /v1/chat/completions HTTP/1.1\r\n"
                 + f"Host: 127.0.0.1:{port}\r\nContent-Length: {len(body)}\r\n".encode()
@@ -571,7 +571,7 @@ def test_a_server_killed_during_serve_ends_it_in_one_line(
             procs[1].wait(timeout=30)
             while c.recv(65536):  # to the end of the connection
                 pass
-        _, err = child.communicate(timeout=300)
+        _, err = child.communicate(timeout=HANG_S)
     finally:
         if child.poll() is None:
             child.kill()
@@ -601,7 +601,7 @@ def test_rpc_server_interrupted_while_it_starts_leaves_nothing_behind(
         try:
             time.sleep(delay)
             child.send_signal(signal.SIGINT)
-            _, err = child.communicate(timeout=60)
+            _, err = child.communicate(timeout=HANG_S)
         finally:
             if child.poll() is None:
                 child.kill()

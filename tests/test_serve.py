@@ -35,7 +35,7 @@ from llmrun.runners.serving.api_engine import Answered, RequestTimings, Snapshot
 from llmrun.runners.serving.server import OPEN_FILES_SPARE, open_files_for
 from llmrun.runners.system import logical_cpus
 
-from .conftest import BACKGROUND_ENV, which_llmrun
+from .conftest import BACKGROUND_ENV, HANG_S, which_llmrun
 from .fake import FakeRunner
 
 START_S = 180.0  # a loaded 2-core machine can take this long to load and bind
@@ -49,14 +49,14 @@ class Server:
     lines: list[str] = field(default_factory=list)
 
     def get(self, path: str) -> Any:
-        return httpx.get(self.url + path, timeout=60).json()
+        return httpx.get(self.url + path, timeout=HANG_S).json()
 
     def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=120, **kw)
+        return httpx.post(self.url + path, json=body, timeout=HANG_S, **kw)
 
     def metric(self, name: str) -> float:
         """The sum of a metric's samples whose line starts with `name` (labels included)."""
-        text = httpx.get(self.url + "/metrics", timeout=60).text
+        text = httpx.get(self.url + "/metrics", timeout=HANG_S).text
         return sum(
             float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
         )
@@ -143,7 +143,7 @@ def open_stream(url: str, body: dict[str, Any], *, wait_for_data: bool = True) -
     """A streaming request on a raw socket (so the test decides when the client goes away);
     returns once the first token's event arrived, or at once."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=120)
+    sock = socket.create_connection((host, int(port)), timeout=HANG_S)
     payload = json.dumps(body).encode()
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
@@ -208,7 +208,9 @@ def test_streaming_with_include_usage_ends_with_usage_and_timings(llmrun_server:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", llmrun_server.url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream(
+        "POST", llmrun_server.url + "/v1/completions", json=body, timeout=HANG_S
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -262,7 +264,7 @@ def test_models_health_tokenize_and_metrics(llmrun_server: Server) -> None:
     tokens = llmrun_server.post("/tokenize", {"content": "hello world"}).json()["tokens"]
     assert tokens and all(isinstance(t, int) for t in tokens)
     llmrun_server.post("/v1/completions", {"prompt": tokens, "max_tokens": 3, "temperature": 0})
-    text = httpx.get(llmrun_server.url + "/metrics", timeout=60).text
+    text = httpx.get(llmrun_server.url + "/metrics", timeout=HANG_S).text
     for name in (
         "llmrun_requests_total",
         "llmrun_requests_in_flight",
@@ -311,7 +313,7 @@ def test_bad_requests_get_400_with_the_reason(
     r = httpx.post(
         llmrun_server.url + route,
         content=payload,
-        timeout=60,
+        timeout=HANG_S,
         headers={"Content-Type": "application/json"},
     )
     assert r.status_code == 400
@@ -525,7 +527,7 @@ def test_a_shutdown_ends_the_requests_in_flight_with_an_error_not_silently(
         whole: dict[str, httpx.Response] = {}
 
         def ask() -> None:
-            whole["r"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+            whole["r"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=HANG_S)
 
         asking = threading.Thread(target=ask)
         asking.start()
@@ -615,7 +617,7 @@ def test_a_port_in_use_is_one_line(serve_env: dict[str, str]) -> None:
             env=serve_env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_S,
         )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
@@ -855,7 +857,7 @@ def test_live_view_on_a_terminal_then_nothing_left_of_it(serve_env: dict[str, st
         until(lambda: b")\r\n" in raw.partition(b"listening on ")[2])
         url = raw.split(b"listening on ", 1)[1].split()[0].decode()
         body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
+        assert httpx.post(url + "/v1/completions", json=body, timeout=HANG_S).status_code == 200
         until(lambda: any("1 requests" in line for line in screen.display))
         assert any("sequences" in line for line in screen.display)
         child.kill(signal.SIGTERM)

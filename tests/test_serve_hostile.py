@@ -24,6 +24,7 @@ from llmrun.runners.serving.api_http import MIN_BODY_LIMIT
 from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS
 from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
+from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
 CHAT = "/v1/chat/completions"
@@ -362,15 +363,15 @@ def test_every_response_is_counted_once_under_its_route(server: Server) -> None:
     """/metrics counts each response once, under the route of its path, whichever layer gave
     it: routing (405), the access checks (403), a route's own refusal or answer."""
     before = outcomes(server)  # this scrape itself: one metrics ok
-    httpx.get(server.url + CHAT, timeout=60)
+    httpx.get(server.url + CHAT, timeout=HANG_S)
     httpx.post(
-        server.url + CHAT, json=small(), headers={"Origin": "https://evil.example"}, timeout=60
+        server.url + CHAT, json=small(), headers={"Origin": "https://evil.example"}, timeout=HANG_S
     )
-    httpx.get(server.url + "/health", headers={"Host": "evil.example"}, timeout=60)
+    httpx.get(server.url + "/health", headers={"Host": "evil.example"}, timeout=HANG_S)
     send(server, "/tokenize", b"[")
-    httpx.get(server.url + "/health", timeout=60)
+    httpx.get(server.url + "/health", timeout=HANG_S)
     send(server, COMPLETIONS, {"prompt": "Hi", "max_tokens": 1})
-    httpx.get(server.url + "/v1/models/nope", timeout=60)
+    httpx.get(server.url + "/v1/models/nope", timeout=HANG_S)
     after = outcomes(server)
     counted = {k: after.get(k, 0) - before.get(k, 0) for k in {*after, *before}}
     assert {k: v for k, v in counted.items() if v} == {
@@ -392,22 +393,22 @@ def test_a_model_not_served_gets_404(server: Server) -> None:
     assert "'gpt-4o' is not served here" in error["message"] and served in error["message"]
     for name in (served, served + ".gguf", ""):
         assert send(server, CHAT, small(model=name)).status_code == 200
-    assert httpx.get(f"{server.url}/v1/models/{served}", timeout=60).json()["id"] == served
-    openai_error(httpx.get(f"{server.url}/v1/models/gpt-4o", timeout=60), 404)
+    assert httpx.get(f"{server.url}/v1/models/{served}", timeout=HANG_S).json()["id"] == served
+    openai_error(httpx.get(f"{server.url}/v1/models/gpt-4o", timeout=HANG_S), 404)
 
 
 def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
-    r = httpx.get(server.url + CHAT, timeout=60)
+    r = httpx.get(server.url + CHAT, timeout=HANG_S)
     assert "GET is not allowed" in openai_error(r, 405)["message"]
     assert "POST" in r.headers["allow"]
     for method, path in (("POST", "/metrics"), ("DELETE", "/v1/models"), ("PUT", "/health")):
-        openai_error(httpx.request(method, server.url + path, timeout=60), 405)
+        openai_error(httpx.request(method, server.url + path, timeout=HANG_S), 405)
     assert (
         "no route /nope"
-        in openai_error(httpx.get(server.url + "/nope", timeout=60), 404)["message"]
+        in openai_error(httpx.get(server.url + "/nope", timeout=HANG_S), 404)["message"]
     )
     for path in ("/metrics", "/v1/models", "/health"):
-        head = httpx.head(server.url + path, timeout=60)
+        head = httpx.head(server.url + path, timeout=HANG_S)
         assert head.status_code == 200 and head.content == b""
     for garbage in (
         b"HELLO\r\n\r\n",
@@ -417,7 +418,7 @@ def test_unknown_paths_and_methods_get_openai_errors(server: Server) -> None:
         status, headers, body = exchange(server, garbage)
         assert status == 400 and headers["content-type"] == "application/json", body
         assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
-    options = httpx.options(server.url + CHAT, timeout=60)
+    options = httpx.options(server.url + CHAT, timeout=HANG_S)
     assert options.status_code == 204 and "POST" in options.headers["allow"]
 
 
@@ -550,7 +551,7 @@ def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) ->
     before = outcomes(server)
     send(server, CHAT, b"[]")
     send(server, CHAT, small(model="nope"))
-    httpx.get(server.url + "/nope", timeout=60)
+    httpx.get(server.url + "/nope", timeout=HANG_S)
     exchange(server, b"HELLO\r\n\r\n")
     exchange(
         server,
@@ -579,7 +580,7 @@ def test_metrics_stay_valid_prometheus_and_count_the_refusals(server: Server) ->
 
 def outcomes(server: Server) -> dict[tuple[str, str], float]:
     """llmrun_requests_total by (route, outcome), read with Prometheus' own parser."""
-    text = httpx.get(server.url + "/metrics", timeout=60).text
+    text = httpx.get(server.url + "/metrics", timeout=HANG_S).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     return {
         (s.labels["route"], s.labels["outcome"]): s.value
@@ -612,10 +613,10 @@ def test_pages_on_this_machine_get_cors_headers_on_every_answer(
     call the server, and every answer to it (errors and event streams too) says so."""
     headers = {"Origin": origin}
     answers = [
-        httpx.get(server.url + "/v1/models", headers=headers, timeout=60),
+        httpx.get(server.url + "/v1/models", headers=headers, timeout=HANG_S),
         httpx.post(server.url + CHAT, json=small(), headers=headers, timeout=WAIT_S),
-        httpx.post(server.url + CHAT, content=b"[]", headers=headers, timeout=60),
-        httpx.get(server.url + "/nope", headers=headers, timeout=60),
+        httpx.post(server.url + CHAT, content=b"[]", headers=headers, timeout=HANG_S),
+        httpx.get(server.url + "/nope", headers=headers, timeout=HANG_S),
     ]
     with httpx.stream(
         "POST", server.url + CHAT, json=small(stream=True), headers=headers, timeout=WAIT_S
@@ -628,7 +629,8 @@ def test_pages_on_this_machine_get_cors_headers_on_every_answer(
         assert r.headers["access-control-allow-origin"] == origin, r.headers
         assert "Origin" in r.headers["vary"]
     assert (
-        "access-control-allow-origin" not in httpx.get(server.url + "/health", timeout=60).headers
+        "access-control-allow-origin"
+        not in httpx.get(server.url + "/health", timeout=HANG_S).headers
     )
 
 
@@ -636,7 +638,7 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     origin = "http://localhost:5173"
     r = httpx.options(
         server.url + CHAT,
-        timeout=60,
+        timeout=HANG_S,
         headers={
             "Origin": origin,
             "Access-Control-Request-Method": "POST",
@@ -652,7 +654,7 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     assert "Origin" in r.headers["vary"]
     private = httpx.options(
         server.url + CHAT,
-        timeout=60,
+        timeout=HANG_S,
         headers={
             "Origin": origin,
             "Access-Control-Request-Method": "POST",
@@ -663,7 +665,7 @@ def test_a_preflight_is_answered_for_an_allowed_origin(server: Server) -> None:
     assert "access-control-allow-private-network" not in r.headers
     refused = httpx.options(
         server.url + CHAT,
-        timeout=60,
+        timeout=HANG_S,
         headers={"Origin": "https://preflight.example", "Access-Control-Request-Method": "POST"},
     )
     openai_error(refused, 403)
@@ -693,7 +695,7 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
     r = httpx.post(
         server.url + CHAT,
         content=json.dumps(small()).encode(),
-        timeout=60,
+        timeout=HANG_S,
         headers={"Origin": origin, "Content-Type": "text/plain"},
     )
     error = openai_error(r, 403)
@@ -766,7 +768,7 @@ def test_a_trailing_slash_is_the_same_route_never_a_redirect(
     assert r.status_code == 200, (r.status_code, r.headers, r.text)
     assert fields in r.json()
     served = server.get("/v1/models")["data"][0]["id"]
-    assert httpx.get(f"{server.url}/v1/models/{served}/", timeout=60).json()["id"] == served
+    assert httpx.get(f"{server.url}/v1/models/{served}/", timeout=HANG_S).json()["id"] == served
 
 
 def test_a_huge_path_or_host_is_one_short_log_line(server: Server) -> None:
@@ -808,12 +810,16 @@ def test_the_connection_cap_answers_503_past_it_and_any_host_off_loopback(
         "https://app.example:443",
     ) as s:
         s.url = s.url.replace("0.0.0.0", "127.0.0.1")
-        assert httpx.get(s.url + "/health", headers={"Host": "evil.example"}, timeout=60).is_success
-        app = httpx.get(s.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=60)
+        assert httpx.get(
+            s.url + "/health", headers={"Host": "evil.example"}, timeout=HANG_S
+        ).is_success
+        app = httpx.get(
+            s.url + "/v1/models", headers={"Origin": "https://app.example"}, timeout=HANG_S
+        )
         assert app.headers["access-control-allow-origin"] == "https://app.example"
         openai_error(
             httpx.get(
-                s.url + "/v1/models", headers={"Origin": "https://other.example"}, timeout=60
+                s.url + "/v1/models", headers={"Origin": "https://other.example"}, timeout=HANG_S
             ),
             403,
         )

@@ -151,7 +151,9 @@ def test_chat_gives_each_tokens_logprob_and_the_likeliest_ones(server: Server) -
 def test_a_stream_carries_the_same_logprobs_with_its_tokens(server: Server) -> None:
     body = chat(ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
     whole = server.post(CHAT, body).json()["choices"][0]["logprobs"]["content"]
-    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST", server.url + CHAT, json={**body, "stream": True}, timeout=HANG_S
+    ) as r:
         events = [e for e in sse_events(r) if e != "[DONE]"]
     streamed = []
     for e in events:
@@ -227,7 +229,7 @@ def test_echo_gives_the_prompt_first_and_its_tokens_logprobs(server: Server) -> 
     assert all(p <= 0 for p in lp["token_logprobs"][1:])
     assert lp["text_offset"][-1] == len(whole)
     with httpx.stream(
-        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=HANG_S
     ) as r:
         events = [e for e in sse_events(r) if e != "[DONE]"]
     chunks = [e["choices"][0] for e in events if e["choices"]]

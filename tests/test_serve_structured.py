@@ -17,6 +17,7 @@ import pytest
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.grammar import response_grammar, schema_grammar
 
+from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
 
 CHAT = "/v1/chat/completions"
@@ -139,7 +140,7 @@ def test_a_streamed_answer_is_json_the_schema_accepts(server: Server) -> None:
     body = chat(
         ASK, max_tokens=200, temperature=0, stream=True, response_format=json_schema(PERSON)
     )
-    with httpx.stream("POST", server.url + CHAT, json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=HANG_S) as r:
         assert r.status_code == 200
         events = [e for e in sse_events(r) if e != "[DONE]"]
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])

@@ -150,7 +150,7 @@ def test_a_stream_carries_them_in_the_last_chunk_and_the_usage_chunk(server: Ser
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
         assert r.status_code == 200
         events = sse_events(r)
     usage_chunk, final = events[-2], events[-3]

@@ -21,6 +21,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_models import ChatBody
 from llmrun.runners.serving.tools import merged, tool_plan
 
+from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
 
 CHAT = "/v1/chat/completions"
@@ -305,7 +306,7 @@ def test_a_streamed_call_reassembles_to_the_whole_one(server: Server) -> None:
     payload = chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
     whole = server.post(CHAT, payload).json()["choices"][0]["message"]["tool_calls"][0]
     with httpx.stream(
-        "POST", server.url + CHAT, json={**payload, "stream": True}, timeout=120
+        "POST", server.url + CHAT, json={**payload, "stream": True}, timeout=HANG_S
     ) as r:
         assert r.status_code == 200
         events = [e for e in sse_events(r) if e != "[DONE]"]

@@ -24,6 +24,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.api_models import ChatBody
 from llmrun.runners.serving.tools import GENERIC, HERMES, ToolPlan, merged, template_family
 
+from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
 QWEN_TEMPLATE = (Path(__file__).parent / "qwen_tools_template.jinja").read_text()
@@ -225,7 +226,7 @@ def test_a_streamed_forced_call_reassembles(server: Server) -> None:
     body = chat(
         "Weather in Lima?", tools=[WEATHER], tool_choice="required", temperature=0, stream=True
     )
-    with httpx.stream("POST", server.url + CHAT, json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=HANG_S) as r:
         events = [e for e in sse_events(r) if e != "[DONE]"]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     _, calls = merged([d for d in deltas if "tool_calls" in d])

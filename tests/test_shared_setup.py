@@ -17,7 +17,7 @@ import pytest
 from llmrun.runners import probe, system
 
 from . import llama_tools
-from .conftest import QUICK_BANDWIDTH, REAL_BANDWIDTH_RUNS
+from .conftest import HANG_S, QUICK_BANDWIDTH, REAL_BANDWIDTH_RUNS
 from .inject.sitecustomize import BANDWIDTH_ENV, PROBE_ENV, share_probe
 
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-perplexity")
@@ -103,7 +103,7 @@ def test_a_child_answers_the_probe_from_the_sessions_verdicts(
         env={**llmrun_env, PROBE_ENV: str(memo)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         check=True,
     )
     size, reps = QUICK_BANDWIDTH

@@ -15,7 +15,7 @@ from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 
-from .conftest import ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, which_llmrun
 from .greedy import NEAR_TIE, margin_at_divergence
 
 TEXT = (ROOT / "examples" / "declaration_of_independence.txt").read_text()[:1200]
@@ -143,7 +143,7 @@ def test_bench_measures_decode_with_and_without_speculation_in_one_run(
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert done.returncode == 0, done.stderr
     plain, fast = json.loads(done.stdout)

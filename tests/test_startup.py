@@ -11,6 +11,8 @@ import pytest
 
 from llmrun.cli import app as app_module
 
+from .conftest import HANG_S
+
 HEAVY = ("llama_cpp", "numpy", "fastapi", "starlette", "uvicorn", "matplotlib", "huggingface_hub")
 
 # What each command line may import of HEAVY, and why.
@@ -32,7 +34,7 @@ def imported(args: list[str], env: dict[str, str]) -> tuple[set[str], set[str]]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -24,7 +24,7 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
 
@@ -70,7 +70,7 @@ def test_piping_on_a_terminal_keeps_the_answer(
             env=env,
             dimensions=(40, columns),
             encoding="utf-8",
-            timeout=120,
+            timeout=HANG_S,
         )
         child.expect(pexpect.EOF)
         child.close()
@@ -105,7 +105,7 @@ def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[st
         env=env,
         dimensions=(40, 100),
         encoding="utf-8",
-        timeout=120,
+        timeout=HANG_S,
     )
     # While the first 512-token chunk runs the count is 0/N, yet the clock moves ...
     child.expect(r"0/(\d+) tokens[^\n]*· ([\d,]+)\.\d ms")
@@ -119,10 +119,10 @@ def final_screen(args: list[str], env: dict[str, str], columns: int) -> list[str
     """Everything a terminal of this width shows at the end, scrollback included (pyte)."""
     screen = pyte.HistoryScreen(columns, 40, history=2000, ratio=0.5)
     stream = pyte.ByteStream(screen)
-    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(40, columns), timeout=120)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(40, columns), timeout=HANG_S)
     while True:
         try:
-            stream.feed(child.read_nonblocking(4096, timeout=120))
+            stream.feed(child.read_nonblocking(4096, timeout=HANG_S))
         except pexpect.EOF:
             break
     child.close()
@@ -365,7 +365,7 @@ def test_the_summary_survives_a_pipe_into_less(llmrun_env: dict[str, str]) -> No
         env=env,
         dimensions=(30, 80),
         encoding="utf-8",
-        timeout=180,
+        timeout=HANG_S,
     )
     child.expect(r"\(END\)")  # less has all of stdout
     shown = str(child.before)
@@ -385,7 +385,7 @@ def test_term_dumb_streams_plain_text_and_plain_stats(llmrun_env: dict[str, str]
     env = {**llmrun_env, "TERM": "dumb"}
     args = ["run", "--raw", "-n", "160", "--temp", "0", "-t", "1", "1, 2, 3, 4, 5,"]
     child = pexpect.spawn(
-        which_llmrun(), args, env=env, dimensions=(30, 80), encoding="utf-8", timeout=180
+        which_llmrun(), args, env=env, dimensions=(30, 80), encoding="utf-8", timeout=HANG_S
     )
     child.expect(pexpect.EOF)
     child.close()

@@ -14,7 +14,7 @@ import pytest
 
 from llmrun.cli.terminal import fold
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 
 
 def test_fold_breaks_at_spaces_only_and_only_on_a_terminal() -> None:
@@ -32,10 +32,10 @@ def screen_of(args: list[str], env: dict[str, str], rows: int, columns: int) -> 
     """The whole screen at the end, scrollback included (pyte)."""
     screen = pyte.HistoryScreen(columns, rows, history=4000, ratio=0.5)
     stream = pyte.ByteStream(screen)
-    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=180)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=HANG_S)
     while True:
         try:
-            stream.feed(child.read_nonblocking(4096, timeout=180))
+            stream.feed(child.read_nonblocking(4096, timeout=HANG_S))
         except pexpect.EOF:
             break
     child.close()
@@ -73,7 +73,7 @@ def test_the_live_panel_keeps_decode_in_every_frame_of_a_small_screen(
     args = ["run", "--raw", "-n", "40", "--temp", "0", "-b", "16", "-t", "1", prompt]
     screen = pyte.HistoryScreen(columns, rows, history=4000, ratio=0.5)
     stream = pyte.ByteStream(screen)
-    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=180)
+    child = pexpect.spawn(which_llmrun(), args, env=env, dimensions=(rows, columns), timeout=HANG_S)
     frames: list[list[str]] = []  # the screen each time the output settles (no redraw cut)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -115,6 +115,6 @@ def test_one_off_lines_fold_at_spaces_on_a_terminal_and_stay_whole_in_a_pipe(
     )  # (not a lone word longer than a line)
     assert any(ln.startswith(" " * 10) and ln[10] != " " for ln in found)  # under the value
     piped = subprocess.run(
-        [which_llmrun(), "doctor"], env=env, capture_output=True, text=True, timeout=120
+        [which_llmrun(), "doctor"], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert piped.returncode == 0 and any(len(ln) > 40 for ln in piped.stdout.splitlines())

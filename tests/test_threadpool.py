@@ -23,7 +23,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.system import parse_cpu_list
 
-from .conftest import which_llmrun
+from .conftest import HANG_S, which_llmrun
 from .fake import FakeRunner
 
 CPUS = sorted(tp.available_cpus())
@@ -222,7 +222,7 @@ def _bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
 

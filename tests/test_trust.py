@@ -107,7 +107,7 @@ def test_fuzzed_headers_end_in_exit_0_or_1_with_one_line(llmrun_env: dict[str, s
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -52,7 +52,7 @@ def fake_llmrun(
         cwd=ROOT,
         input=stdin,
         capture_output=True,
-        timeout=60,
+        timeout=HANG_S,
         env=env or dict(os.environ),
     )
 
@@ -183,7 +183,7 @@ def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
         ],
         cwd=ROOT,
         capture_output=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stderr
     assert "hi \ufffd( there" in result.stdout.decode()
@@ -201,7 +201,7 @@ def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
         input=b"hi\n",
         cwd=ROOT,
         capture_output=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert chat.returncode == 0, chat.stderr
     assert b"-s/--system is not valid UTF-8" in chat.stderr
@@ -255,7 +255,7 @@ def test_sighup_keeps_the_results_like_sigterm(
         assert time.monotonic() < deadline and child.poll() is None
         time.sleep(0.05)
     child.send_signal(signum)
-    _, err = child.communicate(timeout=60)
+    _, err = child.communicate(timeout=HANG_S)
     assert child.returncode == code, err
     lines = stats.read_text().splitlines()
     assert 2 <= len(lines) < 400 and all(json.loads(x) for x in lines)
@@ -312,7 +312,7 @@ def test_a_chat_template_runs_on_a_budget(
             llmrun(
                 ["run", "-m", model_path, "--chat-template-file", str(path), "-n", "2", "hi"],
                 llmrun_env,
-                timeout=60,
+                timeout=HANG_S,
             )
         )
         assert "chat template" in line and (
@@ -322,7 +322,7 @@ def test_a_chat_template_runs_on_a_budget(
         llmrun(
             ["run", "-m", model_path, "--chat-template-file", "/dev/zero", "hi"],
             llmrun_env,
-            timeout=60,
+            timeout=HANG_S,
         )
     )
     assert "larger than 1 MiB, or does not end" in line
@@ -358,7 +358,7 @@ def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[
         llmrun(
             ["bench", "-m", model_path, "-p", "8", "-n", "0", "-r", "1", "--ppl", "/dev/zero"],
             llmrun_env,
-            timeout=120,
+            timeout=HANG_S,
         )
     )
     assert "--ppl /dev/zero" in line and "does not end" in line
@@ -512,7 +512,7 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
     assert ready, "no request answered"
     first = child.stdout.readline()
     child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=120)
+    out, err = child.communicate(timeout=HANG_S)
     out = first + out
     assert child.returncode == 130, err
     assert b"Traceback" not in err and b"internal error" not in err

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ROOT
+from .conftest import HANG_S, ROOT
 
 BROKEN = """
 
@@ -38,7 +38,7 @@ def test_mypy_sees_llmrun_runners_from_cli(tmp_path: Path, llmrun_env: dict[str,
         env=llmrun_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
@@ -65,7 +65,7 @@ def test_renaming_an_option_is_a_mypy_error(tmp_path: Path, llmrun_env: dict[str
         cwd=copy,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
