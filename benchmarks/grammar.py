@@ -3,8 +3,8 @@
 One request at a time through the batched engine (`llmrun serve`'s path), greedy, on one
 loaded model: the same prompt decoded unconstrained (exactly --tokens, end of sequence ignored),
 with `{"type": "json_object"}`'s grammar and with an order schema of realistic shape (nested
-objects, an array of objects, an enum, bounded strings, a nullable field), each grammar first in
-the request's sampler chain as `serve` puts it. The three alternate in a rotating order,
+objects, an array of objects, an enum, bounded strings, a nullable field), each grammar held to
+the request's sampler chain as `serve` holds it. The three alternate in a rotating order,
 --rounds times. Printed per mode: decode tok/s (tokens after the first over their time), the
 median ms per token (inter-token latency), the tokens generated; then each grammar's ratios to
 unconstrained in the same run. A grammar's answer ends when its JSON does, so it may be shorter

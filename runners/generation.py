@@ -76,8 +76,9 @@ def new_sampler(
 
 
 def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> Sampler:
-    """The chain behind the grammar's sampler, which masks the logits first (it must not see
-    the prompt: the chain has seen it already)."""
+    """The chain held to the grammar as llama.cpp's common_sampler does (it samples, the
+    grammar checks the chosen token: `GrammarSampler`); the grammar must not see the prompt,
+    which the chain has seen already."""
     if grammar is None:
         return chain
     from .serving.grammar import add_grammar
@@ -98,7 +99,7 @@ class _Decoded:
     finish: str = FINISH_STOP
     times: list[float] = field(default_factory=list)  # each output token's time stamp
     first_sample_s: float = 0.0
-    sample_s: float = 0.0  # in llama_sampler_sample after the first token
+    sample_s: float = 0.0  # in sampling (llama_sampler_sample) after the first token
     call_s: float = 0.0  # in llama_decode + llama_synchronize after the first token
     calls: int = 0
     text: str = ""
@@ -296,7 +297,7 @@ def _decode(
     parts: list[str] = []
     perf = time.perf_counter
     decode_c, sync_c = lib.llama_decode, lib.llama_synchronize
-    sample_c, chain_ptr = chain._sample, chain.ptr
+    sample_c = chain.sampling()  # the C call bound to the chain; a grammar's check in Python
     is_eog = model.is_eog
     to_piece, feed, emit = model.to_piece, text.feed, parts.append
     times, cache = out.times, kv.tokens
@@ -309,7 +310,7 @@ def _decode(
         token = feed_tokens.pop()
     else:
         t_sample = perf()
-        token = sample_c(chain_ptr, ctx, -1)
+        token = sample_c(ctx, -1)
         out.first_sample_s = perf() - t_sample
     one = (lib.llama_token * 1)()
     batch_one = lib.llama_batch_get_one(one, 1)
@@ -363,7 +364,7 @@ def _decode(
             if decode_only:
                 pending = feed_tokens.pop()
                 continue
-            pending = sample_c(chain_ptr, ctx, -1)
+            pending = sample_c(ctx, -1)
             sample_s += perf() - t_sample
     finally:
         out.sample_s = sample_s

@@ -8,7 +8,9 @@ keeps track of the contexts it hands out). Nothing outside these classes frees a
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import functools
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -123,6 +125,10 @@ class Sampler:
         """The next token from the logits of batch entry `index` (-1: the last)."""
         return int(self._sample(self.ptr, ctx, index))
 
+    def sampling(self) -> Callable[[Any, int], int]:
+        """`sample` as one call for a hot loop: here the C function bound to the chain."""
+        return functools.partial(self._sample, self.ptr)
+
     def perf(self) -> tuple[float, int]:
         """llama.cpp's sampling counters: (milliseconds spent, tokens sampled)."""
         p = self.lib.llama_perf_sampler(self.ptr)
@@ -132,6 +138,99 @@ class Sampler:
         if self.ptr is not None:
             self.lib.llama_sampler_free(self.ptr)
             self.ptr = None
+
+
+class GrammarSampler(Sampler):
+    """A sampler chain held to a grammar as llama.cpp's own `common_sampler_sample` does it
+    (common/sampling.cpp): the chain samples first; only the chosen token is checked against
+    the grammar (a one-entry candidate array through `llama_sampler_apply`, refused if its logit
+    becomes -inf); a refused token is sampled again with the grammar masking every candidate
+    before the chain. The grammar, then the chain, accept the token kept, so a refused first
+    try is never learned by the repeat penalties. The grammar tests one token a step instead of
+    the whole vocabulary, except after a refusal.
+
+    The candidate array is built from `llama_get_logits_ith` with numpy (imported here, so only
+    a grammar's use imports it), as `llama_sampler_sample` builds it in C. It owns `chain`'s
+    pointer and `grammar` (a `llama_sampler_init_grammar` sampler); `perf()` is its own count:
+    the time in `sample` and the tokens it sampled (the grammar's checks included)."""
+
+    def __init__(self, chain: Sampler, grammar: Any, n_vocab: int) -> None:
+        import numpy as np
+
+        lib = self.lib = chain.lib
+        self.ptr, chain.ptr = chain.ptr, None
+        self._sample = chain._sample
+        self.grammar = grammar
+        self.n_vocab = n_vocab
+        self._np = np
+        self._apply, self._accept = lib.llama_sampler_apply, lib.llama_sampler_accept
+        self._logits_ith = lib.llama_get_logits_ith
+        cell = lib.llama_token_data
+        self._cells = (cell * n_vocab)()
+        self._view = np.frombuffer(
+            self._cells, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        )
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._all = lib.llama_token_data_array(
+            ctypes.cast(self._cells, ctypes.POINTER(cell)), n_vocab, -1, False
+        )
+        self._one_cell = cell()
+        self._one = lib.llama_token_data_array(ctypes.pointer(self._one_cell), 1, -1, False)
+        self._all_ref, self._one_ref = ctypes.byref(self._all), ctypes.byref(self._one)
+        self.resampled = 0  # tokens the grammar refused, sampled again after masking
+        self._t_s, self._n = 0.0, 0
+
+    def _fill(self, ctx: Any, index: int) -> None:
+        """Every token with its logit, unsorted, nothing selected (llama.cpp's `set_logits`)."""
+        ptr = self._logits_ith(ctx, index)
+        if not ptr:
+            from .errors import EngineError
+
+            raise EngineError(f"llama.cpp has no logits for batch entry {index}")
+        view = self._view
+        view["id"] = self._ids
+        view["logit"] = self._np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        view["p"] = 0.0
+        a = self._all
+        a.size, a.selected, a.sorted = self.n_vocab, -1, False
+
+    def _chosen(self) -> int:
+        a = self._all
+        return int(a.data[a.selected].id)
+
+    def sample(self, ctx: Context | Any, index: int = -1) -> int:
+        t0 = time.perf_counter()
+        apply = self._apply
+        self._fill(ctx, index)
+        apply(self.ptr, self._all_ref)
+        token = self._chosen()
+        one, cell = self._one, self._one_cell
+        cell.id, cell.logit, cell.p = token, 1.0, 0.0
+        one.size, one.selected, one.sorted = 1, -1, False
+        apply(self.grammar, self._one_ref)
+        if cell.logit == float("-inf"):  # refused: the grammar masks all, then the chain
+            self.resampled += 1
+            self._fill(ctx, index)
+            apply(self.grammar, self._all_ref)
+            apply(self.ptr, self._all_ref)
+            token = self._chosen()
+        self._accept(self.grammar, token)
+        self._accept(self.ptr, token)
+        self._t_s += time.perf_counter() - t0
+        self._n += 1
+        return token
+
+    def sampling(self) -> Callable[[Any, int], int]:
+        return self.sample
+
+    def perf(self) -> tuple[float, int]:
+        return self._t_s * 1000.0, self._n
+
+    def close(self) -> None:
+        if self.grammar is not None:
+            self.lib.llama_sampler_free(self.grammar)
+            self.grammar = None
+        super().close()
 
 
 class Batch:

@@ -299,8 +299,9 @@ class BatchedEngine:
         return self.runner.new_sampler(sp, seed, prompt=prompt)
 
     def _chain(self, seq: Handle) -> Sampler:
-        """The request's chain; with a grammar, the grammar's sampler goes first (it masks the
-        logits before the others), after the chain has seen the prompt."""
+        """The request's chain; with a grammar, held to it as llama.cpp's common_sampler does
+        (the chain samples, the grammar checks the chosen token: `GrammarSampler`), after the
+        chain has seen the prompt."""
         assert seq.sampling is not None and seq.seed is not None
         chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
         if seq.grammar is None:

@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.handles import Sampler
+from llmrun.runners.handles import GrammarSampler, Sampler
 
 WHERE = "response_format"
 # Keywords that ask nothing of the value: accepted anywhere.
@@ -470,18 +470,14 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
 
 
 def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) -> Sampler:
-    """A chain whose first sampler is the grammar's, then `chain` (which the new one owns):
-    the grammar masks the tokens it forbids before the other samplers see the logits, and
-    learns each sampled token with them. `chain` must have seen the prompt already (a grammar
-    sampler accepts only the answer's tokens). BadRequestError when llama.cpp cannot parse it."""
+    """`chain` (which the new sampler owns) held to the grammar as llama.cpp's
+    `common_sampler` does: the chain samples, the grammar checks only the chosen token, and
+    masks every candidate only when it refuses it (`GrammarSampler`). `chain` must have seen
+    the prompt already (a grammar sampler accepts only the answer's tokens). BadRequestError
+    when llama.cpp cannot parse it."""
     lib = chain.lib
-    outer = Sampler(lib)
     grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
     if not grammar_ptr:
-        outer.close()
         chain.close()
         raise BadRequestError(f"{where}: llama.cpp could not parse the grammar made from it")
-    outer.add(grammar_ptr)
-    outer.add(chain.ptr)
-    chain.ptr = None  # the outer chain frees it
-    return outer
+    return GrammarSampler(chain, grammar_ptr, int(lib.llama_vocab_n_tokens(vocab)))

@@ -1,0 +1,145 @@
+"""A grammar sampled as llama.cpp's `common_sampler` does it: the chain samples first, the
+grammar checks the chosen token alone, and masks the whole vocabulary only when it refuses it.
+
+Greedy answers are the same tokens as with the grammar's sampler first in the chain (the old
+way, rebuilt here as the reference), repeat penalty included (a refused first try must not be
+learned by it); at a temperature the resampling draws again, so there only validity is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from llmrun.runners.base import Finished, Request, SamplingParams
+from llmrun.runners.handles import GrammarSampler, Sampler
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.grammar import response_grammar, schema_grammar
+
+CITY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "capital"],
+    "additionalProperties": False,
+}
+ORDER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "maxLength": 8},
+                    "quantity": {"type": "integer"},
+                },
+                "required": ["sku", "quantity"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "status": {"enum": ["pending", "paid", "shipped"]},
+        "note": {"anyOf": [{"type": "string", "maxLength": 30}, {"type": "null"}]},
+    },
+    "required": ["items", "status", "note"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "city": schema_grammar(CITY, "schema"),
+    "order": schema_grammar(ORDER, "schema"),
+    "json_object": response_grammar({"type": "json_object"}) or "",
+}
+PROMPTS = {
+    "city": "Name a European city and say whether it is a capital, as JSON.",
+    "order": "Write a small hardware shop order as JSON.",
+    "json_object": "Describe a cat as a JSON object.",
+}
+
+
+def grammar_first(runner: LlamaCppRunner, sp: SamplingParams, seed: int, prompt: list[int]) -> Any:
+    """The old way: the grammar's sampler first in an outer chain, masking every candidate."""
+    chain = runner.new_sampler(dataclasses.replace(sp, grammar=None), seed, prompt=prompt)
+    lib = chain.lib
+    outer = Sampler(lib)
+    outer.add(lib.llama_sampler_init_grammar(runner.vocab(), (sp.grammar or "").encode(), b"root"))
+    outer.add(chain.ptr)
+    chain.ptr = None
+    return outer
+
+
+def answer(
+    runner: LlamaCppRunner,
+    name: str,
+    sp: SamplingParams,
+    make: Callable[[LlamaCppRunner, SamplingParams, int, list[int]], Any],
+) -> tuple[list[int], Any]:
+    """The answer's tokens, decoded one at a time with the chain `make` gives (and the chain)."""
+    prompt = runner.request_tokens(Request.chat(PROMPTS[name]))
+    runner.reset()
+    runner.eval_tokens(prompt)
+    chain = make(runner, sp, 7, prompt)
+    out: list[int] = []
+    try:
+        for _ in range(sp.max_tokens):
+            token = chain.sample(runner.kv.ptr)
+            if runner.is_eog(token):
+                break
+            out.append(token)
+            runner.eval_tokens([token])
+    finally:
+        chain.close()
+    return out, chain
+
+
+def checked(runner: LlamaCppRunner, sp: SamplingParams, seed: int, prompt: list[int]) -> Any:
+    return runner.new_sampler(sp, seed, prompt=prompt)
+
+
+@pytest.mark.parametrize(
+    ("name", "penalty"), [("city", 1.0), ("city", 1.3), ("json_object", 1.3), ("order", 1.3)]
+)
+def test_greedy_answers_are_those_of_the_grammar_first_chain(
+    runner: LlamaCppRunner, name: str, penalty: float
+) -> None:
+    sp = SamplingParams(
+        max_tokens=48, temperature=0, repeat_penalty=penalty, grammar=GRAMMARS[name]
+    )
+    before, _ = answer(runner, name, sp, grammar_first)
+    after, chain = answer(runner, name, sp, checked)
+    assert after == before
+    assert isinstance(chain, GrammarSampler)
+    # the point: most tokens pass the one-token check, some are refused and sampled again
+    assert 0 < chain.resampled < len(after)
+    assert chain.perf()[1] == len(after) + (len(after) < sp.max_tokens)
+
+
+@pytest.mark.parametrize(("name", "seed"), [("city", 1), ("order", 1)])
+def test_sampled_answers_follow_the_schema(runner: LlamaCppRunner, name: str, seed: int) -> None:
+    sp = SamplingParams(max_tokens=160, temperature=0.9, seed=seed, grammar=GRAMMARS[name])
+    tokens, _ = answer(runner, name, sp, lambda r, s, _, p: r.new_sampler(s, seed, prompt=p))
+    text = b"".join(runner.piece(t) for t in tokens).decode()
+    value = json.loads(text)  # finished (the grammar ended it before max_tokens)
+    schema = CITY if name == "city" else ORDER
+    assert set(value) == set(schema["required"])
+    if name == "order":
+        assert value["status"] in ("pending", "paid", "shipped")
+        assert 1 <= len(value["items"]) <= 3
+
+
+def test_run_with_a_grammar_goes_through_the_checked_sampler(runner: LlamaCppRunner) -> None:
+    """`run`'s generation: the same greedy answer as the grammar-first loop above."""
+    sp = SamplingParams(max_tokens=16, temperature=0, grammar=GRAMMARS["city"])
+    before, _ = answer(runner, "city", sp, grammar_first)
+    runner.reset()
+    done = [e for e in runner.stream(Request.chat(PROMPTS["city"], sampling=sp))]
+    assert isinstance(done[-1], Finished)
+    text = done[-1].text
+    assert text == b"".join(runner.piece(t) for t in before).decode()
