@@ -86,6 +86,16 @@ def test_a_patterns_top_level_alternatives_stay_inside_the_strings_quotes() -> N
     assert "^a|b$" in enum
 
 
+def test_a_character_past_u_ffff_is_one_character_not_two_surrogates() -> None:
+    """The converter writes 😀 in an enum, a const or a property's name as JSON does, a pair of
+    \\u escapes, which llama.cpp reads as two lone surrogates: such a schema was refused."""
+    grammar = schema_grammar({"type": "object", "properties": {"😀": {"enum": ["👍", "é"]}}}, WHERE)
+    assert "\\U0001f600" in grammar and "\\U0001f44d" in grammar and "\\u00e9" in grammar
+    assert grammar_fault(grammar) is None
+    with pytest.raises(BadRequestError, match="a lone surrogate"):  # a lone one still is
+        schema_grammar(code_schema("^\ud800$"), WHERE)
+
+
 def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
     assert grammar_fault(r'root ::= "\x41\u00e9\U0001F600\t\r\n\\\"\[\]" [^\x00-\x1f]') is None
     assert grammar_fault(r'root ::= "\x4"') is not None  # too few hex digits

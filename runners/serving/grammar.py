@@ -124,10 +124,31 @@ def schema_grammar(schema: Any, where: str) -> str:
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    grammar = paired_surrogates(grammar)
     fault = grammar_fault(grammar)
     if fault is not None:
         raise BadRequestError(f"{where}: {fault}")
     return _within_limits(grammar, where)
+
+
+# A character past U+FFFF in an enum, a const or a property's name: the converter writes it as
+# JSON does, a pair of \u escapes (😀 is \ud83d\ude00), which llama.cpp's grammar reads as two
+# lone surrogates it cannot write. An escape's backslash is one not itself escaped.
+_SURROGATE_PAIR = re.compile(
+    r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE
+)
+
+
+def paired_surrogates(grammar: str) -> str:
+    """The grammar with each escaped surrogate pair written as the one character it stands for
+    (\\U0001f600)."""
+
+    def joined(m: re.Match[str]) -> str:
+        high, low = int(m.group(2), 16), int(m.group(3), 16)
+        code = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)
+        return f"{m.group(1)}\\U{code:08x}"
+
+    return _SURROGATE_PAIR.sub(joined, grammar)
 
 
 VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
