@@ -61,6 +61,11 @@ def test_the_grammar_reaches_the_runners_sampling(
         ("dq.json", '{"type": "string", "pattern": "^a**$"}', "schema.pattern: a pattern repeats"),
         ("d.json", '{"type": "string", "pattern": "^\\\\d+$"}', "schema.pattern: a pattern's"),
         ("broken.gbnf", 'root ::= "a" ((\n', "grammar parser refuses the grammar: expecting ')'"),
+        (
+            "deep.json",
+            '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600,
+            "deep.json: schema: nests too deep",
+        ),
     ],
 )
 def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(

@@ -96,6 +96,19 @@ def test_a_character_past_u_ffff_is_one_character_not_two_surrogates() -> None:
         schema_grammar(code_schema("^\ud800$"), WHERE)
 
 
+def test_a_schema_nested_past_pythons_limit_is_refused_by_name() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(600):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: nests too deep"):
+        schema_grammar(deep, WHERE)
+    enum: list[Any] = []
+    for _ in range(1500):
+        enum = [enum]
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: nests too deep"):
+        schema_grammar({"enum": enum}, WHERE)
+
+
 def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
     assert grammar_fault(r'root ::= "\x41\u00e9\U0001F600\t\r\n\\\"\[\]" [^\x00-\x1f]') is None
     assert grammar_fault(r'root ::= "\x4"') is not None  # too few hex digits

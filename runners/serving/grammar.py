@@ -327,6 +327,18 @@ def _within_limits(grammar: str, where: str) -> str:
 
 def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     """Refuse, by path, every keyword the grammar would not keep."""
+    if schema is not root:
+        _check_schema(schema, where, root)
+        return
+    try:  # the check recurses once per level: a schema nested past Python's limit is refused
+        _check_schema(schema, where, root)
+    except RecursionError:
+        raise BadRequestError(
+            f"{where}: nests too deep to be made a grammar (a few hundred levels at most)"
+        ) from None
+
+
+def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     if not isinstance(schema, dict):
         raise BadRequestError(f"{where}: a schema is an object, not {json.dumps(schema)}")
     for key in schema:
