@@ -201,6 +201,8 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 REPEATED = "a pattern repeats a repetition (a** or a?+), which llama.cpp's grammar cannot read"
 NUL = "asks for the NUL character, which llama.cpp's grammar cannot write"
 UNREAD = "a pattern the converter did not translate into a grammar llama.cpp reads"
+NOTHING = "a character class that no character matches, which llama.cpp's grammar cannot write"
+SURROGATE = "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
 
 
 def grammar_fault(grammar: str) -> str | None:
@@ -213,6 +215,8 @@ def grammar_fault(grammar: str) -> str | None:
     i, n = 0, len(grammar)
     end: str | None = None  # inside a literal ('"') or a character class (']')
     codes: list[int] = []  # the class's characters so far
+    spans: list[tuple[int, int]] = []  # the class's characters as ranges
+    dash = False  # the last character opened a range
     negated = quantified = False  # the last item outside literals was a repetition
     while i < n:
         c = grammar[i]
@@ -230,7 +234,7 @@ def grammar_fault(grammar: str) -> str | None:
             if not c.isspace():
                 quantified = False
             if c in '"[':
-                end, codes = ('"' if c == '"' else "]"), []
+                end, codes, spans = ('"' if c == '"' else "]"), [], []
                 negated = c == "[" and grammar[i + 1 : i + 2] == "^"
                 i += 2 if negated else 1
             else:
@@ -239,6 +243,8 @@ def grammar_fault(grammar: str) -> str | None:
         if c == end:
             if end == "]" and not negated and codes and not any(codes):
                 return NUL
+            if end == "]" and (_covers_all(spans) if negated else not spans):
+                return NOTHING
             end = None
             i += 1
             continue
@@ -257,18 +263,83 @@ def grammar_fault(grammar: str) -> str | None:
                     " characters out: [0-9] for \\d, [.] for \\.)"
                 )
         elif end == "]" and c == "-" and codes and grammar[i + 1 : i + 2] != "]":
-            i += 1  # a range's dash: its ends are the class's characters
+            i, dash = i + 1, True  # a range's dash: its ends are the class's characters
             continue
         else:
             code, i = ord(c), i + 1
         if 0xD800 <= code <= 0xDFFF:
-            return "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
+            return SURROGATE
         if end == '"' and code == 0:
             return NUL
         codes.append(code)
+        spans.append((spans.pop()[0], code) if dash else (code, code))
+        dash = False
     if end is not None:
         return UNREAD
     return None
+
+
+# A GBNF grammar's items that hold text of their own: a literal, a character class, a comment, a
+# token reference (<[id]> or <text>, ! before it for any other token).
+_GBNF_ITEM = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|!?<[^>]*>?', re.S)
+_TOKEN_ID = re.compile(r"<\[(\d+)\]>")
+
+
+def gbnf_fault(grammar: str) -> str | None:
+    """What in a GBNF grammar given as it is (run --grammar) would leave llama.cpp's sampler no
+    token to sample, which aborts the process: a NUL, a lone surrogate, a character class no
+    character matches (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
+    fault = grammar_fault(_GBNF_ITEM.sub(lambda m: "" if m[0][0] == "#" else m[0], grammar))
+    return fault if fault in (NUL, NOTHING, SURROGATE) else None
+
+
+def token_refs(grammar: str) -> list[str]:
+    """The tokens a GBNF grammar asks for (<[id]> or <text>; !<...> asks for any other one)."""
+    return [m[0] for m in _GBNF_ITEM.finditer(grammar) if m[0][0] == "<"]
+
+
+def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
+    """A token the grammar asks for that llama.cpp's sampler would abort the process on: an id
+    past the vocabulary (no token matches it), or an end-of-generation token (the sampler
+    refuses one while the grammar still expects it)."""
+    n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+    for ref in token_refs(grammar):
+        if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
+            token = int(by_id[1])
+            if token >= n_vocab:
+                return f"{ref} is no token of the model's {n_vocab:,}"
+        else:
+            data = ref.encode()
+            found = (lib.llama_token * 2)()
+            if lib.llama_tokenize(vocab, data, len(data), found, 2, False, True) != 1:
+                continue  # llama.cpp's parser says so
+            token = found[0]
+        if lib.llama_vocab_is_eog(vocab, token):
+            return (
+                f"{ref} ends the generation, which llama.cpp's grammar cannot ask for (the"
+                " answer ends by itself where the grammar is complete)"
+            )
+    return None
+
+
+def without_token_texts(grammar: str) -> str:
+    """The grammar with each token named by its text (<|im_end|>) named by an id instead, so
+    that its shape can be parsed before a vocabulary is loaded."""
+    return _GBNF_ITEM.sub(
+        lambda m: "<[0]>" if m[0].lstrip("!")[:2] not in ("<[", "") and m[0][0] in "<!" else m[0],
+        grammar,
+    )
+
+
+def _covers_all(spans: list[tuple[int, int]]) -> bool:
+    """Whether ranges of code points hold every character llama.cpp can write (a negated class
+    of them matches none)."""
+    reach = 0  # every character up to here is covered
+    for lo, hi in sorted(spans):
+        if lo > reach + 1 and not (reach + 1 >= 0xD800 and lo <= 0xE000):
+            return False
+        reach = max(reach, hi)
+    return reach >= 0x10FFFF
 
 
 def parses(vocab: Any, grammar: str) -> bool:
@@ -508,12 +579,16 @@ def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) ->
     learns each sampled token with them. `chain` must have seen the prompt already (a grammar
     sampler accepts only the answer's tokens). BadRequestError when llama.cpp cannot parse it."""
     lib = chain.lib
+    fault = _token_fault(lib, vocab, grammar)
+    if fault is not None:
+        chain.close()
+        raise BadRequestError(f"{where}: {fault}")
     outer = Sampler(lib)
     grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
     if not grammar_ptr:
         outer.close()
         chain.close()
-        raise BadRequestError(f"{where}: llama.cpp could not parse the grammar made from it")
+        raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it (its reason above)")
     outer.add(grammar_ptr)
     outer.add(chain.ptr)
     chain.ptr = None  # the outer chain frees it
