@@ -369,6 +369,10 @@ def check_parses(vocab: Any, grammar: str, where: str) -> None:
 # converter writes a count N (maxLength, maxItems, a pattern's {0,N}) as N nested groups, and
 # 20,000 of them crashed the server (SIGSEGV); at 2,000 it refused the grammar after a dump.
 MAX_REPEAT = 1000  # the largest count a schema may ask for (llama.cpp's own converter: 2000)
+# The grammar sampler follows every alternative still open at each token, over the whole
+# vocabulary: an enum of 20,000 values took 45 s for 6 tokens of the embedded model (4,000:
+# 2 s a token), and in serve that holds every other sequence's step as well.
+MAX_CHOICES = 1000
 MAX_GRAMMAR_DEPTH = 1000  # parentheses open at once
 MAX_GRAMMAR_BYTES = 1 << 20
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -442,6 +446,7 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             options = schema[key]
             if not isinstance(options, list) or not options:
                 raise BadRequestError(f"{where}.{key}: a non-empty list of schemas")
+            _few_choices(options, f"{where}.{key}")
             for i, sub in enumerate(options):
                 check_schema(sub, f"{where}.{key}.{i}", root)
     for key in ("$defs", "definitions"):
@@ -464,6 +469,8 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             target = target[part]
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise BadRequestError(f"{where}.enum: a non-empty list of values")
+    if "enum" in schema:
+        _few_choices(schema["enum"], f"{where}.enum")
     for key in ("enum", "const"):
         if key in schema and _escaped_text(schema[key]):
             raise BadRequestError(
@@ -471,6 +478,14 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
                 " not supported in structured output (the converter puts its JSON escapes into"
                 " the grammar unescaped: the answer would not be that JSON)"
             )
+
+
+def _few_choices(options: list[Any], where: str) -> None:
+    if len(options) > MAX_CHOICES:
+        raise BadRequestError(
+            f"{where}: {len(options):,} choices; at most {MAX_CHOICES:,} (the grammar sampler"
+            " follows each at every token)"
+        )
 
 
 def _escaped_text(value: Any) -> bool:
