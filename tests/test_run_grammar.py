@@ -122,6 +122,7 @@ def test_the_answer_is_json_the_schema_accepts(
         ("root ::= <[999999999]>\n", "<[999999999]> is no token of the model's 49,152"),
         ('root ::= "yes" <|im_end|>\n', "<|im_end|> ends the generation"),
         ('root ::= "yes" <[2]>\n', "<[2]> ends the generation"),
+        ('root ::= <nosuchtoken> "x"\n', "<nosuchtoken> is not one token of the model's"),
     ],
 )
 def test_a_token_the_sampler_would_abort_on_is_one_line(

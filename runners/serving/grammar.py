@@ -312,7 +312,7 @@ def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
             data = ref.encode()
             found = (lib.llama_token * 2)()
             if lib.llama_tokenize(vocab, data, len(data), found, 2, False, True) != 1:
-                continue  # llama.cpp's parser says so
+                return f"{ref} is not one token of the model's vocabulary"  # as llama.cpp's parser
             token = found[0]
         if lib.llama_vocab_is_eog(vocab, token):
             return (
