@@ -542,7 +542,7 @@ MAX_GRAMMAR_FILE_BYTES = 1 << 20  # as a grammar made from a schema (grammar.py)
 def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     """The grammar --json-schema FILE asks for (made as `serve` makes response_format's, with
     its refusals), or --grammar FILE's GBNF; None without either."""
-    from llmrun.runners.serving.grammar import schema_grammar
+    from llmrun.runners.serving.grammar import gbnf_fault, schema_grammar, without_token_texts
 
     from .errors import usage_error
 
@@ -568,13 +568,16 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
             text = schema_grammar(schema, "schema")
         except BadRequestError as e:
             raise BadRequestError(f"{flag} {path}: {e}") from None
-    if "<" not in text:  # a token reference (<[id]>, <token>) needs the model's vocabulary
-        reason = _parse_refusal(text)
-        if reason is not None:
-            made = " made from it" if grammar is None else ""
-            raise BadRequestError(
-                f"{flag} {path}: llama.cpp's grammar parser refuses the grammar{made}: {reason}"
-            )
+    # a token named by its text (<|im_end|>) needs the model's vocabulary: an id stands in
+    reason = _parse_refusal(without_token_texts(text))
+    if reason is not None:
+        made = " made from it" if grammar is None else ""
+        raise BadRequestError(
+            f"{flag} {path}: llama.cpp's grammar parser refuses the grammar{made}: {reason}"
+        )
+    fault = gbnf_fault(text) if grammar is not None else None  # a schema's was checked
+    if fault is not None:
+        raise BadRequestError(f"{flag} {path}: {fault}")
     return text
 
 
@@ -598,7 +601,9 @@ def _parse_refusal(grammar: str) -> str | None:
     if ok:
         return None
     first = next((line for line in said.splitlines() if "error" in line), "")
-    return " ".join(first.partition("error parsing grammar:")[2].split()) or "not GBNF it reads"
+    reason = " ".join(first.partition("error parsing grammar:")[2].split()) or "not GBNF it reads"
+    reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the file's rest
+    return reason if len(reason) <= 100 else reason[:99] + "…"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,19 @@ def test_the_grammar_reaches_the_runners_sampling(
         ("dq.json", '{"type": "string", "pattern": "^a**$"}', "schema.pattern: a pattern repeats"),
         ("d.json", '{"type": "string", "pattern": "^\\\\d+$"}', "schema.pattern: a pattern's"),
         ("broken.gbnf", 'root ::= "a" ((\n', "grammar parser refuses the grammar: expecting ')'"),
+        ("nul.gbnf", 'root ::= "a" "\\x00"\n', "nul.gbnf: asks for the NUL character"),
+        ("none.gbnf", "root ::= [^\\x00-\\U0010FFFF] # x\n", "none.gbnf: a character class that"),
+        (
+            "lt.gbnf",
+            'root ::= <|im_end|> "<" ((\n',
+            "grammar parser refuses the grammar: expecting ')'",
+        ),
+        ("bin.gbnf", "root ::= \x01" + "x" * 500, "end at ?xxxx"),
+        (
+            "deep.json",
+            '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600,
+            "deep.json: schema: nests too deep",
+        ),
     ],
 )
 def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(
@@ -101,6 +114,26 @@ def test_the_answer_is_json_the_schema_accepts(
     value = json.loads(result.stdout)
     assert set(value) == {"city", "capital"} and isinstance(value["capital"], bool)
     assert isinstance(value["city"], str) and len(value["city"]) <= 20
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("root ::= <[999999999]>\n", "<[999999999]> is no token of the model's 49,152"),
+        ('root ::= "yes" <|im_end|>\n', "<|im_end|> ends the generation"),
+        ('root ::= "yes" <[2]>\n', "<[2]> ends the generation"),
+        ('root ::= <nosuchtoken> "x"\n', "<nosuchtoken> is not one token of the model's"),
+    ],
+)
+def test_a_token_the_sampler_would_abort_on_is_one_line(
+    cli: CliRunner, model_path: str, tmp_path: Path, text: str, words: str
+) -> None:
+    """llama.cpp's parser takes any token id, and its sampler aborted the process (SIGABRT) on
+    an id past the vocabulary or on an end-of-generation token the grammar still expected."""
+    gbnf = write(tmp_path, "t.gbnf", text)
+    result = cli.invoke(app, ["run", "Say yes.", "--grammar", gbnf, "-n", "4", "-q"])
+    assert result.exit_code == 1, result.stderr
+    assert f"llmrun: error: the grammar (--json-schema, --grammar): {words}" in result.stderr
 
 
 def test_a_gbnf_grammar_is_followed(cli: CliRunner, model_path: str, tmp_path: Path) -> None:

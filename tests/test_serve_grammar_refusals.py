@@ -17,7 +17,12 @@ import pytest
 
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.grammar import check_parses, grammar_fault, schema_grammar
+from llmrun.runners.serving.grammar import (
+    MAX_CHOICES,
+    check_parses,
+    grammar_fault,
+    schema_grammar,
+)
 
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
@@ -84,6 +89,41 @@ def test_a_patterns_top_level_alternatives_stay_inside_the_strings_quotes() -> N
     assert grammar.startswith('root ::= "\\"" ("ye" "s" | "n" "o") "\\""'), grammar
     enum = schema_grammar({"enum": ["^a|b$"]}, WHERE)  # a value, not a pattern: as it is
     assert "^a|b$" in enum
+
+
+def test_a_character_past_u_ffff_is_one_character_not_two_surrogates() -> None:
+    """The converter writes 😀 in an enum, a const or a property's name as JSON does, a pair of
+    \\u escapes, which llama.cpp reads as two lone surrogates: such a schema was refused."""
+    grammar = schema_grammar({"type": "object", "properties": {"😀": {"enum": ["👍", "é"]}}}, WHERE)
+    assert "\\U0001f600" in grammar and "\\U0001f44d" in grammar and "\\u00e9" in grammar
+    assert grammar_fault(grammar) is None
+    with pytest.raises(BadRequestError, match="a lone surrogate"):  # a lone one still is
+        schema_grammar(code_schema("^\ud800$"), WHERE)
+
+
+def test_a_schema_nested_past_pythons_limit_is_refused_by_name() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(600):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: nests too deep"):
+        schema_grammar(deep, WHERE)
+    enum: list[Any] = []
+    for _ in range(1500):
+        enum = [enum]
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}: nests too deep"):
+        schema_grammar({"enum": enum}, WHERE)
+
+
+def test_a_choice_among_thousands_is_refused_by_its_path() -> None:
+    """Grammar sampling follows every open alternative at each token: an enum of 20,000 values
+    took 45 s for 6 tokens, holding every other sequence of the server meanwhile."""
+    many = [f"v{i}" for i in range(MAX_CHOICES + 1)]
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}.enum: 1,001 choices; at most 1,000"):
+        schema_grammar({"enum": many}, WHERE)
+    options = [{"const": v} for v in many]
+    with pytest.raises(BadRequestError, match=rf"^{WHERE}.properties.a.anyOf: 1,001 choices"):
+        schema_grammar({"type": "object", "properties": {"a": {"anyOf": options}}}, WHERE)
+    assert "root ::=" in schema_grammar({"enum": many[:MAX_CHOICES]}, WHERE)
 
 
 def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:

@@ -25,11 +25,12 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners import probe
 from llmrun.runners.base import PrefillProgress, Request, SamplingParams
+from llmrun.runners.bench.tuning import apply_tuning, tuned_file
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
-from llmrun.runners.limits import engine_ranges
+from llmrun.runners.limits import SettingError, engine_ranges
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
@@ -189,6 +190,17 @@ def test_a_bad_tuned_file_names_itself(model_path: str, llmrun_env: dict[str, st
         tuned.write_text(json.dumps({key: entry}))
         line = one_error(llmrun(["run", "-n", "2", "hi"], llmrun_env))
         assert str(tuned) in line, line
+
+
+def test_a_bad_tuned_value_is_refused_where_it_is_not_used_this_time(model_path: str) -> None:
+    """On a busy machine run sets the thread count before the tuned file is read: its
+    n_threads, out of range, passed there and was refused on a quiet machine."""
+    key = f"{os.path.abspath(model_path)}:{os.path.getsize(model_path)}"
+    tuned = tuned_file()
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text(json.dumps({key: {"n_threads": 100000, "n_batch": 256}}))
+    with pytest.raises(SettingError, match="n_threads 100000 is out of range"):
+        apply_tuning(EngineConfig(n_threads=1), model_path)
 
 
 def _probe_ended_by(sig: int) -> probe.Verdict:

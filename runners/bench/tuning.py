@@ -128,14 +128,13 @@ def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
         tuned = entry  # saved before workloads existed: one set for all
     if not tuned:
         return config
-    changes = {
-        name: tuned[name]
-        for name in TUNED_FIELDS
-        if getattr(config, name) is None and tuned.get(name) is not None
-    }
+    saved = {name: tuned[name] for name in TUNED_FIELDS if tuned.get(name) is not None}
+    # the whole entry: a value the command line (or run's thread count on a busy machine) set
+    # already would otherwise pass unchecked one time and be refused the next
+    check_engine(dataclasses.replace(EngineConfig(), **saved), where=str(tuned_file()))
+    changes = {name: value for name, value in saved.items() if getattr(config, name) is None}
     if not changes:
         return config
-    check_engine(dataclasses.replace(EngineConfig(), **changes), where=str(tuned_file()))
     return dataclasses.replace(config, **changes, tuned=True)
 
 

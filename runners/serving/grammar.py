@@ -124,10 +124,31 @@ def schema_grammar(schema: Any, where: str) -> str:
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
+    grammar = paired_surrogates(grammar)
     fault = grammar_fault(grammar)
     if fault is not None:
         raise BadRequestError(f"{where}: {fault}")
     return _within_limits(grammar, where)
+
+
+# A character past U+FFFF in an enum, a const or a property's name: the converter writes it as
+# JSON does, a pair of \u escapes (😀 is \ud83d\ude00), which llama.cpp's grammar reads as two
+# lone surrogates it cannot write. An escape's backslash is one not itself escaped.
+_SURROGATE_PAIR = re.compile(
+    r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE
+)
+
+
+def paired_surrogates(grammar: str) -> str:
+    """The grammar with each escaped surrogate pair written as the one character it stands for
+    (\\U0001f600)."""
+
+    def joined(m: re.Match[str]) -> str:
+        high, low = int(m.group(2), 16), int(m.group(3), 16)
+        code = 0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00)
+        return f"{m.group(1)}\\U{code:08x}"
+
+    return _SURROGATE_PAIR.sub(joined, grammar)
 
 
 VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
@@ -180,6 +201,8 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 REPEATED = "a pattern repeats a repetition (a** or a?+), which llama.cpp's grammar cannot read"
 NUL = "asks for the NUL character, which llama.cpp's grammar cannot write"
 UNREAD = "a pattern the converter did not translate into a grammar llama.cpp reads"
+NOTHING = "a character class that no character matches, which llama.cpp's grammar cannot write"
+SURROGATE = "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
 
 
 def grammar_fault(grammar: str) -> str | None:
@@ -192,6 +215,8 @@ def grammar_fault(grammar: str) -> str | None:
     i, n = 0, len(grammar)
     end: str | None = None  # inside a literal ('"') or a character class (']')
     codes: list[int] = []  # the class's characters so far
+    spans: list[tuple[int, int]] = []  # the class's characters as ranges
+    dash = False  # the last character opened a range
     negated = quantified = False  # the last item outside literals was a repetition
     while i < n:
         c = grammar[i]
@@ -209,7 +234,7 @@ def grammar_fault(grammar: str) -> str | None:
             if not c.isspace():
                 quantified = False
             if c in '"[':
-                end, codes = ('"' if c == '"' else "]"), []
+                end, codes, spans = ('"' if c == '"' else "]"), [], []
                 negated = c == "[" and grammar[i + 1 : i + 2] == "^"
                 i += 2 if negated else 1
             else:
@@ -218,6 +243,8 @@ def grammar_fault(grammar: str) -> str | None:
         if c == end:
             if end == "]" and not negated and codes and not any(codes):
                 return NUL
+            if end == "]" and (_covers_all(spans) if negated else not spans):
+                return NOTHING
             end = None
             i += 1
             continue
@@ -236,18 +263,83 @@ def grammar_fault(grammar: str) -> str | None:
                     " characters out: [0-9] for \\d, [.] for \\.)"
                 )
         elif end == "]" and c == "-" and codes and grammar[i + 1 : i + 2] != "]":
-            i += 1  # a range's dash: its ends are the class's characters
+            i, dash = i + 1, True  # a range's dash: its ends are the class's characters
             continue
         else:
             code, i = ord(c), i + 1
         if 0xD800 <= code <= 0xDFFF:
-            return "a lone surrogate (\\ud800-\\udfff) is not a character llama.cpp can write"
+            return SURROGATE
         if end == '"' and code == 0:
             return NUL
         codes.append(code)
+        spans.append((spans.pop()[0], code) if dash else (code, code))
+        dash = False
     if end is not None:
         return UNREAD
     return None
+
+
+# A GBNF grammar's items that hold text of their own: a literal, a character class, a comment, a
+# token reference (<[id]> or <text>, ! before it for any other token).
+_GBNF_ITEM = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|!?<[^>]*>?', re.S)
+_TOKEN_ID = re.compile(r"<\[(\d+)\]>")
+
+
+def gbnf_fault(grammar: str) -> str | None:
+    """What in a GBNF grammar given as it is (run --grammar) would leave llama.cpp's sampler no
+    token to sample, which aborts the process: a NUL, a lone surrogate, a character class no
+    character matches (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
+    fault = grammar_fault(_GBNF_ITEM.sub(lambda m: "" if m[0][0] == "#" else m[0], grammar))
+    return fault if fault in (NUL, NOTHING, SURROGATE) else None
+
+
+def token_refs(grammar: str) -> list[str]:
+    """The tokens a GBNF grammar asks for (<[id]> or <text>; !<...> asks for any other one)."""
+    return [m[0] for m in _GBNF_ITEM.finditer(grammar) if m[0][0] == "<"]
+
+
+def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
+    """A token the grammar asks for that llama.cpp's sampler would abort the process on: an id
+    past the vocabulary (no token matches it), or an end-of-generation token (the sampler
+    refuses one while the grammar still expects it)."""
+    n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+    for ref in token_refs(grammar):
+        if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
+            token = int(by_id[1])
+            if token >= n_vocab:
+                return f"{ref} is no token of the model's {n_vocab:,}"
+        else:
+            data = ref.encode()
+            found = (lib.llama_token * 2)()
+            if lib.llama_tokenize(vocab, data, len(data), found, 2, False, True) != 1:
+                return f"{ref} is not one token of the model's vocabulary"  # as llama.cpp's parser
+            token = found[0]
+        if lib.llama_vocab_is_eog(vocab, token):
+            return (
+                f"{ref} ends the generation, which llama.cpp's grammar cannot ask for (the"
+                " answer ends by itself where the grammar is complete)"
+            )
+    return None
+
+
+def without_token_texts(grammar: str) -> str:
+    """The grammar with each token named by its text (<|im_end|>) named by an id instead, so
+    that its shape can be parsed before a vocabulary is loaded."""
+    return _GBNF_ITEM.sub(
+        lambda m: "<[0]>" if m[0].lstrip("!")[:2] not in ("<[", "") and m[0][0] in "<!" else m[0],
+        grammar,
+    )
+
+
+def _covers_all(spans: list[tuple[int, int]]) -> bool:
+    """Whether ranges of code points hold every character llama.cpp can write (a negated class
+    of them matches none)."""
+    reach = 0  # every character up to here is covered
+    for lo, hi in sorted(spans):
+        if lo > reach + 1 and not (reach + 1 >= 0xD800 and lo <= 0xE000):
+            return False
+        reach = max(reach, hi)
+    return reach >= 0x10FFFF
 
 
 def parses(vocab: Any, grammar: str) -> bool:
@@ -277,6 +369,10 @@ def check_parses(vocab: Any, grammar: str, where: str) -> None:
 # converter writes a count N (maxLength, maxItems, a pattern's {0,N}) as N nested groups, and
 # 20,000 of them crashed the server (SIGSEGV); at 2,000 it refused the grammar after a dump.
 MAX_REPEAT = 1000  # the largest count a schema may ask for (llama.cpp's own converter: 2000)
+# The grammar sampler follows every alternative still open at each token, over the whole
+# vocabulary: an enum of 20,000 values took 45 s for 6 tokens of the embedded model (4,000:
+# 2 s a token), and in serve that holds every other sequence's step as well.
+MAX_CHOICES = 1000
 MAX_GRAMMAR_DEPTH = 1000  # parentheses open at once
 MAX_GRAMMAR_BYTES = 1 << 20
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -306,6 +402,18 @@ def _within_limits(grammar: str, where: str) -> str:
 
 def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     """Refuse, by path, every keyword the grammar would not keep."""
+    if schema is not root:
+        _check_schema(schema, where, root)
+        return
+    try:  # the check recurses once per level: a schema nested past Python's limit is refused
+        _check_schema(schema, where, root)
+    except RecursionError:
+        raise BadRequestError(
+            f"{where}: nests too deep to be made a grammar (a few hundred levels at most)"
+        ) from None
+
+
+def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     if not isinstance(schema, dict):
         raise BadRequestError(f"{where}: a schema is an object, not {json.dumps(schema)}")
     for key in schema:
@@ -338,6 +446,7 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             options = schema[key]
             if not isinstance(options, list) or not options:
                 raise BadRequestError(f"{where}.{key}: a non-empty list of schemas")
+            _few_choices(options, f"{where}.{key}")
             for i, sub in enumerate(options):
                 check_schema(sub, f"{where}.{key}.{i}", root)
     for key in ("$defs", "definitions"):
@@ -360,6 +469,8 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             target = target[part]
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise BadRequestError(f"{where}.enum: a non-empty list of values")
+    if "enum" in schema:
+        _few_choices(schema["enum"], f"{where}.enum")
     for key in ("enum", "const"):
         if key in schema and _escaped_text(schema[key]):
             raise BadRequestError(
@@ -367,6 +478,14 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
                 " not supported in structured output (the converter puts its JSON escapes into"
                 " the grammar unescaped: the answer would not be that JSON)"
             )
+
+
+def _few_choices(options: list[Any], where: str) -> None:
+    if len(options) > MAX_CHOICES:
+        raise BadRequestError(
+            f"{where}: {len(options):,} choices; at most {MAX_CHOICES:,} (the grammar sampler"
+            " follows each at every token)"
+        )
 
 
 def _escaped_text(value: Any) -> bool:
@@ -476,8 +595,12 @@ def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) ->
     the prompt already (a grammar sampler accepts only the answer's tokens). BadRequestError
     when llama.cpp cannot parse it."""
     lib = chain.lib
+    fault = _token_fault(lib, vocab, grammar)
+    if fault is not None:
+        chain.close()
+        raise BadRequestError(f"{where}: {fault}")
     grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
     if not grammar_ptr:
         chain.close()
-        raise BadRequestError(f"{where}: llama.cpp could not parse the grammar made from it")
+        raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it")
     return GrammarSampler(chain, grammar_ptr, int(lib.llama_vocab_n_tokens(vocab)))
