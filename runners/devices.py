@@ -301,14 +301,16 @@ def build_commit(commit: str) -> str:
 
 
 def describe_gpus(
-    devices: list[Device], offload: bool, host: list[tuple[str, str]] | None = None
+    devices: list[Device],
+    offload: bool,
+    host: list[tuple[str, str]] | None = None,
+    attached: list[Device] | None = None,
 ) -> str:
     """For people: each GPU llama.cpp can use with its free memory, or why there is none.
-    Attached --rpc servers' devices come first, as llama.cpp lists them (`RPC0 host:port`,
-    llama-bench's gpu_info): `devices` is another libggml's registry, which never sees them."""
-    from .rpc import devices as rpc_devices  # rpc.py imports this module
-
-    gpus = [d for d in [*rpc_devices(), *devices] if d.is_gpu]
+    `attached` --rpc servers' devices (rpc.devices()) come first, as llama.cpp lists them
+    (`RPC0 host:port`, llama-bench's gpu_info): `devices` is another libggml's registry, which
+    never sees them."""
+    gpus = [d for d in [*(attached or []), *devices] if d.is_gpu]
     if gpus:
         return ", ".join(f"{d.name} {d.description}" + _memory(d) for d in gpus)
     if offload:

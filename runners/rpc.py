@@ -34,10 +34,10 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from .devices import Device
 from .errors import BadRequestError, EngineAbortError, LlmrunError
-from .stats import GenerationStats
 
 BINARY = "rpc-server"
 LIBRARY = "libggml-rpc.so"
@@ -374,9 +374,15 @@ def traffic() -> Traffic | None:
     return Traffic(sent, received)
 
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Stats = TypeVar("_Stats", bound="DataclassInstance")  # stats.py's GenerationStats
+
+
 def with_traffic(
-    stats: GenerationStats, before: Traffic, prefilled: Traffic, after: Traffic | None
-) -> GenerationStats:
+    stats: _Stats, before: Traffic, prefilled: Traffic, after: Traffic | None
+) -> _Stats:
     """A request's stats with the bytes its prefill and its decode moved to and from the
     servers (traffic() read before the prefill, after it, and after the decode)."""
     if after is None:

@@ -421,6 +421,7 @@ class SystemInfo:
     @classmethod
     def collect(cls, *, bandwidth: bool = True) -> SystemInfo:
         from . import devices as dv
+        from . import rpc
         from .library import llama_lib  # only when a report is asked for
 
         lib = llama_lib()
@@ -437,7 +438,9 @@ class SystemInfo:
             ram_bytes=ram_bytes(),
             build=f"llama-cpp-python {getattr(lib, '__version__', '?')}",
             features=_features(features),
-            gpu=dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus()),
+            gpu=dv.describe_gpus(
+                found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus(), rpc.devices()
+            ),
             mem_bw_bytes_s=statistics.median(bw) if bw else None,
             build_commit=dv.build_commit(q.commit()),
             gpu_info=dv.gpu_info(found),

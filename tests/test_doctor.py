@@ -61,4 +61,4 @@ def test_flags_show_no_value_in_help(cli: CliRunner) -> None:
     result = cli.invoke(app, ["run", "--help"], env={"COLUMNS": "120"})
     assert result.exit_code == 0
     assert "--raw" in result.stdout and "<bool>" not in result.stdout
-    assert "<int>" in result.stdout or "INTEGER" in result.stdout  # values still say their type
+    assert "<int" in result.stdout or "INTEGER" in result.stdout  # values still say their type
