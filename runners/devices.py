@@ -68,6 +68,38 @@ def _lib_dir() -> Path:
     return folder / "lib" if folder is not None else Path(llama_lib().__file__).parent / "lib"
 
 
+def registered(g: ctypes.CDLL) -> list[Device]:
+    """Every device in the registry of the libggml `g` (a ctypes handle), as llama.cpp lists
+    them, with their free and total memory."""
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    g.ggml_backend_dev_count.restype = sz
+    g.ggml_backend_dev_get.restype, g.ggml_backend_dev_get.argtypes = vp, [sz]
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(g, fn).restype, getattr(g, fn).argtypes = ctypes.c_char_p, [vp]
+    g.ggml_backend_dev_type.restype, g.ggml_backend_dev_type.argtypes = ctypes.c_int, [vp]
+    g.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    g.ggml_backend_dev_backend_reg.restype = vp
+    g.ggml_backend_dev_backend_reg.argtypes = [vp]
+    g.ggml_backend_reg_name.restype, g.ggml_backend_reg_name.argtypes = ctypes.c_char_p, [vp]
+    out = []
+    for i in range(int(g.ggml_backend_dev_count())):
+        dev = g.ggml_backend_dev_get(i)
+        free, total = sz(0), sz(0)
+        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = g.ggml_backend_dev_backend_reg(dev)
+        out.append(
+            Device(
+                name=_text(g.ggml_backend_dev_name(dev)),
+                description=_text(g.ggml_backend_dev_description(dev)),
+                kind=_KINDS.get(int(g.ggml_backend_dev_type(dev)), "?"),
+                backend=_text(g.ggml_backend_reg_name(reg)) if reg else "?",
+                free_bytes=free.value or None,
+                total_bytes=total.value or None,
+            )
+        )
+    return out
+
+
 class GgmlDevices:
     """The devices of the libggml that llama_cpp loaded."""
 
@@ -77,36 +109,7 @@ class GgmlDevices:
         self._base = _open(lib_dir, "libggml-base.so")
 
     def devices(self) -> list[Device]:
-        g = self._ggml
-        if g is None:
-            return []
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        g.ggml_backend_dev_count.restype = sz
-        g.ggml_backend_dev_get.restype, g.ggml_backend_dev_get.argtypes = vp, [sz]
-        for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-            getattr(g, fn).restype, getattr(g, fn).argtypes = ctypes.c_char_p, [vp]
-        g.ggml_backend_dev_type.restype, g.ggml_backend_dev_type.argtypes = ctypes.c_int, [vp]
-        g.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
-        g.ggml_backend_dev_backend_reg.restype = vp
-        g.ggml_backend_dev_backend_reg.argtypes = [vp]
-        g.ggml_backend_reg_name.restype, g.ggml_backend_reg_name.argtypes = ctypes.c_char_p, [vp]
-        out = []
-        for i in range(int(g.ggml_backend_dev_count())):
-            dev = g.ggml_backend_dev_get(i)
-            free, total = sz(0), sz(0)
-            g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            reg = g.ggml_backend_dev_backend_reg(dev)
-            out.append(
-                Device(
-                    name=_text(g.ggml_backend_dev_name(dev)),
-                    description=_text(g.ggml_backend_dev_description(dev)),
-                    kind=_KINDS.get(int(g.ggml_backend_dev_type(dev)), "?"),
-                    backend=_text(g.ggml_backend_reg_name(reg)) if reg else "?",
-                    free_bytes=free.value or None,
-                    total_bytes=total.value or None,
-                )
-            )
-        return out
+        return [] if self._ggml is None else registered(self._ggml)
 
     def commit(self) -> str:
         return _call_text(self._base, "ggml_commit")

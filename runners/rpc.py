@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from .devices import Device
+from .devices import Device, registered
 from .errors import BadRequestError, EngineAbortError, LlmrunError
 
 BINARY = "rpc-server"
@@ -401,35 +401,8 @@ def devices() -> list[Device]:
     registry never sees them."""
     if not _attached:
         return []
-    g = _ggml()
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    g.ggml_backend_dev_count.restype = sz
-    g.ggml_backend_dev_get.restype, g.ggml_backend_dev_get.argtypes = vp, [sz]
-    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-        getattr(g, fn).restype, getattr(g, fn).argtypes = ctypes.c_char_p, [vp]
-    g.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
-    g.ggml_backend_dev_backend_reg.restype = vp
-    g.ggml_backend_dev_backend_reg.argtypes = [vp]
-    g.ggml_backend_reg_name.restype, g.ggml_backend_reg_name.argtypes = ctypes.c_char_p, [vp]
-    out = []
-    for i in range(int(g.ggml_backend_dev_count())):
-        dev = g.ggml_backend_dev_get(i)
-        reg = g.ggml_backend_dev_backend_reg(dev)
-        if not reg or not (g.ggml_backend_reg_name(reg) or b"").startswith(b"RPC"):
-            continue
-        free, total = sz(0), sz(0)
-        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        out.append(
-            Device(
-                name=(g.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
-                description=(g.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-                kind="GPU",  # as llama.cpp's registry types it (GGML_BACKEND_DEVICE_TYPE_GPU)
-                backend="RPC",
-                free_bytes=free.value or None,
-                total_bytes=total.value or None,
-            )
-        )
-    return out
+    rpc = [d for d in registered(_ggml()) if d.backend.startswith("RPC")]
+    return [dataclasses.replace(d, backend="RPC") for d in rpc]
 
 
 def rpc_backends(backends: str, servers: str | None) -> str:
