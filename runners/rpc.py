@@ -425,11 +425,18 @@ TCP_ESTABLISHED = 1  # tcpi_state (linux/tcp_states.h)
 
 
 def lost_server(timeout_s: float = 1.0) -> str | None:
-    """The attached server that closed or reset ggml-rpc's connection (its socket's state),
-    else the one that no longer takes a connection, if one is."""
-    for e, info in _connections():
+    """The attached server that closed or reset ggml-rpc's connection (its socket's state, or
+    its socket no longer connected while the others are: a reset one has no peer), else the
+    one that no longer takes a connection, if one is. A server's process that is dying can
+    reset its connection before its listening socket closes, so the connection's state is
+    asked first."""
+    open_ = dict(_connections())
+    for e, info in open_.items():
         if info and info[0] != TCP_ESTABLISHED:
             return str(e)
+    gone = [e for e in _attached if e not in open_]
+    if open_ and len(gone) == 1:
+        return str(gone[0])
     for e in _attached:
         if _connects(e, timeout_s) is not None:
             return str(e)

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 from typer.testing import CliRunner
@@ -247,6 +248,21 @@ def test_an_abort_with_a_server_gone_names_it(monkeypatch: pytest.MonkeyPatch) -
     assert rpc.explain_abort(plain) is plain
 
 
+def test_a_reset_connection_names_its_server_while_the_dying_one_still_listens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A killed server's connection can reset before its listening socket closes: both still
+    take a connection then, and the one whose connection is gone is the lost one."""
+    alive, dying = rpc.Endpoint("127.0.0.1", 50001), rpc.Endpoint("127.0.0.1", 50002)
+    monkeypatch.setattr(rpc, "_attached", [alive, dying])
+    established = bytes([rpc.TCP_ESTABLISHED]) + bytes(231)
+    monkeypatch.setattr(rpc, "_connections", lambda: iter([(alive, established)]))
+    monkeypatch.setattr(rpc, "_connects", lambda e, timeout_s=1.0: None)
+    assert rpc.lost_server() == str(dying)
+    monkeypatch.setattr(rpc, "_connections", lambda: iter([]))  # no sockets seen: ask each
+    assert rpc.lost_server() is None
+
+
 def test_records_say_rpc_as_llama_bench() -> None:
     """llama-bench's get_backend: the other non-CPU registries, then RPC; its gpu_info lists
     each RPC device, described by the server's host:port."""
@@ -429,6 +445,44 @@ def test_serve_names_where_the_layers_went(
     assert f"RPC0[{first}]" in lines[1]
 
 
+def _kill_when_begun(
+    argv: list[str],
+    env: dict[str, str],
+    server: subprocess.Popen[bytes],
+    begun: Callable[[IO[bytes]], bytes],
+) -> tuple[bytes, bytes, str]:
+    """Run `llmrun argv`, kill `server` once `begun` has read the first output, and return
+    that output, the rest of stdout and stderr; the command must have exited 1."""
+    child = subprocess.Popen(
+        [which_llmrun(), *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        first = begun(child.stdout)
+        assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        out, err = child.communicate(timeout=HANG_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 1, err.decode()
+    return first, out, err.decode()
+
+
+def _assert_one_error_naming(text: str, endpoint: str) -> None:
+    """No traceback or C backtrace, and one error line: the server that stopped answering."""
+    assert "Traceback" not in text and "backtrace" not in text.lower()
+    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
+    assert len(errors) == 1, text
+    assert errors[0].startswith(f"llmrun: error: RPC server {endpoint} stopped"), text
+
+
 def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(
     two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
 ) -> None:
@@ -436,30 +490,10 @@ def test_a_server_killed_mid_run_ends_in_one_line_and_keeps_finished_rows(
     exit 1, and the test that finished before is on stdout and in the history."""
     procs, servers = two_servers
     args = ["bench", "-rpc", servers, "-ngl", "20", "-p", "0", "-n", "4,2048", "-r", "3"]
-    child = subprocess.Popen(
-        [which_llmrun(), *args, "-t", "1", "-o", "jsonl"],
-        env=llmrun_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert child.stdout is not None
-        first = child.stdout.readline()  # tg4 done: tg2048 is under way
-        assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait(timeout=30)
-        out, err = child.communicate(timeout=HANG_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    text = err.decode()
-    assert child.returncode == 1, text
-    assert "Traceback" not in text and "backtrace" not in text.lower()
-    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
-    assert len(errors) == 1, text
-    assert errors[0].startswith(f"llmrun: error: RPC server {servers.split(',')[1]} stopped")
+    first, out, text = _kill_when_begun(
+        [*args, "-t", "1", "-o", "jsonl"], llmrun_env, procs[1], lambda f: f.readline()
+    )  # tg4 done: tg2048 is under way
+    _assert_one_error_naming(text, servers.split(",")[1])
     (row,) = [json.loads(line) for line in (first + out).decode().splitlines()]
     assert row["n_gen"] == 4 and row["rpc"] == servers
     history = _llmrun(["history"], llmrun_env)
@@ -502,32 +536,15 @@ def test_a_server_killed_during_run_ends_in_one_line_and_keeps_the_text(
 ) -> None:
     procs, servers = two_servers
     args = ["run", "--temp", "0", "-n", "2000", "-c", "2048", "-ngl", "20", "--rpc", servers]
-    child = subprocess.Popen(
-        [which_llmrun(), *args, "-t", "1", "Count from 1 to 1000, one number per line."],
-        env=llmrun_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    first, out, text = _kill_when_begun(
+        [*args, "-t", "1", "Count from 1 to 1000, one number per line."],
+        llmrun_env,
+        procs[0],
+        lambda f: f.read(8),  # the text has begun: the decode is under way
     )
-    try:
-        assert child.stdout is not None
-        first = child.stdout.read(8)  # the text has begun: the decode is under way
-        assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(timeout=30)
-        out, err = child.communicate(timeout=HANG_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    text = err.decode()
-    assert child.returncode == 1, text
-    assert "Traceback" not in text and "backtrace" not in text.lower()
     errors = [ln for ln in text.splitlines() if "error" in ln]
     assert errors == [ln for ln in errors if ln.startswith("llmrun: error:")], text
-    assert len(errors) == 1 and errors[0].startswith(
-        f"llmrun: error: RPC server {servers.split(',')[0]} stopped"
-    ), text
+    _assert_one_error_naming(text, servers.split(",")[0])
     assert (first + out).decode().startswith("1")  # what was written is kept
 
 
@@ -576,12 +593,8 @@ def test_a_server_killed_during_serve_ends_it_in_one_line(
         if child.poll() is None:
             child.kill()
             child.wait()
-    text = err.decode()
-    assert child.returncode == 1, text
-    assert "Traceback" not in text and "backtrace" not in text.lower()
-    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
-    assert len(errors) == 1, text
-    assert errors[0].startswith(f"llmrun: error: RPC server {servers.split(',')[1]} stopped")
+    assert child.returncode == 1, err.decode()
+    _assert_one_error_naming(err.decode(), servers.split(",")[1])
 
 
 def test_rpc_server_interrupted_while_it_starts_leaves_nothing_behind(
