@@ -542,7 +542,12 @@ MAX_GRAMMAR_FILE_BYTES = 1 << 20  # as a grammar made from a schema (grammar.py)
 def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     """The grammar --json-schema FILE asks for (made as `serve` makes response_format's, with
     its refusals), or --grammar FILE's GBNF; None without either."""
-    from llmrun.runners.serving.grammar import gbnf_fault, schema_grammar, without_token_texts
+    from llmrun.runners.serving.grammar import (
+        check_gbnf,
+        gbnf_fault,
+        schema_grammar,
+        without_token_texts,
+    )
 
     from .errors import usage_error
 
@@ -568,6 +573,8 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
             text = schema_grammar(schema, "schema")
         except BadRequestError as e:
             raise BadRequestError(f"{flag} {path}: {e}") from None
+    else:
+        check_gbnf(text, f"{flag} {path}")
     # a token named by its text (<|im_end|>) needs the model's vocabulary: an id stands in
     reason = _parse_refusal(without_token_texts(text))
     if reason is not None:

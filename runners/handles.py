@@ -140,6 +140,16 @@ class Sampler:
             self.ptr = None
 
 
+@functools.lru_cache(maxsize=4)
+def _token_ids(n_vocab: int) -> Any:
+    """0 .. n_vocab-1 as int32, shared by every grammar sampler of one vocabulary (read-only)."""
+    import numpy as np
+
+    ids = np.arange(n_vocab, dtype=np.int32)
+    ids.flags.writeable = False
+    return ids
+
+
 class GrammarSampler(Sampler):
     """A sampler chain held to a grammar as llama.cpp's own `common_sampler_sample` does it
     (common/sampling.cpp): the chain samples first; only the chosen token is checked against
@@ -157,10 +167,7 @@ class GrammarSampler(Sampler):
     def __init__(self, chain: Sampler, grammar: Any, n_vocab: int) -> None:
         import numpy as np
 
-        lib = self.lib = chain.lib
-        self.ptr, chain.ptr = chain.ptr, None
-        self._sample = chain._sample
-        self.grammar = grammar
+        lib = chain.lib
         self.n_vocab = n_vocab
         self._np = np
         self._apply, self._accept = lib.llama_sampler_apply, lib.llama_sampler_accept
@@ -170,7 +177,7 @@ class GrammarSampler(Sampler):
         self._view = np.frombuffer(
             self._cells, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         )
-        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._ids = _token_ids(n_vocab)
         self._all = lib.llama_token_data_array(
             ctypes.cast(self._cells, ctypes.POINTER(cell)), n_vocab, -1, False
         )
@@ -179,6 +186,9 @@ class GrammarSampler(Sampler):
         self._all_ref, self._one_ref = ctypes.byref(self._all), ctypes.byref(self._one)
         self.resampled = 0  # tokens the grammar refused, sampled again after masking
         self._t_s, self._n = 0.0, 0
+        # the handles last, once nothing above can fail: the caller still owns them until here
+        self.lib, self.grammar, self._sample = lib, grammar, chain._sample
+        self.ptr, chain.ptr = chain.ptr, None
 
     def _fill(self, ctx: Any, index: int) -> None:
         """Every token with its logit, unsorted, nothing selected (llama.cpp's `set_logits`)."""
@@ -195,7 +205,13 @@ class GrammarSampler(Sampler):
         a.size, a.selected, a.sorted = self.n_vocab, -1, False
 
     def _chosen(self) -> int:
+        """The token the chain selected; EngineError when none can be: every candidate is
+        masked, so the grammar allows no token of this model here (llama.cpp asserts)."""
         a = self._all
+        if not 0 <= a.selected < a.size or a.data[a.selected].logit == float("-inf"):
+            from .errors import EngineError
+
+            raise EngineError("the grammar allows no token of this model at this point")
         return int(a.data[a.selected].id)
 
     def sample(self, ctx: Context | Any, index: int = -1) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from llmrun.runners.base import Finished, Request, SamplingParams
+from llmrun.runners.errors import EngineError
 from llmrun.runners.handles import GrammarSampler, Sampler
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.grammar import response_grammar, schema_grammar
@@ -143,3 +144,25 @@ def test_run_with_a_grammar_goes_through_the_checked_sampler(runner: LlamaCppRun
     assert isinstance(done[-1], Finished)
     text = done[-1].text
     assert text == b"".join(runner.piece(t) for t in before).decode()
+
+
+def test_a_grammar_that_allows_no_token_is_an_engine_error_not_an_abort(
+    runner: LlamaCppRunner,
+) -> None:
+    """With every candidate masked (a grammar this vocabulary cannot continue) or nothing
+    selected, accepting a token would throw through llama.cpp's C API (std::terminate): the
+    sampler says so as an EngineError first, as llama.cpp's own sampler asserts."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, grammar=GRAMMARS["city"])
+    prompt = runner.request_tokens(Request.chat(PROMPTS["city"]))
+    chain = runner.new_sampler(sp, 7, prompt=prompt)
+    try:
+        assert isinstance(chain, GrammarSampler)
+        chain._view["logit"] = float("-inf")
+        chain._all.selected = 0
+        with pytest.raises(EngineError, match="allows no token"):
+            chain._chosen()
+        chain._all.selected = -1
+        with pytest.raises(EngineError, match="allows no token"):
+            chain._chosen()
+    finally:
+        chain.close()

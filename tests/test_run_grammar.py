@@ -74,6 +74,9 @@ def test_the_grammar_reaches_the_runners_sampling(
             '{"type": "array", "items": ' * 600 + '{"type": "string"}' + "}" * 600,
             "deep.json: schema: nests too deep",
         ),
+        # llama.cpp's parser recurses once per group: 30,000 crashed it (SIGSEGV)
+        ("deep.gbnf", "root ::= " + "(" * 30000 + '"a"' + ")" * 30000, "nests 30,000 groups"),
+        ("noroot.gbnf", 'start ::= "a" # root ::= "b"\n', "noroot.gbnf: it has no rule 'root'"),
     ],
 )
 def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(

@@ -285,6 +285,15 @@ _GBNF_ITEM = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|!?<
 _TOKEN_ID = re.compile(r"<\[(\d+)\]>")
 
 
+def check_gbnf(grammar: str, where: str) -> None:
+    """A GBNF grammar from outside (run --grammar) held to the limits a schema's grammar is
+    held to, and with the rule llama.cpp starts from: BadRequestError naming what is wrong."""
+    _within_limits(grammar, where, "")
+    text = _GBNF_ITEM.sub(" ", grammar)
+    if not re.search(r"(?:^|\s)root\s*::=", text):
+        raise BadRequestError(f"{where}: it has no rule 'root' (llama.cpp starts from root ::=)")
+
+
 def gbnf_fault(grammar: str) -> str | None:
     """What in a GBNF grammar given as it is (run --grammar) would leave llama.cpp's sampler no
     token to sample, which aborts the process: a NUL, a lone surrogate, a character class no
@@ -378,15 +387,17 @@ MAX_GRAMMAR_BYTES = 1 << 20
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
-def _within_limits(grammar: str, where: str) -> str:
-    """The grammar, once its size and nesting are ones llama.cpp's parser survives."""
+def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repetitions") -> str:
+    """The grammar, once its size and nesting are ones llama.cpp's parser survives (it
+    recurses once per group: 30,000 nested groups crash it). Parentheses inside literals,
+    character classes and comments are text, not groups."""
     if len(grammar) > MAX_GRAMMAR_BYTES:
         raise BadRequestError(
             f"{where}: its grammar would take {len(grammar):,} bytes (at most"
-            f" {MAX_GRAMMAR_BYTES:,}): ask for fewer repetitions"
+            f" {MAX_GRAMMAR_BYTES:,}){hint}"
         )
     depth = deepest = 0
-    for ch in grammar:
+    for ch in _GBNF_ITEM.sub("", grammar):
         if ch == "(":
             depth += 1
             deepest = max(deepest, depth)
@@ -394,8 +405,8 @@ def _within_limits(grammar: str, where: str) -> str:
             depth -= 1
     if deepest > MAX_GRAMMAR_DEPTH:
         raise BadRequestError(
-            f"{where}: its grammar nests {deepest:,} groups deep (at most {MAX_GRAMMAR_DEPTH:,}):"
-            " ask for fewer repetitions"
+            f"{where}: its grammar nests {deepest:,} groups deep (at most {MAX_GRAMMAR_DEPTH:,})"
+            + hint
         )
     return grammar
 
@@ -603,4 +614,9 @@ def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) ->
     if not grammar_ptr:
         chain.close()
         raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it")
-    return GrammarSampler(chain, grammar_ptr, int(lib.llama_vocab_n_tokens(vocab)))
+    try:
+        return GrammarSampler(chain, grammar_ptr, int(lib.llama_vocab_n_tokens(vocab)))
+    except BaseException:  # neither handle was taken: free both
+        lib.llama_sampler_free(grammar_ptr)
+        chain.close()
+        raise
