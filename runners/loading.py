@@ -221,6 +221,7 @@ def load_weights(
     the next tensor (LoadCancelledError)."""
     lib = llama_lib()  # the bindings' import (a first load's) is not the model's load time
     if cfg.rpc:  # the servers' devices join llama.cpp's list before it plans the offload
+        limit = rpc_backend.wait_limit()
         rpc_backend.attach(rpc_backend.parse_endpoints(cfg.rpc))
     t0 = time.perf_counter()
     info = read_gguf(path)
@@ -261,6 +262,8 @@ def load_weights(
         if cancel.is_set():
             raise LoadCancelledError(path)
         raise ModelLoadError(path, last_log_error())
+    if cfg.rpc:  # ggml-rpc's connections are open now: none may wait forever
+        rpc_backend.bound_waits(limit)
     return Weights(
         path=path,
         model=Model(lib, model),

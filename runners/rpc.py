@@ -335,10 +335,11 @@ class Traffic:
 _peers: dict[tuple[str, int], Endpoint] = {}  # the servers' addresses, resolved when attached
 
 
-def _connections() -> Iterator[tuple[Endpoint, bytes]]:
+def _sockets() -> Iterator[tuple[Endpoint, socket.socket]]:
     """Each open TCP connection to an attached server (ggml-rpc's sockets, found in
-    /proc/self/fd) with its TCP_INFO; nothing where Linux's TCP_INFO is not there."""
-    if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+    /proc/self/fd), as a socket object on a duplicate of its descriptor (closed after each
+    step: its options are the connection's own); nothing where /proc is not there."""
+    if not os.path.isdir("/proc/self/fd"):
         return
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -352,12 +353,67 @@ def _connections() -> Iterator[tuple[Endpoint, bytes]]:
                 if s.type != socket.SOCK_STREAM:
                     continue
                 peer = _peers.get(s.getpeername()[:2])
-                if peer is None:
-                    continue
-                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
             except OSError:
                 continue
+            if peer is not None:
+                yield peer, s
+
+
+def _connections() -> Iterator[tuple[Endpoint, bytes]]:
+    """Each open TCP connection to an attached server with its TCP_INFO; nothing where
+    Linux's TCP_INFO is not there."""
+    if not hasattr(socket, "TCP_INFO"):
+        return
+    for peer, s in _sockets():
+        try:
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+        except OSError:
+            continue
         yield peer, info
+
+
+TIMEOUT_ENV = "LLMRUN_RPC_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0  # one graph's compute on a slow server stays well under it
+
+
+def wait_limit() -> float:
+    """How long a server may leave a send or a receive unanswered (LLMRUN_RPC_TIMEOUT_S)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 86400.0:
+        raise BadRequestError(f"{TIMEOUT_ENV}: '{text[:40]}' is not 1 to 86400 seconds")
+    return value
+
+
+def bound_waits(timeout_s: float) -> int:
+    """Put a deadline on every wait of ggml-rpc's connections, which have none (a server that
+    freezes, or a host that drops off the network without a reset, would hold the process
+    forever, Ctrl-C included): a send or receive unanswered for `timeout_s` fails, ggml-rpc
+    aborts, and that is told as the server that stopped answering. Keep-alive probes find a
+    silent host while the connection is idle. Returns the connections bounded."""
+    seconds, micros = int(timeout_s), int((timeout_s % 1) * 1e6)
+    timeval = struct.pack("ll", seconds, micros)
+    bounded = 0
+    for _, s in _sockets():
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for name, value in (
+                ("TCP_USER_TIMEOUT", int(timeout_s * 1000)),  # sent data left unacknowledged
+                ("TCP_KEEPIDLE", 30),
+                ("TCP_KEEPINTVL", 10),
+                ("TCP_KEEPCNT", 3),
+            ):
+                if hasattr(socket, name):
+                    s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            bounded += 1
+    return bounded
 
 
 def traffic() -> Traffic | None:

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.report import summary_rows
 from llmrun.runners import rpc
-from llmrun.runners.errors import EngineAbortError, LlmrunError
+from llmrun.runners.errors import BadRequestError, EngineAbortError, LlmrunError
 from llmrun.runners.load_record import layers_by_device
 from llmrun.runners.stats import GenerationStats
 
@@ -450,9 +450,11 @@ def _kill_when_begun(
     env: dict[str, str],
     server: subprocess.Popen[bytes],
     begun: Callable[[IO[bytes]], bytes],
+    sig: int = signal.SIGKILL,
 ) -> tuple[bytes, bytes, str]:
-    """Run `llmrun argv`, kill `server` once `begun` has read the first output, and return
-    that output, the rest of stdout and stderr; the command must have exited 1."""
+    """Run `llmrun argv`, kill `server` (or send it `sig`) once `begun` has read the first
+    output, and return that output, the rest of stdout and stderr; the command must have
+    exited 1."""
     child = subprocess.Popen(
         [which_llmrun(), *argv],
         env=env,
@@ -464,8 +466,9 @@ def _kill_when_begun(
         assert child.stdout is not None
         first = begun(child.stdout)
         assert first, child.communicate(timeout=HANG_S)[1].decode()[-2000:]
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=30)
+        server.send_signal(sig)
+        if sig == signal.SIGKILL:
+            server.wait(timeout=30)
         out, err = child.communicate(timeout=HANG_S)
     finally:
         if child.poll() is None:
@@ -546,6 +549,38 @@ def test_a_server_killed_during_run_ends_in_one_line_and_keeps_the_text(
     assert errors == [ln for ln in errors if ln.startswith("llmrun: error:")], text
     _assert_one_error_naming(text, servers.split(",")[0])
     assert (first + out).decode().startswith("1")  # what was written is kept
+
+
+def test_a_server_that_freezes_ends_the_run_in_one_line_after_the_wait_limit(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    """A stopped server keeps its connection open and never answers: ggml-rpc's sockets have
+    no deadline of their own, so the run waited forever and Ctrl-C did not end it. With
+    LLMRUN_RPC_TIMEOUT_S the wait fails, and the end is the one line of a lost server."""
+    procs, servers = two_servers
+    args = ["run", "--temp", "0", "-n", "2000", "-c", "2048", "-ngl", "20", "--rpc", servers]
+    try:
+        _, _, text = _kill_when_begun(
+            [*args, "-t", "1", "Count from 1 to 1000, one number per line."],
+            {**llmrun_env, rpc.TIMEOUT_ENV: "3"},
+            procs[0],
+            lambda f: f.read(8),
+            signal.SIGSTOP,
+        )
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+    assert "Traceback" not in text and "backtrace" not in text.lower()
+    errors = [ln for ln in text.splitlines() if ln.startswith("llmrun: error:")]
+    assert len(errors) == 1 and "stopped answering" in errors[0], text
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "1e9", "nan"])
+def test_a_wait_limit_out_of_range_is_one_line(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(rpc.TIMEOUT_ENV, value)
+    with pytest.raises(BadRequestError, match=r"LLMRUN_RPC_TIMEOUT_S: .* is not 1 to 86400"):
+        rpc.wait_limit()
+    monkeypatch.setenv(rpc.TIMEOUT_ENV, "2.5")
+    assert rpc.wait_limit() == 2.5
 
 
 def test_a_server_killed_during_serve_ends_it_in_one_line(
