@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import langchain_openai  # the dev extra installs it: a broken install fails, never skips
 import pytest
 from pydantic import BaseModel, Field
 
 from .test_serve import Server, llmrun_serve, serve_env  # noqa: F401  (fixture)
-
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 class City(BaseModel):
