@@ -39,14 +39,15 @@ def server(serve_env: dict[str, str]) -> Iterator[Server]:  # noqa: F811
 
 
 def chat_model(server: Server) -> Any:
-    return langchain_openai.ChatOpenAI(
-        base_url=server.url + "/v1",
-        api_key="none",
-        model=server.get("/v1/models")["data"][0]["id"],
-        temperature=0,
-        max_tokens=120,
-        max_retries=0,
-    )
+    settings: dict[str, Any] = {  # as a user writes them (pydantic reads the aliases)
+        "base_url": server.url + "/v1",
+        "api_key": "none",
+        "model": server.get("/v1/models")["data"][0]["id"],
+        "temperature": 0,
+        "max_tokens": 120,
+        "max_retries": 0,
+    }
+    return langchain_openai.ChatOpenAI(**settings)
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
