@@ -4,6 +4,7 @@ compared as llama.cpp's compare-llama-bench.py does; the runs exported as llama-
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +25,7 @@ from llmrun.runners.history import (
 
 from .bench import output as out
 from .errors import StdoutConsole, handled, usage_error
+from .records import OptionRecord, takes_records
 from .report import Fitted, fitted
 from .terminal import terminal_line, terminal_text
 
@@ -74,17 +76,10 @@ HEADS = {
 }
 
 
-def history(
-    limit: Annotated[int, typer.Option("-n", "--limit", min=1, help="How many runs.")] = 10,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "-m",
-            "--model",
-            show_default=False,
-            help="Only runs of models whose name contains this.",
-        ),
-    ] = None,
+@dataclass(frozen=True, kw_only=True)
+class CompareOptions(OptionRecord):
+    """Two sets of the stored results compared, as compare-llama-bench.py does."""
+
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -93,7 +88,7 @@ def history(
             show_default=False,
             help=f"Compare two sets of results; this one is the baseline: {SELECTOR_HELP}.",
         ),
-    ] = None,
+    ] = None
     compare: Annotated[
         str | None,
         typer.Option(
@@ -103,7 +98,7 @@ def history(
             help="The set compared with the baseline, chosen the same way (default: the"
             " newest run outside the baseline).",
         ),
-    ] = None,
+    ] = None
     show: Annotated[
         str | None,
         typer.Option(
@@ -114,7 +109,7 @@ def history(
             " n_batch, flash_attn...); results differing only in others are"
             " averaged together, as compare-llama-bench.py's --show.",
         ),
-    ] = None,
+    ] = None
     output: Annotated[
         CompareFormat | None,
         typer.Option(
@@ -123,7 +118,23 @@ def history(
             show_default=False,
             help="Print the comparison on stdout as md, csv or json.",
         ),
+    ] = None
+
+
+@takes_records
+def history(
+    *,
+    limit: Annotated[int, typer.Option("-n", "--limit", min=1, help="How many runs.")] = 10,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            show_default=False,
+            help="Only runs of models whose name contains this.",
+        ),
     ] = None,
+    comparing: CompareOptions,
     export_sql: Annotated[
         str | None,
         typer.Option(
@@ -138,23 +149,25 @@ def history(
 ) -> None:
     """The stored bench runs, newest first, each against the run before it; or two sets of
     them compared (-b, -c); or the runs exported for llama.cpp's compare-llama-bench.py."""
-    if export_sql is not None and (baseline or compare or show or output):
+    c = comparing
+    refined = c.compare or c.show or c.output
+    if export_sql is not None and (c.baseline or refined):
         usage_error("--export-sql writes every stored result: give it without -b, -c, -s or -o")
-    if baseline is None and (compare or show or output):
+    if c.baseline is None and refined:
         usage_error("-c, -s and -o belong to a comparison: give the baseline with -b too")
     with handled(), History() as h:
         console = StdoutConsole(highlight=False)
         if export_sql is not None:
             _export(h, export_sql, model)
-        elif baseline is not None:
-            base = parse_selector(baseline, option="-b")
-            other = None if compare is None else parse_selector(compare, option="-c")
-            fields = None if show is None else [f.strip() for f in show.split(",") if f.strip()]
+        elif c.baseline is not None:
+            base = parse_selector(c.baseline, option="-b")
+            other = None if c.compare is None else parse_selector(c.compare, option="-c")
+            fields = None if c.show is None else [f.strip() for f in c.show.split(",") if f.strip()]
             results = h.bench_results(model=model)
             if not results:
                 raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
             found = compare_sets(results, base, other, show=fields)
-            _print_comparison(found, output, console)
+            _print_comparison(found, c.output, console)
         else:
             _list(h, limit, model, console)
 

@@ -96,15 +96,18 @@ def ctx_option(help_text: str, *, least: int) -> Any:
     )
 
 
-def threads_option(help_text: str) -> Any:
-    """-t/--threads: the engine's CPU threads; each command says its own default."""
+def threads_option(
+    help_text: str, *, panel: str = MODEL_PANEL, envvar: str | None = "LLMRUN_THREADS"
+) -> Any:
+    """-t/--threads: the engine's CPU threads; each command says its own default (and
+    `rpc-server`, whose ggml threads are bound the same, its own panel and no variable)."""
     return typer.Option(
         "-t",
         "--threads",
-        envvar="LLMRUN_THREADS",
+        envvar=envvar,
         **engine_bounds("n_threads"),
         help=help_text,
-        rich_help_panel=MODEL_PANEL,
+        rich_help_panel=panel,
         show_default=False,
     )
 

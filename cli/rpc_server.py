@@ -12,6 +12,9 @@ from typing import Annotated
 
 import typer
 
+from llmrun.runners import rpc
+
+from . import options as o
 from .errors import handled
 
 PANEL = "Server"
@@ -27,21 +30,17 @@ def rpc_server(
             " a network you trust.",
             rich_help_panel=PANEL,
         ),
-    ] = "127.0.0.1",
+    ] = rpc.DEFAULT_HOST,
     port: Annotated[
         int,
         typer.Option("-p", "--port", min=1, max=65535, help="Port.", rich_help_panel=PANEL),
-    ] = 50052,
+    ] = rpc.DEFAULT_PORT,
     threads: Annotated[
         int | None,
-        typer.Option(
-            "-t",
-            "--threads",
-            min=1,
-            max=1024,
-            show_default=False,
-            help="CPU threads of its CPU device. (default: half the logical CPUs, as llama.cpp)",
-            rich_help_panel=PANEL,
+        o.threads_option(
+            "CPU threads of its CPU device. (default: half the logical CPUs, as llama.cpp)",
+            panel=PANEL,
+            envvar=None,
         ),
     ] = None,
     cache: Annotated[
@@ -65,8 +64,6 @@ def rpc_server(
 
       llmrun run --rpc 192.168.1.2:50052 -ngl 99    # elsewhere: all layers there
     """
-    from llmrun.runners import rpc
-
     with handled():
         binary = rpc.server_binary()
         rpc.check_listen(host, port)

@@ -28,6 +28,7 @@ from llmrun.cli.app import app
 from llmrun.cli.report import summary_rows
 from llmrun.runners import rpc
 from llmrun.runners.errors import BadRequestError, EngineAbortError, LlmrunError
+from llmrun.runners.limits import engine_bounds
 from llmrun.runners.load_record import layers_by_device
 from llmrun.runners.stats import GenerationStats
 
@@ -206,6 +207,14 @@ def test_rpc_server_on_a_port_in_use_is_one_line() -> None:
 def test_rpc_server_ports_outside_1_65535_are_usage_errors(port: str) -> None:
     done = CliRunner().invoke(app, ["rpc-server", "-p", port])
     assert done.exit_code == 2 and "--port" in done.stderr
+
+
+def test_rpc_server_threads_are_bound_as_the_engine_s() -> None:
+    """-t is the engine's thread option, bound by this machine (not rpc-server's own 1..1024):
+    one more than the engine takes is a usage error before any server starts."""
+    too_many = engine_bounds("n_threads")["max"] + 1
+    done = CliRunner().invoke(app, ["rpc-server", "-t", str(too_many)])
+    assert done.exit_code == 2 and "--threads" in done.stderr
 
 
 def test_the_network_figure_is_in_the_records_and_the_summary_only_with_rpc() -> None:
