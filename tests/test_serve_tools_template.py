@@ -21,8 +21,10 @@ from llmrun.runners.base import SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.prompts import Prompts
 from llmrun.runners.serving.api_models import ChatBody
 from llmrun.runners.serving.tools import GENERIC, HERMES, ToolPlan, merged, template_family
+from llmrun.runners.template import bounded_formatter
 
 from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
@@ -122,12 +124,13 @@ def test_a_template_that_renders_tools_and_tool_call_blocks_is_hermes(model_file
     assert template_family(None) == GENERIC
 
 
-def hermes_plan(forced: bool) -> ToolPlan:
+def hermes_plan(forced: bool, parallel: bool | None = None) -> ToolPlan:
     body = ChatBody.model_validate(
         {
             "messages": [{"role": "user", "content": "x"}],
             "tools": [WEATHER],
             "tool_choice": "required" if forced else "auto",
+            "parallel_tool_calls": parallel,
         }
     )
     body.use_tool_format(HERMES)
@@ -158,6 +161,232 @@ def test_auto_text_is_text_and_a_forced_calls_grammar_writes_the_block() -> None
     grammar = hermes_plan(True).grammar() or ""
     assert grammar.startswith('root ::= "<tool_call>\\n" tool-call-object "\\n</tool_call>"')
     assert "\ntool-call-object ::=" in grammar and "\nroot ::=" not in grammar
+
+
+# Minimal excerpts of two templates whose `<tool_call>` blocks hold no JSON: their tool sections
+# as the real templates write them (Qwen3-Coder's chat_template.jinja, GLM-4.5's).
+QWEN3_CODER_TEMPLATE = """\
+{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = [] %}
+{%- endif %}
+{%- if system_message is defined %}
+    {{- "<|im_start|>system\n" + system_message }}
+{%- endif %}
+{%- if tools is iterable and tools | length > 0 %}
+    {{- "\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>" }}
+    {%- for tool in tools %}
+        {%- if tool.function is defined %}
+            {%- set tool = tool.function %}
+        {%- endif %}
+        {{- "\n<function>\n<name>" ~ tool.name ~ "</name>" }}
+        {%- set handled_keys = ['name', 'type', 'description'] %}
+        {{- '\n</function>' }}
+    {%- endfor %}
+    {{- "\n</tools>" }}
+    {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n</IMPORTANT>' }}
+{%- endif %}
+{%- if system_message is defined %}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message.role == "assistant" and message.tool_calls is defined and message.tool_calls is iterable and message.tool_calls | length > 0 %}
+        {{- '<|im_start|>' + message.role }}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+            {%- if tool_call.arguments is defined %}
+                {%- for args_name, args_value in tool_call.arguments|items %}
+                    {{- '<parameter=' + args_name + '>\n' }}
+                    {%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                    {{- args_value }}
+                    {{- '\n</parameter>\n' }}
+                {%- endfor %}
+            {%- endif %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "user" or message.role == "system" or message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "tool" %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response>\n<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+GLM45_TEMPLATE = """\
+[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>{%- endif -%}
+{%- for m in messages %}
+{%- if m.role == 'user' -%}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{{ m.content }}
+{%- if m.tool_calls -%}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+    {%- set tc = tc.function %}
+{%- endif %}
+{{ '\\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- elif m.role == 'tool' -%}
+<|observation|>
+<tool_response>
+{{- m.content }}
+</tool_response>
+{%- elif m.role == 'system' -%}
+<|system|>
+{{ m.content }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|assistant|>
+{%- endif -%}
+"""
+
+
+@pytest.mark.parametrize(
+    "template", [QWEN3_CODER_TEMPLATE, GLM45_TEMPLATE], ids=["qwen3-coder", "glm-4.5"]
+)
+def test_a_tool_call_block_of_xml_arguments_takes_the_generic_format(template: str) -> None:
+    assert template_family(template) == GENERIC
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'},
+    }
+    body = ChatBody.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"},
+            ],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+        }
+    )
+    body.use_tool_format(template_family(template))
+    prompts = Prompts(
+        lambda: bounded_formatter(template, eos_token="", bos_token=""), lambda *_: []
+    )
+    text = prompts.render(body.request(SamplingParams()))
+    assert "You can call tools" in text and '"name": "get_weather"' in text  # llmrun's
+    assert "<tool_call>" not in text and "<tools>" not in text  # not the template's
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}' in text
+    assert '"tool_response": {"tool_call_id": "call_1"' in text
+    grammar = body.grammar() or ""
+    assert "root ::=" in grammar and "tool_call" not in grammar  # the bare JSON object
+
+
+def test_a_template_writing_json_in_its_blocks_from_a_dict_is_hermes() -> None:
+    template = (
+        "{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}"
+        "{% for c in m.tool_calls %}<tool_call>\n"
+        "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n"
+        "</tool_call>{% endfor %}{% endfor %}"
+    )
+    assert template_family(template) == HERMES
+
+
+def read(plan: ToolPlan, answer: str, size: int, finish: str = "stop") -> tuple[Any, Any, str]:
+    reader = plan.reader()
+    deltas = [d for i in range(0, len(answer), size) for d in reader.feed(answer[i : i + size])]
+    more, reason = reader.finish(finish)
+    content, calls = merged(deltas + more)
+    return content, calls, reason
+
+
+SIZES = (1, 2, 5, 11, 1000)
+LEAD = "Let me check the weather for you.\n\n"
+SECOND = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "fahrenheit"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_text_before_a_block_is_content_and_the_block_a_call(size: int) -> None:
+    content, calls, reason = read(hermes_plan(False), LEAD + ANSWER, size)
+    assert reason == "tool_calls" and content == LEAD.strip()
+    assert calls is not None and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_text_before_a_block_is_streamed_before_the_answer_ends() -> None:
+    reader = hermes_plan(False).reader()
+    assert reader.feed("Let me check <tool") == [{"content": "Let me check"}]
+    assert reader.feed("_call>\n{") == []  # held: a block has begun
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_several_blocks_are_several_calls_in_order(size: int) -> None:
+    content, calls, reason = read(hermes_plan(False), LEAD + ANSWER + "\n" + SECOND, size)
+    assert reason == "tool_calls" and content == LEAD.strip()
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Lima"]
+    assert len({c["id"] for c in calls}) == 2
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_parallel_tool_calls_false_keeps_the_first_call(size: int) -> None:
+    content, calls, reason = read(hermes_plan(False, parallel=False), ANSWER + SECOND, size)
+    assert reason == "tool_calls" and content is None
+    assert calls is not None and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"])["city"] == "Paris"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        LEAD + ANSWER.replace("get_weather", "get_time"),  # not a listed tool
+        ANSWER + SECOND.replace("}}\n", "}\n"),  # a block that is not JSON
+        LEAD + ANSWER[: -len("</tool_call>")],  # left open
+        ANSWER + "<tool_call>",
+        "Use <tool_call> tags, I was told.",
+    ],
+)
+def test_an_answer_with_a_block_that_is_no_call_is_all_content(answer: str) -> None:
+    for size in SIZES:
+        assert read(hermes_plan(False), answer, size) == (answer, None, "stop")
+
+
+def test_a_cut_answer_is_content_and_plain_text_is_sent_whole() -> None:
+    assert read(hermes_plan(False), LEAD + ANSWER, 3, "length") == (LEAD + ANSWER, None, "length")
+    text = "A < b, and <tool is a word.  "
+    for size in SIZES:
+        assert read(hermes_plan(False), text, size) == (text, None, "stop")
 
 
 # ---- rendered by the template, and served ------------------------------------------------------

@@ -255,7 +255,9 @@ class ChatBody(_Body):
 
     def tool_plan(self) -> ToolPlan | None:
         """What `tools` and `tool_choice` ask (None: no tool is offered); checked."""
-        plan = tool_plan(self.tools, self.tool_choice, self._family)
+        plan = tool_plan(
+            self.tools, self.tool_choice, self._family, self.parallel_tool_calls is not False
+        )
         if plan is not None:
             if self.response_format not in (None, {"type": "text"}):
                 raise BadRequestError("response_format: not served together with tools")

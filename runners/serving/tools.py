@@ -13,7 +13,7 @@ what they are, as JSON, and the one way to call one, an answer that is only the 
   a llama.cpp grammar to that object, `arguments` following the tool's `parameters` schema (the
   grammar of grammar.py's converter, whose unsupported keywords are refused by name).
 
-One answer makes at most one call (`parallel_tool_calls` true allows more; none is made).
+One answer makes at most one call in this format (`parallel_tool_calls` is accepted).
 A call is answered as `message.tool_calls` with finish_reason `tool_calls`; streamed, as one
 `delta.tool_calls` with the id and the name, then the arguments in pieces as they are written.
 
@@ -24,10 +24,16 @@ polyfill for templates without a tool role).
 
 A chat template with tool syntax of its own is used instead where llmrun knows its call format:
 the Hermes format (Qwen2.5, Hermes 2/3, SmolLM3, ...), a template that renders `tools` and writes
-calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`. Its tools go to the template
-(`tools`, as OpenAI defines them), a call is that block (the whole answer, stripped, for
-"auto"; the grammar writes it for a forced one), a past call is written as that block and a
-`tool` message keeps its role (the template renders its `<tool_response>`).
+calls as JSON in `<tool_call>` blocks (a `"name"` key inside one). Other `<tool_call>` syntaxes
+(Qwen3-Coder's `<function=NAME>` with XML parameters, GLM-4.5's `NAME` with `<arg_key>` pairs)
+get the generic format. In the Hermes format the tools go to the template (`tools`, as OpenAI
+defines them), and for "auto" every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+block of the answer is a call, in order, the text around them the answer's content (streamed as
+it comes until a block starts; the whitespace next to a block is dropped); an answer with a
+block that is not such a call (or unclosed) is all content. `parallel_tool_calls` false keeps
+the first call only, as OpenAI promises at most one. A forced call is one block, written by the
+grammar. A past call is written as that block and a `tool` message keeps its role (the template
+renders its `<tool_response>`).
 """
 
 from __future__ import annotations
@@ -57,10 +63,21 @@ _CLOSE_PREFIXES = "|".join(re.escape(CLOSE[:n]) for n in range(len(CLOSE), 0, -1
 HERMES_TAIL = re.compile(rf"\s*\}}?\s*(?:{_CLOSE_PREFIXES})?\s*$")
 
 
+# A `<tool_call>` ... `</tool_call>` stretch (of a template, or an answer's block), and a JSON
+# `name` key written in a template's (`{"name": `, `{\"name\": ` in a string literal, or
+# `{'name': ...} | tojson`).
+BLOCK = re.compile(re.escape(OPEN) + "(.*?)" + re.escape(CLOSE), re.S)
+NAME_KEY = re.compile(r"""\\?["']name\\?["']\s*:""")
+
+
 def template_family(template: str | None) -> str:
-    """The call format a chat template writes: HERMES when it renders `tools` and writes
-    `<tool_call>` blocks; GENERIC (llmrun's system message) for any other."""
-    if template and re.search(r"\btools\b", template) and OPEN in template:
+    """The call format a chat template writes: HERMES when it renders `tools` and writes JSON
+    calls in `<tool_call>` blocks (a `"name"` key between a `<tool_call>` and its
+    `</tool_call>`); GENERIC (llmrun's system message) for any other, such as Qwen3-Coder's and
+    GLM-4.5's `<tool_call>` blocks of XML arguments."""
+    if not template or not re.search(r"\btools\b", template):
+        return GENERIC
+    if any(NAME_KEY.search(m.group(1)) for m in BLOCK.finditer(template)):
         return HERMES
     return GENERIC
 
@@ -95,6 +112,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     forced: bool  # "required" or a named function: the grammar writes the call
     family: str = GENERIC  # the call format (template_family)
+    parallel: bool = True  # `parallel_tool_calls`: false keeps an answer's first call only
 
     @property
     def names(self) -> set[str]:
@@ -194,7 +212,9 @@ def _distinct_defs(tools: tuple[Tool, ...]) -> None:
                     )
 
 
-def tool_plan(tools: Any, choice: Any, family: str = GENERIC) -> ToolPlan | None:
+def tool_plan(
+    tools: Any, choice: Any, family: str = GENERIC, parallel: bool = True
+) -> ToolPlan | None:
     """The plan a request's `tools` and `tool_choice` ask for; None when no tool is offered
     (no tools, or "none"). BadRequestError naming what is wrong or not served."""
     offered = _tools(tools)
@@ -209,7 +229,7 @@ def tool_plan(tools: Any, choice: Any, family: str = GENERIC) -> ToolPlan | None
             return None
         if not offered:
             raise BadRequestError(f"tool_choice: {choice!r} needs tools")
-        return ToolPlan(offered, forced=choice == "required", family=family)
+        return ToolPlan(offered, forced=choice == "required", family=family, parallel=parallel)
     if (
         not isinstance(choice, dict)
         or choice.get("type") != "function"
@@ -224,7 +244,7 @@ def tool_plan(tools: Any, choice: Any, family: str = GENERIC) -> ToolPlan | None
     chosen = tuple(t for t in offered if t.name == name)
     if not chosen:
         raise BadRequestError(f"tool_choice.function.name: {name!r} is not among the tools")
-    return ToolPlan(chosen, forced=True, family=family)
+    return ToolPlan(chosen, forced=True, family=family, parallel=parallel)
 
 
 def _tools(tools: Any) -> tuple[Tool, ...]:
@@ -321,23 +341,47 @@ class ToolReader:
     plan: ToolPlan
     held: str = ""  # text not sent yet
     free: bool = False  # auto: the answer is text, sent as it comes
+    blocks: bool = False  # Hermes auto: a block has begun, the rest is held to the end
+    sent_content: bool = False  # Hermes auto: text before the blocks has been sent
     name: str | None = None  # forced: the call's head has been sent
     sent_arguments: int = 0
     call_id: str = field(default_factory=new_call_id)
 
-    def _head(self, name: str) -> dict[str, Any]:
+    def _head(self, name: str, index: int = 0) -> dict[str, Any]:
         self.name = name
-        call = {"index": 0, "id": self.call_id, "type": "function"}
+        call_id = self.call_id if index == 0 else new_call_id()
+        call = {"index": index, "id": call_id, "type": "function"}
         return {"tool_calls": [{**call, "function": {"name": name, "arguments": ""}}]}
 
-    def _arguments(self, text: str) -> dict[str, Any]:
+    def _arguments(self, text: str, index: int = 0) -> dict[str, Any]:
         self.sent_arguments += len(text)
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+    def _text_until_block(self) -> list[dict[str, Any]]:
+        """Hermes "auto": the text before a block is content, sent now; from a block's start
+        (or what may be one, and the whitespace before it) the answer is held."""
+        if self.blocks:
+            return []
+        at = self.held.find(OPEN)
+        if at >= 0:
+            self.blocks = True
+        else:  # the longest end of the text that may begin `<tool_call>`
+            at = len(self.held) - next(
+                (n for n in range(len(OPEN) - 1, 0, -1) if self.held.endswith(OPEN[:n])), 0
+            )
+        cut = len(self.held[:at].rstrip())
+        if cut == 0:
+            return []
+        text, self.held = self.held[:cut], self.held[cut:]
+        self.sent_content = True
+        return [{"content": text}]
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.free:
             return [{"content": text}] if text else []
         self.held += text
+        if not self.plan.forced and self.plan.family != GENERIC:
+            return self._text_until_block()
         if not self.plan.forced:
             start = self.held.lstrip()[: len(OPEN)]
             maybe = start.startswith("{") if self.plan.family == GENERIC else OPEN.startswith(start)
@@ -384,20 +428,42 @@ class ToolReader:
             )
             complete = finish_reason == "stop" and _is_object(body)
             return deltas, "tool_calls" if complete else finish_reason
-        text: str | None = self.held if self.plan.family == GENERIC else _block(self.held)
-        call = _parse_call(text, self.plan.names) if finish_reason == "stop" and text else None
+        if self.plan.family != GENERIC:
+            found = _blocks(self.held, self.plan.names) if finish_reason == "stop" else None
+            if found is None:
+                return ([{"content": self.held}] if self.held else []), finish_reason
+            after, calls = found
+            if not self.plan.parallel:
+                calls = calls[:1]
+            deltas = []
+            if after:  # text between or after the blocks, after the text already sent
+                deltas.append({"content": ("\n\n" if self.sent_content else "") + after})
+            for i, (name, arguments) in enumerate(calls):
+                deltas += [self._head(name, i), self._arguments(arguments, i)]
+            return deltas, "tool_calls"
+        call = _parse_call(self.held, self.plan.names) if finish_reason == "stop" else None
         if call is None:
             return ([{"content": self.held}] if self.held else []), finish_reason
         name, arguments = call
         return [self._head(name), self._arguments(arguments)], "tool_calls"
 
 
-def _block(text: str) -> str | None:
-    """The JSON inside an answer that is one `<tool_call>` block, whole (None: it is not)."""
-    stripped = text.strip()
-    if stripped.startswith(OPEN) and stripped.endswith(CLOSE):
-        return stripped[len(OPEN) : -len(CLOSE)]
-    return None
+def _blocks(text: str, names: set[str]) -> tuple[str, list[tuple[str, str]]] | None:
+    """The calls of the `<tool_call>` blocks in an answer, in order, and the text outside them
+    (each stretch stripped, joined by blank lines). None: no block, a block that is not a call
+    (`_parse_call` of its inside), or a `<tool_call>` left open."""
+    calls, outside, at = [], [], 0
+    for block in BLOCK.finditer(text):
+        call = _parse_call(block.group(1), names)
+        if call is None:
+            return None
+        calls.append(call)
+        outside.append(text[at : block.start()])
+        at = block.end()
+    outside.append(text[at:])
+    if not calls or any(OPEN in piece for piece in outside):
+        return None
+    return "\n\n".join(p.strip() for p in outside if p.strip()), calls
 
 
 def _is_object(text: str) -> bool:
