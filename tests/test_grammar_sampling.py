@@ -21,15 +21,8 @@ from llmrun.runners.handles import GrammarSampler, Sampler
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.grammar import response_grammar, schema_grammar
 
-CITY: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "capital": {"type": "boolean"},
-    },
-    "required": ["city", "capital"],
-    "additionalProperties": False,
-}
+from .test_run_grammar import CITY
+
 ORDER: dict[str, Any] = {
     "type": "object",
     "properties": {

@@ -426,19 +426,37 @@ def test_bench_records_rpc_as_llama_bench(
     assert 0 < pp["rpc_bytes_per_token"] < tg["rpc_bytes_per_token"]
 
 
-def test_serve_names_where_the_layers_went(
-    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
-) -> None:
-    _, servers = two_servers
-    port = free_port()
-    args = ["serve", "--no-dashboard", "--port", str(port), "-c", "256", "-np", "1"]
-    child = subprocess.Popen(
-        [which_llmrun(), *args, "-ngl", "20", "--rpc", servers],
-        env=llmrun_env,
+def _serve_over(
+    servers: str, port: int, env: dict[str, str], *args: str
+) -> subprocess.Popen[bytes]:
+    """`llmrun serve` on `port` with 20 layers over `servers`, one sequence; stderr piped."""
+    return subprocess.Popen(
+        [
+            which_llmrun(),
+            "serve",
+            "--no-dashboard",
+            "--port",
+            str(port),
+            "-np",
+            "1",
+            *args,
+            "-ngl",
+            "20",
+            "--rpc",
+            servers,
+        ],
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
+
+def test_serve_names_where_the_layers_went(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    _, servers = two_servers
+    child = _serve_over(servers, free_port(), llmrun_env, "-c", "256")
     try:
         assert child.stderr is not None
         lines = [child.stderr.readline().decode() for _ in range(2)]
@@ -599,14 +617,7 @@ def test_a_server_killed_during_serve_ends_it_in_one_line(
     with the line naming the server (docs/hardware.md); the client sees the connection end."""
     procs, servers = two_servers
     port = free_port()
-    args = ["serve", "--no-dashboard", "--port", str(port), "-c", "2048", "-np", "1", "-t", "1"]
-    child = subprocess.Popen(
-        [which_llmrun(), *args, "-ngl", "20", "--rpc", servers],
-        env=llmrun_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    child = _serve_over(servers, port, llmrun_env, "-c", "2048", "-t", "1")
     try:
         assert child.stderr is not None
         started = child.stderr.readline().decode()
