@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -17,7 +18,7 @@ from llmrun.cli.app import app
 
 from .fake import FakeRunner
 
-CITY = {
+CITY: dict[str, Any] = {
     "type": "object",
     "properties": {
         "city": {"type": "string", "maxLength": 20},
