@@ -6,6 +6,7 @@ It runs the `rpc-server` that `make rpc-server` built from the installed llama.c
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from typing import Annotated
@@ -77,7 +78,10 @@ def rpc_server(
         child: subprocess.Popen[bytes] | None = None
         try:  # a Ctrl-C as early as inside Popen must not leave the server behind
             child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-            code = child.wait()
+            code = None
+            while code is None:  # a blocking waitpid misses a signal that lands just before it
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = child.wait(timeout=0.5)  # (its handler ran at the next poll)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: the server stops with llmrun
             if child is not None:
                 _stop(child)
