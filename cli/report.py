@@ -169,20 +169,27 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
 
 def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """--rpc: the bytes to and from the servers per token of each phase (rpc_bytes_per_token,
-    as bench's records count them); their share of the time is docs/hardware.md's estimate."""
-    if s.rpc_decode_bytes is None:
+    as bench's records count them), and the share of the decode spent waiting on the servers
+    (rpc_wait_share: their compute and the network together, docs/hardware.md)."""
+    if s.rpc_decode_bytes is None and s.rpc_decode_wait_s is None:
         return []
 
     def per_token(n: int | None) -> str:
         return "-" if n is None else f"{human_count(n, 'B')}/token"
 
-    return [
-        (
-            "network",
+    parts = []
+    if s.rpc_decode_bytes is not None:
+        parts.append(
             f"{per_token(s.rpc_bytes_per_token)} decode · "
-            f"{per_token(s.rpc_bytes_per_prompt_token)} prefill (to and from the RPC servers)",
+            f"{per_token(s.rpc_bytes_per_prompt_token)} prefill (to and from the RPC servers)"
         )
-    ]
+    share = s.rpc_wait_share
+    if share is not None:
+        parts.append(
+            f"{share:.0%} of the decode waiting on the servers"
+            f" ({s.rpc_wait_ms_per_token:.2f} ms/token)"
+        )
+    return [("network", " · ".join(parts))] if parts else []
 
 
 def engine_text(st: EngineSettings) -> str:

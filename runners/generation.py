@@ -109,6 +109,7 @@ class _Decoded:
     drafted: int = 0  # speculative decoding: tokens proposed, accepted, verification steps
     accepted: int = 0
     steps: int = 0
+    rpc_wait_s: float | None = None  # --rpc: waiting on the servers (rpc.ServerWait)
 
 
 def generate(
@@ -225,6 +226,7 @@ def _stats(
         draft_tokens=decode.drafted,
         accepted_tokens=decode.accepted,
         decode_steps=decode.steps,
+        rpc_decode_wait_s=decode.rpc_wait_s,
         model=loaded.model,
         settings=loaded.settings,
     )
@@ -318,6 +320,7 @@ def _decode(
     pending = token  # the next token not yet in the KV cache
     sample_s = call_s = 0.0
     calls = 0
+    wait = rpc.server_wait()  # --rpc: the steps' time waiting on the servers; None without
     try:
         while True:
             in_kv = bool(queued)
@@ -327,6 +330,8 @@ def _decode(
                 out.finish = FINISH_STOP
                 break
             times.append(stamp)
+            if wait is not None:
+                wait.count()  # the step that made this token is in the decode phase
             piece = "" if decode_only else feed(to_piece(token))
             emit(piece)
             thinking = tagger.tag(piece) if tagger is not None else False
@@ -349,9 +354,15 @@ def _decode(
                 continue
             if drafter is not None:
                 room = min(n_ctx - len(cache) - 1, max_tokens - len(times))
+                if wait is not None:
+                    wait.start()
                 queued, pending = drafter.step(ctx, chain, token, max(0, room))
+                if wait is not None:
+                    wait.stop()
                 continue
             one[0] = token
+            if wait is not None:
+                wait.start()
             t_call = perf()
             rc = decode_c(ctx, batch_one)
             if rc != 0:
@@ -360,6 +371,9 @@ def _decode(
             t_sample = perf()
             call_s += t_sample - t_call
             calls += 1
+            if wait is not None:
+                wait.stop()
+                t_sample = perf()  # reading the wait is llmrun's own time, not sampling's
             cache.append(token)
             if decode_only:
                 pending = feed_tokens.pop()
@@ -369,6 +383,9 @@ def _decode(
     finally:
         out.sample_s = sample_s
         out.call_s, out.calls = call_s, calls
+        if wait is not None:
+            wait.close()
+            out.rpc_wait_s = wait.seconds
         if drafter is not None:
             drafter.unused(len(queued))
             drafter.close()

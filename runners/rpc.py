@@ -31,6 +31,8 @@ import re
 import socket
 import struct
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,6 +450,107 @@ def with_traffic(
         rpc_prefill_bytes=max(0, prefilled.since(before).bytes),
         rpc_decode_bytes=max(0, after.since(prefilled).bytes),
     )
+
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def run_delay_ns(schedstat: str) -> int:
+    """/proc/<tid>/schedstat's second field: ns the thread was runnable but waited for a CPU
+    (other load's preemption). Its first, ns on a CPU, lags the truth by up to a scheduler
+    tick on a running thread; `time.thread_time_ns()` is exact, and is what is used."""
+    return int(schedstat.split()[1])
+
+
+def blocked_ns(wall_ns: int, on_cpu_ns: int, runnable_ns: int) -> int:
+    """Of a call's wall time, what the thread neither ran nor waited for a CPU: it slept.
+    Negative values are left as they are (the counters' rounding): a sum of many calls nets
+    them out, where clamping each call would turn that noise into a wait."""
+    return wall_ns - on_cpu_ns - runnable_ns
+
+
+class _RunDelay:
+    """The calling thread's schedstat run delay, read through a descriptor kept open per
+    thread (a generator can be resumed on another one); 0 where there is no schedstat
+    (not Linux): there the wait also counts preemption."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._thread = 0
+        self.available = True
+
+    def __call__(self) -> int:
+        if not self.available:
+            return 0
+        thread = threading.get_ident()
+        if self._fd is None or thread != self._thread:
+            self.close()
+            try:
+                self._fd = os.open(SCHEDSTAT, os.O_RDONLY)
+            except OSError:
+                self.available = False
+                return 0
+            self._thread = thread
+        assert self._fd is not None
+        return run_delay_ns(os.pread(self._fd, 128, 0).decode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class ServerWait:
+    """The time "waiting on the servers": per decode step, the time the thread that calls
+    llama_decode sleeps inside it. ggml-rpc does its socket I/O on a dispatcher thread of its
+    own, and the calling thread (ggml-cpu's thread 0, which computes the local layers itself)
+    waits on a future for the servers' answers; so, per call,
+
+        blocked = wall - on-CPU time (thread_time) - time runnable but not running (schedstat)
+
+    It holds the servers' compute and the network together (they cannot be told apart from
+    the client), never another process's preemption. `start`/`stop` bracket a step's calls;
+    `count` when the step's token is an output token of the decode phase (a step whose token
+    ends the generation is left out, as its time is outside the decode phase's)."""
+
+    def __init__(
+        self,
+        runnable: Callable[[], int] | None = None,
+        on_cpu: Callable[[], int] = time.thread_time_ns,
+        clock: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        self._runnable = runnable or _RunDelay()
+        self._on_cpu, self._clock = on_cpu, clock
+        self._at = (0, 0, 0)
+        self._pending_ns = 0
+        self.total_ns = 0
+
+    def start(self) -> None:
+        self._at = (self._clock(), self._on_cpu(), self._runnable())
+
+    def stop(self) -> None:
+        wall, cpu, runnable = self._at
+        self._pending_ns += blocked_ns(
+            self._clock() - wall, self._on_cpu() - cpu, self._runnable() - runnable
+        )
+
+    def count(self) -> None:
+        self.total_ns += self._pending_ns
+        self._pending_ns = 0
+
+    @property
+    def seconds(self) -> float:
+        """The counted steps' wait (never below 0: see `blocked_ns`)."""
+        return max(0, self.total_ns) / 1e9
+
+    def close(self) -> None:
+        if isinstance(self._runnable, _RunDelay):
+            self._runnable.close()
+
+
+def server_wait() -> ServerWait | None:
+    """A decode's `ServerWait` with servers attached; None (nothing measured) without."""
+    return ServerWait() if _attached else None
 
 
 def devices() -> list[Device]:

@@ -56,6 +56,20 @@ def bytes_per_token(moved: int | None, tokens: int) -> int | None:
     return round(moved / tokens) if moved is not None and tokens > 0 else None
 
 
+def wait_share(waited_s: float | None, decode_s: float) -> float | None:
+    """--rpc: the share of the decode's time spent waiting on the servers (runners/rpc.py
+    `ServerWait`: the decoding thread asleep inside llama_decode, neither computing nor
+    waiting for a CPU), 0 to 1, the same in every command (`rpc_wait_share`)."""
+    if waited_s is None or decode_s <= 0:
+        return None
+    return round(min(1.0, max(0.0, waited_s / decode_s)), 4)
+
+
+def wait_ms_per_token(waited_s: float | None, tokens: int) -> float | None:
+    """--rpc: that wait per token after the first, in ms (`rpc_wait_ms_per_token`)."""
+    return round(waited_s * 1000 / tokens, 4) if waited_s is not None and tokens > 0 else None
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Facts about the loaded model, from its GGUF header and llama.cpp."""
@@ -306,6 +320,8 @@ class GenerationStats:
     # Bytes to and from the --rpc servers during the prefill and the decode (None: no servers)
     rpc_prefill_bytes: int | None = None
     rpc_decode_bytes: int | None = None
+    # Seconds the decode's steps waited on the --rpc servers (rpc.ServerWait; None: no servers)
+    rpc_decode_wait_s: float | None = None
 
     @property
     def new_prompt_tokens(self) -> int:
@@ -349,6 +365,16 @@ class GenerationStats:
     def rpc_bytes_per_token(self) -> int | None:
         """--rpc: the decode's network bytes per token after the first (output tok/s's)."""
         return bytes_per_token(self.rpc_decode_bytes, len(self.itl_s))
+
+    @property
+    def rpc_wait_share(self) -> float | None:
+        """--rpc: the share of the decode spent waiting on the servers, 0 to 1."""
+        return wait_share(self.rpc_decode_wait_s, self.decode_s)
+
+    @property
+    def rpc_wait_ms_per_token(self) -> float | None:
+        """--rpc: the decode's wait on the servers per token after the first, in ms."""
+        return wait_ms_per_token(self.rpc_decode_wait_s, len(self.itl_s))
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -462,6 +488,11 @@ class GenerationStats:
         else:
             data.pop("rpc_prefill_bytes")
             data.pop("rpc_decode_bytes")
+        if self.rpc_decode_wait_s is not None:  # only with --rpc servers
+            data["rpc_wait_share"] = self.rpc_wait_share
+            data["rpc_wait_ms_per_token"] = self.rpc_wait_ms_per_token
+        else:
+            data.pop("rpc_decode_wait_s")
         if self.server is not None:
             data.update(self.server.to_dict())
         if self.energy is not None:

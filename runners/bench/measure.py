@@ -322,6 +322,7 @@ class _Samples:
     steps: int = 0
     spans: Spans | None = None
     traffic: rpc.Traffic | None = None  # bytes to and from --rpc servers (timed reps)
+    waited_s: float | None = None  # --rpc: the decodes' wait on the servers (timed reps)
     stopped: str | None = None  # why --until-ci stopped
 
     def add(self, shape: Shape, finished: Finished, first: int | None) -> None:
@@ -338,6 +339,8 @@ class _Samples:
             self.drafted += st.draft_tokens
             self.accepted += st.accepted_tokens
             self.steps += st.decode_steps
+            if st.rpc_decode_wait_s is not None:
+                self.waited_s = (self.waited_s or 0.0) + st.rpc_decode_wait_s
         if shape.n_prompt and shape.n_gen:
             self.phase_tps.append((st.prompt_tps, st.output_tps))
 
@@ -444,6 +447,7 @@ def run_bench(
                 until_ci_stop=got.stopped,
                 energy=None if plan.meter is None else _energy(plan.meter, shape, got.spans),
                 rpc_traffic=got.traffic,
+                rpc_wait_s=got.waited_s,
             )
 
 

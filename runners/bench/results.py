@@ -20,6 +20,8 @@ from llmrun.runners.stats import (
     human_count,
     peak_rss_bytes,
     percentile,
+    wait_ms_per_token,
+    wait_share,
 )
 from llmrun.runners.system import SystemInfo, busy_machine, decode_bandwidth, weights_memories
 
@@ -193,6 +195,7 @@ class Result:
     until_ci_stop: str | None = None  # why the repetitions stopped: reached, time budget, cap
     energy: BenchEnergy | None = None  # --energy on or auto: measured, or absent with why
     rpc_traffic: Traffic | None = None  # -rpc: over the servers' sockets, the timed repetitions
+    rpc_wait_s: float | None = None  # -rpc: the timed decodes' wait on the servers (rpc.py)
 
     @property
     def kind(self) -> Kind:
@@ -366,6 +369,9 @@ class Result:
         if self.rpc_traffic is not None:  # the network's part (docs/hardware.md)
             tokens = (self.shape.n_prompt + self.shape.n_gen) * len(self.samples_s)
             rec["rpc_bytes_per_token"] = bytes_per_token(self.rpc_traffic.bytes, tokens)
+        if self.rpc_wait_s is not None:  # tests that decode: the share of it on the servers
+            rec["rpc_wait_share"] = wait_share(self.rpc_wait_s, sum(self.itl_s))
+            rec["rpc_wait_ms_per_token"] = wait_ms_per_token(self.rpc_wait_s, len(self.itl_s))
         if self.perplexity is not None:
             p = self.perplexity
             rec.update(
