@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import socket
@@ -243,6 +244,146 @@ def test_the_network_figure_is_in_the_records_and_the_summary_only_with_rpc() ->
     assert row.startswith("225 kB/token decode · 1.0 kB/token prefill")
 
 
+def test_the_wait_on_the_servers_is_in_the_records_and_the_summary_only_with_rpc() -> None:
+    """run's and chat's summaries (chat's /stats is the same summary) and records give the
+    decode's share waiting on the servers beside the bytes; nothing of it without --rpc."""
+    plain = GenerationStats(
+        finish_reason="length",
+        prompt_tokens=10,
+        reused_tokens=2,
+        output_tokens=5,
+        template_tokenize_s=0.001,
+        prefill_s=0.01,
+        first_sample_s=0.001,
+        itl_s=(0.02, 0.02, 0.02, 0.02),
+        e2e_s=0.1,
+        load_s=1.0,
+    )
+    assert not [k for k in plain.to_dict() if "wait" in k]
+    split = dataclasses.replace(
+        plain, rpc_prefill_bytes=8000, rpc_decode_bytes=900_000, rpc_decode_wait_s=0.02
+    )
+    record = split.to_dict()
+    assert record["rpc_wait_share"] == 0.25  # 20 ms of the decode's 80
+    assert record["rpc_wait_ms_per_token"] == 5.0  # over the 4 tokens after the first
+    assert "rpc_decode_wait_s" in record
+    (row,) = [value for label, value in summary_rows(split) if label == "network"]
+    assert row.startswith("225 kB/token decode · 1.0 kB/token prefill")
+    assert row.endswith("25% of the decode waiting on the servers (5.00 ms/token)")
+    # the share is a share: a wait over the decode's time (clocks' rounding) is all of it
+    over = dataclasses.replace(split, rpc_decode_wait_s=0.0801)
+    assert over.rpc_wait_share == 1.0
+
+
+class _FakeThread:
+    """A thread's clocks as the kernel keeps them, in ns: wall, on a CPU, runnable waiting."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = self.runnable = 0
+
+    def run(self, ns: int) -> None:
+        self.wall += ns
+        self.cpu += ns
+
+    def preempted(self, ns: int) -> None:
+        self.wall += ns
+        self.runnable += ns
+
+    def sleep(self, ns: int) -> None:
+        self.wall += ns
+
+
+def test_the_wait_is_wall_time_less_cpu_time_less_run_queue_time() -> None:
+    """Computing and being preempted by other load are not waiting on the servers; sleeping
+    in the call is. A step whose token ends the decode (after its last token) is left out."""
+    assert rpc.run_delay_ns("202883 1500 7\n") == 1500
+    assert rpc.blocked_ns(wall_ns=10, on_cpu_ns=4, runnable_ns=3) == 3
+    t = _FakeThread()
+    wait = rpc.ServerWait(runnable=lambda: t.runnable, on_cpu=lambda: t.cpu, clock=lambda: t.wall)
+    wait.count()  # the first token: no step before it
+    wait.start()
+    t.run(2_000_000)  # the local layers
+    t.sleep(3_000_000)  # the servers' layers and the network
+    t.preempted(5_000_000)  # another process had the CPU
+    wait.stop()
+    wait.count()  # its token is an output token
+    assert wait.seconds == 0.003
+    wait.start()
+    t.run(1_000_000)
+    t.preempted(1_000_000)
+    wait.stop()
+    wait.count()
+    assert wait.seconds == 0.003  # all-local: nothing waited
+    wait.start()
+    t.sleep(7_000_000)
+    wait.stop()  # its token was the end of the generation: never counted
+    assert wait.seconds == 0.003
+    # the counters' rounding nets out over the steps, never below zero in all
+    wait = rpc.ServerWait(runnable=lambda: 0, on_cpu=lambda: t.cpu, clock=lambda: t.wall)
+    wait.start()
+    t.cpu += 5
+    wait.stop()
+    wait.count()
+    assert wait.total_ns == -5 and wait.seconds == 0.0
+
+
+def _busy_wait_s(seconds: float) -> float:
+    """ServerWait's figure for a busy loop of `seconds` in this thread."""
+    busy = rpc.ServerWait()
+    try:
+        busy.start()
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        busy.stop()
+        busy.count()
+        return busy.seconds
+    finally:
+        busy.close()
+
+
+def test_this_kernel_tells_sleeping_from_computing() -> None:
+    """The real counters of this thread: a sleep is waiting, a busy loop is not."""
+    if not Path(rpc.SCHEDSTAT).exists():
+        pytest.skip("no /proc/thread-self/schedstat here")
+    wait = rpc.ServerWait()
+    try:
+        wait.start()
+        time.sleep(0.05)
+        wait.stop()
+        wait.count()
+        assert 0.045 <= wait.seconds < 0.5
+    finally:
+        wait.close()
+    assert _busy_wait_s(0.05) < 0.005
+
+
+def test_preemption_by_other_load_is_not_waiting(llmrun_env: dict[str, str]) -> None:
+    """With more runnable processes than CPUs the busy loop is preempted: schedstat's
+    run-queue time takes that out, where on-CPU time alone would call it a wait."""
+    if not Path(rpc.SCHEDSTAT).exists():
+        pytest.skip("no /proc/thread-self/schedstat here")
+    load = [
+        subprocess.Popen(["yes"], stdout=subprocess.DEVNULL, env=llmrun_env)
+        for _ in range((os.cpu_count() or 1) + 1)
+    ]
+    try:
+        assert _busy_wait_s(0.2) < 0.01
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+
+
+def test_no_wait_is_measured_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rpc, "_attached", [])
+    assert rpc.server_wait() is None
+    monkeypatch.setattr(rpc, "_attached", [rpc.Endpoint("127.0.0.1", 1)])
+    wait = rpc.server_wait()
+    assert isinstance(wait, rpc.ServerWait)
+    wait.close()
+
+
 def test_an_abort_with_a_server_gone_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     gone = rpc.Endpoint("127.0.0.1", free_port())
     monkeypatch.setattr(rpc, "_attached", [gone])
@@ -382,8 +523,9 @@ def test_greedy_output_split_over_two_servers_is_the_local_output(
     byte, as all of them here."""
     _, servers = two_servers
     same = ["run", "--temp", "0", "--seed", "7", "-n", "32", "-c", "256", PROMPT]
-    local = _llmrun(same, llmrun_env)
-    stats_file = Path(llmrun_env["LLMRUN_HOME"]).parent / "stats.jsonl"
+    home = Path(llmrun_env["LLMRUN_HOME"]).parent
+    local_file, stats_file = home / "local.jsonl", home / "stats.jsonl"
+    local = _llmrun([*same, "--stats-file", str(local_file)], llmrun_env)
     split = _llmrun(
         [*same, "-ngl", "20", "--rpc", servers, "--stats-file", str(stats_file)], llmrun_env
     )
@@ -396,6 +538,11 @@ def test_greedy_output_split_over_two_servers_is_the_local_output(
     (record,) = [json.loads(line) for line in stats_file.read_text().splitlines()]
     assert record["rpc_bytes_per_token"] > 49152 * 4
     assert 0 < record["rpc_bytes_per_prompt_token"] < record["rpc_bytes_per_token"]
+    # and the decode's time waiting on them: 20 of the 31 layers are theirs
+    assert 0 < record["rpc_wait_share"] <= 1 and record["rpc_wait_ms_per_token"] > 0
+    assert re.search(r"network .* · \d+% of the decode waiting on the servers", split.stderr)
+    (plain,) = [json.loads(line) for line in local_file.read_text().splitlines()]
+    assert not [k for k in plain if k.startswith("rpc")]
     first, second = servers.split(",")
     assert f"RPC0 {first} (10 layers), RPC1 {second} (10 layers)" in split.stderr
     assert "ngl 20/31" in split.stderr
@@ -425,6 +572,9 @@ def test_bench_records_rpc_as_llama_bench(
     # network (49,152 floats), besides the graph and the activations
     assert tg["rpc_bytes_per_token"] > 49152 * 4
     assert 0 < pp["rpc_bytes_per_token"] < tg["rpc_bytes_per_token"]
+    # the decode's share waiting on the servers, where a decode was timed
+    assert 0 < tg["rpc_wait_share"] <= 1 and tg["rpc_wait_ms_per_token"] > 0
+    assert "rpc_wait_share" not in pp
 
 
 def _serve_over(
@@ -446,6 +596,17 @@ def _serve_over(
             "--rpc",
             servers,
         ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _rpc_server(port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`llmrun rpc-server` on `port` with one thread; stderr piped."""
+    return subprocess.Popen(
+        [which_llmrun(), "rpc-server", "-p", str(port), "-t", "1"],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -535,13 +696,7 @@ def test_rpc_server_binds_loopback_by_default_and_warns(
     rpc_build: Path, llmrun_env: dict[str, str]
 ) -> None:
     port = free_port()
-    child = subprocess.Popen(
-        [which_llmrun(), "rpc-server", "-p", str(port), "-t", "1"],
-        env=llmrun_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    child = _rpc_server(port, llmrun_env)
     try:
         _wait_listening(port, child)
         listening = [
@@ -660,13 +815,7 @@ def test_rpc_server_interrupted_while_it_starts_leaves_nothing_behind(
     130, one line, and no rpc-server left listening on the port."""
     for delay in (0.0, 0.3, 1.0):
         port = free_port()
-        child = subprocess.Popen(
-            [which_llmrun(), "rpc-server", "-p", str(port), "-t", "1"],
-            env=llmrun_env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        child = _rpc_server(port, llmrun_env)
         try:
             time.sleep(delay)
             child.send_signal(signal.SIGINT)
