@@ -10,7 +10,9 @@ per-token times is what the RPC path adds: serialising the graph and the
 activations, the loopback sockets, and each server's own graph set-up. Printed: ms per token
 both ways, and the network share of a decode step, 1 - local / split. On real machines the
 devices differ too, so this share is an estimate of the network's part, not a measurement of it
-there (docs/hardware.md).
+there (docs/hardware.md). Beside it, each split run's own measured figure, `rpc_wait_share`:
+the share of its decode the decoding thread spent waiting on the servers (their compute and
+the network together: the layers they hold are in it, so it is not the estimate's number).
 
     .venv/bin/python benchmarks/rpc_network.py [-n 64] [-r 5] [-t 1] [-ngl 20] [--rounds 2]
 """
@@ -56,8 +58,9 @@ def start_server(threads: int) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit(f"rpc-server did not listen on {port}")
 
 
-def tg_ms(args: argparse.Namespace, rpc_servers: str | None) -> float:
-    """One bench run's decode time per token (ms), from its tg record."""
+def tg_ms(args: argparse.Namespace, rpc_servers: str | None) -> tuple[float, float | None]:
+    """One bench run's decode time per token (ms), from its tg record, and its share of the
+    decode waiting on the servers (None all here)."""
     llmrun = shutil.which("llmrun", path=str(Path(sys.executable).parent)) or "llmrun"
     cmd = [llmrun, "bench", "-p", "0", "-n", str(args.n), "-r", str(args.r), "-t", str(args.t)]
     cmd += ["--repack", "0", "-o", "jsonl", "--no-history"]  # as the servers' CPU computes
@@ -67,7 +70,7 @@ def tg_ms(args: argparse.Namespace, rpc_servers: str | None) -> float:
     if done.returncode != 0:
         raise SystemExit(done.stderr.strip().splitlines()[-1])
     (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    return 1000.0 / float(row["avg_ts"])
+    return 1000.0 / float(row["avg_ts"]), row.get("rpc_wait_share")
 
 
 def main() -> None:
@@ -81,10 +84,13 @@ def main() -> None:
     servers = [start_server(args.t) for _ in range(2)]
     try:
         endpoints = ",".join(e for _, e in servers)
-        local, split = [], []
+        local, split, waits = [], [], []
         for _ in range(args.rounds):
-            local.append(tg_ms(args, None))
-            split.append(tg_ms(args, endpoints))
+            local.append(tg_ms(args, None)[0])
+            ms, wait = tg_ms(args, endpoints)
+            split.append(ms)
+            if wait is not None:
+                waits.append(wait)
     finally:
         for proc, _ in servers:
             proc.kill()
@@ -98,6 +104,13 @@ def main() -> None:
     print(f"network share of a decode step (estimate): {share:.0%}")
     if share <= 0:
         print("(not above zero: the machine's noise is larger than the network's cost here)")
+    if waits:
+        shown_waits = [f"{w:.0%}" for w in waits]
+        print(
+            f"waiting on the servers, measured per split run (rpc_wait_share):"
+            f" {statistics.median(waits):.0%}  {shown_waits}"
+            " (their compute of their layers and the network)"
+        )
 
 
 if __name__ == "__main__":
