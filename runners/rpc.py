@@ -15,6 +15,9 @@ that is something else and a server of another protocol are one line before anyt
 loaded; an abort later, while servers are attached, is reported as the server that stopped
 answering (the one whose connection closed).
 
+What a run learns of the servers: the bytes over their connections (`traffic`, the kernel's
+count) and each decode step's time waiting on them (`ServerWait`, the decoding thread's sleep).
+
 llama.cpp's RPC is unauthenticated and unencrypted: a server must never face an untrusted
 network (`WARNING` below, printed where one starts).
 """
