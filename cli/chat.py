@@ -24,7 +24,7 @@ from rich.text import Text
 
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import BadRequestError, LlmrunError
-from llmrun.runners.limits import check_sampling
+from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 from llmrun.runners.paths import state_dir
 from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, GenerationStats
 
@@ -72,6 +72,7 @@ OLLAMA_PARAMETERS = {
     "top_p": "top_p",
     "min_p": "min_p",
     "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
     "seed": "seed",
     "stop": "stop",
 }
@@ -610,7 +611,7 @@ class ChatUI:
         if field is None:
             self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
             return
-        integer = field in ("max_tokens", "top_k", "seed")
+        integer = field != "stop" and SAMPLING_SETTINGS[field].whole
         try:
             parsed: object = (
                 tuple(v for v in value.split("|") if v)
@@ -628,7 +629,7 @@ class ChatUI:
             sampling = dataclasses.replace(self.conv.sampling, **changes)
             check_sampling(sampling)
         except ValueError:
-            kind = "a whole number" if field in ("max_tokens", "top_k", "seed") else "a number"
+            kind = "a whole number" if integer else "a number"
             self._usage(f"/set parameter {name}: {value!r} is not {kind}")
             return
         except LlmrunError as e:
@@ -677,7 +678,8 @@ class ChatUI:
         return (
             f"temperature {sp.temperature:g} · num_predict {sp.max_tokens} · top_k"
             f" {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g} · repeat_penalty"
-            f" {sp.repeat_penalty:g} · seed {seed} · stop {stop} · think {think}"
+            f" {sp.repeat_penalty:g} · repeat_last_n {sp.repeat_last_n} · seed {seed}"
+            f" · stop {stop} · think {think}"
         )
 
     def _gguf_value(self, key: str) -> object:
@@ -704,6 +706,7 @@ class ChatUI:
             f"PARAMETER top_p {sp.top_p:g}",
             f"PARAMETER min_p {sp.min_p:g}",
             f"PARAMETER repeat_penalty {sp.repeat_penalty:g}",
+            f"PARAMETER repeat_last_n {sp.repeat_last_n}",
             f"PARAMETER num_ctx {self.conv.n_ctx}",
         ]
         if sp.seed is not None:

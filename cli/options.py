@@ -384,7 +384,16 @@ RepeatPenalty = Annotated[
     typer.Option(
         "--repeat-penalty",
         **bounds("repeat_penalty"),
-        help="Penalty on the last 64 tokens; 1 = off.",
+        help="Penalty on tokens seen in the last --repeat-last-n; 1 = off.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+RepeatLastN = Annotated[
+    int,
+    typer.Option(
+        "--repeat-last-n",
+        **bounds("repeat_last_n"),
+        help="How many of the last tokens --repeat-penalty looks at; 0 = off, -1 = the context.",
         rich_help_panel=SAMPLING_PANEL,
     ),
 ]
@@ -639,6 +648,7 @@ class SamplingOptions(OptionRecord):
     top_p: TopP = DEFAULTS.top_p
     min_p: MinP = DEFAULTS.min_p
     repeat_penalty: RepeatPenalty = DEFAULTS.repeat_penalty
+    repeat_last_n: RepeatLastN = DEFAULTS.repeat_last_n
     seed: Seed = None
     stop: Stop = None
 
@@ -652,6 +662,7 @@ class SamplingOptions(OptionRecord):
             top_p=self.top_p,
             min_p=self.min_p,
             repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
             seed=self.seed,
             stop=tuple(self.stop or ()),
         )

@@ -168,7 +168,7 @@ SAMPLING_SETTINGS: dict[str, Setting] = {
             ("repeat_penalty",),
             ("repeat_penalty", "repetition_penalty"),
         ),
-        Setting("repeat_last_n", -1, MAX_CTX, (), ("repeat_last_n",)),
+        Setting("repeat_last_n", -1, MAX_CTX, ("repeat_last_n",), ("repeat_last_n",)),
         Setting("seed", 0, MAX_SEED, ("seed",), ("seed",)),
     )
 }

@@ -103,12 +103,14 @@ def test_piped_chat_warns_before_the_context_overflows_and_drops_oldest(
 def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
     script = (
         "/set parameter temperature 0.2\n/set parameter num_predict 7\n"
-        "/set parameter stop END|STOP\n/show info\nhello\n/bye\nnot sent\n"
+        "/set parameter stop END|STOP\n/set parameter repeat_last_n 16\n"
+        "/show info\nhello\n/bye\nnot sent\n"
     )
     result = cli.invoke(app, ["chat"], input=script)
     assert result.exit_code == 0, result.stderr
     sp = fake.requests[-1].sampling
     assert (sp.temperature, sp.max_tokens, sp.stop) == (0.2, 7, ("END", "STOP"))
+    assert sp.repeat_last_n == 16
     assert "temperature 0.2 · num_predict 7" in " ".join(result.stderr.split())
     assert [r.messages[-1].content for r in fake.requests] == ["hello"]  # /bye left
 
@@ -117,6 +119,8 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
     "line",
     [
         "/set parameter temperature -1",
+        "/set parameter repeat_last_n 1.5",
+        "/set parameter repeat_last_n -2",
         "/set parameter bogus 1",
         "/set temperature 1",
         "/show nothing",

@@ -52,6 +52,8 @@ def test_sampling_and_engine_options_reach_the_runner(cli: CliRunner, fake: Fake
         "0.1",
         "--repeat-penalty",
         "1.1",
+        "--repeat-last-n",
+        "32",
         "--seed",
         "7",
         "--stop",
@@ -63,7 +65,8 @@ def test_sampling_and_engine_options_reach_the_runner(cli: CliRunner, fake: Fake
     assert result.exit_code == 0, result.stderr
     sp = fake.requests[0].sampling
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.top_p, sp.min_p) == (3, 0.2, 5, 0.5, 0.1)
-    assert (sp.repeat_penalty, sp.seed, sp.stop) == (1.1, 7, ("END", "STOP"))
+    assert (sp.repeat_penalty, sp.repeat_last_n, sp.seed) == (1.1, 32, 7)
+    assert sp.stop == ("END", "STOP")
 
 
 def test_several_files_one_load_and_an_aggregate(
