@@ -132,11 +132,6 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     )
 
 
-def api_base(endpoint: str) -> str:
-    """http://host:8080, http://host:8080/ or http://host:8080/v1 -> http://host:8080/v1."""
-    return parse_endpoint(endpoint).api
-
-
 def redact_url(text: str) -> str:
     """Every user:password@ in a text (URLs in messages too) replaced by ***@, every
     credential-like query value by ***, and every Authorization header's value by ***."""
