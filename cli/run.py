@@ -201,12 +201,11 @@ def run(
             prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
         )
         try:
-            served: Iterator[Iterator[Event]] | None = None
-            cut_short = False
-            if parallel > 1:
-                served, cut_short = _serve_in_parallel(
-                    runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
-                )
+            served, cut_short = (
+                _serve_in_parallel(runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx)
+                if parallel > 1
+                else (None, False)
+            )
             printing = Printing(
                 quiet=quiet,
                 stats_format=report.stats,

@@ -203,14 +203,13 @@ class Output:
         """stdout's writer first (when its records go there), then -oe's; made before anything
         runs, so a run cut before its first model is ready still ends each format (json's
         `[]`). The fields the run varies are theirs (`shown`) once a model is ready."""
-        made = [
+        return [
             out.RecordWriter(
                 fmt, stream, several_models=several_models, optional=run.RECORD_OPTIONAL_FIELDS
             )
             for fmt, stream in ((self.format_stdout, sys.stdout), (self.format_err, self.errors))
             if fmt is not None
         ]
-        return made
 
 
 class _Bar:
