@@ -23,7 +23,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmrun.runners.base import Event, Finished, Runner
+from llmrun.runners.base import Event, Finished, Runner, SamplingParams
+from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
@@ -177,11 +178,7 @@ def run(
     with handled():
         params, config = generation.settings(prompts.system)
         remote, reply = generation.remote, generation.reply
-        given_grammar = {"--json-schema": json_schema, "--grammar": grammar}
-        o.refuse_for_endpoint(remote.endpoint, given_grammar)
-        if reply.draft or reply.draft_model:
-            o.refuse_given(given_grammar, "speculative decoding does not check drafts against it")
-        params = dataclasses.replace(params, grammar=o.read_grammar(json_schema, grammar))
+        params = _with_grammar(params, generation, json_schema, grammar)
         jobs = collect_jobs(
             words=prompts.prompt or [],
             files=prompts.file or [],
@@ -194,22 +191,7 @@ def run(
         quiet = report.quiet
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
-        kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
-        o.refuse_for_endpoint(
-            endpoint,
-            {"--parallel": parallel if parallel > 1 else None, "-kvu/--kv-unified": kvu_given},
-        )
-        if parallel > 1:  # the batched engine decodes one token per sequence and step
-            o.refuse_given(
-                {"--draft": reply.draft, "--draft-model": reply.draft_model},
-                "--parallel does not speculate; drop one or the other",
-            )
-            config = dataclasses.replace(config, kv_unified=kv_unified is True)
-        else:
-            o.refuse_given(
-                {"-kvu/--kv-unified": kvu_given},
-                "the KV layout of several sequences; only with --parallel N",
-            )
+        config = _with_parallel(config, generation, parallel, kv_unified)
         runner = make_runner(
             generation.model,
             config,
@@ -219,12 +201,11 @@ def run(
             prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
         )
         try:
-            served: Iterator[Iterator[Event]] | None = None
-            cut_short = False
-            if parallel > 1:
-                served, cut_short = _serve_in_parallel(
-                    runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx
-                )
+            served, cut_short = (
+                _serve_in_parallel(runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx)
+                if parallel > 1
+                else (None, False)
+            )
             printing = Printing(
                 quiet=quiet,
                 stats_format=report.stats,
@@ -241,6 +222,45 @@ def run(
         if code == EXIT_BROKEN_PIPE:
             quiet_broken_pipe()
         raise typer.Exit(EXIT_INTERRUPTED if cut_short and code != EXIT_BROKEN_PIPE else code)
+
+
+def _with_grammar(
+    params: SamplingParams,
+    generation: o.GenerationOptions,
+    json_schema: Path | None,
+    grammar: Path | None,
+) -> SamplingParams:
+    """The sampling with --json-schema's or --grammar's grammar: refused against a server and
+    with speculative decoding, which does not check drafts against it."""
+    given = {"--json-schema": json_schema, "--grammar": grammar}
+    o.refuse_for_endpoint(generation.remote.endpoint, given)
+    if generation.reply.draft or generation.reply.draft_model:
+        o.refuse_given(given, "speculative decoding does not check drafts against it")
+    return dataclasses.replace(params, grammar=o.read_grammar(json_schema, grammar))
+
+
+def _with_parallel(
+    config: EngineConfig, generation: o.GenerationOptions, parallel: int, kv_unified: bool | None
+) -> EngineConfig:
+    """The engine for --parallel's batched context (with -kvu's KV layout): refused against a
+    server, with speculation (one token per sequence and step), and -kvu without it."""
+    reply = generation.reply
+    kvu_given = None if kv_unified is None else "given"  # --no-kv-unified counts
+    o.refuse_for_endpoint(
+        generation.remote.endpoint,
+        {"--parallel": parallel if parallel > 1 else None, "-kvu/--kv-unified": kvu_given},
+    )
+    if parallel == 1:
+        o.refuse_given(
+            {"-kvu/--kv-unified": kvu_given},
+            "the KV layout of several sequences; only with --parallel N",
+        )
+        return config
+    o.refuse_given(
+        {"--draft": reply.draft, "--draft-model": reply.draft_model},
+        "--parallel does not speculate; drop one or the other",
+    )
+    return dataclasses.replace(config, kv_unified=kv_unified is True)
 
 
 def _serve_in_parallel(

@@ -161,31 +161,6 @@ def batched_context(
     return Context(lib, ptr, _attach_pools(ptr, cparams, pools))
 
 
-class StepCancel(threading.Event):
-    """A cancel event an engine counts its steps on: `step_cancelled` is the engine's one look
-    a step. With `after_steps`, it sets itself at the look after that many: Ctrl-C at a known
-    step. The abort hook (abort_on) reads it live and uncounted: llama.cpp asks that a varying
-    number of times a step."""
-
-    def __init__(self, after_steps: int | None = None) -> None:
-        super().__init__()
-        self.after_steps = after_steps
-        self.steps = 0  # the engine's looks so far
-
-    def step(self) -> bool:
-        self.steps += 1
-        if self.after_steps is not None and self.steps > self.after_steps:
-            self.set()
-        return self.is_set()
-
-
-def step_cancelled(cancel: threading.Event | None) -> bool:
-    """An engine's one look at `cancel` a step, counted where `cancel` counts (StepCancel)."""
-    if cancel is None:
-        return False
-    return cancel.step() if isinstance(cancel, StepCancel) else cancel.is_set()
-
-
 @contextlib.contextmanager
 def abort_on(ctx: Any, cancel: threading.Event | None) -> Iterator[None]:
     """Inside the block, setting `cancel` stops the context's decodes within a graph, as the

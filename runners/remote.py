@@ -132,11 +132,6 @@ def parse_endpoint(endpoint: str) -> Endpoint:
     )
 
 
-def api_base(endpoint: str) -> str:
-    """http://host:8080, http://host:8080/ or http://host:8080/v1 -> http://host:8080/v1."""
-    return parse_endpoint(endpoint).api
-
-
 def redact_url(text: str) -> str:
     """Every user:password@ in a text (URLs in messages too) replaced by ***@, every
     credential-like query value by ***, and every Authorization header's value by ***."""
@@ -568,6 +563,26 @@ def _finish(reason: str | None) -> str:
     return FINISH_LENGTH if reason == "length" else FINISH_STOP
 
 
+@dataclass
+class _Received:
+    """What a streamed answer brought: each text chunk's time and text, the server's finish
+    reason (a later usage-only chunk has none), its usage and timings, or why reading stopped."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    parts: list[str] = dataclasses.field(default_factory=list)
+    reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    error: str | None = None
+
+    def finish(self, cancel: threading.Event) -> str:
+        if self.error is not None:
+            return FINISH_INCOMPLETE
+        if cancel.is_set():
+            return FINISH_INTERRUPTED
+        return _finish(self.reason)
+
+
 class OpenAIRunner:
     """A Runner over an OpenAI-compatible HTTP server; the server keeps its own caches."""
 
@@ -687,28 +702,24 @@ class OpenAIRunner:
         assert loaded is not None and self.model_name is not None
         path, body = request_body(request, self.model_name)
         clock = PausedClock()
-        times: list[float] = []
-        parts: list[str] = []
-        reason: str | None = None  # the server's finish reason (a later usage-only chunk has none)
-        usage: dict[str, Any] | None = None
-        timings: dict[str, Any] | None = None
-        error: str | None = None
+        got = _Received()
+        times = got.times
         tagger = TokenTagger()  # thinking inside the content (<think> ... </think>)
         thinking_chunks, first_answer = 0, None
         for chunk in self.conn.stream(path, body, cancel):
             stamp = clock.now()
-            usage = chunk.usage or usage
-            timings = chunk.timings or timings
+            got.usage = chunk.usage or got.usage
+            got.timings = chunk.timings or got.timings
             if chunk.error:
-                error = self.conn.scrub(chunk.error)
+                got.error = self.conn.scrub(chunk.error)
                 break
             if len(times) > 2 * request.sampling.max_tokens + 16:  # every chunk is a token or more
-                error = (
+                got.error = (
                     f"the server sent over twice the {request.sampling.max_tokens} tokens"
                     " asked for (-n); stopped reading"
                 )
                 break
-            reason = chunk.finish_reason or reason
+            got.reason = chunk.finish_reason or got.reason
             if chunk.reasoning:  # the server split the thinking off itself
                 times.append(stamp)
                 thinking_chunks += 1
@@ -722,7 +733,7 @@ class OpenAIRunner:
             if chunk.text:
                 times.append(stamp)
                 text = self.conn.scrub_secrets(chunk.text)  # a server that echoes our headers
-                parts.append(text)
+                got.parts.append(text)
                 thinking = tagger.tag(text)
                 if first_answer is None and (
                     tagger.first_answer is not None  # answer text after a </think> in the content
@@ -732,16 +743,9 @@ class OpenAIRunner:
                 with clock.paused():
                     yield Token(len(times) - 1, text, stamp, thinking=thinking)
         thinking_count = thinking_chunks + (tagger.thinking_tokens if tagger.seen_thinking else 0)
-        if error is not None:
-            finish = FINISH_INCOMPLETE
-        elif cancel.is_set():
-            finish = FINISH_INTERRUPTED
-        else:
-            finish = _finish(reason)
-        e2e = clock.wall()
-        stats = self._stats(finish, times, usage, timings, error, e2e, request, loaded)
+        stats = self._stats(got, got.finish(cancel), clock.wall(), request, loaded)
         if thinking_count:
-            details = (usage or {}).get("completion_tokens_details")
+            details = (got.usage or {}).get("completion_tokens_details")
             counted = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
             if counted is not None and counted > stats.output_tokens and stats.server:
                 note = f"reasoning_tokens {counted} > the {stats.output_tokens} output tokens"
@@ -751,21 +755,12 @@ class OpenAIRunner:
                 stats, counted = dataclasses.replace(stats, server=server), None
             thought = min(counted or thinking_count, stats.output_tokens)
             stats = dataclasses.replace(stats, thinking_tokens=thought, first_answer_s=first_answer)
-        yield Finished(stats, "".join(parts))
+        yield Finished(stats, "".join(got.parts))
 
     def _stats(
-        self,
-        finish: str,
-        times: list[float],
-        usage: dict[str, Any] | None,
-        timings: dict[str, Any] | None,
-        error: str | None,
-        e2e: float,
-        request: Request,
-        loaded: ModelLoaded,
+        self, got: _Received, finish: str, e2e: float, request: Request, loaded: ModelLoaded
     ) -> GenerationStats:
-        usage = usage or {}
-        timings = timings or {}
+        times, usage, timings = got.times, got.usage or {}, got.timings or {}
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
         timings = {
@@ -812,7 +807,7 @@ class OpenAIRunner:
             network_queue_ms=times[0] * 1000 - prompt_ms
             if times and prompt_ms is not None
             else None,
-            error=error,
+            error=got.error,
             implausible=implausible,
         )
         return GenerationStats(

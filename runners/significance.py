@@ -133,10 +133,6 @@ class LogSample:
         variance = statistics.variance(logs) if len(logs) > 1 else 0.0
         return cls(len(logs), statistics.fmean(logs), variance)
 
-    @property
-    def geometric_mean(self) -> float:
-        return math.exp(self.mean) if self.n else math.nan
-
     def halfwidth(self, confidence: float = CONFIDENCE) -> float | None:
         """The relative half-width of the geometric mean's interval (0.02: ±2 %), None under 2
         repetitions."""

@@ -3,7 +3,8 @@
 PyPI ships llama-cpp-python as a source distribution whose `vendor/llama.cpp/` holds the very
 llama.cpp that llmrun loads, with llama-bench and `scripts/compare-llama-bench.py` (MIT, as is
 llama.cpp). They serve as references in tests and benchmarks and are never vendored: the sdist
-is fetched from the package registry into `.venv/llama-tools/` on first use.
+is fetched from the package registry into `.venv/llama-tools/` on first use (tools/llama_src.py,
+which `make rpc-server` shares).
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
@@ -19,63 +20,15 @@ is built without curl, OpenSSL or the web UI (no download at build or run time).
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
+from tools.llama_src import llama_cpp_dir, tools_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = "llama-cpp-python"
-
-
-def version() -> str:
-    return importlib.metadata.version(PACKAGE)
-
-
-def tools_dir() -> Path:
-    return Path(os.environ.get("LLMRUN_TOOLS_DIR", ROOT / ".venv" / "llama-tools")) / version()
-
-
-def llama_cpp_dir() -> Path:
-    """The unpacked `vendor/llama.cpp` of the installed version's sdist (fetched once)."""
-    target = tools_dir() / "llama.cpp"
-    if (target / "scripts" / "compare-llama-bench.py").exists():
-        return target
-    downloads = tools_dir() / "download"
-    downloads.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "--no-binary",
-            ":all:",
-            f"{PACKAGE}=={version()}",
-            "-d",
-            str(downloads),
-        ],
-        check=True,
-    )
-    archive = next(downloads.glob("*.tar.gz"))
-    prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
-    staging = tools_dir() / "staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        for m in members:
-            m.name = m.name[len(prefix) :]
-        tar.extractall(staging, members=[m for m in members if m.name], filter="data")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    return target
 
 
 def compare_script() -> Path:

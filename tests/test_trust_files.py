@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -364,11 +365,29 @@ def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[
     assert "--ppl /dev/zero" in line and "does not end" in line
 
 
+class _StepCancel(threading.Event):
+    """Ctrl-C at a known step of the batched engine: the flag sets itself at the engine's look
+    after `after_steps` of them. The abort hook llama.cpp asks between a graph's nodes
+    (contexts.abort_on) reads it live and uncounted: it asks a varying number of times a step."""
+
+    def __init__(self, after_steps: int) -> None:
+        super().__init__()
+        self.after_steps = after_steps
+        self.steps = 0  # the engine's looks so far
+
+    def is_set(self) -> bool:
+        caller = sys._getframe(1).f_code
+        if not (caller.co_name == "<lambda>" and caller.co_filename.endswith("contexts.py")):
+            self.steps += 1
+            if self.steps > self.after_steps:
+                self.set()
+        return super().is_set()
+
+
 @pytest.mark.model
 def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: str) -> None:
     from llmrun.runners.base import Finished
     from llmrun.runners.config import EngineConfig
-    from llmrun.runners.contexts import StepCancel
     from llmrun.runners.llamacpp import LlamaCppRunner
     from llmrun.runners.serving.parallel import NotStartedError, serve_requests
     from llmrun.runners.stats import FINISH_INTERRUPTED
@@ -377,7 +396,7 @@ def test_an_interrupted_parallel_batch_says_what_happened_to_each(model_path: st
     try:
         sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         requests = [Request(prompt=f"Count to {i}:", sampling=sampling) for i in range(5)]
-        outcome, _ = serve_requests(runner, requests, n_seq=2, cancel=StepCancel(after_steps=20))
+        outcome, _ = serve_requests(runner, requests, n_seq=2, cancel=_StepCancel(after_steps=20))
     finally:
         runner.close()
     assert len(outcome) == 5

@@ -3,7 +3,7 @@
 The wheel ships ggml as shared libraries (llama_cpp/lib: libggml.so, libggml-base.so, ...) and
 its libggml can load a backend at run time (`ggml_backend_load`). So the RPC backend is compiled
 from the installed version's own sources (the sdist's vendor/llama.cpp, which
-`tests.llama_tools.llama_cpp_dir()` unpacks) as a loadable backend, `libggml-rpc.so`, linked
+`tools/llama_src.py` unpacks) as a loadable backend, `libggml-rpc.so`, linked
 against the wheel's very libraries, and `rpc-server` beside it: the ABI is exactly the one
 llmrun loads. Both go into `runners.rpc.rpc_dir()` (.venv/llama-rpc/<version>/, or
 $LLMRUN_RPC_DIR). About 30 s on 2 cores.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmrun.runners.rpc import BINARY, LIBRARY, rpc_dir  # noqa: E402
-from tests.llama_tools import llama_cpp_dir  # noqa: E402
+from tools.llama_src import llama_cpp_dir  # noqa: E402
 
 
 def wheel_lib_dir() -> Path:

@@ -103,17 +103,7 @@ def bench(
     """
     DisplayThatMayFail.install()  # bench, serve and interference write only their display there
     if context.invoked_subcommand is not None:
-        unset: tuple[object, ...] = (None, False, (), [])
-        given = [
-            p.opts[0]
-            for p in context.command.params
-            if context.params.get(p.name or "") not in (*unset, p.default)
-        ]
-        if given:
-            usage_error(
-                f"{', '.join(given)}: bench's own options; give them after no"
-                f" subcommand, not before `{context.invoked_subcommand}`"
-            )
+        _refuse_own_options(context, context.invoked_subcommand)
         return
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
     with handled(), _display_nowhere(records_on_stderr) as real_stderr:
@@ -161,6 +151,21 @@ def bench(
         raise typer.Exit(code)
 
 
+def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
+    """bench's own options belong to the sweep, not to a subcommand given after them."""
+    unset: tuple[object, ...] = (None, False, (), [])
+    given = [
+        p.opts[0]
+        for p in context.command.params
+        if context.params.get(p.name or "") not in (*unset, p.default)
+    ]
+    if given:
+        usage_error(
+            f"{', '.join(given)}: bench's own options; give them after no"
+            f" subcommand, not before `{subcommand}`"
+        )
+
+
 def _list_devices() -> int:
     """llama-bench's --list-devices: what this llama.cpp can compute on."""
 
@@ -198,14 +203,13 @@ class Output:
         """stdout's writer first (when its records go there), then -oe's; made before anything
         runs, so a run cut before its first model is ready still ends each format (json's
         `[]`). The fields the run varies are theirs (`shown`) once a model is ready."""
-        made = [
+        return [
             out.RecordWriter(
                 fmt, stream, several_models=several_models, optional=run.RECORD_OPTIONAL_FIELDS
             )
             for fmt, stream in ((self.format_stdout, sys.stdout), (self.format_err, self.errors))
             if fmt is not None
         ]
-        return made
 
 
 class _Bar:
@@ -265,98 +269,120 @@ def _sweep(
 ) -> int:
     """llama-bench's tests over every combination of settings, for each model in turn; each
     row printed as its test finishes (on stdout, and on stderr with -oe), the run stored."""
-    skipped: list[b.Skipped] = []
-    scores: list[run.Scored] = []
-    system: SystemInfo | None = None
-    bar = _Bar(err, output.progress_lines and not err.is_terminal)
-    scoring: Status | None = None
-    stream: run.RecordStream | None = None
-    writers = output.writers(several_models=len(models) > 1)
+    shown = _SweepView(len(models), sweep, err, output)
     events = run.run_sweep(
         models, sweep, cancel=cancel, open_runner=lambda m, c, t: make_bench_runner(m, c, tuned=t)
     )
     failure: LlmrunError | None = None  # a later model or the perplexity failed
     complete = False
-
-    rows_on_terminal = output.format_stdout is not None and sys.stdout.isatty()
-
-    def emit(recorded: list[run.Recorded]) -> None:
-        if recorded and rows_on_terminal:
-            bar.line.stop()  # erased first, or a row would follow the progress text on its line
-        for r in recorded:
-            for w in writers:
-                w.row(r.record)  # a stream that failed takes no more; the run goes on
-
-    def salvage() -> None:  # an RPC server lost mid-test ends the process: rows kept first
-        if stream is not None:
-            emit(stream.end(complete=False))
-            for w in writers:
-                w.close(empty=False)
-            _store(stream, output)
-
-    rpc.SALVAGE.append(salvage)
+    rpc.SALVAGE.append(shown.salvage)
     try:
         for event in events:
-            if isinstance(event, run.ModelReady):
-                bar.stop()
-                system = load_and_report(
-                    event.runner,
-                    err,
-                    bandwidth=sweep.reps > 0 or bool(sweep.until_ci),  # -r 0: no rate to set it by
-                    system=system,
-                    combos=event.combos,
-                    llama_bench_defaults=not sweep.tuned,
-                )
-                if stream is None:
-                    stream = run.RecordStream(
-                        system,
-                        several_models=len(models) > 1,
-                        scenarios=sweep.scenarios,
-                        ppl_ctx=(sweep.contexts()[0] or run.PPL_CTX) if sweep.ppl else None,
-                    )
-                    for w in writers:  # llama-bench's md shows the columns the run varies
-                        w.shown = run.varied_fields(sweep, event.combos)
-            elif isinstance(event, b.Progress):
-                bar.update(event)
-            elif isinstance(event, res.Result):
-                assert stream is not None
-                emit(stream.add(event))
-            elif isinstance(event, b.Skipped):
-                skipped.append(event)
-            elif isinstance(event, run.Scoring):
-                bar.stop()
-                scoring = err.status(f"perplexity on {event.text.name} ...")
-                scoring.start()
-            else:
-                scores.append(event)
-                if scoring is not None:
-                    scoring.stop()
-                assert stream is not None
-                emit(stream.scored(event))
+            shown.on(event)
         complete = not cancel.is_set()
     except LlmrunError as e:
         failure = e  # the finished rows are printed and stored first, then the one line
     finally:
         with contextlib.suppress(ValueError):
-            rpc.SALVAGE.remove(salvage)
-        bar.stop()
-        if scoring is not None:
-            scoring.stop()
-        if stream is not None:
-            emit(stream.end(complete=complete))
-        for w in writers:
-            w.close(empty=failure is None and cancel.is_set())  # all skipped: an error, no []
+            rpc.SALVAGE.remove(shown.salvage)
+        shown.end(complete=complete, empty=failure is None and cancel.is_set())
+    stream, writers = shown.stream, shown.writers
     if failure is not None and (stream is None or not stream.done):
         raise failure
     if stream is None:  # cancelled before a model was ready: nothing ran
         return EXIT_INTERRUPTED
     lost = writers[0].failed if writers and output.format_stdout is not None else None
-    code = _report(stream, skipped, sweep, cancel.is_set(), err, show, output, scores)
+    code = _report(stream, shown.skipped, sweep, cancel.is_set(), err, show, output, shown.scores)
     if lost is not None and code == 0:
         raise lost  # all stored; a closed pipe ends quietly (141), a full disk with one line
     if failure is not None and not cancel.is_set():  # Ctrl-C/SIGTERM: 130/143, rows kept
         raise failure
     return code
+
+
+class _SweepView:
+    """A sweep's events as they come: the progress bar, the machine's report at each model,
+    each row written as its test finishes, perplexity's status; what was skipped and scored
+    kept for the report."""
+
+    def __init__(self, n_models: int, sweep: run.Sweep, err: Console, output: Output) -> None:
+        self.n_models, self.sweep, self.err, self.output = n_models, sweep, err, output
+        self.skipped: list[b.Skipped] = []
+        self.scores: list[run.Scored] = []
+        self.system: SystemInfo | None = None
+        self.bar = _Bar(err, output.progress_lines and not err.is_terminal)
+        self.scoring: Status | None = None
+        self.stream: run.RecordStream | None = None
+        self.writers = output.writers(several_models=n_models > 1)
+        self.rows_on_terminal = output.format_stdout is not None and sys.stdout.isatty()
+
+    def on(self, event: run.SweepEvent) -> None:
+        if isinstance(event, run.ModelReady):
+            self._ready(event)
+        elif isinstance(event, b.Progress):
+            self.bar.update(event)
+        elif isinstance(event, res.Result):
+            assert self.stream is not None
+            self.emit(self.stream.add(event))
+        elif isinstance(event, b.Skipped):
+            self.skipped.append(event)
+        elif isinstance(event, run.Scoring):
+            self.bar.stop()
+            self.scoring = self.err.status(f"perplexity on {event.text.name} ...")
+            self.scoring.start()
+        else:
+            self.scores.append(event)
+            if self.scoring is not None:
+                self.scoring.stop()
+            assert self.stream is not None
+            self.emit(self.stream.scored(event))
+
+    def _ready(self, event: run.ModelReady) -> None:
+        """A model loaded: the machine's report, and the first model opens the records."""
+        sweep = self.sweep
+        self.bar.stop()
+        self.system = load_and_report(
+            event.runner,
+            self.err,
+            bandwidth=sweep.reps > 0 or bool(sweep.until_ci),  # -r 0: no rate to set it by
+            system=self.system,
+            combos=event.combos,
+            llama_bench_defaults=not sweep.tuned,
+        )
+        if self.stream is None:
+            self.stream = run.RecordStream(
+                self.system,
+                several_models=self.n_models > 1,
+                scenarios=sweep.scenarios,
+                ppl_ctx=(sweep.contexts()[0] or run.PPL_CTX) if sweep.ppl else None,
+            )
+            for w in self.writers:  # llama-bench's md shows the columns the run varies
+                w.shown = run.varied_fields(sweep, event.combos)
+
+    def emit(self, recorded: list[run.Recorded]) -> None:
+        if recorded and self.rows_on_terminal:
+            self.bar.line.stop()  # erased first, or a row would follow the progress on its line
+        for r in recorded:
+            for w in self.writers:
+                w.row(r.record)  # a stream that failed takes no more; the run goes on
+
+    def salvage(self) -> None:
+        """An RPC server lost mid-test ends the process: the rows are kept first."""
+        if self.stream is not None:
+            self.emit(self.stream.end(complete=False))
+            for w in self.writers:
+                w.close(empty=False)
+            _store(self.stream, self.output)
+
+    def end(self, *, complete: bool, empty: bool) -> None:
+        """The display stopped and the records ended (`empty`: all skipped, an error, no [])."""
+        self.bar.stop()
+        if self.scoring is not None:
+            self.scoring.stop()
+        if self.stream is not None:
+            self.emit(self.stream.end(complete=complete))
+        for w in self.writers:
+            w.close(empty=empty)
 
 
 def _report(

@@ -213,13 +213,34 @@ def show_search(
     """Run the tuning search with its progress line (stage, trials done of those expected,
     time taken, an estimate of the time left, the budget left), then show every setting it
     tried, each once, with its noise."""
-    started = time.monotonic()
-    now: list[tn.TuneProgress] = []
+    with ProgressLine(err) as line:
+        found = search(
+            runner,
+            base,
+            TunePlan(workloads=workloads, threads=threads),
+            cancel=cancel,
+            on_progress=_SearchProgress(line, err, budget).update,
+            on_stage=lambda name: err.print(f"tuning {name} ...", markup=False),
+        )
+    if found is not None:
+        _show_found(found, workloads, err)
+    return found
 
-    def view(now_s: float) -> Shown:
-        p = now[-1]
-        elapsed = now_s - started
-        left = budget.left_s() if budget is not None else None
+
+class _SearchProgress:
+    """The search's progress on its line, and the budget's check at each step: a budget too
+    short for the first setting stops the search with what was measured."""
+
+    def __init__(self, line: ProgressLine, err: Console, budget: Budget | None) -> None:
+        self.line, self.err, self.budget = line, err, budget
+        self.started = time.monotonic()
+        self.last: tn.TuneProgress | None = None
+
+    def view(self, now_s: float) -> Shown:
+        p = self.last
+        assert p is not None
+        elapsed = now_s - self.started
+        left = self.budget.left_s() if self.budget is not None else None
         return Shown(
             p.stage,
             p.trials,
@@ -230,16 +251,17 @@ def show_search(
             "" if left is None else f"budget {clock(left)} left",
         )
 
-    def progress(p: tn.TuneProgress) -> None:
-        if not now:
-            line.follow(p.stage, view)
-        now[:] = [p]
+    def update(self, p: tn.TuneProgress) -> None:
+        if self.last is None:
+            self.line.follow(p.stage, self.view)
+        self.last = p
+        budget = self.budget
         if budget is not None:
             budget.check()
             if budget.seconds is not None and p.trials == 0 and p.share >= FIRST_ESTIMATE_SHARE:
-                too_short(budget, budget.seconds, p.share)
+                self._too_short(budget, budget.seconds, p.share)
 
-    def too_short(budget: Budget, seconds: float, share: float) -> None:
+    def _too_short(self, budget: Budget, seconds: float, share: float) -> None:
         """The first setting's part measured shows that the budget cannot hold it whole:
         say so, and stop with what was measured (the budget waited to its end, at 0 trials)."""
         trial_s = (clock_s() - budget.started_s) / share
@@ -247,7 +269,7 @@ def show_search(
             return
         budget.spent.set()
         budget.stop.set()
-        err.print(
+        self.err.print(
             f"llmrun: one setting takes about {clock(trial_s)} to measure here ({REPS}"
             f" repetitions of each shape), more than the --budget of {clock(seconds)}"
             " holds: stopping with what was measured (give --budget"
@@ -255,17 +277,9 @@ def show_search(
             markup=False,
         )
 
-    with ProgressLine(err) as line:
-        found = search(
-            runner,
-            base,
-            TunePlan(workloads=workloads, threads=threads),
-            cancel=cancel,
-            on_progress=progress,
-            on_stage=lambda name: err.print(f"tuning {name} ...", markup=False),
-        )
-    if found is None:
-        return None
+
+def _show_found(found: tn.Found, workloads: Sequence[str], err: Console) -> None:
+    """Every setting tried, a busy machine's warning, and how the settings were compared."""
     err.print(tried_table([*found.tried, *found.cut], workloads))
     if found.busy:
         worst = max(t.background_cpus or 0.0 for t in found.busy)
@@ -289,4 +303,3 @@ def show_search(
         " llama.cpp's own defaults are batch 2048 and flash attention auto.",
         markup=False,
     )
-    return found

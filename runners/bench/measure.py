@@ -158,18 +158,6 @@ def _check_combo(combo: Combo, n_ctx: int | None) -> str | None:
     return None
 
 
-def _one_run(
-    runner: BenchRunner, shape: Shape, rng: random.Random, cancel: threading.Event, draft: int = 0
-) -> tuple[Finished, int | None]:
-    """One repetition from a cleared cache; returns the result and the first output token."""
-    steps = _repetition(runner, shape, rng, cancel, draft)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value
-
-
 def _repetition(
     runner: BenchRunner,
     shape: Shape,

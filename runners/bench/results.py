@@ -125,6 +125,16 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "no_host": False,
 }
 
+# How close a test ran to the machine's limits, in the record's order (None where not measured)
+EFFICIENCY_FIELDS = (
+    "decode_bw_gbs",
+    "bw_util",
+    "weights_bw_gbs",
+    "decode_roofline_ts",
+    "mem_bw_source",
+    "prefill_gflops",
+)
+
 
 def llmrun_build(commit: str) -> str:
     """llmrun's `build_commit`: the llama.cpp commit, in capitals (`0c1e570` is `0C1E570`).
@@ -252,12 +262,20 @@ class Result:
 
     def record(self, system: SystemInfo) -> dict[str, Any]:
         """llama-bench's fields in its order and terms, then llmrun's own."""
+        return {
+            **self._llama_bench_fields(system),
+            **self._llmrun_fields(system),
+            **self._own_fields(),
+        }
+
+    def _llama_bench_fields(self, system: SystemInfo) -> dict[str, Any]:
+        """llama-bench's record, field for field: its names, order and terms."""
         m, st, s = self.model, self.settings, self.shape
         samples_ns = [round(x * 1e9) for x in self.samples_s]
         avg_ns = statistics.fmean(samples_ns) if samples_ns else 0.0
         std_ns = statistics.stdev(samples_ns) if len(samples_ns) > 1 else 0.0
         p = {**LLAMA_DEFAULTS, **st.params}
-        rec: dict[str, Any] = {
+        return {
             "build_commit": llmrun_build(system.build_commit),
             "build_number": system.build_number,
             "cpu_info": system.cpu,
@@ -303,8 +321,13 @@ class Result:
             "samples_ns": samples_ns,
             "samples_ts": [round(x, 6) for x in self.samples_ts],
             "rpc": p.get("rpc", ""),  # llama-bench's -rpc servers, as given
-            # llmrun's own
-            "test": s.name,
+        }
+
+    def _llmrun_fields(self, system: SystemInfo) -> dict[str, Any]:
+        """llmrun's own fields, after llama-bench's."""
+        m, st = self.model, self.settings
+        return {
+            "test": self.shape.name,
             "model_name": m.name,
             "n_gpu_layers_offloaded": st.n_gpu_layers,
             "device": st.device,
@@ -324,26 +347,25 @@ class Result:
             "next_token": self.next_token,
             "mem_bw_gbs": round(system.mem_bw_bytes_s / 1e9, 3) if system.mem_bw_bytes_s else None,
             "mem_bw_spread": _round(system.mem_bw_spread, 3),
-            "decode_bw_gbs": None,
-            "bw_util": None,
-            "weights_bw_gbs": None,
-            "decode_roofline_ts": None,
-            "mem_bw_source": None,
-            "prefill_gflops": None,
+            **self._efficiency_fields(system),
             "background_cpus": _round(self.background_cpus, 3),
             "busy": busy_machine(self.background_cpus, st.n_threads),
         }
+
+    def _efficiency_fields(self, system: SystemInfo) -> dict[str, Any]:
+        """How close the test ran to the machine's limits: decode against the bandwidth of the
+        memories the weights are in (tg), prefill's arithmetic rate (pp)."""
+        st = self.settings
+        fields: dict[str, Any] = dict.fromkeys(EFFICIENCY_FIELDS)
         if self.kind == "tg" and self.avg_ts:
-            moved = self.bytes_per_token() * self.avg_ts
-            rec["decode_bw_gbs"] = round(moved / 1e9, 3)
+            fields["decode_bw_gbs"] = round(self.bytes_per_token() * self.avg_ts / 1e9, 3)
             where = weights_memories(
                 system, devices=st.backend, n_offloaded=st.n_gpu_layers, n_layers=st.n_layer_total
             )
-            rec.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
+            fields.update(decode_bandwidth(where, self.bytes_per_token(), self.avg_ts))
         if self.kind == "pp" and self.avg_ts:
-            rec["prefill_gflops"] = round(2 * m.n_params * self.avg_ts / 1e9, 3)
-        rec.update(self._own_fields())
-        return rec
+            fields["prefill_gflops"] = round(2 * self.model.n_params * self.avg_ts / 1e9, 3)
+        return fields
 
     def _own_fields(self) -> dict[str, Any]:
         """The optional measurements, after the rest, only where they were made."""

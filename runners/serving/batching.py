@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmrun.runners.base import SamplingParams
-from llmrun.runners.contexts import abort_on, kv_unified_of, step_cancelled
+from llmrun.runners.contexts import abort_on, kv_unified_of
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
@@ -474,7 +474,7 @@ class BatchedEngine:
         try:
             with abort_on(self.ctx, cancel):  # a long prefill step stops within its graph
                 while nxt < len(queue) or not self.idle:
-                    if step_cancelled(cancel):
+                    if cancel is not None and cancel.is_set():
                         break
                     t = now()
                     while nxt < len(queue) and queue[nxt].at_s <= t:
