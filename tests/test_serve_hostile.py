@@ -184,14 +184,14 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
         ),
         (
             COMPLETIONS,
-            {"prompt": [[1, 2]]},
-            "prompt: must be a string or an array of strings or an array of whole numbers, not an array holding an array",
+            {"prompt": [["a"]]},
+            "prompt: must be a string or an array of arrays of whole numbers or an array of strings or an array of whole numbers, not an array holding an array",
             "prompt",
         ),
         (
             COMPLETIONS,
             {"prompt": 5},
-            "prompt: must be a string or an array of strings or an array of whole numbers, not a number",
+            "prompt: must be a string or an array of arrays of whole numbers or an array of strings or an array of whole numbers, not a number",
             "prompt",
         ),
         (COMPLETIONS, {"prompt": [-1]}, "token -1 is not in the vocabulary", None),

@@ -59,6 +59,21 @@ def test_legacy_offsets_count_the_answers_characters() -> None:
     assert lp["token_logprobs"] == pytest.approx([math.log(0.25)] * 3)
 
 
+def test_legacy_top_logprobs_always_hold_the_sampled_token() -> None:
+    """OpenAI's legacy completions (and vLLM) always list the sampled token among a position's
+    top_logprobs, beside the top `logprobs` ones: up to logprobs+1 entries."""
+    pieces = {0: b"a", 1: b"b", 2: b"c", 3: b"d"}
+    row = np.array([0.0, 1.0, 3.0, 2.0], np.float32)  # token 2 is the likeliest
+    sampled = described(token_logprob(row, 0, 1), pieces.__getitem__)  # the least likely one
+    lp = legacy((sampled,), 0)
+    assert lp["tokens"] == ["a"]
+    assert "a" in lp["top_logprobs"][0]  # the sampled token, beside the likeliest one
+    assert "c" in lp["top_logprobs"][0]
+    assert len(lp["top_logprobs"][0]) == 2
+    top = described(token_logprob(row, 2, 2), pieces.__getitem__)  # among the top: no extra
+    assert list(legacy((top,), 0)["top_logprobs"][0]) == ["c", "d"]
+
+
 def test_a_character_split_over_two_tokens_moves_the_offsets_once() -> None:
     pieces = {1: b"a", 2: "é".encode()[:1], 3: "é".encode()[1:] + b"b", 4: b"c"}
     row = np.zeros(5, np.float32)
@@ -236,6 +251,21 @@ def test_echo_gives_the_prompt_first_and_its_tokens_logprobs(server: Server) -> 
     assert "".join(c["text"] for c in chunks) == choice["text"]
     streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
+
+
+def test_one_token_array_in_a_list_is_one_prompt_as_lm_eval_sends_it(server: Server) -> None:
+    """lm-evaluation-harness's local-completions sends token ids as a batch (OpenAI's array of
+    token arrays), so one prompt is [[ids]]: served as the bare [ids] is."""
+    body = {"prompt": [[504, 3575, 282]], "max_tokens": 1, "temperature": 0}
+    r = server.post("/v1/completions", {**body, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4  # 3 of the prompt, 1 answer
+    nested = server.post("/v1/completions", body).json()["choices"][0]
+    flat = server.post("/v1/completions", {**body, "prompt": [504, 3575, 282]}).json()
+    assert nested["index"] == 0 and nested["text"] == flat["choices"][0]["text"]
+    two = server.post("/v1/completions", {**body, "prompt": [[504], [3575]]})
+    assert two.status_code == 400
+    assert "prompt: one prompt per request is served, not a list of 2" in two.text
 
 
 @pytest.mark.parametrize(

@@ -285,7 +285,13 @@ def _is_branch_tag(part: str) -> bool:
     return part in ("str", "int", "bool", "float") or "[" in part or part[:1].isupper()
 
 
-_PLURAL = {"str": "strings", "int": "whole numbers", "float": "numbers", "bool": "booleans"}
+_PLURAL = {
+    "str": "strings",
+    "int": "whole numbers",
+    "float": "numbers",
+    "bool": "booleans",
+    "list[int]": "arrays of whole numbers",
+}
 
 
 def _tag_kind(tag: str) -> str:

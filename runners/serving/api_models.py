@@ -309,7 +309,9 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str]
+    # OpenAI's four shapes: a string, an array of strings, an array of token ids, or an array of
+    # token-id arrays (a batch; lm-evaluation-harness's local-completions sends [[ids]])
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
 
     def echoes(self) -> bool:
@@ -318,7 +320,7 @@ class CompletionBody(_Body):
     def request(self, defaults: SamplingParams) -> Request:
         sampling = self.sampling(defaults)
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
                 raise BadRequestError(
                     f"prompt: one prompt per request is served, not a list of {len(prompt)}"

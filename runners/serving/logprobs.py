@@ -127,8 +127,14 @@ def legacy(tokens: tuple[Described, ...], offset: int) -> dict[str, Any]:
     return {
         "tokens": [d.chosen.text for d in tokens],
         "token_logprobs": [d.chosen.logprob for d in tokens],
-        "top_logprobs": [
-            None if d.chosen.logprob is None else {c.text: c.logprob for c in d.top} for d in tokens
-        ],
+        "top_logprobs": [None if d.chosen.logprob is None else _top(d) for d in tokens],
         "text_offset": offsets,
     }
+
+
+def _top(d: Described) -> dict[str, float | None]:
+    """A token's legacy `top_logprobs`: the top ones, and the sampled token beside them when it
+    is not among them (OpenAI's API and vLLM: up to logprobs+1 entries)."""
+    top: dict[str, float | None] = {c.text: c.logprob for c in d.top}
+    top.setdefault(d.chosen.text, d.chosen.logprob)
+    return top
