@@ -40,6 +40,7 @@ from .errors import (
     incomplete_message,
     message,
     quiet_broken_pipe,
+    usage_error,
 )
 from .inputs import Job, collect_jobs
 from .progress import PlainPhases
@@ -236,6 +237,12 @@ def _with_grammar(
     o.refuse_for_endpoint(generation.remote.endpoint, given)
     if generation.reply.draft or generation.reply.draft_model:
         o.refuse_given(given, "speculative decoding does not check drafts against it")
+    if params.stop and (json_schema or grammar):  # a stop string would cut the grammar's JSON
+        flag = "--json-schema" if json_schema else "--grammar"
+        usage_error(
+            f"--stop, {flag}: a stop string cuts the answer the grammar keeps whole;"
+            " give one or the other"
+        )
     return dataclasses.replace(params, grammar=o.read_grammar(json_schema, grammar))
 
 

@@ -106,6 +106,9 @@ def test_a_missing_file_and_options_that_clash(
     assert drafted.exit_code != 0 and "--grammar: speculative decoding" in drafted.stderr
     remote = cli.invoke(app, ["run", "x", "--grammar", gbnf, "--endpoint", "http://127.0.0.1:9"])
     assert remote.exit_code != 0 and "--grammar: local-engine options" in remote.stderr
+    stopped = cli.invoke(app, ["run", "x", "--json-schema", schema, "--stop", ","])
+    assert stopped.exit_code == 2  # a stop string would cut the JSON and pass it as finished
+    assert "--stop, --json-schema: a stop string cuts the answer" in stopped.stderr
 
 
 def test_the_answer_is_json_the_schema_accepts(

@@ -187,3 +187,37 @@ def test_a_pattern_with_alternatives_gives_a_json_string(server: Server) -> None
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert json.loads(choice["message"]["content"]) in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "response_format": json_schema(
+                    {
+                        "type": "object",
+                        "properties": {"name": {"type": "string", "maxLength": 12}},
+                        "required": ["name"],
+                        "additionalProperties": False,
+                    }
+                )
+            },
+            "response_format",
+        ),
+        (forced_tool({"type": "object", "properties": {"a": {"type": "string"}}}), "tools"),
+    ],
+)
+def test_a_stop_string_beside_a_grammar_is_a_400_naming_stop(
+    server: Server, fields: dict[str, Any], field: str
+) -> None:
+    """A stop string inside the grammar's JSON would cut it and end the answer with `stop`,
+    the reason a finished, valid answer gets (issue 31: valid JSON every time, or a clear
+    finish_reason): so `stop` is refused beside a grammar."""
+    body = chat("Give a city as JSON.", max_tokens=60, temperature=0, stop=[","], **fields)
+    r = server.post(CHAT, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"stop: not served together with {field}")
+    free = server.post(CHAT, chat("Hi", max_tokens=2, temperature=0, stop=[","]))
+    assert free.status_code == 200, free.text  # stop without a grammar stays served

@@ -175,6 +175,11 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         req = body.request(s.defaults)
         grammar, logprobs = body.grammar(), body.logprob_count()
         plan = body.tool_plan() if isinstance(body, ChatBody) else None
+        if grammar is not None and body.stop:  # it would cut the JSON the grammar keeps whole
+            raise BadRequestError(
+                f"stop: not served together with {body.grammar_field()} (a stop string would"
+                " cut the grammar's JSON and pass it off as finished); leave stop out"
+            )
         if grammar is not None:  # refused here, not by the engine once admitted (a 500)
             await run_in_threadpool(check_parses, s.runner.vocab(), grammar, body.grammar_field())
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
