@@ -358,7 +358,7 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
                 f"prefill {ms(p_ms / 1000)} for {p_n} tokens"
                 f" ({t.cache_n or 0} cached) · {tps(rate(p_n, p_ms / 1000))}"
                 f" · decode {ms(d_ms / 1000)} for {d_n} tokens"
-                f" · {tps(rate(d_n, d_ms / 1000))}",
+                f" · {tps(t.decode_tps)}",
             ),
             (
                 "network",

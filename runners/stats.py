@@ -158,6 +158,15 @@ class ServerTimings:
     predicted_ms: float | None = None
     cache_n: int | None = None
 
+    @property
+    def decode_tps(self) -> float | None:
+        """The server's decode rate over its decode steps, predicted_n - 1 (the first token
+        comes with the prefill): llama-server's predicted_per_second, serve's and run's own
+        local decode rate, one definition."""
+        if self.predicted_n is None or self.predicted_ms is None:
+            return None
+        return rate(self.predicted_n - 1, self.predicted_ms / 1000)
+
 
 @dataclass(frozen=True)
 class ServerReport:

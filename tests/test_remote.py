@@ -163,7 +163,7 @@ def test_stream_with_usage_and_server_timings(cli: CliRunner, home: Path) -> Non
     err = " ".join(result.stderr.split())
     assert "prompt 12 tokens (8 new, 4 cached)" in err
     assert "server prefill 4.0 ms for 8 tokens (4 cached)" in err
-    assert "decode 50.0 ms for 6 tokens · 120.0 tok/s" in err
+    assert "decode 50.0 ms for 6 tokens · 100.0 tok/s" in err  # 5 decode steps in 50 ms
     assert "of the TTFT was network and queueing" in err
     stats = json.loads(as_json.stderr.strip().splitlines()[-1])
     assert stats["server_prompt_ms"] == 4.0 and stats["network_queue_ms"] is not None
