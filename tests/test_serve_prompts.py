@@ -267,6 +267,17 @@ def test_sharegpt_is_read_and_sampled_as_vllm_does(tmp_path: Path) -> None:
         data.sample(_words, count=7, seed=3, output_len=64)
 
 
+def test_a_given_output_len_overrides_the_datas_as_vllms_sharegpt_output_len(
+    tmp_path: Path,
+) -> None:
+    data = read_dataset(_sharegpt(tmp_path / "share.json"))
+    sampled = data.sample(_words, count=6, seed=3, output_len=32, fixed=True)
+    assert {p.max_tokens for p in sampled} == {32}
+    assert [p.text for p in sampled] == [
+        p.text for p in data.sample(_words, count=6, seed=3, output_len=64)
+    ]
+
+
 def test_vllms_length_filters() -> None:
     assert valid_lengths(4, 4) and valid_lengths(1024, 1024)
     assert not valid_lengths(3, 100) and not valid_lengths(100, 3)
@@ -402,6 +413,21 @@ def test_shared_prefix_is_for_random_prompts_only(cli: CliRunner, tmp_path: Path
     result = cli.invoke(app, ["bench", "serve", "--dataset", str(path), "--shared-prefix", "4"])
     assert result.exit_code == 2
     assert "--shared-prefix: random prompts only" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--input-len", "--range-ratio"])
+def test_random_lengths_options_are_refused_with_a_dataset(
+    cli: CliRunner, tmp_path: Path, flag: str
+) -> None:
+    """With --dataset the lengths come from the data: --input-len and --range-ratio would be
+    silently ignored, so they are a usage error naming both flags."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine fine fine fine"}\n')
+    result = cli.invoke(
+        app, ["bench", "serve", "--dataset", str(path), flag, "0.5" if "ratio" in flag else "64"]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"{flag}: random prompts only, not with --dataset" in result.stderr
 
 
 # ---- this machine's engine ---------------------------------------------------------------------

@@ -25,6 +25,8 @@ from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
+    DEFAULT_INPUT_LEN,
+    DEFAULT_OUTPUT_LEN,
     DEFAULT_POLICIES,
     ServeOptions,
     parse_concurrency,
@@ -39,7 +41,6 @@ from . import output as out
 from .serving import (
     Model1,
     Output,
-    OutputLen,
     Policies,
     Screen,
     Seed,
@@ -115,17 +116,37 @@ class LoadOptions(OptionRecord):
     num_prompts: Annotated[int, _opt("Requests per concurrency level.", "--num-prompts", min=1)] = (
         16
     )
-    input_len: Annotated[int, _opt("Mean prompt length in tokens.", "--input-len", min=1)] = 128
-    output_len: OutputLen = 64
-    range_ratio: Annotated[
-        float,
+    input_len: Annotated[
+        int | None,
         _opt(
-            "Lengths uniform within ±this share of the mean (vLLM's random-range-ratio).",
+            "Mean prompt length in tokens. (default: 128)",
+            "--input-len",
+            min=1,
+            show_default=False,
+        ),
+    ] = None
+    output_len: Annotated[
+        int | None,
+        _opt(
+            "Mean output length in tokens; with --dataset, every request's, over the data's"
+            " (vLLM's --sharegpt-output-len). (default: 64; with --dataset, the data's, or 64"
+            " for a JSONL line without one)",
+            "--output-len",
+            min=1,
+            show_default=False,
+        ),
+    ] = None
+    range_ratio: Annotated[
+        float | None,
+        _opt(
+            "Lengths uniform within ±this share of the mean (vLLM's random-range-ratio)."
+            " (default: 0)",
             "--range-ratio",
             min=0.0,
             max=0.99,
+            show_default=False,
         ),
-    ] = 0.0
+    ] = None
     shared_prefix: Annotated[
         int,
         _opt(
@@ -140,8 +161,8 @@ class LoadOptions(OptionRecord):
         _opt(
             "Real prompts: ShareGPT JSON (vLLM's sharegpt loader) or JSONL ('prompt' and"
             " optionally 'output_len' a line). Lengths come from the data, filtered as vLLM"
-            " does; --num-prompts are sampled with --seed. --input-len and --range-ratio"
-            " do not apply.",
+            " does; --num-prompts are sampled with --seed. Not with --input-len,"
+            " --range-ratio or --shared-prefix.",
             "--dataset",
             parser=existing_file,
             metavar="FILE",
@@ -173,15 +194,23 @@ class LoadOptions(OptionRecord):
     def serve_options(self, *, endpoint: str | None, seed: int, policy: str) -> ServeOptions:
         """The job's record, each list parsed and the dataset read; the local engine's policies
         without a server."""
-        if self.dataset is not None and self.shared_prefix:
-            usage_error("--shared-prefix: random prompts only, not with --dataset")
+        if self.dataset is not None:  # the data's lengths: these would be silently ignored
+            given = {
+                "--input-len": self.input_len,
+                "--range-ratio": self.range_ratio,
+                "--shared-prefix": self.shared_prefix,
+            }
+            for flag, value in given.items():
+                if value is not None and value != 0:
+                    usage_error(f"{flag}: random prompts only, not with --dataset")
         return ServeOptions(
             concurrency=parse_concurrency(*self.levels(endpoint)),
             request_rate=parse_rate(self.request_rate),
             num_prompts=self.num_prompts,
-            input_len=self.input_len,
-            output_len=self.output_len,
-            range_ratio=self.range_ratio,
+            input_len=DEFAULT_INPUT_LEN if self.input_len is None else self.input_len,
+            output_len=DEFAULT_OUTPUT_LEN if self.output_len is None else self.output_len,
+            range_ratio=self.range_ratio or 0.0,
+            output_len_given=self.output_len is not None,
             warmup=(1 if endpoint else 0) if self.warmup is None else self.warmup,
             percentiles=parse_percentiles(self.percentiles),
             slo=parse_slo(self.slo),

@@ -494,6 +494,7 @@ def level_prompts(
             count=levels * (n + w),
             seed=options.seed,
             output_len=options.output_len,
+            fixed=options.output_len_given,
             progress=tick,
         )
         rounds = [sampled[i * (n + w) : (i + 1) * (n + w)] for i in range(levels)]

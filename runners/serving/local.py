@@ -89,7 +89,11 @@ def round_prompts(
 
         w = options.warmup
         sampled = options.dataset.sample(
-            counted, count=options.num_prompts + w, seed=options.seed, output_len=options.output_len
+            counted,
+            count=options.num_prompts + w,
+            seed=options.seed,
+            output_len=options.output_len,
+            fixed=options.output_len_given,
         )
         tokens = [(tuple(runner.tokenize(p.text, add_special=True)), p.max_tokens) for p in sampled]
         warm = [(t, min(n, 16)) for t, n in tokens[:w]]

@@ -115,6 +115,10 @@ class Stage:
     unit: str = "requests"
 
 
+DEFAULT_INPUT_LEN = 128  # bench serve's --input-len and --output-len when not given
+DEFAULT_OUTPUT_LEN = 64
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """The serving load (vLLM's random dataset and metrics), against a server or this engine."""
@@ -132,6 +136,9 @@ class ServeOptions:
     policies: tuple[Policy, ...] = ()  # the local engine's scheduling policies
     shared_prefix: int = 0  # tokens every prompt starts with, on purpose (vLLM's random-prefix-len)
     dataset: Dataset | None = None  # real prompts and lengths, in place of random ones
+    # --output-len given: with a dataset, every request's output length over the data's
+    # (vLLM's --sharegpt-output-len); otherwise the data's, and output_len for a line without
+    output_len_given: bool = False
 
     def __post_init__(self) -> None:
         check_prompts(self.num_prompts, self.input_len, self.shared_prefix)

@@ -278,11 +278,13 @@ class Dataset:
         count: int,
         seed: int,
         output_len: int,
+        fixed: bool = False,
         progress: Callable[[], None] | None = None,
     ) -> list[PromptSpec]:
         """`count` requests as vLLM samples them: the entries shuffled with the seed, each
         counted in tokens and kept if vLLM's filters pass it, until there are enough. A JSONL
-        line without an output length gets `output_len`."""
+        line without an output length gets `output_len`; `fixed`: every entry does (vLLM's
+        --sharegpt-output-len overrides the data's lengths so)."""
         order = list(range(len(self.entries)))
         random.Random(seed).shuffle(order)
         out: list[PromptSpec] = []
@@ -291,7 +293,9 @@ class Dataset:
                 break
             entry = self.entries[i]
             n_in = count_tokens(entry.prompt)
-            if entry.output_len is not None:
+            if fixed:
+                n_out = output_len
+            elif entry.output_len is not None:
                 n_out = entry.output_len
             elif entry.answer is not None:
                 n_out = count_tokens(entry.answer)
