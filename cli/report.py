@@ -219,9 +219,20 @@ def memory_text(st: EngineSettings) -> str:
         return ""
     weights = " + ".join(f"{mib(n)} {name}" for name, n in m.weights.items()) or "-"
     per_token = f"{m.kv_bytes_per_token / 1024:.1f} KiB/token"
-    kv = f"KV {mib(m.kv_bytes)} ({per_token}, {st.type_k}/{st.type_v})"
+    kv_split, compute_split = _split(m.kv), _split(m.compute)
+    kv_split = f"{kv_split}; " if kv_split else ""
+    compute = f"compute {mib(m.compute_bytes)}" + (f" ({compute_split})" if compute_split else "")
+    kv = f"KV {mib(m.kv_bytes)} ({kv_split}{per_token}, {st.type_k}/{st.type_v})"
     rss = f" · peak RSS {mib(m.peak_rss_bytes)}" if m.peak_rss_bytes else ""
-    return f"weights {weights} · {kv} · compute {mib(m.compute_bytes)}{rss}"
+    return f"weights {weights} · {kv} · {compute}{rss}"
+
+
+def _split(buffers: dict[str, int]) -> str:
+    """A total's part on each device ('2.1 MiB CPU + 3.6 MiB RPC0[127.0.0.1:50052]'), where
+    more than one holds some (each layer's KV sits on its layer's device); '' otherwise."""
+    if len(buffers) < 2:
+        return ""
+    return " + ".join(f"{mib(n)} {name}" for name, n in buffers.items())
 
 
 def cache_text(st: EngineSettings | None) -> str:

@@ -21,18 +21,23 @@ _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+
 
 def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
     """llama.cpp's own account of its buffers (`CPU_Mapped model buffer size = 92.10 MiB`,
-    `CPU KV buffer size`, `CPU compute buffer size`), read from its log of this load."""
-    weights: dict[str, int] = {}
-    sizes = {"KV": 0, "compute": 0, "output": 0}
+    `CPU KV buffer size`, `CPU compute buffer size`), read from its log of this load, per
+    buffer (`RPC0[127.0.0.1:50052] KV buffer size`: the KV of the layers on that server)."""
+    buffers: dict[str, dict[str, int]] = {"model": {}, "KV": {}, "compute": {}, "output": {}}
     for line in log:
         for name, kind, mib in _BUFFER.findall(line):
-            size = round(float(mib) * 2**20)
-            if kind == "model":
-                weights[name] = weights.get(name, 0) + size
-            else:
-                sizes[kind] += size
+            per = buffers[kind]  # each kind per buffer: with --rpc, RPC0[host:port]'s own
+            per[name] = per.get(name, 0) + round(float(mib) * 2**20)
+    kv, compute = buffers["KV"], buffers["compute"]
     return MemoryReport(
-        weights, sizes["KV"], sizes["compute"], sizes["output"], n_ctx, peak_rss_bytes()
+        buffers["model"],
+        sum(kv.values()),
+        sum(compute.values()),
+        sum(buffers["output"].values()),
+        n_ctx,
+        peak_rss_bytes(),
+        kv=kv,
+        compute=compute,
     )
 
 

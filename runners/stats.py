@@ -96,6 +96,10 @@ class MemoryReport:
     n_ctx: int = 0
     peak_rss_bytes: int | None = None  # the process's peak resident memory after the load
     file_resident_before: float | None = None  # the model file's share in the page cache
+    # kv_bytes and compute_bytes per buffer, as weights: each layer's KV sits on its layer's
+    # device (CPU, CUDA0, RPC0[host:port]); {} where llama.cpp's log named none
+    kv: dict[str, int] = field(default_factory=dict)
+    compute: dict[str, int] = field(default_factory=dict)
 
     @property
     def weights_bytes(self) -> int:

@@ -26,14 +26,15 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.cli.report import summary_rows
+from llmrun.cli.report import memory_text, summary_rows
 from llmrun.runners import rpc
 from llmrun.runners.errors import BadRequestError, EngineAbortError, LlmrunError
 from llmrun.runners.limits import engine_bounds
-from llmrun.runners.load_record import layers_by_device
+from llmrun.runners.load_record import layers_by_device, memory_report
 from llmrun.runners.stats import GenerationStats
 
 from .conftest import HANG_S, ROOT, free_port, which_llmrun
+from .fake import FAKE_SETTINGS
 
 PROMPT = "Write a haiku about rivers."
 
@@ -434,6 +435,30 @@ def test_layers_are_counted_per_device_from_the_load_log() -> None:
     assert layers_by_device(log) == {"CPU": 1, "RPC0": 1, "RPC1": 2}
 
 
+def test_the_kv_cache_and_compute_buffers_are_given_per_device() -> None:
+    """llama.cpp puts each layer's KV on that layer's device and says so, buffer by buffer:
+    the memory line gives each part beside the total, as it gives the weights."""
+    server = "RPC0[127.0.0.1:50052]"
+    log = [
+        "load_tensors:   CPU_Mapped model buffer size =    60.00 MiB\n",
+        f"load_tensors: {server} model buffer size =    40.00 MiB\n",
+        "llama_kv_cache:        CPU KV buffer size =     2.06 MiB\n",
+        f"llama_kv_cache: {server} KV buffer size =     3.56 MiB\n",
+        "sched_reserve:        CPU compute buffer size =     8.00 MiB\n",
+        f"sched_reserve: {server} compute buffer size =     2.00 MiB\n",
+    ]
+    m = memory_report(log, 256)
+    assert m.kv == {"CPU": round(2.06 * 2**20), server: round(3.56 * 2**20)}
+    assert m.kv_bytes == sum(m.kv.values()) and m.compute_bytes == 10 * 2**20
+    line = memory_text(dataclasses.replace(FAKE_SETTINGS, memory=m))
+    assert f"KV 5.6 MiB (2.1 MiB CPU + 3.6 MiB {server}; " in line, line
+    assert f"compute 10.0 MiB (8.0 MiB CPU + 2.0 MiB {server})" in line, line
+    alone = memory_report([log[2], log[4]], 256)  # one device: the line as it was
+    assert "KV 2.1 MiB (8.2 KiB/token" in memory_text(
+        dataclasses.replace(FAKE_SETTINGS, memory=alone)
+    )
+
+
 # ---- the built backend and real servers ----------------------------------------------------
 
 
@@ -547,6 +572,26 @@ def test_greedy_output_split_over_two_servers_is_the_local_output(
     assert f"RPC0 {first} (10 layers), RPC1 {second} (10 layers)" in split.stderr
     assert "ngl 20/31" in split.stderr
     assert f"RPC0[{first}]" in split.stderr and f"[{second}]" in split.stderr  # memory line
+
+
+def test_the_memory_line_names_each_devices_kv_with_rpc(
+    two_servers: tuple[list[subprocess.Popen[bytes]], str], llmrun_env: dict[str, str]
+) -> None:
+    """With -ngl 20, llama.cpp puts 20 of the 31 layers' KV on the servers (its log:
+    'llama_kv_cache: RPC0[host:port] KV buffer size'): issue 31 asks every figure to name per
+    device its layers and memory, so the KV is not one total."""
+    _, servers = two_servers
+    first, second = servers.split(",")
+    split = _llmrun(
+        ["run", "--temp", "0", "-n", "4", "-c", "256", "-ngl", "20", "--rpc", servers, PROMPT],
+        llmrun_env,
+    )
+    assert split.returncode == 0, split.stderr
+    (memory,) = [line for line in split.stderr.splitlines() if line.startswith("memory")]
+    kv = memory.split(" KV ", 1)[1].split("KiB/token", 1)[0]
+    assert f"RPC0[{first}]" in kv and f"[{second}]" in kv, memory  # llama.cpp's buffer names
+    # llama.cpp's own log: 'CPU KV buffer size = 2.06 MiB', 11 layers x 256 x 768 bytes
+    assert "2.1 MiB CPU" in kv, memory
 
 
 def test_bench_records_rpc_as_llama_bench(
