@@ -221,3 +221,31 @@ def test_a_stop_string_beside_a_grammar_is_a_400_naming_stop(
     assert r.json()["error"]["message"].startswith(f"stop: not served together with {field}")
     free = server.post(CHAT, chat("Hi", max_tokens=2, temperature=0, stop=[","]))
     assert free.status_code == 200, free.text  # stop without a grammar stays served
+
+
+def test_the_servers_own_stop_strings_stay_out_of_a_grammars_json(
+    serve_env: dict[str, str],  # noqa: F811
+) -> None:
+    """`serve --stop ,` sets every request's default stop strings; one with a grammar did not
+    ask for them, and a comma inside its JSON would cut it: they do not apply there."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "country": {"type": "string", "maxLength": 12},
+        },
+        "required": ["name", "country"],
+        "additionalProperties": False,
+    }
+    body = chat(
+        "Give a city as JSON.",
+        max_tokens=60,
+        temperature=0,
+        response_format=json_schema(schema),
+    )
+    with llmrun_serve(serve_env, "--no-dashboard", "--stop", ",") as s:
+        r = s.post(CHAT, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert set(json.loads(choice["message"]["content"])) == {"name", "country"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -180,6 +181,8 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
                 f"stop: not served together with {body.grammar_field()} (a stop string would"
                 " cut the grammar's JSON and pass it off as finished); leave stop out"
             )
+        if grammar is not None and req.sampling.stop:  # serve --stop's: not inside the JSON
+            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=()))
         if grammar is not None:  # refused here, not by the engine once admitted (a 500)
             await run_in_threadpool(check_parses, s.runner.vocab(), grammar, body.grammar_field())
         tokens = await run_in_threadpool(s.runner.request_tokens, req)
