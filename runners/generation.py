@@ -272,6 +272,39 @@ def _prefill(
     return done
 
 
+class _NoWait:
+    """ServerWait's face without servers: each step's calls cost nothing extra."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def count(self) -> None: ...
+
+
+def _fed_tokens(model: Model, sp: SamplingParams) -> list[int]:
+    """llama-bench's tg: `std::rand() % n_vocab` after each step, unsampled (last first)."""
+    rng = random.Random(sp.seed or 0)
+    tokens = [rng.randrange(model.n_vocab) for _ in range(sp.max_tokens + 1)]
+    tokens.reverse()
+    return tokens
+
+
+def _end(
+    text: TextStream, made: int, max_tokens: int, cached: int, n_ctx: int, cancel: threading.Event
+) -> str | None:
+    """Why the generation ends after an output token, or None to go on."""
+    if text.stopped:
+        return FINISH_STOP
+    if made >= max_tokens:
+        return FINISH_LENGTH
+    if cached >= n_ctx:  # no room for the next token's KV entry
+        return FINISH_CONTEXT
+    if cancel.is_set():
+        return FINISH_INTERRUPTED
+    return None
+
+
 def _decode(
     kv: PrefixCache,
     model: Model,
@@ -304,12 +337,9 @@ def _decode(
     to_piece, feed, emit = model.to_piece, text.feed, parts.append
     times, cache = out.times, kv.tokens
     check_eog, max_tokens = not sp.ignore_eos, sp.max_tokens
-    feed_tokens: list[int] = []
-    if decode_only:  # llama-bench's tg: std::rand() % n_vocab after each step, unsampled
-        rng = random.Random(sp.seed or 0)
-        feed_tokens = [rng.randrange(model.n_vocab) for _ in range(max_tokens + 1)]
-        feed_tokens.reverse()
-        token = feed_tokens.pop()
+    fed = _fed_tokens(model, sp) if decode_only else []
+    if decode_only:
+        token = fed.pop()
     else:
         t_sample = perf()
         token = sample_c(ctx, -1)
@@ -320,7 +350,8 @@ def _decode(
     pending = token  # the next token not yet in the KV cache
     sample_s = call_s = 0.0
     calls = 0
-    wait = rpc.server_wait()  # --rpc: the steps' time waiting on the servers; None without
+    server_wait = rpc.server_wait()  # --rpc: the steps' time waiting on the servers
+    wait = server_wait or _NoWait()
     try:
         while True:
             in_kv = bool(queued)
@@ -330,62 +361,48 @@ def _decode(
                 out.finish = FINISH_STOP
                 break
             times.append(stamp)
-            if wait is not None:
-                wait.count()  # the step that made this token is in the decode phase
+            wait.count()  # the step that made this token is in the decode phase
             piece = "" if decode_only else feed(to_piece(token))
             emit(piece)
             thinking = tagger.tag(piece) if tagger is not None else False
             t_yield = perf()
             yield Token(len(times) - 1, piece, stamp, token, thinking)
             clock.paused_s += perf() - t_yield
-            if text.stopped:
-                out.finish = FINISH_STOP
-                break
-            if len(times) >= max_tokens:
-                out.finish = FINISH_LENGTH
-                break
-            if len(cache) >= n_ctx:  # no room for the next token's KV entry
-                out.finish = FINISH_CONTEXT
-                break
-            if cancel.is_set():
-                out.finish = FINISH_INTERRUPTED
+            finish = _end(text, len(times), max_tokens, len(cache), n_ctx, cancel)
+            if finish is not None:
+                out.finish = finish
                 break
             if in_kv:
                 continue
             if drafter is not None:
                 room = min(n_ctx - len(cache) - 1, max_tokens - len(times))
-                if wait is not None:
-                    wait.start()
+                wait.start()
                 queued, pending = drafter.step(ctx, chain, token, max(0, room))
-                if wait is not None:
-                    wait.stop()
+                wait.stop()
                 continue
             one[0] = token
-            if wait is not None:
-                wait.start()
+            wait.start()
             t_call = perf()
             rc = decode_c(ctx, batch_one)
             if rc != 0:
                 raise EngineError(f"llama_decode failed during generation (code {rc})")
             sync_c(ctx)  # llama.cpp's eval counter stops here; the sample is timed apart
-            t_sample = perf()
-            call_s += t_sample - t_call
+            call_s += perf() - t_call
             calls += 1
-            if wait is not None:
-                wait.stop()
-                t_sample = perf()  # reading the wait is llmrun's own time, not sampling's
+            wait.stop()
             cache.append(token)
             if decode_only:
-                pending = feed_tokens.pop()
+                pending = fed.pop()
                 continue
+            t_sample = perf()  # after the wait's reading: that is llmrun's time, not sampling's
             pending = sample_c(ctx, -1)
             sample_s += perf() - t_sample
     finally:
         out.sample_s = sample_s
         out.call_s, out.calls = call_s, calls
-        if wait is not None:
-            wait.close()
-            out.rpc_wait_s = wait.seconds
+        if server_wait is not None:
+            server_wait.close()
+            out.rpc_wait_s = server_wait.seconds
         if drafter is not None:
             drafter.unused(len(queued))
             drafter.close()
