@@ -24,10 +24,10 @@ from typing import Any
 
 from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.grammar import response_grammar
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.serving.batching import Arrival, BatchedEngine
-from llmrun.runners.serving.grammar import response_grammar
 from llmrun.runners.serving.policy import Policy
 
 PROMPT = (

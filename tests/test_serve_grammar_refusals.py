@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.grammar import (
+from llmrun.runners.grammar import (
     MAX_CHOICES,
     check_parses,
     grammar_fault,
     schema_grammar,
 )
+from llmrun.runners.llamacpp import LlamaCppRunner
 
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 

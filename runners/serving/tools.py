@@ -47,8 +47,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage
 from llmrun.runners.errors import BadRequestError
-
-from .grammar import check_schema, schema_grammar
+from llmrun.runners.grammar import check_schema, schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GENERIC, HERMES = "generic", "hermes"  # the call formats: llmrun's system message, or <tool_call>

@@ -14,12 +14,16 @@ and path (`BadRequestError`: a 400 naming it).
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
 import json
 import re
+import threading
 from typing import Any
 
-from llmrun.runners.errors import BadRequestError
-from llmrun.runners.handles import GrammarSampler, Sampler
+from .errors import BadRequestError
+from .handles import GrammarSampler, Sampler
 
 WHERE = "response_format"
 # Keywords that ask nothing of the value: accepted anywhere.
@@ -351,14 +355,25 @@ def _covers_all(spans: list[tuple[int, int]]) -> bool:
     return reach >= 0x10FFFF
 
 
+PARSES = 0  # grammars handed to llama.cpp's parser in this process (the tests count them)
+
+
+def _parse(lib: Any, vocab: Any, grammar: str) -> Any:
+    """A grammar sampler from llama.cpp's parser (None: refused; the parser says why on C's
+    stderr). Every parse of llmrun's goes through here."""
+    global PARSES
+    PARSES += 1
+    return lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root") or None
+
+
 def parses(vocab: Any, grammar: str) -> bool:
     """Whether llama.cpp's own parser takes the grammar (`vocab` None: one without token
     references can be parsed before a model is loaded). The parser says why not on stderr."""
-    from llmrun.runners.library import llama_lib
+    from .library import llama_lib
 
     lib = llama_lib()
-    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-    if not ptr:
+    ptr = _parse(lib, vocab, grammar)
+    if ptr is None:
         return False
     lib.llama_sampler_free(ptr)
     return True
@@ -372,6 +387,126 @@ def check_parses(vocab: Any, grammar: str, where: str) -> None:
             f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
             " (a pattern it cannot read?)"
         )
+
+
+class _CStderr:
+    """C's own `stderr` stream, pointed at a temporary file while llama.cpp's grammar parser
+    runs: the parser writes its refusal there (the reason, then the whole grammar), not to the
+    log callback. Only C's stdio is redirected, never file descriptor 2, so what Python and
+    other threads write to stderr meanwhile (a server's log, its live view) is untouched."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.libc: Any = None
+        self.stream: Any = None  # the `stderr` variable of the C library
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            libc = ctypes.CDLL(None)
+            for name in ("stderr", "__stderrp"):  # glibc and musl; macOS
+                with contextlib.suppress(ValueError):
+                    self.stream = ctypes.c_void_p.in_dll(libc, name)
+                    break
+            libc.tmpfile.restype = ctypes.c_void_p
+            libc.tmpfile.argtypes = []
+            for fn in (libc.fflush, libc.rewind, libc.fclose):
+                fn.argtypes = [ctypes.c_void_p]
+            libc.fread.restype = ctypes.c_size_t
+            libc.fread.argtypes = [
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
+            self.libc = libc
+
+    def parse(self, lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:
+        """_parse's sampler, and the parser's reason when it refuses ("" when not known)."""
+        libc = self.libc
+        caught = libc.tmpfile() if libc is not None and self.stream is not None else None
+        if not caught:
+            return _parse(lib, vocab, grammar), ""
+        with self.lock:
+            saved, self.stream.value = self.stream.value, caught
+            try:
+                ptr = _parse(lib, vocab, grammar)
+            finally:
+                self.stream.value = saved
+        try:
+            libc.fflush(caught)
+            libc.rewind(caught)
+            buffer = ctypes.create_string_buffer(4096)
+            said = buffer.raw[: libc.fread(buffer, 1, len(buffer), caught)]
+        finally:
+            libc.fclose(caught)
+        if ptr is not None:
+            return ptr, ""
+        first = next((ln for ln in said.decode("utf-8", "replace").splitlines() if ln), "")
+        reason = " ".join(first.partition("error parsing grammar:")[2].split())
+        reason = "".join(c if c.isprintable() else "?" for c in reason)
+        return None, reason if len(reason) <= 100 else reason[:99] + "…"
+
+
+_C_STDERR: _CStderr | None = None
+
+
+def _c_stderr() -> _CStderr:
+    global _C_STDERR
+    if _C_STDERR is None:
+        _C_STDERR = _CStderr()
+    return _C_STDERR
+
+
+class Grammars:
+    """The grammars one loaded model's server has parsed, each parsed once: a request's check
+    parses its grammar (or finds it here), and the engine's sequence gets a copy of the parsed
+    grammar (`llama_sampler_clone` copies its rules and state; nothing is parsed again). A
+    grammar llama.cpp refuses is kept as its reason, so asking again parses and prints nothing.
+    Safe from any thread; `close` before the model is freed (the parsed grammars point into its
+    vocabulary)."""
+
+    SIZE = 16  # distinct grammars kept (the oldest one goes)
+
+    def __init__(self, lib: Any, vocab: Any) -> None:
+        self.lib, self.vocab = lib, vocab
+        self._lock = threading.Lock()
+        self._parsed: collections.OrderedDict[str, tuple[Any, str]] = collections.OrderedDict()
+
+    def _get(self, grammar: str) -> tuple[Any, str]:
+        with self._lock:
+            found = self._parsed.get(grammar)
+            if found is not None:
+                self._parsed.move_to_end(grammar)
+                return found
+            found = _c_stderr().parse(self.lib, self.vocab, grammar)
+            self._parsed[grammar] = found
+            while len(self._parsed) > self.SIZE:
+                ptr, _ = self._parsed.popitem(last=False)[1]
+                if ptr is not None:
+                    self.lib.llama_sampler_free(ptr)
+            return found
+
+    def check(self, grammar: str, where: str) -> None:
+        """check_parses, with the parser's reason and without its print on stderr."""
+        ptr, reason = self._get(grammar)
+        if ptr is None:
+            raise BadRequestError(
+                f"{where}: llama.cpp's grammar parser refuses the grammar made from it: "
+                + (reason or "a pattern it cannot read?")
+            )
+
+    def fresh(self, grammar: str) -> Any:
+        """A new grammar sampler for one sequence (None: llama.cpp refuses the grammar)."""
+        ptr = self._get(grammar)[0]
+        if ptr is None:
+            return None
+        with self._lock:  # not freed by another thread's eviction meanwhile
+            return self.lib.llama_sampler_clone(ptr)
+
+    def close(self) -> None:
+        with self._lock:
+            for ptr, _ in self._parsed.values():
+                if ptr is not None:
+                    self.lib.llama_sampler_free(ptr)
+            self._parsed.clear()
 
 
 # llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
@@ -599,18 +734,21 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
         raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
-def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) -> Sampler:
+def add_grammar(
+    chain: Sampler, vocab: Any, grammar: str, where: str = WHERE, parsed: Grammars | None = None
+) -> Sampler:
     """`chain` (which the new sampler owns) held to the grammar as llama.cpp's
     `common_sampler` does: the chain samples, the grammar checks only the chosen token, and
     masks every candidate only when it refuses it (`GrammarSampler`). `chain` must have seen
     the prompt already (a grammar sampler accepts only the answer's tokens). BadRequestError
-    when llama.cpp cannot parse it."""
+    when llama.cpp cannot parse it. With `parsed` (a server's), the grammar is parsed once
+    there and copied here."""
     lib = chain.lib
     fault = _token_fault(lib, vocab, grammar)
     if fault is not None:
         chain.close()
         raise BadRequestError(f"{where}: {fault}")
-    grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    grammar_ptr = _parse(lib, vocab, grammar) if parsed is None else parsed.fresh(grammar)
     if not grammar_ptr:
         chain.close()
         raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it")
