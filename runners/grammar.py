@@ -17,7 +17,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -300,10 +302,141 @@ def check_gbnf(grammar: str, where: str) -> None:
 
 def gbnf_fault(grammar: str) -> str | None:
     """What in a GBNF grammar given as it is (run --grammar) would leave llama.cpp's sampler no
-    token to sample, which aborts the process: a NUL, a lone surrogate, a character class no
-    character matches (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
+    token to sample, or that its sampler would throw on, both of which abort the process: a
+    NUL, a lone surrogate, a character class no character matches, a negated token reference
+    right after text (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
     fault = grammar_fault(_GBNF_ITEM.sub(lambda m: "" if m[0][0] == "#" else m[0], grammar))
-    return fault if fault in (NUL, NOTHING, SURROGATE) else None
+    if fault in (NUL, NOTHING, SURROGATE):
+        return fault
+    return _negation_fault(grammar)
+
+
+def _negation_fault(grammar: str) -> str | None:
+    if not any(m[0].startswith("!<") for m in _GBNF_ITEM.finditer(grammar)):
+        return None
+    where = negated_token_after_text(grammar)
+    if where is None:
+        return None
+    return (
+        f"a negated token (!<...>) right after text ({where}): llama.cpp checks it by the"
+        " token's id alone, and a token that spans the text and it aborts the process (put"
+        " !<...> at the start or after another token)"
+    )
+
+
+# A GBNF grammar's pieces, for the token check below: a literal, a character class, a token
+# reference, `.`, a rule's name (with its `::=`), a repetition, a group's parentheses, `|`.
+_GBNF_PIECE = re.compile(
+    r'(?P<lit>"(?:\\.|[^"\\])*")|(?P<cls>\[(?:\\.|[^\]\\])*\])|(?P<tok>!?<[^>]*>)'
+    r"|(?P<any>\.)|(?P<rule>[A-Za-z0-9-]+\s*::=)|(?P<ref>[A-Za-z0-9-]+)"
+    r"|(?P<rep>[*+?]|\{\s*\d*\s*(?:,\s*\d*\s*)?\})|(?P<sym>[()|])|#[^\r\n]*|\s+",
+    re.S,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What an item of a grammar may be, as far as token references go: whether it may match
+    nothing, may begin with a negated token reference (!<...>), may end with text."""
+
+    empty: bool
+    begins_not: bool
+    ends_text: bool
+
+
+_TEXT = _Shape(False, False, True)
+
+
+def _then(a: _Shape, b: _Shape) -> _Shape:
+    return _Shape(
+        a.empty and b.empty,
+        a.begins_not or (a.empty and b.begins_not),
+        b.ends_text or (b.empty and a.ends_text),
+    )
+
+
+def _either(a: _Shape, b: _Shape) -> _Shape:
+    return _Shape(a.empty or b.empty, a.begins_not or b.begins_not, a.ends_text or b.ends_text)
+
+
+def negated_token_after_text(grammar: str) -> str | None:
+    """A negated token reference (!<[id]>, !<text>) that the grammar may ask for right after
+    text: the rule and the reference, or None. llama.cpp 0.3.36 checks a token against such a
+    reference by its id alone, so a token whose text ends what comes before and goes on (\"yes\"
+    where the grammar asks for "y" !<[5]>) passes the check and then matches nothing: its
+    sampler throws through the C API and the process aborts. At the start of the answer, or
+    after another token reference, a token boundary is certain and nothing spans it. The
+    grammar must be one llama.cpp's parser takes."""
+    pieces = [(m.lastgroup, m[0]) for m in _GBNF_PIECE.finditer(grammar) if m.lastgroup is not None]
+    rules: dict[str, list[tuple[str | None, str]]] = {}
+    name = ""
+    for kind, text in pieces:
+        if kind == "rule":
+            name = text.partition(":")[0].strip()
+            rules.setdefault(name, []).append(("sym", "|"))  # a rule defined twice: alternatives
+        else:
+            rules.setdefault(name, []).append((kind, text))
+    shapes = {rule: _Shape(False, False, False) for rule in rules}
+    found: list[str] = []
+
+    def shape_of(items: list[tuple[str | None, str]], rule: str, check: bool) -> _Shape:
+        """The shape of alternatives, the items up to a ')' popped off the end of `items`
+        (reversed: the next item is last)."""
+        alternatives: _Shape | None = None
+        seq = _Shape(True, False, False)
+        while items:
+            kind, text = items.pop()
+            if kind == "sym" and text == ")":
+                break
+            if kind == "sym" and text == "|":
+                alternatives = seq if alternatives is None else _either(alternatives, seq)
+                seq = _Shape(True, False, False)
+                continue
+            if kind == "sym":  # "("
+                item = shape_of(items, rule, check)
+            elif kind == "tok":
+                item = _Shape(False, text.startswith("!"), False)
+            elif kind == "lit":
+                item = _TEXT if len(text) > 2 else _Shape(True, False, False)
+            elif kind == "ref":
+                item = shapes.get(text, _Shape(False, False, False))
+            else:  # a class, "."
+                item = _TEXT
+            while items and items[-1][0] == "rep":
+                rep = items.pop()[1]
+                more = rep in "*+" or (rep.startswith("{") and _bound(rep) > 1)
+                if check and more and item.ends_text and item.begins_not and not found:
+                    found.append(f"in rule '{rule}', a repetition")
+                empty = item.empty or rep in "*?" or (rep.startswith("{") and _least(rep) == 0)
+                item = _Shape(empty, item.begins_not, item.ends_text)
+            if check and seq.ends_text and item.begins_not and not found:
+                found.append(f"in rule '{rule}'")
+            seq = _then(seq, item)
+        return seq if alternatives is None else _either(alternatives, seq)
+
+    for _ in range(len(rules) + 1):  # until nothing changes: each round settles a rule more
+        new = {rule: shape_of(list(reversed(body)), rule, False) for rule, body in rules.items()}
+        if new == shapes:
+            break
+        shapes = new
+    for rule, body in rules.items():
+        shape_of(list(reversed(body)), rule, True)
+        if found:
+            return found[0]
+    return None
+
+
+def _least(rep: str) -> int:
+    low = rep.strip("{}").partition(",")[0].strip()
+    return int(low) if low else 0
+
+
+def _bound(rep: str) -> float:
+    """A {m}, {m,}, {m,n} repetition's most (inf when open)."""
+    low, comma, high = rep.strip("{}").partition(",")
+    if not comma:
+        return int(low.strip() or 0)
+    return int(high) if high.strip() else math.inf
 
 
 def token_refs(grammar: str) -> list[str]:
@@ -316,6 +449,9 @@ def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
     past the vocabulary (no token matches it), or an end-of-generation token (the sampler
     refuses one while the grammar still expects it)."""
     n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+    negation = _negation_fault(grammar)
+    if negation is not None:
+        return negation
     for ref in token_refs(grammar):
         if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
             token = int(by_id[1])
@@ -434,7 +570,8 @@ class _CStderr:
             libc.fflush(caught)
             libc.rewind(caught)
             buffer = ctypes.create_string_buffer(4096)
-            said = buffer.raw[: libc.fread(buffer, 1, len(buffer), caught)]
+            n = libc.fread(buffer, 1, len(buffer), caught)  # before .raw is read
+            said = buffer.raw[:n]
         finally:
             libc.fclose(caught)
         if ptr is not None:
@@ -553,10 +690,89 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
         return
     try:  # the check recurses once per level: a schema nested past Python's limit is refused
         _check_schema(schema, where, root)
+        loop = _ref_loop(root)
     except RecursionError:
         raise BadRequestError(
             f"{where}: nests too deep to be made a grammar (a few hundred levels at most)"
         ) from None
+    if loop is not None:
+        refs, bare = loop
+        path = " -> ".join(refs)
+        raise BadRequestError(
+            f"{where}: a $ref loop at {refs[0]} ({path}): the schema names itself and nothing"
+            " else, so no value can be written"
+            if bare
+            else f"{where}: left recursion at {refs[0]} ({path}): the schema can begin with"
+            " itself before any text, which llama.cpp's grammar cannot take (begin the"
+            " recursion inside an object or an array)"
+        )
+
+
+def _ref_target(root: dict[str, Any], ref: str) -> Any:
+    target: Any = root
+    for part in ref[2:].split("/"):
+        target = target[part.replace("~1", "/").replace("~0", "~")]
+    return target
+
+
+def _leading_refs(schema: Any) -> tuple[list[str], bool]:
+    """The $refs a value of `schema` may begin with before any of its own text (the grammar's
+    rule for it starts with theirs), and whether `schema` is a bare $ref."""
+    if not isinstance(schema, dict):
+        return [], False
+    if isinstance(schema.get("$ref"), str):
+        return [schema["$ref"]], True
+    found: list[str] = []
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            found += _leading_refs(option)[0]
+    return found, False
+
+
+def _all_refs(schema: Any) -> list[str]:
+    if isinstance(schema, list):
+        return [r for s in schema for r in _all_refs(s)]
+    if not isinstance(schema, dict):
+        return []
+    found = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            found += [r for sub in value.values() for r in _all_refs(sub)]  # named schemas
+        elif key not in VALUES:
+            found += _all_refs(value)
+    return found
+
+
+def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
+    """A cycle of $refs each of which the one before may begin with (a grammar rule that
+    begins with itself: left recursion, which llama.cpp refuses), as the refs in order with
+    the first again at the end, and whether every schema on it is a bare $ref (a loop that
+    names nothing else); None without one. The refs were checked to resolve."""
+    edges: dict[str, tuple[list[str], bool]] = {}
+    done: set[str] = set()
+    stack: list[str] = []  # the refs being followed, each begun by the one before
+
+    def visit(ref: str) -> list[str] | None:
+        if ref in stack:
+            return [*stack[stack.index(ref) :], ref]
+        if ref in done:
+            return None
+        stack.append(ref)
+        if ref not in edges:
+            edges[ref] = _leading_refs(_ref_target(root, ref))
+        for nxt in edges[ref][0]:
+            cycle = visit(nxt)
+            if cycle is not None:
+                return cycle
+        stack.pop()
+        done.add(ref)
+        return None
+
+    for start in dict.fromkeys(_all_refs(root)):
+        cycle = visit(start)
+        if cycle is not None:
+            return cycle, all(edges[r][1] for r in cycle[:-1])
+    return None
 
 
 def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:

@@ -211,11 +211,16 @@ def _distinct_defs(tools: tuple[Tool, ...]) -> None:
                     )
 
 
+PLANS = 0  # tool plans made in this process (the tests count them: one per request)
+
+
 def tool_plan(
     tools: Any, choice: Any, family: str = GENERIC, parallel: bool = True
 ) -> ToolPlan | None:
     """The plan a request's `tools` and `tool_choice` ask for; None when no tool is offered
     (no tools, or "none"). BadRequestError naming what is wrong or not served."""
+    global PLANS
+    PLANS += 1
     offered = _tools(tools)
     if choice is None:
         choice = "auto" if offered else "none"
