@@ -1,4 +1,6 @@
-"""Structured output: OpenAI's `response_format` as a llama.cpp grammar (GBNF).
+"""Structured output: a JSON schema (serve's `response_format` and forced tool calls, run's
+--json-schema) as a llama.cpp grammar (GBNF), and a GBNF grammar from outside (run's --grammar)
+checked before llama.cpp's sampler can abort on it.
 
 `{"type": "json_object"}` and `{"type": "json_schema", "json_schema": {"schema": ...}}` become a
 GBNF grammar through llama-cpp-python's converter (`llama_cpp.llama_grammar`, a port of
@@ -9,7 +11,10 @@ every token that would leave the grammar, so a finished answer is JSON the schem
 The converter quietly ignores what it cannot express (a `minimum`, a `uniqueItems`, a `format`
 it does not know, a `maxLength` beside a `pattern`); an answer would then break the schema it was
 promised. So every keyword is checked first, and one the grammar cannot keep is refused by name
-and path (`BadRequestError`: a 400 naming it).
+and path (`BadRequestError`: a 400 naming it, or run's one line).
+
+A server parses each grammar once (`Grammars`): the request's check parses it, the engine's
+sequence gets a copy of the parsed grammar.
 """
 
 from __future__ import annotations
