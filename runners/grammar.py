@@ -609,26 +609,46 @@ class Grammars:
 
     def __init__(self, lib: Any, vocab: Any) -> None:
         self.lib, self.vocab = lib, vocab
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for lookups and copies, never for a parse
         self._parsed: collections.OrderedDict[str, tuple[Any, str]] = collections.OrderedDict()
+        self._closed = False
 
-    def _get(self, grammar: str) -> tuple[Any, str]:
+    def _get(self, grammar: str, copy: bool) -> tuple[Any, str]:
+        """(the parsed grammar, or a copy of it when `copy`; None when refused, with the
+        parser's reason), parsing it when it is not kept here."""
         with self._lock:
             found = self._parsed.get(grammar)
             if found is not None:
                 self._parsed.move_to_end(grammar)
-                return found
-            found = _c_stderr().parse(self.lib, self.vocab, grammar)
-            self._parsed[grammar] = found
+                return self._copied(found, copy)
+        parsed = _c_stderr().parse(self.lib, self.vocab, grammar)  # other requests go on
+        with self._lock:
+            found = self._parsed.get(grammar)
+            if found is not None:  # another request parsed it meanwhile: that one is kept
+                if parsed[0] is not None:
+                    self.lib.llama_sampler_free(parsed[0])
+                return self._copied(found, copy)
+            if self._closed:  # nothing is kept now: the caller's copy, or only the verdict
+                if copy or parsed[0] is None:
+                    return parsed
+                self.lib.llama_sampler_free(parsed[0])
+                return True, ""
+            self._parsed[grammar] = parsed
             while len(self._parsed) > self.SIZE:
                 ptr, _ = self._parsed.popitem(last=False)[1]
                 if ptr is not None:
                     self.lib.llama_sampler_free(ptr)
-            return found
+            return self._copied(parsed, copy)
+
+    def _copied(self, found: tuple[Any, str], copy: bool) -> tuple[Any, str]:
+        ptr, reason = found
+        if ptr is None or not copy:
+            return ptr, reason
+        return self.lib.llama_sampler_clone(ptr), reason
 
     def check(self, grammar: str, where: str) -> None:
         """check_parses, with the parser's reason and without its print on stderr."""
-        ptr, reason = self._get(grammar)
+        ptr, reason = self._get(grammar, copy=False)
         if ptr is None:
             raise BadRequestError(
                 f"{where}: llama.cpp's grammar parser refuses the grammar made from it: "
@@ -636,15 +656,13 @@ class Grammars:
             )
 
     def fresh(self, grammar: str) -> Any:
-        """A new grammar sampler for one sequence (None: llama.cpp refuses the grammar)."""
-        ptr = self._get(grammar)[0]
-        if ptr is None:
-            return None
-        with self._lock:  # not freed by another thread's eviction meanwhile
-            return self.lib.llama_sampler_clone(ptr)
+        """A new grammar sampler for one sequence, the caller's to free (None: llama.cpp
+        refuses the grammar)."""
+        return self._get(grammar, copy=True)[0]
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for ptr, _ in self._parsed.values():
                 if ptr is not None:
                     self.lib.llama_sampler_free(ptr)
