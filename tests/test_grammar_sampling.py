@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from llmrun.runners.grammar import response_grammar, schema_grammar
 from llmrun.runners.handles import GrammarSampler, Sampler
 from llmrun.runners.llamacpp import LlamaCppRunner
 
+from .conftest import HANG_S
 from .test_run_grammar import CITY
 
 
@@ -154,3 +156,23 @@ def test_a_grammar_that_allows_no_token_is_an_engine_error_not_an_abort(
             chain._chosen()
     finally:
         chain.close()
+
+
+@pytest.mark.slow
+def test_the_benchmark_measures_both_tools_in_one_run(model_path: str) -> None:
+    """benchmarks/grammar.py, briefly: llmrun's and llama-server's figures for every mode, and
+    each grammar's ratio to unconstrained for both (what they are is the machine's business)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "grammar.py"
+    args = ["--model", model_path, "--rounds", "1", "--tokens", "12", "--threads", "1", "--json"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=HANG_S
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    modes = {"unconstrained", "json_object", "json_schema"}
+    assert set(out["runs"]) == set(out["llama_server"]["runs"]) == modes
+    for name in ("json_object", "json_schema"):
+        assert out["ratios"][name]["ms_per_token"] > 0
+        assert out["llama_server"]["ratios"][name]["ms_per_token"] > 0
+    (theirs,) = out["llama_server"]["runs"]["unconstrained"]
+    assert theirs["tokens"] == 12  # ignore_eos: exactly n_predict
