@@ -554,7 +554,7 @@ MAX_GRAMMAR_FILE_BYTES = 1 << 20  # as a grammar made from a schema (grammar.py)
 def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     """The grammar --json-schema FILE asks for (made as `serve` makes response_format's, with
     its refusals), or --grammar FILE's GBNF; None without either."""
-    from llmrun.runners.serving.grammar import (
+    from llmrun.runners.grammar import (
         check_gbnf,
         gbnf_fault,
         schema_grammar,
@@ -604,7 +604,7 @@ def _parse_refusal(grammar: str) -> str | None:
     """Why llama.cpp's parser refuses the grammar (None: it takes it), in one line: the parser
     writes its reason straight to file descriptor 2, so that is caught while it parses (the
     command has no display running yet)."""
-    from llmrun.runners.serving.grammar import parses
+    from llmrun.runners.grammar import parses
 
     sys.stderr.flush()
     with tempfile.TemporaryFile() as caught:

@@ -81,7 +81,7 @@ def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> S
     which the chain has seen already."""
     if grammar is None:
         return chain
-    from .serving.grammar import add_grammar
+    from .grammar import add_grammar
 
     assert model is not None
     return add_grammar(chain, model.vocab, grammar, "the grammar (--json-schema, --grammar)")

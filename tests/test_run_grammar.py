@@ -78,6 +78,30 @@ def test_the_grammar_reaches_the_runners_sampling(
         # llama.cpp's parser recurses once per group: 30,000 crashed it (SIGSEGV)
         ("deep.gbnf", "root ::= " + "(" * 30000 + '"a"' + ")" * 30000, "nests 30,000 groups"),
         ("noroot.gbnf", 'start ::= "a" # root ::= "b"\n', "noroot.gbnf: it has no rule 'root'"),
+        # llama.cpp aborted the process on the first token that spans "y" and !<[5]> ("yes")
+        ("neg.gbnf", 'root ::= "y" !<[5]> "x"\n', "neg.gbnf: a negated token (!<...>) right after"),
+        (
+            "loop.json",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"x": {"$ref": "#/$defs/a"}},
+                    "$defs": {"a": {"$ref": "#/$defs/a"}},
+                }
+            ),
+            "loop.json: schema: a $ref loop at #/$defs/a",
+        ),
+        (
+            "left.json",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"x": {"$ref": "#/$defs/a"}},
+                    "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
+                }
+            ),
+            "left.json: schema: left recursion at #/$defs/a",
+        ),
     ],
 )
 def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(
@@ -141,6 +165,16 @@ def test_a_token_the_sampler_would_abort_on_is_one_line(
     result = cli.invoke(app, ["run", "Say yes.", "--grammar", gbnf, "-n", "4", "-q"])
     assert result.exit_code == 1, result.stderr
     assert f"llmrun: error: the grammar (--json-schema, --grammar): {words}" in result.stderr
+
+
+def test_a_negated_token_at_a_token_boundary_is_followed(
+    cli: CliRunner, model_path: str, tmp_path: Path
+) -> None:
+    """At the start of the answer nothing spans the negated token: the grammar is kept."""
+    gbnf = write(tmp_path, "neg.gbnf", 'root ::= !<[5]> "x"\n')
+    result = cli.invoke(app, ["run", "Say yes.", "--grammar", gbnf, "-n", "6", "--temp", "0"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.rstrip("\n").endswith("x")
 
 
 def test_a_gbnf_grammar_is_followed(cli: CliRunner, model_path: str, tmp_path: Path) -> None:

@@ -9,20 +9,28 @@ Each is a 400 naming the request's field, and the server goes on serving.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from llmrun.runners import grammar as grammar_module
+from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.llamacpp import LlamaCppRunner
-from llmrun.runners.serving.grammar import (
+from llmrun.runners.grammar import (
     MAX_CHOICES,
+    Grammars,
     check_parses,
     grammar_fault,
+    negated_token_after_text,
     schema_grammar,
 )
+from llmrun.runners.library import llama_lib
+from llmrun.runners.llamacpp import LlamaCppRunner
+from llmrun.runners.serving.batching import Arrival, BatchedEngine
+from llmrun.runners.serving.policy import Policy
 
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
@@ -138,6 +146,123 @@ def test_llama_cpps_own_parser_is_the_last_gate(runner: LlamaCppRunner) -> None:
     check_parses(runner.vocab(), schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
 
 
+def in_property(defs: dict[str, Any]) -> dict[str, Any]:
+    """A schema whose property x is #/$defs/a, with these $defs."""
+    return {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/a"}},
+        "required": ["x"],
+        "$defs": defs,
+    }
+
+
+REF_LOOP = in_property({"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}})
+LEFT_RECURSION = in_property({"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}})
+
+
+def test_a_ref_loop_and_left_recursion_are_named() -> None:
+    """The converter makes both into a rule that begins with itself, which llama.cpp refuses
+    (it said only that its parser refused "a pattern it cannot read?")."""
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar(REF_LOOP, WHERE)
+    assert str(e.value).startswith(
+        f"{WHERE}: a $ref loop at #/$defs/a (#/$defs/a -> #/$defs/b -> #/$defs/a)"
+    )
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, WHERE)
+    assert str(e.value).startswith(f"{WHERE}: a $ref loop at #/$defs/a")
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar(LEFT_RECURSION, WHERE)
+    assert str(e.value).startswith(f"{WHERE}: left recursion at #/$defs/a (#/$defs/a -> #/$defs/a)")
+    # recursion inside an array or an object begins with its bracket: a grammar llama.cpp takes
+    for inside in (
+        {"type": "array", "items": {"$ref": "#/$defs/a"}},
+        {"type": "object", "properties": {"k": {"$ref": "#/$defs/a"}}},
+        {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/a"}}, {"type": "null"}]},
+    ):
+        assert "root ::=" in schema_grammar(in_property({"a": inside}), WHERE)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "where"),
+    [
+        ('root ::= "y" !<[5]> "x"', "in rule 'root'"),
+        ('root ::= [a-z] ( "q" | !<[3]> )', "in rule 'root'"),
+        ('root ::= a b\na ::= "q" | ""\nb ::= !<[3]>', "in rule 'root'"),
+        ('root ::= (!<[5]> "x")*', "in rule 'root', a repetition"),
+        ('root ::= (!<[5]> "x"){2,}', "in rule 'root', a repetition"),
+        ('root ::= !<[5]> "x"', None),  # the answer's start: a token boundary
+        ('root ::= <[7]> !<[5]> "x"', None),  # after a token: one too
+        ('root ::= (!<[5]> "x")?', None),
+        ('root ::= "" !<[3]> # "a" !<[3]>', None),
+        ('root ::= "y" <[5]> "x"', None),  # a token by its id: only that one token matches
+        ('root ::= "y!<[5]>" "x"', None),
+    ],
+)
+def test_a_negated_token_right_after_text_is_found(grammar: str, where: str | None) -> None:
+    """llama.cpp 0.3.36 checks a candidate against !<[5]> by its id alone: a token that ends
+    the text before it and goes on passes, then leaves the grammar no stack, and its sampler's
+    exception aborts the process."""
+    assert negated_token_after_text(grammar) == where
+
+
+# ---- each grammar parsed once --------------------------------------------------------------
+
+
+def test_a_grammar_is_parsed_once_and_its_copies_are_free(runner: LlamaCppRunner) -> None:
+    lib = llama_lib()
+    grammars = Grammars(lib, runner.vocab())
+    grammar = schema_grammar(code_schema("^[a-z]+$"), WHERE)
+    try:
+        before = grammar_module.PARSES
+        grammars.check(grammar, WHERE)
+        copies = [grammars.fresh(grammar) for _ in range(3)]
+        assert grammar_module.PARSES - before == 1
+        addresses = {ctypes.cast(ptr, ctypes.c_void_p).value for ptr in copies}
+        assert None not in addresses and len(addresses) == 3  # three grammars of their own
+        for ptr in copies:
+            lib.llama_sampler_free(ptr)
+    finally:
+        grammars.close()
+
+
+def test_a_refused_grammar_is_one_reason_and_nothing_on_stderr(
+    runner: LlamaCppRunner, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """llama.cpp's parser prints its refusal, and the whole grammar, on C's stderr: a server
+    printed it for every request that sent the grammar. Now it is the 400's reason, once."""
+    grammars = Grammars(llama_lib(), runner.vocab())
+    try:
+        before = grammar_module.PARSES
+        for _ in range(3):
+            with pytest.raises(BadRequestError) as e:
+                grammars.check('root ::= "a" ((', WHERE)
+            assert str(e.value) == (
+                f"{WHERE}: llama.cpp's grammar parser refuses the grammar made from it:"
+                " expecting ')' at"
+            )
+        assert grammar_module.PARSES - before == 1
+        assert grammars.fresh('root ::= "a" ((') is None
+    finally:
+        grammars.close()
+    assert "error parsing grammar" not in capfd.readouterr().err
+
+
+def test_the_engine_copies_the_grammar_its_check_parsed(runner: LlamaCppRunner) -> None:
+    grammar = schema_grammar(code_schema("^[a-z]+$"), WHERE)
+    prompt = tuple(runner.request_tokens(Request.chat("Write a word.")))
+    sampling = SamplingParams(max_tokens=6, temperature=0)
+    with BatchedEngine(runner, n_seq=1, n_ctx_per_seq=256) as engine:
+        before = grammar_module.PARSES
+        engine.grammars.check(grammar, WHERE)
+        for _ in range(2):
+            (result,), _ = engine.run(
+                [Arrival(0.0, prompt, 6, False, sampling, grammar)], Policy("prefill-first")
+            )
+            assert result.finish in ("stop", "length"), result.error
+        assert grammar_module.PARSES - before == 1
+
+
 # ---- on a real `llmrun serve` ------------------------------------------------------------------
 
 
@@ -167,6 +292,11 @@ def forced_tool(parameters: dict[str, Any]) -> dict[str, Any]:
             "tools.0.function.parameters.properties.a.pattern",
         ),
         ({"response_format": json_schema({"enum": ["\x00"]})}, f"{WHERE}.enum"),
+        ({"response_format": json_schema(REF_LOOP)}, f"{WHERE}: a $ref loop at #/$defs/a"),
+        (
+            forced_tool(LEFT_RECURSION),
+            "tools.0.function.parameters: left recursion at #/$defs/a",
+        ),
     ],
 )
 def test_a_grammar_llama_cpp_refuses_is_a_400_naming_the_field(

@@ -15,7 +15,7 @@ import httpx2 as httpx
 import pytest
 
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.serving.grammar import response_grammar, schema_grammar
+from llmrun.runners.grammar import response_grammar, schema_grammar
 
 from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)

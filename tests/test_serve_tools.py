@@ -165,6 +165,22 @@ def test_forced_choices_have_a_grammar_of_the_tools_offered() -> None:
     assert "get_time" in grammar and "get_weather" not in grammar
 
 
+def test_a_request_makes_its_plan_and_its_grammar_once() -> None:
+    """What the route asks of a forced call's body (its request, grammar, field, plan) makes
+    the tool plan once and converts the tools' schemas once (it was 4 plans and 2 grammars)."""
+    from llmrun.runners.serving import tools
+
+    b = body(tools=TOOLS, tool_choice="required")
+    plans = tools.PLANS
+    b.request(SamplingParams())
+    grammar = b.grammar()
+    assert b.grammar_field() == "tools" and b.tool_plan() is not None
+    assert b.grammar() is grammar and b.logprob_count() is None
+    assert tools.PLANS - plans == 1
+    b.request(SamplingParams())
+    assert tools.PLANS - plans == 1
+
+
 def test_a_conversation_carries_calls_and_their_results() -> None:
     req = ChatBody.model_validate(
         {

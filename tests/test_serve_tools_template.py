@@ -279,27 +279,27 @@ For each function call, output the function name and arguments within the follow
 """
 
 
-@pytest.mark.parametrize(
-    "template", [QWEN3_CODER_TEMPLATE, GLM45_TEMPLATE], ids=["qwen3-coder", "glm-4.5"]
-)
-def test_a_tool_call_block_of_xml_arguments_takes_the_generic_format(template: str) -> None:
-    assert template_family(template) == GENERIC
+def round_trip(**fields: Any) -> ChatBody:
+    """A conversation with one call of get_weather and its result, offering WEATHER."""
     call = {
         "id": "call_1",
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'},
     }
-    body = ChatBody.model_validate(
-        {
-            "messages": [
-                {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"},
-            ],
-            "tools": [WEATHER],
-            "tool_choice": "required",
-        }
-    )
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"},
+    ]
+    return ChatBody.model_validate({"messages": messages, "tools": [WEATHER], **fields})
+
+
+@pytest.mark.parametrize(
+    "template", [QWEN3_CODER_TEMPLATE, GLM45_TEMPLATE], ids=["qwen3-coder", "glm-4.5"]
+)
+def test_a_tool_call_block_of_xml_arguments_takes_the_generic_format(template: str) -> None:
+    assert template_family(template) == GENERIC
+    body = round_trip(tool_choice="required")
     body.use_tool_format(template_family(template))
     prompts = Prompts(
         lambda: bounded_formatter(template, eos_token="", bos_token=""), lambda *_: []
@@ -396,21 +396,7 @@ def test_the_template_renders_the_tools_and_the_conversations_calls(qwen_model: 
     runner = LlamaCppRunner(qwen_model, EngineConfig(n_ctx=1024))
     try:
         runner.load()
-        call = {
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'},
-        }
-        body = ChatBody.model_validate(
-            {
-                "messages": [
-                    {"role": "user", "content": "Weather in Oslo?"},
-                    {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"},
-                ],
-                "tools": [WEATHER],
-            }
-        )
+        body = round_trip()
         body.use_tool_format(template_family(runner.chat_template()))
         text = runner.render(body.request(SamplingParams()))
     finally:

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.grammar import response_grammar
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
-from .grammar import response_grammar
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from .tools import GENERIC, ToolPlan, assistant_calls, call_text, tool_plan, tool_result
 
@@ -89,10 +89,16 @@ class _Body(BaseModel):
     logprobs: bool | int | None = None
     ignore_eos: bool | None = False
     response_format: dict[str, Any] | None = None
+    _grammar: tuple[str | None] | None = PrivateAttr(default=None)  # made once per request
 
     def grammar(self) -> str | None:
-        """The GBNF grammar `response_format` asks for (None: free text); BadRequestError
-        naming a schema keyword the grammar could not keep."""
+        """The GBNF grammar `response_format` asks for (None: free text), made once;
+        BadRequestError naming a schema keyword the grammar could not keep."""
+        if self._grammar is None:
+            self._grammar = (self._made_grammar(),)
+        return self._grammar[0]
+
+    def _made_grammar(self) -> str | None:
         return response_grammar(self.response_format)
 
     def grammar_field(self) -> str:
@@ -247,14 +253,21 @@ class ChatBody(_Body):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     _family: str = PrivateAttr(default=GENERIC)
+    _plan: tuple[ToolPlan | None] | None = PrivateAttr(default=None)  # made once per request
 
     def use_tool_format(self, family: str) -> None:
         """The chat template's tool-call format (tools.template_family), which the tools, the
         calls and the grammar of a forced call follow."""
         self._family = family
+        self._plan = self._grammar = None
 
     def tool_plan(self) -> ToolPlan | None:
-        """What `tools` and `tool_choice` ask (None: no tool is offered); checked."""
+        """What `tools` and `tool_choice` ask (None: no tool is offered); checked, made once."""
+        if self._plan is None:
+            self._plan = (self._made_plan(),)
+        return self._plan[0]
+
+    def _made_plan(self) -> ToolPlan | None:
         plan = tool_plan(
             self.tools, self.tool_choice, self._family, self.parallel_tool_calls is not False
         )
@@ -265,9 +278,9 @@ class ChatBody(_Body):
                 raise BadRequestError("logprobs: not served together with tools")
         return plan
 
-    def grammar(self) -> str | None:
+    def _made_grammar(self) -> str | None:
         plan = self.tool_plan()
-        return super().grammar() if plan is None else plan.grammar()
+        return super()._made_grammar() if plan is None else plan.grammar()
 
     def grammar_field(self) -> str:
         return "response_format" if self.tool_plan() is None else "tools"

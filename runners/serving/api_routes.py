@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmrun.runners.base import SamplingParams
+from llmrun.runners.base import Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, LlmrunError, PromptTooLongError
 from llmrun.runners.llamacpp import LlamaCppRunner
 
@@ -81,7 +81,6 @@ from .api_responses import (
     error_body,
 )
 from .batching import FINISH_ERROR
-from .grammar import check_parses
 from .logprobs import Described, chat_content, legacy
 from .tools import ToolPlan, ToolReader, merged, template_family
 
@@ -157,6 +156,40 @@ async def completions(request: HttpRequest) -> Response:
     return await complete(request, chat=False)
 
 
+def prepared(
+    s: Served, body: ChatBody | CompletionBody
+) -> tuple[Request, str | None, int | None, ToolPlan | None, list[int]]:
+    """What the engine needs of a request, checked: its Request, its grammar (parsed once, by
+    the engine's `Grammars`), how many log probabilities, its tool plan (made once) and its
+    prompt's tokens. LlmrunError when the request cannot be served. Runs in a worker thread:
+    a schema's grammar and a long prompt's template take time the event loop has not."""
+    if isinstance(body, ChatBody):
+        body.use_tool_format(s.tool_format)
+    req = body.request(s.defaults)
+    grammar, logprobs = body.grammar(), body.logprob_count()
+    plan = body.tool_plan() if isinstance(body, ChatBody) else None
+    if grammar is not None and body.stop:  # it would cut the JSON the grammar keeps whole
+        raise BadRequestError(
+            f"stop: not served together with {body.grammar_field()} (a stop string would"
+            " cut the grammar's JSON and pass it off as finished); leave stop out"
+        )
+    if grammar is not None and req.sampling.stop:  # serve --stop's: not inside the JSON
+        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=()))
+    if grammar is not None:  # refused here, not by the engine once admitted (a 500)
+        s.engine.engine.grammars.check(grammar, body.grammar_field())
+    tokens = s.runner.request_tokens(req)
+    if req.token_ids is not None:
+        n_vocab = s.runner.vocab_size()
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise BadRequestError(
+                f"prompt: token {bad} is not in the vocabulary (0..{n_vocab - 1})"
+            )
+    if len(tokens) + 1 > s.n_ctx:
+        raise PromptTooLongError(len(tokens), s.n_ctx)
+    return req, grammar, logprobs, plan, tokens
+
+
 async def complete(request: HttpRequest, chat: bool) -> Response:
     received = time.perf_counter()
     s, seen = served(request), report(request)
@@ -170,31 +203,8 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         message = f"model {body.model!r} is not served here; /v1/models lists {s.model_id!r}"
         seen.set("not_found", message)
         return error_response(404, message, "model_not_found", param="model")
-    try:
-        if isinstance(body, ChatBody):
-            body.use_tool_format(s.tool_format)
-        req = body.request(s.defaults)
-        grammar, logprobs = body.grammar(), body.logprob_count()
-        plan = body.tool_plan() if isinstance(body, ChatBody) else None
-        if grammar is not None and body.stop:  # it would cut the JSON the grammar keeps whole
-            raise BadRequestError(
-                f"stop: not served together with {body.grammar_field()} (a stop string would"
-                " cut the grammar's JSON and pass it off as finished); leave stop out"
-            )
-        if grammar is not None and req.sampling.stop:  # serve --stop's: not inside the JSON
-            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, stop=()))
-        if grammar is not None:  # refused here, not by the engine once admitted (a 500)
-            await run_in_threadpool(check_parses, s.runner.vocab(), grammar, body.grammar_field())
-        tokens = await run_in_threadpool(s.runner.request_tokens, req)
-        if req.token_ids is not None:
-            n_vocab = s.runner.vocab_size()
-            bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise BadRequestError(
-                    f"prompt: token {bad} is not in the vocabulary (0..{n_vocab - 1})"
-                )
-        if len(tokens) + 1 > s.n_ctx:
-            raise PromptTooLongError(len(tokens), s.n_ctx)
+    try:  # the template, the schema's grammar and its parse: off the event loop
+        req, grammar, logprobs, plan, tokens = await run_in_threadpool(prepared, s, body)
     except LlmrunError as e:  # the request's own fault: bad values, template, length
         message = " ".join(str(e).split())
         if isinstance(e, PromptTooLongError):

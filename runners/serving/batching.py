@@ -34,6 +34,7 @@ from typing import Any
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.contexts import abort_on, kv_unified_of
 from llmrun.runners.errors import BadRequestError, EngineError, LlmrunError, PromptTooLongError
+from llmrun.runners.grammar import Grammars, add_grammar
 from llmrun.runners.handles import Batch, Context, Sampler
 from llmrun.runners.library import llama_lib
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -42,7 +43,6 @@ from llmrun.runners.stats import FINISH_LENGTH, FINISH_STOP
 from llmrun.runners.text import TextStream
 
 from . import figures
-from .grammar import add_grammar
 from .logprobs import TokenLogprob, rows_logprobs, token_logprob
 from .policy import Policy, schedule
 
@@ -242,6 +242,8 @@ class BatchedEngine:
             )
         self.batch = _StepBatch(lib, n_batch)
         self.n_vocab = runner.vocab_size()
+        # each request's grammar parsed once, when it is checked; its sequence gets a copy
+        self.grammars = Grammars(lib, lib.llama_model_get_vocab(lib.llama_get_model(self.ctx.ptr)))
         self._np = np
         self._held = 0  # decode-only steps since the last prefill (decode-first:K)
         self._queue: collections.deque[Handle] = collections.deque()  # no sequence yet
@@ -285,6 +287,7 @@ class BatchedEngine:
         once); the runner's weights stay loaded."""
         self.clear()
         self.batch.close()
+        self.grammars.close()
         if self._owns_ctx:
             self.ctx.close()
 
@@ -306,8 +309,7 @@ class BatchedEngine:
         chain = self.new_chain(seq.sampling, seq.seed, prompt=seq.tokens)
         if seq.grammar is None:
             return chain
-        vocab = self.lib.llama_model_get_vocab(self.lib.llama_get_model(self.ctx.ptr))
-        return add_grammar(chain, vocab, seq.grammar)
+        return add_grammar(chain, self.grammars.vocab, seq.grammar, parsed=self.grammars)
 
     # ---- the public interface -------------------------------------------------------------
 

@@ -47,8 +47,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage
 from llmrun.runners.errors import BadRequestError
-
-from .grammar import check_schema, schema_grammar
+from llmrun.runners.grammar import check_schema, schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GENERIC, HERMES = "generic", "hermes"  # the call formats: llmrun's system message, or <tool_call>
@@ -212,11 +211,16 @@ def _distinct_defs(tools: tuple[Tool, ...]) -> None:
                     )
 
 
+PLANS = 0  # tool plans made in this process (the tests count them: one per request)
+
+
 def tool_plan(
     tools: Any, choice: Any, family: str = GENERIC, parallel: bool = True
 ) -> ToolPlan | None:
     """The plan a request's `tools` and `tool_choice` ask for; None when no tool is offered
     (no tools, or "none"). BadRequestError naming what is wrong or not served."""
+    global PLANS
+    PLANS += 1
     offered = _tools(tools)
     if choice is None:
         choice = "auto" if offered else "none"

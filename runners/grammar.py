@@ -1,4 +1,6 @@
-"""Structured output: OpenAI's `response_format` as a llama.cpp grammar (GBNF).
+"""Structured output: a JSON schema (serve's `response_format` and forced tool calls, run's
+--json-schema) as a llama.cpp grammar (GBNF), and a GBNF grammar from outside (run's --grammar)
+checked before llama.cpp's sampler can abort on it.
 
 `{"type": "json_object"}` and `{"type": "json_schema", "json_schema": {"schema": ...}}` become a
 GBNF grammar through llama-cpp-python's converter (`llama_cpp.llama_grammar`, a port of
@@ -9,17 +11,26 @@ every token that would leave the grammar, so a finished answer is JSON the schem
 The converter quietly ignores what it cannot express (a `minimum`, a `uniqueItems`, a `format`
 it does not know, a `maxLength` beside a `pattern`); an answer would then break the schema it was
 promised. So every keyword is checked first, and one the grammar cannot keep is refused by name
-and path (`BadRequestError`: a 400 naming it).
+and path (`BadRequestError`: a 400 naming it, or run's one line).
+
+A server parses each grammar once (`Grammars`): the request's check parses it, the engine's
+sequence gets a copy of the parsed grammar.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
+import dataclasses
 import json
+import math
 import re
+import threading
 from typing import Any
 
-from llmrun.runners.errors import BadRequestError
-from llmrun.runners.handles import GrammarSampler, Sampler
+from .errors import BadRequestError
+from .handles import GrammarSampler, Sampler
 
 WHERE = "response_format"
 # Keywords that ask nothing of the value: accepted anywhere.
@@ -296,10 +307,141 @@ def check_gbnf(grammar: str, where: str) -> None:
 
 def gbnf_fault(grammar: str) -> str | None:
     """What in a GBNF grammar given as it is (run --grammar) would leave llama.cpp's sampler no
-    token to sample, which aborts the process: a NUL, a lone surrogate, a character class no
-    character matches (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
+    token to sample, or that its sampler would throw on, both of which abort the process: a
+    NUL, a lone surrogate, a character class no character matches, a negated token reference
+    right after text (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
     fault = grammar_fault(_GBNF_ITEM.sub(lambda m: "" if m[0][0] == "#" else m[0], grammar))
-    return fault if fault in (NUL, NOTHING, SURROGATE) else None
+    if fault in (NUL, NOTHING, SURROGATE):
+        return fault
+    return _negation_fault(grammar)
+
+
+def _negation_fault(grammar: str) -> str | None:
+    if not any(m[0].startswith("!<") for m in _GBNF_ITEM.finditer(grammar)):
+        return None
+    where = negated_token_after_text(grammar)
+    if where is None:
+        return None
+    return (
+        f"a negated token (!<...>) right after text ({where}): llama.cpp checks it by the"
+        " token's id alone, and a token that spans the text and it aborts the process (put"
+        " !<...> at the start or after another token)"
+    )
+
+
+# A GBNF grammar's pieces, for the token check below: a literal, a character class, a token
+# reference, `.`, a rule's name (with its `::=`), a repetition, a group's parentheses, `|`.
+_GBNF_PIECE = re.compile(
+    r'(?P<lit>"(?:\\.|[^"\\])*")|(?P<cls>\[(?:\\.|[^\]\\])*\])|(?P<tok>!?<[^>]*>)'
+    r"|(?P<any>\.)|(?P<rule>[A-Za-z0-9-]+\s*::=)|(?P<ref>[A-Za-z0-9-]+)"
+    r"|(?P<rep>[*+?]|\{\s*\d*\s*(?:,\s*\d*\s*)?\})|(?P<sym>[()|])|#[^\r\n]*|\s+",
+    re.S,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What an item of a grammar may be, as far as token references go: whether it may match
+    nothing, may begin with a negated token reference (!<...>), may end with text."""
+
+    empty: bool
+    begins_not: bool
+    ends_text: bool
+
+
+_TEXT = _Shape(False, False, True)
+
+
+def _then(a: _Shape, b: _Shape) -> _Shape:
+    return _Shape(
+        a.empty and b.empty,
+        a.begins_not or (a.empty and b.begins_not),
+        b.ends_text or (b.empty and a.ends_text),
+    )
+
+
+def _either(a: _Shape, b: _Shape) -> _Shape:
+    return _Shape(a.empty or b.empty, a.begins_not or b.begins_not, a.ends_text or b.ends_text)
+
+
+def negated_token_after_text(grammar: str) -> str | None:
+    """A negated token reference (!<[id]>, !<text>) that the grammar may ask for right after
+    text: the rule and the reference, or None. llama.cpp 0.3.36 checks a token against such a
+    reference by its id alone, so a token whose text ends what comes before and goes on (\"yes\"
+    where the grammar asks for "y" !<[5]>) passes the check and then matches nothing: its
+    sampler throws through the C API and the process aborts. At the start of the answer, or
+    after another token reference, a token boundary is certain and nothing spans it. The
+    grammar must be one llama.cpp's parser takes."""
+    pieces = [(m.lastgroup, m[0]) for m in _GBNF_PIECE.finditer(grammar) if m.lastgroup is not None]
+    rules: dict[str, list[tuple[str | None, str]]] = {}
+    name = ""
+    for kind, text in pieces:
+        if kind == "rule":
+            name = text.partition(":")[0].strip()
+            rules.setdefault(name, []).append(("sym", "|"))  # a rule defined twice: alternatives
+        else:
+            rules.setdefault(name, []).append((kind, text))
+    shapes = {rule: _Shape(False, False, False) for rule in rules}
+    found: list[str] = []
+
+    def shape_of(items: list[tuple[str | None, str]], rule: str, check: bool) -> _Shape:
+        """The shape of alternatives, the items up to a ')' popped off the end of `items`
+        (reversed: the next item is last)."""
+        alternatives: _Shape | None = None
+        seq = _Shape(True, False, False)
+        while items:
+            kind, text = items.pop()
+            if kind == "sym" and text == ")":
+                break
+            if kind == "sym" and text == "|":
+                alternatives = seq if alternatives is None else _either(alternatives, seq)
+                seq = _Shape(True, False, False)
+                continue
+            if kind == "sym":  # "("
+                item = shape_of(items, rule, check)
+            elif kind == "tok":
+                item = _Shape(False, text.startswith("!"), False)
+            elif kind == "lit":
+                item = _TEXT if len(text) > 2 else _Shape(True, False, False)
+            elif kind == "ref":
+                item = shapes.get(text, _Shape(False, False, False))
+            else:  # a class, "."
+                item = _TEXT
+            while items and items[-1][0] == "rep":
+                rep = items.pop()[1]
+                more = rep in "*+" or (rep.startswith("{") and _bound(rep) > 1)
+                if check and more and item.ends_text and item.begins_not and not found:
+                    found.append(f"in rule '{rule}', a repetition")
+                empty = item.empty or rep in "*?" or (rep.startswith("{") and _least(rep) == 0)
+                item = _Shape(empty, item.begins_not, item.ends_text)
+            if check and seq.ends_text and item.begins_not and not found:
+                found.append(f"in rule '{rule}'")
+            seq = _then(seq, item)
+        return seq if alternatives is None else _either(alternatives, seq)
+
+    for _ in range(len(rules) + 1):  # until nothing changes: each round settles a rule more
+        new = {rule: shape_of(list(reversed(body)), rule, False) for rule, body in rules.items()}
+        if new == shapes:
+            break
+        shapes = new
+    for rule, body in rules.items():
+        shape_of(list(reversed(body)), rule, True)
+        if found:
+            return found[0]
+    return None
+
+
+def _least(rep: str) -> int:
+    low = rep.strip("{}").partition(",")[0].strip()
+    return int(low) if low else 0
+
+
+def _bound(rep: str) -> float:
+    """A {m}, {m,}, {m,n} repetition's most (inf when open)."""
+    low, comma, high = rep.strip("{}").partition(",")
+    if not comma:
+        return int(low.strip() or 0)
+    return int(high) if high.strip() else math.inf
 
 
 def token_refs(grammar: str) -> list[str]:
@@ -312,6 +454,9 @@ def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
     past the vocabulary (no token matches it), or an end-of-generation token (the sampler
     refuses one while the grammar still expects it)."""
     n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+    negation = _negation_fault(grammar)
+    if negation is not None:
+        return negation
     for ref in token_refs(grammar):
         if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
             token = int(by_id[1])
@@ -351,14 +496,25 @@ def _covers_all(spans: list[tuple[int, int]]) -> bool:
     return reach >= 0x10FFFF
 
 
+PARSES = 0  # grammars handed to llama.cpp's parser in this process (the tests count them)
+
+
+def _parse(lib: Any, vocab: Any, grammar: str) -> Any:
+    """A grammar sampler from llama.cpp's parser (None: refused; the parser says why on C's
+    stderr). Every parse of llmrun's goes through here."""
+    global PARSES
+    PARSES += 1
+    return lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root") or None
+
+
 def parses(vocab: Any, grammar: str) -> bool:
     """Whether llama.cpp's own parser takes the grammar (`vocab` None: one without token
     references can be parsed before a model is loaded). The parser says why not on stderr."""
-    from llmrun.runners.library import llama_lib
+    from .library import llama_lib
 
     lib = llama_lib()
-    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-    if not ptr:
+    ptr = _parse(lib, vocab, grammar)
+    if ptr is None:
         return False
     lib.llama_sampler_free(ptr)
     return True
@@ -372,6 +528,145 @@ def check_parses(vocab: Any, grammar: str, where: str) -> None:
             f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
             " (a pattern it cannot read?)"
         )
+
+
+class _CStderr:
+    """C's own `stderr` stream, pointed at a temporary file while llama.cpp's grammar parser
+    runs: the parser writes its refusal there (the reason, then the whole grammar), not to the
+    log callback. Only C's stdio is redirected, never file descriptor 2, so what Python and
+    other threads write to stderr meanwhile (a server's log, its live view) is untouched."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.libc: Any = None
+        self.stream: Any = None  # the `stderr` variable of the C library
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            libc = ctypes.CDLL(None)
+            for name in ("stderr", "__stderrp"):  # glibc and musl; macOS
+                with contextlib.suppress(ValueError):
+                    self.stream = ctypes.c_void_p.in_dll(libc, name)
+                    break
+            libc.tmpfile.restype = ctypes.c_void_p
+            libc.tmpfile.argtypes = []
+            for fn in (libc.fflush, libc.rewind, libc.fclose):
+                fn.argtypes = [ctypes.c_void_p]
+            libc.fread.restype = ctypes.c_size_t
+            libc.fread.argtypes = [
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+            ]
+            self.libc = libc
+
+    def parse(self, lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:
+        """_parse's sampler, and the parser's reason when it refuses ("" when not known)."""
+        libc = self.libc
+        caught = libc.tmpfile() if libc is not None and self.stream is not None else None
+        if not caught:
+            return _parse(lib, vocab, grammar), ""
+        with self.lock:
+            saved, self.stream.value = self.stream.value, caught
+            try:
+                ptr = _parse(lib, vocab, grammar)
+            finally:
+                self.stream.value = saved
+        try:
+            libc.fflush(caught)
+            libc.rewind(caught)
+            buffer = ctypes.create_string_buffer(4096)
+            n = libc.fread(buffer, 1, len(buffer), caught)  # before .raw is read
+            said = buffer.raw[:n]
+        finally:
+            libc.fclose(caught)
+        if ptr is not None:
+            return ptr, ""
+        first = next((ln for ln in said.decode("utf-8", "replace").splitlines() if ln), "")
+        reason = " ".join(first.partition("error parsing grammar:")[2].split())
+        reason = "".join(c if c.isprintable() else "?" for c in reason)
+        return None, reason if len(reason) <= 100 else reason[:99] + "…"
+
+
+_C_STDERR: _CStderr | None = None
+
+
+def _c_stderr() -> _CStderr:
+    global _C_STDERR
+    if _C_STDERR is None:
+        _C_STDERR = _CStderr()
+    return _C_STDERR
+
+
+class Grammars:
+    """The grammars one loaded model's server has parsed, each parsed once: a request's check
+    parses its grammar (or finds it here), and the engine's sequence gets a copy of the parsed
+    grammar (`llama_sampler_clone` copies its rules and state; nothing is parsed again). A
+    grammar llama.cpp refuses is kept as its reason, so asking again parses and prints nothing.
+    Safe from any thread; `close` before the model is freed (the parsed grammars point into its
+    vocabulary)."""
+
+    SIZE = 16  # distinct grammars kept (the oldest one goes)
+
+    def __init__(self, lib: Any, vocab: Any) -> None:
+        self.lib, self.vocab = lib, vocab
+        self._lock = threading.Lock()  # held for lookups and copies, never for a parse
+        self._parsed: collections.OrderedDict[str, tuple[Any, str]] = collections.OrderedDict()
+        self._closed = False
+
+    def _get(self, grammar: str, copy: bool) -> tuple[Any, str]:
+        """(the parsed grammar, or a copy of it when `copy`; None when refused, with the
+        parser's reason), parsing it when it is not kept here."""
+        with self._lock:
+            found = self._parsed.get(grammar)
+            if found is not None:
+                self._parsed.move_to_end(grammar)
+                return self._copied(found, copy)
+        parsed = _c_stderr().parse(self.lib, self.vocab, grammar)  # other requests go on
+        with self._lock:
+            found = self._parsed.get(grammar)
+            if found is not None:  # another request parsed it meanwhile: that one is kept
+                if parsed[0] is not None:
+                    self.lib.llama_sampler_free(parsed[0])
+                return self._copied(found, copy)
+            if self._closed:  # nothing is kept now: the caller's copy, or only the verdict
+                if copy or parsed[0] is None:
+                    return parsed
+                self.lib.llama_sampler_free(parsed[0])
+                return True, ""
+            self._parsed[grammar] = parsed
+            while len(self._parsed) > self.SIZE:
+                ptr, _ = self._parsed.popitem(last=False)[1]
+                if ptr is not None:
+                    self.lib.llama_sampler_free(ptr)
+            return self._copied(parsed, copy)
+
+    def _copied(self, found: tuple[Any, str], copy: bool) -> tuple[Any, str]:
+        ptr, reason = found
+        if ptr is None or not copy:
+            return ptr, reason
+        return self.lib.llama_sampler_clone(ptr), reason
+
+    def check(self, grammar: str, where: str) -> None:
+        """check_parses, with the parser's reason and without its print on stderr."""
+        ptr, reason = self._get(grammar, copy=False)
+        if ptr is None:
+            raise BadRequestError(
+                f"{where}: llama.cpp's grammar parser refuses the grammar made from it: "
+                + (reason or "a pattern it cannot read?")
+            )
+
+    def fresh(self, grammar: str) -> Any:
+        """A new grammar sampler for one sequence, the caller's to free (None: llama.cpp
+        refuses the grammar)."""
+        return self._get(grammar, copy=True)[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for ptr, _ in self._parsed.values():
+                if ptr is not None:
+                    self.lib.llama_sampler_free(ptr)
+            self._parsed.clear()
 
 
 # llama.cpp's grammar parser recurses once per parenthesis with no limit of its own: the
@@ -418,10 +713,89 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
         return
     try:  # the check recurses once per level: a schema nested past Python's limit is refused
         _check_schema(schema, where, root)
+        loop = _ref_loop(root)
     except RecursionError:
         raise BadRequestError(
             f"{where}: nests too deep to be made a grammar (a few hundred levels at most)"
         ) from None
+    if loop is not None:
+        refs, bare = loop
+        path = " -> ".join(refs)
+        raise BadRequestError(
+            f"{where}: a $ref loop at {refs[0]} ({path}): the schema names itself and nothing"
+            " else, so no value can be written"
+            if bare
+            else f"{where}: left recursion at {refs[0]} ({path}): the schema can begin with"
+            " itself before any text, which llama.cpp's grammar cannot take (begin the"
+            " recursion inside an object or an array)"
+        )
+
+
+def _ref_target(root: dict[str, Any], ref: str) -> Any:
+    target: Any = root
+    for part in ref[2:].split("/"):
+        target = target[part.replace("~1", "/").replace("~0", "~")]
+    return target
+
+
+def _leading_refs(schema: Any) -> tuple[list[str], bool]:
+    """The $refs a value of `schema` may begin with before any of its own text (the grammar's
+    rule for it starts with theirs), and whether `schema` is a bare $ref."""
+    if not isinstance(schema, dict):
+        return [], False
+    if isinstance(schema.get("$ref"), str):
+        return [schema["$ref"]], True
+    found: list[str] = []
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            found += _leading_refs(option)[0]
+    return found, False
+
+
+def _all_refs(schema: Any) -> list[str]:
+    if isinstance(schema, list):
+        return [r for s in schema for r in _all_refs(s)]
+    if not isinstance(schema, dict):
+        return []
+    found = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            found += [r for sub in value.values() for r in _all_refs(sub)]  # named schemas
+        elif key not in VALUES:
+            found += _all_refs(value)
+    return found
+
+
+def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
+    """A cycle of $refs each of which the one before may begin with (a grammar rule that
+    begins with itself: left recursion, which llama.cpp refuses), as the refs in order with
+    the first again at the end, and whether every schema on it is a bare $ref (a loop that
+    names nothing else); None without one. The refs were checked to resolve."""
+    edges: dict[str, tuple[list[str], bool]] = {}
+    done: set[str] = set()
+    stack: list[str] = []  # the refs being followed, each begun by the one before
+
+    def visit(ref: str) -> list[str] | None:
+        if ref in stack:
+            return [*stack[stack.index(ref) :], ref]
+        if ref in done:
+            return None
+        stack.append(ref)
+        if ref not in edges:
+            edges[ref] = _leading_refs(_ref_target(root, ref))
+        for nxt in edges[ref][0]:
+            cycle = visit(nxt)
+            if cycle is not None:
+                return cycle
+        stack.pop()
+        done.add(ref)
+        return None
+
+    for start in dict.fromkeys(_all_refs(root)):
+        cycle = visit(start)
+        if cycle is not None:
+            return cycle, all(edges[r][1] for r in cycle[:-1])
+    return None
 
 
 def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
@@ -599,18 +973,21 @@ def _count(schema: dict[str, Any], key: str, where: str) -> None:
         raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
-def add_grammar(chain: Sampler, vocab: Any, grammar: str, where: str = WHERE) -> Sampler:
+def add_grammar(
+    chain: Sampler, vocab: Any, grammar: str, where: str = WHERE, parsed: Grammars | None = None
+) -> Sampler:
     """`chain` (which the new sampler owns) held to the grammar as llama.cpp's
     `common_sampler` does: the chain samples, the grammar checks only the chosen token, and
     masks every candidate only when it refuses it (`GrammarSampler`). `chain` must have seen
     the prompt already (a grammar sampler accepts only the answer's tokens). BadRequestError
-    when llama.cpp cannot parse it."""
+    when llama.cpp cannot parse it. With `parsed` (a server's), the grammar is parsed once
+    there and copied here."""
     lib = chain.lib
     fault = _token_fault(lib, vocab, grammar)
     if fault is not None:
         chain.close()
         raise BadRequestError(f"{where}: {fault}")
-    grammar_ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    grammar_ptr = _parse(lib, vocab, grammar) if parsed is None else parsed.fresh(grammar)
     if not grammar_ptr:
         chain.close()
         raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it")
