@@ -44,18 +44,20 @@ test: lint
 	$(BIN)/python -m pytest
 
 # The quick subset to run while working: no test that loads the real model or starts a process
-# (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py). About 36 s of
-# CPU (59 s before the tests shared their probes) plus the stub servers' replies, so under a
-# minute on 2 cores at a load of 2 or less; tests/guard.py fails a test there that loads or
-# spawns.
+# (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py); tests/guard.py
+# fails a test there that loads or spawns. On QUICK_JOBS pytest-xdist workers (2: one per core
+# of the smallest machine; QUICK_JOBS=0 runs it in this process): much of its time is waiting
+# on stub servers' replies and timeouts, which the second worker overlaps (docs/architecture.md,
+# "Tests", has the times).
+QUICK_JOBS ?= 2
 test-quick: setup
-	$(BIN)/python -m pytest -m "not model and not pty"
+	$(BIN)/python -m pytest -n $(QUICK_JOBS) -m "not model and not pty"
 
 # The README's picture, drawn again from a real run on the embedded model.
 screenshot: setup
 	$(BIN)/python tools/screenshot.py --out docs/dashboard.svg
 
-# The GGUF header fuzzer at length (the test suite runs 200 of these cases).
+# The GGUF header fuzzer at length (the test suite runs the 48 cases that cover every kind).
 fuzz: setup
 	$(BIN)/python -m tests.fuzz_gguf --cases 2000
 

@@ -8,9 +8,13 @@ model load, not a 96 MB copy. Two kinds of cases:
 
 - field: a scalar metadata value (block_count, head counts, lengths, token ids, file type, ...)
   rewritten to a boundary value (0, 1, -1, the type's maximum, a random value);
-- flip: a few random bytes of the header (metadata and tensor infos) changed.
+- flip: a few random bytes of the header changed, in turn in the metadata and in the tensor
+  infos (a flip anywhere in the header would land in the tensor infos 1 time in 100).
 
-`python -m tests.fuzz_gguf --cases 2000` (make fuzz) runs a longer campaign.
+A campaign begins with the cases that cover every kind once (COVERING): each scalar field, each
+boundary value of each type, flips in both parts of the header; the cases after them are
+random. The test suite runs those 48 cases (tests/test_trust.py); `python -m tests.fuzz_gguf
+--cases 2000` (make fuzz) runs a longer campaign. The summary names any kind left uncovered.
 """
 
 from __future__ import annotations
@@ -48,8 +52,15 @@ class Outcome:
     stderr: bytes
 
 
-def scan(path: Path) -> tuple[list[Field], int]:
-    """The scalar metadata fields with their file offsets, and where the header ends."""
+@dataclass(frozen=True)
+class Header:
+    fields: list[Field]  # the scalar metadata values, with their offsets
+    metadata_end: int  # where the tensor infos begin
+    end: int  # where the header ends
+
+
+def scan(path: Path) -> Header:
+    """The scalar metadata fields with their file offsets, and where the header's parts end."""
     data = path.read_bytes()[: 16 << 20]
     pos = 4
     _version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, pos)
@@ -83,11 +94,12 @@ def scan(path: Path) -> tuple[list[Field], int]:
         (vtype,) = struct.unpack_from("<I", data, pos)
         pos += 4
         value(vtype, key)
+    metadata_end = pos
     for _ in range(n_tensors):
         string()
         (n_dims,) = struct.unpack_from("<I", data, pos)
         pos += 4 + 8 * n_dims + 4 + 8
-    return fields, pos
+    return Header(fields, metadata_end, pos)
 
 
 def boundary_values(fmt: str, rng: random.Random) -> list[bytes]:
@@ -102,24 +114,72 @@ def boundary_values(fmt: str, rng: random.Random) -> list[bytes]:
     return [v.to_bytes(size, "little") for v in raw]
 
 
-def make_cases(
-    fields: list[Field], header_end: int, n: int, seed: int
-) -> list[tuple[str, list[tuple[int, bytes]]]]:
-    """(description, [(offset, new bytes), ...]) for n cases: about half fields, half flips."""
+# A case: (description, [(offset, new bytes), ...], its kind). The kinds: ("field", key),
+# ("value", format, index into boundary_values) and ("flip", part of the header).
+Case = tuple[str, list[tuple[int, bytes]], tuple[tuple[str, ...], ...]]
+PARTS = ("metadata", "tensor-infos")
+COVERING = 48  # the cases that cover every kind of the embedded model's header (24 fields)
+
+
+def field_case(f: Field, index: int, rng: random.Random) -> Case:
+    new = boundary_values(f.fmt, rng)[index]
+    return (
+        f"field {f.key}={new.hex()}",
+        [(f.offset, new)],
+        (("field", f.key), ("value", f.fmt, str(index))),
+    )
+
+
+def flip_case(header: Header, part: int, rng: random.Random) -> Case:
+    low, high = ((4, header.metadata_end), (header.metadata_end, header.end))[part]
+    edits = []
+    for _ in range(rng.randint(1, 4)):
+        edits.append((rng.randrange(low, high), bytes([rng.randrange(256)])))
+    desc = f"flip {PARTS[part]} " + ",".join(f"{o}:{b.hex()}" for o, b in edits)
+    return desc, edits, (("flip", PARTS[part]),)
+
+
+def every_kind(header: Header) -> set[tuple[str, ...]]:
+    fields = [f for f in header.fields if not f.key.endswith("[]")]
+    rng = random.Random(0)
+    return (
+        {("field", f.key) for f in fields}
+        | {
+            ("value", f.fmt, str(i))
+            for f in fields
+            for i in range(len(boundary_values(f.fmt, rng)))
+        }
+        | {("flip", part) for part in PARTS}
+    )
+
+
+def make_cases(header: Header, n: int, seed: int) -> list[Case]:
+    """n cases, half fields, half flips. The field cases begin with every field once, then
+    fields of the types whose boundary values are not all written yet, each with the next
+    boundary value of its type; after them a random field and value each."""
     rng = random.Random(seed)
-    cases = []
-    interesting = [f for f in fields if not f.key.endswith("[]")]
+    interesting = [f for f in header.fields if not f.key.endswith("[]")]
+    order = rng.sample(interesting, len(interesting))
+    sizes = {f.fmt: len(boundary_values(f.fmt, rng)) for f in interesting}
+    written = dict.fromkeys(sizes, 0)
+    for f in order:
+        written[f.fmt] += 1
+    for fmt, size in sizes.items():  # more fields of this type, until every value is written
+        same = [f for f in order if f.fmt == fmt]
+        order += [same[k % len(same)] for k in range(max(0, size - written[fmt]))]
+    counters = dict.fromkeys(sizes, 0)
+    cases: list[Case] = []
     for i in range(n):
         if i % 2 == 0 and interesting:
-            f = rng.choice(interesting)
-            new = rng.choice(boundary_values(f.fmt, rng))
-            cases.append((f"field {f.key}={new.hex()}", [(f.offset, new)]))
+            if i // 2 < len(order):
+                f = order[i // 2]
+                index, counters[f.fmt] = counters[f.fmt] % sizes[f.fmt], counters[f.fmt] + 1
+            else:
+                f = rng.choice(interesting)
+                index = rng.randrange(sizes[f.fmt])
+            cases.append(field_case(f, index, rng))
         else:
-            edits = []
-            for _ in range(rng.randint(1, 4)):
-                offset = rng.randrange(4, header_end)
-                edits.append((offset, bytes([rng.randrange(256)])))
-            cases.append(("flip " + ",".join(f"{o}:{b.hex()}" for o, b in edits), edits))
+            cases.append(flip_case(header, (i // 2) % 2, rng))
     return cases
 
 
@@ -181,10 +241,11 @@ def run_case(
     return code, out_path.read_bytes(), err_path.read_bytes()
 
 
-def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
+def campaign(model: Path, n: int, seed: int, workdir: Path) -> tuple[list[Outcome], list[str]]:
+    """The outcomes, and the kinds of case that the n cases left uncovered."""
     copy = workdir / "model.gguf"
     shutil.copyfile(model, copy)
-    fields, header_end = scan(copy)
+    header = scan(copy)
     # Load everything the child needs once, here (fork shares it); no computation in the parent.
     import llmrun.cli.app  # main() imports it; it must be imported before any fork
     import llmrun.cli.main
@@ -209,10 +270,12 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> list[Outcome]:
         "Hello",
     ]
     outcomes = []
-    for desc, edits in make_cases(fields, header_end, n, seed):
+    left = every_kind(header)
+    for desc, edits, kinds in make_cases(header, n, seed):
         code, out, err = run_case(copy, edits, argv, workdir)
         outcomes.append(Outcome(desc, code, out, err))
-    return outcomes
+        left -= set(kinds)
+    return outcomes, sorted(" ".join(kind) for kind in left)
 
 
 def judge(o: Outcome) -> str | None:
@@ -239,13 +302,14 @@ def main() -> None:
     from llmrun.runners.models import default_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
-        outcomes = campaign(Path(default_model_path()), args.cases, args.seed, Path(tmp))
+        outcomes, uncovered = campaign(Path(default_model_path()), args.cases, args.seed, Path(tmp))
     bad = [(o, why) for o in outcomes if (why := judge(o))]
     codes: dict[int, int] = {}
     for o in outcomes:
         codes[o.status] = codes.get(o.status, 0) + 1
     for o, why in bad:
         print(f"FAIL {o.case}: {why}")
+    print("covered every kind of case" if not uncovered else f"not covered: {', '.join(uncovered)}")
     print(f"{len(outcomes)} cases, exit codes {dict(sorted(codes.items()))}, {len(bad)} failed")
     sys.exit(1 if bad else 0)
 

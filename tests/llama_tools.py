@@ -8,14 +8,19 @@ which `make rpc-server` shares).
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
     python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
-    python -m tests.llama_tools llama-server # also build llama-server
-    python -m tests.llama_tools llama-perplexity  # and llama-perplexity
+    python -m tests.llama_tools llama-server # also build all four tools the test suite runs
+    python -m tests.llama_tools llama-perplexity  # the same
 
 The tools are built against the installed wheel's own libllama, libggml* and libmtmd, with the
 sdist's headers (tests/llama-tools/CMakeLists.txt): only common/, the vendored HTTP and JSON
 helpers and the tools' own sources compile (430-500 s of CPU for all four, about half of what
 compiling llama.cpp whole took), and the tools run on the very libraries llmrun loads. llama-server
 is built without curl, OpenSSL or the web UI (no download at build or run time).
+
+The test suite's first use of any tool builds all four in one CMake build (`make -j` keeps both
+cores busy across them, where one tool at a time left a core idle through llama-server's long
+last files), behind a file lock in the tools' folder: pytest's workers (`-n 2`) and other
+checkouts sharing LLMRUN_TOOLS_DIR wait for the one build instead of racing it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.llama_src import llama_cpp_dir, tools_dir
+from tools.llama_src import fetch_sources, llama_cpp_dir, locked, tools_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,14 +53,19 @@ def wheel_libraries() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "lib"
 
 
-def tool(name: str) -> Path:
+def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
     """One of llama.cpp's tools, built from the same sources against the installed wheel's own
     libllama and libggml (tests/llama-tools/CMakeLists.txt): only common/ and the tools' sources
-    compile. The bench tools build together on first use, the others each on its own."""
-    src = llama_cpp_dir()
+    compile. The first use builds `name` and the tools `together` with it in one build (all
+    four, unless told fewer), under the lock."""
     build = tools_dir() / "build"
     binary = build / "bin" / name
-    if not binary.exists():
+    if binary.exists():
+        return binary
+    with locked():
+        if binary.exists():  # built while this process waited for the lock
+            return binary
+        src = fetch_sources(tools_dir() / "llama.cpp")
         subprocess.run(
             [
                 "cmake",
@@ -70,7 +80,7 @@ def tool(name: str) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        targets = BENCH_TOOLS if name in BENCH_TOOLS else (name,)
+        targets = (name, *(t for t in together if t != name and not (build / "bin" / t).exists()))
         subprocess.run(
             ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
             check=True,
@@ -140,4 +150,9 @@ def answer_probe(model_path: str, *, safe: bool) -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "scripts"
-    print(tool(what) if what in TOOLS else compare_script())
+    # `make llama-bench` builds the bench tools alone; the others build all four
+    print(
+        tool(what, BENCH_TOOLS if what in BENCH_TOOLS else TOOLS)
+        if what in TOOLS
+        else compare_script()
+    )

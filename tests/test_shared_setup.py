@@ -4,11 +4,13 @@ llama.cpp's own tools run with the flags this CPU needs (tests/llama_tools.py)."
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -140,3 +142,60 @@ def test_the_tools_run_on_the_wheels_own_libraries(llama_bench_path: Path) -> No
             assert Path(path).resolve().parent.name == "lib", (tool, path)  # llama_cpp/lib
             assert Path(path).read_bytes() == (wheel / name).read_bytes(), (tool, path)
     assert not list(llama_tools.tools_dir().glob("build/**/libllama.so*"))
+
+
+def faked_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tools' folder of its own whose sources count as fetched: the build's folder."""
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path))
+    scripts = llama_tools.tools_dir() / "llama.cpp" / "scripts"
+    scripts.mkdir(parents=True)
+    (scripts / "compare-llama-bench.py").touch()
+    return llama_tools.tools_dir() / "build"
+
+
+def test_the_first_tool_asked_for_builds_all_four_in_one_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One CMake build of every tool the suite runs: common/ compiles once, and `-j` keeps both
+    cores busy across the tools (one tool at a time left one idle on llama-server's last files).
+    The commands are recorded, not run."""
+    build = faked_sources(tmp_path, monkeypatch)
+    ran: list[list[str]] = []
+
+    def record(argv: list[str], **_: object) -> None:
+        ran.append(argv)
+        if "--build" in argv:
+            (build / "bin").mkdir(parents=True, exist_ok=True)
+            for name in argv[argv.index("--target") + 1 :]:
+                (build / "bin" / name).touch()
+
+    monkeypatch.setattr(llama_tools.subprocess, "run", record)
+    assert llama_tools.tool("llama-server") == build / "bin" / "llama-server"
+    assert [argv[1] for argv in ran] == ["-S", "--build"]
+    targets = ran[1][ran[1].index("--target") + 1 :]
+    assert targets[0] == "llama-server" and sorted(targets) == sorted(TOOLS)
+    for tool in TOOLS:  # built: no other command
+        assert llama_tools.tool(tool) == build / "bin" / tool
+    assert len(ran) == 2
+
+
+def test_a_tool_built_while_waiting_for_the_lock_is_not_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest's workers and checkouts sharing LLMRUN_TOOLS_DIR build the tools once: the lock
+    is held while another build runs, and the one that waited finds the tools built (in the
+    quick subset, tests/guard.py would fail this test if it started cmake)."""
+    build = faked_sources(tmp_path, monkeypatch)
+    got: list[Path] = []
+    with llama_tools.locked():  # another builder, holding the lock
+        waiter = threading.Thread(target=lambda: got.append(llama_tools.tool("llama-bench")))
+        waiter.start()
+        with open(llama_tools.tools_dir() / ".lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        waiter.join(0.2)
+        assert waiter.is_alive() and not got  # waiting for the lock
+        (build / "bin").mkdir(parents=True)
+        for tool in TOOLS:
+            (build / "bin" / tool).touch()
+    waiter.join(HANG_S)
+    assert got == [build / "bin" / "llama-bench"]

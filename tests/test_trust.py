@@ -35,6 +35,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
 
+from . import fuzz_gguf
 from .conftest import BACKGROUND_ENV, HANG_S, ROOT, free_port, which_llmrun
 from .stub_server import WORDS, stub_server
 
@@ -102,17 +103,21 @@ def patched_model(model_path: str, tmp: Path, edits: list[tuple[bytes, bytes]]) 
 def test_fuzzed_headers_end_in_exit_0_or_1_with_one_line(llmrun_env: dict[str, str]) -> None:
     # Its own process: the campaign forks a child per case, which is only safe in a process
     # that has not run llama.cpp yet (OpenMP's threads do not survive a fork).
+    # The cases that cover every kind once (each field, each boundary value, flips in both parts
+    # of the header); `make fuzz` runs 2,000.
+    cases = str(fuzz_gguf.COVERING)
     result = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_gguf", "--cases", "200", "--seed", "2026"],
+        [sys.executable, "-m", "tests.fuzz_gguf", "--cases", cases, "--seed", "2026"],
         cwd=ROOT,
         env=llmrun_env,
         capture_output=True,
         text=True,
         timeout=HANG_S,
     )
-    summary = result.stdout.strip().splitlines()[-1]
+    covered, summary = result.stdout.strip().splitlines()[-2:]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert summary.startswith("200 cases, exit codes {0: ") and ", 1: " in summary, summary
+    assert covered == "covered every kind of case", covered
+    assert summary.startswith(f"{cases} cases, exit codes {{0: ") and ", 1: " in summary, summary
     assert summary.endswith(", 0 failed"), summary
 
 

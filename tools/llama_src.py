@@ -8,12 +8,15 @@ compiles from it, and so do the tests' llama.cpp tools (tests/llama_tools.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +31,29 @@ def tools_dir() -> Path:
     return Path(os.environ.get("LLMRUN_TOOLS_DIR", ROOT / ".venv" / "llama-tools")) / version()
 
 
+@contextlib.contextmanager
+def locked() -> Iterator[None]:
+    """The tools' folder to this process alone (an exclusive flock, released when the process
+    ends, however it ends): one fetch and one build, whoever else wants them meanwhile. Not
+    re-entrant: inside it, call `fetch_sources`, not `llama_cpp_dir`."""
+    tools_dir().mkdir(parents=True, exist_ok=True)
+    with open(tools_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def llama_cpp_dir() -> Path:
     """The unpacked `vendor/llama.cpp` of the installed version's sdist (fetched once)."""
     target = tools_dir() / "llama.cpp"
     if (target / "scripts" / "compare-llama-bench.py").exists():
+        return target
+    with locked():
+        return fetch_sources(target)
+
+
+def fetch_sources(target: Path) -> Path:
+    """llama_cpp_dir's work, with the lock held."""
+    if (target / "scripts" / "compare-llama-bench.py").exists():  # another process fetched it
         return target
     downloads = tools_dir() / "download"
     downloads.mkdir(parents=True, exist_ok=True)
