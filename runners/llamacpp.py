@@ -275,7 +275,7 @@ class LlamaCppRunner:
     def new_sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
         """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
         prompt, as in llama-cli. The caller closes it."""
-        return new_sampler(self._model, sp, seed, prompt=prompt)
+        return new_sampler(self._model, sp, seed, prompt=prompt, n_ctx=self._n_ctx_seq)
 
     def _drafter(self, sp: SamplingParams) -> Drafter | None:
         """Speculative decoding's drafter for these settings: from the draft model when there
