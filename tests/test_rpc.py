@@ -380,6 +380,49 @@ def test_preemption_by_other_load_is_not_waiting(llmrun_env: dict[str, str]) -> 
             p.wait()
 
 
+@pytest.mark.parametrize("content", [None, "", "garbage", "12", "1 x 3"])
+def test_a_schedstat_that_cannot_be_read_leaves_the_run_delay_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None
+) -> None:
+    """No file (a sandbox's /proc), an empty or malformed one: the run delay counts as 0, as
+    off Linux, instead of a traceback in the middle of a decode."""
+    path = tmp_path / "schedstat"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(rpc, "SCHEDSTAT", str(path))
+    delay = rpc._RunDelay()
+    try:
+        assert delay() == 0 and delay() == 0
+        assert not delay.available
+    finally:
+        delay.close()
+
+
+def test_a_schedstat_read_that_fails_midway_adds_no_wait(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A read refused after the first (seccomp, a closed descriptor): the step's run delay
+    is taken as unchanged, not as the whole delay so far turned into a wait."""
+    path = tmp_path / "schedstat"
+    path.write_text("100 5000000000 7\n")
+    monkeypatch.setattr(rpc, "SCHEDSTAT", str(path))
+    delay = rpc._RunDelay()
+    try:
+        assert delay() == 5_000_000_000
+
+        def refused(*_: object) -> bytes:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(rpc.os, "pread", refused)
+        wait = rpc.ServerWait(runnable=delay, on_cpu=lambda: 0, clock=lambda: 0)
+        wait.start()
+        wait.stop()
+        wait.count()
+        assert wait.total_ns == 0 and not delay.available
+    finally:
+        delay.close()
+
+
 def test_no_wait_is_measured_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rpc, "_attached", [])
     assert rpc.server_wait() is None
