@@ -506,6 +506,21 @@ def test_the_kv_cache_and_compute_buffers_are_given_per_device() -> None:
     )
 
 
+def test_a_kv_cache_all_on_one_server_names_it() -> None:
+    """Every layer on the server (-ngl all, the usual --rpc load): its whole KV cache and most
+    compute sit there, not in this machine's memory, and the line says where."""
+    server = "RPC0[127.0.0.1:50052]"
+    log = [
+        "load_tensors:   CPU_Mapped model buffer size =    28.00 MiB\n",
+        f"load_tensors: {server} model buffer size =    92.00 MiB\n",
+        f"llama_kv_cache: {server} KV buffer size =    90.00 MiB\n",
+        f"sched_reserve: {server} compute buffer size =    97.00 MiB\n",
+        "sched_reserve:        CPU compute buffer size =     6.00 MiB\n",
+    ]
+    line = memory_text(dataclasses.replace(FAKE_SETTINGS, memory=memory_report(log, 4096)))
+    assert f"KV 90.0 MiB (90.0 MiB {server}; 22.5 KiB/token" in line, line
+
+
 # ---- the built backend and real servers ----------------------------------------------------
 
 
