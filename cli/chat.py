@@ -636,7 +636,7 @@ class ChatUI:
             self._usage(f"/set parameter {name}: {e}")
             return
         self.conv.sampling = sampling
-        shown = value if field == "stop" else f"{parsed:g}" if not integer else str(parsed)
+        shown = value if field == "stop" else str(parsed)  # Python's shortest exact spelling
         self.err.print(Text(f"{name} = {shown} for the next turns", style="dim"))
 
     def _usage(self, text: str) -> None:

@@ -121,6 +121,7 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
         ("/set parameter repeat_last_n \u0663", "repeat_last_n = 3", 3),  # an Arabic-Indic 3
         ("/set parameter repeat_last_n 1_6", "repeat_last_n = 16", 16),
         ("/set parameter temperature 5e-1", "temperature = 0.5", 0.5),
+        ("/set parameter top_p 0.123456789", "top_p = 0.123456789", 0.123456789),
     ],
 )
 def test_set_parameter_says_the_value_it_took(
@@ -131,8 +132,7 @@ def test_set_parameter_says_the_value_it_took(
     assert result.exit_code == 0, result.stderr
     assert said in result.stderr
     name = line.split()[2]
-    field = "repeat_last_n" if name == "repeat_last_n" else "temperature"
-    assert getattr(fake.requests[-1].sampling, field) == value
+    assert getattr(fake.requests[-1].sampling, name) == value
 
 
 @pytest.mark.parametrize(
