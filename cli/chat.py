@@ -636,7 +636,8 @@ class ChatUI:
             self._usage(f"/set parameter {name}: {e}")
             return
         self.conv.sampling = sampling
-        self.err.print(Text(f"{name} = {value} for the next turns", style="dim"))
+        shown = value if field == "stop" else str(parsed)  # Python's shortest exact spelling
+        self.err.print(Text(f"{name} = {shown} for the next turns", style="dim"))
 
     def _usage(self, text: str) -> None:
         self.err.print(Text(text, style="red"), soft_wrap=True)

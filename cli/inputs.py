@@ -192,6 +192,11 @@ def parse_jsonl_line(
             overrides[field] = value
     line_sampling = dataclasses.replace(sampling, **overrides)
     check_sampling(line_sampling)
+    if line_sampling.grammar is not None and line_sampling.stop:  # as run's --stop is
+        raise BadRequestError(
+            "'stop': not with --json-schema or --grammar (a stop string cuts the answer the"
+            " grammar keeps whole)"
+        )
     line_system = obj.get("system", system)
     if line_system is not None and not isinstance(line_system, str):
         raise BadRequestError("'system' must be a string")

@@ -653,6 +653,10 @@ class SamplingOptions(OptionRecord):
     stop: Stop = None
 
     def params(self, *, think: bool | None = None, draft: int = 0) -> SamplingParams:
+        if "" in (self.stop or ()):  # it would stop before the first token
+            from .errors import usage_error
+
+            usage_error("--stop: an empty string; give the text to stop at")
         sampling = SamplingParams(
             think=think,
             draft=draft,

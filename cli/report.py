@@ -229,8 +229,9 @@ def memory_text(st: EngineSettings) -> str:
 
 def _split(buffers: dict[str, int]) -> str:
     """A total's part on each device ('2.1 MiB CPU + 3.6 MiB RPC0[127.0.0.1:50052]'), where
-    more than one holds some (each layer's KV sits on its layer's device); '' otherwise."""
-    if len(buffers) < 2:
+    more than one holds some (each layer's KV sits on its layer's device), or where the one
+    is an RPC server (every layer there: none of it in this machine's memory); '' otherwise."""
+    if len(buffers) < 2 and not any(name.startswith("RPC") for name in buffers):
         return ""
     return " + ".join(f"{mib(n)} {name}" for name, n in buffers.items())
 

@@ -44,20 +44,23 @@ from .text import TextStream
 
 
 def new_sampler(
-    model: Model | None, sp: SamplingParams, seed: int, *, prompt: Sequence[int]
+    model: Model | None, sp: SamplingParams, seed: int, *, prompt: Sequence[int], n_ctx: int
 ) -> Sampler:
     """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
-    prompt, as in llama-cli (and needs the model's vocabulary). The caller closes it."""
+    prompt, as in llama-cli (and needs the model's vocabulary). A repeat_last_n of -1 is the
+    whole context of `n_ctx` tokens, as llama.cpp's common code makes it (its sampler takes -1
+    as 0: off). The caller closes it."""
     lib = llama_lib()
     chain = Sampler(lib)
     try:
-        if sp.repeat_penalty != 1.0 and sp.repeat_last_n != 0:
+        last_n = n_ctx if sp.repeat_last_n == -1 else sp.repeat_last_n
+        if sp.repeat_penalty != 1.0 and last_n > 0:
             assert model is not None
             penalties = lib.llama_sampler_init_penalties(
-                model.n_vocab, sp.repeat_last_n, sp.repeat_penalty, 0.0, 0.0
+                model.n_vocab, last_n, sp.repeat_penalty, 0.0, 0.0
             )
             chain.add(penalties)
-            chain.accept(prompt[-sp.repeat_last_n :] if sp.repeat_last_n > 0 else ())
+            chain.accept(prompt[-last_n:])
         if sp.temperature <= 0:
             chain.add(lib.llama_sampler_init_greedy())
             return _with_grammar(chain, model, sp.grammar)
@@ -135,7 +138,7 @@ def generate(
     t_tok = clock.now()
     sp = request.sampling
     seed = sp.seed if sp.seed is not None else secrets.randbelow(2**31)
-    chain = new_sampler(model, sp, seed, prompt=tokens)
+    chain = new_sampler(model, sp, seed, prompt=tokens, n_ctx=loaded.settings.n_ctx)
     try:
         with clock.paused():
             net = rpc.traffic()  # --rpc: the network's part of each phase (None: no servers)

@@ -32,7 +32,7 @@ from .generation import generate, new_sampler
 from .gguf import GGUFInfo, read_gguf
 from .handles import Context, Model, Sampler
 from .library import llama_lib
-from .limits import MemoryNeed, check_engine
+from .limits import MAX_CTX, MemoryNeed, check_engine
 from .load_record import load_record
 from .loading import Weights, context_size, load_weights, memory_need
 from .perplexity import perplexity
@@ -274,8 +274,10 @@ class LlamaCppRunner:
 
     def new_sampler(self, sp: SamplingParams, seed: int, *, prompt: Sequence[int] = ()) -> Sampler:
         """A C sampler chain for these settings (perf counters on); the repeat penalty sees the
-        prompt, as in llama-cli. The caller closes it."""
-        return new_sampler(self._model, sp, seed, prompt=prompt)
+        prompt, as in llama-cli; its -1 window is a sequence's context (before one is made,
+        any length). The caller closes it."""
+        n_ctx = self._n_ctx_seq or MAX_CTX
+        return new_sampler(self._model, sp, seed, prompt=prompt, n_ctx=n_ctx)
 
     def _drafter(self, sp: SamplingParams) -> Drafter | None:
         """Speculative decoding's drafter for these settings: from the draft model when there

@@ -475,27 +475,30 @@ def blocked_ns(wall_ns: int, on_cpu_ns: int, runnable_ns: int) -> int:
 class _RunDelay:
     """The calling thread's schedstat run delay, read through a descriptor kept open per
     thread (a generator can be resumed on another one); 0 where there is no schedstat
-    (not Linux): there the wait also counts preemption."""
+    (not Linux, a sandbox's /proc, a read refused or malformed): there the wait also counts
+    preemption. Once a read fails, the last value read stands, so the step that saw it fail
+    takes no run delay instead of all of it so far as a wait."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
         self._thread = 0
+        self._last = 0
         self.available = True
 
     def __call__(self) -> int:
         if not self.available:
-            return 0
+            return self._last
         thread = threading.get_ident()
-        if self._fd is None or thread != self._thread:
-            self.close()
-            try:
+        try:
+            if self._fd is None or thread != self._thread:
+                self.close()
                 self._fd = os.open(SCHEDSTAT, os.O_RDONLY)
-            except OSError:
-                self.available = False
-                return 0
-            self._thread = thread
-        assert self._fd is not None
-        return run_delay_ns(os.pread(self._fd, 128, 0).decode())
+                self._thread = thread
+            self._last = run_delay_ns(os.pread(self._fd, 128, 0).decode())
+        except (OSError, ValueError, IndexError):
+            self.available = False
+            self.close()
+        return self._last
 
     def close(self) -> None:
         if self._fd is not None:

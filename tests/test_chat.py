@@ -116,6 +116,26 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
 
 
 @pytest.mark.parametrize(
+    ("line", "said", "value"),
+    [
+        ("/set parameter repeat_last_n \u0663", "repeat_last_n = 3", 3),  # an Arabic-Indic 3
+        ("/set parameter repeat_last_n 1_6", "repeat_last_n = 16", 16),
+        ("/set parameter temperature 5e-1", "temperature = 0.5", 0.5),
+        ("/set parameter top_p 0.123456789", "top_p = 0.123456789", 0.123456789),
+    ],
+)
+def test_set_parameter_says_the_value_it_took(
+    cli: CliRunner, fake: FakeRunner, line: str, said: str, value: float
+) -> None:
+    """Python reads more spellings of a number than it prints: the line says what is used."""
+    result = cli.invoke(app, ["chat"], input=f"{line}\nhi\n")
+    assert result.exit_code == 0, result.stderr
+    assert said in result.stderr
+    name = line.split()[2]
+    assert getattr(fake.requests[-1].sampling, name) == value
+
+
+@pytest.mark.parametrize(
     "line",
     [
         "/set parameter temperature -1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
@@ -147,6 +148,20 @@ def test_empty_prompt_and_usage_errors(cli: CliRunner, fake: FakeRunner) -> None
     assert result.stderr.startswith("llmrun: error: the prompt is empty")
     assert cli.invoke(app, ["run", "x", "--temp", "hot"]).exit_code == 2
     assert cli.invoke(app, ["run", "x", "--no-such-flag"]).exit_code == 2
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_an_empty_stop_is_a_usage_error_naming_the_option(
+    cli: CliRunner, fake: FakeRunner, command: str
+) -> None:
+    """An empty --stop would stop before the first token: a bad option value (exit 2)."""
+    args = [command, "x"] if command == "run" else [command]
+    result = cli.invoke(app, [*args, "--stop", "END", "--stop", ""], input="hi\n")
+    assert result.exit_code == 2, result.stderr
+    assert (
+        result.stderr.strip() == "llmrun: error: --stop: an empty string; give the text to stop at"
+    )
+    assert not fake.requests
 
 
 def test_prompt_too_long_names_the_option(cli: CliRunner, fake: FakeRunner) -> None:

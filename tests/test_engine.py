@@ -120,6 +120,8 @@ def test_repeat_penalty_applies_to_the_last_n_tokens(runner: LlamaCppRunner) -> 
     plain = answer(1.0)
     assert answer(3.0) != plain
     assert answer(3.0, last_n=0) == plain  # a window of 0 switches the penalty off
+    # -1 is the whole context, as in llama.cpp (whose sampler takes -1 as 0: off)
+    assert answer(3.0, last_n=-1) == answer(3.0, last_n=4096) != plain
 
 
 def test_stop_string(runner: LlamaCppRunner) -> None:

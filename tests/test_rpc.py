@@ -380,6 +380,49 @@ def test_preemption_by_other_load_is_not_waiting(llmrun_env: dict[str, str]) -> 
             p.wait()
 
 
+@pytest.mark.parametrize("content", [None, "", "garbage", "12", "1 x 3"])
+def test_a_schedstat_that_cannot_be_read_leaves_the_run_delay_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None
+) -> None:
+    """No file (a sandbox's /proc), an empty or malformed one: the run delay counts as 0, as
+    off Linux, instead of a traceback in the middle of a decode."""
+    path = tmp_path / "schedstat"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(rpc, "SCHEDSTAT", str(path))
+    delay = rpc._RunDelay()
+    try:
+        assert delay() == 0 and delay() == 0
+        assert not delay.available
+    finally:
+        delay.close()
+
+
+def test_a_schedstat_read_that_fails_midway_adds_no_wait(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A read refused after the first (seccomp, a closed descriptor): the step's run delay
+    is taken as unchanged, not as the whole delay so far turned into a wait."""
+    path = tmp_path / "schedstat"
+    path.write_text("100 5000000000 7\n")
+    monkeypatch.setattr(rpc, "SCHEDSTAT", str(path))
+    delay = rpc._RunDelay()
+    try:
+        assert delay() == 5_000_000_000
+
+        def refused(*_: object) -> bytes:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(rpc.os, "pread", refused)
+        wait = rpc.ServerWait(runnable=delay, on_cpu=lambda: 0, clock=lambda: 0)
+        wait.start()
+        wait.stop()
+        wait.count()
+        assert wait.total_ns == 0 and not delay.available
+    finally:
+        delay.close()
+
+
 def test_no_wait_is_measured_without_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rpc, "_attached", [])
     assert rpc.server_wait() is None
@@ -461,6 +504,21 @@ def test_the_kv_cache_and_compute_buffers_are_given_per_device() -> None:
     assert "KV 2.1 MiB (8.2 KiB/token" in memory_text(
         dataclasses.replace(FAKE_SETTINGS, memory=alone)
     )
+
+
+def test_a_kv_cache_all_on_one_server_names_it() -> None:
+    """Every layer on the server (-ngl all, the usual --rpc load): its whole KV cache and most
+    compute sit there, not in this machine's memory, and the line says where."""
+    server = "RPC0[127.0.0.1:50052]"
+    log = [
+        "load_tensors:   CPU_Mapped model buffer size =    28.00 MiB\n",
+        f"load_tensors: {server} model buffer size =    92.00 MiB\n",
+        f"llama_kv_cache: {server} KV buffer size =    90.00 MiB\n",
+        f"sched_reserve: {server} compute buffer size =    97.00 MiB\n",
+        "sched_reserve:        CPU compute buffer size =     6.00 MiB\n",
+    ]
+    line = memory_text(dataclasses.replace(FAKE_SETTINGS, memory=memory_report(log, 4096)))
+    assert f"KV 90.0 MiB (90.0 MiB {server}; 22.5 KiB/token" in line, line
 
 
 # ---- the built backend and real servers ----------------------------------------------------

@@ -135,6 +135,20 @@ def test_a_missing_file_and_options_that_clash(
     assert "--stop, --json-schema: a stop string cuts the answer" in stopped.stderr
 
 
+def test_a_jsonl_lines_stop_beside_a_grammar_is_that_lines_error(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path
+) -> None:
+    """--stop beside a grammar is refused; a JSONL line's "stop" is the same cut of the
+    answer the grammar keeps whole: that line fails by name, the others are answered."""
+    gbnf = write(tmp_path, "yn.gbnf", 'root ::= "yes" | "no"\n')
+    lines = ['{"prompt": "a", "stop": ["e"]}', '{"prompt": "b", "stop": []}', '{"prompt": "c"}']
+    jsonl = write(tmp_path, "p.jsonl", "\n".join(lines) + "\n")
+    result = cli.invoke(app, ["run", "--jsonl", jsonl, "--grammar", gbnf])
+    assert result.exit_code == 1, result.stderr
+    assert f"{jsonl}:1: 'stop': not with --json-schema or --grammar" in result.stderr
+    assert len(fake.requests) == 2 and all(not r.sampling.stop for r in fake.requests)
+
+
 def test_the_answer_is_json_the_schema_accepts(
     cli: CliRunner, model_path: str, tmp_path: Path
 ) -> None:

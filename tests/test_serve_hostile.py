@@ -18,10 +18,11 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from llmrun.cli.serve import DEFAULT_MAX_CONNECTIONS
-from llmrun.runners.serving.api_http import MIN_BODY_LIMIT
-from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS
+from llmrun.runners.serving.api_http import MIN_BODY_LIMIT, validation_message
+from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, CompletionBody
 from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
 from .conftest import HANG_S
@@ -203,6 +204,25 @@ def test_wrong_types_and_values_name_their_field(
     error = openai_error(send(server, path, payload), 400)
     assert words in error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held"),
+    [
+        ([[1, "a"]], "an array holding an array holding a number and a string"),
+        ([[True]], "an array holding an array holding a boolean"),
+        ([[None]], "an array holding an array holding null"),
+        ([[[1]]], "an array holding an array holding an array holding a number"),
+        (["a", [1]], "an array holding a string and an array holding a number"),
+    ],
+)
+def test_a_wrong_prompt_array_says_what_its_arrays_held(prompt: Any, held: str) -> None:
+    """[[1, "a"]] is refused for the string inside, not for being an array of arrays (which
+    is served): the message names what the inner arrays held."""
+    with pytest.raises(ValidationError) as e:
+        CompletionBody.model_validate_json(json.dumps({"prompt": prompt}))
+    message, param = validation_message(e.value)
+    assert message.endswith(f", not {held}") and param == "prompt"
 
 
 def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:

@@ -278,6 +278,23 @@ def test_a_given_output_len_overrides_the_datas_as_vllms_sharegpt_output_len(
     ]
 
 
+def test_a_given_output_len_under_4_skips_vllms_output_filter(tmp_path: Path) -> None:
+    """vLLM's --sharegpt-output-len skips its minimum on outputs (skip_min_output_len_check):
+    --output-len 1 with --dataset keeps the prompts instead of refusing all of them."""
+    data = read_dataset(_sharegpt(tmp_path / "share.json"))
+    sampled = data.sample(_words, count=6, seed=3, output_len=1, fixed=True)
+    assert {p.max_tokens for p in sampled} == {1}
+
+
+def test_a_given_output_len_past_the_total_is_named(tmp_path: Path) -> None:
+    """Every prompt fails the total length's filter because of --output-len: the error says
+    so, not to ask for fewer prompts."""
+    data = read_dataset(_sharegpt(tmp_path / "share.json"))
+    with pytest.raises(BadRequestError, match="--output-len 2,045 leaves") as e:
+        data.sample(_words, count=1, seed=3, output_len=2045, fixed=True)
+    assert "fewer --num-prompts" not in str(e.value)
+
+
 def test_vllms_length_filters() -> None:
     assert valid_lengths(4, 4) and valid_lengths(1024, 1024)
     assert not valid_lengths(3, 100) and not valid_lengths(100, 3)

@@ -271,14 +271,18 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         return f"the body must be a JSON object, not {_json_type(first.get('input'))}", None
     if len([b for b in branches if _is_branch_tag(b)]) > 1:
         kinds = " or ".join(sorted({_tag_kind(b) for b in branches}))
-        given = first.get("input")
-        what = _json_type(given)
-        if isinstance(given, list):  # an array was allowed: say what it held
-            held = sorted({_json_type(x) for x in given})
-            what = f"an array holding {' and '.join(held)}" if held else "an empty array"
-        return f"{where}: must be {kinds}, not {what}", where or None
+        return f"{where}: must be {kinds}, not {_held(first.get('input'))}", where or None
     message = f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))
     return message, where or None
+
+
+def _held(value: Any) -> str:
+    """A JSON value's type, and an array's what it holds, inner arrays too (an array was
+    allowed: `[[1, "a"]]` is wrong for its string, not for being an array of arrays)."""
+    if not isinstance(value, list):
+        return _json_type(value)
+    held = sorted({_held(x) for x in value})
+    return f"an array holding {' and '.join(held)}" if held else "an empty array"
 
 
 def _is_branch_tag(part: str) -> bool:

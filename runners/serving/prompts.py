@@ -235,11 +235,12 @@ MAX_LINE_BYTES = 16 * 1024 * 1024  # a JSONL line; past it the line is refused, 
 MAX_JSON_BYTES = 4 * 1024 * 1024 * 1024  # a ShareGPT file is read whole (ShareGPT V3: 0.7 GB)
 
 
-def valid_lengths(prompt_tokens: int, output_tokens: int) -> bool:
-    """vLLM's filter of a dataset's requests."""
+def valid_lengths(prompt_tokens: int, output_tokens: int, *, given_output: bool = False) -> bool:
+    """vLLM's filter of a dataset's requests; an output length given for all of them is
+    not held to the minimum (vLLM's skip_min_output_len_check)."""
     return (
         prompt_tokens >= MIN_TOKENS
-        and output_tokens >= MIN_TOKENS
+        and (given_output or output_tokens >= MIN_TOKENS)
         and prompt_tokens <= MAX_PROMPT_TOKENS
         and prompt_tokens + output_tokens <= MAX_TOTAL_TOKENS
     )
@@ -301,16 +302,22 @@ class Dataset:
                 n_out = count_tokens(entry.answer)
             else:
                 n_out = output_len
-            if valid_lengths(n_in, n_out):
+            if valid_lengths(n_in, n_out, given_output=fixed):
                 out.append(PromptSpec(entry.prompt, n_in, n_out))
                 if progress is not None:
                     progress()
         if len(out) < count:
+            hint = "fewer --num-prompts, or levels"
+            room = max(0, MAX_TOTAL_TOKENS - output_len)
+            if fixed and room < MAX_PROMPT_TOKENS:  # the given length takes the prompts' room
+                hint = f"--output-len {output_len:,} leaves {room:,} prompt tokens" + (
+                    f"; a smaller one, {hint}" if room >= MIN_TOKENS else "; a smaller one"
+                )
             raise BadRequestError(
                 f"--dataset {self.name}: {len(out)} of its {len(self.entries)} prompts pass"
                 f" vLLM's length filters ({MIN_TOKENS} to {MAX_PROMPT_TOKENS:,} prompt tokens,"
                 f" {MIN_TOKENS} or more output tokens, {MAX_TOTAL_TOKENS:,} in all);"
-                f" {count} needed (fewer --num-prompts, or levels)"
+                f" {count} needed ({hint})"
             )
         return out
 
