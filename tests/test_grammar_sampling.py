@@ -110,6 +110,23 @@ def test_greedy_answers_are_those_of_the_grammar_first_chain(
     assert chain.perf()[1] == len(after) + (len(after) < sp.max_tokens)
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_greedy_refusal_is_resampled_without_masking_the_whole_vocabulary(
+    runner: LlamaCppRunner, penalty: float
+) -> None:
+    """The grammar checks the best candidates of a greedy chain after a refusal, in order, and
+    masks the whole vocabulary (tens of milliseconds with a schema) only when it refuses all of
+    them: fewer whole-vocabulary passes than refusals, the same tokens as grammar first."""
+    sp = SamplingParams(
+        max_tokens=64, temperature=0, repeat_penalty=penalty, grammar=GRAMMARS["order"]
+    )
+    before, _ = answer(runner, "order", sp, grammar_first)
+    after, chain = answer(runner, "order", sp, checked)
+    assert after == before
+    assert chain.resampled > 1
+    assert chain.masked_all < chain.resampled
+
+
 @pytest.mark.parametrize(("name", "seed"), [("city", 1), ("order", 1)])
 def test_sampled_answers_follow_the_schema(runner: LlamaCppRunner, name: str, seed: int) -> None:
     # the benchmark's order may hold 8 items and a note of 200 characters: room for them
