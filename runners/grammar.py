@@ -25,7 +25,9 @@ import ctypes
 import dataclasses
 import json
 import math
+import platform
 import re
+import sys
 import threading
 from typing import Any
 
@@ -419,7 +421,7 @@ def negated_token_after_text(grammar: str) -> str | None:
             seq = _then(seq, item)
         return seq if alternatives is None else _either(alternatives, seq)
 
-    for _ in range(len(rules) + 1):  # until nothing changes: each round settles a rule more
+    while True:  # until nothing changes: the flags only ever turn one way, so this ends
         new = {rule: shape_of(list(reversed(body)), rule, False) for rule, body in rules.items()}
         if new == shapes:
             break
@@ -533,19 +535,23 @@ def check_parses(vocab: Any, grammar: str, where: str) -> None:
 class _CStderr:
     """C's own `stderr` stream, pointed at a temporary file while llama.cpp's grammar parser
     runs: the parser writes its refusal there (the reason, then the whole grammar), not to the
-    log callback. Only C's stdio is redirected, never file descriptor 2, so what Python and
-    other threads write to stderr meanwhile (a server's log, its live view) is untouched."""
+    log callback. Only C's stdio is redirected, never file descriptor 2, so what Python writes
+    to stderr meanwhile (a server's log, its live view) is untouched; another thread's C
+    stdio writes in that moment land in the file and are dropped. Only where the C library's
+    `stderr` is a variable it reads again (glibc's `stderr`, macOS's `__stderrp`): musl declares
+    it `FILE *const`, so there the parser's print stays on stderr and the reason is unknown.
+    One per process (`_c_stderr`): the swap is serialized by its lock."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.libc: Any = None
         self.stream: Any = None  # the `stderr` variable of the C library
+        name = _writable_stderr()
+        if name is None:
+            return
         with contextlib.suppress(OSError, AttributeError, ValueError):
             libc = ctypes.CDLL(None)
-            for name in ("stderr", "__stderrp"):  # glibc and musl; macOS
-                with contextlib.suppress(ValueError):
-                    self.stream = ctypes.c_void_p.in_dll(libc, name)
-                    break
+            self.stream = ctypes.c_void_p.in_dll(libc, name)
             libc.tmpfile.restype = ctypes.c_void_p
             libc.tmpfile.argtypes = []
             for fn in (libc.fflush, libc.rewind, libc.fclose):
@@ -562,23 +568,25 @@ class _CStderr:
     def parse(self, lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:
         """_parse's sampler, and the parser's reason when it refuses ("" when not known)."""
         libc = self.libc
-        caught = libc.tmpfile() if libc is not None and self.stream is not None else None
-        if not caught:
+        if libc is None or self.stream is None:
             return _parse(lib, vocab, grammar), ""
         with self.lock:
-            saved, self.stream.value = self.stream.value, caught
+            caught = libc.tmpfile()
+            if not caught:
+                return _parse(lib, vocab, grammar), ""
             try:
-                ptr = _parse(lib, vocab, grammar)
+                saved, self.stream.value = self.stream.value, caught
+                try:
+                    ptr = _parse(lib, vocab, grammar)
+                finally:
+                    self.stream.value = saved
+                libc.fflush(caught)
+                libc.rewind(caught)
+                buffer = ctypes.create_string_buffer(4096)
+                n = libc.fread(buffer, 1, len(buffer), caught)  # before .raw is read
+                said = buffer.raw[:n]
             finally:
-                self.stream.value = saved
-        try:
-            libc.fflush(caught)
-            libc.rewind(caught)
-            buffer = ctypes.create_string_buffer(4096)
-            n = libc.fread(buffer, 1, len(buffer), caught)  # before .raw is read
-            said = buffer.raw[:n]
-        finally:
-            libc.fclose(caught)
+                libc.fclose(caught)
         if ptr is not None:
             return ptr, ""
         first = next((ln for ln in said.decode("utf-8", "replace").splitlines() if ln), "")
@@ -587,14 +595,27 @@ class _CStderr:
         return None, reason if len(reason) <= 100 else reason[:99] + "…"
 
 
+def _writable_stderr() -> str | None:
+    """The C library's `stderr` variable that its stdio reads each time, by name; None where
+    writing it is not safe (musl's is `FILE *const`; other libraries are not known)."""
+    if sys.platform == "darwin":
+        return "__stderrp"
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        return "stderr"
+    return None
+
+
 _C_STDERR: _CStderr | None = None
+_C_STDERR_MADE = threading.Lock()
 
 
 def _c_stderr() -> _CStderr:
+    """The process's one _CStderr: two would each swap `stderr` under their own lock."""
     global _C_STDERR
-    if _C_STDERR is None:
-        _C_STDERR = _CStderr()
-    return _C_STDERR
+    with _C_STDERR_MADE:
+        if _C_STDERR is None:
+            _C_STDERR = _CStderr()
+        return _C_STDERR
 
 
 class Grammars:
@@ -732,9 +753,12 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
 
 
 def _ref_target(root: dict[str, Any], ref: str) -> Any:
+    """The schema a local `#/...` ref names; None when it names nothing."""
     target: Any = root
     for part in ref[2:].split("/"):
-        target = target[part.replace("~1", "/").replace("~0", "~")]
+        if not isinstance(target, dict):
+            return None
+        target = target.get(part.replace("~1", "/").replace("~0", "~"))
     return target
 
 
@@ -752,18 +776,38 @@ def _leading_refs(schema: Any) -> tuple[list[str], bool]:
     return found, False
 
 
-def _all_refs(schema: Any) -> list[str]:
-    if isinstance(schema, list):
-        return [r for s in schema for r in _all_refs(s)]
+SUBSCHEMAS = ("items", "additionalProperties", "not")  # a key that holds one schema
+SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")  # a list of schemas
+SUBSCHEMA_MAPS = ("properties",)  # a name -> schema map ($defs are reached by their refs)
+
+
+def _refs_in(schema: Any) -> list[str]:
+    """The $refs a value of `schema` may use: in the keys that hold schemas, never in an
+    annotation's or a value's JSON, nor in `$defs` (a definition counts where it is named)."""
     if not isinstance(schema, dict):
         return []
     found = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
-    for key, value in schema.items():
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            found += [r for sub in value.values() for r in _all_refs(sub)]  # named schemas
-        elif key not in VALUES:
-            found += _all_refs(value)
+    for key in SUBSCHEMAS:
+        found += _refs_in(schema.get(key))
+    for key in SUBSCHEMA_LISTS:
+        value = schema.get(key)
+        found += [r for sub in value for r in _refs_in(sub)] if isinstance(value, list) else []
+    for key in SUBSCHEMA_MAPS:
+        value = schema.get(key)
+        found += [r for s in value.values() for r in _refs_in(s)] if isinstance(value, dict) else []
     return found
+
+
+def _reachable_refs(root: dict[str, Any]) -> list[str]:
+    """Every $ref a value of `root` may reach, through the definitions it names, in order."""
+    seen: dict[str, None] = {}
+    todo = _refs_in(root)
+    while todo:
+        ref = todo.pop(0)
+        if ref not in seen:
+            seen[ref] = None
+            todo += _refs_in(_ref_target(root, ref))
+    return list(seen)
 
 
 def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
@@ -791,7 +835,7 @@ def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
         done.add(ref)
         return None
 
-    for start in dict.fromkeys(_all_refs(root)):
+    for start in _reachable_refs(root):
         cycle = visit(start)
         if cycle is not None:
             return cycle, all(edges[r][1] for r in cycle[:-1])

@@ -57,13 +57,16 @@ def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
     """One of llama.cpp's tools, built from the same sources against the installed wheel's own
     libllama and libggml (tests/llama-tools/CMakeLists.txt): only common/ and the tools' sources
     compile. The first use builds `name` and the tools `together` with it in one build (all
-    four, unless told fewer), under the lock."""
+    four, unless told fewer), under the lock. Outside the lock only a stamp written after
+    the build counts: the linker writes a binary in place, so its mere presence could be a
+    half-written file another worker is still linking."""
     build = tools_dir() / "build"
     binary = build / "bin" / name
-    if binary.exists():
+    if built(binary).exists():
         return binary
     with locked():
-        if binary.exists():  # built while this process waited for the lock
+        if binary.exists():  # built while this process waited for the lock (or before stamps)
+            built(binary).touch()
             return binary
         src = fetch_sources(tools_dir() / "llama.cpp")
         subprocess.run(
@@ -86,7 +89,14 @@ def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+        for t in targets:
+            built(build / "bin" / t).touch()
     return binary
+
+
+def built(binary: Path) -> Path:
+    """The stamp that says `binary` was linked whole (written under the lock, after its build)."""
+    return binary.with_name(f".built-{binary.name}")
 
 
 def llama_bench() -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -183,6 +184,25 @@ def test_a_ref_loop_and_left_recursion_are_named() -> None:
         assert "root ::=" in schema_grammar(in_property({"a": inside}), WHERE)
 
 
+def test_refs_are_followed_only_where_a_value_can_use_them() -> None:
+    """A $ref in an annotation's JSON is not a schema (it once reached the loop finder and
+    raised a bare KeyError: an internal error in run, a 500 in serve), and a loop in a
+    definition nothing names writes no rule, so it is not refused."""
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar({"type": "string", "description": {"$ref": "#/nope"}}, WHERE)
+    assert str(e.value).startswith(f"{WHERE}: cannot be made a grammar")
+    unused = {"type": "string", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    assert "root ::=" in schema_grammar(unused, WHERE)
+    # a loop reached only through a definition that the root names is still found
+    through = in_property({"b": {"type": "object", "properties": {"k": {"$ref": "#/$defs/a"}}}})
+    through["properties"]["x"] = {"$ref": "#/$defs/b"}
+    through["$defs"]["a"] = {"$ref": "#/$defs/c"}
+    through["$defs"]["c"] = {"$ref": "#/$defs/a"}
+    with pytest.raises(BadRequestError) as e:
+        schema_grammar(through, WHERE)
+    assert "a $ref loop at #/$defs/a" in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("grammar", "where"),
     [
@@ -245,6 +265,80 @@ def test_a_refused_grammar_is_one_reason_and_nothing_on_stderr(
         assert grammars.fresh('root ::= "a" ((') is None
     finally:
         grammars.close()
+    assert "error parsing grammar" not in capfd.readouterr().err
+
+
+def test_one_stderr_swap_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two swappers, each under its own lock, could leave C's stderr on a closed file: the
+    first callers, from many threads at once, all get the one."""
+    monkeypatch.setattr(grammar_module, "_C_STDERR", None)
+    start = threading.Barrier(8)
+    got: list[object] = []
+
+    def first_call() -> None:
+        start.wait()
+        got.append(grammar_module._c_stderr())
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({id(g) for g in got}) == 1
+
+
+@pytest.mark.parametrize(
+    ("platform_name", "libc", "expected"),
+    [
+        ("linux", ("glibc", "2.36"), "stderr"),
+        ("linux", ("", ""), None),  # musl: `FILE *const stderr`, never written
+        ("darwin", ("", ""), "__stderrp"),
+        ("freebsd14", ("", ""), None),
+    ],
+)
+def test_stderr_is_swapped_only_where_the_c_library_reads_the_variable(
+    monkeypatch: pytest.MonkeyPatch, platform_name: str, libc: tuple[str, str], expected: str | None
+) -> None:
+    monkeypatch.setattr(grammar_module.sys, "platform", platform_name)
+    monkeypatch.setattr(grammar_module.platform, "libc_ver", lambda: libc)
+    assert grammar_module._writable_stderr() == expected
+
+
+def test_without_the_swap_a_refusal_is_still_one_400(
+    runner: LlamaCppRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grammar_module, "_C_STDERR", None)
+    monkeypatch.setattr(grammar_module, "_writable_stderr", lambda: None)
+    grammars = Grammars(llama_lib(), runner.vocab())
+    try:
+        with pytest.raises(BadRequestError) as e:
+            grammars.check('root ::= "a" ((', WHERE)
+        assert str(e.value).endswith("a pattern it cannot read?")
+    finally:
+        grammars.close()
+
+
+def test_refusals_parsed_from_many_threads_each_keep_their_reason(
+    runner: LlamaCppRunner, capfd: pytest.CaptureFixture[str]
+) -> None:
+    grammars = Grammars(llama_lib(), runner.vocab())
+    reasons: list[str] = []
+
+    def refuse(i: int) -> None:
+        try:
+            grammars.check(f'root ::= "{i}" ((', WHERE)
+        except BadRequestError as e:
+            reasons.append(str(e))
+
+    try:
+        threads = [threading.Thread(target=refuse, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        grammars.close()
+    assert len(reasons) == 8 and all(r.endswith("expecting ')' at") for r in reasons)
     assert "error parsing grammar" not in capfd.readouterr().err
 
 

@@ -199,3 +199,23 @@ def test_a_tool_built_while_waiting_for_the_lock_is_not_built_again(
             (build / "bin" / tool).touch()
     waiter.join(HANG_S)
     assert got == [build / "bin" / "llama-bench"]
+
+
+def test_a_binary_being_linked_is_not_used_before_its_build_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The linker writes a tool in place: a worker that found the file while another worker's
+    build still held the lock could run it half-written. Only the stamp written after the
+    build (or the file, seen under the lock) counts."""
+    build = faked_sources(tmp_path, monkeypatch)
+    got: list[Path] = []
+    with llama_tools.locked():  # another builder, linking
+        (build / "bin").mkdir(parents=True)
+        (build / "bin" / "llama-bench").touch()  # half-written, as far as anyone knows
+        waiter = threading.Thread(target=lambda: got.append(llama_tools.tool("llama-bench")))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not got  # it waits for the build to end
+    waiter.join(HANG_S)
+    assert got == [build / "bin" / "llama-bench"]
+    assert llama_tools.built(build / "bin" / "llama-bench").exists()
