@@ -220,20 +220,24 @@ def test_rpc_server_threads_are_bound_as_the_engine_s() -> None:
     assert done.exit_code == 2 and "--threads" in done.stderr
 
 
+# one run's stats without servers: 10 prompt tokens, 2 reused, 5 out (4 steps of 20 ms)
+_LOCAL_RUN = GenerationStats(
+    finish_reason="length",
+    prompt_tokens=10,
+    reused_tokens=2,
+    output_tokens=5,
+    template_tokenize_s=0.001,
+    prefill_s=0.01,
+    first_sample_s=0.001,
+    itl_s=(0.02, 0.02, 0.02, 0.02),
+    e2e_s=0.1,
+    load_s=1.0,
+)
+
+
 def test_the_network_figure_is_in_the_records_and_the_summary_only_with_rpc() -> None:
     """run's and chat's summaries and records name bytes per token as bench's records do."""
-    plain = GenerationStats(
-        finish_reason="length",
-        prompt_tokens=10,
-        reused_tokens=2,
-        output_tokens=5,
-        template_tokenize_s=0.001,
-        prefill_s=0.01,
-        first_sample_s=0.001,
-        itl_s=(0.02, 0.02, 0.02, 0.02),
-        e2e_s=0.1,
-        load_s=1.0,
-    )
+    plain = _LOCAL_RUN
     record = plain.to_dict()
     assert not [k for k in record if k.startswith("rpc")]
     assert not [row for row in summary_rows(plain) if row[0] == "network"]
@@ -248,18 +252,7 @@ def test_the_network_figure_is_in_the_records_and_the_summary_only_with_rpc() ->
 def test_the_wait_on_the_servers_is_in_the_records_and_the_summary_only_with_rpc() -> None:
     """run's and chat's summaries (chat's /stats is the same summary) and records give the
     decode's share waiting on the servers beside the bytes; nothing of it without --rpc."""
-    plain = GenerationStats(
-        finish_reason="length",
-        prompt_tokens=10,
-        reused_tokens=2,
-        output_tokens=5,
-        template_tokenize_s=0.001,
-        prefill_s=0.01,
-        first_sample_s=0.001,
-        itl_s=(0.02, 0.02, 0.02, 0.02),
-        e2e_s=0.1,
-        load_s=1.0,
-    )
+    plain = _LOCAL_RUN
     assert not [k for k in plain.to_dict() if "wait" in k]
     split = dataclasses.replace(
         plain, rpc_prefill_bytes=8000, rpc_decode_bytes=900_000, rpc_decode_wait_s=0.02
