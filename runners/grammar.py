@@ -50,30 +50,6 @@ ANNOTATIONS = frozenset(
         "writeOnly",
     }
 )
-# Keywords the grammar keeps (each as the converter reads it; their combinations are checked).
-KEPT = frozenset(
-    {
-        "type",
-        "properties",
-        "required",
-        "additionalProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "enum",
-        "const",
-        "anyOf",
-        "oneOf",
-        "$ref",
-        "$defs",
-        "definitions",
-        "pattern",
-        "format",
-        "minLength",
-        "maxLength",
-    }
-)
 TYPES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
 FORMATS = frozenset({"date", "time", "date-time", "uuid", *(f"uuid{i}" for i in range(1, 6))})
 # Keywords that constrain a value of one type: the converter reads them only in its branch for
@@ -93,6 +69,9 @@ CONSTRAINTS = frozenset(
         "maxLength",
     }
 )
+# Keywords the grammar keeps (each as the converter reads it; their combinations are checked):
+# the constraints of one type, and those that say which type or which schema.
+KEPT = CONSTRAINTS | {"type", "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"}
 
 
 def response_grammar(value: Any) -> str | None:
