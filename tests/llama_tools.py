@@ -21,17 +21,31 @@ The test suite's first use of any tool builds all four in one CMake build (`make
 cores busy across them, where one tool at a time left a core idle through llama-server's long
 last files), behind a file lock in the tools' folder: pytest's workers (`-n 2`) and other
 checkouts sharing LLMRUN_TOOLS_DIR wait for the one build instead of racing it.
+
+The four binaries are built once per machine, not once per checkout, as pip builds the wheel
+once: a build is copied into `${XDG_CACHE_HOME:-~/.cache}/llmrun/llama-tools/<version>-<key>/`,
+where the key hashes every byte the binaries depend on (the wheel's libllama, libggml* and
+libmtmd, tests/llama-tools/CMakeLists.txt, the compilers' and CMake's `--version` lines and the
+flags in the environment), and another checkout's first use copies them from there in a second
+or two. Their RUNPATH is `$ORIGIN/lib`, and each checkout's `build/bin/lib` links to its own
+wheel's libraries. LLMRUN_TOOL_CACHE=0 (or `off`, or empty) turns the cache off; removing
+the folder clears it. An unwritable, partial or corrupt cache costs a build, never a run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tools.llama_src import fetch_sources, llama_cpp_dir, locked, tools_dir
+from tools.llama_src import fetch_sources, llama_cpp_dir, locked, tools_dir, version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,6 +56,10 @@ def compare_script() -> Path:
 
 BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
 TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
+CMAKELISTS = ROOT / "tests" / "llama-tools" / "CMakeLists.txt"
+CACHE_ENV = "LLMRUN_TOOL_CACHE"  # 0, off or empty: no machine-level cache
+COMPLETE = "complete.json"  # an entry's last file: each tool's SHA-256
+RUNPATH = b"$ORIGIN/lib\0"  # in a binary's string table: it runs wherever `lib` beside it leads
 
 
 def wheel_libraries() -> Path:
@@ -56,47 +74,208 @@ def wheel_libraries() -> Path:
 def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
     """One of llama.cpp's tools, built from the same sources against the installed wheel's own
     libllama and libggml (tests/llama-tools/CMakeLists.txt): only common/ and the tools' sources
-    compile. The first use builds `name` and the tools `together` with it in one build (all
-    four, unless told fewer), under the lock. Outside the lock only a stamp written after
-    the build counts: the linker writes a binary in place, so its mere presence could be a
+    compile. The first use copies all four from the machine's cache, or builds `name` and the
+    tools `together` with it in one build (all four, unless told fewer) and stores all four in
+    the cache, under the lock. Outside the lock only a stamp written after the build or the
+    copy counts: the linker writes a binary in place, so its mere presence could be a
     half-written file another worker is still linking."""
-    build = tools_dir() / "build"
-    binary = build / "bin" / name
+    bin_dir = tools_dir() / "build" / "bin"
+    binary = bin_dir / name
     if built(binary).exists():
+        if (bin_dir / "lib").is_symlink():  # built here: the link is this checkout's wheel's
+            link_libraries(bin_dir)
         return binary
     with locked():
         if binary.exists():  # built while this process waited for the lock (or before stamps)
             built(binary).touch()
             return binary
-        src = fetch_sources(tools_dir() / "llama.cpp")
-        subprocess.run(
-            [
-                "cmake",
-                "-S",
-                str(ROOT / "tests" / "llama-tools"),
-                "-B",
-                str(build),
-                "-DCMAKE_BUILD_TYPE=Release",
-                f"-DLLAMA_SRC={src}",
-                f"-DLLAMA_LIB={wheel_libraries()}",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        targets = (name, *(t for t in together if t != name and not (build / "bin" / t).exists()))
-        subprocess.run(
-            ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        for t in targets:
-            built(build / "bin" / t).touch()
+        link_libraries(bin_dir)
+        entry = cache_entry()
+        restored = restore(entry, bin_dir) if entry is not None else []
+        if name in restored:
+            for t in restored:
+                built(bin_dir / t).touch()
+            return binary
+        build(name, together)
+        if entry is not None:
+            store(bin_dir, entry)
     return binary
+
+
+def build(name: str, together: tuple[str, ...]) -> None:
+    """One CMake build of `name` and those of `together` not built yet, stamped, with the lock
+    held."""
+    build = tools_dir() / "build"
+    src = fetch_sources(tools_dir() / "llama.cpp")
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(CMAKELISTS.parent),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DLLAMA_SRC={src}",
+            f"-DLLAMA_LIB={wheel_libraries()}",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    targets = (name, *(t for t in together if t != name and not (build / "bin" / t).exists()))
+    subprocess.run(
+        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    for t in targets:
+        built(build / "bin" / t).touch()
 
 
 def built(binary: Path) -> Path:
     """The stamp that says `binary` was linked whole (written under the lock, after its build)."""
     return binary.with_name(f".built-{binary.name}")
+
+
+def link_libraries(bin_dir: Path) -> None:
+    """`bin_dir/lib`: a link to this checkout's wheel libraries, where the tools' RUNPATH
+    ($ORIGIN/lib) looks. Swapped in one rename when it leads elsewhere (a folder of tools shared
+    through LLMRUN_TOOLS_DIR, whose link another checkout made)."""
+    link = bin_dir / "lib"
+    target = str(wheel_libraries())
+    with contextlib.suppress(OSError):
+        if os.readlink(link) == target:
+            return
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fresh = bin_dir / f".lib-{os.getpid()}"
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(target, target_is_directory=True)
+    os.replace(fresh, link)
+
+
+def cache_root() -> Path | None:
+    """The machine's cache of built tools, or None where LLMRUN_TOOL_CACHE turns it off."""
+    if os.environ.get(CACHE_ENV, "1").strip().lower() in ("", "0", "off"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except RuntimeError:  # no home folder: no cache, as when it is turned off
+        return None
+    return root / "llmrun" / "llama-tools"
+
+
+def cache_entry() -> Path | None:
+    """This wheel's and toolchain's entry in the cache (which may not exist yet)."""
+    root = cache_root()
+    return None if root is None else root / f"{version()}-{cache_key(wheel_libraries())}"
+
+
+def cache_key(libraries: Path) -> str:
+    """A short hash of what makes the binaries what they are: the bytes of the wheel's libraries
+    they link (another backend or version is another key), the CMake project, and the
+    toolchain. Nothing stale is reused."""
+    digest = hashlib.sha256()
+    for lib in sorted(libraries.iterdir()):
+        if lib.name.startswith(("libllama.", "libggml", "libmtmd.")) and ".so" in lib.name:
+            digest.update(f"{lib.name}\0{lib.stat().st_size}\0".encode())
+            digest.update(lib.read_bytes())
+    digest.update(CMAKELISTS.read_bytes())
+    digest.update(toolchain().encode())
+    return digest.hexdigest()[:16]
+
+
+def toolchain() -> str:
+    """The `--version` line of the C and C++ compilers CMake picks and of CMake, and the flags
+    the environment hands them."""
+    lines = []
+    for command in (os.environ.get("CC") or "cc", os.environ.get("CXX") or "c++", "cmake"):
+        try:
+            done = subprocess.run(
+                [*shlex.split(command), "--version"], capture_output=True, text=True, check=False
+            )
+            first = done.stdout.splitlines()[0] if done.stdout else f"exit {done.returncode}"
+        except (OSError, ValueError):
+            first = "absent"
+        lines.append(f"{command}: {first}")
+    lines += [f"{flag}={os.environ.get(flag, '')}" for flag in ("CFLAGS", "CXXFLAGS", "LDFLAGS")]
+    return "\n".join(lines)
+
+
+def restore(entry: Path, bin_dir: Path) -> list[str]:
+    """The tools missing from `bin_dir` copied from a complete cache entry, each checked against
+    the SHA-256 the entry recorded; none (and a build follows) where the entry is absent,
+    partial, corrupt or unreadable."""
+    missing = [t for t in TOOLS if not (bin_dir / t).exists()]
+    copies: list[Path] = []
+    try:
+        recorded = json.loads((entry / COMPLETE).read_text())
+        if not isinstance(recorded, dict) or sorted(recorded) != sorted(TOOLS):
+            raise ValueError("not the four tools")
+        for t in missing:
+            copy = bin_dir / f".{t}.cached"
+            copies.append(copy)
+            shutil.copyfile(entry / t, copy)
+            if _sha256(copy) != recorded[t]:
+                raise ValueError(f"{t} is not the file that was stored")
+            copy.chmod(0o755)
+        for t, copy in zip(missing, copies, strict=True):
+            os.replace(copy, bin_dir / t)
+        return missing
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        print(f"the cached tools in {entry} are not used ({e}): building them", file=sys.stderr)
+        return []
+    finally:
+        for copy in copies:
+            copy.unlink(missing_ok=True)
+
+
+def store(bin_dir: Path, entry: Path) -> None:
+    """The four tools in `bin_dir` copied into the cache, when all four are built and run from
+    any folder (RUNPATH $ORIGIN/lib: not those of a build made before it was): written in a
+    folder of their own with their SHA-256 last, which one rename makes the entry. A cache
+    that cannot be written costs the next checkout a build, nothing else."""
+    if whole(entry):
+        return
+    staging = entry.with_name(f".{entry.name}.{os.getpid()}")
+    try:
+        binaries = [bin_dir / t for t in TOOLS]
+        if not all(b.exists() and RUNPATH in b.read_bytes() for b in binaries):
+            return
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for b in binaries:
+            shutil.copyfile(b, staging / b.name)
+            (staging / b.name).chmod(0o755)
+        recorded = {b.name: _sha256(staging / b.name) for b in binaries}
+        (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
+        shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial or corrupt
+        staging.rename(entry)
+    except OSError as e:
+        if not whole(entry):  # else another checkout stored them first
+            print(f"llama.cpp's tools not cached in {entry.parent}: {e}", file=sys.stderr)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def whole(entry: Path) -> bool:
+    """Whether a cache entry holds the four tools as its completion marker records them."""
+    try:
+        recorded = json.loads((entry / COMPLETE).read_text())
+        return sorted(recorded) == sorted(TOOLS) and all(
+            _sha256(entry / t) == recorded[t] for t in TOOLS
+        )
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def llama_bench() -> Path:

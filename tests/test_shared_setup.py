@@ -145,8 +145,10 @@ def test_the_tools_run_on_the_wheels_own_libraries(llama_bench_path: Path) -> No
 
 
 def faked_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A tools' folder of its own whose sources count as fetched: the build's folder."""
+    """A tools' folder of its own whose sources count as fetched, and no machine-level cache
+    (the tests below fake one): the build's folder."""
     monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path))
+    monkeypatch.setenv(llama_tools.CACHE_ENV, "0")
     scripts = llama_tools.tools_dir() / "llama.cpp" / "scripts"
     scripts.mkdir(parents=True)
     (scripts / "compare-llama-bench.py").touch()
@@ -219,3 +221,216 @@ def test_a_binary_being_linked_is_not_used_before_its_build_ends(
     waiter.join(HANG_S)
     assert got == [build / "bin" / "llama-bench"]
     assert llama_tools.built(build / "bin" / "llama-bench").exists()
+
+
+def fake_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:
+    """A machine-level cache of its own in `tmp_path`, a fake wheel's libraries, and a build
+    step that writes tiny shell scripts as the tools (each with a RUNPATH of $ORIGIN/lib in its
+    bytes, as a real build's string table has) and records what it built: the libraries' folder
+    and that record. No process starts: the compilers' lines are faked too."""
+    libs = tmp_path / "wheel" / "llama_cpp" / "lib"
+    libs.mkdir(parents=True)
+    for name in ("libllama.so.0", "libggml.so.0", "libggml-base.so.0", "libggml-cpu.so.0"):
+        (libs / name).write_bytes(name.encode() * 100)
+    (libs / "libmtmd.so.0").write_bytes(b"mtmd")
+    monkeypatch.setattr(llama_tools, "wheel_libraries", lambda: libs)
+    monkeypatch.setattr(llama_tools, "toolchain", lambda: "c++: fake 1.0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(llama_tools.CACHE_ENV, "1")
+    builds: list[str] = []
+
+    def build(name: str, together: tuple[str, ...]) -> None:
+        builds.append(name)
+        bin_dir = llama_tools.tools_dir() / "build" / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for tool in (name, *together):
+            (bin_dir / tool).write_bytes(fake_tool(tool))
+            (bin_dir / tool).chmod(0o755)
+            llama_tools.built(bin_dir / tool).touch()
+
+    monkeypatch.setattr(llama_tools, "build", build)
+    return libs, builds
+
+
+def fake_tool(name: str, runpath: bytes = llama_tools.RUNPATH) -> bytes:
+    return f"#!/bin/sh\necho {name}\n# RUNPATH ".encode() + runpath + b"\n"
+
+
+def in_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """Another checkout's tools' folder, fresh: its build's bin folder."""
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / name))
+    return llama_tools.tools_dir() / "build" / "bin"
+
+
+def no_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError(f"a process was started: {args}")
+
+
+def test_the_cache_key_changes_with_every_byte_of_the_wheels_libraries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another wheel (another backend, another version: other bytes) is another key, and so is
+    another toolchain; files that are not the libraries the tools link do not count."""
+    libs, _ = fake_wheel(tmp_path, monkeypatch)
+    key = llama_tools.cache_key(libs)
+    assert key == llama_tools.cache_key(libs) and len(key) == 16
+    (libs / "__init__.py").write_text("# not a library")
+    assert llama_tools.cache_key(libs) == key
+    cpu = libs / "libggml-cpu.so.0"
+    flipped = bytearray(cpu.read_bytes())
+    flipped[50] ^= 1
+    cpu.write_bytes(bytes(flipped))
+    other = llama_tools.cache_key(libs)
+    assert other != key
+    (libs / "libggml-cuda.so").write_bytes(b"a backend more")
+    assert llama_tools.cache_key(libs) not in (key, other)
+    monkeypatch.setattr(llama_tools, "toolchain", lambda: "c++: fake 2.0")
+    assert llama_tools.cache_key(libs) not in (key, other)
+
+
+def test_a_second_checkout_copies_the_tools_built_by_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first checkout builds and stores the four tools (a folder written aside, then one
+    rename); the second copies them into its own bin folder with a `lib` link to its own
+    wheel, stamped, without fetching or building anything."""
+    libs, builds = fake_wheel(tmp_path, monkeypatch)
+    first = in_checkout(tmp_path, monkeypatch, "first")
+    assert llama_tools.tool("llama-server") == first / "llama-server"
+    assert builds == ["llama-server"]
+    assert os.readlink(first / "lib") == str(libs)
+    entry = llama_tools.cache_entry()
+    assert entry is not None and entry.parent == tmp_path / "xdg" / "llmrun" / "llama-tools"
+    assert list(entry.parent.iterdir()) == [entry]  # no staging folder left behind
+    assert sorted(p.name for p in entry.iterdir()) == sorted((*TOOLS, llama_tools.COMPLETE))
+
+    second = in_checkout(tmp_path, monkeypatch, "second")
+    monkeypatch.setattr(llama_tools.subprocess, "run", no_process)  # no pip, no cmake
+    assert llama_tools.tool("llama-bench") == second / "llama-bench"
+    assert builds == ["llama-server"]
+    for tool in TOOLS:
+        assert (second / tool).read_bytes() == fake_tool(tool)
+        assert os.access(second / tool, os.X_OK)
+        assert llama_tools.built(second / tool).exists()
+        assert llama_tools.tool(tool) == second / tool
+    assert os.readlink(second / "lib") == str(libs)
+    assert sorted(p.name for p in second.iterdir() if not p.name.startswith(".")) == sorted(
+        (*TOOLS, "lib")
+    )
+
+
+def test_an_unwritable_cache_costs_a_build_not_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache folder that cannot be made (here a file stands where it goes; permissions would
+    not stop root) is read as a miss, and storing into it fails in one line, no traceback."""
+    _, builds = fake_wheel(tmp_path, monkeypatch)
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))
+    bin_dir = in_checkout(tmp_path, monkeypatch, "checkout")
+    assert llama_tools.tool("llama-bench") == bin_dir / "llama-bench"
+    assert builds == ["llama-bench"]
+    assert all(llama_tools.built(bin_dir / tool).exists() for tool in TOOLS)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not cached in" in err and len(err.splitlines()) <= 2
+
+
+@pytest.mark.parametrize("damage", ["no completion marker", "a tool's bytes changed", "garbage"])
+def test_a_partial_or_corrupt_cache_entry_is_built_again_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """An entry is used only whole: with its completion marker, written last, and with each
+    tool's bytes as that marker records them. Any other is built again, and the build replaces
+    it."""
+    _, builds = fake_wheel(tmp_path, monkeypatch)
+    in_checkout(tmp_path, monkeypatch, "first")
+    llama_tools.tool("llama-bench")
+    entry = llama_tools.cache_entry()
+    assert entry is not None
+    if damage == "no completion marker":
+        (entry / llama_tools.COMPLETE).unlink()
+    elif damage == "a tool's bytes changed":
+        (entry / "llama-server").write_bytes(b"#!/bin/sh\nhalf-writ")
+    else:
+        (entry / llama_tools.COMPLETE).write_text("{not json")
+    second = in_checkout(tmp_path, monkeypatch, "second")
+    assert llama_tools.tool("llama-bench") == second / "llama-bench"
+    assert builds == ["llama-bench", "llama-bench"]
+    assert not [p for p in second.iterdir() if p.name.endswith(".cached")]
+    third = in_checkout(tmp_path, monkeypatch, "third")  # the entry is whole again
+    llama_tools.tool("llama-server")
+    assert builds == ["llama-bench", "llama-bench"]
+    assert (third / "llama-server").read_bytes() == fake_tool("llama-server")
+
+
+def test_tools_that_run_only_from_their_checkout_are_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tools linked before their RUNPATH was $ORIGIN/lib name their checkout's wheel folder:
+    still used there (a finished build is never redone), never copied to another checkout."""
+    _, builds = fake_wheel(tmp_path, monkeypatch)
+    old = in_checkout(tmp_path, monkeypatch, "old")
+    old.mkdir(parents=True)
+    (old / "llama-bench").write_bytes(fake_tool("llama-bench", b"/old/checkout/lib\0"))
+    llama_tools.built(old / "llama-bench").touch()
+    assert llama_tools.tool("llama-bench") == old / "llama-bench"
+    assert builds == [] and not (old / "lib").exists()
+
+    def old_build(name: str, together: tuple[str, ...]) -> None:
+        builds.append(name)
+        for tool in together:
+            (old / tool).write_bytes(fake_tool(tool, b"/old/checkout/lib\0"))
+
+    monkeypatch.setattr(llama_tools, "build", old_build)
+    llama_tools.tool("llama-server")
+    assert builds == ["llama-server"]
+    entry = llama_tools.cache_entry()
+    assert entry is not None and not entry.exists()
+
+
+def test_the_cache_is_off_when_the_variable_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, builds = fake_wheel(tmp_path, monkeypatch)
+    in_checkout(tmp_path, monkeypatch, "first")
+    llama_tools.tool("llama-bench")
+    for off in ("0", "off", ""):
+        monkeypatch.setenv(llama_tools.CACHE_ENV, off)
+        assert llama_tools.cache_entry() is None
+        in_checkout(tmp_path, monkeypatch, f"off-{off}")
+        llama_tools.tool("llama-bench")
+    assert builds == ["llama-bench"] * 4
+
+
+def test_a_cached_tool_runs_from_another_checkouts_folder(
+    llama_bench_path: Path, model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real tools, stored in a cache of this test's own and copied into a fresh tools'
+    folder: the copy of llama-bench loads the wheel's libraries through its own `lib` link and
+    runs the model. Tools linked before their RUNPATH was $ORIGIN/lib (a checkout's finished
+    build, kept) are not cached, and there is nothing to check."""
+    built_bin = llama_tools.tool("llama-bench").parent
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(llama_tools.CACHE_ENV, "1")
+    entry = llama_tools.cache_entry()
+    assert entry is not None
+    llama_tools.store(built_bin, entry)
+    if not (entry / llama_tools.COMPLETE).exists():
+        pytest.skip(f"the tools in {built_bin} were linked with their checkout's RUNPATH")
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / "second"))
+    monkeypatch.setattr(llama_tools, "build", no_process)
+    bench = llama_tools.tool("llama-bench")
+    assert bench.parent != built_bin and bench.parent.joinpath("lib").is_symlink()
+    linked = subprocess.run(["ldd", str(bench)], capture_output=True, text=True, check=True)
+    found = dict(re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", linked.stdout, re.M))
+    assert found["libllama.so.0"] == str(bench.parent / "lib" / "libllama.so.0")
+    flags = llama_tools.cpu_flags("llama-bench", model_path)
+    ran = subprocess.run(
+        [str(bench), "-m", model_path, "-p", "8", "-n", "2", "-r", "1", "-o", "jsonl", *flags],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    rows = [json.loads(line) for line in ran.stdout.splitlines()]
+    assert [(row["n_prompt"], row["n_gen"]) for row in rows] == [(8, 0), (0, 2)]

@@ -3,7 +3,9 @@
 PyPI ships llama-cpp-python as a source distribution whose `vendor/llama.cpp/` holds the very
 llama.cpp that llmrun loads. It is fetched from the package registry into `.venv/llama-tools/`
 (or $LLMRUN_TOOLS_DIR) on first use and unpacked there; `make rpc-server` (tools/rpc_build.py)
-compiles from it, and so do the tests' llama.cpp tools (tests/llama_tools.py).
+compiles from it, and so do the tests' llama.cpp tools (tests/llama_tools.py), unless the
+machine's cache of those tools (~/.cache/llmrun/llama-tools) already holds them: then nothing is
+fetched.
 """
 
 from __future__ import annotations
