@@ -402,12 +402,22 @@ def test_the_cache_is_off_when_the_variable_says_so(
     assert builds == ["llama-bench"] * 4
 
 
+def test_the_cmake_project_links_the_runpath_the_cache_looks_for() -> None:
+    """A build whose RUNPATH named its checkout would never be stored (test below skips then):
+    the project sets $ORIGIN/lib, the bytes `store` looks for, and no absolute one."""
+    project = llama_tools.CMAKELISTS.read_text()
+    assert 'set(CMAKE_INSTALL_RPATH "$ORIGIN/lib")' in project
+    assert "set(CMAKE_BUILD_WITH_INSTALL_RPATH ON)" in project
+    assert "CMAKE_BUILD_RPATH" not in project
+    assert llama_tools.RUNPATH == b"$ORIGIN/lib\0"
+
+
 def test_a_cached_tool_runs_from_another_checkouts_folder(
-    llama_bench_path: Path, model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    llama_bench_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real tools, stored in a cache of this test's own and copied into a fresh tools'
     folder: the copy of llama-bench loads the wheel's libraries through its own `lib` link and
-    runs the model. Tools linked before their RUNPATH was $ORIGIN/lib (a checkout's finished
+    runs (it lists ggml's devices, which loads every backend). Tools linked before their RUNPATH was $ORIGIN/lib (a checkout's finished
     build, kept) are not cached, and there is nothing to check."""
     built_bin = llama_tools.tool("llama-bench").parent
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -424,13 +434,7 @@ def test_a_cached_tool_runs_from_another_checkouts_folder(
     linked = subprocess.run(["ldd", str(bench)], capture_output=True, text=True, check=True)
     found = dict(re.findall(r"^\s*(lib(?:llama|ggml)\S*) => (\S+)", linked.stdout, re.M))
     assert found["libllama.so.0"] == str(bench.parent / "lib" / "libllama.so.0")
-    flags = llama_tools.cpu_flags("llama-bench", model_path)
     ran = subprocess.run(
-        [str(bench), "-m", model_path, "-p", "8", "-n", "2", "-r", "1", "-o", "jsonl", *flags],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
+        [str(bench), "--list-devices"], capture_output=True, text=True, timeout=HANG_S
     )
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    rows = [json.loads(line) for line in ran.stdout.splitlines()]
-    assert [(row["n_prompt"], row["n_gen"]) for row in rows] == [(8, 0), (0, 2)]
+    assert ran.returncode == 0 and "Available devices" in ran.stdout, ran.stderr[-2000:]
