@@ -501,16 +501,6 @@ def parses(vocab: Any, grammar: str) -> bool:
     return True
 
 
-def check_parses(vocab: Any, grammar: str, where: str) -> None:
-    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
-    gate before the engine, whose refusal would end the request with a server error."""
-    if not parses(vocab, grammar):
-        raise BadRequestError(
-            f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
-            " (a pattern it cannot read?)"
-        )
-
-
 class _CStderr:
     """C's own `stderr` stream, pointed at a temporary file while llama.cpp's grammar parser
     runs: the parser writes its refusal there (the reason, then the whole grammar), not to the
@@ -647,7 +637,8 @@ class Grammars:
         return self.lib.llama_sampler_clone(ptr), reason
 
     def check(self, grammar: str, where: str) -> None:
-        """check_parses, with the parser's reason and without its print on stderr."""
+        """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar (the last
+        gate before the engine), with the parser's reason and without its print on stderr."""
         ptr, reason = self._get(grammar, copy=False)
         if ptr is None:
             raise BadRequestError(

@@ -367,14 +367,6 @@ class LlamaCppRunner:
         assert self.kv.context is not None, "no context: load() first"
         return self.kv.context
 
-    @property
-    def _ctx(self) -> Context | None:
-        return self.kv.context
-
-    @property
-    def _ctx_ptr(self) -> Any:
-        return self.kv.ptr
-
     def _free_context(self) -> None:
         self.kv.detach()
         self._n_seq, self._n_ctx_seq = 1, 0
