@@ -87,7 +87,8 @@ def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> S
     from .grammar import add_grammar
 
     assert model is not None
-    return add_grammar(chain, model.vocab, grammar, "the grammar (--json-schema, --grammar)")
+    where = "the grammar (--json-schema, --grammar)"
+    return add_grammar(chain, model.vocab, grammar, where, parsed=model.grammars)
 
 
 @dataclass

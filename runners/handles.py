@@ -11,11 +11,14 @@ import ctypes
 import functools
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .grammar import Grammars
 
 
 class Model:
-    """A loaded llama_model and its vocabulary."""
+    """A loaded llama_model and its vocabulary, and the grammars parsed on it (freed first)."""
 
     def __init__(self, lib: Any, ptr: Any) -> None:
         self.lib, self.ptr = lib, ptr
@@ -56,7 +59,17 @@ class Model:
         n = self.lib.llama_model_desc(self.ptr, buf, len(buf))
         return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Each grammar parsed once on this vocabulary: every request that asks for it again
+        gets a copy (`run` with several prompts, one --json-schema)."""
+        from .grammar import Grammars
+
+        return Grammars(self.lib, self.vocab)
+
     def close(self) -> None:
+        if "grammars" in self.__dict__:  # they point into the vocabulary
+            self.grammars.close()
         if self.ptr is not None:
             self.lib.llama_model_free(self.ptr)
             self.ptr = None
