@@ -11,10 +11,7 @@ import ctypes
 import functools
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .grammar import Grammars
+from typing import Any
 
 
 class Model:
@@ -27,6 +24,7 @@ class Model:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._to_piece = lib.llama_token_to_piece
         self._is_eog = lib.llama_vocab_is_eog
+        self.grammars: Any = None  # grammar.Grammars parsed on this vocabulary, once asked for
 
     def to_tokens(self, text: str, *, add_special: bool) -> list[int]:
         lib, data = self.lib, text.encode("utf-8")
@@ -59,17 +57,10 @@ class Model:
         n = self.lib.llama_model_desc(self.ptr, buf, len(buf))
         return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
 
-    @functools.cached_property
-    def grammars(self) -> Grammars:
-        """Each grammar parsed once on this vocabulary: every request that asks for it again
-        gets a copy (`run` with several prompts, one --json-schema)."""
-        from .grammar import Grammars
-
-        return Grammars(self.lib, self.vocab)
-
     def close(self) -> None:
-        if "grammars" in self.__dict__:  # they point into the vocabulary
+        if self.grammars is not None:  # they point into the vocabulary
             self.grammars.close()
+            self.grammars = None
         if self.ptr is not None:
             self.lib.llama_model_free(self.ptr)
             self.ptr = None
