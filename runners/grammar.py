@@ -556,12 +556,16 @@ class _CStderr:
                 said = buffer.raw[:n]
             finally:
                 libc.fclose(caught)
-        if ptr is not None:
-            return ptr, ""
-        first = next((ln for ln in said.decode("utf-8", "replace").splitlines() if ln), "")
-        reason = " ".join(first.partition("error parsing grammar:")[2].split())
-        reason = "".join(c if c.isprintable() else "?" for c in reason)
-        return None, reason if len(reason) <= 100 else reason[:99] + "…"
+        return ptr, "" if ptr is not None else parser_reason(said.decode("utf-8", "replace"))
+
+
+def parser_reason(said: str) -> str:
+    """The reason in what llama.cpp's grammar parser printed, in one line of at most 100
+    characters ("" when it gave none)."""
+    first = next((ln for ln in said.splitlines() if "error parsing grammar:" in ln), "")
+    reason = " ".join(first.partition("error parsing grammar:")[2].split())
+    reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the grammar
+    return reason if len(reason) <= 100 else reason[:99] + "…"
 
 
 def _writable_stderr() -> str | None:
