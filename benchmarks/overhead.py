@@ -50,7 +50,7 @@ def bare_step_ms(runner: LlamaCppRunner, prompt: list[int], n_gen: int) -> tuple
     lib = llama_lib()
     runner.reset()
     runner.eval_tokens(prompt)
-    ctx = runner._ctx_ptr
+    ctx = runner.kv.ptr
     one = (lib.llama_token * 1)(prompt[-1])
     batch = lib.llama_batch_get_one(one, 1)
     chain = Sampler.greedy(lib)

@@ -604,7 +604,7 @@ def _parse_refusal(grammar: str) -> str | None:
     """Why llama.cpp's parser refuses the grammar (None: it takes it), in one line: the parser
     writes its reason straight to file descriptor 2, so that is caught while it parses (the
     command has no display running yet)."""
-    from llmrun.runners.grammar import parses
+    from llmrun.runners.grammar import parser_reason, parses
 
     sys.stderr.flush()
     with tempfile.TemporaryFile() as caught:
@@ -617,12 +617,7 @@ def _parse_refusal(grammar: str) -> str | None:
             os.close(saved)
         caught.seek(0)
         said = caught.read().decode("utf-8", errors="replace")
-    if ok:
-        return None
-    first = next((line for line in said.splitlines() if "error" in line), "")
-    reason = " ".join(first.partition("error parsing grammar:")[2].split()) or "not GBNF it reads"
-    reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the file's rest
-    return reason if len(reason) <= 100 else reason[:99] + "…"
+    return None if ok else parser_reason(said) or "not GBNF it reads"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -277,7 +277,7 @@ def _serve_in_parallel(
     order, its events for the usual printing (a request that failed alone fails there, in its
     turn), and whether Ctrl-C cut the run short. Says the total throughput."""
     from llmrun.runners.llamacpp import LlamaCppRunner
-    from llmrun.runners.serving.parallel import serve_in_parallel
+    from llmrun.runners.serving.parallel import ParallelRun, serve_requests
 
     if not isinstance(runner, LlamaCppRunner):
         raise BadRequestError("--parallel needs a local model")
@@ -286,7 +286,10 @@ def _serve_in_parallel(
         return None, False
     cancel = threading.Event()
     with ctrl_c_cancels(cancel):
-        served = serve_in_parallel(runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel)
+        outcomes, seconds = serve_requests(
+            runner, requests, n_seq=parallel, n_ctx=n_ctx, cancel=cancel
+        )
+    served = ParallelRun(tuple(outcomes), seconds, cancel.is_set())
     finished = [f for f in served.outcomes if isinstance(f, Finished)]
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)

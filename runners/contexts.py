@@ -135,24 +135,20 @@ def batched_context(
     n_seq: int,
     n_ctx: int,
     n_batch: int,
-    n_ubatch: int | None,
-    flash_attn: str | None,
     kv_unified: bool,
-    perf: bool,
 ) -> Context:
     """Another context on the weights for `n_seq` sequences (a batched engine's), with the
-    loaded context's threads and, by default, its flash attention."""
+    loaded context's threads and flash attention, one ubatch a batch, perf counters off."""
     lib = llama_lib()
     cparams = lib.llama_context_default_params()
     cparams.n_ctx = n_ctx
-    cparams.n_batch = n_batch
-    cparams.n_ubatch = min(n_ubatch or n_batch, n_batch)
+    cparams.n_batch = cparams.n_ubatch = n_batch
     cparams.n_seq_max = n_seq
     cparams.kv_unified = kv_unified
     cparams.n_threads = settings.n_threads
     cparams.n_threads_batch = settings.n_threads_batch
-    cparams.flash_attn_type = flash_attn_type(lib, flash_attn or settings.flash_attn)
-    cparams.no_perf = not perf
+    cparams.flash_attn_type = flash_attn_type(lib, settings.flash_attn)
+    cparams.no_perf = True
     ptr = lib.llama_init_from_model(model.ptr, cparams)
     if not ptr:
         raise EngineError(

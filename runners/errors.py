@@ -82,6 +82,8 @@ class PromptTooLongError(LlmrunError):
 class BadRequestError(LlmrunError):
     """A request line or option that cannot be run (malformed JSONL, unknown role, ...)."""
 
+    param: str | None = None  # the HTTP request's field at fault, where one is (OpenAI's `param`)
+
 
 class EngineError(LlmrunError):
     """llama.cpp failed in the middle of a request."""

@@ -84,14 +84,19 @@ def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> S
     which the chain has seen already."""
     if grammar is None:
         return chain
-    from .grammar import add_grammar
+    from .grammar import Grammars, add_grammar
 
     assert model is not None
-    return add_grammar(chain, model.vocab, grammar, "the grammar (--json-schema, --grammar)")
+    if model.grammars is None:  # each grammar parsed once: later requests get a copy
+        model.grammars = Grammars(model.lib, model.vocab)
+    where = "the grammar (--json-schema, --grammar)"
+    return add_grammar(chain, model.vocab, grammar, where, parsed=model.grammars)
 
 
 @dataclass
 class _Prefilled:
+    prompt_tokens: int
+    reused: int  # the cached prefix's tokens, not prefilled again
     seconds: float = 0.0  # completed chunks only
     evaluated: int = 0
     aborted: bool = False
@@ -168,8 +173,6 @@ def generate(
             loaded,
             prefill,
             decode,
-            prompt_tokens=len(tokens),
-            reused=reused,
             template_tokenize_s=t_tok,
             e2e_s=clock.wall(),
             seed=seed if sp.temperature > 0 else None,
@@ -191,8 +194,6 @@ def _stats(
     prefill: _Prefilled,
     decode: _Decoded,
     *,
-    prompt_tokens: int,
-    reused: int,
     template_tokenize_s: float,
     e2e_s: float,
     seed: int | None,
@@ -202,8 +203,8 @@ def _stats(
     sample_ms, n_sample = sampled
     return GenerationStats(
         finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
-        prompt_tokens=prompt_tokens,
-        reused_tokens=reused,
+        prompt_tokens=prefill.prompt_tokens,
+        reused_tokens=prefill.reused,
         output_tokens=len(decode.times),
         template_tokenize_s=template_tokenize_s,
         prefill_s=prefill.seconds,
@@ -247,7 +248,7 @@ def _prefill(
     lib = llama_lib()
     new = tokens[reused:]
     arr = (lib.llama_token * len(new))(*new)
-    done = _Prefilled()
+    done = _Prefilled(len(tokens), reused)
     with clock.paused():
         yield PrefillProgress(reused, len(tokens), reused, 0.0)
     kv.abortable(cancel)

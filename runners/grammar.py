@@ -501,16 +501,6 @@ def parses(vocab: Any, grammar: str) -> bool:
     return True
 
 
-def check_parses(vocab: Any, grammar: str, where: str) -> None:
-    """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar: the last
-    gate before the engine, whose refusal would end the request with a server error."""
-    if not parses(vocab, grammar):
-        raise BadRequestError(
-            f"{where}: llama.cpp's grammar parser refuses the grammar made from it"
-            " (a pattern it cannot read?)"
-        )
-
-
 class _CStderr:
     """C's own `stderr` stream, pointed at a temporary file while llama.cpp's grammar parser
     runs: the parser writes its refusal there (the reason, then the whole grammar), not to the
@@ -566,12 +556,16 @@ class _CStderr:
                 said = buffer.raw[:n]
             finally:
                 libc.fclose(caught)
-        if ptr is not None:
-            return ptr, ""
-        first = next((ln for ln in said.decode("utf-8", "replace").splitlines() if ln), "")
-        reason = " ".join(first.partition("error parsing grammar:")[2].split())
-        reason = "".join(c if c.isprintable() else "?" for c in reason)
-        return None, reason if len(reason) <= 100 else reason[:99] + "…"
+        return ptr, "" if ptr is not None else parser_reason(said.decode("utf-8", "replace"))
+
+
+def parser_reason(said: str) -> str:
+    """The reason in what llama.cpp's grammar parser printed, in one line of at most 100
+    characters ("" when it gave none)."""
+    first = next((ln for ln in said.splitlines() if "error parsing grammar:" in ln), "")
+    reason = " ".join(first.partition("error parsing grammar:")[2].split())
+    reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the grammar
+    return reason if len(reason) <= 100 else reason[:99] + "…"
 
 
 def _writable_stderr() -> str | None:
@@ -647,7 +641,8 @@ class Grammars:
         return self.lib.llama_sampler_clone(ptr), reason
 
     def check(self, grammar: str, where: str) -> None:
-        """check_parses, with the parser's reason and without its print on stderr."""
+        """BadRequestError naming `where` when llama.cpp's own parser refuses the grammar (the last
+        gate before the engine), with the parser's reason and without its print on stderr."""
         ptr, reason = self._get(grammar, copy=False)
         if ptr is None:
             raise BadRequestError(

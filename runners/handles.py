@@ -15,7 +15,7 @@ from typing import Any
 
 
 class Model:
-    """A loaded llama_model and its vocabulary."""
+    """A loaded llama_model and its vocabulary, and the grammars parsed on it (freed first)."""
 
     def __init__(self, lib: Any, ptr: Any) -> None:
         self.lib, self.ptr = lib, ptr
@@ -24,6 +24,7 @@ class Model:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._to_piece = lib.llama_token_to_piece
         self._is_eog = lib.llama_vocab_is_eog
+        self.grammars: Any = None  # grammar.Grammars parsed on this vocabulary, once asked for
 
     def to_tokens(self, text: str, *, add_special: bool) -> list[int]:
         lib, data = self.lib, text.encode("utf-8")
@@ -57,6 +58,9 @@ class Model:
         return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
 
     def close(self) -> None:
+        if self.grammars is not None:  # they point into the vocabulary
+            self.grammars.close()
+            self.grammars = None
         if self.ptr is not None:
             self.lib.llama_model_free(self.ptr)
             self.ptr = None

@@ -44,10 +44,11 @@ CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 class SettingError(BadRequestError):
     """A setting outside the range llama.cpp handles; `where` names its source."""
 
-    def __init__(self, where: str, problem: str) -> None:
+    def __init__(self, where: str, problem: str, setting: str | None = None) -> None:
         super().__init__(f"{where}: {problem}" if where else problem)
         self.where = where
         self.problem = problem
+        self.setting = setting  # the setting's name (None: not one setting's range)
 
 
 class MemoryNeedError(LlmrunError):
@@ -76,17 +77,17 @@ def _int_in(where: str, name: str, value: Any, low: int, high: int, why: str = "
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SettingError(where, f"{name} must be a whole number, not {value!r}")
+        raise SettingError(where, f"{name} must be a whole number, not {value!r}", name)
     if not low <= value <= high:
         extra = f" ({why})" if why else ""
-        raise SettingError(where, f"{name} {value} is out of range {low}..{high}{extra}")
+        raise SettingError(where, f"{name} {value} is out of range {low}..{high}{extra}", name)
 
 
 def _float_in(where: str, name: str, value: Any, low: float, high: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise SettingError(where, f"{name} must be a number, not {value!r}")
+        raise SettingError(where, f"{name} must be a number, not {value!r}", name)
     if not (math.isfinite(value) and low <= value <= high):
-        raise SettingError(where, f"{name} {value} is out of range {low:g}..{high:g}")
+        raise SettingError(where, f"{name} {value} is out of range {low:g}..{high:g}", name)
 
 
 def engine_ranges() -> dict[str, tuple[int, int]]:

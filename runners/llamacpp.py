@@ -334,15 +334,12 @@ class LlamaCppRunner:
         n_seq: int,
         n_ctx: int,
         n_batch: int,
-        n_ubatch: int | None = None,
-        flash_attn: str | None = None,
         kv_unified: bool | None = None,
-        perf: bool = False,
     ) -> Context:
         """Another context on the loaded weights, e.g. the batched engine's for `n_seq`
-        sequences, with this runner's threads, (by default) flash attention and KV layout
-        (`kv_unified`; None: the config's). The runner closes it, if its user has not, before
-        it frees the model."""
+        sequences, with this runner's threads, flash attention and KV layout (`kv_unified`;
+        None: the config's). The runner closes it, if its user has not, before it frees the
+        model."""
         loaded = self.load()
         context = batched_context(
             self._model_checked,
@@ -351,10 +348,7 @@ class LlamaCppRunner:
             n_seq=n_seq,
             n_ctx=n_ctx,
             n_batch=n_batch,
-            n_ubatch=n_ubatch,
-            flash_attn=flash_attn,
             kv_unified=self.config.kv_unified if kv_unified is None else kv_unified,
-            perf=perf,
         )
         self.contexts_made += 1
         self._contexts = [c for c in self._contexts if c.ptr is not None] + [context]
@@ -366,14 +360,6 @@ class LlamaCppRunner:
         made for its sequences (`load(n_seq=...)`); the runner still closes it."""
         assert self.kv.context is not None, "no context: load() first"
         return self.kv.context
-
-    @property
-    def _ctx(self) -> Context | None:
-        return self.kv.context
-
-    @property
-    def _ctx_ptr(self) -> Any:
-        return self.kv.ptr
 
     def _free_context(self) -> None:
         self.kv.detach()

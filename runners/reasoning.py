@@ -10,8 +10,6 @@ become one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 # (opening, closing) markers of a thinking block; every marker and header begins with "<"
 MARKERS = (("<think>", "</think>"), ("<|channel|>analysis<|message|>", "<|end|>"))
 # Text between thinking and answer that belongs to neither (gpt-oss's answer header)
@@ -22,45 +20,6 @@ def opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside an open thinking block (the template opened it)."""
     tail = prompt.rstrip()
     return any(tail.endswith(opening) for opening, _ in MARKERS)
-
-
-@dataclass
-class Piece:
-    thinking: str = ""
-    answer: str = ""
-
-
-class ReasoningSplitter:
-    """Feed text as it streams; each call returns the thinking and answer text now certain,
-    without the tags (`ShownSplitter` with the tags left out)."""
-
-    def __init__(self, *, thinking: bool = False) -> None:
-        self._split = ShownSplitter(thinking=thinking, tags=False)
-
-    @property
-    def thinking(self) -> bool:
-        return self._split.thinking
-
-    @property
-    def seen_thinking(self) -> bool:
-        return self._split.seen_thinking
-
-    def feed(self, text: str) -> Piece:
-        return _piece(self._split.feed(text, flagged=False))
-
-    def flush(self) -> Piece:
-        """The held-back rest at the end: a tag that never completed is text of its block."""
-        return _piece(self._split.flush())
-
-
-def _piece(segments: list[tuple[bool, str]]) -> Piece:
-    out = Piece()
-    for thinking, text in segments:
-        if thinking:
-            out.thinking += text
-        else:
-            out.answer += text
-    return out
 
 
 def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
@@ -81,17 +40,15 @@ class ShownSplitter:
     order, each certain now; tags stay with the thinking they open or close, so a program that
     reads the answer alone never gets a `<think` fragment. Text that could still become a tag
     (`<`, `<thi`, `</think`) is held back until the next token settles it. `TokenTagger`'s
-    counts and `ReasoningSplitter` (`tags=False`) split the same way, so what is shown and
-    what is counted agree.
+    counts split the same way, so what is shown and what is counted agree.
 
     `flagged` is the runner's own tag of the token. It matters only where no tag is in the text:
     thinking that a chat template opened in the prompt, or a server's separate reasoning channel
     (its tokens are flagged and carry no tags); that thinking ends at a closing tag or at the
     first token not flagged. gpt-oss's answer header belongs to neither and is not shown."""
 
-    def __init__(self, *, thinking: bool = False, tags: bool = True) -> None:
+    def __init__(self, *, thinking: bool = False) -> None:
         self.thinking = thinking  # inside a thinking block (`thinking`: the prompt opened one)
-        self.tags = tags  # the tags shown with their thinking (False: left out)
         self.seen_thinking = thinking
         self.closing = MARKERS[0][1]
         self._by_flag = False  # thinking that began without a tag in the text
@@ -124,7 +81,7 @@ class ShownSplitter:
                 cut = pending.find(self.closing)
                 if cut >= 0:
                     end = cut + len(self.closing)
-                    _add(out, True, pending[:end] if self.tags else pending[:cut])
+                    _add(out, True, pending[:end])
                     self._pending, self.thinking, self._by_flag = pending[end:], False, False
                     continue
                 keep = _partial_suffix(pending, (self.closing,))
@@ -141,8 +98,7 @@ class ShownSplitter:
             if found:
                 at, opening, closing = min(found)
                 _add(out, False, pending[:at])
-                if self.tags:
-                    _add(out, True, opening)
+                _add(out, True, opening)
                 self._pending = pending[at + len(opening) :]
                 self.thinking, self.closing, self.seen_thinking = True, closing, True
                 continue

@@ -326,7 +326,7 @@ class Connection:
         Raises ServerError before the first chunk (unreachable, HTTP error status); a failure
         after that is yielded as a final Chunk with `error`, so callers keep the partial text.
         The stream is read as the WHATWG HTML standard defines server-sent events (see
-        `sse_events`); `timeout_s` bounds the wait for the next event, and comments
+        `SSEReader`); `timeout_s` bounds the wait for the next event, and comments
         (": keep-alive") do not reset it, so a server that only keeps the line open times out.
         """
         request = self.client.build_request("POST", self.api + path, json=body)
@@ -397,11 +397,6 @@ MAX_SSE_LINE = 16 * 2**20  # bytes in one line of the stream before it is refuse
 
 class SSELineTooLongError(ValueError):
     pass
-
-
-def sse_events(raw: Iterable[bytes]) -> Iterator[str | None]:
-    """The `data` of each event in a server-sent event stream (see `SSEReader`)."""
-    return SSEReader().events(raw)
 
 
 _LINE_END = re.compile(r"\r\n|\r|\n")

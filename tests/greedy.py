@@ -26,7 +26,7 @@ def margin_at_divergence(
         runner.eval_tokens([t])
     assert runner._model is not None
     logits = np.ctypeslib.as_array(
-        lib.llama_get_logits_ith(runner._ctx_ptr, -1), shape=(runner._model.n_vocab,)
+        lib.llama_get_logits_ith(runner.kv.ptr, -1), shape=(runner._model.n_vocab,)
     )
     margin = abs(float(logits[a[k]] - logits[b[k]]))
     runner.reset()

@@ -25,14 +25,14 @@ def kl(p: list[float], q: list[float]) -> float:
 
 def last_logits(r: LlamaCppRunner) -> list[float]:
     """The next-token logits after the last evaluated position (llama.cpp's own buffer)."""
-    ptr = llama_lib().llama_get_logits_ith(r._ctx_ptr, -1)
+    ptr = llama_lib().llama_get_logits_ith(r.kv.ptr, -1)
     return list(ptr[: r.vocab_size()])
 
 
 def forget_positions(r: LlamaCppRunner, p0: int, p1: int) -> bool:
     """Drop the KV entries of positions [p0, p1) while keeping later ones (the control)."""
     lib = llama_lib()
-    return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(r._ctx_ptr), 0, p0, p1))
+    return bool(lib.llama_memory_seq_rm(lib.llama_get_memory(r.kv.ptr), 0, p0, p1))
 
 
 def logits_after(model_path: str, n_batch: int, tokens: list[int], forget: int = 0) -> list[float]:

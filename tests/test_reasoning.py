@@ -13,7 +13,7 @@ import pytest
 
 from llmrun.cli.session import TextOut, drive
 from llmrun.runners.base import Event, Finished, Request, SamplingParams, Token, generate
-from llmrun.runners.reasoning import ReasoningSplitter, TokenTagger, opens_thinking
+from llmrun.runners.reasoning import ShownSplitter, TokenTagger, opens_thinking
 from llmrun.runners.remote import OpenAIRunner
 
 from .conftest import HANG_S, which_llmrun
@@ -38,20 +38,21 @@ def tagged(pieces: list[str], *, thinking: bool = False) -> tuple[int, int | Non
     tagger = TokenTagger(thinking=thinking)
     for piece in pieces:
         tagger.tag(piece)
-    splitter = ReasoningSplitter(thinking=thinking)
-    parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
+    splitter = ShownSplitter(thinking=thinking)  # what run and chat show, tags with thinking
+    parts = [s for p in pieces for s in splitter.feed(p, flagged=False)] + splitter.flush()
     return (
         tagger.thinking_tokens,
         tagger.first_answer,
-        "".join(p.thinking for p in parts),
-        "".join(p.answer for p in parts),
+        "".join(text for thinking, text in parts if thinking),
+        "".join(text for thinking, text in parts if not thinking),
     )
 
 
 def test_the_parser_splits_recorded_streams() -> None:
-    assert tagged(QWEN) == (10, 10, "\nThe user asks.\n", "\n\nHi!")
-    assert tagged(GPT_OSS) == (5, 6, "User greets.", "Hello.")
-    assert tagged(OPENED, thinking=True) == (5, 6, "Let me see.", "\nYes.")
+    assert tagged(QWEN) == (10, 10, "<think>\nThe user asks.\n</think>", "\n\nHi!")
+    channel = "<|channel|>analysis<|message|>"
+    assert tagged(GPT_OSS) == (5, 6, f"{channel}User greets.<|end|>", "Hello.")
+    assert tagged(OPENED, thinking=True) == (5, 6, "Let me see.</think>", "\nYes.")
     assert tagged(["Just", " an", " answer", " <b>"]) == (0, None, "", "Just an answer <b>")
     assert opens_thinking("<|im_start|>assistant\n<think>\n") and not opens_thinking("Hi")
 

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
+from llmrun.runners import grammar as grammar_module
 
 from .fake import FakeRunner
 
@@ -197,3 +198,16 @@ def test_a_gbnf_grammar_is_followed(cli: CliRunner, model_path: str, tmp_path: P
     result = cli.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() in ("yes", "no")
+
+
+def test_a_grammar_is_parsed_once_before_the_load_and_once_on_the_vocabulary(
+    cli: CliRunner, model_path: str, tmp_path: Path
+) -> None:
+    """The early check parses the grammar without a vocabulary (it cannot sample); the model's
+    parse is kept, and every request after the first gets a copy of it."""
+    schema = write(tmp_path, "city.json", json.dumps(CITY))
+    prompts = [a for i in range(3) for a in ("-f", write(tmp_path, f"{i}.txt", f"City {i}?"))]
+    before = grammar_module.PARSES
+    result = cli.invoke(app, ["run", *prompts, "--json-schema", schema, "-n", "4", "-q"])
+    assert result.exit_code == 0, result.stderr
+    assert grammar_module.PARSES - before == 2

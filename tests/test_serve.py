@@ -321,6 +321,28 @@ def test_bad_requests_get_400_with_the_reason(
     assert llmrun_server.get("/health")["status"] == "ok"
 
 
+def test_a_sampling_value_out_of_range_names_its_field_in_param(llmrun_server: Server) -> None:
+    """OpenAI's error body names the field at fault in `param`: every sampling setting's range
+    error does, by the name the request gave it."""
+    bodies = {
+        "max_tokens": chat("hi", max_tokens=0),
+        "max_completion_tokens": chat("hi", max_completion_tokens=0),
+        "temperature": chat("hi", temperature=-1),
+        "top_k": chat("hi", top_k=-1),
+        "top_p": chat("hi", top_p=1.5),
+        "min_p": chat("hi", min_p=2),
+        "repeat_penalty": chat("hi", repeat_penalty=-1),
+        "repetition_penalty": chat("hi", repetition_penalty=-1),
+        "repeat_last_n": chat("hi", repeat_last_n=-2),
+        "seed": chat("hi", seed=-5),
+    }
+    for param, body in bodies.items():
+        error = llmrun_server.post("/v1/chat/completions", body).json()["error"]
+        assert "out of range" in error["message"] and error["param"] == param, error
+    legacy = llmrun_server.post("/v1/completions", {"prompt": "hi", "temperature": 500})
+    assert legacy.json()["error"]["param"] == "temperature"
+
+
 def test_a_prompt_longer_than_the_context_gets_400(llmrun_server: Server) -> None:
     r = llmrun_server.post("/v1/chat/completions", chat("word " * 700, max_tokens=4))
     assert r.status_code == 400

@@ -23,7 +23,6 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.grammar import (
     MAX_CHOICES,
     Grammars,
-    check_parses,
     grammar_fault,
     negated_token_after_text,
     schema_grammar,
@@ -142,9 +141,10 @@ def test_the_grammar_check_reads_escapes_as_llama_cpp_does() -> None:
 
 
 def test_llama_cpps_own_parser_is_the_last_gate(runner: LlamaCppRunner) -> None:
+    grammars = Grammars(llama_lib(), runner.vocab())
     with pytest.raises(BadRequestError, match=rf"^{WHERE}: llama.cpp's grammar parser refuses"):
-        check_parses(runner.vocab(), 'root ::= "a" ((', WHERE)
-    check_parses(runner.vocab(), schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
+        grammars.check('root ::= "a" ((', WHERE)
+    grammars.check(schema_grammar(code_schema("^[a-z]+$"), WHERE), WHERE)
 
 
 def in_property(defs: dict[str, Any]) -> dict[str, Any]:

@@ -139,16 +139,16 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
 @pytest.mark.parametrize(
     ("path", "payload", "words", "param"),
     [
-        (CHAT, small(max_tokens=0), "max_tokens 0 is out of range", None),
-        (CHAT, small(max_tokens=-1), "max_tokens -1 is out of range", None),
-        (CHAT, small(max_tokens=10**30), "out of range", None),
+        (CHAT, small(max_tokens=0), "max_tokens 0 is out of range", "max_tokens"),
+        (CHAT, small(max_tokens=-1), "max_tokens -1 is out of range", "max_tokens"),
+        (CHAT, small(max_tokens=10**30), "out of range", "max_tokens"),
         (CHAT, small(max_tokens=2.5), "max_tokens: Input should be a valid integer", "max_tokens"),
         (CHAT, small(max_tokens=True), "max_tokens: Input should be a valid integer", "max_tokens"),
         (CHAT, small(max_tokens="5"), "max_tokens: Input should be a valid integer", "max_tokens"),
-        (CHAT, small(temperature=-1), "temperature -1.0 is out of range", None),
-        (CHAT, small(top_p=1.5), "top_p 1.5 is out of range", None),
-        (CHAT, small(seed=-5), "seed -5 is out of range", None),
-        (CHAT, small(seed=2**64), "out of range", None),
+        (CHAT, small(temperature=-1), "temperature -1.0 is out of range", "temperature"),
+        (CHAT, small(top_p=1.5), "top_p 1.5 is out of range", "top_p"),
+        (CHAT, small(seed=-5), "seed -5 is out of range", "seed"),
+        (CHAT, small(seed=2**64), "out of range", "seed"),
         (CHAT, small(n=2), "n: only one choice per request", None),
         (CHAT, small(stream="yes"), "stream: Input should be a valid boolean", "stream"),
         (

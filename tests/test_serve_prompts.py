@@ -35,7 +35,6 @@ from llmrun.runners.serving.options import ServeOptions
 from llmrun.runners.serving.prompts import (
     FreshPrompts,
     PromptSpec,
-    common_prefix,
     read_dataset,
     valid_lengths,
 )
@@ -55,6 +54,16 @@ def _options(**kw: object) -> ServeOptions:
         "percentiles": (50.0,),
     }
     return ServeOptions(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items two prompts share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _longest_shared(prompts: Sequence[Sequence[object]]) -> int:

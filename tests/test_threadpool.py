@@ -189,8 +189,8 @@ def test_contexts_with_pools_come_and_go(model_path: str) -> None:
             )
             loaded = runner.reconfigure(dataclasses.replace(base, threadpool=settings))
             assert loaded.settings.params.get("poll", 50) == settings.poll
-            assert runner._ctx is not None
-            assert len(runner._ctx.pools) == (0 if settings.is_default else 2)  # t 2, tb 1
+            assert runner.kv.context is not None
+            assert len(runner.kv.context.pools) == (0 if settings.is_default else 2)  # t 2, tb 1
             if i % 5 == 0:
                 generate(runner, Request(prompt="Hi", sampling=SamplingParams(max_tokens=1)))
             extra = runner.make_context(n_seq=2, n_ctx=128, n_batch=32)

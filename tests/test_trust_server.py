@@ -13,9 +13,10 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners.history import History
-from llmrun.runners.remote import parse_endpoint, redact_url, sse_events
+from llmrun.runners.remote import parse_endpoint, redact_url
 
 from .stub_server import stub_server
+from .test_truth_stream import sse_events
 
 ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
 

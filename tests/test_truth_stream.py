@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,9 +16,14 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
-from llmrun.runners.remote import MAX_SSE_LINE, SSELineTooLongError, SSEReader, sse_events
+from llmrun.runners.remote import MAX_SSE_LINE, SSELineTooLongError, SSEReader
 
 from .stub_server import Handler, _Server
+
+
+def sse_events(raw: Iterable[bytes]) -> Iterator[str | None]:
+    """The `data` of each event in a server-sent event stream, as the remote runner reads it."""
+    return SSEReader().events(raw)
 
 
 def event(data: dict[str, Any]) -> bytes:

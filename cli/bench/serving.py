@@ -58,7 +58,6 @@ Output = Annotated[
         " (default: a table on a terminal, else md)",
     ),
 ]
-OutputLen = Annotated[int, _opt("Mean output length in tokens.", "--output-len", min=1)]
 Policies = Annotated[
     str,
     _opt(

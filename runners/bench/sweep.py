@@ -241,7 +241,6 @@ LOOPS = (
     "n_depth",
     "poll",
 )
-INSIDE_DEPTH = LOOPS[LOOPS.index("n_depth") + 1 :]
 
 
 def sweep(**values: Sequence[Any]) -> list[Combo]:

@@ -29,7 +29,6 @@ IDLE_WINDOW_S = 0.5  # the idle baseline's length, before the load
 POLL_S = 0.001  # how often the idle window reads the counters (RAPL updates about every 1 ms)
 GUARD_S = 1.0  # during decode, a read at least this often: one wraparound at most between reads
 COARSE_UPDATES = 10  # a phase spanning fewer counter updates than this is marked coarse
-KINDS = ("cpu", "gpu")
 
 
 def _ms(seconds: float) -> str:

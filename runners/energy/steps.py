@@ -18,8 +18,6 @@ from llmrun.runners.stats import EngineSettings
 from .counter import Counter, Unavailable
 from .meter import on_nvidia_gpu
 
-STEP_PHASES = ("prefill", "decode", "mixed")
-
 
 @dataclass(frozen=True)
 class StepReading:

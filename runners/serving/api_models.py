@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.grammar import response_grammar
-from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
+from llmrun.runners.limits import SAMPLING_SETTINGS, SettingError, check_sampling
 
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from .tools import GENERIC, ToolPlan, assistant_calls, call_text, tool_plan, tool_result
@@ -126,8 +126,9 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _limit(self) -> int | None:
-        return self.max_tokens
+    def _limit_field(self) -> str:
+        """The field that holds the request's output budget."""
+        return "max_tokens"
 
     def sampling(self, defaults: SamplingParams, think: bool | None = None) -> SamplingParams:
         """The request's sampling: its own values over the server's defaults, checked."""
@@ -159,12 +160,13 @@ class _Body(BaseModel):
             raise BadRequestError(
                 f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each"
             )
-        given: dict[str, Any] = {  # each setting by its HTTP names, the first one given
-            s.name: next((v for n in s.http if (v := getattr(self, n)) is not None), None)
+        fields = {  # each setting's field in the request: the first of its HTTP names given
+            s.name: next((n for n in s.http if getattr(self, n) is not None), s.http[0])
             for s in SAMPLING_SETTINGS.values()
         }
+        fields["max_tokens"] = self._limit_field()
+        given: dict[str, Any] = {name: getattr(self, field) for name, field in fields.items()}
         given |= {
-            "max_tokens": self._limit(),
             "seed": None if self.seed == -1 else self.seed,  # -1: random, as llama-server
             "stop": (self.stop,)
             if isinstance(self.stop, str)
@@ -178,7 +180,11 @@ class _Body(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             **{k: v for k, v in given.items() if v is not None},
         )
-        check_sampling(sp, WHERE)
+        try:
+            check_sampling(sp, WHERE)
+        except SettingError as e:  # OpenAI names the field in `param`
+            e.param = fields.get(e.setting or "")
+            raise
         return sp
 
 
@@ -300,12 +306,8 @@ class ChatBody(_Body):
             return None
         return top or 0
 
-    def _limit(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
+    def _limit_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def request(self, defaults: SamplingParams) -> Request:
         think = (self.chat_template_kwargs or {}).get("enable_thinking")

@@ -210,7 +210,8 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         if isinstance(e, PromptTooLongError):
             message += " (the context of one sequence: -c/--ctx)"
         seen.set("bad_request", message)
-        return error_response(400, message)
+        param = e.param if isinstance(e, BadRequestError) else None
+        return error_response(400, message, param=param)
     if s.stopping:
         seen.set("error", SHUTTING_DOWN)
         return error_response(503, SHUTTING_DOWN, "server_error")

@@ -61,23 +61,6 @@ def request_events(outcome: Outcome) -> Iterator[Event]:
     yield outcome
 
 
-def serve_in_parallel(
-    runner: LlamaCppRunner,
-    requests: Sequence[Request],
-    *,
-    n_seq: int,
-    n_ctx: int | None = None,
-    policy: Policy | None = None,
-    cancel: threading.Event | None = None,
-) -> ParallelRun:
-    """`serve_requests`, as a run: see there."""
-    outcomes, seconds = serve_requests(
-        runner, requests, n_seq=n_seq, n_ctx=n_ctx, policy=policy, cancel=cancel
-    )
-    interrupted = cancel is not None and cancel.is_set()
-    return ParallelRun(tuple(outcomes), seconds, interrupted)
-
-
 @dataclass
 class _Prompts:
     """The requests that can be served: each one's tokens and output budget, by index."""

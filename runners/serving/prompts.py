@@ -216,16 +216,6 @@ def text_prompts(
     return out
 
 
-def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
-    """How many leading items two prompts share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # ---- datasets: real prompts from a file ------------------------------------------------------
 
 # vLLM's filters (benchmarks' is_valid_sequence): prompts and outputs of at least 4 tokens,
