@@ -29,26 +29,20 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
     )
 
 
-def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str]) -> None:
+def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str], tmp_path: Path) -> None:
+    """The summary's hint and the stats record (--stats-file: --stats json's record) of one
+    run that fills the context: 256 tokens, the least llama.cpp makes."""
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counting does not stop by itself
-    cut = run(
-        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--no-dashboard", prompt],
-        llmrun_env,
-    )
+    stats = tmp_path / "stats.jsonl"
+    args = ["run", "--raw", "-c", "256", "--temp", "0", "-t", "1", "--no-dashboard"]
+    cut = run([*args, "-n", "400", "--stats-file", str(stats), prompt], llmrun_env)
     assert cut.returncode == 0, cut.stderr
     assert "[context]: the 256-token context is full (raise -c/--ctx" in cut.stderr
-    stats = run(
-        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--stats", "json", prompt],
-        llmrun_env,
-    )
-    record = json.loads(stats.stderr.strip().splitlines()[-1])
+    record = json.loads(stats.read_text().strip().splitlines()[-1])
     assert record["finish_reason"] == "context"
     assert record["prompt_tokens"] + record["output_tokens"] == record["settings"]["n_ctx"] + 1
     # -n reached first is still "length", with no hint
-    short = run(
-        ["run", "--raw", "-c", "256", "-n", "5", "--temp", "0", "--no-dashboard", prompt],
-        llmrun_env,
-    )
+    short = run([*args, "-n", "5", prompt], llmrun_env)
     assert "5 tokens [length]" in short.stderr and "context is full" not in short.stderr
 
 
