@@ -43,8 +43,11 @@ def mypy_on_copy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mypy]:
     for name in ("cli", "runners", "typecheck", "tests", "benchmarks", "tools"):
         shutil.copytree(ROOT / name, copy / name, symlinks=True)
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    if (ROOT / ".mypy_cache").is_dir():  # make lint's, when it ran: the tree as it is now
-        shutil.copytree(ROOT / ".mypy_cache", work / "cache", symlinks=True)
+    if (ROOT / ".mypy_cache").is_dir():  # make lint's, when it ran
+        try:
+            shutil.copytree(ROOT / ".mypy_cache", work / "cache", symlinks=True)
+        except OSError:  # a mypy writing it meanwhile (shutil.Error too): start from nothing
+            shutil.rmtree(work / "cache", ignore_errors=True)
 
     def run(edits: dict[str, Callable[[str], str]], env: dict[str, str]) -> tuple[int, str]:
         originals = {name: (copy / name).read_text(encoding="utf-8") for name in edits}
