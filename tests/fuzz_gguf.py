@@ -264,6 +264,8 @@ def campaign(model: Path, n: int, seed: int, workdir: Path) -> tuple[list[Outcom
         "0",
         "-c",
         "256",
+        "-t",
+        "1",  # two threads cost twice the CPU for two tokens, and far more on a busy machine
         "--no-dashboard",
         "--stats",
         "json",

@@ -46,10 +46,21 @@ def alone(engine: BatchedEngine, stream: tuple[int, ...]) -> list[int]:
     return results[0].output
 
 
+@pytest.fixture(scope="module")
+def solos(setup: Setup) -> tuple[list[int], list[list[int]]]:
+    """Each prompt served alone, once for every policy: the chat prompt's 40 tokens and the
+    long prompts' 6 (greedy: the same output whenever it is asked)."""
+    _, engine, stream, longs = setup
+    plain = [engine.run([Arrival(0.0, p, 6)], Policy("chunked", 256))[0][0].output for p in longs]
+    return alone(engine, stream), plain
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, policy: str) -> None:
+def test_each_sequence_gets_its_solo_output_whatever_the_policy(
+    setup: Setup, solos: tuple[list[int], list[list[int]]], policy: str
+) -> None:
     runner, engine, stream, longs = setup
-    solo = alone(engine, stream)
+    solo, plains = solos
     arrivals = [
         Arrival(0.0, stream, 40),
         *(Arrival(0.02 * (i + 1), p, 6) for i, p in enumerate(longs)),
@@ -58,8 +69,7 @@ def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, po
     together = results[0].output
     assert len(together) == 40 and all(len(r.output) == 6 for r in results[1:])
     assert margin_at_divergence(runner, list(stream), solo, together) < NEAR_TIE
-    for r, p in zip(results[1:], longs, strict=True):  # the long prompts too
-        plain = engine.run([Arrival(0.0, p, 6)], Policy("chunked", 256))[0][0].output
+    for r, p, plain in zip(results[1:], longs, plains, strict=True):  # the long prompts too
         assert margin_at_divergence(runner, list(p), plain, r.output) < NEAR_TIE
     budget = {"prefill-first": 256, "chunked:32": 32, "decode-first": 256, "decode-first:4": 256}[
         policy
@@ -72,12 +82,14 @@ def test_each_sequence_gets_its_solo_output_whatever_the_policy(setup: Setup, po
         assert not mixed  # a prompt alone in its steps
 
 
-def test_negative_control_another_prompt_in_view_changes_the_output(setup: Setup) -> None:
+def test_negative_control_another_prompt_in_view_changes_the_output(
+    setup: Setup, solos: tuple[list[int], list[list[int]]]
+) -> None:
     """What a leak between sequences would look like: the stream's own prompt with another
     prompt's tokens in front of it gives a different text, far from any near-tie, so the
     equivalence above would catch a sequence seeing another's KV entries."""
     runner, engine, stream, longs = setup
-    solo = alone(engine, stream)
+    solo, _ = solos
     seen, _ = engine.run([Arrival(0.0, longs[0] + stream, 40)], Policy("chunked", 256))
     assert margin_at_divergence(runner, list(stream), solo, seen[0].output) >= NEAR_TIE
 

@@ -26,11 +26,13 @@ from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, Complet
 from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
 from .conftest import HANG_S
+from .inject.sitecustomize import SERVE_TIMEOUT_ENV
 from .test_serve import Server, chat, llmrun_serve, serve_env  # noqa: F401  (fixture)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 WAIT_S = 4 * HEADERS_TIMEOUT_S  # generous: the server's own deadlines are what end these waits
+SHORT_DEADLINE_S = 2.0  # the deadlines of a server whose test waits for them to fire
 
 
 @pytest.fixture(scope="module")
@@ -486,9 +488,21 @@ def test_a_chunked_body_is_read(server: Server) -> None:
     assert status == 200, body
 
 
-def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server) -> None:
+@pytest.fixture
+def short_deadlines(serve_env: dict[str, str]) -> Iterator[Server]:  # noqa: F811
+    """A server of its own whose deadlines on headers and on a body's next piece are
+    SHORT_DEADLINE_S (tests/inject/sitecustomize.py), not the 30 s a test would wait out."""
+    env = dict(serve_env, **{SERVE_TIMEOUT_ENV: f"{SHORT_DEADLINE_S:g}"})
+    with llmrun_serve(env, "-np", "1", "--no-dashboard") as s:
+        yield s
+
+
+def test_a_body_shorter_than_its_length_and_slow_headers_time_out(
+    short_deadlines: Server,
+) -> None:
     """A Content-Length lie and a slowloris client: each connection is ended by the server's
     own deadline (408), while other requests are answered meanwhile."""
+    server = short_deadlines
     results: dict[str, bytes] = {}
     timeouts = {route: count(server, route, "timeout") for route in ("chat", "other")}
 
@@ -516,8 +530,11 @@ def test_a_body_shorter_than_its_length_and_slow_headers_time_out(server: Server
     still_serving(server)
     for t in threads:
         t.join(WAIT_S + 10)
+    deadline = b"%g s" % SHORT_DEADLINE_S  # the deadline the server was given, in its answers
     assert results["lie"].startswith(b"408 ") and b"the body stopped arriving" in results["lie"]
+    assert b"none for " + deadline in results["lie"], results["lie"]
     assert results["slow"].startswith(b"HTTP/1.1 408 ")
+    assert b"did not arrive in " + deadline in results["slow"], results["slow"]
     assert count(server, "chat", "timeout") == timeouts["chat"] + 1
     assert count(server, "other", "timeout") == timeouts["other"] + 1
     still_serving(server)

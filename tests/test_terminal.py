@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -29,26 +30,20 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
     )
 
 
-def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str]) -> None:
+def test_output_cut_by_the_context_says_so(llmrun_env: dict[str, str], tmp_path: Path) -> None:
+    """The summary's hint and the stats record (--stats-file: --stats json's record) of one
+    run that fills the context: 256 tokens, the least llama.cpp makes."""
     prompt = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counting does not stop by itself
-    cut = run(
-        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--no-dashboard", prompt],
-        llmrun_env,
-    )
+    stats = tmp_path / "stats.jsonl"
+    args = ["run", "--raw", "-c", "256", "--temp", "0", "-t", "1", "--no-dashboard"]
+    cut = run([*args, "-n", "400", "--stats-file", str(stats), prompt], llmrun_env)
     assert cut.returncode == 0, cut.stderr
     assert "[context]: the 256-token context is full (raise -c/--ctx" in cut.stderr
-    stats = run(
-        ["run", "--raw", "-c", "256", "-n", "400", "--temp", "0", "--stats", "json", prompt],
-        llmrun_env,
-    )
-    record = json.loads(stats.stderr.strip().splitlines()[-1])
+    record = json.loads(stats.read_text().strip().splitlines()[-1])
     assert record["finish_reason"] == "context"
     assert record["prompt_tokens"] + record["output_tokens"] == record["settings"]["n_ctx"] + 1
     # -n reached first is still "length", with no hint
-    short = run(
-        ["run", "--raw", "-c", "256", "-n", "5", "--temp", "0", "--no-dashboard", prompt],
-        llmrun_env,
-    )
+    short = run([*args, "-n", "5", prompt], llmrun_env)
     assert "5 tokens [length]" in short.stderr and "context is full" not in short.stderr
 
 
@@ -273,20 +268,41 @@ class Tmux:
 COUNT = "run --raw -n 160 --temp 0 -t 1 '1, 2, 3, 4, 5,'"
 
 
+@pytest.fixture(scope="module")
+def count_in_a_file(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """COUNT's answer written to a file, once for every width: greedy on one thread, it is
+    the same text each time (the tests that use it request llmrun_env: marked pty)."""
+    folder = tmp_path_factory.mktemp("count")
+    env = dict(
+        os.environ,
+        HF_HOME=str(folder / "hf"),
+        HF_HUB_OFFLINE="1",
+        NO_COLOR="1",
+        LLMRUN_HOME=str(folder / "llmrun-home"),
+    )
+    out = folder / "out.txt"
+    with open(out, "w") as file:
+        subprocess.run(
+            [which_llmrun(), *shlex.split(COUNT), "-q"],
+            env=env,
+            stdout=file,
+            stdin=subprocess.DEVNULL,
+            timeout=HANG_S,
+            check=True,
+        )
+    return out.read_text().rstrip("\n").splitlines()
+
+
 @pytest.mark.pty
 @pytest.mark.parametrize("columns", [40, 60, 80, 120])
 def test_enter_during_a_reply_and_text_copied_from_the_screen(
-    llmrun_env: dict[str, str], tmp_path: Path, columns: int
+    llmrun_env: dict[str, str], count_in_a_file: list[str], columns: int
 ) -> None:
     """Enter pressed while the reply streams does not move or repeat anything, and the answer
     on the screen is the answer in a file, line for line (the terminal wraps it, llmrun
     inserts no line break at the width)."""
-    out = tmp_path / "out.txt"
     term = Tmux(llmrun_env, columns)
     try:
-        term.keys(f"{which_llmrun()} {COUNT} -q > {out}; echo FILE''D", "Enter")
-        term.wait(lambda s: "FILED" in s)
-        term.keys("clear", "Enter")
         term.keys(f"{which_llmrun()} {COUNT}; echo END''ED", "Enter")
         term.wait(lambda s: "tok/s" in s)  # the panel is up: decoding
         for _ in range(3):
@@ -297,7 +313,7 @@ def test_enter_during_a_reply_and_text_copied_from_the_screen(
     finally:
         term.close()
     text = "\n".join(lines)
-    answer = out.read_text().rstrip("\n").splitlines()
+    answer = count_in_a_file
     assert answer and len(answer[0]) > columns  # a line the terminal has to wrap
     at = lines.index(answer[0])  # whole: no break inserted
     assert lines[at : at + len(answer)] == answer, text

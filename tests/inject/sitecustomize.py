@@ -13,6 +13,8 @@ started with this folder on its path does.
 - TESTS_BANDWIDTH (bytes,repetitions) sizes the bandwidth probe of bench's machine report.
 - TESTS_PROBE_HOLD (seconds) makes the repacking probe's child a sleep that long: a set-up that
   a signal can reach while the child runs.
+- TESTS_SERVE_TIMEOUT_S (seconds) replaces `llmrun serve`'s 30 s deadlines on a request's headers
+  and on the next piece of its body (short_serve_timeouts): a test that waits for them to fire.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ BACKGROUND_ENV = "TESTS_BACKGROUND_CPUS"
 PROBE_ENV = "TESTS_REPACK_PROBE"
 BANDWIDTH_ENV = "TESTS_BANDWIDTH"
 PROBE_HOLD_ENV = "TESTS_PROBE_HOLD"
+SERVE_TIMEOUT_ENV = "TESTS_SERVE_TIMEOUT_S"
 
 
 def _model_key(model_path: str) -> str:
@@ -91,11 +94,25 @@ def small_bandwidth_probe(system: Any, size_bytes: int, reps: int) -> None:
     )
 
 
+def short_serve_timeouts(seconds: float) -> None:
+    """`llmrun serve` ends a request whose headers (uvicorn_patch.GuardedH11) or whose body's
+    next piece (api_http.read_body) has not arrived in `seconds` instead of 30 s, and its 408
+    says so: the same code, where a test waits for the deadline to fire."""
+    from llmrun.runners.serving import api_http, uvicorn_patch
+
+    uvicorn_patch.GuardedH11.headers_timeout_s = seconds
+    uvicorn_patch.TOO_SLOW = uvicorn_patch.error_bytes(
+        408, f"the request's headers did not arrive in {seconds:g} s"
+    )
+    api_http.read_body = functools.partial(api_http.read_body, idle_s=seconds)
+
+
 def _install() -> None:
     background = os.environ.get(BACKGROUND_ENV)
     memo = os.environ.get(PROBE_ENV)
     bandwidth = os.environ.get(BANDWIDTH_ENV)
-    if background is None and memo is None and bandwidth is None:
+    serve_timeout = os.environ.get(SERVE_TIMEOUT_ENV)
+    if background is None and memo is None and bandwidth is None and serve_timeout is None:
         return
     try:
         from llmrun.runners import probe, system
@@ -109,6 +126,8 @@ def _install() -> None:
     if bandwidth:
         size_bytes, reps = (int(n) for n in bandwidth.split(","))
         small_bandwidth_probe(system, size_bytes, reps)
+    if serve_timeout:
+        short_serve_timeouts(float(serve_timeout))
 
 
 def _chain() -> None:
