@@ -592,7 +592,8 @@ def _c_stderr() -> _CStderr:
 
 
 class Grammars:
-    """The grammars one loaded model's server has parsed, each parsed once: a request's check
+    """The grammars parsed on one loaded model's vocabulary (a server's, or `run`'s and `chat`'s,
+    kept on the model's handle), each parsed once: a request's check
     parses its grammar (or finds it here), and the engine's sequence gets a copy of the parsed
     grammar (`llama_sampler_clone` copies its rules and state; nothing is parsed again). A
     grammar llama.cpp refuses is kept as its reason, so asking again parses and prints nothing.

@@ -191,12 +191,18 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> FakeBenchRunner:
 def llmrun_env(tmp_path: Path) -> dict[str, str]:
     """Environment for child processes (isolated HF cache, offline, no debug): every test that
     starts a process requests it, which marks the test `pty`."""
+    return child_env(tmp_path)
+
+
+def child_env(folder: Path) -> dict[str, str]:
+    """llmrun_env's environment, its caches and home in `folder` (for a fixture of wider
+    scope than a test's)."""
     env = dict(os.environ)
     env.update(
-        HF_HOME=str(tmp_path / "hf"),
+        HF_HOME=str(folder / "hf"),
         HF_HUB_OFFLINE="1",
         NO_COLOR="1",
-        LLMRUN_HOME=str(tmp_path / "llmrun-home"),
+        LLMRUN_HOME=str(folder / "llmrun-home"),
     )
     env.pop("LLMRUN_DEBUG", None)
     env.pop("LLMRUN_MODEL", None)

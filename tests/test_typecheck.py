@@ -4,8 +4,9 @@ scratch copy fail it, and nothing else does.
 Both tests check one copy of the tree with one mypy cache (a module's fixture), seeded with
 `make lint`'s where it ran (`make test` runs it first): mypy then checks only what an edit
 touches and what depends on it, as `make lint` does after an edit; without it, the first run
-checks everything. A cached module is used only where its file's size and content match, and
-each edit changes its file's size, so no stale entry is trusted."""
+checks everything. mypy trusts a cached module where its file's mtime and size match (and
+hashes the content where only the mtime differs); the copy keeps the mtimes, and each edit
+changes its file's size, so no stale entry is trusted."""
 
 from __future__ import annotations
 

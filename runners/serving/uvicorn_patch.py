@@ -46,9 +46,6 @@ def error_bytes(status: int, message: str) -> bytes:
     return json.dumps({"error": error}).encode()
 
 
-TOO_SLOW = error_bytes(408, f"the request's headers did not arrive in {HEADERS_TIMEOUT_S:g} s")
-
-
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's headers: uvicorn times out
     only an idle kept-alive connection, so one that sends half a header line and then a byte
@@ -120,11 +117,15 @@ class GuardedH11(H11Protocol):
         if self.cycle is None or self.cycle.response_complete:
             if self._partial:  # not a connection opened ahead and left idle
                 self.on_refused(408, "request headers too slow")
+            # the deadline this connection was given, whatever it is
+            slow = error_bytes(
+                408, f"the request's headers did not arrive in {self.headers_timeout_s:g} s"
+            )
             with contextlib.suppress(Exception):
                 self.transport.write(
                     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: "
                     b"application/json\r\nconnection: close\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(TOO_SLOW), TOO_SLOW)
+                    b"content-length: %d\r\n\r\n%s" % (len(slow), slow)
                 )
             self.transport.close()
 
