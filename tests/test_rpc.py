@@ -206,6 +206,40 @@ def test_rpc_server_on_a_port_in_use_is_one_line(monkeypatch: pytest.MonkeyPatch
     assert line == f"llmrun: error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
+def test_a_ctrl_c_inside_popen_stops_the_server_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llmrun_env: dict[str, str]
+) -> None:
+    """A Ctrl-C that lands after the fork, before Popen returns (a window a loaded machine
+    widens): held back until the child is llmrun's, then it stops the server and exits 130.
+    Raised inside Popen, it left the server running with llmrun's stderr open, and a supervisor
+    reading that to the end waited forever. (llmrun_env: a process starts.)"""
+    from llmrun.cli import rpc_server as command
+
+    stand_in = tmp_path / "rpc-server"
+    stand_in.write_text("#!/bin/sh\nexec sleep 600\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(rpc, "server_binary", lambda: stand_in)
+    started: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        child: subprocess.Popen[bytes] = popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before this returns
+        return child
+
+    monkeypatch.setattr(command.subprocess, "Popen", popen_then_ctrl_c)
+    try:
+        done = CliRunner().invoke(app, ["rpc-server", "-p", str(free_port())])
+        assert done.exit_code == 130, done.stderr
+        assert started[0].poll() is not None  # stopped, and waited for
+    finally:
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 @pytest.mark.parametrize("port", ["0", "65536"])
 def test_rpc_server_ports_outside_1_65535_are_usage_errors(port: str) -> None:
     done = CliRunner().invoke(app, ["rpc-server", "-p", port])
