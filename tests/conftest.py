@@ -206,6 +206,10 @@ def child_env(folder: Path) -> dict[str, str]:
     )
     env.pop("LLMRUN_DEBUG", None)
     env.pop("LLMRUN_MODEL", None)
+    # a child on a pseudo-terminal reads its size there; a test that wants another says so
+    # (a COLUMNS from the shell or pytest's worker folded a 40-column run's rows at 80)
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
     return env  # a quiet machine: quiet_machine's PYTHONPATH and TESTS_BACKGROUND_CPUS=0
 
 
