@@ -329,7 +329,9 @@ def test_a_probe_ended_by_ctrl_c_is_no_verdict(
     """Ctrl-C in a first load reaches the probe's child too: its death by SIGINT was cached as
     'repacked kernels crashed a probe', and repacking stayed off for that quantization."""
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
-    child = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGINT)"]
+    # SIGINT's default action, whatever the test runner's (a background job ignores SIGINT)
+    die = "signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)"
+    child = [sys.executable, "-c", f"import os, signal; {die}"]
     verdict = probe.run_probe("m.gguf", child)
     assert verdict.interrupted and not verdict.safe
     crashed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
