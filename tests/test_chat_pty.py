@@ -171,5 +171,8 @@ def test_ctrl_c_during_a_long_prefill_leaves_the_conversation_as_it_was(
     assert reused >= sum(first) and new < 40, (first, new, reused)
     child.sendline(f"/save {tmp_path}/chat.json")
     child.expect_exact("saved 3 turns")  # the stopped message stays in the record
+    # at the prompt: readline has the terminal (a Ctrl-D typed before it did reached the line
+    # discipline in canonical mode and was lost to readline, and chat waited for input)
+    child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
