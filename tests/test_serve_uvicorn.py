@@ -13,6 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 import uvicorn
 from packaging.specifiers import SpecifierSet
@@ -60,6 +61,9 @@ def test_h11_protocol_state_guarded_h11_reads() -> None:
         assert hasattr(protocol, name), name
     assert protocol.connections is protocol.server_state.connections
     assert "response_complete" in inspect.getsource(RequestResponseCycle.__init__)
+    assert protocol.conn.their_state is h11.IDLE
+    assert protocol.conn.trailing_data == (b"", False)  # the bytes h11 holds, not yet parsed
+    assert "h11_max_incomplete_event_size" in parameters(uvicorn.Config.__init__)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +71,7 @@ def test_h11_protocol_state_guarded_h11_reads() -> None:
     [
         ("connection_made", ["self", "transport"]),
         ("data_received", ["self", "data"]),
+        ("handle_events", ["self"]),
         ("connection_lost", ["self", "exc"]),
         ("send_400_response", ["self", "msg"]),
         ("shutdown", ["self"]),  # HttpServer.shutdown calls it on each connection

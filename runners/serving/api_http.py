@@ -53,6 +53,7 @@ HTTP_OUTCOMES = {
     408: "timeout",
     413: "too_large",
     415: "bad_request",
+    431: "too_large",
     499: "cancelled",
     503: "too_many_connections",
 }

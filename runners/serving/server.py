@@ -43,7 +43,7 @@ from .api_metrics import ServerMetrics
 from .api_routes import Served, create_app
 from .batching import Policy
 from .server_settings import ServerSettings
-from .uvicorn_patch import HttpServer, guarded_protocol
+from .uvicorn_patch import MAX_HEAD_BYTES, HttpServer, guarded_protocol
 
 OPEN_FILES_SPARE = 128  # files beside the connections: the model, libraries, the listener
 KEEP_ALIVE_S = 30
@@ -173,6 +173,7 @@ def serve_http(
         log_level="error",
         lifespan="off",
         timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         interface="asgi3",
         timeout_graceful_shutdown=1,  # after the drain (HttpServer.shutdown): what is left
     )

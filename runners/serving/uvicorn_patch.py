@@ -2,11 +2,12 @@
 `server` extra to `UVICORN_VERSIONS`; tests/test_serve_uvicorn.py fails when a name used here
 goes or changes its signature).
 
-- `GuardedH11` (h11's protocol): a deadline on each request's headers (slowloris), malformed
-  HTTP answered in OpenAI's error shape, and a connection past `max_connections` served by an
-  app that refuses it. It reads the protocol's `cycle`, `conn`, `transport`, `loop`, `app` and
-  `connections`, and overrides `connection_made`, `data_received`, `connection_lost` and
-  `send_400_response`.
+- `GuardedH11` (h11's protocol): a deadline on each request's headers (slowloris), one limit
+  on a request's head however its bytes arrive, malformed HTTP answered in OpenAI's error
+  shape, and a connection past `max_connections` served by an app that refuses it. It reads the
+  protocol's `cycle`, `conn`, `transport`, `loop`, `app` and `connections`, h11's
+  `their_state` and `trailing_data`, and overrides `connection_made`, `data_received`,
+  `handle_events`, `connection_lost` and `send_400_response`.
 - `HttpServer` (`uvicorn.Server`): llmrun's signals (`capture_signals`), a handler for accept()
   failures installed at `startup`, and a `shutdown` that drains the requests in flight and,
   past the drain or at once on Ctrl-C, a second signal or SIGHUP, has them end with an error
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import socket
 import threading
@@ -35,6 +37,9 @@ UVICORN_VERSIONS = (">=0.54", "<0.55")  # the versions these overrides were chec
 HEADERS_TIMEOUT_S = 30.0  # from a request's first byte to the end of its headers
 CUT_S = 2.0  # the longest wait for cut requests to write their last event
 POLL_S = 0.05
+# A request's line and headers, at most (h11's default; passed to uvicorn for h11 to use too).
+MAX_HEAD_BYTES = 16 * 1024
+HEAD_END = re.compile(rb"\n\r?\n")  # the blank line that ends a head, as h11 finds it
 # Ctrl-C and SIGHUP stop at once; SIGTERM drains, and a second signal stops at once.
 STOP_NOW = (signal.SIGINT, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 SIGNALS = (signal.SIGTERM, *STOP_NOW)
@@ -79,6 +84,25 @@ class GuardedH11(H11Protocol):
             self._disarm()  # the headers arrived: the app times the body
             self._partial = False
 
+    def handle_events(self) -> None:
+        """h11 refuses a head over its limit only while the head is incomplete, so whether a
+        40 kB path got 404 or 400 depended on how TCP cut it. Measured here on the bytes
+        themselves, before h11 parses them, a head over `MAX_HEAD_BYTES` is always a 431."""
+        if self.conn.their_state is h11.IDLE and self._head_too_long():
+            self._refuse(
+                431,
+                b"Request Header Fields Too Large",
+                f"the request's line and headers are over {MAX_HEAD_BYTES:,} bytes",
+            )
+            return
+        super().handle_events()
+
+    def _head_too_long(self) -> bool:
+        buffered, _ = self.conn.trailing_data
+        if len(buffered) <= MAX_HEAD_BYTES:
+            return False
+        return HEAD_END.search(buffered, 0, MAX_HEAD_BYTES) is None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
@@ -93,11 +117,14 @@ class GuardedH11(H11Protocol):
             self._headers_due = None
 
     def send_400_response(self, msg: str) -> None:
-        """Malformed HTTP (a bad request line, header or length, a header block over h11's
-        limit): the error in OpenAI's shape rather than uvicorn's plain text."""
-        message = f"malformed HTTP request ({msg.rstrip('.').lower()})"
-        self.on_refused(400, message)
-        body = error_bytes(400, message)
+        """Malformed HTTP (a bad request line, header or length): the error in OpenAI's shape
+        rather than uvicorn's plain text."""
+        self._refuse(400, b"Bad Request", f"malformed HTTP request ({msg.rstrip('.').lower()})")
+
+    def _refuse(self, status: int, reason: bytes, message: str) -> None:
+        """Answer `status` below the app, counted and logged, and close the connection."""
+        self.on_refused(status, message)
+        body = error_bytes(status, message)
         headers = [
             (b"content-type", b"application/json"),
             (b"connection", b"close"),
@@ -105,7 +132,7 @@ class GuardedH11(H11Protocol):
         ]
         with contextlib.suppress(h11.LocalProtocolError):
             for event in (
-                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Response(status_code=status, headers=headers, reason=reason),
                 h11.Data(data=body),
                 h11.EndOfMessage(),
             ):
