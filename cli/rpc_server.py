@@ -14,9 +14,8 @@ from typing import Annotated
 
 import typer
 
-from llmrun.runners import rpc
+from llmrun.runners import children, rpc
 
-from . import STOP_SIGNALS
 from . import options as o
 from .errors import handled
 
@@ -79,9 +78,9 @@ def rpc_server(
         print(f"llmrun: warning: {rpc.WARNING}", file=sys.stderr, flush=True)
         child: subprocess.Popen[bytes] | None = None
         try:  # a Ctrl-C as early as inside Popen must not leave the server behind
-            child, held = _spawn(argv)
-            for signum in held:  # delivered now that the child is ours to stop
-                signal.raise_signal(signum)
+            child, held = children.popen(argv, stdin=subprocess.DEVNULL)
+            if held is not None:  # delivered now that the child is ours to stop
+                signal.raise_signal(held)
             code = None
             while code is None:  # a blocking waitpid misses a signal that lands just before it
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -98,26 +97,6 @@ def rpc_server(
             flush=True,
         )
         raise typer.Exit(1)
-
-
-def _spawn(argv: list[str]) -> tuple[subprocess.Popen[bytes], list[int]]:
-    """The server started with the stop signals held back until Popen returns, and those that
-    came meanwhile: one handled inside Popen, after the fork, would raise there and leave the
-    server running unnamed, holding llmrun's stderr open (a supervisor reading it to the end
-    would then wait forever). The child starts with its own default handlers (exec resets
-    them); the signal mask is not touched."""
-    came: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        came.append(signum)
-
-    handlers = {signum: signal.signal(signum, hold) for signum in STOP_SIGNALS}
-    try:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-    return child, came[:1]
 
 
 def _stop(child: subprocess.Popen[bytes]) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import children
 from .paths import state_dir
 from .system import cpu_flags, cpu_model
 
@@ -127,8 +129,8 @@ def run_probe(
     never sees) ends the child at once: an interrupted probe, no verdict."""
     argv = command or [sys.executable, "-c", PROBE_CODE, model_path]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-    try:
-        child = subprocess.Popen(
+    try:  # a Ctrl-C inside Popen must not leave the probe running unheld
+        child, held = children.popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -139,6 +141,8 @@ def run_probe(
         return Verdict(False, f"the probe could not start ({e.strerror or e})")
     with child:
         try:
+            if held is not None:  # delivered now that the child is ours to kill
+                signal.raise_signal(held)
             deadline = time.monotonic() + PROBE_TIMEOUT_S
             while True:
                 try:
@@ -159,8 +163,6 @@ def run_probe(
     if child.returncode == 0:
         return Verdict(True, "probed")
     if child.returncode < 0:
-        import signal
-
         if -child.returncode in STOPPED_BY:  # no verdict: kept for this load, never cached
             return Verdict(False, "the probe was interrupted", interrupted=True)
         if -child.returncode == KILLED:  # a verdict, cached: probing again would do it again

@@ -384,6 +384,37 @@ def test_a_probe_stops_when_its_cancel_is_set(llmrun_env: dict[str, str]) -> Non
     assert time.monotonic() - t0 < ANSWERED_S
 
 
+def test_a_ctrl_c_inside_the_probe_s_popen_kills_the_probe(
+    llmrun_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench and doctor probe from the main thread, with no cancel: a Ctrl-C whose handler ran
+    inside Popen, after the fork, raised there and left the probe's child running unheld. Now
+    it is held until the child is the probe's, then delivered: the child is killed and waited
+    for, and the Ctrl-C goes on up."""
+    started: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        child: subprocess.Popen[bytes] = popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before this returns
+        return child
+
+    # Python's own Ctrl-C, whatever the test runner's (a background job ignores SIGINT)
+    monkeypatch.setattr(subprocess, "Popen", popen_then_ctrl_c)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.run_probe("m.gguf", [sys.executable, "-c", "import time; time.sleep(600)"])
+        assert started and started[0].returncode == -signal.SIGKILL  # killed, and waited for
+    finally:
+        signal.signal(signal.SIGINT, before)
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 # ---- interference --------------------------------------------------------------------------
 
 
