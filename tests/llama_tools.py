@@ -261,6 +261,7 @@ def store(bin_dir: Path, entry: Path) -> None:
         recorded = {b.name: _sha256(staging / b.name) for b in binaries}
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
         with _cache_locked(entry.parent):  # another checkout's whole entry is never replaced
+            sweep_stale(entry.parent)
             if whole(entry):
                 return
             shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial or corrupt
@@ -270,6 +271,22 @@ def store(bin_dir: Path, entry: Path) -> None:
             print(f"llama.cpp's tools not cached in {entry.parent}: {e}", file=sys.stderr)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def sweep_stale(root: Path) -> None:
+    """Remove the staging folders (`.ENTRY.PID`) of stores that died before their rename (a
+    SIGKILL or a lost machine skips `store`'s clean-up): those whose process is gone. A live
+    store's folder, or one of a process that reused its PID, is left."""
+    for folder in root.glob(".*.*"):
+        pid = folder.name.rpartition(".")[2]
+        if not folder.is_dir() or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # alive, another user's
+            continue
 
 
 def whole(entry: Path) -> bool:

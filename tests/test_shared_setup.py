@@ -385,6 +385,27 @@ def test_an_unwritable_cache_costs_a_build_not_a_run(
     assert "Traceback" not in err and "not cached in" in err and len(err.splitlines()) <= 2
 
 
+def test_a_store_that_died_leaves_no_folder_past_the_next_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store killed before its rename (SIGKILL skips its clean-up) left its staging folder
+    for good; the next store under the cache's lock removes it, and never a live one's."""
+    _, builds = fake_wheel(tmp_path, monkeypatch)
+    entry = llama_tools.cache_entry()
+    assert entry is not None
+    entry.parent.mkdir(parents=True)
+    no_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # names no process
+    dead = entry.with_name(f".{entry.name}.{no_pid}")
+    live = entry.with_name(f".{entry.name}-other.{os.getpid()}")
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "llama-bench").write_bytes(b"half a copy")
+    in_checkout(tmp_path, monkeypatch, "first")
+    llama_tools.tool("llama-bench")
+    assert builds == ["llama-bench"] and llama_tools.whole(entry)
+    assert not dead.exists() and live.exists()
+
+
 @pytest.mark.parametrize("damage", ["no completion marker", "a tool's bytes changed", "garbage"])
 def test_a_partial_or_corrupt_cache_entry_is_built_again_and_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
