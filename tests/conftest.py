@@ -4,6 +4,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -235,6 +236,25 @@ def bench_pp8(model: str, *more: str) -> list[str]:
         "json",
         *more,
     ]
+
+
+def popen_then_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[subprocess.Popen[bytes]]:
+    """subprocess.Popen replaced, for one test, by one that sends this process SIGINT after
+    the fork, before Popen returns (a window a loaded machine widens); the children it
+    started, for the test to check and clean up."""
+    started: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def popen_then_signal(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        child: subprocess.Popen[bytes] = popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(child)
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before this returns
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_signal)
+    return started
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
-from .conftest import HANG_S, ROOT, which_llmrun
+from .conftest import HANG_S, ROOT, popen_then_ctrl_c, which_llmrun
 from .fake import FakeBenchRunner
 from .stub_server import bench_against_stub, stub_server
 
@@ -391,17 +391,8 @@ def test_a_ctrl_c_inside_the_probe_s_popen_kills_the_probe(
     inside Popen, after the fork, raised there and left the probe's child running unheld. Now
     it is held until the child is the probe's, then delivered: the child is killed and waited
     for, and the Ctrl-C goes on up."""
-    started: list[subprocess.Popen[bytes]] = []
-    popen = subprocess.Popen
-
-    def popen_then_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        child: subprocess.Popen[bytes] = popen(*args, **kwargs)  # type: ignore[call-overload]
-        started.append(child)
-        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before this returns
-        return child
-
+    started = popen_then_ctrl_c(monkeypatch)
     # Python's own Ctrl-C, whatever the test runner's (a background job ignores SIGINT)
-    monkeypatch.setattr(subprocess, "Popen", popen_then_ctrl_c)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -33,7 +33,7 @@ from llmrun.runners.limits import engine_bounds
 from llmrun.runners.load_record import layers_by_device, memory_report
 from llmrun.runners.stats import GenerationStats
 
-from .conftest import HANG_S, ROOT, free_port, which_llmrun
+from .conftest import HANG_S, ROOT, free_port, popen_then_ctrl_c, which_llmrun
 from .fake import FAKE_SETTINGS
 
 PROMPT = "Write a haiku about rivers."
@@ -213,22 +213,11 @@ def test_a_ctrl_c_inside_popen_stops_the_server_it_started(
     widens): held back until the child is llmrun's, then it stops the server and exits 130.
     Raised inside Popen, it left the server running with llmrun's stderr open, and a supervisor
     reading that to the end waited forever. (llmrun_env: a process starts.)"""
-    from llmrun.cli import rpc_server as command
-
     stand_in = tmp_path / "rpc-server"
     stand_in.write_text("#!/bin/sh\nexec sleep 600\n")
     stand_in.chmod(0o755)
     monkeypatch.setattr(rpc, "server_binary", lambda: stand_in)
-    started: list[subprocess.Popen[bytes]] = []
-    popen = subprocess.Popen
-
-    def popen_then_ctrl_c(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        child: subprocess.Popen[bytes] = popen(*args, **kwargs)  # type: ignore[call-overload]
-        started.append(child)
-        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before this returns
-        return child
-
-    monkeypatch.setattr(command.subprocess, "Popen", popen_then_ctrl_c)
+    started = popen_then_ctrl_c(monkeypatch)
     try:
         done = CliRunner().invoke(app, ["rpc-server", "-p", str(free_port())])
         assert done.exit_code == 130, done.stderr
