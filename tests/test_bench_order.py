@@ -169,9 +169,11 @@ def test_rows_pair_with_llama_bench_s_by_position(
 ) -> None:
     """The real llama-bench and llmrun, one command line of several lists: row i of one is
     row i of the other, field by field (one thread: two spinning threads on this machine's
-    shared cores make a run of minutes)."""
+    shared cores make a run of minutes; no warm-up, which nearly doubled both runs' time and is
+    not what is compared)."""
     folder, name = Path(model_path).parent, Path(model_path).name
-    line = ["-m", name, "-r", "1", "-o", "json", "-p", "8,8", "-n", "2", "-pg", "4,2"]
+    line = ["-m", name, "-r", "1", "--no-warmup", "-o", "json", "-p", "8,8", "-n", "2"]
+    line += ["-pg", "4,2"]
     line += ["-t", "1", "-b", "32,64", "-ctk", "f16,q8_0", "-fa", "0,1", "-d", "0,4"]
     flags = llama_tools.cpu_flags("llama-bench", model_path)
     runs = [
