@@ -257,6 +257,26 @@ def popen_then_ctrl_c(
     return started
 
 
+def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
+    """Wait until llmrun's own first code has run in `proc`: its startup handler catches SIGHUP,
+    the last signal it installs, and neither CPython nor anything before llmrun does. Before that
+    moment the process is still CPython starting up (exec, `site`, the editable install's finder:
+    about 30 ms on a quiet machine, several times that on a busy one), where a Ctrl-C is
+    CPython's to handle: it prints "Fatal Python error: init_import_site" for any program."""
+    status = Path(f"/proc/{proc.pid}/status")
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            caught = next(
+                line for line in status.read_text().splitlines() if line.startswith("SigCgt:")
+            )
+        except (OSError, StopIteration):
+            return
+        if int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)):
+            return
+        time.sleep(0.001)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

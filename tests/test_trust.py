@@ -36,7 +36,7 @@ from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
 
 from . import fuzz_gguf
-from .conftest import BACKGROUND_ENV, HANG_S, ROOT, free_port, which_llmrun
+from .conftest import BACKGROUND_ENV, HANG_S, ROOT, free_port, llmrun_code_runs, which_llmrun
 from .stub_server import WORDS, stub_server
 
 
@@ -268,26 +268,6 @@ def test_sigterm_behaves_like_ctrl_c_and_exits_143(llmrun_env: dict[str, str]) -
     out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 143, err
     assert len(first + out) > 8 and b"[interrupted]" in err and b"Traceback" not in err
-
-
-def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
-    """Wait until llmrun's own first code has run in `proc`: its startup handler catches SIGHUP,
-    the last signal it installs, and neither CPython nor anything before llmrun does. Before that
-    moment the process is still CPython starting up (exec, `site`, the editable install's finder:
-    about 30 ms on a quiet machine, several times that on a busy one), where a Ctrl-C is
-    CPython's to handle: it prints "Fatal Python error: init_import_site" for any program."""
-    status = Path(f"/proc/{proc.pid}/status")
-    deadline = time.monotonic() + HANG_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            caught = next(
-                line for line in status.read_text().splitlines() if line.startswith("SigCgt:")
-            )
-        except (OSError, StopIteration):
-            return
-        if int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)):
-            return
-        time.sleep(0.001)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.2, 0.4])
