@@ -37,7 +37,15 @@ def popen(argv: list[str], **kwargs: Any) -> tuple[subprocess.Popen[bytes], int 
     handlers = {signum: signal.signal(signum, hold) for signum in STOP_SIGNALS}
     try:
         child: subprocess.Popen[bytes] = subprocess.Popen(argv, **kwargs)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    except BaseException:
+        _restore(handlers)
+        if came:  # no child to stop: the signal goes on as it came, before Popen's error
+            signal.raise_signal(came[0])
+        raise
+    _restore(handlers)
     return child, (came[0] if came else None)
+
+
+def _restore(handlers: dict[signal.Signals, Any]) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

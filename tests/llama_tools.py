@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,7 @@ TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
 CMAKELISTS = ROOT / "tests" / "llama-tools" / "CMakeLists.txt"
 CACHE_ENV = "LLMRUN_TOOL_CACHE"  # 0, off or empty: no machine-level cache
 COMPLETE = "complete.json"  # an entry's last file: each tool's SHA-256
+STALE_S = 3600.0  # a staging folder untouched this long, its process gone, was a store's that died
 RUNPATH = b"$ORIGIN/lib\0"  # in a binary's string table: it runs wherever `lib` beside it leads
 # The configure options besides the two folders; the cache key hashes them.
 CONFIGURE = ("-DCMAKE_BUILD_TYPE=Release",)
@@ -275,17 +277,18 @@ def store(bin_dir: Path, entry: Path) -> None:
 
 def sweep_stale(root: Path) -> None:
     """Remove the staging folders (`.ENTRY.PID`) of stores that died before their rename (a
-    SIGKILL or a lost machine skips `store`'s clean-up): those whose process is gone. A live
-    store's folder, or one of a process that reused its PID, is left."""
+    SIGKILL or a lost machine skips `store`'s clean-up): those untouched for `STALE_S` whose
+    process is gone. A live store's folder, one of a process that reused its PID, or a fresh
+    one (its store may be in another PID namespace sharing the cache) is left."""
     for folder in root.glob(".*.*"):
         pid = folder.name.rpartition(".")[2]
-        if not folder.is_dir() or not pid.isdigit():
-            continue
         try:
+            if not pid.isdigit() or time.time() - folder.stat().st_mtime < STALE_S:
+                continue
             os.kill(int(pid), 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, OverflowError):  # no such process here
             shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # alive, another user's
+        except OSError:  # alive, another user's; or gone already
             continue
 
 

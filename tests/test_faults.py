@@ -406,6 +406,28 @@ def test_a_ctrl_c_inside_the_probe_s_popen_kills_the_probe(
                 child.wait()
 
 
+def test_a_ctrl_c_inside_a_popen_that_fails_still_stops_the_command(
+    llmrun_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C held back while Popen ran, and Popen then failed (no such program): there is
+    no child to stop, and the Ctrl-C goes on up rather than being lost in 'could not start'."""
+    popen = subprocess.Popen
+
+    def ctrl_c_then_fail(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        os.kill(os.getpid(), signal.SIGINT)  # held: its handler has not raised
+        return popen(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", ctrl_c_then_fail)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            probe.run_probe("m.gguf", ["/nonexistent/probe"])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    assert "could not start" in probe.run_probe("m.gguf", ["/nonexistent/probe"]).why
+
+
 # ---- interference --------------------------------------------------------------------------
 
 

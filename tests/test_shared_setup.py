@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -396,14 +397,19 @@ def test_a_store_that_died_leaves_no_folder_past_the_next_store(
     entry.parent.mkdir(parents=True)
     no_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # names no process
     dead = entry.with_name(f".{entry.name}.{no_pid}")
+    huge = entry.with_name(f".{entry.name}.{'9' * 30}")  # past a C long: no process either
     live = entry.with_name(f".{entry.name}-other.{os.getpid()}")
-    for folder in (dead, live):
+    fresh = entry.with_name(f".{entry.name}-fresh.{no_pid}")  # maybe another PID namespace's
+    hour_ago = time.time() - llama_tools.STALE_S - 1
+    for folder in (dead, huge, live, fresh):
         folder.mkdir()
         (folder / "llama-bench").write_bytes(b"half a copy")
+        if folder is not fresh:
+            os.utime(folder, (hour_ago, hour_ago))
     in_checkout(tmp_path, monkeypatch, "first")
     llama_tools.tool("llama-bench")
     assert builds == ["llama-bench"] and llama_tools.whole(entry)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and not huge.exists() and live.exists() and fresh.exists()
 
 
 @pytest.mark.parametrize("damage", ["no completion marker", "a tool's bytes changed", "garbage"])
