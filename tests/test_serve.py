@@ -519,6 +519,20 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_143(serve_env: dict[st
         assert any("stopped (SIGTERM)" in line for line in s.lines)
 
 
+def stopped_listening(server: Server) -> None:
+    """Until the server refuses new connections: its shutdown has begun (it closes its
+    listening socket first), so the signal that started it was handled."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=HANG_S).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the server still listens")
+
+
 def read_to_the_end(sock: socket.socket) -> bytes:
     """What the server sends until it closes the connection."""
     received = b""
@@ -554,9 +568,9 @@ def test_a_shutdown_ends_the_requests_in_flight_with_an_error_not_silently(
         asking = threading.Thread(target=ask)
         asking.start()
         s.wait_for(lambda: s.get("/health")["slots_processing"] == 2, "both requests running")
-        for sig in signals:
+        for sig in signals:  # each after the last one's handler ran: two at once are one
             s.proc.send_signal(sig)
-            time.sleep(0.5)
+            stopped_listening(s)
         received = read_to_the_end(streaming)
         streaming.close()
         asking.join(120)
