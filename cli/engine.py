@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmrun.runners.base import BenchRunner, Runner
-from llmrun.runners.bench.tuning import apply_tuning
+from llmrun.runners.bench.tuned import apply_tuning
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model

@@ -19,7 +19,7 @@ from llmrun.cli.app import app
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.bench import tuning
-from llmrun.runners.bench.tuning import apply_tuning, save_tuned
+from llmrun.runners.bench.tuned import TUNED_FIELDS, apply_tuning, save_tuned
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner
@@ -258,7 +258,7 @@ def test_tune_saves_settings_for_each_workload_that_run_then_uses(
     (entry,) = saved.values()
     assert set(entry) == {"chat", "document"}
     for found in entry.values():
-        assert set(found) == set(tuning.TUNED_FIELDS)
+        assert set(found) == set(TUNED_FIELDS)
     assert "fastest for chat:" in result.stderr and "fastest for document:" in result.stderr
     assert "llmrun's defaults" in result.stderr  # the baseline row, once
     config = apply_tuning(EngineConfig(n_batch=64), model_path)

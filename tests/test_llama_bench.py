@@ -17,7 +17,7 @@ from llmrun.runners.base import Request, SamplingParams, generate
 from llmrun.runners.bench import run
 from llmrun.runners.bench import sweep as sw
 from llmrun.runners.bench.results import LLAMA_BENCH_FIELDS, llmrun_build
-from llmrun.runners.bench.tuning import save_tuned
+from llmrun.runners.bench.tuned import save_tuned
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.llamacpp import LlamaCppRunner

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.cli.bench import tune
 from llmrun.cli.progress import ProgressLine, Shown, progress_text
-from llmrun.runners.bench import measure, tuning
+from llmrun.runners.bench import measure, tuned, tuning
 from llmrun.runners.bench.sweep import Combo, Shape
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
@@ -220,11 +220,11 @@ def test_a_spent_budget_saves_the_best_measured_and_keeps_other_entries(
     assert "the --budget of 5:00 was spent: saved the best of 2 trials measured" in said
     saved = json.loads((home / "config" / "tuned.json").read_text())
     assert saved["/elsewhere/other.gguf:123"] == other["/elsewhere/other.gguf:123"]
-    entry = saved[tuning.model_key(fake_bench.model_path)]
+    entry = saved[tuned.model_key(fake_bench.model_path)]
     assert set(entry) == {"chat", "document"}
     for found in entry.values():
         assert found["partial"] == "stopped by --budget after 2 trials"
-        assert set(found) == {*tuning.TUNED_FIELDS, "partial"}
+        assert set(found) == {*tuned.TUNED_FIELDS, "partial"}
     assert len(fake_bench.configs) == 3  # nothing measured after the budget
 
 

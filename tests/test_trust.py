@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from llmrun.cli.app import app
 from llmrun.runners import probe
 from llmrun.runners.base import PrefillProgress, Request, SamplingParams
-from llmrun.runners.bench.tuning import apply_tuning, tuned_file
+from llmrun.runners.bench.tuned import apply_tuning, tuned_file
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LoadCancelledError
 from llmrun.runners.gguf import read_gguf

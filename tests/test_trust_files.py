@@ -114,7 +114,7 @@ def test_atomic_write_and_append_line_leave_nothing_half_done(tmp_path: Path) ->
 def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
     text: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
 ) -> None:
-    from llmrun.runners.bench.tuning import load_tuned, save_tuned, tuned_file
+    from llmrun.runners.bench.tuned import load_tuned, save_tuned, tuned_file
     from llmrun.runners.limits import SettingError
 
     path = tuned_file()

@@ -19,7 +19,8 @@ from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
-from llmrun.runners.bench.tuning import REPS, TunePlan, save_tuned, search
+from llmrun.runners.bench.tuned import save_tuned
+from llmrun.runners.bench.tuning import REPS, TunePlan, search
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import set_verbose

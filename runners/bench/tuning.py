@@ -1,28 +1,23 @@
-"""Settings `llmrun tune` found fastest for a model on this machine, and their use.
+"""`llmrun tune`'s search for the settings fastest for a model on this machine.
 
-They are kept in the user's config directory, keyed by the model file (path and size), and fill
-in every engine option the user did not give, so `run`, `chat` and `bench` start from them.
+What it finds is kept in the user's config directory, keyed by the model file (path and size),
+and fills in every engine option the user did not give (tuned.py), so `run`, `chat` and
+`bench` start from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 import statistics
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
-from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
-from llmrun.runners.limits import SettingError, check_engine
-from llmrun.runners.paths import config_dir
 from llmrun.runners.system import (
     ThreadChoice,
     background_now,
@@ -35,11 +30,7 @@ from llmrun.runners.system import (
 from .measure import BenchPlan, Progress, every_shape, run_bench
 from .results import Result
 from .sweep import Combo, Shape
-
-TUNED_FIELDS = ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "flash_attn", "repack")
-# What each workload asks of the engine: (prompt tokens, output tokens) of a typical request.
-WORKLOADS = {"chat": (64, 256), "document": (1024, 16)}
-
+from .tuned import TUNED_FIELDS, WORKLOADS
 
 MAX_BUDGET_S = 7 * 86400.0
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
@@ -58,84 +49,6 @@ def parse_budget(text: str, *, name: str = "--budget") -> float:
     if not 0 < seconds <= MAX_BUDGET_S:
         raise BadRequestError(f"{name}: '{text}' must be above 0 and at most a week")
     return seconds
-
-
-def tuned_file() -> Path:
-    return config_dir() / "tuned.json"
-
-
-def model_key(model_path: str) -> str:
-    path = os.path.abspath(model_path)
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        size = -1
-    return f"{path}:{size}"
-
-
-def _read_all() -> dict[str, Any]:
-    """Every model's tuning; {} when nothing was saved yet. A file that is not a JSON object
-    (RFC 8259: no trailing commas, no comments) is an error naming it, never read as empty,
-    so that a later save cannot replace the other models' settings with one entry."""
-    path = tuned_file()
-    try:
-        text = read_capped(path, max_bytes=16 * 2**20, what="tuning file").decode("utf-8")
-        data = json.loads(text)
-    except (FileNotFoundError, NotADirectoryError):  # nothing saved (a parent may be a file)
-        return {}
-    except OSError as e:
-        raise SettingError(str(path), f"cannot read it: {e.strerror or e}") from None
-    except (FileTooLargeError, UnicodeDecodeError) as e:
-        raise SettingError(str(path), f"{e}; fix or delete it") from None
-    except json.JSONDecodeError as e:
-        raise SettingError(
-            str(path),
-            f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or"
-            " delete it (it holds llmrun tune's settings for every model)",
-        ) from None
-    if not isinstance(data, dict):
-        raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")
-    return data
-
-
-def load_tuned(model_path: str) -> dict[str, Any] | None:
-    entry = _read_all().get(model_key(model_path))
-    return entry if isinstance(entry, dict) else None
-
-
-def save_tuned(model_path: str, settings: dict[str, Any]) -> Path:
-    """Store the tuned settings (plus what they measured) for this model file."""
-    data = _read_all()
-    key = model_key(model_path)
-    old = data.get(key)
-    if set(settings) <= set(WORKLOADS) and isinstance(old, dict) and set(old) <= set(WORKLOADS):
-        settings = {**old, **settings}  # a workload tuned again; the others stay as they were
-    data[key] = settings
-    path = tuned_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(data, indent=2) + "\n")
-    return path
-
-
-def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
-    """Fill the options left unset with the values tuned for the config's workload (chat, or
-    document for a long prompt); marks the config tuned if any were."""
-    entry = load_tuned(model_path)
-    if not entry:
-        return config
-    tuned = entry.get(config.workload) if isinstance(entry.get(config.workload), dict) else None
-    if tuned is None and not any(isinstance(v, dict) for v in entry.values()):
-        tuned = entry  # saved before workloads existed: one set for all
-    if not tuned:
-        return config
-    saved = {name: tuned[name] for name in TUNED_FIELDS if tuned.get(name) is not None}
-    # the whole entry: a value the command line (or run's thread count on a busy machine) set
-    # already would otherwise pass unchecked one time and be refused the next
-    check_engine(dataclasses.replace(EngineConfig(), **saved), where=str(tuned_file()))
-    changes = {name: value for name, value in saved.items() if getattr(config, name) is None}
-    if not changes:
-        return config
-    return dataclasses.replace(config, **changes, tuned=True)
 
 
 # ---- the search ---------------------------------------------------------------------------
