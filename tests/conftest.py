@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -275,6 +276,20 @@ def llmrun_code_runs(proc: subprocess.Popen[bytes]) -> None:
         if int(caught.split()[1], 16) & (1 << (signal.SIGHUP - 1)):
             return
         time.sleep(0.001)
+
+
+class SetAfter(threading.Event):
+    """Reads as set from its `n`-th look on: the engine's loop looks once a step (or chunk),
+    llama.cpp's abort hook between the graph's nodes. A cancel that lands at a known point of
+    the work, whatever the machine's speed or load (a timer's does not)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.looks = n, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n or super().is_set()
 
 
 def free_port() -> int:

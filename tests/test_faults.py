@@ -28,7 +28,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
-from .conftest import HANG_S, ROOT, popen_then_ctrl_c, which_llmrun
+from .conftest import HANG_S, ROOT, SetAfter, popen_then_ctrl_c, which_llmrun
 from .fake import FakeBenchRunner
 from .stub_server import bench_against_stub, stub_server
 
@@ -431,26 +431,13 @@ def test_a_ctrl_c_inside_a_popen_that_fails_still_stops_the_command(
 # ---- interference --------------------------------------------------------------------------
 
 
-class _SetAfter(threading.Event):
-    """Reads as set from its `n`-th look on: the engine's loop looks once a step, llama.cpp's
-    abort hook between the graph's nodes."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n, self.looks = n, 0
-
-    def is_set(self) -> bool:
-        self.looks += 1
-        return self.looks >= self.n or super().is_set()
-
-
 def test_a_long_prefill_step_stops_within_its_graph(runner: LlamaCppRunner) -> None:
     """prefill-first decodes a 512-token prompt in one llama_decode: the engine looked at its
     cancel only between steps (58.7 s of bench interference after Ctrl-C)."""
     engine = BatchedEngine(runner, n_seq=1, n_ctx_per_seq=600)
     try:
         prompt = tuple((i * 7 + 1) % 1000 for i in range(512))
-        cancel = _SetAfter(3)  # the loop's first look, then inside the step's graph
+        cancel = SetAfter(3)  # the loop's first look, then inside the step's graph
         results, steps = engine.run(
             [Arrival(0.0, prompt, 4)], Policy.parse("prefill-first"), cancel=cancel
         )
