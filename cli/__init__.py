@@ -17,17 +17,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from llmrun.runners.system import CpuSample
 
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-EXIT_HANGUP = 129  # 128 + SIGHUP: the terminal or SSH session closed
-# The signals that end a command the way Ctrl-C does (results so far kept), and their exit codes.
-STOP_SIGNALS: dict[signal.Signals, int] = {
-    signal.SIGTERM: EXIT_TERMINATED,
-    signal.SIGINT: EXIT_INTERRUPTED,
-}
-if hasattr(signal, "SIGHUP"):
-    STOP_SIGNALS[signal.SIGHUP] = EXIT_HANGUP
-
+from llmrun.runners.stop_signals import (  # noqa: F401  (re-exported: the CLI's exit codes)
+    EXIT_HANGUP,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    STOP_SIGNALS,
+)
 
 # The machine's CPU time when `main.main` started: run and chat
 # measure other processes' load from there, over the start-up, instead of waiting a quarter

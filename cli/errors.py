@@ -41,6 +41,7 @@ from llmrun.runners.limits import MemoryNeedError, SettingError
 from llmrun.runners.models import DEFAULT_MODEL_INSTALL
 from llmrun.runners.rpc import RpcServerLostError
 from llmrun.runners.stats import GenerationStats
+from llmrun.runners.stop_signals import EXIT_INTERRUPTED
 
 from .terminal import terminal_line
 
@@ -78,8 +79,7 @@ class DisplayThatMayFail:
 
 
 EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
-EXIT_BROKEN_PIPE = 141
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 def _too_long(e: LlmrunError) -> str:

@@ -14,12 +14,7 @@ import subprocess
 import threading
 from typing import Any
 
-# The signals that end a command the way Ctrl-C does (cli/__init__.py's STOP_SIGNALS).
-STOP_SIGNALS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),
-)
+from .stop_signals import STOP_SIGNALS
 
 
 def popen(argv: list[str], **kwargs: Any) -> tuple[subprocess.Popen[bytes], int | None]:
