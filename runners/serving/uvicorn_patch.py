@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from types import FrameType
 from typing import Any
 
@@ -89,11 +90,7 @@ class GuardedH11(H11Protocol):
         40 kB path got 404 or 400 depended on how TCP cut it. Measured here on the bytes
         themselves, before h11 parses them, a head over `MAX_HEAD_BYTES` is always a 431."""
         if self.conn.their_state is h11.IDLE and self._head_too_long():
-            self._refuse(
-                431,
-                b"Request Header Fields Too Large",
-                f"the request's line and headers are over {MAX_HEAD_BYTES:,} bytes",
-            )
+            self._refuse(431, f"the request's line and headers are over {MAX_HEAD_BYTES:,} bytes")
             return
         super().handle_events()
 
@@ -119,9 +116,9 @@ class GuardedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP (a bad request line, header or length): the error in OpenAI's shape
         rather than uvicorn's plain text."""
-        self._refuse(400, b"Bad Request", f"malformed HTTP request ({msg.rstrip('.').lower()})")
+        self._refuse(400, f"malformed HTTP request ({msg.rstrip('.').lower()})")
 
-    def _refuse(self, status: int, reason: bytes, message: str) -> None:
+    def _refuse(self, status: int, message: str) -> None:
         """Answer `status` below the app, counted and logged, and close the connection."""
         self.on_refused(status, message)
         body = error_bytes(status, message)
@@ -132,7 +129,7 @@ class GuardedH11(H11Protocol):
         ]
         with contextlib.suppress(h11.LocalProtocolError):
             for event in (
-                h11.Response(status_code=status, headers=headers, reason=reason),
+                h11.Response(status_code=status, headers=headers, reason=_phrase(status)),
                 h11.Data(data=body),
                 h11.EndOfMessage(),
             ):
@@ -150,11 +147,15 @@ class GuardedH11(H11Protocol):
             )
             with contextlib.suppress(Exception):
                 self.transport.write(
-                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: "
-                    b"application/json\r\nconnection: close\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(slow), slow)
+                    b"HTTP/1.1 408 %s\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                    % (_phrase(408), len(slow), slow)
                 )
             self.transport.close()
+
+
+def _phrase(status: int) -> bytes:
+    return HTTPStatus(status).phrase.encode()
 
 
 def guarded_protocol(
