@@ -39,9 +39,16 @@ demo: setup
 bench: setup
 	$(BIN)/llmrun bench
 
-# The lint runs first: a ruff or mypy error fails `make test`, and so CI.
+# The lint runs first: a ruff or mypy error fails `make test`, and so CI. Then the suite in two
+# parts: all but the `cores` tests on TEST_JOBS pytest-xdist workers, each pinned to its share of
+# the CPUs with the processes its tests start (--one-cpu-each: llama.cpp's threads spin at its
+# graph barriers, so workers whose threads shared the cores waited on each other), then the
+# `cores` tests (llama.cpp's own tools, more llama.cpp threads than one CPU, two CPUs) in one
+# process with the whole machine. TEST_JOBS=0 runs both parts in this process.
+TEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --one-cpu-each -m "not cores"
+	$(BIN)/python -m pytest -m cores
 
 # The quick subset to run while working: no test that loads the real model or starts a process
 # (the `model` and `pty` markers, which follow the fixtures; tests/conftest.py); tests/guard.py

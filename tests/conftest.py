@@ -56,6 +56,9 @@ REAL_BANDWIDTH_RUNS = system.memory_bandwidth_runs
 #   pty:   starts a child process: the CLI through pipes, a pseudo-terminal (pexpect) or tmux, a
 #          llama-cpp-python server, mypy, make; the start-up alone takes a second or more.
 #   slow:  runs llama.cpp's own llama-bench, which the first use builds (tests/llama_tools.py).
+#   cores: needs every CPU of the machine: runs llama.cpp's own tools (every `slow` test), or
+#          llama.cpp on more threads than one CPU, or needs two CPUs (every_core). `make test`
+#          runs the rest on workers pinned to a CPU each (--one-cpu-each), then these alone.
 MARKER_FIXTURES = {
     "model": {"model_path", "runner", "shared_runner", "q8_model", "server"},
     "pty": {
@@ -68,15 +71,55 @@ MARKER_FIXTURES = {
         "rpc_build",
     },
     "slow": {"llama_bench_path", "rpc_build"},
+    "cores": {"every_core"},
 }
+ON_ONE_CPU = "needs every CPU (marked `cores`), and this worker has its share: -m 'not cores'"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--one-cpu-each",
+        action="store_true",
+        help="pin each pytest-xdist worker, and what its tests start, to CPUs of its own "
+        "(`make test`); tests marked `cores` need every CPU and refuse to run there",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With --one-cpu-each, each pytest-xdist worker keeps to its share of the CPUs, and so do
+    the processes its tests start (they inherit the affinity) and llmrun's llama.cpp threads
+    (llmrun counts the CPUs it may use: runners/system.py). llama.cpp's threads wait for each
+    other at every graph barrier spinning, so two workers whose llama.cpp threads share two
+    cores wait for a thread that is not running at each barrier: the whole suite on two
+    unpinned workers took 27 minutes where one process took 17 (docs/architecture.md, "Tests")."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not config.getoption("one_cpu_each") or not worker.startswith("gw") or count < 2:
+        return
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    share = len(cpus) // count
+    if share:  # fewer CPUs than workers: as they are
+        index = int(worker[2:])
+        os.sched_setaffinity(0, cpus[index * share : (index + 1) * share])
+        config.stash[PINNED] = True
+
+
+PINNED = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in MARKER_FIXTURES.items():
             if used & fixtures:
                 item.add_marker(marker)
+        if item.get_closest_marker("slow"):  # llama.cpp's tools take the machine's threads
+            item.add_marker("cores")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cores") and item.config.stash.get(PINNED, False):
+        pytest.fail(f"{item.nodeid} {ON_ONE_CPU}", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -392,6 +435,13 @@ def llama_cpp_source() -> Path:
     from . import llama_tools
 
     return llama_tools.llama_cpp_dir()
+
+
+@pytest.fixture(scope="session")
+def every_core() -> None:
+    """For a test that runs llama.cpp on more threads than one CPU, or needs two CPUs:
+    requesting it marks the test `cores`, which `make test` runs with the whole machine after
+    the rest (pytest_configure says why)."""
 
 
 @pytest.fixture(scope="session")

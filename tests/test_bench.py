@@ -107,6 +107,7 @@ def parse(fmt: str, text: str) -> list[dict[str, object]]:
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "sql", "md"])
+@pytest.mark.usefixtures("every_core")  # -t 1,2
 def test_every_format_parses_back_with_both_sweep_values(
     cli: CliRunner, home: Path, fmt: str, model_path: str, ram_bandwidth: None
 ) -> None:
@@ -278,6 +279,7 @@ def test_the_noise_rule_keeps_the_incumbent_on_a_tie() -> None:
     assert not tuning.beats([], [100])
 
 
+@pytest.mark.usefixtures("every_core")  # -t 2
 def test_run_reports_tuned_settings(
     llmrun_env: dict[str, str], home: Path, model_path: str
 ) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,12 @@ from .fake import FakeRunner
 # Other processes holding all but half a CPU: busy whatever the thread count, and the cores
 # left free round to one.
 BUSY = logical_cpus() - 0.5
-several_cores = pytest.mark.skipif(default_threads() < 2, reason="one core: nothing to take")
+
+
+def several_cores(test: Callable[..., None]) -> Callable[..., None]:
+    """Two CPUs or more: `cores`, which `make test` runs with the whole machine."""
+    test = pytest.mark.skipif(default_threads() < 2, reason="one core: nothing to take")(test)
+    return pytest.mark.usefixtures("every_core")(test)
 
 
 def busy(monkeypatch: pytest.MonkeyPatch, cpus: float = BUSY) -> None:
@@ -151,6 +157,7 @@ def test_threads_apply_only_to_the_local_engine(cli: CliRunner) -> None:
         assert result.exit_code == 1 and "-t/--threads: local-engine options" in result.stderr
 
 
+@pytest.mark.usefixtures("every_core")  # llama.cpp on two threads
 def test_the_batched_engines_run_with_the_threads_asked_and_record_the_load(
     model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

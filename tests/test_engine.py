@@ -105,7 +105,10 @@ def test_stream_equals_detokenized_output_in_any_language(
     streamed = "".join(t.text for t in tokens) + finished.tail
     detok = b"".join(runner.piece(t.token_id) for t in tokens).decode("utf-8", errors="replace")
     assert streamed == detok == finished.text
-    assert "\ufffd" not in streamed
+    # Only a cut by max_tokens may end inside a character (how many threads llama.cpp ran
+    # changes the greedy text, and so where 30 tokens end).
+    whole = streamed.rstrip("\ufffd") if finished.stats.finish_reason == "length" else streamed
+    assert "\ufffd" not in whole
     assert any(ord(ch) >= lowest for ch in streamed)  # such characters did come out
     assert any(t.text == "" for t in tokens) or lowest < 0x1F000  # a character spanned tokens
 

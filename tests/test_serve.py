@@ -621,6 +621,7 @@ def test_the_wait_for_the_step_in_progress_is_not_queue_but_step_wait(
     assert "the step in progress" in rows["`step_wait_ms`"]
 
 
+@pytest.mark.usefixtures("every_core")  # -tb 2
 def test_metrics_and_log_say_the_threads_and_a_busy_machine(serve_env: dict[str, str]) -> None:
     load = logical_cpus() - 0.5  # other processes' load, faked (tests/inject)
     env = {**serve_env, BACKGROUND_ENV: str(load)}

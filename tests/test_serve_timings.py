@@ -164,7 +164,7 @@ def test_an_answer_ended_by_the_end_of_generation_token_counts_it(server: Server
     """llama-server counts the end-of-generation token in predicted_n and times its step in
     predicted_ms; so does usage.completion_tokens (OpenAI's definition); llmrun's
     output_tokens and decode_ms leave it out (the text's tokens and their gaps)."""
-    body = chat("Say yes.", max_tokens=64, temperature=0)
+    body = chat("What is 2+2?", max_tokens=128, temperature=0)  # 11 tokens, then the end
     answer = server.post("/v1/chat/completions", body).json()
     t = answer["timings"]
     assert answer["choices"][0]["finish_reason"] == "stop", answer

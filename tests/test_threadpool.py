@@ -125,6 +125,7 @@ def test_pools_are_made_and_freed_once_each() -> None:
     assert tp._live_pools == 0
 
 
+@pytest.mark.usefixtures("every_core")  # llama.cpp on two threads
 def test_the_mask_pins_the_compute_threads_and_freeing_unpins(model_path: str) -> None:
     before = _allowed()
     me = threading.get_native_id()
@@ -156,6 +157,7 @@ def test_the_mask_pins_the_compute_threads_and_freeing_unpins(model_path: str) -
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="strict placement on two CPUs needs two")
+@pytest.mark.usefixtures("every_core")  # llama.cpp on two threads
 def test_strict_placement_gives_each_thread_one_cpu(model_path: str) -> None:
     """Also --prio -1: the compute threads run as SCHED_BATCH, and are given back after."""
     mask = hex((1 << CPUS[0]) | (1 << CPUS[1]))
@@ -177,6 +179,7 @@ def test_strict_placement_gives_each_thread_one_cpu(model_path: str) -> None:
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
+@pytest.mark.usefixtures("every_core")  # llama.cpp on two threads
 def test_contexts_with_pools_come_and_go(model_path: str) -> None:
     """Context after context with a pool (the sweep's reconfigure, the batched engine's
     make_context), each pool freed once after its context; nothing crashes or stays pinned."""
