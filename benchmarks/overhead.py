@@ -83,8 +83,7 @@ def llama_bench_binary() -> Path | None:
     given = os.environ.get("LLAMA_BENCH")
     if given:
         return Path(given)
-    binary = llama_tools.tools_dir() / "llama.cpp" / "build" / "bin" / "llama-bench"
-    return binary if binary.exists() else None
+    return llama_tools.built_tool("llama-bench")
 
 
 def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -> None:

@@ -90,10 +90,11 @@ def until_load(llmrun: str) -> float:
 def llama_bench_binary() -> tuple[str | None, str]:
     """llama-bench if it is built (never built here), else why not."""
     given = os.environ.get("LLAMA_BENCH")
-    path = Path(given) if given else llama_tools.llama_cpp_dir() / "build" / "bin" / "llama-bench"
-    if path.exists():
+    path = Path(given) if given else llama_tools.built_tool("llama-bench")
+    if path is not None and path.exists():
         return str(path), ""
-    return None, f"no llama-bench at {path} (make llama-bench, or LLMRUN_TOOLS_DIR, LLAMA_BENCH)"
+    where = path or llama_tools.tools_dir() / "build" / "bin" / "llama-bench"
+    return None, f"no llama-bench at {where} (make llama-bench, or LLMRUN_TOOLS_DIR, LLAMA_BENCH)"
 
 
 def main() -> int:

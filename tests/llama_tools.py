@@ -144,6 +144,12 @@ def build(name: str, together: tuple[str, ...]) -> None:
         built(bin_dir / t).touch()
 
 
+def built_tool(name: str) -> Path | None:
+    """`name` where `tool` puts it, if it is there whole; never fetches, builds or copies."""
+    binary = tools_dir() / "build" / "bin" / name
+    return binary if built(binary).exists() else None
+
+
 def built(binary: Path) -> Path:
     """The stamp that says `binary` was linked whole (written under the lock, after its build)."""
     return binary.with_name(f".built-{binary.name}")

@@ -30,7 +30,9 @@ def version() -> str:
 
 
 def tools_dir() -> Path:
-    return Path(os.environ.get("LLMRUN_TOOLS_DIR", ROOT / ".venv" / "llama-tools")) / version()
+    """$LLMRUN_TOOLS_DIR/VERSION, else .venv/llama-tools/VERSION: an empty variable is unset (as
+    the empty string it named the working directory, and the sources unpacked there)."""
+    return Path(os.environ.get("LLMRUN_TOOLS_DIR") or ROOT / ".venv" / "llama-tools") / version()
 
 
 @contextlib.contextmanager
