@@ -44,7 +44,7 @@ bench: setup
 # the CPUs with the processes its tests start (--one-cpu-each: llama.cpp's threads spin at its
 # graph barriers, so workers whose threads shared the cores waited on each other), then the
 # `cores` tests (llama.cpp's own tools, more llama.cpp threads than one CPU, two CPUs) in one
-# process with the whole machine. TEST_JOBS=0 runs both parts in this process.
+# process with the whole machine. TEST_JOBS=0: the first part unpinned in one process too.
 TEST_JOBS ?= 2
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --one-cpu-each -m "not cores"

@@ -52,7 +52,8 @@ if not model:
     sys.exit(3)
 cp = l.llama_context_default_params()
 cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 64, 16, 16, 1
-cp.n_threads = cp.n_threads_batch = max(1, min(4, os.cpu_count() or 1))
+usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+cp.n_threads = cp.n_threads_batch = max(1, min(4, usable or 1))  # the CPUs llmrun may use
 ctx = l.llama_init_from_model(model, cp)
 if not ctx:
     sys.exit(3)

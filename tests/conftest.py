@@ -92,14 +92,17 @@ def pytest_configure(config: pytest.Config) -> None:
     other at every graph barrier spinning, so two workers whose llama.cpp threads share two
     cores wait for a thread that is not running at each barrier: the whole suite on two
     unpinned workers took 27 minutes where one process took 17 (docs/architecture.md, "Tests")."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    if not config.getoption("one_cpu_each") or not worker.startswith("gw") or count < 2:
+    # xdist's own word that this is a worker (its PYTEST_XDIST_* variables reach the processes
+    # the tests start too, a pytest among them)
+    worker: dict[str, object] = getattr(config, "workerinput", None) or {}
+    count = int(str(worker.get("workercount", 0)))
+    if not config.getoption("one_cpu_each") or count < 2:
         return
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     share = len(cpus) // count
     if share:  # fewer CPUs than workers: as they are
-        index = int(worker[2:])
+        # a worker that replaces a crashed one is gw2, gw3, ...: the CPUs of gw0, gw1, ...
+        index = int(str(worker["workerid"]).removeprefix("gw")) % count
         os.sched_setaffinity(0, cpus[index * share : (index + 1) * share])
         config.stash[PINNED] = True
 
@@ -374,6 +377,11 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
             "False",
             "--interrupt_requests",
             "False",
+            # llama-cpp-python's defaults (half the CPUs, all of them for a batch) counted from
+            # the CPUs this process may use, as llmrun counts them: os.cpu_count() would put
+            # two threads on a pinned worker's one CPU (conftest.pytest_configure)
+            *("--n_threads", str(max(1, len(os.sched_getaffinity(0)) // 2))),
+            *("--n_threads_batch", str(len(os.sched_getaffinity(0)))),
         ],
         stdout=log_fd,
         stderr=subprocess.STDOUT,

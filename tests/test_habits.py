@@ -111,6 +111,7 @@ def test_split_flag_skips_values_and_what_follows_the_separator() -> None:
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])
+@pytest.mark.usefixtures("every_core")  # its second half needs two CPUs
 def test_a_missing_model_is_said_before_the_thread_choice(
     cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:

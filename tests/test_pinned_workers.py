@@ -48,10 +48,13 @@ def test_two_threads(every_core):
     pass
 """
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="pinning needs two CPUs",
-)
+pytestmark = [
+    pytest.mark.usefixtures("every_core"),  # a pinned worker has one CPU of two
+    pytest.mark.skipif(
+        not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+        reason="pinning needs two CPUs",
+    ),
+]
 
 
 def _run(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[int, str, list[dict]]:
@@ -64,6 +67,7 @@ def _run(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[int, str, li
     (suite / "conftest.py").write_text(CONFTEST)
     (suite / "test_suite.py").write_text(SUITE)
     path = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST_")}  # not a worker
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *flags, str(suite)],
         cwd=suite,

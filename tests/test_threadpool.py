@@ -91,6 +91,7 @@ def test_poll_and_priority_are_checked() -> None:
     assert not tp.ThreadpoolSettings(prio=-1).is_default
 
 
+@pytest.mark.usefixtures("every_core")  # strict placement needs two CPUs
 def test_placement_deals_cpus_as_ggml_does() -> None:
     both = tp.ThreadpoolSettings(cpu_mask=hex(0b11 << CPUS[0]))
     usable = frozenset(CPUS)
