@@ -93,8 +93,8 @@ def llama_bench_binary() -> tuple[str | None, str]:
     path = Path(given) if given else llama_tools.built_tool("llama-bench")
     if path is not None and path.exists():
         return str(path), ""
-    where = path or llama_tools.tools_dir() / "build" / "bin" / "llama-bench"
-    return None, f"no llama-bench at {where} (make llama-bench, or LLMRUN_TOOLS_DIR, LLAMA_BENCH)"
+    where = path or llama_tools.tools_dir()
+    return None, f"no llama-bench in {where} (make llama-bench, or LLMRUN_TOOLS_DIR, LLAMA_BENCH)"
 
 
 def main() -> int:

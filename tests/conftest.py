@@ -383,8 +383,8 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
             # llama-cpp-python's defaults (half the CPUs, all of them for a batch) counted from
             # the CPUs this process may use, as llmrun counts them: os.cpu_count() would put
             # two threads on a pinned worker's one CPU (conftest.pytest_configure)
-            *("--n_threads", str(max(1, len(os.sched_getaffinity(0)) // 2))),
-            *("--n_threads_batch", str(len(os.sched_getaffinity(0)))),
+            *("--n_threads", str(max(1, system.logical_cpus() // 2))),
+            *("--n_threads_batch", str(system.logical_cpus())),
         ],
         stdout=log_fd,
         stderr=subprocess.STDOUT,
