@@ -35,7 +35,7 @@ def setup(model_path: str) -> Iterator[Setup]:
         add_special=False,
     )
     rng = random.Random(3)
-    longs = [tuple(rng.randrange(49152) for _ in range(200)) for _ in range(2)]
+    longs = [tuple(rng.randrange(49152) for _ in range(100)) for _ in range(2)]
     yield runner, engine, tuple(stream), longs
     engine.close()
     runner.close()

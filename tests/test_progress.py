@@ -252,7 +252,7 @@ def test_stopping_tune_saves_the_best_measured_so_far(
     code = (
         "import sys\n"
         "from llmrun.runners.bench import sweep, tuning\n"
-        "tuning.SHAPES = (sweep.Shape(16, 0), sweep.Shape(0, 8, 16))\n"
+        "tuning.SHAPES = (sweep.Shape(8, 0), sweep.Shape(0, 4, 8))\n"
         "tuning.REPS = 2\n"
         "from llmrun.cli.main import main\n"
         "sys.argv = ['llmrun', 'tune']\n"
