@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,10 +61,9 @@ pytestmark = [
 def _run(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[int, str, list[dict]]:
     suite = tmp_path / "suite"
     seen = tmp_path / "seen"
-    for folder in (suite, seen):
-        folder.mkdir(exist_ok=True)
-        for old in folder.iterdir():
-            old.unlink()
+    for folder in (suite, seen):  # a second run starts afresh (and without the first's
+        shutil.rmtree(folder, ignore_errors=True)  # __pycache__, where bytecode is written)
+        folder.mkdir()
     (suite / "conftest.py").write_text(CONFTEST)
     (suite / "test_suite.py").write_text(SUITE)
     path = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])

@@ -107,6 +107,7 @@ def test_prefill_counts_seconds_before_the_first_chunk_lands(llmrun_env: dict[st
     total, first = child.match.group(1), int(child.match.group(2).replace(",", ""))
     child.expect(rf"0/{total} tokens[^\n]*· ([\d,]+)\.\d ms")
     assert int(child.match.group(1).replace(",", "")) > first  # ... again, with the same count
+    child.sendintr()  # seen: the rest of the prefill (12 s on one slow CPU) proves nothing more
     child.expect(pexpect.EOF)
 
 

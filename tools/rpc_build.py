@@ -8,11 +8,21 @@ against the wheel's very libraries, and `rpc-server` beside it: the ABI is exact
 llmrun loads. Both go into `runners.rpc.rpc_dir()` (.venv/llama-rpc/<version>/, or
 $LLMRUN_RPC_DIR). About 30 s on 2 cores.
 
+A build is kept in the machine's cache, `${XDG_CACHE_HOME:-~/.cache}/llmrun/llama-rpc/
+<version>-<key>/`, as llama.cpp's tools are (tests/llama_tools.py): the key hashes the wheel's
+libraries, the compiler and the compiler calls, so a new checkout (a clean clone's
+`make test`) copies the two files in a moment instead of compiling them. Their RUNPATH is
+`$ORIGIN/lib`, a link beside them to this environment's wheel libraries. LLMRUN_TOOL_CACHE=0
+(or `off`, or empty) turns the cache off; an unwritable, partial or corrupt entry costs a build.
+
     python tools/rpc_build.py          # build (once; again when the sources change)
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -42,7 +52,7 @@ def commands(src: Path, lib: Path, out: Path, cxx: str) -> list[list[str]]:
     in its own folder (ggml_backend_load_all searches the executable's folder)."""
     rpc = src / "ggml" / "src" / "ggml-rpc"
     common = ["-O2", "-std=c++17", "-fPIC", "-pthread", f"-I{src / 'ggml' / 'include'}"]
-    link = [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    link = [f"-L{lib}", "-Wl,-rpath,$ORIGIN/lib"]  # `lib` beside them: link_libraries
     library = [
         cxx,
         *common,
@@ -74,6 +84,97 @@ def commands(src: Path, lib: Path, out: Path, cxx: str) -> list[list[str]]:
     return [library, server]
 
 
+CACHE_ENV = "LLMRUN_TOOL_CACHE"  # as for llama.cpp's tools: 0, off or empty turns it off
+COMPLETE = "COMPLETE.json"  # an entry's last file: each binary's SHA-256
+FILES = (LIBRARY, BINARY)
+
+
+def link_libraries(out: Path, lib: Path) -> None:
+    """`out/lib`: a link to this environment's wheel libraries, where RUNPATH looks."""
+    link = out / "lib"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(lib, target_is_directory=True)
+
+
+def cache_root() -> Path | None:
+    value = os.environ.get(CACHE_ENV)
+    if value is not None and value.strip().lower() in ("", "0", "off"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except RuntimeError:  # no home folder: no cache
+        return None
+    return root / "llmrun" / "llama-rpc"
+
+
+def cache_key(lib: Path, cxx: str) -> str:
+    """What makes the two files what they are: the wheel's ggml libraries they link (their
+    bytes), the compiler calls (with placeholders for the folders) and the compiler's version.
+    The sources are the version's own (the sdist), which the entry's name carries."""
+    digest = hashlib.sha256()
+    for path in sorted(lib.iterdir()):
+        if path.name.startswith("libggml") and ".so" in path.name:
+            digest.update(f"{path.name}\0".encode() + path.read_bytes())
+    for call in commands(Path("SRC"), Path("LIB"), Path("OUT"), cxx):
+        digest.update("\0".join(call).encode())
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+        digest.update(done.stdout.encode())
+    except OSError:
+        digest.update(b"absent")
+    return digest.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def restore(entry: Path, staging: Path) -> bool:
+    """The two files copied from a complete entry into `staging`, each checked against the
+    SHA-256 the entry recorded; False (and a build follows) where it is absent, partial or
+    corrupt."""
+    try:
+        recorded = json.loads((entry / COMPLETE).read_text())
+        for name in FILES:
+            shutil.copyfile(entry / name, staging / name)
+            if not isinstance(recorded, dict) or _sha256(staging / name) != recorded.get(name):
+                raise ValueError(f"{name} is not the file that was stored")
+            (staging / name).chmod(0o755)
+        return True
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as e:
+        print(f"the cached RPC build in {entry} is not used ({e}): building it", file=sys.stderr)
+        return False
+
+
+def store(out: Path, entry: Path) -> None:
+    """The two built files copied into the cache: written in a folder of their own with their
+    SHA-256 last, which one rename makes the entry. A cache that cannot be written costs the
+    next checkout a build, nothing else."""
+    staging = entry.with_name(f".{entry.name}.{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        for name in FILES:
+            shutil.copyfile(out / name, staging / name)
+        recorded = {name: _sha256(staging / name) for name in FILES}
+        (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
+        with open(entry.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout's whole entry is never replaced
+            if (entry / COMPLETE).exists():
+                return
+            shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial
+            staging.rename(entry)
+    except OSError as e:
+        print(f"the RPC build is not cached in {entry.parent}: {e}", file=sys.stderr)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def build() -> Path:
     out = rpc_dir()
     if (out / LIBRARY).exists() and (out / BINARY).exists():
@@ -81,14 +182,21 @@ def build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise SystemExit("no C++ compiler found (g++ or $CXX): it builds the RPC backend")
-    src = llama_cpp_dir()
+    lib = wheel_lib_dir()
+    root = cache_root()
+    entry = None if root is None else root / f"{out.name}-{cache_key(lib, cxx)}"
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for call in commands(src, wheel_lib_dir(), staging, cxx):
-        subprocess.run(call, check=True)
+    restored = entry is not None and restore(entry, staging)
+    if not restored:
+        for call in commands(llama_cpp_dir(), lib, staging, cxx):
+            subprocess.run(call, check=True)
+    link_libraries(staging, lib)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
+    if entry is not None and not restored:
+        store(out, entry)
     return out
 
 
