@@ -50,7 +50,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tools.llama_src import fetch_sources, llama_cpp_dir, locked, tools_dir, version
+from tools.llama_src import (
+    CACHE_ENV,  # noqa: F401  (the tests turn the cache off through this module)
+    fetch_sources,
+    llama_cpp_dir,
+    locked,
+    machine_cache,
+    tools_dir,
+    version,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +70,6 @@ def compare_script() -> Path:
 BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
 TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
 CMAKELISTS = ROOT / "tests" / "llama-tools" / "CMakeLists.txt"
-CACHE_ENV = "LLMRUN_TOOL_CACHE"  # 0, off or empty: no machine-level cache
 COMPLETE = "complete.json"  # an entry's last file: each tool's SHA-256
 STALE_S = 3600.0  # a staging folder untouched this long, its process gone, was a store's that died
 RUNPATH = b"$ORIGIN/lib\0"  # in a binary's string table: it runs wherever `lib` beside it leads
@@ -173,14 +180,7 @@ def link_libraries(bin_dir: Path) -> None:
 
 def cache_root() -> Path | None:
     """The machine's cache of built tools, or None where LLMRUN_TOOL_CACHE turns it off."""
-    if os.environ.get(CACHE_ENV, "1").strip().lower() in ("", "0", "off"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    try:
-        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
-    except RuntimeError:  # no home folder: no cache, as when it is turned off
-        return None
-    return root / "llmrun" / "llama-tools"
+    return machine_cache("llama-tools")
 
 
 def cache_entry() -> Path | None:

@@ -2,7 +2,8 @@
 
 PyPI ships llama-cpp-python as a source distribution whose `vendor/llama.cpp/` holds the very
 llama.cpp that llmrun loads. It is fetched from the package registry into `.venv/llama-tools/`
-(or $LLMRUN_TOOLS_DIR) on first use and unpacked there; `make rpc-server` (tools/rpc_build.py)
+(or $LLMRUN_TOOLS_DIR) on first use and unpacked there, and the archive is kept in
+~/.cache/llmrun/sdist for the next checkout on this machine; `make rpc-server` (tools/rpc_build.py)
 compiles from it, and so do the tests' llama.cpp tools (tests/llama_tools.py), unless the
 machine's cache of those tools (~/.cache/llmrun/llama-tools) already holds them: then nothing is
 fetched.
@@ -23,6 +24,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "llama-cpp-python"
+
+
+CACHE_ENV = "LLMRUN_TOOL_CACHE"  # 0, off or empty: no machine-level cache
+
+
+def machine_cache(kind: str) -> Path | None:
+    """`${XDG_CACHE_HOME:-~/.cache}/llmrun/<kind>`: what this machine keeps across checkouts
+    (llama.cpp's tools, the RPC build, the sdist), or None where LLMRUN_TOOL_CACHE turns it
+    off."""
+    if os.environ.get(CACHE_ENV, "1").strip().lower() in ("", "0", "off"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except RuntimeError:  # no home folder: no cache, as when it is turned off
+        return None
+    return root / "llmrun" / kind
 
 
 def version() -> str:
@@ -61,6 +79,13 @@ def fetch_sources(target: Path) -> Path:
         return target
     downloads = tools_dir() / "download"
     downloads.mkdir(parents=True, exist_ok=True)
+    kept = machine_cache("sdist")
+    name = f"{PACKAGE.replace('-', '_')}-{version()}.tar.gz"
+    if kept is not None and (kept / name).is_file():
+        try:
+            return unpack(kept / name, target)
+        except (OSError, tarfile.TarError, EOFError) as e:  # partial or corrupt: fetched again
+            print(f"the kept {kept / name} is not used ({e}): fetching it", file=sys.stderr)
     subprocess.run(
         [
             sys.executable,
@@ -79,6 +104,20 @@ def fetch_sources(target: Path) -> Path:
         check=True,
     )
     archive = next(downloads.glob("*.tar.gz"))
+    unpacked = unpack(archive, target)
+    if kept is not None:  # kept for the next checkout: pip's download took 10 s of 14 here
+        staging = kept / f".{name}.{os.getpid()}"
+        try:
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(archive, staging)
+            os.replace(staging, kept / name)
+        except OSError:
+            staging.unlink(missing_ok=True)
+    return unpacked
+
+
+def unpack(archive: Path, target: Path) -> Path:
+    """The archive's vendor/llama.cpp/ as `target`, made whole by one rename."""
     prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
     staging = tools_dir() / "staging"
     shutil.rmtree(staging, ignore_errors=True)

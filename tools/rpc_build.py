@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmrun.runners.rpc import BINARY, LIBRARY, rpc_dir  # noqa: E402
-from tools.llama_src import llama_cpp_dir  # noqa: E402
+from tools.llama_src import CACHE_ENV, llama_cpp_dir, machine_cache  # noqa: E402
+
+__all__ = ["CACHE_ENV", "build"]
 
 
 def wheel_lib_dir() -> Path:
@@ -84,7 +86,6 @@ def commands(src: Path, lib: Path, out: Path, cxx: str) -> list[list[str]]:
     return [library, server]
 
 
-CACHE_ENV = "LLMRUN_TOOL_CACHE"  # as for llama.cpp's tools: 0, off or empty turns it off
 COMPLETE = "COMPLETE.json"  # an entry's last file: each binary's SHA-256
 FILES = (LIBRARY, BINARY)
 
@@ -98,15 +99,7 @@ def link_libraries(out: Path, lib: Path) -> None:
 
 
 def cache_root() -> Path | None:
-    value = os.environ.get(CACHE_ENV)
-    if value is not None and value.strip().lower() in ("", "0", "off"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME") or ""
-    try:
-        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
-    except RuntimeError:  # no home folder: no cache
-        return None
-    return root / "llmrun" / "llama-rpc"
+    return machine_cache("llama-rpc")
 
 
 def cache_key(lib: Path, cxx: str) -> str:

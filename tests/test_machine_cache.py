@@ -1,16 +1,20 @@
-"""tools/rpc_build.py's machine-level cache, with stand-in compiler calls: a new checkout copies
-a stored build instead of compiling; a corrupt entry or LLMRUN_TOOL_CACHE=0 costs a build."""
+"""What a machine keeps across checkouts besides llama.cpp's tools (tests/test_shared_setup.py):
+tools/rpc_build.py's build, with stand-in compiler calls (a new checkout copies a stored build
+instead of compiling; a corrupt entry or LLMRUN_TOOL_CACHE=0 costs a build), and
+tools/llama_src.py's sdist, with a stand-in registry (fetched once per machine)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from llmrun.runners.rpc import BINARY, LIBRARY
-from tools import rpc_build
+from tools import llama_src, rpc_build
 
 
 @pytest.fixture
@@ -90,3 +94,69 @@ def test_the_cache_turned_off_keeps_nothing(
     monkeypatch.setenv(rpc_build.CACHE_ENV, value)
     rpc_build.build()
     assert calls(stand_in) == 2 and not entries(tmp_path)
+
+
+# ---- the sdist that llama.cpp's sources come from ------------------------------------------
+
+
+def fake_sdist(folder: Path, text: str) -> Path:
+    """An archive shaped like llama-cpp-python's sdist: vendor/llama.cpp/ with the file that
+    llama_src looks for."""
+    top = f"llama_cpp_python-{llama_src.version()}"
+    source = folder / "tree" / top / "vendor" / "llama.cpp" / "scripts"
+    source.mkdir(parents=True)
+    (source / "compare-llama-bench.py").write_text(text)
+    archive = folder / f"{top}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder / "tree" / top, arcname=top)
+    return archive
+
+
+@pytest.fixture
+def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """pip's download replaced by a copy of a fake sdist (each call recorded), a tools folder
+    and a machine cache of the test's own."""
+    archive = fake_sdist(tmp_path / "registry", "# from the registry\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(llama_src.CACHE_ENV, raising=False)
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / "checkout-1"))
+    calls: list[list[str]] = []
+
+    def download(call: list[str], check: bool) -> None:
+        calls.append(call)
+        shutil.copy(archive, call[call.index("-d") + 1])
+
+    monkeypatch.setattr(llama_src.subprocess, "run", download)
+    return calls
+
+
+def test_the_sdist_is_fetched_once_per_machine(
+    tmp_path: Path, registry: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = llama_src.llama_cpp_dir()
+    assert (first / "scripts" / "compare-llama-bench.py").read_text() == "# from the registry\n"
+    assert len(registry) == 1
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / "checkout-2"))  # another checkout
+    second = llama_src.llama_cpp_dir()
+    assert second != first and len(registry) == 1  # unpacked from the kept archive
+    assert (second / "scripts" / "compare-llama-bench.py").read_text() == "# from the registry\n"
+
+
+def test_a_truncated_kept_sdist_is_fetched_again(
+    tmp_path: Path, registry: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept = tmp_path / "cache" / "llmrun" / "sdist"
+    kept.mkdir(parents=True)
+    whole = fake_sdist(tmp_path / "other", "# kept\n").read_bytes()
+    (kept / f"llama_cpp_python-{llama_src.version()}.tar.gz").write_bytes(whole[: len(whole) // 2])
+    found = llama_src.llama_cpp_dir()
+    assert (found / "scripts" / "compare-llama-bench.py").read_text() == "# from the registry\n"
+    assert len(registry) == 1 and "is not used" in capsys.readouterr().err
+
+
+def test_the_cache_turned_off_keeps_no_sdist(
+    tmp_path: Path, registry: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(llama_src.CACHE_ENV, "off")
+    llama_src.llama_cpp_dir()
+    assert len(registry) == 1 and not (tmp_path / "cache").exists()
