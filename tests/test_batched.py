@@ -158,7 +158,7 @@ def test_bench_measures_interference_locally(llmrun_env: dict[str, str], tmp_pat
             "--num-prompts",
             "2",
             "--prompt-len",
-            "128",
+            "64",  # two chunks of 32
             "--rate",
             "10",
             "--output-len",
