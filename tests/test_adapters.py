@@ -76,8 +76,17 @@ def test_llama_cpp_chat_formatter_renders_the_compiled_template() -> None:
 
 def test_typer_is_not_patched() -> None:
     """Flags show no type through their metavar (public), not a patch of typer's classes: every
-    function on them is typer's own."""
-    for cls in (typer.core.TyperOption, typer.core.TyperArgument, typer.core.TyperCommand):
+    function on them is typer's own, with llmrun's app and every command's module loaded."""
+    import llmrun.cli.app
+
+    for name in llmrun.cli.app.COMMANDS:
+        llmrun.cli.app.build_command(name)
+    for cls in (
+        typer.core.TyperOption,
+        typer.core.TyperArgument,
+        typer.core.TyperCommand,
+        typer.core.TyperGroup,
+    ):
         for name, value in vars(cls).items():
             if callable(value):
                 assert value.__module__.startswith("typer."), (cls.__name__, name)

@@ -77,6 +77,21 @@ def test_a_corrupt_entry_is_built_again(
     assert calls(stand_in) == 4  # compiled twice
     assert "is not used" in capsys.readouterr().err
     assert (out / BINARY).read_text() == f"{BINARY}\n"
+    assert rpc_build.whole(entry) and (entry / BINARY).read_text() == f"{BINARY}\n"  # mended
+    rpc_build.shutil.rmtree(out)
+    rpc_build.build()
+    assert calls(stand_in) == 4 and "is not used" not in capsys.readouterr().err
+
+
+def test_a_shared_folder_links_to_this_environment_s_libraries(
+    tmp_path: Path, stand_in: Path
+) -> None:
+    """An $LLMRUN_RPC_DIR that another environment built and linked: kept, linked anew."""
+    out = rpc_build.build()
+    (out / "lib").unlink()
+    (out / "lib").symlink_to(tmp_path / "another-environment" / "lib")
+    assert rpc_build.build() == out and calls(stand_in) == 2
+    assert os.readlink(out / "lib") == str(tmp_path / "wheel" / "lib")
 
 
 def test_other_libraries_are_another_entry(tmp_path: Path, stand_in: Path) -> None:
@@ -142,16 +157,33 @@ def test_the_sdist_is_fetched_once_per_machine(
     assert (second / "scripts" / "compare-llama-bench.py").read_text() == "# from the registry\n"
 
 
-def test_a_truncated_kept_sdist_is_fetched_again(
-    tmp_path: Path, registry: list[list[str]], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("damage", ["truncated", "a flipped byte", "no digest"])
+def test_a_damaged_kept_sdist_is_fetched_again(
+    tmp_path: Path,
+    registry: list[list[str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
 ) -> None:
+    """A flipped byte often unpacks without an error (tarfile stops before gzip's CRC): the
+    SHA-256 kept beside the archive catches it, as it catches a cut one."""
     kept = tmp_path / "cache" / "llmrun" / "sdist"
-    kept.mkdir(parents=True)
-    whole = fake_sdist(tmp_path / "other", "# kept\n").read_bytes()
-    (kept / f"llama_cpp_python-{llama_src.version()}.tar.gz").write_bytes(whole[: len(whole) // 2])
+    archive = kept / f"llama_cpp_python-{llama_src.version()}.tar.gz"
+    llama_src.keep(fake_sdist(tmp_path / "other", "# kept\n"), archive)
+    data = archive.read_bytes()
+    if damage == "truncated":
+        archive.write_bytes(data[: len(data) // 2])
+    elif damage == "a flipped byte":
+        archive.write_bytes(data[:100] + bytes([data[100] ^ 0x40]) + data[101:])
+    else:
+        archive.with_name(archive.name + ".sha256").unlink()
     found = llama_src.llama_cpp_dir()
     assert (found / "scripts" / "compare-llama-bench.py").read_text() == "# from the registry\n"
     assert len(registry) == 1 and "is not used" in capsys.readouterr().err
+    assert archive.read_bytes() != data  # the registry's, kept in its place
+    monkeypatch.setenv("LLMRUN_TOOLS_DIR", str(tmp_path / "checkout-2"))
+    llama_src.llama_cpp_dir()
+    assert len(registry) == 1 and "is not used" not in capsys.readouterr().err  # kept whole
 
 
 def test_the_cache_turned_off_keeps_no_sdist(

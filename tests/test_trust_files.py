@@ -504,7 +504,7 @@ def test_ctrl_c_on_a_parallel_batch_exits_130_and_names_every_request(
     from .conftest import which_llmrun
 
     limit = 12  # the tokens each request may write (the batch is served whole before a line)
-    n = 6  # two rounds of --parallel 3
+    n = 12  # the signal lands while their lines and summaries are written: 12 make it wide
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Count from {i} to 900."}) + "\n" for i in range(n))

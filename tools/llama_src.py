@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,9 +85,12 @@ def fetch_sources(target: Path) -> Path:
     name = f"{PACKAGE.replace('-', '_')}-{version()}.tar.gz"
     if kept is not None and (kept / name).is_file():
         try:
+            if _sha256(kept / name) != (kept / f"{name}.sha256").read_text().strip():
+                raise ValueError("not the archive that was kept")
             return unpack(kept / name, target)
-        except (OSError, tarfile.TarError, EOFError) as e:  # partial or corrupt: fetched again
+        except (OSError, ValueError, tarfile.TarError, EOFError, zlib.error) as e:
             print(f"the kept {kept / name} is not used ({e}): fetching it", file=sys.stderr)
+            (kept / name).unlink(missing_ok=True)
     subprocess.run(
         [
             sys.executable,
@@ -106,14 +111,31 @@ def fetch_sources(target: Path) -> Path:
     archive = next(downloads.glob("*.tar.gz"))
     unpacked = unpack(archive, target)
     if kept is not None:  # kept for the next checkout: pip's download took 10 s of 14 here
-        staging = kept / f".{name}.{os.getpid()}"
-        try:
-            kept.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(archive, staging)
-            os.replace(staging, kept / name)
-        except OSError:
-            staging.unlink(missing_ok=True)
+        keep(archive, kept / name)
     return unpacked
+
+
+def keep(archive: Path, kept: Path) -> None:
+    """The archive pip fetched (and checked against the registry's hash) as `kept`, with its
+    SHA-256 beside it, which the next use checks first; each file lands by one rename."""
+    staging = kept.with_name(f".{kept.name}.{os.getpid()}")
+    digest = kept.with_name(f"{kept.name}.sha256")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(_sha256(archive) + "\n")
+        os.replace(staging, digest)
+        shutil.copyfile(archive, staging)
+        os.replace(staging, kept)
+    except OSError:
+        staging.unlink(missing_ok=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def unpack(archive: Path, target: Path) -> Path:

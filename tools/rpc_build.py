@@ -12,7 +12,8 @@ A build is kept in the machine's cache, `${XDG_CACHE_HOME:-~/.cache}/llmrun/llam
 <version>-<key>/`, as llama.cpp's tools are (tests/llama_tools.py): the key hashes the wheel's
 libraries, the compiler and the compiler calls, so a new checkout (a clean clone's
 `make test`) copies the two files in a moment instead of compiling them. Their RUNPATH is
-`$ORIGIN/lib`, a link beside them to this environment's wheel libraries. LLMRUN_TOOL_CACHE=0
+`$ORIGIN/lib` (`@loader_path/lib` on macOS), a link beside them to this environment's wheel
+libraries. LLMRUN_TOOL_CACHE=0
 (or `off`, or empty) turns the cache off; an unwritable, partial or corrupt entry costs a build.
 
     python tools/rpc_build.py          # build (once; again when the sources change)
@@ -20,6 +21,7 @@ libraries, the compiler and the compiler calls, so a new checkout (a clean clone
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -54,7 +56,7 @@ def commands(src: Path, lib: Path, out: Path, cxx: str) -> list[list[str]]:
     in its own folder (ggml_backend_load_all searches the executable's folder)."""
     rpc = src / "ggml" / "src" / "ggml-rpc"
     common = ["-O2", "-std=c++17", "-fPIC", "-pthread", f"-I{src / 'ggml' / 'include'}"]
-    link = [f"-L{lib}", "-Wl,-rpath,$ORIGIN/lib"]  # `lib` beside them: link_libraries
+    link = [f"-L{lib}", f"-Wl,-rpath,{RUNPATH}"]  # `lib` beside them: link_libraries
     library = [
         cxx,
         *common,
@@ -86,16 +88,24 @@ def commands(src: Path, lib: Path, out: Path, cxx: str) -> list[list[str]]:
     return [library, server]
 
 
+# Where the two files look for the wheel's libraries: `lib` beside them (link_libraries).
+RUNPATH = "@loader_path/lib" if sys.platform == "darwin" else "$ORIGIN/lib"
 COMPLETE = "COMPLETE.json"  # an entry's last file: each binary's SHA-256
 FILES = (LIBRARY, BINARY)
 
 
 def link_libraries(out: Path, lib: Path) -> None:
-    """`out/lib`: a link to this environment's wheel libraries, where RUNPATH looks."""
+    """`out/lib`: a link to this environment's wheel libraries, where RUNPATH looks; swapped
+    in one rename where it leads elsewhere (an $LLMRUN_RPC_DIR that another environment
+    linked)."""
     link = out / "lib"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(lib, target_is_directory=True)
+    with contextlib.suppress(OSError):
+        if os.readlink(link) == str(lib):
+            return
+    fresh = out / f".lib-{os.getpid()}"
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(lib, target_is_directory=True)
+    os.replace(fresh, link)
 
 
 def cache_root() -> Path | None:
@@ -108,7 +118,7 @@ def cache_key(lib: Path, cxx: str) -> str:
     The sources are the version's own (the sdist), which the entry's name carries."""
     digest = hashlib.sha256()
     for path in sorted(lib.iterdir()):
-        if path.name.startswith("libggml") and ".so" in path.name:
+        if path.name.startswith("libggml") and (".so" in path.name or ".dylib" in path.name):
             digest.update(f"{path.name}\0".encode() + path.read_bytes())
     for call in commands(Path("SRC"), Path("LIB"), Path("OUT"), cxx):
         digest.update("\0".join(call).encode())
@@ -124,20 +134,39 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _recorded(entry: Path) -> dict[str, str]:
+    """An entry's completion record: each file's SHA-256 (ValueError otherwise)."""
+    recorded = json.loads((entry / COMPLETE).read_text())
+    if not isinstance(recorded, dict) or sorted(recorded) != sorted(FILES):
+        raise ValueError("not the two files")
+    if not all(isinstance(v, str) for v in recorded.values()):
+        raise ValueError("not a SHA-256 each")
+    return recorded
+
+
+def whole(entry: Path) -> bool:
+    """Whether an entry holds the two files as its completion record says."""
+    try:
+        recorded = _recorded(entry)
+        return all(_sha256(entry / name) == recorded[name] for name in FILES)
+    except (OSError, ValueError):
+        return False
+
+
 def restore(entry: Path, staging: Path) -> bool:
     """The two files copied from a complete entry into `staging`, each checked against the
     SHA-256 the entry recorded; False (and a build follows) where it is absent, partial or
     corrupt."""
+    if not (entry / COMPLETE).exists():
+        return False
     try:
-        recorded = json.loads((entry / COMPLETE).read_text())
+        recorded = _recorded(entry)
         for name in FILES:
             shutil.copyfile(entry / name, staging / name)
-            if not isinstance(recorded, dict) or _sha256(staging / name) != recorded.get(name):
+            if _sha256(staging / name) != recorded[name]:
                 raise ValueError(f"{name} is not the file that was stored")
             (staging / name).chmod(0o755)
         return True
-    except FileNotFoundError:
-        return False
     except (OSError, ValueError) as e:
         print(f"the cached RPC build in {entry} is not used ({e}): building it", file=sys.stderr)
         return False
@@ -158,9 +187,9 @@ def store(out: Path, entry: Path) -> None:
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
         with open(entry.parent / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout's whole entry is never replaced
-            if (entry / COMPLETE).exists():
+            if whole(entry):
                 return
-            shutil.rmtree(entry, ignore_errors=True)  # one without COMPLETE: partial
+            shutil.rmtree(entry, ignore_errors=True)  # partial or corrupt: replaced
             staging.rename(entry)
     except OSError as e:
         print(f"the RPC build is not cached in {entry.parent}: {e}", file=sys.stderr)
@@ -171,6 +200,8 @@ def store(out: Path, entry: Path) -> None:
 def build() -> Path:
     out = rpc_dir()
     if (out / LIBRARY).exists() and (out / BINARY).exists():
+        if (out / "lib").is_symlink():  # built here with RUNPATH `lib`: to this wheel's
+            link_libraries(out, wheel_lib_dir())
         return out
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
