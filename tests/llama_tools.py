@@ -45,17 +45,20 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tools.llama_src import (
     CACHE_ENV,  # noqa: F401  (the tests turn the cache off through this module)
+    entry_record,
+    entry_whole,
     fetch_sources,
+    link_to,
     llama_cpp_dir,
     locked,
     machine_cache,
+    sha256_of,
     tools_dir,
     version,
 )
@@ -166,16 +169,7 @@ def link_libraries(bin_dir: Path) -> None:
     """`bin_dir/lib`: a link to this checkout's wheel libraries, where the tools' RUNPATH
     ($ORIGIN/lib) looks. Swapped in one rename when it leads elsewhere (a folder of tools shared
     through LLMRUN_TOOLS_DIR, whose link another checkout made)."""
-    link = bin_dir / "lib"
-    target = str(wheel_libraries())
-    with contextlib.suppress(OSError):
-        if os.readlink(link) == target:
-            return
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    fresh = bin_dir / f".lib-{os.getpid()}-{threading.get_ident()}"
-    fresh.unlink(missing_ok=True)
-    fresh.symlink_to(target, target_is_directory=True)
-    os.replace(fresh, link)
+    link_to(bin_dir / "lib", wheel_libraries())
 
 
 def cache_root() -> Path | None:
@@ -228,12 +222,12 @@ def restore(entry: Path, bin_dir: Path) -> list[str]:
     missing = [t for t in TOOLS if not (bin_dir / t).exists()]
     copies: list[Path] = []
     try:
-        recorded = _recorded(entry)
+        recorded = entry_record(entry, COMPLETE, TOOLS)
         for t in missing:
             copy = bin_dir / f".{t}.cached"
             copies.append(copy)
             shutil.copyfile(entry / t, copy)
-            if _sha256(copy) != recorded[t]:
+            if sha256_of(copy) != recorded[t]:
                 raise ValueError(f"{t} is not the file that was stored")
             copy.chmod(0o755)
         for t, copy in zip(missing, copies, strict=True):
@@ -266,7 +260,7 @@ def store(bin_dir: Path, entry: Path) -> None:
         for b in binaries:
             shutil.copyfile(b, staging / b.name)
             (staging / b.name).chmod(0o755)
-        recorded = {b.name: _sha256(staging / b.name) for b in binaries}
+        recorded = {b.name: sha256_of(staging / b.name) for b in binaries}
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
         with _cache_locked(entry.parent):  # another checkout's whole entry is never replaced
             sweep_stale(entry.parent)
@@ -300,21 +294,7 @@ def sweep_stale(root: Path) -> None:
 
 def whole(entry: Path) -> bool:
     """Whether a cache entry holds the four tools as its completion marker records them."""
-    try:
-        recorded = _recorded(entry)
-        return all(_sha256(entry / t) == recorded[t] for t in TOOLS)
-    except (OSError, ValueError):
-        return False
-
-
-def _recorded(entry: Path) -> dict[str, str]:
-    """An entry's completion marker: each of the four tools' SHA-256 (ValueError otherwise)."""
-    recorded = json.loads((entry / COMPLETE).read_text())
-    if not isinstance(recorded, dict) or sorted(recorded) != sorted(TOOLS):
-        raise ValueError("not the four tools")
-    if not all(isinstance(v, str) for v in recorded.values()):
-        raise ValueError("not a SHA-256 each")
-    return recorded
+    return entry_whole(entry, COMPLETE, TOOLS)
 
 
 @contextlib.contextmanager
@@ -324,14 +304,6 @@ def _cache_locked(root: Path) -> Iterator[None]:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def llama_bench() -> Path:

@@ -15,11 +15,13 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +87,7 @@ def fetch_sources(target: Path) -> Path:
     name = f"{PACKAGE.replace('-', '_')}-{version()}.tar.gz"
     if kept is not None and (kept / name).is_file():
         try:
-            if _sha256(kept / name) != (kept / f"{name}.sha256").read_text().strip():
+            if sha256_of(kept / name) != (kept / f"{name}.sha256").read_text().strip():
                 raise ValueError("not the archive that was kept")
             return unpack(kept / name, target)
         except (OSError, ValueError, tarfile.TarError, EOFError, zlib.error) as e:
@@ -122,7 +124,7 @@ def keep(archive: Path, kept: Path) -> None:
     digest = kept.with_name(f"{kept.name}.sha256")
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_text(_sha256(archive) + "\n")
+        staging.write_text(sha256_of(archive) + "\n")
         os.replace(staging, digest)
         shutil.copyfile(archive, staging)
         os.replace(staging, kept)
@@ -130,7 +132,8 @@ def keep(archive: Path, kept: Path) -> None:
         staging.unlink(missing_ok=True)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's SHA-256, read a MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -151,3 +154,36 @@ def unpack(archive: Path, target: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
+
+
+def link_to(link: Path, target: Path) -> None:
+    """`link` leading to `target`, swapped in one rename where it leads elsewhere (a folder
+    shared between environments, whose link another one made)."""
+    with contextlib.suppress(OSError):
+        if os.readlink(link) == str(target):
+            return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    fresh = link.with_name(f".{link.name}-{os.getpid()}-{threading.get_ident()}")
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(target, target_is_directory=True)
+    os.replace(fresh, link)
+
+
+def entry_record(entry: Path, marker: str, names: tuple[str, ...]) -> dict[str, str]:
+    """A cache entry's completion marker (its last file, JSON): each of `names`' SHA-256
+    (ValueError where it is anything else)."""
+    recorded = json.loads((entry / marker).read_text())
+    if not isinstance(recorded, dict) or sorted(recorded) != sorted(names):
+        raise ValueError(f"not the files {', '.join(names)}")
+    if not all(isinstance(v, str) for v in recorded.values()):
+        raise ValueError("not a SHA-256 each")
+    return recorded
+
+
+def entry_whole(entry: Path, marker: str, names: tuple[str, ...]) -> bool:
+    """Whether a cache entry holds `names` as its completion marker records them."""
+    try:
+        recorded = entry_record(entry, marker, names)
+        return all(sha256_of(entry / name) == recorded[name] for name in names)
+    except (OSError, ValueError):
+        return False

@@ -21,7 +21,6 @@ libraries. LLMRUN_TOOL_CACHE=0
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -35,7 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmrun.runners.rpc import BINARY, LIBRARY, rpc_dir  # noqa: E402
-from tools.llama_src import CACHE_ENV, llama_cpp_dir, machine_cache  # noqa: E402
+from tools.llama_src import (  # noqa: E402
+    CACHE_ENV,
+    entry_record,
+    entry_whole,
+    link_to,
+    llama_cpp_dir,
+    machine_cache,
+    sha256_of,
+)
 
 __all__ = ["CACHE_ENV", "build"]
 
@@ -95,17 +102,9 @@ FILES = (LIBRARY, BINARY)
 
 
 def link_libraries(out: Path, lib: Path) -> None:
-    """`out/lib`: a link to this environment's wheel libraries, where RUNPATH looks; swapped
-    in one rename where it leads elsewhere (an $LLMRUN_RPC_DIR that another environment
-    linked)."""
-    link = out / "lib"
-    with contextlib.suppress(OSError):
-        if os.readlink(link) == str(lib):
-            return
-    fresh = out / f".lib-{os.getpid()}"
-    fresh.unlink(missing_ok=True)
-    fresh.symlink_to(lib, target_is_directory=True)
-    os.replace(fresh, link)
+    """`out/lib`: a link to this environment's wheel libraries, where RUNPATH looks (linked
+    again where an $LLMRUN_RPC_DIR that another environment built leads elsewhere)."""
+    link_to(out / "lib", lib)
 
 
 def cache_root() -> Path | None:
@@ -130,27 +129,9 @@ def cache_key(lib: Path, cxx: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _recorded(entry: Path) -> dict[str, str]:
-    """An entry's completion record: each file's SHA-256 (ValueError otherwise)."""
-    recorded = json.loads((entry / COMPLETE).read_text())
-    if not isinstance(recorded, dict) or sorted(recorded) != sorted(FILES):
-        raise ValueError("not the two files")
-    if not all(isinstance(v, str) for v in recorded.values()):
-        raise ValueError("not a SHA-256 each")
-    return recorded
-
-
 def whole(entry: Path) -> bool:
     """Whether an entry holds the two files as its completion record says."""
-    try:
-        recorded = _recorded(entry)
-        return all(_sha256(entry / name) == recorded[name] for name in FILES)
-    except (OSError, ValueError):
-        return False
+    return entry_whole(entry, COMPLETE, FILES)
 
 
 def restore(entry: Path, staging: Path) -> bool:
@@ -160,10 +141,10 @@ def restore(entry: Path, staging: Path) -> bool:
     if not (entry / COMPLETE).exists():
         return False
     try:
-        recorded = _recorded(entry)
+        recorded = entry_record(entry, COMPLETE, FILES)
         for name in FILES:
             shutil.copyfile(entry / name, staging / name)
-            if _sha256(staging / name) != recorded[name]:
+            if sha256_of(staging / name) != recorded[name]:
                 raise ValueError(f"{name} is not the file that was stored")
             (staging / name).chmod(0o755)
         return True
@@ -183,7 +164,7 @@ def store(out: Path, entry: Path) -> None:
         staging.mkdir()
         for name in FILES:
             shutil.copyfile(out / name, staging / name)
-        recorded = {name: _sha256(staging / name) for name in FILES}
+        recorded = {name: sha256_of(staging / name) for name in FILES}
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
         with open(entry.parent / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout's whole entry is never replaced
