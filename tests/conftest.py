@@ -129,6 +129,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def interruptible() -> None:
+    """Ctrl-C as a terminal delivers it, however the suite was started: a command run in the
+    background of a non-interactive shell (`cmd &`, a supervisor's script) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler, so a test that sends itself
+    a Ctrl-C (popen_then_ctrl_c) waited out its child (600 s) instead. The processes the tests
+    start get SIGINT's default at exec, as from a shell."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def quiet_machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A quiet machine, whatever the load on this one, in the tests and in every process they
     start (module-scoped fixtures copy the environment too, so it is set for the session): a
