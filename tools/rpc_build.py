@@ -13,8 +13,8 @@ A build is kept in the machine's cache, `${XDG_CACHE_HOME:-~/.cache}/llmrun/llam
 libraries, the compiler and the compiler calls, so a new checkout (a clean clone's
 `make test`) copies the two files in a moment instead of compiling them. Their RUNPATH is
 `$ORIGIN/lib` (`@loader_path/lib` on macOS), a link beside them to this environment's wheel
-libraries. LLMRUN_TOOL_CACHE=0
-(or `off`, or empty) turns the cache off; an unwritable, partial or corrupt entry costs a build.
+libraries. LLMRUN_TOOL_CACHE=0 (or `off`, or empty) turns the cache off; an unwritable, partial
+or corrupt entry costs a build.
 
     python tools/rpc_build.py          # build (once; again when the sources change)
 """
