@@ -7,9 +7,11 @@ It runs the `rpc-server` that `make rpc-server` built from the installed llama.c
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -100,15 +102,24 @@ def rpc_server(
 
 
 def _stop(child: subprocess.Popen[bytes]) -> None:
-    """End the server (SIGTERM, then SIGKILL after 5 s), whatever more Ctrl-Cs come."""
-    while True:
+    """End the server (SIGTERM, then SIGKILL after 5 s), whatever more Ctrl-Cs come. Reaped
+    with os.waitpid, not Popen.wait: a KeyboardInterrupt out of Popen.wait(timeout) can leave
+    its internal lock held (CPython 3.11 takes it before its try), and a Popen.wait after that
+    blocked forever on a server already gone."""
+    kills = [signal.SIGTERM, signal.SIGKILL]
+    deadline = 0.0
+    while child.returncode is None:
         try:
-            child.terminate()
-            try:
-                child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            return
+            if time.monotonic() >= deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, kills.pop(0) if len(kills) > 1 else kills[0])
+                deadline = time.monotonic() + 5
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
+            if pid == child.pid:
+                child.returncode = os.waitstatus_to_exitcode(status)
+            else:
+                time.sleep(0.01)
+        except ChildProcessError:  # reaped already (by Popen before the interrupt)
+            child.returncode = child.returncode if child.returncode is not None else 0
         except KeyboardInterrupt:
             continue
