@@ -13,7 +13,9 @@ them alike; the table shows the median (min-max) and the median's ratio to `pyth
 - `llmrun bench -r 0 -p 16 -n 4` and `llama-bench -r 0 -p 16 -n 4` on the same model, exec to
   exit (target: llmrun within 1 s of llama-bench), when llama-bench is built (`make
   llama-bench`, LLMRUN_TOOLS_DIR or LLAMA_BENCH); otherwise the table says why they are
-  missing. --flags adds the same flags to both (e.g. `--repack 0` on a CPU with AMX).
+  missing. --flags adds the same flags to both (e.g. `--repack 0` on a CPU with AMX);
+- `llmrun run` last line to exit: from the last byte `llmrun run -n 1` writes (its stats on
+  stderr) to its exit, the time a shell waits after the answer is on the screen.
 
 Each llmrun's own packages are byte-compiled first, as an installed llmrun's are (where
 PYTHONDONTWRITEBYTECODE is set, an editable checkout otherwise compiles them at every start).
@@ -90,6 +92,37 @@ def until_load(llmrun: str) -> float:
         os.close(fd)
 
 
+def last_line_to_exit(llmrun: str) -> float:
+    """Seconds from the last byte `llmrun run -n 1` writes (stdout and stderr, pipes) to its
+    exit: Python's shutdown, and whatever llmrun does after its report."""
+    child = subprocess.Popen(
+        [llmrun, "run", "-n", "1", "Hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    open_fds = {child.stdout.fileno(), child.stderr.fileno()}
+    last = time.perf_counter()
+    while open_fds:
+        ready, _, _ = select.select(list(open_fds), [], [], TIMEOUT_S)
+        if not ready:
+            child.kill()
+            raise SystemExit(f"{llmrun} run wrote nothing for {TIMEOUT_S:g} s")
+        for fd in ready:
+            if os.read(fd, 65536):
+                last = time.perf_counter()
+            else:  # end of file: the child closed it, at its exit
+                open_fds.discard(fd)
+    code = child.wait(timeout=TIMEOUT_S)
+    ended = time.perf_counter()
+    child.stdout.close()
+    child.stderr.close()
+    if code != 0:
+        raise SystemExit(f"{llmrun} run exited {code}")
+    return ended - last
+
+
 def llama_bench_binary() -> tuple[str | None, str]:
     """llama-bench if it is built (never built here), else why not."""
     given = os.environ.get("LLAMA_BENCH")
@@ -140,6 +173,7 @@ def main() -> int:
         cases[f"llmrun --help{tag}"] = (partial(wall, [exe, "--help"]), args.reps)
         cases[f"llmrun --version{tag}"] = (partial(wall, [exe, "--version"]), args.reps)
         cases[f"llmrun run: exec to load{tag}"] = (partial(until_load, exe), args.reps)
+        cases[f"llmrun run: last line to exit{tag}"] = (partial(last_line_to_exit, exe), args.reps)
         if llama_bench is not None:
             cases[f"llmrun bench -r 0 -p 16 -n 4{tag}"] = (
                 partial(wall, [exe, "bench", *bench_line]),

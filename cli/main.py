@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -68,6 +69,21 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
+    """The `llmrun` command, start to exit.
+
+    The process ends when this returns: its objects go into the collector's permanent
+    generation first (gc.freeze), so that Python's shutdown does not trace them all again in the
+    full collections it runs while it empties the modules. That tracing took about 0.2 s of every
+    command that had loaded llama-cpp-python (about 54,000 objects, 527 modules) on 2 slow
+    cores, after the last line was printed. Nothing is skipped: atexit handlers, the wait for
+    threads, flushing and closing files and the modules' teardown all still run."""
+    try:
+        _main()
+    finally:
+        gc.freeze()
+
+
+def _main() -> None:
     _reopen_closed_std_streams()
     _same_text_in_every_locale()
     for signum in STOP_SIGNALS:
@@ -93,7 +109,13 @@ def main() -> None:
     library.on_abort = on_abort
 
     def arm() -> None:
-        """The command's own code begins: Ctrl-C cancels its work, SIGTERM and SIGHUP too."""
+        """The command's own code begins: Ctrl-C cancels its work, SIGTERM and SIGHUP too.
+
+        What the imports and the parsing made lives as long as the process: it goes into the
+        collector's permanent generation, so that a full collection during the command (one
+        in a short `run`: about 40 ms, which could land between two decoded tokens) no longer
+        traces it."""
+        gc.freeze()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum in STOP_SIGNALS:
             if signum != signal.SIGINT:

@@ -65,3 +65,46 @@ def test_truncated_tensor_data(tmp_path: Path, model_file: str) -> None:
 def test_directory(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelFileError, match="directory"):
         read_gguf(tmp_path)
+
+
+def _string_array(strings: list[bytes]) -> bytes:
+    """A GGUF header of one key, `tokenizer.ggml.tokens`, holding `strings` (more than the
+    reader keeps, so it steps over them)."""
+    key = b"tokenizer.ggml.tokens"
+    body = b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+    return (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IIQ", 9, 8, len(strings))  # an array (9) of strings (8)
+        + body
+    )
+
+
+@pytest.mark.parametrize("cut", [1, 7, 8, 9, 300])
+def test_a_header_cut_inside_a_long_string_array_is_truncated(tmp_path: Path, cut: int) -> None:
+    """The string arrays a header steps over (a vocabulary) end early: one line, wherever the
+    cut falls (inside a length, inside a string, past a length that points beyond the end)."""
+    header = _string_array([b"tok%d" % i for i in range(100)])
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(header[:-cut])
+    with pytest.raises(InvalidModelFileError, match=r"truncated GGUF file \(header ends early\)"):
+        read_gguf(path)
+
+
+def test_a_string_length_past_the_end_is_truncated(tmp_path: Path) -> None:
+    strings = [b"tok%d" % i for i in range(100)]
+    header = _string_array(strings)
+    tail = struct.pack("<Q", len(strings[-1])) + strings[-1]
+    path = tmp_path / "long.gguf"
+    path.write_bytes(header[: -len(tail)] + struct.pack("<Q", 1 << 40) + strings[-1])
+    with pytest.raises(InvalidModelFileError, match=r"truncated GGUF file \(header ends early\)"):
+        read_gguf(path)
+
+
+def test_a_whole_long_string_array_is_stepped_over(tmp_path: Path) -> None:
+    path = tmp_path / "whole.gguf"
+    path.write_bytes(_string_array([b"tok%d" % i for i in range(100)]) + b"\0" * 64)
+    info = read_gguf(path)
+    assert info.metadata["tokenizer.ggml.tokens"] is None  # stepped over, not kept
