@@ -176,14 +176,16 @@ def test_rows_pair_with_llama_bench_s_by_position(
     line += ["-pg", "4,2"]
     line += ["-t", "1", "-b", "32,64", "-ctk", "f16,q8_0", "-fa", "0,1", "-d", "0,4"]
     flags = llama_tools.cpu_flags("llama-bench", model_path)
-    runs = [
-        subprocess.run(
+    # both at once, one thread each on the machine's two cores: rows pair by position, and no
+    # figure of one is compared with the other's
+    children = [
+        subprocess.Popen(
             command,
             env=llmrun_env,
             cwd=folder,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=HANG_S * 4,
             stdin=subprocess.DEVNULL,
         )
         for command in (
@@ -191,9 +193,18 @@ def test_rows_pair_with_llama_bench_s_by_position(
             [which_llmrun(), "bench", "--no-history", *line, *flags],
         )
     ]
-    for done in runs:
-        assert done.returncode == 0, done.stderr
-    theirs, ours = (json.loads(done.stdout) for done in runs)
+    outputs = []
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=HANG_S * 4)
+            assert child.returncode == 0, err
+            outputs.append(out)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    theirs, ours = (json.loads(out) for out in outputs)
     keys = ["n_batch", "type_k", "flash_attn", "n_depth", "n_prompt", "n_gen"]
     assert len(theirs) == 2 * 2 * 2 * 2 * 4
     assert _pick(ours, keys) == _pick(theirs, keys)

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,9 @@ pytestmark = [
 def _run(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[int, str, list[dict]]:
     suite = tmp_path / "suite"
     seen = tmp_path / "seen"
-    for folder in (suite, seen):  # a second run starts afresh (and without the first's
-        shutil.rmtree(folder, ignore_errors=True)  # __pycache__, where bytecode is written)
-        folder.mkdir()
+    for folder in (suite, seen):  # afresh: no earlier run's records or __pycache__
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
     (suite / "conftest.py").write_text(CONFTEST)
     (suite / "test_suite.py").write_text(SUITE)
     path = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -84,7 +85,11 @@ def test_pinned_workers_keep_to_their_cpus_and_refuse_a_cores_test(
     llmrun_env: dict[str, str], tmp_path: Path
 ) -> None:
     every = sorted(os.sched_getaffinity(0))
-    code, out, records = _run(tmp_path, llmrun_env, "-n", "2", "--one-cpu-each")
+    # the run without the flag beside the run with it (each in its own folder): the two
+    # pytest runs' start-ups were most of this test's time, one after the other
+    with ThreadPoolExecutor(1) as pool:
+        unpinned = pool.submit(_run, tmp_path / "unpinned", llmrun_env, "-n", "2")
+        code, out, records = _run(tmp_path / "pinned", llmrun_env, "-n", "2", "--one-cpu-each")
     assert code == 1, out
     assert "6 passed" in out and "1 error" in out, out  # refused in its set-up
     assert "test_two_threads needs every CPU (marked `cores`)" in out, out
@@ -95,6 +100,6 @@ def test_pinned_workers_keep_to_their_cpus_and_refuse_a_cores_test(
     assert all(r["child"] == r["cpus"] for r in records), records  # what a test starts too
 
     # without the flag the same suite has the whole machine
-    code, out, records = _run(tmp_path, llmrun_env, "-n", "2")
+    code, out, records = unpinned.result()
     assert code == 0 and "7 passed" in out, out
     assert all(r["cpus"] == r["child"] == every for r in records), records
