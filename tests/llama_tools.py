@@ -45,12 +45,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tools.llama_src import (
     CACHE_ENV,  # noqa: F401  (the tests turn the cache off through this module)
+    STALE_S,  # noqa: F401  (the tests age staging folders past it)
     entry_record,
     entry_whole,
     fetch_sources,
@@ -59,6 +59,7 @@ from tools.llama_src import (
     locked,
     machine_cache,
     sha256_of,
+    sweep_stale,
     tools_dir,
     version,
 )
@@ -74,7 +75,6 @@ BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
 TOOLS = (*BENCH_TOOLS, "llama-server", "llama-perplexity")
 CMAKELISTS = ROOT / "tests" / "llama-tools" / "CMakeLists.txt"
 COMPLETE = "complete.json"  # an entry's last file: each tool's SHA-256
-STALE_S = 3600.0  # a staging folder untouched this long, its process gone, was a store's that died
 RUNPATH = b"$ORIGIN/lib\0"  # in a binary's string table: it runs wherever `lib` beside it leads
 # The configure options besides the two folders; the cache key hashes them.
 CONFIGURE = ("-DCMAKE_BUILD_TYPE=Release",)
@@ -273,23 +273,6 @@ def store(bin_dir: Path, entry: Path) -> None:
             print(f"llama.cpp's tools not cached in {entry.parent}: {e}", file=sys.stderr)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def sweep_stale(root: Path) -> None:
-    """Remove the staging folders (`.ENTRY.PID`) of stores that died before their rename (a
-    SIGKILL or a lost machine skips `store`'s clean-up): those untouched for `STALE_S` whose
-    process is gone. A live store's folder, one of a process that reused its PID, or a fresh
-    one (its store may be in another PID namespace sharing the cache) is left."""
-    for folder in root.glob(".*.*"):
-        pid = folder.name.rpartition(".")[2]
-        try:
-            if not pid.isdigit() or time.time() - folder.stat().st_mtime < STALE_S:
-                continue
-            os.kill(int(pid), 0)
-        except (ProcessLookupError, OverflowError):  # no such process here
-            shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # alive, another user's; or gone already
-            continue
 
 
 def whole(entry: Path) -> bool:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,30 @@ def test_a_second_checkout_copies_the_stored_build(tmp_path: Path, stand_in: Pat
     assert {name: (out / name).read_bytes() for name in (LIBRARY, BINARY)} == built
     assert os.access(out / BINARY, os.X_OK)
     assert os.readlink(out / "lib") == str(tmp_path / "wheel" / "lib")
+
+
+def test_a_store_sweeps_the_staging_folders_of_stores_that_died(
+    tmp_path: Path, stand_in: Path
+) -> None:
+    """A store killed before its rename leaves `.ENTRY.PID` behind: the next store removes
+    those an hour old whose process is gone, and leaves a live one's and a fresh one's (maybe
+    another PID namespace's), as the tools' cache does."""
+    root = tmp_path / "cache" / "llmrun" / "llama-rpc"
+    root.mkdir(parents=True)
+    no_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # names no process
+    dead = root / f".0.3.36-old.{no_pid}"
+    live = root / f".0.3.36-other.{os.getpid()}"
+    fresh = root / f".0.3.36-fresh.{no_pid}"
+    hour_ago = time.time() - llama_src.STALE_S - 1
+    for folder in (dead, live, fresh):
+        folder.mkdir()
+        (folder / BINARY).write_bytes(b"half a copy")
+        if folder is not fresh:
+            os.utime(folder, (hour_ago, hour_ago))
+    rpc_build.build()
+    (entry,) = entries(tmp_path)
+    assert rpc_build.whole(entry)
+    assert not dead.exists() and live.exists() and fresh.exists()
 
 
 def test_a_corrupt_entry_is_built_again(

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,6 +179,26 @@ def entry_record(entry: Path, marker: str, names: tuple[str, ...]) -> dict[str, 
     if not all(isinstance(v, str) for v in recorded.values()):
         raise ValueError("not a SHA-256 each")
     return recorded
+
+
+STALE_S = 3600.0  # a staging folder untouched this long, its process gone, was a store's that died
+
+
+def sweep_stale(root: Path) -> None:
+    """Remove the staging folders (`.ENTRY.PID`) of stores that died before their rename (a
+    SIGKILL or a lost machine skips a store's clean-up): those untouched for `STALE_S` whose
+    process is gone. A live store's folder, one of a process that reused its PID, or a fresh
+    one (its store may be in another PID namespace sharing the cache) is left."""
+    for folder in root.glob(".*.*"):
+        pid = folder.name.rpartition(".")[2]
+        try:
+            if not pid.isdigit() or time.time() - folder.stat().st_mtime < STALE_S:
+                continue
+            os.kill(int(pid), 0)
+        except (ProcessLookupError, OverflowError):  # no such process here
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # alive, another user's; or gone already
+            continue
 
 
 def entry_whole(entry: Path, marker: str, names: tuple[str, ...]) -> bool:

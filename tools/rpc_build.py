@@ -42,6 +42,7 @@ from tools.llama_src import (  # noqa: E402
     llama_cpp_dir,
     machine_cache,
     sha256_of,
+    sweep_stale,
 )
 
 __all__ = ["CACHE_ENV", "build"]
@@ -168,6 +169,7 @@ def store(out: Path, entry: Path) -> None:
         (staging / COMPLETE).write_text(json.dumps(recorded, indent=1))
         with open(entry.parent / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another checkout's whole entry is never replaced
+            sweep_stale(entry.parent)  # the staging folders of stores killed before their rename
             if whole(entry):
                 return
             shutil.rmtree(entry, ignore_errors=True)  # partial or corrupt: replaced
