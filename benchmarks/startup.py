@@ -104,20 +104,24 @@ def last_line_to_exit(llmrun: str) -> float:
     assert child.stdout is not None and child.stderr is not None
     open_fds = {child.stdout.fileno(), child.stderr.fileno()}
     last = time.perf_counter()
-    while open_fds:
-        ready, _, _ = select.select(list(open_fds), [], [], TIMEOUT_S)
-        if not ready:
+    try:
+        while open_fds:
+            ready, _, _ = select.select(list(open_fds), [], [], TIMEOUT_S)
+            if not ready:
+                raise SystemExit(f"{llmrun} run wrote nothing for {TIMEOUT_S:g} s")
+            for fd in ready:
+                if os.read(fd, 65536):
+                    last = time.perf_counter()
+                else:  # end of file: the child closed it, at its exit
+                    open_fds.discard(fd)
+        code = child.wait(timeout=TIMEOUT_S)
+        ended = time.perf_counter()
+    finally:  # a timeout or a Ctrl-C here leaves no llmrun running
+        if child.poll() is None:
             child.kill()
-            raise SystemExit(f"{llmrun} run wrote nothing for {TIMEOUT_S:g} s")
-        for fd in ready:
-            if os.read(fd, 65536):
-                last = time.perf_counter()
-            else:  # end of file: the child closed it, at its exit
-                open_fds.discard(fd)
-    code = child.wait(timeout=TIMEOUT_S)
-    ended = time.perf_counter()
-    child.stdout.close()
-    child.stderr.close()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()
     if code != 0:
         raise SystemExit(f"{llmrun} run exited {code}")
     return ended - last

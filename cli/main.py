@@ -75,8 +75,11 @@ def main() -> None:
     generation first (gc.freeze), so that Python's shutdown does not trace them all again in the
     full collections it runs while it empties the modules. That tracing took about 0.2 s of every
     command that had loaded llama-cpp-python (about 54,000 objects, 527 modules) on 2 slow
-    cores, after the last line was printed. Nothing is skipped: atexit handlers, the wait for
-    threads, flushing and closing files and the modules' teardown all still run."""
+    cores, after the last line was printed. atexit handlers (weakref.finalize's among them),
+    the wait for threads, the standard streams' flush and the modules' teardown still run; an
+    object kept alive only by a reference cycle is no longer collected, so its __del__ does
+    not run. llmrun releases what it holds explicitly (with-blocks, `finally`), never through
+    __del__."""
     try:
         _main()
     finally:
@@ -112,9 +115,9 @@ def _main() -> None:
         """The command's own code begins: Ctrl-C cancels its work, SIGTERM and SIGHUP too.
 
         What the imports and the parsing made lives as long as the process: it goes into the
-        collector's permanent generation, so that a full collection during the command (one
-        in a short `run`: about 40 ms, which could land between two decoded tokens) no longer
-        traces it."""
+        collector's permanent generation, so that a full collection during the command (about
+        40 ms where one came in a short `run`, and it can land between two decoded tokens) no
+        longer traces it."""
         gc.freeze()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum in STOP_SIGNALS:

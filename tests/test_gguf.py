@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from llmrun.runners.errors import InvalidModelFileError, ModelNotFoundError
-from llmrun.runners.gguf import GGML_BLOCKS, read_gguf
+from llmrun.runners.gguf import GGML_BLOCKS, _Reader, read_gguf
 from llmrun.runners.library import llama_lib
 
 
@@ -108,3 +108,31 @@ def test_a_whole_long_string_array_is_stepped_over(tmp_path: Path) -> None:
     path.write_bytes(_string_array([b"tok%d" % i for i in range(100)]) + b"\0" * 64)
     info = read_gguf(path)
     assert info.metadata["tokenizer.ggml.tokens"] is None  # stepped over, not kept
+
+
+@pytest.mark.parametrize(
+    ("data", "count", "end"),
+    [
+        (struct.pack("<Q", 0), 1, 8),  # an empty string that ends the data
+        (struct.pack("<Q", 1) + b"x", 1, 9),  # a string that ends the data
+        (struct.pack("<Q", 1) + b"x" + struct.pack("<Q", 0), 2, 17),
+        (b"", 0, 0),
+    ],
+)
+def test_strings_that_end_exactly_at_the_end_are_whole(data: bytes, count: int, end: int) -> None:
+    reader = _Reader(data, "p")
+    reader.skip_strings(count)
+    assert reader.pos == end
+
+
+@pytest.mark.parametrize(
+    ("data", "count"),
+    [
+        (struct.pack("<Q", 2) + b"x", 1),  # one byte short
+        (struct.pack("<Q", 0)[:7], 1),  # a length cut short
+        (struct.pack("<Q", 0), 2),  # a second string that is not there
+    ],
+)
+def test_strings_past_the_end_are_truncated(data: bytes, count: int) -> None:
+    with pytest.raises(InvalidModelFileError, match=r"truncated GGUF file \(header ends early\)"):
+        _Reader(data, "p").skip_strings(count)

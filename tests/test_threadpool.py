@@ -187,7 +187,9 @@ def test_contexts_with_pools_come_and_go(model_path: str) -> None:
     base = EngineConfig(n_ctx=128, n_threads=2, n_threads_batch=1, flash_attn="off", warmup=False)
     runner = LlamaCppRunner(model_path, base)
     try:
-        for i in range(12):  # every mask, poll and strict together (i mod 4 and i mod 3)
+        # the masks, polls and strictness that 20 contexts tried (i mod 4 and i mod 3 repeat
+        # after 12; strict comes with a mask only)
+        for i in range(12):
             settings = tp.ThreadpoolSettings(
                 cpu_mask=FIRST if i % 2 else "0x0", poll=i % 3 * 50, strict=bool(i % 4 == 1)
             )
@@ -195,7 +197,7 @@ def test_contexts_with_pools_come_and_go(model_path: str) -> None:
             assert loaded.settings.params.get("poll", 50) == settings.poll
             assert runner.kv.context is not None
             assert len(runner.kv.context.pools) == (0 if settings.is_default else 2)  # t 2, tb 1
-            if i % 5 == 0:
+            if i % 5 == 0 or i == 3:  # 3: a pinned, lax pool with poll 0 (15 was, of 20)
                 generate(runner, Request(prompt="Hi", sampling=SamplingParams(max_tokens=1)))
             extra = runner.make_context(n_seq=2, n_ctx=128, n_batch=32)
             assert len(extra.pools) == (0 if settings.is_default else 2)
