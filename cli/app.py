@@ -8,6 +8,7 @@ module, and whatever heavy library it imports, loads only when that command is r
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -96,10 +97,28 @@ def _refuse_split_flags(command: Any, ctx: Any, args: list[str], names: Any = ()
         ctx.fail(split_flag_message(flag, ctx.command_path.partition(" ")[2]))
 
 
+def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
+    """A number with a range is a number in it: click's range check compares, and NaN compares
+    false both ways, so `--temp nan` passed it and failed later, outside the usage error."""
+    for param in command.get_params(ctx):
+        kind: Any = getattr(param, "type", None)  # (typer 0.29's parameters convert otherwise)
+        if getattr(kind, "name", "") != "float range" or param.name not in ctx.params:
+            continue
+        value = ctx.params[param.name]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            # click's words for a range: 0.0<=x<=100.0, 0<x
+            low = "" if kind.min is None else f"{kind.min}{'<' if kind.min_open else '<='}"
+            high = "" if kind.max is None else f"{'<' if kind.max_open else '<='}{kind.max}"
+            raise typer.BadParameter(f"nan is not in the range {low}x{high}.", ctx=ctx, param=param)
+
+
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args)
-        return super().parse_args(ctx, args)
+        rest: list[str] = super().parse_args(ctx, args)
+        _refuse_nan_in_ranges(self, ctx)
+        return rest
 
     def invoke(self, ctx: Any) -> Any:
         llmrun.cli.command_started()  # modules imported, options parsed: signals are armed now
@@ -109,7 +128,9 @@ class _Command(_FlagsShowNoType, typer.core.TyperCommand):
 class _Group(_FlagsShowNoType, typer.core.TyperGroup):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args, names=self.commands)
-        return super().parse_args(ctx, args)
+        rest: list[str] = super().parse_args(ctx, args)
+        _refuse_nan_in_ranges(self, ctx)
+        return rest
 
     def invoke(self, ctx: Any) -> Any:
         llmrun.cli.command_started()

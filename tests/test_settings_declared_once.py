@@ -154,4 +154,34 @@ def test_every_command_refuses_an_engine_setting_past_its_range(command: str, op
     argv = [*command.split(), option, "99999999999"]
     result = CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
-    assert f"less than or equal to {engine_ranges()[name][1]}" in result.output
+    high = engine_ranges()[name][1]  # the least may be the command's own (serve: -c 1)
+    assert "99999999999 is not in the range " in result.output
+    assert f"<=x<={high}." in result.output
+
+
+def _float_ranges() -> list[tuple[str, str]]:
+    """(command, flag) for every option with a range of floats, in every command."""
+    from llmrun.cli.app import COMMANDS, build_command
+
+    found = []
+    for name in COMMANDS:
+        group = build_command(name)
+        subs = getattr(group, "commands", {})
+        for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
+            for param in command.params:
+                if getattr(param.type, "name", "") == "float range":
+                    found.append((path, param.opts[0]))
+    return found
+
+
+def test_every_float_range_is_found() -> None:
+    assert ("run", "--temp") in _float_ranges() and len(_float_ranges()) > 10
+
+
+@pytest.mark.parametrize(("command", "flag"), _float_ranges())
+def test_nan_for_a_number_with_a_range_is_a_usage_error(command: str, flag: str) -> None:
+    """NaN compares false with both ends, so a range check alone lets it through: it is a
+    usage error (exit 2) that names the option and the range, before anything loads."""
+    result = CliRunner().invoke(app, [*command.split(), flag, "nan"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "nan is not in the range " in result.output and "<=x" in result.output
