@@ -7,6 +7,8 @@
   kept (printed, stored in the history, appended to --stats-file). The exit code says which
   signal it was, as a shell would: 143 for SIGTERM, 129 for SIGHUP.
 - A llama.cpp abort (GGML_ASSERT) becomes the one-line error and exit 1.
+- COLUMNS and LINES that are not a terminal's size are dropped with a warning, as GNU ls does:
+  rich read `²` with int() and failed, and laid out 99,999,999,999 columns until memory ran out.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import signal
 import sys
 from types import FrameType
+
+from llmrun.runners.lists import whole
 
 from . import EXIT_INTERRUPTED, STOP_SIGNALS, interrupted_at_startup
 
@@ -56,6 +60,24 @@ def _same_text_in_every_locale() -> None:
                 pass
 
 
+MAX_TERMINAL_SIDE = 65535  # the kernel's struct winsize holds each side in an unsigned short
+
+
+def _terminal_size_from_environment() -> None:
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name)
+        if value is None or 1 <= (whole(value.strip()) or 0) <= MAX_TERMINAL_SIDE:
+            continue
+        del os.environ[name]
+        if not value.strip():
+            continue  # set but empty: unset
+        print(
+            f"llmrun: warning: {name}={value!r} is not a size from 1 to {MAX_TERMINAL_SIDE};"
+            " the terminal's own is used",
+            file=sys.stderr,
+        )
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     """SIGTERM, SIGHUP: do what Ctrl-C does now (cancel the request, or raise
     KeyboardInterrupt)."""
@@ -89,6 +111,7 @@ def main() -> None:
 def _main() -> None:
     _reopen_closed_std_streams()
     _same_text_in_every_locale()
+    _terminal_size_from_environment()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
     import llmrun.cli

@@ -25,6 +25,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
+from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
 from .records import OptionRecord
@@ -519,7 +520,7 @@ System = Annotated[
 
 def warn_if_seed(system: str | None) -> None:
     """`-s 42` is the seed in llama.cpp; here it is the system prompt. Keep it, but say so."""
-    if system is not None and system.strip().lstrip("+-").isdigit():
+    if system is not None and whole(system.strip().lstrip("+-")) is not None:
         say(
             f"llmrun: warning: -s {system.strip()} sets the system prompt here; llama.cpp's"
             " seed is --seed"
@@ -539,7 +540,7 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
         raise BadRequestError(f"--draft: '{text}' is not lookup[:N] or model[:N]")
     if (kind == "model") != draft_model:
         raise BadRequestError("--draft model[:N] goes with --draft-model PATH, lookup without it")
-    if count and not (count.isdigit() and 1 <= int(count) <= 64):
+    if count and not 1 <= (whole(count) or 0) <= 64:
         raise BadRequestError(f"--draft: '{count}' is not a count from 1 to 64")
     if temp > 0:
         raise BadRequestError(

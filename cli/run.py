@@ -26,6 +26,7 @@ from rich.text import Text
 from llmrun.runners.base import Event, Finished, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, LlmrunError
+from llmrun.runners.lists import whole
 from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, rate
 
 from . import options as o
@@ -336,7 +337,7 @@ def pager_reading_stdout() -> int | None:
         return None
     names = {*PAGERS, os.path.basename(os.environ.get("PAGER", "").split(" ")[0])} - {""}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if whole(entry.name) in (None, os.getpid()):
             continue
         try:
             stat_line = Path(f"/proc/{entry.name}/stat").read_text()

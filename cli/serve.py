@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.lists import whole
 from llmrun.runners.serving.api_access import parse_origins
 from llmrun.runners.serving.api_engine import Answered, Snapshot
 from llmrun.runners.serving.server_settings import ServerSettings
@@ -311,7 +312,7 @@ def parse_max_connections(text: str | None, parallel: int, max_queue: int) -> in
     if text is None:
         return max(DEFAULT_MAX_CONNECTIONS, 2 * (parallel + max_queue))
     value = text.strip()
-    if not value.isdigit() or not 1 <= int(value) <= MAX_CONNECTIONS:
+    if not 1 <= (whole(value) or 0) <= MAX_CONNECTIONS:
         raise BadRequestError(
             f"--max-connections: {text!r} is not a whole number from 1 to {MAX_CONNECTIONS}"
         )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import TextIO
 
+from llmrun.runners.lists import whole
+
 _SEQUENCE = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, clear screen
     r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC (window title, links), DCS, SOS, PM, APC
@@ -65,9 +67,9 @@ def terminal_width(stream: TextIO | None = None) -> int | None:
         fd = stream.fileno()
     except (ValueError, AttributeError, OSError):
         return None
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
+    columns = whole(os.environ.get("COLUMNS", ""))
+    if columns:
+        return columns
     try:
         return os.get_terminal_size(fd).columns or None
     except OSError:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import BadRequestError
+from .lists import whole
 
 # enum ggml_backend_dev_type
 DEV_CPU, DEV_GPU, DEV_ACCEL, DEV_IGPU = 0, 1, 2, 3
@@ -130,8 +131,9 @@ class GgmlDevices:
                 median,
                 f"timed copy on {device.name} through ggml, read + write, median of {len(runs)}",
             )
-        if device.backend == "CUDA" and device.name[4:].isdigit():
-            return nvml_bandwidth(device.name, int(device.name[4:]))
+        index = whole(device.name[4:])
+        if device.backend == "CUDA" and index is not None:
+            return nvml_bandwidth(device.name, index)
         return None
 
 
@@ -354,7 +356,7 @@ def host_gpus(
         found.append((model, "cuda"))
     if exists("/dev/kfd"):  # ROCm's compute device
         for card in sorted(listdir("/sys/class/drm")):
-            if card.startswith("card") and card[4:].isdigit():
+            if card.startswith("card") and whole(card[4:]) is not None:
                 vendor = (read(f"/sys/class/drm/{card}/device/vendor") or "").strip()
                 if vendor == "0x1002":
                     found.append(("AMD GPU", "hip"))

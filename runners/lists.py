@@ -10,6 +10,17 @@ from llmrun.runners.errors import BadRequestError
 MAX_SWEEP_VALUES = 1000
 
 
+def whole(text: str) -> int | None:
+    """`text` as a whole number in ASCII digits, else None. `str.isdigit()` alone also passes `²`
+    and `٣`: `int()` refuses the first with a ValueError and reads the second as 3."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def share(text: str) -> float | None:
+    """A non-negative decimal such as `3` or `0.5` in ASCII digits (-ts's shares), else None."""
+    return float(text) if whole(text.replace(".", "", 1)) is not None else None
+
+
 def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
     """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus).
 

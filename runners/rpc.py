@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from .devices import Device, registered
 from .errors import BadRequestError, EngineAbortError, LlmrunError
+from .lists import whole
 
 BINARY = "rpc-server"
 LIBRARY = "libggml-rpc.so"
@@ -147,9 +148,10 @@ def parse_endpoint(text: str) -> Endpoint:
         )
     if not host or any(c.isspace() for c in host) or ("," in host):
         raise RpcEndpointError(f"--rpc: '{text}' has no host")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    number = whole(port)
+    if number is None or not 1 <= number <= 65535:
         raise RpcEndpointError(f"--rpc: '{text}': the port must be a number from 1 to 65535")
-    return Endpoint(host, int(port))
+    return Endpoint(host, number)
 
 
 def parse_endpoints(text: str) -> tuple[Endpoint, ...]:

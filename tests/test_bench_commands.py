@@ -185,6 +185,31 @@ def test_the_sweeps_options_before_a_subcommand_are_refused() -> None:
     ]
 
 
+def test_the_sweeps_settings_from_the_environment_are_not_typed_options() -> None:
+    """LLMRUN_MODEL or LLMRUN_ENERGY in the environment is the user's setting for every command,
+    not a sweep option typed before `serve` (it refused every `bench serve` run)."""
+    group = typer.main.get_command(app).commands["bench"]  # type: ignore[attr-defined]
+    samples = {"LLMRUN_MODEL": "other.gguf", "LLMRUN_ENERGY": "off", "LLMRUN_CTX": "256"}
+    envvars = {str(p.envvar): p for p in group.params if isinstance(p.envvar, str)}
+    assert {"LLMRUN_MODEL", "LLMRUN_ENERGY"} <= set(envvars), envvars
+    for name in envvars:
+        value = samples.get(name, "1")
+        for sub in ("serve", "interference"):
+            result = CliRunner().invoke(
+                app, ["bench", sub, "--num-prompts", "0"], env={name: value}
+            )
+            assert result.exit_code == 2, (name, sub, result.stderr)
+            assert "own options" not in result.stderr and "--num-prompts" in result.stderr, (
+                name,
+                sub,
+                result.stderr,
+            )
+    typed = CliRunner().invoke(
+        app, ["bench", "--energy", "off", "serve"], env={"LLMRUN_MODEL": "x"}
+    )
+    assert typed.exit_code == 2 and "--energy: bench's own options" in typed.stderr, typed.stderr
+
+
 def test_each_help_lists_only_its_jobs_options() -> None:
     sweep_help, serve_help = _options(("bench",)), _options(("bench", "serve"))
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help

@@ -27,7 +27,7 @@ from llmrun.runners import probe
 from llmrun.runners.base import PrefillProgress, Request, SamplingParams
 from llmrun.runners.bench.tuned import apply_tuning, tuned_file
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import LoadCancelledError
+from llmrun.runners.errors import LlmrunError, LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
 from llmrun.runners.limits import SettingError, engine_ranges
@@ -702,6 +702,63 @@ def test_odd_endpoints_and_timeouts(args: list[str], code: int, cli: CliRunner) 
     result = cli.invoke(app, ["run", "hi", *args])
     assert result.exit_code == code, result.stderr
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--max-connections", "²"],
+        ["serve", "--policy", "chunked:²"],
+        ["bench", "serve", "--policy", "decode-first:٣²"],
+        ["run", "--rpc", "h:²", "hi"],
+        ["bench", "--rpc", "h:²"],
+        ["run", "--draft", "lookup:²", "--temp", "0", "hi"],
+    ],
+    ids=" ".join,
+)
+def test_digits_that_are_not_ascii_are_refused_in_one_line(args: list[str], cli: CliRunner) -> None:
+    """`²` passes str.isdigit() and then fails int(): a traceback where a number was checked."""
+    result = cli.invoke(app, args)
+    assert result.exit_code in (1, 2), result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+    assert "²" in result.stderr, result.stderr
+
+
+def test_whole_numbers_are_ascii_digits() -> None:
+    from llmrun.runners.lists import share, whole
+    from llmrun.runners.rpc import parse_endpoints
+    from llmrun.runners.serving.api_access import loopback_host
+
+    assert [whole(t) for t in ("0", "42", "²", "٣", "", "-1", "1_0", " 1", "+1")] == [
+        0, 42, None, None, None, None, None, None, None]  # fmt: skip
+    assert [share(t) for t in ("3", "0.5", "1.", "²", "1.²", "..1", "", "1e3")] == [
+        3.0, 0.5, 1.0, None, None, None, None, None]  # fmt: skip
+    assert not loopback_host("localhost:²") and not loopback_host("[::1]:²")
+    assert loopback_host("localhost:8080") and loopback_host("[::1]:80")
+    with pytest.raises(LlmrunError, match="port must be a number"):
+        parse_endpoints("host:²")
+
+
+@pytest.mark.parametrize("value", ["²", "0", "99999999999", "x"])
+def test_a_terminal_size_from_the_environment_that_is_none_is_dropped(
+    value: str, llmrun_env: dict[str, str]
+) -> None:
+    """rich read COLUMNS=² with int() (a traceback) and laid out 99,999,999,999 columns until
+    memory ran out; GNU ls warns and uses the terminal's size."""
+    for name in ("COLUMNS", "LINES"):
+        done = subprocess.run(
+            [which_llmrun(), "models"],
+            env={**llmrun_env, name: value},
+            capture_output=True,
+            text=True,
+            timeout=HANG_S,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.splitlines() == [
+            f"llmrun: warning: {name}={value!r} is not a size from 1 to 65535; the terminal's own"
+            " is used"
+        ]
+        assert "SmolLM2" in done.stdout
 
 
 def test_a_full_disk_on_stdout_is_one_line(llmrun_env: dict[str, str]) -> None:

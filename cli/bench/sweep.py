@@ -151,6 +151,9 @@ def bench(
         raise typer.Exit(code)
 
 
+_TYPED = ("COMMANDLINE", "PROMPT")
+
+
 def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
     """bench's own options belong to the sweep, not to a subcommand given after them."""
     unset: tuple[object, ...] = (None, False, (), [])
@@ -158,6 +161,9 @@ def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
         p.opts[0]
         for p in context.command.params
         if context.params.get(p.name or "") not in (*unset, p.default)
+        # a value from LLMRUN_MODEL and the like is the user's setting, not a typed option (by
+        # name: typer 0.28 carries its own copy of click, whose enum is not click's)
+        and getattr(context.get_parameter_source(p.name or ""), "name", "") in _TYPED
     ]
     if given:
         usage_error(

@@ -21,6 +21,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import FileTooLargeError
 from llmrun.runners.kld import KldBase, KldStats
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
+from llmrun.runners.lists import share
 from llmrun.runners.probe import repack_verdict
 from llmrun.runners.significance import record_fields
 from llmrun.runners.system import SystemInfo
@@ -141,7 +142,7 @@ class Sweep:
             splits = []
             for part in self.tensor_split.split(","):
                 values = part.strip().split("/")
-                if not all(v.replace(".", "", 1).isdigit() for v in values):
+                if not all(share(v) is not None for v in values):
                     raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
                 splits.append(part.strip())
         overrides: list[str | None] = (

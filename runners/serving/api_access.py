@@ -25,6 +25,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.lists import whole
 
 ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
 ALLOW_HEADERS = ("Authorization", "Content-Type", "Accept", "User-Agent", "X-Requested-With")
@@ -115,10 +116,10 @@ def loopback_host(host: str | None) -> bool:
     host = host.strip().lower()
     if host.startswith("["):
         name, bracket, rest = host[1:].partition("]")
-        port_ok = rest == "" or (rest[:1] == ":" and rest[1:].isdigit())
+        port_ok = rest == "" or (rest[:1] == ":" and whole(rest[1:]) is not None)
         return bool(bracket) and port_ok and loopback_address(name)
     name, colon, port = host.partition(":")
-    if colon and not port.isdigit():
+    if colon and whole(port) is None:
         return False
     name = name.removesuffix(".")
     return name == "localhost" or name.endswith(".localhost") or loopback_address(name)

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmrun.runners.lists import whole
+
 from .api_engine import RequestTimings
 from .api_responses import Wire, error_body
 
@@ -198,8 +200,9 @@ async def read_body(request: HttpRequest, limit: int, idle_s: float = BODY_IDLE_
     if encoding not in ("", "identity"):
         raise BodyError(415, f"Content-Encoding {encoding!r} is not served; send plain JSON")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyError(413, f"the body is {int(declared)} bytes; at most {limit} are served")
+    size_declared = whole(declared or "")
+    if size_declared is not None and size_declared > limit:
+        raise BodyError(413, f"the body is {size_declared} bytes; at most {limit} are served")
     chunks, size = [], 0
     stream = request.stream().__aiter__()
     while True:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.lists import whole
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
 
@@ -31,16 +32,17 @@ class Policy:
             raise BadRequestError(
                 f"--policy: '{text}' is not prefill-first, decode-first or chunked:B"
             )
+        number = whole(value) or 0
         if name == "chunked":
-            if not value.isdigit() or not 1 <= int(value) <= 65536:
+            if not 1 <= number <= 65536:
                 raise BadRequestError(
                     f"--policy: chunked needs a token budget, chunked:64, not '{text}'"
                 )
-            return cls(name, int(value))
+            return cls(name, number)
         if name == "decode-first" and value:  # decode-first:K: prefill at least every K steps
-            if not value.isdigit() or not 1 <= int(value) <= 65536:
+            if not 1 <= number <= 65536:
                 raise BadRequestError(f"--policy: decode-first:K needs a step count, not '{text}'")
-            return cls(name, int(value))
+            return cls(name, number)
         if value:
             raise BadRequestError(f"--policy: '{name}' takes no value")
         return cls(name)
