@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .config import LAZY_MODES, LOAD_MODES, SPLIT_MODES
 from .errors import BadRequestError, LlmrunError
 from .system import available_memory_bytes, logical_cpus
 
@@ -120,6 +121,14 @@ def check_engine(config: Any, where: str = "") -> None:
         _int_in(where, name, getattr(config, name), low, high, why)
     if config.flash_attn is not None and config.flash_attn not in FLASH_ATTN:
         raise SettingError(where, f"flash_attn must be auto, on or off, not {config.flash_attn!r}")
+    for name, known in (
+        ("load_mode", tuple(LOAD_MODES)),
+        ("lazy_mode", tuple(LAZY_MODES.values())),
+        ("split_mode", tuple(SPLIT_MODES.values())),
+    ):
+        value = getattr(config, name, None)
+        if value is not None and value not in known:
+            raise SettingError(where, f"{name} must be one of {', '.join(known)}, not {value!r}")
     if config.repack is not None and not isinstance(config.repack, bool):
         raise SettingError(where, f"repack must be true or false, not {config.repack!r}")
     for name in ("cache_type_k", "cache_type_v"):

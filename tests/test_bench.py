@@ -380,7 +380,7 @@ def test_plot_and_system_report(
             str(tmp_path / "no" / "dir.png"),
         ],
     )
-    assert bad.exit_code == 1 and "cannot write" in bad.stderr
+    assert bad.exit_code == 1 and "there is no folder" in bad.stderr
 
 
 def test_sweeps_reload_the_weights_only_for_gpu_layers(runner: LlamaCppRunner) -> None:

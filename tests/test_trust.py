@@ -7,6 +7,7 @@ Behaviour that depends on llama.cpp or on the process runs the real model in rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -30,7 +32,7 @@ from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import LlmrunError, LoadCancelledError
 from llmrun.runners.gguf import read_gguf
 from llmrun.runners.history import History
-from llmrun.runners.limits import SettingError, engine_ranges
+from llmrun.runners.limits import SettingError, check_engine, engine_ranges
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.stats import GenerationStats
 from llmrun.runners.system import CpuSample, background_cpus
@@ -520,6 +522,50 @@ def test_bench_refuses_negative_and_endless_sizes(cli: CliRunner) -> None:
         assert "out of range" in result.stderr or "more than" in result.stderr
 
 
+def test_bench_refuses_an_unknown_load_mode_before_a_load(cli: CliRunner) -> None:
+    """-lm bogus reached llama.cpp's table after the load's header: a KeyError."""
+    result = cli.invoke(app, ["bench", "-lm", "mmap,bogus", "-r", "1", "-p", "8", "-n", "0"])
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "llmrun: error: -lm: 'bogus' is not auto, none, mmap, mlock, mmap+mlock, dio"
+    )
+    config: Any = EngineConfig()  # a tuned.json or JSONL line can hold any name
+    for name in ("load_mode", "lazy_mode", "split_mode"):
+        with pytest.raises(SettingError, match=f"{name} must be one of .*, not 'bogus'"):
+            check_engine(dataclasses.replace(config, **{name: "bogus"}), "tuned.json")
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("charts.txt", "name the picture's format by its ending, one of avif, eps, "),
+        ("charts", "name the picture's format by its ending"),
+        ("", "give a file name such as charts.png"),
+        ("{tmp}", "a folder; give a file name such as charts.png"),
+        ("{tmp}/no/x.png", "there is no folder {tmp}/no"),
+        ("/proc/x.png", "cannot write it: "),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [["bench", "-r", "1", "-p", "8", "-n", "0", "--no-history"], ["bench", "interference"]],
+    ids=" ".join,
+)
+def test_a_plot_that_cannot_be_written_is_refused_before_the_run(
+    name: str, says: str, command: list[str], cli: CliRunner, tmp_path: Path
+) -> None:
+    """--plot y.txt failed with matplotlib's ValueError after the whole run, and --plot DIR said
+    `charts written to DIR`."""
+    given = name.format(tmp=tmp_path)
+    result = cli.invoke(app, [*command, "--plot", given])
+    assert result.exit_code == 1, result.stderr
+    [line] = result.stderr.splitlines()  # one line, and no load's header before it
+    assert line.startswith(
+        f"llmrun: error: --plot{' ' + given if given else ''}: {says}".format(tmp=tmp_path)
+    ), line
+    assert list(tmp_path.iterdir()) == [], "the check leaves no file behind"
+
+
 def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> None:
     with stub_server() as url:
         result = cli.invoke(app, ["run", "hi", "--endpoint", url, "--stats", "json"])
@@ -730,9 +776,26 @@ def test_whole_numbers_are_ascii_digits() -> None:
     from llmrun.runners.serving.api_access import loopback_host
 
     assert [whole(t) for t in ("0", "42", "²", "٣", "", "-1", "1_0", " 1", "+1")] == [
-        0, 42, None, None, None, None, None, None, None]  # fmt: skip
+        0,
+        42,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
     assert [share(t) for t in ("3", "0.5", "1.", "²", "1.²", "..1", "", "1e3")] == [
-        3.0, 0.5, 1.0, None, None, None, None, None]  # fmt: skip
+        3.0,
+        0.5,
+        1.0,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
     assert not loopback_host("localhost:²") and not loopback_host("[::1]:²")
     assert loopback_host("localhost:8080") and loopback_host("[::1]:80")
     with pytest.raises(LlmrunError, match="port must be a number"):

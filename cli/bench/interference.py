@@ -111,7 +111,7 @@ def interference(
     lab: LabOptions,
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
-        Path | None,
+        str | None,
         _opt(
             "Also draw the stream's timeline into a PNG file.",
             "--plot",
@@ -151,7 +151,9 @@ def interference(
                 code = _remote(server, options, screen, output)
             else:
                 refuse_remote_only(remote, {"--input-len": lab.input_len != 64})
-                code = _local(model, options, screen, output, plot, engine)
+                from .plot import plot_file
+
+                code = _local(model, options, screen, output, plot_file(plot), engine)
         raise typer.Exit(code)
 
 

@@ -25,6 +25,41 @@ def _pyplot() -> Any:
     return plt
 
 
+def plot_file(text: str | None) -> Path | None:
+    """--plot's file, checked before the run it draws (a bad name failed only after the whole
+    run): a file name, not a folder, in a folder that exists, ending in a format matplotlib
+    writes."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise BadRequestError("--plot: give a file name such as charts.png")
+    path = Path(text)
+    if path.is_dir():
+        raise BadRequestError(f"--plot {text}: a folder; give a file name such as charts.png")
+    _pyplot()  # matplotlib is there, or one line that says how to get it
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        raise BadRequestError(
+            f"--plot {text}: name the picture's format by its ending, one of"
+            f" {', '.join(sorted(formats))} (charts.png)"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        raise BadRequestError(f"--plot {text}: there is no folder {folder}")
+    existed = path.exists()
+    try:
+        with path.open("ab"):  # the run's end writes it; learn now that it cannot
+            pass
+    except OSError as e:
+        raise BadRequestError(f"--plot {text}: cannot write it: {e.strerror or e}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
+
+
 def _save(fig: Any, plt: Any, path: Path, dpi: int) -> None:
     try:
         fig.savefig(path, dpi=dpi)

@@ -113,6 +113,7 @@ def bench(
         if list_devices:
             raise typer.Exit(_list_devices())
         set_verbose(controls.verbose)
+        plot = bench_plot.plot_file(delivery.plot)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             chosen = hub.models(models)
@@ -140,7 +141,7 @@ def bench(
             )
             to = Output(
                 format=delivery.output,
-                plot=delivery.plot,
+                plot=plot,
                 compare=delivery.compare,
                 store=not delivery.no_history and measured.reps > 0,  # -r 0 measured nothing
                 format_err=controls.output_err,

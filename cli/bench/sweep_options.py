@@ -569,7 +569,7 @@ class Delivery(OptionRecord):
         ),
     ] = None
     plot: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--plot",
             metavar="FILE.png",

@@ -244,7 +244,11 @@ class Sweep:
                 dio = sw.parse_bools(self.direct_io, name="-dio/--direct-io")
                 modes += [("dio" if on else "auto") for on in dio]
             if self.load_mode:
-                modes += sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
+                named = sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
+                bad = [m for m in named if m not in LOAD_MODES]
+                if bad:
+                    raise BadRequestError(f"-lm: '{bad[0]}' is not {', '.join(LOAD_MODES)}")
+                modes += named
         combos = sw.sweep(
             n_threads=optional_ints(self.threads, "-t", base.n_threads),
             n_batch=optional_ints(self.batch, "-b", base.n_batch),
