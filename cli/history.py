@@ -15,6 +15,7 @@ from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.history import (
+    SQLITE_MAX_INT,
     Comparison,
     History,
     Pair,
@@ -124,7 +125,9 @@ class CompareOptions(OptionRecord):
 @takes_records
 def history(
     *,
-    limit: Annotated[int, typer.Option("-n", "--limit", min=1, help="How many runs.")] = 10,
+    limit: Annotated[
+        int, typer.Option("-n", "--limit", min=1, max=SQLITE_MAX_INT, help="How many runs.")
+    ] = 10,
     model: Annotated[
         str | None,
         typer.Option(

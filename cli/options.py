@@ -408,6 +408,12 @@ Seed = Annotated[
         show_default=False,
     ),
 ]
+PromptSeed = Annotated[
+    int,
+    typer.Option(
+        "--seed", **bounds("seed"), help="Seed of the random prompts (bench's: their tokens)."
+    ),
+]
 Stop = Annotated[
     list[str] | None,
     typer.Option(

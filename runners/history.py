@@ -40,6 +40,8 @@ from .significance import Difference, record_fields
 from .significance import compare as compare_rates
 from .system import busy_machine
 
+SQLITE_MAX_INT = 2**63 - 1  # SQLite's largest INTEGER; a LIMIT past it is an OverflowError
+
 KEY_FIELDS = (
     "model_filename",
     "model_size",

@@ -185,3 +185,48 @@ def test_nan_for_a_number_with_a_range_is_a_usage_error(command: str, flag: str)
     result = CliRunner().invoke(app, [*command.split(), flag, "nan"], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert "nan is not in the range " in result.output and "<=x" in result.output
+
+
+# Numbers without an upper end, and why that is safe: every other one has a range, because a
+# huge value reached sqlite (history -n 2**64: OverflowError), an allocation (bench serve
+# --warmup 10**20) or a context of 9 GB that ignored SIGTERM (--output-len).
+UNBOUNDED = {
+    ("bench", "-r"): "repetitions run until Ctrl-C, which keeps what they measured (llama-bench)",
+    ("bench interference", "--rate"): "any rate past the prompts' count is all at once",
+}
+
+
+def _numbers() -> list[tuple[str, str, typing.Any]]:
+    """(command, flag, upper end or None) for every whole or real number option."""
+    from llmrun.cli.app import COMMANDS, build_command
+
+    found = []
+    for name in COMMANDS:
+        group = build_command(name)
+        subs = getattr(group, "commands", {})
+        for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
+            for param in command.params:
+                if getattr(param.type, "name", "") in (
+                    "integer",
+                    "int range",
+                    "float",
+                    "float range",
+                ):
+                    found.append((path, param.opts[0], getattr(param.type, "max", None)))
+    return found
+
+
+def test_every_number_has_an_upper_end_or_a_reason() -> None:
+    unbounded = {(path, flag) for path, flag, high in _numbers() if high is None}
+    assert unbounded == set(UNBOUNDED)
+    assert len(_numbers()) > 40
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "high"), [n for n in _numbers() if n[2] is not None], ids=str
+)
+def test_a_number_past_its_upper_end_is_a_usage_error(command: str, flag: str, high: float) -> None:
+    past = high + 1 if isinstance(high, int) else high * 2 + 1
+    result = CliRunner().invoke(app, [*command.split(), flag, str(past)], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, (flag, result.output)
+    assert f"{past} is not in the range" in result.output, result.output

@@ -53,6 +53,9 @@ def _serve(**changes: object) -> so.ServeOptions:
         ({"num_prompts": 2_000_000}, "--num-prompts 2,000,000: at most"),
         ({"input_len": 100_000_000}, "--input-len 100,000,000: at most"),
         ({"num_prompts": 100_000, "input_len": 1_000_000}, "prompt tokens in all"),
+        ({"output_len": 10**20}, "--output-len 100,000,000,000,000,000,000: at most 1,048,576"),
+        ({"num_prompts": 100_000, "output_len": 1_000}, "output tokens in all"),
+        ({"warmup": 10**20}, "--warmup 100,000,000,000,000,000,000: at most 100,000"),
         ({"request_rate": float("nan")}, "must be a number above 0"),
     ],
 )
@@ -62,6 +65,8 @@ def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> Non
     _serve()  # the defaults stand
     with pytest.raises(BadRequestError, match="--prompt-len 100,000,000"):
         so.InterferenceOptions(rate=2.0, prompt_len=100_000_000, output_len=8)
+    with pytest.raises(BadRequestError, match="--output-len 10,000,000: at most"):
+        so.InterferenceOptions(rate=2.0, prompt_len=8, output_len=10_000_000)
     with pytest.raises(BadRequestError, match="--rate"):
         so.InterferenceOptions(rate=float("nan"), prompt_len=8, output_len=8)
 
@@ -69,13 +74,13 @@ def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> Non
 @pytest.mark.parametrize(
     "args",
     [
-        ["serve", "--num-prompts", "2000000"],
-        ["serve", "--input-len", "100000000"],
+        ["serve", "--num-prompts", "100000", "--input-len", "1000"],
+        ["serve", "--num-prompts", "100000", "--output-len", "1000"],
+        ["serve", "--shared-prefix", "1048576"],
         ["serve", "--request-rate", "nan"],
         ["serve", "--request-rate", "1e-9"],
         ["serve", "--policy", ""],
         ["interference", "--policy", ""],
-        ["interference", "--prompt-len", "100000000"],
     ],
 )
 def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, str]) -> None:

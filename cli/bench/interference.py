@@ -23,7 +23,13 @@ from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.serving.interference import InterferenceReport
-from llmrun.runners.serving.options import DEFAULT_POLICIES, InterferenceOptions, parse_policies
+from llmrun.runners.serving.options import (
+    DEFAULT_POLICIES,
+    MAX_INPUT_LEN,
+    MAX_OUTPUT_LEN,
+    InterferenceOptions,
+    parse_policies,
+)
 
 from . import output as out
 from .serving import (
@@ -32,7 +38,6 @@ from .serving import (
     Output,
     Policies,
     Screen,
-    Seed,
     Server,
     ServingEngineOptions,
     _opt,
@@ -60,13 +65,22 @@ class LabOptions(OptionRecord):
     prompt_len: Annotated[
         int,
         _opt(
-            "Tokens per long prompt.", "--prompt-len", "--interference-prompt-len", min=1, panel=LAB
+            "Tokens per long prompt.",
+            "--prompt-len",
+            "--interference-prompt-len",
+            min=1,
+            max=MAX_INPUT_LEN,
+            panel=LAB,
         ),
     ] = 512
     output_len: Annotated[
         int,
         _opt(
-            "Tokens the stream decodes (a server's: at least 64).", "--output-len", min=1, panel=LAB
+            "Tokens the stream decodes (a server's: at least 64).",
+            "--output-len",
+            min=1,
+            max=MAX_OUTPUT_LEN,
+            panel=LAB,
         ),
     ] = 64
     input_len: Annotated[
@@ -121,7 +135,7 @@ def interference(
         ),
     ] = None,
     engine: ServingEngineOptions,
-    seed: Seed = 1234,
+    seed: o.PromptSeed = 1234,
     output: Output = None,
 ) -> None:
     """Prefill-decode interference: a decoding stream's gaps alone and while long prompts arrive.

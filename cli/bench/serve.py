@@ -28,6 +28,9 @@ from llmrun.runners.serving.options import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_POLICIES,
+    MAX_INPUT_LEN,
+    MAX_OUTPUT_LEN,
+    MAX_PROMPTS,
     ServeOptions,
     parse_concurrency,
     parse_percentiles,
@@ -43,7 +46,6 @@ from .serving import (
     Output,
     Policies,
     Screen,
-    Seed,
     Server,
     ServingEngineOptions,
     _opt,
@@ -113,15 +115,16 @@ class LoadOptions(OptionRecord):
     request_rate: Annotated[
         str, _opt("Poisson arrival rate in requests/s; inf sends all at once.", "--request-rate")
     ] = "inf"
-    num_prompts: Annotated[int, _opt("Requests per concurrency level.", "--num-prompts", min=1)] = (
-        16
-    )
+    num_prompts: Annotated[
+        int, _opt("Requests per concurrency level.", "--num-prompts", min=1, max=MAX_PROMPTS)
+    ] = 16
     input_len: Annotated[
         int | None,
         _opt(
             "Mean prompt length in tokens. (default: 128)",
             "--input-len",
             min=1,
+            max=MAX_INPUT_LEN,
             show_default=False,
         ),
     ] = None
@@ -133,6 +136,7 @@ class LoadOptions(OptionRecord):
             " for a JSONL line without one)",
             "--output-len",
             min=1,
+            max=MAX_OUTPUT_LEN,
             show_default=False,
         ),
     ] = None
@@ -154,6 +158,7 @@ class LoadOptions(OptionRecord):
             " them no two prompts share a prefix, at any level. vLLM's --random-prefix-len.",
             "--shared-prefix",
             min=0,
+            max=MAX_INPUT_LEN,
         ),
     ] = 0
     dataset: Annotated[
@@ -176,6 +181,7 @@ class LoadOptions(OptionRecord):
             " server, 0 on this machine's engine)",
             "--warmup",
             min=0,
+            max=MAX_PROMPTS,
             show_default=False,
         ),
     ] = None
@@ -253,7 +259,7 @@ def serve(
     load: LoadOptions,
     policy: Policies = DEFAULT_POLICIES,
     engine: ServingEngineOptions,
-    seed: Seed = 1234,
+    seed: o.PromptSeed = 1234,
     output: Output = None,
     compare: Annotated[
         bool,

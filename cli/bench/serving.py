@@ -47,7 +47,6 @@ Model1 = Annotated[
         " (default: the embedded SmolLM2-135M, or the server's first).",
     ),
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")]
 Output = Annotated[
     out.OutputFormat | None,
     typer.Option(

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.status import Status
 
+from llmrun.cli import options as co
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import (
     EXIT_INTERRUPTED,
@@ -86,7 +87,7 @@ def bench(
     version: o.Version = False,
     list_devices: o.ListDevices = False,
     delivery: o.Delivery,
-    seed: o.Seed = 1234,
+    seed: co.PromptSeed = 1234,
 ) -> None:
     """Measure this machine: llama-bench's tests, sweeps, TTFT, ITL, efficiency and history.
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmrun.cli import options as co
 from llmrun.cli.errors import usage_error
 from llmrun.cli.options import RPC_FLAGS, RPC_HELP, Energy, EnergyMode, check_rpc
 from llmrun.cli.records import OptionRecord
@@ -627,7 +628,6 @@ ListDevices = Annotated[
         help="List the devices this llama.cpp can use, and exit.",
     ),
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")]
 
 
 def _names(annotation: Any) -> list[str]:
@@ -646,7 +646,7 @@ def misspellable() -> dict[str, bool]:
     records = (Measured, Controls, Hub, Delivery)
     annotations = [p.annotation for r in records for p in r.parameters()]
     annotations += [o.parameter().annotation for o in (*LISTS, RPC)]
-    annotations += [Models, Version, ListDevices, Seed]
+    annotations += [Models, Version, ListDevices, co.PromptSeed]
     taken = {n for a in annotations for n in _names(a)}
     return {
         n: typing.get_args(a)[0] is bool

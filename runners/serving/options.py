@@ -20,6 +20,10 @@ MIN_RATE = 1 / 60
 MAX_PROMPTS = 100_000
 MAX_INPUT_LEN = 1_048_576
 MAX_PROMPT_TOKENS = 50_000_000  # num_prompts x input_len, in all
+# A request's output: its context holds it (the local engine sizes each sequence's by it: an
+# uncapped --output-len hung in creating a context of 9 GB, deaf to SIGTERM), and every token's
+# time is kept, so the level's output tokens in all have the prompts' cap too.
+MAX_OUTPUT_LEN = MAX_INPUT_LEN
 
 
 def parse_rate(text: str) -> float:
@@ -39,10 +43,21 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def check_prompts(num_prompts: int, input_len: int, shared_prefix: int = 0) -> None:
-    """Refuse a load whose prompts alone could not be made in memory and time."""
-    if num_prompts > MAX_PROMPTS:
-        raise BadRequestError(f"--num-prompts {num_prompts:,}: at most {MAX_PROMPTS:,}")
+def check_prompts(
+    num_prompts: int, input_len: int, shared_prefix: int = 0, output_len: int = 0, warmup: int = 0
+) -> None:
+    """Refuse a load whose prompts and answers could not be made, kept or timed in memory and
+    time."""
+    for name, count in (("--num-prompts", num_prompts), ("--warmup", warmup)):
+        if count > MAX_PROMPTS:
+            raise BadRequestError(f"{name} {count:,}: at most {MAX_PROMPTS:,}")
+    if output_len > MAX_OUTPUT_LEN:
+        raise BadRequestError(f"--output-len {output_len:,}: at most {MAX_OUTPUT_LEN:,} tokens")
+    if num_prompts * output_len > MAX_PROMPT_TOKENS:
+        raise BadRequestError(
+            f"--num-prompts {num_prompts:,} x --output-len {output_len:,}: at"
+            f" most {MAX_PROMPT_TOKENS:,} output tokens in all"
+        )
     if input_len + shared_prefix > MAX_INPUT_LEN:
         named = (
             f"--shared-prefix {shared_prefix:,} + --input-len {input_len:,}"
@@ -141,7 +156,9 @@ class ServeOptions:
     output_len_given: bool = False
 
     def __post_init__(self) -> None:
-        check_prompts(self.num_prompts, self.input_len, self.shared_prefix)
+        check_prompts(
+            self.num_prompts, self.input_len, self.shared_prefix, self.output_len, self.warmup
+        )
         if math.isnan(self.request_rate) or self.request_rate < MIN_RATE:
             parse_rate(str(self.request_rate))
 
@@ -164,4 +181,8 @@ class InterferenceOptions:
         if self.prompt_len > MAX_INPUT_LEN:
             raise BadRequestError(
                 f"--prompt-len {self.prompt_len:,}: at most {MAX_INPUT_LEN:,} tokens"
+            )
+        if self.output_len > MAX_OUTPUT_LEN:
+            raise BadRequestError(
+                f"--output-len {self.output_len:,}: at most {MAX_OUTPUT_LEN:,} tokens"
             )
