@@ -113,6 +113,45 @@ def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
             raise typer.BadParameter(f"nan is not in the range {low}x{high}.", ctx=ctx, param=param)
 
 
+# What a value of each kind must be, in words (typer's click said "'2.5' is not a valid int
+# range"), and the test it must pass before click converts it.
+_KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "integer": ("a whole number", int),
+    "int range": ("a whole number", int),
+    "float": ("a number", float),
+    "float range": ("a number", float),
+}
+
+
+def _plain_conversions(command: Any) -> None:
+    """Each option's value is refused in plain words before click converts it:
+    - a path given '' names no file: click's Path read it as '.', the working folder, and the
+      error came later and named '.' (`run -f ''`: cannot read prompt file .: Is a directory;
+      `--stats-file ''`: after the whole run);
+    - a number that is none says so: `'2.5' is not a whole number`."""
+    for param in command.params:
+        kind: Any = param.type
+        name = getattr(kind, "name", "")
+        if name != "path" and name not in _KINDS:
+            continue
+
+        def checked(value: Any, param: Any, ctx: Any, convert: Any = kind.convert) -> Any:
+            if isinstance(value, str):
+                kind_name = getattr(param.type, "name", "")
+                if kind_name == "path" and not value.strip():
+                    raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
+                words, read = _KINDS.get(kind_name, ("", str))
+                try:
+                    read(value)
+                except ValueError:
+                    raise typer.BadParameter(
+                        f"{value!r} is not {words}.", ctx=ctx, param=param
+                    ) from None
+            return convert(value, param, ctx)
+
+        kind.convert = checked
+
+
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args)
@@ -158,6 +197,8 @@ def _bench_group() -> typer.core.TyperGroup:
     bench.command("interference", cls=_Command)(interference.interference)
     group = typer.main.get_command(bench)
     assert isinstance(group, typer.core.TyperGroup)
+    for command in (group, *group.commands.values()):
+        _plain_conversions(command)
     return group
 
 
@@ -169,6 +210,7 @@ def build_command(name: str) -> typer.core.TyperCommand | typer.core.TyperGroup:
     one.command(name, cls=_Command)(_callback(name))
     command = typer.main.get_command(one)
     assert isinstance(command, typer.core.TyperCommand)
+    _plain_conversions(command)
     return command
 
 

@@ -636,7 +636,8 @@ class ChatUI:
             self._usage(f"/set parameter {name}: {e}")
             return
         self.conv.sampling = sampling
-        shown = value if field == "stop" else str(parsed)  # Python's shortest exact spelling
+        # stop: the strings kept (`|` alone keeps none); a number: Python's shortest spelling
+        shown = " | ".join(map(repr, sampling.stop)) or "none" if field == "stop" else str(parsed)
         self.err.print(Text(f"{name} = {shown} for the next turns", style="dim"))
 
     def _usage(self, text: str) -> None:

@@ -22,6 +22,7 @@ from llmrun.runners.errors import (
     BadRequestError,
     CancelledError,
     ChatTemplateError,
+    ContextError,
     DefaultModelMissingError,
     EmptyPromptError,
     EngineAbortError,
@@ -90,6 +91,7 @@ def _too_long(e: LlmrunError) -> str:
 HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     ModelNotFoundError: lambda e: "give a .gguf path or a Hub reference such as owner/repo:Q4_K_M",
     InvalidModelFileError: lambda e: "download the file again; llmrun loads GGUF v2/v3 files",
+    ContextError: lambda e: "",  # llama.cpp's words name the setting it refused
     ModelLoadError: lambda e: "the file may be for a newer llama.cpp, or damaged",
     DefaultModelMissingError: lambda e: f"run 'make demo' or '{DEFAULT_MODEL_INSTALL}'",
     AmbiguousModelError: lambda e: "name one with owner/repo:QUANT or owner/repo/file.gguf",

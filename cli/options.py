@@ -541,6 +541,8 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
     either."""
     if text is None and not draft_model:
         return 0
+    if text is not None and not text.strip():
+        raise BadRequestError("--draft: give lookup[:N], or model[:N] with --draft-model PATH")
     kind, _, count = (text or "model").strip().lower().partition(":")
     if kind not in ("lookup", "model"):
         raise BadRequestError(f"--draft: '{text}' is not lookup[:N] or model[:N]")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import DEFAULT_N_BATCH, EngineConfig
-from .errors import EngineError, ModelLoadError
+from .errors import ContextError, EngineError, ModelLoadError
 from .handles import Context, Model
 from .library import LOG_LINES, last_log_error, llama_lib
 from .limits import MAX_CTX, SettingError, check_memory, estimate_memory
@@ -105,7 +105,7 @@ def create_context(path: str, model: Model, cparams: Any, pools: ThreadpoolSetti
     LOG_LINES.clear()
     ptr = lib.llama_init_from_model(model.ptr, cparams)
     if not ptr:
-        raise ModelLoadError(path, last_log_error())
+        raise ContextError(path, last_log_error())
     return Context(lib, ptr, _attach_pools(ptr, cparams, pools))
 
 

@@ -35,6 +35,16 @@ class ModelLoadError(LlmrunError):
         self.detail = detail
 
 
+class ContextError(ModelLoadError):
+    """The weights loaded, and llama.cpp refused a context on them: its words name the setting
+    (a quantized V cache without flash attention, more sequences than it holds), not the file."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        LlmrunError.__init__(self, f"llama.cpp could not create a context on {path}: {detail}")
+        self.path = path
+        self.detail = detail
+
+
 class CancelledError(LlmrunError):
     """Ctrl-C (or SIGTERM) ended long work before it had anything to show."""
 

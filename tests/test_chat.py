@@ -122,10 +122,12 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
         ("/set parameter repeat_last_n 1_6", "repeat_last_n = 16", 16),
         ("/set parameter temperature 5e-1", "temperature = 0.5", 0.5),
         ("/set parameter top_p 0.123456789", "top_p = 0.123456789", 0.123456789),
+        ("/set parameter stop |", "stop = none for", ()),  # it said `stop = |`
+        ("/set parameter stop a|| b", "stop = 'a' | ' b' for", ("a", " b")),
     ],
 )
 def test_set_parameter_says_the_value_it_took(
-    cli: CliRunner, fake: FakeRunner, line: str, said: str, value: float
+    cli: CliRunner, fake: FakeRunner, line: str, said: str, value: object
 ) -> None:
     """Python reads more spellings of a number than it prints: the line says what is used."""
     result = cli.invoke(app, ["chat"], input=f"{line}\nhi\n")

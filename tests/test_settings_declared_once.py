@@ -230,3 +230,47 @@ def test_a_number_past_its_upper_end_is_a_usage_error(command: str, flag: str, h
     result = CliRunner().invoke(app, [*command.split(), flag, str(past)], env={"COLUMNS": "200"})
     assert result.exit_code == 2, (flag, result.output)
     assert f"{past} is not in the range" in result.output, result.output
+
+
+def _paths() -> list[tuple[str, str]]:
+    from llmrun.cli.app import COMMANDS, build_command
+
+    found = []
+    for name in COMMANDS:
+        group = build_command(name)
+        subs = getattr(group, "commands", {})
+        for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
+            found += [(path, p.opts[0]) for p in command.params if p.type.name == "path"]
+    return found
+
+
+@pytest.mark.parametrize(("command", "flag"), _paths())
+def test_an_empty_path_is_a_usage_error_that_names_no_folder(command: str, flag: str) -> None:
+    """click's Path read '' as '.': `run -f ''` said `cannot read prompt file .: Is a
+    directory`, and `--stats-file ''` failed only after the whole run."""
+    result = CliRunner().invoke(app, [*command.split(), flag, ""], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "an empty path names no file" in result.output, result.output
+
+
+def test_every_path_option_is_found() -> None:
+    assert {("run", "-f"), ("run", "--stats-file"), ("bench", "--ppl")} <= set(_paths())
+
+
+@pytest.mark.parametrize(("command", "flag", "high"), _numbers(), ids=str)
+def test_a_value_that_is_no_number_is_named_so(command: str, flag: str, high: object) -> None:
+    """typer's click said `'2.5' is not a valid int range.`"""
+    whole = any(p.opts[0] == flag and "int" in p.type.name for p in _command(command).params)
+    for given in ("2.5x", "²") if not whole else ("2.5", "²"):
+        result = CliRunner().invoke(app, [*command.split(), flag, given], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        words = "a whole number" if whole else "a number"
+        assert f"{given!r} is not {words}." in result.output, result.output
+
+
+def _command(path: str) -> typing.Any:
+    from llmrun.cli.app import build_command
+
+    name, _, sub = path.partition(" ")
+    command = build_command(name)
+    return command.commands[sub] if sub else command  # type: ignore[union-attr]

@@ -95,6 +95,8 @@ def test_negative_control_unchecked_drafts_change_the_text(
         (["--temp", "0", "--draft", "tree:3"], "is not lookup"),
         (["--temp", "0", "--draft", "model:4"], "goes with --draft-model"),
         (["--temp", "0", "--draft", "lookup:0"], "from 1 to 64"),
+        (["--temp", "0", "--draft", "lookup:²"], "'²' is not a count from 1 to 64"),
+        (["--temp", "0", "--draft", " "], "give lookup[:N], or model[:N] with --draft-model"),
         (["--temp", "0", "--draft", "lookup", "--endpoint", "http://127.0.0.1:9"], "--draft"),
     ],
 )

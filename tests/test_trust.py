@@ -721,6 +721,16 @@ def test_llama_cpp_gives_its_own_reason(
     assert "unknown tokenizer: 'gpt3'" in line, line
 
 
+def test_a_refused_context_blames_the_setting_not_the_file(
+    model_path: str, llmrun_env: dict[str, str]
+) -> None:
+    """-ctv q4_0 -fa off loads the weights, and llama.cpp refuses the context: that said `the
+    file may be for a newer llama.cpp, or damaged`."""
+    line = one_error(llmrun(["run", "-ctv", "q4_0", "-fa", "off", "-n", "1", "hi"], llmrun_env))
+    assert line.startswith("llmrun: error: llama.cpp could not create a context on "), line
+    assert line.endswith(": quantized V cache requires flash_attn to be enabled"), line
+
+
 def test_a_broken_chat_template_is_one_line(
     model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
 ) -> None:

@@ -106,10 +106,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 
 def parse_concurrency(text: str, name: str = "--concurrency") -> tuple[int, ...]:
-    levels = tuple(parse_values(text, name=name))
-    if any(c < 1 for c in levels):
-        raise BadRequestError(f"{name} values must be at least 1")
-    return levels
+    return tuple(parse_values(text, name=name, minimum=1))
 
 
 def parse_policies(text: str) -> tuple[Policy, ...]:
