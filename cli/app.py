@@ -7,8 +7,10 @@ module, and whatever heavy library it imports, loads only when that command is r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -234,9 +236,37 @@ class _Commands(Mapping[str, Any]):
         return len(COMMANDS)
 
 
+@contextlib.contextmanager
+def _usage_errors_in_one_line() -> Iterator[None]:
+    """A usage error is one line on stderr and exit 2, as every other refusal is one line: not
+    typer's box of usage, hint and message (five lines or more, a value's escape sequences
+    shown raw). `llmrun` alone still shows the help."""
+    try:
+        yield
+    except typer.TyperException as e:
+        ctx = getattr(e, "ctx", None)
+        if getattr(e, "exit_code", None) != 2 or type(e).__name__ == "NoArgsIsHelpError":
+            raise
+        from .terminal import terminal_line
+
+        text = terminal_line(e.format_message())
+        listed = "commands" if type(e).__name__ == "UsageError" and "command" in text else "options"
+        where = f" ('{ctx.command_path} -h' lists the {listed})" if ctx is not None else ""
+        print(f"llmrun: error: {text}{where}", file=sys.stderr, flush=True)
+        raise typer.Exit(2) from None
+
+
 class LazyGroup(_FlagsShowNoType, typer.core.TyperGroup):
     """The top-level group: its help lists SUMMARIES, and a command's module is imported only
     when that command is resolved."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _usage_errors_in_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _usage_errors_in_one_line():  # the command's name, its options, its own checks
+            return super().invoke(ctx)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.pop("commands", None)  # typer registers none here: they are COMMANDS

@@ -780,6 +780,27 @@ def test_digits_that_are_not_ascii_are_refused_in_one_line(args: list[str], cli:
     assert "²" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run", "-n", "2.5", "hi"], "'2.5' is not a whole number. ('llmrun run -h' lists the"),
+        (["run", "--bogus"], "No such option: --bogus ('llmrun run -h' lists the options)"),
+        (["bogus"], "No such command 'bogus'. ('llmrun -h' lists the commands)"),
+        (["bench", "serve", "--num-prompts", "0"], "0 is not in the range 1<=x<=100000."),
+        (["run", "-n", "\x1b[31m9", "hi"], "'\\x1b[31m9' is not a whole number."),
+        (["run", "-f", "", "hi"], "'-f' / '--file': an empty path names no file"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_exit_2(args: list[str], says: str, cli: CliRunner) -> None:
+    """Not typer's box of usage, hint and message; an escape sequence in a value is not sent to
+    the terminal."""
+    result = cli.invoke(app, args)
+    assert result.exit_code == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("llmrun: error: ") and says in line, line
+    assert "\x1b" not in line
+
+
 def test_whole_numbers_are_ascii_digits() -> None:
     from llmrun.runners.lists import share, whole
     from llmrun.runners.rpc import parse_endpoints
