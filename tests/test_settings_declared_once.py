@@ -159,8 +159,8 @@ def test_every_command_refuses_an_engine_setting_past_its_range(command: str, op
     assert f"<=x<={high}." in result.output
 
 
-def _float_ranges() -> list[tuple[str, str]]:
-    """(command, flag) for every option with a range of floats, in every command."""
+def _every_option() -> list[tuple[str, typing.Any]]:
+    """(command, click parameter) for every option of every command and subcommand."""
     from llmrun.cli.app import COMMANDS, build_command
 
     found = []
@@ -168,10 +168,17 @@ def _float_ranges() -> list[tuple[str, str]]:
         group = build_command(name)
         subs = getattr(group, "commands", {})
         for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
-            for param in command.params:
-                if getattr(param.type, "name", "") == "float range":
-                    found.append((path, param.opts[0]))
+            found += [(path, param) for param in command.params]
     return found
+
+
+def _kind(param: typing.Any) -> str:
+    return str(getattr(param.type, "name", ""))
+
+
+def _float_ranges() -> list[tuple[str, str]]:
+    """(command, flag) for every option with a range of floats, in every command."""
+    return [(path, p.opts[0]) for path, p in _every_option() if _kind(p) == "float range"]
 
 
 def test_every_float_range_is_found() -> None:
@@ -198,22 +205,12 @@ UNBOUNDED = {
 
 def _numbers() -> list[tuple[str, str, typing.Any]]:
     """(command, flag, upper end or None) for every whole or real number option."""
-    from llmrun.cli.app import COMMANDS, build_command
-
-    found = []
-    for name in COMMANDS:
-        group = build_command(name)
-        subs = getattr(group, "commands", {})
-        for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
-            for param in command.params:
-                if getattr(param.type, "name", "") in (
-                    "integer",
-                    "int range",
-                    "float",
-                    "float range",
-                ):
-                    found.append((path, param.opts[0], getattr(param.type, "max", None)))
-    return found
+    kinds = ("integer", "int range", "float", "float range")
+    return [
+        (path, p.opts[0], getattr(p.type, "max", None))
+        for path, p in _every_option()
+        if _kind(p) in kinds
+    ]
 
 
 def test_every_number_has_an_upper_end_or_a_reason() -> None:
@@ -233,15 +230,7 @@ def test_a_number_past_its_upper_end_is_a_usage_error(command: str, flag: str, h
 
 
 def _paths() -> list[tuple[str, str]]:
-    from llmrun.cli.app import COMMANDS, build_command
-
-    found = []
-    for name in COMMANDS:
-        group = build_command(name)
-        subs = getattr(group, "commands", {})
-        for path, command in [(name, group), *((f"{name} {s}", c) for s, c in subs.items())]:
-            found += [(path, p.opts[0]) for p in command.params if p.type.name == "path"]
-    return found
+    return [(path, p.opts[0]) for path, p in _every_option() if _kind(p) == "path"]
 
 
 @pytest.mark.parametrize(("command", "flag"), _paths())
