@@ -30,6 +30,12 @@ from llmrun.runners.stop_signals import (  # noqa: F401  (re-exported: the CLI's
 cpu_at_start: CpuSample | None = None
 
 
+# The flags of the running command's options whose values came from LLMRUN_* variables
+# (cli/app.py sets it as the command begins): such a value is the user's setting for every
+# command, so a check of options that do not apply here (`-t` with --endpoint) passes it by.
+from_environment: frozenset[str] = frozenset()
+
+
 def interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
     os.write(2, b"llmrun: interrupted\n")
     os._exit(STOP_SIGNALS.get(signal.Signals(signum), EXIT_INTERRUPTED))

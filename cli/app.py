@@ -154,6 +154,18 @@ def _plain_conversions(command: Any) -> None:
         kind.convert = checked
 
 
+def _begin(command: Any, ctx: Any) -> None:
+    """The command's own code begins: note which values came from the environment, and arm
+    the signals (its modules are imported and its options parsed)."""
+    llmrun.cli.from_environment = frozenset(
+        flag
+        for param in command.get_params(ctx)
+        if getattr(ctx.get_parameter_source(param.name), "name", "") == "ENVIRONMENT"
+        for flag in param.opts
+    )
+    llmrun.cli.command_started()
+
+
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args)
@@ -162,7 +174,7 @@ class _Command(_FlagsShowNoType, typer.core.TyperCommand):
         return rest
 
     def invoke(self, ctx: Any) -> Any:
-        llmrun.cli.command_started()  # modules imported, options parsed: signals are armed now
+        _begin(self, ctx)
         return super().invoke(ctx)
 
 
@@ -174,7 +186,7 @@ class _Group(_FlagsShowNoType, typer.core.TyperGroup):
         return rest
 
     def invoke(self, ctx: Any) -> Any:
-        llmrun.cli.command_started()
+        _begin(self, ctx)
         return super().invoke(ctx)
 
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 
+import llmrun.cli
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
@@ -816,7 +817,12 @@ class GenerationOptions(OptionRecord):
 def refuse_given(given: Mapping[str, object], why: str) -> None:
     """A usage error naming every option in `given` (flags -> value) that was given, i.e. is
     not None, False, 0 or "0" (their defaults): options that do not apply are never ignored."""
-    named = [flags for flags, value in given.items() if value not in (None, False, 0, "0")]
+    named = [
+        flags
+        for flags, value in given.items()
+        if value not in (None, False, 0, "0")
+        and not set(flags.split("/")) & llmrun.cli.from_environment  # LLMRUN_THREADS: a setting
+    ]
     if named:
         raise BadRequestError(f"{', '.join(named)}: {why}")
 
@@ -824,9 +830,8 @@ def refuse_given(given: Mapping[str, object], why: str) -> None:
 def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
     """One rule for every command: with --endpoint the server's own settings decide."""
     if endpoint:
-        refuse_given(
-            given, "local-engine options; with --endpoint the server's own settings decide"
-        )
+        named = "LLMRUN_ENDPOINT" if "--endpoint" in llmrun.cli.from_environment else "--endpoint"
+        refuse_given(given, f"local-engine options; with {named} the server's own settings decide")
 
 
 # llama.cpp's options of two or more letters after one dash (llama-cli's and llama-server's

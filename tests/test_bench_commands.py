@@ -210,6 +210,31 @@ def test_the_sweeps_settings_from_the_environment_are_not_typed_options() -> Non
     assert typed.exit_code == 2 and "--energy: bench's own options" in typed.stderr, typed.stderr
 
 
+@pytest.mark.parametrize(
+    "setting",
+    ["LLMRUN_THREADS=1", "LLMRUN_GPU_LAYERS=0", "LLMRUN_RPC=127.0.0.1:9", "LLMRUN_CTX=512"],
+)
+@pytest.mark.parametrize(
+    "command",
+    [["run", "hi"], ["chat"], ["bench", "serve", "--num-prompts", "1"], ["bench", "interference"]],
+    ids=" ".join,
+)
+def test_a_local_setting_from_the_environment_does_not_refuse_an_endpoint(
+    setting: str, command: list[str]
+) -> None:
+    """LLMRUN_THREADS=1 made every `run --endpoint` a usage error (`-t/--threads:
+    local-engine options`): the variable is the user's setting for the local engine, not an
+    option typed against a server. Typed, it is still refused."""
+    name, _, value = setting.partition("=")
+    env = {name: value}
+    argv = [*command, "--endpoint", "http://127.0.0.1:9"]
+    result = CliRunner().invoke(app, argv, env=env, input="")
+    assert "local-engine options" not in result.stderr, result.stderr
+    assert "cannot connect" in result.stderr, result.stderr
+    typed = CliRunner().invoke(app, [*command, "-t", "1"], env={"LLMRUN_ENDPOINT": "http://h:9"})
+    assert "with LLMRUN_ENDPOINT the server's own settings decide" in typed.stderr, typed.stderr
+
+
 def test_each_help_lists_only_its_jobs_options() -> None:
     sweep_help, serve_help = _options(("bench",)), _options(("bench", "serve"))
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help
