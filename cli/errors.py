@@ -33,6 +33,7 @@ from llmrun.runners.errors import (
     ModelLoadError,
     ModelNotFoundError,
     NoServerModelError,
+    OptionError,
     PromptTooLongError,
     ServerError,
     ServerTimeoutError,
@@ -80,6 +81,7 @@ class DisplayThatMayFail:
 
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # as click's usage errors: an option's value that cannot be read
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
@@ -142,7 +144,7 @@ def incomplete_message(stats: GenerationStats) -> str:
 def usage_error(text: str) -> NoReturn:
     """One line on stderr and exit 2, as Click's usage errors."""
     print(f"llmrun: error: {text}", file=sys.stderr, flush=True)
-    raise typer.Exit(2)
+    raise typer.Exit(EXIT_USAGE)
 
 
 def print_error(e: LlmrunError) -> None:
@@ -185,7 +187,7 @@ def handled() -> Iterator[None]:
         if debug():
             raise
         print_error(e)
-        raise typer.Exit(EXIT_ERROR) from None
+        raise typer.Exit(EXIT_USAGE if isinstance(e, OptionError) else EXIT_ERROR) from None
     except BrokenPipeError:
         quiet_broken_pipe()
         raise typer.Exit(EXIT_BROKEN_PIPE) from None

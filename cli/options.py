@@ -23,7 +23,7 @@ import typer
 import llmrun.cli
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.files import FileTooLargeError, read_capped
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
 from llmrun.runners.lists import whole
@@ -543,18 +543,16 @@ def parse_draft(text: str | None, temp: float, *, draft_model: bool = False) -> 
     if text is None and not draft_model:
         return 0
     if text is not None and not text.strip():
-        raise BadRequestError("--draft: give lookup[:N], or model[:N] with --draft-model PATH")
+        raise OptionError("--draft: give lookup[:N], or model[:N] with --draft-model PATH")
     kind, _, count = (text or "model").strip().lower().partition(":")
     if kind not in ("lookup", "model"):
-        raise BadRequestError(f"--draft: '{text}' is not lookup[:N] or model[:N]")
+        raise OptionError(f"--draft: '{text}' is not lookup[:N] or model[:N]")
     if (kind == "model") != draft_model:
-        raise BadRequestError("--draft model[:N] goes with --draft-model PATH, lookup without it")
+        raise OptionError("--draft model[:N] goes with --draft-model PATH, lookup without it")
     if count and not 1 <= (whole(count) or 0) <= 64:
-        raise BadRequestError(f"--draft: '{count}' is not a count from 1 to 64")
+        raise OptionError(f"--draft: '{count}' is not a count from 1 to 64")
     if temp > 0:
-        raise BadRequestError(
-            "--draft: speculative decoding here checks drafts greedily; add --temp 0"
-        )
+        raise OptionError("--draft: speculative decoding here checks drafts greedily; add --temp 0")
     return int(count) if count else DEFAULT_DRAFT
 
 
@@ -824,7 +822,7 @@ def refuse_given(given: Mapping[str, object], why: str) -> None:
         and not set(flags.split("/")) & llmrun.cli.from_environment  # LLMRUN_THREADS: a setting
     ]
     if named:
-        raise BadRequestError(f"{', '.join(named)}: {why}")
+        raise OptionError(f"{', '.join(named)}: {why}")
 
 
 def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:

@@ -95,6 +95,11 @@ class BadRequestError(LlmrunError):
     param: str | None = None  # the HTTP request's field at fault, where one is (OpenAI's `param`)
 
 
+class OptionError(BadRequestError):
+    """A command-line value that cannot be read as its option's syntax (a llama-bench list, a
+    policy, a duration, a draft): a usage error, exit 2, like a number that is none."""
+
+
 class EngineError(LlmrunError):
     """llama.cpp failed in the middle of a request."""
 

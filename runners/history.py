@@ -34,7 +34,7 @@ from .bench.results import (
     LLAMA_DEFAULTS,
     llmrun_build,
 )
-from .errors import BadRequestError
+from .errors import BadRequestError, OptionError
 from .paths import data_dir
 from .significance import Difference, record_fields
 from .significance import compare as compare_rates
@@ -555,13 +555,13 @@ def parse_selector(text: str, *, option: str) -> Selector:
     terms = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
-            raise BadRequestError(f"{option} {text!r}: an empty term")
+            raise OptionError(f"{option} {text!r}: an empty term")
         key, sep, value = part.partition("=")
         if not sep:
             key, value = "build", part
         key, value = key.strip(), value.strip()
         if not value:
-            raise BadRequestError(f"{option} {text!r}: {key}= needs a value")
+            raise OptionError(f"{option} {text!r}: {key}= needs a value")
         terms.append(Term(SETTING_ALIASES.get(key, key), _term_value(key, value, option, text)))
     return Selector(text, tuple(terms))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import OptionError
 
 MAX_SWEEP_VALUES = 1000
 
@@ -30,21 +30,21 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
         part = part.strip()
         m = re.fullmatch(r"(-?\d+)(?:-(\d+)(?:([*+])(\d+))?)?", part)
         if not m:
-            raise BadRequestError(f"{name}: '{part}' is not a number, list or range like 8-512*4")
+            raise OptionError(f"{name}: '{part}' is not a number, list or range like 8-512*4")
         first = int(m.group(1))
         if m.group(2) is None:
             values.append(first)
             continue
         last, op, step = int(m.group(2)), m.group(3) or "+", int(m.group(4) or 1)
         if (op == "*" and (step < 2 or first < 1)) or (op == "+" and step < 1) or last < first:
-            raise BadRequestError(f"{name}: the range '{part}' never ends or is empty")
+            raise OptionError(f"{name}: the range '{part}' never ends or is empty")
         value = first
         while value <= last and len(values) <= MAX_SWEEP_VALUES:
             values.append(value)
             value = value * step if op == "*" else value + step
         if len(values) > MAX_SWEEP_VALUES:
-            raise BadRequestError(f"{name}: '{part}' gives more than {MAX_SWEEP_VALUES} values")
+            raise OptionError(f"{name}: '{part}' gives more than {MAX_SWEEP_VALUES} values")
     for value in values:
         if not minimum <= value <= maximum:
-            raise BadRequestError(f"{name}: {value} is out of range {minimum}..{maximum}")
+            raise OptionError(f"{name}: {value} is out of range {minimum}..{maximum}")
     return list(dict.fromkeys(values))

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from .devices import Device, registered
-from .errors import BadRequestError, EngineAbortError, LlmrunError
+from .errors import BadRequestError, EngineAbortError, LlmrunError, OptionError
 from .lists import whole
 
 BINARY = "rpc-server"
@@ -57,7 +57,7 @@ WARNING = (
 )
 
 
-class RpcEndpointError(BadRequestError):
+class RpcEndpointError(OptionError):
     """An --rpc value that is not a list of host:port."""
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BadRequestError, EngineError
+from .errors import BadRequestError, EngineError, OptionError
 from .system import format_cpu_list
 
 MAX_N_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): the CPUs a mask can name
@@ -52,15 +52,15 @@ def parse_cpu_mask(text: str) -> frozenset[int]:
     one CPUs 0-3, with an optional `0x`. `0x0` names none (the default placement)."""
     digits = text[2:] if text.startswith("0x") else text
     if not digits:
-        raise BadRequestError(f"-C/--cpu-mask '{text}': give a hex mask such as 0x3")
+        raise OptionError(f"-C/--cpu-mask '{text}': give a hex mask such as 0x3")
     bad = next((c for c in digits if c not in "0123456789abcdefABCDEF"), None)
     if bad is not None:
-        raise BadRequestError(
+        raise OptionError(
             f"-C/--cpu-mask '{text}': '{bad}' is not a hex digit (a mask"
             " is hex, such as 0xff for CPUs 0-7)"
         )
     if len(digits) > MAX_MASK_DIGITS:
-        raise BadRequestError(
+        raise OptionError(
             f"-C/--cpu-mask: at most {MAX_MASK_DIGITS} hex digits"
             f" ({MAX_N_THREADS} CPUs), not {len(digits)}"
         )

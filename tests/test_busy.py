@@ -155,7 +155,7 @@ def test_run_and_chat_take_the_free_cores_and_say_so(
 def test_threads_apply_only_to_the_local_engine(cli: CliRunner) -> None:
     for job in (["bench", "serve"], ["bench", "interference"]):
         result = cli.invoke(app, [*job, "--endpoint", "http://127.0.0.1:9", "-t", "1"])
-        assert result.exit_code == 1 and "-t/--threads: local-engine options" in result.stderr
+        assert result.exit_code == 2 and "-t/--threads: local-engine options" in result.stderr
 
 
 @pytest.mark.usefixtures("every_core")  # llama.cpp on two threads

@@ -98,7 +98,7 @@ def test_hf_is_a_hub_repository_not_the_help(cli: CliRunner, fake: FakeRunner) -
 def test_kv_cache_types_are_local_engine_options(cli: CliRunner, fake: FakeRunner) -> None:
     url = ["--endpoint", "http://127.0.0.1:9"]
     result = cli.invoke(app, ["run", *url, "-ctk", "q8_0", "hi"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "-ctk/--cache-type-k: local-engine options" in result.stderr
 
 

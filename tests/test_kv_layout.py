@@ -125,21 +125,21 @@ def test_run_parallel_hands_the_layout_to_llama_cpp(
 
 def test_kv_unified_refused_where_it_does_not_apply(cli: CliRunner) -> None:
     cases = [
-        (["run", "hi", "-kvu"], 1, "-kvu/--kv-unified: the KV layout of several sequences"),
-        (["run", "hi", "--no-kv-unified"], 1, "only with --parallel N"),
+        (["run", "hi", "-kvu"], 2, "-kvu/--kv-unified: the KV layout of several sequences"),
+        (["run", "hi", "--no-kv-unified"], 2, "only with --parallel N"),
         (
             ["run", "hi", "--parallel", "2", "--kv-unified", "--endpoint", "http://127.0.0.1:9"],
-            1,
+            2,
             "-kvu/--kv-unified: local-engine options",
         ),
         (
             ["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--no-kv-unified"],
-            1,
+            2,
             "-kvu/--kv-unified: local-engine options",
         ),
         (
             ["bench", "interference", "--endpoint", "http://127.0.0.1:9", "-kvu"],
-            1,
+            2,
             "-kvu/--kv-unified: local-engine options",
         ),
         (["run", "hi", "--parallel", "2", "--kv-unified=0"], 2, "does not take a value"),

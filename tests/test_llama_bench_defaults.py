@@ -254,4 +254,4 @@ def test_fit_target_and_ctx_are_recorded_as_given_and_said_to_be_recorded_only(
     bad = CliRunner().invoke(
         app, ["bench", "-r", "1", "--no-history", "-p", "8", "-n", "0", "-fitc", "lots"]
     )
-    assert bad.exit_code == 1 and "-fitc/--fit-ctx: 'lots' is not a number" in bad.stderr
+    assert bad.exit_code == 2 and "-fitc/--fit-ctx: 'lots' is not a number" in bad.stderr

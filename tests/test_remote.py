@@ -255,7 +255,7 @@ def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) 
         result = cli.invoke(
             app, [*command, "--endpoint", "http://127.0.0.1:9", *flags], input="hi\n"
         )
-        assert result.exit_code == 1, (command, flags)
+        assert result.exit_code == 2, (command, flags)
         assert f"{expected}: local-engine options" in one_line_error(result.stderr)
 
 

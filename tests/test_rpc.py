@@ -97,7 +97,7 @@ def test_rpc_parsing_errors_are_usage_errors(args: list[str]) -> None:
 def test_rpc_is_a_local_engine_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LLMRUN_ENDPOINT", raising=False)
     done = CliRunner().invoke(app, ["run", "--endpoint", "http://127.0.0.1:9", "--rpc", "a:1", "x"])
-    assert done.exit_code == 1
+    assert done.exit_code == 2
     assert "-rpc/--rpc" in done.stderr and "--endpoint" in done.stderr
 
 

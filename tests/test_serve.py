@@ -751,7 +751,7 @@ def test_timings_json_names() -> None:
 
 def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> None:
     result = CliRunner().invoke(app, ["serve", "--policy", "fastest", "--port", "0"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # an option's value that cannot be read: a usage error
     assert result.stderr.strip().splitlines() == [
         "llmrun: error: --policy: 'fastest' is not prefill-first, decode-first or chunked:B"
     ]

@@ -97,7 +97,7 @@ def test_the_two_meanings_of_concurrency_are_named_apart() -> None:
     ("args", "message", "code"),
     [
         (["--max-concurrency", "2"], "--max-concurrency: the client's limit against a server", 2),
-        (["--slots", "0"], "--slots: 0 is out of range 1..16777216", 1),
+        (["--slots", "0"], "--slots: 0 is out of range 1..16777216", 2),
         (["--slots", "2", "--concurrency", "2"], "--concurrency and --slots say the same", 2),
     ],
 )

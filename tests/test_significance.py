@@ -289,7 +289,7 @@ def test_bench_until_ci_end_to_end_and_a_bad_value_in_one_line(
     [row] = json.loads(done.stdout)
     assert (row["until_ci_pct"], row["repetitions"], row["until_ci_stop"]) == (50.0, 2, "reached")
     bad = CliRunner().invoke(app, [*base, "--until-ci", "two"])
-    assert bad.exit_code == 1
+    assert bad.exit_code == 2
     assert bad.stderr.strip().splitlines() == [
         "llmrun: error: --until-ci: give a share such as 2% or 2%,60s (with a time budget a"
         " test), not 'two'"

@@ -102,7 +102,7 @@ def test_negative_control_unchecked_drafts_change_the_text(
 )
 def test_draft_options_are_checked(args: list[str], says: str) -> None:
     result = CliRunner().invoke(app, ["run", "hi", *args])
-    assert result.exit_code == 1 and says in result.stderr
+    assert result.exit_code == 2 and says in result.stderr  # a usage error
 
 
 def test_a_draft_model_drafts_and_keeps_the_greedy_text(model_path: str, q8_model: str) -> None:

@@ -292,11 +292,11 @@ def test_run_and_chat_hand_the_flags_to_the_engine(
     plain = CliRunner().invoke(app, args, input="hi\n")
     assert plain.exit_code == 0 and seen[-1].threadpool.is_default
     bad = CliRunner().invoke(app, [*args, "-C", "0xq"], input="hi\n")
-    assert bad.exit_code == 1 and "'q' is not a hex digit" in bad.stderr
+    assert bad.exit_code == 2 and "'q' is not a hex digit" in bad.stderr
     over = CliRunner().invoke(app, [*args, "--poll", "101"], input="hi\n")
     assert over.exit_code == 2
     remote = CliRunner().invoke(app, [*args, "--endpoint", "http://127.0.0.1:9", "--poll", "0"])
-    assert remote.exit_code == 1 and "--poll: local-engine options" in remote.stderr
+    assert remote.exit_code == 2 and "--poll: local-engine options" in remote.stderr
 
 
 def test_the_header_names_a_threadpool_only_where_one_runs() -> None:

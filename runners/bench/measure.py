@@ -38,7 +38,7 @@ from llmrun.runners.base import (
     Token,
 )
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError, LlmrunError, ModelLoadError
+from llmrun.runners.errors import LlmrunError, ModelLoadError, OptionError
 from llmrun.runners.limits import CACHE_TYPE_BYTES, CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.significance import LogSample
 from llmrun.runners.system import cpu_sample, measured_background
@@ -90,16 +90,16 @@ class UntilCi:
         """`2`, `2%`, or with a time budget a test, `2%,60s` (default 300 s)."""
         m = cls.UNTIL_CI_RE.fullmatch(text)
         if not m:
-            raise BadRequestError(
+            raise OptionError(
                 f"--until-ci: give a share such as 2% or 2%,60s (with a time budget a test),"
                 f" not {text!r}"
             )
         pct = float(m[1])
         budget = float(m[2]) if m[2] else cls.budget_s
         if not 0.01 <= pct <= 50:
-            raise BadRequestError(f"--until-ci: {pct:g}% is outside 0.01% to 50%")
+            raise OptionError(f"--until-ci: {pct:g}% is outside 0.01% to 50%")
         if not 1 <= budget <= 86_400:
-            raise BadRequestError(f"--until-ci: a budget of {budget:g} s is outside 1 s to 1 day")
+            raise OptionError(f"--until-ci: a budget of {budget:g} s is outside 1 s to 1 day")
         return cls(pct, budget)
 
     def stop(self, rates: Sequence[float], elapsed_s: float) -> str | None:

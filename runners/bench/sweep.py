@@ -9,7 +9,7 @@ from typing import Any
 
 from llmrun.runners import lists
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import OptionError
 from llmrun.runners.threadpool import DEFAULT_POLL
 
 
@@ -22,7 +22,7 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
         for v in lists.parse_values(part, name=name, minimum=minimum, maximum=maximum)
     ]
     if len(values) > lists.MAX_SWEEP_VALUES:
-        raise BadRequestError(f"{name}: '{text}' gives more than {lists.MAX_SWEEP_VALUES} values")
+        raise OptionError(f"{name}: '{text}' gives more than {lists.MAX_SWEEP_VALUES} values")
     return values
 
 
@@ -34,7 +34,7 @@ def parse_words(
     maps other spellings: llama-bench's `-fa 0,1`."""
     words = [w.strip().lower() for w in text.split(",") if w.strip()]
     if not words:
-        raise BadRequestError(f"{name}: give one or more of {', '.join(allowed)}")
+        raise OptionError(f"{name}: give one or more of {', '.join(allowed)}")
     return [(aliases or {}).get(w, w) for w in words]
 
 
@@ -65,7 +65,7 @@ def parse_bools(text: str, *, name: str) -> list[bool]:
     words = parse_words(text, name=name, allowed=("0", "1"), aliases=BOOL_ALIASES)
     bad = [w for w in words if w not in ("0", "1")]
     if bad:
-        raise BadRequestError(f"{name}: '{bad[0]}' is not 0 or 1")
+        raise OptionError(f"{name}: '{bad[0]}' is not 0 or 1")
     return [w == "1" for w in words]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import OptionError
 from llmrun.runners.system import (
     ThreadChoice,
     background_now,
@@ -45,9 +45,9 @@ def parse_budget(text: str, *, name: str = "--budget") -> float:
         h, mins, secs = (float(g) if g else 0.0 for g in m.groups())
         seconds = h * 3600 + mins * 60 + secs
     else:
-        raise BadRequestError(f"{name}: '{text}' is not a duration such as 90s, 5m or 1h30m")
+        raise OptionError(f"{name}: '{text}' is not a duration such as 90s, 5m or 1h30m")
     if not 0 < seconds <= MAX_BUDGET_S:
-        raise BadRequestError(f"{name}: '{text}' must be above 0 and at most a week")
+        raise OptionError(f"{name}: '{text}' must be above 0 and at most a week")
     return seconds
 
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.lists import parse_values
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.batching import Policy
@@ -30,13 +30,13 @@ def parse_rate(text: str) -> float:
     try:
         rate = float(text)
     except ValueError:
-        raise BadRequestError(f"--request-rate: '{text}' is not a number or inf") from None
+        raise OptionError(f"--request-rate: '{text}' is not a number or inf") from None
     if math.isnan(rate) or rate <= 0:
-        raise BadRequestError(
+        raise OptionError(
             f"--request-rate: '{text}' must be a number above 0 (inf: all requests at once)"
         )
     if rate < MIN_RATE:
-        raise BadRequestError(
+        raise OptionError(
             f"--request-rate: {text} requests/s would wait hours between"
             f" requests; give at least {MIN_RATE:.4f} (one a minute)"
         )
@@ -78,11 +78,9 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(p) for p in text.split(",") if p.strip())
     except ValueError:
-        raise BadRequestError(
-            f"--percentiles: '{text}' should be numbers such as 50,90,99"
-        ) from None
+        raise OptionError(f"--percentiles: '{text}' should be numbers such as 50,90,99") from None
     if not values or any(not 0 <= v <= 100 for v in values):
-        raise BadRequestError("--percentiles: give values between 0 and 100, such as 50,90,99")
+        raise OptionError("--percentiles: give values between 0 and 100, such as 50,90,99")
     return values
 
 
@@ -95,13 +93,13 @@ def parse_slo(text: str | None) -> dict[str, float]:
         name, _, value = part.partition(":")
         name = name.strip().lower()
         if name not in ("ttft", "tpot", "e2el") or not value.strip():
-            raise BadRequestError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
+            raise OptionError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
         try:
             slo[name] = float(value) / 1000
         except ValueError:
             slo[name] = math.nan
         if not math.isfinite(slo[name]) or slo[name] <= 0:
-            raise BadRequestError(f"--slo: '{value}' is not a positive number of milliseconds")
+            raise OptionError(f"--slo: '{value}' is not a positive number of milliseconds")
     return slo
 
 
@@ -112,9 +110,7 @@ def parse_concurrency(text: str, name: str = "--concurrency") -> tuple[int, ...]
 def parse_policies(text: str) -> tuple[Policy, ...]:
     chosen = tuple(Policy.parse(p) for p in text.split(",") if p.strip())
     if not chosen:
-        raise BadRequestError(
-            "--policy: give one or more of prefill-first, chunked:B, decode-first"
-        )
+        raise OptionError("--policy: give one or more of prefill-first, chunked:B, decode-first")
     return chosen
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import OptionError
 from llmrun.runners.lists import whole
 
 POLICIES = ("prefill-first", "decode-first", "chunked")
@@ -29,22 +29,20 @@ class Policy:
     def parse(cls, text: str) -> Policy:
         name, _, value = text.strip().lower().partition(":")
         if name not in POLICIES:
-            raise BadRequestError(
-                f"--policy: '{text}' is not prefill-first, decode-first or chunked:B"
-            )
+            raise OptionError(f"--policy: '{text}' is not prefill-first, decode-first or chunked:B")
         number = whole(value) or 0
         if name == "chunked":
             if not 1 <= number <= 65536:
-                raise BadRequestError(
+                raise OptionError(
                     f"--policy: chunked needs a token budget, chunked:64, not '{text}'"
                 )
             return cls(name, number)
         if name == "decode-first" and value:  # decode-first:K: prefill at least every K steps
             if not 1 <= number <= 65536:
-                raise BadRequestError(f"--policy: decode-first:K needs a step count, not '{text}'")
+                raise OptionError(f"--policy: decode-first:K needs a step count, not '{text}'")
             return cls(name, number)
         if value:
-            raise BadRequestError(f"--policy: '{name}' takes no value")
+            raise OptionError(f"--policy: '{name}' takes no value")
         return cls(name)
 
     def __str__(self) -> str:
