@@ -130,10 +130,14 @@ def _plain_conversions(command: Any) -> None:
     - a path given '' names no file: click's Path read it as '.', the working folder, and the
       error came later and named '.' (`run -f ''`: cannot read prompt file .: Is a directory;
       `--stats-file ''`: after the whole run);
-    - a number that is none says so: `'2.5' is not a whole number`."""
+    - a number that is none says so: `'2.5' is not a whole number`;
+    - a choice is read in any case, as llmrun's other words are (`-fa ON`, `--policy CHUNKED:8`
+      passed; `--energy OFF` and `-o CSV` were refused)."""
     for param in command.params:
         kind: Any = param.type
         name = getattr(kind, "name", "")
+        if name == "choice":
+            kind.case_sensitive = False
         if name != "path" and name not in _KINDS:
             continue
 

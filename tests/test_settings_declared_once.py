@@ -263,3 +263,15 @@ def _command(path: str) -> typing.Any:
     name, _, sub = path.partition(" ")
     command = build_command(name)
     return command.commands[sub] if sub else command  # type: ignore[union-attr]
+
+
+def test_every_choice_is_read_in_any_case() -> None:
+    """`-fa ON` and `--policy CHUNKED:8` passed while `--energy OFF` and `-o CSV` were refused."""
+    choices = [(path, p) for path, p in _every_option() if _kind(p) == "choice"]
+    assert {"--energy", "--output"} <= {p.opts[-1] for _, p in choices}
+    for path, param in choices:
+        for choice in param.type.choices:
+            given = str(getattr(choice, "value", choice))
+            assert param.type.convert(given.upper(), param, None) == param.type.convert(
+                given, param, None
+            ), (path, param.opts)
