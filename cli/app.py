@@ -19,6 +19,7 @@ import typer.core
 import typer.main
 
 import llmrun.cli
+from llmrun.runners.lists import integer, real
 
 HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
 BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
@@ -117,11 +118,22 @@ def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
 
 # What a value of each kind must be, in words (typer's click said "'2.5' is not a valid int
 # range"), and the test it must pass before click converts it.
+def _read(reader: Callable[[str], object]) -> Callable[[str], object]:
+    def read(text: str) -> object:
+        if reader(text) is None:
+            raise ValueError(text)
+        return text
+
+    return read
+
+
+# ASCII digits only: click's int() and float() also read `٣` (Arabic-Indic), fullwidth digits
+# and `1_0`.
 _KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
-    "integer": ("a whole number", int),
-    "int range": ("a whole number", int),
-    "float": ("a number", float),
-    "float range": ("a number", float),
+    "integer": ("a whole number", _read(integer)),
+    "int range": ("a whole number", _read(integer)),
+    "float": ("a number", _read(real)),
+    "float range": ("a number", _read(real)),
 }
 
 

@@ -22,6 +22,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmrun.runners import lists
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
@@ -611,17 +612,16 @@ class ChatUI:
         if field is None:
             self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
             return
-        integer = field != "stop" and SAMPLING_SETTINGS[field].whole
-        try:
-            parsed: object = (
-                tuple(v for v in value.split("|") if v)
-                if field == "stop"
-                else int(value)
-                if integer
-                else float(value)
-            )
-        except ValueError:  # Python's own words ("could not convert string...") stay inside
-            kind = "an integer" if integer else "a number"
+        whole = field != "stop" and SAMPLING_SETTINGS[field].whole
+        parsed: object = (
+            tuple(v for v in value.split("|") if v)
+            if field == "stop"
+            else lists.integer(value)
+            if whole
+            else lists.real(value)
+        )
+        if parsed is None:  # ASCII digits, as on the command line (not `٣` or `1_0`)
+            kind = "an integer" if whole else "a number"
             self._usage(f"/set parameter {name}: {value!r} is not {kind}")
             return
         try:
@@ -629,7 +629,7 @@ class ChatUI:
             sampling = dataclasses.replace(self.conv.sampling, **changes)
             check_sampling(sampling)
         except ValueError:
-            kind = "a whole number" if integer else "a number"
+            kind = "a whole number" if whole else "a number"
             self._usage(f"/set parameter {name}: {value!r} is not {kind}")
             return
         except LlmrunError as e:

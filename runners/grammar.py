@@ -274,7 +274,7 @@ def grammar_fault(grammar: str) -> str | None:
 # A GBNF grammar's items that hold text of their own: a literal, a character class, a comment, a
 # token reference (<[id]> or <text>, ! before it for any other token).
 _GBNF_ITEM = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|!?<[^>]*>?', re.S)
-_TOKEN_ID = re.compile(r"<\[(\d+)\]>")
+_TOKEN_ID = re.compile(r"<\[([0-9]+)\]>")
 
 
 def check_gbnf(grammar: str, where: str) -> None:
@@ -315,7 +315,7 @@ def _negation_fault(grammar: str) -> str | None:
 _GBNF_PIECE = re.compile(
     r'(?P<lit>"(?:\\.|[^"\\])*")|(?P<cls>\[(?:\\.|[^\]\\])*\])|(?P<tok>!?<[^>]*>)'
     r"|(?P<any>\.)|(?P<rule>[A-Za-z0-9-]+\s*::=)|(?P<ref>[A-Za-z0-9-]+)"
-    r"|(?P<rep>[*+?]|\{\s*\d*\s*(?:,\s*\d*\s*)?\})|(?P<sym>[()|])|#[^\r\n]*|\s+",
+    r"|(?P<rep>[*+?]|\{\s*[0-9]*\s*(?:,\s*[0-9]*\s*)?\})|(?P<sym>[()|])|#[^\r\n]*|\s+",
     re.S,
 )
 
@@ -675,7 +675,7 @@ MAX_REPEAT = 1000  # the largest count a schema may ask for (llama.cpp's own con
 MAX_CHOICES = 1000
 MAX_GRAMMAR_DEPTH = 1000  # parentheses open at once
 MAX_GRAMMAR_BYTES = 1 << 20
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_QUANTIFIER = re.compile(r"\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")
 
 
 def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repetitions") -> str:

@@ -570,7 +570,7 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
     field = SETTING_ALIASES.get(key, key)
     where = f"{option} {text!r}: {key}="
     if key == "run":
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", value)
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", value)
         if not m:
             raise BadRequestError(f"{where} takes a run id or a range such as 3-5, not {value!r}")
         low, high = int(m[1]), int(m[2] or m[1])
@@ -578,11 +578,11 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
             raise BadRequestError(f"{where}{value}: the range runs backwards")
         return (low, high)
     if key == "date":
-        if not re.fullmatch(r"\d{4}(-\d{2}(-\d{2})?)?", value) or not _is_date(value):
+        if not re.fullmatch(r"[0-9]{4}(-[0-9]{2}(-[0-9]{2})?)?", value) or not _is_date(value):
             raise BadRequestError(f"{where} takes a day, month or year: 2026-11-30, 2026-11, 2026")
         return value
     if key in ("since", "until"):
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", value) or not _is_date(value):
+        if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", value) or not _is_date(value):
             raise BadRequestError(f"{where} takes a day such as 2026-11-30, not {value!r}")
         return value
     if key in ("build", "model"):

@@ -16,6 +16,26 @@ def whole(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
+def integer(text: str) -> int | None:
+    """A whole number with an optional sign, in ASCII digits, else None: `int()` alone also
+    reads `٣` (Arabic-Indic), fullwidth digits and `1_0`, which no option, JSON number or
+    llama.cpp tool spells so."""
+    text = text.strip()
+    digits = text[1:] if text[:1] in ("-", "+") else text
+    return int(text) if whole(digits) is not None else None
+
+
+def real(text: str) -> float | None:
+    """A number as `float()` reads it (`0.5`, `5e-1`, `inf`, `nan`), in ASCII and without `_`,
+    else None; whether inf or nan may pass is the caller's range check."""
+    if not text.isascii() or "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def share(text: str) -> float | None:
     """A non-negative decimal such as `3` or `0.5` in ASCII digits (-ts's shares), else None."""
     return float(text) if whole(text.replace(".", "", 1)) is not None else None
@@ -28,7 +48,7 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
     values: list[int] = []
     for part in text.split(","):
         part = part.strip()
-        m = re.fullmatch(r"(-?\d+)(?:-(\d+)(?:([*+])(\d+))?)?", part)
+        m = re.fullmatch(r"(-?[0-9]+)(?:-([0-9]+)(?:([*+])([0-9]+))?)?", part)
         if not m:
             raise OptionError(f"{name}: '{part}' is not a number, list or range like 8-512*4")
         first = int(m.group(1))

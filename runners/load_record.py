@@ -16,7 +16,7 @@ from .library import LOG_LINES, llama_lib
 from .loading import Weights, gpu_layers_asked, offloaded_layers
 from .stats import EngineSettings, MemoryReport, ModelInfo, peak_rss_bytes
 
-_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([0-9.]+) MiB")
 
 
 def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
@@ -41,7 +41,7 @@ def memory_report(log: list[str], n_ctx: int) -> MemoryReport:
     )
 
 
-_LAYER = re.compile(r"layer\s+\d+ assigned to device (\S+?),")
+_LAYER = re.compile(r"layer\s+[0-9]+ assigned to device (\S+?),")
 
 
 def layers_by_device(log: list[str]) -> dict[str, int]:

@@ -35,7 +35,7 @@ PREFERRED_QUANT = "Q4_K_M"  # what llama.cpp's -hf and Ollama pick when none is 
 _NAME = r"[A-Za-z0-9][\w.-]*"
 _HUB_REPO = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?::(?P<quant>[\w.-]+))?$")
 _HUB_FILE = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})/(?P<file>.+\.gguf)$", re.IGNORECASE)
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_SPLIT = re.compile(r"-([0-9]{5})-of-([0-9]{5})\.gguf$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

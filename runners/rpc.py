@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from .devices import Device, registered
 from .errors import BadRequestError, EngineAbortError, LlmrunError, OptionError
-from .lists import whole
+from .lists import real, whole
 
 BINARY = "rpc-server"
 LIBRARY = "libggml-rpc.so"
@@ -388,9 +388,8 @@ def wait_limit() -> float:
     text = os.environ.get(TIMEOUT_ENV, "").strip()
     if not text:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
+    value = real(text)
+    if value is None:
         value = float("nan")
     if not 1.0 <= value <= 86400.0:
         raise BadRequestError(f"{TIMEOUT_ENV}: '{text[:40]}' is not 1 to 86400 seconds")

@@ -118,8 +118,7 @@ def test_ollama_habits_in_chat(cli: CliRunner, fake: FakeRunner) -> None:
 @pytest.mark.parametrize(
     ("line", "said", "value"),
     [
-        ("/set parameter repeat_last_n \u0663", "repeat_last_n = 3", 3),  # an Arabic-Indic 3
-        ("/set parameter repeat_last_n 1_6", "repeat_last_n = 16", 16),
+        ("/set parameter repeat_last_n +16", "repeat_last_n = 16", 16),
         ("/set parameter temperature 5e-1", "temperature = 0.5", 0.5),
         ("/set parameter top_p 0.123456789", "top_p = 0.123456789", 0.123456789),
         ("/set parameter stop |", "stop = none for", ()),  # it said `stop = |`
@@ -143,6 +142,9 @@ def test_set_parameter_says_the_value_it_took(
         "/set parameter temperature -1",
         "/set parameter repeat_last_n 1.5",
         "/set parameter repeat_last_n -2",
+        "/set parameter repeat_last_n \u0663",  # an Arabic-Indic 3: ASCII digits, as -n takes
+        "/set parameter repeat_last_n 1_6",
+        "/set parameter temperature \u0660.\u0665",
         "/set parameter bogus 1",
         "/set temperature 1",
         "/show nothing",

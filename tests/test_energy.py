@@ -284,6 +284,35 @@ def test_no_package_zone_is_a_reason(tmp_path: Path) -> None:
         open_powercap(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("range_uj", "energy_uj"), [("0", "5"), ("100", "101"), ("٣٠٠", "1"), ("300", "²"), ("-1", "0")]
+)
+def test_a_zone_no_kernel_writes_is_no_counter(
+    tmp_path: Path, range_uj: str, energy_uj: str
+) -> None:
+    """A range of 0 gave `above an idle -375.8 W`; Unicode digits were read by int()."""
+    zone_dir = tmp_path / "intel-rapl:0"
+    zone_dir.mkdir()
+    (zone_dir / "name").write_text("package-0\n")
+    (zone_dir / "max_energy_range_uj").write_text(range_uj + "\n")
+    (zone_dir / "energy_uj").write_text(energy_uj + "\n")
+    with pytest.raises(Unavailable, match="no readable RAPL package zone"):
+        open_powercap(tmp_path)
+
+
+def test_a_counter_past_its_range_is_no_counter(tmp_path: Path) -> None:
+    """A counter stepping by 10**30 µJ gave `energy load -2,314,868,195,363,210,812,981,248.0 J`."""
+    zone_dir = tmp_path / "intel-rapl:0"
+    zone_dir.mkdir()
+    (zone_dir / "name").write_text("package-0\n")
+    (zone_dir / "max_energy_range_uj").write_text("1000\n")
+    (zone_dir / "energy_uj").write_text("10\n")
+    counter = open_powercap(tmp_path)
+    (zone_dir / "energy_uj").write_text(f"{10**30}\n")
+    with pytest.raises(Unavailable, match="past its range of 1000 µJ: not a RAPL counter"):
+        counter.read_j()
+
+
 @pytest.fixture
 def unreadable_tree(tmp_path: Path) -> Path:
     """A powercap tree whose energy_uj this process may not read (mode 0: the kernel's 0400

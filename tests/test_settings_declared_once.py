@@ -250,7 +250,8 @@ def test_every_path_option_is_found() -> None:
 def test_a_value_that_is_no_number_is_named_so(command: str, flag: str, high: object) -> None:
     """typer's click said `'2.5' is not a valid int range.`"""
     whole = any(p.opts[0] == flag and "int" in p.type.name for p in _command(command).params)
-    for given in ("2.5x", "²") if not whole else ("2.5", "²"):
+    odd = ("²", "\u0663", "\uff13", "1_0")  # not ASCII digits, or Python's own spelling
+    for given in ("2.5x", *odd) if not whole else ("2.5", *odd):
         result = CliRunner().invoke(app, [*command.split(), flag, given], env={"COLUMNS": "200"})
         assert result.exit_code == 2, result.output
         words = "a whole number" if whole else "a number"

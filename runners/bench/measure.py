@@ -83,7 +83,9 @@ class UntilCi:
     budget_s: float = 300.0
 
     MAX_REPS = 1000
-    UNTIL_CI_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%?\s*(?:,\s*(\d+(?:\.\d*)?)\s*s?\s*)?")
+    UNTIL_CI_RE = re.compile(
+        r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%?\s*(?:,\s*([0-9]+(?:\.[0-9]*)?)\s*s?\s*)?"
+    )
 
     @classmethod
     def parse(cls, text: str) -> UntilCi:

@@ -33,13 +33,15 @@ from .sweep import Combo, Shape
 from .tuned import TUNED_FIELDS, WORKLOADS
 
 MAX_BUDGET_S = 7 * 86400.0
-_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+_DURATION = re.compile(
+    r"(?:([0-9]+(?:\.[0-9]+)?)h)?(?:([0-9]+(?:\.[0-9]+)?)m)?(?:([0-9]+(?:\.[0-9]+)?)s)?"
+)
 
 
 def parse_budget(text: str, *, name: str = "--budget") -> float:
     """A time budget in seconds from `90`, `90s`, `5m`, `1.5h` or `1h30m`: above 0, at most a
     week; anything else (spaces, signs, other units, nothing) is refused."""
-    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+    if re.fullmatch(r"[0-9]+(?:\.[0-9]+)?", text):
         seconds = float(text)
     elif text and (m := _DURATION.fullmatch(text)):
         h, mins, secs = (float(g) if g else 0.0 for g in m.groups())

@@ -15,11 +15,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmrun.runners.lists import whole
+
 from .counter import Unavailable
 
 ROOT_ENV = "LLMRUN_POWERCAP_ROOT"
 DEFAULT_ROOT = "/sys/class/powercap"
-ZONE = re.compile(r"^(intel-rapl|amd-rapl):(\d+)(?::(\d+))?$")
+ZONE = re.compile(r"^(intel-rapl|amd-rapl):([0-9]+)(?::([0-9]+))?$")
 ROOT_ONLY = "powercap is root-only here: run as root or grant read access to energy_uj"
 
 
@@ -33,11 +35,16 @@ class _Zone:
 
 
 def _read_int(path: Path) -> int:
-    return int(path.read_text().strip())
+    """A counter file's whole number (ASCII digits, as the kernel writes it)."""
+    text = path.read_text().strip()
+    value = whole(text)
+    if value is None:
+        raise ValueError(f"{text[:20]!r} is not a count")
+    return value
 
 
 def _order(name: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", name))
+    return tuple(int(n) for n in re.findall(r"[0-9]+", name))
 
 
 class PowercapCounter:
@@ -64,6 +71,11 @@ class PowercapCounter:
                 raise Unavailable(ROOT_ONLY) from None
             except (OSError, ValueError) as e:
                 raise Unavailable(f"reading {zone.path / 'energy_uj'} failed: {e}") from None
+            if now > zone.range_uj:  # the kernel's counter wraps at its range: this is none
+                raise Unavailable(
+                    f"{zone.path / 'energy_uj'} reads {now} µJ, past its range of"
+                    f" {zone.range_uj} µJ: not a RAPL counter"
+                )
             delta = now - zone.last_uj
             if delta < 0:  # wrapped: it counted up to the range, then on from zero
                 delta += zone.range_uj
@@ -118,6 +130,8 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
             denied = True
             continue
         except (OSError, ValueError):
+            continue
+        if not 0 <= last <= range_uj or range_uj == 0:  # no counter the kernel writes
             continue
         seen.add(label)
         zones.append(_Zone(entry, label, range_uj, last))

@@ -34,7 +34,7 @@ MAX_AGE_S = 12 * 3600  # Ollama's; browsers cap it lower (Chrome: 2 h)
 ANY_ORIGIN = "*"
 _ORIGIN = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@]+)"
-    r"(?::(?P<port>\d{1,5}))?",
+    r"(?::(?P<port>[0-9]{1,5}))?",
     re.IGNORECASE,
 )
 _DEFAULT_PORTS = {"http": "80", "https": "443"}

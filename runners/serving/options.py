@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmrun.runners.errors import BadRequestError, OptionError
-from llmrun.runners.lists import parse_values
+from llmrun.runners.lists import parse_values, real
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.batching import Policy
 from llmrun.runners.serving.prompts import Dataset
@@ -27,10 +27,9 @@ MAX_OUTPUT_LEN = MAX_INPUT_LEN
 
 
 def parse_rate(text: str) -> float:
-    try:
-        rate = float(text)
-    except ValueError:
-        raise OptionError(f"--request-rate: '{text}' is not a number or inf") from None
+    rate = real(text)
+    if rate is None:
+        raise OptionError(f"--request-rate: '{text}' is not a number or inf")
     if math.isnan(rate) or rate <= 0:
         raise OptionError(
             f"--request-rate: '{text}' must be a number above 0 (inf: all requests at once)"
@@ -75,10 +74,10 @@ def check_prompts(
 
 def parse_percentiles(text: str) -> tuple[float, ...]:
     """`50,90,99` -> (50.0, 90.0, 99.0)."""
-    try:
-        values = tuple(float(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise OptionError(f"--percentiles: '{text}' should be numbers such as 50,90,99") from None
+    read = [real(p) for p in text.split(",") if p.strip()]
+    values = tuple(v for v in read if v is not None)
+    if len(values) < len(read):
+        raise OptionError(f"--percentiles: '{text}' should be numbers such as 50,90,99")
     if not values or any(not 0 <= v <= 100 for v in values):
         raise OptionError("--percentiles: give values between 0 and 100, such as 50,90,99")
     return values
@@ -94,10 +93,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
         name = name.strip().lower()
         if name not in ("ttft", "tpot", "e2el") or not value.strip():
             raise OptionError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
-        try:
-            slo[name] = float(value) / 1000
-        except ValueError:
-            slo[name] = math.nan
+        slo[name] = (real(value) or math.nan) / 1000
         if not math.isfinite(slo[name]) or slo[name] <= 0:
             raise OptionError(f"--slo: '{value}' is not a positive number of milliseconds")
     return slo
