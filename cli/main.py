@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import io
 import os
 import signal
 import sys
@@ -26,7 +28,25 @@ from . import EXIT_INTERRUPTED, STOP_SIGNALS, interrupted_at_startup
 _terminated_by: int | None = None  # the exit code of the SIGTERM/SIGHUP that ended the command
 
 
+class _ClosedStdout(io.TextIOBase):
+    """stdout that the caller closed (`>&-`): the first write fails as writing to a closed
+    descriptor does (one line, exit 1, as `> /dev/full`), where /dev/null lost the result
+    without a word."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed (>&-): the output has nowhere to go")
+
+    def isatty(self) -> bool:
+        return False
+
+
 def _reopen_closed_std_streams() -> None:
+    """A closed descriptor is reopened on /dev/null, so that no file opened later takes it and
+    receives what was meant for it; stdin reads nothing there and stderr's lines are dropped
+    (there is nowhere to say so), but stdout's output is a result: its first write fails."""
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         try:
             os.fstat(fd)
@@ -37,7 +57,8 @@ def _reopen_closed_std_streams() -> None:
         if null != fd:
             os.dup2(null, fd)
             os.close(null)
-        setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))  # noqa: SIM115
+        stream = open(fd, mode, closefd=False, errors="replace")  # noqa: SIM115
+        setattr(sys, name, _ClosedStdout() if fd == 1 else stream)
 
 
 def _same_text_in_every_locale() -> None:
@@ -157,6 +178,11 @@ def _main() -> None:
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(_terminated_by or EXIT_INTERRUPTED) from None
+    except OSError as e:  # --help or --version into a closed stdout (commands have handled())
+        if e.errno != errno.EBADF:
+            raise
+        print(f"llmrun: error: {e.strerror}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # python -m llmrun.cli.main: as the llmrun script

@@ -899,6 +899,19 @@ def test_with_stderr_closed_nothing_lands_on_stdout(llmrun_env: dict[str, str]) 
         assert b"llmrun:" not in result.stdout and b"prompt" not in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--version"], ["--help"], ["models"], ["run", "--raw", "-n", "3", "--temp", "0", "-q", "hi"]],
+    ids=" ".join,
+)
+def test_with_stdout_closed_the_result_is_not_lost_in_silence(
+    args: list[str], llmrun_env: dict[str, str]
+) -> None:
+    """`llmrun run … >&-` exited 0 with its answer written to /dev/null."""
+    line = one_error(llmrun(args, llmrun_env, shell_suffix=">&-"))
+    assert "stdout is closed (>&-): the output has nowhere to go" in line, line
+
+
 def test_a_hub_reference_without_network_fails_fast(llmrun_env: dict[str, str]) -> None:
     env = {**llmrun_env, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     env.pop("HF_HUB_OFFLINE")
