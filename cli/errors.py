@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from llmrun.runners.errors import (
+    DIRECTORY,
     AmbiguousModelError,
     BadEndpointError,
     BadRequestError,
@@ -92,7 +93,11 @@ def _too_long(e: LlmrunError) -> str:
 
 HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     ModelNotFoundError: lambda e: "give a .gguf path or a Hub reference such as owner/repo:Q4_K_M",
-    InvalidModelFileError: lambda e: "download the file again; llmrun loads GGUF v2/v3 files",
+    InvalidModelFileError: lambda e: (
+        "give the .gguf file in it"
+        if getattr(e, "problem", "") == DIRECTORY
+        else "download the file again; llmrun loads GGUF v2/v3 files"
+    ),
     ContextError: lambda e: "",  # llama.cpp's words name the setting it refused
     ModelLoadError: lambda e: "the file may be for a newer llama.cpp, or damaged",
     DefaultModelMissingError: lambda e: f"run 'make demo' or '{DEFAULT_MODEL_INSTALL}'",

@@ -9,7 +9,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from llmrun.runners.models import ListedModel, list_models, resolve_model
+from llmrun.runners.errors import OptionError
+from llmrun.runners.models import ListedModel, is_hub_ref, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
@@ -23,6 +24,11 @@ def pull(
 ) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache, without running it."""
     with handled():
+        if not is_hub_ref(ref.strip()):  # a path, or nothing: there is nothing to download
+            raise OptionError(
+                f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
+                " owner/repo/file.gguf"
+            )
         resolved = resolve_model(ref)
         typer.echo(resolved.path)
 

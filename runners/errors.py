@@ -17,6 +17,9 @@ class ModelNotFoundError(LlmrunError):
         self.path = path
 
 
+DIRECTORY = "is a directory, not a GGUF file"  # InvalidModelFileError's problem for a folder
+
+
 class InvalidModelFileError(LlmrunError):
     """The file exists but is not a GGUF file llama.cpp can load (wrong magic, truncated, ...)."""
 

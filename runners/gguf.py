@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidModelFileError, ModelNotFoundError
+from .errors import DIRECTORY, InvalidModelFileError, ModelNotFoundError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -290,7 +290,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     if not os.path.exists(path):
         raise ModelNotFoundError(path)
     if os.path.isdir(path):
-        raise InvalidModelFileError(path, "is a directory, not a GGUF file")
+        raise InvalidModelFileError(path, DIRECTORY)
     file_size = os.path.getsize(path)
     if file_size < 24:
         raise InvalidModelFileError(path, "not a GGUF file (too short)")

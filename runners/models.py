@@ -24,6 +24,7 @@ from .errors import (
     HubError,
     LlmrunError,
     ModelNotFoundError,
+    OptionError,
 )
 from .gguf import GGUFInfo, read_gguf
 
@@ -80,8 +81,12 @@ def is_hub_ref(ref: str) -> bool:
 
 def resolve_model(ref: str | None) -> ResolvedModel:
     """Find (and if needed download) the GGUF file a model reference names."""
-    if not ref:
+    if ref is None:
         return ResolvedModel(default_model_path(), "default", "")
+    if not ref.strip():  # `-m ''` ran the embedded model, where an empty path is refused
+        raise OptionError(
+            "-m/--model: an empty name names no model (leave -m out for the embedded one)"
+        )
     if not is_hub_ref(ref):
         path = os.path.expanduser(ref)
         if not os.path.exists(path):

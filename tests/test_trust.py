@@ -721,6 +721,27 @@ def test_llama_cpp_gives_its_own_reason(
     assert "unknown tokenizer: 'gpt3'" in line, line
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run", "-m", "", "hi"], "-m/--model: an empty name names no model"),
+        (["bench", "-m", "a,,b"], "-m/--model: an empty name names no model"),
+        (["serve", "-m", " "], "-m/--model: an empty name names no model"),
+        (["pull", ""], "pull: '' is no Hub reference; give owner/repo"),
+        (["pull", "/etc/passwd"], "pull: '/etc/passwd' is no Hub reference"),
+        (["run", "-m", "/tmp", "hi"], "/tmp: is a directory, not a GGUF file (give the .gguf"),
+    ],
+)
+def test_a_model_that_names_none_is_refused(args: list[str], says: str, cli: CliRunner) -> None:
+    """`-m ''` ran the embedded model while every empty path was refused; `pull ''` printed
+    the embedded model's path and `pull /etc/passwd` echoed it, both exit 0; a folder given as
+    the model was told to download the file again."""
+    result = cli.invoke(app, args)
+    assert result.exit_code in (1, 2), result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("llmrun: error: ") and says in line, line
+
+
 def test_a_refused_context_blames_the_setting_not_the_file(
     model_path: str, llmrun_env: dict[str, str]
 ) -> None:

@@ -95,6 +95,8 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
     """The package and dram zones under `root`; `Unavailable` with the reason where none can
     be read."""
     base = powercap_root(root)
+    if base.exists() and not base.is_dir():
+        raise Unavailable(f"no RAPL counters: {base} is a file, not the powercap folder")
     if not base.is_dir():
         raise Unavailable(
             f"no RAPL counters: {base} is missing here, as in most VMs and containers"
