@@ -163,6 +163,11 @@ def llama_lib() -> Any:
     return _lib
 
 
+def max_sequences() -> int:
+    """The most sequences one context holds in this llama.cpp (LLAMA_MAX_SEQ, 256 in 0.3.36)."""
+    return int(llama_lib().llama_max_parallel_sequences())
+
+
 _c_library: Any = None
 _c_log_callback: Any = None  # kept referenced, as _log_callback
 

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli.app import app
+from llmrun.runners.library import max_sequences
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import figures as f
 from llmrun.runners.serving.load import ServingLevel
@@ -97,7 +98,9 @@ def test_the_two_meanings_of_concurrency_are_named_apart() -> None:
     ("args", "message", "code"),
     [
         (["--max-concurrency", "2"], "--max-concurrency: the client's limit against a server", 2),
-        (["--slots", "0"], "--slots: 0 is out of range 1..16777216", 2),
+        (["--slots", "0"], "--slots: 0 is out of range 1..", 2),
+        # llama.cpp's LLAMA_MAX_SEQ, before the model loads (it loaded, then the context failed)
+        (["--slots", "100000"], f"--slots: 100000 is out of range 1..{max_sequences()}", 2),
         (["--slots", "2", "--concurrency", "2"], "--concurrency and --slots say the same", 2),
     ],
 )

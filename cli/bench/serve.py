@@ -23,6 +23,7 @@ from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.errors import BadRequestError
+from llmrun.runners.library import max_sequences
 from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
     DEFAULT_INPUT_LEN,
@@ -210,7 +211,12 @@ class LoadOptions(OptionRecord):
                 if value is not None and value != 0:
                     usage_error(f"{flag}: random prompts only, not with --dataset")
         return ServeOptions(
-            concurrency=parse_concurrency(*self.levels(endpoint)),
+            concurrency=parse_concurrency(
+                *self.levels(endpoint),
+                # this machine's engine: the sequences one llama.cpp context holds (past them,
+                # the model loaded first and then llama.cpp refused the context)
+                maximum=1 << 24 if endpoint else max_sequences(),
+            ),
             request_rate=parse_rate(self.request_rate),
             num_prompts=self.num_prompts,
             input_len=DEFAULT_INPUT_LEN if self.input_len is None else self.input_len,

@@ -108,6 +108,34 @@ def loopback_address(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def host_problem(host: str | None) -> str | None:
+    """Why a Host header is no host[:port] at all (RFC 9110: ASCII, a port of digits), or
+    None: such a request is malformed (400), not a foreign name (403)."""
+    if host is None:
+        return None
+    if not host.isascii():  # a name on the wire is ASCII (punycode); h11 gives bytes as latin-1
+        return "is not ASCII (a host name goes in punycode)"
+    if host.strip().startswith("[") and "]" not in host:
+        return "opens an IPv6 address with [ and never closes it"
+    rest = host.strip().rpartition("]")[2] if host.strip().startswith("[") else host
+    _, colon, port = rest.partition(":")
+    number = whole(port)
+    if colon and port and (number is None or number > 65535):  # RFC 3986: port = *DIGIT
+        return "has a port that is no number up to 65535"
+    return None
+
+
+def origin_problem(origin: str) -> str | None:
+    """Why an Origin header is malformed (400) rather than foreign (403, with the
+    --allow-origin that would let it in), or None."""
+    if not origin.isascii():
+        return "is not ASCII (a host name goes in punycode)"
+    port = re.fullmatch(r"[^:/]+://[^/]*:([0-9]+)", origin.strip())
+    if port is not None and int(port[1]) > 65535:
+        return "has a port past 65535"
+    return None
+
+
 def loopback_host(host: str | None) -> bool:
     """A Host header that names this machine's loopback: localhost, *.localhost (RFC 6761),
     127.x.x.x or [::1], with or without a port. No Host at all (HTTP/1.0) passes too."""
@@ -116,10 +144,10 @@ def loopback_host(host: str | None) -> bool:
     host = host.strip().lower()
     if host.startswith("["):
         name, bracket, rest = host[1:].partition("]")
-        port_ok = rest == "" or (rest[:1] == ":" and whole(rest[1:]) is not None)
+        port_ok = rest == "" or (rest[:1] == ":" and 1 <= (whole(rest[1:]) or 0) <= 65535)
         return bool(bracket) and port_ok and loopback_address(name)
     name, colon, port = host.partition(":")
-    if colon and whole(port) is None:
+    if colon and not 1 <= (whole(port) or 0) <= 65535:
         return False
     name = name.removesuffix(".")
     return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
@@ -170,6 +198,10 @@ class AccessGuard:
         scope = strip_slashes(scope)
         headers = Headers(scope=scope)
         host = headers.get("host")
+        problem = host_problem(host)
+        if problem is not None:
+            await self.forbidden(400, f"Host {host!a} {problem}")(scope, receive, send)
+            return
         if self.access.check_host and not loopback_host(host):
             await self.forbidden(
                 403,
@@ -182,6 +214,10 @@ class AccessGuard:
         origin = headers.get("origin")
         if origin is None:
             await self.app(scope, receive, send)
+            return
+        problem = origin_problem(origin)
+        if problem is not None:
+            await self.forbidden(400, f"Origin {origin!a} {problem}")(scope, receive, send)
             return
         if not self.access.origin_allowed(origin):
             await self.forbidden(

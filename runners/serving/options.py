@@ -99,8 +99,10 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def parse_concurrency(text: str, name: str = "--concurrency") -> tuple[int, ...]:
-    return tuple(parse_values(text, name=name, minimum=1))
+def parse_concurrency(
+    text: str, name: str = "--concurrency", maximum: int = 1 << 24
+) -> tuple[int, ...]:
+    return tuple(parse_values(text, name=name, minimum=1, maximum=maximum))
 
 
 def parse_policies(text: str) -> tuple[Policy, ...]:
