@@ -16,6 +16,7 @@ from typing import Any, NoReturn, TextIO
 import typer
 from rich.console import Console
 
+import llmrun.cli
 from llmrun.runners.errors import (
     DIRECTORY,
     AmbiguousModelError,
@@ -112,7 +113,11 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
-    BadEndpointError: lambda e: "give --endpoint as http://HOST:PORT",
+    BadEndpointError: lambda e: (
+        "give LLMRUN_ENDPOINT as http://HOST:PORT"
+        if "--endpoint" in llmrun.cli.from_environment
+        else "give --endpoint as http://HOST:PORT"
+    ),
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
     ServerTimeoutError: lambda e: "raise --timeout for slow servers",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+import llmrun.cli
 from llmrun.runners.base import Event, Finished, Request, Runner, Token
 from llmrun.runners.reasoning import ShownSplitter
 from llmrun.runners.stats import FINISH_STDOUT_CLOSED
@@ -209,11 +210,13 @@ def energy_meter(runner: Runner, *, together: bool = False) -> PhaseMeter | None
     mode = _ENERGY[0]
     if mode == "off":
         return None
+    elsewhere = False  # the work is not this machine's one at a time: no counter could see it
     if together:
         meter = PhaseMeter.unmetered(
             "the requests ran together (--parallel): energy is metered per request only when"
             " they run one at a time"
         )
+        elsewhere = True
     elif (found := _kept(runner)) is not None:
         return found
     else:
@@ -222,11 +225,16 @@ def energy_meter(runner: Runner, *, together: bool = False) -> PhaseMeter | None
             meter = PhaseMeter.unmetered(
                 "the model runs on a server, whose energy is not seen here"
             )
+            elsewhere = True
         else:
             config = getattr(runner, "config", None)
             meter = open_meter(gpu=getattr(config, "n_gpu_layers", None) != 0)
         with contextlib.suppress(TypeError):  # a runner that cannot be weakly referenced
             _METERS[runner] = meter
+    # LLMRUN_ENERGY=on asks for every command's energy; where this one's cannot be seen by
+    # design, it is the reason in the report, as with auto (typed, --energy on is refused)
+    if elsewhere and "--energy" in llmrun.cli.from_environment:
+        return meter
     if mode == "on" and not meter.counters:
         why = "; ".join(dict.fromkeys(meter.reasons.values())) or "no energy counter"
         raise BadRequestError(f"--energy on: no energy counter can be read here ({why})")

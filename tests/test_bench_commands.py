@@ -235,6 +235,19 @@ def test_a_local_setting_from_the_environment_does_not_refuse_an_endpoint(
     assert "with LLMRUN_ENDPOINT the server's own settings decide" in typed.stderr, typed.stderr
 
 
+def test_what_the_environment_set_is_named_by_its_variable() -> None:
+    """LLMRUN_ENDPOINT=garbage said `give --endpoint as http://HOST:PORT`, an option the user
+    never typed; a policy against LLMRUN_ENDPOINT's server was exit 1 where every other
+    option that does not apply is a usage error."""
+    bad = CliRunner().invoke(app, ["run", "-n", "1", "hi"], env={"LLMRUN_ENDPOINT": "garbage"})
+    assert bad.exit_code == 1
+    assert bad.stderr.strip().endswith("(give LLMRUN_ENDPOINT as http://HOST:PORT)"), bad.stderr
+    env = {"LLMRUN_ENDPOINT": "http://127.0.0.1:9"}
+    policy = CliRunner().invoke(app, ["bench", "serve", "--policy", "prefill-first"], env=env)
+    assert policy.exit_code == 2, policy.stderr
+    assert "--policy: the server schedules its own requests" in policy.stderr
+
+
 def test_each_help_lists_only_its_jobs_options() -> None:
     sweep_help, serve_help = _options(("bench",)), _options(("bench", "serve"))
     assert "--concurrency" not in sweep_help and "--endpoint" not in sweep_help

@@ -499,6 +499,26 @@ def test_requests_run_together_and_remote_requests_are_not_metered() -> None:
     )
 
 
+def test_energy_on_from_the_environment_reports_a_servers_run(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLMRUN_ENERGY=on made every `run --endpoint` fail (`--energy on: no energy counter can be
+    read here`): the variable asks for each command's energy, and a server's is the reason
+    in the report; typed, --energy on is still refused there."""
+    from .stub_server import stub_server
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "no-powercap"))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with stub_server() as url:
+        result = cli.invoke(
+            app, ["run", "--endpoint", url, "-n", "3", "hi"], env={"LLMRUN_ENERGY": "on"}
+        )
+        assert result.exit_code == 0, result.stderr
+        assert "energy   not available (the model runs on a server" in result.stderr
+        typed = cli.invoke(app, ["run", "--endpoint", url, "--energy", "on", "-n", "3", "hi"])
+        assert typed.exit_code == 1 and "--energy on: no energy counter" in typed.stderr
+
+
 class CpuTimeCounter:
     """A counter of this process's CPU seconds at 10 W each: the real engine's work moves it."""
 

@@ -22,7 +22,6 @@ from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, usage_er
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import max_sequences
 from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
@@ -292,11 +291,10 @@ def serve(
         delivery = Delivery(output, compare, store=not no_history)
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
-                if policy != DEFAULT_POLICIES:
-                    raise BadRequestError(
-                        "--policy: the server schedules its own requests;"
-                        " policies apply without --endpoint"
-                    )
+                o.refuse_given(  # a usage error, as interference's
+                    {"--policy": policy != DEFAULT_POLICIES},
+                    "the server schedules its own requests; policies apply without --endpoint",
+                )
                 engine.refuse_for(endpoint)
                 server = Server(endpoint, model, remote.api_key, remote.timeout)
                 code = _remote(server, options, screen, delivery)
