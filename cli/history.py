@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.history import (
     SQLITE_MAX_INT,
     Comparison,
@@ -192,6 +192,10 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
 
 
 def _export(h: History, target: str, model: str | None) -> None:
+    if not target.strip():  # Path('') is '.': it said `. exists: ... | sqlite3 .`
+        raise OptionError("--export-sql: give a new file's name, or - for the SQL on stdout")
+    if Path(target).is_dir():
+        raise BadRequestError(f"--export-sql {target}: a folder; give a new file's name")
     # llmrun's own results: llama-bench's rows in the history are in a llama_bench table already
     records = [s.record for s in h.bench_results(model=model) if s.tool == "llmrun"]
     if not records:

@@ -9,10 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import BadRequestError
+
 
 def _base(kind: str, xdg_var: str, default: str) -> Path:
     home = os.environ.get("LLMRUN_HOME")
     if home:
+        if os.path.exists(home) and not os.path.isdir(home):
+            raise BadRequestError(
+                f"LLMRUN_HOME={home!r} is a file: it names the folder that holds llmrun's files"
+            )
         return Path(home) / kind
     root = os.environ.get(xdg_var) or str(Path.home() / default)
     return Path(root) / "llmrun"

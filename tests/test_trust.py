@@ -742,6 +742,30 @@ def test_a_model_that_names_none_is_refused(args: list[str], says: str, cli: Cli
     assert line.startswith("llmrun: error: ") and says in line, line
 
 
+@pytest.mark.parametrize(
+    "args", [["history"], ["bench", "-r", "1", "-p", "8", "-n", "0"], ["doctor"]], ids=" ".join
+)
+def test_a_home_that_is_a_file_is_refused_before_the_work(
+    args: list[str], cli: CliRunner, tmp_path: Path
+) -> None:
+    """LLMRUN_HOME naming a file: bench ran whole and then said it could not store the run,
+    and history showed `[Errno 20] Not a directory: '…/data'`."""
+    home = tmp_path / "afile"
+    home.write_text("x")
+    result = cli.invoke(app, args, env={"LLMRUN_HOME": str(home)})
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"llmrun: error: LLMRUN_HOME={str(home)!r} is a file: it names the folder that holds"
+        " llmrun's files"
+    ]
+    done = cli.invoke(app, ["history", "--export-sql", ""], env={"LLMRUN_HOME": str(tmp_path)})
+    assert done.exit_code == 2 and "--export-sql: give a new file's name" in done.stderr
+    done = cli.invoke(
+        app, ["history", "--export-sql", str(tmp_path)], env={"LLMRUN_HOME": str(tmp_path)}
+    )
+    assert done.exit_code == 1 and "a folder; give a new file's name" in done.stderr
+
+
 def test_a_refused_context_blames_the_setting_not_the_file(
     model_path: str, llmrun_env: dict[str, str]
 ) -> None:
