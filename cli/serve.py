@@ -223,6 +223,9 @@ def serve(
         connections = parse_max_connections(
             server.max_connections, server.parallel, server.max_queue
         )
+        if server.alias is not None and not (server.alias.strip() and server.alias.isprintable()):
+            # a newline went raw into the "listening on" line and into every /v1/models
+            raise BadRequestError(f"--alias {server.alias!r}: give a name of printable text")
     except BadRequestError as e:
         usage_error(str(e))
     with handled():

@@ -769,6 +769,9 @@ def test_a_bad_policy_is_one_line_before_any_model_loads(fake: FakeRunner) -> No
         (["--allow-origin", "app.example"], "--allow-origin: 'app.example' is not an origin"),
         (["--allow-origin", "https://*.*.example"], "--allow-origin: 'https://*.*.example' is not"),
         (["--allow-origin", "https://app.example/*"], "--allow-origin: 'https://app.example/*'"),
+        (["--allow-origin", "http://a\nb"], "--allow-origin: 'http://a\\nb' is not an origin"),
+        (["--alias", "a\nb"], "--alias 'a\\nb': give a name of printable text"),
+        (["--alias", " "], "--alias ' ': give a name of printable text"),
     ],
 )
 def test_bad_connection_caps_and_origins_are_usage_errors(

@@ -33,7 +33,7 @@ EXPOSE_HEADERS = "Retry-After"
 MAX_AGE_S = 12 * 3600  # Ollama's; browsers cap it lower (Chrome: 2 h)
 ANY_ORIGIN = "*"
 _ORIGIN = re.compile(
-    r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@]+)"
+    r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[^/:?#\[\]@\x00-\x20\x7f]+)"
     r"(?::(?P<port>[0-9]{1,5}))?",
     re.IGNORECASE,
 )
