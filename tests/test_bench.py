@@ -319,7 +319,7 @@ def test_ctrl_c_keeps_finished_results(llmrun_env: dict[str, str], tmp_path: Pat
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 130
-    assert "interrupted: keeping the 1 finished results" in child.before
+    assert "llmrun: interrupted: keeping the 1 finished results" in child.before
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["test"] for r in rows] == ["pp16"]
     db = sqlite3.connect(tmp_path / "home" / "data" / "history.sqlite")

@@ -233,11 +233,18 @@ def test_serving_benchmark_counts_failed_requests(cli: CliRunner, home: Path) ->
     result = bench_against_stub(
         cli, "--concurrency", "2", "--num-prompts", "3", "--warmup", "0", model="boom"
     )
-    assert result.exit_code == 0, result.stderr
+    # every request failed: the row is printed, not stored, and the run is an error (it was
+    # exit 0 with a table of empty figures)
+    assert result.exit_code == 1, result.stderr
     (row,) = json.loads(result.stdout)
     assert (row["completed"], row["failed"]) == (0, 3)
     assert any("internal failure in the stub" in e for e in row["errors"])
     assert "failed requests" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("llmrun: error: every request failed, nothing was measured: "), last
+    assert "internal failure in the stub" in last
+    stored = cli.invoke(app, ["history"])
+    assert "no bench runs stored yet" in stored.stdout.lower(), stored.output
 
 
 def test_local_options_are_refused_with_an_endpoint(cli: CliRunner, home: Path) -> None:

@@ -18,10 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli import options as o
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, usage_error
+from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, print_error, usage_error
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
+from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import max_sequences
 from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
@@ -368,12 +369,15 @@ def _report(
     name: str,
     endpoint: str,
 ) -> int:
-    """The levels stored, then printed; the comparison with earlier runs after them."""
+    """The levels stored, then printed; the comparison with earlier runs after them. A run
+    whose every request failed measured nothing: printed, not stored, and exit 1 (it was 0,
+    with a table of empty figures, against a server that did not know the model)."""
     interrupted = screen.cancel.is_set()
+    measured = any(level.metrics.completed for level in done)
     records = [r.record() for r in done]
     if interrupted:
         screen.err.print(
-            f"interrupted: keeping the {len(records)} finished results", style="yellow"
+            f"llmrun: interrupted: keeping the {len(records)} finished results", style="yellow"
         )
     run = out.RunRecords(
         records=records,
@@ -388,12 +392,18 @@ def _report(
         output=delivery.output,
         show=screen.show,
         table=serving_table(done, options.percentiles),
-        store=delivery.store,
+        store=delivery.store and (measured or not done),
         compare=delivery.compare,
     )
     if changes is not None:
         screen.show.print(out.compare_table(changes))
-    return EXIT_INTERRUPTED if interrupted else 0
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if done and not measured:
+        first = next((e for level in done for e in level.metrics.errors), "no token came back")
+        print_error(BadRequestError(f"every request failed, nothing was measured: {first}"))
+        return 1
+    return 0
 
 
 def _num(value: float | None, fmt: str) -> str:

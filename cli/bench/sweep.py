@@ -411,7 +411,9 @@ def _report(
     records = [d.record for d in stream.done]
     rows = [d.row for d in stream.done]
     if interrupted:
-        err.print(f"interrupted: keeping the {len(records)} finished results", style="yellow")
+        err.print(
+            f"llmrun: interrupted: keeping the {len(records)} finished results", style="yellow"
+        )
     elif not records and skipped:
         print(
             "llmrun: error: every test was skipped; nothing was measured",
