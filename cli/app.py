@@ -182,10 +182,23 @@ def _begin(command: Any, ctx: Any) -> None:
     llmrun.cli.command_started()
 
 
+@contextlib.contextmanager
+def _named(ctx: Any) -> Iterator[None]:
+    """A usage error raised while `ctx`'s command line is read knows its command: the parser's
+    own (`-n` with no value) came without one, and so without the line's `-h` hint."""
+    try:
+        yield
+    except typer.TyperException as e:
+        if getattr(e, "ctx", "") is None:
+            e.ctx = ctx  # type: ignore[attr-defined]
+        raise
+
+
 class _Command(_FlagsShowNoType, typer.core.TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args)
-        rest: list[str] = super().parse_args(ctx, args)
+        with _named(ctx):
+            rest: list[str] = super().parse_args(ctx, args)
         _refuse_nan_in_ranges(self, ctx)
         return rest
 
@@ -197,7 +210,8 @@ class _Command(_FlagsShowNoType, typer.core.TyperCommand):
 class _Group(_FlagsShowNoType, typer.core.TyperGroup):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         _refuse_split_flags(self, ctx, args, names=self.commands)
-        rest: list[str] = super().parse_args(ctx, args)
+        with _named(ctx):
+            rest: list[str] = super().parse_args(ctx, args)
         _refuse_nan_in_ranges(self, ctx)
         return rest
 

@@ -172,7 +172,9 @@ def test_interference_counts_a_broken_stream_failed_as_bench_serve_does(
     rec = json.loads(result.stdout)[0]
     assert rec["failed"] == 2 and rec["itl_p50_ratio"] is None
     assert rec["itl_p50_alone_ms"] is None and rec["ttft_loaded_ms"] is None
-    assert "the steady client's request alone failed" in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("llmrun: error:")]
+    assert len(errors) == 1, result.stderr  # one line, not one per failed request
+    assert "the steady client's request alone and under load failed: " in errors[0], errors
     assert "Traceback" not in result.stderr
 
 

@@ -843,6 +843,7 @@ def test_digits_that_are_not_ascii_are_refused_in_one_line(args: list[str], cli:
         (["bench", "serve", "--num-prompts", "0"], "0 is not in the range 1<=x<=100000."),
         (["run", "-n", "\x1b[31m9", "hi"], "'\\x1b[31m9' is not a whole number."),
         (["run", "-f", "", "hi"], "'-f' / '--file': an empty path names no file"),
+        (["bench", "serve", "-m"], "requires an argument. ('llmrun bench serve -h' lists the"),
     ],
 )
 def test_a_usage_error_is_one_line_and_exit_2(args: list[str], says: str, cli: CliRunner) -> None:

@@ -192,14 +192,23 @@ def _remote(server: Server, options: InterferenceOptions, screen: Screen, output
     _print([f.record() for f in found], output)
     if screen.cancel.is_set():
         return EXIT_INTERRUPTED
-    for which, why in failed:  # as `bench serve` counts a failed request: no figures from it
-        screen.err.print(
-            f"llmrun: error: the steady client's request {which} failed: {why}",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-    return 1 if failed else 0
+    if not failed:
+        return 0
+    # as `bench serve` counts a failed request: no figures from it; one line for all (it was a
+    # line each, the same 404 twice)
+    whys = list(dict.fromkeys(why for _, why in failed))
+    text = (
+        f"{' and '.join(which for which, _ in failed)} failed: {whys[0]}"
+        if len(whys) == 1
+        else "failed: " + "; ".join(f"{which}: {why}" for which, why in failed)
+    )
+    screen.err.print(
+        f"llmrun: error: the steady client's request {text}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 1
 
 
 def _print(records: Sequence[dict[str, Any]], output: Format) -> None:
