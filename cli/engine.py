@@ -3,10 +3,12 @@ for fakes."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import llmrun.cli
 from llmrun.runners.base import BenchRunner, Runner
 from llmrun.runners.bench.tuned import apply_tuning
 from llmrun.runners.config import EngineConfig
@@ -84,6 +86,15 @@ def make_runner(
     return RUNNER_FACTORY(model, config)
 
 
+def _local_model_from_environment(model: str | None) -> bool:
+    """LLMRUN_MODEL naming a GGUF file here is the local engine's model: against a server it
+    was sent as the server's model name (`HTTP 404 ... model '/x.gguf' is not served here`).
+    A name (`llama3`) from the variable still names the server's model; typed, -m always does."""
+    if model is None or not {"-m", "--model"} & llmrun.cli.from_environment:
+        return False
+    return model.lower().endswith(".gguf") or os.path.isfile(os.path.expanduser(model))
+
+
 def remote_runner(
     endpoint: str,
     *,
@@ -99,7 +110,7 @@ def remote_runner(
 
     return OpenAIRunner(
         endpoint,
-        model=model,
+        model=None if _local_model_from_environment(model) else model,
         api_key=api_key,
         timeout_s=timeout_s,
         n_ctx=n_ctx,

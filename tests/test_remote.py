@@ -290,3 +290,24 @@ def test_ctrl_c_keeps_the_serving_level_in_progress(
     (row,) = json.loads(out.read_text())
     assert row["interrupted"] is True and row["concurrency"] == 1
     assert 0 < row["completed"] < 40 and row["failed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "sent"),
+    [("/models/x.gguf", None), ("Qwen.GGUF", None), ("llama3", "llama3")],
+)
+def test_a_local_model_from_the_environment_is_not_a_servers_name(
+    model: str, sent: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLMRUN_MODEL=/x.gguf with --endpoint was sent as the server's model name (HTTP 404):
+    a GGUF file here is the local engine's; a name from the variable is still the server's,
+    and a typed -m always is."""
+    import llmrun.cli
+    from llmrun.cli.engine import remote_runner
+
+    monkeypatch.setattr(llmrun.cli, "from_environment", frozenset({"-m", "--model"}))
+    runner = remote_runner("http://127.0.0.1:9", model=model, api_key=None, timeout_s=5)
+    assert runner.model_name == sent
+    monkeypatch.setattr(llmrun.cli, "from_environment", frozenset())
+    typed = remote_runner("http://127.0.0.1:9", model=model, api_key=None, timeout_s=5)
+    assert typed.model_name == model
