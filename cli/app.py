@@ -118,6 +118,10 @@ def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
 
 # What a value of each kind must be, in words (typer's click said "'2.5' is not a valid int
 # range"), and the test it must pass before click converts it.
+# click's Path names itself by what it takes: a file, a directory, or either
+PATH_KINDS = ("path", "file", "directory")
+
+
 def _read(reader: Callable[[str], object]) -> Callable[[str], object]:
     def read(text: str) -> object:
         if reader(text) is None:
@@ -130,7 +134,7 @@ def _read(reader: Callable[[str], object]) -> Callable[[str], object]:
 # ASCII digits only: click's int() and float() also read `٣` (Arabic-Indic), fullwidth digits
 # and `1_0`.
 _KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
-    "integer": ("a whole number", _read(integer)),
+    "int": ("a whole number", _read(integer)),  # typer's own click names int so, not "integer"
     "int range": ("a whole number", _read(integer)),
     "float": ("a number", _read(real)),
     "float range": ("a number", _read(real)),
@@ -150,13 +154,13 @@ def _plain_conversions(command: Any) -> None:
         name = getattr(kind, "name", "")
         if name == "choice":
             kind.case_sensitive = False
-        if name != "path" and name not in _KINDS:
+        if name not in PATH_KINDS and name not in _KINDS:
             continue
 
         def checked(value: Any, param: Any, ctx: Any, convert: Any = kind.convert) -> Any:
             if isinstance(value, str):
                 kind_name = getattr(param.type, "name", "")
-                if kind_name == "path" and not value.strip():
+                if kind_name in PATH_KINDS and not value.strip():
                     raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
                 words, read = _KINDS.get(kind_name, ("", str))
                 try:
@@ -303,6 +307,7 @@ class LazyGroup(_FlagsShowNoType, typer.core.TyperGroup):
     when that command is resolved."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        llmrun.cli.from_environment = frozenset()  # a new command line: nothing from the last
         with _usage_errors_in_one_line():
             return super().make_context(*args, **kwargs)
 

@@ -23,8 +23,9 @@ def pull(
     ],
 ) -> None:
     """Download a GGUF model from the Hugging Face Hub into its cache, without running it."""
+    ref = ref.strip()
     with handled():
-        if not is_hub_ref(ref.strip()):  # a path, or nothing: there is nothing to download
+        if not is_hub_ref(ref):  # a path, or nothing: there is nothing to download
             raise OptionError(
                 f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
                 " owner/repo/file.gguf"

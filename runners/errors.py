@@ -98,6 +98,9 @@ class BadRequestError(LlmrunError):
     param: str | None = None  # the HTTP request's field at fault, where one is (OpenAI's `param`)
 
 
+NO_MODEL = "-m/--model: an empty name names no model (leave -m out for the embedded one)"
+
+
 class OptionError(BadRequestError):
     """A command-line value that cannot be read as its option's syntax (a llama-bench list, a
     policy, a duration, a draft): a usage error, exit 2, like a number that is none."""

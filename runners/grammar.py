@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import BadRequestError
 from .handles import GrammarSampler, Sampler
+from .lists import whole
 
 WHERE = "response_format"
 # Keywords that ask nothing of the value: accepted anywhere.
@@ -440,8 +441,8 @@ def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
         return negation
     for ref in token_refs(grammar):
         if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
-            token = int(by_id[1])
-            if token >= n_vocab:
+            token = whole(by_id[1])  # None past 100 digits (int() fails past 4,300)
+            if token is None or token >= n_vocab:
                 return f"{ref} is no token of the model's {n_vocab:,}"
         else:
             data = ref.encode()
@@ -923,7 +924,8 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
         raise BadRequestError(f"{where}.pattern: a regular expression (a string)")
     if isinstance(pattern, str):
         for low, high in _QUANTIFIER.findall(pattern):
-            if max(int(low), int(high or 0)) > MAX_REPEAT:
+            ends = (whole(low), whole(high or "0"))  # None: more digits than int() takes
+            if None in ends or max(e or 0 for e in ends) > MAX_REPEAT:
                 raise BadRequestError(
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"

@@ -570,29 +570,29 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
     field = SETTING_ALIASES.get(key, key)
     where = f"{option} {text!r}: {key}="
     if key == "run":
-        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", value)
+        m = re.fullmatch(r"([0-9]{1,18})(?:-([0-9]{1,18}))?", value)  # SQLite's integers
         if not m:
-            raise BadRequestError(f"{where} takes a run id or a range such as 3-5, not {value!r}")
+            raise OptionError(f"{where} takes a run id or a range such as 3-5, not {value!r}")
         low, high = int(m[1]), int(m[2] or m[1])
         if high < low:
-            raise BadRequestError(f"{where}{value}: the range runs backwards")
+            raise OptionError(f"{where}{value}: the range runs backwards")
         return (low, high)
     if key == "date":
         if not re.fullmatch(r"[0-9]{4}(-[0-9]{2}(-[0-9]{2})?)?", value) or not _is_date(value):
-            raise BadRequestError(f"{where} takes a day, month or year: 2026-11-30, 2026-11, 2026")
+            raise OptionError(f"{where} takes a day, month or year: 2026-11-30, 2026-11, 2026")
         return value
     if key in ("since", "until"):
         if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", value) or not _is_date(value):
-            raise BadRequestError(f"{where} takes a day such as 2026-11-30, not {value!r}")
+            raise OptionError(f"{where} takes a day such as 2026-11-30, not {value!r}")
         return value
     if key in ("build", "model"):
         return value.lower()
     if key == "tool":
         if value.lower() not in TOOLS:
-            raise BadRequestError(f"{where} takes llmrun or llama-bench, not {value!r}")
+            raise OptionError(f"{where} takes llmrun or llama-bench, not {value!r}")
         return value.lower()
     if field not in LLAMA_BENCH_FIELDS and field not in LLMRUN_PAIR_FIELDS and field != "n_ctx":
-        raise BadRequestError(
+        raise OptionError(
             f"{option} {text!r}: unknown key {key!r}; use build=, run=, date=, since=, until=,"
             " model=, tool= or a setting: t=, b=, ub=, ngl=, fa=, ctk=, ctv=, p=, n=, d= (or a"
             " record field such as n_threads=)"
@@ -601,13 +601,13 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
         return FLASH_ATTN_CODES[value.lower()]
     if field in LLAMA_BENCH_BOOL or field == "repack":
         if value.lower() not in _TRUE + _FALSE:
-            raise BadRequestError(f"{where} takes 1 or 0, not {value!r}")
+            raise OptionError(f"{where} takes 1 or 0, not {value!r}")
         return value.lower() in _TRUE
     if field in _INT_FIELDS:
         try:
             return int(value)
         except ValueError:
-            raise BadRequestError(f"{where} takes a whole number, not {value!r}") from None
+            raise OptionError(f"{where} takes a whole number, not {value!r}") from None
     return value
 
 

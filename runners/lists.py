@@ -8,12 +8,17 @@ import re
 from llmrun.runners.errors import OptionError
 
 MAX_SWEEP_VALUES = 1000
+MAX_DIGITS = 100  # far past any figure an option takes (2**64 has 20 digits)
 
 
 def whole(text: str) -> int | None:
     """`text` as a whole number in ASCII digits, else None. `str.isdigit()` alone also passes `²`
-    and `٣`: `int()` refuses the first with a ValueError and reads the second as 3."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    and `٣`: `int()` refuses the first with a ValueError and reads the second as 3. Past
+    MAX_DIGITS it is none either: Python's int() refuses more than 4,300 digits with a
+    ValueError, and no count, port or size llmrun reads has more than a few dozen."""
+    if len(text) > MAX_DIGITS or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 def integer(text: str) -> int | None:
@@ -28,7 +33,7 @@ def integer(text: str) -> int | None:
 def real(text: str) -> float | None:
     """A number as `float()` reads it (`0.5`, `5e-1`, `inf`, `nan`), in ASCII and without `_`,
     else None; whether inf or nan may pass is the caller's range check."""
-    if not text.isascii() or "_" in text:
+    if not text.isascii() or "_" in text or len(text) > MAX_DIGITS + 10:
         return None
     try:
         return float(text)
@@ -48,6 +53,10 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
     values: list[int] = []
     for part in text.split(","):
         part = part.strip()
+        if len(part) > 3 * MAX_DIGITS:  # int() refuses more than 4,300 digits
+            raise OptionError(
+                f"{name}: '{part[:40]}...' is not a number, list or range like 8-512*4"
+            )
         m = re.fullmatch(r"(-?[0-9]+)(?:-([0-9]+)(?:([*+])([0-9]+))?)?", part)
         if not m:
             raise OptionError(f"{name}: '{part}' is not a number, list or range like 8-512*4")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (
+    NO_MODEL,
     AmbiguousModelError,
     DefaultModelMissingError,
     HubError,
@@ -84,9 +85,7 @@ def resolve_model(ref: str | None) -> ResolvedModel:
     if ref is None:
         return ResolvedModel(default_model_path(), "default", "")
     if not ref.strip():  # `-m ''` ran the embedded model, where an empty path is refused
-        raise OptionError(
-            "-m/--model: an empty name names no model (leave -m out for the embedded one)"
-        )
+        raise OptionError(NO_MODEL)
     if not is_hub_ref(ref):
         path = os.path.expanduser(ref)
         if not os.path.exists(path):

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.cli.bench import flags, interference, machine, serve, serving, sweep, tune
+from llmrun.runners.errors import OptionError
 
 # A value unlike the default for every option a --help lists (a new option needs one here).
 SAMPLES: dict[str, list[str]] = {
@@ -246,6 +247,30 @@ def test_what_the_environment_set_is_named_by_its_variable() -> None:
     policy = CliRunner().invoke(app, ["bench", "serve", "--policy", "prefill-first"], env=env)
     assert policy.exit_code == 2, policy.stderr
     assert "--policy: the server schedules its own requests" in policy.stderr
+
+
+def test_what_came_from_the_environment_is_the_current_command_lines_alone() -> None:
+    import llmrun.cli
+
+    CliRunner().invoke(
+        app, ["run", "--endpoint", "http://127.0.0.1:9", "hi"], env={"LLMRUN_THREADS": "1"}
+    )
+    assert "--threads" in llmrun.cli.from_environment
+    CliRunner().invoke(app, ["run", "--bogus"])  # refused while parsed, before it begins
+    assert llmrun.cli.from_environment == frozenset()
+
+
+def test_model_lists_are_read_as_llama_bench_reads_them() -> None:
+    """llama-bench's getline gives `a.gguf,` one item, and `a,,b` an empty one."""
+    assert flags.hub_models(["a.gguf,"], None, None, None, False) == ["a.gguf"]
+    assert flags.hub_models(["a.gguf,b.gguf", "c"], None, None, None, False) == [
+        "a.gguf",
+        "b.gguf",
+        "c",
+    ]
+    for bad in ("a,,b", ",a", ""):
+        with pytest.raises(OptionError, match="an empty name names no model"):
+            flags.hub_models([bad], None, None, None, False)
 
 
 def test_each_help_lists_only_its_jobs_options() -> None:

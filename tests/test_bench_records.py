@@ -211,7 +211,7 @@ def test_history_takes_llama_benchs_own_rows_as_a_baseline() -> None:
     (pair,) = json.loads(done.stdout)  # build aaaaaaa holds both tools' rows: llmrun's alone
     assert (pair["test"], pair["baseline_avg_ts"], pair["speedup"]) == ("pp8", 150.0, 2.0)
     refused = CliRunner().invoke(app, ["history", "-b", "tool=llama.cpp"])
-    assert refused.exit_code == 1 and "takes llmrun or llama-bench" in refused.stderr
+    assert refused.exit_code == 2 and "takes llmrun or llama-bench" in refused.stderr
 
 
 def test_repacking_asked_where_the_probe_forbids_it_is_off_in_header_and_record(

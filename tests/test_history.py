@@ -464,7 +464,7 @@ def test_history_compares_two_builds_in_every_format() -> None:
     [
         (["-b", "zzzzzzz"], 1, "llmrun: error: no stored bench result has build 'zzzzzzz'"),
         (["-b", "t=9"], 1, "llmrun: error: baseline 't=9' matches no stored bench result"),
-        (["-b", "t=two"], 1, "llmrun: error: -b 't=two': t= takes a whole number"),
+        (["-b", "t=two"], 2, "llmrun: error: -b 't=two': t= takes a whole number"),
         (["-b", "aaaaaaa", "-s", "bogus"], 1, "llmrun: error: --show: unknown 'bogus'"),
         (["-c", "bbbbbbb"], 2, "give the baseline with -b too"),
         (["-o", "json"], 2, "give the baseline with -b too"),

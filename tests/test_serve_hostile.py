@@ -781,6 +781,8 @@ def test_on_loopback_only_loopback_host_names_are_answered(
         ("Host", b"127.0.0.1:99999999999999999999", "has a port that is no number up to 65535"),
         ("Host", "127.0.0.1:\u0668\u0660".encode(), "is not ASCII"),
         ("Host", b"localhost:8x", "has a port that is no number up to 65535"),
+        ("Host", b"localhost:" + b"9" * 5000, "has a port that is no number up to 65535"),
+        ("Origin", b"http://a:" + b"9" * 5000, "has a port past 65535"),
         ("Host", b"[::1", "opens an IPv6 address with [ and never closes it"),
         ("Origin", "http://127.0.0.1:\u0668\u0660".encode(), "is not ASCII"),
         ("Origin", b"http://127.0.0.1:99999999", "has a port past 65535"),

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmrun.cli import inputs, options
-from llmrun.cli.app import app
+from llmrun.cli.app import PATH_KINDS, app
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.limits import (
@@ -205,7 +205,7 @@ UNBOUNDED = {
 
 def _numbers() -> list[tuple[str, str, typing.Any]]:
     """(command, flag, upper end or None) for every whole or real number option."""
-    kinds = ("integer", "int range", "float", "float range")
+    kinds = ("int", "int range", "float", "float range")  # typer's click: "int", not "integer"
     return [
         (path, p.opts[0], getattr(p.type, "max", None))
         for path, p in _every_option()
@@ -230,7 +230,7 @@ def test_a_number_past_its_upper_end_is_a_usage_error(command: str, flag: str, h
 
 
 def _paths() -> list[tuple[str, str]]:
-    return [(path, p.opts[0]) for path, p in _every_option() if _kind(p) == "path"]
+    return [(path, p.opts[0]) for path, p in _every_option() if _kind(p) in PATH_KINDS]
 
 
 @pytest.mark.parametrize(("command", "flag"), _paths())

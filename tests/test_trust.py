@@ -520,7 +520,7 @@ def test_bench_refuses_negative_and_endless_sizes(cli: CliRunner) -> None:
 def test_bench_refuses_an_unknown_load_mode_before_a_load(cli: CliRunner) -> None:
     """-lm bogus reached llama.cpp's table after the load's header: a KeyError."""
     result = cli.invoke(app, ["bench", "-lm", "mmap,bogus", "-r", "1", "-p", "8", "-n", "0"])
-    assert result.exit_code == 1, result.stderr
+    assert result.exit_code == 2, result.stderr  # a name the option does not take: usage
     assert result.stderr.strip().splitlines()[-1] == (
         "llmrun: error: -lm: 'bogus' is not auto, none, mmap, mlock, mmap+mlock, dio"
     )
@@ -531,14 +531,14 @@ def test_bench_refuses_an_unknown_load_mode_before_a_load(cli: CliRunner) -> Non
 
 
 @pytest.mark.parametrize(
-    ("name", "says"),
-    [
-        ("charts.txt", "name the picture's format by its ending, one of avif, eps, "),
-        ("charts", "name the picture's format by its ending"),
-        ("", "give a file name such as charts.png"),
-        ("{tmp}", "a folder; give a file name such as charts.png"),
-        ("{tmp}/no/x.png", "there is no folder {tmp}/no"),
-        ("/proc/x.png", "cannot write it: "),
+    ("name", "says", "code"),
+    [  # a name that is none is a usage error; a place that cannot be written, exit 1
+        ("charts.txt", "name the picture's format by its ending, one of avif, eps, ", 2),
+        ("charts", "name the picture's format by its ending", 2),
+        ("", "give a file name such as charts.png", 2),
+        ("{tmp}", "a folder; give a file name such as charts.png", 1),
+        ("{tmp}/no/x.png", "there is no folder {tmp}/no", 1),
+        ("/proc/x.png", "cannot write it: ", 1),
     ],
 )
 @pytest.mark.parametrize(
@@ -547,13 +547,13 @@ def test_bench_refuses_an_unknown_load_mode_before_a_load(cli: CliRunner) -> Non
     ids=" ".join,
 )
 def test_a_plot_that_cannot_be_written_is_refused_before_the_run(
-    name: str, says: str, command: list[str], cli: CliRunner, tmp_path: Path
+    name: str, says: str, code: int, command: list[str], cli: CliRunner, tmp_path: Path
 ) -> None:
     """--plot y.txt failed with matplotlib's ValueError after the whole run, and --plot DIR said
     `charts written to DIR`."""
     given = name.format(tmp=tmp_path)
     result = cli.invoke(app, [*command, "--plot", given])
-    assert result.exit_code == 1, result.stderr
+    assert result.exit_code == code, result.stderr
     [line] = result.stderr.splitlines()  # one line, and no load's header before it
     assert line.startswith(
         f"llmrun: error: --plot{' ' + given if given else ''}: {says}".format(tmp=tmp_path)
@@ -717,22 +717,24 @@ def test_llama_cpp_gives_its_own_reason(
 
 
 @pytest.mark.parametrize(
-    ("args", "says"),
+    ("args", "says", "code"),
     [
-        (["run", "-m", "", "hi"], "-m/--model: an empty name names no model"),
-        (["bench", "-m", "a,,b"], "-m/--model: an empty name names no model"),
-        (["serve", "-m", " "], "-m/--model: an empty name names no model"),
-        (["pull", ""], "pull: '' is no Hub reference; give owner/repo"),
-        (["pull", "/etc/passwd"], "pull: '/etc/passwd' is no Hub reference"),
-        (["run", "-m", "/tmp", "hi"], "/tmp: is a directory, not a GGUF file (give the .gguf"),
+        (["run", "-m", "", "hi"], "-m/--model: an empty name names no model", 2),
+        (["bench", "-m", "a,,b"], "-m/--model: an empty name names no model", 2),
+        (["serve", "-m", " "], "-m/--model: an empty name names no model", 2),
+        (["pull", ""], "pull: '' is no Hub reference; give owner/repo", 2),
+        (["pull", "/etc/passwd"], "pull: '/etc/passwd' is no Hub reference", 2),
+        (["run", "-m", "/tmp", "hi"], "/tmp: is a directory, not a GGUF file (give the .gguf", 1),
     ],
 )
-def test_a_model_that_names_none_is_refused(args: list[str], says: str, cli: CliRunner) -> None:
+def test_a_model_that_names_none_is_refused(
+    args: list[str], says: str, code: int, cli: CliRunner
+) -> None:
     """`-m ''` ran the embedded model while every empty path was refused; `pull ''` printed
     the embedded model's path and `pull /etc/passwd` echoed it, both exit 0; a folder given as
     the model was told to download the file again."""
     result = cli.invoke(app, args)
-    assert result.exit_code in (1, 2), result.stderr
+    assert result.exit_code == code, result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith("llmrun: error: ") and says in line, line
 
@@ -811,6 +813,8 @@ def test_odd_endpoints_and_timeouts(args: list[str], code: int, cli: CliRunner) 
         ["run", "--rpc", "h:²", "hi"],
         ["bench", "--rpc", "h:²"],
         ["run", "--draft", "lookup:²", "--temp", "0", "hi"],
+        ["serve", "--max-connections", "²" + "9" * 5000],
+        ["bench", "-p", "²" + "9" * 5000],
         ["bench", "-p", "8-64*\u0662"],
         ["bench", "--until-ci", "\u0665"],
         ["bench", "serve", "--request-rate", "\u0663"],
@@ -854,7 +858,7 @@ def test_a_usage_error_is_one_line_and_exit_2(args: list[str], says: str, cli: C
 
 
 def test_whole_numbers_are_ascii_digits() -> None:
-    from llmrun.runners.lists import share, whole
+    from llmrun.runners.lists import integer, real, share, whole
     from llmrun.runners.rpc import parse_endpoints
     from llmrun.runners.serving.api_access import loopback_host
 
@@ -879,13 +883,16 @@ def test_whole_numbers_are_ascii_digits() -> None:
         None,
         None,
     ]
+    long = "9" * 5000  # int() refuses more than 4,300 digits with a ValueError
+    assert whole(long) is None and integer(long) is None and real(long) is None
     assert not loopback_host("localhost:²") and not loopback_host("[::1]:²")
+    assert not loopback_host(f"localhost:{long}")
     assert loopback_host("localhost:8080") and loopback_host("[::1]:80")
     with pytest.raises(LlmrunError, match="port must be a number"):
         parse_endpoints("host:²")
 
 
-@pytest.mark.parametrize("value", ["²", "0", "99999999999", "x"])
+@pytest.mark.parametrize("value", ["²", "0", "99999999999", "x", "9" * 5000])
 def test_a_terminal_size_from_the_environment_that_is_none_is_dropped(
     value: str, llmrun_env: dict[str, str]
 ) -> None:

@@ -72,18 +72,20 @@ def test_serving_loads_are_bounded(changes: dict[str, object], says: str) -> Non
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "code"),
     [
-        ["serve", "--num-prompts", "100000", "--input-len", "1000"],
-        ["serve", "--num-prompts", "100000", "--output-len", "1000"],
-        ["serve", "--shared-prefix", "1048576"],
-        ["serve", "--request-rate", "nan"],
-        ["serve", "--request-rate", "1e-9"],
-        ["serve", "--policy", ""],
-        ["interference", "--policy", ""],
+        (["serve", "--num-prompts", "100000", "--input-len", "1000"], 1),  # read, then too much
+        (["serve", "--num-prompts", "100000", "--output-len", "1000"], 1),
+        (["serve", "--shared-prefix", "1048576"], 1),
+        (["serve", "--request-rate", "nan"], 2),  # an option's value that cannot be read
+        (["serve", "--request-rate", "1e-9"], 2),
+        (["serve", "--policy", ""], 2),
+        (["interference", "--policy", ""], 2),
     ],
 )
-def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, str]) -> None:
+def test_serving_refusals_are_one_line(
+    args: list[str], code: int, llmrun_env: dict[str, str]
+) -> None:
     done = subprocess.run(
         [which_llmrun(), "bench", *args],
         env=llmrun_env,
@@ -92,7 +94,7 @@ def test_serving_refusals_are_one_line(args: list[str], llmrun_env: dict[str, st
         timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == code, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert done.stdout == ""
 
@@ -159,7 +161,8 @@ def test_tensor_placement_bounds_are_one_line(
     args: list[str], says: str, llmrun_env: dict[str, str]
 ) -> None:
     done = _bench("-p", "8", "-n", "0", "-o", "json", *args, env=llmrun_env)
-    assert done.returncode == 1 and says in done.stderr, done.stderr
+    code = 2 if args[0] == "-ncmoe" else 1  # a list out of its range is a usage error
+    assert done.returncode == code and says in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
 
 

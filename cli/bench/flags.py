@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from llmrun.runners.bench.sweep import BOOL_ALIASES
-from llmrun.runners.errors import BadRequestError, OptionError
+from llmrun.runners.errors import NO_MODEL, BadRequestError, OptionError
 from llmrun.runners.library import llama_lib
 
 # llama-bench's default for each: given at this value (or a list of only it), it changes nothing
@@ -96,11 +96,10 @@ def hub_models(
     if hf_file and not repos:
         raise BadRequestError("-hff/--hf-file names a file in -hf/--hf-repo: give the repository")
     refs = [f"{r.split(':')[0]}/{hf_file}" if hf_file else r for r in repos or []]
-    split = [p.strip() for m in models or [] for p in m.split(",")]  # as llama-bench
+    # as llama-bench (getline: `a.gguf,` is one item; `a,,b` holds an empty one)
+    split = [p.strip() for m in models or [] for p in m.removesuffix(",").split(",")]
     if not all(split):  # `-m ''` or `-m a,,b` measured the embedded model
-        raise OptionError(
-            "-m/--model: an empty name names no model (leave -m out for the embedded one)"
-        )
+        raise OptionError(NO_MODEL)
     return [*split, *refs] or None
 
 
@@ -109,7 +108,7 @@ def apply_process_settings(*, numa: str | None, prio: int) -> None:
     if numa is not None:
         strategy = NUMA.get(numa.strip().lower())
         if strategy is None:
-            raise BadRequestError(f"--numa: '{numa}' is not one of {', '.join(NUMA)}")
+            raise OptionError(f"--numa: '{numa}' is not one of {', '.join(NUMA)}")
         llama_lib().llama_numa_init(strategy)
     if prio:
         try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.bench.results import Row
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 
 
 def _pyplot() -> Any:
@@ -32,7 +32,7 @@ def plot_file(text: str | None) -> Path | None:
     if text is None:
         return None
     if not text.strip():
-        raise BadRequestError("--plot: give a file name such as charts.png")
+        raise OptionError("--plot: give a file name such as charts.png")
     path = Path(text)
     if path.is_dir():
         raise BadRequestError(f"--plot {text}: a folder; give a file name such as charts.png")
@@ -42,7 +42,7 @@ def plot_file(text: str | None) -> Path | None:
     formats = FigureCanvasBase.get_supported_filetypes()
     suffix = path.suffix.lower().removeprefix(".")
     if suffix not in formats:
-        raise BadRequestError(
+        raise OptionError(
             f"--plot {text}: name the picture's format by its ending, one of"
             f" {', '.join(sorted(formats))} (charts.png)"
         )

@@ -22,7 +22,7 @@ from llmrun.runners.bench import tuning as tn
 from llmrun.runners.bench.tuned import save_tuned
 from llmrun.runners.bench.tuning import REPS, TunePlan, search
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.library import set_verbose
 from llmrun.runners.progress import eta_s
 
@@ -71,7 +71,7 @@ def tune(
     with handled():
         err = Console(stderr=True, highlight=False)
         if workload not in ("chat", "document", "both"):
-            raise BadRequestError(f"--workload: '{workload}' is not chat, document or both")
+            raise OptionError(f"--workload: '{workload}' is not chat, document or both")
         set_verbose(verbose)
         cancel = threading.Event()
         with ctrl_c_cancels(cancel):

@@ -17,7 +17,7 @@ from llmrun.runners import history as hist
 from llmrun.runners import perplexity as ppl
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.files import FileTooLargeError
 from llmrun.runners.kld import KldBase, KldStats
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
@@ -50,7 +50,7 @@ def parse_shapes(
     for pair in pg:
         values = sw.parse_values(pair, name="--pg")
         if len(values) != 2:
-            raise BadRequestError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
+            raise OptionError(f"--pg: give PROMPT,GEN such as 512,128, not '{pair}'")
         pairs.append(values)
     # as llama-bench: at each depth, the pp tests, then tg, then pg
     shapes = [
@@ -133,7 +133,7 @@ class Sweep:
             )
             bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
             if bad:
-                raise BadRequestError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
+                raise OptionError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
         gpus: list[int | None] = (
             list(sw.parse_values(self.main_gpu, name="-mg")) if self.main_gpu else [None]
         )
@@ -143,7 +143,7 @@ class Sweep:
             for part in self.tensor_split.split(","):
                 values = part.strip().split("/")
                 if not all(share(v) is not None for v in values):
-                    raise BadRequestError(f"-ts: '{part}' is not shares such as 3/1")
+                    raise OptionError(f"-ts: '{part}' is not shares such as 3/1")
                 splits.append(part.strip())
         overrides: list[str | None] = (
             [o.strip() for o in self.tensor_overrides.split(",")]
@@ -201,7 +201,7 @@ class Sweep:
             )
             bad = [m for m in lazy if m not in LAZY_MODES.values()]
             if bad:
-                raise BadRequestError(f"-lzm/--lazy-mode: '{bad[0]}' is not on, auto or off")
+                raise OptionError(f"-lzm/--lazy-mode: '{bad[0]}' is not on, auto or off")
         flags = {
             "no_host": (self.no_host, "--no-host"),
             "embeddings": (self.embeddings, "-embd/--embeddings"),
@@ -247,7 +247,7 @@ class Sweep:
                 named = sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
                 bad = [m for m in named if m not in LOAD_MODES]
                 if bad:
-                    raise BadRequestError(f"-lm: '{bad[0]}' is not {', '.join(LOAD_MODES)}")
+                    raise OptionError(f"-lm: '{bad[0]}' is not {', '.join(LOAD_MODES)}")
                 modes += named
         combos = sw.sweep(
             n_threads=optional_ints(self.threads, "-t", base.n_threads),

@@ -131,7 +131,7 @@ def origin_problem(origin: str) -> str | None:
     if not origin.isascii():
         return "is not ASCII (a host name goes in punycode)"
     port = re.fullmatch(r"[^:/]+://[^/]*:([0-9]+)", origin.strip())
-    if port is not None and int(port[1]) > 65535:
+    if port is not None and (whole(port[1]) or 65536) > 65535:
         return "has a port past 65535"
     return None
 
