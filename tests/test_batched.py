@@ -291,7 +291,7 @@ def test_run_serves_a_jsonl_batch_in_parallel(llmrun_env: dict[str, str], tmp_pa
         text=True,
         timeout=HANG_S,
     )
-    assert refused.returncode == 1 and "--parallel" in refused.stderr
+    assert refused.returncode == 2 and "--parallel" in refused.stderr  # does not apply: usage
 
 
 def test_a_parallel_run_gives_each_request_its_events_in_order_and_fails_one_alone() -> None:

@@ -205,28 +205,28 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
 
 
 @pytest.mark.parametrize(
-    ("args", "says"),
-    [
-        (["-C", "0xzz"], "'z' is not a hex digit"),
-        (["--poll", "101"], "--poll: 101 is out of range 0..100"),
-        (["--cpu-strict", "2"], "--cpu-strict: '2' is not 0 or 1"),
-        (["-sm", "row"], "no GPU backend"),
-        (["-ts", "3/1"], "no GPU backend"),
-        (["--numa", "everywhere"], "is not one of distribute"),
-        (["-fa", "sometimes"], "every test was skipped"),
-        (["-b", "4096", "-c", "256"], "every test was skipped"),
-        (["-embd", "2"], "-embd/--embeddings: '2' is not 0 or 1"),
-        (["-nopo", "yes,maybe"], "-nopo/--no-op-offload: 'maybe' is not 0 or 1"),
-        (["--no-host", "-1"], "--no-host: '-1' is not 0 or 1"),
-        (["-lzm", "sometimes"], "-lzm/--lazy-mode: 'sometimes' is not on, auto or off"),
-        (["-hff", "model.gguf"], "give the repository"),
+    ("args", "says", "code"),
+    [  # a value the option cannot read is a usage error (2); what cannot run here, 1
+        (["-C", "0xzz"], "'z' is not a hex digit", 2),
+        (["--poll", "101"], "--poll: 101 is out of range 0..100", 2),
+        (["--cpu-strict", "2"], "--cpu-strict: '2' is not 0 or 1", 2),
+        (["-sm", "row"], "no GPU backend", 1),
+        (["-ts", "3/1"], "no GPU backend", 1),
+        (["--numa", "everywhere"], "is not one of distribute", 2),
+        (["-fa", "sometimes"], "every test was skipped", 1),
+        (["-b", "4096", "-c", "256"], "every test was skipped", 1),
+        (["-embd", "2"], "-embd/--embeddings: '2' is not 0 or 1", 2),
+        (["-nopo", "yes,maybe"], "-nopo/--no-op-offload: 'maybe' is not 0 or 1", 2),
+        (["--no-host", "-1"], "--no-host: '-1' is not 0 or 1", 2),
+        (["-lzm", "sometimes"], "-lzm/--lazy-mode: 'sometimes' is not on, auto or off", 2),
+        (["-hff", "model.gguf"], "give the repository", 1),
     ],
 )
 def test_what_cannot_run_says_why_and_fails(
-    llmrun_env: dict[str, str], args: list[str], says: str
+    llmrun_env: dict[str, str], args: list[str], says: str, code: int
 ) -> None:
     done = bench("-o", "json", *args, env=llmrun_env)
-    assert done.returncode == 1
+    assert done.returncode == code, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
 

@@ -457,7 +457,8 @@ def test_parallel_lines_fail_alone_and_ctx_and_draft_are_not_ignored(
             llmrun(
                 ["run", "-m", model_path, "--parallel", "2", "--temp", "0", *flags, "hi"],
                 llmrun_env,
-            )
+            ),
+            code=2,  # two options that do not go together: a usage error
         )
         assert "--parallel does not speculate" in line
 
