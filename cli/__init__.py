@@ -36,6 +36,11 @@ cpu_at_start: CpuSample | None = None
 from_environment: frozenset[str] = frozenset()
 
 
+def given_as(flag: str, variable: str) -> str:
+    """How the user gave a setting: `flag` typed, or `variable` in the environment."""
+    return variable if flag in from_environment else flag
+
+
 def interrupted_at_startup(signum: int, frame: FrameType | None) -> None:
     os.write(2, b"llmrun: interrupted\n")
     os._exit(STOP_SIGNALS.get(signal.Signals(signum), EXIT_INTERRUPTED))

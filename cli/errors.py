@@ -114,9 +114,7 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
     BadEndpointError: lambda e: (
-        "give LLMRUN_ENDPOINT as http://HOST:PORT"
-        if "--endpoint" in llmrun.cli.from_environment
-        else "give --endpoint as http://HOST:PORT"
+        f"give {llmrun.cli.given_as('--endpoint', 'LLMRUN_ENDPOINT')} as http://HOST:PORT"
     ),
     BadRequestError: lambda e: "",
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",

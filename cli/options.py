@@ -828,7 +828,7 @@ def refuse_given(given: Mapping[str, object], why: str) -> None:
 def refuse_for_endpoint(endpoint: str | None, given: Mapping[str, object]) -> None:
     """One rule for every command: with --endpoint the server's own settings decide."""
     if endpoint:
-        named = "LLMRUN_ENDPOINT" if "--endpoint" in llmrun.cli.from_environment else "--endpoint"
+        named = llmrun.cli.given_as("--endpoint", "LLMRUN_ENDPOINT")
         refuse_given(given, f"local-engine options; with {named} the server's own settings decide")
 
 

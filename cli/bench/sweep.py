@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.status import Status
 
+import llmrun.cli
 from llmrun.cli import options as co
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import (
@@ -153,9 +154,6 @@ def bench(
         raise typer.Exit(code)
 
 
-_TYPED = ("COMMANDLINE", "PROMPT")
-
-
 def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
     """bench's own options belong to the sweep, not to a subcommand given after them."""
     unset: tuple[object, ...] = (None, False, (), [])
@@ -163,9 +161,8 @@ def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
         p.opts[0]
         for p in context.command.params
         if context.params.get(p.name or "") not in (*unset, p.default)
-        # a value from LLMRUN_MODEL and the like is the user's setting, not a typed option (by
-        # name: typer 0.28 carries its own copy of click, whose enum is not click's)
-        and getattr(context.get_parameter_source(p.name or ""), "name", "") in _TYPED
+        # a value from LLMRUN_MODEL and the like is the user's setting, not a typed option
+        and not set(p.opts) & llmrun.cli.from_environment
     ]
     if given:
         usage_error(
