@@ -116,28 +116,17 @@ def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
             raise typer.BadParameter(f"nan is not in the range {low}x{high}.", ctx=ctx, param=param)
 
 
-# What a value of each kind must be, in words (typer's click said "'2.5' is not a valid int
-# range"), and the test it must pass before click converts it.
 # click's Path names itself by what it takes: a file, a directory, or either
 PATH_KINDS = ("path", "file", "directory")
 
-
-def _read(reader: Callable[[str], object]) -> Callable[[str], object]:
-    def read(text: str) -> object:
-        if reader(text) is None:
-            raise ValueError(text)
-        return text
-
-    return read
-
-
-# ASCII digits only: click's int() and float() also read `٣` (Arabic-Indic), fullwidth digits
-# and `1_0`.
+# What a number of each kind must be, in words (typer's click said "'2.5' is not a valid int
+# range"), and its reader, None where it is none: ASCII digits only, as click's int() and
+# float() also read `٣` (Arabic-Indic), fullwidth digits and `1_0`.
 _KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
-    "int": ("a whole number", _read(integer)),  # typer's own click names int so, not "integer"
-    "int range": ("a whole number", _read(integer)),
-    "float": ("a number", _read(real)),
-    "float range": ("a number", _read(real)),
+    "int": ("a whole number", integer),  # typer's own click names int so, not "integer"
+    "int range": ("a whole number", integer),
+    "float": ("a number", real),
+    "float range": ("a number", real),
 }
 
 
@@ -163,12 +152,8 @@ def _plain_conversions(command: Any) -> None:
                 if kind_name in PATH_KINDS and not value.strip():
                     raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
                 words, read = _KINDS.get(kind_name, ("", str))
-                try:
-                    read(value)
-                except ValueError:
-                    raise typer.BadParameter(
-                        f"{value!r} is not {words}.", ctx=ctx, param=param
-                    ) from None
+                if read(value) is None:
+                    raise typer.BadParameter(f"{value!r} is not {words}.", ctx=ctx, param=param)
             return convert(value, param, ctx)
 
         kind.convert = checked

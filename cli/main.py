@@ -57,8 +57,10 @@ def _reopen_closed_std_streams() -> None:
         if null != fd:
             os.dup2(null, fd)
             os.close(null)
-        stream = open(fd, mode, closefd=False, errors="replace")  # noqa: SIM115
-        setattr(sys, name, _ClosedStdout() if fd == 1 else stream)
+        if fd == 1:
+            sys.stdout = _ClosedStdout()
+        else:
+            setattr(sys, name, open(fd, mode, closefd=False, errors="replace"))  # noqa: SIM115
 
 
 def _same_text_in_every_locale() -> None:
