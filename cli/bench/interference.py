@@ -4,21 +4,18 @@ runners/serving/; this module shows it."""
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled
+from llmrun.cli.errors import EXIT_INTERRUPTED, handled
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
@@ -145,11 +142,9 @@ def interference(
     llmrun bench interference --endpoint http://127.0.0.1:8080
     """
     with handled():
-        err = Console(stderr=True, highlight=False)
-        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         endpoint = remote.endpoint
         options = lab.interference_options(seed=seed, policies=None if endpoint else policy)
-        screen = Screen(err, show, threading.Event())
+        screen = Screen.open(output)
         with ctrl_c_cancels(screen.cancel):
             if endpoint:
                 engine.refuse_for(endpoint)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +12,10 @@ from stat import S_ISDIR
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli import options as o
-from llmrun.cli.errors import EXIT_INTERRUPTED, StdoutConsole, handled, print_error, usage_error
+from llmrun.cli.errors import EXIT_INTERRUPTED, handled, print_error, usage_error
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
@@ -284,11 +281,9 @@ def serve(
     llmrun bench serve --endpoint http://127.0.0.1:8080 --max-concurrency 1,4,16
     """
     with handled():
-        err = Console(stderr=True, highlight=False)
-        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         endpoint = remote.endpoint
         options = load.serve_options(endpoint=endpoint, seed=seed, policy=policy)
-        screen = Screen(err, show, threading.Event())
+        screen = Screen.open(output)
         delivery = Delivery(output, compare, store=not no_history)
         with ctrl_c_cancels(screen.cancel):
             if endpoint:

@@ -3,6 +3,8 @@ this machine's engine that a job measures, and how a job shows its stages."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from rich.console import Console
 
 from llmrun.cli import options as o
 from llmrun.cli.engine import make_bench_runner, remote_runner
+from llmrun.cli.errors import StdoutConsole
 from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.config import EngineConfig
@@ -24,8 +27,6 @@ from llmrun.runners.serving.options import Stage
 from . import output as out
 
 if TYPE_CHECKING:
-    import threading
-
     from llmrun.runners.remote import OpenAIRunner
 
 LOAD = "Load (vLLM's random dataset, or --dataset)"
@@ -128,31 +129,6 @@ def refuse_remote_only(remote: o.RemoteOptions, given: Mapping[str, object]) -> 
     )
 
 
-def connect(
-    endpoint: str,
-    *,
-    model: str | None,
-    api_key: str | None,
-    timeout_s: float,
-    err: Console,
-    max_connections: int | None = None,
-) -> tuple[OpenAIRunner, str]:
-    """The server's runner, connected, and its model's name; its line on stderr."""
-    extra = {} if max_connections is None else {"max_connections": max_connections}
-    runner = remote_runner(endpoint, model=model, api_key=api_key, timeout_s=timeout_s, **extra)
-    try:
-        loaded = runner.load()
-    except BaseException:
-        runner.close()
-        raise
-    name = runner.model_name or loaded.name
-    err.print(
-        f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
-        markup=False,
-    )
-    return runner, name
-
-
 def local_runner(model: str | None, job: str, engine: ServingEngineOptions) -> LlamaCppRunner:
     """This machine's engine for a serving job (512 tokens per sequence, untuned)."""
     config = EngineConfig(
@@ -197,6 +173,14 @@ class Screen:
     show: Console
     cancel: threading.Event
 
+    @classmethod
+    def open(cls, output: out.OutputFormat | None) -> Screen:
+        """Progress on stderr; results on stdout where it is a terminal and no format is
+        asked, else on stderr with the progress (stdout carries the formatted records)."""
+        err = Console(stderr=True, highlight=False)
+        show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
+        return cls(err, show, threading.Event())
+
 
 @dataclass(frozen=True)
 class Server:
@@ -208,11 +192,19 @@ class Server:
     timeout_s: float
 
     def connect(self, err: Console, connections: int | None = None) -> tuple[OpenAIRunner, str]:
-        return connect(
-            self.endpoint,
-            model=self.model,
-            api_key=self.api_key,
-            timeout_s=self.timeout_s,
-            err=err,
-            max_connections=connections,
+        """The server's runner, connected, and its model's name; its line on stderr."""
+        extra = {} if connections is None else {"max_connections": connections}
+        runner = remote_runner(
+            self.endpoint, model=self.model, api_key=self.api_key, timeout_s=self.timeout_s, **extra
         )
+        try:
+            loaded = runner.load()
+        except BaseException:
+            runner.close()
+            raise
+        name = runner.model_name or loaded.name
+        err.print(
+            f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
+            markup=False,
+        )
+        return runner, name
