@@ -294,17 +294,18 @@ class Connection:
                 text = text.replace(secret, "***")
         return text
 
+    def _http_error(self, response: httpx.Response, path: str) -> ServerError:
+        """An error status, with the server's own words where its body has them."""
+        message = self.scrub(_server_message(response)) or response.reason_phrase
+        return ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}")
+
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
         try:
             response = self.client.get(self.api + path, timeout=timeout_s or self.timeout_s)
         except httpx.HTTPError as e:
             raise self._fail(e) from None
         if response.status_code >= 400:
-            raise ServerError(
-                self.endpoint,
-                f"HTTP {response.status_code} from /v1{path}:"
-                f" {self.scrub(_server_message(response)) or response.reason_phrase}",
-            )
+            raise self._http_error(response, path)
         try:
             return response.json()
         except (ValueError, RecursionError):
@@ -336,10 +337,7 @@ class Connection:
             raise self._fail(e) from None
         try:
             if response.status_code >= 400:
-                message = self.scrub(_server_message(response)) or response.reason_phrase
-                raise ServerError(
-                    self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}"
-                )
+                raise self._http_error(response, path)
             if 300 <= response.status_code < 400:  # not followed: the body would go elsewhere
                 where = self.scrub(response.headers.get("location", "")) or "elsewhere"
                 raise ServerError(
@@ -855,7 +853,7 @@ def check_server_figures(
         t.prompt_ms,
         t.predicted_ms,
         t.prompt_n,
-        (t.predicted_n),
+        t.predicted_n,
     )
     if prompt_ms is not None and ttft_s is not None and prompt_ms / 1000 > ttft_s * 1.05 + SLACK_S:
         notes.append(f"prompt_ms {prompt_ms:g} > the client's TTFT {ttft_s * 1000:.1f} ms")
@@ -863,7 +861,7 @@ def check_server_figures(
     elif (
         prompt_ms is not None
         and prompt_n
-        and prompt_n / max(prompt_ms / 1000, 1e-12) > (MAX_PREFILL_TPS)
+        and prompt_n / max(prompt_ms / 1000, 1e-12) > MAX_PREFILL_TPS
     ):
         notes.append(f"prefill of {prompt_n} tokens in {prompt_ms:g} ms")
         prompt_ms = None
@@ -889,12 +887,8 @@ def check_server_figures(
     if predicted_n is not None and completion is not None and predicted_n > completion + 1:
         notes.append(f"predicted_n {predicted_n} > completion_tokens {completion}")
         predicted_n = None
-    checked = ServerTimings(
-        prompt_n=prompt_n,
-        prompt_ms=prompt_ms,
-        predicted_n=predicted_n,
-        predicted_ms=predicted_ms,
-        cache_n=t.cache_n,
+    checked = dataclasses.replace(
+        t, prompt_ms=prompt_ms, predicted_n=predicted_n, predicted_ms=predicted_ms
     )
     return checked, completion, tuple(notes)
 
