@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TextIO
@@ -81,12 +81,9 @@ def _flat(value: Any) -> Any:
     return value
 
 
-def _varying(records: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+def _varying(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The swept settings (field, column head) whose values tell the records apart."""
     return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.get(k)) for r in records}) > 1]
-
-
-def _varying_rows(rows: Sequence[Row]) -> list[tuple[str, str]]:
-    return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.swept.get(k)) for r in rows}) > 1]
 
 
 def _row_models(rows: Sequence[Row]) -> list[str]:
@@ -519,7 +516,7 @@ def _models(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
-    varying = _varying_rows(rows)
+    varying = _varying([r.swept for r in rows])
     several = len(_row_models(rows)) > 1
     if any(r.result.settings.tuned for r in rows):
         title += (
@@ -563,6 +560,10 @@ def _energy_of(r: Row) -> str:
     return "-" if e is None else energy_cell(e.j_per_token, e.power_w)
 
 
+# A chart's bars: prompt (pp) then output (tg), each in its colour
+_PHASES = (("pp", "prompt", "cyan"), ("tg", "output", "magenta"))
+
+
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt and output tok/s of each model, on one scale."""
     models = _row_models(rows)
@@ -571,7 +572,7 @@ def model_chart(rows: Sequence[Row]) -> RenderableType | None:
     bars_: list[tuple[str, float | None, str]] = []
     for name in models:
         mine = [r for r in rows if r.model_name == name and not r.n_depth]
-        for kind, label, style in (("pp", "prompt", "cyan"), ("tg", "output", "magenta")):
+        for kind, label, style in _PHASES:
             rates = [r.avg_ts for r in mine if r.kind == kind]
             if rates:
                 bars_.append((f"{name} {label}", max(rates), style))
@@ -600,7 +601,7 @@ def efficiency_lines(rows: Sequence[Row]) -> list[str]:
 
 def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt tok/s against output tok/s for every configuration of the sweep."""
-    varying = _varying_rows(rows)
+    varying = _varying([r.swept for r in rows])
     several = len(_row_models(rows)) > 1
     by_config: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -614,12 +615,12 @@ def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
             label = f"{r.model_name} {label}"
         if r.kind != "pg":
             by_config.setdefault(label, {})[r.kind] = r.avg_ts
-    lines = []
-    for label, v in by_config.items():
-        if "pp" in v:
-            lines.append((f"{label} prompt", v["pp"], "cyan"))
-        if "tg" in v:
-            lines.append((f"{label} output", v["tg"], "magenta"))
+    lines = [
+        (f"{label} {name}", v[kind], style)
+        for label, v in by_config.items()
+        for kind, name, style in _PHASES
+        if kind in v
+    ]
     if not lines:
         return None
     return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(lines))
