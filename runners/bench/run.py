@@ -128,12 +128,12 @@ class Sweep:
         if self.split_mode:
             modes = list(
                 sw.parse_words(
-                    self.split_mode, name="-sm", allowed=("none", "layer", "row", "tensor")
+                    self.split_mode,
+                    name="-sm",
+                    allowed=("none", "layer", "row", "tensor"),
+                    refuse="none, layer, row or tensor",
                 )
             )
-            bad = [m for m in modes if m not in ("none", "layer", "row", "tensor")]
-            if bad:
-                raise OptionError(f"-sm: '{bad[0]}' is not none, layer, row or tensor")
         gpus: list[int | None] = (
             list(sw.parse_values(self.main_gpu, name="-mg")) if self.main_gpu else [None]
         )
@@ -197,11 +197,11 @@ class Sweep:
         lazy = ["auto"]
         if self.lazy_mode:
             lazy = sw.parse_words(
-                self.lazy_mode, name="-lzm/--lazy-mode", allowed=tuple(LAZY_MODES.values())
+                self.lazy_mode,
+                name="-lzm/--lazy-mode",
+                allowed=tuple(LAZY_MODES.values()),
+                refuse="on, auto or off",
             )
-            bad = [m for m in lazy if m not in LAZY_MODES.values()]
-            if bad:
-                raise OptionError(f"-lzm/--lazy-mode: '{bad[0]}' is not on, auto or off")
         flags = {
             "no_host": (self.no_host, "--no-host"),
             "embeddings": (self.embeddings, "-embd/--embeddings"),
@@ -244,11 +244,12 @@ class Sweep:
                 dio = sw.parse_bools(self.direct_io, name="-dio/--direct-io")
                 modes += [("dio" if on else "auto") for on in dio]
             if self.load_mode:
-                named = sw.parse_words(self.load_mode, name="-lm", allowed=tuple(LOAD_MODES))
-                bad = [m for m in named if m not in LOAD_MODES]
-                if bad:
-                    raise OptionError(f"-lm: '{bad[0]}' is not {', '.join(LOAD_MODES)}")
-                modes += named
+                modes += sw.parse_words(
+                    self.load_mode,
+                    name="-lm",
+                    allowed=tuple(LOAD_MODES),
+                    refuse=", ".join(LOAD_MODES),
+                )
         combos = sw.sweep(
             n_threads=optional_ints(self.threads, "-t", base.n_threads),
             n_batch=optional_ints(self.batch, "-b", base.n_batch),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from llmrun.runners import lists
@@ -27,15 +27,25 @@ def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 
 
 
 def parse_words(
-    text: str, *, name: str, allowed: Sequence[str], aliases: dict[str, str] | None = None
+    text: str,
+    *,
+    name: str,
+    allowed: Sequence[str],
+    aliases: dict[str, str] | None = None,
+    refuse: str | None = None,
 ) -> list[str]:
     """A comma list of names (also repeated options, joined), a name given twice kept twice as
-    llama-bench keeps it. Unknown names are kept: the run reports them as skipped. `aliases`
-    maps other spellings: llama-bench's `-fa 0,1`."""
+    llama-bench keeps it. Unknown names are kept: the run reports them as skipped; with
+    `refuse` (the allowed names in words) the first is an error instead. `aliases` maps other
+    spellings: llama-bench's `-fa 0,1`."""
     words = [w.strip().lower() for w in text.split(",") if w.strip()]
     if not words:
         raise OptionError(f"{name}: give one or more of {', '.join(allowed)}")
-    return [(aliases or {}).get(w, w) for w in words]
+    words = [(aliases or {}).get(w, w) for w in words]
+    bad = [w for w in words if w not in allowed]
+    if refuse is not None and bad:
+        raise OptionError(f"{name}: '{bad[0]}' is not {refuse}")
+    return words
 
 
 # llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
@@ -62,10 +72,7 @@ BOOL_ALIASES = {
 
 def parse_bools(text: str, *, name: str) -> list[bool]:
     """llama-bench's 0/1 lists (`--repack 0,1`, `-nkvo 1`)."""
-    words = parse_words(text, name=name, allowed=("0", "1"), aliases=BOOL_ALIASES)
-    bad = [w for w in words if w not in ("0", "1")]
-    if bad:
-        raise OptionError(f"{name}: '{bad[0]}' is not 0 or 1")
+    words = parse_words(text, name=name, allowed=("0", "1"), aliases=BOOL_ALIASES, refuse="0 or 1")
     return [w == "1" for w in words]
 
 
@@ -183,22 +190,7 @@ class Combo:
             "embeddings": "embd",
             "no_op_offload": "nopo",
         }
-        defaults: dict[str, object] = {
-            "no_kv_offload": False,
-            "type_k": "f16",
-            "type_v": "f16",
-            "n_cpu_moe": 0,
-            "draft": 0,
-            "cpu_mask": "0x0",
-            "cpu_strict": False,
-            "poll": DEFAULT_POLL,
-            "fit_target": 0,
-            "fit_min_ctx": 0,
-            "lazy_mode": "auto",
-            "no_host": False,
-            "embeddings": False,
-            "no_op_offload": False,
-        }
+        defaults: dict[str, object] = {f.name: f.default for f in fields(Combo)}
         if self.n_threads_batch == self.n_threads:
             defaults["n_threads_batch"] = self.n_threads
         return " ".join(
