@@ -47,26 +47,24 @@ Verdict = Literal["faster", "slower", "no difference", "no interval"]
 
 def _betacf(a: float, b: float, x: float) -> float:
     """The continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
+
+    def off_zero(v: float) -> float:
+        return v if abs(v) > 1e-300 else 1e-300
+
     qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
+    c, d = 1.0, 1.0 / off_zero(1.0 - qab * x / qap)
     h = d
     for m in range(1, 300):
         m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        step = d * c
-        h *= step
+        # each m takes two terms of the fraction: its even one, then its odd one
+        for aa in (
+            m * (b - m) * x / ((qam + m2) * (a + m2)),
+            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
+        ):
+            d = 1.0 / off_zero(1.0 + aa * d)
+            c = off_zero(1.0 + aa / c)
+            step = d * c
+            h *= step
         if abs(step - 1.0) < 1e-14:
             break
     return h
@@ -259,14 +257,11 @@ def compare(
     if not (sa.n and sb.n):
         return Difference(None, None, None, sa.n, sb.n, None, None, busy, resolve)
     ratio = math.exp(sb.mean - sa.mean)
-    spread = [s.variance for s in (sa, sb) if s.n > 1]
-    pooled = (
-        sum((s.n - 1) * s.variance for s in (sa, sb) if s.n > 1)
-        / sum(s.n - 1 for s in (sa, sb) if s.n > 1)
-        if spread
-        else math.nan
-    )
-    needed = needed_repetitions(pooled, resolve=resolve) if spread else None
+    needed = None
+    spread = [s for s in (sa, sb) if s.n > 1]  # the pooled variance of the sides that have one
+    if spread:
+        pooled = sum((s.n - 1) * s.variance for s in spread) / sum(s.n - 1 for s in spread)
+        needed = needed_repetitions(pooled, resolve=resolve)
     if sa.n < 2 or sb.n < 2:
         return Difference(ratio, None, None, sa.n, sb.n, None, needed, busy, resolve)
     va, vb = sa.variance / sa.n, sb.variance / sb.n
