@@ -20,7 +20,7 @@ import re
 import sqlite3
 import statistics
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,19 +210,19 @@ class History:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A database that fails while in use is a HistoryError, as one that cannot open."""
+        try:
+            yield
+        except (sqlite3.Error, OSError) as e:
+            raise HistoryError(self.path, e) from None
+
     def store(
         self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
     ) -> int:
         """Store one run's records; returns the run's id."""
-        try:
-            return self._store(records, kind=kind, model=model, system=system)
-        except (sqlite3.Error, OSError) as e:
-            raise HistoryError(self.path, e) from None
-
-    def _store(
-        self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
-    ) -> int:
-        with self.db:
+        with self._failing(), self.db:
             cur = self.db.execute(
                 "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
                 (
@@ -254,14 +254,12 @@ class History:
         """Each record against the newest earlier readable result with the same key."""
         changes = []
         for r in records:
-            try:
+            with self._failing():
                 rows = self.db.execute(
                     "SELECT run_id, record FROM results WHERE key = ? AND run_id < ?"
                     " ORDER BY run_id DESC LIMIT 20",
                     (result_key(r), before_run if before_run is not None else 2**62),
                 ).fetchall()
-            except sqlite3.Error as e:
-                raise HistoryError(self.path, e) from None
             previous: dict[str, Any] | None = None
             previous_run: int | None = None
             for run_id, text in rows:
@@ -282,7 +280,7 @@ class History:
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         out = []
-        try:
+        with self._failing():
             for run_id, time, kind, name in self.db.execute(query, args).fetchall():
                 stored = self.db.execute(
                     "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
@@ -298,8 +296,6 @@ class History:
                         "unreadable": len(stored) - len(records),
                     }
                 )
-        except sqlite3.Error as e:
-            raise HistoryError(self.path, e) from None
         return out
 
     def bench_results(self, *, model: str | None = None) -> list[Stored]:
@@ -314,10 +310,8 @@ class History:
         if model:
             query += " AND runs.model LIKE ? ESCAPE '\\'"
             args.append(_like(model))
-        try:
+        with self._failing():
             rows = self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
-        except sqlite3.Error as e:
-            raise HistoryError(self.path, e) from None
         found = self._llama_bench_rows(model)
         for run_id, time, text in rows:
             record = _record(text)
@@ -331,7 +325,7 @@ class History:
         """llama-bench's own rows in this database (`llama-bench -o sql | sqlite3` into it),
         as results of no llmrun run (run 0) at their test time, marked `tool` llama-bench; rows
         llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already."""
-        try:
+        with self._failing():
             tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
             if "llama_bench" not in tables:
                 return []
@@ -343,8 +337,6 @@ class History:
             if "llama_bench_llmrun" in tables:
                 query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
             rows = self.db.execute(query + " ORDER BY rowid").fetchall()
-        except sqlite3.Error as e:
-            raise HistoryError(self.path, e) from None
         found = []
         for row in rows:
             record = _llama_bench_record(dict(zip(columns, row, strict=True)))
@@ -649,12 +641,14 @@ class Tally:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """What spread_verdict reads: the mean, the spread, the most background load seen."""
+        """What difference and spread_verdict read: the mean, the spread, the pooled
+        repetitions, the most background load seen."""
         loads = [_background(r) for r in self.records if r.get("background_cpus") is not None]
         threads = [r["n_threads"] for r in self.records if isinstance(r.get("n_threads"), int)]
         return {
             "avg_ts": self.avg_ts,
             "stddev_ts": self.stddev_ts,
+            "samples_ts": list(self.rates),
             "background_cpus": max(loads) if loads else None,
             "n_threads": max(threads) if threads else 1,
         }
@@ -677,10 +671,7 @@ class Pair:
     @property
     def difference(self) -> Difference | None:
         """compare against baseline from their pooled repetitions (None: a run kept none)."""
-        a, b = self.baseline.rates, self.compare.rates
-        if not (a and b):
-            return None
-        return compare_rates(a, b, busy=busy_pair(self.compare.summary, self.baseline.summary))
+        return difference(self.baseline.summary, self.compare.summary)
 
     @property
     def verdict(self) -> str:
