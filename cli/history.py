@@ -230,13 +230,7 @@ def to_markdown(c: Comparison) -> str:
     heads = [HEADS.get(f, f) for f in c.shown]
     heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
     heads += ["Verdict"]
-    rows = []
-    for p in c.pairs:
-        cells = [_cell(v) for _, v in p.shown]
-        cells += [p.test, _rate(p.baseline.avg_ts, p.baseline.stddev_ts)]
-        cells += [_rate(p.compare.avg_ts, p.compare.stddev_ts), _cell(_speedup(p.speedup))]
-        cells += [_interval(p), f"{p.baseline.runs}/{p.compare.runs}", p.verdict]
-        rows.append(cells)
+    rows = [[*(_cell(v) for _, v in p.shown), p.test, *_figures(p), p.verdict] for p in c.pairs]
     right = {
         i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", CI_HEAD, "Runs")
     }
@@ -253,17 +247,21 @@ def to_markdown(c: Comparison) -> str:
     return "\n".join([line(heads), "|" + "|".join(rule) + "|", *(line(r) for r in rows)]) + "\n"
 
 
-def _speedup(value: float | None) -> str | None:
-    return None if value is None else f"{value:.2f}"
-
-
 # The ratio of the two sides' geometric means with its 95 % interval (Welch on log rates)
 CI_HEAD = "ratio (95 % CI)"
 
 
-def _interval(p: Pair) -> str:
+def _figures(p: Pair) -> list[str]:
+    """A pair's cells between its test and its verdict, in the table and in md alike: each
+    side's t/s, the speedup, the ratio's interval, the runs a side."""
     found = p.difference
-    return "-" if found is None else found.interval
+    return [
+        _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
+        _rate(p.compare.avg_ts, p.compare.stddev_ts),
+        "-" if p.speedup is None else f"{p.speedup:.2f}",
+        "-" if found is None else found.interval,
+        f"{p.baseline.runs}/{p.compare.runs}",
+    ]
 
 
 def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutConsole) -> None:
@@ -279,10 +277,8 @@ def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutC
         print(terminal_line(f"llmrun: {note}"), file=sys.stderr, flush=True)
     if fmt is CompareFormat.md:
         sys.stdout.write(to_markdown(c))
-    elif fmt is CompareFormat.csv:
-        sys.stdout.write(out.format_records(c.records(), out.OutputFormat.csv))
-    elif fmt is CompareFormat.json:
-        sys.stdout.write(out.format_records(c.records(), out.OutputFormat.json))
+    elif fmt is not None:  # csv, json: the flat records
+        sys.stdout.write(out.format_records(c.records(), out.OutputFormat(fmt.value)))
     else:
         console.print(_table(c))
         return
@@ -301,11 +297,7 @@ def _table(c: Comparison) -> Fitted:
         table.add_row(
             *(terminal_text(_cell(v)) for _, v in p.shown),
             p.test,
-            _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
-            _rate(p.compare.avg_ts, p.compare.stddev_ts),
-            _cell(_speedup(p.speedup)),
-            _interval(p),
-            f"{p.baseline.runs}/{p.compare.runs}",
+            *_figures(p),
             Text(p.verdict, style=out.verdict_style(p.verdict)),
         )
     return fitted(table, wrap=("verdict",))
