@@ -151,15 +151,22 @@ _AUTH_VALUE = re.compile(
 )
 
 
+def _read_capped(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of a streamed body, and whether that was all of it: a server's
+    reply is read no further than llmrun could use, however much it sends."""
+    raw = bytearray()
+    for piece in response.iter_bytes():
+        raw += piece
+        if len(raw) > limit:
+            return bytes(raw[:limit]), False
+    return bytes(raw), True
+
+
 def _server_message(response: httpx.Response) -> str:
     """The error text a server put in its body (OpenAI's {"error": {"message"}} and others)."""
     try:
-        raw = b""
-        for piece in response.iter_bytes():
-            raw += piece
-            if len(raw) > 65536:  # an error body is short; a longer one is cut, not read on
-                break
-        body = raw[:65536].decode("utf-8", errors="replace")
+        raw, _whole = _read_capped(response, 65536)  # an error body is short: the rest is cut
+        body = raw.decode("utf-8", errors="replace")
     except (httpx.HTTPError, httpx.StreamError):
         return ""
     try:
@@ -257,12 +264,10 @@ class Connection:
 
     def _whole_reply(self, response: httpx.Response) -> Chunk:
         """A reply sent as one JSON object in spite of "stream": true: one chunk with it all."""
-        raw = b""
         try:
-            for piece in response.iter_bytes():
-                raw += piece
-                if len(raw) > MAX_SSE_LINE:
-                    return Chunk(error=f"a reply longer than {MAX_SSE_LINE // 2**20} MiB")
+            raw, whole = _read_capped(response, MAX_SSE_LINE)
+            if not whole:
+                return Chunk(error=f"a reply longer than {MAX_SSE_LINE // 2**20} MiB")
             event = json.loads(raw.decode("utf-8", errors="replace"))
         except httpx.HTTPError as e:
             return Chunk(error=self._fail(e).problem)
@@ -300,22 +305,32 @@ class Connection:
         return ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}")
 
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
+        url, timeout = self.api + path, timeout_s or self.timeout_s
         try:
-            response = self.client.get(self.api + path, timeout=timeout_s or self.timeout_s)
+            with self.client.stream("GET", url, timeout=timeout) as response:
+                if response.status_code >= 400:
+                    raise self._http_error(response, path)
+                raw, whole = _read_capped(response, MAX_JSON_REPLY)
         except httpx.HTTPError as e:
             raise self._fail(e) from None
-        if response.status_code >= 400:
-            raise self._http_error(response, path)
+        if not whole:
+            raise ServerError(
+                self.endpoint, f"/v1{path} answered with over {MAX_JSON_REPLY // 2**20} MiB"
+            )
         try:
-            return response.json()
+            return json.loads(raw)
         except (ValueError, RecursionError):
             raise ServerError(self.endpoint, f"/v1{path} did not answer with JSON") from None
 
-    def post_json(self, url: str, body: dict[str, Any], *, timeout_s: float = 5.0) -> Any | None:
-        """A best-effort side request (tokenize, props): None if the server has no such route."""
+    def side_json(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any | None:
+        """A best-effort side request (tokenize, props): None if the server has no such route,
+        or answers with no JSON, or with more than such an answer could be."""
         try:
-            response = self.client.post(url, json=body, timeout=timeout_s)
-            return response.json() if response.status_code < 400 else None
+            with self.client.stream(method, url, json=body, timeout=5.0) as response:
+                if response.status_code >= 400:
+                    return None
+                raw, whole = _read_capped(response, MAX_JSON_REPLY)
+            return json.loads(raw) if whole else None
         except (httpx.HTTPError, ValueError, RecursionError):
             return None
 
@@ -391,6 +406,7 @@ class Connection:
 
 
 MAX_SSE_LINE = 16 * 2**20  # bytes in one line of the stream before it is refused
+MAX_JSON_REPLY = MAX_SSE_LINE  # bytes of a whole JSON reply (/v1/models, /props, /tokenize)
 
 
 class SSELineTooLongError(ValueError):
@@ -644,12 +660,7 @@ class OpenAIRunner:
 
     def _server_n_ctx(self) -> int:
         """llama.cpp's server tells its context size at /props; others do not (0: unknown)."""
-        root = self.conn.api.removesuffix("/v1")
-        try:
-            response = self.conn.client.get(root + "/props", timeout=5.0)
-            props = response.json() if response.status_code < 400 else {}
-        except (httpx.HTTPError, ValueError):
-            return 0
+        props = self.conn.side_json("GET", self.conn.api.removesuffix("/v1") + "/props")
         settings = props.get("default_generation_settings", {}) if isinstance(props, dict) else {}
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         return min(_count(n_ctx) or 0, 2**31 - 1)
@@ -672,7 +683,9 @@ class OpenAIRunner:
         remembered, so later counts cost one request (or none)."""
         root = self.conn.api.removesuffix("/v1")
         for route, field, answer in self._tokenize_routes:
-            data = self.conn.post_json(root + route, {field: text, "model": self.model_name})
+            data = self.conn.side_json(
+                "POST", root + route, {field: text, "model": self.model_name}
+            )
             value = data.get(answer) if isinstance(data, dict) else None
             if isinstance(value, (list, int)):
                 self._tokenize_routes = [(route, field, answer)]

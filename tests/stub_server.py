@@ -17,6 +17,8 @@ writes the stream as the WHATWG standard allows but few servers do (CR and CRLF 
 BOM, `event:`/`id:`/`retry:` fields, one JSON split over two `data:` lines, no space after the
 colon, no blank line at the end). "whole" answers with one JSON object, not a stream; "moved"
 redirects elsewhere; "endless" ignores max_tokens and never stops. `models_answer` replaces the /v1/models answer.
+`get_answers` maps a GET route (/props) to its raw body, or to ENDLESS: a JSON body that never
+ends, sent in chunks until the client hangs up.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ if TYPE_CHECKING:
     from typer.testing import CliRunner, Result
 
 WORDS = ["Hello", " from", " the", " stub", " server", "."]
+ENDLESS = b"["  # as a get_answers value: this, for ever
 
 
 class Handler(BaseHTTPRequestHandler):
     api_key: str | None = None
     basic: str | None = None  # "user:password"
     models_answer: Any = None  # what /v1/models answers instead of the usual listing
+    get_answers: dict[str, bytes] = {}  # noqa: RUF012 (a class default, replaced per server)
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: Any) -> None:
@@ -65,10 +69,30 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def _endless(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        piece = ENDLESS * 65536
+        chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
+        while True:  # until the client hangs up (ConnectionError, which _Server keeps quiet)
+            self.wfile.write(chunk)
+
     def do_GET(self) -> None:
         if not self._authorized():
             return
-        if self.path.split("?")[0] == "/v1/models":
+        route = self.path.split("?")[0]
+        if route in self.get_answers:
+            body = self.get_answers[route]
+            if body is ENDLESS:
+                return self._endless()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif route == "/v1/models":
             listing = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
             self._json(200, listing if self.models_answer is None else self.models_answer)
         else:
@@ -284,12 +308,20 @@ class _Server(ThreadingHTTPServer):
 
 @contextmanager
 def stub_server(
-    api_key: str | None = None, basic: str | None = None, models_answer: Any = None
+    api_key: str | None = None,
+    basic: str | None = None,
+    models_answer: Any = None,
+    get_answers: dict[str, bytes] | None = None,
 ) -> Iterator[str]:
     handler = type(
         "KeyedHandler",
         (Handler,),
-        {"api_key": api_key, "basic": basic, "models_answer": models_answer},
+        {
+            "api_key": api_key,
+            "basic": basic,
+            "models_answer": models_answer,
+            "get_answers": get_answers or {},
+        },
     )
     server = _Server(("127.0.0.1", 0), handler)
     # shutdown() waits for the loop's next poll: socketserver's default of 0.5 s made every

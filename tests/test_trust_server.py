@@ -15,7 +15,7 @@ from llmrun.cli.app import app
 from llmrun.runners.history import History
 from llmrun.runners.remote import parse_endpoint, redact_url
 
-from .stub_server import stub_server
+from .stub_server import ENDLESS, stub_server
 from .test_truth_stream import sse_events
 
 ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
@@ -57,6 +57,31 @@ def test_a_models_answer_of_the_wrong_shape_is_one_line(answer: object, cli: Cli
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "/v1/models answered with" in result.stderr
     assert "internal error" not in result.stderr
+
+
+def test_a_models_answer_that_never_ends_is_read_no_further_than_16_mib(cli: CliRunner) -> None:
+    with stub_server(get_answers={"/v1/models": ENDLESS}) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert result.exit_code == 1
+    assert (
+        result.stderr.count("\n") == 1 and "/v1/models answered with over 16 MiB" in result.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "props",
+    [ENDLESS, b"[" * 100_000 + b"]" * 100_000, b'{"default_generation_settings": 7}', b"\xff"],
+    ids=["endless", "deep", "wrong-shape", "not-utf8"],
+)
+def test_a_props_answer_of_any_kind_only_leaves_the_context_size_unknown(
+    props: bytes, cli: CliRunner
+) -> None:
+    """llama.cpp's /props is asked for the context size alone, as a courtesy: whatever comes
+    back, however long or deep, the run goes on without it."""
+    with stub_server(get_answers={"/props": props}) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "Hello from the stub server.\n"
 
 
 def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:
