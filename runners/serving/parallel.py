@@ -97,19 +97,13 @@ def _engine(
 ) -> tuple[BatchedEngine, LocalLoaded]:
     """The engine for n_seq sequences of per_seq tokens: on the runner's own context when the
     runner was not loaded before (made for them), else on a context of its own."""
-    if fresh:
-        loaded = runner.load(n_seq=n_seq, n_ctx=per_seq)
-        engine = BatchedEngine(
-            runner,
-            n_seq=n_seq,
-            n_ctx_per_seq=per_seq,
-            n_batch=loaded.settings.n_batch,
-            context=runner.context,
-        )
-        return engine, loaded
-    loaded = runner.load()
+    loaded = runner.load(n_seq=n_seq, n_ctx=per_seq) if fresh else runner.load()
     engine = BatchedEngine(
-        runner, n_seq=n_seq, n_ctx_per_seq=per_seq, n_batch=loaded.settings.n_batch
+        runner,
+        n_seq=n_seq,
+        n_ctx_per_seq=per_seq,
+        n_batch=loaded.settings.n_batch,
+        context=runner.context if fresh else None,
     )
     return engine, loaded
 
