@@ -118,7 +118,7 @@ class _Body(BaseModel):
         if isinstance(n, bool) or not 0 <= n <= MAX_TOP_LEGACY:
             raise BadRequestError(
                 f"logprobs: a count of the likeliest tokens to list, 0..{MAX_TOP_LEGACY}"
-                f" (not {json_text(n)})"
+                f" (not {json.dumps(n)})"
             )
         return n
 
@@ -153,7 +153,7 @@ class _Body(BaseModel):
             if name in extra and extra[name] not in neutral:
                 raise BadRequestError(
                     f"{name}: {extra[name]!r} is not served here (only"
-                    f" {', '.join(map(json_text, neutral))})"
+                    f" {', '.join(map(json.dumps, neutral))})"
                 )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -168,11 +168,7 @@ class _Body(BaseModel):
         given: dict[str, Any] = {name: getattr(self, field) for name, field in fields.items()}
         given |= {
             "seed": None if self.seed == -1 else self.seed,  # -1: random, as llama-server
-            "stop": (self.stop,)
-            if isinstance(self.stop, str)
-            else tuple(self.stop)
-            if self.stop is not None
-            else None,
+            "stop": None if self.stop is None else tuple(stops),
             "think": think,
         }
         sp = dataclasses.replace(
@@ -346,10 +342,6 @@ class CompletionBody(_Body):
         if not prompt:
             raise BadRequestError("prompt is empty")
         return Request(token_ids=tuple(int(t) for t in prompt), sampling=sampling)
-
-
-def json_text(value: Any) -> str:
-    return json.dumps(value)
 
 
 class TokenizeBody(BaseModel):
