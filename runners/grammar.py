@@ -29,6 +29,7 @@ import platform
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .errors import BadRequestError
@@ -110,18 +111,26 @@ def schema_grammar(schema: Any, where: str) -> str:
     if not isinstance(schema, dict):
         raise BadRequestError(f"{where}: a JSON schema is an object")
     check_schema(schema, where, schema)
-    from llama_cpp.llama_grammar import json_schema_to_gbnf  # the bindings' converter
+    return _within_limits(_converted(schema, where, paired_surrogates), where)
+
+
+def _converted(
+    schema: dict[str, Any], where: str, fix: Callable[[str], str] = lambda grammar: grammar
+) -> str:
+    """The bindings' converter's grammar of a schema (then `fix`ed), once llama.cpp can take it:
+    BadRequestError naming `where` when the converter cannot translate it or when what it wrote
+    is at fault (`grammar_fault`)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
-        grammar = json_schema_to_gbnf(json.dumps(grouped(schema)))
+        grammar = fix(json_schema_to_gbnf(json.dumps(grouped(schema))))
     except Exception as e:  # its asserts and KeyErrors: a pattern it cannot read, ...
         reason = " ".join(str(e).split()) or type(e).__name__
         raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
-    grammar = paired_surrogates(grammar)
     fault = grammar_fault(grammar)
     if fault is not None:
         raise BadRequestError(f"{where}: {fault}")
-    return _within_limits(grammar, where)
+    return grammar
 
 
 # A character past U+FFFF in an enum, a const or a property's name: the converter writes it as
@@ -728,13 +737,17 @@ def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
         )
 
 
+NOWHERE = object()  # what a $ref that names nothing in the schema points at
+
+
 def _ref_target(root: dict[str, Any], ref: str) -> Any:
-    """The schema a local `#/...` ref names; None when it names nothing."""
+    """The schema a local `#/...` ref names; NOWHERE when it names nothing."""
     target: Any = root
     for part in ref[2:].split("/"):
-        if not isinstance(target, dict):
-            return None
-        target = target.get(part.replace("~1", "/").replace("~0", "~"))
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return NOWHERE
+        target = target[part]
     return target
 
 
@@ -866,12 +879,8 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             raise BadRequestError(
                 f"{where}.$ref: only references inside the schema (#/...) are supported"
             )
-        target: Any = root
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                raise BadRequestError(f"{where}.$ref: {ref} names nothing in the schema")
-            target = target[part]
+        if _ref_target(root, ref) is NOWHERE:
+            raise BadRequestError(f"{where}.$ref: {ref} names nothing in the schema")
     if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
         raise BadRequestError(f"{where}.enum: a non-empty list of values")
     if "enum" in schema:
@@ -930,21 +939,8 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"
                 )
-        _check_pattern(pattern, f"{where}.pattern")
-
-
-def _check_pattern(pattern: str, where: str) -> None:
-    """A pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        grammar = json_schema_to_gbnf(json.dumps(grouped({"type": "string", "pattern": pattern})))
-    except Exception as e:  # the converter's asserts: syntax it does not translate
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise BadRequestError(f"{where}: cannot be made a grammar: {reason}") from None
-    fault = grammar_fault(grammar)
-    if fault is not None:
-        raise BadRequestError(f"{where}: {fault}")
+        # the pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path
+        _converted({"type": "string", "pattern": pattern}, f"{where}.pattern")
 
 
 def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
