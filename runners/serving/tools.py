@@ -402,10 +402,12 @@ class ToolReader:
             deltas.append(self._head(head.group(1)))
             self.held = inner[head.end() :]
             self.sent_arguments = 0
-        body = self._body(self.held)
-        if len(body) > self.sent_arguments:
-            deltas.append(self._arguments(body[self.sent_arguments :]))
-        return deltas
+        return deltas + self._unsent_arguments()
+
+    def _unsent_arguments(self) -> list[dict[str, Any]]:
+        """A forced call's arguments written since the last delta (none: nothing new)."""
+        new = self._body(self.held)[self.sent_arguments :]
+        return [self._arguments(new)] if new else []
 
     def _unwrapped(self, text: str) -> str | None:
         """A forced call's text after the template's opening tag (None: not all of it yet)."""
@@ -424,32 +426,25 @@ class ToolReader:
         if self.free:
             return [], finish_reason
         if self.name is not None:  # forced: the call's head and part of it are sent
-            body = self._body(self.held)
-            deltas = (
-                [self._arguments(body[self.sent_arguments :])]
-                if len(body) > (self.sent_arguments)
-                else []
-            )
-            complete = finish_reason == "stop" and _is_object(body)
+            deltas = self._unsent_arguments()
+            complete = finish_reason == "stop" and isinstance(_json(self._body(self.held)), dict)
             return deltas, "tool_calls" if complete else finish_reason
         if self.plan.family != GENERIC:
             found = _blocks(self.held, self.plan.names) if finish_reason == "stop" else None
-            if found is None:
-                return ([{"content": self.held}] if self.held else []), finish_reason
-            after, calls = found
-            if not self.plan.parallel:
-                calls = calls[:1]
-            deltas = []
-            if after:  # text between or after the blocks, after the text already sent
-                deltas.append({"content": ("\n\n" if self.sent_content else "") + after})
-            for i, (name, arguments) in enumerate(calls):
-                deltas += [self._head(name, i), self._arguments(arguments, i)]
-            return deltas, "tool_calls"
-        call = _parse_call(self.held, self.plan.names) if finish_reason == "stop" else None
-        if call is None:
-            return ([{"content": self.held}] if self.held else []), finish_reason
-        name, arguments = call
-        return [self._head(name), self._arguments(arguments)], "tool_calls"
+            if found is not None:
+                after, calls = found
+                if not self.plan.parallel:
+                    calls = calls[:1]
+                deltas = []
+                if after:  # text between or after the blocks, after the text already sent
+                    deltas.append({"content": ("\n\n" if self.sent_content else "") + after})
+                for i, (name, arguments) in enumerate(calls):
+                    deltas += [self._head(name, i), self._arguments(arguments, i)]
+                return deltas, "tool_calls"
+        elif finish_reason == "stop" and (call := _parse_call(self.held, self.plan.names)):
+            name, arguments = call
+            return [self._head(name), self._arguments(arguments)], "tool_calls"
+        return ([{"content": self.held}] if self.held else []), finish_reason  # no call after all
 
 
 def _blocks(text: str, names: set[str]) -> tuple[str, list[tuple[str, str]]] | None:
@@ -470,20 +465,18 @@ def _blocks(text: str, names: set[str]) -> tuple[str, list[tuple[str, str]]] | N
     return "\n\n".join(p.strip() for p in outside if p.strip()), calls
 
 
-def _is_object(text: str) -> bool:
+def _json(text: str) -> Any:
+    """The JSON value of a text; None when it is not JSON (or nested past the parser's limit)."""
     try:
-        return isinstance(json.loads(text), dict)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return False
+        return None
 
 
 def _parse_call(text: str, names: set[str]) -> tuple[str, str] | None:
     """The rule for "auto": the whole answer is one JSON object with exactly `name` (a listed
     tool's) and `arguments` (an object)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
+    value = _json(text)
     if (
         isinstance(value, dict)
         and set(value) == {"name", "arguments"}
