@@ -25,13 +25,13 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.remote import OpenAIRunner
 from llmrun.runners.serving.load import (
     ServingLevel,
+    interfere_remote,
     level_prompts,
-    run_interference,
     send,
     serve_remote,
 )
 from llmrun.runners.serving.local import round_prompts
-from llmrun.runners.serving.options import ServeOptions
+from llmrun.runners.serving.options import InterferenceOptions, ServeOptions
 from llmrun.runners.serving.prompts import (
     FreshPrompts,
     PromptSpec,
@@ -188,13 +188,11 @@ def test_every_request_the_server_gets_is_its_own(cli: CliRunner) -> None:
                 if isinstance(e, ServingLevel)
             ]
             found = list(
-                run_interference(
+                interfere_remote(
                     runner,
-                    input_len=16,
-                    output_len=4,
-                    rate=10.0,
-                    prompt_len=32,
-                    seed=1234,
+                    InterferenceOptions(
+                        rate=10.0, prompt_len=32, output_len=4, seed=1234, input_len=16
+                    ),
                     cancel=threading.Event(),
                 )
             )

@@ -416,6 +416,7 @@ def _rate(request_rate: float) -> str:
     return "inf" if math.isinf(request_rate) else f"{request_rate:g}"
 
 
+COUNTING = "preparing prompts (counting tokens with the server's tokenizer)"
 STEADY_MIN_TOKENS = 64  # the steady client decodes at least this many tokens
 WARMUP_TOKENS = 4  # the unmeasured first request's output
 
@@ -425,27 +426,19 @@ def long_prompt_count(rate: float) -> int:
     return max(2, math.ceil(rate * 8))
 
 
-def run_interference(
-    runner: OpenAIRunner,
-    *,
-    input_len: int,
-    output_len: int,
-    rate: float,
-    prompt_len: int,
-    seed: int,
-    cancel: threading.Event,
+def interfere_remote(
+    runner: OpenAIRunner, options: InterferenceOptions, *, cancel: threading.Event
 ) -> Iterator[Stage | InterferenceResult]:
-    """One steady client (a short prompt, at least 64 tokens out) against `rate` long prompts
-    per second for about eight seconds' worth of arrivals: its prompts made (each its own, so a
-    caching server prefills every one), then measured."""
+    """The server's steady client (a short prompt, at least 64 tokens out) alone, then against
+    `rate` long prompts per second for about eight seconds' worth of arrivals: its prompts
+    made (each its own, so a caching server prefills every one), then measured."""
+    rate, prompt_len = options.rate, options.prompt_len
     count = long_prompt_count(rate)
     making = Tally(3 + count)
-    yield Stage(
-        "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
-    )
-    fresh = FreshPrompts(seed, "interference")
+    yield Stage(COUNTING, making, "prompts")
+    fresh = FreshPrompts(options.seed, "interference")
     counted = _counter(runner, cancel)
-    steady_len = (input_len, max(output_len, STEADY_MIN_TOKENS))
+    steady_len = (options.input_len, max(options.output_len, STEADY_MIN_TOKENS))
     steady = text_prompts(counted, fresh, [steady_len] * 3, lambda: making.add(1))
     steady[0] = PromptSpec(steady[0].text, steady[0].input_tokens, WARMUP_TOKENS)
     long_prompts = text_prompts(counted, fresh, [(prompt_len, 1)] * count, lambda: making.add(1))
@@ -459,7 +452,7 @@ def run_interference(
         steady=steady,
         long_prompts=long_prompts,
         rate=rate,
-        seed=seed,
+        seed=options.seed,
         cancel=cancel,
         progress=tally,
     )
@@ -526,9 +519,7 @@ def serve_remote(
     """The serving benchmark against the runner's server: prompts counted with its tokenizer,
     then each concurrency level after its warm-up requests."""
     making = Tally(len(options.concurrency) * (options.num_prompts + options.warmup))
-    yield Stage(
-        "preparing prompts (counting tokens with the server's tokenizer)", making, "prompts"
-    )
+    yield Stage(COUNTING, making, "prompts")
     prompts = level_prompts(runner, options, lambda: making.add(1), cancel)
     input_len, output_len = options.input_len, options.output_len
     if options.dataset is not None:  # the data's lengths: the mean of what was sampled
@@ -537,19 +528,4 @@ def serve_remote(
         output_len = round(sum(p.max_tokens for p in measured) / len(measured))
     yield from run_levels(
         runner, options, prompts, input_len=input_len, output_len=output_len, cancel=cancel
-    )
-
-
-def interfere_remote(
-    runner: OpenAIRunner, options: InterferenceOptions, *, cancel: threading.Event
-) -> Iterator[Stage | InterferenceResult]:
-    """The server's steady client alone and while long prompts arrive."""
-    yield from run_interference(
-        runner,
-        input_len=options.input_len,
-        output_len=options.output_len,
-        rate=options.rate,
-        prompt_len=options.prompt_len,
-        seed=options.seed,
-        cancel=cancel,
     )
