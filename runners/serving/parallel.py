@@ -92,22 +92,6 @@ def _prompts(
     return out
 
 
-def _engine(
-    runner: LlamaCppRunner, *, fresh: bool, n_seq: int, per_seq: int
-) -> tuple[BatchedEngine, LocalLoaded]:
-    """The engine for n_seq sequences of per_seq tokens: on the runner's own context when the
-    runner was not loaded before (made for them), else on a context of its own."""
-    loaded = runner.load(n_seq=n_seq, n_ctx=per_seq) if fresh else runner.load()
-    engine = BatchedEngine(
-        runner,
-        n_seq=n_seq,
-        n_ctx_per_seq=per_seq,
-        n_batch=loaded.settings.n_batch,
-        context=runner.context if fresh else None,
-    )
-    return engine, loaded
-
-
 def serve_requests(
     runner: LlamaCppRunner,
     requests: Sequence[Request],
@@ -137,7 +121,14 @@ def serve_requests(
         return [o for o in outcome if o is not None], 0.0
     limits = prompts.limits
     per_seq = n_ctx or max(len(p) + limits[i] for i, p in prompts.tokens.items()) + 8
-    engine, loaded = _engine(runner, fresh=fresh, n_seq=n_seq, per_seq=per_seq)
+    loaded = runner.load(n_seq=n_seq, n_ctx=per_seq) if fresh else runner.load()
+    engine = BatchedEngine(
+        runner,
+        n_seq=n_seq,
+        n_ctx_per_seq=per_seq,
+        n_batch=loaded.settings.n_batch,
+        context=runner.context if fresh else None,  # fresh: made for the n_seq sequences
+    )
     n_threads, n_threads_batch = engine.threads
     params = {**loaded.settings.params, "n_seq_max": n_seq, "kv_unified": engine.kv_unified}
     settings = dataclasses.replace(
