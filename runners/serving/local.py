@@ -6,6 +6,7 @@ terminal is the caller's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import threading
@@ -138,29 +139,16 @@ def serve_local(
                 if cancel.is_set():
                     return
                 warm, prompts = made()
+                served = functools.partial(serve, engine, policy, seed=options.seed, cancel=cancel)
                 if warm:
                     tally = Tally(len(warm), sum(n for _, n in warm))
                     yield Stage(f"{policy} slots={level} warm-up", tally)
-                    serve(
-                        engine,
-                        policy,
-                        warm,
-                        request_rate=float("inf"),
-                        seed=options.seed,
-                        cancel=cancel,
-                        progress=tally,
-                    )
+                    served(warm, request_rate=float("inf"), progress=tally)
                 tally = Tally(len(prompts), sum(n for _, n in prompts))
                 yield Stage(f"{policy} slots={level}", tally)
                 cpu0 = cpu_sample()
-                results, duration = serve(
-                    engine,
-                    policy,
-                    prompts,
-                    request_rate=options.request_rate,
-                    seed=options.seed,
-                    cancel=cancel,
-                    progress=tally,
+                results, duration = served(
+                    prompts, request_rate=options.request_rate, progress=tally
                 )
                 background = measured_background(cpu0, cpu_sample())
                 measured = [request_result(r) for r in results]
