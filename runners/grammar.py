@@ -400,10 +400,11 @@ def negated_token_after_text(grammar: str) -> str | None:
                 item = _TEXT
             while items and items[-1][0] == "rep":
                 rep = items.pop()[1]
-                more = rep in "*+" or (rep.startswith("{") and _bound(rep) > 1)
+                least, most = _range(rep) if rep.startswith("{") else (0, 0)
+                more = rep in "*+" or most > 1
                 if check and more and item.ends_text and item.begins_not and not found:
                     found.append(f"in rule '{rule}', a repetition")
-                empty = item.empty or rep in "*?" or (rep.startswith("{") and _least(rep) == 0)
+                empty = item.empty or rep in "*?" or (rep.startswith("{") and least == 0)
                 item = _Shape(empty, item.begins_not, item.ends_text)
             if check and seq.ends_text and item.begins_not and not found:
                 found.append(f"in rule '{rule}'")
@@ -422,17 +423,11 @@ def negated_token_after_text(grammar: str) -> str | None:
     return None
 
 
-def _least(rep: str) -> int:
-    low = rep.strip("{}").partition(",")[0].strip()
-    return int(low) if low else 0
-
-
-def _bound(rep: str) -> float:
-    """A {m}, {m,}, {m,n} repetition's most (inf when open)."""
-    low, comma, high = rep.strip("{}").partition(",")
-    if not comma:
-        return int(low.strip() or 0)
-    return int(high) if high.strip() else math.inf
+def _range(rep: str) -> tuple[int, float]:
+    """A {m}, {m,}, {m,n} repetition's least and most (inf when open)."""
+    low, comma, high = (part.strip() for part in rep.strip("{}").partition(","))
+    least = int(low) if low else 0
+    return least, ((int(high) if high else math.inf) if comma else least)
 
 
 def token_refs(grammar: str) -> list[str]:
