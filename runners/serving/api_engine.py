@@ -506,9 +506,7 @@ class EngineThread:
             ttft_ms=None if (ttft := ttft_s(job.received_s, times)) is None else ttft * 1000,
             decode_ms=(times[-1] - times[0]) * 1000 if times else 0.0,
             itl_ms=tuple(g * 1000 for g in r.gaps_s),
-            finish_reason=finish
-            if finish == FINISH_CANCELLED
-            else (FINISH_STOP if finish == FINISH_STOP else FINISH_LENGTH),
+            finish_reason=finish if finish in (FINISH_CANCELLED, FINISH_STOP) else FINISH_LENGTH,
             seed=handle.seed if job.sampling.temperature > 0 else None,
             end_token_ms=end_token_ms,
         )
