@@ -38,7 +38,6 @@ renders its `<tool_response>`).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
@@ -178,21 +177,16 @@ class ToolPlan:
 
 
 def _moved_refs(schema: Any, prefix: str) -> Any:
-    """The schema with its `#/...` references pointing where it now sits in the call's schema."""
-    moved = copy.deepcopy(schema)
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/"):
-                node["$ref"] = prefix + ref[1:]
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(moved)
+    """A copy of the schema with its `#/...` references pointing where it now sits in the
+    call's schema."""
+    if isinstance(schema, list):
+        return [_moved_refs(value, prefix) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: _moved_refs(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        moved["$ref"] = prefix + ref[1:]
     return moved
 
 
