@@ -110,7 +110,7 @@ def schema_grammar(schema: Any, where: str) -> str:
     """A JSON schema's grammar, once every keyword in it is one the grammar keeps."""
     if not isinstance(schema, dict):
         raise BadRequestError(f"{where}: a JSON schema is an object")
-    check_schema(schema, where, schema)
+    check_schema(schema, where)
     return _within_limits(_converted(schema, where, paired_surrogates), where)
 
 
@@ -707,13 +707,10 @@ def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repeti
     return grammar
 
 
-def check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
+def check_schema(root: dict[str, Any], where: str) -> None:
     """Refuse, by path, every keyword the grammar would not keep."""
-    if schema is not root:
-        _check_schema(schema, where, root)
-        return
     try:  # the check recurses once per level: a schema nested past Python's limit is refused
-        _check_schema(schema, where, root)
+        _check_schema(root, where, root)
         loop = _ref_loop(root)
     except RecursionError:
         raise BadRequestError(
@@ -861,13 +858,13 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
                 raise BadRequestError(f"{where}.{key}: a non-empty list of schemas")
             _few_choices(options, f"{where}.{key}")
             for i, sub in enumerate(options):
-                check_schema(sub, f"{where}.{key}.{i}", root)
+                _check_schema(sub, f"{where}.{key}.{i}", root)
     for key in ("$defs", "definitions"):
         defs = schema.get(key, {})
         if not isinstance(defs, dict):
             raise BadRequestError(f"{where}.{key}: an object of schemas")
         for name, sub in defs.items():
-            check_schema(sub, f"{where}.{key}.{name}", root)
+            _check_schema(sub, f"{where}.{key}.{name}", root)
     if "$ref" in schema:
         ref = schema["$ref"]
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -948,9 +945,9 @@ def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> N
         if counts:
             raise BadRequestError(f"{where}: {counts[0]} with a tuple of items is not supported")
         for i, sub in enumerate(tuple_items):
-            check_schema(sub, f"{where}.{'prefixItems' if prefix else 'items'}.{i}", root)
+            _check_schema(sub, f"{where}.{'prefixItems' if prefix else 'items'}.{i}", root)
     elif items is not None:
-        check_schema(items, f"{where}.items", root)
+        _check_schema(items, f"{where}.items", root)
     for key in counts:
         _count(schema, key, where)
 
@@ -960,10 +957,10 @@ def _check_objects(schema: dict[str, Any], where: str, root: dict[str, Any]) -> 
     if not isinstance(props, dict):
         raise BadRequestError(f"{where}.properties: an object of schemas")
     for name, sub in props.items():
-        check_schema(sub, f"{where}.properties.{name}", root)
+        _check_schema(sub, f"{where}.properties.{name}", root)
     extra = schema.get("additionalProperties")
     if isinstance(extra, dict):
-        check_schema(extra, f"{where}.additionalProperties", root)
+        _check_schema(extra, f"{where}.additionalProperties", root)
     elif extra is not None and not isinstance(extra, bool):
         raise BadRequestError(f"{where}.additionalProperties: true, false or a schema")
     required = schema.get("required", [])

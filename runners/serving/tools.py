@@ -144,7 +144,7 @@ class ToolPlan:
         options, defs = [], {}
         for i, tool in enumerate(self.tools):
             where = f"tools.{i}.function.parameters"
-            check_schema(tool.parameters, where, tool.parameters)
+            check_schema(tool.parameters, where)
             key = f"tool-{i}-arguments"  # the tools' schemas sit in $defs, their refs moved
             defs[key] = _moved_refs(tool.parameters, f"#/$defs/{key}")
             options.append(
@@ -275,7 +275,7 @@ def _tools(tools: Any) -> tuple[Tool, ...]:
         if strict is not None and not isinstance(strict, bool):
             raise BadRequestError(f"{where}.function.strict: true or false")
         if strict:  # the arguments are promised to follow the schema: the grammar must keep it
-            check_schema(parameters, f"{where}.function.parameters", parameters)
+            check_schema(parameters, f"{where}.function.parameters")
         found.append(Tool(name, description, parameters, bool(strict)))
     return tuple(found)
 
