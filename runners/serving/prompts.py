@@ -358,6 +358,22 @@ def read_dataset(path: Path) -> Dataset:
     return Dataset(path, kind, sha256, tuple(entries))
 
 
+def _loads(text: str, path: Path, line: str = "") -> object:
+    """The JSON of a whole file, or of one JSONL `line` ("line N: "), refused in one line when
+    it cannot be read: a syntax error placed by its line in a file, by its column in a line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        if not line:
+            raise _fail(path, f"line {e.lineno}: ", f"not JSON ({e.msg})") from None
+        raise _fail(path, line, f"not JSON ({e.msg}, column {e.colno})") from None
+    except ValueError as e:  # an integer of more than 4,300 digits, ...
+        why = f"not JSON that can be read ({' '.join(str(e).split())[:120]})"
+        raise _fail(path, line, why) from None
+    except RecursionError:
+        raise _fail(path, line, "not JSON (nested too deeply)") from None
+
+
 def _sharegpt(path: Path) -> list[Entry]:
     """vLLM's sharegpt loader: entries with two turns or more; the first is the prompt, the
     second the answer whose length in tokens is the output's."""
@@ -368,16 +384,7 @@ def _sharegpt(path: Path) -> list[Entry]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise _fail(path, "", f"not UTF-8 text (at byte offset {e.start:,})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _fail(path, f"line {e.lineno}: ", f"not JSON ({e.msg})") from None
-    except ValueError as e:  # an integer of more than 4,300 digits, ...
-        raise _fail(
-            path, "", f"not JSON that can be read ({' '.join(str(e).split())[:120]})"
-        ) from None
-    except RecursionError:
-        raise _fail(path, "", "not JSON (nested too deeply)") from None
+    data = _loads(text, path)
     if not isinstance(data, list):
         raise _fail(path, "", "ShareGPT JSON is a list of {'conversations': [...]}")
     entries = []
@@ -418,16 +425,7 @@ def _jsonl(path: Path) -> Iterator[Entry]:
                 raise _fail(path, where, why) from None
             if not text.strip():
                 continue
-            try:
-                item = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise _fail(path, where, f"not JSON ({e.msg}, column {e.colno})") from None
-            except ValueError as e:  # an integer of more than 4,300 digits, ...
-                why = f"not JSON that can be read ({' '.join(str(e).split())[:120]})"
-                raise _fail(path, where, why) from None
-            except RecursionError:
-                raise _fail(path, where, "not JSON (nested too deeply)") from None
-            yield _jsonl_entry(item, path, where)
+            yield _jsonl_entry(_loads(text, path, where), path, where)
 
 
 def _jsonl_entry(item: object, path: Path, where: str) -> Entry:
