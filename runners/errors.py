@@ -134,8 +134,9 @@ class ServerUnreachableError(ServerError):
 class BadEndpointError(BadRequestError):
     """An endpoint that is not an http(s) URL (shown with its credentials redacted)."""
 
-    def __init__(self, shown: str) -> None:
-        super().__init__(f"not an http(s) URL such as http://127.0.0.1:8080: '{shown}'")
+    def __init__(self, shown: str, why: str = "") -> None:
+        what = why or "not an http(s) URL such as http://127.0.0.1:8080"
+        super().__init__(f"{what}: '{shown}'")
         self.shown = shown
 
 

@@ -41,6 +41,7 @@ from .base import (
 from .errors import (
     BadEndpointError,
     NoServerModelError,
+    OptionError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -103,11 +104,14 @@ _SECRET_PARAM = re.compile(
 def parse_endpoint(endpoint: str) -> Endpoint:
     """http://host:8080, http://u:p@host:8080/ or http://host:8080/v1?key=K -> its parts."""
     url = endpoint.strip().rstrip("/")
+    ok = False
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError on a port that is not a number)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:
+        parts.port  # noqa: B018 (raises ValueError on a port that is no number of 0-65535)
+    except ValueError as e:
+        if ok and "out of range" in str(e):  # urllib's words for a number past 65535
+            raise BadEndpointError(redact_url(endpoint), "a port past 65535") from None
         ok = False
     if not ok or any(c.isspace() or ord(c) < 32 for c in url):
         raise BadEndpointError(redact_url(endpoint))
@@ -149,6 +153,17 @@ _AUTH_VALUE = re.compile(
     r"(?i)((?:authorization|proxy-authorization|x-api-key|api-key)[\"']?\s*[:=]\s*[\"']?"
     r"(?:(?:basic|bearer|token|digest)\s+)?)[^\s\"',;}]+"
 )
+
+
+def _header_safe(value: str) -> bool:
+    """Whether an HTTP header can carry `value` as it is (RFC 9110 field values: visible ASCII
+    and inner spaces; obs-text is refused by httpx too)."""
+    return value == value.strip(" \t") and all(" " <= c <= "~" for c in value)
+
+
+def _escaped(secret: str) -> tuple[str, ...]:
+    """A secret as Python's reprs of its text and of its UTF-8 bytes write it."""
+    return (repr(secret)[1:-1], repr(secret.encode("utf-8", "surrogateescape"))[2:-1])
 
 
 def _read_capped(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
@@ -208,6 +223,12 @@ class Connection:
         max_connections: int = 100,
     ) -> None:
         parsed = parse_endpoint(endpoint)
+        if api_key is not None and not _header_safe(api_key):
+            # h11 refuses such a header, and its message would show the key
+            raise OptionError(
+                "the API key (--api-key, LLMRUN_API_KEY) holds what an HTTP header cannot carry:"
+                " a control character, a character past ASCII, or a space at either end"
+            )
         self.endpoint = parsed.shown
         self.api = parsed.api
         self.timeout_s = timeout_s
@@ -224,9 +245,11 @@ class Connection:
             ]
             if not api_key:
                 auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
-        # Longest first, so a secret that contains another is taken out whole; the user name
-        # last (it is not secret, but may be part of one).
-        self._secrets = sorted({x for x in secrets if x and len(x) >= 3}, key=len, reverse=True)
+        # Each also as Python escapes it (a library's message may show a header's bytes), longest
+        # first, so a secret that contains another is taken out whole; the user name last (it is
+        # not secret, but may be part of one).
+        secrets = [v for x in secrets if x for v in (x, *_escaped(x))]
+        self._secrets = sorted({x for x in secrets if len(x) >= 3}, key=len, reverse=True)
         self._secrets += [parsed.username] if parsed.username and len(parsed.username) >= 3 else []
         self.client = httpx.Client(
             headers=headers,

@@ -197,6 +197,43 @@ def test_echoed_credentials_come_back_redacted(cli: CliRunner) -> None:
         assert basic.rstrip("=") not in result.output
 
 
+@pytest.mark.parametrize(
+    "key", ["sk-SECRET\r\nX-Injected: 1", "sk-SECRET\u043a\u043b", "sk-SECRET ", "\tsk-SECRET"]
+)
+@pytest.mark.parametrize("command", ["run", "chat", "bench serve"])
+def test_an_api_key_no_header_can_carry_is_refused_without_showing_it(
+    key: str, command: str, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h11 refuses such a header with a message that shows its bytes: the key is refused
+    before any request, as a usage error, from the option or the environment alike."""
+    args = {"run": ["hi"], "chat": [], "bench serve": ["--num-prompts", "1", "--warmup", "0"]}
+    line = [*command.split(), "--endpoint"]
+    with stub_server() as url:
+        typed = cli.invoke(app, [*line, url, "--api-key", key, *args[command]], input="hi\n")
+        monkeypatch.setenv("LLMRUN_API_KEY", key)
+        from_env = cli.invoke(app, [*line, url, *args[command]], input="hi\n")
+    for result in (typed, from_env):
+        assert result.exit_code == 2, result.output
+        assert "SECRET" not in result.output and "internal error" not in result.output
+        assert result.stderr.count("\n") == 1 and "the API key (--api-key, LLMRUN_API_KEY)" in (
+            result.stderr
+        )
+
+
+def test_secrets_are_taken_out_as_python_escapes_them_too() -> None:
+    from llmrun.runners.remote import Connection
+
+    conn = Connection("http://127.0.0.1:9/v1?token=t\u00f6k\x7fn")
+    for shown in ("t\u00f6k\\x7fn", "t\\xc3\\xb6k\\x7fn"):
+        assert conn.scrub(f"Illegal header value b'{shown}'") == "Illegal header value b'***'"
+
+
+def test_a_port_past_65535_is_named(cli: CliRunner) -> None:
+    result = cli.invoke(app, ["run", "--endpoint", "http://127.0.0.1:99999/v1", "hi"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("llmrun: error: a port past 65535: 'http://127.0.0.1:99999/v1'")
+
+
 def test_redaction_of_free_text() -> None:
     text = redact_url("GET http://u:p@h/v1?api_key=K&model=m: 401 {'authorization': 'Bearer T'}")
     assert text == "GET http://***@h/v1?api_key=***&model=m: 401 {'authorization': 'Bearer ***'}"
