@@ -41,7 +41,7 @@ from .errors import (
     message,
     quiet_broken_pipe,
 )
-from .inputs import repair_utf8
+from .inputs import read_stdin_line, repair_utf8
 from .progress import PlainPhases
 from .records import takes_records
 from .report import busy_mark, context_note, fitted, mib, ms, ran_busy
@@ -305,8 +305,7 @@ class ChatUI:
     def _read_line(self, prompt: str) -> str | None:
         """One line, or None at the end of input."""
         if not self.interactive:
-            line = sys.stdin.readline()
-            return repair_utf8(line.rstrip("\n")) if line else None
+            return read_stdin_line()
         self._type_ahead()
         rl = self.readline
         stream = sys.stdout if sys.stdout.isatty() else sys.stderr

@@ -76,16 +76,30 @@ def repair_utf8(text: str, source: str = "stdin") -> str:
     return repaired.encode("utf-8", errors="replace").decode("utf-8")
 
 
+MAX_PROMPT_FILE_BYTES = 256 * 2**20  # beyond any context; /dev/zero never ends
+TOO_MUCH_STDIN = "stdin is larger than 256 MiB, or does not end"
+
+
 def read_stdin_if_piped() -> str:
+    """A piped prompt, read to the same cap as a prompt file (characters, here): `< /dev/zero`
+    is one line, not all the memory there is."""
     if sys.stdin is None or sys.stdin.isatty():
         return ""
     try:
-        return repair_utf8(sys.stdin.read())
+        text = sys.stdin.read(MAX_PROMPT_FILE_BYTES + 1)
     except (OSError, ValueError):
         return ""
+    if len(text) > MAX_PROMPT_FILE_BYTES:
+        raise BadRequestError(TOO_MUCH_STDIN)
+    return repair_utf8(text)
 
 
-MAX_PROMPT_FILE_BYTES = 256 * 2**20  # beyond any context; /dev/zero never ends
+def read_stdin_line() -> str | None:
+    """One line of a piped chat without its newline (None at the end), within the same cap."""
+    line = sys.stdin.readline(MAX_PROMPT_FILE_BYTES + 1)
+    if len(line) > MAX_PROMPT_FILE_BYTES:
+        raise BadRequestError(f"{TOO_MUCH_STDIN} (one line)")
+    return repair_utf8(line.rstrip("\n")) if line else None
 
 
 def read_text(path: Path) -> str:

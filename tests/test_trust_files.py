@@ -351,6 +351,29 @@ def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: Fak
     assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_stdin_past_the_prompt_cap_is_one_line(
+    command: str, cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piped prompt (run) or chat line is held to a prompt file's cap, not to all memory."""
+    import llmrun.cli.inputs as inputs
+
+    monkeypatch.setattr(inputs, "MAX_PROMPT_FILE_BYTES", 1000)
+    whole = cli.invoke(app, [command], input="a" * 999 + "\n")
+    assert whole.exit_code == 0, whole.output
+    result = cli.invoke(app, [command], input="a" * 1001)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("llmrun: error: stdin is larger than 256 MiB, or does not end")
+    assert result.stderr.count("\n") == 1
+
+
+def test_endless_stdin_is_one_line(llmrun_env: dict[str, str]) -> None:
+    from .test_trust import llmrun, one_error
+
+    line = one_error(llmrun(["run", "-n", "1"], llmrun_env, shell_suffix="< /dev/zero"))
+    assert line == "llmrun: error: stdin is larger than 256 MiB, or does not end"
+
+
 @pytest.mark.model
 def test_ppl_from_an_endless_file_is_one_line(model_path: str, llmrun_env: dict[str, str]) -> None:
     from .test_trust import llmrun, one_error
