@@ -294,11 +294,16 @@ class ChatUI:
             )
             self.err.print(text)
 
+    def say(self, text: str, style: str = "dim") -> None:
+        """A line of text on stderr, never broken by rich (a piped stderr is 80 columns wide
+        to it): a terminal wraps it, a log keeps it whole, as everywhere."""
+        self.err.print(Text(text, style=style), soft_wrap=True)
+
     def warn(self, text: str) -> None:
-        self.err.print(Text(text, style="yellow"), soft_wrap=True)
+        self.say(text, "yellow")
 
     def error(self, e: LlmrunError) -> None:
-        self.err.print(Text(message(e), style="red"), soft_wrap=True)  # one line, as everywhere
+        self.say(message(e), "red")
 
     # ---- input -------------------------------------------------------------------------
 
@@ -365,7 +370,7 @@ class ChatUI:
                 # Ctrl-C clears the line; at an empty prompt it may have been meant for a reply
                 # that just ended, so it never ends the conversation: say how to leave.
                 self._end_prompt_line()
-                self.show(LEAVE_HINT, "dim")
+                self.show(LEAVE_HINT)
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -377,12 +382,11 @@ class ChatUI:
                 with self.err.status("loading the model ..."):
                     loaded = self.conv.runner.load()
             else:  # TERM=dumb: a spinner would only be drawn at the end
-                self.show("loading the model ...", "dim")
+                self.show("loading the model ...")
                 loaded = self.conv.runner.load()
             self.show(
                 f"{loaded.name} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
                 f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
-                "dim",
             )
         note = context_note(self.asked_ctx, self.conv.n_ctx)
         if note:
@@ -461,9 +465,9 @@ class ChatUI:
             if self.verbose:
                 self.show(render(turn.stats))
             else:
-                self.show(turn_line(turn.stats), "dim")
+                self.show(turn_line(turn.stats))
             if turn.note:
-                self.show(f"note: {turn.note}", "dim")
+                self.show(f"note: {turn.note}")
             memory = turn.stats.settings.memory if turn.stats.settings else None
             per_token = memory.kv_bytes_per_token if memory else 0.0
             self.show(context_meter(conv.used_tokens, conv.n_ctx, per_token))
@@ -489,7 +493,7 @@ class ChatUI:
             self.show("[interrupted] the reply so far stays in the conversation" + cost, "yellow")
         elif turn.stats.finish_reason == FINISH_INCOMPLETE:
             self.failed = True
-            self.err.print(Text(incomplete_message(turn.stats), style="red"))
+            self.say(incomplete_message(turn.stats), "red")
         if conv.nearly_full:
             self.warn(
                 f"context {conv.used_tokens}/{conv.n_ctx} tokens: when a turn does not fit, the"
@@ -519,7 +523,7 @@ class ChatUI:
         }
         action = actions.get(name.lower())
         if action is None:
-            self.err.print(Text(f"unknown command {name}; /help lists them", style="red"))
+            self.say(f"unknown command {name}; /help lists them", "red")
             self.failed = True  # a script that says it wrongly exits 1
             return False
         return bool(action(arg))
@@ -567,26 +571,18 @@ class ChatUI:
             setattr(self, attr, value)
             if attr == "history" and self.readline is not None:
                 self.readline.set_auto_history(value)
-            self.err.print(Text(f"/set {word}: {said}", style="dim"))
+            self.say(f"/set {word}: {said}")
         elif word in ("think", "nothink"):
             self.conv.sampling = dataclasses.replace(self.conv.sampling, think=word == "think")
-            self.err.print(
-                Text(
-                    f"/set {word}: the template's thinking switch is"
-                    f" {'on' if word == 'think' else 'off'} for the next turns"
-                    " (a model without one ignores it)",
-                    style="dim",
-                ),
-                soft_wrap=True,
+            self.say(
+                f"/set {word}: the template's thinking switch is"
+                f" {'on' if word == 'think' else 'off'} for the next turns"
+                " (a model without one ignores it)",
             )
         elif word in ("wordwrap", "nowordwrap"):
-            self.err.print(
-                Text(
-                    "/set wordwrap: the terminal wraps replies here; llmrun inserts"
-                    " no line breaks, so copied text stays as written",
-                    style="dim",
-                ),
-                soft_wrap=True,
+            self.say(
+                "/set wordwrap: the terminal wraps replies here; llmrun inserts"
+                " no line breaks, so copied text stays as written",
             )
         elif word == "system":
             self._system(rest.strip())
@@ -637,10 +633,10 @@ class ChatUI:
         self.conv.sampling = sampling
         # stop: the strings kept (`|` alone keeps none); a number: Python's shortest spelling
         shown = " | ".join(map(repr, sampling.stop)) or "none" if field == "stop" else str(parsed)
-        self.err.print(Text(f"{name} = {shown} for the next turns", style="dim"))
+        self.say(f"{name} = {shown} for the next turns")
 
     def _usage(self, text: str) -> None:
-        self.err.print(Text(text, style="red"), soft_wrap=True)
+        self.say(text, "red")
         self.failed = True
 
     def _show(self, arg: str) -> None:
@@ -662,7 +658,7 @@ class ChatUI:
         except LlmrunError as e:
             self.error(e)
             return
-        self.err.print(Text(text, style="dim"), soft_wrap=True)
+        self.say(text)
 
     def _info_text(self) -> str:
         loaded = self.conv.runner.load()
@@ -719,18 +715,18 @@ class ChatUI:
 
     def _reset(self, arg: str) -> None:
         self.conv.reset()
-        self.err.print(Text("conversation cleared (the system prompt stays)", style="dim"))
+        self.say("conversation cleared (the system prompt stays)")
 
     def _system(self, arg: str) -> None:
         if arg:
             self.conv.system = arg
-            self.err.print(Text("system prompt set", style="dim"))
+            self.say("system prompt set")
         else:
-            self.err.print(Text(f"system prompt: {self.conv.system or '(none)'}", style="dim"))
+            self.say(f"system prompt: {self.conv.system or '(none)'}")
 
     def _save(self, arg: str) -> None:
         if not arg:
-            self.err.print(Text("usage: /save FILE.json or /save FILE.md", style="red"))
+            self.say("usage: /save FILE.json or /save FILE.md", "red")
             return
         path = Path(arg).expanduser()
         try:
@@ -739,9 +735,7 @@ class ChatUI:
             self.error(e)
             self.failed = True
             return
-        self.err.print(
-            Text(terminal_line(f"saved {len(self.conv.turns)} turns to {path}"), style="dim")
-        )
+        self.say(terminal_line(f"saved {len(self.conv.turns)} turns to {path}"))
 
 
 @takes_records

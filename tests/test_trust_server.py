@@ -84,6 +84,23 @@ def test_a_props_answer_of_any_kind_only_leaves_the_context_size_unknown(
     assert result.stdout == "Hello from the stub server.\n"
 
 
+@pytest.mark.parametrize("columns", ["40", "80"])
+def test_a_piped_chats_messages_are_whole_lines(
+    columns: str, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rich would break a message at its idea of the width (80 on a pipe): a log or a script
+    reading stderr gets each message as one line, as from run."""
+    monkeypatch.setenv("COLUMNS", columns)
+    with stub_server() as url:
+        result = cli.invoke(
+            app, ["chat", "--endpoint", url, "-m", "cut"], input="hello\n/set nowordwrap\n"
+        )
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("llmrun: error: ") and lines[0].endswith("marked incomplete)")
+    assert lines[1].startswith("/set wordwrap: ") and lines[1].endswith("stays as written")
+
+
 def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:
     with stub_server() as url:
         result = cli.invoke(
