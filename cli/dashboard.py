@@ -49,6 +49,7 @@ from llmrun.runners.base import (
 )
 from llmrun.runners.stats import EngineSettings, GenerationStats, ServerSettings, human_count, rate
 
+from .errors import LineConsole
 from .report import (
     engine_text,
     memory_text,
@@ -403,7 +404,7 @@ def render(stats: GenerationStats) -> RenderableType:
     return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
 
 
-class TerminalConsole(Console):
+class TerminalConsole(LineConsole):
     """A console whose width is the terminal's as it is now.
 
     rich freezes the width when `COLUMNS` is in the environment (some shells export it), so a

@@ -163,7 +163,23 @@ def debug() -> bool:
     return os.environ.get("LLMRUN_DEBUG", "") not in ("", "0")
 
 
-class StdoutConsole(Console):
+class LineConsole(Console):
+    """A console whose text stays whole lines where no terminal wraps it.
+
+    rich breaks text at its width, which it takes as 80 on a pipe: a message in a log or read by
+    a script came out split in two. Off a terminal, text is printed as written (tables keep
+    the width); on one, rich wraps it at word boundaries as before.
+    """
+
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+        from rich.text import Text
+
+        if soft_wrap is None and not self.is_terminal:
+            soft_wrap = all(isinstance(o, (str, Text)) for o in objects) or None
+        super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+
+class StdoutConsole(LineConsole):
     """A console on stdout whose closed pipe ends the command like `run`'s: quietly, 141.
 
     (rich's own reaction is exit code 1.)

@@ -248,8 +248,8 @@ class Connection:
         # Each also as Python escapes it (a library's message may show a header's bytes), longest
         # first, so a secret that contains another is taken out whole; the user name last (it is
         # not secret, but may be part of one).
-        secrets = [v for x in secrets if x for v in (x, *_escaped(x))]
-        self._secrets = sorted({x for x in secrets if len(x) >= 3}, key=len, reverse=True)
+        forms = {v for x in secrets if x for v in (x, *_escaped(x)) if len(v) >= 3}
+        self._secrets = sorted(forms, key=len, reverse=True)
         self._secrets += [parsed.username] if parsed.username and len(parsed.username) >= 3 else []
         self.client = httpx.Client(
             headers=headers,
@@ -350,10 +350,10 @@ class Connection:
         or answers with no JSON, or with more than such an answer could be."""
         try:
             with self.client.stream(method, url, json=body, timeout=5.0) as response:
-                if response.status_code >= 400:
-                    return None
+                # read even when refused: a body left unread closes the kept-alive connection,
+                # and the next request would time a new connection's set-up in its TTFT
                 raw, whole = _read_capped(response, MAX_JSON_REPLY)
-            return json.loads(raw) if whole else None
+            return json.loads(raw) if whole and response.status_code < 400 else None
         except (httpx.HTTPError, ValueError, RecursionError):
             return None
 
@@ -383,9 +383,16 @@ class Connection:
                     f"HTTP {response.status_code} from /v1{path}:"
                     f" redirected to {where} (use that server)",
                 )
-            if response.headers.get("content-type", "").startswith("application/json"):
+            media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media == "application/json":
                 yield self._whole_reply(response)  # a server that does not stream
                 return
+            if media in ("text/html", "application/xhtml+xml"):  # a web page: no API there
+                raise ServerError(
+                    self.endpoint,
+                    f"HTTP {response.status_code} from /v1{path}: a web page, not an event"
+                    " stream (is --endpoint the server's OpenAI-compatible API?)",
+                )
             finished = False
             deadline = time.monotonic() + self.timeout_s
             reader = SSEReader()
@@ -542,12 +549,17 @@ def _parse(event: Any) -> Chunk:
         return Chunk(error=f"the server reported an error mid-stream: {message}")
     text, finish = "", None
     choices = event.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+    choices = [] if choices is None else choices  # [], null or none: an event of usage alone
+    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+        return Chunk(error=f"malformed stream event: choices is {_shape(choices)}")
+    if choices:
         choice = choices[0]
         delta = choice.get("delta", choice.get("message"))  # message: a reply not streamed
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
         content = source.get("content")
-        text = content if isinstance(content, str) else ""
+        if content is not None and not isinstance(content, str):
+            return Chunk(error=f"malformed stream event: the content is {_shape(content)}")
+        text = content or ""
         thought = source.get("reasoning_content", source.get("reasoning"))
         reasoning = thought if isinstance(thought, str) else ""
         reason = choice.get("finish_reason")
@@ -557,6 +569,14 @@ def _parse(event: Any) -> Chunk:
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
     return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage, timings=timings)
+
+
+def _shape(value: Any) -> str:
+    """What a JSON value is, for a message (never the value: it could be anything)."""
+    if isinstance(value, list) and value:
+        return f"a list whose first item is {_shape(value[0])}"
+    kinds = {dict: "an object", list: "an empty list", str: "a string", bool: "true or false"}
+    return "null" if value is None else kinds.get(type(value), "a number")
 
 
 def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:

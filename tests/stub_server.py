@@ -16,7 +16,8 @@ request's Authorization header back in its reply, and "echo401" in a 401's messa
 writes the stream as the WHATWG standard allows but few servers do (CR and CRLF line ends, a
 BOM, `event:`/`id:`/`retry:` fields, one JSON split over two `data:` lines, no space after the
 colon, no blank line at the end). "whole" answers with one JSON object, not a stream; "moved"
-redirects elsewhere; "endless" ignores max_tokens and never stops. `models_answer` replaces the /v1/models answer.
+redirects elsewhere; "endless" ignores max_tokens and never stops; "html" answers with a web
+page; each name in MALFORMED sends one event of the wrong shape first. `models_answer` replaces the /v1/models answer.
 `get_answers` maps a GET route (/props) to its raw body, or to ENDLESS: a JSON body that never
 ends, sent in chunks until the client hangs up.
 """
@@ -28,7 +29,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,14 @@ class Handler(BaseHTTPRequestHandler):
                     "usage": {"prompt_tokens": 3, "completion_tokens": 4},
                 },
             )
+        if model == "html":  # a web page where the API should be
+            page = b"<!doctype html><html><body>Welcome</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return None
         if model == "moved":
             self.send_response(307)
             self.send_header("Location", "http://elsewhere.example/v1/chat/completions?key=K9x")
@@ -288,7 +297,21 @@ def _endless(h: Handler) -> None:
         h.close_connection = True
 
 
+MALFORMED: dict[
+    str, dict[str, Any]
+] = {  # a stream event of the wrong shape, then an answer that would pass
+    "choices-string": {"choices": "abc"},
+    "choices-of-null": {"choices": [None]},
+    "content-number": {"choices": [{"index": 0, "delta": {"content": 5}}]},
+}
+
+
+def _malformed(event: dict[str, Any]) -> Callable[[Handler], None]:
+    return lambda h: _send(h, event, _delta(content="ok"), FINAL)
+
+
 HOSTILE = {
+    **{name: _malformed(event) for name, event in MALFORMED.items()},
     "endless": _endless,
     "escapes": _escapes,
     "keepalive": _keepalive,

@@ -15,7 +15,7 @@ from llmrun.cli.app import app
 from llmrun.runners.history import History
 from llmrun.runners.remote import parse_endpoint, redact_url
 
-from .stub_server import ENDLESS, stub_server
+from .stub_server import ENDLESS, MALFORMED, stub_server
 from .test_truth_stream import sse_events
 
 ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
@@ -99,6 +99,49 @@ def test_a_piped_chats_messages_are_whole_lines(
     lines = result.stderr.splitlines()
     assert lines[0].startswith("llmrun: error: ") and lines[0].endswith("marked incomplete)")
     assert lines[1].startswith("/set wordwrap: ") and lines[1].endswith("stays as written")
+
+
+@pytest.mark.parametrize("model", sorted(MALFORMED))
+def test_a_stream_event_of_the_wrong_shape_is_named(model: str, cli: CliRunner) -> None:
+    """OpenAI's chunk holds a list of choice objects, each content a string or null: an event
+    of another shape is refused as `data: 5` is, not read as an empty reply that stopped."""
+    with stub_server() as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "-m", model, "hi"])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert "malformed stream event: " in result.stderr and "[stop]" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["bench", "serve", "--num-prompts", "1"]])
+def test_a_web_page_in_place_of_the_api_is_named(command: list[str], cli: CliRunner) -> None:
+    """Named before any text is read, and on whole lines (bench serve's failed-request line was
+    broken at 80 columns on a pipe)."""
+    with stub_server() as url:
+        result = cli.invoke(app, [*command, "--endpoint", url, "-m", "html"])
+    assert result.exit_code == 1
+    said = [line for line in result.stderr.splitlines() if "web page" in line]
+    assert said and all(line.endswith("the server's OpenAI-compatible API?)") for line in said)
+
+
+def test_a_line_console_breaks_no_text_off_a_terminal() -> None:
+    import io
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from llmrun.cli.errors import LineConsole
+
+    message = "word " * 40
+    pipe = io.StringIO()
+    console = LineConsole(file=pipe, width=80)
+    console.print(message.strip(), style="yellow")
+    console.print(Text(message.strip()))
+    table = Table("a", "b")
+    table.add_row(message, message)
+    console.print(table)
+    lines = pipe.getvalue().splitlines()
+    assert lines[:2] == [message.strip()] * 2
+    assert max(len(line) for line in lines[2:]) <= 80  # a table keeps the width
 
 
 def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from llmrun.cli import options as o
 from llmrun.cli.engine import make_bench_runner, remote_runner
-from llmrun.cli.errors import StdoutConsole
+from llmrun.cli.errors import LineConsole, StdoutConsole
 from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.config import EngineConfig
@@ -177,7 +177,7 @@ class Screen:
     def open(cls, output: out.OutputFormat | None) -> Screen:
         """Progress on stderr; results on stdout where it is a terminal and no format is
         asked, else on stderr with the progress (stdout carries the formatted records)."""
-        err = Console(stderr=True, highlight=False)
+        err = LineConsole(stderr=True, highlight=False)
         show = StdoutConsole(highlight=False) if output is None and sys.stdout.isatty() else err
         return cls(err, show, threading.Event())
 

@@ -26,6 +26,7 @@ from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import (
     EXIT_INTERRUPTED,
     DisplayThatMayFail,
+    LineConsole,
     StdoutConsole,
     handled,
     usage_error,
@@ -109,7 +110,7 @@ def bench(
         return
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
     with handled(), _display_nowhere(records_on_stderr) as real_stderr:
-        err = Console(stderr=True, highlight=False)
+        err = LineConsole(stderr=True, highlight=False)
         tty = delivery.output is None and sys.stdout.isatty()
         show = StdoutConsole(highlight=False) if tty else err
         if list_devices:

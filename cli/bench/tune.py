@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmrun.cli.engine import make_bench_runner
-from llmrun.cli.errors import EXIT_INTERRUPTED, handled, usage_error
+from llmrun.cli.errors import EXIT_INTERRUPTED, LineConsole, handled, usage_error
 from llmrun.cli.progress import ProgressLine, Shown, clock
 from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
@@ -69,7 +69,7 @@ def tune(
         except BadRequestError as e:
             usage_error(str(e))
     with handled():
-        err = Console(stderr=True, highlight=False)
+        err = LineConsole(stderr=True, highlight=False)
         if workload not in ("chat", "document", "both"):
             raise OptionError(f"--workload: '{workload}' is not chat, document or both")
         set_verbose(verbose)
