@@ -78,10 +78,11 @@ class EmptyPromptError(LlmrunError):
 
 
 class ChatTemplateError(LlmrunError):
-    """The model's chat template fails to render the conversation."""
+    """The chat template (the model's, or --chat-template-file's) fails to render the
+    conversation."""
 
-    def __init__(self, problem: str) -> None:
-        super().__init__(f"the model's chat template fails: {problem}")
+    def __init__(self, problem: str, whose: str = "the model's chat template") -> None:
+        super().__init__(f"{whose} fails: {problem}")
         self.problem = problem
 
 

@@ -55,7 +55,9 @@ class LlamaCppRunner:
         self._info: GGUFInfo | None = None
         self._loaded: LocalLoaded | None = None
         self.warmed_on: str | None = None  # the thread the context's warm-up decode ran on
-        self._prompts = Prompts(self._new_formatter, self._tokenize)
+        given = self.config.chat_template is not None  # --chat-template-file's text
+        whose = "--chat-template-file's template" if given else "the model's chat template"
+        self._prompts = Prompts(self._new_formatter, self._tokenize, whose)
         self._draft: LlamaCppRunner | None = None
         self._contexts: list[Context] = []  # make_context's, closed before the model
         self.contexts_made = 0  # llama.cpp contexts created on these weights, all told

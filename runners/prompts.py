@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import Request
-from .errors import ChatTemplateError, EmptyPromptError
+from .errors import BadRequestError, ChatTemplateError, EmptyPromptError
 from .handles import Model
 from .library import llama_lib
 
@@ -35,16 +35,28 @@ class Prompts:
     `formatter` (a callable, as the weights may load after this is made)."""
 
     def __init__(
-        self, formatter: Callable[[], Any], tokenize: Callable[[str, bool], list[int]]
+        self,
+        formatter: Callable[[], Any],
+        tokenize: Callable[[str, bool], list[int]],
+        whose: str = "the model's chat template",
     ) -> None:
         self._make_formatter, self._tokenize = formatter, tokenize
         self._formatter: Any = None
+        self.whose = whose  # named when the template fails
 
     def render(self, request: Request) -> str:
         """The prompt text a request stands for: raw, or its messages through the template."""
         if request.prompt is not None:
             return request.prompt
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        from .template import MAX_OUTPUT_CHARS
+
+        size = sum(len(m.content) for m in request.messages)
+        if size > MAX_OUTPUT_CHARS:  # the template's budget would blame the template
+            raise BadRequestError(
+                f"the messages hold {size:,} characters: more than any context holds, and"
+                f" than a chat template may write ({MAX_OUTPUT_CHARS:,})"
+            )
         try:
             if self._formatter is None:
                 self._formatter = self._make_formatter()
@@ -58,7 +70,7 @@ class Prompts:
             return str(self._formatter(messages=messages, **switch).prompt)
         except Exception as e:  # jinja2's TemplateError and whatever a template raises
             first = (str(e).splitlines() or [""])[0]
-            raise ChatTemplateError(f"{type(e).__name__}: {first}") from None
+            raise ChatTemplateError(f"{type(e).__name__}: {first}", self.whose) from None
 
     def text_and_tokens(self, request: Request) -> tuple[str, list[int]]:
         """The rendered prompt (empty for token ids) and its tokens."""

@@ -783,9 +783,17 @@ def test_a_broken_chat_template_is_one_line(
     )
     for args, stdin in ((["run", "-m", bad, "hi"], b""), (["chat", "-m", bad], b"hi\n")):
         line = one_error(llmrun(args, llmrun_env, stdin=stdin))
-        assert "chat template fails" in line and "--raw" in line
+        assert "llmrun: error: the model's chat template fails: " in line and "--raw" in line
     raw = llmrun(["run", "-m", bad, "--raw", "-n", "2", "hi"], llmrun_env)
     assert raw.returncode == 0
+    # a template given by file is named as such: the model's own is not to blame
+    given = tmp_path / "bad.jinja"
+    given.write_text("{% for m in messages %}{{ m.content }")
+    line = one_error(llmrun(["run", "--chat-template-file", str(given), "hi"], llmrun_env))
+    assert line.startswith("llmrun: error: --chat-template-file's template fails: Template"), line
+    # and a prompt past what any template may write is named as the prompt's size
+    line = one_error(llmrun(["run", "-n", "1"], llmrun_env, stdin=b"a" * (64 * 2**20 + 1)))
+    assert line.startswith("llmrun: error: the messages hold 67,108,865 characters: "), line
 
 
 @pytest.mark.parametrize(
