@@ -485,12 +485,22 @@ def _covers_all(spans: list[tuple[int, int]]) -> bool:
 PARSES = 0  # grammars handed to llama.cpp's parser in this process (the tests count them)
 
 
+_refused = threading.local()  # .left_recursion: the last refusal of this thread's was that
+
+
 def _parse(lib: Any, vocab: Any, grammar: str) -> Any:
     """A grammar sampler from llama.cpp's parser (None: refused; the parser says why on C's
-    stderr). Every parse of llmrun's goes through here."""
+    stderr, but a grammar it parsed and then refuses for left recursion is said in the log).
+    Every parse of llmrun's goes through here."""
+    from .library import log_since, logged
+
     global PARSES
     PARSES += 1
-    return lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root") or None
+    before = logged()
+    ptr = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root") or None
+    said = log_since(before) if ptr is None else []
+    _refused.left_recursion = any("left recursion detected" in line for line in said)
+    return ptr
 
 
 def parses(vocab: Any, grammar: str) -> bool:
@@ -567,6 +577,11 @@ class _CStderr:
 def parser_reason(said: str) -> str:
     """The reason in what llama.cpp's grammar parser printed, in one line of at most 100
     characters ("" when it gave none)."""
+    if getattr(_refused, "left_recursion", False):
+        return (
+            "left recursion: a rule can begin with itself before any text"
+            " (put text before the rule's own name)"
+        )
     first = next((ln for ln in said.splitlines() if "error parsing grammar:" in ln), "")
     reason = " ".join(first.partition("error parsing grammar:")[2].split())
     reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the grammar
@@ -867,6 +882,11 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             _check_schema(sub, f"{where}.{key}.{name}", root)
     if "$ref" in schema:
         ref = schema["$ref"]
+        if ref == "#":  # the converter resolves #/... paths only
+            raise BadRequestError(
+                f"{where}.$ref: '#', the whole schema, is not supported in structured output;"
+                " put the part that recurs under $defs and name it (#/$defs/NAME)"
+            )
         if not isinstance(ref, str) or not ref.startswith("#/"):
             raise BadRequestError(
                 f"{where}.$ref: only references inside the schema (#/...) are supported"
@@ -920,6 +940,7 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
         )
     for key in lengths:
         _count(schema, key, where)
+    _meet(schema, "minLength", "maxLength", where)
     pattern = schema.get("pattern")
     if pattern is not None and not isinstance(pattern, str):
         raise BadRequestError(f"{where}.pattern: a regular expression (a string)")
@@ -950,6 +971,17 @@ def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> N
         _check_schema(items, f"{where}.items", root)
     for key in counts:
         _count(schema, key, where)
+    _meet(schema, "minItems", "maxItems", where)
+
+
+def _meet(schema: dict[str, Any], least: str, most: str, where: str) -> None:
+    """Refuse a least count above the most: the converter would write a grammar for one of
+    them, and the answer would break the schema it was asked for."""
+    if least in schema and most in schema and schema[least] > schema[most]:
+        raise BadRequestError(
+            f"{where}: {least} {schema[least]} is above {most} {schema[most]}, so no value can"
+            " be written"
+        )
 
 
 def _check_objects(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:

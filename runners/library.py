@@ -139,9 +139,24 @@ def _strlen_address() -> int | None:
     return None
 
 
+_logged = 0  # lines logged so far (LOG_LINES keeps the last 2,000)
+
+
+def log_since(count: int) -> list[str]:
+    """The lines llama.cpp logged after the first `count` (those LOG_LINES still holds)."""
+    new = min(_logged - count, len(LOG_LINES))
+    return list(LOG_LINES)[len(LOG_LINES) - new :] if new > 0 else []
+
+
+def logged() -> int:
+    return _logged
+
+
 def _log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log callback: its lines into LOG_LINES, and on stderr with bench -v."""
+    global _logged
     LOG_LINES.append(text.decode("utf-8", errors="replace"))
+    _logged += 1
     if _verbose:
         with contextlib.suppress(OSError):
             os.write(2, text)

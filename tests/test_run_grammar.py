@@ -103,6 +103,25 @@ def test_the_grammar_reaches_the_runners_sampling(
             ),
             "left.json: schema: left recursion at #/$defs/a",
         ),
+        # llama.cpp parses these, then refuses them in its log, not on stderr: "not GBNF it reads"
+        ("left.gbnf", 'root ::= x\nx ::= x "a" | "b"', "refuses the grammar: left recursion: a"),
+        ("self.gbnf", "root ::= root", "refuses the grammar: left recursion: a rule can begin"),
+        # the converter wrote a grammar for one bound, and the answer broke the other
+        (
+            "lengths.json",
+            '{"type": "string", "minLength": 5, "maxLength": 2}',
+            "schema: minLength 5 is above maxLength 2, so no value can be written",
+        ),
+        (
+            "items.json",
+            '{"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 0}',
+            "schema: minItems 1 is above maxItems 0, so no value can be written",
+        ),
+        (
+            "root.json",
+            '{"type": "object", "properties": {"a": {"$ref": "#"}}}',
+            "schema.properties.a.$ref: '#', the whole schema, is not supported",
+        ),
     ],
 )
 def test_a_grammar_that_cannot_be_used_is_one_line_and_exit_1(

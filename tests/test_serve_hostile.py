@@ -115,7 +115,11 @@ def small(**kw: Any) -> dict[str, Any]:
         (b"", "malformed JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "malformed JSON"),
         (b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', "malformed JSON"),
-        (b'{"messages":[{"role":"user","content":"\\ud800"}]}', "malformed JSON"),
+        (
+            b'{"messages":[{"role":"user","content":"Hi \\ud800 there"}]}',
+            "(an escape from \\ud800 to \\udfff is half of a UTF-16 surrogate pair: alone, it is",
+        ),
+        (b'{"messages":[{"role":"user","content":"\\udc00"}]}', "surrogate pair: alone"),
         (json.dumps(small()).encode() + b"garbage", "malformed JSON"),
         (
             b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",

@@ -267,7 +267,13 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     first: dict[str, Any] = dict(errors[0]) if errors else {}
     if first.get("type") == "json_invalid":
-        return f"malformed JSON: {first.get('msg', '')}".rstrip(": "), None
+        said = f"malformed JSON: {first.get('msg', '')}".rstrip(": ")
+        if "surrogate" in said or "end of hex escape" in said:  # jiter's words for \ud800 alone
+            said += (
+                " (an escape from \\ud800 to \\udfff is half of a UTF-16 surrogate pair:"
+                " alone, it is no character)"
+            )
+        return said, None
     loc = [p for p in first.get("loc", ()) if isinstance(p, int) or not _is_branch_tag(str(p))]
     where = ".".join(str(p) for p in loc)
     branches = {str(p) for e in errors for p in e.get("loc", ())[len(loc) : len(loc) + 1]}
