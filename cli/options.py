@@ -577,13 +577,7 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     if path is None:
         return None
     flag = "--json-schema" if json_schema is not None else "--grammar"
-    try:
-        data = read_capped(path, max_bytes=MAX_GRAMMAR_FILE_BYTES, what=flag.lstrip("-"))
-    except OSError as e:
-        raise BadRequestError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
-    except FileTooLargeError as e:
-        raise BadRequestError(f"{flag} {path}: {e}") from None
-    text = data.decode("utf-8", errors="replace")
+    text = read_text_option(path, flag, MAX_GRAMMAR_FILE_BYTES, flag.lstrip("-"))
     if grammar is None:
         try:
             schema = json.loads(text)
@@ -774,15 +768,27 @@ def read_template(path: Path | None) -> str | None:
     by mistake is not."""
     if path is None:
         return None
+    return read_text_option(path, "--chat-template-file", MAX_TEMPLATE_BYTES, "template")
+
+
+def read_text_option(path: Path, flag: str, max_bytes: int, what: str) -> str:
+    """The text of a file an option names (a template, a grammar, a schema), within its cap:
+    an empty file, or one that is not UTF-8 (a model or a picture given by mistake), is refused
+    rather than read as nothing (an empty template fell back to the model's in silence) or as
+    U+FFFD."""
     try:
-        data = read_capped(path, max_bytes=MAX_TEMPLATE_BYTES, what="template")
+        data = read_capped(path, max_bytes=max_bytes, what=what)
+        if not data.strip():
+            raise BadRequestError(f"{flag} {path}: the file is empty")
+        return data.decode("utf-8")
     except OSError as e:
-        raise BadRequestError(
-            f"--chat-template-file: cannot read {path}: {e.strerror or e}"
-        ) from None
+        raise BadRequestError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
     except FileTooLargeError as e:
-        raise BadRequestError(f"--chat-template-file {path}: {e}") from None
-    return data.decode("utf-8", errors="replace")
+        raise BadRequestError(f"{flag} {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise BadRequestError(
+            f"{flag} {path}: not UTF-8 text (byte {e.start:,} is {data[e.start]:#04x})"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ CITY: dict[str, Any] = {
 
 def write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # \udce9: the byte 0xe9 alone
     return str(path)
 
 
@@ -103,6 +103,8 @@ def test_the_grammar_reaches_the_runners_sampling(
             ),
             "left.json: schema: left recursion at #/$defs/a",
         ),
+        ("empty.gbnf", " \n", "empty.gbnf: the file is empty"),
+        ("latin1.json", '{"enum": ["caf\udce9"]}', "latin1.json: not UTF-8 text (byte 14 is 0xe9)"),
         # llama.cpp parses these, then refuses them in its log, not on stderr: "not GBNF it reads"
         ("left.gbnf", 'root ::= x\nx ::= x "a" | "b"', "refuses the grammar: left recursion: a"),
         ("self.gbnf", "root ::= root", "refuses the grammar: left recursion: a rule can begin"),

@@ -316,7 +316,7 @@ def test_a_chat_template_runs_on_a_budget(
                 timeout=HANG_S,
             )
         )
-        assert "chat template" in line and (
+        assert "--chat-template-file's template fails: " in line and (
             "steps" in line or "larger" in line or "more than" in line or "raises" in line
         ), line
     line = one_error(
@@ -349,6 +349,27 @@ def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: Fak
     result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
     assert result.exit_code == 1
     assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"", "the file is empty"),
+        (b" \n\t", "the file is empty"),
+        (b"{{ x }}\xff", "not UTF-8 text (byte 7 is 0xff)"),
+    ],
+)
+def test_a_template_file_that_is_empty_or_not_text_is_refused(
+    data: bytes, says: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    """An empty template fell back to the model's own in silence, and bytes past UTF-8 became
+    U+FFFD in the prompt."""
+    path = tmp_path / "t.jinja"
+    path.write_bytes(data)
+    result = cli.invoke(app, ["run", "--chat-template-file", str(path), "hi"])
+    assert result.exit_code == 1
+    assert result.stderr == f"llmrun: error: --chat-template-file {path}: {says}\n"
+    assert fake.requests == []
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])
