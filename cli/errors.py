@@ -19,6 +19,7 @@ from rich.console import Console
 import llmrun.cli
 from llmrun.runners.errors import (
     DIRECTORY,
+    NOT_A_FILE,
     AmbiguousModelError,
     BadEndpointError,
     BadRequestError,
@@ -94,11 +95,10 @@ def _too_long(e: LlmrunError) -> str:
 
 HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     ModelNotFoundError: lambda e: "give a .gguf path or a Hub reference such as owner/repo:Q4_K_M",
-    InvalidModelFileError: lambda e: (
-        "give the .gguf file in it"
-        if getattr(e, "problem", "") == DIRECTORY
-        else "download the file again; llmrun loads GGUF v2/v3 files"
-    ),
+    InvalidModelFileError: lambda e: {
+        DIRECTORY: "give the .gguf file in it",
+        NOT_A_FILE: "llama.cpp maps the weights from a file on disk",
+    }.get(getattr(e, "problem", ""), "download the file again; llmrun loads GGUF v2/v3 files"),
     ContextError: lambda e: "",  # llama.cpp's words name the setting it refused
     ModelLoadError: lambda e: "the file may be for a newer llama.cpp, or damaged",
     DefaultModelMissingError: lambda e: f"run 'make demo' or '{DEFAULT_MODEL_INSTALL}'",

@@ -18,6 +18,7 @@ class ModelNotFoundError(LlmrunError):
 
 
 DIRECTORY = "is a directory, not a GGUF file"  # InvalidModelFileError's problem for a folder
+NOT_A_FILE = "is a device, a FIFO or a socket, not a GGUF file"  # and for /dev/zero, <(...)
 
 
 class InvalidModelFileError(LlmrunError):

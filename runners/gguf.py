@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DIRECTORY, InvalidModelFileError, ModelNotFoundError
+from .errors import DIRECTORY, NOT_A_FILE, InvalidModelFileError, ModelNotFoundError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -291,6 +292,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
         raise ModelNotFoundError(path)
     if os.path.isdir(path):
         raise InvalidModelFileError(path, DIRECTORY)
+    if not stat.S_ISREG(os.stat(path).st_mode):  # it was "too short": size 0
+        raise InvalidModelFileError(path, NOT_A_FILE)
     file_size = os.path.getsize(path)
     if file_size < 24:
         raise InvalidModelFileError(path, "not a GGUF file (too short)")

@@ -725,6 +725,12 @@ def test_llama_cpp_gives_its_own_reason(
         (["pull", ""], "pull: '' is no Hub reference; give owner/repo", 2),
         (["pull", "/etc/passwd"], "pull: '/etc/passwd' is no Hub reference", 2),
         (["run", "-m", "/tmp", "hi"], "/tmp: is a directory, not a GGUF file (give the .gguf", 1),
+        (
+            ["run", "-m", "/dev/zero", "hi"],
+            "/dev/zero: is a device, a FIFO or a socket, not a GGUF file (llama.cpp maps",
+            1,
+        ),
+        (["bench", "-m", "/dev/null"], "/dev/null: is a device, a FIFO or a socket", 1),
     ],
 )
 def test_a_model_that_names_none_is_refused(
@@ -732,7 +738,7 @@ def test_a_model_that_names_none_is_refused(
 ) -> None:
     """`-m ''` ran the embedded model while every empty path was refused; `pull ''` printed
     the embedded model's path and `pull /etc/passwd` echoed it, both exit 0; a folder given as
-    the model was told to download the file again."""
+    the model was told to download the file again, and /dev/zero that it was too short."""
     result = cli.invoke(app, args)
     assert result.exit_code == code, result.stderr
     [line] = result.stderr.splitlines()
