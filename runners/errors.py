@@ -88,8 +88,15 @@ class ChatTemplateError(LlmrunError):
 
 
 class PromptTooLongError(LlmrunError):
+    """A prompt that leaves no room in the context for one token of output."""
+
     def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
-        super().__init__(f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}")
+        super().__init__(
+            f"the prompt is {prompt_tokens} tokens long but the context holds {n_ctx}"
+            if prompt_tokens > n_ctx
+            else f"the prompt is {prompt_tokens} tokens long and the context holds {n_ctx}:"
+            " no room is left for a token of output"
+        )
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
 

@@ -171,6 +171,13 @@ def test_prompt_too_long_names_the_option(cli: CliRunner, fake: FakeRunner) -> N
         "llmrun: error: the prompt is 301 tokens long but the context holds 256 "
         "(raise -c/--ctx above 301 or shorten the prompt)"
     )
+    # a prompt that fills the context exactly fits, but leaves no room for the answer
+    result = cli.invoke(app, ["run", "word " * 255])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        "llmrun: error: the prompt is 256 tokens long and the context holds 256: no room is left"
+        " for a token of output (raise -c/--ctx above 256 or shorten the prompt)"
+    )
 
 
 def test_quiet(cli: CliRunner, fake: FakeRunner) -> None:
