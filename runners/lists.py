@@ -46,7 +46,10 @@ def share(text: str) -> float | None:
     return float(text) if whole(text.replace(".", "", 1)) is not None else None
 
 
-def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+MAX_VALUE = 1 << 24  # a list's largest value unless its option says less (a server's levels)
+
+
+def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = MAX_VALUE) -> list[int]:
     """llama-bench's list syntax: `1,2,4`, ranges `8-512*4` (times) and `0-24+8` (plus).
 
     Every value must lie in minimum..maximum (sizes are never negative; -ngl allows -1)."""

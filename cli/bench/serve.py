@@ -21,6 +21,7 @@ from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import max_sequences
+from llmrun.runners.lists import MAX_VALUE
 from llmrun.runners.serving.figures import LATENCIES
 from llmrun.runners.serving.options import (
     DEFAULT_INPUT_LEN,
@@ -212,7 +213,7 @@ class LoadOptions(OptionRecord):
                 *self.levels(endpoint),
                 # this machine's engine: the sequences one llama.cpp context holds (past them,
                 # the model loaded first and then llama.cpp refused the context)
-                maximum=1 << 24 if endpoint else max_sequences(),
+                maximum=MAX_VALUE if endpoint else max_sequences(),
             ),
             request_rate=parse_rate(self.request_rate),
             num_prompts=self.num_prompts,

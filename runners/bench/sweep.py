@@ -13,7 +13,9 @@ from llmrun.runners.errors import OptionError
 from llmrun.runners.threadpool import DEFAULT_POLL
 
 
-def parse_values(text: str, *, name: str, minimum: int = 0, maximum: int = 1 << 24) -> list[int]:
+def parse_values(
+    text: str, *, name: str, minimum: int = 0, maximum: int = lists.MAX_VALUE
+) -> list[int]:
     """llama-bench's list syntax (`1,2,4`, `8-512*4`, `0-24+8`), a value given twice kept
     twice: `-p 16,16` is two tests there, and so here."""
     values = [

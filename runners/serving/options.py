@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmrun.runners.errors import BadRequestError, OptionError
-from llmrun.runners.lists import parse_values, real
+from llmrun.runners.lists import MAX_VALUE, parse_values, real
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.batching import Policy
 from llmrun.runners.serving.prompts import Dataset
@@ -100,7 +100,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 
 def parse_concurrency(
-    text: str, name: str = "--concurrency", maximum: int = 1 << 24
+    text: str, name: str = "--concurrency", maximum: int = MAX_VALUE
 ) -> tuple[int, ...]:
     return tuple(parse_values(text, name=name, minimum=1, maximum=maximum))
 
