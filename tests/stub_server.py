@@ -47,6 +47,9 @@ class Handler(BaseHTTPRequestHandler):
     models_answer: Any = None  # what /v1/models answers instead of the usual listing
     get_answers: dict[str, bytes] = {}  # noqa: RUF012 (a class default, replaced per server)
     protocol_version = "HTTP/1.1"
+    # Nagle's algorithm held each event until the client's delayed ACK (about 40 ms on a
+    # kept-alive connection, none on a new one): timings the tests read depended on it
+    disable_nagle_algorithm = True
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -155,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._think(model, body)
         if model in HOSTILE:
             return HOSTILE[model](self)
+        time.sleep(0.01)  # the stub's prefill: its first word comes after it, as a server's
         for i, word in enumerate(WORDS):
             choice: dict[str, object] = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": word}} if chat else {"text": word})
