@@ -56,6 +56,13 @@ def models_table(listed: Iterable[ListedModel]) -> Fitted:
             human_count(m.info.n_params),
             human_count(m.size_bytes, "B"),
             m.info.architecture,
-            os.path.relpath(m.path) if m.source == "default" else m.path,
+            _shown(m.path) if m.source == "default" else m.path,
         )
     return fitted(table, wrap=("path",))
+
+
+def _shown(path: str) -> str:
+    """The embedded model's path relative to here where it is below here (a checkout's .venv),
+    else whole: `../../work/x` says less than `/work/x`."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.pardir) else relative

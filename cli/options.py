@@ -210,7 +210,8 @@ Repack = Annotated[
     bool | None,
     typer.Option(
         "--repack/--no-repack",
-        help="Repack weights for faster CPU kernels. (default: on, except on AMX CPUs)",
+        help="Repack weights for faster CPU kernels. (default: on where a probe finds it safe:"
+        " not on AMX CPUs, whose kernels crash on it)",
         rich_help_panel=MODEL_PANEL,
         show_default=False,
     ),

@@ -145,3 +145,18 @@ def test_run_with_a_hub_model_and_models_listing(hub_env: dict[str, str]) -> Non
         assert ref in out
     assert "135M" in out and "Q4_1" in out
     assert "README" not in out
+
+
+def test_the_embedded_models_path_is_whole_where_it_is_not_below_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`llmrun models` run outside the checkout showed `../../work/main/.venv/...`."""
+    from llmrun.cli.models import _shown
+
+    inside = tmp_path / "venv" / "model.gguf"
+    monkeypatch.chdir(tmp_path)
+    assert _shown(str(inside)) == str(Path("venv") / "model.gguf")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert _shown(str(inside)) == str(inside)

@@ -174,7 +174,7 @@ def _tune(
 
 def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
     """Every setting the search tried, in order, with its rates, scores and noise."""
-    table = Table(title="tuning: every setting tried", title_justify="left")
+    table = Table(title="tuning: the settings measured", title_justify="left")
     heads = [
         "stage",
         "settings",
