@@ -397,7 +397,7 @@ def _record(text: object) -> dict[str, Any] | None:
     """A stored result, or None for a row that is not one (damaged by hand or by a crash)."""
     try:
         record = json.loads(text) if isinstance(text, (str, bytes)) else None
-    except ValueError:
+    except (ValueError, RecursionError):  # a damaged row, or 100,000 brackets
         return None
     if not isinstance(record, dict):
         return None

@@ -127,6 +127,48 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
     assert path.read_text() == text
 
 
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("deep", "nested too deep to be tuned settings; fix or delete it"),
+        ("fifo", "not a regular file (a FIFO, a device?); delete it"),
+    ],
+)
+def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path: Path) -> None:
+    """100,000 brackets were an internal RecursionError; a FIFO blocked the open for ever."""
+    from llmrun.runners.bench.tuned import load_tuned, tuned_file
+    from llmrun.runners.limits import SettingError
+
+    path = tuned_file()
+    path.parent.mkdir(parents=True)
+    if kind == "deep":
+        path.write_text("[" * 100_000)
+    else:
+        os.mkfifo(path)
+    with pytest.raises(SettingError) as e:
+        load_tuned("/m.gguf")
+    assert str(e.value) == f"{path}: {says}"
+
+
+def test_tune_refuses_a_tuned_file_it_could_not_save_before_it_measures(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole search ran, and its winner was lost at the save."""
+    import llmrun.cli.bench.tune as tune
+    from llmrun.runners.bench.tuned import tuned_file
+
+    def no_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the search started")
+
+    monkeypatch.setattr(tune, "make_bench_runner", no_search)
+    path = tuned_file()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"a": 1,}')
+    result = cli.invoke(app, ["tune", "--workload", "chat"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"llmrun: error: {path}: not valid JSON (")
+
+
 def test_history_model_patterns_match_literally(tmp_path: Path) -> None:
     with History(tmp_path / "h.db") as h:
         for name in ("a_\\b", "ax\\b", "axb", "100%"):
@@ -135,6 +177,23 @@ def test_history_model_patterns_match_literally(tmp_path: Path) -> None:
         assert [r["model"] for r in h.runs(model="a_")] == ["a_\\b"]
         assert [r["model"] for r in h.runs(model="%")] == ["100%"]
         assert len(h.runs(model="b")) == 3
+
+
+def test_a_history_row_nested_past_pythons_depth_is_skipped(tmp_path: Path) -> None:
+    """One row of 100,000 brackets made `history`, `-b/-c` and `--export-sql` internal errors;
+    damaged rows are skipped, and the others shown."""
+    import sqlite3
+
+    path = tmp_path / "h.db"
+    with History(path) as h:
+        for avg in (1.0, 2.0):
+            h.store([{"test": "pp8", "avg_ts": avg}], kind="bench", model="m", system={})
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE results SET record = ? WHERE rowid = 1", ("[" * 100_000,))
+    with History(path) as h:
+        runs = h.runs()
+    assert [len(r["records"]) for r in runs] == [1, 0]
+    assert [r["unreadable"] for r in runs] == [0, 1]
 
 
 def test_jsonl_ids_come_back_as_given(tmp_path: Path, cli: CliRunner, fake: FakeRunner) -> None:

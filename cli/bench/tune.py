@@ -19,7 +19,7 @@ from llmrun.cli.report import Fitted, busy_warning, fitted
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
-from llmrun.runners.bench.tuned import save_tuned
+from llmrun.runners.bench.tuned import check_tuned_file, save_tuned
 from llmrun.runners.bench.tuning import REPS, TunePlan, search
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, OptionError
@@ -120,6 +120,7 @@ def _tune(
     stay as they were); when stopped by Ctrl-C, SIGTERM or --budget, the fastest settings
     measured by then are saved."""
     workloads = tuple(tn.WORKLOADS) if workload == "both" else (workload,)
+    check_tuned_file()  # a file the save would refuse is refused before minutes of measuring
     budget = Budget(budget_s, cancel)
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:

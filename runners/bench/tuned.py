@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ def _read_all() -> dict[str, Any]:
     so that a later save cannot replace the other models' settings with one entry."""
     path = tuned_file()
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the open for ever
+            raise SettingError(str(path), "not a regular file (a FIFO, a device?); delete it")
         text = read_capped(path, max_bytes=16 * 2**20, what="tuning file").decode("utf-8")
         data = json.loads(text)
     except (FileNotFoundError, NotADirectoryError):  # nothing saved (a parent may be a file)
@@ -54,9 +57,18 @@ def _read_all() -> dict[str, Any]:
             f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix or"
             " delete it (it holds llmrun tune's settings for every model)",
         ) from None
+    except RecursionError:
+        raise SettingError(
+            str(path), "nested too deep to be tuned settings; fix or delete it"
+        ) from None
     if not isinstance(data, dict):
         raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")
     return data
+
+
+def check_tuned_file() -> None:
+    """Refuse a tuning file that a save would refuse, before a search fills it (SettingError)."""
+    _read_all()
 
 
 def load_tuned(model_path: str) -> dict[str, Any] | None:
