@@ -157,14 +157,19 @@ VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not
 
 
 def grouped(schema: Any) -> Any:
-    """The schema with each pattern whose top level has alternatives (`^a|b$`) written as one
-    group (`^(a|b)$`): the converter puts the alternatives beside the string's quotes, which
-    makes a grammar for `"a` or `b"`, not JSON."""
+    """The schema as the converter reads it right. Each pattern whose top level has
+    alternatives (`^a|b$`) is written as one group (`^(a|b)$`): the converter puts the
+    alternatives beside the string's quotes, which makes a grammar for `"a` or `b"`, not JSON.
+    A `$ref` beside `$defs` (pydantic's recursive models: `{"$ref": "#/$defs/Node", "$defs":
+    ...}`) becomes a choice of one: the converter follows a `$ref` and never looks beside it,
+    so the refs inside those definitions stayed unresolved (a KeyError)."""
     if isinstance(schema, list):
         return [grouped(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: v if k in VALUES else grouped(v) for k, v in schema.items()}
+    if isinstance(out.get("$ref"), str) and ("$defs" in out or "definitions" in out):
+        out = {"anyOf": [{"$ref": out.pop("$ref")}], **out}
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and _has_top_level_bar(pattern):
         body = pattern.removeprefix("^").removesuffix("$")

@@ -184,6 +184,33 @@ def test_a_ref_loop_and_left_recursion_are_named() -> None:
         assert "root ::=" in schema_grammar(in_property({"a": inside}), WHERE)
 
 
+# pydantic's schema of a recursive model: the root a $ref beside the $defs that use it
+PYDANTIC_NODE = {
+    "$defs": {
+        "Node": {
+            "properties": {"children": {"items": {"$ref": "#/$defs/Node"}, "type": "array"}},
+            "required": ["children"],
+            "type": "object",
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+
+
+def test_a_root_ref_beside_its_defs_is_made_a_grammar() -> None:
+    """The converter follows a $ref and never looks beside it, so the refs inside the $defs
+    were never resolved: `cannot be made a grammar: '#/$defs/Node'`, for the schema pydantic
+    writes for every recursive model, in run, response_format and a forced tool call."""
+    from llmrun.runners.serving.tools import tool_plan
+
+    grammar = schema_grammar(PYDANTIC_NODE, WHERE)
+    assert "Node-children-item ::= Node" in grammar and "root ::= alternative-0" in grammar
+    plan = tool_plan(
+        [{"type": "function", "function": {"name": "t", "parameters": PYDANTIC_NODE}}], "required"
+    )
+    assert plan is not None and "Node-children-item ::= Node" in (plan.grammar() or "")
+
+
 def test_refs_are_followed_only_where_a_value_can_use_them() -> None:
     """A $ref in an annotation's JSON is not a schema (it once reached the loop finder and
     raised a bare KeyError: an internal error in run, a 500 in serve), and a loop in a
