@@ -20,6 +20,7 @@ from .prefix_cache import PrefixCache
 
 READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
 POLL_MS = 100  # a pipe without data is looked at again this often
+MIN_WINDOW = 4  # tokens of a window: its second half is scored, each position after the first
 
 
 def read_text(path: Path, *, max_bytes: int, cancel: threading.Event) -> bytes | None:
@@ -125,7 +126,9 @@ def perplexity(
             f"perplexity windows of {n_ctx} tokens need a context that"
             f" large; this one holds {n_ctx_loaded}"
         )
-    if n_ctx < 4 or len(tokens) < n_ctx:
+    if n_ctx < MIN_WINDOW:
+        raise BadRequestError(f"perplexity's windows need {MIN_WINDOW} tokens or more, not {n_ctx}")
+    if len(tokens) < n_ctx:
         raise BadRequestError(
             f"perplexity needs at least one window of {n_ctx} tokens; the text has {len(tokens)}"
         )

@@ -490,6 +490,28 @@ def test_a_perplexity_text_too_short_is_refused_before_any_test(
     assert done.stderr.strip().splitlines()[-1].startswith("llmrun: error: perplexity needs")
 
 
+@pytest.mark.parametrize("ctx", ["1", "3"])
+def test_perplexity_windows_too_small_are_a_usage_error_before_any_test(
+    ctx: str, tmp_path: Path
+) -> None:
+    """`--ppl FILE -c 3` ran the speed tests, then said the text had too few tokens for a
+    window of 3 (it had 201): windows of fewer than 4 tokens are refused, and named as -c."""
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    text = tmp_path / "fox.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    done = CliRunner().invoke(
+        app, ["bench", "-r", "1", "-p", "0", "-n", "1", "--ppl", str(text), "-c", ctx]
+    )
+    assert done.exit_code == 2, done.output
+    assert done.stderr == (
+        f"llmrun: error: -c/--ctx {ctx}: perplexity's windows need 4 tokens or more (the second"
+        " half of each is scored)\n"
+    )
+
+
 def test_a_full_stderr_never_costs_the_records(llmrun_env: dict[str, str], model_path: str) -> None:
     """bench -o json 2>/dev/full: the records on stdout and in the history all the same."""
     with open("/dev/full", "w") as full:

@@ -338,6 +338,12 @@ def run_sweep(
         )
     text: str | None = None
     if sweep.ppl is not None:
+        window = sweep.contexts()[0] or PPL_CTX
+        if window < ppl.MIN_WINDOW:  # said after the speed tests, and of the text, before
+            raise OptionError(
+                f"-c/--ctx {window}: perplexity's windows need {ppl.MIN_WINDOW} tokens or more"
+                " (the second half of each is scored)"
+            )
         text = read_text(sweep.ppl, cancel)  # an unreadable text fails before anything runs
         if text is None:
             return
