@@ -226,6 +226,7 @@ def serve(
         if server.alias is not None and not (server.alias.strip() and server.alias.isprintable()):
             # a newline went raw into the "listening on" line and into every /v1/models
             raise BadRequestError(f"--alias {server.alias!r}: give a name of printable text")
+        host = listen_host(server.host)
     except BadRequestError as e:
         usage_error(str(e))
     with handled():
@@ -235,7 +236,7 @@ def serve(
             model=model,
             engine=config,
             defaults=defaults,
-            host=server.host,
+            host=host,
             port=server.port,
             n_seq=server.parallel,
             policy=server.policy,
@@ -458,3 +459,14 @@ class _View:
         if self._thread is not None:
             self._thread.join(timeout=2)
         self._flush()
+
+
+def listen_host(given: str) -> str:
+    """--host as the socket takes it: an IPv6 address also as URLs write it (`[::1]`, as the
+    server prints its address); one with spaces around it was refused by the resolver, in
+    words that dropped the spaces and so blamed a good address."""
+    if given != given.strip() or not given or not given.isprintable():
+        raise BadRequestError(f"--host {given!r}: give an address or a name, without spaces")
+    if given.startswith("[") and given.endswith("]"):
+        return given[1:-1]
+    return given

@@ -14,6 +14,8 @@ from .errors import BadRequestError
 
 def _base(kind: str, xdg_var: str, default: str) -> Path:
     home = os.environ.get("LLMRUN_HOME")
+    if home and not home.strip():  # a folder named " " in the cwd
+        raise BadRequestError(f"LLMRUN_HOME={home!r} is blank: give a folder, or unset it")
     if home:
         if os.path.exists(home) and not os.path.isdir(home):
             raise BadRequestError(

@@ -771,6 +771,23 @@ def test_a_home_that_is_a_file_is_refused_before_the_work(
     assert done.exit_code == 1 and "a folder; give a new file's name" in done.stderr
 
 
+def test_a_blank_home_and_a_spaced_host_are_refused(cli: CliRunner) -> None:
+    """LLMRUN_HOME=' ' made a folder named ' ' in the working directory, and `serve --host
+    ' 127.0.0.1'` was `cannot listen on 127.0.0.1:0: Name or service not known`."""
+    from llmrun.cli.serve import listen_host
+
+    blank = cli.invoke(app, ["history"], env={"LLMRUN_HOME": " "})
+    assert blank.exit_code == 1
+    assert blank.stderr == "llmrun: error: LLMRUN_HOME=' ' is blank: give a folder, or unset it\n"
+    spaced = cli.invoke(app, ["serve", "--host", " 127.0.0.1", "--port", "0"])
+    assert spaced.exit_code == 2
+    assert spaced.stderr.startswith(
+        "llmrun: error: --host ' 127.0.0.1': give an address or a name, without spaces"
+    )
+    # an IPv6 address as URLs write it, and as the server prints its own
+    assert listen_host("[::1]") == listen_host("::1") == "::1"
+
+
 def test_a_refused_context_blames_the_setting_not_the_file(
     model_path: str, llmrun_env: dict[str, str]
 ) -> None:
