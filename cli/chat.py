@@ -370,7 +370,7 @@ class ChatUI:
                 # Ctrl-C clears the line; at an empty prompt it may have been meant for a reply
                 # that just ended, so it never ends the conversation: say how to leave.
                 self._end_prompt_line()
-                self.show(LEAVE_HINT)
+                self.show(LEAVE_HINT, "dim")
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -382,11 +382,12 @@ class ChatUI:
                 with self.err.status("loading the model ..."):
                     loaded = self.conv.runner.load()
             else:  # TERM=dumb: a spinner would only be drawn at the end
-                self.show("loading the model ...")
+                self.show("loading the model ...", "dim")
                 loaded = self.conv.runner.load()
             self.show(
                 f"{loaded.name} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
                 f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
+                "dim",
             )
         note = context_note(self.asked_ctx, self.conv.n_ctx)
         if note:
@@ -465,9 +466,9 @@ class ChatUI:
             if self.verbose:
                 self.show(render(turn.stats))
             else:
-                self.show(turn_line(turn.stats))
+                self.show(turn_line(turn.stats), "dim")
             if turn.note:
-                self.show(f"note: {turn.note}")
+                self.show(f"note: {turn.note}", "dim")
             memory = turn.stats.settings.memory if turn.stats.settings else None
             per_token = memory.kv_bytes_per_token if memory else 0.0
             self.show(context_meter(conv.used_tokens, conv.n_ctx, per_token))

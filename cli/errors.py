@@ -174,9 +174,17 @@ class LineConsole(Console):
     def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
         from rich.text import Text
 
-        if soft_wrap is None and not self.is_terminal:
+        if soft_wrap is None and not self._on_a_terminal():
             soft_wrap = all(isinstance(o, (str, Text)) for o in objects) or None
         super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+    def _on_a_terminal(self) -> bool:
+        """Whether a terminal shows this text (rich's is_terminal is also true for a pipe
+        where FORCE_COLOR is set, as in CI, or force_terminal was given)."""
+        try:
+            return self.file.isatty()
+        except (AttributeError, ValueError, OSError):  # no isatty, or a closed file
+            return False
 
 
 class StdoutConsole(LineConsole):

@@ -86,18 +86,18 @@ def read_stdin_if_piped() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         return ""
     try:
-        text = sys.stdin.read(MAX_PROMPT_FILE_BYTES + 1)
+        text = sys.stdin.read(MAX_PROMPT_FILE_BYTES + 2)  # the cap's characters and a "\n"
     except (OSError, ValueError):
         return ""
-    if len(text) > MAX_PROMPT_FILE_BYTES:
+    if len(text.removesuffix("\n")) > MAX_PROMPT_FILE_BYTES:
         raise BadRequestError(TOO_MUCH_STDIN)
     return repair_utf8(text)
 
 
 def read_stdin_line() -> str | None:
     """One line of a piped chat without its newline (None at the end), within the same cap."""
-    line = sys.stdin.readline(MAX_PROMPT_FILE_BYTES + 1)
-    if len(line) > MAX_PROMPT_FILE_BYTES:
+    line = sys.stdin.readline(MAX_PROMPT_FILE_BYTES + 2)  # the cap's characters and "\n"
+    if len(line.removesuffix("\n")) > MAX_PROMPT_FILE_BYTES:
         raise BadRequestError(f"{TOO_MUCH_STDIN} (one line)")
     return repair_utf8(line.rstrip("\n")) if line else None
 

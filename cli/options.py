@@ -607,7 +607,7 @@ def _parse_refusal(grammar: str) -> str | None:
     """Why llama.cpp's parser refuses the grammar (None: it takes it), in one line: the parser
     writes its reason straight to file descriptor 2, so that is caught while it parses (the
     command has no display running yet)."""
-    from llmrun.runners.grammar import parser_reason, parses
+    from llmrun.runners.grammar import parses, refusal_reason
 
     sys.stderr.flush()
     with tempfile.TemporaryFile() as caught:
@@ -620,7 +620,7 @@ def _parse_refusal(grammar: str) -> str | None:
             os.close(saved)
         caught.seek(0)
         said = caught.read().decode("utf-8", errors="replace")
-    return None if ok else parser_reason(said) or "not GBNF it reads"
+    return None if ok else refusal_reason(said) or "not GBNF it reads"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -490,7 +490,11 @@ def _covers_all(spans: list[tuple[int, int]]) -> bool:
 PARSES = 0  # grammars handed to llama.cpp's parser in this process (the tests count them)
 
 
-_refused = threading.local()  # .left_recursion: the last refusal of this thread's was that
+_refused = threading.local()  # .left_recursion: this thread's last parse was refused for it
+LEFT_RECURSION = (
+    "left recursion: a rule can begin with itself before any text"
+    " (put text before the rule's own name)"
+)
 
 
 def _parse(lib: Any, vocab: Any, grammar: str) -> Any:
@@ -558,11 +562,11 @@ class _CStderr:
         """_parse's sampler, and the parser's reason when it refuses ("" when not known)."""
         libc = self.libc
         if libc is None or self.stream is None:
-            return _parse(lib, vocab, grammar), ""
+            return self._unheard(lib, vocab, grammar)
         with self.lock:
             caught = libc.tmpfile()
             if not caught:
-                return _parse(lib, vocab, grammar), ""
+                return self._unheard(lib, vocab, grammar)
             try:
                 saved, self.stream.value = self.stream.value, caught
                 try:
@@ -576,17 +580,25 @@ class _CStderr:
                 said = buffer.raw[:n]
             finally:
                 libc.fclose(caught)
-        return ptr, "" if ptr is not None else parser_reason(said.decode("utf-8", "replace"))
+        return ptr, "" if ptr is not None else refusal_reason(said.decode("utf-8", "replace"))
+
+    @staticmethod
+    def _unheard(lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:
+        """A parse whose stderr cannot be caught: the log's reason alone."""
+        ptr = _parse(lib, vocab, grammar)
+        return ptr, "" if ptr is not None else refusal_reason("")
+
+
+def refusal_reason(said: str) -> str:
+    """Why this thread's last parse was refused: left recursion, which llama.cpp says in its
+    log after parsing, else the parser's own words on stderr (`said`); "" when neither says."""
+    left, _refused.left_recursion = getattr(_refused, "left_recursion", False), False
+    return LEFT_RECURSION if left else parser_reason(said)
 
 
 def parser_reason(said: str) -> str:
     """The reason in what llama.cpp's grammar parser printed, in one line of at most 100
     characters ("" when it gave none)."""
-    if getattr(_refused, "left_recursion", False):
-        return (
-            "left recursion: a rule can begin with itself before any text"
-            " (put text before the rule's own name)"
-        )
     first = next((ln for ln in said.splitlines() if "error parsing grammar:" in ln), "")
     reason = " ".join(first.partition("error parsing grammar:")[2].split())
     reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the grammar

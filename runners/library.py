@@ -140,23 +140,28 @@ def _strlen_address() -> int | None:
 
 
 _logged = 0  # lines logged so far (LOG_LINES keeps the last 2,000)
+_log_lock = threading.Lock()  # the callback runs on whichever thread logs
 
 
 def log_since(count: int) -> list[str]:
     """The lines llama.cpp logged after the first `count` (those LOG_LINES still holds)."""
-    new = min(_logged - count, len(LOG_LINES))
-    return list(LOG_LINES)[len(LOG_LINES) - new :] if new > 0 else []
+    with _log_lock:
+        lines, total = list(LOG_LINES), _logged
+    new = min(total - count, len(lines))
+    return lines[len(lines) - new :] if new > 0 else []
 
 
 def logged() -> int:
-    return _logged
+    with _log_lock:
+        return _logged
 
 
 def _log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log callback: its lines into LOG_LINES, and on stderr with bench -v."""
     global _logged
-    LOG_LINES.append(text.decode("utf-8", errors="replace"))
-    _logged += 1
+    with _log_lock:
+        LOG_LINES.append(text.decode("utf-8", errors="replace"))
+        _logged += 1
     if _verbose:
         with contextlib.suppress(OSError):
             os.write(2, text)

@@ -166,14 +166,21 @@ def _escaped(secret: str) -> tuple[str, ...]:
     return (repr(secret)[1:-1], repr(secret.encode("utf-8", "surrogateescape"))[2:-1])
 
 
-def _read_capped(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+def _read_capped(
+    response: httpx.Response, limit: int, within_s: float | None = None
+) -> tuple[bytes, bool]:
     """At most `limit` bytes of a streamed body, and whether that was all of it: a server's
-    reply is read no further than llmrun could use, however much it sends."""
+    reply is read no further than llmrun could use, however much it sends. With `within_s`,
+    the whole body must come in that time (httpx's timeout is per read: a byte every few
+    seconds never trips it): httpx.ReadTimeout after it."""
     raw = bytearray()
+    deadline = None if within_s is None else time.monotonic() + within_s
     for piece in response.iter_bytes():
         raw += piece
         if len(raw) > limit:
             return bytes(raw[:limit]), False
+        if deadline is not None and time.monotonic() > deadline:
+            raise httpx.ReadTimeout(f"the body took more than {within_s:g} s")
     return bytes(raw), True
 
 
@@ -333,7 +340,7 @@ class Connection:
             with self.client.stream("GET", url, timeout=timeout) as response:
                 if response.status_code >= 400:
                     raise self._http_error(response, path)
-                raw, whole = _read_capped(response, MAX_JSON_REPLY)
+                raw, whole = _read_capped(response, MAX_JSON_REPLY, timeout)
         except httpx.HTTPError as e:
             raise self._fail(e) from None
         if not whole:
@@ -349,10 +356,10 @@ class Connection:
         """A best-effort side request (tokenize, props): None if the server has no such route,
         or answers with no JSON, or with more than such an answer could be."""
         try:
-            with self.client.stream(method, url, json=body, timeout=5.0) as response:
+            with self.client.stream(method, url, json=body, timeout=SIDE_REQUEST_S) as response:
                 # read even when refused: a body left unread closes the kept-alive connection,
                 # and the next request would time a new connection's set-up in its TTFT
-                raw, whole = _read_capped(response, MAX_JSON_REPLY)
+                raw, whole = _read_capped(response, MAX_JSON_REPLY, SIDE_REQUEST_S)
             return json.loads(raw) if whole and response.status_code < 400 else None
         except (httpx.HTTPError, ValueError, RecursionError):
             return None
@@ -436,6 +443,7 @@ class Connection:
 
 
 MAX_SSE_LINE = 16 * 2**20  # bytes in one line of the stream before it is refused
+SIDE_REQUEST_S = 5.0  # a courtesy request (/props, /tokenize), whole, before it is let go
 MAX_JSON_REPLY = MAX_SSE_LINE  # bytes of a whole JSON reply (/v1/models, /props, /tokenize)
 
 
@@ -556,7 +564,7 @@ def _parse(event: Any) -> Chunk:
         choice = choices[0]
         delta = choice.get("delta", choice.get("message"))  # message: a reply not streamed
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
-        content = source.get("content")
+        content = _text_parts(source.get("content"))
         if content is not None and not isinstance(content, str):
             return Chunk(error=f"malformed stream event: the content is {_shape(content)}")
         text = content or ""
@@ -571,11 +579,25 @@ def _parse(event: Any) -> Chunk:
     return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage, timings=timings)
 
 
-def _shape(value: Any) -> str:
-    """What a JSON value is, for a message (never the value: it could be anything)."""
-    if isinstance(value, list) and value:
-        return f"a list whose first item is {_shape(value[0])}"
-    kinds = {dict: "an object", list: "an empty list", str: "a string", bool: "true or false"}
+def _text_parts(content: Any) -> Any:
+    """A content given as a list of parts (`[{"type": "text", "text": ...}]`, as some servers
+    stream it, Mistral's with thinking parts beside) as its text parts joined; anything else as
+    it came."""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = [p.get("text") for p in content if p.get("type", "text") == "text"]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    return content
+
+
+def _shape(value: Any, inner: bool = False) -> str:
+    """What a JSON value is, for a message (never the value: it could be anything), and a
+    list's first item's, one level down only (a list of lists of ... is not spelt out)."""
+    if isinstance(value, list) and value and not inner:
+        return f"a list whose first item is {_shape(value[0], inner=True)}"
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}
+    if isinstance(value, list) and not value:
+        return "an empty list"
     return "null" if value is None else kinds.get(type(value), "a number")
 
 

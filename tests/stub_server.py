@@ -19,7 +19,7 @@ colon, no blank line at the end). "whole" answers with one JSON object, not a st
 redirects elsewhere; "endless" ignores max_tokens and never stops; "html" answers with a web
 page; each name in MALFORMED sends one event of the wrong shape first. `models_answer` replaces the /v1/models answer.
 `get_answers` maps a GET route (/props) to its raw body, or to ENDLESS: a JSON body that never
-ends, sent in chunks until the client hangs up.
+ends, sent in chunks until the client hangs up (TRICKLE: the same, a byte at a time, slowly).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 WORDS = ["Hello", " from", " the", " stub", " server", "."]
 ENDLESS = b"["  # as a get_answers value: this, for ever
+TRICKLE = b" "  # as a get_answers value: this, a byte every 0.2 s, for ever
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -73,15 +74,17 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return True
 
-    def _endless(self) -> None:
+    def _endless(self, slow: bool) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        piece = ENDLESS * 65536
+        piece = TRICKLE if slow else ENDLESS * 65536
         chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
         while True:  # until the client hangs up (ConnectionError, which _Server keeps quiet)
             self.wfile.write(chunk)
+            if slow:
+                time.sleep(0.2)
 
     def do_GET(self) -> None:
         if not self._authorized():
@@ -89,8 +92,8 @@ class Handler(BaseHTTPRequestHandler):
         route = self.path.split("?")[0]
         if route in self.get_answers:
             body = self.get_answers[route]
-            if body is ENDLESS:
-                return self._endless()
+            if body is ENDLESS or body is TRICKLE:
+                return self._endless(slow=body is TRICKLE)
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -197,6 +197,17 @@ PYDANTIC_NODE = {
 }
 
 
+def test_a_left_recursion_reason_is_read_once() -> None:
+    """llama.cpp says left recursion in its log, after parsing: the reason belongs to the parse
+    that was refused, not to whatever the thread asks next."""
+    from llmrun.runners.grammar import LEFT_RECURSION, parses, refusal_reason
+
+    assert not parses(None, "root ::= root")
+    assert refusal_reason("") == LEFT_RECURSION
+    said = "parse: error parsing grammar: expecting name at x"
+    assert refusal_reason(said) == "expecting name at x"
+
+
 def test_a_root_ref_beside_its_defs_is_made_a_grammar() -> None:
     """The converter follows a $ref and never looks beside it, so the refs inside the $defs
     were never resolved: `cannot be made a grammar: '#/$defs/Node'`, for the schema pydantic

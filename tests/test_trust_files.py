@@ -439,7 +439,7 @@ def test_stdin_past_the_prompt_cap_is_one_line(
     import llmrun.cli.inputs as inputs
 
     monkeypatch.setattr(inputs, "MAX_PROMPT_FILE_BYTES", 1000)
-    whole = cli.invoke(app, [command], input="a" * 999 + "\n")
+    whole = cli.invoke(app, [command], input="a" * 1000 + "\n")  # the cap itself fits
     assert whole.exit_code == 0, whole.output
     result = cli.invoke(app, [command], input="a" * 1001)
     assert result.exit_code == 1

@@ -15,7 +15,7 @@ from llmrun.cli.app import app
 from llmrun.runners.history import History
 from llmrun.runners.remote import parse_endpoint, redact_url
 
-from .stub_server import ENDLESS, MALFORMED, stub_server
+from .stub_server import ENDLESS, MALFORMED, TRICKLE, stub_server
 from .test_truth_stream import sse_events
 
 ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
@@ -68,6 +68,23 @@ def test_a_models_answer_that_never_ends_is_read_no_further_than_16_mib(cli: Cli
     )
 
 
+def test_answers_that_trickle_in_are_given_up_whole_not_per_read(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httpx's timeout is per read: a byte every 0.2 s never tripped it, so a /props or a
+    /v1/models that trickled held run until 16 MiB came (weeks)."""
+    import llmrun.runners.remote as remote
+
+    monkeypatch.setattr(remote, "SIDE_REQUEST_S", 1.0)
+    with stub_server(get_answers={"/props": TRICKLE}) as url:
+        props = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert props.exit_code == 0, props.output  # the context size is left unknown
+    with stub_server(get_answers={"/v1/models": TRICKLE}) as url:
+        models = cli.invoke(app, ["run", "--endpoint", url, "--timeout", "1", "hi"])
+    assert models.exit_code == 1
+    assert ": no answer within 1 s (raise --timeout" in models.stderr
+
+
 @pytest.mark.parametrize(
     "props",
     [ENDLESS, b"[" * 100_000 + b"]" * 100_000, b'{"default_generation_settings": 7}', b"\xff"],
@@ -112,6 +129,22 @@ def test_a_stream_event_of_the_wrong_shape_is_named(model: str, cli: CliRunner) 
     assert "malformed stream event: " in result.stderr and "[stop]" not in result.stderr
 
 
+def test_content_in_parts_is_its_text_and_a_wrong_shape_is_named_briefly() -> None:
+    """Some servers stream content as a list of parts (Mistral's, thinking parts beside): the
+    text parts are the text. A shape nested 900 deep was spelt out level by level (52 KB)."""
+    from llmrun.runners.remote import _parse
+
+    parts = [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]}]
+    parts += [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]
+    assert _parse({"choices": [{"delta": {"content": parts}}]}).text == "Hi!"
+    assert _parse({"choices": [{"delta": {"content": []}}]}).text == ""
+    deep: list[object] = []
+    for _ in range(900):
+        deep = [deep]
+    said = _parse({"choices": deep}).error
+    assert said == "malformed stream event: choices is a list whose first item is a list"
+
+
 @pytest.mark.parametrize("command", [["run", "hi"], ["bench", "serve", "--num-prompts", "1"]])
 def test_a_web_page_in_place_of_the_api_is_named(command: list[str], cli: CliRunner) -> None:
     """Named before any text is read, and on whole lines (bench serve's failed-request line was
@@ -133,15 +166,24 @@ def test_a_line_console_breaks_no_text_off_a_terminal() -> None:
 
     message = "word " * 40
     pipe = io.StringIO()
-    console = LineConsole(file=pipe, width=80)
+    # rich calls a pipe a terminal where FORCE_COLOR is set (CI): the text stays whole there too
+    console = LineConsole(file=pipe, width=80, force_terminal=True)
     console.print(message.strip(), style="yellow")
     console.print(Text(message.strip()))
     table = Table("a", "b")
     table.add_row(message, message)
     console.print(table)
-    lines = pipe.getvalue().splitlines()
+    lines = Text.from_ansi(pipe.getvalue()).plain.splitlines()
     assert lines[:2] == [message.strip()] * 2
     assert max(len(line) for line in lines[2:]) <= 80  # a table keeps the width
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Tty()
+    LineConsole(file=terminal, width=80, force_terminal=True).print(message.strip())
+    assert len(Text.from_ansi(terminal.getvalue()).plain.splitlines()) == 3  # a terminal wraps
 
 
 def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None:
