@@ -102,16 +102,20 @@ def read_stdin_line() -> str | None:
     return repair_utf8(line.rstrip("\n")) if line else None
 
 
-def read_text(path: Path) -> str:
+def read_option_file(path: Path, flag: str, max_bytes: int, what: str) -> bytes:
+    """The bytes of a file an option names, within its cap, or one line naming the option."""
     try:
-        data = read_capped(path, max_bytes=MAX_PROMPT_FILE_BYTES, what="prompt file")
-        return repair_utf8(data.decode("utf-8", errors="surrogateescape"), str(path))
-    except FileNotFoundError:
-        raise BadRequestError(f"prompt file not found: {path}") from None
+        return read_capped(path, max_bytes=max_bytes, what=what)
     except OSError as e:
-        raise BadRequestError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+        raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
     except FileTooLargeError as e:
-        raise BadRequestError(f"{path}: {e}") from None
+        raise BadRequestError(f"{flag} {path}: {e}") from None
+
+
+def read_text(path: Path, flag: str) -> str:
+    """A prompt file's text: bytes that are not UTF-8 become U+FFFD, with one warning."""
+    data = read_option_file(path, flag, MAX_PROMPT_FILE_BYTES, "prompt file")
+    return repair_utf8(data.decode("utf-8", errors="surrogateescape"), str(path))
 
 
 def collect_jobs(
@@ -129,7 +133,7 @@ def collect_jobs(
         system = repair_utf8(system, "-s/--system")
     jobs: list[Job] = []
     for path in files:
-        text = combine(instruction, read_text(path))
+        text = combine(instruction, read_text(path, "-f/--file"))
         if not text.strip():
             raise EmptyPromptError(f"prompt file {path}")
         jobs.append(Job(str(path), make_request(text, system=system, raw=raw, sampling=sampling)))
@@ -145,7 +149,7 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
     jobs = []
     # JSON Lines: lines end with \n (\r\n tolerated); str.splitlines would also cut at U+2028,
     # U+0085 or a form feed, which JSON allows raw inside a string. A leading BOM is ignored.
-    text = read_text(path).removeprefix("\ufeff")
+    text = read_text(path, "--jsonl").removeprefix("\ufeff")
     for n, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if not line.strip():

@@ -23,12 +23,12 @@ import typer
 import llmrun.cli
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError, OptionError
-from llmrun.runners.files import FileTooLargeError, read_capped
+from llmrun.runners.errors import BadRequestError, OptionError, not_utf8
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
 from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
+from .inputs import read_option_file
 from .records import OptionRecord
 from .terminal import say
 
@@ -578,7 +578,9 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     if path is None:
         return None
     flag = "--json-schema" if json_schema is not None else "--grammar"
-    text = read_text_option(path, flag, MAX_GRAMMAR_FILE_BYTES, flag.lstrip("-"))
+    text = read_text_option(
+        path, flag, MAX_GRAMMAR_FILE_BYTES, "grammar" if grammar else "JSON schema"
+    )
     if grammar is None:
         try:
             schema = json.loads(text)
@@ -777,19 +779,13 @@ def read_text_option(path: Path, flag: str, max_bytes: int, what: str) -> str:
     an empty file, or one that is not UTF-8 (a model or a picture given by mistake), is refused
     rather than read as nothing (an empty template fell back to the model's in silence) or as
     U+FFFD."""
+    data = read_option_file(path, flag, max_bytes, what)
+    if not data.strip():
+        raise BadRequestError(f"{flag} {path}: the file is empty")
     try:
-        data = read_capped(path, max_bytes=max_bytes, what=what)
-        if not data.strip():
-            raise BadRequestError(f"{flag} {path}: the file is empty")
         return data.decode("utf-8")
-    except OSError as e:
-        raise BadRequestError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
-    except FileTooLargeError as e:
-        raise BadRequestError(f"{flag} {path}: {e}") from None
     except UnicodeDecodeError as e:
-        raise BadRequestError(
-            f"{flag} {path}: not UTF-8 text (byte {e.start:,} is {data[e.start]:#04x})"
-        ) from None
+        raise BadRequestError(f"{flag} {path}: {not_utf8(e)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,26 @@ text and exit codes. Nothing here knows about the terminal.
 
 from __future__ import annotations
 
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+
+
+def json_kind(value: object, depth: int = 0) -> str:
+    """What a JSON value is, in JSON's own words, for a message (never the value: it could be
+    anything); an array's items' kinds too, `depth` arrays down (the data can nest without end)."""
+    if isinstance(value, list) and depth > 0:
+        held = sorted({json_kind(item, depth - 1) for item in value})
+        return f"an array holding {' and '.join(held)}" if held else "an empty array"
+    if value is None:
+        return "null"
+    return _JSON_KINDS.get(
+        type(value), "a number" if isinstance(value, int | float) else type(value).__name__
+    )
+
+
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """The words for text that is not UTF-8, with the first byte that is not."""
+    return f"not UTF-8 text (byte {e.start:,} is {e.object[e.start]:#04x})"
+
 
 class LlmrunError(Exception):
     """Base class of every error llmrun reports to its users without a traceback."""

@@ -45,6 +45,7 @@ from .errors import (
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
+    json_kind,
 )
 from .reasoning import TokenTagger
 from .serving import figures
@@ -559,14 +560,16 @@ def _parse(event: Any) -> Chunk:
     choices = event.get("choices")
     choices = [] if choices is None else choices  # [], null or none: an event of usage alone
     if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
-        return Chunk(error=f"malformed stream event: choices is {_shape(choices)}")
+        return Chunk(error=f"malformed stream event: choices is {json_kind(choices, depth=1)}")
     if choices:
         choice = choices[0]
         delta = choice.get("delta", choice.get("message"))  # message: a reply not streamed
         source = delta if isinstance(delta, dict) else {"content": choice.get("text")}
         content = _text_parts(source.get("content"))
         if content is not None and not isinstance(content, str):
-            return Chunk(error=f"malformed stream event: the content is {_shape(content)}")
+            return Chunk(
+                error=f"malformed stream event: the content is {json_kind(content, depth=1)}"
+            )
         text = content or ""
         thought = source.get("reasoning_content", source.get("reasoning"))
         reasoning = thought if isinstance(thought, str) else ""
@@ -588,17 +591,6 @@ def _text_parts(content: Any) -> Any:
         if all(isinstance(t, str) for t in texts):
             return "".join(texts)
     return content
-
-
-def _shape(value: Any, inner: bool = False) -> str:
-    """What a JSON value is, for a message (never the value: it could be anything), and a
-    list's first item's, one level down only (a list of lists of ... is not spelt out)."""
-    if isinstance(value, list) and value and not inner:
-        return f"a list whose first item is {_shape(value[0], inner=True)}"
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false"}
-    if isinstance(value, list) and not value:
-        return "an empty list"
-    return "null" if value is None else kinds.get(type(value), "a number")
 
 
 def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -694,16 +686,14 @@ class OpenAIRunner:
         load_s = time.perf_counter() - t0
         models = listing.get("data", []) if isinstance(listing, dict) else None
         if not isinstance(models, list):
-            kind: dict[type, str] = {
-                list: "a JSON list",
-                str: "a string",
-                dict: "an object whose 'data' is not a list",
-            }
+            said = (
+                f"an object whose 'data' is {json_kind(models, depth=1)}"
+                if isinstance(listing, dict)
+                else json_kind(listing, depth=1)
+            )
             raise ServerError(
                 self.endpoint,
-                "/v1/models answered with"
-                f" {kind.get(type(listing), 'JSON ' + type(listing).__name__)},"
-                ' not OpenAI\'s {"data": [...]} list of models',
+                f'/v1/models answered with {said}, not OpenAI\'s {{"data": [...]}} list of models',
             )
         ids = [m.get("id") for m in models if isinstance(m, dict)]
         ids = [i for i in ids if isinstance(i, str) and i]

@@ -143,7 +143,9 @@ def test_a_missing_file_and_options_that_clash(
     missing = str(tmp_path / "none.json")
     result = cli.invoke(app, ["run", "x", "--json-schema", missing])
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"llmrun: error: --json-schema: cannot read {missing}")
+    assert result.stderr.startswith(
+        f"llmrun: error: --json-schema: cannot read JSON schema {missing}: No such file"
+    )
     schema = write(tmp_path, "city.json", json.dumps(CITY))
     gbnf = write(tmp_path, "yn.gbnf", 'root ::= "yes"\n')
     both = cli.invoke(app, ["run", "x", "--json-schema", schema, "--grammar", gbnf])

@@ -411,6 +411,26 @@ def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: Fak
 
 
 @pytest.mark.parametrize(
+    ("option", "what"),
+    [
+        ("-f", "-f/--file: cannot read prompt file"),
+        ("--jsonl", "--jsonl: cannot read prompt file"),
+        ("--chat-template-file", "--chat-template-file: cannot read template"),
+        ("--grammar", "--grammar: cannot read grammar"),
+        ("--json-schema", "--json-schema: cannot read JSON schema"),
+    ],
+)
+def test_a_missing_file_is_named_by_its_option_in_one_form(
+    option: str, what: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`."""
+    missing = tmp_path / "none"
+    result = cli.invoke(app, ["run", option, str(missing), "hi"])
+    assert result.exit_code == 1
+    assert result.stderr == f"llmrun: error: {what} {missing}: No such file or directory\n"
+
+
+@pytest.mark.parametrize(
     ("data", "says"),
     [
         (b"", "the file is empty"),

@@ -50,12 +50,24 @@ def test_a_stream_in_the_whatwg_forms_servers_rarely_use(cli: CliRunner) -> None
     assert result.stdout == "Hello, world\n"
 
 
-@pytest.mark.parametrize("answer", [["stub"], "stub", {"data": {"id": "x"}}, 7])
-def test_a_models_answer_of_the_wrong_shape_is_one_line(answer: object, cli: CliRunner) -> None:
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (["stub"], "an array holding a string"),
+        ("stub", "a string"),
+        ({"data": {"id": "x"}}, "an object whose 'data' is an object"),
+        (7, "a number"),
+    ],
+)
+def test_a_models_answer_of_the_wrong_shape_is_one_line(
+    answer: object, said: str, cli: CliRunner
+) -> None:
+    """Named in JSON's words, as the server's own refusals of a request are."""
     with stub_server(models_answer=answer) as url:
         result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
     assert result.exit_code == 1
-    assert result.stderr.count("\n") == 1 and "/v1/models answered with" in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert f"/v1/models answered with {said}, not OpenAI's" in result.stderr
     assert "internal error" not in result.stderr
 
 
@@ -142,7 +154,7 @@ def test_content_in_parts_is_its_text_and_a_wrong_shape_is_named_briefly() -> No
     for _ in range(900):
         deep = [deep]
     said = _parse({"choices": deep}).error
-    assert said == "malformed stream event: choices is a list whose first item is a list"
+    assert said == "malformed stream event: choices is an array holding an array"
 
 
 @pytest.mark.parametrize("command", [["run", "hi"], ["bench", "serve", "--num-prompts", "1"]])

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmrun.runners.errors import json_kind
 from llmrun.runners.lists import whole
 
 from .api_engine import RequestTimings
@@ -248,19 +249,6 @@ async def parse_body(request: HttpRequest, model: type[Body], limit: int) -> Bod
         return error_response(400, message or "invalid request", param=param)
 
 
-def _json_type(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "an array",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        type(None): "null",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """One line for pydantic's first error, and the field it names: `messages.0.content: not a
     string or an array (a number)`, without pydantic's union branch tags (`.str`, `.list[int]`)."""
@@ -278,21 +266,15 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     where = ".".join(str(p) for p in loc)
     branches = {str(p) for e in errors for p in e.get("loc", ())[len(loc) : len(loc) + 1]}
     if not where and first.get("type") == "model_type":
-        return f"the body must be a JSON object, not {_json_type(first.get('input'))}", None
+        return f"the body must be a JSON object, not {json_kind(first.get('input'))}", None
     if len([b for b in branches if _is_branch_tag(b)]) > 1:
         kinds = " or ".join(sorted({_tag_kind(b) for b in branches}))
-        return f"{where}: must be {kinds}, not {_held(first.get('input'))}", where or None
+        return (
+            f"{where}: must be {kinds}, not {json_kind(first.get('input'), depth=8)}",
+            where or None,
+        )
     message = f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))
     return message, where or None
-
-
-def _held(value: Any) -> str:
-    """A JSON value's type, and an array's what it holds, inner arrays too (an array was
-    allowed: `[[1, "a"]]` is wrong for its string, not for being an array of arrays)."""
-    if not isinstance(value, list):
-        return _json_type(value)
-    held = sorted({_held(x) for x in value})
-    return f"an array holding {' and '.join(held)}" if held else "an empty array"
 
 
 def _is_branch_tag(part: str) -> bool:
