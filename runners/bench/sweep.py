@@ -50,26 +50,11 @@ def parse_words(
     return words
 
 
-# llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
-FLASH_ATTN_ALIASES = {
-    "0": "off",
-    "1": "on",
-    "-1": "auto",
-    "false": "off",
-    "true": "on",
-    "no": "off",
-    "yes": "on",
-}
-BOOL_ALIASES = {
-    "0": "0",
-    "1": "1",
-    "off": "0",
-    "on": "1",
-    "false": "0",
-    "true": "1",
-    "no": "0",
-    "yes": "1",
-}
+# llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto, and its
+# 0/1 lists as off/on, false/true, no/yes too
+_OFF, _ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
+FLASH_ATTN_ALIASES = {"-1": "auto"} | {w: "off" for w in _OFF} | {w: "on" for w in _ON}
+BOOL_ALIASES = {w: "0" for w in _OFF} | {w: "1" for w in _ON}
 
 
 def parse_bools(text: str, *, name: str) -> list[bool]:
