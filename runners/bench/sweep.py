@@ -117,33 +117,22 @@ class Combo:
     no_op_offload: bool = False
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
+        """The base with this configuration: each setting EngineConfig has under the same name
+        (repacking and the load mode unset: the base's), the cache types and the threadpool."""
+        same = {f.name for f in fields(EngineConfig)}
+        given = {k: v for k, v in vars(self).items() if k in same} | {
+            "repack": base.repack if self.repack is None else self.repack,
+            "load_mode": base.load_mode if self.load_mode is None else self.load_mode,
+        }
         return replace(
             base,
+            **given,
             n_ctx=n_ctx,
-            n_threads=self.n_threads,
-            n_batch=self.n_batch,
-            n_ubatch=self.n_ubatch,
-            n_gpu_layers=self.n_gpu_layers,
-            flash_attn=self.flash_attn,
             cache_type_k=self.type_k,
             cache_type_v=self.type_v,
-            repack=base.repack if self.repack is None else self.repack,
-            no_kv_offload=self.no_kv_offload,
-            load_mode=base.load_mode if self.load_mode is None else self.load_mode,
-            n_threads_batch=self.n_threads_batch,
-            split_mode=self.split_mode,
-            main_gpu=self.main_gpu,
-            tensor_split=self.tensor_split,
-            tensor_overrides=self.tensor_overrides,
-            n_cpu_moe=self.n_cpu_moe,
-            devices=self.devices,
             threadpool=replace(
                 base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict, poll=self.poll
             ),
-            lazy_mode=self.lazy_mode,
-            no_host=self.no_host,
-            embeddings=self.embeddings,
-            no_op_offload=self.no_op_offload,
         )
 
     def describe(self) -> str:
