@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
@@ -275,7 +275,7 @@ class Result:
         avg_ns = statistics.fmean(samples_ns) if samples_ns else 0.0
         std_ns = statistics.stdev(samples_ns) if len(samples_ns) > 1 else 0.0
         p = {**LLAMA_DEFAULTS, **st.params}
-        return {
+        own: dict[str, Any] = {  # the rest: LLAMA_DEFAULTS under the load's own params
             "build_commit": llmrun_build(system.build_commit),
             "build_number": system.build_number,
             "cpu_info": system.cpu,
@@ -288,25 +288,10 @@ class Result:
             "n_batch": self.n_batch,
             "n_ubatch": self.n_ubatch,
             "n_threads": st.n_threads,
-            "cpu_mask": p["cpu_mask"],
-            "cpu_strict": p["cpu_strict"],
-            "poll": p["poll"],
             "type_k": st.type_k,
             "type_v": st.type_v,
             "n_gpu_layers": st.n_gpu_layers_asked,
-            "n_cpu_moe": p["n_cpu_moe"],
-            "split_mode": p["split_mode"],
-            "main_gpu": p["main_gpu"],
-            "no_kv_offload": p["no_kv_offload"],
             "flash_attn": FLASH_ATTN_CODES.get(st.flash_attn, -1),
-            "devices": p["devices"],
-            "tensor_split": p["tensor_split"],
-            "tensor_buft_overrides": p["tensor_buft_overrides"],
-            "load_mode": p["load_mode"],
-            "lazy_mode": p["lazy_mode"],
-            "embeddings": p["embeddings"],
-            "no_op_offload": p["no_op_offload"],
-            "no_host": p["no_host"],
             "repack": st.repack,
             "fit_target": self.combo.fit_target,
             "fit_min_ctx": self.combo.fit_min_ctx,
@@ -318,6 +303,8 @@ class Result:
             "stddev_ns": round(std_ns),
             "avg_ts": round(self.avg_ts, 6),
             "stddev_ts": round(self.stddev_ts, 6),
+        }
+        return {k: own[k] if k in own else p[k] for k in LLAMA_BENCH_FIELDS} | {
             "samples_ns": samples_ns,
             "samples_ts": [round(x, 6) for x in self.samples_ts],
             "rpc": p.get("rpc", ""),  # llama-bench's -rpc servers, as given
@@ -501,13 +488,7 @@ class Row:
             ttft_ms=record["ttft_ms"],
             itl_p50_ms=record["itl_p50_ms"],
             itl_p99_ms=record["itl_p99_ms"],
-            efficiency=Efficiency(
-                decode_bw_gbs=record["decode_bw_gbs"],
-                bw_util=record["bw_util"],
-                weights_bw_gbs=record["weights_bw_gbs"],
-                mem_bw_source=record["mem_bw_source"],
-                prefill_gflops=record["prefill_gflops"],
-            ),
+            efficiency=Efficiency(**{f.name: record[f.name] for f in fields(Efficiency)}),
             swept={k: record.get(k) for k in SWEPT_FIELDS},
             relative_ts=record.get("relative_ts"),
             relative={k: record[k] for k in RELATIVE_FIELDS if k in record},

@@ -50,26 +50,11 @@ def parse_words(
     return words
 
 
-# llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto
-FLASH_ATTN_ALIASES = {
-    "0": "off",
-    "1": "on",
-    "-1": "auto",
-    "false": "off",
-    "true": "on",
-    "no": "off",
-    "yes": "on",
-}
-BOOL_ALIASES = {
-    "0": "0",
-    "1": "1",
-    "off": "0",
-    "on": "1",
-    "false": "0",
-    "true": "1",
-    "no": "0",
-    "yes": "1",
-}
+# llama-bench writes flash attention as 0/1 (and -1 for auto) as well as off/on/auto, and its
+# 0/1 lists as off/on, false/true, no/yes too
+_OFF, _ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
+FLASH_ATTN_ALIASES = {"-1": "auto"} | {w: "off" for w in _OFF} | {w: "on" for w in _ON}
+BOOL_ALIASES = {w: "0" for w in _OFF} | {w: "1" for w in _ON}
 
 
 def parse_bools(text: str, *, name: str) -> list[bool]:
@@ -132,33 +117,22 @@ class Combo:
     no_op_offload: bool = False
 
     def config(self, base: EngineConfig, n_ctx: int) -> EngineConfig:
+        """The base with this configuration: each setting EngineConfig has under the same name
+        (repacking and the load mode unset: the base's), the cache types and the threadpool."""
+        same = {f.name for f in fields(EngineConfig)}
+        given = {k: v for k, v in vars(self).items() if k in same} | {
+            "repack": base.repack if self.repack is None else self.repack,
+            "load_mode": base.load_mode if self.load_mode is None else self.load_mode,
+        }
         return replace(
             base,
+            **given,
             n_ctx=n_ctx,
-            n_threads=self.n_threads,
-            n_batch=self.n_batch,
-            n_ubatch=self.n_ubatch,
-            n_gpu_layers=self.n_gpu_layers,
-            flash_attn=self.flash_attn,
             cache_type_k=self.type_k,
             cache_type_v=self.type_v,
-            repack=base.repack if self.repack is None else self.repack,
-            no_kv_offload=self.no_kv_offload,
-            load_mode=base.load_mode if self.load_mode is None else self.load_mode,
-            n_threads_batch=self.n_threads_batch,
-            split_mode=self.split_mode,
-            main_gpu=self.main_gpu,
-            tensor_split=self.tensor_split,
-            tensor_overrides=self.tensor_overrides,
-            n_cpu_moe=self.n_cpu_moe,
-            devices=self.devices,
             threadpool=replace(
                 base.threadpool, cpu_mask=self.cpu_mask, strict=self.cpu_strict, poll=self.poll
             ),
-            lazy_mode=self.lazy_mode,
-            no_host=self.no_host,
-            embeddings=self.embeddings,
-            no_op_offload=self.no_op_offload,
         )
 
     def describe(self) -> str:

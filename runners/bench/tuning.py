@@ -212,14 +212,17 @@ class _Measured:
         if busy_machine(load, threads):
             self.busy.add(combo)
 
-    def tried(self, combo: Combo, note: str = "") -> Tried:
-        pairs = tuple(self.samples.get(combo, ()))
-        pp = statistics.fmean(p for p, _ in pairs) if pairs else None
-        tg = statistics.fmean(t for _, t in pairs) if pairs else None
+    def tried(self, combo: Combo, note: str = "", *, cut: bool = False) -> Tried:
+        """A combo's mean rates and samples; `cut`: those of the shapes a stop cut short."""
+        pairs = tuple(self.samples.get(combo, ()))  # none when cut: no trial of it was whole
+        pp, tg = [p for p, _ in pairs], [t for _, t in pairs]
+        if cut:
+            by_shape = self.cut[combo]
+            pp, tg = by_shape.get(0, []), next((v for k, v in by_shape.items() if k), [])
         return Tried(
             combo,
-            pp,
-            tg,
+            statistics.fmean(pp) if pp else None,
+            statistics.fmean(tg) if tg else None,
             pairs,
             self.stage.get(combo, ""),
             note,
@@ -229,23 +232,8 @@ class _Measured:
 
     def cut_short(self) -> tuple[Tried, ...]:
         """The trials a stop cut short, with the rates of the shapes they finished."""
-        found = []
-        for combo, by_shape in self.cut.items():
-            if combo in self.samples:
-                continue
-            pp = by_shape.get(0)
-            tg = next((v for k, v in by_shape.items() if k), None)
-            found.append(
-                Tried(
-                    combo,
-                    statistics.fmean(pp) if pp else None,
-                    statistics.fmean(tg) if tg else None,
-                    note="cut short by the stop",
-                    background_cpus=self.background.get(combo),
-                    busy=combo in self.busy,
-                )
-            )
-        return tuple(found)
+        cut = [c for c in self.cut if c not in self.samples]
+        return tuple(self.tried(c, "cut short by the stop", cut=True) for c in cut)
 
 
 def start_threads() -> ThreadChoice:

@@ -289,12 +289,9 @@ class PhaseMeter:
             return EnergyReport(reason=self.reasons["all"])
         if spans.failed:
             return EnergyReport(reason=spans.failed)
-        kinds = ("cpu", "gpu") if on_nvidia_gpu(stats.settings) else ("cpu",)
-        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
-        missing = [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
+        used, missing = self._used(gpu=on_nvidia_gpu(stats.settings))
         if not used:
-            reasons = [self._reason(k) for k in missing]
-            return EnergyReport(reason="; ".join(reasons))
+            return EnergyReport(reason="; ".join(self._reason(k) for k in missing))
         left_out = "; ".join(
             f"the {k.upper()}'s energy: {self.reasons.get(k, 'no energy counter')}" for k in missing
         )
@@ -315,13 +312,18 @@ class PhaseMeter:
         an NVIDIA GPU), their summed idle power, and why there are none ("" when some)."""
         if "all" in self.reasons or self._failed:
             return [], 0.0, self.reasons.get("all") or self._failed
-        kinds = ("cpu", "gpu") if gpu else ("cpu",)
-        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
+        used, missing = self._used(gpu=gpu)
         if not used:
-            missing = [k for k in kinds if not any(c.kind == k for c in self._counters)]
             return [], 0.0, "; ".join(self._reason(k) for k in missing)
         idle_w = sum(self._idle[i].watts for i in used)
         return [self._counters[i] for i in used], idle_w, ""
+
+    def _used(self, *, gpu: bool) -> tuple[list[int], list[str]]:
+        """The counters of the kinds that count (the GPU's only with `gpu`), by index, and the
+        kinds that have none."""
+        kinds = ("cpu", "gpu") if gpu else ("cpu",)
+        used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
+        return used, [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
 
     def _reason(self, kind: str) -> str:
         reason = self.reasons.get(kind, "no energy counter")

@@ -188,18 +188,9 @@ class ServingMetrics:
     queue: Latency | None = None  # None: not measured
 
     def record(self) -> dict[str, Any]:
-        rec: dict[str, Any] = {
-            "completed": self.completed,
-            "failed": self.failed,
-            "errors": list(self.errors),
-            "duration_s": self.duration_s,
-            "total_input_tokens": self.total_input_tokens,
-            "total_output_tokens": self.total_output_tokens,
-            "request_throughput": self.request_throughput,
-            "output_throughput": self.output_throughput,
-            "total_token_throughput": self.total_token_throughput,
-            "goodput": self.goodput,
-        }
+        """Every count and rate as its field, then each latency's vLLM fields."""
+        rec = {k: v for k, v in vars(self).items() if k not in LATENCIES}
+        rec["errors"] = list(self.errors)
         for name in LATENCIES:
             if (latency := getattr(self, name)) is not None:
                 rec.update(latency.fields(name))

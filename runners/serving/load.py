@@ -28,7 +28,7 @@ from llmrun.runners.system import busy_machine, cpu_sample, measured_background
 
 from .figures import RequestResult, ServingMetrics, failure, metrics, queue_s
 from .options import InterferenceOptions, ServeOptions, Stage
-from .prompts import FreshPrompts, PromptSpec, random_lengths, text_prompts
+from .prompts import FreshPrompts, PromptSpec, text_prompts
 
 
 def _streamed(
@@ -496,14 +496,7 @@ def level_prompts(
             for r in rounds
         ]
     fresh = FreshPrompts(options.seed, "serve", options.shared_prefix)
-    lengths = random_lengths(
-        n,
-        input_len=options.input_len,
-        output_len=options.output_len,
-        range_ratio=options.range_ratio,
-        seed=options.seed,
-    )
-    warm_lengths = [(options.input_len, min(options.output_len, 16))] * w
+    warm_lengths, lengths = options.lengths()
     return [
         (
             text_prompts(counted, fresh, warm_lengths, tick),

@@ -23,7 +23,7 @@ from .interference import LONG_TOKENS, InterferenceReport, interference
 from .load import ServingLevel, cached_total
 from .options import InterferenceOptions, ServeOptions, Stage
 from .policy import Policy
-from .prompts import FreshPrompts, random_lengths
+from .prompts import FreshPrompts
 
 TokenPrompt = tuple[tuple[int, ...], int]  # a request's prompt tokens and output budget
 
@@ -102,14 +102,7 @@ def round_prompts(
         return lambda: (warm, tokens[w:]), per_seq
     n_vocab = runner.vocab_size()
     fresh = FreshPrompts(options.seed, "serve", options.shared_prefix)
-    lengths = random_lengths(
-        options.num_prompts,
-        input_len=options.input_len,
-        output_len=options.output_len,
-        range_ratio=options.range_ratio,
-        seed=options.seed,
-    )
-    warm_lengths = [(options.input_len, min(options.output_len, 16))] * options.warmup
+    warm_lengths, lengths = options.lengths()
 
     def made() -> tuple[list[TokenPrompt], list[TokenPrompt]]:
         warm = [(fresh.tokens(i, n_vocab), o) for i, o in warm_lengths]

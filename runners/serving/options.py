@@ -10,7 +10,7 @@ from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.lists import MAX_VALUE, parse_values, real
 from llmrun.runners.progress import Tally
 from llmrun.runners.serving.batching import Policy
-from llmrun.runners.serving.prompts import Dataset
+from llmrun.runners.serving.prompts import Dataset, random_lengths
 
 DEFAULT_POLICIES = "prefill-first,chunked:64,decode-first"
 # Below one request a minute on average a level would run for hours (1e-9: for ever).
@@ -152,6 +152,19 @@ class ServeOptions:
         )
         if math.isnan(self.request_rate) or self.request_rate < MIN_RATE:
             parse_rate(str(self.request_rate))
+
+    def lengths(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """A level's fresh prompts' (prompt, output) lengths: its warm-up's (the means, at most
+        16 out) and its measured ones' (drawn once: every level has the same)."""
+        warm = [(self.input_len, min(self.output_len, 16))] * self.warmup
+        measured = random_lengths(
+            self.num_prompts,
+            input_len=self.input_len,
+            output_len=self.output_len,
+            range_ratio=self.range_ratio,
+            seed=self.seed,
+        )
+        return warm, measured
 
 
 @dataclass(frozen=True)
