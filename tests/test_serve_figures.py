@@ -240,3 +240,14 @@ def test_local_queue_is_the_wait_for_a_sequence_not_for_the_step_in_progress(
     r = request_result(second)
     assert r.queue_s == 0.0
     assert r.ttft_s is not None and r.ttft_s >= second.started_s - short.at_s
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "1e308", "86400001"])
+def test_an_slo_from_nothing_to_past_a_day_is_refused(value: str) -> None:
+    """`--slo ttft:1e308` was taken: every request met it, and the record held 1e305 s."""
+    from llmrun.runners.errors import OptionError
+    from llmrun.runners.serving.options import parse_slo
+
+    with pytest.raises(OptionError, match="from 0 to a day"):
+        parse_slo(f"ttft:{value}")
+    assert parse_slo("ttft:86400000,tpot:0.5") == {"ttft": 86_400.0, "tpot": 0.0005}

@@ -83,6 +83,9 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
+MAX_SLO_S = 86_400.0
+
+
 def parse_slo(text: str | None) -> dict[str, float]:
     """`ttft:500,tpot:50` (milliseconds) -> {"ttft": 0.5, "tpot": 0.05}."""
     slo: dict[str, float] = {}
@@ -94,8 +97,11 @@ def parse_slo(text: str | None) -> dict[str, float]:
         if name not in ("ttft", "tpot", "e2el") or not value.strip():
             raise OptionError(f"--slo: '{part}' should be ttft:MS, tpot:MS or e2el:MS")
         slo[name] = (real(value) or math.nan) / 1000
-        if not math.isfinite(slo[name]) or slo[name] <= 0:
-            raise OptionError(f"--slo: '{value}' is not a positive number of milliseconds")
+        if not 0 < slo[name] <= MAX_SLO_S:  # NaN too; a bound past a day is no objective
+            raise OptionError(
+                f"--slo: '{value.strip()}' is not a number of milliseconds from 0 to a day"
+                f" ({MAX_SLO_S * 1000:,.0f})"
+            )
     return slo
 
 
