@@ -109,25 +109,23 @@ def physical_cores() -> int:
     return max(1, min(count, usable or count))
 
 
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo(key: str) -> str | None:
+    """What follows the ':' of /proc/cpuinfo's first line that starts with `key`, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+            return next((line.partition(":")[2] for line in f if line.startswith(key)), None)
     except OSError:
-        pass
-    return frozenset()
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return " ".join(line.partition(":")[2].split())
-    except OSError:
-        pass
+    name = _cpuinfo("model name")
+    if name is not None:
+        return " ".join(name.split())
     import platform
 
     return platform.processor() or platform.machine() or "unknown CPU"
@@ -149,18 +147,13 @@ def _proc_kib_bytes(path: str, key: str) -> int | None:
     return None
 
 
-def _meminfo_bytes(key: str) -> int | None:
-    """One /proc/meminfo figure ("MemTotal", "MemAvailable") in bytes, or None."""
-    return _proc_kib_bytes("/proc/meminfo", key)
-
-
 def ram_bytes() -> int | None:
-    return _meminfo_bytes("MemTotal")
+    return _proc_kib_bytes("/proc/meminfo", "MemTotal")
 
 
 def available_memory_bytes() -> int | None:
     """Memory that new allocations can get without swapping (MemAvailable), or None."""
-    return _meminfo_bytes("MemAvailable")
+    return _proc_kib_bytes("/proc/meminfo", "MemAvailable")
 
 
 def memory_bandwidth_runs(
@@ -208,16 +201,11 @@ def _copy_rates(size_bytes: int, n: int, reps: int) -> list[float]:
 _peak_floor_bytes = 0
 
 
-def _status_bytes(key: str) -> int | None:
-    """One /proc/self/status figure ("VmHWM", "VmRSS") in bytes, or None (not Linux)."""
-    return _proc_kib_bytes("/proc/self/status", key)
-
-
 def peak_rss_bytes() -> int | None:
     """The process's peak resident set size so far, less the bandwidth probe's arrays: Linux's
     high-water mark (VmHWM, which the probe resets), elsewhere getrusage's (KiB on Linux, bytes
     on macOS), which nothing resets."""
-    hwm = _status_bytes("VmHWM")
+    hwm = _proc_kib_bytes("/proc/self/status", "VmHWM")
     if hwm is not None:
         return max(hwm, _peak_floor_bytes)
     try:
@@ -564,16 +552,10 @@ def resident_fraction(path: str) -> float | None:
             return None
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        libc.mmap.argtypes = [vp, sz, i, i, i, ctypes.c_long]
+        libc.munmap.argtypes = [vp, sz]
+        libc.mincore.argtypes = [vp, sz, vp]
         pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
         vec = (ctypes.c_ubyte * pages)()
         fd = os.open(path, os.O_RDONLY)
