@@ -90,7 +90,7 @@ def append_line(path: Path, line: str) -> None:
         try:
             written = os.write(fd, data)
             if written != len(data):  # a short write: the disk filled in the middle
-                raise OSError(28, os.strerror(28), str(path))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         except OSError:
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -103,6 +103,10 @@ def append_line(path: Path, line: str) -> None:
 class FileTooLargeError(ValueError):
     """A file over the size its reader accepts (or one that never ends)."""
 
+    def __init__(self, what: str, max_bytes: int) -> None:
+        limit = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+        super().__init__(f"the {what} is larger than {limit}, or does not end")
+
 
 def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
     """The bytes of a file of at most `max_bytes`. Raises OSError for what cannot be opened or
@@ -112,6 +116,5 @@ def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> byte
             raise IsADirectoryError(21, os.strerror(21), str(path))
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        limit = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
-        raise FileTooLargeError(f"the {what} is larger than {limit}, or does not end")
+        raise FileTooLargeError(what, max_bytes)
     return data

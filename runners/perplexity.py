@@ -55,8 +55,7 @@ def read_text(path: Path, *, max_bytes: int, cancel: threading.Event) -> bytes |
     finally:
         os.close(fd)
     if size > max_bytes:
-        limit = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
-        raise FileTooLargeError(f"the text is larger than {limit}, or does not end")
+        raise FileTooLargeError("text", max_bytes)
     return b"".join(chunks)
 
 
@@ -147,9 +146,8 @@ def perplexity(
                 if cancel is not None and cancel.is_set():
                     raise BadRequestError("perplexity interrupted")
                 n = min(n_batch, n_ctx - off)
-                for i in range(n):
-                    pos = off + i
-                    batch.set(i, window[pos], pos, 0, first <= pos < n_ctx - 1)
+                for pos in range(off, off + n):
+                    batch.set(pos - off, window[pos], pos, 0, first <= pos < n_ctx - 1)
                 batch.n_tokens = n
                 if lib.llama_decode(kv.ptr, batch.struct) != 0:
                     if cancel is not None and cancel.is_set():
@@ -161,11 +159,8 @@ def perplexity(
                         lib.llama_get_logits(kv.ptr), shape=(len(scored_here), n_vocab)
                     )
                     each(rows, [window[pos + 1] for pos in scored_here])
-                for i in range(n):
-                    pos = off + i
-                    if not first <= pos < n_ctx - 1:
-                        continue
-                    ptr = lib.llama_get_logits_ith(kv.ptr, i)
+                for pos in scored_here:
+                    ptr = lib.llama_get_logits_ith(kv.ptr, pos - off)
                     logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float64)
                     top = logits.max()
                     log_z = top + math.log(float(np.exp(logits - top).sum()))
