@@ -315,8 +315,7 @@ def gbnf_fault(grammar: str) -> str | None:
 def _negation_fault(grammar: str) -> str | None:
     if not any(m[0].startswith("!<") for m in _GBNF_ITEM.finditer(grammar)):
         return None
-    where = negated_token_after_text(grammar)
-    if where is None:
+    if (where := negated_token_after_text(grammar)) is None:
         return None
     return (
         f"a negated token (!<...>) right after text ({where}): llama.cpp checks it by the"
@@ -550,12 +549,8 @@ class _CStderr:
             for fn in (libc.fflush, libc.rewind, libc.fclose):
                 fn.argtypes = [ctypes.c_void_p]
             libc.fread.restype = ctypes.c_size_t
-            libc.fread.argtypes = [
-                ctypes.c_char_p,
-                ctypes.c_size_t,
-                ctypes.c_size_t,
-                ctypes.c_void_p,
-            ]
+            sz = ctypes.c_size_t
+            libc.fread.argtypes = [ctypes.c_char_p, sz, sz, ctypes.c_void_p]
             self.libc = libc
 
     def parse(self, lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:
@@ -657,20 +652,21 @@ class Grammars:
         with self._lock:
             found = self._parsed.get(grammar)
             if found is not None:  # another request parsed it meanwhile: that one is kept
-                if parsed[0] is not None:
-                    self.lib.llama_sampler_free(parsed[0])
+                self._free(parsed)
                 return self._copied(found, copy)
             if self._closed:  # nothing is kept now: the caller's copy, or only the verdict
                 if copy or parsed[0] is None:
                     return parsed
-                self.lib.llama_sampler_free(parsed[0])
+                self._free(parsed)
                 return True, ""
             self._parsed[grammar] = parsed
             while len(self._parsed) > self.SIZE:
-                ptr, _ = self._parsed.popitem(last=False)[1]
-                if ptr is not None:
-                    self.lib.llama_sampler_free(ptr)
+                self._free(self._parsed.popitem(last=False)[1])
             return self._copied(parsed, copy)
+
+    def _free(self, parsed: tuple[Any, str]) -> None:
+        if parsed[0] is not None:
+            self.lib.llama_sampler_free(parsed[0])
 
     def _copied(self, found: tuple[Any, str], copy: bool) -> tuple[Any, str]:
         ptr, reason = found
@@ -696,9 +692,8 @@ class Grammars:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for ptr, _ in self._parsed.values():
-                if ptr is not None:
-                    self.lib.llama_sampler_free(ptr)
+            for parsed in self._parsed.values():
+                self._free(parsed)
             self._parsed.clear()
 
 
@@ -910,9 +905,9 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             )
         if _ref_target(root, ref) is NOWHERE:
             raise BadRequestError(f"{where}.$ref: {ref} names nothing in the schema")
-    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
-        raise BadRequestError(f"{where}.enum: a non-empty list of values")
     if "enum" in schema:
+        if not isinstance(schema["enum"], list) or not schema["enum"]:
+            raise BadRequestError(f"{where}.enum: a non-empty list of values")
         _few_choices(schema["enum"], f"{where}.enum")
     for key in ("enum", "const"):
         if key in schema and _escaped_text(schema[key]):
@@ -955,9 +950,7 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
             f"{where}.format: {json.dumps(fmt)} is not supported in structured output"
             " (only date, time, date-time, uuid)"
         )
-    for key in lengths:
-        _count(schema, key, where)
-    _meet(schema, "minLength", "maxLength", where)
+    _counts(schema, "minLength", "maxLength", where)
     pattern = schema.get("pattern")
     if pattern is not None and not isinstance(pattern, str):
         raise BadRequestError(f"{where}.pattern: a regular expression (a string)")
@@ -986,14 +979,21 @@ def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> N
             _check_schema(sub, f"{where}.{'prefixItems' if prefix else 'items'}.{i}", root)
     elif items is not None:
         _check_schema(items, f"{where}.items", root)
-    for key in counts:
-        _count(schema, key, where)
-    _meet(schema, "minItems", "maxItems", where)
+    _counts(schema, "minItems", "maxItems", where)
 
 
-def _meet(schema: dict[str, Any], least: str, most: str, where: str) -> None:
-    """Refuse a least count above the most: the converter would write a grammar for one of
-    them, and the answer would break the schema it was asked for."""
+def _counts(schema: dict[str, Any], least: str, most: str, where: str) -> None:
+    """Refuse a count that is none, or more than the grammar can spell out, and a least count
+    above the most: the converter would write a grammar for one of them, and the answer would
+    break the schema it was asked for."""
+    for key in (k for k in (least, most) if k in schema):
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadRequestError(f"{where}.{key}: a count of at least 0")
+        if value > MAX_REPEAT:
+            raise BadRequestError(
+                f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)"
+            )
     if least in schema and most in schema and schema[least] > schema[most]:
         raise BadRequestError(
             f"{where}: {least} {schema[least]} is above {most} {schema[most]}, so no value can"
@@ -1021,14 +1021,6 @@ def _check_objects(schema: dict[str, Any], where: str, root: dict[str, Any]) -> 
             f"{where}.required: {', '.join(missing)} not among the properties (structured"
             " output can only write properties the schema describes)"
         )
-
-
-def _count(schema: dict[str, Any], key: str, where: str) -> None:
-    value = schema[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequestError(f"{where}.{key}: a count of at least 0")
-    if value > MAX_REPEAT:
-        raise BadRequestError(f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)")
 
 
 def add_grammar(
