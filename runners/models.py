@@ -9,6 +9,7 @@ Downloads go through huggingface-hub (its cache, its progress bars, HF_HUB_OFFLI
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib.util
@@ -115,11 +116,15 @@ def _offline() -> bool:
     return bool(constants.is_offline_mode())
 
 
-def _cached_repo_files(repo: str) -> list[str] | None:
-    """Files of the newest cached snapshot of a repo (relative paths), or None if not cached."""
+def _cached_repo_files(repo: str, problem: str) -> list[str]:
+    """Files of the newest cached snapshot of a repo (relative paths); HubError(`problem`) if
+    it is not cached."""
     from .hub_cache import repo_files
 
-    return repo_files(repo)
+    files = repo_files(repo)
+    if files is None:
+        raise HubError(problem)
+    return files
 
 
 HUB_CONNECT_TIMEOUT_S = 3.0
@@ -158,18 +163,12 @@ def _hub_unreachable() -> str | None:
 
 
 def _repo_files(repo: str) -> list[str]:
-    if not _offline():
-        reason = _hub_unreachable()
-        if reason is not None:
-            files = _cached_repo_files(repo)
-            if files is None:
-                raise HubError(f"cannot reach the Hugging Face Hub for {repo} ({reason})")
-            return files
     if _offline():
-        files = _cached_repo_files(repo)
-        if files is None:
-            raise HubError(f"{repo} is not in the local Hugging Face cache (offline mode is on)")
-        return files
+        problem = f"{repo} is not in the local Hugging Face cache (offline mode is on)"
+        return _cached_repo_files(repo, problem)
+    reason = _hub_unreachable()
+    if reason is not None:
+        return _cached_repo_files(repo, f"cannot reach the Hugging Face Hub for {repo} ({reason})")
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -180,10 +179,8 @@ def _repo_files(repo: str) -> list[str]:
     except HfHubHTTPError as e:
         raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {e}") from None
     except Exception as e:  # network failures come in many types (httpx, OSError, ...)
-        files = _cached_repo_files(repo)
-        if files is None:
-            raise HubError(f"cannot reach the Hugging Face Hub for {repo}: {e}") from None
-        return files
+        problem = f"cannot reach the Hugging Face Hub for {repo}: {e}"
+    return _cached_repo_files(repo, problem)
 
 
 def quant_matches(filename: str, quant: str) -> bool:
@@ -296,11 +293,8 @@ def _resolve_hub(ref: str) -> str:
 
 def list_models() -> Iterator[ListedModel]:
     """The embedded default, then every GGUF file in the Hugging Face cache."""
-    try:
-        path = default_model_path()
-        yield _listed("(default)", path, "default")
-    except DefaultModelMissingError:
-        pass
+    with contextlib.suppress(DefaultModelMissingError):
+        yield _listed("(default)", default_model_path(), "default")
     from .hub_cache import snapshots
 
     seen: set[str] = set()
