@@ -125,12 +125,8 @@ class GgmlDevices:
             return None
         runs = copy_bandwidth_runs(device.name)
         if runs:
-            median = statistics.median(runs)
-            return DeviceBandwidth(
-                device.name,
-                median,
-                f"timed copy on {device.name} through ggml, read + write, median of {len(runs)}",
-            )
+            how = f"timed copy on {device.name} through ggml, read + write, median of {len(runs)}"
+            return DeviceBandwidth(device.name, statistics.median(runs), how)
         index = whole(device.name[4:])
         if device.backend == "CUDA" and index is not None:
             return nvml_bandwidth(device.name, index)

@@ -95,20 +95,9 @@ FILE_TYPES: dict[int, str] = {
     38: "MXFP4_MOE",
 }
 
-# GGUF value types 0-7 and 10-12, fixed-size scalars, as struct formats (8: string, 9: array)
-SCALAR_FORMATS: dict[int, str] = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+# GGUF value types 0-7 and 10-12, fixed-size scalars, as struct formats (8: string, 9: array):
+# uint8 int8 uint16 int16 uint32 int32 float32 bool, then uint64 int64 float64
+SCALAR_FORMATS = {t: f"<{c}" for t, c in zip((*range(8), 10, 11, 12), "BbHhIif?Qqd", strict=True)}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # Arrays longer than this (token lists, merges) are skipped, not materialised.
@@ -338,9 +327,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     n_params = 0
     data_end = data_start
     for dims, ggml_type, offset in tensors:
-        n_elements = 1
-        for d in dims:
-            n_elements *= d
+        n_elements = math.prod(dims)
         n_params += n_elements
         block = GGML_BLOCKS.get(ggml_type)
         if block is None:  # a type newer than this table: llama.cpp will judge it

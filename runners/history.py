@@ -152,10 +152,10 @@ def spread_verdict(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
     spread'; 'noise (busy machine)' when other processes took the CPU during either."""
     if new.get("avg_ts") is None or old.get("avg_ts") is None:
         return "no rate"
-    new_low = new["avg_ts"] - (new.get("stddev_ts") or 0)
-    new_high = new["avg_ts"] + (new.get("stddev_ts") or 0)
-    old_low = old["avg_ts"] - (old.get("stddev_ts") or 0)
-    old_high = old["avg_ts"] + (old.get("stddev_ts") or 0)
+    (new_low, new_high), (old_low, old_high) = (
+        (r["avg_ts"] - (r.get("stddev_ts") or 0), r["avg_ts"] + (r.get("stddev_ts") or 0))
+        for r in (new, old)
+    )
     if new_high < old_low or new_low > old_high:
         if busy_pair(new, old):
             return "noise (busy machine)"
@@ -260,13 +260,8 @@ class History:
                     " ORDER BY run_id DESC LIMIT 20",
                     (result_key(r), before_run if before_run is not None else 2**62),
                 ).fetchall()
-            previous: dict[str, Any] | None = None
-            previous_run: int | None = None
-            for run_id, text in rows:
-                previous = _record(text)
-                if previous is not None:
-                    previous_run = int(run_id)
-                    break
+            readable = ((int(i), rec) for i, text in rows if (rec := _record(text)) is not None)
+            previous_run, previous = next(readable, (None, None))
             changes.append(Change(str(r.get("test", "")), r, previous, previous_run))
         return changes
 

@@ -160,11 +160,9 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
     if any(not item.strip() for item in items):
         raise RpcEndpointError(f"--rpc: '{text}' has an empty item (host:port,host:port)")
     endpoints = tuple(parse_endpoint(item) for item in items)
-    seen: set[Endpoint] = set()
-    for e in endpoints:
-        if e in seen:
+    for i, e in enumerate(endpoints):
+        if e in endpoints[:i]:
             raise RpcEndpointError(f"--rpc: {e} is named twice")
-        seen.add(e)
     if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
         raise RpcEndpointError("--rpc: at most 16 servers")
     return endpoints
@@ -389,9 +387,7 @@ def wait_limit() -> float:
     if not text:
         return DEFAULT_TIMEOUT_S
     value = real(text)
-    if value is None:
-        value = float("nan")
-    if not 1.0 <= value <= 86400.0:
+    if value is None or not 1.0 <= value <= 86400.0:
         raise BadRequestError(f"{TIMEOUT_ENV}: '{text[:40]}' is not 1 to 86400 seconds")
     return value
 

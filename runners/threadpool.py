@@ -158,17 +158,15 @@ class _Api:
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
         vp = ctypes.c_void_p
         self.llama = libllama()
-        self.llama.llama_attach_threadpool.argtypes = [vp, vp, vp]
-        self.llama.llama_attach_threadpool.restype = None
-        self.llama.llama_detach_threadpool.argtypes = [vp]
-        self.llama.llama_detach_threadpool.restype = None
         ggml, base = _linked(lib_dir, "ggml"), _linked(lib_dir, "ggml-base")
-        ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-        ggml.ggml_backend_dev_by_type.restype = vp
-        ggml.ggml_backend_dev_backend_reg.argtypes = [vp]
-        ggml.ggml_backend_dev_backend_reg.restype = vp
-        ggml.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
-        ggml.ggml_backend_reg_get_proc_address.restype = vp
+        for lib, name, restype, argtypes in (
+            (self.llama, "llama_attach_threadpool", None, [vp, vp, vp]),
+            (self.llama, "llama_detach_threadpool", None, [vp]),
+            (ggml, "ggml_backend_dev_by_type", vp, [ctypes.c_int]),
+            (ggml, "ggml_backend_dev_backend_reg", vp, [vp]),
+            (ggml, "ggml_backend_reg_get_proc_address", vp, [vp, ctypes.c_char_p]),
+        ):
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
         cpu = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
         reg = ggml.ggml_backend_dev_backend_reg(cpu) if cpu else None
         if not reg:
