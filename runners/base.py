@@ -146,24 +146,19 @@ class Runner(Protocol):
         Setting `cancel` stops the request at the next chunk or token: it still ends with
         `Finished`, its stats marked interrupted.
         """
-        ...
 
     def count_tokens(self, request: Request) -> int:
         """How many prompt tokens the request renders to."""
-        ...
 
     @property
     def loaded(self) -> ModelLoaded | None:
         """The load event once the model is loaded, else None."""
-        ...
 
     def load(self) -> ModelLoaded:
         """Load the model now (`stream` does it on first use); loading twice is a no-op."""
-        ...
 
     def reset(self) -> None:
         """Forget the KV cache, so the next request prefills from scratch."""
-        ...
 
     def close(self) -> None: ...
 
@@ -178,19 +173,15 @@ class BenchRunner(Runner, Protocol):
     def load(self, *, cancel: threading.Event | None = None) -> LocalLoaded:
         """Load (once); setting `cancel` ends the load (the repack probe, the tensors, the
         warm-up) with LoadCancelledError."""
-        ...
 
     def reconfigure(self, config: EngineConfig) -> LocalLoaded:
         """Switch to other engine settings, reloading the weights only where they change."""
-        ...
 
     def eval_tokens(self, tokens: list[int], *, cancel: threading.Event | None = None) -> None:
         """Append tokens to the KV cache, untimed (a test's depth)."""
-        ...
 
     def header(self) -> GGUFInfo:
         """The model file's GGUF header."""
-        ...
 
     def vocab_size(self) -> int: ...
 
@@ -205,7 +196,6 @@ class BenchRunner(Runner, Protocol):
         each: Callable[[Any, Sequence[int]], None] | None = None,
     ) -> tuple[float, int]:
         """llama-perplexity's figure for these tokens: (perplexity, tokens scored)."""
-        ...
 
 
 def generate(

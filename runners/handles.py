@@ -164,6 +164,17 @@ def _is_greedy(lib: Any, chain: Any) -> bool:
     return bool(names) and names[-1] == b"greedy" and set(names[:-1]) <= {b"penalties"}
 
 
+def _candidates(lib: Any, n: int) -> tuple[Any, Any]:
+    """`n` llama_token_data cells as a numpy view (id, logit, p), and the
+    llama_token_data_array over them (the view keeps the cells alive)."""
+    import numpy as np
+
+    cells = (lib.llama_token_data * n)()
+    view = np.frombuffer(cells, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+    pointer = ctypes.cast(cells, ctypes.POINTER(lib.llama_token_data))
+    return view, lib.llama_token_data_array(pointer, n, -1, False)
+
+
 class GrammarSampler(Sampler):
     """A sampler chain held to a grammar as llama.cpp's own `common_sampler_sample` does it
     (common/sampling.cpp): the chain samples first; only the chosen token is checked against
@@ -197,25 +208,13 @@ class GrammarSampler(Sampler):
         self._np = np
         self._apply, self._accept = lib.llama_sampler_apply, lib.llama_sampler_accept
         self._logits_ith = lib.llama_get_logits_ith
-        cell = lib.llama_token_data
-        self._cells = (cell * n_vocab)()
-        self._view = np.frombuffer(
-            self._cells, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-        )
+        self._view, self._all = _candidates(lib, n_vocab)
         self._ids = _token_ids(n_vocab)
-        self._all = lib.llama_token_data_array(
-            ctypes.cast(self._cells, ctypes.POINTER(cell)), n_vocab, -1, False
-        )
-        self._one_cell = cell()
+        self._one_cell = lib.llama_token_data()
         self._one = lib.llama_token_data_array(ctypes.pointer(self._one_cell), 1, -1, False)
         self._all_ref, self._one_ref = ctypes.byref(self._all), ctypes.byref(self._one)
         self._greedy = _is_greedy(lib, chain.ptr)
-        top = min(self.TOP, n_vocab)
-        self._top_cells = (cell * top)()
-        self._top_view = np.frombuffer(self._top_cells, dtype=self._view.dtype)
-        self._top = lib.llama_token_data_array(
-            ctypes.cast(self._top_cells, ctypes.POINTER(cell)), top, -1, False
-        )
+        self._top_view, self._top = _candidates(lib, min(self.TOP, n_vocab))
         self._top_ref = ctypes.byref(self._top)
         self.resampled = 0  # tokens the grammar refused, sampled again
         self.masked_all = 0  # of those, the ones the grammar masked the whole vocabulary for

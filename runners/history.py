@@ -779,10 +779,11 @@ def compare_sets(
     else:
         shown = [f for f in show if f not in ignored]
     index = {f: i for i, f in enumerate(keys)}
+    shown = [f for f in shown if f in index]
     return Comparison(
         baseline=baseline.text,
         compare=compare.text,
-        shown=tuple(f for f in shown if f in index),
+        shown=tuple(shown),
         pairs=_pairs(paired, b, c, shown, index),
         ignored=tuple(sorted(ignored & set(PAIR_FIELDS + LLMRUN_PAIR_FIELDS))),
         unpaired_baseline=len(b) - len(paired),
@@ -856,11 +857,7 @@ def _pairs(
         into[1].extend(c[k])
     return tuple(
         Pair(
-            shown=tuple(
-                (f, _pair_value(f, bs[0]) if f == "tool" else bs[0].get(f))
-                for f in shown
-                if f in index
-            ),
+            shown=tuple((f, _pair_value(f, bs[0]) if f == "tool" else bs[0].get(f)) for f in shown),
             test=_tests(bs, cs),
             baseline=Tally(tuple(bs)),
             compare=Tally(tuple(cs)),

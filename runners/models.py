@@ -251,20 +251,16 @@ def check_hub_file(repo: str, name: str) -> str:
     that could leave the repository's folder in the cache (absolute, a `..` part, a
     backslash, a drive letter) or that no file has (an empty or `.` part, a NUL or another
     control character) is refused here, in one line, before the Hub or its cache sees it."""
-    why = None
     parts = name.split("/")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        why = "it holds a control character"
-    elif "\\" in name:
-        why = "a backslash is not a path separator on the Hub"
-    elif name.startswith("/"):
-        why = "it is an absolute path"
-    elif re.match(r"^[A-Za-z]:", name):
-        why = "a drive letter is not a path inside the repository"
-    elif ".." in parts:
-        why = "a '..' part would leave the repository"
-    elif any(p in ("", ".") for p in parts):
-        why = "it has an empty or '.' part"
+    faults = (
+        (any(ord(c) < 32 or ord(c) == 127 for c in name), "it holds a control character"),
+        ("\\" in name, "a backslash is not a path separator on the Hub"),
+        (name.startswith("/"), "it is an absolute path"),
+        (re.match(r"^[A-Za-z]:", name), "a drive letter is not a path inside the repository"),
+        (".." in parts, "a '..' part would leave the repository"),
+        (any(p in ("", ".") for p in parts), "it has an empty or '.' part"),
+    )
+    why = next((reason for found, reason in faults if found), None)
     if why is not None:
         shown = "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in name)
         raise HubError(f"{repo}: '{shown}' is not a file in the repository ({why})")

@@ -214,7 +214,7 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
     (RpcUnreachableError, else). ggml-rpc's own handshake aborts the process on a bad answer
     and waits forever for a missing one (an rpc-server serves one client at a time; a port
     that is something else): this one has a timeout, and then the client's runs."""
-    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s  # read when called
     why = _connects(endpoint, timeout_s)
     if why is not None:
         raise RpcUnreachableError(str(endpoint), why)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -58,18 +59,15 @@ def performance_cores(root: str = "/sys") -> int | None:
     """Physical performance cores of a hybrid CPU (Intel's P-cores beside E-cores), or None
     when the CPU is not hybrid. The kernel lists them in /sys/devices/cpu_core/cpus."""
     try:
-        with open(f"{root}/devices/cpu_core/cpus", encoding="utf-8") as f:
-            cpus = parse_cpu_list(f.read())
+        cpus = parse_cpu_list(Path(f"{root}/devices/cpu_core/cpus").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # no such file, or not a CPU list: not a hybrid CPU we know
         return None
     cores: set[tuple[str, str]] = set()
     for cpu in cpus:
-        topo = f"{root}/devices/system/cpu/cpu{cpu}/topology"
+        topo = Path(f"{root}/devices/system/cpu/cpu{cpu}/topology")
         try:
-            with open(f"{topo}/core_id", encoding="utf-8") as f:
-                core = f.read().strip()
-            with open(f"{topo}/physical_package_id", encoding="utf-8") as f:
-                package = f.read().strip()
+            core = (topo / "core_id").read_text(encoding="utf-8").strip()
+            package = (topo / "physical_package_id").read_text(encoding="utf-8").strip()
         except OSError:
             core, package = str(cpu), "0"
         cores.add((package, core))
@@ -86,8 +84,7 @@ def default_threads() -> int:
 def physical_cores() -> int:
     """Physical CPU cores (not hyper-threads), from /proc/cpuinfo; logical CPUs if unknown."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            text = f.read()
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
     except OSError:
         return os.cpu_count() or 1
     cores: set[tuple[str, str]] = set()
