@@ -240,13 +240,9 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
         if key not in metadata:
             continue
         value = metadata[key]
-        values = value if isinstance(value, list) else [value]
-        if (
-            value is None
-            or not values
-            or not all(
-                isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
-            )
+        values = value if isinstance(value, list) else [value]  # None: [None], no count
+        if not values or not all(
+            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
         ):
             shown = value if not isinstance(value, list) else f"array of {len(value)}"
             raise InvalidModelFileError(

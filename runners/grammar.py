@@ -281,9 +281,7 @@ def grammar_fault(grammar: str) -> str | None:
         codes.append(code)
         spans.append((spans.pop()[0], code) if dash else (code, code))
         dash = False
-    if end is not None:
-        return UNREAD
-    return None
+    return UNREAD if end is not None else None
 
 
 # A GBNF grammar's items that hold text of their own: a literal, a character class, a comment, a

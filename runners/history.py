@@ -222,15 +222,11 @@ class History:
         self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
     ) -> int:
         """Store one run's records; returns the run's id."""
+        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         with self._failing(), self.db:
             cur = self.db.execute(
                 "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
-                (
-                    dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                    kind,
-                    model,
-                    json.dumps(system),
-                ),
+                (now, kind, model, json.dumps(system)),
             )
             run_id = int(cur.lastrowid or 0)
             self.db.executemany(
@@ -775,11 +771,9 @@ def compare_sets(
             for i, f in enumerate(keys)
             if f not in TEST_FIELDS and f != "model_type" and len({k[i] for k in paired}) > 1
         ]
-        shown = ["model_type", *varying]
-    else:
-        shown = [f for f in show if f not in ignored]
-    index = {f: i for i, f in enumerate(keys)}
-    shown = [f for f in shown if f in index]
+        show = ["model_type", *varying]
+    index = {f: i for i, f in enumerate(keys)}  # the key fields, none of them ignored
+    shown = [f for f in show if f in index]
     return Comparison(
         baseline=baseline.text,
         compare=compare.text,
