@@ -305,9 +305,7 @@ def gbnf_fault(grammar: str) -> str | None:
     NUL, a lone surrogate, a character class no character matches, a negated token reference
     right after text (None: nothing found). Its syntax is llama.cpp's parser's to judge."""
     fault = grammar_fault(_GBNF_ITEM.sub(lambda m: "" if m[0][0] == "#" else m[0], grammar))
-    if fault in (NUL, NOTHING, SURROGATE):
-        return fault
-    return _negation_fault(grammar)
+    return fault if fault in (NUL, NOTHING, SURROGATE) else _negation_fault(grammar)
 
 
 def _negation_fault(grammar: str) -> str | None:
@@ -542,13 +540,11 @@ class _CStderr:
         with contextlib.suppress(OSError, AttributeError, ValueError):
             libc = ctypes.CDLL(None)
             self.stream = ctypes.c_void_p.in_dll(libc, name)
-            libc.tmpfile.restype = ctypes.c_void_p
-            libc.tmpfile.argtypes = []
+            libc.tmpfile.restype, libc.tmpfile.argtypes = ctypes.c_void_p, []
             for fn in (libc.fflush, libc.rewind, libc.fclose):
                 fn.argtypes = [ctypes.c_void_p]
-            libc.fread.restype = ctypes.c_size_t
             sz = ctypes.c_size_t
-            libc.fread.argtypes = [ctypes.c_char_p, sz, sz, ctypes.c_void_p]
+            libc.fread.restype, libc.fread.argtypes = sz, [ctypes.c_char_p, sz, sz, ctypes.c_void_p]
             self.libc = libc
 
     def parse(self, lib: Any, vocab: Any, grammar: str) -> tuple[Any, str]:

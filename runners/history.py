@@ -110,9 +110,7 @@ class Change:
     @property
     def difference(self) -> Difference | None:
         """The two runs' repetitions compared (None: new, or a side kept no repetitions)."""
-        if self.previous is None:
-            return None
-        return difference(self.previous, self.record)
+        return None if self.previous is None else difference(self.previous, self.record)
 
     @property
     def verdict(self) -> str:

@@ -226,9 +226,7 @@ class PhaseEnergy:
 
     @property
     def j_per_token(self) -> float | None:
-        if self.energy_j is None or self.tokens <= 0:
-            return None
-        return self.energy_j / self.tokens
+        return None if self.energy_j is None or self.tokens <= 0 else self.energy_j / self.tokens
 
 
 ENERGY_PHASES = ("load", "prefill", "decode")

@@ -275,9 +275,7 @@ def background_cpus(start: CpuSample | None, end: CpuSample | None) -> float | N
 
 def measured_background(start: CpuSample | None, end: CpuSample | None) -> float | None:
     """Other processes' load over a measurement (as background_cpus), or the tests' figure."""
-    if background_override is not None:
-        return background_override
-    return background_cpus(start, end)
+    return background_override if background_override is not None else background_cpus(start, end)
 
 
 def busy_machine(background: float | None, n_threads: int, logical: int | None = None) -> bool:
