@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .errors import BadRequestError
+from .errors import BadRequestError, json_kind
 from .handles import GrammarSampler, Sampler
 from .lists import whole
 
@@ -846,7 +846,7 @@ def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
 
 def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     if not isinstance(schema, dict):
-        raise BadRequestError(f"{where}: a schema is an object, not {json.dumps(schema)}")
+        raise BadRequestError(f"{where}: a schema is an object, not {_said(schema)}")
     for key in schema:
         if key not in KEPT and key not in ANNOTATIONS:
             raise BadRequestError(
@@ -855,8 +855,8 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
     for k in kinds:
-        if k not in TYPES:
-            raise BadRequestError(f"{where}.type: {json.dumps(k)} is not a JSON schema type")
+        if not isinstance(k, str) or k not in TYPES:
+            raise BadRequestError(f"{where}.type: {_said(k)} is not a JSON schema type")
     present = CONSTRAINTS & set(schema)
     for shadow in ("$ref", "anyOf", "oneOf", "enum", "const"):
         if shadow in schema and present:
@@ -912,6 +912,12 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             )
 
 
+def _said(value: Any) -> str:
+    """A value for a message: a short JSON scalar as written, anything else by its kind."""
+    said = "" if isinstance(value, list | dict) else json.dumps(value)
+    return said if 0 < len(said) <= 40 else json_kind(value)
+
+
 def _few_choices(options: list[Any], where: str) -> None:
     if len(options) > MAX_CHOICES:
         raise BadRequestError(
@@ -939,9 +945,9 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
         both = ", ".join(shapes + lengths)
         raise BadRequestError(f"{where}: {both} together are not supported in structured output")
     fmt = schema.get("format")
-    if fmt is not None and fmt not in FORMATS:
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in FORMATS):
         raise BadRequestError(
-            f"{where}.format: {json.dumps(fmt)} is not supported in structured output"
+            f"{where}.format: {_said(fmt)} is not supported in structured output"
             " (only date, time, date-time, uuid)"
         )
     _counts(schema, "minLength", "maxLength", where)
@@ -964,6 +970,8 @@ def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> N
     items, prefix = schema.get("items"), schema.get("prefixItems")
     if items is not None and prefix is not None:
         raise BadRequestError(f"{where}: items beside prefixItems is not supported")
+    if prefix is not None and not isinstance(prefix, list):
+        raise BadRequestError(f"{where}.prefixItems: a list of schemas, not {_said(prefix)}")
     tuple_items = prefix if prefix is not None else items if isinstance(items, list) else None
     counts = [k for k in ("minItems", "maxItems") if k in schema]
     if tuple_items is not None:

@@ -87,6 +87,14 @@ def test_text_asks_for_no_grammar_and_json_asks_for_one() -> None:
         ({"$ref": "#/$defs/missing"}, "names nothing in the schema"),
         ({"type": "text"}, 'type: "text" is not a JSON schema type'),
         ({"type": "string", "pattern": "a+"}, "cannot be made a grammar"),
+        # a keyword's value of the wrong JSON type: TypeError tracebacks (500s) before
+        ({"type": "array", "prefixItems": True}, "prefixItems: a list of schemas, not true"),
+        ({"type": "array", "prefixItems": "ab"}, 'prefixItems: a list of schemas, not "ab"'),
+        ({"type": {}}, "type: an object is not a JSON schema type"),
+        ({"type": ["string", ["null"]]}, "type: an array is not a JSON schema type"),
+        ({"type": "string", "format": []}, "format: an array is not supported"),
+        ({"items": list(range(10**5))}, "schema.items.0: a schema is an object, not 0"),
+        ({"anyOf": ["x" * 10**5]}, "anyOf.0: a schema is an object, not a string"),
     ],
 )
 def test_a_keyword_the_grammar_would_not_keep_is_refused_by_name(
