@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import BadRequestError
+from .errors import OptionError
 from .lists import whole
 
 # enum ggml_backend_dev_type
@@ -444,6 +444,20 @@ def moe_cpu_patterns(n_layers: int) -> list[str]:
 MAX_PATTERN_REPEATS = 6
 
 
+def tensor_overrides(text: str | None) -> list[tuple[str, str]]:
+    """-ot's PATTERN=BUFFER;... as (pattern, buffer) pairs, refused as a usage error where a
+    part is no such pair or its pattern no regular expression llama.cpp could match in time."""
+    pairs = []
+    for part in (text or "").split(";"):
+        if part.strip():
+            pattern, sep, buffer = part.strip().rpartition("=")
+            if not sep or not pattern or not buffer:
+                raise OptionError(f"-ot: '{part.strip()}' is not PATTERN=BUFFER (e.g. ffn_.*=CPU)")
+            check_tensor_pattern(pattern)
+            pairs.append((pattern, buffer))
+    return pairs
+
+
 def check_tensor_pattern(pattern: str) -> None:
     """Refuse an -ot pattern that is no regular expression or that could match for ever."""
     from . import re_adapter as sre  # the stdlib's own parser
@@ -451,7 +465,7 @@ def check_tensor_pattern(pattern: str) -> None:
     try:
         parsed = sre.parse(pattern)
     except (re.error, RecursionError, OverflowError):
-        raise BadRequestError(f"-ot: '{pattern}' is not a regular expression") from None
+        raise OptionError(f"-ot: '{pattern}' is not a regular expression") from None
     repeats = 0
 
     def walk(items: Any, inside_repeat: bool) -> None:
@@ -461,7 +475,7 @@ def check_tensor_pattern(pattern: str) -> None:
                 _low, high, body = arg
                 if high > 1:
                     if inside_repeat:
-                        raise BadRequestError(
+                        raise OptionError(
                             f"-ot: '{pattern}' repeats a repetition, which llama.cpp's regex"
                             " matcher could take for ever over; write it without the nesting"
                         )
@@ -477,7 +491,7 @@ def check_tensor_pattern(pattern: str) -> None:
 
     walk(parsed.data, False)
     if repeats > MAX_PATTERN_REPEATS:
-        raise BadRequestError(
+        raise OptionError(
             f"-ot: '{pattern}' has {repeats} repetitions; at most"
             f" {MAX_PATTERN_REPEATS}, as llama.cpp's matcher backtracks"
         )

@@ -63,14 +63,7 @@ class _Placement:
 def _placement(cfg: EngineConfig) -> _Placement:
     """llama-bench's -ot, -ncmoe and -dev as the structs llama_model_params points to."""
     out = _Placement()
-    pairs: list[tuple[str, str]] = []  # -ot's, recorded as given; -ncmoe's count on its own
-    for part in (cfg.tensor_overrides or "").split(";"):
-        if part.strip():
-            pattern, sep, buffer = part.strip().rpartition("=")
-            if not sep or not pattern or not buffer:
-                raise BadRequestError(f"-ot: '{part}' is not PATTERN=BUFFER (e.g. ffn_.*=CPU)")
-            dv.check_tensor_pattern(pattern)
-            pairs.append((pattern, buffer))
+    pairs = dv.tensor_overrides(cfg.tensor_overrides)  # recorded as given; -ncmoe's on its own
     given = ";".join(f"{p}={b}" for p, b in pairs)
     pairs += [(p, "CPU") for p in dv.moe_cpu_patterns(cfg.n_cpu_moe)]
     if pairs:

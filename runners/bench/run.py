@@ -151,10 +151,7 @@ class Sweep:
             else [None]
         )
         for group in overrides:  # refused before any model loads, not once per test
-            for part in (group or "").split(";"):
-                pattern, sep, _ = part.strip().rpartition("=")
-                if sep and pattern:
-                    dv.check_tensor_pattern(pattern)
+            dv.tensor_overrides(group)
         moes = (
             list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
             if self.n_cpu_moe
