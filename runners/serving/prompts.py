@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, not_utf8
 
 WORDS = (
     "time",
@@ -383,10 +383,10 @@ def _sharegpt(path: Path) -> list[Entry]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise _fail(path, "", f"not UTF-8 text (at byte offset {e.start:,})") from None
+        raise _fail(path, "", not_utf8(e)) from None
     data = _loads(text, path)
     if not isinstance(data, list):
-        raise _fail(path, "", "ShareGPT JSON is a list of {'conversations': [...]}")
+        raise _fail(path, "", "ShareGPT JSON is an array of {'conversations': [...]}")
     entries = []
     for i, item in enumerate(data):
         where = f"entry {i}: "
@@ -396,7 +396,7 @@ def _sharegpt(path: Path) -> list[Entry]:
         if turns is None:
             continue  # vLLM skips entries without conversations
         if not isinstance(turns, list):
-            raise _fail(path, where, "'conversations' is not a list")
+            raise _fail(path, where, "'conversations' is not an array")
         if len(turns) < 2:
             continue  # and those without an answer
         texts = []
@@ -421,7 +421,7 @@ def _jsonl(path: Path) -> Iterator[Entry]:
             try:
                 text = line.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                why = f"not UTF-8 text (at byte offset {e.start:,} of the line)"
+                why = not_utf8(e)
                 raise _fail(path, where, why) from None
             if not text.strip():
                 continue
