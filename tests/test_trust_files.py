@@ -132,10 +132,12 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
     [
         ("deep", "nested too deep to be tuned settings; fix or delete it"),
         ("fifo", "not a regular file (a FIFO, a device?); delete it"),
+        ("latin1", "not UTF-8 text (byte 10 is 0xe9); fix or delete it"),
     ],
 )
 def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path: Path) -> None:
-    """100,000 brackets were an internal RecursionError; a FIFO blocked the open for ever."""
+    """100,000 brackets were an internal RecursionError; a FIFO blocked the open for ever; a
+    byte past UTF-8 was named in Python's codec words."""
     from llmrun.runners.bench.tuned import load_tuned, tuned_file
     from llmrun.runners.limits import SettingError
 
@@ -143,6 +145,8 @@ def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path
     path.parent.mkdir(parents=True)
     if kind == "deep":
         path.write_text("[" * 100_000)
+    elif kind == "latin1":
+        path.write_bytes(b'{"/m.gguf": "\xe9"}')
     else:
         os.mkfifo(path)
     with pytest.raises(SettingError) as e:

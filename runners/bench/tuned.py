@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.errors import not_utf8
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
 from llmrun.runners.paths import config_dir
@@ -49,8 +50,10 @@ def _read_all() -> dict[str, Any]:
         return {}
     except OSError as e:
         raise SettingError(str(path), f"cannot read it: {e.strerror or e}") from None
-    except (FileTooLargeError, UnicodeDecodeError) as e:
+    except FileTooLargeError as e:
         raise SettingError(str(path), f"{e}; fix or delete it") from None
+    except UnicodeDecodeError as e:
+        raise SettingError(str(path), f"{not_utf8(e)}; fix or delete it") from None
     except json.JSONDecodeError as e:
         raise SettingError(
             str(path),

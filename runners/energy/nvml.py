@@ -63,7 +63,7 @@ def _name(nvml: Any, handle: Any) -> str:
         name = nvml.nvmlDeviceGetName(handle)
     except nvml.NVMLError:
         return ""
-    return name.decode() if isinstance(name, bytes) else str(name)
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
 
 def install_hint() -> str | None:
