@@ -45,7 +45,11 @@ class ListOption:
     default: str | None = None
     panel: str = SWEEP
     metavar: str = "LIST"
-    shape: bool = False  # a test shape (-p, -n, -pg, -d), not a setting swept
+
+    @property
+    def shape(self) -> bool:
+        """A test shape (-p, -n, -pg, -d), not a setting swept."""
+        return self.panel == PANEL
 
     def parameter(self) -> inspect.Parameter:
         shown = self.help if self.default is None else f"{self.help} (default: {self.default})"
@@ -64,22 +68,17 @@ class ListOption:
         )
 
 
+def _lb(name: str, flags: tuple[str, ...], help: str) -> ListOption:
+    """One of llama-bench's other list options."""
+    return ListOption(name, flags, help, panel=LB)
+
+
 LISTS = (
     ListOption(
-        "n_prompt",
-        ("-p", "--n-prompt"),
-        "Prompt sizes of pp tests (0: none).",
-        "512",
-        PANEL,
-        shape=True,
+        "n_prompt", ("-p", "--n-prompt"), "Prompt sizes of pp tests (0: none).", "512", PANEL
     ),
     ListOption(
-        "n_gen",
-        ("-n", "--n-gen"),
-        "Generation lengths of tg tests (0: none).",
-        "128",
-        PANEL,
-        shape=True,
+        "n_gen", ("-n", "--n-gen"), "Generation lengths of tg tests (0: none).", "128", PANEL
     ),
     ListOption(
         "pg",
@@ -87,7 +86,6 @@ LISTS = (
         "A pp+tg test PROMPT,GEN such as 512,128 (repeatable).",
         panel=PANEL,
         metavar="PP,TG",
-        shape=True,
     ),
     ListOption(
         "depth",
@@ -95,7 +93,6 @@ LISTS = (
         "Run each test after N tokens already in the KV cache.",
         "0",
         PANEL,
-        shape=True,
     ),
     ListOption(
         "threads",
@@ -173,94 +170,70 @@ LISTS = (
         "Prompt-lookup speculative decoding in the generation tests: at most N drafted tokens a"
         " step, a list such as 0,8 (0: off) to measure with and without in one run.",
     ),
-    ListOption(
+    _lb(
         "split_mode",
         ("-sm", "--split-mode"),
         "Split across GPUs: none, layer, row, tensor. (default: layer)",
-        panel=LB,
     ),
-    ListOption("main_gpu", ("-mg", "--main-gpu"), "The GPU for -sm none. (default: 0)", panel=LB),
-    ListOption(
-        "tensor_split",
-        ("-ts", "--tensor-split"),
-        "Share of the model per GPU, such as 3/1.",
-        panel=LB,
-    ),
-    ListOption(
-        "devices",
-        ("-dev", "--device"),
-        "Devices to use, such as CUDA0/CUDA1. (default: auto)",
-        panel=LB,
-    ),
-    ListOption(
+    _lb("main_gpu", ("-mg", "--main-gpu"), "The GPU for -sm none. (default: 0)"),
+    _lb("tensor_split", ("-ts", "--tensor-split"), "Share of the model per GPU, such as 3/1."),
+    _lb("devices", ("-dev", "--device"), "Devices to use, such as CUDA0/CUDA1. (default: auto)"),
+    _lb(
         "n_cpu_moe",
         ("-ncmoe", "--n-cpu-moe"),
         "Keep the MoE experts of the first N layers on the CPU.",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "tensor_overrides",
         ("-ot", "--override-tensor"),
         "Tensor name pattern=buffer type (llama.cpp's -ot).",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "cpu_mask",
         ("-C", "--cpu-mask"),
         "The compute threads' CPUs, a hex mask such as 0x3 for CPUs 0-1. (default: 0x0, no mask)",
-        panel=LB,
     ),
-    ListOption(
-        "cpu_strict",
-        ("--cpu-strict",),
-        "1: one CPU of the mask per thread, in turn. (default: 0)",
-        panel=LB,
+    _lb(
+        "cpu_strict", ("--cpu-strict",), "1: one CPU of the mask per thread, in turn. (default: 0)"
     ),
-    ListOption(
+    _lb(
         "poll",
         ("--poll",),
         "How long idle compute threads spin before they sleep, 0..100. (default: 50)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "embeddings",
         ("-embd", "--embeddings"),
         "1: the context also outputs every token's embedding, as an embedding model's does."
         " (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "no_op_offload",
         ("-nopo", "--no-op-offload"),
         "1: operations on weights in host memory are not offloaded to a GPU. (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "no_host",
         ("--no-host",),
         "1: load the weights without a host buffer, so extra buffer types may take them."
         " (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "lazy_mode",
         ("-lzm", "--lazy-mode"),
         "Read the tensors a model marks on demand: on, auto (those over 4 GiB) or off."
         " (default: auto)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "fit_target",
         ("-fitt", "--fit-target"),
         "MiB to leave free per device when fitting: recorded as given, not applied (llmrun fits"
         " -ngl -1 to free memory itself).",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "fit_ctx",
         ("-fitc", "--fit-ctx"),
         "The least context fitting may choose: recorded as given, not applied.",
-        panel=LB,
     ),
 )
 
