@@ -181,19 +181,8 @@ class ServeEngineOptions(OptionRecord):
             from llmrun.runners.system import default_threads  # loses its core stalls the step
 
             threads = max(1, default_threads() - 1)
-        engine = o.EngineOptions(
-            chat_template_file=self.chat_template_file,
-            ctx=self.ctx,
-            batch=self.batch,
-            ubatch=self.batch,
-            threads=threads,
-            threads_batch=self.threads_batch,
-            gpu_layers=self.gpu_layers,
-            cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v,
-            repack=self.repack,
-            rpc=self.rpc,
-        )
+        # the same fields as run's, the micro-batch as the batch
+        engine = o.EngineOptions(**{**vars(self), "threads": threads, "ubatch": self.batch})
         return engine.config()
 
 
