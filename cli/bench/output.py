@@ -339,11 +339,6 @@ def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
     return text
 
 
-# llama_bench's columns, as this llama.cpp's llama-bench creates and fills them (an older
-# llama-bench's table, without the newer columns, takes neither tool's INSERTs)
-LLAMA_BENCH_CORE = LLAMA_BENCH_FIELDS
-
-
 def cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -414,7 +409,9 @@ class RecordWriter:
         self.records: list[dict[str, Any]] = []
         self._md: list[tuple[str, str, int]] = []
         self._plain: tuple[str, ...] = ()  # a plain md table's columns, once its header is out
-        self._sql: Sequence[str] = LLAMA_BENCH_CORE
+        # llama_bench's columns, as this llama.cpp's llama-bench creates and fills them (an older
+        # llama-bench's table, without the newer columns, takes neither tool's INSERTs)
+        self._sql: Sequence[str] = LLAMA_BENCH_FIELDS
         self._csv: csv.DictWriter[str] | None = None
         self._buf = io.StringIO()
         self._closed = False

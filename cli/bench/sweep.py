@@ -51,8 +51,6 @@ from . import plot as bench_plot
 from . import sweep_options as o
 from .machine import load_and_report
 
-PANEL = "Tests (llama-bench's)"
-
 
 class _Nowhere(io.StringIO):
     """Where the display goes while stderr carries -oe's records: nowhere."""
