@@ -331,18 +331,11 @@ class KeysHeld:
         self._previous_tstp: Any = None
 
     def __enter__(self) -> KeysHeld:
-        if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        self._saved = terminal_modes() if main else None
+        if self._saved is None:
             return self
-        fd = _terminal_fd()
-        if fd is None:
-            return self
-        import termios
-
-        try:
-            self._saved = termios.tcgetattr(fd)
-        except termios.error:
-            return self
-        self._fd = fd
+        self._fd = _terminal_fd()
         self._hold()
         self._previous_tstp = signal.signal(signal.SIGTSTP, self._stop)
         return self
