@@ -389,7 +389,7 @@ class Printing:
     asked_ctx: int | None = None
 
 
-@dataclass(kw_only=True)
+@dataclass
 class _Screens:
     """Where the text and the stats go: stdout's sink, stderr (or what is held for after a
     pager), the width plain lines fold at, and the live view if there is one."""
@@ -438,17 +438,7 @@ def _screens(printing: Printing, cancel: threading.Event) -> _Screens:
     view: EventView | None = dash
     if dash is None and not final_panel and not quiet and held is None and dumb_terminal():
         view = PlainPhases(errfile)  # no live view: the load and prefill say they started
-    return _Screens(
-        out=out,
-        errfile=errfile,
-        err=err,
-        width=width,
-        held=held,
-        pager=pager,
-        dash=dash,
-        final_panel=final_panel,
-        view=view,
-    )
+    return _Screens(out, errfile, err, width, held, pager, dash, final_panel, view)
 
 
 def _print_stats(
