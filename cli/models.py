@@ -7,14 +7,13 @@ from collections.abc import Iterable
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from llmrun.runners.errors import OptionError
 from llmrun.runners.models import ListedModel, is_hub_ref, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
-from .report import Fitted, fitted
+from .report import Fitted, fitted_table
 
 
 def pull(
@@ -43,9 +42,8 @@ def models() -> None:
 
 def models_table(listed: Iterable[ListedModel]) -> Fitted:
     """A row per model file; its path may fold, its figures never."""
-    table = Table()
-    for name in ("model", "quant", "params", "file size", "arch", "path"):
-        table.add_column(name, justify="right" if name in ("params", "file size") else "left")
+    heads = ("model", "quant", "params", "file size", "arch", "path")
+    table = fitted_table(None, heads, ("model", "quant", "arch", "path"), wrap=("path",))
     for m in listed:
         if m.info is None:
             table.add_row(m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path)
@@ -58,7 +56,7 @@ def models_table(listed: Iterable[ListedModel]) -> Fitted:
             m.info.architecture,
             _shown(m.path) if m.source == "default" else m.path,
         )
-    return fitted(table, wrap=("path",))
+    return table
 
 
 def _shown(path: str) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.cells import cell_len
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -56,8 +56,7 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     return [(label, terminal_line(value)) for label, value in rows]
 
 
-def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
-    s = stats
+def _local_rows(s: GenerationStats) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
         m, st = s.model, s.settings
@@ -452,13 +451,10 @@ def append_stats_file(path: Path, lines: Sequence[str]) -> None:
 def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
     """The percentiles over several requests; `busy` of them ran on a busy machine (ran_busy),
     which the caption says, as each request's summary does."""
-    table = Table(title=f"{agg.count} requests", title_justify="left")
+    table = fitted_table(f"{agg.count} requests", ("figure", "p50", "p90"), ("figure",))
     if busy:
-        table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
-        table.caption_justify = "left"
-    table.add_column("figure")
-    table.add_column("p50", justify="right")
-    table.add_column("p90", justify="right")
+        table.table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
+        table.table.caption_justify = "left"
     formats = {
         "ttft_s": ("TTFT", ms),
         "prompt_tps": ("prompt tok/s", tps),
@@ -467,7 +463,18 @@ def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
     for key, (name, fmt) in formats.items():
         figures = agg.figures[key]
         table.add_row(name, fmt(figures["p50"]), fmt(figures["p90"]))
-    return fitted(table)
+    return table
+
+
+def fitted_table(
+    title: str | None, heads: Iterable[str], left: Collection[str], *, wrap: Collection[str] = ()
+) -> Fitted:
+    """A new table of these columns, `fitted`: the text ones named in `left` flush left, the
+    figures right."""
+    table = Table(title=title, title_justify="left")
+    for head in heads:
+        table.add_column(head, justify="left" if head in left else "right")
+    return fitted(table, wrap=wrap)
 
 
 WRAP_FLOOR_CELLS = 20  # a text column named in `fitted(wrap=...)` is never made narrower
@@ -494,6 +501,9 @@ class Fitted:
     def __init__(self, table: Table, *, by_column: bool = False) -> None:
         self.table = table
         self.by_column = by_column
+
+    def add_row(self, *cells: RenderableType | None) -> None:
+        self.table.add_row(*cells)
 
     def fits(self, console: Console, options: ConsoleOptions) -> bool:
         """Whether the table shows every figure whole in the width: its natural width, less
