@@ -11,6 +11,7 @@ into its `ServerSettings` and draws.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import sys
 import threading
@@ -44,43 +45,36 @@ if TYPE_CHECKING:
     from llmrun.runners.serving.server import Ready
 
 SERVER_PANEL = "Server"
+_server_option = functools.partial(typer.Option, rich_help_panel=SERVER_PANEL)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions(OptionRecord):
     """Where and how the server listens, queues and drains."""
 
-    host: Annotated[
-        str, typer.Option("--host", help="Address to listen on.", rich_help_panel=SERVER_PANEL)
-    ] = "127.0.0.1"
+    host: Annotated[str, _server_option("--host", help="Address to listen on.")] = "127.0.0.1"
     port: Annotated[
         int,
-        typer.Option(
-            "--port",
-            min=0,
-            max=65535,
-            rich_help_panel=SERVER_PANEL,
-            help="Port to listen on; 0 = any free port (printed).",
+        _server_option(
+            "--port", min=0, max=65535, help="Port to listen on; 0 = any free port (printed)."
         ),
     ] = 8080
     parallel: Annotated[
         int,
-        typer.Option(
+        _server_option(
             "-np",
             "--parallel",
             min=1,
             max=256,
-            rich_help_panel=SERVER_PANEL,
             help="Sequences decoded together (llama-server's"
             " slots); more requests wait in the queue.",
         ),
     ] = 4
     policy: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--policy",
             metavar="POLICY",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="How prefill and decode share each step: prefill-first, chunked:B (every step"
             " carries all decodes and at most B tokens), decode-first[:K]. (default: chunked:"
@@ -89,20 +83,18 @@ class ServerOptions(OptionRecord):
     ] = None
     max_queue: Annotated[
         int,
-        typer.Option(
+        _server_option(
             "--max-queue",
             min=0,
             max=1_000_000,
-            rich_help_panel=SERVER_PANEL,
             help="Requests that may wait for a sequence; more get 503 with Retry-After.",
         ),
     ] = 64
     max_connections: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--max-connections",
             metavar="N",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="Open connections served at once; a connection past them gets 503 with"
             " Retry-After. (default: 512, or 2 x (-np + --max-queue) where that is more: room"
@@ -112,10 +104,9 @@ class ServerOptions(OptionRecord):
     ] = None
     allow_origin: Annotated[
         list[str] | None,
-        typer.Option(
+        _server_option(
             "--allow-origin",
             metavar="ORIGIN",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="A web page's origin (scheme://host[:port]) whose requests are served, as"
             " OLLAMA_ORIGINS; repeatable; one * in it stands for any text"
@@ -127,19 +118,17 @@ class ServerOptions(OptionRecord):
     ] = None
     drain: Annotated[
         float,
-        typer.Option(
+        _server_option(
             "--drain-timeout",
             min=1.0,
             max=3600.0,
-            rich_help_panel=SERVER_PANEL,
             help="Seconds SIGTERM waits for the requests in flight before closing them.",
         ),
     ] = 30.0
     alias: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--alias",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="The model's name in /v1/models. (default: the file's name)",
         ),

@@ -32,6 +32,8 @@ from . import output as out
 PANEL = "Tests (llama-bench's)"
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 LB = "llama-bench's other options"
+_tests_option = functools.partial(typer.Option, rich_help_panel=PANEL)
+_lb_option = functools.partial(typer.Option, rich_help_panel=LB)
 
 
 @dataclass(frozen=True)
@@ -332,41 +334,36 @@ class Measured(OptionRecord):
 
     reps: Annotated[
         int,
-        typer.Option(
+        _tests_option(
             "-r",
             "--repetitions",
             min=0,
-            rich_help_panel=PANEL,
             help="Timed repetitions per test, after one warm-up (0: the warm-up"
             " only, rows of 0 t/s as llama-bench's, kept out of the history).",
         ),
     ] = 5
     until_ci: Annotated[
         str | None,
-        typer.Option(
+        _tests_option(
             "--until-ci",
             metavar="PCT[,SECONDS]",
             show_default=False,
-            rich_help_panel=PANEL,
             help="Repeat each test past -r until its mean rate's 95 % interval is within"
             " ±PCT % (e.g. 2%), or until it has taken SECONDS (default 300).",
         ),
     ] = None
     scenarios: Annotated[
         bool,
-        typer.Option(
-            "--scenarios",
-            rich_help_panel=PANEL,
-            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
+        _tests_option(
+            "--scenarios", help="LocalScore's prompt/output matrix, scaled, with its overall score."
         ),
     ] = False
     scenario_scale: Annotated[
         float,
-        typer.Option(
+        _tests_option(
             "--scenario-scale",
             min=0.001,
             max=1.0,
-            rich_help_panel=PANEL,
             help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
         ),
     ] = ls.DEFAULT_SCENARIO_SCALE
@@ -418,63 +415,49 @@ class Controls(OptionRecord):
 
     numa: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "--numa",
             metavar="distribute|isolate|numactl",
             show_default=False,
-            rich_help_panel=LB,
             help="NUMA placement, as llama.cpp's. (default: disabled)",
         ),
     ] = None
     prio: Annotated[
         int,
-        typer.Option(
+        _lb_option(
             "--prio",
             min=-1,
             max=3,
-            rich_help_panel=LB,
             help="Process and compute-thread priority: -1 low, 0 normal, 1"
             " medium, 2 high, 3 realtime (raising it may need privileges).",
         ),
     ] = 0
     delay: Annotated[
         float,
-        typer.Option(
+        _lb_option(
             "--delay",
             min=0.0,
             max=3600.0,
-            rich_help_panel=LB,
             help="Seconds to wait between tests (lets a hot machine cool).",
         ),
     ] = 0.0
     no_warmup: Annotated[
         bool,
-        typer.Option(
-            "--no-warmup", rich_help_panel=LB, help="Skip the untimed warm-up run before each test."
-        ),
+        _lb_option("--no-warmup", help="Skip the untimed warm-up run before each test."),
     ] = False
     progress_lines: Annotated[
         bool,
-        typer.Option(
-            "--progress",
-            rich_help_panel=LB,
-            help="One line per test on stderr (a terminal shows a bar anyway).",
+        _lb_option(
+            "--progress", help="One line per test on stderr (a terminal shows a bar anyway)."
         ),
     ] = False
     verbose: Annotated[
         bool,
-        typer.Option(
-            "-v", "--verbose", rich_help_panel=LB, help="Show llama.cpp's own log on stderr."
-        ),
+        _lb_option("-v", "--verbose", help="Show llama.cpp's own log on stderr."),
     ] = False
     output_err: Annotated[
         out.OutputFormat | None,
-        typer.Option(
-            "-oe",
-            "--output-err",
-            rich_help_panel=LB,
-            help="Also print the results on stderr in this format.",
-        ),
+        _lb_option("-oe", "--output-err", help="Also print the results on stderr in this format."),
     ] = None
 
 
@@ -484,41 +467,36 @@ class Hub(OptionRecord):
 
     hf_repo: Annotated[
         list[str] | None,
-        typer.Option(
+        _lb_option(
             "-hf",
             "-hfr",
             "--hf-repo",
             help="A Hub model, owner/repo[:QUANT] (the same as -m).",
-            rich_help_panel=LB,
             show_default=False,
             metavar="REPO",
         ),
     ] = None
     hf_file: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "-hff",
             "--hf-file",
             show_default=False,
-            rich_help_panel=LB,
             help="The file in --hf-repo (owner/repo/FILE.gguf).",
         ),
     ] = None
     hf_token: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "-hft",
             "--hf-token",
             show_default=False,
-            rich_help_panel=LB,
             help="Hub token (default: HF_TOKEN; never printed).",
         ),
     ] = None
     offline: Annotated[
         bool,
-        typer.Option(
-            "--offline", rich_help_panel=LB, help="Use the Hub cache only (HF_HUB_OFFLINE)."
-        ),
+        _lb_option("--offline", help="Use the Hub cache only (HF_HUB_OFFLINE)."),
     ] = False
 
     def models(self, models: list[str] | None) -> list[str | None]:
@@ -573,33 +551,24 @@ def _print_version(given: bool) -> None:
 
 Models = Annotated[
     list[str] | None,
-    typer.Option(
+    _tests_option(
         "-m",
         "--model",
         envvar="LLMRUN_MODEL",
         show_default=False,
-        rich_help_panel=PANEL,
         help="A .gguf path or Hub reference; repeat for several models, compared side by side."
         " (default: the embedded SmolLM2-135M)",
     ),
 ]
 Version = Annotated[
     bool,
-    typer.Option(
-        "--version",
-        is_eager=True,
-        callback=_print_version,
-        rich_help_panel=LB,
-        help="Print the version and exit.",
+    _lb_option(
+        "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
     ),
 ]
 ListDevices = Annotated[
     bool,
-    typer.Option(
-        "--list-devices",
-        rich_help_panel=LB,
-        help="List the devices this llama.cpp can use, and exit.",
-    ),
+    _lb_option("--list-devices", help="List the devices this llama.cpp can use, and exit."),
 ]
 
 
