@@ -295,7 +295,6 @@ def _serve_in_parallel(
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
-        seconds = served.seconds
         cut = (
             f" (interrupted: {len(requests) - len(finished)} not served)"
             if served.interrupted
