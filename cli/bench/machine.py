@@ -73,8 +73,7 @@ def load_and_report(
             system = SystemInfo.collect(bandwidth=bandwidth)
     m = loaded.model
     facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
-    rows = system_rows(system, facts) if system is not None else []
-    err.print(label_grid(rows if len(rows) else [("model", facts)]))
+    err.print(label_grid(system_rows(system, facts)))
     st = loaded.settings
     if isinstance(st, EngineSettings):
         line = settings_line(st, combos, runner.config, llama_bench_defaults=llama_bench_defaults)
