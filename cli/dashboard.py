@@ -356,9 +356,9 @@ class _Bars:
         label = self.label_cells or max((len(lb) for lb, _, _ in self.rows), default=0)
         number_cells = max((len(n) for n in numbers), default=1)
         room = options.max_width - label - number_cells - 2
-        if room < MIN_BAR_CELLS:  # long labels: each on a line of its own, its bar under it
-            yield from self._stacked(console, options, numbers, number_cells)
-            return
+        stacked = room < MIN_BAR_CELLS  # long labels: each on a line of its own, its bar under it
+        if stacked:
+            room = options.max_width - 2 - number_cells - 1
         width = max(1, min(self.width, room))
         top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
         grid = Table.grid(padding=(0, 1))
@@ -367,20 +367,18 @@ class _Bars:
         grid.add_column(justify="right", no_wrap=True)
         for (name, value, style), number in zip(self.rows, numbers, strict=True):
             cells = max(1, round(value / top * width)) if value and top > 0 else 0
-            grid.add_row(name, Text("█" * cells, style=style), number)
-        yield grid
-
-    def _stacked(
-        self, console: Console, options: ConsoleOptions, numbers: list[str], number_cells: int
-    ) -> RenderResult:
-        width = max(1, min(self.width, options.max_width - 2 - number_cells - 1))
-        top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
-        for (name, value, style), number in zip(self.rows, numbers, strict=True):
-            cells = max(1, round(value / top * width)) if value and top > 0 else 0
-            yield Text(name)
-            yield Text.assemble(
-                "  ", ("█" * cells, style), " " * (width - cells + 1), number.rjust(number_cells)
-            )
+            if stacked:
+                yield Text(name)
+                yield Text.assemble(
+                    "  ",
+                    ("█" * cells, style),
+                    " " * (width - cells + 1),
+                    number.rjust(number_cells),
+                )
+            else:
+                grid.add_row(name, Text("█" * cells, style=style), number)
+        if not stacked:
+            yield grid
 
 
 def rate_bars(stats: GenerationStats) -> RenderableType:
@@ -470,11 +468,24 @@ class _TextLive(Live):
     """`Live` that, on each of its refreshes, scrolls finished text lines out above the panel.
 
     Printing above a live display redraws it; doing that from the token loop for every line
-    measurably slowed decoding, so the refresh thread does it, a few times a second.
+    measurably slowed decoding, so the refresh thread does it, a few times a second. The panel
+    is erased when it stops (transient), and stdout and stderr are left alone.
     """
 
-    def __init__(self, take_lines: Callable[[], list[str]], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        take_lines: Callable[[], list[str]],
+        console: Console,
+        get_renderable: Callable[[], RenderableType],
+    ) -> None:
+        super().__init__(
+            console=console,
+            get_renderable=get_renderable,
+            refresh_per_second=REFRESH_PER_SECOND,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._take_lines = take_lines
         set_live_render(
             self,
@@ -545,15 +556,7 @@ class Dashboard:
         self.state = LiveState(
             loaded=old.loaded, started_s=time.perf_counter(), prefill_rate=old.prefill_rate
         )
-        self.live = _TextLive(
-            self._take_pending,
-            console=self.console,
-            get_renderable=self._renderable,
-            refresh_per_second=REFRESH_PER_SECOND,
-            transient=True,
-            redirect_stdout=False,
-            redirect_stderr=False,
-        )
+        self.live = _TextLive(self._take_pending, self.console, self._renderable)
         self.live.start()
 
     def _renderable(self) -> RenderableType:

@@ -33,7 +33,7 @@ from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
 from . import EXIT_INTERRUPTED, STOP_SIGNALS
 from . import options as o
-from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
+from .dashboard import TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled, usage_error
 from .records import OptionRecord, takes_records
@@ -244,31 +244,23 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
 
     def ready(r: Ready) -> None:
         if r.max_connections < settings.max_connections:
-            print(
+            _line(
                 f"llmrun serve: warning: {settings.max_connections} connections do not fit under"
                 " this process's limit on open files (ulimit -n); serving at most"
-                f" {r.max_connections}",
-                file=sys.stderr,
-                flush=True,
+                f" {r.max_connections}"
             )
         threads, threads_batch = r.threads
         unified = r.kv_unified
         kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
-        print(
+        _line(
             f"llmrun serve: listening on {r.url} ({r.served.model_id}, {settings.n_seq} sequences"
             f" x {r.n_ctx} tokens{kv}, policy {r.policy}, queue {settings.max_queue},"
-            f" threads {threads}/{threads_batch})",
-            file=sys.stderr,
-            flush=True,
+            f" threads {threads}/{threads_batch})"
         )
         if r.engine is not None and r.engine.n_gpu_layers:  # where the layers went
             from .report import engine_text, memory_text
 
-            print(
-                f"llmrun serve: {engine_text(r.engine)} · {memory_text(r.engine)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _line(f"llmrun serve: {engine_text(r.engine)} · {memory_text(r.engine)}")
         view.start(r.served)
 
     try:
@@ -278,11 +270,15 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
     if stopped_by is None:
         return 0
     if stopped_by == signal.SIGINT:
-        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        _line("llmrun: interrupted")
     else:
-        name = signal.Signals(stopped_by).name
-        print(f"llmrun serve: stopped ({name})", file=sys.stderr, flush=True)
+        _line(f"llmrun serve: stopped ({signal.Signals(stopped_by).name})")
     return STOP_SIGNALS.get(signal.Signals(stopped_by), EXIT_INTERRUPTED)
+
+
+def _line(text: str) -> None:
+    """One line on stderr, whole (a terminal folds it; `say` would fold it at spaces)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 DEFAULT_MAX_CONNECTIONS = 512  # under the usual 1024 open files, far over -np 4 + a queue of 64
@@ -408,13 +404,7 @@ class _View:
         self.served = served
         if self.console is not None:
             self.live = _TextLive(
-                self._lines,
-                console=self.console,
-                get_renderable=lambda: render_serve(served.engine.snapshot()),
-                refresh_per_second=REFRESH_PER_SECOND,
-                transient=True,
-                redirect_stdout=False,
-                redirect_stderr=False,
+                self._lines, self.console, lambda: render_serve(served.engine.snapshot())
             )
             self.live.start()
             return
