@@ -428,11 +428,11 @@ def _report(
     if scores and sweep.ppl is not None:
         first = scores[0].ppl
         for sc in scores:
-            name, ppl, n = sc.model, sc.ppl, sc.tokens
+            ppl = sc.ppl
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
             show.print(
-                f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
-                f" {terminal_line(sweep.ppl.name)}, {n} tokens"
+                f"perplexity {terminal_line(sc.model)}: {ppl:,.3f}{change} on"
+                f" {terminal_line(sweep.ppl.name)}, {sc.tokens} tokens"
                 f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
                 markup=False,
             )
