@@ -316,12 +316,12 @@ class SweepLists(OptionRecord):
         if self.rpc is not None:
             lb.attach_rpc(self.rpc)
         lb.refuse_unusable(
-            split_mode=self.text("split_mode"),
-            main_gpu=self.text("main_gpu"),
-            tensor_split=self.text("tensor_split"),
-            device=self.text("devices"),
-            n_cpu_moe=self.text("n_cpu_moe"),
-            override_tensor=self.text("tensor_overrides"),
+            {
+                "-sm/--split-mode": self.text("split_mode"),
+                "-mg/--main-gpu": self.text("main_gpu"),
+                "-ts/--tensor-split": self.text("tensor_split"),
+                "-dev/--device": self.text("devices"),
+            }
         )
 
 
