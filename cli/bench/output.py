@@ -267,9 +267,7 @@ def verdict_style(verdict: str) -> str:
 
 
 def _md_line(cols: Sequence[tuple[str, str, int]], cells: Sequence[str]) -> str:
-    out = []
-    for text, (_, _, width) in zip(cells, cols, strict=True):
-        out.append(text.ljust(-width) if width < 0 else text.rjust(width))
+    out = (t.ljust(-w) if w < 0 else t.rjust(w) for t, (_, _, w) in zip(cells, cols, strict=True))
     return "| " + " | ".join(out) + " |"
 
 
@@ -308,12 +306,8 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
 def _sql_create(
     table: str, made: Sequence[str], records: Sequence[dict[str, Any]], extra: bool
 ) -> str:
-    lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
-    lines += [
-        f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
-        for i, f in enumerate(made)
-    ]
-    lines += [");"]
+    columns = ",\n".join(f"  {f} {_sql_type(f, records)}" for f in made)
+    lines = [f"CREATE TABLE IF NOT EXISTS {table} (", columns, ");"]
     if extra:
         lines += [
             f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
@@ -596,16 +590,14 @@ def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
     several = len(_models(r.model_name for r in rows)) > 1
     by_config: dict[str, dict[str, float]] = {}
     for r in rows:
-        if r.n_depth:
+        if r.n_depth or r.kind == "pg":
             continue
         settings = [("t", r.n_threads), *((h, r.swept.get(k)) for k, h in varying)]
-        label = (
-            " ".join(f"{h}={v}" for h, v in settings if v is not None) or "default"
-        )  # a setting a row does not have (draft=None) is left out, not printed
+        # a setting a row does not have (draft=None) is left out, not printed
+        label = " ".join(f"{h}={v}" for h, v in settings if v is not None) or "default"
         if several:
             label = f"{r.model_name} {label}"
-        if r.kind != "pg":
-            by_config.setdefault(label, {})[r.kind] = r.avg_ts
+        by_config.setdefault(label, {})[r.kind] = r.avg_ts
     lines = [
         (f"{label} {name}", v[kind], style)
         for label, v in by_config.items()
