@@ -168,8 +168,7 @@ def history(
             results = h.bench_results(model=model)
             if not results:
                 raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
-            found = compare_sets(results, base, other, show=fields)
-            _print_comparison(found, c.output, console)
+            _print_comparison(compare_sets(results, base, other, show=fields), c.output, console)
         else:
             _list(h, limit, model, console)
 

@@ -29,15 +29,13 @@ def pull(
                 f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
                 " owner/repo/file.gguf"
             )
-        resolved = resolve_model(ref)
-        typer.echo(resolved.path)
+        typer.echo(resolve_model(ref).path)
 
 
 def models() -> None:
     """List the embedded default model and the GGUF files in the Hugging Face cache."""
     with handled():
-        table = models_table(list_models())
-        StdoutConsole(width=None if os.isatty(1) else 200).print(table)
+        StdoutConsole(width=None if os.isatty(1) else 200).print(models_table(list_models()))
 
 
 def models_table(listed: Iterable[ListedModel]) -> Fitted:

@@ -444,20 +444,20 @@ def _print_stats(
     s: GenerationStats, job: Job, printing: Printing, screens: _Screens, *, many: bool
 ) -> None:
     """One request's stats on stderr, as --stats asked and the screen allows."""
-    err, errfile, width = screens.err, screens.errfile, screens.width
+    err = screens.err
     if printing.stats_format is StatsFormat.json:
-        print(stats_json(s, job.id), file=errfile, flush=True)
+        print(stats_json(s, job.id), file=screens.errfile, flush=True)
+        return
+    if many:
+        err.print(Text(terminal_line(job.label), style="bold"))
+    if screens.dash is not None:
+        screens.dash.console.print(render(s))
+    elif screens.final_panel:
+        err.print(render(s))
     else:
-        if many:
-            err.print(Text(terminal_line(job.label), style="bold"))
-        if screens.dash is not None:
-            screens.dash.console.print(render(s))
-        elif screens.final_panel:
-            err.print(render(s))
-        else:
-            for line in summary_lines(s):  # a row goes on under its value
-                indent = SUMMARY_INDENT if line[8:9] == " " else 0
-                err.print(fold(line, width, indent=indent), markup=False)
+        for line in summary_lines(s):  # a row goes on under its value
+            indent = SUMMARY_INDENT if line[8:9] == " " else 0
+            err.print(fold(line, screens.width, indent=indent), markup=False)
 
 
 def _run_jobs(

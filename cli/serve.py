@@ -171,8 +171,7 @@ class ServeEngineOptions(OptionRecord):
 
             threads = max(1, default_threads() - 1)
         # the same fields as run's, the micro-batch as the batch
-        engine = o.EngineOptions(**{**vars(self), "threads": threads, "ubatch": self.batch})
-        return engine.config()
+        return o.EngineOptions(**{**vars(self), "threads": threads, "ubatch": self.batch}).config()
 
 
 @takes_records

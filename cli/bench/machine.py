@@ -71,8 +71,7 @@ def load_and_report(
         loaded = runner.load(cancel=cancel)
         if system is None:
             system = SystemInfo.collect(bandwidth=bandwidth)
-    m = loaded.model
-    facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
+    facts = f"{loaded.model.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
     err.print(label_grid(system_rows(system, facts)))
     st = loaded.settings
     if isinstance(st, EngineSettings):
