@@ -241,13 +241,10 @@ def render_live(
         ld, st = state.loaded, state.loaded.settings
         warmup = warmup_text(ld.warmup_s, ld.probe_s) if isinstance(ld, LocalLoaded) else ""
         parts.append(_row("load", f"{ms(ld.load_s)}{warmup} · {terminal_line(ld.name)}"))
-        if isinstance(st, EngineSettings):
-            engine = engine_text(st) + tuned_text(st)
-            parts.append(_row("", f"{model_facts(ld)} · {engine}"))
-            if st.memory is not None:
-                parts.append(_row("memory", memory_text(st)))
-        else:
-            parts.append(_row("", model_facts(ld)))
+        engine = f" · {engine_text(st)}{tuned_text(st)}" if isinstance(st, EngineSettings) else ""
+        parts.append(_row("", f"{model_facts(ld)}{engine}"))
+        if isinstance(st, EngineSettings) and st.memory is not None:
+            parts.append(_row("memory", memory_text(st)))
     p = state.prefill
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
@@ -271,21 +268,11 @@ def render_live(
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
-        parts.append(
-            _row(
-                "decode",
-                f"{state.tokens} tokens"
-                + (f" ({state.thinking} thinking)" if state.thinking else "")
-                + (
-                    f" · {state.drafted} landed in drafted runs (last {state.run})"
-                    if state.drafted
-                    else ""
-                )
-                + f" · {tps(state.output_tps)} · itl ",
-                (sparkline(gaps), "magenta"),
-                latest,
-            )
-        )
+        thought = f" ({state.thinking} thinking)" if state.thinking else ""
+        drafted = f" · {state.drafted} landed in drafted runs (last {state.run})"
+        text = f"{state.tokens} tokens{thought}{drafted if state.drafted else ''}"
+        line = f"{text} · {tps(state.output_tps)} · itl "
+        parts.append(_row("decode", line, (sparkline(gaps), "magenta"), latest))
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
     # wrap a line and leave a stale row behind when the panel is cleared.
     parts.append(Text(""))

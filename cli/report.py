@@ -59,14 +59,10 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
 def _local_rows(s: GenerationStats) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
-        m, st = s.model, s.settings
+        st = s.settings
+        repack = f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""
         rows.append(
-            (
-                "model",
-                f"{display_name(m)} · {engine_text(st)}"
-                + tuned_text(st)
-                + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
-            )
+            ("model", f"{display_name(s.model)} · {engine_text(st)}{tuned_text(st)}{repack}")
         )
     facts = ""
     if s.model:
@@ -76,6 +72,11 @@ def _local_rows(s: GenerationStats) -> list[tuple[str, str]]:
             f" · {human_count(m.size_bytes, 'B')} of weights"
         )
     memory = memory_text(s.settings) if s.settings else ""
+    cut = (
+        ""
+        if s.prefilled_tokens is None
+        else f"; {s.prefilled_tokens} evaluated before the interrupt"
+    )
     rows += [
         *busy_rows(s),
         (
@@ -85,13 +86,7 @@ def _local_rows(s: GenerationStats) -> list[tuple[str, str]]:
         *([("memory", memory)] if memory else []),
         (
             "prompt",
-            f"{s.prompt_tokens} tokens"
-            f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
-            + (
-                f"; {s.prefilled_tokens} evaluated before the interrupt"
-                if s.prefilled_tokens is not None
-                else ""
-            ),
+            f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} reused){cut}",
         ),
         ("prefill", f"{ms(s.prefill_s)} · {tps(s.prompt_tps)}"),
         (
