@@ -102,15 +102,8 @@ class LabOptions(OptionRecord):
 
     def interference_options(self, *, seed: int, policies: str | None) -> InterferenceOptions:
         """The job's record; the local engine's policies parsed where there is no server."""
-        return InterferenceOptions(
-            rate=self.rate,
-            prompt_len=self.prompt_len,
-            output_len=self.output_len,
-            seed=seed,
-            input_len=self.input_len,
-            num_prompts=self.num_prompts,
-            policies=() if policies is None else parse_policies(policies),
-        )
+        parsed = () if policies is None else parse_policies(policies)
+        return InterferenceOptions(**vars(self), seed=seed, policies=parsed)
 
 
 @takes_records
