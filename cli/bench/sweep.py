@@ -125,20 +125,12 @@ def bench(
                 )
             lists.refuse_unusable()
             lb.apply_process_settings(numa=controls.numa, prio=controls.prio)
-            sweep = lists.sweep(
-                scenarios=measured.scenarios,
-                scenario_scale=measured.scenario_scale,
+            sweep = lists.sweep(  # every Measured field is a Sweep field of the same name
+                **{**vars(measured), "energy": measured.energy.value},
                 prio=controls.prio,
-                reps=measured.reps,
-                until_ci=measured.until_ci,
                 seed=seed,
                 warmup=not controls.no_warmup,
                 delay_s=controls.delay,
-                tuned=measured.tuned,
-                ppl=measured.ppl,
-                kld=measured.kld,
-                cold=measured.cold,
-                energy=measured.energy.value,
             )
             to = Output(
                 format=delivery.output,
