@@ -285,9 +285,8 @@ def drive(
                 event = meter.attach(event)
         if view is not None:
             view.update(event)
-        if isinstance(event, Token):
-            if out is not None:
-                show(shown.feed(event.text, flagged=event.thinking), out)
+        if isinstance(event, Token) and out is not None:
+            show(shown.feed(event.text, flagged=event.thinking), out)
         elif isinstance(event, Finished):
             if out is not None:
                 show(shown.feed(event.tail, flagged=shown.thinking) + shown.flush(), out)
