@@ -136,6 +136,7 @@ def energy_rows(s: GenerationStats) -> list[tuple[str, str]]:
 
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    seed = "" if s.seed is None else f" · seed {s.seed}"
     return [
         *thinking_rows(s),
         (
@@ -151,12 +152,7 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             f" · max {ms(s.itl_max_s)}",
         ),
         *network_rows(s),
-        (
-            "total",
-            ms(s.e2e_s)
-            + " (from the request: load not included)"
-            + (f" · seed {s.seed}" if s.seed is not None else ""),
-        ),
+        ("total", f"{ms(s.e2e_s)} (from the request: load not included){seed}"),
         *energy_rows(s),
     ]
 
@@ -189,11 +185,7 @@ def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
 def engine_text(st: EngineSettings) -> str:
     """Where the model runs: the device and the layers on it, then the CPU's threads and batch
     ('CUDA0 NVIDIA H200 · ngl 31/31 · 0.21 GiB on the device · CPU 2t · batch 512')."""
-    layers = (
-        f"ngl {st.n_gpu_layers}/{st.n_layer_total}"
-        if st.n_layer_total
-        else (f"ngl {st.n_gpu_layers}")
-    )
+    layers = f"ngl {st.n_gpu_layers}" + (f"/{st.n_layer_total}" if st.n_layer_total else "")
     cpu = f"CPU {st.n_threads}t · batch {st.n_batch}"
     if not st.n_gpu_layers:
         return f"{cpu} · {layers}"

@@ -295,11 +295,8 @@ def _serve_in_parallel(
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
-        cut = (
-            f" (interrupted: {len(requests) - len(finished)} not served)"
-            if served.interrupted
-            else ""
-        )
+        left = len(requests) - len(finished)
+        cut = f" (interrupted: {left} not served)" if served.interrupted else ""
         say(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
             f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
