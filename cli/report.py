@@ -366,12 +366,9 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
         ]
     rows += _output_rows(s)
     if server.implausible:
+        left_out = "; ".join(server.implausible)
         rows.append(
-            (
-                "warning",
-                "the server's figures that cannot be true were left out: "
-                + "; ".join(server.implausible),
-            )
+            ("warning", f"the server's figures that cannot be true were left out: {left_out}")
         )
     if server.error:
         rows.append(("error", f"{server.error}; the text so far is kept"))
