@@ -183,30 +183,28 @@ def _named(ctx: Any) -> Iterator[None]:
         raise
 
 
-class _Command(_FlagsShowNoType, typer.core.TyperCommand):
+class _Parsed(_FlagsShowNoType):
+    """A command or group whose line is checked around click's parsing (`_refuse_split_flags`,
+    `_named`, `_refuse_nan_in_ranges`) and whose invocation begins the command's own code."""
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        _refuse_split_flags(self, ctx, args)
+        _refuse_split_flags(self, ctx, args, names=getattr(self, "commands", ()))
         with _named(ctx):
-            rest: list[str] = super().parse_args(ctx, args)
+            rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
         _refuse_nan_in_ranges(self, ctx)
         return rest
 
     def invoke(self, ctx: Any) -> Any:
         _begin(self, ctx)
-        return super().invoke(ctx)
+        return super().invoke(ctx)  # type: ignore[misc]
 
 
-class _Group(_FlagsShowNoType, typer.core.TyperGroup):
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        _refuse_split_flags(self, ctx, args, names=self.commands)
-        with _named(ctx):
-            rest: list[str] = super().parse_args(ctx, args)
-        _refuse_nan_in_ranges(self, ctx)
-        return rest
+class _Command(_Parsed, typer.core.TyperCommand):
+    pass
 
-    def invoke(self, ctx: Any) -> Any:
-        _begin(self, ctx)
-        return super().invoke(ctx)
+
+class _Group(_Parsed, typer.core.TyperGroup):
+    pass
 
 
 def _bench_group() -> typer.core.TyperGroup:

@@ -241,13 +241,10 @@ def render_live(
         ld, st = state.loaded, state.loaded.settings
         warmup = warmup_text(ld.warmup_s, ld.probe_s) if isinstance(ld, LocalLoaded) else ""
         parts.append(_row("load", f"{ms(ld.load_s)}{warmup} · {terminal_line(ld.name)}"))
-        if isinstance(st, EngineSettings):
-            engine = engine_text(st) + tuned_text(st)
-            parts.append(_row("", f"{model_facts(ld)} · {engine}"))
-            if st.memory is not None:
-                parts.append(_row("memory", memory_text(st)))
-        else:
-            parts.append(_row("", model_facts(ld)))
+        engine = f" · {engine_text(st)}{tuned_text(st)}" if isinstance(st, EngineSettings) else ""
+        parts.append(_row("", f"{model_facts(ld)}{engine}"))
+        if isinstance(st, EngineSettings) and st.memory is not None:
+            parts.append(_row("memory", memory_text(st)))
     p = state.prefill
     if p is not None:
         speed = rate(p.done_tokens - p.reused_tokens, p.elapsed_s)
@@ -271,21 +268,11 @@ def render_live(
     if state.first_token_s is not None:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
-        parts.append(
-            _row(
-                "decode",
-                f"{state.tokens} tokens"
-                + (f" ({state.thinking} thinking)" if state.thinking else "")
-                + (
-                    f" · {state.drafted} landed in drafted runs (last {state.run})"
-                    if state.drafted
-                    else ""
-                )
-                + f" · {tps(state.output_tps)} · itl ",
-                (sparkline(gaps), "magenta"),
-                latest,
-            )
-        )
+        thought = f" ({state.thinking} thinking)" if state.thinking else ""
+        drafted = f" · {state.drafted} landed in drafted runs (last {state.run})"
+        text = f"{state.tokens} tokens{thought}{drafted if state.drafted else ''}"
+        line = f"{text} · {tps(state.output_tps)} · itl "
+        parts.append(_row("decode", line, (sparkline(gaps), "magenta"), latest))
     # An empty last row keeps the cursor at column 0, so a "^C" echoed by the terminal cannot
     # wrap a line and leave a stale row behind when the panel is cleared.
     parts.append(Text(""))
@@ -356,9 +343,9 @@ class _Bars:
         label = self.label_cells or max((len(lb) for lb, _, _ in self.rows), default=0)
         number_cells = max((len(n) for n in numbers), default=1)
         room = options.max_width - label - number_cells - 2
-        if room < MIN_BAR_CELLS:  # long labels: each on a line of its own, its bar under it
-            yield from self._stacked(console, options, numbers, number_cells)
-            return
+        stacked = room < MIN_BAR_CELLS  # long labels: each on a line of its own, its bar under it
+        if stacked:
+            room = options.max_width - 2 - number_cells - 1
         width = max(1, min(self.width, room))
         top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
         grid = Table.grid(padding=(0, 1))
@@ -367,20 +354,18 @@ class _Bars:
         grid.add_column(justify="right", no_wrap=True)
         for (name, value, style), number in zip(self.rows, numbers, strict=True):
             cells = max(1, round(value / top * width)) if value and top > 0 else 0
-            grid.add_row(name, Text("█" * cells, style=style), number)
-        yield grid
-
-    def _stacked(
-        self, console: Console, options: ConsoleOptions, numbers: list[str], number_cells: int
-    ) -> RenderResult:
-        width = max(1, min(self.width, options.max_width - 2 - number_cells - 1))
-        top = max((v or 0.0 for _, v, _ in self.rows), default=0.0)
-        for (name, value, style), number in zip(self.rows, numbers, strict=True):
-            cells = max(1, round(value / top * width)) if value and top > 0 else 0
-            yield Text(name)
-            yield Text.assemble(
-                "  ", ("█" * cells, style), " " * (width - cells + 1), number.rjust(number_cells)
-            )
+            if stacked:
+                yield Text(name)
+                yield Text.assemble(
+                    "  ",
+                    ("█" * cells, style),
+                    " " * (width - cells + 1),
+                    number.rjust(number_cells),
+                )
+            else:
+                grid.add_row(name, Text("█" * cells, style=style), number)
+        if not stacked:
+            yield grid
 
 
 def rate_bars(stats: GenerationStats) -> RenderableType:
@@ -470,11 +455,24 @@ class _TextLive(Live):
     """`Live` that, on each of its refreshes, scrolls finished text lines out above the panel.
 
     Printing above a live display redraws it; doing that from the token loop for every line
-    measurably slowed decoding, so the refresh thread does it, a few times a second.
+    measurably slowed decoding, so the refresh thread does it, a few times a second. The panel
+    is erased when it stops (transient), and stdout and stderr are left alone.
     """
 
-    def __init__(self, take_lines: Callable[[], list[str]], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        take_lines: Callable[[], list[str]],
+        console: Console,
+        get_renderable: Callable[[], RenderableType],
+    ) -> None:
+        super().__init__(
+            console=console,
+            get_renderable=get_renderable,
+            refresh_per_second=REFRESH_PER_SECOND,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._take_lines = take_lines
         set_live_render(
             self,
@@ -545,15 +543,7 @@ class Dashboard:
         self.state = LiveState(
             loaded=old.loaded, started_s=time.perf_counter(), prefill_rate=old.prefill_rate
         )
-        self.live = _TextLive(
-            self._take_pending,
-            console=self.console,
-            get_renderable=self._renderable,
-            refresh_per_second=REFRESH_PER_SECOND,
-            transient=True,
-            redirect_stdout=False,
-            redirect_stderr=False,
-        )
+        self.live = _TextLive(self._take_pending, self.console, self._renderable)
         self.live.start()
 
     def _renderable(self) -> RenderableType:

@@ -34,6 +34,7 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     lib = llama_c_library()  # libllama alone: the llama_cpp package (numpy...) stays unloaded
     q = dv.query()
     found = q.devices()
+    offload = bool(lib.llama_supports_gpu_offload())
     info = lib.llama_print_system_info()
     features = sy._features(info.decode(errors="replace") if isinstance(info, bytes) else str(info))
     out += [
@@ -45,11 +46,7 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
         Finding(
             "backend",
             dv.backends(found)
-            + (
-                " · GPU offload supported"
-                if lib.llama_supports_gpu_offload()
-                else " · no GPU offload in this build"
-            ),
+            + (" · GPU offload supported" if offload else " · no GPU offload in this build"),
         ),
     ]
     for d in found:
@@ -57,7 +54,7 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
             f" · {mib(d.free_bytes or 0)} free of {mib(d.total_bytes)}" if d.total_bytes else ""
         )
         out.append(Finding("device", f"{d.name} ({d.kind}) {d.description}{memory}"))
-    gpus = dv.describe_gpus(found, bool(lib.llama_supports_gpu_offload()), dv.host_gpus())
+    gpus = dv.describe_gpus(found, offload, dv.host_gpus())
     if gpus:
         out.append(Finding("gpus", gpus))
     ram, free = sy.ram_bytes(), sy.available_memory_bytes()
@@ -75,13 +72,10 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
     background = sy.background_now(0.5)
     choice = sy.choose_threads(sy.default_threads(), background, sy.logical_cpus())
     others = f"other processes use {background or 0.0:.1f} of {sy.logical_cpus()} CPUs"
-    busy = (
-        "unknown (no /proc/stat)"
-        if background is None
-        else (
-            f"busy: {others}" if sy.busy_machine(background, choice.default) else f"quiet: {others}"
-        )
-    )
+    if background is None:
+        busy = "unknown (no /proc/stat)"
+    else:
+        busy = f"{'busy' if sy.busy_machine(background, choice.default) else 'quiet'}: {others}"
     out += [
         Finding("load", busy),
         Finding("threads", f"run and chat now: {choice.why}; bench: {choice.default}, as asked"),

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 
 def _llamacpp(model: str | None, config: EngineConfig) -> Runner:
-    resolved = resolve_model(model)
-    return LlamaCppRunner(resolved.path, apply_tuning(config, resolved.path))
+    return _llamacpp_bench(model, config, tuned=True)
 
 
 def _llamacpp_bench(model: str | None, config: EngineConfig, tuned: bool) -> BenchRunner:

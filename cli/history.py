@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from llmrun.runners.errors import BadRequestError, OptionError
@@ -27,7 +26,7 @@ from llmrun.runners.history import (
 from .bench import output as out
 from .errors import StdoutConsole, handled, usage_error
 from .records import OptionRecord, takes_records
-from .report import Fitted, fitted
+from .report import Fitted, fitted_table
 from .terminal import terminal_line, terminal_text
 
 
@@ -169,8 +168,7 @@ def history(
             results = h.bench_results(model=model)
             if not results:
                 raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
-            found = compare_sets(results, base, other, show=fields)
-            _print_comparison(found, c.output, console)
+            _print_comparison(compare_sets(results, base, other, show=fields), c.output, console)
         else:
             _list(h, limit, model, console)
 
@@ -287,12 +285,10 @@ def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutC
 
 def _table(c: Comparison) -> Fitted:
     title = f"compare {c.compare!r} against baseline {c.baseline!r}"
-    table = Table(title=terminal_line(title), title_justify="left")
-    for name in (*(HEADS.get(f, f) for f in c.shown), "test"):
-        table.add_column(name)
-    for name in ("t/s baseline", "t/s compare", "speedup", CI_HEAD, "runs"):
-        table.add_column(name, justify="right")
-    table.add_column("verdict")
+    texts = [*(HEADS.get(f, f) for f in c.shown), "test"]
+    figures = ["t/s baseline", "t/s compare", "speedup", CI_HEAD, "runs"]
+    heads, left = [*texts, *figures, "verdict"], [*texts, "verdict"]
+    table = fitted_table(terminal_line(title), heads, left, wrap=("verdict",))
     for p in c.pairs:
         table.add_row(
             *(terminal_text(_cell(v)) for _, v in p.shown),
@@ -300,4 +296,4 @@ def _table(c: Comparison) -> Fitted:
             *_figures(p),
             Text(p.verdict, style=out.verdict_style(p.verdict)),
         )
-    return fitted(table, wrap=("verdict",))
+    return table

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import io
@@ -48,11 +49,9 @@ def _reopen_closed_std_streams() -> None:
     receives what was meant for it; stdin reads nothing there and stderr's lines are dropped
     (there is nowhere to say so), but stdout's output is a result: its first write fails."""
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        try:
+        with contextlib.suppress(OSError):
             os.fstat(fd)
             continue
-        except OSError:
-            pass
         null = os.open(os.devnull, os.O_RDWR)
         if null != fd:
             os.dup2(null, fd)
@@ -67,20 +66,12 @@ def _same_text_in_every_locale() -> None:
     """stdin is read as UTF-8 under C, C.UTF-8 and en_US.UTF-8 alike; bytes that are not UTF-8
     survive as escapes until `inputs.repair_utf8` replaces them (with a warning). Text that the
     locale cannot show is replaced on output instead of ending the run."""
-    for stream, errors in (
-        (sys.stdin, "surrogateescape"),
-        (sys.stdout, "replace"),
-        (sys.stderr, "replace"),
-    ):
+    stdin, replace = {"encoding": "utf-8", "errors": "surrogateescape"}, {"errors": "replace"}
+    for stream, how in ((sys.stdin, stdin), (sys.stdout, replace), (sys.stderr, replace)):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
-            try:
-                if stream is sys.stdin:
-                    reconfigure(encoding="utf-8", errors=errors)
-                else:
-                    reconfigure(errors=errors)
-            except (ValueError, OSError):
-                pass
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(**how)
 
 
 MAX_TERMINAL_SIDE = 65535  # the kernel's struct winsize holds each side in an unsigned short

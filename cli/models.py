@@ -7,14 +7,13 @@ from collections.abc import Iterable
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from llmrun.runners.errors import OptionError
 from llmrun.runners.models import ListedModel, is_hub_ref, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
-from .report import Fitted, fitted
+from .report import Fitted, fitted_table
 
 
 def pull(
@@ -30,22 +29,19 @@ def pull(
                 f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
                 " owner/repo/file.gguf"
             )
-        resolved = resolve_model(ref)
-        typer.echo(resolved.path)
+        typer.echo(resolve_model(ref).path)
 
 
 def models() -> None:
     """List the embedded default model and the GGUF files in the Hugging Face cache."""
     with handled():
-        table = models_table(list_models())
-        StdoutConsole(width=None if os.isatty(1) else 200).print(table)
+        StdoutConsole(width=None if os.isatty(1) else 200).print(models_table(list_models()))
 
 
 def models_table(listed: Iterable[ListedModel]) -> Fitted:
     """A row per model file; its path may fold, its figures never."""
-    table = Table()
-    for name in ("model", "quant", "params", "file size", "arch", "path"):
-        table.add_column(name, justify="right" if name in ("params", "file size") else "left")
+    heads = ("model", "quant", "params", "file size", "arch", "path")
+    table = fitted_table(None, heads, ("model", "quant", "arch", "path"), wrap=("path",))
     for m in listed:
         if m.info is None:
             table.add_row(m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path)
@@ -58,7 +54,7 @@ def models_table(listed: Iterable[ListedModel]) -> Fitted:
             m.info.architecture,
             _shown(m.path) if m.source == "default" else m.path,
         )
-    return fitted(table, wrap=("path",))
+    return table
 
 
 def _shown(path: str) -> str:

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TextIO
 
 from rich.cells import cell_len
@@ -142,12 +141,7 @@ class ProgressLine:
     def __enter__(self) -> ProgressLine:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.cells import cell_len
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -56,18 +56,13 @@ def summary_rows(stats: GenerationStats) -> list[tuple[str, str]]:
     return [(label, terminal_line(value)) for label, value in rows]
 
 
-def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
-    s = stats
+def _local_rows(s: GenerationStats) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if s.model and s.settings:
-        m, st = s.model, s.settings
+        st = s.settings
+        repack = f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""
         rows.append(
-            (
-                "model",
-                f"{display_name(m)} · {engine_text(st)}"
-                + tuned_text(st)
-                + (f" · repack {st.repack_note}" if st.repack_note.startswith("off:") else ""),
-            )
+            ("model", f"{display_name(s.model)} · {engine_text(st)}{tuned_text(st)}{repack}")
         )
     facts = ""
     if s.model:
@@ -77,6 +72,11 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
             f" · {human_count(m.size_bytes, 'B')} of weights"
         )
     memory = memory_text(s.settings) if s.settings else ""
+    cut = (
+        ""
+        if s.prefilled_tokens is None
+        else f"; {s.prefilled_tokens} evaluated before the interrupt"
+    )
     rows += [
         *busy_rows(s),
         (
@@ -86,13 +86,7 @@ def _local_rows(stats: GenerationStats) -> list[tuple[str, str]]:
         *([("memory", memory)] if memory else []),
         (
             "prompt",
-            f"{s.prompt_tokens} tokens"
-            f" ({s.new_prompt_tokens} new, {s.reused_tokens} reused)"
-            + (
-                f"; {s.prefilled_tokens} evaluated before the interrupt"
-                if s.prefilled_tokens is not None
-                else ""
-            ),
+            f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} reused){cut}",
         ),
         ("prefill", f"{ms(s.prefill_s)} · {tps(s.prompt_tps)}"),
         (
@@ -142,6 +136,7 @@ def energy_rows(s: GenerationStats) -> list[tuple[str, str]]:
 
 
 def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
+    seed = "" if s.seed is None else f" · seed {s.seed}"
     return [
         *thinking_rows(s),
         (
@@ -157,12 +152,7 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             f" · max {ms(s.itl_max_s)}",
         ),
         *network_rows(s),
-        (
-            "total",
-            ms(s.e2e_s)
-            + " (from the request: load not included)"
-            + (f" · seed {s.seed}" if s.seed is not None else ""),
-        ),
+        ("total", f"{ms(s.e2e_s)} (from the request: load not included){seed}"),
         *energy_rows(s),
     ]
 
@@ -195,11 +185,7 @@ def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
 def engine_text(st: EngineSettings) -> str:
     """Where the model runs: the device and the layers on it, then the CPU's threads and batch
     ('CUDA0 NVIDIA H200 · ngl 31/31 · 0.21 GiB on the device · CPU 2t · batch 512')."""
-    layers = (
-        f"ngl {st.n_gpu_layers}/{st.n_layer_total}"
-        if st.n_layer_total
-        else (f"ngl {st.n_gpu_layers}")
-    )
+    layers = f"ngl {st.n_gpu_layers}" + (f"/{st.n_layer_total}" if st.n_layer_total else "")
     cpu = f"CPU {st.n_threads}t · batch {st.n_batch}"
     if not st.n_gpu_layers:
         return f"{cpu} · {layers}"
@@ -380,12 +366,9 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
         ]
     rows += _output_rows(s)
     if server.implausible:
+        left_out = "; ".join(server.implausible)
         rows.append(
-            (
-                "warning",
-                "the server's figures that cannot be true were left out: "
-                + "; ".join(server.implausible),
-            )
+            ("warning", f"the server's figures that cannot be true were left out: {left_out}")
         )
     if server.error:
         rows.append(("error", f"{server.error}; the text so far is kept"))
@@ -452,13 +435,10 @@ def append_stats_file(path: Path, lines: Sequence[str]) -> None:
 def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
     """The percentiles over several requests; `busy` of them ran on a busy machine (ran_busy),
     which the caption says, as each request's summary does."""
-    table = Table(title=f"{agg.count} requests", title_justify="left")
+    table = fitted_table(f"{agg.count} requests", ("figure", "p50", "p90"), ("figure",))
     if busy:
-        table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
-        table.caption_justify = "left"
-    table.add_column("figure")
-    table.add_column("p50", justify="right")
-    table.add_column("p90", justify="right")
+        table.table.caption = f"{busy} of {agg.count} on a busy machine: unreliable"
+        table.table.caption_justify = "left"
     formats = {
         "ttft_s": ("TTFT", ms),
         "prompt_tps": ("prompt tok/s", tps),
@@ -467,7 +447,18 @@ def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
     for key, (name, fmt) in formats.items():
         figures = agg.figures[key]
         table.add_row(name, fmt(figures["p50"]), fmt(figures["p90"]))
-    return fitted(table)
+    return table
+
+
+def fitted_table(
+    title: str | None, heads: Iterable[str], left: Collection[str], *, wrap: Collection[str] = ()
+) -> Fitted:
+    """A new table of these columns, `fitted`: the text ones named in `left` flush left, the
+    figures right."""
+    table = Table(title=title, title_justify="left")
+    for head in heads:
+        table.add_column(head, justify="left" if head in left else "right")
+    return fitted(table, wrap=wrap)
 
 
 WRAP_FLOOR_CELLS = 20  # a text column named in `fitted(wrap=...)` is never made narrower
@@ -494,6 +485,9 @@ class Fitted:
     def __init__(self, table: Table, *, by_column: bool = False) -> None:
         self.table = table
         self.by_column = by_column
+
+    def add_row(self, *cells: RenderableType | None) -> None:
+        self.table.add_row(*cells)
 
     def fits(self, console: Console, options: ConsoleOptions) -> bool:
         """Whether the table shows every figure whole in the width: its natural width, less

@@ -295,12 +295,8 @@ def _serve_in_parallel(
     if not quiet:
         tokens = sum(f.stats.output_tokens for f in finished)
         prompt = sum(f.stats.prompt_tokens for f in finished)
-        seconds = served.seconds
-        cut = (
-            f" (interrupted: {len(requests) - len(finished)} not served)"
-            if served.interrupted
-            else ""
-        )
+        left = len(requests) - len(finished)
+        cut = f" (interrupted: {left} not served)" if served.interrupted else ""
         say(
             f"parallel {parallel}: {len(finished)} requests in {ms(seconds)}:"
             f" {tps(rate(tokens, seconds))} output, {tps(rate(tokens + prompt, seconds))} in all"
@@ -389,7 +385,7 @@ class Printing:
     asked_ctx: int | None = None
 
 
-@dataclass(kw_only=True)
+@dataclass
 class _Screens:
     """Where the text and the stats go: stdout's sink, stderr (or what is held for after a
     pager), the width plain lines fold at, and the live view if there is one."""
@@ -438,37 +434,27 @@ def _screens(printing: Printing, cancel: threading.Event) -> _Screens:
     view: EventView | None = dash
     if dash is None and not final_panel and not quiet and held is None and dumb_terminal():
         view = PlainPhases(errfile)  # no live view: the load and prefill say they started
-    return _Screens(
-        out=out,
-        errfile=errfile,
-        err=err,
-        width=width,
-        held=held,
-        pager=pager,
-        dash=dash,
-        final_panel=final_panel,
-        view=view,
-    )
+    return _Screens(out, errfile, err, width, held, pager, dash, final_panel, view)
 
 
 def _print_stats(
     s: GenerationStats, job: Job, printing: Printing, screens: _Screens, *, many: bool
 ) -> None:
     """One request's stats on stderr, as --stats asked and the screen allows."""
-    err, errfile, width = screens.err, screens.errfile, screens.width
+    err = screens.err
     if printing.stats_format is StatsFormat.json:
-        print(stats_json(s, job.id), file=errfile, flush=True)
+        print(stats_json(s, job.id), file=screens.errfile, flush=True)
+        return
+    if many:
+        err.print(Text(terminal_line(job.label), style="bold"))
+    if screens.dash is not None:
+        screens.dash.console.print(render(s))
+    elif screens.final_panel:
+        err.print(render(s))
     else:
-        if many:
-            err.print(Text(terminal_line(job.label), style="bold"))
-        if screens.dash is not None:
-            screens.dash.console.print(render(s))
-        elif screens.final_panel:
-            err.print(render(s))
-        else:
-            for line in summary_lines(s):  # a row goes on under its value
-                indent = SUMMARY_INDENT if line[8:9] == " " else 0
-                err.print(fold(line, width, indent=indent), markup=False)
+        for line in summary_lines(s):  # a row goes on under its value
+            indent = SUMMARY_INDENT if line[8:9] == " " else 0
+            err.print(fold(line, screens.width, indent=indent), markup=False)
 
 
 def _run_jobs(

@@ -11,6 +11,7 @@ into its `ServerSettings` and draws.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import sys
 import threading
@@ -32,7 +33,7 @@ from llmrun.runners.system import BackgroundMeter, busy_advice, logical_cpus
 
 from . import EXIT_INTERRUPTED, STOP_SIGNALS
 from . import options as o
-from .dashboard import REFRESH_PER_SECOND, TerminalConsole, _TextLive, sparkline
+from .dashboard import TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled, usage_error
 from .records import OptionRecord, takes_records
@@ -44,43 +45,36 @@ if TYPE_CHECKING:
     from llmrun.runners.serving.server import Ready
 
 SERVER_PANEL = "Server"
+_server_option = functools.partial(typer.Option, rich_help_panel=SERVER_PANEL)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerOptions(OptionRecord):
     """Where and how the server listens, queues and drains."""
 
-    host: Annotated[
-        str, typer.Option("--host", help="Address to listen on.", rich_help_panel=SERVER_PANEL)
-    ] = "127.0.0.1"
+    host: Annotated[str, _server_option("--host", help="Address to listen on.")] = "127.0.0.1"
     port: Annotated[
         int,
-        typer.Option(
-            "--port",
-            min=0,
-            max=65535,
-            rich_help_panel=SERVER_PANEL,
-            help="Port to listen on; 0 = any free port (printed).",
+        _server_option(
+            "--port", min=0, max=65535, help="Port to listen on; 0 = any free port (printed)."
         ),
     ] = 8080
     parallel: Annotated[
         int,
-        typer.Option(
+        _server_option(
             "-np",
             "--parallel",
             min=1,
             max=256,
-            rich_help_panel=SERVER_PANEL,
             help="Sequences decoded together (llama-server's"
             " slots); more requests wait in the queue.",
         ),
     ] = 4
     policy: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--policy",
             metavar="POLICY",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="How prefill and decode share each step: prefill-first, chunked:B (every step"
             " carries all decodes and at most B tokens), decode-first[:K]. (default: chunked:"
@@ -89,20 +83,18 @@ class ServerOptions(OptionRecord):
     ] = None
     max_queue: Annotated[
         int,
-        typer.Option(
+        _server_option(
             "--max-queue",
             min=0,
             max=1_000_000,
-            rich_help_panel=SERVER_PANEL,
             help="Requests that may wait for a sequence; more get 503 with Retry-After.",
         ),
     ] = 64
     max_connections: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--max-connections",
             metavar="N",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="Open connections served at once; a connection past them gets 503 with"
             " Retry-After. (default: 512, or 2 x (-np + --max-queue) where that is more: room"
@@ -112,10 +104,9 @@ class ServerOptions(OptionRecord):
     ] = None
     allow_origin: Annotated[
         list[str] | None,
-        typer.Option(
+        _server_option(
             "--allow-origin",
             metavar="ORIGIN",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="A web page's origin (scheme://host[:port]) whose requests are served, as"
             " OLLAMA_ORIGINS; repeatable; one * in it stands for any text"
@@ -127,19 +118,17 @@ class ServerOptions(OptionRecord):
     ] = None
     drain: Annotated[
         float,
-        typer.Option(
+        _server_option(
             "--drain-timeout",
             min=1.0,
             max=3600.0,
-            rich_help_panel=SERVER_PANEL,
             help="Seconds SIGTERM waits for the requests in flight before closing them.",
         ),
     ] = 30.0
     alias: Annotated[
         str | None,
-        typer.Option(
+        _server_option(
             "--alias",
-            rich_help_panel=SERVER_PANEL,
             show_default=False,
             help="The model's name in /v1/models. (default: the file's name)",
         ),
@@ -181,20 +170,8 @@ class ServeEngineOptions(OptionRecord):
             from llmrun.runners.system import default_threads  # loses its core stalls the step
 
             threads = max(1, default_threads() - 1)
-        engine = o.EngineOptions(
-            chat_template_file=self.chat_template_file,
-            ctx=self.ctx,
-            batch=self.batch,
-            ubatch=self.batch,
-            threads=threads,
-            threads_batch=self.threads_batch,
-            gpu_layers=self.gpu_layers,
-            cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v,
-            repack=self.repack,
-            rpc=self.rpc,
-        )
-        return engine.config()
+        # the same fields as run's, the micro-batch as the batch
+        return o.EngineOptions(**{**vars(self), "threads": threads, "ubatch": self.batch}).config()
 
 
 @takes_records
@@ -266,31 +243,23 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
 
     def ready(r: Ready) -> None:
         if r.max_connections < settings.max_connections:
-            print(
+            _line(
                 f"llmrun serve: warning: {settings.max_connections} connections do not fit under"
                 " this process's limit on open files (ulimit -n); serving at most"
-                f" {r.max_connections}",
-                file=sys.stderr,
-                flush=True,
+                f" {r.max_connections}"
             )
         threads, threads_batch = r.threads
         unified = r.kv_unified
         kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
-        print(
+        _line(
             f"llmrun serve: listening on {r.url} ({r.served.model_id}, {settings.n_seq} sequences"
             f" x {r.n_ctx} tokens{kv}, policy {r.policy}, queue {settings.max_queue},"
-            f" threads {threads}/{threads_batch})",
-            file=sys.stderr,
-            flush=True,
+            f" threads {threads}/{threads_batch})"
         )
         if r.engine is not None and r.engine.n_gpu_layers:  # where the layers went
             from .report import engine_text, memory_text
 
-            print(
-                f"llmrun serve: {engine_text(r.engine)} · {memory_text(r.engine)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _line(f"llmrun serve: {engine_text(r.engine)} · {memory_text(r.engine)}")
         view.start(r.served)
 
     try:
@@ -300,11 +269,15 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
     if stopped_by is None:
         return 0
     if stopped_by == signal.SIGINT:
-        print("llmrun: interrupted", file=sys.stderr, flush=True)
+        _line("llmrun: interrupted")
     else:
-        name = signal.Signals(stopped_by).name
-        print(f"llmrun serve: stopped ({name})", file=sys.stderr, flush=True)
+        _line(f"llmrun serve: stopped ({signal.Signals(stopped_by).name})")
     return STOP_SIGNALS.get(signal.Signals(stopped_by), EXIT_INTERRUPTED)
+
+
+def _line(text: str) -> None:
+    """One line on stderr, whole (a terminal folds it; `say` would fold it at spaces)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 DEFAULT_MAX_CONNECTIONS = 512  # under the usual 1024 open files, far over -np 4 + a queue of 64
@@ -430,13 +403,7 @@ class _View:
         self.served = served
         if self.console is not None:
             self.live = _TextLive(
-                self._lines,
-                console=self.console,
-                get_renderable=lambda: render_serve(served.engine.snapshot()),
-                refresh_per_second=REFRESH_PER_SECOND,
-                transient=True,
-                redirect_stdout=False,
-                redirect_stderr=False,
+                self._lines, self.console, lambda: render_serve(served.engine.snapshot())
             )
             self.live.start()
             return

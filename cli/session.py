@@ -285,9 +285,8 @@ def drive(
                 event = meter.attach(event)
         if view is not None:
             view.update(event)
-        if isinstance(event, Token):
-            if out is not None:
-                show(shown.feed(event.text, flagged=event.thinking), out)
+        if isinstance(event, Token) and out is not None:
+            show(shown.feed(event.text, flagged=event.thinking), out)
         elif isinstance(event, Finished):
             if out is not None:
                 show(shown.feed(event.tail, flagged=shown.thinking) + shown.flush(), out)
@@ -331,18 +330,11 @@ class KeysHeld:
         self._previous_tstp: Any = None
 
     def __enter__(self) -> KeysHeld:
-        if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        self._saved = terminal_modes() if main else None
+        if self._saved is None:
             return self
-        fd = _terminal_fd()
-        if fd is None:
-            return self
-        import termios
-
-        try:
-            self._saved = termios.tcgetattr(fd)
-        except termios.error:
-            return self
-        self._fd = fd
+        self._fd = _terminal_fd()
         self._hold()
         self._previous_tstp = signal.signal(signal.SIGTSTP, self._stop)
         return self

@@ -8,22 +8,21 @@ something for this process, and otherwise refused in one line that says why.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from llmrun.runners.bench.sweep import BOOL_ALIASES
 from llmrun.runners.errors import NO_MODEL, BadRequestError, OptionError
 from llmrun.runners.library import llama_lib
 
-# llama-bench's default for each: given at this value (or a list of only it), it changes nothing
+# llama-bench's default for each placement on a device, all passed on to llama.cpp: given at
+# this value (or a list of only it), it changes nothing (-ncmoe and -ot are not here: they
+# place tensors on the CPU too, which every build has)
 _GPU = {
     "-sm/--split-mode": {"layer"},
     "-mg/--main-gpu": {"0"},
     "-ts/--tensor-split": {"0", "0.00"},
     "-dev/--device": {"auto"},
-    "-ncmoe/--n-cpu-moe": {"0"},
-    "-ot/--override-tensor": set(),
 }
-PASSED_ON = ("-sm/--split-mode", "-mg/--main-gpu", "-ts/--tensor-split", "-dev/--device")
-ANY_BUILD = ("-ncmoe/--n-cpu-moe", "-ot/--override-tensor")  # tensors placed on the CPU too
 NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}
 PRIORITY_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}  # llama.cpp's set_process_priority
 
@@ -35,37 +34,15 @@ def _non_default(text: str | None, defaults: set[str]) -> list[str]:
     return [w for w in words if w and BOOL_ALIASES.get(w, w) not in defaults]
 
 
-def refuse_unusable(
-    *,
-    split_mode: str | None,
-    main_gpu: str | None,
-    tensor_split: str | None,
-    device: str | None,
-    n_cpu_moe: str | None,
-    override_tensor: str | None,
-) -> None:
-    """One line for the first option whose value this engine cannot apply."""
-    gpu = {
-        "-sm/--split-mode": split_mode,
-        "-mg/--main-gpu": main_gpu,
-        "-ts/--tensor-split": tensor_split,
-        "-dev/--device": device,
-        "-ncmoe/--n-cpu-moe": n_cpu_moe,
-        "-ot/--override-tensor": override_tensor,
-    }
-    for flag, text in gpu.items():
+def refuse_unusable(given: Mapping[str, str | None]) -> None:
+    """One line for the first placement (a flag of _GPU, its list as given) that asks for a
+    device where this build has none."""
+    for flag, text in given.items():
         odd = _non_default(text, _GPU[flag])
-        if not odd or flag in ANY_BUILD:
-            continue
-        if not llama_lib().llama_supports_gpu_offload():
+        if odd and not llama_lib().llama_supports_gpu_offload():
             raise BadRequestError(
                 f"{flag} {odd[0]}: this llama.cpp build has no GPU backend, so there is nothing"
                 " to place on a device; rebuild with one (README, 'Hardware': make GPU=cuda)"
-            )
-        if flag not in PASSED_ON:
-            raise BadRequestError(
-                f"{flag} {odd[0]}: llmrun does not pass this to llama.cpp"
-                " yet; only the default is measured"
             )
 
 

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli import options as o
 from llmrun.cli.dashboard import sparkline
 from llmrun.cli.errors import EXIT_INTERRUPTED, handled
 from llmrun.cli.records import OptionRecord, takes_records
-from llmrun.cli.report import Fitted, busy_warning, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted_table
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.serving.interference import InterferenceReport
 from llmrun.runners.serving.options import (
@@ -103,15 +102,8 @@ class LabOptions(OptionRecord):
 
     def interference_options(self, *, seed: int, policies: str | None) -> InterferenceOptions:
         """The job's record; the local engine's policies parsed where there is no server."""
-        return InterferenceOptions(
-            rate=self.rate,
-            prompt_len=self.prompt_len,
-            output_len=self.output_len,
-            seed=seed,
-            input_len=self.input_len,
-            num_prompts=self.num_prompts,
-            policies=() if policies is None else parse_policies(policies),
-        )
+        parsed = () if policies is None else parse_policies(policies)
+        return InterferenceOptions(**vars(self), seed=seed, policies=parsed)
 
 
 @takes_records
@@ -296,18 +288,9 @@ def _round(value: float | None) -> float | None:
 
 
 def _table(reports: Sequence[InterferenceReport]) -> Fitted:
-    table = Table(title="a decoding stream while long prompts arrive", title_justify="left")
-    for col in (
-        "policy",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "ITL max ms",
-        "long TTFT ms",
-        "tok/s",
-        "steps",
-        "prefill in gaps",
-    ):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+    heads = ("policy", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "long TTFT ms", "tok/s", "steps")
+    title = "a decoding stream while long prompts arrive"
+    table = fitted_table(title, (*heads, "prefill in gaps"), ("policy",))
     for r in reports:
         ttft = sum(r.long_ttft_ms) / len(r.long_ttft_ms) if r.long_ttft_ms else None
         table.add_row(
@@ -320,7 +303,7 @@ def _table(reports: Sequence[InterferenceReport]) -> Fitted:
             str(len(r.steps)),
             f"{r.prefill_in_gaps_ms:,.0f} of {r.prefill_ms:,.0f} ms",
         )
-    return fitted(table)
+    return table
 
 
 def verdict(reports: Sequence[InterferenceReport]) -> list[str]:

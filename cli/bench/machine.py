@@ -71,10 +71,8 @@ def load_and_report(
         loaded = runner.load(cancel=cancel)
         if system is None:
             system = SystemInfo.collect(bandwidth=bandwidth)
-    m = loaded.model
-    facts = f"{m.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
-    rows = system_rows(system, facts) if system is not None else []
-    err.print(label_grid(rows if len(rows) else [("model", facts)]))
+    facts = f"{loaded.model.name} · {model_facts(loaded)} · load {ms(loaded.load_s)}"
+    err.print(label_grid(system_rows(system, facts)))
     st = loaded.settings
     if isinstance(st, EngineSettings):
         line = settings_line(st, combos, runner.config, llama_bench_defaults=llama_bench_defaults)
@@ -131,11 +129,8 @@ def settings_line(
     swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
     ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])
     if ngl == str(st.n_gpu_layers_asked):
-        ngl += (
-            f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded"
-            + (f": {st.offload_note}" if st.offload_note else "")
-            + ")"
-        )
+        note = f": {st.offload_note}" if st.offload_note else ""
+        ngl += f" ({st.n_gpu_layers} of {st.n_layer_total} offloaded{note})"
     threads = _each(st.n_threads, b.n_threads, [c.n_threads for c in combos])
     return (
         f"{threads} threads, batch {_each(st.n_batch, b.n_batch, [c.n_batch for c in combos])},"

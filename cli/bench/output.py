@@ -10,17 +10,16 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from llmrun.cli.dashboard import bars
-from llmrun.cli.report import Fitted, busy_warning, fitted, joules
+from llmrun.cli.report import Fitted, busy_warning, fitted_table, joules
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -86,8 +85,9 @@ def _varying(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     return [(k, h) for k, h in SWEPT_COLUMNS if len({str(r.get(k)) for r in records}) > 1]
 
 
-def _row_models(rows: Sequence[Row]) -> list[str]:
-    return list(dict.fromkeys(r.model_name for r in rows))
+def _models(names: Iterable[object]) -> list[str]:
+    """The model names of a run's rows or records, each once, in order."""
+    return list(dict.fromkeys(map(str, names)))
 
 
 def _ms(value: float | None) -> str:
@@ -267,9 +267,7 @@ def verdict_style(verdict: str) -> str:
 
 
 def _md_line(cols: Sequence[tuple[str, str, int]], cells: Sequence[str]) -> str:
-    out = []
-    for text, (_, _, width) in zip(cells, cols, strict=True):
-        out.append(text.ljust(-width) if width < 0 else text.rjust(width))
+    out = (t.ljust(-w) if w < 0 else t.rjust(w) for t, (_, _, w) in zip(cells, cols, strict=True))
     return "| " + " | ".join(out) + " |"
 
 
@@ -308,12 +306,8 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
 def _sql_create(
     table: str, made: Sequence[str], records: Sequence[dict[str, Any]], extra: bool
 ) -> str:
-    lines = [f"CREATE TABLE IF NOT EXISTS {table} ("]
-    lines += [
-        f"  {f} {_sql_type(f, records)}{',' if i < len(made) - 1 else ''}"
-        for i, f in enumerate(made)
-    ]
-    lines += [");"]
+    columns = ",\n".join(f"  {f} {_sql_type(f, records)}" for f in made)
+    lines = [f"CREATE TABLE IF NOT EXISTS {table} (", columns, ");"]
     if extra:
         lines += [
             f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
@@ -339,11 +333,6 @@ def _sql_insert(table: str, r: dict[str, Any], core: Sequence[str]) -> str:
     return text
 
 
-# llama_bench's columns, as this llama.cpp's llama-bench creates and fills them (an older
-# llama-bench's table, without the newer columns, takes neither tool's INSERTs)
-LLAMA_BENCH_CORE = LLAMA_BENCH_FIELDS
-
-
 def cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -366,7 +355,7 @@ def format_records(
         fmt,
         buf,
         shown=shown,
-        several_models=len(_models(records)) > 1,
+        several_models=len(_models(r.get("model_name", "") for r in records)) > 1,
         optional=every,
         table=table,
         md_columns=md_columns,
@@ -414,7 +403,9 @@ class RecordWriter:
         self.records: list[dict[str, Any]] = []
         self._md: list[tuple[str, str, int]] = []
         self._plain: tuple[str, ...] = ()  # a plain md table's columns, once its header is out
-        self._sql: Sequence[str] = LLAMA_BENCH_CORE
+        # llama_bench's columns, as this llama.cpp's llama-bench creates and fills them (an older
+        # llama-bench's table, without the newer columns, takes neither tool's INSERTs)
+        self._sql: Sequence[str] = LLAMA_BENCH_FIELDS
         self._csv: csv.DictWriter[str] | None = None
         self._buf = io.StringIO()
         self._closed = False
@@ -511,27 +502,21 @@ class RecordWriter:
 # ---- on a terminal --------------------------------------------------------------------------
 
 
-def _models(records: Sequence[dict[str, Any]]) -> list[str]:
-    return list(dict.fromkeys(str(r.get("model_name", "")) for r in records))
-
-
 def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
     varying = _varying([r.swept for r in rows])
-    several = len(_row_models(rows)) > 1
+    several = len(_models(r.model_name for r in rows)) > 1
     if any(r.result.settings.tuned for r in rows):
         title += (
             " (tuned settings from `llmrun tune`, as --tuned asks; without it:"
             " llama-bench's defaults)"
         )
-    table = Table(title=title, title_justify="left")
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying), "t/s"]
     heads += ["vs first", "verdict"] if several else []
     until = any(r.result.until_ci_pct is not None for r in rows)
     heads += (["reps", "95 % CI"] if until else []) + ["TTFT ms", "ITL p50/p99 ms"]
     energy = any(r.result.energy is not None and r.result.energy.energy_j is not None for r in rows)
     heads += ["energy/token"] if energy else []
-    for name in heads:
-        table.add_column(name, justify="left" if name in ("test", "model", "verdict") else "right")
+    table = fitted_table(title, heads, ("test", "model", "verdict"), wrap=("verdict",))
     for r in rows:
         itl = "-" if r.itl_p50_ms is None else f"{r.itl_p50_ms:.1f}/{r.itl_p99_ms:.1f}"
         rel = r.relative_ts
@@ -552,7 +537,7 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
             itl,
             *([_energy_of(r)] if energy else []),
         )
-    return fitted(table, wrap=("verdict",))
+    return table
 
 
 def _energy_of(r: Row) -> str:
@@ -566,7 +551,7 @@ _PHASES = (("pp", "prompt", "cyan"), ("tg", "output", "magenta"))
 
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt and output tok/s of each model, on one scale."""
-    models = _row_models(rows)
+    models = _models(r.model_name for r in rows)
     if len(models) < 2:
         return None
     bars_: list[tuple[str, float | None, str]] = []
@@ -602,19 +587,17 @@ def efficiency_lines(rows: Sequence[Row]) -> list[str]:
 def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt tok/s against output tok/s for every configuration of the sweep."""
     varying = _varying([r.swept for r in rows])
-    several = len(_row_models(rows)) > 1
+    several = len(_models(r.model_name for r in rows)) > 1
     by_config: dict[str, dict[str, float]] = {}
     for r in rows:
-        if r.n_depth:
+        if r.n_depth or r.kind == "pg":
             continue
         settings = [("t", r.n_threads), *((h, r.swept.get(k)) for k, h in varying)]
-        label = (
-            " ".join(f"{h}={v}" for h, v in settings if v is not None) or "default"
-        )  # a setting a row does not have (draft=None) is left out, not printed
+        # a setting a row does not have (draft=None) is left out, not printed
+        label = " ".join(f"{h}={v}" for h, v in settings if v is not None) or "default"
         if several:
             label = f"{r.model_name} {label}"
-        if r.kind != "pg":
-            by_config.setdefault(label, {})[r.kind] = r.avg_ts
+        by_config.setdefault(label, {})[r.kind] = r.avg_ts
     lines = [
         (f"{label} {name}", v[kind], style)
         for label, v in by_config.items()
@@ -640,9 +623,8 @@ def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:
     pp = [r for r in rows if r.kind == "pp"]
     if len({r.n_batch for r in pp}) < 2:
         return None
-    table = Table(title="chunked prefill: the chunk size trade-off", title_justify="left")
-    for name in ("test", "n_batch", "n_ubatch", "prompt tok/s", "TTFT ms", "next token"):
-        table.add_column(name, justify="left" if name == "test" else "right")
+    heads = ("test", "n_batch", "n_ubatch", "prompt tok/s", "TTFT ms", "next token")
+    table = fitted_table("chunked prefill: the chunk size trade-off", heads, ("test",))
     groups: dict[tuple[Any, ...], list[Row]] = {}
     for r in pp:
         st = r.result.settings
@@ -671,7 +653,7 @@ def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:
                     f"{key[0]}: the chunk sizes DISAGREE on the next token: "
                     + ", ".join(f"batch {r.n_batch} -> {r.result.next_token}" for r in group)
                 )
-    return fitted(table), notes
+    return table, notes
 
 
 def _rate(r: dict[str, Any]) -> str:
@@ -681,12 +663,11 @@ def _rate(r: dict[str, Any]) -> str:
 
 
 def compare_table(changes: Sequence[Change], title: str = "against the previous run") -> Fitted:
-    table = Table(title=title, title_justify="left")
     varying = _varying([c.record for c in changes])  # every setting that tells rows apart
-    several = len(_models([c.record for c in changes])) > 1
+    several = len(_models(c.record.get("model_name", "") for c in changes)) > 1
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying)]
-    for name in (*heads, "t/s now", "t/s before", "change", "ratio (95 % CI)", "verdict"):
-        table.add_column(name, justify="left" if name in ("test", "verdict", "model") else "right")
+    heads += ["t/s now", "t/s before", "change", "ratio (95 % CI)", "verdict"]
+    table = fitted_table(title, heads, ("test", "verdict", "model"), wrap=("verdict",))
     for c in changes:
         r, p = c.record, c.previous
         found = c.difference
@@ -704,7 +685,7 @@ def compare_table(changes: Sequence[Change], title: str = "against the previous 
                 style=verdict_style(c.verdict),
             ),
         )
-    return fitted(table, wrap=("verdict",))
+    return table
 
 
 def store_run(

@@ -127,19 +127,11 @@ def plot_timeline(reports: Sequence[Any], path: Path) -> None:
     )
     for ax, report in zip((row[0] for row in axes), reports, strict=True):
         starts = [s.start_s for s in report.steps]
-        widths = [max(s.duration_s, 1e-4) for s in report.steps]
+        steps = {"width": [max(s.duration_s, 1e-4) for s in report.steps], "align": "edge"}
         decode = [s.n_decode for s in report.steps]
         prefill = [s.n_prefill for s in report.steps]
-        ax.bar(starts, decode, width=widths, align="edge", color="tab:purple", label="decode")
-        ax.bar(
-            starts,
-            prefill,
-            width=widths,
-            align="edge",
-            bottom=decode,
-            color="tab:cyan",
-            label="prefill",
-        )
+        ax.bar(starts, decode, **steps, color="tab:purple", label="decode")
+        ax.bar(starts, prefill, **steps, bottom=decode, color="tab:cyan", label="prefill")
         ax.set_ylabel("tokens / step")
         ax.set_ylim(bottom=0)
         ax.set_title(

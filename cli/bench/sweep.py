@@ -51,8 +51,6 @@ from . import plot as bench_plot
 from . import sweep_options as o
 from .machine import load_and_report
 
-PANEL = "Tests (llama-bench's)"
-
 
 class _Nowhere(io.StringIO):
     """Where the display goes while stderr carries -oe's records: nowhere."""
@@ -127,20 +125,12 @@ def bench(
                 )
             lists.refuse_unusable()
             lb.apply_process_settings(numa=controls.numa, prio=controls.prio)
-            sweep = lists.sweep(
-                scenarios=measured.scenarios,
-                scenario_scale=measured.scenario_scale,
+            sweep = lists.sweep(  # every Measured field is a Sweep field of the same name
+                **{**vars(measured), "energy": measured.energy.value},
                 prio=controls.prio,
-                reps=measured.reps,
-                until_ci=measured.until_ci,
                 seed=seed,
                 warmup=not controls.no_warmup,
                 delay_s=controls.delay,
-                tuned=measured.tuned,
-                ppl=measured.ppl,
-                kld=measured.kld,
-                cold=measured.cold,
-                energy=measured.energy.value,
             )
             to = Output(
                 format=delivery.output,
@@ -430,11 +420,11 @@ def _report(
     if scores and sweep.ppl is not None:
         first = scores[0].ppl
         for sc in scores:
-            name, ppl, n = sc.model, sc.ppl, sc.tokens
+            ppl = sc.ppl
             change = f" ({ppl / first - 1:+.2%} against the first)" if ppl != first else ""
             show.print(
-                f"perplexity {terminal_line(name)}: {ppl:,.3f}{change} on"
-                f" {terminal_line(sweep.ppl.name)}, {n} tokens"
+                f"perplexity {terminal_line(sc.model)}: {ppl:,.3f}{change} on"
+                f" {terminal_line(sweep.ppl.name)}, {sc.tokens} tokens"
                 f" scored in windows of {sweep.contexts()[0] or run.PPL_CTX}",
                 markup=False,
             )

@@ -32,6 +32,8 @@ from . import output as out
 PANEL = "Tests (llama-bench's)"
 SWEEP = "Sweep: each takes a comma list or a range such as 8-512*4"
 LB = "llama-bench's other options"
+_tests_option = functools.partial(typer.Option, rich_help_panel=PANEL)
+_lb_option = functools.partial(typer.Option, rich_help_panel=LB)
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,11 @@ class ListOption:
     default: str | None = None
     panel: str = SWEEP
     metavar: str = "LIST"
-    shape: bool = False  # a test shape (-p, -n, -pg, -d), not a setting swept
+
+    @property
+    def shape(self) -> bool:
+        """A test shape (-p, -n, -pg, -d), not a setting swept."""
+        return self.panel == PANEL
 
     def parameter(self) -> inspect.Parameter:
         shown = self.help if self.default is None else f"{self.help} (default: {self.default})"
@@ -64,22 +70,17 @@ class ListOption:
         )
 
 
+def _lb(name: str, flags: tuple[str, ...], help: str) -> ListOption:
+    """One of llama-bench's other list options."""
+    return ListOption(name, flags, help, panel=LB)
+
+
 LISTS = (
     ListOption(
-        "n_prompt",
-        ("-p", "--n-prompt"),
-        "Prompt sizes of pp tests (0: none).",
-        "512",
-        PANEL,
-        shape=True,
+        "n_prompt", ("-p", "--n-prompt"), "Prompt sizes of pp tests (0: none).", "512", PANEL
     ),
     ListOption(
-        "n_gen",
-        ("-n", "--n-gen"),
-        "Generation lengths of tg tests (0: none).",
-        "128",
-        PANEL,
-        shape=True,
+        "n_gen", ("-n", "--n-gen"), "Generation lengths of tg tests (0: none).", "128", PANEL
     ),
     ListOption(
         "pg",
@@ -87,7 +88,6 @@ LISTS = (
         "A pp+tg test PROMPT,GEN such as 512,128 (repeatable).",
         panel=PANEL,
         metavar="PP,TG",
-        shape=True,
     ),
     ListOption(
         "depth",
@@ -95,7 +95,6 @@ LISTS = (
         "Run each test after N tokens already in the KV cache.",
         "0",
         PANEL,
-        shape=True,
     ),
     ListOption(
         "threads",
@@ -173,94 +172,70 @@ LISTS = (
         "Prompt-lookup speculative decoding in the generation tests: at most N drafted tokens a"
         " step, a list such as 0,8 (0: off) to measure with and without in one run.",
     ),
-    ListOption(
+    _lb(
         "split_mode",
         ("-sm", "--split-mode"),
         "Split across GPUs: none, layer, row, tensor. (default: layer)",
-        panel=LB,
     ),
-    ListOption("main_gpu", ("-mg", "--main-gpu"), "The GPU for -sm none. (default: 0)", panel=LB),
-    ListOption(
-        "tensor_split",
-        ("-ts", "--tensor-split"),
-        "Share of the model per GPU, such as 3/1.",
-        panel=LB,
-    ),
-    ListOption(
-        "devices",
-        ("-dev", "--device"),
-        "Devices to use, such as CUDA0/CUDA1. (default: auto)",
-        panel=LB,
-    ),
-    ListOption(
+    _lb("main_gpu", ("-mg", "--main-gpu"), "The GPU for -sm none. (default: 0)"),
+    _lb("tensor_split", ("-ts", "--tensor-split"), "Share of the model per GPU, such as 3/1."),
+    _lb("devices", ("-dev", "--device"), "Devices to use, such as CUDA0/CUDA1. (default: auto)"),
+    _lb(
         "n_cpu_moe",
         ("-ncmoe", "--n-cpu-moe"),
         "Keep the MoE experts of the first N layers on the CPU.",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "tensor_overrides",
         ("-ot", "--override-tensor"),
         "Tensor name pattern=buffer type (llama.cpp's -ot).",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "cpu_mask",
         ("-C", "--cpu-mask"),
         "The compute threads' CPUs, a hex mask such as 0x3 for CPUs 0-1. (default: 0x0, no mask)",
-        panel=LB,
     ),
-    ListOption(
-        "cpu_strict",
-        ("--cpu-strict",),
-        "1: one CPU of the mask per thread, in turn. (default: 0)",
-        panel=LB,
+    _lb(
+        "cpu_strict", ("--cpu-strict",), "1: one CPU of the mask per thread, in turn. (default: 0)"
     ),
-    ListOption(
+    _lb(
         "poll",
         ("--poll",),
         "How long idle compute threads spin before they sleep, 0..100. (default: 50)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "embeddings",
         ("-embd", "--embeddings"),
         "1: the context also outputs every token's embedding, as an embedding model's does."
         " (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "no_op_offload",
         ("-nopo", "--no-op-offload"),
         "1: operations on weights in host memory are not offloaded to a GPU. (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "no_host",
         ("--no-host",),
         "1: load the weights without a host buffer, so extra buffer types may take them."
         " (default: 0)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "lazy_mode",
         ("-lzm", "--lazy-mode"),
         "Read the tensors a model marks on demand: on, auto (those over 4 GiB) or off."
         " (default: auto)",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "fit_target",
         ("-fitt", "--fit-target"),
         "MiB to leave free per device when fitting: recorded as given, not applied (llmrun fits"
         " -ngl -1 to free memory itself).",
-        panel=LB,
     ),
-    ListOption(
+    _lb(
         "fit_ctx",
         ("-fitc", "--fit-ctx"),
         "The least context fitting may choose: recorded as given, not applied.",
-        panel=LB,
     ),
 )
 
@@ -341,12 +316,12 @@ class SweepLists(OptionRecord):
         if self.rpc is not None:
             lb.attach_rpc(self.rpc)
         lb.refuse_unusable(
-            split_mode=self.text("split_mode"),
-            main_gpu=self.text("main_gpu"),
-            tensor_split=self.text("tensor_split"),
-            device=self.text("devices"),
-            n_cpu_moe=self.text("n_cpu_moe"),
-            override_tensor=self.text("tensor_overrides"),
+            {
+                "-sm/--split-mode": self.text("split_mode"),
+                "-mg/--main-gpu": self.text("main_gpu"),
+                "-ts/--tensor-split": self.text("tensor_split"),
+                "-dev/--device": self.text("devices"),
+            }
         )
 
 
@@ -359,41 +334,36 @@ class Measured(OptionRecord):
 
     reps: Annotated[
         int,
-        typer.Option(
+        _tests_option(
             "-r",
             "--repetitions",
             min=0,
-            rich_help_panel=PANEL,
             help="Timed repetitions per test, after one warm-up (0: the warm-up"
             " only, rows of 0 t/s as llama-bench's, kept out of the history).",
         ),
     ] = 5
     until_ci: Annotated[
         str | None,
-        typer.Option(
+        _tests_option(
             "--until-ci",
             metavar="PCT[,SECONDS]",
             show_default=False,
-            rich_help_panel=PANEL,
             help="Repeat each test past -r until its mean rate's 95 % interval is within"
             " ±PCT % (e.g. 2%), or until it has taken SECONDS (default 300).",
         ),
     ] = None
     scenarios: Annotated[
         bool,
-        typer.Option(
-            "--scenarios",
-            rich_help_panel=PANEL,
-            help="LocalScore's prompt/output matrix, scaled, with its overall score.",
+        _tests_option(
+            "--scenarios", help="LocalScore's prompt/output matrix, scaled, with its overall score."
         ),
     ] = False
     scenario_scale: Annotated[
         float,
-        typer.Option(
+        _tests_option(
             "--scenario-scale",
             min=0.001,
             max=1.0,
-            rich_help_panel=PANEL,
             help="Token counts of --scenarios relative to LocalScore's (1 = as LocalScore).",
         ),
     ] = ls.DEFAULT_SCENARIO_SCALE
@@ -445,63 +415,49 @@ class Controls(OptionRecord):
 
     numa: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "--numa",
             metavar="distribute|isolate|numactl",
             show_default=False,
-            rich_help_panel=LB,
             help="NUMA placement, as llama.cpp's. (default: disabled)",
         ),
     ] = None
     prio: Annotated[
         int,
-        typer.Option(
+        _lb_option(
             "--prio",
             min=-1,
             max=3,
-            rich_help_panel=LB,
             help="Process and compute-thread priority: -1 low, 0 normal, 1"
             " medium, 2 high, 3 realtime (raising it may need privileges).",
         ),
     ] = 0
     delay: Annotated[
         float,
-        typer.Option(
+        _lb_option(
             "--delay",
             min=0.0,
             max=3600.0,
-            rich_help_panel=LB,
             help="Seconds to wait between tests (lets a hot machine cool).",
         ),
     ] = 0.0
     no_warmup: Annotated[
         bool,
-        typer.Option(
-            "--no-warmup", rich_help_panel=LB, help="Skip the untimed warm-up run before each test."
-        ),
+        _lb_option("--no-warmup", help="Skip the untimed warm-up run before each test."),
     ] = False
     progress_lines: Annotated[
         bool,
-        typer.Option(
-            "--progress",
-            rich_help_panel=LB,
-            help="One line per test on stderr (a terminal shows a bar anyway).",
+        _lb_option(
+            "--progress", help="One line per test on stderr (a terminal shows a bar anyway)."
         ),
     ] = False
     verbose: Annotated[
         bool,
-        typer.Option(
-            "-v", "--verbose", rich_help_panel=LB, help="Show llama.cpp's own log on stderr."
-        ),
+        _lb_option("-v", "--verbose", help="Show llama.cpp's own log on stderr."),
     ] = False
     output_err: Annotated[
         out.OutputFormat | None,
-        typer.Option(
-            "-oe",
-            "--output-err",
-            rich_help_panel=LB,
-            help="Also print the results on stderr in this format.",
-        ),
+        _lb_option("-oe", "--output-err", help="Also print the results on stderr in this format."),
     ] = None
 
 
@@ -511,41 +467,36 @@ class Hub(OptionRecord):
 
     hf_repo: Annotated[
         list[str] | None,
-        typer.Option(
+        _lb_option(
             "-hf",
             "-hfr",
             "--hf-repo",
             help="A Hub model, owner/repo[:QUANT] (the same as -m).",
-            rich_help_panel=LB,
             show_default=False,
             metavar="REPO",
         ),
     ] = None
     hf_file: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "-hff",
             "--hf-file",
             show_default=False,
-            rich_help_panel=LB,
             help="The file in --hf-repo (owner/repo/FILE.gguf).",
         ),
     ] = None
     hf_token: Annotated[
         str | None,
-        typer.Option(
+        _lb_option(
             "-hft",
             "--hf-token",
             show_default=False,
-            rich_help_panel=LB,
             help="Hub token (default: HF_TOKEN; never printed).",
         ),
     ] = None
     offline: Annotated[
         bool,
-        typer.Option(
-            "--offline", rich_help_panel=LB, help="Use the Hub cache only (HF_HUB_OFFLINE)."
-        ),
+        _lb_option("--offline", help="Use the Hub cache only (HF_HUB_OFFLINE)."),
     ] = False
 
     def models(self, models: list[str] | None) -> list[str | None]:
@@ -600,33 +551,24 @@ def _print_version(given: bool) -> None:
 
 Models = Annotated[
     list[str] | None,
-    typer.Option(
+    _tests_option(
         "-m",
         "--model",
         envvar="LLMRUN_MODEL",
         show_default=False,
-        rich_help_panel=PANEL,
         help="A .gguf path or Hub reference; repeat for several models, compared side by side."
         " (default: the embedded SmolLM2-135M)",
     ),
 ]
 Version = Annotated[
     bool,
-    typer.Option(
-        "--version",
-        is_eager=True,
-        callback=_print_version,
-        rich_help_panel=LB,
-        help="Print the version and exit.",
+    _lb_option(
+        "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
     ),
 ]
 ListDevices = Annotated[
     bool,
-    typer.Option(
-        "--list-devices",
-        rich_help_panel=LB,
-        help="List the devices this llama.cpp can use, and exit.",
-    ),
+    _lb_option("--list-devices", help="List the devices this llama.cpp can use, and exit."),
 ]
 
 

@@ -10,12 +10,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, LineConsole, handled, usage_error
 from llmrun.cli.progress import ProgressLine, Shown, clock
-from llmrun.cli.report import Fitted, busy_warning, fitted
+from llmrun.cli.report import Fitted, busy_warning, fitted_table
 from llmrun.cli.session import ctrl_c_cancels
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
@@ -175,19 +174,10 @@ def _tune(
 
 def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
     """Every setting the search tried, in order, with its rates, scores and noise."""
-    table = Table(title="tuning: the settings measured", title_justify="left")
-    heads = [
-        "stage",
-        "settings",
-        "pp t/s",
-        "tg t/s",
-        *(f"{w} score" for w in workloads),
-        "spread",
-        "verdict",
-    ]
-    for col in heads:
-        left = col in ("stage", "settings", "verdict")
-        table.add_column(col, justify="left" if left else "right")
+    scores = (f"{w} score" for w in workloads)
+    heads = ["stage", "settings", "pp t/s", "tg t/s", *scores, "spread", "verdict"]
+    left = ("stage", "settings", "verdict")
+    table = fitted_table("tuning: the settings measured", heads, left, wrap=("settings", "verdict"))
     for t in tried:
         busy = "busy machine: may be noise"
         table.add_row(
@@ -199,7 +189,7 @@ def tried_table(tried: Sequence[tn.Tried], workloads: Sequence[str]) -> Fitted:
             f"±{t.spread(workloads[0]) / 2:.0%}" if t.samples else "-",
             "; ".join(n for n in (t.note, busy if t.busy else "") if n),
         )
-    return fitted(table, wrap=("settings", "verdict"))
+    return table
 
 
 def show_search(
