@@ -340,7 +340,7 @@ class _Bars:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         numbers = ["-" if v is None else f"{v:,.1f}" for _, v, _ in self.rows]
-        label = self.label_cells or max((len(lb) for lb, _, _ in self.rows), default=0)
+        label = self.label_cells or max((cell_len(lb) for lb, _, _ in self.rows), default=0)
         number_cells = max((len(n) for n in numbers), default=1)
         room = options.max_width - label - number_cells - 2
         stacked = room < MIN_BAR_CELLS  # long labels: each on a line of its own, its bar under it

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from rich.cells import cell_len
+from rich.cells import cell_len, set_cell_size
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.spinner import Spinner
@@ -65,7 +65,7 @@ def progress_text(shown: Shown, width: int) -> Text:
     if room < 6:
         label = ""
     elif cell_len(label) > room:
-        label = label[: max(0, room - 1)].rstrip() + "…"
+        label = set_cell_size(label, max(0, room - 1)).rstrip() + "…"  # cells, not characters
     return Text(f"{label}  {figures}" if label else figures, no_wrap=True, overflow="ellipsis")
 
 

@@ -306,3 +306,14 @@ def test_the_summary_folds_a_word_wider_than_its_column_instead_of_cutting_it(wi
     assert "…" not in out
     assert all(len(line) <= width for line in out.splitlines())
     assert name in "".join(out.split())  # whole, once the folded lines are joined
+
+
+@pytest.mark.parametrize("width", [40, 80])
+def test_bar_labels_of_wide_characters_are_whole(width: int) -> None:
+    """The labels' column was sized in characters: `模型模型 prompt` showed as `模型模型 p…`."""
+    from llmrun.cli.dashboard import bars
+
+    out = io.StringIO()
+    rows = [("模型模型 prompt", 120.0, ""), ("decode", 30.0, "")]
+    Console(file=out, width=width, color_system=None).print(bars(rows))
+    assert "模型模型 prompt" in out.getvalue() and "120.0" in out.getvalue()

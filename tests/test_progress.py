@@ -89,6 +89,16 @@ def test_the_line_keeps_every_figure_and_cuts_only_the_label(width: int) -> None
     assert "ETA" not in waiting and "0/16" in waiting  # no estimate yet: none shown
 
 
+@pytest.mark.parametrize("width", [30, 40, 60])
+def test_a_label_of_wide_characters_is_cut_in_cells(width: int) -> None:
+    """The label was cut in characters: a CJK model name made the line 56 cells at width 40,
+    and rich cropped the figures at its end."""
+    from rich.cells import cell_len
+
+    text = progress_text(Shown("模型" * 20, 37, 120, "runs", 754.0, 3725.0), width).plain
+    assert cell_len(text) <= width and text.endswith("ETA 1:02:05")
+
+
 def test_the_line_is_erased_on_a_terminal_and_one_line_per_stage_elsewhere() -> None:
     tty = Console(file=io.StringIO(), force_terminal=True, width=60, color_system=None)
     line = ProgressLine(tty, plain_lines=True)
