@@ -111,7 +111,8 @@ def schema_grammar(schema: Any, where: str) -> str:
     if not isinstance(schema, dict):
         raise BadRequestError(f"{where}: a JSON schema is an object")
     check_schema(schema, where)
-    return _within_limits(_converted(schema, where, paired_surrogates), where)
+    fix = lambda grammar: json_text_dot(paired_surrogates(grammar))  # noqa: E731
+    return _within_limits(_converted(schema, where, fix), where)
 
 
 def _converted(
@@ -171,10 +172,45 @@ def grouped(schema: Any) -> Any:
     if isinstance(out.get("$ref"), str) and ("$defs" in out or "definitions" in out):
         out = {"anyOf": [{"$ref": out.pop("$ref")}], **out}
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and _has_top_level_bar(pattern):
-        body = pattern.removeprefix("^").removesuffix("$")
-        out["pattern"] = f"^({body})$"
+    if isinstance(pattern, str):
+        pattern = _json_safe_negations(pattern)
+        if _has_top_level_bar(pattern):
+            pattern = f"^({pattern.removeprefix('^').removesuffix('$')})$"
+        out["pattern"] = pattern
     return out
+
+
+# What a JSON string may hold unescaped excludes the quote, the backslash and U+0000-U+001F.
+# The converter copies a pattern's characters into the string as they are: a negated class
+# (`[^@]`) and `.` also allow those, so each is narrowed to the characters written unescaped
+# (as GBNF class text), and a pattern that names one of them is refused (`_unescaped_in`).
+_NOT_IN_JSON_TEXT = '"\\\\\\x00-\\x1F'
+_CONVERTER_DOT = "[^\\x0A\\x0D]"
+
+
+def _json_safe_negations(pattern: str) -> str:
+    """The pattern with every negated class (`[^...]`) also excluding `_NOT_IN_JSON_TEXT`."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if not in_class and pattern.startswith("[^", i):
+            out.append("[^" + _NOT_IN_JSON_TEXT)
+            i, in_class = i + 2, True
+            continue
+        in_class = (c == "[") if not in_class else c != "]"
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def json_text_dot(grammar: str) -> str:
+    """The grammar with the converter's `.` (any character but \\n and \\r) narrowed to the
+    characters a JSON string holds unescaped."""
+    return grammar.replace(_CONVERTER_DOT, "[^" + _NOT_IN_JSON_TEXT + "]")
 
 
 def _has_top_level_bar(pattern: str) -> bool:
@@ -904,6 +940,11 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
             raise BadRequestError(f"{where}.enum: a non-empty list of values")
         _few_choices(schema["enum"], f"{where}.enum")
     for key in ("enum", "const"):
+        if key in schema and _not_finite(schema[key]):
+            raise BadRequestError(
+                f"{where}.{key}: a number past the floats (1e999) or NaN is no JSON value (the"
+                " grammar would write Infinity)"
+            )
         if key in schema and _escaped_text(schema[key]):
             raise BadRequestError(
                 f"{where}.{key}: a string with a quote, a backslash or a control character is"
@@ -924,6 +965,16 @@ def _few_choices(options: list[Any], where: str) -> None:
             f"{where}: {len(options):,} choices; at most {MAX_CHOICES:,} (the grammar sampler"
             " follows each at every token)"
         )
+
+
+def _not_finite(value: Any) -> bool:
+    """Whether a JSON value holds a float that JSON cannot write (Python reads 1e999 as inf)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, list | dict):
+        items = value.values() if isinstance(value, dict) else value
+        return any(_not_finite(v) for v in items)
+    return False
 
 
 def _escaped_text(value: Any) -> bool:
@@ -964,6 +1015,7 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                 )
         # the pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path
         _converted({"type": "string", "pattern": pattern}, f"{where}.pattern")
+        _check_pattern_text(pattern, f"{where}.pattern")
 
 
 def _check_arrays(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:
@@ -1001,6 +1053,51 @@ def _counts(schema: dict[str, Any], least: str, most: str, where: str) -> None:
             f"{where}: {least} {schema[least]} is above {most} {schema[most]}, so no value can"
             " be written"
         )
+
+
+_ESCAPED_IN_JSON = frozenset({*range(0x20), ord('"'), ord("\\")})
+_SAFE_CATEGORIES = {"CATEGORY_DIGIT", "CATEGORY_WORD", "CATEGORY_UNI_DIGIT", "CATEGORY_UNI_WORD"}
+
+
+def _check_pattern_text(pattern: str, where: str) -> None:
+    """Refuse a pattern that is no regular expression (a reversed range, unbalanced brackets, a
+    repetition of a repetition: the converter wrote a grammar for something else, or none the
+    model could follow) or that can write a character JSON escapes (the converter puts it in
+    the string as it is: the answer would not be JSON)."""
+    from . import re_adapter as sre
+
+    try:
+        parsed = sre.parse(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise BadRequestError(f"{where}: not a regular expression ({e})") from None
+    if _unescaped_in(parsed.data):
+        raise BadRequestError(
+            f"{where}: a pattern that can write a quote, a backslash or a control character is"
+            " not supported in structured output (the converter puts it in the string"
+            " unescaped: the answer would not be JSON)"
+        )
+
+
+def _unescaped_in(items: Any) -> bool:
+    """Whether a parsed pattern names a character JSON writes escaped (negated classes and `.`
+    are narrowed in the grammar instead)."""
+    for op, arg in items:
+        name = str(op)
+        if name == "LITERAL" and arg in _ESCAPED_IN_JSON:
+            return True
+        if name == "RANGE" and any(arg[0] <= c <= arg[1] for c in _ESCAPED_IN_JSON):
+            return True
+        if name == "CATEGORY" and str(arg) not in _SAFE_CATEGORIES:
+            return True
+        if name == "IN" and not (arg and str(arg[0][0]) == "NEGATE") and _unescaped_in(arg):
+            return True
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and _unescaped_in(arg[2]):
+            return True
+        if name == "SUBPATTERN" and _unescaped_in(arg[-1]):
+            return True
+        if name == "BRANCH" and any(_unescaped_in(b) for b in arg[1]):
+            return True
+    return False
 
 
 def _check_objects(schema: dict[str, Any], where: str, root: dict[str, Any]) -> None:

@@ -95,6 +95,20 @@ def test_text_asks_for_no_grammar_and_json_asks_for_one() -> None:
         ({"type": "string", "format": []}, "format: an array is not supported"),
         ({"items": list(range(10**5))}, "schema.items.0: a schema is an object, not 0"),
         ({"anyOf": ["x" * 10**5]}, "anyOf.0: a schema is an object, not a string"),
+        # what the grammar would write is no JSON: `Infinity`, a raw quote, tab or backslash
+        ({"enum": [1e999]}, "enum: a number past the floats (1e999) or NaN is no JSON value"),
+        ({"type": "object", "properties": {"a": {"const": [-1e999]}}}, "properties.a.const: a"),
+        *(
+            ({"type": "string", "pattern": p}, "pattern: a pattern that can write a quote")
+            for p in ("^\\\\$", '^a"$', "^\\t$", "^[\\n-\\r]$", "^[\u0001-\u0002]$", "^\t$")
+        ),
+        # no regular expression: the converter wrote a grammar for something else, or none
+        *(
+            ({"type": "string", "pattern": p}, "pattern: not a regular expression")
+            for p in ("^[z-a]$", "^((((a$", "^a{2,1}$", "^a{1000}{1000}$")
+        ),
+        ({"type": "string", "pattern": "^\\x$"}, "pattern: a pattern's escape \\x"),
+        ({"type": "string", "pattern": "^\\u12$"}, "pattern: a pattern's escape \\u12"),
     ],
 )
 def test_a_keyword_the_grammar_would_not_keep_is_refused_by_name(
@@ -103,6 +117,15 @@ def test_a_keyword_the_grammar_would_not_keep_is_refused_by_name(
     with pytest.raises(BadRequestError, match=r"response_format\.json_schema\.schema") as e:
         response_grammar(json_schema(schema))
     assert words in str(e.value)
+
+
+def test_any_character_and_negated_classes_write_only_what_json_holds_unescaped() -> None:
+    """The converter's `.` and `[^@]` allowed a raw quote, backslash or newline inside the
+    string: an answer that stopped there was no JSON."""
+    schema = {"type": "string", "pattern": "^[^@]+@.+$"}
+    grammar = response_grammar(json_schema(schema)) or ""
+    assert 'dot ::= [^"\\\\\\x00-\\x1F]' in grammar
+    assert '[^"\\\\\\x00-\\x1F@]+' in grammar and "[^@]" not in grammar
 
 
 @pytest.mark.parametrize(
