@@ -9,6 +9,8 @@ disk fills part-way, the partial bytes are cut off again, so the file stays whol
 `read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
 40 GB file given by mistake ends in one error instead of exhausting memory; a FIFO
 (`<(command)`, /dev/stdin) is read like a file, within the same cap.
+`read_regular` reads a small file of the system's (a sysfs counter) that must not wait: a FIFO
+or device put in its place is an OSError at once, never a hang.
 `output_file_problem` says, before a run, why a file an option names for the run's results
 could not take them, so a bad name costs no run. No open for writing waits: a FIFO with no
 reader is an error (ENXIO) at once, never a hang that ignores SIGTERM.
@@ -167,3 +169,28 @@ def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> byte
         raise FileTooLargeError(what, max_bytes)
     return data
 
+
+def read_regular(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, read without waiting: opened with
+    O_NONBLOCK, and anything else (a FIFO, which would wait for a writer, a device, a
+    folder) is an OSError naming it, NOT_REGULAR. FileTooLargeError past `max_bytes`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise FileTooLargeError(what, max_bytes)
+    return b"".join(chunks)
