@@ -11,7 +11,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
-from llmrun.runners.files import FileTooLargeError, read_capped
+from llmrun.runners.files import NOT_REGULAR, FileTooLargeError, output_file_problem, read_capped
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 # A line's sampling keys: each setting's JSONL names (runners/limits.py), and its stop strings.
@@ -110,6 +110,18 @@ def read_option_file(path: Path, flag: str, max_bytes: int, what: str) -> bytes:
         raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
     except FileTooLargeError as e:
         raise BadRequestError(f"{flag} {path}: {e}") from None
+
+
+def output_file(flag: str, path: Path, example: str) -> Path:
+    """A file an option names for a run's results (--stats-file, --plot), checked before the
+    run: a name that cannot take them failed only after the whole run (a FIFO with no reader
+    hung there), and the results were lost. One line naming the option, exit 1."""
+    why = output_file_problem(path)
+    if why is None:
+        return path
+    if why in ("a folder", NOT_REGULAR):
+        why = f"{why}; give a file name such as {example}"
+    raise BadRequestError(f"{flag} {path}: {why}")
 
 
 def read_text(path: Path, flag: str) -> str:

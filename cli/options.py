@@ -759,10 +759,11 @@ class EngineOptions(OptionRecord):
 
 def cache_type(text: str, flag: str) -> str:
     """A KV cache type by llama.cpp's name, checked against the types llmrun's limits know (as
-    bench's -ctk/-ctv and every other source of engine settings)."""
+    bench's -ctk/-ctv and every other source of engine settings). A name that is none is a
+    usage error, exit 2, as `-fa bogus` is (it was exit 1, without the hint)."""
     value = text.strip().lower()
     if value not in CACHE_TYPES:
-        raise BadRequestError(f"{flag}: '{text}' is not one of {', '.join(CACHE_TYPES)}")
+        raise OptionError(f"{flag}: '{text}' is not one of {', '.join(CACHE_TYPES)}")
     return value
 
 

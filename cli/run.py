@@ -43,7 +43,7 @@ from .errors import (
     quiet_broken_pipe,
     usage_error,
 )
-from .inputs import Job, collect_jobs
+from .inputs import Job, collect_jobs, output_file
 from .progress import PlainPhases
 from .records import OptionRecord, takes_records
 from .report import (
@@ -194,6 +194,8 @@ def run(
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         config = _with_parallel(config, generation, parallel, kv_unified)
+        if report.stats_file is not None:  # before the load: a bad name cost the whole run
+            output_file("--stats-file", report.stats_file, "stats.jsonl")
         runner = make_runner(
             generation.model,
             config,

@@ -9,6 +9,11 @@ disk fills part-way, the partial bytes are cut off again, so the file stays whol
 `read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
 40 GB file given by mistake ends in one error instead of exhausting memory; a FIFO
 (`<(command)`, /dev/stdin) is read like a file, within the same cap.
+`read_regular` reads a small file of the system's (a sysfs counter) that must not wait: a FIFO
+or device put in its place is an OSError at once, never a hang.
+`output_file_problem` says, before a run, why a file an option names for the run's results
+could not take them, so a bad name costs no run. No open for writing waits: a FIFO with no
+reader is an error (ENXIO) at once, never a hang that ignores SIGTERM.
 """
 
 from __future__ import annotations
@@ -71,9 +76,11 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_in_place(path: Path, data: bytes) -> None:
-    """A device or FIFO gets the bytes as they are; a failed write (a full device) raises."""
-    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    """A device or FIFO gets the bytes as they are; a failed write (a full device) raises.
+    The open does not wait for a FIFO's reader (ENXIO without one); the writes then do."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK)
     try:
+        os.set_blocking(fd, True)  # a reader is there: let it take the bytes at its pace
         _write_all(fd, data)
         with contextlib.suppress(OSError):  # a terminal or FIFO has nothing to sync (EINVAL)
             os.fsync(fd)
@@ -82,10 +89,13 @@ def _write_in_place(path: Path, data: bytes) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append `line` plus a newline as one write; a failed write leaves no partial line."""
+    """Append `line` plus a newline as one write to a regular file; a failed write leaves no
+    partial line. Anything else (a FIFO, a device) is an OSError, and the open never waits."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
         start = os.fstat(fd).st_size
         try:
             written = os.write(fd, data)
@@ -98,6 +108,46 @@ def append_line(path: Path, line: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+NOT_REGULAR = "not a regular file (a FIFO, a device or a socket)"
+KERNEL_FOLDERS = ("/proc", "/sys")  # regular files by their mode, but the kernel's
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why `path` cannot take a run's results, in a few words (None: it can), checked before
+    the run: a folder, a missing or unwritable folder, a FIFO, device or socket, a file of the
+    kernel's (/proc, /sys: root may open them, and the write fails or changes a setting).
+    A file that was not there is not left behind."""
+    if path.is_dir():
+        return "a folder"
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        return f"there is no folder {folder}"
+    real = os.path.realpath(path)
+    if any(real == top or real.startswith(top + "/") for top in KERNEL_FOLDERS):
+        return f"cannot write it: {real} is the kernel's, not a file to write"
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        return f"cannot write it: {e.strerror or e}"
+    if mode is not None and not stat.S_ISREG(mode):
+        return NOT_REGULAR
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        return f"cannot write it: {e.strerror or e}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # made a FIFO since the stat
+            return NOT_REGULAR
+    finally:
+        os.close(fd)
+        if mode is None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return None
 
 
 class FileTooLargeError(ValueError):
@@ -118,3 +168,29 @@ def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> byte
     if len(data) > max_bytes:
         raise FileTooLargeError(what, max_bytes)
     return data
+
+
+def read_regular(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, read without waiting: opened with
+    O_NONBLOCK, and anything else (a FIFO, which would wait for a writer, a device, a
+    folder) is an OSError naming it, NOT_REGULAR. FileTooLargeError past `max_bytes`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise FileTooLargeError(what, max_bytes)
+    return b"".join(chunks)

@@ -163,6 +163,13 @@ class Setting:
             _float_in(where, self.name, value, self.low, self.high)
 
 
+# llama.cpp's penalty sampler divides a seen token's positive logit by the penalty (and
+# multiplies a negative one); only 1.0 is special (off). 0 made every seen token's logit
+# infinite (an empty answer, finish_reason stop), a negative one flips the sign, and a
+# positive one under about 1e-37 overflows float32 the same way; 0.01 already scales a seen
+# token's logit a hundredfold.
+MIN_REPEAT_PENALTY = 0.01
+
 SAMPLING_SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
@@ -173,7 +180,7 @@ SAMPLING_SETTINGS: dict[str, Setting] = {
         Setting("min_p", 0.0, 1.0, ("min_p",), ("min_p",)),
         Setting(
             "repeat_penalty",  # llama.cpp's name, and vLLM's
-            0.0,
+            MIN_REPEAT_PENALTY,
             100.0,
             ("repeat_penalty",),
             ("repeat_penalty", "repetition_penalty"),

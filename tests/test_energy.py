@@ -313,6 +313,86 @@ def test_a_counter_past_its_range_is_no_counter(tmp_path: Path) -> None:
         counter.read_j()
 
 
+def _package_zone(root: Path) -> Path:
+    zone_dir = root / "intel-rapl:0"
+    zone_dir.mkdir()
+    (zone_dir / "name").write_text("package-0\n")
+    (zone_dir / "max_energy_range_uj").write_text("1000000\n")
+    (zone_dir / "energy_uj").write_text("10\n")
+    return zone_dir
+
+
+def _open_apart(
+    root: Path, env: dict[str, str], then: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """open_powercap(root) (and `then`) in a child, so a read that waits is a timeout here."""
+    code = (
+        "import sys\n"
+        "from llmrun.runners.energy.powercap import open_powercap, Unavailable\n"
+        "try:\n"
+        f"    counter = open_powercap({str(root)!r})\n"
+        f"    {then or 'pass'}\n"
+        "    print('opened', counter.labels, counter.read_j())\n"
+        "except Unavailable as e:\n"
+        "    print('unavailable:', e)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("file", "says"),
+    [
+        ("name", "intel-rapl:0/name: not a regular file (a FIFO, a device or a socket)"),
+        ("energy_uj", "intel-rapl:0/energy_uj: not a regular file (a FIFO, a device or a socket)"),
+        ("max_energy_range_uj", "max_energy_range_uj: not a regular file"),
+    ],
+)
+def test_a_zone_file_that_is_a_fifo_is_a_reason_never_a_hang(
+    tmp_path: Path, file: str, says: str, llmrun_env: dict[str, str]
+) -> None:
+    """LLMRUN_POWERCAP_ROOT with a FIFO for `name` or `energy_uj`: `run --energy on` waited
+    for a writer for ever, deaf to the first SIGTERM."""
+    zone_dir = _package_zone(tmp_path)
+    (zone_dir / file).unlink()
+    os.mkfifo(zone_dir / file)
+    done = _open_apart(tmp_path, llmrun_env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"unavailable: no readable RAPL package zone under {tmp_path}")
+    assert says in done.stdout, done.stdout
+
+
+def test_a_counter_that_becomes_a_fifo_is_a_reason_never_a_hang(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    zone_dir = _package_zone(tmp_path)
+    swap = f"import os; os.unlink({str(zone_dir / 'energy_uj')!r}); os.mkfifo({str(zone_dir / 'energy_uj')!r})"
+    done = _open_apart(tmp_path, llmrun_env, swap)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"unavailable: reading {zone_dir / 'energy_uj'}: not a regular")
+
+
+def test_zone_files_not_utf8_or_too_long_are_read_safely(
+    tmp_path: Path, cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `name` that is not UTF-8 (`package-\\xff\\xfe`) was `internal error: UnicodeDecodeError`;
+    its bytes are replaced, as the kernel's names never need."""
+    zone_dir = _package_zone(tmp_path)
+    (zone_dir / "name").write_bytes(b"package-\xff\xfe\n")
+    assert open_powercap(tmp_path).labels == ("package-\ufffd\ufffd",)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    result = cli.invoke(app, ["run", "--energy", "on", "-n", "2", "hi"])
+    assert result.exit_code == 1, result.stderr  # the fake's counter stands still
+    [line] = result.stderr.splitlines()
+    assert line.startswith("llmrun: error: --energy on: no energy counter can be read here")
+    assert "RAPL package-\ufffd\ufffd counter" in line
+    (zone_dir / "energy_uj").write_text("1" * 5000)  # no counter is a page long
+    with pytest.raises(Unavailable, match="counter file is larger than 4096 bytes"):
+        open_powercap(tmp_path)
+
+
 @pytest.fixture
 def unreadable_tree(tmp_path: Path) -> Path:
     """A powercap tree whose energy_uj this process may not read (mode 0: the kernel's 0400
@@ -440,6 +520,18 @@ def test_a_gpu_without_an_energy_counter(machine: Machine, tree: Path) -> None:
     assert report.left_out == (
         "the GPU's energy: this GPU has no total-energy counter (NVML has one from Volta on)"
     )
+
+
+def test_a_gpu_name_that_is_not_utf8_is_left_out(machine: Machine) -> None:
+    """nvidia-ml-py decodes the driver's name strictly: its UnicodeDecodeError escaped."""
+
+    class BadName(FakeNvml):
+        def nvmlDeviceGetName(self, handle: Meter) -> str:
+            return b"H200 \xff".decode()
+
+    counter = open_nvml(BadName([machine.add(Meter(70.0, 20_000))]))
+    assert counter.name == "NVML GPU 0"
+    counter.close()
 
 
 def test_summary_and_json_carry_the_energy(machine: Machine, tree: Path) -> None:

@@ -83,8 +83,23 @@ def test_the_flags_llama_cpp_users_type_reach_the_engine(
     assert (config.cache_type_k, config.cache_type_v, config.flash_attn) == ("q8_0", "q8_0", "on")
     assert (config.n_ubatch, config.n_batch) == (4, 8)
     bad = cli.invoke(app, ["chat", "-ctk", "q9"], input="hi\n")
-    assert bad.exit_code == 1
+    assert bad.exit_code == 2
     assert bad.stderr.startswith("llmrun: error: -ctk/--cache-type-k: 'q9' is not one of f32")
+
+
+@pytest.mark.parametrize("given", ["q2_K", "", "f16,q9"])
+@pytest.mark.parametrize("flag", ["-ctk", "-ctv", "--cache-type-k"])
+@pytest.mark.parametrize("command", [["run", "hi"], ["chat"], ["serve"], ["bench", "-r", "1"]])
+def test_a_kv_cache_type_that_is_none_is_a_usage_error(
+    command: list[str], flag: str, given: str, cli: CliRunner, fake: FakeRunner
+) -> None:
+    """`run -ctk q2_K` and `-ctk ''` were exit 1 (as a job's failure), `-fa bogus` exit 2;
+    `bench -ctk q2_K` ran, skipped every test and said so, exit 1."""
+    result = cli.invoke(app, [command[0], flag, given, *command[1:]], input="hi\n")
+    assert result.exit_code == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("llmrun: error: -ct"), line
+    assert "f32, f16, bf16, q8_0" in line and not fake.requests
 
 
 def test_hf_is_a_hub_repository_not_the_help(cli: CliRunner, fake: FakeRunner) -> None:

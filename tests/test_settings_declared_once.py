@@ -88,6 +88,60 @@ def test_every_source_refuses_the_same_values(name: str) -> None:
             kind(declared.min, declared.max).convert(past, None, None)
 
 
+def _refused_by_every_source(name: str, value: typing.Any) -> None:
+    """`value` for setting `name` is a SettingError from the checker, from every JSONL key and
+    from every HTTP body field, and a click range error from the command-line option."""
+    s = SAMPLING_SETTINGS[name]
+    with pytest.raises(SettingError):
+        check_sampling(dataclasses.replace(SamplingParams(), **{name: value}))
+    for key in s.jsonl:
+        with pytest.raises(SettingError):
+            inputs.parse_jsonl_line(
+                f'{{"prompt": "x", "{key}": {value!r}}}',
+                system=None,
+                raw=False,
+                sampling=SamplingParams(),
+            )
+    for key in s.http:
+        body = api_models.ChatBody.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], key: value}
+        )
+        with pytest.raises(SettingError):
+            body.sampling(SamplingParams())
+    field = OPTION_OF.get(name, name)
+    if field in {f.name for f in dataclasses.fields(options.SamplingOptions)}:
+        declared = _typer_option(field)
+        kind: typing.Any = click.IntRange if s.whole else click.FloatRange
+        with pytest.raises(click.BadParameter):
+            kind(declared.min, declared.max).convert(value, None, None)
+
+
+@pytest.mark.parametrize("name", sorted(set(SAMPLING_SETTINGS) - {"seed"}))  # HTTP -1: random
+def test_every_source_refuses_the_same_values_below(name: str) -> None:
+    s = SAMPLING_SETTINGS[name]
+    _refused_by_every_source(name, s.low - (1 if s.whole else 0.5))
+
+
+@pytest.mark.parametrize("penalty", [0, 0.0, -1.0, 1e-40, 0.005])
+def test_a_repeat_penalty_of_zero_is_refused_everywhere(penalty: float) -> None:
+    """llama.cpp divides a seen token's logit by the penalty: `repeat_penalty: 0` (HTTP,
+    --repeat-penalty 0, a JSONL line) was taken and gave an empty answer, finish_reason stop;
+    a penalty that float32 holds as 0 (1e-40) does the same."""
+    _refused_by_every_source("repeat_penalty", penalty)
+
+
+def test_the_repeat_penalty_option_refuses_zero_as_a_usage_error(
+    cli: CliRunner, fake: typing.Any
+) -> None:
+    result = cli.invoke(app, ["run", "--repeat-penalty", "0", "hi"])
+    assert result.exit_code == 2, result.stderr
+    assert "--repeat-penalty" in result.stderr and "0.01<=x<=100" in result.stderr
+    assert not fake.requests
+    ok = cli.invoke(app, ["run", "--repeat-penalty", "0.01", "hi"])
+    assert ok.exit_code == 0, ok.stderr
+    assert fake.requests[-1].sampling.repeat_penalty == 0.01
+
+
 # The command line's option of each engine setting (EngineConfig's field).
 ENGINE_OPTIONS = {
     "n_ctx": options.Ctx,

@@ -539,6 +539,7 @@ def test_bench_refuses_an_unknown_load_mode_before_a_load(cli: CliRunner) -> Non
         ("{tmp}", "a folder; give a file name such as charts.png", 1),
         ("{tmp}/no/x.png", "there is no folder {tmp}/no", 1),
         ("/proc/x.png", "cannot write it: ", 1),
+        ("{tmp}/fifo.png", "not a regular file (a FIFO, a device or a socket); give a file", 1),
     ],
 )
 @pytest.mark.parametrize(
@@ -552,13 +553,16 @@ def test_a_plot_that_cannot_be_written_is_refused_before_the_run(
     """--plot y.txt failed with matplotlib's ValueError after the whole run, and --plot DIR said
     `charts written to DIR`."""
     given = name.format(tmp=tmp_path)
+    if given.endswith("fifo.png"):  # its check opened it for writing and waited for a reader
+        os.mkfifo(given)
     result = cli.invoke(app, [*command, "--plot", given])
     assert result.exit_code == code, result.stderr
     [line] = result.stderr.splitlines()  # one line, and no load's header before it
     assert line.startswith(
         f"llmrun: error: --plot{' ' + given if given else ''}: {says}".format(tmp=tmp_path)
     ), line
-    assert list(tmp_path.iterdir()) == [], "the check leaves no file behind"
+    left = [p for p in tmp_path.iterdir() if p.name != "fifo.png"]
+    assert left == [], "the check leaves no file behind"
 
 
 def test_remote_prefill_is_the_servers_and_ttft_the_clients(cli: CliRunner) -> None:

@@ -16,7 +16,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from typer.testing import CliRunner
@@ -28,6 +30,8 @@ from llmrun.runners.history import History
 
 from .conftest import HANG_S, ROOT
 from .fake import FakeRunner
+
+T = TypeVar("T")
 
 CHILD = textwrap.dedent("""
     import resource, signal, sys
@@ -108,6 +112,67 @@ def test_atomic_write_and_append_line_leave_nothing_half_done(tmp_path: Path) ->
         read_capped("/dev/zero", max_bytes=1000)
     with pytest.raises(IsADirectoryError):
         read_capped(tmp_path, max_bytes=1000)
+
+
+FIFO_WAIT_S = 10.0  # what a write that does not wait takes, many times over
+
+
+def _within(fifo: Path, work: Callable[[], T]) -> T:
+    """`work()`'s result, or a failure if it is still waiting after FIFO_WAIT_S; a reader then
+    opens `fifo`, so a writer stuck in its open is let go."""
+    done: list[T] = []
+    thread = threading.Thread(target=lambda: done.append(work()), daemon=True)
+    thread.start()
+    thread.join(FIFO_WAIT_S)
+    if thread.is_alive():
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join(FIFO_WAIT_S)
+        os.close(reader)
+        pytest.fail(f"waited for a reader of {fifo}")
+    return done[0]
+
+
+def test_no_write_waits_for_a_fifos_reader(tmp_path: Path) -> None:
+    """append_line (--stats-file) and atomic_write (/save) opened a FIFO with no reader and
+    waited there for ever, deaf to the first SIGTERM."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+
+    def refused(write: Callable[[Path, str], None]) -> bool:
+        try:
+            write(fifo, "a")
+        except OSError:
+            return True
+        return False
+
+    assert _within(fifo, lambda: refused(append_line))
+    assert _within(fifo, lambda: refused(atomic_write))
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("{tmp}", "a folder; give a file name such as stats.jsonl"),
+        ("{tmp}/f", "not a regular file (a FIFO, a device or a socket); give a file name such as"),
+        ("/dev/null", "not a regular file"),
+        ("/proc/version", "cannot write it: /proc/version is the kernel's"),
+        ("/sys/x.jsonl", "cannot write it: /sys/x.jsonl is the kernel's"),
+        ("{tmp}/no/x.jsonl", "there is no folder {tmp}/no"),
+    ],
+)
+def test_a_stats_file_that_cannot_be_written_is_refused_before_the_run(
+    given: str, says: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    """--stats-file DIR, /proc/version or /nonexist/x ran the whole generation and then said
+    `cannot write the stats file`, the stats lost; a FIFO with no reader hung after the text."""
+    os.mkfifo(tmp_path / "f")
+    path = given.format(tmp=tmp_path)
+    result = _within(tmp_path / "f", lambda: cli.invoke(app, ["run", "--stats-file", path, "hi"]))
+    assert result.exit_code == 1, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"llmrun: error: --stats-file {path}: {says.format(tmp=tmp_path)}")
+    assert not fake.requests and fake.loaded is None  # refused before the load
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
 @pytest.mark.parametrize("text", ['{"/m.gguf:1": {"chat": {}},}', "[1, 2]", "{'a': 1}"])

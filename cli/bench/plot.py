@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llmrun.cli.inputs import output_file
 from llmrun.runners.bench.results import Row
 from llmrun.runners.errors import BadRequestError, OptionError
 
@@ -34,8 +35,8 @@ def plot_file(text: str | None) -> Path | None:
     if not text.strip():
         raise OptionError("--plot: give a file name such as charts.png")
     path = Path(text)
-    if path.is_dir():
-        raise BadRequestError(f"--plot {text}: a folder; give a file name such as charts.png")
+    if path.is_dir():  # before the format, which a folder's name has not
+        output_file("--plot", path, "charts.png")
     _pyplot()  # matplotlib is there, or one line that says how to get it
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -46,17 +47,7 @@ def plot_file(text: str | None) -> Path | None:
             f"--plot {text}: name the picture's format by its ending, one of"
             f" {', '.join(sorted(formats))} (charts.png)"
         )
-    folder = path.parent
-    if not folder.is_dir():
-        raise BadRequestError(f"--plot {text}: there is no folder {folder}")
-    existed = path.exists()
-    try:
-        with path.open("ab"):  # the run's end writes it; learn now that it cannot
-            pass
-    except OSError as e:
-        raise BadRequestError(f"--plot {text}: cannot write it: {e.strerror or e}") from None
-    if not existed:
-        path.unlink(missing_ok=True)
+    output_file("--plot", path, "charts.png")  # the run's end writes it: learn now it cannot
     return path
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from llmrun.runners.energy import PhaseMeter
 
 PPL_CTX = 512  # llama-perplexity's windows when -c is not given
+_ONE_OF_CACHE_TYPES = f"one of {', '.join(CACHE_TYPES)}"  # a name llama.cpp has no type for
 
 
 def parse_shapes(
@@ -226,6 +227,7 @@ class Sweep:
                 name="-fa/--flash-attn",
                 allowed=FLASH_ATTN,
                 aliases=sw.FLASH_ATTN_ALIASES,
+                refuse="on, off or auto (or 1, 0, -1)",
             )
             if self.flash_attn
             else [base.flash_attn]
@@ -257,8 +259,12 @@ class Sweep:
                 else [base.n_gpu_layers]
             ),
             flash_attn=flash,
-            type_k=sw.parse_words(self.cache_type_k, name="-ctk", allowed=CACHE_TYPES),
-            type_v=sw.parse_words(self.cache_type_v, name="-ctv", allowed=CACHE_TYPES),
+            type_k=sw.parse_words(
+                self.cache_type_k, name="-ctk", allowed=CACHE_TYPES, refuse=_ONE_OF_CACHE_TYPES
+            ),
+            type_v=sw.parse_words(
+                self.cache_type_v, name="-ctv", allowed=CACHE_TYPES, refuse=_ONE_OF_CACHE_TYPES
+            ),
             repack=sw.parse_bools(self.repack, name="--repack") if self.repack else [None],
             no_kv_offload=(
                 sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]

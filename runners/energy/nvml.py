@@ -59,9 +59,11 @@ def _shutdown(nvml: Any) -> None:
 
 
 def _name(nvml: Any, handle: Any) -> str:
+    """The GPU's name, or "" where NVML gives none: nvidia-ml-py decodes the driver's bytes
+    strictly, so a name that is not UTF-8 is a UnicodeDecodeError there."""
     try:
         name = nvml.nvmlDeviceGetName(handle)
-    except nvml.NVMLError:
+    except (nvml.NVMLError, UnicodeError):
         return ""
     return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 

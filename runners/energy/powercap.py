@@ -6,6 +6,9 @@ The tree (/sys/class/powercap, or LLMRUN_POWERCAP_ROOT) lists every zone flat:
 `amd-rapl`. core and uncore are parts of their package and psys covers the whole platform, so
 only packages and dram are summed; `intel-rapl-mmio` repeats a package's counter and is left out.
 Each `energy_uj` wraps at `max_energy_range_uj`; since 2020 (CVE-2020-8694) it is root-only.
+Every file is read as a hostile one (LLMRUN_POWERCAP_ROOT may name any tree): without waiting
+(a FIFO is refused, not waited on), within COUNTER_FILE_BYTES, bytes that are not UTF-8
+replaced; one that cannot be read is a zone left out, and the reason is kept for the message.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmrun.runners.files import read_regular
 from llmrun.runners.lists import whole
 
 from .counter import Unavailable
@@ -23,6 +27,7 @@ ROOT_ENV = "LLMRUN_POWERCAP_ROOT"
 DEFAULT_ROOT = "/sys/class/powercap"
 ZONE = re.compile(r"^(intel-rapl|amd-rapl):([0-9]+)(?::([0-9]+))?$")
 ROOT_ONLY = "powercap is root-only here: run as root or grant read access to energy_uj"
+COUNTER_FILE_BYTES = 4096  # a sysfs attribute is one page at most
 
 
 @dataclass
@@ -34,9 +39,17 @@ class _Zone:
     total_uj: int = 0
 
 
+def _read_text(path: Path) -> str:
+    """A zone file's text: read without waiting, capped, bytes that are not UTF-8 replaced.
+    Raises OSError (PermissionError, a FIFO or device: not a regular file) and ValueError
+    (FileTooLargeError)."""
+    data = read_regular(path, max_bytes=COUNTER_FILE_BYTES, what="counter file")
+    return data.decode("utf-8", errors="replace").strip()
+
+
 def _read_int(path: Path) -> int:
     """A counter file's whole number (ASCII digits, as the kernel writes it)."""
-    text = path.read_text().strip()
+    text = _read_text(path)
     value = whole(text)
     if value is None:
         raise ValueError(f"{text[:20]!r} is not a count")
@@ -70,7 +83,7 @@ class PowercapCounter:
             except PermissionError:
                 raise Unavailable(ROOT_ONLY) from None
             except (OSError, ValueError) as e:
-                raise Unavailable(f"reading {zone.path / 'energy_uj'} failed: {e}") from None
+                raise Unavailable(f"reading {_why(zone.path / 'energy_uj', e)}") from None
             if now > zone.range_uj:  # the kernel's counter wraps at its range: this is none
                 raise Unavailable(
                     f"{zone.path / 'energy_uj'} reads {now} µJ, past its range of"
@@ -102,13 +115,15 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
             f"no RAPL counters: {base} is missing here, as in most VMs and containers"
         )
     found: list[tuple[re.Match[str], Path, str]] = []
+    failed: list[str] = []  # why a zone was left out, for the message where none is left
     for entry in sorted(base.iterdir(), key=lambda p: (_order(p.name), p.name)):
         match = ZONE.match(entry.name)
         if match is None:
             continue
         try:
-            name = (entry / "name").read_text().strip()
-        except OSError:
+            name = _read_text(entry / "name")
+        except (OSError, ValueError) as e:
+            failed.append(_why(entry / "name", e))
             continue
         found.append((match, entry, name))
     packages = {m.group(2): name for m, _, name in found if m.group(3) is None}
@@ -131,14 +146,25 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
         except PermissionError:
             denied = True
             continue
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            failed.append(_why(entry, e))
             continue
         if not 0 <= last <= range_uj or range_uj == 0:  # no counter the kernel writes
+            failed.append(f"{entry}: energy_uj {last} is outside its range {range_uj}")
             continue
         seen.add(label)
         zones.append(_Zone(entry, label, range_uj, last))
     if denied:
         raise Unavailable(ROOT_ONLY)
     if not zones:
-        raise Unavailable(f"no readable RAPL package zone under {base}")
+        reason = f" ({failed[0]})" if failed else ""
+        raise Unavailable(f"no readable RAPL package zone under {base}{reason}")
     return PowercapCounter(zones)
+
+
+def _why(path: Path, e: Exception) -> str:
+    """A read's failure in a few words: the file, then the OS's reason or the text that was
+    no count."""
+    if isinstance(e, OSError):
+        return f"{e.filename or path}: {e.strerror or e}"
+    return f"{path}: {e}"
