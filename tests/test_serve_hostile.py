@@ -387,6 +387,20 @@ def test_tokenize_refuses_what_the_chat_routes_refuse_with_400(
     assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
 
 
+def test_json_held_in_a_string_gets_the_gates_400_for_a_lone_surrogate(server: Server) -> None:
+    """A call's arguments are a JSON string holding JSON: its `\\ud800` passes the body's gate
+    as a backslash and is decoded when the call is written into the prompt (it was a 500)."""
+    payload = (
+        b'{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":'
+        b'"function","function":{"name":"f","arguments":"{\\"a\\":\\"\\\\ud800\\"}"}}]}],'
+        b'"max_tokens":3}'
+    )
+    error = openai_error(send(server, CHAT, payload), 400)
+    assert error["param"] == "messages.0.tool_calls.0.function.arguments"
+    assert error["message"].startswith(f"{error['param']}: a lone surrogate (an escape from")
+    still_serving(server)
+
+
 def test_every_response_is_counted_once_under_its_route(server: Server) -> None:
     """/metrics counts each response once, under the route of its path, whichever layer gave
     it: routing (405), the access checks (403), a route's own refusal or answer."""

@@ -24,6 +24,7 @@ from llmrun.runners.lists import whole
 
 from .api_engine import RequestTimings
 from .api_responses import Wire, error_body
+from .tools import LONE_SURROGATE
 
 RETRY_AFTER_S = 1
 BODY_IDLE_S = 30.0  # the longest wait for the next piece of a request's body
@@ -257,10 +258,7 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         said = f"malformed JSON: {first.get('msg', '')}".rstrip(": ")
         if "surrogate" in said or "end of hex escape" in said:  # jiter's words for \ud800 alone
-            said += (
-                " (an escape from \\ud800 to \\udfff is half of a UTF-16 surrogate pair:"
-                " alone, it is no character)"
-            )
+            said += f" ({LONE_SURROGATE})"
         return said, None
     loc = [p for p in first.get("loc", ()) if isinstance(p, int) or not _is_branch_tag(str(p))]
     where = ".".join(str(p) for p in loc)
