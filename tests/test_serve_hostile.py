@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from llmrun.cli.serve import DEFAULT_MAX_CONNECTIONS
 from llmrun.runners.serving.api_http import MIN_BODY_LIMIT, validation_message
-from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, CompletionBody
+from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, ChatBody, CompletionBody
 from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
 from .conftest import HANG_S
@@ -184,6 +184,12 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
             "messages.0.content: must be a string or an array of objects, not a number",
             "messages.0.content",
         ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages.0.content.0.text: must be a string, not a number",
+            "messages.0.content.0.text",
+        ),
         (CHAT, {"messages": "hi"}, "messages: Input should be a valid array", "messages"),
         (
             CHAT,
@@ -231,6 +237,34 @@ def test_a_wrong_prompt_array_says_what_its_arrays_held(prompt: Any, held: str) 
         CompletionBody.model_validate_json(json.dumps({"prompt": prompt}))
     message, param = validation_message(e.value)
     assert message.endswith(f", not {held}") and param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (
+            [{"type": "text", "text": 5}],
+            "messages.0.content.0.text: must be a string, not a number",
+        ),
+        ([{"type": 5}], "messages.0.content.0.type: must be a string, not a number"),
+        ([{"type": "text", "text": [1]}], "messages.0.content.0.text: must be a string, not an"),
+        (
+            [{"type": "text", "text": "a"}, {"text": "b"}],
+            "messages.0.content.1.type: Field required",
+        ),
+        ([{"type": "text", "text": "a"}, 5], "messages.0.content: must be a string or an array"),
+        (5, "messages.0.content: must be a string or an array of objects, not a number"),
+    ],
+)
+def test_a_wrong_content_part_names_the_field_inside_it(content: Any, said: str) -> None:
+    """An array of objects is the content's array branch: a part whose field has the wrong type
+    is named by that field, not refused as if it were no array of objects."""
+    with pytest.raises(ValidationError) as e:
+        ChatBody.model_validate_json(
+            json.dumps({"messages": [{"role": "user", "content": content}]})
+        )
+    message, param = validation_message(e.value)
+    assert message.startswith(said) and message.startswith(f"{param}: ")
 
 
 def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
