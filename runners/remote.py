@@ -70,6 +70,19 @@ LLMRUN_TIMINGS = {
     "reused_tokens": "cache_n",
 }
 
+# A model id longer than this is not taken from /v1/models: it is shown in every summary and
+# stored in every record (Hugging Face's org/name is at most 96 characters; Ollama's are short).
+MAX_MODEL_ID = 256
+# A server's words shown in a message (its errors, a redirect's target) are cut past this.
+MAX_SERVER_WORDS = 300
+
+
+def server_words(text: str, most: int = MAX_SERVER_WORDS) -> str:
+    """A server's text for a message: one line, cut past `most` characters with a mark."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
+
+
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
@@ -195,7 +208,7 @@ def _server_message(response: httpx.Response) -> str:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return " ".join(body.split())[:200]
+        return server_words(body, 200)
     if isinstance(data, dict):
         err = data.get("error", data.get("detail", data.get("message")))
         if isinstance(err, dict):
@@ -203,8 +216,8 @@ def _server_message(response: httpx.Response) -> str:
         if isinstance(err, list) and err and isinstance(err[0], dict):
             err = err[0].get("msg", err[0])
         if err:
-            return " ".join(str(err).split())[:300]
-    return " ".join(body.split())[:200]
+            return server_words(str(err))
+    return server_words(body, 200)
 
 
 @dataclass(frozen=True)
@@ -332,7 +345,7 @@ class Connection:
 
     def _http_error(self, response: httpx.Response, path: str) -> ServerError:
         """An error status, with the server's own words where its body has them."""
-        message = self.scrub(_server_message(response)) or response.reason_phrase
+        message = self.scrub(_server_message(response)) or server_words(response.reason_phrase)
         return ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}")
 
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
@@ -385,7 +398,8 @@ class Connection:
             if response.status_code >= 400:
                 raise self._http_error(response, path)
             if 300 <= response.status_code < 400:  # not followed: the body would go elsewhere
-                where = self.scrub(response.headers.get("location", "")) or "elsewhere"
+                where = server_words(self.scrub(response.headers.get("location", "")), 200)
+                where = where or "elsewhere"
                 raise ServerError(
                     self.endpoint,
                     f"HTTP {response.status_code} from /v1{path}:"
@@ -555,7 +569,7 @@ def _parse(event: Any) -> Chunk:
     if "error" in event:
         err = event["error"]
         message = err.get("message", err) if isinstance(err, dict) else err
-        return Chunk(error=f"the server reported an error mid-stream: {message}")
+        return Chunk(error=f"the server reported an error mid-stream: {server_words(str(message))}")
     text, finish = "", None
     choices = event.get("choices")
     choices = [] if choices is None else choices  # [], null or none: an event of usage alone
@@ -700,6 +714,12 @@ class OpenAIRunner:
         name = self.model_name or (ids[0] if ids else None)
         if not name:
             raise NoServerModelError(self.endpoint)
+        if self.model_name is None and len(name) > MAX_MODEL_ID:
+            raise ServerError(
+                self.endpoint,
+                f"/v1/models lists a first model id of {len(name):,} characters, not a name"
+                f" (at most {MAX_MODEL_ID} are taken); name the model with -m",
+            )
         self.model_name = str(name)
         if not self._n_ctx:
             self._n_ctx = self._server_n_ctx()

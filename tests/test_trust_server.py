@@ -71,6 +71,37 @@ def test_a_models_answer_of_the_wrong_shape_is_one_line(
     assert "internal error" not in result.stderr
 
 
+def test_a_model_id_past_256_characters_is_not_taken(cli: CliRunner, tmp_path: Path) -> None:
+    """A /v1/models id is shown in every summary and stored in every record: one of 5 MB was
+    printed whole on stderr and in the stats JSON. Past 256 characters it is refused in one
+    line (the server's other models can still be named with -m); 256 is a name."""
+    long_id, sane = "x" * 5_000_000, "o/" + "n" * 254
+    stats_file = tmp_path / "s.jsonl"
+    with stub_server(models_answer={"data": [{"id": long_id}, {"id": "stub"}]}) as url:
+        refused = cli.invoke(app, ["run", "--endpoint", url, "--stats-file", str(stats_file), "hi"])
+        named = cli.invoke(app, ["run", "--endpoint", url, "-m", "stub", "--stats", "json", "hi"])
+    with stub_server(models_answer={"data": [{"id": sane}]}) as url:
+        taken = cli.invoke(app, ["run", "--endpoint", url, "--stats", "json", "hi"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1
+    assert len(refused.stderr) < 400 and not stats_file.exists()
+    assert "a first model id of 5,000,000 characters, not a name (at most 256" in refused.stderr
+    assert named.exit_code == 0, named.output
+    assert json.loads(named.stderr.splitlines()[-1])["server_model"] == "stub"
+    assert taken.exit_code == 0, taken.output
+    assert json.loads(taken.stderr.splitlines()[-1])["server_model"] == sane
+
+
+def test_a_servers_long_words_are_cut_with_a_mark() -> None:
+    """Its error mid-stream was shown whole (a 1 MB message, 1 MB on stderr); its error bodies
+    were cut at 300 characters without a mark."""
+    from llmrun.runners.remote import _parse, server_words
+
+    said = _parse({"error": {"message": "no " * 500_000}}).error
+    assert said is not None and len(said) < 400
+    assert said.endswith("no no... (1,499,999 characters)")
+    assert server_words("a\n b\tc") == "a b c"
+
+
 def test_a_models_answer_that_never_ends_is_read_no_further_than_16_mib(cli: CliRunner) -> None:
     with stub_server(get_answers={"/v1/models": ENDLESS}) as url:
         result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
