@@ -298,11 +298,11 @@ def _table(c: Comparison) -> Fitted:
     texts = [*(HEADS.get(f, f) for f in c.shown), "test"]
     figures = ["t/s baseline", "t/s compare", "speedup", CI_HEAD, "runs"]
     heads, left = [*texts, *figures, "verdict"], [*texts, "verdict"]
-    table = fitted_table(terminal_line(title), heads, left, wrap=("verdict",))
+    table = fitted_table(Text(terminal_line(title)), heads, left, wrap=("verdict",))
     for p in c.pairs:
-        table.add_row(
-            *(terminal_text(_cell(v)) for _, v in p.shown),
-            p.test,
+        table.add_row(  # stored text: never read as markup
+            *(Text(terminal_text(_cell(v))) for _, v in p.shown),
+            Text(terminal_line(p.test)),
             *_figures(p),
             Text(p.verdict, style=out.verdict_style(p.verdict)),
         )

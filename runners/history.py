@@ -278,9 +278,9 @@ class History:
                 out.append(
                     {
                         "id": run_id,
-                        "time": str(time),
-                        "kind": str(kind),
-                        "model": str(name),
+                        "time": stored_text(time),
+                        "kind": stored_text(kind),
+                        "model": stored_text(name),
                         "records": records,
                         "unreadable": len(stored) - len(records),
                     }
@@ -307,7 +307,7 @@ class History:
             if record is not None:
                 if record.get("build_commit"):  # an older llmrun's, marked as llmrun's now are
                     record["build_commit"] = llmrun_build(str(record["build_commit"]))
-                found.append(Stored(int(run_id), str(time), {**LLAMA_DEFAULTS, **record}))
+                found.append(Stored(int(run_id), stored_text(time), {**LLAMA_DEFAULTS, **record}))
         return found
 
     def _llama_bench_rows(self, model: str | None) -> list[Stored]:
@@ -411,6 +411,14 @@ def _is_rate(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return 0 <= value <= MAX_RATE  # False for NaN; a huge integer compares without a float
+
+
+def stored_text(value: object) -> str:
+    """A runs column as text: a BLOB written by hand read as UTF-8 with errors replaced (it
+    showed as Python's b'\\xff...'), NULL as empty."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return "" if value is None else str(value)
 
 
 # ---- two sets of stored results, compared as llama.cpp's compare-llama-bench.py does --------

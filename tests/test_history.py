@@ -610,3 +610,26 @@ def test_a_row_whose_figures_are_no_rates_is_skipped_and_said(record: str) -> No
     assert len(lines) == 2 and "┃" not in done.stdout and "nan" not in done.stdout
     with History() as h:  # nor is it any run's "before"
         assert h.compare([rec(avg_ts=1.0)], before_run=None)[0].previous_run == 1
+
+
+def test_stored_text_reaches_the_terminal_as_text() -> None:
+    """A record's `test` of `serve \\x1b[2J c1` cleared the screen; `[/x]` in it was read as
+    rich markup (an internal error); a BLOB model name showed as Python's b'\\xff\\xfe\\x00'."""
+    store(rec(avg_ts=100.0))
+    store(rec(avg_ts=90.0))
+    _damage("record", json.dumps({"test": "serve \x1b[2J c1 [/x]", "avg_ts": 1, "n_threads": 2}))
+    _damage("model", b"\xff\xfe\x00m", table="runs")
+    _damage("kind", b"\x1b]0;pwned\x07local", table="runs")
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x00" not in done.stdout and "b'" not in done.stdout
+    assert " · local · \ufffd\ufffdm" in done.stdout.splitlines()[0]
+    assert "serve c1 [/x]" in done.stdout
+    marked = "llama \x1b[2J [/x]"  # in both runs: compared, its column shown
+    store(rec(avg_ts=100.0, model_type=marked))
+    store(rec(avg_ts=90.0, model_type=marked))
+    compared = CliRunner().invoke(
+        app, ["history", "-b", "run=3", "-c", "run=4"], env={"COLUMNS": "200"}
+    )
+    assert compared.exit_code == 0, compared.stderr
+    assert "llama  [/x]" in compared.stdout and "\x1b" not in compared.stdout
