@@ -184,9 +184,19 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
             console.print(f"no bench runs stored yet (in {h.path})", markup=False)
         return
     for run in runs:
-        changes = h.compare(run["records"], before_run=run["id"])
-        title = f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}"
-        console.print(out.compare_table(changes, terminal_line(title)))
+        title = terminal_line(f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}")
+        if run["records"]:
+            changes = h.compare(run["records"], before_run=run["id"])
+            console.print(out.compare_table(changes, title))
+        else:  # not an empty table: the rows were there, and damaged
+            console.print(title, markup=False)
+        skipped = run["unreadable"]
+        if skipped:
+            console.print(
+                f"  {skipped} damaged result{'s' if skipped > 1 else ''} of run {run['id']}"
+                " skipped (not a JSON record, or a rate that is no finite number from 0)",
+                markup=False,
+            )
 
 
 def _export(h: History, target: str, model: str | None) -> None:
@@ -288,11 +298,11 @@ def _table(c: Comparison) -> Fitted:
     texts = [*(HEADS.get(f, f) for f in c.shown), "test"]
     figures = ["t/s baseline", "t/s compare", "speedup", CI_HEAD, "runs"]
     heads, left = [*texts, *figures, "verdict"], [*texts, "verdict"]
-    table = fitted_table(terminal_line(title), heads, left, wrap=("verdict",))
+    table = fitted_table(Text(terminal_line(title)), heads, left, wrap=("verdict",))
     for p in c.pairs:
-        table.add_row(
-            *(terminal_text(_cell(v)) for _, v in p.shown),
-            p.test,
+        table.add_row(  # stored text: never read as markup
+            *(Text(terminal_text(_cell(v))) for _, v in p.shown),
+            Text(terminal_line(p.test)),
             *_figures(p),
             Text(p.verdict, style=out.verdict_style(p.verdict)),
         )

@@ -451,7 +451,11 @@ def aggregate_table(agg: Aggregate, *, busy: int = 0) -> Fitted:
 
 
 def fitted_table(
-    title: str | None, heads: Iterable[str], left: Collection[str], *, wrap: Collection[str] = ()
+    title: str | Text | None,
+    heads: Iterable[str],
+    left: Collection[str],
+    *,
+    wrap: Collection[str] = (),
 ) -> Fitted:
     """A new table of these columns, `fitted`: the text ones named in `left` flush left, the
     figures right."""

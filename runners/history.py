@@ -278,9 +278,9 @@ class History:
                 out.append(
                     {
                         "id": run_id,
-                        "time": str(time),
-                        "kind": str(kind),
-                        "model": str(name),
+                        "time": stored_text(time),
+                        "kind": stored_text(kind),
+                        "model": stored_text(name),
                         "records": records,
                         "unreadable": len(stored) - len(records),
                     }
@@ -307,7 +307,7 @@ class History:
             if record is not None:
                 if record.get("build_commit"):  # an older llmrun's, marked as llmrun's now are
                     record["build_commit"] = llmrun_build(str(record["build_commit"]))
-                found.append(Stored(int(run_id), str(time), {**LLAMA_DEFAULTS, **record}))
+                found.append(Stored(int(run_id), stored_text(time), {**LLAMA_DEFAULTS, **record}))
         return found
 
     def _llama_bench_rows(self, model: str | None) -> list[Stored]:
@@ -356,6 +356,8 @@ def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
         record[name] = value
     if not isinstance(record.get("avg_ts"), float):
         return None
+    if not all(_is_rate(record[f]) for f in ("avg_ts", "stddev_ts") if f in record):
+        return None  # inf, or a negative rate: no measurement
     record["test"] = test_name(record)
     record["tool"] = LLAMA_BENCH_TOOL
     return record
@@ -382,19 +384,41 @@ def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return abs(_background(a) - _background(b)) > 0.25
 
 
+# No benchmark measures a billion tokens a second: a stored rate past it is a damaged row.
+MAX_RATE = 1e9
+
+
 def _record(text: object) -> dict[str, Any] | None:
-    """A stored result, or None for a row that is not one (damaged by hand or by a crash)."""
+    """A stored result, or None for a row that is not one (damaged by hand or by a crash):
+    not a JSON object, or a rate (avg_ts, stddev_ts, samples_ts) that is no finite number
+    from 0 to MAX_RATE (NaN and Infinity read as JSON here)."""
     try:
         record = json.loads(text) if isinstance(text, (str, bytes)) else None
     except (ValueError, RecursionError):  # a damaged row, or 100,000 brackets
         return None
     if not isinstance(record, dict):
         return None
-    for name in ("avg_ts", "stddev_ts"):
-        value = record.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            return None
+    samples = record.get("samples_ts")
+    figures = [record.get("avg_ts"), record.get("stddev_ts")]
+    figures += samples if isinstance(samples, list) else []
+    if not all(value is None or _is_rate(value) for value in figures):
+        return None
     return record
+
+
+def _is_rate(value: object) -> bool:
+    """Whether a stored figure is a rate: a finite number from 0 to MAX_RATE."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return 0 <= value <= MAX_RATE  # False for NaN; a huge integer compares without a float
+
+
+def stored_text(value: object) -> str:
+    """A runs column as text: a BLOB written by hand read as UTF-8 with errors replaced (it
+    showed as Python's b'\\xff...'), NULL as empty."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return "" if value is None else str(value)
 
 
 # ---- two sets of stored results, compared as llama.cpp's compare-llama-bench.py does --------

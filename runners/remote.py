@@ -70,6 +70,19 @@ LLMRUN_TIMINGS = {
     "reused_tokens": "cache_n",
 }
 
+# A model id longer than this is not taken from /v1/models: it is shown in every summary and
+# stored in every record (Hugging Face's org/name is at most 96 characters; Ollama's are short).
+MAX_MODEL_ID = 256
+# A server's words shown in a message (its errors, a redirect's target) are cut past this.
+MAX_SERVER_WORDS = 300
+
+
+def server_words(text: str, most: int = MAX_SERVER_WORDS) -> str:
+    """A server's text for a message: one line, cut past `most` characters with a mark."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
+
+
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
 TOKENIZE_ROUTES = (("/tokenize", "content", "tokens"), ("/extras/tokenize/count", "input", "count"))
 
@@ -195,7 +208,7 @@ def _server_message(response: httpx.Response) -> str:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return " ".join(body.split())[:200]
+        return server_words(body, 200)
     if isinstance(data, dict):
         err = data.get("error", data.get("detail", data.get("message")))
         if isinstance(err, dict):
@@ -203,8 +216,8 @@ def _server_message(response: httpx.Response) -> str:
         if isinstance(err, list) and err and isinstance(err[0], dict):
             err = err[0].get("msg", err[0])
         if err:
-            return " ".join(str(err).split())[:300]
-    return " ".join(body.split())[:200]
+            return server_words(str(err))
+    return server_words(body, 200)
 
 
 @dataclass(frozen=True)
@@ -332,7 +345,7 @@ class Connection:
 
     def _http_error(self, response: httpx.Response, path: str) -> ServerError:
         """An error status, with the server's own words where its body has them."""
-        message = self.scrub(_server_message(response)) or response.reason_phrase
+        message = self.scrub(_server_message(response)) or server_words(response.reason_phrase)
         return ServerError(self.endpoint, f"HTTP {response.status_code} from /v1{path}: {message}")
 
     def get_json(self, path: str, *, timeout_s: float | None = None) -> Any:
@@ -385,7 +398,8 @@ class Connection:
             if response.status_code >= 400:
                 raise self._http_error(response, path)
             if 300 <= response.status_code < 400:  # not followed: the body would go elsewhere
-                where = self.scrub(response.headers.get("location", "")) or "elsewhere"
+                where = server_words(self.scrub(response.headers.get("location", "")), 200)
+                where = where or "elsewhere"
                 raise ServerError(
                     self.endpoint,
                     f"HTTP {response.status_code} from /v1{path}:"
@@ -555,7 +569,7 @@ def _parse(event: Any) -> Chunk:
     if "error" in event:
         err = event["error"]
         message = err.get("message", err) if isinstance(err, dict) else err
-        return Chunk(error=f"the server reported an error mid-stream: {message}")
+        return Chunk(error=f"the server reported an error mid-stream: {server_words(str(message))}")
     text, finish = "", None
     choices = event.get("choices")
     choices = [] if choices is None else choices  # [], null or none: an event of usage alone
@@ -700,6 +714,12 @@ class OpenAIRunner:
         name = self.model_name or (ids[0] if ids else None)
         if not name:
             raise NoServerModelError(self.endpoint)
+        if self.model_name is None and len(name) > MAX_MODEL_ID:
+            raise ServerError(
+                self.endpoint,
+                f"/v1/models lists a first model id of {len(name):,} characters, not a name"
+                f" (at most {MAX_MODEL_ID} are taken); name the model with -m",
+            )
         self.model_name = str(name)
         if not self._n_ctx:
             self._n_ctx = self._server_n_ctx()
@@ -737,14 +757,18 @@ class OpenAIRunner:
         /extras/tokenize/count); a word count when it has neither. The route that answered is
         remembered, so later counts cost one request (or none)."""
         root = self.conn.api.removesuffix("/v1")
+        most = text_tokens_most(text)
         for route, field, answer in self._tokenize_routes:
             data = self.conn.side_json(
                 "POST", root + route, {field: text, "model": self.model_name}
             )
             value = data.get(answer) if isinstance(data, dict) else None
-            if isinstance(value, (list, int)):
+            # a count no tokenizer gives (negative, a fraction, more tokens than the text has
+            # bytes) is no count: the route is not asked again, as one that has no tokenizer
+            counted = len(value) if isinstance(value, list) else _count(value, most)
+            if counted is not None and counted <= most:
                 self._tokenize_routes = [(route, field, answer)]
-                return len(value) if isinstance(value, list) else value
+                return counted
         self._tokenize_routes = []
         return len(text.split())
 
@@ -832,20 +856,27 @@ class OpenAIRunner:
             },
             **timings,
         }
-        cached = _count(timings.get("cache_n"))
+        # Counts past what the request could hold are no counts: dropped and named.
+        notes: list[str] = []
+        in_most, out_most = prompt_tokens_most(request), output_tokens_most(request)
+        cache_n = _checked("cache_n", timings.get("cache_n"), in_most, notes)
+        cached = cache_n
         if cached is None:
-            cached = _count(details.get("cached_tokens"))
-        prompt = _count(usage.get("prompt_tokens"))
-        server_prompt_n = _count(timings.get("prompt_n"))
+            cached = _checked("cached_tokens", details.get("cached_tokens"), in_most, notes)
+        prompt = _checked("prompt_tokens", usage.get("prompt_tokens"), in_most, notes)
+        server_prompt_n = _checked("prompt_n", timings.get("prompt_n"), in_most, notes)
         if prompt is None and server_prompt_n is not None:
             prompt = server_prompt_n + (cached or 0)
-        completion = _count(usage.get("completion_tokens"))
+            if prompt > in_most:
+                notes.append(f"prompt_n {server_prompt_n} + cache_n {cached} > {in_most:,}")
+                prompt = None
+        completion = _checked("completion_tokens", usage.get("completion_tokens"), out_most, notes)
         reported = ServerTimings(
             prompt_n=server_prompt_n,
             prompt_ms=_number(timings.get("prompt_ms")),
-            predicted_n=_count(timings.get("predicted_n")),
+            predicted_n=_checked("predicted_n", timings.get("predicted_n"), out_most, notes),
             predicted_ms=_number(timings.get("predicted_ms")),
-            cache_n=_count(timings.get("cache_n")),
+            cache_n=cache_n,
         )
         reported, completion, implausible = check_server_figures(
             reported,
@@ -869,7 +900,7 @@ class OpenAIRunner:
             if times and prompt_ms is not None
             else None,
             error=got.error,
-            implausible=implausible,
+            implausible=(*notes, *implausible),
         )
         return GenerationStats(
             finish_reason=finish,
@@ -961,13 +992,61 @@ def check_server_figures(
     return checked, completion, tuple(notes)
 
 
+# Tokens a tokenizer may add to a text's own (BOS, EOS, a dummy prefix): its count is at most
+# the text's UTF-8 bytes and these; a chat template (and a server's own system prompt) may add
+# up to TEMPLATE_TOKENS more. Past that a server's count is no count.
+SPECIAL_TOKENS = 16
+TEMPLATE_TOKENS = 8192
+MAX_COUNT = 2**53 - 1  # a count of any kind past this is no count (a float cannot hold it)
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def text_tokens_most(text: str) -> int:
+    """The most tokens a tokenizer can make of `text` alone (/tokenize's count)."""
+    return _utf8_bytes(text) + SPECIAL_TOKENS
+
+
+def prompt_tokens_most(request: Request) -> int:
+    """The most prompt tokens a server can have evaluated for `request`."""
+    if request.token_ids is not None:
+        return len(request.token_ids) + SPECIAL_TOKENS
+    if request.prompt is not None:
+        return text_tokens_most(request.prompt)
+    return sum(_utf8_bytes(m.content) for m in request.messages) + TEMPLATE_TOKENS
+
+
+def output_tokens_most(request: Request) -> int:
+    """The most output tokens a server can have made: past twice the tokens asked for, the
+    stream is no longer read (OpenAIRunner.stream)."""
+    return 2 * max(request.sampling.max_tokens, 0) + 16
+
+
 def _number(value: Any) -> float | None:
     """A figure from a server's JSON: a finite non-negative number, else None (not trusted)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
+    if isinstance(value, int):  # Python's JSON reads 4,300 digits, past what a float holds
+        return float(value) if 0 <= value < 10**308 else None
     return float(value) if math.isfinite(value) and value >= 0 else None
 
 
-def _count(value: Any) -> int | None:
+def _count(value: Any, most: int = MAX_COUNT) -> int | None:
+    """A count from a server's JSON: a whole number from 0 to `most`, else None (not trusted)."""
     number = _number(value)
-    return int(number) if number is not None and number < 2**53 else None
+    if number is None or not number.is_integer() or number > most:
+        return None
+    return int(number)
+
+
+def _checked(name: str, value: Any, most: int, notes: list[str]) -> int | None:
+    """A server's count of `name`, or None with a note when it sent one that cannot be true
+    (a fraction, negative, past `most`); one it did not send is None without a note."""
+    counted = _count(value, most)
+    if counted is None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 24 else f"{shown[:12]}... ({len(shown):,} digits)"
+        notes.append(f"{name} {shown} is no count of 0 to {most:,}")
+    return counted

@@ -19,7 +19,9 @@ colon, no blank line at the end). "whole" answers with one JSON object, not a st
 redirects elsewhere; "endless" ignores max_tokens and never stops; "html" answers with a web
 page; each name in MALFORMED sends one event of the wrong shape first. `models_answer` replaces the /v1/models answer.
 `get_answers` maps a GET route (/props) to its raw body, or to ENDLESS: a JSON body that never
-ends, sent in chunks until the client hangs up (TRICKLE: the same, a byte at a time, slowly).
+ends, sent in chunks until the client hangs up (TRICKLE: the same, a byte at a time, slowly);
+`post_answers` maps a POST route (/tokenize) to its raw body. `figures` replaces the usage and
+timings of the usual stream's last event (its keys: "usage", "timings").
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Handler(BaseHTTPRequestHandler):
     basic: str | None = None  # "user:password"
     models_answer: Any = None  # what /v1/models answers instead of the usual listing
     get_answers: dict[str, bytes] = {}  # noqa: RUF012 (a class default, replaced per server)
+    post_answers: dict[str, bytes] = {}  # noqa: RUF012
+    figures: dict[str, Any] | None = None  # the usual stream's usage and timings, replaced
     protocol_version = "HTTP/1.1"
     # Nagle's algorithm held each event until the client's delayed ACK (about 40 ms on a
     # kept-alive connection, none on a new one): timings the tests read depended on it
@@ -111,6 +115,14 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         route = self.path.split("?")[0]
+        if route in self.post_answers:
+            answer = self.post_answers[route]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return None
         if not route.endswith(("/chat/completions", "/completions")):
             return self._json(404, {"error": {"message": f"no route {self.path}"}})
         model = body.get("model")
@@ -198,6 +210,8 @@ class Handler(BaseHTTPRequestHandler):
             final["usage"], final["timings"] = [1, 2], []
         elif model == "nousage":
             del final["usage"], final["timings"]
+        elif self.figures is not None:
+            final.update(self.figures)
         self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
 
@@ -342,6 +356,8 @@ def stub_server(
     basic: str | None = None,
     models_answer: Any = None,
     get_answers: dict[str, bytes] | None = None,
+    post_answers: dict[str, bytes] | None = None,
+    figures: dict[str, Any] | None = None,
 ) -> Iterator[str]:
     handler = type(
         "KeyedHandler",
@@ -351,6 +367,8 @@ def stub_server(
             "basic": basic,
             "models_answer": models_answer,
             "get_answers": get_answers or {},
+            "post_answers": post_answers or {},
+            "figures": figures,
         },
     )
     server = _Server(("127.0.0.1", 0), handler)

@@ -571,3 +571,65 @@ def test_each_run_is_judged_against_the_one_before_by_its_repetitions() -> None:
     assert done.exit_code == 0, done.stderr
     assert "ratio (95 % CI)" in done.stdout and "slower (run 1)" in done.stdout
     assert f"x0.900 ({d.low:.3f}-{d.high:.3f})" in done.stdout
+
+
+def _damage(column: str, value: object, *, rowid: int = 2, table: str = "results") -> None:
+    """A stored row changed by hand, as a tester (or a crash) leaves it."""
+    from llmrun.runners.history import history_path
+
+    with sqlite3.connect(history_path()) as db:
+        db.execute(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (value, rowid))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        '{"test": "pp8", "avg_ts": NaN, "stddev_ts": Infinity}',
+        '{"test": "pp8", "avg_ts": -5, "stddev_ts": -1}',
+        '{"test": "pp8", "avg_ts": 1e308, "stddev_ts": 1}',
+        '{"test": "pp8", "avg_ts": 5, "stddev_ts": 1, "samples_ts": [4, NaN]}',
+        "not json",
+    ],
+    ids=["nan", "negative", "huge", "nan-sample", "not-json"],
+)
+def test_a_row_whose_figures_are_no_rates_is_skipped_and_said(record: str) -> None:
+    """`t/s now nan ± inf`, `-5.0 ± -1.0` and a 400-digit number over 14 lines were shown as
+    measurements; a record that was not JSON left an empty table under its run's header."""
+    store(rec(avg_ts=100.0, stddev_ts=1.0))
+    store(rec(avg_ts=90.0, stddev_ts=1.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=10.0))
+    _damage("record", record, rowid=3)  # the newest run's tg4
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "pp8" in done.stdout and "90.0 ± 1.0" in done.stdout and "tg4" not in done.stdout
+    assert "1 damaged result of run 2 skipped" in done.stdout
+    _damage("record", record, rowid=2)  # and its pp8: nothing of it is left to show
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("run 2 · ") and "2 damaged results of run 2 skipped" in lines[1]
+    assert len(lines) == 2 and "┃" not in done.stdout and "nan" not in done.stdout
+    with History() as h:  # nor is it any run's "before"
+        assert h.compare([rec(avg_ts=1.0)], before_run=None)[0].previous_run == 1
+
+
+def test_stored_text_reaches_the_terminal_as_text() -> None:
+    """A record's `test` of `serve \\x1b[2J c1` cleared the screen; `[/x]` in it was read as
+    rich markup (an internal error); a BLOB model name showed as Python's b'\\xff\\xfe\\x00'."""
+    store(rec(avg_ts=100.0))
+    store(rec(avg_ts=90.0))
+    _damage("record", json.dumps({"test": "serve \x1b[2J c1 [/x]", "avg_ts": 1, "n_threads": 2}))
+    _damage("model", b"\xff\xfe\x00m", table="runs")
+    _damage("kind", b"\x1b]0;pwned\x07local", table="runs")
+    done = CliRunner().invoke(app, ["history", "-n", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x00" not in done.stdout and "b'" not in done.stdout
+    assert " · local · \ufffd\ufffdm" in done.stdout.splitlines()[0]
+    assert "serve c1 [/x]" in done.stdout
+    marked = "llama \x1b[2J [/x]"  # in both runs: compared, its column shown
+    store(rec(avg_ts=100.0, model_type=marked))
+    store(rec(avg_ts=90.0, model_type=marked))
+    compared = CliRunner().invoke(
+        app, ["history", "-b", "run=3", "-c", "run=4"], env={"COLUMNS": "200"}
+    )
+    assert compared.exit_code == 0, compared.stderr
+    assert "llama  [/x]" in compared.stdout and "\x1b" not in compared.stdout

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from llmrun.cli.serve import DEFAULT_MAX_CONNECTIONS
 from llmrun.runners.serving.api_http import MIN_BODY_LIMIT, validation_message
-from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, CompletionBody
+from llmrun.runners.serving.api_models import MAX_STOP_CHARS, MAX_STOPS, ChatBody, CompletionBody
 from llmrun.runners.serving.uvicorn_patch import HEADERS_TIMEOUT_S
 
 from .conftest import HANG_S
@@ -184,6 +184,12 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
             "messages.0.content: must be a string or an array of objects, not a number",
             "messages.0.content",
         ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages.0.content.0.text: must be a string, not a number",
+            "messages.0.content.0.text",
+        ),
         (CHAT, {"messages": "hi"}, "messages: Input should be a valid array", "messages"),
         (
             CHAT,
@@ -231,6 +237,34 @@ def test_a_wrong_prompt_array_says_what_its_arrays_held(prompt: Any, held: str) 
         CompletionBody.model_validate_json(json.dumps({"prompt": prompt}))
     message, param = validation_message(e.value)
     assert message.endswith(f", not {held}") and param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (
+            [{"type": "text", "text": 5}],
+            "messages.0.content.0.text: must be a string, not a number",
+        ),
+        ([{"type": 5}], "messages.0.content.0.type: must be a string, not a number"),
+        ([{"type": "text", "text": [1]}], "messages.0.content.0.text: must be a string, not an"),
+        (
+            [{"type": "text", "text": "a"}, {"text": "b"}],
+            "messages.0.content.1.type: Field required",
+        ),
+        ([{"type": "text", "text": "a"}, 5], "messages.0.content: must be a string or an array"),
+        (5, "messages.0.content: must be a string or an array of objects, not a number"),
+    ],
+)
+def test_a_wrong_content_part_names_the_field_inside_it(content: Any, said: str) -> None:
+    """An array of objects is the content's array branch: a part whose field has the wrong type
+    is named by that field, not refused as if it were no array of objects."""
+    with pytest.raises(ValidationError) as e:
+        ChatBody.model_validate_json(
+            json.dumps({"messages": [{"role": "user", "content": content}]})
+        )
+    message, param = validation_message(e.value)
+    assert message.startswith(said) and message.startswith(f"{param}: ")
 
 
 def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
@@ -385,6 +419,20 @@ def test_tokenize_refuses_what_the_chat_routes_refuse_with_400(
     openai_error(send(server, "/tokenize", payload), 400)
     assert count(server, "tokenize", "bad_request") == before + 1
     assert not any("Traceback" in line for line in server.lines), "".join(server.lines)
+
+
+def test_json_held_in_a_string_gets_the_gates_400_for_a_lone_surrogate(server: Server) -> None:
+    """A call's arguments are a JSON string holding JSON: its `\\ud800` passes the body's gate
+    as a backslash and is decoded when the call is written into the prompt (it was a 500)."""
+    payload = (
+        b'{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":'
+        b'"function","function":{"name":"f","arguments":"{\\"a\\":\\"\\\\ud800\\"}"}}]}],'
+        b'"max_tokens":3}'
+    )
+    error = openai_error(send(server, CHAT, payload), 400)
+    assert error["param"] == "messages.0.tool_calls.0.function.arguments"
+    assert error["message"].startswith(f"{error['param']}: a lone surrogate (an escape from")
+    still_serving(server)
 
 
 def test_every_response_is_counted_once_under_its_route(server: Server) -> None:

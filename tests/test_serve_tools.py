@@ -211,6 +211,30 @@ def test_a_conversation_carries_calls_and_their_results() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [r'{"a":"\ud800"}', r'["x", {"b": "\udfff"}]', r'"\ud83d"', r'{"\udc00": 1}'],
+)
+def test_call_arguments_whose_json_holds_a_lone_surrogate_are_refused_by_name(
+    arguments: str,
+) -> None:
+    """The body's gate refuses `\\ud800` alone, but arguments are a JSON string holding JSON:
+    the escape is decoded only when the call is written into the prompt, where UTF-8 cannot
+    carry it (it was a 500, UnicodeEncodeError)."""
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    wire = json.dumps({"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]})
+    with pytest.raises(BadRequestError) as e:
+        ChatBody.model_validate_json(wire).request(SamplingParams())
+    where = "messages.0.tool_calls.0.function.arguments"
+    assert str(e.value).startswith(f"{where}: a lone surrogate (an escape from \\ud800")
+    assert e.value.param == where
+    paired = {**call, "function": {"name": "f", "arguments": r'{"a":"\ud83d\ude00 \u00e9"}'}}
+    message = body(messages=[{"role": "assistant", "tool_calls": [paired]}]).request(
+        SamplingParams()
+    )
+    assert json.loads(message.messages[0].content)["arguments"] == {"a": "\U0001f600 \u00e9"}
+
+
 def read(plan_tools: Any, choice: Any, text: str, finish: str = "stop", step: int = 3) -> Any:
     plan = tool_plan(plan_tools, choice)
     assert plan is not None

@@ -71,6 +71,37 @@ def test_a_models_answer_of_the_wrong_shape_is_one_line(
     assert "internal error" not in result.stderr
 
 
+def test_a_model_id_past_256_characters_is_not_taken(cli: CliRunner, tmp_path: Path) -> None:
+    """A /v1/models id is shown in every summary and stored in every record: one of 5 MB was
+    printed whole on stderr and in the stats JSON. Past 256 characters it is refused in one
+    line (the server's other models can still be named with -m); 256 is a name."""
+    long_id, sane = "x" * 5_000_000, "o/" + "n" * 254
+    stats_file = tmp_path / "s.jsonl"
+    with stub_server(models_answer={"data": [{"id": long_id}, {"id": "stub"}]}) as url:
+        refused = cli.invoke(app, ["run", "--endpoint", url, "--stats-file", str(stats_file), "hi"])
+        named = cli.invoke(app, ["run", "--endpoint", url, "-m", "stub", "--stats", "json", "hi"])
+    with stub_server(models_answer={"data": [{"id": sane}]}) as url:
+        taken = cli.invoke(app, ["run", "--endpoint", url, "--stats", "json", "hi"])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1
+    assert len(refused.stderr) < 400 and not stats_file.exists()
+    assert "a first model id of 5,000,000 characters, not a name (at most 256" in refused.stderr
+    assert named.exit_code == 0, named.output
+    assert json.loads(named.stderr.splitlines()[-1])["server_model"] == "stub"
+    assert taken.exit_code == 0, taken.output
+    assert json.loads(taken.stderr.splitlines()[-1])["server_model"] == sane
+
+
+def test_a_servers_long_words_are_cut_with_a_mark() -> None:
+    """Its error mid-stream was shown whole (a 1 MB message, 1 MB on stderr); its error bodies
+    were cut at 300 characters without a mark."""
+    from llmrun.runners.remote import _parse, server_words
+
+    said = _parse({"error": {"message": "no " * 500_000}}).error
+    assert said is not None and len(said) < 400
+    assert said.endswith("no no... (1,499,999 characters)")
+    assert server_words("a\n b\tc") == "a b c"
+
+
 def test_a_models_answer_that_never_ends_is_read_no_further_than_16_mib(cli: CliRunner) -> None:
     with stub_server(get_answers={"/v1/models": ENDLESS}) as url:
         result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
@@ -252,6 +283,68 @@ def test_a_servers_impossible_figures_are_left_out_and_named(cli: CliRunner) -> 
     notes = " ".join(stats["server_implausible"])
     assert "reasoning_tokens 500" in notes and "prompt_ms" in notes and "decode of 2" in notes
     assert "e+2" not in text.stderr and "warning  the server's figures" in text.stderr
+
+
+def test_counts_no_request_could_have_are_left_out_and_named(cli: CliRunner) -> None:
+    """A count is a whole number of 0 to what the request could hold: the prompt's UTF-8 bytes
+    and room for a template, twice the tokens asked for. Past that it was shown and stored
+    as a measurement (10^30 prompt tokens; a 400-digit number crashed the float check)."""
+    figures = {
+        "usage": {"prompt_tokens": 10**30, "completion_tokens": -5},
+        "timings": {"prompt_n": 10**400, "prompt_ms": 1.0, "cache_n": 2.5, "predicted_n": 10**9},
+    }
+    with stub_server(figures=figures) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "--stats", "json", "hi"])
+        text = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stderr.splitlines()[-1])
+    assert stats["prompt_tokens"] == 0 and stats["output_tokens"] == 6  # the chunks
+    assert stats["server_prompt_n"] is stats["server_cache_n"] is None
+    assert stats["server_predicted_n"] is None
+    notes = " ".join(stats["server_implausible"])
+    for said in (
+        "prompt_tokens 100000000000... (31 digits) is no count of 0 to 8,194",
+        "completion_tokens -5 is no count",
+        "prompt_n 100000000000... (401 digits)",
+        "cache_n 2.5 is no count",
+        "predicted_n 1000000000 is no count of 0 to 1,040",
+    ):
+        assert said in notes, notes
+    assert "0000000000000000" not in text.stderr and "not reported by the server" in text.stderr
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"tokens": -1000}',
+        b'{"tokens": 1' + b"0" * 30 + b"}",
+        b'{"tokens": 5.5}',
+        b'{"tokens": [0' + b",0" * 99 + b"]}",
+    ],
+    ids=["negative", "huge", "fraction", "more-than-bytes"],
+)
+def test_a_tokenizers_impossible_count_is_no_count(answer: bytes, cli: CliRunner) -> None:
+    """`bench serve` counts its prompts with the server's /tokenize when the stream's usage has
+    no prompt_tokens: -1000 made -2000 input tokens and a negative throughput, 10^30 made
+    2e30, both stored. Such a count is no count: the words are counted, as for a server
+    without a tokenizer."""
+    args = ("--num-prompts", "2", "--concurrency", "1", "--input-len", "8", "--output-len", "4")
+    with stub_server(post_answers={"/tokenize": answer}) as url:
+        result = cli.invoke(
+            app, ["bench", "serve", "--endpoint", url, "-m", "nousage", *args, "-o", "json"]
+        )
+    with stub_server(post_answers={"/tokenize": b'{"tokens": 7}'}) as url:
+        sane = cli.invoke(
+            app, ["bench", "serve", "--endpoint", url, "-m", "nousage", *args, "-o", "json"]
+        )
+    assert result.exit_code == sane.exit_code == 0, result.output + sane.output
+    (row,) = json.loads(result.stdout)
+    assert row["total_input_tokens"] == 16  # 8 words each
+    assert row["total_token_throughput"] > row["output_throughput"] > 0
+    assert json.loads(sane.stdout)[0]["total_input_tokens"] == 14  # a count it could give
+    with History() as h:
+        stored = json.dumps(h.runs())
+    assert "-2000" not in stored and "e+30" not in stored
 
 
 @pytest.mark.parametrize("query", ["api_key", "key", "token", "access_token", "sig", "X-Api-Key"])

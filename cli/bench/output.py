@@ -20,6 +20,7 @@ from rich.text import Text
 
 from llmrun.cli.dashboard import bars
 from llmrun.cli.report import Fitted, busy_warning, fitted_table, joules
+from llmrun.cli.terminal import terminal_line
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -662,20 +663,25 @@ def _rate(r: dict[str, Any]) -> str:
     return f"{r['avg_ts']:,.1f} ± {r.get('stddev_ts') or 0:,.1f}"
 
 
+def _shown(value: object) -> Text:
+    """A record's value in a table cell: its text, never read as markup or escapes."""
+    return Text(terminal_line(str(value)))
+
+
 def compare_table(changes: Sequence[Change], title: str = "against the previous run") -> Fitted:
     varying = _varying([c.record for c in changes])  # every setting that tells rows apart
     several = len(_models(c.record.get("model_name", "") for c in changes)) > 1
     heads = (["model"] if several else []) + ["test", "threads", *(h for _, h in varying)]
     heads += ["t/s now", "t/s before", "change", "ratio (95 % CI)", "verdict"]
-    table = fitted_table(title, heads, ("test", "verdict", "model"), wrap=("verdict",))
+    table = fitted_table(Text(title), heads, ("test", "verdict", "model"), wrap=("verdict",))
     for c in changes:
         r, p = c.record, c.previous
         found = c.difference
-        table.add_row(
-            *([str(r.get("model_name"))] if several else []),
-            c.test,
-            str(r.get("n_threads", "-")),
-            *(str(r.get(k)) for k, _ in varying),
+        table.add_row(  # a stored record's text: no markup, no escape sequence
+            *([_shown(r.get("model_name"))] if several else []),
+            _shown(c.test),
+            _shown(r.get("n_threads", "-")),
+            *(_shown(r.get(k)) for k, _ in varying),
             _rate(r),
             "-" if p is None else _rate(p),
             "-" if c.change is None else f"{c.change:+.1%}",

@@ -24,6 +24,7 @@ from llmrun.runners.lists import whole
 
 from .api_engine import RequestTimings
 from .api_responses import Wire, error_body
+from .tools import LONE_SURROGATE
 
 RETRY_AFTER_S = 1
 BODY_IDLE_S = 30.0  # the longest wait for the next piece of a request's body
@@ -257,10 +258,7 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         said = f"malformed JSON: {first.get('msg', '')}".rstrip(": ")
         if "surrogate" in said or "end of hex escape" in said:  # jiter's words for \ud800 alone
-            said += (
-                " (an escape from \\ud800 to \\udfff is half of a UTF-16 surrogate pair:"
-                " alone, it is no character)"
-            )
+            said += f" ({LONE_SURROGATE})"
         return said, None
     loc = [p for p in first.get("loc", ()) if isinstance(p, int) or not _is_branch_tag(str(p))]
     where = ".".join(str(p) for p in loc)
@@ -268,6 +266,9 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if not where and first.get("type") == "model_type":
         return f"the body must be a JSON object, not {json_kind(first.get('input'))}", None
     if len([b for b in branches if _is_branch_tag(b)]) > 1:
+        inner = _inside_an_object(errors, len(loc))
+        if inner is not None:  # the one branch of its shape, wrong in a field inside
+            return inner
         kinds = " or ".join(sorted({_tag_kind(b) for b in branches}))
         return (
             f"{where}: must be {kinds}, not {json_kind(first.get('input'), depth=8)}",
@@ -275,6 +276,37 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         )
     message = f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))
     return message, where or None
+
+
+def _inside_an_object(errors: list[Any], at: int) -> tuple[str, str] | None:
+    """The first error inside an object's field when it is one union branch's alone: the
+    value has that branch's shape (`[{"type": "text", "text": 5}]` is an array of objects)
+    and fails deeper, at the field the message must name (`messages.0.content.0.text`)."""
+    inside = [
+        e for e in errors if any(isinstance(p, str) for p in tuple(e.get("loc", ()))[at + 1 :])
+    ]
+    if not inside or len({e["loc"][at] for e in inside}) > 1:
+        return None
+    first = inside[0]
+    where = ".".join(
+        str(p) for p in first["loc"] if isinstance(p, int) or not _is_branch_tag(str(p))
+    )
+    kind = _ERROR_KINDS.get(str(first.get("type")))
+    if kind is None:
+        return f"{where}: {first.get('msg', '')}", where
+    return f"{where}: must be {kind}, not {json_kind(first.get('input'))}", where
+
+
+# pydantic's error types of a wrong JSON type, and the kind the field must be
+_ERROR_KINDS = {
+    "string_type": "a string",
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "model_type": "an object",
+    "dict_type": "an object",
+    "list_type": "an array",
+}
 
 
 def _is_branch_tag(part: str) -> bool:

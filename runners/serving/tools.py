@@ -52,6 +52,11 @@ NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GENERIC, HERMES = "generic", "hermes"  # the call formats: llmrun's system message, or <tool_call>
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
+# Why a JSON escape of half a UTF-16 surrogate pair is refused, in the body or in JSON it holds.
+LONE_SURROGATE = (
+    "an escape from \\ud800 to \\udfff is half of a UTF-16 surrogate pair: alone, it is no"
+    " character"
+)
 # The text before the arguments in an answer the grammar wrote: `{"name": "f", "arguments": `.
 FORCED_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 # The end of an answer the grammar wrote: the object's closing brace (held back until the end),
@@ -305,9 +310,29 @@ def assistant_calls(calls: Any, where: str) -> list[tuple[str, str, str]]:
             raise BadRequestError(f"{at}: an object with a function's name and arguments")
         arguments = fn.get("arguments", "{}")
         if not isinstance(arguments, str):
-            raise BadRequestError(f"{at}.function.arguments: a JSON string")
+            raise refused(f"{at}.function.arguments", "a JSON string")
+        if not _writable(_json(arguments)):  # the body's gate saw `\\ud800`, a backslash
+            raise refused(f"{at}.function.arguments", f"a lone surrogate ({LONE_SURROGATE})")
         found.append((str(call.get("id", "")), fn["name"], arguments))
     return found
+
+
+def refused(param: str, why: str) -> BadRequestError:
+    """A 400 naming the request's field at fault (OpenAI's `param`)."""
+    error = BadRequestError(f"{param}: {why}")
+    error.param = param
+    return error
+
+
+def _writable(value: Any) -> bool:
+    """Whether JSON a string held decodes to text UTF-8 can carry (no lone surrogate)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, RecursionError):  # not what call_text writes: it keeps the raw text
+        return True
+    return True
 
 
 def tool_result(
