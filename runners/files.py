@@ -128,7 +128,7 @@ def output_file_problem(path: Path) -> str | None:
     if any(real == top or real.startswith(top + "/") for top in KERNEL_FOLDERS):
         return f"cannot write it: {real} is the kernel's, not a file to write"
     try:
-        mode: int | None = os.stat(path).st_mode
+        mode: int | None = os.stat(real).st_mode  # a link's target: the file written
     except FileNotFoundError:
         mode = None
     except OSError as e:
@@ -144,9 +144,9 @@ def output_file_problem(path: Path) -> str | None:
             return NOT_REGULAR
     finally:
         os.close(fd)
-        if mode is None:
+        if mode is None:  # the target made by the trial, never a link to it
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(real)
     return None
 
 

@@ -1013,6 +1013,12 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"
                 )
+        stray = _stray_closer(pattern)
+        if stray is not None:  # the converter's loop never moves past one: a hang
+            raise BadRequestError(
+                f"{where}.pattern: a '{stray}' that closes nothing is not supported in"
+                " structured output (escape it: \\{stray})"
+            )
         # the pattern's own grammar, made alone, so what llama.cpp cannot take is named by its path
         _converted({"type": "string", "pattern": pattern}, f"{where}.pattern")
         _check_pattern_text(pattern, f"{where}.pattern")
@@ -1057,6 +1063,25 @@ def _counts(schema: dict[str, Any], least: str, most: str, where: str) -> None:
 
 _ESCAPED_IN_JSON = frozenset({*range(0x20), ord('"'), ord("\\")})
 _SAFE_CATEGORIES = {"CATEGORY_DIGIT", "CATEGORY_WORD", "CATEGORY_UNI_DIGIT", "CATEGORY_UNI_WORD"}
+
+
+def _stray_closer(pattern: str) -> str | None:
+    """A `]` or `}` outside a class and a quantifier, read as the converter reads them (a
+    class ends at its first unescaped `]`, even right after `[`), or None."""
+    i, closer = 0, ""
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if closer:
+            closer = "" if c == closer else closer
+        elif c in "[{":
+            closer = "]" if c == "[" else "}"
+        elif c in "]}":
+            return c
+        i += 1
+    return None
 
 
 def _check_pattern_text(pattern: str, where: str) -> None:

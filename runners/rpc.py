@@ -159,12 +159,12 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
     items = text.split(",")
     if any(not item.strip() for item in items):
         raise RpcEndpointError(f"--rpc: '{text}' has an empty item (host:port,host:port)")
+    if len(items) > 16:  # GGML_RPC_MAX_SERVERS; before the pairs are compared
+        raise RpcEndpointError("--rpc: at most 16 servers")
     endpoints = tuple(parse_endpoint(item) for item in items)
     for i, e in enumerate(endpoints):
         if e in endpoints[:i]:
             raise RpcEndpointError(f"--rpc: {e} is named twice")
-    if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
-        raise RpcEndpointError("--rpc: at most 16 servers")
     return endpoints
 
 

@@ -213,7 +213,7 @@ def test_llama_bench_spellings_parse_and_act(llmrun_env: dict[str, str]) -> None
         (["-sm", "row"], "no GPU backend", 1),
         (["-ts", "3/1"], "no GPU backend", 1),
         (["--numa", "everywhere"], "is not one of distribute", 2),
-        (["-fa", "sometimes"], "every test was skipped", 1),
+        (["-fa", "sometimes"], "-fa/--flash-attn: 'sometimes' is not on, off or auto", 2),
         (["-b", "4096", "-c", "256"], "every test was skipped", 1),
         (["-embd", "2"], "-embd/--embeddings: '2' is not 0 or 1", 2),
         (["-nopo", "yes,maybe"], "-nopo/--no-op-offload: 'maybe' is not 0 or 1", 2),

@@ -756,3 +756,15 @@ def test_json_lines_split_only_at_newlines(
     result = cli.invoke(app, ["run", "-q", "--json", "--jsonl", str(prompts)])
     assert result.exit_code == 0, result.output
     assert [json.loads(x)["id"] for x in result.stdout.splitlines()] == ["a", "b"]
+
+
+def test_the_output_files_trial_keeps_a_link_whose_target_is_not_there_yet(tmp_path: Path) -> None:
+    """The trial open made the link's target and then removed the link itself: the run wrote
+    a plain file where the user's link had been."""
+    from llmrun.runners.files import output_file_problem
+
+    link, target = tmp_path / "link.jsonl", tmp_path / "out" / "target.jsonl"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    assert output_file_problem(link) is None
+    assert link.is_symlink() and not target.exists()
