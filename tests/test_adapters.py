@@ -52,6 +52,16 @@ def test_re_parser_names() -> None:
     assert first("(?=a)") in re_adapter.ASSERTS and first("(?!a)") in re_adapter.ASSERTS
     if sys.version_info >= (3, 11):
         assert first("a*+") in re_adapter.REPEATS
+    # the names runners/grammar._unescaped_in reads, by str(): if one moved, every pattern
+    # would pass that check unseen
+    assert str(first("a")) == "LITERAL" and str(first("[ab]")) == "IN"
+    [(op, arg)] = re_adapter.parse("[^a-c]").data[0][1][:1]
+    assert str(op) == "NEGATE"
+    [(op, (low, high))] = re_adapter.parse("[a-c]").data[0][1]
+    assert str(op) == "RANGE" and (low, high) == (97, 99)
+    [(op, category)] = re_adapter.parse(r"\s").data[0][1]
+    assert str(op) == "CATEGORY" and str(category) == "CATEGORY_SPACE"
+    assert str(re_adapter.parse(r"\d").data[0][1][0][1]) == "CATEGORY_DIGIT"
 
 
 def test_llama_cpp_library_handle_and_file() -> None:
