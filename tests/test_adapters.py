@@ -55,7 +55,7 @@ def test_re_parser_names() -> None:
     # the names runners/grammar._unescaped_in reads, by str(): if one moved, every pattern
     # would pass that check unseen
     assert str(first("a")) == "LITERAL" and str(first("[ab]")) == "IN"
-    [(op, arg)] = re_adapter.parse("[^a-c]").data[0][1][:1]
+    [(op, _arg)] = re_adapter.parse("[^a-c]").data[0][1][:1]
     assert str(op) == "NEGATE"
     [(op, (low, high))] = re_adapter.parse("[a-c]").data[0][1]
     assert str(op) == "RANGE" and (low, high) == (97, 99)
