@@ -63,29 +63,7 @@ def test_every_source_refuses_the_same_values(name: str) -> None:
     """Just past the range: refused by the checker, by the JSONL reader and by the server's
     body alike (the option refuses it as a usage error, by Typer's range)."""
     s = SAMPLING_SETTINGS[name]
-    past: typing.Any = s.high + (1 if s.whole else 0.5)
-    with pytest.raises(SettingError):
-        check_sampling(dataclasses.replace(SamplingParams(), **{name: past}))
-    for key in s.jsonl:
-        with pytest.raises(SettingError):
-            inputs.parse_jsonl_line(
-                f'{{"prompt": "x", "{key}": {past}}}',
-                system=None,
-                raw=False,
-                sampling=SamplingParams(),
-            )
-    for key in s.http:
-        body = api_models.ChatBody.model_validate(
-            {"messages": [{"role": "user", "content": "x"}], key: past}
-        )
-        with pytest.raises(SettingError):
-            body.sampling(SamplingParams())
-    field = OPTION_OF.get(name, name)
-    if field in {f.name for f in dataclasses.fields(options.SamplingOptions)}:
-        declared = _typer_option(field)
-        kind: typing.Any = click.IntRange if s.whole else click.FloatRange
-        with pytest.raises(click.BadParameter):
-            kind(declared.min, declared.max).convert(past, None, None)
+    _refused_by_every_source(name, s.high + (1 if s.whole else 0.5))
 
 
 def _refused_by_every_source(name: str, value: typing.Any) -> None:
