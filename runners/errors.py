@@ -22,9 +22,10 @@ def json_kind(value: object, depth: int = 0) -> str:
     )
 
 
-def not_utf8(e: UnicodeDecodeError) -> str:
-    """The words for text that is not UTF-8, with the first byte that is not."""
-    return f"not UTF-8 text (byte {e.start:,} is {e.object[e.start]:#04x})"
+def not_utf8(e: UnicodeDecodeError, before: int = 0) -> str:
+    """The words for text that is not UTF-8, with the first byte that is not (counted from 0,
+    with the `before` bytes the decoder never saw: utf-8-sig's BOM)."""
+    return f"not UTF-8 text (byte {e.start + before:,} is {e.object[e.start]:#04x})"
 
 
 class LlmrunError(Exception):

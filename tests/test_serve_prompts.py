@@ -360,6 +360,9 @@ def test_a_fifo_dataset_is_refused_without_blocking(tmp_path: Path) -> None:
         (b'[{"conversations": [{"value": 1}, {"value": "x"}]}]', "entry 0: conversations[0]"),
         (b'[{"conversations": ["a", "b"]}]', "entry 0: conversations[0]: 'value' is not text"),
         (b'[{"conversations": [{"value": "\xff"}, {}]}]', "not UTF-8 text (byte 31 is 0xff)"),
+        # counted in the file, the BOM too (the decoder counted from after it)
+        (b'\xef\xbb\xbf[{"conversations": [{"value": "\xff"}]}]', "(byte 34 is 0xff)"),
+        (b'\xef\xbb\xbf{"prompt": "\xff"}\n', "line 1: not UTF-8 text (byte 15 is 0xff)"),
         (b"[1, 2", "line 1: not JSON"),
         (b'{"x": 1}', "line 1: 'prompt' is missing"),
         (b'{"prompt": "a", "output_len": ' + b"9" * 5000 + b"}\n", "line 1: not JSON that can"),

@@ -12,6 +12,7 @@ every prompt, as vLLM's `--random-prefix-len`.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import random
@@ -383,7 +384,7 @@ def _sharegpt(path: Path) -> list[Entry]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise _fail(path, "", not_utf8(e)) from None
+        raise _fail(path, "", not_utf8(e, 3 if raw.startswith(codecs.BOM_UTF8) else 0)) from None
     data = _loads(text, path)
     if not isinstance(data, list):
         raise _fail(path, "", "ShareGPT JSON is an array of {'conversations': [...]}")
@@ -421,7 +422,7 @@ def _jsonl(path: Path) -> Iterator[Entry]:
             try:
                 text = line.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                why = not_utf8(e)
+                why = not_utf8(e, 3 if n == 1 and line.startswith(codecs.BOM_UTF8) else 0)
                 raise _fail(path, where, why) from None
             if not text.strip():
                 continue
