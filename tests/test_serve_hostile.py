@@ -838,6 +838,8 @@ def test_on_loopback_only_loopback_host_names_are_answered(
         ("Host", b"[::1", "opens an IPv6 address with [ and never closes it"),
         ("Origin", "http://127.0.0.1:\u0668\u0660".encode(), "is not ASCII"),
         ("Origin", b"http://127.0.0.1:99999999", "has a port past 65535"),
+        ("Origin", b"http://localhost:5173 https://evil.example", "names more than one origin"),
+        ("Origin", b"http://localhost:5173,https://evil.example", "names more than one origin"),
     ],
 )
 def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
@@ -852,6 +854,32 @@ def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
     message = openai_error(r, 400)["message"]
     assert message.startswith(f"{header} ") and says in message, message
     assert message.isascii(), message  # the bytes escaped, never shown as latin-1
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
+    "second", [b"https://evil.example", b"http://localhost:5173", b"http://127.0.0.1:99999"]
+)
+def test_a_second_origin_header_is_400_as_a_second_host_is(server: Server, second: bytes) -> None:
+    """The check read the first Origin and ignored the rest: an allowed page's origin then
+    a foreign one was served (200). A browser sends one (RFC 6454 section 7, the Fetch
+    standard), and h11 refuses a second Host with 400: so is a second Origin, whatever either
+    names, before any route."""
+    logged = len(server.lines)
+    for origins in ((b"http://localhost:5173", second), (second, b"http://localhost:5173")):
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        head += b"".join(b"Origin: " + o + b"\r\n" for o in origins)
+        status, headers, body = exchange(server, head + b"\r\n")
+        assert status == 400, body
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith("Origin sent 2 times (") and "one Origin header" in message
+        assert "access-control-allow-origin" not in headers
+    host = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert exchange(server, host)[0] == 400  # h11's, below the app
+    server.wait_for(
+        lambda: sum("models 400 Origin sent 2" in line for line in server.lines[logged:]) >= 2,
+        "its log lines",
+    )
     still_serving(server)
 
 

@@ -39,6 +39,9 @@ _ORIGIN = re.compile(
 )
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# RFC 6454 §7 lets the header hold a list, but a browser sends one header with one origin (the
+# Fetch standard): a request with more is ambiguous, and the check must not pick one of them.
+ONE_ORIGIN = "a request comes from one origin, sent in one Origin header"
 
 
 def normal_origin(text: str) -> str | None:
@@ -130,6 +133,8 @@ def origin_problem(origin: str) -> str | None:
     --allow-origin that would let it in), or None."""
     if not origin.isascii():
         return "is not ASCII (a host name goes in punycode)"
+    if len(origin.split()) > 1 or "," in origin:  # RFC 6454's origin-list, or a proxy's join
+        return f"names more than one origin: {ONE_ORIGIN}"
     port = re.fullmatch(r"[^:/]+://[^/]*:([0-9]+)", origin.strip())
     if port is not None and (whole(port[1]) or 65536) > 65535:
         return "has a port past 65535"
@@ -211,10 +216,16 @@ class AccessGuard:
                 " others",
             )(scope, receive, send)
             return
-        origin = headers.get("origin")
-        if origin is None:
+        origins = headers.getlist("origin")
+        if not origins:
             await self.app(scope, receive, send)
             return
+        if len(origins) > 1:  # as h11 refuses a second Host: one of them must not be ignored
+            sent = ", ".join(ascii(o) for o in origins)
+            message = f"Origin sent {len(origins)} times ({sent}): {ONE_ORIGIN}"
+            await self.forbidden(400, message)(scope, receive, send)
+            return
+        origin = origins[0]
         problem = origin_problem(origin)
         if problem is not None:
             await self.forbidden(400, f"Origin {origin!a} {problem}")(scope, receive, send)
