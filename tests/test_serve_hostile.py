@@ -883,6 +883,50 @@ def test_a_second_origin_header_is_400_as_a_second_host_is(server: Server, secon
     still_serving(server)
 
 
+def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Server) -> None:
+    """RFC 9112 section 3.2.2: a server MUST accept `GET http://host:port/path HTTP/1.1` (it
+    was a 404: the route was looked up by the whole URL), and the authority in it replaces
+    the Host header, so the DNS rebinding check reads that authority."""
+    address = server.url.removeprefix("http://").encode()
+
+    def ask(target: bytes, host: bytes = b"127.0.0.1", body: bytes = b"") -> tuple[int, Any]:
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n" % (
+            b"POST" if body else b"GET",
+            target,
+            host,
+        )
+        if body:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        status, _, answer = exchange(server, head + b"\r\n" + body)
+        return status, json.loads(answer)
+
+    served = server.get("/v1/models")
+    before = (count(server, "models", "ok"), count(server, "models", "forbidden"))
+    for target in (b"http://" + address + b"/v1/models", b"HTTP://localhost/v1/models/?x=1"):
+        assert ask(target) == (200, served), target
+    # the Host header is ignored for the target's authority, both ways
+    assert ask(b"http://" + address + b"/v1/models", host=b"evil.example") == (200, served)
+    status, answer = ask(b"http://evil.example:8080/v1/models")
+    assert status == 403 and "Host 'evil.example:8080'" in answer["error"]["message"], answer
+    assert "DNS rebinding" in answer["error"]["message"]
+    status, answer = ask(b"http://localhost:99999/v1/models")
+    assert status == 400 and "no number up to 65535" in answer["error"]["message"], answer
+    status, answer = ask(b"http://[::1]" + CHAT.encode(), body=json.dumps(small()).encode())
+    assert status == 200 and answer["choices"], answer
+    for target, says in (
+        (b"ftp://127.0.0.1/v1/models", "is no http:// or https:// URL"),
+        (b"localhost:8080", "is no http:// or https:// URL"),
+        (b"http:///v1/models", "names no host after http://"),
+        (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
+    ):
+        status, answer = ask(target)
+        assert status == 400 and says in answer["error"]["message"], (target, answer)
+    # counted under the route of the path in the target, not `other`
+    assert count(server, "models", "ok") >= before[0] + 3
+    assert count(server, "models", "forbidden") >= before[1] + 1
+    still_serving(server)
+
+
 @pytest.mark.parametrize(
     ("method", "path", "fields"),
     [
