@@ -23,7 +23,15 @@ from llmrun.runners.grammar import response_grammar
 from llmrun.runners.limits import SAMPLING_SETTINGS, SettingError, check_sampling
 
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
-from .tools import GENERIC, ToolPlan, assistant_calls, call_text, tool_plan, tool_result
+from .tools import (
+    GENERIC,
+    ToolPlan,
+    assistant_calls,
+    call_text,
+    string_field,
+    tool_plan,
+    tool_result,
+)
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
@@ -203,6 +211,7 @@ class Message(BaseModel):
         the template's tool-call format (tools.py)."""
         where = f"messages.{i}"
         extra = self.model_extra or {}
+        string_field(extra.get("name"), f"{where}.name")  # the speaker's name: not rendered
         if self.role == "function" or extra.get("function_call"):
             raise BadRequestError(
                 f"{where}: legacy function calling is not served here (use tools)"
