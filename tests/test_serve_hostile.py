@@ -171,6 +171,18 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
             "stream_options.include_usage",
             "stream_options.include_usage",
         ),
+        (
+            CHAT,
+            small(stream_options={"include_obfuscation": "no"}, stream=True),
+            "stream_options.include_obfuscation: Input should be a valid boolean",
+            "stream_options.include_obfuscation",
+        ),
+        (
+            CHAT,
+            small(stream_options={"include_obfuscation": True}, stream=True),
+            "stream_options.include_obfuscation: true is not served here (only false)",
+            "stream_options.include_obfuscation",
+        ),
         (CHAT, small(stop=""), "stop must be a string or a list of non-empty strings", None),
         (
             CHAT,
@@ -280,6 +292,11 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
         model=None,
     )
     assert send(server, CHAT, body).status_code == 200
+    # OpenAI's other stream option, at the value served (no event padded); null: the default
+    options = {"include_usage": None, "include_obfuscation": False}
+    streamed = send(server, CHAT, small(stream=True, stream_options=options))
+    assert streamed.status_code == 200 and '"usage"' not in streamed.text, streamed.text
+    assert "obfuscation" not in streamed.text
 
 
 @pytest.mark.parametrize(
@@ -390,6 +407,17 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
             COMPLETIONS,
             {"prompt": "Hi", "max_completion_tokens": 2},
             "Unrecognized request argument supplied: max_completion_tokens",
+        ),
+        (
+            CHAT,
+            small(stream=True, stream_options={"include_usage": True, "include_usag": False}),
+            "Unrecognized request argument supplied: stream_options.include_usag",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "stream": True, "stream_options": {"x": 1, "continuous_usage": 1}},
+            "Unrecognized request arguments supplied:"
+            " stream_options.continuous_usage, stream_options.x",
         ),
     ],
 )
