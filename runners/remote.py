@@ -198,6 +198,33 @@ def _read_capped(
     return bytes(raw), True
 
 
+class LongInteger(float):
+    """An integer in a server's JSON past the 4,300 digits Python reads (`int` raises
+    ValueError there; RFC 8259 sets no limit): valid JSON, so not a malformed answer, but no
+    count any request could have. It reads as an infinite number, which every figure check
+    refuses (`_number`), and keeps its text for the note that names it."""
+
+    text: str
+
+    def __new__(cls, text: str) -> LongInteger:
+        number = super().__new__(cls, "-inf" if text.startswith("-") else "inf")
+        number.text = text
+        return number
+
+
+def _integer(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:  # past sys.get_int_max_str_digits()
+        return LongInteger(text)
+
+
+def server_json(text: str | bytes) -> Any:
+    """JSON a server sent, as json.loads reads it but for an integer too long for Python's
+    int (a LongInteger). ValueError (JSONDecodeError) and RecursionError as json.loads."""
+    return json.loads(text, parse_int=_integer)
+
+
 def _server_message(response: httpx.Response) -> str:
     """The error text a server put in its body (OpenAI's {"error": {"message"}} and others)."""
     try:
@@ -206,7 +233,7 @@ def _server_message(response: httpx.Response) -> str:
     except (httpx.HTTPError, httpx.StreamError):
         return ""
     try:
-        data = json.loads(body)
+        data = server_json(body)
     except (ValueError, RecursionError):
         return server_words(body, 200)
     if isinstance(data, dict):
@@ -312,7 +339,7 @@ class Connection:
             raw, whole = _read_capped(response, MAX_SSE_LINE)
             if not whole:
                 return Chunk(error=f"a reply longer than {MAX_SSE_LINE // 2**20} MiB")
-            event = json.loads(raw.decode("utf-8", errors="replace"))
+            event = server_json(raw.decode("utf-8", errors="replace"))
         except httpx.HTTPError as e:
             return Chunk(error=self._fail(e).problem)
         except (ValueError, RecursionError):
@@ -362,7 +389,7 @@ class Connection:
                 self.endpoint, f"/v1{path} answered with over {MAX_JSON_REPLY // 2**20} MiB"
             )
         try:
-            return json.loads(raw)
+            return server_json(raw)
         except (ValueError, RecursionError):
             raise ServerError(self.endpoint, f"/v1{path} did not answer with JSON") from None
 
@@ -374,7 +401,7 @@ class Connection:
                 # read even when refused: a body left unread closes the kept-alive connection,
                 # and the next request would time a new connection's set-up in its TTFT
                 raw, whole = _read_capped(response, MAX_JSON_REPLY, SIDE_REQUEST_S)
-            return json.loads(raw) if whole and response.status_code < 400 else None
+            return server_json(raw) if whole and response.status_code < 400 else None
         except (httpx.HTTPError, ValueError, RecursionError):
             return None
 
@@ -432,7 +459,7 @@ class Connection:
                         finished = True
                         break
                     try:
-                        event = json.loads(data)
+                        event = server_json(data)
                     except (ValueError, RecursionError):
                         yield Chunk(error=f"malformed stream line: {data[:80]!r}")
                         return
@@ -1028,7 +1055,7 @@ def _number(value: Any) -> float | None:
     """A figure from a server's JSON: a finite non-negative number, else None (not trusted)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    if isinstance(value, int):  # Python's JSON reads 4,300 digits, past what a float holds
+    if isinstance(value, int):  # up to 4,300 digits (LongInteger past that), past a float
         return float(value) if 0 <= value < 10**308 else None
     return float(value) if math.isfinite(value) and value >= 0 else None
 
@@ -1046,7 +1073,7 @@ def _checked(name: str, value: Any, most: int, notes: list[str]) -> int | None:
     (a fraction, negative, past `most`); one it did not send is None without a note."""
     counted = _count(value, most)
     if counted is None and isinstance(value, (int, float)) and not isinstance(value, bool):
-        shown = json.dumps(value)
+        shown = value.text if isinstance(value, LongInteger) else json.dumps(value)
         shown = shown if len(shown) <= 24 else f"{shown[:12]}... ({len(shown):,} digits)"
         notes.append(f"{name} {shown} is no count of 0 to {most:,}")
     return counted

@@ -21,7 +21,8 @@ page; each name in MALFORMED sends one event of the wrong shape first. `models_a
 `get_answers` maps a GET route (/props) to its raw body, or to ENDLESS: a JSON body that never
 ends, sent in chunks until the client hangs up (TRICKLE: the same, a byte at a time, slowly);
 `post_answers` maps a POST route (/tokenize) to its raw body. `figures` replaces the usage and
-timings of the usual stream's last event (its keys: "usage", "timings").
+timings of the usual stream's last event (its keys: "usage", "timings"; a RawJSON in them is
+written as its text).
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ if TYPE_CHECKING:
     from typer.testing import CliRunner, Result
 
 WORDS = ["Hello", " from", " the", " stub", " server", "."]
+
+
+class RawJSON(str):
+    """A value in `figures` written as this JSON text, unquoted: a number json.dumps cannot
+    write (an integer of 5,000 digits)."""
+
+
+def dumps(value: Any) -> str:
+    """json.dumps, with each RawJSON in `value` written as its text."""
+    text = json.dumps(value)
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, RawJSON):
+            text = text.replace(json.dumps(item), item, 1)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return text
+
+
 ENDLESS = b"["  # as a get_answers value: this, for ever
 TRICKLE = b" "  # as a get_answers value: this, a byte every 0.2 s, for ever
 
@@ -212,7 +235,7 @@ class Handler(BaseHTTPRequestHandler):
             del final["usage"], final["timings"]
         elif self.figures is not None:
             final.update(self.figures)
-        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.write(f"data: {dumps(final)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
 
     def _think(self, model: str, body: dict[str, Any]) -> None:

@@ -171,6 +171,18 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
             "stream_options.include_usage",
             "stream_options.include_usage",
         ),
+        (
+            CHAT,
+            small(stream_options={"include_obfuscation": "no"}, stream=True),
+            "stream_options.include_obfuscation: Input should be a valid boolean",
+            "stream_options.include_obfuscation",
+        ),
+        (
+            CHAT,
+            small(stream_options={"include_obfuscation": True}, stream=True),
+            "stream_options.include_obfuscation: true is not served here (only false)",
+            "stream_options.include_obfuscation",
+        ),
         (CHAT, small(stop=""), "stop must be a string or a list of non-empty strings", None),
         (
             CHAT,
@@ -280,6 +292,11 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
         model=None,
     )
     assert send(server, CHAT, body).status_code == 200
+    # OpenAI's other stream option, at the value served (no event padded); null: the default
+    options = {"include_usage": None, "include_obfuscation": False}
+    streamed = send(server, CHAT, small(stream=True, stream_options=options))
+    assert streamed.status_code == 200 and '"usage"' not in streamed.text, streamed.text
+    assert "obfuscation" not in streamed.text
 
 
 @pytest.mark.parametrize(
@@ -390,6 +407,17 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
             COMPLETIONS,
             {"prompt": "Hi", "max_completion_tokens": 2},
             "Unrecognized request argument supplied: max_completion_tokens",
+        ),
+        (
+            CHAT,
+            small(stream=True, stream_options={"include_usage": True, "include_usag": False}),
+            "Unrecognized request argument supplied: stream_options.include_usag",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "Hi", "stream": True, "stream_options": {"x": 1, "continuous_usage": 1}},
+            "Unrecognized request arguments supplied:"
+            " stream_options.continuous_usage, stream_options.x",
         ),
     ],
 )
@@ -838,6 +866,8 @@ def test_on_loopback_only_loopback_host_names_are_answered(
         ("Host", b"[::1", "opens an IPv6 address with [ and never closes it"),
         ("Origin", "http://127.0.0.1:\u0668\u0660".encode(), "is not ASCII"),
         ("Origin", b"http://127.0.0.1:99999999", "has a port past 65535"),
+        ("Origin", b"http://localhost:5173 https://evil.example", "names more than one origin"),
+        ("Origin", b"http://localhost:5173,https://evil.example", "names more than one origin"),
     ],
 )
 def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
@@ -852,6 +882,76 @@ def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
     message = openai_error(r, 400)["message"]
     assert message.startswith(f"{header} ") and says in message, message
     assert message.isascii(), message  # the bytes escaped, never shown as latin-1
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
+    "second", [b"https://evil.example", b"http://localhost:5173", b"http://127.0.0.1:99999"]
+)
+def test_a_second_origin_header_is_400_as_a_second_host_is(server: Server, second: bytes) -> None:
+    """The check read the first Origin and ignored the rest: an allowed page's origin then
+    a foreign one was served (200). A browser sends one (RFC 6454 section 7, the Fetch
+    standard), and h11 refuses a second Host with 400: so is a second Origin, whatever either
+    names, before any route."""
+    logged = len(server.lines)
+    for origins in ((b"http://localhost:5173", second), (second, b"http://localhost:5173")):
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        head += b"".join(b"Origin: " + o + b"\r\n" for o in origins)
+        status, headers, body = exchange(server, head + b"\r\n")
+        assert status == 400, body
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith("Origin sent 2 times (") and "one Origin header" in message
+        assert "access-control-allow-origin" not in headers
+    host = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert exchange(server, host)[0] == 400  # h11's, below the app
+    server.wait_for(
+        lambda: sum("models 400 Origin sent 2" in line for line in server.lines[logged:]) >= 2,
+        "its log lines",
+    )
+    still_serving(server)
+
+
+def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Server) -> None:
+    """RFC 9112 section 3.2.2: a server MUST accept `GET http://host:port/path HTTP/1.1` (it
+    was a 404: the route was looked up by the whole URL), and the authority in it replaces
+    the Host header, so the DNS rebinding check reads that authority."""
+    address = server.url.removeprefix("http://").encode()
+
+    def ask(target: bytes, host: bytes = b"127.0.0.1", body: bytes = b"") -> tuple[int, Any]:
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n" % (
+            b"POST" if body else b"GET",
+            target,
+            host,
+        )
+        if body:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        status, _, answer = exchange(server, head + b"\r\n" + body)
+        return status, json.loads(answer)
+
+    served = server.get("/v1/models")
+    before = (count(server, "models", "ok"), count(server, "models", "forbidden"))
+    for target in (b"http://" + address + b"/v1/models", b"HTTP://localhost/v1/models/?x=1"):
+        assert ask(target) == (200, served), target
+    # the Host header is ignored for the target's authority, both ways
+    assert ask(b"http://" + address + b"/v1/models", host=b"evil.example") == (200, served)
+    status, answer = ask(b"http://evil.example:8080/v1/models")
+    assert status == 403 and "Host 'evil.example:8080'" in answer["error"]["message"], answer
+    assert "DNS rebinding" in answer["error"]["message"]
+    status, answer = ask(b"http://localhost:99999/v1/models")
+    assert status == 400 and "no number up to 65535" in answer["error"]["message"], answer
+    status, answer = ask(b"http://[::1]" + CHAT.encode(), body=json.dumps(small()).encode())
+    assert status == 200 and answer["choices"], answer
+    for target, says in (
+        (b"ftp://127.0.0.1/v1/models", "is no http:// or https:// URL"),
+        (b"localhost:8080", "is no http:// or https:// URL"),
+        (b"http:///v1/models", "names no host after http://"),
+        (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
+    ):
+        status, answer = ask(target)
+        assert status == 400 and says in answer["error"]["message"], (target, answer)
+    # counted under the route of the path in the target, not `other`
+    assert count(server, "models", "ok") >= before[0] + 3
+    assert count(server, "models", "forbidden") >= before[1] + 1
     still_serving(server)
 
 

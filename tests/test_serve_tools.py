@@ -235,6 +235,59 @@ def test_call_arguments_whose_json_holds_a_lone_surrogate_are_refused_by_name(
     assert json.loads(message.messages[0].content)["arguments"] == {"a": "\U0001f600 \u00e9"}
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([{"role": "assistant", "tool_calls": [{**CALL, "id": 5}]}], "tool_calls.0.id", "a number"),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "id": ["a"]}]}],
+            "tool_calls.0.id",
+            "array",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "type": 1}]}],
+            "tool_calls.0.type",
+            "number",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}],
+            "tool_calls.0.type",
+            "only calls of type \"function\" are served, not 'custom'",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": 7}}]}],
+            "tool_calls.0.function.name",
+            "must be a string, not a number",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}],
+            "tool_calls.0.function.name",
+            "the name of the function called",
+        ),
+        ([{"role": "tool", "tool_call_id": 5, "content": "x"}], "tool_call_id", "not a number"),
+        ([{"role": "tool", "tool_call_id": True, "content": "x"}], "tool_call_id", "a boolean"),
+        ([{"role": "tool", "content": "x"}], "tool_call_id", "the id of the call this answers"),
+        ([{"role": "user", "name": 5, "content": "x"}], "name", "must be a string, not a number"),
+    ],
+)
+def test_a_calls_fields_are_typed_as_openai_types_them(
+    messages: list[dict[str, Any]], param: str, says: str
+) -> None:
+    """A call's id of 5 was taken (as "5"); OpenAI types the id, the type, the function's
+    name and a tool message's tool_call_id as strings (null or left out: none given): any other
+    JSON kind is a 400 naming the field."""
+    with pytest.raises(BadRequestError) as e:
+        body(messages=messages).request(SamplingParams())
+    assert e.value.param == f"messages.0.{param}", str(e.value)
+    assert str(e.value).startswith(f"messages.0.{param}: ") and says in str(e.value)
+    fine = {**CALL, "id": None, "type": None}  # null: not given, as OpenAI's schema has it
+    message = body(messages=[{"role": "assistant", "name": "bot", "tool_calls": [fine]}])
+    assert message.request(SamplingParams()).messages[0].content
+
+
 def read(plan_tools: Any, choice: Any, text: str, finish: str = "stop", step: int = 3) -> Any:
     plan = tool_plan(plan_tools, choice)
     assert plan is not None

@@ -198,11 +198,13 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
         ("deep", "nested too deep to be tuned settings; fix or delete it"),
         ("fifo", "not a regular file (a FIFO, a device?); delete it"),
         ("latin1", "not UTF-8 text (byte 13 is 0xe9); fix or delete it"),
+        ("digits", "holds a number of more than 4,300 digits, no setting; fix or delete it"),
     ],
 )
 def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path: Path) -> None:
     """100,000 brackets were an internal RecursionError; a FIFO blocked the open for ever; a
-    byte past UTF-8 was named in Python's codec words."""
+    byte past UTF-8 was named in Python's codec words; a number of 5,000 digits was an
+    internal ValueError."""
     from llmrun.runners.bench.tuned import load_tuned, tuned_file
     from llmrun.runners.limits import SettingError
 
@@ -212,6 +214,8 @@ def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path
         path.write_text("[" * 100_000)
     elif kind == "latin1":
         path.write_bytes(b'{"/m.gguf": "\xe9"}')
+    elif kind == "digits":  # valid JSON (RFC 8259 has no limit); Python's int reads 4,300
+        path.write_text('{"/m.gguf": {"chat": {"n_threads": ' + "9" * 5000 + "}}}")
     else:
         os.mkfifo(path)
     with pytest.raises(SettingError) as e:

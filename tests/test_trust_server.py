@@ -15,7 +15,7 @@ from llmrun.cli.app import app
 from llmrun.runners.history import History
 from llmrun.runners.remote import parse_endpoint, redact_url
 
-from .stub_server import ENDLESS, MALFORMED, TRICKLE, stub_server
+from .stub_server import ENDLESS, MALFORMED, TRICKLE, RawJSON, stub_server
 from .test_truth_stream import sse_events
 
 ESC_OR_CONTROL = [chr(c) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))]
@@ -311,6 +311,47 @@ def test_counts_no_request_could_have_are_left_out_and_named(cli: CliRunner) -> 
     ):
         assert said in notes, notes
     assert "0000000000000000" not in text.stderr and "not reported by the server" in text.stderr
+
+
+def test_a_number_too_long_for_pythons_int_is_no_count_not_a_malformed_event(
+    cli: CliRunner,
+) -> None:
+    """RFC 8259 sets no limit on a number's digits, but Python's int reads at most 4,300 of
+    them (ValueError): a usage count of 5,000 digits made the last event "malformed", and the
+    run an incomplete one. It is valid JSON: the count is one no request could have, left
+    out and named as the others are."""
+    huge = "9" * 5000
+    figures = {
+        "usage": {"prompt_tokens": RawJSON(huge), "completion_tokens": 6},
+        "timings": {"prompt_n": RawJSON("-" + huge), "prompt_ms": RawJSON(huge)},
+    }
+    with stub_server(figures=figures) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "--stats", "json", "hi"])
+    assert result.exit_code == 0, result.output
+    assert "malformed" not in result.stderr
+    stats = json.loads(result.stderr.splitlines()[-1])
+    assert stats["output_tokens"] == 6 and stats["prompt_tokens"] == 0
+    assert stats.get("server_prompt_n") is stats.get("server_prompt_ms") is None
+    notes = " ".join(stats["server_implausible"])
+    assert "prompt_tokens 999999999999... (5,000 digits) is no count" in notes, notes
+    assert "prompt_n -99999999999... (5,001 digits) is no count" in notes, notes
+    listing = b'{"data": [{"id": "stub", "created": ' + huge.encode() + b"}]}"
+    with stub_server(get_answers={"/v1/models": listing}) as url:
+        result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
+    assert result.exit_code == 0, result.output  # it was "/v1/models did not answer with JSON"
+
+
+def test_every_reader_of_server_json_takes_any_number_of_digits() -> None:
+    from llmrun.runners.remote import LongInteger, _count, _number, server_json
+
+    read = server_json(b'{"a": [' + b"1" * 4301 + b", -" + b"2" * 5000 + b", 7, 2.5]}")
+    long, negative, seven, half = read["a"]
+    assert isinstance(long, LongInteger) and long.text == "1" * 4301
+    assert isinstance(negative, LongInteger) and negative.text == "-" + "2" * 5000
+    assert _number(long) is _count(long) is _number(negative) is None
+    assert (seven, half) == (7, 2.5) and type(seven) is int
+    with pytest.raises(ValueError):
+        server_json("{not json")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,12 @@ def _read_all() -> dict[str, Any]:
     except RecursionError:
         raise SettingError(
             str(path), "nested too deep to be tuned settings; fix or delete it"
+        ) from None
+    except ValueError:  # valid JSON past what Python's int reads (sys.get_int_max_str_digits)
+        raise SettingError(
+            str(path),
+            f"holds a number of more than {sys.get_int_max_str_digits():,} digits, no setting;"
+            " fix or delete it",
         ) from None
     if not isinstance(data, dict):
         raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")

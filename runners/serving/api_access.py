@@ -20,6 +20,7 @@ import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,7 +39,11 @@ _ORIGIN = re.compile(
     re.IGNORECASE,
 )
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")  # RFC 3986 section 3.1
 LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# RFC 6454 §7 lets the header hold a list, but a browser sends one header with one origin (the
+# Fetch standard): a request with more is ambiguous, and the check must not pick one of them.
+ONE_ORIGIN = "a request comes from one origin, sent in one Origin header"
 
 
 def normal_origin(text: str) -> str | None:
@@ -130,6 +135,8 @@ def origin_problem(origin: str) -> str | None:
     --allow-origin that would let it in), or None."""
     if not origin.isascii():
         return "is not ASCII (a host name goes in punycode)"
+    if len(origin.split()) > 1 or "," in origin:  # RFC 6454's origin-list, or a proxy's join
+        return f"names more than one origin: {ONE_ORIGIN}"
     port = re.fullmatch(r"[^:/]+://[^/]*:([0-9]+)", origin.strip())
     if port is not None and (whole(port[1]) or 65536) > 65535:
         return "has a port past 65535"
@@ -167,6 +174,54 @@ class Access:
         return normal in self.origins or any("*" in p and _matches(p, normal) for p in self.origins)
 
 
+def absolute_form(target: str) -> tuple[str, str, str] | None:
+    """(scheme, authority, path) of a request target in absolute-form (`http://host:port/path`,
+    RFC 9112 section 3.2.2: what clients send to a proxy), or None for any other form: a
+    path (origin-form), `*`, or text that is no URI at all."""
+    head = target.split("/", 1)[0]
+    scheme, colon, _ = head.partition(":")
+    if target.startswith("/") or not colon or not _SCHEME.fullmatch(scheme):
+        return None
+    rest = target[len(scheme) + 1 :]
+    if not rest.startswith("//"):  # `mailto:x`, or `localhost:8080` (authority-form)
+        return scheme, "", rest
+    authority, _, path = rest[2:].partition("/")
+    return scheme, authority, "/" + path
+
+
+def origin_form(scope: Scope) -> Scope | str:
+    """The request as if its target were a path. RFC 9112 section 3.2.2: a server MUST accept
+    a target in absolute-form (`GET http://127.0.0.1:8080/v1/models`), and ignore the Host
+    header for the authority in it; so that authority becomes the Host the checks read (the
+    DNS rebinding check applies to it). A string: why the target cannot be served (400)."""
+    raw = scope.get("raw_path")
+    target = raw.decode("latin-1") if isinstance(raw, bytes) else scope["path"]
+    parts = absolute_form(target)
+    if parts is None:
+        return scope
+    scheme, authority, path = parts
+    if scheme.lower() not in ("http", "https") or not path.startswith("/"):
+        return (
+            f"the request target {target!a} is no http:// or https:// URL:"
+            " send the path (/v1/...), or the whole http://host:port/path"
+        )
+    if not authority:  # RFC 9110 section 4.2.1: such a URI is invalid
+        return f"the request target {target!a} names no host after {scheme}://"
+    if "@" in authority:  # RFC 9110 section 4.2.4: userinfo is deprecated, an error here
+        return (
+            f"the request target {target!a} carries credentials before its host"
+            " (user@host): send them in an Authorization header"
+        )
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
+    changed = {
+        **scope,
+        "path": unquote(path),
+        "raw_path": path.encode("latin-1"),
+        "headers": [*headers, (b"host", authority.encode("latin-1"))],
+    }
+    return changed
+
+
 def strip_slashes(scope: Scope) -> Scope:
     """The request as if its path had no trailing slash: `/v1/models/` is `/v1/models`, answered
     at once (a redirect would lose a POST's body in many clients)."""
@@ -195,7 +250,11 @@ class AccessGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope = strip_slashes(scope)
+        target = origin_form(scope)
+        if isinstance(target, str):
+            await self.forbidden(400, target)(scope, receive, send)
+            return
+        scope = strip_slashes(target)
         headers = Headers(scope=scope)
         host = headers.get("host")
         problem = host_problem(host)
@@ -211,10 +270,16 @@ class AccessGuard:
                 " others",
             )(scope, receive, send)
             return
-        origin = headers.get("origin")
-        if origin is None:
+        origins = headers.getlist("origin")
+        if not origins:
             await self.app(scope, receive, send)
             return
+        if len(origins) > 1:  # as h11 refuses a second Host: one of them must not be ignored
+            sent = ", ".join(ascii(o) for o in origins)
+            message = f"Origin sent {len(origins)} times ({sent}): {ONE_ORIGIN}"
+            await self.forbidden(400, message)(scope, receive, send)
+            return
+        origin = origins[0]
         problem = origin_problem(origin)
         if problem is not None:
             await self.forbidden(400, f"Origin {origin!a} {problem}")(scope, receive, send)

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmrun.runners.errors import json_kind
 from llmrun.runners.lists import whole
 
+from .api_access import absolute_form
 from .api_engine import RequestTimings
 from .api_responses import Wire, error_body
 from .tools import LONE_SURROGATE
@@ -65,6 +66,9 @@ HTTP_OUTCOMES = {
 
 def route_of(path: str) -> str:
     """The route a path belongs to, for /metrics' `route` label and the log."""
+    absolute = absolute_form(path)  # `http://host/v1/models`: its path names the route
+    if absolute is not None:
+        path = absolute[2]
     path = path.rstrip("/") or "/"
     if path in ROUTES:
         return ROUTES[path]

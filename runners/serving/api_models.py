@@ -23,7 +23,15 @@ from llmrun.runners.grammar import response_grammar
 from llmrun.runners.limits import SAMPLING_SETTINGS, SettingError, check_sampling
 
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
-from .tools import GENERIC, ToolPlan, assistant_calls, call_text, tool_plan, tool_result
+from .tools import (
+    GENERIC,
+    ToolPlan,
+    assistant_calls,
+    call_text,
+    string_field,
+    tool_plan,
+    tool_result,
+)
 
 WHERE = "request"
 # Fields whose effect llmrun cannot give: refused when set, never silently dropped.
@@ -63,8 +71,30 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`. `include_obfuscation` pads each event with random characters
+    against length side channels on an encrypted link; llmrun serves plain HTTP, whose events
+    anyone on the link reads whole, and pads none: false is served, true refused."""
+
     model_config = ConfigDict(extra="allow", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+    def check(self) -> None:
+        """BadRequestError for a key OpenAI does not define, in its words, or padding asked."""
+        unknown = sorted(self.model_extra or {})
+        if unknown:
+            arguments = "argument" if len(unknown) == 1 else "arguments"
+            names = ", ".join(f"stream_options.{name}" for name in unknown)
+            error = BadRequestError(f"Unrecognized request {arguments} supplied: {names}")
+            error.param = "stream_options"
+            raise error
+        if self.include_obfuscation:
+            error = BadRequestError(
+                "stream_options.include_obfuscation: true is not served here (only false):"
+                " no event is padded, as none could hide its length on plain HTTP"
+            )
+            error.param = "stream_options.include_obfuscation"
+            raise error
 
 
 class _Body(BaseModel):
@@ -124,7 +154,7 @@ class _Body(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def _limit_field(self) -> str:
         """The field that holds the request's output budget."""
@@ -145,6 +175,8 @@ class _Body(BaseModel):
             raise BadRequestError(
                 f"Unrecognized request {arguments} supplied: {', '.join(unknown)}"
             )
+        if self.stream_options is not None:
+            self.stream_options.check()
         for name, what in UNSERVED.items():
             value = extra.get(name)
             if value and value != {"type": "text"}:
@@ -203,6 +235,7 @@ class Message(BaseModel):
         the template's tool-call format (tools.py)."""
         where = f"messages.{i}"
         extra = self.model_extra or {}
+        string_field(extra.get("name"), f"{where}.name")  # the speaker's name: not rendered
         if self.role == "function" or extra.get("function_call"):
             raise BadRequestError(
                 f"{where}: legacy function calling is not served here (use tools)"

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmrun.runners.base import ChatMessage
-from llmrun.runners.errors import BadRequestError
+from llmrun.runners.errors import BadRequestError, json_kind
 from llmrun.runners.grammar import check_schema, schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -306,15 +306,30 @@ def assistant_calls(calls: Any, where: str) -> list[tuple[str, str, str]]:
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls.{j}"
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(fn, dict):
             raise BadRequestError(f"{at}: an object with a function's name and arguments")
+        # OpenAI's types, strictly: an id of 5 is no id (null or left out: none given)
+        call_id = string_field(call.get("id"), f"{at}.id")
+        kind = string_field(call.get("type"), f"{at}.type")
+        if kind not in (None, "function"):
+            raise refused(f"{at}.type", f'only calls of type "function" are served, not {kind!r}')
+        name = string_field(fn.get("name"), f"{at}.function.name")
+        if name is None:
+            raise refused(f"{at}.function.name", "the name of the function called")
         arguments = fn.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise refused(f"{at}.function.arguments", "a JSON string")
         if not _writable(_json(arguments)):  # the body's gate saw `\\ud800`, a backslash
             raise refused(f"{at}.function.arguments", f"a lone surrogate ({LONE_SURROGATE})")
-        found.append((str(call.get("id", "")), fn["name"], arguments))
+        found.append((call_id or "", name, arguments))
     return found
+
+
+def string_field(value: Any, param: str) -> str | None:
+    """A field OpenAI types as a string: the string, None when null or left out, else a 400."""
+    if value is None or isinstance(value, str):
+        return value
+    raise refused(param, f"must be a string, not {json_kind(value)}")
 
 
 def refused(param: str, why: str) -> BadRequestError:
@@ -340,8 +355,9 @@ def tool_result(
 ) -> ChatMessage:
     """A `tool` message, as the user message the template can render (a template with tool
     syntax renders the `tool` role itself)."""
-    if not isinstance(call_id, str) or not call_id:
-        raise BadRequestError(f"{where}.tool_call_id: the id of the call this answers")
+    call_id = string_field(call_id, f"{where}.tool_call_id")
+    if not call_id:
+        raise refused(f"{where}.tool_call_id", "the id of the call this answers")
     if family != GENERIC:
         return ChatMessage("tool", content)
     answer = {"tool_call_id": call_id, "name": name, "content": content}
