@@ -289,9 +289,7 @@ class _NoWait:
 def _fed_tokens(model: Model, sp: SamplingParams) -> list[int]:
     """llama-bench's tg: `std::rand() % n_vocab` after each step, unsampled (last first)."""
     rng = random.Random(sp.seed or 0)
-    tokens = [rng.randrange(model.n_vocab) for _ in range(sp.max_tokens + 1)]
-    tokens.reverse()
-    return tokens
+    return [rng.randrange(model.n_vocab) for _ in range(sp.max_tokens + 1)][::-1]
 
 
 def _end(

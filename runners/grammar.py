@@ -29,7 +29,7 @@ import platform
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import BadRequestError, json_kind
@@ -213,24 +213,30 @@ def json_text_dot(grammar: str) -> str:
     return grammar.replace(_CONVERTER_DOT, "[^" + _NOT_IN_JSON_TEXT + "]")
 
 
-def _has_top_level_bar(pattern: str) -> bool:
-    depth, i, in_class = 0, 0, False
+def _bare(pattern: str, spans: dict[str, str]) -> Iterator[str]:
+    """The pattern's unescaped characters outside the spans `spans` opens and closes, read as
+    the converter reads them (a class ends at its first unescaped `]`, even right after `[`)."""
+    i, closer = 0, ""
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
             i += 2
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            return True
+        if closer:
+            closer = "" if c == closer else closer
+        elif c in spans:
+            closer = spans[c]
+        else:
+            yield c
         i += 1
+
+
+def _has_top_level_bar(pattern: str) -> bool:
+    depth = 0
+    for c in _bare(pattern, {"[": "]"}):
+        depth += (c == "(") - (c == ")")
+        if c == "|" and depth == 0:
+            return True
     return False
 
 
@@ -967,26 +973,31 @@ def _few_choices(options: list[Any], where: str) -> None:
         )
 
 
+def _scalars(value: Any) -> Iterator[Any]:
+    """Every scalar in a JSON value, an object's keys included."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _scalars(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _scalars(v)
+    else:
+        yield value
+
+
 def _not_finite(value: Any) -> bool:
     """Whether a JSON value holds a float that JSON cannot write (Python reads 1e999 as inf)."""
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, list | dict):
-        items = value.values() if isinstance(value, dict) else value
-        return any(_not_finite(v) for v in items)
-    return False
+    return any(isinstance(x, float) and not math.isfinite(x) for x in _scalars(value))
 
 
 def _escaped_text(value: Any) -> bool:
     """Whether a JSON value holds a string that JSON writes with an escape other than \\uXXXX
     for a character past ASCII (a quote, a backslash, a control character)."""
-    if isinstance(value, str):
-        return any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in value)
-    if isinstance(value, list):
-        return any(_escaped_text(v) for v in value)
-    if isinstance(value, dict):
-        return any(_escaped_text(k) or _escaped_text(v) for k, v in value.items())
-    return False
+    return any(
+        isinstance(x, str) and any(c in '"\\' or ord(c) < 0x20 or c == "\x7f" for c in x)
+        for x in _scalars(value)
+    )
 
 
 def _check_strings(schema: dict[str, Any], where: str) -> None:
@@ -1066,22 +1077,8 @@ _SAFE_CATEGORIES = {"CATEGORY_DIGIT", "CATEGORY_WORD", "CATEGORY_UNI_DIGIT", "CA
 
 
 def _stray_closer(pattern: str) -> str | None:
-    """A `]` or `}` outside a class and a quantifier, read as the converter reads them (a
-    class ends at its first unescaped `]`, even right after `[`), or None."""
-    i, closer = 0, ""
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if closer:
-            closer = "" if c == closer else closer
-        elif c in "[{":
-            closer = "]" if c == "[" else "}"
-        elif c in "]}":
-            return c
-        i += 1
-    return None
+    """A `]` or `}` outside a class and a quantifier, or None."""
+    return next((c for c in _bare(pattern, {"[": "]", "{": "}"}) if c in "]}"), None)
 
 
 def _check_pattern_text(pattern: str, where: str) -> None:

@@ -175,6 +175,12 @@ def _candidates(lib: Any, n: int) -> tuple[Any, Any]:
     return view, lib.llama_token_data_array(pointer, n, -1, False)
 
 
+def _set_candidates(view: Any, array: Any, ids: Any, logits: Any) -> None:
+    """`_candidates`' cells: these tokens with their logits, unsorted, nothing selected."""
+    view["id"], view["logit"], view["p"] = ids, logits, 0.0
+    array.size, array.selected, array.sorted = len(ids), -1, False
+
+
 class GrammarSampler(Sampler):
     """A sampler chain held to a grammar as llama.cpp's own `common_sampler_sample` does it
     (common/sampling.cpp): the chain samples first; only the chosen token is checked against
@@ -230,12 +236,8 @@ class GrammarSampler(Sampler):
             from .errors import EngineError
 
             raise EngineError(f"llama.cpp has no logits for batch entry {index}")
-        view = self._view
-        view["id"] = self._ids
-        view["logit"] = self._np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        view["p"] = 0.0
-        a = self._all
-        a.size, a.selected, a.sorted = self.n_vocab, -1, False
+        logits = self._np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        _set_candidates(self._view, self._all, self._ids, logits)
 
     def _chosen(self) -> int:
         """The token the chain selected; EngineError when none can be: every candidate is
@@ -257,11 +259,7 @@ class GrammarSampler(Sampler):
         top = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(k)
         top = top[np.lexsort((top, -logits[top]))]  # best first; greedy keeps the lowest id
         view = self._top_view
-        view["id"] = top
-        view["logit"] = logits[top]
-        view["p"] = 0.0
-        t = self._top
-        t.size, t.selected, t.sorted = k, -1, False
+        _set_candidates(view, self._top, top, logits[top])
         self._apply(self.grammar, self._top_ref)
         allowed = np.flatnonzero(view["logit"] != float("-inf"))
         if not allowed.size:

@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from .bench.results import (
     FLASH_ATTN_CODES,
@@ -114,20 +114,14 @@ class Change:
 
     @property
     def verdict(self) -> str:
-        """faster / slower with the interval, else no difference detectable with the
-        repetitions that would resolve 2 %; 'new'; the spread rule without repetitions."""
-        if self.previous is None:
-            return "new"
-        found = self.difference
-        return found.text if found is not None else spread_verdict(self.record, self.previous)
+        """`verdict`'s, or 'new'."""
+        return "new" if self.previous is None else verdict(self.previous, self.record)
 
 
 def rates(record: Mapping[str, Any]) -> tuple[float, ...]:
     """A record's rate in each repetition (llama-bench's `samples_ts`), () where it has none."""
     samples = record.get("samples_ts")
-    if not isinstance(samples, list) or not samples:
-        return ()
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in samples):
+    if not isinstance(samples, list) or not all(_is_number(x) for x in samples):
         return ()
     return tuple(float(x) for x in samples)
 
@@ -143,6 +137,13 @@ def difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference | N
     if not (a and b):
         return None
     return compare_rates(a, b, busy=busy_pair(new, old))
+
+
+def verdict(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """faster / slower with the interval, else no difference detectable with the repetitions
+    that would resolve 2 %; the spread rule (`spread_verdict`) without repetitions."""
+    found = difference(old, new)
+    return found.text if found is not None else spread_verdict(new, old)
 
 
 def spread_verdict(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
@@ -368,9 +369,13 @@ def _like(text: str) -> str:
     return "%" + re.sub(r"([%_\\])", r"\\\1", text) + "%"
 
 
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _background(record: Mapping[str, Any]) -> float:
     value = record.get("background_cpus")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    return float(value) if _is_number(value) else 0.0
 
 
 def _busy(record: Mapping[str, Any]) -> bool:
@@ -408,9 +413,7 @@ def _record(text: object) -> dict[str, Any] | None:
 
 def _is_rate(value: object) -> bool:
     """Whether a stored figure is a rate: a finite number from 0 to MAX_RATE."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return 0 <= value <= MAX_RATE  # False for NaN; a huge integer compares without a float
+    return _is_number(value) and 0 <= value <= MAX_RATE  # False for NaN; a huge int: no float
 
 
 def stored_text(value: object) -> str:
@@ -688,10 +691,7 @@ class Pair:
 
     @property
     def verdict(self) -> str:
-        found = self.difference
-        if found is not None:
-            return found.text
-        return spread_verdict(self.compare.summary, self.baseline.summary)
+        return verdict(self.baseline.summary, self.compare.summary)
 
 
 @dataclass(frozen=True)

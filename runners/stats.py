@@ -470,9 +470,8 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         """A flat JSON-ready record: measured fields, computed figures, model and settings."""
         data = asdict(self)
-        data.pop("itl_s")
-        data.pop("server")
-        data.pop("energy")
+        for name in ("itl_s", "server", "energy"):
+            data.pop(name)
         data["itl_ms"] = [round(x * 1000, 4) for x in self.itl_s]
         for name in (
             "new_prompt_tokens",

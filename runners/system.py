@@ -497,12 +497,8 @@ def decode_bandwidth(
         + (f"{m.bytes_s / 1e9:,.1f} GB/s ({m.source})" if m.bytes_s else "not measured")
         for m in memories
     )
-    fields: dict[str, Any] = {
-        "bw_util": None,
-        "weights_bw_gbs": None,
-        "decode_roofline_ts": None,
-        "mem_bw_source": where or None,
-    }
+    fields: dict[str, Any] = dict.fromkeys(("bw_util", "weights_bw_gbs", "decode_roofline_ts"))
+    fields["mem_bw_source"] = where or None
     if not memories or any(m.share > 0 and not m.bytes_s for m in memories) or bytes_per_token <= 0:
         return fields
     roofline_s = sum(m.share * bytes_per_token / m.bytes_s for m in memories if m.bytes_s)

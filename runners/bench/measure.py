@@ -131,11 +131,8 @@ def kv_bytes_per_position(runner: BenchRunner, type_k: str, type_v: str) -> floa
             value = max(value) if value else default
         return int(value)
 
-    n_layer, n_embd, n_head = (
-        get("block_count"),
-        get("embedding_length"),
-        get("attention.head_count"),
-    )
+    names = ("block_count", "embedding_length", "attention.head_count")
+    n_layer, n_embd, n_head = (get(name) for name in names)
     n_head_kv = get("attention.head_count_kv", n_head)
     if not (n_layer and n_embd and n_head):
         return 0.0
@@ -374,10 +371,9 @@ def run_bench(
     ctx = plan.context
     count = _Count(plan)
     for i_combo, (combo, shapes) in enumerate(plan.tests):
-        loaded: LocalLoaded | str
-        if (
-            problem := _check_combo(combo, plan.n_ctx if combo.n_batch != base.n_batch else None)
-        ) is None:
+        asked = plan.n_ctx if combo.n_batch != base.n_batch else None
+        loaded: LocalLoaded | str | None = _check_combo(combo, asked)  # None: it may run
+        if loaded is None:
             yield Progress(
                 count.done,
                 count.total,
@@ -386,8 +382,6 @@ def run_bench(
                 left=count.left(i_combo, -1, 0),
             )
             loaded = _reconfigure(runner, combo.config(base, ctx))
-        else:
-            loaded = problem
         if isinstance(loaded, str):
             yield Skipped(combo, None, loaded)
             left = count.left(i_combo, len(shapes), 0)

@@ -72,6 +72,17 @@ def optional_ints(text: str | None, name: str, default: int | None) -> list[int 
     return [default] if text is None else list(sw.parse_values(text, name=name))
 
 
+def _given(
+    text: str | None, default: Any, parse: Callable[..., list[Any]], **how: Any
+) -> list[Any]:
+    """An option's list (`parse`d, as `how` says), else the default alone."""
+    return parse(text, **how) if text else [default]
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",")]
+
+
 @dataclass(frozen=True)
 class Sweep:
     """What a llama-bench-style run measures, as the options gave it."""
@@ -125,19 +136,15 @@ class Sweep:
 
     def _gpu_lists(self) -> dict[str, list[Any]]:
         """The -sm, -mg, -ts, -ot, -ncmoe, -dev, --draft, -fitt and -fitc values given."""
-        modes: list[str | None] = [None]
-        if self.split_mode:
-            modes = list(
-                sw.parse_words(
-                    self.split_mode,
-                    name="-sm",
-                    allowed=("none", "layer", "row", "tensor"),
-                    refuse="none, layer, row or tensor",
-                )
-            )
-        gpus: list[int | None] = (
-            list(sw.parse_values(self.main_gpu, name="-mg")) if self.main_gpu else [None]
+        modes = _given(
+            self.split_mode,
+            None,
+            sw.parse_words,
+            name="-sm",
+            allowed=("none", "layer", "row", "tensor"),
+            refuse="none, layer, row or tensor",
         )
+        gpus = _given(self.main_gpu, None, sw.parse_values, name="-mg")
         splits: list[str | None] = [None]
         if self.tensor_split:
             splits = []
@@ -146,32 +153,19 @@ class Sweep:
                 if not all(share(v) is not None for v in values):
                     raise OptionError(f"-ts: '{part}' is not shares such as 3/1")
                 splits.append(part.strip())
-        overrides: list[str | None] = (
-            [o.strip() for o in self.tensor_overrides.split(",")]
-            if self.tensor_overrides
-            else [None]
-        )
+        overrides = _given(self.tensor_overrides, None, _split)
         for group in overrides:  # refused before any model loads, not once per test
             dv.tensor_overrides(group)
-        moes = (
-            list(sw.parse_values(self.n_cpu_moe, name="-ncmoe", maximum=dv.MAX_LAYERS))
-            if self.n_cpu_moe
-            else [0]
-        )
-        devices: list[str | None] = (
-            [d.strip() for d in self.devices.split(",")] if self.devices else [None]
-        )
-        drafts = (
-            list(sw.parse_values(self.draft, name="--draft", maximum=64)) if self.draft else [0]
-        )
         return {
             "split_mode": modes,
             "main_gpu": gpus,
             "tensor_split": splits,
             "tensor_overrides": overrides,
-            "n_cpu_moe": moes,
-            "devices": devices,
-            "draft": drafts,
+            "n_cpu_moe": _given(
+                self.n_cpu_moe, 0, sw.parse_values, name="-ncmoe", maximum=dv.MAX_LAYERS
+            ),
+            "devices": _given(self.devices, None, _split),
+            "draft": _given(self.draft, 0, sw.parse_values, name="--draft", maximum=64),
             "fit_target": sw.parse_values(self.fit_target or "0", name="-fitt/--fit-target"),
             "fit_min_ctx": sw.parse_values(self.fit_ctx or "0", name="-fitc/--fit-ctx"),
         }
@@ -179,58 +173,54 @@ class Sweep:
     def _threadpool_lists(self) -> dict[str, list[Any]]:
         """The -C, --cpu-strict and --poll values given; a mask that is not hex or names no CPU
         of this process is refused here."""
-        masks = [m.strip() for m in self.cpu_mask.split(",")] if self.cpu_mask else ["0x0"]
+        masks = _given(self.cpu_mask, "0x0", _split)
         for mask in masks:
             ThreadpoolSettings(cpu_mask=mask).placement(1)
-        stricts = (
-            sw.parse_bools(self.cpu_strict, name="--cpu-strict") if self.cpu_strict else [False]
-        )
-        polls = (
-            sw.parse_values(self.poll, name="--poll", maximum=100) if self.poll else [DEFAULT_POLL]
-        )
-        return {"cpu_mask": masks, "cpu_strict": stricts, "poll": polls}
+        return {
+            "cpu_mask": masks,
+            "cpu_strict": _given(self.cpu_strict, False, sw.parse_bools, name="--cpu-strict"),
+            "poll": _given(self.poll, DEFAULT_POLL, sw.parse_values, name="--poll", maximum=100),
+        }
 
     def _llama_params(self) -> dict[str, Any]:
         """-lzm, --no-host, -embd and -nopo: each value given, else llama.cpp's default."""
-        lazy = ["auto"]
-        if self.lazy_mode:
-            lazy = sw.parse_words(
-                self.lazy_mode,
-                name="-lzm/--lazy-mode",
-                allowed=tuple(LAZY_MODES.values()),
-                refuse="on, auto or off",
-            )
+        lazy = _given(
+            self.lazy_mode,
+            "auto",
+            sw.parse_words,
+            name="-lzm/--lazy-mode",
+            allowed=tuple(LAZY_MODES.values()),
+            refuse="on, auto or off",
+        )
         flags = {
             "no_host": (self.no_host, "--no-host"),
             "embeddings": (self.embeddings, "-embd/--embeddings"),
             "no_op_offload": (self.no_op_offload, "-nopo/--no-op-offload"),
         }
         return {"lazy_mode": lazy} | {
-            key: sw.parse_bools(text, name=name) if text else [False]
+            key: _given(text, False, sw.parse_bools, name=name)
             for key, (text, name) in flags.items()
         }
 
     def inside_depth(self) -> int:
         """How many settings llama-bench loops inside the depth: --poll's values."""
-        return len(sw.parse_values(self.poll, name="--poll")) if self.poll else 1
+        return len(_given(self.poll, None, sw.parse_values, name="--poll"))
 
     def contexts(self) -> list[int | None]:
-        return list(sw.parse_values(self.ctx, name="-c/--ctx", minimum=1)) if self.ctx else [None]
+        return _given(self.ctx, None, sw.parse_values, name="-c/--ctx", minimum=1)
 
     def combos(self, base: EngineConfig) -> list[sw.Combo]:
         """Every engine setting to test; unset options take the base's (llama-bench's defaults,
         or with --tuned llmrun's). A tuned ubatch never costs a requested batch size: it is
         capped at each batch."""
-        flash = (
-            sw.parse_words(
-                self.flash_attn,
-                name="-fa/--flash-attn",
-                allowed=FLASH_ATTN,
-                aliases=sw.FLASH_ATTN_ALIASES,
-                refuse="on, off or auto (or 1, 0, -1)",
-            )
-            if self.flash_attn
-            else [base.flash_attn]
+        flash = _given(
+            self.flash_attn,
+            base.flash_attn,
+            sw.parse_words,
+            name="-fa/--flash-attn",
+            allowed=FLASH_ATTN,
+            aliases=sw.FLASH_ATTN_ALIASES,
+            refuse="on, off or auto (or 1, 0, -1)",
         )
         modes: list[str | None] = [None]
         if self.mmap or self.direct_io or self.load_mode:
@@ -253,10 +243,8 @@ class Sweep:
             n_threads=optional_ints(self.threads, "-t", base.n_threads),
             n_batch=optional_ints(self.batch, "-b", base.n_batch),
             n_ubatch=optional_ints(self.ubatch, "--ubatch", base.n_ubatch),
-            n_gpu_layers=(
-                sw.parse_values(self.gpu_layers, name="-ngl", minimum=-1)
-                if self.gpu_layers
-                else [base.n_gpu_layers]
+            n_gpu_layers=_given(
+                self.gpu_layers, base.n_gpu_layers, sw.parse_values, name="-ngl", minimum=-1
             ),
             flash_attn=flash,
             type_k=sw.parse_words(
@@ -265,10 +253,8 @@ class Sweep:
             type_v=sw.parse_words(
                 self.cache_type_v, name="-ctv", allowed=CACHE_TYPES, refuse=_ONE_OF_CACHE_TYPES
             ),
-            repack=sw.parse_bools(self.repack, name="--repack") if self.repack else [None],
-            no_kv_offload=(
-                sw.parse_bools(self.no_kv_offload, name="-nkvo") if self.no_kv_offload else [False]
-            ),
+            repack=_given(self.repack, None, sw.parse_bools, name="--repack"),
+            no_kv_offload=_given(self.no_kv_offload, False, sw.parse_bools, name="-nkvo"),
             load_mode=modes,
             **self._llama_params(),
             **self._gpu_lists(),
@@ -536,17 +522,14 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
     """The record fields a run varies (or, for --draft and --ppl, adds), known before its first
     row: llama-bench's markdown chooses its columns from them."""
     fields = {f for a, f in COMBO_FIELDS.items() if len({getattr(c, a) for c in combos}) > 1}
-    if len(sweep.contexts()) > 1:
-        fields.add("n_ctx")
-    if any(c.draft for c in combos):
-        fields.add("draft")
-    if sweep.ppl is not None:
-        fields.add("ppl")
-    if sweep.kld:
-        fields.add("kld_mean")
-    if sweep.until_ci is not None:
-        fields.add("until_ci_pct")
-    return frozenset(fields)
+    added = {
+        "n_ctx": len(sweep.contexts()) > 1,
+        "draft": any(c.draft for c in combos),
+        "ppl": sweep.ppl is not None,
+        "kld_mean": sweep.kld,
+        "until_ci_pct": sweep.until_ci is not None,
+    }
+    return frozenset(fields | {f for f, on in added.items() if on})
 
 
 # A test is "the same" across models when these agree (its shape and engine settings).
