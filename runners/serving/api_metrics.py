@@ -114,7 +114,7 @@ GAUGES: tuple[tuple[str, str, Callable[[ServerMetrics], float]], ...] = (
     (
         "llmrun_background_cpus",
         "CPUs' worth of other processes' work over the last second or more (NaN where unknown).",
-        lambda m: _or_nan(m.meter.read()),
+        lambda m: math.nan if (cpus := m.meter.read()) is None else cpus,
     ),
     (
         "llmrun_machine_busy",
@@ -241,10 +241,6 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else value
 
 
 class _EnergyInfo(Collector):

@@ -101,11 +101,8 @@ class Tool:
     strict: bool
 
     def described(self) -> dict[str, Any]:
-        shown: dict[str, Any] = {"name": self.name}
-        if self.description:
-            shown["description"] = self.description
-        shown["parameters"] = self.parameters
-        return shown
+        about = {"description": self.description} if self.description else {}
+        return {"name": self.name, **about, "parameters": self.parameters}
 
 
 @dataclass(frozen=True)
