@@ -71,13 +71,12 @@ class RpcNotBuiltError(LlmrunError):
 
 class RpcUnreachableError(LlmrunError):
     def __init__(self, endpoint: str, why: str, *, reached: bool = False) -> None:
-        if reached:  # it took the connection; its handshake is what failed
-            super().__init__(f"--rpc: RPC server {endpoint} cannot be used: {why}")
-            return
-        super().__init__(
-            f"--rpc: RPC server {endpoint} cannot be reached: {why} (start one there with "
-            "`llmrun rpc-server`)"
+        told = (  # reached: it took the connection; its handshake is what failed
+            f"cannot be used: {why}"
+            if reached
+            else f"cannot be reached: {why} (start one there with `llmrun rpc-server`)"
         )
+        super().__init__(f"--rpc: RPC server {endpoint} {told}")
 
 
 class RpcServerLostError(EngineAbortError):
@@ -620,9 +619,7 @@ def explain_abort(error: EngineAbortError) -> EngineAbortError:
     lost = lost_server()
     if lost is None and "RPC" not in error.reason:
         return error
-    if lost is None:
-        lost = ",".join(str(e) for e in _attached)
-    return RpcServerLostError(lost, error.reason)
+    return RpcServerLostError(lost or ",".join(str(e) for e in _attached), error.reason)
 
 
 _watching = False
