@@ -198,12 +198,13 @@ RPC_PROTO_MAJOR_VERSION = 7
 RPC_CONN_CAPS_SIZE = 24
 
 
-def _recv_exactly(s: socket.socket, size: int) -> bytes | None:
+def _recv_exactly(s: socket.socket, size: int) -> bytes:
+    """EOFError when the server closes the connection first."""
     data = b""
     while len(data) < size:
         got = s.recv(size - len(data))
         if not got:
-            return None
+            raise EOFError
         data += got
     return data
 
@@ -219,22 +220,17 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
         raise RpcUnreachableError(str(endpoint), why)
     address = _ipv4(endpoint)
     assert not isinstance(address, str)  # it just connected
-    closed = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
     try:
         with socket.create_connection(address, timeout=timeout_s) as s:
             s.sendall(
                 struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE)
             )
             head = _recv_exactly(s, 8)
-            if head is None:
-                why = closed
-            elif struct.unpack("<Q", head)[0] != 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
+            if struct.unpack("<Q", head)[0] != 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
                 why = "its answer to llama.cpp's RPC handshake is not an rpc-server's"
             else:
                 answer = _recv_exactly(s, 4 + RPC_CONN_CAPS_SIZE)
-                if answer is None:
-                    why = closed
-                elif answer[0] != RPC_PROTO_MAJOR_VERSION:
+                if answer[0] != RPC_PROTO_MAJOR_VERSION:
                     major, minor, patch = answer[:3]
                     why = (
                         f"its RPC protocol is {major}.{minor}.{patch}, this llama.cpp's"
@@ -246,8 +242,8 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
             f"no answer to llama.cpp's RPC handshake in {timeout_s:g} s (an rpc-server serves"
             " one client at a time: is another one using it?)"
         )
-    except (ConnectionResetError, BrokenPipeError):
-        why = closed
+    except (ConnectionResetError, BrokenPipeError, EOFError):
+        why = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
     except OSError as e:
         why = e.strerror or str(e)
     if why is not None:
