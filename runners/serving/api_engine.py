@@ -489,9 +489,7 @@ class EngineThread:
         # a free sequence ends the queue (figures.py); not before the tokens were submitted
         admitted = min(max(r.admitted_s or started, job.submitted_s), started)
         prefill_end = r.prefilled_s if r.prefilled_s is not None else started
-        times = r.times
-        finish = r.finish
-        end_token_ms = None
+        times, finish, end_token_ms = r.times, r.finish, None
         if finish == FINISH_STOP and step_end_s is not None:
             end_token_ms = (step_end_s - times[-1]) * 1000 if times else 0.0
         timings = RequestTimings(

@@ -147,11 +147,7 @@ def random_lengths(
 def _digits(k: int, base: int, width: int) -> list[int]:
     """k's digits in `base`, least significant first: the first `base` values all differ in
     the first digit, the first base**2 in the first two."""
-    out = []
-    for _ in range(width):
-        k, d = divmod(k, base)
-        out.append(d)
-    return out
+    return [k // base**i % base for i in range(width)]
 
 
 @dataclass
