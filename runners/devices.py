@@ -267,13 +267,11 @@ def driver_figures(name: str, clock_mhz: int, bus_width_bits: int) -> DeviceBand
 QUERY: DeviceQuery | None = None  # tests put a fake machine here
 
 
+_ggml_devices = functools.cache(GgmlDevices)  # opened once, on the first query
+
+
 def query() -> DeviceQuery:
     return QUERY if QUERY is not None else _ggml_devices()
-
-
-@functools.cache
-def _ggml_devices() -> GgmlDevices:
-    return GgmlDevices()
 
 
 # ---- what llama-bench reports ---------------------------------------------------------------
@@ -290,9 +288,7 @@ def cpu_info(devices: list[Device]) -> str:
 
 def backends(devices: list[Device]) -> str:
     """llama-bench's backends: the accelerator registries in use, then CPU (e.g. 'CUDA', 'CPU')."""
-    names = [d.backend for d in devices if d.kind != "CPU"]
-    unique = list(dict.fromkeys(names))
-    return ",".join(unique) if unique else "CPU"
+    return ",".join(dict.fromkeys(d.backend for d in devices if d.kind != "CPU")) or "CPU"
 
 
 def build_commit(commit: str) -> str:
@@ -330,18 +326,31 @@ def _memory(d: Device) -> str:
 # ---- GPUs the machine has, whatever this build can use ---------------------------------------
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(65536)
+    except OSError:
+        return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def host_gpus(
     *,
-    read: Callable[[str], str | None] | None = None,
-    listdir: Callable[[str], list[str]] | None = None,
+    read: Callable[[str], str | None] = _read_text,
+    listdir: Callable[[str], list[str]] = _listdir,
     exists: Callable[[str], bool] = os.path.exists,
     system: str | None = None,
     machine: str | None = None,
 ) -> list[tuple[str, str]]:
     """(GPU, the `make GPU=` value that builds for it), from the drivers' files: no process is
     started, so every run can ask. The arguments are for tests."""
-    read = read or _read_text
-    listdir = listdir or _listdir
     found: list[tuple[str, str]] = []
     for gpu in sorted(listdir("/proc/driver/nvidia/gpus")):
         info = read(f"/proc/driver/nvidia/gpus/{gpu}/information") or ""
@@ -373,21 +382,6 @@ def unused_gpu_note(gpus: list[tuple[str, str]], offload: bool) -> str | None:
         f"this machine has {names}, but this llama.cpp build is CPU-only, so every figure"
         f" is the CPU's; rebuild with it: make clean && make GPU={backend}"
     )
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(65536)
-    except OSError:
-        return None
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 # ---- placing tensors and choosing devices (llama-bench's -ot, -ncmoe, -dev) ----------------

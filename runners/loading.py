@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import devices as dv
@@ -52,47 +52,50 @@ class Weights:
     probe_s: float | None = None  # the repack probe, when it ran for this load (its own figure)
 
 
-@dataclass
-class _Placement:
-    overrides: Any = None  # a NULL-terminated array of BuftOverride
-    devices: Any = None  # a NULL-terminated array of ggml_backend_dev_t
-    record: dict[str, Any] = field(default_factory=dict)
-    keep: list[Any] = field(default_factory=list)
-
-
-def _placement(cfg: EngineConfig) -> _Placement:
-    """llama-bench's -ot, -ncmoe and -dev as the structs llama_model_params points to."""
-    out = _Placement()
+def _place(lib: Any, mparams: Any, cfg: EngineConfig) -> tuple[dict[str, Any], list[Any]]:
+    """-ts, -ot, -ncmoe and -dev into the params; returns the record of model-side fields and
+    the C arrays the params point to, to be kept alive until the load returns."""
+    kept: list[Any] = []
+    placed: dict[str, Any] = {}  # the record's fields that say more than the params' pointers
+    shares = [float(x) for x in (cfg.tensor_split or "").split("/") if x]
+    if shares:
+        split = (ctypes.c_float * max(len(shares), int(lib.llama_max_devices())))(*shares)
+        mparams.tensor_split = split
+        kept.append(split)
     pairs = dv.tensor_overrides(cfg.tensor_overrides)  # recorded as given; -ncmoe's on its own
     given = ";".join(f"{p}={b}" for p, b in pairs)
     pairs += [(p, "CPU") for p in dv.moe_cpu_patterns(cfg.n_cpu_moe)]
-    if pairs:
+    if pairs:  # a NULL-terminated array of BuftOverride
         arr = (dv.BuftOverride * (len(pairs) + 1))()
         for i, (pattern, buffer) in enumerate(pairs):
             buft = dv.buffer_type(buffer)
             if buft is None:
                 raise BadRequestError(f"-ot: no buffer type '{buffer}' in this llama.cpp build")
             encoded = pattern.encode()
-            out.keep.append(encoded)
+            kept.append(encoded)
             arr[i].pattern, arr[i].buft = encoded, buft
-        out.overrides = arr
-        out.record["tensor_buft_overrides"] = given or "none"
-    out.record["n_cpu_moe"] = cfg.n_cpu_moe
+        mparams.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        kept.append(arr)
+        placed["tensor_buft_overrides"] = given or "none"
+    placed["n_cpu_moe"] = cfg.n_cpu_moe
     if cfg.devices is not None and cfg.devices.strip().lower() != "auto":  # llama-bench's default
-        names = (
-            []
-            if cfg.devices.strip().lower() == "none"
-            else [n for n in cfg.devices.split("/") if n.strip()]
-        )
-        devs = (ctypes.c_void_p * (len(names) + 1))()
+        none = cfg.devices.strip().lower() == "none"
+        names = [] if none else [n for n in cfg.devices.split("/") if n.strip()]
+        devs = (ctypes.c_void_p * (len(names) + 1))()  # NULL-terminated ggml_backend_dev_t
         for i, name in enumerate(names):
             dev = dv.device_by_name(name.strip())
             if dev is None:
                 raise BadRequestError(f"-dev: no device '{name}' (llmrun bench --list-devices)")
             devs[i] = dev
-        out.devices = devs
-        out.record["devices"] = cfg.devices
-    return out
+        mparams.devices = ctypes.cast(devs, ctypes.c_void_p)
+        kept.append(devs)
+        placed["devices"] = cfg.devices
+    record = {**model_params(mparams), **placed}
+    if cfg.rpc:  # llama-bench's -rpc servers, as given
+        record["rpc"] = cfg.rpc
+    if shares:  # as llama-bench writes it: 3.00/1.00
+        record["tensor_split"] = "/".join(f"{x:.2f}" for x in shares)
+    return record, kept
 
 
 def gpu_layers_asked(cfg: EngineConfig, can_offload: bool) -> int:
@@ -179,27 +182,6 @@ def _set_modes(mparams: Any, cfg: EngineConfig, path: str) -> None:
         mparams.main_gpu = cfg.main_gpu
 
 
-def _place(lib: Any, mparams: Any, cfg: EngineConfig) -> tuple[dict[str, Any], list[Any]]:
-    """-ts, -ot, -ncmoe and -dev into the params; returns the record of model-side fields and
-    the C arrays the params point to, to be kept alive until the load returns."""
-    split, shares = None, [float(x) for x in (cfg.tensor_split or "").split("/") if x]
-    if shares:
-        split = (ctypes.c_float * max(len(shares), int(lib.llama_max_devices())))(*shares)
-        mparams.tensor_split = split
-    placement = _placement(cfg)
-    if placement.overrides is not None:
-        mparams.tensor_buft_overrides = ctypes.cast(placement.overrides, ctypes.c_void_p)
-    if placement.devices is not None:
-        mparams.devices = ctypes.cast(placement.devices, ctypes.c_void_p)
-    record = model_params(mparams)
-    record.update(placement.record)
-    if cfg.rpc:  # llama-bench's -rpc servers, as given
-        record["rpc"] = cfg.rpc
-    if shares:  # as llama-bench writes it: 3.00/1.00
-        record["tensor_split"] = "/".join(f"{x:.2f}" for x in shares)
-    return record, [split, placement]
-
-
 def load_weights(
     path: str,
     cfg: EngineConfig,
@@ -225,9 +207,8 @@ def load_weights(
     if can_offload and cfg.rpc:  # the servers' devices first, as llama.cpp lists them
         gpus = [*rpc_backend.devices(), *gpus]
     n_layer = int(info.metadata.get(f"{info.architecture}.block_count", 0) or 0)
-    need = None
-    if gpus:  # the estimate that decides how many layers fit: every sequence's KV
-        need = memory_need(cfg, info, n_seq=n_seq, n_ctx=n_ctx)
+    # the estimate that decides how many layers fit: every sequence's KV
+    need = memory_need(cfg, info, n_seq=n_seq, n_ctx=n_ctx) if gpus else None
     layers, offload_note = plan_offload(
         gpu_layers_asked(cfg, can_offload),
         can_offload=can_offload,

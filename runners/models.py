@@ -199,8 +199,7 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
         if not chosen:
             raise HubError(f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}")
     else:
-        preferred = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)]
-        chosen = preferred if preferred else ggufs
+        chosen = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)] or ggufs
     groups: dict[str, list[str]] = {}
     for f in chosen:
         groups.setdefault(_SPLIT.sub(".gguf", f), []).append(f)
@@ -283,7 +282,7 @@ def _resolve_hub(ref: str) -> str:
         assert m is not None
         repo = m["repo"]
         files = [check_hub_file(repo, f) for f in choose_gguf(repo, _repo_files(repo), m["quant"])]
-    paths = [_download(repo, f) for f in files]
+    paths = [_download(repo, f) for f in files]  # every part, the first opens the rest
     return paths[0]
 
 

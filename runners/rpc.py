@@ -71,13 +71,12 @@ class RpcNotBuiltError(LlmrunError):
 
 class RpcUnreachableError(LlmrunError):
     def __init__(self, endpoint: str, why: str, *, reached: bool = False) -> None:
-        if reached:  # it took the connection; its handshake is what failed
-            super().__init__(f"--rpc: RPC server {endpoint} cannot be used: {why}")
-            return
-        super().__init__(
-            f"--rpc: RPC server {endpoint} cannot be reached: {why} (start one there with "
-            "`llmrun rpc-server`)"
+        told = (  # reached: it took the connection; its handshake is what failed
+            f"cannot be used: {why}"
+            if reached
+            else f"cannot be reached: {why} (start one there with `llmrun rpc-server`)"
         )
+        super().__init__(f"--rpc: RPC server {endpoint} {told}")
 
 
 class RpcServerLostError(EngineAbortError):
@@ -199,12 +198,13 @@ RPC_PROTO_MAJOR_VERSION = 7
 RPC_CONN_CAPS_SIZE = 24
 
 
-def _recv_exactly(s: socket.socket, size: int) -> bytes | None:
+def _recv_exactly(s: socket.socket, size: int) -> bytes:
+    """EOFError when the server closes the connection first."""
     data = b""
     while len(data) < size:
         got = s.recv(size - len(data))
         if not got:
-            return None
+            raise EOFError
         data += got
     return data
 
@@ -220,22 +220,17 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
         raise RpcUnreachableError(str(endpoint), why)
     address = _ipv4(endpoint)
     assert not isinstance(address, str)  # it just connected
-    closed = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
     try:
         with socket.create_connection(address, timeout=timeout_s) as s:
             s.sendall(
                 struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE)
             )
             head = _recv_exactly(s, 8)
-            if head is None:
-                why = closed
-            elif struct.unpack("<Q", head)[0] != 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
+            if struct.unpack("<Q", head)[0] != 4 + RPC_CONN_CAPS_SIZE:  # rpc_msg_hello_rsp
                 why = "its answer to llama.cpp's RPC handshake is not an rpc-server's"
             else:
                 answer = _recv_exactly(s, 4 + RPC_CONN_CAPS_SIZE)
-                if answer is None:
-                    why = closed
-                elif answer[0] != RPC_PROTO_MAJOR_VERSION:
+                if answer[0] != RPC_PROTO_MAJOR_VERSION:
                     major, minor, patch = answer[:3]
                     why = (
                         f"its RPC protocol is {major}.{minor}.{patch}, this llama.cpp's"
@@ -247,8 +242,8 @@ def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
             f"no answer to llama.cpp's RPC handshake in {timeout_s:g} s (an rpc-server serves"
             " one client at a time: is another one using it?)"
         )
-    except (ConnectionResetError, BrokenPipeError):
-        why = closed
+    except (ConnectionResetError, BrokenPipeError, EOFError):
+        why = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
     except OSError as e:
         why = e.strerror or str(e)
     if why is not None:
@@ -620,9 +615,7 @@ def explain_abort(error: EngineAbortError) -> EngineAbortError:
     lost = lost_server()
     if lost is None and "RPC" not in error.reason:
         return error
-    if lost is None:
-        lost = ",".join(str(e) for e in _attached)
-    return RpcServerLostError(lost, error.reason)
+    return RpcServerLostError(lost or ",".join(str(e) for e in _attached), error.reason)
 
 
 _watching = False

@@ -214,9 +214,7 @@ def _check_layout(params_init: Any) -> None:
         )
 
 
-@functools.cache
-def _api() -> _Api:
-    return _Api()
+_api = functools.cache(_Api)  # made once, on the first pool
 
 
 _live_lock = threading.Lock()

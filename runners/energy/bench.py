@@ -12,16 +12,6 @@ from typing import Any
 
 from llmrun.runners.stats import EnergyReport, PhaseEnergy
 
-# The record's energy fields, in their order (a csv header names them all)
-ENERGY_FIELDS = (
-    "energy_j",
-    "energy_j_per_token",
-    "energy_w",
-    "energy_idle_w",
-    "energy_source",
-    "energy_note",
-)
-
 
 @dataclass(frozen=True)
 class BenchEnergy(PhaseEnergy):
@@ -71,3 +61,7 @@ class BenchEnergy(PhaseEnergy):
 
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
+
+
+# The record's energy fields, in their order (a csv header names them all)
+ENERGY_FIELDS = tuple(BenchEnergy(None, 0.0).fields())

@@ -284,14 +284,10 @@ class PhaseMeter:
     def report_of(self, spans: Spans) -> EnergyReport:
         """The energy per phase of a request's spans (or several requests' summed), or why
         there is none."""
-        stats = spans.stats
-        if "all" in self.reasons:
-            return EnergyReport(reason=self.reasons["all"])
-        if spans.failed:
-            return EnergyReport(reason=spans.failed)
-        used, missing = self._used(gpu=on_nvidia_gpu(stats.settings))
+        gpu = on_nvidia_gpu(spans.stats.settings)
+        used, missing, why = self._used(gpu=gpu, failed=spans.failed)
         if not used:
-            return EnergyReport(reason="; ".join(self._reason(k) for k in missing))
+            return EnergyReport(reason=why)
         left_out = "; ".join(
             f"the {k.upper()}'s energy: {self.reasons.get(k, 'no energy counter')}" for k in missing
         )
@@ -310,24 +306,22 @@ class PhaseMeter:
     def selection(self, *, gpu: bool) -> tuple[list[Counter], float, str]:
         """The counters that count work on this machine (the GPU's only where layers run on
         an NVIDIA GPU), their summed idle power, and why there are none ("" when some)."""
-        if "all" in self.reasons or self._failed:
-            return [], 0.0, self.reasons.get("all") or self._failed
-        used, missing = self._used(gpu=gpu)
-        if not used:
-            return [], 0.0, "; ".join(self._reason(k) for k in missing)
-        idle_w = sum(self._idle[i].watts for i in used)
-        return [self._counters[i] for i in used], idle_w, ""
+        used, _, why = self._used(gpu=gpu, failed=self._failed)
+        idle_w = sum((self._idle[i].watts for i in used), 0.0)
+        return [self._counters[i] for i in used], idle_w, why
 
-    def _used(self, *, gpu: bool) -> tuple[list[int], list[str]]:
-        """The counters of the kinds that count (the GPU's only with `gpu`), by index, and the
-        kinds that have none."""
+    def _used(self, *, gpu: bool, failed: str) -> tuple[list[int], list[str], str]:
+        """The counters of the kinds that count (the GPU's only with `gpu`), by index, the
+        kinds that have none, and why none counts ("" when some do; a failed read's reason)."""
+        if "all" in self.reasons or failed:
+            return [], [], self.reasons.get("all") or failed
         kinds = ("cpu", "gpu") if gpu else ("cpu",)
         used = [i for i, c in enumerate(self._counters) if c.kind in kinds]
-        return used, [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
-
-    def _reason(self, kind: str) -> str:
-        reason = self.reasons.get(kind, "no energy counter")
-        return reason if kind == "cpu" else f"GPU: {reason}"
+        missing = [k for k in kinds if not any(self._counters[i].kind == k for i in used)]
+        if used:
+            return used, missing, ""
+        why = [(k, self.reasons.get(k, "no energy counter")) for k in missing]
+        return used, missing, "; ".join(w if k == "cpu" else f"GPU: {w}" for k, w in why)
 
     def _phase(self, span: Span, used: list[int], count: int) -> PhaseEnergy:
         tokens, window = span.tokens, span.window_s

@@ -128,7 +128,6 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
         found.append((match, entry, name))
     packages = {m.group(2): name for m, _, name in found if m.group(3) is None}
     zones: list[_Zone] = []
-    seen: set[str] = set()
     denied = False
     for match, entry, name in found:
         top = match.group(3) is None
@@ -138,7 +137,7 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
             label = f"{packages.get(match.group(2), match.group(2))}/dram" if not top else name
         else:
             continue  # core, uncore: inside their package; psys: the whole platform
-        if label in seen:  # the same zone under another driver's name
+        if any(z.label == label for z in zones):  # the same zone under another driver's name
             continue
         try:
             last = _read_int(entry / "energy_uj")
@@ -152,7 +151,6 @@ def open_powercap(root: str | os.PathLike[str] | None = None) -> PowercapCounter
         if not 0 <= last <= range_uj or range_uj == 0:  # no counter the kernel writes
             failed.append(f"{entry}: energy_uj {last} is outside its range {range_uj}")
             continue
-        seen.add(label)
         zones.append(_Zone(entry, label, range_uj, last))
     if denied:
         raise Unavailable(ROOT_ONLY)

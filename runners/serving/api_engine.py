@@ -42,7 +42,7 @@ class QueueFullError(LlmrunError):
         self.queued = queued
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestTimings:
     """One request's phases on the server, in llmrun's names (each response's `timings`).
 
@@ -54,15 +54,15 @@ class RequestTimings:
     `prefill_chunks`."""
 
     prompt_tokens: int
-    reused_tokens: int  # KV entries kept from the slot's previous request (a shared prefix)
-    output_tokens: int
+    reused_tokens: int = 0  # KV entries kept from the slot's previous request (a shared prefix)
+    output_tokens: int = 0
     template_tokenize_ms: float
     queue_ms: float
-    prefill_ms: float
-    prefill_chunks: tuple[tuple[int, float], ...]
-    ttft_ms: float | None
-    decode_ms: float
-    itl_ms: tuple[float, ...]
+    prefill_ms: float = 0.0
+    prefill_chunks: tuple[tuple[int, float], ...] = ()
+    ttft_ms: float | None = None
+    decode_ms: float = 0.0
+    itl_ms: tuple[float, ...] = ()
     finish_reason: str
     seed: int | None = None  # the sampling seed (None: greedy)
     # The end-of-generation token that ended the answer (not part of the output) was sampled
@@ -489,9 +489,7 @@ class EngineThread:
         # a free sequence ends the queue (figures.py); not before the tokens were submitted
         admitted = min(max(r.admitted_s or started, job.submitted_s), started)
         prefill_end = r.prefilled_s if r.prefilled_s is not None else started
-        times = r.times
-        finish = r.finish
-        end_token_ms = None
+        times, finish, end_token_ms = r.times, r.finish, None
         if finish == FINISH_STOP and step_end_s is not None:
             end_token_ms = (step_end_s - times[-1]) * 1000 if times else 0.0
         timings = RequestTimings(
@@ -537,18 +535,10 @@ class EngineThread:
         return data.decode("utf-8", errors="replace")
 
     def _report_cancelled(self, job: Job) -> None:
-        now = time.perf_counter()
-        timings = RequestTimings(
+        timings = RequestTimings(  # it never had a sequence: nothing else to time
             prompt_tokens=len(job.tokens),
-            reused_tokens=0,
-            output_tokens=0,
             template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
-            queue_ms=(now - job.submitted_s) * 1000,
-            prefill_ms=0.0,
-            prefill_chunks=(),
-            ttft_ms=None,
-            decode_ms=0.0,
-            itl_ms=(),
+            queue_ms=(time.perf_counter() - job.submitted_s) * 1000,
             finish_reason=FINISH_CANCELLED,
         )
         job.sink(Done(FINISH_CANCELLED, "", timings))

@@ -114,7 +114,7 @@ GAUGES: tuple[tuple[str, str, Callable[[ServerMetrics], float]], ...] = (
     (
         "llmrun_background_cpus",
         "CPUs' worth of other processes' work over the last second or more (NaN where unknown).",
-        lambda m: _or_nan(m.meter.read()),
+        lambda m: math.nan if (cpus := m.meter.read()) is None else cpus,
     ),
     (
         "llmrun_machine_busy",
@@ -126,20 +126,10 @@ GAUGES: tuple[tuple[str, str, Callable[[ServerMetrics], float]], ...] = (
 
 
 class ServerMetrics:
-    """The server's counters, gauges and histograms in a registry of its own."""
+    """The server's counters, gauges and histograms in a registry of its own (the counters and
+    histograms by their tables' attribute names)."""
 
-    requests: Counter
-    prompt_tokens: Counter
-    reused_tokens: Counter
-    generated: Counter
-    queue: Histogram
-    step_wait: Histogram
-    ttft: Histogram
-    prefill: Histogram
-    itl: Histogram
-    step_prefill: Histogram
-    step_decode: Histogram
-    step_seconds: Histogram
+    # what the gauges read (GAUGES, above the class, needs their types declared)
     running: Callable[[], float]
     queued: Callable[[], float]
     connections: Callable[[], float]
@@ -164,10 +154,8 @@ class ServerMetrics:
         self.max_connections = 0
         self.threads = (0, 0)
         self.meter = BackgroundMeter(window_s=1.0)
-        for attr, name, doc, labels in COUNTERS:
-            setattr(self, attr, Counter(name, doc, labels, registry=r))
-        for attr, name, doc, buckets in HISTOGRAMS:
-            setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=r))
+        self.counters = {a: Counter(n, d, labels, registry=r) for a, n, d, labels in COUNTERS}
+        self.histograms = {a: Histogram(n, d, buckets=b, registry=r) for a, n, d, b in HISTOGRAMS}
         for name, doc, read in GAUGES:
             Gauge(name, doc, registry=r).set_function(functools.partial(read, self))
         self.energy = energy
@@ -218,33 +206,31 @@ class ServerMetrics:
             if reading is not None:
                 self.energy_joules.labels(reading.phase).inc(reading.joules)
                 self.energy_seconds.labels(reading.phase).inc(reading.seconds)
-        self.step_prefill.observe(step.n_prefill)
-        self.step_decode.observe(step.n_decode)
-        self.step_seconds.observe(step.duration_s)
+        h = self.histograms
+        h["step_prefill"].observe(step.n_prefill)
+        h["step_decode"].observe(step.n_decode)
+        h["step_seconds"].observe(step.duration_s)
 
     def on_done(self, t: RequestTimings) -> None:
-        self.prompt_tokens.inc(t.prompt_tokens)
-        self.reused_tokens.inc(t.reused_tokens)
-        self.generated.inc(t.output_tokens)
+        c, h = self.counters, self.histograms
+        c["prompt_tokens"].inc(t.prompt_tokens)
+        c["reused_tokens"].inc(t.reused_tokens)
+        c["generated"].inc(t.output_tokens)
         if t.finish_reason == FINISH_CANCELLED and t.ttft_ms is None and not t.prefill_chunks:
             return  # gone before its first step: no phase to count
-        self.queue.observe(t.queue_ms / 1000)
-        self.step_wait.observe(t.step_wait_ms / 1000)
-        self.prefill.observe(t.prefill_ms / 1000)
+        h["queue"].observe(t.queue_ms / 1000)
+        h["step_wait"].observe(t.step_wait_ms / 1000)
+        h["prefill"].observe(t.prefill_ms / 1000)
         if t.ttft_ms is not None:
-            self.ttft.observe(t.ttft_ms / 1000)
+            h["ttft"].observe(t.ttft_ms / 1000)
         for gap in t.itl_ms:
-            self.itl.observe(gap / 1000)
+            h["itl"].observe(gap / 1000)
 
     def answered(self, route: str, outcome: str) -> None:
-        self.requests.labels(route, outcome).inc()
+        self.counters["requests"].labels(route, outcome).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else value
 
 
 class _EnergyInfo(Collector):

@@ -98,10 +98,6 @@ class SeqResult:
         return figures.itl_s(self.times)
 
     @property
-    def e2e_s(self) -> float | None:
-        return figures.e2el_s(self._start_s, self.times)
-
-    @property
     def _start_s(self) -> float:
         return self.arrival_s if self.admitted_s is None else self.admitted_s
 
@@ -347,9 +343,7 @@ class BatchedEngine:
         if len(tokens) + 1 > self.n_ctx_per_seq:
             raise PromptTooLongError(len(tokens), self.n_ctx_per_seq)
         sp = arrival.sampling
-        seed = None
-        if sp is not None:
-            seed = sp.seed if sp.seed is not None else random.randrange(2**31)
+        seed = None if sp is None else random.randrange(2**31) if sp.seed is None else sp.seed
         handle = Handle(
             SeqResult(arrival.at_s, len(tokens)),
             tokens,
@@ -373,10 +367,7 @@ class BatchedEngine:
         if handle.sid < 0:
             self._queue.remove(handle)
         else:
-            if handle in self._waiting:
-                self._waiting.remove(handle)
-            else:
-                self._running.remove(handle)
+            (self._waiting if handle in self._waiting else self._running).remove(handle)
             self._release(handle, keep_kv=False)
         handle.done, handle.pending, handle.result.finish = True, None, FINISH_CANCELLED
         return True
@@ -389,8 +380,7 @@ class BatchedEngine:
             self._finish(h)
             h.done, h.pending, h.sid, h.result.finish = True, None, -1, finish
         self._queue.clear()
-        self._waiting.clear()
-        self._running.clear()
+        del self._waiting[:], self._running[:]
         self._free = list(range(self.n_seq))
         self._freed_s = [-math.inf] * self.n_seq
         for cached in self._cached:
@@ -407,9 +397,7 @@ class BatchedEngine:
         request whose sampler llama.cpp refuses ends alone as it is admitted (finish 'error',
         `result.error` says why) and comes among `finished`."""
         self._admit()
-        refused = self._refused
-        if refused:  # reported with this step (or alone), never lost
-            self._refused = []
+        refused, self._refused = self._refused, []  # reported with this step (or alone)
         waiting, running = self._waiting, self._running
         if not waiting and not running:
             return StepEvents(None, (), refused) if refused else _NOTHING
@@ -563,22 +551,14 @@ class BatchedEngine:
         b = self.batch
         token, pos, logits, set_seq = b.token, b.pos, b.logits, b.set_seq
         outs, rows, out_ids = self._outs, self._out_rows, self._out_ids
-        outs.clear()
-        rows.clear()
-        out_ids.clear()
+        i = n_out = len(decodes)  # each decoding sequence's one entry is sampled
+        outs[:], rows[:], out_ids[:] = decodes, range(i), range(i)
         self._prompt_outs.clear()
-        i = 0
-        for s in decodes:
-            token[i] = s.pending
-            pos[i] = s.prefilled + len(s.result.output) - 1
-            logits[i] = 1
-            set_seq(i, 1, s.sid)
-            outs.append(s)
-            rows.append(i)
-            out_ids.append(i)
-            i += 1
-        n_out = i
-        n_prefill = 0
+        for k, s in enumerate(decodes):
+            token[k] = s.pending
+            pos[k] = s.prefilled + len(s.result.output) - 1
+            logits[k] = 1
+            set_seq(k, 1, s.sid)
         for s, first, n in chunks:
             j = i + n
             token[i:j] = s.tokens[first : first + n]
@@ -598,11 +578,10 @@ class BatchedEngine:
                 n_out += 1
             elif s.prompt_logprobs:
                 n_out += 1
-            n_prefill += n
             i = j
         b.struct.n_tokens = i
         self._n_out = n_out
-        return n_prefill
+        return sum(n for _, _, n in chunks)
 
     def _step(self) -> None:
         """One llama_decode of the filled batch, waited for (decode is asynchronous on GPUs)."""
@@ -685,7 +664,4 @@ class BatchedEngine:
 def _common(cached: list[int], tokens: tuple[int, ...]) -> int:
     """The shared prefix, leaving at least the prompt's last token to evaluate (its logits)."""
     limit = min(len(cached), len(tokens) - 1)
-    n = 0
-    while n < limit and cached[n] == tokens[n]:
-        n += 1
-    return n
+    return next((n for n in range(limit) if cached[n] != tokens[n]), limit)

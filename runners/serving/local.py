@@ -47,11 +47,6 @@ def request_result(r: SeqResult) -> RequestResult:
     )
 
 
-def _model_name(runner: LlamaCppRunner) -> str:
-    loaded = runner.load()
-    return loaded.model.name if loaded.model else ""
-
-
 def serve(
     engine: BatchedEngine,
     policy: Policy,
@@ -117,7 +112,7 @@ def serve_local(
 ) -> Iterator[Stage | ServingLevel]:
     """Every concurrency level under every policy: vLLM's metrics from the engine's own
     time stamps. Warm-up requests (untimed) precede each level's measured ones."""
-    name = _model_name(runner)
+    model = runner.load().model
     made, per_seq = round_prompts(runner, options)
     input_len, output_len = options.input_len, options.output_len
     if options.dataset is not None:  # the data's lengths: the mean of what was sampled
@@ -147,7 +142,7 @@ def serve_local(
                 measured = [request_result(r) for r in results]
                 yield ServingLevel(
                     endpoint=LOCAL,
-                    model=name,
+                    model=model.name if model else "",
                     concurrency=level,
                     request_rate=options.request_rate,
                     num_prompts=options.num_prompts,
@@ -193,11 +188,8 @@ def interfere_local(
     def measured(policy: Policy | None, tally: Tally) -> InterferenceReport:
         """One run of the lab, with the engine's threads and the machine's load; each policy's
         long prompts its own."""
-        longs = (
-            []
-            if policy is None
-            else [fresh.tokens(options.prompt_len, n_vocab) for _ in range(count)]
-        )
+        n_longs = 0 if policy is None else count
+        longs = [fresh.tokens(options.prompt_len, n_vocab) for _ in range(n_longs)]
         cpu0 = cpu_sample()
         report = interference(
             engine,

@@ -147,11 +147,7 @@ def random_lengths(
 def _digits(k: int, base: int, width: int) -> list[int]:
     """k's digits in `base`, least significant first: the first `base` values all differ in
     the first digit, the first base**2 in the first two."""
-    out = []
-    for _ in range(width):
-        k, d = divmod(k, base)
-        out.append(d)
-    return out
+    return [k // base**i % base for i in range(width)]
 
 
 @dataclass
@@ -284,15 +280,11 @@ class Dataset:
             if len(out) >= count:
                 break
             entry = self.entries[i]
-            n_in = count_tokens(entry.prompt)
-            if fixed:
-                n_out = output_len
-            elif entry.output_len is not None:
+            n_in, n_out = count_tokens(entry.prompt), output_len
+            if not fixed and entry.output_len is not None:
                 n_out = entry.output_len
-            elif entry.answer is not None:
+            elif not fixed and entry.answer is not None:
                 n_out = count_tokens(entry.answer)
-            else:
-                n_out = output_len
             if valid_lengths(n_in, n_out, given_output=fixed):
                 out.append(PromptSpec(entry.prompt, n_in, n_out))
                 if progress is not None:
@@ -345,12 +337,8 @@ def read_dataset(path: Path) -> Dataset:
             raise _fail(path, "", "not a regular file (a pipe or a device cannot be sampled)")
         with path.open("rb") as f:
             head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-        if head.startswith(b"["):
-            entries = _sharegpt(path)
-            kind = "sharegpt"
-        else:
-            entries = list(_jsonl(path))
-            kind = "jsonl"
+        kind = "sharegpt" if head.startswith(b"[") else "jsonl"
+        entries = _sharegpt(path) if kind == "sharegpt" else list(_jsonl(path))
         sha256 = _sha256(path)  # after the checks: a file they refuse is not read whole
     except OSError as e:
         raise _fail(path, "", f"cannot read it ({e.strerror or e})") from None

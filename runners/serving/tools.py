@@ -101,11 +101,8 @@ class Tool:
     strict: bool
 
     def described(self) -> dict[str, Any]:
-        shown: dict[str, Any] = {"name": self.name}
-        if self.description:
-            shown["description"] = self.description
-        shown["parameters"] = self.parameters
-        return shown
+        about = {"description": self.description} if self.description else {}
+        return {"name": self.name, **about, "parameters": self.parameters}
 
 
 @dataclass(frozen=True)
@@ -148,8 +145,7 @@ class ToolPlan:
             return None
         options, defs = [], {}
         for i, tool in enumerate(self.tools):
-            where = f"tools.{i}.function.parameters"
-            check_schema(tool.parameters, where)
+            check_schema(tool.parameters, f"tools.{i}.function.parameters")
             key = f"tool-{i}-arguments"  # the tools' schemas sit in $defs, their refs moved
             defs[key] = _moved_refs(tool.parameters, f"#/$defs/{key}")
             options.append(
@@ -421,10 +417,8 @@ class ToolReader:
         self.held += text
         if not self.plan.forced and self.plan.family != GENERIC:
             return self._text_until_block()
-        if not self.plan.forced:
-            start = self.held.lstrip()[: len(OPEN)]
-            maybe = start.startswith("{") if self.plan.family == GENERIC else OPEN.startswith(start)
-            if not start or maybe:
+        if not self.plan.forced:  # the generic format's "auto": a call is one JSON object
+            if self.held.lstrip()[:1] in ("", "{"):
                 return []  # maybe a call: held until the end
             self.free, held, self.held = True, self.held, ""
             return [{"content": held}]
