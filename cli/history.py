@@ -3,6 +3,7 @@ compared as llama.cpp's compare-llama-bench.py does; the runs exported as llama-
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from enum import Enum
@@ -35,6 +36,8 @@ class CompareFormat(str, Enum):
     csv = "csv"
     json = "json"
 
+
+_unshown = functools.partial(typer.Option, show_default=False)  # each help says its default
 
 SELECTOR_HELP = (
     "a build commit, or KEY=VALUE terms joined by commas that all hold: build=, run=3 or"
@@ -82,29 +85,26 @@ class CompareOptions(OptionRecord):
 
     baseline: Annotated[
         str | None,
-        typer.Option(
+        _unshown(
             "-b",
             "--baseline",
-            show_default=False,
             help=f"Compare two sets of results; this one is the baseline: {SELECTOR_HELP}.",
         ),
     ] = None
     compare: Annotated[
         str | None,
-        typer.Option(
+        _unshown(
             "-c",
             "--compare",
-            show_default=False,
             help="The set compared with the baseline, chosen the same way (default: the"
             " newest run outside the baseline).",
         ),
     ] = None
     show: Annotated[
         str | None,
-        typer.Option(
+        _unshown(
             "-s",
             "--show",
-            show_default=False,
             help="The comparison's columns, comma-separated key fields (n_threads,"
             " n_batch, flash_attn...); results differing only in others are"
             " averaged together, as compare-llama-bench.py's --show.",
@@ -112,12 +112,7 @@ class CompareOptions(OptionRecord):
     ] = None
     output: Annotated[
         CompareFormat | None,
-        typer.Option(
-            "-o",
-            "--output",
-            show_default=False,
-            help="Print the comparison on stdout as md, csv or json.",
-        ),
+        _unshown("-o", "--output", help="Print the comparison on stdout as md, csv or json."),
     ] = None
 
 
@@ -129,20 +124,14 @@ def history(
     ] = 10,
     model: Annotated[
         str | None,
-        typer.Option(
-            "-m",
-            "--model",
-            show_default=False,
-            help="Only runs of models whose name contains this.",
-        ),
+        _unshown("-m", "--model", help="Only runs of models whose name contains this."),
     ] = None,
     comparing: CompareOptions,
     export_sql: Annotated[
         str | None,
-        typer.Option(
+        _unshown(
             "--export-sql",
             metavar="FILE",
-            show_default=False,
             help="Write the stored bench results into a new SQLite file as"
             " llama-bench's table (compare-llama-bench.py -i FILE reads it); '-'"
             " prints the SQL, for `| sqlite3` into an existing one.",

@@ -37,6 +37,7 @@ from .serving import (
     Server,
     ServingEngineOptions,
     _opt,
+    _unshown,
     local_runner,
     refuse_remote_only,
     run_stages,
@@ -115,11 +116,10 @@ def interference(
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
         str | None,
-        _opt(
+        _unshown(
             "Also draw the stream's timeline into a PNG file.",
             "--plot",
             metavar="FILE.png",
-            show_default=False,
             panel=LOCAL,
         ),
     ] = None,

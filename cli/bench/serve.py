@@ -48,6 +48,7 @@ from .serving import (
     Server,
     ServingEngineOptions,
     _opt,
+    _unshown,
     local_runner,
     refuse_remote_only,
     run_stages,
@@ -86,29 +87,26 @@ class LoadOptions(OptionRecord):
 
     concurrency: Annotated[
         str | None,
-        _opt(
+        _unshown(
             "Levels: --slots on this machine's engine, --max-concurrency against a server."
             " [default: 1,4]",
             "--concurrency",
-            show_default=False,
         ),
     ] = None
     slots: Annotated[
         str | None,
-        _opt(
+        _unshown(
             "This machine's engine: sequences served at once, a list such as 1,4 (later"
             " requests wait for one: their queue time).",
             "--slots",
-            show_default=False,
         ),
     ] = None
     max_concurrency: Annotated[
         str | None,
-        _opt(
+        _unshown(
             "Against a server (--endpoint): the client's requests in flight, a list such as"
             " 1,4,16 (vLLM's --max-concurrency; each request's clock starts as it is sent).",
             "--max-concurrency",
-            show_default=False,
         ),
     ] = None
     request_rate: Annotated[
@@ -119,35 +117,29 @@ class LoadOptions(OptionRecord):
     ] = 16
     input_len: Annotated[
         int | None,
-        _opt(
-            "Mean prompt length in tokens. (default: 128)",
-            "--input-len",
-            min=1,
-            max=MAX_INPUT_LEN,
-            show_default=False,
+        _unshown(
+            "Mean prompt length in tokens. (default: 128)", "--input-len", min=1, max=MAX_INPUT_LEN
         ),
     ] = None
     output_len: Annotated[
         int | None,
-        _opt(
+        _unshown(
             "Mean output length in tokens; with --dataset, every request's, over the data's"
             " (vLLM's --sharegpt-output-len). (default: 64; with --dataset, the data's, or 64"
             " for a JSONL line without one)",
             "--output-len",
             min=1,
             max=MAX_OUTPUT_LEN,
-            show_default=False,
         ),
     ] = None
     range_ratio: Annotated[
         float | None,
-        _opt(
+        _unshown(
             "Lengths uniform within ±this share of the mean (vLLM's random-range-ratio)."
             " (default: 0)",
             "--range-ratio",
             min=0.0,
             max=0.99,
-            show_default=False,
         ),
     ] = None
     shared_prefix: Annotated[
@@ -162,7 +154,7 @@ class LoadOptions(OptionRecord):
     ] = 0
     dataset: Annotated[
         Path | None,
-        _opt(
+        _unshown(
             "Real prompts: ShareGPT JSON (vLLM's sharegpt loader) or JSONL ('prompt' and"
             " optionally 'output_len' a line). Lengths come from the data, filtered as vLLM"
             " does; --num-prompts are sampled with --seed. Not with --input-len,"
@@ -170,18 +162,16 @@ class LoadOptions(OptionRecord):
             "--dataset",
             parser=existing_file,
             metavar="FILE",
-            show_default=False,
         ),
     ] = None
     warmup: Annotated[
         int | None,
-        _opt(
+        _unshown(
             "Untimed warm-up requests before each level. (default: 1 against a"
             " server, 0 on this machine's engine)",
             "--warmup",
             min=0,
             max=MAX_PROMPTS,
-            show_default=False,
         ),
     ] = None
     percentiles: Annotated[str, _opt("Percentiles of each latency metric.", "--percentiles")] = (
@@ -189,10 +179,8 @@ class LoadOptions(OptionRecord):
     )
     slo: Annotated[
         str | None,
-        _opt(
-            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).",
-            "--slo",
-            show_default=False,
+        _unshown(
+            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).", "--slo"
         ),
     ] = None
 

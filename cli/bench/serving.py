@@ -3,6 +3,7 @@ this machine's engine that a job measures, and how a job shows its stages."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -37,6 +38,9 @@ def _opt(help_text: str, *names: str, panel: str = LOAD, **kw: Any) -> Any:
     return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
 
 
+_unshown = functools.partial(_opt, show_default=False)  # the help says the default
+
+
 Model1 = Annotated[
     str | None,
     typer.Option(
@@ -60,12 +64,11 @@ Output = Annotated[
 ]
 Policies = Annotated[
     str,
-    _opt(
+    _unshown(
         "Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
         " decode-first. (default: all three)",
         "--policy",
         panel=LOCAL,
-        show_default=False,
     ),
 ]
 
@@ -76,36 +79,33 @@ class ServingEngineOptions(OptionRecord):
 
     threads: Annotated[
         int | None,
-        _opt(
+        _unshown(
             "CPU threads of the engine: one token a step. (default: the physical cores)",
             "-t",
             "--threads",
             panel=LOCAL,
             **engine_bounds("n_threads"),
-            show_default=False,
         ),
     ] = None
     threads_batch: Annotated[
         int | None,
-        _opt(
+        _unshown(
             "CPU threads for steps of more than one token (prefill). (default: --threads)",
             "-tb",
             "--threads-batch",
             panel=LOCAL,
             **engine_bounds("n_threads_batch"),
-            show_default=False,
         ),
     ] = None
     kv_unified: Annotated[
         bool | None,
-        _opt(
+        _unshown(
             "One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
             " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
             " kv_unified. (default: one stream per sequence)",
             "-kvu/-no-kvu",
             "--kv-unified/--no-kv-unified",
             panel=LOCAL,
-            show_default=False,
         ),
     ] = None
 
