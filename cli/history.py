@@ -3,7 +3,6 @@ compared as llama.cpp's compare-llama-bench.py does; the runs exported as llama-
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from enum import Enum
@@ -36,8 +35,6 @@ class CompareFormat(str, Enum):
     csv = "csv"
     json = "json"
 
-
-_unshown = functools.partial(typer.Option, show_default=False)  # each help says its default
 
 SELECTOR_HELP = (
     "a build commit, or KEY=VALUE terms joined by commas that all hold: build=, run=3 or"
@@ -85,7 +82,7 @@ class CompareOptions(OptionRecord):
 
     baseline: Annotated[
         str | None,
-        _unshown(
+        typer.Option(
             "-b",
             "--baseline",
             help=f"Compare two sets of results; this one is the baseline: {SELECTOR_HELP}.",
@@ -93,7 +90,7 @@ class CompareOptions(OptionRecord):
     ] = None
     compare: Annotated[
         str | None,
-        _unshown(
+        typer.Option(
             "-c",
             "--compare",
             help="The set compared with the baseline, chosen the same way (default: the"
@@ -102,7 +99,7 @@ class CompareOptions(OptionRecord):
     ] = None
     show: Annotated[
         str | None,
-        _unshown(
+        typer.Option(
             "-s",
             "--show",
             help="The comparison's columns, comma-separated key fields (n_threads,"
@@ -112,7 +109,7 @@ class CompareOptions(OptionRecord):
     ] = None
     output: Annotated[
         CompareFormat | None,
-        _unshown("-o", "--output", help="Print the comparison on stdout as md, csv or json."),
+        typer.Option("-o", "--output", help="Print the comparison on stdout as md, csv or json."),
     ] = None
 
 
@@ -124,12 +121,12 @@ def history(
     ] = 10,
     model: Annotated[
         str | None,
-        _unshown("-m", "--model", help="Only runs of models whose name contains this."),
+        typer.Option("-m", "--model", help="Only runs of models whose name contains this."),
     ] = None,
     comparing: CompareOptions,
     export_sql: Annotated[
         str | None,
-        _unshown(
+        typer.Option(
             "--export-sql",
             metavar="FILE",
             help="Write the stored bench results into a new SQLite file as"

@@ -40,11 +40,9 @@ TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 MODEL_PANEL = "Model and engine"
 SAMPLING_PANEL = "Sampling"
-# Each panel's options: most leave their default to their help (`_model`), some show it (`_shown`)
-_model = functools.partial(typer.Option, rich_help_panel=MODEL_PANEL, show_default=False)
-_model_shown = functools.partial(typer.Option, rich_help_panel=MODEL_PANEL)
-_sampling = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL, show_default=False)
-_sampling_shown = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL)
+# Each panel's options. typer shows no default of None: no option here needs show_default=False
+_model = functools.partial(typer.Option, rich_help_panel=MODEL_PANEL)
+_sampling = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL)
 
 MAX_TEMPLATE_BYTES = 2**20  # chat templates are a few KiB; the largest known are ~30 KiB
 
@@ -63,7 +61,7 @@ class EnergyMode(str, Enum):
 
 Energy = Annotated[
     EnergyMode,
-    _model_shown(
+    _model(
         "--energy",
         envvar="LLMRUN_ENERGY",
         help="Joules per phase from the machine's counters (RAPL, NVML), above an idle"
@@ -111,7 +109,6 @@ def threads_option(
         **engine_bounds("n_threads"),
         help=help_text,
         rich_help_panel=panel,
-        show_default=False,
     )
 
 
@@ -178,7 +175,7 @@ FlashAttnOpt = Annotated[
 ]
 CacheTypeK = Annotated[
     str,
-    _model_shown(
+    _model(
         "-ctk",
         "--cache-type-k",
         metavar="TYPE",
@@ -187,7 +184,7 @@ CacheTypeK = Annotated[
 ]
 CacheTypeV = Annotated[
     str,
-    _model_shown(
+    _model(
         "-ctv",
         "--cache-type-v",
         metavar="TYPE",
@@ -243,7 +240,7 @@ CpuMask = Annotated[
 ]
 CpuStrict = Annotated[
     int,
-    _model_shown(
+    _model(
         "--cpu-strict",
         min=0,
         max=1,
@@ -253,7 +250,7 @@ CpuStrict = Annotated[
 ]
 Poll = Annotated[
     int,
-    _model_shown(
+    _model(
         "--poll",
         min=0,
         max=100,
@@ -275,7 +272,7 @@ KvUnified = Annotated[
 
 NoWarmup = Annotated[
     bool,
-    _model_shown(
+    _model(
         "--no-warmup",
         help="Skip the warm-up decode while loading (as llama-cli's --no-warmup); the first"
         " request's prefill then pays the backend's one-time set-up.",
@@ -292,7 +289,6 @@ Endpoint = Annotated[
         help="Use an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1) instead"
         " of a local model; -m then names the server's model (default: its first).",
         rich_help_panel=REMOTE_PANEL,
-        show_default=False,
     ),
 ]
 ApiKey = Annotated[
@@ -302,7 +298,6 @@ ApiKey = Annotated[
         envvar="LLMRUN_API_KEY",
         help="API key for --endpoint (never printed).",
         rich_help_panel=REMOTE_PANEL,
-        show_default=False,
         show_envvar=True,
     ),
 ]
@@ -319,29 +314,19 @@ Timeout = Annotated[
 
 MaxTokens = Annotated[
     int,
-    _sampling_shown(
+    _sampling(
         "-n", "--max-tokens", "--n-predict", **bounds("max_tokens"), help="Most tokens to generate."
     ),
 ]
 Temp = Annotated[
-    float,
-    _sampling_shown("--temp", **bounds("temperature"), help="Temperature; 0 = greedy."),
+    float, _sampling("--temp", **bounds("temperature"), help="Temperature; 0 = greedy.")
 ]
-TopK = Annotated[
-    int,
-    _sampling_shown("--top-k", **bounds("top_k"), help="Top-k; 0 = off."),
-]
-TopP = Annotated[
-    float,
-    _sampling_shown("--top-p", **bounds("top_p"), help="Top-p; 1 = off."),
-]
-MinP = Annotated[
-    float,
-    _sampling_shown("--min-p", **bounds("min_p"), help="Min-p; 0 = off."),
-]
+TopK = Annotated[int, _sampling("--top-k", **bounds("top_k"), help="Top-k; 0 = off.")]
+TopP = Annotated[float, _sampling("--top-p", **bounds("top_p"), help="Top-p; 1 = off.")]
+MinP = Annotated[float, _sampling("--min-p", **bounds("min_p"), help="Min-p; 0 = off.")]
 RepeatPenalty = Annotated[
     float,
-    _sampling_shown(
+    _sampling(
         "--repeat-penalty",
         **bounds("repeat_penalty"),
         help="Penalty on tokens seen in the last --repeat-last-n; 1 = off.",
@@ -349,7 +334,7 @@ RepeatPenalty = Annotated[
 ]
 RepeatLastN = Annotated[
     int,
-    _sampling_shown(
+    _sampling(
         "--repeat-last-n",
         **bounds("repeat_last_n"),
         help="How many of the last tokens --repeat-penalty looks at; 0 = off, -1 = the context.",
@@ -368,8 +353,7 @@ PromptSeed = Annotated[
     ),
 ]
 Stop = Annotated[
-    list[str] | None,
-    _sampling("--stop", help="Stop when this text appears (repeatable)."),
+    list[str] | None, _sampling("--stop", help="Stop when this text appears (repeatable).")
 ]
 Think = Annotated[
     bool | None,
@@ -417,13 +401,13 @@ GrammarFile = Annotated[
 ]
 HideThinking = Annotated[
     bool,
-    _sampling_shown(
+    _sampling(
         "--hide-thinking", help="Print only the answer; the thinking is still counted in the stats."
     ),
 ]
 ThinkingStdout = Annotated[
     bool,
-    _sampling_shown(
+    _sampling(
         "--thinking-stdout",
         help="When stdout is not a terminal, keep the thinking there between <think>"
         " and </think> lines (by default it goes to stderr, so stdout gets the answer"
@@ -449,10 +433,7 @@ NoDashboard = Annotated[
 System = Annotated[
     str | None,
     typer.Option(
-        "-s",
-        "--system",
-        help="System prompt (in llama.cpp, -s is the seed: that is --seed here).",
-        show_default=False,
+        "-s", "--system", help="System prompt (in llama.cpp, -s is the seed: that is --seed here)."
     ),
 ]
 

@@ -84,18 +84,12 @@ class Prompts(OptionRecord):
 
     prompt: Annotated[
         list[str] | None,
-        typer.Argument(
-            help="The prompt; with piped stdin, the instruction for that material.",
-            show_default=False,
-        ),
+        typer.Argument(help="The prompt; with piped stdin, the instruction for that material."),
     ] = None
     file: Annotated[
         list[Path] | None,
         typer.Option(
-            "-f",
-            "--file",
-            help="Read a prompt from FILE (repeatable: one request each).",
-            show_default=False,
+            "-f", "--file", help="Read a prompt from FILE (repeatable: one request each)."
         ),
     ] = None
     jsonl: Annotated[
@@ -104,7 +98,6 @@ class Prompts(OptionRecord):
             "--jsonl",
             help='One request per line: {"prompt": ...} or '
             '{"messages": [...]}, with optional per-line options.',
-            show_default=False,
         ),
     ] = None
     system: o.System = None
@@ -131,7 +124,6 @@ class Report(OptionRecord):
             "--stats-file",
             help="Append every request's stats to PATH as JSON lines.",
             metavar="PATH",
-            show_default=False,
         ),
     ] = None
     json_out: Annotated[

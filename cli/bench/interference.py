@@ -37,7 +37,6 @@ from .serving import (
     Server,
     ServingEngineOptions,
     _opt,
-    _unshown,
     local_runner,
     refuse_remote_only,
     run_stages,
@@ -116,7 +115,7 @@ def interference(
     policy: Policies = DEFAULT_POLICIES,
     plot: Annotated[
         str | None,
-        _unshown(
+        _opt(
             "Also draw the stream's timeline into a PNG file.",
             "--plot",
             metavar="FILE.png",

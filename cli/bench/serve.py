@@ -48,7 +48,6 @@ from .serving import (
     Server,
     ServingEngineOptions,
     _opt,
-    _unshown,
     local_runner,
     refuse_remote_only,
     run_stages,
@@ -87,7 +86,7 @@ class LoadOptions(OptionRecord):
 
     concurrency: Annotated[
         str | None,
-        _unshown(
+        _opt(
             "Levels: --slots on this machine's engine, --max-concurrency against a server."
             " [default: 1,4]",
             "--concurrency",
@@ -95,7 +94,7 @@ class LoadOptions(OptionRecord):
     ] = None
     slots: Annotated[
         str | None,
-        _unshown(
+        _opt(
             "This machine's engine: sequences served at once, a list such as 1,4 (later"
             " requests wait for one: their queue time).",
             "--slots",
@@ -103,7 +102,7 @@ class LoadOptions(OptionRecord):
     ] = None
     max_concurrency: Annotated[
         str | None,
-        _unshown(
+        _opt(
             "Against a server (--endpoint): the client's requests in flight, a list such as"
             " 1,4,16 (vLLM's --max-concurrency; each request's clock starts as it is sent).",
             "--max-concurrency",
@@ -117,13 +116,13 @@ class LoadOptions(OptionRecord):
     ] = 16
     input_len: Annotated[
         int | None,
-        _unshown(
+        _opt(
             "Mean prompt length in tokens. (default: 128)", "--input-len", min=1, max=MAX_INPUT_LEN
         ),
     ] = None
     output_len: Annotated[
         int | None,
-        _unshown(
+        _opt(
             "Mean output length in tokens; with --dataset, every request's, over the data's"
             " (vLLM's --sharegpt-output-len). (default: 64; with --dataset, the data's, or 64"
             " for a JSONL line without one)",
@@ -134,7 +133,7 @@ class LoadOptions(OptionRecord):
     ] = None
     range_ratio: Annotated[
         float | None,
-        _unshown(
+        _opt(
             "Lengths uniform within ±this share of the mean (vLLM's random-range-ratio)."
             " (default: 0)",
             "--range-ratio",
@@ -154,7 +153,7 @@ class LoadOptions(OptionRecord):
     ] = 0
     dataset: Annotated[
         Path | None,
-        _unshown(
+        _opt(
             "Real prompts: ShareGPT JSON (vLLM's sharegpt loader) or JSONL ('prompt' and"
             " optionally 'output_len' a line). Lengths come from the data, filtered as vLLM"
             " does; --num-prompts are sampled with --seed. Not with --input-len,"
@@ -166,7 +165,7 @@ class LoadOptions(OptionRecord):
     ] = None
     warmup: Annotated[
         int | None,
-        _unshown(
+        _opt(
             "Untimed warm-up requests before each level. (default: 1 against a"
             " server, 0 on this machine's engine)",
             "--warmup",
@@ -179,9 +178,7 @@ class LoadOptions(OptionRecord):
     )
     slo: Annotated[
         str | None,
-        _unshown(
-            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).", "--slo"
-        ),
+        _opt("Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).", "--slo"),
     ] = None
 
     def serve_options(self, *, endpoint: str | None, seed: int, policy: str) -> ServeOptions:

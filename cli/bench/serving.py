@@ -3,7 +3,6 @@ this machine's engine that a job measures, and how a job shows its stages."""
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -38,16 +37,12 @@ def _opt(help_text: str, *names: str, panel: str = LOAD, **kw: Any) -> Any:
     return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
 
 
-_unshown = functools.partial(_opt, show_default=False)  # the help says the default
-
-
 Model1 = Annotated[
     str | None,
     typer.Option(
         "-m",
         "--model",
         envvar="LLMRUN_MODEL",
-        show_default=False,
         help="A .gguf path or Hub reference; with --endpoint, the server's model"
         " (default: the embedded SmolLM2-135M, or the server's first).",
     ),
@@ -57,18 +52,18 @@ Output = Annotated[
     typer.Option(
         "-o",
         "--output",
-        show_default=False,
         help="Print the results on stdout as md, csv, json, jsonl or sql."
         " (default: a table on a terminal, else md)",
     ),
 ]
 Policies = Annotated[
     str,
-    _unshown(
+    _opt(
         "Scheduling policies: prefill-first, chunked:B (at most B tokens a step),"
         " decode-first. (default: all three)",
         "--policy",
         panel=LOCAL,
+        show_default=False,
     ),
 ]
 
@@ -79,7 +74,7 @@ class ServingEngineOptions(OptionRecord):
 
     threads: Annotated[
         int | None,
-        _unshown(
+        _opt(
             "CPU threads of the engine: one token a step. (default: the physical cores)",
             "-t",
             "--threads",
@@ -89,7 +84,7 @@ class ServingEngineOptions(OptionRecord):
     ] = None
     threads_batch: Annotated[
         int | None,
-        _unshown(
+        _opt(
             "CPU threads for steps of more than one token (prefill). (default: --threads)",
             "-tb",
             "--threads-batch",
@@ -99,7 +94,7 @@ class ServingEngineOptions(OptionRecord):
     ] = None
     kv_unified: Annotated[
         bool | None,
-        _unshown(
+        _opt(
             "One KV buffer for all sequences (llama.cpp's -kvu), or each its own KV stream"
             " (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do. Recorded as"
             " kv_unified. (default: one stream per sequence)",
