@@ -67,6 +67,7 @@ from .session import (
     drive,
     dumb_terminal,
     free_cores,
+    handling,
     live_terminal,
     thinking_route,
 )
@@ -351,16 +352,13 @@ def _after_the_pager(pid: int, text: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the pager is its own
-    try:
+    with handling(signal.SIGINT, signal.SIG_IGN):  # Ctrl-C in the pager is its own
         while os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(OSError):
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state == "Z":
                     break
             time.sleep(0.1)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     sys.stderr.write(text)
     sys.stderr.flush()
 
