@@ -530,21 +530,15 @@ class ChatUI:
         return bool(action(arg))
 
     def _stats(self, arg: str) -> None:
-        done = [t for t in self.conv.turns if t.stats is not None]
+        done = [t.stats for t in self.conv.turns if t.stats is not None]
         if not done:
             self.err.print("no reply yet")
-        elif arg == "all":
-            self.err.print(turns_view(self.conv.turns))
         else:
-            last = done[-1].stats
-            assert last is not None
-            self.err.print(render(last))
+            self.err.print(turns_view(self.conv.turns) if arg == "all" else render(done[-1]))
 
     def _help(self, arg: str) -> None:
-        if arg.strip().lower() in ("shortcuts", "shortcut"):
-            self.err.print(help_view(SHORTCUTS))
-        else:
-            self.err.print(help_view(HELP))
+        shortcuts = arg.strip().lower() in ("shortcuts", "shortcut")
+        self.err.print(help_view(SHORTCUTS if shortcuts else HELP))
 
     def _load(self, arg: str) -> None:
         self._usage(
@@ -557,21 +551,17 @@ class ChatUI:
         wordwrap/nowordwrap; the rest of its words are answered, not guessed."""
         word, _, rest = arg.partition(" ")
         word = word.lower()
-        simple = {
-            "verbose": ("verbose", True, "the full summary after each reply"),
-            "quiet": ("verbose", False, "no stats after each reply"),
-            "history": ("history", True, "lines typed here are kept across sessions"),
-            "nohistory": ("history", False, "lines typed from now on are not kept"),
+        simple: dict[str, tuple[dict[str, bool], str]] = {
+            "verbose": ({"verbose": True, "quiet": False}, "the full summary after each reply"),
+            "quiet": ({"verbose": False, "quiet": True}, "no stats after each reply"),
+            "history": ({"history": True}, "lines typed here are kept across sessions"),
+            "nohistory": ({"history": False}, "lines typed from now on are not kept"),
         }
         if word in simple:
-            attr, value, said = simple[word]
-            if word == "quiet":
-                self.quiet = True
-            if word == "verbose":
-                self.quiet = False
-            setattr(self, attr, value)
-            if attr == "history" and self.readline is not None:
-                self.readline.set_auto_history(value)
+            changes, said = simple[word]
+            vars(self).update(changes)
+            if "history" in changes and self.readline is not None:
+                self.readline.set_auto_history(changes["history"])
             self.say(f"/set {word}: {said}")
         elif word in ("think", "nothink"):
             self.conv.sampling = dataclasses.replace(self.conv.sampling, think=word == "think")
