@@ -168,7 +168,6 @@ FlashAttnOpt = Annotated[
     _model(
         "-fa",
         "--flash-attn",
-        case_sensitive=False,
         help="Flash attention. (default: the tuned value, else llama.cpp's auto, which"
         " checks that the model's device supports it)",
     ),
@@ -545,10 +544,6 @@ class RemoteOptions(OptionRecord):
     api_key: ApiKey = None
     timeout: Timeout = TIMEOUT_S
 
-    def refuse_local(self, given: Mapping[str, object]) -> None:
-        """With --endpoint the server's own settings decide: `given` local options refused."""
-        refuse_for_endpoint(self.endpoint, given)
-
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingOptions(OptionRecord):
@@ -717,7 +712,7 @@ class GenerationOptions(OptionRecord):
         where they do not apply."""
         warn_if_seed(system)
         reply = self.reply
-        self.remote.refuse_local({"--draft": reply.draft})
+        refuse_for_endpoint(self.remote.endpoint, {"--draft": reply.draft})
         drafting = reply.draft_model is not None
         draft = parse_draft(reply.draft, self.sampling.temp, draft_model=drafting)
         params = self.sampling.params(think=reply.think, draft=draft)
