@@ -387,14 +387,10 @@ def _report(
     return 0
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def _latency(name: str, key: str) -> Callable[[ServingMetrics], str]:
     def cell(m: ServingMetrics) -> str:
         latency: Latency | None = getattr(m, name)
-        return "-" if latency is None else _num(latency.fields(name).get(key), ",.1f")
+        return "-" if latency is None else out.num(latency.fields(name).get(key), ",.1f")
 
     return cell
 
@@ -409,12 +405,12 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     rows: list[tuple[str, Callable[[ServingMetrics], str]]] = [
         ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
         ("duration s", lambda m: f"{m.duration_s:.2f}"),
-        ("request throughput req/s", lambda m: _num(m.request_throughput, ".2f")),
-        ("output tokens/s", lambda m: _num(m.output_throughput, ".1f")),
-        ("total tokens/s", lambda m: _num(m.total_token_throughput, ".1f")),
+        ("request throughput req/s", lambda m: out.num(m.request_throughput, ".2f")),
+        ("output tokens/s", lambda m: out.num(m.output_throughput, ".1f")),
+        ("total tokens/s", lambda m: out.num(m.total_token_throughput, ".1f")),
     ]
     if any(level.metrics.goodput is not None for level in levels):
-        rows.append(("goodput req/s (met --slo)", lambda m: _num(m.goodput, ".2f")))
+        rows.append(("goodput req/s (met --slo)", lambda m: out.num(m.goodput, ".2f")))
     for name in METRICS:
         if all(getattr(level.metrics, name) is None for level in levels):
             continue  # a figure none of the levels measured
@@ -435,7 +431,7 @@ def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLe
 
 
 def _cached(level: sv.ServingLevel) -> str:
-    return f"{level.metrics.total_input_tokens:,} / {_num(level.cached_tokens, ',')}"
+    return f"{level.metrics.total_input_tokens:,} / {out.num(level.cached_tokens, ',')}"
 
 
 # The md table's columns (the other formats carry every figure)
