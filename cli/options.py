@@ -279,35 +279,28 @@ NoWarmup = Annotated[
 ]
 
 REMOTE_PANEL = "Remote server (OpenAI-compatible)"
+_remote = functools.partial(typer.Option, rich_help_panel=REMOTE_PANEL)
 Endpoint = Annotated[
     str | None,
-    typer.Option(
+    _remote(
         "--endpoint",
         envvar="LLMRUN_ENDPOINT",
         metavar="URL",
         help="Use an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1) instead"
         " of a local model; -m then names the server's model (default: its first).",
-        rich_help_panel=REMOTE_PANEL,
     ),
 ]
 ApiKey = Annotated[
     str | None,
-    typer.Option(
-        "--api-key",
-        envvar="LLMRUN_API_KEY",
-        help="API key for --endpoint (never printed).",
-        rich_help_panel=REMOTE_PANEL,
-        show_envvar=True,
-    ),
+    _remote("--api-key", envvar="LLMRUN_API_KEY", help="API key for --endpoint (never printed)."),
 ]
 Timeout = Annotated[
     float,
-    typer.Option(
+    _remote(
         "--timeout",
         min=0.1,
         max=86400.0,
         help="Seconds to wait for the server before giving up on a read.",
-        rich_help_panel=REMOTE_PANEL,
     ),
 ]
 
