@@ -31,7 +31,6 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, Generati
 
 from . import options as o
 from .dashboard import Dashboard, Hanging, TerminalConsole, model_facts, render
-from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
@@ -52,7 +51,6 @@ from .session import (
     ctrl_c_cancels,
     drive,
     dumb_terminal,
-    free_cores,
     live_terminal,
     redrawn_after_fg,
     terminal_modes,
@@ -744,16 +742,8 @@ def chat(
     """
     with handled():
         params, config = generation.settings(system)
-        remote, reply = generation.remote, generation.reply
-        asked_ctx = config.n_ctx
-        runner = make_runner(
-            generation.model,
-            config,
-            endpoint=remote.endpoint,
-            api_key=remote.api_key,
-            timeout_s=remote.timeout,
-            prepare=lambda found: free_cores(found, endpoint=remote.endpoint, quiet=False),
-        )
+        reply = generation.reply
+        runner = generation.runner(config, quiet=False)
         try:
             if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD
                 system = repair_utf8(system, "-s/--system")
@@ -765,7 +755,7 @@ def chat(
                 hide_thinking=reply.hide_thinking,
                 thinking_stdout=reply.thinking_stdout,
             )
-            ui.asked_ctx = asked_ctx
+            ui.asked_ctx = config.n_ctx
             code = ui.loop()
         finally:
             runner.close()

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 import llmrun.cli
-from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
+from llmrun.runners.base import DEFAULT_TIMEOUT_S, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, OptionError, not_utf8
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
@@ -714,6 +714,22 @@ class GenerationOptions(OptionRecord):
 
         use_energy(self.engine.energy.value)
         return params, config
+
+    def runner(self, config: EngineConfig, *, quiet: bool) -> Runner:
+        """The model, or the server, to generate with; on a busy machine the local engine gets
+        the cores other processes leave free (`free_cores`)."""
+        from .engine import make_runner
+        from .session import free_cores
+
+        remote = self.remote
+        return make_runner(
+            self.model,
+            config,
+            endpoint=remote.endpoint,
+            api_key=remote.api_key,
+            timeout_s=remote.timeout,
+            prepare=lambda found: free_cores(found, endpoint=remote.endpoint, quiet=quiet),
+        )
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:

@@ -31,7 +31,6 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, 
 
 from . import options as o
 from .dashboard import Dashboard, TerminalConsole, render
-from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
@@ -66,7 +65,6 @@ from .session import (
     ctrl_c_cancels,
     drive,
     dumb_terminal,
-    free_cores,
     handling,
     live_terminal,
     thinking_route,
@@ -172,7 +170,7 @@ def run(
     DisplayThatMayFail.install()  # the text reaches stdout and --stats-file all the same
     with handled():
         params, config = generation.settings(prompts.system)
-        remote, reply = generation.remote, generation.reply
+        reply = generation.reply
         params = _with_grammar(params, generation, json_schema, grammar)
         jobs = collect_jobs(
             words=prompts.prompt or [],
@@ -182,21 +180,13 @@ def run(
             raw=prompts.raw,
             sampling=params,
         )
-        endpoint = remote.endpoint
         quiet = report.quiet
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         config = _with_parallel(config, generation, parallel, kv_unified)
         if report.stats_file is not None:  # before the load: a bad name cost the whole run
             output_file("--stats-file", report.stats_file, "stats.jsonl")
-        runner = make_runner(
-            generation.model,
-            config,
-            endpoint=endpoint,
-            api_key=remote.api_key,
-            timeout_s=remote.timeout,
-            prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
-        )
+        runner = generation.runner(config, quiet=quiet)
         try:
             served, cut_short = (
                 _serve_in_parallel(runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx)
