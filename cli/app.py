@@ -119,14 +119,12 @@ def _refuse_nan_in_ranges(command: Any, ctx: Any) -> None:
 # click's Path names itself by what it takes: a file, a directory, or either
 PATH_KINDS = ("path", "file", "directory")
 
-# What a number of each kind must be, in words (typer's click said "'2.5' is not a valid int
-# range"), and its reader, None where it is none: ASCII digits only, as click's int() and
-# float() also read `٣` (Arabic-Indic), fullwidth digits and `1_0`.
+# What a number of each kind (or a range of it) must be, in words (typer's click said "'2.5' is
+# not a valid int range"), and its reader, None where it is none: ASCII digits only, as click's
+# int() and float() also read `٣` (Arabic-Indic), fullwidth digits and `1_0`.
 _KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "int": ("a whole number", integer),  # typer's own click names int so, not "integer"
-    "int range": ("a whole number", integer),
     "float": ("a number", real),
-    "float range": ("a number", real),
 }
 
 
@@ -143,7 +141,7 @@ def _plain_conversions(command: Any) -> None:
         name = getattr(kind, "name", "")
         if name == "choice":
             kind.case_sensitive = False
-        if name not in PATH_KINDS and name not in _KINDS:
+        if name not in PATH_KINDS and name.removesuffix(" range") not in _KINDS:
             continue
 
         def checked(value: Any, param: Any, ctx: Any, convert: Any = kind.convert) -> Any:
@@ -151,7 +149,7 @@ def _plain_conversions(command: Any) -> None:
                 kind_name = getattr(param.type, "name", "")
                 if kind_name in PATH_KINDS and not value.strip():
                     raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
-                words, read = _KINDS.get(kind_name, ("", str))
+                words, read = _KINDS.get(kind_name.removesuffix(" range"), ("", str))
                 if read(value) is None:
                     raise typer.BadParameter(f"{value!r} is not {words}.", ctx=ctx, param=param)
             return convert(value, param, ctx)

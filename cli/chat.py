@@ -31,7 +31,6 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, FINISH_INTERRUPTED, Generati
 
 from . import options as o
 from .dashboard import Dashboard, Hanging, TerminalConsole, model_facts, render
-from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
@@ -52,7 +51,6 @@ from .session import (
     ctrl_c_cancels,
     drive,
     dumb_terminal,
-    free_cores,
     live_terminal,
     redrawn_after_fg,
     terminal_modes,
@@ -530,21 +528,15 @@ class ChatUI:
         return bool(action(arg))
 
     def _stats(self, arg: str) -> None:
-        done = [t for t in self.conv.turns if t.stats is not None]
+        done = [t.stats for t in self.conv.turns if t.stats is not None]
         if not done:
             self.err.print("no reply yet")
-        elif arg == "all":
-            self.err.print(turns_view(self.conv.turns))
         else:
-            last = done[-1].stats
-            assert last is not None
-            self.err.print(render(last))
+            self.err.print(turns_view(self.conv.turns) if arg == "all" else render(done[-1]))
 
     def _help(self, arg: str) -> None:
-        if arg.strip().lower() in ("shortcuts", "shortcut"):
-            self.err.print(help_view(SHORTCUTS))
-        else:
-            self.err.print(help_view(HELP))
+        shortcuts = arg.strip().lower() in ("shortcuts", "shortcut")
+        self.err.print(help_view(SHORTCUTS if shortcuts else HELP))
 
     def _load(self, arg: str) -> None:
         self._usage(
@@ -557,21 +549,17 @@ class ChatUI:
         wordwrap/nowordwrap; the rest of its words are answered, not guessed."""
         word, _, rest = arg.partition(" ")
         word = word.lower()
-        simple = {
-            "verbose": ("verbose", True, "the full summary after each reply"),
-            "quiet": ("verbose", False, "no stats after each reply"),
-            "history": ("history", True, "lines typed here are kept across sessions"),
-            "nohistory": ("history", False, "lines typed from now on are not kept"),
+        simple: dict[str, tuple[dict[str, bool], str]] = {
+            "verbose": ({"verbose": True, "quiet": False}, "the full summary after each reply"),
+            "quiet": ({"verbose": False, "quiet": True}, "no stats after each reply"),
+            "history": ({"history": True}, "lines typed here are kept across sessions"),
+            "nohistory": ({"history": False}, "lines typed from now on are not kept"),
         }
         if word in simple:
-            attr, value, said = simple[word]
-            if word == "quiet":
-                self.quiet = True
-            if word == "verbose":
-                self.quiet = False
-            setattr(self, attr, value)
-            if attr == "history" and self.readline is not None:
-                self.readline.set_auto_history(value)
+            changes, said = simple[word]
+            vars(self).update(changes)
+            if "history" in changes and self.readline is not None:
+                self.readline.set_auto_history(changes["history"])
             self.say(f"/set {word}: {said}")
         elif word in ("think", "nothink"):
             self.conv.sampling = dataclasses.replace(self.conv.sampling, think=word == "think")
@@ -754,16 +742,8 @@ def chat(
     """
     with handled():
         params, config = generation.settings(system)
-        remote, reply = generation.remote, generation.reply
-        asked_ctx = config.n_ctx
-        runner = make_runner(
-            generation.model,
-            config,
-            endpoint=remote.endpoint,
-            api_key=remote.api_key,
-            timeout_s=remote.timeout,
-            prepare=lambda found: free_cores(found, endpoint=remote.endpoint, quiet=False),
-        )
+        reply = generation.reply
+        runner = generation.runner(config, quiet=False)
         try:
             if system is not None:  # an argument's bytes that are not UTF-8 become U+FFFD
                 system = repair_utf8(system, "-s/--system")
@@ -775,7 +755,7 @@ def chat(
                 hide_thinking=reply.hide_thinking,
                 thinking_stdout=reply.thinking_stdout,
             )
-            ui.asked_ctx = asked_ctx
+            ui.asked_ctx = config.n_ctx
             code = ui.loop()
         finally:
             runner.close()

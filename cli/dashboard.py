@@ -12,6 +12,7 @@ figures never overwrite each other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import threading
@@ -281,15 +282,13 @@ def render_live(
     return Group(*lines, *parts)
 
 
-_measure: dict[int, Console] = {}
+@functools.cache
+def _measuring(width: int) -> Console:
+    return Console(file=io.StringIO(), width=width, color_system=None, legacy_windows=False)
 
 
 def _rows(part: RenderableType, width: int) -> int:
-    console = _measure.get(width)
-    if console is None:
-        console = _measure[width] = Console(
-            file=io.StringIO(), width=width, color_system=None, legacy_windows=False
-        )
+    console = _measuring(width)
     return len(console.render_lines(part, console.options, pad=False))
 
 

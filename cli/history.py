@@ -85,7 +85,6 @@ class CompareOptions(OptionRecord):
         typer.Option(
             "-b",
             "--baseline",
-            show_default=False,
             help=f"Compare two sets of results; this one is the baseline: {SELECTOR_HELP}.",
         ),
     ] = None
@@ -94,7 +93,6 @@ class CompareOptions(OptionRecord):
         typer.Option(
             "-c",
             "--compare",
-            show_default=False,
             help="The set compared with the baseline, chosen the same way (default: the"
             " newest run outside the baseline).",
         ),
@@ -104,7 +102,6 @@ class CompareOptions(OptionRecord):
         typer.Option(
             "-s",
             "--show",
-            show_default=False,
             help="The comparison's columns, comma-separated key fields (n_threads,"
             " n_batch, flash_attn...); results differing only in others are"
             " averaged together, as compare-llama-bench.py's --show.",
@@ -112,12 +109,7 @@ class CompareOptions(OptionRecord):
     ] = None
     output: Annotated[
         CompareFormat | None,
-        typer.Option(
-            "-o",
-            "--output",
-            show_default=False,
-            help="Print the comparison on stdout as md, csv or json.",
-        ),
+        typer.Option("-o", "--output", help="Print the comparison on stdout as md, csv or json."),
     ] = None
 
 
@@ -129,12 +121,7 @@ def history(
     ] = 10,
     model: Annotated[
         str | None,
-        typer.Option(
-            "-m",
-            "--model",
-            show_default=False,
-            help="Only runs of models whose name contains this.",
-        ),
+        typer.Option("-m", "--model", help="Only runs of models whose name contains this."),
     ] = None,
     comparing: CompareOptions,
     export_sql: Annotated[
@@ -142,7 +129,6 @@ def history(
         typer.Option(
             "--export-sql",
             metavar="FILE",
-            show_default=False,
             help="Write the stored bench results into a new SQLite file as"
             " llama-bench's table (compare-llama-bench.py -i FILE reads it); '-'"
             " prints the SQL, for `| sqlite3` into an existing one.",

@@ -8,6 +8,7 @@ runner's type (`SamplingOptions.params`, `EngineOptions.config`) in one place.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 import llmrun.cli
-from llmrun.runners.base import DEFAULT_TIMEOUT_S, SamplingParams
+from llmrun.runners.base import DEFAULT_TIMEOUT_S, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, OptionError, not_utf8
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
@@ -39,6 +40,9 @@ TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 MODEL_PANEL = "Model and engine"
 SAMPLING_PANEL = "Sampling"
+# Each panel's options. typer shows no default of None: no option here needs show_default=False
+_model = functools.partial(typer.Option, rich_help_panel=MODEL_PANEL)
+_sampling = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL)
 
 MAX_TEMPLATE_BYTES = 2**20  # chat templates are a few KiB; the largest known are ~30 KiB
 
@@ -57,20 +61,19 @@ class EnergyMode(str, Enum):
 
 Energy = Annotated[
     EnergyMode,
-    typer.Option(
+    _model(
         "--energy",
         envvar="LLMRUN_ENERGY",
         help="Joules per phase from the machine's counters (RAPL, NVML), above an idle"
         " baseline measured first: auto where a counter is readable (else the reason), on to"
         " require one, off to read none.",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 
 
 Model = Annotated[
     str | None,
-    typer.Option(
+    _model(
         "-m",
         "--model",
         "-hf",
@@ -78,23 +81,19 @@ Model = Annotated[
         envvar="LLMRUN_MODEL",
         help="A .gguf path, a Hub reference (owner/repo:QUANT or owner/repo/file.gguf; also"
         " as llama.cpp's -hf); default: the embedded SmolLM2-135M.",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 
 
 def ctx_option(help_text: str, *, least: int) -> Any:
     """-c/--ctx: `run` and `chat` size one context; `serve` each sequence's."""
-    return typer.Option(
+    return _model(
         "-c",
         "--ctx",
         "--ctx-size",
         envvar="LLMRUN_CTX",
         **engine_bounds("n_ctx", least=least),
         help=help_text,
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     )
 
 
@@ -110,40 +109,34 @@ def threads_option(
         **engine_bounds("n_threads"),
         help=help_text,
         rich_help_panel=panel,
-        show_default=False,
     )
 
 
 Ctx = Annotated[
     int | None,
     ctx_option(
-        "Context size in tokens; 0 = the model's training context. (default: 4096 or less)",
-        least=0,
+        "Context size in tokens; 0 = the model's training context. (default: 4096 or less)", least=0
     ),
 ]
 Batch = Annotated[
     int | None,
-    typer.Option(
+    _model(
         "-b",
         "--batch",
         **engine_bounds("n_batch"),
         help="Prefill chunk size (n_batch): prompt tokens per llama_decode call."
         " (default: 512, or the value `llmrun tune` found)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 Ubatch = Annotated[
     int | None,
-    typer.Option(
+    _model(
         "-ub",
         "--ubatch",
         "--ubatch-size",
         **engine_bounds("n_ubatch"),
         help="Physical micro-batch size (n_ubatch), at most --batch."
         " (default: 512, or the tuned value)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 Threads = Annotated[
@@ -151,69 +144,58 @@ Threads = Annotated[
 ]
 ThreadsBatch = Annotated[
     int | None,
-    typer.Option(
+    _model(
         "-tb",
         "--threads-batch",
         **engine_bounds("n_threads_batch"),
         help="CPU threads for prefill (llama.cpp's n_threads_batch). (default: --threads)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 GpuLayers = Annotated[
     int | None,
-    typer.Option(
+    _model(
         "-ngl",
         "--gpu-layers",
         "--n-gpu-layers",
         envvar="LLMRUN_GPU_LAYERS",
         **engine_bounds("n_gpu_layers"),
-        show_default=False,
         help="Layers to offload to the GPU; -1, or more than the model has, is all. (default: all"
         " that fit where this build can offload, else 0)",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 FlashAttnOpt = Annotated[
     FlashAttn | None,
-    typer.Option(
+    _model(
         "-fa",
         "--flash-attn",
-        case_sensitive=False,
         help="Flash attention. (default: the tuned value, else llama.cpp's auto, which"
         " checks that the model's device supports it)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 CacheTypeK = Annotated[
     str,
-    typer.Option(
+    _model(
         "-ctk",
         "--cache-type-k",
         metavar="TYPE",
         help=f"KV cache element type of K: {', '.join(CACHE_TYPES)} (as llama.cpp's -ctk).",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 CacheTypeV = Annotated[
     str,
-    typer.Option(
+    _model(
         "-ctv",
         "--cache-type-v",
         metavar="TYPE",
         help="KV cache element type of V, as -ctk (a quantized V needs flash attention).",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 Repack = Annotated[
     bool | None,
-    typer.Option(
+    _model(
         "--repack/--no-repack",
         help="Repack weights for faster CPU kernels. (default: on where a probe finds it safe:"
         " not on AMX CPUs, whose kernels crash on it)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 
@@ -240,174 +222,120 @@ RPC_HELP = (
 )
 Rpc = Annotated[
     str | None,
-    typer.Option(
-        *RPC_FLAGS,
-        envvar="LLMRUN_RPC",
-        metavar="HOST:PORT,...",
-        callback=check_rpc,
-        show_default=False,
-        help=RPC_HELP,
-        rich_help_panel=MODEL_PANEL,
+    _model(
+        *RPC_FLAGS, envvar="LLMRUN_RPC", metavar="HOST:PORT,...", callback=check_rpc, help=RPC_HELP
     ),
 ]
 
 CpuMask = Annotated[
     str | None,
-    typer.Option(
+    _model(
         "-C",
         "--cpu-mask",
         metavar="HEX",
         help="The compute threads' CPUs, a hex mask such as 0x3 for CPUs 0-1 (llama.cpp's"
         " -C). (default: none)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 CpuStrict = Annotated[
     int,
-    typer.Option(
+    _model(
         "--cpu-strict",
         min=0,
         max=1,
         metavar="0|1",
         help="1: one CPU of --cpu-mask per compute thread, in turn.",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 Poll = Annotated[
     int,
-    typer.Option(
+    _model(
         "--poll",
         min=0,
         max=100,
         metavar="0..100",
         help="How long idle compute threads spin before they sleep (llama.cpp's --poll).",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 
 KvUnified = Annotated[
     bool | None,
-    typer.Option(
+    _model(
         "-kvu/-no-kvu",
         "--kv-unified/--no-kv-unified",
         help="Several sequences: one KV buffer for all (llama.cpp's -kvu), or each its own KV"
         " stream (--no-kv-unified), as llama.cpp's contexts and llama-batched-bench do."
         " (default: one stream per sequence)",
-        rich_help_panel=MODEL_PANEL,
-        show_default=False,
     ),
 ]
 
 NoWarmup = Annotated[
     bool,
-    typer.Option(
+    _model(
         "--no-warmup",
         help="Skip the warm-up decode while loading (as llama-cli's --no-warmup); the first"
         " request's prefill then pays the backend's one-time set-up.",
-        rich_help_panel=MODEL_PANEL,
     ),
 ]
 
 REMOTE_PANEL = "Remote server (OpenAI-compatible)"
+_remote = functools.partial(typer.Option, rich_help_panel=REMOTE_PANEL)
 Endpoint = Annotated[
     str | None,
-    typer.Option(
+    _remote(
         "--endpoint",
         envvar="LLMRUN_ENDPOINT",
         metavar="URL",
         help="Use an OpenAI-compatible server (llama-server, vLLM, SGLang, Ollama's /v1) instead"
         " of a local model; -m then names the server's model (default: its first).",
-        rich_help_panel=REMOTE_PANEL,
-        show_default=False,
     ),
 ]
 ApiKey = Annotated[
     str | None,
-    typer.Option(
-        "--api-key",
-        envvar="LLMRUN_API_KEY",
-        help="API key for --endpoint (never printed).",
-        rich_help_panel=REMOTE_PANEL,
-        show_default=False,
-        show_envvar=True,
-    ),
+    _remote("--api-key", envvar="LLMRUN_API_KEY", help="API key for --endpoint (never printed)."),
 ]
 Timeout = Annotated[
     float,
-    typer.Option(
+    _remote(
         "--timeout",
         min=0.1,
         max=86400.0,
         help="Seconds to wait for the server before giving up on a read.",
-        rich_help_panel=REMOTE_PANEL,
     ),
 ]
 
 MaxTokens = Annotated[
     int,
-    typer.Option(
-        "-n",
-        "--max-tokens",
-        "--n-predict",
-        **bounds("max_tokens"),
-        help="Most tokens to generate.",
-        rich_help_panel=SAMPLING_PANEL,
+    _sampling(
+        "-n", "--max-tokens", "--n-predict", **bounds("max_tokens"), help="Most tokens to generate."
     ),
 ]
 Temp = Annotated[
-    float,
-    typer.Option(
-        "--temp",
-        **bounds("temperature"),
-        help="Temperature; 0 = greedy.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
+    float, _sampling("--temp", **bounds("temperature"), help="Temperature; 0 = greedy.")
 ]
-TopK = Annotated[
-    int,
-    typer.Option(
-        "--top-k", **bounds("top_k"), help="Top-k; 0 = off.", rich_help_panel=SAMPLING_PANEL
-    ),
-]
-TopP = Annotated[
-    float,
-    typer.Option(
-        "--top-p", **bounds("top_p"), help="Top-p; 1 = off.", rich_help_panel=SAMPLING_PANEL
-    ),
-]
-MinP = Annotated[
-    float,
-    typer.Option(
-        "--min-p", **bounds("min_p"), help="Min-p; 0 = off.", rich_help_panel=SAMPLING_PANEL
-    ),
-]
+TopK = Annotated[int, _sampling("--top-k", **bounds("top_k"), help="Top-k; 0 = off.")]
+TopP = Annotated[float, _sampling("--top-p", **bounds("top_p"), help="Top-p; 1 = off.")]
+MinP = Annotated[float, _sampling("--min-p", **bounds("min_p"), help="Min-p; 0 = off.")]
 RepeatPenalty = Annotated[
     float,
-    typer.Option(
+    _sampling(
         "--repeat-penalty",
         **bounds("repeat_penalty"),
         help="Penalty on tokens seen in the last --repeat-last-n; 1 = off.",
-        rich_help_panel=SAMPLING_PANEL,
     ),
 ]
 RepeatLastN = Annotated[
     int,
-    typer.Option(
+    _sampling(
         "--repeat-last-n",
         **bounds("repeat_last_n"),
         help="How many of the last tokens --repeat-penalty looks at; 0 = off, -1 = the context.",
-        rich_help_panel=SAMPLING_PANEL,
     ),
 ]
 Seed = Annotated[
     int | None,
-    typer.Option(
-        "--seed",
-        **bounds("seed"),
-        help="Sampling seed. (default: random, reported in the stats)",
-        rich_help_panel=SAMPLING_PANEL,
-        show_default=False,
+    _sampling(
+        "--seed", **bounds("seed"), help="Sampling seed. (default: random, reported in the stats)"
     ),
 ]
 PromptSeed = Annotated[
@@ -417,31 +345,21 @@ PromptSeed = Annotated[
     ),
 ]
 Stop = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--stop",
-        help="Stop when this text appears (repeatable).",
-        rich_help_panel=SAMPLING_PANEL,
-        show_default=False,
-    ),
+    list[str] | None, _sampling("--stop", help="Stop when this text appears (repeatable).")
 ]
 Think = Annotated[
     bool | None,
-    typer.Option(
+    _sampling(
         "--think/--no-think",
-        show_default=False,
-        rich_help_panel=SAMPLING_PANEL,
         help="Turn the model's thinking on or off where its chat template has the"
         " switch (enable_thinking; sent to servers as chat_template_kwargs).",
     ),
 ]
 Draft = Annotated[
     str | None,
-    typer.Option(
+    _sampling(
         "--draft",
         metavar="lookup[:N]",
-        show_default=False,
-        rich_help_panel=SAMPLING_PANEL,
         help="Speculative decoding by prompt lookup: up to N tokens (default 8) that"
         " followed the last few tokens earlier in the context are checked in one batch."
         " Greedy only (--temp 0).",
@@ -449,49 +367,40 @@ Draft = Annotated[
 ]
 DraftModel = Annotated[
     Path | None,
-    typer.Option(
+    _sampling(
         "--draft-model",
         metavar="PATH",
-        show_default=False,
-        rich_help_panel=SAMPLING_PANEL,
         help="Speculative decoding with a small model of the same vocabulary as the"
         " drafter (up to --draft model:N tokens, default 8). Greedy only (--temp 0).",
     ),
 ]
 JsonSchemaFile = Annotated[
     Path | None,
-    typer.Option(
+    _sampling(
         "--json-schema",
         metavar="FILE",
-        show_default=False,
-        rich_help_panel=SAMPLING_PANEL,
         help="Answer with JSON that the JSON schema in FILE accepts, through llama.cpp's"
         " grammar sampler (the keywords `serve`'s response_format keeps; others are refused).",
     ),
 ]
 GrammarFile = Annotated[
     Path | None,
-    typer.Option(
+    _sampling(
         "--grammar",
         metavar="FILE",
-        show_default=False,
-        rich_help_panel=SAMPLING_PANEL,
         help="Answer in the GBNF grammar in FILE (llama.cpp's format; its rule 'root').",
     ),
 ]
 HideThinking = Annotated[
     bool,
-    typer.Option(
-        "--hide-thinking",
-        rich_help_panel=SAMPLING_PANEL,
-        help="Print only the answer; the thinking is still counted in the stats.",
+    _sampling(
+        "--hide-thinking", help="Print only the answer; the thinking is still counted in the stats."
     ),
 ]
 ThinkingStdout = Annotated[
     bool,
-    typer.Option(
+    _sampling(
         "--thinking-stdout",
-        rich_help_panel=SAMPLING_PANEL,
         help="When stdout is not a terminal, keep the thinking there between <think>"
         " and </think> lines (by default it goes to stderr, so stdout gets the answer"
         " alone).",
@@ -499,11 +408,9 @@ ThinkingStdout = Annotated[
 ]
 ChatTemplateFile = Annotated[
     Path | None,
-    typer.Option(
+    _model(
         "--chat-template-file",
         metavar="FILE",
-        show_default=False,
-        rich_help_panel=MODEL_PANEL,
         help="A Jinja chat template to use in place of the model's own.",
     ),
 ]
@@ -518,10 +425,7 @@ NoDashboard = Annotated[
 System = Annotated[
     str | None,
     typer.Option(
-        "-s",
-        "--system",
-        help="System prompt (in llama.cpp, -s is the seed: that is --seed here).",
-        show_default=False,
+        "-s", "--system", help="System prompt (in llama.cpp, -s is the seed: that is --seed here)."
     ),
 ]
 
@@ -632,10 +536,6 @@ class RemoteOptions(OptionRecord):
     endpoint: Endpoint = None
     api_key: ApiKey = None
     timeout: Timeout = TIMEOUT_S
-
-    def refuse_local(self, given: Mapping[str, object]) -> None:
-        """With --endpoint the server's own settings decide: `given` local options refused."""
-        refuse_for_endpoint(self.endpoint, given)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -805,7 +705,7 @@ class GenerationOptions(OptionRecord):
         where they do not apply."""
         warn_if_seed(system)
         reply = self.reply
-        self.remote.refuse_local({"--draft": reply.draft})
+        refuse_for_endpoint(self.remote.endpoint, {"--draft": reply.draft})
         drafting = reply.draft_model is not None
         draft = parse_draft(reply.draft, self.sampling.temp, draft_model=drafting)
         params = self.sampling.params(think=reply.think, draft=draft)
@@ -814,6 +714,22 @@ class GenerationOptions(OptionRecord):
 
         use_energy(self.engine.energy.value)
         return params, config
+
+    def runner(self, config: EngineConfig, *, quiet: bool) -> Runner:
+        """The model, or the server, to generate with; on a busy machine the local engine gets
+        the cores other processes leave free (`free_cores`)."""
+        from .engine import make_runner
+        from .session import free_cores
+
+        remote = self.remote
+        return make_runner(
+            self.model,
+            config,
+            endpoint=remote.endpoint,
+            api_key=remote.api_key,
+            timeout_s=remote.timeout,
+            prepare=lambda found: free_cores(found, endpoint=remote.endpoint, quiet=quiet),
+        )
 
 
 def refuse_given(given: Mapping[str, object], why: str) -> None:

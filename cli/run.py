@@ -31,7 +31,6 @@ from llmrun.runners.stats import FINISH_INCOMPLETE, Aggregate, GenerationStats, 
 
 from . import options as o
 from .dashboard import Dashboard, TerminalConsole, render
-from .engine import make_runner
 from .errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
@@ -66,7 +65,7 @@ from .session import (
     ctrl_c_cancels,
     drive,
     dumb_terminal,
-    free_cores,
+    handling,
     live_terminal,
     thinking_route,
 )
@@ -84,18 +83,12 @@ class Prompts(OptionRecord):
 
     prompt: Annotated[
         list[str] | None,
-        typer.Argument(
-            help="The prompt; with piped stdin, the instruction for that material.",
-            show_default=False,
-        ),
+        typer.Argument(help="The prompt; with piped stdin, the instruction for that material."),
     ] = None
     file: Annotated[
         list[Path] | None,
         typer.Option(
-            "-f",
-            "--file",
-            help="Read a prompt from FILE (repeatable: one request each).",
-            show_default=False,
+            "-f", "--file", help="Read a prompt from FILE (repeatable: one request each)."
         ),
     ] = None
     jsonl: Annotated[
@@ -104,7 +97,6 @@ class Prompts(OptionRecord):
             "--jsonl",
             help='One request per line: {"prompt": ...} or '
             '{"messages": [...]}, with optional per-line options.',
-            show_default=False,
         ),
     ] = None
     system: o.System = None
@@ -131,7 +123,6 @@ class Report(OptionRecord):
             "--stats-file",
             help="Append every request's stats to PATH as JSON lines.",
             metavar="PATH",
-            show_default=False,
         ),
     ] = None
     json_out: Annotated[
@@ -179,7 +170,7 @@ def run(
     DisplayThatMayFail.install()  # the text reaches stdout and --stats-file all the same
     with handled():
         params, config = generation.settings(prompts.system)
-        remote, reply = generation.remote, generation.reply
+        reply = generation.reply
         params = _with_grammar(params, generation, json_schema, grammar)
         jobs = collect_jobs(
             words=prompts.prompt or [],
@@ -189,21 +180,13 @@ def run(
             raw=prompts.raw,
             sampling=params,
         )
-        endpoint = remote.endpoint
         quiet = report.quiet
         if prompts.file:  # a document: the settings --tune found for long prompts, where saved
             config = dataclasses.replace(config, workload="document")
         config = _with_parallel(config, generation, parallel, kv_unified)
         if report.stats_file is not None:  # before the load: a bad name cost the whole run
             output_file("--stats-file", report.stats_file, "stats.jsonl")
-        runner = make_runner(
-            generation.model,
-            config,
-            endpoint=endpoint,
-            api_key=remote.api_key,
-            timeout_s=remote.timeout,
-            prepare=lambda found: free_cores(found, endpoint=endpoint, quiet=quiet),
-        )
+        runner = generation.runner(config, quiet=quiet)
         try:
             served, cut_short = (
                 _serve_in_parallel(runner, jobs, parallel, quiet=quiet, n_ctx=config.n_ctx)
@@ -359,16 +342,13 @@ def _after_the_pager(pid: int, text: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the pager is its own
-    try:
+    with handling(signal.SIGINT, signal.SIG_IGN):  # Ctrl-C in the pager is its own
         while os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(OSError):
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state == "Z":
                     break
             time.sleep(0.1)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     sys.stderr.write(text)
     sys.stderr.flush()
 

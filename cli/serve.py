@@ -75,7 +75,6 @@ class ServerOptions(OptionRecord):
         _server_option(
             "--policy",
             metavar="POLICY",
-            show_default=False,
             help="How prefill and decode share each step: prefill-first, chunked:B (every step"
             " carries all decodes and at most B tokens), decode-first[:K]. (default: chunked:"
             "<batch>, as llama-server)",
@@ -95,7 +94,6 @@ class ServerOptions(OptionRecord):
         _server_option(
             "--max-connections",
             metavar="N",
-            show_default=False,
             help="Open connections served at once; a connection past them gets 503 with"
             " Retry-After. (default: 512, or 2 x (-np + --max-queue) where that is more: room"
             " for every request the engine can hold, an idle kept-alive connection beside each,"
@@ -107,7 +105,6 @@ class ServerOptions(OptionRecord):
         _server_option(
             "--allow-origin",
             metavar="ORIGIN",
-            show_default=False,
             help="A web page's origin (scheme://host[:port]) whose requests are served, as"
             " OLLAMA_ORIGINS; repeatable; one * in it stands for any text"
             " (https://*.example.com, chrome-extension://*); * alone allows every origin."
@@ -128,9 +125,7 @@ class ServerOptions(OptionRecord):
     alias: Annotated[
         str | None,
         _server_option(
-            "--alias",
-            show_default=False,
-            help="The model's name in /v1/models. (default: the file's name)",
+            "--alias", help="The model's name in /v1/models. (default: the file's name)"
         ),
     ] = None
 

@@ -124,11 +124,18 @@ def ctrl_c_cancels(cancel: threading.Event) -> Iterator[None]:
             raise KeyboardInterrupt
         cancel.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    with handling(signal.SIGINT, handler):
+        yield
+
+
+@contextlib.contextmanager
+def handling(signum: int, handler: Any) -> Iterator[None]:
+    """`handler` takes `signum` while the block runs; the one before it takes it back after."""
+    previous = signal.signal(signum, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)
 
 
 class Thinking:
@@ -478,11 +485,8 @@ def redrawn_after_fg(
             stream.write("\r\x1b[K" + prompt())
             stream.flush()
 
-    previous = signal.signal(signal.SIGTSTP, stop)
-    try:
+    with handling(signal.SIGTSTP, stop):
         yield
-    finally:
-        signal.signal(signal.SIGTSTP, previous)
 
 
 def terminal_modes() -> list[Any] | None:

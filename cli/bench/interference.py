@@ -119,7 +119,6 @@ def interference(
             "Also draw the stream's timeline into a PNG file.",
             "--plot",
             metavar="FILE.png",
-            show_default=False,
             panel=LOCAL,
         ),
     ] = None,

@@ -91,8 +91,13 @@ def _models(names: Iterable[object]) -> list[str]:
     return list(dict.fromkeys(map(str, names)))
 
 
+def num(value: float | None, spec: str) -> str:
+    """A figure in `spec`'s format, '-' where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.2f}"
+    return num(value, ",.2f")
 
 
 # llama-bench's markdown: (field, header, width; negative = left-aligned), and its defaults: a
@@ -214,18 +219,16 @@ def _md_value_of(r: dict[str, Any], key: str) -> str:
         "rel_verdict": lambda: _rel_verdict(r),
         "weights": lambda: _mib(r["weights_bytes"]) if r.get("weights_bytes") else "-",
         "kv": lambda: _mib(r["kv_bytes"]) if r.get("kv_bytes") else "-",
-        "ppl": lambda: "-" if r.get("ppl") is None else f"{r['ppl']:.3f}",
+        "ppl": lambda: num(r.get("ppl"), ".3f"),
         "draft": lambda: str(r.get("draft") or 0),
-        "accept": lambda: (
-            "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.0%}"
-        ),
-        "tps": lambda: "-" if r.get("tokens_per_step") is None else f"{r['tokens_per_step']:.2f}",
-        "dppl": lambda: "-" if r.get("ppl_change") is None else f"{r['ppl_change']:+.2%}",
+        "accept": lambda: num(r.get("acceptance_rate"), ".0%"),
+        "tps": lambda: num(r.get("tokens_per_step"), ".2f"),
+        "dppl": lambda: num(r.get("ppl_change"), "+.2%"),
         "kld": lambda: (
             "-" if r.get("kld_mean") is None else f"{r['kld_mean']:.5f} ± {r['kld_mean_unc']:.5f}"
         ),
-        "kld99": lambda: "-" if r.get("kld_p99") is None else f"{r['kld_p99']:.4f}",
-        "top": lambda: "-" if r.get("same_top_p") is None else f"{r['same_top_p']:.2%}",
+        "kld99": lambda: num(r.get("kld_p99"), ".4f"),
+        "top": lambda: num(r.get("same_top_p"), ".2%"),
         "reps": lambda: str(r.get("repetitions", "-")),
         "ci95": lambda: _half(r.get("ci95_pct"), r.get("until_ci_stop")),
         "energy": lambda: energy_cell(r.get("energy_j_per_token"), r.get("energy_w")),

@@ -90,7 +90,6 @@ class LoadOptions(OptionRecord):
             "Levels: --slots on this machine's engine, --max-concurrency against a server."
             " [default: 1,4]",
             "--concurrency",
-            show_default=False,
         ),
     ] = None
     slots: Annotated[
@@ -99,7 +98,6 @@ class LoadOptions(OptionRecord):
             "This machine's engine: sequences served at once, a list such as 1,4 (later"
             " requests wait for one: their queue time).",
             "--slots",
-            show_default=False,
         ),
     ] = None
     max_concurrency: Annotated[
@@ -108,7 +106,6 @@ class LoadOptions(OptionRecord):
             "Against a server (--endpoint): the client's requests in flight, a list such as"
             " 1,4,16 (vLLM's --max-concurrency; each request's clock starts as it is sent).",
             "--max-concurrency",
-            show_default=False,
         ),
     ] = None
     request_rate: Annotated[
@@ -120,11 +117,7 @@ class LoadOptions(OptionRecord):
     input_len: Annotated[
         int | None,
         _opt(
-            "Mean prompt length in tokens. (default: 128)",
-            "--input-len",
-            min=1,
-            max=MAX_INPUT_LEN,
-            show_default=False,
+            "Mean prompt length in tokens. (default: 128)", "--input-len", min=1, max=MAX_INPUT_LEN
         ),
     ] = None
     output_len: Annotated[
@@ -136,7 +129,6 @@ class LoadOptions(OptionRecord):
             "--output-len",
             min=1,
             max=MAX_OUTPUT_LEN,
-            show_default=False,
         ),
     ] = None
     range_ratio: Annotated[
@@ -147,7 +139,6 @@ class LoadOptions(OptionRecord):
             "--range-ratio",
             min=0.0,
             max=0.99,
-            show_default=False,
         ),
     ] = None
     shared_prefix: Annotated[
@@ -170,7 +161,6 @@ class LoadOptions(OptionRecord):
             "--dataset",
             parser=existing_file,
             metavar="FILE",
-            show_default=False,
         ),
     ] = None
     warmup: Annotated[
@@ -181,7 +171,6 @@ class LoadOptions(OptionRecord):
             "--warmup",
             min=0,
             max=MAX_PROMPTS,
-            show_default=False,
         ),
     ] = None
     percentiles: Annotated[str, _opt("Percentiles of each latency metric.", "--percentiles")] = (
@@ -189,11 +178,7 @@ class LoadOptions(OptionRecord):
     )
     slo: Annotated[
         str | None,
-        _opt(
-            "Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).",
-            "--slo",
-            show_default=False,
-        ),
+        _opt("Goodput counts requests meeting these, in ms: ttft:500,tpot:50 (e2el too).", "--slo"),
     ] = None
 
     def serve_options(self, *, endpoint: str | None, seed: int, policy: str) -> ServeOptions:
@@ -402,14 +387,10 @@ def _report(
     return 0
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 def _latency(name: str, key: str) -> Callable[[ServingMetrics], str]:
     def cell(m: ServingMetrics) -> str:
         latency: Latency | None = getattr(m, name)
-        return "-" if latency is None else _num(latency.fields(name).get(key), ",.1f")
+        return "-" if latency is None else out.num(latency.fields(name).get(key), ",.1f")
 
     return cell
 
@@ -424,12 +405,12 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     rows: list[tuple[str, Callable[[ServingMetrics], str]]] = [
         ("requests completed / failed", lambda m: f"{m.completed} / {m.failed}"),
         ("duration s", lambda m: f"{m.duration_s:.2f}"),
-        ("request throughput req/s", lambda m: _num(m.request_throughput, ".2f")),
-        ("output tokens/s", lambda m: _num(m.output_throughput, ".1f")),
-        ("total tokens/s", lambda m: _num(m.total_token_throughput, ".1f")),
+        ("request throughput req/s", lambda m: out.num(m.request_throughput, ".2f")),
+        ("output tokens/s", lambda m: out.num(m.output_throughput, ".1f")),
+        ("total tokens/s", lambda m: out.num(m.total_token_throughput, ".1f")),
     ]
     if any(level.metrics.goodput is not None for level in levels):
-        rows.append(("goodput req/s (met --slo)", lambda m: _num(m.goodput, ".2f")))
+        rows.append(("goodput req/s (met --slo)", lambda m: out.num(m.goodput, ".2f")))
     for name in METRICS:
         if all(getattr(level.metrics, name) is None for level in levels):
             continue  # a figure none of the levels measured
@@ -450,7 +431,7 @@ def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLe
 
 
 def _cached(level: sv.ServingLevel) -> str:
-    return f"{level.metrics.total_input_tokens:,} / {_num(level.cached_tokens, ',')}"
+    return f"{level.metrics.total_input_tokens:,} / {out.num(level.cached_tokens, ',')}"
 
 
 # The md table's columns (the other formats carry every figure)

@@ -43,7 +43,6 @@ Model1 = Annotated[
         "-m",
         "--model",
         envvar="LLMRUN_MODEL",
-        show_default=False,
         help="A .gguf path or Hub reference; with --endpoint, the server's model"
         " (default: the embedded SmolLM2-135M, or the server's first).",
     ),
@@ -53,7 +52,6 @@ Output = Annotated[
     typer.Option(
         "-o",
         "--output",
-        show_default=False,
         help="Print the results on stdout as md, csv, json, jsonl or sql."
         " (default: a table on a terminal, else md)",
     ),
@@ -82,7 +80,6 @@ class ServingEngineOptions(OptionRecord):
             "--threads",
             panel=LOCAL,
             **engine_bounds("n_threads"),
-            show_default=False,
         ),
     ] = None
     threads_batch: Annotated[
@@ -93,7 +90,6 @@ class ServingEngineOptions(OptionRecord):
             "--threads-batch",
             panel=LOCAL,
             **engine_bounds("n_threads_batch"),
-            show_default=False,
         ),
     ] = None
     kv_unified: Annotated[
@@ -105,7 +101,6 @@ class ServingEngineOptions(OptionRecord):
             "-kvu/-no-kvu",
             "--kv-unified/--no-kv-unified",
             panel=LOCAL,
-            show_default=False,
         ),
     ] = None
 

@@ -65,14 +65,8 @@ def _display_nowhere(on: bool) -> Iterator[TextIO]:
     and charts meant for it go nowhere. Yields the stream for the records and, after the
     display is put back, a failed run's one line reaches it too."""
     real = sys.stderr
-    if not on:
+    with contextlib.redirect_stderr(_Nowhere()) if on else contextlib.nullcontext():
         yield real
-        return
-    sys.stderr = _Nowhere()
-    try:
-        yield real
-    finally:
-        sys.stderr = real
 
 
 @takes_records

@@ -56,11 +56,7 @@ class ListOption:
     def parameter(self) -> inspect.Parameter:
         shown = self.help if self.default is None else f"{self.help} (default: {self.default})"
         option = typer.Option(
-            *self.flags,
-            help=shown,
-            rich_help_panel=self.panel,
-            show_default=False,
-            metavar=self.metavar,
+            *self.flags, help=shown, rich_help_panel=self.panel, metavar=self.metavar
         )
         return inspect.Parameter(
             self.name,
@@ -251,7 +247,7 @@ def _misspelt_name(real: str) -> str:
 def _misspelt(name: str, real: str, flag: bool) -> inspect.Parameter:
     """A single-dash spelling of one of bench's long options, such as -cpu-mask: llama-bench
     refuses it, and Click would read it as -c with `pu-mask`; it is refused by name."""
-    option = typer.Option(name, hidden=True, show_default=False)
+    option = typer.Option(name, hidden=True)
     annotation = Annotated[bool, option] if flag else Annotated[list[str] | None, option]
     return inspect.Parameter(
         _misspelt_name(real),
@@ -347,7 +343,6 @@ class Measured(OptionRecord):
         _tests_option(
             "--until-ci",
             metavar="PCT[,SECONDS]",
-            show_default=False,
             help="Repeat each test past -r until its mean rate's 95 % interval is within"
             " ±PCT % (e.g. 2%), or until it has taken SECONDS (default 300).",
         ),
@@ -381,7 +376,6 @@ class Measured(OptionRecord):
         typer.Option(
             "--ppl",
             metavar="FILE",
-            show_default=False,
             help="Also measure each model's perplexity on this text"
             " (llama-perplexity's method; windows of -c tokens, default"
             " 512), e.g. examples/declaration_of_independence.txt.",
@@ -418,7 +412,6 @@ class Controls(OptionRecord):
         _lb_option(
             "--numa",
             metavar="distribute|isolate|numactl",
-            show_default=False,
             help="NUMA placement, as llama.cpp's. (default: disabled)",
         ),
     ] = None
@@ -472,27 +465,16 @@ class Hub(OptionRecord):
             "-hfr",
             "--hf-repo",
             help="A Hub model, owner/repo[:QUANT] (the same as -m).",
-            show_default=False,
             metavar="REPO",
         ),
     ] = None
     hf_file: Annotated[
         str | None,
-        _lb_option(
-            "-hff",
-            "--hf-file",
-            show_default=False,
-            help="The file in --hf-repo (owner/repo/FILE.gguf).",
-        ),
+        _lb_option("-hff", "--hf-file", help="The file in --hf-repo (owner/repo/FILE.gguf)."),
     ] = None
     hf_token: Annotated[
         str | None,
-        _lb_option(
-            "-hft",
-            "--hf-token",
-            show_default=False,
-            help="Hub token (default: HF_TOKEN; never printed).",
-        ),
+        _lb_option("-hft", "--hf-token", help="Hub token (default: HF_TOKEN; never printed)."),
     ] = None
     offline: Annotated[
         bool,
@@ -514,7 +496,6 @@ class Delivery(OptionRecord):
         typer.Option(
             "-o",
             "--output",
-            show_default=False,
             help="Print the results on stdout as md, csv,"
             " json, jsonl or sql (llama-bench's table)."
             " (default: a table on a terminal, else md)",
@@ -522,12 +503,7 @@ class Delivery(OptionRecord):
     ] = None
     plot: Annotated[
         str | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE.png",
-            show_default=False,
-            help="Also draw the charts into a PNG file.",
-        ),
+        typer.Option("--plot", metavar="FILE.png", help="Also draw the charts into a PNG file."),
     ] = None
     compare: Annotated[
         bool,
@@ -555,7 +531,6 @@ Models = Annotated[
         "-m",
         "--model",
         envvar="LLMRUN_MODEL",
-        show_default=False,
         help="A .gguf path or Hub reference; repeat for several models, compared side by side."
         " (default: the embedded SmolLM2-135M)",
     ),
