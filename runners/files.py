@@ -6,11 +6,11 @@ A symbolic link is written through, as a shell's `>` does: its target is replace
 mode), the link stays; a device or FIFO is written in place, so a full one raises.
 `append_line` appends one whole line with a single write(2) on an O_APPEND descriptor; if the
 disk fills part-way, the partial bytes are cut off again, so the file stays whole lines.
-`read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
-40 GB file given by mistake ends in one error instead of exhausting memory; a FIFO
-(`<(command)`, /dev/stdin) is read like a file, within the same cap.
-`read_regular` reads a small file of the system's (a sysfs counter) that must not wait: a FIFO
-or device put in its place is an OSError at once, never a hang.
+`read_capped` reads a file up to the size its reader can use: `/dev/zero` or a 40 GB file
+given by mistake ends in one error instead of exhausting memory; a FIFO (`<(command)`,
+/dev/stdin) is read within the same cap as its data arrives, and no read keeps a signal
+waiting. A small file of the system's (a sysfs counter) may be held to a regular file: a FIFO
+or device put in its place is then an OSError at once, never a hang.
 `output_file_problem` says, before a run, why a file an option names for the run's results
 could not take them, so a bad name costs no run. No open for writing waits: a FIFO with no
 reader is an error (ENXIO) at once, never a hang that ignores SIGTERM.
@@ -21,9 +21,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import stat
 import tempfile
+import threading
 from pathlib import Path
+
+from .errors import CancelledError
+
+READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
+POLL_MS = 100  # a pipe without data is looked at again this often
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -158,37 +165,46 @@ class FileTooLargeError(ValueError):
         super().__init__(f"the {what} is larger than {limit}, or does not end")
 
 
-def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of a file of at most `max_bytes`. Raises OSError for what cannot be opened or
-    read (a folder: IsADirectoryError) and FileTooLargeError for more than `max_bytes`."""
-    with open(path, "rb") as f:
-        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
-            raise IsADirectoryError(21, os.strerror(21), str(path))
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise FileTooLargeError(what, max_bytes)
-    return data
-
-
-def read_regular(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of a regular file of at most `max_bytes`, read without waiting: opened with
-    O_NONBLOCK, and anything else (a FIFO, which would wait for a writer, a device, a
-    folder) is an OSError naming it, NOT_REGULAR. FileTooLargeError past `max_bytes`."""
+def read_capped(
+    path: Path | str,
+    *,
+    max_bytes: int,
+    what: str = "file",
+    regular: bool = False,
+    cancel: threading.Event | None = None,
+) -> bytes:
+    """The bytes of a file of at most `max_bytes`, read without ever blocking: opened with
+    O_NONBLOCK, a FIFO or pipe (`<(zcat …)`, /dev/stdin) read by a poll that times out as its
+    data arrives, in chunks that each end with a look at `cancel` (CancelledError once it is
+    set), so a signal ends the wait for a writer that never comes or never finishes. `regular`
+    (a sysfs counter): anything else (a FIFO, a device) is an OSError naming it, NOT_REGULAR.
+    Raises OSError for what cannot be opened or read (a folder: IsADirectoryError) and
+    FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    chunks: list[bytes] = []
+    size = 0
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
+        if regular and not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
-        chunks: list[bytes] = []
-        size = 0
+        poller = select.poll()  # a regular file is always ready
+        poller.register(fd, select.POLLIN)
         while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"reading {path} was interrupted")
+            ready = poller.poll(POLL_MS)
+            try:
+                chunk = os.read(fd, min(READ_CHUNK, max_bytes + 1 - size))
+            except BlockingIOError:  # a writer (or a terminal) with nothing yet
+                continue
+            if chunk:
+                chunks.append(chunk)
+                size += len(chunk)
+            elif ready:  # the end; a pipe's is POLLHUP, once its writers are gone
                 break
-            chunks.append(chunk)
-            size += len(chunk)
+            # else a named FIFO that no writer has opened yet: no POLLHUP, and read() says 0
     finally:
         os.close(fd)
     if size > max_bytes:

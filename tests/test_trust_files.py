@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners.base import Request, SamplingParams
+from llmrun.runners.errors import CancelledError
 from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
 from llmrun.runners.history import History
 
@@ -147,6 +148,40 @@ def test_no_write_waits_for_a_fifos_reader(tmp_path: Path) -> None:
 
     assert _within(fifo, lambda: refused(append_line))
     assert _within(fifo, lambda: refused(atomic_write))
+
+
+def test_one_reader_reads_fifos_and_pipes_without_blocking_and_stops_on_cancel(
+    tmp_path: Path,
+) -> None:
+    """files.read_capped (a blocking open), files.read_regular (regular files only) and
+    perplexity.read_text (FIFOs polled, a cancel) were three readers of the same bytes; one
+    reader has their switches now, and a named FIFO, a pipe whose writer is gone, a cancel
+    and a regular-files-only read each behave as the one they came from did."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    cancel = threading.Event()
+
+    def cancelled() -> bool:
+        threading.Timer(0.3, cancel.set).start()
+        try:
+            read_capped(fifo, max_bytes=10, cancel=cancel)
+        except CancelledError:
+            return True
+        return False
+
+    assert _within(fifo, cancelled)  # no writer ever: the wait ends on the cancel
+    threading.Thread(target=lambda: fifo.write_bytes(b"abc"), daemon=True).start()
+    assert _within(fifo, lambda: read_capped(fifo, max_bytes=10)) == b"abc"
+    with pytest.raises(OSError, match="not a regular file"):
+        read_capped(fifo, max_bytes=10, regular=True)
+    for data in (b"hi\n", b""):  # `<(echo hi)`, `<(true)`: the writer left before the open
+        reader, writer = os.pipe()
+        os.write(writer, data)
+        os.close(writer)
+        try:
+            assert read_capped(f"/proc/self/fd/{reader}", max_bytes=10) == data
+        finally:
+            os.close(reader)
 
 
 @pytest.mark.parametrize(
