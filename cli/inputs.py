@@ -105,7 +105,7 @@ def read_stdin_line() -> str | None:
 def read_option_file(path: Path, flag: str, max_bytes: int, what: str) -> bytes:
     """The bytes of a file an option names, within its cap, or one line naming the option."""
     try:
-        return read_capped(path, max_bytes=max_bytes, what=what)
+        return read_capped(path, max_bytes=max_bytes, what=what, flag=flag)
     except OSError as e:
         raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
     except FileTooLargeError as e:

@@ -23,14 +23,17 @@ import errno
 import os
 import select
 import stat
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .errors import CancelledError
 
 READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
 POLL_MS = 100  # a pipe without data is looked at again this often
+WRITER_WAIT_S = 1.0  # a FIFO without a writer this long is said to wait for one
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -172,11 +175,14 @@ def read_capped(
     what: str = "file",
     regular: bool = False,
     cancel: threading.Event | None = None,
+    flag: str | None = None,
 ) -> bytes:
     """The bytes of a file of at most `max_bytes`, read without ever blocking: opened with
     O_NONBLOCK, a FIFO or pipe (`<(zcat …)`, /dev/stdin) read by a poll that times out as its
     data arrives, in chunks that each end with a look at `cancel` (CancelledError once it is
-    set), so a signal ends the wait for a writer that never comes or never finishes. `regular`
+    set), so a signal ends the wait for a writer that never comes or never finishes; a named
+    FIFO with no writer for WRITER_WAIT_S is said, once, on stderr, to wait for one as the
+    option `flag` named it (a pipe with an idle writer, `<(sleep 9)`, is not). `regular`
     (a sysfs counter): anything else (a FIFO, a device) is an OSError naming it, NOT_REGULAR.
     Raises OSError for what cannot be opened or read (a folder: IsADirectoryError) and
     FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
@@ -191,6 +197,7 @@ def read_capped(
             raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
         poller = select.poll()  # a regular file is always ready
         poller.register(fd, select.POLLIN)
+        since = time.monotonic()
         while size <= max_bytes:
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"reading {path} was interrupted")
@@ -204,7 +211,15 @@ def read_capped(
                 size += len(chunk)
             elif ready:  # the end; a pipe's is POLLHUP, once its writers are gone
                 break
-            # else a named FIFO that no writer has opened yet: no POLLHUP, and read() says 0
+            elif flag and time.monotonic() - since > WRITER_WAIT_S:
+                # a named FIFO that no writer has opened: no POLLHUP, and read() says 0 (an
+                # idle writer's says EAGAIN)
+                print(
+                    f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                flag = None
     finally:
         os.close(fd)
     if size > max_bytes:

@@ -7,6 +7,7 @@ as they fail with ENOSPC on a full file system); the child runs the CLI on the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -516,6 +517,123 @@ def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: Fak
     result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
     assert result.exit_code == 1
     assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
+
+
+FIFO_FILES = [  # each option that names a file, as its messages name it, and a text it reads
+    ("-f", "-f/--file", "hi from a fifo"),
+    ("--jsonl", "--jsonl", '{"prompt": "hi from a fifo"}\n'),
+    ("--chat-template-file", "--chat-template-file", "{{ messages[-1].content }}"),
+    ("--grammar", "--grammar", 'root ::= "yes" | "no"\n'),
+    ("--json-schema", "--json-schema", '{"type": "string"}'),
+]
+
+
+SAID_S = 30.0  # the word of a wait comes after a second: this long on a loaded machine
+
+
+def _waiting(fifo: Path, flag: str) -> str:
+    return f"llmrun: waiting for a writer on FIFO {fifo} ({flag}); Ctrl-C to stop"
+
+
+def _write_once_opened(fifo: Path, text: str, after_s: float) -> None:
+    """Write `text` into `fifo` `after_s` after this process has opened it to read (or has
+    waited SAID_S in the open)."""
+    deadline = time.monotonic() + SAID_S
+    while time.monotonic() < deadline:
+        fds = Path("/proc/self/fd")
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == str(fifo) for fd in fds.iterdir()):
+                break
+        time.sleep(0.01)
+    time.sleep(after_s)
+    fifo.write_text(text)
+
+
+@pytest.mark.parametrize(("option", "flag", "text"), FIFO_FILES)
+def test_a_fifo_without_a_writer_says_it_waits_once(
+    option: str,
+    flag: str,
+    text: str,
+    tmp_path: Path,
+    cli: CliRunner,
+    fake: FakeRunner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A FIFO given to -f, --grammar and the others with no writer waited for ever without a
+    word; after a second (here less) it says so once on stderr, and reads the writer's text."""
+    import llmrun.runners.files as files
+
+    monkeypatch.setattr(files, "WRITER_WAIT_S", 0.05)
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=_write_once_opened, args=(fifo, text, 0.5), daemon=True)
+    writer.start()
+    args = ["run", option, str(fifo)] + ([] if option in ("-f", "--jsonl") else ["hi"])
+    result = cli.invoke(app, args)
+    writer.join()
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines().count(_waiting(fifo, flag)) == 1, result.stderr
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("option", "flag", "text"), FIFO_FILES[::4])
+def test_the_wait_for_a_fifos_writer_ends_on_a_signal(
+    signum: int,
+    code: int,
+    option: str,
+    flag: str,
+    text: str,
+    tmp_path: Path,
+    llmrun_env: dict[str, str],
+) -> None:
+    """The real CLI (on the fake runner) says it waits, once, after about a second, and Ctrl-C
+    or SIGTERM then ends it as a shell would, without a traceback."""
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "0", "run", option, str(fifo), "hi"],
+        cwd=ROOT,
+        env=llmrun_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stderr is not None
+        ready, _, _ = select.select([child.stderr], [], [], SAID_S)
+        assert ready, "no word of the wait"
+        assert child.stderr.readline().rstrip("\n") == _waiting(fifo, flag)
+        child.send_signal(signum)
+        _, err = child.communicate(timeout=HANG_S)
+    finally:
+        child.kill()
+    assert child.returncode == code, err
+    assert "Traceback" not in err and "waiting" not in err, err
+
+
+def test_process_substitution_is_read_without_a_word_of_waiting(
+    llmrun_env: dict[str, str],
+) -> None:
+    """`-f <(command)` is a pipe with a writer: read as its data comes, however late (here
+    after 1.5 s, past the FIFO's second), never said to wait for a writer."""
+    result = subprocess.run(
+        [
+            "bash",
+            "-c",
+            '"$0" -c "$1" 0 run -f <(sleep 1.5; echo hi from a pipe) --grammar <(echo \'root ::= "x"\')',
+            sys.executable,
+            CHILD,
+        ],
+        cwd=ROOT,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "hi from a pipe" in result.stdout
+    assert "waiting" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

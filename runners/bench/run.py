@@ -304,7 +304,7 @@ def read_text(path: Path, cancel: threading.Event) -> str | None:
     """The --ppl text, read once (a FIFO can be read only once); None when Ctrl-C or SIGTERM
     came first."""
     try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
-        data = read_capped(path, max_bytes=256 * 2**20, what="text", cancel=cancel)
+        data = read_capped(path, max_bytes=256 * 2**20, what="text", cancel=cancel, flag="--ppl")
     except CancelledError:
         return None
     except OSError as e:
