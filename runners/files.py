@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import CancelledError
+from .errors import BadRequestError, CancelledError
 
 READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
 POLL_MS = 100  # a pipe without data is looked at again this often
@@ -225,3 +225,16 @@ def read_capped(
     if size > max_bytes:
         raise FileTooLargeError(what, max_bytes)
     return b"".join(chunks)
+
+
+def read_option_file(
+    path: Path, flag: str, max_bytes: int, what: str, cancel: threading.Event | None = None
+) -> bytes:
+    """The bytes of a file an option names, within its cap, or one line naming the option and
+    what the file is (`-f/--file: cannot read prompt file X: No such file or directory`)."""
+    try:
+        return read_capped(path, max_bytes=max_bytes, what=what, cancel=cancel, flag=flag)
+    except OSError as e:
+        raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"{flag} {path}: {e}") from None

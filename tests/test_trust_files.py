@@ -31,7 +31,7 @@ from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, r
 from llmrun.runners.history import History
 
 from .conftest import HANG_S, ROOT
-from .fake import FakeRunner
+from .fake import FakeBenchRunner, FakeRunner
 
 T = TypeVar("T")
 
@@ -512,11 +512,13 @@ def test_the_bounded_template_renders_as_the_librarys() -> None:
             bounded_formatter(bomb, eos_token="", bos_token="")(messages=messages)
 
 
-@pytest.mark.parametrize("option", ["-f", "--jsonl"])
-def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: FakeRunner) -> None:
+@pytest.mark.parametrize(("option", "what"), [("-f", "prompt file"), ("--jsonl", "JSONL file")])
+def test_endless_input_files_are_one_line(
+    option: str, what: str, cli: CliRunner, fake: FakeRunner
+) -> None:
     result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
     assert result.exit_code == 1
-    assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
+    assert f"/dev/zero: the {what} is larger than 256 MiB, or does not end" in result.stderr
 
 
 FIFO_FILES = [  # each option that names a file, as its messages name it, and a text it reads
@@ -640,18 +642,26 @@ def test_process_substitution_is_read_without_a_word_of_waiting(
     ("option", "what"),
     [
         ("-f", "-f/--file: cannot read prompt file"),
-        ("--jsonl", "--jsonl: cannot read prompt file"),
+        ("--jsonl", "--jsonl: cannot read JSONL file"),
         ("--chat-template-file", "--chat-template-file: cannot read template"),
         ("--grammar", "--grammar: cannot read grammar"),
         ("--json-schema", "--json-schema: cannot read JSON schema"),
+        ("--ppl", "--ppl: cannot read text file"),
     ],
 )
 def test_a_missing_file_is_named_by_its_option_in_one_form(
-    option: str, what: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+    option: str,
+    what: str,
+    tmp_path: Path,
+    cli: CliRunner,
+    fake: FakeRunner,
+    fake_bench: FakeBenchRunner,
 ) -> None:
-    """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`."""
+    """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`;
+    then a --jsonl file was called a prompt file, and --ppl's file was called nothing."""
     missing = tmp_path / "none"
-    result = cli.invoke(app, ["run", option, str(missing), "hi"])
+    command = ["bench", "-r", "1", "-p", "8", "-n", "0"] if option == "--ppl" else ["run", "hi"]
+    result = cli.invoke(app, [*command, option, str(missing)])
     assert result.exit_code == 1
     assert result.stderr == f"llmrun: error: {what} {missing}: No such file or directory\n"
 
