@@ -11,7 +11,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
-from llmrun.runners.files import NOT_REGULAR, output_file_problem, read_option_file
+from llmrun.runners.files import output_file_problem, read_option_file
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 # A line's sampling keys: each setting's JSONL names (runners/limits.py), and its stop strings.
@@ -109,9 +109,8 @@ def output_file(flag: str, path: Path, example: str) -> Path:
     why = output_file_problem(path)
     if why is None:
         return path
-    if why in ("a folder", NOT_REGULAR):
-        why = f"{why}; give a file name such as {example}"
-    raise BadRequestError(f"{flag} {path}: {why}")
+    hint = f"; give a file name such as {example}" if why.no_file else ""
+    raise BadRequestError(f"{flag} {path}: {why.text}{hint}")
 
 
 def read_text(path: Path, flag: str, what: str) -> str:

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import BadRequestError, CancelledError
 
@@ -124,34 +125,45 @@ NOT_REGULAR = "not a regular file (a FIFO, a device or a socket)"
 KERNEL_FOLDERS = ("/proc", "/sys")  # regular files by their mode, but the kernel's
 
 
-def output_file_problem(path: Path) -> str | None:
-    """Why `path` cannot take a run's results, in a few words (None: it can), checked before
-    the run: a folder, a missing or unwritable folder, a FIFO, device or socket, a file of the
-    kernel's (/proc, /sys: root may open them, and the write fails or changes a setting).
+class Unwritable(NamedTuple):
+    """Why a path cannot take a run's results, in a few words; `no_file` when it names no file
+    to write (a folder, a FIFO, a device), so that an example file name helps."""
+
+    text: str
+    no_file: bool = False
+
+
+NO_FILE = Unwritable(NOT_REGULAR, no_file=True)
+
+
+def output_file_problem(path: Path) -> Unwritable | None:
+    """Why `path` cannot take a run's results (None: it can), checked before the run: a
+    folder, a missing or unwritable folder, a FIFO, device or socket, a file of the kernel's
+    (/proc, /sys: root may open them, and the write fails or changes a setting).
     A file that was not there is not left behind."""
     if path.is_dir():
-        return "a folder"
+        return Unwritable("a folder", no_file=True)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
-        return f"there is no folder {folder}"
+        return Unwritable(f"there is no folder {folder}")
     real = os.path.realpath(path)
     if any(real == top or real.startswith(top + "/") for top in KERNEL_FOLDERS):
-        return f"cannot write it: {real} is the kernel's, not a file to write"
+        return Unwritable(f"cannot write it: {real} is the kernel's, not a file to write")
     try:
         mode: int | None = os.stat(real).st_mode  # a link's target: the file written
     except FileNotFoundError:
         mode = None
     except OSError as e:
-        return f"cannot write it: {e.strerror or e}"
+        return Unwritable(f"cannot write it: {e.strerror or e}")
     if mode is not None and not stat.S_ISREG(mode):
-        return NOT_REGULAR
+        return NO_FILE
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        return f"cannot write it: {e.strerror or e}"
+        return Unwritable(f"cannot write it: {e.strerror or e}")
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # made a FIFO since the stat
-            return NOT_REGULAR
+            return NO_FILE
     finally:
         os.close(fd)
         if mode is None:  # the target made by the trial, never a link to it

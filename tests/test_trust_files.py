@@ -935,3 +935,17 @@ def test_the_output_files_trial_keeps_a_link_whose_target_is_not_there_yet(tmp_p
     link.symlink_to(target)
     assert output_file_problem(link) is None
     assert link.is_symlink() and not target.exists()
+
+
+def test_the_problems_that_want_a_file_name_are_told_by_kind_not_by_their_words(
+    tmp_path: Path,
+) -> None:
+    """cli/inputs.output_file compared the problem's text with "a folder" and NOT_REGULAR to
+    know which want an example file name: a reworded problem would have lost it in silence."""
+    from llmrun.runners.files import NOT_REGULAR, Unwritable, output_file_problem
+
+    os.mkfifo(tmp_path / "f")
+    assert output_file_problem(tmp_path) == Unwritable("a folder", no_file=True)
+    assert output_file_problem(tmp_path / "f") == Unwritable(NOT_REGULAR, no_file=True)
+    missing = output_file_problem(tmp_path / "no" / "x.jsonl")
+    assert missing == Unwritable(f"there is no folder {tmp_path / 'no'}", no_file=False)
