@@ -199,8 +199,7 @@ def read_capped(
     Raises OSError for what cannot be opened or read (a folder: IsADirectoryError) and
     FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    chunks: list[bytes] = []
-    size = 0
+    data = bytearray()
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
@@ -210,33 +209,29 @@ def read_capped(
         poller = select.poll()  # a regular file is always ready
         poller.register(fd, select.POLLIN)
         since = time.monotonic()
-        while size <= max_bytes:
+        while len(data) <= max_bytes:
             if cancel is not None and cancel.is_set():
                 raise CancelledError(f"reading {path} was interrupted")
             ready = poller.poll(POLL_MS)
             try:
-                chunk = os.read(fd, min(READ_CHUNK, max_bytes + 1 - size))
+                chunk = os.read(fd, min(READ_CHUNK, max_bytes + 1 - len(data)))
             except BlockingIOError:  # a writer (or a terminal) with nothing yet
                 continue
             if chunk:
-                chunks.append(chunk)
-                size += len(chunk)
+                data += chunk
             elif ready:  # the end; a pipe's is POLLHUP, once its writers are gone
                 break
             elif flag and time.monotonic() - since > WRITER_WAIT_S:
                 # a named FIFO that no writer has opened: no POLLHUP, and read() says 0 (an
                 # idle writer's says EAGAIN)
-                print(
-                    f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                said = f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop"
+                print(said, file=sys.stderr, flush=True)
                 flag = None
     finally:
         os.close(fd)
-    if size > max_bytes:
+    if len(data) > max_bytes:
         raise FileTooLargeError(what, max_bytes)
-    return b"".join(chunks)
+    return bytes(data)
 
 
 def read_option_file(
