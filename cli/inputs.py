@@ -11,7 +11,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
 from llmrun.runners.errors import BadRequestError, EmptyPromptError
-from llmrun.runners.files import NOT_REGULAR, FileTooLargeError, output_file_problem, read_capped
+from llmrun.runners.files import output_file_problem, read_option_file
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
 # A line's sampling keys: each setting's JSONL names (runners/limits.py), and its stop strings.
@@ -102,16 +102,6 @@ def read_stdin_line() -> str | None:
     return repair_utf8(line.rstrip("\n")) if line else None
 
 
-def read_option_file(path: Path, flag: str, max_bytes: int, what: str) -> bytes:
-    """The bytes of a file an option names, within its cap, or one line naming the option."""
-    try:
-        return read_capped(path, max_bytes=max_bytes, what=what)
-    except OSError as e:
-        raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
-    except FileTooLargeError as e:
-        raise BadRequestError(f"{flag} {path}: {e}") from None
-
-
 def output_file(flag: str, path: Path, example: str) -> Path:
     """A file an option names for a run's results (--stats-file, --plot), checked before the
     run: a name that cannot take them failed only after the whole run (a FIFO with no reader
@@ -119,14 +109,14 @@ def output_file(flag: str, path: Path, example: str) -> Path:
     why = output_file_problem(path)
     if why is None:
         return path
-    if why in ("a folder", NOT_REGULAR):
-        why = f"{why}; give a file name such as {example}"
-    raise BadRequestError(f"{flag} {path}: {why}")
+    hint = f"; give a file name such as {example}" if why.no_file else ""
+    raise BadRequestError(f"{flag} {path}: {why.text}{hint}")
 
 
-def read_text(path: Path, flag: str) -> str:
-    """A prompt file's text: bytes that are not UTF-8 become U+FFFD, with one warning."""
-    data = read_option_file(path, flag, MAX_PROMPT_FILE_BYTES, "prompt file")
+def read_text(path: Path, flag: str, what: str) -> str:
+    """A prompt or JSONL file's text: bytes that are not UTF-8 become U+FFFD, with one
+    warning."""
+    data = read_option_file(path, flag, MAX_PROMPT_FILE_BYTES, what)
     return repair_utf8(data.decode("utf-8", errors="surrogateescape"), str(path))
 
 
@@ -145,7 +135,7 @@ def collect_jobs(
         system = repair_utf8(system, "-s/--system")
     jobs: list[Job] = []
     for path in files:
-        text = combine(instruction, read_text(path, "-f/--file"))
+        text = combine(instruction, read_text(path, "-f/--file", "prompt file"))
         if not text.strip():
             raise EmptyPromptError(f"prompt file {path}")
         jobs.append(Job(str(path), make_request(text, system=system, raw=raw, sampling=sampling)))
@@ -161,7 +151,7 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
     jobs = []
     # JSON Lines: lines end with \n (\r\n tolerated); str.splitlines would also cut at U+2028,
     # U+0085 or a form feed, which JSON allows raw inside a string. A leading BOM is ignored.
-    text = read_text(path, "--jsonl").removeprefix("\ufeff")
+    text = read_text(path, "--jsonl", "JSONL file").removeprefix("\ufeff")
     for n, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if not line.strip():

@@ -25,11 +25,11 @@ import llmrun.cli
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, OptionError, not_utf8
+from llmrun.runners.files import read_option_file
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
 from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
-from .inputs import read_option_file
 from .records import OptionRecord
 from .terminal import say
 

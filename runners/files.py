@@ -6,11 +6,11 @@ A symbolic link is written through, as a shell's `>` does: its target is replace
 mode), the link stays; a device or FIFO is written in place, so a full one raises.
 `append_line` appends one whole line with a single write(2) on an O_APPEND descriptor; if the
 disk fills part-way, the partial bytes are cut off again, so the file stays whole lines.
-`read_capped` reads a file the user named up to the size its reader can use: `/dev/zero` or a
-40 GB file given by mistake ends in one error instead of exhausting memory; a FIFO
-(`<(command)`, /dev/stdin) is read like a file, within the same cap.
-`read_regular` reads a small file of the system's (a sysfs counter) that must not wait: a FIFO
-or device put in its place is an OSError at once, never a hang.
+`read_capped` reads a file up to the size its reader can use: `/dev/zero` or a 40 GB file
+given by mistake ends in one error instead of exhausting memory; a FIFO (`<(command)`,
+/dev/stdin) is read within the same cap as its data arrives, and no read keeps a signal
+waiting. A small file of the system's (a sysfs counter) may be held to a regular file: a FIFO
+or device put in its place is then an OSError at once, never a hang.
 `output_file_problem` says, before a run, why a file an option names for the run's results
 could not take them, so a bad name costs no run. No open for writing waits: a FIFO with no
 reader is an error (ENXIO) at once, never a hang that ignores SIGTERM.
@@ -21,9 +21,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import stat
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import NamedTuple
+
+from .errors import BadRequestError, CancelledError
+
+READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
+POLL_MS = 100  # a pipe without data is looked at again this often
+WRITER_WAIT_S = 1.0  # a FIFO without a writer this long is said to wait for one
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -114,34 +125,45 @@ NOT_REGULAR = "not a regular file (a FIFO, a device or a socket)"
 KERNEL_FOLDERS = ("/proc", "/sys")  # regular files by their mode, but the kernel's
 
 
-def output_file_problem(path: Path) -> str | None:
-    """Why `path` cannot take a run's results, in a few words (None: it can), checked before
-    the run: a folder, a missing or unwritable folder, a FIFO, device or socket, a file of the
-    kernel's (/proc, /sys: root may open them, and the write fails or changes a setting).
+class Unwritable(NamedTuple):
+    """Why a path cannot take a run's results, in a few words; `no_file` when it names no file
+    to write (a folder, a FIFO, a device), so that an example file name helps."""
+
+    text: str
+    no_file: bool = False
+
+
+NO_FILE = Unwritable(NOT_REGULAR, no_file=True)
+
+
+def output_file_problem(path: Path) -> Unwritable | None:
+    """Why `path` cannot take a run's results (None: it can), checked before the run: a
+    folder, a missing or unwritable folder, a FIFO, device or socket, a file of the kernel's
+    (/proc, /sys: root may open them, and the write fails or changes a setting).
     A file that was not there is not left behind."""
     if path.is_dir():
-        return "a folder"
+        return Unwritable("a folder", no_file=True)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
-        return f"there is no folder {folder}"
+        return Unwritable(f"there is no folder {folder}")
     real = os.path.realpath(path)
     if any(real == top or real.startswith(top + "/") for top in KERNEL_FOLDERS):
-        return f"cannot write it: {real} is the kernel's, not a file to write"
+        return Unwritable(f"cannot write it: {real} is the kernel's, not a file to write")
     try:
         mode: int | None = os.stat(real).st_mode  # a link's target: the file written
     except FileNotFoundError:
         mode = None
     except OSError as e:
-        return f"cannot write it: {e.strerror or e}"
+        return Unwritable(f"cannot write it: {e.strerror or e}")
     if mode is not None and not stat.S_ISREG(mode):
-        return NOT_REGULAR
+        return NO_FILE
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        return f"cannot write it: {e.strerror or e}"
+        return Unwritable(f"cannot write it: {e.strerror or e}")
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # made a FIFO since the stat
-            return NOT_REGULAR
+            return NO_FILE
     finally:
         os.close(fd)
         if mode is None:  # the target made by the trial, never a link to it
@@ -158,39 +180,68 @@ class FileTooLargeError(ValueError):
         super().__init__(f"the {what} is larger than {limit}, or does not end")
 
 
-def read_capped(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of a file of at most `max_bytes`. Raises OSError for what cannot be opened or
-    read (a folder: IsADirectoryError) and FileTooLargeError for more than `max_bytes`."""
-    with open(path, "rb") as f:
-        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
-            raise IsADirectoryError(21, os.strerror(21), str(path))
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise FileTooLargeError(what, max_bytes)
-    return data
-
-
-def read_regular(path: Path | str, *, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of a regular file of at most `max_bytes`, read without waiting: opened with
-    O_NONBLOCK, and anything else (a FIFO, which would wait for a writer, a device, a
-    folder) is an OSError naming it, NOT_REGULAR. FileTooLargeError past `max_bytes`."""
+def read_capped(
+    path: Path | str,
+    *,
+    max_bytes: int,
+    what: str = "file",
+    regular: bool = False,
+    cancel: threading.Event | None = None,
+    flag: str | None = None,
+) -> bytes:
+    """The bytes of a file of at most `max_bytes`, read without ever blocking: opened with
+    O_NONBLOCK, a FIFO or pipe (`<(zcat …)`, /dev/stdin) read by a poll that times out as its
+    data arrives, in chunks that each end with a look at `cancel` (CancelledError once it is
+    set), so a signal ends the wait for a writer that never comes or never finishes; a named
+    FIFO with no writer for WRITER_WAIT_S is said, once, on stderr, to wait for one as the
+    option `flag` named it (a pipe with an idle writer, `<(sleep 9)`, is not). `regular`
+    (a sysfs counter): anything else (a FIFO, a device) is an OSError naming it, NOT_REGULAR.
+    Raises OSError for what cannot be opened or read (a folder: IsADirectoryError) and
+    FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    data = bytearray()
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
+        if regular and not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, NOT_REGULAR, str(path))
-        chunks: list[bytes] = []
-        size = 0
-        while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
+        poller = select.poll()  # a regular file is always ready
+        poller.register(fd, select.POLLIN)
+        since = time.monotonic()
+        while len(data) <= max_bytes:
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"reading {path} was interrupted")
+            ready = poller.poll(POLL_MS)
+            try:
+                chunk = os.read(fd, min(READ_CHUNK, max_bytes + 1 - len(data)))
+            except BlockingIOError:  # a writer (or a terminal) with nothing yet
+                continue
+            if chunk:
+                data += chunk
+            elif ready:  # the end; a pipe's is POLLHUP, once its writers are gone
                 break
-            chunks.append(chunk)
-            size += len(chunk)
+            elif flag and time.monotonic() - since > WRITER_WAIT_S:
+                # a named FIFO that no writer has opened: no POLLHUP, and read() says 0 (an
+                # idle writer's says EAGAIN)
+                said = f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop"
+                print(said, file=sys.stderr, flush=True)
+                flag = None
     finally:
         os.close(fd)
-    if size > max_bytes:
+    if len(data) > max_bytes:
         raise FileTooLargeError(what, max_bytes)
-    return b"".join(chunks)
+    return bytes(data)
+
+
+def read_option_file(
+    path: Path, flag: str, max_bytes: int, what: str, cancel: threading.Event | None = None
+) -> bytes:
+    """The bytes of a file an option names, within its cap, or one line naming the option and
+    what the file is (`-f/--file: cannot read prompt file X: No such file or directory`)."""
+    try:
+        return read_capped(path, max_bytes=max_bytes, what=what, cancel=cancel, flag=flag)
+    except OSError as e:
+        raise BadRequestError(f"{flag}: cannot read {what} {path}: {e.strerror or e}") from None
+    except FileTooLargeError as e:
+        raise BadRequestError(f"{flag} {path}: {e}") from None

@@ -1,63 +1,19 @@
 """llama-perplexity's figure on the runner's own context: a text scored in windows; the text
-read and tokenized in steps that Ctrl-C and SIGTERM stop."""
+tokenized in steps that Ctrl-C and SIGTERM stop (files.read_capped reads it so too)."""
 
 from __future__ import annotations
 
 import math
-import os
-import select
-import stat
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from .errors import BadRequestError, EngineError
-from .files import FileTooLargeError
 from .handles import Batch, Model
 from .library import llama_lib
 from .prefix_cache import PrefixCache
 
-READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
-POLL_MS = 100  # a pipe without data is looked at again this often
 MIN_WINDOW = 4  # tokens of a window: its second half is scored, each position after the first
-
-
-def read_text(path: Path, *, max_bytes: int, cancel: threading.Event) -> bytes | None:
-    """The text's bytes, read in chunks that each end with a look at `cancel` (None once it is
-    set), so Ctrl-C and SIGTERM stop a large file's read. A FIFO or a pipe (`<(zcat …)`) is
-    opened without waiting for its writer and read as its data arrives, by a poll that times
-    out: a writer that never comes or never finishes keeps no signal waiting. Raises OSError
-    for what cannot be read, FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(21, os.strerror(21), str(path))
-        regular = stat.S_ISREG(mode)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        while size <= max_bytes:
-            if cancel.is_set():
-                return None
-            if not regular and not poller.poll(POLL_MS):
-                continue  # no data yet (or no writer yet): look at `cancel` again
-            try:
-                data = os.read(fd, min(READ_CHUNK, max_bytes + 1 - size))
-            except BlockingIOError:
-                continue
-            if not data:
-                break
-            chunks.append(data)
-            size += len(data)
-    finally:
-        os.close(fd)
-    if size > max_bytes:
-        raise FileTooLargeError("text", max_bytes)
-    return b"".join(chunks)
-
 
 TOKENIZE_PIECE = 2**16  # characters tokenized between two looks at `cancel` (~0.1 s on 2 cores)
 SEAM = 256  # characters each side of a cut that are tokenized whole to check it

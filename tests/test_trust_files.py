@@ -7,6 +7,7 @@ as they fail with ENOSPC on a full file system); the child runs the CLI on the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -25,11 +26,12 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners.base import Request, SamplingParams
+from llmrun.runners.errors import CancelledError
 from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
 from llmrun.runners.history import History
 
 from .conftest import HANG_S, ROOT
-from .fake import FakeRunner
+from .fake import FakeBenchRunner, FakeRunner
 
 T = TypeVar("T")
 
@@ -147,6 +149,40 @@ def test_no_write_waits_for_a_fifos_reader(tmp_path: Path) -> None:
 
     assert _within(fifo, lambda: refused(append_line))
     assert _within(fifo, lambda: refused(atomic_write))
+
+
+def test_one_reader_reads_fifos_and_pipes_without_blocking_and_stops_on_cancel(
+    tmp_path: Path,
+) -> None:
+    """files.read_capped (a blocking open), files.read_regular (regular files only) and
+    perplexity.read_text (FIFOs polled, a cancel) were three readers of the same bytes; one
+    reader has their switches now, and a named FIFO, a pipe whose writer is gone, a cancel
+    and a regular-files-only read each behave as the one they came from did."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    cancel = threading.Event()
+
+    def cancelled() -> bool:
+        threading.Timer(0.3, cancel.set).start()
+        try:
+            read_capped(fifo, max_bytes=10, cancel=cancel)
+        except CancelledError:
+            return True
+        return False
+
+    assert _within(fifo, cancelled)  # no writer ever: the wait ends on the cancel
+    threading.Thread(target=lambda: fifo.write_bytes(b"abc"), daemon=True).start()
+    assert _within(fifo, lambda: read_capped(fifo, max_bytes=10)) == b"abc"
+    with pytest.raises(OSError, match="not a regular file"):
+        read_capped(fifo, max_bytes=10, regular=True)
+    for data in (b"hi\n", b""):  # `<(echo hi)`, `<(true)`: the writer left before the open
+        reader, writer = os.pipe()
+        os.write(writer, data)
+        os.close(writer)
+        try:
+            assert read_capped(f"/proc/self/fd/{reader}", max_bytes=10) == data
+        finally:
+            os.close(reader)
 
 
 @pytest.mark.parametrize(
@@ -476,29 +512,156 @@ def test_the_bounded_template_renders_as_the_librarys() -> None:
             bounded_formatter(bomb, eos_token="", bos_token="")(messages=messages)
 
 
-@pytest.mark.parametrize("option", ["-f", "--jsonl"])
-def test_endless_input_files_are_one_line(option: str, cli: CliRunner, fake: FakeRunner) -> None:
+@pytest.mark.parametrize(("option", "what"), [("-f", "prompt file"), ("--jsonl", "JSONL file")])
+def test_endless_input_files_are_one_line(
+    option: str, what: str, cli: CliRunner, fake: FakeRunner
+) -> None:
     result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
     assert result.exit_code == 1
-    assert "/dev/zero: the prompt file is larger than 256 MiB, or does not end" in result.stderr
+    assert f"/dev/zero: the {what} is larger than 256 MiB, or does not end" in result.stderr
+
+
+FIFO_FILES = [  # each option that names a file, as its messages name it, and a text it reads
+    ("-f", "-f/--file", "hi from a fifo"),
+    ("--jsonl", "--jsonl", '{"prompt": "hi from a fifo"}\n'),
+    ("--chat-template-file", "--chat-template-file", "{{ messages[-1].content }}"),
+    ("--grammar", "--grammar", 'root ::= "yes" | "no"\n'),
+    ("--json-schema", "--json-schema", '{"type": "string"}'),
+]
+
+
+SAID_S = 30.0  # the word of a wait comes after a second: this long on a loaded machine
+
+
+def _waiting(fifo: Path, flag: str) -> str:
+    return f"llmrun: waiting for a writer on FIFO {fifo} ({flag}); Ctrl-C to stop"
+
+
+def _write_once_opened(fifo: Path, text: str, after_s: float) -> None:
+    """Write `text` into `fifo` `after_s` after this process has opened it to read (or has
+    waited SAID_S in the open)."""
+    deadline = time.monotonic() + SAID_S
+    while time.monotonic() < deadline:
+        fds = Path("/proc/self/fd")
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == str(fifo) for fd in fds.iterdir()):
+                break
+        time.sleep(0.01)
+    time.sleep(after_s)
+    fifo.write_text(text)
+
+
+@pytest.mark.parametrize(("option", "flag", "text"), FIFO_FILES)
+def test_a_fifo_without_a_writer_says_it_waits_once(
+    option: str,
+    flag: str,
+    text: str,
+    tmp_path: Path,
+    cli: CliRunner,
+    fake: FakeRunner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A FIFO given to -f, --grammar and the others with no writer waited for ever without a
+    word; after a second (here less) it says so once on stderr, and reads the writer's text."""
+    import llmrun.runners.files as files
+
+    monkeypatch.setattr(files, "WRITER_WAIT_S", 0.05)
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=_write_once_opened, args=(fifo, text, 0.5), daemon=True)
+    writer.start()
+    args = ["run", option, str(fifo)] + ([] if option in ("-f", "--jsonl") else ["hi"])
+    result = cli.invoke(app, args)
+    writer.join()
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines().count(_waiting(fifo, flag)) == 1, result.stderr
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("option", "flag", "text"), FIFO_FILES[::4])
+def test_the_wait_for_a_fifos_writer_ends_on_a_signal(
+    signum: int,
+    code: int,
+    option: str,
+    flag: str,
+    text: str,
+    tmp_path: Path,
+    llmrun_env: dict[str, str],
+) -> None:
+    """The real CLI (on the fake runner) says it waits, once, after about a second, and Ctrl-C
+    or SIGTERM then ends it as a shell would, without a traceback."""
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "0", "run", option, str(fifo), "hi"],
+        cwd=ROOT,
+        env=llmrun_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stderr is not None
+        ready, _, _ = select.select([child.stderr], [], [], SAID_S)
+        assert ready, "no word of the wait"
+        assert child.stderr.readline().rstrip("\n") == _waiting(fifo, flag)
+        child.send_signal(signum)
+        _, err = child.communicate(timeout=HANG_S)
+    finally:
+        child.kill()
+    assert child.returncode == code, err
+    assert "Traceback" not in err and "waiting" not in err, err
+
+
+def test_process_substitution_is_read_without_a_word_of_waiting(
+    llmrun_env: dict[str, str],
+) -> None:
+    """`-f <(command)` is a pipe with a writer: read as its data comes, however late (here
+    after 1.5 s, past the FIFO's second), never said to wait for a writer."""
+    result = subprocess.run(
+        [
+            "bash",
+            "-c",
+            '"$0" -c "$1" 0 run -f <(sleep 1.5; echo hi from a pipe) --grammar <(echo \'root ::= "x"\')',
+            sys.executable,
+            CHILD,
+        ],
+        cwd=ROOT,
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "hi from a pipe" in result.stdout
+    assert "waiting" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(
     ("option", "what"),
     [
         ("-f", "-f/--file: cannot read prompt file"),
-        ("--jsonl", "--jsonl: cannot read prompt file"),
+        ("--jsonl", "--jsonl: cannot read JSONL file"),
         ("--chat-template-file", "--chat-template-file: cannot read template"),
         ("--grammar", "--grammar: cannot read grammar"),
         ("--json-schema", "--json-schema: cannot read JSON schema"),
+        ("--ppl", "--ppl: cannot read text file"),
     ],
 )
 def test_a_missing_file_is_named_by_its_option_in_one_form(
-    option: str, what: str, tmp_path: Path, cli: CliRunner, fake: FakeRunner
+    option: str,
+    what: str,
+    tmp_path: Path,
+    cli: CliRunner,
+    fake: FakeRunner,
+    fake_bench: FakeBenchRunner,
 ) -> None:
-    """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`."""
+    """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`;
+    then a --jsonl file was called a prompt file, and --ppl's file was called nothing."""
     missing = tmp_path / "none"
-    result = cli.invoke(app, ["run", option, str(missing), "hi"])
+    command = ["bench", "-r", "1", "-p", "8", "-n", "0"] if option == "--ppl" else ["run", "hi"]
+    result = cli.invoke(app, [*command, option, str(missing)])
     assert result.exit_code == 1
     assert result.stderr == f"llmrun: error: {what} {missing}: No such file or directory\n"
 
@@ -772,3 +935,17 @@ def test_the_output_files_trial_keeps_a_link_whose_target_is_not_there_yet(tmp_p
     link.symlink_to(target)
     assert output_file_problem(link) is None
     assert link.is_symlink() and not target.exists()
+
+
+def test_the_problems_that_want_a_file_name_are_told_by_kind_not_by_their_words(
+    tmp_path: Path,
+) -> None:
+    """cli/inputs.output_file compared the problem's text with "a folder" and NOT_REGULAR to
+    know which want an example file name: a reworded problem would have lost it in silence."""
+    from llmrun.runners.files import NOT_REGULAR, Unwritable, output_file_problem
+
+    os.mkfifo(tmp_path / "f")
+    assert output_file_problem(tmp_path) == Unwritable("a folder", no_file=True)
+    assert output_file_problem(tmp_path / "f") == Unwritable(NOT_REGULAR, no_file=True)
+    missing = output_file_problem(tmp_path / "no" / "x.jsonl")
+    assert missing == Unwritable(f"there is no folder {tmp_path / 'no'}", no_file=False)

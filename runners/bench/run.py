@@ -17,8 +17,8 @@ from llmrun.runners import history as hist
 from llmrun.runners import perplexity as ppl
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.config import LAZY_MODES, LOAD_MODES, EngineConfig
-from llmrun.runners.errors import BadRequestError, OptionError
-from llmrun.runners.files import FileTooLargeError
+from llmrun.runners.errors import BadRequestError, CancelledError, OptionError
+from llmrun.runners.files import read_option_file
 from llmrun.runners.kld import KldBase, KldStats
 from llmrun.runners.limits import CACHE_TYPES, FLASH_ATTN
 from llmrun.runners.lists import share
@@ -304,12 +304,10 @@ def read_text(path: Path, cancel: threading.Event) -> str | None:
     """The --ppl text, read once (a FIFO can be read only once); None when Ctrl-C or SIGTERM
     came first."""
     try:  # wikitext-2's test set is 1.3 MB; /dev/zero never ends
-        data = ppl.read_text(path, max_bytes=256 * 2**20, cancel=cancel)
-    except OSError as e:
-        raise BadRequestError(f"--ppl: cannot read {path}: {e.strerror or e}") from None
-    except FileTooLargeError as e:
-        raise BadRequestError(f"--ppl {path}: {e}") from None
-    return None if data is None else data.decode("utf-8", "replace")
+        data = read_option_file(path, "--ppl", 256 * 2**20, "text file", cancel)
+    except CancelledError:
+        return None
+    return data.decode("utf-8", "replace")
 
 
 def run_sweep(

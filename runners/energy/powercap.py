@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmrun.runners.files import read_regular
+from llmrun.runners.files import read_capped
 from llmrun.runners.lists import whole
 
 from .counter import Unavailable
@@ -43,7 +43,7 @@ def _read_text(path: Path) -> str:
     """A zone file's text: read without waiting, capped, bytes that are not UTF-8 replaced.
     Raises OSError (PermissionError, a FIFO or device: not a regular file) and ValueError
     (FileTooLargeError)."""
-    data = read_regular(path, max_bytes=COUNTER_FILE_BYTES, what="counter file")
+    data = read_capped(path, max_bytes=COUNTER_FILE_BYTES, what="counter file", regular=True)
     return data.decode("utf-8", errors="replace").strip()
 
 
