@@ -408,23 +408,55 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
             {"prompt": "Hi", "max_completion_tokens": 2},
             "Unrecognized request argument supplied: max_completion_tokens",
         ),
-        (
-            CHAT,
-            small(stream=True, stream_options={"include_usage": True, "include_usag": False}),
-            "Unrecognized request argument supplied: stream_options.include_usag",
-        ),
-        (
-            COMPLETIONS,
-            {"prompt": "Hi", "stream": True, "stream_options": {"x": 1, "continuous_usage": 1}},
-            "Unrecognized request arguments supplied:"
-            " stream_options.continuous_usage, stream_options.x",
-        ),
     ],
 )
 def test_unknown_fields_get_400_as_openai_answers_them(
     server: Server, path: str, payload: dict[str, Any], words: str
 ) -> None:
     assert openai_error(send(server, path, payload), 400)["message"] == words
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "param"),
+    [
+        (CHAT, {"include_usage": True, "include_usag": False}, "stream_options.include_usag"),
+        (COMPLETIONS, {"continuous_usage": 1, "x": 1}, "stream_options.continuous_usage"),
+    ],
+)
+def test_an_unknown_key_inside_an_object_is_named_by_its_path_as_openai_does(
+    server: Server, path: str, options: dict[str, Any], param: str
+) -> None:
+    """OpenAI names a nested unknown key `Unknown parameter: 'stream_options.x'.` with that
+    path as `param` (and the first of several); llmrun said `Unrecognized request argument
+    supplied`, its words for a top-level field, with `param` only `stream_options`."""
+    payload = {"prompt": "Hi", "max_tokens": 2} if path == COMPLETIONS else small()
+    error = openai_error(
+        send(server, path, {**payload, "stream": True, "stream_options": options}), 400
+    )
+    assert (error["message"], error["param"]) == (f"Unknown parameter: '{param}'.", param)
+
+
+def test_vllms_continuous_usage_stats_is_served_where_it_asks_nothing(server: Server) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (SGLang's too; proxies and benchmarks
+    send it) was a 400 for an unknown key. False, or true without `include_usage` (vLLM
+    ignores it then), is served; true with it (usage on every chunk) is refused by name."""
+    for options, usage in (
+        ({"include_usage": True, "continuous_usage_stats": False}, True),
+        ({"continuous_usage_stats": True}, False),
+        ({"include_usage": False, "continuous_usage_stats": True}, False),
+        ({"include_usage": None, "continuous_usage_stats": None}, False),
+    ):
+        r = send(server, CHAT, small(stream=True, stream_options=options))
+        assert r.status_code == 200, (options, r.text)
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert [e for e in events if e.get("usage")] == ([events[-1]] if usage else []), options
+        assert events[-1]["choices"] == ([] if usage else events[-1]["choices"])
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    error = openai_error(send(server, CHAT, small(stream=True, stream_options=both)), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    assert error["message"].startswith(
+        "stream_options.continuous_usage_stats: true is not served here (only false)"
+    ), error
 
 
 @pytest.mark.parametrize(
