@@ -1098,6 +1098,7 @@ def _checked(name: str, value: Any, most: int, notes: list[str]) -> int | None:
     counted = _count(value, most)
     if counted is None and isinstance(value, (int, float)) and not isinstance(value, bool):
         shown = value.text if isinstance(value, LongInteger) else json.dumps(value)
-        shown = shown if len(shown) <= 24 else f"{shown[:12]}... ({len(shown):,} digits)"
+        digits = len(shown) - shown.startswith("-")  # the minus sign is no digit
+        shown = shown if len(shown) <= 24 else f"{shown[:12]}... ({digits:,} digits)"
         notes.append(f"{name} {shown} is no count of 0 to {most:,}")
     return counted

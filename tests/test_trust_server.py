@@ -335,11 +335,25 @@ def test_a_number_too_long_for_pythons_int_is_no_count_not_a_malformed_event(
     assert stats.get("server_prompt_n") is stats.get("server_prompt_ms") is None
     notes = " ".join(stats["server_implausible"])
     assert "prompt_tokens 999999999999... (5,000 digits) is no count" in notes, notes
-    assert "prompt_n -99999999999... (5,001 digits) is no count" in notes, notes
+    assert "prompt_n -99999999999... (5,000 digits) is no count" in notes, notes  # no sign
     listing = b'{"data": [{"id": "stub", "created": ' + huge.encode() + b"}]}"
     with stub_server(get_answers={"/v1/models": listing}) as url:
         result = cli.invoke(app, ["run", "--endpoint", url, "hi"])
     assert result.exit_code == 0, result.output  # it was "/v1/models did not answer with JSON"
+
+
+def test_the_note_counts_digits_not_the_minus_sign() -> None:
+    """`-10**30` has 31 digits: the note said 32, as it said 5,001 for 5,000."""
+    from llmrun.runners.remote import _checked, server_json
+
+    notes: list[str] = []
+    for value in (-(10**30), 10**30, server_json("-" + "9" * 5000)):
+        assert _checked("prompt_n", value, 100, notes) is None
+    assert [note.split("... ")[1] for note in notes] == [
+        "(31 digits) is no count of 0 to 100",
+        "(31 digits) is no count of 0 to 100",
+        "(5,000 digits) is no count of 0 to 100",
+    ]
 
 
 def test_every_reader_of_server_json_takes_any_number_of_digits() -> None:
