@@ -113,8 +113,30 @@ def loopback_address(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+# RFC 3986 section 3.2.2: a host is an IP-literal in brackets (IPv6, or IPvFuture) or a
+# reg-name of unreserved characters, sub-delims and %XX; nothing else (`#`, `\\`, `?`, `/`, `@`,
+# a space) belongs in one, and a name that holds one must not be read as its last labels.
+_REG_NAME = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*")
+_IP_LITERAL = re.compile(r"\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9._~!$&'()*+,;=:-]+)\]")
+HOST_CHARACTERS = "letters, digits, -._~!$&'()*+,;= and %XX, or an IP address in [ ]"
+
+
+def split_host(host: str) -> tuple[str, str | None] | None:
+    """(host, port) of `host[:port]` (the port None without a `:`, "" when empty), or None
+    when the text is no such pair: an unclosed `[`, or more after an IP-literal's `]`."""
+    host = host.strip()
+    if host.startswith("["):
+        name, bracket, rest = host.partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        return name + bracket, rest[1:] if rest else None
+    name, colon, port = host.partition(":")
+    return name, port if colon else None
+
+
 def host_problem(host: str | None) -> str | None:
-    """Why a Host header is no host[:port] at all (RFC 9110: ASCII, a port of digits), or
+    """Why a Host header (or a target's authority) is no host[:port] at all (RFC 9110: ASCII;
+    RFC 3986: a reg-name or an IP-literal, then a port of digits, which may be empty), or
     None: such a request is malformed (400), not a foreign name (403)."""
     if host is None:
         return None
@@ -122,10 +144,18 @@ def host_problem(host: str | None) -> str | None:
         return "is not ASCII (a host name goes in punycode)"
     if host.strip().startswith("[") and "]" not in host:
         return "opens an IPv6 address with [ and never closes it"
-    rest = host.strip().rpartition("]")[2] if host.strip().startswith("[") else host
-    _, colon, port = rest.partition(":")
-    number = whole(port)
-    if colon and port and (number is None or number > 65535):  # RFC 3986: port = *DIGIT
+    parts = split_host(host)
+    if parts is None:
+        return "has more than a :port after the ] of its IP address"
+    name, port = parts
+    if name.startswith("["):
+        if not _IP_LITERAL.fullmatch(name):
+            return "holds more than an IP address in its [ ]"
+    elif not _REG_NAME.fullmatch(name):
+        bad = next((c for c in name if not _REG_NAME.fullmatch(c)), "%")  # or a lone %
+        return f"holds {bad!a}, which is no character of a host name (RFC 3986: {HOST_CHARACTERS})"
+    number = whole(port or "")
+    if port and (number is None or number > 65535):  # RFC 3986: port = *DIGIT
         return "has a port that is no number up to 65535"
     return None
 
@@ -212,6 +242,9 @@ def origin_form(scope: Scope) -> Scope | str:
             f"the request target {target!a} carries credentials before its host"
             " (user@host): send them in an Authorization header"
         )
+    problem = host_problem(authority)
+    if problem is not None:
+        return f"the request target {target!a}: its host {authority!a} {problem}"
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
     changed = {
         **scope,
