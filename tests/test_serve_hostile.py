@@ -867,6 +867,8 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
         ("127.0.0.1.nip.io", 403),
         ("10.0.0.1", 403),
         ("localhost", 200),
+        ("localhost:", 200),  # RFC 3986: an empty port is no port (it was a 403)
+        ("[::1]:", 200),
         ("LOCALHOST.:8080", 200),
         ("app.localhost", 200),
         ("127.0.0.1", 200),
@@ -918,8 +920,10 @@ def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
     r = httpx.post(
         server.url + CHAT, json=small(), headers={header.encode(): value}, timeout=WAIT_S
     )
-    message = openai_error(r, 400)["message"]
+    error = openai_error(r, 400)
+    message = error["message"]
     assert message.startswith(f"{header} ") and says in message, message
+    assert error["type"] == "invalid_request_error", error  # it was "forbidden", as a 403's
     assert message.isascii(), message  # the bytes escaped, never shown as latin-1
     still_serving(server)
 
@@ -981,8 +985,7 @@ def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Ser
     status, answer = ask(b"http://[::1]" + CHAT.encode(), body=json.dumps(small()).encode())
     assert status == 200 and answer["choices"], answer
     for target, says in (
-        (b"ftp://127.0.0.1/v1/models", "is no http:// or https:// URL"),
-        (b"localhost:8080", "is no http:// or https:// URL"),
+        (b"ftp://127.0.0.1/v1/models", "is neither a path (/v1/...) nor an http:// or"),
         (b"http:///v1/models", "names no host after http://"),
         (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
         # RFC 3986 section 3.2: the authority is evil.example, never *.localhost (a 200)
@@ -992,9 +995,45 @@ def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Ser
     ):
         status, answer = ask(target)
         assert status == 400 and says in answer["error"]["message"], (target, answer)
+        assert answer["error"]["type"] == "invalid_request_error", answer
+    status, answer = ask(b"http://evil.example?.localhost/v1/models")  # the query is its own
+    assert status == 403 and "Host 'evil.example'" in answer["error"]["message"], answer
     # counted under the route of the path in the target, not `other`
     assert count(server, "models", "ok") >= before[0] + 3
     assert count(server, "models", "forbidden") >= before[1] + 1
+    still_serving(server)
+
+
+def test_a_target_in_another_form_than_its_method_allows_is_400(server: Server) -> None:
+    """RFC 9112 sections 3.2.3-3.2.4: a target of `host:port` is CONNECT's alone and `*`
+    OPTIONS' alone. `GET 127.0.0.1:PORT` was a 404 (no route), `GET localhost:PORT` a 400,
+    `GET *` and a CONNECT 404s; each is a 400 now, in the words of the others, and
+    `OPTIONS *` gets the methods served."""
+    address = server.url.removeprefix("http://").encode()
+    host, port = address.rsplit(b":", 1)
+    neither = "is neither a path (/v1/...) nor an http:// or https:// URL"
+    before = (count(server, "other", "bad_request"), count(server, "other", "forbidden"))
+    for method, target, says in (
+        (b"GET", address, neither),
+        (b"GET", b"localhost:" + port, neither),
+        (b"POST", b"[::1]:" + port, neither),
+        (b"GET", b"v1/models", neither),
+        (b"GET", b"*", "the request target '*' is for OPTIONS alone"),
+        (b"POST", b"*", "the request target '*' is for OPTIONS alone"),
+        (b"CONNECT", address, "this server is no proxy and opens no tunnel"),
+        (b"CONNECT", b"/v1/models", "this server is no proxy and opens no tunnel"),
+    ):
+        request = b"%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+        status, headers, body = exchange(server, request % (method, target, host))
+        assert status == 400, (method, target, body)
+        error = json.loads(body)["error"]
+        assert says in error["message"] and error["type"] == "invalid_request_error", error
+    request = b"OPTIONS * HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host
+    status, headers, body = exchange(server, request)
+    assert (status, body) == (204, b"") and "POST" in headers["allow"], (status, headers)
+    # a client's mistake, counted as the other 400s (they were `forbidden`, as a 403)
+    assert count(server, "other", "bad_request") >= before[0] + 7
+    assert count(server, "other", "forbidden") == before[1]
     still_serving(server)
 
 

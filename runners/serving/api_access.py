@@ -178,14 +178,14 @@ def loopback_host(host: str | None) -> bool:
     127.x.x.x or [::1], with or without a port. No Host at all (HTTP/1.0) passes too."""
     if host is None:
         return True
-    host = host.strip().lower()
-    if host.startswith("["):
-        name, bracket, rest = host[1:].partition("]")
-        port_ok = rest == "" or (rest[:1] == ":" and 1 <= (whole(rest[1:]) or 0) <= 65535)
-        return bool(bracket) and port_ok and loopback_address(name)
-    name, colon, port = host.partition(":")
-    if colon and not 1 <= (whole(port) or 0) <= 65535:
+    parts = split_host(host.lower())
+    if parts is None:
         return False
+    name, port = parts
+    if port and not 1 <= (whole(port) or 0) <= 65535:  # RFC 3986: an empty port is no port
+        return False
+    if name.startswith("["):
+        return name.endswith("]") and loopback_address(name[1:-1])
     name = name.removesuffix(".")
     return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
 
@@ -223,18 +223,25 @@ def origin_form(scope: Scope) -> Scope | str:
     """The request as if its target were a path. RFC 9112 section 3.2.2: a server MUST accept
     a target in absolute-form (`GET http://127.0.0.1:8080/v1/models`), and ignore the Host
     header for the authority in it; so that authority becomes the Host the checks read (the
-    DNS rebinding check applies to it). A string: why the target cannot be served (400)."""
+    DNS rebinding check applies to it). A string: why the target cannot be served (400):
+    authority-form (`host:port`) is CONNECT's alone and `*` OPTIONS' alone (sections 3.2.3 and
+    3.2.4), and CONNECT asks for a tunnel, which no route here opens."""
     raw = scope.get("raw_path")
     target = raw.decode("latin-1") if isinstance(raw, bytes) else scope["path"]
-    parts = absolute_form(target)
-    if parts is None:
+    method = scope["method"]
+    if method == "CONNECT":
+        return f"CONNECT {target!a}: this server is no proxy and opens no tunnel"
+    if target.startswith("/") or (target == "*" and method == "OPTIONS"):
         return scope
-    scheme, authority, path = parts
-    if scheme.lower() not in ("http", "https") or not path.startswith("/"):
+    if target == "*":
+        return f"the request target '*' is for OPTIONS alone (RFC 9112 section 3.2.4), not {method}"
+    parts = absolute_form(target)
+    if parts is None or parts[0].lower() not in ("http", "https") or not parts[2].startswith("/"):
         return (
-            f"the request target {target!a} is no http:// or https:// URL:"
-            " send the path (/v1/...), or the whole http://host:port/path"
+            f"the request target {target!a} is neither a path (/v1/...) nor an http:// or"
+            " https:// URL (host:port alone is for CONNECT, RFC 9112 section 3.2.3)"
         )
+    scheme, authority, path = parts
     if not authority:  # RFC 9110 section 4.2.1: such a URI is invalid
         return f"the request target {target!a} names no host after {scheme}://"
     if "@" in authority:  # RFC 9110 section 4.2.4: userinfo is deprecated, an error here
@@ -302,6 +309,11 @@ class AccessGuard:
                 " rebinding); use --host to be reached by"
                 " others",
             )(scope, receive, send)
+            return
+        if scope["path"] == "*":  # OPTIONS * (origin_form lets no other method through)
+            allow = [(b"allow", ALLOW_METHODS.encode())]
+            await send({"type": "http.response.start", "status": 204, "headers": allow})
+            await send({"type": "http.response.body", "body": b""})
             return
         origins = headers.getlist("origin")
         if not origins:
