@@ -408,23 +408,55 @@ def test_neutral_values_of_fields_llmrun_lacks_are_accepted(
             {"prompt": "Hi", "max_completion_tokens": 2},
             "Unrecognized request argument supplied: max_completion_tokens",
         ),
-        (
-            CHAT,
-            small(stream=True, stream_options={"include_usage": True, "include_usag": False}),
-            "Unrecognized request argument supplied: stream_options.include_usag",
-        ),
-        (
-            COMPLETIONS,
-            {"prompt": "Hi", "stream": True, "stream_options": {"x": 1, "continuous_usage": 1}},
-            "Unrecognized request arguments supplied:"
-            " stream_options.continuous_usage, stream_options.x",
-        ),
     ],
 )
 def test_unknown_fields_get_400_as_openai_answers_them(
     server: Server, path: str, payload: dict[str, Any], words: str
 ) -> None:
     assert openai_error(send(server, path, payload), 400)["message"] == words
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "param"),
+    [
+        (CHAT, {"include_usage": True, "include_usag": False}, "stream_options.include_usag"),
+        (COMPLETIONS, {"continuous_usage": 1, "x": 1}, "stream_options.continuous_usage"),
+    ],
+)
+def test_an_unknown_key_inside_an_object_is_named_by_its_path_as_openai_does(
+    server: Server, path: str, options: dict[str, Any], param: str
+) -> None:
+    """OpenAI names a nested unknown key `Unknown parameter: 'stream_options.x'.` with that
+    path as `param` (and the first of several); llmrun said `Unrecognized request argument
+    supplied`, its words for a top-level field, with `param` only `stream_options`."""
+    payload = {"prompt": "Hi", "max_tokens": 2} if path == COMPLETIONS else small()
+    error = openai_error(
+        send(server, path, {**payload, "stream": True, "stream_options": options}), 400
+    )
+    assert (error["message"], error["param"]) == (f"Unknown parameter: '{param}'.", param)
+
+
+def test_vllms_continuous_usage_stats_is_served_where_it_asks_nothing(server: Server) -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (SGLang's too; proxies and benchmarks
+    send it) was a 400 for an unknown key. False, or true without `include_usage` (vLLM
+    ignores it then), is served; true with it (usage on every chunk) is refused by name."""
+    for options, usage in (
+        ({"include_usage": True, "continuous_usage_stats": False}, True),
+        ({"continuous_usage_stats": True}, False),
+        ({"include_usage": False, "continuous_usage_stats": True}, False),
+        ({"include_usage": None, "continuous_usage_stats": None}, False),
+    ):
+        r = send(server, CHAT, small(stream=True, stream_options=options))
+        assert r.status_code == 200, (options, r.text)
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert [e for e in events if e.get("usage")] == ([events[-1]] if usage else []), options
+        assert events[-1]["choices"] == ([] if usage else events[-1]["choices"])
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    error = openai_error(send(server, CHAT, small(stream=True, stream_options=both)), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    assert error["message"].startswith(
+        "stream_options.continuous_usage_stats: true is not served here (only false)"
+    ), error
 
 
 @pytest.mark.parametrize(
@@ -834,8 +866,9 @@ def test_other_origins_get_403_before_any_work(server: Server, origin: str) -> N
         ("localhost.evil.example", 403),
         ("127.0.0.1.nip.io", 403),
         ("10.0.0.1", 403),
-        ("[::1]x", 403),
         ("localhost", 200),
+        ("localhost:", 200),  # RFC 3986: an empty port is no port (it was a 403)
+        ("[::1]:", 200),
         ("LOCALHOST.:8080", 200),
         ("app.localhost", 200),
         ("127.0.0.1", 200),
@@ -864,6 +897,14 @@ def test_on_loopback_only_loopback_host_names_are_answered(
         ("Host", b"localhost:" + b"9" * 5000, "has a port that is no number up to 65535"),
         ("Origin", b"http://a:" + b"9" * 5000, "has a port past 65535"),
         ("Host", b"[::1", "opens an IPv6 address with [ and never closes it"),
+        ("Host", b"[::1]x", "has more than a :port after the ] of its IP address"),
+        ("Host", b"[::1 evil]", "holds more than an IP address in its [ ]"),
+        # RFC 3986: a host name ends at none of these; read as *.localhost they were a 200
+        ("Host", b"evil.example#.localhost", "holds '#', which is no character of a host name"),
+        ("Host", b"evil.example\\.localhost", "holds '\\\\', which is no character"),
+        ("Host", b"evil.example?.localhost", "holds '?', which is no character of a host name"),
+        ("Host", b"evil.example/.localhost", "holds '/', which is no character of a host name"),
+        ("Host", b"%zz.localhost", "holds '%', which is no character of a host name"),
         ("Origin", "http://127.0.0.1:\u0668\u0660".encode(), "is not ASCII"),
         ("Origin", b"http://127.0.0.1:99999999", "has a port past 65535"),
         ("Origin", b"http://localhost:5173 https://evil.example", "names more than one origin"),
@@ -879,8 +920,10 @@ def test_a_malformed_host_or_origin_is_400_not_a_foreign_name(
     r = httpx.post(
         server.url + CHAT, json=small(), headers={header.encode(): value}, timeout=WAIT_S
     )
-    message = openai_error(r, 400)["message"]
+    error = openai_error(r, 400)
+    message = error["message"]
     assert message.startswith(f"{header} ") and says in message, message
+    assert error["type"] == "invalid_request_error", error  # it was "forbidden", as a 403's
     assert message.isascii(), message  # the bytes escaped, never shown as latin-1
     still_serving(server)
 
@@ -942,16 +985,55 @@ def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Ser
     status, answer = ask(b"http://[::1]" + CHAT.encode(), body=json.dumps(small()).encode())
     assert status == 200 and answer["choices"], answer
     for target, says in (
-        (b"ftp://127.0.0.1/v1/models", "is no http:// or https:// URL"),
-        (b"localhost:8080", "is no http:// or https:// URL"),
+        (b"ftp://127.0.0.1/v1/models", "is neither a path (/v1/...) nor an http:// or"),
         (b"http:///v1/models", "names no host after http://"),
         (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
+        # RFC 3986 section 3.2: the authority is evil.example, never *.localhost (a 200)
+        (b"http://evil.example#.localhost/v1/models", "its host 'evil.example#.localhost' holds"),
+        (b"http://evil.example\\.localhost/v1/models", "holds '\\\\', which is no character"),
+        (b"http://[::1]x/v1/models", "has more than a :port after the ]"),
     ):
         status, answer = ask(target)
         assert status == 400 and says in answer["error"]["message"], (target, answer)
+        assert answer["error"]["type"] == "invalid_request_error", answer
+    status, answer = ask(b"http://evil.example?.localhost/v1/models")  # the query is its own
+    assert status == 403 and "Host 'evil.example'" in answer["error"]["message"], answer
     # counted under the route of the path in the target, not `other`
     assert count(server, "models", "ok") >= before[0] + 3
     assert count(server, "models", "forbidden") >= before[1] + 1
+    still_serving(server)
+
+
+def test_a_target_in_another_form_than_its_method_allows_is_400(server: Server) -> None:
+    """RFC 9112 sections 3.2.3-3.2.4: a target of `host:port` is CONNECT's alone and `*`
+    OPTIONS' alone. `GET 127.0.0.1:PORT` was a 404 (no route), `GET localhost:PORT` a 400,
+    `GET *` and a CONNECT 404s; each is a 400 now, in the words of the others, and
+    `OPTIONS *` gets the methods served."""
+    address = server.url.removeprefix("http://").encode()
+    host, port = address.rsplit(b":", 1)
+    neither = "is neither a path (/v1/...) nor an http:// or https:// URL"
+    before = (count(server, "other", "bad_request"), count(server, "other", "forbidden"))
+    for method, target, says in (
+        (b"GET", address, neither),
+        (b"GET", b"localhost:" + port, neither),
+        (b"POST", b"[::1]:" + port, neither),
+        (b"GET", b"v1/models", neither),
+        (b"GET", b"*", "the request target '*' is for OPTIONS alone"),
+        (b"POST", b"*", "the request target '*' is for OPTIONS alone"),
+        (b"CONNECT", address, "this server is no proxy and opens no tunnel"),
+        (b"CONNECT", b"/v1/models", "this server is no proxy and opens no tunnel"),
+    ):
+        request = b"%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+        status, headers, body = exchange(server, request % (method, target, host))
+        assert status == 400, (method, target, body)
+        error = json.loads(body)["error"]
+        assert says in error["message"] and error["type"] == "invalid_request_error", error
+    request = b"OPTIONS * HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host
+    status, headers, body = exchange(server, request)
+    assert (status, body) == (204, b"") and "POST" in headers["allow"], (status, headers)
+    # a client's mistake, counted as the other 400s (they were `forbidden`, as a 403)
+    assert count(server, "other", "bad_request") >= before[0] + 7
+    assert count(server, "other", "forbidden") == before[1]
     still_serving(server)
 
 

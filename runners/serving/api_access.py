@@ -113,8 +113,30 @@ def loopback_address(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+# RFC 3986 section 3.2.2: a host is an IP-literal in brackets (IPv6, or IPvFuture) or a
+# reg-name of unreserved characters, sub-delims and %XX; nothing else (`#`, `\\`, `?`, `/`, `@`,
+# a space) belongs in one, and a name that holds one must not be read as its last labels.
+_REG_NAME = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*")
+_IP_LITERAL = re.compile(r"\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9._~!$&'()*+,;=:-]+)\]")
+HOST_CHARACTERS = "letters, digits, -._~!$&'()*+,;= and %XX, or an IP address in [ ]"
+
+
+def split_host(host: str) -> tuple[str, str | None] | None:
+    """(host, port) of `host[:port]` (the port None without a `:`, "" when empty), or None
+    when the text is no such pair: an unclosed `[`, or more after an IP-literal's `]`."""
+    host = host.strip()
+    if host.startswith("["):
+        name, bracket, rest = host.partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        return name + bracket, rest[1:] if rest else None
+    name, colon, port = host.partition(":")
+    return name, port if colon else None
+
+
 def host_problem(host: str | None) -> str | None:
-    """Why a Host header is no host[:port] at all (RFC 9110: ASCII, a port of digits), or
+    """Why a Host header (or a target's authority) is no host[:port] at all (RFC 9110: ASCII;
+    RFC 3986: a reg-name or an IP-literal, then a port of digits, which may be empty), or
     None: such a request is malformed (400), not a foreign name (403)."""
     if host is None:
         return None
@@ -122,10 +144,18 @@ def host_problem(host: str | None) -> str | None:
         return "is not ASCII (a host name goes in punycode)"
     if host.strip().startswith("[") and "]" not in host:
         return "opens an IPv6 address with [ and never closes it"
-    rest = host.strip().rpartition("]")[2] if host.strip().startswith("[") else host
-    _, colon, port = rest.partition(":")
-    number = whole(port)
-    if colon and port and (number is None or number > 65535):  # RFC 3986: port = *DIGIT
+    parts = split_host(host)
+    if parts is None:
+        return "has more than a :port after the ] of its IP address"
+    name, port = parts
+    if name.startswith("["):
+        if not _IP_LITERAL.fullmatch(name):
+            return "holds more than an IP address in its [ ]"
+    elif not _REG_NAME.fullmatch(name):
+        bad = next((c for c in name if not _REG_NAME.fullmatch(c)), "%")  # or a lone %
+        return f"holds {bad!a}, which is no character of a host name (RFC 3986: {HOST_CHARACTERS})"
+    number = whole(port or "")
+    if port and (number is None or number > 65535):  # RFC 3986: port = *DIGIT
         return "has a port that is no number up to 65535"
     return None
 
@@ -148,14 +178,14 @@ def loopback_host(host: str | None) -> bool:
     127.x.x.x or [::1], with or without a port. No Host at all (HTTP/1.0) passes too."""
     if host is None:
         return True
-    host = host.strip().lower()
-    if host.startswith("["):
-        name, bracket, rest = host[1:].partition("]")
-        port_ok = rest == "" or (rest[:1] == ":" and 1 <= (whole(rest[1:]) or 0) <= 65535)
-        return bool(bracket) and port_ok and loopback_address(name)
-    name, colon, port = host.partition(":")
-    if colon and not 1 <= (whole(port) or 0) <= 65535:
+    parts = split_host(host.lower())
+    if parts is None:
         return False
+    name, port = parts
+    if port and not 1 <= (whole(port) or 0) <= 65535:  # RFC 3986: an empty port is no port
+        return False
+    if name.startswith("["):
+        return name.endswith("]") and loopback_address(name[1:-1])
     name = name.removesuffix(".")
     return name == "localhost" or name.endswith(".localhost") or loopback_address(name)
 
@@ -193,18 +223,25 @@ def origin_form(scope: Scope) -> Scope | str:
     """The request as if its target were a path. RFC 9112 section 3.2.2: a server MUST accept
     a target in absolute-form (`GET http://127.0.0.1:8080/v1/models`), and ignore the Host
     header for the authority in it; so that authority becomes the Host the checks read (the
-    DNS rebinding check applies to it). A string: why the target cannot be served (400)."""
+    DNS rebinding check applies to it). A string: why the target cannot be served (400):
+    authority-form (`host:port`) is CONNECT's alone and `*` OPTIONS' alone (sections 3.2.3 and
+    3.2.4), and CONNECT asks for a tunnel, which no route here opens."""
     raw = scope.get("raw_path")
     target = raw.decode("latin-1") if isinstance(raw, bytes) else scope["path"]
-    parts = absolute_form(target)
-    if parts is None:
+    method = scope["method"]
+    if method == "CONNECT":
+        return f"CONNECT {target!a}: this server is no proxy and opens no tunnel"
+    if target.startswith("/") or (target == "*" and method == "OPTIONS"):
         return scope
-    scheme, authority, path = parts
-    if scheme.lower() not in ("http", "https") or not path.startswith("/"):
+    if target == "*":
+        return f"the request target '*' is for OPTIONS alone (RFC 9112 section 3.2.4), not {method}"
+    parts = absolute_form(target)
+    if parts is None or parts[0].lower() not in ("http", "https") or not parts[2].startswith("/"):
         return (
-            f"the request target {target!a} is no http:// or https:// URL:"
-            " send the path (/v1/...), or the whole http://host:port/path"
+            f"the request target {target!a} is neither a path (/v1/...) nor an http:// or"
+            " https:// URL (host:port alone is for CONNECT, RFC 9112 section 3.2.3)"
         )
+    scheme, authority, path = parts
     if not authority:  # RFC 9110 section 4.2.1: such a URI is invalid
         return f"the request target {target!a} names no host after {scheme}://"
     if "@" in authority:  # RFC 9110 section 4.2.4: userinfo is deprecated, an error here
@@ -212,6 +249,9 @@ def origin_form(scope: Scope) -> Scope | str:
             f"the request target {target!a} carries credentials before its host"
             " (user@host): send them in an Authorization header"
         )
+    problem = host_problem(authority)
+    if problem is not None:
+        return f"the request target {target!a}: its host {authority!a} {problem}"
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
     changed = {
         **scope,
@@ -269,6 +309,11 @@ class AccessGuard:
                 " rebinding); use --host to be reached by"
                 " others",
             )(scope, receive, send)
+            return
+        if scope["path"] == "*":  # OPTIONS * (origin_form lets no other method through)
+            allow = [(b"allow", ALLOW_METHODS.encode())]
+            await send({"type": "http.response.start", "status": 204, "headers": allow})
+            await send({"type": "http.response.body", "body": b""})
             return
         origins = headers.getlist("origin")
         if not origins:

@@ -71,22 +71,28 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 class StreamOptions(BaseModel):
-    """OpenAI's `stream_options`. `include_obfuscation` pads each event with random characters
-    against length side channels on an encrypted link; llmrun serves plain HTTP, whose events
-    anyone on the link reads whole, and pads none: false is served, true refused."""
+    """OpenAI's `stream_options`, and vLLM's (and SGLang's) `continuous_usage_stats`.
+    `include_obfuscation` pads each event with random characters against length side channels
+    on an encrypted link; llmrun serves plain HTTP, whose events anyone on the link reads
+    whole, and pads none: false is served, true refused. `continuous_usage_stats` with
+    `include_usage` puts the usage so far on every chunk in vLLM; the stream here learns the
+    count of tokens only at the end (a piece of text may stand for several), so only false is
+    served with it (without `include_usage` vLLM ignores it too, and so does llmrun)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = None
 
     def check(self) -> None:
-        """BadRequestError for a key OpenAI does not define, in its words, or padding asked."""
-        unknown = sorted(self.model_extra or {})
+        """BadRequestError for a key no server defines, in OpenAI's words for a nested one
+        (`Unknown parameter: 'stream_options.x'.`, `param` its whole path; OpenAI names the
+        first), or a value not served."""
+        unknown = list(self.model_extra or {})
         if unknown:
-            arguments = "argument" if len(unknown) == 1 else "arguments"
-            names = ", ".join(f"stream_options.{name}" for name in unknown)
-            error = BadRequestError(f"Unrecognized request {arguments} supplied: {names}")
-            error.param = "stream_options"
+            param = f"stream_options.{unknown[0]}"
+            error = BadRequestError(f"Unknown parameter: '{param}'.")
+            error.param = param
             raise error
         if self.include_obfuscation:
             error = BadRequestError(
@@ -94,6 +100,14 @@ class StreamOptions(BaseModel):
                 " no event is padded, as none could hide its length on plain HTTP"
             )
             error.param = "stream_options.include_obfuscation"
+            raise error
+        if self.continuous_usage_stats and self.include_usage:
+            error = BadRequestError(
+                "stream_options.continuous_usage_stats: true is not served here (only false):"
+                " the usage comes once, in the chunk before [DONE] (include_usage), not on"
+                " every chunk as vLLM sends it"
+            )
+            error.param = "stream_options.continuous_usage_stats"
             raise error
 
 

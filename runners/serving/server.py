@@ -149,6 +149,10 @@ def serve_http(
         served.record("other", status, Report(outcome_of(status), note=note))
 
     def forbidden(status: int, message: str) -> ASGIApp:
+        """The access checks' refusal: 403 for a name or origin not let in, 400 (a client's
+        malformed Host, Origin or target) in the type and outcome of every other 400."""
+        if status != 403:
+            return refusal(status, message, outcome=outcome_of(status))
         return refusal(status, message, outcome="forbidden", kind="forbidden")
 
     def behind_access(app: ASGIApp) -> Metering:
