@@ -170,7 +170,10 @@ def test_a_server_on_a_fake_powercap_tree_counts_its_steps(
     try:
         env = {**llmrun_env, "LLMRUN_POWERCAP_ROOT": str(tmp_path), BACKGROUND_ENV: "0"}
         with llmrun_serve(env, "-np", "1", "--no-dashboard", "--energy", "on") as s:
-            s.post("/v1/completions", {"prompt": "The sky is", "max_tokens": 8, "temperature": 0})
+            # A prompt of some 300 tokens: prefill lasts about as long as the 8 decode steps, so
+            # a writer thread starved on busy cores misses neither (4 tokens took a few ms).
+            prompt = "The sky is blue because " * 60
+            s.post("/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0})
             text = httpx.get(s.url + "/metrics", timeout=HANG_S).text
     finally:
         stop.set()
