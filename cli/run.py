@@ -150,6 +150,7 @@ def run(
             help="Serve the prompts (--jsonl, several -f) N at a time in one llama.cpp context"
             " (continuous batching); each keeps its own stats, and the total throughput is"
             " printed. (default: 1, one after another)",
+            show_default=False,
         ),
     ] = 1,
     kv_unified: o.KvUnified = None,

@@ -204,6 +204,20 @@ def _every_option() -> list[tuple[str, typing.Any]]:
     return found
 
 
+def test_no_option_says_its_default_twice() -> None:
+    """An option whose help says its default "(default: ...)" shows no typer default beside
+    it (run -np printed "(default: 1, one after another)" and then "[default: 1]")."""
+    twice = [
+        f"{path} {p.opts[0]}"
+        for path, p in _every_option()
+        if "(default" in (getattr(p, "help", "") or "")
+        and p.show_default is not False
+        and not getattr(p, "is_flag", False)
+        and p.default is not None
+    ]
+    assert twice == []
+
+
 def _kind(param: typing.Any) -> str:
     return str(getattr(param.type, "name", ""))
 
