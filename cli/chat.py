@@ -604,15 +604,13 @@ class ChatUI:
             if whole
             else lists.real(value)
         )
-        if parsed is None:  # ASCII digits, as on the command line (not `٣` or `1_0`)
-            kind = "an integer" if whole else "a number"
-            self._usage(f"/set parameter {name}: {value!r} is not {kind}")
-            return
         try:
+            if parsed is None:  # ASCII digits, as on the command line (not `٣` or `1_0`)
+                raise ValueError(value)
             changes: dict[str, Any] = {field: parsed}
             sampling = dataclasses.replace(self.conv.sampling, **changes)
             check_sampling(sampling)
-        except ValueError:
+        except ValueError:  # one wording, the command line's, for every number not read
             kind = "a whole number" if whole else "a number"
             self._usage(f"/set parameter {name}: {value!r} is not {kind}")
             return
@@ -715,7 +713,7 @@ class ChatUI:
 
     def _save(self, arg: str) -> None:
         if not arg:
-            self.say("usage: /save FILE.json or /save FILE.md", "red")
+            self._usage("usage: /save FILE.json or /save FILE.md")
             return
         path = Path(arg).expanduser()
         try:

@@ -149,12 +149,23 @@ def test_set_parameter_says_the_value_it_took(
         "/set temperature 1",
         "/show nothing",
         "/unknown",
+        "/save",  # its usage line was red, and the script still exited 0
     ],
 )
 def test_a_bad_command_in_a_script_exits_1(cli: CliRunner, fake: FakeRunner, line: str) -> None:
     result = cli.invoke(app, ["chat"], input=f"{line}\nhi\n")
     assert result.exit_code == 1, result.stderr
     assert result.stdout == "hi\n"  # the rest of the script still ran
+
+
+@pytest.mark.parametrize("value", ["1.5", "\u0663", "x", "1e3"])
+def test_a_whole_number_not_read_is_worded_as_the_command_line_words_it(
+    cli: CliRunner, fake: FakeRunner, value: str
+) -> None:
+    """Unread (`x`, `٣`) and refused (`1.5`) whole numbers said "not an integer" and "not a
+    whole number"; both say the command line's words now."""
+    result = cli.invoke(app, ["chat"], input=f"/set parameter repeat_last_n {value}\nhi\n")
+    assert f"/set parameter repeat_last_n: {value!r} is not a whole number" in result.output
 
 
 def test_llama_cpp_spellings_and_a_seed_like_system_prompt(
