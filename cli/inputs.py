@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
-from llmrun.runners.errors import BadRequestError, EmptyPromptError
+from llmrun.runners.errors import BadRequestError, EmptyPromptError, long_integer
 from llmrun.runners.files import output_file_problem, read_option_file
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
@@ -182,6 +182,8 @@ def parse_jsonl_line(
         ) from None
     except RecursionError:
         raise BadRequestError("not valid JSON (nested too deeply)") from None
+    except ValueError:  # valid JSON, but an integer json.loads refuses: this line fails alone
+        raise BadRequestError(f"holds {long_integer()}") from None
     try:  # RFC 8259 8.2: a \\uD800 escape without its pair decodes to no character
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

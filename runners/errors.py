@@ -6,6 +6,8 @@ text and exit codes. Nothing here knows about the terminal.
 
 from __future__ import annotations
 
+import sys
+
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
 
 
@@ -20,6 +22,12 @@ def json_kind(value: object, depth: int = 0) -> str:
     return _JSON_KINDS.get(
         type(value), "a number" if isinstance(value, int | float) else type(value).__name__
     )
+
+
+def long_integer() -> str:
+    """The words for valid JSON that json.loads refuses with a plain ValueError: an integer of
+    more digits than Python's int reads (RFC 8259 sets no limit; sys.get_int_max_str_digits)."""
+    return f"a number of more than {sys.get_int_max_str_digits():,} digits, past what llmrun reads"
 
 
 def not_utf8(e: UnicodeDecodeError, before: int = 0) -> str:

@@ -132,12 +132,14 @@ def test_jsonl_bad_line_is_named_good_lines_answered(
         "{not json\n"
         '{"messages": [{"role": "user", "content": "third here"}], "temperature": 0}\n'
         '{"prompt": "x", "colour": 1}\n'
+        '{"prompt": "x", "id": ' + "9" * 5000 + "}\n"  # valid JSON: an internal error ended all
     )
     result = cli.invoke(app, ["run", "--jsonl", str(path), "--stats", "json"])
     assert result.exit_code == 1
     assert result.stdout.split() == ["first", "third", "here"]
     assert f"llmrun: error: {path}:2: not valid JSON" in result.stderr
     assert f"{path}:4: unknown key 'colour'" in result.stderr
+    assert f"{path}:5: holds a number of more than 4,300 digits, past what" in result.stderr
     assert fake.requests[0].sampling.max_tokens == 1
     assert fake.requests[1].sampling.temperature == 0
 

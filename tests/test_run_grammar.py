@@ -60,6 +60,11 @@ def test_the_grammar_reaches_the_runners_sampling(
             "min.json: schema.minimum: not supported in structured output",
         ),
         ("bad.json", "{not json", "bad.json: not JSON"),
+        (
+            "long.json",
+            '{"maxLength": ' + "9" * 5000 + "}",
+            "long.json: a number of more than 4,300",
+        ),
         ("dq.json", '{"type": "string", "pattern": "^a**$"}', "schema.pattern: a pattern repeats"),
         ("d.json", '{"type": "string", "pattern": "^\\\\d+$"}', "schema.pattern: a pattern's"),
         ("broken.gbnf", 'root ::= "a" ((\n', "grammar parser refuses the grammar: expecting ')'"),

@@ -234,7 +234,10 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
         ("deep", "nested too deep to be tuned settings; fix or delete it"),
         ("fifo", "not a regular file (a FIFO, a device?); delete it"),
         ("latin1", "not UTF-8 text (byte 13 is 0xe9); fix or delete it"),
-        ("digits", "holds a number of more than 4,300 digits, no setting; fix or delete it"),
+        (
+            "digits",
+            "holds a number of more than 4,300 digits, past what llmrun reads, no setting; fix or delete it",
+        ),
     ],
 )
 def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path: Path) -> None:

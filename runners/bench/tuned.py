@@ -9,12 +9,11 @@ import dataclasses
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 from typing import Any
 
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import not_utf8
+from llmrun.runners.errors import long_integer, not_utf8
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
 from llmrun.runners.paths import config_dir
@@ -68,8 +67,7 @@ def _read_all() -> dict[str, Any]:
     except ValueError:  # valid JSON past what Python's int reads (sys.get_int_max_str_digits)
         raise SettingError(
             str(path),
-            f"holds a number of more than {sys.get_int_max_str_digits():,} digits, no setting;"
-            " fix or delete it",
+            f"holds {long_integer()}, no setting; fix or delete it",
         ) from None
     if not isinstance(data, dict):
         raise SettingError(str(path), "not a JSON object of tuned settings; fix or delete it")
