@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -224,6 +225,9 @@ class Recorder:
         self.sink.end_line()
 
 
+MAX_HISTORY_BYTES = 16 << 20  # 1,000 lines kept: far more than any such file holds
+
+
 def _readline() -> ModuleType | None:
     """Line editing and a history kept across sessions, where the platform has readline."""
     try:
@@ -231,8 +235,23 @@ def _readline() -> ModuleType | None:
     except ImportError:
         return None
     path = state_dir() / "chat_history"
+    try:  # readline opens it blocking and reads it whole: a FIFO hung the chat, even SIGTERM
+        info = path.stat()
+        kept = stat.S_ISREG(info.st_mode) and info.st_size <= MAX_HISTORY_BYTES
+    except FileNotFoundError:
+        info, kept = None, True
+    except OSError:
+        info, kept = None, False
+    if not kept:
+        print(
+            f"llmrun: {terminal_line(str(path))} is not a chat history llmrun reads (a regular"
+            f" file of at most {MAX_HISTORY_BYTES >> 20} MiB): lines are not recalled or kept",
+            file=sys.stderr,
+        )
+        return readline
     with contextlib.suppress(OSError):
-        readline.read_history_file(path)
+        if info is not None:
+            readline.read_history_file(path)
     readline.set_history_length(1000)
     # A paste of several lines is one message (as in Ollama and IPython), not one per line.
     readline.parse_and_bind("set enable-bracketed-paste on")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import children
+from .files import read_capped
 from .paths import state_dir
 from .system import cpu_flags, cpu_model
 
@@ -103,10 +104,16 @@ def _cache_file() -> Path:
     return state_dir() / "repack-probe.json"
 
 
+MAX_CACHE_BYTES = 2**20  # a verdict per model and CPU: a few hundred bytes each
+
+
 def _read_cache() -> dict[str, object]:
+    """The verdicts saved, or none when the file is missing or damaged (probed again). Read as a
+    regular file only: a FIFO put there blocked the open of every run, SIGTERM included."""
     try:
-        data = json.loads(_cache_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_capped(_cache_file(), max_bytes=MAX_CACHE_BYTES, regular=True)
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # FileTooLargeError and bad UTF-8 are ValueErrors
         return {}
     return data if isinstance(data, dict) else {}
 

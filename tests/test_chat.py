@@ -282,3 +282,39 @@ def test_a_context_llama_cpp_changed_is_said_and_bad_numbers_in_words(
     assert "-c 64: llama.cpp sized the context to 256 tokens" in " ".join(run.stderr.split())
     same = cli.invoke(app, ["run", "-c", "256", "hi"])
     assert "sized the context" not in same.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "huge", "plain"])
+def test_a_chat_history_that_is_no_file_is_neither_read_nor_kept(
+    kind: str, llmrun_env: dict[str, str]
+) -> None:
+    """readline opens the line history blocking and reads it whole: a FIFO there hung the
+    chat before its first prompt (SIGTERM too), and the save at exit waited on it again."""
+    import os
+    import subprocess
+    import sys
+
+    history = Path(llmrun_env["LLMRUN_HOME"]) / "state" / "chat_history"
+    history.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(history)
+    elif kind == "folder":
+        history.mkdir()
+    elif kind == "huge":
+        with history.open("wb") as f:
+            f.truncate(17 << 20)
+    else:
+        history.write_text("an old line\n")
+    code = "from llmrun.cli.chat import _readline; r = _readline(); print(r.get_current_history_length())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=llmrun_env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    if kind == "plain":
+        assert done.stdout.split() == ["1"] and done.stderr == ""
+        assert history.read_text().splitlines() == ["an old line"]  # kept at exit
+    else:
+        assert done.stdout.split() == ["0"]
+        assert "is not a chat history llmrun reads (a regular file of at most 16 MiB)" in (
+            done.stderr
+        )

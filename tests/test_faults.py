@@ -341,6 +341,30 @@ def test_a_probe_ended_by_ctrl_c_is_no_verdict(
     assert probe.probe_key("Q4_0") not in probe._read_cache()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder", "huge", "garbage"])
+def test_a_probe_cache_that_is_no_cache_is_probed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The verdicts file is read as a regular file only: a FIFO there blocked every run's
+    open, SIGTERM included (the wait ran in a thread here, so a regression fails, not hangs)."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
+    cache = probe._cache_file()
+    cache.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(cache)
+    elif kind == "folder":
+        cache.mkdir()
+    elif kind == "huge":
+        cache.write_text('{"k": "' + "x" * probe.MAX_CACHE_BYTES + '"}')
+    else:
+        cache.write_bytes(b"\xff[" * 100_000)
+    found: list[object] = []
+    reader = threading.Thread(target=lambda: found.append(probe._read_cache()), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert found == [{}]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_tunes_set_up_and_the_probes_child(
     llmrun_env: dict[str, str], model_path: str, signum: int
