@@ -436,27 +436,69 @@ def test_an_unknown_key_inside_an_object_is_named_by_its_path_as_openai_does(
     assert (error["message"], error["param"]) == (f"Unknown parameter: '{param}'.", param)
 
 
-def test_vllms_continuous_usage_stats_is_served_where_it_asks_nothing(server: Server) -> None:
+def data_events(r: httpx.Response) -> list[dict[str, Any]]:
+    """A stream's JSON events, [DONE] and the rest left out."""
+    return [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+
+
+def test_vllms_continuous_usage_stats_asks_nothing_without_include_usage(server: Server) -> None:
     """vLLM's `stream_options.continuous_usage_stats` (SGLang's too; proxies and benchmarks
     send it) was a 400 for an unknown key. False, or true without `include_usage` (vLLM
-    ignores it then), is served; true with it (usage on every chunk) is refused by name."""
+    ignores it then), changes nothing: no chunk but the usage chunk has a `usage` key."""
     for options, usage in (
         ({"include_usage": True, "continuous_usage_stats": False}, True),
         ({"continuous_usage_stats": True}, False),
         ({"include_usage": False, "continuous_usage_stats": True}, False),
         ({"include_usage": None, "continuous_usage_stats": None}, False),
+        (None, False),
     ):
-        r = send(server, CHAT, small(stream=True, stream_options=options))
-        assert r.status_code == 200, (options, r.text)
-        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
-        assert [e for e in events if e.get("usage")] == ([events[-1]] if usage else []), options
-        assert events[-1]["choices"] == ([] if usage else events[-1]["choices"])
-    both = {"include_usage": True, "continuous_usage_stats": True}
-    error = openai_error(send(server, CHAT, small(stream=True, stream_options=both)), 400)
-    assert error["param"] == "stream_options.continuous_usage_stats"
-    assert error["message"].startswith(
-        "stream_options.continuous_usage_stats: true is not served here (only false)"
-    ), error
+        for path in (CHAT, COMPLETIONS):
+            payload = small() if path == CHAT else {"prompt": "Hi", "max_tokens": 2}
+            r = send(server, path, {**payload, "stream": True, "stream_options": options})
+            assert r.status_code == 200, (options, r.text)
+            events = data_events(r)
+            assert [e for e in events if "usage" in e] == ([events[-1]] if usage else []), options
+            assert events[-1]["choices"] == ([] if usage else events[-1]["choices"])
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        (CHAT, chat("Write one sentence about the sea.", max_tokens=40, temperature=0)),
+        (COMPLETIONS, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    ],
+)
+def test_vllms_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(
+    server: Server, path: str, payload: dict[str, Any]
+) -> None:
+    """With `include_usage` and `continuous_usage_stats` true (vLLM's benchmark, SGLang's
+    clients and gateways send both) every chunk carries the usage so far, as vLLM's does: the
+    tokens sampled never decrease, the last chunk's equal the usage chunk's, and the prompt's
+    cached tokens are known from the first chunk on (it was a 400). Twice: the second request
+    finds its prompt cached."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for _ in range(2):
+        r = send(server, path, {**payload, "stream": True, "stream_options": options})
+        assert r.status_code == 200, r.text
+        assert r.text.endswith("data: [DONE]\n\n")
+        events = data_events(r)
+        final = events[-1]
+        assert final["choices"] == [] and "timings" in final
+        usage = [e["usage"] for e in events]
+        done = final["usage"]
+        counts = [u["completion_tokens"] for u in usage]
+        assert counts == sorted(counts) and counts[-2] == done["completion_tokens"] > 0, counts
+        assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert usage[-2] == done
+        for u in usage:
+            assert set(u) == set(done)
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            assert u["prompt_tokens"] == done["prompt_tokens"]
+            assert u["prompt_tokens_details"] == done["prompt_tokens_details"]
+        if path == CHAT:
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert usage[0]["completion_tokens"] == 0
+    assert done["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 @pytest.mark.parametrize(

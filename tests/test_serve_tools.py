@@ -396,11 +396,13 @@ def test_a_round_trip_with_the_calls_result_is_answered(server: Server) -> None:
 
 
 def test_a_streamed_call_reassembles_to_the_whole_one(server: Server) -> None:
+    """The call's pieces make the whole one; with vLLM's `continuous_usage_stats` each chunk
+    the call's reader writes carries the usage so far, the last one's the usage chunk's."""
     payload = chat(ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
     whole = server.post(CHAT, payload).json()["choices"][0]["message"]["tool_calls"][0]
-    with httpx.stream(
-        "POST", server.url + CHAT, json={**payload, "stream": True}, timeout=HANG_S
-    ) as r:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    streamed = {**payload, "stream": True, "stream_options": options}
+    with httpx.stream("POST", server.url + CHAT, json=streamed, timeout=HANG_S) as r:
         assert r.status_code == 200
         events = [e for e in sse_events(r) if e != "[DONE]"]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
@@ -412,8 +414,11 @@ def test_a_streamed_call_reassembles_to_the_whole_one(server: Server) -> None:
     arguments = "".join(p["function"].get("arguments", "") for p in pieces)
     assert arguments == whole["function"]["arguments"]  # greedy: the same call
     assert len(pieces) > 2  # the arguments came in pieces, as they were written
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(d.get("content") for d in deltas)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and events[-2]["usage"] == events[-1]["usage"]
+    assert events[-1]["choices"] == [] and counts[0] == 0 < counts[-1]
 
 
 def test_openais_client_reads_the_call(server: Server) -> None:

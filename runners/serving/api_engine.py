@@ -163,6 +163,10 @@ class Piece:
     text: str  # one token's text (stop strings applied; never half a character)
     # with logprobs: the tokens this text completes (those whose text was held back, then it)
     logprobs: tuple[Described, ...] = ()
+    # the request's output tokens sampled so far, those whose text is held back included (the
+    # usage so far of vLLM's `continuous_usage_stats`), and its prompt tokens found cached
+    sampled: int = 0
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -424,7 +428,8 @@ class EngineThread:
                 if r.pieces and r.pieces[-1]:
                     job = jobs[handle.id][0]
                     logprobs = self._logprobs(job, handle)
-                    job.sink(Piece(self._echo(job, handle) + r.pieces[-1], logprobs))
+                    text = self._echo(job, handle) + r.pieces[-1]
+                    job.sink(Piece(text, logprobs, len(r.output), handle.reused))
             record = StepRecord(end, step.duration_s, step.n_decode, step.n_prefill)
             with self._lock:
                 self._steps.append(record)

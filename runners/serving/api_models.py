@@ -75,9 +75,8 @@ class StreamOptions(BaseModel):
     `include_obfuscation` pads each event with random characters against length side channels
     on an encrypted link; llmrun serves plain HTTP, whose events anyone on the link reads
     whole, and pads none: false is served, true refused. `continuous_usage_stats` with
-    `include_usage` puts the usage so far on every chunk in vLLM; the stream here learns the
-    count of tokens only at the end (a piece of text may stand for several), so only false is
-    served with it (without `include_usage` vLLM ignores it too, and so does llmrun)."""
+    `include_usage` puts the usage so far on every chunk, as vLLM does (without
+    `include_usage` vLLM ignores it, and so does llmrun)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool | None = None
@@ -100,14 +99,6 @@ class StreamOptions(BaseModel):
                 " no event is padded, as none could hide its length on plain HTTP"
             )
             error.param = "stream_options.include_obfuscation"
-            raise error
-        if self.continuous_usage_stats and self.include_usage:
-            error = BadRequestError(
-                "stream_options.continuous_usage_stats: true is not served here (only false):"
-                " the usage comes once, in the chunk before [DONE] (include_usage), not on"
-                " every chunk as vLLM sends it"
-            )
-            error.param = "stream_options.continuous_usage_stats"
             raise error
 
 
@@ -169,6 +160,13 @@ class _Body(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: the usage so far on every chunk; only with
+        `include_usage`, as vLLM serves it."""
+        o = self.stream_options
+        return o is not None and bool(o.include_usage) and bool(o.continuous_usage_stats)
 
     def _limit_field(self) -> str:
         """The field that holds the request's output budget."""

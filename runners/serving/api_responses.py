@@ -53,11 +53,15 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, t: RequestTimings) -> Usage:
+        return cls.counts(t.prompt_tokens, t.completion_tokens, t.reused_tokens)
+
+    @classmethod
+    def counts(cls, prompt: int, completion: int, cached: int) -> Usage:
         return cls(
-            prompt_tokens=t.prompt_tokens,
-            completion_tokens=t.completion_tokens,
-            total_tokens=t.prompt_tokens + t.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=t.reused_tokens),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 
@@ -121,11 +125,19 @@ class TextCompletion(Head, Wire):
 
 class Chunk(Head, Wire):
     choices: list[ChunkChoice | TextChoice]
+    # vLLM's `continuous_usage_stats`: the usage so far; left out of the JSON when not asked
+    usage: Usage | None = None
+
+    def _left_out(self) -> set[str] | None:
+        return {"usage"} if self.usage is None else None
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude=self._left_out())
 
     def json_text(self) -> str:
         if type(self) is Chunk and all(c.logprobs is None for c in self.choices):
             # one per token: no floats, pydantic's writer gives the same text
-            return self.model_dump_json()
+            return self.model_dump_json(exclude=self._left_out())
         return super().json_text()
 
 

@@ -245,7 +245,7 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         created=int(time.time()),
         model=s.model_id,
     )
-    flight = Flight(s, seen, job, queue, head, chat, plan)
+    flight = Flight(s, seen, job, queue, head, chat, plan, continuous=body.continuous_usage)
     if body.stream:
         return EventStream(
             stream(flight, body.include_usage),
@@ -270,6 +270,17 @@ class Flight:
     chat: bool
     plan: ToolPlan | None = None  # the tools offered (tools.py)
     offset: int = 0  # legacy logprobs: the characters of the answer sent so far
+    # vLLM's `continuous_usage_stats`: every chunk carries the usage so far, these counts
+    continuous: bool = False
+    sampled: int = 0  # output tokens sampled so far (held-back text included)
+    cached: int = 0  # prompt tokens found cached
+
+    def usage(self, sampled: int | None = None) -> Usage | None:
+        """The usage so far for a chunk (None: not asked, the chunk has none)."""
+        if not self.continuous:
+            return None
+        n = self.sampled if sampled is None else sampled
+        return Usage.counts(len(self.job.tokens), n, self.cached)
 
     def logprobs(self, text: str, tokens: tuple[Described, ...]) -> dict[str, Any] | None:
         """The `logprobs` of a choice carrying `text`, made of these tokens (None: not asked)."""
@@ -293,11 +304,18 @@ class Flight:
     def chunk(
         self, text: str | None, finish: str | None = None, tokens: tuple[Described, ...] = ()
     ) -> Chunk:
-        return Chunk(**dict(self.head), choices=[self.choice(text, finish, tokens)])
+        choice = self.choice(text, finish, tokens)
+        return Chunk(**dict(self.head), choices=[choice], usage=self.usage())
 
     def delta_chunk(self, delta: dict[str, Any]) -> Chunk:
         """A chunk of an answer read by tools.py: text or a piece of a tool call."""
-        return Chunk(**dict(self.head), choices=[ChunkChoice(delta=delta, finish_reason=None)])
+        choice = ChunkChoice(delta=delta, finish_reason=None)
+        return Chunk(**dict(self.head), choices=[choice], usage=self.usage())
+
+    def role_chunk(self) -> Chunk:
+        """A chat stream's first chunk, with the role (and, as vLLM's, no tokens sampled)."""
+        first = ChunkChoice(delta={"role": "assistant", "content": ""}, finish_reason=None)
+        return Chunk(**dict(self.head), choices=[first], usage=self.usage(0))
 
     def failed(self, event: Failed, *, streamed: bool) -> int:
         """The engine failed it, or the server is shutting down: the status it ends with."""
@@ -313,15 +331,26 @@ class Flight:
 
 async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
     """The answer as server-sent events; one that cannot finish ends with an error event, a
-    last chunk with the finish reason `error`, and [DONE]."""
+    last chunk with the finish reason `error`, and [DONE]. With continuous usage (vLLM's
+    `continuous_usage_stats`) every chunk carries the usage so far, and a chat stream's role
+    chunk waits for the engine's first event, as vLLM's does, to know the cached count."""
     head, ended = dict(flight.head), False
     try:
-        if flight.chat:
-            first = ChunkChoice(delta={"role": "assistant", "content": ""}, finish_reason=None)
-            yield sse(Chunk(**head, choices=[first]))
+        role = flight.chat
+        if role and not flight.continuous:
+            role = False
+            yield sse(flight.role_chunk())
         reader = flight.plan.reader() if flight.plan is not None else None
         while True:
             event = await flight.queue.get()
+            if isinstance(event, Piece):
+                flight.sampled, flight.cached = event.sampled, event.cached
+            elif isinstance(event, Done):
+                t = event.timings
+                flight.sampled, flight.cached = t.completion_tokens, t.reused_tokens
+            if role:
+                role = False
+                yield sse(flight.role_chunk())
             if isinstance(event, Piece):
                 if reader is None:
                     yield sse(flight.chunk(event.text, tokens=event.logprobs))
@@ -346,7 +375,7 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
             elif event.tail or event.logprobs:
                 yield sse(flight.chunk(event.tail, tokens=event.logprobs))
             last = flight.choice(None, finish)
-            yield sse(LastChunk(**head, choices=[last], timings=timings))
+            yield sse(LastChunk(**head, choices=[last], usage=flight.usage(), timings=timings))
             if include_usage:
                 yield sse(UsageChunk(**head, choices=[], usage=Usage.of(t), timings=timings))
             yield SSE_DONE
