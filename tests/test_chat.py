@@ -10,12 +10,14 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app
+from llmrun.cli.chat import MAX_HISTORY_BYTES
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.conversation import Conversation
 from llmrun.runners.errors import BadRequestError, PromptTooLongError
 
 from .fake import FakeRunner
+from .hostile_files import plant
 
 
 def test_turns_reuse_the_cache_and_the_oldest_are_dropped_first() -> None:
@@ -290,20 +292,12 @@ def test_a_chat_history_that_is_no_file_is_neither_read_nor_kept(
 ) -> None:
     """readline opens the line history blocking and reads it whole: a FIFO there hung the
     chat before its first prompt (SIGTERM too), and the save at exit waited on it again."""
-    import os
     import subprocess
     import sys
 
     history = Path(llmrun_env["LLMRUN_HOME"]) / "state" / "chat_history"
-    history.parent.mkdir(parents=True)
-    if kind == "fifo":
-        os.mkfifo(history)
-    elif kind == "folder":
-        history.mkdir()
-    elif kind == "huge":
-        with history.open("wb") as f:
-            f.truncate(17 << 20)
-    else:
+    plant(history, kind, cap=MAX_HISTORY_BYTES)
+    if kind == "plain":
         history.write_text("an old line\n")
     code = "from llmrun.cli.chat import _readline; r = _readline(); print(r.get_current_history_length())"
     done = subprocess.run(

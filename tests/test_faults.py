@@ -30,6 +30,7 @@ from llmrun.runners.serving.policy import Policy
 
 from .conftest import HANG_S, ROOT, SetAfter, popen_then_ctrl_c, which_llmrun
 from .fake import FakeBenchRunner
+from .hostile_files import plant
 from .stub_server import bench_against_stub, stub_server
 
 # A signal is answered within this long, on a machine busy with other tests (a few hundred ms
@@ -349,14 +350,8 @@ def test_a_probe_cache_that_is_no_cache_is_probed_again(
     open, SIGTERM included (the wait ran in a thread here, so a regression fails, not hangs)."""
     monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "home"))
     cache = probe._cache_file()
-    cache.parent.mkdir(parents=True)
-    if kind == "fifo":
-        os.mkfifo(cache)
-    elif kind == "folder":
-        cache.mkdir()
-    elif kind == "huge":
-        cache.write_text('{"k": "' + "x" * probe.MAX_CACHE_BYTES + '"}')
-    else:
+    plant(cache, kind, cap=probe.MAX_CACHE_BYTES)
+    if kind == "garbage":
         cache.write_bytes(b"\xff[" * 100_000)
     found: list[object] = []
     reader = threading.Thread(target=lambda: found.append(probe._read_cache()), daemon=True)
