@@ -85,6 +85,12 @@ class Prompts(OptionRecord):
         list[str] | None,
         typer.Argument(help="The prompt; with piped stdin, the instruction for that material."),
     ] = None
+    text: Annotated[
+        str | None,
+        typer.Option(
+            "-p", "--prompt", help="The prompt as llama.cpp's -p gives it (or the argument)."
+        ),
+    ] = None
     file: Annotated[
         list[Path] | None,
         typer.Option(
@@ -103,6 +109,14 @@ class Prompts(OptionRecord):
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the text as a plain completion, no chat template.")
     ] = False
+
+    def words(self) -> list[str]:
+        """The prompt's words: the argument's, or -p's (llama-cli's habit), not both."""
+        if self.text is None:
+            return self.prompt or []
+        if self.prompt:
+            usage_error("-p/--prompt: give the prompt once, as -p or as the argument, not both")
+        return [self.text]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +188,7 @@ def run(
         reply = generation.reply
         params = _with_grammar(params, generation, json_schema, grammar)
         jobs = collect_jobs(
-            words=prompts.prompt or [],
+            words=prompts.words(),
             files=prompts.file or [],
             jsonl=prompts.jsonl,
             system=prompts.system,

@@ -193,3 +193,14 @@ def test_the_context_note_comes_after_the_texts_line(cli: CliRunner, fake: FakeR
     note = "note: -c 64: llama.cpp sized the context to 256 tokens"
     assert note in result.stderr
     assert f"\n{note}" in result.output and "there" + note not in result.output
+
+
+def test_dash_p_is_the_prompt_as_in_llama_cli(cli: CliRunner, fake: FakeRunner) -> None:
+    """`llama-cli -p TEXT` carries over (it was "No such option: -p"); -p and the argument
+    together are one prompt given twice, a usage error."""
+    result = cli.invoke(app, ["run", "-p", "first one", "-n", "2"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.split() == ["first", "one"]
+    both = cli.invoke(app, ["run", "-p", "a", "b"])
+    assert both.exit_code == 2
+    assert "-p/--prompt: give the prompt once, as -p or as the argument" in both.stderr
