@@ -13,7 +13,7 @@ from llmrun.runners.errors import LlmrunError
 from . import options as o
 from .errors import handled
 from .report import mib
-from .terminal import fold, terminal_width
+from .terminal import fold, terminal_line, terminal_width
 from .version import version_line
 
 
@@ -121,4 +121,6 @@ def doctor(
     with handled():
         width = terminal_width(sys.stdout)  # folded at spaces on a terminal, whole in a pipe
         for f in findings(model, probe=probe):
-            print(fold(f"{f.label:<9} {f.value}", width, indent=10), flush=True)
+            # a value may quote a file (the probe's cached reason) or a path: text, not controls
+            line = f"{f.label:<9} {terminal_line(f.value)}"
+            print(fold(line, width, indent=10), flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -55,6 +56,35 @@ def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[
     assert "physical cores" in rows["threads"] or "CPUs busy" in rows["threads"]
     assert "quiet:" in rows["load"] or "busy:" in rows["load"]
     assert "Q4_1" in rows["repack"] and ("on" in rows["repack"] or "off" in rows["repack"])
+
+
+@pytest.mark.model
+def test_doctor_shows_a_cached_reason_as_text_not_terminal_controls(
+    llmrun_env: dict[str, str],
+) -> None:
+    """The probe's verdicts file is outside input: a reason holding a colour, a window title,
+    a bell and a line break reached the terminal whole (run cleaned the same text)."""
+    import json
+
+    from llmrun.runners import probe
+
+    cache = Path(llmrun_env["LLMRUN_HOME"]) / "state" / "repack-probe.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    key = probe.probe_key("Q4_1")  # this build's, this CPU's: no home in it
+    why = "\x1b[31mRED\x1b]0;title\x07 \r\nSECOND LINE"
+    cache.write_text(json.dumps({key: {"safe": False, "why": why}}))
+    done = subprocess.run(
+        [which_llmrun(), "doctor"],
+        env=llmrun_env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    [repack] = [line for line in done.stdout.splitlines() if line.startswith("repack")]
+    assert repack.endswith("(Q4_1): off: RED SECOND LINE"), repack
+    assert not any(c in done.stdout for c in "\x1b\x07\r")
 
 
 def test_flags_show_no_value_in_help(cli: CliRunner) -> None:
