@@ -112,7 +112,10 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
     ),
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
-    EmptyPromptError: lambda e: "give the prompt as an argument, on stdin, or with -f/--jsonl",
+    EmptyPromptError: lambda e: (
+        getattr(e, "hint", None)
+        or "give the prompt as an argument, with -p, on stdin, or with -f/--jsonl"
+    ),
     BadEndpointError: lambda e: (
         f"give {llmrun.cli.given_as('--endpoint', 'LLMRUN_ENDPOINT')} as http://HOST:PORT"
     ),

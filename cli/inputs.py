@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
-from llmrun.runners.errors import BadRequestError, EmptyPromptError, long_integer
+from llmrun.runners.errors import BadRequestError, EmptyPromptError, OptionError, long_integer
 from llmrun.runners.files import output_file_problem, read_option_file
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
@@ -140,6 +140,11 @@ def collect_jobs(
             raise EmptyPromptError(f"prompt file {path}")
         jobs.append(Job(str(path), make_request(text, system=system, raw=raw, sampling=sampling)))
     if jsonl is not None:
+        if instruction and not files:  # each line holds its request: the words would go nowhere
+            raise OptionError(
+                "--jsonl: each line is a whole request, so the prompt argument or -p would be"
+                " dropped (with -f, it goes before each file's text)"
+            )
         jobs.extend(read_jsonl(jsonl, system=system, raw=raw, sampling=sampling))
     if not files and jsonl is None:
         text = combine(instruction, read_stdin_if_piped())
@@ -162,6 +167,8 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
             jobs.append(Job(label, request, given_id=given_id))
         except (BadRequestError, EmptyPromptError) as e:
             jobs.append(Job(label, None, error=str(e)))
+    if not jobs:  # `<(zcat missing.gz)` too: its input lost, with no word, and exit 0
+        raise EmptyPromptError(f"JSONL file {path}", 'one request per line: {"prompt": ...}')
     return jobs
 
 

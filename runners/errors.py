@@ -102,9 +102,10 @@ class AmbiguousModelError(HubError):
 
 
 class EmptyPromptError(LlmrunError):
-    def __init__(self, where: str = "the prompt") -> None:
+    def __init__(self, where: str = "the prompt", hint: str | None = None) -> None:
         super().__init__(f"{where} is empty")
         self.where = where
+        self.hint = hint  # what to do instead, where the CLI's general one does not fit
 
 
 class ChatTemplateError(LlmrunError):

@@ -204,3 +204,40 @@ def test_dash_p_is_the_prompt_as_in_llama_cli(cli: CliRunner, fake: FakeRunner) 
     both = cli.invoke(app, ["run", "-p", "a", "b"])
     assert both.exit_code == 2
     assert "-p/--prompt: give the prompt once, as -p or as the argument" in both.stderr
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n", "\ufeff\r\n"])
+def test_a_jsonl_file_with_no_request_is_an_error_not_a_quiet_exit_0(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path, text: str
+) -> None:
+    """An empty --jsonl (or `<(zcat missing.gz)`, whose input is lost) ran nothing, said
+    nothing and exited 0, as -f and the grammar files never did."""
+    path = tmp_path / "none.jsonl"
+    path.write_text(text)
+    result = cli.invoke(app, ["run", "--jsonl", str(path)])
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f'llmrun: error: JSONL file {path} is empty (one request per line: {{"prompt": ...}})\n'
+    )
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("words", [["Summarize"], ["-p", "Summarize"]])
+def test_prompt_words_beside_jsonl_alone_are_refused_not_dropped(
+    cli: CliRunner, fake: FakeRunner, tmp_path: Path, words: list[str]
+) -> None:
+    """Each JSONL line is a whole request: the words went nowhere, silently. With -f they
+    still go before each file's text."""
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    result = cli.invoke(app, ["run", *words, "--jsonl", str(path)])
+    assert result.exit_code == 2
+    assert "--jsonl: each line is a whole request, so the prompt argument or -p" in result.stderr
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the text")
+    result = cli.invoke(app, ["run", *words, "-f", str(doc), "--jsonl", str(path)])
+    assert result.exit_code == 0, result.stderr
+    file_request, line_request = fake.requests
+    said = str(file_request.messages)
+    assert "Summarize" in said and "the text" in said
+    assert "Summarize" not in str(line_request.messages) + str(line_request.prompt)
