@@ -365,8 +365,14 @@ def test_a_fifo_dataset_is_refused_without_blocking(tmp_path: Path) -> None:
         (b'\xef\xbb\xbf{"prompt": "\xff"}\n', "line 1: not UTF-8 text (byte 15 is 0xff)"),
         (b"[1, 2", "line 1: not JSON"),
         (b'{"x": 1}', "line 1: 'prompt' is missing"),
-        (b'{"prompt": "a", "output_len": ' + b"9" * 5000 + b"}\n", "line 1: not JSON that can"),
-        (b'[{"conversations": [{"value": ' + b"9" * 5000 + b"}]}]", "not JSON that can be read"),
+        (
+            b'{"prompt": "a", "output_len": ' + b"9" * 5000 + b"}\n",
+            "line 1: holds a number of more",
+        ),
+        (
+            b'[{"conversations": [{"value": ' + b"9" * 5000 + b"}]}]",
+            "holds a number of more than 4,300 digits, past what llmrun reads",
+        ),
     ],
 )
 def test_a_bad_dataset_is_one_line_naming_the_line_or_entry(
