@@ -174,6 +174,7 @@ def test_a_fifo_without_a_writer_ends_on_a_signal(
     _, err, took = _stopped(proc, signum)
     assert proc.returncode == (130 if signum == signal.SIGINT else 143), err
     assert took < ANSWERED_S and "Traceback" not in err
+    assert err.splitlines()[-1] == "llmrun: interrupted"  # as every command says it (it said none)
 
 
 def test_a_fifo_is_read_as_its_data_arrives(

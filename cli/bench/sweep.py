@@ -280,6 +280,7 @@ def _sweep(
     if failure is not None and (stream is None or not stream.done):
         raise failure
     if stream is None:  # cancelled before a model was ready: nothing ran
+        print("llmrun: interrupted", file=sys.stderr, flush=True)  # as every command says it
         return EXIT_INTERRUPTED
     lost = writers[0].failed if writers and output.format_stdout is not None else None
     code = _report(stream, shown.skipped, sweep, cancel.is_set(), err, show, output, shown.scores)
