@@ -519,7 +519,8 @@ def test_the_bounded_template_renders_as_the_librarys() -> None:
 def test_endless_input_files_are_one_line(
     option: str, what: str, cli: CliRunner, fake: FakeRunner
 ) -> None:
-    result = cli.invoke(app, ["run", option, "/dev/zero", "hi"])
+    words = [] if option == "--jsonl" else ["hi"]  # each JSONL line holds its own prompt
+    result = cli.invoke(app, ["run", option, "/dev/zero", *words])
     assert result.exit_code == 1
     assert f"/dev/zero: the {what} is larger than 256 MiB, or does not end" in result.stderr
 
@@ -663,7 +664,10 @@ def test_a_missing_file_is_named_by_its_option_in_one_form(
     """Prompt files said `prompt file not found: PATH`, the others `FLAG: cannot read PATH`;
     then a --jsonl file was called a prompt file, and --ppl's file was called nothing."""
     missing = tmp_path / "none"
-    command = ["bench", "-r", "1", "-p", "8", "-n", "0"] if option == "--ppl" else ["run", "hi"]
+    command = {
+        "--ppl": ["bench", "-r", "1", "-p", "8", "-n", "0"],
+        "--jsonl": ["run"],  # each line holds its own prompt
+    }.get(option, ["run", "hi"])
     result = cli.invoke(app, [*command, option, str(missing)])
     assert result.exit_code == 1
     assert result.stderr == f"llmrun: error: {what} {missing}: No such file or directory\n"
