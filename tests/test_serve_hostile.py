@@ -931,6 +931,30 @@ def test_on_loopback_only_loopback_host_names_are_answered(
 
 
 @pytest.mark.parametrize(
+    "name",
+    [b"127.0.0.1%2eattacker%2ecom", b"127.0.0.1%00.evil.com", b"127.0.0.1%41", b"127.0.0.1%2e"],
+)
+def test_a_name_with_percent_after_a_loopback_address_is_a_foreign_name(
+    server: Server, name: bytes
+) -> None:
+    """Any Host starting `127.0.0.1%` was loopback (200): the check cut a zone off every name.
+    A zone belongs inside an IPv6 literal's [ ] alone (RFC 6874); such a name is a reg-name
+    with %XX in it, no address, and gets the 403 of any foreign name, as a Host header and as
+    the authority of a target in absolute-form."""
+    port = server.url.rsplit(":", 1)[1].encode()
+    for head in (
+        b"GET /v1/models HTTP/1.1\r\nHost: %s\r\n" % name,
+        b"GET http://%s:%s/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" % (name, port),
+    ):
+        status, _, body = exchange(server, head + b"Connection: close\r\n\r\n")
+        assert status == 403, (head, body)
+        assert "DNS rebinding" in json.loads(body)["error"]["message"], body
+    zone = b"GET /v1/models HTTP/1.1\r\nHost: [::1%25lo]\r\nConnection: close\r\n\r\n"
+    assert exchange(server, zone)[0] == 400  # a zone id in a Host stays refused
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
     ("header", "value", "says"),
     [
         ("Host", b"127.0.0.1:99999999999999999999", "has a port that is no number up to 65535"),
