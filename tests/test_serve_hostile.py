@@ -123,7 +123,12 @@ def small(**kw: Any) -> dict[str, Any]:
         (json.dumps(small()).encode() + b"garbage", "malformed JSON"),
         (
             b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",
-            "malformed JSON",
+            # valid JSON (RFC 8259 sets no limit): it was "malformed JSON: number out of range"
+            "the body holds a number of more than 4,300 digits, past what llmrun reads (at line 1",
+        ),
+        (
+            b'{"messages":[{"role":"user","content":"hi"}],"x":-1' + b"0" * 5000 + b".5}",
+            "the body holds a number of more than 4,300 digits",
         ),
     ],
 )
