@@ -1060,7 +1060,10 @@ def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Ser
         (b"http:///v1/models", "names no host after http://"),
         (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
         # RFC 3986 section 3.2: the authority is evil.example, never *.localhost (a 200)
-        (b"http://evil.example#.localhost/v1/models", "its host 'evil.example#.localhost' holds"),
+        (b"http://evil.example#.localhost/v1/models", "holds a fragment (#'.localhost/v1/models')"),
+        # RFC 9112 section 3.2: no fragment; the # ends the authority, so no credentials here
+        (b"http://127.0.0.1#@evil/v1/models", "holds a fragment (#'@evil/v1/models'): a request"),
+        (b"/v1/models#x", "holds a fragment (#'x'): a request target has none (RFC 9112"),
         (b"http://evil.example\\.localhost/v1/models", "holds '\\\\', which is no character"),
         (b"http://[::1]x/v1/models", "has more than a :port after the ]"),
     ):

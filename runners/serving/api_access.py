@@ -234,6 +234,11 @@ def origin_form(scope: Scope) -> Scope | str:
     method = scope["method"]
     if method == "CONNECT":
         return f"CONNECT {target!a}: this server is no proxy and opens no tunnel"
+    if "#" in target:  # `http://127.0.0.1#@evil/`: the # ends the authority, not the @
+        return (
+            f"the request target {target!a} holds a fragment (#{target.partition('#')[2]!a}):"
+            " a request target has none (RFC 9112 section 3.2), a client keeps it to itself"
+        )
     if target.startswith("/") or (target == "*" and method == "OPTIONS"):
         return scope
     if target == "*":
