@@ -17,7 +17,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving import figures as f
 from llmrun.runners.serving.load import ServingLevel
 
-from .stub_server import bench_against_stub
+from .stub_server import WORDS, RawJSON, bench_against_stub, stub_server
 
 # ---- each definition on synthetic time stamps --------------------------------------------
 
@@ -251,3 +251,31 @@ def test_an_slo_from_nothing_to_past_a_day_is_refused(value: str) -> None:
     with pytest.raises(OptionError, match="from 0 to a day"):
         parse_slo(f"ttft:{value}")
     assert parse_slo("ttft:86400000,tpot:0.5") == {"ttft": 86_400.0, "tpot": 0.0005}
+
+
+def test_a_servers_figures_that_cannot_be_true_are_named_in_the_record(
+    cli: CliRunner, home: Path
+) -> None:
+    """A server sending a usage count of 5,000 digits and a prefill longer than the client's
+    TTFT: bench serve dropped them and counted chunks without a word (`run` names them). The
+    level's record names them in `server_implausible`, as run's stats do."""
+    huge = RawJSON("9" * 5000)
+    figures = {
+        "usage": {"prompt_tokens": huge, "completion_tokens": huge},
+        "timings": {"prompt_n": 5, "prompt_ms": 1e9, "predicted_n": 2, "predicted_ms": huge},
+    }
+    with stub_server(figures=figures) as url:
+        args = ["--endpoint", url, "-o", "json", "--num-prompts", "2", "--warmup", "0"]
+        result = cli.invoke(app, ["bench", "serve", *args, "--no-history"])
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)[0]
+    assert rec["completed"] == 2 and rec["total_output_tokens"] == 2 * len(WORDS)  # chunks
+    notes = " ".join(rec["server_implausible"])
+    assert "completion_tokens 999999999999... (5,000 digits) is no count" in notes, notes
+    assert "prompt_ms" in notes, notes
+
+
+def test_a_level_without_such_figures_has_no_implausible_field(cli: CliRunner, home: Path) -> None:
+    result = bench_against_stub(cli, "--num-prompts", "2", "--warmup", "0", "--no-history")
+    assert result.exit_code == 0, result.output
+    assert "server_implausible" not in json.loads(result.stdout)[0]

@@ -123,7 +123,12 @@ def small(**kw: Any) -> dict[str, Any]:
         (json.dumps(small()).encode() + b"garbage", "malformed JSON"),
         (
             b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}",
-            "malformed JSON",
+            # valid JSON (RFC 8259 sets no limit): it was "malformed JSON: number out of range"
+            "the body holds a number of more than 4,300 digits, past what llmrun reads (at line 1",
+        ),
+        (
+            b'{"messages":[{"role":"user","content":"hi"}],"x":-1' + b"0" * 5000 + b".5}",
+            "the body holds a number of more than 4,300 digits",
         ),
     ],
 )
@@ -931,6 +936,30 @@ def test_on_loopback_only_loopback_host_names_are_answered(
 
 
 @pytest.mark.parametrize(
+    "name",
+    [b"127.0.0.1%2eattacker%2ecom", b"127.0.0.1%00.evil.com", b"127.0.0.1%41", b"127.0.0.1%2e"],
+)
+def test_a_name_with_percent_after_a_loopback_address_is_a_foreign_name(
+    server: Server, name: bytes
+) -> None:
+    """Any Host starting `127.0.0.1%` was loopback (200): the check cut a zone off every name.
+    A zone belongs inside an IPv6 literal's [ ] alone (RFC 6874); such a name is a reg-name
+    with %XX in it, no address, and gets the 403 of any foreign name, as a Host header and as
+    the authority of a target in absolute-form."""
+    port = server.url.rsplit(":", 1)[1].encode()
+    for head in (
+        b"GET /v1/models HTTP/1.1\r\nHost: %s\r\n" % name,
+        b"GET http://%s:%s/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" % (name, port),
+    ):
+        status, _, body = exchange(server, head + b"Connection: close\r\n\r\n")
+        assert status == 403, (head, body)
+        assert "DNS rebinding" in json.loads(body)["error"]["message"], body
+    zone = b"GET /v1/models HTTP/1.1\r\nHost: [::1%25lo]\r\nConnection: close\r\n\r\n"
+    assert exchange(server, zone)[0] == 400  # a zone id in a Host stays refused
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
     ("header", "value", "says"),
     [
         ("Host", b"127.0.0.1:99999999999999999999", "has a port that is no number up to 65535"),
@@ -1031,7 +1060,10 @@ def test_a_target_in_absolute_form_is_served_and_its_host_is_checked(server: Ser
         (b"http:///v1/models", "names no host after http://"),
         (b"http://user:pw@127.0.0.1/v1/models", "carries credentials before its host"),
         # RFC 3986 section 3.2: the authority is evil.example, never *.localhost (a 200)
-        (b"http://evil.example#.localhost/v1/models", "its host 'evil.example#.localhost' holds"),
+        (b"http://evil.example#.localhost/v1/models", "holds a fragment (#'.localhost/v1/models')"),
+        # RFC 9112 section 3.2: no fragment; the # ends the authority, so no credentials here
+        (b"http://127.0.0.1#@evil/v1/models", "holds a fragment (#'@evil/v1/models'): a request"),
+        (b"/v1/models#x", "holds a fragment (#'x'): a request target has none (RFC 9112"),
         (b"http://evil.example\\.localhost/v1/models", "holds '\\\\', which is no character"),
         (b"http://[::1]x/v1/models", "has more than a :port after the ]"),
     ):

@@ -105,8 +105,11 @@ def local_origin(origin: str) -> bool:
 
 
 def loopback_address(address: str) -> bool:
+    """An IP address on loopback. A zone (`::1%lo`, RFC 4007) belongs to an IPv6 address
+    alone, and ipaddress reads it there; `127.0.0.1%2eevil.example` is a name with %XX in it,
+    no address (cutting it at `%` had made any such name loopback)."""
     try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return False
     mapped = getattr(ip, "ipv4_mapped", None)
@@ -231,6 +234,11 @@ def origin_form(scope: Scope) -> Scope | str:
     method = scope["method"]
     if method == "CONNECT":
         return f"CONNECT {target!a}: this server is no proxy and opens no tunnel"
+    if "#" in target:  # `http://127.0.0.1#@evil/`: the # ends the authority, not the @
+        return (
+            f"the request target {target!a} holds a fragment (#{target.partition('#')[2]!a}):"
+            " a request target has none (RFC 9112 section 3.2), a client keeps it to itself"
+        )
     if target.startswith("/") or (target == "*" and method == "OPTIONS"):
         return scope
     if target == "*":

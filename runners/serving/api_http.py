@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmrun.runners.errors import json_kind
+from llmrun.runners.errors import json_kind, long_integer
 from llmrun.runners.lists import whole
 
 from .api_access import absolute_form
@@ -261,6 +261,9 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first: dict[str, Any] = dict(errors[0]) if errors else {}
     if first.get("type") == "json_invalid":
         said = f"malformed JSON: {first.get('msg', '')}".rstrip(": ")
+        if "number out of range" in said:  # valid JSON (RFC 8259 sets no limit): say what it is
+            where = said.partition("number out of range")[2].strip()
+            return f"the body holds {long_integer()}" + (f" ({where})" if where else ""), None
         if "surrogate" in said or "end of hex escape" in said:  # jiter's words for \ud800 alone
             said += f" ({LONE_SURROGATE})"
         return said, None

@@ -33,6 +33,7 @@ from llmrun.runners.stats import percentile
 
 CANCELLED = "cancelled"  # a request's error when Ctrl-C cut it: not counted as failed
 NO_OUTPUT = "no output"
+MAX_NOTES = 5  # a level keeps its first distinct errors and notes, not one per request
 
 
 def ttft_s(admitted_s: float, token_times_s: Sequence[float]) -> float | None:
@@ -84,6 +85,8 @@ class RequestResult:
     error: str | None = None
     queue_s: float | None = None  # arrival to admission (None: not measured)
     cached_tokens: int | None = None  # prompt tokens the server took from its cache (None: unsaid)
+    # the server's figures that could not be true, dropped (its output then counted in chunks)
+    implausible: tuple[str, ...] = ()
 
     @classmethod
     def timed(
@@ -186,11 +189,16 @@ class ServingMetrics:
     itl: Latency
     e2el: Latency
     queue: Latency | None = None  # None: not measured
+    # The server's figures that could not be true, left out of these (the first distinct ones)
+    implausible: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
-        """Every count and rate as its field, then each latency's vLLM fields."""
-        rec = {k: v for k, v in vars(self).items() if k not in LATENCIES}
+        """Every count and rate as its field, then each latency's vLLM fields; the server's
+        figures left out as `server_implausible`, as `run --stats json` names them."""
+        rec = {k: v for k, v in vars(self).items() if k not in (*LATENCIES, "implausible")}
         rec["errors"] = list(self.errors)
+        if self.implausible:
+            rec["server_implausible"] = list(self.implausible)
         for name in LATENCIES:
             if (latency := getattr(self, name)) is not None:
                 rec.update(latency.fields(name))
@@ -218,7 +226,7 @@ def metrics(
     return ServingMetrics(
         completed=len(done),
         failed=len(failed),
-        errors=tuple(sorted({r.error for r in failed if r.error})[:5]),
+        errors=tuple(sorted({r.error for r in failed if r.error})[:MAX_NOTES]),
         duration_s=round(duration_s, 4),
         total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
@@ -231,4 +239,5 @@ def metrics(
         itl=Latency.of([g for r in done for g in r.itl_s], percentiles),
         e2el=Latency.of([r.latency_s for r in done], percentiles),
         queue=Latency.of(queued, percentiles) if queued else None,
+        implausible=tuple(sorted({n for r in done for n in r.implausible})[:MAX_NOTES]),
     )

@@ -75,6 +75,8 @@ def send(
     if said or s.reused_tokens:  # llama-server's cache_n, OpenAI's cached_tokens, llmrun's
         result.cached_tokens = s.reused_tokens
     result.output_tokens = s.output_tokens
+    if server is not None:  # dropped by the runner: the output is then its chunks, as run says
+        result.implausible = server.implausible
     broken = s.finish_reason == FINISH_INCOMPLETE
     result.error = failure(
         error=str(server.error if server is not None else "incomplete") if broken else None,
