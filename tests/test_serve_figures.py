@@ -273,9 +273,15 @@ def test_a_servers_figures_that_cannot_be_true_are_named_in_the_record(
     notes = " ".join(rec["server_implausible"])
     assert "completion_tokens 999999999999... (5,000 digits) is no count" in notes, notes
     assert "prompt_ms" in notes, notes
+    warnings = [ln for ln in result.stderr.splitlines() if "cannot be true" in ln]
+    assert len(warnings) == len(json.loads(result.stdout))  # one a level
+    for warning in warnings:
+        assert warning.startswith("llmrun: warning: max-conc=")
+        assert "left out (output counted in stream chunks): " in warning and "prompt_ms" in warning
 
 
 def test_a_level_without_such_figures_has_no_implausible_field(cli: CliRunner, home: Path) -> None:
     result = bench_against_stub(cli, "--num-prompts", "2", "--warmup", "0", "--no-history")
     assert result.exit_code == 0, result.output
     assert "server_implausible" not in json.loads(result.stdout)[0]
+    assert "cannot be true" not in result.stderr

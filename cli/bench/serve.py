@@ -19,6 +19,7 @@ from llmrun.cli.errors import EXIT_INTERRUPTED, handled, print_error, usage_erro
 from llmrun.cli.records import OptionRecord, takes_records
 from llmrun.cli.report import Fitted, fitted
 from llmrun.cli.session import ctrl_c_cancels
+from llmrun.cli.terminal import terminal_line
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.library import max_sequences
 from llmrun.runners.lists import MAX_VALUE
@@ -310,6 +311,14 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
             for e in level.metrics.errors:
                 screen.err.print(
                     f"{level.level_text}: failed requests: {e}", markup=False, style="yellow"
+                )
+            if level.metrics.implausible:  # dropped: run --endpoint's warning, per level
+                left_out = terminal_line("; ".join(level.metrics.implausible))
+                screen.err.print(
+                    f"llmrun: warning: {level.level_text}: the server's figures that cannot be"
+                    f" true were left out (output counted in stream chunks): {left_out}",
+                    markup=False,
+                    style="yellow",
                 )
     finally:
         runner.close()
