@@ -970,6 +970,8 @@ def test_a_name_with_percent_after_a_loopback_address_is_a_foreign_name(
         ("Host", b"[::1", "opens an IPv6 address with [ and never closes it"),
         ("Host", b"[::1]x", "has more than a :port after the ] of its IP address"),
         ("Host", b"[::1 evil]", "holds more than an IP address in its [ ]"),
+        ("Host", b"[127.0.0.1]", "puts what is no IPv6 address in [ ] (RFC 3986: an IPv4"),
+        ("Host", b"[localhost]:8080", "puts what is no IPv6 address in [ ]"),
         # RFC 3986: a host name ends at none of these; read as *.localhost they were a 200
         ("Host", b"evil.example#.localhost", "holds '#', which is no character of a host name"),
         ("Host", b"evil.example\\.localhost", "holds '\\\\', which is no character"),

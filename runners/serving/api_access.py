@@ -152,6 +152,8 @@ def host_problem(host: str | None) -> str | None:
         return "has more than a :port after the ] of its IP address"
     name, port = parts
     if name.startswith("["):
+        if ":" not in name and name[1:2] not in ("v", "V"):  # [127.0.0.1] passed as loopback
+            return "puts what is no IPv6 address in [ ] (RFC 3986: an IPv4 address goes bare)"
         if not _IP_LITERAL.fullmatch(name):
             return "holds more than an IP address in its [ ]"
     elif not _REG_NAME.fullmatch(name):
