@@ -28,16 +28,20 @@ def test_version_is_one_line_and_loads_no_llama_cpp(llmrun_env: dict[str, str]) 
     assert first.startswith("llmrun ") and "llama-cpp-python " in first and "Python " in first
 
 
-@pytest.mark.model
-def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[str, str]) -> None:
-    done = subprocess.run(
+def _doctor(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [which_llmrun(), "doctor"],
-        env=llmrun_env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=HANG_S,
         stdin=subprocess.DEVNULL,
     )
+
+
+@pytest.mark.model
+def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[str, str]) -> None:
+    done = _doctor(llmrun_env)
     assert done.returncode == 0, done.stderr
     rows = {line.split(" ", 1)[0]: line for line in done.stdout.splitlines()}
     for label in (
@@ -73,14 +77,7 @@ def test_doctor_shows_a_cached_reason_as_text_not_terminal_controls(
     key = probe.probe_key("Q4_1")  # this build's, this CPU's: no home in it
     why = "\x1b[31mRED\x1b]0;title\x07 \r\nSECOND LINE"
     cache.write_text(json.dumps({key: {"safe": False, "why": why}}))
-    done = subprocess.run(
-        [which_llmrun(), "doctor"],
-        env=llmrun_env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-        stdin=subprocess.DEVNULL,
-    )
+    done = _doctor(llmrun_env)
     assert done.returncode == 0, done.stderr
     [repack] = [line for line in done.stdout.splitlines() if line.startswith("repack")]
     assert repack.endswith("(Q4_1): off: RED SECOND LINE"), repack
