@@ -216,8 +216,7 @@ class LongInteger(float):
     def __str__(self) -> str:
         return server_words(self.text)
 
-    def __repr__(self) -> str:
-        return server_words(self.text)
+    __repr__ = __str__
 
     def __reduce__(self) -> tuple[type[LongInteger], tuple[str]]:
         return LongInteger, (self.text,)
