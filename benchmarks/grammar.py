@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -128,12 +125,6 @@ class ServerDecode:
     ms_per_token: float  # predicted_per_token_ms
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -149,37 +140,12 @@ def llama_server(model: str, threads: int) -> Iterator[str]:
     sys.path.insert(0, str(ROOT))
     from tests import llama_tools
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        str(llama_tools.llama_server()),
-        *("-m", model, "-c", "1024", "-np", "1", "-t", str(threads), "-tb", str(threads)),
-        *("--host", "127.0.0.1", "--port", str(port), "--no-webui"),
-        *llama_tools.cpu_flags("llama-server", model),
-    ]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    flags = ("-c", "1024", "-np", "1", "-t", str(threads), "-tb", str(threads), "--no-webui")
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(url + "/health", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"llama-server did not start ({' '.join(cmd)})")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        with llama_tools.llama_cpp_server(model, *flags, ready_s=START_S) as url:
+            yield url
+    except RuntimeError as e:
+        sys.exit(str(e))
 
 
 def server_decode(

@@ -25,7 +25,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,12 +45,6 @@ def model_path() -> str:
     from llmrun.runners.models import default_model_path
 
     return default_model_path()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -102,21 +95,12 @@ def llmrun_serve(args: argparse.Namespace, policy: str) -> Iterator[str]:
         proc.wait(60)
 
 
-def repack_safe() -> bool:
-    """llmrun's own verdict on weight repacking for this CPU and model (AMX CPUs crash with it
-    in this llama.cpp); the reference gets the same setting llmrun serve chooses."""
-    from llmrun.runners.gguf import read_gguf
-    from llmrun.runners.probe import repack_verdict
-
-    path = model_path()
-    return repack_verdict(path, read_gguf(path).quantization).safe
-
-
 @contextlib.contextmanager
-def serving(cmd: list[str], url: str, what: str, log: Path | None = None) -> Iterator[str]:
+def serving(cmd: list[str], url: str, what: str) -> Iterator[str]:
     """A server process; yields its URL once /v1/models answers."""
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + START_S
         while True:
@@ -125,51 +109,34 @@ def serving(cmd: list[str], url: str, what: str, log: Path | None = None) -> Ite
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"{what} did not start" + (f" (its log: {log})" if log else ""))
+                    sys.exit(f"{what} did not start")
                 time.sleep(0.2)
         yield url
     finally:
         proc.terminate()
         proc.wait(60)
-        if log:
-            out.close()  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
 def reference_server(args: argparse.Namespace) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    if args.reference == "llama-server":
-        sys.path.insert(0, str(ROOT))
-        from tests import llama_tools
+    sys.path.insert(0, str(ROOT))
+    from tests import llama_tools
 
-        cmd = [
-            str(llama_tools.llama_server()),
-            "-m",
-            model_path(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "-np",
-            str(args.parallel),
-            "-c",
-            str(args.ctx * args.parallel),
-            "-t",
-            str(args.threads),
-            "-tb",
-            str(args.threads),
-            "-b",
-            str(args.batch),
-            "-ub",
-            str(args.batch),
-            "--no-webui",
-        ]
-        if not repack_safe():
-            cmd.append("--no-repack")
-        with serving(cmd, url, "llama-server", Path(args.log_dir) / "llama-server.log") as u:
-            yield u
+    if args.reference == "llama-server":
+        flags = (
+            *("-np", str(args.parallel), "-c", str(args.ctx * args.parallel)),
+            *("-t", str(args.threads), "-tb", str(args.threads)),
+            *("-b", str(args.batch), "-ub", str(args.batch), "--no-webui"),
+        )
+        log = Path(args.log_dir) / "llama-server.log"
+        try:
+            with llama_tools.llama_cpp_server(model_path(), *flags, ready_s=START_S, log=log) as u:
+                yield u
+        except RuntimeError as e:
+            sys.exit(str(e))
         return
+    port = llama_tools.free_port()
+    url = f"http://127.0.0.1:{port}"
     # llama-cpp-python's server, through tests/llama_server.py, which only turns weight
     # repacking off where llmrun's probe finds it unsafe on this CPU
     cmd = [
@@ -284,6 +251,7 @@ def main() -> int:
     ap.add_argument("--long-prompt", type=int, default=512)
     ap.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = ap.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)  # llama-server's log goes there
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers stop with it
     levels = [int(x) for x in args.concurrency.split(",")]
     cmd = bench_command()

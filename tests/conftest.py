@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from .inject.sitecustomize import (
     share_probe,
     small_bandwidth_probe,
 )
+from .llama_tools import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
@@ -350,12 +350,6 @@ class SetAfter(threading.Event):
     def is_set(self) -> bool:
         self.looks += 1
         return self.looks >= self.n or super().is_set()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SERVER_LOGS: dict[str, Path] = {}

@@ -43,8 +43,11 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -332,6 +335,56 @@ def cpu_flags(name: str, model_path: str) -> list[str]:
     it: repacking off where llmrun's probe finds it unsafe (there llama-bench and llama-server
     die with SIGSEGV or SIGILL without them), none elsewhere."""
     return [] if repack_safe(model_path) else list(REPACK_OFF[name])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def llama_cpp_server(
+    model: str, *flags: str, ready_s: float, log: Path | None = None
+) -> Iterator[str]:
+    """llama.cpp's llama-server from the same sources (built on first use) with `flags`, on a
+    free loopback port, with the flags this CPU needs (cpu_flags: without them it died by
+    SIGILL at its first prompt on an AMX CPU); yields its URL once /health answers 200. Its
+    output goes to `log` (else nowhere); RuntimeError if it exits or is not ready in
+    `ready_s`."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        str(llama_server()),
+        *("-m", model, *flags, "--host", "127.0.0.1", "--port", str(port)),
+        *cpu_flags("llama-server", model),
+    ]
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            deadline = time.monotonic() + ready_s
+            while True:
+                with (
+                    contextlib.suppress(OSError),
+                    urllib.request.urlopen(url + "/health", timeout=5),
+                ):
+                    break  # urlopen raises for anything but 2xx
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = "exited" if proc.poll() is not None else f"not ready in {ready_s:.0f} s"
+                    raise RuntimeError(
+                        f"llama-server {why} ({shlex.join(argv)})"
+                        + (f"; its log: {log}" if log else "")
+                    )
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
 
 
 def answer_probe(model_path: str, *, safe: bool) -> None:

@@ -296,7 +296,8 @@ def test_the_chosen_tokens_logprob_matches_llama_servers(
 ) -> None:
     """Greedy, the same prompt: the same tokens, each with llama-server's log probability
     (its default: the model's probabilities before the samplers) within rounding."""
-    from .test_serve_timings import llama_cpp_server
+    from .llama_tools import llama_cpp_server
+    from .test_serve_timings import ONE_SLOT
 
     body = chat(ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
 
@@ -305,7 +306,7 @@ def test_the_chosen_tokens_logprob_matches_llama_servers(
         entries: list[dict[str, Any]] = answer["choices"][0]["logprobs"]["content"]
         return entries
 
-    with llama_cpp_server(model_path) as url:
+    with llama_cpp_server(model_path, *ONE_SLOT, ready_s=HANG_S) as url:
         theirs = content(url)
     with llmrun_serve(serve_env, "-np", "1", "--no-dashboard") as s:
         ours = content(s.url)

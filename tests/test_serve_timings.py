@@ -7,10 +7,7 @@ llama-server on first use).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +17,12 @@ import pytest
 
 from llmrun.runners.serving.api_engine import RequestTimings
 
-from .conftest import HANG_S, free_port
+from .conftest import HANG_S
+from .llama_tools import llama_cpp_server
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
+
+# llama-server as these comparisons start it: one slot of 512 tokens, one thread
+ONE_SLOT = ("-c", "512", "-np", "1", "-t", "1")
 
 # llama-server's fields, in its order; draft_n and draft_n_accepted only when speculating.
 LLAMA_SERVER_FIELDS = (
@@ -177,42 +178,6 @@ def test_an_answer_ended_by_the_end_of_generation_token_counts_it(server: Server
 # ---- beside llama.cpp's own llama-server -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def llama_cpp_server(model: str) -> Iterator[str]:
-    """llama.cpp's llama-server from the same sources (built on first use), one slot."""
-    from . import llama_tools
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            str(llama_tools.llama_server()),
-            *("-m", model, "-c", "512", "-np", "1", "-t", "1"),
-            *("--host", "127.0.0.1", "--port", str(port)),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + HANG_S
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            assert proc.poll() is None, "llama-server exited"
-            assert time.monotonic() < deadline, "llama-server never became ready"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def answers(url: str) -> list[dict[str, Any]]:
     """The `timings` and `usage` of a whole answer, a second one with the same prompt (its
     prefix cached), and a stream's, from the server at `url`."""
@@ -234,7 +199,7 @@ def test_the_fields_and_meanings_match_a_real_llama_server(
     serve_env: dict[str, str],  # noqa: F811
     model_path: str,
 ) -> None:
-    with llama_cpp_server(model_path) as url:
+    with llama_cpp_server(model_path, *ONE_SLOT, ready_s=HANG_S) as url:
         theirs = answers(url)
     with llmrun_serve(serve_env, "-np", "1", "--no-dashboard") as s:
         ours = answers(s.url)
