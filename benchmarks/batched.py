@@ -33,7 +33,7 @@ from llmrun.runners.serving.batching import Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.llama_tools import llama_batched_bench
+from tests.llama_tools import cpu_flags, llama_batched_bench
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def engine_run(engine: BatchedEngine, npp: int, ntg: int, n_seq: int, seed: int)
 def batched_bench_argv(
     path: str, args: argparse.Namespace, threads: int, fa: str, *, ctx: int
 ) -> list[str]:
-    """llama-batched-bench's command line for these settings (kv_layout.py's too)."""
+    """llama-batched-bench's command line for these settings (kv_layout.py's too), with the
+    flags this CPU needs (repacking off where llmrun's probe forbids it: on an AMX CPU the tool
+    died by SIGILL without them)."""
     return [
         str(llama_batched_bench()),
         "-m",
@@ -83,6 +85,7 @@ def batched_bench_argv(
         fa,
         "-ngl",
         str(args.ngl),
+        *cpu_flags("llama-batched-bench", path),
     ]
 
 

@@ -435,6 +435,10 @@ class Options:
     input_len: int = 256
     output_len: int = 64
     cpu_shape: str | None = "1b"  # the host's CPU, -ngl 0: None skips it
+    # weight repacking on that CPU row, the same for both tools: off on a host with AMX, where
+    # llama.cpp's repacked AMX kernels (in llama-cpp-python 0.3.36) die by SIGILL at the first
+    # batch of more than one token, as llmrun's probe finds (host_has_amx)
+    cpu_repack: bool = True
     # the KV layouts' step (on serve_shape): kept small, the whole check fits in ~9 minutes
     kv_levels: tuple[int, ...] = (8, 32)
     kv_input_len: int = 64
@@ -592,6 +596,8 @@ def plan(arch: str, layout: Layout, opts: Options, wheels: Sequence[str]) -> lis
             fa,
             "-t",
             str(opts.jobs),
+            "--repack",
+            "1" if opts.cpu_repack else "0",
             "-o",
             "jsonl",
         )
@@ -1016,6 +1022,20 @@ def _text(value: str | bytes | None) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
 
 
+def host_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this host's CPU has AMX tiles (an Intel Xeon since Sapphire Rapids): llama-bench's
+    CPU row then runs with repacking off, for both tools (Options.cpu_repack)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return False
+    return any(
+        "amx_tile" in line.split(":", 1)[1].split()
+        for line in text.splitlines()
+        if line.startswith("flags")
+    )
+
+
 def check(args: argparse.Namespace) -> int:
     layout = Layout(Path(args.bundle).resolve(), Path(args.work).resolve())
     opts = Options(
@@ -1023,6 +1043,7 @@ def check(args: argparse.Namespace) -> int:
         reps=args.reps,
         jobs=args.jobs or os.cpu_count() or 4,
         shapes=tuple(args.shapes.split(",")),
+        cpu_repack=not host_has_amx(),
     )
     arch = args.cuda_arch and args.cuda_arch + ("" if "-" in args.cuda_arch else "-real")
     log = Log(os.environ.get("OUT") if not args.dry_run else None)

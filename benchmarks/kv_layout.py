@@ -65,12 +65,24 @@ class Measured:
     ref_step_ms: list[float]
 
 
+def _levels(text: str) -> str:
+    """--npl: one sequence has one KV layout (the assert that both were made always failed
+    at B=1), so every B is at least 2."""
+    try:
+        ok = all(int(x) >= 2 for x in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers of at least 2, as 8,32")
+    return text
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--npp", type=int, default=64)
     ap.add_argument("--ntg", type=int, default=32)
-    ap.add_argument("--npl", default="8,32")
+    ap.add_argument("--npl", type=_levels, default="8,32", help="Bs of 2 or more, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--ngl", type=int, default=99)

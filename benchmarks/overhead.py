@@ -111,6 +111,7 @@ def versus_llama_bench(model: str, threads: int, flash_attn: str, rounds: int) -
             "128",
             "-r",
             "3",
+            *llama_tools.cpu_flags("llama-bench", model),  # as llmrun's probe decides its own
         ],
         rounds,
         str(binary),

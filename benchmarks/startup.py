@@ -13,7 +13,9 @@ them alike; the table shows the median (min-max) and the median's ratio to `pyth
 - `llmrun bench -r 0 -p 16 -n 4` and `llama-bench -r 0 -p 16 -n 4` on the same model, exec to
   exit (target: llmrun within 1 s of llama-bench), when llama-bench is built (`make
   llama-bench`, LLMRUN_TOOLS_DIR or LLAMA_BENCH); otherwise the table says why they are
-  missing. --flags adds the same flags to both (e.g. `--repack 0` on a CPU with AMX);
+  missing. llama-bench gets the flags this CPU needs, as llmrun's probe decides them for
+  `llmrun bench` (`--repack 0` on a CPU with AMX, where it died by SIGILL without); --flags
+  adds the same flags to both;
 - `llmrun run` last line to exit: from the last byte `llmrun run -n 1` writes (its stats on
   stderr) to its exit, the time a shell waits after the answer is on the screen.
 
@@ -184,8 +186,9 @@ def main() -> int:
                 args.bench_reps,
             )
     if llama_bench is not None:
+        cpu = llama_tools.cpu_flags("llama-bench", model)
         cases["llama-bench -r 0 -p 16 -n 4"] = (
-            partial(wall, [llama_bench, *bench_line]),
+            partial(wall, [llama_bench, *bench_line, *cpu]),
             args.bench_reps,
         )
 

@@ -12,6 +12,9 @@ only ever slows a repetition down, so the best repetitions are the figure least 
 as timeit takes the fastest of its runs; the means show how much the noise moved.
 
     .venv/bin/python benchmarks/vs_llama_bench.py [--rounds 3] [--threads 2] [--repack 1]
+
+--repack defaults to what llmrun's probe allows on this CPU: 1, or 0 on a CPU with AMX, where
+llama-bench dies by SIGILL with repacking on (tests/llama_tools.cpu_flags).
 """
 
 from __future__ import annotations
@@ -78,10 +81,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--repack", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--repack", type=int, choices=(0, 1), default=None)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     model = args.model or default_model_path()
+    safe = not llama_tools.cpu_flags("llama-bench", model)
+    if args.repack is None:
+        args.repack = int(safe)
+    elif args.repack and not safe:
+        ap.error("--repack 1: llmrun's probe found repacking unsafe on this CPU (llama-bench dies)")
     print(
         f"model {Path(model).name}, {args.threads} threads, batch {args.batch}, repack"
         f" {args.repack}, {args.reps} repetitions"

@@ -739,6 +739,26 @@ def test_the_plan_builds_for_the_gpu_then_measures_both_tools_with_the_same_flag
     assert not any(s.key.startswith("cpu") for s in off)
 
 
+def test_the_cpu_row_turns_repacking_off_for_both_tools_on_a_host_with_amx(
+    tmp_path: Path,
+) -> None:
+    """The CPU row ran llama-bench with repacking on (its default): on an Intel Xeon with AMX
+    it dies by SIGILL there (tests/llama_tools.cpu_flags), and llmrun's probe would have
+    turned it off for llmrun alone. Both tools now get the same --repack, read from the host's
+    CPU flags."""
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_tilex\nbugs\t: amx_tile\n")
+    assert gpu.host_has_amx(str(amx)) and not gpu.host_has_amx(str(plain))
+    assert not gpu.host_has_amx(str(tmp_path / "missing"))
+    for repack, flag in ((False, "0"), (True, "1")):
+        opts = gpu.Options(python="py", cpu_repack=repack)
+        rows = [s for s in gpu.plan("90-real", LAYOUT, opts, []) if s.key.startswith("cpu")]
+        assert len(rows) == 3  # B A B
+        assert all(s.argv[s.argv.index("--repack") + 1] == flag for s in rows), rows
+    assert gpu.Options().cpu_repack  # the plain default; check() reads the host's flags
+
+
 def _jsonl(*rows: dict[str, Any]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
