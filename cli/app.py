@@ -158,15 +158,25 @@ def _plain_conversions(command: Any) -> None:
 
 
 def _begin(command: Any, ctx: Any) -> None:
-    """The command's own code begins: note which values came from the environment, and arm
-    the signals (its modules are imported and its options parsed)."""
+    """The command's own code begins: note which values came from the environment, have the
+    wait for a FIFO's writer said on stderr, and arm the signals (its modules are imported and
+    its options parsed)."""
     llmrun.cli.from_environment = frozenset(
         flag
         for param in command.get_params(ctx)
         if getattr(ctx.get_parameter_source(param.name), "name", "") == "ENVIRONMENT"
         for flag in param.opts
     )
+    from llmrun.runners import files
+
+    files.on_writer_wait = _say_writer_wait
     llmrun.cli.command_started()
+
+
+def _say_writer_wait(path: str, flag: str) -> None:
+    from .terminal import say, terminal_line
+
+    say(terminal_line(f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop"))
 
 
 @contextlib.contextmanager

@@ -23,10 +23,10 @@ import errno
 import os
 import select
 import stat
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +35,16 @@ from .errors import BadRequestError, CancelledError
 READ_CHUNK = 2**20  # bytes read between two looks at `cancel`
 POLL_MS = 100  # a pipe without data is looked at again this often
 WRITER_WAIT_S = 1.0  # a FIFO without a writer this long is said to wait for one
+
+
+def _quiet(path: str, flag: str) -> None:
+    pass
+
+
+# Told once, with the FIFO's path and the option that named it, when a named FIFO has had no
+# writer for WRITER_WAIT_S. runners/ writes nothing to a terminal: the CLI sets what it says
+# (cli/app.py), and a library caller waits in silence.
+on_writer_wait: Callable[[str, str], None] = _quiet
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -193,8 +203,8 @@ def read_capped(
     O_NONBLOCK, a FIFO or pipe (`<(zcat …)`, /dev/stdin) read by a poll that times out as its
     data arrives, in chunks that each end with a look at `cancel` (CancelledError once it is
     set), so a signal ends the wait for a writer that never comes or never finishes; a named
-    FIFO with no writer for WRITER_WAIT_S is said, once, on stderr, to wait for one as the
-    option `flag` named it (a pipe with an idle writer, `<(sleep 9)`, is not). `regular`
+    FIFO with no writer for WRITER_WAIT_S is told, once, to `on_writer_wait` with the option
+    `flag` that named it (a pipe with an idle writer, `<(sleep 9)`, is not). `regular`
     (a sysfs counter): anything else (a FIFO, a device) is an OSError naming it, NOT_REGULAR.
     Raises OSError for what cannot be opened or read (a folder: IsADirectoryError) and
     FileTooLargeError past `max_bytes` (/dev/zero never ends)."""
@@ -224,8 +234,7 @@ def read_capped(
             elif flag and time.monotonic() - since > WRITER_WAIT_S:
                 # a named FIFO that no writer has opened: no POLLHUP, and read() says 0 (an
                 # idle writer's says EAGAIN)
-                said = f"llmrun: waiting for a writer on FIFO {path} ({flag}); Ctrl-C to stop"
-                print(said, file=sys.stderr, flush=True)
+                on_writer_wait(str(path), flag)
                 flag = None
     finally:
         os.close(fd)

@@ -92,8 +92,19 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_runners_never_touch_the_terminal() -> None:
+    """No terminal library, no print() and no sys.stdout/sys.stderr in runners/: what a person
+    is told goes through a hook the CLI sets (files.on_writer_wait, library.on_abort)."""
     for path in (ROOT / "runners").rglob("*.py"):
         assert not _imports(path) & {"typer", "rich", "click"}, path
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = path.relative_to(ROOT)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "print", f"{name}:{node.lineno} prints"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                named = f"{node.value.id}.{node.attr}"
+                if str(name) == "runners/library.py":
+                    continue  # it flushes what the CLI wrote before llama.cpp's abort ends all
+                assert named not in ("sys.stdout", "sys.stderr"), f"{name}:{node.lineno} {named}"
 
 
 def test_cli_engine_is_the_one_place_runners_are_made() -> None:

@@ -8,6 +8,7 @@ as they fail with ENOSPC on a full file system); the child runs the CLI on the f
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import select
@@ -580,6 +581,40 @@ def test_a_fifo_without_a_writer_says_it_waits_once(
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines().count(_waiting(fifo, flag)) == 1, result.stderr
     assert len(fake.requests) == 1
+
+
+def test_the_wait_for_a_fifos_writer_is_said_by_the_cli_alone(
+    tmp_path: Path, cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runners/ tells the wait to a hook and writes nothing itself (a library caller waits in
+    silence: the hook's default); the CLI says it with the FIFO's name made safe for a terminal: a name holding a
+    window-title sequence reached the terminal raw."""
+    import llmrun.runners.files as files
+
+    monkeypatch.setattr(files, "WRITER_WAIT_S", 0.05)
+    monkeypatch.setattr(files, "on_writer_wait", files.on_writer_wait)
+    fifo = tmp_path / "in\x1b]0;owned\x07.fifo"
+    os.mkfifo(fifo)
+
+    def writer() -> threading.Thread:
+        thread = threading.Thread(target=_write_once_opened, args=(fifo, "hi", 0.5), daemon=True)
+        thread.start()
+        return thread
+
+    told: list[tuple[str, str]] = []
+    monkeypatch.setattr(files, "on_writer_wait", lambda *said: told.append(said))
+    library = writer()
+    with contextlib.redirect_stderr(io.StringIO()) as written:
+        assert files.read_capped(fifo, max_bytes=9, flag="-f") == b"hi"
+    library.join()
+    assert (told, written.getvalue()) == ([(str(fifo), "-f")], "")
+    cli_writer = writer()
+    result = cli.invoke(app, ["run", "-f", str(fifo)])
+    cli_writer.join()
+    assert result.exit_code == 0, result.stderr
+    safe = _waiting(tmp_path / "in.fifo", "-f/--file")  # the whole sequence gone
+    assert result.stderr.splitlines().count(safe) == 1, result.stderr
+    assert "\x1b" not in result.stderr
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
