@@ -340,6 +340,25 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
 
 
+def test_a_number_past_the_floats_in_jsonl_is_named_as_written(
+    tmp_path: Path, cli: CliRunner, fake: FakeRunner
+) -> None:
+    """`"temperature": 1e999` said `temperature inf is out of range`: Python reads it as inf.
+    The line fails alone, naming the number as the user wrote it (a long one cut)."""
+    prompts = tmp_path / "p.jsonl"
+    long = "-1" + "0" * 400 + ".5"
+    lines = ('"temperature": 1e999', f'"top_p": {long}', '"temperature": 1e-999')
+    prompts.write_text("".join(f'{{"prompt": "a", {line}}}\n' for line in lines))
+    result = cli.invoke(app, ["run", "-q", "--jsonl", str(prompts)])
+    assert result.exit_code == 1
+    errors = [x for x in result.stderr.splitlines() if x.startswith("llmrun: error")]
+    assert len(errors) == 2, result.stderr
+    assert "holds 1e999, a number past the largest float (1.8e308)" in errors[0], errors
+    assert "holds -10000000000…(404 characters), a number past" in errors[1], errors
+    assert "inf" not in result.stderr
+    assert len(fake.requests) == 1  # 1e-999 is 0.0, a temperature like any other
+
+
 def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
     tmp_path: Path, llmrun_env: dict[str, str]
 ) -> None:
