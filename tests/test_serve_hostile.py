@@ -172,6 +172,18 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
         ),
         (
             CHAT,
+            small(stream_options={"include_usage": True}),
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "stream": False, "stream_options": {}},
+            "only allowed when 'stream' is enabled",
+            "stream_options",
+        ),
+        (
+            CHAT,
             small(stream_options={"include_usage": 1}, stream=True),
             "stream_options.include_usage",
             "stream_options.include_usage",
@@ -1024,6 +1036,23 @@ def test_a_second_origin_header_is_400_as_a_second_host_is(server: Server, secon
         lambda: sum("models 400 Origin sent 2" in line for line in server.lines[logged:]) >= 2,
         "its log lines",
     )
+    still_serving(server)
+
+
+@pytest.mark.parametrize("version", [b"2.0", b"3.0", b"0.9"])
+def test_a_request_line_of_another_major_http_version_is_505(
+    server: Server, version: bytes
+) -> None:
+    """`GET /v1/models HTTP/2.0` was served as HTTP/1.1 (h11 reads any digit.digit); RFC 9110
+    section 15.6.6: 505 for a major version the server does not speak. A later minor version
+    of 1 is served as 1.1 (RFC 9110 section 2.5), and 1.0 as itself."""
+    head = b"GET /v1/models HTTP/%s\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    status, _, body = exchange(server, head % version)
+    assert status == 505, body
+    message = json.loads(body)["error"]["message"]
+    assert message.startswith(f"HTTP/{version.decode()} is not served here"), message
+    for served in (b"1.0", b"1.1", b"1.9"):
+        assert exchange(server, head % served)[0] == 200, served
     still_serving(server)
 
 

@@ -300,6 +300,11 @@ class AccessGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        version = scope.get("http_version", "1.1")
+        if not version.startswith("1."):  # h11 reads any d.d; RFC 9110 section 15.6.6
+            message = f"HTTP/{version} is not served here: this server speaks HTTP/1.1 and 1.0"
+            await self.forbidden(505, message)(scope, receive, send)
+            return
         target = origin_form(scope)
         if isinstance(target, str):
             await self.forbidden(400, target)(scope, receive, send)

@@ -61,6 +61,7 @@ HTTP_OUTCOMES = {
     431: "too_large",
     499: "cancelled",
     503: "too_many_connections",
+    505: "bad_request",  # a client's HTTP/2.0 request line: its fault, not the server's
 }
 
 

@@ -188,6 +188,12 @@ class _Body(BaseModel):
                 f"Unrecognized request {arguments} supplied: {', '.join(unknown)}"
             )
         if self.stream_options is not None:
+            if not self.stream:  # OpenAI's words; vLLM refuses it too
+                error = BadRequestError(
+                    "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+                )
+                error.param = "stream_options"
+                raise error
             self.stream_options.check()
         for name, what in UNSERVED.items():
             value = extra.get(name)
