@@ -561,15 +561,22 @@ def _waiting(fifo: Path, flag: str) -> str:
     return f"llmrun: waiting for a writer on FIFO {fifo} ({flag}); Ctrl-C to stop"
 
 
+def _open_files() -> set[str]:
+    """What this process's descriptors name. Each is read alone: the listing's own descriptor
+    is closed by the time it is read, and an error there hid every later one (the FIFO's,
+    whenever its number was higher: each such test waited out SAID_S)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            names.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return names
+
+
 def _write_once_opened(fifo: Path, text: str, after_s: float) -> None:
     """Write `text` into `fifo` `after_s` after this process has opened it to read (or has
     waited SAID_S in the open)."""
     deadline = time.monotonic() + SAID_S
-    while time.monotonic() < deadline:
-        fds = Path("/proc/self/fd")
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) == str(fifo) for fd in fds.iterdir()):
-                break
+    while time.monotonic() < deadline and str(fifo) not in _open_files():
         time.sleep(0.01)
     time.sleep(after_s)
     fifo.write_text(text)
