@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmrun.runners.base import ChatMessage, Request, SamplingParams
-from llmrun.runners.errors import BadRequestError, EmptyPromptError, OptionError, long_integer
+from llmrun.runners.errors import (
+    STRICT_JSON,
+    BadRequestError,
+    EmptyPromptError,
+    OptionError,
+    long_integer,
+)
 from llmrun.runners.files import output_file_problem, read_option_file
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
 
@@ -173,26 +178,12 @@ def read_jsonl(path: Path, *, system: str | None, raw: bool, sampling: SamplingP
     return jobs
 
 
-def _not_json(name: str) -> Any:
-    """Python reads NaN, Infinity and -Infinity; RFC 8259 has no such numbers."""
-    raise BadRequestError(f"not valid JSON: {name} is not a JSON number (RFC 8259)")
-
-
-def _finite(text: str) -> float:
-    """RFC 8259 sets no range, Python reads 1e999 as inf: named as written, never as `inf`."""
-    value = float(text)
-    if math.isinf(value):
-        shown = text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
-        raise BadRequestError(f"holds {shown}, a number past the largest float (1.8e308)")
-    return value
-
-
 def parse_jsonl_line(
     line: str, *, system: str | None, raw: bool, sampling: SamplingParams
 ) -> tuple[Request, str | int | None]:
     """One JSON Lines request and its "id" (None without one)."""
     try:
-        obj: Any = json.loads(line, parse_constant=_not_json, parse_float=_finite)
+        obj: Any = json.loads(line, **STRICT_JSON)
     except json.JSONDecodeError as e:
         raise BadRequestError(
             f"not valid JSON: {e.msg.removesuffix(' at')} (column {e.colno})"

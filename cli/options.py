@@ -24,7 +24,7 @@ import typer
 import llmrun.cli
 from llmrun.runners.base import DEFAULT_TIMEOUT_S, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import BadRequestError, OptionError, long_integer, not_utf8
+from llmrun.runners.errors import STRICT_JSON, BadRequestError, OptionError, long_integer, not_utf8
 from llmrun.runners.files import read_option_file
 from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
 from llmrun.runners.lists import whole
@@ -487,11 +487,13 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
     )
     if grammar is None:
         try:
-            schema = json.loads(text)
+            schema = json.loads(text, **STRICT_JSON)
         except (json.JSONDecodeError, RecursionError) as e:
             raise BadRequestError(f"{flag} {path}: not JSON ({e})") from None
         except ValueError:
             raise BadRequestError(f"{flag} {path}: {long_integer()}") from None
+        except BadRequestError as e:  # NaN, 1e999
+            raise BadRequestError(f"{flag} {path}: {e}") from None
         try:
             text = schema_grammar(schema, "schema")
         except BadRequestError as e:

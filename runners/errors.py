@@ -6,7 +6,9 @@ text and exit codes. Nothing here knows about the terminal.
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Any
 
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
 
@@ -28,6 +30,25 @@ def long_integer() -> str:
     """The words for valid JSON that json.loads refuses with a plain ValueError: an integer of
     more digits than Python's int reads (RFC 8259 sets no limit; sys.get_int_max_str_digits)."""
     return f"a number of more than {sys.get_int_max_str_digits():,} digits, past what llmrun reads"
+
+
+def _no_constant(name: str) -> Any:
+    """Python reads NaN, Infinity and -Infinity; RFC 8259 has no such numbers."""
+    raise BadRequestError(f"not valid JSON: {name} is not a JSON number (RFC 8259)")
+
+
+def _finite(text: str) -> float:
+    """RFC 8259 sets no range and Python reads 1e999 as inf: named as written, never as inf."""
+    value = float(text)
+    if math.isinf(value):
+        shown = text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
+        raise BadRequestError(f"holds {shown}, a number past the largest float (1.8e308)")
+    return value
+
+
+# json.loads's hooks for JSON from a user's file (--jsonl, --json-schema): RFC 8259's numbers
+# only, each one a float can hold
+STRICT_JSON: dict[str, Any] = {"parse_constant": _no_constant, "parse_float": _finite}
 
 
 def not_utf8(e: UnicodeDecodeError, before: int = 0) -> str:

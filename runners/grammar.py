@@ -960,7 +960,10 @@ def _check_schema(schema: Any, where: str, root: dict[str, Any]) -> None:
 
 
 def _said(value: Any) -> str:
-    """A value for a message: a short JSON scalar as written, anything else by its kind."""
+    """A value for a message: a short JSON scalar as written, anything else by its kind (1e999,
+    which Python reads as inf, as what it is, never as Infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return "a number past the largest float"
     said = "" if isinstance(value, list | dict) else json.dumps(value)
     return said if 0 < len(said) <= 40 else json_kind(value)
 
@@ -1060,7 +1063,7 @@ def _counts(schema: dict[str, Any], least: str, most: str, where: str) -> None:
     for key in (k for k in (least, most) if k in schema):
         value = schema[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise BadRequestError(f"{where}.{key}: a count of at least 0")
+            raise BadRequestError(f"{where}.{key}: a whole count of at least 0, not {_said(value)}")
         if value > MAX_REPEAT:
             raise BadRequestError(
                 f"{where}.{key}: at most {MAX_REPEAT:,} (the grammar spells it out)"

@@ -65,6 +65,14 @@ def test_the_grammar_reaches_the_runners_sampling(
             '{"maxLength": ' + "9" * 5000 + "}",
             "long.json: a number of more than 4,300",
         ),
+        # Python reads 1e999 as inf and NaN as nan: named as written, not "a count of at least 0"
+        ("inf.json", '{"maxLength": 1e999}', "inf.json: holds 1e999, a number past the largest"),
+        ("nan.json", '{"maxLength": NaN}', "nan.json: not valid JSON: NaN is not a JSON number"),
+        (
+            "half.json",
+            '{"minLength": 2.5}',
+            "schema.minLength: a whole count of at least 0, not 2.5",
+        ),
         ("dq.json", '{"type": "string", "pattern": "^a**$"}', "schema.pattern: a pattern repeats"),
         ("d.json", '{"type": "string", "pattern": "^\\\\d+$"}', "schema.pattern: a pattern's"),
         ("broken.gbnf", 'root ::= "a" ((\n', "grammar parser refuses the grammar: expecting ')'"),

@@ -97,6 +97,9 @@ def test_text_asks_for_no_grammar_and_json_asks_for_one() -> None:
         ({"anyOf": ["x" * 10**5]}, "anyOf.0: a schema is an object, not a string"),
         # what the grammar would write is no JSON: `Infinity`, a raw quote, tab or backslash
         ({"enum": [1e999]}, "enum: a number past the floats (1e999) or NaN is no JSON value"),
+        # a count past the floats (1e999 reads as inf) was "a count of at least 0"
+        ({"maxItems": 1e999}, "maxItems: a whole count of at least 0, not a number past the"),
+        ({"minLength": "3"}, 'minLength: a whole count of at least 0, not "3"'),
         ({"type": "object", "properties": {"a": {"const": [-1e999]}}}, "properties.a.const: a"),
         *(
             ({"type": "string", "pattern": p}, "pattern: a pattern that can write a quote")
