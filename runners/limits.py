@@ -74,21 +74,34 @@ def max_threads() -> int:
     return min(GGML_MAX_THREADS, 4 * logical_cpus())
 
 
+def _shown(value: Any) -> str:
+    """A setting's value in a message: as written, cut when long (a 400-digit integer from a
+    --jsonl line), and a float past the largest (JSON's 1e999, read as inf) as what it is."""
+    if isinstance(value, float) and math.isinf(value):
+        return "a number past the largest float"
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
+
+
 def _int_in(where: str, name: str, value: Any, low: int, high: int, why: str = "") -> None:
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SettingError(where, f"{name} must be a whole number, not {value!r}", name)
+        raise SettingError(where, f"{name} must be a whole number, not {_shown(value)}", name)
     if not low <= value <= high:
         extra = f" ({why})" if why else ""
-        raise SettingError(where, f"{name} {value} is out of range {low}..{high}{extra}", name)
+        raise SettingError(
+            where, f"{name} {_shown(value)} is out of range {low}..{high}{extra}", name
+        )
 
 
 def _float_in(where: str, name: str, value: Any, low: float, high: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise SettingError(where, f"{name} must be a number, not {value!r}", name)
-    if not (math.isfinite(value) and low <= value <= high):
-        raise SettingError(where, f"{name} {value} is out of range {low:g}..{high:g}", name)
+        raise SettingError(where, f"{name} must be a number, not {_shown(value)}", name)
+    # an int is finite however long (math.isfinite raised OverflowError past the floats: an
+    # internal error that ended a whole --jsonl run)
+    if not ((isinstance(value, int) or math.isfinite(value)) and low <= value <= high):
+        raise SettingError(where, f"{name} {_shown(value)} is out of range {low:g}..{high:g}", name)
 
 
 def engine_ranges() -> dict[str, tuple[int, int]]:

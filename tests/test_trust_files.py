@@ -239,6 +239,9 @@ def test_a_tuned_file_that_is_not_json_is_named_and_never_replaced(
             "digits",
             "holds a number of more than 4,300 digits, past what llmrun reads, no setting; fix or delete it",
         ),
+        # read as inf and nan, they were "n_threads must be a whole number, not inf"
+        ("1e999", "holds 1e999, a number past the largest float (1.797e308); fix or delete it"),
+        ("NaN", "not valid JSON: NaN is not a JSON number (RFC 8259); fix or delete it"),
     ],
 )
 def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path: Path) -> None:
@@ -256,6 +259,8 @@ def test_a_tuned_file_too_deep_or_a_fifo_is_named(kind: str, says: str, tmp_path
         path.write_bytes(b'{"/m.gguf": "\xe9"}')
     elif kind == "digits":  # valid JSON (RFC 8259 has no limit); Python's int reads 4,300
         path.write_text('{"/m.gguf": {"chat": {"n_threads": ' + "9" * 5000 + "}}}")
+    elif kind in ("1e999", "NaN"):
+        path.write_text(f'{{"/m.gguf": {{"chat": {{"n_threads": {kind}}}}}}}')
     else:
         os.mkfifo(path)
     with pytest.raises(SettingError) as e:
@@ -343,18 +348,28 @@ def test_a_lone_surrogate_in_jsonl_fails_its_line_only(
 def test_a_number_past_the_floats_in_jsonl_is_named_as_written(
     tmp_path: Path, cli: CliRunner, fake: FakeRunner
 ) -> None:
-    """`"temperature": 1e999` said `temperature inf is out of range`: Python reads it as inf.
-    The line fails alone, naming the number as the user wrote it (a long one cut)."""
+    """`"temperature": 1e999` said `temperature inf is out of range`: Python reads it as inf,
+    and a 401-digit integer ended the whole run with an internal error. Each line fails alone,
+    naming the number as the user wrote it (a long one cut)."""
     prompts = tmp_path / "p.jsonl"
     long = "-1" + "0" * 400 + ".5"
-    lines = ('"temperature": 1e999', f'"top_p": {long}', '"temperature": 1e-999')
+    lines = [
+        '"temperature": 1e999',
+        f'"top_p": {long}',
+        '"temperature": 1e-999',
+        # a 401-digit integer: math.isfinite raised OverflowError, an internal error (run over)
+        f'"temperature": 1{"0" * 400}',
+        f'"max_tokens": 1{"0" * 400}',
+    ]
     prompts.write_text("".join(f'{{"prompt": "a", {line}}}\n' for line in lines))
     result = cli.invoke(app, ["run", "-q", "--jsonl", str(prompts)])
     assert result.exit_code == 1
     errors = [x for x in result.stderr.splitlines() if x.startswith("llmrun: error")]
-    assert len(errors) == 2, result.stderr
-    assert "holds 1e999, a number past the largest float (1.8e308)" in errors[0], errors
+    assert len(errors) == 4, result.stderr
+    assert "holds 1e999, a number past the largest float (1.797e308)" in errors[0], errors
     assert "holds -10000000000…(404 characters), a number past" in errors[1], errors
+    assert "temperature 100000000000…(401 characters) is out of range 0..100" in errors[2]
+    assert "max_tokens 100000000000…(401 characters) is out of range 1..16777216" in errors[3]
     assert "inf" not in result.stderr
     assert len(fake.requests) == 1  # 1e-999 is 0.0, a temperature like any other
 
