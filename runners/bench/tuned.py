@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrun.runners.config import EngineConfig
-from llmrun.runners.errors import long_integer, not_utf8
+from llmrun.runners.errors import STRICT_JSON, BadRequestError, long_integer, not_utf8
 from llmrun.runners.files import FileTooLargeError, atomic_write, read_capped
 from llmrun.runners.limits import SettingError, check_engine
 from llmrun.runners.paths import config_dir
@@ -45,7 +45,7 @@ def _read_all() -> dict[str, Any]:
         if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the open for ever
             raise SettingError(str(path), "not a regular file (a FIFO, a device?); delete it")
         text = read_capped(path, max_bytes=16 * 2**20, what="tuning file").decode("utf-8")
-        data = json.loads(text)
+        data = json.loads(text, **STRICT_JSON)
     except (FileNotFoundError, NotADirectoryError):  # nothing saved (a parent may be a file)
         return {}
     except OSError as e:
@@ -64,6 +64,10 @@ def _read_all() -> dict[str, Any]:
         raise SettingError(
             str(path), "nested too deep to be tuned settings; fix or delete it"
         ) from None
+    except SettingError:
+        raise
+    except BadRequestError as e:  # NaN, or 1e999 (STRICT_JSON): no setting is either
+        raise SettingError(str(path), f"{e}; fix or delete it") from None
     except ValueError:  # valid JSON past what Python's int reads (sys.get_int_max_str_digits)
         raise SettingError(
             str(path),
