@@ -81,3 +81,17 @@ def say(line: str) -> None:
     import sys
 
     print(fold(line, terminal_width()), file=sys.stderr, flush=True)
+
+
+def set_verbose(on: bool) -> None:
+    """bench -v: llama.cpp's log on stderr as it comes, made safe on a terminal (it names the
+    model file's own strings, which could clear the screen or set the window title)."""
+    from llmrun.runners import library
+
+    library.echo_log = _echo_log if on else None
+
+
+def _echo_log(line: str) -> None:
+    import os
+
+    os.write(2, (terminal_text(line) if os.isatty(2) else line).encode(errors="replace"))

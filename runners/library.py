@@ -28,12 +28,10 @@ LOG_LINES: collections.deque[str] = collections.deque(maxlen=2000)
 _lib: Any = None
 _log_callback: Any = None  # kept referenced: llama.cpp holds a raw pointer to it
 _abort_callback: Any = None  # likewise
-_verbose = False  # also echo llama.cpp's log to stderr (bench -v)
-
-
-def set_verbose(on: bool) -> None:
-    global _verbose
-    _verbose = on
+# Where llama.cpp's log lines also go (bench -v; None: LOG_LINES alone). runners/ writes
+# nothing to a terminal: the CLI sets it (cli/terminal.set_verbose), and filters what a model
+# file's strings (its name) could hold for a terminal.
+echo_log: Callable[[str], None] | None = None
 
 
 def _default_on_abort(error: EngineAbortError) -> None:
@@ -159,12 +157,14 @@ def logged() -> int:
 def _log(level: int, text: bytes, user_data: Any) -> None:
     """llama.cpp's log callback: its lines into LOG_LINES, and on stderr with bench -v."""
     global _logged
+    line = text.decode("utf-8", errors="replace")
     with _log_lock:
-        LOG_LINES.append(text.decode("utf-8", errors="replace"))
+        LOG_LINES.append(line)
         _logged += 1
-    if _verbose:
+    echo = echo_log
+    if echo is not None:
         with contextlib.suppress(OSError):
-            os.write(2, text)
+            echo(line)
 
 
 def llama_lib() -> Any:

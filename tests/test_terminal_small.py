@@ -12,7 +12,7 @@ import pexpect
 import pyte
 import pytest
 
-from llmrun.cli.terminal import fold
+from llmrun.cli.terminal import fold, set_verbose
 
 from .conftest import HANG_S, which_llmrun
 
@@ -41,6 +41,28 @@ def screen_of(args: list[str], env: dict[str, str], rows: int, columns: int) -> 
     child.close()
     history = ["".join(ch.data for ch in row.values()).rstrip() for row in screen.history.top]
     return history + [line.rstrip() for line in screen.display]
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_bench_v_echoes_llama_cpps_log_safe_on_a_terminal_and_as_it_came_elsewhere(
+    tty: bool, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runners/library.py wrote llama.cpp's log to stderr itself (bench -v): a model file's
+    name with a window-title sequence in it reached the terminal raw. The CLI's echo filters it
+    on a terminal; a file or pipe gets the log as it came, as data."""
+    from llmrun.runners import library
+
+    monkeypatch.setattr(library, "echo_log", None)
+    monkeypatch.setattr("os.isatty", lambda fd: tty)
+    line = b"print_info: general.name = m\x1b]0;owned\x07x\x1b[2J\n"
+    library._log(2, line, None)  # off: LOG_LINES alone
+    set_verbose(True)
+    library._log(2, line, None)
+    set_verbose(False)
+    library._log(2, line, None)
+    said = capfd.readouterr().err
+    assert said == ("print_info: general.name = mx\n" if tty else line.decode())
+    assert library.LOG_LINES[-1] == line.decode()
 
 
 @pytest.mark.parametrize("columns", [40, 60])

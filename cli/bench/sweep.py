@@ -34,14 +34,13 @@ from llmrun.cli.errors import (
 from llmrun.cli.progress import ProgressLine, Shown
 from llmrun.cli.records import takes_records
 from llmrun.cli.session import ctrl_c_cancels
-from llmrun.cli.terminal import terminal_line
+from llmrun.cli.terminal import set_verbose, terminal_line
 from llmrun.runners import devices as dv
 from llmrun.runners import rpc
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
 from llmrun.runners.bench import run
 from llmrun.runners.errors import LlmrunError
-from llmrun.runners.library import set_verbose
 from llmrun.runners.progress import RepClock
 from llmrun.runners.system import SystemInfo
 

@@ -16,13 +16,13 @@ from llmrun.cli.errors import EXIT_INTERRUPTED, LineConsole, handled, usage_erro
 from llmrun.cli.progress import ProgressLine, Shown, clock
 from llmrun.cli.report import Fitted, busy_warning, fitted_table
 from llmrun.cli.session import ctrl_c_cancels
+from llmrun.cli.terminal import set_verbose
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import tuning as tn
 from llmrun.runners.bench.tuned import check_tuned_file, save_tuned
 from llmrun.runners.bench.tuning import REPS, TunePlan, search
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError, OptionError
-from llmrun.runners.library import set_verbose
 from llmrun.runners.progress import eta_s
 
 from .machine import load_and_report
