@@ -172,18 +172,6 @@ def test_a_bom_and_duplicate_keys_are_read_as_json_parsers_read_them(server: Ser
         ),
         (
             CHAT,
-            small(stream_options={"include_usage": True}),
-            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-            "stream_options",
-        ),
-        (
-            COMPLETIONS,
-            {"prompt": "hi", "stream": False, "stream_options": {}},
-            "only allowed when 'stream' is enabled",
-            "stream_options",
-        ),
-        (
-            CHAT,
             small(stream_options={"include_usage": 1}, stream=True),
             "stream_options.include_usage",
             "stream_options.include_usage",
@@ -314,6 +302,14 @@ def test_null_means_the_default_as_in_openais_schema(server: Server) -> None:
     streamed = send(server, CHAT, small(stream=True, stream_options=options))
     assert streamed.status_code == 200 and '"usage"' not in streamed.text, streamed.text
     assert "obfuscation" not in streamed.text
+    # LangChain's advice, model_kwargs={"stream_options": {"include_usage": True}}, sends it
+    # on calls that do not stream too: served, as llama-server serves it (OpenAI and vLLM
+    # refuse it), the usage in the answer as always; its keys are checked all the same
+    for payload in (small(stream_options={"include_usage": True}), small(stream_options={})):
+        answer = send(server, CHAT, payload)
+        assert answer.status_code == 200 and answer.json()["usage"]["total_tokens"] > 0
+    unknown = send(server, CHAT, small(stream=False, stream_options={"x": 1}))
+    assert openai_error(unknown, 400)["param"] == "stream_options.x"
 
 
 @pytest.mark.parametrize(
@@ -1039,6 +1035,20 @@ def test_a_second_origin_header_is_400_as_a_second_host_is(server: Server, secon
     still_serving(server)
 
 
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"NaN", b"Infinity"])
+def test_a_float_field_past_the_floats_or_nan_is_named_as_no_finite_number(
+    server: Server, number: bytes
+) -> None:
+    """`"temperature": 1e999` said `temperature inf is out of range` (Python reads it as inf),
+    and NaN `top_p nan is out of range`: each is refused by the field's name instead."""
+    for field in (b"temperature", b"top_p"):
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, number)
+        status, _, answer = exchange(server, post_raw(CHAT, body))
+        error = json.loads(answer)["error"]
+        assert status == 400 and error["param"] == field.decode(), answer
+        assert error["message"] == f"{field.decode()}: Input should be a finite number", answer
+
+
 @pytest.mark.parametrize("version", [b"2.0", b"3.0", b"0.9"])
 def test_a_request_line_of_another_major_http_version_is_505(
     server: Server, version: bytes
@@ -1053,6 +1063,15 @@ def test_a_request_line_of_another_major_http_version_is_505(
     assert message.startswith(f"HTTP/{version.decode()} is not served here"), message
     for served in (b"1.0", b"1.1", b"1.9"):
         assert exchange(server, head % served)[0] == 200, served
+    # without Connection: close, and HTTP/2's own preface: one 505, then the server closes (the
+    # preface's "SM" line got a second reply, a 400, on the connection left open)
+    for opening in (
+        b"GET /v1/models HTTP/%s\r\nHost: 127.0.0.1\r\n\r\n" % version,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ):
+        status, headers, body = exchange(server, opening)  # reads until the server closes
+        assert status == 505 and headers.get("connection") == "close", (opening, headers)
+        assert b"HTTP/1.1 400" not in body, body  # no second response
     still_serving(server)
 
 

@@ -70,6 +70,13 @@ MAX_STOP_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
+# Every request object: strict JSON types, fields beyond these kept (each route refuses or
+# passes them by name), and a float field refuses NaN and a number past the floats (1e999,
+# which Python reads as inf): "temperature: Input should be a finite number", not "temperature
+# inf is out of range"
+REQUEST_JSON = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`, and vLLM's (and SGLang's) `continuous_usage_stats`.
     `include_obfuscation` pads each event with random characters against length side channels
@@ -78,7 +85,7 @@ class StreamOptions(BaseModel):
     `include_usage` puts the usage so far on every chunk, as vLLM does (without
     `include_usage` vLLM ignores it, and so does llmrun)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = REQUEST_JSON
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
     continuous_usage_stats: bool | None = None
@@ -103,7 +110,7 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = REQUEST_JSON
 
     model: str | None = None
     max_tokens: int | None = None
@@ -187,13 +194,7 @@ class _Body(BaseModel):
             raise BadRequestError(
                 f"Unrecognized request {arguments} supplied: {', '.join(unknown)}"
             )
-        if self.stream_options is not None:
-            if not self.stream:  # OpenAI's words; vLLM refuses it too
-                error = BadRequestError(
-                    "The 'stream_options' parameter is only allowed when 'stream' is enabled."
-                )
-                error.param = "stream_options"
-                raise error
+        if self.stream_options is not None:  # checked, and used only when streaming (below)
             self.stream_options.check()
         for name, what in UNSERVED.items():
             value = extra.get(name)
@@ -235,13 +236,13 @@ class _Body(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = REQUEST_JSON
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = REQUEST_JSON
     role: str
     content: str | list[ContentPart] | None = None
 
@@ -398,6 +399,6 @@ class CompletionBody(_Body):
 class TokenizeBody(BaseModel):
     """llama-server's /tokenize: the text, and whether to add the model's special tokens."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
     content: str
     add_special: bool = False

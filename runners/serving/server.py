@@ -151,6 +151,9 @@ def serve_http(
     def forbidden(status: int, message: str) -> ASGIApp:
         """The access checks' refusal: 403 for a name or origin not let in, 400 (a client's
         malformed Host, Origin or target) in the type and outcome of every other 400."""
+        if status == 505:  # HTTP/2's preface ("PRI * HTTP/2.0" then "SM"): what follows is
+            # no HTTP/1.1, so the connection carries nothing more (it got a second reply, a 400)
+            return refusal(status, message, outcome=outcome_of(status), close=True)
         if status != 403:
             return refusal(status, message, outcome=outcome_of(status))
         return refusal(status, message, outcome="forbidden", kind="forbidden")
