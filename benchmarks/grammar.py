@@ -144,7 +144,7 @@ def llama_server(model: str, threads: int) -> Iterator[str]:
     try:
         with llama_tools.llama_cpp_server(model, *flags, ready_s=START_S) as url:
             yield url
-    except RuntimeError as e:
+    except llama_tools.NotStarted as e:
         sys.exit(str(e))
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from batched import Run, batched_bench_argv, engine_run
 
 from llmrun.runners.config import EngineConfig
+from llmrun.runners.library import max_sequences
 from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.models import resolve_model
 from llmrun.runners.serving.batching import BatchedEngine
@@ -67,13 +68,14 @@ class Measured:
 
 def _levels(text: str) -> str:
     """--npl: one sequence has one KV layout (the assert that both were made always failed
-    at B=1), so every B is at least 2."""
+    at B=1), so every B is at least 2, and at most the sequences one context holds."""
+    most = max_sequences()
     try:
-        ok = all(int(x) >= 2 for x in text.split(","))
+        ok = all(2 <= int(x) <= most for x in text.split(","))
     except ValueError:
         ok = False
     if not ok:
-        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers of at least 2, as 8,32")
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers from 2 to {most}, as 8,32")
     return text
 
 

@@ -132,7 +132,7 @@ def reference_server(args: argparse.Namespace) -> Iterator[str]:
         try:
             with llama_tools.llama_cpp_server(model_path(), *flags, ready_s=START_S, log=log) as u:
                 yield u
-        except RuntimeError as e:
+        except llama_tools.NotStarted as e:
             sys.exit(str(e))
         return
     port = llama_tools.free_port()

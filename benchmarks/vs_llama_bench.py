@@ -75,14 +75,26 @@ def side_by_side(flags: list[str], rounds: int, binary: str | None = None) -> No
         print(f"{label}: llmrun / llama-bench median x{statistics.median(values):.3f} ({spread})")
 
 
+def positive(text: str) -> int:
+    """A count of at least 1: llama-bench aborts on -t 0, fails on -b 0, and 0 rounds or
+    repetitions compare nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--rounds", type=positive, default=3)
+    ap.add_argument("--threads", type=positive, default=2)
+    ap.add_argument("--batch", type=positive, default=512)
     ap.add_argument("--repack", type=int, choices=(0, 1), default=None)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=positive, default=5)
     args = ap.parse_args()
     model = args.model or default_model_path()
     safe = not llama_tools.cpu_flags("llama-bench", model)

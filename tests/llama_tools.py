@@ -343,6 +343,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class NotStarted(RuntimeError):
+    """llama-server exited, or was not ready in time (its own error, not a caller's)."""
+
+
 @contextlib.contextmanager
 def llama_cpp_server(
     model: str, *flags: str, ready_s: float, log: Path | None = None
@@ -350,8 +354,7 @@ def llama_cpp_server(
     """llama.cpp's llama-server from the same sources (built on first use) with `flags`, on a
     free loopback port, with the flags this CPU needs (cpu_flags: without them it died by
     SIGILL at its first prompt on an AMX CPU); yields its URL once /health answers 200. Its
-    output goes to `log` (else nowhere); RuntimeError if it exits or is not ready in
-    `ready_s`."""
+    output goes to `log` (else nowhere); NotStarted if it exits or is not ready in `ready_s`."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
@@ -370,12 +373,11 @@ def llama_cpp_server(
                     urllib.request.urlopen(url + "/health", timeout=5),
                 ):
                     break  # urlopen raises for anything but 2xx
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    why = "exited" if proc.poll() is not None else f"not ready in {ready_s:.0f} s"
-                    raise RuntimeError(
-                        f"llama-server {why} ({shlex.join(argv)})"
-                        + (f"; its log: {log}" if log else "")
-                    )
+                code = proc.poll()
+                if code is not None or time.monotonic() > deadline:
+                    why = f"exited {code}" if code is not None else f"not ready in {ready_s:.0f} s"
+                    said = f"llama-server {why} ({shlex.join(argv)})"
+                    raise NotStarted(said + (f"; its log: {log}" if log else ""))
                 time.sleep(0.2)
             yield url
         finally:

@@ -41,6 +41,33 @@ def test_the_tools_get_repacking_off_where_the_probe_finds_it_unsafe(
     assert llama_tools.cpu_flags("llama-bench", model_file) in ([], ["--repack", "0"])
 
 
+@pytest.mark.parametrize("safe", [True, False])
+def test_the_one_llama_server_launcher_passes_the_cpus_flags_and_says_how_it_ended(
+    model_file: str,
+    safe: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    llmrun_env: dict[str, str],  # a process starts (the stand-in)
+) -> None:
+    """The tests' own llama-server launcher passed no --no-repack: on the AMX Xeon two
+    `cores` tests died by SIGILL. The one launcher adds the probe's flags, and a server that
+    ends is named with its exit status and command line (here a stand-in that exits 3)."""
+    stand_in = tmp_path / "llama-server"
+    stand_in.write_text("#!/bin/sh\nexit 3\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(llama_tools, "llama_server", lambda: stand_in)
+    llama_tools.answer_probe(model_file, safe=safe)
+    log = tmp_path / "server.log"
+    with (
+        pytest.raises(llama_tools.NotStarted) as e,
+        llama_tools.llama_cpp_server(model_file, "-np", "1", ready_s=HANG_S, log=log),
+    ):
+        raise AssertionError("it never answered")
+    said = str(e.value)
+    assert said.startswith(f"llama-server exited 3 ({stand_in} -m {model_file} -np 1 --host")
+    assert ("--no-repack" in said) is not safe and said.endswith(f"; its log: {log}")
+
+
 def test_the_repacking_flags_are_the_tools_own(llama_cpp_source: Path) -> None:
     """llama-bench parses --repack 0|1 itself; the others take common/arg.cpp's --no-repack."""
     bench = (llama_cpp_source / "tools" / "llama-bench" / "llama-bench.cpp").read_text()
