@@ -42,7 +42,7 @@ def _finite(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         shown = text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
-        raise BadRequestError(f"holds {shown}, a number past the largest float (1.8e308)")
+        raise BadRequestError(f"holds {shown}, a number past the largest float (1.797e308)")
     return value
 
 
