@@ -32,7 +32,7 @@ from .inject.sitecustomize import (
     share_probe,
     small_bandwidth_probe,
 )
-from .llama_tools import free_port
+from .llama_tools import free_port, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMRUN = str(Path(sys.executable).parent / "llmrun")
@@ -407,11 +407,7 @@ def llama_server(model_path: str) -> Iterator[tuple[str, subprocess.Popen[bytes]
                 time.sleep(0.2)
         yield url, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, grace_s=10)
         SERVER_LOGS.pop(url).unlink(missing_ok=True)
 
 

@@ -343,6 +343,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop(proc: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """SIGTERM, and SIGKILL if it is still there after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(grace_s)
+
+
 class NotStarted(RuntimeError):
     """llama-server exited, or was not ready in time (its own error, not a caller's)."""
 
@@ -381,12 +391,7 @@ def llama_cpp_server(
                 time.sleep(0.2)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+            stop(proc, grace_s=30)
 
 
 def answer_probe(model_path: str, *, safe: bool) -> None:
