@@ -197,4 +197,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

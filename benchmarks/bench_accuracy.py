@@ -11,7 +11,6 @@ for decode). Target: within 2 %, so llmrun's numbers can stand beside llama-benc
 from __future__ import annotations
 
 import argparse
-import sys
 
 from llmrun.runners.bench import measure as b
 from llmrun.runners.bench import results as res
@@ -46,4 +45,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

@@ -1150,4 +1150,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

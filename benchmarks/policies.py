@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 from serve import LLMRUN, json_records
 
@@ -72,4 +71,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

@@ -114,4 +114,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

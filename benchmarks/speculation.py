@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from llmrun.runners.base import Request, SamplingParams, generate
@@ -59,4 +58,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import script  # benchmarks/script.py: Ctrl-C is exit 130
+
+    script.run(main)

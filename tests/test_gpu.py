@@ -759,6 +759,37 @@ def test_the_cpu_row_turns_repacking_off_for_both_tools_on_a_host_with_amx(
     assert gpu.Options().cpu_repack  # the plain default; check() reads the host's flags
 
 
+def test_every_benchmark_script_ends_through_one_exit_and_ctrl_c_is_130(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """Ctrl-C on a benchmark script was a KeyboardInterrupt traceback; each script now ends
+    through benchmarks/script.run: one line, exit 130, after its own clean-up."""
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    for path in scripts:
+        if path.name != "script.py":
+            assert "    script.run(main)\n" in path.read_text(), path.name
+    stand_in = tmp_path / "slow.py"
+    stand_in.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import script\n"
+        "def main():\n"
+        "    try:\n"
+        "        raise KeyboardInterrupt\n"
+        "    finally:\n"
+        "        print('cleaned up')\n"
+        "script.run(main)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(stand_in)], capture_output=True, text=True, timeout=HANG_S
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (
+        130,
+        "cleaned up\n",
+        "slow.py: interrupted\n",
+    )
+
+
 def _jsonl(*rows: dict[str, Any]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
