@@ -44,7 +44,7 @@ from .errors import (
 from .inputs import read_stdin_line, repair_utf8
 from .progress import PlainPhases
 from .records import takes_records
-from .report import busy_mark, context_note, fitted, mib, ms, ran_busy
+from .report import busy_mark, context_note, fitted, mib, ms, ran_busy, summary_lines
 from .session import (
     KeysHeld,
     TextOut,
@@ -550,8 +550,13 @@ class ChatUI:
         done = [t.stats for t in self.conv.turns if t.stats is not None]
         if not done:
             self.err.print("no reply yet")
-        else:
-            self.err.print(turns_view(self.conv.turns) if arg == "all" else render(done[-1]))
+        elif arg == "all":
+            self.err.print(turns_view(self.conv.turns))
+        elif live_terminal(sys.stderr):
+            self.err.print(render(done[-1]))
+        else:  # a file or a pipe: whole plain lines, as run's (rich cut them at 80, with bars)
+            for line in summary_lines(done[-1]):
+                self.err.print(line, markup=False, soft_wrap=True)
 
     def _help(self, arg: str) -> None:
         shortcuts = arg.strip().lower() in ("shortcuts", "shortcut")

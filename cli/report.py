@@ -30,7 +30,7 @@ from llmrun.runners.stats import (
 )
 from llmrun.runners.system import busy_advice, busy_machine, logical_cpus
 
-from .terminal import terminal_line
+from .terminal import fold, terminal_line
 
 
 def warmup_text(seconds: float | None, probe_s: float | None = None) -> str:
@@ -409,11 +409,13 @@ def phase_sentence(stats: GenerationStats) -> str:
 SUMMARY_INDENT = 9  # the label column of `summary_lines`, where a folded value goes on
 
 
-def summary_lines(stats: GenerationStats) -> list[str]:
+def summary_lines(stats: GenerationStats, width: int | None = None) -> list[str]:
     """The closing summary as plain lines, for a stderr that cannot redraw (a file, a pipe,
-    TERM=dumb); a terminal folds them at SUMMARY_INDENT (terminal.fold)."""
+    TERM=dumb): whole, one record a line, or folded at spaces to `width` (a terminal's,
+    terminal.terminal_width), a row going on under its value at SUMMARY_INDENT."""
     lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
-    return [*lines, f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
+    lines += [f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
+    return [fold(x, width, indent=SUMMARY_INDENT if x[8:9] == " " else 0) for x in lines]
 
 
 def stats_record(stats: GenerationStats, label: str | int) -> dict[str, Any]:

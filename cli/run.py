@@ -46,7 +46,6 @@ from .inputs import Job, collect_jobs, output_file
 from .progress import PlainPhases
 from .records import OptionRecord, takes_records
 from .report import (
-    SUMMARY_INDENT,
     aggregate_table,
     append_stats_file,
     context_note,
@@ -449,9 +448,8 @@ def _print_stats(
     elif screens.final_panel:
         err.print(render(s))
     else:
-        for line in summary_lines(s):  # a row goes on under its value
-            indent = SUMMARY_INDENT if line[8:9] == " " else 0
-            err.print(fold(line, screens.width, indent=indent), markup=False)
+        for line in summary_lines(s, screens.width):
+            err.print(line, markup=False)
 
 
 def _run_jobs(

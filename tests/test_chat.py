@@ -76,6 +76,23 @@ def test_piped_chat_prints_only_replies(cli: CliRunner, fake: FakeRunner, tmp_pa
     assert [m.content for m in fake.requests[-1].messages] == ["sys", "after reset"]
 
 
+def test_piped_stats_are_the_plain_summary_lines_whole(
+    cli: CliRunner, fake: FakeRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/stats` in a piped chat drew the terminal's bars and cut its lines at 80 columns,
+    padded with spaces; run's summary there is plain lines, one record each: so is chat's."""
+    monkeypatch.setenv("COLUMNS", "40")  # a width a terminal would fold at: not a pipe's
+    result = cli.invoke(app, ["chat"], input="hello\n/stats\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert "█" not in result.stderr and not any(line.endswith(" ") for line in lines)
+    assert [line[:9] for line in lines if line.startswith(("ttft ", "rates "))] == [
+        "ttft     ",
+        "rates    ",
+    ]
+    assert any(len(line) > 40 for line in lines), lines  # whole, not folded
+
+
 def test_piped_chat_reports_failures_goes_on_and_exits_1(cli: CliRunner, fake: FakeRunner) -> None:
     fake._n_ctx = 20
     result = cli.invoke(app, ["chat"], input="/nope\n" + "w " * 40 + "\n/save x.txt\nhi\n")
