@@ -44,11 +44,11 @@ SUMMARIES: dict[str, str] = {
     "run": "Generate text for a prompt and report load, prefill and decode separately.",
     "chat": "Chat with a model; each turn prefills only what is new since the last one.",
     "tune": (
-        "Search threads, flash attention, repacking, batch/ubatch and prefill threads for this\n"
+        "Search threads, flash attention, repacking, batch/ubatch and prefill threads for this "
         "model; save the fastest for each --workload as the defaults of run, chat and bench."
     ),
     "history": (
-        "The stored bench runs, newest first, each against the run before it; or two sets of\n"
+        "The stored bench runs, newest first, each against the run before it; or two sets of "
         "them compared (-b, -c); or the runs exported for llama.cpp's compare-llama-bench.py."
     ),
     "pull": "Download a GGUF model from the Hugging Face Hub into its cache, without running it.",
@@ -56,7 +56,7 @@ SUMMARIES: dict[str, str] = {
     "serve": "Serve the model over an OpenAI-compatible HTTP API, -np sequences at a time.",
     "rpc-server": "Start llama.cpp's RPC server, for --rpc HOST:PORT on run, chat, serve, bench.",
     "doctor": (
-        "Print the build, backend, devices, CPU features, the thread and repacking choices with\n"
+        "Print the build, backend, devices, CPU features, the thread and repacking choices with "
         "their reasons, and whether the machine is busy: paste it into a bug report."
     ),
     "bench": BENCH_HELP,

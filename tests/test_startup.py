@@ -66,10 +66,11 @@ def test_every_command_has_its_summary() -> None:
 @pytest.mark.parametrize("name", list(app_module.COMMANDS))
 def test_each_summary_is_its_commands_own_help(name: str) -> None:
     """`llmrun --help` lists SUMMARIES without importing the commands: each line is the first
-    paragraph of the help that the command itself shows."""
+    paragraph of the help that the command itself shows, on one line (a docstring's line break
+    kept there broke the listing mid-sentence: "threads for this" / "model; save ...")."""
     command = app_module.build_command(name)
     first = inspect.cleandoc(command.help or "").split("\n\n")[0]
-    assert app_module.SUMMARIES[name] == first
+    assert app_module.SUMMARIES[name] == " ".join(first.split())
 
 
 def test_run_measures_the_load_over_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

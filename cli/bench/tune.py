@@ -13,6 +13,7 @@ from rich.console import Console
 
 from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import EXIT_INTERRUPTED, LineConsole, handled, usage_error
+from llmrun.cli.options import Model
 from llmrun.cli.progress import ProgressLine, Shown, clock
 from llmrun.cli.report import Fitted, busy_warning, fitted_table
 from llmrun.cli.session import ctrl_c_cancels
@@ -26,11 +27,10 @@ from llmrun.runners.errors import BadRequestError, OptionError
 from llmrun.runners.progress import eta_s
 
 from .machine import load_and_report
-from .serving import Model1
 
 
 def tune(
-    model: Model1 = None,
+    model: Model = None,  # run's and chat's: tune reaches no server
     workload: Annotated[
         str,
         typer.Option(
