@@ -30,6 +30,12 @@ from llmrun.runners.stop_signals import (  # noqa: F401  (re-exported: the CLI's
 cpu_at_start: CpuSample | None = None
 
 
+# The exit code of the SIGTERM or SIGHUP that is ending the command (143, 129), set by main's
+# handler, which then does what Ctrl-C does (cancel the request, or KeyboardInterrupt): a
+# command that takes Ctrl-C as "stop this and go on" (chat) asks here whether to end instead.
+terminated_by: int | None = None
+
+
 # The flags of the running command's options whose values came from LLMRUN_* variables
 # (cli/app.py sets it as the command begins): such a value is the user's setting for every
 # command, so a check of options that do not apply here (`-t` with --endpoint) passes it by.

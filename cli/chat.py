@@ -23,6 +23,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+import llmrun.cli
 from llmrun.runners import lists
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import BadRequestError, LlmrunError
@@ -382,8 +383,8 @@ class ChatUI:
                     lines.append(more)
                 return "\n".join(lines).strip("\n")
             except KeyboardInterrupt:
-                if not self.interactive:
-                    raise
+                if not self.interactive or llmrun.cli.terminated_by is not None:
+                    raise  # a script's Ctrl-C, or SIGTERM/SIGHUP: the chat ends (130, 143, 129)
                 # Ctrl-C clears the line; at an empty prompt it may have been meant for a reply
                 # that just ended, so it never ends the conversation: say how to leave.
                 self._end_prompt_line()
@@ -420,6 +421,8 @@ class ChatUI:
                     return 0
                 continue
             self.turn(text[1:] if text.startswith("//") else text)
+            if llmrun.cli.terminated_by is not None:  # SIGTERM/SIGHUP stopped the reply: leave
+                return 0  # main ends with the signal's code
             if self.stdout.closed:
                 return EXIT_BROKEN_PIPE
             if self.cancel.is_set() and not self.interactive:

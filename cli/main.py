@@ -22,11 +22,10 @@ import signal
 import sys
 from types import FrameType
 
+import llmrun.cli
 from llmrun.runners.lists import whole
 
 from . import EXIT_INTERRUPTED, STOP_SIGNALS, interrupted_at_startup
-
-_terminated_by: int | None = None  # the exit code of the SIGTERM/SIGHUP that ended the command
 
 
 class _ClosedStdout(io.TextIOBase):
@@ -95,8 +94,7 @@ def _terminal_size_from_environment() -> None:
 def _terminate(signum: int, frame: FrameType | None) -> None:
     """SIGTERM, SIGHUP: do what Ctrl-C does now (cancel the request, or raise
     KeyboardInterrupt)."""
-    global _terminated_by
-    _terminated_by = STOP_SIGNALS[signal.Signals(signum)]
+    llmrun.cli.terminated_by = STOP_SIGNALS[signal.Signals(signum)]
     handler = signal.getsignal(signal.SIGINT)
     if callable(handler) and handler is not _terminate:
         handler(signal.SIGINT, frame)
@@ -128,8 +126,6 @@ def _main() -> None:
     _terminal_size_from_environment()
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupted_at_startup)
-    import llmrun.cli
-
     if sys.argv[1:2] in (["run"], ["chat"]):  # they choose threads by the load over start-up
         from llmrun.runners import system
 
@@ -165,12 +161,13 @@ def _main() -> None:
     try:
         app()
     except SystemExit as e:
-        if _terminated_by is not None and e.code in (EXIT_INTERRUPTED, None, 0, 1):
-            raise SystemExit(_terminated_by) from None
+        terminated_by = llmrun.cli.terminated_by
+        if terminated_by is not None and e.code in (EXIT_INTERRUPTED, None, 0, 1):
+            raise SystemExit(terminated_by) from None
         raise
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(_terminated_by or EXIT_INTERRUPTED) from None
+        raise SystemExit(llmrun.cli.terminated_by or EXIT_INTERRUPTED) from None
     except OSError as e:  # --help or --version into a closed stdout (commands have handled())
         if e.errno != errno.EBADF:
             raise

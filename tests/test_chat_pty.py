@@ -176,3 +176,28 @@ def test_ctrl_c_during_a_long_prefill_leaves_the_conversation_as_it_was(
     child.expect_exact(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def test_sigterm_or_sighup_ends_the_chat_during_a_reply_and_at_the_prompt(
+    llmrun_env: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM on a terminal did what Ctrl-C does there: it stopped the reply and the chat
+    went on, and at the prompt it only cleared the line; the chat never ended (only a piped
+    one exited 143). Now SIGTERM ends it with 143 and SIGHUP with 129, the reply kept."""
+    import signal
+
+    for signum, code, during in (
+        (signal.SIGTERM, 143, True),
+        (signal.SIGTERM, 143, False),
+        (signal.SIGHUP, 129, False),
+    ):
+        child = spawn(llmrun_env, tmp_path, "-n", "1500")
+        child.expect_exact(PROMPT)
+        if during:
+            child.sendline("Write a very long story about a dragon and a knight.")
+            child.expect(r"\w+ \w+ \w+ \w+ \w+ \w+")  # the reply is streaming
+        child.kill(signum)
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.signalstatus is None and child.exitstatus == code, (signum, during)
+        assert "Traceback" not in (child.before or "")
