@@ -180,7 +180,8 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
         if skipped:
             console.print(
                 f"  {skipped} damaged result{'s' if skipped > 1 else ''} of run {run['id']}"
-                " skipped (not a JSON record, or a rate that is no finite number from 0)",
+                " skipped (not a JSON record, or a rate, load or setting that is no value"
+                " a measurement has)",
                 markup=False,
             )
 

@@ -352,13 +352,11 @@ def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
         elif name in LLAMA_BENCH_INT or name in LLAMA_BENCH_REAL:
             try:
                 value = float(value) if name in LLAMA_BENCH_REAL else int(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # int() of 1e400, stored as inf
                 return None
         record[name] = value
-    if not isinstance(record.get("avg_ts"), float):
-        return None
-    if not all(_is_rate(record[f]) for f in ("avg_ts", "stddev_ts") if f in record):
-        return None  # inf, or a negative rate: no measurement
+    if not isinstance(record.get("avg_ts"), float) or _damaged(record):
+        return None  # inf, a negative rate, a test of 10^400 tokens: no measurement
     record["test"] = test_name(record)
     record["tool"] = LLAMA_BENCH_TOOL
     return record
@@ -389,26 +387,61 @@ def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return abs(_background(a) - _background(b)) > 0.25
 
 
-# No benchmark measures a billion tokens a second: a stored rate past it is a damaged row.
+# No benchmark measures a billion tokens a second: a stored rate past it is a damaged row; nor
+# one token in eleven days: a rate above 0 below MIN_RATE is one too (1e-300's logarithm made the
+# ratio of two runs' rates overflow).
 MAX_RATE = 1e9
+MIN_RATE = 1e-6
+# More CPUs than any machine has: a background load past it is a damaged row's.
+MAX_CPUS = 1e6
+# The fields a stored record is read by besides its rates: paired on, averaged, named as a test,
+# written into llama-bench's table; each is one JSON scalar there, never a list or an object.
+_SCALAR_FIELDS = frozenset(LLAMA_BENCH_FIELDS) | {"draft", "tool", "n_ctx"}
 
 
 def _record(text: object) -> dict[str, Any] | None:
     """A stored result, or None for a row that is not one (damaged by hand or by a crash):
-    not a JSON object, or a rate (avg_ts, stddev_ts, samples_ts) that is no finite number
-    from 0 to MAX_RATE (NaN and Infinity read as JSON here)."""
+    not a JSON object, or a field it is read by that `_damaged` refuses."""
     try:
         record = json.loads(text) if isinstance(text, (str, bytes)) else None
     except (ValueError, RecursionError):  # a damaged row, or 100,000 brackets
         return None
-    if not isinstance(record, dict):
-        return None
-    samples = record.get("samples_ts")
-    figures = [record.get("avg_ts"), record.get("stddev_ts")]
-    figures += samples if isinstance(samples, list) else []
-    if not all(value is None or _is_rate(value) for value in figures):
+    if not isinstance(record, dict) or _damaged(record):
         return None
     return record
+
+
+def _damaged(record: Mapping[str, Any]) -> bool:
+    """Whether a record holds a value no later reading can take: a rate (avg_ts, stddev_ts,
+    samples_ts) that is no finite number from 0 to MAX_RATE, or one above 0 below MIN_RATE; a
+    background load that is no number from 0 to MAX_CPUS; a test's size (n_prompt, n_gen,
+    n_depth) that is no whole number from 0 to SQLite's largest; any other llama-bench field
+    that is a list, an object, NaN, an infinity or a whole number past SQLite's."""
+    samples = record.get("samples_ts")
+    figures = [record.get("avg_ts"), *(samples if isinstance(samples, list) else [])]
+    if not all(v is None or (_is_rate(v) and not 0 < v < MIN_RATE) for v in figures):
+        return True
+    stddev = record.get("stddev_ts")
+    if not (stddev is None or _is_rate(stddev)):
+        return True
+    load = record.get("background_cpus")
+    if not (load is None or (_is_number(load) and 0 <= load <= MAX_CPUS)):
+        return True
+    for field in TEST_FIELDS:
+        value = record.get(field)
+        if not (value is None or (isinstance(value, int) and 0 <= value <= SQLITE_MAX_INT)):
+            return True
+    return not all(_scalar(record.get(field)) for field in _SCALAR_FIELDS)
+
+
+def _scalar(value: object) -> bool:
+    """One JSON scalar a computation can take: no list or object, no NaN or infinity, no whole
+    number past SQLite's (float() of a 400-digit one overflows)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):
+        return abs(value) <= SQLITE_MAX_INT
+    return value is None or isinstance(value, (str, bytes))  # bytes: a BLOB in llama_bench
 
 
 def _is_rate(value: object) -> bool:
