@@ -693,3 +693,23 @@ def test_stored_text_reaches_the_terminal_as_text() -> None:
     )
     assert compared.exit_code == 0, compared.stderr
     assert "llama  [/x]" in compared.stdout and "\x1b" not in compared.stdout
+
+
+def test_names_given_by_the_user_reach_the_terminal_without_escapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--export-sql $'/tmp/x/\\e[41mX.sqlite'` printed `2 results written to` the name with
+    its escape sequence raw, colouring the terminal; so did an LLMRUN_HOME holding one."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "\x1b[41mhome"))
+    done = CliRunner().invoke(app, ["history"])
+    assert done.exit_code == 0, done.stderr
+    assert "no bench runs stored yet (in " in done.stdout and "\x1b" not in done.stdout
+    store(rec(avg_ts=100.0))
+    done = CliRunner().invoke(app, ["history", "-m", "\x1b[41mzz"])
+    assert done.exit_code == 0, done.stderr
+    assert "model name contains" in done.stdout and "\x1b" not in done.stdout
+    target = tmp_path / "\x1b[41mX.sqlite"
+    done = CliRunner().invoke(app, ["history", "--export-sql", str(target)])
+    assert done.exit_code == 0, done.stderr
+    assert target.exists() and "\x1b" not in done.stderr
+    assert done.stderr.startswith(f"1 results written to {tmp_path}/X.sqlite (llama-bench's")
