@@ -9,9 +9,12 @@ import csv
 import io
 import json
 import math
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from llmrun.runners.history import (
 )
 
 from . import llama_tools
-from .conftest import HANG_S
+from .conftest import HANG_S, ROOT
 from .test_trust_bench import _fake_models, _llama_bench_fields
 
 
@@ -713,3 +716,59 @@ def test_names_given_by_the_user_reach_the_terminal_without_escapes(
     assert done.exit_code == 0, done.stderr
     assert target.exists() and "\x1b" not in done.stderr
     assert done.stderr.startswith(f"1 results written to {tmp_path}/X.sqlite (llama-bench's")
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open (Linux's /proc; elsewhere, after 3 s)."""
+    fds = Path(f"/proc/{pid}/fd")
+    if not fds.is_dir():
+        time.sleep(3)
+        return True
+    found = []
+    for fd in fds.iterdir():
+        try:
+            found.append(os.readlink(fd))
+        except OSError:
+            continue
+    return str(path) in found
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_wait_for_a_locked_history_ends_on_a_signal(
+    signum: int, code: int, llmrun_env: dict[str, str]
+) -> None:
+    """Another process holding the history's database (BEGIN EXCLUSIVE): `history` waits for
+    it, and Ctrl-C or SIGTERM ended it only when the 10 s busy timeout ran out, SQLite sleeping
+    in C where Python's signal handlers cannot run."""
+    from llmrun.runners.history import history_path
+
+    store(rec())
+    path = history_path()
+    assert llmrun_env["LLMRUN_HOME"] in str(path)  # the child's history is this one
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")
+    code_text = "import sys; from llmrun.cli.main import main; sys.argv[0] = 'llmrun'; main()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code_text, "history"],
+        cwd=ROOT,
+        env=llmrun_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not _holds(child.pid, path):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # in the wait
+        child.send_signal(signum)
+        signalled = time.monotonic()
+        _, err = child.communicate(timeout=HANG_S)
+        took = time.monotonic() - signalled
+    finally:
+        child.kill()
+        holder.close()
+    assert child.returncode == code, err
+    assert took < 3, f"ended {took:.1f} s after the signal"
+    assert "Traceback" not in err and "internal error" not in err, err
