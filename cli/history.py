@@ -164,10 +164,11 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
     if not runs:
         if model and h.runs(limit=1):
             console.print(
-                f"no stored run's model name contains {model!r} (in {h.path})", markup=False
+                terminal_line(f"no stored run's model name contains {model!r} (in {h.path})"),
+                markup=False,
             )
-        else:
-            console.print(f"no bench runs stored yet (in {h.path})", markup=False)
+        else:  # LLMRUN_HOME's name may hold escape sequences
+            console.print(terminal_line(f"no bench runs stored yet (in {h.path})"), markup=False)
         return
     for run in runs:
         title = terminal_line(f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}")
@@ -180,7 +181,8 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
         if skipped:
             console.print(
                 f"  {skipped} damaged result{'s' if skipped > 1 else ''} of run {run['id']}"
-                " skipped (not a JSON record, or a rate that is no finite number from 0)",
+                " skipped (not a JSON record, or a rate, load or setting that is no value"
+                " a measurement has)",
                 markup=False,
             )
 
@@ -200,8 +202,10 @@ def _export(h: History, target: str, model: str | None) -> None:
         sys.stdout.flush()
         return
     write_database(Path(target), sql)
-    print(
-        f"{len(records)} results written to {target} (llama-bench's table llama_bench)",
+    print(  # the file's name as given may hold escape sequences: never raw on a terminal
+        terminal_line(
+            f"{len(records)} results written to {target} (llama-bench's table llama_bench)"
+        ),
         file=sys.stderr,
     )
 

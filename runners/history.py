@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
+import functools
 import json
 import math
 import os
@@ -20,10 +21,11 @@ import re
 import sqlite3
 import statistics
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+import time as clock
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 from .bench.results import (
     FLASH_ATTN_CODES,
@@ -170,8 +172,21 @@ class HistoryError(BadRequestError):
         self.path = path
 
 
-# Another llmrun storing a run at the same moment holds the lock briefly: wait for it.
+# Another llmrun storing a run at the same moment holds the lock briefly: wait for it, in
+# tries of ATTEMPT_S each. SQLite sleeps inside C, where Python's signal handlers cannot run: a
+# single 10 s timeout held Ctrl-C and SIGTERM off until it ran out; between tries they end it.
 BUSY_TIMEOUT_S = 10.0
+ATTEMPT_S = 0.1
+
+T = TypeVar("T")
+
+
+def _locked(e: sqlite3.Error) -> bool:
+    """Another connection holds the lock this one needs (SQLITE_BUSY, SQLITE_LOCKED)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is None:
+        return "locked" in str(e)
+    return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 class History:
@@ -179,13 +194,19 @@ class History:
         self.path = path or history_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
-            self.db.executescript(SCHEMA)
-            self._check_schema()
+            self.db = sqlite3.connect(self.path, timeout=ATTEMPT_S)
         except (OSError, sqlite3.Error) as e:
-            with contextlib.suppress(AttributeError, sqlite3.Error):
-                self.db.close()
             raise HistoryError(self.path, e) from None
+        try:
+            self._patiently(self._open)
+        except BaseException:  # HistoryError, or Ctrl-C while another process holds the lock
+            with contextlib.suppress(sqlite3.Error):
+                self.db.close()
+            raise
+
+    def _open(self) -> None:
+        self.db.executescript(SCHEMA)
+        self._check_schema()
 
     def _check_schema(self) -> None:
         """A database from another program or an older llmrun is refused, not half-used."""
@@ -209,20 +230,37 @@ class History:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextlib.contextmanager
-    def _failing(self) -> Iterator[None]:
-        """A database that fails while in use is a HistoryError, as one that cannot open."""
-        try:
-            yield
-        except (sqlite3.Error, OSError) as e:
-            raise HistoryError(self.path, e) from None
+    def _patiently(self, work: Callable[[], T]) -> T:
+        """work(), tried again while another process holds the lock, for up to BUSY_TIMEOUT_S;
+        a database that fails otherwise is a HistoryError, as one that cannot open. Each try
+        waits at most ATTEMPT_S inside SQLite, so a signal ends the wait within it; `work` is
+        a whole transaction or reads alone (a failed one is rolled back before the next try)."""
+        deadline = clock.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                return work()
+            except sqlite3.Error as e:
+                if not _locked(e) or clock.monotonic() >= deadline:
+                    raise HistoryError(self.path, e) from None
+            except OSError as e:
+                raise HistoryError(self.path, e) from None
 
     def store(
         self, records: Sequence[dict[str, Any]], *, kind: str, model: str, system: dict[str, Any]
     ) -> int:
         """Store one run's records; returns the run's id."""
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        with self._failing(), self.db:
+        return self._patiently(lambda: self._store(records, now, kind, model, system))
+
+    def _store(
+        self,
+        records: Sequence[dict[str, Any]],
+        now: str,
+        kind: str,
+        model: str,
+        system: dict[str, Any],
+    ) -> int:
+        with self.db:  # one transaction: rolled back whole where it fails
             cur = self.db.execute(
                 "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
                 (now, kind, model, json.dumps(system)),
@@ -249,16 +287,20 @@ class History:
         """Each record against the newest earlier readable result with the same key."""
         changes = []
         for r in records:
-            with self._failing():
-                rows = self.db.execute(
-                    "SELECT run_id, record FROM results WHERE key = ? AND run_id < ?"
-                    " ORDER BY run_id DESC LIMIT 20",
-                    (result_key(r), before_run if before_run is not None else 2**62),
-                ).fetchall()
+            key = (result_key(r), before_run if before_run is not None else 2**62)
+            rows = self._patiently(functools.partial(self._earlier, key))
             readable = ((int(i), rec) for i, text in rows if (rec := _record(text)) is not None)
             previous_run, previous = next(readable, (None, None))
             changes.append(Change(str(r.get("test", "")), r, previous, previous_run))
         return changes
+
+    def _earlier(self, key: tuple[str, int]) -> list[Any]:
+        """The newest 20 results of a key (its text, and the run it must precede)."""
+        return self.db.execute(
+            "SELECT run_id, record FROM results WHERE key = ? AND run_id < ?"
+            " ORDER BY run_id DESC LIMIT 20",
+            key,
+        ).fetchall()
 
     def runs(self, *, limit: int = 20, model: str | None = None) -> list[dict[str, Any]]:
         """The newest runs first, each with its records."""
@@ -269,23 +311,25 @@ class History:
             args.append(_like(model))
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
+        return self._patiently(lambda: self._runs(query, args))
+
+    def _runs(self, query: str, args: list[Any]) -> list[dict[str, Any]]:
         out = []
-        with self._failing():
-            for run_id, time, kind, name in self.db.execute(query, args).fetchall():
-                stored = self.db.execute(
-                    "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
-                ).fetchall()
-                records = [rec for (text,) in stored if (rec := _record(text)) is not None]
-                out.append(
-                    {
-                        "id": run_id,
-                        "time": stored_text(time),
-                        "kind": stored_text(kind),
-                        "model": stored_text(name),
-                        "records": records,
-                        "unreadable": len(stored) - len(records),
-                    }
-                )
+        for run_id, time, kind, name in self.db.execute(query, args).fetchall():
+            stored = self.db.execute(
+                "SELECT record FROM results WHERE run_id = ? ORDER BY rowid", (run_id,)
+            ).fetchall()
+            records = [rec for (text,) in stored if (rec := _record(text)) is not None]
+            out.append(
+                {
+                    "id": run_id,
+                    "time": stored_text(time),
+                    "kind": stored_text(kind),
+                    "model": stored_text(name),
+                    "records": records,
+                    "unreadable": len(stored) - len(records),
+                }
+            )
         return out
 
     def bench_results(self, *, model: str | None = None) -> list[Stored]:
@@ -300,8 +344,9 @@ class History:
         if model:
             query += " AND runs.model LIKE ? ESCAPE '\\'"
             args.append(_like(model))
-        with self._failing():
-            rows = self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
+        rows = self._patiently(
+            lambda: self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
+        )
         found = self._llama_bench_rows(model)
         for run_id, time, text in rows:
             record = _record(text)
@@ -315,18 +360,10 @@ class History:
         """llama-bench's own rows in this database (`llama-bench -o sql | sqlite3` into it),
         as results of no llmrun run (run 0) at their test time, marked `tool` llama-bench; rows
         llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already."""
-        with self._failing():
-            tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
-            if "llama_bench" not in tables:
-                return []
-            have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
-            columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
-            if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
-                return []
-            query = f"SELECT {', '.join(columns)} FROM llama_bench"
-            if "llama_bench_llmrun" in tables:
-                query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
-            rows = self.db.execute(query + " ORDER BY rowid").fetchall()
+        read = self._patiently(self._llama_bench_table)
+        if read is None:
+            return []
+        columns, rows = read
         found = []
         for row in rows:
             record = _llama_bench_record(dict(zip(columns, row, strict=True)))
@@ -337,6 +374,21 @@ class History:
                 continue
             found.append(Stored(0, str(record.get("test_time") or ""), record))
         return found
+
+    def _llama_bench_table(self) -> tuple[list[str], list[Any]] | None:
+        """llama_bench's columns llmrun reads and its rows llmrun's SQL did not put there;
+        None without a table of llama-bench's."""
+        tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
+        if "llama_bench" not in tables:
+            return None
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
+        columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
+        if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
+            return None
+        query = f"SELECT {', '.join(columns)} FROM llama_bench"
+        if "llama_bench_llmrun" in tables:
+            query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
+        return columns, self.db.execute(query + " ORDER BY rowid").fetchall()
 
 
 def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -352,13 +404,11 @@ def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
         elif name in LLAMA_BENCH_INT or name in LLAMA_BENCH_REAL:
             try:
                 value = float(value) if name in LLAMA_BENCH_REAL else int(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # int() of 1e400, stored as inf
                 return None
         record[name] = value
-    if not isinstance(record.get("avg_ts"), float):
-        return None
-    if not all(_is_rate(record[f]) for f in ("avg_ts", "stddev_ts") if f in record):
-        return None  # inf, or a negative rate: no measurement
+    if not isinstance(record.get("avg_ts"), float) or _damaged(record):
+        return None  # inf, a negative rate, a test of 10^400 tokens: no measurement
     record["test"] = test_name(record)
     record["tool"] = LLAMA_BENCH_TOOL
     return record
@@ -389,26 +439,61 @@ def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return abs(_background(a) - _background(b)) > 0.25
 
 
-# No benchmark measures a billion tokens a second: a stored rate past it is a damaged row.
+# No benchmark measures a billion tokens a second: a stored rate past it is a damaged row; nor
+# one token in eleven days: a rate above 0 below MIN_RATE is one too (1e-300's logarithm made the
+# ratio of two runs' rates overflow).
 MAX_RATE = 1e9
+MIN_RATE = 1e-6
+# More CPUs than any machine has: a background load past it is a damaged row's.
+MAX_CPUS = 1e6
+# The fields a stored record is read by besides its rates: paired on, averaged, named as a test,
+# written into llama-bench's table; each is one JSON scalar there, never a list or an object.
+_SCALAR_FIELDS = frozenset(LLAMA_BENCH_FIELDS) | {"draft", "tool", "n_ctx"}
 
 
 def _record(text: object) -> dict[str, Any] | None:
     """A stored result, or None for a row that is not one (damaged by hand or by a crash):
-    not a JSON object, or a rate (avg_ts, stddev_ts, samples_ts) that is no finite number
-    from 0 to MAX_RATE (NaN and Infinity read as JSON here)."""
+    not a JSON object, or a field it is read by that `_damaged` refuses."""
     try:
         record = json.loads(text) if isinstance(text, (str, bytes)) else None
     except (ValueError, RecursionError):  # a damaged row, or 100,000 brackets
         return None
-    if not isinstance(record, dict):
-        return None
-    samples = record.get("samples_ts")
-    figures = [record.get("avg_ts"), record.get("stddev_ts")]
-    figures += samples if isinstance(samples, list) else []
-    if not all(value is None or _is_rate(value) for value in figures):
+    if not isinstance(record, dict) or _damaged(record):
         return None
     return record
+
+
+def _damaged(record: Mapping[str, Any]) -> bool:
+    """Whether a record holds a value no later reading can take: a rate (avg_ts, stddev_ts,
+    samples_ts) that is no finite number from 0 to MAX_RATE, or one above 0 below MIN_RATE; a
+    background load that is no number from 0 to MAX_CPUS; a test's size (n_prompt, n_gen,
+    n_depth) that is no whole number from 0 to SQLite's largest; any other llama-bench field
+    that is a list, an object, NaN, an infinity or a whole number past SQLite's."""
+    samples = record.get("samples_ts")
+    figures = [record.get("avg_ts"), *(samples if isinstance(samples, list) else [])]
+    if not all(v is None or (_is_rate(v) and not 0 < v < MIN_RATE) for v in figures):
+        return True
+    stddev = record.get("stddev_ts")
+    if not (stddev is None or _is_rate(stddev)):
+        return True
+    load = record.get("background_cpus")
+    if not (load is None or (_is_number(load) and 0 <= load <= MAX_CPUS)):
+        return True
+    for field in TEST_FIELDS:
+        value = record.get(field)
+        if not (value is None or (isinstance(value, int) and 0 <= value <= SQLITE_MAX_INT)):
+            return True
+    return not all(_scalar(record.get(field)) for field in _SCALAR_FIELDS)
+
+
+def _scalar(value: object) -> bool:
+    """One JSON scalar a computation can take: no list or object, no NaN or infinity, no whole
+    number past SQLite's (float() of a 400-digit one overflows)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):
+        return abs(value) <= SQLITE_MAX_INT
+    return value is None or isinstance(value, (str, bytes))  # bytes: a BLOB in llama_bench
 
 
 def _is_rate(value: object) -> bool:

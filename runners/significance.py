@@ -137,7 +137,10 @@ class LogSample:
         if self.n < 2:
             return None
         se = math.sqrt(self.variance / self.n)
-        return math.expm1(t_quantile(0.5 + confidence / 2, self.n - 1) * se)
+        try:
+            return math.expm1(t_quantile(0.5 + confidence / 2, self.n - 1) * se)
+        except OverflowError:  # repetitions 10^300 apart: no bound at all
+            return math.inf
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,14 @@ def needed_repetitions(
     return min(low, MAX_NEEDED)
 
 
+def _exp(x: float) -> float:
+    """e**x, an infinity past a float's range: rates 10^300 apart are a ratio, not an error."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def compare(
     a: Iterable[float], b: Iterable[float], *, busy: bool = False, resolve: float = RESOLVE
 ) -> Difference:
@@ -256,7 +267,7 @@ def compare(
     sa, sb = LogSample.of(a), LogSample.of(b)
     if not (sa.n and sb.n):
         return Difference(None, None, None, sa.n, sb.n, None, None, busy, resolve)
-    ratio = math.exp(sb.mean - sa.mean)
+    ratio = _exp(sb.mean - sa.mean)
     needed = None
     spread = [s for s in (sa, sb) if s.n > 1]  # the pooled variance of the sides that have one
     if spread:
@@ -271,7 +282,7 @@ def compare(
         return Difference(ratio, ratio, ratio, sa.n, sb.n, math.inf, needed, busy, resolve)
     df = (va + vb) ** 2 / (va * va / (sa.n - 1) + vb * vb / (sb.n - 1))
     t = t_quantile(0.5 + CONFIDENCE / 2, df)
-    low, high = math.exp(d - t * se), math.exp(d + t * se)
+    low, high = _exp(d - t * se), _exp(d + t * se)
     return Difference(ratio, low, high, sa.n, sb.n, df, needed, busy, resolve)
 
 

@@ -9,9 +9,12 @@ import csv
 import io
 import json
 import math
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from llmrun.runners.history import (
 )
 
 from . import llama_tools
-from .conftest import HANG_S
+from .conftest import HANG_S, ROOT
 from .test_trust_bench import _fake_models, _llama_bench_fields
 
 
@@ -612,6 +615,66 @@ def test_a_row_whose_figures_are_no_rates_is_skipped_and_said(record: str) -> No
         assert h.compare([rec(avg_ts=1.0)], before_run=None)[0].previous_run == 1
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"avg_ts": 1e-300, "samples_ts": [1e-300, 2e-300]},
+        {"background_cpus": 10**400},
+        {"n_threads": 10**400},
+        {"n_gen": math.inf},
+        {"n_prompt": "8"},
+        {"type_k": {"a": 1}},
+        {"tensor_split": [0.5, 0.5]},
+        {"model_size": math.nan},
+    ],
+    ids=["tiny-rate", "huge-load", "huge-threads", "inf-test", "text-test", "dict", "list", "nan"],
+)
+def test_a_row_whose_fields_no_reading_takes_is_skipped_everywhere(field: dict[str, Any]) -> None:
+    """A rate of 1e-300 made the ratio of two runs overflow (math range error); a 400-digit
+    background_cpus, n_gen Infinity and type_k {"a": 1} ended -b/-c in an internal error
+    (int too large to convert to float, cannot convert float infinity to integer, unhashable
+    type). Each is a damaged row, skipped and said, in the list, -b/-c and --export-sql."""
+    store(rec(avg_ts=100.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=10.0))
+    store(rec(avg_ts=90.0), rec(n_prompt=0, n_gen=4, test="tg4", avg_ts=10.0))
+    _damage("record", json.dumps(rec(avg_ts=80.0) | field), rowid=3)  # run 2's pp8
+    for args in (["history"], ["history", "-n", "1", "-m", "m"]):
+        done = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        assert done.exit_code == 0, done.stderr
+        assert "1 damaged result of run 2 skipped" in done.stdout
+    done = CliRunner().invoke(app, ["history", "-b", "run=1", "-c", "run=2"])
+    assert done.exit_code == 0, done.stderr
+    assert "tg4" in done.stdout and "pp8" not in done.stdout
+    done = CliRunner().invoke(app, ["history", "--export-sql", "-"])
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.count("INSERT INTO llama_bench ") == 3
+
+
+@pytest.mark.parametrize("n_prompt", ["1e400", "-1e400", "nan", "abc", "-8"])
+def test_a_llama_bench_row_whose_test_is_no_size_is_skipped(n_prompt: str) -> None:
+    """llama-bench's own row with n_prompt '1e400' (stored as an infinity) ended -b/-c and
+    --export-sql - in an internal error (cannot convert float infinity to integer)."""
+    from llmrun.runners.history import history_path
+
+    store(rec(avg_ts=100.0))
+    with sqlite3.connect(history_path()) as db:
+        db.execute(
+            "CREATE TABLE llama_bench (model_filename TEXT, model_type TEXT, n_prompt INTEGER,"
+            " n_gen INTEGER, n_depth INTEGER, avg_ts REAL, stddev_ts REAL)"
+        )
+        db.execute(
+            "INSERT INTO llama_bench VALUES ('m.gguf', 'llama 1B Q4_0', ?, 0, 0, 90.0, 1.0)",
+            (n_prompt,),
+        )
+    done = CliRunner().invoke(app, ["history", "--export-sql", "-"])
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.count("INSERT INTO llama_bench ") == 1
+    done = CliRunner().invoke(app, ["history", "-b", "tool=llama-bench", "-c", "run=1"])
+    assert done.exit_code == 1
+    assert done.stderr.strip().splitlines() == [
+        "llmrun: error: baseline 'tool=llama-bench' matches no stored bench result"
+    ]
+
+
 def test_stored_text_reaches_the_terminal_as_text() -> None:
     """A record's `test` of `serve \\x1b[2J c1` cleared the screen; `[/x]` in it was read as
     rich markup (an internal error); a BLOB model name showed as Python's b'\\xff\\xfe\\x00'."""
@@ -633,3 +696,79 @@ def test_stored_text_reaches_the_terminal_as_text() -> None:
     )
     assert compared.exit_code == 0, compared.stderr
     assert "llama  [/x]" in compared.stdout and "\x1b" not in compared.stdout
+
+
+def test_names_given_by_the_user_reach_the_terminal_without_escapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--export-sql $'/tmp/x/\\e[41mX.sqlite'` printed `2 results written to` the name with
+    its escape sequence raw, colouring the terminal; so did an LLMRUN_HOME holding one."""
+    monkeypatch.setenv("LLMRUN_HOME", str(tmp_path / "\x1b[41mhome"))
+    done = CliRunner().invoke(app, ["history"])
+    assert done.exit_code == 0, done.stderr
+    assert "no bench runs stored yet (in " in done.stdout and "\x1b" not in done.stdout
+    store(rec(avg_ts=100.0))
+    done = CliRunner().invoke(app, ["history", "-m", "\x1b[41mzz"])
+    assert done.exit_code == 0, done.stderr
+    assert "model name contains" in done.stdout and "\x1b" not in done.stdout
+    target = tmp_path / "\x1b[41mX.sqlite"
+    done = CliRunner().invoke(app, ["history", "--export-sql", str(target)])
+    assert done.exit_code == 0, done.stderr
+    assert target.exists() and "\x1b" not in done.stderr
+    assert done.stderr.startswith(f"1 results written to {tmp_path}/X.sqlite (llama-bench's")
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open (Linux's /proc; elsewhere, after 3 s)."""
+    fds = Path(f"/proc/{pid}/fd")
+    if not fds.is_dir():
+        time.sleep(3)
+        return True
+    found = []
+    for fd in fds.iterdir():
+        try:
+            found.append(os.readlink(fd))
+        except OSError:
+            continue
+    return str(path) in found
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_wait_for_a_locked_history_ends_on_a_signal(
+    signum: int, code: int, llmrun_env: dict[str, str]
+) -> None:
+    """Another process holding the history's database (BEGIN EXCLUSIVE): `history` waits for
+    it, and Ctrl-C or SIGTERM ended it only when the 10 s busy timeout ran out, SQLite sleeping
+    in C where Python's signal handlers cannot run."""
+    from llmrun.runners.history import history_path
+
+    store(rec())
+    path = history_path()
+    assert llmrun_env["LLMRUN_HOME"] in str(path)  # the child's history is this one
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")
+    code_text = "import sys; from llmrun.cli.main import main; sys.argv[0] = 'llmrun'; main()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code_text, "history"],
+        cwd=ROOT,
+        env=llmrun_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not _holds(child.pid, path):
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # in the wait
+        child.send_signal(signum)
+        signalled = time.monotonic()
+        _, err = child.communicate(timeout=HANG_S)
+        took = time.monotonic() - signalled
+    finally:
+        child.kill()
+        holder.close()
+    assert child.returncode == code, err
+    assert took < 3, f"ended {took:.1f} s after the signal"
+    assert "Traceback" not in err and "internal error" not in err, err

@@ -294,3 +294,12 @@ def test_bench_until_ci_end_to_end_and_a_bad_value_in_one_line(
         "llmrun: error: --until-ci: give a share such as 2% or 2%,60s (with a time budget a"
         " test), not 'two'"
     ]
+
+
+def test_rates_far_apart_give_an_interval_not_an_overflow() -> None:
+    """A stored 1e-300 tok/s against 1 tok/s: math.exp of the log ratio overflowed, and
+    `history` ended in an internal error (OverflowError: math range error)."""
+    found = compare([1e-300, 2e-300], [1e10, 2e10])
+    assert found.ratio == found.high == math.inf and found.verdict == "faster"
+    assert compare([1.0, 90.0], [1e-300, 2e-300]).verdict == "slower"
+    assert LogSample.of([1e-300, 1e300]).halfwidth() == math.inf
