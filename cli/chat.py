@@ -25,6 +25,7 @@ from rich.text import Text
 
 import llmrun.cli
 from llmrun.runners import lists
+from llmrun.runners.base import ModelLoaded
 from llmrun.runners.conversation import Conversation, Turn
 from llmrun.runners.errors import BadRequestError, LlmrunError
 from llmrun.runners.limits import SAMPLING_SETTINGS, check_sampling
@@ -58,7 +59,7 @@ from .session import (
     terminal_modes,
     thinking_route,
 )
-from .terminal import terminal_line
+from .terminal import terminal_echo, terminal_line, terminal_text
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -120,6 +121,15 @@ def help_view(entries: tuple[tuple[str, str], ...]) -> RenderableType:
     cells = max(len(name) for name, _ in entries if len(name) <= 18)
     return Group(
         *(Hanging(name, Text(what), label_cells=cells, label_style="") for name, what in entries)
+    )
+
+
+def banner(loaded: ModelLoaded, n_ctx: int) -> str:
+    """The lines a chat on a terminal starts with: the model (its file name made safe), how
+    long it took to load, the context."""
+    return (
+        f"{terminal_line(loaded.name)} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
+        f" · context {n_ctx} tokens · /help lists the commands; Ctrl-D leaves"
     )
 
 
@@ -315,7 +325,7 @@ class ChatUI:
     def say(self, text: str, style: str = "dim") -> None:
         """A line of text on stderr, never broken by rich (a piped stderr is 80 columns wide
         to it): a terminal wraps it, a log keeps it whole, as everywhere."""
-        self.err.print(Text(text, style=style), soft_wrap=True)
+        self.err.print(Text(terminal_text(text), style=style), soft_wrap=True)
 
     def warn(self, text: str) -> None:
         self.say(text, "yellow")
@@ -402,11 +412,7 @@ class ChatUI:
             else:  # TERM=dumb: a spinner would only be drawn at the end
                 self.show("loading the model ...", "dim")
                 loaded = self.conv.runner.load()
-            self.show(
-                f"{loaded.name} · {model_facts(loaded)}\nload {ms(loaded.load_s)}"
-                f" · context {self.conv.n_ctx} tokens · /help lists the commands; Ctrl-D leaves",
-                "dim",
-            )
+            self.show(banner(loaded, self.conv.n_ctx), "dim")
         note = context_note(self.asked_ctx, self.conv.n_ctx)
         if note:
             self.warn(note)
@@ -544,7 +550,7 @@ class ChatUI:
         }
         action = actions.get(name.lower())
         if action is None:
-            self.say(f"unknown command {name}; /help lists them", "red")
+            self.say(f"unknown command {terminal_echo(name)}; /help lists them", "red")
             self.failed = True  # a script that says it wrongly exits 1
             return False
         return bool(action(arg))
@@ -568,7 +574,7 @@ class ChatUI:
     def _load(self, arg: str) -> None:
         self._usage(
             "/load: one model per chat here; leave (/bye) and start"
-            f" `llmrun chat -m {arg or 'MODEL'}`"
+            f" `llmrun chat -m {terminal_echo(arg) if arg else 'MODEL'}`"
         )
 
     def _set(self, arg: str) -> None:
@@ -621,7 +627,9 @@ class ChatUI:
         name, value = words[0].lower(), words[1]
         field = OLLAMA_PARAMETERS.get(name)
         if field is None:
-            self._usage(f"unknown parameter {name}; known: {', '.join(OLLAMA_PARAMETERS)}")
+            self._usage(
+                f"unknown parameter {terminal_echo(name)}; known: {', '.join(OLLAMA_PARAMETERS)}"
+            )
             return
         whole = field != "stop" and SAMPLING_SETTINGS[field].whole
         parsed: object = (
@@ -639,7 +647,7 @@ class ChatUI:
             check_sampling(sampling)
         except ValueError:  # one wording, the command line's, for every number not read
             kind = "a whole number" if whole else "a number"
-            self._usage(f"/set parameter {name}: {value!r} is not {kind}")
+            self._usage(f"/set parameter {name}: {terminal_echo(repr(value))} is not {kind}")
             return
         except LlmrunError as e:
             self._usage(f"/set parameter {name}: {e}")
@@ -647,7 +655,7 @@ class ChatUI:
         self.conv.sampling = sampling
         # stop: the strings kept (`|` alone keeps none); a number: Python's shortest spelling
         shown = " | ".join(map(repr, sampling.stop)) or "none" if field == "stop" else str(parsed)
-        self.say(f"{name} = {shown} for the next turns")
+        self.say(f"{name} = {terminal_echo(shown)} for the next turns")
 
     def _usage(self, text: str) -> None:
         self.say(text, "red")
@@ -658,7 +666,7 @@ class ChatUI:
         shows: dict[str, Callable[[], str]] = {
             "info": self._info_text,
             "parameters": self._parameters_text,
-            "system": lambda: f"system prompt: {self.conv.system or '(none)'}",
+            "system": self._system_text,
             "template": lambda: self._gguf_text("tokenizer.chat_template", "chat template"),
             "license": lambda: self._gguf_text("general.license", "license"),
             "modelfile": self._modelfile_text,
@@ -674,11 +682,15 @@ class ChatUI:
             return
         self.say(text)
 
+    def _system_text(self) -> str:
+        """The system prompt, whole (asked for), its lines kept, its escapes taken out."""
+        return f"system prompt: {terminal_text(self.conv.system or '(none)')}"
+
     def _info_text(self) -> str:
         loaded = self.conv.runner.load()
         return (
-            f"{loaded.name} · {model_facts(loaded)}\ncontext {self.conv.n_ctx} tokens\n"
-            + self._parameters_text()
+            f"{terminal_line(loaded.name)} · {model_facts(loaded)}"
+            f"\ncontext {self.conv.n_ctx} tokens\n" + self._parameters_text()
         )
 
     def _parameters_text(self) -> str:
@@ -703,14 +715,14 @@ class ChatUI:
 
     def _gguf_text(self, key: str, what: str) -> str:
         value = self._gguf_value(key)
-        return str(value) if value else f"the model file has no {what}"
+        return terminal_text(str(value)) if value else f"the model file has no {what}"
 
     def _modelfile_text(self) -> str:
         """The session as an Ollama Modelfile: the model, its parameters, the system prompt."""
         loaded = self.conv.runner.load()
         sp = self.conv.sampling
         lines = [
-            f"FROM {loaded.model.path if loaded.model else loaded.name}",
+            f"FROM {terminal_line(loaded.model.path if loaded.model else loaded.name)}",
             f"PARAMETER temperature {sp.temperature:g}",
             f"PARAMETER num_predict {sp.max_tokens}",
             f"PARAMETER top_k {sp.top_k}",
@@ -725,7 +737,7 @@ class ChatUI:
         lines += [f'PARAMETER stop "{s}"' for s in sp.stop]
         if self.conv.system:
             lines.append(f'SYSTEM """{self.conv.system}"""')
-        return "\n".join(lines)
+        return terminal_text("\n".join(lines))  # a stop string or the system prompt typed
 
     def _reset(self, arg: str) -> None:
         self.conv.reset()
@@ -736,7 +748,7 @@ class ChatUI:
             self.conv.system = arg
             self.say("system prompt set")
         else:
-            self.say(f"system prompt: {self.conv.system or '(none)'}")
+            self.say(self._system_text())
 
     def _save(self, arg: str) -> None:
         if not arg:

@@ -75,8 +75,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 def model_facts(loaded: ModelLoaded) -> str:
     model = loaded.model
     if isinstance(loaded.settings, ServerSettings) or model is None:
-        return f"served at {getattr(loaded.settings, 'endpoint', '?')}"
-    return (
+        return terminal_line(f"served at {getattr(loaded.settings, 'endpoint', '?')}")
+    return terminal_line(  # the architecture is the model file's own string
         f"{model.architecture} {model.quantization} · {human_count(model.n_params)} params"
         f" · {human_count(model.size_bytes, 'B')} of weights"
     )

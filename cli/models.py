@@ -14,6 +14,7 @@ from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
 from .report import Fitted, fitted_table
+from .terminal import terminal_line
 
 
 def pull(
@@ -29,7 +30,9 @@ def pull(
                 f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
                 " owner/repo/file.gguf"
             )
-        typer.echo(resolve_model(ref).path)
+        path = resolve_model(ref).path
+        # a pipe gets the name whole (typer.echo takes out colour codes alone, even there)
+        print(terminal_line(path) if os.isatty(1) else path, flush=True)
 
 
 def models() -> None:
@@ -39,21 +42,23 @@ def models() -> None:
 
 
 def models_table(listed: Iterable[ListedModel]) -> Fitted:
-    """A row per model file; its path may fold, its figures never."""
+    """A row per model file; its path may fold, its figures never. A file's name, a repo's and a
+    model's own strings (its architecture) are made safe: any of them may hold escapes."""
     heads = ("model", "quant", "params", "file size", "arch", "path")
     table = fitted_table(None, heads, ("model", "quant", "arch", "path"), wrap=("path",))
     for m in listed:
         if m.info is None:
-            table.add_row(m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path)
-            continue
-        table.add_row(
-            m.ref,
-            m.info.quantization,
-            human_count(m.info.n_params),
-            human_count(m.size_bytes, "B"),
-            m.info.architecture,
-            _shown(m.path) if m.source == "default" else m.path,
-        )
+            cells = (m.ref, "?", "?", human_count(m.size_bytes, "B"), m.problem or "", m.path)
+        else:
+            cells = (
+                m.ref,
+                m.info.quantization,
+                human_count(m.info.n_params),
+                human_count(m.size_bytes, "B"),
+                m.info.architecture,
+                _shown(m.path) if m.source == "default" else m.path,
+            )
+        table.add_row(*map(terminal_line, cells))
     return table
 
 

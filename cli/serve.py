@@ -37,7 +37,7 @@ from .dashboard import TerminalConsole, _TextLive, sparkline
 from .engine import make_runner
 from .errors import handled, usage_error
 from .records import OptionRecord, takes_records
-from .terminal import say
+from .terminal import say, terminal_line
 
 if TYPE_CHECKING:
     from llmrun.runners.config import EngineConfig
@@ -271,8 +271,9 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
 
 
 def _line(text: str) -> None:
-    """One line on stderr, whole (a terminal folds it; `say` would fold it at spaces)."""
-    print(text, file=sys.stderr, flush=True)
+    """One line on stderr, whole (a terminal folds it; `say` would fold it at spaces). It may
+    name the model file (the served model's id is its name) or a client's words: made safe."""
+    print(terminal_line(text), file=sys.stderr, flush=True)
 
 
 DEFAULT_MAX_CONNECTIONS = 512  # under the usual 1024 open files, far over -np 4 + a queue of 64
@@ -373,7 +374,7 @@ class _View:
         if self.live is not None and self._stop.is_set():
             return lines  # the panel is going: its last redraw prints nothing above it
         while log:
-            lines.append(answered_line(log.popleft()))
+            lines.append(terminal_line(answered_line(log.popleft())))  # a client's words
         busy = self._busy_line()
         return [*lines, busy] if busy else lines
 

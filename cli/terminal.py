@@ -37,6 +37,18 @@ def terminal_line(text: str) -> str:
     return " ".join(terminal_text(text).split())
 
 
+ECHO_CHARS = 60  # what a message quotes of a person's input or a stored value, at most
+
+
+def terminal_echo(text: str, most: int = ECHO_CHARS) -> str:
+    """Input quoted back in a message (a command, a value, a path): one line, and past `most`
+    characters cut, with the length, so that a paste of 200,000 characters is not said back."""
+    line = terminal_line(text)
+    if len(line) <= most:
+        return line
+    return f"{line[:most].rstrip()}... ({len(text):,} characters)"
+
+
 def fold(text: str, width: int | None, *, indent: int = 2) -> str:
     """`text` folded at spaces to `width` columns, each further line indented by `indent`; as
     it is where `width` is None (a pipe or a file: data, not a screen). A terminal that folds a

@@ -329,3 +329,58 @@ def test_a_chat_history_that_is_no_file_is_neither_read_nor_kept(
         assert "is not a chat history llmrun reads (a regular file of at most 16 MiB)" in (
             done.stderr
         )
+
+
+ESCAPES = "\x1b]0;PWN\x07\x1b[41mRED"
+
+
+def test_typed_text_and_stored_values_are_said_back_without_escapes(
+    cli: CliRunner, fake: FakeRunner
+) -> None:
+    """What a person types or pastes is quoted back in messages: its escape sequences must not
+    reach the terminal (set the window title, recolour the screen)."""
+    script = (
+        f"/set system be {ESCAPES}\n/show system\n/show modelfile\n/system\n"
+        f"/nosuch{ESCAPES}\n/set parameter {ESCAPES} 1\n/set parameter top_k {ESCAPES}\n"
+        f"/set parameter stop {ESCAPES}\n/load {ESCAPES}\nhi\n"
+    )
+    result = cli.invoke(app, ["chat"], input=script)
+    assert "\x1b" not in result.stderr
+    err = " ".join(result.stderr.split())
+    assert "system prompt: be RED" in err
+    assert "unknown command /nosuch" in err and "llmrun chat -m" in err
+
+
+def test_long_input_said_back_is_cut_with_its_length(cli: CliRunner, fake: FakeRunner) -> None:
+    """`/load` of a 200,000-character paste said all of it back; so did a 5,000-digit number."""
+    digits = "9" * 5000
+    script = f"/load {'x' * 200_000}\n/set parameter top_k {digits}\n/nosuch{'y' * 500}\nhi\n"
+    result = cli.invoke(app, ["chat"], input=script)
+    assert "x" * 61 not in result.stderr and "9" * 61 not in result.stderr
+    assert "y" * 61 not in result.stderr
+    err = " ".join(result.stderr.split())
+    assert "(200,000 characters)" in err and "(507 characters)" in err
+
+
+def test_a_model_file_name_with_escapes_is_shown_clean(cli: CliRunner, fake: FakeRunner) -> None:
+    """A model file's name (`chat -m`) and its metadata in the banner, /show info and
+    /show modelfile: as `run` shows them, without escape sequences."""
+    import dataclasses
+
+    from llmrun.cli.chat import banner
+    from llmrun.runners.base import ModelLoaded
+
+    from .fake import FAKE_MODEL, FAKE_SETTINGS
+
+    model = dataclasses.replace(
+        FAKE_MODEL,
+        path=f"/tmp/x/ok{ESCAPES}.gguf",
+        name=f"ok{ESCAPES}",
+        architecture=f"llama{ESCAPES}",
+    )
+    fake._loaded = ModelLoaded(model, FAKE_SETTINGS, 0.5)
+    assert "\x1b" not in banner(fake._loaded, 256) and "okRED" in banner(fake._loaded, 256)
+    result = cli.invoke(app, ["chat"], input="/show info\n/show modelfile\nhi\n")
+    assert result.exit_code == 0, result.stderr
+    assert "\x1b" not in result.stderr
+    assert "FROM /tmp/x/okRED.gguf" in result.stderr and "okRED · llamaRED" in result.stderr

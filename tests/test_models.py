@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -160,3 +161,70 @@ def test_the_embedded_models_path_is_whole_where_it_is_not_below_here(
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert _shown(str(inside)) == str(inside)
+
+
+ESCAPES = "\x1b]0;PWN\x07\x1b[41mRED"
+
+
+def test_models_lists_names_with_escapes_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file in the Hugging Face cache named with escape sequences was listed as it was named:
+    `llmrun models` set the window title and turned the terminal red."""
+    from typer.testing import CliRunner
+
+    from llmrun.cli.app import app
+
+    hub = tmp_path / "hub"
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    add_repo(hub, "org/repo", {f"{ESCAPES}.gguf": broken, f"sub{ESCAPES}/x.gguf": broken})
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.stderr
+    assert "\x1b" not in result.stdout
+    assert "org/repo/RED.gguf" in result.stdout and "org/repo/subRED/x.gguf" in result.stdout
+
+
+def test_a_model_files_own_strings_are_listed_clean() -> None:
+    """The architecture column is the model file's own string: it is cleaned as well."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from llmrun.cli.models import models_table
+    from llmrun.runners.gguf import read_gguf
+    from llmrun.runners.models import ListedModel, default_model_path
+
+    path = default_model_path()
+    info = read_gguf(path)
+    info = dataclasses.replace(
+        info, metadata={**info.metadata, "general.architecture": f"llama{ESCAPES}"}
+    )
+    listed = ListedModel(f"o/r/{ESCAPES}.gguf", f"/x/{ESCAPES}.gguf", "hub", 1, info)
+    console = Console(width=300, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(models_table([listed]))
+    text = console.export_text(styles=False)
+    assert "\x1b" not in text and "llamaRED" in text and "o/r/RED.gguf" in text
+
+
+def test_pull_names_the_file_clean_on_a_terminal_and_whole_in_a_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`llmrun pull` prints the file's path: a terminal gets it without escapes, a pipe (a
+    script that opens the file) as it is."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from llmrun.cli import models
+    from llmrun.cli.app import app
+
+    path = f"/hub/org/repo/{ESCAPES}.gguf"
+    monkeypatch.setattr(models, "resolve_model", lambda ref: SimpleNamespace(path=path))
+    piped = CliRunner().invoke(app, ["pull", "org/repo"])
+    assert piped.exit_code == 0, piped.stderr
+    assert piped.stdout == path + "\n"
+    monkeypatch.setattr(models.os, "isatty", lambda fd: True)
+    shown = CliRunner().invoke(app, ["pull", "org/repo"])
+    assert shown.stdout == "/hub/org/repo/RED.gguf\n"

@@ -909,3 +909,17 @@ def test_live_view_on_a_terminal_then_nothing_left_of_it(serve_env: dict[str, st
     assert "listening on" in shown and "stopped (SIGTERM)" in shown
     assert "completions 200 length" in shown
     assert "decoding ·" not in shown and "per step" not in shown
+
+
+def test_serves_lines_name_a_model_file_with_escapes_clean(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The id serve lists is the model file's name: `listening on ... (NAME, ...)` put a name's
+    escape sequences on the terminal (window title, colours)."""
+    from llmrun.cli.serve import _line
+    from llmrun.runners.serving.server import model_id
+
+    name = model_id("/tmp/x/ok\x1b]0;PWN\x07\x1b[41mRED.gguf")
+    _line(f"llmrun serve: listening on http://127.0.0.1:8080 ({name}, 1 sequences)")
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "(okRED, 1 sequences)" in err
