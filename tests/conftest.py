@@ -352,6 +352,19 @@ class SetAfter(threading.Event):
         return self.looks >= self.n or super().is_set()
 
 
+def python_child(code: str, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """A Python child running `code` with `args` in the checkout, its stderr read as text, for a
+    test that signals it while it waits."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 SERVER_LOGS: dict[str, Path] = {}
 
 

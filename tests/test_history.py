@@ -36,7 +36,7 @@ from llmrun.runners.history import (
 )
 
 from . import llama_tools
-from .conftest import HANG_S, ROOT
+from .conftest import HANG_S, python_child
 from .test_trust_bench import _fake_models, _llama_bench_fields
 
 
@@ -748,14 +748,7 @@ def test_the_wait_for_a_locked_history_ends_on_a_signal(
     holder = sqlite3.connect(path)
     holder.execute("BEGIN EXCLUSIVE")
     code_text = "import sys; from llmrun.cli.main import main; sys.argv[0] = 'llmrun'; main()"
-    child = subprocess.Popen(
-        [sys.executable, "-c", code_text, "history"],
-        cwd=ROOT,
-        env=llmrun_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = python_child(code_text, "history", env=llmrun_env)
     try:
         deadline = time.monotonic() + HANG_S
         while not _holds(child.pid, path):

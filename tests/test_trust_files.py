@@ -31,7 +31,7 @@ from llmrun.runners.errors import CancelledError
 from llmrun.runners.files import FileTooLargeError, append_line, atomic_write, read_capped
 from llmrun.runners.history import History
 
-from .conftest import HANG_S, ROOT
+from .conftest import HANG_S, ROOT, python_child
 from .fake import FakeBenchRunner, FakeRunner
 
 T = TypeVar("T")
@@ -673,14 +673,7 @@ def test_the_wait_for_a_fifos_writer_ends_on_a_signal(
     or SIGTERM then ends it as a shell would, without a traceback."""
     fifo = tmp_path / "in.fifo"
     os.mkfifo(fifo)
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, "0", "run", option, str(fifo), "hi"],
-        cwd=ROOT,
-        env=llmrun_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = python_child(CHILD, "0", "run", option, str(fifo), "hi", env=llmrun_env)
     try:
         assert child.stderr is not None
         ready, _, _ = select.select([child.stderr], [], [], SAID_S)
