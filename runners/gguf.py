@@ -103,6 +103,7 @@ _U64 = struct.Struct("<Q")
 # Arrays longer than this (token lists, merges) are skipped, not materialised.
 _KEEP_ARRAY_MAX = 64
 _MAX_STRING = 64 * 1024 * 1024
+_MAX_ARRAY = 2**32  # items in one array: past this a count is damaged, not cut short
 _MAX_NESTING = 8  # arrays of arrays: llama.cpp itself reads no deeper than 2
 LLAMA_MAX_LAYERS = 512  # llama.cpp asserts on block_count beyond this
 
@@ -202,8 +203,11 @@ class _Reader:
                 )
             itype = self.scalar("<I")
             n = self.scalar("<Q")
-            if n > len(self.buf):
-                raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
+            if n > len(self.buf):  # more items than the file has bytes
+                if n > _MAX_ARRAY:  # no array is that long: the count itself is damaged
+                    raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
+                # a vocabulary's count, say, in a file cut short (`head -c 2000 model.gguf`)
+                raise InvalidModelFileError(self.path, "truncated GGUF file (header ends early)")
             if n <= _KEEP_ARRAY_MAX:
                 return [self.value(itype, depth + 1) for _ in range(n)]
             if itype in SCALAR_FORMATS:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -90,6 +91,27 @@ def test_a_header_cut_inside_a_long_string_array_is_truncated(tmp_path: Path, cu
     path = tmp_path / "cut.gguf"
     path.write_bytes(header[:-cut])
     with pytest.raises(InvalidModelFileError, match=r"truncated GGUF file \(header ends early\)"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize(
+    ("count", "says"),
+    [
+        (100, "truncated GGUF file (header ends early)"),
+        (2**40, "corrupt GGUF header (array too long)"),
+    ],
+)
+def test_an_array_count_past_the_end_is_truncated_unless_no_array_is_that_long(
+    tmp_path: Path, count: int, says: str
+) -> None:
+    """`head -c 2000` of a model cuts it inside its vocabulary, whose count (49,152) is more
+    than the bytes left: that was "corrupt GGUF header (array too long)". A file cut short
+    says so; only a count no array reaches is called corrupt."""
+    header = _string_array([b"tok%d" % i for i in range(100)])
+    where = header.index(struct.pack("<Q", 100))
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(header[:where] + struct.pack("<Q", count) + b"\0" * 40)
+    with pytest.raises(InvalidModelFileError, match=re.escape(says)):
         read_gguf(path)
 
 
