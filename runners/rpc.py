@@ -138,13 +138,15 @@ def parse_endpoint(text: str) -> Endpoint:
     ':' and connects over IPv4 (AF_INET, gethostbyname), so an IPv6 address is refused here
     by name instead of ending the process in ggml's "Failed to parse endpoint" abort."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host:
+    if not sep or not host or "://" in text or "/" in port:  # a URL is no host:port
         raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
-    if ":" in host or "[" in host or "]" in host:
+    if "[" in host or "]" in host or host.count(":") > 1:  # host:1:2 is no IPv6 address
         raise RpcEndpointError(
             f"--rpc: '{text}' is an IPv6 address: llama.cpp's RPC connects over IPv4 only"
             " (an IPv4 address, or a host name that has one)"
         )
+    if ":" in host:  # host:1:2
+        raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
     if not host or any(c.isspace() for c in host) or ("," in host):
         raise RpcEndpointError(f"--rpc: '{text}' has no host")
     number = whole(port)

@@ -70,6 +70,10 @@ def test_endpoints_are_host_port_lists() -> None:
         # ggml-rpc splits at the first ':' and connects over IPv4: its parser would abort
         ("[::1]:50052", "IPv6 address: llama.cpp's RPC connects over IPv4 only"),
         ("::1:50052", "IPv6"),
+        # a URL and a second port were called IPv6 addresses
+        ("http://127.0.0.1:1", "'http://127.0.0.1:1' is not host:port"),
+        ("host:1:2", "'host:1:2' is not host:port"),
+        ("box:50052/x", "not host:port"),
     ],
 )
 def test_bad_endpoints_are_refused_by_what_is_wrong(text: str, says: str) -> None:
