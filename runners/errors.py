@@ -191,8 +191,9 @@ class ServerUnreachableError(ServerError):
     """Nothing answered: connection refused, unknown host, or a connect timeout."""
 
 
-class BadEndpointError(BadRequestError):
-    """An endpoint that is not an http(s) URL (shown with its credentials redacted)."""
+class BadEndpointError(OptionError):
+    """An endpoint that is not an http(s) URL (shown with its credentials redacted): a usage
+    error, exit 2, as a value --rpc cannot read is."""
 
     def __init__(self, shown: str, why: str = "") -> None:
         what = why or "not an http(s) URL such as http://127.0.0.1:8080"

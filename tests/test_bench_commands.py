@@ -241,7 +241,7 @@ def test_what_the_environment_set_is_named_by_its_variable() -> None:
     never typed; a policy against LLMRUN_ENDPOINT's server was exit 1 where every other
     option that does not apply is a usage error."""
     bad = CliRunner().invoke(app, ["run", "-n", "1", "hi"], env={"LLMRUN_ENDPOINT": "garbage"})
-    assert bad.exit_code == 1
+    assert bad.exit_code == 2  # a value it cannot read, as LLMRUN_RPC's
     assert bad.stderr.strip().endswith("(give LLMRUN_ENDPOINT as http://HOST:PORT)"), bad.stderr
     env = {"LLMRUN_ENDPOINT": "http://127.0.0.1:9"}
     policy = CliRunner().invoke(app, ["bench", "serve", "--policy", "prefill-first"], env=env)

@@ -826,9 +826,11 @@ def test_a_broken_chat_template_is_one_line(
 @pytest.mark.parametrize(
     ("args", "code"),
     [
-        (["--endpoint", "http://[::1"], 1),
-        (["--endpoint", "http://h:1 x"], 1),
-        (["--endpoint", "ftp://host"], 1),
+        # a value --endpoint cannot read is a usage error, as --rpc's and --timeout's are
+        (["--endpoint", "http://[::1"], 2),
+        (["--endpoint", "http://h:1 x"], 2),
+        (["--endpoint", "ftp://host"], 2),
+        (["--endpoint", "nan"], 2),
         (["--endpoint", "http://127.0.0.1:1", "--timeout", "inf"], 2),
         (["--endpoint", "http://127.0.0.1:1", "--timeout", "nan"], 2),
     ],

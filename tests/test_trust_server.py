@@ -543,7 +543,7 @@ def test_secrets_are_taken_out_as_python_escapes_them_too() -> None:
 
 def test_a_port_past_65535_is_named(cli: CliRunner) -> None:
     result = cli.invoke(app, ["run", "--endpoint", "http://127.0.0.1:99999/v1", "hi"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a value --endpoint cannot read: a usage error
     assert result.stderr.startswith("llmrun: error: a port past 65535: 'http://127.0.0.1:99999/v1'")
 
 
