@@ -81,7 +81,22 @@ def findings(model: str | None, *, probe: bool) -> list[Finding]:
         Finding("threads", f"run and chat now: {choice.why}; bench: {choice.default}, as asked"),
     ]
     out.append(Finding("repack", _repack(model, probe=probe)))
+    out.append(Finding("tuned", _tuned()))
     return out
+
+
+def _tuned() -> str:
+    """Where tune's settings are kept, and whether run and chat can read them: a damaged file
+    stops both at their start, and doctor said nothing of it."""
+    from llmrun.runners.bench.tuned import check_tuned_file, tuned_file
+    from llmrun.runners.limits import SettingError
+
+    try:
+        check_tuned_file()
+    except SettingError as e:
+        return f"unusable, so run and chat stop at their start: {e}"
+    path = tuned_file()
+    return f"saved in {path}" if path.exists() else f"none saved yet ({path})"
 
 
 def _repack(model: str | None, *, probe: bool) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,12 @@ def test_doctor_reports_build_devices_features_and_its_choices(llmrun_env: dict[
         "load",
         "threads",
         "repack",
+        "tuned",
     ):
         assert label in rows, done.stdout
+    assert rows["tuned"].endswith(
+        "none saved yet (" + llmrun_env["LLMRUN_HOME"] + "/config/tuned.json)"
+    )
     assert "llama.cpp " in rows["build"] and "CPU" in rows["backend"]
     assert "physical cores" in rows["threads"] or "CPUs busy" in rows["threads"]
     assert "quiet:" in rows["load"] or "busy:" in rows["load"]
@@ -82,6 +87,25 @@ def test_doctor_shows_a_cached_reason_as_text_not_terminal_controls(
     [repack] = [line for line in done.stdout.splitlines() if line.startswith("repack")]
     assert repack.endswith("(Q4_1): off: RED SECOND LINE"), repack
     assert not any(c in done.stdout for c in "\x1b\x07\r")
+
+
+@pytest.mark.parametrize("kind", ["binary", "fifo"])
+def test_doctor_names_a_tuned_file_run_and_chat_cannot_read(
+    kind: str, llmrun_env: dict[str, str]
+) -> None:
+    """A binary or FIFO tuned.json stops run and chat at their start, and doctor exited 0
+    without a word of it."""
+    path = Path(llmrun_env["LLMRUN_HOME"]) / "config" / "tuned.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    done = _doctor(llmrun_env)
+    assert done.returncode == 0, done.stderr
+    [tuned] = [line for line in done.stdout.splitlines() if line.startswith("tuned")]
+    assert f"unusable, so run and chat stop at their start: {path}: " in tuned, tuned
+    assert ("not a regular file" if kind == "fifo" else "not UTF-8") in tuned, tuned
 
 
 def test_flags_show_no_value_in_help(cli: CliRunner) -> None:
