@@ -19,7 +19,7 @@ import typer.core
 import typer.main
 
 import llmrun.cli
-from llmrun.runners.lists import integer, real
+from llmrun.runners.lists import MAX_DIGITS, integer, real
 
 HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
 BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
@@ -133,7 +133,8 @@ def _plain_conversions(command: Any) -> None:
     - a path given '' names no file: click's Path read it as '.', the working folder, and the
       error came later and named '.' (`run -f ''`: cannot read prompt file .: Is a directory;
       `--stats-file ''`: after the whole run);
-    - a number that is none says so: `'2.5' is not a whole number`;
+    - a number that is none says so: `'2.5' is not a whole number`; one of 400 digits is past
+      any value (it was "not a whole number", with every digit echoed);
     - a choice is read in any case, as llmrun's other words are (`-fa ON`, `--policy CHUNKED:8`
       passed; `--energy OFF` and `-o CSV` were refused)."""
     for param in command.params:
@@ -151,7 +152,17 @@ def _plain_conversions(command: Any) -> None:
                     raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
                 words, read = _KINDS.get(kind_name.removesuffix(" range"), ("", str))
                 if read(value) is None:
-                    raise typer.BadParameter(f"{value!r} is not {words}.", ctx=ctx, param=param)
+                    shown = (
+                        value if len(value) <= 24 else f"{value[:12]}…({len(value):,} characters)"
+                    )
+                    digits = value.strip().lstrip("+-")
+                    if digits.isascii() and digits.isdigit():  # a number, of too many digits
+                        raise typer.BadParameter(
+                            f"{shown} is past any value it takes ({MAX_DIGITS} digits at most).",
+                            ctx=ctx,
+                            param=param,
+                        )
+                    raise typer.BadParameter(f"{shown!r} is not {words}.", ctx=ctx, param=param)
             return convert(value, param, ctx)
 
         kind.convert = checked

@@ -275,6 +275,21 @@ def test_a_number_past_its_upper_end_is_a_usage_error(command: str, flag: str, h
     assert f"{past} is not in the range" in result.output, result.output
 
 
+@pytest.mark.parametrize(("command", "flag", "high"), _numbers(), ids=str)
+def test_a_number_of_400_digits_is_past_every_option_and_is_not_echoed_whole(
+    command: str, flag: str, high: float
+) -> None:
+    """A 400-digit value said "'9999…' is not a whole number", every digit echoed (a whole
+    number it is; past what any option takes). A real number's option reads it as a float
+    and says it is out of range."""
+    value = "9" * 400
+    result = CliRunner().invoke(app, [*command.split(), flag, value], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, (flag, result.output)
+    assert value not in result.output, result.output
+    said = " ".join(result.output.split())
+    assert "is past any value it takes" in said or "is not in the range" in said, said
+
+
 def _paths() -> list[tuple[str, str]]:
     return [(path, p.opts[0]) for path, p in _every_option() if _kind(p) in PATH_KINDS]
 
