@@ -19,6 +19,7 @@ import typer.core
 import typer.main
 
 import llmrun.cli
+from llmrun.runners.errors import shown_short
 from llmrun.runners.lists import MAX_DIGITS, integer, real
 
 HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
@@ -152,9 +153,7 @@ def _plain_conversions(command: Any) -> None:
                     raise typer.BadParameter("an empty path names no file", ctx=ctx, param=param)
                 words, read = _KINDS.get(kind_name.removesuffix(" range"), ("", str))
                 if read(value) is None:
-                    shown = (
-                        value if len(value) <= 24 else f"{value[:12]}…({len(value):,} characters)"
-                    )
+                    shown = shown_short(value)
                     digits = value.strip().lstrip("+-")
                     if digits.isascii() and digits.isdigit():  # a number, of too many digits
                         raise typer.BadParameter(

@@ -32,6 +32,18 @@ def long_integer() -> str:
     return f"a number of more than {sys.get_int_max_str_digits():,} digits, past what llmrun reads"
 
 
+def cut(text: str, most: int) -> str:
+    """Text for a message, past `most` characters cut with its length (a server's words, input
+    said back): `first words... (200,000 characters)`."""
+    return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
+
+
+def shown_short(text: str) -> str:
+    """A value as written (a 400-digit number), past 24 characters its first 12 and its length:
+    `100000000000…(401 characters)`."""
+    return text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
+
+
 def _no_constant(name: str) -> Any:
     """Python reads NaN, Infinity and -Infinity; RFC 8259 has no such numbers."""
     raise BadRequestError(f"not valid JSON: {name} is not a JSON number (RFC 8259)")
@@ -41,8 +53,9 @@ def _finite(text: str) -> float:
     """RFC 8259 sets no range and Python reads 1e999 as inf: named as written, never as inf."""
     value = float(text)
     if math.isinf(value):
-        shown = text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
-        raise BadRequestError(f"holds {shown}, a number past the largest float (1.797e308)")
+        raise BadRequestError(
+            f"holds {shown_short(text)}, a number past the largest float (1.797e308)"
+        )
     return value
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .config import LAZY_MODES, LOAD_MODES, SPLIT_MODES
-from .errors import BadRequestError, LlmrunError
+from .errors import BadRequestError, LlmrunError, shown_short
 from .system import available_memory_bytes, logical_cpus
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ def _shown(value: Any) -> str:
     --jsonl line), and a float past the largest (JSON's 1e999, read as inf) as what it is."""
     if isinstance(value, float) and math.isinf(value):
         return "a number past the largest float"
-    text = repr(value)
-    return text if len(text) <= 24 else f"{text[:12]}…({len(text):,} characters)"
+    return shown_short(repr(value))
 
 
 def _int_in(where: str, name: str, value: Any, low: int, high: int, why: str = "") -> None:

@@ -45,6 +45,7 @@ from .errors import (
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
+    cut,
     json_kind,
 )
 from .reasoning import TokenTagger
@@ -79,8 +80,7 @@ MAX_SERVER_WORDS = 300
 
 def server_words(text: str, most: int = MAX_SERVER_WORDS) -> str:
     """A server's text for a message: one line, cut past `most` characters with a mark."""
-    text = " ".join(text.split())
-    return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
+    return cut(" ".join(text.split()), most)
 
 
 # (route, request field, answer field) of the tokenizers servers offer beside the OpenAI API.
