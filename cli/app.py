@@ -296,11 +296,24 @@ def _usage_errors_in_one_line() -> Iterator[None]:
             raise
         from .terminal import terminal_line
 
+        _hint_without_envvar(e, ctx)
         text = terminal_line(e.format_message())
         listed = "commands" if type(e).__name__ == "UsageError" and "command" in text else "options"
         where = f" ('{ctx.command_path} -h' lists the {listed})" if ctx is not None else ""
         print(f"llmrun: error: {text}{where}", file=sys.stderr, flush=True)
         raise typer.Exit(2) from None
+
+
+def _hint_without_envvar(e: Any, ctx: Any) -> None:
+    """A bad value names the environment variable only when it came from there: typer's hint
+    adds "(env var: 'LLMRUN_CTX')" to every option that has one, so a typed `-c -5` seemed to
+    blame the environment."""
+    param = getattr(e, "param", None)
+    if param is None or ctx is None or getattr(e, "param_hint", None) is not None:
+        return
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    if getattr(source, "name", "") != "ENVIRONMENT":
+        e.param_hint = " / ".join(f"'{x}'" for x in param.opts or [param.human_readable_name])
 
 
 class LazyGroup(_FlagsShowNoType, typer.core.TyperGroup):

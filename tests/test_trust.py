@@ -894,6 +894,26 @@ def test_a_usage_error_is_one_line_and_exit_2(args: list[str], says: str, cli: C
     assert "\x1b" not in line
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "names_env"),
+    [
+        (["run", "-c", "-5", "hi"], {}, False),
+        (["run", "hi"], {"LLMRUN_CTX": "-5"}, True),
+        (["run", "--ctx-size", "abc", "hi"], {"LLMRUN_CTX": "512"}, False),
+        (["run", "hi"], {"LLMRUN_CTX": "abc"}, True),
+    ],
+)
+def test_a_bad_value_names_the_environment_variable_only_when_it_came_from_there(
+    args: list[str], env: dict[str, str], names_env: bool, cli: CliRunner
+) -> None:
+    """typer's hint named LLMRUN_CTX beside a typed `-c -5`, as if the environment were wrong."""
+    result = cli.invoke(app, args, env=env)
+    assert result.exit_code == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("llmrun: error: Invalid value for '-c' / '--ctx' / '--ctx-size'"), line
+    assert ("(env var: 'LLMRUN_CTX')" in line) == names_env, line
+
+
 def test_whole_numbers_are_ascii_digits() -> None:
     from llmrun.runners.lists import integer, real, share, whole
     from llmrun.runners.rpc import parse_endpoints
