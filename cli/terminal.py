@@ -4,7 +4,8 @@ A server's reply, a model's output or a file's name can hold escape sequences th
 screen, set the window title, recolour everything after them or rewrite a line already shown
 (carriage return, backspace). Everything bound for a terminal passes through `terminal_text`:
 whole ESC sequences (CSI, OSC, DCS and the rest) are removed, then every remaining control
-character except tab and newline, C1 controls included (U+009B is CSI on some terminals).
+character except tab and newline, C1 controls included (U+009B is CSI on some terminals), and the
+bidirectional overrides that show a name other than it is.
 No ESC survives, so a sequence split across two tokens cannot form either. Text for a pipe or a
 file is data and stays as it came.
 """
@@ -21,7 +22,12 @@ _SEQUENCE = re.compile(
     r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC (window title, links), DCS, SOS, PM, APC
     r"|\x1b[ -/]*[0-~]"  # two-character escapes (charset switches, reset)
 )
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 controls but tab and newline; and Unicode's bidirectional embeddings, overrides and
+# isolates (U+202A-E, U+2066-9): on a terminal that orders text by direction (VTE, Konsole,
+# mlterm), a name holding U+202E shows `evil<U+202E>txt.exe` as "evilexe.txt" (Trojan Source,
+# CVE-2021-42574).
+# The marks (U+200E/F, U+061C) are kept: they order no text, and right-to-left text uses them.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def terminal_text(text: str) -> str:

@@ -12,7 +12,7 @@ import pexpect
 import pyte
 import pytest
 
-from llmrun.cli.terminal import fold, set_verbose
+from llmrun.cli.terminal import fold, set_verbose, terminal_line, terminal_text
 
 from .conftest import HANG_S, which_llmrun
 
@@ -140,3 +140,13 @@ def test_one_off_lines_fold_at_spaces_on_a_terminal_and_stay_whole_in_a_pipe(
         [which_llmrun(), "doctor"], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert piped.returncode == 0 and any(len(ln) > 40 for ln in piped.stdout.splitlines())
+
+
+def test_bidirectional_overrides_are_taken_out_and_right_to_left_text_kept() -> None:
+    """A file named `evil\u202etxt.exe` shows as "evilexe.txt" where the terminal orders text by
+    direction (Trojan Source); the embeddings, overrides and isolates go, the marks stay."""
+    assert terminal_text("evil\u202etxt.exe") == "eviltxt.exe"
+    assert terminal_line("a\u202ab\u202bc\u202cd\u202de\u2066f\u2067g\u2068h\u2069") == "abcdefgh"
+    assert terminal_text("\u05e9\u05dc\u05d5\u05dd \u200f(1)\u200e \u061c") == (
+        "\u05e9\u05dc\u05d5\u05dd \u200f(1)\u200e \u061c"
+    )

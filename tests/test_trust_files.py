@@ -904,7 +904,7 @@ def test_escapes_in_model_and_ppl_file_names_never_reach_stderr(
 ) -> None:
     from .test_trust import llmrun
 
-    evil = "x\x1b]0;pwned\x07\x1b[2J\x9b"
+    evil = "x\x1b]0;pwned\x07\x1b[2J\x9b\u202eexe"  # U+202E: shown as `exe` reversed
     model = tmp_path / f"{evil}.gguf"
     model.symlink_to(model_path)
     text = tmp_path / f"{evil}.txt"
@@ -930,7 +930,7 @@ def test_escapes_in_model_and_ppl_file_names_never_reach_stderr(
         result = llmrun(args, llmrun_env)
         assert result.returncode == 0, result.stderr
         err = result.stderr.decode()
-        assert "\x1b" not in err and "\x9b" not in err and "\x07" not in err, repr(err)
+        assert not {"\x1b", "\x9b", "\x07", "\u202e"} & set(err), repr(err)
 
 
 @pytest.mark.model
