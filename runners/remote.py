@@ -351,10 +351,7 @@ class Connection:
         """A server's or a library's words with our credentials taken out, should they echo
         them: URL credentials and query keys, Authorization values, and the secrets themselves
         (plain or as the base64 of Basic auth)."""
-        text = redact_url(text)
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return self.scrub_secrets(redact_url(text))
 
     def _whole_reply(self, response: httpx.Response) -> Chunk:
         """A reply sent as one JSON object in spite of "stream": true: one chunk with it all."""
@@ -389,8 +386,7 @@ class Connection:
     def scrub_secrets(self, text: str) -> str:
         """Generated text with only our own secrets taken out (a URL in it stays as written)."""
         for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, "***")
+            text = text.replace(secret, "***")
         return text
 
     def _http_error(self, response: httpx.Response, path: str) -> ServerError:
@@ -689,10 +685,6 @@ def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
     return "/chat/completions", {**body, "messages": messages}
 
 
-def _finish(reason: str | None) -> str:
-    return FINISH_LENGTH if reason == "length" else FINISH_STOP
-
-
 @dataclass
 class _Received:
     """What a streamed answer brought: each text chunk's time and text, the server's finish
@@ -710,7 +702,7 @@ class _Received:
             return FINISH_INCOMPLETE
         if cancel.is_set():
             return FINISH_INTERRUPTED
-        return _finish(self.reason)
+        return FINISH_LENGTH if self.reason == "length" else FINISH_STOP
 
 
 class OpenAIRunner:
