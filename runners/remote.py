@@ -616,7 +616,7 @@ def _parse(event: Any) -> Chunk:
         err = event["error"]
         message = err.get("message", err) if isinstance(err, dict) else err
         return Chunk(error=f"the server reported an error mid-stream: {server_value(message)}")
-    text, finish = "", None
+    text, reasoning, finish = "", "", None
     choices = event.get("choices")
     choices = [] if choices is None else choices  # [], null or none: an event of usage alone
     if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
@@ -635,8 +635,6 @@ def _parse(event: Any) -> Chunk:
         reasoning = thought if isinstance(thought, str) else ""
         reason = choice.get("finish_reason")
         finish = reason if isinstance(reason, str) else None
-    else:
-        reasoning = ""
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
     return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage, timings=timings)
@@ -891,13 +889,8 @@ class OpenAIRunner:
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
         timings = {
-            **{
-                ours: timings[theirs]
-                for theirs, ours in LLMRUN_TIMINGS.items()
-                if theirs in timings
-            },
-            **timings,
-        }
+            ours: timings[theirs] for theirs, ours in LLMRUN_TIMINGS.items() if theirs in timings
+        } | timings
         # Counts past what the request could hold are no counts: dropped and named.
         notes: list[str] = []
         in_most, out_most = prompt_tokens_most(request), output_tokens_most(request)
@@ -990,21 +983,16 @@ def check_server_figures(
     - Every content chunk carries at least one token: completion_tokens >= chunks.
     """
     notes: list[str] = []
-    prompt_ms, predicted_ms, prompt_n, predicted_n = (
-        t.prompt_ms,
-        t.predicted_ms,
-        t.prompt_n,
-        t.predicted_n,
-    )
+    prompt_ms, predicted_ms, predicted_n = t.prompt_ms, t.predicted_ms, t.predicted_n
     if prompt_ms is not None and ttft_s is not None and prompt_ms / 1000 > ttft_s * 1.05 + SLACK_S:
         notes.append(f"prompt_ms {prompt_ms:g} > the client's TTFT {ttft_s * 1000:.1f} ms")
         prompt_ms = None
     elif (
         prompt_ms is not None
-        and prompt_n
-        and prompt_n / max(prompt_ms / 1000, 1e-12) > MAX_PREFILL_TPS
+        and t.prompt_n
+        and t.prompt_n / max(prompt_ms / 1000, 1e-12) > MAX_PREFILL_TPS
     ):
-        notes.append(f"prefill of {prompt_n} tokens in {prompt_ms:g} ms")
+        notes.append(f"prefill of {t.prompt_n} tokens in {prompt_ms:g} ms")
         prompt_ms = None
     if predicted_ms is not None and predicted_ms / 1000 > e2e_s * 1.05 + SLACK_S:
         notes.append(f"predicted_ms {predicted_ms:g} > the client's {e2e_s * 1000:.1f} ms")
