@@ -309,11 +309,8 @@ class Connection:
         if parsed.username or parsed.password:
             basic = f"{parsed.username or ''}:{parsed.password or ''}".encode()
             # A server that echoes the Authorization header gives the credentials back encoded.
-            secrets += [
-                base64.b64encode(basic).decode(),
-                base64.urlsafe_b64encode(basic).decode(),
-                base64.b64encode(basic).decode().rstrip("="),
-            ]
+            encoded = base64.b64encode(basic).decode()
+            secrets += [encoded, base64.urlsafe_b64encode(basic).decode(), encoded.rstrip("=")]
             if not api_key:
                 auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
         # Each also as Python escapes it (a library's message may show a header's bytes), longest
