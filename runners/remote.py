@@ -480,11 +480,10 @@ class Connection:
                         yield Chunk(error=f"malformed stream line: {data[:80]!r}")
                         return
                     chunk = _parse(event)
+                    yield chunk
                     if chunk.error:
-                        yield chunk
                         return
                     finished = finished or chunk.finish_reason is not None
-                    yield chunk
             except SSELineTooLongError as e:
                 yield Chunk(error=str(e))
                 return
@@ -891,8 +890,7 @@ class OpenAIRunner:
         # Counts past what the request could hold are no counts: dropped and named.
         notes: list[str] = []
         in_most, out_most = prompt_tokens_most(request), output_tokens_most(request)
-        cache_n = _checked("cache_n", timings.get("cache_n"), in_most, notes)
-        cached = cache_n
+        cached = cache_n = _checked("cache_n", timings.get("cache_n"), in_most, notes)
         if cached is None:
             cached = _checked("cached_tokens", details.get("cached_tokens"), in_most, notes)
         prompt = _checked("prompt_tokens", usage.get("prompt_tokens"), in_most, notes)
