@@ -212,12 +212,12 @@ def _recv_exactly(s: socket.socket, size: int) -> bytes:
     return data
 
 
-def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
+def _hello(endpoint: Endpoint) -> None:
     """That the server answers ggml-rpc's handshake as an rpc-server of this protocol
     (RpcUnreachableError, else). ggml-rpc's own handshake aborts the process on a bad answer
     and waits forever for a missing one (an rpc-server serves one client at a time; a port
     that is something else): this one has a timeout, and then the client's runs."""
-    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s  # read when called
+    timeout_s = CONNECT_TIMEOUT_S  # read when called
     why = _connects(endpoint, timeout_s)
     if why is not None:
         raise RpcUnreachableError(str(endpoint), why)
