@@ -106,13 +106,13 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
     with os.waitpid, not Popen.wait: a KeyboardInterrupt out of Popen.wait(timeout) can leave
     its internal lock held (CPython 3.11 takes it before its try), and a Popen.wait after that
     blocked forever on a server already gone."""
-    kills = [signal.SIGTERM, signal.SIGKILL]
+    kills = iter([signal.SIGTERM])  # then SIGKILL
     deadline = 0.0
     while child.returncode is None:
         try:
             if time.monotonic() >= deadline:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, kills.pop(0) if len(kills) > 1 else kills[0])
+                    os.kill(child.pid, next(kills, signal.SIGKILL))
                 deadline = time.monotonic() + 5
             pid, status = os.waitpid(child.pid, os.WNOHANG)
             if pid == child.pid:
@@ -120,6 +120,6 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
             else:
                 time.sleep(0.01)
         except ChildProcessError:  # reaped already (by Popen before the interrupt)
-            child.returncode = child.returncode if child.returncode is not None else 0
+            child.returncode = 0
         except KeyboardInterrupt:
             continue

@@ -309,11 +309,8 @@ class Connection:
         if parsed.username or parsed.password:
             basic = f"{parsed.username or ''}:{parsed.password or ''}".encode()
             # A server that echoes the Authorization header gives the credentials back encoded.
-            secrets += [
-                base64.b64encode(basic).decode(),
-                base64.urlsafe_b64encode(basic).decode(),
-                base64.b64encode(basic).decode().rstrip("="),
-            ]
+            encoded = base64.b64encode(basic).decode()
+            secrets += [encoded, base64.urlsafe_b64encode(basic).decode(), encoded.rstrip("=")]
             if not api_key:
                 auth = httpx.BasicAuth(parsed.username or "", parsed.password or "")
         # Each also as Python escapes it (a library's message may show a header's bytes), longest
@@ -351,10 +348,7 @@ class Connection:
         """A server's or a library's words with our credentials taken out, should they echo
         them: URL credentials and query keys, Authorization values, and the secrets themselves
         (plain or as the base64 of Basic auth)."""
-        text = redact_url(text)
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return self.scrub_secrets(redact_url(text))
 
     def _whole_reply(self, response: httpx.Response) -> Chunk:
         """A reply sent as one JSON object in spite of "stream": true: one chunk with it all."""
@@ -389,8 +383,7 @@ class Connection:
     def scrub_secrets(self, text: str) -> str:
         """Generated text with only our own secrets taken out (a URL in it stays as written)."""
         for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, "***")
+            text = text.replace(secret, "***")
         return text
 
     def _http_error(self, response: httpx.Response, path: str) -> ServerError:
@@ -487,11 +480,10 @@ class Connection:
                         yield Chunk(error=f"malformed stream line: {data[:80]!r}")
                         return
                     chunk = _parse(event)
+                    yield chunk
                     if chunk.error:
-                        yield chunk
                         return
                     finished = finished or chunk.finish_reason is not None
-                    yield chunk
             except SSELineTooLongError as e:
                 yield Chunk(error=str(e))
                 return
@@ -620,7 +612,7 @@ def _parse(event: Any) -> Chunk:
         err = event["error"]
         message = err.get("message", err) if isinstance(err, dict) else err
         return Chunk(error=f"the server reported an error mid-stream: {server_value(message)}")
-    text, finish = "", None
+    text, reasoning, finish = "", "", None
     choices = event.get("choices")
     choices = [] if choices is None else choices  # [], null or none: an event of usage alone
     if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
@@ -639,8 +631,6 @@ def _parse(event: Any) -> Chunk:
         reasoning = thought if isinstance(thought, str) else ""
         reason = choice.get("finish_reason")
         finish = reason if isinstance(reason, str) else None
-    else:
-        reasoning = ""
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
     timings = event.get("timings") if isinstance(event.get("timings"), dict) else None
     return Chunk(text=text, reasoning=reasoning, finish_reason=finish, usage=usage, timings=timings)
@@ -689,10 +679,6 @@ def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
     return "/chat/completions", {**body, "messages": messages}
 
 
-def _finish(reason: str | None) -> str:
-    return FINISH_LENGTH if reason == "length" else FINISH_STOP
-
-
 @dataclass
 class _Received:
     """What a streamed answer brought: each text chunk's time and text, the server's finish
@@ -710,7 +696,7 @@ class _Received:
             return FINISH_INCOMPLETE
         if cancel.is_set():
             return FINISH_INTERRUPTED
-        return _finish(self.reason)
+        return FINISH_LENGTH if self.reason == "length" else FINISH_STOP
 
 
 class OpenAIRunner:
@@ -899,18 +885,12 @@ class OpenAIRunner:
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
         timings = {
-            **{
-                ours: timings[theirs]
-                for theirs, ours in LLMRUN_TIMINGS.items()
-                if theirs in timings
-            },
-            **timings,
-        }
+            ours: timings[theirs] for theirs, ours in LLMRUN_TIMINGS.items() if theirs in timings
+        } | timings
         # Counts past what the request could hold are no counts: dropped and named.
         notes: list[str] = []
         in_most, out_most = prompt_tokens_most(request), output_tokens_most(request)
-        cache_n = _checked("cache_n", timings.get("cache_n"), in_most, notes)
-        cached = cache_n
+        cached = cache_n = _checked("cache_n", timings.get("cache_n"), in_most, notes)
         if cached is None:
             cached = _checked("cached_tokens", details.get("cached_tokens"), in_most, notes)
         prompt = _checked("prompt_tokens", usage.get("prompt_tokens"), in_most, notes)
@@ -998,21 +978,16 @@ def check_server_figures(
     - Every content chunk carries at least one token: completion_tokens >= chunks.
     """
     notes: list[str] = []
-    prompt_ms, predicted_ms, prompt_n, predicted_n = (
-        t.prompt_ms,
-        t.predicted_ms,
-        t.prompt_n,
-        t.predicted_n,
-    )
+    prompt_ms, predicted_ms, predicted_n = t.prompt_ms, t.predicted_ms, t.predicted_n
     if prompt_ms is not None and ttft_s is not None and prompt_ms / 1000 > ttft_s * 1.05 + SLACK_S:
         notes.append(f"prompt_ms {prompt_ms:g} > the client's TTFT {ttft_s * 1000:.1f} ms")
         prompt_ms = None
     elif (
         prompt_ms is not None
-        and prompt_n
-        and prompt_n / max(prompt_ms / 1000, 1e-12) > MAX_PREFILL_TPS
+        and t.prompt_n
+        and t.prompt_n / max(prompt_ms / 1000, 1e-12) > MAX_PREFILL_TPS
     ):
-        notes.append(f"prefill of {prompt_n} tokens in {prompt_ms:g} ms")
+        notes.append(f"prefill of {t.prompt_n} tokens in {prompt_ms:g} ms")
         prompt_ms = None
     if predicted_ms is not None and predicted_ms / 1000 > e2e_s * 1.05 + SLACK_S:
         notes.append(f"predicted_ms {predicted_ms:g} > the client's {e2e_s * 1000:.1f} ms")

@@ -99,10 +99,11 @@ def rpc_dir() -> Path:
     return Path(base) / version()
 
 
-def server_binary() -> Path:
-    path = rpc_dir() / BINARY
+def server_binary(name: str = BINARY) -> Path:
+    """rpc-server's path, or another file `make rpc-server` builds (RpcNotBuiltError without)."""
+    path = rpc_dir() / name
     if not path.is_file():
-        raise RpcNotBuiltError(BINARY)
+        raise RpcNotBuiltError(name)
     return path
 
 
@@ -138,15 +139,15 @@ def parse_endpoint(text: str) -> Endpoint:
     ':' and connects over IPv4 (AF_INET, gethostbyname), so an IPv6 address is refused here
     by name instead of ending the process in ggml's "Failed to parse endpoint" abort."""
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or "://" in text or "/" in port:  # a URL is no host:port
+    ipv6 = "[" in host or "]" in host or host.count(":") > 1  # host:1:2 is no IPv6 address
+    # a URL, or host:1:2, is no host:port
+    if not sep or not host or "://" in text or "/" in port or (":" in host and not ipv6):
         raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
-    if "[" in host or "]" in host or host.count(":") > 1:  # host:1:2 is no IPv6 address
+    if ipv6:
         raise RpcEndpointError(
             f"--rpc: '{text}' is an IPv6 address: llama.cpp's RPC connects over IPv4 only"
             " (an IPv4 address, or a host name that has one)"
         )
-    if ":" in host:  # host:1:2
-        raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
     if not host or any(c.isspace() for c in host) or ("," in host):
         raise RpcEndpointError(f"--rpc: '{text}' has no host")
     number = whole(port)
@@ -211,12 +212,12 @@ def _recv_exactly(s: socket.socket, size: int) -> bytes:
     return data
 
 
-def _hello(endpoint: Endpoint, timeout_s: float | None = None) -> None:
+def _hello(endpoint: Endpoint) -> None:
     """That the server answers ggml-rpc's handshake as an rpc-server of this protocol
     (RpcUnreachableError, else). ggml-rpc's own handshake aborts the process on a bad answer
     and waits forever for a missing one (an rpc-server serves one client at a time; a port
     that is something else): this one has a timeout, and then the client's runs."""
-    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s  # read when called
+    timeout_s = CONNECT_TIMEOUT_S  # read when called
     why = _connects(endpoint, timeout_s)
     if why is not None:
         raise RpcUnreachableError(str(endpoint), why)
@@ -281,9 +282,7 @@ def attach(endpoints: tuple[Endpoint, ...]) -> None:
     new = [e for e in endpoints if e not in _attached]
     if not new:
         return
-    library = rpc_dir() / LIBRARY
-    if not library.is_file():
-        raise RpcNotBuiltError(LIBRARY)
+    library = server_binary(LIBRARY)
     for e in new:
         _hello(e)
         with contextlib.suppress(OSError):
