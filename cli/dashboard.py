@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import os
 import threading
 import time
@@ -164,20 +165,13 @@ class Hanging:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         indent = self.label_cells + 1
         width = options.max_width
+        first = Segment(f"{self.label:<{self.label_cells}} ", console.get_style(self.label_style))
         if width <= indent + 16 or cell_len(self.label) > self.label_cells:
             # too narrow for a column (or a long label): the label on a line of its own
             yield Text(self.label, style=self.label_style)
-            for line in self.value.wrap(console, max(1, width - 2), overflow="fold"):
-                yield Segment("  ")
-                yield from line.render(console)
-                yield Segment.line()
-            return
-        lines = self.value.wrap(console, width - indent, overflow="fold")
-        for i, line in enumerate(lines):
-            yield Segment(
-                f"{self.label:<{self.label_cells}} " if i == 0 else " " * indent,
-                console.get_style(self.label_style) if i == 0 else None,
-            )
+            indent, first = 2, Segment("  ")
+        for i, line in enumerate(self.value.wrap(console, max(1, width - indent), overflow="fold")):
+            yield first if i == 0 else Segment(" " * indent)
             yield from line.render(console)
             yield Segment.line()
 
@@ -191,15 +185,10 @@ def folded(line: str, width: int, rows: int) -> list[Text]:
     `width` cells, not at words; only its last `rows` rows (a long paragraph stays whole
     in the text and scrolls out whole when it ends)."""
     text = Text.from_ansi(line)
-    plain = text.plain
-    if cell_len(plain) <= width:
+    if cell_len(text.plain) <= width:
         return [text]
-    offsets, at = [], 0
-    for piece in chop_cells(plain, max(1, width)):
-        at += len(piece)
-        offsets.append(at)
-    parts = list(text.divide(offsets[:-1]))
-    return parts[-rows:]
+    offsets = list(itertools.accumulate(map(len, chop_cells(text.plain, max(1, width)))))
+    return list(text.divide(offsets[:-1]))[-rows:]
 
 
 def _bar(done: int, total: int, cells: int = 20) -> Text:
@@ -312,9 +301,7 @@ def _fit(
             break
         keep.remove(i)
         total -= sizes[i]
-    while total > budget and line_rows > 0:
-        line_rows -= 1
-        total -= 1
+    line_rows -= min(line_rows, max(0, total - budget))
     return lines[len(lines) - line_rows :], [parts[i] for i in keep]
 
 
@@ -367,17 +354,6 @@ class _Bars:
             yield grid
 
 
-def rate_bars(stats: GenerationStats) -> RenderableType:
-    """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
-    pair = bars(
-        [("prompt tok/s", stats.prompt_tps, "cyan"), ("output tok/s", stats.output_tps, "magenta")],
-        label_cells=13,
-    )
-    if stats.prompt_tps and stats.output_tps:
-        return Group(pair, Text(" " * 14 + ratio_text(stats), style="bold"))  # under the bars
-    return pair
-
-
 def render(stats: GenerationStats) -> RenderableType:
     """The closing summary of one request, in llama.cpp's and Ollama's terms."""
     grid = Table.grid(padding=(0, 1))
@@ -385,7 +361,14 @@ def render(stats: GenerationStats) -> RenderableType:
     grid.add_column(overflow="fold")  # a word wider than the column folds; nothing is cut
     for label, value in summary_rows(stats):
         grid.add_row(label, Text(value))
-    return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
+    rates = [
+        ("prompt tok/s", stats.prompt_tps, "cyan"),
+        ("output tok/s", stats.output_tps, "magenta"),
+    ]
+    parts: list[RenderableType] = [grid, bars(rates, label_cells=13)]  # on one scale
+    if stats.prompt_tps and stats.output_tps:  # their ratio, under the bars
+        parts.append(Text(" " * 14 + ratio_text(stats), style="bold"))
+    return Group(*parts, Text(phase_sentence(stats), style="italic"))
 
 
 class TerminalConsole(LineConsole):
