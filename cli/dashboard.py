@@ -251,11 +251,11 @@ def render_live(
     # the prefill's once decoding
     decoding = state.first_token_s is not None
     repeated = 0 if state.loading else len(parts) - (p is not None and not decoding)
-    waiting = p is None and state.first_token_s is None and not state.loading
+    waiting = p is None and not decoding and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
         # A server shows no prefill progress: the wait itself is what there is to see.
         parts.append(_row("wait", f"{ms(now_s - state.started_s)} for the first token"))
-    if state.first_token_s is not None:
+    if decoding:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
         thought = f" ({state.thinking} thinking)" if state.thinking else ""
@@ -276,11 +276,6 @@ def _measuring(width: int) -> Console:
     return Console(file=io.StringIO(), width=width, color_system=None, legacy_windows=False)
 
 
-def _rows(part: RenderableType, width: int) -> int:
-    console = _measuring(width)
-    return len(console.render_lines(part, console.options, pad=False))
-
-
 def _fit(
     lines: list[RenderableType],
     parts: list[RenderableType],
@@ -292,7 +287,8 @@ def _fit(
     the bottom, then the oldest rows of the line being written; the phase under way stays,
     which is what keeps the panel under the screen's height and its rows out of the
     scrollback (rich crops a taller one with "...", and cannot erase what scrolled away)."""
-    sizes = [_rows(part, width) for part in parts]
+    console = _measuring(width)
+    sizes = [len(console.render_lines(part, console.options, pad=False)) for part in parts]
     line_rows = len(lines)  # `folded` rows are one screen row each
     total = sum(sizes) + line_rows
     keep = list(range(len(parts)))
