@@ -133,9 +133,7 @@ def banner(loaded: ModelLoaded, n_ctx: int) -> str:
     )
 
 
-def turn_line(stats: GenerationStats) -> str:
-    """The compact per-turn stats line."""
-    s = stats
+def turn_line(s: GenerationStats) -> str:
     busy = busy_mark(s)
     return (
         f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ms(s.ttft_s)}"
@@ -407,8 +405,7 @@ class ChatUI:
             with self.err.status("loading the model ...") if live else contextlib.nullcontext():
                 loaded = self.conv.runner.load()
             self.show(banner(loaded, self.conv.n_ctx), "dim")
-        note = context_note(self.asked_ctx, self.conv.n_ctx)
-        if note:
+        if note := context_note(self.asked_ctx, self.conv.n_ctx):
             self.warn(note)
         while True:
             text = self.read_message()
@@ -483,10 +480,7 @@ class ChatUI:
             # conversation, so the next turn reuses the cache as it was before this one.
             turn.in_context = False
         if turn.stats is not None and not self.quiet:
-            if self.verbose:
-                self.show(render(turn.stats))
-            else:
-                self.show(turn_line(turn.stats), "dim")
+            self.show(render(turn.stats) if self.verbose else turn_line(turn.stats), "dim")
             if turn.note:
                 self.show(f"note: {turn.note}", "dim")
             memory = turn.stats.settings.memory if turn.stats.settings else None
