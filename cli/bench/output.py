@@ -547,6 +547,11 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
 _PHASES = (("pp", "prompt", "cyan"), ("tg", "output", "magenta"))
 
 
+def _chart(title: str, rows: Sequence[tuple[str, float | None, str]]) -> RenderableType | None:
+    """Bars under a bold title; None where there is no bar to draw."""
+    return Group(Text(title, style="bold"), bars(rows)) if rows else None
+
+
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
     """Prompt and output tok/s of each model, on one scale."""
     models = _models(r.model_name for r in rows)
@@ -559,9 +564,7 @@ def model_chart(rows: Sequence[Row]) -> RenderableType | None:
             rates = [r.avg_ts for r in mine if r.kind == kind]
             if rates:
                 bars_.append((f"{name} {label}", max(rates), style))
-    if not bars_:
-        return None
-    return Group(Text("models side by side (best tok/s of each)", style="bold"), bars(bars_))
+    return _chart("models side by side (best tok/s of each)", bars_)
 
 
 def efficiency_lines(rows: Sequence[Row]) -> list[str]:
@@ -602,9 +605,7 @@ def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
         for kind, name, style in _PHASES
         if kind in v
     ]
-    if not lines:
-        return None
-    return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(lines))
+    return _chart("prompt tok/s vs output tok/s", lines)
 
 
 def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
@@ -613,7 +614,7 @@ def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
     if len({d for d, _ in points}) < 2:
         return None
     bars_ = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
-    return Group(Text("output tok/s by context depth", style="bold"), bars(bars_))
+    return _chart("output tok/s by context depth", bars_)
 
 
 def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:
