@@ -46,7 +46,7 @@ from .errors import (
 from .inputs import read_stdin_line, repair_utf8
 from .progress import PlainPhases
 from .records import takes_records
-from .report import busy_mark, context_note, fitted, mib, ms, ran_busy, summary_lines
+from .report import Fitted, busy_mark, context_note, fitted, mib, ms, ran_busy, summary_lines
 from .session import (
     KeysHeld,
     TextOut,
@@ -133,9 +133,7 @@ def banner(loaded: ModelLoaded, n_ctx: int) -> str:
     )
 
 
-def turn_line(stats: GenerationStats) -> str:
-    """The compact per-turn stats line."""
-    s = stats
+def turn_line(s: GenerationStats) -> str:
     busy = busy_mark(s)
     return (
         f"prompt {s.new_prompt_tokens} new + {s.reused_tokens} reused · TTFT {ms(s.ttft_s)}"
@@ -157,7 +155,7 @@ def context_meter(used: int, n_ctx: int, kv_per_token: float = 0.0) -> Text:
     """How full the context is; with a local model also the KV cache bytes those tokens hold."""
     if n_ctx <= 0:
         return Text(f"context {used} tokens (the server does not say its context size)")
-    share = used / n_ctx if n_ctx else 0.0
+    share = used / n_ctx
     cells = min(METER_CELLS, round(share * METER_CELLS))
     style = "red" if share >= 0.9 else "yellow" if share >= 0.75 else "green"
     return Text.assemble(
@@ -169,15 +167,10 @@ def context_meter(used: int, n_ctx: int, kv_per_token: float = 0.0) -> Text:
     )
 
 
-def turns_view(turns: list[Turn]) -> RenderableType:
-    """The /stats all view: a table where it fits, else a block per turn (report.fitted): a
-    figure is never cropped."""
-    return fitted(turns_table(turns))
-
-
-def turns_table(turns: list[Turn]) -> Table:
-    """Every turn's figures; no vertical rules, units in the headers and the context status as
-    a mark on the turn's number, so that the numbers fit whole on a 40-column terminal."""
+def turns_view(turns: list[Turn]) -> Fitted:
+    """The /stats all view, every turn's figures: a table where it fits, else a block per turn
+    (report.fitted), so a figure is never cropped. No vertical rules, units in the headers and
+    the context status as a mark on the turn's number, so the table fits a 40-column terminal."""
     marks = {"cleared": "c", "dropped": "d"}
     busy = any(t.stats is not None and ran_busy(t.stats) for t in turns)
     table = Table(
@@ -214,7 +207,7 @@ def turns_table(turns: list[Turn]) -> Table:
             significant(s.output_tps),
             s.finish_reason,
         )
-    return table
+    return fitted(table)
 
 
 class Recorder:
@@ -406,15 +399,13 @@ class ChatUI:
         if not self.interactive:
             self.conv.runner.load()  # an unusable model or server ends a script at once
         else:
-            if live_terminal(sys.stderr):
-                with self.err.status("loading the model ..."):
-                    loaded = self.conv.runner.load()
-            else:  # TERM=dumb: a spinner would only be drawn at the end
+            live = live_terminal(sys.stderr)
+            if not live:  # TERM=dumb: a spinner would only be drawn at the end
                 self.show("loading the model ...", "dim")
+            with self.err.status("loading the model ...") if live else contextlib.nullcontext():
                 loaded = self.conv.runner.load()
             self.show(banner(loaded, self.conv.n_ctx), "dim")
-        note = context_note(self.asked_ctx, self.conv.n_ctx)
-        if note:
+        if note := context_note(self.asked_ctx, self.conv.n_ctx):
             self.warn(note)
         while True:
             text = self.read_message()
@@ -489,10 +480,7 @@ class ChatUI:
             # conversation, so the next turn reuses the cache as it was before this one.
             turn.in_context = False
         if turn.stats is not None and not self.quiet:
-            if self.verbose:
-                self.show(render(turn.stats))
-            else:
-                self.show(turn_line(turn.stats), "dim")
+            self.show(render(turn.stats) if self.verbose else turn_line(turn.stats), "dim")
             if turn.note:
                 self.show(f"note: {turn.note}", "dim")
             memory = turn.stats.settings.memory if turn.stats.settings else None
@@ -693,28 +681,30 @@ class ChatUI:
             f"\ncontext {self.conv.n_ctx} tokens\n" + self._parameters_text()
         )
 
+    def _numbers(self) -> list[str]:
+        """`NAME VALUE` of each sampling setting that is a number, but the seed, by Ollama's
+        names in its order; a real number in its shortest spelling (`g`)."""
+        sp = self.conv.sampling
+        return [
+            f"{name} {format(getattr(sp, field), '' if SAMPLING_SETTINGS[field].whole else 'g')}"
+            for name, field in OLLAMA_PARAMETERS.items()
+            if name not in ("seed", "stop")
+        ]
+
     def _parameters_text(self) -> str:
         sp = self.conv.sampling
         seed = "random each reply" if sp.seed is None else str(sp.seed)
         think = {None: "the template's default", True: "on", False: "off"}[sp.think]
         stop = " ".join(repr(s) for s in sp.stop) or "(the model's own end)"
-        return (
-            f"temperature {sp.temperature:g} · num_predict {sp.max_tokens} · top_k"
-            f" {sp.top_k} · top_p {sp.top_p:g} · min_p {sp.min_p:g} · repeat_penalty"
-            f" {sp.repeat_penalty:g} · repeat_last_n {sp.repeat_last_n} · seed {seed}"
-            f" · stop {stop} · think {think}"
-        )
+        return " · ".join([*self._numbers(), f"seed {seed}", f"stop {stop}", f"think {think}"])
 
-    def _gguf_value(self, key: str) -> object:
+    def _gguf_text(self, key: str, what: str) -> str:
         loaded = self.conv.runner.load()
         if loaded.model is None:
             raise BadRequestError("the server does not say; /show works on a local model")
         from llmrun.runners.gguf import read_gguf
 
-        return read_gguf(loaded.model.path).metadata.get(key)
-
-    def _gguf_text(self, key: str, what: str) -> str:
-        value = self._gguf_value(key)
+        value = read_gguf(loaded.model.path).metadata.get(key)
         return terminal_text(str(value)) if value else f"the model file has no {what}"
 
     def _modelfile_text(self) -> str:
@@ -723,13 +713,7 @@ class ChatUI:
         sp = self.conv.sampling
         lines = [
             f"FROM {terminal_line(loaded.model.path if loaded.model else loaded.name)}",
-            f"PARAMETER temperature {sp.temperature:g}",
-            f"PARAMETER num_predict {sp.max_tokens}",
-            f"PARAMETER top_k {sp.top_k}",
-            f"PARAMETER top_p {sp.top_p:g}",
-            f"PARAMETER min_p {sp.min_p:g}",
-            f"PARAMETER repeat_penalty {sp.repeat_penalty:g}",
-            f"PARAMETER repeat_last_n {sp.repeat_last_n}",
+            *(f"PARAMETER {number}" for number in self._numbers()),
             f"PARAMETER num_ctx {self.conv.n_ctx}",
         ]
         if sp.seed is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import os
 import threading
 import time
@@ -164,20 +165,13 @@ class Hanging:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         indent = self.label_cells + 1
         width = options.max_width
+        first = Segment(f"{self.label:<{self.label_cells}} ", console.get_style(self.label_style))
         if width <= indent + 16 or cell_len(self.label) > self.label_cells:
             # too narrow for a column (or a long label): the label on a line of its own
             yield Text(self.label, style=self.label_style)
-            for line in self.value.wrap(console, max(1, width - 2), overflow="fold"):
-                yield Segment("  ")
-                yield from line.render(console)
-                yield Segment.line()
-            return
-        lines = self.value.wrap(console, width - indent, overflow="fold")
-        for i, line in enumerate(lines):
-            yield Segment(
-                f"{self.label:<{self.label_cells}} " if i == 0 else " " * indent,
-                console.get_style(self.label_style) if i == 0 else None,
-            )
+            indent, first = 2, Segment("  ")
+        for i, line in enumerate(self.value.wrap(console, max(1, width - indent), overflow="fold")):
+            yield first if i == 0 else Segment(" " * indent)
             yield from line.render(console)
             yield Segment.line()
 
@@ -191,15 +185,10 @@ def folded(line: str, width: int, rows: int) -> list[Text]:
     `width` cells, not at words; only its last `rows` rows (a long paragraph stays whole
     in the text and scrolls out whole when it ends)."""
     text = Text.from_ansi(line)
-    plain = text.plain
-    if cell_len(plain) <= width:
+    if cell_len(text.plain) <= width:
         return [text]
-    offsets, at = [], 0
-    for piece in chop_cells(plain, max(1, width)):
-        at += len(piece)
-        offsets.append(at)
-    parts = list(text.divide(offsets[:-1]))
-    return parts[-rows:]
+    offsets = list(itertools.accumulate(map(len, chop_cells(text.plain, max(1, width)))))
+    return list(text.divide(offsets[:-1]))[-rows:]
 
 
 def _bar(done: int, total: int, cells: int = 20) -> Text:
@@ -262,11 +251,11 @@ def render_live(
     # the prefill's once decoding
     decoding = state.first_token_s is not None
     repeated = 0 if state.loading else len(parts) - (p is not None and not decoding)
-    waiting = p is None and state.first_token_s is None and not state.loading
+    waiting = p is None and not decoding and not state.loading
     if waiting and state.started_s is not None and now_s is not None:
         # A server shows no prefill progress: the wait itself is what there is to see.
         parts.append(_row("wait", f"{ms(now_s - state.started_s)} for the first token"))
-    if state.first_token_s is not None:
+    if decoding:
         gaps = list(state.gaps_s)
         latest = f" {ms(gaps[-1])}" if gaps else ""
         thought = f" ({state.thinking} thinking)" if state.thinking else ""
@@ -287,11 +276,6 @@ def _measuring(width: int) -> Console:
     return Console(file=io.StringIO(), width=width, color_system=None, legacy_windows=False)
 
 
-def _rows(part: RenderableType, width: int) -> int:
-    console = _measuring(width)
-    return len(console.render_lines(part, console.options, pad=False))
-
-
 def _fit(
     lines: list[RenderableType],
     parts: list[RenderableType],
@@ -303,7 +287,8 @@ def _fit(
     the bottom, then the oldest rows of the line being written; the phase under way stays,
     which is what keeps the panel under the screen's height and its rows out of the
     scrollback (rich crops a taller one with "...", and cannot erase what scrolled away)."""
-    sizes = [_rows(part, width) for part in parts]
+    console = _measuring(width)
+    sizes = [len(console.render_lines(part, console.options, pad=False)) for part in parts]
     line_rows = len(lines)  # `folded` rows are one screen row each
     total = sum(sizes) + line_rows
     keep = list(range(len(parts)))
@@ -312,9 +297,7 @@ def _fit(
             break
         keep.remove(i)
         total -= sizes[i]
-    while total > budget and line_rows > 0:
-        line_rows -= 1
-        total -= 1
+    line_rows -= min(line_rows, max(0, total - budget))
     return lines[len(lines) - line_rows :], [parts[i] for i in keep]
 
 
@@ -367,17 +350,6 @@ class _Bars:
             yield grid
 
 
-def rate_bars(stats: GenerationStats) -> RenderableType:
-    """Prompt tok/s against output tok/s as a pair of bars on one scale, and their ratio."""
-    pair = bars(
-        [("prompt tok/s", stats.prompt_tps, "cyan"), ("output tok/s", stats.output_tps, "magenta")],
-        label_cells=13,
-    )
-    if stats.prompt_tps and stats.output_tps:
-        return Group(pair, Text(" " * 14 + ratio_text(stats), style="bold"))  # under the bars
-    return pair
-
-
 def render(stats: GenerationStats) -> RenderableType:
     """The closing summary of one request, in llama.cpp's and Ollama's terms."""
     grid = Table.grid(padding=(0, 1))
@@ -385,7 +357,14 @@ def render(stats: GenerationStats) -> RenderableType:
     grid.add_column(overflow="fold")  # a word wider than the column folds; nothing is cut
     for label, value in summary_rows(stats):
         grid.add_row(label, Text(value))
-    return Group(grid, rate_bars(stats), Text(phase_sentence(stats), style="italic"))
+    rates = [
+        ("prompt tok/s", stats.prompt_tps, "cyan"),
+        ("output tok/s", stats.output_tps, "magenta"),
+    ]
+    parts: list[RenderableType] = [grid, bars(rates, label_cells=13)]  # on one scale
+    if stats.prompt_tps and stats.output_tps:  # their ratio, under the bars
+        parts.append(Text(" " * 14 + ratio_text(stats), style="bold"))
+    return Group(*parts, Text(phase_sentence(stats), style="italic"))
 
 
 class TerminalConsole(LineConsole):

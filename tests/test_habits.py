@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from llmrun.cli import engine
 from llmrun.cli.app import app, build_command
-from llmrun.cli.chat import turn_line, turns_table
+from llmrun.cli.chat import turn_line, turns_view
 from llmrun.cli.options import LLAMA_CPP_SHORT_FLAGS, split_flag
 from llmrun.cli.report import ran_busy
 from llmrun.runners import system
@@ -166,10 +166,10 @@ def test_chat_turns_carry_the_busy_mark() -> None:
     assert turn_line(loaded).endswith(
         f"busy: others kept {BUSY:.1f} of {logical_cpus()} CPUs, unreliable"
     )
-    table = turns_table([Turn("a", "b", quiet), Turn("c", "d", loaded)])
+    table = turns_view([Turn("a", "b", quiet), Turn("c", "d", loaded)]).table
     assert table.caption is not None and "b: on a busy machine" in str(table.caption)
     assert [*table.columns[0].cells] == ["1", "2b"]
-    alone = turns_table([Turn("a", "b", quiet)])
+    alone = turns_view([Turn("a", "b", quiet)]).table
     assert "busy" not in str(alone.caption)
 
 

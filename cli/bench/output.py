@@ -307,12 +307,10 @@ def _sql_type(field: str, records: Sequence[dict[str, Any]]) -> str:
     return "REAL" if isinstance(value, float) else "TEXT"
 
 
-def _sql_create(
-    table: str, made: Sequence[str], records: Sequence[dict[str, Any]], extra: bool
-) -> str:
+def _sql_create(table: str, made: Sequence[str], records: Sequence[dict[str, Any]]) -> str:
     columns = ",\n".join(f"  {f} {_sql_type(f, records)}" for f in made)
     lines = [f"CREATE TABLE IF NOT EXISTS {table} (", columns, ");"]
-    if extra:
+    if table == "llama_bench":  # llmrun's figures beside llama-bench's columns
         lines += [
             f"CREATE TABLE IF NOT EXISTS {table}_llmrun (bench_rowid INTEGER PRIMARY KEY,"
             " figures TEXT NOT NULL);"
@@ -449,10 +447,9 @@ class RecordWriter:
         if self.fmt is OutputFormat.json:
             return "[\n"
         if self.fmt is OutputFormat.sql:
-            if self.table == "llama_bench":
-                return _sql_create(self.table, LLAMA_BENCH_FIELDS, sample, extra=True)
-            self._sql = self._fields(first)
-            return _sql_create(self.table, self._sql, sample, extra=False)
+            if self.table != "llama_bench":  # llmrun's own: every field a column
+                self._sql = self._fields(first)
+            return _sql_create(self.table, self._sql, sample)
         if self.fmt is OutputFormat.md and self.md_columns is None:
             self._md = _md_columns(sample, self.shown, several_models=self.several_models)
             return _md_head(self._md)
@@ -529,6 +526,8 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
         verdict = _rel_verdict(dict(r.relative))
         against: list[str | Text] = [shown, Text(verdict, style=verdict_style(verdict))]
         took = [str(len(r.result.samples_s)), _half(r.result.ci95_pct, r.result.until_ci_stop)]
+        e = r.result.energy
+        spent = "-" if e is None else energy_cell(e.j_per_token, e.power_w)
         table.add_row(
             *([r.model_name] if several else []),
             r.test,
@@ -539,18 +538,18 @@ def results_table(rows: Sequence[Row], title: str = "results") -> Fitted:
             *(took if until else []),
             _ms(r.ttft_ms),
             itl,
-            *([_energy_of(r)] if energy else []),
+            *([spent] if energy else []),
         )
     return table
 
 
-def _energy_of(r: Row) -> str:
-    e = r.result.energy
-    return "-" if e is None else energy_cell(e.j_per_token, e.power_w)
-
-
 # A chart's bars: prompt (pp) then output (tg), each in its colour
 _PHASES = (("pp", "prompt", "cyan"), ("tg", "output", "magenta"))
+
+
+def _chart(title: str, rows: Sequence[tuple[str, float | None, str]]) -> RenderableType | None:
+    """Bars under a bold title; None where there is no bar to draw."""
+    return Group(Text(title, style="bold"), bars(rows)) if rows else None
 
 
 def model_chart(rows: Sequence[Row]) -> RenderableType | None:
@@ -565,9 +564,7 @@ def model_chart(rows: Sequence[Row]) -> RenderableType | None:
             rates = [r.avg_ts for r in mine if r.kind == kind]
             if rates:
                 bars_.append((f"{name} {label}", max(rates), style))
-    if not bars_:
-        return None
-    return Group(Text("models side by side (best tok/s of each)", style="bold"), bars(bars_))
+    return _chart("models side by side (best tok/s of each)", bars_)
 
 
 def efficiency_lines(rows: Sequence[Row]) -> list[str]:
@@ -608,9 +605,7 @@ def sweep_chart(rows: Sequence[Row]) -> RenderableType | None:
         for kind, name, style in _PHASES
         if kind in v
     ]
-    if not lines:
-        return None
-    return Group(Text("prompt tok/s vs output tok/s", style="bold"), bars(lines))
+    return _chart("prompt tok/s vs output tok/s", lines)
 
 
 def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
@@ -619,7 +614,7 @@ def depth_chart(rows: Sequence[Row]) -> RenderableType | None:
     if len({d for d, _ in points}) < 2:
         return None
     bars_ = [(f"d{d}", v, "magenta") for d, v in sorted(points)]
-    return Group(Text("output tok/s by context depth", style="bold"), bars(bars_))
+    return _chart("output tok/s by context depth", bars_)
 
 
 def chunk_report(rows: Sequence[Row]) -> tuple[Fitted, list[str]] | None:

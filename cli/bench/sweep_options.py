@@ -66,9 +66,7 @@ class ListOption:
         )
 
 
-def _lb(name: str, flags: tuple[str, ...], help: str) -> ListOption:
-    """One of llama-bench's other list options."""
-    return ListOption(name, flags, help, panel=LB)
+_lb = functools.partial(ListOption, panel=LB)  # one of llama-bench's other list options
 
 
 LISTS = (
