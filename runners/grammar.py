@@ -189,8 +189,10 @@ _NOT_IN_JSON_TEXT = '"\\\\\\x00-\\x1F'
 _CONVERTER_DOT = "[^\\x0A\\x0D]"
 
 
-# An escape, or a class up to its first unescaped `]` (the converter reads it so, as `_bare`)
-_ESCAPE_OR_CLASS = re.compile(r"\\.|\[(\^?)(?:\\.|[^\]\\])*", re.S)
+# A pattern's escape, or a class up to its first unescaped `]` (even right after `[`, as the
+# converter reads one); with `{...}`, a quantifier too: what is left is the bare characters.
+_ESCAPE_OR_CLASS = re.compile(r"\\.|\[(\^?)(?:\\.|[^\]\\])*\]?", re.S)
+_ESCAPE_CLASS_OR_COUNT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]?|\{(?:\\.|[^}\\])*\}?", re.S)
 
 
 def _json_safe_negations(pattern: str) -> str:
@@ -205,27 +207,9 @@ def json_text_dot(grammar: str) -> str:
     return grammar.replace(_CONVERTER_DOT, "[^" + _NOT_IN_JSON_TEXT + "]")
 
 
-def _bare(pattern: str, spans: dict[str, str]) -> Iterator[str]:
-    """The pattern's unescaped characters outside the spans `spans` opens and closes, read as
-    the converter reads them (a class ends at its first unescaped `]`, even right after `[`)."""
-    i, closer = 0, ""
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if closer:
-            closer = "" if c == closer else closer
-        elif c in spans:
-            closer = spans[c]
-        else:
-            yield c
-        i += 1
-
-
 def _has_top_level_bar(pattern: str) -> bool:
     depth = 0
-    for c in _bare(pattern, {"[": "]"}):
+    for c in _ESCAPE_OR_CLASS.sub("", pattern):
         depth += (c == "(") - (c == ")")
         if c == "|" and depth == 0:
             return True
@@ -1008,7 +992,7 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     " spells it out)"
                 )
         # a `]` or `}` outside a class and a quantifier: the converter's loop never moves past one
-        stray = next((c for c in _bare(pattern, {"[": "]", "{": "}"}) if c in "]}"), None)
+        stray = next((c for c in _ESCAPE_CLASS_OR_COUNT.sub("", pattern) if c in "]}"), None)
         if stray is not None:
             raise BadRequestError(
                 f"{where}.pattern: a '{stray}' that closes nothing is not supported in"
