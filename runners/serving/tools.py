@@ -161,13 +161,10 @@ class ToolPlan:
         if self.family == GENERIC:
             return grammar
         # the object inside the template's block: its root renamed, a new root around it
-        lines = [
-            "tool-call-object ::=" + line[len("root ::=") :]
-            if line.startswith("root ::=")
-            else line
-            for line in grammar.splitlines()
-        ]
-        return "\n".join([f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"', *lines])
+        rules = re.sub(
+            r"^root ::=", "tool-call-object ::=", "\n".join(grammar.splitlines()), flags=re.M
+        )
+        return f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"\n{rules}'
 
     def reader(self) -> ToolReader:
         return ToolReader(self)
