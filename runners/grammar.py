@@ -387,9 +387,8 @@ def negated_token_after_text(grammar: str) -> str | None:
     for kind, text in pieces:
         if kind == "rule":
             name = text.partition(":")[0].strip()
-            rules.setdefault(name, []).append(("sym", "|"))  # a rule defined twice: alternatives
-        else:
-            rules.setdefault(name, []).append((kind, text))
+            kind, text = "sym", "|"  # a rule defined twice: alternatives
+        rules.setdefault(name, []).append((kind, text))
     shapes = {rule: _Shape(False, False, False) for rule in rules}
     found: list[str] = []
 
