@@ -528,10 +528,9 @@ def parses(vocab: Any, grammar: str) -> bool:
 
     lib = llama_lib()
     ptr = _parse(lib, vocab, grammar)
-    if ptr is None:
-        return False
-    lib.llama_sampler_free(ptr)
-    return True
+    if ptr is not None:
+        lib.llama_sampler_free(ptr)
+    return ptr is not None
 
 
 class _CStderr:
