@@ -23,6 +23,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import json
 import math
 import platform
@@ -188,23 +189,16 @@ _NOT_IN_JSON_TEXT = '"\\\\\\x00-\\x1F'
 _CONVERTER_DOT = "[^\\x0A\\x0D]"
 
 
+# A pattern's escape, or a class up to its first unescaped `]` (even right after `[`, as the
+# converter reads one); with `{...}`, a quantifier too: what is left is the bare characters.
+_ESCAPE_OR_CLASS = re.compile(r"\\.|\[(\^?)(?:\\.|[^\]\\])*\]?", re.S)
+_ESCAPE_CLASS_OR_COUNT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]?|\{(?:\\.|[^}\\])*\}?", re.S)
+
+
 def _json_safe_negations(pattern: str) -> str:
     """The pattern with every negated class (`[^...]`) also excluding `_NOT_IN_JSON_TEXT`."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if not in_class and pattern.startswith("[^", i):
-            out.append("[^" + _NOT_IN_JSON_TEXT)
-            i, in_class = i + 2, True
-            continue
-        in_class = (c == "[") if not in_class else c != "]"
-        out.append(c)
-        i += 1
-    return "".join(out)
+    negated = lambda m: "[^" + _NOT_IN_JSON_TEXT + m[0][2:] if m[1] else m[0]  # noqa: E731
+    return _ESCAPE_OR_CLASS.sub(negated, pattern)
 
 
 def json_text_dot(grammar: str) -> str:
@@ -213,27 +207,9 @@ def json_text_dot(grammar: str) -> str:
     return grammar.replace(_CONVERTER_DOT, "[^" + _NOT_IN_JSON_TEXT + "]")
 
 
-def _bare(pattern: str, spans: dict[str, str]) -> Iterator[str]:
-    """The pattern's unescaped characters outside the spans `spans` opens and closes, read as
-    the converter reads them (a class ends at its first unescaped `]`, even right after `[`)."""
-    i, closer = 0, ""
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if closer:
-            closer = "" if c == closer else closer
-        elif c in spans:
-            closer = spans[c]
-        else:
-            yield c
-        i += 1
-
-
 def _has_top_level_bar(pattern: str) -> bool:
     depth = 0
-    for c in _bare(pattern, {"[": "]"}):
+    for c in _ESCAPE_OR_CLASS.sub("", pattern):
         depth += (c == "(") - (c == ")")
         if c == "|" and depth == 0:
             return True
@@ -411,9 +387,8 @@ def negated_token_after_text(grammar: str) -> str | None:
     for kind, text in pieces:
         if kind == "rule":
             name = text.partition(":")[0].strip()
-            rules.setdefault(name, []).append(("sym", "|"))  # a rule defined twice: alternatives
-        else:
-            rules.setdefault(name, []).append((kind, text))
+            kind, text = "sym", "|"  # a rule defined twice: alternatives
+        rules.setdefault(name, []).append((kind, text))
     shapes = {rule: _Shape(False, False, False) for rule in rules}
     found: list[str] = []
 
@@ -442,12 +417,10 @@ def negated_token_after_text(grammar: str) -> str | None:
                 item = _TEXT
             while items and items[-1][0] == "rep":
                 rep = items.pop()[1]
-                least, most = _range(rep) if rep.startswith("{") else (0, 0)
-                more = rep in "*+" or most > 1
-                if check and more and item.ends_text and item.begins_not and not found:
+                least, most = _REPEATS.get(rep) or _range(rep)
+                if check and most > 1 and item.ends_text and item.begins_not and not found:
                     found.append(f"in rule '{rule}', a repetition")
-                empty = item.empty or rep in "*?" or (rep.startswith("{") and least == 0)
-                item = _Shape(empty, item.begins_not, item.ends_text)
+                item = _Shape(item.empty or least == 0, item.begins_not, item.ends_text)
             if check and seq.ends_text and item.begins_not and not found:
                 found.append(f"in rule '{rule}'")
             seq = _then(seq, item)
@@ -465,16 +438,14 @@ def negated_token_after_text(grammar: str) -> str | None:
     return None
 
 
+_REPEATS = {"*": (0, math.inf), "+": (1, math.inf), "?": (0, 1)}
+
+
 def _range(rep: str) -> tuple[int, float]:
     """A {m}, {m,}, {m,n} repetition's least and most (inf when open)."""
     low, comma, high = (part.strip() for part in rep.strip("{}").partition(","))
     least = int(low) if low else 0
     return least, ((int(high) if high else math.inf) if comma else least)
-
-
-def token_refs(grammar: str) -> list[str]:
-    """The tokens a GBNF grammar asks for (<[id]> or <text>; !<...> asks for any other one)."""
-    return [m[0] for m in _GBNF_ITEM.finditer(grammar) if m[0][0] == "<"]
 
 
 def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
@@ -485,7 +456,8 @@ def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
     negation = _negation_fault(grammar)
     if negation is not None:
         return negation
-    for ref in token_refs(grammar):
+    # the tokens it asks for (<[id]> or <text>; !<...> asks for any other one)
+    for ref in (m[0] for m in _GBNF_ITEM.finditer(grammar) if m[0][0] == "<"):
         if (by_id := _TOKEN_ID.fullmatch(ref)) is not None:
             token = whole(by_id[1])  # None past 100 digits (int() fails past 4,300)
             if token is None or token >= n_vocab:
@@ -556,10 +528,9 @@ def parses(vocab: Any, grammar: str) -> bool:
 
     lib = llama_lib()
     ptr = _parse(lib, vocab, grammar)
-    if ptr is None:
-        return False
-    lib.llama_sampler_free(ptr)
-    return True
+    if ptr is not None:
+        lib.llama_sampler_free(ptr)
+    return ptr is not None
 
 
 class _CStderr:
@@ -622,14 +593,11 @@ class _CStderr:
 
 def refusal_reason(said: str) -> str:
     """Why this thread's last parse was refused: left recursion, which llama.cpp says in its
-    log after parsing, else the parser's own words on stderr (`said`); "" when neither says."""
+    log after parsing, else the parser's own words on stderr (`said`), in one line of at most
+    100 characters; "" when neither says."""
     left, _refused.left_recursion = getattr(_refused, "left_recursion", False), False
-    return LEFT_RECURSION if left else parser_reason(said)
-
-
-def parser_reason(said: str) -> str:
-    """The reason in what llama.cpp's grammar parser printed, in one line of at most 100
-    characters ("" when it gave none)."""
+    if left:
+        return LEFT_RECURSION
     first = next((ln for ln in said.splitlines() if "error parsing grammar:" in ln), "")
     reason = " ".join(first.partition("error parsing grammar:")[2].split())
     reason = "".join(c if c.isprintable() else "?" for c in reason)  # it quotes the grammar
@@ -755,13 +723,8 @@ def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repeti
             f"{where}: its grammar would take {len(grammar):,} bytes (at most"
             f" {MAX_GRAMMAR_BYTES:,}){hint}"
         )
-    depth = deepest = 0
-    for ch in _GBNF_ITEM.sub("", grammar):
-        if ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth -= 1
+    bare = _GBNF_ITEM.sub("", grammar)
+    deepest = max(itertools.accumulate(((c == "(") - (c == ")") for c in bare), initial=0))
     if deepest > MAX_GRAMMAR_DEPTH:
         raise BadRequestError(
             f"{where}: its grammar nests {deepest:,} groups deep (at most {MAX_GRAMMAR_DEPTH:,})"
@@ -869,8 +832,7 @@ def _ref_loop(root: dict[str, Any]) -> tuple[list[str], bool] | None:
         if ref in done:
             return None
         stack.append(ref)
-        if ref not in edges:
-            edges[ref] = _leading_refs(_ref_target(root, ref))
+        edges[ref] = _leading_refs(_ref_target(root, ref))
         for nxt in edges[ref][0]:
             cycle = visit(nxt)
             if cycle is not None:
@@ -1027,8 +989,9 @@ def _check_strings(schema: dict[str, Any], where: str) -> None:
                     f"{where}.pattern: a repetition of at most {MAX_REPEAT:,} (the grammar"
                     " spells it out)"
                 )
-        stray = _stray_closer(pattern)
-        if stray is not None:  # the converter's loop never moves past one: a hang
+        # a `]` or `}` outside a class and a quantifier: the converter's loop never moves past one
+        stray = next((c for c in _ESCAPE_CLASS_OR_COUNT.sub("", pattern) if c in "]}"), None)
+        if stray is not None:
             raise BadRequestError(
                 f"{where}.pattern: a '{stray}' that closes nothing is not supported in"
                 " structured output (escape it: \\{stray})"
@@ -1077,11 +1040,6 @@ def _counts(schema: dict[str, Any], least: str, most: str, where: str) -> None:
 
 _ESCAPED_IN_JSON = frozenset({*range(0x20), ord('"'), ord("\\")})
 _SAFE_CATEGORIES = {"CATEGORY_DIGIT", "CATEGORY_WORD", "CATEGORY_UNI_DIGIT", "CATEGORY_UNI_WORD"}
-
-
-def _stray_closer(pattern: str) -> str | None:
-    """A `]` or `}` outside a class and a quantifier, or None."""
-    return next((c for c in _bare(pattern, {"[": "]", "{": "}"}) if c in "]}"), None)
 
 
 def _check_pattern_text(pattern: str, where: str) -> None:
@@ -1158,13 +1116,12 @@ def add_grammar(
     there and copied here."""
     lib = chain.lib
     fault = _token_fault(lib, vocab, grammar)
-    if fault is not None:
-        chain.close()
-        raise BadRequestError(f"{where}: {fault}")
-    grammar_ptr = _parse(lib, vocab, grammar) if parsed is None else parsed.fresh(grammar)
+    grammar_ptr = None
+    if fault is None:
+        grammar_ptr = _parse(lib, vocab, grammar) if parsed is None else parsed.fresh(grammar)
     if not grammar_ptr:
         chain.close()
-        raise BadRequestError(f"{where}: llama.cpp's grammar parser refuses it")
+        raise BadRequestError(f"{where}: " + (fault or "llama.cpp's grammar parser refuses it"))
     try:
         return GrammarSampler(chain, grammar_ptr, int(lib.llama_vocab_n_tokens(vocab)))
     except BaseException:  # neither handle was taken: free both

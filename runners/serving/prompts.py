@@ -400,9 +400,7 @@ def _sharegpt(path: Path) -> list[Entry]:
 def _jsonl(path: Path) -> Iterator[Entry]:
     """One object a line: "prompt", and optionally "output_len" (or "max_tokens")."""
     with path.open("rb") as f:
-        n = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):
-            n += 1
+        for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
             where = f"line {n}: "
             if len(line) > MAX_LINE_BYTES:
                 raise _fail(path, where, f"longer than {MAX_LINE_BYTES >> 20} MiB")
@@ -417,18 +415,15 @@ def _jsonl(path: Path) -> Iterator[Entry]:
 
 
 def _jsonl_entry(item: object, path: Path, where: str) -> Entry:
-    def fail(why: str) -> BadRequestError:
-        return _fail(path, where, why)
-
     if not isinstance(item, dict):
-        raise fail("not a JSON object with 'prompt'")
+        raise _fail(path, where, "not a JSON object with 'prompt'")
     prompt = _text(item.get("prompt"))
     if prompt is None:
-        raise fail("'prompt' is missing or not text")
+        raise _fail(path, where, "'prompt' is missing or not text")
     names = [k for k in ("output_len", "max_tokens") if k in item]
     if not names:
         return Entry(prompt)
     value = item[names[0]]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise fail(f"'{names[0]}' is not a whole number above 0")
+        raise _fail(path, where, f"'{names[0]}' is not a whole number above 0")
     return Entry(prompt, output_len=value)

@@ -98,7 +98,6 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]
-    strict: bool
 
     def described(self) -> dict[str, Any]:
         about = {"description": self.description} if self.description else {}
@@ -118,10 +117,6 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
-    def system_text(self) -> str:
-        listed = json.dumps([t.described() for t in self.tools], ensure_ascii=False)
-        return INSTRUCTIONS + ("" if self.forced else AUTO) + "\n\nTools: " + listed
-
     def template_tools(self) -> tuple[dict[str, Any], ...]:
         """The tools for a template that renders them (none: they are in the system message)."""
         if self.family == GENERIC:
@@ -133,7 +128,8 @@ class ToolPlan:
         tool syntax renders them itself)."""
         if self.family != GENERIC:
             return messages
-        text = self.system_text()
+        listed = json.dumps([t.described() for t in self.tools], ensure_ascii=False)
+        text = INSTRUCTIONS + ("" if self.forced else AUTO) + "\n\nTools: " + listed
         if messages and messages[0].role == "system":
             first = ChatMessage("system", (messages[0].content + "\n\n" + text).lstrip())
             return (first, *messages[1:])
@@ -165,13 +161,10 @@ class ToolPlan:
         if self.family == GENERIC:
             return grammar
         # the object inside the template's block: its root renamed, a new root around it
-        lines = [
-            "tool-call-object ::=" + line[len("root ::=") :]
-            if line.startswith("root ::=")
-            else line
-            for line in grammar.splitlines()
-        ]
-        return "\n".join([f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"', *lines])
+        rules = re.sub(
+            r"^root ::=", "tool-call-object ::=", "\n".join(grammar.splitlines()), flags=re.M
+        )
+        return f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"\n{rules}'
 
     def reader(self) -> ToolReader:
         return ToolReader(self)
@@ -277,7 +270,7 @@ def _tools(tools: Any) -> tuple[Tool, ...]:
             raise BadRequestError(f"{where}.function.strict: true or false")
         if strict:  # the arguments are promised to follow the schema: the grammar must keep it
             check_schema(parameters, f"{where}.function.parameters")
-        found.append(Tool(name, description, parameters, bool(strict)))
+        found.append(Tool(name, description, parameters))
     return tuple(found)
 
 
@@ -422,16 +415,13 @@ class ToolReader:
                 return []  # maybe a call: held until the end
             self.free, held, self.held = True, self.held, ""
             return [{"content": held}]
-        deltas: list[dict[str, Any]] = []
-        if self.name is None:
-            inner = self._unwrapped(self.held)
-            head = FORCED_HEAD.match(inner) if inner is not None else None
-            if head is None or inner is None:
-                return []
-            deltas.append(self._head(head.group(1)))
-            self.held = inner[head.end() :]
-            self.sent_arguments = 0
-        return deltas + self._unsent_arguments()
+        if self.name is not None:
+            return self._unsent_arguments()
+        head = FORCED_HEAD.match(self._unwrapped(self.held) or "")
+        if head is None:
+            return []
+        self.held = head.string[head.end() :]
+        return [self._head(head.group(1)), *self._unsent_arguments()]
 
     def _unsent_arguments(self) -> list[dict[str, Any]]:
         """A forced call's arguments written since the last delta (none: nothing new)."""
