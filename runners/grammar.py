@@ -155,7 +155,25 @@ def paired_surrogates(grammar: str) -> str:
     return _SURROGATE_PAIR.sub(joined, grammar)
 
 
-VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas
+def each_schema(schema: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of a checked schema with `fn` applied to each schema in it, innermost first, found
+    through the keywords that hold schemas only: a property named `default` or `enum` is a
+    schema, an `enum`'s or an annotation's value is JSON and stays as written."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in (*SUBSCHEMAS, *SUBSCHEMA_LISTS):
+        value = out.get(key)
+        if isinstance(value, (dict, list)):
+            out[key] = (
+                [each_schema(v, fn) for v in value]
+                if isinstance(value, list)
+                else (each_schema(value, fn))
+            )
+    for key in (*SUBSCHEMA_MAPS, "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: each_schema(sub, fn) for name, sub in out[key].items()}
+    return fn(out)
 
 
 def grouped(schema: Any) -> Any:
@@ -165,20 +183,19 @@ def grouped(schema: Any) -> Any:
     A `$ref` beside `$defs` (pydantic's recursive models: `{"$ref": "#/$defs/Node", "$defs":
     ...}`) becomes a choice of one: the converter follows a `$ref` and never looks beside it,
     so the refs inside those definitions stayed unresolved (a KeyError)."""
-    if isinstance(schema, list):
-        return [grouped(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in VALUES else grouped(v) for k, v in schema.items()}
-    if isinstance(out.get("$ref"), str) and ("$defs" in out or "definitions" in out):
-        out = {"anyOf": [{"$ref": out.pop("$ref")}], **out}
+    return each_schema(schema, _grouped)
+
+
+def _grouped(schema: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(schema.get("$ref"), str) and ("$defs" in schema or "definitions" in schema):
+        schema = {"anyOf": [{"$ref": schema.pop("$ref")}], **schema}
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
         pattern = _json_safe_negations(pattern)
         if _has_top_level_bar(pattern):
             pattern = f"^({pattern.removeprefix('^').removesuffix('$')})$"
-        out["pattern"] = pattern
-    return out
+        schema["pattern"] = pattern
+    return schema
 
 
 # What a JSON string may hold unescaped excludes the quote, the backslash and U+0000-U+001F.

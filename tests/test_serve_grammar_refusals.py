@@ -102,6 +102,16 @@ def test_a_patterns_top_level_alternatives_stay_inside_the_strings_quotes() -> N
     assert "^a|b$" in enum
 
 
+@pytest.mark.parametrize("name", ["default", "enum", "const", "examples", "x"])
+def test_a_property_is_a_schema_whatever_its_name(name: str) -> None:
+    """The walk that groups a pattern's alternatives skipped every key named like a value
+    keyword, property names included: `"default": {"pattern": "^a|b$"}` made a grammar for
+    `"a` or `b"`, not a JSON string."""
+    schema = {"type": "object", "properties": {name: {"type": "string", "pattern": "^a|b$"}}}
+    rules = schema_grammar({**schema, "required": [name]}, WHERE).splitlines()
+    assert f'{name} ::= "\\"" ("a" | "b") "\\"" space' in rules, rules
+
+
 def test_a_character_past_u_ffff_is_one_character_not_two_surrogates() -> None:
     """The converter writes 😀 in an enum, a const or a property's name as JSON does, a pair of
     \\u escapes, which llama.cpp reads as two lone surrogates: such a schema was refused."""

@@ -19,7 +19,7 @@ import pytest
 from llmrun.runners.base import SamplingParams
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.serving.api_models import ChatBody
-from llmrun.runners.serving.tools import merged, tool_plan
+from llmrun.runners.serving.tools import HERMES, Tool, ToolPlan, merged, tool_plan
 
 from .conftest import HANG_S
 from .test_serve import Server, chat, llmrun_serve, serve_env, sse_events  # noqa: F401  (fixture)
@@ -163,6 +163,30 @@ def test_forced_choices_have_a_grammar_of_the_tools_offered() -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     grammar = body(tools=TOOLS, tool_choice=named).grammar() or ""
     assert "get_time" in grammar and "get_weather" not in grammar
+
+
+def test_a_forced_calls_schema_keeps_its_values_and_its_lines() -> None:
+    """A tool's schema moves under the call's $defs: its refs follow, a value that looks like a
+    ref (in an enum or a const) stays as written. The template's block around the call split the
+    grammar at a U+2028 in a pattern, so the JSON string held a raw line break."""
+    from llmrun.runners.serving.tools import _moved_refs
+
+    params = {
+        "type": "object",
+        "properties": {"kind": {"enum": [{"$ref": "#/a"}]}, "node": {"$ref": "#/$defs/Node"}},
+        "$defs": {"Node": {"const": {"$ref": "#/b"}}},
+    }
+    moved = _moved_refs(params, "#/$defs/t")
+    assert moved["properties"] == {
+        "kind": {"enum": [{"$ref": "#/a"}]},
+        "node": {"$ref": "#/$defs/t/$defs/Node"},
+    }
+    assert moved["$defs"] == params["$defs"]
+    line = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^x\u2028y$"}}}
+    for family in ("generic", HERMES):
+        grammar = ToolPlan((Tool("f", None, line),), forced=True, family=family).grammar() or ""
+        assert all(" ::= " in rule for rule in grammar.split("\n")), grammar
+        assert "\u2028" in grammar, grammar
 
 
 def test_a_request_makes_its_plan_and_its_grammar_once() -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from llmrun.runners.base import ChatMessage
 from llmrun.runners.errors import BadRequestError, json_kind
-from llmrun.runners.grammar import check_schema, schema_grammar
+from llmrun.runners.grammar import check_schema, each_schema, schema_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GENERIC, HERMES = "generic", "hermes"  # the call formats: llmrun's system message, or <tool_call>
@@ -161,9 +161,9 @@ class ToolPlan:
         if self.family == GENERIC:
             return grammar
         # the object inside the template's block: its root renamed, a new root around it
-        rules = re.sub(
-            r"^root ::=", "tool-call-object ::=", "\n".join(grammar.splitlines()), flags=re.M
-        )
+        # (by \n alone: splitlines() also split at a U+2028 inside a pattern's literal, which
+        # made the JSON string the grammar writes hold a raw newline)
+        rules = re.sub(r"^root ::=", "tool-call-object ::=", grammar, flags=re.M)
         return f'root ::= "{OPEN}\\n" tool-call-object "\\n{CLOSE}"\n{rules}'
 
     def reader(self) -> ToolReader:
@@ -172,16 +172,15 @@ class ToolPlan:
 
 def _moved_refs(schema: Any, prefix: str) -> Any:
     """A copy of the schema with its `#/...` references pointing where it now sits in the
-    call's schema."""
-    if isinstance(schema, list):
-        return [_moved_refs(value, prefix) for value in schema]
-    if not isinstance(schema, dict):
-        return schema
-    moved = {key: _moved_refs(value, prefix) for key, value in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/"):
-        moved["$ref"] = prefix + ref[1:]
-    return moved
+    call's schema (an `enum` or `const` value that looks like one stays as written)."""
+
+    def moved(sub: dict[str, Any]) -> dict[str, Any]:
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            sub["$ref"] = prefix + ref[1:]
+        return sub
+
+    return each_schema(schema, moved)
 
 
 def _distinct_defs(tools: tuple[Tool, ...]) -> None:
