@@ -36,8 +36,12 @@ from .fake import FakeBenchRunner, FakeRunner
 
 T = TypeVar("T")
 
+# The child writes no bytecode: importlib writes a .pyc with one raw write, which the file limit
+# cuts short without an error, and the cut .pyc then broke every later test that imported that
+# module ("marshal data too short") where this child was the first to compile it.
 CHILD = textwrap.dedent("""
     import resource, signal, sys
+    sys.dont_write_bytecode = True
     from llmrun.cli import engine
     from tests.fake import FakeRunner
     engine.RUNNER_FACTORY = lambda model, config: FakeRunner()
