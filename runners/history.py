@@ -129,8 +129,10 @@ def rates(record: Mapping[str, Any]) -> tuple[float, ...]:
 
 
 def busy_pair(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
-    """Other processes took the CPU during either, or the two ran under different loads."""
-    return _busy(new) or _busy(old) or _load_differs(new, old)
+    """Other processes took the CPU during either, or the two ran under different loads: those
+    are not comparable (llama.cpp's threads spin-wait, so a fraction of a CPU taken by others
+    changes the figures)."""
+    return _busy(new) or _busy(old) or abs(_background(new) - _background(old)) > 0.25
 
 
 def difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference | None:
@@ -205,11 +207,8 @@ class History:
             raise
 
     def _open(self) -> None:
-        self.db.executescript(SCHEMA)
-        self._check_schema()
-
-    def _check_schema(self) -> None:
         """A database from another program or an older llmrun is refused, not half-used."""
+        self.db.executescript(SCHEMA)
         for table, needed in (
             ("runs", {"id", "time", "kind", "model", "system"}),
             ("results", {"run_id", "key", "test", "avg_ts", "stddev_ts", "record"}),
@@ -250,38 +249,32 @@ class History:
     ) -> int:
         """Store one run's records; returns the run's id."""
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        return self._patiently(lambda: self._store(records, now, kind, model, system))
 
-    def _store(
-        self,
-        records: Sequence[dict[str, Any]],
-        now: str,
-        kind: str,
-        model: str,
-        system: dict[str, Any],
-    ) -> int:
-        with self.db:  # one transaction: rolled back whole where it fails
-            cur = self.db.execute(
-                "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
-                (now, kind, model, json.dumps(system)),
-            )
-            run_id = int(cur.lastrowid or 0)
-            self.db.executemany(
-                "INSERT INTO results (run_id, key, test, avg_ts, stddev_ts, record)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        run_id,
-                        result_key(r),
-                        str(r.get("test", "")),
-                        r.get("avg_ts"),
-                        r.get("stddev_ts"),
-                        json.dumps(r),
-                    )
-                    for r in records
-                ],
-            )
-        return run_id
+        def insert() -> int:
+            with self.db:  # one transaction: rolled back whole where it fails
+                cur = self.db.execute(
+                    "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
+                    (now, kind, model, json.dumps(system)),
+                )
+                run_id = int(cur.lastrowid or 0)
+                self.db.executemany(
+                    "INSERT INTO results (run_id, key, test, avg_ts, stddev_ts, record)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            run_id,
+                            result_key(r),
+                            str(r.get("test", "")),
+                            r.get("avg_ts"),
+                            r.get("stddev_ts"),
+                            json.dumps(r),
+                        )
+                        for r in records
+                    ],
+                )
+            return run_id
+
+        return self._patiently(insert)
 
     def compare(self, records: Sequence[dict[str, Any]], *, before_run: int | None) -> list[Change]:
         """Each record against the newest earlier readable result with the same key."""
@@ -431,12 +424,6 @@ def _background(record: Mapping[str, Any]) -> float:
 def _busy(record: Mapping[str, Any]) -> bool:
     threads = record.get("n_threads")
     return busy_machine(_background(record), threads if isinstance(threads, int) else 1)
-
-
-def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Runs measured under different background load are not comparable (llama.cpp's threads
-    spin-wait, so a fraction of a CPU taken by others changes the figures)."""
-    return abs(_background(a) - _background(b)) > 0.25
 
 
 # No benchmark measures a billion tokens a second: a stored rate past it is a damaged row; nor
@@ -994,9 +981,8 @@ def write_database(path: Path, sql: str) -> None:
             f"{path} exists: name a new file, or add to it with"
             f" `llmrun history --export-sql - | sqlite3 {path}`"
         )
-    folder = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
