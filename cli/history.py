@@ -163,12 +163,11 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
     runs = h.runs(limit=limit, model=model)
     if not runs:
         if model and h.runs(limit=1):
-            console.print(
-                terminal_line(f"no stored run's model name contains {model!r} (in {h.path})"),
-                markup=False,
-            )
-        else:  # LLMRUN_HOME's name may hold escape sequences
-            console.print(terminal_line(f"no bench runs stored yet (in {h.path})"), markup=False)
+            empty = f"no stored run's model name contains {model!r}"
+        else:
+            empty = "no bench runs stored yet"
+        # LLMRUN_HOME's name may hold escape sequences
+        console.print(terminal_line(f"{empty} (in {h.path})"), markup=False)
         return
     for run in runs:
         title = terminal_line(f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}")
@@ -256,7 +255,7 @@ def _figures(p: Pair) -> list[str]:
     return [
         _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
         _rate(p.compare.avg_ts, p.compare.stddev_ts),
-        "-" if p.speedup is None else f"{p.speedup:.2f}",
+        out.num(p.speedup, ".2f"),
         "-" if found is None else found.interval,
         f"{p.baseline.runs}/{p.compare.runs}",
     ]

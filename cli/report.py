@@ -18,6 +18,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import append_line
 from llmrun.runners.limits import gib
 from llmrun.runners.stats import (
+    ENERGY_PHASES,
     FINISH_CONTEXT,
     Aggregate,
     EngineSettings,
@@ -126,10 +127,7 @@ def energy_rows(s: GenerationStats) -> list[tuple[str, str]]:
         return []
     if not e.measured:
         return [("energy", f"not available ({e.reason})")]
-    phases = " · ".join(
-        _phase_energy(name, phase)
-        for name, phase in (("load", e.load), ("prefill", e.prefill), ("decode", e.decode))
-    )
+    phases = " · ".join(_phase_energy(name, getattr(e, name)) for name in ENERGY_PHASES)
     idle = f"{e.idle_w:,.1f} W" if e.idle_w is not None else "-"
     left_out = f" · not counted: {e.left_out}" if e.left_out else ""
     return [("energy", f"{phases} · above an idle {idle} · {e.source}{left_out}")]
@@ -381,13 +379,8 @@ def ratio_text(stats: GenerationStats) -> str:
     return f"prompt is {prompt / output:,.1f}x output" if prompt and output else "no ratio"
 
 
-def rate_ratio(stats: GenerationStats) -> str:
-    return f"prompt {tps(stats.prompt_tps)} vs output {tps(stats.output_tps)}: {ratio_text(stats)}"
-
-
-def phase_sentence(stats: GenerationStats) -> str:
+def phase_sentence(s: GenerationStats) -> str:
     """Which phase this request's wait went to, in one sentence."""
-    s = stats
     ttft = s.ttft_s
     if ttft is None:
         return f"No first token: the request ended after {ms(s.e2e_s)}."
@@ -414,7 +407,8 @@ def summary_lines(stats: GenerationStats, width: int | None = None) -> list[str]
     TERM=dumb): whole, one record a line, or folded at spaces to `width` (a terminal's,
     terminal.terminal_width), a row going on under its value at SUMMARY_INDENT."""
     lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
-    lines += [f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
+    rates = f"prompt {tps(stats.prompt_tps)} vs output {tps(stats.output_tps)}: {ratio_text(stats)}"
+    lines += [f"{'rates':<8} {rates}", phase_sentence(stats)]
     return [fold(x, width, indent=SUMMARY_INDENT if x[8:9] == " " else 0) for x in lines]
 
 
