@@ -224,13 +224,10 @@ def _rate(avg: float, spread: float) -> str:
 def to_markdown(c: Comparison) -> str:
     """compare-llama-bench.py's table, with each side's spread and runs, the ratio's 95 %
     interval and the verdict."""
-    heads = [HEADS.get(f, f) for f in c.shown]
-    heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
-    heads += ["Verdict"]
+    figures = [f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
+    heads = [*(HEADS.get(f, f) for f in c.shown), "Test", *figures, "Verdict"]
     rows = [[*(_cell(v) for _, v in p.shown), p.test, *_figures(p), p.verdict] for p in c.pairs]
-    right = {
-        i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", CI_HEAD, "Runs")
-    }
+    right = {i for i, h in enumerate(heads) if h in figures}
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
 
     def line(cells: list[str]) -> str:

@@ -340,7 +340,7 @@ class History:
         rows = self._patiently(
             lambda: self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
         )
-        found = self._llama_bench_rows(model)
+        found = self._patiently(lambda: self._llama_bench_rows(model))
         for run_id, time, text in rows:
             record = _record(text)
             if record is not None:
@@ -352,13 +352,20 @@ class History:
     def _llama_bench_rows(self, model: str | None) -> list[Stored]:
         """llama-bench's own rows in this database (`llama-bench -o sql | sqlite3` into it),
         as results of no llmrun run (run 0) at their test time, marked `tool` llama-bench; rows
-        llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already."""
-        read = self._patiently(self._llama_bench_table)
-        if read is None:
+        llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already;
+        none without a table of llama-bench's with the columns llmrun reads."""
+        tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
+        if "llama_bench" not in tables:
             return []
-        columns, rows = read
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
+        columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
+        if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
+            return []
+        query = f"SELECT {', '.join(columns)} FROM llama_bench"
+        if "llama_bench_llmrun" in tables:
+            query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
         found = []
-        for row in rows:
+        for row in self.db.execute(query + " ORDER BY rowid").fetchall():
             record = _llama_bench_record(dict(zip(columns, row, strict=True)))
             if record is None:
                 continue
@@ -367,21 +374,6 @@ class History:
                 continue
             found.append(Stored(0, str(record.get("test_time") or ""), record))
         return found
-
-    def _llama_bench_table(self) -> tuple[list[str], list[Any]] | None:
-        """llama_bench's columns llmrun reads and its rows llmrun's SQL did not put there;
-        None without a table of llama-bench's."""
-        tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
-        if "llama_bench" not in tables:
-            return None
-        have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
-        columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
-        if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
-            return None
-        query = f"SELECT {', '.join(columns)} FROM llama_bench"
-        if "llama_bench_llmrun" in tables:
-            query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
-        return columns, self.db.execute(query + " ORDER BY rowid").fetchall()
 
 
 def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -693,7 +685,7 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
 
 def _is_date(value: str) -> bool:
     try:
-        dt.date.fromisoformat((value + "-01-01")[:10] if len(value) < 10 else value)
+        dt.date.fromisoformat((value + "-01-01")[:10])  # a year or a month: its first day
     except ValueError:
         return False
     return True
@@ -737,8 +729,8 @@ class Tally:
             "avg_ts": self.avg_ts,
             "stddev_ts": self.stddev_ts,
             "samples_ts": list(self.rates),
-            "background_cpus": max(loads) if loads else None,
-            "n_threads": max(threads) if threads else 1,
+            "background_cpus": max(loads, default=None),
+            "n_threads": max(threads, default=1),
         }
 
 
@@ -987,12 +979,9 @@ def write_database(path: Path, sql: str) -> None:
         raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
     try:
-        db = sqlite3.connect(tmp)
-        try:
+        with contextlib.closing(sqlite3.connect(tmp)) as db:
             db.executescript(sql)
             db.commit()
-        finally:
-            db.close()
         try:
             os.link(tmp, path)  # fails, rather than replaces, if the file appeared meanwhile
         except OSError as e:

@@ -376,7 +376,7 @@ class Result:
         if self.energy is not None:
             rec.update(self.energy.fields())
         if self.rpc_traffic is not None:  # the network's part (docs/hardware.md)
-            tokens = (self.shape.n_prompt + self.shape.n_gen) * len(self.samples_s)
+            tokens = self.n_tokens * len(self.samples_s)
             rec["rpc_bytes_per_token"] = bytes_per_token(self.rpc_traffic.bytes, tokens)
         if self.rpc_wait_s is not None:  # tests that decode: the share of it on the servers
             rec["rpc_wait_share"] = wait_share(self.rpc_wait_s, sum(self.itl_s))
