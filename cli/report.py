@@ -291,7 +291,7 @@ def ran_busy(s: GenerationStats) -> bool:
     """Whether other processes took the CPU time these figures needed: every view of a
     request's figures (summary, chat's turn line and table) marks them by this one test."""
     threads = s.settings.n_threads if s.settings else 1
-    return s.background_cpus is not None and busy_machine(s.background_cpus, threads)
+    return busy_machine(s.background_cpus, threads)  # False where not measured (None)
 
 
 def busy_mark(s: GenerationStats) -> str:

@@ -116,7 +116,6 @@ class Change:
 
     @property
     def verdict(self) -> str:
-        """`verdict`'s, or 'new'."""
         return "new" if self.previous is None else verdict(self.previous, self.record)
 
 
@@ -171,7 +170,6 @@ class HistoryError(BadRequestError):
 
     def __init__(self, path: Path, problem: object) -> None:
         super().__init__(f"bench history {path}: {problem}")
-        self.path = path
 
 
 # Another llmrun storing a run at the same moment holds the lock briefly: wait for it, in
