@@ -159,8 +159,6 @@ def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """--rpc: the bytes to and from the servers per token of each phase (rpc_bytes_per_token,
     as bench's records count them), and the share of the decode spent waiting on the servers
     (rpc_wait_share: their compute and the network together, docs/hardware.md)."""
-    if s.rpc_decode_bytes is None and s.rpc_decode_wait_s is None:
-        return []
 
     def per_token(n: int | None) -> str:
         return "-" if n is None else f"{human_count(n, 'B')}/token"

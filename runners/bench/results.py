@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
@@ -358,13 +358,9 @@ class Result:
         """The optional measurements, after the rest, only where they were made."""
         rec: dict[str, Any] = {}
         if self.speculation is not None:
-            rec.update(
-                draft=self.speculation.draft,
-                acceptance_rate=self.speculation.acceptance_rate,
-                tokens_per_step=self.speculation.tokens_per_step,
-            )
+            rec.update(asdict(self.speculation))  # draft, acceptance_rate, tokens_per_step
         if self.phases is not None:
-            rec.update(pp_ts=self.phases.pp_ts, tg_ts=self.phases.tg_ts)
+            rec.update(asdict(self.phases))  # pp_ts, tg_ts
         if self.until_ci_pct is not None:
             ci = self.ci95_pct
             rec.update(
