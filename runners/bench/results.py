@@ -362,10 +362,9 @@ class Result:
         if self.phases is not None:
             rec.update(asdict(self.phases))  # pp_ts, tg_ts
         if self.until_ci_pct is not None:
-            ci = self.ci95_pct
             rec.update(
                 until_ci_pct=self.until_ci_pct,
-                ci95_pct=None if ci is None else round(ci, 3),
+                ci95_pct=_round(self.ci95_pct, 3),
                 repetitions=len(self.samples_s),
                 until_ci_stop=self.until_ci_stop,
             )
@@ -383,7 +382,7 @@ class Result:
                 ppl=round(p.ppl, 4),
                 ppl_tokens=p.tokens,
                 ppl_ctx=p.ctx,
-                ppl_change=None if p.change is None else round(p.change, 4),
+                ppl_change=_round(p.change, 4),
             )
             if p.kld is not None:
                 rec.update(p.kld.record())
