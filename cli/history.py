@@ -217,10 +217,6 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _rate(avg: float, spread: float) -> str:
-    return f"{avg:.2f} ± {spread:.2f}"
-
-
 def to_markdown(c: Comparison) -> str:
     """compare-llama-bench.py's table, with each side's spread and runs, the ratio's 95 %
     interval and the verdict."""
@@ -250,8 +246,7 @@ def _figures(p: Pair) -> list[str]:
     side's t/s, the speedup, the ratio's interval, the runs a side."""
     found = p.difference
     return [
-        _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
-        _rate(p.compare.avg_ts, p.compare.stddev_ts),
+        *(f"{side.avg_ts:.2f} ± {side.stddev_ts:.2f}" for side in (p.baseline, p.compare)),
         out.num(p.speedup, ".2f"),
         "-" if found is None else found.interval,
         f"{p.baseline.runs}/{p.compare.runs}",
