@@ -330,14 +330,13 @@ def busy_warning(background: float, threads: int, during: str, *, poll: bool = F
 
 def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:
     """A server's request: the client's view, and the server's own timings beside it."""
-    host = f"remote {server.host}"
     prompt = (
         f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
         if s.prompt_tokens
         else "not reported by the server"
     )
     rows = [
-        ("model", f"{server.model} · {host}"),
+        ("model", f"{server.model} · remote {server.host}"),
         ("connect", f"{ms(s.load_s)} (GET /v1/models)"),
         ("prompt", prompt),
         ("ttft", f"{ms(s.ttft_s)} on the client: network, queueing and the server's prefill"),
