@@ -163,12 +163,11 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
     runs = h.runs(limit=limit, model=model)
     if not runs:
         if model and h.runs(limit=1):
-            console.print(
-                terminal_line(f"no stored run's model name contains {model!r} (in {h.path})"),
-                markup=False,
-            )
-        else:  # LLMRUN_HOME's name may hold escape sequences
-            console.print(terminal_line(f"no bench runs stored yet (in {h.path})"), markup=False)
+            empty = f"no stored run's model name contains {model!r}"
+        else:
+            empty = "no bench runs stored yet"
+        # LLMRUN_HOME's name may hold escape sequences
+        console.print(terminal_line(f"{empty} (in {h.path})"), markup=False)
         return
     for run in runs:
         title = terminal_line(f"run {run['id']} · {run['time']} · {run['kind']} · {run['model']}")
@@ -218,20 +217,13 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _rate(avg: float, spread: float) -> str:
-    return f"{avg:.2f} ± {spread:.2f}"
-
-
 def to_markdown(c: Comparison) -> str:
     """compare-llama-bench.py's table, with each side's spread and runs, the ratio's 95 %
     interval and the verdict."""
-    heads = [HEADS.get(f, f) for f in c.shown]
-    heads += ["Test", f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
-    heads += ["Verdict"]
+    figures = [f"t/s {c.baseline}", f"t/s {c.compare}", "Speedup", CI_HEAD, "Runs"]
+    heads = [*(HEADS.get(f, f) for f in c.shown), "Test", *figures, "Verdict"]
     rows = [[*(_cell(v) for _, v in p.shown), p.test, *_figures(p), p.verdict] for p in c.pairs]
-    right = {
-        i for i, h in enumerate(heads) if h.startswith("t/s") or h in ("Speedup", CI_HEAD, "Runs")
-    }
+    right = {i for i, h in enumerate(heads) if h in figures}
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
 
     def line(cells: list[str]) -> str:
@@ -254,9 +246,8 @@ def _figures(p: Pair) -> list[str]:
     side's t/s, the speedup, the ratio's interval, the runs a side."""
     found = p.difference
     return [
-        _rate(p.baseline.avg_ts, p.baseline.stddev_ts),
-        _rate(p.compare.avg_ts, p.compare.stddev_ts),
-        "-" if p.speedup is None else f"{p.speedup:.2f}",
+        *(f"{side.avg_ts:.2f} ± {side.stddev_ts:.2f}" for side in (p.baseline, p.compare)),
+        out.num(p.speedup, ".2f"),
         "-" if found is None else found.interval,
         f"{p.baseline.runs}/{p.compare.runs}",
     ]

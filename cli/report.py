@@ -18,6 +18,7 @@ from llmrun.runners.errors import BadRequestError
 from llmrun.runners.files import append_line
 from llmrun.runners.limits import gib
 from llmrun.runners.stats import (
+    ENERGY_PHASES,
     FINISH_CONTEXT,
     Aggregate,
     EngineSettings,
@@ -126,10 +127,7 @@ def energy_rows(s: GenerationStats) -> list[tuple[str, str]]:
         return []
     if not e.measured:
         return [("energy", f"not available ({e.reason})")]
-    phases = " · ".join(
-        _phase_energy(name, phase)
-        for name, phase in (("load", e.load), ("prefill", e.prefill), ("decode", e.decode))
-    )
+    phases = " · ".join(_phase_energy(name, getattr(e, name)) for name in ENERGY_PHASES)
     idle = f"{e.idle_w:,.1f} W" if e.idle_w is not None else "-"
     left_out = f" · not counted: {e.left_out}" if e.left_out else ""
     return [("energy", f"{phases} · above an idle {idle} · {e.source}{left_out}")]
@@ -161,8 +159,6 @@ def network_rows(s: GenerationStats) -> list[tuple[str, str]]:
     """--rpc: the bytes to and from the servers per token of each phase (rpc_bytes_per_token,
     as bench's records count them), and the share of the decode spent waiting on the servers
     (rpc_wait_share: their compute and the network together, docs/hardware.md)."""
-    if s.rpc_decode_bytes is None and s.rpc_decode_wait_s is None:
-        return []
 
     def per_token(n: int | None) -> str:
         return "-" if n is None else f"{human_count(n, 'B')}/token"
@@ -293,7 +289,7 @@ def ran_busy(s: GenerationStats) -> bool:
     """Whether other processes took the CPU time these figures needed: every view of a
     request's figures (summary, chat's turn line and table) marks them by this one test."""
     threads = s.settings.n_threads if s.settings else 1
-    return s.background_cpus is not None and busy_machine(s.background_cpus, threads)
+    return busy_machine(s.background_cpus, threads)  # False where not measured (None)
 
 
 def busy_mark(s: GenerationStats) -> str:
@@ -334,14 +330,13 @@ def busy_warning(background: float, threads: int, during: str, *, poll: bool = F
 
 def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, str]]:
     """A server's request: the client's view, and the server's own timings beside it."""
-    host = f"remote {server.host}"
     prompt = (
         f"{s.prompt_tokens} tokens ({s.new_prompt_tokens} new, {s.reused_tokens} cached)"
         if s.prompt_tokens
         else "not reported by the server"
     )
     rows = [
-        ("model", f"{server.model} · {host}"),
+        ("model", f"{server.model} · remote {server.host}"),
         ("connect", f"{ms(s.load_s)} (GET /v1/models)"),
         ("prompt", prompt),
         ("ttft", f"{ms(s.ttft_s)} on the client: network, queueing and the server's prefill"),
@@ -381,13 +376,8 @@ def ratio_text(stats: GenerationStats) -> str:
     return f"prompt is {prompt / output:,.1f}x output" if prompt and output else "no ratio"
 
 
-def rate_ratio(stats: GenerationStats) -> str:
-    return f"prompt {tps(stats.prompt_tps)} vs output {tps(stats.output_tps)}: {ratio_text(stats)}"
-
-
-def phase_sentence(stats: GenerationStats) -> str:
+def phase_sentence(s: GenerationStats) -> str:
     """Which phase this request's wait went to, in one sentence."""
-    s = stats
     ttft = s.ttft_s
     if ttft is None:
         return f"No first token: the request ended after {ms(s.e2e_s)}."
@@ -414,7 +404,8 @@ def summary_lines(stats: GenerationStats, width: int | None = None) -> list[str]
     TERM=dumb): whole, one record a line, or folded at spaces to `width` (a terminal's,
     terminal.terminal_width), a row going on under its value at SUMMARY_INDENT."""
     lines = [f"{label:<8} {value}" for label, value in summary_rows(stats)]
-    lines += [f"{'rates':<8} {rate_ratio(stats)}", phase_sentence(stats)]
+    rates = f"prompt {tps(stats.prompt_tps)} vs output {tps(stats.output_tps)}: {ratio_text(stats)}"
+    lines += [f"{'rates':<8} {rates}", phase_sentence(stats)]
     return [fold(x, width, indent=SUMMARY_INDENT if x[8:9] == " " else 0) for x in lines]
 
 

@@ -116,7 +116,6 @@ class Change:
 
     @property
     def verdict(self) -> str:
-        """`verdict`'s, or 'new'."""
         return "new" if self.previous is None else verdict(self.previous, self.record)
 
 
@@ -129,8 +128,10 @@ def rates(record: Mapping[str, Any]) -> tuple[float, ...]:
 
 
 def busy_pair(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
-    """Other processes took the CPU during either, or the two ran under different loads."""
-    return _busy(new) or _busy(old) or _load_differs(new, old)
+    """Other processes took the CPU during either, or the two ran under different loads: those
+    are not comparable (llama.cpp's threads spin-wait, so a fraction of a CPU taken by others
+    changes the figures)."""
+    return _busy(new) or _busy(old) or abs(_background(new) - _background(old)) > 0.25
 
 
 def difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> Difference | None:
@@ -169,7 +170,6 @@ class HistoryError(BadRequestError):
 
     def __init__(self, path: Path, problem: object) -> None:
         super().__init__(f"bench history {path}: {problem}")
-        self.path = path
 
 
 # Another llmrun storing a run at the same moment holds the lock briefly: wait for it, in
@@ -205,11 +205,8 @@ class History:
             raise
 
     def _open(self) -> None:
-        self.db.executescript(SCHEMA)
-        self._check_schema()
-
-    def _check_schema(self) -> None:
         """A database from another program or an older llmrun is refused, not half-used."""
+        self.db.executescript(SCHEMA)
         for table, needed in (
             ("runs", {"id", "time", "kind", "model", "system"}),
             ("results", {"run_id", "key", "test", "avg_ts", "stddev_ts", "record"}),
@@ -250,38 +247,32 @@ class History:
     ) -> int:
         """Store one run's records; returns the run's id."""
         now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        return self._patiently(lambda: self._store(records, now, kind, model, system))
 
-    def _store(
-        self,
-        records: Sequence[dict[str, Any]],
-        now: str,
-        kind: str,
-        model: str,
-        system: dict[str, Any],
-    ) -> int:
-        with self.db:  # one transaction: rolled back whole where it fails
-            cur = self.db.execute(
-                "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
-                (now, kind, model, json.dumps(system)),
-            )
-            run_id = int(cur.lastrowid or 0)
-            self.db.executemany(
-                "INSERT INTO results (run_id, key, test, avg_ts, stddev_ts, record)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        run_id,
-                        result_key(r),
-                        str(r.get("test", "")),
-                        r.get("avg_ts"),
-                        r.get("stddev_ts"),
-                        json.dumps(r),
-                    )
-                    for r in records
-                ],
-            )
-        return run_id
+        def insert() -> int:
+            with self.db:  # one transaction: rolled back whole where it fails
+                cur = self.db.execute(
+                    "INSERT INTO runs (time, kind, model, system) VALUES (?, ?, ?, ?)",
+                    (now, kind, model, json.dumps(system)),
+                )
+                run_id = int(cur.lastrowid or 0)
+                self.db.executemany(
+                    "INSERT INTO results (run_id, key, test, avg_ts, stddev_ts, record)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            run_id,
+                            result_key(r),
+                            str(r.get("test", "")),
+                            r.get("avg_ts"),
+                            r.get("stddev_ts"),
+                            json.dumps(r),
+                        )
+                        for r in records
+                    ],
+                )
+            return run_id
+
+        return self._patiently(insert)
 
     def compare(self, records: Sequence[dict[str, Any]], *, before_run: int | None) -> list[Change]:
         """Each record against the newest earlier readable result with the same key."""
@@ -347,7 +338,7 @@ class History:
         rows = self._patiently(
             lambda: self.db.execute(query + " ORDER BY runs.id, results.rowid", args).fetchall()
         )
-        found = self._llama_bench_rows(model)
+        found = self._patiently(lambda: self._llama_bench_rows(model))
         for run_id, time, text in rows:
             record = _record(text)
             if record is not None:
@@ -359,13 +350,20 @@ class History:
     def _llama_bench_rows(self, model: str | None) -> list[Stored]:
         """llama-bench's own rows in this database (`llama-bench -o sql | sqlite3` into it),
         as results of no llmrun run (run 0) at their test time, marked `tool` llama-bench; rows
-        llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already."""
-        read = self._patiently(self._llama_bench_table)
-        if read is None:
+        llmrun's SQL put there (those with figures in llama_bench_llmrun) are its runs already;
+        none without a table of llama-bench's with the columns llmrun reads."""
+        tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
+        if "llama_bench" not in tables:
             return []
-        columns, rows = read
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
+        columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
+        if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
+            return []
+        query = f"SELECT {', '.join(columns)} FROM llama_bench"
+        if "llama_bench_llmrun" in tables:
+            query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
         found = []
-        for row in rows:
+        for row in self.db.execute(query + " ORDER BY rowid").fetchall():
             record = _llama_bench_record(dict(zip(columns, row, strict=True)))
             if record is None:
                 continue
@@ -374,21 +372,6 @@ class History:
                 continue
             found.append(Stored(0, str(record.get("test_time") or ""), record))
         return found
-
-    def _llama_bench_table(self) -> tuple[list[str], list[Any]] | None:
-        """llama_bench's columns llmrun reads and its rows llmrun's SQL did not put there;
-        None without a table of llama-bench's."""
-        tables = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master")}
-        if "llama_bench" not in tables:
-            return None
-        have = {row[1] for row in self.db.execute("PRAGMA table_info(llama_bench)")}
-        columns = [f for f in LLAMA_BENCH_FIELDS if f in have]
-        if not {"avg_ts", "n_prompt", "n_gen"} <= set(columns):
-            return None
-        query = f"SELECT {', '.join(columns)} FROM llama_bench"
-        if "llama_bench_llmrun" in tables:
-            query += " WHERE rowid NOT IN (SELECT bench_rowid FROM llama_bench_llmrun)"
-        return columns, self.db.execute(query + " ORDER BY rowid").fetchall()
 
 
 def _llama_bench_record(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -431,12 +414,6 @@ def _background(record: Mapping[str, Any]) -> float:
 def _busy(record: Mapping[str, Any]) -> bool:
     threads = record.get("n_threads")
     return busy_machine(_background(record), threads if isinstance(threads, int) else 1)
-
-
-def _load_differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Runs measured under different background load are not comparable (llama.cpp's threads
-    spin-wait, so a fraction of a CPU taken by others changes the figures)."""
-    return abs(_background(a) - _background(b)) > 0.25
 
 
 # No benchmark measures a billion tokens a second: a stored rate past it is a damaged row; nor
@@ -706,7 +683,7 @@ def _term_value(key: str, value: str, option: str, text: str) -> Any:
 
 def _is_date(value: str) -> bool:
     try:
-        dt.date.fromisoformat((value + "-01-01")[:10] if len(value) < 10 else value)
+        dt.date.fromisoformat((value + "-01-01")[:10])  # a year or a month: its first day
     except ValueError:
         return False
     return True
@@ -750,8 +727,8 @@ class Tally:
             "avg_ts": self.avg_ts,
             "stddev_ts": self.stddev_ts,
             "samples_ts": list(self.rates),
-            "background_cpus": max(loads) if loads else None,
-            "n_threads": max(threads) if threads else 1,
+            "background_cpus": max(loads, default=None),
+            "n_threads": max(threads, default=1),
         }
 
 
@@ -994,19 +971,15 @@ def write_database(path: Path, sql: str) -> None:
             f"{path} exists: name a new file, or add to it with"
             f" `llmrun history --export-sql - | sqlite3 {path}`"
         )
-    folder = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
     os.close(fd)
     try:
-        db = sqlite3.connect(tmp)
-        try:
+        with contextlib.closing(sqlite3.connect(tmp)) as db:
             db.executescript(sql)
             db.commit()
-        finally:
-            db.close()
         try:
             os.link(tmp, path)  # fails, rather than replaces, if the file appeared meanwhile
         except OSError as e:

@@ -407,7 +407,7 @@ class GenerationStats:
         first = self.ttft_s
         if not self.thinking_tokens or first is None:
             return None
-        end = self.first_answer_s if self.first_answer_s is not None else first + sum(self.itl_s)
+        end = self.first_answer_s if self.first_answer_s is not None else first + self.decode_s
         return max(0.0, end - first)
 
     @property
@@ -416,8 +416,7 @@ class GenerationStats:
         first = self.ttft_s
         if self.first_answer_s is None or first is None:
             return None
-        last = first + sum(self.itl_s)
-        return rate(self.answer_tokens - 1, last - self.first_answer_s)
+        return rate(self.answer_tokens - 1, first + self.decode_s - self.first_answer_s)
 
     @property
     def itl_p50_s(self) -> float | None:

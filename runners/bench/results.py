@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from llmrun.runners.config import DEFAULT_N_BATCH
@@ -358,25 +358,20 @@ class Result:
         """The optional measurements, after the rest, only where they were made."""
         rec: dict[str, Any] = {}
         if self.speculation is not None:
-            rec.update(
-                draft=self.speculation.draft,
-                acceptance_rate=self.speculation.acceptance_rate,
-                tokens_per_step=self.speculation.tokens_per_step,
-            )
+            rec.update(asdict(self.speculation))  # draft, acceptance_rate, tokens_per_step
         if self.phases is not None:
-            rec.update(pp_ts=self.phases.pp_ts, tg_ts=self.phases.tg_ts)
+            rec.update(asdict(self.phases))  # pp_ts, tg_ts
         if self.until_ci_pct is not None:
-            ci = self.ci95_pct
             rec.update(
                 until_ci_pct=self.until_ci_pct,
-                ci95_pct=None if ci is None else round(ci, 3),
+                ci95_pct=_round(self.ci95_pct, 3),
                 repetitions=len(self.samples_s),
                 until_ci_stop=self.until_ci_stop,
             )
         if self.energy is not None:
             rec.update(self.energy.fields())
         if self.rpc_traffic is not None:  # the network's part (docs/hardware.md)
-            tokens = (self.shape.n_prompt + self.shape.n_gen) * len(self.samples_s)
+            tokens = self.n_tokens * len(self.samples_s)
             rec["rpc_bytes_per_token"] = bytes_per_token(self.rpc_traffic.bytes, tokens)
         if self.rpc_wait_s is not None:  # tests that decode: the share of it on the servers
             rec["rpc_wait_share"] = wait_share(self.rpc_wait_s, sum(self.itl_s))
@@ -387,7 +382,7 @@ class Result:
                 ppl=round(p.ppl, 4),
                 ppl_tokens=p.tokens,
                 ppl_ctx=p.ctx,
-                ppl_change=None if p.change is None else round(p.change, 4),
+                ppl_change=_round(p.change, 4),
             )
             if p.kld is not None:
                 rec.update(p.kld.record())
