@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
+from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.errors import CancelledError, LlmrunError
 from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
@@ -35,10 +35,8 @@ def _streamed(
     runner: OpenAIRunner, request: Request, cancel: threading.Event, progress: Tally | None
 ) -> Finished:
     """The request run to its end, its tokens counted in `progress` as they arrive."""
-    if progress is None:
-        return generate(runner, request, cancel=cancel)
     for event in runner.stream(request, cancel=cancel):
-        if isinstance(event, Token):
+        if isinstance(event, Token) and progress is not None:
             progress.add(work=1)
         elif isinstance(event, Finished):
             return event
