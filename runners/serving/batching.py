@@ -560,12 +560,10 @@ class BatchedEngine:
             j = i + n
             token[i:j] = s.tokens[first : first + n]
             pos[i:j] = range(first, first + n)
+            ctypes.memset(b.logits_addr + i, s.prompt_logprobs, n)
             if s.prompt_logprobs:  # every position's logits: each next prompt token's
-                ctypes.memset(b.logits_addr + i, 1, n)
                 self._prompt_outs.append((s, first, n, n_out))
                 n_out += n - 1
-            else:
-                ctypes.memset(b.logits_addr + i, 0, n)
             set_seq(i, n, s.sid)
             if first + n == len(s.tokens):  # the prompt's last token: its logits are sampled
                 logits[j - 1] = 1
