@@ -233,6 +233,26 @@ def test_a_request_whose_sampler_is_refused_ends_alone_and_frees_its_sequence(
         runner.close()
 
 
+def test_a_refused_request_and_one_that_ends_in_the_same_step_are_both_reported(
+    model_path: str,
+) -> None:
+    """A request refused at admission and another that ends in that step's decode: both come
+    among `finished`, once (the refused one holds no place among the running ones)."""
+    runner = LlamaCppRunner(model_path, EngineConfig(n_ctx=256, n_threads=1))
+    good_sp = SamplingParams(max_tokens=1, temperature=0.7, seed=7, ignore_eos=True)
+    bad_sp = SamplingParams(max_tokens=4, temperature=0.7, seed=13, ignore_eos=True)
+    try:
+        with _RefusingEngine(runner, n_seq=2, n_ctx_per_seq=64, n_batch=64) as engine:
+            good = engine.submit(Arrival(engine.now(), prompt(1), 1, True, good_sp))
+            bad = engine.submit(Arrival(engine.now(), prompt(2), 4, True, bad_sp))
+            events = engine.step()
+            assert list(events.finished) == [bad, good] and engine.idle
+            assert good.result.finish != "error" and len(good.result.output) == 1
+            assert bad.result.finish == "error"
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("strlen", [True, False], ids=["strlen", "python-callback"])
 def test_an_abort_ends_a_step_and_every_request_with_an_error(
     engine: BatchedEngine, strlen: bool, monkeypatch: pytest.MonkeyPatch

@@ -467,8 +467,14 @@ class EngineThread:
                         )
                     )
                     self._jobs[handle.id] = (job, handle)
-            if job.cancelled:
-                self._report_cancelled(job)
+            if job.cancelled:  # it never had a sequence: nothing else to time
+                timings = RequestTimings(
+                    prompt_tokens=len(job.tokens),
+                    template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
+                    queue_ms=(time.perf_counter() - job.submitted_s) * 1000,
+                    finish_reason=FINISH_CANCELLED,
+                )
+                job.sink(Done(FINISH_CANCELLED, "", timings))
 
     def _drop_cancelled(self) -> None:
         for _, handle in [v for v in self._jobs.values() if v[0].cancelled]:
@@ -538,15 +544,6 @@ class EngineThread:
         job.echoed = True
         data = b"".join(self.runner.piece(t) for t in handle.tokens)
         return data.decode("utf-8", errors="replace")
-
-    def _report_cancelled(self, job: Job) -> None:
-        timings = RequestTimings(  # it never had a sequence: nothing else to time
-            prompt_tokens=len(job.tokens),
-            template_tokenize_ms=(job.submitted_s - job.received_s) * 1000,
-            queue_ms=(time.perf_counter() - job.submitted_s) * 1000,
-            finish_reason=FINISH_CANCELLED,
-        )
-        job.sink(Done(FINISH_CANCELLED, "", timings))
 
     def _fail_all(self, message: str) -> None:
         """llama.cpp failed mid-step (the engine has ended every request and emptied its KV

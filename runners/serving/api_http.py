@@ -71,9 +71,7 @@ def route_of(path: str) -> str:
     if absolute is not None:
         path = absolute[2]
     path = path.rstrip("/") or "/"
-    if path in ROUTES:
-        return ROUTES[path]
-    return "models" if path.startswith(MODEL_PATHS) else "other"
+    return ROUTES.get(path, "models" if path.startswith(MODEL_PATHS) else "other")
 
 
 def outcome_of(status: int) -> str:
@@ -93,11 +91,7 @@ def printable(text: str) -> str:
     header is not a 60 kB log line."""
     if len(text) > MAX_NOTE_CHARS:
         text = f"{text[:MAX_NOTE_CHARS]}... ({len(text):,} characters)"
-    return (
-        text
-        if text.isprintable()
-        else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    )
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # ---- what each response counts as --------------------------------------------------------------
@@ -206,8 +200,7 @@ async def read_body(request: HttpRequest, limit: int, idle_s: float = BODY_IDLE_
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BodyError(415, f"Content-Encoding {encoding!r} is not served; send plain JSON")
-    declared = request.headers.get("content-length")
-    size_declared = whole(declared or "")
+    size_declared = whole(request.headers.get("content-length") or "")
     if size_declared is not None and size_declared > limit:
         raise BodyError(413, f"the body is {size_declared} bytes; at most {limit} are served")
     chunks, size = [], 0

@@ -28,6 +28,7 @@ from .tools import (
     ToolPlan,
     assistant_calls,
     call_text,
+    refused,
     string_field,
     tool_plan,
     tool_result,
@@ -101,12 +102,11 @@ class StreamOptions(BaseModel):
             error.param = param
             raise error
         if self.include_obfuscation:
-            error = BadRequestError(
-                "stream_options.include_obfuscation: true is not served here (only false):"
-                " no event is padded, as none could hide its length on plain HTTP"
+            raise refused(
+                "stream_options.include_obfuscation",
+                "true is not served here (only false): no event is padded, as none could hide"
+                " its length on plain HTTP",
             )
-            error.param = "stream_options.include_obfuscation"
-            raise error
 
 
 class _Body(BaseModel):

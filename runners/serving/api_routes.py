@@ -39,6 +39,7 @@ from .api_engine import (
     EngineThread,
     Failed,
     Job,
+    Outcome,
     Piece,
     QueueFullError,
 )
@@ -86,8 +87,6 @@ from .tools import ToolPlan, ToolReader, merged, template_family
 
 SHUTTING_DOWN = "the server is shutting down"
 
-Event = Piece | Done | Failed
-
 
 @dataclass
 class Served:
@@ -102,7 +101,7 @@ class Served:
     created: int = field(default_factory=lambda: int(time.time()))
     log: deque[Answered] = field(default_factory=lambda: deque(maxlen=10000))
     stopping: bool = False
-    waiting: set[asyncio.Queue[Event]] = field(default_factory=set)
+    waiting: set[asyncio.Queue[Outcome]] = field(default_factory=set)
 
     @functools.cached_property
     def tool_format(self) -> str:
@@ -137,8 +136,7 @@ class Served:
 
 
 def served(request: HttpRequest) -> Served:
-    state: Served = request.app.state.served
-    return state
+    return request.app.state.served
 
 
 router = APIRouter()
@@ -216,9 +214,9 @@ async def complete(request: HttpRequest, chat: bool) -> Response:
         seen.set("error", SHUTTING_DOWN)
         return error_response(503, SHUTTING_DOWN, "server_error")
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
+    queue: asyncio.Queue[Outcome] = asyncio.Queue()
 
-    def sink(event: Event) -> None:
+    def sink(event: Outcome) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: the process is ending
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
@@ -265,7 +263,7 @@ class Flight:
     served: Served
     seen: Report
     job: Job
-    queue: asyncio.Queue[Event]
+    queue: asyncio.Queue[Outcome]
     head: Head
     chat: bool
     plan: ToolPlan | None = None  # the tools offered (tools.py)
@@ -336,9 +334,8 @@ async def stream(flight: Flight, include_usage: bool) -> AsyncIterator[str]:
     chunk waits for the engine's first event, as vLLM's does, to know the cached count."""
     head, ended = dict(flight.head), False
     try:
-        role = flight.chat
-        if role and not flight.continuous:
-            role = False
+        role = flight.chat and flight.continuous  # sent with the first event (below)
+        if flight.chat and not role:
             yield sse(flight.role_chunk())
         reader = flight.plan.reader() if flight.plan is not None else None
         while True:
@@ -409,10 +406,8 @@ async def whole(request: HttpRequest, flight: Flight) -> Response:
                     tokens.extend(event.logprobs)
                 return "".join(parts) + (event.tail if isinstance(event, Done) else ""), event
 
-    waiter, gone = (
-        asyncio.ensure_future(collect()),
-        asyncio.ensure_future(_disconnected(request)),
-    )
+    waiter = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -91,15 +91,12 @@ class SeqResult:
 
     @property
     def ttft_s(self) -> float | None:
-        return figures.ttft_s(self._start_s, self.times)
+        start = self.arrival_s if self.admitted_s is None else self.admitted_s
+        return figures.ttft_s(start, self.times)
 
     @property
     def gaps_s(self) -> list[float]:
         return figures.itl_s(self.times)
-
-    @property
-    def _start_s(self) -> float:
-        return self.arrival_s if self.admitted_s is None else self.admitted_s
 
 
 @dataclass(frozen=True)
@@ -399,8 +396,6 @@ class BatchedEngine:
         self._admit()
         refused, self._refused = self._refused, []  # reported with this step (or alone)
         waiting, running = self._waiting, self._running
-        if not waiting and not running:
-            return StepEvents(None, (), refused) if refused else _NOTHING
         decodes, chunks, self._held = schedule(
             policy or self.policy, waiting, running, n_batch=self.n_batch, held=self._held
         )
@@ -415,8 +410,11 @@ class BatchedEngine:
                 cached[s.sid].append(s.pending)  # type: ignore[arg-type]
             for s, first, n in chunks:
                 cached[s.sid].extend(s.tokens[first : first + n])
-        try:
-            self._step()
+        try:  # waited for: decode is asynchronous on GPUs
+            rc = self._llama_decode(self.ctx.ptr, self.batch.struct)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed in a batched step (code {rc})")
+            self._synchronize(self.ctx.ptr)
         except EngineError:
             self.clear(FINISH_CANCELLED if self._cancel and self._cancel.is_set() else FINISH_ERROR)
             raise
@@ -433,13 +431,12 @@ class BatchedEngine:
                 seq.result.prefilled_s = end_s
                 waiting.remove(seq)
                 running.append(seq)  # a sequence done at once leaves with the others
-        finished: list[Handle] = refused
-        if any(s.done for s in running):
-            finished = refused + [s for s in running if s.done]
-            for seq in finished:
-                running.remove(seq)
-                self._release(seq, keep_kv=self.keep_prefix)
-        return StepEvents(Step(start_s, end - start, len(decodes), n_prefill), tokens, finished)
+        ended = [s for s in running if s.done]  # the refused ones were released as they came
+        for seq in ended:
+            running.remove(seq)
+            self._release(seq, keep_kv=self.keep_prefix)
+        step = Step(start_s, end - start, len(decodes), n_prefill)
+        return StepEvents(step, tokens, refused + ended)
 
     def run(
         self,
@@ -563,12 +560,10 @@ class BatchedEngine:
             j = i + n
             token[i:j] = s.tokens[first : first + n]
             pos[i:j] = range(first, first + n)
+            ctypes.memset(b.logits_addr + i, s.prompt_logprobs, n)
             if s.prompt_logprobs:  # every position's logits: each next prompt token's
-                ctypes.memset(b.logits_addr + i, 1, n)
                 self._prompt_outs.append((s, first, n, n_out))
                 n_out += n - 1
-            else:
-                ctypes.memset(b.logits_addr + i, 0, n)
             set_seq(i, n, s.sid)
             if first + n == len(s.tokens):  # the prompt's last token: its logits are sampled
                 logits[j - 1] = 1
@@ -582,13 +577,6 @@ class BatchedEngine:
         b.struct.n_tokens = i
         self._n_out = n_out
         return sum(n for _, _, n in chunks)
-
-    def _step(self) -> None:
-        """One llama_decode of the filled batch, waited for (decode is asynchronous on GPUs)."""
-        rc = self._llama_decode(self.ctx.ptr, self.batch.struct)
-        if rc != 0:
-            raise EngineError(f"llama_decode failed in a batched step (code {rc})")
-        self._synchronize(self.ctx.ptr)
 
     def _sample_and_emit(self, stamp: float) -> list[Handle]:
         """Each sampled sequence's next token: argmax over all greedy rows in one numpy call,
@@ -605,12 +593,11 @@ class BatchedEngine:
         got: list[Handle] = []
         for k, seq in enumerate(outs):
             token = best[k] if seq.chain is None else seq.chain.sample(ctx, rows[k])
-            n = len(seq.result.output)
             if self._emit(seq, token, stamp):
                 got.append(seq)
-            if seq.logprobs is not None and len(seq.result.output) > n:  # the model's own
-                row = self._logits(self._n_out)[self._out_ids[k]]  # the samplers read copies
-                seq.result.logprobs.append(token_logprob(row, token, seq.logprobs))
+                if seq.logprobs is not None:  # the model's own
+                    row = self._logits(self._n_out)[self._out_ids[k]]  # the samplers read copies
+                    seq.result.logprobs.append(token_logprob(row, token, seq.logprobs))
         return got
 
     def _prompt_logprobs(self) -> None:

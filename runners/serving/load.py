@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmrun.runners.base import Finished, Request, SamplingParams, Token, generate
+from llmrun.runners.base import Finished, Request, SamplingParams, Token
 from llmrun.runners.errors import CancelledError, LlmrunError
 from llmrun.runners.progress import Tally
 from llmrun.runners.remote import OpenAIRunner
@@ -35,10 +35,8 @@ def _streamed(
     runner: OpenAIRunner, request: Request, cancel: threading.Event, progress: Tally | None
 ) -> Finished:
     """The request run to its end, its tokens counted in `progress` as they arrive."""
-    if progress is None:
-        return generate(runner, request, cancel=cancel)
     for event in runner.stream(request, cancel=cancel):
-        if isinstance(event, Token):
+        if isinstance(event, Token) and progress is not None:
             progress.add(work=1)
         elif isinstance(event, Finished):
             return event
@@ -257,7 +255,7 @@ class ServingLevel:
 
     @property
     def rate_text(self) -> str:
-        return _rate(self.request_rate)
+        return f"{self.request_rate:g}"  # inf: all at once
 
     @property
     def local(self) -> bool:
@@ -384,7 +382,7 @@ def run_levels(
             for prompt in warm:
                 send(runner, prompt, cancel, tally)
         tally = Tally(len(measured), sum(p.max_tokens for p in measured))
-        yield Stage(f"max-conc={level} rate={_rate(request_rate)}", tally)
+        yield Stage(f"max-conc={level} rate={request_rate:g}", tally)
         cpu0 = cpu_sample()  # the client's machine: a loaded one delays what it times
         results, duration = run_load(
             runner,
@@ -414,18 +412,9 @@ def run_levels(
         )
 
 
-def _rate(request_rate: float) -> str:
-    return "inf" if math.isinf(request_rate) else f"{request_rate:g}"
-
-
 COUNTING = "preparing prompts (counting tokens with the server's tokenizer)"
 STEADY_MIN_TOKENS = 64  # the steady client decodes at least this many tokens
 WARMUP_TOKENS = 4  # the unmeasured first request's output
-
-
-def long_prompt_count(rate: float) -> int:
-    """About eight seconds' worth of arrivals at `rate`/s (at least two)."""
-    return max(2, math.ceil(rate * 8))
 
 
 def interfere_remote(
@@ -435,7 +424,7 @@ def interfere_remote(
     `rate` long prompts per second for about eight seconds' worth of arrivals: its prompts
     made (each its own, so a caching server prefills every one), then measured."""
     rate, prompt_len = options.rate, options.prompt_len
-    count = long_prompt_count(rate)
+    count = max(2, math.ceil(rate * 8))  # about eight seconds' worth of arrivals
     making = Tally(3 + count)
     yield Stage(COUNTING, making, "prompts")
     fresh = FreshPrompts(options.seed, "interference")
