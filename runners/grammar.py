@@ -747,7 +747,127 @@ def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repeti
             f"{where}: its grammar nests {deepest:,} groups deep (at most {MAX_GRAMMAR_DEPTH:,})"
             + hint
         )
+    fault = repetition_fault(grammar)
+    if fault is not None:
+        raise BadRequestError(f"{where}: {fault}")
     return grammar
+
+
+# llama.cpp's grammar sampler follows every way the text so far can be read. A repeated item
+# that can match nothing is read in as many ways as there are copies to skip, and each way
+# multiplies with the next: `x{0,16}` of an `x ::= [a-z]{0,100}` took 11 s for 8 tokens of the
+# embedded model, `x{0,24}` more than a minute, `x{0,1000}` never ended, and neither SIGTERM nor
+# Ctrl-C stops a process inside that C call. So the skippable copies are counted (a count of
+# them in a group of them multiplies) and held to MAX_EMPTY_REPEATS; `x{0,8}` took 0.1 s.
+# `x*` of such an x is llama.cpp's own refusal (left recursion).
+MAX_EMPTY_REPEATS = 8
+
+
+def repetition_fault(grammar: str) -> str | None:
+    """What in a GBNF grammar's repetitions llama.cpp cannot take (None: nothing found): a
+    count whose least is above its most (`{5,2}`: the parser allocated until the machine's
+    memory ran out), or more than MAX_EMPTY_REPEATS copies of what can match nothing."""
+    rules: dict[str, list[tuple[str, str]]] = {}
+    name = ""
+    for m in _GBNF_PIECE.finditer(grammar):
+        kind, text = m.lastgroup, m[0]
+        if kind == "rule":
+            name = text.partition(":")[0].strip()
+            if name in rules:  # a rule defined twice: alternatives
+                rules[name].append(("sym", "|"))
+            rules.setdefault(name, [])
+        elif kind is not None:
+            rules.setdefault(name, []).append((kind, text))
+            if kind == "rep":
+                least, most = _REPEATS.get(text) or _range(text)
+                if least > most:
+                    return (
+                        f"in rule '{name}', the repetition {text} asks for at least {least:,}"
+                        f" and at most {most:,}"
+                    )
+    weighed = dict.fromkeys(rules, (False, 0))
+    worst: dict[str, int] = {}
+    for _ in range(64):  # until nothing changes: both only grow, and the weights are capped
+        new = {rule: _weighed(body, weighed, worst, rule) for rule, body in rules.items()}
+        if new == weighed:
+            break
+        weighed = new
+    rule, weight = max(worst.items(), key=lambda kv: kv[1], default=("", 0))
+    if weight > MAX_EMPTY_REPEATS:
+        return (
+            f"in rule '{rule}', {weight:,}{'+' if weight >= _CAP else ''} copies of what can"
+            f" match nothing (at most {MAX_EMPTY_REPEATS}): llama.cpp's sampler follows every way"
+            " to skip them and takes minutes (repeat what is never empty: [a-z]{1,100}, not"
+            " [a-z]{0,100})"
+        )
+    return None
+
+
+_CAP = 10 * MAX_EMPTY_REPEATS  # past the limit, how far past does not matter
+
+
+def _weighed(
+    body: list[tuple[str, str]],
+    rules: dict[str, tuple[bool, int]],
+    worst: dict[str, int],
+    rule: str,
+) -> tuple[bool, int]:
+    """Whether a rule's body can match nothing, and how many skippable copies it holds then
+    (the rules it names as `rules` says so far); the most that stand side by side anywhere in
+    it go into `worst`: a repetition's copies, and items written out alike (`[a-z]? [a-z]?`).
+    Without recursion: groups nest 1,000 deep."""
+
+    def run_ends(f: list[Any]) -> None:
+        worst[rule] = max(worst.get(rule, 0), f[3] + _alike(f[4]))
+
+    # each open group: its alternatives' (empty, weight); whether its sequence so far is empty,
+    # the skippable copies at its end, those items as written; where the group began
+    frames: list[list[Any]] = [[False, 0, True, 0, [], 0]]
+    i = 0
+    while i < len(body):
+        kind, text = body[i]
+        start = i
+        i += 1
+        if (kind, text) == ("sym", "("):
+            frames.append([False, 0, True, 0, [], start])
+            continue
+        f = frames[-1]
+        if kind == "sym":  # "|" or ")": the sequence ends
+            run_ends(f)
+            seq = f[3] + _alike(f[4])
+            f[:] = [f[0] or f[2], f[1] + seq if f[2] else f[1], True, 0, [], f[5]]
+            if text == "|":
+                continue
+            f = frames.pop() if len(frames) > 1 else [False, 0, True, 0, [], start]
+            empty, weight, start = f[0], f[1], f[5]
+        elif kind == "ref":
+            empty, weight = rules.get(text, (False, 0))
+        else:  # text ('""' is none), a class, a token, `.`
+            empty, weight = text == '""', 0
+        while i < len(body) and body[i][0] == "rep":
+            least, most = _REPEATS.get(body[i][1]) or _range(body[i][1])
+            i += 1
+            if empty and most != math.inf and (least == 0 or most > 1):
+                weight = int(min(most, _CAP)) * (weight + 1)  # each copy can be skipped
+            empty = empty or least == 0
+        f = frames[-1]
+        if empty:  # side by side with the skippable copies before it
+            f[3] = min(_CAP, f[3] + weight)
+            f[4].append(tuple(body[start:i]))
+        else:
+            run_ends(f)
+            f[2], f[3], f[4] = False, 0, []
+    f = frames[0]
+    run_ends(f)
+    if not (f[0] or f[2]):
+        return False, 0
+    return True, min(_CAP, f[1] + (f[3] + _alike(f[4]) if f[2] else 0))
+
+
+def _alike(items: list[tuple[tuple[str, str], ...]]) -> int:
+    """How many of the skippable items side by side are written alike, where two or more are."""
+    most = max(collections.Counter(items).values(), default=0)
+    return most if most > 1 else 0
 
 
 def check_schema(root: dict[str, Any], where: str) -> None:

@@ -116,6 +116,19 @@ def test_the_grammar_reaches_the_runners_sampling(
             ),
             "left.json: schema: left recursion at #/$defs/a",
         ),
+        # llama.cpp's parser allocated until the machine's memory ran out (24 GB, then SIGKILL)
+        ("minmax.gbnf", 'root ::= "a"{5,2}\n', "minmax.gbnf: in rule 'root', the repetition {5,2}"),
+        # its sampler followed every way to skip the copies: no output in 700 s, deaf to SIGTERM
+        (
+            "skips.gbnf",
+            'root ::= x{0,1000}\nx ::= "a"{0,1000}\n',
+            "skips.gbnf: in rule 'root', 80+ copies of what can match nothing (at most 8)",
+        ),
+        (
+            "skips.json",
+            json.dumps({"type": "string", "pattern": "^(a{0,999}){0,999}$"}),
+            "skips.json: schema: in rule 'root', 80+ copies of what can match nothing",
+        ),
         ("empty.gbnf", " \n", "empty.gbnf: the file is empty"),
         ("latin1.json", '{"enum": ["caf\udce9"]}', "latin1.json: not UTF-8 text (byte 14 is 0xe9)"),
         # llama.cpp parses these, then refuses them in its log, not on stderr: "not GBNF it reads"

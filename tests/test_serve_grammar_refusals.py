@@ -25,6 +25,7 @@ from llmrun.runners.grammar import (
     Grammars,
     grammar_fault,
     negated_token_after_text,
+    repetition_fault,
     schema_grammar,
 )
 from llmrun.runners.library import llama_lib
@@ -110,6 +111,46 @@ def test_a_property_is_a_schema_whatever_its_name(name: str) -> None:
     schema = {"type": "object", "properties": {name: {"type": "string", "pattern": "^a|b$"}}}
     rules = schema_grammar({**schema, "required": [name]}, WHERE).splitlines()
     assert f'{name} ::= "\\"" ("a" | "b") "\\"" space' in rules, rules
+
+
+@pytest.mark.parametrize(
+    ("grammar", "copies"),
+    [
+        ("root ::= x{0,9}\nx ::= [a-z]{0,100}\n", 9),  # a count of what can be empty
+        ("root ::= " + "[a-z]? " * 24, 24),  # written out alike
+        ('root ::= x x x x x x x x x x\nx ::= "a"?\n', 10),  # through a rule
+        ('root ::= (x{0,4}){0,4}\nx ::= "a"?\n', 20),  # in a count: copies of copies
+        ("root ::= x{0,8}\nx ::= [a-z]{0,100}\n", None),
+        ("root ::= " + "[a-z]? " * 8, None),
+        ('root ::= x{0,120}\nx ::= "a"{1,10}\n', None),  # never empty: one way to read it
+        ("root ::= [a-z]{0,3200}\n", None),
+        ('root ::= item ("," item)*\nitem ::= [a-z]+ | ""\n', None),
+        ('root ::= list\nlist ::= "[" (v ("," list)?)? "]"\nv ::= [0-9]*\n', None),
+        (
+            'root ::= x? "," x? "," x? "," x? "," x? "," x? "," x? "," x? "," x? "," x?\nx ::= "a"?',
+            None,
+        ),
+    ],
+)
+def test_copies_of_what_can_match_nothing_are_counted(grammar: str, copies: int | None) -> None:
+    """llama.cpp's sampler follows every way to skip such copies: `x{0,16}` of `[a-z]{0,100}`
+    took 11 s for 8 tokens, `x{0,24}` more than a minute, `x{0,1000}` never ended."""
+    fault = repetition_fault(grammar)
+    if copies is None:
+        assert fault is None, fault
+    else:
+        assert fault is not None and f"{copies} copies of what can match nothing" in fault, fault
+
+
+def test_a_schema_whose_grammar_repeats_what_can_be_empty_is_refused_and_one_that_does_not_kept() -> (
+    None
+):
+    with pytest.raises(BadRequestError, match="16 copies of what can match nothing"):
+        schema_grammar(code_schema("^([a-z]{0,100}){0,16}$"), WHERE)
+    for pattern in ("^([a-z]{0,100}){0,8}$", "^(a?){2,3}$", "^(ab?)*c$", "^[a-z]{0,1000}$"):
+        assert "root ::=" in schema_grammar(code_schema(pattern), WHERE)
+    properties = {f"p{i}": {"type": "string", "maxLength": 50} for i in range(40)}  # optional
+    assert "root ::=" in schema_grammar({"type": "object", "properties": properties}, WHERE)
 
 
 def test_a_character_past_u_ffff_is_one_character_not_two_surrogates() -> None:
