@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from llmrun.runners.llamacpp import LlamaCppRunner
 from llmrun.runners.serving.batching import FINISH_CANCELLED, Arrival, BatchedEngine
 from llmrun.runners.serving.policy import Policy
 
-from .conftest import HANG_S, ROOT, SetAfter, popen_then_ctrl_c, which_llmrun
+from .conftest import HANG_S, ROOT, SetAfter, popen_then_ctrl_c, python_child, which_llmrun
 from .fake import FakeBenchRunner
 from .hostile_files import plant
 from .stub_server import bench_against_stub, stub_server
@@ -158,6 +159,59 @@ def test_a_cut_that_a_tokenizer_joins_across_falls_back_to_the_whole_text(
     text = "first line\nsecond line\nthird line\n"
     assert ppl.tokenize_interruptibly(tokenize, text, threading.Event()) == tokenize(text)
     assert calls[-2] == text
+
+
+# `llmrun run` whose model load is one long C call that checks no signal, as a call into
+# llama.cpp is (PBKDF2's rounds in OpenSSL: 2**31 - 1 of them take minutes)
+STUCK = textwrap.dedent("""
+    import hashlib, os, sys
+    from llmrun.cli import engine
+    from tests.fake import FakeRunner
+    rounds = int(sys.argv[1])
+
+    class Stuck(FakeRunner):
+        def load(self, *, cancel=None):
+            os.write(2, b"in C\\n")
+            hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)
+            return super().load(cancel=cancel)
+
+    engine.RUNNER_FACTORY = lambda model, config: Stuck()
+    from llmrun.cli.main import main
+    sys.argv = ["llmrun", "run", "-q", "hi"]
+    main()
+""")
+STOPPED: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+@pytest.mark.parametrize("signum", list(STOPPED))
+def test_a_second_signal_ends_a_process_that_one_long_c_call_holds(
+    llmrun_env: dict[str, str], signum: int
+) -> None:
+    """Python runs a handler only between bytecodes: a grammar's sampler inside llama.cpp ran
+    for 700 s and heeded neither SIGTERM nor Ctrl-C. The first signal still waits for the call
+    (what was done is kept once it returns); a second ends the process at once."""
+    proc = python_child(STUCK, str(2**31 - 1), env=llmrun_env)
+    assert proc.stderr is not None and proc.stderr.readline() == "in C\n"
+    try:
+        time.sleep(1)  # inside the call
+        proc.send_signal(signum)
+        time.sleep(1)
+        assert proc.poll() is None  # the first waits for the call to return
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=HANG_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == STOPPED[signum], err
+    assert err == "llmrun: stopped inside a call into llama.cpp (a second signal)\n"
+
+
+def test_one_signal_waits_for_the_call_and_ends_as_ever(llmrun_env: dict[str, str]) -> None:
+    proc = python_child(STUCK, str(3_000_000), env=llmrun_env)  # a second or so
+    assert proc.stderr is not None and proc.stderr.readline() == "in C\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143, err
+    assert "stopped inside" not in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
