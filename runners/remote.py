@@ -718,7 +718,11 @@ class OpenAIRunner:
             endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections
         )
         self.endpoint = self.conn.endpoint  # credentials redacted
-        self.model_name = model
+        # The model's id as the server knows it, sent in every request; `model_name` is the
+        # one shown and stored: scrubbed of our secrets (a server may list an id that echoes
+        # the Authorization header it was sent).
+        self._model_id = model
+        self.model_name = self.conn.scrub(model) if model is not None else None
         self._n_ctx = n_ctx or 0
         self._loaded: ModelLoaded | None = None
         self._tokenize_routes = list(TOKENIZE_ROUTES)  # narrowed to the one that answers
@@ -747,16 +751,17 @@ class OpenAIRunner:
             )
         ids = [m.get("id") for m in models if isinstance(m, dict)]
         ids = [i for i in ids if isinstance(i, str) and i]
-        name = self.model_name or (ids[0] if ids else None)
+        name = self._model_id or (ids[0] if ids else None)
         if not name:
             raise NoServerModelError(self.endpoint)
-        if self.model_name is None and len(name) > MAX_MODEL_ID:
+        if self._model_id is None and len(name) > MAX_MODEL_ID:
             raise ServerError(
                 self.endpoint,
                 f"/v1/models lists a first model id of {len(name):,} characters, not a name"
                 f" (at most {MAX_MODEL_ID} are taken); name the model with -m",
             )
-        self.model_name = str(name)
+        self._model_id = str(name)
+        self.model_name = self.conn.scrub(self._model_id)  # the one place the id is read
         if not self._n_ctx:
             self._n_ctx = self._server_n_ctx()
         host = urlsplit(self.conn.api).netloc
@@ -795,9 +800,7 @@ class OpenAIRunner:
         root = self.conn.api.removesuffix("/v1")
         most = text_tokens_most(text)
         for route, field, answer in self._tokenize_routes:
-            data = self.conn.side_json(
-                "POST", root + route, {field: text, "model": self.model_name}
-            )
+            data = self.conn.side_json("POST", root + route, {field: text, "model": self._model_id})
             value = data.get(answer) if isinstance(data, dict) else None
             # a count no tokenizer gives (negative, a fraction, more tokens than the text has
             # bytes) is no count: the route is not asked again, as one that has no tokenizer
@@ -820,8 +823,8 @@ class OpenAIRunner:
             yield LoadStarted(self.endpoint)
             yield self.load()
         loaded = self._loaded
-        assert loaded is not None and self.model_name is not None
-        path, body = request_body(request, self.model_name)
+        assert loaded is not None and self._model_id is not None
+        path, body = request_body(request, self._model_id)
         clock = PausedClock()
         got = _Received()
         times = got.times

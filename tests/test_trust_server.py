@@ -240,6 +240,36 @@ def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None
     assert "no reply for 1 s (the server sent only keep-alive comments)" in result.stderr
 
 
+def test_a_model_id_that_echoes_the_key_is_shown_and_stored_scrubbed(
+    tmp_path: Path, cli: CliRunner
+) -> None:
+    key = "SEKRITKEY123"  # a server that lists the Authorization header it got as its model
+    stats_file = tmp_path / "s.jsonl"
+    listing = {"data": [{"id": f"model-{key}", "object": "model"}]}
+    with stub_server(api_key=key, models_answer=listing) as url:
+        keyed = ["--endpoint", url, "--api-key", key]
+        runs = [
+            cli.invoke(app, ["run", *keyed, "--stats-file", str(stats_file), *args, "hi"])
+            for args in ([], ["--json"], ["--stats", "json"])
+        ]
+        bench = cli.invoke(
+            app,
+            [
+                *("bench", "serve", *keyed, "--num-prompts", "2", "--max-concurrency", "1"),
+                *("--input-len", "4", "--output-len", "4", "-o", "json"),
+            ],
+        )
+    for result in [*runs, bench]:
+        assert result.exit_code == 0, result.output
+        assert key not in result.stdout + result.stderr
+    assert json.loads(runs[1].stdout)["stats"]["server_model"] == "model-***"
+    assert "model-***" in bench.stderr  # the header line names the model, scrubbed
+    assert "model-***" in stats_file.read_text() and key not in stats_file.read_text()
+    with History() as h:
+        stored = json.dumps(h.runs())
+    assert "model-***" in stored and key not in stored
+
+
 def test_a_servers_escape_sequences_never_reach_the_terminal(
     cli: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
