@@ -6,6 +6,7 @@ plays each hostile server; the CLI runs in-process with CliRunner."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,54 @@ def test_a_servers_escape_sequences_never_reach_the_terminal(
         if c in ESC_OR_CONTROL
     ], repr(result.stdout)
     assert "\x1b[2J" in json.loads(piped.stdout)["text"]  # data for a program stays as sent
+
+
+def test_bench_serve_shows_no_escape_sequence_of_the_servers_on_a_terminal(
+    llmrun_env: dict[str, str],
+) -> None:
+    """A model name and an HTTP 500's message holding a window title (OSC) and a colour (CSI)
+    reached the terminal raw: in the `server ... model ...` header, the `failed requests:`
+    line, and the csv rows on a stdout that is a terminal. A pipe still gets them as sent."""
+    import subprocess
+
+    import pexpect
+
+    from .conftest import HANG_S, which_llmrun
+    from .stub_server import Handler, _Server
+
+    hostile = "\x1b]0;PWNED\x07\x1b[31mRED\x1b[0m"
+
+    class Failing(Handler):
+        models_answer: Any = {"data": [{"id": hostile + "model"}]}  # noqa: RUF012
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._json(500, {"error": {"message": "boom " + hostile}})
+
+    server = _Server(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = ["bench", "serve", "--endpoint", url, "--num-prompts", "2", "--warmup", "0"]
+    args += ["--max-concurrency", "1", "--input-len", "4", "--output-len", "4", "-o", "csv"]
+    try:
+        child = pexpect.spawn(
+            which_llmrun(), args, env=llmrun_env, encoding="utf-8", timeout=HANG_S
+        )
+        child.expect(pexpect.EOF)
+        child.close()
+        piped = subprocess.run(
+            [which_llmrun(), *args], env=llmrun_env, capture_output=True, text=True, timeout=HANG_S
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    shown = child.before
+    assert child.exitstatus == 1, shown  # every request failed
+    assert "model RED" in shown and "failed requests:" in shown and "boom RED" in shown
+    assert "serve c1" in shown  # the csv row
+    for raw in ("\x1b]", "\x07", "\x1b[31m"):
+        assert raw not in shown, repr(shown)
+    assert hostile in piped.stdout  # data for a program stays as sent
 
 
 def test_escape_sequences_in_a_file_name_are_not_shown(tmp_path: Path, cli: CliRunner) -> None:
