@@ -338,6 +338,87 @@ def test_bench_serve_shows_no_escape_sequence_of_the_servers_on_a_terminal(
     assert hostile in piped.stdout  # data for a program stays as sent
 
 
+PROXY_VARIABLES = [f"{s}_proxy" for s in ("http", "https", "all", "no")]
+
+
+@pytest.fixture
+def no_proxy_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No proxy variable of the machine's in the way (lower or upper case)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["bench", "serve", "--num-prompts", "1"]])
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("HTTPS_PROXY", "socks5://127.0.0.1:1", "a SOCKS proxy, which needs the socksio package"),
+        ("HTTP_PROXY", "::::", "not a URL httpx can read (Invalid port"),
+        ("ALL_PROXY", "socks4://x", "a proxy scheme httpx cannot use (it takes http, https"),
+        ("HTTP_PROXY", "http://\x1b[31mevil:1", "not a URL httpx can read"),
+        ("https_proxy", "http://u:proxypw@[::1", "not a URL httpx can read"),
+        ("SSL_CERT_FILE", "/dev/zero", "not a regular file of CA certificates"),
+        ("SSL_CERT_FILE", "FIFO", "not a regular file of CA certificates"),
+        ("SSL_CERT_FILE", "NOT_PEM", "no CA certificates llmrun can use"),
+        ("SSL_CERT_FILE", "/nonexistent/ca.pem", "No such file or directory"),
+    ],
+)
+def test_proxy_and_certificate_variables_httpx_cannot_use_are_named(
+    variable: str,
+    value: str,
+    says: str,
+    command: list[str],
+    cli: CliRunner,
+    tmp_path: Path,
+    no_proxy_set: None,
+) -> None:
+    """Each was `internal error: ImportError/InvalidURL/ValueError` (an escape sequence in the
+    value shown raw), an SSLError blamed on "writing the output", or, for a FIFO, a silent
+    hang: now one line naming the variable, its value made safe, exit 1."""
+    import importlib.util
+    import os
+
+    if "socks5" in value and importlib.util.find_spec("socksio") is not None:
+        pytest.skip("socksio is installed: a SOCKS proxy is one httpx can use")
+    if value == "FIFO":
+        value = str(tmp_path / "fifo")
+        os.mkfifo(value)
+    if value == "NOT_PEM":
+        value = str(tmp_path / "ca.pem")
+        Path(value).write_text("no certificate here\n")
+    with stub_server() as url:
+        result = cli.invoke(
+            app, [*command[:2], "--endpoint", url, *command[2:]], env={variable: value}
+        )
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    shown = value.replace("\x1b[31m", "").replace("u:proxypw@", "***@")
+    assert line.startswith(f"llmrun: error: {variable}='{shown}"), line
+    assert says in line, line
+    assert "internal error" not in line and "\x1b" not in line and "proxypw" not in line
+
+
+def test_a_dead_proxy_is_named_not_the_server(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, no_proxy_set: None
+) -> None:
+    """HTTP_PROXY at a port nothing listens on was reported as the server refusing the
+    connection; the proxy's password is not shown, and NO_PROXY still reaches the server."""
+    from .conftest import free_port
+
+    proxy = f"http://alice:proxypw@127.0.0.1:{free_port()}"
+    with stub_server() as url:
+        dead = cli.invoke(app, ["run", "--endpoint", url, "hi"], env={"http_proxy": proxy})
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        direct = cli.invoke(app, ["run", "--endpoint", url, "hi"], env={"http_proxy": proxy})
+    assert dead.exit_code == 1
+    (line,) = dead.stderr.strip().splitlines()
+    assert "cannot connect to the proxy http://127.0.0.1:" in line, line
+    assert "(http_proxy) (connection refused) (check http_proxy" in line, line
+    assert "proxypw" not in dead.output and "server is running" not in line
+    assert direct.exit_code == 0, direct.output
+
+
 def test_escape_sequences_in_a_file_name_are_not_shown(tmp_path: Path, cli: CliRunner) -> None:
     name = tmp_path / "evil\x1b]0;pwned\x07\x1b[2J.gguf"
     for args in (
