@@ -38,6 +38,7 @@ from llmrun.runners.errors import (
     NoServerModelError,
     OptionError,
     PromptTooLongError,
+    ProxyUnreachableError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -120,6 +121,10 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
         f"give {llmrun.cli.given_as('--endpoint', 'LLMRUN_ENDPOINT')} as http://HOST:PORT"
     ),
     BadRequestError: lambda e: "",
+    ProxyUnreachableError: lambda e: (
+        f"check {getattr(e, 'variable', 'the proxy variable')}, or name the server's host in"
+        " NO_PROXY to reach it directly"
+    ),
     ServerUnreachableError: lambda e: "check --endpoint and that the server is running",
     ServerTimeoutError: lambda e: "raise --timeout for slow servers",
     NoServerModelError: lambda e: "name the server's model with -m/--model",

@@ -27,7 +27,7 @@ from .bench import output as out
 from .errors import StdoutConsole, handled, usage_error
 from .records import OptionRecord, takes_records
 from .report import Fitted, fitted_table
-from .terminal import terminal_line, terminal_text
+from .terminal import for_stream, terminal_line, terminal_text
 
 
 class CompareFormat(str, Enum):
@@ -197,7 +197,7 @@ def _export(h: History, target: str, model: str | None) -> None:
         raise BadRequestError(f"no bench results stored{_of(model)} (in {h.path})")
     sql = out.format_records(records, out.OutputFormat.sql)
     if target == "-":
-        sys.stdout.write(sql)
+        sys.stdout.write(for_stream(sql, sys.stdout))
         sys.stdout.flush()
         return
     write_database(Path(target), sql)
@@ -264,10 +264,11 @@ def _print_comparison(c: Comparison, fmt: CompareFormat | None, console: StdoutC
         )
     for note in notes:
         print(terminal_line(f"llmrun: {note}"), file=sys.stderr, flush=True)
-    if fmt is CompareFormat.md:
-        sys.stdout.write(to_markdown(c))
+    if fmt is CompareFormat.md:  # stored text: a terminal gets no escape sequence
+        sys.stdout.write(for_stream(to_markdown(c), sys.stdout))
     elif fmt is not None:  # csv, json: the flat records
-        sys.stdout.write(out.format_records(c.records(), out.OutputFormat(fmt.value)))
+        records = out.format_records(c.records(), out.OutputFormat(fmt.value))
+        sys.stdout.write(for_stream(records, sys.stdout))
     else:
         console.print(_table(c))
         return

@@ -339,7 +339,12 @@ def _remote_rows(s: GenerationStats, server: ServerReport) -> list[tuple[str, st
         ("model", f"{server.model} · remote {server.host}"),
         ("connect", f"{ms(s.load_s)} (GET /v1/models)"),
         ("prompt", prompt),
-        ("ttft", f"{ms(s.ttft_s)} on the client: network, queueing and the server's prefill"),
+        (
+            "ttft",
+            f"{ms(s.ttft_s)} on the client: network, queueing and the server's prefill"
+            if s.ttft_s is not None
+            else "- (no token arrived)",
+        ),
     ]
     t = server.timings
     if t is not None and t.prompt_ms is not None:

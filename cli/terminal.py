@@ -43,6 +43,16 @@ def terminal_line(text: str) -> str:
     return " ".join(terminal_text(text).split())
 
 
+def for_stream(text: str, stream: TextIO) -> str:
+    """`text` as written to `stream`: `terminal_text` where it is a terminal (records in csv,
+    json or md hold a server's words), as it came where it is a pipe or a file (data)."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        tty = False
+    return terminal_text(text) if tty else text
+
+
 ECHO_CHARS = 60  # what a message quotes of a person's input or a stored value, at most
 
 

@@ -179,6 +179,12 @@ class OptionError(BadRequestError):
     policy, a duration, a draft): a usage error, exit 2, like a number that is none."""
 
 
+class EnvironmentSettingError(BadRequestError):
+    """A variable of the environment that the HTTP client reads (HTTP_PROXY, HTTPS_PROXY,
+    ALL_PROXY, NO_PROXY, SSL_CERT_FILE, SSL_CERT_DIR) holds what it cannot use: exit 1, as an
+    LLMRUN_HOME that names a file (no option of llmrun's: not a usage error)."""
+
+
 class EngineError(LlmrunError):
     """llama.cpp failed in the middle of a request."""
 
@@ -202,6 +208,15 @@ class ServerError(LlmrunError):
 
 class ServerUnreachableError(ServerError):
     """Nothing answered: connection refused, unknown host, or a connect timeout."""
+
+
+class ProxyUnreachableError(ServerUnreachableError):
+    """The proxy the environment routes the server's requests through (HTTP_PROXY,
+    HTTPS_PROXY, ALL_PROXY) could not be reached or failed: the proxy is named, not the server."""
+
+    def __init__(self, endpoint: str, problem: str, variable: str) -> None:
+        super().__init__(endpoint, problem)
+        self.variable = variable
 
 
 class BadEndpointError(OptionError):

@@ -18,7 +18,10 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
+import ssl
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -40,8 +43,10 @@ from .base import (
 )
 from .errors import (
     BadEndpointError,
+    EnvironmentSettingError,
     NoServerModelError,
     OptionError,
+    ProxyUnreachableError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -167,6 +172,95 @@ _AUTH_VALUE = re.compile(
     r"(?i)((?:authorization|proxy-authorization|x-api-key|api-key)[\"']?\s*[:=]\s*[\"']?"
     r"(?:(?:basic|bearer|token|digest)\s+)?)[^\s\"',;}]+"
 )
+
+
+@dataclass(frozen=True)
+class ViaProxy:
+    """The proxy the environment routes a server's requests through: its URL (credentials
+    redacted) and the variable that named it."""
+
+    shown: str
+    variable: str
+
+    def __str__(self) -> str:
+        return f"the proxy {self.shown} ({self.variable})"
+
+
+def _setting(variable: str, value: str) -> str:
+    """A variable and its value for a message: credentials redacted, a long value cut (the
+    message's line, escape sequences taken out, is cli/errors.py's)."""
+    return f"{variable}='{cut(redact_url(value), 200)}'"
+
+
+def _proxy_variable(scheme: str) -> str:
+    """The variable urllib took the proxy for `scheme` (http, https, all, no) from: the lower
+    case name where it is set, as urllib.request.getproxies_environment prefers it."""
+    lower = f"{scheme}_proxy"
+    return lower if os.environ.get(lower) else lower.upper()
+
+
+def environment_proxy(api: str) -> ViaProxy | None:
+    """The proxy the environment sets for the server at `api` (HTTP_PROXY, HTTPS_PROXY,
+    ALL_PROXY and NO_PROXY, read as httpx reads them), None for none. httpx builds a transport
+    for every proxy the environment names, whatever the server's scheme, and failed on one it
+    cannot use with ValueError, InvalidURL or ImportError: each is EnvironmentSettingError here,
+    naming the variable."""
+    from httpx2._utils import URLPattern, get_environment_proxies
+
+    patterns: list[tuple[URLPattern, ViaProxy | None]] = []
+    for key, url in get_environment_proxies().items():
+        scheme = key.partition("://")[0]
+        variable = _proxy_variable(scheme if url is not None else "no")
+        value = os.environ.get(variable, url or key)
+        try:
+            pattern = URLPattern(key)
+            proxy = None if url is None else httpx.Proxy(url=url)
+        except (ValueError, httpx.InvalidURL) as e:
+            if url is not None and str(e).startswith("Unknown scheme"):  # httpx.Proxy's
+                problem = "a proxy scheme httpx cannot use (it takes http, https, socks5, socks5h)"
+            else:
+                problem = f"not a URL httpx can read ({cut(redact_url(str(e)), 200)})"
+            raise EnvironmentSettingError(f"{_setting(variable, value)}: {problem}") from None
+        if proxy is not None and proxy.url.scheme in ("socks5", "socks5h"):
+            import importlib.util
+
+            if importlib.util.find_spec("socksio") is None:
+                raise EnvironmentSettingError(
+                    f"{_setting(variable, value)}: a SOCKS proxy, which needs the socksio"
+                    " package (pip install socksio), not installed"
+                )
+        shown = None if proxy is None else ViaProxy(redact_url(str(proxy.url)), variable)
+        patterns.append((pattern, shown))
+    target = httpx.URL(api)
+    for pattern, via in sorted(patterns, key=lambda p: p[0]):  # as httpx matches its mounts
+        if pattern.matches(target):
+            return via
+    return None
+
+
+def _ca_variable() -> tuple[str, str] | None:
+    """The variable the HTTP client takes its CA certificates from (SSL_CERT_FILE, else
+    SSL_CERT_DIR) and its value; EnvironmentSettingError for a path no file or folder of
+    certificates is at (a FIFO waited for its writer for ever; /dev/zero was read)."""
+    for variable, want, kind in (
+        ("SSL_CERT_FILE", stat.S_ISREG, "a regular file"),
+        ("SSL_CERT_DIR", stat.S_ISDIR, "a folder"),
+    ):
+        value = os.environ.get(variable)
+        if not value:
+            continue
+        try:
+            mode = os.stat(value).st_mode
+        except OSError as e:
+            raise EnvironmentSettingError(
+                f"{_setting(variable, value)}: {e.strerror or e} (it names the CA certificates)"
+            ) from None
+        if not want(mode):
+            raise EnvironmentSettingError(
+                f"{_setting(variable, value)}: not {kind} of CA certificates"
+            )
+        return variable, value
+    return None
 
 
 def _header_safe(value: str) -> bool:
@@ -319,27 +413,48 @@ class Connection:
         forms = {v for x in secrets if x for v in (x, *_escaped(x)) if len(v) >= 3}
         self._secrets = sorted(forms, key=len, reverse=True)
         self._secrets += [parsed.username] if parsed.username and len(parsed.username) >= 3 else []
-        self.client = httpx.Client(
-            headers=headers,
-            auth=auth,
-            params=list(parsed.params),
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-        )
+        # The environment's proxy and certificates, checked before httpx reads them: its
+        # errors named no variable (ImportError, InvalidURL, an SSLError "writing the output").
+        self.proxy = environment_proxy(self.api)
+        ca = _ca_variable()
+        try:
+            self.client = httpx.Client(
+                headers=headers,
+                auth=auth,
+                params=list(parsed.params),
+                timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+                limits=httpx.Limits(
+                    max_connections=max_connections, max_keepalive_connections=max_connections
+                ),
+            )
+        except (ssl.SSLError, OSError) as e:
+            if ca is None:
+                raise
+            reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+            raise EnvironmentSettingError(
+                f"{_setting(*ca)}: no CA certificates llmrun can use ({reason})"
+            ) from None
 
     def close(self) -> None:
         self.client.close()
 
+    def _unreachable(self, problem: str) -> ServerUnreachableError:
+        """Through a proxy, a connection that fails is the proxy's to blame, not the server's."""
+        if self.proxy is None:
+            return ServerUnreachableError(self.endpoint, problem)
+        return ProxyUnreachableError(self.endpoint, problem, self.proxy.variable)
+
     def _fail(self, e: Exception) -> ServerError:
+        to = "" if self.proxy is None else f" to {self.proxy}"
         if isinstance(e, httpx.ConnectError):
             reason = self.scrub(str(e)) or "connection failed"
             if "refused" in reason.lower() or "errno 111" in reason.lower():
                 reason = "connection refused"
-            return ServerUnreachableError(self.endpoint, f"cannot connect ({reason})")
+            return self._unreachable(f"cannot connect{to} ({reason})")
         if isinstance(e, httpx.ConnectTimeout):
-            return ServerUnreachableError(self.endpoint, "cannot connect (timed out)")
+            return self._unreachable(f"cannot connect{to} (timed out)")
+        if isinstance(e, httpx.ProxyError):
+            return self._unreachable(f"{self.proxy or 'the proxy'} failed: {self.scrub(str(e))}")
         if isinstance(e, httpx.TimeoutException):
             return ServerTimeoutError(self.endpoint, self.timeout_s)
         return ServerError(self.endpoint, self.scrub(f"{type(e).__name__}: {e}"))
@@ -718,7 +833,11 @@ class OpenAIRunner:
             endpoint, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections
         )
         self.endpoint = self.conn.endpoint  # credentials redacted
-        self.model_name = model
+        # The model's id as the server knows it, sent in every request; `model_name` is the
+        # one shown and stored: scrubbed of our secrets (a server may list an id that echoes
+        # the Authorization header it was sent).
+        self._model_id = model
+        self.model_name = self.conn.scrub(model) if model is not None else None
         self._n_ctx = n_ctx or 0
         self._loaded: ModelLoaded | None = None
         self._tokenize_routes = list(TOKENIZE_ROUTES)  # narrowed to the one that answers
@@ -747,16 +866,17 @@ class OpenAIRunner:
             )
         ids = [m.get("id") for m in models if isinstance(m, dict)]
         ids = [i for i in ids if isinstance(i, str) and i]
-        name = self.model_name or (ids[0] if ids else None)
+        name = self._model_id or (ids[0] if ids else None)
         if not name:
             raise NoServerModelError(self.endpoint)
-        if self.model_name is None and len(name) > MAX_MODEL_ID:
+        if self._model_id is None and len(name) > MAX_MODEL_ID:
             raise ServerError(
                 self.endpoint,
                 f"/v1/models lists a first model id of {len(name):,} characters, not a name"
                 f" (at most {MAX_MODEL_ID} are taken); name the model with -m",
             )
-        self.model_name = str(name)
+        self._model_id = str(name)
+        self.model_name = self.conn.scrub(self._model_id)  # the one place the id is read
         if not self._n_ctx:
             self._n_ctx = self._server_n_ctx()
         host = urlsplit(self.conn.api).netloc
@@ -795,9 +915,7 @@ class OpenAIRunner:
         root = self.conn.api.removesuffix("/v1")
         most = text_tokens_most(text)
         for route, field, answer in self._tokenize_routes:
-            data = self.conn.side_json(
-                "POST", root + route, {field: text, "model": self.model_name}
-            )
+            data = self.conn.side_json("POST", root + route, {field: text, "model": self._model_id})
             value = data.get(answer) if isinstance(data, dict) else None
             # a count no tokenizer gives (negative, a fraction, more tokens than the text has
             # bytes) is no count: the route is not asked again, as one that has no tokenizer
@@ -820,8 +938,8 @@ class OpenAIRunner:
             yield LoadStarted(self.endpoint)
             yield self.load()
         loaded = self._loaded
-        assert loaded is not None and self.model_name is not None
-        path, body = request_body(request, self.model_name)
+        assert loaded is not None and self._model_id is not None
+        path, body = request_body(request, self._model_id)
         clock = PausedClock()
         got = _Received()
         times = got.times

@@ -352,6 +352,8 @@ class GenerationStats:
             FINISH_INCOMPLETE,
         ):
             return None
+        if self.server is not None:  # measured as the tokens came: None when none arrived
+            return self.first_token_s
         if self.first_token_s is not None:
             return self.first_token_s
         return self.template_tokenize_s + self.prefill_s + self.first_sample_s

@@ -6,6 +6,7 @@ plays each hostile server; the CLI runs in-process with CliRunner."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,36 @@ def test_keep_alive_comments_do_not_hold_off_the_timeout(cli: CliRunner) -> None
     assert "no reply for 1 s (the server sent only keep-alive comments)" in result.stderr
 
 
+def test_a_model_id_that_echoes_the_key_is_shown_and_stored_scrubbed(
+    tmp_path: Path, cli: CliRunner
+) -> None:
+    key = "SEKRITKEY123"  # a server that lists the Authorization header it got as its model
+    stats_file = tmp_path / "s.jsonl"
+    listing = {"data": [{"id": f"model-{key}", "object": "model"}]}
+    with stub_server(api_key=key, models_answer=listing) as url:
+        keyed = ["--endpoint", url, "--api-key", key]
+        runs = [
+            cli.invoke(app, ["run", *keyed, "--stats-file", str(stats_file), *args, "hi"])
+            for args in ([], ["--json"], ["--stats", "json"])
+        ]
+        bench = cli.invoke(
+            app,
+            [
+                *("bench", "serve", *keyed, "--num-prompts", "2", "--max-concurrency", "1"),
+                *("--input-len", "4", "--output-len", "4", "-o", "json"),
+            ],
+        )
+    for result in [*runs, bench]:
+        assert result.exit_code == 0, result.output
+        assert key not in result.stdout + result.stderr
+    assert json.loads(runs[1].stdout)["stats"]["server_model"] == "model-***"
+    assert "model-***" in bench.stderr  # the header line names the model, scrubbed
+    assert "model-***" in stats_file.read_text() and key not in stats_file.read_text()
+    with History() as h:
+        stored = json.dumps(h.runs())
+    assert "model-***" in stored and key not in stored
+
+
 def test_a_servers_escape_sequences_never_reach_the_terminal(
     cli: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -257,6 +288,135 @@ def test_a_servers_escape_sequences_never_reach_the_terminal(
         if c in ESC_OR_CONTROL
     ], repr(result.stdout)
     assert "\x1b[2J" in json.loads(piped.stdout)["text"]  # data for a program stays as sent
+
+
+def test_bench_serve_shows_no_escape_sequence_of_the_servers_on_a_terminal(
+    llmrun_env: dict[str, str],
+) -> None:
+    """A model name and an HTTP 500's message holding a window title (OSC) and a colour (CSI)
+    reached the terminal raw: in the `server ... model ...` header, the `failed requests:`
+    line, and the csv rows on a stdout that is a terminal. A pipe still gets them as sent."""
+    import subprocess
+
+    import pexpect
+
+    from .conftest import HANG_S, which_llmrun
+    from .stub_server import Handler, _Server
+
+    hostile = "\x1b]0;PWNED\x07\x1b[31mRED\x1b[0m"
+
+    class Failing(Handler):
+        models_answer: Any = {"data": [{"id": hostile + "model"}]}  # noqa: RUF012
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._json(500, {"error": {"message": "boom " + hostile}})
+
+    server = _Server(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = ["bench", "serve", "--endpoint", url, "--num-prompts", "2", "--warmup", "0"]
+    args += ["--max-concurrency", "1", "--input-len", "4", "--output-len", "4", "-o", "csv"]
+    try:
+        child = pexpect.spawn(
+            which_llmrun(), args, env=llmrun_env, encoding="utf-8", timeout=HANG_S
+        )
+        child.expect(pexpect.EOF)
+        child.close()
+        piped = subprocess.run(
+            [which_llmrun(), *args], env=llmrun_env, capture_output=True, text=True, timeout=HANG_S
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    shown = child.before
+    assert child.exitstatus == 1, shown  # every request failed
+    assert "model RED" in shown and "failed requests:" in shown and "boom RED" in shown
+    assert "serve c1" in shown  # the csv row
+    for raw in ("\x1b]", "\x07", "\x1b[31m"):
+        assert raw not in shown, repr(shown)
+    assert hostile in piped.stdout  # data for a program stays as sent
+
+
+PROXY_VARIABLES = [f"{s}_proxy" for s in ("http", "https", "all", "no")]
+
+
+@pytest.fixture
+def no_proxy_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No proxy variable of the machine's in the way (lower or upper case)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["bench", "serve", "--num-prompts", "1"]])
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("HTTPS_PROXY", "socks5://127.0.0.1:1", "a SOCKS proxy, which needs the socksio package"),
+        ("HTTP_PROXY", "::::", "not a URL httpx can read (Invalid port"),
+        ("ALL_PROXY", "socks4://x", "a proxy scheme httpx cannot use (it takes http, https"),
+        ("HTTP_PROXY", "http://\x1b[31mevil:1", "not a URL httpx can read"),
+        ("https_proxy", "http://u:proxypw@[::1", "not a URL httpx can read"),
+        ("SSL_CERT_FILE", "/dev/zero", "not a regular file of CA certificates"),
+        ("SSL_CERT_FILE", "FIFO", "not a regular file of CA certificates"),
+        ("SSL_CERT_FILE", "NOT_PEM", "no CA certificates llmrun can use"),
+        ("SSL_CERT_FILE", "/nonexistent/ca.pem", "No such file or directory"),
+    ],
+)
+def test_proxy_and_certificate_variables_httpx_cannot_use_are_named(
+    variable: str,
+    value: str,
+    says: str,
+    command: list[str],
+    cli: CliRunner,
+    tmp_path: Path,
+    no_proxy_set: None,
+) -> None:
+    """Each was `internal error: ImportError/InvalidURL/ValueError` (an escape sequence in the
+    value shown raw), an SSLError blamed on "writing the output", or, for a FIFO, a silent
+    hang: now one line naming the variable, its value made safe, exit 1."""
+    import importlib.util
+    import os
+
+    if "socks5" in value and importlib.util.find_spec("socksio") is not None:
+        pytest.skip("socksio is installed: a SOCKS proxy is one httpx can use")
+    if value == "FIFO":
+        value = str(tmp_path / "fifo")
+        os.mkfifo(value)
+    if value == "NOT_PEM":
+        value = str(tmp_path / "ca.pem")
+        Path(value).write_text("no certificate here\n")
+    with stub_server() as url:
+        result = cli.invoke(
+            app, [*command[:2], "--endpoint", url, *command[2:]], env={variable: value}
+        )
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    shown = value.replace("\x1b[31m", "").replace("u:proxypw@", "***@")
+    assert line.startswith(f"llmrun: error: {variable}='{shown}"), line
+    assert says in line, line
+    assert "internal error" not in line and "\x1b" not in line and "proxypw" not in line
+
+
+def test_a_dead_proxy_is_named_not_the_server(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, no_proxy_set: None
+) -> None:
+    """HTTP_PROXY at a port nothing listens on was reported as the server refusing the
+    connection; the proxy's password is not shown, and NO_PROXY still reaches the server."""
+    from .conftest import free_port
+
+    proxy = f"http://alice:proxypw@127.0.0.1:{free_port()}"
+    with stub_server() as url:
+        dead = cli.invoke(app, ["run", "--endpoint", url, "hi"], env={"http_proxy": proxy})
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        direct = cli.invoke(app, ["run", "--endpoint", url, "hi"], env={"http_proxy": proxy})
+    assert dead.exit_code == 1
+    (line,) = dead.stderr.strip().splitlines()
+    assert "cannot connect to the proxy http://127.0.0.1:" in line, line
+    assert "(http_proxy) (connection refused) (check http_proxy" in line, line
+    assert "proxypw" not in dead.output and "server is running" not in line
+    assert direct.exit_code == 0, direct.output
 
 
 def test_escape_sequences_in_a_file_name_are_not_shown(tmp_path: Path, cli: CliRunner) -> None:

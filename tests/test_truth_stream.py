@@ -107,6 +107,23 @@ def test_the_finish_reason_is_the_streams_not_the_usage_chunks(reason: str, cli:
     assert stats["finish_reason"] == reason and stats["output_tokens"] == 3
 
 
+@pytest.mark.parametrize("script", [(final("stop"),), (delta(content=""), final("stop"))])
+def test_a_reply_without_a_token_has_no_ttft(script: tuple[bytes, ...], cli: CliRunner) -> None:
+    """A stream that ends with no content had `ttft 0.0 ms`, `"ttft_s": 0.0` and "No output;
+    the prompt phase took 0.0 ms": no token came, so there is no time to the first one, and the
+    client saw no prompt phase (the local engine's zero-token run has one: it sampled an EOS)."""
+    with scripted(0.05, *script, DONE) as url:
+        shown = cli.invoke(app, ["run", "--endpoint", url, "-n", "4", "hi"])
+        data = cli.invoke(app, ["run", "--endpoint", url, "-n", "4", "--stats", "json", "hi"])
+    assert shown.exit_code == 0 and data.exit_code == 0, shown.output + data.output
+    assert "ttft     0.0 ms" not in shown.stderr and "prompt phase" not in shown.stderr
+    assert "ttft     - (no token arrived)" in shown.stderr, shown.stderr
+    assert "No first token: the request ended after" in shown.stderr
+    stats = stats_of(data.stderr)
+    assert stats["ttft_s"] is None and stats["first_token_s"] is None
+    assert stats["output_tokens"] == 0 and stats["e2e_s"] >= 0.05
+
+
 # ---- 9. a long stream line is read, or named for what it is --------------------------------
 
 

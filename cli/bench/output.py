@@ -20,7 +20,7 @@ from rich.text import Text
 
 from llmrun.cli.dashboard import bars
 from llmrun.cli.report import Fitted, busy_warning, fitted_table, joules
-from llmrun.cli.terminal import terminal_line
+from llmrun.cli.terminal import for_stream, terminal_line
 from llmrun.runners.bench.results import (
     LLAMA_BENCH_BOOL,
     LLAMA_BENCH_FIELDS,
@@ -494,7 +494,7 @@ class RecordWriter:
         if self.failed is not None:
             return
         try:
-            self.stream.write(text)
+            self.stream.write(for_stream(text, self.stream))  # a terminal gets no escapes
             self.stream.flush()
         except OSError as e:  # a closed pipe, a full disk: the run stops, its rows are kept
             self.failed = e
@@ -787,5 +787,6 @@ def print_records(
     if output is None and sys.stdout.isatty():
         return
     fmt = OutputFormat.md if output is None else output
-    sys.stdout.write(format_records(records, fmt, table=table, md_columns=md_columns))
+    text = format_records(records, fmt, table=table, md_columns=md_columns)
+    sys.stdout.write(for_stream(text, sys.stdout))  # a terminal gets no escape sequence
     sys.stdout.flush()

@@ -308,9 +308,11 @@ def _remote(server: Server, options: ServeOptions, screen: Screen, delivery: Del
             "preparing prompts ...",
         ):
             done.append(level)
-            for e in level.metrics.errors:
+            for e in level.metrics.errors:  # a server's words: no escape sequence shown
                 screen.err.print(
-                    f"{level.level_text}: failed requests: {e}", markup=False, style="yellow"
+                    f"{level.level_text}: failed requests: {terminal_line(e)}",
+                    markup=False,
+                    style="yellow",
                 )
             if level.metrics.implausible:  # dropped: run --endpoint's warning, per level
                 left_out = terminal_line("; ".join(level.metrics.implausible))

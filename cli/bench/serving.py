@@ -18,6 +18,7 @@ from llmrun.cli.engine import make_bench_runner, remote_runner
 from llmrun.cli.errors import LineConsole, StdoutConsole
 from llmrun.cli.progress import ProgressLine, Shown, tally_view
 from llmrun.cli.records import OptionRecord
+from llmrun.cli.terminal import terminal_line
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
 from llmrun.runners.limits import engine_bounds
@@ -198,8 +199,9 @@ class Server:
             runner.close()
             raise
         name = runner.model_name or loaded.name
-        err.print(
-            f"server   {runner.endpoint} · model {name} · connect {loaded.load_s * 1000:.1f} ms",
+        err.print(  # the model's name is the server's: no escape sequence shown
+            f"server   {terminal_line(runner.endpoint)} · model {terminal_line(name)}"
+            f" · connect {loaded.load_s * 1000:.1f} ms",
             markup=False,
         )
         return runner, name
