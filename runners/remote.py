@@ -205,7 +205,7 @@ def environment_proxy(api: str) -> ViaProxy | None:
     for every proxy the environment names, whatever the server's scheme, and failed on one it
     cannot use with ValueError, InvalidURL or ImportError: each is EnvironmentSettingError here,
     naming the variable."""
-    from httpx2._utils import URLPattern, get_environment_proxies
+    from .httpx_adapter import URLPattern, get_environment_proxies
 
     patterns: list[tuple[URLPattern, ViaProxy | None]] = []
     for key, url in get_environment_proxies().items():

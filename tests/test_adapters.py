@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import typer.core
 from rich.console import Console
 from rich.live import Live
@@ -15,7 +16,7 @@ from rich.live_render import LiveRender
 from rich.text import Text
 
 from llmrun.cli import rich_adapter
-from llmrun.runners import llama_cpp_adapter, re_adapter
+from llmrun.runners import httpx_adapter, llama_cpp_adapter, re_adapter
 
 from .conftest import HANG_S
 
@@ -40,6 +41,21 @@ def test_rich_live_render_shape() -> None:
     assert render.last_render_height == 2  # rich's public view of the same figure
     rich_adapter.forget_drawn(render)
     assert render.last_render_height == 0
+
+
+def test_httpx_proxy_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        for variable in (name, name.lower()):
+            monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.test:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost")
+    proxies = httpx_adapter.get_environment_proxies()
+    assert proxies["http://"] == "http://proxy.test:3128", proxies
+    assert proxies["all://localhost"] is None, proxies
+    import httpx2
+
+    assert httpx_adapter.URLPattern("http://").matches(httpx2.URL("http://example.test/v1"))
+    assert not httpx_adapter.URLPattern("all://localhost").matches(httpx2.URL("http://x.test"))
 
 
 def test_re_parser_names() -> None:
