@@ -128,22 +128,61 @@ def _cached_repo_files(repo: str, problem: str) -> list[str]:
 
 
 HUB_CONNECT_TIMEOUT_S = 3.0
+# huggingface_hub retries a failed request 5 times, waiting 1, 2, 4, 8 and 8 s, and logs each
+# try: 23 s and 11 lines before the error. One retry (1 s later) rides out a blip.
+HUB_RETRIES = 1
+HUB_WORDS_CHARS = 300  # what an error message quotes of the Hub's own words, at most
+_SECRET = re.compile(r"(?i)(bearer\s+|token[=:]\s*)[^\s,;\"']+|\bhf_[A-Za-z0-9]{6,}")
+
+
+def _hub_timeout_s() -> float:
+    """The longest the Hub may stay silent on a request: its library's own settings."""
+    from huggingface_hub import constants
+
+    return float(max(constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT))
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded_hub() -> None:
+    """Before the first request to the Hub: a failure is retried once, and huggingface_hub's
+    log (a line per retry) stays off stderr."""
+    from huggingface_hub.utils import _http
+    from huggingface_hub.utils import logging as hub_logging
+
+    if not os.environ.get("HF_HUB_VERBOSITY"):  # its own setting, where someone set it
+        hub_logging.set_verbosity_error()
+    for backoff in (_http.http_backoff, _http.http_stream_backoff):
+        if backoff.__kwdefaults__ and "max_retries" in backoff.__kwdefaults__:
+            backoff.__kwdefaults__["max_retries"] = HUB_RETRIES
+
+
+def hub_words(e: BaseException) -> str:
+    """The Hub's (or the network's) words for a failure, for a message: one line, every
+    token taken out (HF_TOKEN, a typed -hft, anything sent as `Bearer ...`: a Hub that
+    echoes the request's Authorization header must not print it), and cut to a length."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(name, "").strip()
+        if len(token) >= 4:
+            text = text.replace(token, "***")
+    text = _SECRET.sub(lambda m: (m[1] or "hf_") + "***", text)
+    if len(text) > HUB_WORDS_CHARS:
+        text = f"{text[:HUB_WORDS_CHARS].rstrip()}... ({len(text):,} characters)"
+    return text
 
 
 @functools.lru_cache(maxsize=1)
 def _hub_unreachable() -> str | None:
     """Why the Hub cannot be reached (DNS or TCP, within a few seconds), or None if it can.
 
-    huggingface_hub itself retries five times with growing pauses and logs every try; a user
-    without a network wants one line now, and the local cache where it has the file."""
-    import logging
+    huggingface_hub itself retries with growing pauses and logs every try; a user without a
+    network wants one line now, and the local cache where it has the file."""
     import socket
     import threading
     from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     parts = urlsplit(constants.ENDPOINT)
     host = parts.hostname or "huggingface.co"
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -172,15 +211,25 @@ def _repo_files(repo: str) -> list[str]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
+    _bounded_hub()
     try:
         return HfApi().list_repo_files(repo)
     except RepositoryNotFoundError:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {e}") from None
+        words = hub_words(e)
+        raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {words}") from None
     except Exception as e:  # network failures come in many types (httpx, OSError, ...)
-        problem = f"cannot reach the Hugging Face Hub for {repo}: {e}"
+        problem = f"cannot reach the Hugging Face Hub for {repo}: {_network_words(e)}"
     return _cached_repo_files(repo, problem)
+
+
+def _network_words(e: BaseException) -> str:
+    import httpx2
+
+    if isinstance(e, httpx2.TimeoutException):
+        return f"no answer within {_hub_timeout_s():g} s (HF_HUB_DOWNLOAD_TIMEOUT)"
+    return hub_words(e)
 
 
 def quant_matches(filename: str, quant: str) -> bool:
@@ -214,6 +263,7 @@ def _names(files: list[str]) -> list[str]:
 
 
 def _download(repo: str, filename: str) -> str:
+    import httpx2
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -229,6 +279,7 @@ def _download(repo: str, filename: str) -> str:
         raise HubError(f"the Hugging Face cache of {repo} is damaged: {damaged}")
     # Without a network, only the cache can answer; asking the Hub would retry for ~25 s.
     local_only = not _offline() and _hub_unreachable() is not None
+    _bounded_hub()
     try:
         return str(hf_hub_download(repo, filename, local_files_only=local_only))
     except RepositoryNotFoundError:
@@ -239,9 +290,11 @@ def _download(repo: str, filename: str) -> str:
     except EntryNotFoundError:
         raise HubError(f"{repo} has no file {filename}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"download of {repo}/{filename} failed: {e}") from None
+        raise HubError(f"download of {repo}/{filename} failed: {hub_words(e)}") from None
+    except httpx2.HTTPError as e:  # the Hub went silent or away during the download
+        raise HubError(f"download of {repo}/{filename} failed: {_network_words(e)}") from None
     except (ValueError, OSError) as e:  # the cache's own files, damaged (a pointer path, ...)
-        why = " ".join(str(e).split())[:300]
+        why = hub_words(e)
         raise HubError(f"the Hugging Face cache of {repo} is damaged: {why}") from None
 
 

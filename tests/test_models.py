@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from llmrun.runners.errors import AmbiguousModelError, HubError
-from llmrun.runners.models import choose_gguf, is_hub_ref, quant_matches
+from llmrun.runners.models import HUB_RETRIES, choose_gguf, hub_words, is_hub_ref, quant_matches
 
 from .conftest import which_llmrun
+from .fake_hub import FakeHub, fake_hub, url
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -228,3 +230,45 @@ def test_pull_names_the_file_clean_on_a_terminal_and_whole_in_a_pipe(
     monkeypatch.setattr(models.os, "isatty", lambda fd: True)
     shown = CliRunner().invoke(app, ["pull", "org/repo"])
     assert shown.stdout == "/hub/org/repo/RED.gguf\n"
+
+
+def hub_online(llmrun_env: dict[str, str], server: FakeHub) -> dict[str, str]:
+    """llmrun_env against a fake Hub: online, its own cache, no token from the shell."""
+    env = {**llmrun_env, "HF_ENDPOINT": url(server)}
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_VERBOSITY"):
+        env.pop(name, None)
+    return env
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmrun: error:"), lines
+    return lines[0]
+
+
+def test_a_hub_that_echoes_the_token_never_gets_it_printed(llmrun_env: dict[str, str]) -> None:
+    """A Hub answering 500 with the request's Authorization header in its words: `pull`
+    printed `token=Bearer hf_...` (HF_TOKEN, and bench's typed -hft, "never printed"), after
+    23 s of retries and 11 lines of huggingface_hub's retry log."""
+    with fake_hub("err500") as server:
+        env = hub_online(llmrun_env, server)
+        started = time.monotonic()
+        line = one_line(llmrun({**env, "HF_TOKEN": "hf_SECRETXYZ123"}, "pull", "a/b:Q4_K_M"))
+        assert time.monotonic() - started < 15
+        assert "hf_SECRET" not in line and "SECRETXYZ" not in line, line
+        assert "500" in line and "boom" in line, line
+        assert sum("/tree/" in p for p in server.requests) == 1 + HUB_RETRIES
+        typed = llmrun(env, "bench", "-hf", "a/b:Q4_K_M", "-hft", "hf_TYPEDSECRET9")
+        typed_line = one_line(typed)
+        assert "TYPEDSECRET" not in typed_line and "boom" in typed_line, typed_line
+
+
+def test_hub_words_take_every_token_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "s3cr3t-value")
+    words = hub_words(
+        RuntimeError("a s3cr3t-value b Authorization: Bearer abc.def c hf_abcdefgh123\nd")
+    )
+    assert "s3cr3t" not in words and "abc.def" not in words and "abcdefgh" not in words
+    assert "\n" not in words
+    assert len(hub_words(RuntimeError("x" * 100_000))) < 400
