@@ -144,8 +144,14 @@ def _hub_timeout_s() -> float:
 
 @functools.lru_cache(maxsize=1)
 def _bounded_hub() -> None:
-    """Before the first request to the Hub: a failure is retried once, and huggingface_hub's
-    log (a line per retry) stays off stderr."""
+    """Before the first request to the Hub: no request waits for ever, a failure is retried
+    once, and huggingface_hub's log (a line per retry) stays off stderr.
+
+    huggingface_hub sends its listing with no timeout at all (a Hub that accepts the
+    connection and never answers held `pull` until Ctrl-C): every request's timeouts that are
+    unset, or longer than HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT (10 s unless set),
+    become that. Each is a wait for the next bytes, so a long download is not cut."""
+    import httpx2
     from huggingface_hub.utils import _http
     from huggingface_hub.utils import logging as hub_logging
 
@@ -154,6 +160,25 @@ def _bounded_hub() -> None:
     for backoff in (_http.http_backoff, _http.http_stream_backoff):
         if backoff.__kwdefaults__ and "max_retries" in backoff.__kwdefaults__:
             backoff.__kwdefaults__["max_retries"] = HUB_RETRIES
+    limit_s = _hub_timeout_s()
+
+    def bounded(request: object) -> None:
+        extensions = getattr(request, "extensions", None)
+        if not isinstance(extensions, dict):
+            return
+        timeouts = dict(extensions.get("timeout") or {})
+        for kind in ("connect", "read", "write", "pool"):
+            value = timeouts.get(kind)
+            if value is None or value > limit_s:
+                timeouts[kind] = limit_s
+        extensions["timeout"] = timeouts
+
+    def client() -> httpx2.Client:
+        made = _http.default_client_factory()
+        made.event_hooks["request"].append(bounded)
+        return made
+
+    _http.set_client_factory(client)
 
 
 def hub_words(e: BaseException) -> str:

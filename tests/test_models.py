@@ -272,3 +272,23 @@ def test_hub_words_take_every_token_out(monkeypatch: pytest.MonkeyPatch) -> None
     assert "s3cr3t" not in words and "abc.def" not in words and "abcdefgh" not in words
     assert "\n" not in words
     assert len(hub_words(RuntimeError("x" * 100_000))) < 400
+
+
+def test_a_hub_that_never_answers_is_given_up_on(llmrun_env: dict[str, str]) -> None:
+    """A Hub that accepts the connection and never answers: `pull` waited for ever (the
+    listing went out with no timeout), only Ctrl-C ended it. Now HF_HUB_DOWNLOAD_TIMEOUT
+    bounds every request, and the end is one line."""
+    with fake_hub("hang") as server:
+        env = {
+            **hub_online(llmrun_env, server),
+            "HF_HUB_DOWNLOAD_TIMEOUT": "1",
+            "HF_HUB_ETAG_TIMEOUT": "1",
+        }
+        for ref, words in (
+            ("a/b:Q4_K_M", "no answer within 1 s"),
+            ("a/b/m-Q4_K_M.gguf", "the Hub cannot be reached"),
+        ):
+            started = time.monotonic()
+            line = one_line(llmrun(env, "pull", ref, timeout=60))
+            assert time.monotonic() - started < 30, ref
+            assert words in line, line
