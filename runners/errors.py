@@ -38,6 +38,18 @@ def cut(text: str, most: int) -> str:
     return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
 
 
+REF_CHARS = 200  # what a message quotes of a model reference or path, at most
+
+
+def echo_cut(text: str, most: int = REF_CHARS) -> str:
+    """Input quoted back in a message (a model reference, a path): past `most` characters cut,
+    with the length, so that a 100 KB argument is not said back whole (the cli's
+    terminal_echo also takes out escapes)."""
+    if len(text) <= most:
+        return text
+    return f"{text[:most].rstrip()}... ({len(text):,} characters)"
+
+
 def shown_short(text: str) -> str:
     """A value as written (a 400-digit number), past 24 characters its first 12 and its length:
     `100000000000…(401 characters)`."""
@@ -76,7 +88,7 @@ class LlmrunError(Exception):
 
 class ModelNotFoundError(LlmrunError):
     def __init__(self, path: str, why: str = "") -> None:
-        super().__init__(f"model file not found: {path}" + (f" ({why})" if why else ""))
+        super().__init__(f"model file not found: {echo_cut(path)}" + (f" ({why})" if why else ""))
         self.path = path
 
 

@@ -27,6 +27,7 @@ from .errors import (
     LlmrunError,
     ModelNotFoundError,
     OptionError,
+    echo_cut,
 )
 from .gguf import GGUFInfo, read_gguf
 
@@ -271,7 +272,9 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
     if quant:
         chosen = [f for f in ggufs if quant_matches(f, quant)]
         if not chosen:
-            raise HubError(f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}")
+            raise HubError(
+                f"{repo} has no {echo_cut(quant)} file; it has: {', '.join(_names(ggufs))}"
+            )
     else:
         chosen = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)] or ggufs
     groups: dict[str, list[str]] = {}
@@ -311,16 +314,24 @@ def _download(repo: str, filename: str) -> str:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except LocalEntryNotFoundError:
         where = "offline mode is on" if _offline() else "the Hub cannot be reached"
-        raise HubError(f"{repo}/{filename} is not in the local cache and {where}") from None
+        raise HubError(
+            f"{repo}/{echo_cut(filename)} is not in the local cache and {where}"
+        ) from None
     except EntryNotFoundError:
-        raise HubError(f"{repo} has no file {filename}") from None
+        raise HubError(f"{repo} has no file {echo_cut(filename)}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"download of {repo}/{filename} failed: {hub_words(e)}") from None
+        raise HubError(f"download of {repo}/{echo_cut(filename)} failed: {hub_words(e)}") from None
     except httpx2.HTTPError as e:  # the Hub went silent or away during the download
-        raise HubError(f"download of {repo}/{filename} failed: {_network_words(e)}") from None
+        raise HubError(
+            f"download of {repo}/{echo_cut(filename)} failed: {_network_words(e)}"
+        ) from None
     except (ValueError, OSError) as e:  # the cache's own files, damaged (a pointer path, ...)
         why = hub_words(e)
         raise HubError(f"the Hugging Face cache of {repo} is damaged: {why}") from None
+
+
+HUB_NAME_CHARS = 96  # the Hub's longest owner or repository name (huggingface_hub's check)
+HUB_PATH_CHARS = 4096  # a file's path in a repository: Linux's PATH_MAX, the cache holds it
 
 
 def check_hub_file(repo: str, name: str) -> str:
@@ -340,14 +351,31 @@ def check_hub_file(repo: str, name: str) -> str:
     why = next((reason for found, reason in faults if found), None)
     if why is not None:
         shown = "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in name)
-        raise HubError(f"{repo}: '{shown}' is not a file in the repository ({why})")
+        raise HubError(f"{repo}: '{echo_cut(shown)}' is not a file in the repository ({why})")
+    if len(name) > HUB_PATH_CHARS:
+        raise HubError(
+            f"{repo}: '{echo_cut(name)}' is not a file in the repository (a path there is at"
+            f" most {HUB_PATH_CHARS:,} characters)"
+        )
     return name
+
+
+def _check_repo(repo: str) -> str:
+    """`repo` when the Hub could hold it: a name of 100,000 characters was looked up (and said
+    back whole in the error)."""
+    if any(len(part) > HUB_NAME_CHARS for part in repo.split("/")):
+        raise HubError(
+            f"{echo_cut(repo)} is no Hub repository: an owner's or a repository's name is at"
+            f" most {HUB_NAME_CHARS} characters"
+        )
+    return repo
 
 
 def _resolve_hub(ref: str) -> str:
     m = _HUB_FILE.match(ref)
     if m:
-        repo, files = m["repo"], [check_hub_file(m["repo"], m["file"])]
+        repo = _check_repo(m["repo"])
+        files = [check_hub_file(repo, m["file"])]
         split = _SPLIT.search(files[0])
         if split:  # a split model: every part must be there, llama.cpp opens the rest itself
             n_parts = int(split[2])
@@ -358,7 +386,7 @@ def _resolve_hub(ref: str) -> str:
     else:
         m = _HUB_REPO.match(ref)
         assert m is not None
-        repo = m["repo"]
+        repo = _check_repo(m["repo"])
         files = [check_hub_file(repo, f) for f in choose_gguf(repo, _repo_files(repo), m["quant"])]
     paths = [_download(repo, f) for f in files]  # every part, the first opens the rest
     return paths[0]

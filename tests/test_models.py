@@ -292,3 +292,19 @@ def test_a_hub_that_never_answers_is_given_up_on(llmrun_env: dict[str, str]) -> 
             line = one_line(llmrun(env, "pull", ref, timeout=60))
             assert time.monotonic() - started < 30, ref
             assert words in line, line
+
+
+def test_a_huge_reference_is_not_said_back_whole(hub_env: dict[str, str]) -> None:
+    """`llmrun pull "a/$(printf 'b%.0s' {1..100000})"` said the 100 KB argument back whole."""
+    huge = "b" * 100_000
+    for args, words in (
+        (("pull", f"a/{huge}"), "is no Hub repository: an owner's or a repository's name is at"),
+        (("pull", f"a/b/{huge}.gguf"), "is not a file in the repository (a path there is at"),
+        (("pull", f"/nowhere/{huge}"), "is no Hub reference"),
+        (("run", "-m", f"/nowhere/{huge}.gguf", "hi"), "model file not found: /nowhere/bbb"),
+    ):
+        result = llmrun(hub_env, *args)
+        assert result.returncode in (1, 2), result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], lines[0][:400]
+        assert len(lines[0]) < 500 and "characters)" in lines[0], lines[0][:400]
