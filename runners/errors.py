@@ -140,9 +140,19 @@ class HubError(LlmrunError):
     """A Hugging Face Hub reference could not be resolved to a local file."""
 
 
+LISTED_NAMES = 10  # what a message lists of a repository's files, at most
+
+
+def some_names(names: list[str], most: int = LISTED_NAMES) -> str:
+    """Names for a message, the first `most` of them and how many more: a repository of
+    200,000 files made one 3.4 MB line."""
+    shown = ", ".join(echo_cut(n) for n in names[:most])
+    return shown + (f" and {len(names) - most:,} more" if len(names) > most else "")
+
+
 class AmbiguousModelError(HubError):
     def __init__(self, ref: str, candidates: list[str]) -> None:
-        super().__init__(f"{ref} matches several files: {', '.join(candidates)}")
+        super().__init__(f"{echo_cut(ref)} matches several files: {some_names(candidates)}")
         self.ref = ref
         self.candidates = candidates
 

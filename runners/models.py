@@ -28,6 +28,7 @@ from .errors import (
     ModelNotFoundError,
     OptionError,
     echo_cut,
+    some_names,
 )
 from .gguf import GGUFInfo, read_gguf
 
@@ -273,7 +274,7 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
         chosen = [f for f in ggufs if quant_matches(f, quant)]
         if not chosen:
             raise HubError(
-                f"{repo} has no {echo_cut(quant)} file; it has: {', '.join(_names(ggufs))}"
+                f"{repo} has no {echo_cut(quant)} file; it has: {some_names(_names(ggufs))}"
             )
     else:
         chosen = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)] or ggufs

@@ -308,3 +308,24 @@ def test_a_huge_reference_is_not_said_back_whole(hub_env: dict[str, str]) -> Non
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], lines[0][:400]
         assert len(lines[0]) < 500 and "characters)" in lines[0], lines[0][:400]
+
+
+def test_a_repository_of_many_files_is_not_listed_whole() -> None:
+    """A listing of 200,000 GGUF files made one 3.4 MB line: `it has: f000000-Q4.gguf, ...`."""
+    files = [f"f{i:06d}-Q4.gguf" for i in range(200_000)]
+    with pytest.raises(HubError) as missing:
+        choose_gguf("a/b", files, "Q4_K_M")
+    text = str(missing.value)
+    assert text.endswith("f000009-Q4.gguf and 199,990 more") and len(text) < 400, text[:400]
+    with pytest.raises(AmbiguousModelError) as several:
+        choose_gguf("a/b", files, "Q4")
+    text = str(several.value)
+    assert text.endswith("a/b/f000009-Q4.gguf and 199,990 more") and len(text) < 500
+    assert len(several.value.candidates) == 200_000
+
+
+def test_a_hub_listing_of_many_files_is_one_short_line(llmrun_env: dict[str, str]) -> None:
+    with fake_hub("many", n_files=20_000) as server:
+        line = one_line(llmrun(hub_online(llmrun_env, server), "pull", "a/b:Q4_K_M"))
+    assert line.startswith("llmrun: error: a/b has no Q4_K_M file; it has: f000000-Q4.gguf,")
+    assert "and 19,990 more" in line and len(line) < 500, line[:500]
