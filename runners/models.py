@@ -15,15 +15,19 @@ import functools
 import importlib.util
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (
+    DIRECTORY,
     NO_MODEL,
+    NOT_A_FILE,
     AmbiguousModelError,
     DefaultModelMissingError,
     HubError,
+    InvalidModelFileError,
     LlmrunError,
     ModelNotFoundError,
     OptionError,
@@ -301,7 +305,7 @@ def _download(repo: str, filename: str) -> str:
         RepositoryNotFoundError,
     )
 
-    from .hub_cache import damaged_ref
+    from .hub_cache import cached_entry, damaged_ref
 
     damaged = damaged_ref(repo)
     if damaged is not None:
@@ -310,10 +314,14 @@ def _download(repo: str, filename: str) -> str:
     local_only = not _offline() and _hub_unreachable() is not None
     _bounded_hub()
     try:
-        return str(hf_hub_download(repo, filename, local_files_only=local_only))
+        return _what_it_is(str(hf_hub_download(repo, filename, local_files_only=local_only)))
     except RepositoryNotFoundError:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except LocalEntryNotFoundError:
+        cached = cached_entry(repo, filename)
+        if cached is not None:  # there, but no snapshot huggingface_hub finds: say what it is
+            _broken_link(cached, f"{repo}/{filename}")
+            return _what_it_is(cached)
         where = "offline mode is on" if _offline() else "the Hub cannot be reached"
         raise HubError(
             f"{repo}/{echo_cut(filename)} is not in the local cache and {where}"
@@ -333,6 +341,18 @@ def _download(repo: str, filename: str) -> str:
 
 HUB_NAME_CHARS = 96  # the Hub's longest owner or repository name (huggingface_hub's check)
 HUB_PATH_CHARS = 4096  # a file's path in a repository: Linux's PATH_MAX, the cache holds it
+
+
+def _what_it_is(path: str) -> str:
+    """`path` when it is a file; a device, FIFO or socket (`pull` printed a FIFO's path as a
+    model's) or a folder is named as what it is."""
+    with contextlib.suppress(OSError):
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise InvalidModelFileError(path, DIRECTORY)
+        if not stat.S_ISREG(mode):
+            raise InvalidModelFileError(path, NOT_A_FILE)
+    return path
 
 
 def check_hub_file(repo: str, name: str) -> str:

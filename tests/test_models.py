@@ -329,3 +329,32 @@ def test_a_hub_listing_of_many_files_is_one_short_line(llmrun_env: dict[str, str
         line = one_line(llmrun(hub_online(llmrun_env, server), "pull", "a/b:Q4_K_M"))
     assert line.startswith("llmrun: error: a/b has no Q4_K_M file; it has: f000000-Q4.gguf,")
     assert "and 19,990 more" in line and len(line) < 500, line[:500]
+
+
+def test_a_cached_entry_that_is_no_file_is_named_as_what_it_is(
+    llmrun_env: dict[str, str], model_path: str
+) -> None:
+    """`-m a/b/fifo.gguf`, where the cache holds a FIFO in a snapshot that no refs/main names
+    (`llmrun models` lists it), said `not in the local cache and the Hub cannot be reached`;
+    where refs/main names it, `pull` printed the FIFO's path as a model's, exit 0."""
+    hub = Path(llmrun_env["HF_HOME"]) / "hub"
+    for repo, ref in (("a/b", False), ("c/d", True)):
+        snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+        snapshot.mkdir(parents=True)
+        os.mkfifo(snapshot / "fifo.gguf")
+        (snapshot / "zero.gguf").symlink_to("/dev/zero")
+        (snapshot / "m.gguf").symlink_to(model_path)
+        if ref:
+            (snapshot.parent.parent / "refs").mkdir()
+            (snapshot.parent.parent / "refs" / "main").write_text(COMMIT)
+        for name in ("fifo.gguf", "zero.gguf"):
+            for args in (("pull", f"{repo}/{name}"), ("run", "-m", f"{repo}/{name}", "hi")):
+                line = one_line(llmrun(llmrun_env, *args))
+                assert line.endswith(
+                    f"{name}: is a device, a FIFO or a socket, not a GGUF file"
+                    " (llama.cpp maps the weights from a file on disk)"
+                ), line
+        pulled = llmrun(llmrun_env, "pull", f"{repo}/m.gguf")
+        assert pulled.returncode == 0 and pulled.stdout.strip().endswith("m.gguf"), pulled.stderr
+    missing = one_line(llmrun(llmrun_env, "pull", "a/b/nothing.gguf"))
+    assert "a/b/nothing.gguf is not in the local cache and offline mode is on" in missing
