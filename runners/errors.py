@@ -50,6 +50,14 @@ def echo_cut(text: str, most: int = REF_CHARS) -> str:
     return f"{text[:most].rstrip()}... ({len(text):,} characters)"
 
 
+def visible(text: str, most: int = REF_CHARS) -> str:
+    """A value quoted in a message with its control and format characters shown as escapes
+    (`\\x1b[31m`): a message's escapes are taken out on a terminal, so `-H $'\\e[31m'` was
+    named as `-H :`, empty. Past `most` characters cut, with the length."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:most])
+    return shown if len(text) <= most else f"{shown.rstrip()}... ({len(text):,} characters)"
+
+
 def shown_short(text: str) -> str:
     """A value as written (a 400-digit number), past 24 characters its first 12 and its length:
     `100000000000…(401 characters)`."""
