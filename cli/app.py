@@ -8,8 +8,10 @@ module, and whatever heavy library it imports, loads only when that command is r
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -201,7 +203,22 @@ def _named(ctx: Any) -> Iterator[None]:
         raise
 
 
-class _Parsed(_FlagsShowNoType):
+class _HelpOutput:
+    """Help on a pipe that closed (`llmrun run -h | head -c1`) ends as a command's output
+    does there: quietly, 141 (cli/main.py). rich's answer, inside the help's printing, was to
+    exit with 1 in silence (Console.on_broken_pipe, its only SystemExit): it becomes the broken
+    pipe it was."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        try:
+            super().format_help(ctx, formatter)  # type: ignore[misc]
+        except SystemExit as e:
+            if e.code != 1:
+                raise
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)) from None
+
+
+class _Parsed(_HelpOutput, _FlagsShowNoType):
     """A command or group whose line is checked around click's parsing (`_refuse_split_flags`,
     `_named`, `_refuse_nan_in_ranges`) and whose invocation begins the command's own code."""
 
@@ -316,7 +333,7 @@ def _hint_without_envvar(e: Any, ctx: Any) -> None:
         e.param_hint = " / ".join(f"'{x}'" for x in param.opts or [param.human_readable_name])
 
 
-class LazyGroup(_FlagsShowNoType, typer.core.TyperGroup):
+class LazyGroup(_HelpOutput, _FlagsShowNoType, typer.core.TyperGroup):
     """The top-level group: its help lists SUMMARIES, and a command's module is imported only
     when that command is resolved."""
 

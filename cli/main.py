@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import NoReturn
 
 import llmrun.cli
 from llmrun.runners.lists import whole
@@ -166,18 +167,42 @@ def _main() -> None:
     try:
         app()
     except SystemExit as e:
+        if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            # click's answer to a broken pipe under --help or --version: exit 1, in silence
+            _output_failed(OSError(errno.EPIPE, os.strerror(errno.EPIPE)))
         terminated_by = llmrun.cli.terminated_by
         if terminated_by is not None and e.code in (EXIT_INTERRUPTED, None, 0, 1):
             raise SystemExit(terminated_by) from None
+        if e.code in (None, 0):
+            try:  # what --help or --version left in the buffer: the write may fail here
+                sys.stdout.flush()
+            except OSError as failed:
+                _output_failed(failed)
         raise
     except KeyboardInterrupt:
         print("llmrun: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(llmrun.cli.terminated_by or EXIT_INTERRUPTED) from None
-    except OSError as e:  # --help or --version into a closed stdout (commands have handled())
-        if e.errno != errno.EBADF:
-            raise
-        print(f"llmrun: error: {e.strerror}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    except OSError as e:  # --help or --version into a closed, full or broken stdout (commands
+        _output_failed(e)  # have handled())
+
+
+def _output_failed(e: OSError) -> NoReturn:
+    """Help or the version could not be written: as a command's own output that cannot be
+    (cli/errors.py's handled()): a broken pipe ends quietly with 141, as if killed by SIGPIPE;
+    a closed stdout, a full disk (> /dev/full) or another failure is one line and exit 1."""
+    from .errors import EXIT_BROKEN_PIPE, quiet_broken_pipe
+
+    quiet_broken_pipe()  # what is still buffered for stdout cannot be written either
+    if e.errno == errno.EPIPE:
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
+    if e.errno == errno.EBADF:
+        line = f"llmrun: error: {e.strerror}"
+    else:
+        where = f": {e.filename}" if e.filename else " (writing the output)"
+        line = f"llmrun: error: {e.strerror or e}{where}"
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # python -m llmrun.cli.main: as the llmrun script

@@ -8,13 +8,13 @@ from typing import Annotated
 
 import typer
 
-from llmrun.runners.errors import OptionError
+from llmrun.runners.errors import REF_CHARS, OptionError
 from llmrun.runners.models import ListedModel, is_hub_ref, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
 from .errors import StdoutConsole, handled
 from .report import Fitted, fitted_table
-from .terminal import terminal_line
+from .terminal import terminal_echo, terminal_line
 
 
 def pull(
@@ -27,8 +27,8 @@ def pull(
     with handled():
         if not is_hub_ref(ref):  # a path, or nothing: there is nothing to download
             raise OptionError(
-                f"pull: {ref!r} is no Hub reference; give owner/repo, owner/repo:QUANT or"
-                " owner/repo/file.gguf"
+                f"pull: '{terminal_echo(ref, REF_CHARS)}' is no Hub reference; give"
+                " owner/repo, owner/repo:QUANT or owner/repo/file.gguf"
             )
         path = resolve_model(ref).path
         # a pipe gets the name whole (typer.echo takes out colour codes alone, even there)

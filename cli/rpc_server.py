@@ -69,6 +69,7 @@ def rpc_server(
       llmrun run --rpc 192.168.1.2:50052 -ngl 99    # elsewhere: all layers there
     """
     with handled():
+        rpc.check_host(host)  # a usage error before anything else
         binary = rpc.server_binary()
         rpc.check_listen(host, port)
         argv = [str(binary), "--host", host, "--port", str(port)]

@@ -38,6 +38,26 @@ def cut(text: str, most: int) -> str:
     return text if len(text) <= most else f"{text[:most].rstrip()}... ({len(text):,} characters)"
 
 
+REF_CHARS = 200  # what a message quotes of a model reference or path, at most
+
+
+def echo_cut(text: str, most: int = REF_CHARS) -> str:
+    """Input quoted back in a message (a model reference, a path): past `most` characters cut,
+    with the length, so that a 100 KB argument is not said back whole (the cli's
+    terminal_echo also takes out escapes)."""
+    if len(text) <= most:
+        return text
+    return f"{text[:most].rstrip()}... ({len(text):,} characters)"
+
+
+def visible(text: str, most: int = REF_CHARS) -> str:
+    """A value quoted in a message with its control and format characters shown as escapes
+    (`\\x1b[31m`): a message's escapes are taken out on a terminal, so `-H $'\\e[31m'` was
+    named as `-H :`, empty. Past `most` characters cut, with the length."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:most])
+    return shown if len(text) <= most else f"{shown.rstrip()}... ({len(text):,} characters)"
+
+
 def shown_short(text: str) -> str:
     """A value as written (a 400-digit number), past 24 characters its first 12 and its length:
     `100000000000…(401 characters)`."""
@@ -76,7 +96,7 @@ class LlmrunError(Exception):
 
 class ModelNotFoundError(LlmrunError):
     def __init__(self, path: str, why: str = "") -> None:
-        super().__init__(f"model file not found: {path}" + (f" ({why})" if why else ""))
+        super().__init__(f"model file not found: {echo_cut(path)}" + (f" ({why})" if why else ""))
         self.path = path
 
 
@@ -128,9 +148,19 @@ class HubError(LlmrunError):
     """A Hugging Face Hub reference could not be resolved to a local file."""
 
 
+LISTED_NAMES = 10  # what a message lists of a repository's files, at most
+
+
+def some_names(names: list[str], most: int = LISTED_NAMES) -> str:
+    """Names for a message, the first `most` of them and how many more: a repository of
+    200,000 files made one 3.4 MB line."""
+    shown = ", ".join(echo_cut(n) for n in names[:most])
+    return shown + (f" and {len(names) - most:,} more" if len(names) > most else "")
+
+
 class AmbiguousModelError(HubError):
     def __init__(self, ref: str, candidates: list[str]) -> None:
-        super().__init__(f"{ref} matches several files: {', '.join(candidates)}")
+        super().__init__(f"{echo_cut(ref)} matches several files: {some_names(candidates)}")
         self.ref = ref
         self.candidates = candidates
 

@@ -147,11 +147,27 @@ def damaged_ref(repo_id: str, root: str | None = None) -> str | None:
 COMMIT_HEX = 40  # a git commit's hash in hex, as huggingface_hub writes refs/<branch>
 
 
-def repo_files(repo_id: str, root: str | None = None) -> list[str] | None:
-    """The files of a repository's cached snapshot: the one `main` points at, else the newest;
-    None when nothing of it is cached."""
+def _snapshot(repo_id: str, root: str | None) -> Snapshot | None:
+    """A repository's cached snapshot: the one `main` points at, else the newest."""
     found = [s for s in snapshots(root) if s.repo_id.lower() == repo_id.lower()]
     if not found:
         return None
-    best = max(found, key=lambda s: ("main" in s.refs, s.last_modified))
-    return list(best.files)
+    return max(found, key=lambda s: ("main" in s.refs, s.last_modified))
+
+
+def repo_files(repo_id: str, root: str | None = None) -> list[str] | None:
+    """The files of a repository's cached snapshot (`_snapshot`); None when nothing of it is
+    cached."""
+    best = _snapshot(repo_id, root)
+    return None if best is None else list(best.files)
+
+
+def cached_entry(repo_id: str, name: str, root: str | None = None) -> str | None:
+    """The path of `name` in the repository's cached snapshot, whatever is there (a FIFO, a
+    link to nowhere: what `llmrun models` lists, where huggingface_hub, which finds a
+    snapshot through refs/main only, finds nothing); None when nothing is."""
+    best = _snapshot(repo_id, root)
+    if best is None:
+        return None
+    path = os.path.join(best.path, *name.split("/"))
+    return path if os.path.lexists(path) else None

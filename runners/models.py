@@ -15,18 +15,24 @@ import functools
 import importlib.util
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import (
+    DIRECTORY,
     NO_MODEL,
+    NOT_A_FILE,
     AmbiguousModelError,
     DefaultModelMissingError,
     HubError,
+    InvalidModelFileError,
     LlmrunError,
     ModelNotFoundError,
     OptionError,
+    echo_cut,
+    some_names,
 )
 from .gguf import GGUFInfo, read_gguf
 
@@ -128,22 +134,86 @@ def _cached_repo_files(repo: str, problem: str) -> list[str]:
 
 
 HUB_CONNECT_TIMEOUT_S = 3.0
+# huggingface_hub retries a failed request 5 times, waiting 1, 2, 4, 8 and 8 s, and logs each
+# try: 23 s and 11 lines before the error. One retry (1 s later) rides out a blip.
+HUB_RETRIES = 1
+HUB_WORDS_CHARS = 300  # what an error message quotes of the Hub's own words, at most
+_SECRET = re.compile(r"(?i)(bearer\s+|token[=:]\s*)[^\s,;\"']+|\bhf_[A-Za-z0-9]{6,}")
+
+
+def _hub_timeout_s() -> float:
+    """The longest the Hub may stay silent on a request: its library's own settings."""
+    from huggingface_hub import constants
+
+    return float(max(constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT))
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded_hub() -> None:
+    """Before the first request to the Hub: no request waits for ever, a failure is retried
+    once, and huggingface_hub's log (a line per retry) stays off stderr.
+
+    huggingface_hub sends its listing with no timeout at all (a Hub that accepts the
+    connection and never answers held `pull` until Ctrl-C): every request's timeouts that are
+    unset, or longer than HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT (10 s unless set),
+    become that. Each is a wait for the next bytes, so a long download is not cut."""
+    import httpx2
+    from huggingface_hub.utils import _http
+    from huggingface_hub.utils import logging as hub_logging
+
+    if not os.environ.get("HF_HUB_VERBOSITY"):  # its own setting, where someone set it
+        hub_logging.set_verbosity_error()
+    for backoff in (_http.http_backoff, _http.http_stream_backoff):
+        if backoff.__kwdefaults__ and "max_retries" in backoff.__kwdefaults__:
+            backoff.__kwdefaults__["max_retries"] = HUB_RETRIES
+    limit_s = _hub_timeout_s()
+
+    def bounded(request: object) -> None:
+        extensions = getattr(request, "extensions", None)
+        if not isinstance(extensions, dict):
+            return
+        timeouts = dict(extensions.get("timeout") or {})
+        for kind in ("connect", "read", "write", "pool"):
+            value = timeouts.get(kind)
+            if value is None or value > limit_s:
+                timeouts[kind] = limit_s
+        extensions["timeout"] = timeouts
+
+    def client() -> httpx2.Client:
+        made = _http.default_client_factory()
+        made.event_hooks["request"].append(bounded)
+        return made
+
+    _http.set_client_factory(client)
+
+
+def hub_words(e: BaseException) -> str:
+    """The Hub's (or the network's) words for a failure, for a message: one line, every
+    token taken out (HF_TOKEN, a typed -hft, anything sent as `Bearer ...`: a Hub that
+    echoes the request's Authorization header must not print it), and cut to a length."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(name, "").strip()
+        if len(token) >= 4:
+            text = text.replace(token, "***")
+    text = _SECRET.sub(lambda m: (m[1] or "hf_") + "***", text)
+    if len(text) > HUB_WORDS_CHARS:
+        text = f"{text[:HUB_WORDS_CHARS].rstrip()}... ({len(text):,} characters)"
+    return text
 
 
 @functools.lru_cache(maxsize=1)
 def _hub_unreachable() -> str | None:
     """Why the Hub cannot be reached (DNS or TCP, within a few seconds), or None if it can.
 
-    huggingface_hub itself retries five times with growing pauses and logs every try; a user
-    without a network wants one line now, and the local cache where it has the file."""
-    import logging
+    huggingface_hub itself retries with growing pauses and logs every try; a user without a
+    network wants one line now, and the local cache where it has the file."""
     import socket
     import threading
     from urllib.parse import urlsplit
 
     from huggingface_hub import constants
 
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     parts = urlsplit(constants.ENDPOINT)
     host = parts.hostname or "huggingface.co"
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -172,15 +242,25 @@ def _repo_files(repo: str) -> list[str]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
+    _bounded_hub()
     try:
         return HfApi().list_repo_files(repo)
     except RepositoryNotFoundError:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {e}") from None
+        words = hub_words(e)
+        raise HubError(f"the Hugging Face Hub refused the listing of {repo}: {words}") from None
     except Exception as e:  # network failures come in many types (httpx, OSError, ...)
-        problem = f"cannot reach the Hugging Face Hub for {repo}: {e}"
+        problem = f"cannot reach the Hugging Face Hub for {repo}: {_network_words(e)}"
     return _cached_repo_files(repo, problem)
+
+
+def _network_words(e: BaseException) -> str:
+    import httpx2
+
+    if isinstance(e, httpx2.TimeoutException):
+        return f"no answer within {_hub_timeout_s():g} s (HF_HUB_DOWNLOAD_TIMEOUT)"
+    return hub_words(e)
 
 
 def quant_matches(filename: str, quant: str) -> bool:
@@ -197,7 +277,9 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
     if quant:
         chosen = [f for f in ggufs if quant_matches(f, quant)]
         if not chosen:
-            raise HubError(f"{repo} has no {quant} file; it has: {', '.join(_names(ggufs))}")
+            raise HubError(
+                f"{repo} has no {echo_cut(quant)} file; it has: {some_names(_names(ggufs))}"
+            )
     else:
         chosen = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)] or ggufs
     groups: dict[str, list[str]] = {}
@@ -214,6 +296,7 @@ def _names(files: list[str]) -> list[str]:
 
 
 def _download(repo: str, filename: str) -> str:
+    import httpx2
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -222,27 +305,54 @@ def _download(repo: str, filename: str) -> str:
         RepositoryNotFoundError,
     )
 
-    from .hub_cache import damaged_ref
+    from .hub_cache import cached_entry, damaged_ref
 
     damaged = damaged_ref(repo)
     if damaged is not None:
         raise HubError(f"the Hugging Face cache of {repo} is damaged: {damaged}")
     # Without a network, only the cache can answer; asking the Hub would retry for ~25 s.
     local_only = not _offline() and _hub_unreachable() is not None
+    _bounded_hub()
     try:
-        return str(hf_hub_download(repo, filename, local_files_only=local_only))
+        return _what_it_is(str(hf_hub_download(repo, filename, local_files_only=local_only)))
     except RepositoryNotFoundError:
         raise HubError(f"no such model repository on the Hugging Face Hub: {repo}") from None
     except LocalEntryNotFoundError:
+        cached = cached_entry(repo, filename)
+        if cached is not None:  # there, but no snapshot huggingface_hub finds: say what it is
+            _broken_link(cached, f"{repo}/{filename}")
+            return _what_it_is(cached)
         where = "offline mode is on" if _offline() else "the Hub cannot be reached"
-        raise HubError(f"{repo}/{filename} is not in the local cache and {where}") from None
+        raise HubError(
+            f"{repo}/{echo_cut(filename)} is not in the local cache and {where}"
+        ) from None
     except EntryNotFoundError:
-        raise HubError(f"{repo} has no file {filename}") from None
+        raise HubError(f"{repo} has no file {echo_cut(filename)}") from None
     except HfHubHTTPError as e:
-        raise HubError(f"download of {repo}/{filename} failed: {e}") from None
+        raise HubError(f"download of {repo}/{echo_cut(filename)} failed: {hub_words(e)}") from None
+    except httpx2.HTTPError as e:  # the Hub went silent or away during the download
+        raise HubError(
+            f"download of {repo}/{echo_cut(filename)} failed: {_network_words(e)}"
+        ) from None
     except (ValueError, OSError) as e:  # the cache's own files, damaged (a pointer path, ...)
-        why = " ".join(str(e).split())[:300]
+        why = hub_words(e)
         raise HubError(f"the Hugging Face cache of {repo} is damaged: {why}") from None
+
+
+HUB_NAME_CHARS = 96  # the Hub's longest owner or repository name (huggingface_hub's check)
+HUB_PATH_CHARS = 4096  # a file's path in a repository: Linux's PATH_MAX, the cache holds it
+
+
+def _what_it_is(path: str) -> str:
+    """`path` when it is a file; a device, FIFO or socket (`pull` printed a FIFO's path as a
+    model's) or a folder is named as what it is."""
+    with contextlib.suppress(OSError):
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise InvalidModelFileError(path, DIRECTORY)
+        if not stat.S_ISREG(mode):
+            raise InvalidModelFileError(path, NOT_A_FILE)
+    return path
 
 
 def check_hub_file(repo: str, name: str) -> str:
@@ -262,14 +372,31 @@ def check_hub_file(repo: str, name: str) -> str:
     why = next((reason for found, reason in faults if found), None)
     if why is not None:
         shown = "".join(c if 32 <= ord(c) != 127 else f"\\x{ord(c):02x}" for c in name)
-        raise HubError(f"{repo}: '{shown}' is not a file in the repository ({why})")
+        raise HubError(f"{repo}: '{echo_cut(shown)}' is not a file in the repository ({why})")
+    if len(name) > HUB_PATH_CHARS:
+        raise HubError(
+            f"{repo}: '{echo_cut(name)}' is not a file in the repository (a path there is at"
+            f" most {HUB_PATH_CHARS:,} characters)"
+        )
     return name
+
+
+def _check_repo(repo: str) -> str:
+    """`repo` when the Hub could hold it: a name of 100,000 characters was looked up (and said
+    back whole in the error)."""
+    if any(len(part) > HUB_NAME_CHARS for part in repo.split("/")):
+        raise HubError(
+            f"{echo_cut(repo)} is no Hub repository: an owner's or a repository's name is at"
+            f" most {HUB_NAME_CHARS} characters"
+        )
+    return repo
 
 
 def _resolve_hub(ref: str) -> str:
     m = _HUB_FILE.match(ref)
     if m:
-        repo, files = m["repo"], [check_hub_file(m["repo"], m["file"])]
+        repo = _check_repo(m["repo"])
+        files = [check_hub_file(repo, m["file"])]
         split = _SPLIT.search(files[0])
         if split:  # a split model: every part must be there, llama.cpp opens the rest itself
             n_parts = int(split[2])
@@ -280,7 +407,7 @@ def _resolve_hub(ref: str) -> str:
     else:
         m = _HUB_REPO.match(ref)
         assert m is not None
-        repo = m["repo"]
+        repo = _check_repo(m["repo"])
         files = [check_hub_file(repo, f) for f in choose_gguf(repo, _repo_files(repo), m["quant"])]
     paths = [_download(repo, f) for f in files]  # every part, the first opens the rest
     return paths[0]

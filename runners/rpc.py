@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from .devices import Device, registered
-from .errors import BadRequestError, EngineAbortError, LlmrunError, OptionError
+from .errors import BadRequestError, EngineAbortError, LlmrunError, OptionError, visible
 from .lists import real, whole
 
 BINARY = "rpc-server"
@@ -107,16 +107,22 @@ def server_binary(name: str = BINARY) -> Path:
     return path
 
 
-def check_listen(host: str, port: int) -> None:
-    """That rpc-server will be able to listen on host:port (it returns quietly when not): an
-    IPv4 address (it takes nothing else: inet_addr), and a port free to bind."""
+def check_host(host: str) -> None:
+    """That rpc-server can listen on `host`: an IPv4 address (it takes nothing else:
+    inet_addr); a usage error (exit 2) naming the value, its control characters escaped."""
     try:
         ipaddress.IPv4Address(host)
     except ValueError:
-        raise LlmrunError(
-            f"-H {host}: llama.cpp's rpc-server listens on an IPv4 address only"
-            " (e.g. 127.0.0.1, 0.0.0.0 or this machine's 192.168.1.2)"
+        raise OptionError(
+            f"-H/--host '{visible(host)}': llama.cpp's rpc-server listens on an IPv4 address"
+            " only (e.g. 127.0.0.1, 0.0.0.0 or this machine's 192.168.1.2)"
         ) from None
+
+
+def check_listen(host: str, port: int) -> None:
+    """That rpc-server will be able to listen on host:port (it returns quietly when not): an
+    IPv4 address (it takes nothing else: inet_addr), and a port free to bind."""
+    check_host(host)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -142,17 +148,21 @@ def parse_endpoint(text: str) -> Endpoint:
     ipv6 = "[" in host or "]" in host or host.count(":") > 1  # host:1:2 is no IPv6 address
     # a URL, or host:1:2, is no host:port
     if not sep or not host or "://" in text or "/" in port or (":" in host and not ipv6):
-        raise RpcEndpointError(f"--rpc: '{text}' is not host:port (e.g. 192.168.1.2:50052)")
+        raise RpcEndpointError(
+            f"--rpc: '{visible(text)}' is not host:port (e.g. 192.168.1.2:50052)"
+        )
     if ipv6:
         raise RpcEndpointError(
-            f"--rpc: '{text}' is an IPv6 address: llama.cpp's RPC connects over IPv4 only"
+            f"--rpc: '{visible(text)}' is an IPv6 address: llama.cpp's RPC connects over IPv4 only"
             " (an IPv4 address, or a host name that has one)"
         )
     if not host or any(c.isspace() for c in host) or ("," in host):
-        raise RpcEndpointError(f"--rpc: '{text}' has no host")
+        raise RpcEndpointError(f"--rpc: '{visible(text)}' has no host")
     number = whole(port)
     if number is None or not 1 <= number <= 65535:
-        raise RpcEndpointError(f"--rpc: '{text}': the port must be a number from 1 to 65535")
+        raise RpcEndpointError(
+            f"--rpc: '{visible(text)}': the port must be a number from 1 to 65535"
+        )
     return Endpoint(host, number)
 
 
@@ -160,7 +170,7 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
     """'host:port[,host:port...]' as llama.cpp's --rpc takes it; no empty item, no repeat."""
     items = text.split(",")
     if any(not item.strip() for item in items):
-        raise RpcEndpointError(f"--rpc: '{text}' has an empty item (host:port,host:port)")
+        raise RpcEndpointError(f"--rpc: '{visible(text)}' has an empty item (host:port,host:port)")
     if len(items) > 16:  # GGML_RPC_MAX_SERVERS; before the pairs are compared
         raise RpcEndpointError("--rpc: at most 16 servers")
     endpoints = tuple(parse_endpoint(item) for item in items)

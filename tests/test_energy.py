@@ -246,6 +246,42 @@ def test_a_counter_standing_still_is_a_reason_never_a_zero(machine: Machine, tre
     assert report.load is None and report.decode is None
 
 
+def test_a_counter_past_any_machines_power_is_no_counter(machine: Machine, tree: Path) -> None:
+    """A tree counting 10 MW (10^11 µJ every 10 ms) printed `energy load -399,115.7 J
+    (-1,008,621.2 W) ... above an idle 9,600,896.9 W`, exit 0."""
+    pkg = zone(machine, tree, "intel-rapl:0", "package-0", 10e6, range_uj=10**15)
+    report = request(meter_on(machine, tree, gpu=False), machine, active={pkg: 9e6})
+    assert report.reason.startswith("the RAPL package-0 counter read 10,000,000 W over 500.0 ms")
+    assert "past the 10,000 W no machine's counter shows" in report.reason
+    assert report.load is None and report.decode is None and report.idle_w is None
+
+
+@pytest.mark.parametrize(
+    ("active_w", "why"),
+    [
+        (50_000.0, "the RAPL package-0 counter read 50,000 W over the load (2,000.0 ms), past"),
+        (10.0, "the load read 10.0 W, below the idle baseline of 100.0 W: the counters'"),
+    ],
+)
+def test_a_phase_no_counter_can_read_gives_no_figure(
+    machine: Machine, tree: Path, active_w: float, why: str
+) -> None:
+    """Energy above idle below zero, or a phase past any machine's power: no figure at all
+    (the same counters and baseline make every phase's), the reason instead."""
+    pkg = zone(machine, tree, "intel-rapl:0", "package-0", 100.0)
+    report = request(meter_on(machine, tree, gpu=False), machine, active={pkg: active_w})
+    assert report.reason.startswith(why), report.reason
+    assert report.load is None and report.prefill is None and report.decode is None
+
+
+def test_a_phase_a_step_below_idle_is_still_measured(machine: Machine, tree: Path) -> None:
+    """A short phase may read a counter step less than idle: within the counter's error."""
+    pkg = zone(machine, tree, "intel-rapl:0", "package-0", 100.0, update_us=20_000)
+    report = request(meter_on(machine, tree, gpu=False), machine, active={pkg: 99.0}, prefill_s=0.2)
+    assert report.measured, report.reason
+    assert report.prefill is not None and report.prefill.energy_j is not None
+
+
 def test_a_counter_that_stops_during_a_phase_gives_no_figure_for_it(
     machine: Machine, tree: Path
 ) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from llmrun.runners.errors import AmbiguousModelError, HubError
-from llmrun.runners.models import choose_gguf, is_hub_ref, quant_matches
+from llmrun.runners.models import HUB_RETRIES, choose_gguf, hub_words, is_hub_ref, quant_matches
 
 from .conftest import which_llmrun
+from .fake_hub import FakeHub, fake_hub, url
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -228,3 +230,131 @@ def test_pull_names_the_file_clean_on_a_terminal_and_whole_in_a_pipe(
     monkeypatch.setattr(models.os, "isatty", lambda fd: True)
     shown = CliRunner().invoke(app, ["pull", "org/repo"])
     assert shown.stdout == "/hub/org/repo/RED.gguf\n"
+
+
+def hub_online(llmrun_env: dict[str, str], server: FakeHub) -> dict[str, str]:
+    """llmrun_env against a fake Hub: online, its own cache, no token from the shell."""
+    env = {**llmrun_env, "HF_ENDPOINT": url(server)}
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_VERBOSITY"):
+        env.pop(name, None)
+    return env
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmrun: error:"), lines
+    return lines[0]
+
+
+def test_a_hub_that_echoes_the_token_never_gets_it_printed(llmrun_env: dict[str, str]) -> None:
+    """A Hub answering 500 with the request's Authorization header in its words: `pull`
+    printed `token=Bearer hf_...` (HF_TOKEN, and bench's typed -hft, "never printed"), after
+    23 s of retries and 11 lines of huggingface_hub's retry log."""
+    with fake_hub("err500") as server:
+        env = hub_online(llmrun_env, server)
+        started = time.monotonic()
+        line = one_line(llmrun({**env, "HF_TOKEN": "hf_SECRETXYZ123"}, "pull", "a/b:Q4_K_M"))
+        assert time.monotonic() - started < 15
+        assert "hf_SECRET" not in line and "SECRETXYZ" not in line, line
+        assert "500" in line and "boom" in line, line
+        assert sum("/tree/" in p for p in server.requests) == 1 + HUB_RETRIES
+        typed = llmrun(env, "bench", "-hf", "a/b:Q4_K_M", "-hft", "hf_TYPEDSECRET9")
+        typed_line = one_line(typed)
+        assert "TYPEDSECRET" not in typed_line and "boom" in typed_line, typed_line
+
+
+def test_hub_words_take_every_token_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "s3cr3t-value")
+    words = hub_words(
+        RuntimeError("a s3cr3t-value b Authorization: Bearer abc.def c hf_abcdefgh123\nd")
+    )
+    assert "s3cr3t" not in words and "abc.def" not in words and "abcdefgh" not in words
+    assert "\n" not in words
+    assert len(hub_words(RuntimeError("x" * 100_000))) < 400
+
+
+def test_a_hub_that_never_answers_is_given_up_on(llmrun_env: dict[str, str]) -> None:
+    """A Hub that accepts the connection and never answers: `pull` waited for ever (the
+    listing went out with no timeout), only Ctrl-C ended it. Now HF_HUB_DOWNLOAD_TIMEOUT
+    bounds every request, and the end is one line."""
+    with fake_hub("hang") as server:
+        env = {
+            **hub_online(llmrun_env, server),
+            "HF_HUB_DOWNLOAD_TIMEOUT": "1",
+            "HF_HUB_ETAG_TIMEOUT": "1",
+        }
+        for ref, words in (
+            ("a/b:Q4_K_M", "no answer within 1 s"),
+            ("a/b/m-Q4_K_M.gguf", "the Hub cannot be reached"),
+        ):
+            started = time.monotonic()
+            line = one_line(llmrun(env, "pull", ref, timeout=60))
+            assert time.monotonic() - started < 30, ref
+            assert words in line, line
+
+
+def test_a_huge_reference_is_not_said_back_whole(hub_env: dict[str, str]) -> None:
+    """`llmrun pull "a/$(printf 'b%.0s' {1..100000})"` said the 100 KB argument back whole."""
+    huge = "b" * 100_000
+    for args, words in (
+        (("pull", f"a/{huge}"), "is no Hub repository: an owner's or a repository's name is at"),
+        (("pull", f"a/b/{huge}.gguf"), "is not a file in the repository (a path there is at"),
+        (("pull", f"/nowhere/{huge}"), "is no Hub reference"),
+        (("run", "-m", f"/nowhere/{huge}.gguf", "hi"), "model file not found: /nowhere/bbb"),
+    ):
+        result = llmrun(hub_env, *args)
+        assert result.returncode in (1, 2), result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], lines[0][:400]
+        assert len(lines[0]) < 500 and "characters)" in lines[0], lines[0][:400]
+
+
+def test_a_repository_of_many_files_is_not_listed_whole() -> None:
+    """A listing of 200,000 GGUF files made one 3.4 MB line: `it has: f000000-Q4.gguf, ...`."""
+    files = [f"f{i:06d}-Q4.gguf" for i in range(200_000)]
+    with pytest.raises(HubError) as missing:
+        choose_gguf("a/b", files, "Q4_K_M")
+    text = str(missing.value)
+    assert text.endswith("f000009-Q4.gguf and 199,990 more") and len(text) < 400, text[:400]
+    with pytest.raises(AmbiguousModelError) as several:
+        choose_gguf("a/b", files, "Q4")
+    text = str(several.value)
+    assert text.endswith("a/b/f000009-Q4.gguf and 199,990 more") and len(text) < 500
+    assert len(several.value.candidates) == 200_000
+
+
+def test_a_hub_listing_of_many_files_is_one_short_line(llmrun_env: dict[str, str]) -> None:
+    with fake_hub("many", n_files=20_000) as server:
+        line = one_line(llmrun(hub_online(llmrun_env, server), "pull", "a/b:Q4_K_M"))
+    assert line.startswith("llmrun: error: a/b has no Q4_K_M file; it has: f000000-Q4.gguf,")
+    assert "and 19,990 more" in line and len(line) < 500, line[:500]
+
+
+def test_a_cached_entry_that_is_no_file_is_named_as_what_it_is(
+    llmrun_env: dict[str, str], model_path: str
+) -> None:
+    """`-m a/b/fifo.gguf`, where the cache holds a FIFO in a snapshot that no refs/main names
+    (`llmrun models` lists it), said `not in the local cache and the Hub cannot be reached`;
+    where refs/main names it, `pull` printed the FIFO's path as a model's, exit 0."""
+    hub = Path(llmrun_env["HF_HOME"]) / "hub"
+    for repo, ref in (("a/b", False), ("c/d", True)):
+        snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+        snapshot.mkdir(parents=True)
+        os.mkfifo(snapshot / "fifo.gguf")
+        (snapshot / "zero.gguf").symlink_to("/dev/zero")
+        (snapshot / "m.gguf").symlink_to(model_path)
+        if ref:
+            (snapshot.parent.parent / "refs").mkdir()
+            (snapshot.parent.parent / "refs" / "main").write_text(COMMIT)
+        for name in ("fifo.gguf", "zero.gguf"):
+            for args in (("pull", f"{repo}/{name}"), ("run", "-m", f"{repo}/{name}", "hi")):
+                line = one_line(llmrun(llmrun_env, *args))
+                assert line.endswith(
+                    f"{name}: is a device, a FIFO or a socket, not a GGUF file"
+                    " (llama.cpp maps the weights from a file on disk)"
+                ), line
+        pulled = llmrun(llmrun_env, "pull", f"{repo}/m.gguf")
+        assert pulled.returncode == 0 and pulled.stdout.strip().endswith("m.gguf"), pulled.stderr
+    missing = one_line(llmrun(llmrun_env, "pull", "a/b/nothing.gguf"))
+    assert "a/b/nothing.gguf is not in the local cache and offline mode is on" in missing

@@ -199,8 +199,22 @@ def test_a_port_that_is_not_an_rpc_server_is_one_line_not_an_abort_or_a_hang(
 def test_rpc_server_listens_on_ipv4_addresses_only(host: str) -> None:
     """rpc-server takes its host through inet_addr: a name or an IPv6 address would end it
     at once with a line of its own."""
-    with pytest.raises(LlmrunError, match=f"-H {re.escape(host)}: .* IPv4 address only"):
+    with pytest.raises(LlmrunError, match=f"-H/--host '{re.escape(host)}': .* IPv4 address only"):
         rpc.check_listen(host, free_port())
+
+
+def test_a_host_that_is_no_address_is_a_usage_error_named_visibly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`rpc-server -H $'\\e[31m'` named the value as empty (`-H :`: the message's escapes are
+    taken out on a terminal) and exited 1, after looking for the binary; `--rpc` the same."""
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))  # not built: the host is checked first
+    done = CliRunner().invoke(app, ["rpc-server", "-H", "\x1b[31m\u202e"])
+    assert done.exit_code == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("llmrun: error: -H/--host '\\x1b[31m\\u202e': llama.cpp's"), line
+    with pytest.raises(rpc.RpcEndpointError, match=re.escape("--rpc: '\\x1b[31m' is not")):
+        rpc.parse_endpoint("\x1b[31m")
 
 
 def test_rpc_server_on_a_port_in_use_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -983,6 +983,42 @@ def test_a_full_disk_on_stdout_is_one_line(llmrun_env: dict[str, str]) -> None:
         assert last == "llmrun: error: No space left on device (writing the output)"
 
 
+HELP_AND_VERSION = [["--version"], ["-h"], ["run", "-h"], ["bench", "serve", "-h"], []]
+
+
+@pytest.mark.parametrize("args", HELP_AND_VERSION, ids=lambda a: " ".join(a) or "(none)")
+def test_help_and_version_on_a_full_disk_are_one_line(
+    args: list[str], llmrun_env: dict[str, str]
+) -> None:
+    """`llmrun --version > /dev/full` (and -h, bare llmrun) ended in a 45-72-line traceback."""
+    result = llmrun(args, llmrun_env, shell_suffix="> /dev/full")
+    line = one_error(result)
+    assert line == "llmrun: error: No space left on device (writing the output)"
+
+
+@pytest.mark.parametrize("args", HELP_AND_VERSION, ids=lambda a: " ".join(a) or "(none)")
+def test_help_and_version_into_a_closed_pipe_end_as_commands_do(
+    args: list[str], llmrun_env: dict[str, str]
+) -> None:
+    """`llmrun run -h | head -c1` exited 1 in silence (rich's and click's answer to a broken
+    pipe) where `run` itself ends with 141; the pipe's reader is gone before the first write."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [which_llmrun(), *args],
+            env=llmrun_env,
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert result.stderr == b""
+
+
 @pytest.mark.parametrize("locale", ["C", "C.UTF-8", "en_US.UTF-8"])
 def test_invalid_utf8_on_stdin_is_replaced_with_a_warning(
     locale: str, llmrun_env: dict[str, str]

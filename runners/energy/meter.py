@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from llmrun.runners.base import Event, Finished, LoadStarted, ModelLoaded, PrefillProgress, Token
 from llmrun.runners.stats import (
+    ENERGY_PHASES,
     EnergyReport,
     EngineSettings,
     GenerationStats,
@@ -29,6 +30,12 @@ IDLE_WINDOW_S = 0.5  # the idle baseline's length, before the load
 POLL_S = 0.001  # how often the idle window reads the counters (RAPL updates about every 1 ms)
 GUARD_S = 1.0  # during decode, a read at least this often: one wraparound at most between reads
 COARSE_UPDATES = 10  # a phase spanning fewer counter updates than this is marked coarse
+# No counter llmrun reads can show this much power: a CPU package draws at most about 500 W, a
+# GPU about 1.2 kW (NVML counts one GPU a counter), and the RAPL sum covers a machine's sockets
+# (8 at most). A counter past it (an LLMRUN_POWERCAP_ROOT that counts 10 MW, a driver's bug)
+# gives no figure, never 'load -399,115.7 J (-1,008,621.2 W)'.
+MAX_PLAUSIBLE_W = 10_000.0
+BELOW_IDLE_UPDATES = 2  # a phase may read below idle by this many updates' idle energy
 
 
 def _ms(seconds: float) -> str:
@@ -177,8 +184,17 @@ class PhaseMeter:
                 counter.close()
                 continue
             (t0, j0), (t1, j1) = seen[0], seen[-1]
+            watts = (j1 - j0) / (t1 - t0)
+            if not 0 <= watts <= MAX_PLAUSIBLE_W:
+                self.reasons[counter.kind] = (
+                    f"the {counter.name} counter read {watts:,.0f} W over {_ms(window)} of"
+                    f" idle, past the {MAX_PLAUSIBLE_W:,.0f} W no machine's counter shows:"
+                    " not a power counter"
+                )
+                counter.close()
+                continue
             kept.append(counter)
-            self._idle.append(_Idle((j1 - j0) / (t1 - t0), (t1 - t0) / (len(seen) - 1)))
+            self._idle.append(_Idle(watts, (t1 - t0) / (len(seen) - 1)))
         self._counters = kept
 
     def begin(self) -> None:
@@ -288,6 +304,9 @@ class PhaseMeter:
         used, missing, why = self._used(gpu=gpu, failed=spans.failed)
         if not used:
             return EnergyReport(reason=why)
+        implausible = self._implausible(spans, used)
+        if implausible:
+            return EnergyReport(reason=implausible)
         left_out = "; ".join(
             f"the {k.upper()}'s energy: {self.reasons.get(k, 'no energy counter')}" for k in missing
         )
@@ -322,6 +341,34 @@ class PhaseMeter:
             return used, missing, ""
         why = [(k, self.reasons.get(k, "no energy counter")) for k in missing]
         return used, missing, "; ".join(w if k == "cpu" else f"GPU: {w}" for k, w in why)
+
+    def _implausible(self, spans: Spans, used: list[int]) -> str:
+        """Why the counters' reads over these phases cannot be true ("" when they can): a
+        counter past MAX_PLAUSIBLE_W over a phase, or a phase that drew less than the idle
+        baseline by more than the counters' steps explain (energy above idle below zero). The
+        same baseline and counters make every phase's figure, so none is shown."""
+        interval = max(self._idle[i].update_s for i in used)
+        idle_w = sum(self._idle[i].watts for i in used)
+        for name in ENERGY_PHASES:
+            span: Span = getattr(spans, name)
+            window = span.window_s
+            if span.absent or window < 2 * interval:
+                continue
+            for i in used:
+                watts = span.joules[i] / window
+                if watts > MAX_PLAUSIBLE_W:
+                    return (
+                        f"the {self._counters[i].name} counter read {watts:,.0f} W over the"
+                        f" {name} ({_ms(window)}), past the {MAX_PLAUSIBLE_W:,.0f} W no"
+                        " machine's counter shows: not a power counter"
+                    )
+            gross = sum(span.joules[i] for i in used)
+            if gross > 0 and gross - idle_w * window < -BELOW_IDLE_UPDATES * idle_w * interval:
+                return (
+                    f"the {name} read {gross / window:,.1f} W, below the idle baseline of"
+                    f" {idle_w:,.1f} W: the counters' figures cannot be true"
+                )
+        return ""
 
     def _phase(self, span: Span, used: list[int], count: int) -> PhaseEnergy:
         tokens, window = span.tokens, span.window_s
