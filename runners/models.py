@@ -157,15 +157,13 @@ def _bounded_hub() -> None:
     connection and never answers held `pull` until Ctrl-C): every request's timeouts that are
     unset, or longer than HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT (10 s unless set),
     become that. Each is a wait for the next bytes, so a long download is not cut."""
-    import httpx2
-    from huggingface_hub.utils import _http
     from huggingface_hub.utils import logging as hub_logging
+
+    from . import hub_adapter
 
     if not os.environ.get("HF_HUB_VERBOSITY"):  # its own setting, where someone set it
         hub_logging.set_verbosity_error()
-    for backoff in (_http.http_backoff, _http.http_stream_backoff):
-        if backoff.__kwdefaults__ and "max_retries" in backoff.__kwdefaults__:
-            backoff.__kwdefaults__["max_retries"] = HUB_RETRIES
+    hub_adapter.retry_at_most(HUB_RETRIES)
     limit_s = _hub_timeout_s()
 
     def bounded(request: object) -> None:
@@ -179,12 +177,7 @@ def _bounded_hub() -> None:
                 timeouts[kind] = limit_s
         extensions["timeout"] = timeouts
 
-    def client() -> httpx2.Client:
-        made = _http.default_client_factory()
-        made.event_hooks["request"].append(bounded)
-        return made
-
-    _http.set_client_factory(client)
+    hub_adapter.hook_every_request(bounded)
 
 
 def hub_words(e: BaseException) -> str:

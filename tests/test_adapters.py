@@ -16,7 +16,7 @@ from rich.live_render import LiveRender
 from rich.text import Text
 
 from llmrun.cli import rich_adapter
-from llmrun.runners import httpx_adapter, llama_cpp_adapter, re_adapter
+from llmrun.runners import httpx_adapter, hub_adapter, llama_cpp_adapter, re_adapter
 
 from .conftest import HANG_S
 
@@ -56,6 +56,27 @@ def test_httpx_proxy_names(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert httpx_adapter.URLPattern("http://").matches(httpx2.URL("http://example.test/v1"))
     assert not httpx_adapter.URLPattern("all://localhost").matches(httpx2.URL("http://x.test"))
+
+
+def test_huggingface_hub_client_and_retry_names() -> None:
+    """The installed huggingface_hub (1.x and later: httpx) has both names; each call changes
+    what it says, and the test puts the library's own back."""
+    from huggingface_hub.utils import _http
+
+    backoffs = [f.__kwdefaults__ for f in (_http.http_backoff, _http.http_stream_backoff)]
+    before = [dict(d) if d else None for d in backoffs]
+    seen: list[object] = []
+    try:
+        assert hub_adapter.retry_at_most(1)
+        assert (_http.http_backoff.__kwdefaults__ or {}).get("max_retries") == 1
+        assert hub_adapter.hook_every_request(seen.append)
+        client = _http.get_session()
+        assert seen.append in client.event_hooks["request"]
+    finally:
+        for defaults, kept in zip(backoffs, before, strict=True):
+            if defaults and kept:
+                defaults.update(kept)
+        _http.set_client_factory(_http.default_client_factory)
 
 
 def test_re_parser_names() -> None:
