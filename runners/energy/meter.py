@@ -36,6 +36,9 @@ COARSE_UPDATES = 10  # a phase spanning fewer counter updates than this is marke
 # gives no figure, never 'load -399,115.7 J (-1,008,621.2 W)'.
 MAX_PLAUSIBLE_W = 10_000.0
 BELOW_IDLE_UPDATES = 2  # a phase may read below idle by this many updates' idle energy
+# and by this share of idle: a phase of I/O waits can draw a little less than the baseline
+# (measured while the meter polled), never half as little while the machine works
+BELOW_IDLE_SHARE = 0.5
 
 
 def _ms(seconds: float) -> str:
@@ -344,8 +347,8 @@ class PhaseMeter:
 
     def _implausible(self, spans: Spans, used: list[int]) -> str:
         """Why the counters' reads over these phases cannot be true ("" when they can): a
-        counter past MAX_PLAUSIBLE_W over a phase, or a phase that drew less than the idle
-        baseline by more than the counters' steps explain (energy above idle below zero). The
+        counter past MAX_PLAUSIBLE_W over a phase, or a phase that drew less than half the
+        idle baseline, and more than the counters' steps explain. The
         same baseline and counters make every phase's figure, so none is shown."""
         interval = max(self._idle[i].update_s for i in used)
         idle_w = sum(self._idle[i].watts for i in used)
@@ -363,7 +366,8 @@ class PhaseMeter:
                         " machine's counter shows: not a power counter"
                     )
             gross = sum(span.joules[i] for i in used)
-            if gross > 0 and gross - idle_w * window < -BELOW_IDLE_UPDATES * idle_w * interval:
+            least = BELOW_IDLE_SHARE * idle_w * window - BELOW_IDLE_UPDATES * idle_w * interval
+            if gross > 0 and gross < least:
                 return (
                     f"the {name} read {gross / window:,.1f} W, below the idle baseline of"
                     f" {idle_w:,.1f} W: the counters' figures cannot be true"
