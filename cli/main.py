@@ -6,8 +6,9 @@
 - SIGTERM and SIGHUP (a closed terminal or SSH session) behave like Ctrl-C: results so far are
   kept (printed, stored in the history, appended to --stats-file). The exit code says which
   signal it was, as a shell would: 143 for SIGTERM, 129 for SIGHUP.
-- A second stop signal while the main thread is still inside one call into llama.cpp ends the
-  process at once (`stuck.py`): Python runs no handler until that call returns.
+- A second stop signal, a second or more after the first, while the main thread is still
+  inside one call into llama.cpp ends the process at once (`stuck.py`): Python runs no handler
+  until that call returns.
 - A llama.cpp abort (GGML_ASSERT) becomes the one-line error and exit 1.
 - COLUMNS and LINES that are not a terminal's size are dropped with a warning, as GNU ls does:
   rich read `²` with int() and failed, and laid out 99,999,999,999 columns until memory ran out.

@@ -3,9 +3,10 @@
 Python runs a signal's handler in the main thread between two bytecodes: while that thread is
 inside one call into llama.cpp (a grammar whose sampler follows millions of ways, a prefill
 chunk of a large model on a few cores), every stop signal waits for the call to return. The
-first keeps its meaning: results so far are kept once the call returns. A second one, while
-the main thread has still run no Python since the first, ends the process at once with the
-signal's exit code (130, 143, 129) and one line on stderr, as `kill` without -9 could not.
+first keeps its meaning: results so far are kept once the call returns. A second one, a second
+or more after the first while the main thread has still run no Python since, ends the process
+at once with the signal's exit code (130, 143, 129) and one line on stderr, as `kill` without
+-9 could not.
 
 How it knows: the signal module writes each signal's number to a wakeup descriptor from C, at
 once; a thread of its own reads it, and asks the main thread for a sign of life through
@@ -19,17 +20,20 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
 from . import STOP_SIGNALS
 
 _PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+# A second signal counts this long after the first with no sign of life between: two that come
+# together (one stop sent two ways), or a sign of life still on its way, end nothing.
+STUCK_S = 1.0
 
 
 class _Watch:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.alive = threading.Event()  # the main thread ran Python since the first signal
-        self.waiting = False  # a first signal is waiting for that
         self.pending = _PENDING(self._answered)  # kept: C holds its address
 
     def _answered(self, _: object) -> int:
@@ -39,15 +43,21 @@ class _Watch:
     def run(self) -> None:
         add = ctypes.pythonapi.Py_AddPendingCall
         add.argtypes, add.restype = [_PENDING, ctypes.c_void_p], ctypes.c_int
+        first_s: float | None = None  # when the signal that waits for a sign of life came
         while data := _read(self.fd):
             for signum in data:
                 code = STOP_SIGNALS.get(signal.Signals(signum)) if signum in _NUMBERS else None
                 if code is None:
                     continue
-                if self.waiting and not self.alive.is_set():
-                    os.write(2, b"llmrun: stopped inside a call into llama.cpp (a second signal)\n")
-                    os._exit(code)
-                self.waiting = True
+                now = time.monotonic()
+                if first_s is not None and not self.alive.is_set():
+                    if now - first_s >= STUCK_S:
+                        os.write(
+                            2, b"llmrun: stopped inside a call into llama.cpp (a second signal)\n"
+                        )
+                        os._exit(code)
+                    continue  # the same stop (systemd's SIGTERM and SIGHUP come together)
+                first_s = now
                 self.alive.clear()
                 add(self.pending, None)
 

@@ -195,7 +195,7 @@ def test_a_second_signal_ends_a_process_that_one_long_c_call_holds(
     try:
         time.sleep(1)  # inside the call
         proc.send_signal(signum)
-        time.sleep(1)
+        time.sleep(1.5)  # a second counts a second (stuck.STUCK_S) after the first
         assert proc.poll() is None  # the first waits for the call to return
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=HANG_S)
@@ -203,6 +203,26 @@ def test_a_second_signal_ends_a_process_that_one_long_c_call_holds(
         proc.kill()
     assert proc.returncode == STOPPED[signum], err
     assert err == "llmrun: stopped inside a call into llama.cpp (a second signal)\n"
+
+
+BUSY = STUCK.replace(  # the load is Python that runs for `rounds` seconds instead
+    'hashlib.pbkdf2_hmac("sha256", b"x", b"y", rounds)',
+    "end = time.monotonic() + rounds\n        while time.monotonic() < end: pass",
+).replace("import hashlib, os, sys", "import hashlib, os, sys, time")
+
+
+def test_two_signals_together_end_a_process_that_runs_python_as_one(
+    llmrun_env: dict[str, str],
+) -> None:
+    """systemd sends SIGTERM and SIGHUP together: read in one go, the second found no sign of
+    life yet and ended a healthy process at once, its results lost (the review's race)."""
+    proc = python_child(BUSY, "3", env=llmrun_env)  # 3 s of Python: signals are heard
+    assert proc.stderr is not None and proc.stderr.readline() == "in C\n"
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode in (143, 129), err
+    assert "stopped inside" not in err and "Traceback" not in err
 
 
 def test_one_signal_waits_for_the_call_and_ends_as_ever(llmrun_env: dict[str, str]) -> None:
