@@ -398,14 +398,10 @@ def negated_token_after_text(grammar: str) -> str | None:
     sampler throws through the C API and the process aborts. At the start of the answer, or
     after another token reference, a token boundary is certain and nothing spans it. The
     grammar must be one llama.cpp's parser takes."""
-    pieces = [(m.lastgroup, m[0]) for m in _GBNF_PIECE.finditer(grammar) if m.lastgroup is not None]
-    rules: dict[str, list[tuple[str | None, str]]] = {}
-    name = ""
-    for kind, text in pieces:
-        if kind == "rule":
-            name = text.partition(":")[0].strip()
-            kind, text = "sym", "|"  # a rule defined twice: alternatives
-        rules.setdefault(name, []).append((kind, text))
+    rules: dict[str, list[tuple[str | None, str]]] = {
+        rule: [("sym", "|"), *body]  # (an empty alternative first: this check may overreach)
+        for rule, body in gbnf_rules(grammar).items()
+    }
     shapes = {rule: _Shape(False, False, False) for rule in rules}
     found: list[str] = []
 
@@ -455,14 +451,36 @@ def negated_token_after_text(grammar: str) -> str | None:
     return None
 
 
+def gbnf_rules(grammar: str) -> dict[str, list[tuple[str, str]]]:
+    """A GBNF grammar's rules, each as its pieces in order (kind, text); a rule defined twice
+    is one rule of alternatives."""
+    rules: dict[str, list[tuple[str, str]]] = {}
+    name = ""
+    for m in _GBNF_PIECE.finditer(grammar):
+        kind = m.lastgroup
+        if kind == "rule":
+            name = m[0].partition(":")[0].strip()
+            if name in rules:
+                rules[name].append(("sym", "|"))
+            rules.setdefault(name, [])
+        elif kind is not None:
+            rules.setdefault(name, []).append((kind, m[0]))
+    return rules
+
+
 _REPEATS = {"*": (0, math.inf), "+": (1, math.inf), "?": (0, 1)}
+_COUNT_DIGITS = 18  # a count of more digits reads as 10**18: past anything (and int()'s limit)
 
 
 def _range(rep: str) -> tuple[int, float]:
     """A {m}, {m,}, {m,n} repetition's least and most (inf when open)."""
     low, comma, high = (part.strip() for part in rep.strip("{}").partition(","))
-    least = int(low) if low else 0
-    return least, ((int(high) if high else math.inf) if comma else least)
+
+    def count(text: str) -> int:
+        return int(text) if len(text) <= _COUNT_DIGITS else 10**_COUNT_DIGITS
+
+    least = count(low) if low else 0
+    return least, ((count(high) if high else math.inf) if comma else least)
 
 
 def _token_fault(lib: Any, vocab: Any, grammar: str) -> str | None:
@@ -759,51 +777,73 @@ def _within_limits(grammar: str, where: str, hint: str = ": ask for fewer repeti
 # embedded model, `x{0,24}` more than a minute, `x{0,1000}` never ended, and neither SIGTERM nor
 # Ctrl-C stops a process inside that C call. So the skippable copies are counted (a count of
 # them in a group of them multiplies) and held to MAX_EMPTY_REPEATS; `x{0,8}` took 0.1 s.
-# `x*` of such an x is llama.cpp's own refusal (left recursion).
+# Items written alike side by side (`[a-z]? [a-z]?`) weigh a third each: 24 of them took 0.3 s,
+# 48 more than a minute. `x*` of such an x is llama.cpp's own refusal (left recursion).
 MAX_EMPTY_REPEATS = 8
+ALIKE_PER_COPY = 3
+_CAP = 10 * MAX_EMPTY_REPEATS  # past the limit, how far past does not matter
 
 
 def repetition_fault(grammar: str) -> str | None:
     """What in a GBNF grammar's repetitions llama.cpp cannot take (None: nothing found): a
     count whose least is above its most (`{5,2}`: the parser allocated until the machine's
     memory ran out), or more than MAX_EMPTY_REPEATS copies of what can match nothing."""
-    rules: dict[str, list[tuple[str, str]]] = {}
-    name = ""
-    for m in _GBNF_PIECE.finditer(grammar):
-        kind, text = m.lastgroup, m[0]
-        if kind == "rule":
-            name = text.partition(":")[0].strip()
-            if name in rules:  # a rule defined twice: alternatives
-                rules[name].append(("sym", "|"))
-            rules.setdefault(name, [])
-        elif kind is not None:
-            rules.setdefault(name, []).append((kind, text))
-            if kind == "rep":
-                least, most = _REPEATS.get(text) or _range(text)
-                if least > most:
-                    return (
-                        f"in rule '{name}', the repetition {text} asks for at least {least:,}"
-                        f" and at most {most:,}"
-                    )
+    rules = gbnf_rules(grammar)
+    for name, body in rules.items():
+        for kind, text in body:
+            if kind == "rep" and (bounds := _REPEATS.get(text) or _range(text))[0] > bounds[1]:
+                return (
+                    f"in rule '{name}', the repetition {text} asks for at least {bounds[0]:,}"
+                    f" and at most {bounds[1]:,}"
+                )
+    dependents: dict[str, set[str]] = {rule: set() for rule in rules}
+    for rule, body in rules.items():
+        for kind, text in body:
+            if kind == "ref" and text in dependents:
+                dependents[text].add(rule)
     weighed = dict.fromkeys(rules, (False, 0))
     worst: dict[str, int] = {}
-    for _ in range(64):  # until nothing changes: both only grow, and the weights are capped
-        new = {rule: _weighed(body, weighed, worst, rule) for rule, body in rules.items()}
-        if new == weighed:
-            break
-        weighed = new
+    keys: dict[object, int] = {}
+    todo = collections.deque(_after_what_they_name(rules))
+    queued = set(todo)
+    while todo:  # both figures only grow, and the weights are capped: this ends
+        rule = todo.popleft()
+        queued.discard(rule)
+        new = _weighed(rules[rule], weighed, worst, rule, keys)
+        if new != weighed[rule]:
+            weighed[rule] = new
+            todo.extend(d for d in dependents[rule] if d not in queued)
+            queued.update(dependents[rule])
     rule, weight = max(worst.items(), key=lambda kv: kv[1], default=("", 0))
     if weight > MAX_EMPTY_REPEATS:
         return (
             f"in rule '{rule}', {weight:,}{'+' if weight >= _CAP else ''} copies of what can"
-            f" match nothing (at most {MAX_EMPTY_REPEATS}): llama.cpp's sampler follows every way"
-            " to skip them and takes minutes (repeat what is never empty: [a-z]{1,100}, not"
-            " [a-z]{0,100})"
+            f" match nothing (at most {MAX_EMPTY_REPEATS}; alike ones side by side count a"
+            f" third each): llama.cpp's sampler follows every way to skip them and takes"
+            " minutes (repeat what is never empty: [a-z]{1,100}, not [a-z]{0,100})"
         )
     return None
 
 
-_CAP = 10 * MAX_EMPTY_REPEATS  # past the limit, how far past does not matter
+def _after_what_they_name(rules: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """The rules, each after the rules it names where no loop says otherwise (without
+    recursion: a chain of rules may be thousands long), so that most are weighed once."""
+    order: list[str] = []
+    seen: set[str] = set()
+    for top in rules:
+        stack = [(top, iter(rules[top]))]
+        seen.add(top)
+        while stack:
+            rule, pieces = stack[-1]
+            for kind, text in pieces:
+                if kind == "ref" and text in rules and text not in seen:
+                    seen.add(text)
+                    stack.append((text, iter(rules[text])))
+                    break
+            else:
+                stack.pop()
+                order.append(rule)
+    return order
 
 
 def _weighed(
@@ -811,63 +851,73 @@ def _weighed(
     rules: dict[str, tuple[bool, int]],
     worst: dict[str, int],
     rule: str,
+    keys: dict[object, int],
 ) -> tuple[bool, int]:
     """Whether a rule's body can match nothing, and how many skippable copies it holds then
     (the rules it names as `rules` says so far); the most that stand side by side anywhere in
-    it go into `worst`: a repetition's copies, and items written out alike (`[a-z]? [a-z]?`).
-    Without recursion: groups nest 1,000 deep."""
+    it go into `worst`. Each item is known by a number (`keys`: the same number for items
+    written alike). Without recursion: groups nest 1,000 deep."""
 
-    def run_ends(f: list[Any]) -> None:
-        worst[rule] = max(worst.get(rule, 0), f[3] + _alike(f[4]))
+    def run_ends(f: list[Any]) -> int:
+        run = min(_CAP, f[3] + _alike(f[4]))
+        worst[rule] = max(worst.get(rule, 0), run)
+        return run
 
     # each open group: its alternatives' (empty, weight); whether its sequence so far is empty,
-    # the skippable copies at its end, those items as written; where the group began
-    frames: list[list[Any]] = [[False, 0, True, 0, [], 0]]
+    # the skippable copies at its end and those items' numbers; the numbers of all its items
+    frames: list[list[Any]] = [[False, 0, True, 0, [], []]]
     i = 0
     while i < len(body):
         kind, text = body[i]
-        start = i
         i += 1
         if (kind, text) == ("sym", "("):
-            frames.append([False, 0, True, 0, [], start])
+            frames.append([False, 0, True, 0, [], []])
             continue
         f = frames[-1]
         if kind == "sym":  # "|" or ")": the sequence ends
-            run_ends(f)
-            seq = f[3] + _alike(f[4])
-            f[:] = [f[0] or f[2], f[1] + seq if f[2] else f[1], True, 0, [], f[5]]
+            run = run_ends(f)
+            f[:4] = [f[0] or f[2], f[1] + run if f[2] else f[1], True, 0]
+            f[4] = []
+            f[5].append(-1)
             if text == "|":
                 continue
-            f = frames.pop() if len(frames) > 1 else [False, 0, True, 0, [], start]
-            empty, weight, start = f[0], f[1], f[5]
+            f = frames.pop() if len(frames) > 1 else [False, 0, True, 0, [], []]
+            empty, weight = f[0], f[1]
+            key: object = tuple(f[5])
         elif kind == "ref":
             empty, weight = rules.get(text, (False, 0))
+            key = (kind, text)
         else:  # text ('""' is none), a class, a token, `.`
-            empty, weight = text == '""', 0
+            empty, weight, key = text == '""', 0, (kind, text)
+        reps = []
         while i < len(body) and body[i][0] == "rep":
+            reps.append(body[i][1])
             least, most = _REPEATS.get(body[i][1]) or _range(body[i][1])
             i += 1
             if empty and most != math.inf and (least == 0 or most > 1):
                 weight = int(min(most, _CAP)) * (weight + 1)  # each copy can be skipped
             empty = empty or least == 0
+        number = keys.setdefault((key, *reps), len(keys))
         f = frames[-1]
+        f[5].append(number)
         if empty:  # side by side with the skippable copies before it
             f[3] = min(_CAP, f[3] + weight)
-            f[4].append(tuple(body[start:i]))
+            f[4].append(number)
         else:
             run_ends(f)
             f[2], f[3], f[4] = False, 0, []
     f = frames[0]
-    run_ends(f)
+    run = run_ends(f)
     if not (f[0] or f[2]):
         return False, 0
-    return True, min(_CAP, f[1] + (f[3] + _alike(f[4]) if f[2] else 0))
+    return True, min(_CAP, f[1] + (run if f[2] else 0))
 
 
-def _alike(items: list[tuple[tuple[str, str], ...]]) -> int:
-    """How many of the skippable items side by side are written alike, where two or more are."""
-    most = max(collections.Counter(items).values(), default=0)
-    return most if most > 1 else 0
+def _alike(numbers: list[int]) -> int:
+    """What the skippable items side by side that are written alike weigh, where two or more
+    are: a third of a copy each."""
+    most = max(collections.Counter(numbers).values(), default=0)
+    return most // ALIKE_PER_COPY if most > 1 else 0
 
 
 def check_schema(root: dict[str, Any], where: str) -> None:
