@@ -169,11 +169,11 @@ def test_the_count_of_copies_reads_a_large_grammar_in_one_pass() -> None:
         weighed.append(rule)
         return real(body, rules, worst, rule, keys)
 
-    grammar_module._weighed = counted  # type: ignore[assignment]
+    grammar_module._weighed = counted
     try:
         assert repetition_fault(chain + 'r3000 ::= x{0,9}\nx ::= "a"?\n') is not None
     finally:
-        grammar_module._weighed = real  # type: ignore[assignment]
+        grammar_module._weighed = real
     assert len(weighed) < 2 * 3003, len(weighed)
 
 
