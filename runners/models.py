@@ -138,7 +138,7 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 # try: 23 s and 11 lines before the error. One retry (1 s later) rides out a blip.
 HUB_RETRIES = 1
 HUB_WORDS_CHARS = 300  # what an error message quotes of the Hub's own words, at most
-_SECRET = re.compile(r"(?i)(bearer\s+|token[=:]\s*)[^\s,;\"']+|\bhf_[A-Za-z0-9]{6,}")
+_SECRET = re.compile(r"(?i)(bearer\s+|token[=:]\s*)[^\s,;\"']+|\bhf_[A-Za-z0-9]{20,}")
 
 
 def _hub_timeout_s() -> float:

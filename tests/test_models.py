@@ -267,9 +267,13 @@ def test_a_hub_that_echoes_the_token_never_gets_it_printed(llmrun_env: dict[str,
 def test_hub_words_take_every_token_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "s3cr3t-value")
     words = hub_words(
-        RuntimeError("a s3cr3t-value b Authorization: Bearer abc.def c hf_abcdefgh123\nd")
+        RuntimeError(
+            "a s3cr3t-value b Authorization: Bearer abc.def c hf_abcdefghijklmnopqrstuvwxyz12"
+            "\nd hf_models"
+        )
     )
     assert "s3cr3t" not in words and "abc.def" not in words and "abcdefgh" not in words
+    assert "hf_models" in words  # a name, not a token (a real one is hf_ and 34 characters)
     assert "\n" not in words
     assert len(hub_words(RuntimeError("x" * 100_000))) < 400
 
