@@ -71,6 +71,10 @@ def repair_utf8(text: str, source: str = "stdin") -> str:
     except UnicodeEncodeError:
         pass
     raw = text.encode("utf-8", errors="surrogateescape")
+    try:  # valid UTF-8 that an ASCII locale (LC_ALL=C, PYTHONUTF8=0) decoded as escapes
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
     repaired = raw.decode("utf-8", errors="replace")
     if source not in _WARNED:
         _WARNED.add(source)

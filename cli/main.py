@@ -67,14 +67,28 @@ def _reopen_closed_std_streams() -> None:
 
 def _same_text_in_every_locale() -> None:
     """stdin is read as UTF-8 under C, C.UTF-8 and en_US.UTF-8 alike; bytes that are not UTF-8
-    survive as escapes until `inputs.repair_utf8` replaces them (with a warning). Text that the
-    locale cannot show is replaced on output instead of ending the run."""
+    survive as escapes until `inputs.repair_utf8` replaces them (with a warning). Output to a
+    pipe or a file (stdout's and stderr's) is data: UTF-8 in every locale (an ASCII one,
+    LC_ALL=C with PYTHONUTF8=0, wrote `?` for every other character, in --json too). On a
+    terminal, text that the locale cannot show is replaced instead of ending the run."""
     stdin, replace = {"encoding": "utf-8", "errors": "surrogateescape"}, {"errors": "replace"}
-    for stream, how in ((sys.stdin, stdin), (sys.stdout, replace), (sys.stderr, replace)):
+    data = {"encoding": "utf-8", "errors": "replace"}
+    for stream, how in (
+        (sys.stdin, stdin),
+        (sys.stdout, replace if _is_terminal(sys.stdout) else data),
+        (sys.stderr, replace if _is_terminal(sys.stderr) else data),
+    ):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             with contextlib.suppress(ValueError, OSError):
                 reconfigure(**how)
+
+
+def _is_terminal(stream: object) -> bool:
+    try:
+        return bool(getattr(stream, "isatty", lambda: False)())
+    except (OSError, ValueError):
+        return False
 
 
 MAX_TERMINAL_SIDE = 65535  # the kernel's struct winsize holds each side in an unsigned short

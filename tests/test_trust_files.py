@@ -418,6 +418,24 @@ def test_invalid_utf8_in_arguments_is_replaced_with_a_warning(
     assert b"-s/--system is not valid UTF-8" in chat.stderr
 
 
+def test_an_ascii_locale_reads_and_writes_utf8_as_it_is(llmrun_env: dict[str, str]) -> None:
+    """LC_ALL=C with PYTHONUTF8=0: a valid UTF-8 argument drew "not valid UTF-8" (the locale
+    had decoded its bytes as escapes), and the answer and --json in a pipe had `?` for every
+    character past ASCII."""
+    env = {**llmrun_env, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    args = [sys.executable, "-c", CHILD, "0", "run", "héllo wörld ☃"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, timeout=HANG_S, env=env)
+    assert result.returncode == 0, result.stderr
+    assert b"not valid UTF-8" not in result.stderr, result.stderr
+    assert "héllo wörld ☃" in result.stdout.decode("utf-8"), result.stdout
+    result = subprocess.run(
+        [*args, "--json"], cwd=ROOT, capture_output=True, timeout=HANG_S, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert "héllo wörld ☃" in json.loads(result.stdout)["text"], result.stdout
+
+
 def test_set_parameter_speaks_for_itself(cli: CliRunner, fake: FakeRunner) -> None:
     result = cli.invoke(app, ["chat"], input="/set parameter temperature abc\n")
     assert "'abc' is not a number" in result.stderr
