@@ -145,9 +145,17 @@ def parse_endpoint(text: str) -> Endpoint:
     ':' and connects over IPv4 (AF_INET, gethostbyname), so an IPv6 address is refused here
     by name instead of ending the process in ggml's "Failed to parse endpoint" abort."""
     host, sep, port = text.strip().rpartition(":")
-    ipv6 = "[" in host or "]" in host or host.count(":") > 1  # host:1:2 is no IPv6 address
-    # a URL, or host:1:2, is no host:port
-    if not sep or not host or "://" in text or "/" in port or (":" in host and not ipv6):
+    # [::1] or ::1; a `[` of an escape sequence (ESC [ 31 m) is none, host:1:2 is none either
+    ipv6 = host.startswith("[") or host.count(":") > 1
+    # a URL, host:1:2, or a host with a control character is no host:port
+    if (
+        not sep
+        or not host
+        or "://" in text
+        or "/" in port
+        or (":" in host and not ipv6)
+        or not host.isprintable()
+    ):
         raise RpcEndpointError(
             f"--rpc: '{visible(text)}' is not host:port (e.g. 192.168.1.2:50052)"
         )

@@ -74,6 +74,9 @@ def test_endpoints_are_host_port_lists() -> None:
         ("http://127.0.0.1:1", "'http://127.0.0.1:1' is not host:port"),
         ("host:1:2", "'host:1:2' is not host:port"),
         ("box:50052/x", "not host:port"),
+        # the `[` of an escape sequence was taken for IPv6's brackets
+        ("\x1b[31m:5", "'\\\\x1b\\[31m:5' is not host:port"),
+        ("a\tb:5", "is not host:port"),
     ],
 )
 def test_bad_endpoints_are_refused_by_what_is_wrong(text: str, says: str) -> None:
