@@ -71,24 +71,19 @@ def _same_text_in_every_locale() -> None:
     pipe or a file (stdout's and stderr's) is data: UTF-8 in every locale (an ASCII one,
     LC_ALL=C with PYTHONUTF8=0, wrote `?` for every other character, in --json too). On a
     terminal, text that the locale cannot show is replaced instead of ending the run."""
+    from .terminal import is_terminal
+
     stdin, replace = {"encoding": "utf-8", "errors": "surrogateescape"}, {"errors": "replace"}
     data = {"encoding": "utf-8", "errors": "replace"}
     for stream, how in (
         (sys.stdin, stdin),
-        (sys.stdout, replace if _is_terminal(sys.stdout) else data),
-        (sys.stderr, replace if _is_terminal(sys.stderr) else data),
+        (sys.stdout, replace if is_terminal(sys.stdout) else data),
+        (sys.stderr, replace if is_terminal(sys.stderr) else data),
     ):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             with contextlib.suppress(ValueError, OSError):
                 reconfigure(**how)
-
-
-def _is_terminal(stream: object) -> bool:
-    try:
-        return bool(getattr(stream, "isatty", lambda: False)())
-    except (OSError, ValueError):
-        return False
 
 
 MAX_TERMINAL_SIDE = 65535  # the kernel's struct winsize holds each side in an unsigned short

@@ -19,6 +19,7 @@ from llmrun.runners.base import Event, Finished, Request, Runner, Token
 from llmrun.runners.reasoning import ShownSplitter
 from llmrun.runners.stats import FINISH_STDOUT_CLOSED
 
+from .terminal import is_terminal as _isatty
 from .terminal import say, terminal_text
 
 if TYPE_CHECKING:
@@ -74,13 +75,6 @@ class TextOut:
 
 
 DIM, UNDIM = "\x1b[2m", "\x1b[22m"
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError, OSError):
-        return False
 
 
 def live_terminal(stream: TextIO | None) -> bool:

@@ -43,14 +43,18 @@ def terminal_line(text: str) -> str:
     return " ".join(terminal_text(text).split())
 
 
+def is_terminal(stream: object) -> bool:
+    """Whether `stream` is a terminal (False for a stream without isatty, or a closed one)."""
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def for_stream(text: str, stream: TextIO) -> str:
     """`text` as written to `stream`: `terminal_text` where it is a terminal (records in csv,
     json or md hold a server's words), as it came where it is a pipe or a file (data)."""
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
-        tty = False
-    return terminal_text(text) if tty else text
+    return terminal_text(text) if is_terminal(stream) else text
 
 
 ECHO_CHARS = 60  # what a message quotes of a person's input or a stored value, at most

@@ -41,13 +41,10 @@ def cut(text: str, most: int) -> str:
 REF_CHARS = 200  # what a message quotes of a model reference or path, at most
 
 
-def echo_cut(text: str, most: int = REF_CHARS) -> str:
-    """Input quoted back in a message (a model reference, a path): past `most` characters cut,
-    with the length, so that a 100 KB argument is not said back whole (the cli's
-    terminal_echo also takes out escapes)."""
-    if len(text) <= most:
-        return text
-    return f"{text[:most].rstrip()}... ({len(text):,} characters)"
+def echo_cut(text: str) -> str:
+    """Input quoted back in a message (a model reference, a path), `cut` to REF_CHARS, so that a
+    100 KB argument is not said back whole (the cli's terminal_echo also takes out escapes)."""
+    return cut(text, REF_CHARS)
 
 
 def visible(text: str, most: int = REF_CHARS) -> str:

@@ -41,6 +41,13 @@ BELOW_IDLE_UPDATES = 2  # a phase may read below idle by this many updates' idle
 BELOW_IDLE_SHARE = 0.5
 
 
+def _not_a_power_counter(name: str, watts: float, over: str) -> str:
+    return (
+        f"the {name} counter read {watts:,.0f} W over {over}, past the {MAX_PLAUSIBLE_W:,.0f} W"
+        " no machine's counter shows: not a power counter"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:,.1f} ms"
 
@@ -189,10 +196,8 @@ class PhaseMeter:
             (t0, j0), (t1, j1) = seen[0], seen[-1]
             watts = (j1 - j0) / (t1 - t0)
             if not 0 <= watts <= MAX_PLAUSIBLE_W:
-                self.reasons[counter.kind] = (
-                    f"the {counter.name} counter read {watts:,.0f} W over {_ms(window)} of"
-                    f" idle, past the {MAX_PLAUSIBLE_W:,.0f} W no machine's counter shows:"
-                    " not a power counter"
+                self.reasons[counter.kind] = _not_a_power_counter(
+                    counter.name, watts, f"{_ms(window)} of idle"
                 )
                 counter.close()
                 continue
@@ -360,10 +365,8 @@ class PhaseMeter:
             for i in used:
                 watts = span.joules[i] / window
                 if watts > MAX_PLAUSIBLE_W:
-                    return (
-                        f"the {self._counters[i].name} counter read {watts:,.0f} W over the"
-                        f" {name} ({_ms(window)}), past the {MAX_PLAUSIBLE_W:,.0f} W no"
-                        " machine's counter shows: not a power counter"
+                    return _not_a_power_counter(
+                        self._counters[i].name, watts, f"the {name} ({_ms(window)})"
                     )
             gross = sum(span.joules[i] for i in used)
             least = BELOW_IDLE_SHARE * idle_w * window - BELOW_IDLE_UPDATES * idle_w * interval
