@@ -148,7 +148,7 @@ def main() -> int:
         assert s.engine_prompt_eval_ms and s.engine_eval_ms and s.engine_n_eval
         assert s.python_overhead_per_token_ms is not None and s.sample_s is not None
         prefill.append(s.prefill_s * 1000 / s.engine_prompt_eval_ms)
-        step_ms = s.decode_s * 1000 / len(s.itl_s)
+        step_ms = sum(s.itl_s) * 1000 / len(s.itl_s)
         eval_ms = s.engine_eval_ms / s.engine_n_eval
         sample_ms = s.sample_s * 1000 / len(s.itl_s)
         assert s.decode_call_ms is not None and s.uncounted_decode_ms is not None

@@ -142,7 +142,12 @@ def _output_rows(s: GenerationStats) -> list[tuple[str, str]]:
             f"{s.output_tokens} {s.server.output_counted_as if s.server else 'tokens'}"
             f" [{s.finish_reason}]" + _context_hint(s),
         ),
-        ("decode", f"{ms(s.decode_s)} · {tps(s.output_tps)}"),
+        (
+            "decode",
+            f"{ms(s.decode_s)} · {tps(s.output_tps)}"
+            if s.decode_s is not None
+            else "- (no token arrived)",
+        ),
         *speculation_rows(s),
         (
             "itl",
@@ -384,18 +389,19 @@ def ratio_text(stats: GenerationStats) -> str:
 def phase_sentence(s: GenerationStats) -> str:
     """Which phase this request's wait went to, in one sentence."""
     ttft = s.ttft_s
-    if ttft is None:
+    decode = s.decode_s
+    if ttft is None or decode is None:
         return f"No first token: the request ended after {ms(s.e2e_s)}."
-    wait = ttft + s.decode_s
+    wait = ttft + decode
     if s.output_tokens == 0 or wait <= 0:
         return f"No output; the prompt phase took {ms(ttft)}."
-    if ttft >= s.decode_s:
+    if ttft >= decode:
         return (
             f"Prefill dominated the wait: {ms(ttft)} ({ttft / wait:.0%} of TTFT + decode)"
-            f" before the first token against {ms(s.decode_s)} of decode."
+            f" before the first token against {ms(decode)} of decode."
         )
     return (
-        f"Decode dominated the wait: {ms(s.decode_s)} ({s.decode_s / wait:.0%} of TTFT + decode)"
+        f"Decode dominated the wait: {ms(decode)} ({decode / wait:.0%} of TTFT + decode)"
         " generating"
         f" {s.output_tokens} tokens against {ms(ttft)} to the first token."
     )

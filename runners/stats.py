@@ -359,14 +359,15 @@ class GenerationStats:
         return self.template_tokenize_s + self.prefill_s + self.first_sample_s
 
     @property
-    def decode_s(self) -> float:
-        """Time from the first output token to the last."""
-        return sum(self.itl_s)
+    def decode_s(self) -> float | None:
+        """Time from the first output token to the last; None when no token came (there was
+        no decode to time, as there is no time to the first token)."""
+        return None if self.ttft_s is None else sum(self.itl_s)
 
     @property
     def output_tps(self) -> float | None:
         """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
-        return rate(len(self.itl_s), self.decode_s)
+        return rate(len(self.itl_s), sum(self.itl_s))
 
     @property
     def rpc_bytes_per_prompt_token(self) -> int | None:
@@ -382,7 +383,7 @@ class GenerationStats:
     @property
     def rpc_wait_share(self) -> float | None:
         """--rpc: the share of the decode spent waiting on the servers, 0 to 1."""
-        return wait_share(self.rpc_decode_wait_s, self.decode_s)
+        return wait_share(self.rpc_decode_wait_s, sum(self.itl_s))
 
     @property
     def rpc_wait_ms_per_token(self) -> float | None:
@@ -409,7 +410,7 @@ class GenerationStats:
         first = self.ttft_s
         if not self.thinking_tokens or first is None:
             return None
-        end = self.first_answer_s if self.first_answer_s is not None else first + self.decode_s
+        end = self.first_answer_s if self.first_answer_s is not None else first + sum(self.itl_s)
         return max(0.0, end - first)
 
     @property
@@ -418,7 +419,7 @@ class GenerationStats:
         first = self.ttft_s
         if self.first_answer_s is None or first is None:
             return None
-        return rate(self.answer_tokens - 1, first + self.decode_s - self.first_answer_s)
+        return rate(self.answer_tokens - 1, first + sum(self.itl_s) - self.first_answer_s)
 
     @property
     def itl_p50_s(self) -> float | None:
@@ -452,7 +453,7 @@ class GenerationStats:
             per_eval = self.decode_call_ms
         else:
             per_eval = self.engine_eval_ms / self.engine_n_eval
-        return self.decode_s * 1000 / len(self.itl_s) - per_eval - per_sample
+        return sum(self.itl_s) * 1000 / len(self.itl_s) - per_eval - per_sample
 
     @property
     def uncounted_decode_ms(self) -> float | None:

@@ -687,7 +687,7 @@ def test_the_real_engine_s_events_bound_the_phases(runner: LlamaCppRunner) -> No
     assert energy.prefill is not None and energy.decode is not None
     assert energy.prefill.tokens == s.new_prompt_tokens and energy.decode.tokens == 7
     assert energy.prefill.window_s >= s.prefill_s * 0.9
-    assert energy.decode.window_s >= s.decode_s * 0.9
+    assert s.decode_s is not None and energy.decode.window_s >= s.decode_s * 0.9
     assert energy.prefill.energy_j is not None and energy.prefill.energy_j > 0
     assert energy.decode.energy_j is not None and energy.decode.energy_j > 0
     assert energy.load is not None and energy.load.energy_j is None  # loaded before

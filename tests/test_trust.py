@@ -508,6 +508,7 @@ def test_an_interrupted_prefill_rates_only_what_it_evaluated(model_path: str) ->
     assert s.prefilled_tokens == 64
     assert s.prompt_tps == pytest.approx(64 / s.prefill_s)
     assert s.ttft_s is None and s.output_tokens == 0
+    assert s.decode_s is None and s.output_tps is None  # no token: no decode to time
 
 
 def test_bench_refuses_negative_and_endless_sizes(cli: CliRunner) -> None:

@@ -119,8 +119,11 @@ def test_a_reply_without_a_token_has_no_ttft(script: tuple[bytes, ...], cli: Cli
     assert "ttft     0.0 ms" not in shown.stderr and "prompt phase" not in shown.stderr
     assert "ttft     - (no token arrived)" in shown.stderr, shown.stderr
     assert "No first token: the request ended after" in shown.stderr
+    # no token, so no decode to time either (it read `decode 0.0 ms · -`)
+    assert "decode   - (no token arrived)" in shown.stderr, shown.stderr
     stats = stats_of(data.stderr)
     assert stats["ttft_s"] is None and stats["first_token_s"] is None
+    assert stats["decode_s"] is None and stats["output_tps"] is None
     assert stats["output_tokens"] == 0 and stats["e2e_s"] >= 0.05
 
 

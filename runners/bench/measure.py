@@ -229,8 +229,8 @@ def _timed(shape: Shape, finished: Finished) -> tuple[float, float]:
     if shape.n_gen == 0:
         return s.prefill_s, p_eval
     if shape.n_prompt == 0:  # n_gen decode steps, each an eval and a sample
-        return s.decode_s, len(s.itl_s) * (per_eval + per_sample)
-    ours = s.prefill_s + s.first_sample_s + s.decode_s
+        return sum(s.itl_s), len(s.itl_s) * (per_eval + per_sample)
+    ours = s.prefill_s + s.first_sample_s + sum(s.itl_s)
     return ours, p_eval + len(s.itl_s) * per_eval + (s.engine_sample_ms or 0.0) / 1000
 
 
