@@ -85,11 +85,10 @@ def live_terminal(stream: TextIO | None) -> bool:
     return os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
 
 
-def dumb_terminal(stream: TextIO | None = None) -> bool:
-    """A terminal that cannot redraw (TERM=dumb): text streams plainly, and progress comes as
-    lines (stderr's by default)."""
-    stream = sys.stderr if stream is None else stream
-    return _isatty(stream) and not live_terminal(stream)
+def dumb_terminal() -> bool:
+    """stderr is a terminal that cannot redraw (TERM=dumb): text streams plainly, and progress
+    comes as lines."""
+    return _isatty(sys.stderr) and not live_terminal(sys.stderr)
 
 
 def _to_terminal(out: TextSink | None) -> bool:
@@ -501,7 +500,6 @@ def _background_since_start(seconds: float = 0.25) -> float | None:
     than after it: from `cpu_at_start` until now, waiting only for what is left of `seconds`."""
     import time
 
-    import llmrun.cli
     from llmrun.runners.system import background_now, cpu_sample, measured_background
 
     start = llmrun.cli.cpu_at_start
@@ -519,8 +517,6 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
     reads the thread count in the stats, as every run's)."""
     if endpoint or config.n_threads:
         return config
-    import dataclasses
-
     from llmrun.runners.system import choose_threads, default_threads, logical_cpus
 
     choice = choose_threads(default_threads(), _background_since_start(), logical_cpus())
