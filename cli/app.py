@@ -66,11 +66,6 @@ SUMMARIES: dict[str, str] = {
 }
 
 
-def _callback(name: str) -> Callable[..., Any]:
-    module, attribute = COMMANDS[name]
-    return getattr(importlib.import_module(module), attribute)
-
-
 class _FlagsShowNoType:
     """A flag takes no value: its help row shows none (typer shows `<bool>`, which reads as if
     `--raw true` were expected). A set metavar is what an option's row shows in place of its
@@ -269,11 +264,12 @@ def _bench_group() -> typer.core.TyperGroup:
 
 
 def build_command(name: str) -> typer.core.TyperCommand | typer.core.TyperGroup:
-    """The click command of one of COMMANDS, its module imported now."""
+    """The click command of one of COMMANDS, its module imported now (KeyError: no such one)."""
+    module, attribute = COMMANDS[name]
     if name == "bench":
         return _bench_group()
     one = typer.Typer(add_completion=False)
-    one.command(name, cls=_Command)(_callback(name))
+    one.command(name, cls=_Command)(getattr(importlib.import_module(module), attribute))
     command = typer.main.get_command(one)
     assert isinstance(command, typer.core.TyperCommand)
     _plain_conversions(command)
@@ -288,8 +284,6 @@ class _Commands(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._built:
-            if name not in COMMANDS:
-                raise KeyError(name)
             self._built[name] = build_command(name)
         return self._built[name]
 
