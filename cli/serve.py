@@ -176,7 +176,7 @@ def serve(
     server: ServerOptions,
     kv_unified: o.KvUnified = None,
     no_dashboard: o.NoDashboard = False,
-    energy: o.Energy = o.EnergyMode.auto,
+    energy: o.Energy = o.AutoOnOff.auto,
     sampling: o.SamplingOptions,
     engine: ServeEngineOptions,
 ) -> None:
