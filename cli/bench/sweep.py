@@ -11,7 +11,7 @@ import io
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -58,16 +58,6 @@ class _Nowhere(io.StringIO):
         return len(text)
 
 
-@contextlib.contextmanager
-def _display_nowhere(on: bool) -> Iterator[TextIO]:
-    """-oe: stderr holds its records alone, as `2>x.csv` needs; the report, progress, warnings
-    and charts meant for it go nowhere. Yields the stream for the records and, after the
-    display is put back, a failed run's one line reaches it too."""
-    real = sys.stderr
-    with contextlib.redirect_stderr(_Nowhere()) if on else contextlib.nullcontext():
-        yield real
-
-
 @takes_records
 def bench(
     context: typer.Context,
@@ -99,8 +89,13 @@ def bench(
     if context.invoked_subcommand is not None:
         _refuse_own_options(context, context.invoked_subcommand)
         return
+    # -oe: stderr holds its records alone, as `2>x.csv` needs; the report, progress, warnings
+    # and charts meant for it go nowhere. A failed run's one line reaches it, after the display
+    # is put back.
+    real_stderr = sys.stderr
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
-    with handled(), _display_nowhere(records_on_stderr) as real_stderr:
+    nowhere = contextlib.redirect_stderr(_Nowhere()) if records_on_stderr else None
+    with handled(), nowhere or contextlib.nullcontext():
         err = LineConsole(stderr=True, highlight=False)
         tty = delivery.output is None and sys.stdout.isatty()
         show = StdoutConsole(highlight=False) if tty else err
