@@ -148,12 +148,7 @@ class Thinking:
     def write(self, text: str, out: TextSink) -> None:
         if self.hide or not text:
             return
-        if self.sink is not None:
-            dim = _dims(self.sink)
-            self.sink.write(f"{DIM}{text}{UNDIM}" if dim else text)
-            self._open = True
-            return
-        if self.delimit:
+        if self.delimit and self.sink is None:
             if not self._open:
                 out.end_line()  # thinking after answer text starts on a line of its own
                 if not text.lstrip().startswith("<"):
@@ -162,7 +157,9 @@ class Thinking:
             self._text.append(text)
             out.write(text)
             return
-        out.write(f"{DIM}{text}{UNDIM}" if _dims(out) else text)
+        sink = out if self.sink is None else self.sink
+        sink.write(f"{DIM}{text}{UNDIM}" if _dims(sink) else text)
+        self._open = True  # (without a sink or delimiters, closing it has nothing to end)
 
     def close(self, out: TextSink) -> None:
         """The answer begins (or the reply ended): the thinking's block ends here."""
