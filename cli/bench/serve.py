@@ -423,17 +423,13 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
             key = f"{stat}_{name}_ms"
             rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
-    cells = [(label, _of_metrics(cell)) for label, cell in rows]
+    cells = [(label, [cell(level.metrics) for level in levels]) for label, cell in rows]
     if any(level.cached_tokens is not None for level in levels):
         # what the server said it took from its cache: fresh prompts should leave it at 0
-        cells.insert(1, ("prompt tokens / cached", _cached))
-    for label, level_cell in cells:
-        table.add_row(label, *(level_cell(level) for level in levels))
+        cells.insert(1, ("prompt tokens / cached", [_cached(level) for level in levels]))
+    for label, texts in cells:
+        table.add_row(label, *texts)
     return fitted(table, by_column=True)
-
-
-def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
-    return lambda level: cell(level.metrics)
 
 
 def _cached(level: sv.ServingLevel) -> str:
