@@ -26,8 +26,6 @@ from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import (
     EXIT_INTERRUPTED,
     DisplayThatMayFail,
-    LineConsole,
-    StdoutConsole,
     handled,
     usage_error,
 )
@@ -49,6 +47,7 @@ from . import output as out
 from . import plot as bench_plot
 from . import sweep_options as o
 from .machine import load_and_report
+from .serving import Screen
 
 
 class _Nowhere(io.StringIO):
@@ -96,14 +95,12 @@ def bench(
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
     nowhere = contextlib.redirect_stderr(_Nowhere()) if records_on_stderr else None
     with handled(), nowhere or contextlib.nullcontext():
-        err = LineConsole(stderr=True, highlight=False)
-        tty = delivery.output is None and sys.stdout.isatty()
-        show = StdoutConsole(highlight=False) if tty else err
+        screen = Screen.open(delivery.output)  # as bench serve's and interference's
+        err, show, cancel = screen.err, screen.show, screen.cancel
         if list_devices:
             raise typer.Exit(_list_devices())
         set_verbose(controls.verbose)
         plot = bench_plot.plot_file(delivery.plot)
-        cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             chosen = hub.models(models)
             if measured.kld and (measured.ppl is None or len(chosen) < 2):
