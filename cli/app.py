@@ -24,7 +24,6 @@ import llmrun.cli
 from llmrun.runners.errors import shown_short
 from llmrun.runners.lists import MAX_DIGITS, integer, real
 
-HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
 BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
 
 # Each command: the module and function that implement it, in the order `--help` lists them.
@@ -365,7 +364,6 @@ class LazyGroup(_HelpOutput, _FlagsShowNoType, typer.core.TyperGroup):
 app = typer.Typer(
     name="llmrun",
     cls=LazyGroup,
-    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
