@@ -30,6 +30,7 @@ from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bo
 from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
+from .errors import usage_error
 from .records import OptionRecord
 from .terminal import say
 
@@ -470,8 +471,6 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
         without_token_texts,
     )
 
-    from .errors import usage_error
-
     if json_schema is not None and grammar is not None:
         usage_error("--json-schema, --grammar: one grammar at a time; give one or the other")
     path = json_schema or grammar
@@ -554,8 +553,6 @@ class SamplingOptions(OptionRecord):
 
     def params(self, *, think: bool | None = None, draft: int = 0) -> SamplingParams:
         if "" in (self.stop or ()):  # it would stop before the first token
-            from .errors import usage_error
-
             usage_error("--stop: an empty string; give the text to stop at")
         # every field is SamplingParams' of the same name, but --temp's
         given = {**vars(self), "temperature": self.temp, "stop": tuple(self.stop or ())}
