@@ -24,7 +24,6 @@ import llmrun.cli
 from llmrun.runners.errors import shown_short
 from llmrun.runners.lists import MAX_DIGITS, integer, real
 
-HELP = "Run local GGUF language models and see where the time goes: load, prefill, decode."
 BENCH_HELP = "Measure this machine: llama-bench's tests and sweeps, serving load, interference."
 
 # Each command: the module and function that implement it, in the order `--help` lists them.
@@ -64,11 +63,6 @@ SUMMARIES: dict[str, str] = {
     ),
     "bench": BENCH_HELP,
 }
-
-
-def _callback(name: str) -> Callable[..., Any]:
-    module, attribute = COMMANDS[name]
-    return getattr(importlib.import_module(module), attribute)
 
 
 class _FlagsShowNoType:
@@ -269,11 +263,12 @@ def _bench_group() -> typer.core.TyperGroup:
 
 
 def build_command(name: str) -> typer.core.TyperCommand | typer.core.TyperGroup:
-    """The click command of one of COMMANDS, its module imported now."""
+    """The click command of one of COMMANDS, its module imported now (KeyError: no such one)."""
+    module, attribute = COMMANDS[name]
     if name == "bench":
         return _bench_group()
     one = typer.Typer(add_completion=False)
-    one.command(name, cls=_Command)(_callback(name))
+    one.command(name, cls=_Command)(getattr(importlib.import_module(module), attribute))
     command = typer.main.get_command(one)
     assert isinstance(command, typer.core.TyperCommand)
     _plain_conversions(command)
@@ -288,8 +283,6 @@ class _Commands(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._built:
-            if name not in COMMANDS:
-                raise KeyError(name)
             self._built[name] = build_command(name)
         return self._built[name]
 
@@ -371,7 +364,6 @@ class LazyGroup(_HelpOutput, _FlagsShowNoType, typer.core.TyperGroup):
 app = typer.Typer(
     name="llmrun",
     cls=LazyGroup,
-    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

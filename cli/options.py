@@ -30,6 +30,7 @@ from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bo
 from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
+from .errors import usage_error
 from .records import OptionRecord
 from .terminal import say
 
@@ -47,20 +48,16 @@ _sampling = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL)
 MAX_TEMPLATE_BYTES = 2**20  # chat templates are a few KiB; the largest known are ~30 KiB
 
 
-class FlashAttn(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
+class AutoOnOff(str, Enum):
+    """-fa's and --energy's values."""
 
-
-class EnergyMode(str, Enum):
     auto = "auto"
     on = "on"
     off = "off"
 
 
 Energy = Annotated[
-    EnergyMode,
+    AutoOnOff,
     _model(
         "--energy",
         envvar="LLMRUN_ENERGY",
@@ -164,7 +161,7 @@ GpuLayers = Annotated[
     ),
 ]
 FlashAttnOpt = Annotated[
-    FlashAttn | None,
+    AutoOnOff | None,
     _model(
         "-fa",
         "--flash-attn",
@@ -474,8 +471,6 @@ def read_grammar(json_schema: Path | None, grammar: Path | None) -> str | None:
         without_token_texts,
     )
 
-    from .errors import usage_error
-
     if json_schema is not None and grammar is not None:
         usage_error("--json-schema, --grammar: one grammar at a time; give one or the other")
     path = json_schema or grammar
@@ -558,22 +553,11 @@ class SamplingOptions(OptionRecord):
 
     def params(self, *, think: bool | None = None, draft: int = 0) -> SamplingParams:
         if "" in (self.stop or ()):  # it would stop before the first token
-            from .errors import usage_error
-
             usage_error("--stop: an empty string; give the text to stop at")
-        sampling = SamplingParams(
-            think=think,
-            draft=draft,
-            max_tokens=self.max_tokens,
-            temperature=self.temp,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n,
-            seed=self.seed,
-            stop=tuple(self.stop or ()),
-        )
+        # every field is SamplingParams' of the same name, but --temp's
+        given = {**vars(self), "temperature": self.temp, "stop": tuple(self.stop or ())}
+        del given["temp"]
+        sampling = SamplingParams(think=think, draft=draft, **given)
         check_sampling(sampling)
         return sampling
 
@@ -609,7 +593,7 @@ class EngineOptions(OptionRecord):
     cpu_mask: CpuMask = None
     cpu_strict: CpuStrict = 0
     poll: Poll = DEFAULT_POLL
-    energy: Energy = EnergyMode.auto
+    energy: Energy = AutoOnOff.auto
 
     def config(
         self, *, endpoint: str | None = None, draft_model: Path | None = None
@@ -641,7 +625,7 @@ class EngineOptions(OptionRecord):
             cpu_mask=self.cpu_mask or "0x0", strict=bool(self.cpu_strict), poll=self.poll
         )
         threadpool.placement(1)  # a mask of no CPU here is refused before the model loads
-        batch, ubatch = self.batch, self.ubatch
+        batch, ubatch, template = self.batch, self.ubatch, self.chat_template_file
         return EngineConfig(
             n_ctx=self.ctx,
             n_batch=batch,
@@ -654,7 +638,9 @@ class EngineOptions(OptionRecord):
             cache_type_v=cache_type(self.cache_type_v, "-ctv/--cache-type-v"),
             repack=self.repack,
             rpc=self.rpc,
-            chat_template=read_template(self.chat_template_file),
+            chat_template=None
+            if template is None
+            else read_text_option(template, "--chat-template-file", MAX_TEMPLATE_BYTES, "template"),
             draft_model=str(draft_model) if draft_model is not None else None,
             warmup=not self.no_warmup,
             threadpool=threadpool,
@@ -669,14 +655,6 @@ def cache_type(text: str, flag: str) -> str:
     if value not in CACHE_TYPES:
         raise OptionError(f"{flag}: '{text}' is not one of {', '.join(CACHE_TYPES)}")
     return value
-
-
-def read_template(path: Path | None) -> str | None:
-    """--chat-template-file's text: a template is a few KiB; /dev/zero or a model file given
-    by mistake is not."""
-    if path is None:
-        return None
-    return read_text_option(path, "--chat-template-file", MAX_TEMPLATE_BYTES, "template")
 
 
 def read_text_option(path: Path, flag: str, max_bytes: int, what: str) -> str:

@@ -184,7 +184,6 @@ def run(
     DisplayThatMayFail.install()  # the text reaches stdout and --stats-file all the same
     with handled():
         params, config = generation.settings(prompts.system)
-        reply = generation.reply
         params = _with_grammar(params, generation, json_schema, grammar)
         jobs = collect_jobs(
             words=prompts.words(),
@@ -208,13 +207,9 @@ def run(
                 else (None, False)
             )
             printing = Printing(
-                quiet=quiet,
-                stats_format=report.stats,
-                stats_file=report.stats_file,
-                json_out=report.json_out,
+                report=report,
+                reply=generation.reply,
                 dashboard=not report.no_dashboard and parallel == 1,
-                hide_thinking=reply.hide_thinking,
-                thinking_stdout=reply.thinking_stdout,
                 asked_ctx=config.n_ctx,
             )
             code = _run_jobs(runner, jobs, printing, served=served)
@@ -371,14 +366,10 @@ def _after_the_pager(pid: int, text: str) -> None:
 class Printing:
     """What a run prints where, as its options asked: built by `run`, read by `_run_jobs`."""
 
-    quiet: bool
-    stats_format: StatsFormat
-    stats_file: Path | None
-    json_out: bool
+    report: Report
+    reply: o.ReplyOptions  # where the thinking goes
     dashboard: bool
-    hide_thinking: bool = False
-    thinking_stdout: bool = False
-    asked_ctx: int | None = None
+    asked_ctx: int | None
 
 
 @dataclass
@@ -399,7 +390,7 @@ class _Screens:
 
 def _screens(printing: Printing, cancel: threading.Event) -> _Screens:
     """The screens for this terminal (or pipe, file, pager) and these options."""
-    quiet = printing.quiet
+    quiet = printing.report.quiet
     out: TextSink = TextOut(cancel=cancel)
     pager = pager_reading_stdout() if not quiet else None
     # Behind a pager, stderr would draw over its screen and be gone after `q`: the stats are
@@ -423,7 +414,7 @@ def _screens(printing: Printing, cancel: threading.Event) -> _Screens:
         else:
             dash = Dashboard(
                 TerminalConsole(stderr=True, highlight=False),
-                show_text=live_terminal(sys.stdout) and not printing.json_out,
+                show_text=live_terminal(sys.stdout) and not printing.report.json_out,
             )
             if dash.show_text:
                 out = dash
@@ -438,7 +429,7 @@ def _print_stats(
 ) -> None:
     """One request's stats on stderr, as --stats asked and the screen allows."""
     err = screens.err
-    if printing.stats_format is StatsFormat.json:
+    if printing.report.stats is StatsFormat.json:
         print(stats_json(s, job.id), file=screens.errfile, flush=True)
         return
     if many:
@@ -462,10 +453,11 @@ def _run_jobs(
     cancel = threading.Event()
     screens = _screens(printing, cancel)
     out, errfile, err, width = screens.out, screens.errfile, screens.err, screens.width
-    view, quiet, json_out = screens.view, printing.quiet, printing.json_out
-    stats_file = printing.stats_file
+    report, reply = printing.report, printing.reply
+    view, quiet, json_out = screens.view, report.quiet, report.json_out
+    stats_file = report.stats_file
     thinking = thinking_route(
-        hide=printing.hide_thinking, on_stdout=printing.thinking_stdout, dash=screens.dash
+        hide=reply.hide_thinking, on_stdout=reply.thinking_stdout, dash=screens.dash
     )
     many = len(jobs) > 1
     done: list[GenerationStats] = []

@@ -176,7 +176,7 @@ def serve(
     server: ServerOptions,
     kv_unified: o.KvUnified = None,
     no_dashboard: o.NoDashboard = False,
-    energy: o.Energy = o.EnergyMode.auto,
+    energy: o.Energy = o.AutoOnOff.auto,
     sampling: o.SamplingOptions,
     engine: ServeEngineOptions,
 ) -> None:
@@ -244,8 +244,7 @@ def _serve(settings: ServerSettings, *, dashboard: bool) -> int:
                 f" {r.max_connections}"
             )
         threads, threads_batch = r.threads
-        unified = r.kv_unified
-        kv = "" if unified is None else ", KV unified" if unified else ", KV per sequence"
+        kv = "" if r.kv_unified is None else ", KV unified" if r.kv_unified else ", KV per sequence"
         _line(
             f"llmrun serve: listening on {r.url} ({r.served.model_id}, {settings.n_seq} sequences"
             f" x {r.n_ctx} tokens{kv}, policy {r.policy}, queue {settings.max_queue},"
@@ -367,12 +366,10 @@ class _View:
         self.busy = False
 
     def _lines(self) -> list[str]:
-        if self.served is None:
-            return []
+        if self.served is None or (self.live is not None and self._stop.is_set()):
+            return []  # the panel is going: its last redraw prints nothing above it
         log = self.served.log
         lines: list[str] = []
-        if self.live is not None and self._stop.is_set():
-            return lines  # the panel is going: its last redraw prints nothing above it
         while log:
             lines.append(terminal_line(answered_line(log.popleft())))  # a client's words
         busy = self._busy_line()

@@ -85,11 +85,10 @@ def live_terminal(stream: TextIO | None) -> bool:
     return os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
 
 
-def dumb_terminal(stream: TextIO | None = None) -> bool:
-    """A terminal that cannot redraw (TERM=dumb): text streams plainly, and progress comes as
-    lines (stderr's by default)."""
-    stream = sys.stderr if stream is None else stream
-    return _isatty(stream) and not live_terminal(stream)
+def dumb_terminal() -> bool:
+    """stderr is a terminal that cannot redraw (TERM=dumb): text streams plainly, and progress
+    comes as lines."""
+    return _isatty(sys.stderr) and not live_terminal(sys.stderr)
 
 
 def _to_terminal(out: TextSink | None) -> bool:
@@ -149,12 +148,7 @@ class Thinking:
     def write(self, text: str, out: TextSink) -> None:
         if self.hide or not text:
             return
-        if self.sink is not None:
-            dim = _dims(self.sink)
-            self.sink.write(f"{DIM}{text}{UNDIM}" if dim else text)
-            self._open = True
-            return
-        if self.delimit:
+        if self.delimit and self.sink is None:
             if not self._open:
                 out.end_line()  # thinking after answer text starts on a line of its own
                 if not text.lstrip().startswith("<"):
@@ -163,7 +157,9 @@ class Thinking:
             self._text.append(text)
             out.write(text)
             return
-        out.write(f"{DIM}{text}{UNDIM}" if _dims(out) else text)
+        sink = out if self.sink is None else self.sink
+        sink.write(f"{DIM}{text}{UNDIM}" if _dims(sink) else text)
+        self._open = True  # (without a sink or delimiters, closing it has nothing to end)
 
     def close(self, out: TextSink) -> None:
         """The answer begins (or the reply ended): the thinking's block ends here."""
@@ -501,7 +497,6 @@ def _background_since_start(seconds: float = 0.25) -> float | None:
     than after it: from `cpu_at_start` until now, waiting only for what is left of `seconds`."""
     import time
 
-    import llmrun.cli
     from llmrun.runners.system import background_now, cpu_sample, measured_background
 
     start = llmrun.cli.cpu_at_start
@@ -519,8 +514,6 @@ def free_cores(config: EngineConfig, *, endpoint: str | None, quiet: bool) -> En
     reads the thread count in the stats, as every run's)."""
     if endpoint or config.n_threads:
         return config
-    import dataclasses
-
     from llmrun.runners.system import choose_threads, default_threads, logical_cpus
 
     choice = choose_threads(default_threads(), _background_since_start(), logical_cpus())

@@ -308,8 +308,7 @@ def _table(reports: Sequence[InterferenceReport]) -> Fitted:
 def verdict(reports: Sequence[InterferenceReport]) -> list[str]:
     """The seeds' claim, as measured: does chunking lower the stream's p99 gap against
     prefill-first, and what does it cost in the long prompts' TTFT and in throughput?"""
-    by = {r.policy: r for r in reports}
-    whole = by.get("prefill-first")
+    whole = {r.policy: r for r in reports}.get("prefill-first")
     lines = []
     busy = [r for r in reports if r.busy]
     if busy:  # the stream's gaps then measure the other processes, not the policies

@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from llmrun.runners.serving import load as sv
     from llmrun.runners.serving.figures import Latency, ServingMetrics
 
-METRICS = LATENCIES
-
 
 def existing_file(value: str) -> Path:
     """A path to a file that is there, as Click's `exists=True, dir_okay=False` checks it,
@@ -216,11 +214,6 @@ class LoadOptions(OptionRecord):
             dataset=read_dataset(self.dataset) if self.dataset is not None else None,
         )
 
-    @staticmethod
-    def level_option(endpoint: str | None) -> str:
-        """The name of the levels' option: what `--concurrency` means here."""
-        return "--max-concurrency" if endpoint else "--slots"
-
     def levels(self, endpoint: str | None) -> tuple[str, str]:
         """The levels' list from the option named for the target (`--concurrency`: either),
         refusing the other target's option and two of them at once."""
@@ -233,11 +226,13 @@ class LoadOptions(OptionRecord):
             usage_error(
                 "--slots: the local engine's sequences; against a server give --max-concurrency"
             )
-        right = self.max_concurrency if endpoint else self.slots
+        right, flag = (
+            (self.max_concurrency, "--max-concurrency") if endpoint else (self.slots, "--slots")
+        )
         if right is not None and self.concurrency is not None:
-            usage_error(f"--concurrency and {self.level_option(endpoint)} say the same: give one")
+            usage_error(f"--concurrency and {flag} say the same: give one")
         if right is not None:
-            return right, self.level_option(endpoint)
+            return right, flag
         return self.concurrency or "1,4", "--concurrency"
 
 
@@ -422,23 +417,19 @@ def serving_table(levels: Sequence[sv.ServingLevel], percentiles: Sequence[float
     ]
     if any(level.metrics.goodput is not None for level in levels):
         rows.append(("goodput req/s (met --slo)", lambda m: out.num(m.goodput, ".2f")))
-    for name in METRICS:
+    for name in LATENCIES:
         if all(getattr(level.metrics, name) is None for level in levels):
             continue  # a figure none of the levels measured
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
             key = f"{stat}_{name}_ms"
             rows.append((f"{name.upper()} {stat} ms", _latency(name, key)))
-    cells = [(label, _of_metrics(cell)) for label, cell in rows]
+    cells = [(label, [cell(level.metrics) for level in levels]) for label, cell in rows]
     if any(level.cached_tokens is not None for level in levels):
         # what the server said it took from its cache: fresh prompts should leave it at 0
-        cells.insert(1, ("prompt tokens / cached", _cached))
-    for label, level_cell in cells:
-        table.add_row(label, *(level_cell(level) for level in levels))
+        cells.insert(1, ("prompt tokens / cached", [_cached(level) for level in levels]))
+    for label, texts in cells:
+        table.add_row(label, *texts)
     return fitted(table, by_column=True)
-
-
-def _of_metrics(cell: Callable[[ServingMetrics], str]) -> Callable[[sv.ServingLevel], str]:
-    return lambda level: cell(level.metrics)
 
 
 def _cached(level: sv.ServingLevel) -> str:

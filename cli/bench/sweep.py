@@ -11,7 +11,7 @@ import io
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -26,8 +26,6 @@ from llmrun.cli.engine import make_bench_runner
 from llmrun.cli.errors import (
     EXIT_INTERRUPTED,
     DisplayThatMayFail,
-    LineConsole,
-    StdoutConsole,
     handled,
     usage_error,
 )
@@ -49,6 +47,7 @@ from . import output as out
 from . import plot as bench_plot
 from . import sweep_options as o
 from .machine import load_and_report
+from .serving import Screen
 
 
 class _Nowhere(io.StringIO):
@@ -56,16 +55,6 @@ class _Nowhere(io.StringIO):
 
     def write(self, text: str) -> int:
         return len(text)
-
-
-@contextlib.contextmanager
-def _display_nowhere(on: bool) -> Iterator[TextIO]:
-    """-oe: stderr holds its records alone, as `2>x.csv` needs; the report, progress, warnings
-    and charts meant for it go nowhere. Yields the stream for the records and, after the
-    display is put back, a failed run's one line reaches it too."""
-    real = sys.stderr
-    with contextlib.redirect_stderr(_Nowhere()) if on else contextlib.nullcontext():
-        yield real
 
 
 @takes_records
@@ -99,16 +88,19 @@ def bench(
     if context.invoked_subcommand is not None:
         _refuse_own_options(context, context.invoked_subcommand)
         return
+    # -oe: stderr holds its records alone, as `2>x.csv` needs; the report, progress, warnings
+    # and charts meant for it go nowhere. A failed run's one line reaches it, after the display
+    # is put back.
+    real_stderr = sys.stderr
     records_on_stderr = controls.output_err not in (None, out.OutputFormat.none)
-    with handled(), _display_nowhere(records_on_stderr) as real_stderr:
-        err = LineConsole(stderr=True, highlight=False)
-        tty = delivery.output is None and sys.stdout.isatty()
-        show = StdoutConsole(highlight=False) if tty else err
+    nowhere = contextlib.redirect_stderr(_Nowhere()) if records_on_stderr else None
+    with handled(), nowhere or contextlib.nullcontext():
+        screen = Screen.open(delivery.output)  # as bench serve's and interference's
+        err, show, cancel = screen.err, screen.show, screen.cancel
         if list_devices:
             raise typer.Exit(_list_devices())
         set_verbose(controls.verbose)
         plot = bench_plot.plot_file(delivery.plot)
-        cancel = threading.Event()
         with ctrl_c_cancels(cancel):
             chosen = hub.models(models)
             if measured.kld and (measured.ppl is None or len(chosen) < 2):

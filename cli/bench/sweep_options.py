@@ -19,7 +19,7 @@ import typer
 
 from llmrun.cli import options as co
 from llmrun.cli.errors import usage_error
-from llmrun.cli.options import RPC_FLAGS, RPC_HELP, Energy, EnergyMode, check_rpc
+from llmrun.cli.options import RPC_FLAGS, RPC_HELP, AutoOnOff, Energy, check_rpc
 from llmrun.cli.records import OptionRecord
 from llmrun.runners.bench import localscore as ls
 from llmrun.runners.bench import run
@@ -398,7 +398,7 @@ class Measured(OptionRecord):
             " else llmrun's (-b 512, the prefill chunk that shows in TTFT).",
         ),
     ] = False
-    energy: Energy = EnergyMode.auto
+    energy: Energy = AutoOnOff.auto
 
 
 @dataclass(frozen=True, kw_only=True)
