@@ -22,9 +22,7 @@ from typing import Any, Protocol
 from .errors import OptionError
 from .lists import whole
 
-# enum ggml_backend_dev_type
-DEV_CPU, DEV_GPU, DEV_ACCEL, DEV_IGPU = 0, 1, 2, 3
-_KINDS = {DEV_CPU: "CPU", DEV_GPU: "GPU", DEV_ACCEL: "ACCEL", DEV_IGPU: "iGPU"}
+_KINDS = {0: "CPU", 1: "GPU", 2: "ACCEL", 3: "iGPU"}  # enum ggml_backend_dev_type
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import rpc
 from .base import Event, Finished, LocalLoaded, PrefillProgress, Request, SamplingParams, Token
@@ -167,16 +166,42 @@ def generate(
                 drafter(sp),
                 decode_only=request.decode_only,
             )
-        stats = _stats(
-            lib.llama_perf_context(kv.ptr),
-            chain.perf(),
-            loaded,
-            prefill,
-            decode,
+        # the request's record: the phases as timed here, llama.cpp's own counters beside them
+        perf, (sample_ms, n_sample) = lib.llama_perf_context(kv.ptr), chain.perf()
+        e2e_s = clock.wall()
+        background = measured_background(cpu0, cpu_sample())
+        stats = GenerationStats(
+            finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
+            prompt_tokens=prefill.prompt_tokens,
+            reused_tokens=prefill.reused,
+            output_tokens=len(decode.times),
             template_tokenize_s=t_tok,
-            e2e_s=clock.wall(),
+            prefill_s=prefill.seconds,
+            first_sample_s=decode.first_sample_s,
+            sample_s=decode.sample_s,
+            decode_call_ms=decode.call_s * 1000 / decode.calls if decode.calls else None,
+            itl_s=tuple(figures.itl_s(decode.times)),  # the one definition (serving/figures.py)
+            e2e_s=e2e_s,
+            load_s=loaded.load_s,
+            warmup_s=loaded.warmup_s,
+            probe_s=loaded.probe_s,
+            engine_prompt_eval_ms=float(perf.t_p_eval_ms),
+            engine_eval_ms=float(perf.t_eval_ms),
+            engine_n_prompt_eval=int(perf.n_p_eval),
+            engine_n_eval=int(perf.n_eval),
+            engine_sample_ms=sample_ms,
+            engine_n_sample=n_sample,
             seed=seed if sp.temperature > 0 else None,
-            background_cpus=measured_background(cpu0, cpu_sample()),
+            prefilled_tokens=prefill.evaluated if prefill.aborted else None,
+            background_cpus=background,
+            thinking_tokens=decode.thinking_tokens,
+            first_answer_s=decode.first_answer_s,
+            draft_tokens=decode.drafted,
+            accepted_tokens=decode.accepted,
+            decode_steps=decode.steps,
+            rpc_decode_wait_s=decode.rpc_wait_s,
+            model=loaded.model,
+            settings=loaded.settings,
         )
         if net is not None and net_prefilled is not None:
             stats = rpc.with_traffic(stats, net, net_prefilled, rpc.traffic())
@@ -185,55 +210,6 @@ def generate(
         chain.close()
         # KV entries beyond what we recorded (an aborted chunk) must not survive.
         kv.truncate(len(kv.tokens))
-
-
-def _stats(
-    perf: Any,
-    sampled: tuple[float, int],
-    loaded: LocalLoaded,
-    prefill: _Prefilled,
-    decode: _Decoded,
-    *,
-    template_tokenize_s: float,
-    e2e_s: float,
-    seed: int | None,
-    background_cpus: float | None,
-) -> GenerationStats:
-    """The request's record: the phases as timed here, llama.cpp's own counters beside them."""
-    sample_ms, n_sample = sampled
-    return GenerationStats(
-        finish_reason=FINISH_INTERRUPTED if prefill.aborted else decode.finish,
-        prompt_tokens=prefill.prompt_tokens,
-        reused_tokens=prefill.reused,
-        output_tokens=len(decode.times),
-        template_tokenize_s=template_tokenize_s,
-        prefill_s=prefill.seconds,
-        first_sample_s=decode.first_sample_s,
-        sample_s=decode.sample_s,
-        decode_call_ms=decode.call_s * 1000 / decode.calls if decode.calls else None,
-        itl_s=tuple(figures.itl_s(decode.times)),  # the one definition (serving/figures.py)
-        e2e_s=e2e_s,
-        load_s=loaded.load_s,
-        warmup_s=loaded.warmup_s,
-        probe_s=loaded.probe_s,
-        engine_prompt_eval_ms=float(perf.t_p_eval_ms),
-        engine_eval_ms=float(perf.t_eval_ms),
-        engine_n_prompt_eval=int(perf.n_p_eval),
-        engine_n_eval=int(perf.n_eval),
-        engine_sample_ms=sample_ms,
-        engine_n_sample=n_sample,
-        seed=seed,
-        prefilled_tokens=prefill.evaluated if prefill.aborted else None,
-        background_cpus=background_cpus,
-        thinking_tokens=decode.thinking_tokens,
-        first_answer_s=decode.first_answer_s,
-        draft_tokens=decode.drafted,
-        accepted_tokens=decode.accepted,
-        decode_steps=decode.steps,
-        rpc_decode_wait_s=decode.rpc_wait_s,
-        model=loaded.model,
-        settings=loaded.settings,
-    )
 
 
 def _prefill(

@@ -106,6 +106,7 @@ _MAX_STRING = 64 * 1024 * 1024
 _MAX_ARRAY = 2**32  # items in one array: past this a count is damaged, not cut short
 _MAX_NESTING = 8  # arrays of arrays: llama.cpp itself reads no deeper than 2
 LLAMA_MAX_LAYERS = 512  # llama.cpp asserts on block_count beyond this
+_TRUNCATED = "truncated GGUF file (header ends early)"
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class _Reader:
 
     def _need(self, n: int) -> None:
         if self.pos + n > len(self.buf):
-            raise InvalidModelFileError(self.path, "truncated GGUF file (header ends early)")
+            raise InvalidModelFileError(self.path, _TRUNCATED)
 
     def scalar(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -182,14 +183,10 @@ class _Reader:
         unpack, buf, pos, end = _U64.unpack_from, self.buf, self.pos, len(self.buf)
         for _ in range(count):
             if pos + 8 > end:
-                break
+                raise InvalidModelFileError(self.path, _TRUNCATED)
             pos += 8 + unpack(buf, pos)[0]
-        else:
-            if pos <= end:
-                self.pos = pos
-                return
         self.pos = pos
-        raise InvalidModelFileError(self.path, "truncated GGUF file (header ends early)")
+        self._need(0)
 
     def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in SCALAR_FORMATS:
@@ -207,7 +204,7 @@ class _Reader:
                 if n > _MAX_ARRAY:  # no array is that long: the count itself is damaged
                     raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
                 # a vocabulary's count, say, in a file cut short (`head -c 2000 model.gguf`)
-                raise InvalidModelFileError(self.path, "truncated GGUF file (header ends early)")
+                raise InvalidModelFileError(self.path, _TRUNCATED)
             if n <= _KEEP_ARRAY_MAX:
                 return [self.value(itype, depth + 1) for _ in range(n)]
             if itype in SCALAR_FORMATS:
@@ -245,9 +242,7 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
             continue
         value = metadata[key]
         values = value if isinstance(value, list) else [value]  # None: [None], no count
-        if not values or not all(
-            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
-        ):
+        if not values or not all(type(v) is int and low <= v <= high for v in values):
             shown = value if not isinstance(value, list) else f"array of {len(value)}"
             raise InvalidModelFileError(
                 path, f"corrupt GGUF header ({key} = {shown!r}; llama.cpp needs {low}..{high})"
@@ -259,18 +254,13 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
         "rope.freq_scale",
     ):
         key = f"{arch}.{name}"
-        value = metadata.get(key)
-        if key in metadata and not (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value >= 0
-        ):
+        value = metadata.get(key, 0)  # absent: nothing to check
+        if not (type(value) in (int, float) and 0 <= value < math.inf):
             raise InvalidModelFileError(
                 path, f"corrupt GGUF header ({key} = {value!r}; llama.cpp needs a number >= 0)"
             )
     file_type = metadata.get("general.file_type")
-    if file_type is not None and (not isinstance(file_type, int) or isinstance(file_type, bool)):
+    if file_type is not None and type(file_type) is not int:
         raise InvalidModelFileError(path, f"corrupt GGUF header (general.file_type {file_type!r})")
 
 
@@ -314,12 +304,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
         raise InvalidModelFileError(path, f"cannot be read ({e.strerror or e})") from None
     _check_model_fields(path, metadata)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if (
-        not isinstance(alignment, int)
-        or isinstance(alignment, bool)
-        or alignment <= 0
-        or alignment & (alignment - 1)
-    ):
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise InvalidModelFileError(
             path, f"corrupt GGUF header (general.alignment {alignment!r} is not a power of two)"
         )

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .errors import EngineError
+
 
 class Model:
     """A loaded llama_model and its vocabulary, and the grammars parsed on it (freed first)."""
@@ -35,8 +37,6 @@ class Model:
             if n >= 0:
                 return list(buf[:n])
             n_max = -n
-        from .errors import EngineError
-
         raise EngineError("tokenization failed")
 
     def to_piece(self, token: int, *, special: bool = False) -> bytes:
@@ -233,8 +233,6 @@ class GrammarSampler(Sampler):
         """Every token with its logit, unsorted, nothing selected (llama.cpp's `set_logits`)."""
         ptr = self._logits_ith(ctx, index)
         if not ptr:
-            from .errors import EngineError
-
             raise EngineError(f"llama.cpp has no logits for batch entry {index}")
         logits = self._np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         _set_candidates(self._view, self._all, self._ids, logits)
@@ -244,8 +242,6 @@ class GrammarSampler(Sampler):
         masked, so the grammar allows no token of this model here (llama.cpp asserts)."""
         a = self._all
         if not 0 <= a.selected < a.size or a.data[a.selected].logit == float("-inf"):
-            from .errors import EngineError
-
             raise EngineError("the grammar allows no token of this model at this point")
         return int(a.data[a.selected].id)
 

@@ -231,10 +231,7 @@ class LlamaCppRunner:
         return self._prompts.render(request)
 
     def _new_formatter(self) -> Any:
-        assert self._info is not None
-        return formatter_for(
-            self._model_checked, self.config.chat_template or self._info.chat_template
-        )
+        return formatter_for(self._model_checked, self.chat_template())
 
     def request_tokens(self, request: Request) -> list[int]:
         self.load_weights()

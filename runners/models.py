@@ -270,9 +270,8 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
     if quant:
         chosen = [f for f in ggufs if quant_matches(f, quant)]
         if not chosen:
-            raise HubError(
-                f"{repo} has no {echo_cut(quant)} file; it has: {some_names(_names(ggufs))}"
-            )
+            names = sorted({_SPLIT.sub(".gguf", Path(f).name) for f in ggufs})  # a split file once
+            raise HubError(f"{repo} has no {echo_cut(quant)} file; it has: {some_names(names)}")
     else:
         chosen = [f for f in ggufs if quant_matches(f, PREFERRED_QUANT)] or ggufs
     groups: dict[str, list[str]] = {}
@@ -282,10 +281,6 @@ def choose_gguf(repo: str, files: list[str], quant: str | None) -> list[str]:
         ref = f"{repo}:{quant}" if quant else repo
         raise AmbiguousModelError(ref, [f"{repo}/{g}" for g in sorted(groups)])
     return sorted(next(iter(groups.values())))
-
-
-def _names(files: list[str]) -> list[str]:
-    return sorted({_SPLIT.sub(".gguf", Path(f).name) for f in files})
 
 
 def _download(repo: str, filename: str) -> str:

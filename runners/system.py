@@ -77,8 +77,8 @@ def performance_cores(root: str = "/sys") -> int | None:
 def default_threads() -> int:
     """llmrun's thread count: the physical cores, or on a hybrid CPU its performance cores
     (decode is paced by the slowest thread, and an efficiency core is that thread)."""
-    p_cores = performance_cores()
-    return min(p_cores, physical_cores()) if p_cores else physical_cores()
+    p_cores, cores = performance_cores(), physical_cores()
+    return min(p_cores, cores) if p_cores else cores
 
 
 def physical_cores() -> int:
@@ -101,9 +101,7 @@ def physical_cores() -> int:
             physical = core = ""
     if physical or core:
         cores.add((physical, core))
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    count = len(cores) or os.cpu_count() or 1
-    return max(1, min(count, usable or count))
+    return min(len(cores) or os.cpu_count() or 1, logical_cpus())
 
 
 def _cpuinfo(key: str) -> str | None:
@@ -341,7 +339,7 @@ def _cores_word() -> str:
 def choose_threads(default: int, background: float | None, logical: int) -> ThreadChoice:
     """The cores other processes leave free, at most `default`, at least one. A busy machine
     makes every llama.cpp thread wait for the slowest one: 10-30x slower at full threads."""
-    if background is None or background <= max(0.25, logical - default - 0.25):
+    if background is None or not busy_machine(background, default, logical):
         return ThreadChoice(default, default, background, logical)
     free = max(1, round(logical - background))
     return ThreadChoice(min(default, free), default, background, logical)
@@ -459,10 +457,8 @@ def weights_memories(
     offloads them: each is read once per token. The input embedding is left out: llama.cpp
     keeps it on the CPU and decode reads one row of it per token.
     """
-    on_device = min(1.0, n_offloaded / n_layers) if n_layers and n_offloaded > 0 else 0.0
     names = [n.strip() for n in devices.split(",") if n.strip() and n.strip() != "CPU"]
-    if not names:
-        on_device = 0.0
+    on_device = min(1.0, n_offloaded / n_layers) if names and n_layers and n_offloaded > 0 else 0.0
     out = []
     if on_device < 1:
         host = system.mem_bw_bytes_s

@@ -222,23 +222,19 @@ class Sweep:
             aliases=sw.FLASH_ATTN_ALIASES,
             refuse="on, off or auto (or 1, 0, -1)",
         )
-        modes: list[str | None] = [None]
-        if self.mmap or self.direct_io or self.load_mode:
-            modes = (
-                [("mmap" if on else "none") for on in sw.parse_bools(self.mmap, name="-mmp")]
-                if self.mmap
-                else []
+        modes: list[str | None] = []  # none of -mmp, -dio, -lm: [None] (a list has a value)
+        if self.mmap:
+            modes += [("mmap" if on else "none") for on in sw.parse_bools(self.mmap, name="-mmp")]
+        if self.direct_io:
+            dio = sw.parse_bools(self.direct_io, name="-dio/--direct-io")
+            modes += [("dio" if on else "auto") for on in dio]
+        if self.load_mode:
+            modes += sw.parse_words(
+                self.load_mode,
+                name="-lm",
+                allowed=tuple(LOAD_MODES),
+                refuse=", ".join(LOAD_MODES),
             )
-            if self.direct_io:
-                dio = sw.parse_bools(self.direct_io, name="-dio/--direct-io")
-                modes += [("dio" if on else "auto") for on in dio]
-            if self.load_mode:
-                modes += sw.parse_words(
-                    self.load_mode,
-                    name="-lm",
-                    allowed=tuple(LOAD_MODES),
-                    refuse=", ".join(LOAD_MODES),
-                )
         combos = sw.sweep(
             n_threads=optional_ints(self.threads, "-t", base.n_threads),
             n_batch=optional_ints(self.batch, "-b", base.n_batch),
@@ -255,7 +251,7 @@ class Sweep:
             ),
             repack=_given(self.repack, None, sw.parse_bools, name="--repack"),
             no_kv_offload=_given(self.no_kv_offload, False, sw.parse_bools, name="-nkvo"),
-            load_mode=modes,
+            load_mode=modes or [None],
             **self._llama_params(),
             **self._gpu_lists(),
             **self._threadpool_lists(),

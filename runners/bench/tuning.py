@@ -153,7 +153,7 @@ class _Measured:
         self.runner, self.base, self.shapes, self.cancel = runner, base, shapes, cancel
         self.on_progress = on_progress
         self.samples: dict[Combo, list[tuple[float, float]]] = {}
-        self.cut: dict[Combo, dict[int, list[float]]] = {}  # a stopped trial's finished shapes
+        self.cut: dict[Combo, tuple[list[float], list[float]]] = {}  # a stopped trial's pp, tg
         self.background: dict[Combo, float] = {}  # other processes' load, the most per combo
         self.busy: set[Combo] = set()
         self.stage: dict[Combo, str] = {}
@@ -191,11 +191,11 @@ class _Measured:
                 self.on_progress(TuneProgress(stage, self.trials + int(whole), self.planned, part))
         self.stopped = self.cancel is not None and self.cancel.is_set()
         for combo, by_shape in found.items():
-            if len(by_shape) < len(self.shapes):
-                self.cut.setdefault(combo, by_shape)  # cut short by a stop: not a whole trial
-                continue
             pp = by_shape.get(0, [])
             tg = next((v for k, v in by_shape.items() if k), [])
+            if len(by_shape) < len(self.shapes):
+                self.cut.setdefault(combo, (pp, tg))  # cut short by a stop: not a whole trial
+                continue
             self.samples.setdefault(combo, []).extend(zip(pp, tg, strict=False))
             self.stage.setdefault(combo, stage)
             self.trials += todo.count(combo)
@@ -217,8 +217,7 @@ class _Measured:
         pairs = tuple(self.samples.get(combo, ()))  # none when cut: no trial of it was whole
         pp, tg = [p for p, _ in pairs], [t for _, t in pairs]
         if cut:
-            by_shape = self.cut[combo]
-            pp, tg = by_shape.get(0, []), next((v for k, v in by_shape.items() if k), [])
+            pp, tg = self.cut[combo]
         return Tried(
             combo,
             statistics.fmean(pp) if pp else None,

@@ -87,7 +87,7 @@ class Span:
 
 @dataclass(frozen=True)
 class Spans:
-    """A request's phases as read (`PhaseMeter.end`), or several requests' summed."""
+    """A request's phases as read (`PhaseMeter.spans`), or several requests' summed."""
 
     stats: GenerationStats
     load: Span
@@ -260,14 +260,9 @@ class PhaseMeter:
         """The request's last event, its stats carrying the energy report."""
         if not isinstance(finished.stats, GenerationStats):  # nothing to carry it
             return finished
-        stats = dataclasses.replace(finished.stats, energy=self.report_of(self.end(finished.stats)))
-        return Finished(stats, finished.text, finished.tail)
-
-    def end(self, stats: GenerationStats) -> Spans:
-        """The request's phases as read (its last token has been seen): sum several
-        requests' (`Spans.plus`) to report them as one (bench's repetitions)."""
         self.finish()
-        return self.spans(stats)
+        stats = dataclasses.replace(finished.stats, energy=self.report(finished.stats))
+        return Finished(stats, finished.text, finished.tail)
 
     def finish(self) -> None:
         """The request's last token has been seen: its decode ends here."""
