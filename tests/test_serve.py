@@ -350,6 +350,17 @@ def test_a_prompt_longer_than_the_context_gets_400(llmrun_server: Server) -> Non
     assert "tokens long but the context holds 512" in message
 
 
+def test_generated_tokens_count_what_usage_counts(llmrun_server: Server) -> None:
+    """llmrun_generated_tokens_total left out the end token that usage.completion_tokens (and
+    llama-server's tokens_predicted) count: 89 against 93 after six answers that ended on it."""
+    before = llmrun_server.metric("llmrun_generated_tokens_total")
+    r = llmrun_server.post("/v1/chat/completions", chat("Say hi.", max_tokens=200, temperature=0))
+    answer = r.json()
+    assert answer["choices"][0]["finish_reason"] == "stop", answer  # ended on the end token
+    got = llmrun_server.metric("llmrun_generated_tokens_total") - before
+    assert got == answer["usage"]["completion_tokens"] == answer["timings"]["output_tokens"] + 1
+
+
 def test_a_disconnected_client_frees_its_sequence_and_the_rest_carry_on(
     llmrun_server: Server,
 ) -> None:

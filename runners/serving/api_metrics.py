@@ -53,7 +53,13 @@ COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Prompt tokens found in a sequence's cache (not prefilled).",
         (),
     ),
-    ("generated", "llmrun_generated_tokens", "Tokens generated.", ()),
+    (
+        "generated",
+        "llmrun_generated_tokens",
+        "Tokens generated, the end token of an answer that ended on it included"
+        " (usage.completion_tokens).",
+        (),
+    ),
 )
 
 # The histograms: attribute, name, help, buckets
@@ -215,7 +221,7 @@ class ServerMetrics:
         c, h = self.counters, self.histograms
         c["prompt_tokens"].inc(t.prompt_tokens)
         c["reused_tokens"].inc(t.reused_tokens)
-        c["generated"].inc(t.output_tokens)
+        c["generated"].inc(t.completion_tokens)  # usage's count, one definition
         if t.finish_reason == FINISH_CANCELLED and t.ttft_ms is None and not t.prefill_chunks:
             return  # gone before its first step: no phase to count
         h["queue"].observe(t.queue_ms / 1000)
