@@ -154,10 +154,12 @@ class ServeEngineOptions(OptionRecord):
     ] = None
     threads_batch: o.ThreadsBatch = None
     gpu_layers: o.GpuLayers = None
+    flash_attn: o.FlashAttnOpt = None
     cache_type_k: o.CacheTypeK = o.ENGINE_DEFAULTS.cache_type_k
     cache_type_v: o.CacheTypeV = o.ENGINE_DEFAULTS.cache_type_v
     repack: o.Repack = None
     rpc: o.Rpc = None
+    no_warmup: o.NoWarmup = False
 
     def config(self) -> EngineConfig:
         threads = self.threads

@@ -337,3 +337,17 @@ def test_every_choice_is_read_in_any_case() -> None:
             assert param.type.convert(given.upper(), param, None) == param.type.convert(
                 given, param, None
             ), (path, param.opts)
+
+
+def test_serve_takes_flash_attention_and_no_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve -fa off --no-warmup` (llama-server's flags) was a usage error, though run's, chat's
+    and the docs' table of shared options have both; they reach the engine's settings."""
+    import llmrun.cli.serve as serve_command
+
+    seen: list[typing.Any] = []
+    monkeypatch.setattr(serve_command, "_serve", lambda settings, dashboard: seen.append(settings))
+    result = CliRunner().invoke(app, ["serve", "-fa", "off", "--no-warmup"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].engine.flash_attn == "off" and seen[0].engine.warmup is False
+    result = CliRunner().invoke(app, ["serve"])
+    assert seen[1].engine.flash_attn is None and seen[1].engine.warmup is True
