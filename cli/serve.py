@@ -427,8 +427,7 @@ def listen_host(given: str) -> str:
     """--host as the socket takes it: an IPv6 address also as URLs write it (`[::1]`, as the
     server prints its address); one with spaces around it was refused by the resolver, in
     words that dropped the spaces and so blamed a good address."""
-    if given != given.strip() or not given or not given.isprintable():
+    bare = given[1:-1] if given.startswith("[") and given.endswith("]") else given
+    if bare != bare.strip() or not bare or not given.isprintable():  # `[ ]` and `[]` too
         raise BadRequestError(f"--host {given!r}: give an address or a name, without spaces")
-    if given.startswith("[") and given.endswith("]"):
-        return given[1:-1]
-    return given
+    return bare

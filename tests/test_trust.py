@@ -791,6 +791,10 @@ def test_a_blank_home_and_a_spaced_host_are_refused(cli: CliRunner) -> None:
     )
     # an IPv6 address as URLs write it, and as the server prints its own
     assert listen_host("[::1]") == listen_host("::1") == "::1"
+    for bracketed in ("[]", "[ ]", "[ ::1]"):  # were the resolver's "Name or service not known"
+        empty = cli.invoke(app, ["serve", "--host", bracketed, "--port", "0"])
+        assert empty.exit_code == 2, empty.output
+        assert f"--host {bracketed!r}: give an address or a name, without spaces" in empty.stderr
 
 
 def test_a_refused_context_blames_the_setting_not_the_file(
