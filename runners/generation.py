@@ -62,19 +62,19 @@ def new_sampler(
             chain.accept(prompt[-last_n:])
         if sp.temperature <= 0:
             chain.add(lib.llama_sampler_init_greedy())
-            return _with_grammar(chain, model, sp.grammar)
-        if sp.top_k > 0:
-            chain.add(lib.llama_sampler_init_top_k(sp.top_k))
-        if sp.top_p < 1.0:
-            chain.add(lib.llama_sampler_init_top_p(sp.top_p, 1))
-        if sp.min_p > 0.0:
-            chain.add(lib.llama_sampler_init_min_p(sp.min_p, 1))
-        chain.add(lib.llama_sampler_init_temp(sp.temperature))
-        chain.add(lib.llama_sampler_init_dist(seed))
+        else:
+            if sp.top_k > 0:
+                chain.add(lib.llama_sampler_init_top_k(sp.top_k))
+            if sp.top_p < 1.0:
+                chain.add(lib.llama_sampler_init_top_p(sp.top_p, 1))
+            if sp.min_p > 0.0:
+                chain.add(lib.llama_sampler_init_min_p(sp.min_p, 1))
+            chain.add(lib.llama_sampler_init_temp(sp.temperature))
+            chain.add(lib.llama_sampler_init_dist(seed))
+        return _with_grammar(chain, model, sp.grammar)  # the chain freed if the grammar fails
     except BaseException:
-        chain.close()
+        chain.close()  # closing twice is nothing: add_grammar may have freed it
         raise
-    return _with_grammar(chain, model, sp.grammar)
 
 
 def _with_grammar(chain: Sampler, model: Model | None, grammar: str | None) -> Sampler:

@@ -193,3 +193,25 @@ def test_the_benchmark_measures_both_tools_in_one_run(model_path: str) -> None:
         assert out["llama_server"]["ratios"][name]["ms_per_token"] > 0
     (theirs,) = out["llama_server"]["runs"]["unconstrained"]
     assert theirs["tokens"] == 12  # ignore_eos: exactly n_predict
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_that_fails_frees_the_chain_at_every_temperature(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a temperature above 0 the grammar step ran after the try that frees the sampler
+    chain on a failure, so a grammar that failed there left the chain allocated."""
+    from llmrun.runners import generation
+    from llmrun.runners.base import SamplingParams
+
+    chains: list[Any] = []
+
+    def failing(chain: Any, model: Any, grammar: str | None) -> Any:
+        chains.append(chain)
+        raise RuntimeError("the grammar failed")
+
+    monkeypatch.setattr(generation, "_with_grammar", failing)
+    sp = SamplingParams(temperature=temperature, repeat_penalty=1.0)
+    with pytest.raises(RuntimeError, match="the grammar failed"):
+        generation.new_sampler(None, sp, 1, prompt=[], n_ctx=64)
+    assert len(chains) == 1 and chains[0].ptr is None  # freed
