@@ -396,6 +396,25 @@ def test_a_budget_too_short_for_one_setting_says_so_and_keeps_what_was_measured(
     assert not (home / "config" / "tuned.json").exists()
 
 
+def test_tunes_first_setting_is_what_run_uses_flash_attention_auto(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run given no -fa leaves flash attention to llama.cpp's auto (EngineConfig's None), but
+    the row labelled llmrun's defaults ran fa=off under a header saying auto."""
+    monkeypatch.setattr(tuning, "default_threads", lambda: 1)
+    monkeypatch.setattr(tuning, "logical_cpus", lambda: 1)
+    result = cli.invoke(app, ["tune", "--workload", "chat"])
+    assert result.exit_code == 0, result.stderr
+    first = fake_bench.configs[0]
+    run_default = EngineConfig()
+    assert run_default.flash_attn is None and first.flash_attn == "auto"  # llama.cpp's None
+    assert (first.n_batch, first.n_ubatch, first.repack) == (512, 512, run_default.repack)
+    said = " ".join(result.stderr.split())
+    assert re.search(r"t=1 b=512 ub=512 fa=auto .*llmrun's defaults", said), said
+    assert "fa=off" in said and "fa=on" in said  # both measured against auto
+    assert "no flash attention" not in said and "batch 512, flash attention auto" in said
+
+
 # ---- the repacking probe -------------------------------------------------------------------
 
 
