@@ -123,7 +123,7 @@ def _tune(
     budget = Budget(budget_s, cancel)
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
-        load_and_report(runner, err, bandwidth=False, cancel=cancel)  # tuning: no efficiency
+        load_and_report(runner, err, bandwidth=False, cancel=cancel, tuning=True)  # no efficiency
         start = tn.start_threads()  # run's choice: on a busy machine, the cores left free
         if start.reduced:
             err.print(f"llmrun: threads {start.why}", markup=False, emoji=False)
