@@ -396,6 +396,53 @@ def test_a_budget_too_short_for_one_setting_says_so_and_keeps_what_was_measured(
     assert not (home / "config" / "tuned.json").exists()
 
 
+def test_tunes_first_setting_is_what_run_uses_flash_attention_auto(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run given no -fa leaves flash attention to llama.cpp's auto (EngineConfig's None), but
+    the row labelled llmrun's defaults ran fa=off under a header saying auto."""
+    monkeypatch.setattr(tuning, "default_threads", lambda: 1)
+    monkeypatch.setattr(tuning, "logical_cpus", lambda: 1)
+    result = cli.invoke(app, ["tune", "--workload", "chat"])
+    assert result.exit_code == 0, result.stderr
+    first = fake_bench.configs[0]
+    run_default = EngineConfig()
+    assert run_default.flash_attn is None and first.flash_attn == "auto"  # llama.cpp's None
+    assert (first.n_batch, first.n_ubatch, first.repack) == (512, 512, run_default.repack)
+    said = " ".join(result.stderr.split())
+    assert re.search(r"t=1 b=512 ub=512 fa=auto .*llmrun's defaults", said), said
+    assert "fa=off" in said and "fa=on" in said  # both measured against auto
+    assert "no flash attention" not in said and "batch 512, flash attention auto" in said
+
+
+def test_tunes_header_names_the_saved_entry_a_partial_one_too(
+    cli: CliRunner, home: Path, fake_bench: FakeBenchRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat entry a --budget cut short is what run and chat apply, yet tune's header said
+    'nothing tuned for this model'."""
+    from llmrun.runners.bench.tuned import apply_tuning, save_tuned
+
+    monkeypatch.setattr(tuning, "default_threads", lambda: 1)
+    monkeypatch.setattr(tuning, "logical_cpus", lambda: 1)
+    partial = "stopped by --budget after 8 trials"
+    chat = {"n_threads": 1, "n_threads_batch": 1, "n_batch": 256, "n_ubatch": 256}
+    save_tuned(fake_bench.model_path, {"chat": {**chat, "flash_attn": "on", "partial": partial}})
+    assert apply_tuning(EngineConfig(), fake_bench.model_path).tuned  # run's reading
+    result = cli.invoke(app, ["tune", "--workload", "chat", "--budget", "1h"])
+    assert result.exit_code == 0, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "nothing tuned" not in said
+    assert (
+        "llmrun's defaults, where tune starts; saved already: tuned for chat (partial:"
+        f" {partial}) in" in said
+    ), said
+    assert fake_bench.configs[0].n_batch == 512  # the search starts from the defaults still
+    empty = home.parent / "elsewhere"
+    monkeypatch.setenv("LLMRUN_HOME", str(empty))
+    fresh = cli.invoke(app, ["tune", "--workload", "chat"])
+    assert "where tune starts (nothing tuned for this model yet)" in " ".join(fresh.stderr.split())
+
+
 # ---- the repacking probe -------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from llmrun.cli.report import ms
 from llmrun.cli.terminal import terminal_line
 from llmrun.runners.base import BenchRunner
 from llmrun.runners.bench import sweep as sw
+from llmrun.runners.bench.tuned import saved_tuning
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.stats import EngineSettings, human_count
 from llmrun.runners.system import SystemInfo
@@ -62,11 +63,13 @@ def load_and_report(
     combos: Sequence[sw.Combo] = (),
     llama_bench_defaults: bool = False,
     cancel: threading.Event | None = None,
+    tuning: bool = False,
 ) -> SystemInfo:
     """Load the model and print the machine's report (with the bandwidth probe if asked; a
     later model of the same run reuses the first one's report of the machine). Setting
     `cancel` (the command's Ctrl-C or SIGTERM) ends the load: the repacking probe's child,
-    the tensors and the warm-up decode (LoadCancelledError)."""
+    the tensors and the warm-up decode (LoadCancelledError). `tuning`: tune's load, with
+    llmrun's defaults where the search starts whatever was tuned before."""
     with err.status("loading the model and measuring memory bandwidth ..."):
         loaded = runner.load(cancel=cancel)
         if system is None:
@@ -75,7 +78,15 @@ def load_and_report(
     err.print(label_grid(system_rows(system, facts)))
     st = loaded.settings
     if isinstance(st, EngineSettings):
-        line = settings_line(st, combos, runner.config, llama_bench_defaults=llama_bench_defaults)
+        saved = "" if llama_bench_defaults or st.tuned else saved_tuning(runner.model_path)
+        line = settings_line(
+            st,
+            combos,
+            runner.config,
+            llama_bench_defaults=llama_bench_defaults,
+            saved=saved,
+            tuning=tuning,
+        )
         err.print(label_grid([("settings", line)]))
         pools = threadpool_line(combos, runner.config.threadpool.prio)
         if pools:
@@ -113,18 +124,25 @@ def settings_line(
     base: EngineConfig | None = None,
     *,
     llama_bench_defaults: bool = False,
+    saved: str = "",
+    tuning: bool = False,
 ) -> str:
     """What runs, and whose defaults filled what was not given (llama-bench's, so its tools
     pair the records, or with --tuned llmrun's): for a swept setting, the value each test runs
-    with, not the loaded engine's first."""
+    with, not the loaded engine's first. `saved`: what tune saved for the model where this
+    load does not use it (`saved_tuning`); `tuning`: tune's own load, which never does."""
     b = base or EngineConfig()
-    source = (
-        "llama-bench's defaults (--tuned: llmrun's own)"
-        if llama_bench_defaults
-        else "tuned by `llmrun tune`"
-        if st.tuned
-        else "llmrun's defaults (nothing tuned for this model)"
-    )
+    if llama_bench_defaults:
+        source = "llama-bench's defaults (--tuned: llmrun's own)"
+    elif st.tuned:
+        source = "tuned by `llmrun tune`"
+    elif tuning:
+        kept = f"; saved already: {saved}" if saved else " (nothing tuned for this model yet)"
+        source = f"llmrun's defaults, where tune starts{kept}"
+    else:
+        source = "llmrun's defaults " + (
+            f"(not applied here: {saved})" if saved else "(nothing tuned for this model)"
+        )
     repack = st.repack_note or ("on" if st.repack else "off")
     swept_repack = [None if c.repack is None else ("on" if c.repack else "off") for c in combos]
     ngl = _each(st.n_gpu_layers_asked, b.n_gpu_layers, [c.n_gpu_layers for c in combos])

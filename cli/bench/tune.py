@@ -123,7 +123,7 @@ def _tune(
     budget = Budget(budget_s, cancel)
     runner = make_bench_runner(model, EngineConfig(), tuned=False)
     try:
-        load_and_report(runner, err, bandwidth=False, cancel=cancel)  # tuning: no efficiency
+        load_and_report(runner, err, bandwidth=False, cancel=cancel, tuning=True)  # no efficiency
         start = tn.start_threads()  # run's choice: on a busy machine, the cores left free
         if start.reduced:
             err.print(f"llmrun: threads {start.why}", markup=False, emoji=False)
@@ -290,8 +290,9 @@ def _show_found(found: tn.Found, workloads: Sequence[str], err: Console) -> None
         f" request's tokens per second of its time ({kinds}), from each repetition's"
         " prompt and output rates. An alternative replaces the setting before it only"
         " when its median score is above that setting's best (else: within the noise, and"
-        " the earlier setting stays). The first row is llmrun's defaults (physical or"
-        " performance cores, batch 512, no flash attention, repacking where probed safe);"
-        " llama.cpp's own defaults are batch 2048 and flash attention auto.",
+        " the earlier setting stays). The first row is llmrun's defaults, what run uses"
+        " when given no option (physical or performance cores, batch 512, flash attention"
+        " auto: llama.cpp's choice for the device, repacking where probed safe); llama.cpp's"
+        " own defaults are batch 2048 and flash attention auto.",
         markup=False,
     )

@@ -102,15 +102,35 @@ def save_tuned(model_path: str, settings: dict[str, Any]) -> Path:
     return path
 
 
+def tuned_for(entry: dict[str, Any], workload: str) -> dict[str, Any] | None:
+    """The settings a model's entry holds for the workload, as run, chat and bench apply them;
+    an entry saved before workloads existed is one set for all."""
+    tuned = entry.get(workload)
+    if isinstance(tuned, dict):
+        return tuned or None
+    if not any(isinstance(v, dict) for v in entry.values()):
+        return entry or None
+    return None
+
+
+def saved_tuning(model_path: str) -> str:
+    """What tune saved for this model, read as `tuned_for` reads it: 'tuned for chat (partial:
+    stopped by --budget after 8 trials) in PATH'; '' where nothing is."""
+    entry = load_tuned(model_path)
+    parts = []
+    for workload in WORKLOADS:
+        tuned = tuned_for(entry, workload) if entry else None
+        if tuned:
+            partial = tuned.get("partial")
+            parts.append(f"{workload} (partial: {partial})" if partial else workload)
+    return f"tuned for {' and '.join(parts)} in {tuned_file()}" if parts else ""
+
+
 def apply_tuning(config: EngineConfig, model_path: str) -> EngineConfig:
     """Fill the options left unset with the values tuned for the config's workload (chat, or
     document for a long prompt); marks the config tuned if any were."""
     entry = load_tuned(model_path)
-    if not entry:
-        return config
-    tuned = entry.get(config.workload) if isinstance(entry.get(config.workload), dict) else None
-    if tuned is None and not any(isinstance(v, dict) for v in entry.values()):
-        tuned = entry  # saved before workloads existed: one set for all
+    tuned = tuned_for(entry, config.workload) if entry else None
     if not tuned:
         return config
     saved = {name: tuned[name] for name in TUNED_FIELDS if tuned.get(name) is not None}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmrun.runners.base import BenchRunner
-from llmrun.runners.config import EngineConfig
+from llmrun.runners.config import DEFAULT_N_BATCH, EngineConfig
 from llmrun.runners.errors import OptionError
 from llmrun.runners.system import (
     ThreadChoice,
@@ -266,6 +266,7 @@ def _stages(phys: int, logical: int) -> Stages:
         ),
         (
             "flash attention",
+            # auto (run's default, the first setting's) is llama.cpp's choice of one of these
             lambda c: [dataclasses.replace(c, flash_attn=fa) for fa in ("off", "on")],
         ),
         ("repacking", lambda c: [dataclasses.replace(c, repack=r) for r in (True, False)]),
@@ -355,7 +356,9 @@ def search(
     phys, logical = default_threads(), logical_cpus()
     measured = _Measured(runner, base, shapes, cancel, on_progress)
     start = plan.threads or phys
-    baseline = Combo(start, 512, 512, None, "off", n_threads_batch=start)
+    # run's own settings when no option is given: its thread choice, batch and ubatch 512,
+    # flash attention as llama.cpp's auto decides it (EngineConfig's None), repacking where safe
+    baseline = Combo(start, DEFAULT_N_BATCH, DEFAULT_N_BATCH, None, "auto", n_threads_batch=start)
     notes: dict[Combo, list[str]] = {baseline: ["llmrun's defaults"]}
     searching = _Search(measured, _stages(phys, logical), on_stage, notes)
     chosen: dict[str, dict[str, Any]] = {}
