@@ -128,7 +128,10 @@ def test_a_llama_bench_run_and_an_llmrun_run_of_one_command_line_pair(
     # no hand step: llama-bench's build records the commit llmrun loads (built with it, as the
     # sdist has no .git), and llmrun's rows carry it in capitals, so the two stay apart
     commit = dv.build_commit(dv.query().commit())
-    assert {r[0] for r in rows} == {commit, llmrun_build(commit)} and commit != "unknown"
+    assert {r[0] for r in rows} == {commit, llmrun_build(commit)} and commit != "unknown", (
+        f"{llama_bench_path} records another commit: built before tests/llama_tools.py gave the"
+        " build LLAMA_BUILD_COMMIT? remove its build folder (.venv/llama-tools/VERSION/build)"
+    )
     with sqlite3.connect(db) as con:
         # llama-bench ran with repacking as this CPU needs (llmrun's SQL leaves the column out,
         # for older tables; its JSON records say it, test_llama_bench.py)
