@@ -36,6 +36,7 @@ the folder clears it. An unwritable, partial or corrupt cache costs a build, nev
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
@@ -51,6 +52,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmrun.runners import devices as dv
 from tools.llama_src import (
     CACHE_ENV,  # noqa: F401  (the tests turn the cache off through this module)
     STALE_S,  # noqa: F401  (the tests age staging folders past it)
@@ -90,6 +92,15 @@ def wheel_libraries() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llama-cpp-python is not installed")
     return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def wheel_commit() -> str:
+    """The llama.cpp commit of the installed wheel, as llmrun records it (`0c1e570`: ggml_commit
+    of its libggml-base, without the "-dirty" of a pip build's patched tree): what llama-bench's
+    build_commit says once built with it, where the sdist's missing .git made it `unknown`."""
+    base = ctypes.CDLL(str(wheel_libraries() / "libggml-base.so"))
+    base.ggml_commit.restype = ctypes.c_char_p
+    return dv.build_commit((base.ggml_commit() or b"").decode(errors="replace"))
 
 
 def tool(name: str, together: tuple[str, ...] = TOOLS) -> Path:
@@ -142,6 +153,7 @@ def build(name: str, together: tuple[str, ...]) -> None:
             *CONFIGURE,
             f"-DLLAMA_SRC={src}",
             f"-DLLAMA_LIB={wheel_libraries()}",
+            f"-DLLAMA_BUILD_COMMIT={wheel_commit()}",
         ],
         check=True,
         stdout=subprocess.DEVNULL,

@@ -210,6 +210,25 @@ def test_rows_pair_with_llama_bench_s_by_position(
     assert _pick(ours, keys) == _pick(theirs, keys)
 
 
+@pytest.mark.slow
+def test_list_devices_prints_llama_bench_s_lines(
+    llmrun_env: dict[str, str], llama_bench_path: Path
+) -> None:
+    """`--list-devices` from the real llama-bench and from llmrun, on the same libggml: the same
+    lines (`  (none)` on a CPU-only build), but for the free memory, which may move between
+    the two calls."""
+    said = [
+        subprocess.run(command, env=llmrun_env, capture_output=True, text=True, timeout=HANG_S)
+        for command in (
+            [str(llama_bench_path), "--list-devices"],
+            [which_llmrun(), "bench", "--list-devices"],
+        )
+    ]
+    assert [s.returncode for s in said] == [0, 0], [s.stderr[-2000:] for s in said]
+    theirs, ours = (re.sub(r"\d+ MiB free", "N MiB free", s.stdout) for s in said)
+    assert ours == theirs and ours.startswith("Available devices:\n")
+
+
 # Each spelling of llama-bench's print_usage (and the older -mmp and -dio), with a value unlike
 # its default where it takes one: bench either runs with it or refuses it in one line naming it
 LLAMA_BENCH_SPELLINGS = [

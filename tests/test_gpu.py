@@ -109,6 +109,30 @@ def test_devices_name_the_backend_gpu_and_build_as_llama_bench() -> None:
     assert dv.describe_gpus(devices, True) == "CUDA0 NVIDIA H200 (140.0 of 141.0 GiB free)"
 
 
+@pytest.mark.parametrize(
+    ("devices", "lines"),
+    [  # llama.cpp's common_print_available_devices: CPU devices are not listed, as -dev cannot
+        # name them; memory in whole MiB, total first
+        ([CPU], ["Available devices:", "  (none)"]),
+        (
+            [CPU, H200, dv.Device("BLAS", "OpenBLAS", "ACCEL", "BLAS")],
+            [
+                "Available devices:",
+                "  CUDA0: NVIDIA H200 (144384 MiB, 143360 MiB free)",
+                "  BLAS: OpenBLAS (0 MiB, 0 MiB free)",
+            ],
+        ),
+    ],
+)
+def test_list_devices_prints_what_llama_bench_prints(
+    monkeypatch: pytest.MonkeyPatch, devices: list[dv.Device], lines: list[str]
+) -> None:
+    monkeypatch.setattr(dv, "QUERY", FakeQuery(devices))
+    result = CliRunner().invoke(app, ["bench", "--list-devices"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == lines
+
+
 def test_system_report_uses_the_device_query(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dv, "QUERY", FakeQuery([CPU, H200]))
     system = SystemInfo.collect(bandwidth=False)

@@ -19,6 +19,8 @@ import typer.main
 from typer._click.core import ParameterSource
 
 from llmrun.cli.app import app
+from llmrun.runners import devices as dv
+from llmrun.runners.bench.results import llmrun_build
 
 from . import llama_tools
 from .conftest import HANG_S, which_llmrun
@@ -121,22 +123,26 @@ def test_a_llama_bench_run_and_an_llmrun_run_of_one_command_line_pair(
     db = tmp_path / "llama-bench.sqlite"
     with sqlite3.connect(db) as con:
         con.executescript(theirs.stdout)
-        con.execute(
-            "UPDATE llama_bench SET build_commit = 'b1a2c3d'"
-        )  # its build, as a commit of its own
         con.executescript(ours.stdout)
         rows = con.execute(f"SELECT build_commit, {', '.join(keys)} FROM llama_bench").fetchall()
+    # no hand step: llama-bench's build records the commit llmrun loads (built with it, as the
+    # sdist has no .git), and llmrun's rows carry it in capitals, so the two stay apart
+    commit = dv.build_commit(dv.query().commit())
+    assert {r[0] for r in rows} == {commit, llmrun_build(commit)} and commit != "unknown", (
+        f"{llama_bench_path} records another commit: built before tests/llama_tools.py gave the"
+        " build LLAMA_BUILD_COMMIT? remove its build folder (.venv/llama-tools/VERSION/build)"
+    )
+    with sqlite3.connect(db) as con:
         # llama-bench ran with repacking as this CPU needs (llmrun's SQL leaves the column out,
         # for older tables; its JSON records say it, test_llama_bench.py)
-        repack = con.execute("SELECT repack FROM llama_bench WHERE build_commit = 'b1a2c3d'")
+        repack = con.execute("SELECT repack FROM llama_bench WHERE build_commit = ?", (commit,))
         assert {r[0] for r in repack} == {int(not flags)}
     by_tool: dict[bool, list[tuple[Any, ...]]] = {True: [], False: []}
-    for commit, *fields in rows:
-        by_tool[commit == "b1a2c3d"].append(tuple(fields))
+    for build, *fields in rows:
+        by_tool[build == commit].append(tuple(fields))
     assert len(by_tool[True]) == 2 and sorted(by_tool[True]) == sorted(by_tool[False]), keys
-    commit = next(r[0] for r in rows if r[0] != "b1a2c3d")
     done = subprocess.run(
-        [sys.executable, str(script), "-i", str(db), "-b", "b1a2c3d", "-c", commit],
+        [sys.executable, str(script), "-i", str(db), "-b", commit, "-c", llmrun_build(commit)],
         capture_output=True,
         text=True,
         timeout=HANG_S,

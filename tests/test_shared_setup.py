@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from llmrun.runners import devices as dv
 from llmrun.runners import probe, system
 
 from . import llama_tools
@@ -203,6 +204,10 @@ def test_the_first_tool_asked_for_builds_all_four_in_one_build(
     monkeypatch.setattr(llama_tools.subprocess, "run", record)
     assert llama_tools.tool("llama-server") == build / "bin" / "llama-server"
     assert [argv[1] for argv in ran] == ["-S", "--build"]
+    # llama-bench's build_commit: the wheel's commit, as llmrun records it (`unknown` before:
+    # the sdist has no .git), so compare-llama-bench.py pairs the two tools' rows by it
+    commit = dv.build_commit(dv.query().commit())
+    assert commit != "unknown" and f"-DLLAMA_BUILD_COMMIT={commit}" in ran[0]
     targets = ran[1][ran[1].index("--target") + 1 :]
     assert targets[0] == "llama-server" and sorted(targets) == sorted(TOOLS)
     for tool in TOOLS:  # built: no other command

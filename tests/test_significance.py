@@ -10,6 +10,7 @@ import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -17,6 +18,7 @@ from rich.console import Console
 from llmrun.runners.base import Event, Finished, Request
 from llmrun.runners.bench import measure
 from llmrun.runners.bench.results import Result
+from llmrun.runners.bench.run import RecordStream
 from llmrun.runners.bench.sweep import Combo, Shape
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import BadRequestError
@@ -270,6 +272,56 @@ def test_a_later_models_rows_carry_the_ratios_interval_and_verdict() -> None:
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert f"x0.80 ({rb['relative_low']:.3f}-{rb['relative_high']:.3f})" in shown
     assert "slower" in shown
+
+
+def _setting(result: Result, field: str, value: Any) -> Result:
+    """The result as if it ran with this one setting changed, where its record reads it."""
+    st = result.settings
+    if field in ("n_ctx", "n_threads_batch"):
+        return dataclasses.replace(result, settings=dataclasses.replace(st, **{field: value}))
+    if field in ("draft", "fit_target", "fit_min_ctx"):
+        return dataclasses.replace(
+            result, combo=dataclasses.replace(result.combo, **{field: value})
+        )
+    return dataclasses.replace(result, settings=dataclasses.replace(st, params={field: value}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("no_kv_offload", True),
+        ("split_mode", "row"),
+        ("main_gpu", 1),
+        ("tensor_split", "3/1"),
+        ("tensor_buft_overrides", "exps=CPU"),
+        ("n_cpu_moe", 4),
+        ("devices", "CUDA1"),
+        ("n_ctx", 8192),
+        ("n_threads_batch", 7),
+        ("fit_target", 512),
+    ],
+)
+def test_a_later_models_row_is_compared_with_the_first_models_same_settings(
+    field: str, value: object
+) -> None:
+    """Two models over two values of one setting (`-m a -m b -nkvo 0,1`): each row of the
+    second model against the first model's row of the same setting, never another's (the
+    pairing key left out -nkvo, -sm, -mg, -ts, -ot, -ncmoe, -dev, -c: b's -nkvo 1 row was
+    divided by a's -nkvo 0 row)."""
+    [plain], _ = _bench(None, reps=2)
+    if field == "fit_target":  # a combination's own: where the record reads it
+        plain = dataclasses.replace(plain, combo=dataclasses.replace(plain.combo, fit_target=0))
+    a0, a1 = plain, _setting(plain, field, value)
+    a1 = dataclasses.replace(a1, samples_s=tuple(s * 2 for s in plain.samples_s))  # half a0's
+    other = dataclasses.replace(plain.model, name="other")
+    b0, b1 = (
+        dataclasses.replace(r, model=other, samples_s=tuple(s * 1.25 for s in r.samples_s))
+        for r in (a0, a1)
+    )  # 0.8 of a's rate at each setting
+    assert a1.record(_system())[field] == value != a0.record(_system())[field]
+    stream = RecordStream(_system(), several_models=True)
+    rows = [rec for r in (a0, a1, b0, b1) for rec in stream.add(r)]
+    assert [r.record["relative_ts"] for r in rows] == pytest.approx([1.0, 1.0, 0.8, 0.8], abs=1e-3)
 
 
 def test_bench_until_ci_end_to_end_and_a_bad_value_in_one_line(

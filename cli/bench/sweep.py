@@ -148,14 +148,17 @@ def _refuse_own_options(context: typer.Context, subcommand: str) -> None:
 
 
 def _list_devices() -> int:
-    """llama-bench's --list-devices: what this llama.cpp can compute on."""
+    """llama-bench's --list-devices (common_print_available_devices in llama.cpp's
+    common/arg.cpp), line for line: the devices -dev can name, which are all but the CPU ones,
+    with their memory in whole MiB; `  (none)` where there is none, as on a CPU-only build."""
 
     print("Available devices:")
-    for d in dv.query().devices():
-        memory = ""
-        if d.total_bytes:
-            memory = f" ({d.total_bytes // 2**20} MiB, {(d.free_bytes or 0) // 2**20} MiB free)"
-        print(f"  {d.name}: {d.description}{memory} [{d.kind}, {d.backend}]")
+    devices = [d for d in dv.query().devices() if d.kind != "CPU"]
+    if not devices:
+        print("  (none)")
+    for d in devices:
+        total, free = (d.total_bytes or 0) // 2**20, (d.free_bytes or 0) // 2**20
+        print(f"  {d.name}: {d.description} ({total} MiB, {free} MiB free)")
     return 0
 
 

@@ -526,28 +526,23 @@ def varied_fields(sweep: Sweep, combos: Sequence[sw.Combo]) -> frozenset[str]:
     return frozenset(fields | {f for f, on in added.items() if on})
 
 
-# A test is "the same" across models when these agree (its shape and engine settings).
+# A test is "the same" across models when these agree: its shape and every setting its record
+# carries (each of a combination's, -ot's under its record name, the context and the batch
+# threads), so that a row is compared with the first model's row that differs in the model alone
+# (`-m a -m b -nkvo 0,1`: b's -nkvo 1 row with a's -nkvo 1 row, not a's -nkvo 0 one).
 SAME_TEST = (
     "n_prompt",
     "n_gen",
     "n_depth",
-    "n_threads",
-    "n_batch",
-    "n_ubatch",
-    "flash_attn",
-    "type_k",
-    "type_v",
-    "n_gpu_layers",
-    "repack",
-    "load_mode",
-    "cpu_mask",
-    "cpu_strict",
-    "poll",
-    "lazy_mode",
-    "no_host",
-    "embeddings",
-    "no_op_offload",
+    *COMBO_FIELDS.values(),
+    "n_threads_batch",
+    "n_ctx",
 )
+
+
+def same_test(record: dict[str, Any]) -> tuple[Any, ...]:
+    """The key that pairs a record with the first model's record of the same test."""
+    return tuple(tuple(v) if isinstance(v := record.get(k), list) else v for k in SAME_TEST)
 
 
 @dataclass(frozen=True)
@@ -613,7 +608,7 @@ class RecordStream:
             if self.scenarios:
                 rec["localscore"] = round(score, 3) if score is not None else None
             if self.several_models:
-                key = tuple(rec.get(k) for k in SAME_TEST)
+                key = same_test(rec)
                 first = r.model.name == self._first_model
                 if first:
                     self._first_rates.setdefault(key, rec)
