@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from llmrun.runners.errors import REF_CHARS, OptionError
+from llmrun.runners.errors import REF_CHARS, BadRequestError, InvalidModelFileError, OptionError
+from llmrun.runners.gguf import read_gguf
 from llmrun.runners.models import ListedModel, is_hub_ref, list_models, resolve_model
 from llmrun.runners.stats import human_count
 
@@ -31,6 +32,12 @@ def pull(
                 " owner/repo, owner/repo:QUANT or owner/repo/file.gguf"
             )
         path = resolve_model(ref).path
+        try:  # a cached copy that is empty or cut short is no success: -m would refuse it
+            read_gguf(path)
+        except InvalidModelFileError as e:
+            raise BadRequestError(
+                f"{e}: the Hugging Face cache's copy is damaged; delete it, then pull again"
+            ) from None
         # a pipe gets the name whole (typer.echo takes out colour codes alone, even there)
         print(terminal_line(path) if os.isatty(1) else path, flush=True)
 

@@ -95,6 +95,25 @@ def llmrun(
     )
 
 
+def test_pull_of_a_damaged_cached_copy_is_no_success(
+    llmrun_env: dict[str, str], tmp_path: Path, model_path: str
+) -> None:
+    """An empty or cut-short file in the cache was printed as pulled (exit 0), while `models`
+    and `-m` called it no GGUF file."""
+    cut, empty = tmp_path / "cut.gguf", tmp_path / "empty.gguf"
+    cut.write_bytes(Path(model_path).read_bytes()[:100])
+    empty.write_bytes(b"")
+    hub = Path(llmrun_env["HF_HOME"]) / "hub"
+    add_repo(hub, "acme/bad-GGUF", {"cut-Q4_1.gguf": cut, "empty-Q8_0.gguf": empty})
+    for ref, why in (("acme/bad-GGUF:Q4_1", "truncated GGUF"), ("acme/bad-GGUF:Q8_0", "too short")):
+        result = llmrun(llmrun_env, "pull", ref)
+        assert result.returncode == 1 and result.stdout == "", result.stderr
+        assert result.stderr.count("\n") == 1 and why in result.stderr
+        assert "the Hugging Face cache's copy is damaged; delete it, then pull again" in (
+            result.stderr
+        )
+
+
 def test_pull_resolves_quant_from_cache(hub_env: dict[str, str]) -> None:
     result = llmrun(hub_env, "pull", "acme/tiny-GGUF:Q8_0")
     assert result.returncode == 0, result.stderr
@@ -224,6 +243,7 @@ def test_pull_names_the_file_clean_on_a_terminal_and_whole_in_a_pipe(
 
     path = f"/hub/org/repo/{ESCAPES}.gguf"
     monkeypatch.setattr(models, "resolve_model", lambda ref: SimpleNamespace(path=path))
+    monkeypatch.setattr(models, "read_gguf", lambda path: None)  # no file behind the name
     piped = CliRunner().invoke(app, ["pull", "org/repo"])
     assert piped.exit_code == 0, piped.stderr
     assert piped.stdout == path + "\n"
