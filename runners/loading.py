@@ -7,6 +7,7 @@ found while loading is kept beside the weights for the load's record (load_recor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -230,14 +231,15 @@ def load_weights(
         evict_from_page_cache(path)
     resident = resident_fraction(path)
     LOG_LINES.clear()
-    model = lib.llama_model_load_from_file(path.encode(), mparams)
+    # ggml-rpc's connections, opened by the load, have a deadline from their start: none may
+    # wait forever (then the run's, for good)
+    with rpc_backend.bounding(limit) if cfg.rpc else contextlib.nullcontext():
+        model = lib.llama_model_load_from_file(path.encode(), mparams)
     del kept
     if not model:
         if cancel.is_set():
             raise LoadCancelledError(path)
         raise ModelLoadError(path, last_log_error())
-    if cfg.rpc:  # ggml-rpc's connections are open now: none may wait forever
-        rpc_backend.bound_waits(limit)
     return Weights(
         path=path,
         model=Model(lib, model),

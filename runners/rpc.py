@@ -9,11 +9,13 @@ server's devices. llama.cpp then puts them first in its device list (src/llama.c
 servers at the front) and -ngl's layers are split over them by their free memory (or -ts).
 
 ggml-rpc aborts the process when a server cannot be reached or stops answering (GGML_ABORT on
-a failed connect, send or receive), and waits forever for a handshake nobody answers. Each
-server is first sent ggml-rpc's HELLO here, under a timeout, so an unreachable one, a port
-that is something else and a server of another protocol are one line before anything is
-loaded; an abort later, while servers are attached, is reported as the server that stopped
-answering (the one whose connection closed).
+a failed connect, send or receive), and waits forever for an answer that never comes. Each
+server is first sent ggml-rpc's HELLO and then the device queries llama.cpp makes next, here,
+under a timeout, so an unreachable one, a port that is something else, a server of another
+protocol, one that freezes after the handshake and one whose answers no rpc-server gives are
+one line before anything is loaded; while llama.cpp's own connections are open (the load,
+then the run), each send and receive has a deadline (`bound_waits`), and an abort is reported
+as the server that stopped answering (the one whose connection closed).
 
 What a run learns of the servers: the bytes over their connections (`traffic`, the kernel's
 count) and each decode step's time waiting on them (`ServerWait`, the decoding thread's sleep).
@@ -77,6 +79,16 @@ class RpcUnreachableError(LlmrunError):
             else f"cannot be reached: {why} (start one there with `llmrun rpc-server`)"
         )
         super().__init__(f"--rpc: RPC server {endpoint} {told}")
+
+
+class RpcSilentError(LlmrunError):
+    """A server that took the handshake and then left llama.cpp's next question unanswered."""
+
+    def __init__(self, endpoint: str, wait_s: float) -> None:
+        super().__init__(
+            f"RPC server {endpoint} stopped answering after the handshake (no reply in"
+            f" {wait_s:g} s; {TIMEOUT_ENV})"
+        )
 
 
 class RpcServerLostError(EngineAbortError):
@@ -212,11 +224,18 @@ def _connects(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> str |
         return e.strerror or str(e)
 
 
-# ggml-rpc's HELLO, the first message of every connection (ggml-rpc.cpp negotiate_hello; the
-# numbers are the installed llama.cpp's ggml-rpc.h and transport.h, checked by tests/test_rpc.py)
+# ggml-rpc's HELLO, the first message of every connection (ggml-rpc.cpp negotiate_hello), and
+# the device queries ggml_backend_rpc_add_server and the offload plan make right after it (the
+# numbers are the installed llama.cpp's ggml-rpc.cpp, ggml-rpc.h and transport.h, checked by
+# tests/test_rpc.py)
+RPC_CMD_GET_DEVICE_MEMORY = 11
 RPC_CMD_HELLO = 14
+RPC_CMD_DEVICE_COUNT = 15
 RPC_PROTO_MAJOR_VERSION = 7
 RPC_CONN_CAPS_SIZE = 24
+# More devices than any machine has: a count above it is a broken or hostile server's, which
+# ggml-rpc would take as is (a device object each, billions of them)
+MAX_SERVER_DEVICES = 256
 
 
 def _recv_exactly(s: socket.socket, size: int) -> bytes:
@@ -230,17 +249,54 @@ def _recv_exactly(s: socket.socket, size: int) -> bytes:
     return data
 
 
-def _hello(endpoint: Endpoint) -> None:
-    """That the server answers ggml-rpc's handshake as an rpc-server of this protocol
-    (RpcUnreachableError, else). ggml-rpc's own handshake aborts the process on a bad answer
-    and waits forever for a missing one (an rpc-server serves one client at a time; a port
-    that is something else): this one has a timeout, and then the client's runs."""
+class _BadReply(Exception):
+    """An answer of a size or value no rpc-server gives."""
+
+
+def _ask(s: socket.socket, cmd: int, request: bytes, size: int) -> bytes:
+    """One ggml-rpc request and its answer of `size` bytes (_BadReply for another size)."""
+    s.sendall(struct.pack("<BQ", cmd, len(request)) + request)
+    if struct.unpack("<Q", _recv_exactly(s, 8))[0] != size:
+        raise _BadReply
+    return _recv_exactly(s, size)
+
+
+def _query_devices(s: socket.socket) -> str | None:
+    """The device count and each device's memory, as llama.cpp asks for them right after the
+    handshake: None when the answers are an rpc-server's, else what is wrong with them."""
+    (count,) = struct.unpack("<I", _ask(s, RPC_CMD_DEVICE_COUNT, b"", 4))
+    if count == 0:
+        return "it offers no device"
+    if count > MAX_SERVER_DEVICES:
+        return (
+            f"it says it has {count} devices (at most {MAX_SERVER_DEVICES}): not an"
+            " rpc-server's answer"
+        )
+    for device in range(count):
+        free, total = struct.unpack(
+            "<QQ", _ask(s, RPC_CMD_GET_DEVICE_MEMORY, struct.pack("<I", device), 16)
+        )
+        if free > total:
+            return f"its device {device} has more memory free ({free} B) than in all ({total} B)"
+    return None
+
+
+def _hello(endpoint: Endpoint, wait_s: float | None = None) -> None:
+    """That the server answers ggml-rpc's handshake as an rpc-server of this protocol, and
+    then the device queries llama.cpp makes next (RpcUnreachableError, else). ggml-rpc's own
+    client aborts the process on a bad answer and waits forever for a missing one (an
+    rpc-server serves one client at a time; a port that is something else; a server that
+    freezes after the handshake), and takes any device count it is told: this one has a
+    timeout, CONNECT_TIMEOUT_S for the connection and the handshake and `wait_s` (default
+    LLMRUN_RPC_TIMEOUT_S) for each answer after it, and then the client's runs."""
     timeout_s = CONNECT_TIMEOUT_S  # read when called
+    wait_s = wait_limit() if wait_s is None else wait_s
     why = _connects(endpoint, timeout_s)
     if why is not None:
         raise RpcUnreachableError(str(endpoint), why)
     address = _ipv4(endpoint)
     assert not isinstance(address, str)  # it just connected
+    greeted = False
     try:
         with socket.create_connection(address, timeout=timeout_s) as s:
             s.sendall(
@@ -258,13 +314,25 @@ def _hello(endpoint: Endpoint) -> None:
                         f" {RPC_PROTO_MAJOR_VERSION}.x: run the same llama-cpp-python version"
                         " (and `make rpc-server`) on every machine"
                     )
+                else:
+                    greeted = True
+                    s.settimeout(wait_s)
+                    why = _query_devices(s)
     except TimeoutError:
+        if greeted:
+            raise RpcSilentError(str(endpoint), wait_s) from None
         why = (
             f"no answer to llama.cpp's RPC handshake in {timeout_s:g} s (an rpc-server serves"
             " one client at a time: is another one using it?)"
         )
+    except _BadReply:
+        why = "its answer to llama.cpp's device query is not an rpc-server's"
     except (ConnectionResetError, BrokenPipeError, EOFError):
-        why = "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
+        why = (
+            "it closed the connection after llama.cpp's RPC handshake"
+            if greeted
+            else "it closed the connection at llama.cpp's RPC handshake: not an rpc-server?"
+        )
     except OSError as e:
         why = e.strerror or str(e)
     if why is not None:
@@ -430,6 +498,29 @@ def bound_waits(timeout_s: float) -> int:
                     s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
             bounded += 1
     return bounded
+
+
+@contextlib.contextmanager
+def bounding(timeout_s: float, every_s: float = 0.2) -> Iterator[None]:
+    """`bound_waits` on every connection ggml-rpc opens while the block runs (the load opens
+    and closes them as it goes), each within `every_s` of its opening, and once more at the
+    end."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            with contextlib.suppress(Exception):
+                bound_waits(timeout_s)
+
+    watcher = threading.Thread(target=watch, name="llmrun-rpc-deadlines", daemon=True)
+    bound_waits(timeout_s)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        bound_waits(timeout_s)
 
 
 def traffic() -> Traffic | None:

@@ -7,6 +7,7 @@ them and this machine's CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -196,6 +197,163 @@ def test_a_port_that_is_not_an_rpc_server_is_one_line_not_an_abort_or_a_hang(
     finally:
         junk.close()
     assert rpc.attached() == ()
+
+
+class _AfterHello:
+    """A server that answers ggml-rpc's HELLO as an rpc-server of this protocol does, then
+    answers the next request (the device count llama.cpp asks for) with `answer` (None:
+    nothing, the connection held open; b"": the connection closed)."""
+
+    def __init__(self, answer: bytes | None) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = int(self.sock.getsockname()[1])
+        self.answer = answer
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        def request() -> None:
+            _, size = struct.unpack("<BQ", rpc._recv_exactly(conn, 9))
+            rpc._recv_exactly(conn, size)
+
+        try:
+            request()  # HELLO
+            conn.sendall(
+                struct.pack("<Q", 4 + rpc.RPC_CONN_CAPS_SIZE)
+                + bytes([rpc.RPC_PROTO_MAJOR_VERSION, 0, 0, 0])
+                + bytes(rpc.RPC_CONN_CAPS_SIZE)
+            )
+            request()
+        except (OSError, EOFError):
+            conn.close()
+            return
+        if self.answer is None:
+            self.held.append(conn)  # silent, open
+            return
+        with conn, contextlib.suppress(OSError):
+            conn.sendall(self.answer)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def _fake_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An RPC build that is a name only: the servers are checked before it is ever opened."""
+    monkeypatch.setenv("LLMRUN_RPC_DIR", str(tmp_path))
+    (tmp_path / rpc.version()).mkdir()
+    (tmp_path / rpc.version() / rpc.LIBRARY).write_bytes(b"")
+
+
+def test_a_server_silent_after_the_handshake_is_one_line_after_the_wait_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """ggml-rpc asks for the device count right after HELLO and waits for it forever, before
+    any deadline of llmrun's could be put on its socket (the run hung, SIGTERM ignored): the
+    question is asked here first, under LLMRUN_RPC_TIMEOUT_S."""
+    _fake_backend(monkeypatch, tmp_path)
+    monkeypatch.setenv(rpc.TIMEOUT_ENV, "1")
+    server = _AfterHello(None)
+    started = time.monotonic()
+    try:
+        with pytest.raises(rpc.RpcSilentError) as told:
+            rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{server.port}"))
+    finally:
+        server.close()
+    assert time.monotonic() - started < 10
+    assert str(told.value) == (
+        f"RPC server 127.0.0.1:{server.port} stopped answering after the handshake"
+        " (no reply in 1 s; LLMRUN_RPC_TIMEOUT_S)"
+    )
+    assert rpc.attached() == ()
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (struct.pack("<QI", 4, 0xFFFFFFFF), "it says it has 4294967295 devices (at most 256)"),
+        (struct.pack("<QI", 4, 0), "it offers no device"),
+        (struct.pack("<Q", 2**40), "its answer to llama.cpp's device query is not"),
+        (b"", "it closed the connection after llama.cpp's RPC handshake"),
+    ],
+)
+def test_a_device_count_no_rpc_server_gives_is_refused_before_llama_cpp_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: bytes, says: str
+) -> None:
+    """ggml-rpc takes any count (a device object each: 4294967295 of them) and aborts on a
+    reply of another size: the answer is checked here first."""
+    _fake_backend(monkeypatch, tmp_path)
+    monkeypatch.setenv(rpc.TIMEOUT_ENV, "5")
+    server = _AfterHello(answer)
+    try:
+        with pytest.raises(rpc.RpcUnreachableError, match=re.escape(says)) as told:
+            rpc.attach(rpc.parse_endpoints(f"127.0.0.1:{server.port}"))
+    finally:
+        server.close()
+    assert str(told.value).startswith(f"--rpc: RPC server 127.0.0.1:{server.port} cannot be used")
+    assert rpc.attached() == ()
+
+
+def test_connections_opened_during_the_load_get_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The load opens ggml-rpc's connections as it goes (the handshake's own is closed by
+    then): each one gets LLMRUN_RPC_TIMEOUT_S's deadline as it opens, not after the load."""
+    server = _Junk(None)
+    monkeypatch.setitem(rpc._peers, ("127.0.0.1", server.port), rpc.Endpoint("127.0.0.1", 1))
+    try:
+        with rpc.bounding(1.0, every_s=0.05):
+            conn = socket.create_connection(("127.0.0.1", server.port))  # as ggml-rpc's
+            time.sleep(0.3)
+            started = time.monotonic()
+            with conn, pytest.raises(OSError):  # EAGAIN: SO_RCVTIMEO's end, not a hang
+                conn.recv(1)
+    finally:
+        server.close()
+    assert 0.5 < time.monotonic() - started < 5
+
+
+def test_run_with_a_server_silent_after_the_handshake_ends_in_one_line(
+    tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """The tester's case end to end: `run --rpc` against a server that greets and then says
+    nothing ends in one line and exit 1 soon after LLMRUN_RPC_TIMEOUT_S, not never."""
+    (tmp_path / "rpc" / rpc.version()).mkdir(parents=True)
+    (tmp_path / "rpc" / rpc.version() / rpc.LIBRARY).write_bytes(b"")
+    server = _AfterHello(None)
+    env = {**llmrun_env, "LLMRUN_RPC_DIR": str(tmp_path / "rpc"), rpc.TIMEOUT_ENV: "2"}
+    args = ["run", "--rpc", f"127.0.0.1:{server.port}", "-ngl", "99", "-n", "2", "hi"]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [which_llmrun(), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        server.close()
+    assert time.monotonic() - started < 60
+    assert done.returncode == 1, done.stderr
+    errors = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert errors == [
+        f"llmrun: error: RPC server 127.0.0.1:{server.port} stopped answering after the"
+        " handshake (no reply in 2 s; LLMRUN_RPC_TIMEOUT_S)"
+    ], done.stderr
 
 
 @pytest.mark.parametrize("host", ["localhost", "::1", "box.local"])
@@ -590,6 +748,11 @@ def test_the_handshake_is_the_installed_llama_cpp_s(llama_cpp_source: Path) -> N
     assert caps in transport.read_text()
     source = (llama_cpp_source / "ggml" / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
     assert f"RPC_CMD_HELLO == {rpc.RPC_CMD_HELLO}" in source
+    commands = re.search(r"enum rpc_cmd \{(.*?)\}", source, re.S)
+    assert commands is not None
+    names = re.findall(r"^\s*(RPC_CMD_\w+)", commands.group(1), re.M)
+    assert names.index("RPC_CMD_DEVICE_COUNT") == rpc.RPC_CMD_DEVICE_COUNT
+    assert names.index("RPC_CMD_GET_DEVICE_MEMORY") == rpc.RPC_CMD_GET_DEVICE_MEMORY
 
 
 def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
