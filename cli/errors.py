@@ -25,6 +25,7 @@ from llmrun.runners.errors import (
     BadRequestError,
     CancelledError,
     ChatTemplateError,
+    ChatTemplateTooLargeError,
     ContextError,
     DefaultModelMissingError,
     EmptyPromptError,
@@ -112,6 +113,7 @@ HINTS: dict[type[LlmrunError], Callable[[LlmrunError], str]] = {
         "what was already written is kept; restart it, or run without --rpc"
     ),
     EngineAbortError: lambda e: "the model file may be damaged or for another llama.cpp",
+    ChatTemplateTooLargeError: lambda e: "give one with --chat-template-file",
     ChatTemplateError: lambda e: "use --raw to send the text without the template",
     EmptyPromptError: lambda e: (
         getattr(e, "hint", None)

@@ -26,7 +26,13 @@ from llmrun.runners.base import DEFAULT_TIMEOUT_S, Runner, SamplingParams
 from llmrun.runners.config import EngineConfig
 from llmrun.runners.errors import STRICT_JSON, BadRequestError, OptionError, long_integer, not_utf8
 from llmrun.runners.files import read_option_file
-from llmrun.runners.limits import CACHE_TYPES, bounds, check_sampling, engine_bounds
+from llmrun.runners.limits import (
+    CACHE_TYPES,
+    MAX_TEMPLATE_BYTES,
+    bounds,
+    check_sampling,
+    engine_bounds,
+)
 from llmrun.runners.lists import whole
 from llmrun.runners.threadpool import DEFAULT_POLL, ThreadpoolSettings
 
@@ -44,8 +50,6 @@ SAMPLING_PANEL = "Sampling"
 # Each panel's options. typer shows no default of None: no option here needs show_default=False
 _model = functools.partial(typer.Option, rich_help_panel=MODEL_PANEL)
 _sampling = functools.partial(typer.Option, rich_help_panel=SAMPLING_PANEL)
-
-MAX_TEMPLATE_BYTES = 2**20  # chat templates are a few KiB; the largest known are ~30 KiB
 
 
 class AutoOnOff(str, Enum):

@@ -178,6 +178,19 @@ class ChatTemplateError(LlmrunError):
         self.problem = problem
 
 
+class ChatTemplateTooLargeError(ChatTemplateError):
+    """The model's own chat template is past the cap a --chat-template-file has: refused before
+    Jinja parses it (a 14 MB one took a minute and 680 MB, deaf to SIGTERM)."""
+
+    def __init__(self, size_bytes: int, max_bytes: int) -> None:
+        LlmrunError.__init__(
+            self,
+            f"the model's chat template is too large ({size_bytes:,} bytes, over the"
+            f" {max_bytes >> 20} MiB limit)",
+        )
+        self.problem = "too large"
+
+
 class PromptTooLongError(LlmrunError):
     """A prompt that leaves no room in the context for one token of output."""
 

@@ -219,6 +219,16 @@ class _Reader:
         raise InvalidModelFileError(self.path, f"corrupt GGUF header (unknown value type {vtype})")
 
 
+def _shown(value: Any) -> str:
+    """A header value for a message: a number as it is, an array or string by its size (a
+    64 MiB string would be a 64 MiB line)."""
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    if isinstance(value, str):
+        return f"a string of {len(value):,} characters"
+    return repr(value)
+
+
 def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
     """The header fields llama.cpp asserts on (and then aborts) rather than rejects."""
     arch = metadata.get("general.architecture")
@@ -226,27 +236,36 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
         return  # not a model (a vocabulary, a LoRA): llama.cpp says what it thinks
     if not isinstance(arch, str) or not arch:
         raise InvalidModelFileError(path, "corrupt GGUF header (general.architecture)")
+    # (name, low, high, per_layer): llama.cpp reads a per-layer array only for the head
+    # counts and the feed-forward length (get_key_or_arr); every other count is one number,
+    # and llmrun reads it so (int(), the layers to offload, the trained context).
     count_fields = (
-        ("block_count", 1, LLAMA_MAX_LAYERS),
-        ("embedding_length", 1, 1 << 20),
-        ("context_length", 1, 1 << 30),
-        ("attention.head_count", 0, 1 << 16),
-        ("attention.head_count_kv", 0, 1 << 16),
-        ("feed_forward_length", 0, 1 << 24),
-        ("attention.key_length", 1, 1 << 16),
-        ("attention.value_length", 1, 1 << 16),
+        ("block_count", 1, LLAMA_MAX_LAYERS, False),
+        ("embedding_length", 1, 1 << 20, False),
+        ("context_length", 1, 1 << 30, False),
+        ("attention.head_count", 0, 1 << 16, True),
+        ("attention.head_count_kv", 0, 1 << 16, True),
+        ("feed_forward_length", 0, 1 << 24, True),
+        ("attention.key_length", 1, 1 << 16, False),
+        ("attention.value_length", 1, 1 << 16, False),
     )
-    for name, low, high in count_fields:
+    for name, low, high, per_layer in count_fields:
         key = f"{arch}.{name}"
         if key not in metadata:
             continue
         value = metadata[key]
-        values = value if isinstance(value, list) else [value]  # None: [None], no count
+        values = value if isinstance(value, list) and per_layer else [value]  # None: no count
         if not values or not all(type(v) is int and low <= v <= high for v in values):
-            shown = value if not isinstance(value, list) else f"array of {len(value)}"
+            shown = _shown(value)
+            need = f"a whole number {low}..{high}" + (", or one per layer" if per_layer else "")
             raise InvalidModelFileError(
-                path, f"corrupt GGUF header ({key} = {shown!r}; llama.cpp needs {low}..{high})"
+                path, f"corrupt GGUF header ({key} = {shown}; llama.cpp needs {need})"
             )
+    tokens = metadata.get("tokenizer.ggml.tokens")  # an array: llmrun counts its items
+    if tokens is not None and not isinstance(tokens, list):
+        raise InvalidModelFileError(
+            path, f"corrupt GGUF header (tokenizer.ggml.tokens = {_shown(tokens)}; not an array)"
+        )
     for name in (
         "attention.layer_norm_rms_epsilon",
         "attention.layer_norm_epsilon",
@@ -257,11 +276,14 @@ def _check_model_fields(path: str, metadata: dict[str, Any]) -> None:
         value = metadata.get(key, 0)  # absent: nothing to check
         if not (type(value) in (int, float) and 0 <= value < math.inf):
             raise InvalidModelFileError(
-                path, f"corrupt GGUF header ({key} = {value!r}; llama.cpp needs a number >= 0)"
+                path,
+                f"corrupt GGUF header ({key} = {_shown(value)}; llama.cpp needs a number >= 0)",
             )
     file_type = metadata.get("general.file_type")
     if file_type is not None and type(file_type) is not int:
-        raise InvalidModelFileError(path, f"corrupt GGUF header (general.file_type {file_type!r})")
+        raise InvalidModelFileError(
+            path, f"corrupt GGUF header (general.file_type {_shown(file_type)})"
+        )
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFInfo:

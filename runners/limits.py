@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 MAX_CTX = 1 << 24  # llama.cpp keeps positions in 32-bit fields; no model is trained beyond this
 MAX_BATCH = 1 << 20
+# A chat template, --chat-template-file's or the GGUF's: they are a few KiB, the largest known
+# ~30 KiB; Jinja parses one of 14 MB for a minute, outside the render budget and deaf to SIGTERM.
+MAX_TEMPLATE_BYTES = 2**20
 MAX_TOKENS = 1 << 24
 MAX_SEED = 2**32 - 1
 GGML_MAX_THREADS = 512

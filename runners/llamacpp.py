@@ -27,12 +27,12 @@ from .contexts import (
     own_context_params,
     warm_up_decode,
 )
-from .errors import EngineError, LoadCancelledError
+from .errors import ChatTemplateTooLargeError, EngineError, LoadCancelledError
 from .generation import generate, new_sampler
 from .gguf import GGUFInfo, read_gguf
 from .handles import Context, Model, Sampler
 from .library import llama_lib
-from .limits import MAX_CTX, MemoryNeed, check_engine
+from .limits import MAX_CTX, MAX_TEMPLATE_BYTES, MemoryNeed, check_engine
 from .load_record import load_record
 from .loading import Weights, context_size, load_weights, memory_need
 from .perplexity import perplexity
@@ -193,7 +193,12 @@ class LlamaCppRunner:
 
     def chat_template(self) -> str | None:
         """The chat template requests are rendered with: --chat-template-file's, or the GGUF's."""
-        return self.config.chat_template or self.header().chat_template
+        if self.config.chat_template:
+            return self.config.chat_template
+        template = self.header().chat_template
+        if template is not None and len(template.encode()) > MAX_TEMPLATE_BYTES:
+            raise ChatTemplateTooLargeError(len(template.encode()), MAX_TEMPLATE_BYTES)
+        return template
 
     def header(self) -> GGUFInfo:
         """The model file's GGUF header (read once; the weights need not be loaded)."""

@@ -68,6 +68,8 @@ class Prompts:
             if request.tools:  # the template's own tool syntax (serving/tools.py)
                 switch["tools"] = list(request.tools)
             return str(self._formatter(messages=messages, **switch).prompt)
+        except ChatTemplateError:  # the template refused before Jinja saw it: says so itself
+            raise
         except Exception as e:  # jinja2's TemplateError and whatever a template raises
             first = (str(e).splitlines() or [""])[0]
             raise ChatTemplateError(f"{type(e).__name__}: {first}", self.whose) from None

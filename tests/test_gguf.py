@@ -158,3 +158,70 @@ def test_strings_that_end_exactly_at_the_end_are_whole(data: bytes, count: int, 
 def test_strings_past_the_end_are_truncated(data: bytes, count: int) -> None:
     with pytest.raises(InvalidModelFileError, match=r"truncated GGUF file \(header ends early\)"):
         _Reader(data, "p").skip_strings(count)
+
+
+def _model_header(fields: list[tuple[str, int, bytes]]) -> bytes:
+    """A GGUF header of a llama model with no tensors: general.architecture, then `fields`
+    (key, GGUF value type, the value's encoded bytes)."""
+    kvs = [("general.architecture", 8, struct.pack("<Q", 5) + b"llama"), *fields]
+    body = b"".join(
+        struct.pack("<Q", len(k)) + k.encode() + struct.pack("<I", t) + v for k, t, v in kvs
+    )
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + body
+    return header + b"\0" * (-len(header) % 32)  # the tensor data (none) starts aligned
+
+
+def _u32_array(values: list[int]) -> bytes:
+    return struct.pack("<IQ", 4, len(values)) + b"".join(struct.pack("<I", v) for v in values)
+
+
+@pytest.mark.parametrize(
+    "name", ["block_count", "context_length", "embedding_length", "attention.key_length"]
+)
+@pytest.mark.parametrize("values", [[30], [], [30, 30]])
+def test_a_count_that_is_one_number_is_refused_as_an_array(
+    tmp_path: Path, name: str, values: list[int]
+) -> None:
+    """llama.block_count = [30] passed the check (arrays were allowed for every count) and
+    then int([30]) was an internal error in run, chat, bench, serve and tune."""
+    path = tmp_path / "arr.gguf"
+    path.write_bytes(_model_header([(f"llama.{name}", 9, _u32_array(values))]))
+    with pytest.raises(InvalidModelFileError) as caught:
+        read_gguf(path)
+    assert (
+        f"corrupt GGUF header (llama.{name} = an array of {len(values)}; llama.cpp needs a"
+        f" whole number 1.." in str(caught.value)
+    )
+
+
+def test_per_layer_head_counts_may_be_arrays(tmp_path: Path) -> None:
+    """llama.cpp reads head counts and the feed-forward length per layer (OpenELM's)."""
+    path = tmp_path / "per_layer.gguf"
+    path.write_bytes(
+        _model_header(
+            [
+                ("llama.block_count", 4, struct.pack("<I", 2)),
+                ("llama.attention.head_count", 9, _u32_array([4, 8])),
+                ("llama.attention.head_count_kv", 9, _u32_array([2, 2])),
+                ("llama.feed_forward_length", 9, _u32_array([64, 128])),
+            ]
+        )
+    )
+    info = read_gguf(path)
+    assert info.metadata["llama.attention.head_count"] == [4, 8]
+
+
+@pytest.mark.parametrize(
+    ("field", "says"),
+    [
+        (("llama.block_count", 8, struct.pack("<Q", 3) + b"abc"), "a string of 3 characters"),
+        (("tokenizer.ggml.tokens", 4, struct.pack("<I", 5)), "5; not an array"),
+    ],
+)
+def test_a_count_of_the_wrong_type_is_one_line(
+    tmp_path: Path, field: tuple[str, int, bytes], says: str
+) -> None:
+    path = tmp_path / "wrong.gguf"
+    path.write_bytes(_model_header([field]))
+    with pytest.raises(InvalidModelFileError, match=re.escape(says)):
+        read_gguf(path)

@@ -557,6 +557,32 @@ def test_a_chat_template_runs_on_a_budget(
     assert "larger than 1 MiB, or does not end" in line
 
 
+@pytest.mark.model
+def test_the_models_own_chat_template_has_the_template_files_cap(
+    model_path: str, tmp_path: Path, llmrun_env: dict[str, str]
+) -> None:
+    """A GGUF's template of 14 MB was parsed by Jinja for a minute (680 MB, outside the render
+    budget, deaf to SIGTERM), where --chat-template-file's is capped at 1 MiB: the model's own
+    is refused past the same cap, in one line that names the way round; a template given with
+    --chat-template-file still runs that model."""
+    from llmrun.runners.limits import MAX_TEMPLATE_BYTES
+
+    from .test_serve_tools_template import with_chat_template
+    from .test_trust import llmrun, one_error
+
+    big = tmp_path / "big_template.gguf"
+    template = "{{ 1 }}" * (MAX_TEMPLATE_BYTES // 7 + 1)
+    with_chat_template(Path(model_path), big, template)
+    line = one_error(llmrun(["run", "-m", str(big), "-n", "2", "hi"], llmrun_env, timeout=HANG_S))
+    assert f"the model's chat template is too large ({len(template):,} bytes" in line, line
+    assert "--chat-template-file" in line, line
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = ["run", "-m", str(big), "--chat-template-file", str(own), "-n", "2", "-q", "hi"]
+    result = llmrun(args, llmrun_env, timeout=HANG_S)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_bounded_template_renders_as_the_librarys() -> None:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
