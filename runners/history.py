@@ -975,7 +975,11 @@ def _same_build(commit: str, build: str) -> bool:
 def write_database(path: Path, sql: str) -> None:
     """A new SQLite file at `path` holding `sql`'s tables, whole or not at all; an existing
     file is never replaced (it may be the user's own llama-bench database)."""
-    if path.exists() or path.is_symlink():
+    try:
+        there = path.exists() or path.is_symlink()
+    except OSError as e:  # a name over 255 bytes: exists() raises ENAMETOOLONG
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    if there:
         raise BadRequestError(
             f"{path} exists: name a new file, or add to it with"
             f" `llmrun history --export-sql - | sqlite3 {path}`"
