@@ -189,7 +189,12 @@ def _list(h: History, limit: int, model: str | None, console: StdoutConsole) -> 
 def _export(h: History, target: str, model: str | None) -> None:
     if not target.strip():  # Path('') is '.': it said `. exists: ... | sqlite3 .`
         raise OptionError("--export-sql: give a new file's name, or - for the SQL on stdout")
-    if Path(target).is_dir():
+    try:  # a name over 255 bytes (ENAMETOOLONG) or in a folder not to be read (EACCES)
+        folder = Path(target).is_dir()
+    except OSError as e:  # said "File name too long: <the path>", naming no option
+        why = e.strerror or e
+        raise BadRequestError(f"--export-sql {target}: cannot write it: {why}") from None
+    if folder:
         raise BadRequestError(f"--export-sql {target}: a folder; give a new file's name")
     # llmrun's own results: llama-bench's rows in the history are in a llama_bench table already
     records = [s.record for s in h.bench_results(model=model) if s.tool == "llmrun"]

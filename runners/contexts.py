@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import DEFAULT_N_BATCH, EngineConfig
-from .errors import ContextError, EngineError, ModelLoadError
+from .errors import ContextError, EngineError
 from .handles import Context, Model
 from .library import LOG_LINES, last_log_error, llama_lib
-from .limits import MAX_CTX, SettingError, check_memory, estimate_memory
+from .limits import CACHE_TYPE_IDS, MAX_CTX, SettingError, check_memory, estimate_memory
 from .stats import EngineSettings
 from .system import default_threads
 from .threadpool import Threadpool, ThreadpoolSettings
@@ -63,7 +63,7 @@ def own_context_params(path: str, cfg: EngineConfig, *, n_ctx: int, n_seq: int, 
     cparams.n_threads_batch = cfg.n_threads_batch or n_threads
     # llama.cpp decides for this model and device
     cparams.flash_attn_type = flash_attn_type(lib, cfg.flash_attn or "auto")
-    _set_kv_types(cparams, path, cfg)
+    _set_kv_types(cparams, cfg)
     cparams.no_perf = False
     cparams.offload_kqv = not cfg.no_kv_offload
     cparams.embeddings = cfg.embeddings  # llama.cpp outputs the logits too (output_all)
@@ -71,12 +71,16 @@ def own_context_params(path: str, cfg: EngineConfig, *, n_ctx: int, n_seq: int, 
     return cparams
 
 
-def _set_kv_types(cparams: Any, path: str, cfg: EngineConfig) -> None:
-    lib = llama_lib()
-    for name, value in (("type_k", cfg.cache_type_k), ("type_v", cfg.cache_type_v)):
-        ggml_type = getattr(lib, f"GGML_TYPE_{value.upper()}", None)
-        if ggml_type is None:  # a type check_engine accepts but this llama.cpp lacks
-            raise ModelLoadError(path, f"unknown KV cache type '{value}'")
+def _set_kv_types(cparams: Any, cfg: EngineConfig) -> None:
+    """The KV cache types as ggml's type ids, from llmrun's table (the bindings lack some,
+    bf16 among them); a name outside it is the option's error, not the model file's."""
+    for name, flag, value in (
+        ("type_k", "-ctk/--cache-type-k", cfg.cache_type_k),
+        ("type_v", "-ctv/--cache-type-v", cfg.cache_type_v),
+    ):
+        ggml_type = CACHE_TYPE_IDS.get(value.lower())
+        if ggml_type is None:  # check_engine refuses it first; kept for a caller that did not
+            raise SettingError(flag, f"{value!r} is not one of {', '.join(CACHE_TYPE_IDS)}")
         setattr(cparams, name, ggml_type)
 
 

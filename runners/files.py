@@ -150,7 +150,16 @@ def output_file_problem(path: Path) -> Unwritable | None:
     """Why `path` cannot take a run's results (None: it can), checked before the run: a
     folder, a missing or unwritable folder, a FIFO, device or socket, a file of the kernel's
     (/proc, /sys: root may open them, and the write fails or changes a setting).
-    A file that was not there is not left behind."""
+    A file that was not there is not left behind. Any OSError of the checks themselves (a
+    name over 255 bytes: ENAMETOOLONG from is_dir) is a reason too, not an error of its own
+    that named no option and quoted the whole path."""
+    try:
+        return _output_file_problem(path)
+    except OSError as e:
+        return Unwritable(f"cannot write it: {e.strerror or e}")
+
+
+def _output_file_problem(path: Path) -> Unwritable | None:
     if path.is_dir():
         return Unwritable("a folder", no_file=True)
     folder = path.parent if str(path.parent) else Path(".")

@@ -197,6 +197,10 @@ class History:
             self.db = sqlite3.connect(self.path, timeout=ATTEMPT_S)
         except (OSError, sqlite3.Error) as e:
             raise HistoryError(self.path, e) from None
+        # TEXT that is not UTF-8 (written by hand or by another program) is read with U+FFFD,
+        # as a BLOB is: sqlite3's default decoding failed every query that met such a row
+        # (`history`, -b/-c, --export-sql all refused the whole database for one bad time).
+        self.db.text_factory = _text
         try:
             self._patiently(self._open)
         except BaseException:  # HistoryError, or Ctrl-C while another process holds the lock
@@ -476,6 +480,11 @@ def _scalar(value: object) -> bool:
 def _is_rate(value: object) -> bool:
     """Whether a stored figure is a rate: a finite number from 0 to MAX_RATE."""
     return _is_number(value) and 0 <= value <= MAX_RATE  # False for NaN; a huge int: no float
+
+
+def _text(data: bytes) -> str:
+    """A TEXT value as str, invalid UTF-8 replaced."""
+    return data.decode("utf-8", errors="replace")
 
 
 def stored_text(value: object) -> str:
@@ -966,7 +975,11 @@ def _same_build(commit: str, build: str) -> bool:
 def write_database(path: Path, sql: str) -> None:
     """A new SQLite file at `path` holding `sql`'s tables, whole or not at all; an existing
     file is never replaced (it may be the user's own llama-bench database)."""
-    if path.exists() or path.is_symlink():
+    try:
+        there = path.exists() or path.is_symlink()
+    except OSError as e:  # a name over 255 bytes: exists() raises ENAMETOOLONG
+        raise BadRequestError(f"cannot write {path}: {e.strerror or e}") from None
+    if there:
         raise BadRequestError(
             f"{path} exists: name a new file, or add to it with"
             f" `llmrun history --export-sql - | sqlite3 {path}`"

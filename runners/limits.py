@@ -30,18 +30,23 @@ MAX_SEED = 2**32 - 1
 GGML_MAX_THREADS = 512
 
 FLASH_ATTN = ("auto", "on", "off")
-# Bytes per KV cache element, by llama.cpp's cache type names (also the types llmrun accepts).
-CACHE_TYPE_BYTES = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q4_0": 18 / 32,
-    "q4_1": 20 / 32,
-    "iq4_nl": 18 / 32,
-    "q5_0": 22 / 32,
-    "q5_1": 24 / 32,
+# The KV cache types llmrun accepts, by llama.cpp's names: ggml's type id (enum ggml_type in
+# ggml.h) and the bytes per element. The ids are ggml's own, not looked up in the bindings:
+# llama-cpp-python lacks GGML_TYPE_BF16, so `-ctk bf16` passed the option check and then
+# failed as an "unknown KV cache type" of the model file.
+CACHE_TYPE_TABLE: dict[str, tuple[int, float]] = {
+    "f32": (0, 4.0),
+    "f16": (1, 2.0),
+    "bf16": (30, 2.0),
+    "q8_0": (8, 34 / 32),
+    "q4_0": (2, 18 / 32),
+    "q4_1": (3, 20 / 32),
+    "iq4_nl": (20, 18 / 32),
+    "q5_0": (6, 22 / 32),
+    "q5_1": (7, 24 / 32),
 }
+CACHE_TYPE_IDS = {name: ggml_type for name, (ggml_type, _) in CACHE_TYPE_TABLE.items()}
+CACHE_TYPE_BYTES = {name: size for name, (_, size) in CACHE_TYPE_TABLE.items()}
 CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 
 

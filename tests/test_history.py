@@ -698,6 +698,27 @@ def test_stored_text_reaches_the_terminal_as_text() -> None:
     assert "llama  [/x]" in compared.stdout and "\x1b" not in compared.stdout
 
 
+def test_text_that_is_not_utf8_is_read_with_replacement_everywhere() -> None:
+    """One run whose time was TEXT holding the byte 0xff made `history`, -b/-c and
+    --export-sql refuse the whole database (Could not decode to UTF-8 column 'time')."""
+    from llmrun.runners.history import history_path
+
+    store(rec(avg_ts=100.0))
+    store(rec(avg_ts=90.0))
+    with sqlite3.connect(history_path()) as db:
+        db.execute("UPDATE runs SET time = CAST(x'323032362dff' AS TEXT) WHERE id = 2")
+        db.execute("UPDATE runs SET model = CAST(x'6dfe' AS TEXT) WHERE id = 1")
+    done = CliRunner().invoke(app, ["history"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.stderr
+    assert "2026-\ufffd" in done.stdout and "m\ufffd" in done.stdout
+    done = CliRunner().invoke(app, ["history", "-b", "run=1", "-c", "run=2"])
+    assert done.exit_code == 0, done.stderr
+    assert "pp8" in done.stdout
+    done = CliRunner().invoke(app, ["history", "--export-sql", "-"])
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.count("INSERT INTO llama_bench ") == 2
+
+
 def test_names_given_by_the_user_reach_the_terminal_without_escapes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

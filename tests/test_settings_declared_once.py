@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 
 import click
 import pytest
@@ -305,6 +306,37 @@ def test_an_empty_path_is_a_usage_error_that_names_no_folder(command: str, flag:
 
 def test_every_path_option_is_found() -> None:
     assert {("run", "-f"), ("run", "--stats-file"), ("bench", "--ppl")} <= set(_paths())
+
+
+# Options that name a file to write, taken as text (checked by the command, not by click).
+OUTPUT_PATHS = [
+    ("run", "--stats-file"),
+    ("bench", "--plot"),
+    ("bench interference", "--plot"),
+    ("history", "--export-sql"),
+]
+# A model path says "model file not found" for any name it cannot open; --draft also needs
+# --temp 0 first.
+NOT_READ_AS_FILES = {("run", "--draft-model"), ("chat", "--draft-model")}
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [p for p in dict.fromkeys(_paths() + OUTPUT_PATHS) if p not in NOT_READ_AS_FILES],
+)
+def test_a_name_over_255_bytes_is_the_options_own_error(
+    command: str, flag: str, tmp_path: Path
+) -> None:
+    """`--stats-file`, `bench --plot` and `--export-sql` with a 300-byte name said
+    `llmrun: error: File name too long: <the whole path>`, naming no option; every path
+    option says it as its other failures: the option, the path, then the reason."""
+    long = str(tmp_path / ("a" * 300 + ".png"))
+    prompt = ["hi"] if command == "run" and flag not in ("-f", "--jsonl") else []
+    result = CliRunner().invoke(app, [*command.split(), flag, long, *prompt], input="")
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"llmrun: error: {flag}"), line
+    assert line.endswith("File name too long"), line
 
 
 @pytest.mark.parametrize(("command", "flag", "high"), _numbers(), ids=str)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,8 +36,11 @@ def plot_file(text: str | None) -> Path | None:
     if not text.strip():
         raise OptionError("--plot: give a file name such as charts.png")
     path = Path(text)
-    if path.is_dir():  # before the format, which a folder's name has not
-        output_file("--plot", path, "charts.png")
+    # a folder, before the format its name lacks (a name is_dir cannot stat, one over 255
+    # bytes, is output_file's to name below: it ended as "File name too long: <the path>")
+    with contextlib.suppress(OSError):
+        if path.is_dir():
+            output_file("--plot", path, "charts.png")
     _pyplot()  # matplotlib is there, or one line that says how to get it
     from matplotlib.backend_bases import FigureCanvasBase
 
