@@ -142,7 +142,8 @@ def batched_context(
     kv_unified: bool,
 ) -> Context:
     """Another context on the weights for `n_seq` sequences (a batched engine's), with the
-    loaded context's threads and flash attention, one ubatch a batch, perf counters off."""
+    loaded context's threads, flash attention and KV types, one ubatch a batch, perf counters
+    off."""
     lib = llama_lib()
     cparams = lib.llama_context_default_params()
     cparams.n_ctx = n_ctx
@@ -152,6 +153,9 @@ def batched_context(
     cparams.n_threads = settings.n_threads
     cparams.n_threads_batch = settings.n_threads_batch
     cparams.flash_attn_type = flash_attn_type(lib, settings.flash_attn)
+    # the loaded context's KV types too: these contexts were f16 whatever -ctk/-ctv said
+    cparams.type_k = CACHE_TYPE_IDS[settings.type_k.lower()]
+    cparams.type_v = CACHE_TYPE_IDS[settings.type_v.lower()]
     cparams.no_perf = True
     ptr = lib.llama_init_from_model(model.ptr, cparams)
     if not ptr:

@@ -380,3 +380,27 @@ def test_list_devices_prints_only_llmruns_lines(llmrun_env: dict[str, str]) -> N
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith("Available devices:") and listed.stderr == ""
     assert all(ln.startswith(("Available devices:", "  ")) for ln in listed.stdout.splitlines())
+
+
+def test_a_batched_context_keeps_the_runners_kv_types(model_path: str) -> None:
+    """The contexts a batched engine makes (run --parallel, bench serve) were f16 whatever
+    -ctk/-ctv said: the same tokens' KV state is smaller in q8_0 than in f16."""
+    from llmrun.runners.handles import Batch
+    from llmrun.runners.library import llama_lib
+
+    lib = llama_lib()
+    sizes = {}
+    for kv in ("f16", "q8_0"):
+        cfg = EngineConfig(n_ctx=256, cache_type_k=kv, cache_type_v=kv, flash_attn="on")
+        r = LlamaCppRunner(model_path, cfg)
+        prompt = r.tokenize("The capital of France is Paris, and of Italy", add_special=True)
+        context = r.make_context(n_seq=2, n_ctx=128, n_batch=64)
+        batch = Batch(lib, 64, n_seq_max=2)
+        for i, token in enumerate(prompt):
+            batch.set(i, token, i, 0, i == len(prompt) - 1)
+        batch.n_tokens = len(prompt)
+        assert lib.llama_decode(context.ptr, batch) == 0
+        sizes[kv] = int(lib.llama_state_seq_get_size(context.ptr, 0))
+        batch.close()
+        r.close()
+    assert sizes["q8_0"] < 0.75 * sizes["f16"], sizes
