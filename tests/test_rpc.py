@@ -160,11 +160,14 @@ class _Junk:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            if self.answer is None:
-                self.held.append(conn)  # silent, open
-                continue
-            with conn:
-                conn.sendall(self.answer)
+            self._handle(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        if self.answer is None:
+            self.held.append(conn)  # silent, open
+            return
+        with conn:
+            conn.sendall(self.answer)
 
     def close(self) -> None:
         self.sock.close()
@@ -199,28 +202,13 @@ def test_a_port_that_is_not_an_rpc_server_is_one_line_not_an_abort_or_a_hang(
     assert rpc.attached() == ()
 
 
-class _AfterHello:
+class _AfterHello(_Junk):
     """A server that answers ggml-rpc's HELLO as an rpc-server of this protocol does, then
     answers the next request (the device count llama.cpp asks for) with `answer` (None:
     nothing, the connection held open; b"": the connection closed)."""
 
-    def __init__(self, answer: bytes | None) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = int(self.sock.getsockname()[1])
-        self.answer = answer
-        self.held: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
 
     def _talk(self, conn: socket.socket) -> None:
         def request() -> None:
@@ -243,11 +231,6 @@ class _AfterHello:
             return
         with conn, contextlib.suppress(OSError):
             conn.sendall(self.answer)
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
 
 
 def _fake_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
