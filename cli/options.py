@@ -558,10 +558,20 @@ class SamplingOptions(OptionRecord):
     def params(self, *, think: bool | None = None, draft: int = 0) -> SamplingParams:
         if "" in (self.stop or ()):  # it would stop before the first token
             usage_error("--stop: an empty string; give the text to stop at")
-        # every field is SamplingParams' of the same name, but --temp's
-        given = {**vars(self), "temperature": self.temp, "stop": tuple(self.stop or ())}
-        del given["temp"]
-        sampling = SamplingParams(think=think, draft=draft, **given)
+        # field by field, so a renamed option is a type error here (tests/test_typecheck.py)
+        sampling = SamplingParams(
+            think=think,
+            draft=draft,
+            max_tokens=self.max_tokens,
+            temperature=self.temp,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+        )
         check_sampling(sampling)
         return sampling
 
