@@ -205,7 +205,9 @@ class _Reader:
                     raise InvalidModelFileError(self.path, "corrupt GGUF header (array too long)")
                 # a vocabulary's count, say, in a file cut short (`head -c 2000 model.gguf`)
                 raise InvalidModelFileError(self.path, _TRUNCATED)
-            if n <= _KEEP_ARRAY_MAX:
+            # numbers one per layer are kept for as many layers as llama.cpp allows: an
+            # 80-layer model's per-layer head counts were skipped and then refused as None
+            if n <= _KEEP_ARRAY_MAX or (itype in SCALAR_FORMATS and n <= LLAMA_MAX_LAYERS):
                 return [self.value(itype, depth + 1) for _ in range(n)]
             if itype in SCALAR_FORMATS:
                 self.pos += n * struct.calcsize(SCALAR_FORMATS[itype])

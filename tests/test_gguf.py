@@ -211,6 +211,23 @@ def test_per_layer_head_counts_may_be_arrays(tmp_path: Path) -> None:
     assert info.metadata["llama.attention.head_count"] == [4, 8]
 
 
+def test_per_layer_counts_of_a_model_of_more_than_64_layers_are_read(tmp_path: Path) -> None:
+    """An 80-layer model's per-layer head counts (deci's, Nemotron-51B's) were skipped as a
+    long array and the file refused: `head_count_kv = None`."""
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(
+        _model_header(
+            [
+                ("llama.block_count", 4, struct.pack("<I", 80)),
+                ("llama.attention.head_count_kv", 9, _u32_array([8] * 79 + [0])),
+                ("llama.feed_forward_length", 9, _u32_array([64] * 80)),
+            ]
+        )
+    )
+    info = read_gguf(path)
+    assert info.metadata["llama.attention.head_count_kv"] == [8] * 79 + [0]
+
+
 @pytest.mark.parametrize(
     ("field", "says"),
     [
