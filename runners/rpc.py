@@ -272,12 +272,10 @@ def _query_devices(s: socket.socket) -> str | None:
             f"it says it has {count} devices (at most {MAX_SERVER_DEVICES}): not an"
             " rpc-server's answer"
         )
-    for device in range(count):
-        free, total = struct.unpack(
-            "<QQ", _ask(s, RPC_CMD_GET_DEVICE_MEMORY, struct.pack("<I", device), 16)
-        )
-        if free > total:
-            return f"its device {device} has more memory free ({free} B) than in all ({total} B)"
+    for device in range(count):  # answered in time and of the right size; any figures go:
+        # real servers report more free than in all (CUDA's unified memory takes free from
+        # the host, Vulkan's budget minus usage wraps below zero)
+        _ask(s, RPC_CMD_GET_DEVICE_MEMORY, struct.pack("<I", device), 16)
     return None
 
 

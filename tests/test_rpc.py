@@ -1153,3 +1153,13 @@ def test_rpc_server_interrupted_while_it_starts_leaves_nothing_behind(
         with socket.socket() as s:  # free again: the server went with llmrun
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def test_device_memory_with_more_free_than_in_all_is_a_real_servers_answer() -> None:
+    """CUDA's unified memory (free from the host) and Vulkan's budget (which usage may pass,
+    and the difference wraps) report more free than in all; the pre-flight refused them."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(struct.pack("<Q", 4) + struct.pack("<I", 1))  # one device
+        theirs.sendall(struct.pack("<Q", 16) + struct.pack("<QQ", 2**64 - 1, 24 * 2**30))
+        assert rpc._query_devices(ours) is None
