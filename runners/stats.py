@@ -366,11 +366,8 @@ class GenerationStats:
 
     @property
     def output_tps(self) -> float | None:
-        """Output tokens per second over the tokens after the first (llama.cpp's eval rate):
-        1 / TPOT, as serving/figures.py defines it for bench serve. Locally the tokens after the
-        first are the ITL's gaps; a server's count is its `completion_tokens`, which can be more
-        than the chunks that were timed (the end token, or several tokens to a chunk)."""
-        return rate(self.output_tokens - 1, sum(self.itl_s))
+        """Output tokens per second over the tokens after the first (llama.cpp's eval rate)."""
+        return rate(len(self.itl_s), sum(self.itl_s))
 
     @property
     def rpc_bytes_per_prompt_token(self) -> int | None:

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from llmrun.cli.app import app
 from llmrun.runners.remote import MAX_SSE_LINE, SSELineTooLongError, SSEReader
-from llmrun.runners.serving import figures
 
 from .stub_server import Handler, _Server
 
@@ -106,22 +105,6 @@ def test_the_finish_reason_is_the_streams_not_the_usage_chunks(reason: str, cli:
     assert f"output   3 tokens [{reason}]" in shown.stderr, shown.stderr
     stats = stats_of(data.stderr)
     assert stats["finish_reason"] == reason and stats["output_tokens"] == 3
-
-
-def test_output_rate_counts_what_output_counts(cli: CliRunner) -> None:
-    """Two chunks and `completion_tokens` 3 (llama-server counts the end token) showed
-    `output 3 tokens` beside a rate of one token over the decode: the rate now counts the
-    tokens the output row counts, as bench serve's TPOT does for the same reply."""
-    script = (delta(content="a"), 0.1, delta(content=" b"), final("stop"))
-    with scripted(*script, USAGE_ONLY, DONE) as url:
-        data = cli.invoke(app, ["run", "--endpoint", url, "-n", "8", "--stats", "json", "hi"])
-    assert data.exit_code == 0, data.output
-    stats = stats_of(data.stderr)
-    assert stats["output_tokens"] == 3 and stats["output_chunks"] == 2
-    assert stats["decode_s"] >= 0.1 and len(stats["itl_ms"]) == 1
-    assert stats["output_tps"] == pytest.approx(2 / stats["decode_s"])
-    tpot = figures.tpot_s(stats["ttft_s"] + stats["decode_s"], stats["ttft_s"], 3)
-    assert tpot is not None and stats["output_tps"] == pytest.approx(1 / tpot)
 
 
 @pytest.mark.parametrize("script", [(final("stop"),), (delta(content=""), final("stop"))])
