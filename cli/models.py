@@ -35,6 +35,8 @@ def pull(
         try:  # a cached copy that is empty or cut short is no success: -m would refuse it
             read_gguf(path)
         except InvalidModelFileError as e:
+            if not e.problem.startswith(("truncated", "not a GGUF file")):
+                raise  # a new download would not change it (a version, a header llmrun refuses)
             raise BadRequestError(
                 f"{e}: the Hugging Face cache's copy is damaged; delete it, then pull again"
             ) from None

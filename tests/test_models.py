@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -112,6 +113,13 @@ def test_pull_of_a_damaged_cached_copy_is_no_success(
         assert "the Hugging Face cache's copy is damaged; delete it, then pull again" in (
             result.stderr
         )
+    # a file a new download would not change is named as -m names it, without that advice
+    newer = tmp_path / "newer.gguf"
+    newer.write_bytes(b"GGUF" + struct.pack("<I", 99) + bytes(64))
+    add_repo(hub, "acme/new-GGUF", {"newer-Q4_1.gguf": newer})
+    result = llmrun(llmrun_env, "pull", "acme/new-GGUF:Q4_1")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "version" in result.stderr and "pull again" not in result.stderr, result.stderr
 
 
 def test_pull_resolves_quant_from_cache(hub_env: dict[str, str]) -> None:
